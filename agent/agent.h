@@ -1,0 +1,181 @@
+/*
+ * agent: runs commands for one or more agent ids.
+ *
+ * Two layers, one library:
+ *
+ *  1. The executor (exec_*): child processes under the kill protocol. It
+ *     knows nothing of NATS or SQL, so it is tested and benchmarked alone
+ *     against real processes. See "Executor" below.
+ *  2. The agent runtime (agent_*): a durable JetStream consumer per agent id,
+ *     the claim request to the broker, results published to KSCORE_EVENTS,
+ *     heartbeats in the KSCORE_AGENTS KV bucket. See "Agent runtime" below.
+ *
+ * Kill protocol (the invariants the executor keeps):
+ *  - The child leads its own process group (POSIX_SPAWN_SETPGROUP), starts
+ *    with default signal dispositions and an empty mask, stdin /dev/null,
+ *    stdout/stderr on O_CLOEXEC pipes, every other fd closed.
+ *  - Deadlines run on CLOCK_MONOTONIC. At timeout_ms: SIGTERM to the group;
+ *    grace_ms later: SIGKILL to the group. The group is the job: when the
+ *    leader exits, what is left of its group gets the same TERM, grace, KILL.
+ *  - The leader stays unreaped (waitid(WNOWAIT)) until its group is clean, so
+ *    no signal can reach a recycled pid or pgid.
+ *  - Where a cgroup v2 can be created, each job gets its own cgroup and is
+ *    finished with cgroup.kill (catches setsid escapees); elsewhere the
+ *    process is a child subreaper and escapees are reported as survivors.
+ */
+#ifndef KSCORE_AGENT_H
+#define KSCORE_AGENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "kproto.h"
+
+/* ------------------------------------------------------------------------ */
+/* Executor                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Default cap per output stream (bytes). */
+#define EXEC_OUTPUT_CAP_DEFAULT (1024 * 1024)
+/*
+ * Largest cap per stream (bytes). Two streams at this cap plus the result's
+ * other fields stay under KS_MAX_MESSAGE_BYTES (NATS' default max_payload).
+ */
+#define EXEC_OUTPUT_CAP_MAX (480 * 1024)
+/* Grace between SIGTERM and SIGKILL when the spec gives 0 (ms). */
+#define EXEC_GRACE_DEFAULT_MS 5000
+
+/* The child's environment base (documented; nothing else is inherited). */
+#define EXEC_BASE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define EXEC_BASE_LANG "C.UTF-8"
+/* HOME is the home of the agent's user (getpwuid), "/" if it has none. */
+
+struct exec_env {
+    const char *name;
+    const char *value; /* may be "" */
+};
+
+/* What to run. Borrowed by the call that takes it; copied if kept. */
+struct exec_spec {
+    const char *const *argv;   /* NULL-terminated, argv[0] non-empty */
+    const struct exec_env *env; /* env_len entries, added to the base */
+    size_t env_len;
+    const char *cwd;           /* NULL or "": "/" */
+    const char *command_id;    /* exported as KSCORE_COMMAND_ID; may be NULL */
+    uint64_t timeout_ms;       /* 0: none */
+    uint64_t grace_ms;         /* 0: EXEC_GRACE_DEFAULT_MS */
+    size_t stdout_cap_bytes;   /* 0: default; clamped to EXEC_OUTPUT_CAP_MAX */
+    size_t stderr_cap_bytes;
+};
+
+enum exec_outcome {
+    EXEC_EXITED = 1,      /* exit_code valid */
+    EXEC_SIGNALED = 2,    /* signal valid; never reported as exit 0 */
+    EXEC_START_FAILED = 3 /* start_stage + start_errno valid; no exit code */
+};
+
+struct exec_output {
+    char *data;        /* malloc'd, len bytes (+ NUL for convenience) */
+    size_t len;        /* <= the cap */
+    uint64_t total;    /* bytes the child wrote */
+    bool truncated;    /* total > len */
+};
+
+struct exec_result {
+    enum exec_outcome outcome;
+    int exit_code;
+    int signal;
+    bool core_dumped;
+    bool timed_out;
+    bool cancelled;
+    struct exec_output out, err;
+    pid_t pid;
+    int64_t started_at_us;  /* realtime */
+    int64_t finished_at_us; /* realtime */
+    int64_t duration_us;    /* monotonic, spawn -> group clean */
+    int64_t term_sent_us;   /* monotonic offset from spawn; -1: not sent */
+    int64_t kill_sent_us;   /* monotonic offset from spawn; -1: not sent */
+    int64_t utime_us, stime_us, maxrss_kb; /* leader's rusage (wait4) */
+    const char *start_stage; /* static: "chdir", "exec", "pipe", "spawn" */
+    int start_errno;
+    unsigned signalled;      /* processes the kill protocol signalled */
+    unsigned survivors;      /* still alive after the protocol */
+};
+
+/* Frees the output buffers; accepts a zeroed or NULL result. */
+void exec_result_release(struct exec_result *r);
+
+/*
+ * Checks, without spawning, what would make the spawn fail: cwd (stage
+ * "chdir": ENOENT, ENOTDIR, EACCES), the program (stage "exec": ENOENT,
+ * EACCES for a directory or a non-executable file, ENOENT for a "#!"
+ * interpreter that does not exist), argument sizes (stage "exec": E2BIG when
+ * one string exceeds MAX_ARG_STRLEN or the total exceeds ARG_MAX).
+ * Returns 0 if the spawn should succeed, else -errno with *stage_out set to a
+ * static string. The agent calls it before claiming a command, so that a
+ * start failure never records CommandStarted. The spawn stays authoritative.
+ */
+int exec_precheck(const struct exec_spec *spec, const char **stage_out);
+
+/*
+ * Runs one command to the end under the kill protocol, on the calling
+ * thread. Returns 0 with *out filled (including start failures, which are a
+ * result, not an error), or -errno / KS_EINVAL for a bad spec (empty argv).
+ * The caller releases *out with exec_result_release().
+ */
+int exec_run(const struct exec_spec *spec, struct exec_result *out);
+
+/*
+ * An executor loop: one thread that runs many jobs at once (one epoll set
+ * for all pipes and pidfds, one timer wheel), so threads do not grow with
+ * jobs.
+ */
+struct exec_loop;
+
+/*
+ * Called once per job on the loop thread when the job is finished (the group
+ * clean). The callee owns *result and releases it with exec_result_release().
+ * It must not block for long: every other job waits on this thread.
+ */
+typedef void (*exec_done_fn)(uint64_t job_id, struct exec_result *result,
+                             void *ud);
+
+/*
+ * Starts a loop thread. max_concurrent (>= 1) bounds jobs running at once;
+ * more submissions queue in order. Returns 0 or -errno.
+ */
+int exec_loop_new(unsigned max_concurrent, struct exec_loop **out);
+
+/*
+ * Cancels every job (TERM, grace, KILL), waits for their callbacks, stops
+ * the thread and frees. Accepts NULL.
+ */
+void exec_loop_free(struct exec_loop *loop);
+
+/*
+ * Submits a job; spec is copied. Callable from any thread. On 0, done is
+ * called exactly once (also for start failures); on error, never.
+ * *job_id_out (may be NULL) identifies the job for exec_cancel().
+ */
+int exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
+                exec_done_fn done, void *ud, uint64_t *job_id_out);
+
+/*
+ * Cancels a job: TERM to its group now, KILL after its grace; the result has
+ * cancelled = true. Returns 0, or KS_ENOTFOUND if the job already finished.
+ */
+int exec_cancel(struct exec_loop *loop, uint64_t job_id);
+
+/* Jobs running now (not queued). Any thread. */
+unsigned exec_loop_running(struct exec_loop *loop);
+
+/*
+ * Process-wide set-up, once, before the first spawn: makes the process a
+ * child subreaper and probes cgroup v2 (writable mount found in
+ * /proc/mounts). Returns 1 if per-job cgroups are used, 0 if not.
+ */
+int exec_global_init(void);
+
+#endif

@@ -1,0 +1,61 @@
+/*
+ * stack: the private local stack (nats-server with JetStream, a PostgreSQL
+ * cluster from initdb) under one directory. Used by `kscore up/down/status`
+ * and by the test fixtures, so both start the servers the same way.
+ *
+ * PostgreSQL refuses to run as root; when the caller is root, initdb and the
+ * server run as the `postgres` user, and the data and socket directories are
+ * made theirs (every parent must be searchable by that user).
+ *
+ * Processes started here are daemons (setsid, own process group) whose pids
+ * are written to files in the directory, so another process can stop them.
+ */
+#ifndef KSCORE_STACK_H
+#define KSCORE_STACK_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+/* A free TCP port on 127.0.0.1 (bind to port 0), or -errno. */
+int stack_free_port(void);
+
+/* mkdir -p with mode; 0 or -errno. */
+int stack_mkdirs(const char *path, unsigned mode);
+
+/*
+ * Starts nats-server with JetStream on 127.0.0.1:port (port 0: a free one),
+ * store dir <dir>/nats, pid file <dir>/nats.pid, log <dir>/nats.log, config
+ * <dir>/nats.conf written here (conf_extra, may be NULL, is appended to it).
+ * Waits (<= 10 s) until it accepts connections. On 0: *url_out (malloc'd)
+ * is "nats://127.0.0.1:PORT" and *pid_out the server's pid.
+ * Errors: -errno, KS_ETIMEDOUT (not ready), KS_EUNAVAIL (exited; see log).
+ */
+int stack_nats_start(const char *dir, int port, const char *conf_extra,
+                     char **url_out, pid_t *pid_out);
+
+/*
+ * Stops the nats-server whose pid is in <dir>/nats.pid (TERM, then KILL
+ * after 5 s) and waits until it is gone. 0 if stopped or not running.
+ */
+int stack_nats_stop(const char *dir);
+
+/*
+ * Creates (initdb, once) and starts a PostgreSQL cluster: data <dir>/pg,
+ * Unix socket in <dir>/pgsock, listening on no TCP address, port `port`
+ * (0: a free one; it names the socket file), database "kscore" created.
+ * Runs as `postgres` when called as root. Waits (<= 30 s) until it accepts
+ * connections. On 0: *conninfo_out (malloc'd) is a libpq conninfo such as
+ * "host=<dir>/pgsock port=PORT dbname=kscore user=postgres", *pid_out the
+ * postmaster pid. Errors: -errno, KS_ETIMEDOUT, KS_EUNAVAIL (see
+ * <dir>/pg.log).
+ */
+int stack_pg_start(const char *dir, int port, char **conninfo_out,
+                   pid_t *pid_out);
+
+/* pg_ctl stop -m fast; waits until the postmaster is gone. 0 or -errno. */
+int stack_pg_stop(const char *dir);
+
+/* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
+int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
+
+#endif

@@ -1,0 +1,130 @@
+#include "kproto.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <uuid/uuid.h>
+
+const char *
+ks_strerror(int err)
+{
+    switch (err) {
+#define KS_ERR_MSG(name, val, msg)                                             \
+    case val:                                                                  \
+        return msg;
+        KS_ERRNO_MAP(KS_ERR_MSG)
+#undef KS_ERR_MSG
+    case 0:
+        return "success";
+    }
+    if (err < 0 && err > -4096)
+        return strerror(-err);
+    return "unknown error";
+}
+
+const char *
+ks_err_name(int err)
+{
+    switch (err) {
+#define KS_ERR_NAME(name, val, msg)                                            \
+    case val:                                                                  \
+        return "KS_E" #name;
+        KS_ERRNO_MAP(KS_ERR_NAME)
+#undef KS_ERR_NAME
+    case 0:
+        return "OK";
+    }
+    if (err < 0 && err > -4096) {
+        const char *n = strerrorname_np(-err);
+        return n ? n : "EUNKNOWN";
+    }
+    return "EUNKNOWN";
+}
+
+void
+ks__bug(const char *file, int line, const char *expr)
+{
+    fprintf(stderr, "BUG at %s:%d: %s\n", file, line, expr);
+    abort();
+}
+
+int64_t
+ks_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int64_t
+ks_mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+void
+ks_uuid(char out[37])
+{
+    uuid_t u;
+    uuid_generate_random(u);
+    uuid_unparse_lower(u, out);
+}
+
+int
+ks_is_uuid(const char *s)
+{
+    uuid_t u;
+    return s && strlen(s) == 36 && uuid_parse(s, u) == 0;
+}
+
+int
+kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
+{
+    size_t len = protobuf_c_message_get_packed_size(msg);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf)
+        return -ENOMEM;
+    protobuf_c_message_pack(msg, buf);
+    *buf_out = buf;
+    *len_out = len;
+    return 0;
+}
+
+const char *
+kproto_status_name(Ks__CommandStatus st)
+{
+    switch (st) {
+    case KS__COMMAND_STATUS__PENDING:
+        return "Pending";
+    case KS__COMMAND_STATUS__DISPATCHED:
+        return "Dispatched";
+    case KS__COMMAND_STATUS__RUNNING:
+        return "Running";
+    case KS__COMMAND_STATUS__SUCCEEDED:
+        return "Succeeded";
+    case KS__COMMAND_STATUS__FAILED:
+        return "Failed";
+    case KS__COMMAND_STATUS__TIMED_OUT:
+        return "TimedOut";
+    case KS__COMMAND_STATUS__START_FAILED:
+        return "StartFailed";
+    case KS__COMMAND_STATUS__CANCELLED:
+        return "Cancelled";
+    case KS__COMMAND_STATUS__UNDELIVERABLE:
+        return "Undeliverable";
+    case KS__COMMAND_STATUS__LOST:
+        return "Lost";
+    default:
+        return "Unknown";
+    }
+}
+
+int
+kproto_status_terminal(Ks__CommandStatus st)
+{
+    return st >= KS__COMMAND_STATUS__SUCCEEDED;
+}

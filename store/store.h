@@ -1,0 +1,143 @@
+/*
+ * store: kscore's system of record in PostgreSQL. Knows no NATS.
+ *
+ * Tables (migrations in store/migrations.c, applied in one transaction at
+ * broker start and recorded in schema_migrations):
+ *   streams(stream_id PK, category, version)
+ *   events(global_pos identity PK, tx_id xid8, stream_id, version,
+ *          event_id uuid UNIQUE, type, data bytea (a packed Ks__Event),
+ *          recorded_at, UNIQUE(stream_id, version))     append-only
+ *   commands, agents, batches, batch_targets            projections
+ *
+ * Invariants:
+ *  - An append checks the expected version with
+ *    UPDATE streams SET version = version + n WHERE version = expected;
+ *    zero rows is a conflict, returned as KS_ECONFLICT, never swallowed.
+ *  - Projections are updated in the same transaction as the append, so they
+ *    never disagree with events; store_replay() rebuilds them from events.
+ *  - Readers catch up by (tx_id, global_pos) below
+ *    pg_snapshot_xmin(pg_current_snapshot()), never by global_pos alone (a
+ *    sequence value is handed out before commit, so a later position can
+ *    commit first; PostgreSQL docs 9.27 "Transaction ID and Snapshot").
+ *
+ * Threads: a struct store is one libpq connection; use it from one thread at
+ * a time. Open one per thread.
+ */
+#ifndef KSCORE_STORE_H
+#define KSCORE_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kproto.h"
+
+struct store;
+
+/* Expected versions for store_append(). n >= 1 means exactly n. */
+#define STORE_ANY (-1)
+#define STORE_NO_STREAM 0
+
+/*
+ * Connects with a libpq conninfo string (or URI). Returns 0, or KS_EUNAVAIL
+ * with *errmsg (malloc'd, may be NULL) saying why. Does not migrate.
+ */
+int store_open(const char *conninfo, struct store **out, char **errmsg);
+/* Accepts NULL. */
+void store_close(struct store *s);
+
+/*
+ * Applies the numbered migrations not yet applied, in one transaction,
+ * under an advisory lock (several brokers may start at once). Returns 0 or
+ * KS_EPG with *errmsg.
+ */
+int store_migrate(struct store *s, char **errmsg);
+
+/* One event to append. Borrowed. */
+struct store_event {
+    const Ks__Event *event; /* event_id, stream_id, type must be set */
+};
+
+/*
+ * Appends n (>= 1) events to one stream in one transaction at
+ * expected_version (STORE_ANY, STORE_NO_STREAM or exactly n), and updates
+ * the projections those events touch. Every event's stream_id must equal
+ * stream_id.
+ *
+ * Returns:
+ *   0              appended; *version_out (may be NULL) = the last version.
+ *   KS_EDUPLICATE  every event_id was already recorded (a redelivery): a
+ *                  no-op; *version_out = the stream's current version.
+ *   KS_ECONFLICT   the stream is not at expected_version; nothing written.
+ *   KS_EPG         other database error; nothing written.
+ * A batch where some event_ids are recorded and some not is KS_ECONFLICT.
+ */
+int store_append(struct store *s, const char *stream_id,
+                 int64_t expected_version, const struct store_event *events,
+                 size_t n, int64_t *version_out);
+
+/*
+ * Appends events for many streams in one transaction (the recorder's batch
+ * path), each with STORE_ANY. Events already recorded (by event_id) are
+ * skipped and counted in *dup_out. Returns 0 or KS_EPG (nothing written).
+ */
+int store_append_many(struct store *s, const Ks__Event *const *events,
+                      size_t n, size_t *dup_out);
+
+/*
+ * The commands projection row. Returns 0 with *out (free with
+ * ks__command_view__free_unpacked(*out, NULL)), KS_ENOTFOUND, or KS_EPG.
+ */
+int store_get_command(struct store *s, const char *command_id,
+                      Ks__CommandView **out);
+
+/*
+ * Current version of a stream: 0 if it does not exist. Returns 0 or KS_EPG.
+ */
+int store_stream_version(struct store *s, const char *stream_id,
+                         int64_t *version_out);
+
+/*
+ * Reads events of one stream with version > after_version, in order, at most
+ * limit (0: all). Each is passed to cb (on the calling thread), which returns
+ * 0 to continue or non-zero to stop (returned as is). The event is borrowed.
+ */
+typedef int (*store_event_fn)(const Ks__RecordedEvent *ev, void *ud);
+int store_read_stream(struct store *s, const char *stream_id,
+                      int64_t after_version, uint32_t limit, store_event_fn cb,
+                      void *ud);
+
+/*
+ * Catch-up read of all streams. The cursor is (tx_id, global_pos); reads
+ * only events whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()),
+ * so no late commit is ever skipped. Start with a zeroed cursor; it is
+ * advanced past each event passed to cb.
+ */
+struct store_cursor {
+    uint64_t tx_id;
+    int64_t global_pos;
+};
+int store_read_all(struct store *s, struct store_cursor *cursor,
+                   uint32_t limit, store_event_fn cb, void *ud);
+
+/*
+ * Blocks until a NOTIFY on channel kscore_events arrives or timeout_ms
+ * passes (LISTEN is issued on first call). Returns 0 (woken), KS_ETIMEDOUT,
+ * or KS_EPG. Only a wake-up: callers always re-read with store_read_all().
+ */
+int store_wait_notify(struct store *s, int timeout_ms);
+
+/*
+ * Rebuilds every projection from events alone into fresh tables and swaps
+ * them in, in one transaction. *events_out (may be NULL) = events replayed.
+ * Returns 0 or KS_EPG.
+ */
+int store_replay(struct store *s, int64_t *events_out, char **errmsg);
+
+/* Agent registry projection (fed by the broker from KSCORE_AGENTS). */
+int store_upsert_agent(struct store *s, const Ks__AgentInfo *info);
+
+/* The raw PGconn, for callers that need an escape hatch (tests). */
+struct pg_conn;
+void *store_pgconn(struct store *s);
+
+#endif
