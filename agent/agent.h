@@ -178,4 +178,47 @@ unsigned exec_loop_running(struct exec_loop *loop);
  */
 int exec_global_init(void);
 
+/* ------------------------------------------------------------------------ */
+/* Agent runtime                                                             */
+/* ------------------------------------------------------------------------ */
+
+#include "events.h"
+
+/* Default commands running at once per agent process: CPUs x 4. */
+unsigned agent_default_max_concurrent(void);
+
+struct agent_label {
+    const char *key, *value;
+};
+
+struct agent_opts {
+    const char *nats_url;
+    struct evt_connect_opts nats;  /* credentials / TLS */
+    const char *const *ids;        /* n_ids agent ids served by this process */
+    size_t n_ids;
+    const struct agent_label *labels; /* for every id */
+    size_t n_labels;
+    unsigned max_concurrent;       /* 0: agent_default_max_concurrent() */
+    const char *state_dir;         /* NULL: no disk buffer of results */
+};
+
+struct agent;
+
+/*
+ * Starts serving: one NATS connection, one durable push consumer per id
+ * (filter kscore.cmd.<id>, explicit ack), one executor loop, a publisher
+ * thread for results and a heartbeat thread. Returns 0, KS_EINVAL (bad id),
+ * KS_EUNAVAIL (NATS unreachable) with *errmsg (malloc'd).
+ *
+ * Per command: check target and expiry, exec_precheck(), claim through the
+ * broker (kscore.api.v1.claim), ack the JetStream message, run, publish the
+ * result to KSCORE_EVENTS until a PubAck arrives.
+ */
+int agent_start(const struct agent_opts *opts, struct agent **out,
+                char **errmsg);
+
+/* Stops taking work, cancels running commands, publishes their results,
+ * frees. Accepts NULL. */
+void agent_stop(struct agent *a);
+
 #endif

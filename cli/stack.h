@@ -55,6 +55,21 @@ int stack_pg_start(const char *dir, int port, char **conninfo_out,
 /* pg_ctl stop -m fast; waits until the postmaster is gone. 0 or -errno. */
 int stack_pg_stop(const char *dir);
 
+/*
+ * Starts argv as a daemon: own session, stdin /dev/null, stdout/stderr
+ * appended to <dir>/<name>.log, pid written to <dir>/<name>.pid. argv[0]
+ * is a path. On 0, *pid_out is its pid. Returns -errno on failure.
+ */
+int stack_daemon(const char *dir, const char *name, char *const argv[],
+                 pid_t *pid_out);
+
+/*
+ * Stops the daemon in <dir>/<name>.pid: SIGTERM, then SIGKILL after
+ * wait_ms, and waits until it is gone (reaping it when it is our child).
+ * 0 if stopped or not running, KS_ETIMEDOUT if it would not die.
+ */
+int stack_stop(const char *dir, const char *name, int wait_ms);
+
 /* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
 int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
 

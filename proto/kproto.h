@@ -85,4 +85,26 @@ const char *kproto_status_name(Ks__CommandStatus st);
 /* 1 if the status is terminal. */
 int kproto_status_terminal(Ks__CommandStatus st);
 
+/*
+ * ks_map: a string-keyed hash map of void * values (open hashing, grows by
+ * doubling). Not thread-safe: callers lock. Keys are copied.
+ */
+struct ks_map_entry;
+struct ks_map {
+    struct ks_map_entry **buckets;
+    size_t nbuckets, count;
+};
+#define KS_MAP_INIT {NULL, 0, 0}
+/* Sets key to val (replacing). 0 or -ENOMEM. */
+int ks_map_put(struct ks_map *m, const char *key, void *val);
+/* The value, or NULL. */
+void *ks_map_get(const struct ks_map *m, const char *key);
+/* Removes key and returns its value, or NULL. */
+void *ks_map_del(struct ks_map *m, const char *key);
+/* Calls fn for every entry (order unspecified); fn must not modify m. */
+void ks_map_each(const struct ks_map *m,
+                 void (*fn)(const char *key, void *val, void *ud), void *ud);
+/* Frees the entries (not the values). */
+void ks_map_clear(struct ks_map *m);
+
 #endif

@@ -1,0 +1,685 @@
+/* The broker: start-up, the API handlers, shutdown. */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "broker_int.h"
+
+void
+broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
+                   const char *type, const char *command_id)
+{
+    ks__event__init(ev);
+    ks_uuid(event_id);
+    ev->event_id = event_id;
+    ev->stream_id = stream_id;
+    ev->type = (char *)type;
+    ev->occurred_at_us = ks_now_us();
+    ev->command_id = (char *)(command_id ? command_id : "");
+}
+
+static void
+reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
+{
+    if (!subject || !subject[0])
+        return;
+    int rc = evt_publish_msg(b->nc, subject, m);
+    if (rc)
+        fprintf(stderr, "kscore broker: reply to %s: %s\n", subject,
+                ks_strerror(rc));
+}
+
+void
+broker__reply_waiter(struct broker *b, const char *command_id,
+                     const Ks__CommandResult *result, int error_code,
+                     const char *error)
+{
+    struct broker__waiter *w;
+
+    pthread_mutex_lock(&b->mu);
+    w = ks_map_del(&b->waiters, command_id);
+    pthread_mutex_unlock(&b->mu);
+    if (!w)
+        return;
+    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+    r.command_id = (char *)command_id;
+    r.agent_id = w->agent_id;
+    r.result = (Ks__CommandResult *)result;
+    r.error_code = error_code;
+    r.error = (char *)(error ? error : "");
+    reply_msg(b, w->reply_subject, &r.base);
+    free(w->reply_subject);
+    free(w);
+}
+
+static void
+reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
+                    ...) __attribute__((format(printf, 4, 5)));
+static void
+reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
+                    ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+    r.error_code = code;
+    r.error = text;
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+}
+
+/* ---- ExecuteCommand ---------------------------------------------------- */
+
+static int
+validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
+{
+    if (!spec || spec->n_argv == 0 || !spec->argv[0][0]) {
+        snprintf(why, len, "empty argv: give the command after --");
+        return KS_EINVAL;
+    }
+    for (size_t i = 0; i < spec->n_env; i++) {
+        const char *n = spec->env[i]->name;
+        if (!n[0] || strchr(n, '=')) {
+            snprintf(why, len, "bad environment variable name '%s'", n);
+            return KS_EINVAL;
+        }
+    }
+    if (spec->stdout_cap_bytes > EXEC_OUTPUT_CAP_MAX ||
+        spec->stderr_cap_bytes > EXEC_OUTPUT_CAP_MAX) {
+        snprintf(why, len, "output cap above the maximum of %d bytes",
+                 EXEC_OUTPUT_CAP_MAX);
+        return KS_EINVAL;
+    }
+    return 0;
+}
+
+static void
+on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct broker *b = ud;
+    Ks__ExecuteRequest *req = NULL;
+    char why[256], command_id[37], stream[64], ev_ids[2][37];
+    struct broker__waiter *w = NULL;
+    int rc;
+
+    (void)nc;
+    (void)sub;
+    rc = evt_unpack(&ks__execute_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc) {
+        reply_execute_error(b, msg, rc, "bad ExecuteRequest: %s",
+                            ks_strerror(rc));
+        goto out;
+    }
+    if ((rc = validate_spec(req->spec, why, sizeof(why)))) {
+        reply_execute_error(b, msg, rc, "%s", why);
+        goto out;
+    }
+    if (!evt_agent_id_valid(req->agent_id)) {
+        reply_execute_error(b, msg, KS_EINVAL,
+                            "bad agent id '%s' (letters, digits, _ and -)",
+                            req->agent_id);
+        goto out;
+    }
+    if (!broker__agent_known(b, req->agent_id)) {
+        reply_execute_error(b, msg, KS_ENOAGENT,
+                            "unknown agent '%s': no agent with this id has "
+                            "registered (see kscore agents)",
+                            req->agent_id);
+        goto out;
+    }
+
+    ks_uuid(command_id);
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    uint64_t deliver_ms = req->deliver_within_ms
+                              ? req->deliver_within_ms
+                              : BROKER_DELIVER_WITHIN_DEFAULT_MS;
+
+    Ks__Command cmd = KS__COMMAND__INIT;
+    cmd.command_id = command_id;
+    cmd.attempt = 1;
+    cmd.agent_id = req->agent_id;
+    cmd.spec = req->spec;
+    cmd.issued_at_us = ks_now_us();
+    cmd.not_after_us = cmd.issued_at_us + (int64_t)deliver_ms * 1000;
+    cmd.dispatch_version = 2;
+    cmd.operator_ = "";
+
+    /* Refuse what cannot be published before recording anything (K21). */
+    if (protobuf_c_message_get_packed_size(&cmd.base) > KS_MAX_MESSAGE_BYTES) {
+        reply_execute_error(b, msg, KS_ETOOBIG,
+                            "command too large: %zu bytes packed, the NATS "
+                            "max payload is %d",
+                            protobuf_c_message_get_packed_size(&cmd.base),
+                            KS_MAX_MESSAGE_BYTES);
+        goto out;
+    }
+
+    Ks__Event req_ev, disp_ev;
+    broker__event_init(&req_ev, ev_ids[0], stream, "CommandRequested",
+                       command_id);
+    req_ev.agent_id = req->agent_id;
+    req_ev.command = &cmd;
+    req_ev.reason = req->idempotency_key;
+    broker__event_init(&disp_ev, ev_ids[1], stream, "CommandDispatched",
+                       command_id);
+    disp_ev.agent_id = req->agent_id;
+    disp_ev.attempt = 1;
+    struct store_event evs[2] = {{&req_ev}, {&disp_ev}};
+
+    /* Register before publishing: the result can arrive at once. */
+    if (!req->detach) {
+        w = calloc(1, sizeof(*w));
+        if (!w || !(w->reply_subject = strdup(natsMsg_GetReply(msg)))) {
+            free(w);
+            w = NULL;
+            reply_execute_error(b, msg, -ENOMEM, "out of memory");
+            goto out;
+        }
+        snprintf(w->agent_id, sizeof(w->agent_id), "%s", req->agent_id);
+        pthread_mutex_lock(&b->mu);
+        ks_map_put(&b->waiters, command_id, w);
+        pthread_mutex_unlock(&b->mu);
+    }
+
+    rc = store_append(b->st_exec, stream, STORE_NO_STREAM, evs, 2, NULL);
+    if (rc) {
+        if (w) {
+            pthread_mutex_lock(&b->mu);
+            ks_map_del(&b->waiters, command_id);
+            pthread_mutex_unlock(&b->mu);
+            free(w->reply_subject);
+            free(w);
+        }
+        reply_execute_error(b, msg, rc, "cannot record the command: %s",
+                            ks_strerror(rc));
+        goto out;
+    }
+    rc = evt_publish_command(b->nc, &cmd, 5000);
+    if (rc) {
+        /* Recorded as Dispatched: the deadline scanner re-publishes it or
+         * ends it Undeliverable, so the client still gets a terminal
+         * state. */
+        fprintf(stderr, "kscore broker: publish %s: %s (scanner retries)\n",
+                command_id, ks_strerror(rc));
+    }
+    if (req->detach) {
+        Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+        r.command_id = command_id;
+        r.agent_id = req->agent_id;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    }
+out:
+    if (req)
+        ks__execute_request__free_unpacked(req, NULL);
+    natsMsg_Destroy(msg);
+}
+
+/* ---- claim -------------------------------------------------------------- */
+
+static void
+on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct broker *b = ud;
+    Ks__ClaimRequest *req = NULL;
+    Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
+    char stream[64], dup_id[37];
+    int rc;
+
+    (void)nc;
+    (void)sub;
+    rc = evt_unpack(&ks__claim_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc || !ks_is_uuid(req->command_id) || !ks_is_uuid(req->event_id)) {
+        r.error_code = rc ? rc : KS_EINVAL;
+        r.error = "bad ClaimRequest";
+        goto reply;
+    }
+    snprintf(stream, sizeof(stream), "command-%s", req->command_id);
+
+    Ks__Event ev;
+    ks__event__init(&ev);
+    ev.event_id = req->event_id;
+    ev.stream_id = stream;
+    ev.command_id = req->command_id;
+    ev.agent_id = req->agent_id;
+    ev.attempt = req->attempt;
+    ev.occurred_at_us = ks_now_us();
+    ev.operator_ = "";
+    if (req->start_failure) {
+        ev.type = "CommandStartFailed";
+        ev.result = req->start_failure;
+    } else {
+        ev.type = "CommandStarted";
+    }
+    struct store_event se = {&ev};
+    rc = store_append(b->st_claim, stream, (int64_t)req->expected_version,
+                      &se, 1, NULL);
+    if (rc == 0 || rc == KS_EDUPLICATE) {
+        /* A duplicate is this same claim retried: still ours. */
+        r.granted = 1;
+        if (req->start_failure && rc == 0)
+            broker__reply_waiter(b, req->command_id, req->start_failure, 0,
+                                 NULL);
+    } else if (rc == KS_ECONFLICT) {
+        Ks__Event d;
+        broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
+                           req->command_id);
+        d.agent_id = req->agent_id;
+        d.attempt = req->attempt;
+        d.reason = "claim lost: the command was already claimed, "
+                   "re-dispatched or ended";
+        struct store_event de = {&d};
+        store_append(b->st_claim, stream, STORE_ANY, &de, 1, NULL);
+        r.error_code = KS_ECLAIMED;
+        r.error = "already claimed";
+    } else {
+        r.error_code = rc;
+        r.error = (char *)ks_strerror(rc);
+    }
+reply:
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    if (req)
+        ks__claim_request__free_unpacked(req, NULL);
+    natsMsg_Destroy(msg);
+}
+
+/* ---- get / events / cancel ---------------------------------------------- */
+
+static void
+handle_get(struct broker *b, natsMsg *msg)
+{
+    Ks__GetRequest *req = NULL;
+    Ks__GetReply r = KS__GET_REPLY__INIT;
+    Ks__CommandView *view = NULL;
+    int rc;
+
+    rc = evt_unpack(&ks__get_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc == 0 && !ks_is_uuid(req->id))
+        rc = KS_EINVAL;
+    if (rc == 0)
+        rc = store_get_command(b->st_misc, req->id, &view);
+    if (rc) {
+        r.error_code = rc;
+        r.error = rc == KS_ENOTFOUND ? "no command with this id"
+                  : rc == KS_EINVAL  ? "not a command id (a UUID)"
+                                     : (char *)ks_strerror(rc);
+    }
+    r.command = view;
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    if (view)
+        ks__command_view__free_unpacked(view, NULL);
+    if (req)
+        ks__get_request__free_unpacked(req, NULL);
+}
+
+struct events_acc {
+    Ks__RecordedEvent **evs;
+    size_t n, cap;
+};
+
+static int
+collect_event(const Ks__RecordedEvent *ev, void *ud)
+{
+    struct events_acc *a = ud;
+    uint8_t *buf;
+    size_t len;
+    if (a->n == a->cap) {
+        size_t nc = a->cap ? a->cap * 2 : 16;
+        void *p = realloc(a->evs, nc * sizeof(*a->evs));
+        if (!p)
+            return -ENOMEM;
+        a->evs = p;
+        a->cap = nc;
+    }
+    /* The store lends the event; keep a copy for the reply. */
+    if (kproto_pack(&ev->base, &buf, &len))
+        return -ENOMEM;
+    a->evs[a->n] = ks__recorded_event__unpack(NULL, len, buf);
+    free(buf);
+    if (!a->evs[a->n])
+        return -ENOMEM;
+    a->n++;
+    return 0;
+}
+
+static void
+handle_events(struct broker *b, natsMsg *msg)
+{
+    Ks__EventsRequest *req = NULL;
+    Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
+    struct events_acc acc = {0};
+    int rc;
+
+    rc = evt_unpack(&ks__events_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc == 0) {
+        uint32_t limit = req->limit ? req->limit : 1000;
+        if (limit > 1000)
+            limit = 1000;
+        rc = store_read_stream(b->st_misc, req->stream_id, req->after_version,
+                               limit, collect_event, &acc);
+    }
+    if (rc) {
+        r.error_code = rc;
+        r.error = (char *)ks_strerror(rc);
+    }
+    r.events = acc.evs;
+    r.n_events = acc.n;
+    /* Keep the reply under the max payload: drop the tail, the client
+     * pages on with after_version. */
+    while (r.n_events > 1 &&
+           protobuf_c_message_get_packed_size(&r.base) > KS_MAX_MESSAGE_BYTES)
+        r.n_events /= 2;
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    for (size_t i = 0; i < acc.n; i++)
+        ks__recorded_event__free_unpacked(acc.evs[i], NULL);
+    free(acc.evs);
+    if (req)
+        ks__events_request__free_unpacked(req, NULL);
+}
+
+static void
+handle_cancel(struct broker *b, natsMsg *msg)
+{
+    Ks__CancelRequest *req = NULL;
+    Ks__CancelReply r = KS__CANCEL_REPLY__INIT;
+    Ks__CommandView *view = NULL;
+    char stream[64], evid[37], subject[32 + EVT_AGENT_ID_MAX];
+    int rc;
+
+    rc = evt_unpack(&ks__cancel_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc == 0 && !ks_is_uuid(req->id))
+        rc = KS_EINVAL;
+    for (int tries = 0; rc == 0 && tries < 3; tries++) {
+        if (view)
+            ks__command_view__free_unpacked(view, NULL);
+        view = NULL;
+        rc = store_get_command(b->st_misc, req->id, &view);
+        if (rc)
+            break;
+        if (kproto_status_terminal(view->status))
+            break; /* nothing to cancel; not an error */
+        snprintf(stream, sizeof(stream), "command-%s", req->id);
+        if (view->status == KS__COMMAND_STATUS__RUNNING) {
+            Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
+            cc.command_id = req->id;
+            snprintf(subject, sizeof(subject), "kscore.cancel.%s",
+                     view->agent_id);
+            rc = evt_publish_msg(b->nc, subject, &cc.base);
+            break;
+        }
+        /* Not claimed yet: end it here, at the version we read, so a claim
+         * arriving later loses. */
+        Ks__Event ev;
+        Ks__CommandResult res = KS__COMMAND_RESULT__INIT;
+        res.status = KS__COMMAND_STATUS__CANCELLED;
+        res.cancelled = 1;
+        broker__event_init(&ev, evid, stream, "CommandCancelled", req->id);
+        ev.agent_id = view->agent_id;
+        ev.result = &res;
+        ev.reason = "cancelled before an agent claimed it";
+        struct store_event se = {&ev};
+        rc = store_append(b->st_misc, stream, view->version, &se, 1, NULL);
+        if (rc == 0) {
+            broker__reply_waiter(b, req->id, &res, 0, NULL);
+            break;
+        }
+        if (rc == KS_ECONFLICT)
+            rc = 0; /* claimed meanwhile: read again */
+    }
+    if (rc) {
+        r.error_code = rc;
+        r.error = rc == KS_ENOTFOUND ? "no command with this id"
+                  : rc == KS_EINVAL  ? "not a command id (a UUID)"
+                                     : (char *)ks_strerror(rc);
+    }
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    if (view)
+        ks__command_view__free_unpacked(view, NULL);
+    if (req)
+        ks__cancel_request__free_unpacked(req, NULL);
+}
+
+/* get, events and cancel: three subscriptions, one shared store connection,
+ * so they are serialised by a lock. */
+static void
+on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    const char *subj = natsMsg_GetSubject(msg);
+    (void)nc;
+    (void)sub;
+    struct broker *b = ud;
+    pthread_mutex_lock(&b->misc_mu);
+    if (strcmp(subj, EVT_API_GET) == 0)
+        handle_get(ud, msg);
+    else if (strcmp(subj, EVT_API_EVENTS) == 0)
+        handle_events(ud, msg);
+    else if (strcmp(subj, EVT_API_CANCEL) == 0)
+        handle_cancel(ud, msg);
+    pthread_mutex_unlock(&b->misc_mu);
+    natsMsg_Destroy(msg);
+}
+
+/* ---- start / stop ------------------------------------------------------- */
+
+static int
+open_store(struct broker *b, struct store **out, char **errmsg)
+{
+    return store_open(b->opts->db_conninfo, out, errmsg);
+}
+
+static int
+subscribe(struct broker *b, natsSubscription **sub, const char *subject,
+          natsMsgHandler cb, char **errmsg)
+{
+    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, subject,
+                                                 EVT_BROKER_QUEUE, cb, b);
+    if (s == NATS_OK)
+        s = natsSubscription_SetPendingLimits(*sub, -1, -1);
+    if (s != NATS_OK) {
+        if (errmsg && asprintf(errmsg, "subscribe %s: %s", subject,
+                               natsStatus_GetText(s)) < 0)
+            *errmsg = NULL;
+        return KS_ENATS;
+    }
+    return 0;
+}
+
+static void
+free_waiter(const char *key, void *val, void *ud)
+{
+    struct broker__waiter *w = val;
+    (void)key;
+    (void)ud;
+    free(w->reply_subject);
+    free(w);
+}
+
+static void
+broker_teardown(struct broker *b)
+{
+    b->stopping = 1;
+    agent_stop(b->local);
+    b->local = NULL;
+    if (b->sub_exec)
+        natsSubscription_Unsubscribe(b->sub_exec);
+    if (b->sub_claim)
+        natsSubscription_Unsubscribe(b->sub_claim);
+    if (b->sub_misc)
+        natsSubscription_Unsubscribe(b->sub_misc);
+    if (b->sub_events)
+        natsSubscription_Unsubscribe(b->sub_events);
+    if (b->sub_cancel)
+        natsSubscription_Unsubscribe(b->sub_cancel);
+    broker__registry_stop(b);
+    broker__recorder_stop(b);
+    natsSubscription_Destroy(b->sub_exec);
+    natsSubscription_Destroy(b->sub_claim);
+    natsSubscription_Destroy(b->sub_misc);
+    natsSubscription_Destroy(b->sub_events);
+    natsSubscription_Destroy(b->sub_cancel);
+    kvStore_Destroy(b->kv);
+    evt_close(b->nc);
+    store_close(b->st_exec);
+    store_close(b->st_claim);
+    store_close(b->st_misc);
+    store_close(b->st_rec);
+    store_close(b->st_reg);
+    store_close(b->st_scan);
+    ks_map_each(&b->waiters, free_waiter, NULL);
+    ks_map_clear(&b->waiters);
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->rec_cond);
+}
+
+int
+broker_run(const struct broker_opts *opts, char **errmsg)
+{
+    struct broker b = {.opts = opts,
+                       .waiters = KS_MAP_INIT,
+                       .agents = KS_MAP_INIT};
+    struct evt_connect_opts co = opts->nats;
+    sigset_t set;
+    int rc, sig = 0;
+
+    /* Every thread started from here on inherits this mask, so SIGINT and
+     * SIGTERM reach only sigwait() below. */
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    pthread_mutex_init(&b.mu, NULL);
+    pthread_mutex_init(&b.misc_mu, NULL);
+    pthread_cond_init(&b.rec_cond, NULL);
+
+    co.name = "kscore-broker";
+    co.send_asap = true;
+    co.retry_forever = false;
+    rc = evt_connect(opts->nats_url, &co, &b.nc, errmsg);
+    if (rc)
+        goto out;
+    if ((rc = open_store(&b, &b.st_exec, errmsg)))
+        goto out;
+    if ((rc = store_migrate(b.st_exec, errmsg)))
+        goto out;
+    if ((rc = open_store(&b, &b.st_claim, errmsg)) ||
+        (rc = open_store(&b, &b.st_misc, errmsg)) ||
+        (rc = open_store(&b, &b.st_rec, errmsg)) ||
+        (rc = open_store(&b, &b.st_reg, errmsg)) ||
+        (rc = open_store(&b, &b.st_scan, errmsg)))
+        goto out;
+    if ((rc = evt_setup(b.nc, errmsg)))
+        goto out;
+    if ((rc = evt_agents_kv(b.nc, &b.kv))) {
+        if (errmsg && asprintf(errmsg, "open KV %s: %s", EVT_KV_AGENTS,
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
+    if ((rc = broker__registry_start(&b, errmsg)) ||
+        (rc = broker__recorder_start(&b, errmsg)))
+        goto out;
+    if ((rc = subscribe(&b, &b.sub_exec, EVT_API_EXECUTE, on_execute,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_claim, EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc, errmsg)))
+        goto out;
+    natsConnection_Flush(b.nc->nc);
+
+    if (opts->local_agents > 0) {
+        char host[64], **ids;
+        struct agent_label lab = {"local", "true"};
+        struct agent_opts ao = {0};
+        gethostname(host, sizeof(host));
+        host[sizeof(host) - 1] = '\0';
+        for (char *p = host; *p; p++)
+            if (*p == '.') {
+                *p = '\0';
+                break;
+            }
+        ids = calloc(opts->local_agents, sizeof(*ids));
+        for (unsigned i = 0; ids && i < opts->local_agents; i++)
+            if (asprintf(&ids[i], "%s-%u", host, i) < 0)
+                ids[i] = NULL;
+        ao.nats_url = opts->nats_url;
+        ao.nats = opts->nats;
+        ao.ids = (const char *const *)ids;
+        ao.n_ids = opts->local_agents;
+        ao.labels = &lab;
+        ao.n_labels = 1;
+        ao.state_dir = opts->state_dir;
+        rc = agent_start(&ao, &b.local, errmsg);
+        for (unsigned i = 0; ids && i < opts->local_agents; i++)
+            free(ids[i]);
+        free(ids);
+        if (rc)
+            goto out;
+    }
+    fprintf(stderr, "kscore broker: serving on %s\n", opts->nats_url);
+    sigwait(&set, &sig);
+    fprintf(stderr, "kscore broker: %s, stopping\n", strsignal(sig));
+out:
+    broker_teardown(&b);
+    return rc;
+}
+
+/* ---- client API ---------------------------------------------------------- */
+
+int
+broker_call(struct evt_conn *c, const char *subject,
+            const ProtobufCMessage *req,
+            const ProtobufCMessageDescriptor *reply_desc, int timeout_ms,
+            ProtobufCMessage **out)
+{
+    natsMsg *reply = NULL;
+    int rc = evt_request(c, subject, req, timeout_ms, &reply);
+    if (rc)
+        return rc;
+    rc = evt_unpack(reply_desc, natsMsg_GetData(reply),
+                    (size_t)natsMsg_GetDataLength(reply), out);
+    natsMsg_Destroy(reply);
+    return rc;
+}
+
+int
+broker_execute_wait_ms(const Ks__ExecuteRequest *req)
+{
+    uint64_t t = req->spec ? req->spec->timeout_ms : 0;
+    uint64_t g = req->spec && req->spec->grace_ms ? req->spec->grace_ms
+                                                  : EXEC_GRACE_DEFAULT_MS;
+    uint64_t d = req->deliver_within_ms ? req->deliver_within_ms
+                                        : BROKER_DELIVER_WITHIN_DEFAULT_MS;
+    uint64_t total;
+    if (req->detach)
+        return 10000;
+    if (t == 0)
+        return INT32_MAX; /* no timeout: wait as long as the command runs */
+    total = t + 2 * g + d * BROKER_MAX_ATTEMPTS + 10000;
+    return total > INT32_MAX ? INT32_MAX : (int)total;
+}
+
+int
+broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
+               int timeout_ms, Ks__ExecuteReply **out)
+{
+    return broker_call(c, EVT_API_EXECUTE, &req->base,
+                       &ks__execute_reply__descriptor, timeout_ms,
+                       (ProtobufCMessage **)out);
+}

@@ -1,0 +1,79 @@
+/*
+ * broker: kscore's control service, and the client API the CLI uses.
+ *
+ * The broker (broker_run) serves the API on kscore.api.v1.<method> (core
+ * request/reply, queue group kscore-broker), records every step as an event
+ * in PostgreSQL (store/), dispatches commands on KSCORE_CMDS, records the
+ * agents' events from KSCORE_EVENTS and replies to ExecuteCommand once the
+ * terminal event is recorded.
+ *
+ * ExecuteCommand (DESIGN.md "ExecuteCommand, step by step"):
+ *  1. validate; unknown agent -> KS_ENOAGENT, nothing recorded;
+ *  2. one transaction: CommandRequested (v1) + CommandDispatched (v2) on
+ *     stream command-<uuid> (the outbox: the deadline scanner re-publishes
+ *     a Dispatched command nobody claimed), then publish on KSCORE_CMDS;
+ *  3. the agent claims on kscore.api.v1.claim: CommandStarted appended at
+ *     expected version Command.dispatch_version; exactly one claim wins;
+ *  4. the agent publishes CommandCompleted to KSCORE_EVENTS; the recorder
+ *     appends it (once, by event_id), acks after the commit, and the reply
+ *     goes out.
+ *
+ * Threads: each API subscription is served on its own nats.c delivery
+ * thread with its own PostgreSQL connection; the recorder and the deadline
+ * scanner have one thread each.
+ */
+#ifndef KSCORE_BROKER_H
+#define KSCORE_BROKER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "events.h"
+#include "kproto.h"
+
+/* Default delivery deadline: Dispatched and not claimed by then (ms). */
+#define BROKER_DELIVER_WITHIN_DEFAULT_MS 30000
+/* Attempts before a command ends Undeliverable. */
+#define BROKER_MAX_ATTEMPTS 3
+
+struct broker_opts {
+    const char *nats_url;
+    const char *db_conninfo;
+    unsigned local_agents;        /* in-process agents <host>-0..N-1 */
+    const char *state_dir;        /* for local agents; NULL: no disk buffer */
+    struct evt_connect_opts nats; /* credentials / TLS */
+};
+
+/*
+ * Runs a broker until SIGINT or SIGTERM. Applies migrations, sets up the
+ * streams, serves. Returns 0 after a clean stop, or a negative code with
+ * *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL unreachable).
+ */
+int broker_run(const struct broker_opts *opts, char **errmsg);
+
+/* ---- client API (used by the CLI and tests) --------------------------- */
+
+/*
+ * Sends req on subject and unpacks the reply as reply_desc, waiting up to
+ * timeout_ms. On 0, *out (protobuf_c_message_free_unpacked) is the reply;
+ * its error_code/error fields carry the broker's refusal, if any.
+ * Returns KS_ETIMEDOUT, KS_EUNAVAIL (no broker serves the subject),
+ * KS_EDECODE, KS_ENATS.
+ */
+int broker_call(struct evt_conn *c, const char *subject,
+                const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *reply_desc, int timeout_ms,
+                ProtobufCMessage **out);
+
+/*
+ * ExecuteCommand: waits for the terminal result. timeout_ms should cover
+ * the command's timeout + grace + delivery deadline; see
+ * broker_execute_wait_ms().
+ */
+int broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
+                   int timeout_ms, Ks__ExecuteReply **out);
+
+/* How long a client should wait for an ExecuteCommand reply (ms). */
+int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
+
+#endif

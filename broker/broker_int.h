@@ -1,0 +1,66 @@
+/* Private to broker/. */
+#ifndef KSCORE_BROKER_INT_H
+#define KSCORE_BROKER_INT_H
+
+#include <pthread.h>
+#include <stdbool.h>
+
+#include "agent.h"
+#include "broker.h"
+#include "store.h"
+
+/* A client waiting for the terminal event of one command. */
+struct broker__waiter {
+    char *reply_subject;
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+};
+
+/* What the broker knows of one agent (from KSCORE_AGENTS). */
+struct broker__agent {
+    Ks__AgentInfo *info;
+    int64_t seen_mono_us;
+};
+
+struct broker {
+    const struct broker_opts *opts;
+    struct evt_conn *nc;
+    kvStore *kv;
+
+    struct store *st_exec, *st_claim, *st_misc, *st_rec, *st_reg, *st_scan;
+    natsSubscription *sub_exec, *sub_claim, *sub_misc, *sub_events,
+        *sub_cancel, *sub_rec;
+    pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
+
+    pthread_mutex_t mu;         /* waiters, agents, recorder queue */
+    struct ks_map waiters;      /* command_id -> struct broker__waiter * */
+    struct ks_map agents;       /* agent_id -> struct broker__agent * */
+
+    pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
+    natsMsg **rec_q;
+    size_t rec_len, rec_cap;
+
+    pthread_t rec_thread, reg_thread, scan_thread;
+    bool rec_started, reg_started, scan_started;
+    volatile int stopping;
+
+    struct agent *local;
+};
+
+/* Fills the envelope of a new event: fresh event_id, stream, type, time. */
+void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
+                        const char *type, const char *command_id);
+
+/* Replies to the client waiting for command_id, if any, with result. */
+void broker__reply_waiter(struct broker *b, const char *command_id,
+                          const Ks__CommandResult *result, int error_code,
+                          const char *error);
+
+int broker__recorder_start(struct broker *b, char **errmsg);
+void broker__recorder_stop(struct broker *b);
+
+int broker__registry_start(struct broker *b, char **errmsg);
+void broker__registry_stop(struct broker *b);
+/* 1 if the agent id has registered (any time), else 0. Any thread. */
+int broker__agent_known(struct broker *b, const char *agent_id);
+
+#endif

@@ -1,0 +1,180 @@
+/*
+ * The recorder: consumes KSCORE_EVENTS (durable push consumer
+ * kscore-recorder, explicit ack), appends each event once (unique event_id)
+ * in batches, acks only after the commit, then answers the clients waiting
+ * for terminal events.
+ *
+ * The nats.c delivery thread only queues the message; the recorder thread
+ * takes whatever has queued (up to REC_BATCH) into one transaction, so an
+ * idle system records each event at once and a busy one in batches.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "broker_int.h"
+
+#define REC_BATCH 1000
+#define REC_MAX_ACK_PENDING 20000
+
+static void
+on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+             void *ud)
+{
+    struct broker *b = ud;
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&b->mu);
+    if (b->rec_len == b->rec_cap) {
+        size_t ncap = b->rec_cap ? b->rec_cap * 2 : 1024;
+        natsMsg **q = realloc(b->rec_q, ncap * sizeof(*q));
+        if (!q) {
+            /* Not acked: JetStream redelivers after the ack wait. */
+            pthread_mutex_unlock(&b->mu);
+            natsMsg_Destroy(msg);
+            return;
+        }
+        b->rec_q = q;
+        b->rec_cap = ncap;
+    }
+    b->rec_q[b->rec_len++] = msg;
+    pthread_cond_signal(&b->rec_cond);
+    pthread_mutex_unlock(&b->mu);
+}
+
+static int
+is_terminal_type(const char *type)
+{
+    return strcmp(type, "CommandCompleted") == 0 ||
+           strcmp(type, "CommandStartFailed") == 0 ||
+           strcmp(type, "CommandRejected") == 0;
+}
+
+static void
+record_batch(struct broker *b, natsMsg **msgs, size_t n)
+{
+    Ks__Event **evs = calloc(n, sizeof(*evs));
+    size_t nev = 0, dups = 0;
+    int rc;
+
+    if (!evs)
+        return; /* not acked: redelivered */
+    for (size_t i = 0; i < n; i++) {
+        ProtobufCMessage *m = NULL;
+        rc = evt_unpack(&ks__event__descriptor, natsMsg_GetData(msgs[i]),
+                        (size_t)natsMsg_GetDataLength(msgs[i]), &m);
+        Ks__Event *ev = (Ks__Event *)m;
+        if (rc || !ks_is_uuid(ev->event_id) || !ev->stream_id[0] ||
+            !ev->type[0]) {
+            /* A message that can never be recorded: drop it for good
+             * rather than redeliver it forever. */
+            fprintf(stderr, "kscore recorder: dropping undecodable event "
+                            "on %s\n",
+                    natsMsg_GetSubject(msgs[i]));
+            if (m)
+                protobuf_c_message_free_unpacked(m, NULL);
+            natsMsg_Term(msgs[i], NULL);
+            natsMsg_Destroy(msgs[i]);
+            msgs[i] = NULL;
+            continue;
+        }
+        evs[nev++] = ev;
+    }
+    for (;;) {
+        rc = nev ? store_append_many(b->st_rec,
+                                     (const Ks__Event *const *)evs, nev,
+                                     &dups)
+                 : 0;
+        if (rc == 0 || b->stopping)
+            break;
+        fprintf(stderr, "kscore recorder: append failed (%s), retrying\n",
+                ks_strerror(rc));
+        nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!msgs[i])
+            continue;
+        if (rc == 0)
+            natsMsg_Ack(msgs[i], NULL);
+        natsMsg_Destroy(msgs[i]);
+    }
+    for (size_t i = 0; i < nev; i++) {
+        if (rc == 0 && is_terminal_type(evs[i]->type))
+            broker__reply_waiter(b, evs[i]->command_id, evs[i]->result, 0,
+                                 NULL);
+        ks__event__free_unpacked(evs[i], NULL);
+    }
+    free(evs);
+}
+
+static void *
+recorder_main(void *arg)
+{
+    struct broker *b = arg;
+    natsMsg **batch = malloc(REC_BATCH * sizeof(*batch));
+    if (!batch)
+        return NULL;
+    for (;;) {
+        size_t n;
+        pthread_mutex_lock(&b->mu);
+        while (b->rec_len == 0 && !b->stopping)
+            pthread_cond_wait(&b->rec_cond, &b->mu);
+        if (b->rec_len == 0 && b->stopping) {
+            pthread_mutex_unlock(&b->mu);
+            break;
+        }
+        n = b->rec_len < REC_BATCH ? b->rec_len : REC_BATCH;
+        memcpy(batch, b->rec_q, n * sizeof(*batch));
+        memmove(b->rec_q, b->rec_q + n, (b->rec_len - n) * sizeof(*batch));
+        b->rec_len -= n;
+        pthread_mutex_unlock(&b->mu);
+        record_batch(b, batch, n);
+    }
+    free(batch);
+    return NULL;
+}
+
+int
+broker__recorder_start(struct broker *b, char **errmsg)
+{
+    struct evt_durable d = {
+        .stream = EVT_STREAM_EVENTS,
+        .durable = EVT_RECORDER_DURABLE,
+        .filter_subject = "kscore.evt.>",
+        .deliver_group = EVT_BROKER_QUEUE,
+        .max_ack_pending = REC_MAX_ACK_PENDING,
+        .ack_wait_ms = 30000,
+    };
+    int rc = evt_durable_subscribe(b->nc, &d, on_event_msg, b, &b->sub_rec,
+                                   errmsg);
+    if (rc)
+        return rc;
+    if (pthread_create(&b->rec_thread, NULL, recorder_main, b) != 0)
+        return -EAGAIN;
+    b->rec_started = true;
+    return 0;
+}
+
+void
+broker__recorder_stop(struct broker *b)
+{
+    if (b->sub_rec) {
+        natsSubscription_Unsubscribe(b->sub_rec);
+        natsSubscription_Destroy(b->sub_rec);
+        b->sub_rec = NULL;
+    }
+    pthread_mutex_lock(&b->mu);
+    b->stopping = 1;
+    pthread_cond_broadcast(&b->rec_cond);
+    pthread_mutex_unlock(&b->mu);
+    if (b->rec_started)
+        pthread_join(b->rec_thread, NULL);
+    b->rec_started = false;
+    for (size_t i = 0; i < b->rec_len; i++)
+        natsMsg_Destroy(b->rec_q[i]);
+    free(b->rec_q);
+    b->rec_q = NULL;
+    b->rec_len = b->rec_cap = 0;
+}

@@ -1,0 +1,68 @@
+/* Private to cli/: the subcommands and what they share. */
+#ifndef KSCORE_CLI_INT_H
+#define KSCORE_CLI_INT_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "broker.h"
+
+/*
+ * Exit codes of kscore itself (README "Exit codes"). `kscore exec` otherwise
+ * exits with the command's own code, 128+N when it was killed by signal N,
+ * and 124 when it timed out, as coreutils timeout(1) does.
+ */
+#define CLI_EXIT_USAGE 2       /* bad flags, durations, missing -- */
+#define CLI_EXIT_TIMEDOUT 124  /* the command timed out */
+#define CLI_EXIT_KSCORE 125    /* kscore failed: unreachable, refused, ... */
+#define CLI_EXIT_CANNOT_RUN 126 /* start failed (cwd, permission, E2BIG) */
+#define CLI_EXIT_NOT_FOUND 127 /* start failed: program not found */
+
+/* Where the local stack lives: $KSCORE_HOME or ~/.local/state/kscore. */
+const char *cli_home(void);
+
+/* Connection settings shared by the client subcommands. */
+struct cli_conn {
+    const char *nats_url; /* --nats, $KSCORE_NATS_URL, or the local stack */
+    struct evt_connect_opts opts;
+};
+
+/*
+ * Resolves the NATS url (flag, environment, $KSCORE_HOME/env) and connects.
+ * Prints one line naming the problem and returns non-zero on failure.
+ */
+int cli_connect(struct cli_conn *cc, struct evt_conn **out);
+
+/* Value of KEY in $KSCORE_HOME/env (malloc'd), or NULL. */
+char *cli_env_get(const char *key);
+
+/* Parses "500ms", "10s", "2m", "1h" or plain seconds into ms. 0 or -1. */
+int cli_parse_duration(const char *s, uint64_t *ms_out);
+
+/* Prints "kscore: <message>" on stderr. */
+void cli_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* The command result as JSON (text when valid UTF-8, base64 always). */
+json_t *cli_result_json(const Ks__CommandResult *r);
+/* One recorded event as JSON (README "kscore events --json"). */
+json_t *cli_event_json(const Ks__RecordedEvent *rec);
+/* Prints j compactly on one line to stdout; frees it. */
+void cli_print_json(json_t *j);
+/* Microseconds since the epoch as RFC 3339 UTC text (static buffer). */
+const char *cli_time(int64_t us);
+
+/* Exit status for a finished command (see the codes above). */
+int cli_exit_status(const Ks__CommandResult *r);
+
+int cmd_up(int argc, char **argv);
+int cmd_down(int argc, char **argv);
+int cmd_status(int argc, char **argv);
+int cmd_broker(int argc, char **argv);
+int cmd_agent(int argc, char **argv);
+int cmd_exec(int argc, char **argv);
+int cmd_get(int argc, char **argv);
+int cmd_events(int argc, char **argv);
+int cmd_cancel(int argc, char **argv);
+
+#endif

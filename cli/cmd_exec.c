@@ -1,0 +1,632 @@
+/* kscore exec, get, events, cancel. */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include "cli_int.h"
+
+/* ---- JSON ------------------------------------------------------------- */
+
+static int
+utf8_valid(const uint8_t *s, size_t n)
+{
+    /* jansson refuses invalid UTF-8 and NUL in json_stringn only for
+     * invalid UTF-8; NUL is fine, but we only call text what a terminal can
+     * show as is, so NUL also makes it binary. */
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == 0)
+            return 0;
+    json_t *j = json_stringn((const char *)s, n);
+    if (!j)
+        return 0;
+    json_decref(j);
+    return 1;
+}
+
+/* Base64 through OpenSSL (EVP_EncodeBlock writes no newlines). */
+static json_t *
+b64(const uint8_t *s, size_t n)
+{
+    size_t olen = 4 * ((n + 2) / 3);
+    unsigned char *o = malloc(olen + 1);
+    json_t *j;
+    if (!o || n > INT32_MAX) {
+        free(o);
+        return json_null();
+    }
+    EVP_EncodeBlock(o, s, (int)n);
+    j = json_stringn((const char *)o, olen);
+    free(o);
+    return j;
+}
+
+static void
+put_output(json_t *o, const char *name, const Ks__Output *out)
+{
+    char key[64];
+    const uint8_t *d = out ? out->data.data : (const uint8_t *)"";
+    size_t n = out ? out->data.len : 0;
+    json_object_set_new(o, name,
+                        utf8_valid(d, n) ? json_stringn((const char *)d, n)
+                                         : json_null());
+    snprintf(key, sizeof(key), "%s_base64", name);
+    json_object_set_new(o, key, b64(d, n));
+    snprintf(key, sizeof(key), "%s_truncated", name);
+    json_object_set_new(o, key, json_boolean(out && out->truncated));
+    snprintf(key, sizeof(key), "%s_total_bytes", name);
+    json_object_set_new(o, key, json_integer(out ? (json_int_t)out->total_bytes
+                                                 : 0));
+}
+
+json_t *
+cli_result_json(const Ks__CommandResult *r)
+{
+    json_t *o = json_object();
+    if (!r)
+        return o;
+    json_object_set_new(o, "status",
+                        json_string(kproto_status_name(r->status)));
+    json_object_set_new(o, "exit_code", r->has_exit_code
+                                            ? json_integer(r->exit_code)
+                                            : json_null());
+    json_object_set_new(o, "signal",
+                        r->signal ? json_integer(r->signal) : json_null());
+    json_object_set_new(o, "core_dumped", json_boolean(r->core_dumped));
+    json_object_set_new(o, "timed_out", json_boolean(r->timed_out));
+    json_object_set_new(o, "cancelled", json_boolean(r->cancelled));
+    put_output(o, "stdout", r->stdout);
+    put_output(o, "stderr", r->stderr);
+    json_object_set_new(o, "started_at",
+                        r->started_at_us ? json_string(cli_time(r->started_at_us))
+                                         : json_null());
+    json_object_set_new(o, "finished_at",
+                        r->finished_at_us
+                            ? json_string(cli_time(r->finished_at_us))
+                            : json_null());
+    json_object_set_new(o, "duration_ms",
+                        json_real((double)r->duration_us / 1000.0));
+    json_object_set_new(o, "term_sent_ms",
+                        r->term_sent_us >= 0 && r->timed_out + r->cancelled +
+                                                        r->signalled >
+                                                    0
+                            ? json_real((double)r->term_sent_us / 1000.0)
+                            : json_null());
+    json_object_set_new(o, "kill_sent_ms",
+                        r->kill_sent_us > 0
+                            ? json_real((double)r->kill_sent_us / 1000.0)
+                            : json_null());
+    json_object_set_new(o, "user_cpu_ms",
+                        json_real((double)r->utime_us / 1000.0));
+    json_object_set_new(o, "system_cpu_ms",
+                        json_real((double)r->stime_us / 1000.0));
+    json_object_set_new(o, "max_rss_kb", json_integer(r->maxrss_kb));
+    json_object_set_new(o, "signalled", json_integer(r->signalled));
+    json_object_set_new(o, "survivors", json_integer(r->survivors));
+    if (r->status == KS__COMMAND_STATUS__START_FAILED) {
+        json_object_set_new(o, "start_stage", json_string(r->start_stage));
+        json_object_set_new(o, "start_errno", json_integer(r->start_errno));
+        json_object_set_new(o, "start_error",
+                            json_string(strerror(r->start_errno)));
+    }
+    return o;
+}
+
+json_t *
+cli_event_json(const Ks__RecordedEvent *rec)
+{
+    const Ks__Event *e = rec->event;
+    json_t *o = json_object();
+    json_object_set_new(o, "version", json_integer(rec->version));
+    json_object_set_new(o, "type", json_string(e ? e->type : ""));
+    json_object_set_new(o, "event_id", json_string(e ? e->event_id : ""));
+    json_object_set_new(o, "recorded_at",
+                        json_string(cli_time(rec->recorded_at_us)));
+    json_object_set_new(o, "global_pos", json_integer(rec->global_pos));
+    if (!e)
+        return o;
+    json_object_set_new(o, "stream_id", json_string(e->stream_id));
+    if (e->command_id[0])
+        json_object_set_new(o, "command_id", json_string(e->command_id));
+    if (e->agent_id[0])
+        json_object_set_new(o, "agent_id", json_string(e->agent_id));
+    if (e->attempt)
+        json_object_set_new(o, "attempt", json_integer(e->attempt));
+    if (e->operator_[0])
+        json_object_set_new(o, "operator", json_string(e->operator_));
+    if (e->reason[0] && strcmp(e->type, "CommandRequested") != 0)
+        json_object_set_new(o, "reason", json_string(e->reason));
+    if (e->command && e->command->spec) {
+        const Ks__CommandSpec *sp = e->command->spec;
+        json_t *argv = json_array(), *env = json_object();
+        for (size_t i = 0; i < sp->n_argv; i++)
+            json_array_append_new(argv, json_string(sp->argv[i]));
+        for (size_t i = 0; i < sp->n_env; i++)
+            json_object_set_new(env, sp->env[i]->name,
+                                json_string(sp->env[i]->value));
+        json_object_set_new(o, "argv", argv);
+        json_object_set_new(o, "env", env);
+        json_object_set_new(o, "cwd", json_string(sp->cwd));
+        json_object_set_new(o, "timeout_ms", json_integer(sp->timeout_ms));
+        json_object_set_new(o, "grace_ms", json_integer(sp->grace_ms));
+    }
+    if (e->result)
+        json_object_set_new(o, "result", cli_result_json(e->result));
+    return o;
+}
+
+void
+cli_print_json(json_t *j)
+{
+    char *s = json_dumps(j, JSON_COMPACT | JSON_ENSURE_ASCII);
+    if (s) {
+        fputs(s, stdout);
+        fputc('\n', stdout);
+        free(s);
+    }
+    json_decref(j);
+}
+
+static int
+write_all(int fd, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w == -1) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* ---- exec ---------------------------------------------------------------- */
+
+static const char exec_usage[] =
+    "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
+    "Runs CMD on one agent through the broker and exits with its exit code\n"
+    "(128+N when killed by signal N, 124 on timeout; see README \"Exit "
+    "codes\").\n"
+    "  --agent ID          target agent (default: the local stack's agent)\n"
+    "  --timeout D         SIGTERM to the process group after D (default: "
+    "none)\n"
+    "  --grace D           SIGKILL D after the SIGTERM (default 5s)\n"
+    "  --env K=V           add to the command's environment (repeatable)\n"
+    "  --cwd DIR           working directory (default /)\n"
+    "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
+    "  --idempotency-key K a repeat with the same key returns the first "
+    "result\n"
+    "  --detach            print the command id and return at once\n"
+    "  --json              print one JSON object with the whole result\n"
+    "  --nats URL          NATS server (default: $KSCORE_NATS_URL or the "
+    "local stack)\n";
+
+int
+cmd_exec(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"agent", required_argument, 0, 'a'},
+        {"timeout", required_argument, 0, 't'},
+        {"grace", required_argument, 0, 'g'},
+        {"env", required_argument, 0, 'e'},
+        {"cwd", required_argument, 0, 'c'},
+        {"deliver-within", required_argument, 0, 'd'},
+        {"idempotency-key", required_argument, 0, 'k'},
+        {"detach", no_argument, 0, 'D'},
+        {"json", no_argument, 0, 'j'},
+        {"nats", required_argument, 0, 'n'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__EnvVar *envs = calloc((size_t)argc, sizeof(*envs));
+    Ks__EnvVar **envp = calloc((size_t)argc, sizeof(*envp));
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    Ks__ExecuteReply *rep = NULL;
+    char *agent_from_env = NULL;
+    const char *agent = NULL;
+    bool json = false;
+    int opt, rc = CLI_EXIT_USAGE;
+
+    if (!envs || !envp)
+        return CLI_EXIT_KSCORE;
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'a':
+            agent = optarg;
+            break;
+        case 't':
+            if (cli_parse_duration(optarg, &spec.timeout_ms)) {
+                cli_err("bad duration '%s' for --timeout (use 500ms, 10s, "
+                        "2m)",
+                        optarg);
+                goto out;
+            }
+            break;
+        case 'g':
+            if (cli_parse_duration(optarg, &spec.grace_ms)) {
+                cli_err("bad duration '%s' for --grace (use 500ms, 10s, 2m)",
+                        optarg);
+                goto out;
+            }
+            break;
+        case 'd':
+            if (cli_parse_duration(optarg, &req.deliver_within_ms)) {
+                cli_err("bad duration '%s' for --deliver-within", optarg);
+                goto out;
+            }
+            break;
+        case 'e': {
+            char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg) {
+                cli_err("bad --env '%s': expected NAME=VALUE", optarg);
+                goto out;
+            }
+            Ks__EnvVar *ev = &envs[spec.n_env];
+            ks__env_var__init(ev);
+            *eq = '\0';
+            ev->name = optarg;
+            ev->value = eq + 1;
+            envp[spec.n_env++] = ev;
+            break;
+        }
+        case 'c':
+            spec.cwd = optarg;
+            break;
+        case 'k':
+            req.idempotency_key = optarg;
+            break;
+        case 'D':
+            req.detach = 1;
+            break;
+        case 'j':
+            json = true;
+            break;
+        case 'n':
+            cc.nats_url = optarg;
+            break;
+        case 'h':
+            fputs(exec_usage, stdout);
+            rc = 0;
+            goto out;
+        default:
+            fputs(exec_usage, stderr);
+            goto out;
+        }
+    }
+    if (optind >= argc || strcmp(argv[optind - 1], "--") != 0) {
+        if (optind < argc)
+            cli_err("missing -- before the command: kscore exec [OPTIONS] "
+                    "-- %s ...",
+                    argv[optind]);
+        else
+            cli_err("no command given: kscore exec [OPTIONS] -- CMD [ARG]...");
+        goto out;
+    }
+    if (!argv[optind][0]) {
+        cli_err("empty command name");
+        goto out;
+    }
+    spec.argv = argv + optind;
+    spec.n_argv = (size_t)(argc - optind);
+    spec.env = envp;
+    if (!agent) {
+        agent = getenv("KSCORE_AGENT");
+        if (!agent || !agent[0])
+            agent = agent_from_env = cli_env_get("KSCORE_AGENT");
+    }
+    if (!agent || !agent[0]) {
+        cli_err("no agent: give --agent ID (no local stack agent found in "
+                "%s/env)",
+                cli_home());
+        goto out;
+    }
+    req.agent_id = (char *)agent;
+    req.spec = &spec;
+
+    if ((rc = cli_connect(&cc, &c)))
+        goto out;
+    rc = broker_execute(c, &req, broker_execute_wait_ms(&req), &rep);
+    if (rc) {
+        if (rc == KS_EUNAVAIL)
+            cli_err("no broker is serving %s (is `kscore broker` running?)",
+                    EVT_API_EXECUTE);
+        else if (rc == KS_ETIMEDOUT)
+            cli_err("no reply from the broker in time");
+        else
+            cli_err("execute: %s", ks_strerror(rc));
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rep->error_code) {
+        cli_err("%s", rep->error);
+        if (json) {
+            json_t *o = json_object();
+            json_object_set_new(o, "error", json_string(rep->error));
+            json_object_set_new(o, "error_code",
+                                json_string(ks_err_name(rep->error_code)));
+            cli_print_json(o);
+        }
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (req.detach) {
+        if (json) {
+            json_t *o = json_object();
+            json_object_set_new(o, "command_id", json_string(rep->command_id));
+            json_object_set_new(o, "agent_id", json_string(rep->agent_id));
+            cli_print_json(o);
+        } else {
+            printf("%s\n", rep->command_id);
+        }
+        rc = 0;
+        goto out;
+    }
+    const Ks__CommandResult *r = rep->result;
+    if (json) {
+        json_t *o = cli_result_json(r);
+        json_object_set_new(o, "command_id", json_string(rep->command_id));
+        json_object_set_new(o, "agent_id", json_string(rep->agent_id));
+        cli_print_json(o);
+    } else if (r) {
+        fflush(stdout);
+        if (r->stdout)
+            write_all(1, r->stdout->data.data, r->stdout->data.len);
+        if (r->stderr)
+            write_all(2, r->stderr->data.data, r->stderr->data.len);
+        if (r->stdout && r->stdout->truncated)
+            cli_err("stdout truncated: %llu of %llu bytes shown",
+                    (unsigned long long)r->stdout->data.len,
+                    (unsigned long long)r->stdout->total_bytes);
+        if (r->stderr && r->stderr->truncated)
+            cli_err("stderr truncated: %llu of %llu bytes shown",
+                    (unsigned long long)r->stderr->data.len,
+                    (unsigned long long)r->stderr->total_bytes);
+        if (r->status == KS__COMMAND_STATUS__START_FAILED)
+            cli_err("cannot start %s: %s failed: %s", spec.argv[0],
+                    r->start_stage, strerror(r->start_errno));
+        else if (r->timed_out)
+            cli_err("timed out after %.3fs (command %s)",
+                    (double)spec.timeout_ms / 1000.0, rep->command_id);
+        else if (!kproto_status_terminal(r->status) ||
+                 r->status >= KS__COMMAND_STATUS__CANCELLED)
+            cli_err("command %s ended %s", rep->command_id,
+                    kproto_status_name(r->status));
+    }
+    rc = cli_exit_status(r);
+out:
+    if (rep)
+        ks__execute_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    free(agent_from_env);
+    free(envs);
+    free(envp);
+    return rc;
+}
+
+/* ---- get / events / cancel ----------------------------------------------- */
+
+/* Parses "ID [--json] [--nats URL]"; returns the id or NULL (printed). */
+static const char *
+parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
+              struct cli_conn *cc, int *rc)
+{
+    static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       {"nats", required_argument, 0, 'n'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    int opt;
+    optind = 1;
+    *rc = CLI_EXIT_USAGE;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'j':
+            *json = true;
+            break;
+        case 'n':
+            cc->nats_url = optarg;
+            break;
+        case 'h':
+            printf("%s\n", usage_line);
+            *rc = 0;
+            return NULL;
+        default:
+            fprintf(stderr, "%s\n", usage_line);
+            return NULL;
+        }
+    }
+    if (optind != argc - 1) {
+        cli_err("expected one id: %s", usage_line);
+        return NULL;
+    }
+    return argv[optind];
+}
+
+int
+cmd_get(int argc, char **argv)
+{
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    Ks__GetRequest req = KS__GET_REQUEST__INIT;
+    Ks__GetReply *rep = NULL;
+    bool json = false;
+    int rc;
+    const char *id = parse_id_args(argc, argv, "usage: kscore get ID [--json]",
+                                   &json, &cc, &rc);
+    if (!id)
+        return rc;
+    if (!ks_is_uuid(id)) {
+        cli_err("'%s' is not a command id (a UUID)", id);
+        return CLI_EXIT_USAGE;
+    }
+    if ((rc = cli_connect(&cc, &c)))
+        return rc;
+    req.id = (char *)id;
+    rc = broker_call(c, EVT_API_GET, &req.base, &ks__get_reply__descriptor,
+                     5000, (ProtobufCMessage **)&rep);
+    if (rc || rep->error_code) {
+        cli_err("get %s: %s", id, rc ? ks_strerror(rc) : rep->error);
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    const Ks__CommandView *v = rep->command;
+    if (json) {
+        json_t *o = cli_result_json(v->result);
+        json_t *argvj = json_array();
+        for (size_t i = 0; i < v->n_argv; i++)
+            json_array_append_new(argvj, json_string(v->argv[i]));
+        json_object_set_new(o, "command_id", json_string(v->command_id));
+        json_object_set_new(o, "agent_id", json_string(v->agent_id));
+        json_object_set_new(o, "status",
+                            json_string(kproto_status_name(v->status)));
+        json_object_set_new(o, "argv", argvj);
+        json_object_set_new(o, "attempt", json_integer(v->attempt));
+        json_object_set_new(o, "version", json_integer(v->version));
+        json_object_set_new(o, "requested_at",
+                            json_string(cli_time(v->requested_at_us)));
+        cli_print_json(o);
+    } else {
+        const Ks__CommandResult *r = v->result;
+        printf("command   %s\nagent     %s\nstatus    %s\nargv     ",
+               v->command_id, v->agent_id, kproto_status_name(v->status));
+        for (size_t i = 0; i < v->n_argv; i++)
+            printf(" %s", v->argv[i]);
+        printf("\nrequested %s\n", cli_time(v->requested_at_us));
+        if (r && r->has_exit_code)
+            printf("exit code %d\n", r->exit_code);
+        if (r && r->signal)
+            printf("signal    %d (%s)\n", r->signal, strsignal(r->signal));
+        if (r && r->status == KS__COMMAND_STATUS__START_FAILED)
+            printf("start     %s failed: %s\n", r->start_stage,
+                   strerror(r->start_errno));
+        if (r && r->duration_us)
+            printf("duration  %.3f ms\n", (double)r->duration_us / 1000.0);
+        if (r && r->stdout && r->stdout->data.len) {
+            printf("stdout    (%llu bytes%s)\n",
+                   (unsigned long long)r->stdout->total_bytes,
+                   r->stdout->truncated ? ", truncated" : "");
+            fflush(stdout);
+            write_all(1, r->stdout->data.data, r->stdout->data.len);
+        }
+        if (r && r->stderr && r->stderr->data.len) {
+            printf("stderr    (%llu bytes%s)\n",
+                   (unsigned long long)r->stderr->total_bytes,
+                   r->stderr->truncated ? ", truncated" : "");
+            fflush(stdout);
+            write_all(1, r->stderr->data.data, r->stderr->data.len);
+        }
+    }
+    rc = 0;
+out:
+    if (rep)
+        ks__get_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    return rc;
+}
+
+int
+cmd_events(int argc, char **argv)
+{
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
+    char stream[128];
+    bool json = false;
+    int rc, total = 0;
+    const char *id = parse_id_args(
+        argc, argv, "usage: kscore events ID [--json]", &json, &cc, &rc);
+    if (!id)
+        return rc;
+    if (ks_is_uuid(id))
+        snprintf(stream, sizeof(stream), "command-%s", id);
+    else if (strlen(id) < sizeof(stream))
+        snprintf(stream, sizeof(stream), "%s", id);
+    if (!ks_is_uuid(id) && strncmp(id, "command-", 8) != 0 &&
+        strncmp(id, "batch-", 6) != 0) {
+        cli_err("'%s' is not a command id, nor a stream id", id);
+        return CLI_EXIT_USAGE;
+    }
+    if ((rc = cli_connect(&cc, &c)))
+        return rc;
+    req.stream_id = stream;
+    for (;;) {
+        Ks__EventsReply *rep = NULL;
+        rc = broker_call(c, EVT_API_EVENTS, &req.base,
+                         &ks__events_reply__descriptor, 5000,
+                         (ProtobufCMessage **)&rep);
+        if (rc || rep->error_code) {
+            cli_err("events %s: %s", id, rc ? ks_strerror(rc) : rep->error);
+            if (rep)
+                ks__events_reply__free_unpacked(rep, NULL);
+            evt_close(c);
+            return CLI_EXIT_KSCORE;
+        }
+        for (size_t i = 0; i < rep->n_events; i++) {
+            const Ks__RecordedEvent *e = rep->events[i];
+            if (json) {
+                cli_print_json(cli_event_json(e));
+            } else {
+                printf("%3lld  %-22s %s  %s", (long long)e->version,
+                       e->event->type, cli_time(e->recorded_at_us),
+                       e->event->agent_id);
+                if (e->event->result)
+                    printf("  %s",
+                           kproto_status_name(e->event->result->status));
+                if (e->event->reason[0] &&
+                    strcmp(e->event->type, "CommandRequested") != 0)
+                    printf("  (%s)", e->event->reason);
+                printf("\n");
+            }
+            req.after_version = e->version;
+            total++;
+        }
+        size_t n = rep->n_events;
+        ks__events_reply__free_unpacked(rep, NULL);
+        if (n == 0)
+            break;
+    }
+    evt_close(c);
+    if (total == 0) {
+        cli_err("no events for %s", id);
+        return CLI_EXIT_KSCORE;
+    }
+    return 0;
+}
+
+int
+cmd_cancel(int argc, char **argv)
+{
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    Ks__CancelRequest req = KS__CANCEL_REQUEST__INIT;
+    Ks__CancelReply *rep = NULL;
+    bool json = false;
+    int rc;
+    const char *id = parse_id_args(argc, argv, "usage: kscore cancel ID",
+                                   &json, &cc, &rc);
+    if (!id)
+        return rc;
+    if ((rc = cli_connect(&cc, &c)))
+        return rc;
+    req.id = (char *)id;
+    rc = broker_call(c, EVT_API_CANCEL, &req.base,
+                     &ks__cancel_reply__descriptor, 5000,
+                     (ProtobufCMessage **)&rep);
+    if (rc || rep->error_code) {
+        cli_err("cancel %s: %s", id, rc ? ks_strerror(rc) : rep->error);
+        rc = CLI_EXIT_KSCORE;
+    }
+    if (rep)
+        ks__cancel_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    return rc;
+}

@@ -1,0 +1,515 @@
+/* kscore up, down, status (the local stack) and the broker and agent
+ * services. */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "agent.h"
+#include "cli_int.h"
+#include "stack.h"
+
+static const char *const parts[] = {"nats", "pg", "broker", "agent"};
+
+static void
+local_agent_id(char *buf, size_t len)
+{
+    char host[256];
+    size_t j = 0;
+    if (gethostname(host, sizeof(host)) != 0)
+        snprintf(host, sizeof(host), "local");
+    host[sizeof(host) - 1] = '\0';
+    /* Agent ids are subject tokens: the host name up to its first dot, with
+     * anything outside [A-Za-z0-9_-] made '-'. */
+    for (size_t i = 0; host[i] && host[i] != '.' && j + 1 < len &&
+                       j < EVT_AGENT_ID_MAX;
+         i++) {
+        char ch = host[i];
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                 (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
+        buf[j++] = ok ? ch : '-';
+    }
+    buf[j] = '\0';
+    if (!j)
+        snprintf(buf, len, "local");
+}
+
+static int
+self_exe(char *buf, size_t len)
+{
+    ssize_t n = readlink("/proc/self/exe", buf, len - 1);
+    if (n <= 0)
+        return -errno;
+    buf[n] = '\0';
+    return 0;
+}
+
+static void
+sleep_ms(int ms)
+{
+    nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000L},
+              NULL);
+}
+
+/* The broker answers a get of an unknown id: it is serving. */
+static int
+wait_broker(const char *url, int timeout_ms)
+{
+    struct evt_connect_opts o = {.name = "kscore-up", .send_asap = true};
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    char id[37];
+    ks_uuid(id);
+    while (ks_mono_us() < deadline) {
+        struct evt_conn *c = NULL;
+        if (evt_connect(url, &o, &c, NULL) == 0) {
+            Ks__GetRequest req = KS__GET_REQUEST__INIT;
+            ProtobufCMessage *rep = NULL;
+            req.id = id;
+            int rc = broker_call(c, EVT_API_GET, &req.base,
+                                 &ks__get_reply__descriptor, 1000, &rep);
+            if (rep)
+                protobuf_c_message_free_unpacked(rep, NULL);
+            evt_close(c);
+            if (rc == 0)
+                return 0;
+        }
+        sleep_ms(100);
+    }
+    return KS_ETIMEDOUT;
+}
+
+static int
+wait_agent(const char *url, const char *id, int timeout_ms)
+{
+    struct evt_connect_opts o = {.name = "kscore-up"};
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    struct evt_conn *c = NULL;
+    kvStore *kv = NULL;
+    int rc = KS_ETIMEDOUT;
+
+    if (evt_connect(url, &o, &c, NULL) != 0)
+        return KS_EUNAVAIL;
+    while (ks_mono_us() < deadline) {
+        Ks__AgentInfo *info = NULL;
+        if (!kv && evt_agents_kv(c, &kv) != 0)
+            kv = NULL;
+        if (kv && evt_agent_get(kv, id, &info) == 0 &&
+            info->heartbeat_at_us > ks_now_us() - EVT_AGENT_TTL_MS * 1000) {
+            ks__agent_info__free_unpacked(info, NULL);
+            rc = 0;
+            break;
+        }
+        if (info)
+            ks__agent_info__free_unpacked(info, NULL);
+        sleep_ms(100);
+    }
+    kvStore_Destroy(kv);
+    evt_close(c);
+    return rc;
+}
+
+static int
+write_env(const char *home, const char *url, const char *db,
+          const char *agent, unsigned local_agents)
+{
+    char path[4200], tmp[4300];
+    FILE *f;
+    snprintf(path, sizeof(path), "%s/env", home);
+    snprintf(tmp, sizeof(tmp), "%s/env.tmp", home);
+    f = fopen(tmp, "we");
+    if (!f)
+        return -errno;
+    fprintf(f,
+            "# the local kscore stack; written by `kscore up`\n"
+            "KSCORE_NATS_URL='%s'\nKSCORE_DB='%s'\nKSCORE_AGENT='%s'\n"
+            "KSCORE_LOCAL_AGENTS='%u'\n",
+            url, db, agent, local_agents);
+    if (fclose(f) != 0 || rename(tmp, path) != 0)
+        return -errno;
+    return 0;
+}
+
+static int
+print_status(bool json)
+{
+    const char *home = cli_home();
+    char *url = cli_env_get("KSCORE_NATS_URL");
+    char *db = cli_env_get("KSCORE_DB");
+    char *agent = cli_env_get("KSCORE_AGENT");
+    int running = 0;
+    json_t *o = json_object(), *jp = json_object();
+
+    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
+        pid_t pid = 0;
+        int alive = stack_pidfile_alive(home, parts[i], &pid);
+        const char *addr = strcmp(parts[i], "nats") == 0  ? url
+                           : strcmp(parts[i], "pg") == 0  ? db
+                           : strcmp(parts[i], "agent") == 0 ? agent
+                                                            : "";
+        running += alive;
+        json_t *p = json_object();
+        json_object_set_new(p, "state",
+                            json_string(alive ? "running" : "stopped"));
+        json_object_set_new(p, "pid", alive ? json_integer(pid) : json_null());
+        json_object_set_new(p, "address", json_string(addr ? addr : ""));
+        json_object_set_new(jp, parts[i], p);
+        if (!json) {
+            char pids[16] = "-";
+            if (alive)
+                snprintf(pids, sizeof(pids), "%d", (int)pid);
+            printf("%-7s %-8s pid %-8s %s\n", parts[i],
+                   alive ? "running" : "stopped", pids, addr ? addr : "");
+        }
+    }
+    if (json) {
+        json_object_set_new(o, "home", json_string(home));
+        json_object_set_new(o, "nats_url", url ? json_string(url)
+                                               : json_null());
+        json_object_set_new(o, "db", db ? json_string(db) : json_null());
+        json_object_set_new(o, "agent_id", agent ? json_string(agent)
+                                                 : json_null());
+        json_object_set_new(o, "running",
+                            json_boolean(running == (int)(sizeof(parts) /
+                                                          sizeof(parts[0]))));
+        json_object_set_new(o, "parts", jp);
+        cli_print_json(o);
+    } else {
+        json_decref(o);
+        json_decref(jp);
+    }
+    free(url);
+    free(db);
+    free(agent);
+    return running == (int)(sizeof(parts) / sizeof(parts[0])) ? 0 : 1;
+}
+
+int
+cmd_status(int argc, char **argv)
+{
+    bool json = argc > 1 && strcmp(argv[1], "--json") == 0;
+    if (argc > 1 && !json) {
+        if (strcmp(argv[1], "--help") == 0) {
+            printf("usage: kscore status [--json]\nExit 0 when every part "
+                   "of the local stack runs, 1 otherwise.\n");
+            return 0;
+        }
+        cli_err("usage: kscore status [--json]");
+        return CLI_EXIT_USAGE;
+    }
+    return print_status(json);
+}
+
+int
+cmd_up(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"local-agents", required_argument, 0, 'l'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *home = cli_home();
+    char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
+    char agent_state[4200], local_state[4200];
+    char *url = NULL, *db = NULL;
+    unsigned local_agents = 0;
+    pid_t pid;
+    int opt, rc;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        char *end;
+        switch (opt) {
+        case 'l':
+            local_agents = (unsigned)strtoul(optarg, &end, 10);
+            if (*end || !optarg[0] || local_agents > 10000) {
+                cli_err("bad --local-agents '%s' (0..10000)", optarg);
+                return CLI_EXIT_USAGE;
+            }
+            break;
+        case 'h':
+            printf("usage: kscore up [--local-agents N]\nStarts the local "
+                   "stack under $KSCORE_HOME (now %s).\n",
+                   home);
+            return 0;
+        default:
+            return CLI_EXIT_USAGE;
+        }
+    }
+    if (self_exe(exe, sizeof(exe)) != 0) {
+        cli_err("cannot find my own executable");
+        return CLI_EXIT_KSCORE;
+    }
+    int alive = 0;
+    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
+        alive += stack_pidfile_alive(home, parts[i], NULL);
+    if (alive == (int)(sizeof(parts) / sizeof(parts[0]))) {
+        fprintf(stderr, "kscore: the local stack is already running in %s\n",
+                home);
+        print_status(false);
+        return 0;
+    }
+    if ((rc = stack_mkdirs(home, 0755))) {
+        cli_err("cannot create %s: %s", home, ks_strerror(rc));
+        return CLI_EXIT_KSCORE;
+    }
+    local_agent_id(agent_id, sizeof(agent_id));
+
+    fprintf(stderr, "kscore: starting nats-server ...\n");
+    if (stack_pidfile_alive(home, "nats", NULL) &&
+        (url = cli_env_get("KSCORE_NATS_URL"))) {
+        /* keep the running one */
+    } else {
+        stack_nats_stop(home);
+        free(url);
+        url = NULL;
+        rc = stack_nats_start(home, 0, NULL, &url, &pid);
+        if (rc) {
+            cli_err("cannot start nats-server: %s (see %s/nats.log)",
+                    ks_strerror(rc), home);
+            return CLI_EXIT_KSCORE;
+        }
+    }
+    fprintf(stderr, "kscore: starting PostgreSQL ...\n");
+    rc = stack_pg_start(home, 0, &db, &pid);
+    if (rc) {
+        cli_err("cannot start PostgreSQL: %s (see %s/pg.log)",
+                ks_strerror(rc), home);
+        free(url);
+        return CLI_EXIT_KSCORE;
+    }
+    fprintf(stderr, "kscore: starting the broker ...\n");
+    snprintf(nlocal, sizeof(nlocal), "%u", local_agents);
+    snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
+    snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
+    if (!stack_pidfile_alive(home, "broker", NULL)) {
+        char *bargv[] = {exe,         "broker",         "--nats",
+                         url,         "--db",           db,
+                         "--local-agents", nlocal,      "--state-dir",
+                         local_state, NULL};
+        rc = stack_daemon(home, "broker", bargv, &pid);
+        if (rc == 0)
+            rc = wait_broker(url, 30000);
+        if (rc) {
+            cli_err("the broker did not start: %s (see %s/broker.log)",
+                    ks_strerror(rc), home);
+            goto fail;
+        }
+    }
+    fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
+    if (!stack_pidfile_alive(home, "agent", NULL)) {
+        char *aargv[] = {exe,         "agent",       "--id",      agent_id,
+                         "--nats",    url,           "--state-dir",
+                         agent_state, NULL};
+        rc = stack_daemon(home, "agent", aargv, &pid);
+        if (rc == 0)
+            rc = wait_agent(url, agent_id, 30000);
+        if (rc) {
+            cli_err("the agent did not start: %s (see %s/agent.log)",
+                    ks_strerror(rc), home);
+            goto fail;
+        }
+    }
+    if ((rc = write_env(home, url, db, agent_id, local_agents))) {
+        cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
+        goto fail;
+    }
+    fprintf(stderr, "kscore: the local stack is up in %s\n", home);
+    free(url);
+    free(db);
+    print_status(false);
+    return 0;
+fail:
+    free(url);
+    free(db);
+    return CLI_EXIT_KSCORE;
+}
+
+int
+cmd_down(int argc, char **argv)
+{
+    const char *home = cli_home();
+    char path[4200];
+    int rc = 0;
+
+    if (argc > 1) {
+        printf("usage: kscore down\nStops every part of the local stack in "
+               "%s.\n",
+               home);
+        return strcmp(argv[1], "--help") == 0 ? 0 : CLI_EXIT_USAGE;
+    }
+    /* Agent first, so its running commands end and report while the
+     * broker and the servers are still there. */
+    if (stack_stop(home, "agent", 20000) != 0)
+        rc = CLI_EXIT_KSCORE;
+    if (stack_stop(home, "broker", 20000) != 0)
+        rc = CLI_EXIT_KSCORE;
+    if (stack_nats_stop(home) != 0)
+        rc = CLI_EXIT_KSCORE;
+    if (stack_pg_stop(home) != 0)
+        rc = CLI_EXIT_KSCORE;
+    snprintf(path, sizeof(path), "%s/env", home);
+    unlink(path);
+    if (rc)
+        cli_err("some part of the stack did not stop (kscore status)");
+    else
+        fprintf(stderr, "kscore: the local stack in %s is stopped\n", home);
+    return rc;
+}
+
+/* ---- services ------------------------------------------------------------ */
+
+int
+cmd_broker(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"nats", required_argument, 0, 'n'},
+        {"db", required_argument, 0, 'd'},
+        {"local-agents", required_argument, 0, 'l'},
+        {"state-dir", required_argument, 0, 's'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    struct broker_opts o = {0};
+    char *errmsg = NULL;
+    int opt, rc;
+
+    o.nats_url = getenv("KSCORE_NATS_URL");
+    o.db_conninfo = getenv("KSCORE_DB");
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        char *end;
+        switch (opt) {
+        case 'n':
+            o.nats_url = optarg;
+            break;
+        case 'd':
+            o.db_conninfo = optarg;
+            break;
+        case 'l':
+            o.local_agents = (unsigned)strtoul(optarg, &end, 10);
+            if (*end || !optarg[0] || o.local_agents > 10000) {
+                cli_err("bad --local-agents '%s' (0..10000)", optarg);
+                return CLI_EXIT_USAGE;
+            }
+            break;
+        case 's':
+            o.state_dir = optarg;
+            break;
+        case 'h':
+            printf("usage: kscore broker --nats URL --db CONNINFO "
+                   "[--local-agents N] [--state-dir DIR]\n");
+            return 0;
+        default:
+            return CLI_EXIT_USAGE;
+        }
+    }
+    if (!o.nats_url || !o.db_conninfo) {
+        cli_err("the broker needs --nats URL and --db CONNINFO (or "
+                "KSCORE_NATS_URL and KSCORE_DB)");
+        return CLI_EXIT_USAGE;
+    }
+    rc = broker_run(&o, &errmsg);
+    if (rc) {
+        cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
+        free(errmsg);
+        return CLI_EXIT_KSCORE;
+    }
+    return 0;
+}
+
+int
+cmd_agent(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"id", required_argument, 0, 'i'},
+        {"label", required_argument, 0, 'l'},
+        {"nats", required_argument, 0, 'n'},
+        {"state-dir", required_argument, 0, 's'},
+        {"max-concurrent", required_argument, 0, 'm'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    struct agent_opts o = {0};
+    const char **ids = calloc((size_t)argc, sizeof(*ids));
+    struct agent_label *labels = calloc((size_t)argc, sizeof(*labels));
+    struct agent *a = NULL;
+    char *errmsg = NULL;
+    sigset_t set;
+    int opt, sig, rc = CLI_EXIT_USAGE;
+
+    if (!ids || !labels)
+        return CLI_EXIT_KSCORE;
+    o.nats_url = getenv("KSCORE_NATS_URL");
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        char *end, *eq;
+        switch (opt) {
+        case 'i':
+            ids[o.n_ids++] = optarg;
+            break;
+        case 'l':
+            eq = strchr(optarg, '=');
+            if (!eq || eq == optarg) {
+                cli_err("bad --label '%s': expected KEY=VALUE", optarg);
+                goto out;
+            }
+            *eq = '\0';
+            labels[o.n_labels].key = optarg;
+            labels[o.n_labels++].value = eq + 1;
+            break;
+        case 'n':
+            o.nats_url = optarg;
+            break;
+        case 's':
+            o.state_dir = optarg;
+            break;
+        case 'm':
+            o.max_concurrent = (unsigned)strtoul(optarg, &end, 10);
+            if (*end || !o.max_concurrent) {
+                cli_err("bad --max-concurrent '%s' (>= 1)", optarg);
+                goto out;
+            }
+            break;
+        case 'h':
+            printf("usage: kscore agent --id ID [--id ID]... [--label K=V]... "
+                   "[--nats URL] [--state-dir DIR] [--max-concurrent N]\n");
+            rc = 0;
+            goto out;
+        default:
+            goto out;
+        }
+    }
+    if (o.n_ids == 0) {
+        cli_err("the agent needs --id ID");
+        goto out;
+    }
+    if (!o.nats_url) {
+        cli_err("the agent needs --nats URL (or KSCORE_NATS_URL)");
+        goto out;
+    }
+    o.ids = ids;
+    o.labels = labels;
+    /* Before any thread exists, so only sigwait() sees these. */
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    rc = agent_start(&o, &a, &errmsg);
+    if (rc) {
+        cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
+        free(errmsg);
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    fprintf(stderr, "kscore agent: serving %zu id(s) on %s\n", o.n_ids,
+            o.nats_url);
+    sigwait(&set, &sig);
+    fprintf(stderr, "kscore agent: %s, stopping\n", strsignal(sig));
+    agent_stop(a);
+    rc = 0;
+out:
+    free(ids);
+    free(labels);
+    return rc;
+}

@@ -1,0 +1,205 @@
+/* kscore: the operator binary. Thin over the broker client API. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli_int.h"
+
+static const char usage[] =
+    "usage: kscore COMMAND [OPTIONS]\n"
+    "\n"
+    "Local stack:\n"
+    "  up [--local-agents N]   start nats-server, PostgreSQL, a broker and an\n"
+    "                          agent under $KSCORE_HOME\n"
+    "  down                    stop everything `up` started\n"
+    "  status [--json]         each part: pid, address, state\n"
+    "\n"
+    "Commands:\n"
+    "  exec [--agent ID] [--timeout D] [--grace D] [--env K=V]... [--cwd DIR]\n"
+    "       [--json] -- CMD [ARG]...   run CMD on one agent\n"
+    "  get ID [--json]         a command's state and result\n"
+    "  events ID [--json]      a command's events, in order\n"
+    "  cancel ID               cancel a command (TERM, grace, KILL)\n"
+    "\n"
+    "Services:\n"
+    "  broker --nats URL --db CONNINFO [--local-agents N]\n"
+    "  agent --id ID [--label K=V]... [--nats URL] [--state-dir DIR]\n"
+    "\n"
+    "Every client command takes --nats URL (or $KSCORE_NATS_URL); without it\n"
+    "the local stack is used. `kscore COMMAND --help` for details.\n"
+    "Durations: 500ms, 10s, 2m, 1h (a plain number is seconds).\n";
+
+void
+cli_err(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kscore: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+const char *
+cli_home(void)
+{
+    static char buf[4096];
+    const char *h = getenv("KSCORE_HOME");
+    if (h && h[0])
+        return h;
+    h = getenv("HOME");
+    snprintf(buf, sizeof(buf), "%s/.local/state/kscore", h ? h : "/tmp");
+    return buf;
+}
+
+char *
+cli_env_get(const char *key)
+{
+    char path[4200], line[4096];
+    size_t klen = strlen(key);
+    char *val = NULL;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/env", cli_home());
+    f = fopen(path, "re");
+    if (!f)
+        return NULL;
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, key, klen) == 0 && line[klen] == '=') {
+            char *v = line + klen + 1;
+            v[strcspn(v, "\n")] = '\0';
+            /* values are written single-quoted */
+            if (v[0] == '\'' && strlen(v) >= 2 && v[strlen(v) - 1] == '\'') {
+                v[strlen(v) - 1] = '\0';
+                v++;
+            }
+            val = strdup(v);
+            break;
+        }
+    }
+    fclose(f);
+    return val;
+}
+
+int
+cli_connect(struct cli_conn *cc, struct evt_conn **out)
+{
+    char *from_env = NULL, *errmsg = NULL;
+    const char *url = cc->nats_url;
+    int rc;
+
+    if (!url || !url[0])
+        url = getenv("KSCORE_NATS_URL");
+    if (!url || !url[0])
+        url = from_env = cli_env_get("KSCORE_NATS_URL");
+    if (!url || !url[0]) {
+        cli_err("no NATS url: give --nats URL, set KSCORE_NATS_URL, or start "
+                "the local stack with `kscore up` (looked in %s/env)",
+                cli_home());
+        return CLI_EXIT_KSCORE;
+    }
+    cc->opts.send_asap = true;
+    cc->opts.name = "kscore-cli";
+    rc = evt_connect(url, &cc->opts, out, &errmsg);
+    if (rc) {
+        cli_err("%s", errmsg ? errmsg : ks_strerror(rc));
+        free(errmsg);
+        free(from_env);
+        return CLI_EXIT_KSCORE;
+    }
+    free(from_env);
+    return 0;
+}
+
+int
+cli_parse_duration(const char *s, uint64_t *ms_out)
+{
+    char *end = NULL;
+    double v;
+
+    if (!s || !s[0])
+        return -1;
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno || end == s || v < 0 || v != v)
+        return -1;
+    if (!*end || strcmp(end, "s") == 0)
+        v *= 1000;
+    else if (strcmp(end, "ms") == 0)
+        ;
+    else if (strcmp(end, "m") == 0)
+        v *= 60 * 1000;
+    else if (strcmp(end, "h") == 0)
+        v *= 3600 * 1000;
+    else
+        return -1;
+    if (v > 365.0 * 24 * 3600 * 1000)
+        return -1;
+    *ms_out = (uint64_t)(v + 0.5);
+    return 0;
+}
+
+const char *
+cli_time(int64_t us)
+{
+    static char buf[64];
+    time_t t = (time_t)(us / 1000000);
+    struct tm tm;
+    char base[32];
+
+    if (us <= 0)
+        return "";
+    gmtime_r(&t, &tm);
+    strftime(base, sizeof(base), "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(buf, sizeof(buf), "%s.%06ldZ", base, (long)(us % 1000000));
+    return buf;
+}
+
+int
+cli_exit_status(const Ks__CommandResult *r)
+{
+    if (!r)
+        return CLI_EXIT_KSCORE;
+    if (r->status == KS__COMMAND_STATUS__START_FAILED)
+        return r->start_errno == ENOENT && strcmp(r->start_stage, "exec") == 0
+                   ? CLI_EXIT_NOT_FOUND
+                   : CLI_EXIT_CANNOT_RUN;
+    if (r->timed_out)
+        return CLI_EXIT_TIMEDOUT;
+    if (r->signal > 0)
+        return 128 + r->signal;
+    if (r->has_exit_code)
+        return r->exit_code;
+    return CLI_EXIT_KSCORE; /* Undeliverable, Lost, Cancelled, Rejected */
+}
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+} commands[] = {
+    {"up", cmd_up},         {"down", cmd_down},     {"status", cmd_status},
+    {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
+    {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
+};
+
+int
+main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 ||
+        strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        fputs(usage, argc < 2 ? stderr : stdout);
+        return argc < 2 ? CLI_EXIT_USAGE : 0;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        printf("kscore 0.1.0\n");
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (strcmp(argv[1], commands[i].name) == 0)
+            return commands[i].fn(argc - 1, argv + 1);
+    cli_err("unknown command '%s' (see kscore --help)", argv[1]);
+    return CLI_EXIT_USAGE;
+}

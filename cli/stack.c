@@ -1,0 +1,294 @@
+/* The local stack: shared helpers and nats-server. PostgreSQL is in
+ * stack_pg.c. */
+#include "stack.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kproto.h"
+
+#define NATS_SERVER_BIN "/usr/bin/nats-server"
+
+int
+stack_free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t alen = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int port;
+
+    if (fd == -1)
+        return -errno;
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == -1 ||
+        getsockname(fd, (struct sockaddr *)&a, &alen) == -1) {
+        int e = -errno;
+        close(fd);
+        return e;
+    }
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+int
+stack_mkdirs(const char *path, unsigned mode)
+{
+    char buf[4096];
+    size_t n = strlen(path);
+
+    if (n == 0 || n >= sizeof(buf))
+        return -ENAMETOOLONG;
+    memcpy(buf, path, n + 1);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, mode) == -1 && errno != EEXIST)
+            return -errno;
+        *p = '/';
+    }
+    if (mkdir(buf, mode) == -1 && errno != EEXIST)
+        return -errno;
+    return 0;
+}
+
+static int
+read_pidfile(const char *path, pid_t *pid_out)
+{
+    FILE *f = fopen(path, "re");
+    long v = 0;
+    if (!f)
+        return -errno;
+    if (fscanf(f, "%ld", &v) != 1)
+        v = 0;
+    fclose(f);
+    if (v <= 0)
+        return KS_ENOTFOUND;
+    *pid_out = (pid_t)v;
+    return 0;
+}
+
+/* Alive and not a zombie (a zombie can linger until its parent reaps). */
+static int
+pid_alive(pid_t pid)
+{
+    char path[64], state = 0;
+    FILE *f;
+    int r;
+
+    if (pid <= 0 || kill(pid, 0) == -1)
+        return 0;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    f = fopen(path, "re");
+    if (!f)
+        return 0;
+    /* "pid (comm) S ...": comm may hold spaces; state follows the last ')'. */
+    char line[512];
+    r = fgets(line, sizeof(line), f) != NULL;
+    fclose(f);
+    if (r) {
+        char *rp = strrchr(line, ')');
+        if (rp && rp[1] == ' ')
+            state = rp[2];
+    }
+    return state && state != 'Z' && state != 'X';
+}
+
+int
+stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out)
+{
+    char path[4096];
+    pid_t pid = 0;
+
+    snprintf(path, sizeof(path), "%s/%s.pid", dir, name);
+    if (read_pidfile(path, &pid) != 0 || !pid_alive(pid))
+        return 0;
+    if (pid_out)
+        *pid_out = pid;
+    return 1;
+}
+
+static void
+sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
+        ;
+}
+
+/* Sends sig, then waits up to wait_ms for the process to be gone, reaping
+ * it if it is our child. */
+static int
+stop_pid(pid_t pid, int wait_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
+
+    if (kill(pid, SIGTERM) == -1)
+        return errno == ESRCH ? 0 : -errno;
+    while (ks_mono_us() < deadline) {
+        waitpid(pid, NULL, WNOHANG);
+        if (!pid_alive(pid))
+            return 0;
+        sleep_ms(20);
+    }
+    kill(pid, SIGKILL);
+    for (int i = 0; i < 250; i++) {
+        waitpid(pid, NULL, WNOHANG);
+        if (!pid_alive(pid))
+            return 0;
+        sleep_ms(20);
+    }
+    return KS_ETIMEDOUT;
+}
+
+static int
+tcp_ready(int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    char buf[8];
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int ok = 0;
+
+    if (fd == -1)
+        return 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+        /* nats-server greets with INFO once it serves clients. */
+        struct timeval tv = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        ok = read(fd, buf, 4) == 4 && memcmp(buf, "INFO", 4) == 0;
+    }
+    close(fd);
+    return ok;
+}
+
+int
+stack_nats_start(const char *dir, int port, const char *conf_extra,
+                 char **url_out, pid_t *pid_out)
+{
+    char conf[4096], store[4096], log[4096], pidf[4096];
+    FILE *f;
+    pid_t pid;
+    int rc;
+
+    rc = stack_mkdirs(dir, 0755);
+    if (rc)
+        return rc;
+    if (port <= 0) {
+        port = stack_free_port();
+        if (port < 0)
+            return port;
+    }
+    snprintf(conf, sizeof(conf), "%s/nats.conf", dir);
+    snprintf(store, sizeof(store), "%s/nats", dir);
+    snprintf(log, sizeof(log), "%s/nats.log", dir);
+    snprintf(pidf, sizeof(pidf), "%s/nats.pid", dir);
+
+    f = fopen(conf, "we");
+    if (!f)
+        return -errno;
+    fprintf(f,
+            "# written by kscore; regenerated at every start\n"
+            "listen: \"127.0.0.1:%d\"\n"
+            "server_name: kscore_%d\n"
+            "pid_file: \"%s\"\n"
+            "max_payload: %d\n"
+            "jetstream {\n  store_dir: \"%s\"\n}\n%s\n",
+            port, port, pidf, KS_MAX_MESSAGE_BYTES, store,
+            conf_extra ? conf_extra : "");
+    if (fclose(f) != 0)
+        return -errno;
+
+    rc = stack_daemon(dir, "nats",
+                      (char *const[]){NATS_SERVER_BIN, "-c", conf, NULL},
+                      &pid);
+    if (rc)
+        return rc;
+    for (int i = 0; i < 500; i++) {
+        if (tcp_ready(port)) {
+            if (asprintf(url_out, "nats://127.0.0.1:%d", port) < 0)
+                return -ENOMEM;
+            if (pid_out)
+                *pid_out = pid;
+            return 0;
+        }
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            return KS_EUNAVAIL;
+        sleep_ms(20);
+    }
+    stop_pid(pid, 2000);
+    return KS_ETIMEDOUT;
+}
+
+int
+stack_nats_stop(const char *dir)
+{
+    return stack_stop(dir, "nats", 5000);
+}
+
+int
+stack_stop(const char *dir, const char *name, int wait_ms)
+{
+    pid_t pid = 0;
+    char pidf[4096];
+    int rc;
+
+    if (!stack_pidfile_alive(dir, name, &pid))
+        return 0;
+    rc = stop_pid(pid, wait_ms);
+    snprintf(pidf, sizeof(pidf), "%s/%s.pid", dir, name);
+    if (rc == 0)
+        unlink(pidf);
+    return rc;
+}
+
+int
+stack_daemon(const char *dir, const char *name, char *const argv[],
+             pid_t *pid_out)
+{
+    char log[4096], pidf[4096];
+    FILE *f;
+    pid_t pid;
+
+    snprintf(log, sizeof(log), "%s/%s.log", dir, name);
+    snprintf(pidf, sizeof(pidf), "%s/%s.pid", dir, name);
+    pid = fork();
+    if (pid == -1)
+        return -errno;
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        if (nul >= 0)
+            dup2(nul, 0);
+        closefrom(3);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    f = fopen(pidf, "we");
+    if (f) {
+        fprintf(f, "%d\n", (int)pid);
+        fclose(f);
+    }
+    *pid_out = pid;
+    return 0;
+}

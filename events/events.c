@@ -1,0 +1,452 @@
+#include "events.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* nats.c takes JetStream durations in nanoseconds (jsStreamConfig.MaxAge,
+ * .Duplicates, jsConsumerConfig.AckWait: nats.h "expressed in nanoseconds"),
+ * and kvConfig.TTL is copied straight into MaxAge (nats.c src/kv.c). */
+#define NS_PER_MS INT64_C(1000000)
+
+int
+evt_err(natsStatus s)
+{
+    switch (s) {
+    case NATS_OK:
+        return 0;
+    case NATS_TIMEOUT:
+        return KS_ETIMEDOUT;
+    case NATS_NO_SERVER:
+    case NATS_CONNECTION_CLOSED:
+    case NATS_CONNECTION_DISCONNECTED:
+    case NATS_NO_RESPONDERS:
+    case NATS_STALE_CONNECTION:
+        return KS_EUNAVAIL;
+    case NATS_NOT_FOUND:
+        return KS_ENOTFOUND;
+    case NATS_NO_MEMORY:
+        return -ENOMEM;
+    case NATS_MAX_PAYLOAD:
+        return KS_ETOOBIG;
+    default:
+        return KS_ENATS;
+    }
+}
+
+static char *
+errmsg_dup(const char *fmt, const char *a, const char *b)
+{
+    char *m = NULL;
+    if (asprintf(&m, fmt, a, b) < 0)
+        return NULL;
+    return m;
+}
+
+int
+evt_connect(const char *url, const struct evt_connect_opts *o,
+            struct evt_conn **out, char **errmsg)
+{
+    static const struct evt_connect_opts defaults;
+    natsOptions *opts = NULL;
+    struct evt_conn *c = NULL;
+    natsStatus s;
+    int rc = 0;
+
+    if (!o)
+        o = &defaults;
+    c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    s = natsOptions_Create(&opts);
+    if (s == NATS_OK)
+        s = natsOptions_SetServers(opts, (const char *[]){url}, 1);
+    if (s == NATS_OK && o->name)
+        s = natsOptions_SetName(opts, o->name);
+    if (s == NATS_OK)
+        s = natsOptions_SetSendAsap(opts, o->send_asap);
+    if (s == NATS_OK)
+        s = natsOptions_SetTimeout(opts, o->timeout_ms ? o->timeout_ms : 2000);
+    if (s == NATS_OK && o->retry_forever) {
+        s = natsOptions_SetMaxReconnect(opts, -1);
+        if (s == NATS_OK)
+            s = natsOptions_SetRetryOnFailedConnect(opts, true, NULL, NULL);
+        if (s == NATS_OK)
+            s = natsOptions_SetReconnectWait(opts, 250);
+    }
+    if (s == NATS_OK && o->global_delivery)
+        s = natsOptions_UseGlobalMessageDelivery(opts, true);
+    if (s == NATS_OK && o->user)
+        s = natsOptions_SetUserInfo(opts, o->user, o->password);
+    if (s == NATS_OK && o->token)
+        s = natsOptions_SetToken(opts, o->token);
+    if (s == NATS_OK && o->creds_file)
+        s = natsOptions_SetUserCredentialsFromFiles(opts, o->creds_file, NULL);
+    if (s == NATS_OK && (o->tls_ca || o->tls_cert)) {
+        s = natsOptions_SetSecure(opts, true);
+        if (s == NATS_OK && o->tls_ca)
+            s = natsOptions_LoadCATrustedCertificates(opts, o->tls_ca);
+        if (s == NATS_OK && o->tls_cert)
+            s = natsOptions_LoadCertificatesChain(opts, o->tls_cert,
+                                                  o->tls_key);
+    }
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("bad NATS options: %s%s",
+                                 nats_GetLastError(NULL), "");
+        rc = KS_EINVAL;
+        goto out;
+    }
+    s = natsConnection_Connect(&c->nc, opts);
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("cannot connect to NATS at %s: %s", url,
+                                 natsStatus_GetText(s));
+        rc = KS_EUNAVAIL;
+        goto out;
+    }
+    s = natsConnection_JetStream(&c->js, c->nc, NULL);
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("JetStream context: %s%s",
+                                 natsStatus_GetText(s), "");
+        rc = KS_ENATS;
+        goto out;
+    }
+out:
+    natsOptions_Destroy(opts);
+    if (rc) {
+        evt_close(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+void
+evt_close(struct evt_conn *c)
+{
+    if (!c)
+        return;
+    jsCtx_Destroy(c->js);
+    if (c->nc) {
+        natsConnection_FlushTimeout(c->nc, 500);
+        natsConnection_Close(c->nc);
+        natsConnection_Destroy(c->nc);
+    }
+    free(c);
+}
+
+static int
+add_or_update_stream(jsCtx *js, jsStreamConfig *sc, char **errmsg)
+{
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+    natsStatus s = js_AddStream(&si, js, sc, NULL, &jerr);
+    if (s != NATS_OK && jerr == JSStreamNameExistErr)
+        s = js_UpdateStream(&si, js, sc, NULL, &jerr);
+    jsStreamInfo_Destroy(si);
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("cannot create stream %s: %s", sc->Name,
+                                 nats_GetLastError(NULL));
+        return KS_ENATS;
+    }
+    return 0;
+}
+
+int
+evt_setup(struct evt_conn *c, char **errmsg)
+{
+    jsStreamConfig sc;
+    kvConfig kc;
+    kvStore *kv = NULL;
+    natsStatus s;
+    int rc;
+
+    jsStreamConfig_Init(&sc);
+    sc.Name = EVT_STREAM_CMDS;
+    sc.Subjects = (const char *[]){"kscore.cmd.>"};
+    sc.SubjectsLen = 1;
+    sc.Retention = js_WorkQueuePolicy;
+    sc.Storage = js_FileStorage;
+    sc.Duplicates = EVT_DUPLICATE_WINDOW_MS * NS_PER_MS;
+    sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
+    rc = add_or_update_stream(c->js, &sc, errmsg);
+    if (rc)
+        return rc;
+
+    jsStreamConfig_Init(&sc);
+    sc.Name = EVT_STREAM_EVENTS;
+    sc.Subjects = (const char *[]){"kscore.evt.>"};
+    sc.SubjectsLen = 1;
+    sc.Retention = js_LimitsPolicy;
+    sc.Storage = js_FileStorage;
+    sc.Duplicates = EVT_DUPLICATE_WINDOW_MS * NS_PER_MS;
+    /* PostgreSQL is the record; the stream only has to hold what the
+     * recorder has not acked yet, so a day is plenty. */
+    sc.MaxAge = INT64_C(24) * 3600 * 1000 * NS_PER_MS;
+    sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
+    rc = add_or_update_stream(c->js, &sc, errmsg);
+    if (rc)
+        return rc;
+
+    kvConfig_Init(&kc);
+    kc.Bucket = EVT_KV_AGENTS;
+    kc.History = 1;
+    kc.TTL = EVT_AGENT_TTL_MS * NS_PER_MS;
+    kc.StorageType = js_FileStorage;
+    s = js_CreateKeyValue(&kv, c->js, &kc);
+    kvStore_Destroy(kv);
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("cannot create KV bucket %s: %s",
+                                 EVT_KV_AGENTS, nats_GetLastError(NULL));
+        return KS_ENATS;
+    }
+    return 0;
+}
+
+int
+evt_agent_id_valid(const char *id)
+{
+    size_t n = id ? strlen(id) : 0;
+    if (n == 0 || n > EVT_AGENT_ID_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = id[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+void
+evt_cmd_subject(char *buf, size_t len, const char *agent_id)
+{
+    snprintf(buf, len, "kscore.cmd.%s", agent_id);
+}
+
+void
+evt_agent_durable(char *buf, size_t len, const char *agent_id)
+{
+    snprintf(buf, len, "agent-%s", agent_id);
+}
+
+/* Packs msg into a buffer of its exact size; KS_ETOOBIG past the limit. */
+static int
+pack_checked(const ProtobufCMessage *msg, uint8_t **buf, size_t *len)
+{
+    if (protobuf_c_message_get_packed_size(msg) > KS_MAX_MESSAGE_BYTES)
+        return KS_ETOOBIG;
+    return kproto_pack(msg, buf, len);
+}
+
+static int
+js_publish_id(struct evt_conn *c, const char *subject, const uint8_t *buf,
+              size_t len, const char *msg_id, int timeout_ms)
+{
+    jsPubOptions po;
+    jsPubAck *pa = NULL;
+    jsErrCode jerr = 0;
+    natsStatus s;
+
+    jsPubOptions_Init(&po);
+    po.MsgId = msg_id;
+    po.MaxWait = timeout_ms;
+    s = js_Publish(&pa, c->js, subject, buf, (int)len, &po, &jerr);
+    jsPubAck_Destroy(pa);
+    return evt_err(s);
+}
+
+int
+evt_publish_command(struct evt_conn *c, const Ks__Command *cmd,
+                    int timeout_ms)
+{
+    char subject[16 + EVT_AGENT_ID_MAX];
+    char msg_id[64];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    rc = pack_checked(&cmd->base, &buf, &len);
+    if (rc)
+        return rc;
+    evt_cmd_subject(subject, sizeof(subject), cmd->agent_id);
+    snprintf(msg_id, sizeof(msg_id), "%s.%u", cmd->command_id, cmd->attempt);
+    rc = js_publish_id(c, subject, buf, len, msg_id, timeout_ms);
+    free(buf);
+    return rc;
+}
+
+int
+evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
+{
+    char subject[128];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    rc = pack_checked(&ev->base, &buf, &len);
+    if (rc)
+        return rc;
+    if (ev->command_id && ev->command_id[0])
+        snprintf(subject, sizeof(subject), "kscore.evt.cmd.%s",
+                 ev->command_id);
+    else
+        snprintf(subject, sizeof(subject), "kscore.evt.other");
+    rc = js_publish_id(c, subject, buf, len, ev->event_id, timeout_ms);
+    free(buf);
+    return rc;
+}
+
+int
+evt_request(struct evt_conn *c, const char *subject,
+            const ProtobufCMessage *msg, int timeout_ms, natsMsg **reply_out)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    natsMsg *reply = NULL;
+    natsStatus s;
+    int rc;
+
+    rc = pack_checked(msg, &buf, &len);
+    if (rc)
+        return rc;
+    s = natsConnection_Request(&reply, c->nc, subject, buf, (int)len,
+                               timeout_ms);
+    free(buf);
+    if (s != NATS_OK)
+        return evt_err(s);
+    *reply_out = reply;
+    return 0;
+}
+
+int
+evt_publish_msg(struct evt_conn *c, const char *subject,
+                const ProtobufCMessage *msg)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    natsStatus s;
+    int rc;
+
+    rc = pack_checked(msg, &buf, &len);
+    if (rc)
+        return rc;
+    s = natsConnection_Publish(c->nc, subject, buf, (int)len);
+    free(buf);
+    return evt_err(s);
+}
+
+int
+evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
+           size_t len, ProtobufCMessage **out)
+{
+    ProtobufCMessage *m;
+    if (len > KS_MAX_MESSAGE_BYTES)
+        return KS_ETOOBIG;
+    m = protobuf_c_message_unpack(desc, NULL, len, data);
+    if (!m)
+        return KS_EDECODE;
+    *out = m;
+    return 0;
+}
+
+int
+evt_agents_kv(struct evt_conn *c, kvStore **kv_out)
+{
+    natsStatus s = js_KeyValue(kv_out, c->js, EVT_KV_AGENTS);
+    return evt_err(s);
+}
+
+int
+evt_agent_put(struct evt_conn *c, kvStore *kv, const Ks__AgentInfo *info)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    uint64_t rev = 0;
+    int rc;
+
+    (void)c;
+    rc = pack_checked(&info->base, &buf, &len);
+    if (rc)
+        return rc;
+    rc = evt_err(kvStore_Put(&rev, kv, info->agent_id, buf, (int)len));
+    free(buf);
+    return rc;
+}
+
+int
+evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
+{
+    kvEntry *e = NULL;
+    ProtobufCMessage *m = NULL;
+    natsStatus s;
+    int rc;
+
+    if (!evt_agent_id_valid(agent_id))
+        return KS_ENOTFOUND;
+    s = kvStore_Get(&e, kv, agent_id);
+    if (s != NATS_OK)
+        return evt_err(s);
+    rc = evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
+                    (size_t)kvEntry_ValueLen(e), &m);
+    kvEntry_Destroy(e);
+    if (rc)
+        return rc;
+    *out = (Ks__AgentInfo *)m;
+    return 0;
+}
+
+int
+evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
+                      natsMsgHandler cb, void *ud, natsSubscription **sub_out,
+                      char **errmsg)
+{
+    jsConsumerConfig cc;
+    jsConsumerInfo *ci = NULL;
+    jsSubOptions so;
+    jsErrCode jerr = 0;
+    char deliver[256];
+    natsSubscription *sub = NULL;
+    natsStatus s;
+
+    snprintf(deliver, sizeof(deliver), "_KSCORE.deliver.%s", d->durable);
+    jsConsumerConfig_Init(&cc);
+    cc.Durable = d->durable;
+    cc.DeliverSubject = deliver;
+    cc.DeliverGroup = d->deliver_group;
+    cc.FilterSubject = d->filter_subject;
+    cc.AckPolicy = js_AckExplicit;
+    cc.DeliverPolicy = js_DeliverAll;
+    cc.MaxAckPending = d->max_ack_pending;
+    cc.AckWait = d->ack_wait_ms * NS_PER_MS;
+    cc.MaxDeliver = d->max_deliver ? d->max_deliver : -1;
+    s = js_AddConsumer(&ci, c->js, d->stream, &cc, NULL, &jerr);
+    if (s != NATS_OK && jerr == JSConsumerNameExistErr)
+        s = js_UpdateConsumer(&ci, c->js, d->stream, &cc, NULL, &jerr);
+    jsConsumerInfo_Destroy(ci);
+    if (s == NATS_OK) {
+        jsSubOptions_Init(&so);
+        so.Stream = d->stream;
+        so.Consumer = d->durable;
+        so.Queue = d->deliver_group;
+        so.ManualAck = true;
+        s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so,
+                         &jerr);
+    }
+    if (s == NATS_OK)
+        s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    if (s != NATS_OK) {
+        if (errmsg)
+            *errmsg = errmsg_dup("consumer %s: %s", d->durable,
+                                 nats_GetLastError(NULL));
+        natsSubscription_Destroy(sub);
+        return KS_ENATS;
+    }
+    *sub_out = sub;
+    return 0;
+}

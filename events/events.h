@@ -1,0 +1,173 @@
+/*
+ * events: kscore's NATS layer. Subjects, JetStream set-up, protobuf bodies
+ * on the wire, publish with de-duplication ids, request/reply. Knows no SQL.
+ *
+ * NATS layout (DESIGN.md "NATS layout"):
+ *   KSCORE_CMDS    stream, work-queue, file, subjects kscore.cmd.>
+ *                  one durable push consumer per agent ("agent-<id>"),
+ *                  filter kscore.cmd.<id>; Nats-Msg-Id "<command>.<attempt>"
+ *   KSCORE_EVENTS  stream, limits, file, subjects kscore.evt.>,
+ *                  duplicate window 2 min; Nats-Msg-Id = event_id
+ *   KSCORE_AGENTS  KV bucket (stream KV_KSCORE_AGENTS), key = agent id,
+ *                  value = packed Ks__AgentInfo, max age EVT_AGENT_TTL_MS
+ *   kscore.api.v1.<method>  core request/reply, queue group kscore-broker
+ *
+ * Threads: nats.c calls message handlers on its own delivery threads (one
+ * per subscription unless global delivery is used); every handler passed in
+ * here is documented with the thread that calls it.
+ */
+#ifndef KSCORE_EVENTS_H
+#define KSCORE_EVENTS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <nats/nats.h>
+
+#include "kproto.h"
+
+#define EVT_STREAM_CMDS "KSCORE_CMDS"
+#define EVT_STREAM_EVENTS "KSCORE_EVENTS"
+#define EVT_KV_AGENTS "KSCORE_AGENTS"
+#define EVT_BROKER_QUEUE "kscore-broker"
+#define EVT_RECORDER_DURABLE "kscore-recorder"
+
+#define EVT_API_EXECUTE "kscore.api.v1.execute"
+#define EVT_API_CLAIM "kscore.api.v1.claim"
+#define EVT_API_GET "kscore.api.v1.get"
+#define EVT_API_EVENTS "kscore.api.v1.events"
+#define EVT_API_CANCEL "kscore.api.v1.cancel"
+
+/* Agent heartbeat period and the registry entry's max age (ms). */
+#define EVT_HEARTBEAT_MS 2000
+#define EVT_AGENT_TTL_MS 10000
+/* Duplicate window of KSCORE_EVENTS and KSCORE_CMDS (ms). */
+#define EVT_DUPLICATE_WINDOW_MS (2 * 60 * 1000)
+/* Longest agent id (bytes, without NUL). */
+#define EVT_AGENT_ID_MAX 128
+
+/* Options for evt_connect(). Zeroed = defaults. */
+struct evt_connect_opts {
+    const char *name;  /* connection name shown by the server */
+    bool send_asap;    /* natsOptions_SetSendAsap: for latency-critical
+                          connections (nats.c otherwise waits for its
+                          flusher thread, ~0.85 ms a request here) */
+    int timeout_ms;    /* connect timeout; 0: 2000 */
+    bool retry_forever; /* reconnect forever (daemons); else 2 s of tries */
+    bool global_delivery; /* nats.c's shared delivery thread pool instead of
+                             one thread per subscription (many agent ids) */
+    const char *user, *password, *token, *creds_file;
+    const char *tls_ca, *tls_cert, *tls_key;
+};
+
+struct evt_conn {
+    natsConnection *nc;
+    jsCtx *js;
+};
+
+/*
+ * Connects to url (comma-separated list allowed). Returns 0, or
+ * KS_EUNAVAIL with *errmsg (malloc'd, may be NULL) naming the url and the
+ * cause. The caller frees with evt_close().
+ */
+int evt_connect(const char *url, const struct evt_connect_opts *opts,
+                struct evt_conn **out, char **errmsg);
+/* Flushes, closes, frees. Accepts NULL. */
+void evt_close(struct evt_conn *c);
+
+/* natsStatus -> kscore code (0, KS_ETIMEDOUT, KS_EUNAVAIL, KS_ENATS). */
+int evt_err(natsStatus s);
+
+/*
+ * Creates or updates the streams and the KV bucket (idempotent). Returns 0
+ * or KS_ENATS with *errmsg.
+ */
+int evt_setup(struct evt_conn *c, char **errmsg);
+
+/* 1 if id is a valid agent id: [A-Za-z0-9_-], 1..EVT_AGENT_ID_MAX. */
+int evt_agent_id_valid(const char *id);
+
+/* "kscore.cmd.<agent>" into buf (>= 12 + EVT_AGENT_ID_MAX). */
+void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
+/* Durable consumer name of an agent: "agent-<id>". */
+void evt_agent_durable(char *buf, size_t len, const char *agent_id);
+
+/*
+ * Publishes a command to kscore.cmd.<agent_id> on KSCORE_CMDS with
+ * Nats-Msg-Id "<command_id>.<attempt>" and waits for the PubAck
+ * (timeout_ms). Returns 0, KS_ETOOBIG (packed size over
+ * KS_MAX_MESSAGE_BYTES; nothing published), KS_ETIMEDOUT, KS_ENATS.
+ */
+int evt_publish_command(struct evt_conn *c, const Ks__Command *cmd,
+                        int timeout_ms);
+
+/*
+ * Publishes an event to kscore.evt.cmd.<command_id> (or kscore.evt.<stream>
+ * when it has no command id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,
+ * waiting for the PubAck (timeout_ms). A duplicate PubAck counts as
+ * success. Returns 0, KS_ETOOBIG, KS_ETIMEDOUT, KS_ENATS.
+ */
+int evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms);
+
+/*
+ * Packs msg and sends it as a core request to subject; waits timeout_ms for
+ * one reply. On 0, *reply_out is the reply (natsMsg_Destroy it).
+ * Returns KS_ETIMEDOUT, KS_EUNAVAIL (no responders: nobody serves subject),
+ * KS_ENATS, -ENOMEM.
+ */
+int evt_request(struct evt_conn *c, const char *subject,
+                const ProtobufCMessage *msg, int timeout_ms,
+                natsMsg **reply_out);
+
+/*
+ * Packs msg and publishes it on subject (core NATS; replies to requests).
+ * Returns 0, KS_ETOOBIG, KS_ENATS, -ENOMEM.
+ */
+int evt_publish_msg(struct evt_conn *c, const char *subject,
+                    const ProtobufCMessage *msg);
+
+/*
+ * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
+ * with KS_ETOOBIG before allocating; KS_EDECODE if malformed. On 0, *out is
+ * owned by the caller (protobuf_c_message_free_unpacked).
+ */
+int evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
+               size_t len, ProtobufCMessage **out);
+
+/* A durable push consumer, created (or updated) explicitly and then bound,
+ * so that unsubscribing never deletes it: nats.c deletes a consumer that
+ * js_Subscribe itself created when the subscription is unsubscribed or
+ * drained, durable or not (nats.c src/js.c, jsSub_deleteConsumer). */
+struct evt_durable {
+    const char *stream;
+    const char *durable;          /* consumer name */
+    const char *filter_subject;
+    const char *deliver_group;    /* NULL: not a queue consumer */
+    int64_t max_ack_pending;
+    int64_t ack_wait_ms;
+    int64_t max_deliver;          /* 0: unlimited */
+};
+
+/*
+ * Creates or updates the consumer, then subscribes to its deliver subject
+ * "_KSCORE.deliver.<durable>" with manual acks and no pending limits. cb
+ * runs on the subscription's nats.c delivery thread (or the shared pool when
+ * global delivery is on), owns the message and acks it.
+ * Returns 0 or KS_ENATS with *errmsg.
+ */
+int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
+                          natsMsgHandler cb, void *ud,
+                          natsSubscription **sub_out, char **errmsg);
+
+/* Writes the registry entry of one agent (key = agent id). */
+int evt_agent_put(struct evt_conn *c, kvStore *kv, const Ks__AgentInfo *info);
+/* Opens the KSCORE_AGENTS bucket (created by evt_setup). */
+int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
+/*
+ * Reads one agent's entry. 0 with *out (ks__agent_info__free_unpacked),
+ * KS_ENOTFOUND, KS_ENATS.
+ */
+int evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out);
+
+#endif
