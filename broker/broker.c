@@ -479,7 +479,14 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 static int
 open_store(struct broker *b, struct store **out, char **errmsg)
 {
-    return store_open(b->opts->db_conninfo, out, errmsg);
+    char *why = NULL;
+    int rc = store_open(b->opts->db_conninfo, out, &why);
+    if (rc && errmsg &&
+        asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
+                 b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    free(why);
+    return rc;
 }
 
 static int

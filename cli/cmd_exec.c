@@ -49,8 +49,8 @@ static void
 put_output(json_t *o, const char *name, const Ks__Output *out)
 {
     char key[64];
-    const uint8_t *d = out ? out->data.data : (const uint8_t *)"";
     size_t n = out ? out->data.len : 0;
+    const uint8_t *d = n ? out->data.data : (const uint8_t *)"";
     json_object_set_new(o, name,
                         utf8_valid(d, n) ? json_stringn((const char *)d, n)
                                          : json_null());

@@ -35,12 +35,24 @@ static const char usage[] =
 void
 cli_err(const char *fmt, ...)
 {
+    char buf[2048], *w = buf;
     va_list ap;
-    fputs("kscore: ", stderr);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
+    /* One line, always: libpq and nats.c messages carry newlines/tabs. */
+    for (const char *r = buf; *r; r++) {
+        if (*r == '\n' || *r == '\t' || *r == '\r') {
+            if (w > buf && w[-1] != ' ')
+                *w++ = ' ';
+            continue;
+        }
+        *w++ = *r;
+    }
+    while (w > buf && w[-1] == ' ')
+        w--;
+    *w = '\0';
+    fprintf(stderr, "kscore: %s\n", buf);
 }
 
 const char *

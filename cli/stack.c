@@ -17,7 +17,21 @@
 
 #include "kproto.h"
 
-#define NATS_SERVER_BIN "/usr/bin/nats-server"
+/* Debian installs it in /usr/sbin; $KSCORE_NATS_SERVER overrides. */
+static const char *
+nats_server_bin(void)
+{
+    static const char *const cands[] = {"/usr/sbin/nats-server",
+                                        "/usr/bin/nats-server",
+                                        "/usr/local/bin/nats-server"};
+    const char *env = getenv("KSCORE_NATS_SERVER");
+    if (env && env[0])
+        return env;
+    for (size_t i = 0; i < sizeof(cands) / sizeof(cands[0]); i++)
+        if (access(cands[i], X_OK) == 0)
+            return cands[i];
+    return cands[0];
+}
 
 int
 stack_free_port(void)
@@ -178,7 +192,7 @@ int
 stack_nats_start(const char *dir, int port, const char *conf_extra,
                  char **url_out, pid_t *pid_out)
 {
-    char conf[4096], store[4096], log[4096], pidf[4096];
+    char conf[4096], store[4096], pidf[4096];
     FILE *f;
     pid_t pid;
     int rc;
@@ -193,7 +207,6 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
     }
     snprintf(conf, sizeof(conf), "%s/nats.conf", dir);
     snprintf(store, sizeof(store), "%s/nats", dir);
-    snprintf(log, sizeof(log), "%s/nats.log", dir);
     snprintf(pidf, sizeof(pidf), "%s/nats.pid", dir);
 
     f = fopen(conf, "we");
@@ -212,7 +225,7 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
         return -errno;
 
     rc = stack_daemon(dir, "nats",
-                      (char *const[]){NATS_SERVER_BIN, "-c", conf, NULL},
+                      (char *const[]){(char *)nats_server_bin(), "-c", conf, NULL},
                       &pid);
     if (rc)
         return rc;

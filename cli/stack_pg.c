@@ -1,0 +1,481 @@
+/*
+ * stack_pg: the private PostgreSQL cluster of the local stack.
+ *
+ * Layout under <dir>: pg/ (data, initdb'd once), pgsock/ (Unix socket; no
+ * TCP listener), pg.log, pg.pid (postmaster pid, for stack_pidfile_alive),
+ * pg.port (the port chosen the first time, reused so the conninfo of a
+ * stack stays the same across restarts).
+ *
+ * PostgreSQL refuses to run as root ("root" execution of the PostgreSQL
+ * server is not permitted", src/backend/main/main.c). When geteuid() == 0,
+ * initdb and pg_ctl run as the `postgres` user (fork, setgid, initgroups,
+ * setuid), pg/, pgsock/ and pg.log are chowned to it, and every directory
+ * from <dir> up to (not including) / gets o+x added, so that user can reach
+ * its data (e.g. /root is 0700 on Debian: it becomes 0701, never readable).
+ *
+ * KSCORE_PG_FAST=1 in the environment starts the server with fsync=off,
+ * synchronous_commit=off and full_page_writes=off: for throwaway test
+ * clusters only, a crash can lose or corrupt committed data.
+ *
+ * Helpers that cli/stack.c also provides (free port, pid file) are private
+ * copies here so this file links on its own.
+ */
+#include "stack.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kproto.h"
+
+#define PG_DEFAULT_BINDIR "/usr/lib/postgresql/15/bin"
+#define PG_START_TIMEOUT_S 30
+#define PG_STOP_TIMEOUT_S 60
+
+/* Where initdb/pg_ctl/psql live: $KSCORE_PG_BINDIR, else Debian's path. */
+static const char *
+pg_bindir(void)
+{
+    const char *e = getenv("KSCORE_PG_BINDIR");
+    return e && *e ? e : PG_DEFAULT_BINDIR;
+}
+
+static int
+pg_free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int port;
+
+    if (fd == -1)
+        return -errno;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == -1 ||
+        getsockname(fd, (struct sockaddr *)&a, &len) == -1) {
+        port = -errno;
+        close(fd);
+        return port;
+    }
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static int
+pg_mkdirs(const char *path, mode_t mode)
+{
+    char buf[PATH_MAX];
+    size_t len = strlen(path);
+
+    if (len == 0 || len >= sizeof(buf))
+        return -ENAMETOOLONG;
+    memcpy(buf, path, len + 1);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, mode) == -1 && errno != EEXIST)
+            return -errno;
+        *p = '/';
+    }
+    if (mkdir(buf, mode) == -1 && errno != EEXIST)
+        return -errno;
+    return 0;
+}
+
+/* Adds o+x to path and every parent up to, not including, "/". */
+static int
+pg_make_traversable(const char *path)
+{
+    char buf[PATH_MAX];
+    struct stat st;
+    size_t len = strlen(path);
+
+    if (len >= sizeof(buf))
+        return -ENAMETOOLONG;
+    memcpy(buf, path, len + 1);
+    while (len > 1) {
+        if (stat(buf, &st) == -1)
+            return -errno;
+        if (!(st.st_mode & S_IXOTH) &&
+            chmod(buf, (st.st_mode & 07777) | S_IXOTH) == -1)
+            return -errno;
+        char *slash = strrchr(buf, '/');
+        if (!slash || slash == buf)
+            break;
+        *slash = '\0';
+        len = (size_t)(slash - buf);
+    }
+    return 0;
+}
+
+static int
+pg_read_file(const char *path, char *buf, size_t cap)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n;
+
+    if (fd == -1)
+        return -errno;
+    n = read(fd, buf, cap - 1);
+    if (n == -1) {
+        n = -errno;
+        close(fd);
+        return (int)n;
+    }
+    close(fd);
+    buf[n] = '\0';
+    return (int)n;
+}
+
+static int
+pg_write_file(const char *path, const char *text)
+{
+    char tmp[PATH_MAX + 8];
+    size_t len = strlen(text);
+    int fd;
+
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp))
+        return -ENAMETOOLONG;
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd == -1)
+        return -errno;
+    if (write(fd, text, len) != (ssize_t)len) {
+        int err = errno ? -errno : -EIO;
+        close(fd);
+        unlink(tmp);
+        return err;
+    }
+    close(fd);
+    if (rename(tmp, path) == -1)
+        return -errno;
+    return 0;
+}
+
+/*
+ * The running postmaster from <dir>/pg/postmaster.pid: line 1 is its pid,
+ * line 4 its port (PostgreSQL docs 19.3 / src/include/utils/pidfile.h).
+ * Returns 1 if alive (and fills what is asked), else 0.
+ */
+static int
+pg_running(const char *dir, pid_t *pid_out, int *port_out)
+{
+    char path[PATH_MAX], buf[1024];
+    long pid, port = 0;
+    char *line;
+
+    if (snprintf(path, sizeof(path), "%s/pg/postmaster.pid", dir) >=
+        (int)sizeof(path))
+        return 0;
+    if (pg_read_file(path, buf, sizeof(buf)) <= 0)
+        return 0;
+    pid = strtol(buf, NULL, 10);
+    if (pid <= 0 || (kill((pid_t)pid, 0) == -1 && errno == ESRCH))
+        return 0;
+    line = buf;
+    for (int i = 0; i < 3 && line; i++) {
+        line = strchr(line, '\n');
+        if (line)
+            line++;
+    }
+    if (line)
+        port = strtol(line, NULL, 10);
+    if (pid_out)
+        *pid_out = (pid_t)pid;
+    if (port_out)
+        *port_out = (int)port;
+    return 1;
+}
+
+/*
+ * Runs argv (argv[0] an absolute path) to completion with stdin /dev/null,
+ * stdout to out_fd (-1: the log) and stderr to log_fd; as `postgres` when
+ * pw is not NULL. Returns the exit status (>= 0) or -errno.
+ */
+static int
+pg_run(char *const argv[], const struct passwd *pw, const char *cwd,
+       int log_fd, int out_fd)
+{
+    pid_t pid = fork();
+    int status;
+
+    if (pid == -1)
+        return -errno;
+    if (pid == 0) {
+        int null = open("/dev/null", O_RDONLY);
+        if (null == -1 || dup2(null, 0) == -1 ||
+            dup2(out_fd >= 0 ? out_fd : log_fd, 1) == -1 ||
+            dup2(log_fd, 2) == -1)
+            _exit(126);
+        if (pw && (setgid(pw->pw_gid) == -1 ||
+                   initgroups(pw->pw_name, pw->pw_gid) == -1 ||
+                   setuid(pw->pw_uid) == -1))
+            _exit(126);
+        if (pw) {
+            setenv("HOME", pw->pw_dir, 1);
+            setenv("USER", pw->pw_name, 1);
+            setenv("LOGNAME", pw->pw_name, 1);
+        }
+        if (cwd && chdir(cwd) == -1)
+            _exit(126);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    while (waitpid(pid, &status, 0) == -1)
+        if (errno != EINTR)
+            return -errno;
+    if (WIFEXITED(status))
+        return WEXITSTATUS(status);
+    return 128 + WTERMSIG(status);
+}
+
+static int
+pg_chown(const char *path, const struct passwd *pw)
+{
+    if (pw && chown(path, pw->pw_uid, pw->pw_gid) == -1)
+        return -errno;
+    return 0;
+}
+
+/* 1 if database kscore exists, 0 if not, < 0 on error. */
+static int
+pg_db_exists(const char *sock, const char *port, int log_fd)
+{
+    char bin[PATH_MAX], out[64] = "";
+    int pipefd[2], rc, n;
+
+    snprintf(bin, sizeof(bin), "%s/psql", pg_bindir());
+    char *const argv[] = {
+        bin,   "-X",  "-q",  "-t",       "-A",          "-h", (char *)sock,
+        "-p",  (char *)port, "-U",       "postgres",    "-d", "postgres",
+        "-c",  "SELECT 1 FROM pg_database WHERE datname = 'kscore'",
+        NULL};
+    if (pipe2(pipefd, O_CLOEXEC) == -1)
+        return -errno;
+    rc = pg_run(argv, NULL, NULL, log_fd, pipefd[1]);
+    close(pipefd[1]);
+    n = (int)read(pipefd[0], out, sizeof(out) - 1);
+    close(pipefd[0]);
+    if (rc != 0)
+        return KS_EUNAVAIL;
+    return n > 0 && out[0] == '1';
+}
+
+static int
+pg_create_db(const char *sock, const char *port, int log_fd)
+{
+    char bin[PATH_MAX];
+    int rc = pg_db_exists(sock, port, log_fd);
+
+    if (rc != 0)
+        return rc < 0 ? rc : 0;
+    snprintf(bin, sizeof(bin), "%s/createdb", pg_bindir());
+    char *const argv[] = {bin,      "-h", (char *)sock, "-p", (char *)port,
+                          "-U",     "postgres",        "-E", "UTF8",
+                          "kscore", NULL};
+    rc = pg_run(argv, NULL, NULL, log_fd, -1);
+    return rc == 0 ? 0 : KS_EUNAVAIL;
+}
+
+static int
+pg_conninfo(const char *dir, int port, char **out)
+{
+    char *s;
+    if (asprintf(&s, "host=%s/pgsock port=%d dbname=kscore user=postgres",
+                 dir, port) == -1)
+        return -ENOMEM;
+    *out = s;
+    return 0;
+}
+
+int
+stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
+               pid_t *pid_out)
+{
+    char dir[PATH_MAX], data[PATH_MAX + 8], sock[PATH_MAX + 8],
+        logp[PATH_MAX + 8], path[2 * PATH_MAX], bin[PATH_MAX], buf[64],
+        portstr[16], opts[2 * PATH_MAX];
+    const struct passwd *pw = NULL;
+    struct stat st;
+    pid_t pid = 0;
+    int rc, log_fd = -1, running_port = 0;
+    char *conninfo = NULL;
+
+    rc = pg_mkdirs(dir_arg, 0755);
+    if (rc < 0)
+        return rc;
+    if (!realpath(dir_arg, dir))
+        return -errno;
+    /* The path goes into a shell command line inside pg_ctl, quoted. */
+    if (strchr(dir, '\'') || strlen(dir) > 80)
+        return -EINVAL; /* also: sun_path is 108 bytes */
+
+    if (pg_running(dir, &pid, &running_port)) {
+        rc = pg_conninfo(dir, running_port, &conninfo);
+        if (rc < 0)
+            return rc;
+        goto done;
+    }
+
+    if (geteuid() == 0) {
+        pw = getpwnam("postgres");
+        if (!pw)
+            return KS_EUNAVAIL;
+        rc = pg_make_traversable(dir);
+        if (rc < 0)
+            return rc;
+    }
+    snprintf(data, sizeof(data), "%s/pg", dir);
+    snprintf(sock, sizeof(sock), "%s/pgsock", dir);
+    snprintf(logp, sizeof(logp), "%s/pg.log", dir);
+    if ((mkdir(data, 0700) == -1 && errno != EEXIST) ||
+        (mkdir(sock, 0700) == -1 && errno != EEXIST))
+        return -errno;
+    log_fd = open(logp, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    if (log_fd == -1)
+        return -errno;
+    if ((rc = pg_chown(data, pw)) < 0 || (rc = pg_chown(sock, pw)) < 0 ||
+        (rc = pg_chown(logp, pw)) < 0)
+        goto out;
+
+    snprintf(path, sizeof(path), "%s/PG_VERSION", data);
+    if (stat(path, &st) == -1) {
+        snprintf(bin, sizeof(bin), "%s/initdb", pg_bindir());
+        char *const argv[] = {bin,
+                              "-D",
+                              data,
+                              "-U",
+                              "postgres",
+                              "--auth=trust",
+                              "-E",
+                              "UTF8",
+                              "--locale=C",
+                              "--no-sync",
+                              "--no-instructions",
+                              NULL};
+        rc = pg_run(argv, pw, dir, log_fd, -1);
+        if (rc != 0) {
+            rc = rc < 0 ? rc : KS_EUNAVAIL;
+            goto out;
+        }
+    }
+
+    snprintf(path, sizeof(path), "%s/pg.port", dir);
+    if (port == 0 && pg_read_file(path, buf, sizeof(buf)) > 0)
+        port = atoi(buf);
+    if (port <= 0) {
+        port = pg_free_port();
+        if (port < 0) {
+            rc = port;
+            goto out;
+        }
+    }
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    snprintf(buf, sizeof(buf), "%d\n", port);
+    if ((rc = pg_write_file(path, buf)) < 0)
+        goto out;
+
+    snprintf(opts, sizeof(opts),
+             "-c listen_addresses='' -k '%s' -p %d%s", sock, port,
+             getenv("KSCORE_PG_FAST") &&
+                     strcmp(getenv("KSCORE_PG_FAST"), "1") == 0
+                 ? " -c fsync=off -c synchronous_commit=off"
+                   " -c full_page_writes=off"
+                 : "");
+    snprintf(bin, sizeof(bin), "%s/pg_ctl", pg_bindir());
+    {
+        char tmo[16];
+        snprintf(tmo, sizeof(tmo), "%d", PG_START_TIMEOUT_S);
+        char *const argv[] = {bin,  "start", "-w",  "-t",  tmo,  "-s", "-D",
+                              data, "-l",    logp,  "-o",  opts, NULL};
+        rc = pg_run(argv, pw, dir, log_fd, -1);
+    }
+    if (rc != 0) {
+        rc = pg_running(dir, NULL, NULL) ? KS_ETIMEDOUT : KS_EUNAVAIL;
+        goto out;
+    }
+    if (!pg_running(dir, &pid, NULL)) {
+        rc = KS_EUNAVAIL;
+        goto out;
+    }
+    rc = pg_create_db(sock, portstr, log_fd);
+    if (rc < 0)
+        goto out;
+    rc = pg_conninfo(dir, port, &conninfo);
+    if (rc < 0)
+        goto out;
+
+done:
+    snprintf(path, sizeof(path), "%s/pg.pid", dir);
+    snprintf(buf, sizeof(buf), "%ld\n", (long)pid);
+    rc = pg_write_file(path, buf);
+    if (rc < 0)
+        goto out;
+    *conninfo_out = conninfo;
+    conninfo = NULL;
+    if (pid_out)
+        *pid_out = pid;
+    rc = 0;
+out:
+    free(conninfo);
+    if (log_fd != -1)
+        close(log_fd);
+    return rc;
+}
+
+int
+stack_pg_stop(const char *dir_arg)
+{
+    char dir[PATH_MAX], data[PATH_MAX + 8], logp[PATH_MAX + 8],
+        path[PATH_MAX + 8], bin[PATH_MAX], tmo[16];
+    const struct passwd *pw = NULL;
+    pid_t pid;
+    int rc = 0, log_fd;
+
+    if (!realpath(dir_arg, dir))
+        return errno == ENOENT ? 0 : -errno;
+    snprintf(path, sizeof(path), "%s/pg.pid", dir);
+    if (!pg_running(dir, &pid, NULL)) {
+        unlink(path);
+        return 0;
+    }
+    if (geteuid() == 0 && !(pw = getpwnam("postgres")))
+        return KS_EUNAVAIL;
+    snprintf(data, sizeof(data), "%s/pg", dir);
+    snprintf(logp, sizeof(logp), "%s/pg.log", dir);
+    snprintf(bin, sizeof(bin), "%s/pg_ctl", pg_bindir());
+    snprintf(tmo, sizeof(tmo), "%d", PG_STOP_TIMEOUT_S);
+    log_fd = open(logp, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    if (log_fd == -1)
+        log_fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (log_fd == -1)
+        return -errno;
+    char *const argv[] = {bin, "stop", "-w",  "-t", tmo,
+                          "-s", "-D",  data, "-m", "fast", NULL};
+    rc = pg_run(argv, pw, dir, log_fd, -1);
+    close(log_fd);
+    if (rc < 0)
+        return rc;
+    /* pg_ctl -w returns once postmaster.pid is gone; make sure of the pid. */
+    for (int i = 0; i < 100 && kill(pid, 0) == 0; i++) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (kill(pid, 0) == 0)
+        return -EBUSY;
+    unlink(path);
+    return 0;
+}

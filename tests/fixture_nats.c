@@ -1,0 +1,355 @@
+#include "fixture.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "kproto.h"
+#include "stack.h"
+
+static int
+rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static void
+rm_tree(const char *dir)
+{
+    const char *keep = getenv("KSCORE_KEEP_TMP");
+    if (dir[0] && !(keep && strcmp(keep, "1") == 0))
+        nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static int
+make_tmp(char *dir, size_t len, const char *what)
+{
+    const char *tmp = getenv("TMPDIR");
+    if (!tmp || !*tmp)
+        tmp = "/tmp";
+    snprintf(dir, len, "%s/kscore-%s-XXXXXX", tmp, what);
+    return mkdtemp(dir) ? 0 : -errno;
+}
+
+int
+fixture_nats_start(struct fixture_nats *out, const char *conf_extra)
+{
+    int rc;
+    memset(out, 0, sizeof(*out));
+    if ((rc = make_tmp(out->dir, sizeof(out->dir), "nats")))
+        return rc;
+    rc = stack_nats_start(out->dir, 0, conf_extra, &out->url, &out->pid);
+    if (rc)
+        fprintf(stderr, "fixture_nats_start: %s, see %s/nats.log\n",
+                ks_strerror(rc), out->dir);
+    return rc;
+}
+
+void
+fixture_nats_stop(struct fixture_nats *f)
+{
+    if (!f || !f->dir[0])
+        return;
+    stack_nats_stop(f->dir);
+    rm_tree(f->dir);
+    free(f->url);
+    f->url = NULL;
+    f->dir[0] = '\0';
+}
+
+static const char *
+kscore_bin(void)
+{
+    const char *b = getenv("KSCORE_BIN");
+    return b && b[0] ? b : "kscore";
+}
+
+static int
+wait_broker(const char *url, int timeout_ms)
+{
+    struct evt_connect_opts o = {.name = "fixture", .send_asap = true};
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    char id[37];
+    ks_uuid(id);
+    while (ks_mono_us() < deadline) {
+        struct evt_conn *c = NULL;
+        if (evt_connect(url, &o, &c, NULL) == 0) {
+            Ks__GetRequest req = KS__GET_REQUEST__INIT;
+            ProtobufCMessage *rep = NULL;
+            req.id = id;
+            int rc = broker_call(c, EVT_API_GET, &req.base,
+                                 &ks__get_reply__descriptor, 1000, &rep);
+            if (rep)
+                protobuf_c_message_free_unpacked(rep, NULL);
+            evt_close(c);
+            if (rc == 0)
+                return 0;
+        }
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    return KS_ETIMEDOUT;
+}
+
+static int
+wait_agent(const char *url, const char *id, int timeout_ms)
+{
+    struct evt_connect_opts o = {.name = "fixture"};
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    struct evt_conn *c = NULL;
+    kvStore *kv = NULL;
+    int rc = KS_ETIMEDOUT;
+    int64_t since = ks_now_us();
+
+    if (evt_connect(url, &o, &c, NULL) != 0)
+        return KS_EUNAVAIL;
+    while (ks_mono_us() < deadline) {
+        Ks__AgentInfo *info = NULL;
+        if (!kv && evt_agents_kv(c, &kv) != 0)
+            kv = NULL;
+        if (kv && evt_agent_get(kv, id, &info) == 0) {
+            int fresh = info->heartbeat_at_us >= since - 1000000;
+            ks__agent_info__free_unpacked(info, NULL);
+            if (fresh) {
+                rc = 0;
+                break;
+            }
+        }
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    kvStore_Destroy(kv);
+    evt_close(c);
+    return rc;
+}
+
+int
+fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+{
+    char n[16], state[PATH_MAX + 16];
+    pid_t pid;
+    int rc;
+    snprintf(n, sizeof(n), "%u", local_agents);
+    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
+    char *argv[] = {(char *)kscore_bin(), "broker",     "--nats",
+                    s->nats.url,          "--db",       s->pg.conninfo,
+                    "--local-agents",     n,            "--state-dir",
+                    state,                NULL};
+    rc = stack_daemon(s->dir, "broker", argv, &pid);
+    if (rc == 0)
+        rc = wait_broker(s->nats.url, 30000);
+    if (rc)
+        fprintf(stderr, "fixture: broker did not start (%s), see %s\n",
+                ks_strerror(rc), s->dir);
+    return rc;
+}
+
+void
+fixture_stack_broker_kill(struct fixture_stack *s, int sig)
+{
+    pid_t pid;
+    if (sig == SIGTERM) {
+        stack_stop(s->dir, "broker", 20000);
+        return;
+    }
+    if (stack_pidfile_alive(s->dir, "broker", &pid)) {
+        kill(pid, sig);
+        waitpid(pid, NULL, 0);
+    }
+}
+
+int
+fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
+{
+    char state[PATH_MAX + 16];
+    pid_t pid;
+    int rc;
+    snprintf(state, sizeof(state), "%s/agent-%s", s->dir, s->agent_id);
+    char *argv[] = {(char *)kscore_bin(), "agent",    "--id", s->agent_id,
+                    "--nats",             s->nats.url, "--state-dir", state,
+                    NULL};
+    if (extra_env) {
+        /* "K=V K2=V2": set for the child only (stack_daemon inherits). */
+        char *copy = strdup(extra_env), *save = NULL;
+        pid = fork();
+        if (pid == 0) {
+            for (char *t = strtok_r(copy, " ", &save); t;
+                 t = strtok_r(NULL, " ", &save))
+                putenv(t);
+            pid_t child;
+            _exit(stack_daemon(s->dir, "agent", argv, &child) ? 1 : 0);
+        }
+        free(copy);
+        int st = 0;
+        waitpid(pid, &st, 0);
+        rc = WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : KS_EINTERNAL;
+    } else {
+        rc = stack_daemon(s->dir, "agent", argv, &pid);
+    }
+    if (rc == 0)
+        rc = wait_agent(s->nats.url, s->agent_id, 30000);
+    if (rc)
+        fprintf(stderr, "fixture: agent did not start (%s), see %s\n",
+                ks_strerror(rc), s->dir);
+    return rc;
+}
+
+void
+fixture_stack_agent_kill(struct fixture_stack *s, int sig)
+{
+    pid_t pid;
+    if (sig == SIGTERM) {
+        stack_stop(s->dir, "agent", 20000);
+        return;
+    }
+    if (stack_pidfile_alive(s->dir, "agent", &pid)) {
+        kill(pid, sig);
+        waitpid(pid, NULL, 0);
+        for (int i = 0; i < 100 && kill(pid, 0) == 0; i++)
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+}
+
+int
+fixture_stack_start(struct fixture_stack *s, const char *agent_id,
+                    unsigned local_agents)
+{
+    int rc;
+    memset(s, 0, sizeof(*s));
+    if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
+        return rc;
+    if ((rc = fixture_nats_start(&s->nats, NULL)))
+        return rc;
+    if ((rc = fixture_pg_start(&s->pg)))
+        return rc;
+    if ((rc = fixture_stack_broker_start(s, local_agents)))
+        return rc;
+    if (agent_id) {
+        snprintf(s->agent_id, sizeof(s->agent_id), "%s", agent_id);
+        if ((rc = fixture_stack_agent_start(s, NULL)))
+            return rc;
+    }
+    return 0;
+}
+
+void
+fixture_stack_stop(struct fixture_stack *s)
+{
+    if (!s || !s->dir[0])
+        return;
+    stack_stop(s->dir, "agent", 20000);
+    stack_stop(s->dir, "broker", 20000);
+    fixture_nats_stop(&s->nats);
+    fixture_pg_stop(&s->pg);
+    rm_tree(s->dir);
+    s->dir[0] = '\0';
+}
+
+static int
+append(char **buf, size_t *len, size_t *cap, const char *p, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t nc = (*len + n + 1) * 2;
+        char *b = realloc(*buf, nc);
+        if (!b)
+            return -ENOMEM;
+        *buf = b;
+        *cap = nc;
+    }
+    memcpy(*buf + *len, p, n);
+    *len += n;
+    (*buf)[*len] = '\0';
+    return 0;
+}
+
+int
+fixture_kscore(const struct fixture_stack *s, const char *const args[],
+               struct fixture_out *out)
+{
+    int po[2], pe[2];
+    size_t n = 0, cap_o = 0, cap_e = 0;
+    int64_t t0 = ks_mono_us();
+    pid_t pid;
+    int st = 0;
+
+    memset(out, 0, sizeof(*out));
+    while (args[n])
+        n++;
+    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
+        return -errno;
+    pid = fork();
+    if (pid == -1)
+        return -errno;
+    if (pid == 0) {
+        const char **argv = calloc(n + 2, sizeof(*argv));
+        int nul = open("/dev/null", O_RDONLY);
+        argv[0] = kscore_bin();
+        for (size_t i = 0; i < n; i++)
+            argv[i + 1] = args[i];
+        dup2(nul, 0);
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        if (s)
+            setenv("KSCORE_NATS_URL", s->nats.url, 1);
+        /* never fall back to a developer's own local stack */
+        setenv("KSCORE_HOME", "/nonexistent-kscore-home", 1);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(po[1]);
+    close(pe[1]);
+    struct pollfd fds[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
+    int open_fds = 2;
+    while (open_fds > 0) {
+        if (poll(fds, 2, -1) == -1) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        for (int i = 0; i < 2; i++) {
+            char buf[65536];
+            if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP)))
+                continue;
+            ssize_t r = read(fds[i].fd, buf, sizeof(buf));
+            if (r <= 0) {
+                close(fds[i].fd);
+                fds[i].fd = -1;
+                open_fds--;
+                continue;
+            }
+            if (i == 0)
+                append(&out->out, &out->out_len, &cap_o, buf, (size_t)r);
+            else
+                append(&out->err, &out->err_len, &cap_e, buf, (size_t)r);
+        }
+    }
+    waitpid(pid, &st, 0);
+    if (!out->out)
+        out->out = strdup("");
+    if (!out->err)
+        out->err = strdup("");
+    out->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    out->seconds = (double)(ks_mono_us() - t0) / 1e6;
+    return 0;
+}
+
+void
+fixture_out_release(struct fixture_out *o)
+{
+    if (!o)
+        return;
+    free(o->out);
+    free(o->err);
+    o->out = o->err = NULL;
+}

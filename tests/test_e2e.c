@@ -1,0 +1,298 @@
+/*
+ * End to end: the real kscore binary as broker, agent and client, against a
+ * private nats-server and PostgreSQL, running real child processes.
+ */
+#include <check.h>
+#include <errno.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fixture.h"
+#include "store.h"
+
+#define AGENT "e2e-agent"
+
+static struct fixture_stack stack;
+
+static void
+stack_up(void)
+{
+    if (fixture_stack_start(&stack, AGENT, 0) != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&stack);
+        exit(1);
+    }
+}
+
+static void
+stack_down(void)
+{
+    fixture_stack_stop(&stack);
+}
+
+static json_t *
+run_json(const char *const args[], struct fixture_out *o)
+{
+    json_error_t err;
+    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
+    json_t *j = json_loads(o->out, 0, &err);
+    ck_assert_msg(j != NULL, "not JSON: %s (stderr %s)", o->out, o->err);
+    return j;
+}
+
+struct types_acc {
+    char types[8][32];
+    int64_t versions[8];
+    int n;
+};
+
+static int
+collect(const Ks__RecordedEvent *ev, void *ud)
+{
+    struct types_acc *a = ud;
+    if (a->n < 8) {
+        snprintf(a->types[a->n], sizeof(a->types[a->n]), "%s",
+                 ev->event->type);
+        a->versions[a->n] = ev->version;
+        a->n++;
+    }
+    return 0;
+}
+
+START_TEST(exec_output_exit_code_and_events)
+{
+    struct fixture_out o;
+    const char *args[] = {"exec",      "--agent", AGENT,
+                          "--",        "sh",      "-c",
+                          "echo out; echo err >&2; exit 3", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_str_eq(o.out, "out\n");
+    ck_assert_str_eq(o.err, "err\n");
+    ck_assert_int_eq(o.status, 3);
+    fixture_out_release(&o);
+
+    const char *jargs[] = {"exec",      "--agent", AGENT,  "--json",
+                           "--",        "sh",      "-c",
+                           "echo out; echo err >&2; exit 3", NULL};
+    json_t *j = run_json(jargs, &o);
+    ck_assert_int_eq(o.status, 3);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Failed");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "exit_code")), 3);
+    ck_assert(json_is_null(json_object_get(j, "signal")));
+    ck_assert(json_is_false(json_object_get(j, "timed_out")));
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout")), "out\n");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stderr")), "err\n");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout_base64")),
+                     "b3V0Cg==");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "agent_id")), AGENT);
+    ck_assert(json_is_string(json_object_get(j, "started_at")));
+    ck_assert(json_is_string(json_object_get(j, "finished_at")));
+    ck_assert(json_is_number(json_object_get(j, "duration_ms")));
+    const char *id = json_string_value(json_object_get(j, "command_id"));
+    ck_assert(id && ks_is_uuid(id));
+
+    /* The record in PostgreSQL: versions 1..4, in order. */
+    struct store *st = NULL;
+    char stream[64];
+    struct types_acc acc = {0};
+    ck_assert_int_eq(store_open(stack.pg.conninfo, &st, NULL), 0);
+    snprintf(stream, sizeof(stream), "command-%s", id);
+    ck_assert_int_eq(store_read_stream(st, stream, 0, 0, collect, &acc), 0);
+    ck_assert_int_eq(acc.n, 4);
+    ck_assert_str_eq(acc.types[0], "CommandRequested");
+    ck_assert_str_eq(acc.types[1], "CommandDispatched");
+    ck_assert_str_eq(acc.types[2], "CommandStarted");
+    ck_assert_str_eq(acc.types[3], "CommandCompleted");
+    for (int i = 0; i < 4; i++)
+        ck_assert_int_eq(acc.versions[i], i + 1);
+    Ks__CommandView *v = NULL;
+    ck_assert_int_eq(store_get_command(st, id, &v), 0);
+    ck_assert_int_eq(v->status, KS__COMMAND_STATUS__FAILED);
+    ks__command_view__free_unpacked(v, NULL);
+    store_close(st);
+
+    /* kscore events shows the same four. */
+    fixture_out_release(&o);
+    const char *eargs[] = {"events", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, eargs, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    int lines = 0;
+    for (char *p = o.out; (p = strchr(p, '\n')); p++)
+        lines++;
+    ck_assert_int_eq(lines, 4);
+    ck_assert_ptr_nonnull(strstr(o.out, "\"version\":4"));
+    ck_assert_ptr_nonnull(strstr(o.out, "CommandCompleted"));
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(exec_timeout_sends_term_to_group)
+{
+    struct fixture_out o;
+    const char *args[] = {"exec",   "--agent", AGENT,   "--timeout", "1s",
+                          "--grace", "1s",     "--json", "--",       "sleep",
+                          "30",     NULL};
+    json_t *j = run_json(args, &o);
+    ck_assert_int_eq(o.status, 124);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "TimedOut");
+    ck_assert(json_is_true(json_object_get(j, "timed_out")));
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "signal")),
+                     SIGTERM);
+    ck_assert(json_is_null(json_object_get(j, "exit_code")));
+    double ms = json_number_value(json_object_get(j, "duration_ms"));
+    ck_assert_msg(ms > 900 && ms < 1400, "duration %.1f ms", ms);
+    ck_assert_msg(o.seconds < 3.0, "client took %.2f s", o.seconds);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(binary_output_round_trips)
+{
+    struct fixture_out o;
+    const char *args[] = {
+        "exec", "--agent", AGENT, "--json", "--", "sh", "-c",
+        "printf 'ok\\377\\376\\000end\\n'; printf '\\300\\200' >&2; exit 3",
+        NULL};
+    json_t *j = run_json(args, &o);
+    ck_assert_int_eq(o.status, 3);
+    ck_assert(json_is_null(json_object_get(j, "stdout")));
+    /* 6f 6b ff fe 00 65 6e 64 0a and c0 80 */
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout_base64")),
+                     "b2v//gBlbmQK");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stderr_base64")),
+                     "wIA=");
+    char id[40];
+    snprintf(id, sizeof(id), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *gargs[] = {"get", id, "--json", NULL};
+    j = run_json(gargs, &o);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout_base64")),
+                     "b2v//gBlbmQK");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stderr_base64")),
+                     "wIA=");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Failed");
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+static void
+expect_failure(const char *const args[], int status, const char *needle)
+{
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == status, "exit %d, want %d; stderr: %s",
+                  o.status, status, o.err);
+    ck_assert_msg(strstr(o.err, needle) != NULL, "stderr lacks '%s': %s",
+                  needle, o.err);
+    /* one clear line */
+    ck_assert_msg(strchr(o.err, '\n') == o.err + strlen(o.err) - 1,
+                  "more than one line: %s", o.err);
+    ck_assert_msg(o.seconds < 10.0, "took %.2f s", o.seconds);
+    fixture_out_release(&o);
+}
+
+START_TEST(bad_inputs_are_refused_clearly)
+{
+    expect_failure((const char *const[]){"exec", "--agent", "no-such-agent",
+                                         "--", "true", NULL},
+                   125, "unknown agent 'no-such-agent'");
+    expect_failure((const char *const[]){"exec", "--agent", AGENT, "--",
+                                         NULL},
+                   2, "no command given");
+    expect_failure((const char *const[]){"exec", "--agent", AGENT,
+                                         "--timeout", "soon", "--", "true",
+                                         NULL},
+                   2, "bad duration 'soon'");
+    expect_failure((const char *const[]){"exec", "--agent", AGENT, "true",
+                                         NULL},
+                   2, "missing --");
+    expect_failure((const char *const[]){"exec", "--agent", "bad.id", "--",
+                                         "true", NULL},
+                   125, "bad agent id");
+    expect_failure((const char *const[]){"exec", "--nats",
+                                         "nats://127.0.0.1:1", "--agent",
+                                         AGENT, "--", "true", NULL},
+                   125, "cannot connect to NATS at nats://127.0.0.1:1");
+    expect_failure((const char *const[]){"broker", "--nats", stack.nats.url,
+                                         "--db",
+                                         "host=/nonexistent-kscore port=1 "
+                                         "dbname=kscore connect_timeout=2",
+                                         NULL},
+                   125, "broker:");
+}
+END_TEST
+
+START_TEST(start_failure_is_not_an_exit_code)
+{
+    struct fixture_out o;
+    const char *args[] = {"exec", "--agent", AGENT, "--json", "--cwd",
+                          "/nonexistent-3016", "--", "ls", NULL};
+    json_t *j = run_json(args, &o);
+    ck_assert_int_eq(o.status, 126);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "StartFailed");
+    ck_assert_str_eq(json_string_value(json_object_get(j, "start_stage")),
+                     "chdir");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "start_errno")),
+                     ENOENT);
+    ck_assert(json_is_null(json_object_get(j, "exit_code")));
+    char id[40];
+    snprintf(id, sizeof(id), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* No CommandStarted: the precheck failed before the claim. */
+    const char *eargs[] = {"events", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, eargs, &o), 0);
+    ck_assert_ptr_null(strstr(o.out, "CommandStarted"));
+    ck_assert_ptr_nonnull(strstr(o.out, "CommandStartFailed"));
+    fixture_out_release(&o);
+
+    const char *nargs[] = {"exec", "--agent", AGENT, "--",
+                           "/nonexistent/cmd", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, nargs, &o), 0);
+    ck_assert_int_eq(o.status, 127);
+    ck_assert_ptr_nonnull(strstr(o.err, "cannot start /nonexistent/cmd"));
+    fixture_out_release(&o);
+}
+END_TEST
+
+static Suite *
+e2e_suite(void)
+{
+    Suite *s = suite_create("e2e");
+    TCase *tc = tcase_create("exec");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, exec_output_exit_code_and_events);
+    tcase_add_test(tc, exec_timeout_sends_term_to_group);
+    tcase_add_test(tc, binary_output_round_trips);
+    tcase_add_test(tc, bad_inputs_are_refused_clearly);
+    tcase_add_test(tc, start_failure_is_not_an_exit_code);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(e2e_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
