@@ -1,0 +1,66 @@
+#include "fixture.h"
+
+#include <errno.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kproto.h"
+#include "stack.h"
+
+static int
+rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
+int
+fixture_pg_start(struct fixture_pg *out)
+{
+    const char *tmp = getenv("TMPDIR");
+    char dir[PATH_MAX];
+    char *conninfo = NULL;
+    pid_t pid;
+    int rc;
+
+    if (!tmp || !*tmp)
+        tmp = "/tmp";
+    if (snprintf(dir, sizeof(dir), "%s/kscore-pg-XXXXXX", tmp) >=
+        (int)sizeof(dir))
+        return -ENAMETOOLONG;
+    if (!mkdtemp(dir))
+        return -errno;
+    setenv("KSCORE_PG_FAST", "1", 0);
+    rc = stack_pg_start(dir, 0, &conninfo, &pid);
+    if (rc < 0) {
+        fprintf(stderr, "fixture_pg_start: %s (%d), see %s/pg.log\n",
+                ks_strerror(rc), rc, dir);
+        return rc;
+    }
+    memset(out, 0, sizeof(*out));
+    memcpy(out->dir, dir, sizeof(dir));
+    out->conninfo = conninfo;
+    out->pid = pid;
+    return 0;
+}
+
+void
+fixture_pg_stop(struct fixture_pg *f)
+{
+    const char *keep = getenv("KSCORE_KEEP_TMP");
+
+    if (!f || !f->dir[0])
+        return;
+    stack_pg_stop(f->dir);
+    if (!(keep && strcmp(keep, "1") == 0))
+        nftw(f->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    free(f->conninfo);
+    f->conninfo = NULL;
+    f->dir[0] = '\0';
+}
