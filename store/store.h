@@ -20,8 +20,39 @@
  *    sequence value is handed out before commit, so a later position can
  *    commit first; PostgreSQL docs 9.27 "Transaction ID and Snapshot").
  *
+ * Projections (kscore_project() in migrations.c, applied per event in the
+ * append's transaction; the same function rebuilds them in store_replay()):
+ *   CommandRequested  inserts commands (status Pending; argv, agent_id,
+ *                     batch_id, operator from event.command); the
+ *                     idempotency key travels in Ks__Event.reason and is
+ *                     UNIQUE: a second command with it is KS_ECONFLICT. With
+ *                     a batch_id it adds a batch_targets row, batches.total++.
+ *   CommandDispatched Dispatched, attempt, agent_id, dispatched_at
+ *   CommandStarted    Running, attempt, started_at
+ *   CommandCompleted / CommandStartFailed   status from result.status,
+ *                     exit_code only if has_exit_code, output as bytea;
+ *                     column result = the packed CommandResult without the
+ *                     output bytes (kept once, in stdout/stderr), put back
+ *                     together by store_get_command().
+ *   CommandUndeliverable / CommandLost / CommandCancelled   that status (and
+ *                     the result, if the event carries one)
+ *   CommandCancelRequested / CommandRejected / DuplicateSuppressed   version
+ *   BatchRequested    batches row (Running, operator, requested_at)
+ *   BatchCompleted / BatchCancelled   batches.status, finished_at
+ *   any other type    recorded; no projection changes.
+ * A terminal status is final: later status events only move the row's
+ * version (the first result is still recorded). Batch counters (succeeded,
+ * failed = every other terminal status, cancelled) move when a target
+ * first becomes terminal. commands.version (CommandView.version) is the
+ * version of the last event applied to the row: the stream's version as
+ * long as only the types above are appended to a command stream.
+ *
+ * Every append NOTIFYs channel kscore_events (empty payload) in its
+ * transaction.
+ *
  * Threads: a struct store is one libpq connection; use it from one thread at
- * a time. Open one per thread.
+ * a time. Open one per thread. A connection found broken is reset by the
+ * call that found it (which fails with KS_EPG); the next call reconnects.
  */
 #ifndef KSCORE_STORE_H
 #define KSCORE_STORE_H
@@ -63,11 +94,20 @@ struct store_event {
  * the projections those events touch. Every event's stream_id must equal
  * stream_id.
  *
+ * One round trip: a libpq pipeline of kscore_append() and one
+ * kscore_project() per event, committed at its Sync.
+ *
  * Returns:
  *   0              appended; *version_out (may be NULL) = the last version.
  *   KS_EDUPLICATE  every event_id was already recorded (a redelivery): a
  *                  no-op; *version_out = the stream's current version.
- *   KS_ECONFLICT   the stream is not at expected_version; nothing written.
+ *   KS_ECONFLICT   the stream is not at expected_version, or a projection
+ *                  refused the event (a command id or idempotency key
+ *                  already used); nothing written.
+ *   KS_EINVAL      an event lacks event_id (UUID), stream_id or type, a
+ *                  command event has no UUID command id, an event_id
+ *                  repeats within the call; nothing sent.
+ *   KS_ETOOBIG     a packed event is larger than KS_MAX_MESSAGE_BYTES.
  *   KS_EPG         other database error; nothing written.
  * A batch where some event_ids are recorded and some not is KS_ECONFLICT.
  */
@@ -77,8 +117,12 @@ int store_append(struct store *s, const char *stream_id,
 
 /*
  * Appends events for many streams in one transaction (the recorder's batch
- * path), each with STORE_ANY. Events already recorded (by event_id) are
- * skipped and counted in *dup_out. Returns 0 or KS_EPG (nothing written).
+ * path), each with STORE_ANY, in input order within each stream. Events
+ * already recorded (by event_id), or repeated within the call, are skipped
+ * and counted in *dup_out (may be NULL). One round trip. Returns 0,
+ * KS_ECONFLICT (an event a projection refuses, see store_append: nothing
+ * written; append one by one to find it), KS_EINVAL / KS_ETOOBIG (as
+ * store_append, nothing sent) or KS_EPG (nothing written).
  */
 int store_append_many(struct store *s, const Ks__Event *const *events,
                       size_t n, size_t *dup_out);
@@ -110,7 +154,9 @@ int store_read_stream(struct store *s, const char *stream_id,
  * Catch-up read of all streams. The cursor is (tx_id, global_pos); reads
  * only events whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()),
  * so no late commit is ever skipped. Start with a zeroed cursor; it is
- * advanced past each event passed to cb.
+ * advanced past each event passed to cb (also the one whose cb stopped
+ * the read). Returns 0, cb's non-zero value, KS_EDECODE / KS_ETOOBIG (a row
+ * that is not a Ks__Event of at most KS_MAX_MESSAGE_BYTES) or KS_EPG.
  */
 struct store_cursor {
     uint64_t tx_id;
@@ -121,20 +167,36 @@ int store_read_all(struct store *s, struct store_cursor *cursor,
 
 /*
  * Blocks until a NOTIFY on channel kscore_events arrives or timeout_ms
- * passes (LISTEN is issued on first call). Returns 0 (woken), KS_ETIMEDOUT,
- * or KS_EPG. Only a wake-up: callers always re-read with store_read_all().
+ * passes (LISTEN is issued on first call; notifications that arrived
+ * during other calls on this connection count). Returns 0 (woken),
+ * KS_ETIMEDOUT, or KS_EPG. Only a wake-up: callers always re-read with
+ * store_read_all().
  */
 int store_wait_notify(struct store *s, int timeout_ms);
 
 /*
  * Rebuilds every projection from events alone into fresh tables and swaps
  * them in, in one transaction. *events_out (may be NULL) = events replayed.
- * Returns 0 or KS_EPG.
+ * Returns 0 or KS_EPG. Appends wait while it runs (events is locked
+ * EXCLUSIVE); reads go on against the old tables until the swap. agents is
+ * not an event projection (heartbeats feed it) and is kept as it is.
  */
 int store_replay(struct store *s, int64_t *events_out, char **errmsg);
 
-/* Agent registry projection (fed by the broker from KSCORE_AGENTS). */
+/*
+ * Agent registry projection (fed by the broker from KSCORE_AGENTS): insert
+ * or replace the row, online = true, last_seen = heartbeat_at_us, labels
+ * as a jsonb object. Returns 0, KS_EINVAL (no agent_id) or KS_EPG.
+ */
 int store_upsert_agent(struct store *s, const Ks__AgentInfo *info);
+
+/*
+ * The command whose CommandRequested carried idempotency_key (in
+ * Ks__Event.reason). Returns 0 with id_out (UUID text), KS_ENOTFOUND or
+ * KS_EPG.
+ */
+int store_command_by_key(struct store *s, const char *idempotency_key,
+                         char id_out[37]);
 
 /* The raw PGconn, for callers that need an escape hatch (tests). */
 struct pg_conn;

@@ -1,0 +1,601 @@
+/*
+ * append.c: the write side. One append is one libpq pipeline, so one round
+ * trip and one commit: kscore_append(...) (version check + insert +
+ * NOTIFY) followed by one kscore_project(...) per event, all in the
+ * implicit transaction that ends at the pipeline's Sync (PostgreSQL docs
+ * 55.2.4 "Pipelining"; libpq docs 34.5 "Pipeline Mode"). If any statement
+ * fails, the rest are skipped and everything is rolled back.
+ */
+#include "store_int.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+enum proj_kind {
+    PROJ_NONE,      /* unknown type: recorded, no projection */
+    PROJ_REQUESTED, /* inserts the commands row (and batch target) */
+    PROJ_STATUS,    /* a new status */
+    PROJ_RESULT,    /* a new status from a CommandResult */
+    PROJ_VERSION,   /* known, changes only the row's version */
+    PROJ_BATCH,     /* the batches row */
+};
+
+static const struct {
+    const char *type;
+    enum proj_kind kind;
+    Ks__CommandStatus status;
+} event_types[] = {
+    {"CommandRequested", PROJ_REQUESTED, KS__COMMAND_STATUS__PENDING},
+    {"CommandDispatched", PROJ_STATUS, KS__COMMAND_STATUS__DISPATCHED},
+    {"CommandStarted", PROJ_STATUS, KS__COMMAND_STATUS__RUNNING},
+    {"CommandCompleted", PROJ_RESULT, KS__COMMAND_STATUS__STATUS_UNSPECIFIED},
+    {"CommandStartFailed", PROJ_RESULT, KS__COMMAND_STATUS__START_FAILED},
+    {"CommandUndeliverable", PROJ_STATUS, KS__COMMAND_STATUS__UNDELIVERABLE},
+    {"CommandLost", PROJ_STATUS, KS__COMMAND_STATUS__LOST},
+    {"CommandCancelled", PROJ_STATUS, KS__COMMAND_STATUS__CANCELLED},
+    {"CommandCancelRequested", PROJ_VERSION, 0},
+    {"CommandRejected", PROJ_VERSION, 0},
+    {"DuplicateSuppressed", PROJ_VERSION, 0},
+    {"BatchRequested", PROJ_BATCH, 0},
+    {"BatchCompleted", PROJ_BATCH, 0},
+    {"BatchCancelled", PROJ_BATCH, 0},
+};
+
+static enum proj_kind
+classify(const char *type, Ks__CommandStatus *status)
+{
+    for (size_t i = 0; i < sizeof(event_types) / sizeof(event_types[0]); i++)
+        if (strcmp(type, event_types[i].type) == 0) {
+            *status = event_types[i].status;
+            return event_types[i].kind;
+        }
+    return PROJ_NONE;
+}
+
+static const char *
+nz(const char *s)
+{
+    return s && *s ? s : NULL;
+}
+
+static const char *
+command_id_of(const Ks__Event *ev)
+{
+    if (nz(ev->command_id))
+        return ev->command_id;
+    if (ev->command && nz(ev->command->command_id))
+        return ev->command->command_id;
+    if (strncmp(ev->stream_id, "command-", 8) == 0)
+        return ev->stream_id + 8;
+    return NULL;
+}
+
+static const char *
+batch_id_of(const Ks__Event *ev)
+{
+    if (nz(ev->batch_id))
+        return ev->batch_id;
+    if (ev->command && nz(ev->command->batch_id))
+        return ev->command->batch_id;
+    if (strncmp(ev->stream_id, "batch-", 6) == 0 && ev->stream_id[6])
+        return ev->stream_id + 6;
+    return NULL;
+}
+
+/* Checks what the append needs before anything is sent. */
+static int
+validate(const Ks__Event *ev)
+{
+    Ks__CommandStatus st;
+    enum proj_kind kind;
+
+    if (!ev || !ks_is_uuid(ev->event_id) || !nz(ev->stream_id) ||
+        !nz(ev->type))
+        return KS_EINVAL;
+    kind = classify(ev->type, &st);
+    if (kind == PROJ_NONE)
+        return 0;
+    if (kind == PROJ_BATCH)
+        return batch_id_of(ev) ? 0 : KS_EINVAL;
+    return ks_is_uuid(command_id_of(ev)) ? 0 : KS_EINVAL;
+}
+
+/* The status a CommandCompleted without one stands for. */
+static Ks__CommandStatus
+result_status(const Ks__CommandResult *r, Ks__CommandStatus dflt)
+{
+    if (r->status != KS__COMMAND_STATUS__STATUS_UNSPECIFIED)
+        return r->status;
+    if (dflt != KS__COMMAND_STATUS__STATUS_UNSPECIFIED)
+        return dflt;
+    if (r->cancelled)
+        return KS__COMMAND_STATUS__CANCELLED;
+    if (r->timed_out)
+        return KS__COMMAND_STATUS__TIMED_OUT;
+    return r->has_exit_code && r->exit_code == 0
+               ? KS__COMMAND_STATUS__SUCCEEDED
+               : KS__COMMAND_STATUS__FAILED;
+}
+
+/*
+ * The result column: the packed CommandResult without the output bytes,
+ * which live once, in the stdout/stderr columns; store_get_command() puts
+ * them back.
+ */
+static int
+pack_result_sans_output(struct store__buf *b, const Ks__CommandResult *r)
+{
+    Ks__CommandResult copy = *r;
+    Ks__Output out, err;
+    size_t len;
+    int rc;
+
+    if (copy.stdout) {
+        out = *copy.stdout;
+        out.data.data = NULL;
+        out.data.len = 0;
+        copy.stdout = &out;
+    }
+    if (copy.stderr) {
+        err = *copy.stderr;
+        err.data.data = NULL;
+        err.data.len = 0;
+        copy.stderr = &err;
+    }
+    b->len = 0;
+    len = ks__command_result__get_packed_size(&copy);
+    if ((rc = store__buf_reserve(b, len)) < 0)
+        return rc;
+    b->len = ks__command_result__pack(&copy, b->p);
+    return 0;
+}
+
+static void
+p_output(struct store__params *p, const Ks__Output *o)
+{
+    if (o)
+        store__p_bin(p, o->data.data, o->data.len);
+    else
+        store__p_null(p);
+}
+
+int
+store__send_project(struct store *s, const Ks__Event *ev, bool replay)
+{
+    struct store__params p = {0};
+    Ks__CommandStatus st = 0;
+    enum proj_kind kind = classify(ev->type, &st);
+    const Ks__Command *cmd = ev->command;
+    const Ks__CommandResult *r = ev->result;
+    int rc;
+
+    if (kind == PROJ_NONE)
+        return 0;
+    if (kind == PROJ_RESULT && !r)
+        kind = st ? PROJ_STATUS : PROJ_VERSION;
+    /* A status event that carries a result (CommandCancelled) keeps it. */
+    if (kind == PROJ_STATUS && r)
+        kind = PROJ_RESULT;
+
+    store__p_text(&p, ev->event_id);                              /* 1 */
+    store__p_bool(&p, replay);                                    /* 2 */
+    store__p_text(&p, ev->type);                                  /* 3 */
+    store__p_text(&p, kind == PROJ_BATCH ? NULL : command_id_of(ev)); /* 4 */
+    if (kind == PROJ_REQUESTED && cmd && nz(cmd->agent_id))
+        store__p_text(&p, cmd->agent_id); /* 5 */
+    else
+        store__p_text_or_null(&p, ev->agent_id);
+    store__p_i64(&p, ev->attempt); /* 6 */
+    store__p_i64(&p, ev->occurred_at_us ? ev->occurred_at_us
+                     : cmd             ? cmd->issued_at_us
+                                       : 0); /* 7 */
+    store__p_text(&p, batch_id_of(ev));      /* 8 */
+    store__p_text_or_null(&p, nz(ev->operator_) ? ev->operator_
+                              : cmd             ? cmd->operator_
+                                                : NULL); /* 9 */
+    if (kind == PROJ_REQUESTED && cmd && cmd->spec) {     /* 10 */
+        const Ks__CommandSpec *spec = cmd->spec;
+        if ((rc = store__arr_begin(&s->argv, STORE__OID_TEXT, spec->n_argv)) <
+            0)
+            return rc;
+        for (size_t i = 0; i < spec->n_argv; i++)
+            if ((rc = store__arr_put(&s->argv, spec->argv[i],
+                                     strlen(spec->argv[i]))) < 0)
+                return rc;
+        store__p_bin(&p, s->argv.p, s->argv.len);
+    } else {
+        store__p_null(&p);
+    }
+    /* 11: the idempotency key travels in CommandRequested.reason. */
+    store__p_text_or_null(&p, kind == PROJ_REQUESTED ? ev->reason : NULL);
+    if (kind == PROJ_STATUS) /* 12 */
+        store__p_text(&p, kproto_status_name(st));
+    else if (kind == PROJ_RESULT)
+        store__p_text(&p, kproto_status_name(result_status(r, st)));
+    else
+        store__p_null(&p);
+    if (kind == PROJ_RESULT) {
+        if (r->has_exit_code) /* 13 */
+            store__p_i64(&p, r->exit_code);
+        else
+            store__p_null(&p);
+        store__p_i64(&p, r->signal);    /* 14 */
+        store__p_bool(&p, r->timed_out); /* 15 */
+        p_output(&p, r->stdout);         /* 16 */
+        p_output(&p, r->stderr);         /* 17 */
+        if (r->stdout)                   /* 18 */
+            store__p_i64(&p, (int64_t)r->stdout->total_bytes);
+        else
+            store__p_null(&p);
+        if (r->stderr) /* 19 */
+            store__p_i64(&p, (int64_t)r->stderr->total_bytes);
+        else
+            store__p_null(&p);
+        if (r->stdout) /* 20 */
+            store__p_bool(&p, r->stdout->truncated);
+        else
+            store__p_null(&p);
+        if (r->stderr) /* 21 */
+            store__p_bool(&p, r->stderr->truncated);
+        else
+            store__p_null(&p);
+        store__p_i64(&p, r->duration_us);             /* 22 */
+        store__p_text_or_null(&p, r->start_stage);    /* 23 */
+        store__p_i64(&p, r->start_errno);             /* 24 */
+        store__p_i64(&p, r->started_at_us);           /* 25 */
+        store__p_i64(&p, r->finished_at_us);          /* 26 */
+        if ((rc = pack_result_sans_output(&s->result, r)) < 0)
+            return rc;
+        store__p_bin(&p, s->result.p, s->result.len); /* 27 */
+    } else {
+        while (p.n < 27)
+            store__p_null(&p);
+    }
+    if (!PQsendQueryPrepared(s->conn, "ks_project", p.n, p.val, p.len, p.fmt,
+                             0))
+        return KS_EPG;
+    return 1;
+}
+
+int
+store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
+{
+    bool seen_first = false;
+    int rc = 0;
+
+    for (;;) {
+        PGresult *res = PQgetResult(s->conn);
+        if (!res) {
+            if (PQstatus(s->conn) == CONNECTION_BAD) {
+                if (rc == 0)
+                    rc = KS_EPG;
+                break;
+            }
+            continue; /* the end of one query's results */
+        }
+        switch (PQresultStatus(res)) {
+        case PGRES_PIPELINE_SYNC:
+            PQclear(res);
+            return rc;
+        case PGRES_TUPLES_OK:
+        case PGRES_COMMAND_OK:
+            if (!seen_first && first_out && PQntuples(res) == 1 &&
+                !PQgetisnull(res, 0, 0))
+                *first_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+            seen_first = true;
+            break;
+        case PGRES_PIPELINE_ABORTED:
+            seen_first = true;
+            break;
+        default:
+            seen_first = true;
+            if (rc == 0) {
+                const char *d =
+                    PQresultErrorField(res, PG_DIAG_MESSAGE_DETAIL);
+                rc = store__pg_error(s, res, NULL);
+                if (detail_out && d)
+                    *detail_out = strdup(d);
+            }
+            break;
+        }
+        PQclear(res);
+    }
+    return rc;
+}
+
+/* Ends pipeline mode; resets a connection that broke inside it. */
+static void
+pipeline_end(struct store *s)
+{
+    if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF &&
+        !PQexitPipelineMode(s->conn)) {
+        PQreset(s->conn);
+        s->prepared = false;
+        s->listening = false;
+    }
+}
+
+struct id_ref {
+    const char *id;
+    size_t idx;
+};
+
+static int
+cmp_id_ref(const void *a, const void *b)
+{
+    const struct id_ref *x = a, *y = b;
+    int c = strcasecmp(x->id, y->id);
+    /* Among equal ids the first in the input sorts first. */
+    return c ? c : (x->idx < y->idx ? -1 : x->idx > y->idx);
+}
+
+/*
+ * Marks skip[i] for every event whose event_id appeared earlier in the
+ * input. Returns the number marked or -ENOMEM.
+ */
+static long
+mark_repeats(const Ks__Event *const *events, size_t n, bool *skip)
+{
+    struct id_ref *refs;
+    long repeats = 0;
+
+    if (n < 2)
+        return 0;
+    refs = malloc(n * sizeof(*refs));
+    if (!refs)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        refs[i].id = events[i]->event_id;
+        refs[i].idx = i;
+    }
+    qsort(refs, n, sizeof(*refs), cmp_id_ref);
+    for (size_t i = 1; i < n; i++)
+        if (strcasecmp(refs[i].id, refs[i - 1].id) == 0) {
+            skip[refs[i].idx] = true;
+            repeats++;
+        }
+    free(refs);
+    return repeats;
+}
+
+/* Appends the packed event as one element of the bytea[] in b. */
+static int
+put_packed_event(struct store__buf *b, const Ks__Event *ev)
+{
+    size_t len = ks__event__get_packed_size(ev);
+    int rc;
+
+    if (len > KS_MAX_MESSAGE_BYTES)
+        return KS_ETOOBIG;
+    if ((rc = store__buf_put_be32(b, (uint32_t)len)) < 0 ||
+        (rc = store__buf_reserve(b, len)) < 0)
+        return rc;
+    /* Packed straight into the parameter buffer: no intermediate copy. */
+    b->len += ks__event__pack(ev, b->p + b->len);
+    return 0;
+}
+
+/*
+ * After a unique violation on event_id (a redelivery racing the first
+ * delivery past the in-function check): KS_EDUPLICATE with the stream's
+ * version if every event is recorded now, else KS_ECONFLICT.
+ */
+static int
+recheck_recorded(struct store *s, const char *stream_id, int64_t *version_out)
+{
+    struct store__params p = {0};
+    PGresult *res;
+    int rc;
+
+    store__p_bin(&p, s->ids.p, s->ids.len);
+    store__p_text(&p, stream_id);
+    res = PQexecParams(
+        s->conn,
+        "SELECT (SELECT count(*) FROM events WHERE event_id = ANY ($1::uuid[]))"
+        " = (SELECT count(DISTINCT x) FROM unnest($1::uuid[]) x),"
+        " coalesce((SELECT version FROM streams WHERE stream_id = $2), 0)",
+        p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        rc = KS_EPG;
+    } else if (strcmp(PQgetvalue(res, 0, 0), "t") == 0) {
+        *version_out = strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+        rc = KS_EDUPLICATE;
+    } else {
+        rc = KS_ECONFLICT;
+    }
+    PQclear(res);
+    return rc;
+}
+
+int
+store_append(struct store *s, const char *stream_id,
+             int64_t expected_version, const struct store_event *events,
+             size_t n, int64_t *version_out)
+{
+    const Ks__Event **evs = NULL;
+    struct store__params p = {0};
+    char *detail = NULL;
+    int64_t version = -1;
+    bool *skip = NULL;
+    long repeats;
+    int rc;
+
+    BUG_ON(!s || !stream_id || !events || n == 0);
+    if (expected_version < STORE_ANY)
+        return KS_EINVAL;
+    evs = malloc(n * sizeof(*evs));
+    skip = calloc(n, sizeof(*skip));
+    if (!evs || !skip) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        evs[i] = events[i].event;
+        if ((rc = validate(evs[i])) < 0)
+            goto out;
+        if (strcmp(evs[i]->stream_id, stream_id) != 0) {
+            rc = KS_EINVAL;
+            goto out;
+        }
+    }
+    repeats = mark_repeats((const Ks__Event *const *)evs, n, skip);
+    if (repeats != 0) {
+        rc = repeats < 0 ? (int)repeats : KS_EINVAL;
+        goto out;
+    }
+    if ((rc = store__prepare(s, NULL)) < 0)
+        goto out;
+    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, n)) < 0 ||
+        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, n)) < 0 ||
+        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, n)) < 0)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        if ((rc = store__arr_put_uuid(&s->ids, evs[i]->event_id)) < 0 ||
+            (rc = store__arr_put(&s->types, evs[i]->type,
+                                 strlen(evs[i]->type))) < 0 ||
+            (rc = put_packed_event(&s->data, evs[i])) < 0)
+            goto out;
+    store__p_text(&p, stream_id);
+    store__p_i64(&p, expected_version);
+    store__p_bin(&p, s->ids.p, s->ids.len);
+    store__p_bin(&p, s->types.p, s->types.len);
+    store__p_bin(&p, s->data.p, s->data.len);
+
+    if (!PQenterPipelineMode(s->conn)) {
+        rc = store__pg_error(s, NULL, NULL);
+        goto out;
+    }
+    rc = PQsendQueryPrepared(s->conn, "ks_append", p.n, p.val, p.len, p.fmt,
+                             0)
+             ? 0
+             : KS_EPG;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        int r = store__send_project(s, evs[i], false);
+        if (r < 0)
+            rc = r;
+    }
+    if (!PQpipelineSync(s->conn)) {
+        pipeline_end(s);
+        rc = KS_EPG;
+        goto out;
+    }
+    {
+        int frc = store__pipeline_finish(s, &version, &detail);
+        if (rc == 0)
+            rc = frc;
+    }
+    pipeline_end(s);
+    if (rc == KS_EDUPLICATE) {
+        if (detail) {
+            version = strtoll(detail, NULL, 10);
+        } else {
+            rc = recheck_recorded(s, stream_id, &version);
+            if (rc != KS_EDUPLICATE)
+                goto out;
+        }
+        if (version_out)
+            *version_out = version;
+        goto out;
+    }
+    if (rc == 0 && version_out)
+        *version_out = version;
+out:
+    free(detail);
+    free(evs);
+    free(skip);
+    return rc;
+}
+
+int
+store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
+                  size_t *dup_out)
+{
+    int64_t dups = 0;
+    bool *skip = NULL;
+    long repeats;
+    int rc = 0;
+
+    BUG_ON(!s || (n && !events));
+    if (n == 0)
+        goto done;
+    skip = calloc(n, sizeof(*skip));
+    if (!skip)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        if ((rc = validate(events[i])) < 0)
+            goto out;
+    repeats = mark_repeats(events, n, skip);
+    if (repeats < 0) {
+        rc = (int)repeats;
+        goto out;
+    }
+    if ((rc = store__prepare(s, NULL)) < 0)
+        goto out;
+    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, n)) < 0 ||
+        (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, n)) < 0 ||
+        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, n)) < 0 ||
+        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, n)) < 0)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
+            (rc = store__arr_put(&s->streams, ev->stream_id,
+                                 strlen(ev->stream_id))) < 0 ||
+            (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
+                0 ||
+            (rc = put_packed_event(&s->data, ev)) < 0)
+            goto out;
+    }
+
+    /*
+     * A concurrent writer can record one of these event_ids between the
+     * function's check and its insert (unique violation): the retry then
+     * sees it recorded and skips it.
+     */
+    for (int attempt = 0; attempt < 3; attempt++) {
+        struct store__params p = {0};
+        store__p_bin(&p, s->ids.p, s->ids.len);
+        store__p_bin(&p, s->streams.p, s->streams.len);
+        store__p_bin(&p, s->types.p, s->types.len);
+        store__p_bin(&p, s->data.p, s->data.len);
+        if (!PQenterPipelineMode(s->conn)) {
+            rc = store__pg_error(s, NULL, NULL);
+            goto out;
+        }
+        rc = PQsendQueryPrepared(s->conn, "ks_append_many", p.n, p.val, p.len,
+                                 p.fmt, 0)
+                 ? 0
+                 : KS_EPG;
+        for (size_t i = 0; i < n && rc == 0; i++) {
+            if (skip[i])
+                continue;
+            int r = store__send_project(s, events[i], false);
+            if (r < 0)
+                rc = r;
+        }
+        if (!PQpipelineSync(s->conn)) {
+            pipeline_end(s);
+            rc = KS_EPG;
+            goto out;
+        }
+        int frc = store__pipeline_finish(s, &dups, NULL);
+        if (rc == 0)
+            rc = frc;
+        pipeline_end(s);
+        if (rc != KS_EDUPLICATE)
+            break;
+    }
+    if (rc == KS_EDUPLICATE)
+        rc = KS_EPG;
+    if (rc < 0)
+        goto out;
+done:
+    if (dup_out)
+        *dup_out = (size_t)dups;
+out:
+    free(skip);
+    return rc;
+}

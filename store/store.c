@@ -1,0 +1,767 @@
+/*
+ * store.c: connection, migrations, errors, parameter helpers and the read
+ * side (commands, streams, catch-up, notifications, agents).
+ */
+#include "store_int.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uuid/uuid.h>
+
+/* ---- buffers ---- */
+
+int
+store__buf_reserve(struct store__buf *b, size_t more)
+{
+    size_t want, cap;
+    uint8_t *p;
+
+    if (more > b->cap || b->len > b->cap - more)
+        return KS_ETOOBIG;
+    want = b->len + more;
+    if (want <= b->cap_alloc)
+        return 0;
+    cap = b->cap_alloc ? b->cap_alloc : 256;
+    while (cap < want)
+        cap *= 2;
+    if (cap > b->cap)
+        cap = b->cap;
+    p = realloc(b->p, cap);
+    if (!p)
+        return -ENOMEM;
+    b->p = p;
+    b->cap_alloc = cap;
+    return 0;
+}
+
+int
+store__buf_put(struct store__buf *b, const void *p, size_t len)
+{
+    int rc = store__buf_reserve(b, len);
+    if (rc < 0)
+        return rc;
+    if (len)
+        memcpy(b->p + b->len, p, len);
+    b->len += len;
+    return 0;
+}
+
+int
+store__buf_put_be32(struct store__buf *b, uint32_t v)
+{
+    uint8_t x[4] = {v >> 24, v >> 16, v >> 8, v};
+    return store__buf_put(b, x, 4);
+}
+
+void
+store__buf_release(struct store__buf *b)
+{
+    free(b->p);
+    b->p = NULL;
+    b->len = b->cap_alloc = 0;
+}
+
+int
+store__arr_begin(struct store__buf *b, uint32_t elem_oid, size_t n)
+{
+    int rc;
+    b->len = 0;
+    if (n > INT32_MAX)
+        return KS_ETOOBIG;
+    if ((rc = store__buf_put_be32(b, 1)) < 0 ||       /* ndim */
+        (rc = store__buf_put_be32(b, 0)) < 0 ||       /* has nulls */
+        (rc = store__buf_put_be32(b, elem_oid)) < 0 || /* element type */
+        (rc = store__buf_put_be32(b, (uint32_t)n)) < 0 ||
+        (rc = store__buf_put_be32(b, 1)) < 0) /* lower bound */
+        return rc;
+    return 0;
+}
+
+int
+store__arr_put(struct store__buf *b, const void *p, size_t len)
+{
+    int rc;
+    if (len > INT32_MAX)
+        return KS_ETOOBIG;
+    if ((rc = store__buf_put_be32(b, (uint32_t)len)) < 0)
+        return rc;
+    return store__buf_put(b, p, len);
+}
+
+int
+store__arr_put_uuid(struct store__buf *b, const char *text)
+{
+    uuid_t u;
+    if (!text || uuid_parse(text, u) != 0)
+        return KS_EINVAL;
+    return store__arr_put(b, u, sizeof(u));
+}
+
+/* ---- parameters ---- */
+
+void
+store__p_text(struct store__params *p, const char *s)
+{
+    BUG_ON(p->n >= STORE__MAX_PARAMS);
+    p->val[p->n] = s;
+    p->len[p->n] = 0;
+    p->fmt[p->n] = 0;
+    p->n++;
+}
+
+void
+store__p_text_or_null(struct store__params *p, const char *s)
+{
+    store__p_text(p, s && *s ? s : NULL);
+}
+
+void
+store__p_null(struct store__params *p)
+{
+    store__p_text(p, NULL);
+}
+
+void
+store__p_i64(struct store__params *p, int64_t v)
+{
+    BUG_ON(p->n >= STORE__MAX_PARAMS);
+    snprintf(p->num[p->n], sizeof(p->num[p->n]), "%lld", (long long)v);
+    store__p_text(p, p->num[p->n]);
+}
+
+void
+store__p_bool(struct store__params *p, bool v)
+{
+    store__p_text(p, v ? "t" : "f");
+}
+
+void
+store__p_bin(struct store__params *p, const void *data, size_t len)
+{
+    BUG_ON(p->n >= STORE__MAX_PARAMS);
+    BUG_ON(len > INT32_MAX);
+    /* libpq sends a NULL pointer as SQL NULL; an empty value needs "". */
+    p->val[p->n] = data ? (const char *)data : "";
+    p->len[p->n] = (int)len;
+    p->fmt[p->n] = 1;
+    p->n++;
+}
+
+int64_t
+store__rd_i64(const char *p)
+{
+    const uint8_t *u = (const uint8_t *)p;
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | u[i];
+    return (int64_t)v;
+}
+
+int32_t
+store__rd_i32(const char *p)
+{
+    const uint8_t *u = (const uint8_t *)p;
+    return (int32_t)((uint32_t)u[0] << 24 | (uint32_t)u[1] << 16 |
+                     (uint32_t)u[2] << 8 | u[3]);
+}
+
+/* ---- errors ---- */
+
+static void
+set_errmsg(char **errmsg, const char *msg)
+{
+    if (!errmsg)
+        return;
+    free(*errmsg);
+    *errmsg = msg ? strdup(msg) : NULL;
+}
+
+int
+store__pg_error(struct store *s, const PGresult *res, char **errmsg)
+{
+    const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    const char *msg = res ? PQresultErrorMessage(res) : NULL;
+    int rc = KS_EPG;
+
+    if (!msg || !*msg)
+        msg = PQerrorMessage(s->conn);
+    set_errmsg(errmsg, msg);
+    if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
+        rc = KS_ECONFLICT;
+    else if (state && strcmp(state, STORE__SQLSTATE_RECORDED) == 0)
+        rc = KS_EDUPLICATE;
+    else if (state && strcmp(state, "23505") == 0) {
+        const char *c = PQresultErrorField(res, PG_DIAG_CONSTRAINT_NAME);
+        rc = c && strcmp(c, "events_event_id_key") == 0 ? KS_EDUPLICATE
+                                                        : KS_ECONFLICT;
+    }
+    if (PQstatus(s->conn) == CONNECTION_BAD) {
+        /* The server restarted or the link broke: start afresh. */
+        PQreset(s->conn);
+        s->prepared = false;
+        s->listening = false;
+    }
+    return rc;
+}
+
+int
+store__exec(struct store *s, const char *sql, char **errmsg)
+{
+    PGresult *res = PQexec(s->conn, sql);
+    int rc = 0;
+    ExecStatusType st = PQresultStatus(res);
+
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
+        rc = store__pg_error(s, res, errmsg);
+    PQclear(res);
+    return rc;
+}
+
+/* ---- connection and migrations ---- */
+
+int
+store_open(const char *conninfo, struct store **out, char **errmsg)
+{
+    struct store *s = calloc(1, sizeof(*s));
+    int rc;
+
+    if (!s)
+        return -ENOMEM;
+    s->conn = PQconnectdb(conninfo);
+    if (!s->conn || PQstatus(s->conn) != CONNECTION_OK) {
+        set_errmsg(errmsg, s->conn ? PQerrorMessage(s->conn)
+                                   : "out of memory");
+        rc = KS_EUNAVAIL;
+        goto fail;
+    }
+    /* Projections hold timestamps; the session time zone only shows. */
+    rc = store__exec(s, "SET TIME ZONE 'UTC'; SET client_min_messages = warning",
+                     errmsg);
+    if (rc < 0)
+        goto fail;
+    s->ids.cap = s->streams.cap = s->types.cap = SIZE_MAX / 2;
+    /* The bytea[] of one append_many call is one protocol message. */
+    s->data.cap = 256u * 1024 * 1024;
+    s->argv.cap = KS_MAX_MESSAGE_BYTES;
+    s->result.cap = KS_MAX_MESSAGE_BYTES;
+    *out = s;
+    return 0;
+fail:
+    store_close(s);
+    return rc;
+}
+
+void
+store_close(struct store *s)
+{
+    if (!s)
+        return;
+    PQfinish(s->conn);
+    store__buf_release(&s->ids);
+    store__buf_release(&s->streams);
+    store__buf_release(&s->types);
+    store__buf_release(&s->data);
+    store__buf_release(&s->argv);
+    store__buf_release(&s->result);
+    free(s);
+}
+
+void *
+store_pgconn(struct store *s)
+{
+    return s->conn;
+}
+
+int
+store_migrate(struct store *s, char **errmsg)
+{
+    char sql[256];
+    PGresult *res = NULL;
+    int rc;
+
+    rc = store__exec(s,
+                     "BEGIN;"
+                     /* "kscore" in ASCII: one lock id for every broker. */
+                     "SELECT pg_advisory_xact_lock(107115099111114101);"
+                     "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                     "  version int PRIMARY KEY,"
+                     "  name text NOT NULL,"
+                     "  applied_at timestamptz NOT NULL DEFAULT now())",
+                     errmsg);
+    if (rc < 0)
+        goto out;
+    for (size_t i = 0; i < store__n_migrations; i++) {
+        const struct store__migration *m = &store__migrations[i];
+        snprintf(sql, sizeof(sql),
+                 "SELECT 1 FROM schema_migrations WHERE version = %d",
+                 m->version);
+        res = PQexec(s->conn, sql);
+        if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+            rc = store__pg_error(s, res, errmsg);
+            goto out;
+        }
+        if (PQntuples(res) == 0) {
+            const char *params[2];
+            char v[16];
+            if ((rc = store__exec(s, m->sql, errmsg)) < 0)
+                goto out;
+            snprintf(v, sizeof(v), "%d", m->version);
+            params[0] = v;
+            params[1] = m->name;
+            PQclear(res);
+            res = PQexecParams(s->conn,
+                               "INSERT INTO schema_migrations (version, name)"
+                               " VALUES ($1, $2)",
+                               2, NULL, params, NULL, NULL, 0);
+            if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+                rc = store__pg_error(s, res, errmsg);
+                goto out;
+            }
+        }
+        PQclear(res);
+        res = NULL;
+    }
+    rc = store__exec(s, "COMMIT", errmsg);
+    if (rc == 0)
+        s->prepared = false; /* the functions may be new */
+out:
+    PQclear(res);
+    if (rc < 0 && PQtransactionStatus(s->conn) != PQTRANS_IDLE)
+        PQclear(PQexec(s->conn, "ROLLBACK"));
+    return rc < 0 ? KS_EPG : 0;
+}
+
+static const struct {
+    const char *name;
+    const char *sql;
+} statements[] = {
+    {"ks_append", "SELECT kscore_append($1, $2, $3, $4, $5)"},
+    {"ks_append_many", "SELECT kscore_append_many($1, $2, $3, $4)"},
+    {"ks_project",
+     "SELECT kscore_project($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
+     " $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
+     " $25, $26, $27)"},
+};
+
+int
+store__prepare(struct store *s, char **errmsg)
+{
+    if (s->prepared)
+        return 0;
+    /* After a reset the old names may or may not exist. */
+    PQclear(PQexec(s->conn, "DEALLOCATE ALL"));
+    for (size_t i = 0; i < sizeof(statements) / sizeof(statements[0]); i++) {
+        PGresult *res =
+            PQprepare(s->conn, statements[i].name, statements[i].sql, 0, NULL);
+        if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+            store__pg_error(s, res, errmsg);
+            PQclear(res);
+            return KS_EPG;
+        }
+        PQclear(res);
+    }
+    s->prepared = true;
+    return 0;
+}
+
+/* ---- reads ---- */
+
+int
+store_stream_version(struct store *s, const char *stream_id,
+                     int64_t *version_out)
+{
+    const char *params[1] = {stream_id};
+    PGresult *res = PQexecParams(
+        s->conn, "SELECT version FROM streams WHERE stream_id = $1", 1, NULL,
+        params, NULL, NULL, 0);
+    int rc = 0;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        rc = KS_EPG;
+        goto out;
+    }
+    *version_out = PQntuples(res) ? strtoll(PQgetvalue(res, 0, 0), NULL, 10)
+                                  : 0;
+out:
+    PQclear(res);
+    return rc;
+}
+
+/* Calls cb for each row (global_pos, version, recorded_us, data[, tx]). */
+static int
+deliver_events(PGresult *res, struct store_cursor *cursor, store_event_fn cb,
+               void *ud)
+{
+    int rows = PQntuples(res);
+
+    for (int i = 0; i < rows; i++) {
+        Ks__RecordedEvent rec = KS__RECORDED_EVENT__INIT;
+        int len = PQgetlength(res, i, 3);
+        int rc;
+
+        if (len > KS_MAX_MESSAGE_BYTES)
+            return KS_ETOOBIG;
+        rec.global_pos = store__rd_i64(PQgetvalue(res, i, 0));
+        rec.version = store__rd_i64(PQgetvalue(res, i, 1));
+        rec.recorded_at_us = store__rd_i64(PQgetvalue(res, i, 2));
+        rec.event = ks__event__unpack(
+            NULL, (size_t)len, (const uint8_t *)PQgetvalue(res, i, 3));
+        if (!rec.event)
+            return KS_EDECODE;
+        if (cursor) {
+            cursor->tx_id = strtoull(PQgetvalue(res, i, 4), NULL, 10);
+            cursor->global_pos = rec.global_pos;
+        }
+        rc = cb(&rec, ud);
+        ks__event__free_unpacked(rec.event, NULL);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+int
+store_read_stream(struct store *s, const char *stream_id,
+                  int64_t after_version, uint32_t limit, store_event_fn cb,
+                  void *ud)
+{
+    struct store__params p = {0};
+    PGresult *res;
+    int rc;
+
+    store__p_text(&p, stream_id);
+    store__p_i64(&p, after_version);
+    if (limit)
+        store__p_i64(&p, limit);
+    else
+        store__p_null(&p);
+    res = PQexecParams(s->conn,
+                       "SELECT global_pos, version, kscore_us(recorded_at),"
+                       " data FROM events"
+                       " WHERE stream_id = $1 AND version > $2"
+                       " ORDER BY version LIMIT $3",
+                       p.n, NULL, p.val, p.len, p.fmt, 1);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        PQclear(res);
+        return KS_EPG;
+    }
+    rc = deliver_events(res, NULL, cb, ud);
+    PQclear(res);
+    return rc;
+}
+
+int
+store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
+               store_event_fn cb, void *ud)
+{
+    struct store__params p = {0};
+    PGresult *res;
+    int rc;
+
+    store__p_i64(&p, (int64_t)cursor->tx_id);
+    store__p_i64(&p, cursor->global_pos);
+    if (limit)
+        store__p_i64(&p, limit);
+    else
+        store__p_null(&p);
+    /*
+     * Everything below the snapshot's xmin has committed or aborted, so no
+     * event can later appear before the cursor (PostgreSQL docs 9.27,
+     * pg_snapshot_xmin). The row comparison walks events_tx_pos.
+     */
+    res = PQexecParams(
+        s->conn,
+        "SELECT global_pos, version, kscore_us(recorded_at), data,"
+        " tx_id::text FROM events"
+        " WHERE tx_id < pg_snapshot_xmin(pg_current_snapshot())"
+        "   AND (tx_id, global_pos) > ($1::text::xid8, $2::bigint)"
+        " ORDER BY tx_id, global_pos LIMIT $3",
+        p.n, NULL, p.val, p.len, p.fmt, 1);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        PQclear(res);
+        return KS_EPG;
+    }
+    rc = deliver_events(res, cursor, cb, ud);
+    PQclear(res);
+    return rc;
+}
+
+int
+store_wait_notify(struct store *s, int timeout_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    PGnotify *n;
+    int woke = 0;
+
+    if (!s->listening) {
+        if (store__exec(s, "LISTEN kscore_events", NULL) < 0)
+            return KS_EPG;
+        s->listening = true;
+    }
+    for (;;) {
+        if (PQconsumeInput(s->conn) == 0) {
+            store__pg_error(s, NULL, NULL);
+            return KS_EPG;
+        }
+        while ((n = PQnotifies(s->conn)) != NULL) {
+            woke = 1;
+            PQfreemem(n);
+        }
+        if (woke)
+            return 0;
+        int64_t left_us = deadline - ks_mono_us();
+        if (left_us <= 0)
+            return KS_ETIMEDOUT;
+        struct pollfd pfd = {.fd = PQsocket(s->conn), .events = POLLIN};
+        int r = poll(&pfd, 1, (int)((left_us + 999) / 1000));
+        if (r == -1 && errno != EINTR)
+            return -errno;
+    }
+}
+
+/* ---- commands ---- */
+
+static char *
+dup_col(const PGresult *res, int col)
+{
+    int len = PQgetlength(res, 0, col);
+    char *p = malloc((size_t)len + 1);
+    if (!p)
+        return NULL;
+    memcpy(p, PQgetvalue(res, 0, col), (size_t)len);
+    p[len] = '\0';
+    return p;
+}
+
+/* text[] in binary format (array_send) into view->argv. */
+static int
+decode_argv(const char *p, int len, Ks__CommandView *v)
+{
+    const char *end = p + len;
+    int32_t ndim, n;
+
+    if (len < 12)
+        return KS_EDECODE;
+    ndim = store__rd_i32(p);
+    if (ndim == 0)
+        return 0;
+    if (ndim != 1 || len < 20)
+        return KS_EDECODE;
+    n = store__rd_i32(p + 12);
+    p += 20;
+    if (n < 0 || n > len / 4)
+        return KS_EDECODE;
+    v->argv = calloc((size_t)n ? (size_t)n : 1, sizeof(char *));
+    if (!v->argv)
+        return -ENOMEM;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t el;
+        if (end - p < 4)
+            return KS_EDECODE;
+        el = store__rd_i32(p);
+        p += 4;
+        if (el < 0 || end - p < el)
+            return KS_EDECODE;
+        v->argv[i] = malloc((size_t)el + 1);
+        if (!v->argv[i])
+            return -ENOMEM;
+        memcpy(v->argv[i], p, (size_t)el);
+        v->argv[i][el] = '\0';
+        v->n_argv = (size_t)i + 1;
+        p += el;
+    }
+    return 0;
+}
+
+/* Puts a bytea column back into the Output the packed result left empty. */
+static int
+fill_output(const PGresult *res, int col, Ks__Output **o)
+{
+    int len;
+
+    if (PQgetisnull(res, 0, col))
+        return 0;
+    len = PQgetlength(res, 0, col);
+    if (len > KS_MAX_MESSAGE_BYTES)
+        return KS_ETOOBIG;
+    if (!*o) {
+        *o = malloc(sizeof(**o));
+        if (!*o)
+            return -ENOMEM;
+        ks__output__init(*o);
+    }
+    if (len == 0)
+        return 0;
+    (*o)->data.data = malloc((size_t)len);
+    if (!(*o)->data.data)
+        return -ENOMEM;
+    memcpy((*o)->data.data, PQgetvalue(res, 0, col), (size_t)len);
+    (*o)->data.len = (size_t)len;
+    return 0;
+}
+
+static Ks__CommandStatus
+status_from_name(const char *name)
+{
+    for (int st = 0; st <= KS__COMMAND_STATUS__LOST; st++)
+        if (strcmp(kproto_status_name((Ks__CommandStatus)st), name) == 0)
+            return (Ks__CommandStatus)st;
+    return KS__COMMAND_STATUS__STATUS_UNSPECIFIED;
+}
+
+int
+store_get_command(struct store *s, const char *command_id,
+                  Ks__CommandView **out)
+{
+    const char *params[1] = {command_id};
+    Ks__CommandView *v = NULL;
+    PGresult *res;
+    char *status = NULL;
+    int rc = 0;
+
+    if (!ks_is_uuid(command_id))
+        return KS_ENOTFOUND;
+    res = PQexecParams(
+        s->conn,
+        "SELECT command_id::text, agent_id, status, argv, attempt,"
+        " coalesce(kscore_us(requested_at), 0), result, stdout, stderr,"
+        " coalesce(batch_id, ''), version"
+        " FROM commands WHERE command_id = $1",
+        1, NULL, params, NULL, NULL, 1);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        rc = KS_EPG;
+        goto out;
+    }
+    if (PQntuples(res) == 0) {
+        rc = KS_ENOTFOUND;
+        goto out;
+    }
+    v = malloc(sizeof(*v));
+    if (!v) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    ks__command_view__init(v);
+    if (!(v->command_id = dup_col(res, 0)) ||
+        !(v->agent_id = dup_col(res, 1)) || !(status = dup_col(res, 2)) ||
+        !(v->batch_id = dup_col(res, 9))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    v->status = status_from_name(status);
+    if ((rc = decode_argv(PQgetvalue(res, 0, 3), PQgetlength(res, 0, 3), v)) <
+        0)
+        goto out;
+    v->attempt = (uint32_t)store__rd_i32(PQgetvalue(res, 0, 4));
+    v->requested_at_us = store__rd_i64(PQgetvalue(res, 0, 5));
+    v->version = store__rd_i64(PQgetvalue(res, 0, 10));
+    if (!PQgetisnull(res, 0, 6)) {
+        int len = PQgetlength(res, 0, 6);
+        if (len > KS_MAX_MESSAGE_BYTES) {
+            rc = KS_ETOOBIG;
+            goto out;
+        }
+        v->result = ks__command_result__unpack(
+            NULL, (size_t)len, (const uint8_t *)PQgetvalue(res, 0, 6));
+        if (!v->result) {
+            rc = KS_EDECODE;
+            goto out;
+        }
+        if ((rc = fill_output(res, 7, &v->result->stdout)) < 0 ||
+            (rc = fill_output(res, 8, &v->result->stderr)) < 0)
+            goto out;
+    }
+    *out = v;
+    v = NULL;
+out:
+    if (v)
+        ks__command_view__free_unpacked(v, NULL);
+    free(status);
+    PQclear(res);
+    return rc;
+}
+
+int
+store_command_by_key(struct store *s, const char *idempotency_key,
+                     char id_out[37])
+{
+    const char *params[1] = {idempotency_key};
+    PGresult *res = PQexecParams(
+        s->conn,
+        "SELECT command_id::text FROM commands WHERE idempotency_key = $1", 1,
+        NULL, params, NULL, NULL, 0);
+    int rc = 0;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        rc = KS_EPG;
+    } else if (PQntuples(res) == 0) {
+        rc = KS_ENOTFOUND;
+    } else {
+        snprintf(id_out, 37, "%s", PQgetvalue(res, 0, 0));
+    }
+    PQclear(res);
+    return rc;
+}
+
+/* ---- agents ---- */
+
+int
+store_upsert_agent(struct store *s, const Ks__AgentInfo *info)
+{
+    struct store__buf keys = {.cap = KS_MAX_MESSAGE_BYTES},
+                      vals = {.cap = KS_MAX_MESSAGE_BYTES};
+    struct store__params p = {0};
+    PGresult *res = NULL;
+    int rc;
+
+    if (!info || !info->agent_id || !*info->agent_id)
+        return KS_EINVAL;
+    if ((rc = store__arr_begin(&keys, STORE__OID_TEXT, info->n_labels)) < 0 ||
+        (rc = store__arr_begin(&vals, STORE__OID_TEXT, info->n_labels)) < 0)
+        goto out;
+    for (size_t i = 0; i < info->n_labels; i++) {
+        const Ks__EnvVar *l = info->labels[i];
+        const char *k = l && l->name ? l->name : "";
+        const char *val = l && l->value ? l->value : "";
+        if ((rc = store__arr_put(&keys, k, strlen(k))) < 0 ||
+            (rc = store__arr_put(&vals, val, strlen(val))) < 0)
+            goto out;
+    }
+    store__p_text(&p, info->agent_id);
+    store__p_bin(&p, keys.p, keys.len);
+    store__p_bin(&p, vals.p, vals.len);
+    store__p_text(&p, info->version ? info->version : "");
+    store__p_text(&p, info->host ? info->host : "");
+    store__p_i64(&p, info->heartbeat_at_us);
+    store__p_i64(&p, info->running);
+    store__p_i64(&p, info->max_concurrent);
+    store__p_i64(&p, info->pid);
+    res = PQexecParams(
+        s->conn,
+        "INSERT INTO agents AS a (agent_id, labels, version, host, online,"
+        "  last_seen, running, max_concurrent, pid)"
+        " VALUES ($1, jsonb_object($2::text[], $3::text[]), $4, $5, true,"
+        "  kscore_ts($6), $7, $8, $9)"
+        " ON CONFLICT (agent_id) DO UPDATE SET labels = excluded.labels,"
+        "  version = excluded.version, host = excluded.host, online = true,"
+        "  last_seen = excluded.last_seen, running = excluded.running,"
+        "  max_concurrent = excluded.max_concurrent, pid = excluded.pid",
+        p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+        store__pg_error(s, res, NULL);
+        rc = KS_EPG;
+    }
+out:
+    PQclear(res);
+    store__buf_release(&keys);
+    store__buf_release(&vals);
+    return rc;
+}

@@ -1,0 +1,116 @@
+/*
+ * store_int.h: private to the sources of the store folder.
+ */
+#ifndef KSCORE_STORE_INT_H
+#define KSCORE_STORE_INT_H
+
+#include <libpq-fe.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "store.h"
+
+/* SQLSTATEs raised by the SQL functions of migrations.c. */
+#define STORE__SQLSTATE_CONFLICT "KS001"
+#define STORE__SQLSTATE_RECORDED "KS002" /* DETAIL: the stream's version */
+
+/* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
+#define STORE__OID_BOOL 16
+#define STORE__OID_BYTEA 17
+#define STORE__OID_INT8 20
+#define STORE__OID_INT4 23
+#define STORE__OID_TEXT 25
+#define STORE__OID_UUID 2950
+
+struct store__migration {
+    int version;
+    const char *name;
+    const char *sql;
+};
+extern const struct store__migration store__migrations[];
+extern const size_t store__n_migrations;
+
+/*
+ * A growable byte buffer with a hard cap: grows to at most cap bytes, then
+ * fails with KS_ETOOBIG.
+ */
+struct store__buf {
+    uint8_t *p;
+    size_t len, cap_alloc, cap;
+};
+int store__buf_reserve(struct store__buf *b, size_t more);
+int store__buf_put(struct store__buf *b, const void *p, size_t len);
+int store__buf_put_be32(struct store__buf *b, uint32_t v);
+void store__buf_release(struct store__buf *b);
+
+/*
+ * One-dimensional array parameters in PostgreSQL's binary format
+ * (array_recv, src/backend/utils/adt/arrayfuncs.c): ndim, has-null flag,
+ * element type OID, then length and lower bound, then each element as a
+ * length-prefixed value (-1 for NULL).
+ */
+int store__arr_begin(struct store__buf *b, uint32_t elem_oid, size_t n);
+int store__arr_put(struct store__buf *b, const void *p, size_t len);
+int store__arr_put_uuid(struct store__buf *b, const char *uuid_text);
+
+/* Parameters of one statement. Values are borrowed until it is sent. */
+#define STORE__MAX_PARAMS 32
+struct store__params {
+    int n;
+    const char *val[STORE__MAX_PARAMS];
+    int len[STORE__MAX_PARAMS];
+    int fmt[STORE__MAX_PARAMS];
+    char num[STORE__MAX_PARAMS][24]; /* text of numeric params */
+};
+void store__p_text(struct store__params *p, const char *s); /* NULL: NULL */
+void store__p_text_or_null(struct store__params *p, const char *s); /* "": NULL */
+void store__p_i64(struct store__params *p, int64_t v);
+void store__p_bool(struct store__params *p, bool v);
+void store__p_bin(struct store__params *p, const void *data, size_t len);
+void store__p_null(struct store__params *p);
+
+struct store {
+    PGconn *conn;
+    bool prepared;  /* the ks_* statements exist on this connection */
+    bool listening; /* LISTEN kscore_events issued */
+    struct store__buf ids, streams, types, data, argv, result;
+};
+
+/*
+ * Translates a failed PGresult (or, with res NULL, the connection's error)
+ * into a KS_E* code, once: KS001 -> KS_ECONFLICT, KS002 -> KS_EDUPLICATE,
+ * 23505 on events_event_id_key -> KS_EDUPLICATE, other 23505 (stream
+ * version, command id, idempotency key) -> KS_ECONFLICT, the rest KS_EPG.
+ * A broken connection is reset so the next call can succeed. *errmsg
+ * (may be NULL) gets a malloc'd copy of the message.
+ */
+int store__pg_error(struct store *s, const PGresult *res, char **errmsg);
+
+/* Prepares the ks_* statements once per connection. 0 or KS_EPG. */
+int store__prepare(struct store *s, char **errmsg);
+
+/* Runs sql (no parameters, several statements allowed). 0 or a code. */
+int store__exec(struct store *s, const char *sql, char **errmsg);
+
+/*
+ * Adds one kscore_project(...) call for ev to the open pipeline (replay:
+ * apply whatever its tx_id). Returns 1 if a call was queued, 0 if the
+ * event type has no projection, or a negative code.
+ */
+int store__send_project(struct store *s, const Ks__Event *ev, bool replay);
+
+/*
+ * Reads the results of a pipeline up to and including its sync. Returns
+ * the first error translated (store__pg_error) or 0; *first_out (may be
+ * NULL) receives the first query's first value as int64 when it is
+ * non-NULL; *detail_out (may be NULL) the DETAIL of the first error.
+ */
+int store__pipeline_finish(struct store *s, int64_t *first_out,
+                           char **detail_out);
+
+/* Big-endian readers for binary result columns. */
+int64_t store__rd_i64(const char *p);
+int32_t store__rd_i32(const char *p);
+
+#endif
