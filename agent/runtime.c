@@ -690,6 +690,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             .stream = EVT_STREAM_CMDS,
             .durable = durable,
             .filter_subject = subject,
+            /* Processes serving the same id share its messages. */
+            .deliver_group = durable,
             .max_ack_pending = a->max_concurrent,
             .ack_wait_ms = 30000,
         };

@@ -99,6 +99,74 @@ validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
     return 0;
 }
 
+/*
+ * A request whose idempotency key names an existing command: answer with
+ * that command instead of running again (its result when it has ended;
+ * else wait for it like the first caller). Returns 0 when answered.
+ */
+static int
+attach_existing(struct broker *b, natsMsg *msg, const char *command_id,
+                bool detach)
+{
+    Ks__CommandView *v = NULL;
+    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+    Ks__CommandResult empty = KS__COMMAND_RESULT__INIT;
+    struct broker__waiter *w = NULL;
+    int rc;
+
+    if (!detach) {
+        w = calloc(1, sizeof(*w));
+        if (!w || !(w->reply_subject = strdup(natsMsg_GetReply(msg)))) {
+            free(w);
+            return -ENOMEM;
+        }
+        pthread_mutex_lock(&b->mu);
+        /* One waiter per command: a second concurrent caller with the same
+         * key is answered when it polls again; rare enough. */
+        if (ks_map_get(&b->waiters, command_id)) {
+            pthread_mutex_unlock(&b->mu);
+            free(w->reply_subject);
+            free(w);
+            w = NULL;
+        } else {
+            ks_map_put(&b->waiters, command_id, w);
+            pthread_mutex_unlock(&b->mu);
+        }
+    }
+    /* Read after registering: an end recorded in between is not missed. */
+    rc = store_get_command(b->st_exec, command_id, &v);
+    if (rc) {
+        if (w) {
+            pthread_mutex_lock(&b->mu);
+            ks_map_del(&b->waiters, command_id);
+            pthread_mutex_unlock(&b->mu);
+            free(w->reply_subject);
+            free(w);
+        }
+        return rc;
+    }
+    if (w)
+        snprintf(w->agent_id, sizeof(w->agent_id), "%s", v->agent_id);
+    if (kproto_status_terminal(v->status)) {
+        Ks__CommandResult *res = v->result ? v->result : &empty;
+        res->status = v->status;
+        if (w)
+            broker__reply_waiter(b, command_id, res, 0, NULL);
+        else {
+            r.command_id = (char *)command_id;
+            r.agent_id = v->agent_id;
+            r.result = res;
+            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        }
+    } else if (!w) {
+        r.command_id = (char *)command_id;
+        r.agent_id = v->agent_id;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    }
+    ks__command_view__free_unpacked(v, NULL);
+    return 0;
+}
+
 static void
 on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -134,6 +202,13 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             "registered (see kscore agents)",
                             req->agent_id);
         goto out;
+    }
+
+    if (req->idempotency_key[0]) {
+        rc = store_command_by_key(b->st_exec, req->idempotency_key,
+                                  command_id);
+        if (rc == 0 && attach_existing(b, msg, command_id, req->detach) == 0)
+            goto out;
     }
 
     ks_uuid(command_id);
@@ -172,6 +247,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                        command_id);
     disp_ev.agent_id = req->agent_id;
     disp_ev.attempt = 1;
+    disp_ev.deliver_by_us = cmd.issued_at_us + broker__attempt_window_us(&cmd);
     struct store_event evs[2] = {{&req_ev}, {&disp_ev}};
 
     /* Register before publishing: the result can arrive at once. */
@@ -190,6 +266,22 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     rc = store_append(b->st_exec, stream, STORE_NO_STREAM, evs, 2, NULL);
+    if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
+        /* Lost a race on the same idempotency key: join the winner. */
+        char winner[37];
+        if (w) {
+            pthread_mutex_lock(&b->mu);
+            ks_map_del(&b->waiters, command_id);
+            pthread_mutex_unlock(&b->mu);
+            free(w->reply_subject);
+            free(w);
+            w = NULL;
+        }
+        if (store_command_by_key(b->st_exec, req->idempotency_key, winner) ==
+                0 &&
+            attach_existing(b, msg, winner, req->detach) == 0)
+            goto out;
+    }
     if (rc) {
         if (w) {
             pthread_mutex_lock(&b->mu);
@@ -325,6 +417,7 @@ handle_get(struct broker *b, natsMsg *msg)
 
 struct events_acc {
     Ks__RecordedEvent **evs;
+    uint64_t *tx_ids;
     size_t n, cap;
 };
 
@@ -340,6 +433,10 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
         if (!p)
             return -ENOMEM;
         a->evs = p;
+        p = realloc(a->tx_ids, nc * sizeof(*a->tx_ids));
+        if (!p)
+            return -ENOMEM;
+        a->tx_ids = p;
         a->cap = nc;
     }
     /* The store lends the event; keep a copy for the reply. */
@@ -349,45 +446,95 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
     free(buf);
     if (!a->evs[a->n])
         return -ENOMEM;
+    a->tx_ids[a->n] = ev->tx_id;
     a->n++;
     return 0;
 }
 
+/* Reads what the request asks (one stream after a version, or all streams
+ * after a cursor) with st; with wait_ms, waits for a NOTIFY when nothing is
+ * new (the follow subscription only: it blocks its thread). */
 static void
-handle_events(struct broker *b, natsMsg *msg)
+serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
 {
     Ks__EventsRequest *req = NULL;
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
+    struct store_cursor cur = {0};
     int rc;
 
     rc = evt_unpack(&ks__events_request__descriptor, natsMsg_GetData(msg),
                     (size_t)natsMsg_GetDataLength(msg),
                     (ProtobufCMessage **)&req);
-    if (rc == 0) {
-        uint32_t limit = req->limit ? req->limit : 1000;
-        if (limit > 1000)
-            limit = 1000;
-        rc = store_read_stream(b->st_misc, req->stream_id, req->after_version,
-                               limit, collect_event, &acc);
+    if (rc)
+        goto reply;
+    uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
+    uint32_t wait_ms = follow ? (req->wait_ms < 5000 ? req->wait_ms : 5000) : 0;
+    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
+    cur.tx_id = req->cursor_tx_id;
+    cur.global_pos = req->cursor_pos;
+    for (;;) {
+        if (req->stream_id[0])
+            rc = store_read_stream(st, req->stream_id, req->after_version,
+                                   limit, collect_event, &acc);
+        else
+            rc = store_read_all(st, &cur, limit, collect_event, &acc);
+        if (rc || acc.n > 0 || b->stopping)
+            break;
+        int64_t left_ms = (deadline - ks_mono_us()) / 1000;
+        if (left_ms <= 0)
+            break;
+        rc = store_wait_notify(st, (int)left_ms);
+        if (rc == KS_ETIMEDOUT) {
+            rc = 0;
+            /* one last read: a commit may race the timeout */
+        } else if (rc) {
+            break;
+        }
     }
+reply:
     if (rc) {
         r.error_code = rc;
         r.error = (char *)ks_strerror(rc);
     }
     r.events = acc.evs;
     r.n_events = acc.n;
-    /* Keep the reply under the max payload: drop the tail, the client
-     * pages on with after_version. */
+    r.cursor_tx_id = cur.tx_id;
+    r.cursor_pos = cur.global_pos;
+    /* Keep the reply under the max payload: drop the tail (the cursor then
+     * points at the last event kept), the client pages on. */
     while (r.n_events > 1 &&
            protobuf_c_message_get_packed_size(&r.base) > KS_MAX_MESSAGE_BYTES)
         r.n_events /= 2;
+    if (r.n_events < acc.n && !req->stream_id[0]) {
+        /* The cursor must not skip what was dropped: resume just after the
+         * last event kept. */
+        r.cursor_pos = acc.evs[r.n_events - 1]->global_pos;
+        r.cursor_tx_id = acc.tx_ids[r.n_events - 1];
+    }
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
     for (size_t i = 0; i < acc.n; i++)
         ks__recorded_event__free_unpacked(acc.evs[i], NULL);
     free(acc.evs);
+    free(acc.tx_ids);
     if (req)
         ks__events_request__free_unpacked(req, NULL);
+}
+
+static void
+handle_events(struct broker *b, natsMsg *msg)
+{
+    serve_events(b, b->st_misc, msg, false);
+}
+
+static void
+on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct broker *b = ud;
+    (void)nc;
+    (void)sub;
+    serve_events(b, b->st_follow, msg, true);
+    natsMsg_Destroy(msg);
 }
 
 static void
@@ -416,6 +563,15 @@ handle_cancel(struct broker *b, natsMsg *msg)
         snprintf(stream, sizeof(stream), "command-%s", req->id);
         if (view->status == KS__COMMAND_STATUS__RUNNING) {
             Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
+            Ks__Event ev;
+            broker__event_init(&ev, evid, stream, "CommandCancelRequested",
+                               req->id);
+            ev.agent_id = view->agent_id;
+            ev.reason = "cancel requested";
+            struct store_event se = {&ev};
+            rc = store_append(b->st_misc, stream, STORE_ANY, &se, 1, NULL);
+            if (rc)
+                break;
             cc.command_id = req->id;
             snprintf(subject, sizeof(subject), "kscore.cancel.%s",
                      view->agent_id);
@@ -454,6 +610,19 @@ handle_cancel(struct broker *b, natsMsg *msg)
         ks__cancel_request__free_unpacked(req, NULL);
 }
 
+static void
+handle_agents(struct broker *b, natsMsg *msg)
+{
+    Ks__AgentsReply r = KS__AGENTS_REPLY__INIT;
+    int rc = broker__agents_list(b, &r);
+    if (rc) {
+        r.error_code = rc;
+        r.error = (char *)ks_strerror(rc);
+    }
+    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__agents_reply_free(&r);
+}
+
 /* get, events and cancel: three subscriptions, one shared store connection,
  * so they are serialised by a lock. */
 static void
@@ -470,6 +639,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         handle_events(ud, msg);
     else if (strcmp(subj, EVT_API_CANCEL) == 0)
         handle_cancel(ud, msg);
+    else if (strcmp(subj, EVT_API_AGENTS) == 0)
+        handle_agents(ud, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -519,26 +690,29 @@ free_waiter(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
+    natsSubscription **subs[] = {&b->sub_exec,   &b->sub_claim,
+                                 &b->sub_misc,   &b->sub_events,
+                                 &b->sub_cancel, &b->sub_agents,
+                                 &b->sub_follow};
+    const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
+
     b->stopping = 1;
     agent_stop(b->local);
     b->local = NULL;
-    if (b->sub_exec)
-        natsSubscription_Unsubscribe(b->sub_exec);
-    if (b->sub_claim)
-        natsSubscription_Unsubscribe(b->sub_claim);
-    if (b->sub_misc)
-        natsSubscription_Unsubscribe(b->sub_misc);
-    if (b->sub_events)
-        natsSubscription_Unsubscribe(b->sub_events);
-    if (b->sub_cancel)
-        natsSubscription_Unsubscribe(b->sub_cancel);
+    /* Drain: stop taking requests, let the handlers in progress finish
+     * (they use the store connections closed below). */
+    for (size_t i = 0; i < nsubs; i++)
+        if (*subs[i])
+            natsSubscription_Drain(*subs[i]);
+    for (size_t i = 0; i < nsubs; i++)
+        if (*subs[i]) {
+            natsSubscription_WaitForDrainCompletion(*subs[i], 10000);
+            natsSubscription_Destroy(*subs[i]);
+            *subs[i] = NULL;
+        }
+    broker__scanner_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
-    natsSubscription_Destroy(b->sub_exec);
-    natsSubscription_Destroy(b->sub_claim);
-    natsSubscription_Destroy(b->sub_misc);
-    natsSubscription_Destroy(b->sub_events);
-    natsSubscription_Destroy(b->sub_cancel);
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_exec);
@@ -547,9 +721,11 @@ broker_teardown(struct broker *b)
     store_close(b->st_rec);
     store_close(b->st_reg);
     store_close(b->st_scan);
+    store_close(b->st_follow);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
     pthread_mutex_destroy(&b->mu);
+    pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);
 }
 
@@ -557,6 +733,7 @@ int
 broker_run(const struct broker_opts *opts, char **errmsg)
 {
     struct broker b = {.opts = opts,
+                       .started_mono_us = ks_mono_us(),
                        .waiters = KS_MAP_INIT,
                        .agents = KS_MAP_INIT};
     struct evt_connect_opts co = opts->nats;
@@ -587,7 +764,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_misc, errmsg)) ||
         (rc = open_store(&b, &b.st_rec, errmsg)) ||
         (rc = open_store(&b, &b.st_reg, errmsg)) ||
-        (rc = open_store(&b, &b.st_scan, errmsg)))
+        (rc = open_store(&b, &b.st_scan, errmsg)) ||
+        (rc = open_store(&b, &b.st_follow, errmsg)))
         goto out;
     if ((rc = evt_setup(b.nc, errmsg)))
         goto out;
@@ -606,9 +784,16 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc, errmsg)))
+        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
+                        errmsg)))
         goto out;
     natsConnection_Flush(b.nc->nc);
+    if ((rc = broker__scanner_start(&b)))
+        goto out;
 
     if (opts->local_agents > 0) {
         char host[64], **ids;

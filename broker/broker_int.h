@@ -26,9 +26,10 @@ struct broker {
     struct evt_conn *nc;
     kvStore *kv;
 
-    struct store *st_exec, *st_claim, *st_misc, *st_rec, *st_reg, *st_scan;
+    struct store *st_exec, *st_claim, *st_misc, *st_rec, *st_reg, *st_scan,
+        *st_follow;
     natsSubscription *sub_exec, *sub_claim, *sub_misc, *sub_events,
-        *sub_cancel, *sub_rec;
+        *sub_cancel, *sub_agents, *sub_follow, *sub_rec;
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
@@ -44,6 +45,7 @@ struct broker {
     volatile int stopping;
 
     struct agent *local;
+    int64_t started_mono_us;
 };
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
@@ -58,8 +60,18 @@ void broker__reply_waiter(struct broker *b, const char *command_id,
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);
 
+int broker__scanner_start(struct broker *b);
+void broker__scanner_stop(struct broker *b);
+/* Each attempt's share of a command's delivery window (us). */
+int64_t broker__attempt_window_us(const Ks__Command *cmd);
+
 int broker__registry_start(struct broker *b, char **errmsg);
 void broker__registry_stop(struct broker *b);
+/* Fills an AgentsReply from the registry (sorted by id). Any thread.
+ * Free with broker__agents_reply_free(). */
+int broker__agents_list(struct broker *b, Ks__AgentsReply *out);
+void broker__agents_reply_free(Ks__AgentsReply *r);
+
 /* 1 if the agent id has registered (any time), else 0. Any thread. */
 int broker__agent_known(struct broker *b, const char *agent_id);
 

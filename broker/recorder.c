@@ -161,7 +161,10 @@ void
 broker__recorder_stop(struct broker *b)
 {
     if (b->sub_rec) {
-        natsSubscription_Unsubscribe(b->sub_rec);
+        /* Drain, so no delivery callback runs once the queue is freed.
+         * What is queued but not recorded is never acked: redelivered. */
+        natsSubscription_Drain(b->sub_rec);
+        natsSubscription_WaitForDrainCompletion(b->sub_rec, 10000);
         natsSubscription_Destroy(b->sub_rec);
         b->sub_rec = NULL;
     }

@@ -3,6 +3,7 @@
  * KV bucket keeps an in-memory map (for the execute path) and the agents
  * projection in PostgreSQL (for `kscore agents`).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,4 +126,75 @@ broker__agent_known(struct broker *b, const char *agent_id)
         return 1;
     }
     return 0;
+}
+
+struct list_acc {
+    Ks__AgentStatus **v;
+    size_t n;
+    int64_t now_mono;
+};
+
+static void
+add_status(const char *key, void *val, void *ud)
+{
+    struct list_acc *acc = ud;
+    struct broker__agent *a = val;
+    Ks__AgentStatus *st = calloc(1, sizeof(*st));
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    (void)key;
+    if (!st)
+        return;
+    ks__agent_status__init(st);
+    /* A copy, so the reply does not borrow from the locked map. */
+    if (kproto_pack(&a->info->base, &buf, &len) == 0) {
+        st->info = ks__agent_info__unpack(NULL, len, buf);
+        free(buf);
+    }
+    if (!st->info) {
+        free(st);
+        return;
+    }
+    st->last_seen_us = a->info->heartbeat_at_us;
+    st->online =
+        acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
+    acc->v[acc->n++] = st;
+}
+
+static int
+cmp_status(const void *x, const void *y)
+{
+    const Ks__AgentStatus *a = *(Ks__AgentStatus *const *)x;
+    const Ks__AgentStatus *b = *(Ks__AgentStatus *const *)y;
+    return strcmp(a->info->agent_id, b->info->agent_id);
+}
+
+int
+broker__agents_list(struct broker *b, Ks__AgentsReply *out)
+{
+    struct list_acc acc = {0};
+    pthread_mutex_lock(&b->mu);
+    acc.v = calloc(b->agents.count + 1, sizeof(*acc.v));
+    acc.now_mono = ks_mono_us();
+    if (acc.v)
+        ks_map_each(&b->agents, add_status, &acc);
+    pthread_mutex_unlock(&b->mu);
+    if (!acc.v)
+        return -ENOMEM;
+    qsort(acc.v, acc.n, sizeof(*acc.v), cmp_status);
+    out->agents = acc.v;
+    out->n_agents = acc.n;
+    return 0;
+}
+
+void
+broker__agents_reply_free(Ks__AgentsReply *r)
+{
+    for (size_t i = 0; i < r->n_agents; i++) {
+        ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
+        free(r->agents[i]);
+    }
+    free(r->agents);
+    r->agents = NULL;
+    r->n_agents = 0;
 }

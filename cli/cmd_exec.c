@@ -107,6 +107,8 @@ cli_result_json(const Ks__CommandResult *r)
     json_object_set_new(o, "max_rss_kb", json_integer(r->maxrss_kb));
     json_object_set_new(o, "signalled", json_integer(r->signalled));
     json_object_set_new(o, "survivors", json_integer(r->survivors));
+    if (r->reason[0])
+        json_object_set_new(o, "reason", json_string(r->reason));
     if (r->status == KS__COMMAND_STATUS__START_FAILED) {
         json_object_set_new(o, "start_stage", json_string(r->start_stage));
         json_object_set_new(o, "start_errno", json_integer(r->start_errno));
@@ -399,8 +401,9 @@ cmd_exec(int argc, char **argv)
                     (double)spec.timeout_ms / 1000.0, rep->command_id);
         else if (!kproto_status_terminal(r->status) ||
                  r->status >= KS__COMMAND_STATUS__CANCELLED)
-            cli_err("command %s ended %s", rep->command_id,
-                    kproto_status_name(r->status));
+            cli_err("command %s ended %s%s%s", rep->command_id,
+                    kproto_status_name(r->status), r->reason[0] ? ": " : "",
+                    r->reason);
     }
     rc = cli_exit_status(r);
 out:
@@ -533,38 +536,110 @@ out:
     return rc;
 }
 
+static int
+is_terminal_event(const char *type)
+{
+    static const char *const t[] = {
+        "CommandCompleted",     "CommandStartFailed", "CommandCancelled",
+        "CommandUndeliverable", "CommandLost",        "CommandRejected",
+        "BatchCompleted"};
+    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+        if (strcmp(type, t[i]) == 0)
+            return 1;
+    return 0;
+}
+
+static void
+print_event(const Ks__RecordedEvent *e, bool json, bool all)
+{
+    if (json) {
+        cli_print_json(cli_event_json(e));
+        return;
+    }
+    if (all)
+        printf("%-44s ", e->event->stream_id);
+    printf("%3lld  %-22s %s  %s", (long long)e->version, e->event->type,
+           cli_time(e->recorded_at_us), e->event->agent_id);
+    if (e->event->result)
+        printf("  %s", kproto_status_name(e->event->result->status));
+    if (e->event->reason[0] && strcmp(e->event->type, "CommandRequested") != 0)
+        printf("  (%s)", e->event->reason);
+    printf("\n");
+}
+
+static const char events_usage[] =
+    "usage: kscore events ID [--json]\n"
+    "       kscore events --follow [ID] [--json]\n"
+    "ID is a command id, or a stream id (command-<uuid>, batch-<uuid>).\n"
+    "--follow prints events as they are recorded: for one stream until its\n"
+    "terminal event, for all streams (no ID) until interrupted.\n";
+
 int
 cmd_events(int argc, char **argv)
 {
+    static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       {"follow", no_argument, 0, 'f'},
+                                       {"nats", required_argument, 0, 'n'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
     struct cli_conn cc = {0};
     struct evt_conn *c = NULL;
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
-    char stream[128];
-    bool json = false;
-    int rc, total = 0;
-    const char *id = parse_id_args(
-        argc, argv, "usage: kscore events ID [--json]", &json, &cc, &rc);
-    if (!id)
-        return rc;
-    if (ks_is_uuid(id))
-        snprintf(stream, sizeof(stream), "command-%s", id);
-    else if (strlen(id) < sizeof(stream))
-        snprintf(stream, sizeof(stream), "%s", id);
-    if (!ks_is_uuid(id) && strncmp(id, "command-", 8) != 0 &&
-        strncmp(id, "batch-", 6) != 0) {
-        cli_err("'%s' is not a command id, nor a stream id", id);
+    char stream[128] = "";
+    bool json = false, follow = false, done = false;
+    const char *id = NULL;
+    int opt, rc, total = 0;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'j':
+            json = true;
+            break;
+        case 'f':
+            follow = true;
+            break;
+        case 'n':
+            cc.nats_url = optarg;
+            break;
+        case 'h':
+            fputs(events_usage, stdout);
+            return 0;
+        default:
+            fputs(events_usage, stderr);
+            return CLI_EXIT_USAGE;
+        }
+    }
+    if (optind < argc)
+        id = argv[optind++];
+    if (optind != argc || (!id && !follow)) {
+        cli_err("expected one id: kscore events ID [--json] (or --follow)");
         return CLI_EXIT_USAGE;
+    }
+    if (id) {
+        if (ks_is_uuid(id))
+            snprintf(stream, sizeof(stream), "command-%s", id);
+        else if ((strncmp(id, "command-", 8) == 0 ||
+                  strncmp(id, "batch-", 6) == 0) &&
+                 strlen(id) < sizeof(stream))
+            snprintf(stream, sizeof(stream), "%s", id);
+        else {
+            cli_err("'%s' is not a command id, nor a stream id", id);
+            return CLI_EXIT_USAGE;
+        }
     }
     if ((rc = cli_connect(&cc, &c)))
         return rc;
     req.stream_id = stream;
-    for (;;) {
+    req.wait_ms = follow ? 5000 : 0;
+    while (!done) {
         Ks__EventsReply *rep = NULL;
-        rc = broker_call(c, EVT_API_EVENTS, &req.base,
-                         &ks__events_reply__descriptor, 5000,
-                         (ProtobufCMessage **)&rep);
+        rc = broker_call(c, follow ? EVT_API_FOLLOW : EVT_API_EVENTS,
+                         &req.base, &ks__events_reply__descriptor,
+                         follow ? 15000 : 5000, (ProtobufCMessage **)&rep);
         if (rc || rep->error_code) {
-            cli_err("events %s: %s", id, rc ? ks_strerror(rc) : rep->error);
+            cli_err("events %s: %s", id ? id : "(all)",
+                    rc ? ks_strerror(rc) : rep->error);
             if (rep)
                 ks__events_reply__free_unpacked(rep, NULL);
             evt_close(c);
@@ -572,27 +647,20 @@ cmd_events(int argc, char **argv)
         }
         for (size_t i = 0; i < rep->n_events; i++) {
             const Ks__RecordedEvent *e = rep->events[i];
-            if (json) {
-                cli_print_json(cli_event_json(e));
-            } else {
-                printf("%3lld  %-22s %s  %s", (long long)e->version,
-                       e->event->type, cli_time(e->recorded_at_us),
-                       e->event->agent_id);
-                if (e->event->result)
-                    printf("  %s",
-                           kproto_status_name(e->event->result->status));
-                if (e->event->reason[0] &&
-                    strcmp(e->event->type, "CommandRequested") != 0)
-                    printf("  (%s)", e->event->reason);
-                printf("\n");
-            }
+            print_event(e, json, !id);
             req.after_version = e->version;
             total++;
+            if (id && follow && is_terminal_event(e->event->type))
+                done = true;
         }
-        size_t n = rep->n_events;
+        if (!id) {
+            req.cursor_tx_id = rep->cursor_tx_id;
+            req.cursor_pos = rep->cursor_pos;
+        }
+        if (rep->n_events == 0 && !follow)
+            done = true;
         ks__events_reply__free_unpacked(rep, NULL);
-        if (n == 0)
-            break;
+        fflush(stdout);
     }
     evt_close(c);
     if (total == 0) {

@@ -23,6 +23,7 @@ static const char usage[] =
     "  get ID [--json]         a command's state and result\n"
     "  events ID [--json]      a command's events, in order\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
+    "  agents [--json]         the agents: id, online, last seen, running\n"
     "\n"
     "Services:\n"
     "  broker --nats URL --db CONNINFO [--local-agents N]\n"
@@ -195,6 +196,7 @@ static const struct {
     {"up", cmd_up},         {"down", cmd_down},     {"status", cmd_status},
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
+    {"agents", cmd_agents},
 };
 
 int

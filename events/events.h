@@ -38,6 +38,8 @@
 #define EVT_API_GET "kscore.api.v1.get"
 #define EVT_API_EVENTS "kscore.api.v1.events"
 #define EVT_API_CANCEL "kscore.api.v1.cancel"
+#define EVT_API_AGENTS "kscore.api.v1.agents"
+#define EVT_API_FOLLOW "kscore.api.v1.follow"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000

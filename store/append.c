@@ -253,6 +253,13 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
         while (p.n < 27)
             store__p_null(&p);
     }
+    /* 28: the delivery deadline (Requested carries it in the command). */
+    if (ev->deliver_by_us)
+        store__p_i64(&p, ev->deliver_by_us);
+    else if (kind == PROJ_REQUESTED && cmd && cmd->not_after_us)
+        store__p_i64(&p, cmd->not_after_us);
+    else
+        store__p_null(&p);
     if (!PQsendQueryPrepared(s->conn, "ks_project", p.n, p.val, p.len, p.fmt,
                              0))
         return KS_EPG;

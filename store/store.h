@@ -183,6 +183,30 @@ int store_wait_notify(struct store *s, int timeout_ms);
  */
 int store_replay(struct store *s, int64_t *events_out, char **errmsg);
 
+/* One open command, as the deadline scanner sees it. */
+struct store_command_ref {
+    char command_id[37];
+    char agent_id[129];
+    uint32_t attempt;
+    int64_t version;          /* stream version: the expected version of the
+                                 scanner's next append */
+    int64_t deliver_by_us;    /* 0: none */
+    int64_t dispatched_at_us;
+    int64_t started_at_us;
+};
+typedef int (*store_command_ref_fn)(const struct store_command_ref *ref,
+                                    void *ud);
+
+/*
+ * Commands in `status` ("Dispatched", "Running", ...) whose deliver_by is
+ * before due_before_us (0: all of them), oldest deadline first, at most
+ * limit (0: 1000). cb runs on the calling thread; non-zero stops and is
+ * returned. Returns 0 or KS_EPG.
+ */
+int store_scan_open(struct store *s, const char *status,
+                    int64_t due_before_us, uint32_t limit,
+                    store_command_ref_fn cb, void *ud);
+
 /*
  * Agent registry projection (fed by the broker from KSCORE_AGENTS): insert
  * or replace the row, online = true, last_seen = heartbeat_at_us, labels

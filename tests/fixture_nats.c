@@ -172,7 +172,7 @@ fixture_stack_broker_kill(struct fixture_stack *s, int sig)
 int
 fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
 {
-    char state[PATH_MAX + 16];
+    char state[PATH_MAX + 96];
     pid_t pid;
     int rc;
     snprintf(state, sizeof(state), "%s/agent-%s", s->dir, s->agent_id);

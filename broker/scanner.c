@@ -1,0 +1,200 @@
+/*
+ * The deadline scanner: makes every accepted command reach a terminal state,
+ * from PostgreSQL alone (so it works the same after a broker restart).
+ *
+ *  - Dispatched past its attempt's deadline: re-published with attempt + 1
+ *    (new Nats-Msg-Id "<id>.<attempt>"), until the command's delivery
+ *    deadline; then CommandUndeliverable. The delivery window is split
+ *    evenly over BROKER_MAX_ATTEMPTS, so a dead agent costs exactly the
+ *    delivery deadline (K27), never more.
+ *  - Running on an agent whose heartbeat is older than EVT_AGENT_TTL_MS:
+ *    CommandLost.
+ *
+ * Every append is at the version the scan read, so a claim or a result
+ * that lands meanwhile wins and the scanner's append is a conflict, dropped.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "broker_int.h"
+
+#define SCAN_PERIOD_MS 100
+
+static int
+first_event(const Ks__RecordedEvent *ev, void *ud)
+{
+    Ks__Event **out = ud;
+    uint8_t *buf;
+    size_t len;
+    if (!ev->event || kproto_pack(&ev->event->base, &buf, &len) != 0)
+        return 1;
+    *out = ks__event__unpack(NULL, len, buf);
+    free(buf);
+    return 1; /* one is enough */
+}
+
+/* The CommandRequested event of a command (the command as accepted). */
+static int
+read_requested(struct store *st, const char *stream, Ks__Event **out)
+{
+    Ks__Event *ev = NULL;
+    int rc = store_read_stream(st, stream, 0, 1, first_event, &ev);
+    if (rc < 0)
+        return rc;
+    if (!ev || !ev->command || strcmp(ev->type, "CommandRequested") != 0) {
+        if (ev)
+            ks__event__free_unpacked(ev, NULL);
+        return KS_ENOTFOUND;
+    }
+    *out = ev;
+    return 0;
+}
+
+/* Appends a terminal status event and answers the waiting client. */
+static void
+end_command(struct broker *b, const struct store_command_ref *ref,
+            const char *type, Ks__CommandStatus status, const char *reason)
+{
+    char stream[64], evid[37];
+    Ks__CommandResult res = KS__COMMAND_RESULT__INIT;
+    Ks__Event ev;
+
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    res.status = status;
+    res.reason = (char *)reason;
+    res.term_sent_us = res.kill_sent_us = -1;
+    broker__event_init(&ev, evid, stream, type, ref->command_id);
+    ev.agent_id = (char *)ref->agent_id;
+    ev.attempt = ref->attempt;
+    ev.reason = (char *)reason;
+    ev.result = &res;
+    struct store_event se = {&ev};
+    if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0)
+        broker__reply_waiter(b, ref->command_id, &res, 0, NULL);
+}
+
+int64_t
+broker__attempt_window_us(const Ks__Command *cmd)
+{
+    int64_t whole = cmd->not_after_us - cmd->issued_at_us;
+    return whole > 0 ? whole / BROKER_MAX_ATTEMPTS : 0;
+}
+
+static int
+on_overdue(const struct store_command_ref *ref, void *ud)
+{
+    struct broker *b = ud;
+    char stream[64], evid[37], reason[160];
+    Ks__Event *req = NULL;
+    int64_t now = ks_now_us();
+
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    if (read_requested(b->st_scan, stream, &req) != 0)
+        return 0;
+    Ks__Command *cmd = req->command;
+    if (ref->attempt >= BROKER_MAX_ATTEMPTS || now >= cmd->not_after_us) {
+        snprintf(reason, sizeof(reason),
+                 "no agent claimed it within %.1f s (%u attempt%s)",
+                 (double)(cmd->not_after_us - cmd->issued_at_us) / 1e6,
+                 ref->attempt, ref->attempt == 1 ? "" : "s");
+        end_command(b, ref, "CommandUndeliverable",
+                    KS__COMMAND_STATUS__UNDELIVERABLE, reason);
+        goto out;
+    }
+    /* Re-dispatch: a new attempt with a new Nats-Msg-Id, fenced by the
+     * version just read. */
+    Ks__Event disp;
+    broker__event_init(&disp, evid, stream, "CommandDispatched",
+                       ref->command_id);
+    disp.agent_id = cmd->agent_id;
+    disp.attempt = ref->attempt + 1;
+    disp.deliver_by_us = now + broker__attempt_window_us(cmd);
+    if (disp.deliver_by_us > cmd->not_after_us ||
+        disp.attempt == BROKER_MAX_ATTEMPTS)
+        disp.deliver_by_us = cmd->not_after_us;
+    disp.reason = "not claimed in time: re-published";
+    struct store_event se = {&disp};
+    if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0) {
+        cmd->attempt = disp.attempt;
+        cmd->dispatch_version = (uint64_t)ref->version + 1;
+        int rc = evt_publish_command(b->nc, cmd, 5000);
+        if (rc)
+            fprintf(stderr, "kscore scanner: re-publish %s: %s\n",
+                    ref->command_id, ks_strerror(rc));
+    }
+out:
+    ks__event__free_unpacked(req, NULL);
+    return 0;
+}
+
+static int
+on_running(const struct store_command_ref *ref, void *ud)
+{
+    struct broker *b = ud;
+    struct broker__agent *a;
+    int64_t seen_age_us = -1;
+    char reason[200];
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, ref->agent_id);
+    if (a)
+        seen_age_us = ks_mono_us() - a->seen_mono_us;
+    pthread_mutex_unlock(&b->mu);
+    if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+        return 0;
+    /* Not seen at all: only trust that once this broker has watched the
+     * registry for a whole TTL (it may just have started). */
+    if (!a && ks_mono_us() - b->started_mono_us <
+                  (int64_t)EVT_AGENT_TTL_MS * 1000)
+        return 0;
+    /* A command claimed a moment ago by an agent that then died is Lost
+     * too, but give the claim's first heartbeat a chance. */
+    if (ks_now_us() - ref->started_at_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+        return 0;
+    snprintf(reason, sizeof(reason),
+             "agent %s stopped heartbeating (none for %d s)", ref->agent_id,
+             EVT_AGENT_TTL_MS / 1000);
+    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, reason);
+    return 0;
+}
+
+static void *
+scanner_main(void *arg)
+{
+    struct broker *b = arg;
+    int64_t last_running = 0;
+
+    while (!b->stopping) {
+        nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
+        if (b->stopping)
+            break;
+        store_scan_open(b->st_scan, "Dispatched", ks_now_us(), 200,
+                        on_overdue, b);
+        /* Lost agents need a coarser look: once a second. */
+        if (ks_mono_us() - last_running >= 1000000) {
+            last_running = ks_mono_us();
+            store_scan_open(b->st_scan, "Running", 0, 1000, on_running, b);
+        }
+    }
+    return NULL;
+}
+
+int
+broker__scanner_start(struct broker *b)
+{
+    if (pthread_create(&b->scan_thread, NULL, scanner_main, b) != 0)
+        return KS_EINTERNAL;
+    b->scan_started = true;
+    return 0;
+}
+
+void
+broker__scanner_stop(struct broker *b)
+{
+    b->stopping = 1;
+    if (b->scan_started)
+        pthread_join(b->scan_thread, NULL);
+    b->scan_started = false;
+}

@@ -1,0 +1,99 @@
+/* kscore agents. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli_int.h"
+
+int
+cmd_agents(int argc, char **argv)
+{
+    static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       {"nats", required_argument, 0, 'n'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    bool json = false;
+    int opt, rc;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'j':
+            json = true;
+            break;
+        case 'n':
+            cc.nats_url = optarg;
+            break;
+        case 'h':
+            printf("usage: kscore agents [--json]\nLists the agents the "
+                   "broker knows: id, state, last seen, running, labels.\n");
+            return 0;
+        default:
+            return CLI_EXIT_USAGE;
+        }
+    }
+    if (optind != argc) {
+        cli_err("usage: kscore agents [--json]");
+        return CLI_EXIT_USAGE;
+    }
+    if ((rc = cli_connect(&cc, &c)))
+        return rc;
+    rc = broker_call(c, EVT_API_AGENTS, &req.base,
+                     &ks__agents_reply__descriptor, 5000,
+                     (ProtobufCMessage **)&rep);
+    if (rc || rep->error_code) {
+        cli_err("agents: %s", rc ? ks_strerror(rc) : rep->error);
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (!json)
+        printf("%-24s %-8s %-10s %7s %5s  %s\n", "ID", "STATE", "LAST SEEN",
+               "RUNNING", "MAX", "LABELS");
+    int64_t now = ks_now_us();
+    for (size_t i = 0; i < rep->n_agents; i++) {
+        const Ks__AgentStatus *st = rep->agents[i];
+        const Ks__AgentInfo *in = st->info;
+        if (json) {
+            json_t *o = json_object(), *labels = json_object();
+            for (size_t k = 0; k < in->n_labels; k++)
+                json_object_set_new(labels, in->labels[k]->name,
+                                    json_string(in->labels[k]->value));
+            json_object_set_new(o, "agent_id", json_string(in->agent_id));
+            json_object_set_new(o, "online", json_boolean(st->online));
+            json_object_set_new(o, "last_seen",
+                                json_string(cli_time(st->last_seen_us)));
+            json_object_set_new(o, "running", json_integer(in->running));
+            json_object_set_new(o, "max_concurrent",
+                                json_integer(in->max_concurrent));
+            json_object_set_new(o, "labels", labels);
+            json_object_set_new(o, "host", json_string(in->host));
+            json_object_set_new(o, "version", json_string(in->version));
+            json_object_set_new(o, "pid", json_integer(in->pid));
+            cli_print_json(o);
+            continue;
+        }
+        char ago[32], labels[512] = "";
+        size_t used = 0;
+        snprintf(ago, sizeof(ago), "%.1fs ago",
+                 (double)(now - st->last_seen_us) / 1e6);
+        for (size_t k = 0; k < in->n_labels && used < sizeof(labels); k++)
+            used += (size_t)snprintf(labels + used, sizeof(labels) - used,
+                                     "%s%s=%s", k ? "," : "",
+                                     in->labels[k]->name,
+                                     in->labels[k]->value);
+        printf("%-24s %-8s %-10s %7u %5u  %s\n", in->agent_id,
+               st->online ? "online" : "offline", ago, in->running,
+               in->max_concurrent, labels);
+    }
+    rc = 0;
+out:
+    if (rep)
+        ks__agents_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    return rc;
+}

@@ -1,0 +1,50 @@
+/* Queries for the broker's deadline scanner. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store_int.h"
+
+int
+store_scan_open(struct store *s, const char *status, int64_t due_before_us,
+                uint32_t limit, store_command_ref_fn cb, void *ud)
+{
+    char due[24], lim[16];
+    const char *params[3] = {status, due, lim};
+    PGresult *res;
+    int rc = 0;
+
+    snprintf(due, sizeof(due), "%lld", (long long)due_before_us);
+    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
+    /* due_before_us = 0: every command in that status. */
+    res = PQexecParams(
+        s->conn,
+        "SELECT command_id::text, agent_id, attempt, version,"
+        " coalesce(kscore_us(deliver_by), 0),"
+        " coalesce(kscore_us(dispatched_at), 0),"
+        " coalesce(kscore_us(started_at), 0)"
+        " FROM commands WHERE status = $1"
+        " AND ($2::bigint = 0 OR deliver_by < kscore_ts($2::bigint))"
+        " ORDER BY deliver_by NULLS LAST LIMIT $3::int",
+        3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        PQclear(res);
+        return KS_EPG;
+    }
+    for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
+        struct store_command_ref ref = {0};
+        snprintf(ref.command_id, sizeof(ref.command_id), "%s",
+                 PQgetvalue(res, i, 0));
+        snprintf(ref.agent_id, sizeof(ref.agent_id), "%s",
+                 PQgetvalue(res, i, 1));
+        ref.attempt = (uint32_t)strtoul(PQgetvalue(res, i, 2), NULL, 10);
+        ref.version = strtoll(PQgetvalue(res, i, 3), NULL, 10);
+        ref.deliver_by_us = strtoll(PQgetvalue(res, i, 4), NULL, 10);
+        ref.dispatched_at_us = strtoll(PQgetvalue(res, i, 5), NULL, 10);
+        ref.started_at_us = strtoll(PQgetvalue(res, i, 6), NULL, 10);
+        rc = cb(&ref, ud);
+    }
+    PQclear(res);
+    return rc;
+}
