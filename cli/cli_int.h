@@ -65,5 +65,6 @@ int cmd_get(int argc, char **argv);
 int cmd_events(int argc, char **argv);
 int cmd_cancel(int argc, char **argv);
 int cmd_agents(int argc, char **argv);
+int cmd_replay(int argc, char **argv);
 
 #endif

@@ -22,8 +22,10 @@ static const char usage[] =
     "       [--json] -- CMD [ARG]...   run CMD on one agent\n"
     "  get ID [--json]         a command's state and result\n"
     "  events ID [--json]      a command's events, in order\n"
+    "  events --follow [ID]    events as they are recorded\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
     "  agents [--json]         the agents: id, online, last seen, running\n"
+    "  replay [--db CONNINFO]  rebuild every projection from the events\n"
     "\n"
     "Services:\n"
     "  broker --nats URL --db CONNINFO [--local-agents N]\n"
@@ -196,7 +198,7 @@ static const struct {
     {"up", cmd_up},         {"down", cmd_down},     {"status", cmd_status},
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
-    {"agents", cmd_agents},
+    {"agents", cmd_agents}, {"replay", cmd_replay},
 };
 
 int
