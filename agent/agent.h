@@ -200,6 +200,9 @@ struct agent_opts {
     size_t n_labels;
     unsigned max_concurrent;       /* 0: agent_default_max_concurrent() */
     const char *state_dir;         /* NULL: no disk buffer of results */
+    uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000. The
+                                      message is acked right after the
+                                      claim, so this only bounds a claim */
 };
 
 struct agent;

@@ -27,7 +27,9 @@
 
 #include "agent.h"
 
-#define CLAIM_TIMEOUT_MS 5000
+#define CLAIM_TIMEOUT_MS 1000 /* a claim is one commit: ~1 ms */
+/* How long a claim is retried while no broker answers (ms). */
+#define CLAIM_RETRY_MS 20000
 #define PUBLISH_TIMEOUT_MS 2000
 #define AGENT_VERSION "0.1.0"
 
@@ -385,12 +387,19 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.expected_version = cmd->dispatch_version;
     req.start_failure = start_failure;
     /* Retried with the same event_id: a claim whose reply was lost is
-     * recognised by the broker as ours (KS_EDUPLICATE -> granted). */
-    for (int tries = 0; tries < 3; tries++) {
+     * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
+     * restarting answers "no responders" at once: wait for it rather than
+     * leave the message unacked for a whole ack wait. */
+    int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
+    int pause_ms = 50;
+    for (;;) {
         rc = evt_request(a->nc, EVT_API_CLAIM, &req.base, CLAIM_TIMEOUT_MS,
                          &m);
-        if (rc == 0)
+        if (rc == 0 || a->stopping || ks_mono_us() >= give_up)
             break;
+        nanosleep(&(struct timespec){0, pause_ms * 1000000L}, NULL);
+        if (pause_ms < 500)
+            pause_ms *= 2;
     }
     if (rc)
         return rc;
@@ -483,8 +492,11 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     rc = claim(a, slot, cmd, NULL);
-    if (rc < 0)
-        goto out; /* broker unreachable: redelivered after the ack wait */
+    if (rc < 0) {
+        /* No broker: hand it back for a redelivery in a second. */
+        natsMsg_NakWithDelay(msg, 1000, NULL);
+        goto out;
+    }
     natsMsg_Ack(msg, NULL);
     if (rc == 0)
         goto out; /* lost the claim: someone else runs it, or it ended */
@@ -693,7 +705,9 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             /* Processes serving the same id share its messages. */
             .deliver_group = durable,
             .max_ack_pending = a->max_concurrent,
-            .ack_wait_ms = 30000,
+            .ack_wait_ms = opts->ack_wait_ms ? (int64_t)opts->ack_wait_ms
+                                             : 30000,
+            .max_deliver = 5,
         };
         rc = evt_durable_subscribe(a->nc, &d, on_command, s, &s->sub, errmsg);
         if (rc)

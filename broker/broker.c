@@ -353,8 +353,25 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         ev.type = "CommandStarted";
     }
     struct store_event se = {&ev};
+    /* Fast path: nothing happened since this attempt was dispatched. */
     rc = store_append(b->st_claim, stream, (int64_t)req->expected_version,
                       &se, 1, NULL);
+    /* Slow path: a newer attempt was dispatched (the agent had a backlog,
+     * or a broker restarted), or other events landed. Any attempt's message
+     * may still claim while the command is Dispatched: the fence is the
+     * version read here, so still only one claim can ever win. */
+    for (int tries = 0; rc == KS_ECONFLICT && tries < 3; tries++) {
+        Ks__CommandView *v = NULL;
+        if (store_get_command(b->st_claim, req->command_id, &v) != 0)
+            break;
+        bool open = v->status == KS__COMMAND_STATUS__DISPATCHED &&
+                    strcmp(v->agent_id, req->agent_id) == 0;
+        int64_t at = v->version;
+        ks__command_view__free_unpacked(v, NULL);
+        if (!open)
+            break;
+        rc = store_append(b->st_claim, stream, at, &se, 1, NULL);
+    }
     if (rc == 0 || rc == KS_EDUPLICATE) {
         /* A duplicate is this same claim retried: still ours. */
         r.granted = 1;
@@ -752,7 +769,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
 
     co.name = "kscore-broker";
     co.send_asap = true;
-    co.retry_forever = false;
+    co.retry_forever = true;
     rc = evt_connect(opts->nats_url, &co, &b.nc, errmsg);
     if (rc)
         goto out;

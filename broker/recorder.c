@@ -145,7 +145,8 @@ broker__recorder_start(struct broker *b, char **errmsg)
         .filter_subject = "kscore.evt.>",
         .deliver_group = EVT_BROKER_QUEUE,
         .max_ack_pending = REC_MAX_ACK_PENDING,
-        .ack_wait_ms = 30000,
+        /* Redelivery of what a dead broker had queued, unrecorded. */
+        .ack_wait_ms = 10000,
     };
     int rc = evt_durable_subscribe(b->nc, &d, on_event_msg, b, &b->sub_rec,
                                    errmsg);

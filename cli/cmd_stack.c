@@ -428,6 +428,7 @@ cmd_agent(int argc, char **argv)
         {"nats", required_argument, 0, 'n'},
         {"state-dir", required_argument, 0, 's'},
         {"max-concurrent", required_argument, 0, 'm'},
+        {"ack-wait", required_argument, 0, 'w'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
@@ -471,9 +472,17 @@ cmd_agent(int argc, char **argv)
                 goto out;
             }
             break;
+        case 'w':
+            if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
+                o.ack_wait_ms < 1000) {
+                cli_err("bad --ack-wait '%s' (a duration >= 1s)", optarg);
+                goto out;
+            }
+            break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... [--label K=V]... "
-                   "[--nats URL] [--state-dir DIR] [--max-concurrent N]\n");
+                   "[--nats URL] [--state-dir DIR] [--max-concurrent N] "
+                   "[--ack-wait D]\n");
             rc = 0;
             goto out;
         default:

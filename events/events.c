@@ -71,9 +71,10 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
     if (s == NATS_OK && o->retry_forever) {
         s = natsOptions_SetMaxReconnect(opts, -1);
         if (s == NATS_OK)
-            s = natsOptions_SetRetryOnFailedConnect(opts, true, NULL, NULL);
-        if (s == NATS_OK)
             s = natsOptions_SetReconnectWait(opts, 250);
+        /* Publishes made while disconnected wait in this buffer. */
+        if (s == NATS_OK)
+            s = natsOptions_SetReconnectBufSize(opts, 64 * 1024 * 1024);
     }
     if (s == NATS_OK && o->global_delivery)
         s = natsOptions_UseGlobalMessageDelivery(opts, true);

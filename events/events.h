@@ -56,7 +56,8 @@ struct evt_connect_opts {
                           connections (nats.c otherwise waits for its
                           flusher thread, ~0.85 ms a request here) */
     int timeout_ms;    /* connect timeout; 0: 2000 */
-    bool retry_forever; /* reconnect forever (daemons); else 2 s of tries */
+    bool retry_forever; /* reconnect forever once connected (services);
+                           the first connect still fails fast */
     bool global_delivery; /* nats.c's shared delivery thread pool instead of
                              one thread per subscription (many agent ids) */
     const char *user, *password, *token, *creds_file;

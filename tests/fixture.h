@@ -63,6 +63,17 @@ struct fixture_stack {
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
 void fixture_stack_stop(struct fixture_stack *s);
+/*
+ * Starts one more `kscore agent --id id` daemon named `name` (its pid file
+ * <dir>/<name>.pid) with extra arguments (NULL-terminated, may be NULL),
+ * and waits for its heartbeat. Stop it with stack_stop(s->dir, name, ...).
+ */
+int fixture_agent_spawn(struct fixture_stack *s, const char *name,
+                        const char *id, const char *const extra[]);
+/* Restarts nats-server on the same port and store dir (SIGTERM first, so
+ * JetStream flushes). */
+int fixture_stack_nats_restart(struct fixture_stack *s);
+
 /* (Re)starts or stops the stack's agent / broker process. */
 int fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env);
 void fixture_stack_agent_kill(struct fixture_stack *s, int sig);

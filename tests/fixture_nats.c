@@ -74,7 +74,7 @@ static const char *
 kscore_bin(void)
 {
     const char *b = getenv("KSCORE_BIN");
-    return b && b[0] ? b : "kscore";
+    return b && b[0] ? b : KSCORE_BIN_DEFAULT;
 }
 
 static int
@@ -202,6 +202,53 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     if (rc)
         fprintf(stderr, "fixture: agent did not start (%s), see %s\n",
                 ks_strerror(rc), s->dir);
+    return rc;
+}
+
+int
+fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
+                    const char *const extra[])
+{
+    char state[PATH_MAX + 96];
+    const char *argv[32];
+    size_t n = 0;
+    pid_t pid;
+    int rc;
+
+    snprintf(state, sizeof(state), "%s/state-%s", s->dir, name);
+    argv[n++] = kscore_bin();
+    argv[n++] = "agent";
+    argv[n++] = "--id";
+    argv[n++] = id;
+    argv[n++] = "--nats";
+    argv[n++] = s->nats.url;
+    argv[n++] = "--state-dir";
+    argv[n++] = state;
+    for (size_t i = 0; extra && extra[i] && n < 31; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    rc = stack_daemon(s->dir, name, (char *const *)argv, &pid);
+    if (rc == 0)
+        rc = wait_agent(s->nats.url, id, 30000);
+    return rc;
+}
+
+int
+fixture_stack_nats_restart(struct fixture_stack *s)
+{
+    const char *colon = strrchr(s->nats.url, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+    char *url = NULL;
+    pid_t pid;
+    int rc;
+
+    stack_nats_stop(s->nats.dir);
+    rc = stack_nats_start(s->nats.dir, port, NULL, &url, &pid);
+    if (rc == 0) {
+        free(s->nats.url);
+        s->nats.url = url;
+        s->nats.pid = pid;
+    }
     return rc;
 }
 

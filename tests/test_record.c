@@ -1,0 +1,357 @@
+/*
+ * The record under faults: at-most-once execution, exactly-once recording,
+ * every command terminal. Real nats-server, PostgreSQL, broker and agents.
+ */
+#include <check.h>
+#include <errno.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+
+#include "broker.h"
+#include "fixture.h"
+#include "stack.h"
+#include "store.h"
+
+static struct fixture_stack stack;
+static char side_dir[PATH_MAX]; /* where commands leave their side effect */
+
+static void
+stack_up(void)
+{
+    if (fixture_stack_start(&stack, NULL, 0) != 0) {
+        fixture_stack_stop(&stack);
+        exit(1);
+    }
+    snprintf(side_dir, sizeof(side_dir), "%.4000s/side", stack.dir);
+    mkdir(side_dir, 0777);
+    chmod(side_dir, 0777);
+}
+
+static void
+stack_down(void)
+{
+    fixture_stack_stop(&stack);
+}
+
+static struct evt_conn *
+client(void)
+{
+    struct evt_connect_opts o = {.name = "test", .send_asap = true};
+    struct evt_conn *c = NULL;
+    ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
+    return c;
+}
+
+/* Submits a detached command; 0 with id_out, or the error. */
+static int
+submit(struct evt_conn *c, const char *agent, const char *script,
+       uint64_t deliver_within_ms, char id_out[37])
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    char *argv[] = {"sh", "-c", (char *)script};
+    int rc;
+
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.timeout_ms = 60000;
+    req.spec = &spec;
+    req.agent_id = (char *)agent;
+    req.detach = 1;
+    req.deliver_within_ms = deliver_within_ms;
+    rc = broker_execute(c, &req, 3000, &rep);
+    if (rc == 0 && rep->error_code)
+        rc = rep->error_code;
+    if (rc == 0)
+        snprintf(id_out, 37, "%s", rep->command_id);
+    if (rep)
+        ks__execute_reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+static PGconn *
+db(void)
+{
+    PGconn *pg = PQconnectdb(stack.pg.conninfo);
+    ck_assert_int_eq(PQstatus(pg), CONNECTION_OK);
+    return pg;
+}
+
+static long
+sql_long(PGconn *pg, const char *sql)
+{
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
+                  PQerrorMessage(pg));
+    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    return v;
+}
+
+/* Waits until no command is open; returns how many are still open. */
+static long
+wait_all_terminal(PGconn *pg, int timeout_s)
+{
+    long open = -1;
+    for (int i = 0; i < timeout_s * 10; i++) {
+        open = sql_long(pg, "SELECT count(*) FROM commands WHERE status IN "
+                            "('Pending','Dispatched','Running')");
+        if (open == 0)
+            return 0;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    return open;
+}
+
+/* Lines in the side-effect file of one command (0 if none). */
+static int
+runs_of(const char *prefix, const char *id)
+{
+    char path[PATH_MAX + 80], line[64];
+    int n = 0;
+    snprintf(path, sizeof(path), "%s/%s.%s", side_dir, prefix, id);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        n++;
+    fclose(f);
+    return n;
+}
+
+/* No stream has two claims or two terminal events. */
+static void
+assert_recorded_once(PGconn *pg)
+{
+    ck_assert_int_eq(
+        sql_long(pg, "SELECT count(*) FROM (SELECT stream_id FROM events "
+                     "WHERE type = 'CommandStarted' GROUP BY stream_id "
+                     "HAVING count(*) > 1) x"),
+        0);
+    ck_assert_int_eq(
+        sql_long(pg,
+                 "SELECT count(*) FROM (SELECT stream_id FROM events "
+                 "WHERE type IN ('CommandCompleted','CommandStartFailed',"
+                 "'CommandUndeliverable','CommandLost','CommandCancelled') "
+                 "GROUP BY stream_id HAVING count(*) > 1) x"),
+        0);
+}
+
+/* K15: a consumer ack wait of 20 s is 20 s in the server's consumer info. */
+START_TEST(k15_ack_wait_units)
+{
+    const char *extra[] = {"--ack-wait", "20s", NULL};
+    struct evt_conn *c = client();
+    jsConsumerInfo *ci = NULL;
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k15", "k15", extra),
+                     0);
+    ck_assert_int_eq(js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS,
+                                        "agent-k15", NULL, NULL),
+                     NATS_OK);
+    ck_assert_int_eq(ci->Config->AckWait, INT64_C(20) * 1000000000);
+    jsConsumerInfo_Destroy(ci);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-k15", 20000);
+}
+END_TEST
+
+/* K23: no second run on redelivery, and a pool of two agents of one id
+ * shares the work with every command started exactly once. */
+START_TEST(k23_no_second_run_on_redelivery)
+{
+    const char *extra[] = {"--ack-wait", "5s", NULL};
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char ids[11][37], script[PATH_MAX + 128];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-pool-a", "pool",
+                                         extra),
+                     0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-pool-b", "pool",
+                                         extra),
+                     0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/k23.$KSCORE_COMMAND_ID; sleep 8", side_dir);
+    ck_assert_int_eq(submit(c, "pool", script, 0, ids[0]), 0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/k23.$KSCORE_COMMAND_ID; sleep 4", side_dir);
+    for (int i = 1; i <= 10; i++)
+        ck_assert_int_eq(submit(c, "pool", script, 0, ids[i]), 0);
+    ck_assert_int_eq(wait_all_terminal(pg, 60), 0);
+    for (int i = 0; i <= 10; i++) {
+        Ks__CommandView *v = NULL;
+        struct store *st = NULL;
+        ck_assert_int_eq(runs_of("k23", ids[i]), 1);
+        ck_assert_int_eq(store_open(stack.pg.conninfo, &st, NULL), 0);
+        ck_assert_int_eq(store_get_command(st, ids[i], &v), 0);
+        ck_assert_int_eq(v->status, KS__COMMAND_STATUS__SUCCEEDED);
+        ks__command_view__free_unpacked(v, NULL);
+        store_close(st);
+    }
+    assert_recorded_once(pg);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-pool-a", 20000);
+    stack_stop(stack.dir, "agent-pool-b", 20000);
+}
+END_TEST
+
+/* kill -9 of the broker in the middle of 200 commands, then a restart:
+ * every command terminal, none run twice, none recorded twice. */
+START_TEST(broker_kill9_mid_run)
+{
+    const char *extra[] = {"--max-concurrent", "16", NULL};
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char (*ids)[37] = calloc(200, sizeof(*ids));
+    char script[PATH_MAX + 128];
+    int accepted = 0;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bk", "bk", extra), 0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/bk.$KSCORE_COMMAND_ID; sleep 0.2", side_dir);
+    for (int i = 0; i < 200; i++) {
+        if (i == 100) {
+            fixture_stack_broker_kill(&stack, SIGKILL);
+            ck_assert_int_eq(fixture_stack_broker_start(&stack, 0), 0);
+        }
+        if (submit(c, "bk", script, 6000, ids[accepted]) == 0)
+            accepted++;
+    }
+    ck_assert_int_ge(accepted, 190);
+    ck_assert_int_eq(wait_all_terminal(pg, 120), 0);
+    fprintf(stderr,
+            "broker_kill9_mid_run: %d accepted; %ld Succeeded, %ld "
+            "Undeliverable, %ld duplicate claims suppressed, %ld attempts>1\n",
+            accepted,
+            sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id='bk' "
+                         "AND status='Succeeded'"),
+            sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id='bk' "
+                         "AND status='Undeliverable'"),
+            sql_long(pg, "SELECT count(*) FROM events WHERE "
+                         "type='DuplicateSuppressed'"),
+            sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id='bk' "
+                         "AND attempt > 1"));
+    for (int i = 0; i < accepted; i++)
+        ck_assert_int_le(runs_of("bk", ids[i]), 1);
+    /* Whatever ran succeeded, and what succeeded ran once. */
+    ck_assert_int_eq(
+        sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id = 'bk' "
+                     "AND status NOT IN ('Succeeded','Undeliverable')"),
+        0);
+    PGresult *r = PQexec(pg, "SELECT command_id::text FROM commands WHERE "
+                             "agent_id = 'bk' AND status = 'Succeeded'");
+    for (int i = 0; i < PQntuples(r); i++)
+        ck_assert_int_eq(runs_of("bk", PQgetvalue(r, i, 0)), 1);
+    PQclear(r);
+    assert_recorded_once(pg);
+    free(ids);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-bk", 20000);
+}
+END_TEST
+
+/* A NATS server restart in the middle of a run: the result arrives exactly
+ * once. */
+START_TEST(nats_restart_mid_run)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], script[PATH_MAX + 128];
+    char sql[256];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-nr", "nr", NULL), 0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/nr.$KSCORE_COMMAND_ID; sleep 2; echo done",
+             side_dir);
+    ck_assert_int_eq(submit(c, "nr", script, 0, id), 0);
+    evt_close(c);
+    nanosleep(&(struct timespec){0, 700 * 1000000L}, NULL);
+    ck_assert_int_eq(fixture_stack_nats_restart(&stack), 0);
+    ck_assert_int_eq(wait_all_terminal(pg, 60), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'CommandCompleted'",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' "
+             "AND status = 'Succeeded' AND stdout = 'done\n'::bytea",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    ck_assert_int_eq(runs_of("nr", id), 1);
+    PQfinish(pg);
+    stack_stop(stack.dir, "agent-nr", 20000);
+}
+END_TEST
+
+/* kscore replay rebuilds projections equal to the live ones. */
+START_TEST(replay_equals_live)
+{
+    static const char digest[] =
+        "SELECT md5(coalesce(string_agg(t::text, '|' ORDER BY command_id), "
+        "'')) FROM (SELECT command_id, agent_id, status, argv, attempt, "
+        "exit_code, signal, stdout, stderr, version, result "
+        "FROM commands) t";
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37];
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-rp", "rp", NULL), 0);
+    for (int i = 0; i < 5; i++)
+        ck_assert_int_eq(submit(c, "rp", "printf 'x\\000y'; exit 2", 0, id),
+                         0);
+    ck_assert_int_eq(wait_all_terminal(pg, 30), 0);
+    PGresult *r = PQexec(pg, digest);
+    char before[64];
+    snprintf(before, sizeof(before), "%s", PQgetvalue(r, 0, 0));
+    PQclear(r);
+    struct fixture_out o;
+    const char *args[] = {"replay", "--db", stack.pg.conninfo, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "replay: %s", o.err);
+    fixture_out_release(&o);
+    r = PQexec(pg, digest);
+    ck_assert_str_eq(PQgetvalue(r, 0, 0), before);
+    PQclear(r);
+    ck_assert_int_gt(sql_long(pg, "SELECT count(*) FROM commands"), 0);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-rp", 20000);
+}
+END_TEST
+
+static Suite *
+record_suite(void)
+{
+    Suite *s = suite_create("record");
+    TCase *tc = tcase_create("faults");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 240);
+    tcase_add_test(tc, k15_ack_wait_units);
+    tcase_add_test(tc, replay_equals_live);
+    tcase_add_test(tc, k23_no_second_run_on_redelivery);
+    tcase_add_test(tc, nats_restart_mid_run);
+    tcase_add_test(tc, broker_kill9_mid_run);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(record_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
