@@ -1,0 +1,935 @@
+/*
+ * exec.c: the job state machine and the loops that drive it.
+ *
+ * A job goes: queued -> running (leader alive) -> leader exited (group may
+ * still hold processes) -> finished (group clean, leader reaped). Every
+ * transition happens on the thread that owns the loop: the caller's for
+ * exec_run(), the loop thread for exec_loop. Other threads only touch the
+ * submission queue and cancel flags, under loop->mu, and wake the loop with
+ * its eventfd.
+ */
+#include "exec_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define NEVER INT64_MAX
+/* After SIGKILL, how long a leftover may take to die before it is counted
+ * as a survivor (uninterruptible sleep, or outside our reach). */
+#define EXEC_SURVIVOR_WAIT_US (2 * 1000000)
+/* Polling of a group without cgroup notifications: 1 ms doubling to 64. */
+#define EXEC_POLL_MIN_US 1000
+#define EXEC_POLL_MAX_US 64000
+#define EXEC_READ_CHUNK 65536
+
+enum watch_kind { W_OUT, W_ERR, W_PID, W_CG, W_EVENT };
+
+struct exec_job;
+
+struct watch {
+    struct exec_job *job;
+    enum watch_kind kind;
+};
+
+struct outbuf {
+    char *data;
+    size_t len, alloc, cap;
+    uint64_t total;
+};
+
+struct exec_job {
+    /* loop->active (queued or running), under loop->mu */
+    struct exec_job *prev, *next;
+    struct exec_job *qnext;   /* loop->queue, under loop->mu */
+    struct exec_job *rnext;   /* running list, loop thread only */
+    struct exec_job *dnext;   /* finished in this step, loop thread only */
+    uint64_t id;
+    struct exec_spec spec;
+    void *blob; /* owned copy of the spec's strings (NULL: borrowed) */
+    exec_done_fn done;
+    void *ud;
+    bool cancel_req; /* under loop->mu */
+
+    bool started, finished, leader_exited;
+    bool term_sent, kill_sent, cg_watched, scan_pgroup, had_members;
+    pid_t pid;
+    int pidfd;
+    int fd[2];
+    struct watch w[4];
+    struct outbuf buf[2];
+    int64_t t0, grace_us;
+    int64_t term_at, kill_at, give_up_at, poll_at, poll_step;
+    struct exec__cgroup cg;
+    struct exec__members last;
+    struct exec_result res;
+};
+
+struct exec_loop {
+    int epfd;
+    int evfd; /* -1 for exec_run's private loop */
+    struct watch evw;
+    bool threaded;
+    pthread_t thr;
+    unsigned max_concurrent;
+    atomic_uint nrunning;
+
+    pthread_mutex_t mu;
+    struct exec_job *active;            /* under mu */
+    struct exec_job *qhead, *qtail;     /* under mu */
+    uint64_t next_id;                   /* under mu */
+    bool stopping, cancel_pending;      /* under mu */
+
+    struct exec_job *running; /* loop thread */
+    struct exec_job *dhead;   /* loop thread */
+    char scratch[EXEC_READ_CHUNK];
+};
+
+void
+exec_result_release(struct exec_result *r)
+{
+    if (!r)
+        return;
+    free(r->out.data);
+    free(r->err.data);
+    r->out.data = r->err.data = NULL;
+    r->out.len = r->err.len = 0;
+}
+
+static size_t
+cap_of(size_t spec_cap)
+{
+    if (spec_cap == 0)
+        return EXEC_OUTPUT_CAP_DEFAULT;
+    return spec_cap < EXEC_OUTPUT_CAP_MAX ? spec_cap : EXEC_OUTPUT_CAP_MAX;
+}
+
+static void
+job_init(struct exec_job *job, const struct exec_spec *spec)
+{
+    job->spec = *spec;
+    job->pidfd = job->fd[0] = job->fd[1] = -1;
+    job->cg.events_fd = job->cg.dir_fd = -1;
+    for (int i = 0; i < 4; i++) {
+        job->w[i].job = job;
+        job->w[i].kind = (enum watch_kind)i;
+    }
+    job->buf[0].cap = cap_of(spec->stdout_cap_bytes);
+    job->buf[1].cap = cap_of(spec->stderr_cap_bytes);
+    job->grace_us =
+        (int64_t)(spec->grace_ms ? spec->grace_ms : EXEC_GRACE_DEFAULT_MS) *
+        1000;
+    job->term_at = job->kill_at = job->give_up_at = job->poll_at = NEVER;
+    job->res.term_sent_us = job->res.kill_sent_us = -1;
+}
+
+static void
+watch_add(struct exec_loop *loop, int fd, struct watch *w, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = w};
+
+    /* Only ENOMEM/ENOSPC can fail here; the job then runs on polling. */
+    if (epoll_ctl(loop->epfd, EPOLL_CTL_ADD, fd, &ev) == -1 && w->job)
+        w->job->poll_at = ks_mono_us() + EXEC_POLL_MIN_US;
+}
+
+static void
+close_fd(struct exec_loop *loop, int *fd)
+{
+    if (*fd == -1)
+        return;
+    /* close() drops it from the epoll set: the fd is never dup'ed. */
+    close(*fd);
+    *fd = -1;
+}
+
+/* Reads once from one pipe; past the cap, counts and drops. 0 at EOF. */
+static ssize_t
+pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
+{
+    struct outbuf *b = &job->buf[i];
+    size_t room = b->cap - b->len;
+    ssize_t n;
+
+    if (room > EXEC_READ_CHUNK)
+        room = EXEC_READ_CHUNK;
+    if (room && b->alloc < b->len + room + 1) {
+        size_t want = b->alloc ? b->alloc * 2 : 4096;
+        char *p;
+        if (want < b->len + room + 1)
+            want = b->len + room + 1;
+        if (want > b->cap + 1)
+            want = b->cap + 1;
+        p = realloc(b->data, want);
+        if (p) {
+            b->data = p;
+            b->alloc = want;
+        } else {
+            room = 0; /* out of memory: count and drop like past the cap */
+        }
+    }
+    do {
+        if (room)
+            n = read(job->fd[i], b->data + b->len, room);
+        else
+            n = read(job->fd[i], loop->scratch, sizeof(loop->scratch));
+    } while (n == -1 && errno == EINTR);
+    if (n > 0) {
+        if (room)
+            b->len += (size_t)n;
+        b->total += (uint64_t)n;
+    }
+    return n;
+}
+
+static void
+on_pipe(struct exec_loop *loop, struct exec_job *job, int i)
+{
+    ssize_t n = pipe_read(loop, job, i);
+
+    if (n == 0 || (n == -1 && errno != EAGAIN))
+        close_fd(loop, &job->fd[i]);
+}
+
+/* Members that one signal step reaches: the leader if alive, plus m. */
+static void
+count_signalled(struct exec_job *job, const struct exec__members *m,
+                bool escapees_too)
+{
+    unsigned n = (job->leader_exited ? 0 : 1) + m->pgroup +
+                 (escapees_too ? m->escaped : 0);
+    if (n > job->res.signalled)
+        job->res.signalled = n;
+}
+
+static void
+send_term(struct exec_job *job, int64_t now)
+{
+    struct exec__members m;
+
+    exec__members(job->pid, &job->cg, job->scan_pgroup, &m);
+    count_signalled(job, &m, false);
+    kill(-job->pid, SIGTERM);
+    job->term_sent = true;
+    job->res.term_sent_us = now - job->t0;
+    job->kill_at = now + job->grace_us;
+}
+
+static void
+send_kill(struct exec_job *job, int64_t now)
+{
+    struct exec__members m;
+
+    exec__members(job->pid, &job->cg, job->scan_pgroup, &m);
+    count_signalled(job, &m, true);
+    kill(-job->pid, SIGKILL);
+    if (job->cg.moved)
+        exec__cgroup_kill(&job->cg);
+    job->kill_sent = true;
+    if (job->res.kill_sent_us < 0)
+        job->res.kill_sent_us = now - job->t0;
+    job->give_up_at = now + EXEC_SURVIVOR_WAIT_US;
+}
+
+static void
+fill_output(struct exec_output *o, struct outbuf *b)
+{
+    if (!b->data)
+        b->data = malloc(1);
+    if (b->data)
+        b->data[b->len] = '\0';
+    o->data = b->data;
+    o->len = b->data ? b->len : 0;
+    o->total = b->total;
+    o->truncated = b->total > o->len;
+    b->data = NULL;
+}
+
+static void
+job_done(struct exec_loop *loop, struct exec_job *job)
+{
+    job->finished = true;
+    job->dnext = loop->dhead;
+    loop->dhead = job;
+}
+
+/* A job that never ran (start failure, or cancelled while queued). */
+static void
+job_fail(struct exec_loop *loop, struct exec_job *job, const char *stage,
+         int err)
+{
+    struct exec_result *r = &job->res;
+
+    r->outcome = EXEC_START_FAILED;
+    r->start_stage = stage;
+    r->start_errno = err;
+    r->exit_code = -1;
+    if (!r->started_at_us)
+        r->started_at_us = ks_now_us();
+    r->finished_at_us = ks_now_us();
+    r->duration_us = job->t0 ? ks_mono_us() - job->t0 : 0;
+    fill_output(&r->out, &job->buf[0]);
+    fill_output(&r->err, &job->buf[1]);
+    exec__cgroup_destroy(&job->cg);
+    job_done(loop, job);
+}
+
+/* The group is clean (or given up on): drain, reap, report. */
+static void
+job_finish(struct exec_loop *loop, struct exec_job *job)
+{
+    struct exec_result *r = &job->res;
+    struct rusage ru;
+    int status = 0;
+    pid_t w;
+
+    for (int i = 0; i < 2; i++) {
+        while (job->fd[i] != -1) {
+            ssize_t n = pipe_read(loop, job, i);
+            if (n <= 0)
+                close_fd(loop, &job->fd[i]);
+        }
+    }
+    close_fd(loop, &job->pidfd);
+    memset(&ru, 0, sizeof(ru));
+    do {
+        w = wait4(job->pid, &status, 0, &ru);
+    } while (w == -1 && errno == EINTR);
+    exec__reap_leftovers(job->pid, &job->cg);
+
+    if (WIFSIGNALED(status)) {
+        r->outcome = EXEC_SIGNALED;
+        r->signal = WTERMSIG(status);
+        r->core_dumped = WCOREDUMP(status);
+        r->exit_code = -1;
+    } else {
+        r->outcome = EXEC_EXITED;
+        r->exit_code = WEXITSTATUS(status);
+    }
+    r->utime_us = (int64_t)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec;
+    r->stime_us = (int64_t)ru.ru_stime.tv_sec * 1000000 + ru.ru_stime.tv_usec;
+    r->maxrss_kb = ru.ru_maxrss;
+    if (job->cg.moved && exec__cgroup_populated(&job->cg) == 1) {
+        struct exec__members m;
+        exec__members(job->pid, &job->cg, job->scan_pgroup, &m);
+        r->survivors = m.pgroup + m.escaped;
+        /* Keep the cgroup; a later exec_global_init() in a new agent
+         * process removes it. Drop our fd only. */
+        close(job->cg.events_fd);
+        job->cg.events_fd = -1;
+        job->cg.in_use = false;
+    } else {
+        r->survivors = job->last.pgroup + job->last.escaped;
+    }
+    exec__cgroup_destroy(&job->cg);
+    r->finished_at_us = ks_now_us();
+    r->duration_us = ks_mono_us() - job->t0;
+    fill_output(&r->out, &job->buf[0]);
+    fill_output(&r->err, &job->buf[1]);
+    job_done(loop, job);
+}
+
+/*
+ * The leader has exited: is the group clean? If not, what is left gets
+ * TERM now (K04), KILL after the grace; setsid escapees in the job's
+ * cgroup get cgroup.kill once the group itself is clean.
+ */
+static void
+check_group(struct exec_loop *loop, struct exec_job *job, int64_t now)
+{
+    struct exec__members m = {0, 0};
+    bool pg_clean, clean;
+
+    if (job->cg.moved && !job->scan_pgroup) {
+        int pop = exec__cgroup_populated(&job->cg);
+        if (pop == 1)
+            exec__members(job->pid, &job->cg, false, &m);
+    } else {
+        exec__members(job->pid, &job->cg, job->scan_pgroup, &m);
+    }
+    job->last = m;
+    pg_clean = m.pgroup == 0;
+    /* Without a cgroup, escapees are out of reach: reported, not awaited. */
+    clean = pg_clean && (!job->cg.moved || m.escaped == 0);
+    if (!pg_clean || (job->cg.moved && m.escaped))
+        job->had_members = true;
+    if (clean || (job->kill_sent && now >= job->give_up_at)) {
+        if (!clean)
+            job->last = m;
+        job_finish(loop, job);
+        return;
+    }
+    if (!pg_clean && !job->term_sent)
+        send_term(job, now);
+    else if (pg_clean && !job->kill_sent)
+        send_kill(job, now); /* only escapees are left: cgroup.kill */
+
+    if (job->cg.moved && !job->cg_watched) {
+        watch_add(loop, job->cg.events_fd, &job->w[W_CG],
+                  EPOLLPRI | EPOLLERR);
+        job->cg_watched = true;
+        /* The read above armed the notification; re-check for a race. */
+        if (!job->scan_pgroup && exec__cgroup_populated(&job->cg) == 0) {
+            job->last.pgroup = job->last.escaped = 0;
+            job_finish(loop, job);
+            return;
+        }
+    }
+    if (!job->cg.moved || job->scan_pgroup) {
+        job->poll_step = job->poll_step ? job->poll_step * 2 : EXEC_POLL_MIN_US;
+        if (job->poll_step > EXEC_POLL_MAX_US)
+            job->poll_step = EXEC_POLL_MAX_US;
+        job->poll_at = now + job->poll_step;
+    }
+}
+
+static void
+on_leader_exit(struct exec_loop *loop, struct exec_job *job)
+{
+    siginfo_t si;
+
+    memset(&si, 0, sizeof(si));
+    if (waitid((idtype_t)P_PIDFD, (id_t)job->pidfd, &si,
+               WEXITED | WNOHANG | WNOWAIT) == -1 ||
+        si.si_pid == 0)
+        return;
+    close_fd(loop, &job->pidfd);
+    job->leader_exited = true;
+    check_group(loop, job, ks_mono_us());
+}
+
+static void
+on_timers(struct exec_loop *loop, struct exec_job *job, int64_t now)
+{
+    if (!job->term_sent && now >= job->term_at) {
+        job->res.timed_out = true;
+        send_term(job, now);
+    }
+    if (job->term_sent && !job->kill_sent && now >= job->kill_at)
+        send_kill(job, now);
+    if (job->leader_exited &&
+        (now >= job->poll_at || (job->kill_sent && now >= job->give_up_at))) {
+        job->poll_at = NEVER;
+        check_group(loop, job, now);
+    }
+}
+
+static int64_t
+next_deadline(struct exec_job *job)
+{
+    int64_t t = job->poll_at;
+
+    if (!job->term_sent && job->term_at < t)
+        t = job->term_at;
+    if (job->term_sent && !job->kill_sent && job->kill_at < t)
+        t = job->kill_at;
+    if (job->kill_sent && job->leader_exited && job->give_up_at < t)
+        t = job->give_up_at;
+    return t;
+}
+
+static void
+job_start(struct exec_loop *loop, struct exec_job *job)
+{
+    const struct exec_spec *spec = &job->spec;
+    char **envp = NULL, *path = NULL;
+    const char *stage = "spawn";
+    int ret;
+
+    job->started = true;
+    job->res.started_at_us = ks_now_us();
+    ret = exec__build_env(spec, &envp);
+    if (ret)
+        goto fail;
+    ret = exec__check_cwd(exec__cwd(spec));
+    if (ret) {
+        stage = "chdir";
+        goto fail;
+    }
+    ret = exec__resolve(spec->argv[0], exec__env_get(envp, "PATH"), &path);
+    if (ret) {
+        stage = "exec";
+        goto fail;
+    }
+    if (exec__cgroup_enabled() && exec__cgroup_create(&job->cg) != 0)
+        job->scan_pgroup = true;
+    job->t0 = ks_mono_us();
+    ret = -ENOSYS;
+    if (job->cg.in_use) {
+        ret = exec__spawn_cgroup(spec, path, envp, job->cg.dir_fd, &job->pid,
+                                 &job->pidfd, job->fd, &stage);
+        if (ret == 0)
+            job->cg.moved = true;
+    }
+    if (ret == -ENOSYS) {
+        ret = exec__spawn(spec, path, envp, &job->pid, job->fd, &stage);
+        if (ret == 0 && job->cg.in_use &&
+            (exec__cgroup_move(&job->cg, job->pid) != 0 ||
+             exec__may_have_forked(job->pid)))
+            job->scan_pgroup = true;
+        if (ret == 0)
+            job->pidfd = exec__pidfd_open(job->pid);
+    }
+    if (ret)
+        goto fail;
+    job->res.pid = job->pid;
+    if (job->pidfd == -1) {
+        /* No pidfd (kernel < 5.3): cannot supervise; undo the spawn. */
+        ret = -errno;
+        kill(-job->pid, SIGKILL);
+        if (job->cg.moved)
+            exec__cgroup_kill(&job->cg);
+        job->leader_exited = true;
+        job_finish(loop, job);
+        job->res.outcome = EXEC_START_FAILED;
+        job->res.start_stage = "spawn";
+        job->res.start_errno = -ret;
+        goto out;
+    }
+    watch_add(loop, job->fd[0], &job->w[W_OUT], EPOLLIN);
+    watch_add(loop, job->fd[1], &job->w[W_ERR], EPOLLIN);
+    watch_add(loop, job->pidfd, &job->w[W_PID], EPOLLIN);
+    if (spec->timeout_ms)
+        job->term_at = job->t0 + (int64_t)spec->timeout_ms * 1000;
+    job->rnext = loop->running;
+    loop->running = job;
+    atomic_fetch_add(&loop->nrunning, 1);
+    goto out;
+fail:
+    job_fail(loop, job, stage, -ret);
+out:
+    free(envp);
+    free(path);
+}
+
+static void
+job_cancel(struct exec_loop *loop, struct exec_job *job, int64_t now)
+{
+    if (job->res.cancelled || job->finished)
+        return;
+    job->res.cancelled = true;
+    if (!job->term_sent)
+        send_term(job, now);
+}
+
+static void
+job_free(struct exec_job *job)
+{
+    if (!job)
+        return;
+    free(job->blob);
+    free(job);
+}
+
+/* Submissions and cancels from other threads (called on the loop thread). */
+static void
+on_wakeup(struct exec_loop *loop)
+{
+    struct exec_job *cancel_queued = NULL, *j, *next;
+    bool cancels;
+    uint64_t v;
+
+    if (read(loop->evfd, &v, sizeof(v)) == -1 && errno != EAGAIN)
+        return;
+    pthread_mutex_lock(&loop->mu);
+    cancels = loop->cancel_pending;
+    loop->cancel_pending = false;
+    if (cancels) {
+        /* Queued jobs that are cancelled never start. */
+        struct exec_job **pp = &loop->qhead;
+        loop->qtail = NULL;
+        while (*pp) {
+            j = *pp;
+            if (j->cancel_req) {
+                *pp = j->qnext;
+                j->qnext = cancel_queued;
+                cancel_queued = j;
+            } else {
+                loop->qtail = j;
+                pp = &j->qnext;
+            }
+        }
+    }
+    pthread_mutex_unlock(&loop->mu);
+    for (j = cancel_queued; j; j = next) {
+        next = j->qnext;
+        j->res.cancelled = true;
+        job_fail(loop, j, "spawn", ECANCELED);
+    }
+    if (cancels) {
+        int64_t now = ks_mono_us();
+        for (j = loop->running; j; j = j->rnext) {
+            bool req;
+            pthread_mutex_lock(&loop->mu);
+            req = j->cancel_req;
+            pthread_mutex_unlock(&loop->mu);
+            if (req)
+                job_cancel(loop, j, now);
+        }
+    }
+}
+
+/* Hands finished jobs over, then starts queued jobs while there is room. */
+static void
+settle(struct exec_loop *loop)
+{
+    struct exec_job *j, *next;
+
+    for (j = loop->dhead; j; j = next) {
+        struct exec_job **pp;
+        next = j->dnext;
+        for (pp = &loop->running; *pp; pp = &(*pp)->rnext) {
+            if (*pp == j) {
+                *pp = j->rnext;
+                atomic_fetch_sub(&loop->nrunning, 1);
+                break;
+            }
+        }
+        if (!loop->threaded)
+            continue;
+        pthread_mutex_lock(&loop->mu);
+        if (j->prev)
+            j->prev->next = j->next;
+        else
+            loop->active = j->next;
+        if (j->next)
+            j->next->prev = j->prev;
+        pthread_mutex_unlock(&loop->mu);
+        j->done(j->id, &j->res, j->ud);
+        job_free(j);
+    }
+    loop->dhead = NULL;
+    if (!loop->threaded)
+        return;
+    for (;;) {
+        pthread_mutex_lock(&loop->mu);
+        j = NULL;
+        if (loop->qhead &&
+            atomic_load(&loop->nrunning) < loop->max_concurrent) {
+            j = loop->qhead;
+            loop->qhead = j->qnext;
+            if (!loop->qhead)
+                loop->qtail = NULL;
+        }
+        pthread_mutex_unlock(&loop->mu);
+        if (!j)
+            break;
+        job_start(loop, j);
+        if (loop->dhead)
+            settle(loop); /* a start failure finished at once */
+    }
+}
+
+/* One turn: wait for the next event or deadline, act, settle. */
+static void
+loop_step(struct exec_loop *loop)
+{
+    struct epoll_event evs[64];
+    struct timespec ts, *tsp = NULL;
+    int64_t deadline = NEVER, now;
+    struct exec_job *j, *next;
+    int n;
+
+    for (j = loop->running; j; j = j->rnext) {
+        int64_t t = next_deadline(j);
+        if (t < deadline)
+            deadline = t;
+    }
+    if (deadline != NEVER) {
+        int64_t wait = deadline - ks_mono_us();
+        if (wait < 0)
+            wait = 0;
+        ts.tv_sec = wait / 1000000;
+        ts.tv_nsec = (wait % 1000000) * 1000;
+        tsp = &ts;
+    }
+    n = epoll_pwait2(loop->epfd, evs, 64, tsp, NULL);
+    for (int i = 0; i < n; i++) {
+        struct watch *w = evs[i].data.ptr;
+        if (w->kind == W_EVENT) {
+            on_wakeup(loop);
+            continue;
+        }
+        j = w->job;
+        if (j->finished)
+            continue;
+        switch (w->kind) {
+        case W_OUT:
+        case W_ERR:
+            if (j->fd[w->kind] != -1)
+                on_pipe(loop, j, w->kind);
+            break;
+        case W_PID:
+            if (j->pidfd != -1)
+                on_leader_exit(loop, j);
+            break;
+        case W_CG:
+            if (j->leader_exited)
+                check_group(loop, j, ks_mono_us());
+            break;
+        default:
+            break;
+        }
+    }
+    now = ks_mono_us();
+    for (j = loop->running; j; j = next) {
+        next = j->rnext;
+        if (!j->finished && next_deadline(j) <= now)
+            on_timers(loop, j, now);
+    }
+    settle(loop);
+}
+
+static int
+loop_init(struct exec_loop *loop, bool threaded)
+{
+    memset(loop, 0, sizeof(*loop) - sizeof(loop->scratch));
+    loop->evfd = -1;
+    loop->threaded = threaded;
+    loop->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (loop->epfd == -1)
+        return -errno;
+    return 0;
+}
+
+int
+exec_run(const struct exec_spec *spec, struct exec_result *out)
+{
+    struct exec_loop *loop;
+    struct exec_job job;
+    int ret;
+
+    ret = exec__spec_valid(spec);
+    if (ret)
+        return ret;
+    exec_global_init();
+    /* The loop holds a 64 KiB scratch buffer: keep it off small stacks. */
+    loop = malloc(sizeof(*loop));
+    if (!loop)
+        return -ENOMEM;
+    ret = loop_init(loop, false);
+    if (ret)
+        goto out;
+    memset(&job, 0, sizeof(job));
+    job_init(&job, spec);
+    job_start(loop, &job);
+    while (!job.finished)
+        loop_step(loop);
+    settle(loop);
+    *out = job.res;
+    close(loop->epfd);
+out:
+    free(loop);
+    return ret;
+}
+
+static void *
+loop_main(void *arg)
+{
+    struct exec_loop *loop = arg;
+
+    for (;;) {
+        bool stop;
+        pthread_mutex_lock(&loop->mu);
+        stop = loop->stopping && !loop->active;
+        pthread_mutex_unlock(&loop->mu);
+        if (stop)
+            break;
+        loop_step(loop);
+    }
+    return NULL;
+}
+
+int
+exec_loop_new(unsigned max_concurrent, struct exec_loop **out)
+{
+    struct exec_loop *loop;
+    int ret;
+
+    if (max_concurrent < 1)
+        return KS_EINVAL;
+    exec_global_init();
+    loop = malloc(sizeof(*loop));
+    if (!loop)
+        return -ENOMEM;
+    ret = loop_init(loop, true);
+    if (ret)
+        goto fail;
+    loop->max_concurrent = max_concurrent;
+    loop->next_id = 1;
+    pthread_mutex_init(&loop->mu, NULL);
+    loop->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (loop->evfd == -1) {
+        ret = -errno;
+        goto fail;
+    }
+    loop->evw.kind = W_EVENT;
+    watch_add(loop, loop->evfd, &loop->evw, EPOLLIN);
+    ret = -pthread_create(&loop->thr, NULL, loop_main, loop);
+    if (ret)
+        goto fail;
+    *out = loop;
+    return 0;
+fail:
+    if (loop->evfd != -1)
+        close(loop->evfd);
+    if (loop->epfd != -1)
+        close(loop->epfd);
+    free(loop);
+    return ret;
+}
+
+static void
+wake(struct exec_loop *loop)
+{
+    uint64_t one = 1;
+
+    /* EAGAIN only when the counter is full: the loop is awake anyway. */
+    if (write(loop->evfd, &one, sizeof(one)) == -1)
+        (void)errno;
+}
+
+void
+exec_loop_free(struct exec_loop *loop)
+{
+    if (!loop)
+        return;
+    BUG_ON(pthread_equal(pthread_self(), loop->thr));
+    pthread_mutex_lock(&loop->mu);
+    loop->stopping = true;
+    for (struct exec_job *j = loop->active; j; j = j->next)
+        j->cancel_req = true;
+    loop->cancel_pending = true;
+    pthread_mutex_unlock(&loop->mu);
+    wake(loop);
+    pthread_join(loop->thr, NULL);
+    close(loop->evfd);
+    close(loop->epfd);
+    pthread_mutex_destroy(&loop->mu);
+    free(loop);
+}
+
+/* Deep copy of a spec into one block, so the caller's may go away. */
+static int
+spec_copy(const struct exec_spec *spec, struct exec_job *job)
+{
+    size_t argc = 0, bytes = 0;
+    const char **argv;
+    struct exec_env *env;
+    char *p;
+
+#define STR_BYTES(s) ((s) ? strlen(s) + 1 : 0)
+    while (spec->argv[argc])
+        bytes += strlen(spec->argv[argc++]) + 1;
+    for (size_t i = 0; i < spec->env_len; i++)
+        bytes += STR_BYTES(spec->env[i].name) + STR_BYTES(spec->env[i].value);
+    bytes += STR_BYTES(spec->cwd) + STR_BYTES(spec->command_id);
+    job->blob = malloc((argc + 1) * sizeof(char *) +
+                       spec->env_len * sizeof(struct exec_env) + bytes);
+    if (!job->blob)
+        return -ENOMEM;
+    env = job->blob;
+    argv = (const char **)(env + spec->env_len);
+    p = (char *)(argv + argc + 1);
+#define STR_COPY(dst, s)                                                       \
+    do {                                                                       \
+        if (s) {                                                               \
+            (dst) = p;                                                         \
+            p = stpcpy(p, (s)) + 1;                                            \
+        } else {                                                               \
+            (dst) = NULL;                                                      \
+        }                                                                      \
+    } while (0)
+    for (size_t i = 0; i < argc; i++)
+        STR_COPY(argv[i], spec->argv[i]);
+    argv[argc] = NULL;
+    for (size_t i = 0; i < spec->env_len; i++) {
+        STR_COPY(env[i].name, spec->env[i].name);
+        STR_COPY(env[i].value, spec->env[i].value);
+    }
+    job->spec.argv = argv;
+    job->spec.env = env;
+    STR_COPY(job->spec.cwd, spec->cwd);
+    STR_COPY(job->spec.command_id, spec->command_id);
+#undef STR_COPY
+#undef STR_BYTES
+    return 0;
+}
+
+int
+exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
+            exec_done_fn done, void *ud, uint64_t *job_id_out)
+{
+    struct exec_job *job;
+    int ret;
+
+    BUG_ON(!loop || !done);
+    ret = exec__spec_valid(spec);
+    if (ret)
+        return ret;
+    job = calloc(1, sizeof(*job));
+    if (!job)
+        return -ENOMEM;
+    job_init(job, spec);
+    ret = spec_copy(spec, job);
+    if (ret) {
+        job_free(job);
+        return ret;
+    }
+    job->done = done;
+    job->ud = ud;
+    pthread_mutex_lock(&loop->mu);
+    if (loop->stopping) {
+        pthread_mutex_unlock(&loop->mu);
+        job_free(job);
+        return KS_ESTOPPED;
+    }
+    job->id = loop->next_id++;
+    job->next = loop->active;
+    if (loop->active)
+        loop->active->prev = job;
+    loop->active = job;
+    if (loop->qtail)
+        loop->qtail->qnext = job;
+    else
+        loop->qhead = job;
+    loop->qtail = job;
+    if (job_id_out)
+        *job_id_out = job->id;
+    pthread_mutex_unlock(&loop->mu);
+    wake(loop);
+    return 0;
+}
+
+int
+exec_cancel(struct exec_loop *loop, uint64_t job_id)
+{
+    int ret = KS_ENOTFOUND;
+
+    pthread_mutex_lock(&loop->mu);
+    for (struct exec_job *j = loop->active; j; j = j->next) {
+        if (j->id == job_id) {
+            j->cancel_req = true;
+            loop->cancel_pending = true;
+            ret = 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&loop->mu);
+    if (ret == 0)
+        wake(loop);
+    return ret;
+}
+
+unsigned
+exec_loop_running(struct exec_loop *loop)
+{
+    return atomic_load(&loop->nrunning);
+}

@@ -1,0 +1,113 @@
+/*
+ * exec_int.h: private declarations of the executor (exec_*.c only).
+ *
+ * One state machine drives every job: exec_run() runs it on the caller's
+ * thread over a private epoll set, an exec_loop runs it on its own thread.
+ *
+ *  exec_spawn.c  spec checks, environment, PATH resolution, posix_spawn
+ *  exec_group.c  process-wide set-up, per-job cgroups, /proc scans, reaping
+ *  exec.c        the job state machine, the loop, exec_run, exec_loop_*
+ */
+#ifndef KSCORE_EXEC_INT_H
+#define KSCORE_EXEC_INT_H
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "agent.h"
+
+/* The kernel's limit for one argv/env string, NUL included (binfmts.h). */
+#define EXEC__MAX_ARG_STRLEN (32 * 4096)
+
+/* Per-job cgroup v2 directory; fds are -1 when the job has no cgroup. */
+struct exec__cgroup {
+    char path[PATH_MAX];
+    unsigned long seq; /* name: j<seq> under the process's kscore-<pid> */
+    int dir_fd;    /* the directory, for clone3(CLONE_INTO_CGROUP) */
+    int events_fd; /* cgroup.events, read for "populated", polled (PRI) */
+    bool in_use;   /* the directory exists */
+    bool moved;    /* the leader was written into cgroup.procs */
+};
+
+/* What a job's group holds right now, besides the (zombie) leader. */
+struct exec__members {
+    unsigned pgroup;  /* live processes in the job's process group */
+    unsigned escaped; /* live processes of the job outside its group */
+};
+
+/* exec_spawn.c */
+
+/* 0 or KS_EINVAL: argv non-empty, env names valid. */
+int exec__spec_valid(const struct exec_spec *spec);
+/*
+ * Builds the child's environment: the documented base, then spec->env
+ * (later entries override). *envp_out is one malloc'd block.
+ */
+int exec__build_env(const struct exec_spec *spec, char ***envp_out);
+/* Value of name in a NULL-terminated envp, or NULL. */
+const char *exec__env_get(char *const *envp, const char *name);
+/* "/" for NULL or "". */
+const char *exec__cwd(const struct exec_spec *spec);
+/* 0, or -ENOENT/-ENOTDIR/-EACCES for a cwd the child cannot enter. */
+int exec__check_cwd(const char *cwd);
+/*
+ * Resolves argv[0] against the child's PATH (no '/' in it) into a malloc'd
+ * path; with a '/', copies it. -ENOENT/-EACCES like execvp would report.
+ */
+int exec__resolve(const char *argv0, const char *path_env, char **out);
+/*
+ * Spawns the leader under the kill protocol. out_fds receive the read ends
+ * of stdout/stderr (O_CLOEXEC|O_NONBLOCK). On failure returns -errno and
+ * sets *stage ("pipe", "spawn", "exec", "chdir").
+ */
+int exec__spawn(const struct exec_spec *spec, const char *path,
+                char *const *envp, pid_t *pid_out, int out_fds[2],
+                const char **stage);
+
+/*
+ * Spawns the leader straight into a cgroup (clone3 CLONE_INTO_CGROUP, x86_64)
+ * with the same child set-up as exec__spawn(); also returns a pidfd.
+ * -ENOSYS when the kernel or arch cannot: the caller uses exec__spawn().
+ */
+int exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
+                       char *const *envp, int cgroup_fd, pid_t *pid_out,
+                       int *pidfd_out, int out_fds[2], const char **stage);
+
+/* exec_group.c */
+
+/* Process-wide state set by exec_global_init(). */
+bool exec__cgroup_enabled(void);
+const char *exec__home(void);
+/* Creates the job's cgroup directory and opens cgroup.events. */
+int exec__cgroup_create(struct exec__cgroup *cg);
+/* Moves pid into the cgroup (write to cgroup.procs). */
+int exec__cgroup_move(struct exec__cgroup *cg, pid_t pid);
+/* 1 if the cgroup has live processes, 0 if not, -errno. */
+int exec__cgroup_populated(struct exec__cgroup *cg);
+/* Writes 1 to cgroup.kill: SIGKILL to every process in the cgroup. */
+int exec__cgroup_kill(struct exec__cgroup *cg);
+/*
+ * Closes the fds; an unpopulated cgroup goes back to the process's pool,
+ * else its directory is removed (kept if survivors remain). Idempotent.
+ */
+void exec__cgroup_destroy(struct exec__cgroup *cg);
+/* 1 if the leader may have forked before the move: dead, or has children. */
+int exec__may_have_forked(pid_t pid);
+/*
+ * Counts live members of the job besides the leader. With a cgroup and
+ * !scan_pgroup, from cgroup.procs; else by a /proc scan for the pgid
+ * (plus cgroup.procs when there is a cgroup).
+ */
+void exec__members(pid_t pgid, struct exec__cgroup *cg, bool scan_pgroup,
+                   struct exec__members *m);
+/*
+ * Reaps what the job left as zombie children of this process (subreaper):
+ * members of its process group, and with a cgroup, children whose cgroup is
+ * the job's. Never waits for anything else.
+ */
+void exec__reap_leftovers(pid_t pgid, struct exec__cgroup *cg);
+/* waitid(P_PIDFD) wrapper (glibc 2.36 knows P_PIDFD). */
+int exec__pidfd_open(pid_t pid);
+
+#endif
