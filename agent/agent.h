@@ -22,6 +22,13 @@
  *  - Where a cgroup v2 can be created, each job gets its own cgroup and is
  *    finished with cgroup.kill (catches setsid escapees); elsewhere the
  *    process is a child subreaper and escapees are reported as survivors.
+ *    The child is born in its cgroup (clone3 CLONE_INTO_CGROUP, x86_64):
+ *    moving it after posix_spawn took 25 us to 9 ms here while it already
+ *    forked. Without a cgroup (or off x86_64) the spawn is posix_spawn.
+ *  - The executor reaps only what is its own: each leader by pid, and the
+ *    zombies its job leaves to this subreaper (same pgid, or the job's
+ *    cgroup). It never calls waitpid(-1): other children of the process
+ *    (a test's nats-server, say) are left alone.
  */
 #ifndef KSCORE_AGENT_H
 #define KSCORE_AGENT_H
@@ -37,11 +44,20 @@
 /* Executor                                                                  */
 /* ------------------------------------------------------------------------ */
 
-/* Default cap per output stream (bytes). */
+/*
+ * Output caps, per stream. The rule: a spec cap of 0 means
+ * EXEC_OUTPUT_CAP_DEFAULT; a spec cap > 0 is clamped to EXEC_OUTPUT_CAP_MAX.
+ * The default is larger than the max on purpose: the default serves direct
+ * users of exec_run()/exec_loop (tests, perf, local runs; K07 wants 1 MiB),
+ * the max is what fits a result in one NATS message, and the agent runtime
+ * always passes an explicit cap <= EXEC_OUTPUT_CAP_MAX. Past the cap, bytes
+ * are read, counted in total and dropped; the child never blocks.
+ */
 #define EXEC_OUTPUT_CAP_DEFAULT (1024 * 1024)
 /*
- * Largest cap per stream (bytes). Two streams at this cap plus the result's
- * other fields stay under KS_MAX_MESSAGE_BYTES (NATS' default max_payload).
+ * Largest cap per stream a spec may ask for (bytes). Two streams at this cap
+ * plus the result's other fields stay under KS_MAX_MESSAGE_BYTES (NATS'
+ * default max_payload).
  */
 #define EXEC_OUTPUT_CAP_MAX (480 * 1024)
 /* Grace between SIGTERM and SIGKILL when the spec gives 0 (ms). */
@@ -66,7 +82,7 @@ struct exec_spec {
     const char *command_id;    /* exported as KSCORE_COMMAND_ID; may be NULL */
     uint64_t timeout_ms;       /* 0: none */
     uint64_t grace_ms;         /* 0: EXEC_GRACE_DEFAULT_MS */
-    size_t stdout_cap_bytes;   /* 0: default; clamped to EXEC_OUTPUT_CAP_MAX */
+    size_t stdout_cap_bytes;   /* 0: default; else <= EXEC_OUTPUT_CAP_MAX */
     size_t stderr_cap_bytes;
 };
 
@@ -100,8 +116,11 @@ struct exec_result {
     int64_t utime_us, stime_us, maxrss_kb; /* leader's rusage (wait4) */
     const char *start_stage; /* static: "chdir", "exec", "pipe", "spawn" */
     int start_errno;
-    unsigned signalled;      /* processes the kill protocol signalled */
-    unsigned survivors;      /* still alive after the protocol */
+    /* Most processes one signal step (TERM, KILL) reached, leader included. */
+    unsigned signalled;
+    /* Alive after the protocol: in the group or cgroup 2 s after SIGKILL, or
+     * (no cgroup) orphans of the job that made their own session. */
+    unsigned survivors;
 };
 
 /* Frees the output buffers; accepts a zeroed or NULL result. */
@@ -129,8 +148,8 @@ int exec_run(const struct exec_spec *spec, struct exec_result *out);
 
 /*
  * An executor loop: one thread that runs many jobs at once (one epoll set
- * for all pipes and pidfds, one timer wheel), so threads do not grow with
- * jobs.
+ * for all pipes, pidfds and cgroup.events, deadlines as the epoll timeout),
+ * so threads do not grow with jobs.
  */
 struct exec_loop;
 
@@ -150,21 +169,27 @@ int exec_loop_new(unsigned max_concurrent, struct exec_loop **out);
 
 /*
  * Cancels every job (TERM, grace, KILL), waits for their callbacks, stops
- * the thread and frees. Accepts NULL.
+ * the thread and frees. Blocks up to the longest grace_ms of a job that
+ * ignores TERM. Accepts NULL. Never call it from a done callback (BUG).
  */
 void exec_loop_free(struct exec_loop *loop);
 
 /*
- * Submits a job; spec is copied. Callable from any thread. On 0, done is
- * called exactly once (also for start failures); on error, never.
- * *job_id_out (may be NULL) identifies the job for exec_cancel().
+ * Submits a job; spec is copied. Callable from any thread, done callbacks
+ * included. On 0, done is called exactly once (also for start failures);
+ * on error (KS_EINVAL bad spec, -ENOMEM, KS_ESTOPPED while the loop is
+ * being freed), never. *job_id_out (may be NULL) identifies the job for
+ * exec_cancel().
  */
 int exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
                 exec_done_fn done, void *ud, uint64_t *job_id_out);
 
 /*
  * Cancels a job: TERM to its group now, KILL after its grace; the result has
- * cancelled = true. Returns 0, or KS_ENOTFOUND if the job already finished.
+ * cancelled = true. A job still queued never starts: its result is
+ * EXEC_START_FAILED, stage "spawn", errno ECANCELED. Any thread. Returns 0,
+ * or KS_ENOTFOUND if the job already finished (its callback has run or is
+ * running).
  */
 int exec_cancel(struct exec_loop *loop, uint64_t job_id);
 
@@ -172,9 +197,15 @@ int exec_cancel(struct exec_loop *loop, uint64_t job_id);
 unsigned exec_loop_running(struct exec_loop *loop);
 
 /*
- * Process-wide set-up, once, before the first spawn: makes the process a
- * child subreaper and probes cgroup v2 (writable mount found in
- * /proc/mounts). Returns 1 if per-job cgroups are used, 0 if not.
+ * Process-wide set-up, before the first spawn; exec_run() and
+ * exec_loop_new() call it too, and it runs again in a forked child (the
+ * subreaper flag is not inherited). Makes the process a child subreaper and
+ * probes cgroup v2: the cgroup2 mount in /proc/mounts, our own cgroup from
+ * /proc/self/cgroup, a writable cgroup.procs there and cgroup.kill (Linux
+ * 5.14). Job cgroups live in <own cgroup>/kscore-<pid>/j<n>; empty ones are
+ * reused, and those of agents that died are killed and removed here (K25).
+ * KSCORE_EXEC_CGROUP=0 in the environment turns cgroups off.
+ * Returns 1 if per-job cgroups are used, 0 if not.
  */
 int exec_global_init(void);
 
