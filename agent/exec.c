@@ -66,6 +66,7 @@ struct exec_job {
     struct watch w[4];
     struct outbuf buf[2];
     int64_t t0, grace_us;
+    uint64_t start_ticks; /* boot-time ticks at spawn, for /proc starttime */
     int64_t term_at, kill_at, give_up_at, poll_at, poll_step;
     struct exec__cgroup cg;
     struct exec__members last;
@@ -89,8 +90,14 @@ struct exec_loop {
 
     struct exec_job *running; /* loop thread */
     struct exec_job *dhead;   /* loop thread */
-    char scratch[EXEC_READ_CHUNK];
 };
+
+/*
+ * Where bytes past a cap go. Per thread, not per loop: exec_run() builds a
+ * loop per call, and a 64 KiB heap block per call cost page faults (glibc
+ * trimmed and regrew the heap every run).
+ */
+static __thread char scratch[EXEC_READ_CHUNK];
 
 void
 exec_result_release(struct exec_result *r)
@@ -179,7 +186,7 @@ pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
         if (room)
             n = read(job->fd[i], b->data + b->len, room);
         else
-            n = read(job->fd[i], loop->scratch, sizeof(loop->scratch));
+            n = read(job->fd[i], scratch, sizeof(scratch));
     } while (n == -1 && errno == EINTR);
     if (n > 0) {
         if (room)
@@ -351,6 +358,9 @@ check_group(struct exec_loop *loop, struct exec_job *job, int64_t now)
         int pop = exec__cgroup_populated(&job->cg);
         if (pop == 1)
             exec__members(job->pid, &job->cg, false, &m);
+    } else if (!job->cg.moved && !job->had_members &&
+               !exec__members_possible(job->pid, job->start_ticks)) {
+        /* Fast path without a cgroup: nothing left, no /proc scan. */
     } else {
         exec__members(job->pid, &job->cg, job->scan_pgroup, &m);
     }
@@ -461,6 +471,8 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     if (exec__cgroup_enabled() && exec__cgroup_create(&job->cg) != 0)
         job->scan_pgroup = true;
     job->t0 = ks_mono_us();
+    if (!job->cg.in_use)
+        job->start_ticks = exec__boot_ticks();
     ret = -ENOSYS;
     if (job->cg.in_use) {
         ret = exec__spawn_cgroup(spec, path, envp, job->cg.dir_fd, &job->pid,
@@ -690,7 +702,7 @@ loop_step(struct exec_loop *loop)
 static int
 loop_init(struct exec_loop *loop, bool threaded)
 {
-    memset(loop, 0, sizeof(*loop) - sizeof(loop->scratch));
+    memset(loop, 0, sizeof(*loop));
     loop->evfd = -1;
     loop->threaded = threaded;
     loop->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -702,7 +714,7 @@ loop_init(struct exec_loop *loop, bool threaded)
 int
 exec_run(const struct exec_spec *spec, struct exec_result *out)
 {
-    struct exec_loop *loop;
+    struct exec_loop loop;
     struct exec_job job;
     int ret;
 
@@ -710,24 +722,18 @@ exec_run(const struct exec_spec *spec, struct exec_result *out)
     if (ret)
         return ret;
     exec_global_init();
-    /* The loop holds a 64 KiB scratch buffer: keep it off small stacks. */
-    loop = malloc(sizeof(*loop));
-    if (!loop)
-        return -ENOMEM;
-    ret = loop_init(loop, false);
+    ret = loop_init(&loop, false);
     if (ret)
-        goto out;
+        return ret;
     memset(&job, 0, sizeof(job));
     job_init(&job, spec);
-    job_start(loop, &job);
+    job_start(&loop, &job);
     while (!job.finished)
-        loop_step(loop);
-    settle(loop);
+        loop_step(&loop);
+    settle(&loop);
     *out = job.res;
-    close(loop->epfd);
-out:
-    free(loop);
-    return ret;
+    close(loop.epfd);
+    return 0;
 }
 
 static void *

@@ -469,6 +469,61 @@ exec__members(pid_t pgid, struct exec__cgroup *cg, bool scan_pgroup,
     close(procfd);
 }
 
+uint64_t
+exec__boot_ticks(void)
+{
+    struct timespec ts;
+    long hz = sysconf(_SC_CLK_TCK);
+
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return (uint64_t)ts.tv_sec * (uint64_t)hz +
+           (uint64_t)ts.tv_nsec / (1000000000ULL / (uint64_t)hz);
+}
+
+int
+exec__members_possible(pid_t pgid, uint64_t since_ticks)
+{
+    int procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *de;
+    int ret = 0;
+
+    if (procfd == -1 || !d) {
+        ret = 1;
+        goto out;
+    }
+    while (!ret && (de = readdir(d))) {
+        char path[64], buf[4096], *s, *end;
+        if (de->d_name[0] == '.')
+            continue;
+        path_fmt(path, sizeof(path), "/proc/self/task/%s/children",
+                 de->d_name);
+        if (read_file(path, buf, sizeof(buf)) < 0)
+            continue;
+        for (s = buf; *s && !ret; s = end) {
+            long pid = strtol(s, &end, 10);
+            char name[24];
+            struct pstat ps;
+            if (end == s)
+                break;
+            if (pid == pgid)
+                continue;
+            path_fmt(name, sizeof(name), "%ld", pid);
+            if (read_pstat(procfd, name, &ps) || !alive(&ps))
+                continue;
+            /* A member, or something started since the job: look closer. */
+            if (ps.pgrp == pgid || ps.start + 1 >= since_ticks)
+                ret = 1;
+        }
+    }
+out:
+    if (d)
+        closedir(d);
+    if (procfd != -1)
+        close(procfd);
+    return ret;
+}
+
 /* 1 if /proc/<pid>/cgroup names the cgroup at path. */
 static int
 in_cgroup(int procfd, const char *pid, const char *path)

@@ -101,6 +101,16 @@ int exec__may_have_forked(pid_t pid);
  */
 void exec__members(pid_t pgid, struct exec__cgroup *cg, bool scan_pgroup,
                    struct exec__members *m);
+/* Now on CLOCK_BOOTTIME in clock ticks (the unit of /proc/<pid>/stat). */
+uint64_t exec__boot_ticks(void);
+/*
+ * Without a cgroup, after the leader (pgid) exited: 0 if its group surely
+ * has no live member, 1 if a /proc scan is needed. Every live descendant of
+ * the leader has a chain of live ancestors up to a child of ours (we are
+ * the subreaper), so it is enough to look at our children: one in the
+ * group, or one started since since_ticks, means "look closer".
+ */
+int exec__members_possible(pid_t pgid, uint64_t since_ticks);
 /*
  * Reaps what the job left as zombie children of this process (subreaper):
  * members of its process group, and with a cgroup, children whose cgroup is
