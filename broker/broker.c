@@ -892,3 +892,12 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                        &ks__execute_reply__descriptor, timeout_ms,
                        (ProtobufCMessage **)out);
 }
+
+int
+broker_batch(struct evt_conn *c, const Ks__BatchRequest *req, int timeout_ms,
+             Ks__BatchReply **out)
+{
+    return broker_call(c, EVT_API_BATCH, &req->base,
+                       &ks__batch_reply__descriptor, timeout_ms,
+                       (ProtobufCMessage **)out);
+}

@@ -73,6 +73,13 @@ int broker_call(struct evt_conn *c, const char *subject,
 int broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                    int timeout_ms, Ks__ExecuteReply **out);
 
+/*
+ * BatchExecuteCommand: waits for the end of the batch (or, with detach, its
+ * acceptance). Progress goes to req->progress_subject if set.
+ */
+int broker_batch(struct evt_conn *c, const Ks__BatchRequest *req,
+                 int timeout_ms, Ks__BatchReply **out);
+
 /* How long a client should wait for an ExecuteCommand reply (ms). */
 int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
 
