@@ -244,6 +244,9 @@ struct agent;
  * thread for results and a heartbeat thread. Returns 0, KS_EINVAL (bad id),
  * KS_EUNAVAIL (NATS unreachable) with *errmsg (malloc'd).
  *
+ * The child's environment is the executor's base plus KSCORE_AGENT_ID (the
+ * agent id it runs for) plus the command's declared variables.
+ *
  * Per command: check target and expiry, exec_precheck(), claim through the
  * broker (kscore.api.v1.claim), ack the JetStream message, run, publish the
  * result to KSCORE_EVENTS until a PubAck arrives.

@@ -454,18 +454,21 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
-    env = calloc(cmd->spec->n_env + 1, sizeof(*env));
+    env = calloc(cmd->spec->n_env + 2, sizeof(*env));
     if (!argv || !env)
         goto out; /* not acked: redelivered */
     for (size_t i = 0; i < cmd->spec->n_argv; i++)
         argv[i] = cmd->spec->argv[i];
+    /* KSCORE_AGENT_ID first, so the command's own env may override it. */
+    env[0].name = "KSCORE_AGENT_ID";
+    env[0].value = slot->id;
     for (size_t i = 0; i < cmd->spec->n_env; i++) {
-        env[i].name = cmd->spec->env[i]->name;
-        env[i].value = cmd->spec->env[i]->value;
+        env[i + 1].name = cmd->spec->env[i]->name;
+        env[i + 1].value = cmd->spec->env[i]->value;
     }
     spec.argv = argv;
     spec.env = env;
-    spec.env_len = cmd->spec->n_env;
+    spec.env_len = cmd->spec->n_env + 1;
     spec.cwd = cmd->spec->cwd;
     spec.command_id = cmd->command_id;
     spec.timeout_ms = cmd->spec->timeout_ms;
@@ -673,12 +676,6 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     a->pub_started = true;
-    heartbeat_once(a); /* registered before the first command can come */
-    if (pthread_create(&a->hb_thread, NULL, heartbeat_main, a) != 0) {
-        rc = KS_EINTERNAL;
-        goto fail;
-    }
-    a->hb_started = true;
 
     a->slots = calloc(opts->n_ids, sizeof(*a->slots));
     if (!a->slots) {
@@ -720,6 +717,13 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         }
     }
     natsConnection_Flush(a->nc->nc);
+    /* Registered (every id) before agent_start returns. */
+    heartbeat_once(a);
+    if (pthread_create(&a->hb_thread, NULL, heartbeat_main, a) != 0) {
+        rc = KS_EINTERNAL;
+        goto fail;
+    }
+    a->hb_started = true;
     *out = a;
     return 0;
 fail:

@@ -56,6 +56,41 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     free(w);
 }
 
+static int
+is_batch_id(const char *id)
+{
+    return strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6);
+}
+
+void
+broker__command_ended(struct broker *b, const char *command_id,
+                      const Ks__CommandResult *result)
+{
+    broker__reply_waiter(b, command_id, result, 0, NULL);
+    broker__batch_target_ended(b, command_id, result);
+}
+
+void
+broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev, char ids[2][37],
+                     char *stream, Ks__Command *cmd,
+                     const char *idempotency_key)
+{
+    broker__event_init(req_ev, ids[0], stream, "CommandRequested",
+                       cmd->command_id);
+    req_ev->agent_id = cmd->agent_id;
+    req_ev->batch_id = cmd->batch_id;
+    req_ev->command = cmd;
+    req_ev->reason = (char *)(idempotency_key ? idempotency_key : "");
+    broker__event_init(disp_ev, ids[1], stream, "CommandDispatched",
+                       cmd->command_id);
+    disp_ev->agent_id = cmd->agent_id;
+    disp_ev->batch_id = cmd->batch_id;
+    disp_ev->attempt = 1;
+    disp_ev->occurred_at_us = req_ev->occurred_at_us;
+    disp_ev->deliver_by_us =
+        cmd->issued_at_us + broker__attempt_window_us(cmd);
+}
+
 static void
 reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
                     ...) __attribute__((format(printf, 4, 5)));
@@ -76,8 +111,8 @@ reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
 
 /* ---- ExecuteCommand ---------------------------------------------------- */
 
-static int
-validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
+int
+broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
 {
     if (!spec || spec->n_argv == 0 || !spec->argv[0][0]) {
         snprintf(why, len, "empty argv: give the command after --");
@@ -186,7 +221,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             ks_strerror(rc));
         goto out;
     }
-    if ((rc = validate_spec(req->spec, why, sizeof(why)))) {
+    if ((rc = broker__validate_spec(req->spec, why, sizeof(why)))) {
         reply_execute_error(b, msg, rc, "%s", why);
         goto out;
     }
@@ -226,6 +261,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     cmd.not_after_us = cmd.issued_at_us + (int64_t)deliver_ms * 1000;
     cmd.dispatch_version = 2;
     cmd.operator_ = "";
+    cmd.batch_id = "";
 
     /* Refuse what cannot be published before recording anything (K21). */
     if (protobuf_c_message_get_packed_size(&cmd.base) > KS_MAX_MESSAGE_BYTES) {
@@ -238,16 +274,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     Ks__Event req_ev, disp_ev;
-    broker__event_init(&req_ev, ev_ids[0], stream, "CommandRequested",
-                       command_id);
-    req_ev.agent_id = req->agent_id;
-    req_ev.command = &cmd;
-    req_ev.reason = req->idempotency_key;
-    broker__event_init(&disp_ev, ev_ids[1], stream, "CommandDispatched",
-                       command_id);
-    disp_ev.agent_id = req->agent_id;
-    disp_ev.attempt = 1;
-    disp_ev.deliver_by_us = cmd.issued_at_us + broker__attempt_window_us(&cmd);
+    broker__start_events(&req_ev, &disp_ev, ev_ids, stream, &cmd,
+                         req->idempotency_key);
     struct store_event evs[2] = {{&req_ev}, {&disp_ev}};
 
     /* Register before publishing: the result can arrive at once. */
@@ -376,8 +404,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* A duplicate is this same claim retried: still ours. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
-            broker__reply_waiter(b, req->command_id, req->start_failure, 0,
-                                 NULL);
+            broker__command_ended(b, req->command_id, req->start_failure);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
         broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
@@ -411,21 +438,28 @@ handle_get(struct broker *b, natsMsg *msg)
     Ks__CommandView *view = NULL;
     int rc;
 
+    Ks__BatchReply *batch = NULL;
     rc = evt_unpack(&ks__get_request__descriptor, natsMsg_GetData(msg),
                     (size_t)natsMsg_GetDataLength(msg),
                     (ProtobufCMessage **)&req);
-    if (rc == 0 && !ks_is_uuid(req->id))
+    if (rc == 0 && is_batch_id(req->id))
+        rc = broker__batch_view(b, b->st_misc, req->id, &batch);
+    else if (rc == 0 && !ks_is_uuid(req->id))
         rc = KS_EINVAL;
-    if (rc == 0)
+    else if (rc == 0)
         rc = store_get_command(b->st_misc, req->id, &view);
     if (rc) {
         r.error_code = rc;
-        r.error = rc == KS_ENOTFOUND ? "no command with this id"
-                  : rc == KS_EINVAL  ? "not a command id (a UUID)"
+        r.error = rc == KS_ENOTFOUND ? "no command or batch with this id"
+                  : rc == KS_EINVAL  ? "not a command id (a UUID) nor a "
+                                       "batch id (batch-<uuid>)"
                                      : (char *)ks_strerror(rc);
     }
     r.command = view;
+    r.batch = batch;
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    if (batch)
+        ks__batch_reply__free_unpacked(batch, NULL);
     if (view)
         ks__command_view__free_unpacked(view, NULL);
     if (req)
@@ -554,42 +588,36 @@ on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     natsMsg_Destroy(msg);
 }
 
-static void
-handle_cancel(struct broker *b, natsMsg *msg)
+int
+broker__cancel_command(struct broker *b, struct store *st,
+                       const char *command_id)
 {
-    Ks__CancelRequest *req = NULL;
-    Ks__CancelReply r = KS__CANCEL_REPLY__INIT;
     Ks__CommandView *view = NULL;
     char stream[64], evid[37], subject[32 + EVT_AGENT_ID_MAX];
-    int rc;
+    int rc = 0;
 
-    rc = evt_unpack(&ks__cancel_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
-    if (rc == 0 && !ks_is_uuid(req->id))
-        rc = KS_EINVAL;
-    for (int tries = 0; rc == 0 && tries < 3; tries++) {
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    for (int tries = 0; tries < 3; tries++) {
         if (view)
             ks__command_view__free_unpacked(view, NULL);
         view = NULL;
-        rc = store_get_command(b->st_misc, req->id, &view);
+        rc = store_get_command(st, command_id, &view);
         if (rc)
             break;
         if (kproto_status_terminal(view->status))
             break; /* nothing to cancel; not an error */
-        snprintf(stream, sizeof(stream), "command-%s", req->id);
         if (view->status == KS__COMMAND_STATUS__RUNNING) {
             Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
             Ks__Event ev;
             broker__event_init(&ev, evid, stream, "CommandCancelRequested",
-                               req->id);
+                               command_id);
             ev.agent_id = view->agent_id;
             ev.reason = "cancel requested";
             struct store_event se = {&ev};
-            rc = store_append(b->st_misc, stream, STORE_ANY, &se, 1, NULL);
+            rc = store_append(st, stream, STORE_ANY, &se, 1, NULL);
             if (rc)
                 break;
-            cc.command_id = req->id;
+            cc.command_id = (char *)command_id;
             snprintf(subject, sizeof(subject), "kscore.cancel.%s",
                      view->agent_id);
             rc = evt_publish_msg(b->nc, subject, &cc.base);
@@ -601,28 +629,56 @@ handle_cancel(struct broker *b, natsMsg *msg)
         Ks__CommandResult res = KS__COMMAND_RESULT__INIT;
         res.status = KS__COMMAND_STATUS__CANCELLED;
         res.cancelled = 1;
-        broker__event_init(&ev, evid, stream, "CommandCancelled", req->id);
+        res.term_sent_us = res.kill_sent_us = -1;
+        res.reason = "cancelled before an agent claimed it";
+        broker__event_init(&ev, evid, stream, "CommandCancelled", command_id);
         ev.agent_id = view->agent_id;
+        ev.batch_id = view->batch_id;
         ev.result = &res;
-        ev.reason = "cancelled before an agent claimed it";
+        ev.reason = res.reason;
         struct store_event se = {&ev};
-        rc = store_append(b->st_misc, stream, view->version, &se, 1, NULL);
+        rc = store_append(st, stream, view->version, &se, 1, NULL);
         if (rc == 0) {
-            broker__reply_waiter(b, req->id, &res, 0, NULL);
+            broker__command_ended(b, command_id, &res);
             break;
         }
         if (rc == KS_ECONFLICT)
             rc = 0; /* claimed meanwhile: read again */
     }
+    if (view)
+        ks__command_view__free_unpacked(view, NULL);
+    return rc;
+}
+
+static void
+handle_cancel(struct broker *b, natsMsg *msg)
+{
+    Ks__CancelRequest *req = NULL;
+    Ks__CancelReply r = KS__CANCEL_REPLY__INIT;
+    int rc;
+
+    rc = evt_unpack(&ks__cancel_request__descriptor, natsMsg_GetData(msg),
+                    (size_t)natsMsg_GetDataLength(msg),
+                    (ProtobufCMessage **)&req);
+    if (rc == 0 && is_batch_id(req->id)) {
+        rc = broker__batch_cancel(b, req->id);
+        if (rc == KS_ENOTFOUND) {
+            r.error_code = rc;
+            r.error = "no running batch with this id (it may have ended)";
+            rc = 0;
+        }
+    } else if (rc == 0 && !ks_is_uuid(req->id)) {
+        rc = KS_EINVAL;
+    } else if (rc == 0) {
+        rc = broker__cancel_command(b, b->st_misc, req->id);
+    }
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command with this id"
-                  : rc == KS_EINVAL  ? "not a command id (a UUID)"
+                  : rc == KS_EINVAL  ? "not a command or batch id"
                                      : (char *)ks_strerror(rc);
     }
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
-    if (view)
-        ks__command_view__free_unpacked(view, NULL);
     if (req)
         ks__cancel_request__free_unpacked(req, NULL);
 }
@@ -710,7 +766,7 @@ broker_teardown(struct broker *b)
     natsSubscription **subs[] = {&b->sub_exec,   &b->sub_claim,
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow};
+                                 &b->sub_follow, &b->sub_batch};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -728,6 +784,7 @@ broker_teardown(struct broker *b)
             *subs[i] = NULL;
         }
     broker__scanner_stop(b);
+    broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
     kvStore_Destroy(b->kv);
@@ -739,6 +796,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_reg);
     store_close(b->st_scan);
     store_close(b->st_follow);
+    store_close(b->st_batch);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
     pthread_mutex_destroy(&b->mu);
@@ -782,7 +840,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_rec, errmsg)) ||
         (rc = open_store(&b, &b.st_reg, errmsg)) ||
         (rc = open_store(&b, &b.st_scan, errmsg)) ||
-        (rc = open_store(&b, &b.st_follow, errmsg)))
+        (rc = open_store(&b, &b.st_follow, errmsg)) ||
+        (rc = open_store(&b, &b.st_batch, errmsg)))
         goto out;
     if ((rc = evt_setup(b.nc, errmsg)))
         goto out;
@@ -793,25 +852,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     }
     if ((rc = broker__registry_start(&b, errmsg)) ||
+        (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__recorder_start(&b, errmsg)))
         goto out;
-    if ((rc = subscribe(&b, &b.sub_exec, EVT_API_EXECUTE, on_execute,
-                        errmsg)) ||
-        (rc = subscribe(&b, &b.sub_claim, EVT_API_CLAIM, on_claim, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
-                        errmsg)) ||
-        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc,
-                        errmsg)) ||
-        (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
-                        errmsg)) ||
-        (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
-                        errmsg)))
-        goto out;
-    natsConnection_Flush(b.nc->nc);
-    if ((rc = broker__scanner_start(&b)))
-        goto out;
-
+    /* In-process agents first: once the API answers, they are there. */
     if (opts->local_agents > 0) {
         char host[64], **ids;
         struct agent_label lab = {"local", "true"};
@@ -841,6 +885,25 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if (rc)
             goto out;
     }
+    if ((rc = subscribe(&b, &b.sub_exec, EVT_API_EXECUTE, on_execute,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_claim, EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
+                        errmsg)))
+        goto out;
+    natsConnection_Flush(b.nc->nc);
+    if ((rc = broker__scanner_start(&b)))
+        goto out;
+
     fprintf(stderr, "kscore broker: serving on %s\n", opts->nats_url);
     sigwait(&set, &sig);
     fprintf(stderr, "kscore broker: %s, stopping\n", strsignal(sig));

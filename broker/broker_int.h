@@ -46,6 +46,10 @@ struct broker {
 
     struct agent *local;
     int64_t started_mono_us;
+
+    struct broker__batches *batches; /* batch.c */
+    natsSubscription *sub_batch;
+    struct store *st_batch;
 };
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
@@ -56,6 +60,48 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
 void broker__reply_waiter(struct broker *b, const char *command_id,
                           const Ks__CommandResult *result, int error_code,
                           const char *error);
+
+/*
+ * A terminal event of command_id has been recorded (any thread: recorder,
+ * claim handler, scanner, cancel): answers the waiting client and tells the
+ * command's batch, if any. result may be NULL (then only its status is
+ * known to be terminal).
+ */
+void broker__command_ended(struct broker *b, const char *command_id,
+                           const Ks__CommandResult *result);
+
+/* Fills the two events that start a command: CommandRequested (v1, with
+ * cmd) and CommandDispatched (v2, attempt 1, first attempt's deadline).
+ * stream and ids are caller storage. */
+void broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev,
+                          char ids[2][37], char *stream, Ks__Command *cmd,
+                          const char *idempotency_key);
+
+/* Checks a command spec; KS_EINVAL with one line in why. */
+int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
+                          size_t len);
+
+/* Cancels one command: ends it (CommandCancelled at the version read) if
+ * no agent claimed it yet, else records CommandCancelRequested and tells
+ * its agent. Uses st. 0, KS_ENOTFOUND, KS_EPG. Terminal: 0, nothing. */
+int broker__cancel_command(struct broker *b, struct store *st,
+                           const char *command_id);
+
+/* Batch scheduler (batch.c). */
+int broker__batch_start(struct broker *b, char **errmsg);
+void broker__batch_stop(struct broker *b);
+/* The API handler of kscore.api.v1.batch (its own delivery thread). */
+void broker__on_batch(natsConnection *nc, natsSubscription *sub,
+                      natsMsg *msg, void *ud);
+/* Called by broker__command_ended: 1 if the command belongs to a live
+ * batch (then the batch thread takes it from here). */
+int broker__batch_target_ended(struct broker *b, const char *command_id,
+                               const Ks__CommandResult *result);
+/* Cancels a live batch: 0, or KS_ENOTFOUND when not live here. */
+int broker__batch_cancel(struct broker *b, const char *batch_id);
+/* Fills reply with the state of a batch (live, else from its stream). */
+int broker__batch_view(struct broker *b, struct store *st,
+                       const char *batch_id, Ks__BatchReply **out);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);

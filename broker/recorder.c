@@ -102,8 +102,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
     }
     for (size_t i = 0; i < nev; i++) {
         if (rc == 0 && is_terminal_type(evs[i]->type))
-            broker__reply_waiter(b, evs[i]->command_id, evs[i]->result, 0,
-                                 NULL);
+            broker__command_ended(b, evs[i]->command_id, evs[i]->result);
         ks__event__free_unpacked(evs[i], NULL);
     }
     free(evs);

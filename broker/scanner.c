@@ -72,7 +72,7 @@ end_command(struct broker *b, const struct store_command_ref *ref,
     ev.result = &res;
     struct store_event se = {&ev};
     if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0)
-        broker__reply_waiter(b, ref->command_id, &res, 0, NULL);
+        broker__command_ended(b, ref->command_id, &res);
 }
 
 int64_t

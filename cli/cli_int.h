@@ -52,6 +52,9 @@ void cli_print_json(json_t *j);
 /* Microseconds since the epoch as RFC 3339 UTC text (static buffer). */
 const char *cli_time(int64_t us);
 
+/* A batch reply (state, counts, targets) as JSON. */
+json_t *cli_batch_json(const Ks__BatchReply *rep);
+
 /* Exit status for a finished command (see the codes above). */
 int cli_exit_status(const Ks__CommandResult *r);
 
@@ -66,5 +69,6 @@ int cmd_events(int argc, char **argv);
 int cmd_cancel(int argc, char **argv);
 int cmd_agents(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
+int cmd_batch(int argc, char **argv);
 
 #endif

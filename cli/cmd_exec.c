@@ -467,8 +467,11 @@ cmd_get(int argc, char **argv)
                                    &json, &cc, &rc);
     if (!id)
         return rc;
-    if (!ks_is_uuid(id)) {
-        cli_err("'%s' is not a command id (a UUID)", id);
+    if (!ks_is_uuid(id) &&
+        !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6))) {
+        cli_err("'%s' is not a command id (a UUID) nor a batch id "
+                "(batch-<uuid>)",
+                id);
         return CLI_EXIT_USAGE;
     }
     if ((rc = cli_connect(&cc, &c)))
@@ -479,6 +482,29 @@ cmd_get(int argc, char **argv)
     if (rc || rep->error_code) {
         cli_err("get %s: %s", id, rc ? ks_strerror(rc) : rep->error);
         rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rep->batch) {
+        const Ks__BatchReply *bt = rep->batch;
+        if (json) {
+            cli_print_json(cli_batch_json(bt));
+        } else {
+            json_t *o = cli_batch_json(bt);
+            printf("batch     %s\nstatus    %s\n", bt->batch_id,
+                   json_string_value(json_object_get(o, "status")));
+            json_decref(o);
+            if (bt->counts)
+                printf("targets   %u: %u succeeded, %u failed, %u "
+                       "cancelled, %u running, %u pending\n",
+                       bt->counts->total, bt->counts->succeeded,
+                       bt->counts->failed, bt->counts->cancelled,
+                       bt->counts->running, bt->counts->pending);
+            for (size_t i = 0; i < bt->n_targets; i++)
+                printf("  %-24s %-13s %s\n", bt->targets[i]->agent_id,
+                       kproto_status_name(bt->targets[i]->status),
+                       bt->targets[i]->command_id);
+        }
+        rc = 0;
         goto out;
     }
     const Ks__CommandView *v = rep->command;

@@ -20,7 +20,10 @@ static const char usage[] =
     "Commands:\n"
     "  exec [--agent ID] [--timeout D] [--grace D] [--env K=V]... [--cwd DIR]\n"
     "       [--json] -- CMD [ARG]...   run CMD on one agent\n"
-    "  get ID [--json]         a command's state and result\n"
+    "  batch TARGETS [RATE] [--json] [--detach] -- CMD [ARG]...\n"
+    "                          run CMD on many agents (--agents, --select,\n"
+    "                          --all; --max-concurrency, --max-errors)\n"
+    "  get ID [--json]         a command's or batch's state and result\n"
     "  events ID [--json]      a command's events, in order\n"
     "  events --follow [ID]    events as they are recorded\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
@@ -198,7 +201,7 @@ static const struct {
     {"up", cmd_up},         {"down", cmd_down},     {"status", cmd_status},
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
-    {"agents", cmd_agents}, {"replay", cmd_replay},
+    {"agents", cmd_agents}, {"replay", cmd_replay}, {"batch", cmd_batch},
 };
 
 int

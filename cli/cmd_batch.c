@@ -1,0 +1,593 @@
+/* kscore batch: one command on many agents, with a live progress line, a
+ * summary table and outputs grouped by content (as clubak does). */
+#include <errno.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli_int.h"
+
+static const char batch_usage[] =
+    "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
+    "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
+    "any failed or was cancelled, 125 when kscore failed, 2 on bad usage.\n"
+    "Targets (resolved once, when the batch is accepted):\n"
+    "  --agents A,B,C         these agents\n"
+    "  --select K=V[,K=V]     online agents whose labels match every pair\n"
+    "  --all                  every online agent\n"
+    "Rate control:\n"
+    "  --max-concurrency N|P%  at most N (or P% of the targets, >= 1) at once\n"
+    "  --max-errors N|P%       once N targets failed, dispatch no more; the\n"
+    "                          rest end Cancelled (in-flight ones finish)\n"
+    "  --strict-errors         never more failures than --max-errors\n"
+    "Command:\n"
+    "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
+    "Output:\n"
+    "  --json                  one JSON object per target as it ends, then a\n"
+    "                          summary object\n"
+    "  --detach                print the batch id and return\n"
+    "  --nats URL\n";
+
+struct bstate {
+    pthread_mutex_t mu;
+    bool json, tty;
+    int64_t start_us;
+    size_t total;
+    Ks__BatchCounts counts;
+    /* results by command id, as progress arrives */
+    struct ks_map results; /* command_id -> Ks__BatchTarget * */
+    bool line_shown;
+};
+
+static void
+progress_line(struct bstate *st, bool final)
+{
+    double el = (double)(ks_mono_us() - st->start_us) / 1e6;
+    unsigned done = st->counts.succeeded + st->counts.failed +
+                    st->counts.cancelled;
+    if (!st->tty || st->json)
+        return;
+    fprintf(stderr,
+            "\r\033[K[%u/%zu] running %u, failed %u, cancelled %u, %.1fs, "
+            "%.1f/s",
+            done, st->total, st->counts.running, st->counts.failed,
+            st->counts.cancelled, el, el > 0 ? done / el : 0.0);
+    if (final)
+        fputc('\n', stderr);
+    st->line_shown = !final;
+    fflush(stderr);
+}
+
+static json_t *
+target_json(const char *batch_id, const Ks__BatchTarget *t)
+{
+    json_t *o = cli_result_json(t->result);
+    json_object_set_new(o, "batch_id", json_string(batch_id));
+    json_object_set_new(o, "agent_id", json_string(t->agent_id));
+    json_object_set_new(o, "command_id", json_string(t->command_id));
+    json_object_set_new(o, "status",
+                        json_string(kproto_status_name(t->status)));
+    return o;
+}
+
+static void
+on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct bstate *st = ud;
+    ProtobufCMessage *pm = NULL;
+    (void)nc;
+    (void)sub;
+    if (evt_unpack(&ks__batch_progress__descriptor, natsMsg_GetData(msg),
+                   (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
+        Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
+        pthread_mutex_lock(&st->mu);
+        if (p->counts)
+            st->counts = *p->counts;
+        if (p->target && !ks_map_get(&st->results, p->target->command_id)) {
+            if (st->json) {
+                if (st->line_shown)
+                    fputs("\r\033[K", stderr);
+                cli_print_json(target_json(p->batch_id, p->target));
+                fflush(stdout);
+            }
+            /* Keep the target: unlink it from the message we free. */
+            Ks__BatchTarget *t = p->target;
+            p->target = NULL;
+            ks_map_put(&st->results, t->command_id, t);
+        }
+        progress_line(st, false);
+        pthread_mutex_unlock(&st->mu);
+        ks__batch_progress__free_unpacked(p, NULL);
+    }
+    natsMsg_Destroy(msg);
+}
+
+static void
+free_target(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    ks__batch_target__free_unpacked(val, NULL);
+}
+
+/* Parses "N" or "P%". */
+static int
+parse_amount(const char *s, Ks__Amount *a)
+{
+    char *end;
+    unsigned long v;
+    ks__amount__init(a);
+    if (!s[0])
+        return -1;
+    errno = 0;
+    v = strtoul(s, &end, 10);
+    if (errno || end == s)
+        return -1;
+    if (*end == '%' && end[1] == '\0') {
+        if (v > 100)
+            return -1;
+        a->percent = 1;
+    } else if (*end) {
+        return -1;
+    }
+    a->value = (uint32_t)v;
+    return 0;
+}
+
+/* Splits "a,b,c" in place into out (capacity cap); returns the count. */
+static size_t
+split_commas(char *s, char **out, size_t cap)
+{
+    size_t n = 0;
+    for (char *save = NULL, *t = strtok_r(s, ",", &save); t && n < cap;
+         t = strtok_r(NULL, ",", &save))
+        if (t[0])
+            out[n++] = t;
+    return n;
+}
+
+static const char *
+first_line(const Ks__BatchTarget *t, char *buf, size_t len)
+{
+    const Ks__Output *o = t->result ? t->result->stdout : NULL;
+    size_t n = 0;
+    if (!o || !o->data.len) {
+        o = t->result ? t->result->stderr : NULL;
+        if (!o || !o->data.len)
+            return "";
+    }
+    while (n < o->data.len && n + 1 < len && o->data.data[n] != '\n') {
+        unsigned char ch = o->data.data[n];
+        buf[n] = ch >= 0x20 && ch != 0x7f ? (char)ch : '?';
+        n++;
+    }
+    buf[n] = '\0';
+    return buf;
+}
+
+static int
+cmp_targets_by_output(const void *x, const void *y)
+{
+    const Ks__BatchTarget *a = *(Ks__BatchTarget *const *)x;
+    const Ks__BatchTarget *b = *(Ks__BatchTarget *const *)y;
+    const Ks__Output *oa = a->result ? a->result->stdout : NULL;
+    const Ks__Output *ob = b->result ? b->result->stdout : NULL;
+    size_t la = oa ? oa->data.len : 0, lb = ob ? ob->data.len : 0;
+    int c;
+    if (la != lb)
+        return la < lb ? -1 : 1;
+    c = la ? memcmp(oa->data.data, ob->data.data, la) : 0;
+    return c ? c : strcmp(a->agent_id, b->agent_id);
+}
+
+static bool
+same_output(const Ks__BatchTarget *a, const Ks__BatchTarget *b)
+{
+    const Ks__Output *oa = a->result ? a->result->stdout : NULL;
+    const Ks__Output *ob = b->result ? b->result->stdout : NULL;
+    size_t la = oa ? oa->data.len : 0, lb = ob ? ob->data.len : 0;
+    return la == lb && (!la || memcmp(oa->data.data, ob->data.data, la) == 0);
+}
+
+static void
+print_summary(const Ks__BatchReply *rep, Ks__BatchTarget **full, size_t n)
+{
+    char line[160];
+    printf("%-24s %-13s %5s %10s  %s\n", "AGENT", "STATUS", "EXIT",
+           "DURATION", "OUTPUT");
+    for (size_t i = 0; i < n; i++) {
+        const Ks__BatchTarget *t = full[i];
+        const Ks__CommandResult *r = t->result;
+        char exit_s[16] = "-", dur[24] = "-";
+        if (r && r->has_exit_code)
+            snprintf(exit_s, sizeof(exit_s), "%d", r->exit_code);
+        else if (r && r->signal)
+            snprintf(exit_s, sizeof(exit_s), "sig%d", r->signal);
+        if (r && r->duration_us)
+            snprintf(dur, sizeof(dur), "%.1fms",
+                     (double)r->duration_us / 1000.0);
+        printf("%-24s %-13s %5s %10s  %s\n", t->agent_id,
+               kproto_status_name(t->status), exit_s, dur,
+               first_line(t, line, sizeof(line)));
+    }
+    /* Identical outputs, grouped with the agents that produced them. */
+    Ks__BatchTarget **sorted = malloc(n * sizeof(*sorted));
+    if (!sorted)
+        return;
+    memcpy(sorted, full, n * sizeof(*sorted));
+    qsort(sorted, n, sizeof(*sorted), cmp_targets_by_output);
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        while (j < n && same_output(sorted[i], sorted[j]))
+            j++;
+        const Ks__Output *o =
+            sorted[i]->result ? sorted[i]->result->stdout : NULL;
+        printf("---------------\n");
+        for (size_t k = i; k < j; k++)
+            printf("%s%s", k > i ? "," : "", sorted[k]->agent_id);
+        printf(" (%zu)\n---------------\n", j - i);
+        if (o && o->data.len) {
+            fflush(stdout);
+            fwrite(o->data.data, 1, o->data.len, stdout);
+            if (o->data.data[o->data.len - 1] != '\n')
+                fputc('\n', stdout);
+        } else {
+            printf("(no output)\n");
+        }
+        i = j;
+    }
+    free(sorted);
+    printf("%s: %s (%u succeeded, %u failed, %u cancelled of %u) in %.2fs\n",
+           rep->batch_id, rep->status == KS__BATCH_STATUS__BATCH_SUCCEEDED
+                              ? "Succeeded"
+                          : rep->status ==
+                                  KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE
+                              ? "PartialFailure"
+                          : rep->status == KS__BATCH_STATUS__BATCH_FAILED
+                              ? "Failed"
+                              : "Cancelled",
+           rep->counts ? rep->counts->succeeded : 0,
+           rep->counts ? rep->counts->failed : 0,
+           rep->counts ? rep->counts->cancelled : 0,
+           rep->counts ? rep->counts->total : 0,
+           (double)rep->elapsed_us / 1e6);
+}
+
+static const char *
+batch_status_name(Ks__BatchStatus s)
+{
+    switch (s) {
+    case KS__BATCH_STATUS__BATCH_RUNNING:
+        return "Running";
+    case KS__BATCH_STATUS__BATCH_SUCCEEDED:
+        return "Succeeded";
+    case KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE:
+        return "PartialFailure";
+    case KS__BATCH_STATUS__BATCH_FAILED:
+        return "Failed";
+    case KS__BATCH_STATUS__BATCH_CANCELLED:
+        return "Cancelled";
+    default:
+        return "Unknown";
+    }
+}
+
+json_t *
+cli_batch_json(const Ks__BatchReply *rep)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "batch_id", json_string(rep->batch_id));
+    json_object_set_new(o, "status",
+                        json_string(batch_status_name(rep->status)));
+    json_object_set_new(o, "total",
+                        json_integer(rep->counts ? rep->counts->total : 0));
+    json_object_set_new(
+        o, "succeeded", json_integer(rep->counts ? rep->counts->succeeded : 0));
+    json_object_set_new(o, "failed",
+                        json_integer(rep->counts ? rep->counts->failed : 0));
+    json_object_set_new(
+        o, "cancelled", json_integer(rep->counts ? rep->counts->cancelled : 0));
+    json_object_set_new(o, "running",
+                        json_integer(rep->counts ? rep->counts->running : 0));
+    json_object_set_new(o, "pending",
+                        json_integer(rep->counts ? rep->counts->pending : 0));
+    json_object_set_new(o, "elapsed_ms",
+                        json_real((double)rep->elapsed_us / 1000.0));
+    json_object_set_new(o, "max_concurrency",
+                        json_integer(rep->max_concurrency));
+    json_object_set_new(o, "max_errors", json_integer(rep->max_errors));
+    json_t *targets = json_array();
+    for (size_t i = 0; i < rep->n_targets; i++) {
+        json_t *t = json_object();
+        json_object_set_new(t, "agent_id",
+                            json_string(rep->targets[i]->agent_id));
+        json_object_set_new(t, "command_id",
+                            json_string(rep->targets[i]->command_id));
+        json_object_set_new(
+            t, "status",
+            json_string(kproto_status_name(rep->targets[i]->status)));
+        json_array_append_new(targets, t);
+    }
+    json_object_set_new(o, "targets", targets);
+    return o;
+}
+
+int
+cmd_batch(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"agents", required_argument, 0, 'a'},
+        {"select", required_argument, 0, 's'},
+        {"all", no_argument, 0, 'A'},
+        {"max-concurrency", required_argument, 0, 'c'},
+        {"max-errors", required_argument, 0, 'E'},
+        {"strict-errors", no_argument, 0, 'S'},
+        {"timeout", required_argument, 0, 't'},
+        {"grace", required_argument, 0, 'g'},
+        {"env", required_argument, 0, 'e'},
+        {"cwd", required_argument, 0, 'C'},
+        {"deliver-within", required_argument, 0, 'd'},
+        {"json", no_argument, 0, 'j'},
+        {"detach", no_argument, 0, 'D'},
+        {"nats", required_argument, 0, 'n'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__Amount conc, errs;
+    size_t cap = (size_t)argc * 4 + 4;
+    char **agents = calloc(cap, sizeof(*agents));
+    Ks__EnvVar *sel = calloc(cap, sizeof(*sel)), **selp = calloc(cap, sizeof(*selp));
+    Ks__EnvVar *envs = calloc(cap, sizeof(*envs)), **envp = calloc(cap, sizeof(*envp));
+    struct cli_conn cc = {0};
+    struct evt_conn *c = NULL;
+    natsSubscription *psub = NULL;
+    Ks__BatchReply *rep = NULL;
+    struct bstate st = {.results = KS_MAP_INIT};
+    char inbox[64] = "";
+    int opt, rc = CLI_EXIT_USAGE;
+
+    pthread_mutex_init(&st.mu, NULL);
+    if (!agents || !sel || !selp || !envs || !envp) {
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'a':
+            req.n_agents += split_commas(optarg, agents + req.n_agents,
+                                         cap - req.n_agents);
+            break;
+        case 's': {
+            char *pairs[64];
+            size_t np = split_commas(optarg, pairs, 64);
+            for (size_t i = 0; i < np && req.n_select < cap; i++) {
+                char *eq = strchr(pairs[i], '=');
+                if (!eq || eq == pairs[i]) {
+                    cli_err("bad --select '%s': expected KEY=VALUE[,...]",
+                            pairs[i]);
+                    goto out;
+                }
+                *eq = '\0';
+                ks__env_var__init(&sel[req.n_select]);
+                sel[req.n_select].name = pairs[i];
+                sel[req.n_select].value = eq + 1;
+                selp[req.n_select] = &sel[req.n_select];
+                req.n_select++;
+            }
+            break;
+        }
+        case 'A':
+            req.all = 1;
+            break;
+        case 'c':
+            if (parse_amount(optarg, &conc) || conc.value == 0) {
+                cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)",
+                        optarg);
+                goto out;
+            }
+            req.max_concurrency = &conc;
+            break;
+        case 'E':
+            if (parse_amount(optarg, &errs)) {
+                cli_err("bad --max-errors '%s' (N, or P%%)", optarg);
+                goto out;
+            }
+            req.max_errors = &errs;
+            break;
+        case 'S':
+            req.strict_errors = 1;
+            break;
+        case 't':
+            if (cli_parse_duration(optarg, &spec.timeout_ms)) {
+                cli_err("bad duration '%s' for --timeout (use 500ms, 10s, "
+                        "2m)",
+                        optarg);
+                goto out;
+            }
+            break;
+        case 'g':
+            if (cli_parse_duration(optarg, &spec.grace_ms)) {
+                cli_err("bad duration '%s' for --grace", optarg);
+                goto out;
+            }
+            break;
+        case 'd':
+            if (cli_parse_duration(optarg, &req.deliver_within_ms)) {
+                cli_err("bad duration '%s' for --deliver-within", optarg);
+                goto out;
+            }
+            break;
+        case 'e': {
+            char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg) {
+                cli_err("bad --env '%s': expected NAME=VALUE", optarg);
+                goto out;
+            }
+            *eq = '\0';
+            ks__env_var__init(&envs[spec.n_env]);
+            envs[spec.n_env].name = optarg;
+            envs[spec.n_env].value = eq + 1;
+            envp[spec.n_env] = &envs[spec.n_env];
+            spec.n_env++;
+            break;
+        }
+        case 'C':
+            spec.cwd = optarg;
+            break;
+        case 'j':
+            st.json = true;
+            break;
+        case 'D':
+            req.detach = 1;
+            break;
+        case 'n':
+            cc.nats_url = optarg;
+            break;
+        case 'h':
+            fputs(batch_usage, stdout);
+            rc = 0;
+            goto out;
+        default:
+            fputs(batch_usage, stderr);
+            goto out;
+        }
+    }
+    if (optind >= argc || strcmp(argv[optind - 1], "--") != 0) {
+        if (optind < argc)
+            cli_err("missing -- before the command: kscore batch [OPTIONS] "
+                    "-- %s ...",
+                    argv[optind]);
+        else
+            cli_err("no command given: kscore batch TARGETS -- CMD [ARG]...");
+        goto out;
+    }
+    if (!req.n_agents && !req.n_select && !req.all) {
+        cli_err("no targets: give --agents A,B, --select K=V or --all");
+        goto out;
+    }
+    spec.argv = argv + optind;
+    spec.n_argv = (size_t)(argc - optind);
+    spec.env = envp;
+    req.spec = &spec;
+    req.agents = agents;
+    req.select = selp;
+
+    if ((rc = cli_connect(&cc, &c)))
+        goto out;
+    st.tty = isatty(2);
+    st.start_us = ks_mono_us();
+    if (!req.detach) {
+        natsInbox *ib = NULL;
+        if (natsInbox_Create(&ib) == NATS_OK) {
+            snprintf(inbox, sizeof(inbox), "%s", (const char *)ib);
+            natsInbox_Destroy(ib);
+        }
+        if (!inbox[0] ||
+            natsConnection_Subscribe(&psub, c->nc, inbox, on_progress, &st) !=
+                NATS_OK ||
+            natsSubscription_SetPendingLimits(psub, -1, -1) != NATS_OK) {
+            cli_err("cannot subscribe to progress");
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+        natsConnection_Flush(c->nc);
+        req.progress_subject = inbox;
+    }
+    rc = broker_batch(c, &req, req.detach ? 30000 : INT32_MAX, &rep);
+    if (rc) {
+        if (rc == KS_EUNAVAIL)
+            cli_err("no broker is serving %s (is `kscore broker` running?)",
+                    EVT_API_BATCH);
+        else
+            cli_err("batch: %s", ks_strerror(rc));
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rep->error_code) {
+        cli_err("%s", rep->error);
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (req.detach) {
+        if (st.json)
+            cli_print_json(cli_batch_json(rep));
+        else
+            printf("%s\n", rep->batch_id);
+        rc = 0;
+        goto out;
+    }
+    /* Let the last progress messages land, then fill any gap from the
+     * record (core NATS progress is best effort). */
+    natsConnection_Flush(c->nc);
+    if (psub) {
+        natsSubscription_Unsubscribe(psub);
+        natsSubscription_Destroy(psub);
+        psub = NULL;
+    }
+    st.total = rep->n_targets;
+    Ks__BatchTarget **full = calloc(rep->n_targets + 1, sizeof(*full));
+    Ks__GetReply **fetched = calloc(rep->n_targets + 1, sizeof(*fetched));
+    for (size_t i = 0; full && fetched && i < rep->n_targets; i++) {
+        Ks__BatchTarget *t = ks_map_get(&st.results,
+                                        rep->targets[i]->command_id);
+        if (!t) {
+            Ks__GetRequest g = KS__GET_REQUEST__INIT;
+            g.id = rep->targets[i]->command_id;
+            t = rep->targets[i];
+            if (broker_call(c, EVT_API_GET, &g.base,
+                            &ks__get_reply__descriptor, 5000,
+                            (ProtobufCMessage **)&fetched[i]) == 0 &&
+                fetched[i]->command && fetched[i]->command->result) {
+                /* Swap in the full result; swapped back before freeing. */
+                Ks__CommandResult *mine = t->result;
+                t->result = fetched[i]->command->result;
+                fetched[i]->command->result = mine;
+            }
+            if (st.json)
+                cli_print_json(target_json(rep->batch_id, t));
+        }
+        full[i] = t;
+    }
+    pthread_mutex_lock(&st.mu);
+    if (rep->counts)
+        st.counts = *rep->counts;
+    progress_line(&st, true);
+    pthread_mutex_unlock(&st.mu);
+    if (st.json)
+        cli_print_json(cli_batch_json(rep));
+    else if (full)
+        print_summary(rep, full, rep->n_targets);
+    for (size_t i = 0; fetched && i < rep->n_targets; i++)
+        if (fetched[i]) {
+            if (fetched[i]->command) {
+                Ks__CommandResult *full_r = rep->targets[i]->result;
+                rep->targets[i]->result = fetched[i]->command->result;
+                fetched[i]->command->result = full_r;
+            }
+            ks__get_reply__free_unpacked(fetched[i], NULL);
+        }
+    free(full);
+    free(fetched);
+    rc = rep->status == KS__BATCH_STATUS__BATCH_SUCCEEDED ? 0 : 1;
+out:
+    if (psub) {
+        natsSubscription_Unsubscribe(psub);
+        natsSubscription_Destroy(psub);
+    }
+    ks_map_each(&st.results, free_target, NULL);
+    ks_map_clear(&st.results);
+    if (rep)
+        ks__batch_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    free(agents);
+    free(sel);
+    free(selp);
+    free(envs);
+    free(envp);
+    return rc;
+}
