@@ -660,6 +660,11 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     co.send_asap = true;
     co.retry_forever = true;
     co.global_delivery = opts->n_ids > 8;
+    /* Many ids share nats.c's delivery pool; a claim blocks its thread for
+     * a round trip, so give the pool a few (nats.h
+     * nats_SetMessageDeliveryPoolSize; process-wide, grows only). */
+    if (co.global_delivery)
+        nats_SetMessageDeliveryPoolSize(8);
     rc = evt_connect(opts->nats_url, &co, &a->nc, errmsg);
     if (rc)
         goto fail;

@@ -347,7 +347,8 @@ out:
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
-    struct broker *b = ud;
+    struct broker__claimer *cl = ud;
+    struct broker *b = cl->b;
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
     char stream[64], dup_id[37];
@@ -382,7 +383,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
     struct store_event se = {&ev};
     /* Fast path: nothing happened since this attempt was dispatched. */
-    rc = store_append(b->st_claim, stream, (int64_t)req->expected_version,
+    rc = store_append(cl->st, stream, (int64_t)req->expected_version,
                       &se, 1, NULL);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -390,7 +391,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * version read here, so still only one claim can ever win. */
     for (int tries = 0; rc == KS_ECONFLICT && tries < 3; tries++) {
         Ks__CommandView *v = NULL;
-        if (store_get_command(b->st_claim, req->command_id, &v) != 0)
+        if (store_get_command(cl->st, req->command_id, &v) != 0)
             break;
         bool open = v->status == KS__COMMAND_STATUS__DISPATCHED &&
                     strcmp(v->agent_id, req->agent_id) == 0;
@@ -398,7 +399,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         ks__command_view__free_unpacked(v, NULL);
         if (!open)
             break;
-        rc = store_append(b->st_claim, stream, at, &se, 1, NULL);
+        rc = store_append(cl->st, stream, at, &se, 1, NULL);
     }
     if (rc == 0 || rc == KS_EDUPLICATE) {
         /* A duplicate is this same claim retried: still ours. */
@@ -414,7 +415,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         d.reason = "claim lost: the command was already claimed, "
                    "re-dispatched or ended";
         struct store_event de = {&d};
-        store_append(b->st_claim, stream, STORE_ANY, &de, 1, NULL);
+        store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else {
@@ -750,6 +751,25 @@ subscribe(struct broker *b, natsSubscription **sub, const char *subject,
     return 0;
 }
 
+static int
+subscribe_claimers(struct broker *b, char **errmsg)
+{
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
+        struct broker__claimer *cl = &b->claimers[i];
+        natsStatus s = natsConnection_QueueSubscribe(
+            &cl->sub, b->nc->nc, EVT_API_CLAIM, EVT_BROKER_QUEUE, on_claim, cl);
+        if (s == NATS_OK)
+            s = natsSubscription_SetPendingLimits(cl->sub, -1, -1);
+        if (s != NATS_OK) {
+            if (errmsg && asprintf(errmsg, "subscribe %s: %s", EVT_API_CLAIM,
+                                   natsStatus_GetText(s)) < 0)
+                *errmsg = NULL;
+            return KS_ENATS;
+        }
+    }
+    return 0;
+}
+
 static void
 free_waiter(const char *key, void *val, void *ud)
 {
@@ -763,7 +783,9 @@ free_waiter(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[] = {&b->sub_exec,   &b->sub_claim,
+    natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
+                                 &b->claimers[2].sub, &b->claimers[3].sub,
+                                 &b->sub_exec,
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch};
@@ -790,8 +812,9 @@ broker_teardown(struct broker *b)
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_exec);
-    store_close(b->st_claim);
     store_close(b->st_misc);
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
+        store_close(b->claimers[i].st);
     store_close(b->st_rec);
     store_close(b->st_reg);
     store_close(b->st_scan);
@@ -835,8 +858,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = store_migrate(b.st_exec, errmsg)))
         goto out;
-    if ((rc = open_store(&b, &b.st_claim, errmsg)) ||
-        (rc = open_store(&b, &b.st_misc, errmsg)) ||
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
+        b.claimers[i].b = &b;
+        if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
+            goto out;
+    }
+    if ((rc = open_store(&b, &b.st_misc, errmsg)) ||
         (rc = open_store(&b, &b.st_rec, errmsg)) ||
         (rc = open_store(&b, &b.st_reg, errmsg)) ||
         (rc = open_store(&b, &b.st_scan, errmsg)) ||
@@ -887,7 +914,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = subscribe(&b, &b.sub_exec, EVT_API_EXECUTE, on_execute,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_claim, EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe_claimers(&b, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||

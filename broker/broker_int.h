@@ -19,6 +19,18 @@ struct broker__waiter {
 struct broker__agent {
     Ks__AgentInfo *info;
     int64_t seen_mono_us;
+    int64_t stored_mono_us; /* last write of the agents projection */
+};
+
+/* Claims are served by this many queue subscriptions, each with its own
+ * thread and PostgreSQL connection: a claim is one commit, and a fan-out
+ * brings hundreds at once. */
+#define BROKER_CLAIM_WORKERS 4
+
+struct broker__claimer {
+    struct broker *b;
+    struct store *st;
+    natsSubscription *sub;
 };
 
 struct broker {
@@ -26,9 +38,9 @@ struct broker {
     struct evt_conn *nc;
     kvStore *kv;
 
-    struct store *st_exec, *st_claim, *st_misc, *st_rec, *st_reg, *st_scan,
+    struct store *st_exec, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
-    natsSubscription *sub_exec, *sub_claim, *sub_misc, *sub_events,
+    natsSubscription *sub_exec, *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec;
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
@@ -46,6 +58,7 @@ struct broker {
 
     struct agent *local;
     int64_t started_mono_us;
+    struct broker__claimer claimers[BROKER_CLAIM_WORKERS];
 
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;

@@ -4,12 +4,51 @@
  * projection in PostgreSQL (for `kscore agents`).
  */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "broker_int.h"
 
+/* The agents projection is written when an agent appears or changes, and
+ * at most every AGENT_STORE_EVERY_US otherwise: heartbeats of 1,000 agents
+ * would else be 500 writes a second. */
+#define AGENT_STORE_EVERY_US (10 * 1000000)
+
+static bool
+info_changed(const Ks__AgentInfo *a, const Ks__AgentInfo *b)
+{
+    if (a->n_labels != b->n_labels || a->running != b->running ||
+        a->pid != b->pid || strcmp(a->version, b->version) != 0)
+        return true;
+    for (size_t i = 0; i < a->n_labels; i++)
+        if (strcmp(a->labels[i]->name, b->labels[i]->name) != 0 ||
+            strcmp(a->labels[i]->value, b->labels[i]->value) != 0)
+            return true;
+    return false;
+}
+
+/* True when the projection should be written for this heartbeat; marks
+ * it written. Only the registry thread calls it. */
+static bool
+agent_needs_store(struct broker *b, const char *key, const Ks__AgentInfo *info)
+{
+    struct broker__agent *a;
+    bool store;
+    int64_t now = ks_mono_us();
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, key);
+    store = !a || !a->info || info_changed(a->info, info) ||
+            now - a->stored_mono_us >= AGENT_STORE_EVERY_US;
+    if (a && store)
+        a->stored_mono_us = now;
+    pthread_mutex_unlock(&b->mu);
+    return store;
+}
+
+/* Takes info into the registry map (which owns it from here). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
 {
@@ -25,11 +64,12 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
             ks__agent_info__free_unpacked(info, NULL);
             return;
         }
+        a->stored_mono_us = ks_mono_us();
     }
+    a->seen_mono_us = ks_mono_us();
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
-    a->seen_mono_us = ks_mono_us();
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -62,7 +102,8 @@ registry_main(void *arg)
                 Ks__AgentInfo *info = (Ks__AgentInfo *)m;
                 if (evt_agent_id_valid(info->agent_id) &&
                     strcmp(info->agent_id, kvEntry_Key(e)) == 0) {
-                    store_upsert_agent(b->st_reg, info);
+                    if (agent_needs_store(b, kvEntry_Key(e), info))
+                        store_upsert_agent(b->st_reg, info);
                     agent_update(b, kvEntry_Key(e), info);
                 } else {
                     ks__agent_info__free_unpacked(info, NULL);
