@@ -69,6 +69,7 @@ int cmd_events(int argc, char **argv);
 int cmd_cancel(int argc, char **argv);
 int cmd_agents(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
+int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
 
 #endif

@@ -29,6 +29,7 @@ static const char usage[] =
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
     "  agents [--json]         the agents: id, online, last seen, running\n"
     "  replay [--db CONNINFO]  rebuild every projection from the events\n"
+    "  perf [SCENARIO]... [--json]   the SLO suite on a private stack\n"
     "\n"
     "Services:\n"
     "  broker --nats URL --db CONNINFO [--local-agents N]\n"
@@ -202,6 +203,7 @@ static const struct {
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
     {"agents", cmd_agents}, {"replay", cmd_replay}, {"batch", cmd_batch},
+    {"perf", cmd_perf},
 };
 
 int

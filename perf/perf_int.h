@@ -1,0 +1,143 @@
+/* Private to perf/: the runner, the stack and the scenarios. */
+#ifndef KSCORE_PERF_INT_H
+#define KSCORE_PERF_INT_H
+
+#include <jansson.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "broker.h"
+#include "perf.h"
+
+/* Agent ids of the `kscore agent` process the suite starts: perf-0..9. */
+#define PERF_AGENTS 10
+#define PERF_AGENT_PREFIX "perf-"
+
+/* A scenario round that could not run for a reason outside the suite
+ * (the batch API not served yet): not an error. */
+#define PERF_SKIPPED 1
+
+/* Set by the SIGINT/SIGTERM handler: every loop stops early. */
+extern volatile sig_atomic_t perf__interrupted;
+
+struct perf_opts {
+    bool quick;         /* tiny counts: a smoke run, not a measurement */
+    bool json;          /* JSON instead of the table */
+    int rounds;         /* 0: each scenario's default */
+    double rate;        /* sustained: commands per second */
+    int duration_s;     /* sustained: length of a round */
+    int window_s;       /* sustained: latency window */
+    const char *out_path; /* --out FILE, NULL: stdout */
+    const char *nats_url; /* --nats: a running nats-server, NULL: private */
+    const char *db;       /* --db: a running PostgreSQL, NULL: private */
+    char bin_a[PATH_MAX]; /* this kscore binary */
+    const char *bin_b;    /* --ab OTHER: B binary, NULL: no A/B */
+};
+
+/*
+ * The servers and services of a run. nats-server and PostgreSQL live for
+ * the whole run; the broker and the agent process are (re)started from a
+ * given binary with a given number of local agents when a scenario needs a
+ * different set-up, and for every round of an A/B.
+ */
+struct perf_stack {
+    char dir[PATH_MAX];  /* temporary: pid files, logs, server data */
+    char *nats_url;      /* malloc'd */
+    char *conninfo;      /* malloc'd */
+    bool own_nats, own_pg;
+    char bin[PATH_MAX];  /* binary of the running broker/agent; "" none */
+    unsigned local_agents;
+    bool agent_up;
+    unsigned starts;     /* broker starts so far (state dir names) */
+    pid_t broker_pid;    /* the kscore broker process (not its wrapper) */
+    pid_t agent_pid;     /* the kscore agent process, or 0 */
+    char host[64];       /* host name up to the first dot: local agent ids */
+    char pg_fsync[16], pg_sync_commit[16]; /* SHOW fsync, synchronous_commit */
+};
+
+/* Starts (or adopts, with --nats/--db) nats-server and PostgreSQL. 0, or a
+ * negative code with a line on stderr. */
+int perf__stack_start(struct perf_stack *st, const struct perf_opts *o);
+/* Stops the services and the private servers, removes the directory
+ * unless keep (logs of a failed run) or KSCORE_KEEP_TMP=1. Accepts a stack
+ * that never started. */
+void perf__stack_stop(struct perf_stack *st, bool keep);
+
+/*
+ * Makes sure a broker from bin with local_agents local agents runs, and,
+ * with agent, a `kscore agent` process serving perf-0..9; restarts them
+ * when bin or local_agents differ or restart is set. Waits until the broker
+ * answers and lists every agent online. KSCORE_PERF_WRAP (broker) and
+ * KSCORE_PERF_WRAP_AGENT (agent) are command prefixes split on spaces ("%n"
+ * becomes the start number), e.g. "heaptrack -o /tmp/h.%n".
+ */
+int perf__services(struct perf_stack *st, const char *bin,
+                   unsigned local_agents, bool agent, bool restart);
+/* Stops the broker and the agent process (TERM; they flush and exit). */
+void perf__services_stop(struct perf_stack *st);
+
+/* Connects to the stack's NATS with send_asap (latency-critical). */
+int perf__connect(const struct perf_stack *st, const char *name,
+                  struct evt_conn **out);
+
+/* CPU (utime + stime, us) and RSS (VmRSS, KiB) of a process. */
+struct perf_proc {
+    int64_t cpu_us;
+    int64_t rss_kb;
+};
+int perf__proc_sample(pid_t pid, struct perf_proc *out);
+
+/* ---- statistics (perf_stats.c) ---------------------------------------- */
+
+/* Sorts v (n >= 1) ascending in place. */
+void perf__sort(int64_t *v, size_t n);
+/* Nearest-rank percentile p (0..100) of a sorted array (n >= 1). */
+int64_t perf__pct(const int64_t *sorted, size_t n, int p);
+/* Sorts lat and sets p50_us, p95_us, p99_us, max_us, mean_us on o. */
+void perf__lat_json(json_t *o, int64_t *lat, size_t n);
+/* Median of doubles (n >= 1; v is sorted in place). */
+double perf__median(double *v, size_t n);
+
+/*
+ * Summary of rounds (an array of objects): every numeric key of the first
+ * round becomes key = median over the rounds, and spread.key = [min, max].
+ * Returns a new object.
+ */
+json_t *perf__summarize(json_t *rounds);
+
+/* ---- scenarios -------------------------------------------------------- */
+
+struct perf_ctx {
+    const struct perf_opts *o;
+    struct perf_stack *st;
+    double floor_sum_us; /* this run's floors sum (median), 0 if unknown */
+};
+
+/* One round: 0 with *out (a JSON object of metrics), PERF_SKIPPED with
+ * *out = {"skipped": why}, or a negative code. */
+typedef int (*perf_round_fn)(struct perf_ctx *ctx, int round, json_t **out);
+
+struct perf_scenario {
+    const char *name;
+    int default_rounds;
+    unsigned local_agents; /* broker --local-agents */
+    bool agent;            /* needs the perf-0..9 agent process */
+    bool services;         /* needs a broker at all */
+    bool opt_in;           /* not run unless named */
+    perf_round_fn round;
+};
+
+int perf__floors_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__latency_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__events_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__batch10_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out);
+
+/* Sleeps ms milliseconds (interrupted runs return early). */
+void perf__sleep_ms(int ms);
+
+#endif

@@ -1,0 +1,618 @@
+/*
+ * `kscore perf`: options, the round runner (plain or A/B), the summary,
+ * the SLO targets and the output (table or JSON, perf/README.md).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "perf_int.h"
+
+#define EXIT_USAGE 2
+#define EXIT_FAILED 125
+
+static const struct perf_scenario scenarios[] = {
+    {"floors", 5, 0, false, false, false, perf__floors_round},
+    {"command_latency", 5, 0, true, true, false, perf__latency_round},
+    {"event_throughput", 5, 0, false, true, false, perf__events_round},
+    {"batch_exec_10", 20, 10, false, true, false, perf__batch10_round},
+    {"batch_exec_1000", 3, 1000, false, true, true, perf__batch1000_round},
+    {"sustained", 1, 0, true, true, false, perf__sustained_round},
+};
+#define NSCEN (sizeof(scenarios) / sizeof(scenarios[0]))
+
+static const char usage[] =
+    "usage: kscore perf [SCENARIO]... [--rounds N] [--json] [--out FILE]\n"
+    "                   [--nats URL --db CONNINFO] [--ab OTHER_KSCORE]\n"
+    "                   [--rate N] [--duration SECONDS] [--window SECONDS]\n"
+    "                   [--quick]\n"
+    "\n"
+    "Scenarios (default: all but batch_exec_1000):\n"
+    "  floors            NATS request/reply, JetStream publish, PostgreSQL\n"
+    "                    commit, posix_spawn: p50s and their sum\n"
+    "  command_latency   100 sequential ExecuteCommand of /bin/true\n"
+    "  event_throughput  1,000 and 100,000 events: async publish, recording\n"
+    "  batch_exec_10     one BatchExecuteCommand across 10 local agents\n"
+    "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
+    "  sustained         --rate commands/s (200) for --duration s (60)\n"
+    "\n"
+    "  --rounds N        rounds per scenario (default 5; batch_exec_10 20;\n"
+    "                    sustained 1, which reports per --window (10 s))\n"
+    "  --json            JSON on stdout instead of the table\n"
+    "  --out FILE        JSON to FILE (the table still goes to stdout)\n"
+    "  --nats URL, --db CONNINFO   use running servers instead of private ones\n"
+    "                    (the broker and agents are always the suite's own)\n"
+    "  --ab OTHER        A/B: alternate rounds of this binary's broker and\n"
+    "                    OTHER's; a difference is real when it exceeds A's\n"
+    "                    round-to-round spread\n"
+    "  --quick           tiny counts: a smoke test, not a measurement\n"
+    "\n"
+    "Environment: KSCORE_PERF_WRAP / KSCORE_PERF_WRAP_AGENT prefix the broker\n"
+    "/ agent command (\"%n\": start number), e.g. \"heaptrack -o /tmp/h.%n\".\n";
+
+static void
+on_signal(int sig)
+{
+    (void)sig;
+    perf__interrupted = 1;
+}
+
+static const struct perf_scenario *
+find(const char *name)
+{
+    for (size_t i = 0; i < NSCEN; i++)
+        if (strcmp(scenarios[i].name, name) == 0)
+            return &scenarios[i];
+    return NULL;
+}
+
+static int
+parse_int(const char *s, int min, int *out)
+{
+    char *end = NULL;
+    long v;
+    errno = 0;
+    v = strtol(s, &end, 10);
+    /* "60s" is accepted as 60 */
+    if (errno || end == s || (*end && strcmp(end, "s") != 0) || v < min ||
+        v > 1000000)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+/* Runs one round of sc with binary bin; stores it in rounds. */
+static int
+one_round(struct perf_ctx *ctx, const struct perf_scenario *sc, int r,
+          int total, const char *bin, bool restart, const char *tag,
+          json_t *rounds)
+{
+    json_t *res = NULL;
+    int rc;
+
+    if (sc->services &&
+        (rc = perf__services(ctx->st, bin, sc->local_agents, sc->agent,
+                             restart)))
+        return rc;
+    rc = sc->round(ctx, r, &res);
+    if (rc < 0) {
+        fprintf(stderr, "kscore perf: %s round %d%s failed: %s\n", sc->name,
+                r + 1, tag, ks_strerror(rc));
+        return rc;
+    }
+    if (rc == PERF_SKIPPED) {
+        fprintf(stderr, "kscore perf: %s: %s\n", sc->name,
+                json_string_value(json_object_get(res, "skipped")));
+        json_array_append_new(rounds, res);
+        return PERF_SKIPPED;
+    }
+    /* One short progress line: the headline metrics of the round. */
+    static const char *const heads[] = {"sum_us",     "p50_us",
+                                        "p99_us",     "publish_1000_ms",
+                                        "record_events_per_s", "wall_ms"};
+    fprintf(stderr, "  %s %d/%d%s:", sc->name, r + 1, total, tag);
+    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
+        json_t *v = json_object_get(res, heads[i]);
+        if (v)
+            fprintf(stderr, " %s=%.6g", heads[i], json_number_value(v));
+    }
+    fputc('\n', stderr);
+    json_array_append_new(rounds, res);
+    return 0;
+}
+
+/* batch: the round values are single batches; add their percentiles. */
+static void
+batch_percentiles(json_t *sum, json_t *rounds)
+{
+    size_t n = json_array_size(rounds), k = 0;
+    int64_t *v = n ? calloc(n, sizeof(*v)) : NULL;
+    if (!v)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        json_t *w = json_object_get(json_array_get(rounds, i), "wall_ms");
+        if (w)
+            v[k++] = (int64_t)(json_number_value(w) * 1000.0);
+    }
+    if (k) {
+        perf__sort(v, k);
+        json_object_set_new(sum, "p50_ms",
+                            json_real((double)perf__pct(v, k, 50) / 1000.0));
+        json_object_set_new(sum, "p95_ms",
+                            json_real((double)perf__pct(v, k, 95) / 1000.0));
+        json_object_set_new(sum, "max_ms",
+                            json_real((double)v[k - 1] / 1000.0));
+    }
+    free(v);
+}
+
+static json_t *
+summary_of(const struct perf_scenario *sc, json_t *rounds, bool skipped)
+{
+    json_t *sum;
+    if (skipped) {
+        sum = json_object();
+        json_object_set(sum, "skipped",
+                        json_object_get(json_array_get(rounds, 0), "skipped"));
+    } else {
+        sum = perf__summarize(rounds);
+        if (strncmp(sc->name, "batch_exec", 10) == 0)
+            batch_percentiles(sum, rounds);
+    }
+    json_object_set_new(sum, "round_count",
+                        json_integer((json_int_t)json_array_size(rounds)));
+    json_object_set(sum, "rounds", rounds);
+    return sum;
+}
+
+/*
+ * A/B: for every numeric metric of A's summary, B - A against A's
+ * round-to-round spread (max - min of A's rounds). Real only when the
+ * difference is larger than that spread.
+ */
+static json_t *
+ab_diff(json_t *a, json_t *b)
+{
+    json_t *d = json_object(), *spread = json_object_get(a, "spread");
+    const char *key;
+    json_t *va;
+    json_object_foreach(a, key, va)
+    {
+        json_t *vb = json_object_get(b, key), *sp;
+        if (!json_is_number(va) || !json_is_number(vb) ||
+            strcmp(key, "round_count") == 0)
+            continue;
+        sp = json_object_get(spread, key);
+        double x = json_number_value(va), y = json_number_value(vb);
+        double asp = sp ? json_number_value(json_array_get(sp, 1)) -
+                              json_number_value(json_array_get(sp, 0))
+                        : 0;
+        json_object_set_new(
+            d, key,
+            json_pack("{s:f,s:f,s:f,s:f,s:f,s:b}", "a", x, "b", y, "diff",
+                      y - x, "diff_pct", x != 0 ? 100.0 * (y - x) / x : 0.0,
+                      "a_spread", asp, "real", fabs(y - x) > asp));
+    }
+    return d;
+}
+
+static double
+num(json_t *root, const char *sc, const char *key)
+{
+    json_t *v = json_object_get(
+        json_object_get(json_object_get(root, "scenarios"), sc), key);
+    return json_is_number(v) ? json_number_value(v) : NAN;
+}
+
+static void
+target(json_t *arr, const char *what, double value, double limit, bool le)
+{
+    if (isnan(value))
+        return;
+    json_array_append_new(
+        arr, json_pack("{s:s,s:f,s:f,s:b}", "target", what, "value", value,
+                       "limit", limit, "met",
+                       le ? value <= limit : value >= limit));
+}
+
+/* The SLO targets, from the summaries. */
+static json_t *
+targets(json_t *root)
+{
+    json_t *t = json_array();
+    double floor_sum = num(root, "floors", "sum_us");
+    double p50 = num(root, "command_latency", "p50_us");
+    target(t, "command_latency p50_us <= 1.3 x floors sum_us", p50,
+           1.3 * floor_sum, true);
+    target(t, "command_latency p99_us <= 2.5 x p50_us",
+           num(root, "command_latency", "p99_us"), 2.5 * p50, true);
+    target(t, "event_throughput publish_1000_ms <= 10",
+           num(root, "event_throughput", "publish_1000_ms"), 10, true);
+    target(t, "event_throughput record_events_per_s >= 50000",
+           num(root, "event_throughput", "record_events_per_s"), 50000,
+           false);
+    target(t, "event_throughput record_100k_events_per_s >= 50000",
+           num(root, "event_throughput", "record_100k_events_per_s"), 50000,
+           false);
+    target(t, "batch_exec_10 p50_ms <= 10",
+           num(root, "batch_exec_10", "p50_ms"), 10, true);
+    /* "No drift": under 5% of the end RSS after the first window. */
+    double drift = num(root, "sustained", "broker_rss_drift_kb");
+    double end = num(root, "sustained", "broker_rss_end_kb");
+    if (!isnan(drift) && !isnan(end))
+        target(t, "sustained broker_rss_drift_kb <= 5% of broker_rss_end_kb",
+               drift, 0.05 * end, true);
+    drift = num(root, "sustained", "agent_rss_drift_kb");
+    end = num(root, "sustained", "agent_rss_end_kb");
+    if (!isnan(drift) && !isnan(end))
+        target(t, "sustained agent_rss_drift_kb <= 5% of agent_rss_end_kb",
+               drift, 0.05 * end, true);
+    target(t, "sustained errors == 0", num(root, "sustained", "errors"), 0,
+           true);
+    return t;
+}
+
+static void
+print_value(FILE *f, json_t *v)
+{
+    double x = json_number_value(v);
+    if (json_is_integer(v) || (fabs(x) >= 1000 && x == floor(x)))
+        fprintf(f, "%12.0f", x);
+    else
+        fprintf(f, "%12.2f", x);
+}
+
+static void
+print_table(FILE *f, json_t *root, bool ab)
+{
+    json_t *scs = json_object_get(root, "scenarios"), *sc;
+    const char *name;
+
+    fprintf(f, "kscore perf on %s (%lld cpus), PostgreSQL fsync=%s "
+               "synchronous_commit=%s%s\n",
+            json_string_value(json_object_get(root, "host")),
+            (long long)json_integer_value(json_object_get(root, "cpus")),
+            json_string_value(json_object_get(root, "pg_fsync")),
+            json_string_value(json_object_get(root, "pg_synchronous_commit")),
+            json_is_true(json_object_get(root, "quick")) ? " (QUICK: not a "
+                                                           "measurement)"
+                                                         : "");
+    json_object_foreach(scs, name, sc)
+    {
+        json_t *rounds = json_object_get(sc, "rounds");
+        json_t *spread = json_object_get(sc, "spread");
+        json_t *diff = json_object_get(sc, "diff");
+        const char *key;
+        json_t *v;
+        fprintf(f, "\n%s (%zu rounds%s)\n", name, json_array_size(rounds),
+                ab ? " of A" : "");
+        if (json_object_get(sc, "skipped")) {
+            fprintf(f, "  skipped: %s\n",
+                    json_string_value(json_object_get(sc, "skipped")));
+            continue;
+        }
+        if (ab)
+            fprintf(f, "  %-28s %12s %25s %12s %12s %8s  %s\n", "metric",
+                    "A median", "A spread (min - max)", "B median", "B - A",
+                    "B-A %", "real?");
+        else
+            fprintf(f, "  %-28s %12s %25s  %s\n", "metric", "median",
+                    "spread (min - max)", "rounds");
+        json_object_foreach(sc, key, v)
+        {
+            json_t *sp = json_object_get(spread, key);
+            if (!json_is_number(v) || strcmp(key, "round_count") == 0)
+                continue;
+            fprintf(f, "  %-28s ", key);
+            print_value(f, v);
+            if (sp) {
+                fputc(' ', f);
+                print_value(f, json_array_get(sp, 0));
+                fputs(" -", f);
+                print_value(f, json_array_get(sp, 1));
+            } else {
+                fprintf(f, " %25s", "");
+            }
+            if (ab) {
+                json_t *d = json_object_get(diff, key);
+                if (d) {
+                    fputc(' ', f);
+                    print_value(f, json_object_get(d, "b"));
+                    fputc(' ', f);
+                    print_value(f, json_object_get(d, "diff"));
+                    fprintf(f, " %7.1f%%  %s", json_number_value(json_object_get(d, "diff_pct")),
+                            json_is_true(json_object_get(d, "real"))
+                                ? "REAL"
+                                : "noise");
+                }
+            } else {
+                fputs(" ", f);
+                for (size_t i = 0; i < json_array_size(rounds) && i < 20;
+                     i++) {
+                    json_t *rv = json_object_get(json_array_get(rounds, i),
+                                                 key);
+                    if (!rv)
+                        break;
+                    double x = json_number_value(rv);
+                    fprintf(f, x == floor(x) ? " %.0f" : " %.3g", x);
+                }
+            }
+            fputc('\n', f);
+        }
+        json_t *wins = json_object_get(json_array_get(rounds, 0), "windows");
+        if (wins) {
+            size_t i;
+            json_t *w;
+            fprintf(f, "  windows of round 1: %6s %6s %6s %10s %10s %8s %8s "
+                       "%12s %12s\n",
+                    "t_end", "sent", "errors", "p50_us", "p99_us", "brk_cpu",
+                    "agt_cpu", "brk_rss_kb", "agt_rss_kb");
+            json_array_foreach(wins, i, w)
+            {
+                fprintf(f,
+                        "  %19s %6lld %6lld %6lld %10lld %10lld %7.1f%% "
+                        "%7.1f%% %12lld %12lld\n",
+                        "",
+                        (long long)json_integer_value(
+                            json_object_get(w, "t_end_s")),
+                        (long long)json_integer_value(json_object_get(w, "sent")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "errors")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "p50_us")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "p99_us")),
+                        json_number_value(json_object_get(w, "broker_cpu_pct")),
+                        json_number_value(json_object_get(w, "agent_cpu_pct")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "broker_rss_kb")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "agent_rss_kb")));
+            }
+        }
+    }
+    json_t *t = json_object_get(root, "targets"), *x;
+    size_t i;
+    if (json_array_size(t))
+        fprintf(f, "\ntargets%s\n", ab ? " (A)" : "");
+    json_array_foreach(t, i, x)
+    {
+        fprintf(f, "  %-4s %-62s %12.2f (limit %.2f)\n",
+                json_is_true(json_object_get(x, "met")) ? "met" : "MISS",
+                json_string_value(json_object_get(x, "target")),
+                json_number_value(json_object_get(x, "value")),
+                json_number_value(json_object_get(x, "limit")));
+    }
+}
+
+static int
+run_scenario(struct perf_ctx *ctx, const struct perf_scenario *sc,
+             json_t *scs)
+{
+    const struct perf_opts *o = ctx->o;
+    int nr = o->rounds ? o->rounds : (o->quick ? 1 : sc->default_rounds);
+    json_t *ra = json_array(), *rb = o->bin_b ? json_array() : NULL;
+    json_t *sum = NULL;
+    bool skipped = false;
+    int rc = 0;
+
+    fprintf(stderr, "kscore perf: %s, %d round%s%s\n", sc->name, nr,
+            nr == 1 ? "" : "s", o->bin_b ? " each of A and B" : "");
+    for (int r = 0; r < nr && !perf__interrupted; r++) {
+        /* A/B: ABAB..., each round's broker and agent started afresh
+         * from its binary, on the same servers. */
+        rc = one_round(ctx, sc, r, nr, o->bin_a, o->bin_b != NULL,
+                       o->bin_b ? " A" : "", ra);
+        if (rc == 0 && o->bin_b)
+            rc = one_round(ctx, sc, r, nr, o->bin_b, true, " B", rb);
+        if (rc == PERF_SKIPPED) {
+            skipped = true;
+            rc = 0;
+            break;
+        }
+        if (rc)
+            break;
+    }
+    if (rc == 0 && perf__interrupted)
+        rc = -EINTR;
+    if (rc == 0) {
+        sum = summary_of(sc, ra, skipped);
+        if (rb && !skipped) {
+            json_t *sb = summary_of(sc, rb, false);
+            json_object_set_new(sum, "diff", ab_diff(sum, sb));
+            json_object_set_new(sum, "b", sb);
+        }
+        if (strcmp(sc->name, "floors") == 0) {
+            json_t *v = json_object_get(sum, "sum_us");
+            ctx->floor_sum_us = v ? json_number_value(v) : 0;
+        }
+        json_object_set_new(scs, sc->name, sum);
+    }
+    json_decref(ra);
+    json_decref(rb);
+    return rc;
+}
+
+int
+perf_main(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        {"rounds", required_argument, 0, 'r'},
+        {"json", no_argument, 0, 'j'},
+        {"out", required_argument, 0, 'o'},
+        {"nats", required_argument, 0, 'n'},
+        {"db", required_argument, 0, 'd'},
+        {"ab", required_argument, 0, 'a'},
+        {"rate", required_argument, 0, 'R'},
+        {"duration", required_argument, 0, 'D'},
+        {"window", required_argument, 0, 'W'},
+        {"quick", no_argument, 0, 'q'},
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    struct perf_opts o = {0};
+    struct perf_stack st = {0};
+    struct perf_ctx ctx = {&o, &st, 0};
+    bool want[NSCEN] = {0}, any = false;
+    struct sigaction sa = {0}, old_int, old_term, old_pipe;
+    char bin_b[PATH_MAX];
+    json_t *root = NULL, *scs;
+    int opt, rc = 0, ret = EXIT_FAILED;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'r':
+            if (parse_int(optarg, 1, &o.rounds))
+                goto bad;
+            break;
+        case 'j':
+            o.json = true;
+            break;
+        case 'o':
+            o.out_path = optarg;
+            break;
+        case 'n':
+            o.nats_url = optarg;
+            break;
+        case 'd':
+            o.db = optarg;
+            break;
+        case 'a':
+            o.bin_b = optarg;
+            break;
+        case 'R':
+            o.rate = strtod(optarg, NULL);
+            if (!(o.rate > 0 && o.rate <= 100000))
+                goto bad;
+            break;
+        case 'D':
+            if (parse_int(optarg, 1, &o.duration_s))
+                goto bad;
+            break;
+        case 'W':
+            if (parse_int(optarg, 1, &o.window_s))
+                goto bad;
+            break;
+        case 'q':
+            o.quick = true;
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            return 0;
+        default:
+            fputs(usage, stderr);
+            return EXIT_USAGE;
+        }
+    }
+    for (int i = optind; i < argc; i++) {
+        const struct perf_scenario *sc = find(argv[i]);
+        if (strcmp(argv[i], "all") == 0) {
+            for (size_t k = 0; k < NSCEN; k++)
+                want[k] = want[k] || !scenarios[k].opt_in;
+            any = true;
+            continue;
+        }
+        if (!sc) {
+            fprintf(stderr, "kscore perf: unknown scenario '%s'\n%s", argv[i],
+                    usage);
+            return EXIT_USAGE;
+        }
+        want[sc - scenarios] = true;
+        any = true;
+    }
+    if (!any)
+        for (size_t k = 0; k < NSCEN; k++)
+            want[k] = !scenarios[k].opt_in;
+    /* The ratio to the floor needs this run's floors. */
+    if (want[1])
+        want[0] = true;
+    if ((o.nats_url == NULL) != (o.db == NULL)) {
+        fprintf(stderr, "kscore perf: --nats and --db go together\n");
+        return EXIT_USAGE;
+    }
+    ssize_t n = readlink("/proc/self/exe", o.bin_a, sizeof(o.bin_a) - 1);
+    if (n <= 0) {
+        fprintf(stderr, "kscore perf: /proc/self/exe: %s\n", strerror(errno));
+        return EXIT_FAILED;
+    }
+    o.bin_a[n] = '\0';
+    if (o.bin_b) {
+        if (!realpath(o.bin_b, bin_b) || access(bin_b, X_OK) != 0) {
+            fprintf(stderr, "kscore perf: --ab %s: not an executable\n",
+                    o.bin_b);
+            return EXIT_USAGE;
+        }
+        o.bin_b = bin_b;
+    }
+
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    sa.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &sa, &old_pipe);
+    perf__interrupted = 0;
+
+    root = json_object();
+    scs = json_object();
+    json_object_set_new(root, "scenarios", scs);
+    if ((rc = perf__stack_start(&st, &o)))
+        goto out;
+    {
+        char host[256] = "";
+        gethostname(host, sizeof(host) - 1);
+        json_object_set_new(root, "host", json_string(host));
+        json_object_set_new(root, "cpus",
+                            json_integer(sysconf(_SC_NPROCESSORS_ONLN)));
+        json_object_set_new(root, "started_at_us", json_integer(ks_now_us()));
+        json_object_set_new(root, "binary_a", json_string(o.bin_a));
+        if (o.bin_b)
+            json_object_set_new(root, "binary_b", json_string(o.bin_b));
+        json_object_set_new(root, "private_servers",
+                            json_boolean(st.own_nats && st.own_pg));
+        json_object_set_new(root, "quick", json_boolean(o.quick));
+        json_object_set_new(root, "pg_fsync", json_string(st.pg_fsync));
+        json_object_set_new(root, "pg_synchronous_commit",
+                            json_string(st.pg_sync_commit));
+    }
+    for (size_t k = 0; k < NSCEN && !perf__interrupted; k++) {
+        if (!want[k])
+            continue;
+        if ((rc = run_scenario(&ctx, &scenarios[k], scs)))
+            break;
+    }
+    json_object_set_new(root, "finished_at_us", json_integer(ks_now_us()));
+    json_object_set_new(root, "targets", targets(root));
+    if (rc == 0)
+        ret = 0;
+out:
+    perf__stack_stop(&st, ret != 0);
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    sigaction(SIGPIPE, &old_pipe, NULL);
+    if (!root)
+        return ret;
+    json_object_set_new(root, "ok", json_boolean(ret == 0));
+    if (o.out_path) {
+        if (json_dump_file(root, o.out_path, JSON_INDENT(1)) != 0) {
+            fprintf(stderr, "kscore perf: cannot write %s\n", o.out_path);
+            ret = EXIT_FAILED;
+        }
+    }
+    if (o.json && !o.out_path) {
+        json_dumpf(root, stdout, JSON_INDENT(1));
+        fputc('\n', stdout);
+    } else if (rc == 0) {
+        print_table(stdout, root, o.bin_b != NULL);
+    }
+    json_decref(root);
+    return ret;
+bad:
+    fprintf(stderr, "kscore perf: bad option value '%s'\n%s", optarg, usage);
+    return EXIT_USAGE;
+}
