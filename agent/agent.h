@@ -231,6 +231,11 @@ struct agent_opts {
     size_t n_labels;
     unsigned max_concurrent;       /* 0: agent_default_max_concurrent() */
     const char *state_dir;         /* NULL: no disk buffer of results */
+    /* Keys whose signatures this agent accepts: at least one is required.
+     * trust (borrowed, outlives the agent) and/or trust_keys (PEM paths). */
+    const struct evt_verifier *trust;
+    const char *const *trust_keys;
+    size_t n_trust_keys;
     uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000. The
                                       message is acked right after the
                                       claim, so this only bounds a claim */
@@ -253,6 +258,23 @@ struct agent;
  */
 int agent_start(const struct agent_opts *opts, struct agent **out,
                 char **errmsg);
+
+/*
+ * Decodes and checks one message from kscore.cmd.<agent_id> (the bytes of a
+ * SignedCommand, at most KS_MAX_MESSAGE_BYTES): a signature from a trusted
+ * key over the packed Command, addressed to agent_id, not past its
+ * not-after (now_us, epoch us), with a command id and an argv.
+ * Returns 0 with *out (ks__command__free_unpacked), or KS_EREJECTED with
+ * *reason_out (static text: "missing signature", "bad signature",
+ * "addressed to another agent", "expired", ...), or KS_EDECODE /
+ * KS_ETOOBIG for bytes that are no command at all. *cmd_id_out (may be
+ * NULL) gets the command id when the inner command could be read, so a
+ * refusal can be recorded against it. Pure: no I/O; any thread.
+ */
+int agent_decode_command(const struct evt_verifier *trust,
+                         const char *agent_id, int64_t now_us,
+                         const void *data, size_t len, Ks__Command **out,
+                         const char **reason_out, char cmd_id_out[37]);
 
 /* Stops taking work, cancels running commands, publishes their results,
  * frees. Accepts NULL. */

@@ -60,6 +60,7 @@ struct exec_job {
 
     bool started, finished, leader_exited;
     bool term_sent, kill_sent, cg_watched, scan_pgroup, had_members;
+    bool poll_leader; /* no pidfd: leader exit found by polling */
     pid_t pid;
     int pidfd;
     int fd[2];
@@ -406,7 +407,8 @@ on_leader_exit(struct exec_loop *loop, struct exec_job *job)
     siginfo_t si;
 
     memset(&si, 0, sizeof(si));
-    if (waitid((idtype_t)P_PIDFD, (id_t)job->pidfd, &si,
+    if (waitid(job->pidfd != -1 ? (idtype_t)P_PIDFD : P_PID,
+               job->pidfd != -1 ? (id_t)job->pidfd : (id_t)job->pid, &si,
                WEXITED | WNOHANG | WNOWAIT) == -1 ||
         si.si_pid == 0)
         return;
@@ -424,6 +426,16 @@ on_timers(struct exec_loop *loop, struct exec_job *job, int64_t now)
     }
     if (job->term_sent && !job->kill_sent && now >= job->kill_at)
         send_kill(job, now);
+    if (!job->leader_exited && job->poll_leader && now >= job->poll_at) {
+        job->poll_step = job->poll_step ? job->poll_step * 2 : EXEC_POLL_MIN_US;
+        if (job->poll_step > EXEC_POLL_MAX_US)
+            job->poll_step = EXEC_POLL_MAX_US;
+        job->poll_at = now + job->poll_step;
+        on_leader_exit(loop, job);
+        if (job->leader_exited)
+            job->poll_step = 0;
+        return;
+    }
     if (job->leader_exited &&
         (now >= job->poll_at || (job->kill_sent && now >= job->give_up_at))) {
         job->poll_at = NEVER;
@@ -493,21 +505,18 @@ job_start(struct exec_loop *loop, struct exec_job *job)
         goto fail;
     job->res.pid = job->pid;
     if (job->pidfd == -1) {
-        /* No pidfd (kernel < 5.3): cannot supervise; undo the spawn. */
-        ret = -errno;
-        kill(-job->pid, SIGKILL);
-        if (job->cg.moved)
-            exec__cgroup_kill(&job->cg);
-        job->leader_exited = true;
-        job_finish(loop, job);
-        job->res.outcome = EXEC_START_FAILED;
-        job->res.start_stage = "spawn";
-        job->res.start_errno = -ret;
-        goto out;
+        /*
+         * No pidfd (kernel < 5.3, or valgrind): the leader is polled with
+         * waitid(P_PID, WNOWAIT) instead, 1 ms doubling to 64 ms. Safe: an
+         * unreaped child's pid cannot be reused.
+         */
+        job->poll_leader = true;
+        job->poll_at = ks_mono_us() + EXEC_POLL_MIN_US;
     }
     watch_add(loop, job->fd[0], &job->w[W_OUT], EPOLLIN);
     watch_add(loop, job->fd[1], &job->w[W_ERR], EPOLLIN);
-    watch_add(loop, job->pidfd, &job->w[W_PID], EPOLLIN);
+    if (job->pidfd != -1)
+        watch_add(loop, job->pidfd, &job->w[W_PID], EPOLLIN);
     if (spec->timeout_ms)
         job->term_at = job->t0 + (int64_t)spec->timeout_ms * 1000;
     job->rnext = loop->running;

@@ -251,7 +251,7 @@ exec__cgroup_create(struct exec__cgroup *cg)
     int ret;
 
     cg->dir_fd = cg->events_fd = -1;
-    cg->in_use = cg->moved = false;
+    cg->in_use = cg->moved = cg->killed = false;
     pthread_mutex_lock(&g_mu);
     if (g_pool_len) {
         seq = g_pool[--g_pool_len];
@@ -314,6 +314,7 @@ exec__cgroup_kill(struct exec__cgroup *cg)
     char path[PATH_MAX + 32];
 
     path_fmt(path, sizeof(path), "%s/cgroup.kill", cg->path);
+    cg->killed = true;
     return write_file(path, "1");
 }
 
@@ -322,7 +323,9 @@ exec__cgroup_destroy(struct exec__cgroup *cg)
 {
     bool pooled = false;
 
-    if (cg->in_use && cg->events_fd != -1 &&
+    /* A killed cgroup is not reused: here (Linux 6.18) it went on killing
+     * every process later cloned into it. */
+    if (cg->in_use && !cg->killed && cg->events_fd != -1 &&
         exec__cgroup_populated(cg) == 0) {
         pthread_mutex_lock(&g_mu);
         if (g_pool_len < EXEC_CG_POOL) {

@@ -27,7 +27,8 @@ struct exec__cgroup {
     int dir_fd;    /* the directory, for clone3(CLONE_INTO_CGROUP) */
     int events_fd; /* cgroup.events, read for "populated", polled (PRI) */
     bool in_use;   /* the directory exists */
-    bool moved;    /* the leader was written into cgroup.procs */
+    bool moved;    /* the leader is in it (cloned into it, or moved) */
+    bool killed;   /* cgroup.kill was written: never reused */
 };
 
 /* What a job's group holds right now, besides the (zombie) leader. */

@@ -68,6 +68,11 @@ struct agent {
 
     pthread_mutex_t mu;
     struct ks_map running;     /* command_id -> struct job_ctx * */
+    struct ks_map seen;        /* claimed command ids (replay guard) */
+    char (*seen_ring)[37];
+    size_t seen_next;
+    const struct evt_verifier *trust;
+    struct evt_verifier *own_trust; /* from opts->trust_keys */
     pthread_cond_t out_cond;
     struct outbox_item *out_head, **out_tail;
     size_t in_flight;          /* submitted, result not yet queued */
@@ -83,6 +88,38 @@ agent_default_max_concurrent(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return (unsigned)(n > 0 ? n : 1) * 4;
+}
+
+/* ---- seen commands (replay guard) ------------------------------------------ */
+
+/*
+ * Command ids this process has claimed, newest SEEN_MAX kept (a ring plus a
+ * map). The claim fence in PostgreSQL is the real guarantee; this refuses a
+ * replayed message before it costs a claim, and names it a replay.
+ */
+#define SEEN_MAX 4096
+
+static bool
+seen_check(struct agent *a, const char *command_id)
+{
+    bool seen;
+    pthread_mutex_lock(&a->mu);
+    seen = ks_map_get(&a->seen, command_id) != NULL;
+    pthread_mutex_unlock(&a->mu);
+    return seen;
+}
+
+static void
+seen_add(struct agent *a, const char *command_id)
+{
+    pthread_mutex_lock(&a->mu);
+    char *slot = a->seen_ring[a->seen_next];
+    if (slot[0])
+        ks_map_del(&a->seen, slot);
+    memcpy(slot, command_id, 37);
+    ks_map_put(&a->seen, slot, (void *)1);
+    a->seen_next = (a->seen_next + 1) % SEEN_MAX;
+    pthread_mutex_unlock(&a->mu);
 }
 
 /* ---- outbox --------------------------------------------------------------- */
@@ -350,19 +387,20 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
 /* ---- commands -------------------------------------------------------------- */
 
 static void
-reject(struct agent_slot *slot, const Ks__Command *cmd, const char *reason)
+reject(struct agent_slot *slot, const char *command_id, uint32_t attempt,
+       const char *reason)
 {
     Ks__Event ev = KS__EVENT__INIT;
     char event_id[37], stream[64];
     ks_uuid(event_id);
-    snprintf(stream, sizeof(stream), "command-%s", cmd->command_id);
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
     ev.event_id = event_id;
     ev.stream_id = stream;
     ev.type = "CommandRejected";
     ev.occurred_at_us = ks_now_us();
-    ev.command_id = cmd->command_id;
+    ev.command_id = (char *)command_id;
     ev.agent_id = slot->id;
-    ev.attempt = cmd->attempt;
+    ev.attempt = attempt;
     ev.reason = (char *)reason;
     queue_event(slot->agent, &ev);
 }
@@ -421,7 +459,8 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct agent_slot *slot = ud;
     struct agent *a = slot->agent;
     Ks__Command *cmd = NULL;
-    ProtobufCMessage *pm = NULL;
+    const char *reason = NULL;
+    char cmd_id[37];
     const char **argv = NULL;
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
@@ -430,29 +469,24 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     (void)nc;
     (void)sub;
-    rc = evt_unpack(&ks__command__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg), &pm);
+    rc = agent_decode_command(a->trust, slot->id, ks_now_us(),
+                              natsMsg_GetData(msg),
+                              (size_t)natsMsg_GetDataLength(msg), &cmd,
+                              &reason, cmd_id);
     if (rc) {
+        /* Never run; said so in the record when there is a command id. */
+        if (cmd_id[0])
+            reject(slot, cmd_id, 0,
+                   rc == KS_EREJECTED ? reason : "undecodable command");
         natsMsg_Term(msg, NULL);
         goto out;
     }
-    cmd = (Ks__Command *)pm;
-    if (!ks_is_uuid(cmd->command_id) || !cmd->spec ||
-        cmd->spec->n_argv == 0) {
+    if (seen_check(a, cmd->command_id)) {
+        reject(slot, cmd->command_id, cmd->attempt,
+               "replay: this agent has already claimed this command");
         natsMsg_Term(msg, NULL);
         goto out;
     }
-    if (strcmp(cmd->agent_id, slot->id) != 0) {
-        reject(slot, cmd, "addressed to another agent");
-        natsMsg_Term(msg, NULL);
-        goto out;
-    }
-    if (cmd->not_after_us && ks_now_us() > cmd->not_after_us) {
-        reject(slot, cmd, "expired: past its not-after time");
-        natsMsg_Term(msg, NULL);
-        goto out;
-    }
-
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
     env = calloc(cmd->spec->n_env + 2, sizeof(*env));
     if (!argv || !env)
@@ -503,6 +537,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     natsMsg_Ack(msg, NULL);
     if (rc == 0)
         goto out; /* lost the claim: someone else runs it, or it ended */
+    seen_add(a, cmd->command_id);
 
     struct job_ctx *j = calloc(1, sizeof(*j));
     uint64_t job_id = 0;
@@ -637,6 +672,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         return -ENOMEM;
     a->opts = *opts;
     a->running = (struct ks_map)KS_MAP_INIT;
+    a->seen = (struct ks_map)KS_MAP_INIT;
     a->out_tail = &a->out_head;
     pthread_mutex_init(&a->mu, NULL);
     pthread_cond_init(&a->out_cond, NULL);
@@ -651,6 +687,34 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         snprintf(dir, sizeof(dir), "%s/outbox", opts->state_dir);
         mkdir(opts->state_dir, 0700);
         mkdir(dir, 0700);
+    }
+    a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
+    if (!a->seen_ring) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    a->trust = opts->trust;
+    if (opts->n_trust_keys) {
+        rc = evt_verifier_new(&a->own_trust);
+        for (size_t i = 0; rc == 0 && i < opts->n_trust_keys; i++) {
+            rc = evt_verifier_add_file(a->own_trust, opts->trust_keys[i]);
+            if (rc && errmsg &&
+                asprintf(errmsg, "trusted key %s: %s", opts->trust_keys[i],
+                         rc == KS_EINVAL ? "not an Ed25519 key (PEM)"
+                                         : ks_strerror(rc)) < 0)
+                *errmsg = NULL;
+        }
+        if (rc)
+            goto fail;
+        if (!a->trust)
+            a->trust = a->own_trust;
+    }
+    if (!a->trust || evt_verifier_count(a->trust) == 0) {
+        rc = KS_EINVAL;
+        if (errmsg && asprintf(errmsg, "no trusted key: give --trust-key FILE "
+                                       "(the broker's public key)") < 0)
+            *errmsg = NULL;
+        goto fail;
     }
     exec_global_init();
     rc = exec_loop_new(a->max_concurrent, &a->loop);
@@ -668,12 +732,15 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     rc = evt_connect(opts->nats_url, &co, &a->nc, errmsg);
     if (rc)
         goto fail;
-    rc = evt_setup(a->nc, errmsg);
-    if (rc)
-        goto fail;
+    /* The broker creates the streams; an agent may only use them. */
     rc = evt_agents_kv(a->nc, &a->kv);
-    if (rc)
+    if (rc) {
+        if (errmsg && asprintf(errmsg, "KV bucket %s: %s (is a broker "
+                                       "running on this NATS?)",
+                               EVT_KV_AGENTS, ks_strerror(rc)) < 0)
+            *errmsg = NULL;
         goto fail;
+    }
     if (a->state_dir)
         outbox_load(a);
     if (pthread_create(&a->pub_thread, NULL, publisher_main, a) != 0) {
@@ -773,6 +840,9 @@ agent_stop(struct agent *a)
     kvStore_Destroy(a->kv);
     evt_close(a->nc);
     ks_map_clear(&a->running);
+    ks_map_clear(&a->seen);
+    free(a->seen_ring);
+    evt_verifier_free(a->own_trust);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->out_cond);
     pthread_cond_destroy(&a->idle_cond);

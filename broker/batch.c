@@ -528,7 +528,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         free(evs);
     }
     for (size_t i = 0; i < p.npub; i++) {
-        int prc = evt_publish_command(b->nc, p.publish[i], 5000);
+        int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
         if (prc)
             fprintf(stderr, "kscore batch: publish %s: %s (scanner retries)\n",
                     p.publish[i]->command_id, ks_strerror(prc));

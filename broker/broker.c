@@ -322,7 +322,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             ks_strerror(rc));
         goto out;
     }
-    rc = evt_publish_command(b->nc, &cmd, 5000);
+    rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
     if (rc) {
         /* Recorded as Dispatched: the deadline scanner re-publishes it or
          * ends it Undeliverable, so the client still gets a terminal
@@ -820,6 +820,8 @@ broker_teardown(struct broker *b)
     store_close(b->st_scan);
     store_close(b->st_follow);
     store_close(b->st_batch);
+    evt_signer_free(b->signer);
+    evt_verifier_free(b->local_trust);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
     pthread_mutex_destroy(&b->mu);
@@ -848,6 +850,22 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_mutex_init(&b.misc_mu, NULL);
     pthread_cond_init(&b.rec_cond, NULL);
 
+    if (!opts->signing_key || !opts->signing_key[0]) {
+        rc = KS_EINVAL;
+        if (errmsg && asprintf(errmsg, "no signing key: give --signing-key "
+                                       "FILE (make one with kscore keygen)") <
+                          0)
+            *errmsg = NULL;
+        goto out;
+    }
+    if ((rc = evt_signer_load(opts->signing_key, &b.signer)) ||
+        (rc = evt_verifier_new(&b.local_trust)) ||
+        (rc = evt_verifier_add_signer(b.local_trust, b.signer))) {
+        if (errmsg && asprintf(errmsg, "signing key %s: %s",
+                               opts->signing_key, ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
     co.name = "kscore-broker";
     co.send_asap = true;
     co.retry_forever = true;
@@ -905,6 +923,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         ao.labels = &lab;
         ao.n_labels = 1;
         ao.state_dir = opts->state_dir;
+        ao.trust = b.local_trust;
         rc = agent_start(&ao, &b.local, errmsg);
         for (unsigned i = 0; ids && i < opts->local_agents; i++)
             free(ids[i]);

@@ -42,11 +42,12 @@ struct broker_opts {
     unsigned local_agents;        /* in-process agents <host>-0..N-1 */
     const char *state_dir;        /* for local agents; NULL: no disk buffer */
     struct evt_connect_opts nats; /* credentials / TLS */
+    const char *signing_key;      /* Ed25519 private key (PEM): required */
 };
 
 /*
- * Runs a broker until SIGINT or SIGTERM. Applies migrations, sets up the
- * streams, serves. Returns 0 after a clean stop, or a negative code with
+ * Runs a broker until SIGINT or SIGTERM. Loads the signing key, applies
+ * migrations, sets up the streams, serves. Returns 0 after a clean stop, or a negative code with
  * *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL unreachable).
  */
 int broker_run(const struct broker_opts *opts, char **errmsg);

@@ -59,6 +59,8 @@ struct broker {
     struct agent *local;
     int64_t started_mono_us;
     struct broker__claimer claimers[BROKER_CLAIM_WORKERS];
+    struct evt_signer *signer;     /* signs every command dispatched */
+    struct evt_verifier *local_trust; /* in-process agents trust signer */
 
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;

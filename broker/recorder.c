@@ -47,9 +47,10 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 static int
 is_terminal_type(const char *type)
 {
+    /* Not CommandRejected: an agent refusing a forged or stale message
+     * says nothing about the real command of that id. */
     return strcmp(type, "CommandCompleted") == 0 ||
-           strcmp(type, "CommandStartFailed") == 0 ||
-           strcmp(type, "CommandRejected") == 0;
+           strcmp(type, "CommandStartFailed") == 0;
 }
 
 static void

@@ -71,5 +71,6 @@ int cmd_agents(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
 
 #endif

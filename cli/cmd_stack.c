@@ -256,6 +256,18 @@ cmd_up(int argc, char **argv)
         return CLI_EXIT_KSCORE;
     }
     local_agent_id(agent_id, sizeof(agent_id));
+    char keydir[4200], signing_key[4300], trust_key[4300];
+    snprintf(keydir, sizeof(keydir), "%s/keys", home);
+    snprintf(signing_key, sizeof(signing_key), "%s/broker.key", keydir);
+    snprintf(trust_key, sizeof(trust_key), "%s/broker.pub", keydir);
+    if (access(signing_key, R_OK) != 0) {
+        if ((rc = stack_mkdirs(keydir, 0700)) ||
+            (rc = evt_keygen(signing_key, trust_key))) {
+            cli_err("cannot make the signing key in %s: %s", keydir,
+                    ks_strerror(rc));
+            return CLI_EXIT_KSCORE;
+        }
+    }
 
     fprintf(stderr, "kscore: starting nats-server ...\n");
     if (stack_pidfile_alive(home, "nats", NULL) &&
@@ -288,7 +300,8 @@ cmd_up(int argc, char **argv)
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
-                         local_state, NULL};
+                         local_state, "--signing-key",  signing_key,
+                         NULL};
         rc = stack_daemon(home, "broker", bargv, &pid);
         if (rc == 0)
             rc = wait_broker(url, 30000);
@@ -302,7 +315,7 @@ cmd_up(int argc, char **argv)
     if (!stack_pidfile_alive(home, "agent", NULL)) {
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
-                         agent_state, NULL};
+                         agent_state, "--trust-key", trust_key,   NULL};
         rc = stack_daemon(home, "agent", aargv, &pid);
         if (rc == 0)
             rc = wait_agent(url, agent_id, 30000);
@@ -369,6 +382,7 @@ cmd_broker(int argc, char **argv)
         {"db", required_argument, 0, 'd'},
         {"local-agents", required_argument, 0, 'l'},
         {"state-dir", required_argument, 0, 's'},
+        {"signing-key", required_argument, 0, 'k'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
@@ -377,6 +391,7 @@ cmd_broker(int argc, char **argv)
 
     o.nats_url = getenv("KSCORE_NATS_URL");
     o.db_conninfo = getenv("KSCORE_DB");
+    o.signing_key = getenv("KSCORE_SIGNING_KEY");
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         char *end;
@@ -397,9 +412,14 @@ cmd_broker(int argc, char **argv)
         case 's':
             o.state_dir = optarg;
             break;
+        case 'k':
+            o.signing_key = optarg;
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
-                   "[--local-agents N] [--state-dir DIR]\n");
+                   "--signing-key FILE [--local-agents N] [--state-dir DIR]\n"
+                   "The signing key (kscore keygen) signs every command; "
+                   "agents trust its public half.\n");
             return 0;
         default:
             return CLI_EXIT_USAGE;
@@ -429,19 +449,23 @@ cmd_agent(int argc, char **argv)
         {"state-dir", required_argument, 0, 's'},
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
+        {"trust-key", required_argument, 0, 'k'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
     const char **ids = calloc((size_t)argc, sizeof(*ids));
+    const char **keys = calloc((size_t)argc + 1, sizeof(*keys));
     struct agent_label *labels = calloc((size_t)argc, sizeof(*labels));
     struct agent *a = NULL;
     char *errmsg = NULL;
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
-    if (!ids || !labels)
+    if (!ids || !labels || !keys)
         return CLI_EXIT_KSCORE;
     o.nats_url = getenv("KSCORE_NATS_URL");
+    if (getenv("KSCORE_TRUST_KEY") && getenv("KSCORE_TRUST_KEY")[0])
+        keys[o.n_trust_keys++] = getenv("KSCORE_TRUST_KEY");
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         char *end, *eq;
@@ -472,6 +496,9 @@ cmd_agent(int argc, char **argv)
                 goto out;
             }
             break;
+        case 'k':
+            keys[o.n_trust_keys++] = optarg;
+            break;
         case 'w':
             if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
                 o.ack_wait_ms < 1000) {
@@ -480,9 +507,11 @@ cmd_agent(int argc, char **argv)
             }
             break;
         case 'h':
-            printf("usage: kscore agent --id ID [--id ID]... [--label K=V]... "
-                   "[--nats URL] [--state-dir DIR] [--max-concurrent N] "
-                   "[--ack-wait D]\n");
+            printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
+                   "[--label K=V]... [--nats URL] [--state-dir DIR] "
+                   "[--max-concurrent N] [--ack-wait D]\n"
+                   "Runs only commands signed by a trusted key "
+                   "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
             rc = 0;
             goto out;
         default:
@@ -499,6 +528,7 @@ cmd_agent(int argc, char **argv)
     }
     o.ids = ids;
     o.labels = labels;
+    o.trust_keys = keys;
     /* Before any thread exists, so only sigwait() sees these. */
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
@@ -520,5 +550,49 @@ cmd_agent(int argc, char **argv)
 out:
     free(ids);
     free(labels);
+    free(keys);
     return rc;
+}
+
+int
+cmd_keygen(int argc, char **argv)
+{
+    static const struct option lo[] = {{"out", required_argument, 0, 'o'},
+                                       {"name", required_argument, 0, 'n'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    const char *dir = ".", *name = "kscore";
+    char priv[4200], pub[4200];
+    int opt, rc;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'o':
+            dir = optarg;
+            break;
+        case 'n':
+            name = optarg;
+            break;
+        case 'h':
+            printf("usage: kscore keygen [--out DIR] [--name NAME]\n"
+                   "Writes an Ed25519 key pair: DIR/NAME.key (private, "
+                   "0600: give it to the broker, --signing-key) and "
+                   "DIR/NAME.pub (give it to agents, --trust-key).\n");
+            return 0;
+        default:
+            return CLI_EXIT_USAGE;
+        }
+    }
+    snprintf(priv, sizeof(priv), "%s/%s.key", dir, name);
+    snprintf(pub, sizeof(pub), "%s/%s.pub", dir, name);
+    rc = evt_keygen(priv, pub);
+    if (rc) {
+        cli_err("keygen: %s: %s", rc == -EEXIST ? priv : dir,
+                rc == -EEXIST ? "already exists (not overwritten)"
+                              : ks_strerror(rc));
+        return CLI_EXIT_KSCORE;
+    }
+    printf("%s\n%s\n", priv, pub);
+    return 0;
 }

@@ -32,8 +32,9 @@ static const char usage[] =
     "  perf [SCENARIO]... [--json]   the SLO suite on a private stack\n"
     "\n"
     "Services:\n"
-    "  broker --nats URL --db CONNINFO [--local-agents N]\n"
-    "  agent --id ID [--label K=V]... [--nats URL] [--state-dir DIR]\n"
+    "  broker --nats URL --db CONNINFO --signing-key FILE [--local-agents N]\n"
+    "  agent --id ID --trust-key FILE [--label K=V]... [--nats URL]\n"
+    "  keygen [--out DIR]      an Ed25519 key pair for signing commands\n"
     "\n"
     "Every client command takes --nats URL (or $KSCORE_NATS_URL); without it\n"
     "the local stack is used. `kscore COMMAND --help` for details.\n"
@@ -203,6 +204,7 @@ static const struct {
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
     {"agents", cmd_agents}, {"replay", cmd_replay}, {"batch", cmd_batch},
+    {"keygen", cmd_keygen},
     {"perf", cmd_perf},
 };
 

@@ -1,4 +1,4 @@
-#include "events.h"
+#include "events_int.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -263,8 +263,8 @@ js_publish_id(struct evt_conn *c, const char *subject, const uint8_t *buf,
 }
 
 int
-evt_publish_command(struct evt_conn *c, const Ks__Command *cmd,
-                    int timeout_ms)
+evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
+                    const Ks__Command *cmd, int timeout_ms)
 {
     char subject[16 + EVT_AGENT_ID_MAX];
     char msg_id[64];
@@ -272,7 +272,7 @@ evt_publish_command(struct evt_conn *c, const Ks__Command *cmd,
     size_t len = 0;
     int rc;
 
-    rc = pack_checked(&cmd->base, &buf, &len);
+    rc = evt__sign_command(signer, cmd, &buf, &len);
     if (rc)
         return rc;
     evt_cmd_subject(subject, sizeof(subject), cmd->agent_id);

@@ -97,14 +97,61 @@ void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
 /* Durable consumer name of an agent: "agent-<id>". */
 void evt_agent_durable(char *buf, size_t len, const char *agent_id);
 
+/* ---- signed commands (Ed25519 via OpenSSL libcrypto) -------------------- */
+
+/* A private key that signs commands (the broker's). */
+struct evt_signer;
+/* The public keys an agent trusts. */
+struct evt_verifier;
+
+#define EVT_SIGNATURE_BYTES 64
+#define EVT_KEY_ID_CHARS 16
+
 /*
- * Publishes a command to kscore.cmd.<agent_id> on KSCORE_CMDS with
- * Nats-Msg-Id "<command_id>.<attempt>" and waits for the PubAck
+ * Writes a new Ed25519 key pair: the private key as PKCS#8 PEM to
+ * priv_path (mode 0600) and the public key as SubjectPublicKeyInfo PEM to
+ * pub_path (0644). Refuses to overwrite (-EEXIST). 0, -errno, KS_EINTERNAL.
+ */
+int evt_keygen(const char *priv_path, const char *pub_path);
+
+/* Loads a private key (PEM). 0, -errno, KS_EINVAL (not an Ed25519 key). */
+int evt_signer_load(const char *priv_path, struct evt_signer **out);
+void evt_signer_free(struct evt_signer *s);
+/* The signer's public key id (EVT_KEY_ID_CHARS hex chars, NUL-ended). */
+const char *evt_signer_key_id(const struct evt_signer *s);
+
+/* Signs data: sig gets EVT_SIGNATURE_BYTES bytes. 0 or KS_EINTERNAL. */
+int evt_sign(const struct evt_signer *s, const void *data, size_t len,
+             uint8_t sig[EVT_SIGNATURE_BYTES]);
+
+/* An empty verifier; add keys with evt_verifier_add_file/_signer. */
+int evt_verifier_new(struct evt_verifier **out);
+void evt_verifier_free(struct evt_verifier *v);
+/* Trusts the public key in a PEM file (public or private key). */
+int evt_verifier_add_file(struct evt_verifier *v, const char *path);
+/* Trusts the public half of a signer (in-process agents). */
+int evt_verifier_add_signer(struct evt_verifier *v,
+                            const struct evt_signer *s);
+/* Number of trusted keys. */
+size_t evt_verifier_count(const struct evt_verifier *v);
+
+/*
+ * Checks sig over data with the trusted key named key_id (any trusted key
+ * when key_id is empty). 0 if valid; KS_EREJECTED if not. Any thread.
+ */
+int evt_verify(const struct evt_verifier *v, const char *key_id,
+               const void *data, size_t len, const uint8_t *sig,
+               size_t sig_len);
+
+/*
+ * Publishes a command to kscore.cmd.<agent_id> on KSCORE_CMDS as a
+ * SignedCommand (signed by signer) with Nats-Msg-Id
+ * "<command_id>.<attempt>" and waits for the PubAck
  * (timeout_ms). Returns 0, KS_ETOOBIG (packed size over
  * KS_MAX_MESSAGE_BYTES; nothing published), KS_ETIMEDOUT, KS_ENATS.
  */
-int evt_publish_command(struct evt_conn *c, const Ks__Command *cmd,
-                        int timeout_ms);
+int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
+                        const Ks__Command *cmd, int timeout_ms);
 
 /*
  * Publishes an event to kscore.evt.cmd.<command_id> (or kscore.evt.<stream>

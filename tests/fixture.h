@@ -59,6 +59,8 @@ struct fixture_stack {
     struct fixture_nats nats;
     char dir[PATH_MAX]; /* logs and pid files of broker and agent */
     char agent_id[64];
+    char signing_key[PATH_MAX + 16]; /* <dir>/broker.key (kscore keygen) */
+    char trust_key[PATH_MAX + 16];   /* <dir>/broker.pub */
 };
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);

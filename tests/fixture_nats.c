@@ -145,7 +145,8 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
     char *argv[] = {(char *)kscore_bin(), "broker",     "--nats",
                     s->nats.url,          "--db",       s->pg.conninfo,
                     "--local-agents",     n,            "--state-dir",
-                    state,                NULL};
+                    state,                "--signing-key", s->signing_key,
+                    NULL};
     rc = stack_daemon(s->dir, "broker", argv, &pid);
     if (rc == 0)
         rc = wait_broker(s->nats.url, 30000);
@@ -178,7 +179,7 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     snprintf(state, sizeof(state), "%s/agent-%s", s->dir, s->agent_id);
     char *argv[] = {(char *)kscore_bin(), "agent",    "--id", s->agent_id,
                     "--nats",             s->nats.url, "--state-dir", state,
-                    NULL};
+                    "--trust-key",        s->trust_key, NULL};
     if (extra_env) {
         /* "K=V K2=V2": set for the child only (stack_daemon inherits). */
         char *copy = strdup(extra_env), *save = NULL;
@@ -224,6 +225,8 @@ fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
     argv[n++] = s->nats.url;
     argv[n++] = "--state-dir";
     argv[n++] = state;
+    argv[n++] = "--trust-key";
+    argv[n++] = s->trust_key;
     for (size_t i = 0; extra && extra[i] && n < 31; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
@@ -275,6 +278,11 @@ fixture_stack_start(struct fixture_stack *s, const char *agent_id,
     int rc;
     memset(s, 0, sizeof(*s));
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
+        return rc;
+    snprintf(s->signing_key, sizeof(s->signing_key), "%s/broker.key",
+             s->dir);
+    snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
+    if ((rc = evt_keygen(s->signing_key, s->trust_key)))
         return rc;
     if ((rc = fixture_nats_start(&s->nats, NULL)))
         return rc;
