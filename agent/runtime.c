@@ -44,10 +44,11 @@ struct outbox_item {
     char event_id[37];
     uint8_t *buf;
     size_t len;
-    char subject[96];
+    char subject[16 + EVT_AGENT_ID_MAX + 40];
 };
 
 struct job_ctx {
+    char operator_name[64];
     struct agent *agent;
     uint64_t job_id;
     struct agent_slot *slot;
@@ -156,8 +157,8 @@ queue_event(struct agent *a, const Ks__Event *ev)
         return rc;
     }
     snprintf(it->event_id, sizeof(it->event_id), "%s", ev->event_id);
-    snprintf(it->subject, sizeof(it->subject), "kscore.evt.cmd.%s",
-             ev->command_id);
+    evt_event_subject(it->subject, sizeof(it->subject), ev->agent_id,
+                      ev->command_id);
     if (a->state_dir) {
         char path[4096], tmp[4200];
         int fd;
@@ -210,8 +211,8 @@ outbox_load(struct agent *a)
                 it->len = (size_t)st.st_size;
                 memcpy(it->event_id, de->d_name, 36);
                 it->event_id[36] = '\0';
-                snprintf(it->subject, sizeof(it->subject),
-                         "kscore.evt.cmd.%s", ev->command_id);
+                evt_event_subject(it->subject, sizeof(it->subject),
+                                  ev->agent_id, ev->command_id);
                 ks__event__free_unpacked(ev, NULL);
                 outbox_push(a, it);
                 it = NULL;
@@ -370,6 +371,7 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     ev.command_id = j->command_id;
     ev.agent_id = j->slot->id;
     ev.attempt = j->attempt;
+    ev.operator_ = j->operator_name;
     ev.result = &r;
     if (queue_event(a, &ev) != 0)
         fprintf(stderr, "kscore agent: cannot queue result of %s\n",
@@ -424,6 +426,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.event_id = event_id;
     req.expected_version = cmd->dispatch_version;
     req.start_failure = start_failure;
+    req.operator_ = cmd->operator_;
     /* Retried with the same event_id: a claim whose reply was lost is
      * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
      * restarting answers "no responders" at once: wait for it rather than
@@ -547,6 +550,8 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     j->slot = slot;
     j->attempt = cmd->attempt;
     snprintf(j->command_id, sizeof(j->command_id), "%s", cmd->command_id);
+    snprintf(j->operator_name, sizeof(j->operator_name), "%s",
+             cmd->operator_);
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it is in the map with its job id. */
     pthread_mutex_lock(&a->mu);

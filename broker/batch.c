@@ -39,6 +39,7 @@ struct btarget {
 
 struct batch {
     char id[48]; /* "batch-<uuid>" */
+    char operator_name[64];
     Ks__BatchRequest *req; /* owned; req->spec is every target's spec */
     struct btarget *t;
     size_t n, next; /* next: first never-dispatched target */
@@ -222,6 +223,7 @@ batch_event(struct plan *p, struct batch *bt, const char *type)
     snprintf(s->stream, sizeof(s->stream), "%s", bt->id);
     broker__event_init(&s->ev, s->id, s->stream, type, NULL);
     s->ev.batch_id = bt->id;
+    s->ev.operator_ = bt->operator_name;
     counts_of(bt, &s->counts);
     s->ev.batch_counts = &s->counts;
     return s;
@@ -250,7 +252,7 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     cmd->not_after_us = cmd->issued_at_us + (int64_t)deliver_ms * 1000;
     cmd->dispatch_version = 2;
     cmd->batch_id = bt->id;
-    cmd->operator_ = "";
+    cmd->operator_ = bt->operator_name;
     broker__start_events(&a->ev, &d->ev, ids, a->stream, cmd, NULL);
     memcpy(a->id, ids[0], 37);
     memcpy(d->id, ids[1], 37);
@@ -278,12 +280,13 @@ cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
     a->cmd.spec = bt->req->spec;
     a->cmd.issued_at_us = ks_now_us();
     a->cmd.batch_id = bt->id;
-    a->cmd.operator_ = "";
+    a->cmd.operator_ = bt->operator_name;
     broker__event_init(&a->ev, a->id, a->stream, "CommandRequested",
                        t->command_id);
     a->ev.agent_id = t->agent_id;
     a->ev.batch_id = bt->id;
     a->ev.command = &a->cmd;
+    a->ev.operator_ = bt->operator_name;
     broker__event_init(&c->ev, c->id, a->stream, "CommandCancelled",
                        t->command_id);
     c->ev.agent_id = t->agent_id;
@@ -295,6 +298,7 @@ cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
     c->res.reason = (char *)why;
     c->ev.result = &c->res;
     c->ev.reason = (char *)why;
+    c->ev.operator_ = bt->operator_name;
     t->status = KS__COMMAND_STATUS__CANCELLED;
     t->result = copy_result(&c->res);
     t->ended_unreported = true;
@@ -547,7 +551,8 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             for (size_t k = 0; k < bt->n; k++)
                 if (bt->t[k].status == KS__COMMAND_STATUS__DISPATCHED)
                     broker__cancel_command(b, b->st_batch,
-                                           bt->t[k].command_id);
+                                           bt->t[k].command_id,
+                                           bt->operator_name);
         }
         for (size_t k = 0; k < bt->n; k++)
             if (bt->t[k].ended_unreported) {
@@ -835,6 +840,8 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     bt->max_err = resolve_amount(req->max_errors, r.n, false);
     bt->strict = req->strict_errors;
     bt->start_mono_us = ks_mono_us();
+    snprintf(bt->operator_name, sizeof(bt->operator_name), "%s",
+             broker__operator_of(msg));
     const char *reply = natsMsg_GetReply(msg);
     if (reply) {
         if (req->detach)

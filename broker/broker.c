@@ -56,6 +56,26 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     free(w);
 }
 
+int
+broker__is_method(const char *subject, const char *method)
+{
+    size_t n = strlen(method);
+    return strncmp(subject, method, n) == 0 &&
+           (subject[n] == '\0' || subject[n] == '.');
+}
+
+const char *
+broker__operator_of(natsMsg *msg)
+{
+    const char *subj = natsMsg_GetSubject(msg);
+    const char *dot = strrchr(subj, '.');
+    /* "kscore.api.v1.<method>.<operator>": 5 tokens. */
+    int dots = 0;
+    for (const char *p = subj; *p; p++)
+        dots += *p == '.';
+    return dots == 4 && dot ? dot + 1 : "anonymous";
+}
+
 static int
 is_batch_id(const char *id)
 {
@@ -81,12 +101,14 @@ broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev, char ids[2][37],
     req_ev->batch_id = cmd->batch_id;
     req_ev->command = cmd;
     req_ev->reason = (char *)(idempotency_key ? idempotency_key : "");
+    req_ev->operator_ = cmd->operator_;
     broker__event_init(disp_ev, ids[1], stream, "CommandDispatched",
                        cmd->command_id);
     disp_ev->agent_id = cmd->agent_id;
     disp_ev->batch_id = cmd->batch_id;
     disp_ev->attempt = 1;
     disp_ev->occurred_at_us = req_ev->occurred_at_us;
+    disp_ev->operator_ = cmd->operator_;
     disp_ev->deliver_by_us =
         cmd->issued_at_us + broker__attempt_window_us(cmd);
 }
@@ -260,7 +282,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     cmd.issued_at_us = ks_now_us();
     cmd.not_after_us = cmd.issued_at_us + (int64_t)deliver_ms * 1000;
     cmd.dispatch_version = 2;
-    cmd.operator_ = "";
+    cmd.operator_ = (char *)broker__operator_of(msg);
     cmd.batch_id = "";
 
     /* Refuse what cannot be published before recording anything (K21). */
@@ -374,7 +396,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     ev.agent_id = req->agent_id;
     ev.attempt = req->attempt;
     ev.occurred_at_us = ks_now_us();
-    ev.operator_ = "";
+    ev.operator_ = req->operator_;
     if (req->start_failure) {
         ev.type = "CommandStartFailed";
         ev.result = req->start_failure;
@@ -591,7 +613,7 @@ on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 int
 broker__cancel_command(struct broker *b, struct store *st,
-                       const char *command_id)
+                       const char *command_id, const char *operator_name)
 {
     Ks__CommandView *view = NULL;
     char stream[64], evid[37], subject[32 + EVT_AGENT_ID_MAX];
@@ -614,6 +636,7 @@ broker__cancel_command(struct broker *b, struct store *st,
                                command_id);
             ev.agent_id = view->agent_id;
             ev.reason = "cancel requested";
+            ev.operator_ = (char *)operator_name;
             struct store_event se = {&ev};
             rc = store_append(st, stream, STORE_ANY, &se, 1, NULL);
             if (rc)
@@ -637,6 +660,7 @@ broker__cancel_command(struct broker *b, struct store *st,
         ev.batch_id = view->batch_id;
         ev.result = &res;
         ev.reason = res.reason;
+        ev.operator_ = (char *)operator_name;
         struct store_event se = {&ev};
         rc = store_append(st, stream, view->version, &se, 1, NULL);
         if (rc == 0) {
@@ -671,7 +695,8 @@ handle_cancel(struct broker *b, natsMsg *msg)
     } else if (rc == 0 && !ks_is_uuid(req->id)) {
         rc = KS_EINVAL;
     } else if (rc == 0) {
-        rc = broker__cancel_command(b, b->st_misc, req->id);
+        rc = broker__cancel_command(b, b->st_misc, req->id,
+                                    broker__operator_of(msg));
     }
     if (rc) {
         r.error_code = rc;
@@ -707,13 +732,13 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     (void)sub;
     struct broker *b = ud;
     pthread_mutex_lock(&b->misc_mu);
-    if (strcmp(subj, EVT_API_GET) == 0)
+    if (broker__is_method(subj, EVT_API_GET))
         handle_get(ud, msg);
-    else if (strcmp(subj, EVT_API_EVENTS) == 0)
+    else if (broker__is_method(subj, EVT_API_EVENTS))
         handle_events(ud, msg);
-    else if (strcmp(subj, EVT_API_CANCEL) == 0)
+    else if (broker__is_method(subj, EVT_API_CANCEL))
         handle_cancel(ud, msg);
-    else if (strcmp(subj, EVT_API_AGENTS) == 0)
+    else if (broker__is_method(subj, EVT_API_AGENTS))
         handle_agents(ud, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
@@ -734,16 +759,19 @@ open_store(struct broker *b, struct store **out, char **errmsg)
     return rc;
 }
 
+/* Serves "<subject>.<operator>" (see events.h "API subjects"). */
 static int
-subscribe(struct broker *b, natsSubscription **sub, const char *subject,
-          natsMsgHandler cb, char **errmsg)
+subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
+             natsMsgHandler cb, void *ud, char **errmsg)
 {
-    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, subject,
-                                                 EVT_BROKER_QUEUE, cb, b);
+    char full[128];
+    snprintf(full, sizeof(full), "%s.*", subject);
+    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
+                                                 EVT_BROKER_QUEUE, cb, ud);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
-        if (errmsg && asprintf(errmsg, "subscribe %s: %s", subject,
+        if (errmsg && asprintf(errmsg, "subscribe %s: %s", full,
                                natsStatus_GetText(s)) < 0)
             *errmsg = NULL;
         return KS_ENATS;
@@ -752,20 +780,21 @@ subscribe(struct broker *b, natsSubscription **sub, const char *subject,
 }
 
 static int
+subscribe(struct broker *b, natsSubscription **sub, const char *subject,
+          natsMsgHandler cb, char **errmsg)
+{
+    return subscribe_ud(b, sub, subject, cb, b, errmsg);
+}
+
+static int
 subscribe_claimers(struct broker *b, char **errmsg)
 {
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         struct broker__claimer *cl = &b->claimers[i];
-        natsStatus s = natsConnection_QueueSubscribe(
-            &cl->sub, b->nc->nc, EVT_API_CLAIM, EVT_BROKER_QUEUE, on_claim, cl);
-        if (s == NATS_OK)
-            s = natsSubscription_SetPendingLimits(cl->sub, -1, -1);
-        if (s != NATS_OK) {
-            if (errmsg && asprintf(errmsg, "subscribe %s: %s", EVT_API_CLAIM,
-                                   natsStatus_GetText(s)) < 0)
-                *errmsg = NULL;
-            return KS_ENATS;
-        }
+        int rc = subscribe_ud(b, &cl->sub, EVT_API_CLAIM, on_claim, cl,
+                              errmsg);
+        if (rc)
+            return rc;
     }
     return 0;
 }

@@ -92,6 +92,12 @@ void broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev,
                           char ids[2][37], char *stream, Ks__Command *cmd,
                           const char *idempotency_key);
 
+/* 1 if subject is method's, with or without the operator token. */
+int broker__is_method(const char *subject, const char *method);
+/* The operator a request came from: the subject's last token (events.h
+ * "API subjects"); static or the message's storage. */
+const char *broker__operator_of(natsMsg *msg);
+
 /* Checks a command spec; KS_EINVAL with one line in why. */
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
@@ -100,7 +106,7 @@ int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
  * no agent claimed it yet, else records CommandCancelRequested and tells
  * its agent. Uses st. 0, KS_ENOTFOUND, KS_EPG. Terminal: 0, nothing. */
 int broker__cancel_command(struct broker *b, struct store *st,
-                           const char *command_id);
+                           const char *command_id, const char *operator_name);
 
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);

@@ -67,12 +67,19 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         rc = evt_unpack(&ks__event__descriptor, natsMsg_GetData(msgs[i]),
                         (size_t)natsMsg_GetDataLength(msgs[i]), &m);
         Ks__Event *ev = (Ks__Event *)m;
+        char want[16 + EVT_AGENT_ID_MAX + 40];
+        if (rc == 0)
+            evt_event_subject(want, sizeof(want), ev->agent_id,
+                              ev->command_id);
+        /* The subject is what NATS permissions vouch for: an agent may only
+         * publish under its own id, so an event claiming another agent (or
+         * another command) is refused. */
         if (rc || !ks_is_uuid(ev->event_id) || !ev->stream_id[0] ||
-            !ev->type[0]) {
+            !ev->type[0] || strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
             /* A message that can never be recorded: drop it for good
              * rather than redeliver it forever. */
-            fprintf(stderr, "kscore recorder: dropping undecodable event "
-                            "on %s\n",
+            fprintf(stderr, "kscore recorder: dropping an undecodable or "
+                            "misaddressed event on %s\n",
                     natsMsg_GetSubject(msgs[i]));
             if (m)
                 protobuf_c_message_free_unpacked(m, NULL);

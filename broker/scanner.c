@@ -55,7 +55,8 @@ read_requested(struct store *st, const char *stream, Ks__Event **out)
 /* Appends a terminal status event and answers the waiting client. */
 static void
 end_command(struct broker *b, const struct store_command_ref *ref,
-            const char *type, Ks__CommandStatus status, const char *reason)
+            const char *type, Ks__CommandStatus status, const char *reason,
+            const char *operator_name)
 {
     char stream[64], evid[37];
     Ks__CommandResult res = KS__COMMAND_RESULT__INIT;
@@ -69,6 +70,7 @@ end_command(struct broker *b, const struct store_command_ref *ref,
     ev.agent_id = (char *)ref->agent_id;
     ev.attempt = ref->attempt;
     ev.reason = (char *)reason;
+    ev.operator_ = (char *)operator_name;
     ev.result = &res;
     struct store_event se = {&ev};
     if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0)
@@ -100,7 +102,8 @@ on_overdue(const struct store_command_ref *ref, void *ud)
                  (double)(cmd->not_after_us - cmd->issued_at_us) / 1e6,
                  ref->attempt, ref->attempt == 1 ? "" : "s");
         end_command(b, ref, "CommandUndeliverable",
-                    KS__COMMAND_STATUS__UNDELIVERABLE, reason);
+                    KS__COMMAND_STATUS__UNDELIVERABLE, reason,
+                    cmd->operator_);
         goto out;
     }
     /* Re-dispatch: a new attempt with a new Nats-Msg-Id, fenced by the
@@ -115,6 +118,7 @@ on_overdue(const struct store_command_ref *ref, void *ud)
         disp.attempt == BROKER_MAX_ATTEMPTS)
         disp.deliver_by_us = cmd->not_after_us;
     disp.reason = "not claimed in time: re-published";
+    disp.operator_ = cmd->operator_;
     struct store_event se = {&disp};
     if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0) {
         cmd->attempt = disp.attempt;
@@ -156,7 +160,14 @@ on_running(const struct store_command_ref *ref, void *ud)
     snprintf(reason, sizeof(reason),
              "agent %s stopped heartbeating (none for %d s)", ref->agent_id,
              EVT_AGENT_TTL_MS / 1000);
-    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, reason);
+    char stream[64];
+    Ks__Event *req = NULL;
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    read_requested(b->st_scan, stream, &req);
+    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, reason,
+                req ? req->command->operator_ : "");
+    if (req)
+        ks__event__free_unpacked(req, NULL);
     return 0;
 }
 

@@ -99,6 +99,21 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         rc = KS_EINVAL;
         goto out;
     }
+    {
+        const char *id = o->identity ? o->identity
+                         : o->user   ? o->user
+                                     : "anonymous";
+        size_t j = 0;
+        for (size_t i = 0; id[i] && j + 1 < sizeof(c->identity); i++) {
+            char ch = id[i];
+            int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                     (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
+            c->identity[j++] = ok ? ch : '_';
+        }
+        c->identity[j] = '\0';
+        if (!j)
+            snprintf(c->identity, sizeof(c->identity), "anonymous");
+    }
     s = natsConnection_Connect(&c->nc, opts);
     if (s != NATS_OK) {
         if (errmsg)
@@ -225,6 +240,15 @@ evt_agent_id_valid(const char *id)
 }
 
 void
+evt_event_subject(char *buf, size_t len, const char *agent_id,
+                  const char *command_id)
+{
+    snprintf(buf, len, "kscore.evt.%s.%s",
+             agent_id && agent_id[0] ? agent_id : "_",
+             command_id && command_id[0] ? command_id : "_");
+}
+
+void
 evt_cmd_subject(char *buf, size_t len, const char *agent_id)
 {
     snprintf(buf, len, "kscore.cmd.%s", agent_id);
@@ -285,7 +309,7 @@ evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
 int
 evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
 {
-    char subject[128];
+    char subject[16 + EVT_AGENT_ID_MAX + 40];
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -293,11 +317,7 @@ evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
     rc = pack_checked(&ev->base, &buf, &len);
     if (rc)
         return rc;
-    if (ev->command_id && ev->command_id[0])
-        snprintf(subject, sizeof(subject), "kscore.evt.cmd.%s",
-                 ev->command_id);
-    else
-        snprintf(subject, sizeof(subject), "kscore.evt.other");
+    evt_event_subject(subject, sizeof(subject), ev->agent_id, ev->command_id);
     rc = js_publish_id(c, subject, buf, len, ev->event_id, timeout_ms);
     free(buf);
     return rc;
@@ -313,9 +333,14 @@ evt_request(struct evt_conn *c, const char *subject,
     natsStatus s;
     int rc;
 
+    char full[256];
     rc = pack_checked(msg, &buf, &len);
     if (rc)
         return rc;
+    if (strncmp(subject, EVT_API_PREFIX, strlen(EVT_API_PREFIX)) == 0) {
+        snprintf(full, sizeof(full), "%s.%s", subject, c->identity);
+        subject = full;
+    }
     s = natsConnection_Request(&reply, c->nc, subject, buf, (int)len,
                                timeout_ms);
     free(buf);
@@ -342,6 +367,47 @@ evt_publish_msg(struct evt_conn *c, const char *subject,
     return evt_err(s);
 }
 
+/*
+ * 1 if m or a message inside it kept an unknown field numbered 0. Field 0
+ * does not exist (protobuf encoding spec: field numbers start at 1), and
+ * protobuf-c 1.4.1 refuses it as the one-byte tag 00 but accepts it spelt
+ * as a longer varint (80 00) and keeps it; packing writes it back as 00,
+ * which protobuf-c then refuses. Such a message decodes once and never
+ * again: the recorder would re-pack it into the event log and leave a row
+ * that no reader or replay can decode. Found by tests/fuzz/fuzz_unpack.
+ * kscore.proto has no recursive message, so the depth is the schema's.
+ */
+static int
+has_field_zero(const ProtobufCMessage *m)
+{
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+
+    for (unsigned i = 0; i < m->n_unknown_fields; i++)
+        if (m->unknown_fields[i].tag == 0)
+            return 1;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        const char *member = (const char *)m + f->offset;
+
+        if (f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n =
+                *(const size_t *)((const char *)m + f->quantifier_offset);
+            ProtobufCMessage *const *v =
+                *(ProtobufCMessage *const *const *)member;
+            for (size_t j = 0; j < n; j++)
+                if (has_field_zero(v[j]))
+                    return 1;
+        } else {
+            const ProtobufCMessage *sub = *(ProtobufCMessage *const *)member;
+            if (sub && has_field_zero(sub))
+                return 1;
+        }
+    }
+    return 0;
+}
+
 int
 evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
            size_t len, ProtobufCMessage **out)
@@ -352,6 +418,10 @@ evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
     m = protobuf_c_message_unpack(desc, NULL, len, data);
     if (!m)
         return KS_EDECODE;
+    if (has_field_zero(m)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        return KS_EDECODE;
+    }
     *out = m;
     return 0;
 }

@@ -33,6 +33,14 @@
 #define EVT_BROKER_QUEUE "kscore-broker"
 #define EVT_RECORDER_DURABLE "kscore-recorder"
 
+/*
+ * API subjects. A request goes to "<subject>.<identity>": the last token
+ * names who asks (the NATS user). With the permissions of
+ * deploy/nats-auth.conf.in a user may publish only under its own name, so
+ * the broker learns the operator from the subject, unforgeably. Without
+ * NATS authentication the name is only self-declared ("anonymous").
+ */
+#define EVT_API_PREFIX "kscore.api.v1."
 #define EVT_API_EXECUTE "kscore.api.v1.execute"
 #define EVT_API_CLAIM "kscore.api.v1.claim"
 #define EVT_API_GET "kscore.api.v1.get"
@@ -63,11 +71,14 @@ struct evt_connect_opts {
                              one thread per subscription (many agent ids) */
     const char *user, *password, *token, *creds_file;
     const char *tls_ca, *tls_cert, *tls_key;
+    const char *identity; /* token in API subjects; NULL: user, else
+                             "anonymous" */
 };
 
 struct evt_conn {
     natsConnection *nc;
     jsCtx *js;
+    char identity[64]; /* a valid subject token */
 };
 
 /*
@@ -91,6 +102,15 @@ int evt_setup(struct evt_conn *c, char **errmsg);
 
 /* 1 if id is a valid agent id: [A-Za-z0-9_-], 1..EVT_AGENT_ID_MAX. */
 int evt_agent_id_valid(const char *id);
+
+/*
+ * The subject of an agent's event: "kscore.evt.<agent_id>.<command_id>", so
+ * NATS permissions can let each agent publish only its own events
+ * ("kscore.evt.<id>.>"); the recorder checks the event's agent_id against
+ * the subject. buf >= 16 + EVT_AGENT_ID_MAX + 37.
+ */
+void evt_event_subject(char *buf, size_t len, const char *agent_id,
+                       const char *command_id);
 
 /* "kscore.cmd.<agent>" into buf (>= 12 + EVT_AGENT_ID_MAX). */
 void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
@@ -154,16 +174,15 @@ int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                         const Ks__Command *cmd, int timeout_ms);
 
 /*
- * Publishes an event to kscore.evt.cmd.<command_id> (or kscore.evt.<stream>
- * when it has no command id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,
+ * Publishes an event to evt_event_subject(agent_id, command_id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,
  * waiting for the PubAck (timeout_ms). A duplicate PubAck counts as
  * success. Returns 0, KS_ETOOBIG, KS_ETIMEDOUT, KS_ENATS.
  */
 int evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms);
 
 /*
- * Packs msg and sends it as a core request to subject; waits timeout_ms for
- * one reply. On 0, *reply_out is the reply (natsMsg_Destroy it).
+ * Packs msg and sends it as a core request to subject (API subjects get
+ * ".<identity>" appended); waits timeout_ms for one reply. On 0, *reply_out is the reply (natsMsg_Destroy it).
  * Returns KS_ETIMEDOUT, KS_EUNAVAIL (no responders: nobody serves subject),
  * KS_ENATS, -ENOMEM.
  */
