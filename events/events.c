@@ -408,47 +408,6 @@ has_field_zero(const ProtobufCMessage *m)
     return 0;
 }
 
-/*
- * 1 if m or a message inside it kept an unknown field numbered 0. Field 0
- * does not exist (protobuf encoding spec: field numbers start at 1), and
- * protobuf-c 1.4.1 refuses it as the one-byte tag 00 but accepts it spelt
- * as a longer varint (80 00) and keeps it; packing writes it back as 00,
- * which protobuf-c then refuses. Such a message decodes once and never
- * again: the recorder would re-pack it into the event log and leave a row
- * that no reader or replay can decode. Found by tests/fuzz/fuzz_unpack.
- * kscore.proto has no recursive message, so the depth is the schema's.
- */
-static int
-has_field_zero(const ProtobufCMessage *m)
-{
-    const ProtobufCMessageDescriptor *d = m->descriptor;
-
-    for (unsigned i = 0; i < m->n_unknown_fields; i++)
-        if (m->unknown_fields[i].tag == 0)
-            return 1;
-    for (unsigned i = 0; i < d->n_fields; i++) {
-        const ProtobufCFieldDescriptor *f = &d->fields[i];
-        const char *member = (const char *)m + f->offset;
-
-        if (f->type != PROTOBUF_C_TYPE_MESSAGE)
-            continue;
-        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
-            size_t n =
-                *(const size_t *)((const char *)m + f->quantifier_offset);
-            ProtobufCMessage *const *v =
-                *(ProtobufCMessage *const *const *)member;
-            for (size_t j = 0; j < n; j++)
-                if (has_field_zero(v[j]))
-                    return 1;
-        } else {
-            const ProtobufCMessage *sub = *(ProtobufCMessage *const *)member;
-            if (sub && has_field_zero(sub))
-                return 1;
-        }
-    }
-    return 0;
-}
-
 int
 evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
            size_t len, ProtobufCMessage **out)
