@@ -13,37 +13,28 @@
 #include <string.h>
 #include <strings.h>
 
-enum proj_kind {
-    PROJ_NONE,      /* unknown type: recorded, no projection */
-    PROJ_REQUESTED, /* inserts the commands row (and batch target) */
-    PROJ_STATUS,    /* a new status */
-    PROJ_RESULT,    /* a new status from a CommandResult */
-    PROJ_VERSION,   /* known, changes only the row's version */
-    PROJ_BATCH,     /* the batches row */
-};
-
 static const struct {
     const char *type;
-    enum proj_kind kind;
+    enum store__proj_kind kind;
     Ks__CommandStatus status;
 } event_types[] = {
-    {"CommandRequested", PROJ_REQUESTED, KS__COMMAND_STATUS__PENDING},
-    {"CommandDispatched", PROJ_STATUS, KS__COMMAND_STATUS__DISPATCHED},
-    {"CommandStarted", PROJ_STATUS, KS__COMMAND_STATUS__RUNNING},
-    {"CommandCompleted", PROJ_RESULT, KS__COMMAND_STATUS__STATUS_UNSPECIFIED},
-    {"CommandStartFailed", PROJ_RESULT, KS__COMMAND_STATUS__START_FAILED},
-    {"CommandUndeliverable", PROJ_STATUS, KS__COMMAND_STATUS__UNDELIVERABLE},
-    {"CommandLost", PROJ_STATUS, KS__COMMAND_STATUS__LOST},
-    {"CommandCancelled", PROJ_STATUS, KS__COMMAND_STATUS__CANCELLED},
-    {"CommandCancelRequested", PROJ_VERSION, 0},
-    {"CommandRejected", PROJ_VERSION, 0},
-    {"DuplicateSuppressed", PROJ_VERSION, 0},
-    {"BatchRequested", PROJ_BATCH, 0},
-    {"BatchCompleted", PROJ_BATCH, 0},
-    {"BatchCancelled", PROJ_BATCH, 0},
+    {"CommandRequested", STORE__PROJ_REQUESTED, KS__COMMAND_STATUS__PENDING},
+    {"CommandDispatched", STORE__PROJ_STATUS, KS__COMMAND_STATUS__DISPATCHED},
+    {"CommandStarted", STORE__PROJ_STATUS, KS__COMMAND_STATUS__RUNNING},
+    {"CommandCompleted", STORE__PROJ_RESULT, KS__COMMAND_STATUS__STATUS_UNSPECIFIED},
+    {"CommandStartFailed", STORE__PROJ_RESULT, KS__COMMAND_STATUS__START_FAILED},
+    {"CommandUndeliverable", STORE__PROJ_STATUS, KS__COMMAND_STATUS__UNDELIVERABLE},
+    {"CommandLost", STORE__PROJ_STATUS, KS__COMMAND_STATUS__LOST},
+    {"CommandCancelled", STORE__PROJ_STATUS, KS__COMMAND_STATUS__CANCELLED},
+    {"CommandCancelRequested", STORE__PROJ_VERSION, 0},
+    {"CommandRejected", STORE__PROJ_VERSION, 0},
+    {"DuplicateSuppressed", STORE__PROJ_VERSION, 0},
+    {"BatchRequested", STORE__PROJ_BATCH, 0},
+    {"BatchCompleted", STORE__PROJ_BATCH, 0},
+    {"BatchCancelled", STORE__PROJ_BATCH, 0},
 };
 
-static enum proj_kind
+static enum store__proj_kind
 classify(const char *type, Ks__CommandStatus *status)
 {
     for (size_t i = 0; i < sizeof(event_types) / sizeof(event_types[0]); i++)
@@ -51,7 +42,7 @@ classify(const char *type, Ks__CommandStatus *status)
             *status = event_types[i].status;
             return event_types[i].kind;
         }
-    return PROJ_NONE;
+    return STORE__PROJ_NONE;
 }
 
 static const char *
@@ -60,8 +51,8 @@ nz(const char *s)
     return s && *s ? s : NULL;
 }
 
-static const char *
-command_id_of(const Ks__Event *ev)
+const char *
+store__command_id(const Ks__Event *ev)
 {
     if (nz(ev->command_id))
         return ev->command_id;
@@ -72,8 +63,8 @@ command_id_of(const Ks__Event *ev)
     return NULL;
 }
 
-static const char *
-batch_id_of(const Ks__Event *ev)
+const char *
+store__batch_id(const Ks__Event *ev)
 {
     if (nz(ev->batch_id))
         return ev->batch_id;
@@ -89,22 +80,22 @@ static int
 validate(const Ks__Event *ev)
 {
     Ks__CommandStatus st;
-    enum proj_kind kind;
+    enum store__proj_kind kind;
 
     if (!ev || !ks_is_uuid(ev->event_id) || !nz(ev->stream_id) ||
         !nz(ev->type))
         return KS_EINVAL;
     kind = classify(ev->type, &st);
-    if (kind == PROJ_NONE)
+    if (kind == STORE__PROJ_NONE)
         return 0;
-    if (kind == PROJ_BATCH)
-        return batch_id_of(ev) ? 0 : KS_EINVAL;
-    return ks_is_uuid(command_id_of(ev)) ? 0 : KS_EINVAL;
+    if (kind == STORE__PROJ_BATCH)
+        return store__batch_id(ev) ? 0 : KS_EINVAL;
+    return ks_is_uuid(store__command_id(ev)) ? 0 : KS_EINVAL;
 }
 
 /* The status a CommandCompleted without one stands for. */
-static Ks__CommandStatus
-result_status(const Ks__CommandResult *r, Ks__CommandStatus dflt)
+Ks__CommandStatus
+store__result_status(const Ks__CommandResult *r, Ks__CommandStatus dflt)
 {
     if (r->status != KS__COMMAND_STATUS__STATUS_UNSPECIFIED)
         return r->status;
@@ -124,8 +115,8 @@ result_status(const Ks__CommandResult *r, Ks__CommandStatus dflt)
  * which live once, in the stdout/stderr columns; store_get_command() puts
  * them back.
  */
-static int
-pack_result_sans_output(struct store__buf *b, const Ks__CommandResult *r)
+int
+store__pack_result(struct store__buf *b, const Ks__CommandResult *r)
 {
     Ks__CommandResult copy = *r;
     Ks__Output out, err;
@@ -161,29 +152,37 @@ p_output(struct store__params *p, const Ks__Output *o)
         store__p_null(p);
 }
 
+enum store__proj_kind
+store__proj_kind(const Ks__Event *ev, Ks__CommandStatus *status)
+{
+    enum store__proj_kind kind = classify(ev->type, status);
+
+    if (kind == STORE__PROJ_RESULT && !ev->result)
+        kind = *status ? STORE__PROJ_STATUS : STORE__PROJ_VERSION;
+    /* A status event that carries a result (CommandCancelled) keeps it. */
+    if (kind == STORE__PROJ_STATUS && ev->result)
+        kind = STORE__PROJ_RESULT;
+    return kind;
+}
+
 int
 store__send_project(struct store *s, const Ks__Event *ev, bool replay)
 {
     struct store__params p = {0};
     Ks__CommandStatus st = 0;
-    enum proj_kind kind = classify(ev->type, &st);
+    enum store__proj_kind kind = store__proj_kind(ev, &st);
     const Ks__Command *cmd = ev->command;
     const Ks__CommandResult *r = ev->result;
     int rc;
 
-    if (kind == PROJ_NONE)
+    if (kind == STORE__PROJ_NONE)
         return 0;
-    if (kind == PROJ_RESULT && !r)
-        kind = st ? PROJ_STATUS : PROJ_VERSION;
-    /* A status event that carries a result (CommandCancelled) keeps it. */
-    if (kind == PROJ_STATUS && r)
-        kind = PROJ_RESULT;
 
     store__p_text(&p, ev->event_id);                              /* 1 */
     store__p_bool(&p, replay);                                    /* 2 */
     store__p_text(&p, ev->type);                                  /* 3 */
-    store__p_text(&p, kind == PROJ_BATCH ? NULL : command_id_of(ev)); /* 4 */
-    if (kind == PROJ_REQUESTED && cmd && nz(cmd->agent_id))
+    store__p_text(&p, kind == STORE__PROJ_BATCH ? NULL : store__command_id(ev)); /* 4 */
+    if (kind == STORE__PROJ_REQUESTED && cmd && nz(cmd->agent_id))
         store__p_text(&p, cmd->agent_id); /* 5 */
     else
         store__p_text_or_null(&p, ev->agent_id);
@@ -191,11 +190,11 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
     store__p_i64(&p, ev->occurred_at_us ? ev->occurred_at_us
                      : cmd             ? cmd->issued_at_us
                                        : 0); /* 7 */
-    store__p_text(&p, batch_id_of(ev));      /* 8 */
+    store__p_text(&p, store__batch_id(ev));      /* 8 */
     store__p_text_or_null(&p, nz(ev->operator_) ? ev->operator_
                               : cmd             ? cmd->operator_
                                                 : NULL); /* 9 */
-    if (kind == PROJ_REQUESTED && cmd && cmd->spec) {     /* 10 */
+    if (kind == STORE__PROJ_REQUESTED && cmd && cmd->spec) {     /* 10 */
         const Ks__CommandSpec *spec = cmd->spec;
         if ((rc = store__arr_begin(&s->argv, STORE__OID_TEXT, spec->n_argv)) <
             0)
@@ -209,14 +208,14 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
         store__p_null(&p);
     }
     /* 11: the idempotency key travels in CommandRequested.reason. */
-    store__p_text_or_null(&p, kind == PROJ_REQUESTED ? ev->reason : NULL);
-    if (kind == PROJ_STATUS) /* 12 */
+    store__p_text_or_null(&p, kind == STORE__PROJ_REQUESTED ? ev->reason : NULL);
+    if (kind == STORE__PROJ_STATUS) /* 12 */
         store__p_text(&p, kproto_status_name(st));
-    else if (kind == PROJ_RESULT)
-        store__p_text(&p, kproto_status_name(result_status(r, st)));
+    else if (kind == STORE__PROJ_RESULT)
+        store__p_text(&p, kproto_status_name(store__result_status(r, st)));
     else
         store__p_null(&p);
-    if (kind == PROJ_RESULT) {
+    if (kind == STORE__PROJ_RESULT) {
         if (r->has_exit_code) /* 13 */
             store__p_i64(&p, r->exit_code);
         else
@@ -246,7 +245,7 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
         store__p_i64(&p, r->start_errno);             /* 24 */
         store__p_i64(&p, r->started_at_us);           /* 25 */
         store__p_i64(&p, r->finished_at_us);          /* 26 */
-        if ((rc = pack_result_sans_output(&s->result, r)) < 0)
+        if ((rc = store__pack_result(&s->result, r)) < 0)
             return rc;
         store__p_bin(&p, s->result.p, s->result.len); /* 27 */
     } else {
@@ -256,7 +255,7 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
     /* 28: the delivery deadline (Requested carries it in the command). */
     if (ev->deliver_by_us)
         store__p_i64(&p, ev->deliver_by_us);
-    else if (kind == PROJ_REQUESTED && cmd && cmd->not_after_us)
+    else if (kind == STORE__PROJ_REQUESTED && cmd && cmd->not_after_us)
         store__p_i64(&p, cmd->not_after_us);
     else
         store__p_null(&p);
@@ -339,20 +338,16 @@ cmp_id_ref(const void *a, const void *b)
 }
 
 /*
- * Marks skip[i] for every event whose event_id appeared earlier in the
- * input. Returns the number marked or -ENOMEM.
+ * Sorts refs (n entries) by event_id, the first in the input first among
+ * equal ids, and marks skip[i] for every event whose event_id appeared
+ * earlier in the input. Returns the number marked.
  */
-static long
-mark_repeats(const Ks__Event *const *events, size_t n, bool *skip)
+static size_t
+mark_repeats(const Ks__Event *const *events, size_t n, struct id_ref *refs,
+             bool *skip)
 {
-    struct id_ref *refs;
-    long repeats = 0;
+    size_t repeats = 0;
 
-    if (n < 2)
-        return 0;
-    refs = malloc(n * sizeof(*refs));
-    if (!refs)
-        return -ENOMEM;
     for (size_t i = 0; i < n; i++) {
         refs[i].id = events[i]->event_id;
         refs[i].idx = i;
@@ -363,8 +358,44 @@ mark_repeats(const Ks__Event *const *events, size_t n, bool *skip)
             skip[refs[i].idx] = true;
             repeats++;
         }
-    free(refs);
     return repeats;
+}
+
+/*
+ * Marks skip[] for the first event of each id in list (KS003's DETAIL:
+ * ids, comma-separated) through refs sorted by mark_repeats(). Returns the
+ * number newly marked; tokens that are no id of the input are ignored.
+ */
+static size_t
+mark_recorded(const struct id_ref *refs, size_t n, const char *list,
+              bool *skip)
+{
+    size_t marked = 0;
+
+    while (*list) {
+        size_t len = strcspn(list, ","), lo = 0, hi = n;
+        char id[37];
+        if (len == 36) {
+            memcpy(id, list, 36);
+            id[36] = '\0';
+            while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+                if (strcasecmp(refs[mid].id, id) < 0)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            if (lo < n && strcasecmp(refs[lo].id, id) == 0 &&
+                !skip[refs[lo].idx]) {
+                skip[refs[lo].idx] = true;
+                marked++;
+            }
+        }
+        list += len;
+        if (*list == ',')
+            list++;
+    }
+    return marked;
 }
 
 /* Appends the packed event as one element of the bytea[] in b. */
@@ -424,10 +455,10 @@ store_append(struct store *s, const char *stream_id,
 {
     const Ks__Event **evs = NULL;
     struct store__params p = {0};
+    struct id_ref *refs = NULL;
     char *detail = NULL;
     int64_t version = -1;
     bool *skip = NULL;
-    long repeats;
     int rc;
 
     BUG_ON(!s || !stream_id || !events || n == 0);
@@ -435,7 +466,8 @@ store_append(struct store *s, const char *stream_id,
         return KS_EINVAL;
     evs = malloc(n * sizeof(*evs));
     skip = calloc(n, sizeof(*skip));
-    if (!evs || !skip) {
+    refs = malloc(n * sizeof(*refs));
+    if (!evs || !skip || !refs) {
         rc = -ENOMEM;
         goto out;
     }
@@ -448,9 +480,8 @@ store_append(struct store *s, const char *stream_id,
             goto out;
         }
     }
-    repeats = mark_repeats((const Ks__Event *const *)evs, n, skip);
-    if (repeats != 0) {
-        rc = repeats < 0 ? (int)repeats : KS_EINVAL;
+    if (mark_repeats((const Ks__Event *const *)evs, n, refs, skip) != 0) {
+        rc = KS_EINVAL;
         goto out;
     }
     if ((rc = store__prepare(s, NULL)) < 0)
@@ -513,39 +544,27 @@ out:
     free(detail);
     free(evs);
     free(skip);
+    free(refs);
     return rc;
 }
 
-int
-store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
-                  size_t *dup_out)
+/*
+ * The per-event path: kscore_append_many() (which skips what is recorded)
+ * and one kscore_project() per event. Taken only when batch events depend
+ * on the order of the others (store__fold_batch). *dups_out = the events
+ * skipped, repeats included.
+ */
+static int
+append_each(struct store *s, const Ks__Event *const *events, size_t n,
+            const bool *skip, int64_t *dups_out)
 {
-    int64_t dups = 0;
-    bool *skip = NULL;
-    long repeats;
     int rc = 0;
 
-    BUG_ON(!s || (n && !events));
-    if (n == 0)
-        goto done;
-    skip = calloc(n, sizeof(*skip));
-    if (!skip)
-        return -ENOMEM;
-    for (size_t i = 0; i < n; i++)
-        if ((rc = validate(events[i])) < 0)
-            goto out;
-    repeats = mark_repeats(events, n, skip);
-    if (repeats < 0) {
-        rc = (int)repeats;
-        goto out;
-    }
-    if ((rc = store__prepare(s, NULL)) < 0)
-        goto out;
     if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, n)) < 0 ||
         (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, n)) < 0 ||
         (rc = store__arr_begin(&s->types, STORE__OID_TEXT, n)) < 0 ||
         (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, n)) < 0)
-        goto out;
+        return rc;
     for (size_t i = 0; i < n; i++) {
         const Ks__Event *ev = events[i];
         if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
@@ -554,7 +573,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
             (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
                 0 ||
             (rc = put_packed_event(&s->data, ev)) < 0)
-            goto out;
+            return rc;
     }
 
     /*
@@ -568,10 +587,8 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
         store__p_bin(&p, s->streams.p, s->streams.len);
         store__p_bin(&p, s->types.p, s->types.len);
         store__p_bin(&p, s->data.p, s->data.len);
-        if (!PQenterPipelineMode(s->conn)) {
-            rc = store__pg_error(s, NULL, NULL);
-            goto out;
-        }
+        if (!PQenterPipelineMode(s->conn))
+            return store__pg_error(s, NULL, NULL);
         rc = PQsendQueryPrepared(s->conn, "ks_append_many", p.n, p.val, p.len,
                                  p.fmt, 0)
                  ? 0
@@ -585,24 +602,144 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
         }
         if (!PQpipelineSync(s->conn)) {
             pipeline_end(s);
-            rc = KS_EPG;
-            goto out;
+            return KS_EPG;
         }
-        int frc = store__pipeline_finish(s, &dups, NULL);
+        int frc = store__pipeline_finish(s, dups_out, NULL);
         if (rc == 0)
             rc = frc;
         pipeline_end(s);
         if (rc != KS_EDUPLICATE)
             break;
     }
-    if (rc == KS_EDUPLICATE)
-        rc = KS_EPG;
+    return rc == KS_EDUPLICATE ? KS_EPG : rc;
+}
+
+/*
+ * One kscore_record_many() of the events not skipped, with the fold that
+ * store__fold_batch() left in s->fold, and kscore_project() for their
+ * batch events, in one pipeline. KS_EDUPLICATE: some were recorded,
+ * *detail_out (malloc'd, may stay NULL) lists them (KS003).
+ */
+static int
+record_many(struct store *s, const Ks__Event *const *events, size_t n,
+            const bool *skip, size_t sent, char **detail_out)
+{
+    struct store__params p = {0};
+    int rc;
+
+    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, sent)) < 0 ||
+        (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, sent)) < 0 ||
+        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, sent)) < 0 ||
+        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, sent)) < 0)
+        return rc;
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        if (skip[i])
+            continue;
+        if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
+            (rc = store__arr_put(&s->streams, ev->stream_id,
+                                 strlen(ev->stream_id))) < 0 ||
+            (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
+                0 ||
+            (rc = put_packed_event(&s->data, ev)) < 0)
+            return rc;
+    }
+    store__p_bin(&p, s->ids.p, s->ids.len);
+    store__p_bin(&p, s->streams.p, s->streams.len);
+    store__p_bin(&p, s->types.p, s->types.len);
+    store__p_bin(&p, s->data.p, s->data.len);
+    for (int i = 0; i < STORE__FOLD_COLS; i++)
+        store__p_bin(&p, s->fold[i].p, s->fold[i].len);
+
+    if (!PQenterPipelineMode(s->conn))
+        return store__pg_error(s, NULL, NULL);
+    rc = PQsendQueryPrepared(s->conn, "ks_record_many", p.n, p.val, p.len,
+                             p.fmt, 0)
+             ? 0
+             : KS_EPG;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        Ks__CommandStatus st;
+        if (skip[i] ||
+            store__proj_kind(events[i], &st) != STORE__PROJ_BATCH)
+            continue;
+        int r = store__send_project(s, events[i], false);
+        if (r < 0)
+            rc = r;
+    }
+    if (!PQpipelineSync(s->conn)) {
+        pipeline_end(s);
+        return KS_EPG;
+    }
+    int frc = store__pipeline_finish(s, NULL, detail_out);
+    if (rc == 0)
+        rc = frc;
+    pipeline_end(s);
+    return rc;
+}
+
+int
+store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
+                  size_t *dup_out)
+{
+    struct id_ref *refs = NULL;
+    size_t dups = 0, sent = 0;
+    bool *skip = NULL;
+    int rc = 0;
+
+    BUG_ON(!s || (n && !events));
+    if (n == 0)
+        goto done;
+    skip = calloc(n, sizeof(*skip));
+    refs = malloc(n * sizeof(*refs));
+    if (!skip || !refs) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        if ((rc = validate(events[i])) < 0)
+            goto out;
+    dups = mark_repeats(events, n, refs, skip);
+    if ((rc = store__prepare(s, NULL)) < 0)
+        goto out;
+    /*
+     * The fold assumes every event it is given is new. If some were
+     * recorded (a redelivery), the function refuses the whole call before
+     * writing (KS003) and names them: fold again without them. A
+     * concurrent first delivery racing past its check (a unique violation)
+     * is found the same way on the next attempt.
+     */
+    for (int attempt = 0;; attempt++) {
+        char *detail = NULL;
+        if (attempt == 8) {
+            rc = KS_EPG;
+            goto out;
+        }
+        rc = store__fold_batch(s, events, n, skip, &sent);
+        if (rc == 1) {
+            int64_t skipped = 0;
+            if ((rc = append_each(s, events, n, skip, &skipped)) < 0)
+                goto out;
+            dups = (size_t)skipped;
+            break;
+        }
+        if (rc < 0)
+            goto out;
+        if (sent == 0)
+            break;
+        rc = record_many(s, events, n, skip, sent, &detail);
+        if (rc == KS_EDUPLICATE && detail)
+            dups += mark_recorded(refs, n, detail, skip);
+        free(detail);
+        if (rc != KS_EDUPLICATE)
+            break;
+    }
     if (rc < 0)
         goto out;
 done:
     if (dup_out)
-        *dup_out = (size_t)dups;
+        *dup_out = dups;
 out:
     free(skip);
+    free(refs);
     return rc;
 }

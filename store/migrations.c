@@ -9,6 +9,75 @@
  */
 #include "store_int.h"
 
+/*
+ * The batch fold (kscore_record_many), written once for both of its uses:
+ * FOLD_EXPRS(P) is the row after a command's folded events (summary s,
+ * see store/fold.c) are applied to its prior state P, in the order of
+ * FOLD_COLS. These are kscore_project()'s rules over a sequence: a
+ * terminal status is final (a terminal P keeps its status, attempt,
+ * agent, times), the first result is kept.
+ */
+#define FOLD_TERM                                                              \
+    "'{Succeeded,Failed,TimedOut,StartFailed,Cancelled,Undeliverable,Lost}'" \
+    "::text[]"
+#define FOLD_OPEN(P) "NOT (" P ".status = ANY (" FOLD_TERM "))"
+#define FOLD_RES(P, x, col)                                                    \
+    "CASE WHEN " P ".result IS NULL AND s.res IS NOT NULL THEN s." x          \
+    " ELSE " P "." col " END"
+#define FOLD_COLS                                                              \
+    "status, agent_id, attempt, dispatched_at, deliver_by, started_at,"       \
+    " finished_at, exit_code, signal, timed_out, stdout, stderr,"             \
+    " stdout_total, stderr_total, stdout_truncated, stderr_truncated,"        \
+    " duration_us, start_stage, start_errno, result"
+#define FOLD_R_COLS                                                            \
+    "r.status, r.agent_id, r.attempt, r.dispatched_at, r.deliver_by,"         \
+    " r.started_at, r.finished_at, r.exit_code, r.signal, r.timed_out,"       \
+    " r.stdout, r.stderr, r.stdout_total, r.stderr_total,"                    \
+    " r.stdout_truncated, r.stderr_truncated, r.duration_us,"                 \
+    " r.start_stage, r.start_errno, r.result"
+#define FOLD_EXPRS(P)                                                          \
+    "CASE WHEN " FOLD_OPEN(P) " THEN coalesce(s.st, " P ".status)"            \
+    " ELSE " P ".status END,\n"                                                \
+    "CASE WHEN " FOLD_OPEN(P) " THEN coalesce(s.agent, " P ".agent_id)"       \
+    " ELSE " P ".agent_id END,\n"                                              \
+    "CASE WHEN " FOLD_OPEN(P) " THEN coalesce(nullif(s.att, 0), " P           \
+    ".attempt) ELSE " P ".attempt END,\n"                                      \
+    "CASE WHEN " FOLD_OPEN(P) " AND s.disp IS NOT NULL"                       \
+    " THEN kscore_ts(s.disp) ELSE " P ".dispatched_at END,\n"                  \
+    "CASE WHEN " FOLD_OPEN(P) " AND s.deliver IS NOT NULL"                    \
+    " THEN kscore_ts(s.deliver) ELSE " P ".deliver_by END,\n"                  \
+    "CASE WHEN " FOLD_OPEN(P) " AND s.run IS NOT NULL"                        \
+    " THEN coalesce(kscore_ts(s.run), kscore_ts(s.started_after))"            \
+    " ELSE coalesce(" P ".started_at, kscore_ts(s.started_any)) END,\n"        \
+    "CASE WHEN " FOLD_OPEN(P) " AND s.st = ANY (" FOLD_TERM ")"               \
+    " THEN kscore_ts(s.fin) ELSE " P ".finished_at END,\n"                     \
+    FOLD_RES(P, "r_exit", "exit_code") ",\n"                                   \
+    FOLD_RES(P, "r_signal", "signal") ",\n"                                    \
+    FOLD_RES(P, "r_timed_out", "timed_out") ",\n"                              \
+    FOLD_RES(P, "r_stdout", "stdout") ",\n"                                    \
+    FOLD_RES(P, "r_stderr", "stderr") ",\n"                                    \
+    FOLD_RES(P, "r_stdout_total", "stdout_total") ",\n"                        \
+    FOLD_RES(P, "r_stderr_total", "stderr_total") ",\n"                        \
+    FOLD_RES(P, "r_stdout_trunc", "stdout_truncated") ",\n"                    \
+    FOLD_RES(P, "r_stderr_trunc", "stderr_truncated") ",\n"                    \
+    FOLD_RES(P, "r_duration", "duration_us") ",\n"                             \
+    FOLD_RES(P, "r_stage", "start_stage") ",\n"                                \
+    FOLD_RES(P, "r_errno", "start_errno") ",\n"                                \
+    FOLD_RES(P, "res", "result")
+/* The fold's summary rows, one per command (store/fold.c fills them). */
+#define FOLD_SUMMARY                                                           \
+    "unnest(c_id, c_last, c_req, c_agent0, c_argv_lo, c_argv_hi, c_batch,"    \
+    " c_idem, c_oper, c_req_at, c_req_deliver, c_st, c_st_first,"             \
+    " c_st_change, c_att, c_agent, c_disp, c_deliver, c_run,"                 \
+    " c_started_after, c_started_any, c_fin, c_res, c_exit, c_signal,"        \
+    " c_timed_out, c_stdout, c_stderr, c_stdout_total, c_stderr_total,"       \
+    " c_stdout_trunc, c_stderr_trunc, c_duration, c_stage, c_errno)"          \
+    " AS s(cid, last_ord, req, agent0, argv_lo, argv_hi, batch, idem, oper,"  \
+    " req_at, req_deliver, st, st_first, st_change, att, agent, disp,"        \
+    " deliver, run, started_after, started_any, fin, res, r_exit, r_signal,"  \
+    " r_timed_out, r_stdout, r_stderr, r_stdout_total, r_stderr_total,"       \
+    " r_stdout_trunc, r_stderr_trunc, r_duration, r_stage, r_errno)"
+
 /* Migration 1: the whole schema of kscore 1.0. */
 static const char migration_1[] =
     /* ---- the event log ---- */
@@ -210,6 +279,143 @@ static const char migration_1[] =
     "    PERFORM pg_notify('kscore_events', '');\n"
     "  END IF;\n"
     "  RETURN cardinality(p_ids) - inserted;\n"
+    "END $$;\n"
+    /*
+     * The recorder's batch path (store/fold.c): events that are all new
+     * (the caller dropped repeats within the batch; any already recorded
+     * raises KS003 with DETAIL = their ids, comma-separated, and the caller
+     * retries without them), then the command projections set-based from
+     * the caller's fold: one c_* entry per command, its events folded in
+     * input order (FOLD_EXPRS applies the fold to the row's prior state).
+     * c_last is the ordinal in p_ids of the last event applied to the row
+     * (its version); c_req rows are inserted in their final state, the
+     * others updated once.
+     */
+    "CREATE FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n"
+    "  p_types text[], p_data bytea[],\n"
+    "  c_id uuid[], c_last int[], c_req bool[], c_agent0 text[],\n"
+    "  c_argv text[], c_argv_lo int[], c_argv_hi int[], c_batch text[],\n"
+    "  c_idem text[], c_oper text[], c_req_at bigint[],\n"
+    "  c_req_deliver bigint[], c_st text[], c_st_first text[],\n"
+    "  c_st_change bool[], c_att int[], c_agent text[], c_disp bigint[],\n"
+    "  c_deliver bigint[], c_run bigint[], c_started_after bigint[],\n"
+    "  c_started_any bigint[], c_fin bigint[], c_res bytea[],\n"
+    "  c_exit int[], c_signal int[], c_timed_out bool[], c_stdout bytea[],\n"
+    "  c_stderr bytea[], c_stdout_total bigint[], c_stderr_total bigint[],\n"
+    "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n"
+    "  c_stage text[], c_errno int[])\n"
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
+    "DECLARE rec text; vers bigint[];\n"
+    "BEGIN\n"
+    "  SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n"
+    "    WHERE e.event_id = ANY (p_ids);\n"
+    "  IF rec IS NOT NULL THEN\n"
+    "    RAISE EXCEPTION 'some of the events are already recorded'\n"
+    "      USING ERRCODE = 'KS003', DETAIL = rec;\n"
+    "  END IF;\n"
+    "  WITH input AS (\n"
+    "    SELECT u.* FROM unnest(p_ids, p_streams, p_types, p_data)\n"
+    "      WITH ORDINALITY AS u(id, s, t, d, o)\n"
+    "  ), counts AS (\n"
+    "    SELECT i.s, count(*) AS n FROM input i GROUP BY i.s\n"
+    "  ), bumped AS (\n"
+    "    INSERT INTO streams AS st\n"
+    "      SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n"
+    "      ORDER BY c.s\n"
+    "    ON CONFLICT (stream_id) DO UPDATE\n"
+    "      SET version = st.version + excluded.version\n"
+    "    RETURNING st.stream_id, st.version\n"
+    "  ), numbered AS (\n"
+    "    SELECT i.*, b.version - c.n\n"
+    "             + row_number() OVER (PARTITION BY i.s ORDER BY i.o) AS v\n"
+    "    FROM input i JOIN bumped b ON b.stream_id = i.s\n"
+    "                 JOIN counts c ON c.s = i.s\n"
+    "  ), ins AS (\n"
+    "    INSERT INTO events (stream_id, version, event_id, type, data)\n"
+    "      SELECT n.s, n.v, n.id, n.t, n.d FROM numbered n ORDER BY n.o\n"
+    "  )\n"
+    "  SELECT array_agg(n.v ORDER BY n.o) INTO vers FROM numbered n;\n"
+    "  PERFORM pg_notify('kscore_events', '');\n"
+    "  IF cardinality(c_id) > 0 THEN\n"
+    /* Commands requested in this batch: one insert in the final state. */
+    "    WITH r AS (\n"
+    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n"
+    "             s.batch, s.idem, s.oper, s.req_at, f.*\n"
+    "      FROM " FOLD_SUMMARY "\n"
+    "      CROSS JOIN LATERAL (SELECT 'Pending'::text AS status,\n"
+    "        coalesce(s.agent0, '') AS agent_id, 0 AS attempt,\n"
+    "        NULL::timestamptz AS dispatched_at,\n"
+    "        kscore_ts(s.req_deliver) AS deliver_by,\n"
+    "        NULL::timestamptz AS started_at,\n"
+    "        NULL::timestamptz AS finished_at, NULL::int AS exit_code,\n"
+    "        NULL::int AS signal, NULL::bool AS timed_out,\n"
+    "        NULL::bytea AS stdout, NULL::bytea AS stderr,\n"
+    "        NULL::bigint AS stdout_total, NULL::bigint AS stderr_total,\n"
+    "        NULL::bool AS stdout_truncated, NULL::bool AS stderr_truncated,\n"
+    "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n"
+    "        NULL::int AS start_errno, NULL::bytea AS result) p\n"
+    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n"
+    "      WHERE s.req\n"
+    "    ), ic AS (\n"
+    "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n"
+    "        idempotency_key, operator, version, " FOLD_COLS ")\n"
+    "      SELECT r.cid, c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n"
+    "        r.batch, r.idem, coalesce(r.oper, ''), vers[r.last_ord],\n"
+    "        " FOLD_R_COLS "\n"
+    "      FROM r\n"
+    "    ), it AS (\n"
+    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
+    "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n"
+    "      WHERE r.batch IS NOT NULL\n"
+    "    )\n"
+    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n"
+    "      failed, cancelled)\n"
+    "    SELECT r.batch, 'Running', count(*),\n"
+    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n"
+    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n"
+    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n"
+    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n"
+    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n"
+    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n"
+    "      succeeded = b.succeeded + excluded.succeeded,\n"
+    "      failed = b.failed + excluded.failed,\n"
+    "      cancelled = b.cancelled + excluded.cancelled;\n"
+    /*
+     * Commands requested before: one update each. o holds the prior
+     * status (locked, so it is the row the update sees) for the batch
+     * target and counter rules.
+     */
+    "    WITH s AS (\n"
+    "      SELECT s.* FROM " FOLD_SUMMARY " WHERE NOT s.req\n"
+    "    ), o AS (\n"
+    "      SELECT c.command_id, c.status FROM commands c\n"
+    "      JOIN s ON c.command_id = s.cid FOR UPDATE OF c\n"
+    "    ), u AS (\n"
+    "      UPDATE commands c SET version = vers[s.last_ord],\n"
+    "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
+    "      FROM s JOIN o ON o.command_id = s.cid\n"
+    "      WHERE c.command_id = s.cid\n"
+    "      RETURNING c.command_id, c.status, o.status AS prev, s.st_first,\n"
+    "        s.st_change\n"
+    "    ), t AS (\n"
+    "      UPDATE batch_targets bt SET status = u.status FROM u\n"
+    "      WHERE bt.command_id = u.command_id\n"
+    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n"
+    "        AND (u.st_change OR u.st_first <> u.prev)\n"
+    "      RETURNING bt.batch_id, u.status\n"
+    "    )\n"
+    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n"
+    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n"
+    "    FROM (SELECT t.batch_id,\n"
+    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n"
+    "            count(*) FILTER (WHERE t.status NOT IN\n"
+    "                             ('Succeeded', 'Cancelled')) AS bad,\n"
+    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n"
+    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n"
+    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n"
+    "    WHERE b.batch_id = x.batch_id;\n"
+    "  END IF;\n"
+    "  RETURN cardinality(p_ids);\n"
     "END $$;\n"
     /*
      * Applies one recorded event to the projections. The caller (C, which

@@ -191,7 +191,8 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
     set_errmsg(errmsg, msg);
     if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
         rc = KS_ECONFLICT;
-    else if (state && strcmp(state, STORE__SQLSTATE_RECORDED) == 0)
+    else if (state && (strcmp(state, STORE__SQLSTATE_RECORDED) == 0 ||
+                       strcmp(state, STORE__SQLSTATE_FRESH) == 0))
         rc = KS_EDUPLICATE;
     else if (state && strcmp(state, "23505") == 0) {
         const char *c = PQresultErrorField(res, PG_DIAG_CONSTRAINT_NAME);
@@ -247,6 +248,9 @@ store_open(const char *conninfo, struct store **out, char **errmsg)
     s->data.cap = 256u * 1024 * 1024;
     s->argv.cap = KS_MAX_MESSAGE_BYTES;
     s->result.cap = KS_MAX_MESSAGE_BYTES;
+    /* Like data: one array of a batch (outputs, argv) is one message. */
+    for (int i = 0; i < STORE__FOLD_COLS; i++)
+        s->fold[i].cap = 256u * 1024 * 1024;
     *out = s;
     return 0;
 fail:
@@ -266,6 +270,8 @@ store_close(struct store *s)
     store__buf_release(&s->data);
     store__buf_release(&s->argv);
     store__buf_release(&s->result);
+    for (int i = 0; i < STORE__FOLD_COLS; i++)
+        store__buf_release(&s->fold[i]);
     free(s);
 }
 
@@ -340,6 +346,11 @@ static const struct {
 } statements[] = {
     {"ks_append", "SELECT kscore_append($1, $2, $3, $4, $5)"},
     {"ks_append_many", "SELECT kscore_append_many($1, $2, $3, $4)"},
+    {"ks_record_many",
+     "SELECT kscore_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
+     " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
+     " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
+     " $39, $40)"},
     {"ks_project",
      "SELECT kscore_project($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
      " $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"

@@ -14,6 +14,8 @@
 /* SQLSTATEs raised by the SQL functions of migrations.c. */
 #define STORE__SQLSTATE_CONFLICT "KS001"
 #define STORE__SQLSTATE_RECORDED "KS002" /* DETAIL: the stream's version */
+/* kscore_record_many(): some events are recorded; DETAIL: their ids. */
+#define STORE__SQLSTATE_FRESH "KS003"
 
 /* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
 #define STORE__OID_BOOL 16
@@ -55,7 +57,7 @@ int store__arr_put(struct store__buf *b, const void *p, size_t len);
 int store__arr_put_uuid(struct store__buf *b, const char *uuid_text);
 
 /* Parameters of one statement. Values are borrowed until it is sent. */
-#define STORE__MAX_PARAMS 32
+#define STORE__MAX_PARAMS 48
 struct store__params {
     int n;
     const char *val[STORE__MAX_PARAMS];
@@ -70,11 +72,15 @@ void store__p_bool(struct store__params *p, bool v);
 void store__p_bin(struct store__params *p, const void *data, size_t len);
 void store__p_null(struct store__params *p);
 
+/* Parameter arrays of kscore_record_many() after the four event arrays. */
+#define STORE__FOLD_COLS 36
+
 struct store {
     PGconn *conn;
     bool prepared;  /* the ks_* statements exist on this connection */
     bool listening; /* LISTEN kscore_events issued */
     struct store__buf ids, streams, types, data, argv, result;
+    struct store__buf fold[STORE__FOLD_COLS];
 };
 
 /*
@@ -82,6 +88,7 @@ struct store {
  * into a KS_E* code, once: KS001 -> KS_ECONFLICT, KS002 -> KS_EDUPLICATE,
  * 23505 on events_event_id_key -> KS_EDUPLICATE, other 23505 (stream
  * version, command id, idempotency key) -> KS_ECONFLICT, the rest KS_EPG.
+ * KS003 -> KS_EDUPLICATE as well (its DETAIL lists the recorded ids).
  * A broken connection is reset so the next call can succeed. *errmsg
  * (may be NULL) gets a malloc'd copy of the message.
  */
@@ -92,6 +99,42 @@ int store__prepare(struct store *s, char **errmsg);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */
 int store__exec(struct store *s, const char *sql, char **errmsg);
+
+/* What an event does to the projections (store.h "Projections"). */
+enum store__proj_kind {
+    STORE__PROJ_NONE,      /* unknown type: recorded, no projection */
+    STORE__PROJ_REQUESTED, /* inserts the commands row (and batch target) */
+    STORE__PROJ_STATUS,    /* a new status */
+    STORE__PROJ_RESULT,    /* a new status from a CommandResult */
+    STORE__PROJ_VERSION,   /* known, changes only the row's version */
+    STORE__PROJ_BATCH,     /* the batches row */
+};
+
+/*
+ * The kind of ev, after the rules that depend on its fields (a
+ * CommandCompleted without a result only moves the version, a status event
+ * with one records it). *status = the type's own status (0 if none).
+ */
+enum store__proj_kind store__proj_kind(const Ks__Event *ev,
+                                       Ks__CommandStatus *status);
+/* The status a result stands for (dflt: the type's own, or 0). */
+Ks__CommandStatus store__result_status(const Ks__CommandResult *r,
+                                       Ks__CommandStatus dflt);
+/* The command / batch an event is about, or NULL. Borrowed from ev. */
+const char *store__command_id(const Ks__Event *ev);
+const char *store__batch_id(const Ks__Event *ev);
+/* The result column: r packed without its output bytes, into b. */
+int store__pack_result(struct store__buf *b, const Ks__CommandResult *r);
+
+/*
+ * Folds the command events of events[i] with !skip[i] (store/fold.c) into
+ * the s->fold arrays, kscore_record_many()'s c_* parameters. Returns 0
+ * with *sent_out = the number of events not skipped, 1 if the call must
+ * take the per-event path instead (its batch events depend on the order
+ * of the others), or a negative code (KS_EINVAL, KS_ETOOBIG, -ENOMEM).
+ */
+int store__fold_batch(struct store *s, const Ks__Event *const *events,
+                      size_t n, const bool *skip, size_t *sent_out);
 
 /*
  * Adds one kscore_project(...) call for ev to the open pipeline (replay:

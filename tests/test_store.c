@@ -663,6 +663,344 @@ START_TEST(test_replay_equality)
 }
 END_TEST
 
+/* ---- the batch path's fold against the per-event rules ---- */
+
+/* Events of one scenario; strings live in the struct. */
+struct fev {
+    Ks__Event ev;
+    Ks__Command cmd;
+    Ks__CommandResult res;
+    Ks__Output out;
+    char id[37], stream[64], cid[37], bid[37];
+};
+
+static Ks__CommandSpec fold_spec = KS__COMMAND_SPEC__INIT;
+static char *fold_argv[] = {"/bin/sh", "-c", "exit 3"};
+
+static Ks__Event *
+fmk(struct fev *f, const char *cid, const char *type)
+{
+    memset(f, 0, sizeof(*f));
+    ks__event__init(&f->ev);
+    ks_uuid(f->id);
+    snprintf(f->cid, sizeof(f->cid), "%s", cid);
+    snprintf(f->stream, sizeof(f->stream), "command-%s", cid);
+    f->ev.event_id = f->id;
+    f->ev.stream_id = f->stream;
+    f->ev.type = (char *)type;
+    f->ev.command_id = f->cid;
+    f->ev.occurred_at_us = ks_now_us();
+    return &f->ev;
+}
+
+static Ks__Event *
+freq(struct fev *f, const char *cid, const char *batch_id, const char *key)
+{
+    fmk(f, cid, "CommandRequested");
+    ks__command__init(&f->cmd);
+    fold_spec.n_argv = 3;
+    fold_spec.argv = fold_argv;
+    f->cmd.command_id = f->cid;
+    f->cmd.agent_id = "agent-1";
+    f->cmd.spec = &fold_spec;
+    f->cmd.operator_ = "carol";
+    f->cmd.issued_at_us = f->ev.occurred_at_us;
+    f->cmd.not_after_us = f->ev.occurred_at_us + 60000000;
+    if (batch_id) {
+        snprintf(f->bid, sizeof(f->bid), "%s", batch_id);
+        f->cmd.batch_id = f->bid;
+    }
+    f->ev.command = &f->cmd;
+    f->ev.reason = (char *)(key ? key : "");
+    return &f->ev;
+}
+
+static Ks__Event *
+fstatus(struct fev *f, const char *cid, const char *type, uint32_t attempt,
+        const char *agent)
+{
+    fmk(f, cid, type);
+    f->ev.attempt = attempt;
+    f->ev.agent_id = (char *)(agent ? agent : "");
+    if (strcmp(type, "CommandDispatched") == 0)
+        f->ev.deliver_by_us = f->ev.occurred_at_us + 30000000;
+    return &f->ev;
+}
+
+static Ks__Event *
+fresult(struct fev *f, const char *cid, const char *type,
+        Ks__CommandStatus st, int exit_code, const char *out)
+{
+    fmk(f, cid, type);
+    ks__command_result__init(&f->res);
+    ks__output__init(&f->out);
+    f->out.data.data = (uint8_t *)out;
+    f->out.data.len = strlen(out);
+    f->out.total_bytes = strlen(out);
+    f->res.stdout = &f->out;
+    f->res.status = st;
+    f->res.has_exit_code = 1;
+    f->res.exit_code = exit_code;
+    f->res.started_at_us = f->ev.occurred_at_us - 5000;
+    f->res.finished_at_us = f->ev.occurred_at_us - 1;
+    f->res.duration_us = 4999;
+    f->ev.result = &f->res;
+    f->ev.attempt = 1;
+    return &f->ev;
+}
+
+static char *
+row_of(struct store *s, const char *cid)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT status || '/' || version || '/' || attempt || '/' ||"
+             " agent_id || '/' || coalesce(encode(stdout, 'escape'), '-')"
+             " || '/' || (started_at IS NOT NULL) || '/' ||"
+             " (finished_at IS NOT NULL) FROM commands"
+             " WHERE command_id = '%s'",
+             cid);
+    return sql1(s, sql);
+}
+
+static void
+assert_row(struct store *s, const char *cid, const char *want)
+{
+    char *got = row_of(s, cid);
+    ck_assert_msg(strcmp(got, want) == 0, "%s: got %s, want %s", cid, got,
+                  want);
+    free(got);
+}
+
+static int
+many(struct store *s, Ks__Event **evs, size_t n, size_t *dups)
+{
+    return store_append_many(s, (const Ks__Event *const *)evs, n, dups);
+}
+
+START_TEST(test_append_many_fold)
+{
+    struct store *s = open_store();
+    enum { C = 10 };
+    char cid[C][37], bid[37], bstream[64], key[37], *before[3], *err = NULL;
+    static struct fev e[64];
+    Ks__Event *b[64];
+    size_t n = 0, k = 0, dups = 99;
+    int64_t replayed;
+
+    for (int i = 0; i < C; i++)
+        ks_uuid(cid[i]);
+    ks_uuid(bid);
+    ks_uuid(key);
+    snprintf(bstream, sizeof(bstream), "batch-%s", bid);
+
+    /* Batch 1: several events of one command in order, a batch, dups. */
+    fmk(&e[k], cid[0], "BatchRequested");
+    snprintf(e[k].stream, sizeof(e[k].stream), "%s", bstream);
+    snprintf(e[k].bid, sizeof(e[k].bid), "%s", bid);
+    e[k].ev.batch_id = e[k].bid;
+    e[k].ev.command_id = "";
+    e[k].ev.operator_ = "carol";
+    b[n++] = &e[k++].ev;
+    /* 0: the whole lifecycle, in the batch, with a key. */
+    b[n++] = freq(&e[k++], cid[0], bid, key);
+    b[n++] = fstatus(&e[k++], cid[0], "CommandDispatched", 1, "agent-1");
+    b[n++] = fstatus(&e[k++], cid[0], "CommandStarted", 1, "agent-1");
+    b[n++] = fresult(&e[k++], cid[0], "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "zero");
+    b[n] = b[n - 2]; /* a repeat inside the batch */
+    n++;
+    /* 1: a terminal status is final; the first result is kept. */
+    b[n++] = freq(&e[k++], cid[1], bid, NULL);
+    b[n++] = fstatus(&e[k++], cid[1], "CommandDispatched", 1, "agent-1");
+    b[n++] = fresult(&e[k++], cid[1], "CommandCompleted",
+                     KS__COMMAND_STATUS__FAILED, 3, "first");
+    b[n++] = fstatus(&e[k++], cid[1], "CommandStarted", 2, "agent-9");
+    b[n++] = fresult(&e[k++], cid[1], "CommandCancelled",
+                     KS__COMMAND_STATUS__CANCELLED, 9, "second");
+    b[n++] = fstatus(&e[k++], cid[1], "CommandLost", 0, NULL);
+    /* 2: re-dispatched, back to Running with a new attempt and agent. */
+    b[n++] = freq(&e[k++], cid[2], bid, NULL);
+    b[n++] = fstatus(&e[k++], cid[2], "CommandDispatched", 1, "agent-1");
+    b[n++] = fstatus(&e[k++], cid[2], "CommandStarted", 1, "agent-1");
+    b[n++] = fstatus(&e[k++], cid[2], "CommandDispatched", 2, "agent-2");
+    b[n++] = fstatus(&e[k++], cid[2], "CommandStarted", 2, NULL);
+    /* 3: events before its Requested are no-ops; version-only events. */
+    b[n++] = fstatus(&e[k++], cid[3], "CommandDispatched", 7, "agent-7");
+    b[n++] = freq(&e[k++], cid[3], NULL, NULL);
+    b[n++] = fmk(&e[k++], cid[3], "CommandCancelRequested");
+    b[n++] = fmk(&e[k++], cid[3], "SomethingFromTheFuture");
+    /* 4: no Requested ever: nothing. */
+    b[n++] = fstatus(&e[k++], cid[4], "CommandStarted", 1, "agent-1");
+    /* 5, 6: requested now, moved along by the next batches. */
+    b[n++] = freq(&e[k++], cid[5], bid, NULL);
+    b[n++] = freq(&e[k++], cid[6], NULL, NULL);
+    ck_assert_int_eq(many(s, b, n, &dups), 0);
+    ck_assert_uint_eq(dups, 1);
+
+    assert_row(s, cid[0], "Succeeded/4/1/agent-1/zero/true/true");
+    assert_row(s, cid[1], "Failed/6/1/agent-1/first/true/true");
+    assert_row(s, cid[2], "Running/5/2/agent-2/-/true/false");
+    assert_row(s, cid[3], "Pending/3/0/agent-1/-/false/false");
+    assert_row(s, cid[4], "");
+    assert_row(s, cid[5], "Pending/1/0/agent-1/-/false/false");
+    {
+        char id[37];
+        ck_assert_int_eq(store_command_by_key(s, key, id), 0);
+        ck_assert_str_eq(id, cid[0]);
+    }
+
+    /* Batch 2: updates of rows requested before, a redelivery mixed in
+     * (recorded events are skipped and counted), a terminal status. */
+    n = 0;
+    b[n++] = &e[2].ev; /* recorded: cid[0]'s Dispatched */
+    b[n++] = fstatus(&e[k++], cid[5], "CommandDispatched", 1, "agent-5");
+    b[n++] = fstatus(&e[k++], cid[5], "CommandStarted", 1, NULL);
+    b[n++] = &e[1].ev; /* recorded: cid[0]'s Requested */
+    b[n++] = fresult(&e[k++], cid[5], "CommandStartFailed",
+                     KS__COMMAND_STATUS__START_FAILED, 0, "nope");
+    b[n++] = fstatus(&e[k++], cid[6], "CommandDispatched", 1, "agent-6");
+    b[n++] = fstatus(&e[k++], cid[2], "CommandUndeliverable", 0, NULL);
+    b[n++] = fstatus(&e[k++], cid[1], "CommandStarted", 3, "agent-3");
+    b[n++] = fmk(&e[k++], cid[6], "CommandCompleted"); /* no result */
+    ck_assert_int_eq(many(s, b, n, &dups), 0);
+    ck_assert_uint_eq(dups, 2);
+    assert_row(s, cid[5], "StartFailed/4/1/agent-5/nope/true/true");
+    assert_row(s, cid[6], "Dispatched/3/1/agent-6/-/false/false");
+    assert_row(s, cid[2], "Undeliverable/6/2/agent-2/-/true/true");
+    assert_row(s, cid[1], "Failed/7/1/agent-1/first/true/true");
+
+    /* Batch 3: the batch completes; a late start of a final command. */
+    n = 0;
+    fmk(&e[k], cid[0], "BatchCompleted");
+    snprintf(e[k].stream, sizeof(e[k].stream), "%s", bstream);
+    snprintf(e[k].bid, sizeof(e[k].bid), "%s", bid);
+    e[k].ev.batch_id = e[k].bid;
+    e[k].ev.command_id = "";
+    b[n++] = &e[k++].ev;
+    b[n++] = fstatus(&e[k++], cid[5], "CommandStarted", 2, "agent-x");
+    b[n++] = fresult(&e[k++], cid[6], "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "six");
+    ck_assert_int_eq(many(s, b, n, &dups), 0);
+    ck_assert_uint_eq(dups, 0);
+    assert_row(s, cid[5], "StartFailed/5/1/agent-5/nope/true/true");
+    assert_row(s, cid[6], "Succeeded/4/1/agent-6/six/true/true");
+    {
+        char sql[256], *row;
+        snprintf(sql, sizeof(sql),
+                 "SELECT status||total||succeeded||failed||cancelled||version"
+                 " FROM batches WHERE batch_id = '%s'",
+                 bid);
+        row = sql1(s, sql);
+        /* 0 Succeeded, 1 Failed, 2 Undeliverable, 5 StartFailed; the
+         * batch stream is at version 2 */
+        ck_assert_str_eq(row, "Completed41302");
+        free(row);
+        snprintf(sql, sizeof(sql),
+                 "SELECT string_agg(status, ',' ORDER BY status)"
+                 " FROM batch_targets WHERE batch_id = '%s'",
+                 bid);
+        row = sql1(s, sql);
+        ck_assert_str_eq(row, "Failed,StartFailed,Succeeded,Undeliverable");
+        free(row);
+    }
+    /* Everything recorded already: a no-op. */
+    ck_assert_int_eq(many(s, b, n, &dups), 0);
+    ck_assert_uint_eq(dups, n);
+
+    /* The per-event rules (replay) give the same projections. */
+    for (int i = 0; i < 3; i++)
+        before[i] = sql1(s, digest_sql[i]);
+    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
+    for (int i = 0; i < 3; i++) {
+        char *after = sql1(s, digest_sql[i]);
+        ck_assert_str_eq(before[i], after);
+        free(after);
+        free(before[i]);
+    }
+    store_close(s);
+}
+END_TEST
+
+START_TEST(test_append_many_refused)
+{
+    struct store *s = open_store();
+    static struct fev e[8];
+    Ks__Event *b[8];
+    char c1[37], c2[37], key[37], stream[64];
+    size_t n = 0, dups;
+    int64_t v;
+
+    ks_uuid(c1);
+    ks_uuid(c2);
+    ks_uuid(key);
+    /* Two commands with one idempotency key: refused, nothing written. */
+    b[n++] = freq(&e[0], c1, NULL, key);
+    b[n++] = fstatus(&e[1], c1, "CommandDispatched", 1, "agent-1");
+    b[n++] = freq(&e[2], c2, NULL, key);
+    ck_assert_int_eq(many(s, b, n, &dups), KS_ECONFLICT);
+    snprintf(stream, sizeof(stream), "command-%s", c1);
+    ck_assert_int_eq(store_stream_version(s, stream, &v), 0);
+    ck_assert_int_eq(v, 0);
+    assert_row(s, c1, "");
+    /* Without the second: recorded. */
+    ck_assert_int_eq(many(s, b, 2, &dups), 0);
+    assert_row(s, c1, "Dispatched/2/1/agent-1/-/false/false");
+    /* A second CommandRequested of a command: refused, in one batch or
+     * against a row recorded before. */
+    n = 0;
+    b[n++] = freq(&e[3], c2, NULL, NULL);
+    b[n++] = freq(&e[4], c2, NULL, NULL);
+    ck_assert_int_eq(many(s, b, n, &dups), KS_ECONFLICT);
+    assert_row(s, c2, "");
+    n = 0;
+    b[n++] = fstatus(&e[5], c1, "CommandStarted", 1, NULL);
+    b[n++] = freq(&e[6], c1, NULL, NULL);
+    ck_assert_int_eq(many(s, b, n, &dups), KS_ECONFLICT);
+    assert_row(s, c1, "Dispatched/2/1/agent-1/-/false/false");
+    store_close(s);
+}
+END_TEST
+
+START_TEST(test_append_many_batch_order)
+{
+    struct store *s = open_store();
+    static struct fev e[4];
+    Ks__Event *b[4];
+    char c1[37], bid[37], *before[3], *err = NULL, sql[256], *row;
+    size_t n = 0, dups;
+    int64_t replayed;
+
+    /* A batch completed before its command is requested, in one call:
+     * the completion finds no row, as event by event. */
+    ks_uuid(c1);
+    ks_uuid(bid);
+    fmk(&e[0], c1, "BatchCompleted");
+    snprintf(e[0].stream, sizeof(e[0].stream), "batch-%s", bid);
+    snprintf(e[0].bid, sizeof(e[0].bid), "%s", bid);
+    e[0].ev.batch_id = e[0].bid;
+    e[0].ev.command_id = "";
+    b[n++] = &e[0].ev;
+    b[n++] = freq(&e[1], c1, bid, NULL);
+    ck_assert_int_eq(many(s, b, n, &dups), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT status || total FROM batches WHERE batch_id = '%s'", bid);
+    row = sql1(s, sql);
+    ck_assert_str_eq(row, "Running1");
+    free(row);
+    for (int i = 0; i < 3; i++)
+        before[i] = sql1(s, digest_sql[i]);
+    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
+    for (int i = 0; i < 3; i++) {
+        char *after = sql1(s, digest_sql[i]);
+        ck_assert_str_eq(before[i], after);
+        free(after);
+        free(before[i]);
+    }
+    store_close(s);
+}
+END_TEST
+
 static int
 cmp_i64(const void *a, const void *b)
 {
@@ -785,6 +1123,9 @@ main(void)
     tcase_add_test(tc, test_read_all_late_commit);
     tcase_add_test(tc, test_wait_notify);
     tcase_add_test(tc, test_replay_equality);
+    tcase_add_test(tc, test_append_many_fold);
+    tcase_add_test(tc, test_append_many_refused);
+    tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
     suite_add_tcase(su, tc);
     sr = srunner_create(su);
