@@ -26,7 +26,39 @@ const char *cli_home(void);
 struct cli_conn {
     const char *nats_url; /* --nats, $KSCORE_NATS_URL, or the local stack */
     struct evt_connect_opts opts;
+    char *owned[8];       /* strings read from $KSCORE_HOME/env */
 };
+
+/*
+ * The NATS connection flags every command takes, for getopt_long tables:
+ * --nats URL, --user U, --password P, --creds FILE, --token T,
+ * --tls-ca FILE, --tls-cert FILE, --tls-key FILE. Each also has an
+ * environment variable: KSCORE_NATS_URL, KSCORE_NATS_USER,
+ * KSCORE_NATS_PASSWORD, KSCORE_NATS_CREDS, KSCORE_NATS_TOKEN,
+ * KSCORE_NATS_TLS_CA, KSCORE_NATS_TLS_CERT, KSCORE_NATS_TLS_KEY.
+ */
+#define CLI_OPT_NATS 0x1000
+#define CLI_CONN_LONGOPTS                                                      \
+    {"nats", required_argument, 0, CLI_OPT_NATS},                              \
+        {"user", required_argument, 0, CLI_OPT_NATS + 1},                      \
+        {"password", required_argument, 0, CLI_OPT_NATS + 2},                  \
+        {"creds", required_argument, 0, CLI_OPT_NATS + 3},                     \
+        {"token", required_argument, 0, CLI_OPT_NATS + 4},                     \
+        {"tls-ca", required_argument, 0, CLI_OPT_NATS + 5},                    \
+        {"tls-cert", required_argument, 0, CLI_OPT_NATS + 6},                  \
+    {                                                                          \
+        "tls-key", required_argument, 0, CLI_OPT_NATS + 7                      \
+    }
+#define CLI_CONN_USAGE                                                         \
+    "NATS: --nats URL --user U --password P --creds FILE --token T\n"         \
+    "      --tls-ca FILE --tls-cert FILE --tls-key FILE (or KSCORE_NATS_*)\n"
+
+/* Takes one of the CLI_CONN_LONGOPTS; 1 if opt was one, else 0. */
+int cli_conn_opt(struct cli_conn *cc, int opt, const char *arg);
+/* Fills unset fields from the environment (KSCORE_NATS_*). */
+void cli_conn_env(struct cli_conn *cc);
+/* Frees what cli_connect read from the env file. */
+void cli_conn_release(struct cli_conn *cc);
 
 /*
  * Resolves the NATS url (flag, environment, $KSCORE_HOME/env) and connects.

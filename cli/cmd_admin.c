@@ -11,7 +11,7 @@ int
 cmd_agents(int argc, char **argv)
 {
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
-                                       {"nats", required_argument, 0, 'n'},
+                                       CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     struct cli_conn cc = {0};
@@ -27,14 +27,13 @@ cmd_agents(int argc, char **argv)
         case 'j':
             json = true;
             break;
-        case 'n':
-            cc.nats_url = optarg;
-            break;
         case 'h':
             printf("usage: kscore agents [--json]\nLists the agents the "
                    "broker knows: id, state, last seen, running, labels.\n");
             return 0;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             return CLI_EXIT_USAGE;
         }
     }

@@ -28,8 +28,7 @@ static const char batch_usage[] =
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
-    "  --detach                print the batch id and return\n"
-    "  --nats URL\n";
+    "  --detach                print the batch id and return\n" CLI_CONN_USAGE;
 
 struct bstate {
     pthread_mutex_t mu;
@@ -332,7 +331,7 @@ cmd_batch(int argc, char **argv)
         {"deliver-within", required_argument, 0, 'd'},
         {"json", no_argument, 0, 'j'},
         {"detach", no_argument, 0, 'D'},
-        {"nats", required_argument, 0, 'n'},
+        CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
@@ -445,14 +444,13 @@ cmd_batch(int argc, char **argv)
         case 'D':
             req.detach = 1;
             break;
-        case 'n':
-            cc.nats_url = optarg;
-            break;
         case 'h':
             fputs(batch_usage, stdout);
             rc = 0;
             goto out;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             fputs(batch_usage, stderr);
             goto out;
         }

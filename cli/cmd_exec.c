@@ -207,8 +207,7 @@ static const char exec_usage[] =
     "result\n"
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
-    "  --nats URL          NATS server (default: $KSCORE_NATS_URL or the "
-    "local stack)\n";
+    CLI_CONN_USAGE;
 
 int
 cmd_exec(int argc, char **argv)
@@ -223,7 +222,7 @@ cmd_exec(int argc, char **argv)
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
         {"json", no_argument, 0, 'j'},
-        {"nats", required_argument, 0, 'n'},
+        CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
@@ -293,14 +292,13 @@ cmd_exec(int argc, char **argv)
         case 'j':
             json = true;
             break;
-        case 'n':
-            cc.nats_url = optarg;
-            break;
         case 'h':
             fputs(exec_usage, stdout);
             rc = 0;
             goto out;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             fputs(exec_usage, stderr);
             goto out;
         }
@@ -424,7 +422,7 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
               struct cli_conn *cc, int *rc)
 {
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
-                                       {"nats", required_argument, 0, 'n'},
+                                       CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     int opt;
@@ -435,14 +433,13 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
         case 'j':
             *json = true;
             break;
-        case 'n':
-            cc->nats_url = optarg;
-            break;
         case 'h':
             printf("%s\n", usage_line);
             *rc = 0;
             return NULL;
         default:
+            if (cli_conn_opt(cc, opt, optarg))
+                break;
             fprintf(stderr, "%s\n", usage_line);
             return NULL;
         }
@@ -605,7 +602,7 @@ cmd_events(int argc, char **argv)
 {
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
                                        {"follow", no_argument, 0, 'f'},
-                                       {"nats", required_argument, 0, 'n'},
+                                       CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     struct cli_conn cc = {0};
@@ -625,13 +622,12 @@ cmd_events(int argc, char **argv)
         case 'f':
             follow = true;
             break;
-        case 'n':
-            cc.nats_url = optarg;
-            break;
         case 'h':
             fputs(events_usage, stdout);
             return 0;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             fputs(events_usage, stderr);
             return CLI_EXIT_USAGE;
         }

@@ -1,6 +1,8 @@
 /* kscore up, down, status (the local stack) and the broker and agent
  * services. */
 #include <errno.h>
+#include <fcntl.h>
+#include <pwd.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -38,6 +40,24 @@ local_agent_id(char *buf, size_t len)
         snprintf(buf, len, "local");
 }
 
+/* The operator's NATS user on the local stack: the login name. */
+static void
+operator_user(char *buf, size_t len)
+{
+    struct passwd *pw = getpwuid(getuid());
+    const char *name = pw && pw->pw_name ? pw->pw_name : "operator";
+    size_t j = 0;
+    for (size_t i = 0; name[i] && j + 1 < len; i++) {
+        char ch = name[i];
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                 (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
+        buf[j++] = ok ? ch : '_';
+    }
+    buf[j] = '\0';
+    if (!j || strcmp(buf, "broker") == 0 || strncmp(buf, "agent-", 6) == 0)
+        snprintf(buf, len, "operator");
+}
+
 static int
 self_exe(char *buf, size_t len)
 {
@@ -57,9 +77,13 @@ sleep_ms(int ms)
 
 /* The broker answers a get of an unknown id: it is serving. */
 static int
-wait_broker(const char *url, int timeout_ms)
+wait_broker(const char *url, const char *user, const char *password,
+            int timeout_ms)
 {
-    struct evt_connect_opts o = {.name = "kscore-up", .send_asap = true};
+    struct evt_connect_opts o = {.name = "kscore-up",
+                                 .send_asap = true,
+                                 .user = user,
+                                 .password = password};
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     char id[37];
     ks_uuid(id);
@@ -83,9 +107,11 @@ wait_broker(const char *url, int timeout_ms)
 }
 
 static int
-wait_agent(const char *url, const char *id, int timeout_ms)
+wait_agent(const char *url, const char *id, const char *broker_password,
+           int timeout_ms)
 {
-    struct evt_connect_opts o = {.name = "kscore-up"};
+    struct evt_connect_opts o = {
+        .name = "kscore-up", .user = "broker", .password = broker_password};
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     struct evt_conn *c = NULL;
     kvStore *kv = NULL;
@@ -114,20 +140,27 @@ wait_agent(const char *url, const char *id, int timeout_ms)
 
 static int
 write_env(const char *home, const char *url, const char *db,
-          const char *agent, unsigned local_agents)
+          const char *agent, unsigned local_agents, const char *user,
+          const char *password)
 {
     char path[4200], tmp[4300];
     FILE *f;
     snprintf(path, sizeof(path), "%s/env", home);
     snprintf(tmp, sizeof(tmp), "%s/env.tmp", home);
-    f = fopen(tmp, "we");
-    if (!f)
+    /* 0600: it holds the operator's NATS password. */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        if (fd >= 0)
+            close(fd);
         return -errno;
+    }
     fprintf(f,
             "# the local kscore stack; written by `kscore up`\n"
             "KSCORE_NATS_URL='%s'\nKSCORE_DB='%s'\nKSCORE_AGENT='%s'\n"
-            "KSCORE_LOCAL_AGENTS='%u'\n",
-            url, db, agent, local_agents);
+            "KSCORE_LOCAL_AGENTS='%u'\nKSCORE_NATS_USER='%s'\n"
+            "KSCORE_NATS_PASSWORD='%s'\n",
+            url, db, agent, local_agents, user, password);
     if (fclose(f) != 0 || rename(tmp, path) != 0)
         return -errno;
     return 0;
@@ -269,20 +302,30 @@ cmd_up(int argc, char **argv)
         }
     }
 
+    /* Per-run credentials: every part restarts with new ones (a partial
+     * stack is stopped first), so no password outlives its run. */
+    stack_stop(home, "agent", 20000);
+    stack_stop(home, "broker", 20000);
+    stack_nats_stop(home);
+    char broker_pw[33], operator_pw[33], agent_pw[33], operator_name[64];
+    char agent_user[EVT_AGENT_ID_MAX + 8], *auth = NULL;
+    operator_user(operator_name, sizeof(operator_name));
+    snprintf(agent_user, sizeof(agent_user), "agent-%s", agent_id);
+    struct stack_auth sa = {broker_pw, operator_name, operator_pw, agent_id,
+                            agent_pw};
+    if ((rc = stack_secret(broker_pw)) || (rc = stack_secret(operator_pw)) ||
+        (rc = stack_secret(agent_pw)) ||
+        (rc = stack_nats_auth_conf(&sa, &auth))) {
+        cli_err("cannot make credentials: %s", ks_strerror(rc));
+        return CLI_EXIT_KSCORE;
+    }
     fprintf(stderr, "kscore: starting nats-server ...\n");
-    if (stack_pidfile_alive(home, "nats", NULL) &&
-        (url = cli_env_get("KSCORE_NATS_URL"))) {
-        /* keep the running one */
-    } else {
-        stack_nats_stop(home);
-        free(url);
-        url = NULL;
-        rc = stack_nats_start(home, 0, NULL, &url, &pid);
-        if (rc) {
-            cli_err("cannot start nats-server: %s (see %s/nats.log)",
-                    ks_strerror(rc), home);
-            return CLI_EXIT_KSCORE;
-        }
+    rc = stack_nats_start(home, 0, auth, &url, &pid);
+    free(auth);
+    if (rc) {
+        cli_err("cannot start nats-server: %s (see %s/nats.log)",
+                ks_strerror(rc), home);
+        return CLI_EXIT_KSCORE;
     }
     fprintf(stderr, "kscore: starting PostgreSQL ...\n");
     rc = stack_pg_start(home, 0, &db, &pid);
@@ -296,7 +339,10 @@ cmd_up(int argc, char **argv)
     snprintf(nlocal, sizeof(nlocal), "%u", local_agents);
     snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
     snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
-    if (!stack_pidfile_alive(home, "broker", NULL)) {
+    {
+        /* Credentials through the environment, not argv (ps shows argv). */
+        setenv("KSCORE_NATS_USER", "broker", 1);
+        setenv("KSCORE_NATS_PASSWORD", broker_pw, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
@@ -304,7 +350,7 @@ cmd_up(int argc, char **argv)
                          NULL};
         rc = stack_daemon(home, "broker", bargv, &pid);
         if (rc == 0)
-            rc = wait_broker(url, 30000);
+            rc = wait_broker(url, operator_name, operator_pw, 30000);
         if (rc) {
             cli_err("the broker did not start: %s (see %s/broker.log)",
                     ks_strerror(rc), home);
@@ -312,20 +358,25 @@ cmd_up(int argc, char **argv)
         }
     }
     fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
-    if (!stack_pidfile_alive(home, "agent", NULL)) {
+    {
+        setenv("KSCORE_NATS_USER", agent_user, 1);
+        setenv("KSCORE_NATS_PASSWORD", agent_pw, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
                          agent_state, "--trust-key", trust_key,   NULL};
         rc = stack_daemon(home, "agent", aargv, &pid);
+        unsetenv("KSCORE_NATS_USER");
+        unsetenv("KSCORE_NATS_PASSWORD");
         if (rc == 0)
-            rc = wait_agent(url, agent_id, 30000);
+            rc = wait_agent(url, agent_id, broker_pw, 30000);
         if (rc) {
             cli_err("the agent did not start: %s (see %s/agent.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
     }
-    if ((rc = write_env(home, url, db, agent_id, local_agents))) {
+    if ((rc = write_env(home, url, db, agent_id, local_agents, operator_name,
+                        operator_pw))) {
         cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
         goto fail;
     }
@@ -378,7 +429,7 @@ int
 cmd_broker(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"nats", required_argument, 0, 'n'},
+        CLI_CONN_LONGOPTS,
         {"db", required_argument, 0, 'd'},
         {"local-agents", required_argument, 0, 'l'},
         {"state-dir", required_argument, 0, 's'},
@@ -386,19 +437,16 @@ cmd_broker(int argc, char **argv)
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
+    struct cli_conn cc = {0};
     char *errmsg = NULL;
     int opt, rc;
 
-    o.nats_url = getenv("KSCORE_NATS_URL");
     o.db_conninfo = getenv("KSCORE_DB");
     o.signing_key = getenv("KSCORE_SIGNING_KEY");
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         char *end;
         switch (opt) {
-        case 'n':
-            o.nats_url = optarg;
-            break;
         case 'd':
             o.db_conninfo = optarg;
             break;
@@ -422,9 +470,14 @@ cmd_broker(int argc, char **argv)
                    "agents trust its public half.\n");
             return 0;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             return CLI_EXIT_USAGE;
         }
     }
+    cli_conn_env(&cc);
+    o.nats_url = cc.nats_url;
+    o.nats = cc.opts;
     if (!o.nats_url || !o.db_conninfo) {
         cli_err("the broker needs --nats URL and --db CONNINFO (or "
                 "KSCORE_NATS_URL and KSCORE_DB)");
@@ -445,7 +498,7 @@ cmd_agent(int argc, char **argv)
     static const struct option lo[] = {
         {"id", required_argument, 0, 'i'},
         {"label", required_argument, 0, 'l'},
-        {"nats", required_argument, 0, 'n'},
+        CLI_CONN_LONGOPTS,
         {"state-dir", required_argument, 0, 's'},
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
@@ -453,6 +506,7 @@ cmd_agent(int argc, char **argv)
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
+    struct cli_conn cc = {0};
     const char **ids = calloc((size_t)argc, sizeof(*ids));
     const char **keys = calloc((size_t)argc + 1, sizeof(*keys));
     struct agent_label *labels = calloc((size_t)argc, sizeof(*labels));
@@ -463,7 +517,6 @@ cmd_agent(int argc, char **argv)
 
     if (!ids || !labels || !keys)
         return CLI_EXIT_KSCORE;
-    o.nats_url = getenv("KSCORE_NATS_URL");
     if (getenv("KSCORE_TRUST_KEY") && getenv("KSCORE_TRUST_KEY")[0])
         keys[o.n_trust_keys++] = getenv("KSCORE_TRUST_KEY");
     optind = 1;
@@ -482,9 +535,6 @@ cmd_agent(int argc, char **argv)
             *eq = '\0';
             labels[o.n_labels].key = optarg;
             labels[o.n_labels++].value = eq + 1;
-            break;
-        case 'n':
-            o.nats_url = optarg;
             break;
         case 's':
             o.state_dir = optarg;
@@ -515,6 +565,8 @@ cmd_agent(int argc, char **argv)
             rc = 0;
             goto out;
         default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
             goto out;
         }
     }
@@ -522,6 +574,9 @@ cmd_agent(int argc, char **argv)
         cli_err("the agent needs --id ID");
         goto out;
     }
+    cli_conn_env(&cc);
+    o.nats_url = cc.nats_url;
+    o.nats = cc.opts;
     if (!o.nats_url) {
         cli_err("the agent needs --nats URL (or KSCORE_NATS_URL)");
         goto out;

@@ -105,16 +105,86 @@ cli_env_get(const char *key)
 }
 
 int
+cli_conn_opt(struct cli_conn *cc, int opt, const char *arg)
+{
+    switch (opt) {
+    case CLI_OPT_NATS:
+        cc->nats_url = arg;
+        return 1;
+    case CLI_OPT_NATS + 1:
+        cc->opts.user = arg;
+        return 1;
+    case CLI_OPT_NATS + 2:
+        cc->opts.password = arg;
+        return 1;
+    case CLI_OPT_NATS + 3:
+        cc->opts.creds_file = arg;
+        return 1;
+    case CLI_OPT_NATS + 4:
+        cc->opts.token = arg;
+        return 1;
+    case CLI_OPT_NATS + 5:
+        cc->opts.tls_ca = arg;
+        return 1;
+    case CLI_OPT_NATS + 6:
+        cc->opts.tls_cert = arg;
+        return 1;
+    case CLI_OPT_NATS + 7:
+        cc->opts.tls_key = arg;
+        return 1;
+    }
+    return 0;
+}
+
+static void
+env_default(const char **field, const char *name)
+{
+    const char *v = getenv(name);
+    if (!*field && v && v[0])
+        *field = v;
+}
+
+void
+cli_conn_env(struct cli_conn *cc)
+{
+    env_default(&cc->nats_url, "KSCORE_NATS_URL");
+    env_default(&cc->opts.user, "KSCORE_NATS_USER");
+    env_default(&cc->opts.password, "KSCORE_NATS_PASSWORD");
+    env_default(&cc->opts.creds_file, "KSCORE_NATS_CREDS");
+    env_default(&cc->opts.token, "KSCORE_NATS_TOKEN");
+    env_default(&cc->opts.tls_ca, "KSCORE_NATS_TLS_CA");
+    env_default(&cc->opts.tls_cert, "KSCORE_NATS_TLS_CERT");
+    env_default(&cc->opts.tls_key, "KSCORE_NATS_TLS_KEY");
+}
+
+void
+cli_conn_release(struct cli_conn *cc)
+{
+    for (size_t i = 0; i < sizeof(cc->owned) / sizeof(cc->owned[0]); i++) {
+        free(cc->owned[i]);
+        cc->owned[i] = NULL;
+    }
+}
+
+int
 cli_connect(struct cli_conn *cc, struct evt_conn **out)
 {
-    char *from_env = NULL, *errmsg = NULL;
-    const char *url = cc->nats_url;
+    char *errmsg = NULL;
+    const char *url;
     int rc;
 
-    if (!url || !url[0])
-        url = getenv("KSCORE_NATS_URL");
-    if (!url || !url[0])
-        url = from_env = cli_env_get("KSCORE_NATS_URL");
+    cli_conn_env(cc);
+    url = cc->nats_url;
+    if (!url || !url[0]) {
+        /* The local stack: its url and the operator's per-run
+         * credentials, from $KSCORE_HOME/env (mode 0600). */
+        url = cc->owned[0] = cli_env_get("KSCORE_NATS_URL");
+        if (!cc->opts.user && (cc->owned[1] = cli_env_get("KSCORE_NATS_USER")))
+            cc->opts.user = cc->owned[1];
+        if (!cc->opts.password &&
+            (cc->owned[2] = cli_env_get("KSCORE_NATS_PASSWORD")))
+            cc->opts.password = cc->owned[2];
+    }
     if (!url || !url[0]) {
         cli_err("no NATS url: give --nats URL, set KSCORE_NATS_URL, or start "
                 "the local stack with `kscore up` (looked in %s/env)",
@@ -127,10 +197,8 @@ cli_connect(struct cli_conn *cc, struct evt_conn **out)
     if (rc) {
         cli_err("%s", errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
-        free(from_env);
         return CLI_EXIT_KSCORE;
     }
-    free(from_env);
     return 0;
 }
 

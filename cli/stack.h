@@ -70,6 +70,23 @@ int stack_daemon(const char *dir, const char *name, char *const argv[],
  */
 int stack_stop(const char *dir, const char *name, int wait_ms);
 
+/* 32 random hex characters (getrandom) into out[33]. 0 or -errno. */
+int stack_secret(char out[33]);
+
+/* The users of deploy/nats-auth.conf.in. Every name is a subject token. */
+struct stack_auth {
+    const char *broker_password;
+    const char *operator_name, *operator_password;
+    const char *agent_id, *agent_password; /* user "agent-<agent_id>" */
+};
+
+/*
+ * The nats-server `authorization` block for these users: the template
+ * deploy/nats-auth.conf.in with its @FIELDS@ filled. *conf_out is
+ * malloc'd; pass it as stack_nats_start()'s conf_extra. 0 or -ENOMEM.
+ */
+int stack_nats_auth_conf(const struct stack_auth *a, char **conf_out);
+
 /* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
 int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
 

@@ -2,6 +2,8 @@
 # Installs the Debian packages kscore needs, only when one is missing, then
 # does nothing else. Non-interactive; safe to run again and again.
 #   KSCORE_PROFILE=1  also installs the profilers (linux-perf, heaptrack).
+#   KSCORE_FUZZ=1     also installs clang and its libFuzzer runtime
+#                     (libclang_rt.fuzzer-x86_64.a), for `make fuzz`.
 set -eu
 
 PKGS="nats-server postgresql libnats-dev libpq-dev libprotobuf-c-dev
@@ -9,6 +11,9 @@ protobuf-c-compiler check libsubunit-dev cmake pkg-config gcc make
 libjansson-dev uuid-dev libssl-dev procps"
 if [ "${KSCORE_PROFILE:-0}" = 1 ]; then
     PKGS="$PKGS linux-perf heaptrack valgrind"
+fi
+if [ "${KSCORE_FUZZ:-0}" = 1 ]; then
+    PKGS="$PKGS clang libclang-rt-14-dev"
 fi
 
 missing=""
