@@ -3,16 +3,15 @@
  * broker and the `kscore agent` process (agent perf-0).
  *
  * sustained: ExecuteCommand at a fixed rate across perf-0..9, open loop:
- * each request is sent at its scheduled time whatever the earlier ones
- * are doing (core NATS publish with its own reply subject under one
- * wildcard inbox subscription), so a slow reply never lowers the offered
- * rate and is counted in full (no coordinated omission). Per window of
- * send time: p50/p99 of the replies and errors; the broker's and the
- * agent process's CPU (/proc/PID/stat utime+stime) and RSS (VmRSS).
+ * a pacer releases request i at t0 + i/rate and one of SUS_WORKERS client
+ * threads sends it (broker_execute on one shared connection). Latency is
+ * measured from the scheduled time, so a request that waited for a free
+ * worker is counted in full (no coordinated omission). Per window of
+ * scheduled time: p50/p99 and errors; the broker's and the agent
+ * process's CPU (/proc/PID/stat utime+stime) and RSS (VmRSS).
  */
 #include <errno.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,44 +108,57 @@ out:
 
 /* ---- sustained ---------------------------------------------------------- */
 
+/* Client threads: enough for rate x the worst latency we expect. */
+#define SUS_WORKERS 32
+
 struct sus {
     size_t n;
-    int64_t *sent_us;        /* monotonic send time, 0: not sent */
-    _Atomic int64_t *got_us; /* monotonic reply time, 0: none yet */
-    _Atomic int *err;        /* reply error code (0: succeeded) */
-    atomic_size_t replied;
-    size_t prefix_len;       /* of the reply subjects "<inbox>.<seq>" */
+    int64_t *due_us;  /* monotonic scheduled time */
+    int64_t *got_us;  /* monotonic reply time, 0: none */
+    int *err;         /* 0: succeeded */
+    struct evt_conn *c;
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    size_t released;  /* requests the pacer has released */
+    size_t next;      /* next request a worker takes */
+    bool done;
 };
 
-static void
-on_reply(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+static void *
+sus_worker(void *arg)
 {
-    struct sus *s = ud;
-    const char *subj = natsMsg_GetSubject(msg);
-    ProtobufCMessage *m = NULL;
-    int64_t now = ks_mono_us();
-    char *end = NULL;
-    size_t seq;
-    int rc;
+    struct sus *s = arg;
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec;
+    char *argv[1], id[32];
 
-    (void)nc;
-    (void)sub;
-    if (strlen(subj) <= s->prefix_len)
-        goto out;
-    seq = strtoul(subj + s->prefix_len, &end, 10);
-    if (*end || seq >= s->n || atomic_load(&s->got_us[seq]))
-        goto out;
-    rc = evt_unpack(&ks__execute_reply__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg), &m);
-    if (rc == 0)
-        rc = reply_ok((Ks__ExecuteReply *)m);
-    if (m)
-        protobuf_c_message_free_unpacked(m, NULL);
-    atomic_store(&s->err[seq], rc ? rc : 0);
-    atomic_store(&s->got_us[seq], now);
-    atomic_fetch_add(&s->replied, 1);
-out:
-    natsMsg_Destroy(msg);
+    true_spec(&spec, argv);
+    req.spec = &spec;
+    req.agent_id = id;
+    for (;;) {
+        size_t i;
+        pthread_mutex_lock(&s->mu);
+        while (s->next >= s->released && !s->done)
+            pthread_cond_wait(&s->cond, &s->mu);
+        if (s->next >= s->released) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        i = s->next++;
+        pthread_mutex_unlock(&s->mu);
+
+        Ks__ExecuteReply *rep = NULL;
+        snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%zu", i % PERF_AGENTS);
+        int rc = broker_execute(s->c, &req, 30000, &rep);
+        int64_t now = ks_mono_us();
+        if (rc == 0)
+            rc = reply_ok(rep);
+        if (rep)
+            ks__execute_reply__free_unpacked(rep, NULL);
+        s->err[i] = rc;
+        s->got_us[i] = now; /* each slot has one writer; joined before read */
+    }
+    return NULL;
 }
 
 static void
@@ -182,21 +194,20 @@ cpu_pct(const struct perf_proc *a, const struct perf_proc *b, int64_t wall)
                     : 0;
 }
 
-/* Latencies of requests sent in [from, to): window stats into w. */
+/* Requests scheduled in [from, to): counts and latencies. */
 static json_t *
 window_json(struct sus *s, int64_t from, int64_t to, int64_t *scratch)
 {
     json_t *o = json_object();
     size_t k = 0, errors = 0, sent = 0;
     for (size_t i = 0; i < s->n; i++) {
-        if (!s->sent_us[i] || s->sent_us[i] < from || s->sent_us[i] >= to)
+        if (s->due_us[i] < from || s->due_us[i] >= to)
             continue;
         sent++;
-        int64_t got = atomic_load(&s->got_us[i]);
-        if (!got || atomic_load(&s->err[i]))
+        if (!s->got_us[i] || s->err[i])
             errors++;
         else
-            scratch[k++] = got - s->sent_us[i];
+            scratch[k++] = s->got_us[i] - s->due_us[i];
     }
     json_object_set_new(o, "sent", json_integer((json_int_t)sent));
     json_object_set_new(o, "errors", json_integer((json_int_t)errors));
@@ -211,6 +222,27 @@ window_json(struct sus *s, int64_t from, int64_t to, int64_t *scratch)
     return o;
 }
 
+static void
+set_proc(json_t *o, const char *who, const struct window *first,
+         const struct window *after_first, const struct window *last,
+         int64_t wall, bool broker)
+{
+    const struct perf_proc *a = broker ? &first->broker : &first->agent;
+    const struct perf_proc *m = broker ? &after_first->broker
+                                       : &after_first->agent;
+    const struct perf_proc *z = broker ? &last->broker : &last->agent;
+    char key[64];
+    snprintf(key, sizeof(key), "%s_cpu_pct", who);
+    json_object_set_new(o, key, json_real(cpu_pct(a, z, wall)));
+    snprintf(key, sizeof(key), "%s_rss_start_kb", who);
+    json_object_set_new(o, key, json_integer(a->rss_kb));
+    snprintf(key, sizeof(key), "%s_rss_end_kb", who);
+    json_object_set_new(o, key, json_integer(z->rss_kb));
+    /* Drift after the first window: start-up growth is not a leak. */
+    snprintf(key, sizeof(key), "%s_rss_drift_kb", who);
+    json_object_set_new(o, key, json_integer(z->rss_kb - m->rss_kb));
+}
+
 int
 perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
 {
@@ -218,17 +250,13 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
     double rate = op->rate > 0 ? op->rate : 200;
     int dur_s = op->duration_s > 0 ? op->duration_s : 60;
     int win_s = op->window_s > 0 ? op->window_s : 10;
-    struct evt_conn *c = NULL;
-    natsSubscription *sub = NULL;
+    pthread_t th[SUS_WORKERS];
+    int nth = 0, nwin, rc, first_err = 0;
     struct sus s = {0};
     struct window *w = NULL;
-    int nwin, rc;
-    char inbox_prefix[128], reply[160], *argv[1];
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
-    Ks__CommandSpec spec;
     int64_t *scratch = NULL, t0, interval_us;
-    json_t *o = NULL, *wins;
-    natsInbox *inbox = NULL;
+    json_t *o, *wins;
+    size_t errors = 0, k = 0;
 
     (void)round;
     if (op->quick) {
@@ -243,99 +271,86 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
     if (s.n == 0)
         return KS_EINVAL;
     interval_us = (int64_t)(1e6 / rate);
-    s.sent_us = calloc(s.n, sizeof(*s.sent_us));
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_cond_init(&s.cond, NULL);
+    s.due_us = calloc(s.n, sizeof(*s.due_us));
     s.got_us = calloc(s.n, sizeof(*s.got_us));
     s.err = calloc(s.n, sizeof(*s.err));
     scratch = calloc(s.n, sizeof(*scratch));
     w = calloc((size_t)nwin + 1, sizeof(*w));
-    if (!s.sent_us || !s.got_us || !s.err || !scratch || !w) {
+    if (!s.due_us || !s.got_us || !s.err || !scratch || !w) {
         rc = -ENOMEM;
         goto out;
     }
-    if ((rc = perf__connect(ctx->st, "kscore-perf-sustained", &c)))
+    if ((rc = perf__connect(ctx->st, "kscore-perf-sustained", &s.c)))
         goto out;
-    /* A few sequential calls first: every agent warm. */
-    true_spec(&spec, argv);
-    req.spec = &spec;
-    for (int i = 0; i < PERF_AGENTS; i++) {
-        char id[32];
-        Ks__ExecuteReply *rep = NULL;
-        snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%d", i);
+    /* Every agent warm before the clock starts. */
+    {
+        Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+        Ks__CommandSpec spec;
+        char *argv[1], id[32];
+        true_spec(&spec, argv);
+        req.spec = &spec;
         req.agent_id = id;
-        if (broker_execute(c, &req, 30000, &rep) == 0)
-            ks__execute_reply__free_unpacked(rep, NULL);
+        for (int i = 0; i < PERF_AGENTS; i++) {
+            Ks__ExecuteReply *rep = NULL;
+            snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%d", i);
+            if (broker_execute(s.c, &req, 30000, &rep) == 0)
+                ks__execute_reply__free_unpacked(rep, NULL);
+        }
     }
-    if ((rc = evt_err(natsInbox_Create(&inbox))))
-        goto out;
-    snprintf(inbox_prefix, sizeof(inbox_prefix), "%s.", (char *)inbox);
-    s.prefix_len = strlen(inbox_prefix);
-    snprintf(reply, sizeof(reply), "%s*", inbox_prefix);
-    if ((rc = evt_err(natsConnection_Subscribe(&sub, c->nc, reply, on_reply,
-                                               &s))))
-        goto out;
-    natsSubscription_SetPendingLimits(sub, -1, -1);
-    natsConnection_Flush(c->nc);
+    for (; nth < SUS_WORKERS; nth++)
+        if (pthread_create(&th[nth], NULL, sus_worker, &s) != 0)
+            break;
 
-    t0 = ks_mono_us();
+    t0 = ks_mono_us() + 1000;
+    for (size_t i = 0; i < s.n; i++)
+        s.due_us[i] = t0 + (int64_t)i * interval_us;
     sample(ctx->st, &w[0]);
     int next_win = 1;
     for (size_t i = 0; i < s.n && !perf__interrupted; i++) {
-        char id[32];
-        uint8_t buf[512];
-        size_t len;
-        int64_t due = t0 + (int64_t)i * interval_us;
         if (next_win <= nwin &&
             ks_mono_us() >= t0 + (int64_t)next_win * win_s * 1000000) {
             sample(ctx->st, &w[next_win]);
             next_win++;
         }
-        sleep_until_us(due);
-        snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%zu", i % PERF_AGENTS);
-        snprintf(reply, sizeof(reply), "%s%zu", inbox_prefix, i);
-        req.agent_id = id;
-        len = protobuf_c_message_pack(&req.base, buf);
-        s.sent_us[i] = ks_mono_us();
-        rc = evt_err(natsConnection_PublishRequest(c->nc, EVT_API_EXECUTE,
-                                                   reply, buf, (int)len));
-        if (rc) {
-            atomic_store(&s.err[i], rc);
-            atomic_store(&s.got_us[i], s.sent_us[i]);
-            atomic_fetch_add(&s.replied, 1);
-        }
+        sleep_until_us(s.due_us[i]);
+        pthread_mutex_lock(&s.mu);
+        s.released = i + 1;
+        pthread_cond_signal(&s.cond);
+        pthread_mutex_unlock(&s.mu);
     }
-    /* The last window ends when its last request is sent. */
     while (next_win <= nwin && !perf__interrupted) {
-        int64_t end = t0 + (int64_t)next_win * win_s * 1000000;
-        if (ks_mono_us() < end)
-            sleep_until_us(end);
+        sleep_until_us(t0 + (int64_t)next_win * win_s * 1000000);
         sample(ctx->st, &w[next_win]);
         next_win++;
     }
-    /* Replies still due: up to 30 s more. */
-    for (int i = 0; i < 3000 && !perf__interrupted &&
-                    atomic_load(&s.replied) < s.n;
-         i++)
-        perf__sleep_ms(10);
-    /* Drained: no callback runs once s is freed. */
-    natsSubscription_Drain(sub);
-    natsSubscription_WaitForDrainCompletion(sub, 5000);
+    pthread_mutex_lock(&s.mu);
+    s.done = true;
+    pthread_cond_broadcast(&s.cond);
+    pthread_mutex_unlock(&s.mu);
+    for (int i = 0; i < nth; i++)
+        pthread_join(th[i], NULL);
+    nth = 0;
     if (perf__interrupted) {
         rc = -EINTR;
         goto out;
     }
 
     o = json_object();
-    wins = json_array();
-    size_t errors = 0, k = 0;
     for (size_t i = 0; i < s.n; i++) {
-        int64_t got = atomic_load(&s.got_us[i]);
-        if (!got || atomic_load(&s.err[i]))
+        int e = s.got_us[i] ? s.err[i] : KS_ETIMEDOUT;
+        if (e) {
             errors++;
-        else
-            scratch[k++] = got - s.sent_us[i];
+            if (!first_err)
+                first_err = e;
+        } else {
+            scratch[k++] = s.got_us[i] - s.due_us[i];
+        }
     }
     if (k)
         perf__lat_json(o, scratch, k);
+    wins = json_array();
     double worst_p99 = 0;
     for (int i = 0; i < nwin; i++) {
         int64_t from = t0 + (int64_t)i * win_s * 1000000;
@@ -343,12 +358,12 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
                                  scratch);
         int64_t wall = w[i + 1].start_us - w[i].start_us;
         json_object_set_new(wj, "t_end_s", json_integer((i + 1) * win_s));
-        json_object_set_new(wj, "broker_cpu_pct",
-                            json_real(cpu_pct(&w[i].broker, &w[i + 1].broker,
-                                              wall)));
-        json_object_set_new(wj, "agent_cpu_pct",
-                            json_real(cpu_pct(&w[i].agent, &w[i + 1].agent,
-                                              wall)));
+        json_object_set_new(
+            wj, "broker_cpu_pct",
+            json_real(cpu_pct(&w[i].broker, &w[i + 1].broker, wall)));
+        json_object_set_new(
+            wj, "agent_cpu_pct",
+            json_real(cpu_pct(&w[i].agent, &w[i + 1].agent, wall)));
         json_object_set_new(wj, "broker_rss_kb",
                             json_integer(w[i + 1].broker.rss_kb));
         json_object_set_new(wj, "agent_rss_kb",
@@ -360,42 +375,33 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
     }
     int64_t wall = w[nwin].start_us - w[0].start_us;
     json_object_set_new(o, "rate_per_s", json_real(rate));
-    json_object_set_new(o, "offered_per_s",
-                        json_real(wall > 0 ? (double)s.n * 1e6 / (double)wall
-                                           : 0));
     json_object_set_new(o, "sent", json_integer((json_int_t)s.n));
     json_object_set_new(o, "errors", json_integer((json_int_t)errors));
+    if (first_err)
+        json_object_set_new(o, "first_error",
+                            json_string(ks_err_name(first_err)));
     json_object_set_new(o, "worst_window_p99_us", json_real(worst_p99));
-    json_object_set_new(o, "broker_cpu_pct",
-                        json_real(cpu_pct(&w[0].broker, &w[nwin].broker,
-                                          wall)));
-    json_object_set_new(o, "agent_cpu_pct",
-                        json_real(cpu_pct(&w[0].agent, &w[nwin].agent, wall)));
-    json_object_set_new(o, "broker_rss_start_kb",
-                        json_integer(w[0].broker.rss_kb));
-    json_object_set_new(o, "broker_rss_end_kb",
-                        json_integer(w[nwin].broker.rss_kb));
-    /* Drift after the first window: start-up growth is not a leak. */
-    json_object_set_new(o, "broker_rss_drift_kb",
-                        json_integer(w[nwin].broker.rss_kb -
-                                     w[nwin > 1 ? 1 : 0].broker.rss_kb));
-    json_object_set_new(o, "agent_rss_start_kb",
-                        json_integer(w[0].agent.rss_kb));
-    json_object_set_new(o, "agent_rss_end_kb",
-                        json_integer(w[nwin].agent.rss_kb));
-    json_object_set_new(o, "agent_rss_drift_kb",
-                        json_integer(w[nwin].agent.rss_kb -
-                                     w[nwin > 1 ? 1 : 0].agent.rss_kb));
+    set_proc(o, "broker", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, true);
+    set_proc(o, "agent", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, false);
     json_object_set_new(o, "windows", wins);
     *out = o;
     rc = 0;
 out:
-    natsSubscription_Destroy(sub);
-    natsInbox_Destroy(inbox);
-    evt_close(c);
-    free(s.sent_us);
-    free((void *)s.got_us);
-    free((void *)s.err);
+    if (nth) {
+        pthread_mutex_lock(&s.mu);
+        s.done = true;
+        s.released = s.next; /* nothing more to send */
+        pthread_cond_broadcast(&s.cond);
+        pthread_mutex_unlock(&s.mu);
+        for (int i = 0; i < nth; i++)
+            pthread_join(th[i], NULL);
+    }
+    evt_close(s.c);
+    pthread_mutex_destroy(&s.mu);
+    pthread_cond_destroy(&s.cond);
+    free(s.due_us);
+    free(s.got_us);
+    free(s.err);
     free(scratch);
     free(w);
     return rc;

@@ -54,6 +54,7 @@ struct perf_stack {
     unsigned starts;     /* broker starts so far (state dir names) */
     pid_t broker_pid;    /* the kscore broker process (not its wrapper) */
     pid_t agent_pid;     /* the kscore agent process, or 0 */
+    pid_t broker_daemon, agent_daemon; /* what stack_daemon() started */
     char host[64];       /* host name up to the first dot: local agent ids */
     char pg_fsync[16], pg_sync_commit[16]; /* SHOW fsync, synchronous_commit */
 };

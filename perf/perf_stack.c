@@ -147,6 +147,18 @@ perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
         fprintf(stderr, "kscore perf: mkdtemp: %s\n", strerror(-rc));
         return rc;
     }
+    /* Commands are signed (DESIGN "Security"): a key pair for this run,
+     * passed through the environment so that an --ab binary from before
+     * the flags existed starts the same way. */
+    char priv[PATH_MAX + 16], pub[PATH_MAX + 16];
+    snprintf(priv, sizeof(priv), "%s/broker.key", st->dir);
+    snprintf(pub, sizeof(pub), "%s/broker.pub", st->dir);
+    if ((rc = evt_keygen(priv, pub))) {
+        fprintf(stderr, "kscore perf: signing key: %s\n", ks_strerror(rc));
+        return rc;
+    }
+    setenv("KSCORE_SIGNING_KEY", priv, 1);
+    setenv("KSCORE_TRUST_KEY", pub, 1);
     gethostname(st->host, sizeof(st->host));
     st->host[sizeof(st->host) - 1] = '\0';
     st->host[strcspn(st->host, ".")] = '\0';
@@ -282,7 +294,7 @@ real_pid(pid_t daemon, const char *bin)
             found = pid;
     }
     closedir(d);
-    return found;
+    return found ? found : daemon;
 }
 
 static int
@@ -314,7 +326,7 @@ start_daemon(struct perf_stack *st, const char *name, const char *wrap_var,
 
 /* Waits until the broker answers a Get (any reply means it serves). */
 static int
-wait_broker(struct perf_stack *st, int timeout_ms)
+wait_broker(struct perf_stack *st, pid_t daemon, int timeout_ms)
 {
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     struct evt_conn *c = NULL;
@@ -323,6 +335,10 @@ wait_broker(struct perf_stack *st, int timeout_ms)
 
     ks_uuid(id);
     while (ks_mono_us() < deadline && !perf__interrupted) {
+        if (waitpid(daemon, NULL, WNOHANG) == daemon) {
+            rc = KS_EUNAVAIL; /* it exited: its log says why */
+            break;
+        }
         if (!c && perf__connect(st, "kscore-perf-wait", &c) != 0)
             c = NULL;
         if (c) {
@@ -339,7 +355,7 @@ wait_broker(struct perf_stack *st, int timeout_ms)
         perf__sleep_ms(100);
     }
     evt_close(c);
-    return rc == 0 ? 0 : KS_ETIMEDOUT;
+    return rc == 0 || rc == KS_EUNAVAIL ? rc : KS_ETIMEDOUT;
 }
 
 /*
@@ -391,9 +407,10 @@ wait_agents(struct perf_stack *st, const char *prefix, unsigned n,
 /* Stops one daemon: its kscore process first (TERM: it flushes and exits,
  * and a wrapper such as heaptrack then writes its data), then the daemon. */
 static void
-stop_one(struct perf_stack *st, const char *name, pid_t real)
+stop_one(struct perf_stack *st, const char *name, pid_t daemon, pid_t real)
 {
-    pid_t daemon = 0;
+    if (daemon > 0)
+        waitpid(daemon, NULL, WNOHANG); /* one that died early: reaped */
     if (!stack_pidfile_alive(st->dir, name, &daemon))
         return;
     if (real > 0 && real != daemon) {
@@ -414,9 +431,10 @@ perf__services_stop(struct perf_stack *st)
 {
     if (!st->dir[0])
         return;
-    stop_one(st, "agent", st->agent_pid);
-    stop_one(st, "broker", st->broker_pid);
+    stop_one(st, "agent", st->agent_daemon, st->agent_pid);
+    stop_one(st, "broker", st->broker_daemon, st->broker_pid);
     st->agent_pid = st->broker_pid = 0;
+    st->agent_daemon = st->broker_daemon = 0;
     st->agent_up = false;
     st->bin[0] = '\0';
 }
@@ -446,6 +464,8 @@ start_agent(struct perf_stack *st, const char *bin)
     args[n++] = state;
     args[n] = NULL;
     rc = start_daemon(st, "agent", "KSCORE_PERF_WRAP_AGENT", args, &daemon);
+    if (rc == 0)
+        st->agent_daemon = daemon;
     if (rc == 0)
         rc = wait_agents(st, PERF_AGENT_PREFIX, PERF_AGENTS, since, 60000);
     if (rc) {
@@ -484,7 +504,9 @@ perf__services(struct perf_stack *st, const char *bin, unsigned local_agents,
     since = ks_now_us() - 500000;
     rc = start_daemon(st, "broker", "KSCORE_PERF_WRAP", args, &daemon);
     if (rc == 0)
-        rc = wait_broker(st, 60000);
+        st->broker_daemon = daemon;
+    if (rc == 0)
+        rc = wait_broker(st, daemon, 60000);
     if (rc == 0 && local_agents > 0) {
         snprintf(prefix, sizeof(prefix), "%s-", st->host);
         /* 1,000 durable consumers take a while to create (~1 ms each). */
