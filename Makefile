@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test down clean asan
+.PHONY: all bootstrap build run test down clean asan profile
 
 all: build
 
@@ -31,6 +31,10 @@ asan: bootstrap
 	@cmake -S . -B $(BUILD)-asan -DKSCORE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
 	@cmake --build $(BUILD)-asan -j$(JOBS) --target test_exec
 	@cd $(BUILD)-asan && ctest --output-on-failure -R test_exec
+
+# The SLO scenarios under perf record and heaptrack (perf/profile.sh).
+profile: build
+	@BUILD=$(BUILD) ./perf/profile.sh
 
 down:
 	@$(KSCORE) down

@@ -273,10 +273,12 @@ print_table(FILE *f, json_t *root, bool ab)
     json_t *scs = json_object_get(root, "scenarios"), *sc;
     const char *name;
 
-    fprintf(f, "kscore perf on %s (%lld cpus), PostgreSQL fsync=%s "
-               "synchronous_commit=%s%s\n",
+    fprintf(f, "kscore perf on %s (%lld cpus, load %.2f -> %.2f), PostgreSQL "
+               "fsync=%s synchronous_commit=%s%s\n",
             json_string_value(json_object_get(root, "host")),
             (long long)json_integer_value(json_object_get(root, "cpus")),
+            json_number_value(json_object_get(root, "loadavg_start")),
+            json_number_value(json_object_get(root, "loadavg_end")),
             json_string_value(json_object_get(root, "pg_fsync")),
             json_string_value(json_object_get(root, "pg_synchronous_commit")),
             json_is_true(json_object_get(root, "quick")) ? " (QUICK: not a "
@@ -388,6 +390,20 @@ print_table(FILE *f, json_t *root, bool ab)
                 json_number_value(json_object_get(x, "value")),
                 json_number_value(json_object_get(x, "limit")));
     }
+}
+
+/* The 1-minute load average: the machine may be shared (noise). */
+static double
+loadavg(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "re");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1)
+            l = -1;
+        fclose(f);
+    }
+    return l;
 }
 
 static int
@@ -570,6 +586,7 @@ perf_main(int argc, char **argv)
         json_object_set_new(root, "cpus",
                             json_integer(sysconf(_SC_NPROCESSORS_ONLN)));
         json_object_set_new(root, "started_at_us", json_integer(ks_now_us()));
+        json_object_set_new(root, "loadavg_start", json_real(loadavg()));
         json_object_set_new(root, "binary_a", json_string(o.bin_a));
         if (o.bin_b)
             json_object_set_new(root, "binary_b", json_string(o.bin_b));
@@ -587,6 +604,7 @@ perf_main(int argc, char **argv)
             break;
     }
     json_object_set_new(root, "finished_at_us", json_integer(ks_now_us()));
+    json_object_set_new(root, "loadavg_end", json_real(loadavg()));
     json_object_set_new(root, "targets", targets(root));
     if (rc == 0)
         ret = 0;
