@@ -809,6 +809,23 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         pthread_mutex_unlock(&b->mu);
         qsort(r.ids + first, r.n - first, sizeof(*r.ids), cmp_str);
     }
+    if (b->policy) {
+        /* Every target must be allowed: a batch is all or nothing. */
+        const char *op = broker__operator_of(msg);
+        for (size_t i = 0; i < r.n; i++) {
+            Ks__AgentInfo *info = broker__agent_info(b, r.ids[i]);
+            rc = broker__policy_check(b->policy, op, info, req->spec->argv[0],
+                                      why, sizeof(why));
+            if (info)
+                ks__agent_info__free_unpacked(info, NULL);
+            if (rc) {
+                broker__record_denied(b, b->st_batch, op, r.ids[i], req->spec,
+                                      why);
+                reply_batch_error(b, msg, rc, why);
+                goto out;
+            }
+        }
+    }
     if (r.n == 0) {
         reply_batch_error(b, msg, KS_ENOAGENT,
                           req->all ? "no targets: no agent is online"

@@ -268,6 +268,21 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
 
+    if (b->policy) {
+        Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
+        const char *op = broker__operator_of(msg);
+        rc = broker__policy_check(b->policy, op, info, req->spec->argv[0],
+                                  why, sizeof(why));
+        if (info)
+            ks__agent_info__free_unpacked(info, NULL);
+        if (rc) {
+            broker__record_denied(b, b->st_exec, op, req->agent_id,
+                                  req->spec, why);
+            reply_execute_error(b, msg, rc, "%s", why);
+            goto out;
+        }
+    }
+
     ks_uuid(command_id);
     snprintf(stream, sizeof(stream), "command-%s", command_id);
     uint64_t deliver_ms = req->deliver_within_ms
@@ -695,8 +710,30 @@ handle_cancel(struct broker *b, natsMsg *msg)
     } else if (rc == 0 && !ks_is_uuid(req->id)) {
         rc = KS_EINVAL;
     } else if (rc == 0) {
-        rc = broker__cancel_command(b, b->st_misc, req->id,
-                                    broker__operator_of(msg));
+        Ks__CommandView *v = NULL;
+        char why[256];
+        const char *op = broker__operator_of(msg);
+        if (b->policy && store_get_command(b->st_misc, req->id, &v) == 0) {
+            Ks__AgentInfo *info = broker__agent_info(b, v->agent_id);
+            /* Whoever may act on the agent may cancel on it. */
+            int prc = broker__policy_check(b->policy, op,
+                                           info ? info
+                                                : &(Ks__AgentInfo)
+                                                      KS__AGENT_INFO__INIT,
+                                           NULL, why, sizeof(why));
+            if (info)
+                ks__agent_info__free_unpacked(info, NULL);
+            ks__command_view__free_unpacked(v, NULL);
+            if (prc) {
+                broker__record_denied(b, b->st_misc, op, NULL, NULL, why);
+                r.error_code = prc;
+                r.error = why;
+                reply_msg(b, natsMsg_GetReply(msg), &r.base);
+                ks__cancel_request__free_unpacked(req, NULL);
+                return;
+            }
+        }
+        rc = broker__cancel_command(b, b->st_misc, req->id, op);
     }
     if (rc) {
         r.error_code = rc;
@@ -731,8 +768,19 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     (void)nc;
     (void)sub;
     struct broker *b = ud;
+    char why[256];
     pthread_mutex_lock(&b->misc_mu);
-    if (broker__is_method(subj, EVT_API_GET))
+    if (broker__policy_check(b->policy, broker__operator_of(msg), NULL, NULL,
+                             why, sizeof(why)) != 0) {
+        /* Not in the policy: every reply type has error_code/error as
+         * fields 1 and 2, so one GetReply serves them all. */
+        Ks__GetReply r = KS__GET_REPLY__INIT;
+        r.error_code = KS_EDENIED;
+        r.error = why;
+        broker__record_denied(b, b->st_misc, broker__operator_of(msg), NULL,
+                              NULL, why);
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    } else if (broker__is_method(subj, EVT_API_GET))
         handle_get(ud, msg);
     else if (broker__is_method(subj, EVT_API_EVENTS))
         handle_events(ud, msg);
@@ -850,6 +898,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_follow);
     store_close(b->st_batch);
     evt_signer_free(b->signer);
+    broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
@@ -887,6 +936,9 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             *errmsg = NULL;
         goto out;
     }
+    if (opts->policy_file &&
+        (rc = broker__policy_load(opts->policy_file, &b.policy, errmsg)))
+        goto out;
     if ((rc = evt_signer_load(opts->signing_key, &b.signer)) ||
         (rc = evt_verifier_new(&b.local_trust)) ||
         (rc = evt_verifier_add_signer(b.local_trust, b.signer))) {

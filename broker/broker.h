@@ -43,6 +43,7 @@ struct broker_opts {
     const char *state_dir;        /* for local agents; NULL: no disk buffer */
     struct evt_connect_opts nats; /* credentials / TLS */
     const char *signing_key;      /* Ed25519 private key (PEM): required */
+    const char *policy_file;      /* operator policy (JSON); NULL: none */
 };
 
 /*

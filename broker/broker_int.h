@@ -60,6 +60,7 @@ struct broker {
     int64_t started_mono_us;
     struct broker__claimer claimers[BROKER_CLAIM_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
+    struct broker__policy *policy; /* NULL: no policy file */
     struct evt_verifier *local_trust; /* in-process agents trust signer */
 
     struct broker__batches *batches; /* batch.c */
@@ -97,6 +98,23 @@ int broker__is_method(const char *subject, const char *method);
 /* The operator a request came from: the subject's last token (events.h
  * "API subjects"); static or the message's storage. */
 const char *broker__operator_of(natsMsg *msg);
+
+/* The operator policy (policy.c). NULL policy: everything allowed. */
+struct broker__policy;
+int broker__policy_load(const char *path, struct broker__policy **out,
+                        char **errmsg);
+void broker__policy_free(struct broker__policy *p);
+/* 0, or KS_EDENIED with one line in why. agent and argv0 NULL: a read. */
+int broker__policy_check(const struct broker__policy *p, const char *op,
+                         const Ks__AgentInfo *agent, const char *argv0,
+                         char *why, size_t len);
+/* Records RequestDenied on stream operator-<op>. */
+void broker__record_denied(struct broker *b, struct store *st, const char *op,
+                           const char *agent_id, const Ks__CommandSpec *spec,
+                           const char *why);
+/* A copy of the registry's info on agent_id, or NULL (free with
+ * ks__agent_info__free_unpacked). Any thread. */
+Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,

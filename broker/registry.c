@@ -239,3 +239,23 @@ broker__agents_reply_free(Ks__AgentsReply *r)
     r->agents = NULL;
     r->n_agents = 0;
 }
+
+Ks__AgentInfo *
+broker__agent_info(struct broker *b, const char *agent_id)
+{
+    struct broker__agent *a;
+    Ks__AgentInfo *copy = NULL;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->info && kproto_pack(&a->info->base, &buf, &len) != 0)
+        buf = NULL;
+    pthread_mutex_unlock(&b->mu);
+    if (buf) {
+        copy = ks__agent_info__unpack(NULL, len, buf);
+        free(buf);
+    }
+    return copy;
+}

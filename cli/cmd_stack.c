@@ -434,6 +434,7 @@ cmd_broker(int argc, char **argv)
         {"local-agents", required_argument, 0, 'l'},
         {"state-dir", required_argument, 0, 's'},
         {"signing-key", required_argument, 0, 'k'},
+        {"policy", required_argument, 0, 'p'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
@@ -463,9 +464,13 @@ cmd_broker(int argc, char **argv)
         case 'k':
             o.signing_key = optarg;
             break;
+        case 'p':
+            o.policy_file = optarg;
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
-                   "--signing-key FILE [--local-agents N] [--state-dir DIR]\n"
+                   "--signing-key FILE [--policy FILE] [--local-agents N] "
+                   "[--state-dir DIR]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n");
             return 0;

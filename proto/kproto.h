@@ -35,7 +35,8 @@
     X(REJECTED, -1011, "rejected")                                             \
     X(CLAIMED, -1012, "already claimed")                                       \
     X(STOPPED, -1013, "shutting down")                                         \
-    X(INTERNAL, -1014, "internal error")
+    X(INTERNAL, -1014, "internal error")                                       \
+    X(DENIED, -1015, "denied by policy")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),

@@ -9,6 +9,7 @@
 #define KSCORE_FIXTURE_H
 
 #include <limits.h>
+#include <stdbool.h>
 #include <sys/types.h>
 
 /* ------------------------------------------------------------------------ */
@@ -61,7 +62,23 @@ struct fixture_stack {
     char agent_id[64];
     char signing_key[PATH_MAX + 16]; /* <dir>/broker.key (kscore keygen) */
     char trust_key[PATH_MAX + 16];   /* <dir>/broker.pub */
+    /* Secure stacks (fixture_stack_start_secure): NATS users from
+     * deploy/nats-auth.conf.in, as `kscore up` makes them. */
+    bool secure;
+    char broker_pw[33], operator_name[32], operator_pw[33], agent_pw[33];
+    char policy[PATH_MAX + 16]; /* broker --policy, "" for none */
+    char agent_labels[128];     /* "--label" value for the agent, or "" */
 };
+
+/*
+ * As fixture_stack_start, with NATS authentication and permissions: users
+ * "broker", operator_name and "agent-<agent_id>"; the broker gets
+ * --policy policy_file when it is not NULL, the agent --label label (may be
+ * NULL). fixture_kscore() then runs as the operator.
+ */
+int fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
+                               const char *label, const char *operator_name,
+                               const char *policy_file);
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
 void fixture_stack_stop(struct fixture_stack *s);

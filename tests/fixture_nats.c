@@ -78,9 +78,14 @@ kscore_bin(void)
 }
 
 static int
-wait_broker(const char *url, int timeout_ms)
+wait_broker(const struct fixture_stack *st, int timeout_ms)
 {
+    const char *url = st->nats.url;
     struct evt_connect_opts o = {.name = "fixture", .send_asap = true};
+    if (st->secure) {
+        o.user = "broker";
+        o.password = st->broker_pw;
+    }
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     char id[37];
     ks_uuid(id);
@@ -104,9 +109,14 @@ wait_broker(const char *url, int timeout_ms)
 }
 
 static int
-wait_agent(const char *url, const char *id, int timeout_ms)
+wait_agent(const struct fixture_stack *st, const char *id, int timeout_ms)
 {
+    const char *url = st->nats.url;
     struct evt_connect_opts o = {.name = "fixture"};
+    if (st->secure) {
+        o.user = "broker";
+        o.password = st->broker_pw;
+    }
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     struct evt_conn *c = NULL;
     kvStore *kv = NULL;
@@ -146,10 +156,24 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
                     s->nats.url,          "--db",       s->pg.conninfo,
                     "--local-agents",     n,            "--state-dir",
                     state,                "--signing-key", s->signing_key,
-                    NULL};
+                    NULL,                 NULL,          NULL};
+    if (s->policy[0]) {
+        size_t n = 0;
+        while (argv[n])
+            n++;
+        argv[n] = "--policy";
+        argv[n + 1] = s->policy;
+        argv[n + 2] = NULL;
+    }
+    if (s->secure) {
+        setenv("KSCORE_NATS_USER", "broker", 1);
+        setenv("KSCORE_NATS_PASSWORD", s->broker_pw, 1);
+    }
     rc = stack_daemon(s->dir, "broker", argv, &pid);
+    unsetenv("KSCORE_NATS_USER");
+    unsetenv("KSCORE_NATS_PASSWORD");
     if (rc == 0)
-        rc = wait_broker(s->nats.url, 30000);
+        rc = wait_broker(s, 30000);
     if (rc)
         fprintf(stderr, "fixture: broker did not start (%s), see %s\n",
                 ks_strerror(rc), s->dir);
@@ -179,7 +203,17 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     snprintf(state, sizeof(state), "%s/agent-%s", s->dir, s->agent_id);
     char *argv[] = {(char *)kscore_bin(), "agent",    "--id", s->agent_id,
                     "--nats",             s->nats.url, "--state-dir", state,
-                    "--trust-key",        s->trust_key, NULL};
+                    "--trust-key",        s->trust_key, NULL, NULL, NULL};
+    char user[96];
+    if (s->agent_labels[0]) {
+        argv[10] = "--label";
+        argv[11] = s->agent_labels;
+    }
+    if (s->secure) {
+        snprintf(user, sizeof(user), "agent-%s", s->agent_id);
+        setenv("KSCORE_NATS_USER", user, 1);
+        setenv("KSCORE_NATS_PASSWORD", s->agent_pw, 1);
+    }
     if (extra_env) {
         /* "K=V K2=V2": set for the child only (stack_daemon inherits). */
         char *copy = strdup(extra_env), *save = NULL;
@@ -198,8 +232,10 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     } else {
         rc = stack_daemon(s->dir, "agent", argv, &pid);
     }
+    unsetenv("KSCORE_NATS_USER");
+    unsetenv("KSCORE_NATS_PASSWORD");
     if (rc == 0)
-        rc = wait_agent(s->nats.url, s->agent_id, 30000);
+        rc = wait_agent(s, s->agent_id, 30000);
     if (rc)
         fprintf(stderr, "fixture: agent did not start (%s), see %s\n",
                 ks_strerror(rc), s->dir);
@@ -232,7 +268,7 @@ fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
     argv[n] = NULL;
     rc = stack_daemon(s->dir, name, (char *const *)argv, &pid);
     if (rc == 0)
-        rc = wait_agent(s->nats.url, id, 30000);
+        rc = wait_agent(s, id, 30000);
     return rc;
 }
 
@@ -271,12 +307,50 @@ fixture_stack_agent_kill(struct fixture_stack *s, int sig)
     }
 }
 
+static int
+stack_start(struct fixture_stack *s, const char *agent_id,
+            unsigned local_agents, const char *auth);
+
 int
 fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                     unsigned local_agents)
 {
+    memset(s, 0, sizeof(*s));
+    return stack_start(s, agent_id, local_agents, NULL);
+}
+
+int
+fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_file)
+{
+    char *auth = NULL;
     int rc;
     memset(s, 0, sizeof(*s));
+    s->secure = true;
+    snprintf(s->operator_name, sizeof(s->operator_name), "%s",
+             operator_name);
+    if (policy_file)
+        snprintf(s->policy, sizeof(s->policy), "%s", policy_file);
+    if (label)
+        snprintf(s->agent_labels, sizeof(s->agent_labels), "%s", label);
+    struct stack_auth sa = {s->broker_pw, s->operator_name, s->operator_pw,
+                            agent_id, s->agent_pw};
+    if ((rc = stack_secret(s->broker_pw)) ||
+        (rc = stack_secret(s->operator_pw)) ||
+        (rc = stack_secret(s->agent_pw)) ||
+        (rc = stack_nats_auth_conf(&sa, &auth)))
+        return rc;
+    rc = stack_start(s, agent_id, 1, auth);
+    free(auth);
+    return rc;
+}
+
+static int
+stack_start(struct fixture_stack *s, const char *agent_id,
+            unsigned local_agents, const char *auth)
+{
+    int rc;
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
         return rc;
     snprintf(s->signing_key, sizeof(s->signing_key), "%s/broker.key",
@@ -284,7 +358,7 @@ fixture_stack_start(struct fixture_stack *s, const char *agent_id,
     snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
     if ((rc = evt_keygen(s->signing_key, s->trust_key)))
         return rc;
-    if ((rc = fixture_nats_start(&s->nats, NULL)))
+    if ((rc = fixture_nats_start(&s->nats, auth)))
         return rc;
     if ((rc = fixture_pg_start(&s->pg)))
         return rc;
@@ -357,6 +431,10 @@ fixture_kscore(const struct fixture_stack *s, const char *const args[],
         dup2(pe[1], 2);
         if (s)
             setenv("KSCORE_NATS_URL", s->nats.url, 1);
+        if (s && s->secure) {
+            setenv("KSCORE_NATS_USER", s->operator_name, 1);
+            setenv("KSCORE_NATS_PASSWORD", s->operator_pw, 1);
+        }
         /* never fall back to a developer's own local stack */
         setenv("KSCORE_HOME", "/nonexistent-kscore-home", 1);
         execv(argv[0], (char *const *)argv);

@@ -1,0 +1,193 @@
+/*
+ * The operator policy: which operators may run commands on which agents,
+ * and optionally which executables. Default deny once a policy is loaded;
+ * no policy file: every authenticated operator may do everything (the NATS
+ * permissions already confine who is an operator).
+ *
+ * File (JSON):
+ *   {"operators": {
+ *      "alice": [{"agents": {"env": "dev"}, "executables": ["uptime"]}],
+ *      "root":  [{"agents": "*"}]}}
+ * A request is allowed when any rule of its operator matches: "agents" is
+ * "*" or label pairs the agent must all have; "executables", when given,
+ * must hold argv[0] exactly.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "broker_int.h"
+
+struct broker__policy {
+    json_t *operators; /* object: name -> array of rules */
+};
+
+int
+broker__policy_load(const char *path, struct broker__policy **out,
+                    char **errmsg)
+{
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr), *ops, *rules;
+    const char *name;
+    char why[300] = "";
+
+    if (!root) {
+        snprintf(why, sizeof(why), "%s:%d: %s", path, jerr.line, jerr.text);
+        goto bad;
+    }
+    ops = json_object_get(root, "operators");
+    if (!json_is_object(ops)) {
+        snprintf(why, sizeof(why), "%s: no \"operators\" object", path);
+        goto bad;
+    }
+    json_object_foreach(ops, name, rules)
+    {
+        size_t i;
+        json_t *rule;
+        if (!json_is_array(rules)) {
+            snprintf(why, sizeof(why),
+                     "%s: operator \"%s\": expected a list of rules", path,
+                     name);
+            goto bad;
+        }
+        json_array_foreach(rules, i, rule)
+        {
+            json_t *ag = json_object_get(rule, "agents");
+            json_t *ex = json_object_get(rule, "executables");
+            if (!json_is_object(rule) ||
+                !(json_is_object(ag) ||
+                  (json_is_string(ag) &&
+                   strcmp(json_string_value(ag), "*") == 0)) ||
+                (ex && !json_is_array(ex))) {
+                snprintf(why, sizeof(why),
+                         "%s: operator \"%s\" rule %zu: expected "
+                         "{\"agents\": \"*\" or {labels}, \"executables\": "
+                         "[...]}",
+                         path, name, i + 1);
+                goto bad;
+            }
+        }
+    }
+    struct broker__policy *p = calloc(1, sizeof(*p));
+    if (!p) {
+        json_decref(root);
+        return -ENOMEM;
+    }
+    p->operators = json_incref(ops);
+    json_decref(root);
+    *out = p;
+    return 0;
+bad:
+    json_decref(root);
+    if (errmsg && asprintf(errmsg, "bad policy: %s", why) < 0)
+        *errmsg = NULL;
+    return KS_EINVAL;
+}
+
+void
+broker__policy_free(struct broker__policy *p)
+{
+    if (!p)
+        return;
+    json_decref(p->operators);
+    free(p);
+}
+
+static bool
+has_label(const Ks__AgentInfo *info, const char *k, const char *v)
+{
+    for (size_t i = 0; info && i < info->n_labels; i++)
+        if (strcmp(info->labels[i]->name, k) == 0 &&
+            strcmp(info->labels[i]->value, v) == 0)
+            return true;
+    return false;
+}
+
+static bool
+rule_allows(json_t *rule, const Ks__AgentInfo *agent, const char *argv0)
+{
+    json_t *ag = json_object_get(rule, "agents");
+    json_t *ex = json_object_get(rule, "executables");
+    if (json_is_object(ag)) {
+        const char *k;
+        json_t *v;
+        json_object_foreach(ag, k, v)
+        {
+            if (!json_is_string(v) ||
+                !has_label(agent, k, json_string_value(v)))
+                return false;
+        }
+    }
+    if (ex && argv0) {
+        size_t i;
+        json_t *e;
+        json_array_foreach(ex, i, e)
+        {
+            if (json_is_string(e) && strcmp(json_string_value(e), argv0) == 0)
+                return true;
+        }
+        return false;
+    }
+    return true;
+}
+
+int
+broker__policy_check(const struct broker__policy *p, const char *op,
+                     const Ks__AgentInfo *agent, const char *argv0,
+                     char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p)
+        return 0;
+    rules = json_object_get(p->operators, op);
+    if (!rules) {
+        snprintf(why, len, "denied: operator '%s' is not in the policy", op);
+        return KS_EDENIED;
+    }
+    if (!agent && !argv0)
+        return 0; /* a read: being listed is enough */
+    json_array_foreach(rules, i, rule)
+    {
+        if (rule_allows(rule, agent, argv0))
+            return 0;
+    }
+    if (argv0)
+        snprintf(why, len,
+                 "denied: operator '%s' may not run '%s' on agent '%s'", op,
+                 argv0, agent ? agent->agent_id : "?");
+    else
+        snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
+                 op, agent ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+void
+broker__record_denied(struct broker *b, struct store *st, const char *op,
+                      const char *agent_id, const Ks__CommandSpec *spec,
+                      const char *why)
+{
+    char stream[128], evid[37];
+    Ks__Event ev;
+    Ks__Command cmd = KS__COMMAND__INIT;
+
+    snprintf(stream, sizeof(stream), "operator-%s", op);
+    broker__event_init(&ev, evid, stream, "RequestDenied", NULL);
+    ev.operator_ = (char *)op;
+    ev.agent_id = (char *)(agent_id ? agent_id : "");
+    ev.reason = (char *)why;
+    if (spec) {
+        cmd.spec = (Ks__CommandSpec *)spec;
+        cmd.agent_id = ev.agent_id;
+        cmd.command_id = "";
+        cmd.batch_id = "";
+        cmd.operator_ = (char *)op;
+        ev.command = &cmd;
+    }
+    struct store_event se = {&ev};
+    (void)b;
+    store_append(st, stream, STORE_ANY, &se, 1, NULL);
+}
