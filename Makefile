@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test down clean asan profile
+.PHONY: all bootstrap build run test down clean asan profile fuzz
 
 all: build
 
@@ -32,6 +32,42 @@ asan: bootstrap
 	@cmake --build $(BUILD)-asan -j$(JOBS) --target test_exec
 	@cd $(BUILD)-asan && ctest --output-on-failure -R test_exec
 
+# The libFuzzer targets in tests/fuzz (clang, ASan + UBSan), FUZZ_SECONDS
+# each, one after the other. New inputs go to $(BUILD)-fuzz/corpus/<target>
+# (the seeds in tests/fuzz/corpus are read, never written); the first
+# crash, leak, UB or timeout fails the target with its input in
+# $(BUILD)-fuzz/artifacts/<target>/, the log in $(BUILD)-fuzz/fuzz_<target>.log.
+# protobuf-c's decoder is fuzzed instrumented, from the Debian source of the
+# installed version (fetched once; see tests/fuzz/fetch-protobuf-c.sh).
+# Without it the targets still run, blind inside libprotobuf-c.so.
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS := unpack decode_command signed_command
+FUZZ_PBC_DIR := $(CURDIR)/$(BUILD)-fuzz/protobuf-c
+fuzz:
+	@KSCORE_FUZZ=1 ./deploy/bootstrap.sh
+	@[ -f $(FUZZ_PBC_DIR)/protobuf-c.c ] || \
+	    ./tests/fuzz/fetch-protobuf-c.sh $(FUZZ_PBC_DIR) || \
+	    echo "fuzz: no protobuf-c source: its decoder runs uninstrumented" >&2
+	@CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang \
+	    -DKSCORE_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	    -DKSCORE_FUZZ_PROTOBUF_C=$$(ls $(FUZZ_PBC_DIR)/protobuf-c.c \
+	                                  2>/dev/null) >/dev/null
+	@cmake --build $(BUILD)-fuzz -j$(JOBS) --target fuzzers
+	@for t in $(FUZZ_TARGETS); do \
+	    c=$(BUILD)-fuzz/corpus/$$t a=$(BUILD)-fuzz/artifacts/$$t; \
+	    log=$(BUILD)-fuzz/fuzz_$$t.log; \
+	    mkdir -p $$c $$a; \
+	    echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
+	    if ! $(BUILD)-fuzz/tests/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) \
+	        -timeout=10 -print_final_stats=1 -artifact_prefix=$$a/ \
+	        $$c tests/fuzz/corpus/$$t >$$log 2>&1; then \
+	        tail -n 60 $$log; \
+	        echo "fuzz_$$t: FAILED; input in $$a/, log $$log" >&2; exit 1; \
+	    fi; \
+	    grep -h '^Done' $$log; \
+	    sed -n 's/^stat::average_exec_per_sec: */  exec\/s: /p' $$log; \
+	done
+
 # The SLO scenarios under perf record and heaptrack (perf/profile.sh).
 profile: build
 	@BUILD=$(BUILD) ./perf/profile.sh
@@ -40,4 +76,4 @@ down:
 	@$(KSCORE) down
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-fuzz
