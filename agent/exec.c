@@ -648,6 +648,28 @@ settle(struct exec_loop *loop)
     }
 }
 
+/*
+ * epoll_pwait2 (Linux 5.11) for microsecond deadlines; epoll_wait with the
+ * timeout rounded up to a millisecond where it is missing (valgrind 3.19).
+ */
+static int
+wait_events(int epfd, struct epoll_event *evs, int max,
+            const struct timespec *ts, int forever)
+{
+    static atomic_bool no_pwait2;
+    int n, ms;
+
+    if (!atomic_load_explicit(&no_pwait2, memory_order_relaxed)) {
+        n = epoll_pwait2(epfd, evs, max, ts, NULL);
+        if (n != -1 || errno != ENOSYS)
+            return n;
+        atomic_store(&no_pwait2, true);
+    }
+    ms = forever ? -1
+                 : (int)(ts->tv_sec * 1000 + (ts->tv_nsec + 999999) / 1000000);
+    return epoll_wait(epfd, evs, max, ms);
+}
+
 /* One turn: wait for the next event or deadline, act, settle. */
 static void
 loop_step(struct exec_loop *loop)
@@ -671,7 +693,7 @@ loop_step(struct exec_loop *loop)
         ts.tv_nsec = (wait % 1000000) * 1000;
         tsp = &ts;
     }
-    n = epoll_pwait2(loop->epfd, evs, 64, tsp, NULL);
+    n = wait_events(loop->epfd, evs, 64, tsp, deadline == NEVER ? -1 : 0);
     for (int i = 0; i < n; i++) {
         struct watch *w = evs[i].data.ptr;
         if (w->kind == W_EVENT) {

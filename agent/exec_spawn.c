@@ -386,17 +386,26 @@ out:
  * and forks: its early children, setsid escapees included, stayed outside.
  *
  * The child runs on its own stack in our address space while this thread
- * is suspended; it uses raw syscalls only and reports a failure through
- * struct child_ctx before exiting 127.
+ * is suspended; it uses raw syscalls only. A failure before or in execve
+ * goes back through a CLOEXEC error pipe (errno and stage), not through
+ * shared memory: valgrind runs CLONE_VFORK as a plain fork, and the
+ * failure must still never look like a program exiting 127.
  */
 struct child_ctx {
     const char *path;
     char *const *argv, *const *envp;
     const char *cwd;
     int out_w, err_w;
-    int err;           /* written by the child on failure */
-    const char *stage; /* idem */
+    int report_w; /* error pipe, CLOEXEC: EOF means execve succeeded */
 };
+
+/* What the child writes to the error pipe when it fails. */
+struct child_report {
+    int err;
+    int stage; /* index into child_stages */
+};
+
+static const char *const child_stages[] = {"spawn", "chdir", "exec"};
 
 /* The kernel's struct sigaction for rt_sigaction on x86_64. */
 struct ksigaction {
@@ -416,7 +425,8 @@ child_main(void *arg)
     uint64_t empty = 0;
     long fd;
 
-    c->stage = "spawn";
+    struct child_report rep = {0, 0};
+
     if (syscall(SYS_setpgid, 0, 0) == -1)
         goto fail;
     /* Default dispositions; handlers of ours must never run here. */
@@ -434,19 +444,24 @@ child_main(void *arg)
     if (syscall(SYS_dup3, c->out_w, 1, 0) == -1 ||
         syscall(SYS_dup3, c->err_w, 2, 0) == -1)
         goto fail;
-    c->stage = "chdir";
+    rep.stage = 1;
     if (syscall(SYS_chdir, c->cwd) == -1)
         goto fail;
-    c->stage = "spawn";
-    if (syscall(SYS_close_range, 3, ~0U, 0) == -1)
+    rep.stage = 0;
+    /* All but 0-2 and the error pipe (CLOEXEC: execve closes it). */
+    if (c->report_w > 3 &&
+        syscall(SYS_close_range, 3, c->report_w - 1, 0) == -1)
+        goto fail;
+    if (syscall(SYS_close_range, c->report_w + 1, ~0U, 0) == -1)
         goto fail;
     if (syscall(SYS_rt_sigprocmask, SIG_SETMASK, &empty, NULL,
                 sizeof(empty)) == -1)
         goto fail;
-    c->stage = "exec";
+    rep.stage = 2;
     syscall(SYS_execve, c->path, c->argv, c->envp);
 fail:
-    c->err = errno;
+    rep.err = errno;
+    syscall(SYS_write, c->report_w, &rep, sizeof(rep));
     return 127;
 }
 
@@ -482,10 +497,13 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
 {
     static _Alignas(16) __thread char stack[CHILD_STACK_BYTES];
     int p[2][2] = {{-1, -1}, {-1, -1}};
+    int rp[2] = {-1, -1};
     struct child_ctx c = {0};
+    struct child_report rep;
     struct clone_args ca;
     sigset_t all, old;
     int pidfd = -1;
+    ssize_t n;
     long pid;
     int ret;
 
@@ -493,12 +511,28 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     ret = make_pipes(p);
     if (ret)
         goto out;
+    if (pipe2(rp, O_CLOEXEC) == -1) {
+        ret = -errno;
+        goto out;
+    }
+    for (int i = 0; i < 2; i++) {
+        if (rp[i] < 3) { /* 0-2 are the child's: keep the pipe above */
+            int fd = fcntl(rp[i], F_DUPFD_CLOEXEC, 3);
+            if (fd == -1) {
+                ret = -errno;
+                goto out;
+            }
+            close(rp[i]);
+            rp[i] = fd;
+        }
+    }
     c.path = path;
     c.argv = (char *const *)spec->argv;
     c.envp = envp;
     c.cwd = exec__cwd(spec);
     c.out_w = p[0][1];
     c.err_w = p[1][1];
+    c.report_w = rp[1];
     memset(&ca, 0, sizeof(ca));
     ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_INTO_CGROUP;
     ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
@@ -521,13 +555,19 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
                   : (int)pid;
         goto out;
     }
-    if (c.err) {
-        /* Died before execve: reap it; it never ran anything. */
+    close(rp[1]);
+    rp[1] = -1;
+    do {
+        n = read(rp[0], &rep, sizeof(rep));
+    } while (n == -1 && errno == EINTR);
+    if (n == (ssize_t)sizeof(rep)) {
+        /* Died before or in execve: reap it; it never ran anything. */
         while (waitpid((pid_t)pid, NULL, 0) == -1 && errno == EINTR)
             ;
-        close(pidfd);
-        *stage = c.stage;
-        ret = -c.err;
+        if (pidfd != -1)
+            close(pidfd);
+        *stage = child_stages[rep.stage];
+        ret = rep.err ? -rep.err : -EIO;
         goto out;
     }
     *pid_out = (pid_t)pid;
@@ -536,6 +576,10 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     out_fds[1] = p[1][0];
     p[0][0] = p[1][0] = -1;
 out:
+    if (rp[0] != -1)
+        close(rp[0]);
+    if (rp[1] != -1)
+        close(rp[1]);
     close_pipes(p);
     return ret;
 }
