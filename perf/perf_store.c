@@ -11,6 +11,11 @@
  *              (Requested, Dispatched, Started, Completed) in batches of
  *              BATCH like the recorder, ROUNDS rounds of fresh commands:
  *              events/s per round, the median and the spread (min-max).
+ *              Each round also measures, under the same machine load, the
+ *              floor: the same number of pipelined single-row INSERTs
+ *              (id, 150 bytes) into a plain table, one transaction per
+ *              batch, and append_many of the same events with a type no
+ *              projection knows (the append alone).
  *              --spread puts one command's four events in four successive
  *              batches (batch k: Requested of group k, Dispatched of group
  *              k-1, ...), the default keeps them in one batch.
@@ -182,20 +187,98 @@ out:
 
 /* One round: fresh commands, all their events through append_many. */
 struct round {
+    double floor_eps;   /* pipelined single-row inserts per second */
+    double opaque_eps;  /* append_many without projections */
     double eps;         /* events per second, wall clock */
     double server_us;   /* backend CPU per event */
     double client_us;   /* this process's CPU per event */
 };
+
+/* Pipelined single-row inserts, a transaction per batch: rows/s. */
+static int
+measure_floor(struct store *s, const struct opts *o, int rows, double *out)
+{
+    PGconn *c = store_pgconn(s);
+    static char payload[150];
+    static int64_t next_id;
+    int64_t t0 = ks_mono_us(), us;
+    int rc = 0;
+
+    memset(payload, 'x', sizeof(payload));
+    for (int off = 0; off < rows && rc == 0; off += o->batch) {
+        int len = rows - off < o->batch ? rows - off : o->batch;
+        if (!PQenterPipelineMode(c))
+            return KS_EPG;
+        PQsendQueryParams(c, "BEGIN", 0, NULL, NULL, NULL, NULL, 0);
+        for (int i = 0; i < len; i++) {
+            char id[24];
+            const char *vals[2] = {id, payload};
+            int lens[2] = {0, sizeof(payload)}, fmts[2] = {0, 1};
+            snprintf(id, sizeof(id), "%lld", (long long)++next_id);
+            PQsendQueryParams(c,
+                              "INSERT INTO perf_floor (id, v) VALUES ($1, $2)",
+                              2, NULL, vals, lens, fmts, 0);
+        }
+        PQsendQueryParams(c, "COMMIT", 0, NULL, NULL, NULL, NULL, 0);
+        PQpipelineSync(c);
+        for (;;) {
+            PGresult *res = PQgetResult(c);
+            if (!res)
+                continue;
+            ExecStatusType st = PQresultStatus(res);
+            if (st == PGRES_FATAL_ERROR)
+                rc = KS_EPG;
+            PQclear(res);
+            if (st == PGRES_PIPELINE_SYNC)
+                break;
+        }
+        PQexitPipelineMode(c);
+    }
+    us = ks_mono_us() - t0;
+    *out = (double)rows * 1e6 / (double)us;
+    return rc;
+}
+
+/* append_many of events no projection knows: the append alone. */
+static int
+measure_opaque(struct store *s, const struct opts *o, struct cmd_evs *cmds,
+               const Ks__Event **order, int n, double *out)
+{
+    int64_t t0, us;
+    int rc = 0;
+
+    for (int i = 0; i < n / 4; i++) {
+        fill_command(&cmds[i]);
+        for (int k = 0; k < 4; k++) {
+            cmds[i].ev[k].type = "PerfOpaque";
+            order[i * 4 + k] = &cmds[i].ev[k];
+        }
+    }
+    t0 = ks_mono_us();
+    for (int off = 0; off < n && rc == 0; off += o->batch) {
+        size_t len = (size_t)(n - off < o->batch ? n - off : o->batch);
+        rc = store_append_many(s, order + off, len, NULL);
+    }
+    us = ks_mono_us() - t0;
+    *out = (double)n * 1e6 / (double)us;
+    return rc;
+}
 
 static int
 measure_round(struct store *s, const struct opts *o, struct cmd_evs *cmds,
               const Ks__Event **order, struct round *out)
 {
     int backend = PQbackendPID(store_pgconn(s));
-    int64_t srv0, cli0;
     int ncmd = o->commands, group = o->batch / 4, n = 0, rc = 0;
     int groups = (ncmd + group - 1) / group;
-    int64_t t0, us;
+    int64_t srv0, cli0, t0, us;
+
+    if ((rc = measure_floor(s, o, ncmd * 4, &out->floor_eps)) < 0 ||
+        (rc = measure_opaque(s, o, cmds, order, ncmd * 4,
+                             &out->opaque_eps)) < 0) {
+        fprintf(stderr, "perf_store: floor: %s\n", ks_strerror(rc));
+        return rc;
+    }
 
     for (int i = 0; i < ncmd; i++)
         fill_command(&cmds[i]);
@@ -317,6 +400,17 @@ main(int argc, char **argv)
                 err ? err : "");
         goto out;
     }
+    {
+        PGresult *res = PQexec(store_pgconn(s),
+                               "CREATE TABLE IF NOT EXISTS perf_floor"
+                               " (id bigint PRIMARY KEY, v bytea)");
+        int ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+        PQclear(res);
+        if (!ok) {
+            rc = KS_EPG;
+            goto out;
+        }
+    }
     cmds = calloc((size_t)o.commands, sizeof(*cmds));
     order = calloc((size_t)o.commands * 4, sizeof(*order));
     eps = calloc((size_t)o.rounds, sizeof(*eps));
@@ -339,10 +433,12 @@ main(int argc, char **argv)
         if (!o.json)
             printf("store_append_many round %d: %d events (%d commands x 4,"
                    " batches of %d%s): %.0f events/s; CPU per event:"
-                   " server %.1f us, client %.1f us\n",
+                   " server %.1f us, client %.1f us; same round: floor"
+                   " %.0f inserts/s, append only %.0f events/s\n",
                    r, o.commands * 4, o.commands, o.batch,
                    o.spread ? ", spread" : "", eps[r], rounds[r].server_us,
-                   rounds[r].client_us);
+                   rounds[r].client_us, rounds[r].floor_eps,
+                   rounds[r].opaque_eps);
     }
     {
         double *sorted = malloc((size_t)o.rounds * sizeof(*sorted));
@@ -370,6 +466,12 @@ main(int argc, char **argv)
             printf("], \"client_cpu_us_per_event\": [");
             for (int r = 0; r < o.rounds; r++)
                 printf("%s%.1f", r ? ", " : "", rounds[r].client_us);
+            printf("], \"floor_inserts_per_s\": [");
+            for (int r = 0; r < o.rounds; r++)
+                printf("%s%.0f", r ? ", " : "", rounds[r].floor_eps);
+            printf("], \"append_only_eps\": [");
+            for (int r = 0; r < o.rounds; r++)
+                printf("%s%.0f", r ? ", " : "", rounds[r].opaque_eps);
             printf("], \"median\": %.0f, \"min\": %.0f, \"max\": %.0f,"
                    " \"events\": %d, \"batch\": %d}}\n",
                    med, lo, hi, o.commands * 4, o.batch);

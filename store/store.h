@@ -20,8 +20,11 @@
  *    sequence value is handed out before commit, so a later position can
  *    commit first; PostgreSQL docs 9.27 "Transaction ID and Snapshot").
  *
- * Projections (kscore_project() in migrations.c, applied per event in the
- * append's transaction; the same function rebuilds them in store_replay()):
+ * Projections (the rules of kscore_project() in migrations.c, applied in
+ * the append's transaction: per event by store_append() and
+ * store_replay(), folded per command by store_append_many(), which writes
+ * each commands row once per call; both give the same rows, which replay
+ * equality checks):
  *   CommandRequested  inserts commands (status Pending; argv, agent_id,
  *                     batch_id, operator from event.command); the
  *                     idempotency key travels in Ks__Event.reason and is
@@ -119,7 +122,14 @@ int store_append(struct store *s, const char *stream_id,
  * Appends events for many streams in one transaction (the recorder's batch
  * path), each with STORE_ANY, in input order within each stream. Events
  * already recorded (by event_id), or repeated within the call, are skipped
- * and counted in *dup_out (may be NULL). One round trip. Returns 0,
+ * and counted in *dup_out (may be NULL).
+ *
+ * One round trip: the events of each command are folded in C into one
+ * write of its commands row (store/fold.c, kscore_record_many()). A call
+ * holding events recorded before (a redelivery) costs one more round trip
+ * per attempt that finds them; a BatchCompleted/BatchCancelled followed in
+ * the same call by an event creating that batch's row takes the per-event
+ * path (kscore_project() per event), as the order then matters. Returns 0,
  * KS_ECONFLICT (an event a projection refuses, see store_append: nothing
  * written; append one by one to find it), KS_EINVAL / KS_ETOOBIG (as
  * store_append, nothing sent) or KS_EPG (nothing written).
