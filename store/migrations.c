@@ -401,21 +401,21 @@ static const char migration_1[] =
     "      failed = b.failed + excluded.failed,\n"
     "      cancelled = b.cancelled + excluded.cancelled;\n"
     /*
-     * Commands requested before: one update each. o holds the prior
+     * Commands requested before: one update each. s carries the prior
      * status (locked, so it is the row the update sees) for the batch
-     * target and counter rules.
+     * target and counter rules. One join per row: unnest() of a
+     * parameter is planned as a few rows, so a second join on s would be
+     * a nested loop over both, quadratic in the batch.
      */
     "    WITH s AS (\n"
-    "      SELECT s.* FROM " FOLD_SUMMARY " WHERE NOT s.req\n"
-    "    ), o AS (\n"
-    "      SELECT c.command_id, c.status FROM commands c\n"
-    "      JOIN s ON c.command_id = s.cid FOR UPDATE OF c\n"
+    "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n"
+    "      JOIN commands c ON c.command_id = s.cid\n"
+    "      WHERE NOT s.req FOR UPDATE OF c\n"
     "    ), u AS (\n"
     "      UPDATE commands c SET version = vers[s.last_ord],\n"
     "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
-    "      FROM s JOIN o ON o.command_id = s.cid\n"
-    "      WHERE c.command_id = s.cid\n"
-    "      RETURNING c.command_id, c.status, o.status AS prev, s.st_first,\n"
+    "      FROM s WHERE c.command_id = s.cid\n"
+    "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n"
     "        s.st_change\n"
     "    ), t AS (\n"
     "      UPDATE batch_targets bt SET status = u.status FROM u\n"
