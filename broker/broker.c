@@ -865,7 +865,8 @@ broker_teardown(struct broker *b)
                                  &b->sub_exec,
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow, &b->sub_batch};
+                                 &b->sub_follow, &b->sub_batch,
+                                 &b->sub_advisory};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1025,7 +1026,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
-                        errmsg)))
+                        errmsg)) ||
+        (rc = broker__advisory_start(&b, errmsg)))
         goto out;
     natsConnection_Flush(b.nc->nc);
     if ((rc = broker__scanner_start(&b)))

@@ -61,6 +61,7 @@ struct broker {
     struct broker__claimer claimers[BROKER_CLAIM_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
+    natsSubscription *sub_advisory;
     struct evt_verifier *local_trust; /* in-process agents trust signer */
 
     struct broker__batches *batches; /* batch.c */
@@ -144,6 +145,9 @@ int broker__batch_view(struct broker *b, struct store *st,
 
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);
+
+/* Records JetStream's max-deliveries advisories (advisory.c). */
+int broker__advisory_start(struct broker *b, char **errmsg);
 
 int broker__scanner_start(struct broker *b);
 void broker__scanner_stop(struct broker *b);

@@ -42,7 +42,12 @@ classify(const char *type, Ks__CommandStatus *status)
             *status = event_types[i].status;
             return event_types[i].kind;
         }
-    return STORE__PROJ_NONE;
+    /* Any other event of a command (CommandDeliveryExhausted, and types
+     * added later) still moves the row's version with its stream, so an
+     * append at view->version stays a correct expected version. */
+    *status = 0;
+    return strncmp(type, "Command", 7) == 0 ? STORE__PROJ_VERSION
+                                            : STORE__PROJ_NONE;
 }
 
 static const char *

@@ -109,6 +109,14 @@ wait_all_terminal(PGconn *pg, int timeout_s)
             return 0;
         nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
     }
+    PGresult *r = PQexec(pg, "SELECT command_id, agent_id, status, version "
+                             "FROM commands WHERE status IN "
+                             "('Pending','Dispatched','Running')");
+    for (int i = 0; i < PQntuples(r) && i < 5; i++)
+        fprintf(stderr, "still open: %s on %s: %s v%s\n",
+                PQgetvalue(r, i, 0), PQgetvalue(r, i, 1), PQgetvalue(r, i, 2),
+                PQgetvalue(r, i, 3));
+    PQclear(r);
     return open;
 }
 
@@ -330,6 +338,73 @@ START_TEST(replay_equals_live)
 }
 END_TEST
 
+/* JetStream's max-deliveries advisory becomes an event. An agent that never
+ * acks is played by the test: a pull consumer agent-adv with MaxDeliver 2. */
+START_TEST(max_deliveries_advisory_is_recorded)
+{
+    struct evt_conn *c = client();
+    kvStore *kv = NULL;
+    Ks__AgentInfo info = KS__AGENT_INFO__INIT;
+    char id[37];
+    ck_assert_int_eq(evt_agents_kv(c, &kv), 0);
+    info.agent_id = "adv";
+    info.version = "test";
+    info.host = "test";
+    info.heartbeat_at_us = ks_now_us();
+    ck_assert_int_eq(evt_agent_put(c, kv, &info), 0);
+    kvStore_Destroy(kv);
+    nanosleep(&(struct timespec){0, 300 * 1000000L}, NULL);
+    ck_assert_int_eq(submit(c, "adv", "true", 60000, id), 0);
+
+    jsSubOptions so;
+    jsSubOptions_Init(&so);
+    so.Stream = EVT_STREAM_CMDS;
+    so.Config.MaxDeliver = 2;
+    so.Config.AckWait = INT64_C(500) * 1000000; /* ns */
+    natsSubscription *sub = NULL;
+    ck_assert_int_eq(js_PullSubscribe(&sub, c->js, "kscore.cmd.adv",
+                                      "agent-adv", NULL, &so, NULL),
+                     NATS_OK);
+    for (int i = 0; i < 2; i++) {
+        natsMsgList list = {0};
+        ck_assert_int_eq(natsSubscription_Fetch(&list, sub, 1, 3000, NULL),
+                         NATS_OK);
+        ck_assert_int_eq(list.Count, 1);
+        natsMsgList_Destroy(&list); /* never acked */
+        nanosleep(&(struct timespec){0, 700 * 1000000L}, NULL);
+    }
+    /* The server notices the limit when it would deliver a third time,
+     * which a pull consumer does on the next fetch: that one gets nothing. */
+    natsMsgList none = {0};
+    int64_t t0 = ks_mono_us();
+    natsStatus fs = natsSubscription_Fetch(&none, sub, 1, 1000, NULL);
+    ck_assert_int_ne(fs, NATS_OK);
+    /* nats.c#631: a Fetch may outlive its timeout; 3.4.1 honours it here. */
+    ck_assert_int_lt(ks_mono_us() - t0, 5 * 1000000);
+    natsMsgList_Destroy(&none);
+    PGconn *pg = db();
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
+             "type = 'CommandDeliveryExhausted'",
+             id);
+    for (int i = 0; i < 50 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    PQfinish(pg);
+    natsSubscription_Destroy(sub);
+    /* End it, so later tests find every command terminal. */
+    Ks__CancelRequest cr = KS__CANCEL_REQUEST__INIT;
+    ProtobufCMessage *rep = NULL;
+    cr.id = id;
+    ck_assert_int_eq(broker_call(c, EVT_API_CANCEL, &cr.base,
+                                 &ks__cancel_reply__descriptor, 5000, &rep),
+                     0);
+    protobuf_c_message_free_unpacked(rep, NULL);
+    evt_close(c);
+}
+END_TEST
+
 static Suite *
 record_suite(void)
 {
@@ -338,6 +413,7 @@ record_suite(void)
     tcase_add_unchecked_fixture(tc, stack_up, stack_down);
     tcase_set_timeout(tc, 240);
     tcase_add_test(tc, k15_ack_wait_units);
+    tcase_add_test(tc, max_deliveries_advisory_is_recorded);
     tcase_add_test(tc, replay_equals_live);
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
