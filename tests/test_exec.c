@@ -857,9 +857,12 @@ START_TEST(loop_concurrency_100)
         ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)(intptr_t)i,
                                      NULL),
                          0);
-    wait_done(100, 2 * SEC);
+    wait_done(100, 10 * SEC);
     wall = ks_mono_us() - t0;
-    ck_assert_msg(wall < 400000, "100 x sleep 0.1 took %lld us",
+    /* They ran at once, not one after another (10 s). How close to the
+     * ideal 0.1 s is a benchmark's question (perf_exec), not a test's: a
+     * loaded CI machine must not fail it. */
+    ck_assert_msg(wall < 2500000, "100 x sleep 0.1 took %lld us",
                   (long long)wall);
     for (int i = 0; i < 100; i++) {
         ck_assert_int_eq(g_results[i].exit_code, 0);
