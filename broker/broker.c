@@ -162,8 +162,8 @@ broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
  * else wait for it like the first caller). Returns 0 when answered.
  */
 static int
-attach_existing(struct broker *b, natsMsg *msg, const char *command_id,
-                bool detach)
+attach_existing(struct broker *b, struct store *st, natsMsg *msg,
+                const char *command_id, bool detach)
 {
     Ks__CommandView *v = NULL;
     Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
@@ -191,7 +191,7 @@ attach_existing(struct broker *b, natsMsg *msg, const char *command_id,
         }
     }
     /* Read after registering: an end recorded in between is not missed. */
-    rc = store_get_command(b->st_exec, command_id, &v);
+    rc = store_get_command(st, command_id, &v);
     if (rc) {
         if (w) {
             pthread_mutex_lock(&b->mu);
@@ -227,7 +227,9 @@ attach_existing(struct broker *b, natsMsg *msg, const char *command_id,
 static void
 on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
-    struct broker *b = ud;
+    struct broker__worker *wk = ud;
+    struct broker *b = wk->b;
+    struct store *st = wk->st;
     Ks__ExecuteRequest *req = NULL;
     char why[256], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
@@ -262,9 +264,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     if (req->idempotency_key[0]) {
-        rc = store_command_by_key(b->st_exec, req->idempotency_key,
-                                  command_id);
-        if (rc == 0 && attach_existing(b, msg, command_id, req->detach) == 0)
+        rc = store_command_by_key(st, req->idempotency_key, command_id);
+        if (rc == 0 &&
+            attach_existing(b, st, msg, command_id, req->detach) == 0)
             goto out;
     }
 
@@ -276,7 +278,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (info)
             ks__agent_info__free_unpacked(info, NULL);
         if (rc) {
-            broker__record_denied(b, b->st_exec, op, req->agent_id,
+            broker__record_denied(b, st, op, req->agent_id,
                                   req->spec, why);
             reply_execute_error(b, msg, rc, "%s", why);
             goto out;
@@ -330,7 +332,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         pthread_mutex_unlock(&b->mu);
     }
 
-    rc = store_append(b->st_exec, stream, STORE_NO_STREAM, evs, 2, NULL);
+    rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -342,9 +344,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             free(w);
             w = NULL;
         }
-        if (store_command_by_key(b->st_exec, req->idempotency_key, winner) ==
-                0 &&
-            attach_existing(b, msg, winner, req->detach) == 0)
+        if (store_command_by_key(st, req->idempotency_key, winner) == 0 &&
+            attach_existing(b, st, msg, winner, req->detach) == 0)
             goto out;
     }
     if (rc) {
@@ -384,7 +385,7 @@ out:
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
-    struct broker__claimer *cl = ud;
+    struct broker__worker *cl = ud;
     struct broker *b = cl->b;
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
@@ -835,12 +836,11 @@ subscribe(struct broker *b, natsSubscription **sub, const char *subject,
 }
 
 static int
-subscribe_claimers(struct broker *b, char **errmsg)
+subscribe_workers(struct broker *b, struct broker__worker *w, int n,
+                  const char *subject, natsMsgHandler cb, char **errmsg)
 {
-    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
-        struct broker__claimer *cl = &b->claimers[i];
-        int rc = subscribe_ud(b, &cl->sub, EVT_API_CLAIM, on_claim, cl,
-                              errmsg);
+    for (int i = 0; i < n; i++) {
+        int rc = subscribe_ud(b, &w[i].sub, subject, cb, &w[i], errmsg);
         if (rc)
             return rc;
     }
@@ -862,7 +862,9 @@ broker_teardown(struct broker *b)
 {
     natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
                                  &b->claimers[2].sub, &b->claimers[3].sub,
-                                 &b->sub_exec,
+                                 &b->executors[0].sub,
+                                 &b->executors[1].sub,
+                                 &b->executors[2].sub,
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
@@ -889,7 +891,9 @@ broker_teardown(struct broker *b)
     broker__recorder_stop(b);
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
-    store_close(b->st_exec);
+    store_close(b->st_setup);
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
+        store_close(b->executors[i].st);
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -954,10 +958,15 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     rc = evt_connect(opts->nats_url, &co, &b.nc, errmsg);
     if (rc)
         goto out;
-    if ((rc = open_store(&b, &b.st_exec, errmsg)))
+    if ((rc = open_store(&b, &b.st_setup, errmsg)))
         goto out;
-    if ((rc = store_migrate(b.st_exec, errmsg)))
+    if ((rc = store_migrate(b.st_setup, errmsg)))
         goto out;
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
+        b.executors[i].b = &b;
+        if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
+            goto out;
+    }
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1013,9 +1022,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if (rc)
             goto out;
     }
-    if ((rc = subscribe(&b, &b.sub_exec, EVT_API_EXECUTE, on_execute,
-                        errmsg)) ||
-        (rc = subscribe_claimers(&b, errmsg)) ||
+    if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
+                                EVT_API_EXECUTE, on_execute, errmsg)) ||
+        (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
+                                EVT_API_CLAIM, on_claim, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||

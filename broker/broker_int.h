@@ -22,12 +22,13 @@ struct broker__agent {
     int64_t stored_mono_us; /* last write of the agents projection */
 };
 
-/* Claims are served by this many queue subscriptions, each with its own
- * thread and PostgreSQL connection: a claim is one commit, and a fan-out
- * brings hundreds at once. */
+/* Claims and ExecuteCommand are served by this many queue subscriptions
+ * each, every one with its own thread and PostgreSQL connection: each is
+ * one commit, and a fan-out or a steady rate brings many at once. */
 #define BROKER_CLAIM_WORKERS 4
+#define BROKER_EXEC_WORKERS 3
 
-struct broker__claimer {
+struct broker__worker {
     struct broker *b;
     struct store *st;
     natsSubscription *sub;
@@ -38,9 +39,9 @@ struct broker {
     struct evt_conn *nc;
     kvStore *kv;
 
-    struct store *st_exec, *st_misc, *st_rec, *st_reg, *st_scan,
+    struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
-    natsSubscription *sub_exec, *sub_misc, *sub_events,
+    natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec;
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
@@ -58,7 +59,8 @@ struct broker {
 
     struct agent *local;
     int64_t started_mono_us;
-    struct broker__claimer claimers[BROKER_CLAIM_WORKERS];
+    struct broker__worker claimers[BROKER_CLAIM_WORKERS];
+    struct broker__worker executors[BROKER_EXEC_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;
