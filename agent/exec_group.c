@@ -112,6 +112,20 @@ write_file(const char *path, const char *text)
     return ret;
 }
 
+/* 1 if pid is gone or a zombie (dead, not yet reaped by its parent). */
+static int
+pid_dead(long pid)
+{
+    char path[64], buf[512], *rp;
+    if (kill((pid_t)pid, 0) == -1 && errno == ESRCH)
+        return 1;
+    snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+    if (read_file(path, buf, sizeof(buf)) <= 0)
+        return 1;
+    rp = strrchr(buf, ')');
+    return rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X');
+}
+
 /* Kills and removes a leftover kscore-<pid> tree of a dead agent. */
 static void
 remove_stale_tree(const char *dir)
@@ -197,7 +211,7 @@ cgroup_probe(void)
             pid = strtol(de->d_name + 7, &end, 10);
             if (*end || pid <= 0)
                 continue;
-            if (pid != getpid() && !(kill(pid, 0) == -1 && errno == ESRCH))
+            if (pid != getpid() && !pid_dead(pid))
                 continue;
             if (!path_fmt(path, sizeof(path), "%s/%s", dir, de->d_name))
                 remove_stale_tree(path);

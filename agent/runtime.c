@@ -123,6 +123,101 @@ seen_add(struct agent *a, const char *command_id)
     pthread_mutex_unlock(&a->mu);
 }
 
+/* ---- running markers (K25) ------------------------------------------------ */
+
+/*
+ * <state_dir>/running/<command_id>: written when a claim is granted, removed
+ * once the result is queued. A restarted agent finds what it left running
+ * when it died: the executor has killed those process groups already
+ * (exec_global_init() kills the cgroups of dead agents), so each one is
+ * reported CommandLost, and none is ever run again (the claim fence).
+ */
+static void
+marker_path(struct agent *a, const char *command_id, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/running/%s", a->state_dir, command_id);
+}
+
+static void
+marker_write(struct agent *a, const char *command_id, const char *agent_id,
+             uint32_t attempt, const char *operator_name)
+{
+    char path[4200];
+    FILE *f;
+    if (!a->state_dir)
+        return;
+    marker_path(a, command_id, path, sizeof(path));
+    f = fopen(path, "we");
+    if (f) {
+        fprintf(f, "%s %u %s\n", agent_id, attempt,
+                operator_name && operator_name[0] ? operator_name : "-");
+        fclose(f);
+    }
+}
+
+static void
+marker_remove(struct agent *a, const char *command_id)
+{
+    char path[4200];
+    if (!a->state_dir)
+        return;
+    marker_path(a, command_id, path, sizeof(path));
+    unlink(path);
+}
+
+static int queue_event(struct agent *a, const Ks__Event *ev);
+
+/* Reports what a previous run of this agent left running as Lost. */
+static void
+markers_recover(struct agent *a)
+{
+    char dir[4200];
+    DIR *d;
+    struct dirent *de;
+    snprintf(dir, sizeof(dir), "%s/running", a->state_dir);
+    d = opendir(dir);
+    if (!d)
+        return;
+    while ((de = readdir(d))) {
+        char path[4500], agent_id[EVT_AGENT_ID_MAX + 1], op[64];
+        unsigned attempt = 0;
+        if (!ks_is_uuid(de->d_name))
+            continue;
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        int n = fscanf(f, "%128s %u %63s", agent_id, &attempt, op);
+        fclose(f);
+        if (n == 3) {
+            Ks__Event ev = KS__EVENT__INIT;
+            Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+            char event_id[37], stream[64], command_id[37];
+            memcpy(command_id, de->d_name, 36);
+            command_id[36] = '\0';
+            ks_uuid(event_id);
+            snprintf(stream, sizeof(stream), "command-%s", command_id);
+            r.status = KS__COMMAND_STATUS__LOST;
+            r.term_sent_us = r.kill_sent_us = -1;
+            r.reason = "the agent died while it ran; its process group was "
+                       "killed when the agent restarted";
+            ev.event_id = event_id;
+            ev.stream_id = stream;
+            ev.type = "CommandLost";
+            ev.occurred_at_us = ks_now_us();
+            ev.command_id = command_id;
+            ev.agent_id = agent_id;
+            ev.attempt = attempt;
+            ev.operator_ = strcmp(op, "-") ? op : "";
+            ev.reason = r.reason;
+            ev.result = &r;
+            queue_event(a, &ev);
+        }
+        unlink(path);
+    }
+    closedir(d);
+}
+
 /* ---- outbox --------------------------------------------------------------- */
 
 static void
@@ -380,6 +475,8 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     if (queue_event(a, &ev) != 0)
         fprintf(stderr, "kscore agent: cannot queue result of %s\n",
                 j->command_id);
+    else
+        marker_remove(a, j->command_id);
     exec_result_release(x);
     pthread_mutex_lock(&a->mu);
     ks_map_del(&a->running, j->command_id);
@@ -545,6 +642,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (rc == 0)
         goto out; /* lost the claim: someone else runs it, or it ended */
     seen_add(a, cmd->command_id);
+    marker_write(a, cmd->command_id, slot->id, cmd->attempt, cmd->operator_);
 
     struct job_ctx *j = calloc(1, sizeof(*j));
     uint64_t job_id = 0;
@@ -696,6 +794,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         snprintf(dir, sizeof(dir), "%s/outbox", opts->state_dir);
         mkdir(opts->state_dir, 0700);
         mkdir(dir, 0700);
+        snprintf(dir, sizeof(dir), "%s/running", opts->state_dir);
+        mkdir(dir, 0700);
     }
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
@@ -750,8 +850,10 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             *errmsg = NULL;
         goto fail;
     }
-    if (a->state_dir)
+    if (a->state_dir) {
         outbox_load(a);
+        markers_recover(a); /* after exec_global_init killed the groups */
+    }
     if (pthread_create(&a->pub_thread, NULL, publisher_main, a) != 0) {
         rc = KS_EINTERNAL;
         goto fail;

@@ -50,7 +50,8 @@ is_terminal_type(const char *type)
     /* Not CommandRejected: an agent refusing a forged or stale message
      * says nothing about the real command of that id. */
     return strcmp(type, "CommandCompleted") == 0 ||
-           strcmp(type, "CommandStartFailed") == 0;
+           strcmp(type, "CommandStartFailed") == 0 ||
+           strcmp(type, "CommandLost") == 0;
 }
 
 static void

@@ -3,6 +3,7 @@
  * every command terminal. Real nats-server, PostgreSQL, broker and agents.
  */
 #include <check.h>
+#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <signal.h>
@@ -10,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -405,6 +407,101 @@ START_TEST(max_deliveries_advisory_is_recorded)
 }
 END_TEST
 
+/* 1 if a process runs exactly `sleep <arg>` (a /proc scan: pgrep -f from
+ * a shell would find the shell's own command line). */
+static int
+procs_matching(const char *sleep_arg)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    int found = 0;
+    while (d && !found && (de = readdir(d))) {
+        char path[300], buf[64];
+        snprintf(path, sizeof(path), "/proc/%s/cmdline", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        found = n > 6 && strcmp(buf, "sleep") == 0 &&
+                strcmp(buf + 6, sleep_arg) == 0;
+    }
+    if (d)
+        closedir(d);
+    return found;
+}
+
+/* K25: the agent dies mid-run and is restarted 5 s later: the leftover
+ * process group is killed, the command ends Lost, it never runs again. */
+START_TEST(k25_agent_dies_mid_run)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], script[PATH_MAX + 128], sql[256], pidf[PATH_MAX + 32];
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteReply *rep = NULL;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k25", "k25", NULL),
+                     0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/k25.$KSCORE_COMMAND_ID; exec sleep 3025",
+             side_dir);
+    char *argv[] = {"sh", "-c", script};
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.timeout_ms = 600000;
+    req.spec = &spec;
+    req.agent_id = "k25";
+    req.detach = 1;
+    ck_assert_int_eq(broker_execute(c, &req, 5000, &rep), 0);
+    ck_assert_int_eq(rep->error_code, 0);
+    snprintf(id, sizeof(id), "%s", rep->command_id);
+    ks__execute_reply__free_unpacked(rep, NULL);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    for (int i = 0; i < 50 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    for (int i = 0; i < 50 && !procs_matching("3025"); i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert(procs_matching("3025"));
+
+    /* kill -9 the agent; restart it 5 s later. */
+    snprintf(pidf, sizeof(pidf), "%s/agent-k25.pid", stack.dir);
+    FILE *f = fopen(pidf, "r");
+    int pid = 0;
+    ck_assert(f && fscanf(f, "%d", &pid) == 1);
+    fclose(f);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    nanosleep(&(struct timespec){5, 0}, NULL);
+    int64_t t0 = ks_mono_us();
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k25", "k25", NULL),
+                     0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Lost'",
+             id);
+    for (int i = 0; i < 150 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* within the heartbeat deadline of the restart */
+    ck_assert_int_lt(ks_mono_us() - t0, (int64_t)EVT_AGENT_TTL_MS * 1000);
+    /* cgroup.kill is asynchronous: give the kernel a moment. */
+    for (int i = 0; i < 30 && procs_matching("3025"); i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert(!procs_matching("3025"));
+    ck_assert_int_eq(runs_of("k25", id), 1);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-k25", 20000);
+}
+END_TEST
+
 static Suite *
 record_suite(void)
 {
@@ -414,6 +511,7 @@ record_suite(void)
     tcase_set_timeout(tc, 240);
     tcase_add_test(tc, k15_ack_wait_units);
     tcase_add_test(tc, max_deliveries_advisory_is_recorded);
+    tcase_add_test(tc, k25_agent_dies_mid_run);
     tcase_add_test(tc, replay_equals_live);
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
