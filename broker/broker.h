@@ -82,6 +82,21 @@ int broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
 int broker_batch(struct evt_conn *c, const Ks__BatchRequest *req,
                  int timeout_ms, Ks__BatchReply **out);
 
+/*
+ * Waits (<= timeout_ms) until a broker serves the API at url: it answers a
+ * get of an unknown id. opts: credentials (copied). 0 or KS_ETIMEDOUT.
+ */
+int broker_wait_ready(const char *url, const struct evt_connect_opts *opts,
+                      int timeout_ms);
+
+/*
+ * Waits (<= timeout_ms) until agent_id has heartbeated at or after since_us
+ * (epoch us) in KSCORE_AGENTS. opts must be allowed to read the bucket.
+ * 0, KS_ETIMEDOUT, or KS_EUNAVAIL (NATS unreachable).
+ */
+int broker_wait_agent(const char *url, const struct evt_connect_opts *opts,
+                      const char *agent_id, int64_t since_us, int timeout_ms);
+
 /* How long a client should wait for an ExecuteCommand reply (ms). */
 int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
 

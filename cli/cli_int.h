@@ -53,6 +53,37 @@ struct cli_conn {
     "NATS: --nats URL --user U --password P --creds FILE --token T\n"         \
     "      --tls-ca FILE --tls-cert FILE --tls-key FILE (or KSCORE_NATS_*)\n"
 
+/*
+ * The command options `exec` and `batch` share: --timeout D, --grace D,
+ * --env K=V (repeatable), --cwd DIR, --deliver-within D.
+ */
+#define CLI_OPT_SPEC 0x2000
+#define CLI_SPEC_LONGOPTS                                                      \
+    {"timeout", required_argument, 0, CLI_OPT_SPEC},                           \
+        {"grace", required_argument, 0, CLI_OPT_SPEC + 1},                     \
+        {"env", required_argument, 0, CLI_OPT_SPEC + 2},                       \
+        {"cwd", required_argument, 0, CLI_OPT_SPEC + 3},                       \
+    {                                                                          \
+        "deliver-within", required_argument, 0, CLI_OPT_SPEC + 4               \
+    }
+
+struct cli_spec {
+    Ks__CommandSpec spec;   /* argv set by the caller */
+    Ks__EnvVar *envs;       /* storage for --env, cap entries */
+    Ks__EnvVar **envp;
+    size_t cap;
+    uint64_t deliver_within_ms;
+};
+
+/* Allocates room for cap --env values; 0 or -ENOMEM. */
+int cli_spec_init(struct cli_spec *cs, size_t cap);
+void cli_spec_release(struct cli_spec *cs);
+/*
+ * Takes one of the CLI_SPEC_LONGOPTS (arg is modified for --env): 1 if
+ * taken, 0 if opt is not one of them, -1 after printing a bad value.
+ */
+int cli_spec_opt(struct cli_spec *cs, int opt, char *arg);
+
 /* Takes one of the CLI_CONN_LONGOPTS; 1 if opt was one, else 0. */
 int cli_conn_opt(struct cli_conn *cc, int opt, const char *arg);
 /* Fills unset fields from the environment (KSCORE_NATS_*). */

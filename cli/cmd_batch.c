@@ -324,23 +324,18 @@ cmd_batch(int argc, char **argv)
         {"max-concurrency", required_argument, 0, 'c'},
         {"max-errors", required_argument, 0, 'E'},
         {"strict-errors", no_argument, 0, 'S'},
-        {"timeout", required_argument, 0, 't'},
-        {"grace", required_argument, 0, 'g'},
-        {"env", required_argument, 0, 'e'},
-        {"cwd", required_argument, 0, 'C'},
-        {"deliver-within", required_argument, 0, 'd'},
+        CLI_SPEC_LONGOPTS,
         {"json", no_argument, 0, 'j'},
         {"detach", no_argument, 0, 'D'},
         CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
-    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    struct cli_spec cs = {0};
     Ks__Amount conc, errs;
     size_t cap = (size_t)argc * 4 + 4;
     char **agents = calloc(cap, sizeof(*agents));
     Ks__EnvVar *sel = calloc(cap, sizeof(*sel)), **selp = calloc(cap, sizeof(*selp));
-    Ks__EnvVar *envs = calloc(cap, sizeof(*envs)), **envp = calloc(cap, sizeof(*envp));
     struct cli_conn cc = {0};
     struct evt_conn *c = NULL;
     natsSubscription *psub = NULL;
@@ -350,12 +345,17 @@ cmd_batch(int argc, char **argv)
     int opt, rc = CLI_EXIT_USAGE;
 
     pthread_mutex_init(&st.mu, NULL);
-    if (!agents || !sel || !selp || !envs || !envp) {
+    if (!agents || !sel || !selp || cli_spec_init(&cs, cap) != 0) {
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
+        int taken = cli_spec_opt(&cs, opt, optarg);
+        if (taken < 0)
+            goto out;
+        if (taken)
+            continue;
         switch (opt) {
         case 'a':
             req.n_agents += split_commas(optarg, agents + req.n_agents,
@@ -401,43 +401,6 @@ cmd_batch(int argc, char **argv)
         case 'S':
             req.strict_errors = 1;
             break;
-        case 't':
-            if (cli_parse_duration(optarg, &spec.timeout_ms)) {
-                cli_err("bad duration '%s' for --timeout (use 500ms, 10s, "
-                        "2m)",
-                        optarg);
-                goto out;
-            }
-            break;
-        case 'g':
-            if (cli_parse_duration(optarg, &spec.grace_ms)) {
-                cli_err("bad duration '%s' for --grace", optarg);
-                goto out;
-            }
-            break;
-        case 'd':
-            if (cli_parse_duration(optarg, &req.deliver_within_ms)) {
-                cli_err("bad duration '%s' for --deliver-within", optarg);
-                goto out;
-            }
-            break;
-        case 'e': {
-            char *eq = strchr(optarg, '=');
-            if (!eq || eq == optarg) {
-                cli_err("bad --env '%s': expected NAME=VALUE", optarg);
-                goto out;
-            }
-            *eq = '\0';
-            ks__env_var__init(&envs[spec.n_env]);
-            envs[spec.n_env].name = optarg;
-            envs[spec.n_env].value = eq + 1;
-            envp[spec.n_env] = &envs[spec.n_env];
-            spec.n_env++;
-            break;
-        }
-        case 'C':
-            spec.cwd = optarg;
-            break;
         case 'j':
             st.json = true;
             break;
@@ -468,10 +431,10 @@ cmd_batch(int argc, char **argv)
         cli_err("no targets: give --agents A,B, --select K=V or --all");
         goto out;
     }
-    spec.argv = argv + optind;
-    spec.n_argv = (size_t)(argc - optind);
-    spec.env = envp;
-    req.spec = &spec;
+    cs.spec.argv = argv + optind;
+    cs.spec.n_argv = (size_t)(argc - optind);
+    req.spec = &cs.spec;
+    req.deliver_within_ms = cs.deliver_within_ms;
     req.agents = agents;
     req.select = selp;
 
@@ -585,7 +548,7 @@ out:
     free(agents);
     free(sel);
     free(selp);
-    free(envs);
-    free(envp);
+    cli_spec_release(&cs);
+    cli_conn_release(&cc);
     return rc;
 }

@@ -214,11 +214,7 @@ cmd_exec(int argc, char **argv)
 {
     static const struct option lo[] = {
         {"agent", required_argument, 0, 'a'},
-        {"timeout", required_argument, 0, 't'},
-        {"grace", required_argument, 0, 'g'},
-        {"env", required_argument, 0, 'e'},
-        {"cwd", required_argument, 0, 'c'},
-        {"deliver-within", required_argument, 0, 'd'},
+        CLI_SPEC_LONGOPTS,
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
         {"json", no_argument, 0, 'j'},
@@ -226,9 +222,8 @@ cmd_exec(int argc, char **argv)
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
-    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-    Ks__EnvVar *envs = calloc((size_t)argc, sizeof(*envs));
-    Ks__EnvVar **envp = calloc((size_t)argc, sizeof(*envp));
+    struct cli_spec cs = {0};
+    Ks__CommandSpec *sp = &cs.spec;
     struct cli_conn cc = {0};
     struct evt_conn *c = NULL;
     Ks__ExecuteReply *rep = NULL;
@@ -237,51 +232,18 @@ cmd_exec(int argc, char **argv)
     bool json = false;
     int opt, rc = CLI_EXIT_USAGE;
 
-    if (!envs || !envp)
+    if (cli_spec_init(&cs, (size_t)argc) != 0)
         return CLI_EXIT_KSCORE;
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
+        int taken = cli_spec_opt(&cs, opt, optarg);
+        if (taken < 0)
+            goto out;
+        if (taken)
+            continue;
         switch (opt) {
         case 'a':
             agent = optarg;
-            break;
-        case 't':
-            if (cli_parse_duration(optarg, &spec.timeout_ms)) {
-                cli_err("bad duration '%s' for --timeout (use 500ms, 10s, "
-                        "2m)",
-                        optarg);
-                goto out;
-            }
-            break;
-        case 'g':
-            if (cli_parse_duration(optarg, &spec.grace_ms)) {
-                cli_err("bad duration '%s' for --grace (use 500ms, 10s, 2m)",
-                        optarg);
-                goto out;
-            }
-            break;
-        case 'd':
-            if (cli_parse_duration(optarg, &req.deliver_within_ms)) {
-                cli_err("bad duration '%s' for --deliver-within", optarg);
-                goto out;
-            }
-            break;
-        case 'e': {
-            char *eq = strchr(optarg, '=');
-            if (!eq || eq == optarg) {
-                cli_err("bad --env '%s': expected NAME=VALUE", optarg);
-                goto out;
-            }
-            Ks__EnvVar *ev = &envs[spec.n_env];
-            ks__env_var__init(ev);
-            *eq = '\0';
-            ev->name = optarg;
-            ev->value = eq + 1;
-            envp[spec.n_env++] = ev;
-            break;
-        }
-        case 'c':
-            spec.cwd = optarg;
             break;
         case 'k':
             req.idempotency_key = optarg;
@@ -316,9 +278,9 @@ cmd_exec(int argc, char **argv)
         cli_err("empty command name");
         goto out;
     }
-    spec.argv = argv + optind;
-    spec.n_argv = (size_t)(argc - optind);
-    spec.env = envp;
+    sp->argv = argv + optind;
+    sp->n_argv = (size_t)(argc - optind);
+    req.deliver_within_ms = cs.deliver_within_ms;
     if (!agent) {
         agent = getenv("KSCORE_AGENT");
         if (!agent || !agent[0])
@@ -331,7 +293,7 @@ cmd_exec(int argc, char **argv)
         goto out;
     }
     req.agent_id = (char *)agent;
-    req.spec = &spec;
+    req.spec = sp;
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
@@ -392,11 +354,11 @@ cmd_exec(int argc, char **argv)
                     (unsigned long long)r->stderr->data.len,
                     (unsigned long long)r->stderr->total_bytes);
         if (r->status == KS__COMMAND_STATUS__START_FAILED)
-            cli_err("cannot start %s: %s failed: %s", spec.argv[0],
+            cli_err("cannot start %s: %s failed: %s", sp->argv[0],
                     r->start_stage, strerror(r->start_errno));
         else if (r->timed_out)
             cli_err("timed out after %.3fs (command %s)",
-                    (double)spec.timeout_ms / 1000.0, rep->command_id);
+                    (double)sp->timeout_ms / 1000.0, rep->command_id);
         else if (!kproto_status_terminal(r->status) ||
                  r->status >= KS__COMMAND_STATUS__CANCELLED)
             cli_err("command %s ended %s%s%s", rep->command_id,
@@ -409,8 +371,8 @@ out:
         ks__execute_reply__free_unpacked(rep, NULL);
     evt_close(c);
     free(agent_from_env);
-    free(envs);
-    free(envp);
+    cli_spec_release(&cs);
+    cli_conn_release(&cc);
     return rc;
 }
 

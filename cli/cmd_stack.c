@@ -68,42 +68,13 @@ self_exe(char *buf, size_t len)
     return 0;
 }
 
-static void
-sleep_ms(int ms)
-{
-    nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000L},
-              NULL);
-}
-
-/* The broker answers a get of an unknown id: it is serving. */
 static int
 wait_broker(const char *url, const char *user, const char *password,
             int timeout_ms)
 {
-    struct evt_connect_opts o = {.name = "kscore-up",
-                                 .send_asap = true,
-                                 .user = user,
-                                 .password = password};
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    char id[37];
-    ks_uuid(id);
-    while (ks_mono_us() < deadline) {
-        struct evt_conn *c = NULL;
-        if (evt_connect(url, &o, &c, NULL) == 0) {
-            Ks__GetRequest req = KS__GET_REQUEST__INIT;
-            ProtobufCMessage *rep = NULL;
-            req.id = id;
-            int rc = broker_call(c, EVT_API_GET, &req.base,
-                                 &ks__get_reply__descriptor, 1000, &rep);
-            if (rep)
-                protobuf_c_message_free_unpacked(rep, NULL);
-            evt_close(c);
-            if (rc == 0)
-                return 0;
-        }
-        sleep_ms(100);
-    }
-    return KS_ETIMEDOUT;
+    struct evt_connect_opts o = {
+        .name = "kscore-up", .user = user, .password = password};
+    return broker_wait_ready(url, &o, timeout_ms);
 }
 
 static int
@@ -112,30 +83,9 @@ wait_agent(const char *url, const char *id, const char *broker_password,
 {
     struct evt_connect_opts o = {
         .name = "kscore-up", .user = "broker", .password = broker_password};
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    struct evt_conn *c = NULL;
-    kvStore *kv = NULL;
-    int rc = KS_ETIMEDOUT;
-
-    if (evt_connect(url, &o, &c, NULL) != 0)
-        return KS_EUNAVAIL;
-    while (ks_mono_us() < deadline) {
-        Ks__AgentInfo *info = NULL;
-        if (!kv && evt_agents_kv(c, &kv) != 0)
-            kv = NULL;
-        if (kv && evt_agent_get(kv, id, &info) == 0 &&
-            info->heartbeat_at_us > ks_now_us() - EVT_AGENT_TTL_MS * 1000) {
-            ks__agent_info__free_unpacked(info, NULL);
-            rc = 0;
-            break;
-        }
-        if (info)
-            ks__agent_info__free_unpacked(info, NULL);
-        sleep_ms(100);
-    }
-    kvStore_Destroy(kv);
-    evt_close(c);
-    return rc;
+    return broker_wait_agent(url, &o, id,
+                             ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000,
+                             timeout_ms);
 }
 
 static int

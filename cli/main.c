@@ -203,6 +203,67 @@ cli_connect(struct cli_conn *cc, struct evt_conn **out)
 }
 
 int
+cli_spec_init(struct cli_spec *cs, size_t cap)
+{
+    memset(cs, 0, sizeof(*cs));
+    ks__command_spec__init(&cs->spec);
+    cs->envs = calloc(cap + 1, sizeof(*cs->envs));
+    cs->envp = calloc(cap + 1, sizeof(*cs->envp));
+    cs->cap = cap;
+    cs->spec.env = cs->envp;
+    return cs->envs && cs->envp ? 0 : -ENOMEM;
+}
+
+void
+cli_spec_release(struct cli_spec *cs)
+{
+    free(cs->envs);
+    free(cs->envp);
+    cs->envs = NULL;
+    cs->envp = NULL;
+}
+
+static int
+duration_opt(const char *name, const char *arg, uint64_t *ms)
+{
+    if (cli_parse_duration(arg, ms) == 0)
+        return 1;
+    cli_err("bad duration '%s' for --%s (use 500ms, 10s, 2m, 1h)", arg, name);
+    return -1;
+}
+
+int
+cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
+{
+    switch (opt) {
+    case CLI_OPT_SPEC:
+        return duration_opt("timeout", arg, &cs->spec.timeout_ms);
+    case CLI_OPT_SPEC + 1:
+        return duration_opt("grace", arg, &cs->spec.grace_ms);
+    case CLI_OPT_SPEC + 2: {
+        char *eq = strchr(arg, '=');
+        if (!eq || eq == arg || cs->spec.n_env >= cs->cap) {
+            cli_err("bad --env '%s': expected NAME=VALUE", arg);
+            return -1;
+        }
+        *eq = '\0';
+        Ks__EnvVar *ev = &cs->envs[cs->spec.n_env];
+        ks__env_var__init(ev);
+        ev->name = arg;
+        ev->value = eq + 1;
+        cs->envp[cs->spec.n_env++] = ev;
+        return 1;
+    }
+    case CLI_OPT_SPEC + 3:
+        cs->spec.cwd = arg;
+        return 1;
+    case CLI_OPT_SPEC + 4:
+        return duration_opt("deliver-within", arg, &cs->deliver_within_ms);
+    }
+    return 0;
+}
+
+int
 cli_parse_duration(const char *s, uint64_t *ms_out)
 {
     char *end = NULL;

@@ -52,50 +52,6 @@ pg_bindir(void)
     return e && *e ? e : PG_DEFAULT_BINDIR;
 }
 
-static int
-pg_free_port(void)
-{
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    socklen_t len = sizeof(a);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int port;
-
-    if (fd == -1)
-        return -errno;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == -1 ||
-        getsockname(fd, (struct sockaddr *)&a, &len) == -1) {
-        port = -errno;
-        close(fd);
-        return port;
-    }
-    port = ntohs(a.sin_port);
-    close(fd);
-    return port;
-}
-
-static int
-pg_mkdirs(const char *path, mode_t mode)
-{
-    char buf[PATH_MAX];
-    size_t len = strlen(path);
-
-    if (len == 0 || len >= sizeof(buf))
-        return -ENAMETOOLONG;
-    memcpy(buf, path, len + 1);
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/')
-            continue;
-        *p = '\0';
-        if (mkdir(buf, mode) == -1 && errno != EEXIST)
-            return -errno;
-        *p = '/';
-    }
-    if (mkdir(buf, mode) == -1 && errno != EEXIST)
-        return -errno;
-    return 0;
-}
-
 /* Adds o+x to path and every parent up to, not including, "/". */
 static int
 pg_make_traversable(const char *path)
@@ -314,7 +270,7 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
     int rc, log_fd = -1, running_port = 0;
     char *conninfo = NULL;
 
-    rc = pg_mkdirs(dir_arg, 0755);
+    rc = stack_mkdirs(dir_arg, 0755);
     if (rc < 0)
         return rc;
     if (!realpath(dir_arg, dir))
@@ -377,7 +333,7 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
     if (port == 0 && pg_read_file(path, buf, sizeof(buf)) > 0)
         port = atoi(buf);
     if (port <= 0) {
-        port = pg_free_port();
+        port = stack_free_port();
         if (port < 0) {
             rc = port;
             goto out;

@@ -77,71 +77,33 @@ kscore_bin(void)
     return b && b[0] ? b : KSCORE_BIN_DEFAULT;
 }
 
+static void
+admin_opts(const struct fixture_stack *st, struct evt_connect_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->name = "fixture";
+    if (st->secure) {
+        o->user = "broker";
+        o->password = st->broker_pw;
+    }
+}
+
 static int
 wait_broker(const struct fixture_stack *st, int timeout_ms)
 {
-    const char *url = st->nats.url;
-    struct evt_connect_opts o = {.name = "fixture", .send_asap = true};
-    if (st->secure) {
-        o.user = "broker";
-        o.password = st->broker_pw;
-    }
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    char id[37];
-    ks_uuid(id);
-    while (ks_mono_us() < deadline) {
-        struct evt_conn *c = NULL;
-        if (evt_connect(url, &o, &c, NULL) == 0) {
-            Ks__GetRequest req = KS__GET_REQUEST__INIT;
-            ProtobufCMessage *rep = NULL;
-            req.id = id;
-            int rc = broker_call(c, EVT_API_GET, &req.base,
-                                 &ks__get_reply__descriptor, 1000, &rep);
-            if (rep)
-                protobuf_c_message_free_unpacked(rep, NULL);
-            evt_close(c);
-            if (rc == 0)
-                return 0;
-        }
-        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
-    }
-    return KS_ETIMEDOUT;
+    struct evt_connect_opts o;
+    admin_opts(st, &o);
+    return broker_wait_ready(st->nats.url, &o, timeout_ms);
 }
 
 static int
 wait_agent(const struct fixture_stack *st, const char *id, int timeout_ms)
 {
-    const char *url = st->nats.url;
-    struct evt_connect_opts o = {.name = "fixture"};
-    if (st->secure) {
-        o.user = "broker";
-        o.password = st->broker_pw;
-    }
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    struct evt_conn *c = NULL;
-    kvStore *kv = NULL;
-    int rc = KS_ETIMEDOUT;
-    int64_t since = ks_now_us();
-
-    if (evt_connect(url, &o, &c, NULL) != 0)
-        return KS_EUNAVAIL;
-    while (ks_mono_us() < deadline) {
-        Ks__AgentInfo *info = NULL;
-        if (!kv && evt_agents_kv(c, &kv) != 0)
-            kv = NULL;
-        if (kv && evt_agent_get(kv, id, &info) == 0) {
-            int fresh = info->heartbeat_at_us >= since - 1000000;
-            ks__agent_info__free_unpacked(info, NULL);
-            if (fresh) {
-                rc = 0;
-                break;
-            }
-        }
-        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
-    }
-    kvStore_Destroy(kv);
-    evt_close(c);
-    return rc;
+    struct evt_connect_opts o;
+    admin_opts(st, &o);
+    /* A heartbeat of this start, not one left by an earlier agent. */
+    return broker_wait_agent(st->nats.url, &o, id, ks_now_us() - 1000000,
+                             timeout_ms);
 }
 
 int
