@@ -39,11 +39,14 @@ asan: bootstrap
 # $(BUILD)-fuzz/artifacts/<target>/, the log in $(BUILD)-fuzz/fuzz_<target>.log.
 # The targets link Debian's libprotobuf-c as it is (not instrumented), so
 # coverage guides the fuzzer through kscore's own decoding and checks.
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS := unpack decode_command signed_command
 fuzz:
 	@KSCORE_FUZZ=1 ./deploy/bootstrap.sh
 	@CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang \
 	    -DKSCORE_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	@cmake --build $(BUILD)-fuzz -j$(JOBS) --target fuzzers
+	@[ -n "$(FUZZ_TARGETS)" ] || { echo "fuzz: no targets" >&2; exit 1; }
 	@for t in $(FUZZ_TARGETS); do \
 	    c=$(BUILD)-fuzz/corpus/$$t a=$(BUILD)-fuzz/artifacts/$$t; \
 	    log=$(BUILD)-fuzz/fuzz_$$t.log; \
