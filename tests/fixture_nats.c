@@ -1,5 +1,6 @@
 #include "fixture.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -337,9 +338,25 @@ stack_start(struct fixture_stack *s, const char *agent_id,
 void
 fixture_stack_stop(struct fixture_stack *s)
 {
+    DIR *d;
+    struct dirent *de;
+
     if (!s || !s->dir[0])
         return;
-    stack_stop(s->dir, "agent", 20000);
+    /* Every daemon a test started here, also those of a test that failed
+     * before it could stop them (agent-*.pid): agents first. */
+    d = opendir(s->dir);
+    while (d && (de = readdir(d))) {
+        size_t n = strlen(de->d_name);
+        if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
+            strncmp(de->d_name, "agent", 5) == 0) {
+            char name[256];
+            snprintf(name, sizeof(name), "%.*s", (int)(n - 4), de->d_name);
+            stack_stop(s->dir, name, 20000);
+        }
+    }
+    if (d)
+        closedir(d);
     stack_stop(s->dir, "broker", 20000);
     fixture_nats_stop(&s->nats);
     fixture_pg_stop(&s->pg);
