@@ -92,10 +92,21 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         evs[nev++] = ev;
     }
     for (;;) {
-        rc = nev ? store_append_many(b->st_rec,
-                                     (const Ks__Event *const *)evs, nev,
-                                     &dups)
-                 : 0;
+        if (nev == 1) {
+            /* The latency path: one event is cheaper through the
+             * single-stream append (~1.1 ms) than through the set-based
+             * batch function (~2.2 ms) here. A duplicate is a no-op. */
+            struct store_event se = {evs[0]};
+            rc = store_append(b->st_rec, evs[0]->stream_id, STORE_ANY, &se, 1,
+                              NULL);
+            if (rc == KS_EDUPLICATE)
+                rc = 0;
+        } else {
+            rc = nev ? store_append_many(b->st_rec,
+                                         (const Ks__Event *const *)evs, nev,
+                                         &dups)
+                     : 0;
+        }
         if (rc == 0 || b->stopping)
             break;
         fprintf(stderr, "kscore recorder: append failed (%s), retrying\n",
