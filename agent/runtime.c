@@ -199,8 +199,8 @@ markers_recover(struct agent *a)
             snprintf(stream, sizeof(stream), "command-%s", command_id);
             r.status = KS__COMMAND_STATUS__LOST;
             r.term_sent_us = r.kill_sent_us = -1;
-            r.reason = "the agent died while it ran; its process group was "
-                       "killed when the agent restarted";
+            r.reason = "the agent died while it ran; the restarted agent "
+                       "sent its leftover processes SIGKILL (cgroup.kill)";
             ev.event_id = event_id;
             ev.stream_id = stream;
             ev.type = "CommandLost";

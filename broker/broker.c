@@ -142,8 +142,25 @@ broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
     }
     for (size_t i = 0; i < spec->n_env; i++) {
         const char *n = spec->env[i]->name;
-        if (!n[0] || strchr(n, '=')) {
-            snprintf(why, len, "bad environment variable name '%s'", n);
+        /* POSIX names (letters, digits, _; not a digit first); KSCORE_ is
+         * kscore's own (KSCORE_COMMAND_ID is how a command knows itself). */
+        bool ok = (n[0] >= 'A' && n[0] <= 'Z') ||
+                  (n[0] >= 'a' && n[0] <= 'z') || n[0] == '_';
+        for (const char *c = n; ok && *c; c++)
+            ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
+                 (*c >= '0' && *c <= '9') || *c == '_';
+        if (!ok) {
+            snprintf(why, len,
+                     "bad environment variable name '%.64s' (letters, digits "
+                     "and _, not starting with a digit)",
+                     n);
+            return KS_EINVAL;
+        }
+        if (strncmp(n, "KSCORE_", 7) == 0) {
+            snprintf(why, len,
+                     "environment variable '%.64s': the KSCORE_ prefix is "
+                     "kscore's own",
+                     n);
             return KS_EINVAL;
         }
     }
@@ -161,9 +178,21 @@ broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
  * that command instead of running again (its result when it has ended;
  * else wait for it like the first caller). Returns 0 when answered.
  */
+static bool
+same_argv(const Ks__CommandView *v, const Ks__CommandSpec *spec)
+{
+    if (v->n_argv != spec->n_argv)
+        return false;
+    for (size_t i = 0; i < v->n_argv; i++)
+        if (strcmp(v->argv[i], spec->argv[i]) != 0)
+            return false;
+    return true;
+}
+
 static int
 attach_existing(struct broker *b, struct store *st, natsMsg *msg,
-                const char *command_id, bool detach)
+                const char *command_id, bool detach,
+                const Ks__CommandSpec *argv)
 {
     Ks__CommandView *v = NULL;
     Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
@@ -204,6 +233,21 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     }
     if (w)
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", v->agent_id);
+    if (argv && !same_argv(v, argv)) {
+        /* The key names another command: say so, run nothing. */
+        if (w) {
+            pthread_mutex_lock(&b->mu);
+            ks_map_del(&b->waiters, command_id);
+            pthread_mutex_unlock(&b->mu);
+            free(w->reply_subject);
+            free(w);
+        }
+        r.error_code = KS_ECONFLICT;
+        r.error = "idempotency key already used for a different command";
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        ks__command_view__free_unpacked(v, NULL);
+        return 0;
+    }
     if (kproto_status_terminal(v->status)) {
         Ks__CommandResult *res = v->result ? v->result : &empty;
         res->status = v->status;
@@ -266,7 +310,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (req->idempotency_key[0]) {
         rc = store_command_by_key(st, req->idempotency_key, command_id);
         if (rc == 0 &&
-            attach_existing(b, st, msg, command_id, req->detach) == 0)
+            attach_existing(b, st, msg, command_id, req->detach,
+                            req->spec) == 0)
             goto out;
     }
 
@@ -345,7 +390,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             w = NULL;
         }
         if (store_command_by_key(st, req->idempotency_key, winner) == 0 &&
-            attach_existing(b, st, msg, winner, req->detach) == 0)
+            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
             goto out;
     }
     if (rc) {

@@ -59,6 +59,7 @@ struct broker {
 
     struct agent *local;
     int64_t started_mono_us;
+    int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */

@@ -148,10 +148,12 @@ on_running(const struct store_command_ref *ref, void *ud)
     pthread_mutex_unlock(&b->mu);
     if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
         return 0;
-    /* Not seen at all: only trust that once this broker has watched the
-     * registry for a whole TTL (it may just have started). */
-    if (!a && ks_mono_us() - b->started_mono_us <
-                  (int64_t)EVT_AGENT_TTL_MS * 1000)
+    /* Silence means something only while this broker could hear: it must
+     * have been connected to NATS (and watching the registry) for a whole
+     * TTL, else the agents it missed were not dead, it was deaf. */
+    if (b->connected_since_mono_us == 0 ||
+        ks_mono_us() - b->connected_since_mono_us <
+            (int64_t)EVT_AGENT_TTL_MS * 1000)
         return 0;
     /* A command claimed a moment ago by an agent that then died is Lost
      * too, but give the claim's first heartbeat a chance. */
@@ -183,6 +185,10 @@ scanner_main(void *arg)
             break;
         store_scan_open(b->st_scan, "Dispatched", ks_now_us(), 200,
                         on_overdue, b);
+        if (natsConnection_Status(b->nc->nc) != NATS_CONN_STATUS_CONNECTED)
+            b->connected_since_mono_us = 0;
+        else if (b->connected_since_mono_us == 0)
+            b->connected_since_mono_us = ks_mono_us();
         /* Lost agents need a coarser look: once a second. */
         if (ks_mono_us() - last_running >= 1000000) {
             last_running = ks_mono_us();

@@ -83,8 +83,10 @@ on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
         pthread_mutex_lock(&st->mu);
-        if (p->counts)
+        if (p->counts) {
             st->counts = *p->counts;
+            st->total = p->counts->total;
+        }
         if (p->target && !ks_map_get(&st->results, p->target->command_id)) {
             if (st->json) {
                 if (st->line_shown)
@@ -119,7 +121,7 @@ parse_amount(const char *s, Ks__Amount *a)
     char *end;
     unsigned long v;
     ks__amount__init(a);
-    if (!s[0])
+    if (!s[0] || s[0] < '0' || s[0] > '9')
         return -1;
     errno = 0;
     v = strtoul(s, &end, 10);
@@ -414,7 +416,7 @@ cmd_batch(int argc, char **argv)
         default:
             if (cli_conn_opt(&cc, opt, optarg))
                 break;
-            fputs(batch_usage, stderr);
+            cli_err("see kscore batch --help");
             goto out;
         }
     }

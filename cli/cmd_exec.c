@@ -164,7 +164,8 @@ cli_event_json(const Ks__RecordedEvent *rec)
 void
 cli_print_json(json_t *j)
 {
-    char *s = json_dumps(j, JSON_COMPACT | JSON_ENSURE_ASCII);
+    char *s = json_dumps(j, JSON_COMPACT | JSON_ENSURE_ASCII |
+                                JSON_REAL_PRECISION(9));
     if (s) {
         fputs(s, stdout);
         fputc('\n', stdout);
@@ -261,7 +262,7 @@ cmd_exec(int argc, char **argv)
         default:
             if (cli_conn_opt(&cc, opt, optarg))
                 break;
-            fputs(exec_usage, stderr);
+            cli_err("see kscore exec --help");
             goto out;
         }
     }
@@ -299,7 +300,10 @@ cmd_exec(int argc, char **argv)
         goto out;
     rc = broker_execute(c, &req, broker_execute_wait_ms(&req), &rep);
     if (rc) {
-        if (rc == KS_EUNAVAIL)
+        if (natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
+            cli_err("lost the connection to NATS while waiting for the "
+                    "result");
+        else if (rc == KS_EUNAVAIL)
             cli_err("no broker is serving %s (is `kscore broker` running?)",
                     EVT_API_EXECUTE);
         else if (rc == KS_ETIMEDOUT)
@@ -353,7 +357,12 @@ cmd_exec(int argc, char **argv)
             cli_err("stderr truncated: %llu of %llu bytes shown",
                     (unsigned long long)r->stderr->data.len,
                     (unsigned long long)r->stderr->total_bytes);
-        if (r->status == KS__COMMAND_STATUS__START_FAILED)
+        if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+            strcmp(r->start_stage, "chdir") == 0)
+            cli_err("cannot start %s: cannot chdir to '%s': %s", sp->argv[0],
+                    sp->cwd && sp->cwd[0] ? sp->cwd : "/",
+                    strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED)
             cli_err("cannot start %s: %s failed: %s", sp->argv[0],
                     r->start_stage, strerror(r->start_errno));
         else if (r->timed_out)
@@ -644,7 +653,11 @@ cmd_events(int argc, char **argv)
         if (rep->n_events == 0 && !follow)
             done = true;
         ks__events_reply__free_unpacked(rep, NULL);
-        fflush(stdout);
+        /* The reader went away (a closed pipe): stop following. */
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            evt_close(c);
+            return total ? 0 : CLI_EXIT_KSCORE;
+        }
     }
     evt_close(c);
     if (total == 0) {
@@ -663,10 +676,18 @@ cmd_cancel(int argc, char **argv)
     Ks__CancelReply *rep = NULL;
     bool json = false;
     int rc;
-    const char *id = parse_id_args(argc, argv, "usage: kscore cancel ID",
-                                   &json, &cc, &rc);
+    const char *id = parse_id_args(
+        argc, argv, "usage: kscore cancel ID (a command id, or batch-<uuid>)",
+        &json, &cc, &rc);
     if (!id)
         return rc;
+    if (!ks_is_uuid(id) &&
+        !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6))) {
+        cli_err("'%s' is not a command id (a UUID) nor a batch id "
+                "(batch-<uuid>)",
+                id);
+        return CLI_EXIT_USAGE;
+    }
     if ((rc = cli_connect(&cc, &c)))
         return rc;
     req.id = (char *)id;

@@ -198,6 +198,7 @@ cmd_up(int argc, char **argv)
     char agent_state[4200], local_state[4200];
     char *url = NULL, *db = NULL;
     unsigned local_agents = 0;
+    bool local_agents_given = false;
     pid_t pid;
     int opt, rc;
 
@@ -207,10 +208,12 @@ cmd_up(int argc, char **argv)
         switch (opt) {
         case 'l':
             local_agents = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !optarg[0] || local_agents > 10000) {
+            if (*end || !optarg[0] || optarg[0] == '-' ||
+                local_agents > 10000) {
                 cli_err("bad --local-agents '%s' (0..10000)", optarg);
                 return CLI_EXIT_USAGE;
             }
+            local_agents_given = true;
             break;
         case 'h':
             printf("usage: kscore up [--local-agents N]\nStarts the local "
@@ -228,12 +231,23 @@ cmd_up(int argc, char **argv)
     int alive = 0;
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
         alive += stack_pidfile_alive(home, parts[i], NULL);
+    /* Without --local-agents, keep what the stack was started with. */
+    char *prev = cli_env_get("KSCORE_LOCAL_AGENTS");
+    unsigned prev_n = prev ? (unsigned)strtoul(prev, NULL, 10) : 0;
+    free(prev);
     if (alive == (int)(sizeof(parts) / sizeof(parts[0]))) {
         fprintf(stderr, "kscore: the local stack is already running in %s\n",
                 home);
+        if (local_agents_given && local_agents != prev_n)
+            fprintf(stderr,
+                    "kscore: it runs %u local agents, not %u: `kscore down` "
+                    "first to change that\n",
+                    prev_n, local_agents);
         print_status(false);
         return 0;
     }
+    if (!local_agents_given)
+        local_agents = prev_n;
     if ((rc = stack_mkdirs(home, 0755))) {
         cli_err("cannot create %s: %s", home, ks_strerror(rc));
         return CLI_EXIT_KSCORE;
@@ -596,7 +610,9 @@ cmd_keygen(int argc, char **argv)
     }
     snprintf(priv, sizeof(priv), "%s/%s.key", dir, name);
     snprintf(pub, sizeof(pub), "%s/%s.pub", dir, name);
-    rc = evt_keygen(priv, pub);
+    rc = stack_mkdirs(dir, 0700);
+    if (rc == 0)
+        rc = evt_keygen(priv, pub);
     if (rc) {
         cli_err("keygen: %s: %s", rc == -EEXIST ? priv : dir,
                 rc == -EEXIST ? "already exists (not overwritten)"

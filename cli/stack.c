@@ -209,9 +209,14 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
     snprintf(store, sizeof(store), "%s/nats", dir);
     snprintf(pidf, sizeof(pidf), "%s/nats.pid", dir);
 
-    f = fopen(conf, "we");
-    if (!f)
-        return -errno;
+    /* 0600: the authorization block holds every user's password. */
+    int cfd = open(conf, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (cfd == -1 || fchmod(cfd, 0600) == -1 || !(f = fdopen(cfd, "w"))) {
+        int e = -errno;
+        if (cfd != -1)
+            close(cfd);
+        return e;
+    }
     fprintf(f,
             "# written by kscore; regenerated at every start\n"
             "listen: \"127.0.0.1:%d\"\n"

@@ -426,6 +426,7 @@ deliver_events(PGresult *res, struct store_cursor *cursor, store_event_fn cb,
         if (cursor) {
             cursor->tx_id = strtoull(PQgetvalue(res, i, 4), NULL, 10);
             cursor->global_pos = rec.global_pos;
+            rec.tx_id = cursor->tx_id; /* a reader resumes after it */
         }
         rc = cb(&rec, ud);
         ks__event__free_unpacked(rec.event, NULL);

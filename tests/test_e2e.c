@@ -226,6 +226,29 @@ START_TEST(bad_inputs_are_refused_clearly)
                                          "nats://127.0.0.1:1", "--agent",
                                          AGENT, "--", "true", NULL},
                    125, "cannot connect to NATS at nats://127.0.0.1:1");
+    expect_failure((const char *const[]){"exec", "--agent", AGENT, "--env",
+                                         "A B=1", "--", "true", NULL},
+                   125, "bad environment variable name 'A B'");
+    expect_failure((const char *const[]){"exec", "--agent", AGENT, "--env",
+                                         "KSCORE_COMMAND_ID=x", "--", "true",
+                                         NULL},
+                   125, "KSCORE_ prefix");
+    expect_failure((const char *const[]){"cancel", "nosuch", NULL}, 2,
+                   "not a command id");
+    /* An idempotency key names one command: another one is refused. */
+    struct fixture_out o;
+    const char *k1[] = {"exec", "--agent", AGENT, "--idempotency-key",
+                        "e2e-key", "--", "echo", "first", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, k1, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_kscore(&stack, k1, &o), 0);
+    ck_assert_str_eq(o.out, "first\n"); /* the first result, not a rerun */
+    fixture_out_release(&o);
+    expect_failure((const char *const[]){"exec", "--agent", AGENT,
+                                         "--idempotency-key", "e2e-key", "--",
+                                         "echo", "second", NULL},
+                   125, "idempotency key already used");
     expect_failure((const char *const[]){"broker", "--nats", stack.nats.url,
                                          "--db",
                                          "host=/nonexistent-kscore port=1 "
