@@ -84,6 +84,14 @@ void cli_spec_release(struct cli_spec *cs);
  */
 int cli_spec_opt(struct cli_spec *cs, int opt, char *arg);
 
+/*
+ * After getopt: the command must follow "--" (argv[optind - 1]) and have a
+ * non-empty name; sets cs->spec.argv. 0, or -1 after printing one line
+ * naming what is wrong (name: "exec" or "batch").
+ */
+int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
+                  const char *name);
+
 /* Takes one of the CLI_CONN_LONGOPTS; 1 if opt was one, else 0. */
 int cli_conn_opt(struct cli_conn *cc, int opt, const char *arg);
 /* Fills unset fields from the environment (KSCORE_NATS_*). */

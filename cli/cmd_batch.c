@@ -420,21 +420,12 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (optind >= argc || strcmp(argv[optind - 1], "--") != 0) {
-        if (optind < argc)
-            cli_err("missing -- before the command: kscore batch [OPTIONS] "
-                    "-- %s ...",
-                    argv[optind]);
-        else
-            cli_err("no command given: kscore batch TARGETS -- CMD [ARG]...");
+    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0)
         goto out;
-    }
     if (!req.n_agents && !req.n_select && !req.all) {
         cli_err("no targets: give --agents A,B, --select K=V or --all");
         goto out;
     }
-    cs.spec.argv = argv + optind;
-    cs.spec.n_argv = (size_t)(argc - optind);
     req.spec = &cs.spec;
     req.deliver_within_ms = cs.deliver_within_ms;
     req.agents = agents;

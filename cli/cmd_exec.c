@@ -266,21 +266,8 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (optind >= argc || strcmp(argv[optind - 1], "--") != 0) {
-        if (optind < argc)
-            cli_err("missing -- before the command: kscore exec [OPTIONS] "
-                    "-- %s ...",
-                    argv[optind]);
-        else
-            cli_err("no command given: kscore exec [OPTIONS] -- CMD [ARG]...");
+    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0)
         goto out;
-    }
-    if (!argv[optind][0]) {
-        cli_err("empty command name");
-        goto out;
-    }
-    sp->argv = argv + optind;
-    sp->n_argv = (size_t)(argc - optind);
     req.deliver_within_ms = cs.deliver_within_ms;
     if (!agent) {
         agent = getenv("KSCORE_AGENT");

@@ -223,6 +223,29 @@ cli_spec_release(struct cli_spec *cs)
     cs->envp = NULL;
 }
 
+int
+cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
+              const char *name)
+{
+    if (optind >= argc || strcmp(argv[optind - 1], "--") != 0) {
+        if (optind < argc)
+            cli_err("missing -- before the command: kscore %s [OPTIONS] -- "
+                    "%s ...",
+                    name, argv[optind]);
+        else
+            cli_err("no command given: kscore %s [OPTIONS] -- CMD [ARG]...",
+                    name);
+        return -1;
+    }
+    if (!argv[optind][0]) {
+        cli_err("empty command name");
+        return -1;
+    }
+    cs->spec.argv = argv + optind;
+    cs->spec.n_argv = (size_t)(argc - optind);
+    return 0;
+}
+
 static int
 duration_opt(const char *name, const char *arg, uint64_t *ms)
 {
