@@ -554,6 +554,71 @@ out:
 }
 
 /*
+ * Fills the four parallel arrays of an append (event ids, streams, types,
+ * packed events) with the events not marked in skip (skip NULL: all);
+ * count is how many that is. Adds them to p as $1..$4.
+ */
+static int
+put_event_arrays(struct store *s, const Ks__Event *const *events, size_t n,
+                 const bool *skip, size_t count, struct store__params *p)
+{
+    int rc;
+
+    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, count)) < 0 ||
+        (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, count)) < 0 ||
+        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, count)) < 0 ||
+        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, count)) < 0)
+        return rc;
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        if (skip && skip[i])
+            continue;
+        if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
+            (rc = store__arr_put(&s->streams, ev->stream_id,
+                                 strlen(ev->stream_id))) < 0 ||
+            (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
+                0 ||
+            (rc = put_packed_event(&s->data, ev)) < 0)
+            return rc;
+    }
+    store__p_bin(p, s->ids.p, s->ids.len);
+    store__p_bin(p, s->streams.p, s->streams.len);
+    store__p_bin(p, s->types.p, s->types.len);
+    store__p_bin(p, s->data.p, s->data.len);
+    return 0;
+}
+
+/*
+ * The rest of an append pipeline whose first statement was sent with
+ * result rc: one kscore_project() per event not skipped (only batch events
+ * when batch_only), the sync, the results, leaving pipeline mode.
+ */
+static int
+project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
+                   const bool *skip, bool batch_only, int rc,
+                   int64_t *first_out, char **detail_out)
+{
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        Ks__CommandStatus st;
+        if (skip[i] || (batch_only && store__proj_kind(events[i], &st) !=
+                                          STORE__PROJ_BATCH))
+            continue;
+        int r = store__send_project(s, events[i], false);
+        if (r < 0)
+            rc = r;
+    }
+    if (!PQpipelineSync(s->conn)) {
+        pipeline_end(s);
+        return KS_EPG;
+    }
+    int frc = store__pipeline_finish(s, first_out, detail_out);
+    if (rc == 0)
+        rc = frc;
+    pipeline_end(s);
+    return rc;
+}
+
+/*
  * The per-event path: kscore_append_many() (which skips what is recorded)
  * and one kscore_project() per event. Taken only when batch events depend
  * on the order of the others (store__fold_batch). *dups_out = the events
@@ -565,22 +630,6 @@ append_each(struct store *s, const Ks__Event *const *events, size_t n,
 {
     int rc = 0;
 
-    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, n)) < 0 ||
-        (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, n)) < 0 ||
-        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, n)) < 0 ||
-        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, n)) < 0)
-        return rc;
-    for (size_t i = 0; i < n; i++) {
-        const Ks__Event *ev = events[i];
-        if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
-            (rc = store__arr_put(&s->streams, ev->stream_id,
-                                 strlen(ev->stream_id))) < 0 ||
-            (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
-                0 ||
-            (rc = put_packed_event(&s->data, ev)) < 0)
-            return rc;
-    }
-
     /*
      * A concurrent writer can record one of these event_ids between the
      * function's check and its insert (unique violation): the retry then
@@ -588,31 +637,16 @@ append_each(struct store *s, const Ks__Event *const *events, size_t n,
      */
     for (int attempt = 0; attempt < 3; attempt++) {
         struct store__params p = {0};
-        store__p_bin(&p, s->ids.p, s->ids.len);
-        store__p_bin(&p, s->streams.p, s->streams.len);
-        store__p_bin(&p, s->types.p, s->types.len);
-        store__p_bin(&p, s->data.p, s->data.len);
+        if ((rc = put_event_arrays(s, events, n, NULL, n, &p)) < 0)
+            return rc;
         if (!PQenterPipelineMode(s->conn))
             return store__pg_error(s, NULL, NULL);
         rc = PQsendQueryPrepared(s->conn, "ks_append_many", p.n, p.val, p.len,
                                  p.fmt, 0)
                  ? 0
                  : KS_EPG;
-        for (size_t i = 0; i < n && rc == 0; i++) {
-            if (skip[i])
-                continue;
-            int r = store__send_project(s, events[i], false);
-            if (r < 0)
-                rc = r;
-        }
-        if (!PQpipelineSync(s->conn)) {
-            pipeline_end(s);
-            return KS_EPG;
-        }
-        int frc = store__pipeline_finish(s, dups_out, NULL);
-        if (rc == 0)
-            rc = frc;
-        pipeline_end(s);
+        rc = project_and_finish(s, events, n, skip, false, rc, dups_out,
+                                NULL);
         if (rc != KS_EDUPLICATE)
             break;
     }
@@ -632,27 +666,8 @@ record_many(struct store *s, const Ks__Event *const *events, size_t n,
     struct store__params p = {0};
     int rc;
 
-    if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, sent)) < 0 ||
-        (rc = store__arr_begin(&s->streams, STORE__OID_TEXT, sent)) < 0 ||
-        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, sent)) < 0 ||
-        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, sent)) < 0)
+    if ((rc = put_event_arrays(s, events, n, skip, sent, &p)) < 0)
         return rc;
-    for (size_t i = 0; i < n; i++) {
-        const Ks__Event *ev = events[i];
-        if (skip[i])
-            continue;
-        if ((rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
-            (rc = store__arr_put(&s->streams, ev->stream_id,
-                                 strlen(ev->stream_id))) < 0 ||
-            (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
-                0 ||
-            (rc = put_packed_event(&s->data, ev)) < 0)
-            return rc;
-    }
-    store__p_bin(&p, s->ids.p, s->ids.len);
-    store__p_bin(&p, s->streams.p, s->streams.len);
-    store__p_bin(&p, s->types.p, s->types.len);
-    store__p_bin(&p, s->data.p, s->data.len);
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         store__p_bin(&p, s->fold[i].p, s->fold[i].len);
 
@@ -662,24 +677,8 @@ record_many(struct store *s, const Ks__Event *const *events, size_t n,
                              p.fmt, 0)
              ? 0
              : KS_EPG;
-    for (size_t i = 0; i < n && rc == 0; i++) {
-        Ks__CommandStatus st;
-        if (skip[i] ||
-            store__proj_kind(events[i], &st) != STORE__PROJ_BATCH)
-            continue;
-        int r = store__send_project(s, events[i], false);
-        if (r < 0)
-            rc = r;
-    }
-    if (!PQpipelineSync(s->conn)) {
-        pipeline_end(s);
-        return KS_EPG;
-    }
-    int frc = store__pipeline_finish(s, NULL, detail_out);
-    if (rc == 0)
-        rc = frc;
-    pipeline_end(s);
-    return rc;
+    return project_and_finish(s, events, n, skip, true, rc, NULL,
+                              detail_out);
 }
 
 int
