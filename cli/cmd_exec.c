@@ -374,7 +374,8 @@ out:
 
 /* ---- get / events / cancel ----------------------------------------------- */
 
-/* Parses "ID [--json] [--nats URL]"; returns the id or NULL (printed). */
+/* Parses "ID [--json] [connection flags]" where ID is a command id or a
+ * batch id; returns the id, or NULL after printing why (*rc set). */
 static const char *
 parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
               struct cli_conn *cc, int *rc)
@@ -406,7 +407,15 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
         cli_err("expected one id: %s", usage_line);
         return NULL;
     }
-    return argv[optind];
+    const char *id = argv[optind];
+    if (!ks_is_uuid(id) &&
+        !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6))) {
+        cli_err("'%s' is not a command id (a UUID) nor a batch id "
+                "(batch-<uuid>)",
+                id);
+        return NULL;
+    }
+    return id;
 }
 
 int
@@ -422,13 +431,6 @@ cmd_get(int argc, char **argv)
                                    &json, &cc, &rc);
     if (!id)
         return rc;
-    if (!ks_is_uuid(id) &&
-        !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6))) {
-        cli_err("'%s' is not a command id (a UUID) nor a batch id "
-                "(batch-<uuid>)",
-                id);
-        return CLI_EXIT_USAGE;
-    }
     if ((rc = cli_connect(&cc, &c)))
         return rc;
     req.id = (char *)id;
@@ -668,13 +670,6 @@ cmd_cancel(int argc, char **argv)
         &json, &cc, &rc);
     if (!id)
         return rc;
-    if (!ks_is_uuid(id) &&
-        !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6))) {
-        cli_err("'%s' is not a command id (a UUID) nor a batch id "
-                "(batch-<uuid>)",
-                id);
-        return CLI_EXIT_USAGE;
-    }
     if ((rc = cli_connect(&cc, &c)))
         return rc;
     req.id = (char *)id;

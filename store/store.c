@@ -436,14 +436,32 @@ deliver_events(PGresult *res, struct store_cursor *cursor, store_event_fn cb,
     return 0;
 }
 
+/* Runs one events query (binary results) and hands its rows to cb. */
+static int
+query_events(struct store *s, const char *sql,
+             const struct store__params *p, struct store_cursor *cursor,
+             store_event_fn cb, void *ud)
+{
+    PGresult *res =
+        PQexecParams(s->conn, sql, p->n, NULL, p->val, p->len, p->fmt, 1);
+    int rc;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        PQclear(res);
+        return KS_EPG;
+    }
+    rc = deliver_events(res, cursor, cb, ud);
+    PQclear(res);
+    return rc;
+}
+
 int
 store_read_stream(struct store *s, const char *stream_id,
                   int64_t after_version, uint32_t limit, store_event_fn cb,
                   void *ud)
 {
     struct store__params p = {0};
-    PGresult *res;
-    int rc;
 
     store__p_text(&p, stream_id);
     store__p_i64(&p, after_version);
@@ -451,20 +469,12 @@ store_read_stream(struct store *s, const char *stream_id,
         store__p_i64(&p, limit);
     else
         store__p_null(&p);
-    res = PQexecParams(s->conn,
-                       "SELECT global_pos, version, kscore_us(recorded_at),"
-                       " data FROM events"
-                       " WHERE stream_id = $1 AND version > $2"
-                       " ORDER BY version LIMIT $3",
-                       p.n, NULL, p.val, p.len, p.fmt, 1);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        PQclear(res);
-        return KS_EPG;
-    }
-    rc = deliver_events(res, NULL, cb, ud);
-    PQclear(res);
-    return rc;
+    return query_events(s,
+                        "SELECT global_pos, version, kscore_us(recorded_at),"
+                        " data FROM events"
+                        " WHERE stream_id = $1 AND version > $2"
+                        " ORDER BY version LIMIT $3",
+                        &p, NULL, cb, ud);
 }
 
 int
@@ -472,8 +482,6 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
                store_event_fn cb, void *ud)
 {
     struct store__params p = {0};
-    PGresult *res;
-    int rc;
 
     store__p_i64(&p, (int64_t)cursor->tx_id);
     store__p_i64(&p, cursor->global_pos);
@@ -486,22 +494,14 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
      * event can later appear before the cursor (PostgreSQL docs 9.27,
      * pg_snapshot_xmin). The row comparison walks events_tx_pos.
      */
-    res = PQexecParams(
-        s->conn,
+    return query_events(
+        s,
         "SELECT global_pos, version, kscore_us(recorded_at), data,"
         " tx_id::text FROM events"
         " WHERE tx_id < pg_snapshot_xmin(pg_current_snapshot())"
         "   AND (tx_id, global_pos) > ($1::text::xid8, $2::bigint)"
         " ORDER BY tx_id, global_pos LIMIT $3",
-        p.n, NULL, p.val, p.len, p.fmt, 1);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        PQclear(res);
-        return KS_EPG;
-    }
-    rc = deliver_events(res, cursor, cb, ud);
-    PQclear(res);
-    return rc;
+        &p, cursor, cb, ud);
 }
 
 int
