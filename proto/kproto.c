@@ -147,6 +147,8 @@ kproto_status_name(Ks__CommandStatus st)
         return "Undeliverable";
     case KS__COMMAND_STATUS__LOST:
         return "Lost";
+    case KS__COMMAND_STATUS__NOT_STARTED:
+        return "NotStarted";
     default:
         return "Unknown";
     }

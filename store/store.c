@@ -621,7 +621,7 @@ fill_output(const PGresult *res, int col, Ks__Output **o)
 static Ks__CommandStatus
 status_from_name(const char *name)
 {
-    for (int st = 0; st <= KS__COMMAND_STATUS__LOST; st++)
+    for (int st = 0; st <= KS__COMMAND_STATUS__NOT_STARTED; st++)
         if (strcmp(kproto_status_name((Ks__CommandStatus)st), name) == 0)
             return (Ks__CommandStatus)st;
     return KS__COMMAND_STATUS__STATUS_UNSPECIFIED;
