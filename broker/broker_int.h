@@ -146,6 +146,12 @@ int broker__batch_cancel(struct broker *b, const char *batch_id);
 int broker__batch_view(struct broker *b, struct store *st,
                        const char *batch_id, Ks__BatchReply **out);
 
+/* The recorder's rule for agents' reports (store_check_fn): only the
+ * types an agent may report, only about commands addressed to it, only for
+ * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
+int broker__admit_report(const struct store_command_state *st,
+                         const Ks__Event *ev, const char **why, void *ud);
+
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);
 

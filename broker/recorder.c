@@ -44,25 +44,57 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     pthread_mutex_unlock(&b->mu);
 }
 
-static int
-is_terminal_type(const char *type)
+/*
+ * Who may report what (the trust model in DESIGN.md): an agent's event is
+ * a claim about a command addressed to that agent, nothing more. The
+ * sender is ev->agent_id, which the recorder has matched with the subject
+ * NATS let it publish on. Pure; the recorder thread, under the lock of
+ * store_append_checked().
+ */
+int
+broker__admit_report(const struct store_command_state *st,
+                     const Ks__Event *ev, const char **why, void *ud)
 {
-    /* Not CommandRejected: an agent refusing a forged or stale message
-     * says nothing about the real command of that id. */
-    return strcmp(type, "CommandCompleted") == 0 ||
-           strcmp(type, "CommandStartFailed") == 0 ||
-           strcmp(type, "CommandLost") == 0;
+    static const char *const agent_types[] = {
+        "CommandCompleted", "CommandStartFailed", "CommandLost",
+        "CommandNotStarted", "CommandRejected",
+    };
+    bool known = false;
+
+    (void)ud;
+    for (size_t i = 0; i < sizeof(agent_types) / sizeof(agent_types[0]); i++)
+        known = known || strcmp(ev->type, agent_types[i]) == 0;
+    if (!known) {
+        *why = "an agent may not report this type of event";
+        return KS_EDENIED;
+    }
+    if (st->exists && strcmp(st->agent_id, ev->agent_id) != 0) {
+        *why = "the command is addressed to another agent";
+        return KS_EDENIED;
+    }
+    if (st->exists && store_event_is_terminal(ev->type) &&
+        st->status == KS__COMMAND_STATUS__RUNNING &&
+        ev->attempt != st->attempt) {
+        *why = "not the attempt the record says was claimed";
+        return KS_EDENIED;
+    }
+    return 0;
 }
 
 static void
 record_batch(struct broker *b, natsMsg **msgs, size_t n)
 {
     Ks__Event **evs = calloc(n, sizeof(*evs));
+    enum store_step *verdicts = calloc(n, sizeof(*verdicts));
     size_t nev = 0, dups = 0;
-    int rc;
+    int rc, backoff_ms = 100;
+    bool logged = false;
 
-    if (!evs)
+    if (!evs || !verdicts) {
+        free(evs);
+        free(verdicts);
         return; /* not acked: redelivered */
+    }
     for (size_t i = 0; i < n; i++) {
         ProtobufCMessage *m = NULL;
         rc = evt_unpack(&ks__event__descriptor, natsMsg_GetData(msgs[i]),
@@ -75,8 +107,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         /* The subject is what NATS permissions vouch for: an agent may only
          * publish under its own id, so an event claiming another agent (or
          * another command) is refused. */
-        if (rc || !ks_is_uuid(ev->event_id) || !ev->stream_id[0] ||
-            !ev->type[0] || strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
+        if (rc || !ks_is_uuid(ev->event_id) || !ks_is_uuid(ev->command_id) ||
+            !evt_agent_id_valid(ev->agent_id) || !ev->type[0] ||
+            strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
             /* A message that can never be recorded: drop it for good
              * rather than redeliver it forever. */
             fprintf(stderr, "kscore recorder: dropping an undecodable or "
@@ -91,28 +124,30 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         }
         evs[nev++] = ev;
     }
+    /* Each event is decided against the record under its stream's lock:
+     * one terminal event per command, reports only from the command's own
+     * agent (store_append_checked, broker__admit_report). */
     for (;;) {
-        if (nev == 1) {
-            /* The latency path: one event is cheaper through the
-             * single-stream append (~1.1 ms) than through the set-based
-             * batch function (~2.2 ms) here. A duplicate is a no-op. */
-            struct store_event se = {evs[0]};
-            rc = store_append(b->st_rec, evs[0]->stream_id, STORE_ANY, &se, 1,
-                              NULL);
-            if (rc == KS_EDUPLICATE)
-                rc = 0;
-        } else {
-            rc = nev ? store_append_many(b->st_rec,
-                                         (const Ks__Event *const *)evs, nev,
-                                         &dups)
-                     : 0;
-        }
+        rc = nev ? store_append_checked(b->st_rec,
+                                        (const Ks__Event *const *)evs, nev,
+                                        broker__admit_report, b, verdicts,
+                                        &dups)
+                 : 0;
         if (rc == 0 || b->stopping)
             break;
-        fprintf(stderr, "kscore recorder: append failed (%s), retrying\n",
-                ks_strerror(rc));
-        nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+        if (!logged)
+            fprintf(stderr, "kscore recorder: cannot record (%s); retrying "
+                            "with backoff, events stay unacked\n",
+                    ks_strerror(rc));
+        logged = true;
+        nanosleep(&(struct timespec){backoff_ms / 1000,
+                                     (backoff_ms % 1000) * 1000000L},
+                  NULL);
+        if (backoff_ms < 2000)
+            backoff_ms *= 2;
     }
+    if (logged && rc == 0)
+        fprintf(stderr, "kscore recorder: recording again\n");
     for (size_t i = 0; i < n; i++) {
         if (!msgs[i])
             continue;
@@ -121,11 +156,20 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         natsMsg_Destroy(msgs[i]);
     }
     for (size_t i = 0; i < nev; i++) {
-        if (rc == 0 && is_terminal_type(evs[i]->type))
+        if (rc == 0 && verdicts[i] == STORE_STEP_APPLY &&
+            store_event_is_terminal(evs[i]->type))
             broker__command_ended(b, evs[i]->command_id, evs[i]->result);
+        else if (rc == 0 && verdicts[i] != STORE_STEP_APPLY &&
+                 verdicts[i] != STORE_STEP_DUPLICATE)
+            fprintf(stderr, "kscore recorder: %s of %s from agent %s kept "
+                            "as %s\n",
+                    evs[i]->type, evs[i]->command_id, evs[i]->agent_id,
+                    verdicts[i] == STORE_STEP_LATE ? "LateResult"
+                                                   : "ReportRejected");
         ks__event__free_unpacked(evs[i], NULL);
     }
     free(evs);
+    free(verdicts);
 }
 
 static void *

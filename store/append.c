@@ -26,6 +26,9 @@ static const struct {
     {"CommandUndeliverable", STORE__PROJ_STATUS, KS__COMMAND_STATUS__UNDELIVERABLE},
     {"CommandLost", STORE__PROJ_STATUS, KS__COMMAND_STATUS__LOST},
     {"CommandCancelled", STORE__PROJ_STATUS, KS__COMMAND_STATUS__CANCELLED},
+    {"CommandNotStarted", STORE__PROJ_STATUS, KS__COMMAND_STATUS__NOT_STARTED},
+    {"LateResult", STORE__PROJ_VERSION, 0},
+    {"ReportRejected", STORE__PROJ_VERSION, 0},
     {"CommandCancelRequested", STORE__PROJ_VERSION, 0},
     {"CommandRejected", STORE__PROJ_VERSION, 0},
     {"DuplicateSuppressed", STORE__PROJ_VERSION, 0},
@@ -316,6 +319,15 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
     return rc;
 }
 
+void
+store__send_commit(struct store *s)
+{
+    if (!s->commit_in_pipeline || s->commit_sent)
+        return;
+    if (PQsendQueryParams(s->conn, "COMMIT", 0, NULL, NULL, NULL, NULL, 0))
+        s->commit_sent = true;
+}
+
 /* Ends pipeline mode; resets a connection that broke inside it. */
 static void
 pipeline_end(struct store *s)
@@ -520,6 +532,7 @@ store_append(struct store *s, const char *stream_id,
         if (r < 0)
             rc = r;
     }
+    store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
         pipeline_end(s);
         rc = KS_EPG;
@@ -607,6 +620,7 @@ project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
         if (r < 0)
             rc = r;
     }
+    store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
         pipeline_end(s);
         return KS_EPG;

@@ -17,9 +17,12 @@
  * terminal status is final (a terminal P keeps its status, attempt,
  * agent, times), the first result is kept.
  */
-#define FOLD_TERM                                                              \
-    "'{Succeeded,Failed,TimedOut,StartFailed,Cancelled,Undeliverable,Lost}'" \
-    "::text[]"
+/* The terminal statuses as the SQL of a migration knows them: re-defined
+ * before each migration that changes the set, so a shipped migration's
+ * text never changes (macros expand where they are used). */
+#define FOLD_TERMINAL_LIST                                                     \
+    "Succeeded,Failed,TimedOut,StartFailed,Cancelled,Undeliverable,Lost"
+#define FOLD_TERM "'{" FOLD_TERMINAL_LIST "}'::text[]"
 #define FOLD_OPEN(P) "NOT (" P ".status = ANY (" FOLD_TERM "))"
 #define FOLD_RES(P, x, col)                                                    \
     "CASE WHEN " P ".result IS NULL AND s.res IS NOT NULL THEN s." x          \
@@ -77,6 +80,251 @@
     " deliver, run, started_after, started_any, fin, res, r_exit, r_signal,"  \
     " r_timed_out, r_stdout, r_stderr, r_stdout_total, r_stderr_total,"       \
     " r_stdout_trunc, r_stderr_trunc, r_duration, r_stage, r_errno)"
+
+#define SQL_RECORD_MANY(CREATE) \
+    CREATE " FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n" \
+    "  p_types text[], p_data bytea[],\n" \
+    "  c_id uuid[], c_last int[], c_req bool[], c_agent0 text[],\n" \
+    "  c_argv text[], c_argv_lo int[], c_argv_hi int[], c_batch text[],\n" \
+    "  c_idem text[], c_oper text[], c_req_at bigint[],\n" \
+    "  c_req_deliver bigint[], c_st text[], c_st_first text[],\n" \
+    "  c_st_change bool[], c_att int[], c_agent text[], c_disp bigint[],\n" \
+    "  c_deliver bigint[], c_run bigint[], c_started_after bigint[],\n" \
+    "  c_started_any bigint[], c_fin bigint[], c_res bytea[],\n" \
+    "  c_exit int[], c_signal int[], c_timed_out bool[], c_stdout bytea[],\n" \
+    "  c_stderr bytea[], c_stdout_total bigint[], c_stderr_total bigint[],\n" \
+    "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n" \
+    "  c_stage text[], c_errno int[])\n" \
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
+    "DECLARE rec text; vers bigint[];\n" \
+    "BEGIN\n" \
+    /* \
+     * Versions are numbered on the narrow (stream, ordinal) rows; the \
+     * event bytes are read once, by the insert. No duplicate probe before \
+     * it: the insert's own unique check finds a recorded event, and only \
+     * then are they all looked up. \
+     */ \
+    "  BEGIN\n" \
+    "    WITH input AS (\n" \
+    "      SELECT u.s, u.o FROM unnest(p_streams) WITH ORDINALITY AS u(s, o)\n" \
+    "    ), counts AS (\n" \
+    "      SELECT i.s, count(*) AS n FROM input i GROUP BY i.s\n" \
+    "    ), bumped AS (\n" \
+    "      INSERT INTO streams AS st\n" \
+    "        SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n" \
+    "        ORDER BY c.s\n" \
+    "      ON CONFLICT (stream_id) DO UPDATE\n" \
+    "        SET version = st.version + excluded.version\n" \
+    "      RETURNING st.stream_id, st.version\n" \
+    "    ), numbered AS (\n" \
+    "      SELECT i.o, b.version - c.n\n" \
+    "               + row_number() OVER (PARTITION BY i.s ORDER BY i.o) AS v\n" \
+    "      FROM input i JOIN bumped b ON b.stream_id = i.s\n" \
+    "                   JOIN counts c ON c.s = i.s\n" \
+    "    ), ins AS (\n" \
+    "      INSERT INTO events (stream_id, version, event_id, type, data)\n" \
+    "        SELECT u.s, n.v, u.id, u.t, u.d\n" \
+    "        FROM unnest(p_ids, p_streams, p_types, p_data)\n" \
+    "          WITH ORDINALITY AS u(id, s, t, d, o)\n" \
+    "        JOIN numbered n ON n.o = u.o\n" \
+    "        ORDER BY u.o\n" \
+    "    )\n" \
+    "    SELECT array_agg(n.v ORDER BY n.o) INTO vers FROM numbered n;\n" \
+    "  EXCEPTION WHEN unique_violation THEN\n" \
+    "    SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n" \
+    "      WHERE e.event_id = ANY (p_ids);\n" \
+    "    IF rec IS NULL THEN\n" \
+    "      RAISE;\n" \
+    "    END IF;\n" \
+    "    RAISE EXCEPTION 'some of the events are already recorded'\n" \
+    "      USING ERRCODE = 'KS003', DETAIL = rec;\n" \
+    "  END;\n" \
+    "  PERFORM pg_notify('kscore_events', '');\n" \
+    "  IF cardinality(c_id) > 0 THEN\n" \
+    /* Commands requested in this batch: one insert in the final state. */ \
+    "    WITH r AS (\n" \
+    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
+    "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
+    "      FROM " FOLD_SUMMARY "\n" \
+    "      CROSS JOIN LATERAL (SELECT 'Pending'::text AS status,\n" \
+    "        coalesce(s.agent0, '') AS agent_id, 0 AS attempt,\n" \
+    "        NULL::timestamptz AS dispatched_at,\n" \
+    "        kscore_ts(s.req_deliver) AS deliver_by,\n" \
+    "        NULL::timestamptz AS started_at,\n" \
+    "        NULL::timestamptz AS finished_at, NULL::int AS exit_code,\n" \
+    "        NULL::int AS signal, NULL::bool AS timed_out,\n" \
+    "        NULL::bytea AS stdout, NULL::bytea AS stderr,\n" \
+    "        NULL::bigint AS stdout_total, NULL::bigint AS stderr_total,\n" \
+    "        NULL::bool AS stdout_truncated, NULL::bool AS stderr_truncated,\n" \
+    "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n" \
+    "        NULL::int AS start_errno, NULL::bytea AS result) p\n" \
+    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n" \
+    "      WHERE s.req\n" \
+    "    ), ic AS (\n" \
+    "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n" \
+    "        idempotency_key, operator, version, " FOLD_COLS ")\n" \
+    "      SELECT r.cid, c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n" \
+    "        r.batch, r.idem, coalesce(r.oper, ''), vers[r.last_ord],\n" \
+    "        " FOLD_R_COLS "\n" \
+    "      FROM r\n" \
+    "    ), it AS (\n" \
+    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n" \
+    "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n" \
+    "      WHERE r.batch IS NOT NULL\n" \
+    "    )\n" \
+    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n" \
+    "      failed, cancelled)\n" \
+    "    SELECT r.batch, 'Running', count(*),\n" \
+    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n" \
+    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n" \
+    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n" \
+    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n" \
+    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n" \
+    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n" \
+    "      succeeded = b.succeeded + excluded.succeeded,\n" \
+    "      failed = b.failed + excluded.failed,\n" \
+    "      cancelled = b.cancelled + excluded.cancelled;\n" \
+    /* \
+     * Commands requested before: one update each. s carries the prior \
+     * status (locked, so it is the row the update sees) for the batch \
+     * target and counter rules. One join per row: unnest() of a \
+     * parameter is planned as a few rows, so a second join on s would be \
+     * a nested loop over both, quadratic in the batch. \
+     */ \
+    "    WITH s AS (\n" \
+    "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n" \
+    "      JOIN commands c ON c.command_id = s.cid\n" \
+    "      WHERE NOT s.req FOR UPDATE OF c\n" \
+    "    ), u AS (\n" \
+    "      UPDATE commands c SET version = vers[s.last_ord],\n" \
+    "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n" \
+    "      FROM s WHERE c.command_id = s.cid\n" \
+    "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n" \
+    "        s.st_change\n" \
+    "    ), t AS (\n" \
+    "      UPDATE batch_targets bt SET status = u.status FROM u\n" \
+    "      WHERE bt.command_id = u.command_id\n" \
+    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n" \
+    "        AND (u.st_change OR u.st_first <> u.prev)\n" \
+    "      RETURNING bt.batch_id, u.status\n" \
+    "    )\n" \
+    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n" \
+    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n" \
+    "    FROM (SELECT t.batch_id,\n" \
+    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n" \
+    "            count(*) FILTER (WHERE t.status NOT IN\n" \
+    "                             ('Succeeded', 'Cancelled')) AS bad,\n" \
+    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n" \
+    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n" \
+    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n" \
+    "    WHERE b.batch_id = x.batch_id;\n" \
+    "  END IF;\n" \
+    "  RETURN cardinality(p_ids);\n" \
+    "END $$;\n" \
+
+#define SQL_PROJECT(CREATE) \
+    CREATE " FUNCTION kscore_project(p_event_id uuid, p_replay bool,\n" \
+    "  p_type text, p_command_id uuid, p_agent_id text, p_attempt int,\n" \
+    "  p_at bigint, p_batch_id text, p_operator text, p_argv text[],\n" \
+    "  p_idem text, p_status text, p_exit_code int, p_signal int,\n" \
+    "  p_timed_out bool, p_stdout bytea, p_stderr bytea,\n" \
+    "  p_stdout_total bigint, p_stderr_total bigint, p_stdout_trunc bool,\n" \
+    "  p_stderr_trunc bool, p_duration_us bigint, p_start_stage text,\n" \
+    "  p_start_errno int, p_started_at bigint, p_finished_at bigint,\n" \
+    "  p_result bytea, p_deliver_by bigint)\n" \
+    "RETURNS void LANGUAGE plpgsql AS $$\n" \
+    "DECLARE\n" \
+    "  v bigint; tx xid8; prev text; had_result bool;\n" \
+    "  terminal constant text[] := '{" FOLD_TERMINAL_LIST "}';\n" \
+    "BEGIN\n" \
+    "  SELECT e.version, e.tx_id INTO v, tx FROM events e\n" \
+    "    WHERE e.event_id = p_event_id;\n" \
+    "  IF NOT FOUND OR (NOT p_replay AND tx <> pg_current_xact_id()) THEN\n" \
+    "    RETURN;\n" \
+    "  END IF;\n" \
+    "  IF p_type = 'CommandRequested' THEN\n" \
+    "    INSERT INTO commands (command_id, agent_id, status, argv, attempt,\n" \
+    "      requested_at, batch_id, idempotency_key, operator, version,\n" \
+    "      deliver_by)\n" \
+    "    VALUES (p_command_id, coalesce(p_agent_id, ''), 'Pending',\n" \
+    "      coalesce(p_argv, '{}'), 0, kscore_ts(p_at), p_batch_id, p_idem,\n" \
+    "      coalesce(p_operator, ''), v, kscore_ts(p_deliver_by));\n" \
+    "    IF p_batch_id IS NOT NULL THEN\n" \
+    "      INSERT INTO batches AS b (batch_id, status, total)\n" \
+    "        VALUES (p_batch_id, 'Running', 1)\n" \
+    "        ON CONFLICT (batch_id) DO UPDATE SET total = b.total + 1;\n" \
+    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n" \
+    "        VALUES (p_command_id, p_batch_id, coalesce(p_agent_id, ''),\n" \
+    "                'Pending');\n" \
+    "    END IF;\n" \
+    "    RETURN;\n" \
+    "  ELSIF p_type = 'BatchRequested' THEN\n" \
+    "    INSERT INTO batches AS b (batch_id, status, operator, requested_at,\n" \
+    "      version)\n" \
+    "    VALUES (p_batch_id, 'Running', coalesce(p_operator, ''),\n" \
+    "      kscore_ts(p_at), v)\n" \
+    "    ON CONFLICT (batch_id) DO UPDATE SET operator = excluded.operator,\n" \
+    "      requested_at = excluded.requested_at, version = excluded.version;\n" \
+    "    RETURN;\n" \
+    "  ELSIF p_type IN ('BatchCompleted', 'BatchCancelled') THEN\n" \
+    "    UPDATE batches SET\n" \
+    "      status = CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n" \
+    "               ELSE 'Cancelled' END,\n" \
+    "      finished_at = kscore_ts(p_at), version = v\n" \
+    "    WHERE batch_id = p_batch_id;\n" \
+    "    RETURN;\n" \
+    "  END IF;\n" \
+    /* A command event. A terminal status is final. */ \
+    "  SELECT c.status, c.result IS NOT NULL INTO prev, had_result\n" \
+    "    FROM commands c WHERE c.command_id = p_command_id FOR UPDATE;\n" \
+    "  IF NOT FOUND THEN\n" \
+    "    RETURN;\n" \
+    "  END IF;\n" \
+    "  IF prev = ANY (terminal) THEN\n" \
+    "    p_status := NULL;\n" \
+    "  END IF;\n" \
+    "  UPDATE commands SET\n" \
+    "    status = coalesce(p_status, status),\n" \
+    "    version = v,\n" \
+    "    attempt = CASE WHEN p_status IS NULL THEN attempt\n" \
+    "              ELSE coalesce(nullif(p_attempt, 0), attempt) END,\n" \
+    "    agent_id = CASE WHEN p_status IS NULL THEN agent_id\n" \
+    "               ELSE coalesce(nullif(p_agent_id, ''), agent_id) END,\n" \
+    "    dispatched_at = CASE WHEN p_status = 'Dispatched'\n" \
+    "                    THEN kscore_ts(p_at) ELSE dispatched_at END,\n" \
+    "    deliver_by = CASE WHEN p_status = 'Dispatched'\n" \
+    "                 THEN coalesce(kscore_ts(p_deliver_by), deliver_by)\n" \
+    "                 ELSE deliver_by END,\n" \
+    "    started_at = CASE WHEN p_status = 'Running' THEN kscore_ts(p_at)\n" \
+    "                 ELSE coalesce(started_at, kscore_ts(p_started_at)) END,\n" \
+    "    finished_at = CASE WHEN p_status = ANY (terminal)\n" \
+    "                  THEN coalesce(kscore_ts(p_finished_at), " \
+    "kscore_ts(p_at))\n" \
+    "                  ELSE finished_at END\n" \
+    "  WHERE command_id = p_command_id;\n" \
+    /* The first result is kept even when a status was final before it. */ \
+    "  IF p_result IS NOT NULL AND NOT had_result THEN\n" \
+    "    UPDATE commands SET exit_code = p_exit_code, signal = p_signal,\n" \
+    "      timed_out = p_timed_out, stdout = p_stdout, stderr = p_stderr,\n" \
+    "      stdout_total = p_stdout_total, stderr_total = p_stderr_total,\n" \
+    "      stdout_truncated = p_stdout_trunc,\n" \
+    "      stderr_truncated = p_stderr_trunc, duration_us = p_duration_us,\n" \
+    "      start_stage = p_start_stage, start_errno = p_start_errno,\n" \
+    "      result = p_result\n" \
+    "    WHERE command_id = p_command_id;\n" \
+    "  END IF;\n" \
+    "  IF p_status IS NOT NULL AND p_status <> prev THEN\n" \
+    "    WITH t AS (\n" \
+    "      UPDATE batch_targets SET status = p_status\n" \
+    "      WHERE command_id = p_command_id RETURNING batch_id)\n" \
+    "    UPDATE batches b SET\n" \
+    "      succeeded = b.succeeded + (p_status = 'Succeeded')::int,\n" \
+    "      cancelled = b.cancelled + (p_status = 'Cancelled')::int,\n" \
+    "      failed = b.failed + (p_status NOT IN ('Succeeded', 'Cancelled'))" \
+    "::int\n" \
+    "    FROM t WHERE b.batch_id = t.batch_id AND p_status = ANY (terminal);\n" \
+    "  END IF;\n" \
+    "END $$;\n" \
 
 /* Migration 1: the whole schema of kscore 1.0. */
 static const char migration_1[] =
@@ -298,145 +546,7 @@ static const char migration_1[] =
      * (its version); c_req rows are inserted in their final state, the
      * others updated once.
      */
-    "CREATE FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n"
-    "  p_types text[], p_data bytea[],\n"
-    "  c_id uuid[], c_last int[], c_req bool[], c_agent0 text[],\n"
-    "  c_argv text[], c_argv_lo int[], c_argv_hi int[], c_batch text[],\n"
-    "  c_idem text[], c_oper text[], c_req_at bigint[],\n"
-    "  c_req_deliver bigint[], c_st text[], c_st_first text[],\n"
-    "  c_st_change bool[], c_att int[], c_agent text[], c_disp bigint[],\n"
-    "  c_deliver bigint[], c_run bigint[], c_started_after bigint[],\n"
-    "  c_started_any bigint[], c_fin bigint[], c_res bytea[],\n"
-    "  c_exit int[], c_signal int[], c_timed_out bool[], c_stdout bytea[],\n"
-    "  c_stderr bytea[], c_stdout_total bigint[], c_stderr_total bigint[],\n"
-    "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n"
-    "  c_stage text[], c_errno int[])\n"
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
-    "DECLARE rec text; vers bigint[];\n"
-    "BEGIN\n"
-    /*
-     * Versions are numbered on the narrow (stream, ordinal) rows; the
-     * event bytes are read once, by the insert. No duplicate probe before
-     * it: the insert's own unique check finds a recorded event, and only
-     * then are they all looked up.
-     */
-    "  BEGIN\n"
-    "    WITH input AS (\n"
-    "      SELECT u.s, u.o FROM unnest(p_streams) WITH ORDINALITY AS u(s, o)\n"
-    "    ), counts AS (\n"
-    "      SELECT i.s, count(*) AS n FROM input i GROUP BY i.s\n"
-    "    ), bumped AS (\n"
-    "      INSERT INTO streams AS st\n"
-    "        SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n"
-    "        ORDER BY c.s\n"
-    "      ON CONFLICT (stream_id) DO UPDATE\n"
-    "        SET version = st.version + excluded.version\n"
-    "      RETURNING st.stream_id, st.version\n"
-    "    ), numbered AS (\n"
-    "      SELECT i.o, b.version - c.n\n"
-    "               + row_number() OVER (PARTITION BY i.s ORDER BY i.o) AS v\n"
-    "      FROM input i JOIN bumped b ON b.stream_id = i.s\n"
-    "                   JOIN counts c ON c.s = i.s\n"
-    "    ), ins AS (\n"
-    "      INSERT INTO events (stream_id, version, event_id, type, data)\n"
-    "        SELECT u.s, n.v, u.id, u.t, u.d\n"
-    "        FROM unnest(p_ids, p_streams, p_types, p_data)\n"
-    "          WITH ORDINALITY AS u(id, s, t, d, o)\n"
-    "        JOIN numbered n ON n.o = u.o\n"
-    "        ORDER BY u.o\n"
-    "    )\n"
-    "    SELECT array_agg(n.v ORDER BY n.o) INTO vers FROM numbered n;\n"
-    "  EXCEPTION WHEN unique_violation THEN\n"
-    "    SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n"
-    "      WHERE e.event_id = ANY (p_ids);\n"
-    "    IF rec IS NULL THEN\n"
-    "      RAISE;\n"
-    "    END IF;\n"
-    "    RAISE EXCEPTION 'some of the events are already recorded'\n"
-    "      USING ERRCODE = 'KS003', DETAIL = rec;\n"
-    "  END;\n"
-    "  PERFORM pg_notify('kscore_events', '');\n"
-    "  IF cardinality(c_id) > 0 THEN\n"
-    /* Commands requested in this batch: one insert in the final state. */
-    "    WITH r AS (\n"
-    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n"
-    "             s.batch, s.idem, s.oper, s.req_at, f.*\n"
-    "      FROM " FOLD_SUMMARY "\n"
-    "      CROSS JOIN LATERAL (SELECT 'Pending'::text AS status,\n"
-    "        coalesce(s.agent0, '') AS agent_id, 0 AS attempt,\n"
-    "        NULL::timestamptz AS dispatched_at,\n"
-    "        kscore_ts(s.req_deliver) AS deliver_by,\n"
-    "        NULL::timestamptz AS started_at,\n"
-    "        NULL::timestamptz AS finished_at, NULL::int AS exit_code,\n"
-    "        NULL::int AS signal, NULL::bool AS timed_out,\n"
-    "        NULL::bytea AS stdout, NULL::bytea AS stderr,\n"
-    "        NULL::bigint AS stdout_total, NULL::bigint AS stderr_total,\n"
-    "        NULL::bool AS stdout_truncated, NULL::bool AS stderr_truncated,\n"
-    "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n"
-    "        NULL::int AS start_errno, NULL::bytea AS result) p\n"
-    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n"
-    "      WHERE s.req\n"
-    "    ), ic AS (\n"
-    "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n"
-    "        idempotency_key, operator, version, " FOLD_COLS ")\n"
-    "      SELECT r.cid, c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n"
-    "        r.batch, r.idem, coalesce(r.oper, ''), vers[r.last_ord],\n"
-    "        " FOLD_R_COLS "\n"
-    "      FROM r\n"
-    "    ), it AS (\n"
-    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
-    "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n"
-    "      WHERE r.batch IS NOT NULL\n"
-    "    )\n"
-    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n"
-    "      failed, cancelled)\n"
-    "    SELECT r.batch, 'Running', count(*),\n"
-    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n"
-    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n"
-    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n"
-    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n"
-    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n"
-    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n"
-    "      succeeded = b.succeeded + excluded.succeeded,\n"
-    "      failed = b.failed + excluded.failed,\n"
-    "      cancelled = b.cancelled + excluded.cancelled;\n"
-    /*
-     * Commands requested before: one update each. s carries the prior
-     * status (locked, so it is the row the update sees) for the batch
-     * target and counter rules. One join per row: unnest() of a
-     * parameter is planned as a few rows, so a second join on s would be
-     * a nested loop over both, quadratic in the batch.
-     */
-    "    WITH s AS (\n"
-    "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n"
-    "      JOIN commands c ON c.command_id = s.cid\n"
-    "      WHERE NOT s.req FOR UPDATE OF c\n"
-    "    ), u AS (\n"
-    "      UPDATE commands c SET version = vers[s.last_ord],\n"
-    "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
-    "      FROM s WHERE c.command_id = s.cid\n"
-    "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n"
-    "        s.st_change\n"
-    "    ), t AS (\n"
-    "      UPDATE batch_targets bt SET status = u.status FROM u\n"
-    "      WHERE bt.command_id = u.command_id\n"
-    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n"
-    "        AND (u.st_change OR u.st_first <> u.prev)\n"
-    "      RETURNING bt.batch_id, u.status\n"
-    "    )\n"
-    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n"
-    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n"
-    "    FROM (SELECT t.batch_id,\n"
-    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n"
-    "            count(*) FILTER (WHERE t.status NOT IN\n"
-    "                             ('Succeeded', 'Cancelled')) AS bad,\n"
-    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n"
-    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n"
-    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n"
-    "    WHERE b.batch_id = x.batch_id;\n"
-    "  END IF;\n"
-    "  RETURN cardinality(p_ids);\n"
-    "END $$;\n"
+    SQL_RECORD_MANY("CREATE")
     /*
      * Applies one recorded event to the projections. The caller (C, which
      * decodes the Ks__Event) passes the fields; see store.h "Projections"
@@ -445,112 +555,40 @@ static const char migration_1[] =
      * Table names are unqualified on purpose: store_replay() points
      * search_path at fresh tables and runs this same function.
      */
-    "CREATE FUNCTION kscore_project(p_event_id uuid, p_replay bool,\n"
-    "  p_type text, p_command_id uuid, p_agent_id text, p_attempt int,\n"
-    "  p_at bigint, p_batch_id text, p_operator text, p_argv text[],\n"
-    "  p_idem text, p_status text, p_exit_code int, p_signal int,\n"
-    "  p_timed_out bool, p_stdout bytea, p_stderr bytea,\n"
-    "  p_stdout_total bigint, p_stderr_total bigint, p_stdout_trunc bool,\n"
-    "  p_stderr_trunc bool, p_duration_us bigint, p_start_stage text,\n"
-    "  p_start_errno int, p_started_at bigint, p_finished_at bigint,\n"
-    "  p_result bytea, p_deliver_by bigint)\n"
-    "RETURNS void LANGUAGE plpgsql AS $$\n"
-    "DECLARE\n"
-    "  v bigint; tx xid8; prev text; had_result bool;\n"
-    "  terminal constant text[] := '{Succeeded,Failed,TimedOut,"
-    "StartFailed,Cancelled,Undeliverable,Lost}';\n"
-    "BEGIN\n"
-    "  SELECT e.version, e.tx_id INTO v, tx FROM events e\n"
-    "    WHERE e.event_id = p_event_id;\n"
-    "  IF NOT FOUND OR (NOT p_replay AND tx <> pg_current_xact_id()) THEN\n"
-    "    RETURN;\n"
-    "  END IF;\n"
-    "  IF p_type = 'CommandRequested' THEN\n"
-    "    INSERT INTO commands (command_id, agent_id, status, argv, attempt,\n"
-    "      requested_at, batch_id, idempotency_key, operator, version,\n"
-    "      deliver_by)\n"
-    "    VALUES (p_command_id, coalesce(p_agent_id, ''), 'Pending',\n"
-    "      coalesce(p_argv, '{}'), 0, kscore_ts(p_at), p_batch_id, p_idem,\n"
-    "      coalesce(p_operator, ''), v, kscore_ts(p_deliver_by));\n"
-    "    IF p_batch_id IS NOT NULL THEN\n"
-    "      INSERT INTO batches AS b (batch_id, status, total)\n"
-    "        VALUES (p_batch_id, 'Running', 1)\n"
-    "        ON CONFLICT (batch_id) DO UPDATE SET total = b.total + 1;\n"
-    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
-    "        VALUES (p_command_id, p_batch_id, coalesce(p_agent_id, ''),\n"
-    "                'Pending');\n"
-    "    END IF;\n"
-    "    RETURN;\n"
-    "  ELSIF p_type = 'BatchRequested' THEN\n"
-    "    INSERT INTO batches AS b (batch_id, status, operator, requested_at,\n"
-    "      version)\n"
-    "    VALUES (p_batch_id, 'Running', coalesce(p_operator, ''),\n"
-    "      kscore_ts(p_at), v)\n"
-    "    ON CONFLICT (batch_id) DO UPDATE SET operator = excluded.operator,\n"
-    "      requested_at = excluded.requested_at, version = excluded.version;\n"
-    "    RETURN;\n"
-    "  ELSIF p_type IN ('BatchCompleted', 'BatchCancelled') THEN\n"
-    "    UPDATE batches SET\n"
-    "      status = CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n"
-    "               ELSE 'Cancelled' END,\n"
-    "      finished_at = kscore_ts(p_at), version = v\n"
-    "    WHERE batch_id = p_batch_id;\n"
-    "    RETURN;\n"
-    "  END IF;\n"
-    /* A command event. A terminal status is final. */
-    "  SELECT c.status, c.result IS NOT NULL INTO prev, had_result\n"
-    "    FROM commands c WHERE c.command_id = p_command_id FOR UPDATE;\n"
-    "  IF NOT FOUND THEN\n"
-    "    RETURN;\n"
-    "  END IF;\n"
-    "  IF prev = ANY (terminal) THEN\n"
-    "    p_status := NULL;\n"
-    "  END IF;\n"
-    "  UPDATE commands SET\n"
-    "    status = coalesce(p_status, status),\n"
-    "    version = v,\n"
-    "    attempt = CASE WHEN p_status IS NULL THEN attempt\n"
-    "              ELSE coalesce(nullif(p_attempt, 0), attempt) END,\n"
-    "    agent_id = CASE WHEN p_status IS NULL THEN agent_id\n"
-    "               ELSE coalesce(nullif(p_agent_id, ''), agent_id) END,\n"
-    "    dispatched_at = CASE WHEN p_status = 'Dispatched'\n"
-    "                    THEN kscore_ts(p_at) ELSE dispatched_at END,\n"
-    "    deliver_by = CASE WHEN p_status = 'Dispatched'\n"
-    "                 THEN coalesce(kscore_ts(p_deliver_by), deliver_by)\n"
-    "                 ELSE deliver_by END,\n"
-    "    started_at = CASE WHEN p_status = 'Running' THEN kscore_ts(p_at)\n"
-    "                 ELSE coalesce(started_at, kscore_ts(p_started_at)) END,\n"
-    "    finished_at = CASE WHEN p_status = ANY (terminal)\n"
-    "                  THEN coalesce(kscore_ts(p_finished_at), "
-    "kscore_ts(p_at))\n"
-    "                  ELSE finished_at END\n"
-    "  WHERE command_id = p_command_id;\n"
-    /* The first result is kept even when a status was final before it. */
-    "  IF p_result IS NOT NULL AND NOT had_result THEN\n"
-    "    UPDATE commands SET exit_code = p_exit_code, signal = p_signal,\n"
-    "      timed_out = p_timed_out, stdout = p_stdout, stderr = p_stderr,\n"
-    "      stdout_total = p_stdout_total, stderr_total = p_stderr_total,\n"
-    "      stdout_truncated = p_stdout_trunc,\n"
-    "      stderr_truncated = p_stderr_trunc, duration_us = p_duration_us,\n"
-    "      start_stage = p_start_stage, start_errno = p_start_errno,\n"
-    "      result = p_result\n"
-    "    WHERE command_id = p_command_id;\n"
-    "  END IF;\n"
-    "  IF p_status IS NOT NULL AND p_status <> prev THEN\n"
-    "    WITH t AS (\n"
-    "      UPDATE batch_targets SET status = p_status\n"
-    "      WHERE command_id = p_command_id RETURNING batch_id)\n"
-    "    UPDATE batches b SET\n"
-    "      succeeded = b.succeeded + (p_status = 'Succeeded')::int,\n"
-    "      cancelled = b.cancelled + (p_status = 'Cancelled')::int,\n"
-    "      failed = b.failed + (p_status NOT IN ('Succeeded', 'Cancelled'))"
-    "::int\n"
-    "    FROM t WHERE b.batch_id = t.batch_id AND p_status = ANY (terminal);\n"
-    "  END IF;\n"
-    "END $$;\n";
+    SQL_PROJECT("CREATE");
+
+/*
+ * Migration 3: one command, one terminal event, enforced by the database.
+ * The command state machine (store/machine.c) decides each append; these
+ * unique indexes make a second terminal event (or a second claim) of a
+ * stream impossible whatever path writes it. A stream that already has two
+ * (recorded before this migration, when appends at STORE_ANY could add
+ * them) keeps its first; the later ones are re-typed LateResult, the
+ * annotation such a report is recorded as from now on. The projection
+ * functions learn the NotStarted status.
+ */
+#undef FOLD_TERMINAL_LIST
+#define FOLD_TERMINAL_LIST                                                     \
+    "Succeeded,Failed,TimedOut,StartFailed,Cancelled,Undeliverable,Lost,"      \
+    "NotStarted"
+#define TERMINAL_EVENT_TYPES                                                   \
+    "('CommandCompleted', 'CommandStartFailed', 'CommandLost',"                \
+    " 'CommandNotStarted', 'CommandUndeliverable', 'CommandCancelled')"
+static const char migration_3[] =
+    "UPDATE events e SET type = 'LateResult'\n"
+    "  WHERE e.type IN " TERMINAL_EVENT_TYPES "\n"
+    "    AND EXISTS (SELECT 1 FROM events f WHERE f.stream_id = e.stream_id\n"
+    "      AND f.type IN " TERMINAL_EVENT_TYPES " AND f.version < e.version);\n"
+    "CREATE UNIQUE INDEX events_one_terminal ON events (stream_id)\n"
+    "  WHERE type IN " TERMINAL_EVENT_TYPES ";\n"
+    "CREATE UNIQUE INDEX events_one_start ON events (stream_id)\n"
+    "  WHERE type = 'CommandStarted';\n"
+    SQL_RECORD_MANY("CREATE OR REPLACE")
+    SQL_PROJECT("CREATE OR REPLACE") ";\n";
 
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
+    {3, "one terminal event per command; NotStarted", migration_3},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

@@ -60,6 +60,7 @@
 #ifndef KSCORE_STORE_H
 #define KSCORE_STORE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -231,6 +232,90 @@ int store_upsert_agent(struct store *s, const Ks__AgentInfo *info);
  */
 int store_command_by_key(struct store *s, const char *idempotency_key,
                          char id_out[37]);
+
+/* ---- The command state machine (store/machine.c) ----------------------
+ *
+ * Every command moves Requested -> Dispatched (one or more attempts) ->
+ * Started (the claim) -> exactly one terminal event, or ends before its
+ * claim (Undeliverable, Cancelled, StartFailed from a failed precheck):
+ *
+ *   event                 may follow            ends in
+ *   CommandRequested      (no command)          -
+ *   CommandDispatched     Pending, Dispatched   -
+ *   CommandStarted        Dispatched            -
+ *   CommandStartFailed    Dispatched, Running   StartFailed
+ *   CommandCompleted      Running               Succeeded, Failed,
+ *                                               TimedOut, Cancelled
+ *   CommandLost           Running               Lost
+ *   CommandNotStarted     Running               NotStarted
+ *   CommandUndeliverable  Pending, Dispatched   Undeliverable
+ *   CommandCancelled      Pending, Dispatched   Cancelled
+ *   anything else         any (the command must exist; CommandRejected
+ *                         may name no command)   - (an annotation)
+ *
+ * A terminal event of a command that has ended is late: it is recorded as
+ * a LateResult annotation (the report kept, the state unchanged), never as
+ * a second terminal event; any other step the table does not allow is
+ * refused (recorded as ReportRejected by store_append_checked). The
+ * database enforces the core of it on every path: unique indexes allow one
+ * terminal event and one CommandStarted per stream (migration 3).
+ */
+struct store_command_state {
+    bool exists;               /* the command has been requested */
+    Ks__CommandStatus status;  /* its status in the commands projection */
+    char agent_id[129];        /* the agent it is addressed to */
+    uint32_t attempt;          /* the attempt dispatched or claimed */
+};
+
+enum store_step {
+    STORE_STEP_APPLY,     /* a step of the machine, or an annotation */
+    STORE_STEP_LATE,      /* a terminal event after the end: LateResult */
+    STORE_STEP_ILLEGAL,   /* not allowed here: ReportRejected */
+    STORE_STEP_DUPLICATE, /* recorded before (same event_id): skipped */
+};
+
+/*
+ * What ev (its type, and for a terminal one its result's status) does to
+ * a command in state st. Pure; any thread. Returns the verdict; on
+ * STORE_STEP_APPLY *next_out is the command's status after it (unchanged
+ * for an annotation); otherwise *why is a static phrase saying why.
+ */
+enum store_step store_command_step(const struct store_command_state *st,
+                                   const Ks__Event *ev,
+                                   Ks__CommandStatus *next_out,
+                                   const char **why);
+
+/* 1 if an event of this type ends a command (the table above). */
+int store_event_is_terminal(const char *type);
+
+/*
+ * A caller's own rule for a reported event (the broker's: who may report
+ * what), run under the lock before the state machine. Returns 0 to let the
+ * machine decide, non-zero to refuse with *why (static) saying why.
+ */
+typedef int (*store_check_fn)(const struct store_command_state *st,
+                              const Ks__Event *ev, const char **why,
+                              void *ud);
+
+/*
+ * Appends events that others report about existing commands (agents'
+ * results), each decided against the record: in one transaction it locks
+ * the streams of the commands (command-<id>, derived from each event's
+ * command id; the event's own stream_id is ignored), reads their states,
+ * runs check (may be NULL) and store_command_step() per event in input
+ * order, and appends each event as it is (APPLY), as a LateResult (LATE)
+ * or as a ReportRejected (ILLEGAL; on the stream agent-<agent_id> when the
+ * command does not exist, so a forged id never creates a command stream),
+ * with the reason in Event.reason. Events recorded before are skipped
+ * (DUPLICATE). verdicts[i] (n entries, caller storage) says what became of
+ * events[i]. Two round trips.
+ * Returns 0 (all decided and written), KS_EINVAL (an event lacks a UUID
+ * event_id or command id, or a type; nothing written) or a store error
+ * (KS_EPG ...; nothing written, verdicts undefined: retry the call).
+ */
+int store_append_checked(struct store *s, const Ks__Event *const *events,
+                         size_t n, store_check_fn check, void *ud,
+                         enum store_step *verdicts, size_t *dup_out);
 
 /* The raw PGconn, for callers that need an escape hatch (tests). */
 struct pg_conn;

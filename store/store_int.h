@@ -79,6 +79,9 @@ struct store {
     PGconn *conn;
     bool prepared;  /* the ks_* statements exist on this connection */
     bool listening; /* LISTEN kscore_events issued */
+    /* store_append_checked(): the append's pipeline ends the transaction
+     * (store__send_commit), and says that it did. */
+    bool commit_in_pipeline, commit_sent;
     struct store__buf ids, streams, types, data, argv, result;
     struct store__buf fold[STORE__FOLD_COLS];
 };
@@ -151,6 +154,10 @@ int store__send_project(struct store *s, const Ks__Event *ev, bool replay);
  */
 int store__pipeline_finish(struct store *s, int64_t *first_out,
                            char **detail_out);
+
+/* Queues COMMIT in the open pipeline when store_append_checked() asked
+ * for it (s->commit_in_pipeline) and it is not queued yet. */
+void store__send_commit(struct store *s);
 
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);

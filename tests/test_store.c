@@ -84,11 +84,14 @@ START_TEST(test_migrate_idempotent)
     struct store *s = open_store();
     char *err = NULL;
     ck_assert_int_eq(store_migrate(s, &err), 0);
+    long long applied =
+        sql_ll(s, "SELECT count(*) FROM schema_migrations%s", "");
+    ck_assert_int_ge(applied, 2);
     ck_assert_int_eq(store_migrate(s, &err), 0);
     ck_assert_int_eq(
-        sql_ll(s, "SELECT count(*) FROM schema_migrations%s", ""), 1);
+        sql_ll(s, "SELECT count(*) FROM schema_migrations%s", ""), applied);
     ck_assert_int_eq(
-        sql_ll(s, "SELECT max(version) FROM schema_migrations%s", ""), 1);
+        sql_ll(s, "SELECT min(version) FROM schema_migrations%s", ""), 1);
     store_close(s);
     store_close(NULL);
 }
@@ -816,13 +819,14 @@ START_TEST(test_append_many_fold)
     b[n++] = fresult(&e[k++], cid[1], "CommandCompleted",
                      KS__COMMAND_STATUS__FAILED, 3, "first");
     b[n++] = fstatus(&e[k++], cid[1], "CommandStarted", 2, "agent-9");
-    b[n++] = fresult(&e[k++], cid[1], "CommandCancelled",
-                     KS__COMMAND_STATUS__CANCELLED, 9, "second");
-    b[n++] = fstatus(&e[k++], cid[1], "CommandLost", 0, NULL);
+    /* A later terminal report is an annotation (a second terminal event
+     * of a stream is refused: test_one_terminal_event). */
+    b[n++] = fmk(&e[k++], cid[1], "LateResult");
+    b[n++] = fmk(&e[k++], cid[1], "ReportRejected");
     /* 2: re-dispatched, back to Running with a new attempt and agent. */
     b[n++] = freq(&e[k++], cid[2], bid, NULL);
     b[n++] = fstatus(&e[k++], cid[2], "CommandDispatched", 1, "agent-1");
-    b[n++] = fstatus(&e[k++], cid[2], "CommandStarted", 1, "agent-1");
+    b[n++] = fmk(&e[k++], cid[2], "CommandRejected");
     b[n++] = fstatus(&e[k++], cid[2], "CommandDispatched", 2, "agent-2");
     b[n++] = fstatus(&e[k++], cid[2], "CommandStarted", 2, NULL);
     /* 3: events before its Requested are no-ops; version-only events. */
@@ -861,8 +865,8 @@ START_TEST(test_append_many_fold)
                      KS__COMMAND_STATUS__START_FAILED, 0, "nope");
     b[n++] = fstatus(&e[k++], cid[6], "CommandDispatched", 1, "agent-6");
     b[n++] = fstatus(&e[k++], cid[2], "CommandUndeliverable", 0, NULL);
-    b[n++] = fstatus(&e[k++], cid[1], "CommandStarted", 3, "agent-3");
-    b[n++] = fmk(&e[k++], cid[6], "CommandCompleted"); /* no result */
+    b[n++] = fmk(&e[k++], cid[1], "CommandRejected");
+    b[n++] = fmk(&e[k++], cid[6], "CommandCancelRequested");
     ck_assert_int_eq(many(s, b, n, &dups), 0);
     ck_assert_uint_eq(dups, 2);
     assert_row(s, cid[5], "StartFailed/4/1/agent-5/nope/true/true");
@@ -870,7 +874,7 @@ START_TEST(test_append_many_fold)
     assert_row(s, cid[2], "Undeliverable/6/2/agent-2/-/true/true");
     assert_row(s, cid[1], "Failed/7/1/agent-1/first/true/true");
 
-    /* Batch 3: the batch completes; a late start of a final command. */
+    /* Batch 3: the batch completes; an annotation of a final command. */
     n = 0;
     fmk(&e[k], cid[0], "BatchCompleted");
     snprintf(e[k].stream, sizeof(e[k].stream), "%s", bstream);
@@ -878,7 +882,7 @@ START_TEST(test_append_many_fold)
     e[k].ev.batch_id = e[k].bid;
     e[k].ev.command_id = "";
     b[n++] = &e[k++].ev;
-    b[n++] = fstatus(&e[k++], cid[5], "CommandStarted", 2, "agent-x");
+    b[n++] = fmk(&e[k++], cid[5], "CommandRejected");
     b[n++] = fresult(&e[k++], cid[6], "CommandCompleted",
                      KS__COMMAND_STATUS__SUCCEEDED, 0, "six");
     ck_assert_int_eq(many(s, b, n, &dups), 0);
@@ -918,6 +922,238 @@ START_TEST(test_append_many_fold)
         free(after);
         free(before[i]);
     }
+    store_close(s);
+}
+END_TEST
+
+/* Counts events of a stream of one type. */
+static long long
+count_type(struct store *s, const char *stream, const char *type)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = '%s'"
+             " AND type = '%s'",
+             stream, type);
+    char *v = sql1(s, sql);
+    long long n = atoll(v);
+    free(v);
+    return n;
+}
+
+/* Requested, Dispatched and Started on agent-1: a running command. */
+static void
+running_command(struct store *s, const char *cid)
+{
+    static struct fev e[3];
+    Ks__Event *b[3];
+    b[0] = freq(&e[0], cid, NULL, NULL);
+    b[1] = fstatus(&e[1], cid, "CommandDispatched", 1, "agent-1");
+    b[2] = fstatus(&e[2], cid, "CommandStarted", 1, "agent-1");
+    ck_assert_int_eq(many(s, b, 3, NULL), 0);
+}
+
+/* The database refuses a second terminal event and a second claim of a
+ * stream, on every append path. */
+START_TEST(test_one_terminal_event)
+{
+    struct store *s = open_store();
+    static struct fev e[4];
+    char cid[37];
+    ks_uuid(cid);
+    running_command(s, cid);
+    struct store_event one = {fresult(&e[0], cid, "CommandCompleted",
+                                      KS__COMMAND_STATUS__SUCCEEDED, 0, "x")};
+    ck_assert_int_eq(store_append(s, e[0].stream, STORE_ANY, &one, 1, NULL),
+                     0);
+    struct store_event two = {fstatus(&e[1], cid, "CommandLost", 1, NULL)};
+    ck_assert_int_eq(store_append(s, e[1].stream, STORE_ANY, &two, 1, NULL),
+                     KS_ECONFLICT);
+    Ks__Event *b[1] = {fstatus(&e[2], cid, "CommandUndeliverable", 1, NULL)};
+    ck_assert_int_eq(many(s, b, 1, NULL), KS_ECONFLICT);
+    struct store_event start = {fstatus(&e[3], cid, "CommandStarted", 2,
+                                        "agent-1")};
+    ck_assert_int_eq(
+        store_append(s, e[3].stream, STORE_ANY, &start, 1, NULL),
+        KS_ECONFLICT);
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandLost"), 0);
+    store_close(s);
+}
+END_TEST
+
+/* The state machine, table-driven: every (state, event) pair a command can
+ * meet, and what it does. */
+START_TEST(test_command_machine)
+{
+    static const struct {
+        bool exists;
+        Ks__CommandStatus st;
+        const char *type;
+        Ks__CommandStatus result; /* 0: no result */
+        enum store_step want;
+        Ks__CommandStatus next;
+    } cases[] = {
+#define P KS__COMMAND_STATUS__PENDING
+#define D KS__COMMAND_STATUS__DISPATCHED
+#define R KS__COMMAND_STATUS__RUNNING
+#define OK KS__COMMAND_STATUS__SUCCEEDED
+#define FL KS__COMMAND_STATUS__FAILED
+#define LO KS__COMMAND_STATUS__LOST
+#define NS KS__COMMAND_STATUS__NOT_STARTED
+#define SF KS__COMMAND_STATUS__START_FAILED
+#define UD KS__COMMAND_STATUS__UNDELIVERABLE
+#define CN KS__COMMAND_STATUS__CANCELLED
+        {false, 0, "CommandRequested", 0, STORE_STEP_APPLY, P},
+        {true, P, "CommandRequested", 0, STORE_STEP_ILLEGAL, P},
+        {true, P, "CommandDispatched", 0, STORE_STEP_APPLY, D},
+        {true, D, "CommandDispatched", 0, STORE_STEP_APPLY, D},
+        {true, R, "CommandDispatched", 0, STORE_STEP_ILLEGAL, R},
+        {true, D, "CommandStarted", 0, STORE_STEP_APPLY, R},
+        {true, R, "CommandStarted", 0, STORE_STEP_ILLEGAL, R},
+        {true, P, "CommandStarted", 0, STORE_STEP_ILLEGAL, P},
+        {true, R, "CommandCompleted", OK, STORE_STEP_APPLY, OK},
+        {true, R, "CommandCompleted", FL, STORE_STEP_APPLY, FL},
+        {true, R, "CommandCompleted", LO, STORE_STEP_ILLEGAL, R},
+        {true, R, "CommandCompleted", R, STORE_STEP_ILLEGAL, R},
+        {true, D, "CommandCompleted", OK, STORE_STEP_ILLEGAL, D},
+        {true, D, "CommandStartFailed", SF, STORE_STEP_APPLY, SF},
+        {true, D, "CommandStartFailed", OK, STORE_STEP_ILLEGAL, D},
+        {true, R, "CommandStartFailed", SF, STORE_STEP_APPLY, SF},
+        {true, R, "CommandLost", 0, STORE_STEP_APPLY, LO},
+        {true, R, "CommandLost", LO, STORE_STEP_APPLY, LO},
+        {true, D, "CommandLost", 0, STORE_STEP_ILLEGAL, D},
+        {true, R, "CommandNotStarted", NS, STORE_STEP_APPLY, NS},
+        {true, D, "CommandUndeliverable", 0, STORE_STEP_APPLY, UD},
+        {true, R, "CommandUndeliverable", 0, STORE_STEP_ILLEGAL, R},
+        {true, D, "CommandCancelled", 0, STORE_STEP_APPLY, CN},
+        {true, R, "CommandCancelled", 0, STORE_STEP_ILLEGAL, R},
+        {true, LO, "CommandLost", 0, STORE_STEP_LATE, LO},
+        {true, LO, "CommandCompleted", OK, STORE_STEP_LATE, LO},
+        {true, OK, "CommandLost", 0, STORE_STEP_LATE, OK},
+        {true, UD, "CommandStartFailed", SF, STORE_STEP_LATE, UD},
+        {true, OK, "CommandStarted", 0, STORE_STEP_ILLEGAL, OK},
+        {true, OK, "CommandDispatched", 0, STORE_STEP_ILLEGAL, OK},
+        {true, OK, "CommandRejected", 0, STORE_STEP_APPLY, OK},
+        {true, R, "DuplicateSuppressed", 0, STORE_STEP_APPLY, R},
+        {false, 0, "CommandRejected", 0, STORE_STEP_APPLY, 0},
+        {false, 0, "CommandCompleted", OK, STORE_STEP_ILLEGAL, 0},
+        {false, 0, "CommandCancelRequested", 0, STORE_STEP_ILLEGAL, 0},
+#undef P
+#undef D
+#undef R
+#undef OK
+#undef FL
+#undef LO
+#undef NS
+#undef SF
+#undef UD
+#undef CN
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct store_command_state st = {.exists = cases[i].exists,
+                                         .status = cases[i].st};
+        Ks__Event ev = KS__EVENT__INIT;
+        Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+        Ks__CommandStatus next = 99;
+        const char *why = NULL;
+        ev.type = (char *)cases[i].type;
+        if (cases[i].result) {
+            r.status = cases[i].result;
+            ev.result = &r;
+        }
+        enum store_step got = store_command_step(&st, &ev, &next, &why);
+        ck_assert_msg(got == cases[i].want, "case %zu (%s): verdict %d, "
+                      "want %d (%s)", i, cases[i].type, got, cases[i].want,
+                      why ? why : "");
+        if (got == STORE_STEP_APPLY)
+            ck_assert_msg(next == cases[i].next, "case %zu: next %d want %d",
+                          i, next, cases[i].next);
+        else
+            ck_assert_msg(why && *why, "case %zu: no reason", i);
+    }
+}
+END_TEST
+
+static int
+only_agent_1(const struct store_command_state *st, const Ks__Event *ev,
+             const char **why, void *ud)
+{
+    (void)ud;
+    if (st->exists && strcmp(ev->agent_id, st->agent_id) != 0) {
+        *why = "addressed to another agent";
+        return KS_EDENIED;
+    }
+    return 0;
+}
+
+/* Reports decided against the record: applied, late, refused, repeated. */
+START_TEST(test_append_checked)
+{
+    struct store *s = open_store();
+    static struct fev e[8];
+    const Ks__Event *b[8];
+    enum store_step v[8];
+    char cid[37], ghost[37], sql[256];
+    size_t dups = 99;
+
+    ks_uuid(cid);
+    ks_uuid(ghost);
+    running_command(s, cid);
+    /* A forged result from another agent, then the real one, then a late
+     * Lost (an agent restarted after the scanner ended it), then a
+     * report about a command that does not exist. */
+    b[0] = fresult(&e[0], cid, "CommandCompleted",
+                   KS__COMMAND_STATUS__SUCCEEDED, 0, "FORGED");
+    e[0].ev.agent_id = "agent-2";
+    b[1] = fresult(&e[1], cid, "CommandCompleted",
+                   KS__COMMAND_STATUS__FAILED, 3, "real");
+    e[1].ev.agent_id = "agent-1";
+    b[2] = fstatus(&e[2], cid, "CommandLost", 1, "agent-1");
+    b[3] = fresult(&e[3], ghost, "CommandCompleted",
+                   KS__COMMAND_STATUS__SUCCEEDED, 0, "ghost");
+    e[3].ev.agent_id = "agent-1";
+    /* The message's own stream is ignored: derived from the command id. */
+    e[1].ev.stream_id = "command-00000000-0000-0000-0000-000000000000";
+    ck_assert_int_eq(
+        store_append_checked(s, b, 4, only_agent_1, NULL, v, &dups), 0);
+    ck_assert_int_eq(v[0], STORE_STEP_ILLEGAL);
+    ck_assert_int_eq(v[1], STORE_STEP_APPLY);
+    ck_assert_int_eq(v[2], STORE_STEP_LATE);
+    ck_assert_int_eq(v[3], STORE_STEP_ILLEGAL);
+    ck_assert_uint_eq(dups, 0);
+    assert_row(s, cid, "Failed/6/1/agent-1/real/true/true");
+    ck_assert_int_eq(count_type(s, e[0].stream, "ReportRejected"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "LateResult"), 1);
+    ck_assert_int_eq(count_type(s, "agent-agent-1", "ReportRejected"), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM streams WHERE stream_id = 'command-%s'",
+             ghost);
+    ck_assert_int_eq(sql_ll(s, "%s", sql), 0);
+    ck_assert_int_eq(sql_ll(s, "SELECT count(*) FROM streams WHERE "
+                               "stream_id = 'command-00000000-0000-0000-"
+                               "0000-000000000000'%s",
+                            ""),
+                     0);
+    /* The same reports again: all recorded, nothing new. */
+    ck_assert_int_eq(
+        store_append_checked(s, b, 4, only_agent_1, NULL, v, &dups), 0);
+    ck_assert_uint_eq(dups, 4);
+    for (int i = 0; i < 4; i++)
+        ck_assert_int_eq(v[i], STORE_STEP_DUPLICATE);
+    /* One call holding two ends of one command: the second is late. */
+    char c2[37];
+    ks_uuid(c2);
+    running_command(s, c2);
+    b[0] = fstatus(&e[4], c2, "CommandLost", 1, "agent-1");
+    b[1] = fresult(&e[5], c2, "CommandCompleted",
+                   KS__COMMAND_STATUS__SUCCEEDED, 0, "y");
+    e[5].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, b, 2, NULL, NULL, v, NULL), 0);
+    ck_assert_int_eq(v[0], STORE_STEP_APPLY);
+    ck_assert_int_eq(v[1], STORE_STEP_LATE);
+    assert_row(s, c2, "Lost/5/1/agent-1/-/true/true");
     store_close(s);
 }
 END_TEST
@@ -1125,6 +1361,9 @@ main(void)
     tcase_add_test(tc, test_replay_equality);
     tcase_add_test(tc, test_append_many_fold);
     tcase_add_test(tc, test_append_many_refused);
+    tcase_add_test(tc, test_one_terminal_event);
+    tcase_add_test(tc, test_command_machine);
+    tcase_add_test(tc, test_append_checked);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
     suite_add_tcase(su, tc);

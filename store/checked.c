@@ -1,0 +1,333 @@
+/*
+ * checked.c: store_append_checked(), the append of events that someone
+ * other than the broker reports (agents' results), each checked against
+ * the record under the row locks of its stream before it is written.
+ *
+ * One transaction, two round trips:
+ *   1. BEGIN; lock the streams rows (in stream_id order, the order every
+ *      append takes them, so no deadlock) and read each command's state;
+ *      read which event_ids are recorded already.
+ *   2. (C: the caller's check, then the state machine, per event, in
+ *      order, each accepted event moving the state the next one sees)
+ *      the append of what remains, rewritten where the verdict says so,
+ *      with COMMIT in the same pipeline.
+ * While the locks are held no other writer can move these commands, so
+ * the verdicts are the truth at commit; the unique indexes of migration 3
+ * back this up for any path that forgets.
+ */
+#include "store_int.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+struct cstate {
+    char stream[8 + 37];
+    struct store_command_state st;
+};
+
+static int
+cmp_cstate(const void *a, const void *b)
+{
+    return strcmp(((const struct cstate *)a)->stream,
+                  ((const struct cstate *)b)->stream);
+}
+
+static struct cstate *
+find_state(struct cstate *v, size_t n, const char *stream)
+{
+    struct cstate key;
+    snprintf(key.stream, sizeof(key.stream), "%s", stream);
+    return bsearch(&key, v, n, sizeof(*v), cmp_cstate);
+}
+
+static Ks__CommandStatus
+status_of(const char *name)
+{
+    for (int st = 1; st <= KS__COMMAND_STATUS__NOT_STARTED; st++)
+        if (strcmp(kproto_status_name((Ks__CommandStatus)st), name) == 0)
+            return (Ks__CommandStatus)st;
+    return KS__COMMAND_STATUS__STATUS_UNSPECIFIED;
+}
+
+/* "{a,b,c}": a text-format array literal of simple tokens (UUIDs and
+ * command-<uuid> stream ids, checked by the caller: nothing to quote). */
+static char *
+array_literal(const char *const *items, size_t n)
+{
+    size_t len = 3;
+    for (size_t i = 0; i < n; i++)
+        len += strlen(items[i]) + 1;
+    char *s = malloc(len), *p = s;
+    if (!s)
+        return NULL;
+    *p++ = '{';
+    for (size_t i = 0; i < n; i++) {
+        size_t l = strlen(items[i]);
+        if (i)
+            *p++ = ',';
+        memcpy(p, items[i], l);
+        p += l;
+    }
+    *p++ = '}';
+    *p = '\0';
+    return s;
+}
+
+/* Reads pipeline results up to the sync: the lock rows into states (sorted
+ * by stream), the recorded ids into recorded[] (flags per event). */
+static int
+read_locks(struct store *s, struct cstate *states, size_t nstates,
+           const Ks__Event *const *events, size_t n, bool *recorded)
+{
+    int rc = 0, query = 0;
+
+    for (;;) {
+        PGresult *res = PQgetResult(s->conn);
+        if (!res) {
+            if (PQstatus(s->conn) == CONNECTION_BAD) {
+                if (rc == 0)
+                    rc = store__pg_error(s, NULL, NULL);
+                return rc;
+            }
+            query++;
+            continue;
+        }
+        ExecStatusType est = PQresultStatus(res);
+        if (est == PGRES_PIPELINE_SYNC) {
+            PQclear(res);
+            return rc;
+        }
+        if (est == PGRES_TUPLES_OK && query == 1) {
+            for (int r = 0; r < PQntuples(res); r++) {
+                struct cstate *c =
+                    find_state(states, nstates, PQgetvalue(res, r, 0));
+                if (!c || PQgetisnull(res, r, 1))
+                    continue;
+                c->st.exists = true;
+                c->st.status = status_of(PQgetvalue(res, r, 1));
+                snprintf(c->st.agent_id, sizeof(c->st.agent_id), "%s",
+                         PQgetvalue(res, r, 2));
+                c->st.attempt = (uint32_t)strtoul(PQgetvalue(res, r, 3),
+                                                  NULL, 10);
+            }
+        } else if (est == PGRES_TUPLES_OK && query == 2) {
+            for (int r = 0; r < PQntuples(res); r++) {
+                const char *id = PQgetvalue(res, r, 0);
+                for (size_t i = 0; i < n; i++)
+                    if (strcasecmp(events[i]->event_id, id) == 0)
+                        recorded[i] = true;
+            }
+        } else if (est != PGRES_COMMAND_OK && est != PGRES_TUPLES_OK &&
+                   rc == 0) {
+            rc = store__pg_error(s, res, NULL);
+        }
+        PQclear(res);
+    }
+}
+
+static void
+rollback(struct store *s)
+{
+    if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF)
+        PQexitPipelineMode(s->conn);
+    if (PQstatus(s->conn) == CONNECTION_OK)
+        PQclear(PQexec(s->conn, "ROLLBACK"));
+}
+
+int
+store_append_checked(struct store *s, const Ks__Event *const *events,
+                     size_t n, store_check_fn check, void *ud,
+                     enum store_step *verdicts, size_t *dup_out)
+{
+    struct cstate *states = NULL;
+    const char **streams = NULL, **ids = NULL;
+    bool *recorded = NULL;
+    Ks__Event *copies = NULL;
+    const Ks__Event **out = NULL;
+    char *streams_lit = NULL, *ids_lit = NULL;
+    char (*agent_streams)[8 + 130] = NULL;
+    char (*reasons)[256] = NULL;
+    size_t nstates = 0, nout = 0, dups = 0;
+    int rc = 0;
+
+    BUG_ON(!s || (n && (!events || !verdicts)));
+    if (n == 0)
+        goto done;
+    states = calloc(n, sizeof(*states));
+    streams = calloc(n, sizeof(*streams));
+    ids = calloc(n, sizeof(*ids));
+    recorded = calloc(n, sizeof(*recorded));
+    copies = calloc(n, sizeof(*copies));
+    out = calloc(n, sizeof(*out));
+    agent_streams = calloc(n, sizeof(*agent_streams));
+    reasons = calloc(n, sizeof(*reasons));
+    if (!states || !streams || !ids || !recorded || !copies || !out ||
+        !agent_streams || !reasons) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const char *cid = store__command_id(events[i]);
+        if (!ks_is_uuid(events[i]->event_id) || !events[i]->type ||
+            !events[i]->type[0] || !cid || !ks_is_uuid(cid)) {
+            rc = KS_EINVAL;
+            goto out;
+        }
+        ids[i] = events[i]->event_id;
+        /* The stream is the command's, derived from its id: never taken
+         * from the message. */
+        snprintf(states[nstates].stream, sizeof(states[nstates].stream),
+                 "command-%s", cid);
+        nstates++;
+    }
+    qsort(states, nstates, sizeof(*states), cmp_cstate);
+    {
+        size_t w = 0;
+        for (size_t i = 0; i < nstates; i++)
+            if (w == 0 || strcmp(states[w - 1].stream, states[i].stream))
+                states[w++] = states[i];
+        nstates = w;
+    }
+    for (size_t i = 0; i < nstates; i++)
+        streams[i] = states[i].stream;
+    if (!(streams_lit = array_literal(streams, nstates)) ||
+        !(ids_lit = array_literal(ids, n))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+
+    /* Round trip 1: BEGIN, lock and read the states, the recorded ids. */
+    if ((rc = store__prepare(s, NULL)) < 0)
+        goto out;
+    if (!PQenterPipelineMode(s->conn)) {
+        rc = store__pg_error(s, NULL, NULL);
+        goto out;
+    }
+    {
+        const char *p1[1] = {streams_lit}, *p2[1] = {ids_lit};
+        if (!PQsendQueryParams(s->conn, "BEGIN", 0, NULL, NULL, NULL, NULL,
+                               0) ||
+            !PQsendQueryParams(
+                s->conn,
+                "SELECT st.stream_id, c.status, c.agent_id, c.attempt"
+                " FROM streams st LEFT JOIN commands c"
+                "   ON c.command_id = substr(st.stream_id, 9)::uuid"
+                " WHERE st.stream_id = ANY ($1::text[])"
+                " ORDER BY st.stream_id FOR UPDATE OF st",
+                1, NULL, p1, NULL, NULL, 0) ||
+            !PQsendQueryParams(s->conn,
+                               "SELECT event_id::text FROM events"
+                               " WHERE event_id = ANY ($1::uuid[])",
+                               1, NULL, p2, NULL, NULL, 0) ||
+            !PQpipelineSync(s->conn)) {
+            rc = store__pg_error(s, NULL, NULL);
+            rollback(s);
+            goto out;
+        }
+    }
+    rc = read_locks(s, states, nstates, events, n, recorded);
+    if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF)
+        PQexitPipelineMode(s->conn);
+    if (rc) {
+        rollback(s);
+        goto out;
+    }
+
+    /* The verdicts, in order; each accepted event moves the state the next
+     * one of the same command sees. */
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        struct cstate *c;
+        const char *why = NULL;
+        Ks__CommandStatus next;
+        enum store_step v;
+        bool dup_in_call = false;
+
+        for (size_t j = 0; j < i && !dup_in_call; j++)
+            dup_in_call = strcasecmp(events[j]->event_id, ev->event_id) == 0;
+        if (recorded[i] || dup_in_call) {
+            verdicts[i] = STORE_STEP_DUPLICATE;
+            dups++;
+            continue;
+        }
+        copies[i] = *ev;
+        {
+            char key[8 + 37];
+            snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
+            c = find_state(states, nstates, key);
+        }
+        BUG_ON(!c);
+        copies[i].stream_id = c->stream;
+        v = STORE_STEP_APPLY;
+        if (check && check(&c->st, ev, &why, ud) != 0)
+            v = STORE_STEP_ILLEGAL;
+        if (v == STORE_STEP_APPLY)
+            v = store_command_step(&c->st, ev, &next, &why);
+        verdicts[i] = v;
+        if (v == STORE_STEP_APPLY) {
+            if (store_event_is_terminal(ev->type) ||
+                strcmp(ev->type, "CommandStarted") == 0 ||
+                strcmp(ev->type, "CommandDispatched") == 0)
+                c->st.status = next;
+        } else {
+            /* Kept as an annotation: what was reported, and why it does
+             * not count. */
+            snprintf(reasons[i], sizeof(reasons[i]), "%s: %s%s%s",
+                     ev->type, why ? why : "refused",
+                     c->st.exists ? " (it is " : "",
+                     c->st.exists ? kproto_status_name(c->st.status) : "");
+            if (c->st.exists)
+                strncat(reasons[i], ")",
+                        sizeof(reasons[i]) - strlen(reasons[i]) - 1);
+            copies[i].type = v == STORE_STEP_LATE ? "LateResult"
+                                                  : "ReportRejected";
+            copies[i].reason = reasons[i];
+            if (!c->st.exists) {
+                /* No such command: on the reporter's own stream, so a
+                 * forged id cannot create a command stream. */
+                if (!ev->agent_id || !ev->agent_id[0]) {
+                    verdicts[i] = STORE_STEP_DUPLICATE; /* nothing to keep */
+                    continue;
+                }
+                snprintf(agent_streams[i], sizeof(agent_streams[i]),
+                         "agent-%.128s", ev->agent_id);
+                copies[i].stream_id = agent_streams[i];
+            }
+        }
+        out[nout++] = &copies[i];
+    }
+
+    /* Round trip 2: the append, COMMIT in its pipeline. */
+    s->commit_in_pipeline = true;
+    s->commit_sent = false;
+    if (nout == 1) {
+        struct store_event se = {out[0]};
+        rc = store_append(s, out[0]->stream_id, STORE_ANY, &se, 1, NULL);
+    } else if (nout > 1) {
+        size_t d = 0;
+        rc = store_append_many(s, out, nout, &d);
+    }
+    s->commit_in_pipeline = false;
+    if (rc == 0 && !s->commit_sent)
+        rc = store__exec(s, "COMMIT", NULL);
+    if (rc)
+        rollback(s);
+done:
+    if (rc == 0 && dup_out)
+        *dup_out = dups;
+out:
+    free(states);
+    free(streams);
+    free(ids);
+    free(recorded);
+    free(copies);
+    free(out);
+    free(agent_streams);
+    free(reasons);
+    free(streams_lit);
+    free(ids_lit);
+    return rc;
+}
