@@ -552,7 +552,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
                 if (bt->t[k].status == KS__COMMAND_STATUS__DISPATCHED)
                     broker__cancel_command(b, b->st_batch,
                                            bt->t[k].command_id,
-                                           bt->operator_name);
+                                           bt->operator_name, NULL);
         }
         for (size_t k = 0; k < bt->n; k++)
             if (bt->t[k].ended_unreported) {

@@ -461,6 +461,19 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (req->start_failure) {
         ev.type = "CommandStartFailed";
         ev.result = req->start_failure;
+        /* A claim may only end a Dispatched command as StartFailed (the
+         * state machine's rule): never with another status or output. */
+        struct store_command_state dispatched = {
+            .exists = true, .status = KS__COMMAND_STATUS__DISPATCHED};
+        Ks__CommandStatus next;
+        const char *why;
+        if (store_command_step(&dispatched, &ev, &next, &why) !=
+            STORE_STEP_APPLY) {
+            r.error_code = KS_EINVAL;
+            r.error = "bad ClaimRequest: start_failure must have status "
+                      "StartFailed";
+            goto reply;
+        }
     } else {
         ev.type = "CommandStarted";
     }
@@ -674,22 +687,33 @@ on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 int
 broker__cancel_command(struct broker *b, struct store *st,
-                       const char *command_id, const char *operator_name)
+                       const char *command_id, const char *operator_name,
+                       struct broker__cancel_outcome *out)
 {
     Ks__CommandView *view = NULL;
     char stream[64], evid[37], subject[32 + EVT_AGENT_ID_MAX];
+    struct broker__cancel_outcome res_out = {"ended", 0};
     int rc = 0;
 
     snprintf(stream, sizeof(stream), "command-%s", command_id);
-    for (int tries = 0; tries < 3; tries++) {
+    /* Each try reads the state and acts at that version; a conflict means
+     * the command moved (claimed, ended): read again. */
+    for (int tries = 0;; tries++) {
         if (view)
             ks__command_view__free_unpacked(view, NULL);
         view = NULL;
         rc = store_get_command(st, command_id, &view);
         if (rc)
             break;
-        if (kproto_status_terminal(view->status))
-            break; /* nothing to cancel; not an error */
+        res_out.status = view->status;
+        if (kproto_status_terminal(view->status)) {
+            res_out.outcome = "ended"; /* nothing to cancel; not an error */
+            break;
+        }
+        if (tries == 8) {
+            rc = KS_ECONFLICT;
+            break;
+        }
         if (view->status == KS__COMMAND_STATUS__RUNNING) {
             Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
             Ks__Event ev;
@@ -706,6 +730,7 @@ broker__cancel_command(struct broker *b, struct store *st,
             snprintf(subject, sizeof(subject), "kscore.cancel.%s",
                      view->agent_id);
             rc = evt_publish_msg(b->nc, subject, &cc.base);
+            res_out.outcome = "requested";
             break;
         }
         /* Not claimed yet: end it here, at the version we read, so a claim
@@ -725,14 +750,18 @@ broker__cancel_command(struct broker *b, struct store *st,
         struct store_event se = {&ev};
         rc = store_append(st, stream, view->version, &se, 1, NULL);
         if (rc == 0) {
+            res_out.outcome = "cancelled";
+            res_out.status = KS__COMMAND_STATUS__CANCELLED;
             broker__command_ended(b, command_id, &res);
             break;
         }
-        if (rc == KS_ECONFLICT)
-            rc = 0; /* claimed meanwhile: read again */
+        if (rc != KS_ECONFLICT)
+            break;
     }
     if (view)
         ks__command_view__free_unpacked(view, NULL);
+    if (rc == 0 && out)
+        *out = res_out;
     return rc;
 }
 
@@ -748,6 +777,8 @@ handle_cancel(struct broker *b, natsMsg *msg)
                     (ProtobufCMessage **)&req);
     if (rc == 0 && is_batch_id(req->id)) {
         rc = broker__batch_cancel(b, req->id);
+        if (rc == 0)
+            r.outcome = "requested";
         if (rc == KS_ENOTFOUND) {
             r.error_code = rc;
             r.error = "no running batch with this id (it may have ended)";
@@ -779,7 +810,12 @@ handle_cancel(struct broker *b, natsMsg *msg)
                 return;
             }
         }
-        rc = broker__cancel_command(b, b->st_misc, req->id, op);
+        struct broker__cancel_outcome co;
+        rc = broker__cancel_command(b, b->st_misc, req->id, op, &co);
+        if (rc == 0) {
+            r.outcome = (char *)co.outcome;
+            r.status = co.status;
+        }
     }
     if (rc) {
         r.error_code = rc;

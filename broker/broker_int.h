@@ -124,11 +124,18 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
 
+/* What broker__cancel_command did (CancelReply.outcome, .status). */
+struct broker__cancel_outcome {
+    const char *outcome; /* "cancelled", "requested" or "ended" (static) */
+    Ks__CommandStatus status;
+};
 /* Cancels one command: ends it (CommandCancelled at the version read) if
  * no agent claimed it yet, else records CommandCancelRequested and tells
- * its agent. Uses st. 0, KS_ENOTFOUND, KS_EPG. Terminal: 0, nothing. */
+ * its agent. Uses st. 0, KS_ENOTFOUND, KS_EPG. Terminal: 0, nothing done.
+ * *out (may be NULL) says which, on 0. */
 int broker__cancel_command(struct broker *b, struct store *st,
-                           const char *command_id, const char *operator_name);
+                           const char *command_id, const char *operator_name,
+                           struct broker__cancel_outcome *out);
 
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);

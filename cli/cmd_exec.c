@@ -666,7 +666,11 @@ cmd_cancel(int argc, char **argv)
     bool json = false;
     int rc;
     const char *id = parse_id_args(
-        argc, argv, "usage: kscore cancel ID (a command id, or batch-<uuid>)",
+        argc, argv,
+        "usage: kscore cancel ID [--json]   (a command id, or batch-<uuid>)\n"
+        "Exit: 0 cancelled or cancel requested, 1 it had already ended "
+        "(nothing done),\n125 kscore failed (unreachable, not found, "
+        "denied), 2 usage.",
         &json, &cc, &rc);
     if (!id)
         return rc;
@@ -679,7 +683,30 @@ cmd_cancel(int argc, char **argv)
     if (rc || rep->error_code) {
         cli_err("cancel %s: %s", id, rc ? ks_strerror(rc) : rep->error);
         rc = CLI_EXIT_KSCORE;
+        goto out;
     }
+    const char *outcome = rep->outcome[0] ? rep->outcome : "requested";
+    bool ended = strcmp(outcome, "ended") == 0;
+    if (json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "id", json_string(id));
+        json_object_set_new(o, "outcome", json_string(outcome));
+        if (rep->status)
+            json_object_set_new(o, "status",
+                                json_string(kproto_status_name(rep->status)));
+        cli_print_json(o);
+    } else if (ended) {
+        printf("%s already ended: %s (nothing to cancel)\n", id,
+               kproto_status_name(rep->status));
+    } else if (strcmp(outcome, "cancelled") == 0) {
+        printf("%s cancelled before it started\n", id);
+    } else {
+        printf("%s: cancel requested (TERM, grace, KILL on its agent); "
+               "follow it with kscore get %s\n",
+               id, id);
+    }
+    rc = ended ? 1 : 0;
+out:
     if (rep)
         ks__cancel_reply__free_unpacked(rep, NULL);
     evt_close(c);

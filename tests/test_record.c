@@ -151,7 +151,8 @@ assert_recorded_once(PGconn *pg)
         sql_long(pg,
                  "SELECT count(*) FROM (SELECT stream_id FROM events "
                  "WHERE type IN ('CommandCompleted','CommandStartFailed',"
-                 "'CommandUndeliverable','CommandLost','CommandCancelled') "
+                 "'CommandUndeliverable','CommandLost','CommandCancelled',"
+                 "'CommandNotStarted') "
                  "GROUP BY stream_id HAVING count(*) > 1) x"),
         0);
 }
@@ -502,6 +503,154 @@ START_TEST(k25_agent_dies_mid_run)
 }
 END_TEST
 
+/* Pid in <stack dir>/<name>.pid, or 0. */
+static int
+pid_of(const char *name)
+{
+    char pidf[PATH_MAX + 32];
+    int pid = 0;
+    snprintf(pidf, sizeof(pidf), "%s/%s.pid", stack.dir, name);
+    FILE *f = fopen(pidf, "r");
+    if (f) {
+        if (fscanf(f, "%d", &pid) != 1)
+            pid = 0;
+        fclose(f);
+    }
+    return pid;
+}
+
+/*
+ * Issue 10 input 3: kill -9 the agent during a command; the scanner ends
+ * it Lost once the heartbeats stop; the agent restarts 12 s later and
+ * reports what it left running as Lost too. The record keeps exactly one
+ * terminal event; the restarted agent's report is a LateResult, and get
+ * says Lost.
+ */
+START_TEST(one_end_when_a_dead_agent_reports_late)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], script[PATH_MAX + 128], sql[512];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-late", "late", NULL),
+                     0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/late.$KSCORE_COMMAND_ID; exec sleep 3033",
+             side_dir);
+    ck_assert_int_eq(submit(c, "late", script, 0, id), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    for (int i = 0; i < 100 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    int pid = pid_of("agent-late");
+    ck_assert_int_gt(pid, 0);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    int64_t t_kill = ks_mono_us();
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Lost'",
+             id);
+    for (int i = 0; i < 300 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* Restart 12 s after the kill: the agent finds its marker. */
+    int64_t wait_us = 12000000 - (ks_mono_us() - t_kill);
+    if (wait_us > 0)
+        nanosleep(&(struct timespec){wait_us / 1000000,
+                                     (wait_us % 1000000) * 1000},
+                  NULL);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-late", "late", NULL),
+                     0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'LateResult'",
+             id);
+    for (int i = 0; i < 100 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type IN ('CommandCompleted','CommandStartFailed',"
+             "'CommandUndeliverable','CommandLost','CommandCancelled',"
+             "'CommandNotStarted')",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* get agrees with the one terminal event */
+    const char *args[] = {"get", id, "--json", NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(strstr(o.out, "\"status\":\"Lost\"") ||
+                      strstr(o.out, "\"status\": \"Lost\""),
+                  "get: %s", o.out);
+    fixture_out_release(&o);
+    ck_assert_int_eq(runs_of("late", id), 1);
+    assert_recorded_once(pg);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-late", 20000);
+}
+END_TEST
+
+/* Issue 10 input 7: cancel says what it did, with exit codes to match. */
+START_TEST(cancel_says_what_it_did)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], done_id[37], sql[256];
+    struct fixture_out o;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cx", "cx", NULL), 0);
+    ck_assert_int_eq(submit(c, "cx", "exec sleep 3044", 0, id), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    for (int i = 0; i < 100 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    const char *cancel[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cancel, &o), 0);
+    ck_assert_msg(o.status == 0 && strstr(o.out, "cancel requested"),
+                  "status %d out %s err %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Cancelled'",
+             id);
+    for (int i = 0; i < 150 && sql_long(pg, sql) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* Again: it has ended; nothing done, exit 1, and --json says so. */
+    ck_assert_int_eq(fixture_kscore(&stack, cancel, &o), 0);
+    ck_assert_msg(o.status == 1 && strstr(o.out, "already ended: Cancelled"),
+                  "status %d out %s err %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    /* A command that succeeded. */
+    ck_assert_int_eq(submit(c, "cx", "true", 0, done_id), 0);
+    ck_assert_int_eq(wait_all_terminal(pg, 30), 0);
+    const char *cancel2[] = {"cancel", done_id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cancel2, &o), 0);
+    ck_assert_msg(o.status == 1 && strstr(o.out, "\"outcome\"") &&
+                      strstr(o.out, "ended") && strstr(o.out, "Succeeded"),
+                  "status %d out %s err %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    /* Not found: kscore's failure, 125. */
+    char ghost[37];
+    ks_uuid(ghost);
+    const char *cancel3[] = {"cancel", ghost, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cancel3, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    fixture_out_release(&o);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-cx", 20000);
+}
+END_TEST
+
 static Suite *
 record_suite(void)
 {
@@ -512,6 +661,8 @@ record_suite(void)
     tcase_add_test(tc, k15_ack_wait_units);
     tcase_add_test(tc, max_deliveries_advisory_is_recorded);
     tcase_add_test(tc, k25_agent_dies_mid_run);
+    tcase_add_test(tc, one_end_when_a_dead_agent_reports_late);
+    tcase_add_test(tc, cancel_says_what_it_did);
     tcase_add_test(tc, replay_equals_live);
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
