@@ -768,11 +768,10 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 
     (void)nc;
     (void)sub;
-    rc = evt_unpack(&ks__batch_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
+    rc = broker__unpack_request(msg, &ks__batch_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
-        reply_batch_error(b, msg, rc, "bad BatchRequest");
+        reply_batch_error(b, msg, rc, why);
         goto out;
     }
     r.req = req;

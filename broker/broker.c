@@ -131,6 +131,29 @@ reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
 }
 
+int
+broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *desc,
+                       ProtobufCMessage **out, char *why, size_t len)
+{
+    ProtobufCMessage *m = NULL;
+    int rc;
+
+    why[0] = '\0';
+    rc = evt_unpack_why(desc, natsMsg_GetData(msg),
+                        (size_t)natsMsg_GetDataLength(msg), &m, why, len);
+    if (rc == 0)
+        rc = broker__check_request(m, broker__operator_of(msg), why, len);
+    if (rc && !why[0])
+        snprintf(why, len, "bad %s: %s", desc->short_name, ks_strerror(rc));
+    if (rc) {
+        if (m)
+            protobuf_c_message_free_unpacked(m, NULL);
+        return rc;
+    }
+    *out = m;
+    return 0;
+}
+
 /* ---- ExecuteCommand ---------------------------------------------------- */
 
 int
@@ -281,12 +304,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     (void)nc;
     (void)sub;
-    rc = evt_unpack(&ks__execute_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
+    rc = broker__unpack_request(msg, &ks__execute_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
-        reply_execute_error(b, msg, rc, "bad ExecuteRequest: %s",
-                            ks_strerror(rc));
+        reply_execute_error(b, msg, rc, "%s", why);
         goto out;
     }
     if ((rc = broker__validate_spec(req->spec, why, sizeof(why)))) {
@@ -434,17 +455,16 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct broker *b = cl->b;
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
-    char stream[64], dup_id[37];
+    char stream[64], dup_id[37], why[512];
     int rc;
 
     (void)nc;
     (void)sub;
-    rc = evt_unpack(&ks__claim_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
-    if (rc || !ks_is_uuid(req->command_id) || !ks_is_uuid(req->event_id)) {
-        r.error_code = rc ? rc : KS_EINVAL;
-        r.error = "bad ClaimRequest";
+    rc = broker__unpack_request(msg, &ks__claim_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
+    if (rc) {
+        r.error_code = rc;
+        r.error = why;
         goto reply;
     }
     snprintf(stream, sizeof(stream), "command-%s", req->command_id);
@@ -536,10 +556,16 @@ handle_get(struct broker *b, natsMsg *msg)
     int rc;
 
     Ks__BatchReply *batch = NULL;
-    rc = evt_unpack(&ks__get_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
-    if (rc == 0 && is_batch_id(req->id))
+    char why[512];
+    rc = broker__unpack_request(msg, &ks__get_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
+    if (rc) {
+        r.error_code = rc;
+        r.error = why;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        return;
+    }
+    if (is_batch_id(req->id))
         rc = broker__batch_view(b, b->st_misc, req->id, &batch);
     else if (rc == 0 && !ks_is_uuid(req->id))
         rc = KS_EINVAL;
@@ -611,11 +637,15 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
     struct store_cursor cur = {0};
     int rc;
 
-    rc = evt_unpack(&ks__events_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
-    if (rc)
-        goto reply;
+    char why[512];
+    rc = broker__unpack_request(msg, &ks__events_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
+    if (rc) {
+        r.error_code = rc;
+        r.error = why;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        return;
+    }
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
     uint32_t wait_ms = follow ? (req->wait_ms < 5000 ? req->wait_ms : 5000) : 0;
     int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
@@ -640,7 +670,6 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
             break;
         }
     }
-reply:
     if (rc) {
         r.error_code = rc;
         r.error = (char *)ks_strerror(rc);
@@ -772,10 +801,16 @@ handle_cancel(struct broker *b, natsMsg *msg)
     Ks__CancelReply r = KS__CANCEL_REPLY__INIT;
     int rc;
 
-    rc = evt_unpack(&ks__cancel_request__descriptor, natsMsg_GetData(msg),
-                    (size_t)natsMsg_GetDataLength(msg),
-                    (ProtobufCMessage **)&req);
-    if (rc == 0 && is_batch_id(req->id)) {
+    char bad[512];
+    rc = broker__unpack_request(msg, &ks__cancel_request__descriptor,
+                                (ProtobufCMessage **)&req, bad, sizeof(bad));
+    if (rc) {
+        r.error_code = rc;
+        r.error = bad;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        return;
+    }
+    if (is_batch_id(req->id)) {
         rc = broker__batch_cancel(b, req->id);
         if (rc == 0)
             r.outcome = "requested";
@@ -890,14 +925,51 @@ open_store(struct broker *b, struct store **out, char **errmsg)
 }
 
 /* Serves "<subject>.<operator>" (see events.h "API subjects"). */
+/*
+ * The boundary of every API request: the reply address must be under the
+ * caller's own inbox (_INBOX.<identity>.), the only replies the server
+ * lets that identity read. Anything else is dropped unanswered: the broker
+ * may publish anywhere, so a reply address of the caller's choosing would
+ * let any operator make the broker publish to another user's inbox, to
+ * kscore.cmd.>, or to the JetStream API ($JS.API.STREAM.DELETE...).
+ */
+static void
+api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct broker__route *r = ud;
+    const char *reply = natsMsg_GetReply(msg);
+    const char *id = broker__operator_of(msg);
+
+    if (!broker__inbox_of(reply, id)) {
+        int64_t now = ks_mono_us();
+        if (now - r->b->bad_reply_logged_us > 10000000) {
+            r->b->bad_reply_logged_us = now;
+            fprintf(stderr,
+                    "kscore broker: dropped a request on %s from '%s': its "
+                    "reply address '%.80s' is not under _INBOX.%s. (logged "
+                    "once per 10 s)\n",
+                    natsMsg_GetSubject(msg), id, reply ? reply : "", id);
+        }
+        natsMsg_Destroy(msg);
+        return;
+    }
+    r->cb(nc, sub, msg, r->ud);
+}
+
 static int
 subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
              natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
+    BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
+    struct broker__route *route = &b->routes[b->n_routes++];
+    route->b = b;
+    route->cb = cb;
+    route->ud = ud;
     snprintf(full, sizeof(full), "%s.*", subject);
     natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
-                                                 EVT_BROKER_QUEUE, cb, ud);
+                                                 EVT_BROKER_QUEUE, api_guard,
+                                                 route);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {

@@ -28,6 +28,16 @@ struct broker__agent {
 #define BROKER_CLAIM_WORKERS 4
 #define BROKER_EXEC_WORKERS 3
 
+/* One API subscription: the handler behind the boundary guard (broker.c
+ * api_guard: a reply address under the caller's own inbox, else the
+ * request is dropped). */
+struct broker__route {
+    struct broker *b;
+    natsMsgHandler cb;
+    void *ud;
+};
+#define BROKER_MAX_ROUTES 24
+
 struct broker__worker {
     struct broker *b;
     struct store *st;
@@ -66,6 +76,10 @@ struct broker {
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;
     struct evt_verifier *local_trust; /* in-process agents trust signer */
+
+    struct broker__route routes[BROKER_MAX_ROUTES];
+    int n_routes;
+    int64_t bad_reply_logged_us; /* rate limit of that log line */
 
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;
@@ -119,6 +133,25 @@ void broker__record_denied(struct broker *b, struct store *st, const char *op,
 /* A copy of the registry's info on agent_id, or NULL (free with
  * ks__agent_info__free_unpacked). Any thread. */
 Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
+
+/*
+ * The field rules of every request (broker/validate.c, README "Request
+ * fields"): walks m and the messages in it; 0, or KS_EINVAL with why
+ * naming the field and the rule. identity is the caller's (the API
+ * subject's last token): subjects a request names must be under its own
+ * inbox. Pure; any thread.
+ */
+int broker__check_request(const ProtobufCMessage *m, const char *identity,
+                          char *why, size_t len);
+/* Unpacks an API request (evt_unpack_why: no NUL, valid UTF-8) and checks
+ * its fields (broker__check_request) for the caller msg names. 0 with
+ * *out (caller frees), or the code with why (len bytes) saying what was
+ * wrong, naming the field. */
+int broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *d,
+                           ProtobufCMessage **out, char *why, size_t len);
+/* 1 if subject is "_INBOX.<identity>.<token>[...]": a reply address only
+ * that identity may read (deploy/nats-auth.conf.in). */
+bool broker__inbox_of(const char *subject, const char *identity);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,

@@ -343,7 +343,7 @@ cmd_batch(int argc, char **argv)
     natsSubscription *psub = NULL;
     Ks__BatchReply *rep = NULL;
     struct bstate st = {.results = KS_MAP_INIT};
-    char inbox[64] = "";
+    char inbox[EVT_INBOX_MAX] = "";
     int opt, rc = CLI_EXIT_USAGE;
 
     pthread_mutex_init(&st.mu, NULL);
@@ -436,12 +436,10 @@ cmd_batch(int argc, char **argv)
     st.tty = isatty(2);
     st.start_us = ks_mono_us();
     if (!req.detach) {
-        natsInbox *ib = NULL;
-        if (natsInbox_Create(&ib) == NATS_OK) {
-            snprintf(inbox, sizeof(inbox), "%s", (const char *)ib);
-            natsInbox_Destroy(ib);
-        }
-        if (!inbox[0] ||
+        /* Under this operator's own inbox prefix: nobody else may read
+         * it (evt_inbox), and the broker publishes progress nowhere
+         * else. */
+        if (evt_inbox(c, inbox, sizeof(inbox)) != 0 ||
             natsConnection_Subscribe(&psub, c->nc, inbox, on_progress, &st) !=
                 NATS_OK ||
             natsSubscription_SetPendingLimits(psub, -1, -1) != NATS_OK) {

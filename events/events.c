@@ -145,6 +145,7 @@ evt_close(struct evt_conn *c)
 {
     if (!c)
         return;
+    evt__mux_free(c);
     jsCtx_Destroy(c->js);
     if (c->nc) {
         natsConnection_FlushTimeout(c->nc, 500);
@@ -330,7 +331,6 @@ evt_request(struct evt_conn *c, const char *subject,
     uint8_t *buf = NULL;
     size_t len = 0;
     natsMsg *reply = NULL;
-    natsStatus s;
     int rc;
 
     char full[256];
@@ -341,11 +341,10 @@ evt_request(struct evt_conn *c, const char *subject,
         snprintf(full, sizeof(full), "%s.%s", subject, c->identity);
         subject = full;
     }
-    s = natsConnection_Request(&reply, c->nc, subject, buf, (int)len,
-                               timeout_ms);
+    rc = evt_request_bytes(c, subject, NULL, buf, len, timeout_ms, &reply);
     free(buf);
-    if (s != NATS_OK)
-        return evt_err(s);
+    if (rc)
+        return rc;
     *reply_out = reply;
     return 0;
 }
@@ -412,9 +411,20 @@ int
 evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
            size_t len, ProtobufCMessage **out)
 {
+    return evt_unpack_why(desc, data, len, out, NULL, 0);
+}
+
+int
+evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
+               size_t len, ProtobufCMessage **out, char *why, size_t why_len)
+{
     ProtobufCMessage *m;
+    int rc;
     if (len > KS_MAX_MESSAGE_BYTES)
         return KS_ETOOBIG;
+    rc = evt_check_wire(desc, data, len, why, why_len);
+    if (rc == KS_EINVAL)
+        return rc;
     m = protobuf_c_message_unpack(desc, NULL, len, data);
     if (!m)
         return KS_EDECODE;

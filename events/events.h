@@ -75,11 +75,16 @@ struct evt_connect_opts {
                              "anonymous" */
 };
 
+struct evt__mux;
 struct evt_conn {
     natsConnection *nc;
     jsCtx *js;
-    char identity[64]; /* a valid subject token */
+    char identity[64];     /* a valid subject token */
+    struct evt__mux *mux;  /* request.c: this identity's reply inbox */
 };
+
+/* Longest inbox subject evt_inbox() makes, with its NUL. */
+#define EVT_INBOX_MAX 128
 
 /*
  * Connects to url (comma-separated list allowed). Returns 0, or
@@ -198,12 +203,55 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
                     const ProtobufCMessage *msg);
 
 /*
+ * Replies only this identity may read (events/request.c). Every request
+ * kscore makes goes out with the reply subject
+ * "_INBOX.<identity>.<conn>.<seq>", and the server's permissions let a
+ * user subscribe to "_INBOX.<its name>.>" only, so nobody reads another
+ * user's replies (nats.c 3.4.1's own requests use "_INBOX.<nuid>", which
+ * would need "_INBOX.>" for everyone).
+ *
+ * evt_inbox: a fresh subject "_INBOX.<identity>.<uuid>" in buf (len >=
+ * EVT_INBOX_MAX) for a subscription of the caller's own (batch progress).
+ * 0 or KS_ETOOBIG.
+ *
+ * evt_request_bytes: publishes data (len bytes, at most
+ * KS_MAX_MESSAGE_BYTES) to subject with such a reply subject, and the
+ * header Nats-Msg-Id = msg_id when msg_id is not NULL (a JetStream publish
+ * whose PubAck is the reply); waits up to timeout_ms for the reply. On 0,
+ * *reply_out is the reply (natsMsg_Destroy it). KS_EUNAVAIL when the
+ * server says no one serves subject (no responders) or the connection is
+ * down, KS_ETIMEDOUT, KS_ETOOBIG, KS_ENATS (e.g. the permissions refuse
+ * the inbox subscription), -ENOMEM. Any thread; the reply is handed over
+ * from the connection's delivery thread.
+ */
+int evt_inbox(const struct evt_conn *c, char *buf, size_t len);
+int evt_request_bytes(struct evt_conn *c, const char *subject,
+                      const char *msg_id, const void *data, size_t len,
+                      int timeout_ms, natsMsg **reply_out);
+/* Internal to events/: frees the reply mux (evt_close). */
+void evt__mux_free(struct evt_conn *c);
+
+/*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
  * with KS_ETOOBIG before allocating; KS_EDECODE if malformed. On 0, *out is
  * owned by the caller (protobuf_c_message_free_unpacked).
  */
 int evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
                size_t len, ProtobufCMessage **out);
+/*
+ * As evt_unpack, and every string field at any depth must be valid UTF-8
+ * without a NUL byte (events/wire.c: protobuf-c would cut a string at its
+ * NUL and run something other than what was recorded); otherwise
+ * KS_EINVAL with why (why_len bytes, may be NULL) naming the field and the
+ * rule, e.g. "ExecuteRequest.spec.argv: contains a NUL byte". evt_unpack
+ * applies the same check without the text.
+ */
+int evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
+                   size_t len, ProtobufCMessage **out, char *why,
+                   size_t why_len);
+/* The check alone: 0, KS_EINVAL (why as above) or KS_EDECODE. Pure. */
+int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
+                   size_t len, char *why, size_t why_len);
 
 /* A durable push consumer, created (or updated) explicitly and then bound,
  * so that unsubscribing never deletes it: nats.c deletes a consumer that
