@@ -493,14 +493,21 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
      * Everything below the snapshot's xmin has committed or aborted, so no
      * event can later appear before the cursor (PostgreSQL docs 9.27,
      * pg_snapshot_xmin). The row comparison walks events_tx_pos.
+     *
+     * Order and compare as xid8 (a number), never as text: in ORDER BY a
+     * bare name means an output column first (PostgreSQL docs 7.5), so
+     * "tx_id::text" (whose output name is tx_id) once sorted "1000" before
+     * "999", and a cursor compared as a number then skipped or repeated
+     * events. The text copy for the cursor is named tx_text, and the sort
+     * keys are qualified.
      */
     return query_events(
         s,
-        "SELECT global_pos, version, kscore_us(recorded_at), data,"
-        " tx_id::text FROM events"
-        " WHERE tx_id < pg_snapshot_xmin(pg_current_snapshot())"
-        "   AND (tx_id, global_pos) > ($1::text::xid8, $2::bigint)"
-        " ORDER BY tx_id, global_pos LIMIT $3",
+        "SELECT e.global_pos, e.version, kscore_us(e.recorded_at), e.data,"
+        " e.tx_id::text AS tx_text FROM events e"
+        " WHERE e.tx_id < pg_snapshot_xmin(pg_current_snapshot())"
+        "   AND (e.tx_id, e.global_pos) > ($1::text::xid8, $2::bigint)"
+        " ORDER BY e.tx_id, e.global_pos LIMIT $3",
         &p, cursor, cb, ud);
 }
 

@@ -161,9 +161,10 @@ int store_read_stream(struct store *s, const char *stream_id,
                       void *ud);
 
 /*
- * Catch-up read of all streams. The cursor is (tx_id, global_pos); reads
- * only events whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()),
- * so no late commit is ever skipped. Start with a zeroed cursor; it is
+ * Catch-up read of all streams. The cursor is (tx_id, global_pos), compared
+ * and ordered as numbers (xid8, bigint), never as text; reads only events
+ * whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()), so no late
+ * commit is ever skipped and every event is read once. Start with a zeroed cursor; it is
  * advanced past each event passed to cb (also the one whose cb stopped
  * the read). Returns 0, cb's non-zero value, KS_EDECODE / KS_ETOOBIG (a row
  * that is not a Ks__Event of at most KS_MAX_MESSAGE_BYTES) or KS_EPG.
