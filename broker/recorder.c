@@ -18,6 +18,13 @@
 
 #define REC_BATCH 1000
 #define REC_MAX_ACK_PENDING 20000
+#define REC_ACK_WAIT_MS 10000
+/* A failed append is retried after 100 ms, doubling to 2 s. */
+#define REC_BACKOFF_MIN_MS 100
+#define REC_BACKOFF_MAX_MS 2000
+/* While retrying, the held messages are marked in progress this often (a
+ * fraction of the ack wait). */
+#define REC_IN_PROGRESS_US ((int64_t)REC_ACK_WAIT_MS * 1000 / 3)
 
 static void
 on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
@@ -41,6 +48,31 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     }
     b->rec_q[b->rec_len++] = msg;
     pthread_cond_signal(&b->rec_cond);
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* Sleeps ms, in slices, returning early once the broker stops. */
+static void
+rec_sleep(struct broker *b, int64_t ms)
+{
+    while (ms > 0 && !b->stopping) {
+        int64_t step = ms < 100 ? ms : 100;
+        nanosleep(&(struct timespec){0, step * 1000000L}, NULL);
+        ms -= step;
+    }
+}
+
+/* Resets the ack wait of the batch in hand and of what is queued behind
+ * it: they are held, not lost. */
+static void
+keep_in_progress(struct broker *b, natsMsg **msgs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (msgs[i])
+            natsMsg_InProgress(msgs[i], NULL);
+    pthread_mutex_lock(&b->mu);
+    for (size_t i = 0; i < b->rec_len; i++)
+        natsMsg_InProgress(b->rec_q[i], NULL);
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -91,6 +123,14 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         }
         evs[nev++] = ev;
     }
+    /* Until it is recorded nothing is acked: JetStream keeps it. While
+     * PostgreSQL is away, retry with backoff, tell JetStream the messages
+     * are in progress (else each ack wait would redeliver them), and say so
+     * once when the failures start and once when they end. */
+    int64_t backoff_ms = REC_BACKOFF_MIN_MS, failing_since = 0,
+            touched = 0;
+    unsigned failures = 0;
+    char why[512];
     for (;;) {
         if (nev == 1) {
             /* The latency path: one event is cheaper through the
@@ -109,10 +149,26 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         }
         if (rc == 0 || b->stopping)
             break;
-        fprintf(stderr, "kscore recorder: append failed (%s), retrying\n",
-                ks_strerror(rc));
-        nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+        if (failures++ == 0) {
+            failing_since = touched = ks_mono_us();
+            fprintf(stderr,
+                    "kscore recorder: cannot record %zu event(s) (%s); "
+                    "retrying until it succeeds, unacked\n",
+                    nev, broker__store_error(b->st_rec, rc, why, sizeof(why)));
+        }
+        if (ks_mono_us() - touched >= REC_IN_PROGRESS_US) {
+            touched = ks_mono_us();
+            keep_in_progress(b, msgs, n);
+        }
+        rec_sleep(b, backoff_ms);
+        backoff_ms = backoff_ms * 2 < REC_BACKOFF_MAX_MS ? backoff_ms * 2
+                                                         : REC_BACKOFF_MAX_MS;
     }
+    if (failures && rc == 0)
+        fprintf(stderr,
+                "kscore recorder: recording again after %.1f s "
+                "(%u failed attempts)\n",
+                (double)(ks_mono_us() - failing_since) / 1e6, failures);
     for (size_t i = 0; i < n; i++) {
         if (!msgs[i])
             continue;
@@ -165,7 +221,7 @@ broker__recorder_start(struct broker *b, char **errmsg)
         .deliver_group = EVT_BROKER_QUEUE,
         .max_ack_pending = REC_MAX_ACK_PENDING,
         /* Redelivery of what a dead broker had queued, unrecorded. */
-        .ack_wait_ms = 10000,
+        .ack_wait_ms = REC_ACK_WAIT_MS,
     };
     int rc = evt_durable_subscribe(b->nc, &d, on_event_msg, b, &b->sub_rec,
                                    errmsg);
