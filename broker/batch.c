@@ -518,20 +518,43 @@ turn(struct broker *b, struct batch **touched, size_t nt)
     if (p.n) {
         Ks__Event **evs = calloc(p.n, sizeof(*evs));
         size_t dups = 0;
+        int64_t backoff_ms = 100, since = 0;
+        char why[512];
         for (size_t i = 0; evs && i < p.n; i++)
             evs[i] = &p.slots[i]->ev;
-        for (int tries = 0; evs && tries < 50 && !b->stopping; tries++) {
+        rc = evs ? KS_EINTERNAL : -ENOMEM; /* set by the first attempt */
+        /* The turn is decided (targets marked dispatched): it must be
+         * recorded before anything is published. While PostgreSQL is
+         * unreachable, wait for it (backoff to 2 s, one line when it
+         * starts, one when it ends); other errors give up after 50. */
+        for (int tries = 0; evs && tries < 50 && !b->stopping;) {
             rc = store_append_many(b->st_batch, (const Ks__Event *const *)evs,
                                    p.n, &dups);
             if (rc == 0)
                 break;
-            fprintf(stderr, "kscore batch: record failed (%s), retrying\n",
-                    ks_strerror(rc));
-            nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+            if (since == 0) {
+                since = ks_mono_us();
+                fprintf(stderr,
+                        "kscore batch: cannot record a turn (%s), "
+                        "retrying\n",
+                        broker__store_error(b->st_batch, rc, why,
+                                            sizeof(why)));
+            }
+            if (rc != KS_EPGDOWN)
+                tries++;
+            for (int64_t ms = backoff_ms; ms > 0 && !b->stopping; ms -= 100)
+                nanosleep(&(struct timespec){0, (ms < 100 ? ms : 100) *
+                                                    1000000L},
+                          NULL);
+            backoff_ms = backoff_ms < 1000 ? backoff_ms * 2 : 2000;
         }
+        if (since && rc == 0)
+            fprintf(stderr, "kscore batch: recorded after %.1f s\n",
+                    (double)(ks_mono_us() - since) / 1e6);
         free(evs);
     }
-    for (size_t i = 0; i < p.npub; i++) {
+    /* Unrecorded commands are never published: no claim could win. */
+    for (size_t i = 0; rc == 0 && i < p.npub; i++) {
         int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
         if (prc)
             fprintf(stderr, "kscore batch: publish %s: %s (scanner retries)\n",

@@ -33,6 +33,21 @@ reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
                 ks_strerror(rc));
 }
 
+const char *
+broker__store_error(struct store *st, int rc, char *buf, size_t len)
+{
+    const char *why = store_last_error(st);
+
+    if (rc == KS_EPGDOWN)
+        snprintf(buf, len, "PostgreSQL unreachable: %s",
+                 why[0] ? why : "no connection");
+    else if (rc == KS_EPG && why[0])
+        snprintf(buf, len, "PostgreSQL error: %s", why);
+    else
+        snprintf(buf, len, "%s", ks_strerror(rc));
+    return buf;
+}
+
 void
 broker__reply_waiter(struct broker *b, const char *command_id,
                      const Ks__CommandResult *result, int error_code,
@@ -298,7 +313,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct broker *b = wk->b;
     struct store *st = wk->st;
     Ks__ExecuteRequest *req = NULL;
-    char why[256], command_id[37], stream[64], ev_ids[2][37];
+    char why[512], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
     int rc;
 
@@ -330,10 +345,18 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     if (req->idempotency_key[0]) {
         rc = store_command_by_key(st, req->idempotency_key, command_id);
-        if (rc == 0 &&
-            attach_existing(b, st, msg, command_id, req->detach,
-                            req->spec) == 0)
+        if (rc == 0)
+            rc = attach_existing(b, st, msg, command_id, req->detach,
+                                 req->spec);
+        if (rc == 0)
             goto out;
+        if (rc == KS_EPGDOWN) {
+            /* Whether the key names a command is unknown: run nothing. */
+            reply_execute_error(b, msg, rc, "%s",
+                                broker__store_error(st, rc, why,
+                                                    sizeof(why)));
+            goto out;
+        }
     }
 
     if (b->policy) {
@@ -422,8 +445,12 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             free(w->reply_subject);
             free(w);
         }
-        reply_execute_error(b, msg, rc, "cannot record the command: %s",
-                            ks_strerror(rc));
+        broker__store_error(st, rc, why, sizeof(why));
+        if (rc == KS_EPGDOWN)
+            reply_execute_error(b, msg, rc, "%s", why);
+        else
+            reply_execute_error(b, msg, rc, "cannot record the command: %s",
+                                why);
         goto out;
     }
     rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
@@ -455,7 +482,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct broker *b = cl->b;
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
-    char stream[64], dup_id[37], why[512];
+    char stream[64], dup_id[37], why[600];
     int rc;
 
     (void)nc;
@@ -535,8 +562,9 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else {
+        /* The agent hands the message back and claims again later. */
         r.error_code = rc;
-        r.error = (char *)ks_strerror(rc);
+        r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
     }
 reply:
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -553,10 +581,10 @@ handle_get(struct broker *b, natsMsg *msg)
     Ks__GetRequest *req = NULL;
     Ks__GetReply r = KS__GET_REPLY__INIT;
     Ks__CommandView *view = NULL;
+    char why[600];
     int rc;
 
     Ks__BatchReply *batch = NULL;
-    char why[512];
     rc = broker__unpack_request(msg, &ks__get_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
@@ -574,9 +602,11 @@ handle_get(struct broker *b, natsMsg *msg)
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command or batch with this id"
-                  : rc == KS_EINVAL  ? "not a command id (a UUID) nor a "
-                                       "batch id (batch-<uuid>)"
-                                     : (char *)ks_strerror(rc);
+                  : rc == KS_EINVAL
+                      ? "not a command id (a UUID) nor a batch id "
+                        "(batch-<uuid>)"
+                      : (char *)broker__store_error(b->st_misc, rc, why,
+                                                    sizeof(why));
     }
     r.command = view;
     r.batch = batch;
@@ -635,9 +665,9 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
     struct store_cursor cur = {0};
+    char why[600];
     int rc;
 
-    char why[512];
     rc = broker__unpack_request(msg, &ks__events_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
@@ -657,13 +687,27 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
                                    limit, collect_event, &acc);
         else
             rc = store_read_all(st, &cur, limit, collect_event, &acc);
+        if (rc == KS_EPGDOWN && follow) {
+            /* A follower outlives a PostgreSQL restart: wait (the store
+             * backs off its reconnects) and read again; at the deadline
+             * an empty reply keeps the cursor where it was. */
+            int64_t left_ms = (deadline - ks_mono_us()) / 1000;
+            if (left_ms <= 0 || b->stopping) {
+                rc = 0;
+                break;
+            }
+            nanosleep(&(struct timespec){0, (left_ms < 200 ? left_ms : 200) *
+                                                1000000L},
+                      NULL);
+            continue;
+        }
         if (rc || acc.n > 0 || b->stopping)
             break;
         int64_t left_ms = (deadline - ks_mono_us()) / 1000;
         if (left_ms <= 0)
             break;
         rc = store_wait_notify(st, (int)left_ms);
-        if (rc == KS_ETIMEDOUT) {
+        if (rc == KS_ETIMEDOUT || (rc == KS_EPGDOWN && follow)) {
             rc = 0;
             /* one last read: a commit may race the timeout */
         } else if (rc) {
@@ -672,7 +716,7 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
     }
     if (rc) {
         r.error_code = rc;
-        r.error = (char *)ks_strerror(rc);
+        r.error = (char *)broker__store_error(st, rc, why, sizeof(why));
     }
     r.events = acc.evs;
     r.n_events = acc.n;
@@ -799,6 +843,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
 {
     Ks__CancelRequest *req = NULL;
     Ks__CancelReply r = KS__CANCEL_REPLY__INIT;
+    char store_why[600];
     int rc;
 
     char bad[512];
@@ -855,8 +900,10 @@ handle_cancel(struct broker *b, natsMsg *msg)
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command with this id"
-                  : rc == KS_EINVAL  ? "not a command or batch id"
-                                     : (char *)ks_strerror(rc);
+                  : rc == KS_EINVAL
+                      ? "not a command or batch id"
+                      : (char *)broker__store_error(b->st_misc, rc, store_why,
+                                                    sizeof(store_why));
     }
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
     if (req)

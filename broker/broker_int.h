@@ -90,6 +90,14 @@ struct broker {
 void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
                         const char *type, const char *command_id);
 
+/*
+ * What a client is told of a store error rc on st, into buf:
+ * "PostgreSQL unreachable: <why>" (KS_EPGDOWN), "PostgreSQL error: <why>"
+ * (KS_EPG), else ks_strerror(rc). Returns buf.
+ */
+const char *broker__store_error(struct store *st, int rc, char *buf,
+                                size_t len);
+
 /* Replies to the client waiting for command_id, if any, with result. */
 void broker__reply_waiter(struct broker *b, const char *command_id,
                           const Ks__CommandResult *result, int error_code,

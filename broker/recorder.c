@@ -18,6 +18,13 @@
 
 #define REC_BATCH 1000
 #define REC_MAX_ACK_PENDING 20000
+#define REC_ACK_WAIT_MS 10000
+/* A failed append is retried after 100 ms, doubling to 2 s. */
+#define REC_BACKOFF_MIN_MS 100
+#define REC_BACKOFF_MAX_MS 2000
+/* While retrying, the held messages are marked in progress this often (a
+ * fraction of the ack wait). */
+#define REC_IN_PROGRESS_US ((int64_t)REC_ACK_WAIT_MS * 1000 / 3)
 
 static void
 on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
@@ -41,6 +48,31 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     }
     b->rec_q[b->rec_len++] = msg;
     pthread_cond_signal(&b->rec_cond);
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* Sleeps ms, in slices, returning early once the broker stops. */
+static void
+rec_sleep(struct broker *b, int64_t ms)
+{
+    while (ms > 0 && !b->stopping) {
+        int64_t step = ms < 100 ? ms : 100;
+        nanosleep(&(struct timespec){0, step * 1000000L}, NULL);
+        ms -= step;
+    }
+}
+
+/* Resets the ack wait of the batch in hand and of what is queued behind
+ * it: they are held, not lost. */
+static void
+keep_in_progress(struct broker *b, natsMsg **msgs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (msgs[i])
+            natsMsg_InProgress(msgs[i], NULL);
+    pthread_mutex_lock(&b->mu);
+    for (size_t i = 0; i < b->rec_len; i++)
+        natsMsg_InProgress(b->rec_q[i], NULL);
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -85,11 +117,10 @@ static void
 record_batch(struct broker *b, natsMsg **msgs, size_t n)
 {
     Ks__Event **evs = calloc(n, sizeof(*evs));
-    enum store_step *verdicts = calloc(n, sizeof(*verdicts));
     size_t nev = 0, dups = 0;
-    int rc, backoff_ms = 100;
-    bool logged = false;
+    int rc;
 
+    enum store_step *verdicts = calloc(n ? n : 1, sizeof(*verdicts));
     if (!evs || !verdicts) {
         free(evs);
         free(verdicts);
@@ -124,10 +155,19 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         }
         evs[nev++] = ev;
     }
-    /* Each event is decided against the record under its stream's lock:
-     * one terminal event per command, reports only from the command's own
-     * agent (store_append_checked, broker__admit_report). */
+    /* Until it is recorded nothing is acked: JetStream keeps it. While
+     * PostgreSQL is away, retry with backoff, tell JetStream the messages
+     * are in progress (else each ack wait would redeliver them), and say so
+     * once when the failures start and once when they end. */
+    int64_t backoff_ms = REC_BACKOFF_MIN_MS, failing_since = 0,
+            touched = 0;
+    unsigned failures = 0;
+    char why[512];
     for (;;) {
+        /* Each event is decided against the record under its stream's
+         * lock: one terminal event per command, reports only from the
+         * command's own agent (store_append_checked,
+         * broker__admit_report). */
         rc = nev ? store_append_checked(b->st_rec,
                                         (const Ks__Event *const *)evs, nev,
                                         broker__admit_report, b, verdicts,
@@ -135,19 +175,26 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                  : 0;
         if (rc == 0 || b->stopping)
             break;
-        if (!logged)
-            fprintf(stderr, "kscore recorder: cannot record (%s); retrying "
-                            "with backoff, events stay unacked\n",
-                    ks_strerror(rc));
-        logged = true;
-        nanosleep(&(struct timespec){backoff_ms / 1000,
-                                     (backoff_ms % 1000) * 1000000L},
-                  NULL);
-        if (backoff_ms < 2000)
-            backoff_ms *= 2;
+        if (failures++ == 0) {
+            failing_since = touched = ks_mono_us();
+            fprintf(stderr,
+                    "kscore recorder: cannot record %zu event(s) (%s); "
+                    "retrying until it succeeds, unacked\n",
+                    nev, broker__store_error(b->st_rec, rc, why, sizeof(why)));
+        }
+        if (ks_mono_us() - touched >= REC_IN_PROGRESS_US) {
+            touched = ks_mono_us();
+            keep_in_progress(b, msgs, n);
+        }
+        rec_sleep(b, backoff_ms);
+        backoff_ms = backoff_ms * 2 < REC_BACKOFF_MAX_MS ? backoff_ms * 2
+                                                         : REC_BACKOFF_MAX_MS;
     }
-    if (logged && rc == 0)
-        fprintf(stderr, "kscore recorder: recording again\n");
+    if (failures && rc == 0)
+        fprintf(stderr,
+                "kscore recorder: recording again after %.1f s "
+                "(%u failed attempts)\n",
+                (double)(ks_mono_us() - failing_since) / 1e6, failures);
     for (size_t i = 0; i < n; i++) {
         if (!msgs[i])
             continue;
@@ -209,7 +256,7 @@ broker__recorder_start(struct broker *b, char **errmsg)
         .deliver_group = EVT_BROKER_QUEUE,
         .max_ack_pending = REC_MAX_ACK_PENDING,
         /* Redelivery of what a dead broker had queued, unrecorded. */
-        .ack_wait_ms = 10000,
+        .ack_wait_ms = REC_ACK_WAIT_MS,
     };
     int rc = evt_durable_subscribe(b->nc, &d, on_event_msg, b, &b->sub_rec,
                                    errmsg);

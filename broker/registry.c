@@ -73,6 +73,20 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
     pthread_mutex_unlock(&b->mu);
 }
 
+/* The projection write failed (PostgreSQL away): the next heartbeat
+ * writes again instead of AGENT_STORE_EVERY_US later. */
+static void
+agent_store_failed(struct broker *b, const char *key)
+{
+    struct broker__agent *a;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, key);
+    if (a)
+        a->stored_mono_us = ks_mono_us() - AGENT_STORE_EVERY_US;
+    pthread_mutex_unlock(&b->mu);
+}
+
 static void *
 registry_main(void *arg)
 {
@@ -102,9 +116,12 @@ registry_main(void *arg)
                 Ks__AgentInfo *info = (Ks__AgentInfo *)m;
                 if (evt_agent_id_valid(info->agent_id) &&
                     strcmp(info->agent_id, kvEntry_Key(e)) == 0) {
-                    if (agent_needs_store(b, kvEntry_Key(e), info))
-                        store_upsert_agent(b->st_reg, info);
+                    bool unstored =
+                        agent_needs_store(b, kvEntry_Key(e), info) &&
+                        store_upsert_agent(b->st_reg, info) != 0;
                     agent_update(b, kvEntry_Key(e), info);
+                    if (unstored)
+                        agent_store_failed(b, kvEntry_Key(e));
                 } else {
                     ks__agent_info__free_unpacked(info, NULL);
                 }

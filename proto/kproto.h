@@ -36,7 +36,8 @@
     X(CLAIMED, -1012, "already claimed")                                       \
     X(STOPPED, -1013, "shutting down")                                         \
     X(INTERNAL, -1014, "internal error")                                       \
-    X(DENIED, -1015, "denied by policy")
+    X(DENIED, -1015, "denied by policy")                                       \
+    X(PGDOWN, -1016, "PostgreSQL unreachable")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),

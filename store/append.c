@@ -269,7 +269,7 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
         store__p_null(&p);
     if (!PQsendQueryPrepared(s->conn, "ks_project", p.n, p.val, p.len, p.fmt,
                              0))
-        return KS_EPG;
+        return store__pg_error(s, NULL, NULL);
     return 1;
 }
 
@@ -277,18 +277,24 @@ int
 store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
 {
     bool seen_first = false;
-    int rc = 0;
+    int rc = 0, nulls = 0;
 
     for (;;) {
         PGresult *res = PQgetResult(s->conn);
         if (!res) {
-            if (PQstatus(s->conn) == CONNECTION_BAD) {
-                if (rc == 0)
-                    rc = KS_EPG;
+            /* One NULL ends each query's results; two in a row mean
+             * nothing is pending, yet no sync came (the connection was
+             * lost, or reset under us): never wait for it. */
+            if (PQstatus(s->conn) == CONNECTION_BAD || ++nulls > 1) {
+                int lost = store__pg_error(s, NULL, NULL);
+                s->broken = true; /* its pipeline state is unknown */
+                if (rc == 0 || lost == KS_EPGDOWN)
+                    rc = lost;
                 break;
             }
             continue; /* the end of one query's results */
         }
+        nulls = 0;
         switch (PQresultStatus(res)) {
         case PGRES_PIPELINE_SYNC:
             PQclear(res);
@@ -328,16 +334,14 @@ store__send_commit(struct store *s)
         s->commit_sent = true;
 }
 
-/* Ends pipeline mode; resets a connection that broke inside it. */
+/* Ends pipeline mode; a connection that cannot leave it (results left
+ * unread) is started afresh by the next call (store__ready). */
 static void
 pipeline_end(struct store *s)
 {
     if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF &&
-        !PQexitPipelineMode(s->conn)) {
-        PQreset(s->conn);
-        s->prepared = false;
-        s->listening = false;
-    }
+        !PQexitPipelineMode(s->conn))
+        s->broken = true;
 }
 
 struct id_ref {
@@ -453,8 +457,7 @@ recheck_recorded(struct store *s, const char *stream_id, int64_t *version_out)
         " coalesce((SELECT version FROM streams WHERE stream_id = $2), 0)",
         p.n, NULL, p.val, p.len, p.fmt, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        rc = KS_EPG;
+        rc = store__read_error(s, res);
     } else if (strcmp(PQgetvalue(res, 0, 0), "t") == 0) {
         *version_out = strtoll(PQgetvalue(res, 0, 1), NULL, 10);
         rc = KS_EDUPLICATE;
@@ -501,7 +504,7 @@ store_append(struct store *s, const char *stream_id,
         rc = KS_EINVAL;
         goto out;
     }
-    if ((rc = store__prepare(s, NULL)) < 0)
+    if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
         goto out;
     if ((rc = store__arr_begin(&s->ids, STORE__OID_UUID, n)) < 0 ||
         (rc = store__arr_begin(&s->types, STORE__OID_TEXT, n)) < 0 ||
@@ -526,7 +529,7 @@ store_append(struct store *s, const char *stream_id,
     rc = PQsendQueryPrepared(s->conn, "ks_append", p.n, p.val, p.len, p.fmt,
                              0)
              ? 0
-             : KS_EPG;
+             : store__pg_error(s, NULL, NULL);
     for (size_t i = 0; i < n && rc == 0; i++) {
         int r = store__send_project(s, evs[i], false);
         if (r < 0)
@@ -534,8 +537,10 @@ store_append(struct store *s, const char *stream_id,
     }
     store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
+        int lost = store__pg_error(s, NULL, NULL);
         pipeline_end(s);
-        rc = KS_EPG;
+        s->broken = true; /* a pipeline without its sync */
+        rc = lost == KS_EPGDOWN ? lost : KS_EPG;
         goto out;
     }
     {
@@ -622,8 +627,10 @@ project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
     }
     store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
+        int lost = store__pg_error(s, NULL, NULL);
         pipeline_end(s);
-        return KS_EPG;
+        s->broken = true; /* a pipeline without its sync */
+        return lost == KS_EPGDOWN ? lost : KS_EPG;
     }
     int frc = store__pipeline_finish(s, first_out, detail_out);
     if (rc == 0)
@@ -658,7 +665,7 @@ append_each(struct store *s, const Ks__Event *const *events, size_t n,
         rc = PQsendQueryPrepared(s->conn, "ks_append_many", p.n, p.val, p.len,
                                  p.fmt, 0)
                  ? 0
-                 : KS_EPG;
+                 : store__pg_error(s, NULL, NULL);
         rc = project_and_finish(s, events, n, skip, false, rc, dups_out,
                                 NULL);
         if (rc != KS_EDUPLICATE)
@@ -690,7 +697,7 @@ record_many(struct store *s, const Ks__Event *const *events, size_t n,
     rc = PQsendQueryPrepared(s->conn, "ks_record_many", p.n, p.val, p.len,
                              p.fmt, 0)
              ? 0
-             : KS_EPG;
+             : store__pg_error(s, NULL, NULL);
     return project_and_finish(s, events, n, skip, true, rc, NULL,
                               detail_out);
 }
@@ -717,7 +724,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
         if ((rc = validate(events[i])) < 0)
             goto out;
     dups = mark_repeats(events, n, refs, skip);
-    if ((rc = store__prepare(s, NULL)) < 0)
+    if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
         goto out;
     /*
      * The fold assumes every event it is given is new. If some were

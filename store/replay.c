@@ -72,7 +72,7 @@ apply_rows(struct store *s, const PGresult *res)
     int rows = PQntuples(res), rc = 0;
 
     if (!PQenterPipelineMode(s->conn))
-        return KS_EPG;
+        return store__read_error(s, NULL);
     for (int i = 0; i < rows && rc == 0; i++) {
         int len = PQgetlength(res, i, 0);
         Ks__Event *ev;
@@ -95,15 +95,20 @@ apply_rows(struct store *s, const PGresult *res)
         }
         ks__event__free_unpacked(ev, NULL);
     }
-    if (!PQpipelineSync(s->conn))
-        rc = rc ? rc : KS_EPG;
-    else {
+    if (!PQpipelineSync(s->conn)) {
+        int lost = store__read_error(s, NULL);
+        s->broken = true; /* a pipeline without its sync */
+        rc = rc ? rc : lost;
+    } else {
         int frc = store__pipeline_finish(s, NULL, NULL);
         if (rc == 0)
             rc = frc;
     }
-    if (!PQexitPipelineMode(s->conn) && rc == 0)
-        rc = KS_EPG;
+    if (!PQexitPipelineMode(s->conn)) {
+        s->broken = true; /* results left unread: start afresh */
+        if (rc == 0)
+            rc = KS_EPG;
+    }
     return rc;
 }
 
@@ -115,6 +120,13 @@ store_replay(struct store *s, int64_t *events_out, char **errmsg)
     int64_t count = 0;
     int rc;
 
+    if ((rc = store__ready(s)) < 0) {
+        if (errmsg) {
+            free(*errmsg);
+            *errmsg = strdup(store_last_error(s));
+        }
+        return rc;
+    }
     if ((rc = store__prepare(s, errmsg)) < 0)
         return rc;
     if ((rc = store__exec(s,
@@ -203,5 +215,5 @@ out:
     PQfreemem(schema_lit);
     PQfreemem(schema_id);
     free(sql);
-    return rc < 0 ? KS_EPG : 0;
+    return rc == KS_EPGDOWN ? rc : rc < 0 ? KS_EPG : 0;
 }

@@ -14,6 +14,8 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
     PGresult *res;
     int rc = 0;
 
+    if ((rc = store__ready(s)) < 0)
+        return rc;
     snprintf(due, sizeof(due), "%lld", (long long)due_before_us);
     snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
     /* due_before_us = 0: every command in that status. */
@@ -28,9 +30,9 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
         " ORDER BY deliver_by NULLS LAST LIMIT $3::int",
         3, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
+        rc = store__read_error(s, res);
         PQclear(res);
-        return KS_EPG;
+        return rc;
     }
     for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
         struct store_command_ref ref = {0};

@@ -179,16 +179,65 @@ set_errmsg(char **errmsg, const char *msg)
     *errmsg = msg ? strdup(msg) : NULL;
 }
 
+/* Keeps msg as store_last_error(): one line, whitespace runs (libpq's
+ * continuation lines) made one space. */
+static void
+keep_error(struct store *s, const char *msg)
+{
+    size_t j = 0;
+    bool gap = false;
+
+    for (const char *p = msg ? msg : ""; *p; p++) {
+        if (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') {
+            gap = j > 0;
+            continue;
+        }
+        if (j + 2 >= sizeof(s->err))
+            break;
+        if (gap)
+            s->err[j++] = ' ';
+        gap = false;
+        s->err[j++] = *p;
+    }
+    s->err[j] = '\0';
+}
+
+/*
+ * SQLSTATEs that mean the connection is gone or going: class 08
+ * (connection exception) and the server shutting down or not yet up
+ * (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now).
+ */
+static bool
+lost_state(const char *state)
+{
+    return state && (strncmp(state, "08", 2) == 0 ||
+                     strcmp(state, "57P01") == 0 ||
+                     strcmp(state, "57P02") == 0 ||
+                     strcmp(state, "57P03") == 0);
+}
+
 int
 store__pg_error(struct store *s, const PGresult *res, char **errmsg)
 {
     const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    const char *primary =
+        res ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY) : NULL;
     const char *msg = res ? PQresultErrorMessage(res) : NULL;
     int rc = KS_EPG;
 
     if (!msg || !*msg)
         msg = PQerrorMessage(s->conn);
     set_errmsg(errmsg, msg);
+    if (s->broken || lost_state(state) ||
+        PQstatus(s->conn) == CONNECTION_BAD) {
+        /* The first message says why (the server's FATAL, say); what
+         * follows ("server closed the connection") says less. */
+        if (!s->broken)
+            keep_error(s, primary && *primary ? primary : msg);
+        s->broken = true;
+        return KS_EPGDOWN;
+    }
+    keep_error(s, primary && *primary ? primary : msg);
     if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
         rc = KS_ECONFLICT;
     else if (state && (strcmp(state, STORE__SQLSTATE_RECORDED) == 0 ||
@@ -199,13 +248,19 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
         rc = c && strcmp(c, "events_event_id_key") == 0 ? KS_EDUPLICATE
                                                         : KS_ECONFLICT;
     }
-    if (PQstatus(s->conn) == CONNECTION_BAD) {
-        /* The server restarted or the link broke: start afresh. */
-        PQreset(s->conn);
-        s->prepared = false;
-        s->listening = false;
-    }
     return rc;
+}
+
+int
+store__read_error(struct store *s, const PGresult *res)
+{
+    return store__pg_error(s, res, NULL) == KS_EPGDOWN ? KS_EPGDOWN : KS_EPG;
+}
+
+const char *
+store_last_error(struct store *s)
+{
+    return s ? s->err : "";
 }
 
 int
@@ -221,26 +276,134 @@ store__exec(struct store *s, const char *sql, char **errmsg)
     return rc;
 }
 
+/* ---- the connection ---- */
+
+/*
+ * libpq's notice receiver. A server going away while the connection is
+ * idle sends its reason (FATAL 57P01 "terminating connection due to
+ * administrator command") before closing; libpq hands an error that
+ * arrives outside a query here, as a notice. Keep it as the reason rather
+ * than print it; print the others as libpq's default receiver does.
+ */
+static void
+on_notice(void *arg, const PGresult *res)
+{
+    struct store *s = arg;
+    const char *sev = PQresultErrorField(res, PG_DIAG_SEVERITY_NONLOCALIZED);
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    const char *primary = PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY);
+
+    if (lost_state(state) ||
+        (sev && (strcmp(sev, "FATAL") == 0 || strcmp(sev, "PANIC") == 0))) {
+        keep_error(s, primary ? primary : PQresultErrorMessage(res));
+        s->broken = true;
+        return;
+    }
+    fputs(PQresultErrorMessage(res), stderr);
+}
+
+/* The session every connection gets, after each (re)connection. */
+static int
+session_setup(struct store *s, char **errmsg)
+{
+    /* Projections hold timestamps; the session time zone only shows. */
+    return store__exec(s,
+                       s->listening
+                           ? "SET TIME ZONE 'UTC';"
+                             " SET client_min_messages = warning;"
+                             " LISTEN kscore_events"
+                           : "SET TIME ZONE 'UTC';"
+                             " SET client_min_messages = warning",
+                       errmsg);
+}
+
+/* A new session on s->conn, or KS_EPGDOWN and the next attempt's time. */
+static int
+reconnect(struct store *s)
+{
+    if (ks_mono_us() < s->retry_at_us)
+        return KS_EPGDOWN; /* backing off: fail at once, no connect */
+    /* PQreset keeps the PGconn (and its options and notice receiver). */
+    PQreset(s->conn);
+    if (PQstatus(s->conn) == CONNECTION_OK) {
+        s->broken = false;
+        if (session_setup(s, NULL) == 0) {
+            s->prepared = false;
+            s->notify_pending = s->listening;
+            s->backoff_us = 0;
+            s->retry_at_us = 0;
+            return 0;
+        }
+    } else {
+        keep_error(s, PQerrorMessage(s->conn));
+    }
+    s->broken = true;
+    s->backoff_us = s->backoff_us ? s->backoff_us * 2 : STORE__BACKOFF_MIN_US;
+    if (s->backoff_us > STORE__BACKOFF_MAX_US)
+        s->backoff_us = STORE__BACKOFF_MAX_US;
+    s->retry_at_us = ks_mono_us() + s->backoff_us;
+    return KS_EPGDOWN;
+}
+
+int
+store__ready(struct store *s)
+{
+    /* The server went away while we were idle (it said so, then closed):
+     * find out now, not from the statement about to be sent. A
+     * non-blocking read, then PQisBusy to parse it (PQconsumeInput only
+     * reads): its FATAL reaches on_notice. Notifications stay queued. */
+    if (!s->broken && PQstatus(s->conn) == CONNECTION_OK &&
+        PQconsumeInput(s->conn))
+        (void)PQisBusy(s->conn);
+    if (!s->broken && PQstatus(s->conn) != CONNECTION_OK) {
+        keep_error(s, PQerrorMessage(s->conn));
+        s->broken = true;
+    }
+    /* What an earlier call left behind: a pipeline with results unread
+     * (start afresh) or a failed transaction (roll it back). */
+    if (!s->broken && PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF &&
+        !PQexitPipelineMode(s->conn))
+        s->broken = true;
+    if (!s->broken) {
+        switch (PQtransactionStatus(s->conn)) {
+        case PQTRANS_INERROR:
+            if (store__exec(s, "ROLLBACK", NULL) < 0)
+                s->broken = true;
+            break;
+        case PQTRANS_ACTIVE:
+        case PQTRANS_UNKNOWN:
+            s->broken = true;
+            break;
+        default:
+            break;
+        }
+    }
+    return s->broken ? reconnect(s) : 0;
+}
+
 /* ---- connection and migrations ---- */
 
 int
 store_open(const char *conninfo, struct store **out, char **errmsg)
 {
+    /* connect_timeout first, so the caller's own (in conninfo) wins: a
+     * reconnection never blocks a thread for long on a dead host. */
+    const char *const keys[] = {"connect_timeout", "dbname", NULL};
+    const char *const vals[] = {"5", conninfo, NULL};
     struct store *s = calloc(1, sizeof(*s));
     int rc;
 
     if (!s)
         return -ENOMEM;
-    s->conn = PQconnectdb(conninfo);
+    s->conn = PQconnectdbParams(keys, vals, 1);
     if (!s->conn || PQstatus(s->conn) != CONNECTION_OK) {
         set_errmsg(errmsg, s->conn ? PQerrorMessage(s->conn)
                                    : "out of memory");
         rc = KS_EUNAVAIL;
         goto fail;
     }
-    /* Projections hold timestamps; the session time zone only shows. */
-    rc = store__exec(s, "SET TIME ZONE 'UTC'; SET client_min_messages = warning",
-                     errmsg);
+    PQsetNoticeReceiver(s->conn, on_notice, s);
+    rc = session_setup(s, errmsg);
     if (rc < 0)
         goto fail;
     s->ids.cap = s->streams.cap = s->types.cap = SIZE_MAX / 2;
@@ -288,6 +451,10 @@ store_migrate(struct store *s, char **errmsg)
     PGresult *res = NULL;
     int rc;
 
+    if ((rc = store__ready(s)) < 0) {
+        set_errmsg(errmsg, s->err);
+        return rc;
+    }
     rc = store__exec(s,
                      "BEGIN;"
                      /* "kscore" in ASCII: one lock id for every broker. */
@@ -337,7 +504,7 @@ out:
     PQclear(res);
     if (rc < 0 && PQtransactionStatus(s->conn) != PQTRANS_IDLE)
         PQclear(PQexec(s->conn, "ROLLBACK"));
-    return rc < 0 ? KS_EPG : 0;
+    return rc == KS_EPGDOWN ? rc : rc < 0 ? KS_EPG : 0;
 }
 
 static const struct {
@@ -368,9 +535,9 @@ store__prepare(struct store *s, char **errmsg)
         PGresult *res =
             PQprepare(s->conn, statements[i].name, statements[i].sql, 0, NULL);
         if (PQresultStatus(res) != PGRES_COMMAND_OK) {
-            store__pg_error(s, res, errmsg);
+            int rc = store__pg_error(s, res, errmsg);
             PQclear(res);
-            return KS_EPG;
+            return rc == KS_EPGDOWN ? rc : KS_EPG;
         }
         PQclear(res);
     }
@@ -385,14 +552,16 @@ store_stream_version(struct store *s, const char *stream_id,
                      int64_t *version_out)
 {
     const char *params[1] = {stream_id};
-    PGresult *res = PQexecParams(
-        s->conn, "SELECT version FROM streams WHERE stream_id = $1", 1, NULL,
-        params, NULL, NULL, 0);
-    int rc = 0;
+    PGresult *res;
+    int rc = store__ready(s);
 
+    if (rc)
+        return rc;
+    res = PQexecParams(s->conn,
+                       "SELECT version FROM streams WHERE stream_id = $1", 1,
+                       NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        rc = KS_EPG;
+        rc = store__read_error(s, res);
         goto out;
     }
     *version_out = PQntuples(res) ? strtoll(PQgetvalue(res, 0, 0), NULL, 10)
@@ -442,14 +611,16 @@ query_events(struct store *s, const char *sql,
              const struct store__params *p, struct store_cursor *cursor,
              store_event_fn cb, void *ud)
 {
-    PGresult *res =
-        PQexecParams(s->conn, sql, p->n, NULL, p->val, p->len, p->fmt, 1);
-    int rc;
+    PGresult *res;
+    int rc = store__ready(s);
 
+    if (rc)
+        return rc;
+    res = PQexecParams(s->conn, sql, p->n, NULL, p->val, p->len, p->fmt, 1);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
+        rc = store__read_error(s, res);
         PQclear(res);
-        return KS_EPG;
+        return rc;
     }
     rc = deliver_events(res, cursor, cb, ud);
     PQclear(res);
@@ -493,14 +664,21 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
      * Everything below the snapshot's xmin has committed or aborted, so no
      * event can later appear before the cursor (PostgreSQL docs 9.27,
      * pg_snapshot_xmin). The row comparison walks events_tx_pos.
+     *
+     * Order and compare as xid8 (a number), never as text: in ORDER BY a
+     * bare name means an output column first (PostgreSQL docs 7.5), so
+     * "tx_id::text" (whose output name is tx_id) once sorted "1000" before
+     * "999", and a cursor compared as a number then skipped or repeated
+     * events. The text copy for the cursor is named tx_text, and the sort
+     * keys are qualified.
      */
     return query_events(
         s,
-        "SELECT global_pos, version, kscore_us(recorded_at), data,"
-        " tx_id::text FROM events"
-        " WHERE tx_id < pg_snapshot_xmin(pg_current_snapshot())"
-        "   AND (tx_id, global_pos) > ($1::text::xid8, $2::bigint)"
-        " ORDER BY tx_id, global_pos LIMIT $3",
+        "SELECT e.global_pos, e.version, kscore_us(e.recorded_at), e.data,"
+        " e.tx_id::text AS tx_text FROM events e"
+        " WHERE e.tx_id < pg_snapshot_xmin(pg_current_snapshot())"
+        "   AND (e.tx_id, e.global_pos) > ($1::text::xid8, $2::bigint)"
+        " ORDER BY e.tx_id, e.global_pos LIMIT $3",
         &p, cursor, cb, ud);
 }
 
@@ -509,18 +687,23 @@ store_wait_notify(struct store *s, int timeout_ms)
 {
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     PGnotify *n;
-    int woke = 0;
+    int woke = 0, rc;
 
+    if ((rc = store__ready(s)) < 0)
+        return rc;
     if (!s->listening) {
-        if (store__exec(s, "LISTEN kscore_events", NULL) < 0)
-            return KS_EPG;
+        if ((rc = store__exec(s, "LISTEN kscore_events", NULL)) < 0)
+            return rc == KS_EPGDOWN ? rc : KS_EPG;
         s->listening = true;
     }
+    if (s->notify_pending) {
+        /* Reconnected: what was notified meanwhile is lost; re-read. */
+        s->notify_pending = false;
+        woke = 1;
+    }
     for (;;) {
-        if (PQconsumeInput(s->conn) == 0) {
-            store__pg_error(s, NULL, NULL);
-            return KS_EPG;
-        }
+        if (PQconsumeInput(s->conn) == 0)
+            return store__read_error(s, NULL);
         while ((n = PQnotifies(s->conn)) != NULL) {
             woke = 1;
             PQfreemem(n);
@@ -639,6 +822,8 @@ store_get_command(struct store *s, const char *command_id,
 
     if (!ks_is_uuid(command_id))
         return KS_ENOTFOUND;
+    if ((rc = store__ready(s)) < 0)
+        return rc;
     res = PQexecParams(
         s->conn,
         "SELECT command_id::text, agent_id, status, argv, attempt,"
@@ -647,8 +832,7 @@ store_get_command(struct store *s, const char *command_id,
         " FROM commands WHERE command_id = $1",
         1, NULL, params, NULL, NULL, 1);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        rc = KS_EPG;
+        rc = store__read_error(s, res);
         goto out;
     }
     if (PQntuples(res) == 0) {
@@ -705,15 +889,17 @@ store_command_by_key(struct store *s, const char *idempotency_key,
                      char id_out[37])
 {
     const char *params[1] = {idempotency_key};
-    PGresult *res = PQexecParams(
+    PGresult *res;
+    int rc = store__ready(s);
+
+    if (rc)
+        return rc;
+    res = PQexecParams(
         s->conn,
         "SELECT command_id::text FROM commands WHERE idempotency_key = $1", 1,
         NULL, params, NULL, NULL, 0);
-    int rc = 0;
-
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        store__pg_error(s, res, NULL);
-        rc = KS_EPG;
+        rc = store__read_error(s, res);
     } else if (PQntuples(res) == 0) {
         rc = KS_ENOTFOUND;
     } else {
@@ -756,6 +942,8 @@ store_upsert_agent(struct store *s, const Ks__AgentInfo *info)
     store__p_i64(&p, info->running);
     store__p_i64(&p, info->max_concurrent);
     store__p_i64(&p, info->pid);
+    if ((rc = store__ready(s)) < 0)
+        goto out;
     res = PQexecParams(
         s->conn,
         "INSERT INTO agents AS a (agent_id, labels, version, host, online,"
@@ -767,10 +955,8 @@ store_upsert_agent(struct store *s, const Ks__AgentInfo *info)
         "  last_seen = excluded.last_seen, running = excluded.running,"
         "  max_concurrent = excluded.max_concurrent, pid = excluded.pid",
         p.n, NULL, p.val, p.len, p.fmt, 0);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
-        store__pg_error(s, res, NULL);
-        rc = KS_EPG;
-    }
+    if (PQresultStatus(res) != PGRES_COMMAND_OK)
+        rc = store__read_error(s, res);
 out:
     PQclear(res);
     store__buf_release(&keys);

@@ -54,8 +54,25 @@
  * transaction.
  *
  * Threads: a struct store is one libpq connection; use it from one thread at
- * a time. Open one per thread. A connection found broken is reset by the
- * call that found it (which fails with KS_EPG); the next call reconnects.
+ * a time. Open one per thread.
+ *
+ * Reconnection (one mechanism, inside the store, for every caller): a call
+ * that finds the connection lost (libpq's CONNECTION_BAD, a SQLSTATE of
+ * class 08, or 57P01/57P02/57P03, the server shutting down or starting)
+ * fails with KS_EPGDOWN and marks the connection broken. Every call first
+ * makes the connection ready: it notices a server that went away while the
+ * connection was idle (a non-blocking read), leaves a half-finished pipeline
+ * or failed transaction, and reconnects a broken connection: at once the
+ * first time, then no sooner than 100 ms, 200 ms, ... 2 s after the last
+ * failed attempt (calls in between fail at once with KS_EPGDOWN, no
+ * connect). A reconnection sets the session up again, prepares the ks_*
+ * statements again on first use, and re-issues LISTEN if the connection was
+ * listening (store_wait_notify then returns 0 once: notifications sent
+ * while it was away are lost, a reader must re-read). store_last_error()
+ * says why. Every call below that names KS_EPG may return KS_EPGDOWN
+ * as well. A call that fails with KS_EPGDOWN mid-way may or may not have
+ * committed (a lost commit reply): appends are idempotent by event_id, so
+ * retry them (KS_EDUPLICATE then says it had committed).
  */
 #ifndef KSCORE_STORE_H
 #define KSCORE_STORE_H
@@ -162,9 +179,10 @@ int store_read_stream(struct store *s, const char *stream_id,
                       void *ud);
 
 /*
- * Catch-up read of all streams. The cursor is (tx_id, global_pos); reads
- * only events whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()),
- * so no late commit is ever skipped. Start with a zeroed cursor; it is
+ * Catch-up read of all streams. The cursor is (tx_id, global_pos), compared
+ * and ordered as numbers (xid8, bigint), never as text; reads only events
+ * whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()), so no late
+ * commit is ever skipped and every event is read once. Start with a zeroed cursor; it is
  * advanced past each event passed to cb (also the one whose cb stopped
  * the read). Returns 0, cb's non-zero value, KS_EDECODE / KS_ETOOBIG (a row
  * that is not a Ks__Event of at most KS_MAX_MESSAGE_BYTES) or KS_EPG.
@@ -178,9 +196,10 @@ int store_read_all(struct store *s, struct store_cursor *cursor,
 
 /*
  * Blocks until a NOTIFY on channel kscore_events arrives or timeout_ms
- * passes (LISTEN is issued on first call; notifications that arrived
- * during other calls on this connection count). Returns 0 (woken),
- * KS_ETIMEDOUT, or KS_EPG. Only a wake-up: callers always re-read with
+ * passes (LISTEN is issued on first call and again after a reconnection;
+ * notifications that arrived during other calls on this connection count,
+ * and so does a reconnection). Returns 0 (woken), KS_ETIMEDOUT, KS_EPG or
+ * KS_EPGDOWN. Only a wake-up: callers always re-read with
  * store_read_all().
  */
 int store_wait_notify(struct store *s, int timeout_ms);
@@ -317,7 +336,15 @@ int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,
                          enum store_step *verdicts, size_t *dup_out);
 
-/* The raw PGconn, for callers that need an escape hatch (tests). */
+/*
+ * The message of the last error on this connection (libpq's or the
+ * server's, one line; "" if none), for "PostgreSQL unreachable: <why>".
+ * Valid until the next call on s.
+ */
+const char *store_last_error(struct store *s);
+
+/* The raw PGconn, for callers that need an escape hatch (tests). The
+ * pointer stays the same across reconnections. */
 struct pg_conn;
 void *store_pgconn(struct store *s);
 

@@ -75,10 +75,19 @@ void store__p_null(struct store__params *p);
 /* Parameter arrays of kscore_record_many() after the four event arrays. */
 #define STORE__FOLD_COLS 36
 
+/* Reconnection backoff (store.h "Reconnection"). */
+#define STORE__BACKOFF_MIN_US 100000
+#define STORE__BACKOFF_MAX_US 2000000
+
 struct store {
-    PGconn *conn;
+    PGconn *conn;   /* the same object for the store's life (PQreset) */
     bool prepared;  /* the ks_* statements exist on this connection */
-    bool listening; /* LISTEN kscore_events issued */
+    bool listening; /* LISTEN kscore_events wanted (re-issued on reconnect) */
+    bool broken;    /* lost: reconnect before the next statement */
+    bool notify_pending; /* reconnected while listening: wake the waiter */
+    int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
+    int64_t backoff_us;  /* the wait after the next failed attempt */
+    char err[512];       /* store_last_error() */
     /* store_append_checked(): the append's pipeline ends the transaction
      * (store__send_commit), and says that it did. */
     bool commit_in_pipeline, commit_sent;
@@ -90,14 +99,25 @@ struct store {
  * Translates a failed PGresult (or, with res NULL, the connection's error)
  * into a KS_E* code, once: KS001 -> KS_ECONFLICT, KS002 -> KS_EDUPLICATE,
  * 23505 on events_event_id_key -> KS_EDUPLICATE, other 23505 (stream
- * version, command id, idempotency key) -> KS_ECONFLICT, the rest KS_EPG.
+ * version, command id, idempotency key) -> KS_ECONFLICT, a lost connection
+ * (CONNECTION_BAD, SQLSTATE 08xxx, 57P01-57P03) -> KS_EPGDOWN and the
+ * connection marked broken (the next call reconnects), the rest KS_EPG.
  * KS003 -> KS_EDUPLICATE as well (its DETAIL lists the recorded ids).
- * A broken connection is reset so the next call can succeed. *errmsg
- * (may be NULL) gets a malloc'd copy of the message.
+ * The message goes to store_last_error(); *errmsg (may be NULL) gets a
+ * malloc'd copy.
  */
 int store__pg_error(struct store *s, const PGresult *res, char **errmsg);
+/* store__pg_error for a read: KS_EPGDOWN or KS_EPG. */
+int store__read_error(struct store *s, const PGresult *res);
 
-/* Prepares the ks_* statements once per connection. 0 or KS_EPG. */
+/*
+ * Makes s->conn ready for a statement; every public call starts with it
+ * (store.h "Reconnection"). 0, or KS_EPGDOWN (store_last_error says why).
+ */
+int store__ready(struct store *s);
+
+/* Prepares the ks_* statements once per connection. 0, KS_EPG or
+ * KS_EPGDOWN. */
 int store__prepare(struct store *s, char **errmsg);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */

@@ -1,0 +1,637 @@
+/*
+ * PostgreSQL restarts under a running broker (issue 10 item 1): every
+ * connection of the store and of the broker comes back without a broker
+ * restart, a request while it is down is refused with "PostgreSQL
+ * unreachable: <why>" (exit 125), and nothing accepted is lost. Real
+ * nats-server, PostgreSQL (stopped and started with pg_ctl -m fast, as
+ * `kscore down`/`up` do), broker and agent.
+ */
+#include <check.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+
+#include "broker.h"
+#include "fixture.h"
+#include "stack.h"
+#include "store.h"
+
+#define AGENT "pgr"
+/* The brief: service resumes within 10 s of PostgreSQL being back. */
+#define HEAL_DEADLINE_US (10 * 1000000)
+
+static struct fixture_stack stack;
+static char side_dir[PATH_MAX];
+
+static void
+stack_up(void)
+{
+    if (fixture_stack_start(&stack, AGENT, 0) != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&stack);
+        exit(1);
+    }
+    snprintf(side_dir, sizeof(side_dir), "%.4000s/side", stack.dir);
+    mkdir(side_dir, 0777);
+    chmod(side_dir, 0777);
+}
+
+static void
+stack_down(void)
+{
+    fixture_stack_stop(&stack);
+}
+
+static void
+sleep_ms(long ms)
+{
+    nanosleep(&(struct timespec){ms / 1000, (ms % 1000) * 1000000L}, NULL);
+}
+
+/* A test that failed mid-outage must not take the next ones down too. */
+static void
+pg_up(void)
+{
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+}
+
+/* ---- the store alone ------------------------------------------------------
+ */
+
+static struct store *
+open_store(void)
+{
+    struct store *s = NULL;
+    char *err = NULL;
+    int rc = store_open(stack.pg.conninfo, &s, &err);
+    ck_assert_msg(rc == 0, "store_open: %s", err ? err : "");
+    free(err);
+    return s;
+}
+
+struct tev {
+    Ks__Event ev;
+    char id[37];
+};
+
+static Ks__Event *
+mk(struct tev *t, const char *stream)
+{
+    ks__event__init(&t->ev);
+    ks_uuid(t->id);
+    t->ev.event_id = t->id;
+    t->ev.stream_id = (char *)stream;
+    t->ev.type = "Thing";
+    t->ev.occurred_at_us = ks_now_us();
+    return &t->ev;
+}
+
+static int
+append1(struct store *s, Ks__Event *ev)
+{
+    struct store_event se = {ev};
+    return store_append(s, ev->stream_id, STORE_ANY, &se, 1, NULL);
+}
+
+struct seen {
+    int n;
+    char ids[16][37];
+};
+
+static int
+seen_cb(const Ks__RecordedEvent *ev, void *ud)
+{
+    struct seen *s = ud;
+    if (s->n < 16)
+        snprintf(s->ids[s->n], 37, "%s", ev->event->event_id);
+    s->n++;
+    return 0;
+}
+
+static int
+count_ref(const struct store_command_ref *ref, void *ud)
+{
+    (void)ref;
+    (*(int *)ud)++;
+    return 0;
+}
+
+/* Reads on from cur until nothing is new; returns what was read. */
+static struct seen
+drain(struct store *r, struct store_cursor *cur)
+{
+    struct seen all = {0};
+    for (;;) {
+        int before = all.n;
+        ck_assert_int_eq(store_read_all(r, cur, 100, seen_cb, &all), 0);
+        if (all.n == before)
+            return all;
+    }
+}
+
+/* Waits out notifications already sent (the broker's own appends). */
+static void
+notify_quiet(struct store *l)
+{
+    while (store_wait_notify(l, 300) == 0)
+        ;
+}
+
+/*
+ * One struct store per kind of use survives the server going away and
+ * coming back: append (prepared statements, pipeline), catch-up read,
+ * scan, LISTEN. While it is down each call fails at once with KS_EPGDOWN
+ * and a reason; once it is back they work again; a restart while they are
+ * idle is not even seen by the callers.
+ */
+START_TEST(store_survives_restart)
+{
+    struct store *w = open_store(), *r = open_store(), *sc = open_store(),
+                 *l = open_store();
+    PGconn *w_conn = store_pgconn(w);
+    struct store_cursor cur = {0};
+    struct tev e1, e2, e3, e4;
+    char stream[64], u[37];
+    int n = 0, rc;
+
+    pg_up();
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "pgr-%s", u);
+    notify_quiet(l); /* LISTEN issued, nothing pending */
+    ck_assert_int_eq(append1(w, mk(&e1, stream)), 0);
+    drain(r, &cur);
+    notify_quiet(l);
+
+    /* Down: refused at once, with libpq's reason. */
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+    ck_assert_int_eq(append1(w, mk(&e2, stream)), KS_EPGDOWN);
+    ck_assert_msg(strlen(store_last_error(w)) > 0, "no reason");
+    fprintf(stderr, "store_survives_restart: down: %s\n", store_last_error(w));
+    ck_assert_int_eq(append1(w, &e2.ev), KS_EPGDOWN); /* backing off */
+    struct seen none = {0};
+    ck_assert_int_eq(store_read_all(r, &cur, 100, seen_cb, &none), KS_EPGDOWN);
+    ck_assert_int_eq(store_scan_open(sc, "Running", 0, 10, count_ref, &n),
+                     KS_EPGDOWN);
+    ck_assert_int_eq(store_wait_notify(l, 2000), KS_EPGDOWN);
+    Ks__CommandView *v = NULL;
+    ck_assert_int_eq(store_get_command(r, e1.id, &v), KS_EPGDOWN);
+
+    /* Back: each store reconnects (after its backoff) and works. */
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    int64_t t0 = ks_mono_us();
+    while ((rc = append1(w, &e2.ev)) == KS_EPGDOWN &&
+           ks_mono_us() - t0 < HEAL_DEADLINE_US)
+        sleep_ms(50);
+    ck_assert_int_eq(rc, 0);
+    fprintf(stderr, "store_survives_restart: append again after %.2f s\n",
+            (ks_mono_us() - t0) / 1e6);
+    ck_assert_ptr_eq(store_pgconn(w), w_conn);
+    struct seen got = {0};
+    while ((rc = store_read_all(r, &cur, 100, seen_cb, &got)) == KS_EPGDOWN &&
+           ks_mono_us() - t0 < HEAL_DEADLINE_US)
+        sleep_ms(50);
+    ck_assert_int_eq(rc, 0);
+    while ((rc = store_scan_open(sc, "Running", 0, 10, count_ref, &n)) ==
+               KS_EPGDOWN &&
+           ks_mono_us() - t0 < HEAL_DEADLINE_US)
+        sleep_ms(50);
+    ck_assert_int_eq(rc, 0);
+    /* The first wait after a reconnection wakes (notifications sent while
+     * away are lost); LISTEN is issued again, so the next append wakes it
+     * too. */
+    while ((rc = store_wait_notify(l, 100)) == KS_EPGDOWN &&
+           ks_mono_us() - t0 < HEAL_DEADLINE_US)
+        sleep_ms(50);
+    ck_assert_int_eq(rc, 0);
+    notify_quiet(l);
+    ck_assert_int_eq(append1(w, mk(&e3, stream)), 0);
+    ck_assert_int_eq(store_wait_notify(l, 5000), 0);
+    got = drain(r, &cur);
+    /* e2 (if the first read missed it) and e3, each once. */
+    int found2 = 0, found3 = 0;
+    for (int i = 0; i < got.n && i < 16; i++) {
+        found2 += strcmp(got.ids[i], e2.id) == 0;
+        found3 += strcmp(got.ids[i], e3.id) == 0;
+    }
+    ck_assert_int_le(found2, 1);
+    ck_assert_int_eq(found3, 1);
+
+    /* A restart while every store is idle: the first call just works. */
+    notify_quiet(l);
+    ck_assert_int_eq(fixture_pg_restart(&stack.pg), 0);
+    ck_assert_int_eq(append1(w, mk(&e4, stream)), 0);
+    got = drain(r, &cur);
+    ck_assert_int_eq(got.n >= 1, 1);
+    ck_assert_int_eq(store_scan_open(sc, "Running", 0, 10, count_ref, &n), 0);
+    ck_assert_int_eq(store_get_command(r, e4.id, &v), KS_ENOTFOUND);
+    ck_assert_int_eq(store_wait_notify(l, 5000), 0);
+    int64_t version = 0;
+    ck_assert_int_eq(store_stream_version(r, stream, &version), 0);
+    ck_assert_int_eq(version, 4);
+    store_close(w);
+    store_close(r);
+    store_close(sc);
+    store_close(l);
+}
+END_TEST
+
+/* ---- the broker -----------------------------------------------------------
+ */
+
+static struct evt_conn *
+client(void)
+{
+    struct evt_connect_opts o = {.name = "test", .send_asap = true};
+    struct evt_conn *c = NULL;
+    ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
+    return c;
+}
+
+/* Submits a detached command; 0 with id_out, or the error. */
+static int
+submit(struct evt_conn *c, const char *script, char id_out[37])
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    char *argv[] = {"sh", "-c", (char *)script};
+    int rc;
+
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.timeout_ms = 120000;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    req.detach = 1;
+    rc = broker_execute(c, &req, 5000, &rep);
+    if (rc == 0 && rep->error_code)
+        rc = rep->error_code;
+    if (rc == 0)
+        snprintf(id_out, 37, "%s", rep->command_id);
+    if (rep)
+        ks__execute_reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+/* A fresh connection (one from before an outage would be dead). */
+static PGconn *
+db(void)
+{
+    PGconn *pg = NULL;
+    for (int i = 0; i < 100; i++) {
+        pg = PQconnectdb(stack.pg.conninfo);
+        if (PQstatus(pg) == CONNECTION_OK)
+            return pg;
+        PQfinish(pg);
+        sleep_ms(100);
+    }
+    ck_abort_msg("cannot connect to PostgreSQL");
+    return NULL;
+}
+
+static long
+sql_long(PGconn *pg, const char *sql)
+{
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
+                  PQerrorMessage(pg));
+    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    return v;
+}
+
+/* Polls sql until it returns want (deadline timeout_s). */
+static long
+wait_sql(PGconn *pg, const char *sql, long want, int timeout_s)
+{
+    long v = -1;
+    for (int i = 0; i < timeout_s * 10; i++) {
+        if ((v = sql_long(pg, sql)) == want)
+            break;
+        sleep_ms(100);
+    }
+    return v;
+}
+
+static int
+runs_of(const char *id, const char *mark)
+{
+    char path[PATH_MAX + 80], line[64];
+    int n = 0;
+    snprintf(path, sizeof(path), "%s/pgr.%s", side_dir, id);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        n += strncmp(line, mark, strlen(mark)) == 0;
+    fclose(f);
+    return n;
+}
+
+/* `kscore exec --json --agent pgr -- echo <word>` into o; the command id
+ * (if any) into id. */
+static void
+exec_json(const char *word, struct fixture_out *o, char id[37])
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--json",
+                          "--",   "echo",    word,  NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
+    id[0] = '\0';
+    json_t *j = json_loads(o->out, 0, NULL);
+    const char *cid =
+        j ? json_string_value(json_object_get(j, "command_id")) : NULL;
+    if (cid)
+        snprintf(id, 37, "%s", cid);
+    json_decref(j);
+}
+
+/* Runs `exec` until it succeeds or HEAL_DEADLINE_US passes; returns its
+ * last status, the seconds it took in *secs. */
+static int
+exec_until_ok(const char *word, char id[37], double *secs)
+{
+    struct fixture_out o;
+    int64_t t0 = ks_mono_us();
+    int status;
+    for (;;) {
+        exec_json(word, &o, id);
+        status = o.status;
+        if (status != 0 && ks_mono_us() - t0 < HEAL_DEADLINE_US)
+            fprintf(stderr, "  exec while healing: %d %s", status, o.err);
+        fixture_out_release(&o);
+        if (status == 0 || ks_mono_us() - t0 >= HEAL_DEADLINE_US)
+            break;
+        sleep_ms(100);
+    }
+    *secs = (ks_mono_us() - t0) / 1e6;
+    return status;
+}
+
+/*
+ * (a) exec works, PostgreSQL restarts (fast), exec works again within 10 s
+ * without a broker restart; while it is down, exec is refused with
+ * "PostgreSQL unreachable: <why>" and exit 125, get likewise, and a
+ * follower is not thrown out.
+ */
+START_TEST(exec_heals_after_restart)
+{
+    struct fixture_out o;
+    char before[37], id[37];
+    double secs;
+
+    pg_up();
+    exec_json("before", &o, before);
+    ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
+    fixture_out_release(&o);
+    ck_assert(ks_is_uuid(before));
+
+    ck_assert_int_eq(fixture_pg_restart(&stack.pg), 0);
+    ck_assert_int_eq(exec_until_ok("after", id, &secs), 0);
+    fprintf(stderr,
+            "exec_heals_after_restart: exec after a restart: "
+            "%.2f s\n",
+            secs);
+
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+    const char *args[] = {"exec", "--agent", AGENT, "--",
+                          "echo", "during",  NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    fprintf(stderr, "exec_heals_after_restart: while down: %s", o.err);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "PostgreSQL unreachable: ") != NULL,
+                  "stderr: %s", o.err);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+    const char *gargs[] = {"get", before, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gargs, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "PostgreSQL unreachable: ") != NULL,
+                  "stderr: %s", o.err);
+    fixture_out_release(&o);
+    /* A follower gets an empty page, not an error: it just waits on. */
+    struct evt_conn *c = client();
+    Ks__EventsRequest er = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    er.stream_id = "";
+    er.wait_ms = 1000;
+    er.cursor_tx_id = UINT64_MAX / 2; /* at the end: nothing to read */
+    ck_assert_int_eq(broker_call(c, EVT_API_FOLLOW, &er.base,
+                                 &ks__events_reply__descriptor, 10000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert_msg(rep->error_code == 0, "follow: %s", rep->error);
+    ck_assert_uint_eq(rep->n_events, 0);
+    ks__events_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    ck_assert_int_eq(exec_until_ok("back", id, &secs), 0);
+    fprintf(stderr,
+            "exec_heals_after_restart: exec after an outage: "
+            "%.2f s\n",
+            secs);
+    /* Nothing of the refused one was recorded. */
+    PGconn *pg = db();
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE argv = "
+                                  "'{echo,during}'"),
+                     0);
+    PQfinish(pg);
+}
+END_TEST
+
+/* Lines of broker.log from byte offset from on that contain needle. */
+static int
+log_lines(long from, const char *needle, long *end)
+{
+    char path[PATH_MAX + 16], line[1024];
+    int n = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    fseek(f, from, SEEK_SET);
+    while (fgets(line, sizeof(line), f))
+        n += strstr(line, needle) != NULL;
+    if (end)
+        *end = ftell(f);
+    fclose(f);
+    return n;
+}
+
+/*
+ * (b) A command running on the agent while PostgreSQL is down ends while it
+ * is down: its result waits in JetStream, unacked, and is recorded exactly
+ * once when PostgreSQL is back. The recorder says so in two lines, not
+ * five a second.
+ */
+START_TEST(running_command_recorded_once)
+{
+    struct evt_conn *c = client();
+    char id[37], script[2 * PATH_MAX + 160], sql[256];
+    long log_at = 0;
+
+    pg_up();
+    log_lines(0, "", &log_at);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/pgr.$KSCORE_COMMAND_ID; sleep 3; echo done;"
+             " echo fin >> %s/pgr.$KSCORE_COMMAND_ID",
+             side_dir, side_dir);
+    ck_assert_int_eq(submit(c, script, id), 0);
+    PGconn *pg = db();
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    ck_assert_int_eq(wait_sql(pg, sql, 1, 20), 1);
+    PQfinish(pg);
+
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+    for (int i = 0; i < 200 && runs_of(id, "fin") == 0; i++)
+        sleep_ms(100);
+    ck_assert_int_eq(runs_of(id, "fin"), 1);
+    sleep_ms(3000); /* the recorder fails, backs off, retries */
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+
+    pg = db();
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded' AND stdout = 'done\n'::bytea",
+             id);
+    ck_assert_int_eq(wait_sql(pg, sql, 1, 30), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'CommandCompleted'",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'CommandStarted'",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    ck_assert_int_eq(runs_of(id, "run"), 1);
+    PQfinish(pg);
+    /* One line when the outage starts, one when it ends. */
+    ck_assert_int_eq(log_lines(log_at, "kscore recorder: cannot record", NULL),
+                     1);
+    ck_assert_int_eq(
+        log_lines(log_at, "kscore recorder: recording again", NULL), 1);
+    ck_assert_int_le(log_lines(log_at, "kscore recorder:", NULL), 2);
+    evt_close(c);
+}
+END_TEST
+
+/* Runs `kscore args...`; returns its status, stdout in out (may be NULL). */
+static int
+kscore_status(const char *const args[], char *out, size_t len)
+{
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    int status = o.status;
+    if (status != 0)
+        fprintf(stderr, "kscore %s: %d: %s\n", args[0], status, o.err);
+    if (out)
+        snprintf(out, len, "%s", o.out);
+    fixture_out_release(&o);
+    return status;
+}
+
+/*
+ * (c) After a restart every path works again on the same broker: exec
+ * (execute workers, claims, recorder), get, events, events --follow (the
+ * LISTEN connection), cancel, batch (the batch scheduler's connection),
+ * the agents projection (the registry's connection).
+ */
+START_TEST(everything_after_restart)
+{
+    char id[37], out[4096], sql[256], cancel_id[37];
+    double secs;
+    struct evt_conn *c = client();
+
+    pg_up();
+    ck_assert_int_eq(fixture_pg_restart(&stack.pg), 0);
+    int64_t resumed_us = ks_now_us();
+    ck_assert_int_eq(exec_until_ok("again", id, &secs), 0);
+
+    const char *get[] = {"get", id, NULL};
+    ck_assert_int_eq(kscore_status(get, out, sizeof(out)), 0);
+    ck_assert_msg(strstr(out, "Succeeded") != NULL, "get: %s", out);
+    const char *events[] = {"events", id, NULL};
+    ck_assert_int_eq(kscore_status(events, out, sizeof(out)), 0);
+    ck_assert_msg(strstr(out, "CommandCompleted") != NULL, "events: %s", out);
+    const char *follow[] = {"events", "--follow", id, NULL};
+    ck_assert_int_eq(kscore_status(follow, out, sizeof(out)), 0);
+    ck_assert_msg(strstr(out, "CommandCompleted") != NULL, "follow: %s", out);
+    /* All streams, from the start, through the follow connection. */
+    Ks__EventsRequest er = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    er.stream_id = "";
+    er.wait_ms = 1000;
+    ck_assert_int_eq(broker_call(c, EVT_API_FOLLOW, &er.base,
+                                 &ks__events_reply__descriptor, 10000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert_msg(rep->error_code == 0, "follow: %s", rep->error);
+    ck_assert_uint_gt(rep->n_events, 0);
+    ks__events_reply__free_unpacked(rep, NULL);
+
+    const char *batch[] = {"batch", "--agents", AGENT, "--",
+                           "echo",  "batched",  NULL};
+    ck_assert_int_eq(kscore_status(batch, out, sizeof(out)), 0);
+
+    ck_assert_int_eq(submit(c, "exec sleep 120", cancel_id), 0);
+    PGconn *pg = db();
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             cancel_id);
+    ck_assert_int_eq(wait_sql(pg, sql, 1, 20), 1);
+    const char *cancel[] = {"cancel", cancel_id, NULL};
+    ck_assert_int_eq(kscore_status(cancel, NULL, 0), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Cancelled'",
+             cancel_id);
+    ck_assert_int_eq(wait_sql(pg, sql, 1, 30), 1);
+
+    /* The registry writes the agents projection again (at most every
+     * 10 s per agent, so give it a few heartbeats). */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM agents WHERE agent_id = '" AGENT
+             "' AND last_seen > kscore_ts(%lld)",
+             (long long)resumed_us);
+    ck_assert_int_eq(wait_sql(pg, sql, 1, 40), 1);
+    PQfinish(pg);
+    evt_close(c);
+}
+END_TEST
+
+static Suite *
+pg_restart_suite(void)
+{
+    Suite *s = suite_create("pg_restart");
+    TCase *tc = tcase_create("restart");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 240);
+    tcase_add_test(tc, store_survives_restart);
+    tcase_add_test(tc, exec_heals_after_restart);
+    tcase_add_test(tc, running_command_recorded_once);
+    tcase_add_test(tc, everything_after_restart);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(pg_restart_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
