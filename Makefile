@@ -40,7 +40,7 @@ asan: bootstrap
 # The targets link Debian's libprotobuf-c as it is (not instrumented), so
 # coverage guides the fuzzer through kscore's own decoding and checks.
 FUZZ_SECONDS ?= 30
-FUZZ_TARGETS := unpack decode_command signed_command
+FUZZ_TARGETS := unpack decode_command signed_command decide_report check_request
 fuzz:
 	@KSCORE_FUZZ=1 ./deploy/bootstrap.sh
 	@CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang \

@@ -157,7 +157,7 @@ broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *desc,
     rc = evt_unpack_why(desc, natsMsg_GetData(msg),
                         (size_t)natsMsg_GetDataLength(msg), &m, why, len);
     if (rc == 0)
-        rc = broker__check_request(m, broker__operator_of(msg), why, len);
+        rc = broker_check_request(m, broker__operator_of(msg), why, len);
     if (rc && !why[0])
         snprintf(why, len, "bad %s: %s", desc->short_name, ks_strerror(rc));
     if (rc) {
@@ -575,6 +575,63 @@ reply:
 
 /* ---- get / events / cancel ---------------------------------------------- */
 
+/*
+ * Whether the caller of msg may read the records of stream_id (a command,
+ * a batch, an operator's or an agent's stream; "" for every stream). Only
+ * with a policy loaded (none: everyone reads everything). 0, or
+ * KS_EDENIED with why; the denial is recorded on the operator's stream.
+ * Uses st (the caller's thread's connection).
+ */
+static int
+may_read(struct broker *b, struct store *st, natsMsg *msg,
+         const char *stream_id, char *why, size_t len)
+{
+    const char *op = broker__operator_of(msg);
+    char owner[128] = "";
+    Ks__AgentInfo *info = NULL;
+    bool every = false;
+    int rc;
+
+    if (!b->policy)
+        return 0;
+    if (!stream_id[0]) {
+        every = true;
+    } else if (strncmp(stream_id, "command-", 8) == 0 &&
+               ks_is_uuid(stream_id + 8)) {
+        Ks__CommandView *v = NULL;
+        int grc = store_get_command(st, stream_id + 8, &v);
+        if (grc == KS_ENOTFOUND)
+            return 0; /* nothing to read, nothing to hide */
+        if (grc == 0) {
+            snprintf(owner, sizeof(owner), "%s", v->operator_);
+            info = broker__agent_info(b, v->agent_id);
+            if (!info) {
+                /* An agent gone from the registry: its id still names it
+                 * for the message; only rules on "*" can match. */
+                info = calloc(1, sizeof(*info));
+                if (info) {
+                    ks__agent_info__init(info);
+                    info->agent_id = strdup(v->agent_id);
+                }
+            }
+            ks__command_view__free_unpacked(v, NULL);
+        }
+    } else if (is_batch_id(stream_id)) {
+        store_batch_operator(st, stream_id, owner, sizeof(owner));
+    } else if (strncmp(stream_id, "operator-", 9) == 0) {
+        snprintf(owner, sizeof(owner), "%s", stream_id + 9);
+    } else if (strncmp(stream_id, "agent-", 6) == 0) {
+        info = broker__agent_info(b, stream_id + 6);
+    }
+    rc = broker__policy_check_read(b->policy, op, owner[0] ? owner : NULL,
+                                   info, every, why, len);
+    if (info)
+        ks__agent_info__free_unpacked(info, NULL);
+    if (rc)
+        broker__record_denied(b, st, op, NULL, NULL, why);
+    return rc;
+}
+
 static void
 handle_get(struct broker *b, natsMsg *msg)
 {
@@ -592,6 +649,18 @@ handle_get(struct broker *b, natsMsg *msg)
         r.error = why;
         reply_msg(b, natsMsg_GetReply(msg), &r.base);
         return;
+    }
+    {
+        char sid[64];
+        snprintf(sid, sizeof(sid), "%s%s",
+                 is_batch_id(req->id) ? "" : "command-", req->id);
+        if (may_read(b, b->st_misc, msg, sid, why, sizeof(why)) != 0) {
+            r.error_code = KS_EDENIED;
+            r.error = why;
+            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+            ks__get_request__free_unpacked(req, NULL);
+            return;
+        }
     }
     if (is_batch_id(req->id))
         rc = broker__batch_view(b, b->st_misc, req->id, &batch);
@@ -674,6 +743,13 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         r.error_code = rc;
         r.error = why;
         reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        return;
+    }
+    if (may_read(b, st, msg, req->stream_id, why, sizeof(why)) != 0) {
+        r.error_code = KS_EDENIED;
+        r.error = why;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        ks__events_request__free_unpacked(req, NULL);
         return;
     }
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;

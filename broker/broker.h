@@ -30,6 +30,7 @@
 
 #include "events.h"
 #include "kproto.h"
+#include "store.h"
 
 /* Default delivery deadline: Dispatched and not claimed by then (ms). */
 #define BROKER_DELIVER_WITHIN_DEFAULT_MS 30000
@@ -52,6 +53,31 @@ struct broker_opts {
  * *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL unreachable).
  */
 int broker_run(const struct broker_opts *opts, char **errmsg);
+
+/* ---- the boundary's decisions (pure: no I/O; fuzzed, tests/fuzz) ------ */
+
+/*
+ * The field rules of every request (broker/validate.c, the README's
+ * "Request fields" table): walks m and every message inside it; 0, or
+ * KS_EINVAL with why (len bytes) naming the field and the rule. identity
+ * is the caller's (the API subject's last token): a subject a request
+ * names (BatchRequest.progress_subject) must be under its own inbox
+ * "_INBOX.<identity>.". Any thread.
+ */
+int broker_check_request(const ProtobufCMessage *m, const char *identity,
+                         char *why, size_t len);
+
+/*
+ * What the record does with an agent's event ev (its sender is
+ * ev->agent_id, as the subject vouched) about a command in state st: the
+ * broker's rule (only the types an agent may report, only about commands
+ * addressed to it, only for the attempt it claimed), then the command
+ * state machine (store_command_step). STORE_STEP_APPLY, or LATE / ILLEGAL
+ * with *why (static) saying why. This is the decision the recorder takes
+ * under the stream's lock (store_append_checked). Any thread.
+ */
+enum store_step broker_decide_report(const struct store_command_state *st,
+                                     const Ks__Event *ev, const char **why);
 
 /* ---- client API (used by the CLI and tests) --------------------------- */
 

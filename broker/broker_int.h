@@ -134,6 +134,13 @@ void broker__policy_free(struct broker__policy *p);
 int broker__policy_check(const struct broker__policy *p, const char *op,
                          const Ks__AgentInfo *agent, const char *argv0,
                          char *why, size_t len);
+/* Whether op may read a record: its own (owner == op), or one about an
+ * agent a "read" rule of op matches; every_agent: all records at once
+ * (needs a read rule on agents "*"). agent may be NULL (unknown agent:
+ * only rules on "*" match). 0, or KS_EDENIED with one line in why. */
+int broker__policy_check_read(const struct broker__policy *p, const char *op,
+                              const char *owner, const Ks__AgentInfo *agent,
+                              bool every_agent, char *why, size_t len);
 /* Records RequestDenied on stream operator-<op>. */
 void broker__record_denied(struct broker *b, struct store *st, const char *op,
                            const char *agent_id, const Ks__CommandSpec *spec,
@@ -142,17 +149,8 @@ void broker__record_denied(struct broker *b, struct store *st, const char *op,
  * ks__agent_info__free_unpacked). Any thread. */
 Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
 
-/*
- * The field rules of every request (broker/validate.c, README "Request
- * fields"): walks m and the messages in it; 0, or KS_EINVAL with why
- * naming the field and the rule. identity is the caller's (the API
- * subject's last token): subjects a request names must be under its own
- * inbox. Pure; any thread.
- */
-int broker__check_request(const ProtobufCMessage *m, const char *identity,
-                          char *why, size_t len);
 /* Unpacks an API request (evt_unpack_why: no NUL, valid UTF-8) and checks
- * its fields (broker__check_request) for the caller msg names. 0 with
+ * its fields (broker_check_request) for the caller msg names. 0 with
  * *out (caller frees), or the code with why (len bytes) saying what was
  * wrong, naming the field. */
 int broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *d,

@@ -10,7 +10,13 @@
  *      "root":  [{"agents": "*"}]}}
  * A request is allowed when any rule of its operator matches: "agents" is
  * "*" or label pairs the agent must all have; "executables", when given,
- * must hold argv[0] exactly.
+ * must hold argv[0] exactly; "can" (default ["run", "read"]) says what the
+ * rule grants: "run" (exec, batch, cancel on those agents) and "read"
+ * (get, events, logs and history of commands on those agents).
+ *   {"auditor": [{"agents": "*", "can": ["read"]}]}
+ * An operator always reads what it ran itself. Reading every stream at
+ * once (events --follow without an id) takes a "read" rule with agents
+ * "*".
  */
 #include <errno.h>
 #include <jansson.h>
@@ -56,6 +62,25 @@ broker__policy_load(const char *path, struct broker__policy **out,
         {
             json_t *ag = json_object_get(rule, "agents");
             json_t *ex = json_object_get(rule, "executables");
+            json_t *can = json_object_get(rule, "can");
+            size_t k;
+            json_t *c;
+            bool can_ok = !can || json_is_array(can);
+            if (can && json_is_array(can))
+                json_array_foreach(can, k, c)
+                {
+                    if (!json_is_string(c) ||
+                        (strcmp(json_string_value(c), "run") != 0 &&
+                         strcmp(json_string_value(c), "read") != 0))
+                        can_ok = false;
+                }
+            if (!can_ok) {
+                snprintf(why, sizeof(why),
+                         "%s: operator \"%s\" rule %zu: \"can\" is a list "
+                         "of \"run\" and \"read\"",
+                         path, name, i + 1);
+                goto bad;
+            }
             if (!json_is_object(rule) ||
                 !(json_is_object(ag) ||
                   (json_is_string(ag) &&
@@ -105,6 +130,23 @@ has_label(const Ks__AgentInfo *info, const char *k, const char *v)
     return false;
 }
 
+/* 1 if rule grants what ("run" or "read"); a rule without "can" grants
+ * both. */
+static bool
+rule_can(json_t *rule, const char *what)
+{
+    json_t *can = json_object_get(rule, "can"), *c;
+    size_t i;
+    if (!can)
+        return true;
+    json_array_foreach(can, i, c)
+    {
+        if (strcmp(json_string_value(c), what) == 0)
+            return true;
+    }
+    return false;
+}
+
 static bool
 rule_allows(json_t *rule, const Ks__AgentInfo *agent, const char *argv0)
 {
@@ -149,10 +191,10 @@ broker__policy_check(const struct broker__policy *p, const char *op,
         return KS_EDENIED;
     }
     if (!agent && !argv0)
-        return 0; /* a read: being listed is enough */
+        return 0; /* the agent list: being listed is enough */
     json_array_foreach(rules, i, rule)
     {
-        if (rule_allows(rule, agent, argv0))
+        if (rule_can(rule, "run") && rule_allows(rule, agent, argv0))
             return 0;
     }
     if (argv0)
@@ -162,6 +204,45 @@ broker__policy_check(const struct broker__policy *p, const char *op,
     else
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+int
+broker__policy_check_read(const struct broker__policy *p, const char *op,
+                          const char *owner, const Ks__AgentInfo *agent,
+                          bool every_agent, char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p || strcmp(op, "broker") == 0)
+        return 0; /* the control plane itself (its readiness checks) */
+    rules = json_object_get(p->operators, op);
+    if (!rules) {
+        snprintf(why, len, "denied: operator '%s' is not in the policy", op);
+        return KS_EDENIED;
+    }
+    if (owner && strcmp(owner, op) == 0)
+        return 0;
+    json_array_foreach(rules, i, rule)
+    {
+        json_t *ag = json_object_get(rule, "agents");
+        if (!rule_can(rule, "read"))
+            continue;
+        if (json_is_string(ag))
+            return 0; /* "*" */
+        if (!every_agent && agent && rule_allows(rule, agent, NULL))
+            return 0;
+    }
+    if (every_agent)
+        snprintf(why, len,
+                 "denied: operator '%s' may not read every agent's records "
+                 "(a \"read\" rule on agents \"*\" is needed)",
+                 op);
+    else
+        snprintf(why, len,
+                 "denied: operator '%s' may not read records of agent '%s'",
+                 op, agent && agent->agent_id[0] ? agent->agent_id : "?");
     return KS_EDENIED;
 }
 

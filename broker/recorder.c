@@ -113,6 +113,16 @@ broker__admit_report(const struct store_command_state *st,
     return 0;
 }
 
+enum store_step
+broker_decide_report(const struct store_command_state *st,
+                     const Ks__Event *ev, const char **why)
+{
+    Ks__CommandStatus next;
+    if (broker__admit_report(st, ev, why, NULL) != 0)
+        return STORE_STEP_ILLEGAL;
+    return store_command_step(st, ev, &next, why);
+}
+
 static void
 record_batch(struct broker *b, natsMsg **msgs, size_t n)
 {

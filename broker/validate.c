@@ -189,14 +189,33 @@ check_string(const struct rule *r, const char *v, const char *identity,
     return KS_EINVAL;
 }
 
+/* Rules across fields of one message. */
+static int
+check_whole(const ProtobufCMessage *m, const char *path, char *why,
+            size_t len)
+{
+    if (m->descriptor == &ks__amount__descriptor) {
+        const Ks__Amount *a = (const Ks__Amount *)m;
+        if (a->percent && a->value > 100) {
+            snprintf(why, len, "%s.value: %u%% is not allowed: a "
+                     "percentage is at most 100", path, a->value);
+            return KS_EINVAL;
+        }
+    }
+    return 0;
+}
+
 static int
 walk(const ProtobufCMessage *m, const char *identity, char *path,
      size_t path_len, size_t path_cap, char *why, size_t len, int depth)
 {
     const ProtobufCMessageDescriptor *d = m->descriptor;
+    int wrc;
 
     if (depth > 8)
         return KS_EINVAL;
+    if ((wrc = check_whole(m, path, why, len)))
+        return wrc;
     for (unsigned i = 0; i < d->n_fields; i++) {
         const ProtobufCFieldDescriptor *f = &d->fields[i];
         const char *member = (const char *)m + f->offset;
@@ -312,7 +331,7 @@ walk(const ProtobufCMessage *m, const char *identity, char *path,
 }
 
 int
-broker__check_request(const ProtobufCMessage *m, const char *identity,
+broker_check_request(const ProtobufCMessage *m, const char *identity,
                       char *why, size_t len)
 {
     char path[320];

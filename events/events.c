@@ -145,7 +145,6 @@ evt_close(struct evt_conn *c)
 {
     if (!c)
         return;
-    evt__mux_free(c);
     jsCtx_Destroy(c->js);
     if (c->nc) {
         natsConnection_FlushTimeout(c->nc, 500);

@@ -75,12 +75,10 @@ struct evt_connect_opts {
                              "anonymous" */
 };
 
-struct evt__mux;
 struct evt_conn {
     natsConnection *nc;
     jsCtx *js;
-    char identity[64];     /* a valid subject token */
-    struct evt__mux *mux;  /* request.c: this identity's reply inbox */
+    char identity[64]; /* a valid subject token */
 };
 
 /* Longest inbox subject evt_inbox() makes, with its NUL. */
@@ -205,7 +203,7 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
 /*
  * Replies only this identity may read (events/request.c). Every request
  * kscore makes goes out with the reply subject
- * "_INBOX.<identity>.<conn>.<seq>", and the server's permissions let a
+ * "_INBOX.<identity>.<uuid>", and the server's permissions let a
  * user subscribe to "_INBOX.<its name>.>" only, so nobody reads another
  * user's replies (nats.c 3.4.1's own requests use "_INBOX.<nuid>", which
  * would need "_INBOX.>" for everyone).
@@ -221,15 +219,13 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
  * *reply_out is the reply (natsMsg_Destroy it). KS_EUNAVAIL when the
  * server says no one serves subject (no responders) or the connection is
  * down, KS_ETIMEDOUT, KS_ETOOBIG, KS_ENATS (e.g. the permissions refuse
- * the inbox subscription), -ENOMEM. Any thread; the reply is handed over
- * from the connection's delivery thread.
+ * the inbox subscription), -ENOMEM. Any thread, delivery threads included
+ * (it waits in the calling thread).
  */
 int evt_inbox(const struct evt_conn *c, char *buf, size_t len);
 int evt_request_bytes(struct evt_conn *c, const char *subject,
                       const char *msg_id, const void *data, size_t len,
                       int timeout_ms, natsMsg **reply_out);
-/* Internal to events/: frees the reply mux (evt_close). */
-void evt__mux_free(struct evt_conn *c);
 
 /*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES

@@ -200,7 +200,7 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     }
 
     /* Round trip 1: BEGIN, lock and read the states, the recorded ids. */
-    if ((rc = store__prepare(s, NULL)) < 0)
+    if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
         goto out;
     if (!PQenterPipelineMode(s->conn)) {
         rc = store__pg_error(s, NULL, NULL);
@@ -267,7 +267,18 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         if (v == STORE_STEP_APPLY)
             v = store_command_step(&c->st, ev, &next, &why);
         verdicts[i] = v;
-        if (v == STORE_STEP_APPLY) {
+        if (v == STORE_STEP_APPLY && !c->st.exists) {
+            /* An annotation about no command (an agent refusing a forged
+             * message): kept on the reporter's own stream, so a forged id
+             * never creates a command stream. */
+            if (!ev->agent_id || !ev->agent_id[0]) {
+                verdicts[i] = STORE_STEP_DUPLICATE; /* nowhere to keep it */
+                continue;
+            }
+            snprintf(agent_streams[i], sizeof(agent_streams[i]),
+                     "agent-%.128s", ev->agent_id);
+            copies[i].stream_id = agent_streams[i];
+        } else if (v == STORE_STEP_APPLY) {
             if (store_event_is_terminal(ev->type) ||
                 strcmp(ev->type, "CommandStarted") == 0 ||
                 strcmp(ev->type, "CommandDispatched") == 0)

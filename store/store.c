@@ -828,7 +828,7 @@ store_get_command(struct store *s, const char *command_id,
         s->conn,
         "SELECT command_id::text, agent_id, status, argv, attempt,"
         " coalesce(kscore_us(requested_at), 0), result, stdout, stderr,"
-        " coalesce(batch_id, ''), version"
+        " coalesce(batch_id, ''), version, operator"
         " FROM commands WHERE command_id = $1",
         1, NULL, params, NULL, NULL, 1);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
@@ -847,7 +847,8 @@ store_get_command(struct store *s, const char *command_id,
     ks__command_view__init(v);
     if (!(v->command_id = dup_col(res, 0)) ||
         !(v->agent_id = dup_col(res, 1)) || !(status = dup_col(res, 2)) ||
-        !(v->batch_id = dup_col(res, 9))) {
+        !(v->batch_id = dup_col(res, 9)) ||
+        !(v->operator_ = dup_col(res, 11))) {
         rc = -ENOMEM;
         goto out;
     }
@@ -905,6 +906,29 @@ store_command_by_key(struct store *s, const char *idempotency_key,
     } else {
         snprintf(id_out, 37, "%s", PQgetvalue(res, 0, 0));
     }
+    PQclear(res);
+    return rc;
+}
+
+int
+store_batch_operator(struct store *s, const char *batch_id, char *buf,
+                     size_t len)
+{
+    const char *params[1] = {batch_id};
+    PGresult *res;
+    int rc = store__ready(s);
+
+    if (rc)
+        return rc;
+    res = PQexecParams(s->conn,
+                       "SELECT operator FROM batches WHERE batch_id = $1", 1,
+                       NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+        rc = store__read_error(s, res);
+    else if (PQntuples(res) == 0)
+        rc = KS_ENOTFOUND;
+    else
+        snprintf(buf, len, "%s", PQgetvalue(res, 0, 0));
     PQclear(res);
     return rc;
 }

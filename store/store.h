@@ -252,6 +252,13 @@ int store_upsert_agent(struct store *s, const Ks__AgentInfo *info);
 int store_command_by_key(struct store *s, const char *idempotency_key,
                          char id_out[37]);
 
+/*
+ * The operator who requested batch batch_id ("batch-<uuid>"), into buf
+ * (len bytes). 0, KS_ENOTFOUND, or a store error.
+ */
+int store_batch_operator(struct store *s, const char *batch_id, char *buf,
+                         size_t len);
+
 /* ---- The command state machine (store/machine.c) ----------------------
  *
  * Every command moves Requested -> Dispatched (one or more attempts) ->
@@ -323,8 +330,9 @@ typedef int (*store_check_fn)(const struct store_command_state *st,
  * command id; the event's own stream_id is ignored), reads their states,
  * runs check (may be NULL) and store_command_step() per event in input
  * order, and appends each event as it is (APPLY), as a LateResult (LATE)
- * or as a ReportRejected (ILLEGAL; on the stream agent-<agent_id> when the
- * command does not exist, so a forged id never creates a command stream),
+ * or as a ReportRejected (ILLEGAL), with an event about a command that
+ * does not exist kept on the stream agent-<agent_id> instead (so a forged
+ * id never creates a command stream),
  * with the reason in Event.reason. Events recorded before are skipped
  * (DUPLICATE). verdicts[i] (n entries, caller storage) says what became of
  * events[i]. Two round trips.

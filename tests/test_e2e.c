@@ -221,7 +221,7 @@ START_TEST(bad_inputs_are_refused_clearly)
                    2, "missing --");
     expect_failure((const char *const[]){"exec", "--agent", "bad.id", "--",
                                          "true", NULL},
-                   125, "bad agent id");
+                   125, "agent_id");
     expect_failure((const char *const[]){"exec", "--nats",
                                          "nats://127.0.0.1:1", "--agent",
                                          AGENT, "--", "true", NULL},

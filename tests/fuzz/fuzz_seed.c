@@ -1,6 +1,7 @@
 /*
  * Writes the seed corpus of the fuzz targets: fuzz_seed <dir> creates
- * <dir>/unpack, <dir>/decode_command and <dir>/signed_command. The files
+ * <dir>/unpack, <dir>/decode_command, <dir>/signed_command,
+ * <dir>/decide_report and <dir>/check_request. The files
  * under tests/fuzz/corpus come from
  *     build-fuzz/tests/fuzz/fuzz_seed tests/fuzz/corpus
  * and are rewritten identically on every run (fixed key, deterministic
@@ -280,6 +281,70 @@ main(int argc, char **argv)
     check_seed("other-agent", KS_EREJECTED, "another agent");
     check_seed("expired", KS_EREJECTED, "expired");
     check_seed("no-argv", KS_EREJECTED, "argv");
+
+    /* decide_report: state bytes (exists|agent, status, attempt), then an
+     * event an agent reports. */
+    {
+        static const struct {
+            const char *name, *type;
+            uint8_t st[3];
+            Ks__CommandStatus res;
+        } rs[] = {
+            {"completed-running", "CommandCompleted", {1, 3, 1},
+             KS__COMMAND_STATUS__SUCCEEDED},
+            {"completed-ended", "CommandCompleted", {1, 10, 1},
+             KS__COMMAND_STATUS__SUCCEEDED},
+            {"lost-running", "CommandLost", {1, 3, 1},
+             KS__COMMAND_STATUS__LOST},
+            {"startfailed-dispatched", "CommandStartFailed", {1, 2, 1},
+             KS__COMMAND_STATUS__START_FAILED},
+            {"requested-forged", "CommandRequested", {0, 0, 0}, 0},
+            {"other-agents-command", "CommandCompleted", {3, 3, 1},
+             KS__COMMAND_STATUS__SUCCEEDED},
+        };
+        for (size_t i = 0; i < sizeof(rs) / sizeof(rs[0]); i++) {
+            Ks__Event e = KS__EVENT__INIT;
+            Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+            uint8_t *buf;
+            size_t len;
+            e.event_id = "5d1c8f7e-2a3b-4c5d-8e9f-0a1b2c3d4e5f";
+            e.stream_id = "command-0b7e8a3c-5f0e-4a6b-9a51-3d2c1f0e9b87";
+            e.command_id = "0b7e8a3c-5f0e-4a6b-9a51-3d2c1f0e9b87";
+            e.type = (char *)rs[i].type;
+            e.agent_id = FUZZ_AGENT_ID;
+            e.attempt = 1;
+            if (rs[i].res) {
+                r.status = rs[i].res;
+                e.result = &r;
+            }
+            if (kproto_pack(&e.base, &buf, &len) != 0)
+                fuzz_die("kproto_pack failed");
+            write_seed("decide_report", rs[i].name, rs[i].st, 3, buf, len);
+            free(buf);
+        }
+    }
+    /* check_request: the request type's index, then the request. */
+    {
+        const struct {
+            const char *name;
+            uint8_t sel;
+            const ProtobufCMessage *m;
+        } qs[] = {
+            {"execute", 0, &xr.base},
+            {"batch", 1, &br.base},
+            {"claim", 2, &cr.base},
+        };
+        br.progress_subject = "_INBOX.fuzzop.0b7e8a3c";
+        cr.event_id = "5d1c8f7e-2a3b-4c5d-8e9f-0a1b2c3d4e5f";
+        for (size_t i = 0; i < sizeof(qs) / sizeof(qs[0]); i++) {
+            uint8_t *buf;
+            size_t len;
+            if (kproto_pack(qs[i].m, &buf, &len) != 0)
+                fuzz_die("kproto_pack failed");
+            write_seed("check_request", qs[i].name, &qs[i].sel, 1, buf, len);
+            free(buf);
+        }
+    }
 
     if (kproto_pack(&cmd.base, &inner, &inner_len) != 0)
         fuzz_die("kproto_pack failed");
