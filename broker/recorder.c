@@ -104,11 +104,20 @@ broker__admit_report(const struct store_command_state *st,
         *why = "the command is addressed to another agent";
         return KS_EDENIED;
     }
+    /* An agent ends only what it claimed (a start failure found before
+     * the claim goes through the claim itself): a report about a command
+     * that is not Running is an end without a claim, or (terminal) late,
+     * which the state machine names. Found by fuzz_decide_report. */
     if (st->exists && store_event_is_terminal(ev->type) &&
-        st->status == KS__COMMAND_STATUS__RUNNING &&
-        ev->attempt != st->attempt) {
-        *why = "not the attempt the record says was claimed";
-        return KS_EDENIED;
+        !kproto_status_terminal(st->status)) {
+        if (st->status != KS__COMMAND_STATUS__RUNNING) {
+            *why = "the command was never claimed";
+            return KS_EDENIED;
+        }
+        if (ev->attempt != st->attempt) {
+            *why = "not the attempt the record says was claimed";
+            return KS_EDENIED;
+        }
     }
     return 0;
 }

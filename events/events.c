@@ -410,7 +410,10 @@ int
 evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
            size_t len, ProtobufCMessage **out)
 {
-    return evt_unpack_why(desc, data, len, out, NULL, 0);
+    int rc = evt_unpack_why(desc, data, len, out, NULL, 0);
+    /* Without a caller to tell which field, a string kscore cannot carry
+     * is one more way of being undecodable. */
+    return rc == KS_EINVAL ? KS_EDECODE : rc;
 }
 
 int

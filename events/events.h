@@ -240,7 +240,7 @@ int evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
  * NUL and run something other than what was recorded); otherwise
  * KS_EINVAL with why (why_len bytes, may be NULL) naming the field and the
  * rule, e.g. "ExecuteRequest.spec.argv: contains a NUL byte". evt_unpack
- * applies the same check without the text.
+ * applies the same check and calls a failure KS_EDECODE.
  */
 int evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, ProtobufCMessage **out, char *why,

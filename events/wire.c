@@ -76,6 +76,8 @@ check(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t len,
       int depth, char *path, size_t path_len, size_t path_cap, char *why,
       size_t why_len)
 {
+    if (len == 0)
+        return 0; /* p may be NULL: no pointer arithmetic on it */
     const uint8_t *end = p + len;
 
     if (depth > 16)
