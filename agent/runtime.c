@@ -520,6 +520,11 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     char event_id[37];
     int rc = 0;
 
+    /* The broker takes the claimer from the subject (and replies to its
+     * inbox): agent-<id>, which the NATS permissions grant this id's user
+     * (deploy/nats-auth.conf.in). One process may serve several ids. */
+    char claimer[EVT_AGENT_ID_MAX + 8];
+    snprintf(claimer, sizeof(claimer), "agent-%s", slot->id);
     ks_uuid(event_id);
     req.command_id = cmd->command_id;
     req.attempt = cmd->attempt;
@@ -535,8 +540,8 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
     for (;;) {
-        rc = evt_request(a->nc, EVT_API_CLAIM, &req.base, CLAIM_TIMEOUT_MS,
-                         &m);
+        rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+                            CLAIM_TIMEOUT_MS, &m);
         if (rc == 0 || a->stopping || ks_mono_us() >= give_up)
             break;
         nanosleep(&(struct timespec){0, pause_ms * 1000000L}, NULL);

@@ -494,6 +494,23 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error = why;
         goto reply;
     }
+    /* Who claims is what NATS vouches for: the API subject's last token,
+     * which the permissions let only agent-<id> use (or the broker, for
+     * its in-process agents). A field of the message proves nothing. */
+    {
+        const char *who = broker__operator_of(msg);
+        char want[EVT_AGENT_ID_MAX + 8];
+        snprintf(want, sizeof(want), "agent-%s", req->agent_id);
+        if (strcmp(who, want) != 0 && strcmp(who, "broker") != 0) {
+            snprintf(why, sizeof(why),
+                     "denied: '%s' may not claim for agent '%s' (only "
+                     "agent-%s may)",
+                     who, req->agent_id, req->agent_id);
+            r.error_code = KS_EDENIED;
+            r.error = why;
+            goto reply;
+        }
+    }
     snprintf(stream, sizeof(stream), "command-%s", req->command_id);
 
     Ks__Event ev;
@@ -526,8 +543,8 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
     struct store_event se = {&ev};
     /* Fast path: nothing happened since this attempt was dispatched. */
-    rc = store_append(cl->st, stream, (int64_t)req->expected_version,
-                      &se, 1, NULL);
+    rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
+                            req->agent_id, &se, NULL);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
      * may still claim while the command is Dispatched: the fence is the
@@ -536,13 +553,16 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         Ks__CommandView *v = NULL;
         if (store_get_command(cl->st, req->command_id, &v) != 0)
             break;
-        bool open = v->status == KS__COMMAND_STATUS__DISPATCHED &&
-                    strcmp(v->agent_id, req->agent_id) == 0;
+        bool mine = strcmp(v->agent_id, req->agent_id) == 0;
+        bool open = v->status == KS__COMMAND_STATUS__DISPATCHED;
         int64_t at = v->version;
         ks__command_view__free_unpacked(v, NULL);
-        if (!open)
+        if (!mine)
+            rc = KS_EDENIED; /* not this agent's: no trace on its stream */
+        if (!mine || !open)
             break;
-        rc = store_append(cl->st, stream, at, &se, 1, NULL);
+        rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
+                                NULL);
     }
     if (rc == 0 || rc == KS_EDUPLICATE) {
         /* A duplicate is this same claim retried: still ours. */
@@ -561,6 +581,9 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
+    } else if (rc == KS_EDENIED) {
+        r.error_code = rc;
+        r.error = "denied: the command is not addressed to this agent";
     } else {
         /* The agent hands the message back and claims again later. */
         r.error_code = rc;

@@ -327,25 +327,7 @@ int
 evt_request(struct evt_conn *c, const char *subject,
             const ProtobufCMessage *msg, int timeout_ms, natsMsg **reply_out)
 {
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    natsMsg *reply = NULL;
-    int rc;
-
-    char full[256];
-    rc = pack_checked(msg, &buf, &len);
-    if (rc)
-        return rc;
-    if (strncmp(subject, EVT_API_PREFIX, strlen(EVT_API_PREFIX)) == 0) {
-        snprintf(full, sizeof(full), "%s.%s", subject, c->identity);
-        subject = full;
-    }
-    rc = evt_request_bytes(c, subject, NULL, buf, len, timeout_ms, &reply);
-    free(buf);
-    if (rc)
-        return rc;
-    *reply_out = reply;
-    return 0;
+    return evt_request_as(c, NULL, subject, msg, timeout_ms, reply_out);
 }
 
 int

@@ -223,6 +223,17 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
  * (it waits in the calling thread).
  */
 int evt_inbox(const struct evt_conn *c, char *buf, size_t len);
+/*
+ * evt_request under another identity than the connection's: API subjects
+ * get ".<identity>" and the reply comes to "_INBOX.<identity>.<uuid>".
+ * For a connection that acts for several ids (an agent process serving
+ * several agent ids claims as "agent-<id>" for each): the server's
+ * permissions must allow that user both subjects. identity NULL: the
+ * connection's. Returns as evt_request.
+ */
+int evt_request_as(struct evt_conn *c, const char *identity,
+                   const char *subject, const ProtobufCMessage *msg,
+                   int timeout_ms, natsMsg **reply_out);
 int evt_request_bytes(struct evt_conn *c, const char *subject,
                       const char *msg_id, const void *data, size_t len,
                       int timeout_ms, natsMsg **reply_out);

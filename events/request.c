@@ -27,20 +27,66 @@
 
 #include "events.h"
 
-int
-evt_inbox(const struct evt_conn *c, char *buf, size_t len)
+static int
+inbox_of(const char *identity, char *buf, size_t len)
 {
     char id[37];
     ks_uuid(id);
     /* UUIDs are subject-safe (hex and '-'). */
-    int n = snprintf(buf, len, "_INBOX.%s.%s", c->identity, id);
+    int n = snprintf(buf, len, "_INBOX.%s.%s", identity, id);
     return n > 0 && (size_t)n < len ? 0 : KS_ETOOBIG;
 }
+
+int
+evt_inbox(const struct evt_conn *c, char *buf, size_t len)
+{
+    return inbox_of(c->identity, buf, len);
+}
+
+static int request_as(struct evt_conn *c, const char *identity,
+                      const char *subject, const char *msg_id,
+                      const void *data, size_t len, int timeout_ms,
+                      natsMsg **reply_out);
 
 int
 evt_request_bytes(struct evt_conn *c, const char *subject, const char *msg_id,
                   const void *data, size_t len, int timeout_ms,
                   natsMsg **reply_out)
+{
+    return request_as(c, c->identity, subject, msg_id, data, len, timeout_ms,
+                      reply_out);
+}
+
+int
+evt_request_as(struct evt_conn *c, const char *identity, const char *subject,
+               const ProtobufCMessage *msg, int timeout_ms,
+               natsMsg **reply_out)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    char full[256];
+    int rc;
+
+    if (!identity)
+        identity = c->identity;
+    if (protobuf_c_message_get_packed_size(msg) > KS_MAX_MESSAGE_BYTES)
+        return KS_ETOOBIG;
+    if ((rc = kproto_pack(msg, &buf, &len)))
+        return rc;
+    if (strncmp(subject, EVT_API_PREFIX, strlen(EVT_API_PREFIX)) == 0) {
+        snprintf(full, sizeof(full), "%s.%s", subject, identity);
+        subject = full;
+    }
+    rc = request_as(c, identity, subject, NULL, buf, len, timeout_ms,
+                    reply_out);
+    free(buf);
+    return rc;
+}
+
+static int
+request_as(struct evt_conn *c, const char *identity, const char *subject,
+           const char *msg_id, const void *data, size_t len, int timeout_ms,
+           natsMsg **reply_out)
 {
     natsSubscription *sub = NULL;
     natsMsg *req = NULL, *reply = NULL;
@@ -50,7 +96,7 @@ evt_request_bytes(struct evt_conn *c, const char *subject, const char *msg_id,
 
     if (len > KS_MAX_MESSAGE_BYTES)
         return KS_ETOOBIG;
-    if ((rc = evt_inbox(c, inbox, sizeof(inbox))))
+    if ((rc = inbox_of(identity, inbox, sizeof(inbox))))
         return rc;
     st = natsConnection_SubscribeSync(&sub, c->nc, inbox);
     /* One reply is all it waits for: the server drops the interest

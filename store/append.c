@@ -468,10 +468,36 @@ recheck_recorded(struct store *s, const char *stream_id, int64_t *version_out)
     return rc;
 }
 
+static int append_impl(struct store *s, const char *stream_id,
+                       int64_t expected_version,
+                       const struct store_event *events, size_t n,
+                       int64_t *version_out, const char *claim_agent);
+
 int
 store_append(struct store *s, const char *stream_id,
              int64_t expected_version, const struct store_event *events,
              size_t n, int64_t *version_out)
+{
+    return append_impl(s, stream_id, expected_version, events, n,
+                       version_out, NULL);
+}
+
+int
+store_append_claim(struct store *s, const char *stream_id,
+                   int64_t expected_version, const char *agent_id,
+                   const struct store_event *event, int64_t *version_out)
+{
+    BUG_ON(!agent_id);
+    if (strncmp(stream_id, "command-", 8) != 0 || !ks_is_uuid(stream_id + 8))
+        return KS_EINVAL;
+    return append_impl(s, stream_id, expected_version, event, 1,
+                       version_out, agent_id);
+}
+
+static int
+append_impl(struct store *s, const char *stream_id, int64_t expected_version,
+            const struct store_event *events, size_t n, int64_t *version_out,
+            const char *claim_agent)
 {
     const Ks__Event **evs = NULL;
     struct store__params p = {0};
@@ -526,8 +552,10 @@ store_append(struct store *s, const char *stream_id,
         rc = store__pg_error(s, NULL, NULL);
         goto out;
     }
-    rc = PQsendQueryPrepared(s->conn, "ks_append", p.n, p.val, p.len, p.fmt,
-                             0)
+    if (claim_agent)
+        store__p_text(&p, claim_agent);
+    rc = PQsendQueryPrepared(s->conn, claim_agent ? "ks_claim" : "ks_append",
+                             p.n, p.val, p.len, p.fmt, 0)
              ? 0
              : store__pg_error(s, NULL, NULL);
     for (size_t i = 0; i < n && rc == 0; i++) {

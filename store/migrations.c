@@ -584,7 +584,27 @@ static const char migration_3[] =
     "CREATE UNIQUE INDEX events_one_start ON events (stream_id)\n"
     "  WHERE type = 'CommandStarted';\n"
     SQL_RECORD_MANY("CREATE OR REPLACE")
-    SQL_PROJECT("CREATE OR REPLACE") ";\n";
+    SQL_PROJECT("CREATE OR REPLACE") ";\n"
+    /*
+     * The claim: kscore_append() of a CommandStarted (or a start failure)
+     * at the dispatch version, only by the agent the command is addressed
+     * to (KS004 otherwise). The expected version fences the rest: at the
+     * version the claim names, the command is the one dispatched to that
+     * agent, so reading agent_id without a lock is enough.
+     */
+    "CREATE FUNCTION kscore_claim(p_stream text, p_expected bigint,\n"
+    "  p_ids uuid[], p_types text[], p_data bytea[], p_agent text)\n"
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
+    "DECLARE a text;\n"
+    "BEGIN\n"
+    "  SELECT c.agent_id INTO a FROM commands c\n"
+    "    WHERE c.command_id = substr(p_stream, 9)::uuid;\n"
+    "  IF a IS DISTINCT FROM p_agent THEN\n"
+    "    RAISE EXCEPTION 'the command is not addressed to agent %', p_agent\n"
+    "      USING ERRCODE = 'KS004';\n"
+    "  END IF;\n"
+    "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
+    "END $$;\n";
 
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},

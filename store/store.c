@@ -240,6 +240,8 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
     keep_error(s, primary && *primary ? primary : msg);
     if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
         rc = KS_ECONFLICT;
+    else if (state && strcmp(state, STORE__SQLSTATE_NOT_YOURS) == 0)
+        rc = KS_EDENIED;
     else if (state && (strcmp(state, STORE__SQLSTATE_RECORDED) == 0 ||
                        strcmp(state, STORE__SQLSTATE_FRESH) == 0))
         rc = KS_EDUPLICATE;
@@ -513,6 +515,7 @@ static const struct {
 } statements[] = {
     {"ks_append", "SELECT kscore_append($1, $2, $3, $4, $5)"},
     {"ks_append_many", "SELECT kscore_append_many($1, $2, $3, $4)"},
+    {"ks_claim", "SELECT kscore_claim($1, $2, $3, $4, $5, $6)"},
     {"ks_record_many",
      "SELECT kscore_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"

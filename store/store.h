@@ -137,6 +137,16 @@ int store_append(struct store *s, const char *stream_id,
                  size_t n, int64_t *version_out);
 
 /*
+ * The claim's append: as store_append of one event on a command stream
+ * ("command-<uuid>") at expected_version, only if the command is
+ * addressed to agent_id (else KS_EDENIED, nothing written). One round
+ * trip (kscore_claim() in migration 3).
+ */
+int store_append_claim(struct store *s, const char *stream_id,
+                       int64_t expected_version, const char *agent_id,
+                       const struct store_event *event, int64_t *version_out);
+
+/*
  * Appends events for many streams in one transaction (the recorder's batch
  * path), each with STORE_ANY, in input order within each stream. Events
  * already recorded (by event_id), or repeated within the call, are skipped

@@ -16,6 +16,8 @@
 #define STORE__SQLSTATE_RECORDED "KS002" /* DETAIL: the stream's version */
 /* kscore_record_many(): some events are recorded; DETAIL: their ids. */
 #define STORE__SQLSTATE_FRESH "KS003"
+/* kscore_claim(): the claimer is not the command's agent. */
+#define STORE__SQLSTATE_NOT_YOURS "KS004"
 
 /* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
 #define STORE__OID_BOOL 16

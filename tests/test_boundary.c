@@ -277,6 +277,79 @@ START_TEST(claim_cannot_forge_a_result)
 }
 END_TEST
 
+static int
+claim_as(const char *identity, const char *command_id, const char *agent_id,
+         uint64_t version, char *err, size_t err_len)
+{
+    struct evt_conn *c = client(identity);
+    Ks__ClaimRequest cr = KS__CLAIM_REQUEST__INIT;
+    Ks__ClaimReply *rep = NULL;
+    char eid[37];
+    int rc;
+    ks_uuid(eid);
+    cr.command_id = (char *)command_id;
+    cr.attempt = 1;
+    cr.agent_id = (char *)agent_id;
+    cr.event_id = eid;
+    cr.expected_version = version;
+    ck_assert_int_eq(broker_call(c, EVT_API_CLAIM, &cr.base,
+                                 &ks__claim_reply__descriptor, 5000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    rc = rep->granted ? 0 : rep->error_code;
+    snprintf(err, err_len, "%s", rep->error);
+    ks__claim_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    return rc;
+}
+
+/*
+ * Issue 11 input 2, who claims: only the agent the command is addressed
+ * to, as NATS vouches (the subject's identity), may claim it; an operator,
+ * another agent naming itself, or another agent naming the right agent are
+ * all refused, and the command still runs on its own agent, once.
+ */
+START_TEST(only_the_addressed_agent_may_claim)
+{
+    struct evt_conn *op = client("root");
+    char id[37], err[256], sql[512], marker[PATH_MAX + 64];
+    char script[PATH_MAX + 128];
+
+    snprintf(marker, sizeof(marker), "%s/claimed", side);
+    snprintf(script, sizeof(script), "sleep 1; echo x >> %s", marker);
+    run_detached(op, script, id);
+    /* The claims race the real agent's: whatever their order, none of
+     * these may win. */
+    ck_assert_int_eq(claim_as("root", id, AGENT, 2, err, sizeof(err)),
+                     KS_EDENIED);
+    ck_assert_msg(strstr(err, "only agent-" AGENT), "%s", err);
+    ck_assert_int_eq(claim_as("agent-evil", id, AGENT, 2, err, sizeof(err)),
+                     KS_EDENIED);
+    int rc = claim_as("agent-evil", id, "evil", 2, err, sizeof(err));
+    ck_assert_msg(rc == KS_EDENIED, "rc %d: %s", rc, err);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded' AND agent_id = '%s'",
+             id, AGENT);
+    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'CommandStarted' AND position(convert_to('evil', "
+             "'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(sql_long(sql), 0);
+    FILE *f = fopen(marker, "r");
+    int lines = 0;
+    char line[16];
+    while (f && fgets(line, sizeof(line), f))
+        lines++;
+    if (f)
+        fclose(f);
+    ck_assert_int_eq(lines, 1);
+    evt_close(op);
+}
+END_TEST
+
 /* The raw bytes of an ExecuteRequest for argv, with byte `at` of the
  * packed message replaced by `with` (to put a NUL or bad UTF-8 inside a
  * string, which the protobuf-c API cannot). */
@@ -480,6 +553,7 @@ boundary_suite(void)
     tcase_add_test(tc, agent_cannot_inject_a_command);
     tcase_add_test(tc, another_agent_cannot_report_a_result);
     tcase_add_test(tc, claim_cannot_forge_a_result);
+    tcase_add_test(tc, only_the_addressed_agent_may_claim);
     tcase_add_test(tc, bad_fields_are_refused_by_name);
     tcase_add_test(tc, reply_address_must_be_the_callers_inbox);
     suite_add_tcase(s, tc);
