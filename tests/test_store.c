@@ -86,9 +86,9 @@ START_TEST(test_migrate_idempotent)
     ck_assert_int_eq(store_migrate(s, &err), 0);
     ck_assert_int_eq(store_migrate(s, &err), 0);
     ck_assert_int_eq(
-        sql_ll(s, "SELECT count(*) FROM schema_migrations%s", ""), 1);
+        sql_ll(s, "SELECT count(*) FROM schema_migrations%s", ""), 2);
     ck_assert_int_eq(
-        sql_ll(s, "SELECT max(version) FROM schema_migrations%s", ""), 1);
+        sql_ll(s, "SELECT max(version) FROM schema_migrations%s", ""), 2);
     store_close(s);
     store_close(NULL);
 }
