@@ -747,7 +747,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
                     (size_t)natsMsg_GetDataLength(msg),
                     (ProtobufCMessage **)&req);
     if (rc == 0 && is_batch_id(req->id)) {
-        rc = broker__batch_cancel(b, req->id);
+        rc = broker__batch_cancel(b, req->id, broker__operator_of(msg));
         if (rc == KS_ENOTFOUND) {
             r.error_code = rc;
             r.error = "no running batch with this id (it may have ended)";
