@@ -1280,17 +1280,16 @@ maintain(struct broker *b)
     free(tt.v);
 }
 
+/* Frees a list of jobs; a new batch still in one never started: its
+ * client is told why (code, text). */
 static void
-free_jobs(struct broker *b, struct job *j)
+free_jobs(struct broker *b, struct job *j, int code, const char *text)
 {
     while (j) {
         struct job *next = j->next;
         if (j->batch) {
-            /* A new batch that could not be made live. */
-            reply_error_to(b, j->batch->reply_subject, -ENOMEM,
-                           "out of memory");
-            reply_error_to(b, j->batch->accept_subject, -ENOMEM,
-                           "out of memory");
+            reply_error_to(b, j->batch->reply_subject, code, text);
+            reply_error_to(b, j->batch->accept_subject, code, text);
             batch_free(j->batch);
         }
         if (j->result)
@@ -1341,7 +1340,7 @@ scheduler_main(void *arg)
         if (tt.n)
             turn(b, tt.v, tt.n);
         free(tt.v);
-        free_jobs(b, jobs);
+        free_jobs(b, jobs, -ENOMEM, "out of memory");
         if (!m->stopping && ks_mono_us() >= next_tick) {
             maintain(b);
             next_tick = ks_mono_us() + (int64_t)BATCH_TICK_MS * 1000;
@@ -1369,7 +1368,7 @@ broker__batch_target_ended(struct broker *b, const char *command_id,
     if (!m)
         return 0;
     pthread_mutex_lock(&m->mu);
-    if (!ks_map_get(&m->by_cmd, command_id)) {
+    if (m->stopping || !ks_map_get(&m->by_cmd, command_id)) {
         /* Not a target of a batch driven here: its driver reads the end
          * from the record (poll_ends). */
         pthread_mutex_unlock(&m->mu);
@@ -1404,7 +1403,7 @@ broker__batch_cancel(struct broker *b, const char *batch_id,
     ev.operator_ = (char *)(operator_name ? operator_name : "");
     ev.reason = "cancel requested";
     pthread_mutex_lock(&m->api_mu);
-    rc = store_batch_request_cancel(m->st_api, &ev);
+    rc = m->st_api ? store_batch_request_cancel(m->st_api, &ev) : KS_ESTOPPED;
     pthread_mutex_unlock(&m->api_mu);
     if (rc)
         return rc;
@@ -1831,10 +1830,18 @@ free_live(const char *key, void *val, void *ud)
     batch_free(val);
 }
 
+/*
+ * Stops the scheduler and frees what it drove. The module's own struct
+ * stays allocated, stopped: broker_teardown stops the recorder after this,
+ * and its thread may still call broker__batch_target_ended (which then
+ * does nothing); freeing it here would race that call. The process exits
+ * after teardown.
+ */
 void
 broker__batch_stop(struct broker *b)
 {
     struct broker__batches *m = b->batches;
+    struct job *jobs;
     if (!m)
         return;
     pthread_mutex_lock(&m->mu);
@@ -1843,19 +1850,22 @@ broker__batch_stop(struct broker *b)
     pthread_mutex_unlock(&m->mu);
     if (m->started)
         pthread_join(m->thread, NULL);
+    m->started = false;
     /* What this broker drove, any broker may take over now rather than
      * when the leases run out. */
-    if (m->started && b->st_batch)
+    if (b->st_batch)
         store_batch_release(b->st_batch, m->owner, NULL, 0);
-    free_jobs(b, m->head);
+    pthread_mutex_lock(&m->mu);
+    jobs = m->head;
     m->head = NULL;
+    m->tail = &m->head;
     ks_map_each(&m->live, free_live, NULL);
     ks_map_clear(&m->live);
     ks_map_clear(&m->by_cmd);
+    pthread_mutex_unlock(&m->mu);
+    free_jobs(b, jobs, KS_ESTOPPED, "the broker is stopping");
+    pthread_mutex_lock(&m->api_mu);
     store_close(m->st_api);
-    pthread_mutex_destroy(&m->mu);
-    pthread_mutex_destroy(&m->api_mu);
-    pthread_cond_destroy(&m->cond);
-    free(m);
-    b->batches = NULL;
+    m->st_api = NULL;
+    pthread_mutex_unlock(&m->api_mu);
 }
