@@ -33,7 +33,9 @@
  * targets' states from the commands projection (a target that ended while
  * nobody drove the batch is counted then, once, and reported with
  * BatchTargetEnded), the cancel from BatchCancelRequested, and where the
- * waiting client listens from the lease row.
+ * waiting client listens from the lease row. The driver sends that client
+ * a progress message with no target at acceptance (the client learns the
+ * batch id) and at every tick (a heartbeat: the batch has a driver).
  *
  * Rate control, exactly, across restarts (in flight = requested and not
  * ended, from the record):
