@@ -728,7 +728,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             ls[i].progress_subject = touched[i]->req->progress_subject;
             ls[i].ended = touched[i]->done;
         }
-        for (int tries = 0; rc == 0 && tries < 50; tries++) {
+        for (int tries = 0; evs && ls && tries < 50; tries++) {
             rc = store_batch_append(b->st_batch, m->owner, BATCH_LEASE_MS,
                                     ls, nt, (const Ks__Event *const *)evs,
                                     p.n, &dups);
