@@ -85,7 +85,8 @@ struct batch {
     bool accepted_now; /* BatchRequested is in this turn's plan */
     bool cancel_req;   /* operator cancel: cancel running targets too */
     bool cancel_sent;
-    bool done;
+    bool done;          /* BatchCompleted is planned */
+    bool done_recorded; /* ... and committed: views may say so */
     char *reply_subject;  /* NULL when detached (replied at acceptance) */
     char *accept_subject; /* detached: reply once recorded */
     int64_t start_mono_us;
@@ -534,7 +535,10 @@ fill_reply(const struct batch *bt, Ks__BatchReply *r, Ks__BatchCounts *c,
     ks__batch_reply__init(r);
     counts_of(bt, c);
     r->batch_id = (char *)bt->id;
-    r->status = bt->done ? final_status(bt) : KS__BATCH_STATUS__BATCH_RUNNING;
+    /* Not before the commit: a reader must not see an end the record
+     * does not have yet. */
+    r->status = bt->done_recorded ? final_status(bt)
+                                  : KS__BATCH_STATUS__BATCH_RUNNING;
     r->counts = c;
     r->elapsed_us = ks_mono_us() - bt->start_mono_us;
     r->max_concurrency = bt->conc;
@@ -748,6 +752,10 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             return;
         }
     }
+    pthread_mutex_lock(&m->mu);
+    for (size_t i = 0; i < nt; i++)
+        touched[i]->done_recorded = touched[i]->done;
+    pthread_mutex_unlock(&m->mu);
     for (size_t i = 0; i < p.npub; i++) {
         int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
         if (prc)

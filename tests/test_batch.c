@@ -335,6 +335,17 @@ bg_join(struct bg_run *r)
     ck_assert_int_eq(r->rc, 0);
 }
 
+/* A test that failed while its broker was down does not fail the next
+ * ones: each starts with the stack's broker up, and broker2 down. */
+static void
+ensure_broker(void)
+{
+    pid_t pid;
+    stack_stop(stack.dir, "broker2", 20000);
+    if (!stack_pidfile_alive(stack.dir, "broker", &pid))
+        ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
+}
+
 /* Three agent processes "<p>a", "<p>b", "<p>c" (pid files agent-<p>a ...):
  * unlike the broker's in-process agents, they live through its death. */
 static void
@@ -555,6 +566,7 @@ batch_across_restart(int sig, const char *prefix)
     char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
     agents_up(prefix, ids, csv, sizeof(csv));
     snprintf(sh, sizeof(sh),
              "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 2",
@@ -611,6 +623,7 @@ START_TEST(error_budget_survives_broker_kill)
     char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
     agents_up("re", ids, csv, sizeof(csv));
     snprintf(sh, sizeof(sh),
              "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 2; "
@@ -689,6 +702,7 @@ cancel_batch(const char *id)
 START_TEST(cancel_adopted_batch)
 {
     char ids[3][32], csv[128], x[64], y[64];
+    ensure_broker();
     agents_up("rc", ids, csv, sizeof(csv));
     const char *xa[] = {"batch", "--agents", csv, "--max-concurrency", "1",
                         "--detach", "--", "sleep", "3561", NULL};
@@ -747,6 +761,7 @@ START_TEST(client_gives_up_with_a_hint)
     char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
     agents_up("rg", ids, csv, sizeof(csv));
     snprintf(sh, sizeof(sh),
              "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 1",
@@ -819,6 +834,7 @@ START_TEST(another_broker_takes_over)
     char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
     broker2_start();
     agents_up("r2", ids, csv, sizeof(csv));
     snprintf(sh, sizeof(sh),
@@ -902,6 +918,7 @@ START_TEST(lease_fences_other_brokers)
     char ids[3][32], csv[128], id[64], evid[37];
     struct store *st = NULL;
     char *why = NULL;
+    ensure_broker();
     agents_up("rf", ids, csv, sizeof(csv));
     const char *args[] = {"batch", "--agents", csv, "--max-concurrency",
                           "1", "--detach", "--", "sleep", "3564", NULL};
