@@ -34,10 +34,11 @@ static const char batch_usage[] =
     "answers for 20s it prints how to follow the batch and exits 125.\n"
     CLI_CONN_USAGE;
 
-/* Waiting for a batch: when nothing arrived for BATCH_POLL_MS, ask any
- * broker for the batch (kscore get); when none answers for
- * BATCH_GIVE_UP_MS, say how to follow it and give up; a batch not
- * accepted within BATCH_ACCEPT_MS was never recorded. */
+/* Waiting for a batch: its driver sends a progress message at least every
+ * second; when nothing arrived for BATCH_POLL_MS, ask any broker for the
+ * batch (kscore get); when none answers for BATCH_GIVE_UP_MS, say how to
+ * follow it and give up. No message at all within BATCH_ACCEPT_MS: no
+ * broker accepted (recorded) it. */
 #define BATCH_POLL_MS 2000
 #define BATCH_GIVE_UP_MS 20000
 #define BATCH_ACCEPT_MS 30000
