@@ -1708,6 +1708,74 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
     return 0;
 }
 
+struct overlay {
+    Ks__BatchReply *r;
+    struct ks_map idx; /* command id -> target index + 1 */
+    uint32_t *attempt;
+};
+
+static int
+overlay_state(const struct store_command_state *c, void *ud)
+{
+    struct overlay *o = ud;
+    uintptr_t i = (uintptr_t)ks_map_get(&o->idx, c->command_id);
+    if (i) {
+        o->r->targets[i - 1]->status = c->status;
+        o->attempt[i - 1] = c->attempt;
+    }
+    return 0;
+}
+
+/*
+ * An open batch read from its stream (driven by another broker, or by
+ * none while one takes it over) knows only the targets whose end its
+ * driver reported: the states and counts come from the commands
+ * projection instead, so a target that ended meanwhile never shows
+ * Pending. Targets never requested stay Pending; in flight ones show
+ * their command's state.
+ */
+static int
+view_overlay(struct store *st, Ks__BatchReply *r)
+{
+    struct overlay o = {.r = r, .idx = KS_MAP_INIT};
+    const char **ids = calloc(r->n_targets ? r->n_targets : 1, sizeof(*ids));
+    int rc = 0;
+
+    o.attempt = calloc(r->n_targets ? r->n_targets : 1, sizeof(*o.attempt));
+    if (!ids || !o.attempt || !r->counts)
+        rc = -ENOMEM;
+    for (size_t i = 0; rc == 0 && i < r->n_targets; i++) {
+        ids[i] = r->targets[i]->command_id;
+        rc = ks_map_put(&o.idx, ids[i], (void *)(i + 1));
+    }
+    if (rc == 0)
+        rc = store_command_states(st, ids, r->n_targets, 0, overlay_state,
+                                  &o);
+    if (rc == 0) {
+        Ks__BatchCounts *c = r->counts;
+        c->total = (uint32_t)r->n_targets;
+        c->pending = c->running = c->succeeded = c->failed = c->cancelled =
+            0;
+        for (size_t i = 0; i < r->n_targets; i++) {
+            Ks__CommandStatus s = r->targets[i]->status;
+            if (s == KS__COMMAND_STATUS__PENDING)
+                c->pending++;
+            else if (!kproto_status_terminal(s))
+                c->running++;
+            else if (s == KS__COMMAND_STATUS__SUCCEEDED)
+                c->succeeded++;
+            else if (s == KS__COMMAND_STATUS__CANCELLED && o.attempt[i] == 0)
+                c->cancelled++;
+            else
+                c->failed++;
+        }
+    }
+    ks_map_clear(&o.idx);
+    free(o.attempt);
+    free(ids);
+    return rc;
+}
+
 int
 broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
                    Ks__BatchReply **out)
@@ -1763,6 +1831,8 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
         if (r->status == KS__BATCH_STATUS__BATCH_RUNNING)
             r->elapsed_us = 0;
     }
+    if (rc == 0 && r->status == KS__BATCH_STATUS__BATCH_RUNNING)
+        rc = view_overlay(st, r);
     /* Normalise ownership: repack so protobuf-c's free_unpacked owns it. */
     if (rc == 0 && kproto_pack(&r->base, &buf, &len) == 0) {
         *out = ks__batch_reply__unpack(NULL, len, buf);
