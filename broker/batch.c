@@ -26,10 +26,13 @@
  * targets have ended in the record (an end recorded by another broker's
  * recorder never reaches this process otherwise), and adopts open batches
  * whose lease has run out: a dead broker's batches continue on another
- * within BATCH_LEASE_MS + BATCH_TICK_MS, and at start a broker adopts what
- * a broker stopped cleanly left (a clean stop releases its leases). Nothing
- * a batch needs lives only in one process: adoption rebuilds it from the
- * record (batch_load): the spec and targets from BatchRequested, the
+ * within BATCH_LEASE_MS + BATCH_TICK_MS. A stopping broker dispatches
+ * nothing more and hands its batches over at once (hand_over: releases
+ * their leases), so another broker, or this one restarted, continues them
+ * without waiting for the leases to run out.
+ *
+ * Nothing a batch needs lives only in one process: adoption rebuilds it
+ * from the record (batch_load): the spec and targets from BatchRequested, the
  * targets' states from the commands projection (a target that ended while
  * nobody drove the batch is counted then, once, and reported with
  * BatchTargetEnded), the cancel from BatchCancelRequested, and where the
@@ -111,6 +114,7 @@ struct broker__batches {
     struct job *head, **tail;
     pthread_t thread;
     bool started, stopping;
+    bool handed_over; /* hand_over(): nothing is driven here any more */
     /* "<host>/<pid>/<uuid>": this process in batch_leases.owner. */
     char owner[STORE_BATCH_OWNER_MAX + 1];
     /* For the API threads (cancel, refusals), under api_mu: the scheduler
@@ -312,6 +316,7 @@ struct slot {
 };
 
 struct plan {
+    bool no_dispatch; /* the broker is stopping: start nothing new */
     struct slot **slots;
     size_t n, cap;
     Ks__Command **publish; /* commands to publish after the commit */
@@ -493,7 +498,7 @@ plan_batch(struct plan *p, struct batch *bt)
         bt->recorded = true;
         bt->accepted_now = true;
     }
-    while (rc == 0 && may_dispatch(bt))
+    while (rc == 0 && !p->no_dispatch && may_dispatch(bt))
         rc = dispatch_target(p, bt, &bt->t[bt->next]);
     if (rc == 0 && next_pending(bt) < bt->n &&
         (bt->cancel_req || (bt->has_max_err && bt->failed >= bt->max_err))) {
@@ -620,6 +625,8 @@ apply_job(struct broker__batches *m, struct job *j)
 
     switch (j->kind) {
     case JOB_NEW:
+        if (m->handed_over)
+            return NULL; /* refused: freed with the job, after the reply */
         bt = j->batch;
         j->batch = NULL;
         if (batch_register(m, bt) != 0) {
@@ -705,7 +712,7 @@ static void
 turn(struct broker *b, struct batch **touched, size_t nt)
 {
     struct broker__batches *m = b->batches;
-    struct plan p = {0};
+    struct plan p = {.no_dispatch = b->stopping};
     int rc = 0;
 
     pthread_mutex_lock(&m->mu);
@@ -1051,6 +1058,7 @@ touch(struct touched *t, struct batch *bt)
 /* Live batches in a snapshot: the scheduler thread alone frees them, so
  * the pointers outlive the lock. */
 struct snapshot {
+    bool all; /* also batches not recorded yet */
     struct batch **v;
     bool *held;
     size_t n, cap;
@@ -1063,7 +1071,7 @@ snap_one(const char *key, void *val, void *ud)
     struct snapshot *s = ud;
     struct batch *bt = val;
     (void)key;
-    if (!bt->recorded || s->rc)
+    if ((!bt->recorded && !s->all) || s->rc)
         return; /* its lease row comes with its first commit */
     if (s->n == s->cap) {
         size_t nc = s->cap ? s->cap * 2 : 16;
@@ -1309,6 +1317,41 @@ free_jobs(struct broker *b, struct job *j, int code, const char *text)
     }
 }
 
+/*
+ * The broker is stopping (its in-process agents first): dispatch nothing
+ * more onto it. Every batch driven here is dropped and its lease released,
+ * so the broker that takes over (another one, or this one restarted)
+ * continues it from the record at once; ends recorded meanwhile are read
+ * there. New batches are refused from now on.
+ */
+static void
+hand_over(struct broker *b)
+{
+    struct broker__batches *m = b->batches;
+    struct snapshot snap = {.all = true};
+
+    pthread_mutex_lock(&m->mu);
+    m->handed_over = true;
+    ks_map_each(&m->live, snap_one, &snap);
+    pthread_mutex_unlock(&m->mu);
+    for (size_t i = 0; i < snap.n; i++) {
+        struct batch *bt = snap.v[i];
+        if (!bt->recorded) { /* never recorded: it does not exist */
+            reply_error_to(b, bt->reply_subject, KS_ESTOPPED,
+                           "the broker is stopping");
+            reply_error_to(b, bt->accept_subject, KS_ESTOPPED,
+                           "the broker is stopping");
+        }
+        batch_drop(m, bt);
+    }
+    if (snap.n)
+        fprintf(stderr, "kscore batch: stopping: %zu batch(es) left to "
+                        "the next broker\n",
+                snap.n);
+    store_batch_release(b->st_batch, m->owner, NULL, 0);
+    free(snap.v);
+}
+
 static void *
 scheduler_main(void *arg)
 {
@@ -1350,9 +1393,14 @@ scheduler_main(void *arg)
         if (tt.n)
             turn(b, tt.v, tt.n);
         free(tt.v);
-        free_jobs(b, jobs, -ENOMEM, "out of memory");
-        if (!m->stopping && ks_mono_us() >= next_tick) {
-            maintain(b);
+        free_jobs(b, jobs, m->handed_over ? KS_ESTOPPED : -ENOMEM,
+                  m->handed_over ? "the broker is stopping"
+                                 : "out of memory");
+        if (b->stopping && !m->handed_over)
+            hand_over(b);
+        if (ks_mono_us() >= next_tick) {
+            if (!m->stopping && !m->handed_over)
+                maintain(b);
             next_tick = ks_mono_us() + (int64_t)BATCH_TICK_MS * 1000;
         }
     }
