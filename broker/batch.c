@@ -1,22 +1,47 @@
 /*
  * BatchExecuteCommand: fan-out across agents with exact rate and error
- * control.
+ * control, driven by exactly one broker at a time, continued by another
+ * when that broker dies.
  *
- * A batch is a stream "batch-<uuid>" (BatchRequested, one BatchTargetEnded
+ * A batch is a stream "batch-<uuid>" (BatchRequested with its spec and
+ * every target's command id, BatchCancelRequested, one BatchTargetEnded
  * per target, BatchCompleted) plus one command per target, each with its
  * own stream. A target is Pending until the scheduler dispatches it (then
  * its command stream starts: CommandRequested + CommandDispatched), and it
  * ends like any command (the recorder, the claim handler, the scanner or a
  * cancel call broker__command_ended, which hands it to this module).
  *
- * One scheduler thread owns every batch's progress: it takes what happened
- * since its last turn (new batches, ended targets, cancels), decides what to
- * dispatch or cancel, records all of it in ONE transaction
- * (store_append_many), then publishes the commands, the progress messages
- * and the final replies. So a busy batch costs one commit per turn, not one
- * per target.
+ * One scheduler thread owns the progress of every batch this broker
+ * drives: it takes what happened since its last turn (new batches, ended
+ * targets, cancels), decides what to dispatch or cancel, records all of it
+ * in ONE transaction (store_batch_append), then publishes the commands,
+ * the progress messages and the final replies. So a busy batch costs one
+ * commit per turn, not one per target.
  *
- * Rate control, exactly:
+ * Who drives (the lease, store.h "batch leases"): the transaction of a
+ * turn first takes or extends this broker's lease on every batch it
+ * touches, and commits only if they are all still this broker's; every
+ * BATCH_TICK_MS the scheduler renews its leases (a batch whose lease is
+ * gone is dropped: another broker drives it), reads which of its in-flight
+ * targets have ended in the record (an end recorded by another broker's
+ * recorder never reaches this process otherwise), and adopts open batches
+ * whose lease has run out: a dead broker's batches continue on another
+ * within BATCH_LEASE_MS + BATCH_TICK_MS. A stopping broker dispatches
+ * nothing more and hands its batches over at once (hand_over: releases
+ * their leases), so another broker, or this one restarted, continues them
+ * without waiting for the leases to run out.
+ *
+ * Nothing a batch needs lives only in one process: adoption rebuilds it
+ * from the record (batch_load): the spec and targets from BatchRequested, the
+ * targets' states from the commands projection (a target that ended while
+ * nobody drove the batch is counted then, once, and reported with
+ * BatchTargetEnded), the cancel from BatchCancelRequested, and where the
+ * waiting client listens from the lease row. The driver sends that client
+ * a progress message with no target at acceptance (the client learns the
+ * batch id) and at every tick (a heartbeat: the batch has a driver).
+ *
+ * Rate control, exactly, across restarts (in flight = requested and not
+ * ended, from the record):
  *   in flight <= max_concurrency;
  *   max_errors E: once E targets have failed, nothing more is dispatched and
  *   the pending targets end Cancelled (in-flight ones finish);
@@ -26,15 +51,27 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "broker_int.h"
+
+/* A driver renews every tick; a batch whose driver is silent this long is
+ * adopted by any broker. */
+#define BATCH_LEASE_MS 6000
+#define BATCH_TICK_MS 1000
+/* Batches adopted per tick (the rest on the next ones). */
+#define BATCH_ADOPT_LIMIT 64
 
 struct btarget {
     char agent_id[EVT_AGENT_ID_MAX + 1];
     char command_id[37];
-    Ks__CommandStatus status; /* PENDING, DISPATCHED, then terminal */
+    /* PENDING: never requested; DISPATCHED: requested, not ended (in
+     * flight, whatever its command's own state); then terminal. */
+    Ks__CommandStatus status;
     Ks__CommandResult *result; /* owned copy once ended */
     bool ended_unreported;     /* ended, BatchTargetEnded not yet recorded */
+    bool reported;             /* batch_load: BatchTargetEnded recorded */
 };
 
 struct batch {
@@ -42,16 +79,18 @@ struct batch {
     char operator_name[64];
     Ks__BatchRequest *req; /* owned; req->spec is every target's spec */
     struct btarget *t;
-    size_t n, next; /* next: first never-dispatched target */
+    size_t n, next; /* next: no Pending target before it */
     char **agent_ptrs, **cmd_ptrs; /* for BatchSpec */
     unsigned running, succeeded, failed, cancelled;
     uint32_t conc, max_err;
     bool has_max_err, strict;
-    bool recorded;   /* BatchRequested committed */
-    bool cancel_req; /* operator cancel: cancel running targets too */
+    bool recorded;     /* BatchRequested committed (or in this turn) */
+    bool accepted_now; /* BatchRequested is in this turn's plan */
+    bool cancel_req;   /* operator cancel: cancel running targets too */
     bool cancel_sent;
-    bool done;
-    char *reply_subject; /* NULL when detached (replied at acceptance) */
+    bool done;          /* BatchCompleted is planned */
+    bool done_recorded; /* ... and committed: views may say so */
+    char *reply_subject;  /* NULL when detached (replied at acceptance) */
     char *accept_subject; /* detached: reply once recorded */
     int64_t start_mono_us;
 };
@@ -61,19 +100,27 @@ enum job_kind { JOB_NEW, JOB_ENDED, JOB_CANCEL };
 struct job {
     struct job *next;
     enum job_kind kind;
-    struct batch *batch;
-    char command_id[37];
+    struct batch *batch;       /* JOB_NEW: owned until applied */
+    char batch_id[48];         /* JOB_CANCEL */
+    char command_id[37];       /* JOB_ENDED */
     Ks__CommandResult *result; /* owned copy */
 };
 
 struct broker__batches {
     pthread_mutex_t mu;
-    pthread_cond_t cond;
-    struct ks_map live;   /* batch id -> struct batch * */
-    struct ks_map by_cmd; /* command id -> struct batch * */
+    pthread_cond_t cond;  /* on CLOCK_MONOTONIC */
+    struct ks_map live;   /* batch id -> struct batch *, driven here */
+    struct ks_map by_cmd; /* command id -> struct batch *, its targets */
     struct job *head, **tail;
     pthread_t thread;
     bool started, stopping;
+    bool handed_over; /* hand_over(): nothing is driven here any more */
+    /* "<host>/<pid>/<uuid>": this process in batch_leases.owner. */
+    char owner[STORE_BATCH_OWNER_MAX + 1];
+    /* For the API threads (cancel, refusals), under api_mu: the scheduler
+     * owns b->st_batch. */
+    pthread_mutex_t api_mu;
+    struct store *st_api;
 };
 
 /* ---- helpers ------------------------------------------------------------- */
@@ -98,7 +145,7 @@ batch_free(struct batch *bt)
 {
     if (!bt)
         return;
-    for (size_t i = 0; i < bt->n; i++)
+    for (size_t i = 0; bt->t && i < bt->n; i++)
         if (bt->t[i].result)
             ks__command_result__free_unpacked(bt->t[i].result, NULL);
     free(bt->t);
@@ -109,6 +156,26 @@ batch_free(struct batch *bt)
     free(bt->reply_subject);
     free(bt->accept_subject);
     free(bt);
+}
+
+/* A batch of n targets with nothing filled in; NULL without memory. */
+static struct batch *
+batch_alloc(size_t n)
+{
+    struct batch *bt = calloc(1, sizeof(*bt));
+    if (!bt || !(bt->t = calloc(n ? n : 1, sizeof(*bt->t))) ||
+        !(bt->agent_ptrs = calloc(n ? n : 1, sizeof(char *))) ||
+        !(bt->cmd_ptrs = calloc(n ? n : 1, sizeof(char *)))) {
+        batch_free(bt);
+        return NULL;
+    }
+    bt->n = n;
+    for (size_t i = 0; i < n; i++) {
+        bt->t[i].status = KS__COMMAND_STATUS__PENDING;
+        bt->agent_ptrs[i] = bt->t[i].agent_id;
+        bt->cmd_ptrs[i] = bt->t[i].command_id;
+    }
+    return bt;
 }
 
 static void
@@ -150,6 +217,91 @@ resolve_amount(const Ks__Amount *a, size_t n, bool at_least_one)
     return (uint32_t)v;
 }
 
+/* The first Pending target at or after bt->next (bt->n: none). Targets
+ * leave Pending in index order, but a batch rebuilt from the record is
+ * scanned, not trusted. */
+static size_t
+next_pending(struct batch *bt)
+{
+    while (bt->next < bt->n &&
+           bt->t[bt->next].status != KS__COMMAND_STATUS__PENDING)
+        bt->next++;
+    return bt->next;
+}
+
+/*
+ * Counts target t as ended with status st (BatchCounts: cancelled is a
+ * target never dispatched, failed every other non-success). Once: a
+ * target already terminal is left alone (a result reported twice, or seen
+ * both in the record and as a job). result is taken (freed if unused).
+ * report: BatchTargetEnded is still to be recorded. Caller holds m->mu
+ * once the batch is live.
+ */
+static bool
+target_end(struct batch *bt, struct btarget *t, Ks__CommandStatus st,
+           bool never_dispatched, Ks__CommandResult *result, bool report)
+{
+    if (kproto_status_terminal(t->status)) {
+        if (result)
+            ks__command_result__free_unpacked(result, NULL);
+        return false;
+    }
+    if (t->status != KS__COMMAND_STATUS__PENDING && bt->running)
+        bt->running--;
+    t->status = st;
+    t->result = result;
+    t->ended_unreported = report;
+    if (st == KS__COMMAND_STATUS__SUCCEEDED)
+        bt->succeeded++;
+    else if (st == KS__COMMAND_STATUS__CANCELLED && never_dispatched)
+        bt->cancelled++;
+    else
+        bt->failed++;
+    return true;
+}
+
+static struct btarget *
+target_of(struct batch *bt, const char *command_id)
+{
+    for (size_t i = 0; i < bt->n; i++)
+        if (strcmp(bt->t[i].command_id, command_id) == 0)
+            return &bt->t[i];
+    return NULL;
+}
+
+/* Makes bt live here: its id and every target's command id find it.
+ * Caller holds m->mu. */
+static int
+batch_register(struct broker__batches *m, struct batch *bt)
+{
+    int rc = ks_map_put(&m->live, bt->id, bt);
+    for (size_t i = 0; rc == 0 && i < bt->n; i++)
+        rc = ks_map_put(&m->by_cmd, bt->t[i].command_id, bt);
+    return rc;
+}
+
+/* Forgets bt (it stays allocated). Caller holds m->mu. */
+static void
+batch_unregister(struct broker__batches *m, struct batch *bt)
+{
+    if (ks_map_get(&m->live, bt->id) == bt)
+        ks_map_del(&m->live, bt->id);
+    for (size_t i = 0; i < bt->n; i++)
+        if (ks_map_get(&m->by_cmd, bt->t[i].command_id) == bt)
+            ks_map_del(&m->by_cmd, bt->t[i].command_id);
+}
+
+/* Unregisters and frees bt: the scheduler thread only (it alone frees
+ * batches, so its pointers stay valid between its own calls). */
+static void
+batch_drop(struct broker__batches *m, struct batch *bt)
+{
+    pthread_mutex_lock(&m->mu);
+    batch_unregister(m, bt);
+    pthread_mutex_unlock(&m->mu);
+    batch_free(bt);
+}
+
 /* ---- the plan of one turn ------------------------------------------------- */
 
 /* Storage for one event and what it points to. */
@@ -164,6 +316,7 @@ struct slot {
 };
 
 struct plan {
+    bool no_dispatch; /* the broker is stopping: start nothing new */
     struct slot **slots;
     size_t n, cap;
     Ks__Command **publish; /* commands to publish after the commit */
@@ -299,15 +452,13 @@ cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
     c->ev.result = &c->res;
     c->ev.reason = (char *)why;
     c->ev.operator_ = bt->operator_name;
-    t->status = KS__COMMAND_STATUS__CANCELLED;
-    t->result = copy_result(&c->res);
-    t->ended_unreported = true;
-    bt->cancelled++;
+    target_end(bt, t, KS__COMMAND_STATUS__CANCELLED, true,
+               copy_result(&c->res), true);
     return 0;
 }
 
 static bool
-may_dispatch(const struct batch *bt)
+may_dispatch(struct batch *bt)
 {
     if (bt->cancel_req)
         return false;
@@ -318,7 +469,7 @@ may_dispatch(const struct batch *bt)
     if (bt->strict && bt->has_max_err &&
         bt->running >= bt->max_err - bt->failed)
         return false;
-    return bt->next < bt->n;
+    return next_pending(bt) < bt->n;
 }
 
 /* Decides one batch's turn into p. Caller holds the module lock. */
@@ -345,17 +496,18 @@ plan_batch(struct plan *p, struct batch *bt)
         sp->deliver_within_ms = bt->req->deliver_within_ms;
         s->ev.batch = sp;
         bt->recorded = true;
+        bt->accepted_now = true;
     }
-    while (rc == 0 && may_dispatch(bt))
-        rc = dispatch_target(p, bt, &bt->t[bt->next++]);
-    if (rc == 0 && bt->next < bt->n &&
+    while (rc == 0 && !p->no_dispatch && may_dispatch(bt))
+        rc = dispatch_target(p, bt, &bt->t[bt->next]);
+    if (rc == 0 && next_pending(bt) < bt->n &&
         (bt->cancel_req || (bt->has_max_err && bt->failed >= bt->max_err))) {
         const char *why = bt->cancel_req
                               ? "batch cancelled before this target ran"
                               : "batch error budget spent before this target "
                                 "ran";
-        while (rc == 0 && bt->next < bt->n)
-            rc = cancel_pending(p, bt, &bt->t[bt->next++], why);
+        while (rc == 0 && next_pending(bt) < bt->n)
+            rc = cancel_pending(p, bt, &bt->t[bt->next], why);
     }
     for (size_t i = 0; rc == 0 && i < bt->n; i++) {
         struct btarget *t = &bt->t[i];
@@ -368,7 +520,8 @@ plan_batch(struct plan *p, struct batch *bt)
         s->ev.agent_id = t->agent_id;
         s->ev.target_status = t->status;
     }
-    if (rc == 0 && !bt->done && bt->next == bt->n && bt->running == 0) {
+    if (rc == 0 && !bt->done && next_pending(bt) == bt->n &&
+        bt->running == 0) {
         struct slot *s = batch_event(p, bt, "BatchCompleted");
         if (!s)
             return -ENOMEM;
@@ -387,7 +540,10 @@ fill_reply(const struct batch *bt, Ks__BatchReply *r, Ks__BatchCounts *c,
     ks__batch_reply__init(r);
     counts_of(bt, c);
     r->batch_id = (char *)bt->id;
-    r->status = bt->done ? final_status(bt) : KS__BATCH_STATUS__BATCH_RUNNING;
+    /* Not before the commit: a reader must not see an end the record
+     * does not have yet. */
+    r->status = bt->done_recorded ? final_status(bt)
+                                  : KS__BATCH_STATUS__BATCH_RUNNING;
     r->counts = c;
     r->elapsed_us = ks_mono_us() - bt->start_mono_us;
     r->max_concurrency = bt->conc;
@@ -429,6 +585,8 @@ send_reply(struct broker *b, struct batch *bt, const char *subject)
     free(rs);
 }
 
+/* A progress message: t ended, or (t NULL) the batch is recorded, which
+ * tells a waiting client its id (to follow it should its broker die). */
 static void
 send_progress(struct broker *b, struct batch *bt, struct btarget *t)
 {
@@ -438,12 +596,14 @@ send_progress(struct broker *b, struct batch *bt, struct btarget *t)
     if (!bt->req->progress_subject[0])
         return;
     counts_of(bt, &c);
-    tg.agent_id = t->agent_id;
-    tg.command_id = t->command_id;
-    tg.status = t->status;
-    tg.result = t->result;
+    if (t) {
+        tg.agent_id = t->agent_id;
+        tg.command_id = t->command_id;
+        tg.status = t->status;
+        tg.result = t->result;
+        pr.target = &tg;
+    }
     pr.batch_id = bt->id;
-    pr.target = &tg;
     pr.counts = &c;
     pr.elapsed_us = ks_mono_us() - bt->start_mono_us;
     if (evt_publish_msg(b->nc, bt->req->progress_subject, &pr.base) ==
@@ -455,82 +615,145 @@ send_progress(struct broker *b, struct batch *bt, struct btarget *t)
 
 /* ---- the scheduler thread ------------------------------------------------- */
 
-static void
+/* Applies one job; returns the batch it touched, or NULL. Caller holds
+ * m->mu. */
+static struct batch *
 apply_job(struct broker__batches *m, struct job *j)
 {
-    struct batch *bt = j->batch;
+    struct batch *bt;
+    struct btarget *t;
+
     switch (j->kind) {
     case JOB_NEW:
-        break;
-    case JOB_CANCEL:
-        bt->cancel_req = true;
-        break;
-    case JOB_ENDED:
-        for (size_t i = 0; i < bt->n; i++) {
-            struct btarget *t = &bt->t[i];
-            if (strcmp(t->command_id, j->command_id) != 0)
-                continue;
-            if (kproto_status_terminal(t->status))
-                break; /* reported twice (a replay of a result): once */
-            Ks__CommandStatus st = j->result
-                                       ? j->result->status
-                                       : KS__COMMAND_STATUS__FAILED;
-            t->status = st;
-            t->result = j->result;
-            j->result = NULL;
-            t->ended_unreported = true;
-            if (bt->running)
-                bt->running--;
-            if (st == KS__COMMAND_STATUS__SUCCEEDED)
-                bt->succeeded++;
-            else
-                bt->failed++;
-            ks_map_del(&m->by_cmd, t->command_id);
-            break;
+        if (m->handed_over)
+            return NULL; /* refused: freed with the job, after the reply */
+        bt = j->batch;
+        j->batch = NULL;
+        if (batch_register(m, bt) != 0) {
+            /* Out of memory: the client never hears of it; tell it. */
+            batch_unregister(m, bt);
+            j->batch = bt; /* freed with the job, after the reply */
+            return NULL;
         }
-        break;
+        return bt;
+    case JOB_CANCEL:
+        bt = ks_map_get(&m->live, j->batch_id);
+        if (bt)
+            bt->cancel_req = true;
+        return bt;
+    case JOB_ENDED:
+        bt = ks_map_get(&m->by_cmd, j->command_id);
+        if (!bt || !(t = target_of(bt, j->command_id)))
+            return NULL;
+        target_end(bt, t,
+                   j->result ? j->result->status : KS__COMMAND_STATUS__FAILED,
+                   false, j->result, true);
+        j->result = NULL;
+        return bt;
     }
+    return NULL;
+}
+
+static void
+reply_error_to(struct broker *b, const char *subject, int code,
+               const char *text)
+{
+    Ks__BatchReply r = KS__BATCH_REPLY__INIT;
+    if (!subject)
+        return;
+    r.error_code = code;
+    r.error = (char *)text;
+    evt_publish_msg(b->nc, subject, &r.base);
+}
+
+/*
+ * A turn's plan that could not be recorded: the batches in memory are
+ * ahead of the record, so they are dropped. A batch whose BatchRequested
+ * was in the plan never existed: its client is told. The others are
+ * released, so that at the next tick this broker (or any) rebuilds them
+ * from the record; when the lease was lost, the new driver has them.
+ */
+static void
+abandon(struct broker *b, struct batch **touched, size_t nt, int why)
+{
+    struct broker__batches *m = b->batches;
+    const char **ids = calloc(nt ? nt : 1, sizeof(*ids));
+    char (*keep)[48] = calloc(nt ? nt : 1, sizeof(*keep));
+    size_t k = 0;
+    char text[160];
+
+    for (size_t i = 0; i < nt; i++) {
+        struct batch *bt = touched[i];
+        if (bt->accepted_now) {
+            snprintf(text, sizeof(text), "cannot record the batch: %s",
+                     ks_strerror(why));
+            reply_error_to(b, bt->reply_subject, why, text);
+            reply_error_to(b, bt->accept_subject, why, text);
+        } else if (ids && keep) {
+            snprintf(keep[k], sizeof(keep[k]), "%s", bt->id);
+            ids[k] = keep[k];
+            k++;
+        }
+        fprintf(stderr,
+                "kscore batch: %s: %s; %s\n", bt->id, ks_strerror(why),
+                bt->accepted_now ? "refused"
+                : why == KS_ECONFLICT
+                    ? "another broker drives it now"
+                    : "left to be rebuilt from the record");
+        batch_drop(m, bt);
+    }
+    if (k && !b->stopping)
+        store_batch_release(b->st_batch, m->owner, ids, k);
+    free(ids);
+    free(keep);
 }
 
 static void
 turn(struct broker *b, struct batch **touched, size_t nt)
 {
     struct broker__batches *m = b->batches;
-    struct plan p = {0};
+    struct plan p = {.no_dispatch = b->stopping};
     int rc = 0;
 
     pthread_mutex_lock(&m->mu);
-    for (size_t i = 0; i < nt && rc == 0; i++) {
+    for (size_t i = 0; i < nt && rc == 0; i++)
         rc = plan_batch(&p, touched[i]);
-        /* Register new commands before they can end. */
-        for (size_t k = 0; k < touched[i]->n; k++)
-            if (touched[i]->t[k].status == KS__COMMAND_STATUS__DISPATCHED)
-                ks_map_put(&m->by_cmd, touched[i]->t[k].command_id,
-                           touched[i]);
-    }
     pthread_mutex_unlock(&m->mu);
     if (rc) {
         fprintf(stderr, "kscore batch: cannot plan: %s\n", ks_strerror(rc));
         plan_release(&p);
+        abandon(b, touched, nt, rc);
         return;
     }
 
     if (p.n) {
         Ks__Event **evs = calloc(p.n, sizeof(*evs));
+        struct store_batch_lease *ls = calloc(nt, sizeof(*ls));
         size_t dups = 0;
         int64_t backoff_ms = 100, since = 0;
         char why[512];
+        /* Set by the first attempt; a broker stopping before it records
+         * nothing and publishes nothing. */
+        rc = evs && ls ? KS_ESTOPPED : -ENOMEM;
         for (size_t i = 0; evs && i < p.n; i++)
             evs[i] = &p.slots[i]->ev;
-        rc = evs ? KS_EINTERNAL : -ENOMEM; /* set by the first attempt */
+        for (size_t i = 0; ls && i < nt; i++) {
+            ls[i].batch_id = touched[i]->id;
+            ls[i].reply_subject = touched[i]->reply_subject;
+            ls[i].progress_subject = touched[i]->req->progress_subject;
+            ls[i].ended = touched[i]->done;
+        }
         /* The turn is decided (targets marked dispatched): it must be
-         * recorded before anything is published. While PostgreSQL is
-         * unreachable, wait for it (backoff to 2 s, one line when it
-         * starts, one when it ends); other errors give up after 50. */
-        for (int tries = 0; evs && tries < 50 && !b->stopping;) {
-            rc = store_append_many(b->st_batch, (const Ks__Event *const *)evs,
-                                   p.n, &dups);
-            if (rc == 0)
+         * recorded, under the lease, before anything is published. While
+         * PostgreSQL is unreachable, wait for it (backoff to 2 s, one line
+         * when it starts, one when it ends); other errors give up after
+         * 50; a lease lost or a refused event will not change. */
+        for (int tries = 0; evs && ls && tries < 50 && !b->stopping;) {
+            rc = store_batch_append(b->st_batch, m->owner, BATCH_LEASE_MS,
+                                    ls, nt, (const Ks__Event *const *)evs,
+                                    p.n, &dups);
+            if (rc == 0 || rc == KS_ECONFLICT || rc == KS_EINVAL ||
+                rc == KS_ETOOBIG)
                 break;
             if (since == 0) {
                 since = ks_mono_us();
@@ -552,9 +775,19 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             fprintf(stderr, "kscore batch: recorded after %.1f s\n",
                     (double)(ks_mono_us() - since) / 1e6);
         free(evs);
+        free(ls);
+        if (rc) {
+            plan_release(&p);
+            abandon(b, touched, nt, rc);
+            return;
+        }
     }
+    pthread_mutex_lock(&m->mu);
+    for (size_t i = 0; i < nt; i++)
+        touched[i]->done_recorded = touched[i]->done;
+    pthread_mutex_unlock(&m->mu);
     /* Unrecorded commands are never published: no claim could win. */
-    for (size_t i = 0; rc == 0 && i < p.npub; i++) {
+    for (size_t i = 0; i < p.npub; i++) {
         int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
         if (prc)
             fprintf(stderr, "kscore batch: publish %s: %s (scanner retries)\n",
@@ -568,6 +801,10 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             send_reply(b, bt, bt->accept_subject);
             free(bt->accept_subject);
             bt->accept_subject = NULL;
+        }
+        if (bt->accepted_now) {
+            bt->accepted_now = false;
+            send_progress(b, bt, NULL);
         }
         if (bt->cancel_req && !bt->cancel_sent) {
             bt->cancel_sent = true;
@@ -585,12 +822,558 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         if (bt->done) {
             if (bt->reply_subject)
                 send_reply(b, bt, bt->reply_subject);
-            pthread_mutex_lock(&m->mu);
-            ks_map_del(&m->live, bt->id);
-            pthread_mutex_unlock(&m->mu);
-            batch_free(bt);
+            batch_drop(m, bt);
         }
     }
+}
+
+/* ---- rebuilding a batch from the record ----------------------------------- */
+
+struct load {
+    const struct store_batch_held *held;
+    struct batch *bt;
+    struct ks_map idx; /* command id -> target index + 1 */
+    bool ended, cancel;
+    int rc;
+};
+
+/* The batch as BatchRequested recorded it (rec: its recorded event). */
+static int
+load_requested(struct load *l, const Ks__RecordedEvent *rec)
+{
+    const Ks__Event *e = rec->event;
+    const Ks__BatchSpec *sp = e->batch;
+    Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
+    uint8_t *buf = NULL;
+    size_t len = 0, n = sp ? sp->n_agents : 0;
+    struct batch *bt;
+
+    if (l->bt || !sp || !sp->spec || n == 0 || sp->n_command_ids != n)
+        return KS_EDECODE;
+    if (!(bt = l->bt = batch_alloc(n)))
+        return -ENOMEM;
+    snprintf(bt->id, sizeof(bt->id), "%s", l->held->batch_id);
+    snprintf(bt->operator_name, sizeof(bt->operator_name), "%s",
+             e->operator_ ? e->operator_ : "");
+    for (size_t i = 0; i < n; i++) {
+        if (!evt_agent_id_valid(sp->agents[i]) ||
+            !ks_is_uuid(sp->command_ids[i]))
+            return KS_EDECODE;
+        snprintf(bt->t[i].agent_id, sizeof(bt->t[i].agent_id), "%s",
+                 sp->agents[i]);
+        snprintf(bt->t[i].command_id, sizeof(bt->t[i].command_id), "%s",
+                 sp->command_ids[i]);
+        if (ks_map_put(&l->idx, bt->t[i].command_id, (void *)(i + 1)))
+            return -ENOMEM;
+    }
+    bt->conc = sp->max_concurrency ? sp->max_concurrency : (uint32_t)n;
+    bt->max_err = sp->max_errors;
+    bt->has_max_err = sp->has_max_errors;
+    bt->strict = sp->strict_errors;
+    bt->recorded = true;
+    /* The request as the scheduler uses it: spec, delivery window, and
+     * where the waiting client listens (the lease row). Packed and
+     * unpacked, so that it is owned like an API request. */
+    req.spec = sp->spec;
+    req.deliver_within_ms = sp->deliver_within_ms;
+    req.progress_subject = (char *)l->held->progress_subject;
+    if (kproto_pack(&req.base, &buf, &len))
+        return -ENOMEM;
+    bt->req = ks__batch_request__unpack(NULL, len, buf);
+    free(buf);
+    if (!bt->req)
+        return -ENOMEM;
+    if (l->held->reply_subject[0] &&
+        !(bt->reply_subject = strdup(l->held->reply_subject)))
+        return -ENOMEM;
+    /* Its age, on this host's monotonic clock. */
+    bt->start_mono_us = ks_mono_us() - (ks_now_us() - rec->recorded_at_us);
+    return 0;
+}
+
+static int
+load_event(const Ks__RecordedEvent *rec, void *ud)
+{
+    struct load *l = ud;
+    const Ks__Event *e = rec->event;
+
+    if (!e || !e->type)
+        return 0;
+    if (strcmp(e->type, "BatchRequested") == 0) {
+        return l->rc = load_requested(l, rec);
+    } else if (strcmp(e->type, "BatchTargetEnded") == 0 && l->bt) {
+        uintptr_t i = (uintptr_t)ks_map_get(&l->idx, e->command_id);
+        if (i)
+            l->bt->t[i - 1].reported = true;
+    } else if (strcmp(e->type, "BatchCancelRequested") == 0) {
+        l->cancel = true;
+    } else if (strcmp(e->type, "BatchCompleted") == 0 ||
+               strcmp(e->type, "BatchCancelled") == 0) {
+        l->ended = true;
+    }
+    return 0;
+}
+
+/* A target's state in the record, before it is applied to the batch. */
+struct seen {
+    size_t i;
+    Ks__CommandStatus status;
+    uint32_t attempt;
+    Ks__CommandResult *result; /* owned */
+};
+
+struct seen_acc {
+    struct ks_map *idx;
+    struct seen *v;
+    size_t n;
+};
+
+static int
+collect_state(const struct store_command_state *c, void *ud)
+{
+    struct seen_acc *a = ud;
+    uintptr_t i = (uintptr_t)ks_map_get(a->idx, c->command_id);
+    if (!i)
+        return 0;
+    a->v[a->n].i = i - 1;
+    a->v[a->n].status = c->status;
+    a->v[a->n].attempt = c->attempt;
+    a->n++;
+    return 0;
+}
+
+/*
+ * The result of an ended command, from the commands projection (NULL when
+ * it cannot be read: the status is what counts). Its status is the
+ * projection's: the first terminal one.
+ */
+static Ks__CommandResult *
+read_result(struct store *st, const char *command_id, Ks__CommandStatus s)
+{
+    Ks__CommandView *v = NULL;
+    Ks__CommandResult *r = NULL;
+    if (store_get_command(st, command_id, &v) == 0 && v->result) {
+        r = v->result;
+        v->result = NULL;
+        r->status = s;
+    }
+    if (v)
+        ks__command_view__free_unpacked(v, NULL);
+    return r;
+}
+
+/*
+ * Rebuilds an open batch that this broker now holds the lease of, from the
+ * record, and makes it live here. 0 with *out, KS_ENOTFOUND (no such
+ * batch, or it has ended), KS_EDECODE (a BatchRequested kscore cannot
+ * drive), KS_EPG, -ENOMEM.
+ */
+static int
+batch_load(struct broker *b, const struct store_batch_held *held,
+           struct batch **out)
+{
+    struct broker__batches *m = b->batches;
+    struct store *st = b->st_batch;
+    struct load l = {.held = held, .idx = KS_MAP_INIT};
+    struct seen_acc acc = {.idx = &l.idx};
+    struct batch *bt;
+    bool live = false;
+    int rc;
+
+    rc = store_read_stream(st, held->batch_id, 0, 0, load_event, &l);
+    if (rc == 0 && !l.bt)
+        rc = KS_ENOTFOUND;
+    if (rc == 0 && l.ended)
+        rc = KS_ENOTFOUND;
+    if (rc)
+        goto out;
+    bt = l.bt;
+    if (l.cancel || held->cancel_requested)
+        bt->cancel_req = true;
+
+    /* Live before the targets are read: an end recorded from now on
+     * reaches it as a job, one recorded before is in the read below (and
+     * one seen both ways counts once: target_end). */
+    pthread_mutex_lock(&m->mu);
+    rc = ks_map_get(&m->live, bt->id) ? KS_ECONFLICT : batch_register(m, bt);
+    pthread_mutex_unlock(&m->mu);
+    if (rc)
+        goto out;
+    live = true;
+
+    if (!(acc.v = calloc(bt->n, sizeof(*acc.v)))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    rc = store_command_states(st, (const char *const *)bt->cmd_ptrs, bt->n,
+                              0, collect_state, &acc);
+    if (rc)
+        goto out;
+    /* What ended unseen by any driver is reported now, with its result. */
+    for (size_t k = 0; k < acc.n; k++) {
+        struct seen *s = &acc.v[k];
+        if (kproto_status_terminal(s->status) && !bt->t[s->i].reported)
+            s->result = read_result(st, bt->t[s->i].command_id, s->status);
+    }
+    pthread_mutex_lock(&m->mu);
+    for (size_t k = 0; k < acc.n; k++) {
+        struct seen *s = &acc.v[k];
+        struct btarget *t = &bt->t[s->i];
+        if (t->status != KS__COMMAND_STATUS__PENDING)
+            continue; /* a job got there first */
+        if (kproto_status_terminal(s->status)) {
+            target_end(bt, t, s->status, s->attempt == 0, s->result,
+                       !t->reported);
+        } else {
+            t->status = KS__COMMAND_STATUS__DISPATCHED;
+            bt->running++;
+            if (s->result)
+                ks__command_result__free_unpacked(s->result, NULL);
+        }
+        s->result = NULL;
+    }
+    /* A cancel that reached the previous driver may not have reached
+     * every running target. */
+    bt->cancel_sent = false;
+    pthread_mutex_unlock(&m->mu);
+    *out = bt;
+    l.bt = NULL;
+out:
+    if (l.bt) {
+        if (live) {
+            pthread_mutex_lock(&m->mu);
+            batch_unregister(m, l.bt);
+            pthread_mutex_unlock(&m->mu);
+        }
+        batch_free(l.bt);
+    }
+    for (size_t k = 0; acc.v && k < acc.n; k++)
+        if (acc.v[k].result)
+            ks__command_result__free_unpacked(acc.v[k].result, NULL);
+    free(acc.v);
+    ks_map_clear(&l.idx);
+    return rc;
+}
+
+/* ---- the periodic work: leases, remote ends, adoption --------------------- */
+
+struct touched {
+    struct batch **v;
+    size_t n, cap;
+};
+
+static void
+touch(struct touched *t, struct batch *bt)
+{
+    for (size_t i = 0; i < t->n; i++)
+        if (t->v[i] == bt)
+            return;
+    if (t->n == t->cap) {
+        size_t nc = t->cap ? t->cap * 2 : 16;
+        void *x = realloc(t->v, nc * sizeof(*t->v));
+        if (!x)
+            return; /* the next tick or job touches it again */
+        t->v = x;
+        t->cap = nc;
+    }
+    t->v[t->n++] = bt;
+}
+
+/* Live batches in a snapshot: the scheduler thread alone frees them, so
+ * the pointers outlive the lock. */
+struct snapshot {
+    bool all; /* also batches not recorded yet */
+    struct batch **v;
+    bool *held;
+    size_t n, cap;
+    int rc;
+};
+
+static void
+snap_one(const char *key, void *val, void *ud)
+{
+    struct snapshot *s = ud;
+    struct batch *bt = val;
+    (void)key;
+    if ((!bt->recorded && !s->all) || s->rc)
+        return; /* its lease row comes with its first commit */
+    if (s->n == s->cap) {
+        size_t nc = s->cap ? s->cap * 2 : 16;
+        void *x = realloc(s->v, nc * sizeof(*s->v));
+        if (!x) {
+            s->rc = -ENOMEM;
+            return;
+        }
+        s->v = x;
+        s->cap = nc;
+    }
+    s->v[s->n++] = bt;
+}
+
+struct renew_ctx {
+    struct broker__batches *m;
+    struct snapshot *snap;
+    struct touched *touched;
+};
+
+static int
+on_renewed(const struct store_batch_held *h, void *ud)
+{
+    struct renew_ctx *c = ud;
+    for (size_t i = 0; i < c->snap->n; i++) {
+        struct batch *bt = c->snap->v[i];
+        if (strcmp(bt->id, h->batch_id) != 0)
+            continue;
+        c->snap->held[i] = true;
+        if (h->cancel_requested && !bt->cancel_req) {
+            /* `kscore cancel` reached another broker. */
+            pthread_mutex_lock(&c->m->mu);
+            bt->cancel_req = true;
+            pthread_mutex_unlock(&c->m->mu);
+            touch(c->touched, bt);
+        }
+        break;
+    }
+    return 0;
+}
+
+static void
+renew_leases(struct broker *b, struct snapshot *snap, struct touched *tt)
+{
+    struct broker__batches *m = b->batches;
+    const char **ids = calloc(snap->n ? snap->n : 1, sizeof(*ids));
+    struct renew_ctx c = {m, snap, tt};
+    int rc;
+
+    if (!ids || !(snap->held = calloc(snap->n ? snap->n : 1, 1))) {
+        free(ids);
+        return;
+    }
+    for (size_t i = 0; i < snap->n; i++)
+        ids[i] = snap->v[i]->id;
+    rc = store_batch_renew(b->st_batch, m->owner, BATCH_LEASE_MS, ids,
+                           snap->n, on_renewed, &c);
+    free(ids);
+    if (rc)
+        return; /* nothing known: keep them, try again next tick */
+    for (size_t i = 0; i < snap->n; i++) {
+        if (snap->held[i]) {
+            /* A heartbeat to the waiting client: the batch has a driver
+             * (and its id, should the first message have been lost). */
+            send_progress(b, snap->v[i], NULL);
+            continue;
+        }
+        fprintf(stderr,
+                "kscore batch: %s: lease lost, another broker drives it\n",
+                snap->v[i]->id);
+        for (size_t k = 0; k < tt->n; k++)
+            if (tt->v[k] == snap->v[i])
+                tt->v[k] = tt->v[--tt->n];
+        batch_drop(m, snap->v[i]);
+        snap->v[i] = NULL;
+    }
+}
+
+struct ended_ctx {
+    struct broker *b;
+    struct touched *touched;
+};
+
+static int
+on_remote_end(const struct store_command_state *c, void *ud)
+{
+    struct ended_ctx *x = ud;
+    struct broker__batches *m = x->b->batches;
+    Ks__CommandResult *r = read_result(x->b->st_batch, c->command_id,
+                                       c->status);
+    pthread_mutex_lock(&m->mu);
+    struct batch *bt = ks_map_get(&m->by_cmd, c->command_id);
+    struct btarget *t = bt ? target_of(bt, c->command_id) : NULL;
+    if (t && target_end(bt, t, c->status, c->attempt == 0, r, true))
+        touch(x->touched, bt);
+    else if (!t && r)
+        ks__command_result__free_unpacked(r, NULL);
+    pthread_mutex_unlock(&m->mu);
+    return 0;
+}
+
+/* Targets in flight whose end is in the record: ended through another
+ * broker (its recorder, claim handler or scanner), or while this one
+ * could not hear of it. */
+static void
+poll_ends(struct broker *b, struct snapshot *snap, struct touched *tt)
+{
+    const char **ids = NULL;
+    size_t n = 0, cap = 0;
+    struct ended_ctx x = {b, tt};
+
+    for (size_t i = 0; i < snap->n; i++) {
+        struct batch *bt = snap->v[i];
+        for (size_t k = 0; bt && k < bt->n; k++) {
+            if (bt->t[k].status != KS__COMMAND_STATUS__DISPATCHED)
+                continue;
+            if (n == cap) {
+                size_t nc = cap ? cap * 2 : 64;
+                void *p = realloc(ids, nc * sizeof(*ids));
+                if (!p)
+                    goto out;
+                ids = p;
+                cap = nc;
+            }
+            ids[n++] = bt->t[k].command_id;
+        }
+    }
+    if (n)
+        store_command_states(b->st_batch, ids, n, 1, on_remote_end, &x);
+out:
+    free(ids);
+}
+
+/* Leases taken over, copied out of the result for batch_load. */
+struct adopted {
+    char batch_id[48];
+    char *reply, *progress;
+    bool cancel;
+};
+
+struct adopt_acc {
+    struct adopted *v;
+    size_t n;
+};
+
+static int
+on_adopted(const struct store_batch_held *h, void *ud)
+{
+    struct adopt_acc *a = ud;
+    struct adopted *x = &a->v[a->n];
+    if (a->n >= BATCH_ADOPT_LIMIT || strlen(h->batch_id) >= sizeof(x->batch_id))
+        return 0;
+    snprintf(x->batch_id, sizeof(x->batch_id), "%s", h->batch_id);
+    x->reply = strdup(h->reply_subject);
+    x->progress = strdup(h->progress_subject);
+    x->cancel = h->cancel_requested;
+    a->n++;
+    return 0;
+}
+
+static void
+adopt(struct broker *b, struct touched *tt)
+{
+    struct broker__batches *m = b->batches;
+    struct adopt_acc a = {calloc(BATCH_ADOPT_LIMIT, sizeof(*a.v)), 0};
+
+    if (!a.v)
+        return;
+    if (store_batch_adopt(b->st_batch, m->owner, BATCH_LEASE_MS,
+                          BATCH_ADOPT_LIMIT, on_adopted, &a) == 0) {
+        for (size_t i = 0; i < a.n; i++) {
+            struct adopted *x = &a.v[i];
+            struct store_batch_held h = {x->batch_id, x->reply ? x->reply : "",
+                                         x->progress ? x->progress : "",
+                                         x->cancel};
+            struct batch *bt = NULL;
+            pthread_mutex_lock(&m->mu);
+            bool here = ks_map_get(&m->live, x->batch_id) != NULL;
+            pthread_mutex_unlock(&m->mu);
+            if (here)
+                continue; /* this broker's own lease, renewed late */
+            int rc = batch_load(b, &h, &bt);
+            if (rc == 0) {
+                fprintf(stderr,
+                        "kscore batch: %s: adopted (%u running, %u ended of "
+                        "%zu)\n",
+                        bt->id, bt->running,
+                        bt->succeeded + bt->failed + bt->cancelled, bt->n);
+                touch(tt, bt);
+            } else {
+                /* Its lease runs out and the next adoption tries again. */
+                fprintf(stderr, "kscore batch: %s: cannot adopt: %s\n",
+                        x->batch_id, ks_strerror(rc));
+            }
+        }
+    }
+    for (size_t i = 0; i < a.n; i++) {
+        free(a.v[i].reply);
+        free(a.v[i].progress);
+    }
+    free(a.v);
+}
+
+static void
+maintain(struct broker *b)
+{
+    struct broker__batches *m = b->batches;
+    struct snapshot snap = {0};
+    struct touched tt = {0};
+
+    pthread_mutex_lock(&m->mu);
+    ks_map_each(&m->live, snap_one, &snap);
+    pthread_mutex_unlock(&m->mu);
+    if (snap.rc == 0 && snap.n) {
+        renew_leases(b, &snap, &tt);
+        poll_ends(b, &snap, &tt);
+    }
+    if (!b->stopping)
+        adopt(b, &tt);
+    if (tt.n)
+        turn(b, tt.v, tt.n);
+    free(snap.v);
+    free(snap.held);
+    free(tt.v);
+}
+
+/* Frees a list of jobs; a new batch still in one never started: its
+ * client is told why (code, text). */
+static void
+free_jobs(struct broker *b, struct job *j, int code, const char *text)
+{
+    while (j) {
+        struct job *next = j->next;
+        if (j->batch) {
+            reply_error_to(b, j->batch->reply_subject, code, text);
+            reply_error_to(b, j->batch->accept_subject, code, text);
+            batch_free(j->batch);
+        }
+        if (j->result)
+            ks__command_result__free_unpacked(j->result, NULL);
+        free(j);
+        j = next;
+    }
+}
+
+/*
+ * The broker is stopping (its in-process agents first): dispatch nothing
+ * more onto it. Every batch driven here is dropped and its lease released,
+ * so the broker that takes over (another one, or this one restarted)
+ * continues it from the record at once; ends recorded meanwhile are read
+ * there. New batches are refused from now on.
+ */
+static void
+hand_over(struct broker *b)
+{
+    struct broker__batches *m = b->batches;
+    struct snapshot snap = {.all = true};
+
+    pthread_mutex_lock(&m->mu);
+    m->handed_over = true;
+    ks_map_each(&m->live, snap_one, &snap);
+    pthread_mutex_unlock(&m->mu);
+    for (size_t i = 0; i < snap.n; i++) {
+        struct batch *bt = snap.v[i];
+        if (!bt->recorded) { /* never recorded: it does not exist */
+            reply_error_to(b, bt->reply_subject, KS_ESTOPPED,
+                           "the broker is stopping");
+            reply_error_to(b, bt->accept_subject, KS_ESTOPPED,
+                           "the broker is stopping");
+        }
+        batch_drop(m, bt);
+    }
+    if (snap.n)
+        fprintf(stderr, "kscore batch: stopping: %zu batch(es) left to "
+                        "the next broker\n",
+                snap.n);
+    store_batch_release(b->st_batch, m->owner, NULL, 0);
+    free(snap.v);
 }
 
 static void *
@@ -598,12 +1381,26 @@ scheduler_main(void *arg)
 {
     struct broker *b = arg;
     struct broker__batches *m = b->batches;
+    int64_t next_tick = ks_mono_us(); /* adopt at start */
 
     for (;;) {
         struct job *jobs;
+        struct touched tt = {0};
         pthread_mutex_lock(&m->mu);
-        while (!m->head && !m->stopping)
-            pthread_cond_wait(&m->cond, &m->mu);
+        while (!m->head && !m->stopping && ks_mono_us() < next_tick) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            int64_t wait_us = next_tick - ks_mono_us();
+            if (wait_us <= 0)
+                break;
+            ts.tv_sec += wait_us / 1000000;
+            ts.tv_nsec += (wait_us % 1000000) * 1000;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&m->cond, &m->mu, &ts);
+        }
         if (!m->head && m->stopping) {
             pthread_mutex_unlock(&m->mu);
             break;
@@ -611,32 +1408,24 @@ scheduler_main(void *arg)
         jobs = m->head;
         m->head = NULL;
         m->tail = &m->head;
-        size_t nj = 0;
         for (struct job *j = jobs; j; j = j->next) {
-            apply_job(m, j);
-            nj++;
+            struct batch *bt = apply_job(m, j);
+            if (bt && !bt->done)
+                touch(&tt, bt);
         }
         pthread_mutex_unlock(&m->mu);
-
-        /* The batches this turn touches, each once. */
-        struct batch **touched = calloc(nj, sizeof(*touched));
-        size_t nt = 0;
-        for (struct job *j = jobs; touched && j; j = j->next) {
-            bool seen = false;
-            for (size_t i = 0; i < nt && !seen; i++)
-                seen = touched[i] == j->batch;
-            if (!seen && !j->batch->done)
-                touched[nt++] = j->batch;
-        }
-        if (touched)
-            turn(b, touched, nt);
-        free(touched);
-        while (jobs) {
-            struct job *next = jobs->next;
-            if (jobs->result)
-                ks__command_result__free_unpacked(jobs->result, NULL);
-            free(jobs);
-            jobs = next;
+        if (tt.n)
+            turn(b, tt.v, tt.n);
+        free(tt.v);
+        free_jobs(b, jobs, m->handed_over ? KS_ESTOPPED : -ENOMEM,
+                  m->handed_over ? "the broker is stopping"
+                                 : "out of memory");
+        if (b->stopping && !m->handed_over)
+            hand_over(b);
+        if (ks_mono_us() >= next_tick) {
+            if (!m->stopping && !m->handed_over)
+                maintain(b);
+            next_tick = ks_mono_us() + (int64_t)BATCH_TICK_MS * 1000;
         }
     }
     return NULL;
@@ -656,21 +1445,20 @@ broker__batch_target_ended(struct broker *b, const char *command_id,
                            const Ks__CommandResult *result)
 {
     struct broker__batches *m = b->batches;
-    struct batch *bt;
     struct job *j;
 
     if (!m)
         return 0;
     pthread_mutex_lock(&m->mu);
-    bt = ks_map_get(&m->by_cmd, command_id);
-    if (!bt) {
+    if (m->stopping || !ks_map_get(&m->by_cmd, command_id)) {
+        /* Not a target of a batch driven here: its driver reads the end
+         * from the record (poll_ends). */
         pthread_mutex_unlock(&m->mu);
         return 0;
     }
     j = calloc(1, sizeof(*j));
     if (j) {
         j->kind = JOB_ENDED;
-        j->batch = bt;
         snprintf(j->command_id, sizeof(j->command_id), "%s", command_id);
         j->result = copy_result(result);
         push_job(m, j);
@@ -680,24 +1468,40 @@ broker__batch_target_ended(struct broker *b, const char *command_id,
 }
 
 int
-broker__batch_cancel(struct broker *b, const char *batch_id)
+broker__batch_cancel(struct broker *b, const char *batch_id,
+                     const char *operator_name)
 {
     struct broker__batches *m = b->batches;
-    struct batch *bt;
+    char evid[37], stream[48];
+    Ks__Event ev;
+    int rc;
+
+    /* Recorded first, whoever drives the batch: its driver (here, or
+     * another broker at its next renewal, or the one that adopts it)
+     * cancels from the record. */
+    snprintf(stream, sizeof(stream), "%s", batch_id);
+    broker__event_init(&ev, evid, stream, "BatchCancelRequested", NULL);
+    ev.batch_id = stream;
+    ev.operator_ = (char *)(operator_name ? operator_name : "");
+    ev.reason = "cancel requested";
+    pthread_mutex_lock(&m->api_mu);
+    rc = m->st_api ? store_batch_request_cancel(m->st_api, &ev) : KS_ESTOPPED;
+    pthread_mutex_unlock(&m->api_mu);
+    if (rc)
+        return rc;
+    /* Driven here: at once, not at the next renewal. */
     struct job *j = calloc(1, sizeof(*j));
     if (!j)
-        return -ENOMEM;
-    pthread_mutex_lock(&m->mu);
-    bt = ks_map_get(&m->live, batch_id);
-    if (!bt) {
-        pthread_mutex_unlock(&m->mu);
-        free(j);
-        return KS_ENOTFOUND;
-    }
+        return 0;
     j->kind = JOB_CANCEL;
-    j->batch = bt;
-    push_job(m, j);
+    snprintf(j->batch_id, sizeof(j->batch_id), "%s", batch_id);
+    pthread_mutex_lock(&m->mu);
+    if (ks_map_get(&m->live, batch_id)) {
+        push_job(m, j);
+        j = NULL;
+    }
     pthread_mutex_unlock(&m->mu);
+    free(j);
     return 0;
 }
 
@@ -802,6 +1606,11 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         reply_batch_error(b, msg, rc, why);
         goto out;
     }
+    if (strlen(req->progress_subject) > 255) {
+        /* It is kept in the batch's lease row for whoever drives it. */
+        reply_batch_error(b, msg, KS_EINVAL, "progress subject too long");
+        goto out;
+    }
     if (req->n_agents == 0 && req->n_select == 0 && !req->all) {
         reply_batch_error(b, msg, KS_EINVAL,
                           "no targets: give --agents, --select or --all");
@@ -841,8 +1650,10 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
             if (info)
                 ks__agent_info__free_unpacked(info, NULL);
             if (rc) {
-                broker__record_denied(b, b->st_batch, op, r.ids[i], req->spec,
+                pthread_mutex_lock(&m->api_mu);
+                broker__record_denied(b, m->st_api, op, r.ids[i], req->spec,
                                       why);
+                pthread_mutex_unlock(&m->api_mu);
                 reply_batch_error(b, msg, rc, why);
                 goto out;
             }
@@ -856,23 +1667,16 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         goto out;
     }
 
-    bt = calloc(1, sizeof(*bt));
-    if (!bt || !(bt->t = calloc(r.n, sizeof(*bt->t))) ||
-        !(bt->agent_ptrs = calloc(r.n, sizeof(char *))) ||
-        !(bt->cmd_ptrs = calloc(r.n, sizeof(char *)))) {
+    if (!(bt = batch_alloc(r.n))) {
         reply_batch_error(b, msg, -ENOMEM, "out of memory");
         goto out;
     }
     ks_uuid(uuid);
     snprintf(bt->id, sizeof(bt->id), "batch-%s", uuid);
-    bt->n = r.n;
     for (size_t i = 0; i < r.n; i++) {
         snprintf(bt->t[i].agent_id, sizeof(bt->t[i].agent_id), "%s",
                  r.ids[i]);
         ks_uuid(bt->t[i].command_id);
-        bt->t[i].status = KS__COMMAND_STATUS__PENDING;
-        bt->agent_ptrs[i] = bt->t[i].agent_id;
-        bt->cmd_ptrs[i] = bt->t[i].command_id;
     }
     bt->conc = resolve_amount(req->max_concurrency, r.n, true);
     bt->has_max_err = req->max_errors != NULL;
@@ -896,10 +1700,10 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         reply_batch_error(b, msg, -ENOMEM, "out of memory");
         goto out;
     }
+    /* Live once the scheduler takes it (apply_job). */
     j->kind = JOB_NEW;
     j->batch = bt;
     pthread_mutex_lock(&m->mu);
-    ks_map_put(&m->live, bt->id, bt);
     push_job(m, j);
     pthread_mutex_unlock(&m->mu);
     bt = NULL;
@@ -975,6 +1779,74 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
     return 0;
 }
 
+struct overlay {
+    Ks__BatchReply *r;
+    struct ks_map idx; /* command id -> target index + 1 */
+    uint32_t *attempt;
+};
+
+static int
+overlay_state(const struct store_command_state *c, void *ud)
+{
+    struct overlay *o = ud;
+    uintptr_t i = (uintptr_t)ks_map_get(&o->idx, c->command_id);
+    if (i) {
+        o->r->targets[i - 1]->status = c->status;
+        o->attempt[i - 1] = c->attempt;
+    }
+    return 0;
+}
+
+/*
+ * An open batch read from its stream (driven by another broker, or by
+ * none while one takes it over) knows only the targets whose end its
+ * driver reported: the states and counts come from the commands
+ * projection instead, so a target that ended meanwhile never shows
+ * Pending. Targets never requested stay Pending; in flight ones show
+ * their command's state.
+ */
+static int
+view_overlay(struct store *st, Ks__BatchReply *r)
+{
+    struct overlay o = {.r = r, .idx = KS_MAP_INIT};
+    const char **ids = calloc(r->n_targets ? r->n_targets : 1, sizeof(*ids));
+    int rc = 0;
+
+    o.attempt = calloc(r->n_targets ? r->n_targets : 1, sizeof(*o.attempt));
+    if (!ids || !o.attempt || !r->counts)
+        rc = -ENOMEM;
+    for (size_t i = 0; rc == 0 && i < r->n_targets; i++) {
+        ids[i] = r->targets[i]->command_id;
+        rc = ks_map_put(&o.idx, ids[i], (void *)(i + 1));
+    }
+    if (rc == 0)
+        rc = store_command_states(st, ids, r->n_targets, 0, overlay_state,
+                                  &o);
+    if (rc == 0) {
+        Ks__BatchCounts *c = r->counts;
+        c->total = (uint32_t)r->n_targets;
+        c->pending = c->running = c->succeeded = c->failed = c->cancelled =
+            0;
+        for (size_t i = 0; i < r->n_targets; i++) {
+            Ks__CommandStatus s = r->targets[i]->status;
+            if (s == KS__COMMAND_STATUS__PENDING)
+                c->pending++;
+            else if (!kproto_status_terminal(s))
+                c->running++;
+            else if (s == KS__COMMAND_STATUS__SUCCEEDED)
+                c->succeeded++;
+            else if (s == KS__COMMAND_STATUS__CANCELLED && o.attempt[i] == 0)
+                c->cancelled++;
+            else
+                c->failed++;
+        }
+    }
+    ks_map_clear(&o.idx);
+    free(o.attempt);
+    free(ids);
+    return rc;
+}
+
 int
 broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
                    Ks__BatchReply **out)
@@ -1030,6 +1902,8 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
         if (r->status == KS__BATCH_STATUS__BATCH_RUNNING)
             r->elapsed_us = 0;
     }
+    if (rc == 0 && r->status == KS__BATCH_STATUS__BATCH_RUNNING)
+        rc = view_overlay(st, r);
     /* Normalise ownership: repack so protobuf-c's free_unpacked owns it. */
     if (rc == 0 && kproto_pack(&r->base, &buf, &len) == 0) {
         *out = ks__batch_reply__unpack(NULL, len, buf);
@@ -1060,14 +1934,38 @@ int
 broker__batch_start(struct broker *b, char **errmsg)
 {
     struct broker__batches *m = calloc(1, sizeof(*m));
-    (void)errmsg;
+    pthread_condattr_t ca;
+    char host[64], uuid[37];
+    char *why = NULL;
+    int rc;
+
     if (!m)
         return -ENOMEM;
+    rc = store_open(b->opts->db_conninfo, &m->st_api, &why);
+    if (rc) {
+        if (errmsg && asprintf(errmsg, "cannot connect to PostgreSQL: %s",
+                               why ? why : ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        free(why);
+        free(m);
+        return rc;
+    }
     pthread_mutex_init(&m->mu, NULL);
-    pthread_cond_init(&m->cond, NULL);
+    pthread_mutex_init(&m->api_mu, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&m->cond, &ca);
+    pthread_condattr_destroy(&ca);
     m->live = (struct ks_map)KS_MAP_INIT;
     m->by_cmd = (struct ks_map)KS_MAP_INIT;
     m->tail = &m->head;
+    /* Names this process to an operator reading batch_leases, and is new
+     * at every start: a restarted broker is another driver. */
+    gethostname(host, sizeof(host));
+    host[sizeof(host) - 1] = '\0';
+    ks_uuid(uuid);
+    snprintf(m->owner, sizeof(m->owner), "%s/%ld/%s", host, (long)getpid(),
+             uuid);
     b->batches = m;
     if (pthread_create(&m->thread, NULL, scheduler_main, b) != 0)
         return KS_EINTERNAL;
@@ -1083,10 +1981,18 @@ free_live(const char *key, void *val, void *ud)
     batch_free(val);
 }
 
+/*
+ * Stops the scheduler and frees what it drove. The module's own struct
+ * stays allocated, stopped: broker_teardown stops the recorder after this,
+ * and its thread may still call broker__batch_target_ended (which then
+ * does nothing); freeing it here would race that call. The process exits
+ * after teardown.
+ */
 void
 broker__batch_stop(struct broker *b)
 {
     struct broker__batches *m = b->batches;
+    struct job *jobs;
     if (!m)
         return;
     pthread_mutex_lock(&m->mu);
@@ -1095,18 +2001,22 @@ broker__batch_stop(struct broker *b)
     pthread_mutex_unlock(&m->mu);
     if (m->started)
         pthread_join(m->thread, NULL);
-    while (m->head) {
-        struct job *j = m->head;
-        m->head = j->next;
-        if (j->result)
-            ks__command_result__free_unpacked(j->result, NULL);
-        free(j);
-    }
+    m->started = false;
+    /* What this broker drove, any broker may take over now rather than
+     * when the leases run out. */
+    if (b->st_batch)
+        store_batch_release(b->st_batch, m->owner, NULL, 0);
+    pthread_mutex_lock(&m->mu);
+    jobs = m->head;
+    m->head = NULL;
+    m->tail = &m->head;
     ks_map_each(&m->live, free_live, NULL);
     ks_map_clear(&m->live);
     ks_map_clear(&m->by_cmd);
-    pthread_mutex_destroy(&m->mu);
-    pthread_cond_destroy(&m->cond);
-    free(m);
-    b->batches = NULL;
+    pthread_mutex_unlock(&m->mu);
+    free_jobs(b, jobs, KS_ESTOPPED, "the broker is stopping");
+    pthread_mutex_lock(&m->api_mu);
+    store_close(m->st_api);
+    m->st_api = NULL;
+    pthread_mutex_unlock(&m->api_mu);
 }

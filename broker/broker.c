@@ -955,7 +955,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
         return;
     }
     if (is_batch_id(req->id)) {
-        rc = broker__batch_cancel(b, req->id);
+        rc = broker__batch_cancel(b, req->id, broker__operator_of(msg));
         if (rc == 0)
             r.outcome = "requested";
         if (rc == KS_ENOTFOUND) {

@@ -182,12 +182,16 @@ void broker__batch_stop(struct broker *b);
 /* The API handler of kscore.api.v1.batch (its own delivery thread). */
 void broker__on_batch(natsConnection *nc, natsSubscription *sub,
                       natsMsg *msg, void *ud);
-/* Called by broker__command_ended: 1 if the command belongs to a live
- * batch (then the batch thread takes it from here). */
+/* Called by broker__command_ended: 1 if the command belongs to a batch
+ * driven here (then the batch thread takes it from here; the driver of
+ * any other batch reads the end from the record). */
 int broker__batch_target_ended(struct broker *b, const char *command_id,
                                const Ks__CommandResult *result);
-/* Cancels a live batch: 0, or KS_ENOTFOUND when not live here. */
-int broker__batch_cancel(struct broker *b, const char *batch_id);
+/* Cancels an open batch, whatever broker drives it (or none yet): records
+ * BatchCancelRequested by operator_name; its driver acts on it. Any
+ * thread. 0, KS_ENOTFOUND (no open batch with this id) or KS_EPG. */
+int broker__batch_cancel(struct broker *b, const char *batch_id,
+                         const char *operator_name);
 /* Fills reply with the state of a batch (live, else from its stream). */
 int broker__batch_view(struct broker *b, struct store *st,
                        const char *batch_id, Ks__BatchReply **out);

@@ -28,10 +28,27 @@ static const char batch_usage[] =
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
-    "  --detach                print the batch id and return\n" CLI_CONN_USAGE;
+    "  --detach                print the batch id and return\n"
+    "Without --detach it waits for the end. Should its broker stop, another\n"
+    "broker continues the batch and it follows it there; when no broker\n"
+    "answers for 20s it prints how to follow the batch and exits 125.\n"
+    CLI_CONN_USAGE;
+
+/* Waiting for a batch: its driver sends a progress message at least every
+ * second; when nothing arrived for BATCH_POLL_MS, ask any broker for the
+ * batch (kscore get); when none answers for BATCH_GIVE_UP_MS, say how to
+ * follow it and give up. No message at all within BATCH_ACCEPT_MS: no
+ * broker accepted (recorded) it. */
+#define BATCH_POLL_MS 2000
+#define BATCH_GIVE_UP_MS 20000
+#define BATCH_ACCEPT_MS 30000
+/* What batch_wait() returns when it gave up (after saying so). */
+#define BATCH_GAVE_UP 1
 
 struct bstate {
     pthread_mutex_t mu;
+    char batch_id[48]; /* from the first progress message; "" until then */
+    int64_t heard_mono_us; /* last progress message */
     bool json, tty;
     int64_t start_us;
     size_t total;
@@ -83,6 +100,11 @@ on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
         pthread_mutex_lock(&st->mu);
+        if (!st->batch_id[0] && p->batch_id &&
+            strncmp(p->batch_id, "batch-", 6) == 0 &&
+            ks_is_uuid(p->batch_id + 6))
+            snprintf(st->batch_id, sizeof(st->batch_id), "%s", p->batch_id);
+        st->heard_mono_us = ks_mono_us();
         if (p->counts) {
             st->counts = *p->counts;
             st->total = p->counts->total;
@@ -316,6 +338,146 @@ cli_batch_json(const Ks__BatchReply *rep)
     return o;
 }
 
+/* Asks any broker for the batch. 0 with *out (a BatchReply), or a code:
+ * no broker answered, or it could not say. */
+static int
+batch_get(struct evt_conn *c, const char *batch_id, Ks__BatchReply **out)
+{
+    Ks__GetRequest g = KS__GET_REQUEST__INIT;
+    Ks__GetReply *r = NULL;
+    int rc;
+
+    g.id = (char *)batch_id;
+    rc = broker_call(c, EVT_API_GET, &g.base, &ks__get_reply__descriptor,
+                     BATCH_POLL_MS, (ProtobufCMessage **)&r);
+    if (rc)
+        return rc;
+    if (r->error_code || !r->batch) {
+        rc = r->error_code ? r->error_code : KS_EDECODE;
+    } else {
+        *out = r->batch;
+        r->batch = NULL;
+    }
+    ks__get_reply__free_unpacked(r, NULL);
+    return rc;
+}
+
+/*
+ * Sends the batch request and waits for its end, from whichever broker
+ * can say: the reply from the broker driving it (the one that took the
+ * request, or one that took the batch over and answers the same inbox),
+ * or, every BATCH_POLL_MS without news, a get of the batch from any
+ * broker. Returns 0 with *out (the reply, maybe an error reply),
+ * BATCH_GAVE_UP after telling the operator how to follow the batch, or a
+ * negative code (KS_EUNAVAIL: no broker serves batches).
+ */
+static int
+batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
+           struct bstate *st, Ks__BatchReply **out)
+{
+    natsSubscription *rsub = NULL;
+    natsInbox *ib = NULL;
+    natsMsg *msg = NULL;
+    char subject[192], id[48];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int64_t t0 = ks_mono_us(), answered = t0, asked = t0;
+    bool silent_said = false;
+    int rc;
+
+    if (natsInbox_Create(&ib) != NATS_OK ||
+        natsConnection_SubscribeSync(&rsub, c->nc, (const char *)ib) !=
+            NATS_OK ||
+        (rc = kproto_pack(&req->base, &buf, &len)) != 0) {
+        rc = KS_ENATS;
+        goto out;
+    }
+    snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
+    if (natsConnection_PublishRequest(c->nc, subject, (const char *)ib, buf,
+                                      (int)len) != NATS_OK) {
+        rc = KS_ENATS;
+        goto out;
+    }
+    natsConnection_Flush(c->nc);
+    for (;;) {
+        natsStatus s = natsSubscription_NextMsg(&msg, rsub, 500);
+        int64_t now = ks_mono_us();
+        if (s == NATS_OK) {
+            if (natsMsg_IsNoResponders(msg)) {
+                rc = KS_EUNAVAIL;
+                goto out;
+            }
+            rc = evt_unpack(&ks__batch_reply__descriptor,
+                            natsMsg_GetData(msg),
+                            (size_t)natsMsg_GetDataLength(msg),
+                            (ProtobufCMessage **)out);
+            goto out;
+        }
+        if (s != NATS_TIMEOUT) {
+            rc = evt_err(s);
+            goto out;
+        }
+        pthread_mutex_lock(&st->mu);
+        snprintf(id, sizeof(id), "%s", st->batch_id);
+        if (st->heard_mono_us > answered)
+            answered = st->heard_mono_us; /* a broker drives it */
+        pthread_mutex_unlock(&st->mu);
+        if (!id[0]) {
+            /* The id comes once the batch is recorded: until then there
+             * is nothing to follow. */
+            if (now - t0 >= (int64_t)BATCH_ACCEPT_MS * 1000) {
+                rc = KS_ETIMEDOUT;
+                goto out;
+            }
+            continue;
+        }
+        if (now - asked < (int64_t)BATCH_POLL_MS * 1000 ||
+            now - answered < (int64_t)BATCH_POLL_MS * 1000)
+            continue;
+        asked = now;
+        Ks__BatchReply *rep = NULL;
+        rc = batch_get(c, id, &rep);
+        now = ks_mono_us();
+        if (rc == 0) {
+            answered = now;
+            if (silent_said) {
+                cli_err("a broker answers again: following %s", id);
+                silent_said = false;
+            }
+            if (rep->status != KS__BATCH_STATUS__BATCH_RUNNING &&
+                rep->status != KS__BATCH_STATUS__BATCH_STATUS_UNSPECIFIED) {
+                *out = rep; /* ended, recorded by whichever broker */
+                goto out;
+            }
+            ks__batch_reply__free_unpacked(rep, NULL);
+            continue;
+        }
+        if (!silent_said) {
+            cli_err("no broker answers (%s); %s goes on when one does, "
+                    "waiting up to %ds",
+                    ks_strerror(rc), id, BATCH_GIVE_UP_MS / 1000);
+            silent_said = true;
+        }
+        if (now - answered >= (int64_t)BATCH_GIVE_UP_MS * 1000) {
+            cli_err("no broker answered for %ds; the batch is recorded and "
+                    "a broker continues it when one runs. Follow it with: "
+                    "kscore get %s",
+                    BATCH_GIVE_UP_MS / 1000, id);
+            rc = BATCH_GAVE_UP;
+            goto out;
+        }
+    }
+out:
+    natsMsg_Destroy(msg);
+    if (rsub) {
+        natsSubscription_Unsubscribe(rsub);
+        natsSubscription_Destroy(rsub);
+    }
+    natsInbox_Destroy(ib);
+    free(buf);
+    return rc;
+}
+
 int
 cmd_batch(int argc, char **argv)
 {
@@ -450,7 +612,20 @@ cmd_batch(int argc, char **argv)
         natsConnection_Flush(c->nc);
         req.progress_subject = inbox;
     }
-    rc = broker_batch(c, &req, req.detach ? 30000 : INT32_MAX, &rep);
+    if (req.detach)
+        rc = broker_batch(c, &req, 30000, &rep);
+    else
+        rc = batch_wait(c, &req, &st, &rep);
+    if (rc == BATCH_GAVE_UP) {
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rc == KS_ETIMEDOUT && !req.detach) {
+        cli_err("no broker accepted the batch within %ds",
+                BATCH_ACCEPT_MS / 1000);
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
     if (rc) {
         if (rc == KS_EUNAVAIL)
             cli_err("no broker is serving %s (is `kscore broker` running?)",

@@ -558,6 +558,36 @@ static const char migration_1[] =
     SQL_PROJECT("CREATE");
 
 /*
+ * Batch leases: which broker drives each open batch (broker/batch.c). Not a
+ * projection (kscore replay leaves it alone): a lease is who acts, not what
+ * happened. A row is written with the batch's BatchRequested, in its
+ * transaction, and every later write of the driver first extends it, in
+ * the same transaction, only while it is the driver's (store_batch_append),
+ * so a broker that lost its lease never writes to the batch again. A
+ * broker takes over an open batch whose lease_until has passed
+ * (store_batch_adopt). lease_until 'infinity': the batch has ended; kept
+ * (never deleted) so a stale driver cannot re-create it.
+ * reply_subject / progress_subject: where the waiting client listens, so
+ * the broker that takes over answers it. cancel_requested: `kscore cancel`
+ * reached a broker that does not drive the batch (the driver sees it when
+ * it renews).
+ */
+static const char migration_2[] =
+    "CREATE TABLE batch_leases (\n"
+    "  batch_id         text PRIMARY KEY,\n"
+    "  owner            text NOT NULL,\n"
+    "  lease_until      timestamptz NOT NULL,\n"
+    "  reply_subject    text,\n"
+    "  progress_subject text,\n"
+    "  cancel_requested bool NOT NULL DEFAULT false\n"
+    ");\n"
+    "CREATE INDEX batch_leases_until ON batch_leases (lease_until);\n"
+    /* Batches left open by brokers without leases: anyone may adopt. */
+    "INSERT INTO batch_leases (batch_id, owner, lease_until)\n"
+    "  SELECT batch_id, '', '-infinity' FROM batches\n"
+    "  WHERE status = 'Running';\n";
+
+/*
  * Migration 3: one command, one terminal event, enforced by the database.
  * The command state machine (store/machine.c) decides each append; these
  * unique indexes make a second terminal event (or a second claim) of a
@@ -608,6 +638,7 @@ static const char migration_3[] =
 
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
+    {2, "batch leases: one driving broker per open batch", migration_2},
     {3, "one terminal event per command; NotStarted", migration_3},
 };
 const size_t store__n_migrations =

@@ -8,6 +8,7 @@
  *          event_id uuid UNIQUE, type, data bytea (a packed Ks__Event),
  *          recorded_at, UNIQUE(stream_id, version))     append-only
  *   commands, agents, batches, batch_targets            projections
+ *   batch_leases (the broker driving each open batch; not a projection)
  *
  * Invariants:
  *  - An append checks the expected version with
@@ -360,6 +361,114 @@ int store_append_checked(struct store *s, const Ks__Event *const *events,
  * Valid until the next call on s.
  */
 const char *store_last_error(struct store *s);
+
+/* ---- batch leases (store/batch_lease.c, table batch_leases) -----------
+ *
+ * One broker drives an open batch at a time: the one whose owner string is
+ * in the batch's lease row and whose lease_until has not passed. The
+ * driver extends the lease with every write (store_batch_append) and on a
+ * timer (store_batch_renew); when it dies, its leases run out and another
+ * broker takes the batches over (store_batch_adopt) and rebuilds them from
+ * the record. Times are the database's clock (now()), so brokers' clocks
+ * need not agree. owner: any text naming one broker process (at most
+ * STORE_BATCH_OWNER_MAX bytes); "" is nobody.
+ */
+#define STORE_BATCH_OWNER_MAX 200
+
+/* One batch of a store_batch_append() call. Borrowed. */
+struct store_batch_lease {
+    const char *batch_id;         /* "batch-<uuid>" */
+    const char *reply_subject;    /* NULL or "": none. Kept from the */
+    const char *progress_subject; /* call that creates the row only.  */
+    int ended; /* 1: this call records the batch's end (lease closed) */
+};
+
+/*
+ * Appends events as store_append_many() does, in one transaction that
+ * first takes or extends owner's lease (lease_ms from the database's now)
+ * on every batch of leases (creating the row of a batch never leased),
+ * and commits only if all of them are owner's. A batch with ended set
+ * keeps the row, closed (lease_until 'infinity'): nobody takes it again.
+ *
+ * Returns 0 (*dup_out, may be NULL: events skipped as recorded; an append
+ * that committed before, whose answer was lost, is found again and
+ * counted as duplicates), KS_ECONFLICT (a lease is another broker's or
+ * closed, or a projection refused an event: nothing written), KS_EINVAL /
+ * KS_ETOOBIG / KS_EPG as store_append_many() (nothing written).
+ */
+int store_batch_append(struct store *s, const char *owner, int lease_ms,
+                       const struct store_batch_lease *leases,
+                       size_t n_leases, const Ks__Event *const *events,
+                       size_t n, size_t *dup_out);
+
+/* A lease as read back by store_batch_renew / store_batch_adopt. The
+ * strings are borrowed for the callback. */
+struct store_batch_held {
+    const char *batch_id;
+    const char *reply_subject;    /* "" if none */
+    const char *progress_subject; /* "" if none */
+    int cancel_requested;         /* 1: store_batch_request_cancel() */
+};
+typedef int (*store_batch_held_fn)(const struct store_batch_held *h,
+                                   void *ud);
+
+/*
+ * Extends owner's open leases on the n batch_ids by lease_ms; cb (calling
+ * thread) for each one still owner's. A batch not passed to cb is no
+ * longer owner's. Returns 0, cb's non-zero value, KS_ETOOBIG or KS_EPG
+ * (then nothing is known: do not drop anything).
+ */
+int store_batch_renew(struct store *s, const char *owner, int lease_ms,
+                      const char *const *batch_ids, size_t n,
+                      store_batch_held_fn cb, void *ud);
+
+/*
+ * Takes over at most limit (1..1000) open batches (batches.status
+ * 'Running') whose lease has run out, for lease_ms: cb (calling thread)
+ * for each one taken. Brokers adopting at once never take the same batch
+ * (SKIP LOCKED). Returns 0, cb's non-zero value (the takeovers stand) or
+ * KS_EPG.
+ */
+int store_batch_adopt(struct store *s, const char *owner, int lease_ms,
+                      uint32_t limit, store_batch_held_fn cb, void *ud);
+
+/*
+ * Ends owner's open leases now, on the n batch_ids (batch_ids NULL: on
+ * every batch), so any broker may adopt them at once (a clean stop, or a
+ * driver that must rebuild a batch from the record). Returns 0 or KS_EPG.
+ */
+int store_batch_release(struct store *s, const char *owner,
+                        const char *const *batch_ids, size_t n);
+
+/*
+ * `kscore cancel` of a batch this broker does not drive: if the batch is
+ * open, appends ev (type BatchCancelRequested, stream = the batch id) to
+ * its stream and flags its lease (cancel_requested), in one transaction;
+ * the driver sees the flag when it renews, and a broker rebuilding the
+ * batch sees the event. Returns 0, KS_ENOTFOUND (no open batch with this
+ * id), KS_EINVAL (ev lacks ids) or KS_EPG.
+ */
+int store_batch_request_cancel(struct store *s, const Ks__Event *ev);
+
+/* A command as store_command_states() reads it from the commands
+ * projection. Borrowed for the callback. */
+struct store_command_state {
+    const char *command_id;
+    Ks__CommandStatus status;
+    uint32_t attempt; /* 0: never dispatched */
+};
+typedef int (*store_command_state_fn)(const struct store_command_state *c,
+                                      void *ud);
+
+/*
+ * The commands among the n command_ids (UUID text) that exist, with their
+ * status (only the terminal ones when terminal_only), in no order; cb on
+ * the calling thread. Returns 0, cb's non-zero value, KS_EINVAL (not a
+ * UUID), KS_ETOOBIG or KS_EPG.
+ */
+int store_command_states(struct store *s, const char *const *command_ids,
+                         size_t n, int terminal_only,
+                         store_command_state_fn cb, void *ud);
 
 /* The raw PGconn, for callers that need an escape hatch (tests). The
  * pointer stays the same across reconnections. */
