@@ -572,6 +572,28 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     return rc;
 }
 
+static void heartbeat_poke(struct agent *a);
+
+/*
+ * Fenced, yet a claim just went through: NATS may be back before the next
+ * heartbeat says so. Asks for one and waits for it (up to a heartbeat
+ * period). true if heartbeats reach NATS again.
+ */
+static bool
+contact_regained(struct agent *a)
+{
+    int64_t asked = ks_mono_us();
+
+    heartbeat_poke(a);
+    while (ks_mono_us() - asked < (int64_t)EVT_HEARTBEAT_MS * 1000 &&
+           !atomic_load(&a->closing)) {
+        if (atomic_load(&a->last_contact_us) >= asked)
+            return true;
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    return false;
+}
+
 /*
  * Starts a held message that has a slot (state JOB_STARTING): precheck,
  * claim, submit. Every path ends the hold (job_release) or hands it to the
@@ -679,7 +701,7 @@ start_job(struct job_ctx *j)
         goto out;
     }
     seen_add(a, j->command_id, j->attempt);
-    if (atomic_load(&a->fenced)) {
+    if (atomic_load(&a->fenced) && !contact_regained(a)) {
         /* Claimed, but NATS has gone silent: a command started now could
          * be declared Lost while it runs. It provably never started. */
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;

@@ -673,11 +673,13 @@ START_TEST(children_die_with_their_agent)
     apid = agent_pid("agent-k9");
     snprintf(wd_entry, sizeof(wd_entry), "KSCORE_EXEC_WATCHDOG=3:%d:%d",
              (int)apid, AGENT_WATCHDOG_MS);
-    ck_assert_int_eq(procs_with_env(wd_entry, NULL), 1);
+    int watchdogs = procs_with_env(wd_entry, NULL);
     agent_kill9("agent-k9");
     long ms = wait_dead(child, 5000);
     ck_assert_msg(ms >= 0, "the command outlived its agent by 5 s");
     ck_assert_int_eq(command_procs(id, NULL), 0);
+    /* The agent had its watchdog, and it is gone with its work done. */
+    ck_assert_int_eq(watchdogs, 1);
     for (int i = 0; i < 50 && procs_with_env(wd_entry, NULL); i++)
         sleep_ms(100);
     ck_assert_int_eq(procs_with_env(wd_entry, NULL), 0);
@@ -760,8 +762,9 @@ START_TEST(self_fence_when_nats_is_gone)
     stack.nats.url = url;
     stack.nats.pid = npid;
     ck_assert_msg(ms >= 0, "the command outlived the fence");
-    /* Not before the fence: a short outage must not kill anything. */
-    ck_assert_int_ge(dead_after_us, (int64_t)(AGENT_FENCE_MS - 1000) * 1000);
+    /* Not before the fence (counted from the last heartbeat, which may
+     * be up to EVT_HEARTBEAT_MS older than the outage). */
+    ck_assert_int_ge(dead_after_us, (int64_t)(AGENT_FENCE_MS - EVT_HEARTBEAT_MS - 500) * 1000);
     ck_assert_int_eq(wait_status(pg, id, "Lost", 30000), 0);
     if (!has_event(id, "CommandLost", "self-fence", "Lost"))
         print_events(id);
@@ -773,7 +776,20 @@ START_TEST(self_fence_when_nats_is_gone)
     /* The agent works again. */
     c = client();
     ck_assert_int_eq(submit(c, "fen", "true", id), 0);
-    ck_assert_int_eq(wait_status(pg, id, "Succeeded", 20000), 0);
+    if (wait_status(pg, id, "Succeeded", 20000) != 0) {
+        jsConsumerInfo *ci = NULL;
+        print_events(id);
+        if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS, "agent-fen",
+                               NULL, NULL) == NATS_OK) {
+            fprintf(stderr, "agent-fen: ack pending %lld, pending %llu, "
+                            "redelivered %lld\n",
+                    (long long)ci->NumAckPending,
+                    (unsigned long long)ci->NumPending,
+                    (long long)ci->NumRedelivered);
+            jsConsumerInfo_Destroy(ci);
+        }
+        ck_abort_msg("the agent does not work after the outage");
+    }
     PQfinish(pg);
     evt_close(c);
     stack_stop(stack.dir, "agent-fen", 20000);
@@ -866,6 +882,15 @@ START_TEST(claimed_never_spawned_is_not_started)
 }
 END_TEST
 
+/* KSCORE_TEST_ONLY=name runs one test of the stack case (development). */
+static void
+add_stack_test(TCase *tc, const TTest *t)
+{
+    const char *only = getenv("KSCORE_TEST_ONLY");
+    if (!only || !strcmp(only, t->name))
+        tcase_add_test(tc, t);
+}
+
 static Suite *
 agent_suite(void)
 {
@@ -880,12 +905,12 @@ agent_suite(void)
     TCase *tc = tcase_create("stack");
     tcase_add_unchecked_fixture(tc, stack_up, stack_down);
     tcase_set_timeout(tc, 240);
-    tcase_add_test(tc, children_die_with_their_agent);
-    tcase_add_test(tc, stopped_agent_watchdog_kills_and_reports_lost);
-    tcase_add_test(tc, claims_only_with_a_free_slot);
-    tcase_add_test(tc, slots_are_shared_by_the_ids_of_a_process);
-    tcase_add_test(tc, claimed_never_spawned_is_not_started);
-    tcase_add_test(tc, self_fence_when_nats_is_gone);
+    add_stack_test(tc, children_die_with_their_agent);
+    add_stack_test(tc, stopped_agent_watchdog_kills_and_reports_lost);
+    add_stack_test(tc, claims_only_with_a_free_slot);
+    add_stack_test(tc, slots_are_shared_by_the_ids_of_a_process);
+    add_stack_test(tc, claimed_never_spawned_is_not_started);
+    add_stack_test(tc, self_fence_when_nats_is_gone);
     suite_add_tcase(s, tc);
     return s;
 }
