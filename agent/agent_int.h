@@ -10,7 +10,6 @@
 
 #include "agent.h"
 
-
 struct agent_slot {
     struct agent *agent;
     char *id;
@@ -42,10 +41,10 @@ struct job_ctx {
     struct job_ctx *qnext; /* a->waitq or a->readyq, under a->mu */
     struct agent *agent;
     struct agent_slot *slot;
-    char *ack_subject;     /* the delivery's reply subject (malloc'd) */
-    Ks__Command *cmd;      /* decoded; freed once submitted */
-    enum job_state state;  /* under a->mu */
-    uint64_t job_id;       /* the executor's, once RUNNING */
+    char *ack_subject;    /* the delivery's reply subject (malloc'd) */
+    Ks__Command *cmd;     /* decoded; freed once submitted */
+    enum job_state state; /* under a->mu */
+    uint64_t job_id;      /* the executor's, once RUNNING */
     char command_id[37];
     uint32_t attempt;
     char operator_name[64];
@@ -68,36 +67,36 @@ struct agent {
     size_t n_slots;
 
     pthread_mutex_t mu;
-    struct ks_map jobs;        /* command_id -> struct job_ctx *: held */
-    unsigned free_slots;       /* commands this process may still claim */
+    struct ks_map jobs;  /* command_id -> struct job_ctx *: held */
+    unsigned free_slots; /* commands this process may still claim */
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
     struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
     pthread_cond_t ready_cond;
-    unsigned callbacks;        /* on_command calls in progress */
+    unsigned callbacks; /* on_command calls in progress */
     pthread_cond_t cb_cond;
-    struct ks_map seen;        /* claimed command ids (replay guard) */
+    struct ks_map seen; /* claimed command ids (replay guard) */
     char (*seen_ring)[37];
     size_t seen_next;
     const struct evt_verifier *trust;
     struct evt_verifier *own_trust; /* from opts->trust_keys */
     pthread_cond_t out_cond;
     struct outbox_item *out_head, **out_tail;
-    size_t in_flight;          /* submitted, result not yet queued */
+    size_t in_flight; /* submitted, result not yet queued */
     pthread_cond_t idle_cond;
 
     /* Contact with NATS: the last heartbeat a PubAck confirmed (mono us). */
     _Atomic int64_t last_contact_us;
-    atomic_bool fenced;        /* silent for longer than fence_ms */
+    atomic_bool fenced; /* silent for longer than fence_ms */
     pthread_mutex_t hb_mu;
-    pthread_cond_t hb_cond;    /* CLOCK_MONOTONIC */
-    bool hb_wake;              /* under hb_mu: heartbeat now */
+    pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
+    bool hb_wake;           /* under hb_mu: heartbeat now */
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;
     size_t n_starters;
     bool pub_started, hb_started, keeper_started;
-    atomic_int closing;        /* agent_stop: take no new work */
-    volatile int stopping;     /* agent_stop: the executor is done */
+    atomic_int closing;    /* agent_stop: take no new work */
+    volatile int stopping; /* agent_stop: the executor is done */
 };
 
 /* runtime.c */

@@ -924,8 +924,10 @@ loop_main(void *arg)
             break;
         loop_step(loop);
     }
-    /* Every job is finished: EOF, and the watchdog exits. */
-    exec__wd_stop(&loop->wd, false);
+    /* Every job is finished and unregistered: nothing is left to guard.
+     * SIGKILL rather than wait for it to see EOF, so a watchdog someone
+     * stopped cannot hang the stop. */
+    exec__wd_stop(&loop->wd, true);
     atomic_store(&loop->wd_pid, 0);
     return NULL;
 }

@@ -40,13 +40,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -102,8 +102,8 @@ exec__wd_spawn(struct exec__wd *wd)
         close(sv[1]);
         sv[1] = fd;
     }
-    snprintf(env0, sizeof(env0), "%s=%d:%ld:%u", WD_ENV, WD_FD,
-             (long)getpid(), wd->dead_ms);
+    snprintf(env0, sizeof(env0), "%s=%d:%ld:%u", WD_ENV, WD_FD, (long)getpid(),
+             wd->dead_ms);
     if ((ret = -posix_spawn_file_actions_init(&fa)))
         goto out;
     fa_ok = true;
@@ -111,10 +111,10 @@ exec__wd_spawn(struct exec__wd *wd)
         goto out;
     attr_ok = true;
     if ((ret = -posix_spawn_file_actions_adddup2(&fa, sv[1], WD_FD)) ||
-        (ret = -posix_spawn_file_actions_addopen(&fa, 0, "/dev/null",
-                                                 O_RDONLY, 0)) ||
-        (ret = -posix_spawn_file_actions_addopen(&fa, 1, "/dev/null",
-                                                 O_WRONLY, 0)) ||
+        (ret = -posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY,
+                                                 0)) ||
+        (ret = -posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY,
+                                                 0)) ||
         (ret = -posix_spawn_file_actions_addclosefrom_np(&fa, WD_FD + 1)))
         goto out;
     sigfillset(&set);
@@ -167,8 +167,8 @@ exec__wd_stop(struct exec__wd *wd, bool force)
 }
 
 int
-exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id,
-              pid_t pgid, const char *path)
+exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id, pid_t pgid,
+              const char *path)
 {
     struct wd_msg m;
     size_t len = WD_HDR_BYTES;
@@ -287,8 +287,7 @@ wd_read_all(int fd, struct wd_table *t)
             t->e[t->n].job_id = m.job_id;
             t->e[t->n].pgid = m.pgid;
             t->e[t->n].fired = false;
-            t->e[t->n].path =
-                (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
+            t->e[t->n].path = (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
             t->n++;
         } else if (m.type == WD_DEL) {
             for (size_t i = 0; i < t->n; i++)

@@ -62,8 +62,7 @@ agent__journal_hold(struct agent *a, const struct job_ctx *j,
         if (m > 0 && (size_t)m < sizeof(buf) - (size_t)n)
             n += m;
     }
-    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC,
-              0600);
+    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
     if (fd == -1)
         return;
     write_all(fd, buf, (size_t)n);
@@ -71,8 +70,7 @@ agent__journal_hold(struct agent *a, const struct job_ctx *j,
 }
 
 void
-agent__journal_append(struct agent *a, const char *command_id,
-                      const char *line)
+agent__journal_append(struct agent *a, const char *command_id, const char *line)
 {
     char path[4200];
     int fd;

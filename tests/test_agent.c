@@ -44,7 +44,8 @@ sleep_ms(long ms)
     nanosleep(&(struct timespec){ms / 1000, (ms % 1000) * MS}, NULL);
 }
 
-/* ---- /proc ------------------------------------------------------------------ */
+/* ---- /proc ------------------------------------------------------------------
+ */
 
 /* 1 if the process is gone or a zombie. */
 static int
@@ -118,7 +119,8 @@ command_procs(const char *command_id, pid_t *first)
     return procs_with_env(entry, first);
 }
 
-/* ---- the executor's watchdog, alone ------------------------------------------- */
+/* ---- the executor's watchdog, alone
+ * ------------------------------------------- */
 
 /* A child process running one exec_loop with a watchdog and one job; it
  * tells the parent over a pipe "S <job pid> <watchdog pid>" at the spawn
@@ -172,8 +174,8 @@ wd_child_start(unsigned watchdog_ms, const char *tag, int *rfd)
         close(p[0]);
         c.wfd = p[1];
         if (exec_loop_start(&o, &c.loop) != 0 ||
-            exec_submit_ex(c.loop, &spec, wd_child_started, wd_child_done,
-                           &c, NULL) != 0)
+            exec_submit_ex(c.loop, &spec, wd_child_started, wd_child_done, &c,
+                           NULL) != 0)
             _exit(2);
         for (;;)
             pause();
@@ -259,8 +261,9 @@ START_TEST(watchdog_kills_jobs_of_a_stopped_process)
     ck_assert_int_eq(sig, SIGKILL);
     waitpid(child, NULL, 0);
     ck_assert(wait_dead(wd, 5000) >= 0);
-    fprintf(stderr, "watchdog: job of a stopped loop dead after %ld ms "
-                    "(silence %lld ms)\n",
+    fprintf(stderr,
+            "watchdog: job of a stopped loop dead after %ld ms "
+            "(silence %lld ms)\n",
             ms, silence);
     close(rfd);
 }
@@ -313,7 +316,8 @@ START_TEST(watchdog_is_isolated_replaced_and_reaped)
 }
 END_TEST
 
-/* ---- the stack ----------------------------------------------------------------- */
+/* ---- the stack
+ * ----------------------------------------------------------------- */
 
 static struct fixture_stack stack;
 static char side_dir[PATH_MAX];
@@ -522,8 +526,7 @@ START_TEST(claims_only_with_a_free_slot)
     int max_procs = 0, max_running = 0, procs;
     long running = 0;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra),
-                     0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra), 0);
     snprintf(script, sizeof(script),
              "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 3", side_dir);
     for (int i = 0; i < N; i++)
@@ -560,13 +563,12 @@ START_TEST(claims_only_with_a_free_slot)
                      N - SLOTS);
     for (int i = 0; i < N; i++) {
         char st[32];
-        ran_before[i] = !strcmp(status_of(pg, ids[i], st, sizeof(st)),
-                                "Running");
+        ran_before[i] =
+            !strcmp(status_of(pg, ids[i], st, sizeof(st)), "Running");
     }
 
     agent_kill9("agent-cap");
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra),
-                     0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra), 0);
     /* Until every command is terminal: never more than 8 processes. */
     long open = -1;
     for (int t = 0; t < 600 && open != 0; t++) {
@@ -586,8 +588,7 @@ START_TEST(claims_only_with_a_free_slot)
         status_of(pg, ids[i], st, sizeof(st));
         ck_assert_int_le(runs_of(ids[i]), 1);
         if (ran_before[i]) {
-            ck_assert_msg(!strcmp(st, "Lost"), "%s ran, then %s", ids[i],
-                          st);
+            ck_assert_msg(!strcmp(st, "Lost"), "%s ran, then %s", ids[i], st);
             ck_assert_int_eq(runs_of(ids[i]), 1);
             lost++;
         } else {
@@ -604,8 +605,9 @@ START_TEST(claims_only_with_a_free_slot)
                                   "GROUP BY stream_id "
                                   "HAVING count(*) > 1) x"),
                      0);
-    fprintf(stderr, "capacity: at most %d running, %d processes; %d Lost, "
-                    "%d run after the restart\n",
+    fprintf(stderr,
+            "capacity: at most %d running, %d processes; %d Lost, "
+            "%d run after the restart\n",
             max_running, max_procs, lost, succeeded);
     PQfinish(pg);
     evt_close(c);
@@ -622,14 +624,13 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
     char ids[6][37], script[PATH_MAX + 128];
     int max_procs = 0;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-mid", "mid-a",
-                                         extra),
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-mid", "mid-a", extra),
                      0);
     snprintf(script, sizeof(script),
              "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 1", side_dir);
     for (int i = 0; i < 6; i++)
-        ck_assert_int_eq(
-            submit(c, i % 2 ? "mid-b" : "mid-a", script, ids[i]), 0);
+        ck_assert_int_eq(submit(c, i % 2 ? "mid-b" : "mid-a", script, ids[i]),
+                         0);
     long open = -1;
     for (int t = 0; t < 400 && open != 0; t++) {
         int n = procs_with_env("KSCORE_AGENT_ID=mid-a", NULL) +
@@ -683,8 +684,7 @@ START_TEST(children_die_with_their_agent)
     for (int i = 0; i < 50 && procs_with_env(wd_entry, NULL); i++)
         sleep_ms(100);
     ck_assert_int_eq(procs_with_env(wd_entry, NULL), 0);
-    fprintf(stderr, "kill -9: the command died %ld ms after its agent\n",
-            ms);
+    fprintf(stderr, "kill -9: the command died %ld ms after its agent\n", ms);
 
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k9", "k9", NULL), 0);
     ck_assert_int_eq(wait_status(pg, id, "Lost", 10000), 0);
@@ -704,8 +704,7 @@ START_TEST(stopped_agent_watchdog_kills_and_reports_lost)
     char id[37];
     pid_t child, apid;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-stp", "stp", NULL),
-                     0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-stp", "stp", NULL), 0);
     ck_assert_int_eq(submit(c, "stp", "exec sleep 30", id), 0);
     child = wait_running(pg, id);
     apid = agent_pid("agent-stp");
@@ -714,14 +713,14 @@ START_TEST(stopped_agent_watchdog_kills_and_reports_lost)
     kill(apid, SIGCONT);
     ck_assert_msg(ms >= 0, "the command of a stopped agent still runs");
     ck_assert_int_eq(wait_status(pg, id, "Lost", 15000), 0);
-    if (!has_event(id, "CommandLost", "killed by the agent's watchdog",
-                   "Lost"))
+    if (!has_event(id, "CommandLost", "killed by the agent's watchdog", "Lost"))
         print_events(id);
-    ck_assert(has_event(id, "CommandLost", "killed by the agent's watchdog",
-                        "Lost"));
+    ck_assert(
+        has_event(id, "CommandLost", "killed by the agent's watchdog", "Lost"));
     ck_assert(!has_event(id, "CommandCompleted", NULL, NULL));
-    fprintf(stderr, "SIGSTOP: the command died %ld ms after its agent "
-                    "stopped\n",
+    fprintf(stderr,
+            "SIGSTOP: the command died %ld ms after its agent "
+            "stopped\n",
             ms);
     /* The agent goes on working. */
     ck_assert_int_eq(submit(c, "stp", "true", id), 0);
@@ -743,8 +742,7 @@ START_TEST(self_fence_when_nats_is_gone)
     const char *colon = strrchr(stack.nats.url, ':');
     int port = colon ? atoi(colon + 1) : 0;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-fen", "fen", NULL),
-                     0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-fen", "fen", NULL), 0);
     ck_assert_int_eq(submit(c, "fen", "exec sleep 30", id), 0);
     child = wait_running(pg, id);
     evt_close(c);
@@ -755,8 +753,7 @@ START_TEST(self_fence_when_nats_is_gone)
     /* Back on the same port and store. */
     char *url = NULL;
     pid_t npid;
-    ck_assert_int_eq(stack_nats_start(stack.nats.dir, port, NULL, &url,
-                                      &npid),
+    ck_assert_int_eq(stack_nats_start(stack.nats.dir, port, NULL, &url, &npid),
                      0);
     free(stack.nats.url);
     stack.nats.url = url;
@@ -764,12 +761,13 @@ START_TEST(self_fence_when_nats_is_gone)
     ck_assert_msg(ms >= 0, "the command outlived the fence");
     /* Not before the fence (counted from the last heartbeat, which may
      * be up to EVT_HEARTBEAT_MS older than the outage). */
-    ck_assert_int_ge(dead_after_us, (int64_t)(AGENT_FENCE_MS - EVT_HEARTBEAT_MS - 500) * 1000);
+    ck_assert_int_ge(dead_after_us,
+                     (int64_t)(AGENT_FENCE_MS - EVT_HEARTBEAT_MS - 500) * 1000);
     ck_assert_int_eq(wait_status(pg, id, "Lost", 30000), 0);
     if (!has_event(id, "CommandLost", "self-fence", "Lost"))
         print_events(id);
-    ck_assert(has_event(id, "CommandLost",
-                        "agent lost contact with NATS for", "Lost"));
+    ck_assert(has_event(id, "CommandLost", "agent lost contact with NATS for",
+                        "Lost"));
     ck_assert(has_event(id, "CommandLost", "(self-fence)", "Lost"));
     fprintf(stderr, "self-fence: the command died %.1f s after NATS\n",
             (double)dead_after_us / 1e6);
@@ -779,10 +777,11 @@ START_TEST(self_fence_when_nats_is_gone)
     if (wait_status(pg, id, "Succeeded", 20000) != 0) {
         jsConsumerInfo *ci = NULL;
         print_events(id);
-        if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS, "agent-fen",
-                               NULL, NULL) == NATS_OK) {
-            fprintf(stderr, "agent-fen: ack pending %lld, pending %llu, "
-                            "redelivered %lld\n",
+        if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS, "agent-fen", NULL,
+                               NULL) == NATS_OK) {
+            fprintf(stderr,
+                    "agent-fen: ack pending %lld, pending %llu, "
+                    "redelivered %lld\n",
                     (long long)ci->NumAckPending,
                     (unsigned long long)ci->NumPending,
                     (long long)ci->NumRedelivered);
@@ -847,8 +846,7 @@ START_TEST(claimed_never_spawned_is_not_started)
     mkdir(path, 0700);
     snprintf(path, sizeof(path), "%s/state-agent-ns/running", stack.dir);
     mkdir(path, 0700);
-    snprintf(path, sizeof(path), "%s/state-agent-ns/running/%s", stack.dir,
-             id);
+    snprintf(path, sizeof(path), "%s/state-agent-ns/running/%s", stack.dir, id);
     FILE *f = fopen(path, "w");
     ck_assert_ptr_nonnull(f);
     fprintf(f, "ns 1 - -\nclaim %s\n", claim_id);
@@ -857,8 +855,7 @@ START_TEST(claimed_never_spawned_is_not_started)
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ns", "ns", NULL), 0);
     int found = 0;
     for (int i = 0; i < 100 && !found; i++) {
-        found = has_event(id, "CommandNotStarted", "never ran",
-                          "NotStarted");
+        found = has_event(id, "CommandNotStarted", "never ran", "NotStarted");
         if (!found)
             sleep_ms(100);
     }
@@ -868,9 +865,8 @@ START_TEST(claimed_never_spawned_is_not_started)
     ck_assert(!has_event(id, "CommandLost", NULL, NULL));
     /* The message JetStream still held reaches the agent: the claim fence
      * refuses it, and it never runs. */
-    for (int i = 0; i < 100 && !has_event(id, "DuplicateSuppressed", NULL,
-                                          NULL);
-         i++)
+    for (int i = 0;
+         i < 100 && !has_event(id, "DuplicateSuppressed", NULL, NULL); i++)
         sleep_ms(100);
     ck_assert(has_event(id, "DuplicateSuppressed", NULL, NULL));
     sleep_ms(500);
