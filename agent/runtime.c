@@ -346,7 +346,7 @@ job_release(struct job_ctx *j, const char *what)
     job_free(j);
 }
 
-/* A command event of j with a result of status st and reason. */
+/* Queues a command event of j: type, result r (may be NULL), reason. */
 static void
 report(struct job_ctx *j, const char *type, Ks__CommandResult *r,
        const char *reason)
