@@ -61,7 +61,7 @@
 /* A heartbeat that failed is tried again this soon (ms). */
 #define HEARTBEAT_RETRY_MS 500
 /* Threads that claim queued messages (a claim is a round trip). */
-#define STARTERS_MAX 4
+#define STARTERS_MAX 8
 
 unsigned
 agent_default_max_concurrent(void)
