@@ -69,6 +69,7 @@ struct agent {
     pthread_mutex_t mu;
     struct ks_map jobs;  /* command_id -> struct job_ctx *: held */
     unsigned free_slots; /* commands this process may still claim */
+    bool claim_inline;   /* claim on the delivery thread (own threads) */
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
     struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
     pthread_cond_t ready_cond;

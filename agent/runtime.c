@@ -846,7 +846,16 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (a->free_slots) {
         a->free_slots--;
         j->state = JOB_STARTING;
-        start_now = true;
+        if (a->claim_inline) {
+            start_now = true;
+        } else {
+            /* nats.c's shared delivery pool also delivers the claim's
+             * reply: a pool thread blocked in a claim could wait for its
+             * own reply (and would hold up cancels). A starter claims. */
+            *a->readyq_tail = j;
+            a->readyq_tail = &j->qnext;
+            pthread_cond_signal(&a->ready_cond);
+        }
     } else {
         /* No slot: it waits here, unclaimed. Journaled before it can be
          * taken off the queue, so a restart hands it back to JetStream. */
@@ -1173,6 +1182,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     co.send_asap = true;
     co.retry_forever = true;
     co.global_delivery = opts->n_ids > 8;
+    a->claim_inline = !co.global_delivery;
     /* Many ids share nats.c's delivery pool; a claim blocks its thread for
      * a round trip, so give the pool a few (nats.h
      * nats_SetMessageDeliveryPoolSize; process-wide, grows only). */
