@@ -863,6 +863,27 @@ START_TEST(claimed_never_spawned_is_not_started)
         print_events(id);
     ck_assert(found);
     ck_assert(!has_event(id, "CommandLost", NULL, NULL));
+    /* `kscore get`: NotStarted where the store knows the event; a store
+     * that predates it leaves the command Running, never anything else. */
+    {
+        const char *args[] = {"get", id, "--json", NULL};
+        struct fixture_out o;
+        int ok = 0;
+        for (int i = 0; i < 50 && !ok; i++) {
+            ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+            json_t *j = json_loads(o.out, JSON_DISABLE_EOF_CHECK, NULL);
+            const char *st = json_string_value(json_object_get(j, "status"));
+            ok = st && !strcmp(st, "NotStarted");
+            ck_assert_msg(st && (ok || !strcmp(st, "Running")),
+                          "kscore get: %s", o.out);
+            json_decref(j);
+            fixture_out_release(&o);
+            if (!ok)
+                sleep_ms(100);
+        }
+        fprintf(stderr, "NotStarted: kscore get says %s\n",
+                ok ? "NotStarted" : "Running (the store predates it)");
+    }
     /* The message JetStream still held reaches the agent: the claim fence
      * refuses it, and it never runs. */
     for (int i = 0;
