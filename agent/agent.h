@@ -121,6 +121,12 @@ struct exec_result {
     /* Alive after the protocol: in the group or cgroup 2 s after SIGKILL, or
      * (no cgroup) orphans of the job that made their own session. */
     unsigned survivors;
+    /* exec_kill() ended it: SIGKILL at once, no TERM, no grace. */
+    bool killed;
+    /* The loop's watchdog killed it: the loop thread had given no sign of
+     * life for watchdog_silence_ms (the process was stopped or hung). */
+    bool watchdog_killed;
+    int64_t watchdog_silence_ms;
 };
 
 /* Frees the output buffers; accepts a zeroed or NULL result. */
@@ -162,10 +168,40 @@ typedef void (*exec_done_fn)(uint64_t job_id, struct exec_result *result,
                              void *ud);
 
 /*
- * Starts a loop thread. max_concurrent (>= 1) bounds jobs running at once;
- * more submissions queue in order. Returns 0 or -errno.
+ * Called once per job on the loop thread right after its leader was
+ * spawned (never for a start failure), before any output is read. Same
+ * rules as exec_done_fn: it must not block.
  */
+typedef void (*exec_started_fn)(uint64_t job_id, pid_t pid, void *ud);
+
+struct exec_loop_opts {
+    unsigned max_concurrent; /* >= 1: jobs running at once; more queue */
+    /*
+     * 0: no watchdog. Else the loop keeps a watchdog process (see
+     * exec_watchdog.c): the loop thread pings it every watchdog_ms / 3 and
+     * registers each job's process group and cgroup; when the process dies
+     * (kill -9 included) the watchdog kills every job at once, and when the
+     * loop thread is silent for watchdog_ms (the process is stopped, hung,
+     * swapped out) it kills them too and says so: their results have
+     * watchdog_killed set once the loop runs again. The watchdog is
+     * re-executed from /proc/self/exe with nothing of this process but one
+     * socket, leads its own session, and exits with the loop.
+     */
+    unsigned watchdog_ms;
+};
+
+/*
+ * Starts a loop thread. Returns 0, KS_EINVAL (max_concurrent 0) or -errno.
+ * A watchdog that cannot be spawned does not fail the start: the loop runs
+ * without and tries again every second (exec_loop_watchdog_pid() says).
+ */
+int exec_loop_start(const struct exec_loop_opts *opts, struct exec_loop **out);
+
+/* exec_loop_start() without a watchdog. */
 int exec_loop_new(unsigned max_concurrent, struct exec_loop **out);
+
+/* The pid of the loop's watchdog process, 0 when it has none. Any thread. */
+pid_t exec_loop_watchdog_pid(struct exec_loop *loop);
 
 /*
  * Cancels every job (TERM, grace, KILL), waits for their callbacks, stops
@@ -184,6 +220,11 @@ void exec_loop_free(struct exec_loop *loop);
 int exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
                 exec_done_fn done, void *ud, uint64_t *job_id_out);
 
+/* exec_submit() that also calls started (may be NULL) after the spawn. */
+int exec_submit_ex(struct exec_loop *loop, const struct exec_spec *spec,
+                   exec_started_fn started, exec_done_fn done, void *ud,
+                   uint64_t *job_id_out);
+
 /*
  * Cancels a job: TERM to its group now, KILL after its grace; the result has
  * cancelled = true. A job still queued never starts: its result is
@@ -192,6 +233,14 @@ int exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
  * running).
  */
 int exec_cancel(struct exec_loop *loop, uint64_t job_id);
+
+/*
+ * Kills a job now: SIGKILL to its group and cgroup.kill, no TERM and no
+ * grace (the agent's self-fence: it must be dead before anyone declares it
+ * Lost). The result has killed = true. A queued job never starts (as
+ * exec_cancel). Any thread. 0, or KS_ENOTFOUND if it already finished.
+ */
+int exec_kill(struct exec_loop *loop, uint64_t job_id);
 
 /* Jobs running now (not queued). Any thread. */
 unsigned exec_loop_running(struct exec_loop *loop);
@@ -236,25 +285,57 @@ struct agent_opts {
     const struct evt_verifier *trust;
     const char *const *trust_keys;
     size_t n_trust_keys;
-    uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000. The
-                                      message is acked right after the
-                                      claim, so this only bounds a claim */
+    uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000. A
+                                      command's message stays unacked while
+                                      it waits and runs, kept alive with a
+                                      progress ack every ack_wait / 3 */
+    uint64_t fence_ms;             /* 0: AGENT_FENCE_MS */
+    unsigned watchdog_ms;          /* 0: AGENT_WATCHDOG_MS */
 };
+
+/*
+ * Self-fence (ms): when no heartbeat has reached NATS for this long (NATS
+ * down, cut off, JetStream not answering), the agent SIGKILLs every command
+ * it runs and reports each as CommandLost "agent lost contact with NATS for
+ * N s: its processes were killed (self-fence)" once it can. Half the
+ * broker's EVT_AGENT_TTL_MS, after which the broker declares the commands
+ * of a silent agent Lost: by then they are dead, so the record's Lost is
+ * true. A command claimed while fenced is not spawned (CommandNotStarted).
+ */
+#define AGENT_FENCE_MS 5000
+/*
+ * Watchdog (ms): the executor loop's watchdog process (exec_loop_opts)
+ * kills every command at once when the agent process dies, and when the
+ * agent has been stopped or hung this long; the agent then reports those
+ * as CommandLost "killed by the agent's watchdog: the agent was stopped or
+ * hung for N s". Below AGENT_FENCE_MS, well below EVT_AGENT_TTL_MS.
+ */
+#define AGENT_WATCHDOG_MS 3000
 
 struct agent;
 
 /*
  * Starts serving: one NATS connection, one durable push consumer per id
- * (filter kscore.cmd.<id>, explicit ack), one executor loop, a publisher
- * thread for results and a heartbeat thread. Returns 0, KS_EINVAL (bad id),
- * KS_EUNAVAIL (NATS unreachable) with *errmsg (malloc'd).
+ * (filter kscore.cmd.<id>, explicit ack, max_ack_pending = max_concurrent),
+ * one executor loop with its watchdog process, a publisher thread for
+ * results, a heartbeat thread and a keeper thread (progress acks, contact
+ * with NATS, self-fence). Returns 0, KS_EINVAL (bad id), KS_EUNAVAIL (NATS
+ * unreachable) with *errmsg (malloc'd).
  *
  * The child's environment is the executor's base plus KSCORE_AGENT_ID (the
  * agent id it runs for) plus the command's declared variables.
  *
- * Per command: check target and expiry, exec_precheck(), claim through the
- * broker (kscore.api.v1.claim), ack the JetStream message, run, publish the
- * result to KSCORE_EVENTS until a PubAck arrives.
+ * Per command: check target and expiry; wait for one of the process's
+ * max_concurrent slots (shared by all its ids; the message stays unacked,
+ * unclaimed); exec_precheck(); journal; claim through the broker
+ * (kscore.api.v1.claim); run (journal "spawned"); publish the result to
+ * KSCORE_EVENTS until a PubAck arrives (outbox on disk); ack the JetStream
+ * message; the slot goes to the next message.
+ *
+ * With a state_dir, a restart reports what the previous run left: commands
+ * it had spawned as CommandLost, commands it had claimed but never spawned
+ * as CommandNotStarted (status NOT_STARTED), and hands unclaimed messages
+ * back to JetStream.
  */
 int agent_start(const struct agent_opts *opts, struct agent **out,
                 char **errmsg);
@@ -276,8 +357,11 @@ int agent_decode_command(const struct evt_verifier *trust,
                          const void *data, size_t len, Ks__Command **out,
                          const char **reason_out, char cmd_id_out[37]);
 
-/* Stops taking work, cancels running commands, publishes their results,
- * frees. Accepts NULL. */
+/* Stops taking work (messages not yet claimed go back to JetStream),
+ * cancels running commands, publishes their results, frees. Accepts NULL. */
 void agent_stop(struct agent *a);
+
+/* The pid of the agent's watchdog process, 0 if it has none. */
+pid_t agent_watchdog_pid(struct agent *a);
 
 #endif

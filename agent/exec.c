@@ -30,7 +30,7 @@
 #define EXEC_POLL_MAX_US 64000
 #define EXEC_READ_CHUNK 65536
 
-enum watch_kind { W_OUT, W_ERR, W_PID, W_CG, W_EVENT };
+enum watch_kind { W_OUT, W_ERR, W_PID, W_CG, W_EVENT, W_WD };
 
 struct exec_job;
 
@@ -54,9 +54,12 @@ struct exec_job {
     uint64_t id;
     struct exec_spec spec;
     void *blob; /* owned copy of the spec's strings (NULL: borrowed) */
+    exec_started_fn started_cb;
     exec_done_fn done;
     void *ud;
     bool cancel_req; /* under loop->mu */
+    bool kill_req;   /* under loop->mu */
+    bool wd_added;   /* registered with the watchdog, loop thread only */
 
     bool started, finished, leader_exited;
     bool term_sent, kill_sent, cg_watched, scan_pgroup, had_members;
@@ -91,6 +94,10 @@ struct exec_loop {
 
     struct exec_job *running; /* loop thread */
     struct exec_job *dhead;   /* loop thread */
+
+    struct exec__wd wd;       /* loop thread */
+    struct watch wdw;
+    atomic_int wd_pid;        /* for exec_loop_watchdog_pid() */
 };
 
 /*
@@ -268,6 +275,92 @@ job_done(struct exec_loop *loop, struct exec_job *job)
     loop->dhead = job;
 }
 
+/* ---- the watchdog (exec_watchdog.c) ------------------------------------- */
+
+static void wd_replace(struct exec_loop *loop);
+
+static void
+wd_send(struct exec_loop *loop, unsigned type, struct exec_job *job)
+{
+    const char *path = job && job->cg.moved ? job->cg.path : NULL;
+
+    if (loop->wd.fd == -1)
+        return;
+    if (exec__wd_send(&loop->wd, type, job ? job->id : 0,
+                      job ? job->pid : 0, path) != 0)
+        /* It does not read (stopped?) or is gone: a fresh one gets the
+         * whole registry, so no DEL is ever lost. */
+        wd_replace(loop);
+}
+
+static void
+wd_on_fired(uint64_t job_id, int64_t silence_ms, void *ud)
+{
+    struct exec_loop *loop = ud;
+
+    for (struct exec_job *j = loop->running; j; j = j->rnext)
+        if (j->id == job_id && !j->finished) {
+            j->res.watchdog_killed = true;
+            j->res.watchdog_silence_ms = silence_ms;
+            /* Killed from outside: never pooled (see cgroup_destroy). */
+            if (j->cg.moved)
+                j->cg.killed = true;
+        }
+}
+
+/* Reads the watchdog's reports; replaces it if it died. */
+static void
+wd_drain(struct exec_loop *loop)
+{
+    if (loop->wd.fd != -1 &&
+        exec__wd_read(&loop->wd, wd_on_fired, loop) == -EPIPE)
+        wd_replace(loop);
+}
+
+/* (Re)spawns the watchdog and registers every running job with it. */
+static void
+wd_start(struct exec_loop *loop)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &loop->wdw};
+    int64_t now = ks_mono_us();
+
+    if (exec__wd_spawn(&loop->wd) != 0) {
+        loop->wd.retry_at_us = now + 1000000;
+        return;
+    }
+    atomic_store(&loop->wd_pid, (int)loop->wd.pid);
+    loop->wdw.kind = W_WD;
+    loop->wdw.job = NULL;
+    epoll_ctl(loop->epfd, EPOLL_CTL_ADD, loop->wd.fd, &ev);
+    loop->wd.next_ping_us = now + (int64_t)loop->wd.dead_ms * 1000 / 3;
+    loop->wd.retry_at_us = NEVER;
+    for (struct exec_job *j = loop->running; j; j = j->rnext) {
+        j->wd_added = false;
+        /* After the leader's exit its group may still hold processes;
+         * its unreaped zombie still pins the pgid. */
+        if (!j->finished) {
+            j->wd_added = true;
+            if (exec__wd_send(&loop->wd, EXEC__WD_ADD, j->id, j->pid,
+                              j->cg.moved ? j->cg.path : NULL) != 0) {
+                /* A new watchdog that cannot take its registry: try again
+                 * later rather than recurse. */
+                exec__wd_stop(&loop->wd, true);
+                atomic_store(&loop->wd_pid, 0);
+                loop->wd.retry_at_us = now + 1000000;
+                return;
+            }
+        }
+    }
+}
+
+static void
+wd_replace(struct exec_loop *loop)
+{
+    exec__wd_stop(&loop->wd, true);
+    atomic_store(&loop->wd_pid, 0);
+    wd_start(loop);
+}
+
 /* A job that never ran (start failure, or cancelled while queued). */
 static void
 job_fail(struct exec_loop *loop, struct exec_job *job, const char *stage,
@@ -306,6 +399,13 @@ job_finish(struct exec_loop *loop, struct exec_job *job)
         }
     }
     close_fd(loop, &job->pidfd);
+    if (job->wd_added) {
+        /* Its report (if it fired) is read before the result is made, and
+         * the DEL goes out while the unreaped leader still pins the pgid. */
+        wd_drain(loop);
+        wd_send(loop, EXEC__WD_DEL, job);
+        job->wd_added = false;
+    }
     memset(&ru, 0, sizeof(ru));
     do {
         w = wait4(job->pid, &status, 0, &ru);
@@ -522,6 +622,12 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     job->rnext = loop->running;
     loop->running = job;
     atomic_fetch_add(&loop->nrunning, 1);
+    if (loop->wd.fd != -1) {
+        job->wd_added = true;
+        wd_send(loop, EXEC__WD_ADD, job);
+    }
+    if (job->started_cb)
+        job->started_cb(job->id, job->pid, job->ud);
     goto out;
 fail:
     job_fail(loop, job, stage, -ret);
@@ -538,6 +644,15 @@ job_cancel(struct exec_loop *loop, struct exec_job *job, int64_t now)
     job->res.cancelled = true;
     if (!job->term_sent)
         send_term(job, now);
+}
+
+static void
+job_kill(struct exec_loop *loop, struct exec_job *job, int64_t now)
+{
+    if (job->res.killed || job->finished)
+        return;
+    job->res.killed = true;
+    send_kill(job, now);
 }
 
 static void
@@ -568,7 +683,7 @@ on_wakeup(struct exec_loop *loop)
         loop->qtail = NULL;
         while (*pp) {
             j = *pp;
-            if (j->cancel_req) {
+            if (j->cancel_req || j->kill_req) {
                 *pp = j->qnext;
                 j->qnext = cancel_queued;
                 cancel_queued = j;
@@ -581,17 +696,21 @@ on_wakeup(struct exec_loop *loop)
     pthread_mutex_unlock(&loop->mu);
     for (j = cancel_queued; j; j = next) {
         next = j->qnext;
-        j->res.cancelled = true;
+        j->res.cancelled = !j->kill_req;
+        j->res.killed = j->kill_req;
         job_fail(loop, j, "spawn", ECANCELED);
     }
     if (cancels) {
         int64_t now = ks_mono_us();
         for (j = loop->running; j; j = j->rnext) {
-            bool req;
+            bool req, kill_req;
             pthread_mutex_lock(&loop->mu);
             req = j->cancel_req;
+            kill_req = j->kill_req;
             pthread_mutex_unlock(&loop->mu);
-            if (req)
+            if (kill_req)
+                job_kill(loop, j, now);
+            else if (req)
                 job_cancel(loop, j, now);
         }
     }
@@ -685,6 +804,12 @@ loop_step(struct exec_loop *loop)
         if (t < deadline)
             deadline = t;
     }
+    if (loop->wd.dead_ms) {
+        int64_t t = loop->wd.fd != -1 ? loop->wd.next_ping_us
+                                      : loop->wd.retry_at_us;
+        if (t < deadline)
+            deadline = t;
+    }
     if (deadline != NEVER) {
         int64_t wait = deadline - ks_mono_us();
         if (wait < 0)
@@ -698,6 +823,10 @@ loop_step(struct exec_loop *loop)
         struct watch *w = evs[i].data.ptr;
         if (w->kind == W_EVENT) {
             on_wakeup(loop);
+            continue;
+        }
+        if (w->kind == W_WD) {
+            wd_drain(loop);
             continue;
         }
         j = w->job;
@@ -727,6 +856,14 @@ loop_step(struct exec_loop *loop)
         if (!j->finished && next_deadline(j) <= now)
             on_timers(loop, j, now);
     }
+    if (loop->wd.dead_ms) {
+        if (loop->wd.fd == -1 && now >= loop->wd.retry_at_us)
+            wd_start(loop);
+        else if (loop->wd.fd != -1 && now >= loop->wd.next_ping_us) {
+            loop->wd.next_ping_us = now + (int64_t)loop->wd.dead_ms * 1000 / 3;
+            wd_send(loop, EXEC__WD_PING, NULL);
+        }
+    }
     settle(loop);
 }
 
@@ -735,6 +872,7 @@ loop_init(struct exec_loop *loop, bool threaded)
 {
     memset(loop, 0, sizeof(*loop));
     loop->evfd = -1;
+    loop->wd.fd = -1;
     loop->threaded = threaded;
     loop->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (loop->epfd == -1)
@@ -772,6 +910,11 @@ loop_main(void *arg)
 {
     struct exec_loop *loop = arg;
 
+    /* Spawned from this thread: PR_SET_PDEATHSIG follows the thread that
+     * created the watchdog, and this one lives exactly as long as the
+     * loop. */
+    if (loop->wd.dead_ms)
+        wd_start(loop);
     for (;;) {
         bool stop;
         pthread_mutex_lock(&loop->mu);
@@ -781,12 +924,32 @@ loop_main(void *arg)
             break;
         loop_step(loop);
     }
+    /* Every job is finished and unregistered: nothing is left to guard.
+     * SIGKILL rather than wait for it to see EOF, so a watchdog someone
+     * stopped cannot hang the stop. */
+    exec__wd_stop(&loop->wd, true);
+    atomic_store(&loop->wd_pid, 0);
     return NULL;
 }
 
 int
 exec_loop_new(unsigned max_concurrent, struct exec_loop **out)
 {
+    struct exec_loop_opts o = {.max_concurrent = max_concurrent};
+
+    return exec_loop_start(&o, out);
+}
+
+pid_t
+exec_loop_watchdog_pid(struct exec_loop *loop)
+{
+    return (pid_t)atomic_load(&loop->wd_pid);
+}
+
+int
+exec_loop_start(const struct exec_loop_opts *opts, struct exec_loop **out)
+{
+    unsigned max_concurrent = opts->max_concurrent;
     struct exec_loop *loop;
     int ret;
 
@@ -800,6 +963,8 @@ exec_loop_new(unsigned max_concurrent, struct exec_loop **out)
     if (ret)
         goto fail;
     loop->max_concurrent = max_concurrent;
+    loop->wd.dead_ms = opts->watchdog_ms;
+    loop->wd.retry_at_us = NEVER;
     loop->next_id = 1;
     pthread_mutex_init(&loop->mu, NULL);
     loop->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -904,6 +1069,14 @@ int
 exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
             exec_done_fn done, void *ud, uint64_t *job_id_out)
 {
+    return exec_submit_ex(loop, spec, NULL, done, ud, job_id_out);
+}
+
+int
+exec_submit_ex(struct exec_loop *loop, const struct exec_spec *spec,
+               exec_started_fn started, exec_done_fn done, void *ud,
+               uint64_t *job_id_out)
+{
     struct exec_job *job;
     int ret;
 
@@ -920,6 +1093,7 @@ exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
         job_free(job);
         return ret;
     }
+    job->started_cb = started;
     job->done = done;
     job->ud = ud;
     pthread_mutex_lock(&loop->mu);
@@ -945,15 +1119,18 @@ exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
     return 0;
 }
 
-int
-exec_cancel(struct exec_loop *loop, uint64_t job_id)
+static int
+request(struct exec_loop *loop, uint64_t job_id, bool kill_now)
 {
     int ret = KS_ENOTFOUND;
 
     pthread_mutex_lock(&loop->mu);
     for (struct exec_job *j = loop->active; j; j = j->next) {
         if (j->id == job_id) {
-            j->cancel_req = true;
+            if (kill_now)
+                j->kill_req = true;
+            else
+                j->cancel_req = true;
             loop->cancel_pending = true;
             ret = 0;
             break;
@@ -963,6 +1140,18 @@ exec_cancel(struct exec_loop *loop, uint64_t job_id)
     if (ret == 0)
         wake(loop);
     return ret;
+}
+
+int
+exec_cancel(struct exec_loop *loop, uint64_t job_id)
+{
+    return request(loop, job_id, false);
+}
+
+int
+exec_kill(struct exec_loop *loop, uint64_t job_id)
+{
+    return request(loop, job_id, true);
 }
 
 unsigned

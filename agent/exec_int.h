@@ -121,4 +121,32 @@ void exec__reap_leftovers(pid_t pgid, struct exec__cgroup *cg);
 /* waitid(P_PIDFD) wrapper (glibc 2.36 knows P_PIDFD). */
 int exec__pidfd_open(pid_t pid);
 
+/* exec_watchdog.c (the protocol is described there) */
+
+/* A loop's watchdog process, as the loop thread sees it. */
+struct exec__wd {
+    unsigned dead_ms; /* silence after which it kills; 0: no watchdog */
+    int fd;           /* our end of the socketpair (O_NONBLOCK), -1: none */
+    pid_t pid;
+    int64_t next_ping_us, retry_at_us; /* monotonic */
+};
+/* Message types the loop sends (values shared with the watchdog). */
+#define EXEC__WD_PING 1
+#define EXEC__WD_ADD 2
+#define EXEC__WD_DEL 3
+/* Spawns the watchdog: wd->fd and wd->pid on 0, else -errno. */
+int exec__wd_spawn(struct exec__wd *wd);
+/* Closes our end (the watchdog exits on EOF; SIGKILL first when force) and
+ * reaps it. */
+void exec__wd_stop(struct exec__wd *wd, bool force);
+/* Sends one record without blocking: 0, or -errno (-EAGAIN when the
+ * watchdog does not read: the caller replaces it). */
+int exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id,
+                  pid_t pgid, const char *path);
+typedef void (*exec__wd_fired_fn)(uint64_t job_id, int64_t silence_ms,
+                                  void *ud);
+/* Reads what the watchdog reported (FIRED records) without blocking: 0, or
+ * -EPIPE once it is gone. */
+int exec__wd_read(struct exec__wd *wd, exec__wd_fired_fn fired, void *ud);
+
 #endif

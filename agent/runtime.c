@@ -1,22 +1,46 @@
 /*
- * The agent runtime: consume, check, claim, ack, run, report, heartbeat.
+ * The agent runtime: consume, check, take a slot, claim, run, report, ack.
  *
  * Threads:
- *  - nats.c delivery thread(s): on_command (check, precheck, claim, ack,
- *    submit) and on_cancel;
- *  - the executor loop thread: job_done (packs the result event, queues it);
+ *  - nats.c delivery thread(s): on_command (check; with a free slot:
+ *    claim and submit at once, else queue) and on_cancel;
+ *  - starter threads: claim and submit queued messages as slots free up;
+ *  - the executor loop thread: job_started (journal), job_done (packs the
+ *    result event, queues it, acks the message, passes the slot on);
  *  - the publisher thread: publishes queued events until each has a PubAck;
- *  - the heartbeat thread: KSCORE_AGENTS entries every EVT_HEARTBEAT_MS.
+ *  - the heartbeat thread: KSCORE_AGENTS entries every EVT_HEARTBEAT_MS;
+ *  - the keeper thread: keeps held messages in progress, watches contact
+ *    with NATS and self-fences.
+ *
+ * Capacity (K-issue 10.4): a command is claimed only with a free slot. Its
+ * JetStream message stays unacked until the command has ended and its
+ * result is queued, kept alive with +WPI every ack_wait / 3, so each
+ * consumer's max_ack_pending (= max_concurrent) keeps the backlog in
+ * JetStream, unclaimed. A process serving several ids has one pool of
+ * max_concurrent slots for all of them: a message delivered while the pool
+ * is empty waits here, unclaimed (the broker may re-dispatch it meanwhile;
+ * the claim fence keeps one run).
+ *
+ * Lost must be true (10.3, 10.5): the executor loop has a watchdog process
+ * that kills every job when this process dies, is stopped or hangs; and
+ * when no heartbeat has reached NATS for fence_ms (AGENT_FENCE_MS, 5 s,
+ * half the broker's EVT_AGENT_TTL_MS) the keeper kills what runs (the
+ * self-fence), so by the time the broker declares these commands Lost they
+ * are dead. Either way the result is reported as CommandLost with the
+ * reason, never as a normal completion.
  *
  * Results are never lost: each result event is written to
  * <state_dir>/outbox/<event_id> before it is queued and removed after its
  * PubAck; a restarted agent publishes what it finds there first. The
  * Nats-Msg-Id is the event_id, and the recorder appends by unique event_id,
- * so a result published twice is recorded once.
+ * so a result published twice is recorded once. The journal (journal.c)
+ * tells a restarted agent which commands ran (Lost) and which were claimed
+ * but never spawned (NotStarted).
  */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,64 +49,19 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "agent.h"
+#include "agent_int.h"
 
 #define CLAIM_TIMEOUT_MS 1000 /* a claim is one commit: ~1 ms */
 /* How long a claim is retried while no broker answers (ms). */
 #define CLAIM_RETRY_MS 20000
 #define PUBLISH_TIMEOUT_MS 2000
 #define AGENT_VERSION "0.1.0"
-
-struct agent_slot {
-    struct agent *agent;
-    char *id;
-    natsSubscription *sub, *cancel_sub;
-};
-
-struct outbox_item {
-    struct outbox_item *next;
-    char event_id[37];
-    uint8_t *buf;
-    size_t len;
-    char subject[16 + EVT_AGENT_ID_MAX + 40];
-};
-
-struct job_ctx {
-    char operator_name[64];
-    struct agent *agent;
-    uint64_t job_id;
-    struct agent_slot *slot;
-    char command_id[37];
-    uint32_t attempt;
-};
-
-struct agent {
-    struct agent_opts opts;
-    char *state_dir;
-    char host[64];
-    unsigned max_concurrent;
-    struct evt_conn *nc;
-    kvStore *kv;
-    struct exec_loop *loop;
-    struct agent_slot *slots;
-    size_t n_slots;
-
-    pthread_mutex_t mu;
-    struct ks_map running;     /* command_id -> struct job_ctx * */
-    struct ks_map seen;        /* claimed command ids (replay guard) */
-    char (*seen_ring)[37];
-    size_t seen_next;
-    const struct evt_verifier *trust;
-    struct evt_verifier *own_trust; /* from opts->trust_keys */
-    pthread_cond_t out_cond;
-    struct outbox_item *out_head, **out_tail;
-    size_t in_flight;          /* submitted, result not yet queued */
-    pthread_cond_t idle_cond;
-
-    pthread_t pub_thread, hb_thread;
-    bool pub_started, hb_started;
-    volatile int stopping;
-};
+/* The keeper's period (ms): progress acks, contact, fence. */
+#define KEEPER_TICK_MS 200
+/* A heartbeat that failed is tried again this soon (ms). */
+#define HEARTBEAT_RETRY_MS 500
+/* Threads that claim queued messages (a claim is a round trip). */
+#define STARTERS_MAX 8
 
 unsigned
 agent_default_max_concurrent(void)
@@ -95,127 +74,57 @@ agent_default_max_concurrent(void)
 
 /*
  * Command ids this process has claimed, newest SEEN_MAX kept (a ring plus a
- * map). The claim fence in PostgreSQL is the real guarantee; this refuses a
- * replayed message before it costs a claim, and names it a replay.
+ * map, the value the attempt + 1). The claim fence in PostgreSQL is the
+ * real guarantee; this refuses a replayed message before it costs a claim,
+ * and names it a replay. Under a->mu.
  */
 #define SEEN_MAX 4096
 
-static bool
-seen_check(struct agent *a, const char *command_id)
+static uint32_t
+seen_attempt_locked(struct agent *a, const char *command_id)
 {
-    bool seen;
-    pthread_mutex_lock(&a->mu);
-    seen = ks_map_get(&a->seen, command_id) != NULL;
-    pthread_mutex_unlock(&a->mu);
-    return seen;
+    return (uint32_t)(uintptr_t)ks_map_get(&a->seen, command_id);
 }
 
 static void
-seen_add(struct agent *a, const char *command_id)
+seen_add(struct agent *a, const char *command_id, uint32_t attempt)
 {
     pthread_mutex_lock(&a->mu);
     char *slot = a->seen_ring[a->seen_next];
     if (slot[0])
         ks_map_del(&a->seen, slot);
     memcpy(slot, command_id, 37);
-    ks_map_put(&a->seen, slot, (void *)1);
+    ks_map_put(&a->seen, slot, (void *)(uintptr_t)(attempt + 1));
     a->seen_next = (a->seen_next + 1) % SEEN_MAX;
     pthread_mutex_unlock(&a->mu);
 }
 
-/* ---- running markers (K25) ------------------------------------------------ */
+/* ---- acks ------------------------------------------------------------------ */
 
 /*
- * <state_dir>/running/<command_id>: written when a claim is granted, removed
- * once the result is queued. A restarted agent finds what it left running
- * when it died: the executor has killed those process groups already
- * (exec_global_init() kills the cgroups of dead agents), so each one is
- * reported CommandLost, and none is ever run again (the claim fence).
+ * Acks are publishes to the delivery's reply subject (the JetStream ack
+ * protocol: "+ACK", "-NAK", "+WPI", "+TERM"), so a message can be acked
+ * after its natsMsg and even its subscription are gone, or by a restarted
+ * agent from the journal. Lost while NATS is down, they are sent from
+ * nats.c's reconnect buffer; lost for good, JetStream redelivers after the
+ * ack wait and the claim fence refuses the second claim.
  */
-static void
-marker_path(struct agent *a, const char *command_id, char *buf, size_t len)
+void
+agent__ack(struct agent *a, const char *ack_subject, const char *what)
 {
-    snprintf(buf, len, "%s/running/%s", a->state_dir, command_id);
+    if (!ack_subject || !ack_subject[0] || !a->nc)
+        return;
+    natsConnection_Publish(a->nc->nc, ack_subject, what, (int)strlen(what));
 }
 
+/* A nak with a redelivery delay (nats-server 2.7.1+). */
 static void
-marker_write(struct agent *a, const char *command_id, const char *agent_id,
-             uint32_t attempt, const char *operator_name)
+nak_delay(struct agent *a, const char *ack_subject, int64_t delay_ms)
 {
-    char path[4200];
-    FILE *f;
-    if (!a->state_dir)
-        return;
-    marker_path(a, command_id, path, sizeof(path));
-    f = fopen(path, "we");
-    if (f) {
-        fprintf(f, "%s %u %s\n", agent_id, attempt,
-                operator_name && operator_name[0] ? operator_name : "-");
-        fclose(f);
-    }
-}
-
-static void
-marker_remove(struct agent *a, const char *command_id)
-{
-    char path[4200];
-    if (!a->state_dir)
-        return;
-    marker_path(a, command_id, path, sizeof(path));
-    unlink(path);
-}
-
-static int queue_event(struct agent *a, const Ks__Event *ev);
-
-/* Reports what a previous run of this agent left running as Lost. */
-static void
-markers_recover(struct agent *a)
-{
-    char dir[4200];
-    DIR *d;
-    struct dirent *de;
-    snprintf(dir, sizeof(dir), "%s/running", a->state_dir);
-    d = opendir(dir);
-    if (!d)
-        return;
-    while ((de = readdir(d))) {
-        char path[4500], agent_id[EVT_AGENT_ID_MAX + 1], op[64];
-        unsigned attempt = 0;
-        if (!ks_is_uuid(de->d_name))
-            continue;
-        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
-        FILE *f = fopen(path, "re");
-        if (!f)
-            continue;
-        int n = fscanf(f, "%128s %u %63s", agent_id, &attempt, op);
-        fclose(f);
-        if (n == 3) {
-            Ks__Event ev = KS__EVENT__INIT;
-            Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
-            char event_id[37], stream[64], command_id[37];
-            memcpy(command_id, de->d_name, 36);
-            command_id[36] = '\0';
-            ks_uuid(event_id);
-            snprintf(stream, sizeof(stream), "command-%s", command_id);
-            r.status = KS__COMMAND_STATUS__LOST;
-            r.term_sent_us = r.kill_sent_us = -1;
-            r.reason = "the agent died while it ran; the restarted agent "
-                       "sent its leftover processes SIGKILL (cgroup.kill)";
-            ev.event_id = event_id;
-            ev.stream_id = stream;
-            ev.type = "CommandLost";
-            ev.occurred_at_us = ks_now_us();
-            ev.command_id = command_id;
-            ev.agent_id = agent_id;
-            ev.attempt = attempt;
-            ev.operator_ = strcmp(op, "-") ? op : "";
-            ev.reason = r.reason;
-            ev.result = &r;
-            queue_event(a, &ev);
-        }
-        unlink(path);
-    }
-    closedir(d);
+    char buf[64];
+    snprintf(buf, sizeof(buf), "-NAK {\"delay\": %" PRId64 "}",
+             delay_ms * 1000000);
+    agent__ack(a, ack_subject, buf);
 }
 
 /* ---- outbox --------------------------------------------------------------- */
@@ -237,9 +146,8 @@ outbox_push(struct agent *a, struct outbox_item *it)
     pthread_mutex_unlock(&a->mu);
 }
 
-/* Packs ev, saves it under the state dir (if any), queues it. */
-static int
-queue_event(struct agent *a, const Ks__Event *ev)
+int
+agent__queue_event(struct agent *a, const Ks__Event *ev)
 {
     struct outbox_item *it = calloc(1, sizeof(*it));
     int rc;
@@ -389,6 +297,80 @@ publisher_main(void *arg)
     return NULL;
 }
 
+
+/* ---- held messages ------------------------------------------------------------ */
+
+static void
+job_free(struct job_ctx *j)
+{
+    if (!j)
+        return;
+    free(j->ack_subject);
+    if (j->cmd)
+        ks__command__free_unpacked(j->cmd, NULL);
+    free(j);
+}
+
+/*
+ * The end of a held message: out of the map, its slot to the oldest
+ * waiting message (or back to the pool), then the ack payload `what` (NULL:
+ * none). The slot passes on before the ack, so the message JetStream sends
+ * for the ack finds it taken only if one already waits here. Any thread.
+ */
+static void
+job_release(struct job_ctx *j, const char *what)
+{
+    struct agent *a = j->agent;
+
+    pthread_mutex_lock(&a->mu);
+    if (ks_map_get(&a->jobs, j->command_id) == j)
+        ks_map_del(&a->jobs, j->command_id);
+    if (j->state != JOB_WAITING) {
+        struct job_ctx *next = a->waitq;
+        if (next && !atomic_load(&a->closing)) {
+            a->waitq = next->qnext;
+            if (!a->waitq)
+                a->waitq_tail = &a->waitq;
+            next->state = JOB_STARTING;
+            next->qnext = NULL;
+            *a->readyq_tail = next;
+            a->readyq_tail = &next->qnext;
+            pthread_cond_signal(&a->ready_cond);
+        } else {
+            a->free_slots++;
+        }
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (what)
+        agent__ack(a, j->ack_subject, what);
+    job_free(j);
+}
+
+/* Queues a command event of j: type, result r (may be NULL), reason. */
+static void
+report(struct job_ctx *j, const char *type, Ks__CommandResult *r,
+       const char *reason)
+{
+    Ks__Event ev = KS__EVENT__INIT;
+    char event_id[37], stream[64];
+
+    ks_uuid(event_id);
+    snprintf(stream, sizeof(stream), "command-%s", j->command_id);
+    ev.event_id = event_id;
+    ev.stream_id = stream;
+    ev.type = (char *)type;
+    ev.occurred_at_us = ks_now_us();
+    ev.command_id = j->command_id;
+    ev.agent_id = j->slot->id;
+    ev.attempt = j->attempt;
+    ev.operator_ = j->operator_name;
+    ev.reason = (char *)reason;
+    ev.result = r;
+    if (agent__queue_event(j->agent, &ev) != 0)
+        fprintf(stderr, "kscore agent: cannot queue %s of %s\n", type,
+                j->command_id);
+}
+
 /* ---- results --------------------------------------------------------------- */
 
 static void
@@ -449,42 +431,74 @@ fill_result(Ks__CommandResult *r, Ks__Output *o, Ks__Output *e,
 }
 
 static void
+job_started(uint64_t job_id, pid_t pid, void *ud)
+{
+    struct job_ctx *j = ud;
+    char line[40];
+
+    (void)job_id;
+    /* Only now may a restart call it Lost rather than NotStarted. */
+    snprintf(line, sizeof(line), "spawned %d\n", (int)pid);
+    agent__journal_append(j->agent, j->command_id, line);
+}
+
+static void
 job_done(uint64_t job_id, struct exec_result *x, void *ud)
 {
     struct job_ctx *j = ud;
     struct agent *a = j->agent;
     Ks__CommandResult r;
     Ks__Output o, e;
-    Ks__Event ev = KS__EVENT__INIT;
-    char event_id[37], stream[64];
+    const char *type;
+    char reason[200] = "";
+    bool fenced;
+    int64_t silence_us;
 
     (void)job_id;
+    pthread_mutex_lock(&a->mu);
+    fenced = j->fenced;
+    silence_us = j->fence_silence_us;
+    pthread_mutex_unlock(&a->mu);
     fill_result(&r, &o, &e, x);
-    ks_uuid(event_id);
-    snprintf(stream, sizeof(stream), "command-%s", j->command_id);
-    ev.event_id = event_id;
-    ev.stream_id = stream;
-    ev.type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
-                                              : "CommandCompleted";
-    ev.occurred_at_us = ks_now_us();
-    ev.command_id = j->command_id;
-    ev.agent_id = j->slot->id;
-    ev.attempt = j->attempt;
-    ev.operator_ = j->operator_name;
-    ev.result = &r;
-    if (queue_event(a, &ev) != 0)
-        fprintf(stderr, "kscore agent: cannot queue result of %s\n",
-                j->command_id);
-    else
-        marker_remove(a, j->command_id);
+    type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
+                                           : "CommandCompleted";
+    /* Killed because nobody could vouch for it any more: the record is
+     * told so, never a normal completion. */
+    if (x->watchdog_killed && x->outcome != EXEC_START_FAILED) {
+        type = "CommandLost";
+        r.status = KS__COMMAND_STATUS__LOST;
+        snprintf(reason, sizeof(reason),
+                 "killed by the agent's watchdog: the agent was stopped or "
+                 "hung for %.1f s",
+                 (double)x->watchdog_silence_ms / 1000);
+    } else if (fenced && x->outcome != EXEC_START_FAILED) {
+        type = "CommandLost";
+        r.status = KS__COMMAND_STATUS__LOST;
+        snprintf(reason, sizeof(reason),
+                 "agent lost contact with NATS for %.1f s: its processes "
+                 "were killed (self-fence)",
+                 (double)silence_us / 1e6);
+    } else if (fenced && x->killed) {
+        /* Killed by the fence before the executor spawned it. */
+        type = "CommandNotStarted";
+        r.status = KS__COMMAND_STATUS__NOT_STARTED;
+        snprintf(reason, sizeof(reason),
+                 "agent lost contact with NATS for %.1f s before it could "
+                 "spawn the command (self-fence)",
+                 (double)silence_us / 1e6);
+    }
+    if (reason[0])
+        r.reason = reason;
+    report(j, type, &r, reason[0] ? reason : NULL);
+    agent__journal_remove(a, j->command_id);
     exec_result_release(x);
     pthread_mutex_lock(&a->mu);
-    ks_map_del(&a->running, j->command_id);
     a->in_flight--;
     pthread_cond_broadcast(&a->idle_cond);
     pthread_cond_signal(&a->out_cond);
     pthread_mutex_unlock(&a->mu);
-    free(j);
+    /* The result is in the outbox: JetStream may forget the message. */
+    job_release(j, "+ACK");
 }
 
 /* ---- commands -------------------------------------------------------------- */
@@ -505,19 +519,21 @@ reject(struct agent_slot *slot, const char *command_id, uint32_t attempt,
     ev.agent_id = slot->id;
     ev.attempt = attempt;
     ev.reason = (char *)reason;
-    queue_event(slot->agent, &ev);
+    agent__queue_event(slot->agent, &ev);
 }
 
-/* Claims the command through the broker. 1 granted, 0 lost, <0 error. */
+/*
+ * Claims the command through the broker with the claim event event_id.
+ * 1 granted, 0 lost, <0 error.
+ */
 static int
 claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
-      Ks__CommandResult *start_failure)
+      Ks__CommandResult *start_failure, const char *event_id)
 {
     Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
     Ks__ClaimReply *rep = NULL;
     ProtobufCMessage *pm = NULL;
     natsMsg *m = NULL;
-    char event_id[37];
     int rc = 0;
 
     /* The broker takes the claimer from the subject (and replies to its
@@ -525,24 +541,23 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
      * (deploy/nats-auth.conf.in). One process may serve several ids. */
     char claimer[EVT_AGENT_ID_MAX + 8];
     snprintf(claimer, sizeof(claimer), "agent-%s", slot->id);
-    ks_uuid(event_id);
     req.command_id = cmd->command_id;
     req.attempt = cmd->attempt;
     req.agent_id = slot->id;
-    req.event_id = event_id;
+    req.event_id = (char *)event_id;
     req.expected_version = cmd->dispatch_version;
     req.start_failure = start_failure;
     req.operator_ = cmd->operator_;
     /* Retried with the same event_id: a claim whose reply was lost is
      * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
      * restarting answers "no responders" at once: wait for it rather than
-     * leave the message unacked for a whole ack wait. */
+     * hand the message back at once. */
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
     for (;;) {
         rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
                             CLAIM_TIMEOUT_MS, &m);
-        if (rc == 0 || a->stopping || ks_mono_us() >= give_up)
+        if (rc == 0 || atomic_load(&a->closing) || ks_mono_us() >= give_up)
             break;
         nanosleep(&(struct timespec){0, pause_ms * 1000000L}, NULL);
         if (pause_ms < 500)
@@ -562,44 +577,70 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     return rc;
 }
 
-static void
-on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+static void heartbeat_poke(struct agent *a);
+
+/*
+ * Fenced, yet a claim just went through: NATS may be back before the next
+ * heartbeat says so. Asks for one and waits for it (up to a heartbeat
+ * period). true if heartbeats reach NATS again.
+ */
+static bool
+contact_regained(struct agent *a)
 {
-    struct agent_slot *slot = ud;
-    struct agent *a = slot->agent;
-    Ks__Command *cmd = NULL;
-    const char *reason = NULL;
-    char cmd_id[37];
+    int64_t asked = ks_mono_us();
+
+    heartbeat_poke(a);
+    while (ks_mono_us() - asked < (int64_t)EVT_HEARTBEAT_MS * 1000 &&
+           !atomic_load(&a->closing)) {
+        if (atomic_load(&a->last_contact_us) >= asked)
+            return true;
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    return false;
+}
+
+/*
+ * Starts a held message that has a slot (state JOB_STARTING): precheck,
+ * claim, submit. Every path ends the hold (job_release) or hands it to the
+ * executor (job_done ends it). Delivery or starter thread.
+ */
+static void
+start_job(struct job_ctx *j)
+{
+    struct agent *a = j->agent;
+    struct agent_slot *slot = j->slot;
+    Ks__Command *cmd = j->cmd;
     const char **argv = NULL;
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
     const char *stage = NULL;
+    char claim_id[37];
+    uint64_t job_id = 0;
     int rc;
 
-    (void)nc;
-    (void)sub;
-    rc = agent_decode_command(a->trust, slot->id, ks_now_us(),
-                              natsMsg_GetData(msg),
-                              (size_t)natsMsg_GetDataLength(msg), &cmd,
-                              &reason, cmd_id);
-    if (rc) {
-        /* Never run; said so in the record when there is a command id. */
-        if (cmd_id[0])
-            reject(slot, cmd_id, 0,
-                   rc == KS_EREJECTED ? reason : "undecodable command");
-        natsMsg_Term(msg, NULL);
+    j->cmd = NULL; /* ours now; exec_submit copies what it keeps */
+    if (atomic_load(&a->closing)) {
+        /* Stopping: someone else (or our next start) takes it at once. */
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
         goto out;
     }
-    if (seen_check(a, cmd->command_id)) {
-        reject(slot, cmd->command_id, cmd->attempt,
-               "replay: this agent has already claimed this command");
-        natsMsg_Term(msg, NULL);
+    if (ks_now_us() >= cmd->not_after_us) {
+        /* It waited here past its deadline: the broker ends it
+         * Undeliverable; claiming it now would only be refused. */
+        reject(slot, j->command_id, j->attempt,
+               "expired while waiting for a free slot");
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "+TERM");
         goto out;
     }
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
     env = calloc(cmd->spec->n_env + 2, sizeof(*env));
-    if (!argv || !env)
-        goto out; /* not acked: redelivered */
+    if (!argv || !env) {
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
+        goto out;
+    }
     for (size_t i = 0; i < cmd->spec->n_argv; i++)
         argv[i] = cmd->spec->argv[i];
     /* KSCORE_AGENT_ID first, so the command's own env may override it. */
@@ -624,6 +665,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                 ? cmd->spec->stderr_cap_bytes
                                 : EXEC_OUTPUT_CAP_MAX;
 
+    ks_uuid(claim_id);
     rc = exec_precheck(&spec, &stage);
     if (rc) {
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
@@ -632,42 +674,59 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.start_errno = -rc;
         r.started_at_us = r.finished_at_us = ks_now_us();
         r.term_sent_us = r.kill_sent_us = -1;
-        rc = claim(a, slot, cmd, &r);
-        if (rc >= 0)
-            natsMsg_Ack(msg, NULL);
+        rc = claim(a, slot, cmd, &r, claim_id);
+        agent__journal_remove(a, j->command_id);
+        if (rc >= 0) {
+            job_release(j, "+ACK");
+        } else {
+            nak_delay(a, j->ack_subject, 1000);
+            job_release(j, NULL);
+        }
         goto out;
     }
-    rc = claim(a, slot, cmd, NULL);
-    if (rc < 0) {
-        /* No broker: hand it back for a redelivery in a second. */
-        natsMsg_NakWithDelay(msg, 1000, NULL);
+    /* Journal first: a crash from here on is "claimed, never spawned". */
+    if (j->journaled) {
+        char line[48];
+        snprintf(line, sizeof(line), "claim %s\n", claim_id);
+        agent__journal_append(a, j->command_id, line);
+    } else {
+        agent__journal_hold(a, j, claim_id);
+    }
+    rc = claim(a, slot, cmd, NULL, claim_id);
+    if (rc <= 0) {
+        agent__journal_remove(a, j->command_id);
+        if (rc < 0) {
+            /* No broker: hand it back for a redelivery in a second. */
+            nak_delay(a, j->ack_subject, 1000);
+            job_release(j, NULL);
+        } else {
+            /* Lost the claim: someone else runs it, or it ended. */
+            job_release(j, "+ACK");
+        }
         goto out;
     }
-    natsMsg_Ack(msg, NULL);
-    if (rc == 0)
-        goto out; /* lost the claim: someone else runs it, or it ended */
-    seen_add(a, cmd->command_id);
-    marker_write(a, cmd->command_id, slot->id, cmd->attempt, cmd->operator_);
-
-    struct job_ctx *j = calloc(1, sizeof(*j));
-    uint64_t job_id = 0;
-    if (!j)
+    seen_add(a, j->command_id, j->attempt);
+    if (atomic_load(&a->fenced) && !contact_regained(a)) {
+        /* Claimed, but NATS has gone silent: a command started now could
+         * be declared Lost while it runs. It provably never started. */
+        Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+        r.status = KS__COMMAND_STATUS__NOT_STARTED;
+        r.term_sent_us = r.kill_sent_us = -1;
+        r.reason = "agent lost contact with NATS right after it claimed the "
+                   "command: not spawned (self-fence)";
+        report(j, "CommandNotStarted", &r, r.reason);
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "+ACK");
         goto out;
-    j->agent = a;
-    j->slot = slot;
-    j->attempt = cmd->attempt;
-    snprintf(j->command_id, sizeof(j->command_id), "%s", cmd->command_id);
-    snprintf(j->operator_name, sizeof(j->operator_name), "%s",
-             cmd->operator_);
+    }
     /* Held across the submit, so job_done (which takes mu) cannot free j
-     * before it is in the map with its job id. */
+     * before it has its job id. */
     pthread_mutex_lock(&a->mu);
+    j->state = JOB_RUNNING;
     a->in_flight++;
-    rc = exec_submit(a->loop, &spec, job_done, j, &job_id);
-    if (rc == 0) {
+    rc = exec_submit_ex(a->loop, &spec, job_started, job_done, j, &job_id);
+    if (rc == 0)
         j->job_id = job_id;
-        ks_map_put(&a->running, j->command_id, j);
-    }
     pthread_mutex_unlock(&a->mu);
     if (rc) {
         /* Claimed but not started: report it, so it still ends. */
@@ -681,9 +740,147 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 out:
     free(argv);
     free(env);
+    ks__command__free_unpacked(cmd, NULL);
+}
+
+static void *
+starter_main(void *arg)
+{
+    struct agent *a = arg;
+
+    pthread_mutex_lock(&a->mu);
+    for (;;) {
+        struct job_ctx *j;
+        while (!a->readyq && !atomic_load(&a->closing))
+            pthread_cond_wait(&a->ready_cond, &a->mu);
+        j = a->readyq;
+        if (!j)
+            break;
+        a->readyq = j->qnext;
+        if (!a->readyq)
+            a->readyq_tail = &a->readyq;
+        j->qnext = NULL;
+        pthread_mutex_unlock(&a->mu);
+        start_job(j); /* closing: naks it */
+        pthread_mutex_lock(&a->mu);
+    }
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+static void
+on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct agent_slot *slot = ud;
+    struct agent *a = slot->agent;
+    Ks__Command *cmd = NULL;
+    const char *reason = NULL, *reply = natsMsg_GetReply(msg);
+    struct job_ctx *j = NULL, *held;
+    char cmd_id[37];
+    bool start_now = false;
+    uint32_t seen;
+    int rc;
+
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&a->mu);
+    a->callbacks++;
+    pthread_mutex_unlock(&a->mu);
+    if (atomic_load(&a->closing))
+        goto out; /* not acked: redelivered after the ack wait */
+    rc = agent_decode_command(a->trust, slot->id, ks_now_us(),
+                              natsMsg_GetData(msg),
+                              (size_t)natsMsg_GetDataLength(msg), &cmd,
+                              &reason, cmd_id);
+    if (rc) {
+        /* Never run; said so in the record when there is a command id. */
+        if (cmd_id[0])
+            reject(slot, cmd_id, 0,
+                   rc == KS_EREJECTED ? reason : "undecodable command");
+        natsMsg_Term(msg, NULL);
+        goto out;
+    }
+    pthread_mutex_lock(&a->mu);
+    held = ks_map_get(&a->jobs, cmd->command_id);
+    if (held) {
+        bool same = held->attempt == cmd->attempt;
+        char *s = same && reply ? strdup(reply) : NULL;
+        if (s) {
+            /* JetStream redelivered a message we hold (NATS was away for
+             * longer than the ack wait): ack through the newest delivery. */
+            free(held->ack_subject);
+            held->ack_subject = s;
+        }
+        pthread_mutex_unlock(&a->mu);
+        /* Another attempt of a command we hold (the broker re-dispatched it
+         * while it waited here): one message is enough. */
+        if (!same)
+            natsMsg_Ack(msg, NULL);
+        goto out;
+    }
+    seen = seen_attempt_locked(a, cmd->command_id);
+    if (seen) {
+        pthread_mutex_unlock(&a->mu);
+        if (seen == cmd->attempt + 1)
+            reject(slot, cmd->command_id, cmd->attempt,
+                   "replay: this agent has already claimed this command");
+        /* else a re-dispatch that lost the race against our own claim */
+        natsMsg_Term(msg, NULL);
+        goto out;
+    }
+    j = calloc(1, sizeof(*j));
+    if (!j || !reply || !(j->ack_subject = strdup(reply))) {
+        pthread_mutex_unlock(&a->mu);
+        free(j);
+        j = NULL;
+        goto out; /* not acked: redelivered */
+    }
+    j->agent = a;
+    j->slot = slot;
+    j->attempt = cmd->attempt;
+    snprintf(j->command_id, sizeof(j->command_id), "%s", cmd->command_id);
+    snprintf(j->operator_name, sizeof(j->operator_name), "%s",
+             cmd->operator_);
+    j->cmd = cmd;
+    cmd = NULL;
+    if (ks_map_put(&a->jobs, j->command_id, j) != 0) {
+        pthread_mutex_unlock(&a->mu);
+        job_free(j);
+        goto out;
+    }
+    if (a->free_slots) {
+        a->free_slots--;
+        j->state = JOB_STARTING;
+        if (a->claim_inline) {
+            start_now = true;
+        } else {
+            /* nats.c's shared delivery pool also delivers the claim's
+             * reply: a pool thread blocked in a claim could wait for its
+             * own reply (and would hold up cancels). A starter claims. */
+            *a->readyq_tail = j;
+            a->readyq_tail = &j->qnext;
+            pthread_cond_signal(&a->ready_cond);
+        }
+    } else {
+        /* No slot: it waits here, unclaimed. Journaled before it can be
+         * taken off the queue, so a restart hands it back to JetStream. */
+        j->state = JOB_WAITING;
+        agent__journal_hold(a, j, NULL);
+        j->journaled = true;
+        *a->waitq_tail = j;
+        a->waitq_tail = &j->qnext;
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (start_now)
+        start_job(j);
+out:
     if (cmd)
         ks__command__free_unpacked(cmd, NULL);
     natsMsg_Destroy(msg);
+    pthread_mutex_lock(&a->mu);
+    a->callbacks--;
+    pthread_cond_broadcast(&a->cb_cond);
+    pthread_mutex_unlock(&a->mu);
 }
 
 static void
@@ -701,8 +898,8 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__CancelCommand *cc = (Ks__CancelCommand *)pm;
         pthread_mutex_lock(&a->mu);
-        job = ks_map_get(&a->running, cc->command_id);
-        if (job)
+        job = ks_map_get(&a->jobs, cc->command_id);
+        if (job && job->state == JOB_RUNNING)
             job_id = job->job_id;
         pthread_mutex_unlock(&a->mu);
         if (job_id)
@@ -714,15 +911,19 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- heartbeat --------------------------------------------------------------- */
 
-static void
+/* Writes every id's registry entry; true if all were acknowledged. */
+static bool
 heartbeat_once(struct agent *a)
 {
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__EnvVar *lv = calloc(a->opts.n_labels + 1, sizeof(*lv));
     Ks__EnvVar **lp = calloc(a->opts.n_labels + 1, sizeof(*lp));
+    bool ok = true;
 
-    if (!lv || !lp)
+    if (!lv || !lp) {
+        ok = false;
         goto out;
+    }
     for (size_t i = 0; i < a->opts.n_labels; i++) {
         ks__env_var__init(&lv[i]);
         lv[i].name = (char *)a->opts.labels[i].key;
@@ -739,21 +940,150 @@ heartbeat_once(struct agent *a)
     info.pid = (int32_t)getpid();
     for (size_t i = 0; i < a->n_slots; i++) {
         info.agent_id = a->slots[i].id;
-        evt_agent_put(a->nc, a->kv, &info);
+        if (evt_agent_put(a->nc, a->kv, &info) == 0)
+            /* What the broker's liveness check sees: JetStream has it. */
+            atomic_store(&a->last_contact_us, ks_mono_us());
+        else
+            ok = false;
     }
 out:
     free(lv);
     free(lp);
+    return ok;
+}
+
+/* Asks the heartbeat thread for a heartbeat now. */
+static void
+heartbeat_poke(struct agent *a)
+{
+    pthread_mutex_lock(&a->hb_mu);
+    a->hb_wake = true;
+    pthread_cond_signal(&a->hb_cond);
+    pthread_mutex_unlock(&a->hb_mu);
 }
 
 static void *
 heartbeat_main(void *arg)
 {
     struct agent *a = arg;
+
     while (!a->stopping) {
-        heartbeat_once(a);
-        for (int i = 0; i < EVT_HEARTBEAT_MS / 50 && !a->stopping; i++)
-            nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+        bool ok = heartbeat_once(a);
+        int64_t wait_us = (int64_t)(ok ? EVT_HEARTBEAT_MS
+                                       : HEARTBEAT_RETRY_MS) * 1000;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        wait_us += ts.tv_nsec / 1000;
+        ts.tv_sec += wait_us / 1000000;
+        ts.tv_nsec = (wait_us % 1000000) * 1000;
+        pthread_mutex_lock(&a->hb_mu);
+        while (!a->hb_wake && !a->stopping &&
+               pthread_cond_timedwait(&a->hb_cond, &a->hb_mu, &ts) == 0)
+            ;
+        a->hb_wake = false;
+        pthread_mutex_unlock(&a->hb_mu);
+    }
+    return NULL;
+}
+
+/* ---- keeper: progress acks, contact, self-fence -------------------------- */
+
+struct collect {
+    struct agent *a;
+    uint64_t *ids;
+    size_t n, cap;
+    int64_t silence_us;
+};
+
+static void
+progress_one(const char *key, void *val, void *ud)
+{
+    struct job_ctx *j = val;
+    (void)key;
+    agent__ack(ud, j->ack_subject, "+WPI");
+}
+
+static void
+fence_one(const char *key, void *val, void *ud)
+{
+    struct job_ctx *j = val;
+    struct collect *c = ud;
+    (void)key;
+    if (j->state != JOB_RUNNING || j->fenced)
+        return;
+    if (c->n == c->cap) {
+        size_t nc = c->cap ? c->cap * 2 : 16;
+        uint64_t *p = realloc(c->ids, nc * sizeof(*p));
+        if (!p)
+            return; /* the next tick tries again */
+        c->ids = p;
+        c->cap = nc;
+    }
+    j->fenced = true;
+    j->fence_silence_us = c->silence_us;
+    c->ids[c->n++] = j->job_id;
+}
+
+/* Kills every running command not yet fenced. */
+static void
+fence_running(struct agent *a, int64_t silence_us)
+{
+    struct collect c = {a, NULL, 0, 0, silence_us};
+
+    pthread_mutex_lock(&a->mu);
+    ks_map_each(&a->jobs, fence_one, &c);
+    pthread_mutex_unlock(&a->mu);
+    if (c.n)
+        fprintf(stderr,
+                "kscore agent: no heartbeat reached NATS for %.1f s: killing "
+                "%zu running command(s) (self-fence)\n",
+                (double)silence_us / 1e6, c.n);
+    for (size_t i = 0; i < c.n; i++)
+        exec_kill(a->loop, c.ids[i]);
+    free(c.ids);
+}
+
+static void *
+keeper_main(void *arg)
+{
+    struct agent *a = arg;
+    int64_t wpi_us = (int64_t)a->ack_wait_ms * 1000 / 3;
+    int64_t last_tick = ks_mono_us(), next_wpi = last_tick + wpi_us;
+    int64_t judge_after = 0;
+    natsConnStatus prev = NATS_CONN_STATUS_CONNECTED;
+
+    while (!atomic_load(&a->closing)) {
+        nanosleep(&(struct timespec){0, KEEPER_TICK_MS * 1000000L}, NULL);
+        int64_t now = ks_mono_us();
+        if (now - last_tick > 1000000) {
+            /* This process did not run for a while (stopped, swapped):
+             * the silence is ours, not NATS'. Heartbeat, then judge. */
+            heartbeat_poke(a);
+            judge_after = now + 2000000;
+        }
+        last_tick = now;
+        natsConnStatus st = natsConnection_Status(a->nc->nc);
+        if (st == NATS_CONN_STATUS_CONNECTED && prev != st)
+            heartbeat_poke(a); /* back: say so now, not in 2 s */
+        prev = st;
+        if (now >= next_wpi) {
+            pthread_mutex_lock(&a->mu);
+            ks_map_each(&a->jobs, progress_one, a);
+            pthread_mutex_unlock(&a->mu);
+            next_wpi = now + wpi_us;
+        }
+        int64_t silence = now - atomic_load(&a->last_contact_us);
+        if (silence > (int64_t)a->fence_ms * 1000 && now >= judge_after) {
+            if (!atomic_exchange(&a->fenced, true))
+                fprintf(stderr,
+                        "kscore agent: no heartbeat reached NATS for %.1f s "
+                        "(fence %" PRIu64 " ms): self-fenced\n",
+                        (double)silence / 1e6, a->fence_ms);
+            fence_running(a, silence);
+        } else if (silence <= (int64_t)a->fence_ms * 1000 &&
+                   atomic_exchange(&a->fenced, false)) {
+            fprintf(stderr, "kscore agent: heartbeats reach NATS again\n");
+        }
     }
     return NULL;
 }
@@ -765,6 +1095,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
 {
     struct agent *a = NULL;
     struct evt_connect_opts co = opts->nats;
+    pthread_condattr_t ca;
     int rc = 0;
 
     for (size_t i = 0; i < opts->n_ids; i++)
@@ -783,16 +1114,29 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     if (!a)
         return -ENOMEM;
     a->opts = *opts;
-    a->running = (struct ks_map)KS_MAP_INIT;
+    a->jobs = (struct ks_map)KS_MAP_INIT;
     a->seen = (struct ks_map)KS_MAP_INIT;
     a->out_tail = &a->out_head;
+    a->waitq_tail = &a->waitq;
+    a->readyq_tail = &a->readyq;
     pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->hb_mu, NULL);
     pthread_cond_init(&a->out_cond, NULL);
     pthread_cond_init(&a->idle_cond, NULL);
+    pthread_cond_init(&a->ready_cond, NULL);
+    pthread_cond_init(&a->cb_cond, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->hb_cond, &ca);
+    pthread_condattr_destroy(&ca);
+    atomic_store(&a->last_contact_us, ks_mono_us());
     gethostname(a->host, sizeof(a->host));
     a->host[sizeof(a->host) - 1] = '\0';
     a->max_concurrent = opts->max_concurrent ? opts->max_concurrent
                                              : agent_default_max_concurrent();
+    a->free_slots = a->max_concurrent;
+    a->ack_wait_ms = opts->ack_wait_ms ? opts->ack_wait_ms : 30000;
+    a->fence_ms = opts->fence_ms ? opts->fence_ms : AGENT_FENCE_MS;
     if (opts->state_dir) {
         char dir[4096];
         a->state_dir = strdup(opts->state_dir);
@@ -831,13 +1175,19 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     exec_global_init();
-    rc = exec_loop_new(a->max_concurrent, &a->loop);
+    struct exec_loop_opts lo = {
+        .max_concurrent = a->max_concurrent,
+        .watchdog_ms = opts->watchdog_ms ? opts->watchdog_ms
+                                         : AGENT_WATCHDOG_MS,
+    };
+    rc = exec_loop_start(&lo, &a->loop);
     if (rc)
         goto fail;
     co.name = "kscore-agent";
     co.send_asap = true;
     co.retry_forever = true;
     co.global_delivery = opts->n_ids > 8;
+    a->claim_inline = !co.global_delivery;
     /* Many ids share nats.c's delivery pool; a claim blocks its thread for
      * a round trip, so give the pool a few (nats.h
      * nats_SetMessageDeliveryPoolSize; process-wide, grows only). */
@@ -857,13 +1207,27 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     }
     if (a->state_dir) {
         outbox_load(a);
-        markers_recover(a); /* after exec_global_init killed the groups */
+        /* After exec_global_init() killed the cgroups of dead agents. */
+        agent__journal_recover(a);
     }
     if (pthread_create(&a->pub_thread, NULL, publisher_main, a) != 0) {
         rc = KS_EINTERNAL;
         goto fail;
     }
     a->pub_started = true;
+    a->n_starters = a->max_concurrent < STARTERS_MAX ? a->max_concurrent
+                                                     : STARTERS_MAX;
+    a->starters = calloc(a->n_starters, sizeof(*a->starters));
+    if (!a->starters) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    for (size_t i = 0; i < a->n_starters; i++)
+        if (pthread_create(&a->starters[i], NULL, starter_main, a) != 0) {
+            a->n_starters = i;
+            rc = KS_EINTERNAL;
+            goto fail;
+        }
 
     a->slots = calloc(opts->n_ids, sizeof(*a->slots));
     if (!a->slots) {
@@ -889,9 +1253,10 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             .filter_subject = subject,
             /* Processes serving the same id share its messages. */
             .deliver_group = durable,
+            /* A message stays unacked while its command waits and runs:
+             * this is what keeps the backlog in JetStream. */
             .max_ack_pending = a->max_concurrent,
-            .ack_wait_ms = opts->ack_wait_ms ? (int64_t)opts->ack_wait_ms
-                                             : 30000,
+            .ack_wait_ms = (int64_t)a->ack_wait_ms,
             .max_deliver = 5,
         };
         rc = evt_durable_subscribe(a->nc, &d, on_command, s, &s->sub, errmsg);
@@ -912,6 +1277,11 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     a->hb_started = true;
+    if (pthread_create(&a->keeper_thread, NULL, keeper_main, a) != 0) {
+        rc = KS_EINTERNAL;
+        goto fail;
+    }
+    a->keeper_started = true;
     *out = a;
     return 0;
 fail:
@@ -919,16 +1289,47 @@ fail:
     return rc;
 }
 
+pid_t
+agent_watchdog_pid(struct agent *a)
+{
+    return a && a->loop ? exec_loop_watchdog_pid(a->loop) : 0;
+}
+
 void
 agent_stop(struct agent *a)
 {
+    struct job_ctx *waiting;
+
     if (!a)
         return;
+    /* No new work: no deliveries, no new claims. */
+    atomic_store(&a->closing, 1);
     for (size_t i = 0; i < a->n_slots; i++) {
         if (a->slots[i].sub)
             natsSubscription_Unsubscribe(a->slots[i].sub);
         if (a->slots[i].cancel_sub)
             natsSubscription_Unsubscribe(a->slots[i].cancel_sub);
+    }
+    pthread_mutex_lock(&a->mu);
+    while (a->callbacks)
+        pthread_cond_wait(&a->cb_cond, &a->mu);
+    pthread_cond_broadcast(&a->ready_cond);
+    pthread_mutex_unlock(&a->mu);
+    for (size_t i = 0; i < a->n_starters; i++)
+        pthread_join(a->starters[i], NULL); /* they nak what is ready */
+    if (a->keeper_started)
+        pthread_join(a->keeper_thread, NULL);
+    /* What never got a slot goes back to JetStream for whoever is next. */
+    pthread_mutex_lock(&a->mu);
+    waiting = a->waitq;
+    a->waitq = NULL;
+    a->waitq_tail = &a->waitq;
+    pthread_mutex_unlock(&a->mu);
+    while (waiting) {
+        struct job_ctx *j = waiting;
+        waiting = j->qnext;
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
     }
     /* Cancels what still runs; every job's callback has run on return. */
     exec_loop_free(a->loop);
@@ -937,6 +1338,9 @@ agent_stop(struct agent *a)
     a->stopping = 1;
     pthread_cond_broadcast(&a->out_cond);
     pthread_mutex_unlock(&a->mu);
+    pthread_mutex_lock(&a->hb_mu);
+    pthread_cond_broadcast(&a->hb_cond);
+    pthread_mutex_unlock(&a->hb_mu);
     if (a->pub_started)
         pthread_join(a->pub_thread, NULL);
     if (a->hb_started)
@@ -947,6 +1351,7 @@ agent_stop(struct agent *a)
         free(a->slots[i].id);
     }
     free(a->slots);
+    free(a->starters);
     while (a->out_head) {
         struct outbox_item *it = a->out_head;
         a->out_head = it->next;
@@ -955,13 +1360,17 @@ agent_stop(struct agent *a)
     }
     kvStore_Destroy(a->kv);
     evt_close(a->nc);
-    ks_map_clear(&a->running);
+    ks_map_clear(&a->jobs);
     ks_map_clear(&a->seen);
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     pthread_mutex_destroy(&a->mu);
+    pthread_mutex_destroy(&a->hb_mu);
     pthread_cond_destroy(&a->out_cond);
     pthread_cond_destroy(&a->idle_cond);
+    pthread_cond_destroy(&a->ready_cond);
+    pthread_cond_destroy(&a->cb_cond);
+    pthread_cond_destroy(&a->hb_cond);
     free(a->state_dir);
     free(a);
 }

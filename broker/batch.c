@@ -929,7 +929,7 @@ struct seen_acc {
 };
 
 static int
-collect_state(const struct store_command_state *c, void *ud)
+collect_state(const struct store_command_row *c, void *ud)
 {
     struct seen_acc *a = ud;
     uintptr_t i = (uintptr_t)ks_map_get(a->idx, c->command_id);
@@ -1180,7 +1180,7 @@ struct ended_ctx {
 };
 
 static int
-on_remote_end(const struct store_command_state *c, void *ud)
+on_remote_end(const struct store_command_row *c, void *ud)
 {
     struct ended_ctx *x = ud;
     struct broker__batches *m = x->b->batches;
@@ -1786,7 +1786,7 @@ struct overlay {
 };
 
 static int
-overlay_state(const struct store_command_state *c, void *ud)
+overlay_state(const struct store_command_row *c, void *ud)
 {
     struct overlay *o = ud;
     uintptr_t i = (uintptr_t)ks_map_get(&o->idx, c->command_id);

@@ -431,7 +431,7 @@ store_command_states(struct store *s, const char *const *command_ids,
         goto out;
     }
     for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
-        struct store_command_state c = {
+        struct store_command_row c = {
             .command_id = PQgetvalue(res, i, 0),
             .status = status_of(PQgetvalue(res, i, 1)),
             .attempt = (uint32_t)strtoul(PQgetvalue(res, i, 2), NULL, 10),

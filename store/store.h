@@ -452,12 +452,12 @@ int store_batch_request_cancel(struct store *s, const Ks__Event *ev);
 
 /* A command as store_command_states() reads it from the commands
  * projection. Borrowed for the callback. */
-struct store_command_state {
+struct store_command_row {
     const char *command_id;
     Ks__CommandStatus status;
     uint32_t attempt; /* 0: never dispatched */
 };
-typedef int (*store_command_state_fn)(const struct store_command_state *c,
+typedef int (*store_command_state_fn)(const struct store_command_row *c,
                                       void *ud);
 
 /*

@@ -1,0 +1,137 @@
+/*
+ * agent_int.h: private declarations of the agent runtime (runtime.c,
+ * journal.c). The executor (exec_*.c) has its own exec_int.h.
+ */
+#ifndef KSCORE_AGENT_INT_H
+#define KSCORE_AGENT_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "agent.h"
+
+struct agent_slot {
+    struct agent *agent;
+    char *id;
+    natsSubscription *sub, *cancel_sub;
+};
+
+struct outbox_item {
+    struct outbox_item *next;
+    char event_id[37];
+    uint8_t *buf;
+    size_t len;
+    char subject[16 + EVT_AGENT_ID_MAX + 40];
+};
+
+/* Where a held command message is. */
+enum job_state {
+    JOB_WAITING,  /* delivered, no free slot yet: unclaimed */
+    JOB_STARTING, /* has a slot: check, claim, submit */
+    JOB_RUNNING   /* claimed and submitted to the executor */
+};
+
+/*
+ * One command message this agent holds, from its delivery to its ack. The
+ * message stays unacked while the command waits and runs, so the
+ * consumer's max_ack_pending keeps the rest in JetStream; the ack subject
+ * is kept (not the natsMsg) and every ack, nak, progress is a publish to it.
+ */
+struct job_ctx {
+    struct job_ctx *qnext; /* a->waitq or a->readyq, under a->mu */
+    struct agent *agent;
+    struct agent_slot *slot;
+    char *ack_subject;    /* the delivery's reply subject (malloc'd) */
+    Ks__Command *cmd;     /* decoded; freed once submitted */
+    enum job_state state; /* under a->mu */
+    uint64_t job_id;      /* the executor's, once RUNNING */
+    char command_id[37];
+    uint32_t attempt;
+    char operator_name[64];
+    /* Killed by the self-fence (under a->mu): NATS was silent this long. */
+    bool fenced;
+    int64_t fence_silence_us;
+    bool journaled; /* its journal file exists (written while waiting) */
+};
+
+struct agent {
+    struct agent_opts opts;
+    char *state_dir;
+    char host[64];
+    unsigned max_concurrent;
+    uint64_t ack_wait_ms, fence_ms;
+    struct evt_conn *nc;
+    kvStore *kv;
+    struct exec_loop *loop;
+    struct agent_slot *slots;
+    size_t n_slots;
+
+    pthread_mutex_t mu;
+    struct ks_map jobs;  /* command_id -> struct job_ctx *: held */
+    unsigned free_slots; /* commands this process may still claim */
+    bool claim_inline;   /* claim on the delivery thread (own threads) */
+    struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
+    struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
+    pthread_cond_t ready_cond;
+    unsigned callbacks; /* on_command calls in progress */
+    pthread_cond_t cb_cond;
+    struct ks_map seen; /* claimed command ids (replay guard) */
+    char (*seen_ring)[37];
+    size_t seen_next;
+    const struct evt_verifier *trust;
+    struct evt_verifier *own_trust; /* from opts->trust_keys */
+    pthread_cond_t out_cond;
+    struct outbox_item *out_head, **out_tail;
+    size_t in_flight; /* submitted, result not yet queued */
+    pthread_cond_t idle_cond;
+
+    /* Contact with NATS: the last heartbeat a PubAck confirmed (mono us). */
+    _Atomic int64_t last_contact_us;
+    atomic_bool fenced; /* silent for longer than fence_ms */
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
+    bool hb_wake;           /* under hb_mu: heartbeat now */
+
+    pthread_t pub_thread, hb_thread, keeper_thread;
+    pthread_t *starters;
+    size_t n_starters;
+    bool pub_started, hb_started, keeper_started;
+    atomic_int closing;    /* agent_stop: take no new work */
+    volatile int stopping; /* agent_stop: the executor is done */
+};
+
+/* runtime.c */
+
+/* Packs ev, saves it in the outbox (if a state dir), queues it. */
+int agent__queue_event(struct agent *a, const Ks__Event *ev);
+/* Publishes an ack payload ("+ACK", "-NAK", "+WPI", "+TERM") to a held
+ * message's ack subject. */
+void agent__ack(struct agent *a, const char *ack_subject, const char *what);
+
+/*
+ * journal.c: <state_dir>/running/<command_id>, one file per held message.
+ *
+ *   line 1   "<agent_id> <attempt> <operator|-> <ack subject|->"  held
+ *   "claim <event_id>"                                  before the claim
+ *   "spawned <pid>"                         after the spawn succeeded
+ *
+ * Each line is one write(2) in O_APPEND, so a file read after a crash
+ * holds whole lines. No fsync: the file must outlive the agent process,
+ * not the machine (a crashed machine loses JetStream's unsynced data too).
+ */
+void agent__journal_hold(struct agent *a, const struct job_ctx *j,
+                         const char *claim_event_id);
+void agent__journal_append(struct agent *a, const char *command_id,
+                           const char *line);
+void agent__journal_remove(struct agent *a, const char *command_id);
+/*
+ * At start, after connecting and before subscribing: what a previous run
+ * left. Spawned: CommandLost (its watchdog killed it, and
+ * exec_global_init() killed its cgroups). Claimed, never spawned:
+ * CommandNotStarted. Held, never claimed: nak'd, so JetStream redelivers it
+ * at once. Each message is acked or nak'd through its saved ack subject, so
+ * the consumer's max_ack_pending is free again now, not after the ack wait.
+ */
+void agent__journal_recover(struct agent *a);
+
+#endif

@@ -1,0 +1,399 @@
+/*
+ * exec_watchdog.c: a small process that kills a loop's jobs when the loop
+ * can no longer look after them.
+ *
+ * Why: the jobs of an exec_loop are children of the agent. When the agent
+ * dies (kill -9) they are reparented and run on; when it is stopped
+ * (SIGSTOP), swapped out or hung, nothing enforces their timeouts, and the
+ * broker will soon declare them Lost (EVT_AGENT_TTL_MS without a
+ * heartbeat). "Lost" must be true: what the agent ran must be dead by then.
+ *
+ * How: the loop thread spawns the watchdog at its start and talks to it over
+ * a SOCK_SEQPACKET socketpair (one record per send, MSG_NOSIGNAL so a dead
+ * watchdog is an error, not a SIGPIPE):
+ *
+ *   loop -> watchdog  ADD job_id pgid cgroup  after each spawn
+ *                     DEL job_id              before the leader is reaped,
+ *                                             so a pgid the watchdog kills is
+ *                                             never a recycled one
+ *                     PING                    every dead_ms / 3
+ *   watchdog -> loop  FIRED job_id silence_ms before it kills that job
+ *
+ * On EOF (every copy of the loop's end closed: the agent died, or the loop
+ * was freed) or when the loop thread that spawned it dies
+ * (PR_SET_PDEATHSIG), the watchdog SIGKILLs every registered process group
+ * and writes cgroup.kill of every registered cgroup, then exits. With no
+ * PING for dead_ms (the agent is stopped or hung) it reports FIRED for each
+ * job, kills them, and keeps watching: an agent that comes back reads the
+ * reports and says why its jobs died. A report is written before its kill,
+ * so the loop, which finishes a job only once its group is dead, always
+ * finds the report first.
+ *
+ * The watchdog is the same binary re-executed (/proc/self/exe) with only
+ * KSCORE_EXEC_WATCHDOG in its environment: a constructor below turns that
+ * process into the watchdog before main() runs. So it holds no copy of the
+ * agent's memory (NATS credentials), no fd but the socket (closefrom) and
+ * its stderr (the agent's log), and it leads its own session, so signals to
+ * the agent's process group or terminal do not reach it.
+ */
+#include "exec_int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WD_ENV "KSCORE_EXEC_WATCHDOG"
+#define WD_FD 3
+
+enum wd_type { WD_PING = 1, WD_ADD = 2, WD_DEL = 3, WD_FIRED = 4 };
+
+struct wd_msg {
+    uint32_t type;
+    int32_t pgid;
+    uint64_t job_id;
+    int64_t value;       /* FIRED: the silence (ms) that made it fire */
+    char path[PATH_MAX]; /* ADD: the job's cgroup directory, or "" */
+};
+#define WD_HDR_BYTES offsetof(struct wd_msg, path)
+
+static int64_t
+mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- the loop's side -------------------------------------------------- */
+
+int
+exec__wd_spawn(struct exec__wd *wd)
+{
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t attr;
+    bool fa_ok = false, attr_ok = false;
+    char env0[96], *envp[2] = {env0, NULL};
+    char *argv[] = {"kscore-watchdog", NULL};
+    int sv[2] = {-1, -1};
+    sigset_t set;
+    pid_t pid;
+    int ret;
+
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == -1)
+        return -errno;
+    /* dup2 onto itself would keep FD_CLOEXEC on older libcs. */
+    if (sv[1] == WD_FD) {
+        int fd = fcntl(sv[1], F_DUPFD_CLOEXEC, WD_FD + 1);
+        if (fd == -1) {
+            ret = -errno;
+            goto out;
+        }
+        close(sv[1]);
+        sv[1] = fd;
+    }
+    snprintf(env0, sizeof(env0), "%s=%d:%ld:%u", WD_ENV, WD_FD, (long)getpid(),
+             wd->dead_ms);
+    if ((ret = -posix_spawn_file_actions_init(&fa)))
+        goto out;
+    fa_ok = true;
+    if ((ret = -posix_spawnattr_init(&attr)))
+        goto out;
+    attr_ok = true;
+    if ((ret = -posix_spawn_file_actions_adddup2(&fa, sv[1], WD_FD)) ||
+        (ret = -posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY,
+                                                 0)) ||
+        (ret = -posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY,
+                                                 0)) ||
+        (ret = -posix_spawn_file_actions_addclosefrom_np(&fa, WD_FD + 1)))
+        goto out;
+    sigfillset(&set);
+    if ((ret = -posix_spawnattr_setsigdefault(&attr, &set)))
+        goto out;
+    sigemptyset(&set);
+    if ((ret = -posix_spawnattr_setsigmask(&attr, &set)) ||
+        (ret = -posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID |
+                                                    POSIX_SPAWN_SETSIGDEF |
+                                                    POSIX_SPAWN_SETSIGMASK)))
+        goto out;
+    ret = -posix_spawn(&pid, "/proc/self/exe", &fa, &attr, argv, envp);
+    if (ret)
+        goto out;
+    if (fcntl(sv[0], F_SETFL, O_NONBLOCK) == -1) {
+        ret = -errno;
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        goto out;
+    }
+    wd->fd = sv[0];
+    wd->pid = pid;
+    sv[0] = -1;
+out:
+    if (attr_ok)
+        posix_spawnattr_destroy(&attr);
+    if (fa_ok)
+        posix_spawn_file_actions_destroy(&fa);
+    if (sv[0] != -1)
+        close(sv[0]);
+    if (sv[1] != -1)
+        close(sv[1]);
+    return ret;
+}
+
+void
+exec__wd_stop(struct exec__wd *wd, bool force)
+{
+    if (wd->fd != -1)
+        close(wd->fd); /* EOF: it kills what is registered (nothing, at a
+                          clean stop) and exits */
+    wd->fd = -1;
+    if (wd->pid > 0) {
+        if (force)
+            kill(wd->pid, SIGKILL);
+        while (waitpid(wd->pid, NULL, 0) == -1 && errno == EINTR)
+            ;
+    }
+    wd->pid = 0;
+}
+
+int
+exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id, pid_t pgid,
+              const char *path)
+{
+    struct wd_msg m;
+    size_t len = WD_HDR_BYTES;
+    ssize_t n;
+
+    if (wd->fd == -1)
+        return -EPIPE;
+    memset(&m, 0, WD_HDR_BYTES);
+    m.type = type;
+    m.job_id = job_id;
+    m.pgid = (int32_t)pgid;
+    if (path && path[0]) {
+        size_t pl = strlen(path);
+        if (pl >= sizeof(m.path))
+            return -ENAMETOOLONG;
+        memcpy(m.path, path, pl + 1);
+        len += pl + 1;
+    }
+    do {
+        n = send(wd->fd, &m, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n == -1 && errno == EINTR);
+    return n == (ssize_t)len ? 0 : (n == -1 ? -errno : -EIO);
+}
+
+int
+exec__wd_read(struct exec__wd *wd, exec__wd_fired_fn fired, void *ud)
+{
+    struct wd_msg m;
+    ssize_t n;
+
+    if (wd->fd == -1)
+        return -EPIPE;
+    for (;;) {
+        n = recv(wd->fd, &m, sizeof(m), MSG_DONTWAIT);
+        if (n == -1 && errno == EINTR)
+            continue;
+        if (n == -1)
+            return errno == EAGAIN ? 0 : -errno;
+        if (n == 0)
+            return -EPIPE; /* the watchdog is gone */
+        if ((size_t)n >= WD_HDR_BYTES && m.type == WD_FIRED)
+            fired(m.job_id, m.value, ud);
+    }
+}
+
+/* ---- the watchdog process ------------------------------------------------ */
+
+struct wd_entry {
+    uint64_t job_id;
+    pid_t pgid;
+    bool fired;
+    char *path;
+};
+
+static volatile sig_atomic_t wd_parent_gone;
+
+static void
+wd_on_hup(int sig)
+{
+    (void)sig;
+    wd_parent_gone = 1;
+}
+
+static void
+wd_kill(const struct wd_entry *e)
+{
+    if (e->pgid > 1)
+        kill(-e->pgid, SIGKILL);
+    if (e->path && e->path[0]) {
+        char p[PATH_MAX + 16];
+        int fd;
+        snprintf(p, sizeof(p), "%s/cgroup.kill", e->path);
+        fd = open(p, O_WRONLY | O_CLOEXEC);
+        if (fd != -1) {
+            if (write(fd, "1", 1) == -1)
+                (void)errno; /* the cgroup is gone: nothing to kill */
+            close(fd);
+        }
+    }
+}
+
+struct wd_table {
+    struct wd_entry *e;
+    size_t n, cap;
+    int64_t last_ping_ms;
+};
+
+/* Reads every record there is; returns true at EOF (or a dead socket). */
+static bool
+wd_read_all(int fd, struct wd_table *t)
+{
+    struct wd_msg m;
+    ssize_t r;
+
+    for (;;) {
+        r = recv(fd, &m, sizeof(m), MSG_DONTWAIT);
+        if (r == -1 && errno == EINTR)
+            continue;
+        if (r == 0)
+            return true;
+        if (r == -1)
+            return errno != EAGAIN && errno != EWOULDBLOCK;
+        if ((size_t)r < WD_HDR_BYTES)
+            continue;
+        ((char *)&m)[r < (ssize_t)sizeof(m) ? r : r - 1] = '\0';
+        t->last_ping_ms = mono_ms(); /* any record is a sign of life */
+        if (m.type == WD_ADD) {
+            if (t->n == t->cap) {
+                size_t nc = t->cap ? t->cap * 2 : 64;
+                struct wd_entry *e = realloc(t->e, nc * sizeof(*e));
+                if (!e)
+                    continue;
+                t->e = e;
+                t->cap = nc;
+            }
+            t->e[t->n].job_id = m.job_id;
+            t->e[t->n].pgid = m.pgid;
+            t->e[t->n].fired = false;
+            t->e[t->n].path = (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
+            t->n++;
+        } else if (m.type == WD_DEL) {
+            for (size_t i = 0; i < t->n; i++)
+                if (t->e[i].job_id == m.job_id) {
+                    free(t->e[i].path);
+                    t->e[i] = t->e[--t->n];
+                    break;
+                }
+        }
+    }
+}
+
+static void __attribute__((noreturn))
+wd_main(int fd, pid_t ppid, unsigned dead_ms)
+{
+    struct wd_table t = {NULL, 0, 0, mono_ms()};
+    struct sigaction sa;
+    sigset_t block, waitmask;
+    bool eof = false;
+
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = wd_on_hup;
+    sigaction(SIGHUP, &sa, NULL);
+    sigemptyset(&block);
+    sigaddset(&block, SIGHUP);
+    sigprocmask(SIG_BLOCK, &block, &waitmask);
+    /* The loop thread that spawned us dies with its process. */
+    prctl(PR_SET_PDEATHSIG, SIGHUP);
+    if (getppid() != ppid)
+        wd_parent_gone = 1;
+    if (dead_ms == 0)
+        dead_ms = 3000;
+
+    while (!wd_parent_gone && !eof) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int64_t now = mono_ms(), wait_ms;
+        bool armed = false;
+        struct timespec ts;
+
+        for (size_t i = 0; i < t.n; i++)
+            armed |= !t.e[i].fired;
+        wait_ms = armed ? t.last_ping_ms + dead_ms - now : 1000;
+        if (wait_ms < 0)
+            wait_ms = 0;
+        if (wait_ms > 1000)
+            wait_ms = 1000;
+        ts.tv_sec = wait_ms / 1000;
+        ts.tv_nsec = (wait_ms % 1000) * 1000000;
+        if (ppoll(&pfd, 1, &ts, &waitmask) > 0)
+            eof = wd_read_all(fd, &t);
+        now = mono_ms();
+        if (!eof && !wd_parent_gone &&
+            now - t.last_ping_ms >= (int64_t)dead_ms) {
+            unsigned killed = 0;
+            for (size_t i = 0; i < t.n; i++) {
+                struct wd_msg m;
+                if (t.e[i].fired)
+                    continue;
+                memset(&m, 0, WD_HDR_BYTES);
+                m.type = WD_FIRED;
+                m.job_id = t.e[i].job_id;
+                m.pgid = t.e[i].pgid;
+                m.value = now - t.last_ping_ms;
+                /* The report first: the loop must find it before it sees
+                 * the job die. */
+                if (send(fd, &m, WD_HDR_BYTES, MSG_NOSIGNAL | MSG_DONTWAIT) ==
+                    -1)
+                    (void)errno; /* the loop reads it if it ever can */
+                wd_kill(&t.e[i]);
+                t.e[i].fired = true;
+                killed++;
+            }
+            if (killed)
+                fprintf(stderr,
+                        "kscore watchdog: no sign of life from agent %ld for "
+                        "%.1f s: killed %u job(s)\n",
+                        (long)ppid, (double)(now - t.last_ping_ms) / 1000,
+                        killed);
+        }
+    }
+    /* What the agent registered before it died is still in the socket
+     * (it may have died before this process even started): read it all. */
+    wd_read_all(fd, &t);
+    if (t.n)
+        fprintf(stderr, "kscore watchdog: agent %ld %s: killing %zu job(s)\n",
+                (long)ppid, eof ? "closed its end" : "died", t.n);
+    for (size_t i = 0; i < t.n; i++)
+        wd_kill(&t.e[i]);
+    _exit(0);
+}
+
+/*
+ * Runs before main() in every binary that links the executor; only a
+ * process spawned by exec__wd_spawn() has WD_ENV, and it never returns.
+ */
+__attribute__((constructor)) static void
+wd_ctor(void)
+{
+    const char *v = getenv(WD_ENV);
+    int fd;
+    long ppid;
+    unsigned dead_ms;
+
+    if (!v)
+        return;
+    if (sscanf(v, "%d:%ld:%u", &fd, &ppid, &dead_ms) != 3 || fd < 0)
+        _exit(2);
+    wd_main(fd, (pid_t)ppid, dead_ms);
+}

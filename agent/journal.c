@@ -1,0 +1,233 @@
+/*
+ * journal.c: the agent's journal of the command messages it holds (format
+ * in agent_int.h), and what a restarted agent makes of it.
+ *
+ * The point is that a restart can tell apart a command that ran (Lost: it
+ * may have done part of its work) from one that provably never started
+ * (NotStarted: claimed, but "spawned" was never written, and it is written
+ * only after the spawn succeeded).
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent_int.h"
+
+/* Longest journal file read back (line 1 with a long ack subject, plus
+ * the claim and spawned lines). */
+#define JOURNAL_MAX_BYTES 4096
+
+static void
+journal_path(struct agent *a, const char *command_id, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/running/%s", a->state_dir, command_id);
+}
+
+static void
+write_all(int fd, const char *buf, size_t len)
+{
+    while (len) {
+        ssize_t n = write(fd, buf, len);
+        if (n == -1 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        buf += n;
+        len -= (size_t)n;
+    }
+}
+
+void
+agent__journal_hold(struct agent *a, const struct job_ctx *j,
+                    const char *claim_event_id)
+{
+    char path[4200], buf[JOURNAL_MAX_BYTES];
+    int fd, n;
+
+    if (!a->state_dir)
+        return;
+    journal_path(a, j->command_id, path, sizeof(path));
+    n = snprintf(buf, sizeof(buf), "%s %u %s %s\n", j->slot->id, j->attempt,
+                 j->operator_name[0] ? j->operator_name : "-",
+                 j->ack_subject && j->ack_subject[0] ? j->ack_subject : "-");
+    if (n < 0 || (size_t)n >= sizeof(buf))
+        return;
+    if (claim_event_id) {
+        int m = snprintf(buf + n, sizeof(buf) - (size_t)n, "claim %s\n",
+                         claim_event_id);
+        if (m > 0 && (size_t)m < sizeof(buf) - (size_t)n)
+            n += m;
+    }
+    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+    if (fd == -1)
+        return;
+    write_all(fd, buf, (size_t)n);
+    close(fd);
+}
+
+void
+agent__journal_append(struct agent *a, const char *command_id, const char *line)
+{
+    char path[4200];
+    int fd;
+
+    if (!a->state_dir)
+        return;
+    journal_path(a, command_id, path, sizeof(path));
+    fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd == -1)
+        return;
+    write_all(fd, line, strlen(line));
+    close(fd);
+}
+
+void
+agent__journal_remove(struct agent *a, const char *command_id)
+{
+    char path[4200];
+
+    if (!a->state_dir)
+        return;
+    journal_path(a, command_id, path, sizeof(path));
+    unlink(path);
+}
+
+/* What one journal file says. */
+struct entry {
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    unsigned attempt;
+    char op[64];
+    char ack[JOURNAL_MAX_BYTES];
+    bool claimed, spawned;
+    long pid;
+};
+
+static int
+parse(const char *path, struct entry *e)
+{
+    char buf[JOURNAL_MAX_BYTES + 1], *line, *save = NULL;
+    ssize_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC), fields;
+
+    if (fd == -1)
+        return -errno;
+    n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return -EIO;
+    buf[n] = '\0';
+    memset(e, 0, sizeof(*e));
+    line = strtok_r(buf, "\n", &save);
+    if (!line)
+        return -EIO;
+    fields = sscanf(line, "%128s %u %63s %4095s", e->agent_id, &e->attempt,
+                    e->op, e->ack);
+    if (fields < 3)
+        return -EIO;
+    if (fields == 3) {
+        /* A marker of an older agent: written at claim, never told the
+         * spawn apart. Assume it ran: Lost, as before. */
+        e->claimed = e->spawned = true;
+        return 0;
+    }
+    while ((line = strtok_r(NULL, "\n", &save))) {
+        if (!strncmp(line, "claim ", 6))
+            e->claimed = true;
+        else if (!strncmp(line, "spawned ", 8)) {
+            e->spawned = true;
+            e->pid = atol(line + 8);
+        }
+    }
+    return 0;
+}
+
+static void
+report(struct agent *a, const char *command_id, const struct entry *e,
+       const char *type, Ks__CommandStatus status, const char *reason)
+{
+    Ks__Event ev = KS__EVENT__INIT;
+    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+    char event_id[37], stream[64];
+
+    ks_uuid(event_id);
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    r.status = status;
+    r.term_sent_us = r.kill_sent_us = -1;
+    r.pid = (int32_t)e->pid;
+    r.reason = (char *)reason;
+    ev.event_id = event_id;
+    ev.stream_id = stream;
+    ev.type = (char *)type;
+    ev.occurred_at_us = ks_now_us();
+    ev.command_id = (char *)command_id;
+    ev.agent_id = (char *)e->agent_id;
+    ev.attempt = e->attempt;
+    ev.operator_ = strcmp(e->op, "-") ? (char *)e->op : "";
+    ev.reason = r.reason;
+    ev.result = &r;
+    agent__queue_event(a, &ev);
+}
+
+void
+agent__journal_recover(struct agent *a)
+{
+    char dir[4200];
+    DIR *d;
+    struct dirent *de;
+    unsigned lost = 0, not_started = 0, requeued = 0;
+
+    snprintf(dir, sizeof(dir), "%s/running", a->state_dir);
+    d = opendir(dir);
+    if (!d)
+        return;
+    while ((de = readdir(d))) {
+        char path[4500], command_id[37];
+        struct entry e;
+        if (!ks_is_uuid(de->d_name))
+            continue;
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        memcpy(command_id, de->d_name, 36);
+        command_id[36] = '\0';
+        if (parse(path, &e) != 0) {
+            unlink(path);
+            continue;
+        }
+        bool have_ack = e.ack[0] && strcmp(e.ack, "-") != 0;
+        if (e.spawned) {
+            report(a, command_id, &e, "CommandLost", KS__COMMAND_STATUS__LOST,
+                   "the agent died while the command ran: its watchdog "
+                   "killed the command's processes (SIGKILL to the process "
+                   "group, cgroup.kill) and the restarted agent made sure");
+            lost++;
+        } else if (e.claimed) {
+            report(a, command_id, &e, "CommandNotStarted",
+                   KS__COMMAND_STATUS__NOT_STARTED,
+                   "the agent claimed the command but died before it "
+                   "spawned it: it never ran");
+            not_started++;
+        } else {
+            /* Never claimed: JetStream may give it to us (or a peer of
+             * the same id) again at once. */
+            if (have_ack)
+                agent__ack(a, e.ack, "-NAK");
+            requeued++;
+            unlink(path);
+            continue;
+        }
+        /* Its result is queued (outbox): JetStream may forget it. */
+        if (have_ack)
+            agent__ack(a, e.ack, "+ACK");
+        unlink(path);
+    }
+    closedir(d);
+    if (lost || not_started || requeued)
+        fprintf(stderr,
+                "kscore agent: a previous run left %u command(s) running "
+                "(reported Lost), %u claimed but never started (reported "
+                "NotStarted), %u waiting (handed back to JetStream)\n",
+                lost, not_started, requeued);
+}

@@ -1,0 +1,943 @@
+/*
+ * test_agent: the agent under faults (issue 10, items 3, 4 and 5), against
+ * real processes: the executor's watchdog alone, then a real stack
+ * (nats-server, PostgreSQL, broker, `kscore agent` processes).
+ *
+ *  - capacity: an agent claims only with a free slot; the backlog waits in
+ *    JetStream, unclaimed; after kill -9 and a restart, what ran is Lost,
+ *    the rest runs once;
+ *  - children never outlive their agent: kill -9, SIGSTOP (watchdog), NATS
+ *    outage (self-fence), each reported Lost with its reason;
+ *  - a command claimed but never spawned is reported NotStarted.
+ *
+ * Processes of a command are found by KSCORE_COMMAND_ID / KSCORE_AGENT_ID
+ * in /proc/<pid>/environ, which no other test's processes carry.
+ */
+#include <check.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+
+#include "agent.h"
+#include "broker.h"
+#include "fixture.h"
+#include "stack.h"
+
+#define MS 1000000L /* ns */
+
+static void
+sleep_ms(long ms)
+{
+    nanosleep(&(struct timespec){ms / 1000, (ms % 1000) * MS}, NULL);
+}
+
+/* ---- /proc ------------------------------------------------------------------
+ */
+
+/* 1 if the process is gone or a zombie. */
+static int
+pid_dead(pid_t pid)
+{
+    char path[64], buf[512], *p;
+    FILE *f;
+    size_t n;
+
+    if (kill(pid, 0) == -1 && errno == ESRCH)
+        return 1;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    f = fopen(path, "r");
+    if (!f)
+        return 1;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    p = strrchr(buf, ')');
+    return p && (p[2] == 'Z' || p[2] == 'X');
+}
+
+/* 1 if the NUL-separated environ of pid holds the entry `entry`. */
+static int
+environ_has(const char *pid, const char *entry)
+{
+    char path[64], buf[16384];
+    size_t n, len = strlen(entry);
+    FILE *f;
+
+    snprintf(path, sizeof(path), "/proc/%s/environ", pid);
+    f = fopen(path, "r");
+    if (!f)
+        return 0;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    for (size_t i = 0; i < n; i += strlen(buf + i) + 1)
+        if (!strncmp(buf + i, entry, len) && buf[i + len] == '\0')
+            return 1;
+    return 0;
+}
+
+/* Live processes whose environment holds `entry`; *first gets one pid. */
+static int
+procs_with_env(const char *entry, pid_t *first)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    int n = 0;
+
+    while (d && (de = readdir(d))) {
+        if (de->d_name[0] < '0' || de->d_name[0] > '9')
+            continue;
+        if (environ_has(de->d_name, entry) && !pid_dead(atoi(de->d_name))) {
+            if (first && n == 0)
+                *first = atoi(de->d_name);
+            n++;
+        }
+    }
+    if (d)
+        closedir(d);
+    return n;
+}
+
+static int
+command_procs(const char *command_id, pid_t *first)
+{
+    char entry[64];
+    snprintf(entry, sizeof(entry), "KSCORE_COMMAND_ID=%s", command_id);
+    return procs_with_env(entry, first);
+}
+
+/* ---- the executor's watchdog, alone
+ * ------------------------------------------- */
+
+/* A child process running one exec_loop with a watchdog and one job; it
+ * tells the parent over a pipe "S <job pid> <watchdog pid>" at the spawn
+ * and "D <watchdog_killed> <silence_ms> <signal>" at the end. */
+struct wd_child {
+    int wfd;
+    struct exec_loop *loop;
+};
+
+static void
+wd_child_started(uint64_t job_id, pid_t pid, void *ud)
+{
+    struct wd_child *c = ud;
+    char line[64];
+    (void)job_id;
+    int n = snprintf(line, sizeof(line), "S %d %d\n", (int)pid,
+                     (int)exec_loop_watchdog_pid(c->loop));
+    if (write(c->wfd, line, (size_t)n) != n)
+        _exit(3);
+}
+
+static void
+wd_child_done(uint64_t job_id, struct exec_result *r, void *ud)
+{
+    struct wd_child *c = ud;
+    char line[96];
+    (void)job_id;
+    int n = snprintf(line, sizeof(line), "D %d %lld %d\n",
+                     r->watchdog_killed ? 1 : 0,
+                     (long long)r->watchdog_silence_ms, r->signal);
+    if (write(c->wfd, line, (size_t)n) != n)
+        _exit(3);
+    _exit(0);
+}
+
+static pid_t
+wd_child_start(unsigned watchdog_ms, const char *tag, int *rfd)
+{
+    int p[2];
+    pid_t pid;
+
+    ck_assert_int_eq(pipe2(p, O_CLOEXEC), 0);
+    pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        struct exec_loop_opts o = {.max_concurrent = 2,
+                                   .watchdog_ms = watchdog_ms};
+        static struct wd_child c;
+        const char *argv[] = {"sleep", "60", NULL};
+        struct exec_spec spec = {.argv = argv, .command_id = tag};
+        close(p[0]);
+        c.wfd = p[1];
+        if (exec_loop_start(&o, &c.loop) != 0 ||
+            exec_submit_ex(c.loop, &spec, wd_child_started, wd_child_done, &c,
+                           NULL) != 0)
+            _exit(2);
+        for (;;)
+            pause();
+    }
+    close(p[1]);
+    *rfd = p[0];
+    return pid;
+}
+
+/* Reads one line from fd within timeout_ms into buf; 0 or -1. */
+static int
+read_line(int fd, char *buf, size_t len, int timeout_ms)
+{
+    size_t n = 0;
+    while (n + 1 < len) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        if (poll(&pfd, 1, timeout_ms) <= 0)
+            return -1;
+        if (read(fd, buf + n, 1) != 1)
+            return -1;
+        if (buf[n++] == '\n')
+            break;
+    }
+    buf[n] = '\0';
+    return 0;
+}
+
+/* Waits up to timeout_ms for pid to die; returns the ms it took or -1. */
+static long
+wait_dead(pid_t pid, long timeout_ms)
+{
+    for (long t = 0; t <= timeout_ms; t += 50) {
+        if (pid_dead(pid))
+            return t;
+        sleep_ms(50);
+    }
+    return -1;
+}
+
+/* kill -9 of the process that runs the loop: its job is killed at once, by
+ * the watchdog, and the watchdog exits. */
+START_TEST(watchdog_kills_jobs_of_a_dead_process)
+{
+    char line[128];
+    int rfd, job = 0, wd = 0;
+    pid_t child = wd_child_start(3000, "wd-dead", &rfd);
+
+    ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
+    ck_assert_int_eq(sscanf(line, "S %d %d", &job, &wd), 2);
+    ck_assert_int_gt(job, 0);
+    ck_assert_int_gt(wd, 0);
+    ck_assert(!pid_dead(job));
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    long ms = wait_dead(job, 5000);
+    ck_assert_msg(ms >= 0, "the job outlived its dead loop by 5 s");
+    ck_assert_msg(wait_dead(wd, 5000) >= 0, "the watchdog did not exit");
+    fprintf(stderr, "watchdog: job dead %ld ms after kill -9 of its loop\n",
+            ms);
+    close(rfd);
+}
+END_TEST
+
+/* SIGSTOP of the process that runs the loop: the watchdog kills the job
+ * after watchdog_ms; after SIGCONT the loop reports it watchdog_killed. */
+START_TEST(watchdog_kills_jobs_of_a_stopped_process)
+{
+    char line[128];
+    int rfd, job = 0, wd = 0, wk = -1, sig = 0;
+    long long silence = 0;
+    pid_t child = wd_child_start(1500, "wd-stop", &rfd);
+
+    ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
+    ck_assert_int_eq(sscanf(line, "S %d %d", &job, &wd), 2);
+    kill(child, SIGSTOP);
+    long ms = wait_dead(job, 5000);
+    ck_assert_msg(ms >= 0, "the job of a stopped loop still runs after 5 s");
+    kill(child, SIGCONT);
+    ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
+    ck_assert_int_eq(sscanf(line, "D %d %lld %d", &wk, &silence, &sig), 3);
+    ck_assert_int_eq(wk, 1);
+    ck_assert_int_ge(silence, 1500);
+    ck_assert_int_eq(sig, SIGKILL);
+    waitpid(child, NULL, 0);
+    ck_assert(wait_dead(wd, 5000) >= 0);
+    fprintf(stderr,
+            "watchdog: job of a stopped loop dead after %ld ms "
+            "(silence %lld ms)\n",
+            ms, silence);
+    close(rfd);
+}
+END_TEST
+
+/* The watchdog holds nothing of the agent (fds, environment), leads its
+ * own session, is replaced when it dies, and exits with its loop. */
+START_TEST(watchdog_is_isolated_replaced_and_reaped)
+{
+    struct exec_loop_opts o = {.max_concurrent = 1, .watchdog_ms = 3000};
+    struct exec_loop *loop = NULL;
+    pid_t wd = 0, wd2 = 0;
+    char path[64];
+    DIR *d;
+    struct dirent *de;
+    int fds = 0;
+
+    setenv("KSCORE_TEST_SECRET", "s3cret", 1);
+    ck_assert_int_eq(exec_loop_start(&o, &loop), 0);
+    for (int i = 0; i < 100 && !(wd = exec_loop_watchdog_pid(loop)); i++)
+        sleep_ms(20);
+    ck_assert_int_gt(wd, 0);
+    sleep_ms(200); /* past its exec */
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)wd);
+    d = opendir(path);
+    ck_assert_ptr_nonnull(d);
+    while ((de = readdir(d)))
+        if (de->d_name[0] != '.') {
+            ck_assert_int_le(atoi(de->d_name), 3);
+            fds++;
+        }
+    closedir(d);
+    ck_assert_int_eq(fds, 4); /* stdin, stdout (/dev/null), stderr, socket */
+    snprintf(path, sizeof(path), "%d", (int)wd);
+    ck_assert(!environ_has(path, "KSCORE_TEST_SECRET=s3cret"));
+    ck_assert_int_eq(getsid(wd), wd);
+    ck_assert_int_ne(getpgid(wd), getpgid(0));
+
+    kill(wd, SIGKILL);
+    for (int i = 0; i < 150; i++) {
+        wd2 = exec_loop_watchdog_pid(loop);
+        if (wd2 && wd2 != wd)
+            break;
+        sleep_ms(20);
+    }
+    ck_assert_int_gt(wd2, 0);
+    ck_assert_int_ne(wd2, wd);
+    exec_loop_free(loop);
+    ck_assert(pid_dead(wd2));
+}
+END_TEST
+
+/* ---- the stack
+ * ----------------------------------------------------------------- */
+
+static struct fixture_stack stack;
+static char side_dir[PATH_MAX];
+
+static void
+stack_up(void)
+{
+    if (fixture_stack_start(&stack, NULL, 0) != 0) {
+        fixture_stack_stop(&stack);
+        exit(1);
+    }
+    snprintf(side_dir, sizeof(side_dir), "%.4000s/side", stack.dir);
+    mkdir(side_dir, 0777);
+}
+
+static void
+stack_down(void)
+{
+    fixture_stack_stop(&stack);
+}
+
+static struct evt_conn *
+client(void)
+{
+    struct evt_connect_opts o = {.name = "test", .send_asap = true};
+    struct evt_conn *c = NULL;
+    ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
+    return c;
+}
+
+/* Submits a detached `sh -c script`; 0 with id_out, or the error. */
+static int
+submit(struct evt_conn *c, const char *agent, const char *script,
+       char id_out[37])
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    char *argv[] = {"sh", "-c", (char *)script};
+    int rc;
+
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.timeout_ms = 120000;
+    req.spec = &spec;
+    req.agent_id = (char *)agent;
+    req.detach = 1;
+    rc = broker_execute(c, &req, 5000, &rep);
+    if (rc == 0 && rep->error_code)
+        rc = rep->error_code;
+    if (rc == 0)
+        snprintf(id_out, 37, "%s", rep->command_id);
+    if (rep)
+        ks__execute_reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+static PGconn *
+db(void)
+{
+    PGconn *pg = PQconnectdb(stack.pg.conninfo);
+    ck_assert_int_eq(PQstatus(pg), CONNECTION_OK);
+    return pg;
+}
+
+static long
+sql_long(PGconn *pg, const char *fmt, ...)
+{
+    char sql[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(sql, sizeof(sql), fmt, ap);
+    va_end(ap);
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
+                  PQerrorMessage(pg));
+    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    return v;
+}
+
+/* The projection's status of a command ("" if none), into buf. */
+static const char *
+status_of(PGconn *pg, const char *id, char *buf, size_t len)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT status FROM commands WHERE command_id = '%s'", id);
+    PGresult *r = PQexec(pg, sql);
+    snprintf(buf, len, "%s", PQntuples(r) ? PQgetvalue(r, 0, 0) : "");
+    PQclear(r);
+    return buf;
+}
+
+static int
+wait_status(PGconn *pg, const char *id, const char *want, int timeout_ms)
+{
+    char st[32];
+    for (int t = 0; t <= timeout_ms; t += 100) {
+        if (!strcmp(status_of(pg, id, st, sizeof(st)), want))
+            return 0;
+        sleep_ms(100);
+    }
+    return -1;
+}
+
+/* Lines in the side-effect file of one command: how often it ran. */
+static int
+runs_of(const char *id)
+{
+    char path[PATH_MAX + 80], line[64];
+    int n = 0;
+    snprintf(path, sizeof(path), "%s/%s", side_dir, id);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        n++;
+    fclose(f);
+    return n;
+}
+
+static pid_t
+agent_pid(const char *name)
+{
+    pid_t pid = 0;
+    ck_assert(stack_pidfile_alive(stack.dir, name, &pid));
+    return pid;
+}
+
+static void
+agent_kill9(const char *name)
+{
+    pid_t pid = agent_pid(name);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0); /* ECHILD for a daemon: then poll */
+    ck_assert(wait_dead(pid, 5000) >= 0);
+}
+
+/*
+ * The events of a command through `kscore events ID --json`: 1 if one has
+ * type `type`, a reason containing `reason_part` (NULL: any) and, when
+ * `status` is set, that result status.
+ */
+static int
+has_event(const char *id, const char *type, const char *reason_part,
+          const char *status)
+{
+    const char *args[] = {"events", id, "--json", NULL};
+    struct fixture_out o;
+    int found = 0;
+
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    for (char *line = strtok(o.out, "\n"); line && !found;
+         line = strtok(NULL, "\n")) {
+        json_t *j = json_loads(line, 0, NULL);
+        const char *t = json_string_value(json_object_get(j, "type"));
+        const char *r = json_string_value(json_object_get(j, "reason"));
+        const char *s = json_string_value(
+            json_object_get(json_object_get(j, "result"), "status"));
+        found = t && !strcmp(t, type) &&
+                (!reason_part || (r && strstr(r, reason_part))) &&
+                (!status || (s && !strcmp(s, status)));
+        json_decref(j);
+    }
+    fixture_out_release(&o);
+    return found;
+}
+
+static void
+print_events(const char *id)
+{
+    const char *args[] = {"events", id, NULL};
+    struct fixture_out o;
+    if (fixture_kscore(&stack, args, &o) == 0)
+        fprintf(stderr, "events of %s:\n%s", id, o.out);
+    fixture_out_release(&o);
+}
+
+/* Waits for the command's single process; returns its pid. */
+static pid_t
+wait_running(PGconn *pg, const char *id)
+{
+    pid_t pid = 0;
+    ck_assert_int_eq(wait_status(pg, id, "Running", 10000), 0);
+    for (int i = 0; i < 100 && command_procs(id, &pid) == 0; i++)
+        sleep_ms(50);
+    ck_assert_int_gt(pid, 0);
+    return pid;
+}
+
+/*
+ * Item 4: 20 sleeps to an agent with --max-concurrent 8. At most 8 run or
+ * are claimed at once; the other 12 wait in JetStream, unclaimed. kill -9
+ * and a restart: the 8 that ran end Lost, the 12 run after the restart,
+ * none twice, every one terminal.
+ */
+START_TEST(claims_only_with_a_free_slot)
+{
+    enum { N = 20, SLOTS = 8 };
+    const char *extra[] = {"--max-concurrent", "8", NULL};
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char ids[N][37], script[PATH_MAX + 128];
+    bool ran_before[N];
+    int max_procs = 0, max_running = 0, procs;
+    long running = 0;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra), 0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 3", side_dir);
+    for (int i = 0; i < N; i++)
+        ck_assert_int_eq(submit(c, "cap", script, ids[i]), 0);
+
+    /* Until the first wave runs: never more than 8 claimed. */
+    for (int t = 0; t < 100 && running < SLOTS; t++) {
+        running = sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                               "agent_id = 'cap' AND status = 'Running'");
+        procs = procs_with_env("KSCORE_AGENT_ID=cap", NULL);
+        if (running > max_running)
+            max_running = (int)running;
+        if (procs > max_procs)
+            max_procs = procs;
+        sleep_ms(50);
+    }
+    ck_assert_int_eq(running, SLOTS);
+    sleep_ms(300); /* would more be claimed? */
+    running = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id = "
+                           "'cap' AND status IN ('Running','Succeeded')");
+    ck_assert_int_le(max_running, SLOTS);
+    ck_assert_int_eq(running, SLOTS);
+    /* The rest wait in JetStream: delivered to nobody, unclaimed. */
+    jsConsumerInfo *ci = NULL;
+    ck_assert_int_eq(js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS,
+                                        "agent-cap", NULL, NULL),
+                     NATS_OK);
+    ck_assert_int_eq(ci->NumAckPending, SLOTS);
+    ck_assert_int_eq(ci->NumPending, N - SLOTS);
+    jsConsumerInfo_Destroy(ci);
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                  "agent_id = 'cap' AND status = "
+                                  "'Dispatched'"),
+                     N - SLOTS);
+    for (int i = 0; i < N; i++) {
+        char st[32];
+        ran_before[i] =
+            !strcmp(status_of(pg, ids[i], st, sizeof(st)), "Running");
+    }
+
+    agent_kill9("agent-cap");
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cap", "cap", extra), 0);
+    /* Until every command is terminal: never more than 8 processes. */
+    long open = -1;
+    for (int t = 0; t < 600 && open != 0; t++) {
+        procs = procs_with_env("KSCORE_AGENT_ID=cap", NULL);
+        if (procs > max_procs)
+            max_procs = procs;
+        open = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id = "
+                            "'cap' AND status IN ('Pending','Dispatched',"
+                            "'Running')");
+        sleep_ms(50);
+    }
+    ck_assert_int_eq(open, 0);
+    ck_assert_int_le(max_procs, SLOTS);
+    int lost = 0, succeeded = 0;
+    for (int i = 0; i < N; i++) {
+        char st[32];
+        status_of(pg, ids[i], st, sizeof(st));
+        ck_assert_int_le(runs_of(ids[i]), 1);
+        if (ran_before[i]) {
+            ck_assert_msg(!strcmp(st, "Lost"), "%s ran, then %s", ids[i], st);
+            ck_assert_int_eq(runs_of(ids[i]), 1);
+            lost++;
+        } else {
+            /* Run after the restart, once. */
+            ck_assert_msg(!strcmp(st, "Succeeded"), "%s: %s", ids[i], st);
+            ck_assert_int_eq(runs_of(ids[i]), 1);
+            succeeded++;
+        }
+    }
+    ck_assert_int_eq(lost, SLOTS);
+    ck_assert_int_eq(succeeded, N - SLOTS);
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM (SELECT stream_id "
+                                  "FROM events WHERE type = 'CommandStarted' "
+                                  "GROUP BY stream_id "
+                                  "HAVING count(*) > 1) x"),
+                     0);
+    fprintf(stderr,
+            "capacity: at most %d running, %d processes; %d Lost, "
+            "%d run after the restart\n",
+            max_running, max_procs, lost, succeeded);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-cap", 20000);
+}
+END_TEST
+
+/* One process serving two ids shares one pool of slots. */
+START_TEST(slots_are_shared_by_the_ids_of_a_process)
+{
+    const char *extra[] = {"--id", "mid-b", "--max-concurrent", "2", NULL};
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char ids[6][37], script[PATH_MAX + 128];
+    int max_procs = 0;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-mid", "mid-a", extra),
+                     0);
+    snprintf(script, sizeof(script),
+             "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 1", side_dir);
+    for (int i = 0; i < 6; i++)
+        ck_assert_int_eq(submit(c, i % 2 ? "mid-b" : "mid-a", script, ids[i]),
+                         0);
+    long open = -1;
+    for (int t = 0; t < 400 && open != 0; t++) {
+        int n = procs_with_env("KSCORE_AGENT_ID=mid-a", NULL) +
+                procs_with_env("KSCORE_AGENT_ID=mid-b", NULL);
+        if (n > max_procs)
+            max_procs = n;
+        ck_assert_int_le(sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                      "agent_id LIKE 'mid-%%' AND status = "
+                                      "'Running'"),
+                         2);
+        open = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id "
+                            "LIKE 'mid-%%' AND status IN ('Pending',"
+                            "'Dispatched','Running')");
+        sleep_ms(50);
+    }
+    ck_assert_int_eq(open, 0);
+    ck_assert_int_le(max_procs, 2);
+    for (int i = 0; i < 6; i++) {
+        char st[32];
+        ck_assert_str_eq(status_of(pg, ids[i], st, sizeof(st)), "Succeeded");
+        ck_assert_int_eq(runs_of(ids[i]), 1);
+    }
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-mid", 20000);
+}
+END_TEST
+
+/* Item 5: kill -9 of the agent during `sleep 30`: the sleep is gone within
+ * 5 s, with no restart; a restart then reports it Lost. */
+START_TEST(children_die_with_their_agent)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], wd_entry[64];
+    pid_t child, apid;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k9", "k9", NULL), 0);
+    ck_assert_int_eq(submit(c, "k9", "exec sleep 30", id), 0);
+    child = wait_running(pg, id);
+    apid = agent_pid("agent-k9");
+    snprintf(wd_entry, sizeof(wd_entry), "KSCORE_EXEC_WATCHDOG=3:%d:%d",
+             (int)apid, AGENT_WATCHDOG_MS);
+    int watchdogs = procs_with_env(wd_entry, NULL);
+    agent_kill9("agent-k9");
+    long ms = wait_dead(child, 5000);
+    ck_assert_msg(ms >= 0, "the command outlived its agent by 5 s");
+    ck_assert_int_eq(command_procs(id, NULL), 0);
+    /* The agent had its watchdog, and it is gone with its work done. */
+    ck_assert_int_eq(watchdogs, 1);
+    for (int i = 0; i < 50 && procs_with_env(wd_entry, NULL); i++)
+        sleep_ms(100);
+    ck_assert_int_eq(procs_with_env(wd_entry, NULL), 0);
+    fprintf(stderr, "kill -9: the command died %ld ms after its agent\n", ms);
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-k9", "k9", NULL), 0);
+    ck_assert_int_eq(wait_status(pg, id, "Lost", 10000), 0);
+    ck_assert(has_event(id, "CommandLost", "watchdog", "Lost"));
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-k9", 20000);
+}
+END_TEST
+
+/* Items 3a and 5: SIGSTOP of the agent: its child is gone within 5 s; after
+ * SIGCONT the agent reports it Lost, killed by its watchdog. */
+START_TEST(stopped_agent_watchdog_kills_and_reports_lost)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37];
+    pid_t child, apid;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-stp", "stp", NULL), 0);
+    ck_assert_int_eq(submit(c, "stp", "exec sleep 30", id), 0);
+    child = wait_running(pg, id);
+    apid = agent_pid("agent-stp");
+    kill(apid, SIGSTOP);
+    long ms = wait_dead(child, 5000);
+    kill(apid, SIGCONT);
+    ck_assert_msg(ms >= 0, "the command of a stopped agent still runs");
+    ck_assert_int_eq(wait_status(pg, id, "Lost", 15000), 0);
+    if (!has_event(id, "CommandLost", "killed by the agent's watchdog", "Lost"))
+        print_events(id);
+    ck_assert(
+        has_event(id, "CommandLost", "killed by the agent's watchdog", "Lost"));
+    ck_assert(!has_event(id, "CommandCompleted", NULL, NULL));
+    fprintf(stderr,
+            "SIGSTOP: the command died %ld ms after its agent "
+            "stopped\n",
+            ms);
+    /* The agent goes on working. */
+    ck_assert_int_eq(submit(c, "stp", "true", id), 0);
+    ck_assert_int_eq(wait_status(pg, id, "Succeeded", 15000), 0);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-stp", 20000);
+}
+END_TEST
+
+/* Item 3b: NATS goes away for longer than the fence: the agent kills its
+ * command itself and, once NATS is back, reports it Lost and why. */
+START_TEST(self_fence_when_nats_is_gone)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37];
+    pid_t child;
+    const char *colon = strrchr(stack.nats.url, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-fen", "fen", NULL), 0);
+    ck_assert_int_eq(submit(c, "fen", "exec sleep 30", id), 0);
+    child = wait_running(pg, id);
+    evt_close(c);
+    int64_t t0 = ks_mono_us();
+    ck_assert_int_eq(stack_nats_stop(stack.nats.dir), 0);
+    long ms = wait_dead(child, AGENT_FENCE_MS + 5000);
+    int64_t dead_after_us = ks_mono_us() - t0;
+    /* Back on the same port and store. */
+    char *url = NULL;
+    pid_t npid;
+    ck_assert_int_eq(stack_nats_start(stack.nats.dir, port, NULL, &url, &npid),
+                     0);
+    free(stack.nats.url);
+    stack.nats.url = url;
+    stack.nats.pid = npid;
+    ck_assert_msg(ms >= 0, "the command outlived the fence");
+    /* Not before the fence (counted from the last heartbeat, which may
+     * be up to EVT_HEARTBEAT_MS older than the outage). */
+    ck_assert_int_ge(dead_after_us,
+                     (int64_t)(AGENT_FENCE_MS - EVT_HEARTBEAT_MS - 500) * 1000);
+    ck_assert_int_eq(wait_status(pg, id, "Lost", 30000), 0);
+    if (!has_event(id, "CommandLost", "self-fence", "Lost"))
+        print_events(id);
+    ck_assert(has_event(id, "CommandLost", "agent lost contact with NATS for",
+                        "Lost"));
+    ck_assert(has_event(id, "CommandLost", "(self-fence)", "Lost"));
+    fprintf(stderr, "self-fence: the command died %.1f s after NATS\n",
+            (double)dead_after_us / 1e6);
+    /* The agent works again. */
+    c = client();
+    ck_assert_int_eq(submit(c, "fen", "true", id), 0);
+    if (wait_status(pg, id, "Succeeded", 20000) != 0) {
+        jsConsumerInfo *ci = NULL;
+        print_events(id);
+        if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS, "agent-fen", NULL,
+                               NULL) == NATS_OK) {
+            fprintf(stderr,
+                    "agent-fen: ack pending %lld, pending %llu, "
+                    "redelivered %lld\n",
+                    (long long)ci->NumAckPending,
+                    (unsigned long long)ci->NumPending,
+                    (long long)ci->NumRedelivered);
+            jsConsumerInfo_Destroy(ci);
+        }
+        ck_abort_msg("the agent does not work after the outage");
+    }
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-fen", 20000);
+}
+END_TEST
+
+/*
+ * Item 4: a command claimed but never spawned is reported NotStarted by the
+ * restarted agent, and never runs. The crash window (between the claim and
+ * the spawn, a millisecond) is made wide here: the test claims the command
+ * as agent "ns" would, and leaves the journal entry "ns" would have left.
+ */
+START_TEST(claimed_never_spawned_is_not_started)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    kvStore *kv = NULL;
+    Ks__AgentInfo info = KS__AGENT_INFO__INIT;
+    Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
+    natsMsg *m = NULL;
+    ProtobufCMessage *pm = NULL;
+    char id[37], claim_id[37], script[PATH_MAX + 64], path[PATH_MAX + 128];
+
+    /* Known to the broker, but no agent process yet. */
+    ck_assert_int_eq(evt_agents_kv(c, &kv), 0);
+    info.agent_id = "ns";
+    info.version = "test";
+    info.host = "test";
+    info.heartbeat_at_us = ks_now_us();
+    ck_assert_int_eq(evt_agent_put(c, kv, &info), 0);
+    kvStore_Destroy(kv);
+    sleep_ms(300);
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side_dir);
+    ck_assert_int_eq(submit(c, "ns", script, id), 0);
+    ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
+
+    ks_uuid(claim_id);
+    req.command_id = id;
+    req.attempt = 1;
+    req.agent_id = "ns";
+    req.event_id = claim_id;
+    req.expected_version = 2; /* Requested, Dispatched */
+    ck_assert_int_eq(evt_request(c, EVT_API_CLAIM, &req.base, 5000, &m), 0);
+    ck_assert_int_eq(evt_unpack(&ks__claim_reply__descriptor,
+                                natsMsg_GetData(m),
+                                (size_t)natsMsg_GetDataLength(m), &pm),
+                     0);
+    ck_assert(((Ks__ClaimReply *)pm)->granted);
+    protobuf_c_message_free_unpacked(pm, NULL);
+    natsMsg_Destroy(m);
+    ck_assert_int_eq(wait_status(pg, id, "Running", 5000), 0);
+
+    snprintf(path, sizeof(path), "%s/state-agent-ns", stack.dir);
+    mkdir(path, 0700);
+    snprintf(path, sizeof(path), "%s/state-agent-ns/running", stack.dir);
+    mkdir(path, 0700);
+    snprintf(path, sizeof(path), "%s/state-agent-ns/running/%s", stack.dir, id);
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "ns 1 - -\nclaim %s\n", claim_id);
+    fclose(f);
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ns", "ns", NULL), 0);
+    int found = 0;
+    for (int i = 0; i < 100 && !found; i++) {
+        found = has_event(id, "CommandNotStarted", "never ran", "NotStarted");
+        if (!found)
+            sleep_ms(100);
+    }
+    if (!found)
+        print_events(id);
+    ck_assert(found);
+    ck_assert(!has_event(id, "CommandLost", NULL, NULL));
+    /* `kscore get`: NotStarted where the store knows the event; a store
+     * that predates it leaves the command Running, never anything else. */
+    {
+        const char *args[] = {"get", id, "--json", NULL};
+        struct fixture_out o;
+        int ok = 0;
+        for (int i = 0; i < 50 && !ok; i++) {
+            ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+            json_t *j = json_loads(o.out, JSON_DISABLE_EOF_CHECK, NULL);
+            const char *st = json_string_value(json_object_get(j, "status"));
+            ok = st && !strcmp(st, "NotStarted");
+            ck_assert_msg(st && (ok || !strcmp(st, "Running")),
+                          "kscore get: %s", o.out);
+            json_decref(j);
+            fixture_out_release(&o);
+            if (!ok)
+                sleep_ms(100);
+        }
+        fprintf(stderr, "NotStarted: kscore get says %s\n",
+                ok ? "NotStarted" : "Running (the store predates it)");
+    }
+    /* The message JetStream still held reaches the agent: the claim fence
+     * refuses it, and it never runs. */
+    for (int i = 0;
+         i < 100 && !has_event(id, "DuplicateSuppressed", NULL, NULL); i++)
+        sleep_ms(100);
+    ck_assert(has_event(id, "DuplicateSuppressed", NULL, NULL));
+    sleep_ms(500);
+    ck_assert_int_eq(runs_of(id), 0);
+    ck_assert_int_eq(access(path, F_OK), -1); /* the journal is done */
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-ns", 20000);
+}
+END_TEST
+
+/* KSCORE_TEST_ONLY=name runs one test of the stack case (development). */
+static void
+add_stack_test(TCase *tc, const TTest *t)
+{
+    const char *only = getenv("KSCORE_TEST_ONLY");
+    if (!only || !strcmp(only, t->name))
+        tcase_add_test(tc, t);
+}
+
+static Suite *
+agent_suite(void)
+{
+    Suite *s = suite_create("agent");
+    TCase *wd = tcase_create("watchdog");
+    tcase_set_timeout(wd, 60);
+    tcase_add_test(wd, watchdog_kills_jobs_of_a_dead_process);
+    tcase_add_test(wd, watchdog_kills_jobs_of_a_stopped_process);
+    tcase_add_test(wd, watchdog_is_isolated_replaced_and_reaped);
+    suite_add_tcase(s, wd);
+
+    TCase *tc = tcase_create("stack");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 240);
+    add_stack_test(tc, children_die_with_their_agent);
+    add_stack_test(tc, stopped_agent_watchdog_kills_and_reports_lost);
+    add_stack_test(tc, claims_only_with_a_free_slot);
+    add_stack_test(tc, slots_are_shared_by_the_ids_of_a_process);
+    add_stack_test(tc, claimed_never_spawned_is_not_started);
+    add_stack_test(tc, self_fence_when_nats_is_gone);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(agent_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
