@@ -64,3 +64,26 @@ fixture_pg_stop(struct fixture_pg *f)
     f->conninfo = NULL;
     f->dir[0] = '\0';
 }
+
+int
+fixture_pg_restart(struct fixture_pg *f)
+{
+    char *conninfo = NULL;
+    pid_t pid;
+    int rc;
+
+    if (!f || !f->dir[0])
+        return -EINVAL;
+    /* stack_pg_start reuses <dir>/pg.port, so the conninfo is unchanged. */
+    if ((rc = stack_pg_stop(f->dir)))
+        return rc;
+    rc = stack_pg_start(f->dir, 0, &conninfo, &pid);
+    if (rc) {
+        fprintf(stderr, "fixture_pg_restart: %s (%d), see %s/pg.log\n",
+                ks_strerror(rc), rc, f->dir);
+        return rc;
+    }
+    f->pid = pid;
+    free(conninfo);
+    return 0;
+}
