@@ -39,7 +39,7 @@ struct cmd {
     int started;
     int nterm;
     char first[24]; /* status the first terminal event records */
-    char terms[200];
+    char terms[400];
     int64_t term_us, req_us, budget_us;
 };
 
@@ -519,8 +519,13 @@ chaos_check(struct chaos_run *r)
             Ks__Event *ev = unpack_event(res, i, 3);
             const char *st = terminal_status(type, ev);
             size_t l = strlen(c->terms);
-            snprintf(c->terms + l, sizeof(c->terms) - l, "%s%s(%s)",
-                     c->nterm ? ", " : "", type + 7, st);
+            const char *why = ev && ev->reason[0] ? ev->reason
+                              : ev && ev->result && ev->result->reason[0]
+                                  ? ev->result->reason
+                                  : "";
+            snprintf(c->terms + l, sizeof(c->terms) - l, "%s%s(%s%s%.60s)",
+                     c->nterm ? ", " : "", type + 7, st, why[0] ? ": " : "",
+                     why);
             if (c->nterm++ == 0) {
                 snprintf(c->first, sizeof(c->first), "%s", st);
                 c->term_us = at;
