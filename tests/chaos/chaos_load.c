@@ -91,6 +91,13 @@ store_reader_cb(const Ks__RecordedEvent *ev, void *ud)
     return 0;
 }
 
+static void
+quiet_notice(void *arg, const char *message)
+{
+    (void)arg;
+    (void)message;
+}
+
 /* Reads the log straight from PostgreSQL with store_read_all(), the
  * catch-up read every reader of the record builds on. */
 static void *
@@ -105,6 +112,10 @@ store_reader_main(void *arg)
         rd->errors++;
         chaos_sleep_ms(200);
     }
+    /* The FATAL a restart sends to this idle (LISTENing) session is
+     * expected: the read that follows fails and is retried. */
+    if (st)
+        PQsetNoticeProcessor(store_pgconn(st), quiet_notice, NULL);
     while (!rd->stop) {
         size_t before = rd->n;
         int rc = store_read_all(st, &cur, 1000, store_reader_cb, rd);
@@ -533,8 +544,11 @@ chaos_wait_settled(struct chaos_run *r)
     /* Submissions end first (each has its own retry budget). */
     chaos_submit_join(r);
     deadline = settle_deadline_us(r);
-    chaos_log(r, "waiting for every command to end (at most %.0f s)",
-              (double)(deadline - ks_now_us()) / 1e6);
+    if (deadline > ks_now_us())
+        chaos_log(r, "waiting for every command to end (at most %.0f s)",
+                  (double)(deadline - ks_now_us()) / 1e6);
+    else
+        chaos_log(r, "the last deadline has passed already: one look");
     size_t len = (size_t)snprintf(sql, sizeof(sql),
                                   "SELECT count(*) FROM batches WHERE "
                                   "status = 'Running' AND batch_id IN (''");
