@@ -35,11 +35,16 @@ int fixture_pg_start(struct fixture_pg *out);
 void fixture_pg_stop(struct fixture_pg *f);
 
 /*
- * Restarts the cluster in place, as `pg_ctl restart -m fast` (stop -m fast:
- * every session is disconnected; then start on the same port and socket
- * directory, so f->conninfo stays valid). Updates f->pid. 0 or a negative
- * code (see <dir>/pg.log).
+ * A PostgreSQL outage, with the code `kscore down`/`up` use
+ * (stack_pg_stop: pg_ctl stop -m fast, every session terminated with
+ * 57P01; stack_pg_start: the same directory, port and socket, so the
+ * conninfo stays valid). fixture_pg_halt stops the server and keeps the
+ * directory; fixture_pg_resume starts it again and waits until it accepts
+ * connections; fixture_pg_restart is both (pg_ctl restart -m fast). 0 or a
+ * negative code.
  */
+int fixture_pg_halt(struct fixture_pg *f);
+int fixture_pg_resume(struct fixture_pg *f);
 int fixture_pg_restart(struct fixture_pg *f);
 
 /* ------------------------------------------------------------------------ */

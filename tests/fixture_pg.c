@@ -66,24 +66,42 @@ fixture_pg_stop(struct fixture_pg *f)
 }
 
 int
-fixture_pg_restart(struct fixture_pg *f)
+fixture_pg_halt(struct fixture_pg *f)
+{
+    int rc = stack_pg_stop(f->dir);
+    if (rc < 0)
+        fprintf(stderr, "fixture_pg_halt: %s (%d), see %s/pg.log\n",
+                ks_strerror(rc), rc, f->dir);
+    return rc;
+}
+
+int
+fixture_pg_resume(struct fixture_pg *f)
 {
     char *conninfo = NULL;
     pid_t pid;
-    int rc;
+    int rc = stack_pg_start(f->dir, 0, &conninfo, &pid);
 
-    if (!f || !f->dir[0])
-        return -EINVAL;
-    /* stack_pg_start reuses <dir>/pg.port, so the conninfo is unchanged. */
-    if ((rc = stack_pg_stop(f->dir)))
-        return rc;
-    rc = stack_pg_start(f->dir, 0, &conninfo, &pid);
-    if (rc) {
-        fprintf(stderr, "fixture_pg_restart: %s (%d), see %s/pg.log\n",
+    if (rc < 0) {
+        fprintf(stderr, "fixture_pg_resume: %s (%d), see %s/pg.log\n",
                 ks_strerror(rc), rc, f->dir);
         return rc;
     }
-    f->pid = pid;
+    /* The port comes from <dir>/pg.port: the same conninfo as before. */
+    if (strcmp(conninfo, f->conninfo) != 0) {
+        fprintf(stderr, "fixture_pg_resume: conninfo changed: %s -> %s\n",
+                f->conninfo, conninfo);
+        free(conninfo);
+        return -EINVAL;
+    }
     free(conninfo);
+    f->pid = pid;
     return 0;
+}
+
+int
+fixture_pg_restart(struct fixture_pg *f)
+{
+    int rc = fixture_pg_halt(f);
+    return rc < 0 ? rc : fixture_pg_resume(f);
 }
