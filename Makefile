@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test down clean asan profile fuzz
+.PHONY: all bootstrap build run test chaos down clean asan profile fuzz
 
 all: build
 
@@ -25,6 +25,16 @@ run: build
 
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j1
+
+# The fault-injection suite (tests/chaos/README.md): every scenario at full
+# size, or CHAOS_SCALE=short (about 3-5 minutes, for CI); SCENARIO=a,b runs
+# only those, SEED=N replays the random choices of an earlier run. Not part
+# of `make test`. Exits non-zero when an invariant broke.
+CHAOS_SCALE ?= full
+chaos: build
+	@$(BUILD)/tests/chaos/chaos $(if $(filter short,$(CHAOS_SCALE)),--short) \
+	    $(if $(SCENARIO),--scenario $(SCENARIO)) $(if $(SEED),--seed $(SEED)) \
+	    $(CHAOS_ARGS)
 
 # The executor suite under ASan + UBSan.
 asan: bootstrap

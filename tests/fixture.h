@@ -10,6 +10,7 @@
 
 #include <limits.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 /* ------------------------------------------------------------------------ */
@@ -105,6 +106,27 @@ int fixture_agent_spawn(struct fixture_stack *s, const char *name,
 /* Restarts nats-server on the same port and store dir (SIGTERM first, so
  * JetStream flushes). */
 int fixture_stack_nats_restart(struct fixture_stack *s);
+
+/*
+ * Sends sig to the stack's nats-server. SIGKILL and SIGTERM wait until it
+ * is gone (start it again with fixture_stack_nats_start); SIGSTOP and
+ * SIGCONT pause and resume it. 0 or -errno (not running: -ESRCH).
+ */
+int fixture_stack_nats_kill(struct fixture_stack *s, int sig);
+/* Starts nats-server again on the same port and store dir, after
+ * fixture_stack_nats_kill. 0 or a negative code. */
+int fixture_stack_nats_start(struct fixture_stack *s);
+
+/*
+ * Sends sig to the daemon <dir>/<name>.pid of the stack ("broker",
+ * "agent", or a fixture_agent_spawn name). SIGKILL waits until it is gone
+ * (reaped). 0 or -ESRCH when it is not running.
+ */
+int fixture_stack_signal(struct fixture_stack *s, const char *name, int sig);
+/* Waits (<= timeout_ms) for a heartbeat of agent id at or after since_us
+ * (epoch us; 0: any). 0 or KS_ETIMEDOUT. */
+int fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
+                             int64_t since_us, int timeout_ms);
 
 /* (Re)starts or stops the stack's agent / broker process. */
 int fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env);

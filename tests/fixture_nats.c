@@ -465,3 +465,80 @@ fixture_out_release(struct fixture_out *o)
     free(o->err);
     o->out = o->err = NULL;
 }
+
+/* Waits until pid is gone (reaping it when it is our child). */
+static void
+wait_gone(pid_t pid)
+{
+    for (int i = 0; i < 500; i++) {
+        waitpid(pid, NULL, WNOHANG);
+        if (kill(pid, 0) == -1)
+            return;
+        /* a zombie that is not our child: gone for every purpose */
+        char path[64], buf[256];
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        FILE *f = fopen(path, "r");
+        if (f) {
+            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+            fclose(f);
+            buf[n] = '\0';
+            char *rp = strrchr(buf, ')');
+            if (rp && rp[1] == ' ' && rp[2] == 'Z')
+                return;
+        }
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+}
+
+int
+fixture_stack_signal(struct fixture_stack *s, const char *name, int sig)
+{
+    pid_t pid;
+    if (!stack_pidfile_alive(s->dir, name, &pid))
+        return -ESRCH;
+    if (kill(pid, sig) == -1)
+        return -errno;
+    if (sig == SIGKILL)
+        wait_gone(pid);
+    return 0;
+}
+
+int
+fixture_stack_nats_kill(struct fixture_stack *s, int sig)
+{
+    pid_t pid;
+    if (sig == SIGTERM)
+        return stack_nats_stop(s->nats.dir);
+    if (!stack_pidfile_alive(s->nats.dir, "nats", &pid))
+        return -ESRCH;
+    if (kill(pid, sig) == -1)
+        return -errno;
+    if (sig == SIGKILL)
+        wait_gone(pid);
+    return 0;
+}
+
+int
+fixture_stack_nats_start(struct fixture_stack *s)
+{
+    const char *colon = strrchr(s->nats.url, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+    char *url = NULL;
+    pid_t pid;
+    int rc = stack_nats_start(s->nats.dir, port, NULL, &url, &pid);
+    if (rc == 0) {
+        free(s->nats.url);
+        s->nats.url = url;
+        s->nats.pid = pid;
+    }
+    return rc;
+}
+
+int
+fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
+                         int64_t since_us, int timeout_ms)
+{
+    struct evt_connect_opts o;
+    admin_opts(s, &o);
+    return broker_wait_agent(s->nats.url, &o, id, since_us, timeout_ms);
+}

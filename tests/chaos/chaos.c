@@ -1,0 +1,776 @@
+/*
+ * chaos: kscore's fault-injection suite. Each scenario starts a private
+ * stack (nats-server, PostgreSQL, a broker, agents), puts load on it, breaks
+ * one part for real (kill -9, SIGSTOP, a restart), lets it heal, and then
+ * checks the record's invariants I1..I6 (chaos_check.c, README.md).
+ *
+ *   chaos [--short] [--seed N] [--scenario NAME[,NAME...]] [--keep] [--list]
+ *
+ * Every random choice (kill points, delays, durations) comes from the seed,
+ * drawn before anything timing-dependent happens, so a failure can be
+ * replayed with the same seed and scenario. Exit status: 0 when every
+ * scenario passed, 1 when one failed, 2 on usage errors.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+
+#include "chaos.h"
+#include "stack.h"
+
+volatile sig_atomic_t chaos_interrupted;
+
+/* ---- small helpers ------------------------------------------------------------ */
+
+void
+chaos_sleep_ms(int64_t ms)
+{
+    if (ms <= 0)
+        return;
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR && !chaos_interrupted)
+        ;
+}
+
+double
+chaos_since_s(int64_t mono_us)
+{
+    return (double)(ks_mono_us() - mono_us) / 1e6;
+}
+
+void
+chaos_log(struct chaos_run *r, const char *fmt, ...)
+{
+    va_list ap;
+    printf("  [%6.1fs] ", chaos_since_s(r->t0_mono));
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf("\n");
+    fflush(stdout);
+}
+
+static uint64_t
+splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+uint64_t
+chaos_rand(struct chaos_run *r, uint64_t lo, uint64_t hi)
+{
+    if (hi <= lo)
+        return lo;
+    return lo + splitmix(&r->rng) % (hi - lo + 1);
+}
+
+double
+chaos_randf(struct chaos_run *r, double lo, double hi)
+{
+    double u = (double)(splitmix(&r->rng) >> 11) / (double)(1ULL << 53);
+    return lo + (hi - lo) * u;
+}
+
+static long
+sql_long(struct chaos_run *r, const char *sql)
+{
+    PGconn *pg = PQconnectdb(r->st.pg.conninfo);
+    long v = -1;
+    if (PQstatus(pg) == CONNECTION_OK) {
+        PGresult *res = PQexec(pg, sql);
+        if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1 &&
+            !PQgetisnull(res, 0, 0))
+            v = atol(PQgetvalue(res, 0, 0));
+        PQclear(res);
+    }
+    PQfinish(pg);
+    return v;
+}
+
+/* ---- building blocks of the scenarios ----------------------------------------- */
+
+/* One agent process "agent-fleet" serving <prefix>0..<prefix>n-1, which
+ * become r->agents. */
+static int
+fleet_up(struct chaos_run *r, const char *prefix, unsigned n)
+{
+    const char *ids[CHAOS_MAX_AGENTS];
+    for (unsigned i = 0; i < n && i < CHAOS_MAX_AGENTS; i++) {
+        snprintf(r->agents[i], sizeof(r->agents[i]), "%s%u", prefix, i);
+        ids[i] = r->agents[i];
+    }
+    r->nagents = n;
+    snprintf(r->probe_agent, sizeof(r->probe_agent), "%s", r->agents[0]);
+    return chaos_agent_spawn(r, "agent-fleet", ids, n, 32);
+}
+
+/* The in-process agents of `kscore broker --local-agents n`. */
+static void
+local_agents(struct chaos_run *r, unsigned n)
+{
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[sizeof(host) - 1] = '\0';
+    host[strcspn(host, ".")] = '\0';
+    for (unsigned i = 0; i < n && i < CHAOS_MAX_AGENTS; i++)
+        snprintf(r->agents[i], sizeof(r->agents[i]), "%.50s-%u", host, i);
+    r->nagents = n;
+    snprintf(r->probe_agent, sizeof(r->probe_agent), "%s", r->agents[0]);
+}
+
+static void
+set_spec(struct chaos_run *r, uint64_t deliver_ms, uint64_t timeout_ms,
+         uint64_t grace_ms)
+{
+    r->deliver_ms = deliver_ms;
+    r->timeout_ms = timeout_ms;
+    r->grace_ms = grace_ms;
+}
+
+/* kill -9 the broker, keep it down for down_ms, start it again, probe. */
+static void
+broker_kill_restart(struct chaos_run *r, unsigned local, int64_t down_ms)
+{
+    fixture_stack_broker_kill(&r->st, SIGKILL);
+    chaos_log(r, "broker killed (kill -9); down for %lld ms",
+              (long long)down_ms);
+    chaos_sleep_ms(down_ms);
+    int64_t t0 = ks_mono_us();
+    int rc = fixture_stack_broker_start(&r->st, local);
+    chaos_log(r, "broker restarted: %s (%.1f s)", rc ? ks_strerror(rc) : "ready",
+              chaos_since_s(t0));
+    chaos_probe(r, "broker restart", r->probe_agent, t0);
+}
+
+/* ---- 1. broker kill -9 in the middle of 200 commands ----------------------------- */
+
+static int
+broker_kill_common(struct chaos_run *r, bool local)
+{
+    size_t n = r->short_mode ? 60 : 200;
+    int rc;
+
+    set_spec(r, r->short_mode ? 10000 : 15000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = r->short_mode ? 30 : 40;
+    long kill_at = (long)chaos_rand(r, n / 4, n * 7 / 10);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 300);
+    int64_t down_ms = (int64_t)chaos_rand(r, 0, 1500);
+
+    if ((rc = chaos_stack_up(r, local ? 10 : 0)))
+        return rc;
+    if (local)
+        local_agents(r, 10);
+    else if ((rc = fleet_up(r, "f", 10)))
+        return rc;
+    chaos_subs_prepare(r, n, 0.2, 1.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands at %.0f/s over %u %s agents; kill -9 the broker "
+             "at %ld accepted +%lld ms, down %lld ms",
+             n, r->rate, r->nagents, local ? "in-process" : "process",
+             kill_at, (long long)extra_ms, (long long)down_ms);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_wait_accepted(r, kill_at);
+    chaos_sleep_ms(extra_ms);
+    chaos_log(r, "%ld accepted, %ld running", (long)r->accepted,
+              chaos_count_status(r, "Running", NULL));
+    broker_kill_restart(r, local ? 10 : 0, down_ms);
+    return 0;
+}
+
+static int
+sc_broker_kill(struct chaos_run *r)
+{
+    return broker_kill_common(r, false);
+}
+
+static int
+sc_broker_kill_local(struct chaos_run *r)
+{
+    return broker_kill_common(r, true);
+}
+
+/* ---- 2. agent kill -9 while it runs 20 commands ------------------------------------ */
+
+static int
+agent_kill_common(struct chaos_run *r, int64_t down_ms)
+{
+    size_t n = r->short_mode ? 10 : 20;
+    const char *ids[] = {"ak"};
+    int rc;
+
+    set_spec(r, 30000, 30000, 1000);
+    r->rate = 0;
+    long kill_running = (long)chaos_rand(r, 1, n);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 1500);
+
+    if ((rc = chaos_stack_up(r, 0)))
+        return rc;
+    snprintf(r->agents[0], sizeof(r->agents[0]), "ak");
+    r->nagents = 1;
+    snprintf(r->probe_agent, sizeof(r->probe_agent), "ak");
+    if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 32)))
+        return rc;
+    chaos_subs_prepare(r, n, 2.0, 10.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands (sleep 2-10 s) on agent ak; kill -9 it once %ld "
+             "run, +%lld ms; restart it %lld s later",
+             n, kill_running, (long long)extra_ms,
+             (long long)(down_ms / 1000));
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    int64_t until = ks_mono_us() + 20 * 1000000LL;
+    long running = 0;
+    while (!chaos_interrupted && ks_mono_us() < until &&
+           (running = chaos_count_status(r, "Running", "ak")) < kill_running)
+        chaos_sleep_ms(50);
+    chaos_sleep_ms(extra_ms);
+    running = chaos_count_status(r, "Running", "ak");
+    fixture_stack_signal(&r->st, "agent-0", SIGKILL);
+    chaos_log(r, "agent killed (kill -9) with %ld Running, %ld Dispatched",
+              running, chaos_count_status(r, "Dispatched", "ak"));
+    chaos_sleep_ms(down_ms);
+    int64_t t0 = ks_mono_us();
+    rc = chaos_agent_spawn(r, "agent-0", ids, 1, 32);
+    chaos_log(r, "agent restarted: %s", rc ? ks_strerror(rc) : "heartbeating");
+    chaos_probe(r, "agent restart", "ak", t0);
+    return 0;
+}
+
+static int
+sc_agent_kill_5s(struct chaos_run *r)
+{
+    return agent_kill_common(r, 5000);
+}
+
+static int
+sc_agent_kill_15s(struct chaos_run *r)
+{
+    return agent_kill_common(r, 15000);
+}
+
+/* ---- 3. nats-server stopped for 5 s ------------------------------------------------- */
+
+static int
+nats_common(struct chaos_run *r, bool kill_it)
+{
+    size_t n = r->short_mode ? 60 : 200;
+    int rc;
+
+    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = r->short_mode ? 12 : 25;
+    long at = (long)chaos_rand(r, n / 5, n / 2);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 300);
+
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "n", 4)))
+        return rc;
+    chaos_subs_prepare(r, n, 0.2, 1.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands at %.0f/s over 4 agents; %s nats-server for 5 s "
+             "at %ld accepted +%lld ms",
+             n, r->rate, kill_it ? "kill -9 (then restart on the same port)"
+                                 : "SIGSTOP (then SIGCONT)",
+             at, (long long)extra_ms);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_wait_accepted(r, at);
+    chaos_sleep_ms(extra_ms);
+    long running = chaos_count_status(r, "Running", NULL);
+    int64_t t0;
+    if (kill_it) {
+        fixture_stack_nats_kill(&r->st, SIGKILL);
+        chaos_log(r, "nats-server killed (kill -9), %ld running", running);
+        chaos_sleep_ms(5000);
+        t0 = ks_mono_us();
+        rc = fixture_stack_nats_start(&r->st);
+        chaos_log(r, "nats-server restarted: %s",
+                  rc ? ks_strerror(rc) : "listening");
+        chaos_probe(r, "nats-server restart", r->probe_agent, t0);
+    } else {
+        fixture_stack_nats_kill(&r->st, SIGSTOP);
+        chaos_log(r, "nats-server stopped (SIGSTOP), %ld running", running);
+        chaos_sleep_ms(5000);
+        fixture_stack_nats_kill(&r->st, SIGCONT);
+        t0 = ks_mono_us();
+        chaos_log(r, "nats-server continued (SIGCONT)");
+        chaos_probe(r, "nats-server SIGCONT", r->probe_agent, t0);
+    }
+    return 0;
+}
+
+static int
+sc_nats_pause(struct chaos_run *r)
+{
+    return nats_common(r, false);
+}
+
+static int
+sc_nats_kill(struct chaos_run *r)
+{
+    return nats_common(r, true);
+}
+
+/* ---- 4. PostgreSQL restart in the middle of 100 submissions ------------------------- */
+
+static int
+sc_pg_restart(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 50 : 100;
+    int rc;
+
+    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = r->short_mode ? 15 : 20;
+    long at = (long)chaos_rand(r, n / 4, n * 6 / 10);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 300);
+
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "p", 2)))
+        return rc;
+    chaos_subs_prepare(r, n, 0.2, 0.6);
+    snprintf(r->note, sizeof(r->note),
+             "%zu submissions at %.0f/s over 2 agents; PostgreSQL restart "
+             "-m fast at %ld accepted +%lld ms",
+             n, r->rate, at, (long long)extra_ms);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_wait_accepted(r, at);
+    chaos_sleep_ms(extra_ms);
+    int64_t t0 = ks_mono_us();
+    rc = fixture_pg_restart(&r->st.pg);
+    chaos_log(r, "PostgreSQL restarted (-m fast): %s (%.1f s)",
+              rc ? ks_strerror(rc) : "accepting connections",
+              chaos_since_s(t0));
+    chaos_probe(r, "PostgreSQL restart", r->probe_agent, t0);
+    return 0;
+}
+
+/* ---- 5. broker kill -9 in the middle of a batch over 10 agents ------------------------ */
+
+static int
+sc_batch_broker_kill(struct chaos_run *r)
+{
+    unsigned nb = r->short_mode ? 2 : 3;
+    unsigned conc[CHAOS_MAX_BATCHES];
+    double sleep_s[CHAOS_MAX_BATCHES];
+    int rc;
+
+    /* Each batch runs in a few rounds of 1-2 s, so the kill lands in the
+     * middle of one; a stuck batch costs its rounds' deadlines (I4). */
+    if (r->short_mode)
+        set_spec(r, 5000, 5000, 1000);
+    else
+        set_spec(r, 10000, 10000, 1000);
+    for (unsigned i = 0; i < nb; i++) {
+        conc[i] = (unsigned)(r->short_mode ? 5 : chaos_rand(r, 2, 5));
+        sleep_s[i] = chaos_randf(r, 1.0, 2.0);
+    }
+    long kill_ended = (long)chaos_rand(r, 1, nb * 10 / 2);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 500);
+    int64_t down_ms = (int64_t)chaos_rand(r, 0, 1500);
+
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "f", 10)))
+        return rc;
+    const char *ids[CHAOS_MAX_AGENTS];
+    for (unsigned i = 0; i < r->nagents; i++)
+        ids[i] = r->agents[i];
+    size_t off = (size_t)snprintf(r->note, sizeof(r->note),
+                                  "%u batches over 10 agents (concurrency",
+                                  nb);
+    for (unsigned i = 0; i < nb; i++)
+        off += (size_t)snprintf(r->note + off, sizeof(r->note) - off, " %u",
+                                conc[i]);
+    snprintf(r->note + off, sizeof(r->note) - off,
+             "); kill -9 the broker once %ld targets succeeded, +%lld ms; "
+             "down %lld ms",
+             kill_ended, (long long)extra_ms, (long long)down_ms);
+    chaos_log(r, "%s", r->note);
+    for (unsigned i = 0; i < nb; i++) {
+        rc = chaos_batch_submit(r, ids, r->nagents, conc[i], sleep_s[i]);
+        if (rc)
+            chaos_log(r, "batch %u refused: %s", i, ks_strerror(rc));
+    }
+    int64_t until = ks_mono_us() + 30 * 1000000LL;
+    while (!chaos_interrupted && ks_mono_us() < until &&
+           sql_long(r, "SELECT count(*) FROM commands WHERE batch_id IS NOT "
+                       "NULL AND status = 'Succeeded'") < kill_ended)
+        chaos_sleep_ms(50);
+    chaos_sleep_ms(extra_ms);
+    chaos_log(r, "%ld targets running, %ld succeeded",
+              chaos_count_status(r, "Running", NULL),
+              chaos_count_status(r, "Succeeded", NULL));
+    broker_kill_restart(r, 0, down_ms);
+    return 0;
+}
+
+/* ---- 6. bursts: 5,000 to one agent; 2,000 queued while it is stopped ------------------- */
+
+static int
+sc_burst(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 1000 : 5000;
+    const char *ids[] = {"burst"};
+    int rc;
+
+    set_spec(r, r->short_mode ? 60000 : 120000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = 0;
+    if ((rc = chaos_stack_up(r, 0)))
+        return rc;
+    snprintf(r->agents[0], sizeof(r->agents[0]), "burst");
+    r->nagents = 1;
+    if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 0)))
+        return rc;
+    chaos_subs_prepare(r, n, 0, 0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands as fast as %d clients can submit, to one agent", n,
+             CHAOS_SUBMITTERS);
+    chaos_log(r, "%s", r->note);
+    int64_t t0 = ks_mono_us();
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_submit_join(r);
+    chaos_log(r, "%ld of %zu accepted in %.1f s", (long)r->accepted, n,
+              chaos_since_s(t0));
+    return 0;
+}
+
+static int
+sc_queued_stopped(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 500 : 2000;
+    const char *ids[] = {"q"};
+    int rc;
+
+    set_spec(r, r->short_mode ? 60000 : 120000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = 0;
+    int64_t stop_ms = (int64_t)chaos_rand(r, 3000, 6000);
+    if ((rc = chaos_stack_up(r, 0)))
+        return rc;
+    snprintf(r->agents[0], sizeof(r->agents[0]), "q");
+    r->nagents = 1;
+    if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 0)))
+        return rc;
+    chaos_subs_prepare(r, n, 0, 0);
+    snprintf(r->note, sizeof(r->note),
+             "agent q stopped (SIGSTOP); %zu commands queued to it; SIGCONT "
+             "%lld ms after the stop (or once all are submitted)",
+             n, (long long)stop_ms);
+    chaos_log(r, "%s", r->note);
+    fixture_stack_signal(&r->st, "agent-0", SIGSTOP);
+    int64_t t_stop = ks_mono_us();
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_submit_join(r);
+    chaos_log(r, "%ld of %zu accepted", (long)r->accepted, n);
+    chaos_sleep_ms(stop_ms - (ks_mono_us() - t_stop) / 1000);
+    fixture_stack_signal(&r->st, "agent-0", SIGCONT);
+    int64_t t0 = ks_mono_us();
+    chaos_log(r, "agent continued (SIGCONT) after %.1f s",
+              chaos_since_s(t_stop));
+    /* Serving again: its first claim after SIGCONT (a probe would queue
+     * behind the backlog, which is not a fault). */
+    double s = -1;
+    while (!chaos_interrupted && chaos_since_s(t0) < 30) {
+        if (sql_long(r, "SELECT count(*) FROM events WHERE type = "
+                        "'CommandStarted'") > 0) {
+            s = chaos_since_s(t0);
+            break;
+        }
+        chaos_sleep_ms(50);
+    }
+    chaos_add_recovery(r, "agent SIGCONT (first claim)", s);
+    return 0;
+}
+
+/* ---- the runner ------------------------------------------------------------------- */
+
+static const struct chaos_scenario scenarios[] = {
+    {"broker-kill", "kill -9 the broker in the middle of 200 commands over 10 "
+                    "agent processes, restart it", sc_broker_kill},
+    {"broker-kill-local", "the same with 10 in-process agents (--local-agents"
+                          " 10), which die with the broker", sc_broker_kill_local},
+    {"agent-kill-5s", "kill -9 an agent running 20 commands, restart it 5 s "
+                      "later", sc_agent_kill_5s},
+    {"agent-kill-15s", "the same, restarted 15 s later (past the heartbeat "
+                       "deadline)", sc_agent_kill_15s},
+    {"nats-pause", "SIGSTOP nats-server for 5 s during runs and submissions",
+     sc_nats_pause},
+    {"nats-kill", "kill -9 nats-server, restart it on the same port 5 s "
+                  "later", sc_nats_kill},
+    {"pg-restart", "restart PostgreSQL (-m fast) in the middle of 100 "
+                   "submissions", sc_pg_restart},
+    {"batch-broker-kill", "kill -9 the broker in the middle of batches over "
+                          "10 agents, restart it", sc_batch_broker_kill},
+    {"burst", "5,000 commands to one agent at once", sc_burst},
+    {"queued-stopped", "2,000 commands queued to a stopped agent (SIGSTOP, "
+                       "SIGCONT a few seconds later)", sc_queued_stopped},
+};
+#define NSCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
+
+struct outcome {
+    const char *name;
+    const char *result; /* PASS, FAIL, ERROR, SKIPPED */
+    struct chaos_stats stats;
+    unsigned viol[7];
+    double worst_recover; /* < -1.5: none measured; -1: never */
+    double seconds;
+};
+
+static uint64_t
+name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+    return h;
+}
+
+static void
+run_one(const struct chaos_scenario *sc, uint64_t seed, bool short_mode,
+        struct outcome *out)
+{
+    struct chaos_run *r = calloc(1, sizeof(*r));
+    int rc;
+
+    out->name = sc->name;
+    out->worst_recover = -2;
+    if (!r) {
+        out->result = "ERROR";
+        return;
+    }
+    r->sc = sc;
+    r->seed = seed;
+    r->rng = seed ^ name_hash(sc->name);
+    r->short_mode = short_mode;
+    r->t0_mono = ks_mono_us();
+    pthread_mutex_init(&r->mu, NULL);
+    printf("\n== %s (seed %llu%s): %s\n", sc->name, (unsigned long long)seed,
+           short_mode ? ", short" : "", sc->what);
+    fflush(stdout);
+
+    rc = sc->run(r);
+    if (rc) {
+        r->setup_failed = true;
+        chaos_log(r, "setup failed: %s", ks_strerror(rc));
+        chaos_submit_join(r);
+        chaos_readers_stop(r);
+    } else {
+        chaos_wait_settled(r);
+        rc = chaos_check(r);
+    }
+    chaos_stack_down(r);
+    out->result = r->setup_failed ? "ERROR" : rc ? "FAIL" : "PASS";
+    if (chaos_interrupted && !r->setup_failed)
+        out->result = "INTERRUPTED";
+    out->stats = r->stats;
+    memcpy(out->viol, r->violations, sizeof(out->viol));
+    for (unsigned i = 0; i < r->nrec; i++) {
+        double s = r->rec[i].seconds < 0 ? -1 : r->rec[i].seconds;
+        if (out->worst_recover < -1.5 || s < 0 ||
+            (out->worst_recover >= 0 && s > out->worst_recover))
+            out->worst_recover = s;
+    }
+    out->seconds = chaos_since_s(r->t0_mono);
+    printf("RESULT %s: %s (%.0f s)", sc->name, out->result, out->seconds);
+    if (strcmp(out->result, "PASS") != 0)
+        printf("  replay: make chaos SCENARIO=%s SEED=%llu%s", sc->name,
+               (unsigned long long)seed, short_mode ? " CHAOS_SCALE=short" : "");
+    printf("\n");
+    fflush(stdout);
+    free(r->subs);
+    for (int i = 0; i < 2; i++) {
+        free(r->readers[i].pos);
+        free(r->readers[i].tx);
+    }
+    free(r);
+}
+
+static void
+on_signal(int sig)
+{
+    (void)sig;
+    if (chaos_interrupted)
+        _exit(130);
+    chaos_interrupted = 1;
+}
+
+static void
+usage(FILE *f)
+{
+    fprintf(f,
+            "usage: chaos [--short] [--seed N] [--scenario NAME[,NAME...]] "
+            "[--keep] [--list]\n"
+            "  --short     smaller counts (CI; about 3-5 minutes)\n"
+            "  --seed N    the seed of every random choice (default: from "
+            "the clock)\n"
+            "  --scenario  run only these (default: all)\n"
+            "  --keep      keep each stack's directory and logs "
+            "(KSCORE_KEEP_TMP=1)\n"
+            "  --list      list the scenarios\n");
+}
+
+int
+main(int argc, char **argv)
+{
+    static const struct option lo[] = {{"short", no_argument, 0, 's'},
+                                       {"seed", required_argument, 0, 'S'},
+                                       {"scenario", required_argument, 0, 'c'},
+                                       {"keep", no_argument, 0, 'k'},
+                                       {"list", no_argument, 0, 'l'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    bool short_mode = false, have_seed = false;
+    uint64_t seed = 0;
+    const char *only = NULL;
+    int opt;
+
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 's':
+            short_mode = true;
+            break;
+        case 'S': {
+            char *end;
+            errno = 0;
+            seed = strtoull(optarg, &end, 10);
+            if (errno || *end || !*optarg) {
+                fprintf(stderr, "chaos: bad seed '%s'\n", optarg);
+                return 2;
+            }
+            have_seed = true;
+            break;
+        }
+        case 'c':
+            only = optarg[0] && strcmp(optarg, "all") != 0 ? optarg : NULL;
+            break;
+        case 'k':
+            setenv("KSCORE_KEEP_TMP", "1", 1);
+            break;
+        case 'l':
+            for (size_t i = 0; i < NSCENARIOS; i++)
+                printf("%-18s %s\n", scenarios[i].name, scenarios[i].what);
+            return 0;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+    if (!have_seed)
+        seed = (uint64_t)ks_now_us() % 1000000000ULL;
+
+    /* Which scenarios. */
+    bool want[NSCENARIOS];
+    for (size_t i = 0; i < NSCENARIOS; i++)
+        want[i] = only == NULL;
+    if (only) {
+        char *copy = strdup(only), *save = NULL;
+        for (char *t = strtok_r(copy, ",", &save); t;
+             t = strtok_r(NULL, ",", &save)) {
+            size_t i = 0;
+            while (i < NSCENARIOS && strcmp(scenarios[i].name, t) != 0)
+                i++;
+            if (i == NSCENARIOS) {
+                fprintf(stderr, "chaos: no scenario '%s' (see --list)\n", t);
+                free(copy);
+                return 2;
+            }
+            want[i] = true;
+        }
+        free(copy);
+    }
+
+    /* A private TMPDIR: every stack of the run lives under it (and it
+     * stays out of the way of anything else cleaning /tmp/kscore-*). */
+    const char *tmp = getenv("TMPDIR");
+    char base[PATH_MAX];
+    snprintf(base, sizeof(base), "%s/chaos-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(base)) {
+        fprintf(stderr, "chaos: mkdtemp %s: %s\n", base, strerror(errno));
+        return 1;
+    }
+    chmod(base, 0711); /* PostgreSQL runs as postgres and must reach in */
+    setenv("TMPDIR", base, 1);
+
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    printf("chaos: seed %llu%s (replay: make chaos SEED=%llu%s "
+           "[SCENARIO=name])\n",
+           (unsigned long long)seed, short_mode ? ", short" : "",
+           (unsigned long long)seed, short_mode ? " CHAOS_SCALE=short" : "");
+    struct outcome outs[NSCENARIOS];
+    size_t nout = 0;
+    int64_t t0 = ks_mono_us();
+    for (size_t i = 0; i < NSCENARIOS && !chaos_interrupted; i++) {
+        if (!want[i])
+            continue;
+        memset(&outs[nout], 0, sizeof(outs[nout]));
+        run_one(&scenarios[i], seed, short_mode, &outs[nout++]);
+    }
+
+    int failed = chaos_interrupted ? 1 : 0;
+    printf("\n== SUMMARY (seed %llu%s, %.0f s)\n", (unsigned long long)seed,
+           short_mode ? ", short" : "", chaos_since_s(t0));
+    printf("| %-18s | %-6s | %9s | %8s | %-13s | %4s | %5s | %9s | %-24s |\n",
+           "scenario", "result", "submitted", "accepted", "ran 0/1/2+",
+           "lost", "twice", "recover s", "violations");
+    printf("|--------------------|--------|-----------|----------|-------------"
+           "--|------|-------|-----------|--------------------------|\n");
+    for (size_t i = 0; i < nout; i++) {
+        struct outcome *o = &outs[i];
+        char ran[32], rec[16], v[64] = "";
+        size_t off = 0;
+        snprintf(ran, sizeof(ran), "%ld/%ld/%ld", o->stats.ran0,
+                 o->stats.ran1, o->stats.ran2);
+        if (o->worst_recover < -1.5)
+            snprintf(rec, sizeof(rec), "-");
+        else if (o->worst_recover < 0)
+            snprintf(rec, sizeof(rec), "never");
+        else
+            snprintf(rec, sizeof(rec), "%.1f", o->worst_recover);
+        for (int k = 1; k <= 6; k++)
+            if (o->viol[k])
+                off += (size_t)snprintf(v + off, sizeof(v) - off, "%sI%d x%u",
+                                        off ? ", " : "", k, o->viol[k]);
+        printf("| %-18s | %-6s | %9ld | %8ld | %-13s | %4ld | %5ld | %9s | "
+               "%-24s |\n",
+               o->name, o->result, o->stats.submitted, o->stats.accepted, ran,
+               o->stats.lost, o->stats.twice, rec, v[0] ? v : "-");
+        if (strcmp(o->result, "PASS") != 0)
+            failed = 1;
+    }
+    for (size_t i = 0; i < nout; i++)
+        printf("%s: %s\n", outs[i].name, outs[i].result);
+    rmdir(base); /* empty unless --keep */
+    return failed;
+}
