@@ -91,7 +91,7 @@ START_TEST(batch_over_10_local_agents)
     ck_assert_int_eq(jint(j, "total"), 10);
     ck_assert_int_eq(jint(j, "succeeded"), 10);
     /* one JSON line per target, then the summary */
-    ck_assert_int_eq(count_lines(o.out), 11);
+    ck_assert_msg(count_lines(o.out) == 11, "%s", o.out);
     char host[64], want[96];
     gethostname(host, sizeof(host));
     host[strcspn(host, ".")] = '\0';
