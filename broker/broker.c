@@ -49,6 +49,29 @@ broker__store_error(struct store *st, int rc, char *buf, size_t len)
 }
 
 void
+broker__reply_error(struct broker *b, natsMsg *msg,
+                    const ProtobufCMessageDescriptor *d, int code,
+                    const char *text)
+{
+    /* Every kscore reply carries error_code (1) and error (2): set them
+     * through the descriptor, so one function answers for every method. */
+    const ProtobufCFieldDescriptor *fc =
+        protobuf_c_message_descriptor_get_field(d, 1);
+    const ProtobufCFieldDescriptor *ft =
+        protobuf_c_message_descriptor_get_field(d, 2);
+    ProtobufCMessage *m = calloc(1, d->sizeof_message);
+    BUG_ON(!fc || !ft || strcmp(fc->name, "error_code") != 0 ||
+           strcmp(ft->name, "error") != 0);
+    if (!m)
+        return;
+    d->message_init(m);
+    *(int32_t *)((char *)m + fc->offset) = code;
+    *(const char **)((char *)m + ft->offset) = text ? text : "";
+    reply_msg(b, natsMsg_GetReply(msg), m);
+    free(m);
+}
+
+void
 broker__reply_waiter(struct broker *b, const char *command_id,
                      const Ks__CommandResult *result, int error_code,
                      const char *error)
@@ -668,9 +691,7 @@ handle_get(struct broker *b, natsMsg *msg)
     rc = broker__unpack_request(msg, &ks__get_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
-        r.error_code = rc;
-        r.error = why;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_error(b, msg, r.base.descriptor, rc, why);
         return;
     }
     {
@@ -763,9 +784,7 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
     rc = broker__unpack_request(msg, &ks__events_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
-        r.error_code = rc;
-        r.error = why;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_error(b, msg, r.base.descriptor, rc, why);
         return;
     }
     if (may_read(b, st, msg, req->stream_id, why, sizeof(why)) != 0) {
@@ -949,9 +968,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
     rc = broker__unpack_request(msg, &ks__cancel_request__descriptor,
                                 (ProtobufCMessage **)&req, bad, sizeof(bad));
     if (rc) {
-        r.error_code = rc;
-        r.error = bad;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_error(b, msg, r.base.descriptor, rc, bad);
         return;
     }
     if (is_batch_id(req->id)) {

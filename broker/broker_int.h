@@ -98,6 +98,12 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
 
+/* Answers msg with an empty reply of type d (every kscore reply has
+ * error_code and error as fields 1 and 2) carrying code and text. */
+void broker__reply_error(struct broker *b, natsMsg *msg,
+                         const ProtobufCMessageDescriptor *d, int code,
+                         const char *text);
+
 /* Replies to the client waiting for command_id, if any, with result. */
 void broker__reply_waiter(struct broker *b, const char *command_id,
                           const Ks__CommandResult *result, int error_code,

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 #include <sys/random.h>
 #include <uuid/uuid.h>
@@ -77,6 +78,13 @@ random_bytes(uint8_t *out, size_t n)
 {
     static _Thread_local uint8_t pool[4096];
     static _Thread_local size_t left;
+    static _Thread_local pid_t owner;
+    /* A fork copies the pool: the child would hand out the parent's next
+     * ids. A pool belongs to the process that filled it. */
+    if (owner != getpid()) {
+        owner = getpid();
+        left = 0;
+    }
     if (left < n) {
         size_t got = 0;
         while (got < sizeof(pool)) {

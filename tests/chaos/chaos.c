@@ -171,9 +171,17 @@ broker_kill_common(struct chaos_run *r, bool local)
 
     if ((rc = chaos_stack_up(r, local ? 10 : 0)))
         return rc;
-    if (local)
+    if (local) {
         local_agents(r, 10);
-    else if ((rc = fleet_up(r, "f", 10)))
+        /* The in-process agents share one slot pool (the broker process's
+         * capacity), and after a kill -9 their backlog is handed back:
+         * a probe behind it would measure the queue, not the control
+         * plane. I6 is probed on an agent process of its own, idle. */
+        static const char *const probe_ids[] = {"probe"};
+        if ((rc = chaos_agent_spawn(r, "agent-probe", probe_ids, 1, 4)))
+            return rc;
+        snprintf(r->probe_agent, sizeof(r->probe_agent), "probe");
+    } else if ((rc = fleet_up(r, "f", 10)))
         return rc;
     chaos_subs_prepare(r, n, 0.2, 1.0);
     snprintf(r->note, sizeof(r->note),
