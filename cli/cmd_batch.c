@@ -590,7 +590,8 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0)
+    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
+        cli_secrets_check(&sec, &cs.spec) != 0)
         goto out;
     if (!req.n_agents && !req.n_select && !req.all) {
         cli_err("no targets: give --agents A,B, --select K=V or --all");
@@ -666,7 +667,14 @@ cmd_batch(int argc, char **argv)
      * record (core NATS progress is best effort). */
     natsConnection_Flush(c->nc);
     if (psub) {
-        natsSubscription_Unsubscribe(psub);
+        /* Drain, not unsubscribe: a progress callback still running (its
+         * message came in just before the reply) would print its target
+         * while the loop below, not finding it yet, prints it again.
+         * Once drained no callback runs and st.results is complete. */
+        if (natsSubscription_DrainTimeout(psub, 2000) == NATS_OK)
+            natsSubscription_WaitForDrainCompletion(psub, 3000);
+        else
+            natsSubscription_Unsubscribe(psub);
         natsSubscription_Destroy(psub);
         psub = NULL;
     }
