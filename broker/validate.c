@@ -485,19 +485,30 @@ broker__check_sealed_targets(const Ks__CommandSpec *sp,
         return 0;
     for (size_t i = 0; i < n_agents; i++) {
         sealed_run(sp, agent_ids[i], &first, &n);
-        if (n == 0) {
+        if (n == 0 && !(exact && n_agents == 1)) {
             snprintf(why, len,
-                     "no secret values sealed to agent '%.128s': seal "
-                     "them to every target (kscore batch --secret-env "
-                     "does: try again if the agent has just joined)",
+                     "no secret values sealed to target agent '%.128s': "
+                     "every target needs its own (kscore --secret-env "
+                     "seals them; try again if the agent has just joined)",
                      agent_ids[i]);
             return KS_EINVAL;
         }
         covered += n;
     }
     if (exact && covered != sp->n_sealed_env) {
-        snprintf(why, len, "secret values sealed to another agent than the "
-                           "target: not allowed");
+        const char *other = "";
+        for (size_t i = 0; i < sp->n_sealed_env && !other[0]; i++) {
+            bool target = false;
+            for (size_t k = 0; k < n_agents && !target; k++)
+                target = strcmp(sp->sealed_env[i]->agent_id,
+                                agent_ids[k]) == 0;
+            if (!target)
+                other = sp->sealed_env[i]->agent_id;
+        }
+        snprintf(why, len,
+                 "secret values sealed to another agent ('%.128s') than "
+                 "the target: not allowed",
+                 other);
         return KS_EINVAL;
     }
     return 0;
