@@ -111,6 +111,8 @@ struct cli_secrets {
     size_t n_items;
 };
 int cli_secret_opt(struct cli_secrets *s, const char *name);
+/* After parsing: no name is also an --env name. 0, or -1 after printing. */
+int cli_secrets_check(const struct cli_secrets *s, const Ks__CommandSpec *spec);
 int cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
                      char *const *agents, size_t n_agents,
                      Ks__EnvVar *const *select, size_t n_select, bool all,

@@ -293,7 +293,8 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0)
+    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0 ||
+        cli_secrets_check(&sec, sp) != 0)
         goto out;
     req.deliver_within_ms = cs.deliver_within_ms;
     if (!agent) {

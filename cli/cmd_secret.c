@@ -73,6 +73,19 @@ cli_secret_opt(struct cli_secrets *s, const char *name)
     return 1;
 }
 
+int
+cli_secrets_check(const struct cli_secrets *s, const Ks__CommandSpec *spec)
+{
+    for (size_t i = 0; i < s->n_names; i++)
+        for (size_t k = 0; k < spec->n_env; k++)
+            if (strcmp(spec->env[k]->name, s->names[i]) == 0) {
+                cli_err("%s is given with both --env and --secret-env",
+                        s->names[i]);
+                return -1;
+            }
+    return 0;
+}
+
 void
 cli_secrets_release(struct cli_secrets *s)
 {
@@ -168,13 +181,6 @@ cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
 
     if (s->n_names == 0)
         return 0;
-    for (size_t i = 0; i < s->n_names; i++)
-        for (size_t k = 0; k < spec->n_env; k++)
-            if (strcmp(spec->env[k]->name, s->names[i]) == 0) {
-                cli_err("%s is given with both --env and --secret-env",
-                        s->names[i]);
-                return -1;
-            }
     int crc = broker_call(c, EVT_API_AGENTS, &req.base,
                           &ks__agents_reply__descriptor, 5000,
                           (ProtobufCMessage **)&rep);
