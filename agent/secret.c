@@ -32,8 +32,7 @@ agent__secret_init(struct agent *a, char **errmsg)
     } else {
         rc = evt_seal_key_new(&a->seal_key);
         if (rc && errmsg &&
-            asprintf(errmsg, "cannot make a seal key: %s",
-                     ks_strerror(rc)) < 0)
+            asprintf(errmsg, "cannot make a seal key: %s", ks_strerror(rc)) < 0)
             *errmsg = NULL;
     }
     if (rc == 0)

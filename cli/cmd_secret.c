@@ -130,8 +130,8 @@ static const Ks__AgentStatus *
 find_agent(const Ks__AgentsReply *rep, const char *id)
 {
     for (size_t i = 0; i < rep->n_agents; i++)
-        if (rep->agents[i]->info && strcmp(rep->agents[i]->info->agent_id,
-                                           id) == 0)
+        if (rep->agents[i]->info &&
+            strcmp(rep->agents[i]->info->agent_id, id) == 0)
             return rep->agents[i];
     return NULL;
 }
@@ -167,10 +167,9 @@ seal_to(struct cli_secrets *s, const Ks__AgentInfo *in, const char *op,
 }
 
 int
-cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
-                 char *const *agents, size_t n_agents,
-                 Ks__EnvVar *const *select, size_t n_select, bool all,
-                 Ks__CommandSpec *spec)
+cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c, char *const *agents,
+                 size_t n_agents, Ks__EnvVar *const *select, size_t n_select,
+                 bool all, Ks__CommandSpec *spec)
 {
     Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
     Ks__AgentsReply *rep = NULL;
@@ -181,9 +180,9 @@ cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
 
     if (s->n_names == 0)
         return 0;
-    int crc = broker_call(c, EVT_API_AGENTS, &req.base,
-                          &ks__agents_reply__descriptor, 5000,
-                          (ProtobufCMessage **)&rep);
+    int crc =
+        broker_call(c, EVT_API_AGENTS, &req.base, &ks__agents_reply__descriptor,
+                    5000, (ProtobufCMessage **)&rep);
     if (crc || rep->error_code) {
         cli_err("--secret-env: cannot list the agents' keys: %s",
                 crc ? ks_strerror(crc) : rep->error);
@@ -235,8 +234,8 @@ cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
     qsort(targets, nt, sizeof(*targets), cmp_agent);
     size_t u = 0;
     for (size_t i = 0; i < nt; i++)
-        if (u == 0 || strcmp(targets[u - 1]->agent_id,
-                             targets[i]->agent_id) != 0)
+        if (u == 0 ||
+            strcmp(targets[u - 1]->agent_id, targets[i]->agent_id) != 0)
             targets[u++] = targets[i];
     nt = u;
     memcpy(names, s->names, s->n_names * sizeof(*names));

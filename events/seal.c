@@ -61,8 +61,7 @@ x25519_generate(void)
 {
     EVP_PKEY_CTX *ctx = EVP_PKEY_CTX_new_id(EVP_PKEY_X25519, NULL);
     EVP_PKEY *k = NULL;
-    if (!ctx || EVP_PKEY_keygen_init(ctx) != 1 ||
-        EVP_PKEY_keygen(ctx, &k) != 1)
+    if (!ctx || EVP_PKEY_keygen_init(ctx) != 1 || EVP_PKEY_keygen(ctx, &k) != 1)
         k = NULL;
     EVP_PKEY_CTX_free(ctx);
     return k;
@@ -121,8 +120,7 @@ key_create(const char *path, char **errmsg)
     if (!k)
         return KS_EINTERNAL;
     snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-              0600);
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd == -1) {
         rc = -errno;
         set_err(errmsg, "seal key %s: %s", tmp, strerror(-rc));
@@ -170,11 +168,9 @@ evt_seal_key_open(const char *path, struct evt_seal_key **out, char **errmsg)
         set_err(errmsg, "seal key %s: %s", path, strerror(-rc));
         return rc;
     }
-    if (fstat(fd, &st) == -1 || !S_ISREG(st.st_mode) ||
-        (st.st_mode & 077)) {
+    if (fstat(fd, &st) == -1 || !S_ISREG(st.st_mode) || (st.st_mode & 077)) {
         close(fd);
-        set_err(errmsg,
-                "seal key %s: %s", path,
+        set_err(errmsg, "seal key %s: %s", path,
                 "not a private file: it must be a regular file of mode "
                 "0600 (chmod 600, or remove it to make a new key)");
         return KS_EINVAL;
@@ -255,18 +251,15 @@ aead(bool encrypt, const uint8_t key[32], const uint8_t nonce[NONCE_BYTES],
             1 ||
         EVP_CipherInit_ex(c, NULL, NULL, key, nonce, encrypt) != 1 ||
         EVP_CipherUpdate(c, NULL, &n, &version, 1) != 1 ||
-        (aad_len &&
-         EVP_CipherUpdate(c, NULL, &n, aad, (int)aad_len) != 1) ||
+        (aad_len && EVP_CipherUpdate(c, NULL, &n, aad, (int)aad_len) != 1) ||
         (len && EVP_CipherUpdate(c, out, &n, in, (int)len) != 1))
         goto out;
     if (encrypt) {
         if (EVP_CipherFinal_ex(c, out + len, &n) != 1 ||
-            EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_GET_TAG, TAG_BYTES, tag) !=
-                1)
+            EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_GET_TAG, TAG_BYTES, tag) != 1)
             goto out;
     } else {
-        if (EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_SET_TAG, TAG_BYTES, tag) !=
-            1)
+        if (EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_SET_TAG, TAG_BYTES, tag) != 1)
             goto out;
         if (EVP_CipherFinal_ex(c, out + len, &n) != 1) {
             rc = KS_EREJECTED;
@@ -280,9 +273,8 @@ out:
 }
 
 int
-evt_seal(const uint8_t pub[EVT_SEAL_KEY_BYTES], const void *aad,
-         size_t aad_len, const void *pt, size_t pt_len, uint8_t **out,
-         size_t *out_len)
+evt_seal(const uint8_t pub[EVT_SEAL_KEY_BYTES], const void *aad, size_t aad_len,
+         const void *pt, size_t pt_len, uint8_t **out, size_t *out_len)
 {
     EVP_PKEY *peer = NULL, *eph = NULL;
     uint8_t key[32], *box = NULL, *epk, *nonce;
@@ -309,8 +301,8 @@ evt_seal(const uint8_t pub[EVT_SEAL_KEY_BYTES], const void *aad,
         goto out;
     if ((rc = derive_key(eph, peer, epk, pub, key)))
         goto out;
-    rc = aead(true, key, nonce, aad, aad_len, pt, pt_len,
-              nonce + NONCE_BYTES, nonce + NONCE_BYTES + pt_len);
+    rc = aead(true, key, nonce, aad, aad_len, pt, pt_len, nonce + NONCE_BYTES,
+              nonce + NONCE_BYTES + pt_len);
 out:
     OPENSSL_cleanse(key, sizeof(key));
     EVP_PKEY_free(peer);
@@ -326,8 +318,7 @@ out:
 
 int
 evt_unseal(const struct evt_seal_key *k, const void *aad, size_t aad_len,
-           const void *box_v, size_t box_len, uint8_t **out,
-           size_t *out_len)
+           const void *box_v, size_t box_len, uint8_t **out, size_t *out_len)
 {
     const uint8_t *box = box_v, *epk, *nonce, *ct;
     EVP_PKEY *peer = NULL;
@@ -413,8 +404,7 @@ evt_seal_env(const uint8_t pub[EVT_SEAL_KEY_BYTES], const char *agent_id,
     size_t aad_len = 0;
     int rc;
 
-    if (!value || strlen(value) > EVT_SEAL_ENV_VALUE_MAX || !name ||
-        !name[0])
+    if (!value || strlen(value) > EVT_SEAL_ENV_VALUE_MAX || !name || !name[0])
         return KS_EINVAL;
     if ((rc = env_aad(agent_id, operator_name, name, &aad, &aad_len)))
         return rc;

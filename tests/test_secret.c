@@ -42,7 +42,8 @@ static struct fixture_stack stack;
 static char local_agent[96]; /* the broker's in-process agent */
 static char tmpdir[PATH_MAX];
 
-/* ---- helpers -------------------------------------------------------------- */
+/* ---- helpers --------------------------------------------------------------
+ */
 
 static size_t
 unhex(const char *h, uint8_t *out, size_t cap)
@@ -189,8 +190,8 @@ on_cmd(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (evt_unpack(&ks__command__descriptor, sc->command.data,
                        sc->command.len, &inner) == 0) {
             Ks__Command *cmd = (Ks__Command *)inner;
-            for (size_t i = 0; cmd->spec && i < cmd->spec->n_sealed_env &&
-                               cp->n_boxes < 16;
+            for (size_t i = 0;
+                 cmd->spec && i < cmd->spec->n_sealed_env && cp->n_boxes < 16;
                  i++) {
                 ProtobufCBinaryData *b = &cmd->spec->sealed_env[i]->sealed;
                 if (b->len <= 512)
@@ -234,19 +235,17 @@ scan_stream(struct evt_conn *c, const char *stream, const char *needle)
 {
     jsStreamInfo *si = NULL;
     unsigned n = 0;
-    ck_assert_int_eq(js_GetStreamInfo(&si, c->js, stream, NULL, NULL),
-                     NATS_OK);
+    ck_assert_int_eq(js_GetStreamInfo(&si, c->js, stream, NULL, NULL), NATS_OK);
     uint64_t first = si->State.FirstSeq, last = si->State.LastSeq;
     jsStreamInfo_Destroy(si);
     for (uint64_t seq = first; seq && seq <= last; seq++) {
         natsMsg *m = NULL;
         if (js_GetMsg(&m, c->js, stream, seq, NULL, NULL) != NATS_OK)
             continue; /* deleted (acked work) */
-        ck_assert_msg(!memmem(natsMsg_GetData(m),
-                              (size_t)natsMsg_GetDataLength(m), needle,
-                              strlen(needle)),
-                      "the value is in %s message %llu", stream,
-                      (unsigned long long)seq);
+        ck_assert_msg(
+            !memmem(natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m),
+                    needle, strlen(needle)),
+            "the value is in %s message %llu", stream, (unsigned long long)seq);
         natsMsg_Destroy(m);
         n++;
     }
@@ -354,7 +353,8 @@ assert_nowhere(struct capture *cp, const char *value)
     assert_not_in_files(value);
 }
 
-/* ---- the seal API ---------------------------------------------------------- */
+/* ---- the seal API ----------------------------------------------------------
+ */
 
 /*
  * Known answers. The keys are RFC 7748 section 6.1's (Alice's as the
@@ -410,8 +410,7 @@ START_TEST(seal_known_answers)
 
     n = unhex(kat_box, box, sizeof(box));
     ck_assert_uint_eq(n, strlen("attack at dawn") + EVT_SEAL_OVERHEAD);
-    ck_assert_int_eq(evt_unseal(bob, "kscore test aad", 15, box, n, &pt,
-                                &len),
+    ck_assert_int_eq(evt_unseal(bob, "kscore test aad", 15, box, n, &pt, &len),
                      0);
     ck_assert_uint_eq(len, 14);
     ck_assert_mem_eq(pt, "attack at dawn", 14);
@@ -419,15 +418,14 @@ START_TEST(seal_known_answers)
     evt_seal_wipe_free(pt, len);
 
     n = unhex(kat_env_box, box, sizeof(box));
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-1", "alice", "TOKEN", box, n,
-                                    &v),
-                     0);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-1", "alice", "TOKEN", box, n, &v), 0);
     ck_assert_str_eq(v, "s3cr3t-value");
     evt_seal_wipe_free(v, strlen(v));
     /* The ephemeral key's holder is not the recipient. */
-    ck_assert_int_eq(evt_unseal_env(alice, "agent-1", "alice", "TOKEN", box,
-                                    n, &v),
-                     KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(alice, "agent-1", "alice", "TOKEN", box, n, &v),
+        KS_EREJECTED);
     evt_seal_key_free(bob);
     evt_seal_key_free(alice);
 }
@@ -451,39 +449,36 @@ START_TEST(seal_tampering_fails)
             box[i] ^= (uint8_t)(1u << bit);
         }
     for (size_t cut = 0; cut < n; cut++)
-        ck_assert_int_eq(evt_unseal(bob, "kscore test aad", 15, box, cut, &pt,
-                                    &len),
-                         KS_EREJECTED);
-    ck_assert_int_eq(evt_unseal(bob, "kscore test aae", 15, box, n, &pt,
-                                &len),
+        ck_assert_int_eq(
+            evt_unseal(bob, "kscore test aad", 15, box, cut, &pt, &len),
+            KS_EREJECTED);
+    ck_assert_int_eq(evt_unseal(bob, "kscore test aae", 15, box, n, &pt, &len),
                      KS_EREJECTED);
-    ck_assert_int_eq(evt_unseal(bob, NULL, 0, box, n, &pt, &len),
-                     KS_EREJECTED);
+    ck_assert_int_eq(evt_unseal(bob, NULL, 0, box, n, &pt, &len), KS_EREJECTED);
     /* Untouched, it still opens. */
-    ck_assert_int_eq(evt_unseal(bob, "kscore test aad", 15, box, n, &pt,
-                                &len),
+    ck_assert_int_eq(evt_unseal(bob, "kscore test aad", 15, box, n, &pt, &len),
                      0);
     evt_seal_wipe_free(pt, len);
 
     /* An env box opens for its agent, operator and name only. */
     n = unhex(kat_env_box, box, sizeof(box));
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-2", "alice", "TOKEN", box, n,
-                                    &v),
-                     KS_EREJECTED);
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-1", "mallory", "TOKEN", box,
-                                    n, &v),
-                     KS_EREJECTED);
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-1", "alice", "OTHER", box, n,
-                                    &v),
-                     KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-2", "alice", "TOKEN", box, n, &v),
+        KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-1", "mallory", "TOKEN", box, n, &v),
+        KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-1", "alice", "OTHER", box, n, &v),
+        KS_EREJECTED);
     /* Lengths delimit the fields: moving a byte between them fails. */
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-1a", "lice", "TOKEN", box, n,
-                                    &v),
-                     KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-1a", "lice", "TOKEN", box, n, &v),
+        KS_EREJECTED);
     box[40] ^= 1;
-    ck_assert_int_eq(evt_unseal_env(bob, "agent-1", "alice", "TOKEN", box, n,
-                                    &v),
-                     KS_EREJECTED);
+    ck_assert_int_eq(
+        evt_unseal_env(bob, "agent-1", "alice", "TOKEN", box, n, &v),
+        KS_EREJECTED);
     evt_seal_key_free(bob);
 }
 END_TEST
@@ -537,15 +532,13 @@ START_TEST(seal_round_trips)
     /* A value with a NUL (sealed with the raw API by whoever has the
      * public key) is refused, not cut. */
     uint8_t aad[64] = "kscore sealed env v1\0\1a\0\2op\0\1N";
-    ck_assert_int_eq(evt_seal(pub, aad, 20 + 3 + 4 + 3, "ab\0cd", 5, &a,
-                              &alen),
+    ck_assert_int_eq(evt_seal(pub, aad, 20 + 3 + 4 + 3, "ab\0cd", 5, &a, &alen),
                      0);
     ck_assert_int_eq(evt_unseal_env(k, "a", "op", "N", a, alen, &v),
                      KS_EREJECTED);
     free(a);
     /* The same layout without the NUL opens: the aad above is right. */
-    ck_assert_int_eq(evt_seal(pub, aad, 20 + 3 + 4 + 3, "abcd", 4, &a,
-                              &alen),
+    ck_assert_int_eq(evt_seal(pub, aad, 20 + 3 + 4 + 3, "abcd", 4, &a, &alen),
                      0);
     ck_assert_int_eq(evt_unseal_env(k, "a", "op", "N", a, alen, &v), 0);
     ck_assert_str_eq(v, "abcd");
@@ -625,7 +618,7 @@ START_TEST(request_rules)
 #define CHECK(want)                                                            \
     do {                                                                       \
         why[0] = '\0';                                                         \
-        int rc_ = broker_check_request(&req.base, "op", why, sizeof(why));    \
+        int rc_ = broker_check_request(&req.base, "op", why, sizeof(why));     \
         ck_assert_msg(rc_ == (want), "rc %d: %s", rc_, why);                   \
     } while (0)
     /* Two agents, the same names, sorted: fine. */
@@ -678,7 +671,8 @@ START_TEST(request_rules)
 }
 END_TEST
 
-/* ---- on a real stack ------------------------------------------------------ */
+/* ---- on a real stack ------------------------------------------------------
+ */
 
 static void
 stack_up(void)
@@ -691,8 +685,8 @@ stack_up(void)
     gethostname(host, sizeof(host));
     host[strcspn(host, ".")] = '\0';
     snprintf(local_agent, sizeof(local_agent), "%s-0", host);
-    if (fixture_stack_start_secure(&stack, AGENT, "env=dev", OPERATOR,
-                                   NULL) != 0) {
+    if (fixture_stack_start_secure(&stack, AGENT, "env=dev", OPERATOR, NULL) !=
+        0) {
         fixture_stack_stop(&stack);
         exit(1);
     }
@@ -733,15 +727,23 @@ START_TEST(exec_delivers_the_value_to_the_child_only)
     fresh_value(value);
     sha256_line(value, digest);
     capture_start(&cp);
-    const char *args[] = {"exec", "--agent", AGENT, "--json", "--env",
-                          "PLAIN=shown", "--secret-env", "TOKEN", "--",
-                          "sh", "-c", "printf %s \"$TOKEN\" | sha256sum",
+    const char *args[] = {"exec",
+                          "--agent",
+                          AGENT,
+                          "--json",
+                          "--env",
+                          "PLAIN=shown",
+                          "--secret-env",
+                          "TOKEN",
+                          "--",
+                          "sh",
+                          "-c",
+                          "printf %s \"$TOKEN\" | sha256sum",
                           NULL};
     kscore_with("TOKEN", value, args, &o);
     ck_assert_msg(o.status == 0, "exec: %d %s %s", o.status, o.out, o.err);
     json_t *j = json_line(o.out, 0);
-    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout")),
-                     digest);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout")), digest);
     snprintf(id, sizeof(id), "%s",
              json_string_value(json_object_get(j, "command_id")));
     json_decref(j);
@@ -764,8 +766,7 @@ START_TEST(exec_delivers_the_value_to_the_child_only)
     json_t *env = json_object_get(j, "env");
     ck_assert_str_eq(json_string_value(json_object_get(env, "TOKEN")),
                      "<secret>");
-    ck_assert_str_eq(json_string_value(json_object_get(env, "PLAIN")),
-                     "shown");
+    ck_assert_str_eq(json_string_value(json_object_get(env, "PLAIN")), "shown");
     json_decref(j);
     fixture_out_release(&o);
     const char *ev[] = {"events", id, NULL};
@@ -783,10 +784,8 @@ START_TEST(exec_delivers_the_value_to_the_child_only)
     ck_assert_str_eq(json_string_value(json_object_get(env, "TOKEN")),
                      "<secret>");
     json_t *se = json_array_get(json_object_get(j, "secret_env"), 0);
-    ck_assert_str_eq(json_string_value(json_object_get(se, "name")),
-                     "TOKEN");
-    ck_assert_str_eq(json_string_value(json_object_get(se, "agent_id")),
-                     AGENT);
+    ck_assert_str_eq(json_string_value(json_object_get(se, "name")), "TOKEN");
+    ck_assert_str_eq(json_string_value(json_object_get(se, "agent_id")), AGENT);
     ck_assert_int_eq(json_integer_value(json_object_get(se, "sealed_bytes")),
                      (json_int_t)(strlen(value) + EVT_SEAL_OVERHEAD));
     json_decref(j);
@@ -805,27 +804,28 @@ END_TEST
 START_TEST(cli_refuses_bad_secret_flags)
 {
     struct fixture_out o;
-    const char *unset[] = {"exec", "--agent", AGENT, "--secret-env",
-                           "KSCORE_TEST_UNSET_VAR", "--", "true", NULL};
+    const char *unset[] = {
+        "exec", "--agent", AGENT, "--secret-env", "KSCORE_TEST_UNSET_VAR",
+        "--",   "true",    NULL};
     unsetenv("KSCORE_TEST_UNSET_VAR");
     kscore_with(NULL, NULL, unset, &o);
     ck_assert_int_eq(o.status, 2);
     ck_assert_ptr_nonnull(strstr(o.err, "KSCORE_"));
     fixture_out_release(&o);
-    const char *unset2[] = {"exec", "--agent", AGENT, "--secret-env",
-                            "NOT_SET_HERE_X", "--", "true", NULL};
+    const char *unset2[] = {"exec",           "--agent", AGENT,  "--secret-env",
+                            "NOT_SET_HERE_X", "--",      "true", NULL};
     unsetenv("NOT_SET_HERE_X");
     kscore_with(NULL, NULL, unset2, &o);
     ck_assert_int_eq(o.status, 2);
     ck_assert_ptr_nonnull(strstr(o.err, "not set"));
     fixture_out_release(&o);
-    const char *both[] = {"exec", "--agent", AGENT, "--env", "T=1",
-                          "--secret-env", "T", "--", "true", NULL};
+    const char *both[] = {"exec",         "--agent", AGENT, "--env", "T=1",
+                          "--secret-env", "T",       "--",  "true",  NULL};
     kscore_with("T", "2", both, &o);
     ck_assert_int_eq(o.status, 2);
     fixture_out_release(&o);
-    const char *unknown[] = {"exec", "--agent", "nobody-here",
-                             "--secret-env", "T", "--", "true", NULL};
+    const char *unknown[] = {"exec", "--agent", "nobody-here", "--secret-env",
+                             "T",    "--",      "true",        NULL};
     kscore_with("T", "2", unknown, &o);
     ck_assert_int_eq(o.status, 125);
     ck_assert_ptr_nonnull(strstr(o.err, "unknown agent"));
@@ -878,8 +878,8 @@ expect_refused(Ks__ExecuteReply *rep, const char *marker, const char *what)
                   "%s: status %s", what,
                   kproto_status_name(rep->result->status));
     ck_assert_str_eq(rep->result->start_stage, "secret");
-    ck_assert_msg(strstr(rep->result->reason, "TOKEN"), "%s: reason %s",
-                  what, rep->result->reason);
+    ck_assert_msg(strstr(rep->result->reason, "TOKEN"), "%s: reason %s", what,
+                  rep->result->reason);
     ck_assert_msg(!exists(marker), "%s: the command ran", what);
     ks__execute_reply__free_unpacked(rep, NULL);
 }
@@ -900,9 +900,8 @@ START_TEST(changed_or_misused_boxes_are_refused)
     /* Control: made right by hand, it runs. */
     fresh_id(id);
     snprintf(marker, sizeof(marker), "%s/ok-%s", tmpdir, id);
-    ck_assert_int_eq(evt_seal_env(pub, AGENT, OPERATOR, "TOKEN", "v", &box,
-                                  &len),
-                     0);
+    ck_assert_int_eq(
+        evt_seal_env(pub, AGENT, OPERATOR, "TOKEN", "v", &box, &len), 0);
     rep = crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box, len);
     ck_assert_msg(rep->error_code == 0, "%s", rep->error);
     ck_assert_int_eq(rep->result->status, KS__COMMAND_STATUS__SUCCEEDED);
@@ -916,8 +915,7 @@ START_TEST(changed_or_misused_boxes_are_refused)
         fresh_id(id);
         snprintf(marker, sizeof(marker), "%s/t-%s", tmpdir, id);
         box[at[i]] ^= 0x20;
-        expect_refused(crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box,
-                                    len),
+        expect_refused(crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box, len),
                        marker, what[i]);
         box[at[i]] ^= 0x20;
     }
@@ -925,27 +923,24 @@ START_TEST(changed_or_misused_boxes_are_refused)
 
     /* Sealed for another operator's command (a box copied out of the
      * record into one's own command). */
-    ck_assert_int_eq(evt_seal_env(pub, AGENT, "mallory", "TOKEN", "v", &box,
-                                  &len),
-                     0);
+    ck_assert_int_eq(
+        evt_seal_env(pub, AGENT, "mallory", "TOKEN", "v", &box, &len), 0);
     fresh_id(id);
     snprintf(marker, sizeof(marker), "%s/op-%s", tmpdir, id);
     expect_refused(crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box, len),
                    marker, "another operator");
     free(box);
     /* Sealed as another variable. */
-    ck_assert_int_eq(evt_seal_env(pub, AGENT, OPERATOR, "OTHER", "v", &box,
-                                  &len),
-                     0);
+    ck_assert_int_eq(
+        evt_seal_env(pub, AGENT, OPERATOR, "OTHER", "v", &box, &len), 0);
     fresh_id(id);
     snprintf(marker, sizeof(marker), "%s/name-%s", tmpdir, id);
     expect_refused(crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box, len),
                    marker, "another name");
     free(box);
     /* Sealed to another agent's key, labelled as this agent's. */
-    ck_assert_int_eq(evt_seal_env(local_pub, AGENT, OPERATOR, "TOKEN", "v",
-                                  &box, &len),
-                     0);
+    ck_assert_int_eq(
+        evt_seal_env(local_pub, AGENT, OPERATOR, "TOKEN", "v", &box, &len), 0);
     fresh_id(id);
     snprintf(marker, sizeof(marker), "%s/key-%s", tmpdir, id);
     expect_refused(crafted_exec(c, marker, AGENT, AGENT, "TOKEN", box, len),
@@ -1005,8 +1000,14 @@ batch_with_secret(const char *const targets[], const char *value,
     args[n++] = "batch";
     for (size_t i = 0; targets[i]; i++)
         args[n++] = targets[i];
-    const char *rest[] = {"--json", "--secret-env", "TOKEN", "--", "sh",
-                          "-c", "printf %s \"$TOKEN\" | sha256sum", NULL};
+    const char *rest[] = {"--json",
+                          "--secret-env",
+                          "TOKEN",
+                          "--",
+                          "sh",
+                          "-c",
+                          "printf %s \"$TOKEN\" | sha256sum",
+                          NULL};
     for (size_t i = 0; rest[i]; i++)
         args[n++] = rest[i];
     args[n] = NULL;
@@ -1035,9 +1036,8 @@ batch_with_secret(const char *const targets[], const char *value,
             struct cmd_check cc = {.agent_id = agent};
             snprintf(stream, sizeof(stream), "command-%s",
                      json_string_value(json_object_get(j, "command_id")));
-            ck_assert_int_eq(store_read_stream(st, stream, 0, 0,
-                                               check_requested, &cc),
-                             0);
+            ck_assert_int_eq(
+                store_read_stream(st, stream, 0, 0, check_requested, &cc), 0);
             ck_assert_int_eq(cc.requested, 1);
             ck_assert_int_eq(cc.sealed_own, 1);
             ck_assert_int_eq(cc.sealed_other, 0);
@@ -1091,9 +1091,8 @@ START_TEST(seal_key_survives_a_restart)
     snprintf(path, sizeof(path), "%s/agent-%s/seal.key", stack.dir, AGENT);
     ck_assert_int_eq(stat(path, &st), 0);
     ck_assert_int_eq(st.st_mode & 0777, 0600);
-    ck_assert_int_eq(evt_seal_env(before, AGENT, OPERATOR, "TOKEN", "v",
-                                  &box, &len),
-                     0);
+    ck_assert_int_eq(
+        evt_seal_env(before, AGENT, OPERATOR, "TOKEN", "v", &box, &len), 0);
     fixture_stack_agent_kill(&stack, SIGTERM);
     ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
     agent_key(c, AGENT, after);
