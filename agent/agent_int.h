@@ -80,6 +80,8 @@ struct agent {
     size_t seen_next;
     const struct evt_verifier *trust;
     struct evt_verifier *own_trust; /* from opts->trust_keys */
+    struct evt_seal_key *seal_key;  /* secret.c: opens SealedEnv */
+    uint8_t seal_pub[EVT_SEAL_KEY_BYTES]; /* AgentInfo.seal_key */
     pthread_cond_t out_cond;
     struct outbox_item *out_head, **out_tail;
     size_t in_flight; /* submitted, result not yet queued */
@@ -107,6 +109,38 @@ int agent__queue_event(struct agent *a, const Ks__Event *ev);
 /* Publishes an ack payload ("+ACK", "-NAK", "+WPI", "+TERM") to a held
  * message's ack subject. */
 void agent__ack(struct agent *a, const char *ack_subject, const char *what);
+
+/*
+ * secret.c: the agent's X25519 key and the command's secret variables
+ * (`kscore exec --secret-env`, events.h "sealed values").
+ *
+ * agent__secret_init: the key in <state_dir>/seal.key (made on the first
+ * start, mode 0600); without a state dir a new key for this process run
+ * (what was sealed to the previous run's key cannot be opened: those
+ * commands end StartFailed). Sets a->seal_key, a->seal_pub. 0, or an
+ * error with *errmsg (malloc'd).
+ */
+int agent__secret_init(struct agent *a, char **errmsg);
+void agent__secret_release(struct agent *a);
+
+/* The values of one command's secret variables; wiped when freed. */
+struct agent_secrets;
+
+/*
+ * Opens cmd's sealed variables (cmd->spec->sealed_env: each sealed to
+ * agent_id, in a command of cmd->operator_) into env[*env_len] onwards
+ * (room for n_sealed_env more) and advances *env_len; the values live in
+ * *out until agent__secrets_free. Before the spawn, on the thread that
+ * spawns. 0, or -EBADMSG with why (why_len bytes, names the variable) when
+ * one cannot be opened (another agent's, another key's, or changed): the
+ * command must not run. -ENOMEM.
+ */
+int agent__secrets_open(struct agent *a, const char *agent_id,
+                        const Ks__Command *cmd, struct exec_env *env,
+                        size_t *env_len, struct agent_secrets **out,
+                        char *why, size_t why_len);
+/* Wipes and frees the values. Accepts NULL. */
+void agent__secrets_free(struct agent_secrets *s);
 
 /*
  * journal.c: <state_dir>/running/<command_id>, one file per held message.

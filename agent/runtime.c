@@ -614,7 +614,8 @@ start_job(struct job_ctx *j)
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
     const char *stage = NULL;
-    char claim_id[37];
+    char claim_id[37], secret_why[256] = "";
+    struct agent_secrets *secrets = NULL;
     uint64_t job_id = 0;
     int rc;
 
@@ -635,7 +636,8 @@ start_job(struct job_ctx *j)
         goto out;
     }
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
-    env = calloc(cmd->spec->n_env + 2, sizeof(*env));
+    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + 2,
+                 sizeof(*env));
     if (!argv || !env) {
         agent__journal_remove(a, j->command_id);
         job_release(j, "-NAK");
@@ -666,12 +668,20 @@ start_job(struct job_ctx *j)
                                 : EXEC_OUTPUT_CAP_MAX;
 
     ks_uuid(claim_id);
-    rc = exec_precheck(&spec, &stage);
+    /* Secret variables (secret.c): a command whose values cannot be
+     * opened never runs, and ends StartFailed through the claim. */
+    rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
+                             secret_why, sizeof(secret_why));
+    if (rc == 0)
+        rc = exec_precheck(&spec, &stage);
+    else
+        stage = "secret";
     if (rc) {
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
         r.status = KS__COMMAND_STATUS__START_FAILED;
         r.start_stage = (char *)stage;
         r.start_errno = -rc;
+        r.reason = secret_why;
         r.started_at_us = r.finished_at_us = ks_now_us();
         r.term_sent_us = r.kill_sent_us = -1;
         rc = claim(a, slot, cmd, &r, claim_id);
@@ -738,6 +748,7 @@ start_job(struct job_ctx *j)
         job_done(0, &x, j);
     }
 out:
+    agent__secrets_free(secrets); /* exec_submit copied what it keeps */
     free(argv);
     free(env);
     ks__command__free_unpacked(cmd, NULL);
@@ -938,6 +949,8 @@ heartbeat_once(struct agent *a)
     info.max_concurrent = a->max_concurrent;
     info.heartbeat_at_us = ks_now_us();
     info.pid = (int32_t)getpid();
+    info.seal_key.data = a->seal_pub;
+    info.seal_key.len = sizeof(a->seal_pub);
     for (size_t i = 0; i < a->n_slots; i++) {
         info.agent_id = a->slots[i].id;
         if (evt_agent_put(a->nc, a->kv, &info) == 0)
@@ -1146,6 +1159,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         snprintf(dir, sizeof(dir), "%s/running", opts->state_dir);
         mkdir(dir, 0700);
     }
+    if ((rc = agent__secret_init(a, errmsg)))
+        goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
         rc = -ENOMEM;
@@ -1364,6 +1379,7 @@ agent_stop(struct agent *a)
     ks_map_clear(&a->seen);
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
+    agent__secret_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->hb_mu);
     pthread_cond_destroy(&a->out_cond);

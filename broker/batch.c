@@ -310,6 +310,7 @@ struct slot {
     char id[37];
     char stream[64];
     Ks__Command cmd;
+    Ks__CommandSpec tspec; /* the batch's spec, this target's secrets */
     Ks__CommandResult res;
     Ks__BatchCounts counts;
     Ks__BatchSpec spec;
@@ -400,7 +401,8 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     cmd->command_id = t->command_id;
     cmd->attempt = 1;
     cmd->agent_id = t->agent_id;
-    cmd->spec = bt->req->spec;
+    broker__spec_for_agent(bt->req->spec, t->agent_id, &a->tspec);
+    cmd->spec = &a->tspec;
     cmd->issued_at_us = ks_now_us();
     cmd->not_after_us = cmd->issued_at_us + (int64_t)deliver_ms * 1000;
     cmd->dispatch_version = 2;
@@ -430,7 +432,8 @@ cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
     ks__command__init(&a->cmd);
     a->cmd.command_id = t->command_id;
     a->cmd.agent_id = t->agent_id;
-    a->cmd.spec = bt->req->spec;
+    broker__spec_for_agent(bt->req->spec, t->agent_id, &a->tspec);
+    a->cmd.spec = &a->tspec;
     a->cmd.issued_at_us = ks_now_us();
     a->cmd.batch_id = bt->id;
     a->cmd.operator_ = bt->operator_name;
@@ -1658,6 +1661,13 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                 goto out;
             }
         }
+    }
+    /* Secret variables: sealed to every target (extra ones are left
+     * out of each target's command). */
+    if (r.n && (rc = broker__check_sealed_targets(req->spec, r.ids, r.n,
+                                                  false, why, sizeof(why)))) {
+        reply_batch_error(b, msg, rc, why);
+        goto out;
     }
     if (r.n == 0) {
         reply_batch_error(b, msg, KS_ENOAGENT,

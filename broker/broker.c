@@ -365,6 +365,12 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             req->agent_id);
         goto out;
     }
+    /* Secret variables: sealed to this agent, and to it only. */
+    if ((rc = broker__check_sealed_targets(req->spec, &req->agent_id, 1,
+                                           true, why, sizeof(why)))) {
+        reply_execute_error(b, msg, rc, "%s", why);
+        goto out;
+    }
 
     if (req->idempotency_key[0]) {
         rc = store_command_by_key(st, req->idempotency_key, command_id);

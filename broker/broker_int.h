@@ -165,6 +165,23 @@ int broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *d,
  * that identity may read (deploy/nats-auth.conf.in). */
 bool broker__inbox_of(const char *subject, const char *identity);
 
+/*
+ * Secret variables (validate.c; the per-field and ordering rules are in
+ * broker_check_request): every target in agent_ids has its values in
+ * sp->sealed_env, and with exact nothing else is there. 0 or KS_EINVAL
+ * with why.
+ */
+int broker__check_sealed_targets(const Ks__CommandSpec *sp,
+                                 char *const *agent_ids, size_t n_agents,
+                                 bool exact, char *why, size_t len);
+/*
+ * *out = *sp with sealed_env narrowed to agent_id's values (borrowed from
+ * sp, which must have passed broker_check_request): what a target's
+ * Command carries.
+ */
+void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
+                            Ks__CommandSpec *out);
+
 /* Checks a command spec; KS_EINVAL with one line in why. */
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);

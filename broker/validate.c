@@ -30,6 +30,7 @@ enum rule_kind {
     R_ID,         /* a command id or batch-<uuid> */
     R_STREAM_ID,  /* "" or <category>-<id> of printable ASCII */
     R_INBOX,      /* "" or "_INBOX.<identity>." + subject tokens */
+    R_BLOB,       /* bytes: length in [lo, hi] */
 };
 
 struct rule {
@@ -62,8 +63,18 @@ static const struct rule rules[] = {
      "at most the output cap maximum"},
     {"CommandSpec", "stderr_cap_bytes", R_RANGE, 0, EXEC_OUTPUT_CAP_MAX,
      "at most the output cap maximum"},
+    {"CommandSpec", "sealed_env", R_COUNT, 0, 100000,
+     "at most 100000 sealed values (each variable once per target)"},
     {"EnvVar", "name", R_BYTES, 1, 256, "1 to 256 bytes"},
     {"EnvVar", "value", R_BYTES, 0, 131072, "at most 128 KiB"},
+    {"SealedEnv", "name", R_BYTES, 1, 256, "1 to 256 bytes"},
+    {"SealedEnv", "name", R_ENV_NAME, 0, 0,
+     "a POSIX name (letters, digits, _; not a digit first), not KSCORE_*"},
+    {"SealedEnv", "agent_id", R_AGENT_ID, 0, 0,
+     "1-128 letters, digits, _ and -"},
+    {"SealedEnv", "sealed", R_BLOB, EVT_SEAL_OVERHEAD,
+     EVT_SEAL_ENV_VALUE_MAX + EVT_SEAL_OVERHEAD,
+     "a sealed box (events/seal.c) of a value of at most 128 KiB"},
     {"BatchRequest", "agents", R_COUNT, 0, 100000,
      "at most 100000 agents"},
     {"BatchRequest", "agents", R_AGENT_ID, 0, 0,
@@ -189,11 +200,101 @@ check_string(const struct rule *r, const char *v, const char *identity,
     return KS_EINVAL;
 }
 
+/* Order of sealed values: by agent id, then name. */
+static int
+sealed_cmp(const Ks__SealedEnv *a, const Ks__SealedEnv *b)
+{
+    int c = strcmp(a->agent_id, b->agent_id);
+    return c ? c : strcmp(a->name, b->name);
+}
+
+/*
+ * CommandSpec.sealed_env as a whole: sorted by agent id, then name, each
+ * name once per agent (so a target's values are one run, found by binary
+ * search: broker__spec_for_agent); every agent has the same names; none
+ * is also a plain env name; env + sealed names at most 1024 per agent.
+ */
+static int
+check_sealed(const Ks__CommandSpec *sp, const char *path, char *why,
+             size_t len)
+{
+    size_t first_run = 0; /* length of the first agent's run, once known */
+    size_t run_start = 0;
+    size_t n = sp->n_sealed_env;
+
+    for (size_t i = 0; i < n; i++) {
+        const Ks__SealedEnv *e = sp->sealed_env[i];
+        if (i > 0 && sealed_cmp(sp->sealed_env[i - 1], e) >= 0) {
+            snprintf(why, len,
+                     "%s.sealed_env[%zu]: not allowed: sorted by agent id, "
+                     "then name, each name once per agent",
+                     path, i);
+            return KS_EINVAL;
+        }
+        if (i > 0 &&
+            strcmp(sp->sealed_env[i - 1]->agent_id, e->agent_id) != 0) {
+            if (first_run == 0)
+                first_run = i;
+            else if (i - run_start != first_run)
+                goto lacks;
+            run_start = i;
+        }
+        if (first_run == 0) {
+            /* The first agent's names (the others repeat them). */
+            for (size_t k = 0; k < sp->n_env; k++)
+                if (strcmp(sp->env[k]->name, e->name) == 0) {
+                    snprintf(why, len,
+                             "%s.sealed_env[%zu]: '%.64s' is not allowed: "
+                             "it is also a plain env variable",
+                             path, i, e->name);
+                    return KS_EINVAL;
+                }
+            if (sp->n_env + i + 1 > 1024) {
+                snprintf(why, len,
+                         "%s.sealed_env: not allowed: at most 1024 "
+                         "variables (env and secret) per command",
+                         path);
+                return KS_EINVAL;
+            }
+            continue;
+        }
+        size_t at = i - run_start;
+        if (at >= first_run ||
+            strcmp(sp->sealed_env[at]->name, e->name) != 0) {
+            snprintf(why, len,
+                     "%s.sealed_env[%zu]: '%.64s' for agent '%.64s' is not "
+                     "allowed: every agent gets the same secret variables",
+                     path, i, e->name, e->agent_id);
+            return KS_EINVAL;
+        }
+    }
+    if (first_run && n - run_start != first_run)
+        goto lacks;
+    return 0;
+lacks:
+    snprintf(why, len,
+             "%s.sealed_env: not allowed: every agent gets the same secret "
+             "variables (one lacks some)",
+             path);
+    return KS_EINVAL;
+}
+
 /* Rules across fields of one message. */
 static int
 check_whole(const ProtobufCMessage *m, const char *path, char *why,
             size_t len)
 {
+    if (m->descriptor == &ks__command_spec__descriptor)
+        return check_sealed((const Ks__CommandSpec *)m, path, why, len);
+    if (m->descriptor == &ks__sealed_env__descriptor) {
+        const Ks__SealedEnv *e = (const Ks__SealedEnv *)m;
+        if (e->sealed.len && e->sealed.data[0] != EVT_SEAL_VERSION) {
+            snprintf(why, len, "%s.sealed: version %u is not allowed: "
+                     "version %d (events/seal.c)", path,
+                     e->sealed.data[0], EVT_SEAL_VERSION);
+            return KS_EINVAL;
+        }
+    }
     if (m->descriptor == &ks__amount__descriptor) {
         const Ks__Amount *a = (const Ks__Amount *)m;
         if (a->percent && a->value > 100) {
@@ -257,6 +358,8 @@ walk(const ProtobufCMessage *m, const char *identity, char *path,
                                j * (f->type == PROTOBUF_C_TYPE_STRING ||
                                             f->type == PROTOBUF_C_TYPE_MESSAGE
                                         ? sizeof(void *)
+                                    : f->type == PROTOBUF_C_TYPE_BYTES
+                                        ? sizeof(ProtobufCBinaryData)
                                     : f->type == PROTOBUF_C_TYPE_UINT64 ||
                                             f->type == PROTOBUF_C_TYPE_INT64
                                         ? 8
@@ -313,6 +416,17 @@ walk(const ProtobufCMessage *m, const char *identity, char *path,
                     }
                 break;
             }
+            case PROTOBUF_C_TYPE_BYTES: {
+                const ProtobufCBinaryData *bd = elem;
+                for (size_t k = 0; k < nmine; k++)
+                    if (mine[k]->kind == R_BLOB &&
+                        (bd->len < mine[k]->lo || bd->len > mine[k]->hi)) {
+                        snprintf(why, len, "%s: %zu bytes: %s", ewhere,
+                                 bd->len, mine[k]->says);
+                        return KS_EINVAL;
+                    }
+                break;
+            }
             case PROTOBUF_C_TYPE_MESSAGE: {
                 const ProtobufCMessage *sub =
                     *(const ProtobufCMessage *const *)elem;
@@ -338,4 +452,77 @@ broker_check_request(const ProtobufCMessage *m, const char *identity,
     snprintf(path, sizeof(path), "%s", m->descriptor->short_name);
     return walk(m, identity ? identity : "", path, strlen(path),
                 sizeof(path), why, len, 0);
+}
+
+/* The run of agent_id's values in a sorted sealed_env: *first, *n. */
+static void
+sealed_run(const Ks__CommandSpec *sp, const char *agent_id, size_t *first,
+           size_t *n)
+{
+    size_t lo = 0, hi = sp->n_sealed_env;
+    while (lo < hi) { /* first entry with agent_id >= agent_id */
+        size_t mid = lo + (hi - lo) / 2;
+        if (strcmp(sp->sealed_env[mid]->agent_id, agent_id) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *first = lo;
+    while (hi < sp->n_sealed_env &&
+           strcmp(sp->sealed_env[hi]->agent_id, agent_id) == 0)
+        hi++;
+    *n = hi - lo;
+}
+
+int
+broker__check_sealed_targets(const Ks__CommandSpec *sp,
+                             char *const *agent_ids, size_t n_agents,
+                             bool exact, char *why, size_t len)
+{
+    size_t covered = 0, first, n;
+
+    if (!sp || sp->n_sealed_env == 0)
+        return 0;
+    for (size_t i = 0; i < n_agents; i++) {
+        sealed_run(sp, agent_ids[i], &first, &n);
+        if (n == 0 && !(exact && n_agents == 1)) {
+            snprintf(why, len,
+                     "no secret values sealed to target agent '%.128s': "
+                     "every target needs its own (kscore --secret-env "
+                     "seals them; try again if the agent has just joined)",
+                     agent_ids[i]);
+            return KS_EINVAL;
+        }
+        covered += n;
+    }
+    if (exact && covered != sp->n_sealed_env) {
+        const char *other = "";
+        for (size_t i = 0; i < sp->n_sealed_env && !other[0]; i++) {
+            bool target = false;
+            for (size_t k = 0; k < n_agents && !target; k++)
+                target = strcmp(sp->sealed_env[i]->agent_id,
+                                agent_ids[k]) == 0;
+            if (!target)
+                other = sp->sealed_env[i]->agent_id;
+        }
+        snprintf(why, len,
+                 "secret values sealed to another agent ('%.128s') than "
+                 "the target: not allowed",
+                 other);
+        return KS_EINVAL;
+    }
+    return 0;
+}
+
+void
+broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
+                       Ks__CommandSpec *out)
+{
+    size_t first = 0, n = 0;
+
+    *out = *sp;
+    if (sp->n_sealed_env)
+        sealed_run(sp, agent_id, &first, &n);
+    out->sealed_env = n ? sp->sealed_env + first : NULL;
+    out->n_sealed_env = n;
 }

@@ -92,6 +92,33 @@ int cli_spec_opt(struct cli_spec *cs, int opt, char *arg);
 int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
                   const char *name);
 
+/*
+ * --secret-env NAME (cli/cmd_secret.c): NAME's value in this process's
+ * environment, sealed to each target agent's key before the request goes
+ * out. cli_secret_opt takes one flag (1, or -1 after printing why: a bad
+ * or repeated name, not set, too long). cli_secrets_seal lists the
+ * agents, seals every name to each target (agents, plus for select / all
+ * every listed agent that matches) and points spec->sealed_env at the
+ * result (owned by s); 0, or -1 after printing why. Nothing to do without
+ * names.
+ */
+/* What get / events show for a secret variable's value. */
+#define CLI_SECRET_SHOWN "<secret>"
+struct cli_secrets {
+    const char **names; /* borrowed from argv */
+    size_t n_names, cap;
+    Ks__SealedEnv *items, **ptrs;
+    size_t n_items;
+};
+int cli_secret_opt(struct cli_secrets *s, const char *name);
+/* After parsing: no name is also an --env name. 0, or -1 after printing. */
+int cli_secrets_check(const struct cli_secrets *s, const Ks__CommandSpec *spec);
+int cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
+                     char *const *agents, size_t n_agents,
+                     Ks__EnvVar *const *select, size_t n_select, bool all,
+                     Ks__CommandSpec *spec);
+void cli_secrets_release(struct cli_secrets *s);
+
 /* Takes one of the CLI_CONN_LONGOPTS; 1 if opt was one, else 0. */
 int cli_conn_opt(struct cli_conn *cc, int opt, const char *arg);
 /* Fills unset fields from the environment (KSCORE_NATS_*). */

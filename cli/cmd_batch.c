@@ -25,6 +25,8 @@ static const char batch_usage[] =
     "  --strict-errors         never more failures than --max-errors\n"
     "Command:\n"
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
+    "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
+    "                          each target's own key (repeatable)\n"
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
@@ -489,6 +491,7 @@ cmd_batch(int argc, char **argv)
         {"max-errors", required_argument, 0, 'E'},
         {"strict-errors", no_argument, 0, 'S'},
         CLI_SPEC_LONGOPTS,
+        {"secret-env", required_argument, 0, 'X'},
         {"json", no_argument, 0, 'j'},
         {"detach", no_argument, 0, 'D'},
         CLI_CONN_LONGOPTS,
@@ -501,6 +504,7 @@ cmd_batch(int argc, char **argv)
     char **agents = calloc(cap, sizeof(*agents));
     Ks__EnvVar *sel = calloc(cap, sizeof(*sel)), **selp = calloc(cap, sizeof(*selp));
     struct cli_conn cc = {0};
+    struct cli_secrets sec = {0};
     struct evt_conn *c = NULL;
     natsSubscription *psub = NULL;
     Ks__BatchReply *rep = NULL;
@@ -547,6 +551,10 @@ cmd_batch(int argc, char **argv)
         case 'A':
             req.all = 1;
             break;
+        case 'X':
+            if (cli_secret_opt(&sec, optarg) < 0)
+                goto out;
+            break;
         case 'c':
             if (parse_amount(optarg, &conc) || conc.value == 0) {
                 cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)",
@@ -582,7 +590,8 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0)
+    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
+        cli_secrets_check(&sec, &cs.spec) != 0)
         goto out;
     if (!req.n_agents && !req.n_select && !req.all) {
         cli_err("no targets: give --agents A,B, --select K=V or --all");
@@ -595,6 +604,12 @@ cmd_batch(int argc, char **argv)
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
+    /* Each target's value sealed to its own key (cli/cmd_secret.c). */
+    if (cli_secrets_seal(&sec, c, req.agents, req.n_agents, req.select,
+                         req.n_select, req.all, &cs.spec)) {
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
     st.tty = isatty(2);
     st.start_us = ks_mono_us();
     if (!req.detach) {
@@ -652,7 +667,14 @@ cmd_batch(int argc, char **argv)
      * record (core NATS progress is best effort). */
     natsConnection_Flush(c->nc);
     if (psub) {
-        natsSubscription_Unsubscribe(psub);
+        /* Drain, not unsubscribe: a progress callback still running (its
+         * message came in just before the reply) would print its target
+         * while the loop below, not finding it yet, prints it again.
+         * Once drained no callback runs and st.results is complete. */
+        if (natsSubscription_DrainTimeout(psub, 2000) == NATS_OK)
+            natsSubscription_WaitForDrainCompletion(psub, 3000);
+        else
+            natsSubscription_Unsubscribe(psub);
         natsSubscription_Destroy(psub);
         psub = NULL;
     }
@@ -714,6 +736,7 @@ out:
     free(agents);
     free(sel);
     free(selp);
+    cli_secrets_release(&sec);
     cli_spec_release(&cs);
     cli_conn_release(&cc);
     return rc;

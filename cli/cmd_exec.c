@@ -152,6 +152,24 @@ cli_event_json(const Ks__RecordedEvent *rec)
                                 json_string(sp->env[i]->value));
         json_object_set_new(o, "argv", argv);
         json_object_set_new(o, "env", env);
+        if (sp->n_sealed_env) {
+            /* Redacted: the name, never the ciphertext (harmless, but
+             * noise), only its size. */
+            json_t *sec = json_array();
+            for (size_t i = 0; i < sp->n_sealed_env; i++) {
+                const Ks__SealedEnv *se = sp->sealed_env[i];
+                json_t *x = json_object();
+                json_object_set_new(env, se->name,
+                                    json_string(CLI_SECRET_SHOWN));
+                json_object_set_new(x, "name", json_string(se->name));
+                json_object_set_new(x, "agent_id",
+                                    json_string(se->agent_id));
+                json_object_set_new(x, "sealed_bytes",
+                                    json_integer((json_int_t)se->sealed.len));
+                json_array_append_new(sec, x);
+            }
+            json_object_set_new(o, "secret_env", sec);
+        }
         json_object_set_new(o, "cwd", json_string(sp->cwd));
         json_object_set_new(o, "timeout_ms", json_integer(sp->timeout_ms));
         json_object_set_new(o, "grace_ms", json_integer(sp->grace_ms));
@@ -202,6 +220,9 @@ static const char exec_usage[] =
     "none)\n"
     "  --grace D           SIGKILL D after the SIGTERM (default 5s)\n"
     "  --env K=V           add to the command's environment (repeatable)\n"
+    "  --secret-env NAME   pass $NAME from your environment, sealed to the\n"
+    "                      agent's key: the broker, the record and the logs\n"
+    "                      never see it (repeatable)\n"
     "  --cwd DIR           working directory (default /)\n"
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
     "  --idempotency-key K a repeat with the same key returns the first "
@@ -216,6 +237,7 @@ cmd_exec(int argc, char **argv)
     static const struct option lo[] = {
         {"agent", required_argument, 0, 'a'},
         CLI_SPEC_LONGOPTS,
+        {"secret-env", required_argument, 0, 'X'},
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
         {"json", no_argument, 0, 'j'},
@@ -226,6 +248,7 @@ cmd_exec(int argc, char **argv)
     struct cli_spec cs = {0};
     Ks__CommandSpec *sp = &cs.spec;
     struct cli_conn cc = {0};
+    struct cli_secrets sec = {0};
     struct evt_conn *c = NULL;
     Ks__ExecuteReply *rep = NULL;
     char *agent_from_env = NULL;
@@ -245,6 +268,10 @@ cmd_exec(int argc, char **argv)
         switch (opt) {
         case 'a':
             agent = optarg;
+            break;
+        case 'X':
+            if (cli_secret_opt(&sec, optarg) < 0)
+                goto out;
             break;
         case 'k':
             req.idempotency_key = optarg;
@@ -266,7 +293,8 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0)
+    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0 ||
+        cli_secrets_check(&sec, sp) != 0)
         goto out;
     req.deliver_within_ms = cs.deliver_within_ms;
     if (!agent) {
@@ -285,6 +313,10 @@ cmd_exec(int argc, char **argv)
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
+    if (cli_secrets_seal(&sec, c, &req.agent_id, 1, NULL, 0, false, sp)) {
+        rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
     rc = broker_execute(c, &req, broker_execute_wait_ms(&req), &rep);
     if (rc) {
         if (natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
@@ -345,7 +377,12 @@ cmd_exec(int argc, char **argv)
                     (unsigned long long)r->stderr->data.len,
                     (unsigned long long)r->stderr->total_bytes);
         if (r->status == KS__COMMAND_STATUS__START_FAILED &&
-            strcmp(r->start_stage, "chdir") == 0)
+            strcmp(r->start_stage, "secret") == 0)
+            cli_err("cannot start %s: %s", sp->argv[0],
+                    r->reason[0] ? r->reason
+                                 : "a secret variable cannot be opened");
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 strcmp(r->start_stage, "chdir") == 0)
             cli_err("cannot start %s: cannot chdir to '%s': %s", sp->argv[0],
                     sp->cwd && sp->cwd[0] ? sp->cwd : "/",
                     strerror(r->start_errno));
@@ -367,6 +404,7 @@ out:
         ks__execute_reply__free_unpacked(rep, NULL);
     evt_close(c);
     free(agent_from_env);
+    cli_secrets_release(&sec);
     cli_spec_release(&cs);
     cli_conn_release(&cc);
     return rc;
@@ -418,6 +456,42 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
     return id;
 }
 
+/*
+ * The command's environment as requested (its CommandRequested event: the
+ * commands projection keeps no env), secret variables redacted. NULL when
+ * it cannot be read (an older broker, a read the policy refuses).
+ */
+static json_t *
+requested_env(struct evt_conn *c, const char *command_id)
+{
+    Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    char stream[64];
+    json_t *env = NULL;
+
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    req.stream_id = stream;
+    req.limit = 1;
+    if (broker_call(c, EVT_API_EVENTS, &req.base,
+                    &ks__events_reply__descriptor, 5000,
+                    (ProtobufCMessage **)&rep) != 0)
+        return NULL;
+    if (!rep->error_code && rep->n_events == 1 && rep->events[0]->event &&
+        rep->events[0]->event->command &&
+        rep->events[0]->event->command->spec) {
+        const Ks__CommandSpec *sp = rep->events[0]->event->command->spec;
+        env = json_object();
+        for (size_t i = 0; i < sp->n_env; i++)
+            json_object_set_new(env, sp->env[i]->name,
+                                json_string(sp->env[i]->value));
+        for (size_t i = 0; i < sp->n_sealed_env; i++)
+            json_object_set_new(env, sp->sealed_env[i]->name,
+                                json_string(CLI_SECRET_SHOWN));
+    }
+    ks__events_reply__free_unpacked(rep, NULL);
+    return env;
+}
+
 int
 cmd_get(int argc, char **argv)
 {
@@ -465,6 +539,7 @@ cmd_get(int argc, char **argv)
         goto out;
     }
     const Ks__CommandView *v = rep->command;
+    json_t *env = requested_env(c, v->command_id);
     if (json) {
         json_t *o = cli_result_json(v->result);
         json_t *argvj = json_array();
@@ -475,6 +550,8 @@ cmd_get(int argc, char **argv)
         json_object_set_new(o, "status",
                             json_string(kproto_status_name(v->status)));
         json_object_set_new(o, "argv", argvj);
+        if (env)
+            json_object_set_new(o, "env", json_incref(env));
         json_object_set_new(o, "attempt", json_integer(v->attempt));
         json_object_set_new(o, "version", json_integer(v->version));
         json_object_set_new(o, "requested_at",
@@ -486,6 +563,13 @@ cmd_get(int argc, char **argv)
                v->command_id, v->agent_id, kproto_status_name(v->status));
         for (size_t i = 0; i < v->n_argv; i++)
             printf(" %s", v->argv[i]);
+        if (env && json_object_size(env)) {
+            const char *k;
+            json_t *val;
+            printf("\nenv      ");
+            json_object_foreach(env, k, val)
+                printf(" %s=%s", k, json_string_value(val));
+        }
         printf("\nrequested %s\n", cli_time(v->requested_at_us));
         if (r && r->has_exit_code)
             printf("exit code %d\n", r->exit_code);
@@ -511,6 +595,7 @@ cmd_get(int argc, char **argv)
             write_all(1, r->stderr->data.data, r->stderr->data.len);
         }
     }
+    json_decref(env);
     rc = 0;
 out:
     if (rep)
@@ -547,6 +632,10 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
         printf("  %s", kproto_status_name(e->event->result->status));
     if (e->event->reason[0] && strcmp(e->event->type, "CommandRequested") != 0)
         printf("  (%s)", e->event->reason);
+    if (e->event->command && e->event->command->spec)
+        for (size_t i = 0; i < e->event->command->spec->n_sealed_env; i++)
+            printf("  %s=%s", e->event->command->spec->sealed_env[i]->name,
+                   CLI_SECRET_SHOWN);
     printf("\n");
 }
 

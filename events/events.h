@@ -166,6 +166,109 @@ int evt_verify(const struct evt_verifier *v, const char *key_id,
                const void *data, size_t len, const uint8_t *sig,
                size_t sig_len);
 
+/* ---- sealed values (X25519, HKDF-SHA256, ChaCha20-Poly1305; seal.c) ------ */
+
+/*
+ * A sealed box: anyone with an agent's X25519 public key can seal a value
+ * that only the holder of the private key can open, and nobody can change
+ * it unnoticed. kscore uses it for `kscore exec --secret-env`: the CLI
+ * seals, the broker records and signs the ciphertext, the agent opens it
+ * just before the spawn. Every primitive is OpenSSL's (libcrypto 3).
+ *
+ * Format (EVT_SEAL_OVERHEAD bytes more than the value):
+ *   version   1 byte, EVT_SEAL_VERSION
+ *   epk       32 bytes, a fresh X25519 public key (one per seal)
+ *   nonce     12 bytes, random
+ *   ct        the value encrypted with ChaCha20 (RFC 8439), same length
+ *   tag       16 bytes, Poly1305 over (version || aad) and ct
+ * key = HKDF-SHA256 (RFC 5869) with IKM = X25519(esk, recipient) (RFC
+ * 7748), no salt, info = "kscore seal v1" || epk || recipient public key,
+ * 32 bytes. An all-zero shared secret (a low-order point) is refused.
+ *
+ * aad is bound to the box: opening with other aad fails. Callers put in
+ * it what the value is for (evt_seal_env: agent, operator, name), so a
+ * box cannot be moved to another use that the same key would open.
+ *
+ * Thread safety: a key is read-only once made; every function may be
+ * called from any thread.
+ */
+#define EVT_SEAL_VERSION 1
+#define EVT_SEAL_KEY_BYTES 32
+#define EVT_SEAL_OVERHEAD (1 + 32 + 12 + 16)
+/* Longest value evt_seal_env seals: as an env value (MAX_ARG_STRLEN). */
+#define EVT_SEAL_ENV_VALUE_MAX (128 * 1024)
+
+/* An X25519 private key (an agent's). */
+struct evt_seal_key;
+
+/* A new random key, in memory only. 0, -ENOMEM, KS_EINTERNAL. */
+int evt_seal_key_new(struct evt_seal_key **out);
+/*
+ * The key in path (PKCS#8 PEM), made first when the file does not exist
+ * (mode 0600, created beside it and linked into place, so two processes
+ * starting at once end with the same key). Refuses a file that group or
+ * others may read or write (KS_EINVAL, *errmsg says so: a private key),
+ * one that is not an X25519 key (KS_EINVAL), -errno. *errmsg (may be
+ * NULL) is malloc'd.
+ */
+int evt_seal_key_open(const char *path, struct evt_seal_key **out,
+                      char **errmsg);
+/* A key from its 32 raw bytes (RFC 7748; known-answer tests). */
+int evt_seal_key_from_raw(const uint8_t priv[EVT_SEAL_KEY_BYTES],
+                          struct evt_seal_key **out);
+/* Accepts NULL. */
+void evt_seal_key_free(struct evt_seal_key *k);
+/* The public half, to publish (AgentInfo.seal_key). */
+void evt_seal_key_public(const struct evt_seal_key *k,
+                         uint8_t pub[EVT_SEAL_KEY_BYTES]);
+
+/*
+ * Seals pt (pt_len bytes, at most KS_MAX_MESSAGE_BYTES) to the public key
+ * pub with aad (aad_len bytes, may be 0). On 0, *out (malloc'd) holds
+ * pt_len + EVT_SEAL_OVERHEAD bytes. KS_EINVAL (pub is not a usable X25519
+ * key), KS_ETOOBIG, -ENOMEM, KS_EINTERNAL.
+ */
+int evt_seal(const uint8_t pub[EVT_SEAL_KEY_BYTES], const void *aad,
+             size_t aad_len, const void *pt, size_t pt_len, uint8_t **out,
+             size_t *out_len);
+/*
+ * Opens a box sealed to k with the same aad. On 0, *out (free it with
+ * evt_seal_wipe_free, which clears it first) holds *out_len bytes and a
+ * NUL after them. KS_EREJECTED when it does not open: another key, other
+ * aad, a changed byte, a short or unknown-version box. -ENOMEM,
+ * KS_EINTERNAL.
+ */
+int evt_unseal(const struct evt_seal_key *k, const void *aad, size_t aad_len,
+               const void *box, size_t box_len, uint8_t **out,
+               size_t *out_len);
+/* Clears len bytes of p (OPENSSL_cleanse), then frees it. Accepts NULL. */
+void evt_seal_wipe_free(void *p, size_t len);
+
+/*
+ * A secret environment variable (SealedEnv): the value sealed to pub with
+ * aad = "kscore sealed env v1" then agent_id, operator and name, each as a
+ * 2-byte big-endian length and its bytes. So a box opens only for that
+ * agent id (one process serving several ids has one key), in a command of
+ * that operator (the broker records the operator from the NATS subject,
+ * which the operator cannot forge, and signs it into the command), as
+ * that name. It can still be replayed into another command of the same
+ * operator to the same agent under the same name: that operator had the
+ * value anyway. The CLI cannot bind the command id: the broker assigns it
+ * after the seal. value: a C string of at most EVT_SEAL_ENV_VALUE_MAX
+ * bytes. Returns as evt_seal, KS_EINVAL for a bad argument.
+ */
+int evt_seal_env(const uint8_t pub[EVT_SEAL_KEY_BYTES], const char *agent_id,
+                 const char *operator_name, const char *name,
+                 const char *value, uint8_t **out, size_t *out_len);
+/*
+ * Opens what evt_seal_env sealed. On 0, *value_out is the NUL-terminated
+ * value (evt_seal_wipe_free(v, strlen(v))). KS_EREJECTED as evt_unseal,
+ * and for a value with a NUL byte or longer than EVT_SEAL_ENV_VALUE_MAX.
+ */
+int evt_unseal_env(const struct evt_seal_key *k, const char *agent_id,
+                   const char *operator_name, const char *name,
+                   const void *box, size_t box_len, char **value_out);
+
 /*
  * Publishes a command to kscore.cmd.<agent_id> on KSCORE_CMDS as a
  * SignedCommand (signed by signer) with Nats-Msg-Id
