@@ -58,12 +58,12 @@ stack_down(void)
         fprintf(stderr, "cannot remove %s\n", tmpdir);
 }
 
+/* Connects with an NKey seed file of the stack's registry. */
 static struct evt_conn *
-connect_as(const char *user, const char *password)
+connect_as(const char *seed_file)
 {
     struct evt_connect_opts o = {.name = "sec-test",
-                                 .user = user,
-                                 .password = password,
+                                 .nkey_file = seed_file,
                                  .timeout_ms = 2000};
     struct evt_conn *c = NULL;
     ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
@@ -137,7 +137,7 @@ static const char *
 publish_and_reject(const uint8_t *buf, size_t len, const char *command_id)
 {
     static char reason[256];
-    struct evt_conn *c = connect_as("broker", stack.broker_pw);
+    struct evt_conn *c = connect_as(stack.broker_seed);
     jsPubAck *pa = NULL;
     char sql[256];
     char subject[64];
@@ -250,9 +250,9 @@ END_TEST
 
 START_TEST(operator_cannot_publish_commands)
 {
-    struct evt_conn *admin = connect_as("broker", stack.broker_pw);
+    struct evt_conn *admin = connect_as(stack.broker_seed);
     uint64_t before = cmds_in_stream(admin);
-    struct evt_conn *op = connect_as(OPERATOR, stack.operator_pw);
+    struct evt_conn *op = connect_as(stack.operator_seed);
     jsPubAck *pa = NULL;
     jsPubOptions po;
     jsPubOptions_Init(&po);
@@ -275,9 +275,7 @@ END_TEST
 
 START_TEST(agent_cannot_take_another_agents_commands)
 {
-    char user[64];
-    snprintf(user, sizeof(user), "agent-%s", AGENT);
-    struct evt_conn *c = connect_as(user, stack.agent_pw);
+    struct evt_conn *c = connect_as(stack.agent_seed);
     jsConsumerInfo *ci = NULL;
     jsConsumerConfig cc;
     jsOptions jo;
