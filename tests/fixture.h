@@ -141,6 +141,13 @@ struct fixture_out {
  */
 int fixture_kscore(const struct fixture_stack *s, const char *const args[],
                    struct fixture_out *out);
+/*
+ * As fixture_kscore, for the local stack of `kscore up` in home: runs with
+ * KSCORE_HOME=home and no KSCORE_NATS_* / KSCORE_AGENT / KSCORE_DB of the
+ * caller's, so home's env file decides.
+ */
+int fixture_kscore_home(const char *home, const char *const args[],
+                        struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
 
 #endif

@@ -415,9 +415,27 @@ append(char **buf, size_t *len, size_t *cap, const char *p, size_t n)
     return 0;
 }
 
+static int
+run_kscore(const struct fixture_stack *s, const char *home,
+           const char *const args[], struct fixture_out *out);
+
 int
 fixture_kscore(const struct fixture_stack *s, const char *const args[],
                struct fixture_out *out)
+{
+    return run_kscore(s, NULL, args, out);
+}
+
+int
+fixture_kscore_home(const char *home, const char *const args[],
+                    struct fixture_out *out)
+{
+    return run_kscore(NULL, home, args, out);
+}
+
+static int
+run_kscore(const struct fixture_stack *s, const char *home,
+           const char *const args[], struct fixture_out *out)
 {
     int po[2], pe[2];
     size_t n = 0, cap_o = 0, cap_e = 0;
@@ -447,7 +465,16 @@ fixture_kscore(const struct fixture_stack *s, const char *const args[],
         if (s && s->secure)
             setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
         /* never fall back to a developer's own local stack */
-        setenv("KSCORE_HOME", "/nonexistent-kscore-home", 1);
+        setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
+        if (home) {
+            /* the stack of home alone decides */
+            static const char *const vars[] = {
+                "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
+                "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
+                "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
+            for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+                unsetenv(vars[i]);
+        }
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }
