@@ -26,9 +26,10 @@ local_agent_id(char *buf, size_t len)
         snprintf(host, sizeof(host), "local");
     host[sizeof(host) - 1] = '\0';
     /* Agent ids are subject tokens: the host name up to its first dot, with
-     * anything outside [A-Za-z0-9_-] made '-'. */
+     * anything outside [A-Za-z0-9_-] made '-', short enough that its NATS
+     * identity "agent-<id>" is one (EVT_IDENTITY_MAX). */
     for (size_t i = 0; host[i] && host[i] != '.' && j + 1 < len &&
-                       j < EVT_AGENT_ID_MAX;
+                       j < EVT_IDENTITY_MAX - 6;
          i++) {
         char ch = host[i];
         int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
