@@ -38,8 +38,7 @@ apply(const char *home)
         return 0; /* not running: `kscore up` starts with these users */
     if (rc) {
         cli_err("nats-server did not reload its users: %s (see %s/nats.log)",
-                rc == KS_EINVAL ? "it refused the new config"
-                                : ks_strerror(rc),
+                rc == KS_EINVAL ? "it refused the new config" : ks_strerror(rc),
                 home);
         return CLI_EXIT_KSCORE;
     }

@@ -135,8 +135,8 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
                  strlen("# written by kscore from the identity registry "
                         "(deploy/nats-auth.conf.in); public keys only\n"));
         if (rc == 0)
-            rc = fill(&out, &olen, &ocap, t, (size_t)(frame_end - t) + 1,
-                      frame, 1);
+            rc = fill(&out, &olen, &ocap, t, (size_t)(frame_end - t) + 1, frame,
+                      1);
     }
     free(users);
     if (rc) {

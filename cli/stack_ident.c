@@ -76,8 +76,8 @@ name_fits(enum stack_kind kind, const char *name)
 }
 
 int
-stack_ident_seed_path(const char *home, enum stack_kind kind,
-                      const char *name, char *buf, size_t len)
+stack_ident_seed_path(const char *home, enum stack_kind kind, const char *name,
+                      char *buf, size_t len)
 {
     int n = snprintf(buf, len, "%s/%s/%s.nk", home,
                      kind == STACK_OPERATOR ? "operators" : "keys", name);
@@ -107,11 +107,10 @@ field(char *dst, size_t cap, const char *v)
 }
 
 int
-stack_ident_get(const char *home, const char *name,
-                struct stack_identity *out)
+stack_ident_get(const char *home, const char *name, struct stack_identity *out)
 {
     char path[4200], line[256], kind[32] = "", nm[EVT_IDENTITY_MAX + 2] = "",
-                                 key[EVT_NKEY_PUBLIC_CHARS + 2] = "";
+                                key[EVT_NKEY_PUBLIC_CHARS + 2] = "";
     struct stack_identity id = {0};
     uint8_t raw[32];
     FILE *f;
@@ -274,8 +273,7 @@ by_kind_name(const void *a, const void *b)
 }
 
 int
-stack_ident_list(const char *home, struct stack_identity **out,
-                 size_t *n_out)
+stack_ident_list(const char *home, struct stack_identity **out, size_t *n_out)
 {
     char dir[4200];
     struct stack_identity *ids = NULL;

@@ -244,7 +244,8 @@ evt_nkey_write_seed(const char *path, const char *identity,
      * (src/conn.c, _getJwtOrSeed); the comments name the identity for
      * kscore, which must put that name in the subjects it uses. */
     fprintf(f,
-            IDENTITY_LINE "%s\n"
+            IDENTITY_LINE
+            "%s\n"
             "# public key: %s\n"
             "# Whoever holds this file connects as %s: keep it private "
             "(0600).\n"
@@ -264,7 +265,7 @@ evt_nkey_read_seed(const char *path, char seed_out[EVT_NKEY_SEED_CHARS + 1],
                    char identity_out[EVT_IDENTITY_MAX + 1])
 {
     char line[256], seed[EVT_NKEY_SEED_CHARS + 1] = "",
-                    id[EVT_IDENTITY_MAX + 1] = "";
+                                               id[EVT_IDENTITY_MAX + 1] = "";
     FILE *f = fopen(path, "re");
     int rc;
 

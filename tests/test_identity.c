@@ -217,8 +217,8 @@ START_TEST(registry_keeps_keys_and_renders_public_keys_only)
     /* Names are subject tokens, and the kinds' names stay apart. */
     ck_assert_int_eq(stack_ident_add(home, STACK_OPERATOR, "broker", &again),
                      KS_EINVAL);
-    ck_assert_int_eq(
-        stack_ident_add(home, STACK_OPERATOR, "agent-h1", &again), KS_EINVAL);
+    ck_assert_int_eq(stack_ident_add(home, STACK_OPERATOR, "agent-h1", &again),
+                     KS_EINVAL);
     ck_assert_int_eq(stack_ident_add(home, STACK_OPERATOR, "a.b", &again),
                      KS_EINVAL);
     ck_assert_int_eq(stack_ident_add(home, STACK_OPERATOR, "a>", &again),
@@ -232,12 +232,10 @@ START_TEST(registry_keeps_keys_and_renders_public_keys_only)
                      KS_EINVAL);
 
     /* ensure keeps what is there: no new secret at every start. */
-    ck_assert_int_eq(stack_ident_ensure(home, STACK_OPERATOR, "alice",
-                                        &again),
+    ck_assert_int_eq(stack_ident_ensure(home, STACK_OPERATOR, "alice", &again),
                      0);
     ck_assert_str_eq(again.nkey, op.nkey);
-    stack_ident_seed_path(home, STACK_OPERATOR, "alice", seedp,
-                          sizeof(seedp));
+    stack_ident_seed_path(home, STACK_OPERATOR, "alice", seedp, sizeof(seedp));
     ck_assert_int_eq(mode_of(seedp), 0600);
 
     ck_assert_int_eq(stack_ident_list(home, &ids, &n), 0);
@@ -256,8 +254,7 @@ START_TEST(registry_keeps_keys_and_renders_public_keys_only)
     ck_assert_ptr_null(strstr(conf, "password"));
     /* No seed of anyone's. */
     const char *names[] = {"broker", "alice", "agent-h1"};
-    const enum stack_kind kinds[] = {STACK_BROKER, STACK_OPERATOR,
-                                     STACK_AGENT};
+    const enum stack_kind kinds[] = {STACK_BROKER, STACK_OPERATOR, STACK_AGENT};
     for (int i = 0; i < 3; i++) {
         char p[PATH_MAX + 64], seed[EVT_NKEY_SEED_CHARS + 1],
             pub[EVT_NKEY_PUBLIC_CHARS + 1], id[EVT_IDENTITY_MAX + 1];
@@ -271,8 +268,7 @@ START_TEST(registry_keeps_keys_and_renders_public_keys_only)
     /* Removed: gone from the registry, the config and the disk. */
     ck_assert_int_eq(stack_ident_remove(home, "alice"), 0);
     ck_assert_int_eq(stack_ident_get(home, "alice", &again), KS_ENOTFOUND);
-    stack_ident_seed_path(home, STACK_OPERATOR, "alice", seedp,
-                          sizeof(seedp));
+    stack_ident_seed_path(home, STACK_OPERATOR, "alice", seedp, sizeof(seedp));
     ck_assert_int_ne(access(seedp, F_OK), 0);
     ck_assert_int_eq(stack_nats_auth_write(home, home), 0);
     snprintf(seedp, sizeof(seedp), "%s/" STACK_NATS_AUTH_FILE, home);
@@ -389,27 +385,23 @@ START_TEST(up_add_exec_remove_and_up_again)
     free(s);
 
     /* The login's operator works without any flag (env file). */
-    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--", "echo", "hi",
-                                             NULL}),
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--", "echo", "hi", NULL}),
                      0);
     ck_assert_str_eq(o.out, "hi\n");
     fixture_out_release(&o);
 
     /* A new operator. */
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "carol",
-                                             NULL}),
+    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "carol", NULL}),
                      0);
     ck_assert_msg(strstr(o.out, "/operators/carol.nk") != NULL, "%s", o.out);
     snprintf(path, sizeof(path), "%s/operators/carol.nk", home);
     ck_assert_int_eq(mode_of(path), 0600);
     fixture_out_release(&o);
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "carol",
-                                             NULL}),
+    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "carol", NULL}),
                      125);
     fixture_out_release(&o);
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "agent-x",
-                                             NULL}),
-                     2);
+    ck_assert_int_eq(
+        ks(&o, (const char *[]){"operator", "add", "agent-x", NULL}), 2);
     fixture_out_release(&o);
     /* As a person would: carol's own copy of her seed. */
     snprintf(carol_seed, sizeof(carol_seed), "%s/carol-copy.nk", tmpdir);
@@ -419,9 +411,8 @@ START_TEST(up_add_exec_remove_and_up_again)
         ck_assert_int_eq(evt_nkey_read_seed(path, seed, pub, id), 0);
         ck_assert_int_eq(evt_nkey_write_seed(carol_seed, id, seed), 0);
     }
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "list", "--json",
-                                             NULL}),
-                     0);
+    ck_assert_int_eq(
+        ks(&o, (const char *[]){"operator", "list", "--json", NULL}), 0);
     ck_assert_ptr_nonnull(strstr(o.out, "\"name\":\"carol\""));
     fixture_out_release(&o);
 
@@ -432,10 +423,8 @@ START_TEST(up_add_exec_remove_and_up_again)
     char id[40];
     snprintf(id, sizeof(id), "%s", command_id_of(o.out));
     fixture_out_release(&o);
-    ck_assert_int_eq(ks(&o, (const char *[]){"events", id, "--json", NULL}),
-                     0);
-    ck_assert_msg(strstr(o.out, "\"operator\":\"carol\"") != NULL, "%s",
-                  o.out);
+    ck_assert_int_eq(ks(&o, (const char *[]){"events", id, "--json", NULL}), 0);
+    ck_assert_msg(strstr(o.out, "\"operator\":\"carol\"") != NULL, "%s", o.out);
     fixture_out_release(&o);
 
     /* An open connection of carol's, to see what a removal does to it. */
@@ -457,14 +446,13 @@ START_TEST(up_add_exec_remove_and_up_again)
     /* Removed: refused after the reload, without a server restart. */
     pid_t nats_before = 0, nats_after = 0;
     ck_assert(stack_pidfile_alive(home, "nats", &nats_before));
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "remove", "carol",
-                                             NULL}),
-                     0);
+    ck_assert_int_eq(
+        ks(&o, (const char *[]){"operator", "remove", "carol", NULL}), 0);
     fixture_out_release(&o);
     ck_assert(stack_pidfile_alive(home, "nats", &nats_after));
     ck_assert_int_eq(nats_before, nats_after);
-    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--nkey", carol_seed,
-                                             "--", "true", NULL}),
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--nkey", carol_seed, "--",
+                                             "true", NULL}),
                      125);
     ck_assert_msg(strstr(o.err, "Violation") != NULL, "%s", o.err);
     fixture_out_release(&o);
@@ -480,9 +468,8 @@ START_TEST(up_add_exec_remove_and_up_again)
     /* Others are untouched. */
     ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--", "true", NULL}), 0);
     fixture_out_release(&o);
-    ck_assert_int_eq(ks(&o, (const char *[]){"operator", "remove", "broker",
-                                             NULL}),
-                     125);
+    ck_assert_int_eq(
+        ks(&o, (const char *[]){"operator", "remove", "broker", NULL}), 125);
     fixture_out_release(&o);
 
     /* down and up: the same keys, nothing new. */
@@ -492,8 +479,8 @@ START_TEST(up_add_exec_remove_and_up_again)
         s = slurp(path);
         char *u = strstr(s, "KSCORE_NATS_NKEY='");
         u += strlen("KSCORE_NATS_NKEY='");
-        snprintf(login_seed, sizeof(login_seed), "%.*s",
-                 (int)strcspn(u, "'"), u);
+        snprintf(login_seed, sizeof(login_seed), "%.*s", (int)strcspn(u, "'"),
+                 u);
         free(s);
     }
     snprintf(path, sizeof(path), "%s/keys/broker.nk", home);
@@ -510,9 +497,8 @@ START_TEST(up_add_exec_remove_and_up_again)
     read_file_to(path, keys_after[2], sizeof(keys_after[2]));
     for (int i = 0; i < 3; i++)
         ck_assert_str_eq(keys_before[i], keys_after[i]);
-    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--", "echo", "again",
-                                             NULL}),
-                     0);
+    ck_assert_int_eq(
+        ks(&o, (const char *[]){"exec", "--", "echo", "again", NULL}), 0);
     ck_assert_str_eq(o.out, "again\n");
     fixture_out_release(&o);
     free(url);
@@ -554,7 +540,8 @@ START_TEST(pg_has_no_trust_and_tcp_needs_a_password)
     const char *pp = strstr(pg.conninfo, "port=");
     ck_assert(sock && pp);
     port = atoi(pp + 5);
-    snprintf(conninfo, sizeof(conninfo), "%.*s port=%d dbname=kscore "
+    snprintf(conninfo, sizeof(conninfo),
+             "%.*s port=%d dbname=kscore "
              "user=postgres",
              (int)strcspn(sock, " "), sock, port);
     c = PQconnectdb(conninfo);
