@@ -31,11 +31,13 @@ struct cli_conn {
 
 /*
  * The NATS connection flags every command takes, for getopt_long tables:
- * --nats URL, --user U, --password P, --creds FILE, --token T,
- * --tls-ca FILE, --tls-cert FILE, --tls-key FILE. Each also has an
- * environment variable: KSCORE_NATS_URL, KSCORE_NATS_USER,
- * KSCORE_NATS_PASSWORD, KSCORE_NATS_CREDS, KSCORE_NATS_TOKEN,
- * KSCORE_NATS_TLS_CA, KSCORE_NATS_TLS_CERT, KSCORE_NATS_TLS_KEY.
+ * --nats URL, --nkey FILE, --user U, --password P, --creds FILE,
+ * --token T, --tls-ca FILE, --tls-cert FILE, --tls-key FILE. Each also has
+ * an environment variable: KSCORE_NATS_URL, KSCORE_NATS_NKEY,
+ * KSCORE_NATS_USER, KSCORE_NATS_PASSWORD, KSCORE_NATS_CREDS,
+ * KSCORE_NATS_TOKEN, KSCORE_NATS_TLS_CA, KSCORE_NATS_TLS_CERT,
+ * KSCORE_NATS_TLS_KEY. --nkey is an NKey seed file (`kscore operator add`
+ * writes one); it names the identity, and user/password are then unused.
  */
 #define CLI_OPT_NATS 0x1000
 #define CLI_CONN_LONGOPTS                                                      \
@@ -46,12 +48,14 @@ struct cli_conn {
         {"token", required_argument, 0, CLI_OPT_NATS + 4},                     \
         {"tls-ca", required_argument, 0, CLI_OPT_NATS + 5},                    \
         {"tls-cert", required_argument, 0, CLI_OPT_NATS + 6},                  \
+        {"tls-key", required_argument, 0, CLI_OPT_NATS + 7},                   \
     {                                                                          \
-        "tls-key", required_argument, 0, CLI_OPT_NATS + 7                      \
+        "nkey", required_argument, 0, CLI_OPT_NATS + 8                         \
     }
 #define CLI_CONN_USAGE                                                         \
-    "NATS: --nats URL --user U --password P --creds FILE --token T\n"         \
-    "      --tls-ca FILE --tls-cert FILE --tls-key FILE (or KSCORE_NATS_*)\n"
+    "NATS: --nats URL --nkey FILE --user U --password P --creds FILE\n"       \
+    "      --token T --tls-ca FILE --tls-cert FILE --tls-key FILE\n"          \
+    "      (or KSCORE_NATS_*)\n"
 
 /*
  * The command options `exec` and `batch` share: --timeout D, --grace D,
@@ -127,8 +131,11 @@ void cli_conn_env(struct cli_conn *cc);
 void cli_conn_release(struct cli_conn *cc);
 
 /*
- * Resolves the NATS url (flag, environment, $KSCORE_HOME/env) and connects.
- * Prints one line naming the problem and returns non-zero on failure.
+ * Resolves the NATS url (flag, environment, $KSCORE_HOME/env) and the
+ * credential (--nkey and the other flags, then the environment, then the
+ * local stack's $KSCORE_HOME/env when it is that stack's url), and
+ * connects. Prints one line naming the problem and returns non-zero on
+ * failure.
  */
 int cli_connect(struct cli_conn *cc, struct evt_conn **out);
 
@@ -170,5 +177,6 @@ int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
+int cmd_operator(int argc, char **argv);
 
 #endif

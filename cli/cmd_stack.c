@@ -26,9 +26,10 @@ local_agent_id(char *buf, size_t len)
         snprintf(host, sizeof(host), "local");
     host[sizeof(host) - 1] = '\0';
     /* Agent ids are subject tokens: the host name up to its first dot, with
-     * anything outside [A-Za-z0-9_-] made '-'. */
+     * anything outside [A-Za-z0-9_-] made '-', short enough that its NATS
+     * identity "agent-<id>" is one (EVT_IDENTITY_MAX). */
     for (size_t i = 0; host[i] && host[i] != '.' && j + 1 < len &&
-                       j < EVT_AGENT_ID_MAX;
+                       j < EVT_IDENTITY_MAX - 6;
          i++) {
         char ch = host[i];
         int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
@@ -54,8 +55,20 @@ operator_user(char *buf, size_t len)
         buf[j++] = ok ? ch : '_';
     }
     buf[j] = '\0';
-    if (!j || strcmp(buf, "broker") == 0 || strncmp(buf, "agent-", 6) == 0)
+    if (stack_operator_name_check(buf) != 0)
         snprintf(buf, len, "operator");
+}
+
+/* The caller's own NATS credentials must not leak into the daemons `up`
+ * starts (stack_daemon passes the environment on). */
+static void
+clear_nats_env(void)
+{
+    static const char *const vars[] = {
+        "KSCORE_NATS_USER", "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
+        "KSCORE_NATS_TOKEN", "KSCORE_NATS_NKEY"};
+    for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+        unsetenv(vars[i]);
 }
 
 static int
@@ -69,20 +82,19 @@ self_exe(char *buf, size_t len)
 }
 
 static int
-wait_broker(const char *url, const char *user, const char *password,
-            int timeout_ms)
+wait_broker(const char *url, const char *operator_seed, int timeout_ms)
 {
-    struct evt_connect_opts o = {
-        .name = "kscore-up", .user = user, .password = password};
+    struct evt_connect_opts o = {.name = "kscore-up",
+                                 .nkey_file = operator_seed};
     return broker_wait_ready(url, &o, timeout_ms);
 }
 
 static int
-wait_agent(const char *url, const char *id, const char *broker_password,
+wait_agent(const char *url, const char *id, const char *broker_seed,
            int timeout_ms)
 {
-    struct evt_connect_opts o = {
-        .name = "kscore-up", .user = "broker", .password = broker_password};
+    struct evt_connect_opts o = {.name = "kscore-up",
+                                 .nkey_file = broker_seed};
     return broker_wait_agent(url, &o, id,
                              ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000,
                              timeout_ms);
@@ -90,14 +102,14 @@ wait_agent(const char *url, const char *id, const char *broker_password,
 
 static int
 write_env(const char *home, const char *url, const char *db,
-          const char *agent, unsigned local_agents, const char *user,
-          const char *password)
+          const char *agent, unsigned local_agents, const char *nkey_file)
 {
     char path[4200], tmp[4300];
     FILE *f;
     snprintf(path, sizeof(path), "%s/env", home);
     snprintf(tmp, sizeof(tmp), "%s/env.tmp", home);
-    /* 0600: it holds the operator's NATS password. */
+    /* No secret in it (the operator's seed stays in its own 0600 file),
+     * but 0600 all the same: it is this login's view of the stack. */
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     f = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!f) {
@@ -108,9 +120,8 @@ write_env(const char *home, const char *url, const char *db,
     fprintf(f,
             "# the local kscore stack; written by `kscore up`\n"
             "KSCORE_NATS_URL='%s'\nKSCORE_DB='%s'\nKSCORE_AGENT='%s'\n"
-            "KSCORE_LOCAL_AGENTS='%u'\nKSCORE_NATS_USER='%s'\n"
-            "KSCORE_NATS_PASSWORD='%s'\n",
-            url, db, agent, local_agents, user, password);
+            "KSCORE_LOCAL_AGENTS='%u'\nKSCORE_NATS_NKEY='%s'\n",
+            url, db, agent, local_agents, nkey_file);
     if (fclose(f) != 0 || rename(tmp, path) != 0)
         return -errno;
     return 0;
@@ -248,7 +259,9 @@ cmd_up(int argc, char **argv)
     }
     if (!local_agents_given)
         local_agents = prev_n;
-    if ((rc = stack_mkdirs(home, 0755))) {
+    /* 0700 when new: only its owner has business in it (PostgreSQL's
+     * user, when we are root, gets o+x: stack_pg.c). */
+    if ((rc = stack_mkdirs(home, 0700))) {
         cli_err("cannot create %s: %s", home, ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
@@ -266,26 +279,33 @@ cmd_up(int argc, char **argv)
         }
     }
 
-    /* Per-run credentials: every part restarts with new ones (a partial
-     * stack is stopped first), so no password outlives its run. */
+    /* A partial stack is stopped first and started again; the identities
+     * are kept (stack_ident_ensure), so a restart cuts nobody off. */
     stack_stop(home, "agent", 20000);
     stack_stop(home, "broker", 20000);
     stack_nats_stop(home);
-    char broker_pw[33], operator_pw[33], agent_pw[33], operator_name[64];
-    char agent_user[EVT_AGENT_ID_MAX + 8], *auth = NULL;
+    char operator_name[EVT_IDENTITY_MAX + 1];
+    char agent_user[EVT_IDENTITY_MAX + 8];
+    char broker_seed[4200], agent_seed[4200], operator_seed[4200];
+    struct stack_identity sid;
     operator_user(operator_name, sizeof(operator_name));
     snprintf(agent_user, sizeof(agent_user), "agent-%s", agent_id);
-    struct stack_auth sa = {broker_pw, operator_name, operator_pw, agent_id,
-                            agent_pw};
-    if ((rc = stack_secret(broker_pw)) || (rc = stack_secret(operator_pw)) ||
-        (rc = stack_secret(agent_pw)) ||
-        (rc = stack_nats_auth_conf(&sa, &auth))) {
-        cli_err("cannot make credentials: %s", ks_strerror(rc));
+    if ((rc = stack_ident_ensure(home, STACK_BROKER, "broker", &sid)) ||
+        (rc = stack_ident_ensure(home, STACK_AGENT, agent_user, &sid)) ||
+        (rc = stack_ident_ensure(home, STACK_OPERATOR, operator_name, &sid)) ||
+        (rc = stack_ident_seed_path(home, STACK_BROKER, "broker", broker_seed,
+                                    sizeof(broker_seed))) ||
+        (rc = stack_ident_seed_path(home, STACK_AGENT, agent_user, agent_seed,
+                                    sizeof(agent_seed))) ||
+        (rc = stack_ident_seed_path(home, STACK_OPERATOR, operator_name,
+                                    operator_seed, sizeof(operator_seed))) ||
+        (rc = stack_nats_auth_write(home, home))) {
+        cli_err("cannot make the NATS identities in %s/identities: %s", home,
+                ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
     fprintf(stderr, "kscore: starting nats-server ...\n");
-    rc = stack_nats_start(home, 0, auth, &url, &pid);
-    free(auth);
+    rc = stack_nats_start(home, 0, STACK_NATS_AUTH_INCLUDE, &url, &pid);
     if (rc) {
         cli_err("cannot start nats-server: %s (see %s/nats.log)",
                 ks_strerror(rc), home);
@@ -304,9 +324,10 @@ cmd_up(int argc, char **argv)
     snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
     snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
     {
-        /* Credentials through the environment, not argv (ps shows argv). */
-        setenv("KSCORE_NATS_USER", "broker", 1);
-        setenv("KSCORE_NATS_PASSWORD", broker_pw, 1);
+        /* Each daemon gets its own seed file through the environment; no
+         * other credential of the caller's may reach it. */
+        clear_nats_env();
+        setenv("KSCORE_NATS_NKEY", broker_seed, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
@@ -314,7 +335,7 @@ cmd_up(int argc, char **argv)
                          NULL};
         rc = stack_daemon(home, "broker", bargv, &pid);
         if (rc == 0)
-            rc = wait_broker(url, operator_name, operator_pw, 30000);
+            rc = wait_broker(url, operator_seed, 30000);
         if (rc) {
             cli_err("the broker did not start: %s (see %s/broker.log)",
                     ks_strerror(rc), home);
@@ -323,24 +344,22 @@ cmd_up(int argc, char **argv)
     }
     fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
     {
-        setenv("KSCORE_NATS_USER", agent_user, 1);
-        setenv("KSCORE_NATS_PASSWORD", agent_pw, 1);
+        setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
                          agent_state, "--trust-key", trust_key,   NULL};
         rc = stack_daemon(home, "agent", aargv, &pid);
-        unsetenv("KSCORE_NATS_USER");
-        unsetenv("KSCORE_NATS_PASSWORD");
+        unsetenv("KSCORE_NATS_NKEY");
         if (rc == 0)
-            rc = wait_agent(url, agent_id, broker_pw, 30000);
+            rc = wait_agent(url, agent_id, broker_seed, 30000);
         if (rc) {
             cli_err("the agent did not start: %s (see %s/agent.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
     }
-    if ((rc = write_env(home, url, db, agent_id, local_agents, operator_name,
-                        operator_pw))) {
+    if ((rc = write_env(home, url, db, agent_id, local_agents,
+                        operator_seed))) {
         cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
         goto fail;
     }

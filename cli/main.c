@@ -36,8 +36,14 @@ static const char usage[] =
     "  agent --id ID --trust-key FILE [--label K=V]... [--nats URL]\n"
     "  keygen [--out DIR]      an Ed25519 key pair for signing commands\n"
     "\n"
-    "Every client command takes --nats URL (or $KSCORE_NATS_URL); without it\n"
-    "the local stack is used. `kscore COMMAND --help` for details.\n"
+    "Identities (the local stack's NATS users):\n"
+    "  operator add NAME       a new operator: its NKey seed file (0600)\n"
+    "  operator list [--json]  the operators (--all: broker and agents too)\n"
+    "  operator remove NAME    the operator can no longer connect\n"
+    "\n"
+    "Every client command takes --nats URL (or $KSCORE_NATS_URL) and\n"
+    "--nkey FILE (or $KSCORE_NATS_NKEY); without them the local stack and\n"
+    "this login's operator are used. `kscore COMMAND --help` for details.\n"
     "Durations: 500ms, 10s, 2m, 1h (a plain number is seconds).\n";
 
 void
@@ -132,6 +138,9 @@ cli_conn_opt(struct cli_conn *cc, int opt, const char *arg)
     case CLI_OPT_NATS + 7:
         cc->opts.tls_key = arg;
         return 1;
+    case CLI_OPT_NATS + 8:
+        cc->opts.nkey_file = arg;
+        return 1;
     }
     return 0;
 }
@@ -155,6 +164,7 @@ cli_conn_env(struct cli_conn *cc)
     env_default(&cc->opts.tls_ca, "KSCORE_NATS_TLS_CA");
     env_default(&cc->opts.tls_cert, "KSCORE_NATS_TLS_CERT");
     env_default(&cc->opts.tls_key, "KSCORE_NATS_TLS_KEY");
+    env_default(&cc->opts.nkey_file, "KSCORE_NATS_NKEY");
 }
 
 void
@@ -175,15 +185,20 @@ cli_connect(struct cli_conn *cc, struct evt_conn **out)
 
     cli_conn_env(cc);
     url = cc->nats_url;
-    if (!url || !url[0]) {
-        /* The local stack: its url and the operator's per-run
-         * credentials, from $KSCORE_HOME/env (mode 0600). */
-        url = cc->owned[0] = cli_env_get("KSCORE_NATS_URL");
-        if (!cc->opts.user && (cc->owned[1] = cli_env_get("KSCORE_NATS_USER")))
-            cc->opts.user = cc->owned[1];
-        if (!cc->opts.password &&
-            (cc->owned[2] = cli_env_get("KSCORE_NATS_PASSWORD")))
-            cc->opts.password = cc->owned[2];
+    {
+        /* The local stack: its url, and this login's seed file, from
+         * $KSCORE_HOME/env. Its credential goes only to its own url, and
+         * only when no other credential was given. */
+        char *env_url = cli_env_get("KSCORE_NATS_URL");
+        bool local = !url || !url[0] || (env_url && strcmp(env_url, url) == 0);
+        bool given = cc->opts.nkey_file || cc->opts.user ||
+                     cc->opts.creds_file || cc->opts.token;
+        if (!url || !url[0])
+            url = env_url;
+        cc->owned[0] = env_url;
+        if (local && !given &&
+            (cc->owned[1] = cli_env_get("KSCORE_NATS_NKEY")))
+            cc->opts.nkey_file = cc->owned[1];
     }
     if (!url || !url[0]) {
         cli_err("no NATS url: give --nats URL, set KSCORE_NATS_URL, or start "
@@ -356,7 +371,7 @@ static const struct {
     {"broker", cmd_broker}, {"agent", cmd_agent},   {"exec", cmd_exec},
     {"get", cmd_get},       {"events", cmd_events}, {"cancel", cmd_cancel},
     {"agents", cmd_agents}, {"replay", cmd_replay}, {"batch", cmd_batch},
-    {"keygen", cmd_keygen},
+    {"keygen", cmd_keygen}, {"operator", cmd_operator},
     {"perf", cmd_perf},
 };
 

@@ -209,7 +209,8 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
     snprintf(store, sizeof(store), "%s/nats", dir);
     snprintf(pidf, sizeof(pidf), "%s/nats.pid", dir);
 
-    /* 0600: the authorization block holds every user's password. */
+    /* 0600: no secret in it (users are public NKeys, included from
+     * nats-auth.conf), but it is the server's business alone. */
     int cfd = open(conf, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (cfd == -1 || fchmod(cfd, 0600) == -1 || !(f = fdopen(cfd, "w"))) {
         int e = -errno;
@@ -286,7 +287,10 @@ stack_daemon(const char *dir, const char *name, char *const argv[],
     if (pid == -1)
         return -errno;
     if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        /* 0640: logs name users, subjects and commands. */
+        int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+        if (fd >= 0)
+            fchmod(fd, 0640); /* a log made by an older kscore was 0644 */
         int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
         sigset_t none;
         sigemptyset(&none);

@@ -14,7 +14,10 @@
 #define KSCORE_STACK_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <sys/types.h>
+
+#include "events.h"
 
 /* A free TCP port on 127.0.0.1 (bind to port 0), or -errno. */
 int stack_free_port(void);
@@ -41,11 +44,15 @@ int stack_nats_stop(const char *dir);
 
 /*
  * Creates (initdb, once) and starts a PostgreSQL cluster: data <dir>/pg,
- * Unix socket in <dir>/pgsock, listening on no TCP address, port `port`
- * (0: a free one; it names the socket file), database "kscore" created.
- * Runs as `postgres` when called as root. Waits (<= 30 s) until it accepts
- * connections. On 0: *conninfo_out (malloc'd) is a libpq conninfo such as
- * "host=<dir>/pgsock port=PORT dbname=kscore user=postgres", *pid_out the
+ * Unix socket in <dir>/pgsock, port `port` (0: a free one; it names the
+ * socket file), role and database "kscore" created. Runs as `postgres`
+ * when called as root. Authentication: no `trust`; peer on the socket, the
+ * calling OS user mapped (pg_ident.conf) to the role kscore, and
+ * scram-sha-256 on TCP, where it listens only when KSCORE_PG_LISTEN (a
+ * listen_addresses value) is set. An already running cluster gets the same
+ * rules by a reload. Waits (<= 30 s) until it accepts connections. On 0:
+ * *conninfo_out (malloc'd) is a libpq conninfo such as
+ * "host=<dir>/pgsock port=PORT dbname=kscore user=kscore", *pid_out the
  * postmaster pid. Errors: -errno, KS_ETIMEDOUT, KS_EUNAVAIL (see
  * <dir>/pg.log).
  */
@@ -70,22 +77,102 @@ int stack_daemon(const char *dir, const char *name, char *const argv[],
  */
 int stack_stop(const char *dir, const char *name, int wait_ms);
 
-/* 32 random hex characters (getrandom) into out[33]. 0 or -errno. */
-int stack_secret(char out[33]);
+/* ---- identities: who may connect to the stack's nats-server ------------
+ *
+ * The registry <home>/identities/ (stack_ident.c) has one entry per NATS
+ * user: its kind, name and public NKey, nothing secret. Each seed is in its
+ * own 0600 file that only its holder uses: <home>/keys/<name>.nk for the
+ * stack's own daemons (broker, agents), <home>/operators/<name>.nk for an
+ * operator. nats-server's authorization block is rendered from the
+ * registry (deploy/nats-auth.conf.in, one permission template per kind)
+ * into <nats dir>/nats-auth.conf, which nats.conf includes; so the server's
+ * files hold public keys only. Entries and keys outlive `kscore down`: a
+ * restart never changes anyone's credential.
+ */
+enum stack_kind { STACK_BROKER, STACK_OPERATOR, STACK_AGENT };
 
-/* The users of deploy/nats-auth.conf.in. Every name is a subject token. */
-struct stack_auth {
-    const char *broker_password;
-    const char *operator_name, *operator_password;
-    const char *agent_id, *agent_password; /* user "agent-<agent_id>" */
+struct stack_identity {
+    enum stack_kind kind;
+    /* "broker", "agent-<id>", or an operator's name (a subject token) */
+    char name[EVT_IDENTITY_MAX + 1];
+    char nkey[EVT_NKEY_PUBLIC_CHARS + 1]; /* public key, "U..." */
 };
 
+/* "broker", "operator", "agent" (the template's section names). */
+const char *stack_kind_name(enum stack_kind k);
+
+/* An operator name is a subject token ([A-Za-z0-9_-], at most
+ * EVT_IDENTITY_MAX), not "broker" or "anonymous", and does not start with
+ * "agent-". 0 or KS_EINVAL. */
+int stack_operator_name_check(const char *name);
+
+/* The seed file of an identity held under home (see above). 0 or
+ * -ENAMETOOLONG. */
+int stack_ident_seed_path(const char *home, enum stack_kind kind,
+                          const char *name, char *buf, size_t len);
+
+/* The entry of name. 0, KS_ENOTFOUND, KS_EINVAL (a damaged entry), -errno. */
+int stack_ident_get(const char *home, const char *name,
+                    struct stack_identity *out);
+
 /*
- * The nats-server `authorization` block for these users: the template
- * deploy/nats-auth.conf.in with its @FIELDS@ filled. *conf_out is
- * malloc'd; pass it as stack_nats_start()'s conf_extra. 0 or -ENOMEM.
+ * A new identity: a fresh key pair (OpenSSL), its seed file (0600) and its
+ * entry. The name must fit the kind ("broker", "agent-<id>", or
+ * stack_operator_name_check). 0, -EEXIST (the name is taken), KS_EINVAL,
+ * -errno. Does not touch nats-server: stack_nats_auth_write and
+ * stack_nats_reload do.
  */
-int stack_nats_auth_conf(const struct stack_auth *a, char **conf_out);
+int stack_ident_add(const char *home, enum stack_kind kind, const char *name,
+                    struct stack_identity *out);
+
+/*
+ * The identity as it is when its entry and the seed file we hold agree
+ * (the usual case: no new secret at every start); the entry rewritten
+ * from the seed file when only that one is right; a new pair when there is
+ * no usable seed file (a damaged one is renamed to <file>.bad). 0 or as
+ * stack_ident_add.
+ */
+int stack_ident_ensure(const char *home, enum stack_kind kind,
+                       const char *name, struct stack_identity *out);
+
+/* Every entry, by kind then name. *out is malloc'd (NULL when *n_out is
+ * 0). 0, KS_EINVAL (a damaged entry), -errno. */
+int stack_ident_list(const char *home, struct stack_identity **out,
+                     size_t *n_out);
+
+/* Removes the entry and its seed file. 0, KS_ENOTFOUND, -errno. */
+int stack_ident_remove(const char *home, const char *name);
+
+/*
+ * The nats-server `authorization` block for these identities:
+ * deploy/nats-auth.conf.in with one user per identity from its kind's
+ * section. *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an
+ * empty user list would let anyone in; or a bad name or key), -ENOMEM.
+ */
+int stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
+                         char **conf_out);
+
+/* Where the rendered block goes, and the line of nats.conf that reads it
+ * (pass it as stack_nats_start()'s conf_extra; nats-server resolves an
+ * include relative to the including file). */
+#define STACK_NATS_AUTH_FILE "nats-auth.conf"
+#define STACK_NATS_AUTH_INCLUDE "include \"" STACK_NATS_AUTH_FILE "\"\n"
+
+/* Renders the registry of home into <nats_dir>/nats-auth.conf (0600,
+ * replaced atomically). 0 or as stack_ident_list / stack_nats_auth_conf. */
+int stack_nats_auth_write(const char *nats_dir, const char *home);
+
+/*
+ * Makes the nats-server of nats_dir reload its config (SIGHUP, as
+ * `nats-server --signal reload` does) and waits up to timeout_ms until its
+ * log says it did. The server keeps running and keeps every connection
+ * whose user is still allowed; a connection of a user no longer in the
+ * config is closed by the server (Authorization Violation) and its
+ * reconnects are refused. 0; KS_ENOTFOUND (not running: nothing to do);
+ * KS_EINVAL (the server refused the new config and runs on the old one;
+ * see <nats_dir>/nats.log); KS_ETIMEDOUT; -errno.
+ */
+int stack_nats_reload(const char *nats_dir, int timeout_ms);
 
 /* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
 int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);

@@ -2,7 +2,7 @@
  * stack_pg: the private PostgreSQL cluster of the local stack.
  *
  * Layout under <dir>: pg/ (data, initdb'd once), pgsock/ (Unix socket; no
- * TCP listener), pg.log, pg.pid (postmaster pid, for stack_pidfile_alive),
+ * TCP listener unless KSCORE_PG_LISTEN), pg.log, pg.pid (postmaster pid, for stack_pidfile_alive),
  * pg.port (the port chosen the first time, reused so the conninfo of a
  * stack stays the same across restarts).
  *
@@ -12,6 +12,14 @@
  * setuid), pg/, pgsock/ and pg.log are chowned to it, and every directory
  * from <dir> up to (not including) / gets o+x added, so that user can reach
  * its data (e.g. /root is 0700 on Debian: it becomes 0701, never readable).
+ *
+ * Authentication (pg_write_auth): no `trust` anywhere. The Unix socket
+ * takes peer authentication mapped by pg_ident.conf: the OS user that runs
+ * kscore is the role kscore (owner of database kscore, no superuser), and
+ * only the server's own OS user is the superuser postgres, which the
+ * administration here (role, database) runs as. Any TCP listener
+ * (KSCORE_PG_LISTEN, a listen_addresses value; none by default) takes
+ * scram-sha-256 only, and no role has a password until someone sets one.
  *
  * KSCORE_PG_FAST=1 in the environment starts the server with fsync=off,
  * synchronous_commit=off and full_page_writes=off: for throwaway test
@@ -206,51 +214,185 @@ pg_chown(const char *path, const struct passwd *pw)
     return 0;
 }
 
-/* 1 if database kscore exists, 0 if not, < 0 on error. */
-static int
-pg_db_exists(const char *sock, const char *port, int log_fd)
-{
-    char bin[PATH_MAX], out[64] = "";
-    int pipefd[2], rc, n;
+/* Where the administration runs: as the server's OS user (`postgres` when
+ * we are root, else ourselves), which pg_ident.conf maps to the superuser
+ * role postgres; never as the role kscore. */
+struct pg_admin {
+    const struct passwd *pw; /* NULL: ourselves */
+    const char *dir, *sock, *port;
+    int log_fd;
+};
 
-    snprintf(bin, sizeof(bin), "%s/psql", pg_bindir());
-    char *const argv[] = {
-        bin,   "-X",  "-q",  "-t",       "-A",          "-h", (char *)sock,
-        "-p",  (char *)port, "-U",       "postgres",    "-d", "postgres",
-        "-c",  "SELECT 1 FROM pg_database WHERE datname = 'kscore'",
-        NULL};
-    if (pipe2(pipefd, O_CLOEXEC) == -1)
-        return -errno;
-    rc = pg_run(argv, NULL, NULL, log_fd, pipefd[1]);
-    close(pipefd[1]);
-    n = (int)read(pipefd[0], out, sizeof(out) - 1);
-    close(pipefd[0]);
-    if (rc != 0)
-        return KS_EUNAVAIL;
-    return n > 0 && out[0] == '1';
-}
-
+/*
+ * Runs one SQL command through psql on database db as the superuser. With
+ * out (cap bytes), the first row's first column, trimmed ("" for no row).
+ * 0, or KS_EUNAVAIL (see the log), -errno.
+ */
 static int
-pg_create_db(const char *sock, const char *port, int log_fd)
+pg_psql(const struct pg_admin *a, const char *db, const char *sql, char *out,
+        size_t cap)
 {
     char bin[PATH_MAX];
-    int rc = pg_db_exists(sock, port, log_fd);
+    int pipefd[2] = {-1, -1}, rc;
+    ssize_t n = 0;
 
-    if (rc != 0)
-        return rc < 0 ? rc : 0;
-    snprintf(bin, sizeof(bin), "%s/createdb", pg_bindir());
-    char *const argv[] = {bin,      "-h", (char *)sock, "-p", (char *)port,
-                          "-U",     "postgres",        "-E", "UTF8",
-                          "kscore", NULL};
-    rc = pg_run(argv, NULL, NULL, log_fd, -1);
+    snprintf(bin, sizeof(bin), "%s/psql", pg_bindir());
+    char *const argv[] = {bin,          "-X",       "-q",         "-t",
+                          "-A",         "-v",       "ON_ERROR_STOP=1",
+                          "-h",         (char *)a->sock,          "-p",
+                          (char *)a->port,          "-U",         "postgres",
+                          "-d",         (char *)db, "-c",         (char *)sql,
+                          NULL};
+    if (out && pipe2(pipefd, O_CLOEXEC) == -1)
+        return -errno;
+    rc = pg_run(argv, a->pw, a->dir, a->log_fd, out ? pipefd[1] : -1);
+    if (out) {
+        close(pipefd[1]);
+        n = read(pipefd[0], out, cap - 1);
+        close(pipefd[0]);
+        out[n > 0 ? n : 0] = '\0';
+        out[strcspn(out, "\r\n")] = '\0';
+    }
+    if (rc < 0)
+        return rc;
     return rc == 0 ? 0 : KS_EUNAVAIL;
+}
+
+/* A database made by an older kscore belongs to postgres: hand it and
+ * everything in its public schema to kscore, once. (REASSIGN OWNED BY
+ * postgres is refused: the bootstrap superuser owns the catalogs.) A
+ * sequence behind an identity column follows its table. */
+static const char pg_handover_sql[] =
+    "DO $$\n"
+    "DECLARE r record;\n"
+    "BEGIN\n"
+    "  FOR r IN SELECT c.oid::regclass AS rel FROM pg_class c\n"
+    "      JOIN pg_namespace n ON n.oid = c.relnamespace\n"
+    "      WHERE n.nspname = 'public' AND c.relowner <> 'kscore'::regrole\n"
+    "        AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')\n"
+    "        AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = c.oid\n"
+    "          AND d.classid = 'pg_class'::regclass AND d.deptype IN ('a', 'i'))\n"
+    "  LOOP\n"
+    "    EXECUTE format('ALTER TABLE %s OWNER TO kscore', r.rel);\n"
+    "  END LOOP;\n"
+    "  FOR r IN SELECT p.oid::regprocedure AS fn FROM pg_proc p\n"
+    "      JOIN pg_namespace n ON n.oid = p.pronamespace\n"
+    "      WHERE n.nspname = 'public' AND p.proowner <> 'kscore'::regrole\n"
+    "  LOOP\n"
+    "    EXECUTE format('ALTER ROUTINE %s OWNER TO kscore', r.fn);\n"
+    "  END LOOP;\n"
+    "END $$";
+
+/*
+ * The role kscore (LOGIN, no superuser, no password: it logs in by peer on
+ * the socket; over TCP only once someone gives it a password) and its
+ * database kscore. Idempotent.
+ */
+static int
+pg_create_db(const struct pg_admin *a)
+{
+    char owner[128], bin[PATH_MAX];
+    int rc;
+
+    rc = pg_psql(a, "postgres",
+                 "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE "
+                 "rolname = 'kscore') THEN CREATE ROLE kscore LOGIN; END IF; "
+                 "END $$",
+                 NULL, 0);
+    if (rc == 0)
+        rc = pg_psql(a, "postgres",
+                     "SELECT pg_get_userbyid(datdba) FROM pg_database "
+                     "WHERE datname = 'kscore'",
+                     owner, sizeof(owner));
+    if (rc)
+        return rc;
+    if (!owner[0]) {
+        snprintf(bin, sizeof(bin), "%s/createdb", pg_bindir());
+        char *const argv[] = {bin,    "-h",     (char *)a->sock, "-p",
+                              (char *)a->port,  "-U",     "postgres",
+                              "-O",   "kscore", "-E",     "UTF8",
+                              "kscore", NULL};
+        rc = pg_run(argv, a->pw, a->dir, a->log_fd, -1);
+        return rc == 0 ? 0 : rc < 0 ? rc : KS_EUNAVAIL;
+    }
+    if (strcmp(owner, "kscore") == 0)
+        return 0;
+    rc = pg_psql(a, "postgres", "ALTER DATABASE kscore OWNER TO kscore",
+                 NULL, 0);
+    return rc ? rc : pg_psql(a, "kscore", pg_handover_sql, NULL, 0);
+}
+
+/* A name for pg_hba.conf / pg_ident.conf: double-quoted (both files
+ * take quoted names); none of ours has a quote or a line break. */
+static int
+pg_quotable(const char *name)
+{
+    return name && name[0] && !strpbrk(name, "\"\r\n");
+}
+
+/* Writes path as the server's file (0600, owned by pw when we are root). */
+static int
+pg_write_owned(const char *path, const char *text, const struct passwd *pw)
+{
+    int rc = pg_write_file(path, text);
+    if (rc == 0 && chmod(path, 0600) == -1)
+        rc = -errno;
+    if (rc == 0)
+        rc = pg_chown(path, pw);
+    return rc;
+}
+
+/*
+ * pg_hba.conf and pg_ident.conf, written at every start so a cluster made
+ * by an older kscore (initdb --auth=trust) loses trust too. On the Unix
+ * socket: peer authentication (the kernel says which OS user connects),
+ * through the map "kscore": the OS user that runs kscore may be the role
+ * kscore only, the server's own OS user the superuser postgres (and kscore,
+ * when it is the same user). Over TCP, when KSCORE_PG_LISTEN opens a
+ * listener: scram-sha-256 only, so no role without a password gets in.
+ * PostgreSQL docs 21.1 (pg_hba.conf), 21.2 (user name maps), 21.4 (peer),
+ * 21.5 (password: scram-sha-256).
+ */
+static int
+pg_write_auth(const char *data, const struct passwd *pw)
+{
+    const struct passwd *me = getpwuid(geteuid());
+    char me_name[256], server_name[256], path[PATH_MAX + 32], text[2048];
+    int rc;
+
+    if (!me)
+        return KS_EUNAVAIL;
+    snprintf(me_name, sizeof(me_name), "%s", me->pw_name);
+    snprintf(server_name, sizeof(server_name), "%s",
+             pw ? pw->pw_name : me_name);
+    if (!pg_quotable(me_name) || !pg_quotable(server_name))
+        return -EINVAL;
+    snprintf(path, sizeof(path), "%s/pg_hba.conf", data);
+    rc = pg_write_owned(
+        path,
+        "# written by kscore at every start (cli/stack_pg.c); no trust.\n"
+        "# TYPE  DATABASE  USER  ADDRESS  METHOD\n"
+        "local   all       all            peer map=kscore\n"
+        "host    all       all   all      scram-sha-256\n",
+        pw);
+    if (rc)
+        return rc;
+    snprintf(text, sizeof(text),
+             "# written by kscore at every start (cli/stack_pg.c)\n"
+             "# MAPNAME  SYSTEM-USERNAME  PG-USERNAME\n"
+             "kscore  \"%s\"  postgres\n"
+             "kscore  \"%s\"  kscore\n"
+             "kscore  \"%s\"  kscore\n",
+             server_name, server_name, me_name);
+    snprintf(path, sizeof(path), "%s/pg_ident.conf", data);
+    return pg_write_owned(path, text, pw);
 }
 
 static int
 pg_conninfo(const char *dir, int port, char **out)
 {
     char *s;
-    if (asprintf(&s, "host=%s/pgsock port=%d dbname=kscore user=postgres",
+    if (asprintf(&s, "host=%s/pgsock port=%d dbname=kscore user=kscore",
                  dir, port) == -1)
         return -ENOMEM;
     *out = s;
@@ -267,7 +409,7 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
     const struct passwd *pw = NULL;
     struct stat st;
     pid_t pid = 0;
-    int rc, log_fd = -1, running_port = 0;
+    int rc, log_fd = -1, running_port = 0, running;
     char *conninfo = NULL;
 
     rc = stack_mkdirs(dir_arg, 0755);
@@ -279,13 +421,7 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
     if (strchr(dir, '\'') || strlen(dir) > 80)
         return -EINVAL; /* also: sun_path is 108 bytes */
 
-    if (pg_running(dir, &pid, &running_port)) {
-        rc = pg_conninfo(dir, running_port, &conninfo);
-        if (rc < 0)
-            return rc;
-        goto done;
-    }
-
+    running = pg_running(dir, &pid, &running_port);
     if (geteuid() == 0) {
         pw = getpwnam("postgres");
         if (!pw)
@@ -307,6 +443,23 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
         (rc = pg_chown(logp, pw)) < 0)
         goto out;
 
+    if (running) {
+        /* Already up (a partial stack): the same authentication rules,
+         * applied by a reload (pg_hba.conf and pg_ident.conf are read
+         * again on SIGHUP, PostgreSQL docs 21.1), and the same role. */
+        port = running_port;
+        snprintf(portstr, sizeof(portstr), "%d", port);
+        snprintf(bin, sizeof(bin), "%s/pg_ctl", pg_bindir());
+        char *const argv[] = {bin, "reload", "-s", "-D", data, NULL};
+        if ((rc = pg_write_auth(data, pw)) < 0)
+            goto out;
+        if ((rc = pg_run(argv, pw, dir, log_fd, -1)) != 0) {
+            rc = rc < 0 ? rc : KS_EUNAVAIL;
+            goto out;
+        }
+        goto admin;
+    }
+
     snprintf(path, sizeof(path), "%s/PG_VERSION", data);
     if (stat(path, &st) == -1) {
         snprintf(bin, sizeof(bin), "%s/initdb", pg_bindir());
@@ -315,7 +468,8 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
                               data,
                               "-U",
                               "postgres",
-                              "--auth=trust",
+                              "--auth-local=peer",
+                              "--auth-host=scram-sha-256",
                               "-E",
                               "UTF8",
                               "--locale=C",
@@ -344,8 +498,18 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
     if ((rc = pg_write_file(path, buf)) < 0)
         goto out;
 
+    if ((rc = pg_write_auth(data, pw)) < 0)
+        goto out;
+    /* No TCP listener unless asked for (then scram-sha-256 only). */
+    const char *listen = getenv("KSCORE_PG_LISTEN");
+    if (!listen)
+        listen = "";
+    if (strpbrk(listen, "'\" \\")) {
+        rc = -EINVAL;
+        goto out;
+    }
     snprintf(opts, sizeof(opts),
-             "-c listen_addresses='' -k '%s' -p %d%s", sock, port,
+             "-c listen_addresses='%s' -k '%s' -p %d%s", listen, sock, port,
              getenv("KSCORE_PG_FAST") &&
                      strcmp(getenv("KSCORE_PG_FAST"), "1") == 0
                  ? " -c fsync=off -c synchronous_commit=off"
@@ -367,14 +531,17 @@ stack_pg_start(const char *dir_arg, int port, char **conninfo_out,
         rc = KS_EUNAVAIL;
         goto out;
     }
-    rc = pg_create_db(sock, portstr, log_fd);
+admin:
+    {
+        struct pg_admin a = {pw, dir, sock, portstr, log_fd};
+        rc = pg_create_db(&a);
+    }
     if (rc < 0)
         goto out;
     rc = pg_conninfo(dir, port, &conninfo);
     if (rc < 0)
         goto out;
 
-done:
     snprintf(path, sizeof(path), "%s/pg.pid", dir);
     snprintf(buf, sizeof(buf), "%ld\n", (long)pid);
     rc = pg_write_file(path, buf);

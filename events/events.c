@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/crypto.h>
+
 /* nats.c takes JetStream durations in nanoseconds (jsStreamConfig.MaxAge,
  * .Duplicates, jsConsumerConfig.AckWait: nats.h "expressed in nanoseconds"),
  * and kvConfig.TTL is copied straight into MaxAge (nats.c src/kv.c). */
@@ -49,6 +51,7 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
             struct evt_conn **out, char **errmsg)
 {
     static const struct evt_connect_opts defaults;
+    char nkey_pub[EVT_NKEY_PUBLIC_CHARS + 1], nkey_id[EVT_IDENTITY_MAX + 1] = "";
     natsOptions *opts = NULL;
     struct evt_conn *c = NULL;
     natsStatus s;
@@ -78,8 +81,27 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
     }
     if (s == NATS_OK && o->global_delivery)
         s = natsOptions_UseGlobalMessageDelivery(opts, true);
-    if (s == NATS_OK && o->user)
+    if (o->nkey_file) {
+        /* The public key nats.c sends with the signature; the seed is read
+         * here once to derive it (and the identity the file names), and by
+         * nats.c at every (re)connect to sign the server's nonce. */
+        char seed[EVT_NKEY_SEED_CHARS + 1];
+        rc = evt_nkey_read_seed(o->nkey_file, seed, nkey_pub, nkey_id);
+        OPENSSL_cleanse(seed, sizeof(seed));
+        if (rc) {
+            if (errmsg)
+                *errmsg = errmsg_dup("NATS nkey seed file %s: %s",
+                                     o->nkey_file,
+                                     rc == KS_EINVAL ? "no valid user seed "
+                                                       "(SU...) in it"
+                                                     : ks_strerror(rc));
+            goto out;
+        }
+        if (s == NATS_OK)
+            s = natsOptions_SetNKeyFromSeed(opts, nkey_pub, o->nkey_file);
+    } else if (s == NATS_OK && o->user) {
         s = natsOptions_SetUserInfo(opts, o->user, o->password);
+    }
     if (s == NATS_OK && o->token)
         s = natsOptions_SetToken(opts, o->token);
     if (s == NATS_OK && o->creds_file)
@@ -100,9 +122,10 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         goto out;
     }
     {
-        const char *id = o->identity ? o->identity
-                         : o->user   ? o->user
-                                     : "anonymous";
+        const char *id = o->identity  ? o->identity
+                         : nkey_id[0] ? nkey_id
+                         : o->user    ? o->user
+                                      : "anonymous";
         size_t j = 0;
         for (size_t i = 0; id[i] && j + 1 < sizeof(c->identity); i++) {
             char ch = id[i];

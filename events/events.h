@@ -57,6 +57,9 @@
 #define EVT_DUPLICATE_WINDOW_MS (2 * 60 * 1000)
 /* Longest agent id (bytes, without NUL). */
 #define EVT_AGENT_ID_MAX 128
+/* Longest identity: the NATS user name that API and inbox subjects carry
+ * (bytes, without NUL). */
+#define EVT_IDENTITY_MAX 63
 
 /* Options for evt_connect(). Zeroed = defaults. */
 struct evt_connect_opts {
@@ -70,15 +73,19 @@ struct evt_connect_opts {
     bool global_delivery; /* nats.c's shared delivery thread pool instead of
                              one thread per subscription (many agent ids) */
     const char *user, *password, *token, *creds_file;
+    /* An NKey seed file (evt_nkey_write_seed): authenticates with the
+     * key's signature of the server's nonce (natsOptions_SetNKeyFromSeed);
+     * user and password are then not sent. */
+    const char *nkey_file;
     const char *tls_ca, *tls_cert, *tls_key;
-    const char *identity; /* token in API subjects; NULL: user, else
-                             "anonymous" */
+    const char *identity; /* token in API subjects; NULL: the name in
+                             nkey_file, else user, else "anonymous" */
 };
 
 struct evt_conn {
     natsConnection *nc;
     jsCtx *js;
-    char identity[64]; /* a valid subject token */
+    char identity[EVT_IDENTITY_MAX + 1]; /* a valid subject token */
 };
 
 /* Longest inbox subject evt_inbox() makes, with its NUL. */
@@ -119,6 +126,56 @@ void evt_event_subject(char *buf, size_t len, const char *agent_id,
 void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
 /* Durable consumer name of an agent: "agent-<id>". */
 void evt_agent_durable(char *buf, size_t len, const char *agent_id);
+
+/* ---- NKeys: who connects to NATS (events/nkey.c) ------------------------ */
+
+/*
+ * NATS NKeys made with OpenSSL: Ed25519 keys in the text form nats-server
+ * and nats.c use (github.com/nats-io/nkeys): base32 (RFC 4648, no padding)
+ * of prefix byte(s) + 32 key bytes + CRC-16/XMODEM little-endian. A user's
+ * public key starts with 'U' (EVT_NKEY_PUBLIC_CHARS chars) and goes into
+ * nats-server's config (`users = [{nkey: "U..."}]`); its seed starts with
+ * "SU" (EVT_NKEY_SEED_CHARS chars) and is the secret: whoever holds it
+ * connects as that user. The server only ever sees the public key and a
+ * signature of its nonce.
+ */
+#define EVT_NKEY_PUBLIC_CHARS 56
+#define EVT_NKEY_SEED_CHARS 58
+
+/* Text forms of a raw Ed25519 public key / seed (32 bytes). Pure. */
+void evt_nkey_encode_public(const uint8_t raw[32],
+                            char out[EVT_NKEY_PUBLIC_CHARS + 1]);
+void evt_nkey_encode_seed(const uint8_t seed[32],
+                          char out[EVT_NKEY_SEED_CHARS + 1]);
+/* Back to 32 raw bytes: 0, or KS_EINVAL (length, alphabet, prefix, CRC). */
+int evt_nkey_decode_public(const char *text, uint8_t raw_out[32]);
+int evt_nkey_decode_seed(const char *text, uint8_t seed_out[32]);
+/* The public key of a seed (Ed25519 derivation). 0, KS_EINVAL. */
+int evt_nkey_public_of_seed(const char *seed_text,
+                            char pub_out[EVT_NKEY_PUBLIC_CHARS + 1]);
+/* A new user key pair (OpenSSL's random source). 0 or KS_EINTERNAL. */
+int evt_nkey_generate(char seed_out[EVT_NKEY_SEED_CHARS + 1],
+                      char pub_out[EVT_NKEY_PUBLIC_CHARS + 1]);
+
+/* 1 if name can be an identity: [A-Za-z0-9_-], 1..EVT_IDENTITY_MAX. */
+int evt_identity_valid(const char *name);
+
+/*
+ * A seed file: comment lines naming the identity ("# kscore NATS identity:
+ * NAME") and the public key, then the seed on its own line, which is what
+ * nats.c reads from a seed file (the first line starting with "SU").
+ * evt_nkey_write_seed creates path with mode 0600 and never replaces a
+ * file: 0, -EEXIST, -errno, KS_EINVAL (bad identity or seed).
+ * evt_nkey_read_seed reads one back: the seed, its public key, and the
+ * identity ("" when the file names none, e.g. a seed from `nk -gen user`).
+ * 0, -errno, KS_EINVAL (no valid seed in the file).
+ */
+int evt_nkey_write_seed(const char *path, const char *identity,
+                        const char *seed_text);
+int evt_nkey_read_seed(const char *path,
+                       char seed_out[EVT_NKEY_SEED_CHARS + 1],
+                       char pub_out[EVT_NKEY_PUBLIC_CHARS + 1],
+                       char identity_out[EVT_IDENTITY_MAX + 1]);
 
 /* ---- signed commands (Ed25519 via OpenSSL libcrypto) -------------------- */
 

@@ -60,6 +60,9 @@ struct fixture_nats {
 /* Starts a private nats-server with JetStream (stack_nats_start) in a new
  * temporary directory on a free port. conf_extra may be NULL. */
 int fixture_nats_start(struct fixture_nats *out, const char *conf_extra);
+/* As fixture_nats_start, with the users of the identity registry under
+ * ident_home (stack_nats_auth_write). */
+int fixture_nats_start_auth(struct fixture_nats *out, const char *ident_home);
 /* Stops it and removes its directory. Accepts NULL. */
 void fixture_nats_stop(struct fixture_nats *f);
 
@@ -76,10 +79,14 @@ struct fixture_stack {
     char agent_id[64];
     char signing_key[PATH_MAX + 16]; /* <dir>/broker.key (kscore keygen) */
     char trust_key[PATH_MAX + 16];   /* <dir>/broker.pub */
-    /* Secure stacks (fixture_stack_start_secure): NATS users from
-     * deploy/nats-auth.conf.in, as `kscore up` makes them. */
+    /* Secure stacks (fixture_stack_start_secure): NATS identities in a
+     * registry under dir (cli/stack.h: dir/identities, seeds in dir/keys
+     * and dir/operators), rendered through deploy/nats-auth.conf.in into
+     * the server's nats-auth.conf, as `kscore up` makes them. */
     bool secure;
-    char broker_pw[33], operator_name[32], operator_pw[33], agent_pw[33];
+    char operator_name[64];
+    char broker_seed[PATH_MAX + 64], operator_seed[PATH_MAX + 64],
+        agent_seed[PATH_MAX + 256];
     char policy[PATH_MAX + 16]; /* broker --policy, "" for none */
     char agent_labels[128];     /* "--label" value for the agent, or "" */
 };
@@ -95,6 +102,12 @@ int fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
                                const char *policy_file);
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
+/*
+ * A secure stack after its registry (s->dir) changed (stack_ident_add or
+ * _remove with home s->dir): renders nats-auth.conf again and makes
+ * nats-server reload it. 0 or a negative code.
+ */
+int fixture_stack_nats_reauth(struct fixture_stack *s);
 void fixture_stack_stop(struct fixture_stack *s);
 /*
  * Starts one more `kscore agent --id id` daemon named `name` (its pid file
@@ -144,11 +157,19 @@ struct fixture_out {
 
 /*
  * Runs the kscore binary with args (NULL-terminated, without argv[0]) and
- * KSCORE_NATS_URL pointing at the stack (s may be NULL), stdin /dev/null,
+ * KSCORE_NATS_URL pointing at the stack (s may be NULL; for a secure stack,
+ * KSCORE_NATS_NKEY is the operator's seed), stdin /dev/null,
  * capturing stdout and stderr. Returns 0 or -errno.
  */
 int fixture_kscore(const struct fixture_stack *s, const char *const args[],
                    struct fixture_out *out);
+/*
+ * As fixture_kscore, for the local stack of `kscore up` in home: runs with
+ * KSCORE_HOME=home and no KSCORE_NATS_* / KSCORE_AGENT / KSCORE_DB of the
+ * caller's, so home's env file decides.
+ */
+int fixture_kscore_home(const char *home, const char *const args[],
+                        struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
 
 #endif

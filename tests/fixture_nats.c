@@ -45,18 +45,36 @@ make_tmp(char *dir, size_t len, const char *what)
     return mkdtemp(dir) ? 0 : -errno;
 }
 
-int
-fixture_nats_start(struct fixture_nats *out, const char *conf_extra)
+static int
+nats_start(struct fixture_nats *out, const char *conf_extra,
+           const char *ident_home)
 {
     int rc;
     memset(out, 0, sizeof(*out));
     if ((rc = make_tmp(out->dir, sizeof(out->dir), "nats")))
         return rc;
+    if (ident_home) {
+        if ((rc = stack_nats_auth_write(out->dir, ident_home)))
+            return rc;
+        conf_extra = STACK_NATS_AUTH_INCLUDE;
+    }
     rc = stack_nats_start(out->dir, 0, conf_extra, &out->url, &out->pid);
     if (rc)
         fprintf(stderr, "fixture_nats_start: %s, see %s/nats.log\n",
                 ks_strerror(rc), out->dir);
     return rc;
+}
+
+int
+fixture_nats_start(struct fixture_nats *out, const char *conf_extra)
+{
+    return nats_start(out, conf_extra, NULL);
+}
+
+int
+fixture_nats_start_auth(struct fixture_nats *out, const char *ident_home)
+{
+    return nats_start(out, NULL, ident_home);
 }
 
 void
@@ -83,10 +101,8 @@ admin_opts(const struct fixture_stack *st, struct evt_connect_opts *o)
 {
     memset(o, 0, sizeof(*o));
     o->name = "fixture";
-    if (st->secure) {
-        o->user = "broker";
-        o->password = st->broker_pw;
-    }
+    if (st->secure)
+        o->nkey_file = st->broker_seed;
 }
 
 static int
@@ -128,13 +144,10 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
         argv[n + 1] = s->policy;
         argv[n + 2] = NULL;
     }
-    if (s->secure) {
-        setenv("KSCORE_NATS_USER", "broker", 1);
-        setenv("KSCORE_NATS_PASSWORD", s->broker_pw, 1);
-    }
+    if (s->secure)
+        setenv("KSCORE_NATS_NKEY", s->broker_seed, 1);
     rc = stack_daemon(s->dir, "broker", argv, &pid);
-    unsetenv("KSCORE_NATS_USER");
-    unsetenv("KSCORE_NATS_PASSWORD");
+    unsetenv("KSCORE_NATS_NKEY");
     if (rc == 0)
         rc = wait_broker(s, 30000);
     if (rc)
@@ -167,16 +180,12 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     char *argv[] = {(char *)kscore_bin(), "agent",    "--id", s->agent_id,
                     "--nats",             s->nats.url, "--state-dir", state,
                     "--trust-key",        s->trust_key, NULL, NULL, NULL};
-    char user[96];
     if (s->agent_labels[0]) {
         argv[10] = "--label";
         argv[11] = s->agent_labels;
     }
-    if (s->secure) {
-        snprintf(user, sizeof(user), "agent-%s", s->agent_id);
-        setenv("KSCORE_NATS_USER", user, 1);
-        setenv("KSCORE_NATS_PASSWORD", s->agent_pw, 1);
-    }
+    if (s->secure)
+        setenv("KSCORE_NATS_NKEY", s->agent_seed, 1);
     if (extra_env) {
         /* "K=V K2=V2": set for the child only (stack_daemon inherits). */
         char *copy = strdup(extra_env), *save = NULL;
@@ -195,8 +204,7 @@ fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env)
     } else {
         rc = stack_daemon(s->dir, "agent", argv, &pid);
     }
-    unsetenv("KSCORE_NATS_USER");
-    unsetenv("KSCORE_NATS_PASSWORD");
+    unsetenv("KSCORE_NATS_NKEY");
     if (rc == 0)
         rc = wait_agent(s, s->agent_id, 30000);
     if (rc)
@@ -245,7 +253,9 @@ fixture_stack_nats_restart(struct fixture_stack *s)
     int rc;
 
     stack_nats_stop(s->nats.dir);
-    rc = stack_nats_start(s->nats.dir, port, NULL, &url, &pid);
+    rc = stack_nats_start(s->nats.dir, port,
+                          s->secure ? STACK_NATS_AUTH_INCLUDE : NULL, &url,
+                          &pid);
     if (rc == 0) {
         free(s->nats.url);
         s->nats.url = url;
@@ -272,14 +282,14 @@ fixture_stack_agent_kill(struct fixture_stack *s, int sig)
 
 static int
 stack_start(struct fixture_stack *s, const char *agent_id,
-            unsigned local_agents, const char *auth);
+            unsigned local_agents);
 
 int
 fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                     unsigned local_agents)
 {
     memset(s, 0, sizeof(*s));
-    return stack_start(s, agent_id, local_agents, NULL);
+    return stack_start(s, agent_id, local_agents);
 }
 
 int
@@ -287,8 +297,6 @@ fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
                            const char *label, const char *operator_name,
                            const char *policy_file)
 {
-    char *auth = NULL;
-    int rc;
     memset(s, 0, sizeof(*s));
     s->secure = true;
     snprintf(s->operator_name, sizeof(s->operator_name), "%s",
@@ -297,21 +305,44 @@ fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
         snprintf(s->policy, sizeof(s->policy), "%s", policy_file);
     if (label)
         snprintf(s->agent_labels, sizeof(s->agent_labels), "%s", label);
-    struct stack_auth sa = {s->broker_pw, s->operator_name, s->operator_pw,
-                            agent_id, s->agent_pw};
-    if ((rc = stack_secret(s->broker_pw)) ||
-        (rc = stack_secret(s->operator_pw)) ||
-        (rc = stack_secret(s->agent_pw)) ||
-        (rc = stack_nats_auth_conf(&sa, &auth)))
+    snprintf(s->agent_id, sizeof(s->agent_id), "%s", agent_id);
+    return stack_start(s, agent_id, 1);
+}
+
+/* The secure stack's identities, as `kscore up` makes them: broker,
+ * the operator and agent-<id>, in the registry under s->dir. */
+static int
+make_identities(struct fixture_stack *s)
+{
+    struct stack_identity id;
+    char agent_user[96];
+    int rc;
+
+    snprintf(agent_user, sizeof(agent_user), "agent-%s", s->agent_id);
+    if ((rc = stack_ident_add(s->dir, STACK_BROKER, "broker", &id)) ||
+        (rc = stack_ident_add(s->dir, STACK_OPERATOR, s->operator_name,
+                              &id)) ||
+        (rc = stack_ident_add(s->dir, STACK_AGENT, agent_user, &id)))
         return rc;
-    rc = stack_start(s, agent_id, 1, auth);
-    free(auth);
-    return rc;
+    stack_ident_seed_path(s->dir, STACK_BROKER, "broker", s->broker_seed,
+                          sizeof(s->broker_seed));
+    stack_ident_seed_path(s->dir, STACK_OPERATOR, s->operator_name,
+                          s->operator_seed, sizeof(s->operator_seed));
+    stack_ident_seed_path(s->dir, STACK_AGENT, agent_user, s->agent_seed,
+                          sizeof(s->agent_seed));
+    return 0;
+}
+
+int
+fixture_stack_nats_reauth(struct fixture_stack *s)
+{
+    int rc = stack_nats_auth_write(s->nats.dir, s->dir);
+    return rc ? rc : stack_nats_reload(s->nats.dir, 10000);
 }
 
 static int
 stack_start(struct fixture_stack *s, const char *agent_id,
-            unsigned local_agents, const char *auth)
+            unsigned local_agents)
 {
     int rc;
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
@@ -321,7 +352,10 @@ stack_start(struct fixture_stack *s, const char *agent_id,
     snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
     if ((rc = evt_keygen(s->signing_key, s->trust_key)))
         return rc;
-    if ((rc = fixture_nats_start(&s->nats, auth)))
+    if (s->secure && (rc = make_identities(s)))
+        return rc;
+    if ((rc = s->secure ? fixture_nats_start_auth(&s->nats, s->dir)
+                        : fixture_nats_start(&s->nats, NULL)))
         return rc;
     if ((rc = fixture_pg_start(&s->pg)))
         return rc;
@@ -381,9 +415,27 @@ append(char **buf, size_t *len, size_t *cap, const char *p, size_t n)
     return 0;
 }
 
+static int
+run_kscore(const struct fixture_stack *s, const char *home,
+           const char *const args[], struct fixture_out *out);
+
 int
 fixture_kscore(const struct fixture_stack *s, const char *const args[],
                struct fixture_out *out)
+{
+    return run_kscore(s, NULL, args, out);
+}
+
+int
+fixture_kscore_home(const char *home, const char *const args[],
+                    struct fixture_out *out)
+{
+    return run_kscore(NULL, home, args, out);
+}
+
+static int
+run_kscore(const struct fixture_stack *s, const char *home,
+           const char *const args[], struct fixture_out *out)
 {
     int po[2], pe[2];
     size_t n = 0, cap_o = 0, cap_e = 0;
@@ -410,12 +462,19 @@ fixture_kscore(const struct fixture_stack *s, const char *const args[],
         dup2(pe[1], 2);
         if (s)
             setenv("KSCORE_NATS_URL", s->nats.url, 1);
-        if (s && s->secure) {
-            setenv("KSCORE_NATS_USER", s->operator_name, 1);
-            setenv("KSCORE_NATS_PASSWORD", s->operator_pw, 1);
-        }
+        if (s && s->secure)
+            setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
         /* never fall back to a developer's own local stack */
-        setenv("KSCORE_HOME", "/nonexistent-kscore-home", 1);
+        setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
+        if (home) {
+            /* the stack of home alone decides */
+            static const char *const vars[] = {
+                "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
+                "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
+                "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
+            for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+                unsetenv(vars[i]);
+        }
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }

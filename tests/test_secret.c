@@ -112,11 +112,10 @@ kscore_with(const char *name, const char *value, const char *const args[],
 }
 
 static struct evt_conn *
-connect_as(const char *user, const char *password)
+connect_as(const char *seed_file)
 {
     struct evt_connect_opts o = {.name = "secret-test",
-                                 .user = user,
-                                 .password = password,
+                                 .nkey_file = seed_file,
                                  .timeout_ms = 2000,
                                  .send_asap = true};
     struct evt_conn *c = NULL;
@@ -210,7 +209,7 @@ capture_start(struct capture *cp)
 {
     memset(cp, 0, sizeof(*cp));
     pthread_mutex_init(&cp->mu, NULL);
-    cp->c = connect_as("broker", stack.broker_pw);
+    cp->c = connect_as(stack.broker_seed);
     ck_assert_int_eq(natsConnection_Subscribe(&cp->sub, cp->c->nc,
                                               "kscore.cmd.>", on_cmd, cp),
                      NATS_OK);
@@ -886,7 +885,7 @@ expect_refused(Ks__ExecuteReply *rep, const char *marker, const char *what)
 
 START_TEST(changed_or_misused_boxes_are_refused)
 {
-    struct evt_conn *c = connect_as(OPERATOR, stack.operator_pw);
+    struct evt_conn *c = connect_as(stack.operator_seed);
     uint8_t pub[32], local_pub[32], *box = NULL;
     size_t len = 0;
     char marker[PATH_MAX + 64], id[37];
@@ -1081,7 +1080,7 @@ END_TEST
  * dir), so what was sealed before still opens after. */
 START_TEST(seal_key_survives_a_restart)
 {
-    struct evt_conn *c = connect_as(OPERATOR, stack.operator_pw);
+    struct evt_conn *c = connect_as(stack.operator_seed);
     uint8_t before[32], after[32], *box = NULL;
     size_t len = 0;
     char path[PATH_MAX + 96], marker[PATH_MAX + 64], id[37];

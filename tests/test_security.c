@@ -59,12 +59,12 @@ stack_down(void)
         fprintf(stderr, "cannot remove %s\n", tmpdir);
 }
 
+/* Connects with an NKey seed file of the stack's registry. */
 static struct evt_conn *
-connect_as(const char *user, const char *password)
+connect_as(const char *seed_file)
 {
     struct evt_connect_opts o = {.name = "sec-test",
-                                 .user = user,
-                                 .password = password,
+                                 .nkey_file = seed_file,
                                  .timeout_ms = 2000};
     struct evt_conn *c = NULL;
     ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
@@ -154,7 +154,7 @@ static const char *
 publish_and_reject(const uint8_t *buf, size_t len, const char *command_id)
 {
     static char reason[256];
-    struct evt_conn *c = connect_as("broker", stack.broker_pw);
+    struct evt_conn *c = connect_as(stack.broker_seed);
     jsPubAck *pa = NULL;
     char sql[512];
     char subject[64];
@@ -273,9 +273,9 @@ END_TEST
 
 START_TEST(operator_cannot_publish_commands)
 {
-    struct evt_conn *admin = connect_as("broker", stack.broker_pw);
+    struct evt_conn *admin = connect_as(stack.broker_seed);
     uint64_t before = cmds_in_stream(admin);
-    struct evt_conn *op = connect_as(OPERATOR, stack.operator_pw);
+    struct evt_conn *op = connect_as(stack.operator_seed);
     jsPubAck *pa = NULL;
     jsPubOptions po;
     jsPubOptions_Init(&po);
@@ -296,11 +296,74 @@ START_TEST(operator_cannot_publish_commands)
 }
 END_TEST
 
+/* Subscribes as c to subject; 1 if the server refused it (the refusal is
+ * an -ERR that arrives before the PONG of the flush). */
+static int
+sub_refused(struct evt_conn *c, const char *subject)
+{
+    natsSubscription *sub = NULL;
+    const char *txt = NULL;
+    ck_assert_int_eq(natsConnection_SubscribeSync(&sub, c->nc, subject),
+                     NATS_OK);
+    natsConnection_FlushTimeout(c->nc, 2000);
+    natsStatus s = natsConnection_GetLastError(c->nc, &txt);
+    natsSubscription_Destroy(sub);
+    return s == NATS_NOT_PERMITTED;
+}
+
+START_TEST(operator_reads_only_its_own_inbox)
+{
+    /* A second operator, added to the registry and reloaded as
+     * `kscore operator add` does. */
+    struct stack_identity bob;
+    char bob_seed[PATH_MAX + 64];
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, "bob", &bob),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "bob", bob_seed,
+                          sizeof(bob_seed));
+
+    const char *refused[] = {"_INBOX.bob.>", "_INBOX.>", "_INBOX.*.x",
+                             "_INBOX.bob.x.1", ">"};
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        struct evt_conn *alice = connect_as(stack.operator_seed);
+        ck_assert_msg(sub_refused(alice, refused[i]),
+                      "alice may subscribe to %s", refused[i]);
+        evt_close(alice);
+    }
+    struct evt_conn *alice = connect_as(stack.operator_seed);
+    ck_assert_str_eq(alice->identity, OPERATOR);
+    ck_assert(!sub_refused(alice, "_INBOX." OPERATOR ".>"));
+    evt_close(alice);
+
+    /* bob's replies do not reach alice even when published (by the
+     * broker) to his inbox: she cannot hold the subscription. */
+    struct evt_conn *b = connect_as(bob_seed);
+    ck_assert_str_eq(b->identity, "bob");
+    ck_assert(!sub_refused(b, "_INBOX.bob.>"));
+    evt_close(b);
+
+    /* And bob calls the API under his own name: the broker hears "bob"
+     * (and the policy, which lists only alice, denies him). */
+    const char *args[] = {"agents", "--json", NULL};
+    struct fixture_out o;
+    char *env_seed = strdup(stack.operator_seed);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s",
+             bob_seed);
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s",
+             env_seed);
+    free(env_seed);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "operator 'bob' is not in the policy"), "%s",
+                  o.err);
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(agent_cannot_take_another_agents_commands)
 {
-    char user[64];
-    snprintf(user, sizeof(user), "agent-%s", AGENT);
-    struct evt_conn *c = connect_as(user, stack.agent_pw);
+    struct evt_conn *c = connect_as(stack.agent_seed);
     jsConsumerInfo *ci = NULL;
     jsConsumerConfig cc;
     jsOptions jo;
@@ -386,6 +449,7 @@ security_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, operator_cannot_publish_commands);
     tcase_add_test(tc, agent_cannot_take_another_agents_commands);
+    tcase_add_test(tc, operator_reads_only_its_own_inbox);
     tcase_add_test(tc, refused_commands_never_run);
     tcase_add_test(tc, policy_denies_and_records);
     suite_add_tcase(s, tc);
