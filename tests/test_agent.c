@@ -805,7 +805,6 @@ START_TEST(claimed_never_spawned_is_not_started)
 {
     struct evt_conn *c = client();
     PGconn *pg = db();
-    kvStore *kv = NULL;
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
     natsMsg *m = NULL;
@@ -813,13 +812,11 @@ START_TEST(claimed_never_spawned_is_not_started)
     char id[37], claim_id[37], script[PATH_MAX + 64], path[PATH_MAX + 128];
 
     /* Known to the broker, but no agent process yet. */
-    ck_assert_int_eq(evt_agents_kv(c, &kv), 0);
     info.agent_id = "ns";
     info.version = "test";
     info.host = "test";
     info.heartbeat_at_us = ks_now_us();
-    ck_assert_int_eq(evt_agent_put(c, kv, &info), 0);
-    kvStore_Destroy(kv);
+    ck_assert_int_eq(evt_agent_put(c, NULL, &info, 5000), 0);
     sleep_ms(300);
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
