@@ -637,10 +637,17 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
                 procs_with_env("KSCORE_AGENT_ID=mid-b", NULL);
         if (n > max_procs)
             max_procs = n;
-        ck_assert_int_le(sql_long(pg, "SELECT count(*) FROM commands WHERE "
-                                      "agent_id LIKE 'mid-%%' AND status = "
-                                      "'Running'"),
-                         2);
+        /* The record lags the agent by a result's trip (publish, then
+         * the recorder's commit), while the freed slot's next claim may
+         * be recorded first: a third Running for a few ms is that lag. A
+         * third claim would stay Running for its whole `sleep 1`. */
+        const char *running = "SELECT count(*) FROM commands WHERE "
+                              "agent_id LIKE 'mid-%%' AND status = "
+                              "'Running'";
+        if (sql_long(pg, running) > 2) {
+            sleep_ms(200);
+            ck_assert_int_le(sql_long(pg, running), 2);
+        }
         open = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id "
                             "LIKE 'mid-%%' AND status IN ('Pending',"
                             "'Dispatched','Running')");
@@ -829,12 +836,16 @@ START_TEST(claimed_never_spawned_is_not_started)
     req.agent_id = "ns";
     req.event_id = claim_id;
     req.expected_version = 2; /* Requested, Dispatched */
-    ck_assert_int_eq(evt_request(c, EVT_API_CLAIM, &req.base, 5000, &m), 0);
+    /* As agent ns: only the addressed agent may claim (broker.c). */
+    ck_assert_int_eq(
+        evt_request_as(c, "agent-ns", EVT_API_CLAIM, &req.base, 5000, &m), 0);
     ck_assert_int_eq(evt_unpack(&ks__claim_reply__descriptor,
                                 natsMsg_GetData(m),
                                 (size_t)natsMsg_GetDataLength(m), &pm),
                      0);
-    ck_assert(((Ks__ClaimReply *)pm)->granted);
+    ck_assert_msg(((Ks__ClaimReply *)pm)->granted, "claim: %d %s",
+                  ((Ks__ClaimReply *)pm)->error_code,
+                  ((Ks__ClaimReply *)pm)->error);
     protobuf_c_message_free_unpacked(pm, NULL);
     natsMsg_Destroy(m);
     ck_assert_int_eq(wait_status(pg, id, "Running", 5000), 0);
