@@ -376,7 +376,7 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
            struct bstate *st, Ks__BatchReply **out)
 {
     natsSubscription *rsub = NULL;
-    natsInbox *ib = NULL;
+    char ib[EVT_INBOX_MAX];
     natsMsg *msg = NULL;
     char subject[192], id[48];
     uint8_t *buf = NULL;
@@ -385,15 +385,17 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     bool silent_said = false;
     int rc;
 
-    if (natsInbox_Create(&ib) != NATS_OK ||
-        natsConnection_SubscribeSync(&rsub, c->nc, (const char *)ib) !=
+    /* The reply address under this operator's own inbox (evt_inbox): the
+     * broker answers no other (broker.c api_guard). */
+    if (evt_inbox(c, ib, sizeof(ib)) != 0 ||
+        natsConnection_SubscribeSync(&rsub, c->nc, ib) !=
             NATS_OK ||
         (rc = kproto_pack(&req->base, &buf, &len)) != 0) {
         rc = KS_ENATS;
         goto out;
     }
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
-    if (natsConnection_PublishRequest(c->nc, subject, (const char *)ib, buf,
+    if (natsConnection_PublishRequest(c->nc, subject, ib, buf,
                                       (int)len) != NATS_OK) {
         rc = KS_ENATS;
         goto out;
@@ -473,7 +475,6 @@ out:
         natsSubscription_Unsubscribe(rsub);
         natsSubscription_Destroy(rsub);
     }
-    natsInbox_Destroy(ib);
     free(buf);
     return rc;
 }
