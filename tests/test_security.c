@@ -727,6 +727,98 @@ START_TEST(broker_replaces_a_consumer_with_a_wrong_filter)
 }
 END_TEST
 
+static void
+status_of(const char *id, char *buf, size_t len)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT status FROM commands WHERE command_id = '%s'", id);
+    PGconn *pg = PQconnectdb(stack.pg.conninfo);
+    PGresult *r = PQexec(pg, sql);
+    snprintf(buf, len, "%s", PQntuples(r) ? PQgetvalue(r, 0, 0) : "");
+    PQclear(r);
+    PQfinish(pg);
+}
+
+static int
+wait_status(const char *id, const char *want, int timeout_ms)
+{
+    char st[32] = "";
+    for (int t = 0; t <= timeout_ms; t += 100) {
+        status_of(id, st, sizeof(st));
+        if (!strcmp(st, want))
+            return 0;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "%s: %s, not %s\n", id, st, want);
+    return -1;
+}
+
+/* `kscore exec --detach` as the operator: the command id. */
+static void
+detach(const char *script, char id[37])
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--detach", "--",
+                          "sh",   "-c",      script,  NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec --detach: %s", o.err);
+    ck_assert_int_ge(o.out_len, 36);
+    snprintf(id, 37, "%.36s", o.out);
+    fixture_out_release(&o);
+}
+
+/* With nothing but its own rights the agent does all of its work: exec,
+ * batch, cancel, a kill -9 and a restart (journal: Lost), and the server
+ * never refuses the agent process anything. */
+START_TEST(agent_works_with_its_own_rights_only)
+{
+    struct fixture_out o;
+    char id[37];
+
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "hi", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    ck_assert_str_eq(o.out, "hi\n");
+    fixture_out_release(&o);
+
+    const char *batch[] = {"batch", "--agents", AGENT, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, batch, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s %s", o.out, o.err);
+    fixture_out_release(&o);
+
+    detach("exec sleep 30", id);
+    ck_assert_int_eq(wait_status(id, "Running", 10000), 0);
+    const char *cancel[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cancel, &o), 0);
+    ck_assert_msg(o.status == 0, "cancel: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(wait_status(id, "Cancelled", 20000), 0);
+
+    detach("exec sleep 30", id);
+    ck_assert_int_eq(wait_status(id, "Running", 10000), 0);
+    fixture_stack_agent_kill(&stack, SIGKILL);
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    ck_assert_int_eq(wait_status(id, "Lost", 20000), 0);
+
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec after the restart: %s", o.err);
+    fixture_out_release(&o);
+
+    /* The agent process (connection name kscore-agent) never met its
+     * permissions; the refusals in the log are the thief's. */
+    char path[PATH_MAX + 16], line[1024];
+    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(line, sizeof(line), f))
+        ck_assert_msg(!(strstr(line, "Violation") &&
+                        strstr(line, ":kscore-agent\"")),
+                      "the agent was refused: %s", line);
+    fclose(f);
+}
+END_TEST
+
 static Suite *
 security_suite(void)
 {
@@ -741,6 +833,7 @@ security_suite(void)
     tcase_add_test(tc, agent_credential_reads_no_replies);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
+    tcase_add_test(tc, agent_works_with_its_own_rights_only);
     suite_add_tcase(s, tc);
     return s;
 }
