@@ -6,9 +6,11 @@
  *  1. The executor (exec_*): child processes under the kill protocol. It
  *     knows nothing of NATS or SQL, so it is tested and benchmarked alone
  *     against real processes. See "Executor" below.
- *  2. The agent runtime (agent_*): a durable JetStream consumer per agent id,
- *     the claim request to the broker, results published to KSCORE_EVENTS,
- *     heartbeats in the KSCORE_AGENTS KV bucket. See "Agent runtime" below.
+ *  2. The agent runtime (agent_*): the commands of each agent id from its
+ *     durable JetStream consumer (which the broker provisions), the claim
+ *     request to the broker, results published to KSCORE_EVENTS,
+ *     heartbeats in the KSCORE_AGENTS KV bucket, all as plain NATS (no
+ *     JetStream API: events.h). See "Agent runtime" below.
  *
  * Kill protocol (the invariants the executor keeps):
  *  - The child leads its own process group (POSIX_SPAWN_SETPGROUP), starts
@@ -285,10 +287,13 @@ struct agent_opts {
     const struct evt_verifier *trust;
     const char *const *trust_keys;
     size_t n_trust_keys;
-    uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000. A
-                                      command's message stays unacked while
-                                      it waits and runs, kept alive with a
-                                      progress ack every ack_wait / 3 */
+    uint64_t ack_wait_ms;          /* consumer ack wait; 0: 30000, else
+                                      clamped by evt_agent_ack_wait_ms().
+                                      Sent in AgentInfo: the broker makes
+                                      the consumer with it. A command's
+                                      message stays unacked while it waits
+                                      and runs, kept alive with a progress
+                                      ack every ack_wait / 3 */
     uint64_t fence_ms;             /* 0: AGENT_FENCE_MS */
     unsigned watchdog_ms;          /* 0: AGENT_WATCHDOG_MS */
 };
@@ -315,12 +320,21 @@ struct agent_opts {
 struct agent;
 
 /*
- * Starts serving: one NATS connection, one durable push consumer per id
- * (filter kscore.cmd.<id>, explicit ack, max_ack_pending = max_concurrent),
- * one executor loop with its watchdog process, a publisher thread for
- * results, a heartbeat thread and a keeper thread (progress acks, contact
- * with NATS, self-fence). Returns 0, KS_EINVAL (bad id), KS_EUNAVAIL (NATS
- * unreachable) with *errmsg (malloc'd).
+ * Starts serving: one NATS connection; per id a registry entry (the first
+ * heartbeat, before anything else: the broker sees it and provisions the
+ * id's durable push consumer agent-<id>, filter kscore.cmd.<id>, explicit
+ * ack, max_ack_pending = max_concurrent, ack wait from AgentInfo; see
+ * evt_agent_consumer) and a core queue subscription to that consumer's
+ * deliver subject; one executor loop with its watchdog process, a
+ * publisher thread for results, a heartbeat thread and a keeper thread
+ * (progress acks, contact with NATS, self-fence). The agent uses JetStream
+ * as plain NATS only: publishes whose PubAck comes to "_INBOX.agent-<id>.",
+ * acks published to each message's reply subject; its NATS user needs no
+ * "_INBOX.>" and no "$JS.API.>" (deploy/nats-auth.conf.in). Messages of
+ * another subject than kscore.cmd.<id> (a consumer with a wrong filter,
+ * which the broker replaces) are left alone: never run, refused or acked.
+ * Returns 0, KS_EINVAL (bad id), KS_EUNAVAIL (NATS unreachable, or no
+ * registry bucket: no broker has set up this NATS) with *errmsg (malloc'd).
  *
  * The child's environment is the executor's base plus KSCORE_AGENT_ID (the
  * agent id it runs for) plus the command's declared variables.

@@ -13,6 +13,14 @@
 struct agent_slot {
     struct agent *agent;
     char *id;
+    /* "agent-<id>": the NATS identity this id acts as (claims, the
+     * inbox of its PubAcks) and its consumer's name. */
+    char identity[8 + EVT_AGENT_ID_MAX];
+    char cmd_subject[16 + EVT_AGENT_ID_MAX]; /* kscore.cmd.<id> */
+    /* "$JS.ACK.KSCORE_CMDS.agent-<id>.": every delivery of its consumer
+     * has a reply subject under it, and acks go nowhere else. */
+    char ack_prefix[32 + EVT_AGENT_ID_MAX];
+    /* Core queue subscription to the consumer's deliver subject. */
     natsSubscription *sub, *cancel_sub;
 };
 
@@ -22,6 +30,7 @@ struct outbox_item {
     uint8_t *buf;
     size_t len;
     char subject[16 + EVT_AGENT_ID_MAX + 40];
+    char agent_id[EVT_AGENT_ID_MAX + 1]; /* publishes as agent-<id> */
 };
 
 /* Where a held command message is. */
@@ -61,7 +70,6 @@ struct agent {
     unsigned max_concurrent;
     uint64_t ack_wait_ms, fence_ms;
     struct evt_conn *nc;
-    kvStore *kv;
     struct exec_loop *loop;
     struct agent_slot *slots;
     size_t n_slots;
@@ -93,6 +101,9 @@ struct agent {
     pthread_mutex_t hb_mu;
     pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
     bool hb_wake;           /* under hb_mu: heartbeat now */
+    /* Rate limits of log lines (mono us; their own threads). */
+    int64_t pub_err_logged_us, hb_err_logged_us;
+    _Atomic int64_t foreign_logged_us;
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;

@@ -55,6 +55,10 @@
 /* How long a claim is retried while no broker answers (ms). */
 #define CLAIM_RETRY_MS 20000
 #define PUBLISH_TIMEOUT_MS 2000
+/* A heartbeat's wait for the registry stream's PubAck (ms). */
+#define HEARTBEAT_TIMEOUT_MS 2000
+/* One log line per this much time for a failure that repeats (us). */
+#define LOG_EVERY_US (10 * 1000000)
 #define AGENT_VERSION "0.1.0"
 /* The keeper's period (ms): progress acks, contact, fence. */
 #define KEEPER_TICK_MS 200
@@ -160,6 +164,7 @@ agent__queue_event(struct agent *a, const Ks__Event *ev)
         return rc;
     }
     snprintf(it->event_id, sizeof(it->event_id), "%s", ev->event_id);
+    snprintf(it->agent_id, sizeof(it->agent_id), "%s", ev->agent_id);
     evt_event_subject(it->subject, sizeof(it->subject), ev->agent_id,
                       ev->command_id);
     if (a->state_dir) {
@@ -220,6 +225,8 @@ outbox_load(struct agent *a)
                 it->event_id[36] = '\0';
                 evt_event_subject(it->subject, sizeof(it->subject),
                                   ev->agent_id, ev->command_id);
+                snprintf(it->agent_id, sizeof(it->agent_id), "%s",
+                         ev->agent_id);
                 ks__event__free_unpacked(ev, NULL);
                 outbox_push(a, it);
                 it = NULL;
@@ -252,16 +259,24 @@ publisher_main(void *arg)
         }
         pthread_mutex_unlock(&a->mu);
 
-        jsPubOptions po;
-        jsPubAck *pa = NULL;
-        jsErrCode jerr = 0;
-        jsPubOptions_Init(&po);
-        po.MsgId = it->event_id;
-        po.MaxWait = PUBLISH_TIMEOUT_MS;
-        natsStatus s = js_Publish(&pa, a->nc->js, it->subject, it->buf,
-                                  (int)it->len, &po, &jerr);
-        jsPubAck_Destroy(pa);
-        if (s != NATS_OK) {
+        /* A publish to the stream's subject whose PubAck comes back to
+         * this id's own inbox (no JetStream API: events.h). A duplicate
+         * PubAck is a success: the stream has it. */
+        char ident[8 + EVT_AGENT_ID_MAX], why[200];
+        evt_agent_durable(ident, sizeof(ident), it->agent_id);
+        int rc = evt_js_publish_as(a->nc, ident, it->subject, it->event_id,
+                                   it->buf, it->len, PUBLISH_TIMEOUT_MS, NULL,
+                                   why, sizeof(why));
+        if (rc) {
+            int64_t now = ks_mono_us();
+            if ((rc == KS_ENATS || rc == KS_EDECODE) &&
+                now - a->pub_err_logged_us > LOG_EVERY_US) {
+                a->pub_err_logged_us = now;
+                fprintf(stderr,
+                        "kscore agent: %s did not take event %s: %s "
+                        "(kept, tried again)\n",
+                        EVT_STREAM_EVENTS, it->event_id, why);
+            }
             /* NATS down or restarting: keep it and try again. At stop we
              * give up after the current try; the file stays in the outbox
              * for the next start. */
@@ -539,8 +554,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     /* The broker takes the claimer from the subject (and replies to its
      * inbox): agent-<id>, which the NATS permissions grant this id's user
      * (deploy/nats-auth.conf.in). One process may serve several ids. */
-    char claimer[EVT_AGENT_ID_MAX + 8];
-    snprintf(claimer, sizeof(claimer), "agent-%s", slot->id);
+    const char *claimer = slot->identity;
     req.command_id = cmd->command_id;
     req.attempt = cmd->attempt;
     req.agent_id = slot->id;
@@ -799,6 +813,28 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     pthread_mutex_unlock(&a->mu);
     if (atomic_load(&a->closing))
         goto out; /* not acked: redelivered after the ack wait */
+    /* Every delivery of this id's consumer comes with a reply subject
+     * under its ack prefix; anything else on the deliver subject is not
+     * JetStream's, and acks go nowhere else. */
+    if (!reply || strncmp(reply, slot->ack_prefix, strlen(slot->ack_prefix)))
+        goto out;
+    /* A push delivery keeps the subject it was stored under. Another
+     * subject means the consumer is not the one the broker makes (its
+     * filter is wrong: registry.c replaces it). Not ours to run, refuse or
+     * ack: left alone, it goes back to the stream when the consumer is
+     * replaced. */
+    if (strcmp(natsMsg_GetSubject(msg), slot->cmd_subject) != 0) {
+        int64_t now = ks_mono_us();
+        if (now - atomic_load(&a->foreign_logged_us) > LOG_EVERY_US) {
+            atomic_store(&a->foreign_logged_us, now);
+            fprintf(stderr,
+                    "kscore agent: consumer %s delivered a message of %s: "
+                    "not ours, left unacked (the broker replaces a "
+                    "consumer with a wrong filter)\n",
+                    slot->identity, natsMsg_GetSubject(msg));
+        }
+        goto out;
+    }
     rc = agent_decode_command(a->trust, slot->id, ks_now_us(),
                               natsMsg_GetData(msg),
                               (size_t)natsMsg_GetDataLength(msg), &cmd,
@@ -808,7 +844,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (cmd_id[0])
             reject(slot, cmd_id, 0,
                    rc == KS_EREJECTED ? reason : "undecodable command");
-        natsMsg_Term(msg, NULL);
+        agent__ack(a, reply, "+TERM");
         goto out;
     }
     pthread_mutex_lock(&a->mu);
@@ -826,7 +862,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* Another attempt of a command we hold (the broker re-dispatched it
          * while it waited here): one message is enough. */
         if (!same)
-            natsMsg_Ack(msg, NULL);
+            agent__ack(a, reply, "+ACK");
         goto out;
     }
     seen = seen_attempt_locked(a, cmd->command_id);
@@ -836,11 +872,11 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             reject(slot, cmd->command_id, cmd->attempt,
                    "replay: this agent has already claimed this command");
         /* else a re-dispatch that lost the race against our own claim */
-        natsMsg_Term(msg, NULL);
+        agent__ack(a, reply, "+TERM");
         goto out;
     }
     j = calloc(1, sizeof(*j));
-    if (!j || !reply || !(j->ack_subject = strdup(reply))) {
+    if (!j || !(j->ack_subject = strdup(reply))) {
         pthread_mutex_unlock(&a->mu);
         free(j);
         j = NULL;
@@ -922,17 +958,23 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- heartbeat --------------------------------------------------------------- */
 
-/* Writes every id's registry entry; true if all were acknowledged. */
-static bool
+/*
+ * Writes every id's registry entry: a publish to $KV.KSCORE_AGENTS.<id>
+ * whose PubAck comes back to agent-<id>'s own inbox (evt_agent_put). The
+ * PubAck is what the self-fence counts as contact: JetStream has the
+ * heartbeat, so the broker's liveness check sees it. 0 if every id's was
+ * acknowledged, else the first error.
+ */
+static int
 heartbeat_once(struct agent *a)
 {
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__EnvVar *lv = calloc(a->opts.n_labels + 1, sizeof(*lv));
     Ks__EnvVar **lp = calloc(a->opts.n_labels + 1, sizeof(*lp));
-    bool ok = true;
+    int rc = 0;
 
     if (!lv || !lp) {
-        ok = false;
+        rc = -ENOMEM;
         goto out;
     }
     for (size_t i = 0; i < a->opts.n_labels; i++) {
@@ -951,18 +993,23 @@ heartbeat_once(struct agent *a)
     info.pid = (int32_t)getpid();
     info.seal_key.data = a->seal_pub;
     info.seal_key.len = sizeof(a->seal_pub);
+    /* The broker gives this id's consumer the ack wait we keep alive. */
+    info.ack_wait_ms = a->ack_wait_ms;
     for (size_t i = 0; i < a->n_slots; i++) {
+        int one;
         info.agent_id = a->slots[i].id;
-        if (evt_agent_put(a->nc, a->kv, &info) == 0)
+        one = evt_agent_put(a->nc, a->slots[i].identity, &info,
+                            HEARTBEAT_TIMEOUT_MS);
+        if (one == 0)
             /* What the broker's liveness check sees: JetStream has it. */
             atomic_store(&a->last_contact_us, ks_mono_us());
-        else
-            ok = false;
+        else if (!rc)
+            rc = one;
     }
 out:
     free(lv);
     free(lp);
-    return ok;
+    return rc;
 }
 
 /* Asks the heartbeat thread for a heartbeat now. */
@@ -981,7 +1028,7 @@ heartbeat_main(void *arg)
     struct agent *a = arg;
 
     while (!a->stopping) {
-        bool ok = heartbeat_once(a);
+        bool ok = heartbeat_once(a) == 0;
         int64_t wait_us = (int64_t)(ok ? EVT_HEARTBEAT_MS
                                        : HEARTBEAT_RETRY_MS) * 1000;
         struct timespec ts;
@@ -1148,7 +1195,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     a->max_concurrent = opts->max_concurrent ? opts->max_concurrent
                                              : agent_default_max_concurrent();
     a->free_slots = a->max_concurrent;
-    a->ack_wait_ms = opts->ack_wait_ms ? opts->ack_wait_ms : 30000;
+    /* As the broker will make the consumer (AgentInfo.ack_wait_ms). */
+    a->ack_wait_ms = evt_agent_ack_wait_ms(opts->ack_wait_ms);
     a->fence_ms = opts->fence_ms ? opts->fence_ms : AGENT_FENCE_MS;
     if (opts->state_dir) {
         char dir[4096];
@@ -1211,12 +1259,40 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     rc = evt_connect(opts->nats_url, &co, &a->nc, errmsg);
     if (rc)
         goto fail;
-    /* The broker creates the streams; an agent may only use them. */
-    rc = evt_agents_kv(a->nc, &a->kv);
+    a->slots = calloc(opts->n_ids, sizeof(*a->slots));
+    if (!a->slots) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    for (size_t i = 0; i < opts->n_ids; i++) {
+        struct agent_slot *s = &a->slots[i];
+        s->agent = a;
+        s->id = strdup(opts->ids[i]);
+        a->n_slots = i + 1;
+        if (!s->id) {
+            rc = -ENOMEM;
+            goto fail;
+        }
+        evt_agent_durable(s->identity, sizeof(s->identity), s->id);
+        evt_cmd_subject(s->cmd_subject, sizeof(s->cmd_subject), s->id);
+        snprintf(s->ack_prefix, sizeof(s->ack_prefix), "$JS.ACK.%s.%s.",
+                 EVT_STREAM_CMDS, s->identity);
+    }
+    /*
+     * Registered (every id) before anything else: the broker creates the
+     * streams, and it makes each id's consumer when it sees the id here
+     * (broker/registry.c), so the consumer is on its way while we recover.
+     * An agent never calls the JetStream API, so this is also where it
+     * learns that there is no registry bucket: no stream answers.
+     */
+    rc = heartbeat_once(a);
     if (rc) {
-        if (errmsg && asprintf(errmsg, "KV bucket %s: %s (is a broker "
-                                       "running on this NATS?)",
-                               EVT_KV_AGENTS, ks_strerror(rc)) < 0)
+        if (errmsg &&
+            asprintf(errmsg, "cannot register in KV bucket %s: %s%s",
+                     EVT_KV_AGENTS, ks_strerror(rc),
+                     rc == KS_EUNAVAIL ? " (is a broker running on this "
+                                         "NATS?)"
+                                       : "") < 0)
             *errmsg = NULL;
         goto fail;
     }
@@ -1244,39 +1320,27 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             goto fail;
         }
 
-    a->slots = calloc(opts->n_ids, sizeof(*a->slots));
-    if (!a->slots) {
-        rc = -ENOMEM;
-        goto fail;
-    }
-    for (size_t i = 0; i < opts->n_ids; i++) {
+    for (size_t i = 0; i < a->n_slots; i++) {
         struct agent_slot *s = &a->slots[i];
-        char durable[16 + EVT_AGENT_ID_MAX], subject[16 + EVT_AGENT_ID_MAX],
-            csubj[32 + EVT_AGENT_ID_MAX];
-        s->agent = a;
-        s->id = strdup(opts->ids[i]);
-        a->n_slots = i + 1;
-        if (!s->id) {
-            rc = -ENOMEM;
+        char deliver[32 + EVT_AGENT_ID_MAX], csubj[32 + EVT_AGENT_ID_MAX];
+        /* The consumer agent-<id> (the broker's: evt_agent_consumer)
+         * pushes to its deliver subject in queue group agent-<id>, so the
+         * processes serving one id share its messages. A core
+         * subscription: nats.c's JetStream subscribe would look the
+         * consumer up through the JetStream API. */
+        evt_deliver_subject(deliver, sizeof(deliver), s->identity);
+        natsStatus st = natsConnection_QueueSubscribe(
+            &s->sub, a->nc->nc, deliver, s->identity, on_command, s);
+        /* Held messages are few (max_ack_pending); never drop one. */
+        if (st == NATS_OK)
+            st = natsSubscription_SetPendingLimits(s->sub, -1, -1);
+        if (st != NATS_OK) {
+            if (errmsg && asprintf(errmsg, "subscribe %s: %s", deliver,
+                                   natsStatus_GetText(st)) < 0)
+                *errmsg = NULL;
+            rc = KS_ENATS;
             goto fail;
         }
-        evt_agent_durable(durable, sizeof(durable), s->id);
-        evt_cmd_subject(subject, sizeof(subject), s->id);
-        struct evt_durable d = {
-            .stream = EVT_STREAM_CMDS,
-            .durable = durable,
-            .filter_subject = subject,
-            /* Processes serving the same id share its messages. */
-            .deliver_group = durable,
-            /* A message stays unacked while its command waits and runs:
-             * this is what keeps the backlog in JetStream. */
-            .max_ack_pending = a->max_concurrent,
-            .ack_wait_ms = (int64_t)a->ack_wait_ms,
-            .max_deliver = 5,
-        };
-        rc = evt_durable_subscribe(a->nc, &d, on_command, s, &s->sub, errmsg);
-        if (rc)
-            goto fail;
         snprintf(csubj, sizeof(csubj), "kscore.cancel.%s", s->id);
         if (natsConnection_Subscribe(&s->cancel_sub, a->nc->nc, csubj,
                                      on_cancel, s) != NATS_OK) {
@@ -1284,9 +1348,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             goto fail;
         }
     }
+    /* The subscriptions are the server's before agent_start returns. */
     natsConnection_Flush(a->nc->nc);
-    /* Registered (every id) before agent_start returns. */
-    heartbeat_once(a);
     if (pthread_create(&a->hb_thread, NULL, heartbeat_main, a) != 0) {
         rc = KS_EINTERNAL;
         goto fail;
@@ -1373,7 +1436,6 @@ agent_stop(struct agent *a)
         free(it->buf);
         free(it);
     }
-    kvStore_Destroy(a->kv);
     evt_close(a->nc);
     ks_map_clear(&a->jobs);
     ks_map_clear(&a->seen);

@@ -1,7 +1,19 @@
 /*
  * The agent registry as the broker sees it: a watcher on the KSCORE_AGENTS
  * KV bucket keeps an in-memory map (for the execute path) and the agents
- * projection in PostgreSQL (for `kscore agents`).
+ * projection in PostgreSQL (for `kscore agents`), and provisions each
+ * agent's consumer.
+ *
+ * Consumers: an agent may not use the JetStream API (with it, nats-server
+ * 2.9 lets agent A make "agent-A" with filter kscore.cmd.> and read every
+ * agent's commands), so the broker makes each one, as evt_agent_consumer
+ * says, from what the agent's entry tells: max_concurrent and ack_wait_ms.
+ * It does so for every id it has not provisioned yet (at start, for every
+ * entry in the bucket: the watcher's initial values), again when the
+ * agent's process, max_concurrent or ack wait changes, and every
+ * CONSUMER_RECHECK_US anyway, so that a consumer deleted or altered behind
+ * its back is put right. evt_consumer_ensure replaces a consumer that
+ * delivers anything else than the id's own subject to its deliver subject.
  */
 #include <errno.h>
 #include <stdbool.h>
@@ -87,12 +99,87 @@ agent_store_failed(struct broker *b, const char *key)
     pthread_mutex_unlock(&b->mu);
 }
 
+/* A consumer is checked again this often though nothing changed (us). */
+#define CONSUMER_RECHECK_US (60 * 1000000)
+/* One log line per this much time for failures to provision (us). */
+#define PROVISION_LOG_EVERY_US (10 * 1000000)
+
+/* What an agent's consumer was last made from. Registry thread only. */
+struct provisioned {
+    int32_t pid;
+    uint32_t max_concurrent;
+    uint64_t ack_wait_ms;
+    int64_t checked_mono_us;
+};
+
+struct provisioner {
+    struct ks_map done; /* agent id -> struct provisioned * */
+    int64_t err_logged_us;
+};
+
+static void
+free_provisioned(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+/* Makes agent_id's consumer as its entry says, unless it was made so
+ * lately. A failure (JetStream away) is tried again at the next
+ * heartbeat. Registry thread. */
+static void
+provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
+{
+    struct provisioned *p = ks_map_get(&pv->done, info->agent_id);
+    struct evt_agent_consumer ac;
+    enum evt_consumer_change change = EVT_CONSUMER_KEPT;
+    int64_t now = ks_mono_us();
+    char *err = NULL;
+
+    if (p && p->pid == info->pid &&
+        p->max_concurrent == info->max_concurrent &&
+        p->ack_wait_ms == info->ack_wait_ms &&
+        now - p->checked_mono_us < CONSUMER_RECHECK_US)
+        return;
+    evt_agent_consumer(&ac, info->agent_id, info->max_concurrent,
+                       info->ack_wait_ms);
+    if (evt_consumer_ensure(b->nc, &ac.d, &change, &err) != 0) {
+        if (now - pv->err_logged_us > PROVISION_LOG_EVERY_US) {
+            pv->err_logged_us = now;
+            fprintf(stderr,
+                    "kscore broker: cannot provision the consumer of agent "
+                    "%s: %s (tried again at its next heartbeat)\n",
+                    info->agent_id, err ? err : "?");
+        }
+        free(err);
+        return;
+    }
+    if (change == EVT_CONSUMER_REPLACED)
+        fprintf(stderr,
+                "kscore broker: consumer %s delivered something else than "
+                "%s: replaced\n",
+                ac.d.durable, ac.d.filter_subject);
+    if (!p) {
+        p = calloc(1, sizeof(*p));
+        if (!p || ks_map_put(&pv->done, info->agent_id, p) != 0) {
+            free(p);
+            return; /* checked again next time */
+        }
+    }
+    p->pid = info->pid;
+    p->max_concurrent = info->max_concurrent;
+    p->ack_wait_ms = info->ack_wait_ms;
+    p->checked_mono_us = now;
+}
+
 static void *
 registry_main(void *arg)
 {
     struct broker *b = arg;
     kvWatcher *w = NULL;
     kvWatchOptions wo;
+    struct provisioner pv = {KS_MAP_INIT, 0};
 
     kvWatchOptions_Init(&wo);
     if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
@@ -119,6 +206,8 @@ registry_main(void *arg)
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
+                    /* Before agent_update takes info. */
+                    provision(b, &pv, info);
                     agent_update(b, kvEntry_Key(e), info);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
@@ -131,6 +220,8 @@ registry_main(void *arg)
     }
     kvWatcher_Stop(w);
     kvWatcher_Destroy(w);
+    ks_map_each(&pv.done, free_provisioned, NULL);
+    ks_map_clear(&pv.done);
     return NULL;
 }
 

@@ -283,6 +283,12 @@ evt_agent_durable(char *buf, size_t len, const char *agent_id)
     snprintf(buf, len, "agent-%s", agent_id);
 }
 
+void
+evt_deliver_subject(char *buf, size_t len, const char *durable)
+{
+    snprintf(buf, len, "_KSCORE.deliver.%s", durable);
+}
+
 /* Packs msg into a buffer of its exact size; KS_ETOOBIG past the limit. */
 static int
 pack_checked(const ProtobufCMessage *msg, uint8_t **buf, size_t *len)
@@ -451,18 +457,23 @@ evt_agents_kv(struct evt_conn *c, kvStore **kv_out)
 }
 
 int
-evt_agent_put(struct evt_conn *c, kvStore *kv, const Ks__AgentInfo *info)
+evt_agent_put(struct evt_conn *c, const char *identity,
+              const Ks__AgentInfo *info, int timeout_ms)
 {
+    char subject[8 + sizeof(EVT_KV_AGENTS) + EVT_AGENT_ID_MAX];
     uint8_t *buf = NULL;
     size_t len = 0;
-    uint64_t rev = 0;
     int rc;
 
-    (void)c;
+    if (!evt_agent_id_valid(info->agent_id))
+        return KS_EINVAL;
     rc = pack_checked(&info->base, &buf, &len);
     if (rc)
         return rc;
-    rc = evt_err(kvStore_Put(&rev, kv, info->agent_id, buf, (int)len));
+    snprintf(subject, sizeof(subject), "$KV.%s.%s", EVT_KV_AGENTS,
+             info->agent_id);
+    rc = evt_js_publish_as(c, identity, subject, NULL, buf, len, timeout_ms,
+                           NULL, NULL, 0);
     free(buf);
     return rc;
 }
@@ -489,20 +500,45 @@ evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
     return 0;
 }
 
+/* What of a consumer's config decides what it delivers where: any
+ * difference here and it is replaced, not updated. */
+static bool
+delivers_otherwise(const jsConsumerConfig *have, const jsConsumerConfig *want)
+{
+    const char *hg = have->DeliverGroup ? have->DeliverGroup : "";
+    const char *wg = want->DeliverGroup ? want->DeliverGroup : "";
+
+    return !have->FilterSubject ||
+           strcmp(have->FilterSubject, want->FilterSubject) != 0 ||
+           !have->DeliverSubject ||
+           strcmp(have->DeliverSubject, want->DeliverSubject) != 0 ||
+           strcmp(hg, wg) != 0 || have->AckPolicy != want->AckPolicy ||
+           have->DeliverPolicy != want->DeliverPolicy || have->HeadersOnly ||
+           have->FlowControl || have->Heartbeat != 0 ||
+           have->RateLimit != 0 || have->BackOffLen != 0;
+}
+
+static bool
+limits_differ(const jsConsumerConfig *have, const jsConsumerConfig *want)
+{
+    return have->AckWait != want->AckWait ||
+           have->MaxDeliver != want->MaxDeliver ||
+           have->MaxAckPending != want->MaxAckPending;
+}
+
 int
-evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
-                      natsMsgHandler cb, void *ud, natsSubscription **sub_out,
-                      char **errmsg)
+evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
+                    enum evt_consumer_change *change_out, char **errmsg)
 {
     jsConsumerConfig cc;
     jsConsumerInfo *ci = NULL;
-    jsSubOptions so;
     jsErrCode jerr = 0;
     char deliver[256];
-    natsSubscription *sub = NULL;
+    enum evt_consumer_change change = EVT_CONSUMER_KEPT;
+    const char *step = "info";
     natsStatus s;
 
-    snprintf(deliver, sizeof(deliver), "_KSCORE.deliver.%s", d->durable);
+    evt_deliver_subject(deliver, sizeof(deliver), d->durable);
     jsConsumerConfig_Init(&cc);
     cc.Durable = d->durable;
     cc.DeliverSubject = deliver;
@@ -513,19 +549,70 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
     cc.MaxAckPending = d->max_ack_pending;
     cc.AckWait = d->ack_wait_ms * NS_PER_MS;
     cc.MaxDeliver = d->max_deliver ? d->max_deliver : -1;
-    s = js_AddConsumer(&ci, c->js, d->stream, &cc, NULL, &jerr);
-    if (s != NATS_OK && jerr == JSConsumerNameExistErr)
+
+    s = js_GetConsumerInfo(&ci, c->js, d->stream, d->durable, NULL, &jerr);
+    if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr) {
+        change = EVT_CONSUMER_CREATED;
+    } else if (s != NATS_OK) {
+        goto out;
+    } else if (delivers_otherwise(ci->Config, &cc)) {
+        /* Never patched: delete, then create as asked. */
+        step = "delete";
+        change = EVT_CONSUMER_REPLACED;
+        s = js_DeleteConsumer(c->js, d->stream, d->durable, NULL, &jerr);
+        if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)
+            s = NATS_OK; /* another broker got there first */
+        if (s != NATS_OK)
+            goto out;
+    } else if (limits_differ(ci->Config, &cc)) {
+        step = "update";
+        change = EVT_CONSUMER_UPDATED;
+        jsConsumerInfo_Destroy(ci);
+        ci = NULL;
+        jerr = 0;
         s = js_UpdateConsumer(&ci, c->js, d->stream, &cc, NULL, &jerr);
-    jsConsumerInfo_Destroy(ci);
-    if (s == NATS_OK) {
-        jsSubOptions_Init(&so);
-        so.Stream = d->stream;
-        so.Consumer = d->durable;
-        so.Queue = d->deliver_group;
-        so.ManualAck = true;
-        s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so,
-                         &jerr);
+        goto out;
+    } else {
+        goto out; /* as asked */
     }
+    jsConsumerInfo_Destroy(ci);
+    ci = NULL;
+    jerr = 0;
+    step = "create";
+    s = js_AddConsumer(&ci, c->js, d->stream, &cc, NULL, &jerr);
+out:
+    jsConsumerInfo_Destroy(ci);
+    if (s != NATS_OK) {
+        if (errmsg && asprintf(errmsg, "consumer %s (%s): %s", d->durable,
+                               step, nats_GetLastError(NULL)) < 0)
+            *errmsg = NULL;
+        return KS_ENATS;
+    }
+    if (change_out)
+        *change_out = change;
+    return 0;
+}
+
+int
+evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
+                      natsMsgHandler cb, void *ud, natsSubscription **sub_out,
+                      char **errmsg)
+{
+    jsSubOptions so;
+    jsErrCode jerr = 0;
+    natsSubscription *sub = NULL;
+    natsStatus s;
+    int rc;
+
+    rc = evt_consumer_ensure(c, d, NULL, errmsg);
+    if (rc)
+        return rc;
+    jsSubOptions_Init(&so);
+    so.Stream = d->stream;
+    so.Consumer = d->durable;
+    so.Queue = d->deliver_group;
+    so.ManualAck = true;
+    s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so, &jerr);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(sub, -1, -1);
     if (s != NATS_OK) {
@@ -537,4 +624,37 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
     }
     *sub_out = sub;
     return 0;
+}
+
+uint64_t
+evt_agent_ack_wait_ms(uint64_t ack_wait_ms)
+{
+    if (ack_wait_ms == 0)
+        return EVT_AGENT_ACK_WAIT_DEFAULT_MS;
+    if (ack_wait_ms < EVT_AGENT_ACK_WAIT_MIN_MS)
+        return EVT_AGENT_ACK_WAIT_MIN_MS;
+    if (ack_wait_ms > EVT_AGENT_ACK_WAIT_MAX_MS)
+        return EVT_AGENT_ACK_WAIT_MAX_MS;
+    return ack_wait_ms;
+}
+
+void
+evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
+                   uint32_t max_concurrent, uint64_t ack_wait_ms)
+{
+    memset(out, 0, sizeof(*out));
+    evt_agent_durable(out->durable, sizeof(out->durable), agent_id);
+    evt_cmd_subject(out->filter, sizeof(out->filter), agent_id);
+    out->d.stream = EVT_STREAM_CMDS;
+    out->d.durable = out->durable;
+    out->d.filter_subject = out->filter;
+    /* Processes serving the same id share its messages. */
+    out->d.deliver_group = out->durable;
+    out->d.max_ack_pending =
+        max_concurrent < 1 ? 1
+        : max_concurrent > EVT_AGENT_MAX_ACK_PENDING
+            ? EVT_AGENT_MAX_ACK_PENDING
+            : (int64_t)max_concurrent;
+    out->d.ack_wait_ms = (int64_t)evt_agent_ack_wait_ms(ack_wait_ms);
+    out->d.max_deliver = EVT_AGENT_MAX_DELIVER;
 }

@@ -5,12 +5,26 @@
  * NATS layout (DESIGN.md "NATS layout"):
  *   KSCORE_CMDS    stream, work-queue, file, subjects kscore.cmd.>
  *                  one durable push consumer per agent ("agent-<id>"),
- *                  filter kscore.cmd.<id>; Nats-Msg-Id "<command>.<attempt>"
+ *                  filter kscore.cmd.<id>, delivering to
+ *                  "_KSCORE.deliver.agent-<id>" (queue group agent-<id>);
+ *                  the broker creates and corrects it (evt_agent_consumer,
+ *                  evt_consumer_ensure), never the agent;
+ *                  Nats-Msg-Id "<command>.<attempt>"
  *   KSCORE_EVENTS  stream, limits, file, subjects kscore.evt.>,
  *                  duplicate window 2 min; Nats-Msg-Id = event_id
  *   KSCORE_AGENTS  KV bucket (stream KV_KSCORE_AGENTS), key = agent id,
  *                  value = packed Ks__AgentInfo, max age EVT_AGENT_TTL_MS
  *   kscore.api.v1.<method>  core request/reply, queue group kscore-broker
+ *
+ * An agent speaks JetStream as plain NATS only (no $JS.API request, no
+ * nats.c JetStream call): it publishes to a stream subject with a request
+ * whose reply (the PubAck) comes to its own inbox (evt_js_publish_as), it
+ * receives commands on a core queue subscription to its consumer's deliver
+ * subject, and it acks by publishing "+ACK", "+WPI", "-NAK", "+TERM" to a
+ * message's reply subject. So its NATS user needs neither "_INBOX.>" (where
+ * it could read everybody's replies) nor "$JS.API.>" (where it could make a
+ * consumer that delivers every agent's commands):
+ * deploy/nats-auth.conf.in.
  *
  * Threads: nats.c calls message handlers on its own delivery threads (one
  * per subscription unless global delivery is used); every handler passed in
@@ -124,8 +138,11 @@ void evt_event_subject(char *buf, size_t len, const char *agent_id,
 
 /* "kscore.cmd.<agent>" into buf (>= 12 + EVT_AGENT_ID_MAX). */
 void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
-/* Durable consumer name of an agent: "agent-<id>". */
+/* Durable consumer name of an agent: "agent-<id>". It is also the agent's
+ * NATS identity (user, API token, inbox "_INBOX.agent-<id>."). */
 void evt_agent_durable(char *buf, size_t len, const char *agent_id);
+/* Deliver subject of a push consumer: "_KSCORE.deliver.<durable>". */
+void evt_deliver_subject(char *buf, size_t len, const char *durable);
 
 /* ---- NKeys: who connects to NATS (events/nkey.c) ------------------------ */
 
@@ -397,6 +414,50 @@ int evt_request_as(struct evt_conn *c, const char *identity,
 int evt_request_bytes(struct evt_conn *c, const char *subject,
                       const char *msg_id, const void *data, size_t len,
                       int timeout_ms, natsMsg **reply_out);
+/* evt_request_bytes with the reply on "_INBOX.<identity>.<uuid>" (NULL:
+ * the connection's identity), as evt_request_as. */
+int evt_request_bytes_as(struct evt_conn *c, const char *identity,
+                         const char *subject, const char *msg_id,
+                         const void *data, size_t len, int timeout_ms,
+                         natsMsg **reply_out);
+
+/* ---- JetStream as plain NATS (events/jetstream.c) ----------------------- */
+
+/* A stream's acknowledgement of a publish (nats-server docs, "JetStream
+ * wire API": {"stream": "...", "seq": n, "duplicate": true?}). */
+struct evt_puback {
+    char stream[64];
+    uint64_t seq;
+    bool duplicate; /* the Nats-Msg-Id was in the duplicate window */
+};
+
+/*
+ * Parses the reply to a publish on a stream subject. 0 with *out (may be
+ * NULL) for a PubAck; KS_ENATS for the server's refusal
+ * {"error": {"code": 503, "err_code": 10077, "description": "..."}}, with
+ * why (why_len bytes, may be NULL) "<description> (<code>/<err_code>)";
+ * KS_EDECODE for anything else (not JSON, no stream or seq). Pure.
+ */
+int evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
+                     char *why, size_t why_len);
+
+/*
+ * Publishes data (len bytes) to a stream's subject and waits for the
+ * stream's PubAck, which comes back on "_INBOX.<identity>.<uuid>"
+ * (evt_request_bytes_as: identity NULL is the connection's) with the header
+ * Nats-Msg-Id = msg_id when not NULL. A duplicate is a success (the stream
+ * has the message). No $JS.API subject is used, so a user that may only
+ * publish to the subject and read its own inbox can do it. Returns 0 with
+ * *ack_out (may be NULL); KS_ENATS with why (the stream refused it: a
+ * subject no stream takes says "no responders", KS_EUNAVAIL, instead);
+ * KS_EUNAVAIL (no stream listens, or the connection is down),
+ * KS_ETIMEDOUT, KS_EDECODE (a reply that is no PubAck), KS_ETOOBIG,
+ * -ENOMEM. Any thread; waits in the calling thread.
+ */
+int evt_js_publish_as(struct evt_conn *c, const char *identity,
+                      const char *subject, const char *msg_id,
+                      const void *data, size_t len, int timeout_ms,
+                      struct evt_puback *ack_out, char *why, size_t why_len);
 
 /*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
@@ -423,7 +484,9 @@ int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
 /* A durable push consumer, created (or updated) explicitly and then bound,
  * so that unsubscribing never deletes it: nats.c deletes a consumer that
  * js_Subscribe itself created when the subscription is unsubscribed or
- * drained, durable or not (nats.c src/js.c, jsSub_deleteConsumer). */
+ * drained, durable or not (nats.c src/js.c, jsSub_deleteConsumer). Its
+ * deliver subject is evt_deliver_subject(durable), its ack policy
+ * explicit, its deliver policy "all". */
 struct evt_durable {
     const char *stream;
     const char *durable;          /* consumer name */
@@ -434,10 +497,38 @@ struct evt_durable {
     int64_t max_deliver;          /* 0: unlimited */
 };
 
+/* What evt_consumer_ensure did. */
+enum evt_consumer_change {
+    EVT_CONSUMER_KEPT = 0, /* it was as asked */
+    EVT_CONSUMER_CREATED,  /* it did not exist */
+    EVT_CONSUMER_UPDATED,  /* limits (ack wait, max deliver, max ack
+                              pending) changed in place */
+    EVT_CONSUMER_REPLACED  /* it delivered something else (filter, deliver
+                              subject or group, ack or deliver policy,
+                              headers only, flow control, heartbeats, rate
+                              limit, back-off): deleted and created anew */
+};
+
 /*
- * Creates or updates the consumer, then subscribes to its deliver subject
- * "_KSCORE.deliver.<durable>" with manual acks and no pending limits. cb
- * runs on the subscription's nats.c delivery thread (or the shared pool when
+ * Makes the consumer d exactly as asked (nats.c JetStream API on c: the
+ * broker's connection, never an agent's). A consumer of that name that
+ * delivers anything else (another filter, deliver subject or group, ...)
+ * is deleted and created anew, never updated in place: a consumer that
+ * delivers another agent's subject must not survive, and nats-server 2.9
+ * refuses to change a filter in place. Deleting loses only its delivery
+ * state: on a work-queue stream the messages stay until acked, and the new
+ * consumer delivers them again (the claim fence keeps one run). A consumer
+ * that differs only in its limits is updated. *change_out (may be NULL)
+ * says which, on 0. Returns 0 or KS_ENATS with *errmsg (malloc'd, may be
+ * NULL). Any thread.
+ */
+int evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
+                        enum evt_consumer_change *change_out, char **errmsg);
+
+/*
+ * Creates or updates the consumer (evt_consumer_ensure), then subscribes to
+ * its deliver subject with manual acks and no pending limits. cb runs on
+ * the subscription's nats.c delivery thread (or the shared pool when
  * global delivery is on), owns the message and acks it.
  * Returns 0 or KS_ENATS with *errmsg.
  */
@@ -445,9 +536,58 @@ int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
                           natsMsgHandler cb, void *ud,
                           natsSubscription **sub_out, char **errmsg);
 
-/* Writes the registry entry of one agent (key = agent id). */
-int evt_agent_put(struct evt_conn *c, kvStore *kv, const Ks__AgentInfo *info);
-/* Opens the KSCORE_AGENTS bucket (created by evt_setup). */
+/* ---- agent consumers ------------------------------------------------------ */
+
+/* JetStream gives up on a command message after this many deliveries
+ * (broker/advisory.c records it). */
+#define EVT_AGENT_MAX_DELIVER 5
+/* An agent consumer's ack wait when the agent names none (ms), and the
+ * range an agent may choose (AgentInfo.ack_wait_ms). */
+#define EVT_AGENT_ACK_WAIT_DEFAULT_MS 30000
+#define EVT_AGENT_ACK_WAIT_MIN_MS 100
+#define EVT_AGENT_ACK_WAIT_MAX_MS (24 * 3600 * 1000)
+/* Largest max_ack_pending an agent's max_concurrent gives its consumer. */
+#define EVT_AGENT_MAX_ACK_PENDING 100000
+
+/* ack_wait_ms as an agent consumer will have it: 0 is the default, else
+ * clamped to [EVT_AGENT_ACK_WAIT_MIN_MS, EVT_AGENT_ACK_WAIT_MAX_MS]. The
+ * agent keeps its messages alive by this value, the broker makes the
+ * consumer with it. Pure. */
+uint64_t evt_agent_ack_wait_ms(uint64_t ack_wait_ms);
+
+/* The consumer of one agent id, with the storage of its strings. */
+struct evt_agent_consumer {
+    char durable[8 + EVT_AGENT_ID_MAX];
+    char filter[16 + EVT_AGENT_ID_MAX];
+    struct evt_durable d;
+};
+
+/*
+ * The consumer the broker provisions for agent_id (valid, see
+ * evt_agent_id_valid): "agent-<id>" on KSCORE_CMDS, filter exactly
+ * "kscore.cmd.<id>", deliver subject "_KSCORE.deliver.agent-<id>", deliver
+ * group "agent-<id>" (processes of one id share the messages), explicit
+ * ack, max_ack_pending = max_concurrent (clamped to
+ * [1, EVT_AGENT_MAX_ACK_PENDING]: a command message stays unacked while it
+ * waits for a slot and runs, so this keeps the backlog in JetStream), ack
+ * wait evt_agent_ack_wait_ms(ack_wait_ms), max deliver
+ * EVT_AGENT_MAX_DELIVER. Pure.
+ */
+void evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
+                        uint32_t max_concurrent, uint64_t ack_wait_ms);
+
+/*
+ * Writes the registry entry of one agent (key = info->agent_id) as a plain
+ * publish to "$KV.KSCORE_AGENTS.<id>" (the subject nats.c's kvStore_Put
+ * uses: nats-server docs, ADR-8 "JetStream based Key-Value Stores") and
+ * waits for the bucket stream's PubAck on identity's inbox
+ * (evt_js_publish_as; NULL: the connection's). An agent may only publish
+ * its own key. 0: JetStream has it. Returns as evt_js_publish_as.
+ */
+int evt_agent_put(struct evt_conn *c, const char *identity,
+                  const Ks__AgentInfo *info, int timeout_ms);
+/* Opens the KSCORE_AGENTS bucket (created by evt_setup; nats.c
+ * JetStream API: the broker and clients with its rights, never agents). */
 int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
 /*
  * Reads one agent's entry. 0 with *out (ks__agent_info__free_unpacked),

@@ -58,6 +58,16 @@ evt_request_bytes(struct evt_conn *c, const char *subject, const char *msg_id,
 }
 
 int
+evt_request_bytes_as(struct evt_conn *c, const char *identity,
+                     const char *subject, const char *msg_id,
+                     const void *data, size_t len, int timeout_ms,
+                     natsMsg **reply_out)
+{
+    return request_as(c, identity ? identity : c->identity, subject, msg_id,
+                      data, len, timeout_ms, reply_out);
+}
+
+int
 evt_request_as(struct evt_conn *c, const char *identity, const char *subject,
                const ProtobufCMessage *msg, int timeout_ms,
                natsMsg **reply_out)

@@ -637,10 +637,17 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
                 procs_with_env("KSCORE_AGENT_ID=mid-b", NULL);
         if (n > max_procs)
             max_procs = n;
-        ck_assert_int_le(sql_long(pg, "SELECT count(*) FROM commands WHERE "
-                                      "agent_id LIKE 'mid-%%' AND status = "
-                                      "'Running'"),
-                         2);
+        /* The record lags the agent by a result's trip (publish, then
+         * the recorder's commit), while the freed slot's next claim may
+         * be recorded first: a third Running for a few ms is that lag. A
+         * third claim would stay Running for its whole `sleep 1`. */
+        const char *running = "SELECT count(*) FROM commands WHERE "
+                              "agent_id LIKE 'mid-%%' AND status = "
+                              "'Running'";
+        if (sql_long(pg, running) > 2) {
+            sleep_ms(200);
+            ck_assert_int_le(sql_long(pg, running), 2);
+        }
         open = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id "
                             "LIKE 'mid-%%' AND status IN ('Pending',"
                             "'Dispatched','Running')");
@@ -805,7 +812,6 @@ START_TEST(claimed_never_spawned_is_not_started)
 {
     struct evt_conn *c = client();
     PGconn *pg = db();
-    kvStore *kv = NULL;
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
     natsMsg *m = NULL;
@@ -813,13 +819,11 @@ START_TEST(claimed_never_spawned_is_not_started)
     char id[37], claim_id[37], script[PATH_MAX + 64], path[PATH_MAX + 128];
 
     /* Known to the broker, but no agent process yet. */
-    ck_assert_int_eq(evt_agents_kv(c, &kv), 0);
     info.agent_id = "ns";
     info.version = "test";
     info.host = "test";
     info.heartbeat_at_us = ks_now_us();
-    ck_assert_int_eq(evt_agent_put(c, kv, &info), 0);
-    kvStore_Destroy(kv);
+    ck_assert_int_eq(evt_agent_put(c, NULL, &info, 5000), 0);
     sleep_ms(300);
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
@@ -840,7 +844,9 @@ START_TEST(claimed_never_spawned_is_not_started)
                                 natsMsg_GetData(m),
                                 (size_t)natsMsg_GetDataLength(m), &pm),
                      0);
-    ck_assert(((Ks__ClaimReply *)pm)->granted);
+    ck_assert_msg(((Ks__ClaimReply *)pm)->granted, "claim: %d %s",
+                  ((Ks__ClaimReply *)pm)->error_code,
+                  ((Ks__ClaimReply *)pm)->error);
     protobuf_c_message_free_unpacked(pm, NULL);
     natsMsg_Destroy(m);
     ck_assert_int_eq(wait_status(pg, id, "Running", 5000), 0);

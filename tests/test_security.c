@@ -5,9 +5,11 @@
  * refusal recorded.
  */
 #include <check.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -440,6 +442,450 @@ START_TEST(policy_denies_and_records)
 }
 END_TEST
 
+
+/* ---- an agent's credential is worth one agent ------------------------------
+ *
+ * A raw nats.c client with agent-sec's credential, as a thief of it would
+ * have. The server refuses a subscription or a publish outside the user's
+ * permissions with "-ERR 'Permissions Violation for ...'" and logs it
+ * ("Subscription Violation - User "agent-sec", Subject "_INBOX.>""); the
+ * test reads the server's own log, so a refusal is seen, not inferred from
+ * a silence (nats.c 3.4.1 hands the client only the last error's text,
+ * which a later call may already have cleared).
+ */
+struct thief {
+    natsConnection *nc;
+};
+
+static struct thief *
+thief_connect(const char *seed_file)
+{
+    struct thief *t = calloc(1, sizeof(*t));
+    natsOptions *o = NULL;
+    char seed[EVT_NKEY_SEED_CHARS + 1], pub[EVT_NKEY_PUBLIC_CHARS + 1],
+        ident[EVT_IDENTITY_MAX + 1];
+    ck_assert_ptr_nonnull(t);
+    ck_assert_int_eq(evt_nkey_read_seed(seed_file, seed, pub, ident), 0);
+    ck_assert_int_eq(natsOptions_Create(&o), NATS_OK);
+    ck_assert_int_eq(natsOptions_SetURL(o, stack.nats.url), NATS_OK);
+    ck_assert_int_eq(natsOptions_SetNKeyFromSeed(o, pub, seed_file),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Connect(&t->nc, o), NATS_OK);
+    natsOptions_Destroy(o);
+    return t;
+}
+
+static void
+thief_close(struct thief *t)
+{
+    natsConnection_Destroy(t->nc);
+    free(t);
+}
+
+/* 1 if nats-server logged that it refused user `what` ("Subscription" /
+ * "Publish") on subject, within 2 s. */
+static int
+server_refused(const char *user, const char *what, const char *subject)
+{
+    char needle[512], path[PATH_MAX + 16], line[1024];
+    snprintf(needle, sizeof(needle), "%s Violation - User \"%s\", Subject "
+             "\"%s\"", what, user, subject);
+    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
+    for (int i = 0; i < 100; i++) {
+        FILE *f = fopen(path, "r");
+        int found = 0;
+        while (f && !found && fgets(line, sizeof(line), f))
+            found = strstr(line, needle) != NULL;
+        if (f)
+            fclose(f);
+        if (found)
+            return 1;
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "not refused: %s\n", needle);
+    return 0;
+}
+
+static int
+thief_refused(struct thief *t, const char *what, const char *subject)
+{
+    natsConnection_Flush(t->nc);
+    return server_refused("agent-" AGENT,
+                          !strcmp(what, "Publish to") ? "Publish"
+                                                      : "Subscription",
+                          subject);
+}
+
+/* A JetStream API request as the thief would make it: the reply on its own
+ * inbox (the only one it may read). The reply, or NULL when none came. */
+static natsMsg *
+thief_request(struct thief *t, const char *subject, const char *body)
+{
+    char inbox[128], id[37];
+    natsSubscription *sub = NULL;
+    natsMsg *reply = NULL;
+    ks_uuid(id);
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-" AGENT ".%s", id);
+    ck_assert_int_eq(natsConnection_SubscribeSync(&sub, t->nc, inbox),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_PublishRequestString(t->nc, subject,
+                                                         inbox, body),
+                     NATS_OK);
+    if (natsSubscription_NextMsg(&reply, sub, 1000) != NATS_OK)
+        reply = NULL;
+    natsSubscription_Destroy(sub);
+    return reply;
+}
+
+/* Receives on subject for 300 ms after admin published there: 1 if the
+ * message came. */
+static int
+thief_hears(struct thief *t, natsSubscription *sub, struct evt_conn *admin,
+            const char *subject)
+{
+    natsMsg *m = NULL;
+    ck_assert_int_eq(natsConnection_PublishString(admin->nc, subject, "x"),
+                     NATS_OK);
+    natsConnection_Flush(admin->nc);
+    (void)t;
+    if (natsSubscription_NextMsg(&m, sub, 300) != NATS_OK)
+        return 0;
+    natsMsg_Destroy(m);
+    return 1;
+}
+
+/*
+ * A command id no other test of this process has made: ks_uuid() draws
+ * from a per-thread pool that Check's fork of each test inherits from the
+ * fixture, so the first ids of two tests are the same.
+ */
+static void
+fresh_id(char out[37])
+{
+    uint8_t u[16];
+    ck_assert_int_eq(getrandom(u, sizeof(u), 0), (ssize_t)sizeof(u));
+    u[6] = (u[6] & 0x0f) | 0x40;
+    u[8] = (u[8] & 0x3f) | 0x80;
+    snprintf(out, 37,
+             "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x"
+             "%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9],
+             u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
+static const char *
+local_agent(void)
+{
+    static char local[96];
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[sizeof(host) - 1] = '\0';
+    host[strcspn(host, ".")] = '\0';
+    snprintf(local, sizeof(local), "%s-0", host);
+    return local;
+}
+
+/* Nobody's replies but its own: no _INBOX.>, no other user's inbox, no
+ * other agent's deliveries or registry entries. */
+START_TEST(agent_credential_reads_no_replies)
+{
+    struct thief *t = thief_connect(stack.agent_seed);
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    natsSubscription *all = NULL, *alice = NULL, *own = NULL,
+                     *deliver = NULL, *kv = NULL;
+    char other_deliver[160];
+
+    snprintf(other_deliver, sizeof(other_deliver),
+             "_KSCORE.deliver.agent-%s", local_agent());
+    ck_assert_int_eq(natsConnection_SubscribeSync(&all, t->nc, "_INBOX.>"),
+                     NATS_OK);
+    ck_assert(thief_refused(t, "Subscription to", "_INBOX.>"));
+    ck_assert_int_eq(natsConnection_SubscribeSync(&alice, t->nc,
+                                                  "_INBOX." OPERATOR ".>"),
+                     NATS_OK);
+    ck_assert(thief_refused(t, "Subscription to", "_INBOX." OPERATOR ".>"));
+    ck_assert_int_eq(
+        natsConnection_SubscribeSync(&deliver, t->nc, other_deliver),
+        NATS_OK);
+    ck_assert(thief_refused(t, "Subscription to", other_deliver));
+    ck_assert_int_eq(
+        natsConnection_SubscribeSync(&kv, t->nc, "$KV." EVT_KV_AGENTS ".>"),
+        NATS_OK);
+    ck_assert(thief_refused(t, "Subscription to",
+                            "$KV." EVT_KV_AGENTS ".>"));
+    /* Its own inbox it reads (the control: the refusals above are not a
+     * connection that hears nothing). */
+    ck_assert_int_eq(natsConnection_SubscribeSync(&own, t->nc,
+                                                  "_INBOX.agent-" AGENT ".>"),
+                     NATS_OK);
+    natsConnection_Flush(t->nc);
+    ck_assert(thief_hears(t, own, admin, "_INBOX.agent-" AGENT ".x"));
+    ck_assert(!thief_hears(t, all, admin, "_INBOX.broker.x"));
+    ck_assert(!thief_hears(t, alice, admin, "_INBOX." OPERATOR ".x"));
+    natsSubscription_Destroy(all);
+    natsSubscription_Destroy(alice);
+    natsSubscription_Destroy(own);
+    natsSubscription_Destroy(deliver);
+    natsSubscription_Destroy(kv);
+    evt_close(admin);
+    thief_close(t);
+}
+END_TEST
+
+/* The consumer it uses is the broker's: with the agent's credential no
+ * consumer can be made, changed or deleted, its own included (nats-server
+ * 2.9.10 would let it make agent-sec with filter kscore.cmd.>, which after
+ * a restart delivers every agent's commands). */
+START_TEST(agent_credential_cannot_touch_consumers)
+{
+    struct thief *t = thief_connect(stack.agent_seed);
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    const char *greedy =
+        "{\"stream_name\":\"KSCORE_CMDS\",\"config\":{\"durable_name\":"
+        "\"agent-" AGENT "\",\"deliver_subject\":\"_KSCORE.deliver.agent-" AGENT
+        "\",\"deliver_group\":\"agent-" AGENT "\",\"filter_subject\":"
+        "\"kscore.cmd.>\",\"ack_policy\":\"explicit\",\"deliver_policy\":"
+        "\"all\"}}";
+    const char *subjects[] = {
+        "$JS.API.CONSUMER.DURABLE.CREATE." EVT_STREAM_CMDS ".agent-" AGENT,
+        "$JS.API.CONSUMER.CREATE." EVT_STREAM_CMDS ".agent-" AGENT
+        ".kscore.cmd.>",
+        "$JS.API.CONSUMER.CREATE." EVT_STREAM_CMDS,
+        "$JS.API.CONSUMER.DELETE." EVT_STREAM_CMDS ".agent-" AGENT,
+        "$JS.API.CONSUMER.INFO." EVT_STREAM_CMDS ".agent-" AGENT,
+        "$JS.API.STREAM.INFO.KV_" EVT_KV_AGENTS,
+        "$JS.API.DIRECT.GET.KV_" EVT_KV_AGENTS,
+        NULL};
+
+    for (int i = 0; subjects[i]; i++) {
+        natsMsg *reply = thief_request(t, subjects[i], greedy);
+        ck_assert_msg(reply == NULL, "%s answered: %.*s", subjects[i],
+                      reply ? natsMsg_GetDataLength(reply) : 0,
+                      reply ? natsMsg_GetData(reply) : "");
+        ck_assert(thief_refused(t, "Publish to", subjects[i]));
+    }
+    /* Nor another agent's registry entry. */
+    char other_key[160];
+    snprintf(other_key, sizeof(other_key), "$KV." EVT_KV_AGENTS ".%s",
+             local_agent());
+    natsMsg *reply = thief_request(t, other_key, "forged");
+    ck_assert_ptr_null(reply);
+    ck_assert(thief_refused(t, "Publish to", other_key));
+    /* agent-sec is still the broker's: exactly its own subject. */
+    jsConsumerInfo *ci = NULL;
+    ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_CMDS,
+                                        "agent-" AGENT, NULL, NULL),
+                     NATS_OK);
+    ck_assert_str_eq(ci->Config->FilterSubject, "kscore.cmd." AGENT);
+    jsConsumerInfo_Destroy(ci);
+    evt_close(admin);
+    thief_close(t);
+}
+END_TEST
+
+/*
+ * A consumer agent-sec that delivers another agent's subject (made here
+ * with the broker's credential, as a consumer left by an older agent
+ * would be) does not survive: the agent, started while no broker runs,
+ * gets the other agent's command from it and leaves it alone (never runs,
+ * refuses or acks it); the broker, once started, replaces the consumer;
+ * the other agent's command stays in the stream, untouched, and the agent
+ * runs its own commands.
+ */
+START_TEST(broker_replaces_a_consumer_with_a_wrong_filter)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    struct evt_signer *real = NULL;
+    jsConsumerInfo *ci = NULL;
+    jsConsumerConfig cc;
+    jsPubAck *pa = NULL;
+    uint8_t *buf;
+    size_t len;
+    char id[37];
+
+    fixture_stack_agent_kill(&stack, SIGTERM);
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    js_DeleteConsumer(admin->js, EVT_STREAM_CMDS, "agent-" AGENT, NULL, NULL);
+    jsConsumerConfig_Init(&cc);
+    cc.Durable = "agent-" AGENT;
+    cc.DeliverSubject = "_KSCORE.deliver.agent-" AGENT;
+    cc.DeliverGroup = "agent-" AGENT;
+    cc.FilterSubject = "kscore.cmd.victim";
+    cc.AckPolicy = js_AckExplicit;
+    ck_assert_int_eq(js_AddConsumer(&ci, admin->js, EVT_STREAM_CMDS, &cc,
+                                    NULL, NULL),
+                     NATS_OK);
+    jsConsumerInfo_Destroy(ci);
+    ci = NULL;
+    /* The victim's command, waiting in the stream for its agent. */
+    ck_assert_int_eq(evt_signer_load(stack.signing_key, &real), 0);
+    fresh_id(id);
+    craft(real, id, "victim", ks_now_us() + 600 * 1000000LL, &buf, &len);
+    ck_assert_int_eq(js_Publish(&pa, admin->js, "kscore.cmd.victim", buf,
+                                (int)len, NULL, NULL),
+                     NATS_OK);
+    uint64_t seq = pa->Sequence;
+    jsPubAck_Destroy(pa);
+    free(buf);
+
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    /* The wrong consumer hands the victim's command to sec... */
+    int delivered = 0;
+    for (int i = 0; i < 100 && !delivered; i++) {
+        if (js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_CMDS,
+                               "agent-" AGENT, NULL, NULL) == NATS_OK) {
+            delivered = ci->Delivered.Consumer >= 1;
+            jsConsumerInfo_Destroy(ci);
+            ci = NULL;
+        }
+        if (!delivered)
+            nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    ck_assert_msg(delivered, "the wrong consumer did not deliver");
+    /* ...which leaves it alone: no +ACK, no +TERM, still pending. */
+    nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+    ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_CMDS,
+                                        "agent-" AGENT, NULL, NULL),
+                     NATS_OK);
+    ck_assert_msg(ci->NumAckPending == 1,
+                  "the agent acked or terminated another agent's command");
+    jsConsumerInfo_Destroy(ci);
+    ci = NULL;
+
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 1), 0);
+    int fixed = 0;
+    for (int i = 0; i < 100 && !fixed; i++) {
+        if (js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_CMDS,
+                               "agent-" AGENT, NULL, NULL) == NATS_OK) {
+            fixed = !strcmp(ci->Config->FilterSubject, "kscore.cmd." AGENT) &&
+                    !strcmp(ci->Config->DeliverSubject,
+                            "_KSCORE.deliver.agent-" AGENT);
+            jsConsumerInfo_Destroy(ci);
+            ci = NULL;
+        }
+        if (!fixed)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_assert_msg(fixed, "the broker left agent-" AGENT " delivering "
+                         "kscore.cmd.victim");
+    /* The agent works, on its own commands. */
+    const char *args[] = {"exec", "--agent", AGENT, "--", "true", NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    fixture_out_release(&o);
+    /* The victim's command: never run, never refused by sec, still there. */
+    ck_assert(!ran(id));
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE position(convert_to('%s', "
+             "'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(sql_long(sql), 0);
+    natsMsg *m = NULL;
+    ck_assert_int_eq(js_GetMsg(&m, admin->js, EVT_STREAM_CMDS, seq, NULL,
+                               NULL),
+                     NATS_OK);
+    ck_assert_str_eq(natsMsg_GetSubject(m), "kscore.cmd.victim");
+    natsMsg_Destroy(m);
+    js_DeleteMsg(admin->js, EVT_STREAM_CMDS, seq, NULL, NULL);
+    evt_signer_free(real);
+    evt_close(admin);
+}
+END_TEST
+
+static void
+status_of(const char *id, char *buf, size_t len)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT status FROM commands WHERE command_id = '%s'", id);
+    PGconn *pg = PQconnectdb(stack.pg.conninfo);
+    PGresult *r = PQexec(pg, sql);
+    snprintf(buf, len, "%s", PQntuples(r) ? PQgetvalue(r, 0, 0) : "");
+    PQclear(r);
+    PQfinish(pg);
+}
+
+static int
+wait_status(const char *id, const char *want, int timeout_ms)
+{
+    char st[32] = "";
+    for (int t = 0; t <= timeout_ms; t += 100) {
+        status_of(id, st, sizeof(st));
+        if (!strcmp(st, want))
+            return 0;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "%s: %s, not %s\n", id, st, want);
+    return -1;
+}
+
+/* `kscore exec --detach` as the operator: the command id. */
+static void
+detach(const char *script, char id[37])
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--detach", "--",
+                          "sh",   "-c",      script,  NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec --detach: %s", o.err);
+    ck_assert_int_ge(o.out_len, 36);
+    snprintf(id, 37, "%.36s", o.out);
+    fixture_out_release(&o);
+}
+
+/* With nothing but its own rights the agent does all of its work: exec,
+ * batch, cancel, a kill -9 and a restart (journal: Lost), and the server
+ * never refuses the agent process anything. */
+START_TEST(agent_works_with_its_own_rights_only)
+{
+    struct fixture_out o;
+    char id[37];
+
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "hi", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    ck_assert_str_eq(o.out, "hi\n");
+    fixture_out_release(&o);
+
+    const char *batch[] = {"batch", "--agents", AGENT, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, batch, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s %s", o.out, o.err);
+    fixture_out_release(&o);
+
+    detach("exec sleep 30", id);
+    ck_assert_int_eq(wait_status(id, "Running", 10000), 0);
+    const char *cancel[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cancel, &o), 0);
+    ck_assert_msg(o.status == 0, "cancel: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(wait_status(id, "Cancelled", 20000), 0);
+
+    detach("exec sleep 30", id);
+    ck_assert_int_eq(wait_status(id, "Running", 10000), 0);
+    fixture_stack_agent_kill(&stack, SIGKILL);
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    ck_assert_int_eq(wait_status(id, "Lost", 20000), 0);
+
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec after the restart: %s", o.err);
+    fixture_out_release(&o);
+
+    /* The agent process (connection name kscore-agent) never met its
+     * permissions; the refusals in the log are the thief's. */
+    char path[PATH_MAX + 16], line[1024];
+    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(line, sizeof(line), f))
+        ck_assert_msg(!(strstr(line, "Violation") &&
+                        strstr(line, ":kscore-agent\"")),
+                      "the agent was refused: %s", line);
+    fclose(f);
+}
+END_TEST
+
 static Suite *
 security_suite(void)
 {
@@ -452,6 +898,10 @@ security_suite(void)
     tcase_add_test(tc, operator_reads_only_its_own_inbox);
     tcase_add_test(tc, refused_commands_never_run);
     tcase_add_test(tc, policy_denies_and_records);
+    tcase_add_test(tc, agent_credential_reads_no_replies);
+    tcase_add_test(tc, agent_credential_cannot_touch_consumers);
+    tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
+    tcase_add_test(tc, agent_works_with_its_own_rights_only);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -1,0 +1,91 @@
+/*
+ * jetstream.c: JetStream spoken as plain NATS, for users that may not use
+ * the JetStream API (agents: deploy/nats-auth.conf.in).
+ *
+ * A publish to a subject a stream takes is stored by the stream, which
+ * answers the reply subject with a PubAck, JSON (nats-server docs,
+ * "JetStream wire API", Publishing: {"stream": "S", "seq": 7} and
+ * "duplicate": true when the Nats-Msg-Id was seen within the duplicate
+ * window, or {"error": {"code": 503, "err_code": 10077, "description":
+ * "..."}}). nats.c's js_Publish does the same on a "_INBOX.<nuid>" reply
+ * subject, which needs the permission to subscribe to "_INBOX.>"; here the
+ * reply comes to "_INBOX.<identity>.<uuid>" (request.c).
+ */
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "events.h"
+
+int
+evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
+                 char *why, size_t why_len)
+{
+    json_t *j, *err, *stream, *seq;
+    int rc = KS_EDECODE;
+
+    if (!why)
+        why_len = 0;
+    j = data && len ? json_loadb(data, len, 0, NULL) : NULL;
+    if (!json_is_object(j)) {
+        if (why_len)
+            snprintf(why, why_len, "not a PubAck: '%.*s'",
+                     (int)(len > 80 ? 80 : len), data ? (const char *)data
+                                                      : "");
+        goto out;
+    }
+    err = json_object_get(j, "error");
+    if (err) {
+        const char *d = json_string_value(json_object_get(err, "description"));
+        if (why_len)
+            snprintf(why, why_len, "%s (%lld/%lld)",
+                     d ? d : "JetStream error",
+                     (long long)json_integer_value(
+                         json_object_get(err, "code")),
+                     (long long)json_integer_value(
+                         json_object_get(err, "err_code")));
+        rc = KS_ENATS;
+        goto out;
+    }
+    stream = json_object_get(j, "stream");
+    seq = json_object_get(j, "seq");
+    if (!json_is_string(stream) || !json_is_integer(seq) ||
+        json_integer_value(seq) <= 0) {
+        if (why_len)
+            snprintf(why, why_len, "not a PubAck: no stream or seq");
+        goto out;
+    }
+    if (out) {
+        snprintf(out->stream, sizeof(out->stream), "%s",
+                 json_string_value(stream));
+        out->seq = (uint64_t)json_integer_value(seq);
+        out->duplicate = json_is_true(json_object_get(j, "duplicate"));
+    }
+    rc = 0;
+out:
+    json_decref(j);
+    return rc;
+}
+
+int
+evt_js_publish_as(struct evt_conn *c, const char *identity,
+                  const char *subject, const char *msg_id, const void *data,
+                  size_t len, int timeout_ms, struct evt_puback *ack_out,
+                  char *why, size_t why_len)
+{
+    natsMsg *reply = NULL;
+    int rc;
+
+    rc = evt_request_bytes_as(c, identity, subject, msg_id, data, len,
+                              timeout_ms, &reply);
+    if (rc) {
+        if (why && why_len)
+            snprintf(why, why_len, "%s", ks_strerror(rc));
+        return rc;
+    }
+    rc = evt_puback_parse(natsMsg_GetData(reply),
+                          (size_t)natsMsg_GetDataLength(reply), ack_out, why,
+                          why_len);
+    natsMsg_Destroy(reply);
+    return rc;
+}
