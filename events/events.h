@@ -448,11 +448,12 @@ int evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
  * Nats-Msg-Id = msg_id when not NULL. A duplicate is a success (the stream
  * has the message). No $JS.API subject is used, so a user that may only
  * publish to the subject and read its own inbox can do it. Returns 0 with
- * *ack_out (may be NULL); KS_ENATS with why (the stream refused it: a
- * subject no stream takes says "no responders", KS_EUNAVAIL, instead);
- * KS_EUNAVAIL (no stream listens, or the connection is down),
- * KS_ETIMEDOUT, KS_EDECODE (a reply that is no PubAck), KS_ETOOBIG,
- * -ENOMEM. Any thread; waits in the calling thread.
+ * *ack_out (may be NULL); KS_ENATS when the stream refused it (why, up
+ * to why_len bytes, may be NULL, says why: evt_puback_parse);
+ * KS_EUNAVAIL when no stream takes the subject ("no responders") or the
+ * connection is down; KS_ETIMEDOUT (also what a publish the permissions
+ * refuse looks like: the server drops it); KS_EDECODE (a reply that is no
+ * PubAck); KS_ETOOBIG; -ENOMEM. Any thread; waits in the calling thread.
  */
 int evt_js_publish_as(struct evt_conn *c, const char *identity,
                       const char *subject, const char *msg_id,
