@@ -1648,7 +1648,7 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         const char *op = broker__operator_of(msg);
         for (size_t i = 0; i < r.n; i++) {
             Ks__AgentInfo *info = broker__agent_info(b, r.ids[i]);
-            rc = broker__policy_check(b->policy, op, info, req->spec->argv[0],
+            rc = broker__policy_check(b->policy, op, info, req->spec,
                                       why, sizeof(why));
             if (info)
                 ks__agent_info__free_unpacked(info, NULL);

@@ -391,7 +391,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (b->policy) {
         Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
         const char *op = broker__operator_of(msg);
-        rc = broker__policy_check(b->policy, op, info, req->spec->argv[0],
+        rc = broker__policy_check(b->policy, op, info, req->spec,
                                   why, sizeof(why));
         if (info)
             ks__agent_info__free_unpacked(info, NULL);
@@ -550,7 +550,9 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     ev.agent_id = req->agent_id;
     ev.attempt = req->attempt;
     ev.occurred_at_us = ks_now_us();
-    ev.operator_ = req->operator_;
+    /* Not req->operator: an agent's word; the record names the operator
+     * on CommandRequested (and the projection keeps it). */
+    ev.operator_ = "";
     if (req->start_failure) {
         ev.type = "CommandStartFailed";
         ev.result = req->start_failure;
@@ -976,6 +978,19 @@ handle_cancel(struct broker *b, natsMsg *msg)
     if (rc) {
         broker__reply_error(b, msg, r.base.descriptor, rc, bad);
         return;
+    }
+    if (is_batch_id(req->id) && b->policy) {
+        char owner[128] = "", why[256];
+        const char *op = broker__operator_of(msg);
+        store_batch_operator(b->st_misc, req->id, owner, sizeof(owner));
+        if (broker__policy_check_batch(b->policy, op,
+                                       owner[0] ? owner : NULL, why,
+                                       sizeof(why)) != 0) {
+            broker__record_denied(b, b->st_misc, op, NULL, NULL, why);
+            broker__reply_error(b, msg, r.base.descriptor, KS_EDENIED, why);
+            ks__cancel_request__free_unpacked(req, NULL);
+            return;
+        }
     }
     if (is_batch_id(req->id)) {
         rc = broker__batch_cancel(b, req->id, broker__operator_of(msg));

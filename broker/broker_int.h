@@ -136,10 +136,12 @@ struct broker__policy;
 int broker__policy_load(const char *path, struct broker__policy **out,
                         char **errmsg);
 void broker__policy_free(struct broker__policy *p);
-/* 0, or KS_EDENIED with one line in why. agent and argv0 NULL: a read. */
+/* 0, or KS_EDENIED with one line in why. agent and spec NULL: a read.
+ * A rule with "executables" allows argv[0] in it, and only the variables
+ * it lists in "env" (env and sealed_env). */
 int broker__policy_check(const struct broker__policy *p, const char *op,
-                         const Ks__AgentInfo *agent, const char *argv0,
-                         char *why, size_t len);
+                         const Ks__AgentInfo *agent,
+                         const Ks__CommandSpec *spec, char *why, size_t len);
 /* Whether op may read a record: its own (owner == op), or one about an
  * agent a "read" rule of op matches; every_agent: all records at once
  * (needs a read rule on agents "*"). agent may be NULL (unknown agent:
@@ -147,6 +149,11 @@ int broker__policy_check(const struct broker__policy *p, const char *op,
 int broker__policy_check_read(const struct broker__policy *p, const char *op,
                               const char *owner, const Ks__AgentInfo *agent,
                               bool every_agent, char *why, size_t len);
+/* Whether op may act on (cancel) a batch requested by owner: its own, or
+ * with a "run" rule on agents "*". 0, or KS_EDENIED with why. */
+int broker__policy_check_batch(const struct broker__policy *p,
+                               const char *op, const char *owner, char *why,
+                               size_t len);
 /* Records RequestDenied on stream operator-<op>. */
 void broker__record_denied(struct broker *b, struct store *st, const char *op,
                            const char *agent_id, const Ks__CommandSpec *spec,

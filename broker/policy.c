@@ -10,7 +10,8 @@
  *      "root":  [{"agents": "*"}]}}
  * A request is allowed when any rule of its operator matches: "agents" is
  * "*" or label pairs the agent must all have; "executables", when given,
- * must hold argv[0] exactly; "can" (default ["run", "read"]) says what the
+ * must hold argv[0] exactly, and then the command may set only the
+ * environment variables the rule lists in "env" (default none); "can" (default ["run", "read"]) says what the
  * rule grants: "run" (exec, batch, cancel on those agents) and "read"
  * (get, events, logs and history of commands on those agents).
  *   {"auditor": [{"agents": "*", "can": ["read"]}]}
@@ -63,6 +64,14 @@ broker__policy_load(const char *path, struct broker__policy **out,
             json_t *ag = json_object_get(rule, "agents");
             json_t *ex = json_object_get(rule, "executables");
             json_t *can = json_object_get(rule, "can");
+            json_t *envl = json_object_get(rule, "env");
+            if (envl && !json_is_array(envl)) {
+                snprintf(why, sizeof(why),
+                         "%s: operator \"%s\" rule %zu: \"env\" is a list "
+                         "of variable names",
+                         path, name, i + 1);
+                goto bad;
+            }
             size_t k;
             json_t *c;
             bool can_ok = !can || json_is_array(can);
@@ -147,11 +156,27 @@ rule_can(json_t *rule, const char *what)
     return false;
 }
 
+/* 1 if name is in the rule's "env" list. */
 static bool
-rule_allows(json_t *rule, const Ks__AgentInfo *agent, const char *argv0)
+env_listed(json_t *rule, const char *name)
+{
+    json_t *env = json_object_get(rule, "env"), *e;
+    size_t i;
+    json_array_foreach(env, i, e)
+    {
+        if (json_is_string(e) && strcmp(json_string_value(e), name) == 0)
+            return true;
+    }
+    return false;
+}
+
+static bool
+rule_allows(json_t *rule, const Ks__AgentInfo *agent,
+            const Ks__CommandSpec *spec)
 {
     json_t *ag = json_object_get(rule, "agents");
     json_t *ex = json_object_get(rule, "executables");
+    const char *argv0 = spec && spec->n_argv ? spec->argv[0] : NULL;
     if (json_is_object(ag)) {
         const char *k;
         json_t *v;
@@ -162,24 +187,38 @@ rule_allows(json_t *rule, const Ks__AgentInfo *agent, const char *argv0)
                 return false;
         }
     }
-    if (ex && argv0) {
+    if (ex && spec) {
         size_t i;
         json_t *e;
+        bool listed = false;
+        /* A rule that names executables names the only variables the
+         * command may set ("env", default none): PATH would pick another
+         * file for the same name, LD_PRELOAD or an interpreter's own
+         * variables (BASH_ENV, PYTHONPATH, ...) would run other code under
+         * it. Found by a security review. */
+        for (size_t k = 0; k < spec->n_env; k++)
+            if (!env_listed(rule, spec->env[k]->name))
+                return false;
+        for (size_t k = 0; k < spec->n_sealed_env; k++)
+            if (!env_listed(rule, spec->sealed_env[k]->name))
+                return false;
         json_array_foreach(ex, i, e)
         {
-            if (json_is_string(e) && strcmp(json_string_value(e), argv0) == 0)
-                return true;
+            if (json_is_string(e) && argv0 &&
+                strcmp(json_string_value(e), argv0) == 0)
+                listed = true;
         }
-        return false;
+        return listed;
     }
     return true;
 }
 
 int
 broker__policy_check(const struct broker__policy *p, const char *op,
-                     const Ks__AgentInfo *agent, const char *argv0,
+                     const Ks__AgentInfo *agent, const Ks__CommandSpec *spec,
                      char *why, size_t len)
 {
+    const char *argv0 = spec && spec->n_argv ? spec->argv[0] : NULL;
     json_t *rules, *rule;
     size_t i;
 
@@ -194,16 +233,40 @@ broker__policy_check(const struct broker__policy *p, const char *op,
         return 0; /* the agent list: being listed is enough */
     json_array_foreach(rules, i, rule)
     {
-        if (rule_can(rule, "run") && rule_allows(rule, agent, argv0))
+        if (rule_can(rule, "run") && rule_allows(rule, agent, spec))
             return 0;
     }
     if (argv0)
         snprintf(why, len,
-                 "denied: operator '%s' may not run '%s' on agent '%s'", op,
-                 argv0, agent ? agent->agent_id : "?");
+                 "denied: operator '%s' may not run '%s' on agent '%s' (with "
+                 "these environment variables)",
+                 op, argv0, agent ? agent->agent_id : "?");
     else
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+int
+broker__policy_check_batch(const struct broker__policy *p, const char *op,
+                           const char *owner, char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p || strcmp(op, "broker") == 0 || (owner && strcmp(owner, op) == 0))
+        return 0;
+    rules = json_object_get(p->operators, op);
+    json_array_foreach(rules, i, rule)
+    {
+        json_t *ag = json_object_get(rule, "agents");
+        if (rule_can(rule, "run") && json_is_string(ag))
+            return 0; /* runs anywhere: may stop anyone's batch */
+    }
+    snprintf(why, len,
+             "denied: operator '%s' may not act on another operator's batch "
+             "(it needs a \"run\" rule on agents \"*\")",
+             op);
     return KS_EDENIED;
 }
 

@@ -83,6 +83,13 @@ keep_in_progress(struct broker *b, natsMsg **msgs, size_t n)
  * NATS let it publish on. Pure; the recorder thread, under the lock of
  * store_append_checked().
  */
+/* 0 (unset) to the year 9999, in us since the epoch. */
+static bool
+time_ok(int64_t us)
+{
+    return us >= 0 && us <= INT64_C(253402300799999999);
+}
+
 int
 broker__admit_report(const struct store_command_state *st,
                      const Ks__Event *ev, const char **why, void *ud)
@@ -103,6 +110,19 @@ broker__admit_report(const struct store_command_state *st,
     if (st->exists && strcmp(st->agent_id, ev->agent_id) != 0) {
         *why = "the command is addressed to another agent";
         return KS_EDENIED;
+    }
+    /* Times the record can hold (PostgreSQL's timestamptz, through
+     * kscore_ts): a report with one it cannot must not reach the append,
+     * where it would fail for the whole batch. */
+    {
+        const Ks__CommandResult *r = ev->result;
+        if (!time_ok(ev->occurred_at_us) || !time_ok(ev->deliver_by_us) ||
+            (r && (!time_ok(r->started_at_us) || !time_ok(r->finished_at_us) ||
+                   r->duration_us < 0 || r->term_sent_us < -1 ||
+                   r->kill_sent_us < -1))) {
+            *why = "a time in the report is out of range";
+            return KS_EDENIED;
+        }
     }
     /* An agent ends only what it claimed (a start failure found before
      * the claim goes through the claim itself): a report about a command
@@ -130,6 +150,55 @@ broker_decide_report(const struct store_command_state *st,
     if (broker__admit_report(st, ev, why, NULL) != 0)
         return STORE_STEP_ILLEGAL;
     return store_command_step(st, ev, &next, why);
+}
+
+/*
+ * A batch that fails for a reason other than PostgreSQL being away (a
+ * constraint, a value the database refuses) would fail forever and stop
+ * recording for every agent. Records each event alone instead; an event
+ * that still fails is kept as a bare ReportRejected naming why (its
+ * payload dropped), and if even that fails it is given up on with a log
+ * line. Returns 0, or KS_EPGDOWN / KS_EUNAVAIL when PostgreSQL went away
+ * meanwhile (the caller retries the whole batch: events recorded here are
+ * duplicates then, skipped by event_id).
+ */
+static int
+record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
+                  enum store_step *verdicts)
+{
+    for (size_t i = 0; i < nev; i++) {
+        const Ks__Event *one[1] = {evs[i]};
+        char why[512], reason[700];
+        int rc = store_append_checked(b->st_rec, one, 1, broker__admit_report,
+                                      b, &verdicts[i], NULL);
+        if (rc == KS_EPGDOWN || rc == KS_EUNAVAIL)
+            return rc;
+        if (rc == 0)
+            continue;
+        broker__store_error(b->st_rec, rc, why, sizeof(why));
+        snprintf(reason, sizeof(reason), "%s: could not be recorded (%s)",
+                 evs[i]->type, why);
+        Ks__Event bare;
+        ks__event__init(&bare);
+        bare.event_id = evs[i]->event_id;
+        bare.stream_id = evs[i]->stream_id;
+        bare.type = "ReportRejected";
+        bare.command_id = evs[i]->command_id;
+        bare.agent_id = evs[i]->agent_id;
+        bare.attempt = evs[i]->attempt;
+        bare.occurred_at_us = ks_now_us();
+        bare.reason = reason;
+        one[0] = &bare;
+        enum store_step v;
+        rc = store_append_checked(b->st_rec, one, 1, NULL, NULL, &v, NULL);
+        if (rc == KS_EPGDOWN || rc == KS_EUNAVAIL)
+            return rc;
+        verdicts[i] = STORE_STEP_ILLEGAL;
+        fprintf(stderr, "kscore recorder: %s of %s from agent %s %s: %s\n",
+                evs[i]->type, evs[i]->command_id, evs[i]->agent_id,
+                rc ? "given up on" : "kept as a bare ReportRejected", why);
+    }
+    return 0;
 }
 
 static void
@@ -194,6 +263,11 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                  : 0;
         if (rc == 0 || b->stopping)
             break;
+        if (rc != KS_EPGDOWN && rc != KS_EUNAVAIL && failures >= 2) {
+            rc = record_one_by_one(b, evs, nev, verdicts);
+            if (rc == 0)
+                break;
+        }
         if (failures++ == 0) {
             failing_since = touched = ks_mono_us();
             fprintf(stderr,

@@ -212,6 +212,15 @@ evt_setup(struct evt_conn *c, char **errmsg)
     sc.Storage = js_FileStorage;
     sc.Duplicates = EVT_DUPLICATE_WINDOW_MS * NS_PER_MS;
     sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
+    /* No purge and no message delete through the API, for anyone: a
+     * client may publish to a stream subject (an agent to its own) with a
+     * reply address of its choosing, and the server sends the stream's
+     * PubAck there from inside, with the account's rights; sent to
+     * $JS.API.STREAM.PURGE.<stream> or ...MSG.DELETE.<stream>, that
+     * {"stream":..,"seq":N} would purge or delete. The work queue's own
+     * removal of acked messages is not an API delete. */
+    sc.DenyDelete = true;
+    sc.DenyPurge = true;
     rc = add_or_update_stream(c->js, &sc, errmsg);
     if (rc)
         return rc;
@@ -227,6 +236,8 @@ evt_setup(struct evt_conn *c, char **errmsg)
      * recorder has not acked yet, so a day is plenty. */
     sc.MaxAge = INT64_C(24) * 3600 * 1000 * NS_PER_MS;
     sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
+    sc.DenyDelete = true; /* as KSCORE_CMDS */
+    sc.DenyPurge = true;
     rc = add_or_update_stream(c->js, &sc, errmsg);
     if (rc)
         return rc;
@@ -243,6 +254,30 @@ evt_setup(struct evt_conn *c, char **errmsg)
             *errmsg = errmsg_dup("cannot create KV bucket %s: %s",
                                  EVT_KV_AGENTS, nats_GetLastError(NULL));
         return KS_ENATS;
+    }
+    /* The bucket's stream: no message delete through the API (kvConfig
+     * has no such option in nats.c 3.4.1; a key's delete is a marker
+     * message). Purge must stay: a KV bucket's roll-ups need it (nats-server
+     * refuses DenyPurge with AllowRollup); a purge through the PubAck trick
+     * above costs at most one heartbeat (2 s) of registry entries. */
+    {
+        jsStreamInfo *si = NULL;
+        char kvs[64];
+        snprintf(kvs, sizeof(kvs), "KV_%s", EVT_KV_AGENTS);
+        s = js_GetStreamInfo(&si, c->js, kvs, NULL, NULL);
+        if (s == NATS_OK && si && !si->Config->DenyDelete) {
+            jsStreamInfo *nsi = NULL;
+            si->Config->DenyDelete = true;
+            s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);
+            jsStreamInfo_Destroy(nsi);
+        }
+        jsStreamInfo_Destroy(si);
+        if (s != NATS_OK) {
+            if (errmsg)
+                *errmsg = errmsg_dup("cannot lock KV bucket %s: %s",
+                                     EVT_KV_AGENTS, nats_GetLastError(NULL));
+            return KS_ENATS;
+        }
     }
     return 0;
 }

@@ -487,15 +487,26 @@ thief_close(struct thief *t)
 static int
 server_refused(const char *user, const char *what, const char *subject)
 {
-    char needle[512], path[PATH_MAX + 16], line[1024];
+    char needle[512], needle2[512], path[PATH_MAX + 16], line[1024];
+    char seed[EVT_NKEY_SEED_CHARS + 1], pub[EVT_NKEY_PUBLIC_CHARS + 1] = "",
+        ident[EVT_IDENTITY_MAX + 1];
+    /* nats-server names an NKey user by its public key. */
+    const char *seed_file = strncmp(user, "agent-", 6) == 0
+                                ? stack.agent_seed
+                                : stack.operator_seed;
+    if (evt_nkey_read_seed(seed_file, seed, pub, ident) != 0)
+        pub[0] = '\0';
     snprintf(needle, sizeof(needle), "%s Violation - User \"%s\", Subject "
              "\"%s\"", what, user, subject);
+    snprintf(needle2, sizeof(needle2), "%s Violation - Nkey \"%s\", Subject "
+             "\"%s\"", what, pub, subject);
     snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
     for (int i = 0; i < 100; i++) {
         FILE *f = fopen(path, "r");
         int found = 0;
         while (f && !found && fgets(line, sizeof(line), f))
-            found = strstr(line, needle) != NULL;
+            found = strstr(line, needle) != NULL ||
+                    (pub[0] && strstr(line, needle2) != NULL);
         if (f)
             fclose(f);
         if (found)
@@ -862,8 +873,17 @@ START_TEST(agent_works_with_its_own_rights_only)
     fixture_out_release(&o);
     ck_assert_int_eq(wait_status(id, "Cancelled", 20000), 0);
 
-    detach("exec sleep 30", id);
+    /* Killed once the child really runs (a claim not yet spawned ends
+     * NotStarted, rightly): the child leaves a file first. */
+    char started[PATH_MAX + 64], script[PATH_MAX + 128];
+    snprintf(started, sizeof(started), "%s/lost-started", side);
+    unlink(started);
+    snprintf(script, sizeof(script), "touch %s; exec sleep 30", started);
+    detach(script, id);
     ck_assert_int_eq(wait_status(id, "Running", 10000), 0);
+    for (int i = 0; i < 100 && access(started, F_OK) != 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(access(started, F_OK), 0);
     fixture_stack_agent_kill(&stack, SIGKILL);
     ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
     ck_assert_int_eq(wait_status(id, "Lost", 20000), 0);
@@ -895,13 +915,14 @@ security_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, operator_cannot_publish_commands);
     tcase_add_test(tc, agent_cannot_take_another_agents_commands);
-    tcase_add_test(tc, operator_reads_only_its_own_inbox);
     tcase_add_test(tc, refused_commands_never_run);
     tcase_add_test(tc, policy_denies_and_records);
     tcase_add_test(tc, agent_credential_reads_no_replies);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
+    /* Last: it adds a user and reloads the server's users. */
+    tcase_add_test(tc, operator_reads_only_its_own_inbox);
     suite_add_tcase(s, tc);
     return s;
 }
