@@ -350,6 +350,112 @@ START_TEST(only_the_addressed_agent_may_claim)
 }
 END_TEST
 
+/*
+ * A client may publish to a stream subject (an agent to its own) with a
+ * reply address of its choosing, and the server sends the stream's PubAck
+ * there from inside: aimed at the JetStream API, {"stream":..,"seq":N}
+ * would purge the stream or delete message N. The streams refuse both.
+ * Found by a security review.
+ */
+START_TEST(puback_cannot_purge_or_delete)
+{
+    struct evt_conn *c = client("agent-" AGENT);
+    struct evt_conn *admin = client("broker");
+    jsStreamInfo *si = NULL;
+    char subject[128], cid[37];
+    static const char *const targets[] = {
+        "$JS.API.STREAM.PURGE.KSCORE_EVENTS",
+        "$JS.API.STREAM.PURGE.KSCORE_CMDS",
+        "$JS.API.STREAM.MSG.DELETE.KSCORE_EVENTS",
+        NULL};
+
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    uint64_t before = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    for (int i = 0; targets[i]; i++) {
+        ks_uuid(cid);
+        evt_event_subject(subject, sizeof(subject), AGENT, cid);
+        ck_assert_int_eq(natsConnection_PublishRequestString(
+                             c->nc, subject, targets[i], "x"),
+                         NATS_OK);
+    }
+    natsConnection_Flush(c->nc);
+    nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    /* Nothing purged or deleted: at least what was there, plus ours. */
+    ck_assert_uint_ge(si->State.Msgs, before + 3);
+    ck_assert(si->Config->DenyPurge && si->Config->DenyDelete);
+    jsStreamInfo_Destroy(si);
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL,
+                                      NULL),
+                     NATS_OK);
+    ck_assert(si->Config->DenyPurge && si->Config->DenyDelete);
+    jsStreamInfo_Destroy(si);
+    evt_close(admin);
+    evt_close(c);
+}
+END_TEST
+
+/*
+ * One report the database cannot hold (a time out of range) must not stop
+ * recording for everyone: it is refused, and the next command runs.
+ * Found by a security review.
+ */
+START_TEST(a_poisoned_report_does_not_stop_the_recorder)
+{
+    struct evt_conn *op = client("root");
+    struct evt_conn *agent = client("agent-" AGENT);
+    char id[37], eid[37], stream[64], sql[512];
+    Ks__Event ev = KS__EVENT__INIT;
+    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+
+    run_detached(op, "sleep 2", id);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    ck_assert_int_eq(wait_long(sql, 1, 10000), 1);
+    ks_uuid(eid);
+    snprintf(stream, sizeof(stream), "command-%s", id);
+    r.status = KS__COMMAND_STATUS__SUCCEEDED;
+    r.has_exit_code = 1;
+    r.finished_at_us = INT64_C(-9000000000000000000);
+    ev.event_id = eid;
+    ev.stream_id = stream;
+    ev.type = "CommandCompleted";
+    ev.command_id = id;
+    ev.agent_id = AGENT;
+    ev.attempt = 1;
+    ev.result = &r;
+    ev.occurred_at_us = ks_now_us();
+    publish_event(agent, AGENT, &ev);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE event_id = '%s' AND type = "
+             "'ReportRejected'",
+             eid);
+    ck_assert_int_eq(wait_long(sql, 1, 10000), 1);
+    /* The real end is recorded, and a new command runs. */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded'",
+             id);
+    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+    char id2[37];
+    run_detached(op, "true", id2);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded'",
+             id2);
+    ck_assert_int_eq(wait_long(sql, 1, 10000), 1);
+    evt_close(agent);
+    evt_close(op);
+}
+END_TEST
+
 /* The raw bytes of an ExecuteRequest for argv, with byte `at` of the
  * packed message replaced by `with` (to put a NUL or bad UTF-8 inside a
  * string, which the protobuf-c API cannot). */
@@ -556,6 +662,8 @@ boundary_suite(void)
     tcase_add_test(tc, only_the_addressed_agent_may_claim);
     tcase_add_test(tc, bad_fields_are_refused_by_name);
     tcase_add_test(tc, reply_address_must_be_the_callers_inbox);
+    tcase_add_test(tc, puback_cannot_purge_or_delete);
+    tcase_add_test(tc, a_poisoned_report_does_not_stop_the_recorder);
     suite_add_tcase(s, tc);
     return s;
 }

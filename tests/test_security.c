@@ -429,10 +429,23 @@ START_TEST(policy_denies_and_records)
     ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
     ck_assert_msg(o.status == 0, "%s", o.err);
     fixture_out_release(&o);
+    /* An allowed executable with a variable the rule does not list:
+     * PATH (another file of the same name), LD_PRELOAD (other code). */
+    const char *a4[] = {"exec", "--agent", AGENT, "--env", "PATH=/tmp",
+                        "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_ptr_nonnull(strstr(o.err, "denied"));
+    fixture_out_release(&o);
+    const char *a5[] = {"exec", "--agent", AGENT, "--env",
+                        "LD_PRELOAD=/tmp/x.so", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a5, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    fixture_out_release(&o);
     ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE type = "
                               "'RequestDenied' AND stream_id = 'operator-" OPERATOR
                               "'"),
-                     before + 2);
+                     before + 4);
     /* Every event of the allowed command names its operator. */
     ck_assert_int_eq(
         sql_long("SELECT count(*) FROM events e JOIN commands c ON "
