@@ -1423,13 +1423,109 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
     return total > INT32_MAX ? INT32_MAX : (int)total;
 }
 
+/* Silence after which a waiting exec asks again, and after which it gives
+ * up when no broker answers at all (ms). */
+#define EXEC_REASK_MS 5000
+#define EXEC_GIVE_UP_MS 20000
+
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
 {
-    return broker_call(c, EVT_API_EXECUTE, &req->base,
-                       &ks__execute_reply__descriptor, timeout_ms,
-                       (ProtobufCMessage **)out);
+    Ks__ExecuteRequest r = *req;
+    natsSubscription *sub = NULL;
+    char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    if (req->detach)
+        return broker_call(c, EVT_API_EXECUTE, &req->base,
+                           &ks__execute_reply__descriptor, timeout_ms,
+                           (ProtobufCMessage **)out);
+    /*
+     * A waiting exec must not hang with its broker: the broker that holds
+     * its waiter may die. The request names its command with an
+     * idempotency key (a fresh one unless the caller gave one), and after
+     * EXEC_REASK_MS of silence the same request goes out again on the same
+     * inbox: the broker that still waits for the command answers at once
+     * that it does (a reply without a result), another broker attaches
+     * this inbox to the command (or answers with its end), and no answer
+     * at all for EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
+     */
+    if (!r.idempotency_key || !r.idempotency_key[0]) {
+        char u[37];
+        ks_uuid(u);
+        snprintf(key, sizeof(key), "exec-%s", u);
+        r.idempotency_key = key;
+    }
+    if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
+        (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
+        (rc = kproto_pack(&r.base, &buf, &len)))
+        goto out;
+    snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
+    int64_t start = ks_mono_us(), heard = start, asked = start;
+    if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
+                                                    (int)len))))
+        goto out;
+    for (;;) {
+        natsMsg *m = NULL;
+        natsStatus st = natsSubscription_NextMsg(&m, sub, 1000);
+        int64_t now = ks_mono_us();
+        if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
+            Ks__ExecuteReply *rep = NULL;
+            rc = evt_unpack(&ks__execute_reply__descriptor,
+                            natsMsg_GetData(m),
+                            (size_t)natsMsg_GetDataLength(m),
+                            (ProtobufCMessage **)&rep);
+            natsMsg_Destroy(m);
+            if (rc)
+                goto out;
+            if (rep->error_code || rep->result) {
+                *out = rep;
+                goto out;
+            }
+            /* Still running, and someone waits for it: keep waiting. */
+            snprintf(id, sizeof(id), "%s", rep->command_id);
+            ks__execute_reply__free_unpacked(rep, NULL);
+            heard = now;
+        } else {
+            natsMsg_Destroy(m);
+            if (st != NATS_OK && st != NATS_TIMEOUT &&
+                st != NATS_NO_RESPONDERS) {
+                rc = evt_err(st);
+                goto out;
+            }
+        }
+        if (timeout_ms != INT32_MAX &&
+            now - start >= (int64_t)timeout_ms * 1000) {
+            rc = KS_ETIMEDOUT;
+            goto out;
+        }
+        if (now - heard >= (int64_t)EXEC_GIVE_UP_MS * 1000) {
+            if (id[0])
+                fprintf(stderr,
+                        "kscore: no broker answers; command %s goes on: "
+                        "kscore get %s\n",
+                        id, id);
+            rc = KS_EUNAVAIL;
+            goto out;
+        }
+        if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
+            now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
+            asked = now;
+            if ((rc = evt_err(natsConnection_PublishRequest(
+                     c->nc, subject, inbox, buf, (int)len))))
+                goto out;
+        }
+    }
+out:
+    if (sub) {
+        natsSubscription_Unsubscribe(sub);
+        natsSubscription_Destroy(sub);
+    }
+    free(buf);
+    return rc;
 }
 
 int

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -643,6 +644,47 @@ START_TEST(cancel_says_what_it_did)
 }
 END_TEST
 
+struct exec_bg {
+    pthread_t th;
+    const char *args[16];
+    struct fixture_out out;
+    int rc;
+};
+
+static void *
+exec_bg_main(void *arg)
+{
+    struct exec_bg *r = arg;
+    r->rc = fixture_kscore(&stack, r->args, &r->out);
+    return NULL;
+}
+
+/*
+ * A waiting `kscore exec` whose broker dies is not left hanging: it asks
+ * again (the same request, its idempotency key naming the command), the
+ * restarted broker attaches it, and it prints the result and exits with
+ * the command's code. Found by a fresh-eyes review.
+ */
+START_TEST(waiting_exec_survives_its_broker)
+{
+    struct exec_bg r = {.args = {"exec", "--agent", "wx", "--", "sh", "-c",
+                                 "sleep 4; echo done", NULL}};
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-wx", "wx", NULL), 0);
+    ck_assert_int_eq(pthread_create(&r.th, NULL, exec_bg_main, &r), 0);
+    nanosleep(&(struct timespec){1, 500000000L}, NULL);
+    fixture_stack_broker_kill(&stack, SIGKILL);
+    nanosleep(&(struct timespec){1, 0}, NULL);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 0), 0);
+    pthread_join(r.th, NULL);
+    ck_assert_int_eq(r.rc, 0);
+    ck_assert_msg(r.out.status == 0 && strcmp(r.out.out, "done\n") == 0,
+                  "exit %d out '%s' err '%s' after %.1f s", r.out.status,
+                  r.out.out, r.out.err, r.out.seconds);
+    fixture_out_release(&r.out);
+    stack_stop(stack.dir, "agent-wx", 20000);
+}
+END_TEST
+
 static Suite *
 record_suite(void)
 {
@@ -655,6 +697,7 @@ record_suite(void)
     tcase_add_test(tc, k25_agent_dies_mid_run);
     tcase_add_test(tc, one_end_when_a_dead_agent_reports_late);
     tcase_add_test(tc, cancel_says_what_it_did);
+    tcase_add_test(tc, waiting_exec_survives_its_broker);
     tcase_add_test(tc, replay_equals_live);
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
