@@ -172,4 +172,17 @@ int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
 
+/* ------------------------------------------------------------------------ */
+/* Queries for assertions (tests/fixture_pg.c)                               */
+/* ------------------------------------------------------------------------ */
+
+/* The first column of the first row of sql as a long (-1 when there is no
+ * row) on pgconn (a PGconn *); a failed query fails the test. */
+long fixture_pg_long(void *pgconn, const char *sql);
+/* The same on a connection of its own to conninfo. */
+long fixture_sql_long(const char *conninfo, const char *sql);
+/* Polls sql until it returns want or timeout_ms passes: the last value. */
+long fixture_wait_sql(const char *conninfo, const char *sql, long want,
+                      int timeout_ms);
+
 #endif

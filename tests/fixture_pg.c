@@ -1,6 +1,9 @@
 #include "fixture.h"
 
+#include <check.h>
 #include <errno.h>
+#include <libpq-fe.h>
+#include <time.h>
 #include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,4 +107,41 @@ fixture_pg_restart(struct fixture_pg *f)
 {
     int rc = fixture_pg_halt(f);
     return rc < 0 ? rc : fixture_pg_resume(f);
+}
+
+/* ---- queries for assertions (tests/fixture.h "Queries") ---- */
+
+long
+fixture_pg_long(void *pgconn, const char *sql)
+{
+    PGconn *pg = pgconn;
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
+                  PQerrorMessage(pg));
+    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    return v;
+}
+
+long
+fixture_sql_long(const char *conninfo, const char *sql)
+{
+    PGconn *pg = PQconnectdb(conninfo);
+    ck_assert_msg(PQstatus(pg) == CONNECTION_OK, "%s", PQerrorMessage(pg));
+    long v = fixture_pg_long(pg, sql);
+    PQfinish(pg);
+    return v;
+}
+
+long
+fixture_wait_sql(const char *conninfo, const char *sql, long want,
+                 int timeout_ms)
+{
+    long v = -1;
+    for (int i = 0; i <= timeout_ms / 50; i++) {
+        if ((v = fixture_sql_long(conninfo, sql)) == want)
+            return v;
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    return v;
 }

@@ -391,12 +391,7 @@ sql_long(PGconn *pg, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(sql, sizeof(sql), fmt, ap);
     va_end(ap);
-    PGresult *r = PQexec(pg, sql);
-    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
-                  PQerrorMessage(pg));
-    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
-    PQclear(r);
-    return v;
+    return fixture_pg_long(pg, sql);
 }
 
 /* The projection's status of a command ("" if none), into buf. */

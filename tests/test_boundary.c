@@ -56,27 +56,13 @@ client(const char *identity)
 static long
 sql_long(const char *sql)
 {
-    PGconn *pg = PQconnectdb(stack.pg.conninfo);
-    PGresult *r = PQexec(pg, sql);
-    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
-                  PQerrorMessage(pg));
-    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
-    PQclear(r);
-    PQfinish(pg);
-    return v;
+    return fixture_sql_long(stack.pg.conninfo, sql);
 }
 
-/* Polls sql until it returns want or timeout_ms passes; the last value. */
 static long
 wait_long(const char *sql, long want, int timeout_ms)
 {
-    long v = -1;
-    for (int i = 0; i < timeout_ms / 50; i++) {
-        if ((v = sql_long(sql)) == want)
-            return v;
-        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
-    }
-    return v;
+    return fixture_wait_sql(stack.pg.conninfo, sql, want, timeout_ms);
 }
 
 /* Publishes ev as agent `as` would (its own event subject) through

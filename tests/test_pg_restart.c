@@ -298,12 +298,7 @@ db(void)
 static long
 sql_long(PGconn *pg, const char *sql)
 {
-    PGresult *r = PQexec(pg, sql);
-    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
-                  PQerrorMessage(pg));
-    long v = PQntuples(r) ? atol(PQgetvalue(r, 0, 0)) : -1;
-    PQclear(r);
-    return v;
+    return fixture_pg_long(pg, sql);
 }
 
 /* Polls sql until it returns want (deadline timeout_s). */

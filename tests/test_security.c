@@ -76,14 +76,7 @@ connect_as(const char *seed_file)
 static long
 sql_long(const char *sql)
 {
-    PGconn *pg = PQconnectdb(stack.pg.conninfo);
-    PGresult *r = PQexec(pg, sql);
-    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
-                  PQerrorMessage(pg));
-    long v = atol(PQgetvalue(r, 0, 0));
-    PQclear(r);
-    PQfinish(pg);
-    return v;
+    return fixture_sql_long(stack.pg.conninfo, sql);
 }
 
 static uint64_t
