@@ -4,7 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <time.h>
 #include <sys/random.h>
 #include <uuid/uuid.h>
@@ -73,16 +74,33 @@ ks_mono_us(void)
  * time: libuuid's uuid_generate_random() reseeds and calls getrandom for
  * every id, which the profile showed as ~9% of kscore's CPU.
  */
+static atomic_uint fork_gen = 1;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void
+after_fork_child(void)
+{
+    atomic_fetch_add(&fork_gen, 1);
+}
+
+static void
+fork_register(void)
+{
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
 static void
 random_bytes(uint8_t *out, size_t n)
 {
     static _Thread_local uint8_t pool[4096];
     static _Thread_local size_t left;
-    static _Thread_local pid_t owner;
+    static _Thread_local unsigned gen;
     /* A fork copies the pool: the child would hand out the parent's next
-     * ids. A pool belongs to the process that filled it. */
-    if (owner != getpid()) {
-        owner = getpid();
+     * ids. The child's atfork handler moves the generation on, and a pool
+     * of an older generation is refilled (no syscall per id). */
+    pthread_once(&fork_once, fork_register);
+    if (gen != atomic_load(&fork_gen)) {
+        gen = atomic_load(&fork_gen);
         left = 0;
     }
     if (left < n) {

@@ -344,15 +344,11 @@ pipeline_end(struct store *s)
         s->broken = true;
 }
 
-struct id_ref {
-    const char *id;
-    size_t idx;
-};
 
 static int
 cmp_id_ref(const void *a, const void *b)
 {
-    const struct id_ref *x = a, *y = b;
+    const struct store__id_ref *x = a, *y = b;
     int c = strcasecmp(x->id, y->id);
     /* Among equal ids the first in the input sorts first. */
     return c ? c : (x->idx < y->idx ? -1 : x->idx > y->idx);
@@ -363,8 +359,9 @@ cmp_id_ref(const void *a, const void *b)
  * equal ids, and marks skip[i] for every event whose event_id appeared
  * earlier in the input. Returns the number marked.
  */
-static size_t
-mark_repeats(const Ks__Event *const *events, size_t n, struct id_ref *refs,
+size_t
+store__mark_repeats(const Ks__Event *const *events, size_t n,
+                    struct store__id_ref *refs,
              bool *skip)
 {
     size_t repeats = 0;
@@ -384,11 +381,11 @@ mark_repeats(const Ks__Event *const *events, size_t n, struct id_ref *refs,
 
 /*
  * Marks skip[] for the first event of each id in list (KS003's DETAIL:
- * ids, comma-separated) through refs sorted by mark_repeats(). Returns the
+ * ids, comma-separated) through refs sorted by store__mark_repeats(). Returns the
  * number newly marked; tokens that are no id of the input are ignored.
  */
 static size_t
-mark_recorded(const struct id_ref *refs, size_t n, const char *list,
+mark_recorded(const struct store__id_ref *refs, size_t n, const char *list,
               bool *skip)
 {
     size_t marked = 0;
@@ -501,7 +498,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
 {
     const Ks__Event **evs = NULL;
     struct store__params p = {0};
-    struct id_ref *refs = NULL;
+    struct store__id_ref *refs = NULL;
     char *detail = NULL;
     int64_t version = -1;
     bool *skip = NULL;
@@ -526,7 +523,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
             goto out;
         }
     }
-    if (mark_repeats((const Ks__Event *const *)evs, n, refs, skip) != 0) {
+    if (store__mark_repeats((const Ks__Event *const *)evs, n, refs, skip) != 0) {
         rc = KS_EINVAL;
         goto out;
     }
@@ -734,7 +731,7 @@ int
 store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
                   size_t *dup_out)
 {
-    struct id_ref *refs = NULL;
+    struct store__id_ref *refs = NULL;
     size_t dups = 0, sent = 0;
     bool *skip = NULL;
     int rc = 0;
@@ -751,7 +748,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
     for (size_t i = 0; i < n; i++)
         if ((rc = validate(events[i])) < 0)
             goto out;
-    dups = mark_repeats(events, n, refs, skip);
+    dups = store__mark_repeats(events, n, refs, skip);
     if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
         goto out;
     /*

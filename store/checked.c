@@ -80,7 +80,7 @@ array_literal(const char *const *items, size_t n)
  * by stream), the recorded ids into recorded[] (flags per event). */
 static int
 read_locks(struct store *s, struct cstate *states, size_t nstates,
-           const Ks__Event *const *events, size_t n, bool *recorded)
+           const struct store__id_ref *refs, size_t n, bool *recorded)
 {
     int rc = 0, query = 0;
 
@@ -116,9 +116,18 @@ read_locks(struct store *s, struct cstate *states, size_t nstates,
         } else if (est == PGRES_TUPLES_OK && query == 2) {
             for (int r = 0; r < PQntuples(res); r++) {
                 const char *id = PQgetvalue(res, r, 0);
-                for (size_t i = 0; i < n; i++)
-                    if (strcasecmp(events[i]->event_id, id) == 0)
-                        recorded[i] = true;
+                /* refs is sorted by id (case-insensitive): find the first
+                 * of this id; its repeats are marked anyway. */
+                size_t lo = 0, hi = n;
+                while (lo < hi) {
+                    size_t mid = lo + (hi - lo) / 2;
+                    if (strcasecmp(refs[mid].id, id) < 0)
+                        lo = mid + 1;
+                    else
+                        hi = mid;
+                }
+                if (lo < n && strcasecmp(refs[lo].id, id) == 0)
+                    recorded[refs[lo].idx] = true;
             }
         } else if (est != PGRES_COMMAND_OK && est != PGRES_TUPLES_OK &&
                    rc == 0) {
@@ -144,7 +153,8 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
 {
     struct cstate *states = NULL;
     const char **streams = NULL, **ids = NULL;
-    bool *recorded = NULL;
+    bool *recorded = NULL, *repeat = NULL;
+    struct store__id_ref *refs = NULL;
     Ks__Event *copies = NULL;
     const Ks__Event **out = NULL;
     char *streams_lit = NULL, *ids_lit = NULL;
@@ -160,12 +170,14 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     streams = calloc(n, sizeof(*streams));
     ids = calloc(n, sizeof(*ids));
     recorded = calloc(n, sizeof(*recorded));
+    repeat = calloc(n, sizeof(*repeat));
+    refs = calloc(n, sizeof(*refs));
     copies = calloc(n, sizeof(*copies));
     out = calloc(n, sizeof(*out));
     agent_streams = calloc(n, sizeof(*agent_streams));
     reasons = calloc(n, sizeof(*reasons));
-    if (!states || !streams || !ids || !recorded || !copies || !out ||
-        !agent_streams || !reasons) {
+    if (!states || !streams || !ids || !recorded || !repeat || !refs ||
+        !copies || !out || !agent_streams || !reasons) {
         rc = -ENOMEM;
         goto out;
     }
@@ -183,6 +195,9 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
                  "command-%s", cid);
         nstates++;
     }
+    /* Repeats within the call, in O(n log n); refs stays sorted by id for
+     * matching the recorded ids below. */
+    store__mark_repeats(events, n, refs, repeat);
     qsort(states, nstates, sizeof(*states), cmp_cstate);
     {
         size_t w = 0;
@@ -228,7 +243,7 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
             goto out;
         }
     }
-    rc = read_locks(s, states, nstates, events, n, recorded);
+    rc = read_locks(s, states, nstates, refs, n, recorded);
     if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF)
         PQexitPipelineMode(s->conn);
     if (rc) {
@@ -244,11 +259,8 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         const char *why = NULL;
         Ks__CommandStatus next;
         enum store_step v;
-        bool dup_in_call = false;
 
-        for (size_t j = 0; j < i && !dup_in_call; j++)
-            dup_in_call = strcasecmp(events[j]->event_id, ev->event_id) == 0;
-        if (recorded[i] || dup_in_call) {
+        if (recorded[i] || repeat[i]) {
             verdicts[i] = STORE_STEP_DUPLICATE;
             dups++;
             continue;
@@ -334,6 +346,8 @@ out:
     free(streams);
     free(ids);
     free(recorded);
+    free(repeat);
+    free(refs);
     free(copies);
     free(out);
     free(agent_streams);

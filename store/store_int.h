@@ -181,6 +181,20 @@ int store__pipeline_finish(struct store *s, int64_t *first_out,
  * for it (s->commit_in_pipeline) and it is not queued yet. */
 void store__send_commit(struct store *s);
 
+/* An event id and its index in a call's input (store__mark_repeats). */
+struct store__id_ref {
+    const char *id;
+    size_t idx;
+};
+/*
+ * Sorts refs (n entries, caller storage) by event_id, the first in the
+ * input first among equal ids, and marks skip[i] for every event whose
+ * event_id appeared earlier in the input. Returns the number marked.
+ * O(n log n).
+ */
+size_t store__mark_repeats(const Ks__Event *const *events, size_t n,
+                           struct store__id_ref *refs, bool *skip);
+
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);
 int32_t store__rd_i32(const char *p);
