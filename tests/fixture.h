@@ -173,6 +173,20 @@ int fixture_kscore_home(const char *home, const char *const args[],
 void fixture_out_release(struct fixture_out *o);
 
 /* ------------------------------------------------------------------------ */
+/* Clients (tests/fixture_nats.c)                                            */
+/* ------------------------------------------------------------------------ */
+
+struct evt_conn;
+/* A client of s's NATS (send_asap); a failure fails the test. */
+struct evt_conn *fixture_client(const struct fixture_stack *s);
+/* Submits `sh -c script` to agent, detached, with timeout_ms (0: none) and
+ * deliver_within_ms (0: the default): 0 with id_out, or the error (the
+ * reply's error code, or the request's). */
+int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
+                   uint64_t timeout_ms, uint64_t deliver_within_ms,
+                   char id_out[37]);
+
+/* ------------------------------------------------------------------------ */
 /* Queries for assertions (tests/fixture_pg.c)                               */
 /* ------------------------------------------------------------------------ */
 

@@ -1,5 +1,6 @@
 #include "fixture.h"
 
+#include <check.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -600,4 +601,43 @@ fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
     struct evt_connect_opts o;
     admin_opts(s, &o);
     return broker_wait_agent(s->nats.url, &o, id, since_us, timeout_ms);
+}
+
+/* ---- clients for tests (tests/fixture.h "Clients") ---- */
+
+struct evt_conn *
+fixture_client(const struct fixture_stack *s)
+{
+    struct evt_connect_opts o = {.name = "test", .send_asap = true};
+    struct evt_conn *c = NULL;
+    ck_assert_int_eq(evt_connect(s->nats.url, &o, &c, NULL), 0);
+    return c;
+}
+
+int
+fixture_submit(struct evt_conn *c, const char *agent, const char *script,
+               uint64_t timeout_ms, uint64_t deliver_within_ms,
+               char id_out[37])
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    char *argv[] = {"sh", "-c", (char *)script};
+    int rc;
+
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.timeout_ms = timeout_ms;
+    req.spec = &spec;
+    req.agent_id = (char *)agent;
+    req.detach = 1;
+    req.deliver_within_ms = deliver_within_ms;
+    rc = broker_execute(c, &req, 5000, &rep);
+    if (rc == 0 && rep->error_code)
+        rc = rep->error_code;
+    if (rc == 0)
+        snprintf(id_out, 37, "%s", rep->command_id);
+    if (rep)
+        ks__execute_reply__free_unpacked(rep, NULL);
+    return rc;
 }

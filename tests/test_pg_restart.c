@@ -247,36 +247,14 @@ END_TEST
 static struct evt_conn *
 client(void)
 {
-    struct evt_connect_opts o = {.name = "test", .send_asap = true};
-    struct evt_conn *c = NULL;
-    ck_assert_int_eq(evt_connect(stack.nats.url, &o, &c, NULL), 0);
-    return c;
+    return fixture_client(&stack);
 }
 
 /* Submits a detached command; 0 with id_out, or the error. */
 static int
 submit(struct evt_conn *c, const char *script, char id_out[37])
 {
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
-    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-    Ks__ExecuteReply *rep = NULL;
-    char *argv[] = {"sh", "-c", (char *)script};
-    int rc;
-
-    spec.argv = argv;
-    spec.n_argv = 3;
-    spec.timeout_ms = 120000;
-    req.spec = &spec;
-    req.agent_id = AGENT;
-    req.detach = 1;
-    rc = broker_execute(c, &req, 5000, &rep);
-    if (rc == 0 && rep->error_code)
-        rc = rep->error_code;
-    if (rc == 0)
-        snprintf(id_out, 37, "%s", rep->command_id);
-    if (rep)
-        ks__execute_reply__free_unpacked(rep, NULL);
-    return rc;
+    return fixture_submit(c, AGENT, script, 120000, 0, id_out);
 }
 
 /* A fresh connection (one from before an outage would be dead). */
