@@ -958,6 +958,32 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- heartbeat --------------------------------------------------------------- */
 
+struct slot_count {
+    const struct agent_slot *slot;
+    uint32_t n;
+};
+
+static void
+count_slot_job(const char *key, void *val, void *ud)
+{
+    const struct job_ctx *j = val;
+    struct slot_count *sc = ud;
+    (void)key;
+    if (j->slot == sc->slot && j->state == JOB_RUNNING)
+        sc->n++;
+}
+
+/* The commands id slot has claimed and submitted (under a->mu). */
+static uint32_t
+slot_running(struct agent *a, const struct agent_slot *slot)
+{
+    struct slot_count sc = {slot, 0};
+    pthread_mutex_lock(&a->mu);
+    ks_map_each(&a->jobs, count_slot_job, &sc);
+    pthread_mutex_unlock(&a->mu);
+    return sc.n;
+}
+
 /*
  * Writes every id's registry entry: a publish to $KV.KSCORE_AGENTS.<id>
  * whose PubAck comes back to agent-<id>'s own inbox (evt_agent_put). The
@@ -998,6 +1024,10 @@ heartbeat_once(struct agent *a)
     for (size_t i = 0; i < a->n_slots; i++) {
         int one;
         info.agent_id = a->slots[i].id;
+        /* One process may serve several ids (--local-agents): each id
+         * reports the commands it runs, not the whole process's. */
+        if (a->n_slots > 1)
+            info.running = slot_running(a, &a->slots[i]);
         one = evt_agent_put(a->nc, a->slots[i].identity, &info,
                             HEARTBEAT_TIMEOUT_MS);
         if (one == 0)

@@ -1089,6 +1089,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         handle_cancel(ud, msg);
     else if (broker__is_method(subj, EVT_API_AGENTS))
         handle_agents(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LIST))
+        broker__handle_list(ud, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -1205,7 +1207,7 @@ broker_teardown(struct broker *b)
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory};
+                                 &b->sub_advisory, &b->sub_list};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1370,6 +1372,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
+        (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,

@@ -53,6 +53,7 @@ struct broker {
         *st_follow;
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec;
+    natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
@@ -209,6 +210,10 @@ int broker__cancel_command(struct broker *b, struct store *st,
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);
 void broker__batch_stop(struct broker *b);
+/* kscore.api.v1.list (history.c): called by on_misc under misc_mu, after
+ * the operator was found in the policy. */
+void broker__handle_list(struct broker *b, natsMsg *msg);
+
 /* The API handler of kscore.api.v1.batch (its own delivery thread). */
 void broker__on_batch(natsConnection *nc, natsSubscription *sub,
                       natsMsg *msg, void *ud);

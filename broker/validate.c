@@ -102,6 +102,16 @@ static const struct rule rules[] = {
      "0 to 2^62"},
     {"EventsRequest", "limit", R_RANGE, 0, 10000, "at most 10000"},
     {"EventsRequest", "wait_ms", R_RANGE, 0, 5000, "at most 5000 ms"},
+    {"ListRequest", "agents", R_COUNT, 0, 64, "at most 64 agents"},
+    {"ListRequest", "agents", R_AGENT_ID, 0, 0,
+     "each 1-128 letters, digits, _ and -"},
+    {"ListRequest", "statuses", R_COUNT, 0, 32, "at most 32 statuses"},
+    {"ListRequest", "statuses", R_BYTES, 1, 32, "1 to 32 bytes"},
+    {"ListRequest", "operator", R_BYTES, 0, 128, "at most 128 bytes"},
+    {"ListRequest", "limit", R_RANGE, 0, 1000, "at most 1000"},
+    {"ListRequest", "batch_id", R_STREAM_ID, 0, 200,
+     "empty or batch-<uuid>"},
+    {"ListRequest", "cursor_id", R_BYTES, 0, 200, "at most 200 bytes"},
 };
 
 static bool

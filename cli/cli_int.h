@@ -178,5 +178,10 @@ int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_operator(int argc, char **argv);
+int cmd_list(int argc, char **argv);
+
+/* --since / --until: a duration back from now_us ("1h", "1h ago") or an
+ * RFC 3339 time or date, into microseconds since the epoch. 0 or -1. */
+int cli_parse_time(const char *s, int64_t now_us, int64_t *us_out);
 
 #endif

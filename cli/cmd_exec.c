@@ -303,9 +303,21 @@ cmd_exec(int argc, char **argv)
             agent = agent_from_env = cli_env_get("KSCORE_AGENT");
     }
     if (!agent || !agent[0]) {
-        cli_err("no agent: give --agent ID (no local stack agent found in "
-                "%s/env)",
-                cli_home());
+        /* No agent because there is no stack at all (no url anywhere):
+         * kscore cannot reach anything, which is 125, not a usage error. */
+        char *env_url = cli_env_get("KSCORE_NATS_URL");
+        const char *url = cc.nats_url ? cc.nats_url : getenv("KSCORE_NATS_URL");
+        if ((!url || !url[0]) && !env_url) {
+            cli_err("the local stack is not running (no %s/env): start it "
+                    "with `kscore up`, or give --nats URL and --agent ID",
+                    cli_home());
+            rc = CLI_EXIT_KSCORE;
+        } else {
+            cli_err("no agent: give --agent ID (no local stack agent found "
+                    "in %s/env)",
+                    cli_home());
+        }
+        free(env_url);
         goto out;
     }
     req.agent_id = (char *)agent;

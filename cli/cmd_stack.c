@@ -374,6 +374,14 @@ fail:
     return CLI_EXIT_KSCORE;
 }
 
+static int
+down_failed(const char *part, int rc)
+{
+    cli_err("cannot stop %s: %s%s", part, ks_strerror(rc),
+            rc == -EPERM ? " (the stack belongs to another user)" : "");
+    return CLI_EXIT_KSCORE;
+}
+
 int
 cmd_down(int argc, char **argv)
 {
@@ -389,16 +397,18 @@ cmd_down(int argc, char **argv)
     }
     /* Agent first, so its running commands end and report while the
      * broker and the servers are still there. */
-    if (stack_stop(home, "agent", 20000) != 0)
-        rc = CLI_EXIT_KSCORE;
-    if (stack_stop(home, "broker", 20000) != 0)
-        rc = CLI_EXIT_KSCORE;
-    if (stack_nats_stop(home) != 0)
-        rc = CLI_EXIT_KSCORE;
-    if (stack_pg_stop(home) != 0)
-        rc = CLI_EXIT_KSCORE;
+    int prc;
+    if ((prc = stack_stop(home, "agent", 20000)) != 0)
+        rc = down_failed("agent", prc);
+    if ((prc = stack_stop(home, "broker", 20000)) != 0)
+        rc = down_failed("broker", prc);
+    if ((prc = stack_nats_stop(home)) != 0)
+        rc = down_failed("nats", prc);
+    if ((prc = stack_pg_stop(home)) != 0)
+        rc = down_failed("pg", prc);
     snprintf(path, sizeof(path), "%s/env", home);
-    unlink(path);
+    if (rc == 0) /* clients of a stack that still runs keep finding it */
+        unlink(path);
     if (rc)
         cli_err("some part of the stack did not stop (kscore status)");
     else

@@ -27,6 +27,8 @@ static const char usage[] =
     "  events ID [--json]      a command's events, in order\n"
     "  events --follow [ID]    events as they are recorded\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
+    "  list [--agent ID] [--status S] [--since T] [--batch ID] [--json]\n"
+    "                          history: commands and batches, newest first\n"
     "  agents [--json]         the agents: id, online, last seen, running\n"
     "  replay [--db CONNINFO]  rebuild every projection from the events\n"
     "  perf [SCENARIO]... [--json]   the SLO suite on a private stack\n"
@@ -373,11 +375,37 @@ static const struct {
     {"agents", cmd_agents}, {"replay", cmd_replay}, {"batch", cmd_batch},
     {"keygen", cmd_keygen}, {"operator", cmd_operator},
     {"perf", cmd_perf},
+    {"list", cmd_list},
 };
+
+/* The subcommand named name, or -1. */
+static int
+find_command(const char *name)
+{
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (strcmp(name, commands[i].name) == 0)
+            return (int)i;
+    return -1;
+}
 
 int
 main(int argc, char **argv)
 {
+    /* `kscore help CMD`: that command's own help. */
+    if (argc >= 3 && strcmp(argv[1], "help") == 0) {
+        int k = find_command(argv[2]);
+        char *hargv[] = {argv[2], "--help", NULL};
+        if (k < 0) {
+            cli_err("unknown command '%s' (see kscore --help)", argv[2]);
+            return CLI_EXIT_USAGE;
+        }
+        return commands[k].fn(2, hargv);
+    }
+    /* -h is --help on every subcommand (their getopt tables are long
+     * options only); the command after `--` keeps its own -h. */
+    for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
+        if (strcmp(argv[i], "-h") == 0)
+            argv[i] = "--help";
     if (argc < 2 || strcmp(argv[1], "--help") == 0 ||
         strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         fputs(usage, argc < 2 ? stderr : stdout);
@@ -387,9 +415,9 @@ main(int argc, char **argv)
         printf("kscore 0.1.0\n");
         return 0;
     }
-    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-        if (strcmp(argv[1], commands[i].name) == 0)
-            return commands[i].fn(argc - 1, argv + 1);
+    int k = find_command(argv[1]);
+    if (k >= 0)
+        return commands[k].fn(argc - 1, argv + 1);
     cli_err("unknown command '%s' (see kscore --help)", argv[1]);
     return CLI_EXIT_USAGE;
 }

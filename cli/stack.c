@@ -101,7 +101,9 @@ pid_alive(pid_t pid)
     FILE *f;
     int r;
 
-    if (pid <= 0 || kill(pid, 0) == -1)
+    /* EPERM: it exists, it is only not ours to signal (a stack started
+     * by root, asked about by another user). */
+    if (pid <= 0 || (kill(pid, 0) == -1 && errno != EPERM))
         return 0;
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
     f = fopen(path, "re");

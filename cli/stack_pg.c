@@ -572,6 +572,10 @@ stack_pg_stop(const char *dir_arg)
         return errno == ENOENT ? 0 : -errno;
     snprintf(path, sizeof(path), "%s/pg.pid", dir);
     if (!pg_running(dir, &pid, NULL)) {
+        /* Its data directory may only be unreadable to us (another user's
+         * stack): pg.pid still says whether it runs. */
+        if (stack_pidfile_alive(dir, "pg", &pid))
+            return -EPERM;
         unlink(path);
         return 0;
     }

@@ -63,6 +63,7 @@
 #define EVT_API_AGENTS "kscore.api.v1.agents"
 #define EVT_API_FOLLOW "kscore.api.v1.follow"
 #define EVT_API_BATCH "kscore.api.v1.batch"
+#define EVT_API_LIST "kscore.api.v1.list"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000

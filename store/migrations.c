@@ -636,10 +636,20 @@ static const char migration_3[] =
     "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
     "END $$;\n";
 
+/*
+ * Migration 4: history (`kscore list`, store/history.c) reads commands and
+ * batches newest first from a cursor; these indexes let it walk backwards
+ * from the cursor instead of sorting every row.
+ */
+static const char migration_4[] =
+    "CREATE INDEX commands_requested ON commands (requested_at);\n"
+    "CREATE INDEX batches_requested ON batches (requested_at);\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
     {3, "one terminal event per command; NotStarted", migration_3},
+    {4, "history: commands and batches by request time", migration_4},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

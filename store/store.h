@@ -270,6 +270,37 @@ int store_command_by_key(struct store *s, const char *idempotency_key,
 int store_batch_operator(struct store *s, const char *batch_id, char *buf,
                          size_t len);
 
+/*
+ * History (`kscore list`): commands and batches, newest first (requested
+ * at, then id, descending; ids compare bytewise). Without agents and
+ * batch_id: the commands that are not batch targets, and the batches; with
+ * agents: the commands on any of them, batch targets included (no batch
+ * rows); with batch_id: that batch's targets. Every filter given must
+ * hold: operator, statuses (any of, as stored: "Succeeded", "Running",
+ * ...; a batch's are "Running", "Completed", "Cancelled"), requested in
+ * [since_us, until_us). The page starts after the cursor (cursor_at_us 0:
+ * at the newest) and holds at most limit items (0: STORE_LIST_DEFAULT).
+ * cb gets each item, borrowed for the call (argv: at most 32 elements of
+ * at most 256 bytes, argv_truncated otherwise); non-zero stops and is
+ * returned. 0 or a store error.
+ */
+#define STORE_LIST_DEFAULT 50
+struct store_list_query {
+    const char *const *agents;
+    size_t n_agents;
+    const char *operator_;          /* NULL or "": any */
+    const char *const *statuses;
+    size_t n_statuses;
+    int64_t since_us, until_us;     /* 0: unbounded */
+    const char *batch_id;           /* NULL or "": none */
+    uint32_t limit;
+    int64_t cursor_at_us;           /* the last item of the previous page */
+    const char *cursor_id;
+};
+typedef int (*store_list_fn)(const Ks__ListItem *item, void *ud);
+int store_list(struct store *s, const struct store_list_query *q,
+               store_list_fn cb, void *ud);
+
 /* ---- The command state machine (store/machine.c) ----------------------
  *
  * Every command moves Requested -> Dispatched (one or more attempts) ->
