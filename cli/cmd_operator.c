@@ -11,7 +11,7 @@
 #include "stack.h"
 
 static const char usage[] =
-    "usage: kscore operator add NAME\n"
+    "usage: kscore operator add NAME [--json]\n"
     "       kscore operator list [--all] [--json]\n"
     "       kscore operator remove NAME\n"
     "The operators of the local stack in $KSCORE_HOME (now %s).\n"
@@ -46,7 +46,7 @@ apply(const char *home)
 }
 
 static int
-op_add(const char *home, const char *name)
+op_add(const char *home, const char *name, bool json)
 {
     struct stack_identity id;
     char seed[4200];
@@ -71,6 +71,14 @@ op_add(const char *home, const char *name)
     if ((rc = apply(home)))
         return rc;
     stack_ident_seed_path(home, STACK_OPERATOR, name, seed, sizeof(seed));
+    if (json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "name", json_string(name));
+        json_object_set_new(o, "seed_file", json_string(seed));
+        json_object_set_new(o, "public_key", json_string(id.nkey));
+        cli_print_json(o);
+        return 0;
+    }
     printf("%s\n", seed);
     fprintf(stderr,
             "kscore: operator %s added (public key %s). Its seed is %s: hand "
@@ -179,8 +187,8 @@ cmd_operator(int argc, char **argv)
     int rest = argc - optind - 1;
     if (verb && strcmp(verb, "list") == 0 && rest == 0)
         return op_list(home, all, json);
-    if (verb && strcmp(verb, "add") == 0 && rest == 1 && !json && !all)
-        return op_add(home, argv[optind + 1]);
+    if (verb && strcmp(verb, "add") == 0 && rest == 1 && !all)
+        return op_add(home, argv[optind + 1], json);
     if (verb && strcmp(verb, "remove") == 0 && rest == 1 && !json && !all)
         return op_remove(home, argv[optind + 1]);
     fprintf(stderr, usage, home);

@@ -203,13 +203,14 @@ cmd_up(int argc, char **argv)
     static const struct option lo[] = {
         {"local-agents", required_argument, 0, 'l'},
         {"help", no_argument, 0, 'h'},
+        {"json", no_argument, 0, 'j'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
     char agent_state[4200], local_state[4200];
     char *url = NULL, *db = NULL;
     unsigned local_agents = 0;
-    bool local_agents_given = false;
+    bool local_agents_given = false, json = false;
     pid_t pid;
     int opt, rc;
 
@@ -226,9 +227,13 @@ cmd_up(int argc, char **argv)
             }
             local_agents_given = true;
             break;
+        case 'j':
+            json = true;
+            break;
         case 'h':
-            printf("usage: kscore up [--local-agents N]\nStarts the local "
-                   "stack under $KSCORE_HOME (now %s).\n",
+            printf("usage: kscore up [--local-agents N] [--json]\nStarts the "
+                   "local stack under $KSCORE_HOME (now %s) and prints its\n"
+                   "status (--json: as `kscore status --json`).\n",
                    home);
             return 0;
         default:
@@ -254,7 +259,7 @@ cmd_up(int argc, char **argv)
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
-        print_status(false);
+        print_status(json);
         return 0;
     }
     if (!local_agents_given)
@@ -366,7 +371,7 @@ cmd_up(int argc, char **argv)
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
-    print_status(false);
+    print_status(json);
     return 0;
 fail:
     free(url);
@@ -612,10 +617,12 @@ cmd_keygen(int argc, char **argv)
 {
     static const struct option lo[] = {{"out", required_argument, 0, 'o'},
                                        {"name", required_argument, 0, 'n'},
+                                       {"json", no_argument, 0, 'j'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     const char *dir = ".", *name = "kscore";
     char priv[4200], pub[4200];
+    bool json = false;
     int opt, rc;
 
     optind = 1;
@@ -627,11 +634,16 @@ cmd_keygen(int argc, char **argv)
         case 'n':
             name = optarg;
             break;
+        case 'j':
+            json = true;
+            break;
         case 'h':
-            printf("usage: kscore keygen [--out DIR] [--name NAME]\n"
+            printf("usage: kscore keygen [--out DIR] [--name NAME] [--json]\n"
                    "Writes an Ed25519 key pair: DIR/NAME.key (private, "
                    "0600: give it to the broker, --signing-key) and "
-                   "DIR/NAME.pub (give it to agents, --trust-key).\n");
+                   "DIR/NAME.pub (give it to agents, --trust-key).\n"
+                   "Prints the two paths (--json: {\"private_key\", "
+                   "\"public_key\"}).\n");
             return 0;
         default:
             return CLI_EXIT_USAGE;
@@ -647,6 +659,13 @@ cmd_keygen(int argc, char **argv)
                 rc == -EEXIST ? "already exists (not overwritten)"
                               : ks_strerror(rc));
         return CLI_EXIT_KSCORE;
+    }
+    if (json) {
+        json_t *o = json_object();
+        json_object_set_new(o, "private_key", json_string(priv));
+        json_object_set_new(o, "public_key", json_string(pub));
+        cli_print_json(o);
+        return 0;
     }
     printf("%s\n%s\n", priv, pub);
     return 0;
