@@ -958,30 +958,33 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- heartbeat --------------------------------------------------------------- */
 
-struct slot_count {
-    const struct agent_slot *slot;
-    uint32_t n;
+struct slot_counts {
+    const struct agent_slot *slots;
+    size_t n;
+    uint32_t *running; /* per slot */
 };
 
 static void
 count_slot_job(const char *key, void *val, void *ud)
 {
     const struct job_ctx *j = val;
-    struct slot_count *sc = ud;
+    struct slot_counts *sc = ud;
     (void)key;
-    if (j->slot == sc->slot && j->state == JOB_RUNNING)
-        sc->n++;
+    if (j->state == JOB_RUNNING && j->slot >= sc->slots &&
+        j->slot < sc->slots + sc->n)
+        sc->running[j->slot - sc->slots]++;
 }
 
-/* The commands id slot has claimed and submitted (under a->mu). */
-static uint32_t
-slot_running(struct agent *a, const struct agent_slot *slot)
+/* The commands each id has claimed and submitted, in one pass over the
+ * held jobs (under a->mu): running[i] for a->slots[i]. */
+static void
+slots_running(struct agent *a, uint32_t *running)
 {
-    struct slot_count sc = {slot, 0};
+    struct slot_counts sc = {a->slots, a->n_slots, running};
+    memset(running, 0, a->n_slots * sizeof(*running));
     pthread_mutex_lock(&a->mu);
     ks_map_each(&a->jobs, count_slot_job, &sc);
     pthread_mutex_unlock(&a->mu);
-    return sc.n;
 }
 
 /*
@@ -997,6 +1000,7 @@ heartbeat_once(struct agent *a)
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__EnvVar *lv = calloc(a->opts.n_labels + 1, sizeof(*lv));
     Ks__EnvVar **lp = calloc(a->opts.n_labels + 1, sizeof(*lp));
+    uint32_t *per_slot = NULL;
     int rc = 0;
 
     if (!lv || !lp) {
@@ -1021,13 +1025,15 @@ heartbeat_once(struct agent *a)
     info.seal_key.len = sizeof(a->seal_pub);
     /* The broker gives this id's consumer the ack wait we keep alive. */
     info.ack_wait_ms = a->ack_wait_ms;
+    if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
+        slots_running(a, per_slot);
     for (size_t i = 0; i < a->n_slots; i++) {
         int one;
         info.agent_id = a->slots[i].id;
         /* One process may serve several ids (--local-agents): each id
          * reports the commands it runs, not the whole process's. */
-        if (a->n_slots > 1)
-            info.running = slot_running(a, &a->slots[i]);
+        if (per_slot)
+            info.running = per_slot[i];
         one = evt_agent_put(a->nc, a->slots[i].identity, &info,
                             HEARTBEAT_TIMEOUT_MS);
         if (one == 0)
@@ -1039,6 +1045,7 @@ heartbeat_once(struct agent *a)
 out:
     free(lv);
     free(lp);
+    free(per_slot);
     return rc;
 }
 

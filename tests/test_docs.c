@@ -110,10 +110,10 @@ START_TEST(every_subcommand_has_a_page_that_builds)
     *slash = '\0'; /* <build> */
 
     for (size_t i = 0; i <= n; i++) {
-        char page[64], ref[80], cmd[PATH_MAX * 2 + 64], out[PATH_MAX + 80];
+        char page[64], ref[128], cmd[PATH_MAX * 2 + 64], out[PATH_MAX + 80];
         struct stat sb;
         if (i < n)
-            snprintf(page, sizeof(page), "kscore-%s.1", names[i]);
+            snprintf(page, sizeof(page), "kscore-%.31s.1", names[i]);
         else
             snprintf(page, sizeof(page), "kscore.1");
         snprintf(path, sizeof(path), "%s/deploy/man/%s.scd", src_dir(), page);
@@ -126,7 +126,7 @@ START_TEST(every_subcommand_has_a_page_that_builds)
         ck_assert_msg(stat(out, &sb) == 0 && sb.st_size > 0,
                       "the build did not make %s", out);
         if (i < n) {
-            snprintf(ref, sizeof(ref), "*kscore-%s*(1)", names[i]);
+            snprintf(ref, sizeof(ref), "*kscore-%.31s*(1)", names[i]);
             ck_assert_msg(strstr(top, ref) != NULL,
                           "kscore.1.scd does not name %s", ref);
         }
@@ -188,6 +188,50 @@ START_TEST(every_flag_in_help_is_documented)
 }
 END_TEST
 
+/* What the completion offers for the words (the last one being
+ * completed), as bash would call it; malloc'd. */
+static char *
+complete_words(const char *words)
+{
+    char cmd[PATH_MAX * 2];
+    snprintf(cmd, sizeof(cmd),
+             "bash -c 'source \"%s/deploy/bash-completion/kscore\"; "
+             "COMP_WORDS=(%s); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); "
+             "_kscore; echo \"${COMPREPLY[*]}\"'",
+             src_dir(), words);
+    FILE *p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    char buf[4096];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, p);
+    buf[n] = '\0';
+    ck_assert_int_eq(pclose(p), 0);
+    buf[strcspn(buf, "\n")] = '\0';
+    return strdup(buf);
+}
+
+START_TEST(bash_completion_completes)
+{
+    char *r = complete_words("kscore li");
+    ck_assert_str_eq(r, "list");
+    free(r);
+    r = complete_words("kscore list --st");
+    ck_assert_str_eq(r, "--status");
+    free(r);
+    r = complete_words("kscore list --status Fa");
+    ck_assert_str_eq(r, "Failed");
+    free(r);
+    r = complete_words("kscore help ex");
+    ck_assert_str_eq(r, "exec");
+    free(r);
+    r = complete_words("kscore operator \\\"\\\"");
+    ck_assert_str_eq(r, "add list remove");
+    free(r);
+    r = complete_words("kscore exec -- ls --");
+    ck_assert_str_eq(r, ""); /* the remote command's own */
+    free(r);
+}
+END_TEST
+
 int
 main(void)
 {
@@ -195,6 +239,7 @@ main(void)
     TCase *tc = tcase_create("docs");
     tcase_add_test(tc, every_subcommand_has_a_page_that_builds);
     tcase_add_test(tc, every_flag_in_help_is_documented);
+    tcase_add_test(tc, bash_completion_completes);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
