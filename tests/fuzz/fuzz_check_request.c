@@ -21,6 +21,7 @@ static const ProtobufCMessageDescriptor *const descs[] = {
     &ks__execute_request__descriptor, &ks__batch_request__descriptor,
     &ks__claim_request__descriptor,   &ks__get_request__descriptor,
     &ks__cancel_request__descriptor,  &ks__events_request__descriptor,
+    &ks__list_request__descriptor,
 };
 
 static bool
@@ -128,6 +129,13 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!ks_is_uuid(id) &&
                 !(strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6)))
                 fuzz_die("accepted a bad id");
+        } else if (d == &ks__list_request__descriptor) {
+            const Ks__ListRequest *r = (const Ks__ListRequest *)m;
+            if (r->limit > 1000 || r->n_agents > 64 || r->n_statuses > 32)
+                fuzz_die("accepted an oversized list request");
+            for (size_t i = 0; i < r->n_agents; i++)
+                if (!evt_agent_id_valid(r->agents[i]))
+                    fuzz_die("accepted a bad agent id in a list request");
         }
     }
     protobuf_c_message_free_unpacked(m, NULL);

@@ -19,6 +19,7 @@ const ProtobufCMessageDescriptor *const fuzz_wire_descs[] = {
     &ks__cancel_request__descriptor,
     &ks__agents_request__descriptor,
     &ks__batch_request__descriptor,
+    &ks__list_request__descriptor,
     &ks__event__descriptor,
     /* agent: commands, cancels, its own registry entry */
     &ks__signed_command__descriptor,
@@ -34,6 +35,7 @@ const ProtobufCMessageDescriptor *const fuzz_wire_descs[] = {
     &ks__agents_reply__descriptor,
     &ks__batch_reply__descriptor,
     &ks__batch_progress__descriptor,
+    &ks__list_reply__descriptor,
 };
 const size_t fuzz_n_wire_descs =
     sizeof(fuzz_wire_descs) / sizeof(fuzz_wire_descs[0]);
