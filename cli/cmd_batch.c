@@ -741,7 +741,10 @@ cmd_batch(int argc, char **argv)
             req.strict_errors ? " (strict)" : "", bc ? bc->errors : 0);
         if (bc && bc->errors > rep->max_errors && used < sizeof(budget))
             snprintf(budget + used, sizeof(budget) - used,
-                     ": spent, the rest was not started");
+                     bc->cancelled ? ": spent, %u target(s) not started "
+                                     "(Cancelled)"
+                                   : ": spent",
+                     bc->cancelled);
     }
     if (st.json) {
         json_t *o = cli_batch_json(rep);
