@@ -1131,7 +1131,10 @@ batch_load(struct broker *b, const struct store_batch_held *held,
     /* What ended unseen by any driver is reported now, with its result. */
     for (size_t k = 0; k < acc.n; k++) {
         struct seen *s = &acc.v[k];
-        if (kproto_status_terminal(s->status) && !bt->t[s->i].reported)
+        /* A Failed one's result too: killed or failed (count_end). */
+        if (kproto_status_terminal(s->status) &&
+            (!bt->t[s->i].reported ||
+             s->status == KS__COMMAND_STATUS__FAILED))
             s->result = read_result(st, bt->t[s->i].command_id, s->status);
     }
     pthread_mutex_lock(&m->mu);
