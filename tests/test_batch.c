@@ -1300,6 +1300,16 @@ START_TEST(max_errors_semantics)
     ck_assert_int_eq(jint(j, "cancelled"), 3);
     json_decref(j);
     fixture_out_release(&o);
+    /* Killed by a signal: its own count, an error, exit 1. */
+    const char *kl[] = {"--agents", a[0], "--", "sh", "-c", "kill -9 $$",
+                        NULL};
+    j = batch_json(kl, &o);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_int_eq(jint(j, "killed"), 1);
+    ck_assert_int_eq(jint(j, "failed"), 0);
+    ck_assert_int_eq(jint(j, "errors"), 1);
+    json_decref(j);
+    fixture_out_release(&o);
 }
 END_TEST
 
