@@ -43,9 +43,19 @@
  * Rate control, exactly, across restarts (in flight = requested and not
  * ended, from the record):
  *   in flight <= max_concurrency;
- *   max_errors E: once E targets have failed, nothing more is dispatched and
- *   the pending targets end Cancelled (in-flight ones finish);
- *   strict: in flight <= E - failed as well, so failures never exceed E.
+ *   max_errors E: once MORE than E targets have ended in error (every end
+ *   but Succeeded and Cancelled: BatchCounts.errors), nothing more is
+ *   dispatched and the pending targets end Cancelled (in-flight ones
+ *   finish). E = 0 stops after the first error, as AWS SSM's MaxErrors
+ *   and Ansible's max_fail_percentage read it; E given as P% is
+ *   floor(P * targets / 100), so "more than E" is "more than P%";
+ *   strict: errors + in flight <= E as well before a dispatch, so at most
+ *   E + 1 errors ever happen (the one that spends the budget).
+ *
+ * An offline target (its agent's heartbeat older than the registry TTL
+ * when its turn comes) is not dispatched: it ends Undeliverable at once
+ * ("no response", reason "offline since HH:MM:SS UTC") rather than after
+ * its delivery deadline.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -81,7 +91,10 @@ struct batch {
     struct btarget *t;
     size_t n, next; /* next: no Pending target before it */
     char **agent_ptrs, **cmd_ptrs; /* for BatchSpec */
-    unsigned running, succeeded, failed, cancelled;
+    unsigned running, ended;
+    /* Ended targets by state (BatchCounts); errors: the budget's count. */
+    unsigned succeeded, failed, cancelled, timed_out, killed, no_response,
+        lost, not_started, errors;
     uint32_t conc, max_err;
     bool has_max_err, strict;
     bool recorded;     /* BatchRequested committed (or in this turn) */
@@ -187,8 +200,13 @@ counts_of(const struct batch *bt, Ks__BatchCounts *c)
     c->succeeded = bt->succeeded;
     c->failed = bt->failed;
     c->cancelled = bt->cancelled;
-    c->pending = (uint32_t)bt->n - bt->running - bt->succeeded - bt->failed -
-                 bt->cancelled;
+    c->timed_out = bt->timed_out;
+    c->killed = bt->killed;
+    c->no_response = bt->no_response;
+    c->lost = bt->lost;
+    c->not_started = bt->not_started;
+    c->errors = bt->errors;
+    c->pending = (uint32_t)bt->n - bt->running - bt->ended;
 }
 
 static Ks__BatchStatus
@@ -196,7 +214,7 @@ final_status(const struct batch *bt)
 {
     if (bt->cancel_req)
         return KS__BATCH_STATUS__BATCH_CANCELLED;
-    if (bt->failed == 0 && bt->cancelled == 0)
+    if (bt->succeeded == bt->n)
         return KS__BATCH_STATUS__BATCH_SUCCEEDED;
     if (bt->succeeded == 0)
         return KS__BATCH_STATUS__BATCH_FAILED;
@@ -229,9 +247,47 @@ next_pending(struct batch *bt)
     return bt->next;
 }
 
+/* Counts one end with status st (result r, may be NULL) in c's fields
+ * (BatchCounts: each end in one state field; errors as well for every end
+ * but Succeeded and Cancelled). */
+static void
+count_end(Ks__CommandStatus st, const Ks__CommandResult *r, unsigned *ok,
+          unsigned *failed, unsigned *cancelled, unsigned *timed_out,
+          unsigned *killed, unsigned *no_response, unsigned *lost,
+          unsigned *not_started, unsigned *errors)
+{
+    switch (st) {
+    case KS__COMMAND_STATUS__SUCCEEDED:
+        ++*ok;
+        return;
+    case KS__COMMAND_STATUS__CANCELLED:
+        ++*cancelled;
+        return;
+    case KS__COMMAND_STATUS__TIMED_OUT:
+        ++*timed_out;
+        break;
+    case KS__COMMAND_STATUS__UNDELIVERABLE:
+        ++*no_response;
+        break;
+    case KS__COMMAND_STATUS__LOST:
+        ++*lost;
+        break;
+    case KS__COMMAND_STATUS__NOT_STARTED:
+        ++*not_started;
+        break;
+    default:
+        if (st == KS__COMMAND_STATUS__FAILED && r && r->signal &&
+            !r->has_exit_code)
+            ++*killed;
+        else
+            ++*failed;
+        break;
+    }
+    ++*errors;
+}
+
 /*
- * Counts target t as ended with status st (BatchCounts: cancelled is a
- * target never dispatched, failed every other non-success). Once: a
+ * Counts target t as ended with status st (count_end). Once: a
  * target already terminal is left alone (a result reported twice, or seen
  * both in the record and as a job). result is taken (freed if unused).
  * report: BatchTargetEnded is still to be recorded. Caller holds m->mu
@@ -251,12 +307,11 @@ target_end(struct batch *bt, struct btarget *t, Ks__CommandStatus st,
     t->status = st;
     t->result = result;
     t->ended_unreported = report;
-    if (st == KS__COMMAND_STATUS__SUCCEEDED)
-        bt->succeeded++;
-    else if (st == KS__COMMAND_STATUS__CANCELLED && never_dispatched)
-        bt->cancelled++;
-    else
-        bt->failed++;
+    (void)never_dispatched;
+    bt->ended++;
+    count_end(st, result, &bt->succeeded, &bt->failed, &bt->cancelled,
+              &bt->timed_out, &bt->killed, &bt->no_response, &bt->lost,
+              &bt->not_started, &bt->errors);
     return true;
 }
 
@@ -317,7 +372,10 @@ struct slot {
 };
 
 struct plan {
+    struct broker *b; /* the registry: who is offline */
     bool no_dispatch; /* the broker is stopping: start nothing new */
+    char **strings;   /* plan_string: freed with the plan */
+    size_t nstr, capstr;
     struct slot **slots;
     size_t n, cap;
     Ks__Command **publish; /* commands to publish after the commit */
@@ -342,9 +400,30 @@ plan_add(struct plan *p)
     return s;
 }
 
+/* len bytes that live as long as the plan; NULL without memory. */
+static char *
+plan_string(struct plan *p, size_t len)
+{
+    if (p->nstr == p->capstr) {
+        size_t nc = p->capstr ? p->capstr * 2 : 16;
+        void *x = realloc(p->strings, nc * sizeof(*p->strings));
+        if (!x)
+            return NULL;
+        p->strings = x;
+        p->capstr = nc;
+    }
+    char *s = calloc(1, len);
+    if (s)
+        p->strings[p->nstr++] = s;
+    return s;
+}
+
 static void
 plan_release(struct plan *p)
 {
+    for (size_t i = 0; i < p->nstr; i++)
+        free(p->strings[i]);
+    free(p->strings);
     for (size_t i = 0; i < p->n; i++)
         free(p->slots[i]);
     free(p->slots);
@@ -418,13 +497,16 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     return plan_publish(p, cmd);
 }
 
-/* A never-dispatched target ends Cancelled: its command stream still
- * records that (CommandRequested + CommandCancelled), so every target is a
- * command with its own history. */
+/* A never-dispatched target ends with status st (Cancelled, or
+ * Undeliverable for an offline agent): its command stream still records
+ * that (CommandRequested + CommandCancelled / CommandUndeliverable), so
+ * every target is a command with its own history. why must outlive the
+ * plan. */
 static int
-cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
-               const char *why)
+end_pending(struct plan *p, struct batch *bt, struct btarget *t,
+            Ks__CommandStatus st, const char *why)
 {
+    bool undeliverable = st == KS__COMMAND_STATUS__UNDELIVERABLE;
     struct slot *a = plan_add(p), *c = plan_add(p);
     if (!a || !c)
         return -ENOMEM;
@@ -443,21 +525,48 @@ cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
     a->ev.batch_id = bt->id;
     a->ev.command = &a->cmd;
     a->ev.operator_ = bt->operator_name;
-    broker__event_init(&c->ev, c->id, a->stream, "CommandCancelled",
+    broker__event_init(&c->ev, c->id, a->stream,
+                       undeliverable ? "CommandUndeliverable"
+                                     : "CommandCancelled",
                        t->command_id);
     c->ev.agent_id = t->agent_id;
     c->ev.batch_id = bt->id;
     ks__command_result__init(&c->res);
-    c->res.status = KS__COMMAND_STATUS__CANCELLED;
-    c->res.cancelled = 1;
+    c->res.status = st;
+    c->res.cancelled = !undeliverable;
     c->res.term_sent_us = c->res.kill_sent_us = -1;
+    c->res.finished_at_us = a->cmd.issued_at_us;
     c->res.reason = (char *)why;
     c->ev.result = &c->res;
     c->ev.reason = (char *)why;
     c->ev.operator_ = bt->operator_name;
-    target_end(bt, t, KS__COMMAND_STATUS__CANCELLED, true,
-               copy_result(&c->res), true);
+    target_end(bt, t, st, true, copy_result(&c->res), true);
     return 0;
+}
+
+static int
+cancel_pending(struct plan *p, struct batch *bt, struct btarget *t,
+               const char *why)
+{
+    return end_pending(p, bt, t, KS__COMMAND_STATUS__CANCELLED, why);
+}
+
+/* A target whose agent is offline: it ends Undeliverable now, the reason
+ * saying since when (kept in the plan's strings until it is recorded). */
+static int
+no_response_pending(struct plan *p, struct batch *bt, struct btarget *t,
+                    int64_t heartbeat_at_us)
+{
+    char *why = plan_string(p, 64);
+    struct tm tm;
+    time_t secs = (time_t)(heartbeat_at_us / 1000000);
+    if (!why)
+        return -ENOMEM;
+    if (heartbeat_at_us > 0 && gmtime_r(&secs, &tm))
+        strftime(why, 64, "offline since %H:%M:%S UTC", &tm);
+    else
+        snprintf(why, 64, "offline");
+    return end_pending(p, bt, t, KS__COMMAND_STATUS__UNDELIVERABLE, why);
 }
 
 static bool
@@ -465,12 +574,12 @@ may_dispatch(struct batch *bt)
 {
     if (bt->cancel_req)
         return false;
-    if (bt->has_max_err && bt->failed >= bt->max_err)
+    if (bt->has_max_err && bt->errors > bt->max_err)
         return false;
     if (bt->running >= bt->conc)
         return false;
     if (bt->strict && bt->has_max_err &&
-        bt->running >= bt->max_err - bt->failed)
+        (uint64_t)bt->running + bt->errors > bt->max_err)
         return false;
     return next_pending(bt) < bt->n;
 }
@@ -501,10 +610,16 @@ plan_batch(struct plan *p, struct batch *bt)
         bt->recorded = true;
         bt->accepted_now = true;
     }
-    while (rc == 0 && !p->no_dispatch && may_dispatch(bt))
-        rc = dispatch_target(p, bt, &bt->t[bt->next]);
+    while (rc == 0 && !p->no_dispatch && may_dispatch(bt)) {
+        struct btarget *t = &bt->t[bt->next];
+        int64_t hb = 0;
+        if (p->b && broker__agent_presence(p->b, t->agent_id, &hb) == 0)
+            rc = no_response_pending(p, bt, t, hb);
+        else
+            rc = dispatch_target(p, bt, t);
+    }
     if (rc == 0 && next_pending(bt) < bt->n &&
-        (bt->cancel_req || (bt->has_max_err && bt->failed >= bt->max_err))) {
+        (bt->cancel_req || (bt->has_max_err && bt->errors > bt->max_err))) {
         const char *why = bt->cancel_req
                               ? "batch cancelled before this target ran"
                               : "batch error budget spent before this target "
@@ -551,6 +666,7 @@ fill_reply(const struct batch *bt, Ks__BatchReply *r, Ks__BatchCounts *c,
     r->elapsed_us = ks_mono_us() - bt->start_mono_us;
     r->max_concurrency = bt->conc;
     r->max_errors = bt->has_max_err ? bt->max_err : 0;
+    r->has_max_errors = bt->has_max_err;
     for (size_t i = 0; tv && i < bt->n; i++) {
         ks__batch_target__init(&ts[i]);
         ts[i].agent_id = (char *)bt->t[i].agent_id;
@@ -715,7 +831,7 @@ static void
 turn(struct broker *b, struct batch **touched, size_t nt)
 {
     struct broker__batches *m = b->batches;
-    struct plan p = {.no_dispatch = b->stopping};
+    struct plan p = {.b = b, .no_dispatch = b->stopping};
     int rc = 0;
 
     pthread_mutex_lock(&m->mu);
@@ -1015,7 +1131,10 @@ batch_load(struct broker *b, const struct store_batch_held *held,
     /* What ended unseen by any driver is reported now, with its result. */
     for (size_t k = 0; k < acc.n; k++) {
         struct seen *s = &acc.v[k];
-        if (kproto_status_terminal(s->status) && !bt->t[s->i].reported)
+        /* A Failed one's result too: killed or failed (count_end). */
+        if (kproto_status_terminal(s->status) &&
+            (!bt->t[s->i].reported ||
+             s->status == KS__COMMAND_STATUS__FAILED))
             s->result = read_result(st, bt->t[s->i].command_id, s->status);
     }
     pthread_mutex_lock(&m->mu);
@@ -1285,8 +1404,7 @@ adopt(struct broker *b, struct touched *tt)
                 fprintf(stderr,
                         "kscore batch: %s: adopted (%u running, %u ended of "
                         "%zu)\n",
-                        bt->id, bt->running,
-                        bt->succeeded + bt->failed + bt->cancelled, bt->n);
+                        bt->id, bt->running, bt->ended, bt->n);
                 touch(tt, bt);
             } else {
                 /* Its lease runs out and the next adoption tries again. */
@@ -1513,6 +1631,8 @@ broker__batch_cancel(struct broker *b, const char *batch_id,
 struct resolve {
     struct broker *b;
     const Ks__BatchRequest *req;
+    char **terms; /* selector terms (request_terms) */
+    size_t n_terms;
     char **ids;
     size_t n, cap;
     struct ks_map seen;
@@ -1538,31 +1658,46 @@ add_target(struct resolve *r, const char *id)
     return ks_map_put(&r->seen, id, (void *)1);
 }
 
-static bool
-labels_match(const Ks__AgentInfo *info, const Ks__BatchRequest *req)
+/* Every selector term of the request: the terms (BatchRequest.selector)
+ * and the older exact pairs (select, as "K=V"). NULL-free array of n. */
+static char **
+request_terms(const Ks__BatchRequest *req, size_t *n)
 {
+    size_t k = req->n_selector + req->n_select;
+    char **v = calloc(k ? k : 1, sizeof(*v));
+    *n = 0;
+    if (!v)
+        return NULL;
+    for (size_t i = 0; i < req->n_selector; i++)
+        v[(*n)++] = strdup(req->selector[i]);
     for (size_t i = 0; i < req->n_select; i++) {
-        bool found = false;
-        for (size_t k = 0; k < info->n_labels && !found; k++)
-            found = strcmp(info->labels[k]->name, req->select[i]->name) ==
-                        0 &&
-                    strcmp(info->labels[k]->value, req->select[i]->value) ==
-                        0;
-        if (!found)
-            return false;
+        char *t = NULL;
+        if (asprintf(&t, "%s=%s", req->select[i]->name,
+                     req->select[i]->value) < 0)
+            t = NULL;
+        v[(*n)++] = t;
     }
-    return true;
+    for (size_t i = 0; i < *n; i++)
+        if (!v[i]) {
+            for (size_t j = 0; j < *n; j++)
+                free(v[j]);
+            free(v);
+            return NULL;
+        }
+    return v;
 }
 
-/* Online agents matching --all / --select, collected sorted below. */
+/* Registered agents matching --all / --select (online or not: an offline
+ * one ends "no response"; online_only leaves it out), sorted below. */
 static void
-collect_online(const char *key, void *val, void *ud)
+collect_matching(const char *key, void *val, void *ud)
 {
     struct resolve *r = ud;
     struct broker__agent *a = val;
-    if (r->now_mono - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000)
+    if (r->req->online_only &&
+        r->now_mono - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000)
         return;
-    if (!r->req->all && !labels_match(a->info, r->req))
+    if (!broker_select_match(a->info, r->terms, r->n_terms))
         return;
     add_target(r, key);
 }
@@ -1582,6 +1717,45 @@ reply_batch_error(struct broker *b, natsMsg *msg, int code, const char *text)
     const char *subj = natsMsg_GetReply(msg);
     if (subj)
         evt_publish_msg(b->nc, subj, &r.base);
+}
+
+/* --dry-run: the resolved targets, each with its online state; nothing
+ * recorded. */
+static void
+reply_dry_run(struct broker *b, natsMsg *msg, const struct resolve *r)
+{
+    Ks__BatchReply rep = KS__BATCH_REPLY__INIT;
+    Ks__BatchCounts c = KS__BATCH_COUNTS__INIT;
+    Ks__BatchTarget *ts = calloc(r->n, sizeof(*ts));
+    Ks__BatchTarget **tv = calloc(r->n, sizeof(*tv));
+    const char *subj = natsMsg_GetReply(msg);
+    if (!ts || !tv) {
+        reply_batch_error(b, msg, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < r->n; i++) {
+        int64_t hb = 0;
+        ks__batch_target__init(&ts[i]);
+        ts[i].agent_id = r->ids[i];
+        ts[i].command_id = "";
+        ts[i].status = KS__COMMAND_STATUS__PENDING;
+        ts[i].online = broker__agent_presence(b, r->ids[i], &hb) == 1;
+        ts[i].last_seen_us = hb;
+        tv[i] = &ts[i];
+    }
+    c.total = c.pending = (uint32_t)r->n;
+    rep.counts = &c;
+    rep.targets = tv;
+    rep.n_targets = r->n;
+    rep.status = KS__BATCH_STATUS__BATCH_STATUS_UNSPECIFIED;
+    rep.max_concurrency = resolve_amount(r->req->max_concurrency, r->n, true);
+    rep.max_errors = resolve_amount(r->req->max_errors, r->n, false);
+    rep.has_max_errors = r->req->max_errors != NULL;
+    if (subj)
+        evt_publish_msg(b->nc, subj, &rep.base);
+out:
+    free(ts);
+    free(tv);
 }
 
 void
@@ -1614,12 +1788,28 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         reply_batch_error(b, msg, KS_EINVAL, "progress subject too long");
         goto out;
     }
-    if (req->n_agents == 0 && req->n_select == 0 && !req->all) {
+    if (req->n_agents == 0 && req->n_select == 0 && req->n_selector == 0 &&
+        !req->all) {
         reply_batch_error(b, msg, KS_EINVAL,
                           "no targets: give --agents, --select or --all");
         goto out;
     }
-    /* Explicit ids first, in the order given; each must be known. */
+    if (req->all && (req->n_agents || req->n_select || req->n_selector)) {
+        reply_batch_error(b, msg, KS_EINVAL,
+                          "--all takes no --agents or --select");
+        goto out;
+    }
+    for (size_t i = 0; i < req->n_selector; i++)
+        if ((rc = broker_select_check(req->selector[i], why, sizeof(why)))) {
+            reply_batch_error(b, msg, rc, why);
+            goto out;
+        }
+    if (!(r.terms = request_terms(req, &r.n_terms))) {
+        reply_batch_error(b, msg, -ENOMEM, "out of memory");
+        goto out;
+    }
+    /* Explicit ids first, in the order given; each must be known. With a
+     * selector: those of them that match it (the intersection). */
     why[0] = '\0';
     for (size_t i = 0; i < req->n_agents; i++) {
         const char *id = req->agents[i];
@@ -1629,19 +1819,28 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                      used ? ", " : "unknown agent(s): ", id);
             continue;
         }
+        if (r.n_terms || req->online_only) {
+            Ks__AgentInfo *info = broker__agent_info(b, id);
+            bool keep = broker_select_match(info, r.terms, r.n_terms) &&
+                        (!req->online_only ||
+                         broker__agent_presence(b, id, NULL) == 1);
+            if (info)
+                ks__agent_info__free_unpacked(info, NULL);
+            if (!keep)
+                continue;
+        }
         add_target(&r, id);
     }
     if (why[0]) {
         reply_batch_error(b, msg, KS_ENOAGENT, why);
         goto out;
     }
-    if (req->all || req->n_select) {
-        size_t first = r.n;
+    if (req->n_agents == 0) {
         pthread_mutex_lock(&b->mu);
         r.now_mono = ks_mono_us();
-        ks_map_each(&b->agents, collect_online, &r);
+        ks_map_each(&b->agents, collect_matching, &r);
         pthread_mutex_unlock(&b->mu);
-        qsort(r.ids + first, r.n - first, sizeof(*r.ids), cmp_str);
+        qsort(r.ids, r.n, sizeof(*r.ids), cmp_str);
     }
     if (b->policy) {
         /* Every target must be allowed: a batch is all or nothing. */
@@ -1662,6 +1861,10 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
             }
         }
     }
+    if (req->dry_run && r.n) {
+        reply_dry_run(b, msg, &r);
+        goto out;
+    }
     /* Secret variables: sealed to every target (extra ones are left
      * out of each target's command). */
     if (r.n && (rc = broker__check_sealed_targets(req->spec, r.ids, r.n,
@@ -1670,10 +1873,16 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         goto out;
     }
     if (r.n == 0) {
-        reply_batch_error(b, msg, KS_ENOAGENT,
-                          req->all ? "no targets: no agent is online"
-                                   : "no targets: the selector matched no "
-                                     "online agent");
+        reply_batch_error(
+            b, msg, KS_ENOAGENT,
+            req->n_agents ? "no targets: none of the agents matches the "
+                            "selector"
+            : req->all    ? (req->online_only ? "no targets: no agent is online"
+                                              : "no targets: no agent is "
+                                                "registered")
+            : req->online_only
+                ? "no targets: the selector matched no online agent"
+                : "no targets: the selector matched no agent");
         goto out;
     }
 
@@ -1722,6 +1931,9 @@ out:
     for (size_t i = 0; i < r.n; i++)
         free(r.ids[i]);
     free(r.ids);
+    for (size_t i = 0; i < r.n_terms; i++)
+        free(r.terms[i]);
+    free(r.terms);
     ks_map_clear(&r.seen);
     if (req)
         ks__batch_request__free_unpacked(req, NULL);
@@ -1762,6 +1974,7 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
         }
         r->max_concurrency = sp->max_concurrency;
         r->max_errors = sp->has_max_errors ? sp->max_errors : 0;
+        r->has_max_errors = sp->has_max_errors;
         r->status = KS__BATCH_STATUS__BATCH_RUNNING;
         r->elapsed_us = -rec->recorded_at_us; /* completed below */
     } else if (strcmp(e->type, "BatchTargetEnded") == 0) {
@@ -1779,12 +1992,19 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
                 return v->rc = -ENOMEM;
             ks__batch_counts__init(r->counts);
         }
-        r->counts->total = e->batch_counts->total;
-        r->counts->pending = e->batch_counts->pending;
-        r->counts->running = e->batch_counts->running;
-        r->counts->succeeded = e->batch_counts->succeeded;
-        r->counts->failed = e->batch_counts->failed;
-        r->counts->cancelled = e->batch_counts->cancelled;
+        const Ks__BatchCounts *ec = e->batch_counts;
+        r->counts->total = ec->total;
+        r->counts->pending = ec->pending;
+        r->counts->running = ec->running;
+        r->counts->succeeded = ec->succeeded;
+        r->counts->failed = ec->failed;
+        r->counts->cancelled = ec->cancelled;
+        r->counts->timed_out = ec->timed_out;
+        r->counts->killed = ec->killed;
+        r->counts->no_response = ec->no_response;
+        r->counts->lost = ec->lost;
+        r->counts->not_started = ec->not_started;
+        r->counts->errors = ec->errors;
     }
     return 0;
 }
@@ -1835,21 +2055,28 @@ view_overlay(struct store *st, Ks__BatchReply *r)
     if (rc == 0) {
         Ks__BatchCounts *c = r->counts;
         c->total = (uint32_t)r->n_targets;
-        c->pending = c->running = c->succeeded = c->failed = c->cancelled =
-            0;
+        unsigned ok = 0, failed = 0, cancelled = 0, to = 0, killed = 0,
+                 nr = 0, lost = 0, ns = 0, errors = 0;
+        c->pending = c->running = 0;
         for (size_t i = 0; i < r->n_targets; i++) {
             Ks__CommandStatus s = r->targets[i]->status;
             if (s == KS__COMMAND_STATUS__PENDING)
                 c->pending++;
             else if (!kproto_status_terminal(s))
                 c->running++;
-            else if (s == KS__COMMAND_STATUS__SUCCEEDED)
-                c->succeeded++;
-            else if (s == KS__COMMAND_STATUS__CANCELLED && o.attempt[i] == 0)
-                c->cancelled++;
-            else
-                c->failed++;
+            else /* no result here: a kill counts as failed */
+                count_end(s, NULL, &ok, &failed, &cancelled, &to, &killed,
+                          &nr, &lost, &ns, &errors);
         }
+        c->succeeded = ok;
+        c->failed = failed;
+        c->cancelled = cancelled;
+        c->timed_out = to;
+        c->killed = killed;
+        c->no_response = nr;
+        c->lost = lost;
+        c->not_started = ns;
+        c->errors = errors;
     }
     ks_map_clear(&o.idx);
     free(o.attempt);

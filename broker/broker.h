@@ -79,6 +79,23 @@ int broker_check_request(const ProtobufCMessage *m, const char *identity,
 enum store_step broker_decide_report(const struct store_command_state *st,
                                      const Ks__Event *ev, const char **why);
 
+/*
+ * Label selectors (kscore batch --select, kscore agents --select;
+ * broker/registry.c). A term is "KEY=VALUES" (the agent has label KEY and
+ * its value matches one of VALUES) or "KEY!=VALUES" (it has no label KEY,
+ * or its value matches none of them); VALUES is one or more fnmatch(3)
+ * globs separated by '|' ("role=web|db", "zone=eu-*"). An agent matches a
+ * selector when it matches every term. The broker resolves batches with
+ * these functions; the CLI uses the same ones.
+ *
+ * broker_select_check: 0 when term is well formed, else KS_EINVAL with
+ * why (len bytes). broker_select_match: 1 when info matches all n terms
+ * (n == 0: every agent), else 0; a malformed term matches nothing.
+ */
+int broker_select_check(const char *term, char *why, size_t len);
+int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
+                        size_t n);
+
 /* ---- client API (used by the CLI and tests) --------------------------- */
 
 /*

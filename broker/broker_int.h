@@ -162,6 +162,11 @@ void broker__record_denied(struct broker *b, struct store *st, const char *op,
 /* A copy of the registry's info on agent_id, or NULL (free with
  * ks__agent_info__free_unpacked). Any thread. */
 Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
+/* Whether agent_id is online (heartbeat younger than EVT_AGENT_TTL_MS):
+ * 1, 0 (offline; *heartbeat_at_us its last heartbeat, epoch us), or -1
+ * (not in the registry). Takes b->mu. */
+int broker__agent_presence(struct broker *b, const char *agent_id,
+                           int64_t *heartbeat_at_us);
 
 /* Unpacks an API request (evt_unpack_why: no NUL, valid UTF-8) and checks
  * its fields (broker_check_request) for the caller msg names. 0 with

@@ -5,6 +5,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "broker.h"
 
@@ -18,6 +19,9 @@
 #define CLI_EXIT_KSCORE 125    /* kscore failed: unreachable, refused, ... */
 #define CLI_EXIT_CANNOT_RUN 126 /* start failed (cwd, permission, E2BIG) */
 #define CLI_EXIT_NOT_FOUND 127 /* start failed: program not found */
+/* kscore batch: no target failed, but some never ran (through): no
+ * response, lost, not started, cancelled. */
+#define CLI_EXIT_NOT_ALL_RAN 4
 
 /* Where the local stack lives: $KSCORE_HOME or ~/.local/state/kscore. */
 const char *cli_home(void);
@@ -101,8 +105,8 @@ int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
  * environment, sealed to each target agent's key before the request goes
  * out. cli_secret_opt takes one flag (1, or -1 after printing why: a bad
  * or repeated name, not set, too long). cli_secrets_seal lists the
- * agents, seals every name to each target (agents, plus for select / all
- * every listed agent that matches) and points spec->sealed_env at the
+ * agents, seals every name to each target (agents; without agents, for
+ * selector terms / all every listed agent that matches) and points spec->sealed_env at the
  * result (owned by s); 0, or -1 after printing why. Nothing to do without
  * names.
  */
@@ -119,7 +123,7 @@ int cli_secret_opt(struct cli_secrets *s, const char *name);
 int cli_secrets_check(const struct cli_secrets *s, const Ks__CommandSpec *spec);
 int cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c,
                      char *const *agents, size_t n_agents,
-                     Ks__EnvVar *const *select, size_t n_select, bool all,
+                     char *const *terms, size_t n_terms, bool all,
                      Ks__CommandSpec *spec);
 void cli_secrets_release(struct cli_secrets *s);
 
@@ -159,6 +163,40 @@ const char *cli_time(int64_t us);
 
 /* A batch reply (state, counts, targets) as JSON. */
 json_t *cli_batch_json(const Ks__BatchReply *rep);
+
+/* ---- fleet results (cli/out_fleet.c): kscore batch and get batch-... -- */
+
+/* The batch's exit code from its counts: 0 every target succeeded; 1 one
+ * ran and failed (Failed, killed, TimedOut, StartFailed); else
+ * CLI_EXIT_NOT_ALL_RAN. */
+int fleet_exit_code(const Ks__BatchCounts *c);
+/* "3 succeeded, 1 failed, 1 no response of 5 targets" (only states > 0). */
+void fleet_counts_text(const Ks__BatchCounts *c, char *buf, size_t len);
+const char *fleet_status_name(Ks__BatchStatus s);
+/* One target's result as JSON (cli_result_json + batch_id, agent_id,
+ * command_id, status, truncated). */
+json_t *fleet_target_json(const char *batch_id, const Ks__BatchTarget *t);
+/* Orders targets by outcome and output; 0: they belong to one group. */
+int fleet_cmp_outcome(const Ks__BatchTarget *a, const Ks__BatchTarget *b);
+
+/* Every target of rep with its whole result: from have (command id ->
+ * Ks__BatchTarget *, may be NULL), else fetched with a get (printed as a
+ * JSON line when json). full[i] is target i. */
+struct fleet_results {
+    Ks__BatchReply *rep;
+    Ks__BatchTarget **full;
+    Ks__GetReply **fetched;
+    size_t n;
+};
+int fleet_results_load(struct fleet_results *fr, struct evt_conn *c,
+                       Ks__BatchReply *rep, struct ks_map *have, bool json);
+void fleet_results_release(struct fleet_results *fr);
+/* The per-target table, one block per group (clubak -b: the node set
+ * folded, its outcome, stdout, then stderr), then "no response from:". */
+void fleet_print(FILE *f, const Ks__BatchReply *rep,
+                 Ks__BatchTarget *const *full, size_t n);
+/* "<id>: <status>: <counts> in <s>", then budget (a line) when set. */
+void fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget);
 
 /* Exit status for a finished command (see the codes above). */
 int cli_exit_status(const Ks__CommandResult *r);

@@ -11,12 +11,15 @@ int
 cmd_agents(int argc, char **argv)
 {
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       {"select", required_argument, 0, 's'},
                                        CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     struct cli_conn cc = {0};
     struct evt_conn *c = NULL;
     Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    char *terms[64];
+    size_t n_terms = 0;
     Ks__AgentsReply *rep = NULL;
     bool json = false;
     int opt, rc;
@@ -27,9 +30,26 @@ cmd_agents(int argc, char **argv)
         case 'j':
             json = true;
             break;
+        case 's': {
+            /* The matcher kscore batch --select resolves with (broker.h). */
+            char why[256];
+            for (char *save = NULL, *t = strtok_r(optarg, ",", &save); t;
+                 t = strtok_r(NULL, ",", &save)) {
+                if (broker_select_check(t, why, sizeof(why)) ||
+                    n_terms == 64) {
+                    cli_err("--select: %s",
+                            n_terms == 64 ? "at most 64 terms" : why);
+                    return CLI_EXIT_USAGE;
+                }
+                terms[n_terms++] = t;
+            }
+            break;
+        }
         case 'h':
-            printf("usage: kscore agents [--json]\nLists the agents the "
-                   "broker knows: id, state, last seen, running, labels.\n");
+            printf("usage: kscore agents [--select TERM[,TERM]] [--json]\n"
+                   "Lists the agents the broker knows: id, state, last seen, "
+                   "running, labels.\n--select: only the agents kscore "
+                   "batch --select would pick (K=V, K!=V, K=V1|V2, globs).\n");
             return 0;
         default:
             if (cli_conn_opt(&cc, opt, optarg))
@@ -58,6 +78,8 @@ cmd_agents(int argc, char **argv)
     for (size_t i = 0; i < rep->n_agents; i++) {
         const Ks__AgentStatus *st = rep->agents[i];
         const Ks__AgentInfo *in = st->info;
+        if (!broker_select_match(in, terms, n_terms))
+            continue;
         if (json) {
             json_t *o = json_object(), *labels = json_object();
             for (size_t k = 0; k < in->n_labels; k++)

@@ -13,16 +13,38 @@
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
-    "any failed or was cancelled, 125 when kscore failed, 2 on bad usage.\n"
+    "a target ran and failed (failed, killed, timed out, could not start),\n"
+    "4 when none failed but some never ran (no response, lost, not\n"
+    "started, cancelled), 2 on bad usage, 125 when kscore failed.\n"
     "Targets (resolved once, when the batch is accepted):\n"
     "  --agents A,B,C         these agents\n"
-    "  --select K=V[,K=V]     online agents whose labels match every pair\n"
-    "  --all                  every online agent\n"
+    "  --select TERM[,TERM]   registered agents whose labels match every\n"
+    "                         term: K=V, K!=V, K=V1|V2; values are globs\n"
+    "                         (role=web*). With --agents: the listed agents\n"
+    "                         that match (the intersection). Repeatable.\n"
+    "  --all                  every registered agent\n"
+    "  An offline target is not waited for: it ends \"no response\"\n"
+    "  (Undeliverable) at once.\n"
+    "  --online-only          leave out the agents offline now\n"
+    "  --dry-run              list the targets (online or not) and exit 0\n"
+    "  --yes                  do not ask (see below)\n"
+    "  --confirm-over N       on a terminal, ask before running on --all or\n"
+    "                         on more than N targets (default 20, or\n"
+    "                         $KSCORE_CONFIRM_OVER); when stdin is not a\n"
+    "                         terminal nothing is asked (as salt, ansible);\n"
+    "                         declining exits 2, nothing run\n"
     "Rate control:\n"
     "  --max-concurrency N|P%  at most N (or P% of the targets, >= 1) at once\n"
-    "  --max-errors N|P%       once N targets failed, dispatch no more; the\n"
-    "                          rest end Cancelled (in-flight ones finish)\n"
-    "  --strict-errors         never more failures than --max-errors\n"
+    "  --max-errors N|P%       once MORE than N targets ended in error, start\n"
+    "                          no more; the rest end Cancelled (in-flight\n"
+    "                          ones finish). 0: stop after the first error.\n"
+    "                          P%: N = P% of the targets, rounded down\n"
+    "                          (10% of 4 = 0). An error is every end but\n"
+    "                          Succeeded and Cancelled: failed, killed,\n"
+    "                          timed out, could not start, no response,\n"
+    "                          lost, not started.\n"
+    "  --strict-errors         start a target only while errors + running\n"
+    "                          <= N, so at most N+1 errors ever happen\n"
     "Command:\n"
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
     "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
@@ -60,35 +82,48 @@ struct bstate {
     bool line_shown;
 };
 
+/* The progress bar on stderr, redrawn in place, on a terminal only:
+ * [#####.....] done/total, counts by state, rate, ETA. The final call
+ * erases it (the summary says the rest). */
 static void
 progress_line(struct bstate *st, bool final)
 {
+    const Ks__BatchCounts *c = &st->counts;
     double el = (double)(ks_mono_us() - st->start_us) / 1e6;
-    unsigned done = st->counts.succeeded + st->counts.failed +
-                    st->counts.cancelled;
-    if (!st->tty || st->json)
+    unsigned total = st->total ? (unsigned)st->total : c->total;
+    unsigned done = total >= c->pending + c->running
+                        ? total - c->pending - c->running
+                        : 0;
+    char bar[21], counts[256], eta[32] = "";
+    if (!st->tty || st->json || total == 0)
         return;
-    fprintf(stderr,
-            "\r\033[K[%u/%zu] running %u, failed %u, cancelled %u, %.1fs, "
-            "%.1f/s",
-            done, st->total, st->counts.running, st->counts.failed,
-            st->counts.cancelled, el, el > 0 ? done / el : 0.0);
-    if (final)
-        fputc('\n', stderr);
-    st->line_shown = !final;
+    if (final) {
+        if (st->line_shown)
+            fputs("\r\033[K", stderr);
+        st->line_shown = false;
+        fflush(stderr);
+        return;
+    }
+    unsigned fill = done * 20 / total;
+    for (unsigned i = 0; i < 20; i++)
+        bar[i] = i < fill ? '#' : '.';
+    bar[20] = '\0';
+    Ks__BatchCounts shown = *c;
+    shown.pending = 0; /* said by done/total */
+    shown.total = 0;
+    fleet_counts_text(&shown, counts, sizeof(counts));
+    char *of = strstr(counts, " of 0 targets");
+    if (of)
+        *of = '\0';
+    else if (strcmp(counts, "0 targets") == 0)
+        counts[0] = '\0';
+    double rate = el > 0 ? done / el : 0.0;
+    if (done && done < total && rate > 0)
+        snprintf(eta, sizeof(eta), " ETA %.0fs", (total - done) / rate);
+    fprintf(stderr, "\r\033[K[%s] %u/%u %s  %.1f/s%s", bar, done, total,
+            counts, rate, eta);
+    st->line_shown = true;
     fflush(stderr);
-}
-
-static json_t *
-target_json(const char *batch_id, const Ks__BatchTarget *t)
-{
-    json_t *o = cli_result_json(t->result);
-    json_object_set_new(o, "batch_id", json_string(batch_id));
-    json_object_set_new(o, "agent_id", json_string(t->agent_id));
-    json_object_set_new(o, "command_id", json_string(t->command_id));
-    json_object_set_new(o, "status",
-                        json_string(kproto_status_name(t->status)));
-    return o;
 }
 
 static void
@@ -115,7 +150,7 @@ on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             if (st->json) {
                 if (st->line_shown)
                     fputs("\r\033[K", stderr);
-                cli_print_json(target_json(p->batch_id, p->target));
+                cli_print_json(fleet_target_json(p->batch_id, p->target));
                 fflush(stdout);
             }
             /* Keep the target: unlink it from the message we free. */
@@ -174,166 +209,55 @@ split_commas(char *s, char **out, size_t cap)
     return n;
 }
 
-static const char *
-first_line(const Ks__BatchTarget *t, char *buf, size_t len)
-{
-    const Ks__Output *o = t->result ? t->result->stdout : NULL;
-    size_t n = 0;
-    if (!o || !o->data.len) {
-        o = t->result ? t->result->stderr : NULL;
-        if (!o || !o->data.len)
-            return "";
-    }
-    while (n < o->data.len && n + 1 < len && o->data.data[n] != '\n') {
-        unsigned char ch = o->data.data[n];
-        buf[n] = ch >= 0x20 && ch != 0x7f ? (char)ch : '?';
-        n++;
-    }
-    buf[n] = '\0';
-    return buf;
-}
-
-static int
-cmp_targets_by_output(const void *x, const void *y)
-{
-    const Ks__BatchTarget *a = *(Ks__BatchTarget *const *)x;
-    const Ks__BatchTarget *b = *(Ks__BatchTarget *const *)y;
-    const Ks__Output *oa = a->result ? a->result->stdout : NULL;
-    const Ks__Output *ob = b->result ? b->result->stdout : NULL;
-    size_t la = oa ? oa->data.len : 0, lb = ob ? ob->data.len : 0;
-    int c;
-    if (la != lb)
-        return la < lb ? -1 : 1;
-    c = la ? memcmp(oa->data.data, ob->data.data, la) : 0;
-    return c ? c : strcmp(a->agent_id, b->agent_id);
-}
-
-static bool
-same_output(const Ks__BatchTarget *a, const Ks__BatchTarget *b)
-{
-    const Ks__Output *oa = a->result ? a->result->stdout : NULL;
-    const Ks__Output *ob = b->result ? b->result->stdout : NULL;
-    size_t la = oa ? oa->data.len : 0, lb = ob ? ob->data.len : 0;
-    return la == lb && (!la || memcmp(oa->data.data, ob->data.data, la) == 0);
-}
-
-static void
-print_summary(const Ks__BatchReply *rep, Ks__BatchTarget **full, size_t n)
-{
-    char line[160];
-    printf("%-24s %-13s %5s %10s  %s\n", "AGENT", "STATUS", "EXIT",
-           "DURATION", "OUTPUT");
-    for (size_t i = 0; i < n; i++) {
-        const Ks__BatchTarget *t = full[i];
-        const Ks__CommandResult *r = t->result;
-        char exit_s[16] = "-", dur[24] = "-";
-        if (r && r->has_exit_code)
-            snprintf(exit_s, sizeof(exit_s), "%d", r->exit_code);
-        else if (r && r->signal)
-            snprintf(exit_s, sizeof(exit_s), "sig%d", r->signal);
-        if (r && r->duration_us)
-            snprintf(dur, sizeof(dur), "%.1fms",
-                     (double)r->duration_us / 1000.0);
-        printf("%-24s %-13s %5s %10s  %s\n", t->agent_id,
-               kproto_status_name(t->status), exit_s, dur,
-               first_line(t, line, sizeof(line)));
-    }
-    /* Identical outputs, grouped with the agents that produced them. */
-    Ks__BatchTarget **sorted = malloc(n * sizeof(*sorted));
-    if (!sorted)
-        return;
-    memcpy(sorted, full, n * sizeof(*sorted));
-    qsort(sorted, n, sizeof(*sorted), cmp_targets_by_output);
-    for (size_t i = 0; i < n;) {
-        size_t j = i;
-        while (j < n && same_output(sorted[i], sorted[j]))
-            j++;
-        const Ks__Output *o =
-            sorted[i]->result ? sorted[i]->result->stdout : NULL;
-        printf("---------------\n");
-        for (size_t k = i; k < j; k++)
-            printf("%s%s", k > i ? "," : "", sorted[k]->agent_id);
-        printf(" (%zu)\n---------------\n", j - i);
-        if (o && o->data.len) {
-            fflush(stdout);
-            fwrite(o->data.data, 1, o->data.len, stdout);
-            if (o->data.data[o->data.len - 1] != '\n')
-                fputc('\n', stdout);
-        } else {
-            printf("(no output)\n");
-        }
-        i = j;
-    }
-    free(sorted);
-    printf("%s: %s (%u succeeded, %u failed, %u cancelled of %u) in %.2fs\n",
-           rep->batch_id, rep->status == KS__BATCH_STATUS__BATCH_SUCCEEDED
-                              ? "Succeeded"
-                          : rep->status ==
-                                  KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE
-                              ? "PartialFailure"
-                          : rep->status == KS__BATCH_STATUS__BATCH_FAILED
-                              ? "Failed"
-                              : "Cancelled",
-           rep->counts ? rep->counts->succeeded : 0,
-           rep->counts ? rep->counts->failed : 0,
-           rep->counts ? rep->counts->cancelled : 0,
-           rep->counts ? rep->counts->total : 0,
-           (double)rep->elapsed_us / 1e6);
-}
-
-static const char *
-batch_status_name(Ks__BatchStatus s)
-{
-    switch (s) {
-    case KS__BATCH_STATUS__BATCH_RUNNING:
-        return "Running";
-    case KS__BATCH_STATUS__BATCH_SUCCEEDED:
-        return "Succeeded";
-    case KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE:
-        return "PartialFailure";
-    case KS__BATCH_STATUS__BATCH_FAILED:
-        return "Failed";
-    case KS__BATCH_STATUS__BATCH_CANCELLED:
-        return "Cancelled";
-    default:
-        return "Unknown";
-    }
-}
-
 json_t *
 cli_batch_json(const Ks__BatchReply *rep)
 {
+    const Ks__BatchCounts *c = rep->counts;
     json_t *o = json_object();
     json_object_set_new(o, "batch_id", json_string(rep->batch_id));
     json_object_set_new(o, "status",
-                        json_string(batch_status_name(rep->status)));
-    json_object_set_new(o, "total",
-                        json_integer(rep->counts ? rep->counts->total : 0));
-    json_object_set_new(
-        o, "succeeded", json_integer(rep->counts ? rep->counts->succeeded : 0));
-    json_object_set_new(o, "failed",
-                        json_integer(rep->counts ? rep->counts->failed : 0));
-    json_object_set_new(
-        o, "cancelled", json_integer(rep->counts ? rep->counts->cancelled : 0));
-    json_object_set_new(o, "running",
-                        json_integer(rep->counts ? rep->counts->running : 0));
-    json_object_set_new(o, "pending",
-                        json_integer(rep->counts ? rep->counts->pending : 0));
+                        json_string(fleet_status_name(rep->status)));
+#define COUNT(name) json_object_set_new(o, #name, json_integer(c ? c->name : 0))
+    COUNT(total);
+    COUNT(succeeded);
+    COUNT(failed);
+    COUNT(killed);
+    COUNT(timed_out);
+    COUNT(no_response);
+    COUNT(lost);
+    COUNT(not_started);
+    COUNT(cancelled);
+    COUNT(running);
+    COUNT(pending);
+    COUNT(errors);
+#undef COUNT
+    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
     json_object_set_new(o, "elapsed_ms",
                         json_real((double)rep->elapsed_us / 1000.0));
     json_object_set_new(o, "max_concurrency",
                         json_integer(rep->max_concurrency));
-    json_object_set_new(o, "max_errors", json_integer(rep->max_errors));
+    json_object_set_new(o, "max_errors",
+                        rep->has_max_errors ? json_integer(rep->max_errors)
+                                            : json_null());
     json_t *targets = json_array();
     for (size_t i = 0; i < rep->n_targets; i++) {
+        const Ks__BatchTarget *bt = rep->targets[i];
         json_t *t = json_object();
-        json_object_set_new(t, "agent_id",
-                            json_string(rep->targets[i]->agent_id));
-        json_object_set_new(t, "command_id",
-                            json_string(rep->targets[i]->command_id));
-        json_object_set_new(
-            t, "status",
-            json_string(kproto_status_name(rep->targets[i]->status)));
+        json_object_set_new(t, "agent_id", json_string(bt->agent_id));
+        json_object_set_new(t, "command_id", json_string(bt->command_id));
+        json_object_set_new(t, "status",
+                            json_string(kproto_status_name(bt->status)));
+        if (bt->result) {
+            const Ks__CommandResult *r = bt->result;
+            json_object_set_new(t, "exit_code",
+                                r->has_exit_code ? json_integer(r->exit_code)
+                                                 : json_null());
+            json_object_set_new(t, "signal", r->signal
+                                                 ? json_integer(r->signal)
+                                                 : json_null());
+            if (r->reason[0])
+                json_object_set_new(t, "reason", json_string(r->reason));
+        }
         json_array_append_new(targets, t);
     }
     json_object_set_new(o, "targets", targets);
@@ -487,6 +411,10 @@ cmd_batch(int argc, char **argv)
         {"agents", required_argument, 0, 'a'},
         {"select", required_argument, 0, 's'},
         {"all", no_argument, 0, 'A'},
+        {"online-only", no_argument, 0, 'O'},
+        {"dry-run", no_argument, 0, 'n'},
+        {"yes", no_argument, 0, 'y'},
+        {"confirm-over", required_argument, 0, 'C'},
         {"max-concurrency", required_argument, 0, 'c'},
         {"max-errors", required_argument, 0, 'E'},
         {"strict-errors", no_argument, 0, 'S'},
@@ -502,20 +430,33 @@ cmd_batch(int argc, char **argv)
     Ks__Amount conc, errs;
     size_t cap = (size_t)argc * 4 + 4;
     char **agents = calloc(cap, sizeof(*agents));
-    Ks__EnvVar *sel = calloc(cap, sizeof(*sel)), **selp = calloc(cap, sizeof(*selp));
+    char **terms = calloc(cap, sizeof(*terms));
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
     struct evt_conn *c = NULL;
     natsSubscription *psub = NULL;
     Ks__BatchReply *rep = NULL;
     struct bstate st = {.results = KS_MAP_INIT};
-    char inbox[EVT_INBOX_MAX] = "";
+    struct fleet_results fr = {0};
+    char inbox[EVT_INBOX_MAX] = "", budget[256] = "";
+    const char *errs_arg = NULL;
+    bool yes = false;
+    long confirm_over = 20;
     int opt, rc = CLI_EXIT_USAGE;
 
     pthread_mutex_init(&st.mu, NULL);
-    if (!agents || !sel || !selp || cli_spec_init(&cs, cap) != 0) {
+    if (!agents || !terms || cli_spec_init(&cs, cap) != 0) {
         rc = CLI_EXIT_KSCORE;
         goto out;
+    }
+    const char *env_over = getenv("KSCORE_CONFIRM_OVER");
+    if (env_over && env_over[0]) {
+        char *end;
+        confirm_over = strtol(env_over, &end, 10);
+        if (*end || confirm_over < 0) {
+            cli_err("bad KSCORE_CONFIRM_OVER '%s' (a count >= 0)", env_over);
+            goto out;
+        }
     }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
@@ -531,26 +472,38 @@ cmd_batch(int argc, char **argv)
             break;
         case 's': {
             char *pairs[64];
+            char why[256];
             size_t np = split_commas(optarg, pairs, 64);
-            for (size_t i = 0; i < np && req.n_select < cap; i++) {
-                char *eq = strchr(pairs[i], '=');
-                if (!eq || eq == pairs[i]) {
-                    cli_err("bad --select '%s': expected KEY=VALUE[,...]",
-                            pairs[i]);
+            for (size_t i = 0; i < np && req.n_selector < cap; i++) {
+                if (broker_select_check(pairs[i], why, sizeof(why))) {
+                    cli_err("--select: %s", why);
                     goto out;
                 }
-                *eq = '\0';
-                ks__env_var__init(&sel[req.n_select]);
-                sel[req.n_select].name = pairs[i];
-                sel[req.n_select].value = eq + 1;
-                selp[req.n_select] = &sel[req.n_select];
-                req.n_select++;
+                terms[req.n_selector++] = pairs[i];
             }
             break;
         }
         case 'A':
             req.all = 1;
             break;
+        case 'O':
+            req.online_only = 1;
+            break;
+        case 'n':
+            req.dry_run = 1;
+            break;
+        case 'y':
+            yes = true;
+            break;
+        case 'C': {
+            char *end;
+            confirm_over = strtol(optarg, &end, 10);
+            if (*end || !optarg[0] || confirm_over < 0) {
+                cli_err("bad --confirm-over '%s' (a count >= 0)", optarg);
+                goto out;
+            }
+            break;
+        }
         case 'X':
             if (cli_secret_opt(&sec, optarg) < 0)
                 goto out;
@@ -568,6 +521,7 @@ cmd_batch(int argc, char **argv)
                 cli_err("bad --max-errors '%s' (N, or P%%)", optarg);
                 goto out;
             }
+            errs_arg = optarg;
             req.max_errors = &errs;
             break;
         case 'S':
@@ -590,23 +544,111 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
-        cli_secrets_check(&sec, &cs.spec) != 0)
+    if (req.dry_run) {
+        /* Only the targets: no command needed. */
+        if (optind < argc && strcmp(argv[optind - 1], "--") == 0)
+            cli_spec_argv(&cs, argc, argv, optind, "batch");
+    } else if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
+               cli_secrets_check(&sec, &cs.spec) != 0) {
         goto out;
-    if (!req.n_agents && !req.n_select && !req.all) {
+    }
+    if (!req.n_agents && !req.n_selector && !req.all) {
         cli_err("no targets: give --agents A,B, --select K=V or --all");
         goto out;
+    }
+    if (req.all && (req.n_agents || req.n_selector)) {
+        cli_err("--all takes no --agents or --select (use --select alone "
+                "to filter every agent, or both --agents and --select for "
+                "the listed agents that match)");
+        goto out;
+    }
+    if (req.strict_errors && !req.max_errors) {
+        cli_err("--strict-errors needs --max-errors");
+        goto out;
+    }
+    if (!cs.spec.n_argv) {
+        static char *true_argv[] = {"true"};
+        cs.spec.argv = true_argv; /* a dry run: any valid spec */
+        cs.spec.n_argv = 1;
     }
     req.spec = &cs.spec;
     req.deliver_within_ms = cs.deliver_within_ms;
     req.agents = agents;
-    req.select = selp;
+    req.selector = terms;
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
+
+    /* The targets first, when they are to be listed or counted: a dry
+     * run, or a confirmation on a terminal. */
+    bool ask = !yes && !req.dry_run && isatty(0) && isatty(2) &&
+               (req.all || req.n_selector ||
+                req.n_agents > (size_t)confirm_over);
+    if (req.dry_run || ask) {
+        Ks__BatchRequest dr = req;
+        dr.dry_run = 1;
+        dr.detach = 0;
+        dr.progress_subject = "";
+        rc = broker_batch(c, &dr, 30000, &rep);
+        if (rc || rep->error_code) {
+            cli_err("batch: %s", rc ? ks_strerror(rc) : rep->error);
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+        size_t offline = 0;
+        for (size_t i = 0; i < rep->n_targets; i++)
+            offline += !rep->targets[i]->online;
+        if (req.dry_run) {
+            if (st.json) {
+                for (size_t i = 0; i < rep->n_targets; i++) {
+                    const Ks__BatchTarget *t = rep->targets[i];
+                    json_t *o = json_object();
+                    json_object_set_new(o, "agent_id",
+                                        json_string(t->agent_id));
+                    json_object_set_new(o, "online", json_boolean(t->online));
+                    json_object_set_new(
+                        o, "last_seen",
+                        t->last_seen_us ? json_string(cli_time(t->last_seen_us))
+                                        : json_null());
+                    cli_print_json(o);
+                }
+            } else {
+                printf("%-24s %-8s %s\n", "AGENT", "STATE", "LAST SEEN");
+                for (size_t i = 0; i < rep->n_targets; i++) {
+                    const Ks__BatchTarget *t = rep->targets[i];
+                    printf("%-24s %-8s %s\n", t->agent_id,
+                           t->online ? "online" : "offline",
+                           t->last_seen_us ? cli_time(t->last_seen_us) : "-");
+                }
+                printf("%zu target(s), %zu offline: dry run, nothing run\n",
+                       rep->n_targets, offline);
+            }
+            rc = 0;
+            goto out;
+        }
+        if (req.all || rep->n_targets > (size_t)confirm_over) {
+            char answer[16] = "";
+            fprintf(stderr, "Run `%s%s` on %zu agent(s)", cs.spec.argv[0],
+                    cs.spec.n_argv > 1 ? " ..." : "", rep->n_targets);
+            if (offline)
+                fprintf(stderr, " (%zu offline: they end \"no response\")",
+                        offline);
+            fputs("? [y/N] ", stderr);
+            fflush(stderr);
+            if (!fgets(answer, sizeof(answer), stdin) ||
+                (answer[0] != 'y' && answer[0] != 'Y')) {
+                cli_err("not confirmed: nothing run");
+                rc = CLI_EXIT_USAGE;
+                goto out;
+            }
+        }
+        ks__batch_reply__free_unpacked(rep, NULL);
+        rep = NULL;
+    }
+
     /* Each target's value sealed to its own key (cli/cmd_secret.c). */
-    if (cli_secrets_seal(&sec, c, req.agents, req.n_agents, req.select,
-                         req.n_select, req.all, &cs.spec)) {
+    if (cli_secrets_seal(&sec, c, req.agents, req.n_agents, req.selector,
+                         req.n_selector, req.all, &cs.spec)) {
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
@@ -679,51 +721,46 @@ cmd_batch(int argc, char **argv)
         psub = NULL;
     }
     st.total = rep->n_targets;
-    Ks__BatchTarget **full = calloc(rep->n_targets + 1, sizeof(*full));
-    Ks__GetReply **fetched = calloc(rep->n_targets + 1, sizeof(*fetched));
-    for (size_t i = 0; full && fetched && i < rep->n_targets; i++) {
-        Ks__BatchTarget *t = ks_map_get(&st.results,
-                                        rep->targets[i]->command_id);
-        if (!t) {
-            Ks__GetRequest g = KS__GET_REQUEST__INIT;
-            g.id = rep->targets[i]->command_id;
-            t = rep->targets[i];
-            if (broker_call(c, EVT_API_GET, &g.base,
-                            &ks__get_reply__descriptor, 5000,
-                            (ProtobufCMessage **)&fetched[i]) == 0 &&
-                fetched[i]->command && fetched[i]->command->result) {
-                /* Swap in the full result; swapped back before freeing. */
-                Ks__CommandResult *mine = t->result;
-                t->result = fetched[i]->command->result;
-                fetched[i]->command->result = mine;
-            }
-            if (st.json)
-                cli_print_json(target_json(rep->batch_id, t));
-        }
-        full[i] = t;
+    if (fleet_results_load(&fr, c, rep, &st.results, st.json) != 0) {
+        cli_err("out of memory");
+        rc = CLI_EXIT_KSCORE;
+        goto out;
     }
     pthread_mutex_lock(&st.mu);
     if (rep->counts)
         st.counts = *rep->counts;
     progress_line(&st, true);
     pthread_mutex_unlock(&st.mu);
-    if (st.json)
-        cli_print_json(cli_batch_json(rep));
-    else if (full)
-        print_summary(rep, full, rep->n_targets);
-    for (size_t i = 0; fetched && i < rep->n_targets; i++)
-        if (fetched[i]) {
-            if (fetched[i]->command) {
-                Ks__CommandResult *full_r = rep->targets[i]->result;
-                rep->targets[i]->result = fetched[i]->command->result;
-                fetched[i]->command->result = full_r;
-            }
-            ks__get_reply__free_unpacked(fetched[i], NULL);
-        }
-    free(full);
-    free(fetched);
-    rc = rep->status == KS__BATCH_STATUS__BATCH_SUCCEEDED ? 0 : 1;
+    if (errs_arg) {
+        const Ks__BatchCounts *bc = rep->counts;
+        size_t used = (size_t)snprintf(
+            budget, sizeof(budget),
+            "error budget: --max-errors %s = %u of %zu target(s)%s: stop "
+            "after more than %u error(s)%s; %u error(s)",
+            errs_arg, rep->max_errors, rep->n_targets,
+            errs.percent ? ", rounded down" : "", rep->max_errors,
+            req.strict_errors ? " (strict)" : "", bc ? bc->errors : 0);
+        if (bc && bc->errors > rep->max_errors && used < sizeof(budget))
+            snprintf(budget + used, sizeof(budget) - used,
+                     bc->cancelled ? ": spent, %u target(s) not started "
+                                     "(Cancelled)"
+                                   : ": spent",
+                     bc->cancelled);
+    }
+    if (st.json) {
+        json_t *o = cli_batch_json(rep);
+        if (errs_arg)
+            json_object_set_new(o, "max_errors_percent",
+                                errs.percent ? json_integer(errs.value)
+                                             : json_null());
+        cli_print_json(o);
+    } else {
+        fleet_print(stdout, rep, fr.full, fr.n);
+        fleet_summary(stdout, rep, budget);
+    }
+    rc = fleet_exit_code(rep->counts);
 out:
+    fleet_results_release(&fr);
     if (psub) {
         natsSubscription_Unsubscribe(psub);
         natsSubscription_Destroy(psub);
@@ -734,8 +771,7 @@ out:
         ks__batch_reply__free_unpacked(rep, NULL);
     evt_close(c);
     free(agents);
-    free(sel);
-    free(selp);
+    free(terms);
     cli_secrets_release(&sec);
     cli_spec_release(&cs);
     cli_conn_release(&cc);

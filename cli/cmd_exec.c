@@ -528,25 +528,34 @@ cmd_get(int argc, char **argv)
         goto out;
     }
     if (rep->batch) {
-        const Ks__BatchReply *bt = rep->batch;
-        if (json) {
-            cli_print_json(cli_batch_json(bt));
-        } else {
-            json_t *o = cli_batch_json(bt);
-            printf("batch     %s\nstatus    %s\n", bt->batch_id,
-                   json_string_value(json_object_get(o, "status")));
-            json_decref(o);
-            if (bt->counts)
-                printf("targets   %u: %u succeeded, %u failed, %u "
-                       "cancelled, %u running, %u pending\n",
-                       bt->counts->total, bt->counts->succeeded,
-                       bt->counts->failed, bt->counts->cancelled,
-                       bt->counts->running, bt->counts->pending);
-            for (size_t i = 0; i < bt->n_targets; i++)
-                printf("  %-24s %-13s %s\n", bt->targets[i]->agent_id,
-                       kproto_status_name(bt->targets[i]->status),
-                       bt->targets[i]->command_id);
+        /* Each target's outcome and output, grouped as kscore batch
+         * prints them (cli/out_fleet.c); --json: the batch with every
+         * target's whole result. */
+        Ks__BatchReply *bt = rep->batch;
+        struct fleet_results fr;
+        if (fleet_results_load(&fr, c, bt, NULL, false) != 0) {
+            fleet_results_release(&fr);
+            cli_err("out of memory");
+            rc = CLI_EXIT_KSCORE;
+            goto out;
         }
+        if (json) {
+            json_t *o = cli_batch_json(bt), *tv = json_array();
+            for (size_t i = 0; i < fr.n; i++)
+                json_array_append_new(
+                    tv, fleet_target_json(bt->batch_id, fr.full[i]));
+            json_object_set_new(o, "targets", tv);
+            cli_print_json(o);
+        } else {
+            fleet_print(stdout, bt, fr.full, fr.n);
+            char budget[128] = "";
+            if (bt->has_max_errors)
+                snprintf(budget, sizeof(budget),
+                         "error budget: stop after more than %u error(s)",
+                         bt->max_errors);
+            fleet_summary(stdout, bt, budget);
+        }
+        fleet_results_release(&fr);
         rc = 0;
         goto out;
     }

@@ -112,20 +112,6 @@ cmp_agent(const void *x, const void *y)
                   (*(const Ks__AgentInfo *const *)y)->agent_id);
 }
 
-static bool
-labels_match(const Ks__AgentInfo *in, Ks__EnvVar *const *sel, size_t n_sel)
-{
-    for (size_t i = 0; i < n_sel; i++) {
-        bool found = false;
-        for (size_t k = 0; k < in->n_labels && !found; k++)
-            found = strcmp(in->labels[k]->name, sel[i]->name) == 0 &&
-                    strcmp(in->labels[k]->value, sel[i]->value) == 0;
-        if (!found)
-            return false;
-    }
-    return true;
-}
-
 static const Ks__AgentStatus *
 find_agent(const Ks__AgentsReply *rep, const char *id)
 {
@@ -168,7 +154,7 @@ seal_to(struct cli_secrets *s, const Ks__AgentInfo *in, const char *op,
 
 int
 cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c, char *const *agents,
-                 size_t n_agents, Ks__EnvVar *const *select, size_t n_select,
+                 size_t n_agents, char *const *terms, size_t n_terms,
                  bool all, Ks__CommandSpec *spec)
 {
     Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
@@ -211,10 +197,10 @@ cli_secrets_seal(struct cli_secrets *s, struct evt_conn *c, char *const *agents,
         }
         targets[nt++] = st->info;
     }
-    if (all || n_select) {
+    if (n_agents == 0 && (all || n_terms)) {
         for (size_t i = 0; i < rep->n_agents; i++) {
             const Ks__AgentStatus *st = rep->agents[i];
-            if (!st->info || !labels_match(st->info, select, n_select))
+            if (!st->info || !broker_select_match(st->info, terms, n_terms))
                 continue;
             if (st->info->seal_key.len != EVT_SEAL_KEY_BYTES) {
                 /* The broker would pick an online one: say why now. */

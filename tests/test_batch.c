@@ -18,6 +18,7 @@
 
 #include "fixture.h"
 #include "kproto.h"
+#include "out_fold.h"
 #include "stack.h"
 #include "store.h"
 
@@ -92,7 +93,7 @@ START_TEST(batch_over_10_local_agents)
     ck_assert_int_eq(jint(j, "succeeded"), 10);
     /* one JSON line per target, then the summary */
     ck_assert_msg(count_lines(o.out) == 11, "%s", o.out);
-    char host[64], want[96];
+    char host[64], want[256];
     gethostname(host, sizeof(host));
     host[strcspn(host, ".")] = '\0';
     for (int i = 0; i < 10; i++) {
@@ -108,7 +109,10 @@ START_TEST(batch_over_10_local_agents)
     ck_assert_int_eq(fixture_kscore(&stack, targs, &o), 0);
     ck_assert_int_eq(o.status, 0);
     ck_assert_ptr_nonnull(strstr(o.out, "AGENT"));
-    ck_assert_ptr_nonnull(strstr(o.out, " (10)\n---------------\nsame\n"));
+    snprintf(want, sizeof(want),
+             "%s-[0-9] (10): Succeeded, exit 0\n---------------\nsame\n",
+             host);
+    ck_assert_msg(strstr(o.out, want), "no %s in %s", want, o.out);
     fixture_out_release(&o);
 }
 END_TEST
@@ -120,7 +124,7 @@ START_TEST(select_without_match_is_an_error)
                           NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_int_eq(o.status, 125);
-    ck_assert_ptr_nonnull(strstr(o.err, "matched no online agent"));
+    ck_assert_ptr_nonnull(strstr(o.err, "matched no agent"));
     fixture_out_release(&o);
     const char *args2[] = {"batch", "--", "true", NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args2, &o), 0);
@@ -142,9 +146,10 @@ START_TEST(max_errors_stops_dispatching)
     ck_assert_int_eq(o.status, 1);
     long failed = jint(j, "failed"), cancelled = jint(j, "cancelled");
     long succeeded = jint(j, "succeeded");
-    /* No more than the budget plus what was in flight when it was spent. */
-    ck_assert_int_le(failed, 2 + 2 - 1);
-    ck_assert_int_ge(failed, 2);
+    /* More than the budget (3), plus at most what was in flight when it
+     * was spent. */
+    ck_assert_int_le(failed, 3 + 2 - 1);
+    ck_assert_int_ge(failed, 3);
     ck_assert_int_gt(cancelled, 0);
     ck_assert_int_eq(failed + cancelled + succeeded, 10);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
@@ -162,7 +167,8 @@ START_TEST(strict_errors_never_exceed_budget)
                           FAIL_ODD,        NULL};
     json_t *j = batch_json(args, &o);
     ck_assert_int_eq(o.status, 1);
-    ck_assert_int_le(jint(j, "failed"), 2);
+    /* Strict: errors + running <= 2 before each start, so 3 at most. */
+    ck_assert_int_le(jint(j, "failed"), 3);
     ck_assert_int_eq(jint(j, "failed") + jint(j, "cancelled") +
                          jint(j, "succeeded"),
                      10);
@@ -265,7 +271,11 @@ START_TEST(cancel_in_the_middle)
     ck_assert_ptr_nonnull(j);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Cancelled");
-    ck_assert_int_eq(jint(j, "cancelled") + jint(j, "failed"), 10);
+    /* Every target cancelled, the running ones included: 10 cancelled,
+     * none "failed". */
+    ck_assert_int_eq(jint(j, "cancelled"), 10);
+    ck_assert_int_eq(jint(j, "failed"), 0);
+    ck_assert_int_eq(jint(j, "errors"), 0);
     ck_assert_int_eq(jint(j, "pending") + jint(j, "running"), 0);
     json_decref(j);
     ck_assert_int_eq(sleeps_left("3517"), 0);
@@ -284,11 +294,13 @@ START_TEST(k27_dead_agent_costs_its_deadline)
                           "--max-concurrency", "1", "--deliver-within", "5s",
                           "--", "true", NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-    ck_assert_int_eq(o.status, 1);
+    /* None failed, one never ran: 4. */
+    ck_assert_int_eq(o.status, 4);
     ck_assert_msg(o.seconds > 4.5 && o.seconds < 7.0, "took %.2f s",
                   o.seconds);
     ck_assert_ptr_nonnull(strstr(o.out, "k27b"));
     ck_assert_ptr_nonnull(strstr(o.out, "Undeliverable"));
+    ck_assert_ptr_nonnull(strstr(o.out, "no response from: k27b ("));
     ck_assert_ptr_nonnull(strstr(o.out, "PartialFailure"));
     /* a and c succeeded */
     char *a = strstr(o.out, "k27a "), *c = strstr(o.out, "k27c ");
@@ -532,7 +544,12 @@ check_record(const char *id, int n, int conc)
                      sql_long("SELECT count(*) FROM commands WHERE batch_id ="
                               " '%s' AND status = 'Succeeded'",
                               id));
-    ck_assert_int_eq(c.succeeded + c.failed + c.cancelled, n);
+    /* Each target counted once, in one state. */
+    ck_assert_int_eq(c.succeeded + c.failed + c.killed + c.timed_out +
+                         c.no_response + c.lost + c.not_started +
+                         c.cancelled,
+                     n);
+    ck_assert_int_eq(c.errors, n - c.succeeded - c.cancelled);
     char sql[1024];
     snprintf(sql, sizeof(sql),
              "WITH iv AS (SELECT e.stream_id,"
@@ -682,7 +699,7 @@ START_TEST(error_budget_survives_broker_kill)
              runs);
     struct bg_run c = {.args = {"batch", "--json", "--agents", csv,
                                 "--max-concurrency", "1", "--max-errors",
-                                "1", "--", "sh", "-c", sh, NULL}};
+                                "0", "--", "sh", "-c", sh, NULL}};
     bg_start(&c);
     wait_runs(runs, ids[0], 1);
     batch_of(ids[0], id);
@@ -791,8 +808,9 @@ START_TEST(cancel_adopted_batch)
         ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                          "Cancelled");
         ck_assert_int_eq(jint(j, "pending") + jint(j, "running"), 0);
-        ck_assert_int_eq(jint(j, "cancelled") + jint(j, "failed"), 3);
-        ck_assert_int_eq(jint(j, "cancelled"), 2); /* never dispatched */
+        /* The running one too: cancelled, not failed. */
+        ck_assert_int_eq(jint(j, "cancelled"), 3);
+        ck_assert_int_eq(jint(j, "failed"), 0);
         json_decref(j);
         check_record(both[k], 3, 1);
     }
@@ -1037,6 +1055,415 @@ START_TEST(lease_fences_other_brokers)
 }
 END_TEST
 
+/* ---- fleet results (issue 12) --------------------------------------------- */
+
+static void
+local_name(int i, char *out, size_t len)
+{
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[sizeof(host) - 1] = '\0';
+    host[strcspn(host, ".")] = '\0';
+    snprintf(out, len, "%.40s-%d", host, i);
+}
+
+static void
+fold_is(const char *const *ids, size_t n, const char *want)
+{
+    char *got = fold_nodeset(ids, n);
+    ck_assert_ptr_nonnull(got);
+    ck_assert_str_eq(got, want);
+    free(got);
+}
+
+/* The node-set folding itself (cli/out_fold.c). */
+START_TEST(fold_nodesets)
+{
+    const char *vm[20];
+    char names[20][16];
+    for (int i = 0; i < 20; i++) {
+        snprintf(names[19 - i], sizeof(names[0]), "vm-%d", i);
+        vm[19 - i] = names[19 - i];
+    }
+    fold_is(vm, 20, "vm-[0-19]");
+    const char *web[] = {"web7", "web2", "web1", "web3"};
+    fold_is(web, 4, "web[1-3,7]");
+    const char *pad[] = {"n10", "n01", "n02", "n03", "n09"};
+    fold_is(pad, 5, "n[01-03,09-10]");
+    /* Different widths never merge; literals and suffixes kept. */
+    const char *mix[] = {"db", "n1", "n01", "n2", "x1.eu", "x2.eu", "db"};
+    fold_is(mix, 7, "db,n[1-2],n01,x[1-2].eu");
+    const char *one[] = {"solo5"};
+    fold_is(one, 1, "solo5");
+    const char *dup[] = {"h-1", "h-0", "h-1"};
+    fold_is(dup, 3, "h-[0-1]");
+    fold_is(NULL, 0, "");
+}
+END_TEST
+
+/*
+ * Groups never mix outcomes: the same stdout with another exit code, a
+ * stderr-only failure, a truncated output each make their own group; the
+ * truncated target is flagged in the table and in --json.
+ */
+START_TEST(grouping_by_outcome_and_output)
+{
+    struct fixture_out o;
+    char h5[64], h6[64], h7[64], want[256];
+    local_name(5, h5, sizeof(h5));
+    local_name(6, h6, sizeof(h6));
+    local_name(7, h7, sizeof(h7));
+    char script[512];
+    snprintf(script, sizeof(script),
+             "case $KSCORE_AGENT_ID in "
+             "%s) echo oops >&2; exit 1;; "
+             "%s) echo same; exit 2;; "
+             "%s) head -c 600000 /dev/zero | tr '\\0' a;; "
+             "*) echo same;; esac",
+             h5, h6, h7);
+    const char *args[] = {"batch", "--select", "local=true", "--", "sh",
+                          "-c", script, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 1, "exit %d: %s", o.status, o.err);
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[strcspn(host, ".")] = '\0';
+    snprintf(want, sizeof(want),
+             "\n%s-[0-4,8-9] (7): Succeeded, exit 0\n---------------\nsame\n",
+             host);
+    ck_assert_msg(strstr(o.out, want), "no %s in %.2000s", want, o.out);
+    snprintf(want, sizeof(want),
+             "\n%s (1): Failed, exit 1\n---------------\n[stderr]\noops\n",
+             h5);
+    ck_assert_msg(strstr(o.out, want), "no %s in %.2000s", want, o.out);
+    snprintf(want, sizeof(want),
+             "\n%s (1): Failed, exit 2\n---------------\nsame\n", h6);
+    ck_assert_msg(strstr(o.out, want), "no %s", want);
+    snprintf(want, sizeof(want),
+             "\n%s (1): Succeeded, exit 0, stdout TRUNCATED (491520 of "
+             "600000 bytes kept)\n",
+             h7);
+    ck_assert_msg(strstr(o.out, want), "no %s", want);
+    /* The table flags the truncated target, and it alone. */
+    const char *line = strstr(o.out, h7);
+    ck_assert_ptr_nonnull(line);
+    ck_assert(strstr(line, "[TRUNCATED]") < strchr(line, '\n'));
+    ck_assert_int_eq(count_lines(o.out) > 0, 1);
+    const char *first = strstr(o.out, "[TRUNCATED]");
+    ck_assert(first == strstr(line, "[TRUNCATED]"));
+    ck_assert_ptr_null(strstr(o.out, "(no output)"));
+    ck_assert_ptr_nonnull(strstr(o.out, ": PartialFailure: 8 succeeded, 2 "
+                                        "failed of 10 targets"));
+    fixture_out_release(&o);
+
+    /* --json: the flag per target. */
+    const char *jargs[] = {"--select", "local=true", "--", "sh", "-c",
+                           script, NULL};
+    json_t *j = batch_json(jargs, &o);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_int_eq(jint(j, "exit_code"), 1);
+    int flagged = 0;
+    for (char *p = o.out; p && *p;) {
+        json_t *t = json_loads(p, JSON_DISABLE_EOF_CHECK, NULL);
+        if (t && json_object_get(t, "truncated") &&
+            json_is_true(json_object_get(t, "truncated"))) {
+            flagged++;
+            ck_assert_str_eq(
+                json_string_value(json_object_get(t, "agent_id")), h7);
+        }
+        json_decref(t);
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    ck_assert_int_eq(flagged, 1);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* kscore get shows the same groups. */
+    j = NULL;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    const char *idp = strstr(o.out, "\nbatch-");
+    ck_assert_ptr_nonnull(idp);
+    char id[64];
+    snprintf(id, sizeof(id), "%.*s", (int)strcspn(idp + 1, ":"), idp + 1);
+    fixture_out_release(&o);
+    const char *gargs[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gargs, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    snprintf(want, sizeof(want),
+             "\n%s-[0-4,8-9] (7): Succeeded, exit 0\n---------------\nsame\n",
+             host);
+    ck_assert_msg(strstr(o.out, want), "get: no %s in %.2000s", want, o.out);
+    snprintf(want, sizeof(want),
+             "\n%s (1): Failed, exit 1\n---------------\n[stderr]\noops\n",
+             h5);
+    ck_assert_msg(strstr(o.out, want), "get: no %s", want);
+    fixture_out_release(&o);
+    const char *gj[] = {"get", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gj, &o), 0);
+    j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    json_t *tv = json_object_get(j, "targets");
+    ck_assert_int_eq(json_array_size(tv), 10);
+    for (size_t i = 0; i < 10; i++) {
+        json_t *t = json_array_get(tv, i);
+        const char *agent = json_string_value(json_object_get(t, "agent_id"));
+        const char *out = json_string_value(json_object_get(t, "stdout"));
+        ck_assert_ptr_nonnull(out);
+        if (strcmp(agent, h5) == 0)
+            ck_assert_str_eq(
+                json_string_value(json_object_get(t, "stderr")), "oops\n");
+        else if (strcmp(agent, h7) != 0)
+            ck_assert_str_eq(out, "same\n");
+    }
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+static long
+run_status(const char *const args[], struct fixture_out *o)
+{
+    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
+    return o->status;
+}
+
+/*
+ * --max-errors N: stop once MORE than N targets ended in error; P% of the
+ * targets, rounded down. 4 targets that all fail, one at a time.
+ */
+START_TEST(max_errors_semantics)
+{
+    char a[4][64], csv[300] = "";
+    for (int i = 0; i < 4; i++) {
+        local_name(i, a[i], sizeof(a[i]));
+        snprintf(csv + strlen(csv), sizeof(csv) - strlen(csv), "%s%s",
+                 i ? "," : "", a[i]);
+    }
+    const struct {
+        const char *budget;
+        bool strict;
+        const char *conc;
+        long failed, cancelled;
+    } cases[] = {
+        {"0", false, "1", 1, 3},   /* stop after the first failure */
+        {"10%", false, "1", 1, 3}, /* 10% of 4 = 0 (rounded down) */
+        {"1", false, "1", 2, 2},
+        {"50%", false, "1", 3, 1}, /* 2 */
+        {"0", true, "4", 1, 3},    /* strict: one at a time */
+    };
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        struct fixture_out o;
+        const char *args[16];
+        size_t n = 0;
+        args[n++] = "--agents";
+        args[n++] = csv;
+        args[n++] = "--max-concurrency";
+        args[n++] = cases[k].conc;
+        args[n++] = "--max-errors";
+        args[n++] = cases[k].budget;
+        if (cases[k].strict)
+            args[n++] = "--strict-errors";
+        args[n++] = "--";
+        args[n++] = "false";
+        args[n] = NULL;
+        json_t *j = batch_json(args, &o);
+        ck_assert_msg(o.status == 1, "%s: exit %d", cases[k].budget,
+                      o.status);
+        ck_assert_msg(jint(j, "failed") == cases[k].failed &&
+                          jint(j, "cancelled") == cases[k].cancelled,
+                      "--max-errors %s%s: %ld failed, %ld cancelled",
+                      cases[k].budget, cases[k].strict ? " strict" : "",
+                      jint(j, "failed"), jint(j, "cancelled"));
+        json_decref(j);
+        fixture_out_release(&o);
+    }
+    /* The text summary states the rounding. */
+    struct fixture_out o;
+    const char *t[] = {"batch", "--agents", csv, "--max-concurrency", "1",
+                       "--max-errors", "10%", "--", "false", NULL};
+    ck_assert_int_eq(run_status(t, &o), 1);
+    ck_assert_msg(strstr(o.out, "--max-errors 10% = 0 of 4 target(s), "
+                                "rounded down"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+    /* A timeout is an error (of the budget), counted as timed out. */
+    const char *to[] = {"--agents", csv, "--max-concurrency", "1",
+                        "--max-errors", "0", "--timeout", "300ms", "--",
+                        "sleep", "5", NULL};
+    json_t *j = batch_json(to, &o);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_int_eq(jint(j, "timed_out"), 1);
+    ck_assert_int_eq(jint(j, "failed"), 0);
+    ck_assert_int_eq(jint(j, "errors"), 1);
+    ck_assert_int_eq(jint(j, "cancelled"), 3);
+    json_decref(j);
+    fixture_out_release(&o);
+    /* Killed by a signal: its own count, an error, exit 1. */
+    const char *kl[] = {"--agents", a[0], "--", "sh", "-c", "kill -9 $$",
+                        NULL};
+    j = batch_json(kl, &o);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_int_eq(jint(j, "killed"), 1);
+    ck_assert_int_eq(jint(j, "failed"), 0);
+    ck_assert_int_eq(jint(j, "errors"), 1);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* Polls kscore agents until id is offline (the registry's 10 s TTL). */
+static void
+wait_offline(const char *id)
+{
+    for (int i = 0; i < 300; i++) {
+        struct fixture_out o;
+        const char *args[] = {"agents", "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        for (char *p = o.out; p && *p;) {
+            json_t *a = json_loads(p, JSON_DISABLE_EOF_CHECK, NULL);
+            bool off = a &&
+                       strcmp(json_string_value(json_object_get(a, "agent_id")),
+                              id) == 0 &&
+                       json_is_false(json_object_get(a, "online"));
+            json_decref(a);
+            if (off) {
+                fixture_out_release(&o);
+                return;
+            }
+            p = strchr(p, '\n');
+            if (p)
+                p++;
+        }
+        fixture_out_release(&o);
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_abort_msg("%s never went offline", id);
+}
+
+/*
+ * An offline agent is a target of --all and --select: it ends "no
+ * response" at once and is named; --online-only leaves it out; --dry-run
+ * lists the targets with their state and runs nothing; selectors take
+ * !=, | and globs, the same in kscore agents --select; --agents with
+ * --select is the intersection.
+ */
+START_TEST(offline_targets_and_selection)
+{
+    const char *la[] = {"--label", "fleet=nr", "--label", "role=web", NULL};
+    const char *lb[] = {"--label", "fleet=nr", "--label", "role=db", NULL};
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-nra", "nra", la), 0);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-nrb", "nrb", lb), 0);
+    struct fixture_out o;
+
+    /* Selectors, in kscore agents. */
+    const struct {
+        const char *sel, *want;
+    } sels[] = {
+        {"role=w*", "nra\n"},
+        {"fleet=nr,role!=web", "nrb\n"},
+        {"role=web|db", "nra\nnrb\n"},
+        {"fleet=nr,role=x*|d?", "nrb\n"},
+        {"fleet=nr,role!=*", ""},
+    };
+    for (size_t k = 0; k < sizeof(sels) / sizeof(sels[0]); k++) {
+        const char *args[] = {"agents", "--select", sels[k].sel, NULL};
+        ck_assert_int_eq(run_status(args, &o), 0);
+        char got[256] = "";
+        for (char *p = strchr(o.out, '\n'); p && p[1];
+             p = strchr(p + 1, '\n'))
+            snprintf(got + strlen(got), sizeof(got) - strlen(got), "%.*s\n",
+                     (int)strcspn(p + 1, " "), p + 1);
+        ck_assert_msg(strcmp(got, sels[k].want) == 0,
+                      "agents --select %s: got [%s] want [%s]", sels[k].sel,
+                      got, sels[k].want);
+        fixture_out_release(&o);
+    }
+    /* The same matcher resolves a batch; with --agents: intersection. */
+    char local0[64];
+    local_name(0, local0, sizeof(local0));
+    char both[160];
+    snprintf(both, sizeof(both), "nra,nrb,%s", local0);
+    const char *inter[] = {"batch", "--dry-run", "--agents", both, "--select",
+                           "role=web|db", "--select", "role!=db", NULL};
+    ck_assert_int_eq(run_status(inter, &o), 0);
+    ck_assert_ptr_nonnull(strstr(o.out, "\nnra "));
+    ck_assert_ptr_null(strstr(o.out, "nrb"));
+    ck_assert_ptr_null(strstr(o.out, local0));
+    ck_assert_ptr_nonnull(strstr(o.out, "1 target(s), 0 offline"));
+    fixture_out_release(&o);
+    const char *bad[] = {"batch", "--select", "=x", "--", "true", NULL};
+    ck_assert_int_eq(run_status(bad, &o), 2);
+    fixture_out_release(&o);
+    const char *allsel[] = {"batch", "--all", "--select", "a=b", "--", "true",
+                            NULL};
+    ck_assert_int_eq(run_status(allsel, &o), 2);
+    fixture_out_release(&o);
+
+    /* nrb stops: offline once its heartbeat is 10 s old. */
+    stack_stop(stack.dir, "agent-nrb", 20000);
+    wait_offline("nrb");
+    long batches = sql_long("SELECT count(*) FROM events WHERE type = "
+                            "'BatchRequested' AND stream_id <> '%s'",
+                            "");
+    const char *dry[] = {"batch", "--dry-run", "--select", "fleet=nr", NULL};
+    ck_assert_int_eq(run_status(dry, &o), 0);
+    ck_assert_ptr_nonnull(strstr(o.out, "nra                      online"));
+    ck_assert_ptr_nonnull(strstr(o.out, "nrb                      offline"));
+    ck_assert_ptr_nonnull(strstr(o.out, "2 target(s), 1 offline"));
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE type = "
+                              "'BatchRequested' AND stream_id <> '%s'",
+                              ""),
+                     batches);
+
+    const char *sel[] = {"batch", "--select", "fleet=nr", "--", "true", NULL};
+    ck_assert_int_eq(run_status(sel, &o), 4);
+    ck_assert_msg(strstr(o.out, "no response from: nrb (offline since "),
+                  "%s", o.out);
+    ck_assert_msg(o.seconds < 10, "took %.1f s", o.seconds);
+    ck_assert_ptr_nonnull(strstr(o.out, "1 succeeded, 1 no response of 2"));
+    fixture_out_release(&o);
+
+    /* --all: every registered agent, nrb included. */
+    const char *all[] = {"--all", "--", "true", NULL};
+    json_t *j = batch_json(all, &o);
+    ck_assert_int_eq(o.status, 4);
+    ck_assert_int_ge(jint(j, "no_response"), 1);
+    ck_assert_int_eq(jint(j, "succeeded") + jint(j, "no_response"),
+                     jint(j, "total"));
+    bool named = false;
+    json_t *tv = json_object_get(j, "targets");
+    for (size_t i = 0; i < json_array_size(tv); i++) {
+        json_t *t = json_array_get(tv, i);
+        if (strcmp(json_string_value(json_object_get(t, "agent_id")),
+                   "nrb") == 0) {
+            named = true;
+            ck_assert_str_eq(json_string_value(json_object_get(t, "status")),
+                             "Undeliverable");
+            ck_assert_ptr_nonnull(strstr(
+                json_string_value(json_object_get(t, "reason")),
+                "offline since"));
+        }
+    }
+    ck_assert(named);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* --online-only: today's behaviour, nrb left out. */
+    const char *on[] = {"--select", "fleet=nr", "--online-only", "--", "true",
+                        NULL};
+    j = batch_json(on, &o);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_int_eq(jint(j, "total"), 1);
+    ck_assert_int_eq(jint(j, "succeeded"), 1);
+    json_decref(j);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, "agent-nra", 20000);
+}
+END_TEST
+
 static Suite *
 batch_suite(void)
 {
@@ -1044,7 +1471,11 @@ batch_suite(void)
     TCase *tc = tcase_create("batch");
     tcase_add_unchecked_fixture(tc, stack_up, stack_down);
     tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, fold_nodesets);
     tcase_add_test(tc, batch_over_10_local_agents);
+    tcase_add_test(tc, grouping_by_outcome_and_output);
+    tcase_add_test(tc, max_errors_semantics);
+    tcase_add_test(tc, offline_targets_and_selection);
     tcase_add_test(tc, select_without_match_is_an_error);
     tcase_add_test(tc, max_errors_stops_dispatching);
     tcase_add_test(tc, strict_errors_never_exceed_budget);
