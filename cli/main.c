@@ -29,7 +29,7 @@ static const char usage[] =
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
     "  list [--agent ID] [--status S] [--since T] [--batch ID] [--json]\n"
     "                          history: commands and batches, newest first\n"
-    "  agents [--json]         the agents: id, online, last seen, running\n"
+    "  agents [--select T] [--json]  the agents: id, online, last seen, running\n"
     "  replay [--db CONNINFO]  rebuild every projection from the events\n"
     "  perf [SCENARIO]... [--json]   the SLO suite on a private stack\n"
     "\n"
