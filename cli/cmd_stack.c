@@ -418,10 +418,13 @@ cmd_broker(int argc, char **argv)
         {"state-dir", required_argument, 0, 's'},
         {"signing-key", required_argument, 0, 'k'},
         {"policy", required_argument, 0, 'p'},
+        {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     struct cli_conn cc = {0};
+    struct evt_metrics_server *ms = NULL;
+    const char *metrics_listen = NULL;
     char *errmsg = NULL;
     int opt, rc;
 
@@ -450,10 +453,13 @@ cmd_broker(int argc, char **argv)
         case 'p':
             o.policy_file = optarg;
             break;
+        case 'M':
+            metrics_listen = optarg;
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR]\n"
+                   "[--state-dir DIR] [--metrics-listen ADDR:PORT]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n");
             return 0;
@@ -471,7 +477,28 @@ cmd_broker(int argc, char **argv)
                 "KSCORE_NATS_URL and KSCORE_DB)");
         return CLI_EXIT_USAGE;
     }
+    if (metrics_listen && metrics_listen[0]) {
+        /* Before the server's thread exists, so that SIGTERM reaches only
+         * broker_run's sigwait (it blocks the same set). */
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGINT);
+        sigaddset(&set, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &set, NULL);
+        rc = evt_metrics_serve(metrics_listen,
+                               KS_METRICS_BROKER |
+                                   (o.local_agents ? KS_METRICS_AGENT : 0),
+                               &ms, &errmsg);
+        if (rc) {
+            cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
+            free(errmsg);
+            return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+        }
+        fprintf(stderr, "kscore broker: metrics on port %u (/metrics)\n",
+                evt_metrics_port(ms));
+    }
     rc = broker_run(&o, &errmsg);
+    evt_metrics_stop(ms);
     if (rc) {
         cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
@@ -491,8 +518,11 @@ cmd_agent(int argc, char **argv)
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
         {"trust-key", required_argument, 0, 'k'},
+        {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
+    struct evt_metrics_server *ms = NULL;
+    const char *metrics_listen = NULL;
     struct agent_opts o = {0};
     struct cli_conn cc = {0};
     const char **ids = calloc((size_t)argc, sizeof(*ids));
@@ -537,6 +567,9 @@ cmd_agent(int argc, char **argv)
         case 'k':
             keys[o.n_trust_keys++] = optarg;
             break;
+        case 'M':
+            metrics_listen = optarg;
+            break;
         case 'w':
             if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
                 o.ack_wait_ms < 1000) {
@@ -547,7 +580,8 @@ cmd_agent(int argc, char **argv)
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
-                   "[--max-concurrent N] [--ack-wait D]\n"
+                   "[--max-concurrent N] [--ack-wait D] "
+                   "[--metrics-listen ADDR:PORT]\n"
                    "Runs only commands signed by a trusted key "
                    "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
             rc = 0;
@@ -577,6 +611,18 @@ cmd_agent(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
+    if (metrics_listen && metrics_listen[0]) {
+        rc = evt_metrics_serve(metrics_listen, KS_METRICS_AGENT, &ms,
+                               &errmsg);
+        if (rc) {
+            cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
+            free(errmsg);
+            rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+            goto out;
+        }
+        fprintf(stderr, "kscore agent: metrics on port %u (/metrics)\n",
+                evt_metrics_port(ms));
+    }
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
         cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
@@ -591,6 +637,7 @@ cmd_agent(int argc, char **argv)
     agent_stop(a);
     rc = 0;
 out:
+    evt_metrics_stop(ms);
     free(ids);
     free(labels);
     free(keys);
