@@ -130,6 +130,8 @@ static const struct {
 };
 
 #define NSTATUS 16
+_Static_assert(KS__COMMAND_STATUS__NOT_STARTED < NSTATUS,
+               "a slot per CommandStatus");
 
 struct hist {
     _Atomic uint64_t bucket[NBUCKETS + 1]; /* the last: +Inf only */
@@ -316,7 +318,7 @@ ks_metrics_render(unsigned roles, char **out, size_t *len)
         head(&b, status_counters[c].name, status_counters[c].help, "counter");
         /* Every terminal status, zeros included, so rate() sees each
          * series from its start. */
-        for (int st = 0; st < NSTATUS; st++) {
+        for (int st = 0; st <= KS__COMMAND_STATUS__NOT_STARTED; st++) {
             if (!kproto_status_terminal((Ks__CommandStatus)st))
                 continue;
             char lab[64];

@@ -162,6 +162,18 @@ check_exposition(const char *text)
         }
         ck_assert_msg(regexec(&sample, line, 5, m, 0) == 0,
                       "not a sample: '%s'", line);
+        /* Each series (name and labels) once. */
+        {
+            size_t sl = strrchr(line, ' ') - line;
+            for (const char *p = text; p < text + (line - copy);) {
+                ck_assert_msg(strncmp(p, line, sl + 1) != 0,
+                              "series twice: %.*s", (int)sl, line);
+                p = strchr(p, '\n');
+                if (!p)
+                    break;
+                p++;
+            }
+        }
         samples++;
         snprintf(name, sizeof(name), "%.*s", (int)(m[1].rm_eo - m[1].rm_so),
                  line + m[1].rm_so);
@@ -475,6 +487,116 @@ START_TEST(counters_move_during_a_batch)
 }
 END_TEST
 
+
+/* ---- kscore up --metrics ------------------------------------------------ */
+
+static char up_tmp[PATH_MAX], up_home[PATH_MAX + 16];
+
+static void
+up_setup(void)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(up_tmp, sizeof(up_tmp), "%s/kscore-metrics-XXXXXX",
+             t && *t ? t : "/tmp");
+    if (!mkdtemp(up_tmp))
+        exit(1);
+    snprintf(up_home, sizeof(up_home), "%s/home", up_tmp);
+}
+
+static void
+up_teardown(void)
+{
+    struct fixture_out o;
+    const char *args[] = {"down", NULL};
+    char cmd[PATH_MAX + 16];
+    fixture_kscore_home(up_home, args, &o);
+    fixture_out_release(&o);
+    const char *keep = getenv("KSCORE_KEEP_TMP");
+    if (keep && strcmp(keep, "1") == 0)
+        return;
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", up_tmp);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cannot remove %s\n", up_tmp);
+}
+
+/* The port of KEY='http://127.0.0.1:PORT...' in env, or 0. */
+static unsigned
+env_port(const char *env, const char *key)
+{
+    char pat[128];
+    const char *p;
+    snprintf(pat, sizeof(pat), "%s='http://127.0.0.1:", key);
+    p = strstr(env, pat);
+    return p ? (unsigned)strtoul(p + strlen(pat), NULL, 10) : 0;
+}
+
+START_TEST(local_stack_serves_metrics)
+{
+    struct fixture_out o;
+    char path[PATH_MAX + 32], env[4096], *body = NULL;
+    FILE *f;
+    size_t n;
+
+    setenv("KSCORE_PG_FAST", "1", 0);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
+                            &o),
+        0);
+    ck_assert_msg(o.status == 0, "up: %s", o.err);
+    fixture_out_release(&o);
+    snprintf(path, sizeof(path), "%s/env", up_home);
+    f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    n = fread(env, 1, sizeof(env) - 1, f);
+    env[n] = '\0';
+    fclose(f);
+    unsigned mon = env_port(env, "KSCORE_NATS_MONITOR_URL");
+    unsigned bp = env_port(env, "KSCORE_BROKER_METRICS_URL");
+    unsigned ap = env_port(env, "KSCORE_AGENT_METRICS_URL");
+    ck_assert_msg(mon && bp && ap, "env: %s", env);
+
+    /* nats-server's own monitoring endpoint. */
+    ck_assert_int_eq(http_get(mon, "/varz", &body, NULL, 0), 200);
+    ck_assert_ptr_nonnull(strstr(body, "\"server_id\""));
+    free(body);
+
+    double ok0 = scrape(bp, "kscore_commands_total{status=\"Succeeded\"}",
+                        NULL);
+    double aok0 =
+        scrape(ap, "kscore_agent_commands_total{status=\"Succeeded\"}", NULL);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home,
+                            (const char *[]){"exec", "--", "true", NULL}, &o),
+        0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    double ok1 = ok0;
+    for (int i = 0; i < 200 && ok1 < ok0 + 1; i++) {
+        ok1 = scrape(bp, "kscore_commands_total{status=\"Succeeded\"}", NULL);
+        if (ok1 < ok0 + 1)
+            usleep(50000);
+    }
+    ck_assert(ok1 == ok0 + 1);
+    ck_assert(scrape(ap, "kscore_agent_commands_total{status=\"Succeeded\"}",
+                     NULL) == aok0 + 1);
+    /* Without --metrics, `up` after `down` serves none. */
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"down", NULL}, &o), 0);
+    fixture_out_release(&o);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", NULL}, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    n = fread(env, 1, sizeof(env) - 1, f);
+    env[n] = '\0';
+    fclose(f);
+    ck_assert_uint_eq(env_port(env, "KSCORE_BROKER_METRICS_URL"), 0);
+    ck_assert_uint_gt(env_port(env, "KSCORE_NATS_MONITOR_URL"), 0);
+}
+END_TEST
+
 static Suite *
 suite(void)
 {
@@ -487,6 +609,11 @@ suite(void)
     t = tcase_create("stack");
     tcase_set_timeout(t, 300);
     tcase_add_test(t, counters_move_during_a_batch);
+    suite_add_tcase(s, t);
+    t = tcase_create("up");
+    tcase_set_timeout(t, 300);
+    tcase_add_unchecked_fixture(t, up_setup, up_teardown);
+    tcase_add_test(t, local_stack_serves_metrics);
     suite_add_tcase(s, t);
     return s;
 }
