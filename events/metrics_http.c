@@ -147,18 +147,17 @@ evt_metrics_serve(const char *listen, unsigned roles,
         return -ENOMEM;
     m->roles = roles;
     if (ss.ss_family == AF_INET6)
-        flags |= MHD_USE_IPv6 |
-                 (IN6_IS_ADDR_UNSPECIFIED(
-                      &((struct sockaddr_in6 *)&ss)->sin6_addr)
-                      ? MHD_USE_DUAL_STACK
-                      : 0);
+        flags |=
+            MHD_USE_IPv6 |
+            (IN6_IS_ADDR_UNSPECIFIED(&((struct sockaddr_in6 *)&ss)->sin6_addr)
+                 ? MHD_USE_DUAL_STACK
+                 : 0);
     /* A scrape renders in microseconds: one thread, few connections, short
      * timeouts so a stuck client holds nothing for long. */
-    m->d = MHD_start_daemon(flags, 0, NULL, NULL, answer, m,
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)16,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
-                            MHD_OPTION_END);
+    m->d = MHD_start_daemon(
+        flags, 0, NULL, NULL, answer, m, MHD_OPTION_SOCK_ADDR,
+        (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned)16,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
     if (!m->d) {
         set_err(errmsg, "cannot listen for metrics on %s", listen);
         free(m);
@@ -210,8 +209,9 @@ evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms)
     if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS, EVT_RECORDER_DURABLE,
                            &o, &jerr) == NATS_OK &&
         ci) {
-        ks_metric_gauge_add(KS_G_QUEUE_EVENTS,
-                            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
+        ks_metric_gauge_add(
+            KS_G_QUEUE_EVENTS,
+            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
         jsConsumerInfo_Destroy(ci);
     }
     if (js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, &o, &jerr) == NATS_OK &&

@@ -28,8 +28,7 @@ static const struct {
     unsigned roles;
 } counters[KS_C__N] = {
     [KS_C_EVENTS_RECORDED] = {"kscore_events_recorded_total",
-                              "Events appended to the record (PostgreSQL).",
-                              B},
+                              "Events appended to the record (PostgreSQL).", B},
     [KS_C_CLAIM_CONFLICTS] = {"kscore_claim_conflicts_total",
                               "Claims refused by the claim fence (the "
                               "attempt was claimed or ended already).",
@@ -53,8 +52,7 @@ static const struct {
     unsigned roles;
 } status_counters[KS_SC__N] = {
     [KS_SC_COMMANDS] = {"kscore_commands_total",
-                        "Commands ended in the record, by terminal status.",
-                        B},
+                        "Commands ended in the record, by terminal status.", B},
     [KS_SC_AGENT_COMMANDS] = {"kscore_agent_commands_total",
                               "Commands this agent ended and reported, by "
                               "status.",
@@ -100,10 +98,9 @@ static const struct {
 };
 
 /* Seconds. Short for appends and claims, long for commands. */
-static const double buckets[] = {0.0005, 0.001, 0.0025, 0.005, 0.01,
-                                 0.025,  0.05,  0.1,    0.25,  0.5,
-                                 1,      2.5,   5,      10,    30,
-                                 60,     300,   900,    3600};
+static const double buckets[] = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1,      2.5,   5,      10,    30,   60,    300,  900, 3600};
 #define NBUCKETS (sizeof(buckets) / sizeof(buckets[0]))
 
 static const struct {
@@ -272,8 +269,9 @@ sample(struct buf *b, const char *name, const char *suffix, const char *labels,
 {
     bool any = (labels && labels[0]) || (extra && extra[0]);
     put(b, "%s%s%s%s%s%s%s %s\n", name, suffix, any ? "{" : "",
-        labels ? labels : "", labels && labels[0] && extra && extra[0] ? "," : "",
-        extra ? extra : "", any ? "}" : "", value);
+        labels ? labels : "",
+        labels && labels[0] && extra && extra[0] ? "," : "", extra ? extra : "",
+        any ? "}" : "", value);
 }
 
 static void
@@ -340,8 +338,7 @@ ks_metrics_render(unsigned roles, char **out, size_t *len)
         if (!family || strcmp(family, gauges[g].name) != 0)
             head(&b, gauges[g].name, help, "gauge");
         family = gauges[g].name;
-        snprintf(v, sizeof(v), "%lld",
-                 (long long)atomic_load(&g_gauge[g]));
+        snprintf(v, sizeof(v), "%lld", (long long)atomic_load(&g_gauge[g]));
         sample(&b, gauges[g].name, "", gauges[g].label, NULL, v);
     }
     pthread_mutex_unlock(&g_lock);
@@ -363,8 +360,7 @@ ks_metrics_render(unsigned roles, char **out, size_t *len)
         }
         /* _count is the +Inf bucket, as the format requires, even while
          * an observation is half-added. */
-        snprintf(v, sizeof(v), "%.6f",
-                 (double)atomic_load(&x->sum_us) / 1e6);
+        snprintf(v, sizeof(v), "%.6f", (double)atomic_load(&x->sum_us) / 1e6);
         sample(&b, histograms[h].name, "_sum", NULL, NULL, v);
         snprintf(v, sizeof(v), "%llu", (unsigned long long)cum);
         sample(&b, histograms[h].name, "_count", NULL, NULL, v);

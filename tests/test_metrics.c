@@ -23,7 +23,8 @@
 #include "kproto.h"
 #include "stack.h"
 
-/* ---- helpers --------------------------------------------------------------- */
+/* ---- helpers ---------------------------------------------------------------
+ */
 
 /* GET path from 127.0.0.1:port over a plain socket (HTTP/1.0): the status
  * code, *body (malloc'd) and the Content-Type header value in ctype. */
@@ -123,15 +124,14 @@ check_exposition(const char *text)
                 "(-?[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?|\\+Inf|NaN)$",
                 REG_EXTENDED),
         0);
-    ck_assert_int_eq(regcomp(&help, "^# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .+$",
+    ck_assert_int_eq(
+        regcomp(&help, "^# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .+$", REG_EXTENDED),
+        0);
+    ck_assert_int_eq(regcomp(&type,
+                             "^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) "
+                             "(counter|gauge|histogram|summary|untyped)$",
                              REG_EXTENDED),
                      0);
-    ck_assert_int_eq(
-        regcomp(&type,
-                "^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) "
-                "(counter|gauge|histogram|summary|untyped)$",
-                REG_EXTENDED),
-        0);
     ck_assert_msg(text[0] && text[strlen(text) - 1] == '\n',
                   "the text must end with a newline");
     char *copy = strdup(text), *save = NULL;
@@ -152,8 +152,8 @@ check_exposition(const char *text)
             snprintf(ftype, sizeof(ftype), "%.*s",
                      (int)(m[2].rm_eo - m[2].rm_so), line + m[2].rm_so);
             for (int i = 0; i < nseen; i++)
-                ck_assert_msg(strcmp(seen[i], family) != 0,
-                              "TYPE %s twice", family);
+                ck_assert_msg(strcmp(seen[i], family) != 0, "TYPE %s twice",
+                              family);
             ck_assert_int_lt(nseen, 200);
             snprintf(seen[nseen++], sizeof(seen[0]), "%s", family);
             last_bucket = inf = count = -1;
@@ -213,7 +213,8 @@ check_exposition(const char *text)
     return samples;
 }
 
-/* ---- the registry and the server ------------------------------------------ */
+/* ---- the registry and the server ------------------------------------------
+ */
 
 START_TEST(render_is_valid_text_format)
 {
@@ -223,28 +224,29 @@ START_TEST(render_is_valid_text_format)
     ks_metric_inc(KS_C_EVENTS_RECORDED);
     ks_metric_status_inc(KS_SC_COMMANDS, KS__COMMAND_STATUS__SUCCEEDED);
     ks_metric_status_inc(KS_SC_AGENT_COMMANDS, KS__COMMAND_STATUS__FAILED);
-    ks_metric_observe_us(KS_H_RECORD_LATENCY, 1500);      /* 1.5 ms */
+    ks_metric_observe_us(KS_H_RECORD_LATENCY, 1500);       /* 1.5 ms */
     ks_metric_observe_us(KS_H_RECORD_LATENCY, 7200000000); /* 2 h */
     ks_metric_observe_us(KS_H_AGENT_COMMAND, -5);          /* clamped */
-    ck_assert_int_eq(ks_metrics_render(KS_METRICS_BROKER | KS_METRICS_AGENT,
-                                       &text, &len),
-                     0);
+    ck_assert_int_eq(
+        ks_metrics_render(KS_METRICS_BROKER | KS_METRICS_AGENT, &text, &len),
+        0);
     ck_assert_uint_eq(strlen(text), len);
     ck_assert_int_gt(check_exposition(text), 40);
     ck_assert(series(text, "kscore_events_recorded_total") >= 1);
-    ck_assert(series(text, "kscore_commands_total{status=\"Succeeded\"}") >=
-              1);
+    ck_assert(series(text, "kscore_commands_total{status=\"Succeeded\"}") >= 1);
     ck_assert(series(text, "kscore_commands_total{status=\"Lost\"}") == 0);
+    ck_assert(series(text, "kscore_agent_commands_total{status=\"Failed\"}") >=
+              1);
     ck_assert(
-        series(text, "kscore_agent_commands_total{status=\"Failed\"}") >= 1);
-    ck_assert(series(text, "kscore_record_latency_seconds_bucket{le=\"0.001\"}") ==
-              0);
-    ck_assert(series(text, "kscore_record_latency_seconds_bucket{le=\"0.0025\"}") ==
-              1);
-    ck_assert(series(text, "kscore_record_latency_seconds_bucket{le=\"3600\"}") ==
-              1);
-    ck_assert(series(text, "kscore_record_latency_seconds_bucket{le=\"+Inf\"}") ==
-              2);
+        series(text, "kscore_record_latency_seconds_bucket{le=\"0.001\"}") ==
+        0);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"0.0025\"}") ==
+        1);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"3600\"}") == 1);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"+Inf\"}") == 2);
     ck_assert(series(text, "kscore_record_latency_seconds_count") == 2);
     ck_assert(series(text, "kscore_record_latency_seconds_sum") > 7200);
     ck_assert(series(text, "kscore_agent_command_duration_seconds_sum") == 0);
@@ -292,9 +294,8 @@ START_TEST(server_answers_metrics_and_404)
     struct evt_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL, ctype[128];
 
-    ck_assert_int_eq(evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m,
-                                       &errmsg),
-                     0);
+    ck_assert_int_eq(
+        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
     unsigned port = evt_metrics_port(m);
     ck_assert_uint_gt(port, 0);
     ck_assert_int_eq(http_get(port, "/metrics", &body, ctype, sizeof(ctype)),
@@ -309,20 +310,19 @@ START_TEST(server_answers_metrics_and_404)
     /* Stopped: nobody listens any more. */
     ck_assert_int_lt(http_get(port, "/metrics", &body, NULL, 0), 0);
 
-    const char *bad[] = {"", "127.0.0.1", "127.0.0.1:99999", "nohost:80",
-                         "[::1", "1.2.3.4:x"};
+    const char *bad[] = {"",          "127.0.0.1", "127.0.0.1:99999",
+                         "nohost:80", "[::1",      "1.2.3.4:x"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         errmsg = NULL;
-        ck_assert_int_eq(evt_metrics_serve(bad[i], KS_METRICS_BROKER, &m,
-                                           &errmsg),
-                         KS_EINVAL);
+        ck_assert_int_eq(
+            evt_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
+            KS_EINVAL);
         ck_assert_ptr_nonnull(errmsg);
         free(errmsg);
     }
     /* A port in use is refused, not shared. */
-    ck_assert_int_eq(evt_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m,
-                                       &errmsg),
-                     0);
+    ck_assert_int_eq(
+        evt_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
     char addr[64];
     struct evt_metrics_server *m2 = NULL;
     snprintf(addr, sizeof(addr), "127.0.0.1:%u", evt_metrics_port(m));
@@ -334,7 +334,8 @@ START_TEST(server_answers_metrics_and_404)
 }
 END_TEST
 
-/* ---- a real stack ------------------------------------------------------------ */
+/* ---- a real stack
+ * ------------------------------------------------------------ */
 
 static struct fixture_stack stack;
 
@@ -370,26 +371,36 @@ START_TEST(counters_move_during_a_batch)
     snprintf(blisten, sizeof(blisten), "127.0.0.1:%d", bport);
     snprintf(alisten, sizeof(alisten), "127.0.0.1:%d", aport);
     snprintf(state, sizeof(state), "%s/state-broker-m", stack.dir);
-    char *bargv[] = {(char *)bin,      "broker",       "--nats",
-                     stack.nats.url,   "--db",         stack.pg.conninfo,
-                     "--local-agents", "0",            "--state-dir",
-                     state,            "--signing-key", stack.signing_key,
-                     "--metrics-listen", blisten,      NULL};
+    char *bargv[] = {(char *)bin,
+                     "broker",
+                     "--nats",
+                     stack.nats.url,
+                     "--db",
+                     stack.pg.conninfo,
+                     "--local-agents",
+                     "0",
+                     "--state-dir",
+                     state,
+                     "--signing-key",
+                     stack.signing_key,
+                     "--metrics-listen",
+                     blisten,
+                     NULL};
     ck_assert_int_eq(stack_daemon(stack.dir, "broker", bargv, &pid), 0);
     struct evt_connect_opts no = {.name = "test"};
     ck_assert_int_eq(broker_wait_ready(stack.nats.url, &no, 30000), 0);
-    const char *extra[] = {"--metrics-listen", alisten, "--max-concurrent",
-                           "4", NULL};
+    const char *extra[] = {"--metrics-listen", alisten, "--max-concurrent", "4",
+                           NULL};
     ck_assert_int_eq(fixture_agent_spawn(&stack, "magent", "m1", extra), 0);
 
     double rec0 = scrape(bport, "kscore_events_recorded_total", &before);
     double ok0 = series(before, "kscore_commands_total{status=\"Succeeded\"}");
     double fail0 = series(before, "kscore_commands_total{status=\"Failed\"}");
     double lat0 = series(before, "kscore_record_latency_seconds_count");
-    double aok0 = scrape(aport,
-                         "kscore_agent_commands_total{status=\"Succeeded\"}",
-                         &abefore);
-    double claim0 = series(abefore, "kscore_agent_claim_duration_seconds_count");
+    double aok0 = scrape(
+        aport, "kscore_agent_commands_total{status=\"Succeeded\"}", &abefore);
+    double claim0 =
+        series(abefore, "kscore_agent_claim_duration_seconds_count");
     ck_assert(rec0 >= 0 && ok0 >= 0 && fail0 >= 0 && lat0 >= 0);
     ck_assert(aok0 == 0);
     ck_assert(series(abefore, "kscore_agent_slots") == 4);
@@ -402,15 +413,21 @@ START_TEST(counters_move_during_a_batch)
     ck_assert_msg(o.status == 0, "batch: %s", o.err);
     fixture_out_release(&o);
     for (int i = 0; i < 4; i++) {
-        const char *exec[] = {"exec", "--agent", "m1", "--", "sh", "-c",
-                              i == 3 ? "exit 3" : "echo hi", NULL};
+        const char *exec[] = {"exec",
+                              "--agent",
+                              "m1",
+                              "--",
+                              "sh",
+                              "-c",
+                              i == 3 ? "exit 3" : "echo hi",
+                              NULL};
         ck_assert_int_eq(fixture_kscore(&stack, exec, &o), 0);
         ck_assert_int_eq(o.status, i == 3 ? 3 : 0);
         fixture_out_release(&o);
     }
     /* A running child shows in the agent's gauge while it runs. */
-    const char *slow[] = {"exec", "--agent", "m1", "--detach", "--",
-                          "sleep", "3", NULL};
+    const char *slow[] = {"exec", "--agent", "m1", "--detach",
+                          "--",   "sleep",   "3",  NULL};
     ck_assert_int_eq(fixture_kscore(&stack, slow, &o), 0);
     ck_assert_int_eq(o.status, 0);
     fixture_out_release(&o);
@@ -443,7 +460,7 @@ START_TEST(counters_move_during_a_batch)
     ck_assert(series(after, "kscore_append_duration_seconds_count") > 0);
     ck_assert(series(after, "kscore_agents_online") >= 1);
     ck_assert(series(after, "kscore_nats_connected{component=\"broker\"}") ==
-                  1);
+              1);
     ck_assert(series(after, "kscore_postgres_connections{state=\"open\"}") >=
               1);
     ck_assert(series(after, "kscore_postgres_connections{state=\"down\"}") ==
@@ -456,16 +473,16 @@ START_TEST(counters_move_during_a_batch)
     double aok1 = 0;
     for (int i = 0; i < 100; i++) {
         free(aafter);
-        aok1 = scrape(aport,
-                      "kscore_agent_commands_total{status=\"Succeeded\"}",
-                      &aafter);
+        aok1 =
+            scrape(aport, "kscore_agent_commands_total{status=\"Succeeded\"}",
+                   &aafter);
         if (aok1 >= aok0 + 4)
             break;
         usleep(50000);
     }
     ck_assert_msg(aok1 >= aok0 + 4, "agent Succeeded %g -> %g", aok0, aok1);
-    ck_assert(series(aafter, "kscore_agent_commands_total{status=\"Failed\"}") ==
-              1);
+    ck_assert(
+        series(aafter, "kscore_agent_commands_total{status=\"Failed\"}") == 1);
     ck_assert(series(aafter, "kscore_agent_claim_duration_seconds_count") >=
               claim0 + 6);
     ck_assert(series(aafter, "kscore_agent_command_duration_seconds_count") >=
@@ -486,7 +503,6 @@ START_TEST(counters_move_during_a_batch)
     fixture_stack_stop(&stack);
 }
 END_TEST
-
 
 /* ---- kscore up --metrics ------------------------------------------------ */
 
@@ -560,8 +576,8 @@ START_TEST(local_stack_serves_metrics)
     ck_assert_ptr_nonnull(strstr(body, "\"server_id\""));
     free(body);
 
-    double ok0 = scrape(bp, "kscore_commands_total{status=\"Succeeded\"}",
-                        NULL);
+    double ok0 =
+        scrape(bp, "kscore_commands_total{status=\"Succeeded\"}", NULL);
     double aok0 =
         scrape(ap, "kscore_agent_commands_total{status=\"Succeeded\"}", NULL);
     ck_assert_int_eq(
