@@ -122,6 +122,7 @@ enum ks_counter {
     KS_C_EVENTS_RECORDED,    /* kscore_events_recorded_total (store) */
     KS_C_CLAIM_CONFLICTS,    /* kscore_claim_conflicts_total: claims lost */
     KS_C_REDISPATCHES,       /* kscore_redispatches_total: attempt > 1 */
+    KS_C_RECORDER_REDELIVERIES, /* kscore_recorder_redeliveries_total */
     KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
     KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
     KS_C__N

@@ -37,6 +37,11 @@ static const struct {
                            "Commands published again (attempt > 1) after "
                            "nobody claimed them in time.",
                            B},
+    [KS_C_RECORDER_REDELIVERIES] = {"kscore_recorder_redeliveries_total",
+                                    "Events JetStream delivered to the "
+                                    "recorder more than once (not acked in "
+                                    "time, or a broker restarted).",
+                                    B},
     [KS_C_AGENT_REDELIVERIES] = {"kscore_agent_redeliveries_total",
                                  "Command messages JetStream delivered to "
                                  "this agent more than once.",

@@ -467,6 +467,8 @@ START_TEST(counters_move_during_a_batch)
               0);
     ck_assert(series(after, "kscore_queue_depth{queue=\"events\"}") >= 0);
     ck_assert(series(after, "kscore_queue_depth{queue=\"commands\"}") >= 0);
+    ck_assert(series(after, "kscore_recorder_redeliveries_total") >= 0);
+    ck_assert(series(after, "kscore_claim_conflicts_total") == 0);
     /* The broker alone shows no agent metrics. */
     ck_assert(series(after, "kscore_agent_running_children") == -1);
 
