@@ -354,17 +354,23 @@ scrape(unsigned port, const char *name, char **keep)
     return v;
 }
 
-START_TEST(counters_move_during_a_batch)
+static int bport, aport;
+
+/* A stack whose broker and agent serve metrics. Started and stopped in the
+ * runner's process (an unchecked fixture), so a failing test leaves
+ * nothing running. */
+static void
+metrics_stack_up(void)
 {
     const char *bin = getenv("KSCORE_BIN");
-    int bport = stack_free_port(), aport = stack_free_port();
     char blisten[64], alisten[64], state[PATH_MAX + 32];
-    char *before = NULL, *after = NULL, *abefore = NULL, *aafter = NULL;
-    struct fixture_out o = {0};
     pid_t pid;
 
-    ck_assert_ptr_nonnull(bin);
-    ck_assert_int_eq(fixture_stack_start(&stack, NULL, 0), 0);
+    bport = stack_free_port();
+    aport = stack_free_port();
+    if (!bin || bport <= 0 || aport <= 0 || bport == aport ||
+        fixture_stack_start(&stack, NULL, 0) != 0)
+        goto fail;
     /* The fixture's broker, again, with metrics: the only broker, so every
      * request and every recorded event is its own. */
     fixture_stack_broker_kill(&stack, SIGTERM);
@@ -386,12 +392,32 @@ START_TEST(counters_move_during_a_batch)
                      "--metrics-listen",
                      blisten,
                      NULL};
-    ck_assert_int_eq(stack_daemon(stack.dir, "broker", bargv, &pid), 0);
     struct evt_connect_opts no = {.name = "test"};
-    ck_assert_int_eq(broker_wait_ready(stack.nats.url, &no, 30000), 0);
     const char *extra[] = {"--metrics-listen", alisten, "--max-concurrent", "4",
                            NULL};
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "magent", "m1", extra), 0);
+    if (stack_daemon(stack.dir, "broker", bargv, &pid) != 0 ||
+        broker_wait_ready(stack.nats.url, &no, 30000) != 0 ||
+        fixture_agent_spawn(&stack, "magent", "m1", extra) != 0)
+        goto fail;
+    return;
+fail:
+    fprintf(stderr, "test_metrics: cannot start the stack\n");
+    stack_stop(stack.dir, "magent", 20000);
+    fixture_stack_stop(&stack);
+    exit(1);
+}
+
+static void
+metrics_stack_down(void)
+{
+    stack_stop(stack.dir, "magent", 20000);
+    fixture_stack_stop(&stack);
+}
+
+START_TEST(counters_move_during_a_batch)
+{
+    char *before = NULL, *after = NULL, *abefore = NULL, *aafter = NULL;
+    struct fixture_out o = {0};
 
     double rec0 = scrape(bport, "kscore_events_recorded_total", &before);
     double ok0 = series(before, "kscore_commands_total{status=\"Succeeded\"}");
@@ -501,8 +527,6 @@ START_TEST(counters_move_during_a_batch)
     free(after);
     free(abefore);
     free(aafter);
-    stack_stop(stack.dir, "magent", 20000);
-    fixture_stack_stop(&stack);
 }
 END_TEST
 
@@ -626,6 +650,7 @@ suite(void)
     suite_add_tcase(s, t);
     t = tcase_create("stack");
     tcase_set_timeout(t, 300);
+    tcase_add_unchecked_fixture(t, metrics_stack_up, metrics_stack_down);
     tcase_add_test(t, counters_move_during_a_batch);
     suite_add_tcase(s, t);
     t = tcase_create("up");
