@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test chaos down clean asan profile fuzz
+.PHONY: all bootstrap build run test chaos down clean asan profile fuzz deb install
 
 all: build
 
@@ -79,5 +79,21 @@ profile: build
 down:
 	@$(KSCORE) down
 
+# Installs under PREFIX (default /usr/local; the units name
+# PREFIX/etc/kscore, or /etc/kscore for PREFIX=/usr).
+PREFIX ?= /usr/local
+install: bootstrap
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
+	@cmake --build $(BUILD) -j$(JOBS) --target kscore
+	@cmake --install $(BUILD)
+
+# The Debian package (CPack DEB) in $(BUILD)-deb/: prefix /usr, units in
+# /lib/systemd/system, configs in /etc/kscore. Only the binary is built.
+deb: bootstrap
+	@cmake -S . -B $(BUILD)-deb -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	    -DCMAKE_INSTALL_PREFIX=/usr -DKSCORE_SYSTEMD_UNITDIR=/lib/systemd/system >/dev/null
+	@cmake --build $(BUILD)-deb -j$(JOBS) --target kscore
+	@cd $(BUILD)-deb && cpack -G DEB >/dev/null && ls -1 $$PWD/kscore_*.deb
+
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-fuzz $(BUILD)-deb

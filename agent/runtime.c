@@ -362,6 +362,30 @@ job_release(struct job_ctx *j, const char *what)
 }
 
 /* Queues a command event of j: type, result r (may be NULL), reason. */
+/* Metrics of a command this agent ends (proto/metrics.c). */
+static void
+note_end(const char *type, const Ks__CommandResult *r)
+{
+    Ks__CommandStatus st = r ? r->status : 0;
+    if (strcmp(type, "CommandStartFailed") == 0)
+        st = KS__COMMAND_STATUS__START_FAILED;
+    else if (strcmp(type, "CommandLost") == 0)
+        st = KS__COMMAND_STATUS__LOST;
+    else if (strcmp(type, "CommandNotStarted") == 0)
+        st = KS__COMMAND_STATUS__NOT_STARTED;
+    else if (strcmp(type, "CommandCompleted") != 0)
+        return;
+    else if (!st && r)
+        st = r->cancelled   ? KS__COMMAND_STATUS__CANCELLED
+             : r->timed_out ? KS__COMMAND_STATUS__TIMED_OUT
+             : r->has_exit_code && r->exit_code == 0
+                 ? KS__COMMAND_STATUS__SUCCEEDED
+                 : KS__COMMAND_STATUS__FAILED;
+    ks_metric_status_inc(KS_SC_AGENT_COMMANDS, st);
+    if (r && r->duration_us > 0)
+        ks_metric_observe_us(KS_H_AGENT_COMMAND, r->duration_us);
+}
+
 static void
 report(struct job_ctx *j, const char *type, Ks__CommandResult *r,
        const char *reason)
@@ -381,6 +405,7 @@ report(struct job_ctx *j, const char *type, Ks__CommandResult *r,
     ev.operator_ = j->operator_name;
     ev.reason = (char *)reason;
     ev.result = r;
+    note_end(type, r);
     if (agent__queue_event(j->agent, &ev) != 0)
         fprintf(stderr, "kscore agent: cannot queue %s of %s\n", type,
                 j->command_id);
@@ -569,8 +594,11 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
     for (;;) {
+        int64_t t0 = ks_mono_us();
         rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
                             CLAIM_TIMEOUT_MS, &m);
+        if (rc == 0)
+            ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);
         if (rc == 0 || atomic_load(&a->closing) || ks_mono_us() >= give_up)
             break;
         nanosleep(&(struct timespec){0, pause_ms * 1000000L}, NULL);
@@ -587,6 +615,8 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     rep = (Ks__ClaimReply *)pm;
     rc = rep->granted ? 1 : (rep->error_code == KS_ECLAIMED ? 0
                                                             : rep->error_code);
+    if (rc == 0)
+        ks_metric_inc(KS_C_AGENT_CLAIMS_LOST);
     ks__claim_reply__free_unpacked(rep, NULL);
     return rc;
 }
@@ -818,6 +848,14 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * JetStream's, and acks go nowhere else. */
     if (!reply || strncmp(reply, slot->ack_prefix, strlen(slot->ack_prefix)))
         goto out;
+    {
+        jsMsgMetaData *md = NULL;
+        if (natsMsg_GetMetaData(&md, msg) == NATS_OK) {
+            if (md->NumDelivered > 1)
+                ks_metric_inc(KS_C_AGENT_REDELIVERIES);
+            jsMsgMetaData_Destroy(md);
+        }
+    }
     /* A push delivery keeps the subject it was stored under. Another
      * subject means the consumer is not the one the broker makes (its
      * filter is wrong: registry.c replaces it). Not ours to run, refuse or
@@ -1187,6 +1225,18 @@ keeper_main(void *arg)
 
 /* ---- start / stop ------------------------------------------------------------ */
 
+/* At each metrics scrape: what this agent sees now (proto/metrics.c). */
+static void
+agent_collect(void *ctx)
+{
+    struct agent *a = ctx;
+    evt_metrics_nats_state(a->nc, KS_G_NATS_AGENT);
+    if (a->loop)
+        ks_metric_gauge_add(KS_G_RUNNING_CHILDREN,
+                            (int64_t)exec_loop_running(a->loop));
+    ks_metric_gauge_add(KS_G_AGENT_SLOTS, (int64_t)a->max_concurrent);
+}
+
 int
 agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
 {
@@ -1397,6 +1447,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     a->keeper_started = true;
+    ks_metrics_collector_add(agent_collect, a);
     *out = a;
     return 0;
 fail:
@@ -1417,6 +1468,7 @@ agent_stop(struct agent *a)
 
     if (!a)
         return;
+    ks_metrics_collector_remove(agent_collect, a);
     /* No new work: no deliveries, no new claims. */
     atomic_store(&a->closing, 1);
     for (size_t i = 0; i < a->n_slots; i++) {

@@ -602,6 +602,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             broker__command_ended(b, req->command_id, req->start_failure);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
+        ks_metric_inc(KS_C_CLAIM_CONFLICTS);
         broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
                            req->command_id);
         d.agent_id = req->agent_id;
@@ -1251,6 +1252,16 @@ broker_teardown(struct broker *b)
     pthread_cond_destroy(&b->rec_cond);
 }
 
+/* At each metrics scrape: what the broker sees now (proto/metrics.c). */
+static void
+broker_collect(void *ctx)
+{
+    struct broker *b = ctx;
+    ks_metric_gauge_add(KS_G_AGENTS_ONLINE, broker__agents_online(b));
+    evt_metrics_nats_state(b->nc, KS_G_NATS_BROKER);
+    evt_metrics_queue_depths(b->nc, 1000);
+}
+
 int
 broker_run(const struct broker_opts *opts, char **errmsg)
 {
@@ -1383,10 +1394,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = broker__scanner_start(&b)))
         goto out;
 
+    ks_metrics_collector_add(broker_collect, &b);
     fprintf(stderr, "kscore broker: serving on %s\n", opts->nats_url);
     sigwait(&set, &sig);
     fprintf(stderr, "kscore broker: %s, stopping\n", strsignal(sig));
 out:
+    ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);
     return rc;
 }

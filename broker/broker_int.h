@@ -258,6 +258,8 @@ void broker__registry_stop(struct broker *b);
 /* Fills an AgentsReply from the registry (sorted by id). Any thread.
  * Free with broker__agents_reply_free(). */
 int broker__agents_list(struct broker *b, Ks__AgentsReply *out);
+/* Agents whose last heartbeat is within EVT_AGENT_TTL_MS (metrics). */
+int broker__agents_online(struct broker *b);
 void broker__agents_reply_free(Ks__AgentsReply *r);
 
 /* 1 if the agent id has registered (any time), else 0. Any thread. */

@@ -31,8 +31,14 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
              void *ud)
 {
     struct broker *b = ud;
+    jsMsgMetaData *md = NULL;
     (void)nc;
     (void)sub;
+    if (natsMsg_GetMetaData(&md, msg) == NATS_OK) {
+        if (md->NumDelivered > 1)
+            ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
+        jsMsgMetaData_Destroy(md);
+    }
     pthread_mutex_lock(&b->mu);
     if (b->rec_len == b->rec_cap) {
         size_t ncap = b->rec_cap ? b->rec_cap * 2 : 1024;

@@ -311,6 +311,26 @@ add_status(const char *key, void *val, void *ud)
     acc->v[acc->n++] = st;
 }
 
+static void
+count_online(const char *key, void *val, void *ud)
+{
+    struct list_acc *acc = ud;
+    struct broker__agent *a = val;
+    (void)key;
+    if (acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+        acc->n++;
+}
+
+int
+broker__agents_online(struct broker *b)
+{
+    struct list_acc acc = {.now_mono = ks_mono_us()};
+    pthread_mutex_lock(&b->mu);
+    ks_map_each(&b->agents, count_online, &acc);
+    pthread_mutex_unlock(&b->mu);
+    return (int)acc.n;
+}
+
 static int
 cmp_status(const void *x, const void *y)
 {

@@ -123,6 +123,7 @@ on_overdue(const struct store_command_ref *ref, void *ud)
     if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0) {
         cmd->attempt = disp.attempt;
         cmd->dispatch_version = (uint64_t)ref->version + 1;
+        ks_metric_inc(KS_C_REDISPATCHES);
         int rc = evt_publish_command(b->nc, b->signer, cmd, 5000);
         if (rc)
             fprintf(stderr, "kscore scanner: re-publish %s: %s\n",

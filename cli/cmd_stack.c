@@ -102,7 +102,8 @@ wait_agent(const char *url, const char *id, const char *broker_seed,
 
 static int
 write_env(const char *home, const char *url, const char *db,
-          const char *agent, unsigned local_agents, const char *nkey_file)
+          const char *agent, unsigned local_agents, const char *nkey_file,
+          const char *extra)
 {
     char path[4200], tmp[4300];
     FILE *f;
@@ -122,6 +123,7 @@ write_env(const char *home, const char *url, const char *db,
             "KSCORE_NATS_URL='%s'\nKSCORE_DB='%s'\nKSCORE_AGENT='%s'\n"
             "KSCORE_LOCAL_AGENTS='%u'\nKSCORE_NATS_NKEY='%s'\n",
             url, db, agent, local_agents, nkey_file);
+    fputs(extra ? extra : "", f);
     if (fclose(f) != 0 || rename(tmp, path) != 0)
         return -errno;
     return 0;
@@ -202,10 +204,14 @@ cmd_up(int argc, char **argv)
 {
     static const struct option lo[] = {
         {"local-agents", required_argument, 0, 'l'},
+        {"metrics", no_argument, 0, 'm'},
         {"help", no_argument, 0, 'h'},
         {"json", no_argument, 0, 'j'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
+    bool metrics = false;
+    char nats_extra[512], env_extra[512], bmetrics[64] = "",
+                                          ametrics[64] = "";
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
     char agent_state[4200], local_state[4200];
     char *url = NULL, *db = NULL;
@@ -230,10 +236,16 @@ cmd_up(int argc, char **argv)
         case 'j':
             json = true;
             break;
+        case 'm':
+            metrics = true;
+            break;
         case 'h':
-            printf("usage: kscore up [--local-agents N] [--json]\nStarts the "
-                   "local stack under $KSCORE_HOME (now %s) and prints its\n"
-                   "status (--json: as `kscore status --json`).\n",
+            printf("usage: kscore up [--local-agents N] [--metrics] [--json]\n"
+                   "Starts the local stack under $KSCORE_HOME (now %s) and "
+                   "prints its\nstatus (--json: as `kscore status --json`).\n"
+                   "--metrics: the broker and the agent serve Prometheus "
+                   "metrics on free ports (in $KSCORE_HOME/env; kept while "
+                   "the stack runs).\n",
                    home);
             return 0;
         default:
@@ -264,6 +276,11 @@ cmd_up(int argc, char **argv)
     }
     if (!local_agents_given)
         local_agents = prev_n;
+    {
+        char *pm = cli_env_get("KSCORE_BROKER_METRICS_URL");
+        metrics = metrics || (pm && pm[0]);
+        free(pm);
+    }
     /* 0700 when new: only its owner has business in it (PostgreSQL's
      * user, when we are root, gets o+x: stack_pg.c). */
     if ((rc = stack_mkdirs(home, 0700))) {
@@ -309,8 +326,33 @@ cmd_up(int argc, char **argv)
                 ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
+    /* nats-server's monitoring endpoint (/varz, /jsz, ...) on loopback:
+     * what a Prometheus NATS exporter scrapes. */
+    int mon_port = stack_free_port();
+    snprintf(nats_extra, sizeof(nats_extra), "%s", STACK_NATS_AUTH_INCLUDE);
+    env_extra[0] = '\0';
+    if (mon_port > 0) {
+        snprintf(nats_extra, sizeof(nats_extra),
+                 "%shttp: \"127.0.0.1:%d\"\n", STACK_NATS_AUTH_INCLUDE,
+                 mon_port);
+        snprintf(env_extra, sizeof(env_extra),
+                 "KSCORE_NATS_MONITOR_URL='http://127.0.0.1:%d'\n",
+                 mon_port);
+    }
+    if (metrics) {
+        int bp = stack_free_port(), ap = stack_free_port();
+        if (bp > 0 && ap > 0 && bp != ap) {
+            size_t el = strlen(env_extra);
+            snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
+            snprintf(ametrics, sizeof(ametrics), "127.0.0.1:%d", ap);
+            snprintf(env_extra + el, sizeof(env_extra) - el,
+                     "KSCORE_BROKER_METRICS_URL='http://%s/metrics'\n"
+                     "KSCORE_AGENT_METRICS_URL='http://%s/metrics'\n",
+                     bmetrics, ametrics);
+        }
+    }
     fprintf(stderr, "kscore: starting nats-server ...\n");
-    rc = stack_nats_start(home, 0, STACK_NATS_AUTH_INCLUDE, &url, &pid);
+    rc = stack_nats_start(home, 0, nats_extra, &url, &pid);
     if (rc) {
         cli_err("cannot start nats-server: %s (see %s/nats.log)",
                 ks_strerror(rc), home);
@@ -337,7 +379,11 @@ cmd_up(int argc, char **argv)
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
                          local_state, "--signing-key",  signing_key,
-                         NULL};
+                         NULL,        NULL,             NULL};
+        if (bmetrics[0]) {
+            bargv[12] = "--metrics-listen";
+            bargv[13] = bmetrics;
+        }
         rc = stack_daemon(home, "broker", bargv, &pid);
         if (rc == 0)
             rc = wait_broker(url, operator_seed, 30000);
@@ -352,7 +398,12 @@ cmd_up(int argc, char **argv)
         setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
-                         agent_state, "--trust-key", trust_key,   NULL};
+                         agent_state, "--trust-key", trust_key,   NULL,
+                         NULL,        NULL};
+        if (ametrics[0]) {
+            aargv[10] = "--metrics-listen";
+            aargv[11] = ametrics;
+        }
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc == 0)
@@ -364,7 +415,7 @@ cmd_up(int argc, char **argv)
         }
     }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
-                        operator_seed))) {
+                        operator_seed, env_extra))) {
         cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
         goto fail;
     }
@@ -433,10 +484,13 @@ cmd_broker(int argc, char **argv)
         {"state-dir", required_argument, 0, 's'},
         {"signing-key", required_argument, 0, 'k'},
         {"policy", required_argument, 0, 'p'},
+        {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     struct cli_conn cc = {0};
+    struct evt_metrics_server *ms = NULL;
+    const char *metrics_listen = NULL;
     char *errmsg = NULL;
     int opt, rc;
 
@@ -465,10 +519,13 @@ cmd_broker(int argc, char **argv)
         case 'p':
             o.policy_file = optarg;
             break;
+        case 'M':
+            metrics_listen = optarg;
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR]\n"
+                   "[--state-dir DIR] [--metrics-listen ADDR:PORT]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n");
             return 0;
@@ -486,7 +543,28 @@ cmd_broker(int argc, char **argv)
                 "KSCORE_NATS_URL and KSCORE_DB)");
         return CLI_EXIT_USAGE;
     }
+    if (metrics_listen && metrics_listen[0]) {
+        /* Before the server's thread exists, so that SIGTERM reaches only
+         * broker_run's sigwait (it blocks the same set). */
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGINT);
+        sigaddset(&set, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &set, NULL);
+        rc = evt_metrics_serve(metrics_listen,
+                               KS_METRICS_BROKER |
+                                   (o.local_agents ? KS_METRICS_AGENT : 0),
+                               &ms, &errmsg);
+        if (rc) {
+            cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
+            free(errmsg);
+            return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+        }
+        fprintf(stderr, "kscore broker: metrics on port %u (/metrics)\n",
+                evt_metrics_port(ms));
+    }
     rc = broker_run(&o, &errmsg);
+    evt_metrics_stop(ms);
     if (rc) {
         cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
@@ -506,8 +584,11 @@ cmd_agent(int argc, char **argv)
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
         {"trust-key", required_argument, 0, 'k'},
+        {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
+    struct evt_metrics_server *ms = NULL;
+    const char *metrics_listen = NULL;
     struct agent_opts o = {0};
     struct cli_conn cc = {0};
     const char **ids = calloc((size_t)argc, sizeof(*ids));
@@ -552,6 +633,9 @@ cmd_agent(int argc, char **argv)
         case 'k':
             keys[o.n_trust_keys++] = optarg;
             break;
+        case 'M':
+            metrics_listen = optarg;
+            break;
         case 'w':
             if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
                 o.ack_wait_ms < 1000) {
@@ -562,7 +646,8 @@ cmd_agent(int argc, char **argv)
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
-                   "[--max-concurrent N] [--ack-wait D]\n"
+                   "[--max-concurrent N] [--ack-wait D] "
+                   "[--metrics-listen ADDR:PORT]\n"
                    "Runs only commands signed by a trusted key "
                    "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
             rc = 0;
@@ -592,6 +677,18 @@ cmd_agent(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
+    if (metrics_listen && metrics_listen[0]) {
+        rc = evt_metrics_serve(metrics_listen, KS_METRICS_AGENT, &ms,
+                               &errmsg);
+        if (rc) {
+            cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
+            free(errmsg);
+            rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+            goto out;
+        }
+        fprintf(stderr, "kscore agent: metrics on port %u (/metrics)\n",
+                evt_metrics_port(ms));
+    }
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
         cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
@@ -606,6 +703,7 @@ cmd_agent(int argc, char **argv)
     agent_stop(a);
     rc = 0;
 out:
+    evt_metrics_stop(ms);
     free(ids);
     free(labels);
     free(keys);

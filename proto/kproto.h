@@ -109,4 +109,75 @@ void ks_map_each(const struct ks_map *m,
 /* Frees the entries (not the values). */
 void ks_map_clear(struct ks_map *m);
 
+/* ---- metrics (proto/metrics.c) -------------------------------------------
+ * The one registry of kscore's Prometheus metrics, process-wide, so every
+ * module counts without knowing who serves them (events/ has the HTTP
+ * endpoint: evt_metrics_serve). Updates are relaxed atomic adds, no lock:
+ * cheap enough for the hot paths. Names, help and buckets are in one table
+ * (metrics.c); README "Metrics" lists them.
+ */
+enum ks_metric_role { KS_METRICS_BROKER = 1, KS_METRICS_AGENT = 2 };
+
+enum ks_counter {
+    KS_C_EVENTS_RECORDED,    /* kscore_events_recorded_total (store) */
+    KS_C_CLAIM_CONFLICTS,    /* kscore_claim_conflicts_total: claims lost */
+    KS_C_REDISPATCHES,       /* kscore_redispatches_total: attempt > 1 */
+    KS_C_RECORDER_REDELIVERIES, /* kscore_recorder_redeliveries_total */
+    KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
+    KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
+    KS_C__N
+};
+/* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
+enum ks_status_counter {
+    KS_SC_COMMANDS,       /* kscore_commands_total: terminal events recorded */
+    KS_SC_AGENT_COMMANDS, /* kscore_agent_commands_total: results reported */
+    KS_SC__N
+};
+enum ks_gauge {
+    KS_G_PG_CONNECTIONS,    /* store connections open */
+    KS_G_PG_BROKEN,         /* ... of which down (reconnecting) */
+    /* Collected at scrape time (ks_metrics_collector_add), summed over
+     * the collectors of the process: */
+    KS_G_AGENTS_ONLINE,     /* kscore_agents_online */
+    KS_G_NATS_BROKER,       /* kscore_nats_connected{component="broker"} */
+    KS_G_NATS_AGENT,        /* kscore_nats_connected{component="agent"} */
+    KS_G_QUEUE_EVENTS,      /* kscore_queue_depth{queue="events"} */
+    KS_G_QUEUE_COMMANDS,    /* kscore_queue_depth{queue="commands"} */
+    KS_G_RUNNING_CHILDREN,  /* kscore_agent_running_children */
+    KS_G_AGENT_SLOTS,       /* kscore_agent_slots */
+    KS_G__N
+};
+enum ks_histogram {
+    KS_H_RECORD_LATENCY,  /* kscore_record_latency_seconds: occurred -> commit */
+    KS_H_APPEND,          /* kscore_append_duration_seconds: one append */
+    KS_H_COMMAND_DURATION,/* kscore_command_duration_seconds (record) */
+    KS_H_AGENT_COMMAND,   /* kscore_agent_command_duration_seconds */
+    KS_H_AGENT_CLAIM,     /* kscore_agent_claim_duration_seconds */
+    KS_H__N
+};
+
+void ks_metric_inc(enum ks_counter c);
+void ks_metric_status_inc(enum ks_status_counter c, Ks__CommandStatus st);
+void ks_metric_gauge_add(enum ks_gauge g, int64_t delta);
+/* A sample of us microseconds (negative counts as 0). */
+void ks_metric_observe_us(enum ks_histogram h, int64_t us);
+uint64_t ks_metric_counter_value(enum ks_counter c);
+
+/*
+ * A function run at each scrape, before the text is made: it adds what it
+ * sees now to the collected gauges (ks_metric_gauge_add), which start every
+ * scrape at 0. Add/remove: any thread; fn runs on the scraping thread,
+ * never after remove() returned.
+ */
+typedef void (*ks_metrics_collect_fn)(void *ctx);
+int ks_metrics_collector_add(ks_metrics_collect_fn fn, void *ctx);
+void ks_metrics_collector_remove(ks_metrics_collect_fn fn, void *ctx);
+
+/*
+ * The Prometheus text exposition (format 0.0.4) of the metrics of roles
+ * (KS_METRICS_* mask): HELP and TYPE once per name, then its samples.
+ * Runs the collectors first. *out (malloc'd, NUL-terminated) and *len.
+ */
+int ks_metrics_render(unsigned roles, char **out, size_t *len);
+
 #endif

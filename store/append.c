@@ -160,6 +160,35 @@ p_output(struct store__params *p, const Ks__Output *o)
         store__p_null(p);
 }
 
+void
+store__note_recorded(const Ks__Event *const *evs, size_t n, const bool *skip,
+                      int64_t t0_us)
+{
+    int64_t now = ks_now_us();
+
+    ks_metric_observe_us(KS_H_APPEND, ks_mono_us() - t0_us);
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = evs[i];
+        Ks__CommandStatus st = 0;
+        if (skip && skip[i])
+            continue;
+        ks_metric_inc(KS_C_EVENTS_RECORDED);
+        if (ev->occurred_at_us > 0)
+            ks_metric_observe_us(KS_H_RECORD_LATENCY,
+                                 now - ev->occurred_at_us);
+        if (!store_event_is_terminal(ev->type))
+            continue;
+        classify(ev->type, &st);
+        if (ev->result) {
+            st = store__result_status(ev->result, st);
+            if (ev->result->duration_us > 0)
+                ks_metric_observe_us(KS_H_COMMAND_DURATION,
+                                     ev->result->duration_us);
+        }
+        ks_metric_status_inc(KS_SC_COMMANDS, st);
+    }
+}
+
 enum store__proj_kind
 store__proj_kind(const Ks__Event *ev, Ks__CommandStatus *status)
 {
@@ -500,7 +529,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
     struct store__params p = {0};
     struct store__id_ref *refs = NULL;
     char *detail = NULL;
-    int64_t version = -1;
+    int64_t version = -1, t0 = ks_mono_us();
     bool *skip = NULL;
     int rc;
 
@@ -588,6 +617,8 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
     }
     if (rc == 0 && version_out)
         *version_out = version;
+    if (rc == 0 && !s->commit_in_pipeline)
+        store__note_recorded(evs, n, skip, t0);
 out:
     free(detail);
     free(evs);
@@ -734,6 +765,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
     struct store__id_ref *refs = NULL;
     size_t dups = 0, sent = 0;
     bool *skip = NULL;
+    int64_t t0 = ks_mono_us();
     int rc = 0;
 
     BUG_ON(!s || (n && !events));
@@ -785,6 +817,8 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
     }
     if (rc < 0)
         goto out;
+    if (!s->commit_in_pipeline)
+        store__note_recorded(events, n, skip, t0);
 done:
     if (dup_out)
         *dup_out = dups;

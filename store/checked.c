@@ -161,6 +161,7 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     char (*agent_streams)[8 + 130] = NULL;
     char (*reasons)[256] = NULL;
     size_t nstates = 0, nout = 0, dups = 0;
+    int64_t t0 = ks_mono_us();
     int rc = 0;
 
     BUG_ON(!s || (n && (!events || !verdicts)));
@@ -338,6 +339,8 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         rc = store__exec(s, "COMMIT", NULL);
     if (rc)
         rollback(s);
+    else if (nout)
+        store__note_recorded(out, nout, NULL, t0);
 done:
     if (rc == 0 && dup_out)
         *dup_out = dups;

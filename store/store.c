@@ -380,7 +380,13 @@ store__ready(struct store *s)
             break;
         }
     }
-    return s->broken ? reconnect(s) : 0;
+    int rc = s->broken ? reconnect(s) : 0;
+    /* Down or back: the gauge moves on the change only. */
+    if (s->broken != s->metric_down) {
+        s->metric_down = s->broken;
+        ks_metric_gauge_add(KS_G_PG_BROKEN, s->broken ? 1 : -1);
+    }
+    return rc;
 }
 
 /* ---- connection and migrations ---- */
@@ -416,6 +422,8 @@ store_open(const char *conninfo, struct store **out, char **errmsg)
     /* Like data: one array of a batch (outputs, argv) is one message. */
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         s->fold[i].cap = 256u * 1024 * 1024;
+    s->counted = true;
+    ks_metric_gauge_add(KS_G_PG_CONNECTIONS, 1);
     *out = s;
     return 0;
 fail:
@@ -428,6 +436,11 @@ store_close(struct store *s)
 {
     if (!s)
         return;
+    if (s->counted) {
+        ks_metric_gauge_add(KS_G_PG_CONNECTIONS, -1);
+        if (s->metric_down)
+            ks_metric_gauge_add(KS_G_PG_BROKEN, -1);
+    }
     PQfinish(s->conn);
     store__buf_release(&s->ids);
     store__buf_release(&s->streams);

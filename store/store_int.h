@@ -86,6 +86,8 @@ struct store {
     bool prepared;  /* the ks_* statements exist on this connection */
     bool listening; /* LISTEN kscore_events wanted (re-issued on reconnect) */
     bool broken;    /* lost: reconnect before the next statement */
+    bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
+    bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
     int64_t backoff_us;  /* the wait after the next failed attempt */
@@ -198,5 +200,14 @@ size_t store__mark_repeats(const Ks__Event *const *events, size_t n,
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);
 int32_t store__rd_i32(const char *p);
+
+/*
+ * Metrics of events just committed (those not marked in skip, which may be
+ * NULL): events recorded, record latency, terminal statuses and run
+ * times, and the append's duration since t0_us (ks_mono_us). Not for an
+ * append whose COMMIT is still to come (commit_in_pipeline).
+ */
+void store__note_recorded(const Ks__Event *const *evs, size_t n,
+                          const bool *skip, int64_t t0_us);
 
 #endif

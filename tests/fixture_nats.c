@@ -154,6 +154,18 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
     if (rc)
         fprintf(stderr, "fixture: broker did not start (%s), see %s\n",
                 ks_strerror(rc), s->dir);
+    /* The broker answers before its local agents have heartbeated: a test
+     * that selects them must find all of them registered. */
+    for (unsigned i = 0; rc == 0 && local_agents > 1 && i < local_agents; i++) {
+        char host[64], id[96];
+        gethostname(host, sizeof(host));
+        host[sizeof(host) - 1] = '\0';
+        host[strcspn(host, ".")] = '\0';
+        snprintf(id, sizeof(id), "%s-%u", host, i);
+        if ((rc = wait_agent(s, id, 30000)))
+            fprintf(stderr, "fixture: local agent %s did not heartbeat (%s)\n",
+                    id, ks_strerror(rc));
+    }
     return rc;
 }
 

@@ -1,0 +1,83 @@
+# `make install` and the Debian package (`make deb`, CPack DEB). Included
+# from the top CMakeLists.txt after every folder, so the install() rules of
+# the others (man pages, bash completion) are in the package too.
+include(GNUInstallDirs)
+
+# Where the units go: relative paths are under CMAKE_INSTALL_PREFIX
+# (/usr/local/lib/systemd/system for a plain `make install`, which systemd
+# reads too); the package passes /lib/systemd/system.
+set(KSCORE_SYSTEMD_UNITDIR "lib/systemd/system"
+    CACHE STRING "where `make install` puts the systemd units")
+# The configuration directory the units name: /etc/kscore for prefix /usr,
+# <prefix>/etc/kscore otherwise (GNUInstallDirs' rule).
+set(KSCORE_CONFDIR "${CMAKE_INSTALL_FULL_SYSCONFDIR}/kscore")
+set(KSCORE_BINDIR "${CMAKE_INSTALL_FULL_BINDIR}")
+
+if(TARGET kscore)
+  get_target_property(_ks_type kscore TYPE)
+  if(_ks_type STREQUAL "EXECUTABLE")
+    install(TARGETS kscore RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  endif()
+endif()
+
+foreach(unit kscore-broker kscore-agent)
+  configure_file(${CMAKE_SOURCE_DIR}/deploy/systemd/${unit}.service.in
+                 ${CMAKE_BINARY_DIR}/deploy/${unit}.service @ONLY)
+  install(FILES ${CMAKE_BINARY_DIR}/deploy/${unit}.service
+          DESTINATION ${KSCORE_SYSTEMD_UNITDIR})
+endforeach()
+
+# Example configs: conffiles in the package (dpkg keeps local edits), and
+# never overwritten by a later `make install`.
+foreach(conf broker.conf agent.conf)
+  install(CODE "
+    set(_dst \"\$ENV{DESTDIR}${KSCORE_CONFDIR}/${conf}\")
+    if(EXISTS \"\${_dst}\" AND \"\$ENV{DESTDIR}\" STREQUAL \"\")
+      message(STATUS \"Kept: \${_dst} (the example is ${CMAKE_SOURCE_DIR}/deploy/etc/${conf})\")
+    else()
+      file(INSTALL \"${CMAKE_SOURCE_DIR}/deploy/etc/${conf}\"
+           DESTINATION \"${KSCORE_CONFDIR}\"
+           PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ)
+    endif()")
+endforeach()
+
+# ---- Debian package --------------------------------------------------------
+set(CPACK_GENERATOR "DEB")
+set(CPACK_PACKAGE_NAME "kscore")
+set(CPACK_PACKAGE_VERSION "0.1.0")
+set(CPACK_PACKAGE_CONTACT "kscore maintainers <kscore@localhost>")
+set(CPACK_PACKAGE_DESCRIPTION_SUMMARY
+    "event-sourced command dispatch broker and agent")
+set(CPACK_PACKAGE_DESCRIPTION
+    "kscore runs commands on one host or a fleet: the broker records every\nstep in PostgreSQL and dispatches signed commands over NATS JetStream;\nthe agent runs them under a kill protocol and reports back. One binary\nfor the broker, the agent and the operator's CLI, with systemd units.")
+set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
+set(CPACK_DEBIAN_PACKAGE_SECTION "admin")
+set(CPACK_DEBIAN_PACKAGE_PRIORITY "optional")
+# The libraries the binary links (libnats, libpq, libprotobuf-c, ...), found
+# by dpkg-shlibdeps; passwd for useradd/groupadd in postinst.
+set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
+set(CPACK_DEBIAN_PACKAGE_DEPENDS "passwd")
+# A broker host needs nats-server and PostgreSQL (here or reachable); an
+# agent host needs neither, and `kscore up` (the local stack) needs both.
+set(CPACK_DEBIAN_PACKAGE_SUGGESTS "nats-server, postgresql")
+set(CPACK_PACKAGING_INSTALL_PREFIX "${CMAKE_INSTALL_PREFIX}")
+# Staged with DESTDIR, so the absolute paths (/etc/kscore, the units) land
+# in the package, not on this machine.
+set(CPACK_SET_DESTDIR ON)
+# Control files: the maintainer scripts, and the conffiles (dpkg keeps an
+# administrator's edits across upgrades and removes them on purge only).
+set(_ks_ctl ${CMAKE_BINARY_DIR}/deploy/debian)
+file(MAKE_DIRECTORY ${_ks_ctl})
+file(WRITE ${_ks_ctl}/conffiles
+     "${KSCORE_CONFDIR}/broker.conf\n${KSCORE_CONFDIR}/agent.conf\n")
+foreach(s postinst prerm postrm)
+  file(COPY ${CMAKE_SOURCE_DIR}/deploy/debian/${s} DESTINATION ${_ks_ctl}
+       FILE_PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ
+                        GROUP_EXECUTE WORLD_READ WORLD_EXECUTE)
+endforeach()
+set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
+    "${_ks_ctl}/conffiles;${_ks_ctl}/postinst;${_ks_ctl}/prerm;${_ks_ctl}/postrm")
+set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION TRUE)
+# `make deb` builds the binary only; the package does not need the tests.
+set(CMAKE_SKIP_INSTALL_ALL_DEPENDENCY TRUE)
+include(CPack)

@@ -1,0 +1,222 @@
+/*
+ * metrics_http.c: the Prometheus scrape endpoint, on libmicrohttpd's own
+ * polling thread, and the scrape-time gauges that need NATS.
+ */
+#include "events_int.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+struct evt_metrics_server {
+    struct MHD_Daemon *d;
+    unsigned roles;
+    unsigned port;
+};
+
+static void
+set_err(char **errmsg, const char *fmt, const char *a)
+{
+    if (errmsg && asprintf(errmsg, fmt, a) < 0)
+        *errmsg = NULL;
+}
+
+static enum MHD_Result
+answer(void *cls, struct MHD_Connection *conn, const char *url,
+       const char *method, const char *version, const char *upload,
+       size_t *upload_len, void **req_cls)
+{
+    struct evt_metrics_server *m = cls;
+    struct MHD_Response *r;
+    enum MHD_Result ret;
+    unsigned status = MHD_HTTP_OK;
+    char *text = NULL;
+    size_t len = 0;
+
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+        static const char msg[] = "only GET\n";
+        r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
+                                            MHD_RESPMEM_PERSISTENT);
+        status = MHD_HTTP_METHOD_NOT_ALLOWED;
+    } else if (strcmp(url, "/metrics") != 0 && strcmp(url, "/") != 0) {
+        static const char msg[] = "not found: the metrics are at /metrics\n";
+        r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
+                                            MHD_RESPMEM_PERSISTENT);
+        status = MHD_HTTP_NOT_FOUND;
+    } else if (ks_metrics_render(m->roles, &text, &len) != 0) {
+        static const char msg[] = "out of memory\n";
+        r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
+                                            MHD_RESPMEM_PERSISTENT);
+        status = MHD_HTTP_INTERNAL_SERVER_ERROR;
+    } else {
+        r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
+        if (!r)
+            free(text);
+        else
+            MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+                                    "text/plain; version=0.0.4; "
+                                    "charset=utf-8");
+    }
+    if (!r)
+        return MHD_NO;
+    ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static int
+parse_listen(const char *listen, struct sockaddr_storage *ss)
+{
+    char host[256];
+    const char *colon, *port_s;
+    char *end;
+    unsigned long port;
+
+    memset(ss, 0, sizeof(*ss));
+    if (!listen || !listen[0])
+        return KS_EINVAL;
+    if (listen[0] == '[') {
+        const char *rb = strchr(listen, ']');
+        if (!rb || rb[1] != ':' || (size_t)(rb - listen - 1) >= sizeof(host))
+            return KS_EINVAL;
+        memcpy(host, listen + 1, (size_t)(rb - listen - 1));
+        host[rb - listen - 1] = '\0';
+        port_s = rb + 2;
+    } else {
+        colon = strrchr(listen, ':');
+        if (!colon || (size_t)(colon - listen) >= sizeof(host))
+            return KS_EINVAL;
+        memcpy(host, listen, (size_t)(colon - listen));
+        host[colon - listen] = '\0';
+        port_s = colon + 1;
+    }
+    errno = 0;
+    port = strtoul(port_s, &end, 10);
+    if (!port_s[0] || *end || errno || port > 65535)
+        return KS_EINVAL;
+    if (!host[0] || strcmp(host, "*") == 0) {
+        struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
+        a6->sin6_family = AF_INET6;
+        a6->sin6_addr = in6addr_any;
+        a6->sin6_port = htons((uint16_t)port);
+        return 0;
+    }
+    struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+        a4->sin_family = AF_INET;
+        a4->sin_port = htons((uint16_t)port);
+        return 0;
+    }
+    if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_port = htons((uint16_t)port);
+        return 0;
+    }
+    if (strcmp(host, "localhost") == 0) {
+        a4->sin_family = AF_INET;
+        a4->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a4->sin_port = htons((uint16_t)port);
+        return 0;
+    }
+    return KS_EINVAL;
+}
+
+int
+evt_metrics_serve(const char *listen, unsigned roles,
+                  struct evt_metrics_server **out, char **errmsg)
+{
+    struct sockaddr_storage ss;
+    struct evt_metrics_server *m;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+
+    *out = NULL;
+    if (parse_listen(listen, &ss) != 0) {
+        set_err(errmsg,
+                "bad metrics address '%s' (ADDR:PORT, [ADDR]:PORT or :PORT)",
+                listen ? listen : "");
+        return KS_EINVAL;
+    }
+    m = calloc(1, sizeof(*m));
+    if (!m)
+        return -ENOMEM;
+    m->roles = roles;
+    if (ss.ss_family == AF_INET6)
+        flags |=
+            MHD_USE_IPv6 |
+            (IN6_IS_ADDR_UNSPECIFIED(&((struct sockaddr_in6 *)&ss)->sin6_addr)
+                 ? MHD_USE_DUAL_STACK
+                 : 0);
+    /* A scrape renders in microseconds: one thread, few connections, short
+     * timeouts so a stuck client holds nothing for long. */
+    m->d = MHD_start_daemon(
+        flags, 0, NULL, NULL, answer, m, MHD_OPTION_SOCK_ADDR,
+        (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned)16,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
+    if (!m->d) {
+        set_err(errmsg, "cannot listen for metrics on %s", listen);
+        free(m);
+        return KS_EUNAVAIL;
+    }
+    const union MHD_DaemonInfo *di =
+        MHD_get_daemon_info(m->d, MHD_DAEMON_INFO_BIND_PORT);
+    m->port = di ? di->port : 0;
+    *out = m;
+    return 0;
+}
+
+unsigned
+evt_metrics_port(const struct evt_metrics_server *m)
+{
+    return m ? m->port : 0;
+}
+
+void
+evt_metrics_stop(struct evt_metrics_server *m)
+{
+    if (!m)
+        return;
+    MHD_stop_daemon(m->d);
+    free(m);
+}
+
+void
+evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g)
+{
+    if (c && c->nc &&
+        natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)
+        ks_metric_gauge_add(g, 1);
+}
+
+void
+evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms)
+{
+    jsOptions o;
+    jsConsumerInfo *ci = NULL;
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+
+    if (!c || !c->js ||
+        natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
+        return;
+    jsOptions_Init(&o);
+    o.Wait = timeout_ms;
+    if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS, EVT_RECORDER_DURABLE,
+                           &o, &jerr) == NATS_OK &&
+        ci) {
+        ks_metric_gauge_add(
+            KS_G_QUEUE_EVENTS,
+            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
+        jsConsumerInfo_Destroy(ci);
+    }
+    if (js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, &o, &jerr) == NATS_OK &&
+        si) {
+        ks_metric_gauge_add(KS_G_QUEUE_COMMANDS, (int64_t)si->State.Msgs);
+        jsStreamInfo_Destroy(si);
+    }
+}

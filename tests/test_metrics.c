@@ -1,0 +1,672 @@
+/*
+ * The Prometheus endpoints: the registry's text format (every line
+ * parses, HELP/TYPE once per family, histograms cumulative), the HTTP
+ * server (libmicrohttpd) scraped with a plain socket, and a real stack
+ * whose broker and agent serve metrics (--metrics-listen) while a batch
+ * and a few commands run: the counters must move.
+ */
+#include <arpa/inet.h>
+#include <check.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <regex.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "events.h"
+#include "fixture.h"
+#include "kproto.h"
+#include "stack.h"
+
+/* ---- helpers ---------------------------------------------------------------
+ */
+
+/* GET path from 127.0.0.1:port over a plain socket (HTTP/1.0): the status
+ * code, *body (malloc'd) and the Content-Type header value in ctype. */
+static int
+http_get(unsigned port, const char *path, char **body, char *ctype,
+         size_t ctlen)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port)};
+    char req[256], *buf = NULL;
+    size_t len = 0, cap = 0;
+    int fd, code = -1;
+
+    *body = NULL;
+    if (ctype)
+        ctype[0] = '\0';
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ck_assert_int_ge(fd, 0);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        return -errno;
+    }
+    snprintf(req, sizeof(req), "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n",
+             path);
+    ck_assert_int_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
+    for (;;) {
+        if (cap - len < 4096) {
+            cap = cap ? cap * 2 : 65536;
+            buf = realloc(buf, cap + 1);
+            ck_assert_ptr_nonnull(buf);
+        }
+        ssize_t n = read(fd, buf + len, cap - len);
+        if (n <= 0)
+            break;
+        len += (size_t)n;
+    }
+    close(fd);
+    if (!buf)
+        return -EIO;
+    buf[len] = '\0';
+    sscanf(buf, "HTTP/1.%*d %d", &code);
+    char *hdr_end = strstr(buf, "\r\n\r\n");
+    ck_assert_ptr_nonnull(hdr_end);
+    *hdr_end = '\0';
+    if (ctype) {
+        char *ct = strcasestr(buf, "\r\nContent-Type: ");
+        if (ct) {
+            ct += strlen("\r\nContent-Type: ");
+            size_t n = strcspn(ct, "\r\n");
+            snprintf(ctype, ctlen, "%.*s", (int)n, ct);
+        }
+    }
+    *body = strdup(hdr_end + 4);
+    free(buf);
+    return code;
+}
+
+/* The value of one series ("name" or "name{labels}" exactly as rendered),
+ * or -1 when it is not there. */
+static double
+series(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p;) {
+        if (strncmp(p, name, n) == 0 && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    return -1;
+}
+
+/*
+ * Checks text against the exposition format as Prometheus reads it:
+ * every line is HELP, TYPE or `name{labels} value`; HELP and TYPE come
+ * once per family, before its samples, and a family's samples are
+ * together; histogram buckets are cumulative, end with le="+Inf" equal to
+ * _count, and come with _sum. Fails the test with the line otherwise.
+ * Returns the number of samples.
+ */
+static int
+check_exposition(const char *text)
+{
+    regex_t sample, help, type;
+    char seen[200][96], family[96] = "", ftype[16] = "";
+    int nseen = 0, samples = 0;
+    double last_bucket = -1, inf = -1, count = -1;
+    bool have_sum = false;
+
+    ck_assert_int_eq(
+        regcomp(&sample,
+                "^([a-zA-Z_:][a-zA-Z0-9_:]*)"
+                "(\\{[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"\\\\]*\""
+                "(,[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"\\\\]*\")*\\})? "
+                "(-?[0-9]+(\\.[0-9]+)?([eE][-+]?[0-9]+)?|\\+Inf|NaN)$",
+                REG_EXTENDED),
+        0);
+    ck_assert_int_eq(
+        regcomp(&help, "^# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .+$", REG_EXTENDED),
+        0);
+    ck_assert_int_eq(regcomp(&type,
+                             "^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) "
+                             "(counter|gauge|histogram|summary|untyped)$",
+                             REG_EXTENDED),
+                     0);
+    ck_assert_msg(text[0] && text[strlen(text) - 1] == '\n',
+                  "the text must end with a newline");
+    char *copy = strdup(text), *save = NULL;
+    for (char *line = strtok_r(copy, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save)) {
+        regmatch_t m[8];
+        char name[96];
+        if (regexec(&help, line, 2, m, 0) == 0)
+            continue;
+        if (regexec(&type, line, 3, m, 0) == 0) {
+            /* The previous histogram is complete. */
+            if (!strcmp(ftype, "histogram"))
+                ck_assert_msg(inf >= 0 && inf == count && have_sum,
+                              "histogram %s: +Inf %g, _count %g", family, inf,
+                              count);
+            snprintf(family, sizeof(family), "%.*s",
+                     (int)(m[1].rm_eo - m[1].rm_so), line + m[1].rm_so);
+            snprintf(ftype, sizeof(ftype), "%.*s",
+                     (int)(m[2].rm_eo - m[2].rm_so), line + m[2].rm_so);
+            for (int i = 0; i < nseen; i++)
+                ck_assert_msg(strcmp(seen[i], family) != 0, "TYPE %s twice",
+                              family);
+            ck_assert_int_lt(nseen, 200);
+            snprintf(seen[nseen++], sizeof(seen[0]), "%s", family);
+            last_bucket = inf = count = -1;
+            have_sum = false;
+            continue;
+        }
+        ck_assert_msg(regexec(&sample, line, 5, m, 0) == 0,
+                      "not a sample: '%s'", line);
+        /* Each series (name and labels) once. */
+        {
+            size_t sl = strrchr(line, ' ') - line;
+            for (const char *p = text; p < text + (line - copy);) {
+                ck_assert_msg(strncmp(p, line, sl + 1) != 0,
+                              "series twice: %.*s", (int)sl, line);
+                p = strchr(p, '\n');
+                if (!p)
+                    break;
+                p++;
+            }
+        }
+        samples++;
+        snprintf(name, sizeof(name), "%.*s", (int)(m[1].rm_eo - m[1].rm_so),
+                 line + m[1].rm_so);
+        double v = strtod(strrchr(line, ' ') + 1, NULL);
+        if (!strcmp(ftype, "histogram")) {
+            size_t fl = strlen(family);
+            ck_assert_msg(!strncmp(name, family, fl), "%s outside %s", name,
+                          family);
+            const char *suf = name + fl;
+            if (!strcmp(suf, "_bucket")) {
+                ck_assert_msg(v >= last_bucket, "%s: buckets not cumulative",
+                              line);
+                last_bucket = v;
+                if (strstr(line, "le=\"+Inf\""))
+                    inf = v;
+            } else if (!strcmp(suf, "_sum")) {
+                have_sum = true;
+            } else {
+                ck_assert_msg(!strcmp(suf, "_count"), "%s in histogram %s",
+                              name, family);
+                count = v;
+            }
+        } else {
+            ck_assert_msg(!strcmp(name, family),
+                          "sample %s outside its family (current %s)", name,
+                          family);
+            if (!strcmp(ftype, "counter"))
+                ck_assert_msg(v >= 0, "negative counter: %s", line);
+        }
+    }
+    if (!strcmp(ftype, "histogram"))
+        ck_assert(inf >= 0 && inf == count && have_sum);
+    free(copy);
+    regfree(&sample);
+    regfree(&help);
+    regfree(&type);
+    return samples;
+}
+
+/* ---- the registry and the server ------------------------------------------
+ */
+
+START_TEST(render_is_valid_text_format)
+{
+    char *text = NULL;
+    size_t len = 0;
+
+    ks_metric_inc(KS_C_EVENTS_RECORDED);
+    ks_metric_status_inc(KS_SC_COMMANDS, KS__COMMAND_STATUS__SUCCEEDED);
+    ks_metric_status_inc(KS_SC_AGENT_COMMANDS, KS__COMMAND_STATUS__FAILED);
+    ks_metric_observe_us(KS_H_RECORD_LATENCY, 1500);       /* 1.5 ms */
+    ks_metric_observe_us(KS_H_RECORD_LATENCY, 7200000000); /* 2 h */
+    ks_metric_observe_us(KS_H_AGENT_COMMAND, -5);          /* clamped */
+    ck_assert_int_eq(
+        ks_metrics_render(KS_METRICS_BROKER | KS_METRICS_AGENT, &text, &len),
+        0);
+    ck_assert_uint_eq(strlen(text), len);
+    ck_assert_int_gt(check_exposition(text), 40);
+    ck_assert(series(text, "kscore_events_recorded_total") >= 1);
+    ck_assert(series(text, "kscore_commands_total{status=\"Succeeded\"}") >= 1);
+    ck_assert(series(text, "kscore_commands_total{status=\"Lost\"}") == 0);
+    ck_assert(series(text, "kscore_agent_commands_total{status=\"Failed\"}") >=
+              1);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"0.001\"}") ==
+        0);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"0.0025\"}") ==
+        1);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"3600\"}") == 1);
+    ck_assert(
+        series(text, "kscore_record_latency_seconds_bucket{le=\"+Inf\"}") == 2);
+    ck_assert(series(text, "kscore_record_latency_seconds_count") == 2);
+    ck_assert(series(text, "kscore_record_latency_seconds_sum") > 7200);
+    ck_assert(series(text, "kscore_agent_command_duration_seconds_sum") == 0);
+    free(text);
+
+    /* An agent alone shows the agent's metrics, with their own heads. */
+    ck_assert_int_eq(ks_metrics_render(KS_METRICS_AGENT, &text, &len), 0);
+    check_exposition(text);
+    ck_assert(series(text, "kscore_events_recorded_total") == -1);
+    ck_assert(series(text, "kscore_nats_connected{component=\"agent\"}") == 0);
+    ck_assert(series(text, "kscore_nats_connected{component=\"broker\"}") ==
+              -1);
+    ck_assert_ptr_nonnull(strstr(text, "# TYPE kscore_nats_connected gauge"));
+    free(text);
+}
+END_TEST
+
+static void
+collect_seven(void *ctx)
+{
+    ks_metric_gauge_add(KS_G_AGENTS_ONLINE, *(int *)ctx);
+}
+
+START_TEST(collectors_run_at_each_scrape)
+{
+    static int seven = 7;
+    char *text = NULL;
+    size_t len;
+
+    ck_assert_int_eq(ks_metrics_collector_add(collect_seven, &seven), 0);
+    for (int i = 0; i < 2; i++) { /* reset between scrapes: not 14 */
+        ck_assert_int_eq(ks_metrics_render(KS_METRICS_BROKER, &text, &len), 0);
+        ck_assert(series(text, "kscore_agents_online") == 7);
+        free(text);
+    }
+    ks_metrics_collector_remove(collect_seven, &seven);
+    ck_assert_int_eq(ks_metrics_render(KS_METRICS_BROKER, &text, &len), 0);
+    ck_assert(series(text, "kscore_agents_online") == 0);
+    free(text);
+}
+END_TEST
+
+START_TEST(server_answers_metrics_and_404)
+{
+    struct evt_metrics_server *m = NULL;
+    char *errmsg = NULL, *body = NULL, ctype[128];
+
+    ck_assert_int_eq(
+        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = evt_metrics_port(m);
+    ck_assert_uint_gt(port, 0);
+    ck_assert_int_eq(http_get(port, "/metrics", &body, ctype, sizeof(ctype)),
+                     200);
+    ck_assert_str_eq(ctype, "text/plain; version=0.0.4; charset=utf-8");
+    check_exposition(body);
+    ck_assert(series(body, "kscore_events_recorded_total") >= 0);
+    free(body);
+    ck_assert_int_eq(http_get(port, "/nothing", &body, NULL, 0), 404);
+    free(body);
+    evt_metrics_stop(m);
+    /* Stopped: nobody listens any more. */
+    ck_assert_int_lt(http_get(port, "/metrics", &body, NULL, 0), 0);
+
+    const char *bad[] = {"",          "127.0.0.1", "127.0.0.1:99999",
+                         "nohost:80", "[::1",      "1.2.3.4:x"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        errmsg = NULL;
+        ck_assert_int_eq(
+            evt_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
+            KS_EINVAL);
+        ck_assert_ptr_nonnull(errmsg);
+        free(errmsg);
+    }
+    /* A port in use is refused, not shared. */
+    ck_assert_int_eq(
+        evt_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
+    char addr[64];
+    struct evt_metrics_server *m2 = NULL;
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", evt_metrics_port(m));
+    errmsg = NULL;
+    ck_assert_int_eq(evt_metrics_serve(addr, KS_METRICS_AGENT, &m2, &errmsg),
+                     KS_EUNAVAIL);
+    free(errmsg);
+    evt_metrics_stop(m);
+}
+END_TEST
+
+/* ---- a real stack
+ * ------------------------------------------------------------ */
+
+static struct fixture_stack stack;
+
+static double
+scrape(unsigned port, const char *name, char **keep)
+{
+    char *body = NULL;
+    int code = http_get(port, "/metrics", &body, NULL, 0);
+    ck_assert_msg(code == 200, "scrape of port %u: %d", port, code);
+    check_exposition(body);
+    double v = series(body, name);
+    if (keep)
+        *keep = body;
+    else
+        free(body);
+    return v;
+}
+
+static int bport, aport;
+
+/* A stack whose broker and agent serve metrics. Started and stopped in the
+ * runner's process (an unchecked fixture), so a failing test leaves
+ * nothing running. */
+static void
+metrics_stack_up(void)
+{
+    const char *bin = getenv("KSCORE_BIN");
+    char blisten[64], alisten[64], state[PATH_MAX + 32];
+    pid_t pid;
+
+    bport = stack_free_port();
+    aport = stack_free_port();
+    if (!bin || bport <= 0 || aport <= 0 || bport == aport ||
+        fixture_stack_start(&stack, NULL, 0) != 0)
+        goto fail;
+    /* The fixture's broker, again, with metrics: the only broker, so every
+     * request and every recorded event is its own. */
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    snprintf(blisten, sizeof(blisten), "127.0.0.1:%d", bport);
+    snprintf(alisten, sizeof(alisten), "127.0.0.1:%d", aport);
+    snprintf(state, sizeof(state), "%s/state-broker-m", stack.dir);
+    char *bargv[] = {(char *)bin,
+                     "broker",
+                     "--nats",
+                     stack.nats.url,
+                     "--db",
+                     stack.pg.conninfo,
+                     "--local-agents",
+                     "0",
+                     "--state-dir",
+                     state,
+                     "--signing-key",
+                     stack.signing_key,
+                     "--metrics-listen",
+                     blisten,
+                     NULL};
+    struct evt_connect_opts no = {.name = "test"};
+    const char *extra[] = {"--metrics-listen", alisten, "--max-concurrent", "4",
+                           NULL};
+    if (stack_daemon(stack.dir, "broker", bargv, &pid) != 0 ||
+        broker_wait_ready(stack.nats.url, &no, 30000) != 0 ||
+        fixture_agent_spawn(&stack, "magent", "m1", extra) != 0)
+        goto fail;
+    return;
+fail:
+    fprintf(stderr, "test_metrics: cannot start the stack\n");
+    stack_stop(stack.dir, "magent", 20000);
+    fixture_stack_stop(&stack);
+    exit(1);
+}
+
+static void
+metrics_stack_down(void)
+{
+    stack_stop(stack.dir, "magent", 20000);
+    fixture_stack_stop(&stack);
+}
+
+START_TEST(counters_move_during_a_batch)
+{
+    char *before = NULL, *after = NULL, *abefore = NULL, *aafter = NULL;
+    struct fixture_out o = {0};
+
+    double rec0 = scrape(bport, "kscore_events_recorded_total", &before);
+    double ok0 = series(before, "kscore_commands_total{status=\"Succeeded\"}");
+    double fail0 = series(before, "kscore_commands_total{status=\"Failed\"}");
+    double lat0 = series(before, "kscore_record_latency_seconds_count");
+    double aok0 = scrape(
+        aport, "kscore_agent_commands_total{status=\"Succeeded\"}", &abefore);
+    double claim0 =
+        series(abefore, "kscore_agent_claim_duration_seconds_count");
+    ck_assert(rec0 >= 0 && ok0 >= 0 && fail0 >= 0 && lat0 >= 0);
+    ck_assert(aok0 == 0);
+    ck_assert(series(abefore, "kscore_agent_slots") == 4);
+    ck_assert(series(abefore, "kscore_nats_connected{component=\"agent\"}") ==
+              1);
+
+    /* A batch (one target) and a few commands, one of them failing. */
+    const char *batch[] = {"batch", "--agents", "m1", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, batch, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s", o.err);
+    fixture_out_release(&o);
+    for (int i = 0; i < 4; i++) {
+        const char *exec[] = {"exec",
+                              "--agent",
+                              "m1",
+                              "--",
+                              "sh",
+                              "-c",
+                              i == 3 ? "exit 3" : "echo hi",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, exec, &o), 0);
+        ck_assert_int_eq(o.status, i == 3 ? 3 : 0);
+        fixture_out_release(&o);
+    }
+    /* A running child shows in the agent's gauge while it runs. */
+    const char *slow[] = {"exec", "--agent", "m1", "--detach",
+                          "--",   "sleep",   "3",  NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, slow, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    double running = 0;
+    for (int i = 0; i < 100 && running < 1; i++) {
+        running = scrape(aport, "kscore_agent_running_children", NULL);
+        if (running < 1)
+            usleep(50000);
+    }
+    ck_assert(running == 1);
+
+    /* The broker records asynchronously: poll until it has all five. */
+    double ok1 = 0;
+    for (int i = 0; i < 200; i++) {
+        free(after);
+        scrape(bport, "kscore_events_recorded_total", &after);
+        ok1 = series(after, "kscore_commands_total{status=\"Succeeded\"}");
+        if (ok1 >= ok0 + 4)
+            break;
+        usleep(50000);
+    }
+    ck_assert_msg(ok1 >= ok0 + 4, "Succeeded %g -> %g", ok0, ok1);
+    ck_assert(series(after, "kscore_commands_total{status=\"Failed\"}") ==
+              fail0 + 1);
+    /* Requested, Dispatched, Started, Completed each, and the batch's. */
+    ck_assert(series(after, "kscore_events_recorded_total") >= rec0 + 20);
+    ck_assert(series(after, "kscore_record_latency_seconds_count") >=
+              lat0 + 20);
+    ck_assert(series(after, "kscore_command_duration_seconds_count") >= 5);
+    ck_assert(series(after, "kscore_append_duration_seconds_count") > 0);
+    ck_assert(series(after, "kscore_agents_online") >= 1);
+    ck_assert(series(after, "kscore_nats_connected{component=\"broker\"}") ==
+              1);
+    ck_assert(series(after, "kscore_postgres_connections{state=\"open\"}") >=
+              1);
+    ck_assert(series(after, "kscore_postgres_connections{state=\"down\"}") ==
+              0);
+    ck_assert(series(after, "kscore_queue_depth{queue=\"events\"}") >= 0);
+    ck_assert(series(after, "kscore_queue_depth{queue=\"commands\"}") >= 0);
+    ck_assert(series(after, "kscore_recorder_redeliveries_total") >= 0);
+    ck_assert(series(after, "kscore_claim_conflicts_total") == 0);
+    /* The broker alone shows no agent metrics. */
+    ck_assert(series(after, "kscore_agent_running_children") == -1);
+
+    double aok1 = 0;
+    for (int i = 0; i < 100; i++) {
+        free(aafter);
+        aok1 =
+            scrape(aport, "kscore_agent_commands_total{status=\"Succeeded\"}",
+                   &aafter);
+        if (aok1 >= aok0 + 4)
+            break;
+        usleep(50000);
+    }
+    ck_assert_msg(aok1 >= aok0 + 4, "agent Succeeded %g -> %g", aok0, aok1);
+    ck_assert(
+        series(aafter, "kscore_agent_commands_total{status=\"Failed\"}") == 1);
+    ck_assert(series(aafter, "kscore_agent_claim_duration_seconds_count") >=
+              claim0 + 6);
+    ck_assert(series(aafter, "kscore_agent_command_duration_seconds_count") >=
+              5);
+    ck_assert(series(aafter, "kscore_events_recorded_total") == -1);
+
+    /* The slow one ends; the gauge comes back to 0. */
+    for (int i = 0; i < 200 && running > 0; i++) {
+        usleep(50000);
+        running = scrape(aport, "kscore_agent_running_children", NULL);
+    }
+    ck_assert(running == 0);
+    free(before);
+    free(after);
+    free(abefore);
+    free(aafter);
+}
+END_TEST
+
+/* ---- kscore up --metrics ------------------------------------------------ */
+
+static char up_tmp[PATH_MAX], up_home[PATH_MAX + 16];
+
+static void
+up_setup(void)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(up_tmp, sizeof(up_tmp), "%s/kscore-metrics-XXXXXX",
+             t && *t ? t : "/tmp");
+    if (!mkdtemp(up_tmp))
+        exit(1);
+    snprintf(up_home, sizeof(up_home), "%s/home", up_tmp);
+}
+
+static void
+up_teardown(void)
+{
+    struct fixture_out o;
+    const char *args[] = {"down", NULL};
+    char cmd[PATH_MAX + 16];
+    fixture_kscore_home(up_home, args, &o);
+    fixture_out_release(&o);
+    const char *keep = getenv("KSCORE_KEEP_TMP");
+    if (keep && strcmp(keep, "1") == 0)
+        return;
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", up_tmp);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cannot remove %s\n", up_tmp);
+}
+
+/* The port of KEY='http://127.0.0.1:PORT...' in env, or 0. */
+static unsigned
+env_port(const char *env, const char *key)
+{
+    char pat[128];
+    const char *p;
+    snprintf(pat, sizeof(pat), "%s='http://127.0.0.1:", key);
+    p = strstr(env, pat);
+    return p ? (unsigned)strtoul(p + strlen(pat), NULL, 10) : 0;
+}
+
+START_TEST(local_stack_serves_metrics)
+{
+    struct fixture_out o;
+    char path[PATH_MAX + 32], env[4096], *body = NULL;
+    FILE *f;
+    size_t n;
+
+    setenv("KSCORE_PG_FAST", "1", 0);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
+                            &o),
+        0);
+    ck_assert_msg(o.status == 0, "up: %s", o.err);
+    fixture_out_release(&o);
+    snprintf(path, sizeof(path), "%s/env", up_home);
+    f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    n = fread(env, 1, sizeof(env) - 1, f);
+    env[n] = '\0';
+    fclose(f);
+    unsigned mon = env_port(env, "KSCORE_NATS_MONITOR_URL");
+    unsigned bp = env_port(env, "KSCORE_BROKER_METRICS_URL");
+    unsigned ap = env_port(env, "KSCORE_AGENT_METRICS_URL");
+    ck_assert_msg(mon && bp && ap, "env: %s", env);
+
+    /* nats-server's own monitoring endpoint. */
+    ck_assert_int_eq(http_get(mon, "/varz", &body, NULL, 0), 200);
+    ck_assert_ptr_nonnull(strstr(body, "\"server_id\""));
+    free(body);
+
+    double ok0 =
+        scrape(bp, "kscore_commands_total{status=\"Succeeded\"}", NULL);
+    double aok0 =
+        scrape(ap, "kscore_agent_commands_total{status=\"Succeeded\"}", NULL);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home,
+                            (const char *[]){"exec", "--", "true", NULL}, &o),
+        0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    double ok1 = ok0;
+    for (int i = 0; i < 200 && ok1 < ok0 + 1; i++) {
+        ok1 = scrape(bp, "kscore_commands_total{status=\"Succeeded\"}", NULL);
+        if (ok1 < ok0 + 1)
+            usleep(50000);
+    }
+    ck_assert(ok1 == ok0 + 1);
+    ck_assert(scrape(ap, "kscore_agent_commands_total{status=\"Succeeded\"}",
+                     NULL) == aok0 + 1);
+    /* Without --metrics, `up` after `down` serves none. */
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"down", NULL}, &o), 0);
+    fixture_out_release(&o);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", NULL}, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    n = fread(env, 1, sizeof(env) - 1, f);
+    env[n] = '\0';
+    fclose(f);
+    ck_assert_uint_eq(env_port(env, "KSCORE_BROKER_METRICS_URL"), 0);
+    ck_assert_uint_gt(env_port(env, "KSCORE_NATS_MONITOR_URL"), 0);
+}
+END_TEST
+
+static Suite *
+suite(void)
+{
+    Suite *s = suite_create("metrics");
+    TCase *t = tcase_create("format");
+    tcase_add_test(t, render_is_valid_text_format);
+    tcase_add_test(t, collectors_run_at_each_scrape);
+    tcase_add_test(t, server_answers_metrics_and_404);
+    suite_add_tcase(s, t);
+    t = tcase_create("stack");
+    tcase_set_timeout(t, 300);
+    tcase_add_unchecked_fixture(t, metrics_stack_up, metrics_stack_down);
+    tcase_add_test(t, counters_move_during_a_batch);
+    suite_add_tcase(s, t);
+    t = tcase_create("up");
+    tcase_set_timeout(t, 300);
+    tcase_add_unchecked_fixture(t, up_setup, up_teardown);
+    tcase_add_test(t, local_stack_serves_metrics);
+    suite_add_tcase(s, t);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
