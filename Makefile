@@ -84,7 +84,7 @@ down:
 PREFIX ?= /usr/local
 install: bootstrap
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
-	@cmake --build $(BUILD) -j$(JOBS) --target kscore
+	@cmake --build $(BUILD) -j$(JOBS) --target kscore man
 	@cmake --install $(BUILD)
 
 # The Debian package (CPack DEB) in $(BUILD)-deb/: prefix /usr, units in
@@ -92,7 +92,7 @@ install: bootstrap
 deb: bootstrap
 	@cmake -S . -B $(BUILD)-deb -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	    -DCMAKE_INSTALL_PREFIX=/usr -DKSCORE_SYSTEMD_UNITDIR=/lib/systemd/system >/dev/null
-	@cmake --build $(BUILD)-deb -j$(JOBS) --target kscore
+	@cmake --build $(BUILD)-deb -j$(JOBS) --target kscore man
 	@cd $(BUILD)-deb && cpack -G DEB >/dev/null && ls -1 $$PWD/kscore_*.deb
 
 clean:

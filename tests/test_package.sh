@@ -32,7 +32,7 @@ if [ -z "$DEB" ]; then
     cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DCMAKE_INSTALL_PREFIX=/usr -DKSCORE_SYSTEMD_UNITDIR=/lib/systemd/system \
         >"$WORK/cmake.log" 2>&1 || { cat "$WORK/cmake.log"; exit 1; }
-    cmake --build "$WORK/build" -j2 --target kscore >"$WORK/build.log" 2>&1 ||
+    cmake --build "$WORK/build" -j2 --target kscore man >"$WORK/build.log" 2>&1 ||
         { tail -50 "$WORK/build.log"; exit 1; }
     (cd "$WORK/build" && cpack -G DEB) >"$WORK/cpack.log" 2>&1 ||
         { cat "$WORK/cpack.log"; exit 1; }
