@@ -91,13 +91,40 @@ wait_broker(const char *url, const char *operator_seed, int timeout_ms)
 
 static int
 wait_agent(const char *url, const char *id, const char *broker_seed,
-           int timeout_ms)
+           int64_t since_us, int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
                                  .nkey_file = broker_seed};
-    return broker_wait_agent(url, &o, id,
-                             ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000,
-                             timeout_ms);
+    return broker_wait_agent(url, &o, id, since_us, timeout_ms);
+}
+
+/* A small file's text (malloc'd), or NULL. */
+static char *
+slurp_small(const char *path)
+{
+    FILE *f = fopen(path, "re");
+    char *buf = NULL;
+    size_t cap = 0, n = 0;
+    if (!f)
+        return NULL;
+    for (;;) {
+        if (n + 4096 + 1 > cap) {
+            char *nb = realloc(buf, cap = n + 4096 + 1);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return NULL;
+            }
+            buf = nb;
+        }
+        size_t r = fread(buf + n, 1, 4096, f);
+        n += r;
+        if (r == 0)
+            break;
+    }
+    fclose(f);
+    buf[n] = '\0';
+    return buf;
 }
 
 static int
@@ -279,17 +306,26 @@ cmd_up(int argc, char **argv)
         }
     }
 
-    /* A partial stack is stopped first and started again; the identities
-     * are kept (stack_ident_ensure), so a restart cuts nobody off. */
-    stack_stop(home, "agent", 20000);
-    stack_stop(home, "broker", 20000);
-    stack_nats_stop(home);
+    /* Only the parts that are down are started: a running nats-server,
+     * broker or agent keeps its pid, port and connections, and a part
+     * started again gets the same port (nats.port, pg.port), identities
+     * (stack_ident_ensure) and keys, so nobody is cut off by a restart. */
+    pid_t nats_pid = 0, broker_pid = 0, agent_pid = 0;
+    bool nats_up = stack_pidfile_alive(home, "nats", &nats_pid);
+    bool pg_up = stack_pidfile_alive(home, "pg", NULL);
+    bool broker_up = stack_pidfile_alive(home, "broker", &broker_pid);
+    bool agent_up = stack_pidfile_alive(home, "agent", &agent_pid);
     char operator_name[EVT_IDENTITY_MAX + 1];
     char agent_user[EVT_IDENTITY_MAX + 8];
     char broker_seed[4200], agent_seed[4200], operator_seed[4200];
+    char authp[4200];
+    char *auth_before = NULL, *auth_after = NULL;
     struct stack_identity sid;
+    int64_t since_us = ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000;
     operator_user(operator_name, sizeof(operator_name));
     snprintf(agent_user, sizeof(agent_user), "agent-%s", agent_id);
+    snprintf(authp, sizeof(authp), "%s/" STACK_NATS_AUTH_FILE, home);
+    auth_before = slurp_small(authp);
     if ((rc = stack_ident_ensure(home, STACK_BROKER, "broker", &sid)) ||
         (rc = stack_ident_ensure(home, STACK_AGENT, agent_user, &sid)) ||
         (rc = stack_ident_ensure(home, STACK_OPERATOR, operator_name, &sid)) ||
@@ -302,16 +338,54 @@ cmd_up(int argc, char **argv)
         (rc = stack_nats_auth_write(home, home))) {
         cli_err("cannot make the NATS identities in %s/identities: %s", home,
                 ks_strerror(rc));
+        free(auth_before);
         return CLI_EXIT_KSCORE;
     }
-    fprintf(stderr, "kscore: starting nats-server ...\n");
-    rc = stack_nats_start(home, 0, STACK_NATS_AUTH_INCLUDE, &url, &pid);
-    if (rc) {
-        cli_err("cannot start nats-server: %s (see %s/nats.log)",
-                ks_strerror(rc), home);
-        return CLI_EXIT_KSCORE;
+    auth_after = slurp_small(authp);
+    bool auth_changed = !auth_before || !auth_after ||
+                        strcmp(auth_before, auth_after) != 0;
+    free(auth_before);
+    free(auth_after);
+
+    int port = stack_nats_saved_port(home);
+    if (nats_up && port > 0) {
+        if (asprintf(&url, "nats://127.0.0.1:%d", port) < 0)
+            return CLI_EXIT_KSCORE;
+        /* New users (another host name, a repaired seed) without a
+         * restart: the server reloads its users. */
+        if (auth_changed)
+            stack_nats_reload(home, 5000);
+    } else {
+        if (nats_up) /* a stack of an older kscore: no nats.port */
+            stack_nats_stop(home);
+        nats_up = false;
+        if (port > 0 && stack_port_free(port) != 1) {
+            fprintf(stderr,
+                    "kscore: port %d, where nats-server served before, is "
+                    "taken; using another (the env file follows; remote "
+                    "agents need the new URL)\n",
+                    port);
+            port = 0;
+            /* The running broker and agent know only the old port. */
+            if (broker_up)
+                stack_stop(home, "broker", 20000);
+            if (agent_up)
+                stack_stop(home, "agent", 20000);
+            broker_up = agent_up = false;
+        }
+        fprintf(stderr, "kscore: starting nats-server ...\n");
+        rc = stack_nats_start(home, port, STACK_NATS_AUTH_INCLUDE, &url, &pid);
+        if (rc) {
+            cli_err("cannot start nats-server: %s (see %s/nats.log)",
+                    ks_strerror(rc), home);
+            return CLI_EXIT_KSCORE;
+        }
+        /* The broker and agent that stayed up reconnect; only heartbeats
+         * from now on show the agent is back. */
+        since_us = ks_now_us();
     }
-    fprintf(stderr, "kscore: starting PostgreSQL ...\n");
+    if (!pg_up)
+        fprintf(stderr, "kscore: starting PostgreSQL ...\n");
     rc = stack_pg_start(home, 0, &db, &pid);
     if (rc) {
         cli_err("cannot start PostgreSQL: %s (see %s/pg.log)",
@@ -319,14 +393,21 @@ cmd_up(int argc, char **argv)
         free(url);
         return CLI_EXIT_KSCORE;
     }
-    fprintf(stderr, "kscore: starting the broker ...\n");
     snprintf(nlocal, sizeof(nlocal), "%u", local_agents);
     snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
     snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
-    {
-        /* Each daemon gets its own seed file through the environment; no
-         * other credential of the caller's may reach it. */
-        clear_nats_env();
+    /* Each daemon gets its own seed file through the environment; no
+     * other credential of the caller's may reach it. */
+    clear_nats_env();
+    if (broker_up) {
+        if (local_agents_given && local_agents != prev_n)
+            fprintf(stderr,
+                    "kscore: the broker runs %u local agents, not %u: "
+                    "`kscore down` first to change that\n",
+                    prev_n, local_agents);
+        local_agents = prev_n;
+    } else {
+        fprintf(stderr, "kscore: starting the broker ...\n");
         setenv("KSCORE_NATS_NKEY", broker_seed, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
@@ -334,29 +415,38 @@ cmd_up(int argc, char **argv)
                          local_state, "--signing-key",  signing_key,
                          NULL};
         rc = stack_daemon(home, "broker", bargv, &pid);
-        if (rc == 0)
-            rc = wait_broker(url, operator_seed, 30000);
+        unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
             cli_err("the broker did not start: %s (see %s/broker.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
     }
-    fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
-    {
+    rc = wait_broker(url, operator_seed, 30000);
+    if (rc) {
+        cli_err("the broker does not answer: %s (see %s/broker.log)",
+                ks_strerror(rc), home);
+        goto fail;
+    }
+    if (!agent_up) {
+        fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
         setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
                          agent_state, "--trust-key", trust_key,   NULL};
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
-        if (rc == 0)
-            rc = wait_agent(url, agent_id, broker_seed, 30000);
         if (rc) {
             cli_err("the agent did not start: %s (see %s/agent.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
+    }
+    rc = wait_agent(url, agent_id, broker_seed, since_us, 30000);
+    if (rc) {
+        cli_err("the agent does not answer: %s (see %s/agent.log)",
+                ks_strerror(rc), home);
+        goto fail;
     }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
                         operator_seed))) {
