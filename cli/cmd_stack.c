@@ -413,7 +413,8 @@ cmd_up(int argc, char **argv)
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
                          local_state, "--signing-key",  signing_key,
-                         NULL};
+                         /* the host's own service config is not ours */
+                         "--config", "/dev/null", NULL};
         rc = stack_daemon(home, "broker", bargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
@@ -433,7 +434,8 @@ cmd_up(int argc, char **argv)
         setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
-                         agent_state, "--trust-key", trust_key,   NULL};
+                         agent_state, "--trust-key", trust_key,
+                         "--config",  "/dev/null",  NULL};
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
@@ -508,28 +510,36 @@ cmd_broker(int argc, char **argv)
         {"state-dir", required_argument, 0, 's'},
         {"signing-key", required_argument, 0, 'k'},
         {"policy", required_argument, 0, 'p'},
+        {"config", required_argument, 0, 'c'},
+        {"log-format", required_argument, 0, 'F'},
+        {"log-level", required_argument, 0, 'L'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     struct cli_conn cc = {0};
-    char *errmsg = NULL;
+    struct cli_conf cf = {0};
+    const char *config = NULL, *log_format = NULL, *log_level = NULL;
+    const char *local_agents = NULL;
+    char *errmsg = NULL, *end;
     int opt, rc;
 
-    o.db_conninfo = getenv("KSCORE_DB");
-    o.signing_key = getenv("KSCORE_SIGNING_KEY");
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-        char *end;
         switch (opt) {
         case 'd':
             o.db_conninfo = optarg;
             break;
         case 'l':
-            o.local_agents = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !optarg[0] || o.local_agents > 10000) {
-                cli_err("bad --local-agents '%s' (0..10000)", optarg);
-                return CLI_EXIT_USAGE;
-            }
+            local_agents = optarg;
+            break;
+        case 'c':
+            config = optarg;
+            break;
+        case 'F':
+            log_format = optarg;
+            break;
+        case 'L':
+            log_level = optarg;
             break;
         case 's':
             o.state_dir = optarg;
@@ -543,9 +553,13 @@ cmd_broker(int argc, char **argv)
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR]\n"
+                   "[--state-dir DIR] [--config FILE] [--log-format "
+                   "text|json] [--log-level LEVEL]\n"
                    "The signing key (kscore keygen) signs every command; "
-                   "agents trust its public half.\n");
+                   "agents trust its public half.\n"
+                   "Settings: flags, then KSCORE_* variables, then the "
+                   "config file (default " CLI_CONF_DIR "/broker.conf when "
+                   "it exists; kscore.conf(5)).\n");
             return 0;
         default:
             if (cli_conn_opt(&cc, opt, optarg))
@@ -553,21 +567,47 @@ cmd_broker(int argc, char **argv)
             return CLI_EXIT_USAGE;
         }
     }
-    cli_conn_env(&cc);
+    if (optind < argc) {
+        cli_err("broker: unexpected argument '%s'", argv[optind]);
+        return CLI_EXIT_USAGE;
+    }
+    if ((rc = cli_conf_load(&cf, CLI_CONF_BROKER, config)))
+        goto out;
+    cli_conf_conn(&cf, &cc);
+    if ((rc = cli_conf_str(&cf, "db", &o.db_conninfo)) ||
+        (rc = cli_conf_str(&cf, "signing_key", &o.signing_key)) ||
+        (rc = cli_conf_str(&cf, "policy", &o.policy_file)) ||
+        (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
+        (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
+        (rc = cli_conf_log(&cf, log_format, log_level, "broker")))
+        goto out;
+    if (local_agents) {
+        o.local_agents = (unsigned)strtoul(local_agents, &end, 10);
+        if (*end || !local_agents[0] || local_agents[0] == '-' ||
+            o.local_agents > 10000) {
+            cli_err("bad --local-agents '%s' (0..10000)", local_agents);
+            rc = CLI_EXIT_USAGE;
+            goto out;
+        }
+    }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url || !o.db_conninfo) {
         cli_err("the broker needs --nats URL and --db CONNINFO (or "
-                "KSCORE_NATS_URL and KSCORE_DB)");
-        return CLI_EXIT_USAGE;
+                "KSCORE_NATS_URL and KSCORE_DB, or nats_url and db in "
+                "its config file)");
+        rc = CLI_EXIT_USAGE;
+        goto out;
     }
     rc = broker_run(&o, &errmsg);
     if (rc) {
         cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
-        return CLI_EXIT_KSCORE;
+        rc = CLI_EXIT_KSCORE;
     }
-    return 0;
+out:
+    cli_conf_release(&cf);
+    return rc;
 }
 
 int
@@ -581,25 +621,42 @@ cmd_agent(int argc, char **argv)
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
         {"trust-key", required_argument, 0, 'k'},
+        {"config", required_argument, 0, 'c'},
+        {"log-format", required_argument, 0, 'F'},
+        {"log-level", required_argument, 0, 'L'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
     struct cli_conn cc = {0};
-    const char **ids = calloc((size_t)argc, sizeof(*ids));
-    const char **keys = calloc((size_t)argc + 1, sizeof(*keys));
-    struct agent_label *labels = calloc((size_t)argc, sizeof(*labels));
+    struct cli_conf cf = {0};
+    const char *config = NULL, *log_format = NULL, *log_level = NULL;
+    const char *max_concurrent = NULL, *ack_wait = NULL;
+    char *labels_env = NULL;
+    /* Lists (ids, labels, trust keys) come whole from the first source
+     * that has any: flags, then the environment, then the file. */
+    size_t room = (size_t)argc + 1024;
+    const char **ids = calloc(room, sizeof(*ids));
+    const char **keys = calloc(room, sizeof(*keys));
+    struct agent_label *labels = calloc(room, sizeof(*labels));
+    const char **strs = calloc(room, sizeof(*strs));
+    char **label_keys = calloc(room, sizeof(*label_keys));
+    size_t owned_label_keys = 0;
     struct agent *a = NULL;
     char *errmsg = NULL;
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
-    if (!ids || !labels || !keys)
+    if (!ids || !labels || !keys || !strs || !label_keys) {
+        free(label_keys);
+        free(ids);
+        free(labels);
+        free(keys);
+        free(strs);
         return CLI_EXIT_KSCORE;
-    if (getenv("KSCORE_TRUST_KEY") && getenv("KSCORE_TRUST_KEY")[0])
-        keys[o.n_trust_keys++] = getenv("KSCORE_TRUST_KEY");
+    }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-        char *end, *eq;
+        char *eq;
         switch (opt) {
         case 'i':
             ids[o.n_ids++] = optarg;
@@ -618,28 +675,33 @@ cmd_agent(int argc, char **argv)
             o.state_dir = optarg;
             break;
         case 'm':
-            o.max_concurrent = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !o.max_concurrent) {
-                cli_err("bad --max-concurrent '%s' (>= 1)", optarg);
-                goto out;
-            }
+            max_concurrent = optarg;
             break;
         case 'k':
             keys[o.n_trust_keys++] = optarg;
             break;
         case 'w':
-            if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
-                o.ack_wait_ms < 1000) {
-                cli_err("bad --ack-wait '%s' (a duration >= 1s)", optarg);
-                goto out;
-            }
+            ack_wait = optarg;
+            break;
+        case 'c':
+            config = optarg;
+            break;
+        case 'F':
+            log_format = optarg;
+            break;
+        case 'L':
+            log_level = optarg;
             break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
-                   "[--max-concurrent N] [--ack-wait D]\n"
+                   "[--max-concurrent N] [--ack-wait D] [--config FILE] "
+                   "[--log-format text|json] [--log-level LEVEL]\n"
                    "Runs only commands signed by a trusted key "
-                   "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
+                   "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n"
+                   "Settings: flags, then KSCORE_* variables, then the "
+                   "config file (default " CLI_CONF_DIR "/agent.conf when "
+                   "it exists; kscore.conf(5)).\n");
             rc = 0;
             goto out;
         default:
@@ -648,15 +710,83 @@ cmd_agent(int argc, char **argv)
             goto out;
         }
     }
-    if (o.n_ids == 0) {
-        cli_err("the agent needs --id ID");
+    if (optind < argc) {
+        cli_err("agent: unexpected argument '%s'", argv[optind]);
         goto out;
     }
-    cli_conn_env(&cc);
+    if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
+        goto out;
+    rc = CLI_EXIT_USAGE;
+    cli_conf_conn(&cf, &cc);
+    if (cli_conf_str(&cf, "state_dir", &o.state_dir) ||
+        cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
+        cli_conf_str(&cf, "ack_wait", &ack_wait) ||
+        cli_conf_log(&cf, log_format, log_level, "agent"))
+        goto out;
+    if (max_concurrent) {
+        char *end;
+        o.max_concurrent = (unsigned)strtoul(max_concurrent, &end, 10);
+        if (*end || !o.max_concurrent || max_concurrent[0] == '-') {
+            cli_err("bad --max-concurrent '%s' (>= 1)", max_concurrent);
+            goto out;
+        }
+    }
+    if (ack_wait && (cli_parse_duration(ack_wait, &o.ack_wait_ms) ||
+                     o.ack_wait_ms < 1000)) {
+        cli_err("bad --ack-wait '%s' (a duration >= 1s)", ack_wait);
+        goto out;
+    }
+    if (o.n_ids == 0)
+        o.n_ids = cli_conf_list(&cf, "id", ids, room);
+    if (o.n_trust_keys == 0) {
+        const char *k = getenv("KSCORE_TRUST_KEY");
+        if (k && k[0])
+            keys[o.n_trust_keys++] = k;
+        else
+            o.n_trust_keys = cli_conf_list(&cf, "trust_key", keys, room);
+    }
+    if (o.n_labels == 0) {
+        /* KSCORE_LABELS="k=v,k=v" */
+        const char *env = getenv("KSCORE_LABELS");
+        size_t n = 0;
+        if (env && env[0]) {
+            if (!(labels_env = strdup(env))) {
+                rc = CLI_EXIT_KSCORE;
+                goto out;
+            }
+            for (char *save = NULL, *t = strtok_r(labels_env, ",", &save);
+                 t && n < room; t = strtok_r(NULL, ",", &save))
+                strs[n++] = t;
+        } else {
+            n = cli_conf_list(&cf, "label", strs, room);
+        }
+        for (size_t i = 0; i < n; i++) {
+            const char *eq = strchr(strs[i], '=');
+            if (!eq || eq == strs[i]) {
+                cli_err("bad label '%s' in %s: expected KEY=VALUE", strs[i],
+                        labels_env ? "KSCORE_LABELS" : cf.path);
+                goto out;
+            }
+            char *k = strndup(strs[i], (size_t)(eq - strs[i]));
+            if (!k) {
+                rc = CLI_EXIT_KSCORE;
+                goto out;
+            }
+            labels[o.n_labels].key = k;
+            labels[o.n_labels++].value = eq + 1;
+            /* strs[i] stays the K=V text: the value points into it */
+            label_keys[owned_label_keys++] = k;
+        }
+    }
+    if (o.n_ids == 0) {
+        cli_err("the agent needs --id ID (or id in its config file)");
+        goto out;
+    }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url) {
-        cli_err("the agent needs --nats URL (or KSCORE_NATS_URL)");
+        cli_err("the agent needs --nats URL (or KSCORE_NATS_URL, or nats_url "
+                "in its config file)");
         goto out;
     }
     o.ids = ids;
@@ -674,16 +804,22 @@ cmd_agent(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
-    fprintf(stderr, "kscore agent: serving %zu id(s) on %s\n", o.n_ids,
-            o.nats_url);
+    ks_log(KS_LOG_INFO, "serving", KS_S("agent", o.ids[0]),
+           KS_I("ids", o.n_ids), KS_S("nats", o.nats_url));
     sigwait(&set, &sig);
-    fprintf(stderr, "kscore agent: %s, stopping\n", strsignal(sig));
+    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
     agent_stop(a);
     rc = 0;
 out:
+    for (size_t i = 0; i < owned_label_keys; i++)
+        free(label_keys[i]);
+    free(label_keys);
+    free(labels_env);
+    free(strs);
     free(ids);
     free(labels);
     free(keys);
+    cli_conf_release(&cf);
     return rc;
 }
 
