@@ -478,6 +478,12 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     silence_us = j->fence_silence_us;
     pthread_mutex_unlock(&a->mu);
     fill_result(&r, &o, &e, x);
+    ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
+           KS_S("agent", j->slot->id), KS_I("attempt", j->attempt),
+           KS_S("outcome", x->outcome == EXEC_EXITED     ? "exited"
+                           : x->outcome == EXEC_SIGNALED ? "signaled"
+                                                         : "start_failed"),
+           KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
                                            : "CommandCompleted";
     /* Killed because nobody could vouch for it any more: the record is

@@ -490,6 +490,11 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         ks_log(KS_LOG_WARN, "publish failed; the scanner retries",
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt), KS_ERR(rc));
+    } else {
+        ks_log(KS_LOG_DEBUG, "command dispatched",
+               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
+               KS_I("attempt", cmd.attempt),
+               KS_S("operator", cmd.operator_));
     }
     if (req->detach) {
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;

@@ -302,7 +302,16 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
     for (size_t i = 0; i < nev; i++) {
         if (rc == 0 && verdicts[i] == STORE_STEP_APPLY &&
             store_event_is_terminal(evs[i]->type))
+        {
+            ks_log(KS_LOG_DEBUG, "command ended", KS_S("module", "recorder"),
+                   KS_S("command_id", evs[i]->command_id),
+                   KS_S("agent", evs[i]->agent_id),
+                   KS_S("type", evs[i]->type),
+                   KS_S("status", evs[i]->result ? kproto_status_name(
+                                                       evs[i]->result->status)
+                                                 : ""));
             broker__command_ended(b, evs[i]->command_id, evs[i]->result);
+        }
         else if (rc == 0 && verdicts[i] != STORE_STEP_APPLY &&
                  verdicts[i] != STORE_STEP_DUPLICATE)
             ks_log(KS_LOG_INFO, "report kept as an annotation",

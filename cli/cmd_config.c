@@ -274,6 +274,8 @@ cli_conf_release(struct cli_conf *c)
     }
     free(c->v);
     free(c->path);
+    for (size_t i = 0; i < c->n_shown; i++)
+        free(c->shown[i].from);
     memset(c, 0, sizeof(*c));
 }
 
@@ -294,25 +296,69 @@ env_value(const struct conf_key *k, bool *bad)
     return v;
 }
 
+void
+cli_conf_note(struct cli_conf *c, const char *key, const char *value,
+              const char *from)
+{
+    if (c->n_shown == CLI_CONF_SHOWN_MAX)
+        return;
+    c->shown[c->n_shown].key = key;
+    c->shown[c->n_shown].value = value;
+    c->shown[c->n_shown].from = strdup(from);
+    c->n_shown++;
+}
+
+char *
+cli_conf_where(const struct cli_conf *c, const char *key, size_t nth)
+{
+    char *s = NULL;
+    for (size_t i = 0; i < c->n; i++)
+        if (strcmp(c->v[i].key, key) == 0 && nth-- == 0) {
+            if (asprintf(&s, "%s:%d", c->path, c->v[i].line) < 0)
+                s = NULL;
+            break;
+        }
+    return s;
+}
+
+void
+cli_conf_show(const struct cli_conf *c, FILE *out)
+{
+    fprintf(out, "# kscore %s: flags > environment > %s\n", c->service_name,
+            c->path ? c->path : "(no config file)");
+    for (size_t i = 0; i < c->n_shown; i++) {
+        const char *k = c->shown[i].key, *v = c->shown[i].value;
+        if (strcmp(k, "password") == 0 || strcmp(k, "token") == 0)
+            v = "<secret>";
+        fprintf(out, "%s = %s  # %s\n", k, v, c->shown[i].from);
+    }
+}
+
 int
-cli_conf_str(const struct cli_conf *c, const char *key, const char **field)
+cli_conf_str(struct cli_conf *c, const char *key, const char **field)
 {
     const struct conf_key *k = key_of(key, c->service);
     bool bad = false;
     const char *v;
 
     BUG_ON(!k);
-    if (*field)
-        return 0; /* a flag said so */
+    if (*field) {
+        cli_conf_note(c, key, *field, "flag"); /* a flag said so */
+        return 0;
+    }
     if ((v = env_value(k, &bad))) {
         *field = v;
+        cli_conf_note(c, key, v, k->env);
         return 0;
     }
     if (bad)
         return CLI_EXIT_USAGE;
     for (size_t i = 0; i < c->n; i++)
         if (strcmp(c->v[i].key, key) == 0) {
+            char from[4200];
             *field = c->v[i].value;
+            snprintf(from, sizeof(from), "%s:%d", c->path, c->v[i].line);
+            cli_conf_note(c, key, *field, from);
             return 0;
         }
     return 0;
@@ -330,7 +376,7 @@ cli_conf_list(const struct cli_conf *c, const char *key, const char **out,
 }
 
 void
-cli_conf_conn(const struct cli_conf *c, struct cli_conn *cc)
+cli_conf_conn(struct cli_conf *c, struct cli_conn *cc)
 {
     /* Flags first (already in cc), then the environment, then the file. */
     cli_conf_str(c, "nats_url", &cc->nats_url);
@@ -345,7 +391,7 @@ cli_conf_conn(const struct cli_conf *c, struct cli_conn *cc)
 }
 
 int
-cli_conf_log(const struct cli_conf *c, const char *format_flag,
+cli_conf_log(struct cli_conf *c, const char *format_flag,
              const char *level_flag, const char *service)
 {
     const char *fv = format_flag, *lv = level_flag;

@@ -513,9 +513,11 @@ cmd_broker(int argc, char **argv)
         {"config", required_argument, 0, 'c'},
         {"log-format", required_argument, 0, 'F'},
         {"log-level", required_argument, 0, 'L'},
+        {"show-config", no_argument, 0, 'S'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
+    bool show = false;
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
     const char *config = NULL, *log_format = NULL, *log_level = NULL;
@@ -541,6 +543,9 @@ cmd_broker(int argc, char **argv)
         case 'L':
             log_level = optarg;
             break;
+        case 'S':
+            show = true;
+            break;
         case 's':
             o.state_dir = optarg;
             break;
@@ -554,7 +559,7 @@ cmd_broker(int argc, char **argv)
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
                    "[--state-dir DIR] [--config FILE] [--log-format "
-                   "text|json] [--log-level LEVEL]\n"
+                   "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n"
                    "Settings: flags, then KSCORE_* variables, then the "
@@ -590,6 +595,11 @@ cmd_broker(int argc, char **argv)
             goto out;
         }
     }
+    if (show) {
+        cli_conf_show(&cf, stdout);
+        rc = 0;
+        goto out;
+    }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url || !o.db_conninfo) {
@@ -624,9 +634,11 @@ cmd_agent(int argc, char **argv)
         {"config", required_argument, 0, 'c'},
         {"log-format", required_argument, 0, 'F'},
         {"log-level", required_argument, 0, 'L'},
+        {"show-config", no_argument, 0, 'S'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
+    bool show = false;
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
     const char *config = NULL, *log_format = NULL, *log_level = NULL;
@@ -692,11 +704,15 @@ cmd_agent(int argc, char **argv)
         case 'L':
             log_level = optarg;
             break;
+        case 'S':
+            show = true;
+            break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] [--config FILE] "
-                   "[--log-format text|json] [--log-level LEVEL]\n"
+                   "[--log-format text|json] [--log-level LEVEL] "
+                   "[--show-config]\n"
                    "Runs only commands signed by a trusted key "
                    "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n"
                    "Settings: flags, then KSCORE_* variables, then the "
@@ -736,14 +752,39 @@ cmd_agent(int argc, char **argv)
         cli_err("bad --ack-wait '%s' (a duration >= 1s)", ack_wait);
         goto out;
     }
-    if (o.n_ids == 0)
-        o.n_ids = cli_conf_list(&cf, "id", ids, room);
-    if (o.n_trust_keys == 0) {
+    {
+        /* where each list came from, for --show-config */
+        const char *ids_from = o.n_ids ? "flag" : NULL;
+        const char *keys_from = o.n_trust_keys ? "flag" : NULL;
         const char *k = getenv("KSCORE_TRUST_KEY");
-        if (k && k[0])
+        if (o.n_ids == 0)
+            o.n_ids = cli_conf_list(&cf, "id", ids, room);
+        if (o.n_trust_keys == 0 && k && k[0]) {
             keys[o.n_trust_keys++] = k;
-        else
+            keys_from = "KSCORE_TRUST_KEY";
+        } else if (o.n_trust_keys == 0) {
             o.n_trust_keys = cli_conf_list(&cf, "trust_key", keys, room);
+        }
+        for (size_t i = 0; i < o.n_ids; i++) {
+            char *w = ids_from ? NULL : cli_conf_where(&cf, "id", i);
+            cli_conf_note(&cf, "id", ids[i], w ? w : ids_from ? ids_from : "");
+            free(w);
+        }
+        for (size_t i = 0; i < o.n_trust_keys; i++) {
+            char *w = keys_from ? NULL : cli_conf_where(&cf, "trust_key", i);
+            cli_conf_note(&cf, "trust_key", keys[i],
+                          w ? w : keys_from ? keys_from : "");
+            free(w);
+        }
+    }
+    if (o.n_labels) {
+        for (size_t i = 0; i < o.n_labels && owned_label_keys < room; i++) {
+            char *kv = NULL;
+            if (asprintf(&kv, "%s=%s", labels[i].key, labels[i].value) < 0)
+                break;
+            label_keys[owned_label_keys++] = kv;
+            cli_conf_note(&cf, "label", kv, "flag");
+        }
     }
     if (o.n_labels == 0) {
         /* KSCORE_LABELS="k=v,k=v" */
@@ -774,9 +815,18 @@ cmd_agent(int argc, char **argv)
             }
             labels[o.n_labels].key = k;
             labels[o.n_labels++].value = eq + 1;
+            char *w = labels_env ? NULL : cli_conf_where(&cf, "label", i);
+            cli_conf_note(&cf, "label", strs[i],
+                          w ? w : labels_env ? "KSCORE_LABELS" : "");
+            free(w);
             /* strs[i] stays the K=V text: the value points into it */
             label_keys[owned_label_keys++] = k;
         }
+    }
+    if (show) {
+        cli_conf_show(&cf, stdout);
+        rc = 0;
+        goto out;
     }
     if (o.n_ids == 0) {
         cli_err("the agent needs --id ID (or id in its config file)");

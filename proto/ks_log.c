@@ -203,11 +203,18 @@ json_escape(struct lbuf *b, const char *s)
 static bool
 text_needs_quotes(const char *s)
 {
-    if (!s || !*s)
+    size_t len = s ? strlen(s) : 0;
+    if (!len)
         return true;
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
-        if (*p <= ' ' || *p == '"' || *p == '=' || *p == '\\' || *p == 0x7f)
+    for (size_t i = 0; i < len;) {
+        unsigned char c = (unsigned char)s[i];
+        if (c <= ' ' || c == '"' || c == '=' || c == '\\' || c == 0x7f)
             return true;
+        size_t k = utf8_len((const unsigned char *)s + i, len - i);
+        if (!k)
+            return true; /* shown as \ufffd, which needs the quotes */
+        i += k;
+    }
     return false;
 }
 
@@ -218,8 +225,7 @@ static void
 text_value(struct lbuf *b, const char *s)
 {
     if (!text_needs_quotes(s)) {
-        /* printable ASCII passes unchanged; invalid UTF-8 is replaced */
-        json_escape(b, s);
+        json_escape(b, s); /* nothing to escape: copied (up to the cap) */
         return;
     }
     lb_put(b, "\"", 1);
