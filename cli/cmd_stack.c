@@ -154,8 +154,130 @@ write_env(const char *home, const char *url, const char *db,
     return 0;
 }
 
+/* How long ago, short: "0.4s", "3m", "2h", "5d". */
+static void
+ago_text(char *buf, size_t len, int64_t us)
+{
+    double s = (double)us / 1e6;
+    if (us < 0)
+        s = 0;
+    if (s < 60)
+        snprintf(buf, len, "%.1fs ago", s);
+    else if (s < 3600)
+        snprintf(buf, len, "%.0fm ago", s / 60);
+    else if (s < 86400)
+        snprintf(buf, len, "%.0fh ago", s / 3600);
+    else
+        snprintf(buf, len, "%.0fd ago", s / 86400);
+}
+
+/*
+ * The agents the broker knows (the registry, through the agents API):
+ * local or on other hosts, online or not. Into o["agents"] (an array) or,
+ * when the broker cannot be asked, o["agents_error"]; printed as a table
+ * unless json. Nothing is asked when there is no NATS url to ask.
+ */
+static void
+status_agents(struct cli_conn *cc, const char *local_agent, bool json,
+              json_t *o)
+{
+    struct evt_conn *c = NULL;
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    char *errmsg = NULL, *env_url = NULL, *env_nkey = NULL;
+    const char *url = cc->nats_url;
+    int rc;
+
+    cli_conn_env(cc);
+    url = cc->nats_url;
+    if (!url || !url[0]) {
+        /* the local stack's, with this login's seed */
+        url = env_url = cli_env_get("KSCORE_NATS_URL");
+        if (!cc->opts.nkey_file && !cc->opts.user && !cc->opts.creds_file &&
+            !cc->opts.token && (env_nkey = cli_env_get("KSCORE_NATS_NKEY")))
+            cc->opts.nkey_file = env_nkey;
+    }
+    if (!url || !url[0]) {
+        json_object_set_new(o, "agents", json_null());
+        json_object_set_new(o, "agents_error",
+                            json_string("no NATS url (no local stack)"));
+        goto out;
+    }
+    cc->opts.name = "kscore-status";
+    cc->opts.send_asap = true;
+    rc = evt_connect(url, &cc->opts, &c, &errmsg);
+    if (rc == 0)
+        rc = broker_call(c, EVT_API_AGENTS, &req.base,
+                         &ks__agents_reply__descriptor, 3000,
+                         (ProtobufCMessage **)&rep);
+    if (rc || rep->error_code) {
+        char why[512];
+        snprintf(why, sizeof(why), "cannot list the agents: %s",
+                 errmsg ? errmsg : rc ? ks_strerror(rc) : rep->error);
+        json_object_set_new(o, "agents", json_null());
+        json_object_set_new(o, "agents_error", json_string(why));
+        if (!json)
+            printf("\nagents: %s\n", why);
+        goto out;
+    }
+    json_t *arr = json_array();
+    int64_t now = ks_now_us();
+    if (!json)
+        printf("\n%-24s %-8s %-11s %-9s %7s  %-20s %s\n", "AGENT", "STATE",
+               "LAST SEEN", "VERSION", "RUNNING", "HOST", "LABELS");
+    for (size_t i = 0; i < rep->n_agents; i++) {
+        const Ks__AgentStatus *st = rep->agents[i];
+        const Ks__AgentInfo *in = st->info;
+        bool local = local_agent && strcmp(in->agent_id, local_agent) == 0;
+        json_t *a = json_object(), *labels = json_object();
+        for (size_t k = 0; k < in->n_labels; k++)
+            json_object_set_new(labels, in->labels[k]->name,
+                                json_string(in->labels[k]->value));
+        json_object_set_new(a, "agent_id", json_string(in->agent_id));
+        json_object_set_new(a, "online", json_boolean(st->online));
+        json_object_set_new(a, "last_seen",
+                            json_string(cli_time(st->last_seen_us)));
+        json_object_set_new(a, "last_seen_ago_ms",
+                            json_integer((now - st->last_seen_us) / 1000));
+        json_object_set_new(a, "version", json_string(in->version));
+        json_object_set_new(a, "running", json_integer(in->running));
+        json_object_set_new(a, "max_concurrent",
+                            json_integer(in->max_concurrent));
+        json_object_set_new(a, "host", json_string(in->host));
+        json_object_set_new(a, "pid", json_integer(in->pid));
+        json_object_set_new(a, "labels", labels);
+        json_object_set_new(a, "local", json_boolean(local));
+        json_array_append_new(arr, a);
+        if (!json) {
+            char ago[32], run[32], lab[512] = "";
+            size_t used = 0;
+            ago_text(ago, sizeof(ago), now - st->last_seen_us);
+            snprintf(run, sizeof(run), "%u/%u", in->running,
+                     in->max_concurrent);
+            for (size_t k = 0; k < in->n_labels && used < sizeof(lab); k++)
+                used += (size_t)snprintf(lab + used, sizeof(lab) - used,
+                                         "%s%s=%s", k ? "," : "",
+                                         in->labels[k]->name,
+                                         in->labels[k]->value);
+            printf("%-24s %-8s %-11s %-9s %7s  %-20s %s%s\n", in->agent_id,
+                   st->online ? "online" : "offline", ago,
+                   in->version[0] ? in->version : "-", run,
+                   in->host[0] ? in->host : "-", lab,
+                   local ? (lab[0] ? " (local)" : "(local)") : "");
+        }
+    }
+    json_object_set_new(o, "agents", arr);
+out:
+    if (rep)
+        ks__agents_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    free(errmsg);
+    free(env_url);
+    free(env_nkey);
+}
+
 static int
-print_status(bool json)
+print_status(bool json, struct cli_conn *cc)
 {
     const char *home = cli_home();
     char *url = cli_env_get("KSCORE_NATS_URL");
@@ -197,6 +319,15 @@ print_status(bool json)
                             json_boolean(running == (int)(sizeof(parts) /
                                                           sizeof(parts[0]))));
         json_object_set_new(o, "parts", jp);
+    }
+    /* Remote agents too: whatever the registry holds. Only when there is
+     * a NATS server to ask (a running local one, or one given). */
+    if (cc && (cc->nats_url || getenv("KSCORE_NATS_URL") ||
+               stack_pidfile_alive(home, "nats", NULL)))
+        status_agents(cc, agent, json, o);
+    else
+        json_object_set_new(o, "agents", json_null());
+    if (json) {
         cli_print_json(o);
     } else {
         json_decref(o);
@@ -211,17 +342,38 @@ print_status(bool json)
 int
 cmd_status(int argc, char **argv)
 {
-    bool json = argc > 1 && strcmp(argv[1], "--json") == 0;
-    if (argc > 1 && !json) {
-        if (strcmp(argv[1], "--help") == 0) {
-            printf("usage: kscore status [--json]\nExit 0 when every part "
+    static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       CLI_CONN_LONGOPTS,
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    struct cli_conn cc = {0};
+    bool json = false;
+    int opt;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'j':
+            json = true;
+            break;
+        case 'h':
+            printf("usage: kscore status [--json] [--nats URL --nkey FILE "
+                   "...]\nThe local stack's parts (pid, address, state) and "
+                   "every agent the broker knows, local or remote (online, "
+                   "last seen, version, running).\nExit 0 when every part "
                    "of the local stack runs, 1 otherwise.\n");
             return 0;
+        default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
+            return CLI_EXIT_USAGE;
         }
+    }
+    if (optind != argc) {
         cli_err("usage: kscore status [--json]");
         return CLI_EXIT_USAGE;
     }
-    return print_status(json);
+    return print_status(json, &cc);
 }
 
 int
@@ -281,7 +433,7 @@ cmd_up(int argc, char **argv)
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
-        print_status(false);
+        print_status(false, &(struct cli_conn){0});
         return 0;
     }
     if (!local_agents_given)
@@ -458,7 +610,7 @@ cmd_up(int argc, char **argv)
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
-    print_status(false);
+    print_status(false, &(struct cli_conn){0});
     return 0;
 fail:
     free(url);

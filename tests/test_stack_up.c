@@ -239,6 +239,124 @@ START_TEST(down_up_keeps_the_port_or_says_it_moved)
 }
 END_TEST
 
+/* `kscore status --json` for home, parsed. */
+static json_t *
+status_json(void)
+{
+    struct fixture_out o;
+    ks(&o, (const char *[]){"status", "--json", NULL});
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_msg(j != NULL, "status --json: %s / %s", o.out, o.err);
+    fixture_out_release(&o);
+    return j;
+}
+
+/* The agent id's entry in j["agents"], or NULL. */
+static json_t *
+agent_in(json_t *j, const char *id)
+{
+    json_t *arr = json_object_get(j, "agents"), *a;
+    size_t i;
+    json_array_foreach(arr, i, a)
+    {
+        if (strcmp(json_string_value(json_object_get(a, "agent_id")), id) == 0)
+            return a;
+    }
+    return NULL;
+}
+
+START_TEST(status_reports_remote_agents)
+{
+    struct stack_identity sid;
+    char seed[PATH_MAX + 64], trust[PATH_MAX + 32], state[PATH_MAX + 32],
+        url[256], exe[PATH_MAX];
+    pid_t pid;
+
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    /* An agent of another host: its own identity, its own process, the
+     * stack's NATS over TCP. */
+    ck_assert_int_eq(stack_ident_add(home, STACK_AGENT, "agent-far-1", &sid),
+                     0);
+    ck_assert_int_eq(stack_nats_auth_write(home, home), 0);
+    ck_assert_int_eq(stack_nats_reload(home, 5000), 0);
+    ck_assert_int_eq(stack_ident_seed_path(home, STACK_AGENT, "agent-far-1",
+                                           seed, sizeof(seed)),
+                     0);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    snprintf(state, sizeof(state), "%s/far-1", tmpdir);
+    snprintf(exe, sizeof(exe), "%s",
+             getenv("KSCORE_BIN") ? getenv("KSCORE_BIN") : "kscore");
+    char *argv[] = {exe,     "agent",        "--id",      "far-1",
+                    "--nats", url,           "--nkey",    seed,
+                    "--trust-key", trust,    "--state-dir", state,
+                    "--label", "site=far",   "--max-concurrent", "3",
+                    "--config", "/dev/null", NULL};
+    ck_assert_int_eq(stack_daemon(tmpdir, "far", argv, &pid), 0);
+
+    json_t *j = NULL, *a = NULL;
+    for (int i = 0; i < 150; i++) {
+        json_decref(j);
+        j = status_json();
+        a = agent_in(j, "far-1");
+        if (a && json_is_true(json_object_get(a, "online")))
+            break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    ck_assert_msg(a != NULL, "far-1 not in status: %s",
+                  json_dumps(j, 0));
+    ck_assert(json_is_true(json_object_get(a, "online")));
+    ck_assert(json_is_false(json_object_get(a, "local")));
+    ck_assert_str_eq(json_string_value(json_object_get(a, "version")),
+                     "0.1.0");
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "running")), 0);
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "max_concurrent")),
+                     3);
+    ck_assert_str_eq(json_string_value(json_object_get(
+                         json_object_get(a, "labels"), "site")),
+                     "far");
+    ck_assert_int_gt(strlen(json_string_value(json_object_get(a, "last_seen"))),
+                     0);
+    /* the local agent is there too, and says it is local */
+    char local[128];
+    env_value("KSCORE_AGENT", local, sizeof(local));
+    json_t *l = agent_in(j, local);
+    ck_assert_ptr_nonnull(l);
+    ck_assert(json_is_true(json_object_get(l, "local")));
+    ck_assert(json_is_true(json_object_get(l, "online")));
+    ck_assert(json_is_true(json_object_get(j, "running")));
+    json_decref(j);
+
+    /* Text: one row per agent. */
+    struct fixture_out o;
+    ck_assert_int_eq(ks(&o, (const char *[]){"status", NULL}), 0);
+    ck_assert_ptr_nonnull(strstr(o.out, "far-1"));
+    ck_assert_ptr_nonnull(strstr(o.out, "online"));
+    ck_assert_ptr_nonnull(strstr(o.out, "0/3"));
+    fixture_out_release(&o);
+
+    /* It dies: it is reported offline, with when it was last seen. */
+    ck_assert_int_eq(kill(pid, SIGKILL), 0);
+    j = NULL;
+    for (int i = 0; i < 300; i++) {
+        json_decref(j);
+        j = status_json();
+        a = agent_in(j, "far-1");
+        if (a && json_is_false(json_object_get(a, "online")))
+            break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    ck_assert_msg(a && json_is_false(json_object_get(a, "online")),
+                  "far-1 still online: %s", json_dumps(j, 0));
+    ck_assert_int_ge(json_integer_value(json_object_get(a, "last_seen_ago_ms")),
+                     1000);
+    json_decref(j);
+    stack_stop(tmpdir, "far", 5000);
+}
+END_TEST
+
 static Suite *
 stack_up_suite(void)
 {
@@ -249,6 +367,7 @@ stack_up_suite(void)
     tcase_add_test(tc, broker_crash_restarts_the_broker_alone);
     tcase_add_test(tc, nats_crash_comes_back_on_its_port);
     tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
+    tcase_add_test(tc, status_reports_remote_agents);
     suite_add_tcase(s, tc);
     return s;
 }
