@@ -190,13 +190,17 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
 
     cli_conn_env(cc);
     url = cc->nats_url;
-    if (!url || !url[0]) {
-        /* the local stack's, with this login's seed */
-        url = env_url = cli_env_get("KSCORE_NATS_URL");
-        if (!cc->opts.nkey_file && !cc->opts.user && !cc->opts.creds_file &&
-            !cc->opts.token && (env_nkey = cli_env_get("KSCORE_NATS_NKEY")))
-            cc->opts.nkey_file = env_nkey;
-    }
+    env_url = cli_env_get("KSCORE_NATS_URL");
+    /* The local stack's url, and this login's seed for it (as
+     * cli_connect does): only for that url, only without another
+     * credential. */
+    bool local = !url || !url[0] || (env_url && strcmp(env_url, url) == 0);
+    if (!url || !url[0])
+        url = env_url;
+    if (local && !cc->opts.nkey_file && !cc->opts.user &&
+        !cc->opts.creds_file && !cc->opts.token &&
+        (env_nkey = cli_env_get("KSCORE_NATS_NKEY")))
+        cc->opts.nkey_file = env_nkey;
     if (!url || !url[0]) {
         json_object_set_new(o, "agents", json_null());
         json_object_set_new(o, "agents_error",
@@ -500,6 +504,13 @@ cmd_up(int argc, char **argv)
     free(auth_after);
 
     int port = stack_nats_saved_port(home);
+    if (port <= 0) {
+        /* A stack of an older kscore: no nats.port, but env has the url. */
+        char *old = cli_env_get("KSCORE_NATS_URL");
+        const char *colon = old ? strrchr(old, ':') : NULL;
+        port = colon ? atoi(colon + 1) : 0;
+        free(old);
+    }
     if (nats_up && port > 0) {
         if (asprintf(&url, "nats://127.0.0.1:%d", port) < 0)
             return CLI_EXIT_KSCORE;
@@ -508,8 +519,13 @@ cmd_up(int argc, char **argv)
         if (auth_changed)
             stack_nats_reload(home, 5000);
     } else {
-        if (nats_up) /* a stack of an older kscore: no nats.port */
+        if (nats_up) {
+            /* Running, but where is unknown: start the three afresh. */
+            stack_stop(home, "agent", 20000);
+            stack_stop(home, "broker", 20000);
             stack_nats_stop(home);
+            broker_up = agent_up = false;
+        }
         nats_up = false;
         if (port > 0 && stack_port_free(port) != 1) {
             fprintf(stderr,
