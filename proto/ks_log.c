@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -19,6 +20,24 @@ static const char *log_component;
 
 static const char *const level_names[] = {"debug", "info", "warn", "error"};
 
+/* 1 when stderr is the journal: JOURNAL_STREAM ("<dev>:<inode>", set by
+ * systemd) names the very stream fd 2 is (systemd.exec(5)), not merely
+ * one a parent had. */
+static int
+stderr_is_journal(void)
+{
+    const char *js = getenv("JOURNAL_STREAM");
+    unsigned long long dev, ino;
+    struct stat st;
+    if (!js || sscanf(js, "%llu:%llu", &dev, &ino) != 2 ||
+        fstat(2, &st) != 0)
+        return 0;
+    return (unsigned long long)st.st_dev == dev &&
+           (unsigned long long)st.st_ino == ino;
+}
+
+static int log_journal = -1; /* -1: not looked yet */
+
 void
 ks_log_setup(enum ks_log_format format, enum ks_log_level min,
              const char *component)
@@ -26,6 +45,7 @@ ks_log_setup(enum ks_log_format format, enum ks_log_level min,
     log_format = format;
     log_min = min;
     log_component = component;
+    log_journal = stderr_is_journal();
 }
 
 enum ks_log_format
@@ -353,8 +373,9 @@ ks__log(enum ks_log_level level, const char *msg, ...)
     }
     va_end(ap);
     /* journald stamps each line; the text then need not. */
-    const char *js = getenv("JOURNAL_STREAM");
-    int with_time = log_format == KS_LOG_JSON || !js || !*js;
+    if (log_journal < 0)
+        log_journal = stderr_is_journal();
+    int with_time = log_format == KS_LOG_JSON || !log_journal;
     char *line = ks_log_format_line(log_format, ks_now_us(), with_time, level,
                                     log_component, msg, fields, n);
     if (!line) {
