@@ -14,7 +14,9 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -433,6 +435,54 @@ START_TEST(a_line_is_logfmt_or_json)
 }
 END_TEST
 
+/* What ks_log writes to fd 2 when fd 2 is path and JOURNAL_STREAM is js. */
+static char *
+logged_with_journal(const char *path, const char *js)
+{
+    int saved = dup(2);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    ck_assert_int_ge(fd, 0);
+    struct stat st;
+    ck_assert_int_eq(fstat(fd, &st), 0);
+    char here[64];
+    snprintf(here, sizeof(here), "%llu:%llu", (unsigned long long)st.st_dev,
+             (unsigned long long)st.st_ino);
+    setenv("JOURNAL_STREAM", js ? js : here, 1);
+    dup2(fd, 2);
+    ks_log_setup(KS_LOG_TEXT, KS_LOG_INFO, NULL);
+    ks_log(KS_LOG_INFO, "hello", KS_S("agent", "a1"));
+    ks_log(KS_LOG_DEBUG, "not shown");
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    unsetenv("JOURNAL_STREAM");
+    FILE *f = fopen(path, "re");
+    char *buf = NULL;
+    size_t len = 0;
+    ck_assert_int_ge(getdelim(&buf, &len, '\0', f), 0);
+    fclose(f);
+    return buf;
+}
+
+START_TEST(journald_stamps_its_own_time)
+{
+    char path[PATH_MAX + 16];
+    tmp_up();
+    snprintf(path, sizeof(path), "%s/stderr", tmpdir);
+    /* fd 2 is the journal's stream: no time */
+    char *s = logged_with_journal(path, NULL);
+    ck_assert_str_eq(s, "level=info msg=hello agent=a1\n");
+    free(s);
+    /* JOURNAL_STREAM inherited, but fd 2 is elsewhere: the time stays */
+    s = logged_with_journal(path, "1:1");
+    ck_assert_msg(strncmp(s, "time=", 5) == 0, "%s", s);
+    ck_assert_ptr_nonnull(strstr(s, " level=info msg=hello agent=a1\n"));
+    ck_assert_ptr_null(strstr(s, "not shown"));
+    free(s);
+    tmp_down();
+}
+END_TEST
+
 /* Every line of dir/name.log parses, has time, level and msg; returns the
  * number of lines, and how many name command_id (with want_msg). */
 static int
@@ -530,6 +580,7 @@ config_suite(void)
     tc = tcase_create("logs");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, a_line_is_logfmt_or_json);
+    tcase_add_test(tc, journald_stamps_its_own_time);
     tcase_add_test(tc, daemon_logs_parse_as_text);
     tcase_add_test(tc, daemon_logs_parse_as_json);
     suite_add_tcase(s, tc);
