@@ -83,7 +83,7 @@ exec__wd_spawn(struct exec__wd *wd)
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t attr;
     bool fa_ok = false, attr_ok = false;
-    char env0[96], *envp[2] = {env0, NULL};
+    char env0[96], env1[48], env2[48], *envp[4] = {env0, env1, env2, NULL};
     char *argv[] = {"kscore-watchdog", NULL};
     int sv[2] = {-1, -1};
     sigset_t set;
@@ -104,6 +104,11 @@ exec__wd_spawn(struct exec__wd *wd)
     }
     snprintf(env0, sizeof(env0), "%s=%d:%ld:%u", WD_ENV, WD_FD, (long)getpid(),
              wd->dead_ms);
+    /* It logs as the agent does (ks_log), into the same stderr. */
+    snprintf(env1, sizeof(env1), "KSCORE_LOG_FORMAT=%s",
+             ks_log_format_name(ks_log_format_get()));
+    snprintf(env2, sizeof(env2), "KSCORE_LOG_LEVEL=%s",
+             ks_log_level_name(ks_log_level_get()));
     if ((ret = -posix_spawn_file_actions_init(&fa)))
         goto out;
     fa_ok = true;
@@ -361,19 +366,21 @@ wd_main(int fd, pid_t ppid, unsigned dead_ms)
                 killed++;
             }
             if (killed)
-                fprintf(stderr,
-                        "kscore watchdog: no sign of life from agent %ld for "
-                        "%.1f s: killed %u job(s)\n",
-                        (long)ppid, (double)(now - t.last_ping_ms) / 1000,
-                        killed);
+                ks_log(KS_LOG_WARN, "no sign of life from the agent: killed "
+                                    "its jobs",
+                       KS_I("agent_pid", ppid),
+                       KS_D("silent_s", (double)(now - t.last_ping_ms) / 1000),
+                       KS_I("jobs", killed));
         }
     }
     /* What the agent registered before it died is still in the socket
      * (it may have died before this process even started): read it all. */
     wd_read_all(fd, &t);
     if (t.n)
-        fprintf(stderr, "kscore watchdog: agent %ld %s: killing %zu job(s)\n",
-                (long)ppid, eof ? "closed its end" : "died", t.n);
+        ks_log(KS_LOG_WARN,
+               eof ? "the agent closed its end: killing its jobs"
+                   : "the agent died: killing its jobs",
+               KS_I("agent_pid", ppid), KS_I("jobs", t.n));
     for (size_t i = 0; i < t.n; i++)
         wd_kill(&t.e[i]);
     _exit(0);
@@ -395,5 +402,13 @@ wd_ctor(void)
         return;
     if (sscanf(v, "%d:%ld:%u", &fd, &ppid, &dead_ms) != 3 || fd < 0)
         _exit(2);
+    enum ks_log_format lf = KS_LOG_TEXT;
+    enum ks_log_level ll = KS_LOG_INFO;
+    const char *e = getenv("KSCORE_LOG_FORMAT");
+    if (e)
+        ks_log_format_parse(e, &lf);
+    if ((e = getenv("KSCORE_LOG_LEVEL")))
+        ks_log_level_parse(e, &ll);
+    ks_log_setup(lf, ll, "watchdog");
     wd_main(fd, (pid_t)ppid, dead_ms);
 }

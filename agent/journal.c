@@ -225,9 +225,11 @@ agent__journal_recover(struct agent *a)
     }
     closedir(d);
     if (lost || not_started || requeued)
-        fprintf(stderr,
-                "kscore agent: a previous run left %u command(s) running "
-                "(reported Lost), %u claimed but never started (reported "
-                "NotStarted), %u waiting (handed back to JetStream)\n",
-                lost, not_started, requeued);
+        ks_log(KS_LOG_WARN,
+               "a previous run left commands: running ones reported Lost, "
+               "claimed but never started NotStarted, waiting ones handed "
+               "back to JetStream",
+               KS_S("module", "journal"), KS_I("lost", lost),
+               KS_I("not_started", not_started), KS_I("requeued", requeued),
+               KS_S("state_dir", a->state_dir));
 }

@@ -272,10 +272,12 @@ publisher_main(void *arg)
             if ((rc == KS_ENATS || rc == KS_EDECODE) &&
                 now - a->pub_err_logged_us > LOG_EVERY_US) {
                 a->pub_err_logged_us = now;
-                fprintf(stderr,
-                        "kscore agent: %s did not take event %s: %s "
-                        "(kept, tried again)\n",
-                        EVT_STREAM_EVENTS, it->event_id, why);
+                ks_log(KS_LOG_WARN,
+                       "the event stream did not take an event (kept, tried "
+                       "again)",
+                       KS_S("stream", EVT_STREAM_EVENTS),
+                       KS_S("event_id", it->event_id),
+                       KS_S("agent", it->agent_id), KS_S("error", why));
             }
             /* NATS down or restarting: keep it and try again. At stop we
              * give up after the current try; the file stays in the outbox
@@ -407,8 +409,9 @@ report(struct job_ctx *j, const char *type, Ks__CommandResult *r,
     ev.result = r;
     note_end(type, r);
     if (agent__queue_event(j->agent, &ev) != 0)
-        fprintf(stderr, "kscore agent: cannot queue %s of %s\n", type,
-                j->command_id);
+        ks_log(KS_LOG_ERROR, "cannot queue an event", KS_S("type", type),
+               KS_S("command_id", j->command_id), KS_S("agent", j->slot->id),
+               KS_I("attempt", j->attempt));
 }
 
 /* ---- results --------------------------------------------------------------- */
@@ -500,6 +503,12 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     silence_us = j->fence_silence_us;
     pthread_mutex_unlock(&a->mu);
     fill_result(&r, &o, &e, x);
+    ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
+           KS_S("agent", j->slot->id), KS_I("attempt", j->attempt),
+           KS_S("outcome", x->outcome == EXEC_EXITED     ? "exited"
+                           : x->outcome == EXEC_SIGNALED ? "signaled"
+                                                         : "start_failed"),
+           KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
                                            : "CommandCompleted";
     /* Killed because nobody could vouch for it any more: the record is
@@ -865,11 +874,12 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         int64_t now = ks_mono_us();
         if (now - atomic_load(&a->foreign_logged_us) > LOG_EVERY_US) {
             atomic_store(&a->foreign_logged_us, now);
-            fprintf(stderr,
-                    "kscore agent: consumer %s delivered a message of %s: "
-                    "not ours, left unacked (the broker replaces a "
-                    "consumer with a wrong filter)\n",
-                    slot->identity, natsMsg_GetSubject(msg));
+            ks_log(KS_LOG_WARN,
+                   "the consumer delivered a message that is not ours: left "
+                   "unacked (the broker replaces a consumer with a wrong "
+                   "filter)",
+                   KS_S("agent", slot->id), KS_S("consumer", slot->identity),
+                   KS_S("subject", natsMsg_GetSubject(msg)));
         }
         goto out;
     }
@@ -1169,10 +1179,11 @@ fence_running(struct agent *a, int64_t silence_us)
     ks_map_each(&a->jobs, fence_one, &c);
     pthread_mutex_unlock(&a->mu);
     if (c.n)
-        fprintf(stderr,
-                "kscore agent: no heartbeat reached NATS for %.1f s: killing "
-                "%zu running command(s) (self-fence)\n",
-                (double)silence_us / 1e6, c.n);
+        ks_log(KS_LOG_WARN,
+               "no heartbeat reached NATS: killing the running commands "
+               "(self-fence)",
+               KS_D("silent_s", (double)silence_us / 1e6),
+               KS_I("commands", c.n));
     for (size_t i = 0; i < c.n; i++)
         exec_kill(a->loop, c.ids[i]);
     free(c.ids);
@@ -1210,14 +1221,14 @@ keeper_main(void *arg)
         int64_t silence = now - atomic_load(&a->last_contact_us);
         if (silence > (int64_t)a->fence_ms * 1000 && now >= judge_after) {
             if (!atomic_exchange(&a->fenced, true))
-                fprintf(stderr,
-                        "kscore agent: no heartbeat reached NATS for %.1f s "
-                        "(fence %" PRIu64 " ms): self-fenced\n",
-                        (double)silence / 1e6, a->fence_ms);
+                ks_log(KS_LOG_WARN,
+                       "no heartbeat reached NATS: self-fenced",
+                       KS_D("silent_s", (double)silence / 1e6),
+                       KS_I("fence_ms", a->fence_ms));
             fence_running(a, silence);
         } else if (silence <= (int64_t)a->fence_ms * 1000 &&
                    atomic_exchange(&a->fenced, false)) {
-            fprintf(stderr, "kscore agent: heartbeats reach NATS again\n");
+            ks_log(KS_LOG_INFO, "heartbeats reach NATS again");
         }
     }
     return NULL;

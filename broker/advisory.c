@@ -37,10 +37,9 @@ on_advisory(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                          (uint64_t)seq, NULL, NULL)
                             : NATS_ERR;
     if (gs != NATS_OK) {
-        fprintf(stderr, "kscore broker: max-deliveries advisory for %s seq "
-                        "%lld: message not found (%s)\n",
-                consumer ? consumer : "?", (long long)seq,
-                natsStatus_GetText(gs));
+        ks_log(KS_LOG_WARN, "max-deliveries advisory: message not found",
+               KS_S("consumer", consumer ? consumer : "?"),
+               KS_I("stream_seq", seq), KS_S("error", natsStatus_GetText(gs)));
         goto out;
     }
     if (evt_unpack(&ks__signed_command__descriptor, natsMsg_GetData(cm),
@@ -69,8 +68,10 @@ on_advisory(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     int rc = store_append(b->st_misc, stream, STORE_ANY, &se, 1, NULL);
     pthread_mutex_unlock(&b->misc_mu);
     if (rc)
-        fprintf(stderr, "kscore broker: cannot record %s: %s\n", ev.type,
-                ks_strerror(rc));
+        ks_log(KS_LOG_ERROR, "cannot record", KS_S("type", ev.type),
+               KS_S("command_id", cmd->command_id),
+               KS_S("agent", cmd->agent_id), KS_I("attempt", cmd->attempt),
+               KS_ERR(rc));
 drop:
     /* Work-queue retention keeps an unacked message forever: remove it. */
     js_DeleteMsg(b->nc->js, EVT_STREAM_CMDS, (uint64_t)seq, NULL, NULL);

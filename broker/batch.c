@@ -813,12 +813,13 @@ abandon(struct broker *b, struct batch **touched, size_t nt, int why)
             ids[k] = keep[k];
             k++;
         }
-        fprintf(stderr,
-                "kscore batch: %s: %s; %s\n", bt->id, ks_strerror(why),
-                bt->accepted_now ? "refused"
-                : why == KS_ECONFLICT
-                    ? "another broker drives it now"
-                    : "left to be rebuilt from the record");
+        ks_log(KS_LOG_WARN,
+               bt->accepted_now       ? "batch refused"
+               : why == KS_ECONFLICT ? "batch left: another broker drives it"
+                                     : "batch left to be rebuilt from the "
+                                       "record",
+               KS_S("module", "batch"), KS_S("batch_id", bt->id),
+               KS_ERR(why));
         batch_drop(m, bt);
     }
     if (k && !b->stopping)
@@ -839,7 +840,8 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         rc = plan_batch(&p, touched[i]);
     pthread_mutex_unlock(&m->mu);
     if (rc) {
-        fprintf(stderr, "kscore batch: cannot plan: %s\n", ks_strerror(rc));
+        ks_log(KS_LOG_ERROR, "batch turn cannot be planned",
+               KS_S("module", "batch"), KS_I("batches", nt), KS_ERR(rc));
         plan_release(&p);
         abandon(b, touched, nt, rc);
         return;
@@ -876,11 +878,10 @@ turn(struct broker *b, struct batch **touched, size_t nt)
                 break;
             if (since == 0) {
                 since = ks_mono_us();
-                fprintf(stderr,
-                        "kscore batch: cannot record a turn (%s), "
-                        "retrying\n",
-                        broker__store_error(b->st_batch, rc, why,
-                                            sizeof(why)));
+                ks_log(KS_LOG_WARN, "cannot record a batch turn, retrying",
+                       KS_S("module", "batch"), KS_I("events", p.n),
+                       KS_S("error", broker__store_error(b->st_batch, rc, why,
+                                                         sizeof(why))));
             }
             if (rc != KS_EPGDOWN)
                 tries++;
@@ -891,8 +892,9 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             backoff_ms = backoff_ms < 1000 ? backoff_ms * 2 : 2000;
         }
         if (since && rc == 0)
-            fprintf(stderr, "kscore batch: recorded after %.1f s\n",
-                    (double)(ks_mono_us() - since) / 1e6);
+            ks_log(KS_LOG_INFO, "batch turn recorded again",
+                   KS_S("module", "batch"),
+                   KS_D("after_s", (double)(ks_mono_us() - since) / 1e6));
         free(evs);
         free(ls);
         if (rc) {
@@ -909,8 +911,11 @@ turn(struct broker *b, struct batch **touched, size_t nt)
     for (size_t i = 0; i < p.npub; i++) {
         int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
         if (prc)
-            fprintf(stderr, "kscore batch: publish %s: %s (scanner retries)\n",
-                    p.publish[i]->command_id, ks_strerror(prc));
+            ks_log(KS_LOG_WARN, "publish failed; the scanner retries",
+                   KS_S("module", "batch"),
+                   KS_S("command_id", p.publish[i]->command_id),
+                   KS_S("agent", p.publish[i]->agent_id),
+                   KS_I("attempt", p.publish[i]->attempt), KS_ERR(prc));
     }
     plan_release(&p);
 
@@ -1285,9 +1290,8 @@ renew_leases(struct broker *b, struct snapshot *snap, struct touched *tt)
             send_progress(b, snap->v[i], NULL);
             continue;
         }
-        fprintf(stderr,
-                "kscore batch: %s: lease lost, another broker drives it\n",
-                snap->v[i]->id);
+        ks_log(KS_LOG_WARN, "batch lease lost; another broker drives it",
+               KS_S("module", "batch"), KS_S("batch_id", snap->v[i]->id));
         for (size_t k = 0; k < tt->n; k++)
             if (tt->v[k] == snap->v[i])
                 tt->v[k] = tt->v[--tt->n];
@@ -1401,15 +1405,15 @@ adopt(struct broker *b, struct touched *tt)
                 continue; /* this broker's own lease, renewed late */
             int rc = batch_load(b, &h, &bt);
             if (rc == 0) {
-                fprintf(stderr,
-                        "kscore batch: %s: adopted (%u running, %u ended of "
-                        "%zu)\n",
-                        bt->id, bt->running, bt->ended, bt->n);
+                ks_log(KS_LOG_INFO, "batch adopted", KS_S("module", "batch"),
+                       KS_S("batch_id", bt->id), KS_I("running", bt->running),
+                       KS_I("ended", bt->ended), KS_I("targets", bt->n));
                 touch(tt, bt);
             } else {
                 /* Its lease runs out and the next adoption tries again. */
-                fprintf(stderr, "kscore batch: %s: cannot adopt: %s\n",
-                        x->batch_id, ks_strerror(rc));
+                ks_log(KS_LOG_WARN, "cannot adopt a batch",
+                       KS_S("module", "batch"), KS_S("batch_id", x->batch_id),
+                       KS_ERR(rc));
             }
         }
     }
@@ -1490,9 +1494,8 @@ hand_over(struct broker *b)
         batch_drop(m, bt);
     }
     if (snap.n)
-        fprintf(stderr, "kscore batch: stopping: %zu batch(es) left to "
-                        "the next broker\n",
-                snap.n);
+        ks_log(KS_LOG_INFO, "stopping: batches left to the next broker",
+               KS_S("module", "batch"), KS_I("batches", snap.n));
     store_batch_release(b->st_batch, m->owner, NULL, 0);
     free(snap.v);
 }

@@ -29,8 +29,8 @@ reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
         return;
     int rc = evt_publish_msg(b->nc, subject, m);
     if (rc)
-        fprintf(stderr, "kscore broker: reply to %s: %s\n", subject,
-                ks_strerror(rc));
+        ks_log(KS_LOG_WARN, "cannot reply", KS_S("subject", subject),
+               KS_ERR(rc));
 }
 
 const char *
@@ -487,8 +487,14 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* Recorded as Dispatched: the deadline scanner re-publishes it or
          * ends it Undeliverable, so the client still gets a terminal
          * state. */
-        fprintf(stderr, "kscore broker: publish %s: %s (scanner retries)\n",
-                command_id, ks_strerror(rc));
+        ks_log(KS_LOG_WARN, "publish failed; the scanner retries",
+               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
+               KS_I("attempt", cmd.attempt), KS_ERR(rc));
+    } else {
+        ks_log(KS_LOG_DEBUG, "command dispatched",
+               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
+               KS_I("attempt", cmd.attempt),
+               KS_S("operator", cmd.operator_));
     }
     if (req->detach) {
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
@@ -1131,11 +1137,13 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         int64_t now = ks_mono_us();
         if (now - r->b->bad_reply_logged_us > 10000000) {
             r->b->bad_reply_logged_us = now;
-            fprintf(stderr,
-                    "kscore broker: dropped a request on %s from '%s': its "
-                    "reply address '%.80s' is not under _INBOX.%s. (logged "
-                    "once per 10 s)\n",
-                    natsMsg_GetSubject(msg), id, reply ? reply : "", id);
+            char shown[81];
+            snprintf(shown, sizeof(shown), "%s", reply ? reply : "");
+            ks_log(KS_LOG_WARN,
+                   "dropped a request: its reply address is not under the "
+                   "caller's inbox (logged once per 10 s)",
+                   KS_S("subject", natsMsg_GetSubject(msg)),
+                   KS_S("operator", id), KS_S("reply", shown));
         }
         natsMsg_Destroy(msg);
         return;
@@ -1395,9 +1403,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
 
     ks_metrics_collector_add(broker_collect, &b);
-    fprintf(stderr, "kscore broker: serving on %s\n", opts->nats_url);
+    ks_log(KS_LOG_INFO, "serving", KS_S("nats", opts->nats_url),
+           KS_I("local_agents", opts->local_agents));
     sigwait(&set, &sig);
-    fprintf(stderr, "kscore broker: %s, stopping\n", strsignal(sig));
+    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
 out:
     ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);

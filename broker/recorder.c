@@ -200,9 +200,12 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
         if (rc == KS_EPGDOWN || rc == KS_EUNAVAIL)
             return rc;
         verdicts[i] = STORE_STEP_ILLEGAL;
-        fprintf(stderr, "kscore recorder: %s of %s from agent %s %s: %s\n",
-                evs[i]->type, evs[i]->command_id, evs[i]->agent_id,
-                rc ? "given up on" : "kept as a bare ReportRejected", why);
+        ks_log(KS_LOG_WARN,
+               rc ? "report given up on" : "report kept as a bare "
+                                           "ReportRejected",
+               KS_S("module", "recorder"), KS_S("type", evs[i]->type),
+               KS_S("command_id", evs[i]->command_id),
+               KS_S("agent", evs[i]->agent_id), KS_S("reason", why));
     }
     return 0;
 }
@@ -237,9 +240,10 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
             /* A message that can never be recorded: drop it for good
              * rather than redeliver it forever. */
-            fprintf(stderr, "kscore recorder: dropping an undecodable or "
-                            "misaddressed event on %s\n",
-                    natsMsg_GetSubject(msgs[i]));
+            ks_log(KS_LOG_WARN, "dropping an undecodable or misaddressed "
+                                "event",
+                   KS_S("module", "recorder"),
+                   KS_S("subject", natsMsg_GetSubject(msgs[i])));
             if (m)
                 protobuf_c_message_free_unpacked(m, NULL);
             natsMsg_Term(msgs[i], NULL);
@@ -276,10 +280,11 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         }
         if (failures++ == 0) {
             failing_since = touched = ks_mono_us();
-            fprintf(stderr,
-                    "kscore recorder: cannot record %zu event(s) (%s); "
-                    "retrying until it succeeds, unacked\n",
-                    nev, broker__store_error(b->st_rec, rc, why, sizeof(why)));
+            ks_log(KS_LOG_WARN,
+                   "cannot record; retrying until it succeeds, unacked",
+                   KS_S("module", "recorder"), KS_I("events", nev),
+                   KS_S("error", broker__store_error(b->st_rec, rc, why,
+                                                     sizeof(why))));
         }
         if (ks_mono_us() - touched >= REC_IN_PROGRESS_US) {
             touched = ks_mono_us();
@@ -290,10 +295,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                                                          : REC_BACKOFF_MAX_MS;
     }
     if (failures && rc == 0)
-        fprintf(stderr,
-                "kscore recorder: recording again after %.1f s "
-                "(%u failed attempts)\n",
-                (double)(ks_mono_us() - failing_since) / 1e6, failures);
+        ks_log(KS_LOG_INFO, "recording again", KS_S("module", "recorder"),
+               KS_D("after_s", (double)(ks_mono_us() - failing_since) / 1e6),
+               KS_I("failed_attempts", failures));
     for (size_t i = 0; i < n; i++) {
         if (!msgs[i])
             continue;
@@ -304,14 +308,25 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
     for (size_t i = 0; i < nev; i++) {
         if (rc == 0 && verdicts[i] == STORE_STEP_APPLY &&
             store_event_is_terminal(evs[i]->type))
+        {
+            ks_log(KS_LOG_DEBUG, "command ended", KS_S("module", "recorder"),
+                   KS_S("command_id", evs[i]->command_id),
+                   KS_S("agent", evs[i]->agent_id),
+                   KS_S("type", evs[i]->type),
+                   KS_S("status", evs[i]->result ? kproto_status_name(
+                                                       evs[i]->result->status)
+                                                 : ""));
             broker__command_ended(b, evs[i]->command_id, evs[i]->result);
+        }
         else if (rc == 0 && verdicts[i] != STORE_STEP_APPLY &&
                  verdicts[i] != STORE_STEP_DUPLICATE)
-            fprintf(stderr, "kscore recorder: %s of %s from agent %s kept "
-                            "as %s\n",
-                    evs[i]->type, evs[i]->command_id, evs[i]->agent_id,
-                    verdicts[i] == STORE_STEP_LATE ? "LateResult"
-                                                   : "ReportRejected");
+            ks_log(KS_LOG_INFO, "report kept as an annotation",
+                   KS_S("module", "recorder"), KS_S("type", evs[i]->type),
+                   KS_S("command_id", evs[i]->command_id),
+                   KS_S("agent", evs[i]->agent_id),
+                   KS_S("kept_as", verdicts[i] == STORE_STEP_LATE
+                                       ? "LateResult"
+                                       : "ReportRejected"));
         ks__event__free_unpacked(evs[i], NULL);
     }
     free(evs);

@@ -148,19 +148,20 @@ provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
     if (evt_consumer_ensure(b->nc, &ac.d, &change, &err) != 0) {
         if (now - pv->err_logged_us > PROVISION_LOG_EVERY_US) {
             pv->err_logged_us = now;
-            fprintf(stderr,
-                    "kscore broker: cannot provision the consumer of agent "
-                    "%s: %s (tried again at its next heartbeat)\n",
-                    info->agent_id, err ? err : "?");
+            ks_log(KS_LOG_WARN,
+                   "cannot provision the agent's consumer (tried again at "
+                   "its next heartbeat)",
+                   KS_S("module", "registry"), KS_S("agent", info->agent_id),
+                   KS_S("error", err ? err : "?"));
         }
         free(err);
         return;
     }
     if (change == EVT_CONSUMER_REPLACED)
-        fprintf(stderr,
-                "kscore broker: consumer %s delivered something else than "
-                "%s: replaced\n",
-                ac.d.durable, ac.d.filter_subject);
+        ks_log(KS_LOG_WARN, "consumer delivered something else: replaced",
+               KS_S("module", "registry"), KS_S("agent", info->agent_id),
+               KS_S("consumer", ac.d.durable),
+               KS_S("filter", ac.d.filter_subject));
     if (!p) {
         p = calloc(1, sizeof(*p));
         if (!p || ks_map_put(&pv->done, info->agent_id, p) != 0) {
@@ -184,8 +185,9 @@ registry_main(void *arg)
 
     kvWatchOptions_Init(&wo);
     if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
-        fprintf(stderr, "kscore broker: cannot watch %s: %s\n",
-                EVT_KV_AGENTS, nats_GetLastError(NULL));
+        ks_log(KS_LOG_ERROR, "cannot watch the agent registry",
+               KS_S("module", "registry"), KS_S("bucket", EVT_KV_AGENTS),
+               KS_S("error", nats_GetLastError(NULL)));
         return NULL;
     }
     while (!b->stopping) {

@@ -126,8 +126,11 @@ on_overdue(const struct store_command_ref *ref, void *ud)
         ks_metric_inc(KS_C_REDISPATCHES);
         int rc = evt_publish_command(b->nc, b->signer, cmd, 5000);
         if (rc)
-            fprintf(stderr, "kscore scanner: re-publish %s: %s\n",
-                    ref->command_id, ks_strerror(rc));
+            ks_log(KS_LOG_WARN, "re-publish failed",
+                   KS_S("module", "scanner"),
+                   KS_S("command_id", ref->command_id),
+                   KS_S("agent", cmd->agent_id), KS_I("attempt", cmd->attempt),
+                   KS_ERR(rc));
     }
 out:
     ks__event__free_unpacked(req, NULL);

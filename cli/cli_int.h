@@ -201,6 +201,62 @@ void fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget);
 /* Exit status for a finished command (see the codes above). */
 int cli_exit_status(const Ks__CommandResult *r);
 
+/*
+ * The configuration file of a service (cli/cmd_config.c, man page
+ * kscore.conf(5)): INI, `key = value`, checked as it is read. Precedence
+ * is flags > environment (KSCORE_*) > file; each getter leaves a field a
+ * flag set alone.
+ */
+#define CLI_CONF_DIR "/etc/kscore"
+#define CLI_CONF_BROKER 1u
+#define CLI_CONF_AGENT 2u
+struct cli_conf_entry {
+    char *key, *value;
+    int line;
+};
+#define CLI_CONF_SHOWN_MAX 256
+struct cli_conf {
+    unsigned service;
+    const char *service_name; /* "broker", "agent" */
+    char *path;               /* NULL: no file */
+    struct cli_conf_entry *v;
+    size_t n, cap;
+    /* what was decided, for --show-config: key, value, where from */
+    struct {
+        const char *key, *value;
+        char *from;
+    } shown[CLI_CONF_SHOWN_MAX];
+    size_t n_shown;
+};
+/* Reads path, or CLI_CONF_DIR/<service>.conf when path is NULL and that
+ * file exists. 0, or an exit code after printing FILE:LINE and the key
+ * (CLI_EXIT_USAGE for an unknown key, a bad value, a key set twice). */
+int cli_conf_load(struct cli_conf *c, unsigned service, const char *path);
+void cli_conf_release(struct cli_conf *c);
+/* Sets *field, when no flag did, from the key's KSCORE_* variable, else
+ * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */
+int cli_conf_str(struct cli_conf *c, const char *key, const char **field);
+/* Notes a decided value and where it came from ("flag", "KSCORE_X",
+ * "FILE:LINE") for cli_conf_show. */
+void cli_conf_note(struct cli_conf *c, const char *key, const char *value,
+                   const char *from);
+/* Where the file's n-th value of key is ("FILE:LINE", malloc'd). */
+char *cli_conf_where(const struct cli_conf *c, const char *key, size_t nth);
+/* Prints every decided setting, `key = value  # from`, secrets (password,
+ * token) masked: `kscore broker|agent --show-config`. */
+void cli_conf_show(const struct cli_conf *c, FILE *out);
+/* The file's values of a repeatable key, in order (at most cap). */
+size_t cli_conf_list(const struct cli_conf *c, const char *key,
+                     const char **out, size_t cap);
+/* The NATS connection settings (nats_url, nkey, user, ...) of cc that no
+ * flag set, from the environment, then the file. */
+void cli_conf_conn(struct cli_conf *c, struct cli_conn *cc);
+/* --log-format / --log-level (may be NULL), else log_format / log_level,
+ * then ks_log_setup with service ("broker", "agent"). 0 or CLI_EXIT_USAGE
+ * after printing. */
+int cli_conf_log(struct cli_conf *c, const char *format_flag,
+                 const char *level_flag, const char *service);
+
 int cmd_up(int argc, char **argv);
 int cmd_down(int argc, char **argv);
 int cmd_status(int argc, char **argv);

@@ -91,13 +91,40 @@ wait_broker(const char *url, const char *operator_seed, int timeout_ms)
 
 static int
 wait_agent(const char *url, const char *id, const char *broker_seed,
-           int timeout_ms)
+           int64_t since_us, int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
                                  .nkey_file = broker_seed};
-    return broker_wait_agent(url, &o, id,
-                             ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000,
-                             timeout_ms);
+    return broker_wait_agent(url, &o, id, since_us, timeout_ms);
+}
+
+/* A small file's text (malloc'd), or NULL. */
+static char *
+slurp_small(const char *path)
+{
+    FILE *f = fopen(path, "re");
+    char *buf = NULL;
+    size_t cap = 0, n = 0;
+    if (!f)
+        return NULL;
+    for (;;) {
+        if (n + 4096 + 1 > cap) {
+            char *nb = realloc(buf, cap = n + 4096 + 1);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return NULL;
+            }
+            buf = nb;
+        }
+        size_t r = fread(buf + n, 1, 4096, f);
+        n += r;
+        if (r == 0)
+            break;
+    }
+    fclose(f);
+    buf[n] = '\0';
+    return buf;
 }
 
 static int
@@ -129,8 +156,134 @@ write_env(const char *home, const char *url, const char *db,
     return 0;
 }
 
+/* How long ago, short: "0.4s", "3m", "2h", "5d". */
+static void
+ago_text(char *buf, size_t len, int64_t us)
+{
+    double s = (double)us / 1e6;
+    if (us < 0)
+        s = 0;
+    if (s < 60)
+        snprintf(buf, len, "%.1fs ago", s);
+    else if (s < 3600)
+        snprintf(buf, len, "%.0fm ago", s / 60);
+    else if (s < 86400)
+        snprintf(buf, len, "%.0fh ago", s / 3600);
+    else
+        snprintf(buf, len, "%.0fd ago", s / 86400);
+}
+
+/*
+ * The agents the broker knows (the registry, through the agents API):
+ * local or on other hosts, online or not. Into o["agents"] (an array) or,
+ * when the broker cannot be asked, o["agents_error"]; printed as a table
+ * unless json. Nothing is asked when there is no NATS url to ask.
+ */
+static void
+status_agents(struct cli_conn *cc, const char *local_agent, bool json,
+              json_t *o)
+{
+    struct evt_conn *c = NULL;
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    char *errmsg = NULL, *env_url = NULL, *env_nkey = NULL;
+    const char *url = cc->nats_url;
+    int rc;
+
+    cli_conn_env(cc);
+    url = cc->nats_url;
+    env_url = cli_env_get("KSCORE_NATS_URL");
+    /* The local stack's url, and this login's seed for it (as
+     * cli_connect does): only for that url, only without another
+     * credential. */
+    bool local = !url || !url[0] || (env_url && strcmp(env_url, url) == 0);
+    if (!url || !url[0])
+        url = env_url;
+    if (local && !cc->opts.nkey_file && !cc->opts.user &&
+        !cc->opts.creds_file && !cc->opts.token &&
+        (env_nkey = cli_env_get("KSCORE_NATS_NKEY")))
+        cc->opts.nkey_file = env_nkey;
+    if (!url || !url[0]) {
+        json_object_set_new(o, "agents", json_null());
+        json_object_set_new(o, "agents_error",
+                            json_string("no NATS url (no local stack)"));
+        goto out;
+    }
+    cc->opts.name = "kscore-status";
+    cc->opts.send_asap = true;
+    rc = evt_connect(url, &cc->opts, &c, &errmsg);
+    if (rc == 0)
+        rc = broker_call(c, EVT_API_AGENTS, &req.base,
+                         &ks__agents_reply__descriptor, 3000,
+                         (ProtobufCMessage **)&rep);
+    if (rc || rep->error_code) {
+        char why[512];
+        snprintf(why, sizeof(why), "cannot list the agents: %s",
+                 errmsg ? errmsg : rc ? ks_strerror(rc) : rep->error);
+        json_object_set_new(o, "agents", json_null());
+        json_object_set_new(o, "agents_error", json_string(why));
+        if (!json)
+            printf("\nagents: %s\n", why);
+        goto out;
+    }
+    json_t *arr = json_array();
+    int64_t now = ks_now_us();
+    if (!json)
+        printf("\n%-24s %-8s %-11s %-9s %7s  %-20s %s\n", "AGENT", "STATE",
+               "LAST SEEN", "VERSION", "RUNNING", "HOST", "LABELS");
+    for (size_t i = 0; i < rep->n_agents; i++) {
+        const Ks__AgentStatus *st = rep->agents[i];
+        const Ks__AgentInfo *in = st->info;
+        bool local = local_agent && strcmp(in->agent_id, local_agent) == 0;
+        json_t *a = json_object(), *labels = json_object();
+        for (size_t k = 0; k < in->n_labels; k++)
+            json_object_set_new(labels, in->labels[k]->name,
+                                json_string(in->labels[k]->value));
+        json_object_set_new(a, "agent_id", json_string(in->agent_id));
+        json_object_set_new(a, "online", json_boolean(st->online));
+        json_object_set_new(a, "last_seen",
+                            json_string(cli_time(st->last_seen_us)));
+        json_object_set_new(a, "last_seen_ago_ms",
+                            json_integer((now - st->last_seen_us) / 1000));
+        json_object_set_new(a, "version", json_string(in->version));
+        json_object_set_new(a, "running", json_integer(in->running));
+        json_object_set_new(a, "max_concurrent",
+                            json_integer(in->max_concurrent));
+        json_object_set_new(a, "host", json_string(in->host));
+        json_object_set_new(a, "pid", json_integer(in->pid));
+        json_object_set_new(a, "labels", labels);
+        json_object_set_new(a, "local", json_boolean(local));
+        json_array_append_new(arr, a);
+        if (!json) {
+            char ago[32], run[32], lab[512] = "";
+            size_t used = 0;
+            ago_text(ago, sizeof(ago), now - st->last_seen_us);
+            snprintf(run, sizeof(run), "%u/%u", in->running,
+                     in->max_concurrent);
+            for (size_t k = 0; k < in->n_labels && used < sizeof(lab); k++)
+                used += (size_t)snprintf(lab + used, sizeof(lab) - used,
+                                         "%s%s=%s", k ? "," : "",
+                                         in->labels[k]->name,
+                                         in->labels[k]->value);
+            printf("%-24s %-8s %-11s %-9s %7s  %-20s %s%s\n", in->agent_id,
+                   st->online ? "online" : "offline", ago,
+                   in->version[0] ? in->version : "-", run,
+                   in->host[0] ? in->host : "-", lab,
+                   local ? (lab[0] ? " (local)" : "(local)") : "");
+        }
+    }
+    json_object_set_new(o, "agents", arr);
+out:
+    if (rep)
+        ks__agents_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    free(errmsg);
+    free(env_url);
+    free(env_nkey);
+}
+
 static int
-print_status(bool json)
+print_status(bool json, struct cli_conn *cc)
 {
     const char *home = cli_home();
     char *url = cli_env_get("KSCORE_NATS_URL");
@@ -172,6 +325,15 @@ print_status(bool json)
                             json_boolean(running == (int)(sizeof(parts) /
                                                           sizeof(parts[0]))));
         json_object_set_new(o, "parts", jp);
+    }
+    /* Remote agents too: whatever the registry holds. Only when there is
+     * a NATS server to ask (a running local one, or one given). */
+    if (cc && (cc->nats_url || getenv("KSCORE_NATS_URL") ||
+               stack_pidfile_alive(home, "nats", NULL)))
+        status_agents(cc, agent, json, o);
+    else
+        json_object_set_new(o, "agents", json_null());
+    if (json) {
         cli_print_json(o);
     } else {
         json_decref(o);
@@ -186,17 +348,50 @@ print_status(bool json)
 int
 cmd_status(int argc, char **argv)
 {
-    bool json = argc > 1 && strcmp(argv[1], "--json") == 0;
-    if (argc > 1 && !json) {
-        if (strcmp(argv[1], "--help") == 0) {
-            printf("usage: kscore status [--json]\nExit 0 when every part "
+    static const struct option lo[] = {{"json", no_argument, 0, 'j'},
+                                       CLI_CONN_LONGOPTS,
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+    struct cli_conn cc = {0};
+    bool json = false;
+    int opt;
+
+    optind = 1;
+    while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (opt) {
+        case 'j':
+            json = true;
+            break;
+        case 'h':
+            printf("usage: kscore status [--json] [--nats URL --nkey FILE "
+                   "...]\nThe local stack's parts (pid, address, state) and "
+                   "every agent the broker knows, local or remote (online, "
+                   "last seen, version, running).\nExit 0 when every part "
                    "of the local stack runs, 1 otherwise.\n");
             return 0;
+        default:
+            if (cli_conn_opt(&cc, opt, optarg))
+                break;
+            return CLI_EXIT_USAGE;
         }
+    }
+    if (optind != argc) {
         cli_err("usage: kscore status [--json]");
         return CLI_EXIT_USAGE;
     }
-    return print_status(json);
+    return print_status(json, &cc);
+}
+
+/* The port of a kept "http://127.0.0.1:PORT[/...]" when it is free again,
+ * else a new free port (0 when none). */
+static int
+metrics_port(const char *prev_url)
+{
+    const char *c = prev_url ? strrchr(prev_url, ':') : NULL;
+    int port = c ? atoi(c + 1) : 0;
+    if (port > 0 && stack_port_free(port) == 1)
+        return port;
+    return stack_free_port();
 }
 
 int
@@ -205,18 +400,17 @@ cmd_up(int argc, char **argv)
     static const struct option lo[] = {
         {"local-agents", required_argument, 0, 'l'},
         {"metrics", no_argument, 0, 'm'},
-        {"help", no_argument, 0, 'h'},
         {"json", no_argument, 0, 'j'},
+        {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
-    bool metrics = false;
-    char nats_extra[512], env_extra[512], bmetrics[64] = "",
-                                          ametrics[64] = "";
+    bool metrics = false, json = false;
+    char env_extra[512] = "", bmetrics[64] = "", ametrics[64] = "";
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
     char agent_state[4200], local_state[4200];
     char *url = NULL, *db = NULL;
     unsigned local_agents = 0;
-    bool local_agents_given = false, json = false;
+    bool local_agents_given = false;
     pid_t pid;
     int opt, rc;
 
@@ -233,16 +427,18 @@ cmd_up(int argc, char **argv)
             }
             local_agents_given = true;
             break;
-        case 'j':
-            json = true;
-            break;
         case 'm':
             metrics = true;
+            break;
+        case 'j':
+            json = true;
             break;
         case 'h':
             printf("usage: kscore up [--local-agents N] [--metrics] [--json]\n"
                    "Starts the local stack under $KSCORE_HOME (now %s) and "
-                   "prints its\nstatus (--json: as `kscore status --json`).\n"
+                   "prints its\nstatus (--json: as `kscore status --json`). "
+                   "Only the parts that are down\nare started; the NATS "
+                   "port, credentials and keys stay the same.\n"
                    "--metrics: the broker and the agent serve Prometheus "
                    "metrics on free ports (in $KSCORE_HOME/env; kept while "
                    "the stack runs).\n",
@@ -271,16 +467,18 @@ cmd_up(int argc, char **argv)
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
-        print_status(json);
+        print_status(json, &(struct cli_conn){0});
         return 0;
     }
     if (!local_agents_given)
         local_agents = prev_n;
-    {
-        char *pm = cli_env_get("KSCORE_BROKER_METRICS_URL");
-        metrics = metrics || (pm && pm[0]);
-        free(pm);
-    }
+    /* Addresses of a stack that runs on keep it: the monitoring port of
+     * nats-server and, with --metrics (once given, kept), those of the
+     * broker and the agent. */
+    char *prev_mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
+    char *prev_bm = cli_env_get("KSCORE_BROKER_METRICS_URL");
+    char *prev_am = cli_env_get("KSCORE_AGENT_METRICS_URL");
+    metrics = metrics || (prev_bm && prev_bm[0]);
     /* 0700 when new: only its owner has business in it (PostgreSQL's
      * user, when we are root, gets o+x: stack_pg.c). */
     if ((rc = stack_mkdirs(home, 0700))) {
@@ -301,17 +499,26 @@ cmd_up(int argc, char **argv)
         }
     }
 
-    /* A partial stack is stopped first and started again; the identities
-     * are kept (stack_ident_ensure), so a restart cuts nobody off. */
-    stack_stop(home, "agent", 20000);
-    stack_stop(home, "broker", 20000);
-    stack_nats_stop(home);
+    /* Only the parts that are down are started: a running nats-server,
+     * broker or agent keeps its pid, port and connections, and a part
+     * started again gets the same port (nats.port, pg.port), identities
+     * (stack_ident_ensure) and keys, so nobody is cut off by a restart. */
+    pid_t nats_pid = 0, broker_pid = 0, agent_pid = 0;
+    bool nats_up = stack_pidfile_alive(home, "nats", &nats_pid);
+    bool pg_up = stack_pidfile_alive(home, "pg", NULL);
+    bool broker_up = stack_pidfile_alive(home, "broker", &broker_pid);
+    bool agent_up = stack_pidfile_alive(home, "agent", &agent_pid);
     char operator_name[EVT_IDENTITY_MAX + 1];
     char agent_user[EVT_IDENTITY_MAX + 8];
     char broker_seed[4200], agent_seed[4200], operator_seed[4200];
+    char authp[4200];
+    char *auth_before = NULL, *auth_after = NULL;
     struct stack_identity sid;
+    int64_t since_us = ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000;
     operator_user(operator_name, sizeof(operator_name));
     snprintf(agent_user, sizeof(agent_user), "agent-%s", agent_id);
+    snprintf(authp, sizeof(authp), "%s/" STACK_NATS_AUTH_FILE, home);
+    auth_before = slurp_small(authp);
     if ((rc = stack_ident_ensure(home, STACK_BROKER, "broker", &sid)) ||
         (rc = stack_ident_ensure(home, STACK_AGENT, agent_user, &sid)) ||
         (rc = stack_ident_ensure(home, STACK_OPERATOR, operator_name, &sid)) ||
@@ -324,41 +531,82 @@ cmd_up(int argc, char **argv)
         (rc = stack_nats_auth_write(home, home))) {
         cli_err("cannot make the NATS identities in %s/identities: %s", home,
                 ks_strerror(rc));
+        free(auth_before);
         return CLI_EXIT_KSCORE;
     }
-    /* nats-server's monitoring endpoint (/varz, /jsz, ...) on loopback:
-     * what a Prometheus NATS exporter scrapes. */
-    int mon_port = stack_free_port();
-    snprintf(nats_extra, sizeof(nats_extra), "%s", STACK_NATS_AUTH_INCLUDE);
-    env_extra[0] = '\0';
-    if (mon_port > 0) {
-        snprintf(nats_extra, sizeof(nats_extra),
-                 "%shttp: \"127.0.0.1:%d\"\n", STACK_NATS_AUTH_INCLUDE,
-                 mon_port);
-        snprintf(env_extra, sizeof(env_extra),
-                 "KSCORE_NATS_MONITOR_URL='http://127.0.0.1:%d'\n",
-                 mon_port);
+    auth_after = slurp_small(authp);
+    bool auth_changed = !auth_before || !auth_after ||
+                        strcmp(auth_before, auth_after) != 0;
+    free(auth_before);
+    free(auth_after);
+
+    int port = stack_nats_saved_port(home);
+    if (port <= 0) {
+        /* A stack of an older kscore: no nats.port, but env has the url. */
+        char *old = cli_env_get("KSCORE_NATS_URL");
+        const char *colon = old ? strrchr(old, ':') : NULL;
+        port = colon ? atoi(colon + 1) : 0;
+        free(old);
     }
-    if (metrics) {
-        int bp = stack_free_port(), ap = stack_free_port();
-        if (bp > 0 && ap > 0 && bp != ap) {
-            size_t el = strlen(env_extra);
-            snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
-            snprintf(ametrics, sizeof(ametrics), "127.0.0.1:%d", ap);
-            snprintf(env_extra + el, sizeof(env_extra) - el,
-                     "KSCORE_BROKER_METRICS_URL='http://%s/metrics'\n"
-                     "KSCORE_AGENT_METRICS_URL='http://%s/metrics'\n",
-                     bmetrics, ametrics);
+    if (nats_up && port > 0) {
+        if (asprintf(&url, "nats://127.0.0.1:%d", port) < 0)
+            return CLI_EXIT_KSCORE;
+        /* New users (another host name, a repaired seed) without a
+         * restart: the server reloads its users. */
+        if (auth_changed)
+            stack_nats_reload(home, 5000);
+    } else {
+        if (nats_up) {
+            /* Running, but where is unknown: start the three afresh. */
+            stack_stop(home, "agent", 20000);
+            stack_stop(home, "broker", 20000);
+            stack_nats_stop(home);
+            broker_up = agent_up = false;
         }
+        nats_up = false;
+        if (port > 0 && stack_port_free(port) != 1) {
+            fprintf(stderr,
+                    "kscore: port %d, where nats-server served before, is "
+                    "taken; using another (the env file follows; remote "
+                    "agents need the new URL)\n",
+                    port);
+            port = 0;
+            /* The running broker and agent know only the old port. */
+            if (broker_up)
+                stack_stop(home, "broker", 20000);
+            if (agent_up)
+                stack_stop(home, "agent", 20000);
+            broker_up = agent_up = false;
+        }
+        /* nats-server's monitoring endpoint (/varz, /jsz, ...) on
+         * loopback: what a Prometheus NATS exporter scrapes. */
+        char nats_extra[512];
+        int mon_port = metrics_port(prev_mon);
+        free(prev_mon);
+        prev_mon = NULL;
+        snprintf(nats_extra, sizeof(nats_extra), "%s",
+                 STACK_NATS_AUTH_INCLUDE);
+        if (mon_port > 0) {
+            snprintf(nats_extra, sizeof(nats_extra),
+                     "%shttp: \"127.0.0.1:%d\"\n", STACK_NATS_AUTH_INCLUDE,
+                     mon_port);
+            if (asprintf(&prev_mon, "http://127.0.0.1:%d", mon_port) < 0)
+                prev_mon = NULL;
+        }
+        fprintf(stderr, "kscore: starting nats-server ...\n");
+        rc = stack_nats_start(home, port, nats_extra, &url, &pid);
+        if (rc) {
+            cli_err("cannot start nats-server: %s (see %s/nats.log)",
+                    ks_strerror(rc), home);
+            rc = CLI_EXIT_KSCORE;
+            goto fail;
+        }
+        /* The broker and agent that stayed up reconnect; only heartbeats
+         * from now on show the agent is back. */
+        since_us = ks_now_us();
     }
-    fprintf(stderr, "kscore: starting nats-server ...\n");
-    rc = stack_nats_start(home, 0, nats_extra, &url, &pid);
-    if (rc) {
-        cli_err("cannot start nats-server: %s (see %s/nats.log)",
-                ks_strerror(rc), home);
-        return CLI_EXIT_KSCORE;
-    }
-    fprintf(stderr, "kscore: starting PostgreSQL ...\n");
+    if (!pg_up)
+        fprintf(stderr, "kscore: starting PostgreSQL ...\n");
     rc = stack_pg_start(home, 0, &db, &pid);
     if (rc) {
         cli_err("cannot start PostgreSQL: %s (see %s/pg.log)",
@@ -366,53 +614,99 @@ cmd_up(int argc, char **argv)
         free(url);
         return CLI_EXIT_KSCORE;
     }
-    fprintf(stderr, "kscore: starting the broker ...\n");
     snprintf(nlocal, sizeof(nlocal), "%u", local_agents);
     snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
     snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
-    {
-        /* Each daemon gets its own seed file through the environment; no
-         * other credential of the caller's may reach it. */
-        clear_nats_env();
+    /* Each daemon gets its own seed file through the environment; no
+     * other credential of the caller's may reach it. */
+    clear_nats_env();
+    if (broker_up) {
+        if (local_agents_given && local_agents != prev_n)
+            fprintf(stderr,
+                    "kscore: the broker runs %u local agents, not %u: "
+                    "`kscore down` first to change that\n",
+                    prev_n, local_agents);
+        local_agents = prev_n;
+    } else {
+        fprintf(stderr, "kscore: starting the broker ...\n");
         setenv("KSCORE_NATS_NKEY", broker_seed, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
                          local_state, "--signing-key",  signing_key,
-                         NULL,        NULL,             NULL};
-        if (bmetrics[0]) {
-            bargv[12] = "--metrics-listen";
-            bargv[13] = bmetrics;
+                         /* the host's own service config is not ours */
+                         "--config", "/dev/null", NULL, NULL, NULL};
+        if (metrics) {
+            int bp = metrics_port(prev_bm);
+            if (bp > 0) {
+                snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
+                bargv[14] = "--metrics-listen";
+                bargv[15] = bmetrics;
+            }
         }
         rc = stack_daemon(home, "broker", bargv, &pid);
-        if (rc == 0)
-            rc = wait_broker(url, operator_seed, 30000);
+        unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
             cli_err("the broker did not start: %s (see %s/broker.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
     }
-    fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
-    {
+    rc = wait_broker(url, operator_seed, 30000);
+    if (rc) {
+        cli_err("the broker does not answer: %s (see %s/broker.log)",
+                ks_strerror(rc), home);
+        goto fail;
+    }
+    if (!agent_up) {
+        fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);
         setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
-                         agent_state, "--trust-key", trust_key,   NULL,
-                         NULL,        NULL};
-        if (ametrics[0]) {
-            aargv[10] = "--metrics-listen";
-            aargv[11] = ametrics;
+                         agent_state, "--trust-key", trust_key,
+                         "--config",  "/dev/null",  NULL,        NULL,
+                         NULL};
+        if (metrics) {
+            int ap = metrics_port(prev_am);
+            if (ap > 0 && (!bmetrics[0] || ap != atoi(strrchr(bmetrics, ':') + 1))) {
+                snprintf(ametrics, sizeof(ametrics), "127.0.0.1:%d", ap);
+                aargv[12] = "--metrics-listen";
+                aargv[13] = ametrics;
+            }
         }
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
-        if (rc == 0)
-            rc = wait_agent(url, agent_id, broker_seed, 30000);
         if (rc) {
             cli_err("the agent did not start: %s (see %s/agent.log)",
                     ks_strerror(rc), home);
             goto fail;
         }
+    }
+    rc = wait_agent(url, agent_id, broker_seed, since_us, 30000);
+    if (rc) {
+        cli_err("the agent does not answer: %s (see %s/agent.log)",
+                ks_strerror(rc), home);
+        goto fail;
+    }
+    {
+        size_t el = 0;
+        if (prev_mon && prev_mon[0])
+            el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
+                                   "KSCORE_NATS_MONITOR_URL='%s'\n", prev_mon);
+        if (bmetrics[0])
+            el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
+                                   "KSCORE_BROKER_METRICS_URL='http://%s/metrics'\n",
+                                   bmetrics);
+        else if (prev_bm && prev_bm[0] && broker_up)
+            el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
+                                   "KSCORE_BROKER_METRICS_URL='%s'\n", prev_bm);
+        if (ametrics[0])
+            snprintf(env_extra + el, sizeof(env_extra) - el,
+                     "KSCORE_AGENT_METRICS_URL='http://%s/metrics'\n",
+                     ametrics);
+        else if (prev_am && prev_am[0] && agent_up)
+            snprintf(env_extra + el, sizeof(env_extra) - el,
+                     "KSCORE_AGENT_METRICS_URL='%s'\n", prev_am);
     }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
                         operator_seed, env_extra))) {
@@ -422,11 +716,17 @@ cmd_up(int argc, char **argv)
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
-    print_status(json);
+    free(prev_mon);
+    free(prev_bm);
+    free(prev_am);
+    print_status(json, &(struct cli_conn){0});
     return 0;
 fail:
     free(url);
     free(db);
+    free(prev_mon);
+    free(prev_bm);
+    free(prev_am);
     return CLI_EXIT_KSCORE;
 }
 
@@ -484,31 +784,44 @@ cmd_broker(int argc, char **argv)
         {"state-dir", required_argument, 0, 's'},
         {"signing-key", required_argument, 0, 'k'},
         {"policy", required_argument, 0, 'p'},
+        {"config", required_argument, 0, 'c'},
+        {"log-format", required_argument, 0, 'F'},
+        {"log-level", required_argument, 0, 'L'},
+        {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
-    struct cli_conn cc = {0};
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
-    char *errmsg = NULL;
+    bool show = false;
+    struct cli_conn cc = {0};
+    struct cli_conf cf = {0};
+    const char *config = NULL, *log_format = NULL, *log_level = NULL;
+    const char *local_agents = NULL;
+    char *errmsg = NULL, *end;
     int opt, rc;
 
-    o.db_conninfo = getenv("KSCORE_DB");
-    o.signing_key = getenv("KSCORE_SIGNING_KEY");
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-        char *end;
         switch (opt) {
         case 'd':
             o.db_conninfo = optarg;
             break;
         case 'l':
-            o.local_agents = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !optarg[0] || o.local_agents > 10000) {
-                cli_err("bad --local-agents '%s' (0..10000)", optarg);
-                return CLI_EXIT_USAGE;
-            }
+            local_agents = optarg;
+            break;
+        case 'c':
+            config = optarg;
+            break;
+        case 'F':
+            log_format = optarg;
+            break;
+        case 'L':
+            log_level = optarg;
+            break;
+        case 'S':
+            show = true;
             break;
         case 's':
             o.state_dir = optarg;
@@ -525,9 +838,14 @@ cmd_broker(int argc, char **argv)
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR] [--metrics-listen ADDR:PORT]\n"
+                   "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
+                   "[--config FILE] [--log-format "
+                   "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
-                   "agents trust its public half.\n");
+                   "agents trust its public half.\n"
+                   "Settings: flags, then KSCORE_* variables, then the "
+                   "config file (default " CLI_CONF_DIR "/broker.conf when "
+                   "it exists; kscore.conf(5)).\n");
             return 0;
         default:
             if (cli_conn_opt(&cc, opt, optarg))
@@ -535,13 +853,43 @@ cmd_broker(int argc, char **argv)
             return CLI_EXIT_USAGE;
         }
     }
-    cli_conn_env(&cc);
+    if (optind < argc) {
+        cli_err("broker: unexpected argument '%s'", argv[optind]);
+        return CLI_EXIT_USAGE;
+    }
+    if ((rc = cli_conf_load(&cf, CLI_CONF_BROKER, config)))
+        goto out;
+    cli_conf_conn(&cf, &cc);
+    if ((rc = cli_conf_str(&cf, "db", &o.db_conninfo)) ||
+        (rc = cli_conf_str(&cf, "signing_key", &o.signing_key)) ||
+        (rc = cli_conf_str(&cf, "policy", &o.policy_file)) ||
+        (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
+        (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
+        (rc = cli_conf_str(&cf, "metrics_listen", &metrics_listen)) ||
+        (rc = cli_conf_log(&cf, log_format, log_level, "broker")))
+        goto out;
+    if (local_agents) {
+        o.local_agents = (unsigned)strtoul(local_agents, &end, 10);
+        if (*end || !local_agents[0] || local_agents[0] == '-' ||
+            o.local_agents > 10000) {
+            cli_err("bad --local-agents '%s' (0..10000)", local_agents);
+            rc = CLI_EXIT_USAGE;
+            goto out;
+        }
+    }
+    if (show) {
+        cli_conf_show(&cf, stdout);
+        rc = 0;
+        goto out;
+    }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url || !o.db_conninfo) {
         cli_err("the broker needs --nats URL and --db CONNINFO (or "
-                "KSCORE_NATS_URL and KSCORE_DB)");
-        return CLI_EXIT_USAGE;
+                "KSCORE_NATS_URL and KSCORE_DB, or nats_url and db in "
+                "its config file)");
+        rc = CLI_EXIT_USAGE;
+        goto out;
     }
     if (metrics_listen && metrics_listen[0]) {
         /* Before the server's thread exists, so that SIGTERM reaches only
@@ -558,19 +906,22 @@ cmd_broker(int argc, char **argv)
         if (rc) {
             cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
             free(errmsg);
-            return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+            rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+            goto out;
         }
-        fprintf(stderr, "kscore broker: metrics on port %u (/metrics)\n",
-                evt_metrics_port(ms));
+        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
+               KS_S("path", "/metrics"));
     }
     rc = broker_run(&o, &errmsg);
-    evt_metrics_stop(ms);
     if (rc) {
         cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
-        return CLI_EXIT_KSCORE;
+        rc = CLI_EXIT_KSCORE;
     }
-    return 0;
+out:
+    evt_metrics_stop(ms);
+    cli_conf_release(&cf);
+    return rc;
 }
 
 int
@@ -584,28 +935,47 @@ cmd_agent(int argc, char **argv)
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
         {"trust-key", required_argument, 0, 'k'},
+        {"config", required_argument, 0, 'c'},
+        {"log-format", required_argument, 0, 'F'},
+        {"log-level", required_argument, 0, 'L'},
+        {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
+    struct agent_opts o = {0};
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
-    struct agent_opts o = {0};
+    bool show = false;
     struct cli_conn cc = {0};
-    const char **ids = calloc((size_t)argc, sizeof(*ids));
-    const char **keys = calloc((size_t)argc + 1, sizeof(*keys));
-    struct agent_label *labels = calloc((size_t)argc, sizeof(*labels));
+    struct cli_conf cf = {0};
+    const char *config = NULL, *log_format = NULL, *log_level = NULL;
+    const char *max_concurrent = NULL, *ack_wait = NULL;
+    char *labels_env = NULL;
+    /* Lists (ids, labels, trust keys) come whole from the first source
+     * that has any: flags, then the environment, then the file. */
+    size_t room = (size_t)argc + 1024;
+    const char **ids = calloc(room, sizeof(*ids));
+    const char **keys = calloc(room, sizeof(*keys));
+    struct agent_label *labels = calloc(room, sizeof(*labels));
+    const char **strs = calloc(room, sizeof(*strs));
+    char **label_keys = calloc(room, sizeof(*label_keys));
+    size_t owned_label_keys = 0;
     struct agent *a = NULL;
     char *errmsg = NULL;
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
-    if (!ids || !labels || !keys)
+    if (!ids || !labels || !keys || !strs || !label_keys) {
+        free(label_keys);
+        free(ids);
+        free(labels);
+        free(keys);
+        free(strs);
         return CLI_EXIT_KSCORE;
-    if (getenv("KSCORE_TRUST_KEY") && getenv("KSCORE_TRUST_KEY")[0])
-        keys[o.n_trust_keys++] = getenv("KSCORE_TRUST_KEY");
+    }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-        char *end, *eq;
+        char *eq;
         switch (opt) {
         case 'i':
             ids[o.n_ids++] = optarg;
@@ -624,32 +994,41 @@ cmd_agent(int argc, char **argv)
             o.state_dir = optarg;
             break;
         case 'm':
-            o.max_concurrent = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !o.max_concurrent) {
-                cli_err("bad --max-concurrent '%s' (>= 1)", optarg);
-                goto out;
-            }
+            max_concurrent = optarg;
             break;
         case 'k':
             keys[o.n_trust_keys++] = optarg;
             break;
+        case 'w':
+            ack_wait = optarg;
+            break;
+        case 'c':
+            config = optarg;
+            break;
+        case 'F':
+            log_format = optarg;
+            break;
+        case 'L':
+            log_level = optarg;
+            break;
+        case 'S':
+            show = true;
+            break;
         case 'M':
             metrics_listen = optarg;
-            break;
-        case 'w':
-            if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
-                o.ack_wait_ms < 1000) {
-                cli_err("bad --ack-wait '%s' (a duration >= 1s)", optarg);
-                goto out;
-            }
             break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] "
-                   "[--metrics-listen ADDR:PORT]\n"
+                   "[--metrics-listen ADDR:PORT] [--config FILE] "
+                   "[--log-format text|json] [--log-level LEVEL] "
+                   "[--show-config]\n"
                    "Runs only commands signed by a trusted key "
-                   "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
+                   "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n"
+                   "Settings: flags, then KSCORE_* variables, then the "
+                   "config file (default " CLI_CONF_DIR "/agent.conf when "
+                   "it exists; kscore.conf(5)).\n");
             rc = 0;
             goto out;
         default:
@@ -658,15 +1037,118 @@ cmd_agent(int argc, char **argv)
             goto out;
         }
     }
-    if (o.n_ids == 0) {
-        cli_err("the agent needs --id ID");
+    if (optind < argc) {
+        cli_err("agent: unexpected argument '%s'", argv[optind]);
         goto out;
     }
-    cli_conn_env(&cc);
+    if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
+        goto out;
+    rc = CLI_EXIT_USAGE;
+    cli_conf_conn(&cf, &cc);
+    if (cli_conf_str(&cf, "state_dir", &o.state_dir) ||
+        cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
+        cli_conf_str(&cf, "ack_wait", &ack_wait) ||
+        cli_conf_str(&cf, "metrics_listen", &metrics_listen) ||
+        cli_conf_log(&cf, log_format, log_level, "agent"))
+        goto out;
+    if (max_concurrent) {
+        char *end;
+        o.max_concurrent = (unsigned)strtoul(max_concurrent, &end, 10);
+        if (*end || !o.max_concurrent || max_concurrent[0] == '-') {
+            cli_err("bad --max-concurrent '%s' (>= 1)", max_concurrent);
+            goto out;
+        }
+    }
+    if (ack_wait && (cli_parse_duration(ack_wait, &o.ack_wait_ms) ||
+                     o.ack_wait_ms < 1000)) {
+        cli_err("bad --ack-wait '%s' (a duration >= 1s)", ack_wait);
+        goto out;
+    }
+    {
+        /* where each list came from, for --show-config */
+        const char *ids_from = o.n_ids ? "flag" : NULL;
+        const char *keys_from = o.n_trust_keys ? "flag" : NULL;
+        const char *k = getenv("KSCORE_TRUST_KEY");
+        if (o.n_ids == 0)
+            o.n_ids = cli_conf_list(&cf, "id", ids, room);
+        if (o.n_trust_keys == 0 && k && k[0]) {
+            keys[o.n_trust_keys++] = k;
+            keys_from = "KSCORE_TRUST_KEY";
+        } else if (o.n_trust_keys == 0) {
+            o.n_trust_keys = cli_conf_list(&cf, "trust_key", keys, room);
+        }
+        for (size_t i = 0; i < o.n_ids; i++) {
+            char *w = ids_from ? NULL : cli_conf_where(&cf, "id", i);
+            cli_conf_note(&cf, "id", ids[i], w ? w : ids_from ? ids_from : "");
+            free(w);
+        }
+        for (size_t i = 0; i < o.n_trust_keys; i++) {
+            char *w = keys_from ? NULL : cli_conf_where(&cf, "trust_key", i);
+            cli_conf_note(&cf, "trust_key", keys[i],
+                          w ? w : keys_from ? keys_from : "");
+            free(w);
+        }
+    }
+    if (o.n_labels) {
+        for (size_t i = 0; i < o.n_labels && owned_label_keys < room; i++) {
+            char *kv = NULL;
+            if (asprintf(&kv, "%s=%s", labels[i].key, labels[i].value) < 0)
+                break;
+            label_keys[owned_label_keys++] = kv;
+            cli_conf_note(&cf, "label", kv, "flag");
+        }
+    }
+    if (o.n_labels == 0) {
+        /* KSCORE_LABELS="k=v,k=v" */
+        const char *env = getenv("KSCORE_LABELS");
+        size_t n = 0;
+        if (env && env[0]) {
+            if (!(labels_env = strdup(env))) {
+                rc = CLI_EXIT_KSCORE;
+                goto out;
+            }
+            for (char *save = NULL, *t = strtok_r(labels_env, ",", &save);
+                 t && n < room; t = strtok_r(NULL, ",", &save))
+                strs[n++] = t;
+        } else {
+            n = cli_conf_list(&cf, "label", strs, room);
+        }
+        for (size_t i = 0; i < n; i++) {
+            const char *eq = strchr(strs[i], '=');
+            if (!eq || eq == strs[i]) {
+                cli_err("bad label '%s' in %s: expected KEY=VALUE", strs[i],
+                        labels_env ? "KSCORE_LABELS" : cf.path);
+                goto out;
+            }
+            char *k = strndup(strs[i], (size_t)(eq - strs[i]));
+            if (!k) {
+                rc = CLI_EXIT_KSCORE;
+                goto out;
+            }
+            labels[o.n_labels].key = k;
+            labels[o.n_labels++].value = eq + 1;
+            char *w = labels_env ? NULL : cli_conf_where(&cf, "label", i);
+            cli_conf_note(&cf, "label", strs[i],
+                          w ? w : labels_env ? "KSCORE_LABELS" : "");
+            free(w);
+            /* strs[i] stays the K=V text: the value points into it */
+            label_keys[owned_label_keys++] = k;
+        }
+    }
+    if (show) {
+        cli_conf_show(&cf, stdout);
+        rc = 0;
+        goto out;
+    }
+    if (o.n_ids == 0) {
+        cli_err("the agent needs --id ID (or id in its config file)");
+        goto out;
+    }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url) {
-        cli_err("the agent needs --nats URL (or KSCORE_NATS_URL)");
+        cli_err("the agent needs --nats URL (or KSCORE_NATS_URL, or nats_url "
+                "in its config file)");
         goto out;
     }
     o.ids = ids;
@@ -686,8 +1168,8 @@ cmd_agent(int argc, char **argv)
             rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
             goto out;
         }
-        fprintf(stderr, "kscore agent: metrics on port %u (/metrics)\n",
-                evt_metrics_port(ms));
+        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
+               KS_S("path", "/metrics"));
     }
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
@@ -696,17 +1178,23 @@ cmd_agent(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
-    fprintf(stderr, "kscore agent: serving %zu id(s) on %s\n", o.n_ids,
-            o.nats_url);
+    ks_log(KS_LOG_INFO, "serving", KS_S("agent", o.ids[0]),
+           KS_I("ids", o.n_ids), KS_S("nats", o.nats_url));
     sigwait(&set, &sig);
-    fprintf(stderr, "kscore agent: %s, stopping\n", strsignal(sig));
+    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
     agent_stop(a);
     rc = 0;
 out:
     evt_metrics_stop(ms);
+    for (size_t i = 0; i < owned_label_keys; i++)
+        free(label_keys[i]);
+    free(label_keys);
+    free(labels_env);
+    free(strs);
     free(ids);
     free(labels);
     free(keys);
+    cli_conf_release(&cf);
     return rc;
 }
 

@@ -77,6 +77,46 @@ stack_mkdirs(const char *path, unsigned mode)
     return 0;
 }
 
+int
+stack_port_free(int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int one = 1, r;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+    if (port <= 0 || port > 65535)
+        return KS_EINVAL;
+    if (fd == -1)
+        return -errno;
+    /* As nats-server (Go) binds: SO_REUSEADDR, so the TIME_WAIT sockets a
+     * killed server leaves behind do not count as "taken"; only a
+     * listener does. */
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    r = bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 ? 1
+        : errno == EADDRINUSE                           ? 0
+                                                        : -errno;
+    close(fd);
+    return r;
+}
+
+int
+stack_nats_saved_port(const char *dir)
+{
+    char path[4096];
+    long v = 0;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/nats.port", dir);
+    if (!(f = fopen(path, "re")))
+        return 0;
+    if (fscanf(f, "%ld", &v) != 1 || v <= 0 || v > 65535)
+        v = 0;
+    fclose(f);
+    return (int)v;
+}
+
 static int
 read_pidfile(const char *path, pid_t *pid_out)
 {
@@ -239,6 +279,15 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
         return rc;
     for (int i = 0; i < 500; i++) {
         if (tcp_ready(port)) {
+            /* Remembered, so the next start can offer the same port (and
+             * remote agents keep their URL): stack_nats_saved_port. */
+            char portf[4096];
+            snprintf(portf, sizeof(portf), "%s/nats.port", dir);
+            FILE *pf = fopen(portf, "we");
+            if (pf) {
+                fprintf(pf, "%d\n", port);
+                fclose(pf);
+            }
             if (asprintf(url_out, "nats://127.0.0.1:%d", port) < 0)
                 return -ENOMEM;
             if (pid_out)

@@ -22,6 +22,14 @@
 /* A free TCP port on 127.0.0.1 (bind to port 0), or -errno. */
 int stack_free_port(void);
 
+/* 1 if 127.0.0.1:port has no listener (it binds with SO_REUSEADDR, as
+ * nats-server does), 0 if it is taken, KS_EINVAL or -errno. */
+int stack_port_free(int port);
+
+/* The port the last stack_nats_start of dir served on (<dir>/nats.port),
+ * or 0 when there is none. */
+int stack_nats_saved_port(const char *dir);
+
 /* mkdir -p with mode; 0 or -errno. */
 int stack_mkdirs(const char *path, unsigned mode);
 
@@ -29,7 +37,8 @@ int stack_mkdirs(const char *path, unsigned mode);
  * Starts nats-server with JetStream on 127.0.0.1:port (port 0: a free one),
  * store dir <dir>/nats, pid file <dir>/nats.pid, log <dir>/nats.log, config
  * <dir>/nats.conf written here (conf_extra, may be NULL, is appended to it).
- * Waits (<= 10 s) until it accepts connections. On 0: *url_out (malloc'd)
+ * Waits (<= 10 s) until it accepts connections; then writes the port to
+ * <dir>/nats.port. On 0: *url_out (malloc'd)
  * is "nats://127.0.0.1:PORT" and *pid_out the server's pid.
  * Errors: -errno, KS_ETIMEDOUT (not ready), KS_EUNAVAIL (exited; see log).
  */

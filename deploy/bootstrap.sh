@@ -10,6 +10,8 @@ PKGS="nats-server postgresql libnats-dev libpq-dev libprotobuf-c-dev
 protobuf-c-compiler check libsubunit-dev cmake pkg-config gcc make
 libjansson-dev uuid-dev libssl-dev openssl procps scdoc libmicrohttpd-dev
 dpkg-dev"
+# the services' configuration files (kscore.conf(5)) are read with inih
+PKGS="$PKGS libinih-dev"
 if [ "${KSCORE_PROFILE:-0}" = 1 ]; then
     PKGS="$PKGS linux-perf heaptrack valgrind"
 fi

@@ -6,7 +6,8 @@
  * Invariants:
  *  - Fallible functions in kscore return 0 or a negative code: -errno for
  *    system errors, KS_E* (all <= -1000) for kscore's own.
- *  - Nothing here allocates except kproto_pack() / kproto_uuid().
+ *  - Nothing here allocates except kproto_pack(), ks_map and the log
+ *    line (ks_log_format_line).
  */
 #ifndef KSCORE_KPROTO_H
 #define KSCORE_KPROTO_H
@@ -179,5 +180,69 @@ void ks_metrics_collector_remove(ks_metrics_collect_fn fn, void *ctx);
  * Runs the collectors first. *out (malloc'd, NUL-terminated) and *len.
  */
 int ks_metrics_render(unsigned roles, char **out, size_t *len);
+
+/*
+ * ks_log: the daemons' logs (broker, agent, watchdog). One line per event,
+ * written with one write(2) to stderr (so lines of concurrent threads never
+ * interleave): an RFC 3339 UTC time with milliseconds, a level, the message
+ * and key=value fields, as text (logfmt: `time=... level=info msg="..."
+ * command_id=... agent=...`, a value quoted when it holds a space, a quote,
+ * '=', a backslash or a control byte, or is empty) or as JSON (one object
+ * per line: "time", "level", "msg", then the fields; numbers as numbers).
+ * No color. When stderr is the journal (JOURNAL_STREAM set) the text
+ * format leaves the time out: journald stamps every line itself.
+ *
+ *   ks_log(KS_LOG_WARN, "cannot record", KS_S("command_id", id),
+ *          KS_I("attempt", n), KS_ERR(rc));
+ *
+ * Settings are process-wide (ks_log_setup; default text, info) and are
+ * meant to be set once at start, before threads.
+ */
+enum ks_log_level { KS_LOG_DEBUG, KS_LOG_INFO, KS_LOG_WARN, KS_LOG_ERROR };
+enum ks_log_format { KS_LOG_TEXT, KS_LOG_JSON };
+
+struct ks_log_field {
+    const char *key; /* NULL ends the list */
+    const char *s;   /* kind 's' (NULL prints as empty) */
+    long long i;     /* kind 'i' */
+    double d;        /* kind 'd' */
+    char kind;
+};
+#define KS_S(k, v) ((struct ks_log_field){(k), (v), 0, 0, 's'})
+#define KS_I(k, v) ((struct ks_log_field){(k), NULL, (long long)(v), 0, 'i'})
+#define KS_D(k, v) ((struct ks_log_field){(k), NULL, 0, (double)(v), 'd'})
+/* error="<ks_strerror(rc)>" */
+#define KS_ERR(rc) KS_S("error", ks_strerror(rc))
+#define KS_LOG_END ((struct ks_log_field){NULL, NULL, 0, 0, 0})
+
+#define ks_log(level, ...) ks__log((level), __VA_ARGS__, KS_LOG_END)
+void ks__log(enum ks_log_level level, const char *msg, ...);
+
+/* Sets the format and the lowest level written; component, when not NULL
+ * (a static string such as "broker"), is added to every line as
+ * service=...; a part of a service says module=... in its fields. */
+void ks_log_setup(enum ks_log_format format, enum ks_log_level min,
+                  const char *component);
+/* The current settings. */
+enum ks_log_format ks_log_format_get(void);
+enum ks_log_level ks_log_level_get(void);
+/* 1 when a line of this level would be written. */
+int ks_log_enabled(enum ks_log_level level);
+/* "debug", "info", "warn", "error" (also "warning") -> level; "text",
+ * "json" -> format. 0 or KS_EINVAL. */
+int ks_log_level_parse(const char *s, enum ks_log_level *out);
+int ks_log_format_parse(const char *s, enum ks_log_format *out);
+const char *ks_log_level_name(enum ks_log_level level);
+const char *ks_log_format_name(enum ks_log_format format);
+/*
+ * One line (not written), ending in '\n', malloc'd (NULL on ENOMEM): what
+ * ks__log writes for an event at now_us (epoch us); with_time 0 leaves the
+ * time out. A value longer than 64 KiB is cut there. For tests and
+ * ks__log.
+ */
+char *ks_log_format_line(enum ks_log_format format, int64_t now_us,
+                         int with_time, enum ks_log_level level,
+                         const char *component, const char *msg,
+                         const struct ks_log_field *fields, size_t n_fields);
 
 #endif

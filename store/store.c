@@ -301,7 +301,11 @@ on_notice(void *arg, const PGresult *res)
         s->broken = true;
         return;
     }
-    fputs(PQresultErrorMessage(res), stderr);
+    /* A notice or warning PostgreSQL sends (not an error of ours). */
+    ks_log(sev && strcmp(sev, "WARNING") == 0 ? KS_LOG_WARN : KS_LOG_INFO,
+           primary ? primary : "PostgreSQL notice", KS_S("module", "store"),
+           KS_S("pg_severity", sev ? sev : ""),
+           KS_S("sqlstate", state ? state : ""));
 }
 
 /* The session every connection gets, after each (re)connection. */

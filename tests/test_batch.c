@@ -886,7 +886,7 @@ broker2_start(void)
             buf[n] = '\0';
             fclose(f);
         }
-        if (strstr(buf, "serving on"))
+        if (strstr(buf, "msg=serving "))
             return;
         nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
     }

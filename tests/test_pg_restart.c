@@ -490,11 +490,9 @@ START_TEST(running_command_recorded_once)
     ck_assert_int_eq(runs_of(id, "run"), 1);
     PQfinish(pg);
     /* One line when the outage starts, one when it ends. */
-    ck_assert_int_eq(log_lines(log_at, "kscore recorder: cannot record", NULL),
-                     1);
-    ck_assert_int_eq(
-        log_lines(log_at, "kscore recorder: recording again", NULL), 1);
-    ck_assert_int_le(log_lines(log_at, "kscore recorder:", NULL), 2);
+    ck_assert_int_eq(log_lines(log_at, "msg=\"cannot record;", NULL), 1);
+    ck_assert_int_eq(log_lines(log_at, "msg=\"recording again\"", NULL), 1);
+    ck_assert_int_le(log_lines(log_at, "module=recorder", NULL), 2);
     evt_close(c);
 }
 END_TEST

@@ -1,0 +1,383 @@
+/*
+ * test_stack_up: the local stack of `kscore up` is stable. A restart keeps
+ * the NATS port, the credentials and the keys, and starts only the parts
+ * that are down, so remote agents (and the running parts) are never cut
+ * off by it. Real nats-server, PostgreSQL, broker and agent processes.
+ */
+#include <check.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "fixture.h"
+#include "kproto.h"
+#include "stack.h"
+
+static char tmpdir[PATH_MAX];
+static char home[PATH_MAX + 16];
+
+static void
+up_setup(void)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(tmpdir, sizeof(tmpdir), "%s/kscore-up-XXXXXX",
+             t && *t ? t : "/tmp");
+    if (!mkdtemp(tmpdir))
+        exit(1);
+    snprintf(home, sizeof(home), "%s/home", tmpdir);
+    setenv("KSCORE_PG_FAST", "1", 0);
+}
+
+static void
+up_teardown(void)
+{
+    struct fixture_out o;
+    char cmd[PATH_MAX + 16];
+    const char *args[] = {"down", NULL};
+    const char *keep = getenv("KSCORE_KEEP_TMP");
+    fixture_kscore_home(home, args, &o);
+    fixture_out_release(&o);
+    if (keep && strcmp(keep, "1") == 0)
+        return;
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cannot remove %s\n", tmpdir);
+}
+
+static int
+ks(struct fixture_out *o, const char *const args[])
+{
+    ck_assert_int_eq(fixture_kscore_home(home, args, o), 0);
+    return o->status;
+}
+
+static void
+ks_ok(const char *const args[])
+{
+    struct fixture_out o;
+    int st = ks(&o, args);
+    ck_assert_msg(st == 0, "kscore %s: exit %d: %s", args[0], st, o.err);
+    fixture_out_release(&o);
+}
+
+static char *
+slurp(const char *path)
+{
+    FILE *f = fopen(path, "re");
+    char *buf = NULL;
+    size_t len = 0;
+    ck_assert_msg(f != NULL, "open %s: %s", path, strerror(errno));
+    ck_assert_int_eq(getdelim(&buf, &len, '\0', f) >= 0, 1);
+    fclose(f);
+    return buf;
+}
+
+/* The value of NAME='...' in home/env, into buf. */
+static void
+env_value(const char *name, char *buf, size_t cap)
+{
+    char path[PATH_MAX + 32], pat[64];
+    snprintf(path, sizeof(path), "%s/env", home);
+    char *s = slurp(path);
+    snprintf(pat, sizeof(pat), "%s='", name);
+    char *p = strstr(s, pat);
+    ck_assert_msg(p != NULL, "%s not in env", name);
+    p += strlen(pat);
+    char *q = strchr(p, '\'');
+    ck_assert_ptr_nonnull(q);
+    snprintf(buf, cap, "%.*s", (int)(q - p), p);
+    free(s);
+}
+
+static pid_t
+pid_of(const char *part)
+{
+    pid_t pid = 0;
+    ck_assert_msg(stack_pidfile_alive(home, part, &pid), "%s is not running",
+                  part);
+    return pid;
+}
+
+/* What a restart must not change: every seed and key file and the
+ * server's users. */
+static char *
+secrets(void)
+{
+    static const char *const files[] = {"keys/broker.nk", "keys/broker.key",
+                                        "keys/broker.pub",
+                                        STACK_NATS_AUTH_FILE};
+    char *all = NULL;
+    size_t n = 0;
+    FILE *m = open_memstream(&all, &n);
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        char path[PATH_MAX + 64];
+        snprintf(path, sizeof(path), "%s/%s", home, files[i]);
+        char *s = slurp(path);
+        fprintf(m, "%s\n%s\n", files[i], s);
+        free(s);
+    }
+    fclose(m);
+    return all;
+}
+
+static void
+kill_and_wait(pid_t pid)
+{
+    ck_assert_int_eq(kill(pid, SIGKILL), 0);
+    for (int i = 0; i < 500 && kill(pid, 0) == 0; i++) {
+        struct timespec ts = {0, 20000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void
+exec_echo(const char *word)
+{
+    struct fixture_out o;
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--timeout", "20s", "--",
+                                             "echo", word, NULL}),
+                     0);
+    char want[64];
+    snprintf(want, sizeof(want), "%s\n", word);
+    ck_assert_str_eq(o.out, want);
+    fixture_out_release(&o);
+}
+
+START_TEST(broker_crash_restarts_the_broker_alone)
+{
+    char url[256], url2[256];
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    char *before = secrets();
+    pid_t nats = pid_of("nats"), agent = pid_of("agent"),
+          pg = pid_of("pg"), broker = pid_of("broker");
+
+    kill_and_wait(broker);
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url2, sizeof(url2));
+    ck_assert_str_eq(url, url2);
+    char *after = secrets();
+    ck_assert_str_eq(before, after);
+    ck_assert_int_eq(pid_of("nats"), nats);
+    ck_assert_int_eq(pid_of("agent"), agent);
+    ck_assert_int_eq(pid_of("pg"), pg);
+    ck_assert_int_ne(pid_of("broker"), broker);
+    exec_echo("broker-back");
+    free(before);
+    free(after);
+}
+END_TEST
+
+START_TEST(nats_crash_comes_back_on_its_port)
+{
+    char url[256], url2[256];
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    char *before = secrets();
+    pid_t nats = pid_of("nats"), agent = pid_of("agent"),
+          broker = pid_of("broker");
+
+    kill_and_wait(nats);
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url2, sizeof(url2));
+    ck_assert_str_eq(url, url2);
+    char *after = secrets();
+    ck_assert_str_eq(before, after);
+    ck_assert_int_ne(pid_of("nats"), nats);
+    /* The broker and the agent reconnected by themselves. */
+    ck_assert_int_eq(pid_of("agent"), agent);
+    ck_assert_int_eq(pid_of("broker"), broker);
+    exec_echo("nats-back");
+    free(before);
+    free(after);
+}
+END_TEST
+
+START_TEST(down_up_keeps_the_port_or_says_it_moved)
+{
+    char url[256], url2[256], url3[256];
+    struct fixture_out o;
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    char *before = secrets();
+
+    ks_ok((const char *[]){"down", NULL});
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url2, sizeof(url2));
+    ck_assert_str_eq(url, url2);
+    char *after = secrets();
+    ck_assert_str_eq(before, after);
+
+    /* Someone else took the port while the stack was down. */
+    ks_ok((const char *[]){"down", NULL});
+    int port = atoi(strrchr(url, ':') + 1);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int one = 1; /* past the TIME_WAIT sockets of the stopped server */
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    ck_assert_int_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    ck_assert_int_eq(listen(fd, 1), 0);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", NULL}), 0);
+    ck_assert_msg(strstr(o.err, "is taken") != NULL, "%s", o.err);
+    fixture_out_release(&o);
+    close(fd);
+    env_value("KSCORE_NATS_URL", url3, sizeof(url3));
+    ck_assert_str_ne(url, url3);
+    exec_echo("moved");
+    free(before);
+    free(after);
+}
+END_TEST
+
+/* `kscore status --json` for home, parsed. */
+static json_t *
+status_json(void)
+{
+    struct fixture_out o;
+    ks(&o, (const char *[]){"status", "--json", NULL});
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_msg(j != NULL, "status --json: %s / %s", o.out, o.err);
+    fixture_out_release(&o);
+    return j;
+}
+
+/* The agent id's entry in j["agents"], or NULL. */
+static json_t *
+agent_in(json_t *j, const char *id)
+{
+    json_t *arr = json_object_get(j, "agents"), *a;
+    size_t i;
+    json_array_foreach(arr, i, a)
+    {
+        if (strcmp(json_string_value(json_object_get(a, "agent_id")), id) == 0)
+            return a;
+    }
+    return NULL;
+}
+
+START_TEST(status_reports_remote_agents)
+{
+    struct stack_identity sid;
+    char seed[PATH_MAX + 64], trust[PATH_MAX + 32], state[PATH_MAX + 32],
+        url[256], exe[PATH_MAX];
+    pid_t pid;
+
+    ks_ok((const char *[]){"up", NULL});
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    /* An agent of another host: its own identity, its own process, the
+     * stack's NATS over TCP. */
+    ck_assert_int_eq(stack_ident_add(home, STACK_AGENT, "agent-far-1", &sid),
+                     0);
+    ck_assert_int_eq(stack_nats_auth_write(home, home), 0);
+    ck_assert_int_eq(stack_nats_reload(home, 5000), 0);
+    ck_assert_int_eq(stack_ident_seed_path(home, STACK_AGENT, "agent-far-1",
+                                           seed, sizeof(seed)),
+                     0);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    snprintf(state, sizeof(state), "%s/far-1", tmpdir);
+    snprintf(exe, sizeof(exe), "%s",
+             getenv("KSCORE_BIN") ? getenv("KSCORE_BIN") : "kscore");
+    char *argv[] = {exe,     "agent",        "--id",      "far-1",
+                    "--nats", url,           "--nkey",    seed,
+                    "--trust-key", trust,    "--state-dir", state,
+                    "--label", "site=far",   "--max-concurrent", "3",
+                    "--config", "/dev/null", NULL};
+    ck_assert_int_eq(stack_daemon(tmpdir, "far", argv, &pid), 0);
+
+    json_t *j = NULL, *a = NULL;
+    for (int i = 0; i < 150; i++) {
+        json_decref(j);
+        j = status_json();
+        a = agent_in(j, "far-1");
+        if (a && json_is_true(json_object_get(a, "online")))
+            break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    ck_assert_msg(a != NULL, "far-1 not in status: %s",
+                  json_dumps(j, 0));
+    ck_assert(json_is_true(json_object_get(a, "online")));
+    ck_assert(json_is_false(json_object_get(a, "local")));
+    ck_assert_str_eq(json_string_value(json_object_get(a, "version")),
+                     "0.1.0");
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "running")), 0);
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "max_concurrent")),
+                     3);
+    ck_assert_str_eq(json_string_value(json_object_get(
+                         json_object_get(a, "labels"), "site")),
+                     "far");
+    ck_assert_int_gt(strlen(json_string_value(json_object_get(a, "last_seen"))),
+                     0);
+    /* the local agent is there too, and says it is local */
+    char local[128];
+    env_value("KSCORE_AGENT", local, sizeof(local));
+    json_t *l = agent_in(j, local);
+    ck_assert_ptr_nonnull(l);
+    ck_assert(json_is_true(json_object_get(l, "local")));
+    ck_assert(json_is_true(json_object_get(l, "online")));
+    ck_assert(json_is_true(json_object_get(j, "running")));
+    json_decref(j);
+
+    /* Text: one row per agent. */
+    struct fixture_out o;
+    ck_assert_int_eq(ks(&o, (const char *[]){"status", NULL}), 0);
+    ck_assert_ptr_nonnull(strstr(o.out, "far-1"));
+    ck_assert_ptr_nonnull(strstr(o.out, "online"));
+    ck_assert_ptr_nonnull(strstr(o.out, "0/3"));
+    fixture_out_release(&o);
+
+    /* It dies: it is reported offline, with when it was last seen. */
+    ck_assert_int_eq(kill(pid, SIGKILL), 0);
+    j = NULL;
+    for (int i = 0; i < 300; i++) {
+        json_decref(j);
+        j = status_json();
+        a = agent_in(j, "far-1");
+        if (a && json_is_false(json_object_get(a, "online")))
+            break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    ck_assert_msg(a && json_is_false(json_object_get(a, "online")),
+                  "far-1 still online: %s", json_dumps(j, 0));
+    ck_assert_int_ge(json_integer_value(json_object_get(a, "last_seen_ago_ms")),
+                     1000);
+    json_decref(j);
+    stack_stop(tmpdir, "far", 5000);
+}
+END_TEST
+
+static Suite *
+stack_up_suite(void)
+{
+    Suite *s = suite_create("stack_up");
+    TCase *tc = tcase_create("up");
+    tcase_add_unchecked_fixture(tc, up_setup, up_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, broker_crash_restarts_the_broker_alone);
+    tcase_add_test(tc, nats_crash_comes_back_on_its_port);
+    tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
+    tcase_add_test(tc, status_reports_remote_agents);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(stack_up_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
