@@ -178,5 +178,29 @@ int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_operator(int argc, char **argv);
+/* kscore agent enroll|revoke|list (cli/cmd_enroll.c); argv[0] is the verb. */
+int cmd_agent_admin(int argc, char **argv);
+
+/*
+ * An agent bundle (`kscore agent enroll` writes it; format in
+ * cli/cmd_enroll.c and README "Deploying a fleet"), read back by
+ * `kscore agent --bundle FILE`: its files are written into a private
+ * directory (<state_dir>/bundle, or a new one under $TMPDIR removed by
+ * cli_bundle_release) where nats.c and the agent read them.
+ */
+struct cli_bundle {
+    char id[EVT_AGENT_ID_MAX + 1];
+    char *urls;       /* comma-separated, as evt_connect takes them */
+    char **labels;    /* "KEY=VALUE" */
+    size_t n_labels;
+    char dir[4200];
+    bool made_dir;
+    char nkey_file[4300], trust_key[4300];
+    char tls_ca[4300], tls_cert[4300], tls_key[4300]; /* "" when absent */
+};
+/* 0, or a negative code with why (one line) filled. */
+int cli_bundle_load(const char *path, const char *state_dir,
+                    struct cli_bundle *b, char *why, size_t why_len);
+void cli_bundle_release(struct cli_bundle *b);
 
 #endif

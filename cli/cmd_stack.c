@@ -491,9 +491,12 @@ cmd_agent(int argc, char **argv)
         {"max-concurrent", required_argument, 0, 'm'},
         {"ack-wait", required_argument, 0, 'w'},
         {"trust-key", required_argument, 0, 'k'},
+        {"bundle", required_argument, 0, 'b'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
+    struct cli_bundle bundle = {0};
+    const char *bundle_file = NULL;
     struct cli_conn cc = {0};
     const char **ids = calloc((size_t)argc, sizeof(*ids));
     const char **keys = calloc((size_t)argc + 1, sizeof(*keys));
@@ -503,6 +506,15 @@ cmd_agent(int argc, char **argv)
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
+    /* Subcommand words select the fleet mode (cli/cmd_enroll.c). */
+    if (argc > 1 && (strcmp(argv[1], "enroll") == 0 ||
+                     strcmp(argv[1], "revoke") == 0 ||
+                     strcmp(argv[1], "list") == 0)) {
+        free(ids);
+        free(keys);
+        free(labels);
+        return cmd_agent_admin(argc - 1, argv + 1);
+    }
     if (!ids || !labels || !keys)
         return CLI_EXIT_KSCORE;
     if (getenv("KSCORE_TRUST_KEY") && getenv("KSCORE_TRUST_KEY")[0])
@@ -537,6 +549,9 @@ cmd_agent(int argc, char **argv)
         case 'k':
             keys[o.n_trust_keys++] = optarg;
             break;
+        case 'b':
+            bundle_file = optarg;
+            break;
         case 'w':
             if (cli_parse_duration(optarg, &o.ack_wait_ms) ||
                 o.ack_wait_ms < 1000) {
@@ -548,6 +563,13 @@ cmd_agent(int argc, char **argv)
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D]\n"
+                   "       kscore agent --bundle FILE [--state-dir DIR] "
+                   "[--label K=V]... [--max-concurrent N]\n"
+                   "       kscore agent enroll|revoke|list ... (kscore agent "
+                   "enroll --help)\n"
+                   "A bundle (kscore agent enroll) gives the id, labels, "
+                   "NATS urls, credential, TLS files and trust key; flags "
+                   "override it.\n"
                    "Runs only commands signed by a trusted key "
                    "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n");
             rc = 0;
@@ -558,11 +580,64 @@ cmd_agent(int argc, char **argv)
             goto out;
         }
     }
+    if (bundle_file) {
+        char why[512] = "";
+        int brc = cli_bundle_load(bundle_file, o.state_dir, &bundle, why,
+                                  sizeof(why));
+        if (brc) {
+            cli_err("bad bundle: %s", why[0] ? why : ks_strerror(brc));
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+        /* The bundle's identity may serve its own id only. */
+        for (size_t i = 0; i < o.n_ids; i++)
+            if (strcmp(ids[i], bundle.id) != 0) {
+                cli_err("--id %s: the bundle is agent %s's (its NATS user "
+                        "may serve no other id)",
+                        ids[i], bundle.id);
+                goto out;
+            }
+        if (o.n_ids == 0)
+            ids[o.n_ids++] = bundle.id;
+        struct agent_label *nl =
+            realloc(labels, ((size_t)argc + bundle.n_labels) * sizeof(*nl));
+        if (!nl) {
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+        labels = nl;
+        size_t given = o.n_labels;
+        for (size_t i = 0; i < bundle.n_labels; i++) {
+            char *kv = bundle.labels[i], *eq = strchr(kv, '=');
+            bool dup = false;
+            *eq = '\0';
+            for (size_t j = 0; j < given; j++)
+                dup = dup || strcmp(labels[j].key, kv) == 0;
+            if (!dup) {
+                labels[o.n_labels].key = kv;
+                labels[o.n_labels++].value = eq + 1;
+            }
+        }
+        keys[o.n_trust_keys++] = bundle.trust_key;
+        /* Flags first, then the bundle: the environment's KSCORE_NATS_*
+         * would otherwise mix another credential into the bundle's. */
+        if (!cc.nats_url)
+            cc.nats_url = bundle.urls;
+        if (!cc.opts.nkey_file)
+            cc.opts.nkey_file = bundle.nkey_file;
+        if (!cc.opts.tls_ca && bundle.tls_ca[0])
+            cc.opts.tls_ca = bundle.tls_ca;
+        if (!cc.opts.tls_cert && bundle.tls_cert[0]) {
+            cc.opts.tls_cert = bundle.tls_cert;
+            cc.opts.tls_key = bundle.tls_key;
+        }
+    }
     if (o.n_ids == 0) {
-        cli_err("the agent needs --id ID");
+        cli_err("the agent needs --id ID (or --bundle FILE)");
         goto out;
     }
-    cli_conn_env(&cc);
+    if (!bundle_file)
+        cli_conn_env(&cc);
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url) {
@@ -591,6 +666,7 @@ cmd_agent(int argc, char **argv)
     agent_stop(a);
     rc = 0;
 out:
+    cli_bundle_release(&bundle);
     free(ids);
     free(labels);
     free(keys);

@@ -596,4 +596,14 @@ int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
  */
 int evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out);
 
+/*
+ * Forgets an agent (`kscore agent revoke`, events/fleet.c): purges its
+ * registry entry, which makes the broker drop it (commands to it are then
+ * refused as for an unknown agent), and deletes its consumer. c needs the
+ * broker's rights (JetStream API). Run it after the agent's NATS user is
+ * gone, so that it cannot put its entry back. 0, KS_EINVAL, or as evt_err
+ * with *errmsg (malloc'd, may be NULL).
+ */
+int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
+
 #endif
