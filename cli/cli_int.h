@@ -178,6 +178,40 @@ int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_operator(int argc, char **argv);
+/*
+ * `kscore up --listen ADDR [--tls-name NAME]... [--mtls]` (cli/cmd_listen.c):
+ * nats-server on ADDR instead of 127.0.0.1 (nats-server 2.9 has one client
+ * listener, so the stack's own parts use ADDR too), TLS-only beyond
+ * loopback with the stack's CA; kept in $KSCORE_HOME/env for later `up`s.
+ */
+struct cli_listen {
+    const char *given_host;
+    const char *names[16];
+    size_t n_names;
+    bool mtls, mtls_given;
+    char host[64];  /* resolved: the address nats-server listens on */
+    bool tls;       /* not a loopback address */
+    char *tls_conf; /* nats-server's tls block (malloc'd), NULL without */
+    char ca[4300], bcert[4300], bkey[4300], acert[4300], akey[4300],
+        ocert[4300], okey[4300];
+};
+/* One of up's flags 'L' (--listen), 'N' (--tls-name), 'M' (--mtls): 0,
+ * or CLI_EXIT_USAGE after printing why. */
+int cli_listen_opt(struct cli_listen *l, int opt, const char *arg);
+/* Fills what no flag gave from the env file of the last `up`. */
+void cli_listen_resolve(struct cli_listen *l);
+/* The CA, the server certificate and (mtls) the client certificates of
+ * the broker, agent_user and operator; the tls block. 0 or
+ * CLI_EXIT_KSCORE after printing why. */
+int cli_listen_tls(const char *home, struct cli_listen *l,
+                   const char *agent_user, const char *operator_name);
+/* Puts --tls-ca/--tls-cert/--tls-key (the broker's, agent 0, or the
+ * local agent's, agent 1) at argv's first NULL (6 free slots needed). */
+void cli_listen_args(char **argv, const struct cli_listen *l, int agent);
+/* Appends the listen settings and the operator's TLS files to the env
+ * file. 0 or -errno. */
+int cli_listen_env(const char *home, const struct cli_listen *l);
+
 /* kscore agent enroll|revoke|list (cli/cmd_enroll.c); argv[0] is the verb. */
 int cmd_agent_admin(int argc, char **argv);
 

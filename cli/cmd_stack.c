@@ -81,11 +81,21 @@ self_exe(char *buf, size_t len)
     return 0;
 }
 
+/* `up --listen`: the TLS files the stack's own connections use (all
+ * NULL on a loopback stack). up_tls.cert/key: the operator's, for the
+ * waits; the daemons get their own. */
+static struct {
+    const char *ca, *cert, *key;
+} up_tls;
+
 static int
 wait_broker(const char *url, const char *operator_seed, int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
-                                 .nkey_file = operator_seed};
+                                 .nkey_file = operator_seed,
+                                 .tls_ca = up_tls.ca,
+                                 .tls_cert = up_tls.cert,
+                                 .tls_key = up_tls.key};
     return broker_wait_ready(url, &o, timeout_ms);
 }
 
@@ -94,7 +104,10 @@ wait_agent(const char *url, const char *id, const char *broker_seed,
            int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
-                                 .nkey_file = broker_seed};
+                                 .nkey_file = broker_seed,
+                                 .tls_ca = up_tls.ca,
+                                 .tls_cert = up_tls.cert,
+                                 .tls_key = up_tls.key};
     return broker_wait_agent(url, &o, id,
                              ks_now_us() - (int64_t)EVT_AGENT_TTL_MS * 1000,
                              timeout_ms);
@@ -202,9 +215,13 @@ cmd_up(int argc, char **argv)
 {
     static const struct option lo[] = {
         {"local-agents", required_argument, 0, 'l'},
+        {"listen", required_argument, 0, 'L'},
+        {"tls-name", required_argument, 0, 'N'},
+        {"mtls", no_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
+    struct cli_listen ul = {0};
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
     char agent_state[4200], local_state[4200];
     char *url = NULL, *db = NULL;
@@ -226,9 +243,23 @@ cmd_up(int argc, char **argv)
             }
             local_agents_given = true;
             break;
+        case 'L':
+        case 'N':
+        case 'M':
+            if ((rc = cli_listen_opt(&ul, opt, optarg)))
+                return rc;
+            break;
         case 'h':
-            printf("usage: kscore up [--local-agents N]\nStarts the local "
-                   "stack under $KSCORE_HOME (now %s).\n",
+            printf("usage: kscore up [--local-agents N] [--listen ADDR "
+                   "[--tls-name NAME]... [--mtls]]\nStarts the local "
+                   "stack under $KSCORE_HOME (now %s).\n"
+                   "--listen ADDR: nats-server listens on ADDR (an IPv4 "
+                   "address agents on other hosts reach) instead of "
+                   "127.0.0.1, TLS-only, with a certificate from the "
+                   "stack's own CA ($KSCORE_HOME/tls) for ADDR, the host "
+                   "name and each --tls-name; --mtls: clients must show a "
+                   "certificate from that CA too. Kept for later `up`s "
+                   "(--listen 127.0.0.1 goes back to loopback).\n",
                    home);
             return 0;
         default:
@@ -254,6 +285,9 @@ cmd_up(int argc, char **argv)
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
+        if (ul.given_host || ul.mtls_given || ul.n_names)
+            fprintf(stderr, "kscore: --listen, --tls-name and --mtls apply "
+                            "when it starts: `kscore down` first\n");
         print_status(false);
         return 0;
     }
@@ -284,6 +318,7 @@ cmd_up(int argc, char **argv)
     stack_stop(home, "agent", 20000);
     stack_stop(home, "broker", 20000);
     stack_nats_stop(home);
+    cli_listen_resolve(&ul);
     char operator_name[EVT_IDENTITY_MAX + 1];
     char agent_user[EVT_IDENTITY_MAX + 8];
     char broker_seed[4200], agent_seed[4200], operator_seed[4200];
@@ -304,8 +339,14 @@ cmd_up(int argc, char **argv)
                 ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
+    if ((rc = cli_listen_tls(home, &ul, agent_user, operator_name)))
+        return rc;
+    up_tls.ca = ul.tls ? ul.ca : NULL;
+    up_tls.cert = ul.mtls ? ul.ocert : NULL;
+    up_tls.key = ul.mtls ? ul.okey : NULL;
     fprintf(stderr, "kscore: starting nats-server ...\n");
-    rc = stack_nats_start(home, 0, STACK_NATS_AUTH_INCLUDE, &url, &pid);
+    rc = stack_nats_start_at(home, ul.host, 0, ul.tls_conf,
+                             STACK_NATS_AUTH_INCLUDE, &url, &pid);
     if (rc) {
         cli_err("cannot start nats-server: %s (see %s/nats.log)",
                 ks_strerror(rc), home);
@@ -332,7 +373,10 @@ cmd_up(int argc, char **argv)
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
                          local_state, "--signing-key",  signing_key,
+                         NULL,        NULL,             NULL,
+                         NULL,        NULL,             NULL,
                          NULL};
+        cli_listen_args(bargv, &ul, 0);
         rc = stack_daemon(home, "broker", bargv, &pid);
         if (rc == 0)
             rc = wait_broker(url, operator_seed, 30000);
@@ -347,7 +391,10 @@ cmd_up(int argc, char **argv)
         setenv("KSCORE_NATS_NKEY", agent_seed, 1);
         char *aargv[] = {exe,         "agent",       "--id",      agent_id,
                          "--nats",    url,           "--state-dir",
-                         agent_state, "--trust-key", trust_key,   NULL};
+                         agent_state, "--trust-key", trust_key,   NULL,
+                         NULL,        NULL,          NULL,        NULL,
+                         NULL,        NULL};
+        cli_listen_args(aargv, &ul, 1);
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc == 0)
@@ -359,18 +406,21 @@ cmd_up(int argc, char **argv)
         }
     }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
-                        operator_seed))) {
+                        operator_seed)) ||
+        (rc = cli_listen_env(home, &ul))) {
         cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
         goto fail;
     }
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
+    free(ul.tls_conf);
     print_status(false);
     return 0;
 fail:
     free(url);
     free(db);
+    free(ul.tls_conf);
     return CLI_EXIT_KSCORE;
 }
 

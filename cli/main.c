@@ -199,6 +199,17 @@ cli_connect(struct cli_conn *cc, struct evt_conn **out)
         if (local && !given &&
             (cc->owned[1] = cli_env_get("KSCORE_NATS_NKEY")))
             cc->opts.nkey_file = cc->owned[1];
+        /* `kscore up --listen`: the stack's CA (and, with --mtls, this
+         * login's client certificate), unless TLS files were given. */
+        if (local && !cc->opts.tls_ca &&
+            (cc->owned[2] = cli_env_get("KSCORE_NATS_TLS_CA")))
+            cc->opts.tls_ca = cc->owned[2];
+        if (local && !cc->opts.tls_cert &&
+            (cc->owned[3] = cli_env_get("KSCORE_NATS_TLS_CERT")) &&
+            (cc->owned[4] = cli_env_get("KSCORE_NATS_TLS_KEY"))) {
+            cc->opts.tls_cert = cc->owned[3];
+            cc->opts.tls_key = cc->owned[4];
+        }
     }
     if (!url || !url[0]) {
         cli_err("no NATS url: give --nats URL, set KSCORE_NATS_URL, or start "
