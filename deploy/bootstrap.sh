@@ -8,7 +8,7 @@ set -eu
 
 PKGS="nats-server postgresql libnats-dev libpq-dev libprotobuf-c-dev
 protobuf-c-compiler check libsubunit-dev cmake pkg-config gcc make
-libjansson-dev uuid-dev libssl-dev openssl procps"
+libjansson-dev uuid-dev libssl-dev openssl procps iproute2"
 if [ "${KSCORE_PROFILE:-0}" = 1 ]; then
     PKGS="$PKGS linux-perf heaptrack valgrind"
 fi
