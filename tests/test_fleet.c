@@ -173,8 +173,13 @@ teardown(void)
             snprintf(name, sizeof(name), "agent%d", i);
             stack_stop(home, name, 5000);
         }
+        stack_stop(home, "agent", 5000); /* `kscore up`'s own */
         stack_stop(home, "broker", 5000);
         stack_nats_stop(home);
+        char pgdir[PATH_MAX + 8];
+        snprintf(pgdir, sizeof(pgdir), "%s/pg", home);
+        if (access(pgdir, F_OK) == 0)
+            stack_pg_stop(home);
     }
     if (pg_started)
         fixture_pg_stop(&pg);
@@ -182,6 +187,9 @@ teardown(void)
         net_down();
     if (home[0] && !getenv("KSCORE_KEEP_TMP"))
         nftw(home, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    home[0] = '\0';
+    skip_reason[0] = '\0';
+    pg_started = net_made = false;
 }
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -515,7 +523,102 @@ START_TEST(fleet_over_tls_in_namespaces)
     ks(&o, (const char *[]){"agent", "list", "--json", NULL});
     ck_assert_msg(!strstr(o.out, "fleet3"), "%s", o.out);
     fixture_out_release(&o);
+    /* The id may be enrolled again: a new key; the old one stays out. */
+    {
+        char again[PATH_MAX + 32], nk[PATH_MAX + 64];
+        snprintf(again, sizeof(again), "%s/fleet3-new.bundle", home);
+        ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "fleet3",
+                                                 "--out", again, "--nats-url",
+                                                 url, NULL}),
+                         0);
+        fixture_out_release(&o);
+        snprintf(nk, sizeof(nk), "%s/state-fleet3/bundle/agent.nk", home);
+        struct evt_connect_opts co = {.name = "revoked",
+                                      .nkey_file = nk,
+                                      .tls_ca = tp.ca_cert,
+                                      .tls_cert = ocert,
+                                      .tls_key = okey};
+        struct evt_conn *c = NULL;
+        ck_assert_int_ne(evt_connect(url, &co, &c, NULL), 0);
+    }
     free(url);
+}
+END_TEST
+
+/* `kscore up --listen ADDR --mtls` on the broker host, and an agent in a
+ * namespace with its bundle and no state dir. */
+START_TEST(up_listen_serves_a_remote_agent)
+{
+    char url[256] = "", seed[PATH_MAX + 32], cert[PATH_MAX + 32],
+        key[PATH_MAX + 32], ca[PATH_MAX + 32], bundle[PATH_MAX + 32],
+        ns[48], env[PATH_MAX + 8];
+    const char *exe = getenv("KSCORE_BIN");
+    struct fixture_out o;
+    pid_t pid;
+
+    if (skip_reason[0]) {
+        fprintf(stderr, "test_fleet: SKIPPED: %s\n", skip_reason);
+        return;
+    }
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", HOST_ADDR,
+                                             "--mtls", NULL}),
+                     0);
+    fixture_out_release(&o);
+    snprintf(env, sizeof(env), "%s/env", home);
+    {
+        FILE *f = fopen(env, "re");
+        char line[1024];
+        ck_assert_ptr_nonnull(f);
+        while (fgets(line, sizeof(line), f))
+            if (strncmp(line, "KSCORE_NATS_URL='", 17) == 0)
+                snprintf(url, sizeof(url), "%.*s",
+                         (int)strcspn(line + 17, "'"), line + 17);
+        fclose(f);
+    }
+    ck_assert_msg(strncmp(url, "tls://" HOST_ADDR ":", 17) == 0, "%s", url);
+    /* The local parts and this login go through TLS too. */
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--", "true", NULL}), 0);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"status", NULL}), 0);
+    fixture_out_release(&o);
+
+    snprintf(bundle, sizeof(bundle), "%s/r1.bundle", home);
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "r1",
+                                             "--label", "site=ns", "--out",
+                                             bundle, NULL}),
+                     0);
+    fixture_out_release(&o);
+    snprintf(ns, sizeof(ns), "%sn1", tag);
+    int64_t since = ks_now_us();
+    char *aargv[] = {(char *)ip_bin(), "netns",      "exec", ns,
+                     (char *)exe,      "agent",      "--bundle", bundle,
+                     NULL};
+    ck_assert_int_eq(stack_daemon(home, "agent1", aargv, &pid), 0);
+    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
+    snprintf(ca, sizeof(ca), "%s/tls/ca.pem", home);
+    snprintf(cert, sizeof(cert), "%s/tls/broker.pem", home);
+    snprintf(key, sizeof(key), "%s/tls/broker.key", home);
+    struct evt_connect_opts co = {.name = "fleet-wait",
+                                  .nkey_file = seed,
+                                  .tls_ca = ca,
+                                  .tls_cert = cert,
+                                  .tls_key = key};
+    ck_assert_msg(broker_wait_agent(url, &co, "r1", since, 30000) == 0,
+                  "r1 did not register (see %s/agent1.log)", home);
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "r1", "--",
+                                             "ip", "-o", "-4", "addr", "show",
+                                             NULL}),
+                     0);
+    ck_assert_msg(strstr(o.out, "inet 10.213.0.11/"), "%s%s", o.out, o.err);
+    fixture_out_release(&o);
+    /* Mutual TLS: the broker's NKey without a certificate is not let in. */
+    struct evt_connect_opts nocert = {.name = "no-cert",
+                                      .nkey_file = seed,
+                                      .tls_ca = ca};
+    struct evt_conn *c = NULL;
+    ck_assert_int_ne(evt_connect(url, &nocert, &c, NULL), 0);
+    ck_assert_int_eq(ks(&o, (const char *[]){"down", NULL}), 0);
+    fixture_out_release(&o);
 }
 END_TEST
 
@@ -527,6 +630,12 @@ fleet_suite(void)
     tcase_add_unchecked_fixture(tc, setup, teardown);
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, fleet_over_tls_in_namespaces);
+    suite_add_tcase(s, tc);
+    /* Its own network and home (the unchecked fixture runs per case). */
+    tc = tcase_create("up_listen");
+    tcase_add_unchecked_fixture(tc, setup, teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, up_listen_serves_a_remote_agent);
     suite_add_tcase(s, tc);
     return s;
 }
