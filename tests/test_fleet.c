@@ -257,6 +257,28 @@ json_str(const char *text, const char *key)
     return s ? strndup(s + strlen(pat), strcspn(s + strlen(pat), "\"")) : NULL;
 }
 
+/* 1 once the file holds needle (polled up to timeout_ms). */
+static int
+log_wait(const char *path, const char *needle, int timeout_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+
+    for (;;) {
+        FILE *f = fopen(path, "re");
+        char line[1024];
+        int found = 0;
+        while (f && !found && fgets(line, sizeof(line), f))
+            found = strstr(line, needle) != NULL;
+        if (f)
+            fclose(f);
+        if (found)
+            return 1;
+        if (ks_mono_us() >= deadline)
+            return 0;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+}
+
 /* ---- the test --------------------------------------------------------------- */
 
 START_TEST(fleet_over_tls_in_namespaces)
@@ -483,6 +505,17 @@ START_TEST(fleet_over_tls_in_namespaces)
         ck_assert_msg(err && strstr(err, "Violation"), "%s",
                       err ? err : "");
         free(err);
+    }
+    /* Its open connection was closed at the reload: its heartbeats stop
+     * reaching NATS, and after 5 s it fences itself (kills what it runs),
+     * while the others go on. */
+    {
+        char log3[PATH_MAX + 32], log1[PATH_MAX + 32];
+        snprintf(log3, sizeof(log3), "%s/agent3.log", home);
+        snprintf(log1, sizeof(log1), "%s/agent1.log", home);
+        ck_assert_msg(log_wait(log3, "self-fenced", 20000),
+                      "revoked agent still connected? see %s", log3);
+        ck_assert(!log_wait(log1, "self-fenced", 0));
     }
     /* New commands for it are refused by the broker. */
     ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "fleet3", "--",
