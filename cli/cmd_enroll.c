@@ -555,8 +555,13 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
 out:
     /* Nothing half-made stays: no identity without its bundle, no bundle
      * without its identity. */
-    if (ret && added)
+    if (ret && added) {
         stack_ident_remove(home, identity);
+        if (meta_path(home, id, meta, sizeof(meta)) == 0)
+            unlink(meta);
+        /* nats-auth.conf may already name it: not at the next start. */
+        stack_nats_auth_write(home, home);
+    }
     if (ret && created)
         unlink(out_path);
     if (f)
