@@ -46,6 +46,29 @@ errmsg_dup(const char *fmt, const char *a, const char *b)
     return m;
 }
 
+/* Disconnected, reconnected and closed, for services (retry_forever). */
+static void
+on_conn_event(natsConnection *nc, void *closure)
+{
+    const struct evt_conn *c = closure;
+    const char *err = NULL;
+    natsConnStatus st = natsConnection_Status(nc);
+
+    natsConnection_GetLastError(nc, &err);
+    if (st == NATS_CONN_STATUS_CONNECTED) {
+        fprintf(stderr, "kscore: NATS connection of %s is back\n",
+                c->identity);
+        return;
+    }
+    /* Closed without an error: our own evt_close, nothing to say. */
+    if (st == NATS_CONN_STATUS_CLOSED && !(err && err[0]))
+        return;
+    fprintf(stderr, "kscore: NATS connection of %s %s%s%s\n", c->identity,
+            st == NATS_CONN_STATUS_CLOSED ? "closed for good"
+                                          : "lost (reconnecting)",
+            err && err[0] ? ": " : "", err && err[0] ? err : "");
+}
+
 int
 evt_connect(const char *url, const struct evt_connect_opts *o,
             struct evt_conn **out, char **errmsg)
@@ -79,6 +102,15 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         if (s == NATS_OK)
             s = natsOptions_SetReconnectBufSize(opts, 64 * 1024 * 1024);
     }
+    /* A service says when its connection goes and comes back: a revoked
+     * credential, an expired certificate or a server away must show in
+     * its log, not only as silence. */
+    if (s == NATS_OK && o->retry_forever)
+        s = natsOptions_SetDisconnectedCB(opts, on_conn_event, c);
+    if (s == NATS_OK && o->retry_forever)
+        s = natsOptions_SetReconnectedCB(opts, on_conn_event, c);
+    if (s == NATS_OK && o->retry_forever)
+        s = natsOptions_SetClosedCB(opts, on_conn_event, c);
     if (s == NATS_OK && o->global_delivery)
         s = natsOptions_UseGlobalMessageDelivery(opts, true);
     if (o->nkey_file) {

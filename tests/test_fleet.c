@@ -513,6 +513,8 @@ START_TEST(fleet_over_tls_in_namespaces)
         char log3[PATH_MAX + 32], log1[PATH_MAX + 32];
         snprintf(log3, sizeof(log3), "%s/agent3.log", home);
         snprintf(log1, sizeof(log1), "%s/agent1.log", home);
+        ck_assert_msg(log_wait(log3, "Authorization Violation", 10000),
+                      "revoked agent's connection not closed? see %s", log3);
         ck_assert_msg(log_wait(log3, "self-fenced", 20000),
                       "revoked agent still connected? see %s", log3);
         ck_assert(!log_wait(log1, "self-fenced", 0));
