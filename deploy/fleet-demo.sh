@@ -50,7 +50,15 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 say() { printf '\n== %s\n' "$*"; }
-run() { printf '$ %s\n' "$*"; "$@"; }
+# Shows the command as one would type it (arguments with spaces quoted).
+run() {
+    printf '$'
+    for a in "$@"; do
+        case $a in *[[:space:]\"\$]*) printf " '%s'" "$a" ;; *) printf ' %s' "$a" ;; esac
+    done
+    printf '\n'
+    "$@"
+}
 
 say "the network: bridge ${tag}b 10.213.0.1/24, namespaces ${tag}n1-3 with 10.213.0.11-13"
 ip link add "${tag}b" type bridge
