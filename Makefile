@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test chaos down clean asan profile fuzz deb install
+.PHONY: all bootstrap build run test chaos down clean asan profile fuzz deb install fleet-demo
 
 all: build
 
@@ -25,6 +25,11 @@ run: build
 
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j1
+
+# A broker host and three agents in network namespaces, enrolled by bundle,
+# over TCP + mutual TLS; one revoked (deploy/fleet-demo.sh; needs root).
+fleet-demo: build
+	@KSCORE=$(CURDIR)/$(KSCORE) ./deploy/fleet-demo.sh
 
 # The fault-injection suite (tests/chaos/README.md): every scenario at full
 # size, or CHAOS_SCALE=short (about 3-5 minutes, for CI); SCENARIO=a,b runs

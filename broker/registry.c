@@ -175,6 +175,28 @@ provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
     p->checked_mono_us = now;
 }
 
+/* Drops a purged entry from the map and the provisioner. Registry
+ * thread. */
+static void
+agent_forget(struct broker *b, struct provisioner *pv, const char *key)
+{
+    struct broker__agent *a;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_del(&b->agents, key);
+    pthread_mutex_unlock(&b->mu);
+    if (a) {
+        if (a->info)
+            ks__agent_info__free_unpacked(a->info, NULL);
+        free(a);
+        fprintf(stderr,
+                "kscore broker: agent %s left the registry (revoked): "
+                "commands for it are refused\n",
+                key);
+    }
+    free(ks_map_del(&pv->done, key));
+}
+
 static void *
 registry_main(void *arg)
 {
@@ -218,6 +240,12 @@ registry_main(void *arg)
                     ks__agent_info__free_unpacked(info, NULL);
                 }
             }
+        } else if (kvEntry_Operation(e) == kvOp_Delete ||
+                   kvEntry_Operation(e) == kvOp_Purge) {
+            /* `kscore agent revoke` (evt_agent_forget): the agent is
+             * forgotten, so commands for it are refused as for an agent
+             * that never registered. */
+            agent_forget(b, &pv, kvEntry_Key(e));
         }
         kvEntry_Destroy(e);
     }

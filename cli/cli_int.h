@@ -278,4 +278,63 @@ int cmd_list(int argc, char **argv);
  * RFC 3339 time or date, into microseconds since the epoch. 0 or -1. */
 int cli_parse_time(const char *s, int64_t now_us, int64_t *us_out);
 
+/*
+ * `kscore up --listen ADDR [--tls-name NAME]... [--mtls]` (cli/cmd_listen.c):
+ * nats-server on ADDR instead of 127.0.0.1 (nats-server 2.9 has one client
+ * listener, so the stack's own parts use ADDR too), TLS-only beyond
+ * loopback with the stack's CA; kept in $KSCORE_HOME/env for later `up`s.
+ */
+struct cli_listen {
+    const char *given_host;
+    const char *names[16];
+    size_t n_names;
+    bool mtls, mtls_given;
+    char host[64];  /* resolved: the address nats-server listens on */
+    bool tls;       /* not a loopback address */
+    char *tls_conf; /* nats-server's tls block (malloc'd), NULL without */
+    char ca[4300], bcert[4300], bkey[4300], acert[4300], akey[4300],
+        ocert[4300], okey[4300];
+};
+/* One of up's flags 'L' (--listen), 'N' (--tls-name), 'M' (--mtls): 0,
+ * or CLI_EXIT_USAGE after printing why. */
+int cli_listen_opt(struct cli_listen *l, int opt, const char *arg);
+/* Fills what no flag gave from the env file of the last `up`. */
+void cli_listen_resolve(struct cli_listen *l);
+/* The CA, the server certificate and (mtls) the client certificates of
+ * the broker, agent_user and operator; the tls block. 0 or
+ * CLI_EXIT_KSCORE after printing why. */
+int cli_listen_tls(const char *home, struct cli_listen *l,
+                   const char *agent_user, const char *operator_name);
+/* Puts --tls-ca/--tls-cert/--tls-key (the broker's, agent 0, or the
+ * local agent's, agent 1) at argv's first NULL (6 free slots needed). */
+void cli_listen_args(char **argv, const struct cli_listen *l, int agent);
+/* Appends the listen settings and the operator's TLS files to the env
+ * file. 0 or -errno. */
+int cli_listen_env(const char *home, const struct cli_listen *l);
+
+/* kscore agent enroll|revoke|list (cli/cmd_enroll.c); argv[0] is the verb. */
+int cmd_agent_admin(int argc, char **argv);
+
+/*
+ * An agent bundle (`kscore agent enroll` writes it; format in
+ * cli/cmd_enroll.c and README "Deploying a fleet"), read back by
+ * `kscore agent --bundle FILE`: its files are written into a private
+ * directory (<state_dir>/bundle, or a new one under $TMPDIR removed by
+ * cli_bundle_release) where nats.c and the agent read them.
+ */
+struct cli_bundle {
+    char id[EVT_AGENT_ID_MAX + 1];
+    char *urls;       /* comma-separated, as evt_connect takes them */
+    char **labels;    /* "KEY=VALUE" */
+    size_t n_labels;
+    char dir[4200];
+    bool made_dir;
+    char nkey_file[4300], trust_key[4300];
+    char tls_ca[4300], tls_cert[4300], tls_key[4300]; /* "" when absent */
+};
+/* 0, or a negative code with why (one line) filled. */
+int cli_bundle_load(const char *path, const char *state_dir,
+                    struct cli_bundle *b, char *why, size_t why_len);
+void cli_bundle_release(struct cli_bundle *b);
+
 #endif

@@ -51,6 +51,7 @@ static const struct conf_key conf_keys[] = {
     {"policy", "KSCORE_POLICY", B, CT_STR, false, 0, 0},
     {"local_agents", "KSCORE_LOCAL_AGENTS", B, CT_UINT, false, 0, 10000},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
+    {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},
     {"label", "KSCORE_LABELS", A, CT_LABEL, true, 0, 0},
     {"trust_key", "KSCORE_TRUST_KEY", A, CT_STR, true, 0, 0},

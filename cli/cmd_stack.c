@@ -81,11 +81,21 @@ self_exe(char *buf, size_t len)
     return 0;
 }
 
+/* `up --listen`: the TLS files the stack's own connections use (all
+ * NULL on a loopback stack). up_tls.cert/key: the operator's, for the
+ * waits; the daemons get their own. */
+static struct {
+    const char *ca, *cert, *key;
+} up_tls;
+
 static int
 wait_broker(const char *url, const char *operator_seed, int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
-                                 .nkey_file = operator_seed};
+                                 .nkey_file = operator_seed,
+                                 .tls_ca = up_tls.ca,
+                                 .tls_cert = up_tls.cert,
+                                 .tls_key = up_tls.key};
     return broker_wait_ready(url, &o, timeout_ms);
 }
 
@@ -94,7 +104,10 @@ wait_agent(const char *url, const char *id, const char *broker_seed,
            int64_t since_us, int timeout_ms)
 {
     struct evt_connect_opts o = {.name = "kscore-up",
-                                 .nkey_file = broker_seed};
+                                 .nkey_file = broker_seed,
+                                 .tls_ca = up_tls.ca,
+                                 .tls_cert = up_tls.cert,
+                                 .tls_key = up_tls.key};
     return broker_wait_agent(url, &o, id, since_us, timeout_ms);
 }
 
@@ -401,9 +414,13 @@ cmd_up(int argc, char **argv)
         {"local-agents", required_argument, 0, 'l'},
         {"metrics", no_argument, 0, 'm'},
         {"json", no_argument, 0, 'j'},
+        {"listen", required_argument, 0, 'L'},
+        {"tls-name", required_argument, 0, 'N'},
+        {"mtls", no_argument, 0, 'M'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
+    struct cli_listen ul = {0};
     bool metrics = false, json = false;
     char env_extra[512] = "", bmetrics[64] = "", ametrics[64] = "";
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
@@ -433,15 +450,29 @@ cmd_up(int argc, char **argv)
         case 'j':
             json = true;
             break;
+        case 'L':
+        case 'N':
+        case 'M':
+            if ((rc = cli_listen_opt(&ul, opt, optarg)))
+                return rc;
+            break;
         case 'h':
-            printf("usage: kscore up [--local-agents N] [--metrics] [--json]\n"
+            printf("usage: kscore up [--local-agents N] [--metrics] [--json] "
+                   "[--listen ADDR [--tls-name NAME]... [--mtls]]\n"
                    "Starts the local stack under $KSCORE_HOME (now %s) and "
                    "prints its\nstatus (--json: as `kscore status --json`). "
                    "Only the parts that are down\nare started; the NATS "
                    "port, credentials and keys stay the same.\n"
                    "--metrics: the broker and the agent serve Prometheus "
                    "metrics on free ports (in $KSCORE_HOME/env; kept while "
-                   "the stack runs).\n",
+                   "the stack runs).\n"
+                   "--listen ADDR: nats-server listens on ADDR (an IPv4 "
+                   "address agents on other hosts reach) instead of "
+                   "127.0.0.1, TLS-only, with a certificate from the "
+                   "stack's own CA ($KSCORE_HOME/tls) for ADDR, the host "
+                   "name and each --tls-name; --mtls: clients must show a "
+                   "certificate from that CA too. Kept for later `up`s "
+                   "(--listen 127.0.0.1 goes back to loopback).\n",
                    home);
             return 0;
         default:
@@ -467,6 +498,9 @@ cmd_up(int argc, char **argv)
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
+        if (ul.given_host || ul.mtls_given || ul.n_names)
+            fprintf(stderr, "kscore: --listen, --tls-name and --mtls apply "
+                            "when it starts: `kscore down` first\n");
         print_status(json, &(struct cli_conn){0});
         return 0;
     }
@@ -540,6 +574,17 @@ cmd_up(int argc, char **argv)
     free(auth_before);
     free(auth_after);
 
+    if (nats_up && (ul.given_host || ul.mtls_given || ul.n_names)) {
+        fprintf(stderr, "kscore: nats-server runs: --listen, --tls-name and "
+                        "--mtls apply when it starts (`kscore down` first)\n");
+        memset(&ul, 0, sizeof(ul));
+    }
+    cli_listen_resolve(&ul);
+    if ((rc = cli_listen_tls(home, &ul, agent_user, operator_name)))
+        goto fail;
+    up_tls.ca = ul.tls ? ul.ca : NULL;
+    up_tls.cert = ul.mtls ? ul.ocert : NULL;
+    up_tls.key = ul.mtls ? ul.okey : NULL;
     int port = stack_nats_saved_port(home);
     if (port <= 0) {
         /* A stack of an older kscore: no nats.port, but env has the url. */
@@ -549,8 +594,9 @@ cmd_up(int argc, char **argv)
         free(old);
     }
     if (nats_up && port > 0) {
-        if (asprintf(&url, "nats://127.0.0.1:%d", port) < 0)
-            return CLI_EXIT_KSCORE;
+        if (asprintf(&url, "%s://%s:%d", ul.tls ? "tls" : "nats", ul.host,
+                     port) < 0)
+            goto fail;
         /* New users (another host name, a repaired seed) without a
          * restart: the server reloads its users. */
         if (auth_changed)
@@ -594,7 +640,8 @@ cmd_up(int argc, char **argv)
                 prev_mon = NULL;
         }
         fprintf(stderr, "kscore: starting nats-server ...\n");
-        rc = stack_nats_start(home, port, nats_extra, &url, &pid);
+        rc = stack_nats_start_at(home, ul.host, port, ul.tls_conf, nats_extra,
+                                 &url, &pid);
         if (rc) {
             cli_err("cannot start nats-server: %s (see %s/nats.log)",
                     ks_strerror(rc), home);
@@ -635,7 +682,9 @@ cmd_up(int argc, char **argv)
                          "--local-agents", nlocal,      "--state-dir",
                          local_state, "--signing-key",  signing_key,
                          /* the host's own service config is not ours */
-                         "--config", "/dev/null", NULL, NULL, NULL};
+                         "--config", "/dev/null", NULL, NULL, NULL,
+                         NULL,        NULL,             NULL,
+                         NULL,        NULL,             NULL};
         if (metrics) {
             int bp = metrics_port(prev_bm);
             if (bp > 0) {
@@ -644,6 +693,7 @@ cmd_up(int argc, char **argv)
                 bargv[15] = bmetrics;
             }
         }
+        cli_listen_args(bargv, &ul, 0);
         rc = stack_daemon(home, "broker", bargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
@@ -665,7 +715,8 @@ cmd_up(int argc, char **argv)
                          "--nats",    url,           "--state-dir",
                          agent_state, "--trust-key", trust_key,
                          "--config",  "/dev/null",  NULL,        NULL,
-                         NULL};
+                         NULL,        NULL,         NULL,        NULL,
+                         NULL,        NULL,         NULL};
         if (metrics) {
             int ap = metrics_port(prev_am);
             if (ap > 0 && (!bmetrics[0] || ap != atoi(strrchr(bmetrics, ':') + 1))) {
@@ -674,6 +725,7 @@ cmd_up(int argc, char **argv)
                 aargv[13] = ametrics;
             }
         }
+        cli_listen_args(aargv, &ul, 1);
         rc = stack_daemon(home, "agent", aargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
@@ -709,7 +761,8 @@ cmd_up(int argc, char **argv)
                      "KSCORE_AGENT_METRICS_URL='%s'\n", prev_am);
     }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
-                        operator_seed, env_extra))) {
+                        operator_seed, env_extra)) ||
+        (rc = cli_listen_env(home, &ul))) {
         cli_err("cannot write %s/env: %s", home, ks_strerror(rc));
         goto fail;
     }
@@ -719,11 +772,13 @@ cmd_up(int argc, char **argv)
     free(prev_mon);
     free(prev_bm);
     free(prev_am);
+    free(ul.tls_conf);
     print_status(json, &(struct cli_conn){0});
     return 0;
 fail:
     free(url);
     free(db);
+    free(ul.tls_conf);
     free(prev_mon);
     free(prev_bm);
     free(prev_am);
@@ -940,9 +995,12 @@ cmd_agent(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"bundle", required_argument, 0, 'b'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
+    struct cli_bundle bundle = {0};
+    const char *bundle_file = NULL;
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
     bool show = false;
@@ -965,6 +1023,17 @@ cmd_agent(int argc, char **argv)
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
+    /* Subcommand words select the fleet mode (cli/cmd_enroll.c). */
+    if (argc > 1 && (strcmp(argv[1], "enroll") == 0 ||
+                     strcmp(argv[1], "revoke") == 0 ||
+                     strcmp(argv[1], "list") == 0)) {
+        free(label_keys);
+        free(ids);
+        free(labels);
+        free(keys);
+        free(strs);
+        return cmd_agent_admin(argc - 1, argv + 1);
+    }
     if (!ids || !labels || !keys || !strs || !label_keys) {
         free(label_keys);
         free(ids);
@@ -1017,6 +1086,9 @@ cmd_agent(int argc, char **argv)
         case 'M':
             metrics_listen = optarg;
             break;
+        case 'b':
+            bundle_file = optarg;
+            break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
@@ -1024,6 +1096,13 @@ cmd_agent(int argc, char **argv)
                    "[--metrics-listen ADDR:PORT] [--config FILE] "
                    "[--log-format text|json] [--log-level LEVEL] "
                    "[--show-config]\n"
+                   "       kscore agent --bundle FILE [--state-dir DIR] "
+                   "[--label K=V]... [--max-concurrent N]\n"
+                   "       kscore agent enroll|revoke|list ... (kscore agent "
+                   "enroll --help)\n"
+                   "A bundle (kscore agent enroll) gives the id, labels, "
+                   "NATS urls, credential, TLS files and trust key; flags "
+                   "override it.\n"
                    "Runs only commands signed by a trusted key "
                    "(--trust-key, repeatable, or KSCORE_TRUST_KEY).\n"
                    "Settings: flags, then KSCORE_* variables, then the "
@@ -1044,9 +1123,44 @@ cmd_agent(int argc, char **argv)
     if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
         goto out;
     rc = CLI_EXIT_USAGE;
+    if (cli_conf_str(&cf, "bundle", &bundle_file) ||
+        cli_conf_str(&cf, "state_dir", &o.state_dir))
+        goto out;
+    if (bundle_file) {
+        char why[512] = "";
+        int brc = cli_bundle_load(bundle_file, o.state_dir, &bundle, why,
+                                  sizeof(why));
+        if (brc) {
+            cli_err("bad bundle %s: %s", bundle_file,
+                    why[0] ? why : ks_strerror(brc));
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+        /* The bundle's identity may serve its own id only. */
+        for (size_t i = 0; i < o.n_ids; i++)
+            if (strcmp(ids[i], bundle.id) != 0) {
+                cli_err("--id %s: the bundle is agent %s's (its NATS user "
+                        "may serve no other id)",
+                        ids[i], bundle.id);
+                goto out;
+            }
+        if (o.n_ids == 0)
+            ids[o.n_ids++] = bundle.id;
+        /* Flags first, then the bundle, then the environment and file:
+         * the bundle's credential is what this agent is. */
+        if (!cc.nats_url)
+            cc.nats_url = bundle.urls;
+        if (!cc.opts.nkey_file)
+            cc.opts.nkey_file = bundle.nkey_file;
+        if (!cc.opts.tls_ca && bundle.tls_ca[0])
+            cc.opts.tls_ca = bundle.tls_ca;
+        if (!cc.opts.tls_cert && bundle.tls_cert[0]) {
+            cc.opts.tls_cert = bundle.tls_cert;
+            cc.opts.tls_key = bundle.tls_key;
+        }
+    }
     cli_conf_conn(&cf, &cc);
-    if (cli_conf_str(&cf, "state_dir", &o.state_dir) ||
-        cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
+    if (cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
         cli_conf_str(&cf, "metrics_listen", &metrics_listen) ||
         cli_conf_log(&cf, log_format, log_level, "agent"))
@@ -1135,13 +1249,36 @@ cmd_agent(int argc, char **argv)
             label_keys[owned_label_keys++] = k;
         }
     }
+    if (bundle_file) {
+        /* The bundle's labels, where no other source named the key. */
+        size_t given = o.n_labels;
+        for (size_t i = 0; i < bundle.n_labels && o.n_labels < room; i++) {
+            char *kv = bundle.labels[i], *eq = strchr(kv, '=');
+            bool dup = false;
+            if (!eq)
+                continue;
+            *eq = '\0';
+            for (size_t j = 0; j < given; j++)
+                dup = dup || strcmp(labels[j].key, kv) == 0;
+            if (!dup) {
+                labels[o.n_labels].key = kv;
+                labels[o.n_labels++].value = eq + 1;
+            }
+        }
+        bool have = false;
+        for (size_t i = 0; i < o.n_trust_keys; i++)
+            have = have || strcmp(keys[i], bundle.trust_key) == 0;
+        if (!have && o.n_trust_keys < room)
+            keys[o.n_trust_keys++] = bundle.trust_key;
+    }
     if (show) {
         cli_conf_show(&cf, stdout);
         rc = 0;
         goto out;
     }
     if (o.n_ids == 0) {
-        cli_err("the agent needs --id ID (or id in its config file)");
+        cli_err("the agent needs --id ID (or --bundle FILE, or id in its "
+                "config file)");
         goto out;
     }
     o.nats_url = cc.nats_url;
@@ -1186,6 +1323,7 @@ cmd_agent(int argc, char **argv)
     rc = 0;
 out:
     evt_metrics_stop(ms);
+    cli_bundle_release(&bundle);
     for (size_t i = 0; i < owned_label_keys; i++)
         free(label_keys[i]);
     free(label_keys);

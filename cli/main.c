@@ -14,6 +14,8 @@ static const char usage[] =
     "Local stack:\n"
     "  up [--local-agents N]   start nats-server, PostgreSQL, a broker and an\n"
     "                          agent under $KSCORE_HOME\n"
+    "     [--listen ADDR [--tls-name NAME]... [--mtls]]\n"
+    "                          NATS on ADDR for other hosts, TLS-only\n"
     "  down                    stop everything `up` started\n"
     "  status [--json]         each part: pid, address, state\n"
     "\n"
@@ -36,12 +38,17 @@ static const char usage[] =
     "Services:\n"
     "  broker --nats URL --db CONNINFO --signing-key FILE [--local-agents N]\n"
     "  agent --id ID --trust-key FILE [--label K=V]... [--nats URL]\n"
+    "  agent --bundle FILE     an enrolled agent (kscore agent enroll)\n"
     "  keygen [--out DIR]      an Ed25519 key pair for signing commands\n"
     "\n"
     "Identities (the local stack's NATS users):\n"
     "  operator add NAME       a new operator: its NKey seed file (0600)\n"
     "  operator list [--json]  the operators (--all: broker and agents too)\n"
     "  operator remove NAME    the operator can no longer connect\n"
+    "  agent enroll ID [--label K=V]... [--out FILE] [--nats-url URL]...\n"
+    "                          a remote agent's identity and bundle file\n"
+    "  agent revoke ID         the agent can no longer connect\n"
+    "  agent list [--json]     the agent identities\n"
     "\n"
     "Every client command takes --nats URL (or $KSCORE_NATS_URL) and\n"
     "--nkey FILE (or $KSCORE_NATS_NKEY); without them the local stack and\n"
@@ -201,6 +208,17 @@ cli_connect(struct cli_conn *cc, struct evt_conn **out)
         if (local && !given &&
             (cc->owned[1] = cli_env_get("KSCORE_NATS_NKEY")))
             cc->opts.nkey_file = cc->owned[1];
+        /* `kscore up --listen`: the stack's CA (and, with --mtls, this
+         * login's client certificate), unless TLS files were given. */
+        if (local && !cc->opts.tls_ca &&
+            (cc->owned[2] = cli_env_get("KSCORE_NATS_TLS_CA")))
+            cc->opts.tls_ca = cc->owned[2];
+        if (local && !cc->opts.tls_cert &&
+            (cc->owned[3] = cli_env_get("KSCORE_NATS_TLS_CERT")) &&
+            (cc->owned[4] = cli_env_get("KSCORE_NATS_TLS_KEY"))) {
+            cc->opts.tls_cert = cc->owned[3];
+            cc->opts.tls_key = cc->owned[4];
+        }
     }
     if (!url || !url[0]) {
         cli_err("no NATS url: give --nats URL, set KSCORE_NATS_URL, or start "

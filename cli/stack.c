@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -209,7 +210,7 @@ stop_pid(pid_t pid, int wait_ms)
 }
 
 static int
-tcp_ready(int port)
+tcp_ready(const char *host, int port)
 {
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port),
@@ -220,6 +221,8 @@ tcp_ready(int port)
 
     if (fd == -1)
         return 0;
+    if (host && inet_pton(AF_INET, host, &a.sin_addr) != 1)
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
         /* nats-server greets with INFO once it serves clients. */
         struct timeval tv = {1, 0};
@@ -233,6 +236,15 @@ tcp_ready(int port)
 int
 stack_nats_start(const char *dir, int port, const char *conf_extra,
                  char **url_out, pid_t *pid_out)
+{
+    return stack_nats_start_at(dir, "127.0.0.1", port, NULL, conf_extra,
+                               url_out, pid_out);
+}
+
+int
+stack_nats_start_at(const char *dir, const char *host, int port,
+                    const char *tls_conf, const char *conf_extra,
+                    char **url_out, pid_t *pid_out)
 {
     char conf[4096], store[4096], pidf[4096];
     FILE *f;
@@ -262,13 +274,13 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
     }
     fprintf(f,
             "# written by kscore; regenerated at every start\n"
-            "listen: \"127.0.0.1:%d\"\n"
+            "listen: \"%s:%d\"\n"
             "server_name: kscore_%d\n"
             "pid_file: \"%s\"\n"
             "max_payload: %d\n"
-            "jetstream {\n  store_dir: \"%s\"\n}\n%s\n",
-            port, port, pidf, KS_MAX_MESSAGE_BYTES, store,
-            conf_extra ? conf_extra : "");
+            "jetstream {\n  store_dir: \"%s\"\n}\n%s%s\n",
+            host, port, port, pidf, KS_MAX_MESSAGE_BYTES, store,
+            tls_conf ? tls_conf : "", conf_extra ? conf_extra : "");
     if (fclose(f) != 0)
         return -errno;
 
@@ -278,7 +290,7 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
     if (rc)
         return rc;
     for (int i = 0; i < 500; i++) {
-        if (tcp_ready(port)) {
+        if (tcp_ready(host, port)) {
             /* Remembered, so the next start can offer the same port (and
              * remote agents keep their URL): stack_nats_saved_port. */
             char portf[4096];
@@ -288,7 +300,8 @@ stack_nats_start(const char *dir, int port, const char *conf_extra,
                 fprintf(pf, "%d\n", port);
                 fclose(pf);
             }
-            if (asprintf(url_out, "nats://127.0.0.1:%d", port) < 0)
+            if (asprintf(url_out, "%s://%s:%d", tls_conf ? "tls" : "nats",
+                         host, port) < 0)
                 return -ENOMEM;
             if (pid_out)
                 *pid_out = pid;

@@ -46,6 +46,16 @@ int stack_nats_start(const char *dir, int port, const char *conf_extra,
                      char **url_out, pid_t *pid_out);
 
 /*
+ * As stack_nats_start, listening on host (an IPv4 address: nats-server 2.9
+ * has one client listener) instead of 127.0.0.1. tls_conf (may be NULL;
+ * stack_tls_conf makes one) makes the port TLS-only, and *url_out is then
+ * "tls://HOST:PORT".
+ */
+int stack_nats_start_at(const char *dir, const char *host, int port,
+                        const char *tls_conf, const char *conf_extra,
+                        char **url_out, pid_t *pid_out);
+
+/*
  * Stops the nats-server whose pid is in <dir>/nats.pid (TERM, then KILL
  * after 5 s) and waits until it is gone. 0 if stopped or not running.
  */
@@ -185,5 +195,36 @@ int stack_nats_reload(const char *nats_dir, int timeout_ms);
 
 /* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
 int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
+
+/* ---- TLS: the stack's own CA (stack_tls.c, OpenSSL libcrypto) ---------
+ *
+ * <home>/tls/ca.key (0600) and ca.pem, a P-256 CA made once and kept;
+ * server.pem/.key for nats-server (subjectAltName: each listen address);
+ * client certificates (CN = NATS identity) for mutual TLS. */
+struct stack_tls_paths {
+    char dir[4200], ca_cert[4300], ca_key[4300], server_cert[4300],
+        server_key[4300];
+};
+void stack_tls_paths(const char *home, struct stack_tls_paths *out);
+/* Makes the CA unless both files are there. 0, KS_EINTERNAL, -errno. */
+int stack_tls_ca_ensure(const char *home);
+/*
+ * A leaf certificate signed by the CA, as PEM text (both malloc'd): with
+ * sans (IP addresses or DNS names), a server certificate for them; with
+ * none, a client certificate whose CN is cn. 0, KS_ENOTFOUND (no CA),
+ * KS_EINVAL (a bad CA file or name), KS_EINTERNAL, -errno.
+ */
+int stack_tls_issue(const char *home, const char *cn, const char *const *sans,
+                    size_t n_sans, char **cert_out, char **key_out);
+/* The CA (made when missing) and a new server certificate for hosts
+ * (server.pem, server.key 0600). 0 or as above. */
+int stack_tls_server_ensure(const char *home, const char *const *hosts,
+                            size_t n_hosts);
+/* A client certificate for cn into cert_path (0644) and key_path (0600). */
+int stack_tls_client_write(const char *home, const char *cn,
+                           const char *cert_path, const char *key_path);
+/* nats-server's tls block for home's server certificate (*conf_out
+ * malloc'd); verify_clients: mutual TLS. 0 or -ENOMEM. */
+int stack_tls_conf(const char *home, bool verify_clients, char **conf_out);
 
 #endif

@@ -8,7 +8,7 @@ set -eu
 
 PKGS="nats-server postgresql libnats-dev libpq-dev libprotobuf-c-dev
 protobuf-c-compiler check libsubunit-dev cmake pkg-config gcc make
-libjansson-dev uuid-dev libssl-dev openssl procps scdoc libmicrohttpd-dev
+libjansson-dev uuid-dev libssl-dev openssl procps iproute2 scdoc libmicrohttpd-dev
 dpkg-dev"
 # the services' configuration files (kscore.conf(5)) are read with inih
 PKGS="$PKGS libinih-dev"

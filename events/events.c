@@ -1,6 +1,7 @@
 #include "events_int.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,55 @@ errmsg_dup(const char *fmt, const char *a, const char *b)
     if (asprintf(&m, fmt, a, b) < 0)
         return NULL;
     return m;
+}
+
+/* The name a connection's callbacks print. nats.c may run them after
+ * evt_close has freed the evt_conn (they are queued to its callback
+ * thread), so they get a string that lives as long as the process: one per
+ * identity, a few per process. */
+static const char *
+conn_name(const char *identity)
+{
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static char names[64][EVT_IDENTITY_MAX + 1];
+    static size_t n;
+    const char *r = "a connection";
+
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(names[i], identity) == 0) {
+            r = names[i];
+            goto out;
+        }
+    if (n < sizeof(names) / sizeof(names[0])) {
+        snprintf(names[n], sizeof(names[n]), "%s", identity);
+        r = names[n++];
+    }
+out:
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Disconnected, reconnected and closed, for services (retry_forever). */
+static void
+on_conn_event(natsConnection *nc, void *closure)
+{
+    const char *who = closure;
+    const char *err = NULL;
+    natsConnStatus st = natsConnection_Status(nc);
+
+    natsConnection_GetLastError(nc, &err);
+    if (st == NATS_CONN_STATUS_CONNECTED) {
+        fprintf(stderr, "kscore: NATS connection of %s is back\n", who);
+        return;
+    }
+    /* Closed without an error: our own evt_close, nothing to say. */
+    if (st == NATS_CONN_STATUS_CLOSED && !(err && err[0]))
+        return;
+    fprintf(stderr, "kscore: NATS connection of %s %s%s%s\n", who,
+            st == NATS_CONN_STATUS_CLOSED ? "closed for good"
+                                          : "lost (reconnecting)",
+            err && err[0] ? ": " : "", err && err[0] ? err : "");
 }
 
 int
@@ -137,7 +187,19 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         if (!j)
             snprintf(c->identity, sizeof(c->identity), "anonymous");
     }
-    s = natsConnection_Connect(&c->nc, opts);
+    /* A service says when its connection goes and comes back: a revoked
+     * credential, an expired certificate or a server away must show in
+     * its log, not only as silence. */
+    if (s == NATS_OK && o->retry_forever) {
+        void *who = (void *)conn_name(c->identity);
+        s = natsOptions_SetDisconnectedCB(opts, on_conn_event, who);
+        if (s == NATS_OK)
+            s = natsOptions_SetReconnectedCB(opts, on_conn_event, who);
+        if (s == NATS_OK)
+            s = natsOptions_SetClosedCB(opts, on_conn_event, who);
+    }
+    if (s == NATS_OK)
+        s = natsConnection_Connect(&c->nc, opts);
     /* With an NKey, nats-server 2.9.10 and nats.c 3.4.1 refuse about one
      * connect in 200 with a correct key ("authentication error" in the
      * server's log; the same with a signature made by OpenSSL, so it is not

@@ -627,4 +627,14 @@ void evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g);
  */
 void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
 
+/*
+ * Forgets an agent (`kscore agent revoke`, events/fleet.c): purges its
+ * registry entry, which makes the broker drop it (commands to it are then
+ * refused as for an unknown agent), and deletes its consumer. c needs the
+ * broker's rights (JetStream API). Run it after the agent's NATS user is
+ * gone, so that it cannot put its entry back. 0, KS_EINVAL, or as evt_err
+ * with *errmsg (malloc'd, may be NULL).
+ */
+int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
+
 #endif
