@@ -125,6 +125,7 @@ broker__command_ended(struct broker *b, const char *command_id,
                       const Ks__CommandResult *result)
 {
     broker__reply_waiter(b, command_id, result, 0, NULL);
+    broker__live_end(b, command_id);
     broker__batch_target_ended(b, command_id, result);
 }
 
@@ -445,6 +446,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
         }
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", req->agent_id);
+        w->live = req->live_output;
         pthread_mutex_lock(&b->mu);
         ks_map_put(&b->waiters, command_id, w);
         pthread_mutex_unlock(&b->mu);
@@ -490,7 +492,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         fprintf(stderr, "kscore broker: publish %s: %s (scanner retries)\n",
                 command_id, ks_strerror(rc));
     }
-    if (req->detach) {
+    if (req->detach || req->live_output) {
+        /* Detached: the answer. Live: the command's id, first (the
+         * client can cancel it or follow it should it stop waiting). */
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
@@ -636,9 +640,9 @@ reply:
  * KS_EDENIED with why; the denial is recorded on the operator's stream.
  * Uses st (the caller's thread's connection).
  */
-static int
-may_read(struct broker *b, struct store *st, natsMsg *msg,
-         const char *stream_id, char *why, size_t len)
+int
+broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
+                 const char *stream_id, char *why, size_t len)
 {
     const char *op = broker__operator_of(msg);
     char owner[128] = "";
@@ -706,7 +710,8 @@ handle_get(struct broker *b, natsMsg *msg)
         char sid[64];
         snprintf(sid, sizeof(sid), "%s%s",
                  is_batch_id(req->id) ? "" : "command-", req->id);
-        if (may_read(b, b->st_misc, msg, sid, why, sizeof(why)) != 0) {
+        if (broker__may_read(b, b->st_misc, msg, sid, why, sizeof(why)) !=
+            0) {
             r.error_code = KS_EDENIED;
             r.error = why;
             reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -720,6 +725,10 @@ handle_get(struct broker *b, natsMsg *msg)
         rc = KS_EINVAL;
     else if (rc == 0)
         rc = store_get_command(b->st_misc, req->id, &view);
+    /* The whole output, also what travelled in pieces; a reply larger
+     * than one NATS message goes in parts (evt_publish_msg). */
+    if (rc == 0 && view)
+        rc = broker__fill_output(b->st_misc, req->id, view->result);
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command or batch with this id"
@@ -795,7 +804,8 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         broker__reply_error(b, msg, r.base.descriptor, rc, why);
         return;
     }
-    if (may_read(b, st, msg, req->stream_id, why, sizeof(why)) != 0) {
+    if (broker__may_read(b, st, msg, req->stream_id, why, sizeof(why)) !=
+        0) {
         r.error_code = KS_EDENIED;
         r.error = why;
         reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -844,13 +854,30 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         r.error_code = rc;
         r.error = (char *)broker__store_error(st, rc, why, sizeof(why));
     }
+    /* One command's events: with the whole output of its end, also what
+     * travelled in pieces (the reply may go in parts). */
+    bool whole = false;
+    if (rc == 0 && req->stream_id[0])
+        for (size_t i = 0; i < acc.n && rc == 0; i++) {
+            Ks__Event *e = acc.evs[i]->event;
+            if (e && e->result &&
+                ((e->result->stdout && e->result->stdout->chunked_bytes) ||
+                 (e->result->stderr && e->result->stderr->chunked_bytes))) {
+                rc = broker__fill_output(st, e->command_id, e->result);
+                whole = true;
+            }
+        }
+    if (rc) {
+        r.error_code = rc;
+        r.error = (char *)broker__store_error(st, rc, why, sizeof(why));
+    }
     r.events = acc.evs;
     r.n_events = acc.n;
     r.cursor_tx_id = cur.tx_id;
     r.cursor_pos = cur.global_pos;
     /* Keep the reply under the max payload: drop the tail (the cursor then
      * points at the last event kept), the client pages on. */
-    while (r.n_events > 1 &&
+    while (!whole && r.n_events > 1 &&
            protobuf_c_message_get_packed_size(&r.base) > KS_MAX_MESSAGE_BYTES)
         r.n_events /= 2;
     if (r.n_events < acc.n && !req->stream_id[0]) {
@@ -1089,6 +1116,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         handle_cancel(ud, msg);
     else if (broker__is_method(subj, EVT_API_AGENTS))
         handle_agents(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LOGS))
+        broker__handle_logs(ud, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -1195,6 +1224,14 @@ free_waiter(const char *key, void *val, void *ud)
 }
 
 static void
+free_live(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+static void
 broker_teardown(struct broker *b)
 {
     natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
@@ -1205,7 +1242,7 @@ broker_teardown(struct broker *b)
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory};
+                                 &b->sub_advisory, &b->sub_logs};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1244,6 +1281,8 @@ broker_teardown(struct broker *b)
     evt_verifier_free(b->local_trust);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
+    ks_map_each(&b->live, free_live, NULL);
+    ks_map_clear(&b->live);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);
@@ -1370,6 +1409,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
+        (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
@@ -1400,8 +1440,8 @@ broker_call(struct evt_conn *c, const char *subject,
     int rc = evt_request(c, subject, req, timeout_ms, &reply);
     if (rc)
         return rc;
-    rc = evt_unpack(reply_desc, natsMsg_GetData(reply),
-                    (size_t)natsMsg_GetDataLength(reply), out);
+    rc = evt_unpack_reply(reply_desc, natsMsg_GetData(reply),
+                          (size_t)natsMsg_GetDataLength(reply), out);
     natsMsg_Destroy(reply);
     return rc;
 }
@@ -1432,6 +1472,14 @@ int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
 {
+    return broker_execute_hooks(c, req, timeout_ms, NULL, out);
+}
+
+int
+broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
+                     int timeout_ms, const struct broker_exec_hooks *h,
+                     Ks__ExecuteReply **out)
+{
     Ks__ExecuteRequest r = *req;
     natsSubscription *sub = NULL;
     char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
@@ -1461,6 +1509,7 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
     }
     if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
         (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
+        (rc = evt_err(natsSubscription_SetPendingLimits(sub, -1, -1))) ||
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
@@ -1470,7 +1519,7 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
         goto out;
     for (;;) {
         natsMsg *m = NULL;
-        natsStatus st = natsSubscription_NextMsg(&m, sub, 1000);
+        natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
         int64_t now = ks_mono_us();
         if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
             Ks__ExecuteReply *rep = NULL;
@@ -1487,6 +1536,8 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
             }
             /* Still running, and someone waits for it: keep waiting. */
             snprintf(id, sizeof(id), "%s", rep->command_id);
+            if (h && h->live)
+                h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
         } else {
@@ -1497,6 +1548,8 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 goto out;
             }
         }
+        if (h && h->tick && (rc = h->tick(h->ud)))
+            goto out;
         if (timeout_ms != INT32_MAX &&
             now - start >= (int64_t)timeout_ms * 1000) {
             rc = KS_ETIMEDOUT;

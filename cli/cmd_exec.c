@@ -227,8 +227,13 @@ static const char exec_usage[] =
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
+    "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
+    "                      stderr (default 16M; K, M, G suffixes); the rest\n"
+    "                      is counted, not kept\n"
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
+    "Output is printed as the command writes it. Ctrl-C cancels the command\n"
+    "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
     CLI_CONN_USAGE;
 
 int
@@ -317,7 +322,18 @@ cmd_exec(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
-    rc = broker_execute(c, &req, broker_execute_wait_ms(&req), &rep);
+    struct cli_live lv;
+    struct broker_exec_hooks hooks;
+    cli_live_init(&lv, c, !json);
+    cli_live_hooks(&lv, &hooks);
+    if (!req.detach)
+        req.live_output = 1;
+    rc = broker_execute_hooks(c, &req, broker_execute_wait_ms(&req),
+                              req.detach ? NULL : &hooks, &rep);
+    if (rc == -EINTR) {
+        rc = 130; /* a second Ctrl-C: detached (said so) */
+        goto out;
+    }
     if (rc) {
         if (natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
             cli_err("lost the connection to NATS while waiting for the "
@@ -356,25 +372,40 @@ cmd_exec(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    const Ks__CommandResult *r = rep->result;
+    Ks__CommandResult *r = rep->result;
+    fflush(stdout);
+    cli_live_finish(&lv, rep->command_id, r);
+    if (cli_live_interrupted(&lv)) {
+        /* Ctrl-C: cancelled; say how it ended. */
+        cli_err("command %s ended %s", rep->command_id,
+                r ? kproto_status_name(r->status) : "(unknown)");
+        if (json) {
+            json_t *o = cli_result_json(r);
+            json_object_set_new(o, "command_id", json_string(rep->command_id));
+            json_object_set_new(o, "agent_id", json_string(rep->agent_id));
+            cli_print_json(o);
+        }
+        rc = 130;
+        goto out;
+    }
     if (json) {
         json_t *o = cli_result_json(r);
         json_object_set_new(o, "command_id", json_string(rep->command_id));
         json_object_set_new(o, "agent_id", json_string(rep->agent_id));
         cli_print_json(o);
     } else if (r) {
-        fflush(stdout);
-        if (r->stdout)
-            write_all(1, r->stdout->data.data, r->stdout->data.len);
-        if (r->stderr)
-            write_all(2, r->stderr->data.data, r->stderr->data.len);
+        /* The output went out as it came (cli_live_finish). */
         if (r->stdout && r->stdout->truncated)
             cli_err("stdout truncated: %llu of %llu bytes shown",
-                    (unsigned long long)r->stdout->data.len,
+                    (unsigned long long)(r->stdout->chunked_bytes
+                                             ? r->stdout->chunked_bytes
+                                             : r->stdout->data.len),
                     (unsigned long long)r->stdout->total_bytes);
         if (r->stderr && r->stderr->truncated)
             cli_err("stderr truncated: %llu of %llu bytes shown",
-                    (unsigned long long)r->stderr->data.len,
+                    (unsigned long long)(r->stderr->chunked_bytes
+                                             ? r->stderr->chunked_bytes
+                                             : r->stderr->data.len),
                     (unsigned long long)r->stderr->total_bytes);
         if (r->status == KS__COMMAND_STATUS__START_FAILED &&
             strcmp(r->start_stage, "secret") == 0)

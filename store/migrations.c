@@ -636,10 +636,26 @@ static const char migration_3[] =
     "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
     "END $$;\n";
 
+/*
+ * Migration 4: command output in pieces (store/output.c). A command's
+ * output is no longer capped by the NATS message size: its agent sends it
+ * as it runs, piece by piece, and each piece is kept here once.
+ */
+static const char migration_4[] =
+    "CREATE TABLE command_output (\n"
+    "  command_id  uuid NOT NULL,\n"
+    "  stream      smallint NOT NULL CHECK (stream IN (1, 2)),\n"
+    "  byte_offset bigint NOT NULL CHECK (byte_offset >= 0),\n"
+    "  data        bytea NOT NULL,\n"
+    "  recorded_at timestamptz NOT NULL DEFAULT now(),\n"
+    "  PRIMARY KEY (command_id, stream, byte_offset)\n"
+    ");\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
     {3, "one terminal event per command; NotStarted", migration_3},
+    {4, "command output in pieces", migration_4},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);
