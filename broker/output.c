@@ -199,7 +199,7 @@ read_range(struct store *st, const char *command_id, uint32_t stream,
     *next = off;
     out->data = NULL;
     out->len = 0;
-    if (ended && o && !o->chunked_bytes) {
+    if (ended && o && (o->data.len || !o->chunked_bytes)) {
         /* Short output: all of it is in the result. */
         if (off < o->data.len) {
             size_t n = o->data.len - (size_t)off;
@@ -283,11 +283,9 @@ broker__handle_logs(struct broker *b, natsMsg *msg)
     r.agent_id = v->agent_id;
     if (ended) {
         /* Ended, and nothing more to read of what was asked. */
-        uint64_t out_end = o ? (o->chunked_bytes ? o->chunked_bytes
-                                                 : o->data.len)
+        uint64_t out_end = o ? (o->data.len ? o->data.len : o->chunked_bytes)
                              : 0;
-        uint64_t err_end = e ? (e->chunked_bytes ? e->chunked_bytes
-                                                 : e->data.len)
+        uint64_t err_end = e ? (e->data.len ? e->data.len : e->chunked_bytes)
                              : 0;
         r.ended = (req->no_stdout || r.stdout_next >= out_end) &&
                   (req->no_stderr || r.stderr_next >= err_end);

@@ -397,15 +397,15 @@ cmd_exec(int argc, char **argv)
         /* The output went out as it came (cli_live_finish). */
         if (r->stdout && r->stdout->truncated)
             cli_err("stdout truncated: %llu of %llu bytes shown",
-                    (unsigned long long)(r->stdout->chunked_bytes
-                                             ? r->stdout->chunked_bytes
-                                             : r->stdout->data.len),
+                    (unsigned long long)(r->stdout->data.len
+                                             ? r->stdout->data.len
+                                             : r->stdout->chunked_bytes),
                     (unsigned long long)r->stdout->total_bytes);
         if (r->stderr && r->stderr->truncated)
             cli_err("stderr truncated: %llu of %llu bytes shown",
-                    (unsigned long long)(r->stderr->chunked_bytes
-                                             ? r->stderr->chunked_bytes
-                                             : r->stderr->data.len),
+                    (unsigned long long)(r->stderr->data.len
+                                             ? r->stderr->data.len
+                                             : r->stderr->chunked_bytes),
                     (unsigned long long)r->stderr->total_bytes);
         if (r->status == KS__COMMAND_STATUS__START_FAILED &&
             strcmp(r->start_stage, "secret") == 0)

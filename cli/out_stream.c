@@ -237,7 +237,7 @@ cli_live_finish(struct cli_live *lv, const char *command_id,
         if (!o)
             continue;
         if (lv->print) {
-            if (o->chunked_bytes) {
+            if (o->chunked_bytes && !o->data.len) {
                 if (lv->off[s] < o->chunked_bytes)
                     rc = rc ? rc
                             : cli_output_range(lv->c, command_id, s + 1,
