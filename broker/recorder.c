@@ -220,7 +220,14 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
     enum store_step *pverdicts = calloc(n ? n : 1, sizeof(*pverdicts));
     const char **pwhys = calloc(n ? n : 1, sizeof(*pwhys));
     char (*preasons)[200] = calloc(n ? n : 1, sizeof(*preasons));
-    if (!evs || !verdicts || !pcs || !pverdicts || !pwhys || !preasons) {
+    /* A refused piece is recorded as a shallow copy (no bytes, the
+     * reason): borrowed[i] marks evs[i] as one, freed with its original. */
+    Ks__Event *pcopies = calloc(n ? n : 1, sizeof(*pcopies));
+    bool *borrowed = calloc(n ? n : 1, sizeof(*borrowed));
+    if (!evs || !verdicts || !pcs || !pverdicts || !pwhys || !preasons ||
+        !pcopies || !borrowed) {
+        free(pcopies);
+        free(borrowed);
         free(evs);
         free(verdicts);
         free(pcs);
@@ -292,10 +299,11 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                              pcs[i]->chunk->stream,
                              (unsigned long long)pcs[i]->chunk->offset,
                              pcs[i]->chunk->data.len);
-                    pcs[i]->reason = preasons[i];
-                    pcs[i]->chunk->data.len = 0;
-                    evs[nev++] = pcs[i];
-                    pcs[i] = NULL;
+                    pcopies[i] = *pcs[i];
+                    pcopies[i].reason = preasons[i];
+                    pcopies[i].chunk = NULL;
+                    borrowed[nev] = true;
+                    evs[nev++] = &pcopies[i];
                 }
             }
         }
@@ -338,16 +346,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             natsMsg_Ack(msgs[i], NULL);
         natsMsg_Destroy(msgs[i]);
     }
-    for (size_t i = 0; i < npc; i++) {
-        if (!pcs[i])
-            continue;
+    for (size_t i = 0; i < npc; i++)
         if (rc == 0 && pverdicts[i] == STORE_STEP_APPLY)
             broker__live_forward(b, pcs[i]);
-        ks__event__free_unpacked(pcs[i], NULL);
-    }
-    free(pcs);
-    free(pverdicts);
-    free(pwhys);
     for (size_t i = 0; i < nev; i++) {
         if (rc == 0 && verdicts[i] == STORE_STEP_APPLY &&
             store_event_is_terminal(evs[i]->type))
@@ -359,11 +360,20 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                     evs[i]->type, evs[i]->command_id, evs[i]->agent_id,
                     verdicts[i] == STORE_STEP_LATE ? "LateResult"
                                                    : "ReportRejected");
-        ks__event__free_unpacked(evs[i], NULL);
+        if (!borrowed[i])
+            ks__event__free_unpacked(evs[i], NULL);
     }
+    /* After the events: refused pieces' copies borrow from them. */
+    for (size_t i = 0; i < npc; i++)
+        ks__event__free_unpacked(pcs[i], NULL);
+    free(pcs);
+    free(pverdicts);
+    free(pwhys);
     free(evs);
     free(verdicts);
     free(preasons);
+    free(pcopies);
+    free(borrowed);
 }
 
 static void *
