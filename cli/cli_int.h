@@ -196,7 +196,7 @@ int cli_logs_page(struct evt_conn *c, const char *command_id, uint64_t out_off,
 int cli_output_range(struct evt_conn *c, const char *command_id, int stream,
                      uint64_t from, uint64_t to, int fd,
                      struct cli_bytes *acc);
-/* An exec's live output and its Ctrl-C (installs a SIGINT handler). */
+/* An exec's live output and its Ctrl-C. */
 struct cli_live {
     struct evt_conn *c;
     bool print;      /* write the output to fds 1 and 2 (not --json) */
@@ -205,6 +205,8 @@ struct cli_live {
     bool cancel_sent;
 };
 void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print);
+/* From now on Ctrl-C is the hooks' to act on (cancel, then detach). */
+void cli_live_catch_sigint(void);
 void cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h);
 /* Whether Ctrl-C was pressed. */
 bool cli_live_interrupted(const struct cli_live *lv);

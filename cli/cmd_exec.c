@@ -61,6 +61,11 @@ put_output(json_t *o, const char *name, const Ks__Output *out)
     snprintf(key, sizeof(key), "%s_total_bytes", name);
     json_object_set_new(o, key, json_integer(out ? (json_int_t)out->total_bytes
                                                  : 0));
+    if (out && out->chunked_bytes && !out->data.len) {
+        /* Not here: in the record's pieces (kscore logs). */
+        snprintf(key, sizeof(key), "%s_chunked_bytes", name);
+        json_object_set_new(o, key, json_integer((json_int_t)out->chunked_bytes));
+    }
 }
 
 json_t *
@@ -326,8 +331,10 @@ cmd_exec(int argc, char **argv)
     struct broker_exec_hooks hooks;
     cli_live_init(&lv, c, !json);
     cli_live_hooks(&lv, &hooks);
-    if (!req.detach)
+    if (!req.detach) {
         req.live_output = 1;
+        cli_live_catch_sigint();
+    }
     rc = broker_execute_hooks(c, &req, broker_execute_wait_ms(&req),
                               req.detach ? NULL : &hooks, &rep);
     if (rc == -EINTR) {

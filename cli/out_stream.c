@@ -136,6 +136,11 @@ cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print)
     memset(lv, 0, sizeof(*lv));
     lv->c = c;
     lv->print = print;
+}
+
+void
+cli_live_catch_sigint(void)
+{
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_sigint;
