@@ -18,6 +18,9 @@
 /* Largest logs reply page (bytes of output, both streams). */
 #define LOGS_PAGE_DEFAULT (512 * 1024)
 #define LOGS_PAGE_MAX (900 * 1024)
+/* get and events put outputs back whole up to this much (both streams);
+ * past it they say chunked_bytes and `kscore logs` pages through. */
+#define BROKER_WHOLE_OUTPUT_MAX ((uint64_t)512 * 1024 * 1024)
 
 int
 broker__admit_output(const struct store_command_state *st,
@@ -180,6 +183,10 @@ broker__fill_output(struct store *st, const char *command_id,
     int rc = 0;
     if (!r)
         return 0;
+    uint64_t total = (r->stdout ? r->stdout->chunked_bytes : 0) +
+                     (r->stderr ? r->stderr->chunked_bytes : 0);
+    if (total > BROKER_WHOLE_OUTPUT_MAX)
+        return 0; /* too large for one reply: chunked_bytes says, logs pages */
     if (r->stdout && r->stdout->chunked_bytes && !r->stdout->data.len)
         rc = read_whole(st, command_id, 1, r->stdout->chunked_bytes,
                         r->stdout);
