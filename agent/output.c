@@ -9,11 +9,11 @@
  * AGENT_OUT_PIECE bytes are pending. So a short command whose output fits
  * in its result never sends a piece: its result carries the output, as
  * before (no extra event, no extra round trip). At the end
- * (agent__out_finish), a command whose output is too large for one
- * message sends the rest as pieces and its result says how many bytes the
- * pieces hold (Output.chunked_bytes), with no data; one whose output fits
- * carries it all in its result (and chunked_bytes says what pieces it
- * sent while it ran).
+ * (agent__out_finish), a command that has sent pieces, or whose output
+ * is too large for one message, sends the rest as pieces (so followers
+ * get every byte live) and its result says how many bytes the pieces hold
+ * (Output.chunked_bytes); the result still carries the output when it
+ * fits, so readers need not fetch it, and else has no data.
  *
  * Locks: a->out_mu (the list of jobs, the flusher's wake-up) before an
  * agent_out's mu, before a->mu (taken inside agent__queue_event).
@@ -184,11 +184,9 @@ agent__out_finish(struct job_ctx *j, const struct exec_result *x,
             break;
         }
     pthread_mutex_lock(&o->mu);
-    if (x->out.len + x->err.len <= AGENT_OUT_INLINE_MAX) {
-        /* It fits: the result carries it all, as for a short command;
-         * chunked_bytes says what the pieces sent while it ran hold. */
-        outs[0]->chunked_bytes = o->sent[0];
-        outs[1]->chunked_bytes = o->sent[1];
+    bool fits = x->out.len + x->err.len <= AGENT_OUT_INLINE_MAX;
+    if (fits && !o->chunking) {
+        /* A short command: its result carries it all, no piece. */
     } else {
         /* The executor's buffers hold every byte kept: send what the
          * flusher has not. */
@@ -203,8 +201,12 @@ agent__out_finish(struct job_ctx *j, const struct exec_result *x,
                             j->command_id);
                 at += n;
             }
-            outs[s]->data.data = NULL;
-            outs[s]->data.len = 0;
+            /* What fits stays in the result too: readers need not
+             * fetch it; live followers have had every byte. */
+            if (!fits) {
+                outs[s]->data.data = NULL;
+                outs[s]->data.len = 0;
+            }
             outs[s]->chunked_bytes = len;
         }
     }

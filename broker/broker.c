@@ -27,7 +27,9 @@ reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
 {
     if (!subject || !subject[0])
         return;
-    int rc = evt_publish_msg(b->nc, subject, m);
+    /* In parts when larger than one NATS message (the requester puts
+     * them back together). */
+    int rc = evt_publish_reply(b->nc, subject, m);
     if (rc)
         fprintf(stderr, "kscore broker: reply to %s: %s\n", subject,
                 ks_strerror(rc));
@@ -726,7 +728,7 @@ handle_get(struct broker *b, natsMsg *msg)
     else if (rc == 0)
         rc = store_get_command(b->st_misc, req->id, &view);
     /* The whole output, also what travelled in pieces; a reply larger
-     * than one NATS message goes in parts (evt_publish_msg). */
+     * than one NATS message goes in parts (evt_publish_reply). */
     if (rc == 0 && view)
         rc = broker__fill_output(b->st_misc, req->id, view->result);
     if (rc) {
@@ -1521,12 +1523,15 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         natsMsg *m = NULL;
         natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
         int64_t now = ks_mono_us();
+        if (st == NATS_OK && !natsMsg_IsNoResponders(m) &&
+            (rc = evt_join_parts(sub, m, 5000, &m)))
+            goto out;
         if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
             Ks__ExecuteReply *rep = NULL;
-            rc = evt_unpack(&ks__execute_reply__descriptor,
-                            natsMsg_GetData(m),
-                            (size_t)natsMsg_GetDataLength(m),
-                            (ProtobufCMessage **)&rep);
+            rc = evt_unpack_reply(&ks__execute_reply__descriptor,
+                                  natsMsg_GetData(m),
+                                  (size_t)natsMsg_GetDataLength(m),
+                                  (ProtobufCMessage **)&rep);
             natsMsg_Destroy(m);
             if (rc)
                 goto out;

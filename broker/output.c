@@ -312,7 +312,7 @@ broker__handle_logs(struct broker *b, natsMsg *msg)
             r.result = v->result;
         }
     }
-    evt_publish_msg(b->nc, natsMsg_GetReply(msg), &r.base);
+    evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
     free(r.stdout.data);
     free(r.stderr.data);
 out:

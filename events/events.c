@@ -412,6 +412,23 @@ evt_publish_msg(struct evt_conn *c, const char *subject,
     natsStatus s;
     int rc;
 
+    rc = pack_checked(msg, &buf, &len);
+    if (rc)
+        return rc;
+    s = natsConnection_Publish(c->nc, subject, buf, (int)len);
+    free(buf);
+    return evt_err(s);
+}
+
+int
+evt_publish_reply(struct evt_conn *c, const char *subject,
+                  const ProtobufCMessage *msg)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    natsStatus s;
+    int rc;
+
     if (protobuf_c_message_get_packed_size(msg) > EVT_REPLY_MAX_BYTES)
         return KS_ETOOBIG;
     rc = kproto_pack(msg, &buf, &len);

@@ -379,7 +379,7 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
                     const ProtobufCMessage *msg);
 
 /*
- * Replies larger than one NATS message. evt_publish_msg sends a message
+ * Replies larger than one NATS message. evt_publish_reply sends a message
  * that packs to more than EVT_PART_BYTES as consecutive parts of at most
  * EVT_PART_BYTES, each with the headers Ks-Parts (how many) and Ks-Part
  * (1-based index); the requester (evt_request*, which waits on its own
@@ -390,6 +390,11 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
 #define EVT_REPLY_MAX_BYTES ((size_t)1 << 30)
 #define EVT_HDR_PARTS "Ks-Parts"
 #define EVT_HDR_PART "Ks-Part"
+/* Publishes a reply to a request (evt_request*, broker_execute) on its
+ * reply subject: as evt_publish_msg, in parts past EVT_PART_BYTES. 0,
+ * KS_ETOOBIG (past EVT_REPLY_MAX_BYTES), KS_ENATS, -ENOMEM. */
+int evt_publish_reply(struct evt_conn *c, const char *subject,
+                      const ProtobufCMessage *msg);
 /*
  * Takes the parts that follow first (a message with Ks-Parts n > 1) from
  * sub, each within timeout_ms, and returns in *out one message with the

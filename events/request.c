@@ -109,7 +109,7 @@ request_as(struct evt_conn *c, const char *identity, const char *subject,
     if ((rc = inbox_of(identity, inbox, sizeof(inbox))))
         return rc;
     st = natsConnection_SubscribeSync(&sub, c->nc, inbox);
-    /* A reply may come in parts (evt_publish_msg): no limit on pending
+    /* A reply may come in parts (evt_publish_reply): no limit on pending
      * bytes here, the parts are bounded by EVT_REPLY_MAX_BYTES. */
     if (st == NATS_OK)
         st = natsSubscription_SetPendingLimits(sub, -1, -1);
