@@ -57,11 +57,15 @@
  */
 #define EXEC_OUTPUT_CAP_DEFAULT (1024 * 1024)
 /*
- * Largest cap per stream a spec may ask for (bytes). Two streams at this cap
- * plus the result's other fields stay under KS_MAX_MESSAGE_BYTES (NATS'
- * default max_payload).
+ * Largest cap per stream a spec may ask for (bytes). The agent sends output
+ * past what fits one NATS message in pieces (OutputChunk), so this bounds
+ * memory, not the message size: the executor keeps what it reads up to the
+ * cap.
  */
-#define EXEC_OUTPUT_CAP_MAX (480 * 1024)
+#define EXEC_OUTPUT_CAP_MAX (1024u * 1024 * 1024)
+/* The agent's cap per stream when the spec gives 0 (kscore exec
+ * --max-output). */
+#define EXEC_OUTPUT_CAP_AGENT_DEFAULT (16u * 1024 * 1024)
 /* Grace between SIGTERM and SIGKILL when the spec gives 0 (ms). */
 #define EXEC_GRACE_DEFAULT_MS 5000
 
@@ -193,6 +197,14 @@ struct exec_loop_opts {
 };
 
 /*
+ * Called on the loop thread with each piece of output kept (within the
+ * cap; stream 1 stdout, 2 stderr) as it is read, before the job's done
+ * callback. Same rules as exec_done_fn: it must not block.
+ */
+typedef void (*exec_output_fn)(uint64_t job_id, int stream, const char *data,
+                               size_t len, void *ud);
+
+/*
  * Starts a loop thread. Returns 0, KS_EINVAL (max_concurrent 0) or -errno.
  * A watchdog that cannot be spawned does not fail the start: the loop runs
  * without and tries again every second (exec_loop_watchdog_pid() says).
@@ -226,6 +238,11 @@ int exec_submit(struct exec_loop *loop, const struct exec_spec *spec,
 int exec_submit_ex(struct exec_loop *loop, const struct exec_spec *spec,
                    exec_started_fn started, exec_done_fn done, void *ud,
                    uint64_t *job_id_out);
+
+/* exec_submit_ex() that also calls output (may be NULL) as output is read. */
+int exec_submit_out(struct exec_loop *loop, const struct exec_spec *spec,
+                    exec_started_fn started, exec_output_fn output,
+                    exec_done_fn done, void *ud, uint64_t *job_id_out);
 
 /*
  * Cancels a job: TERM to its group now, KILL after its grace; the result has

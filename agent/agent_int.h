@@ -61,6 +61,7 @@ struct job_ctx {
     bool fenced;
     int64_t fence_silence_us;
     bool journaled; /* its journal file exists (written while waiting) */
+    struct agent_out *out; /* output.c, while it runs */
 };
 
 struct agent {
@@ -109,6 +110,12 @@ struct agent {
     pthread_t *starters;
     size_t n_starters;
     bool pub_started, hb_started, keeper_started;
+    /* output.c: running commands' output, the flusher thread */
+    pthread_mutex_t out_mu;
+    pthread_cond_t out_flush_cond;
+    struct agent_out *out_list;
+    pthread_t out_thread;
+    bool out_started, out_stopping;
     atomic_int closing;    /* agent_stop: take no new work */
     volatile int stopping; /* agent_stop: the executor is done */
 };
@@ -117,6 +124,23 @@ struct agent {
 
 /* Packs ev, saves it in the outbox (if a state dir), queues it. */
 int agent__queue_event(struct agent *a, const Ks__Event *ev);
+/* agent__queue_event, saved in the outbox only if persist. */
+int agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist);
+
+/* output.c: a running command's output as pieces (OutputChunk). */
+struct agent_out;
+/* Starts following j's output (j->out); -ENOMEM: only its end is sent. */
+int agent__out_new(struct job_ctx *j);
+/* exec_output_fn of a job (ud: its job_ctx). */
+void agent__out_piece(uint64_t job_id, int stream, const char *data,
+                      size_t len, void *ud);
+/* At the end (before the terminal report is queued): sends what is left
+ * as pieces if any were sent or the output is too large to travel in the
+ * result, and then empties out/err's data and sets chunked_bytes. */
+void agent__out_finish(struct job_ctx *j, const struct exec_result *x,
+                       Ks__Output *out, Ks__Output *err);
+int agent__out_start(struct agent *a);
+void agent__out_stop(struct agent *a);
 /* Publishes an ack payload ("+ACK", "-NAK", "+WPI", "+TERM") to a held
  * message's ack subject. */
 void agent__ack(struct agent *a, const char *ack_subject, const char *what);

@@ -55,6 +55,7 @@ struct exec_job {
     struct exec_spec spec;
     void *blob; /* owned copy of the spec's strings (NULL: borrowed) */
     exec_started_fn started_cb;
+    exec_output_fn output_cb;
     exec_done_fn done;
     void *ud;
     bool cancel_req; /* under loop->mu */
@@ -197,8 +198,12 @@ pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
             n = read(job->fd[i], scratch, sizeof(scratch));
     } while (n == -1 && errno == EINTR);
     if (n > 0) {
-        if (room)
+        if (room) {
             b->len += (size_t)n;
+            if (job->output_cb)
+                job->output_cb(job->id, i + 1, b->data + b->len - (size_t)n,
+                               (size_t)n, job->ud);
+        }
         b->total += (uint64_t)n;
     }
     return n;
@@ -1077,6 +1082,14 @@ exec_submit_ex(struct exec_loop *loop, const struct exec_spec *spec,
                exec_started_fn started, exec_done_fn done, void *ud,
                uint64_t *job_id_out)
 {
+    return exec_submit_out(loop, spec, started, NULL, done, ud, job_id_out);
+}
+
+int
+exec_submit_out(struct exec_loop *loop, const struct exec_spec *spec,
+                exec_started_fn started, exec_output_fn output,
+                exec_done_fn done, void *ud, uint64_t *job_id_out)
+{
     struct exec_job *job;
     int ret;
 
@@ -1094,6 +1107,7 @@ exec_submit_ex(struct exec_loop *loop, const struct exec_spec *spec,
         return ret;
     }
     job->started_cb = started;
+    job->output_cb = output;
     job->done = done;
     job->ud = ud;
     pthread_mutex_lock(&loop->mu);

@@ -153,6 +153,12 @@ outbox_push(struct agent *a, struct outbox_item *it)
 int
 agent__queue_event(struct agent *a, const Ks__Event *ev)
 {
+    return agent__queue_event_opt(a, ev, true);
+}
+
+int
+agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
+{
     struct outbox_item *it = calloc(1, sizeof(*it));
     int rc;
 
@@ -167,7 +173,7 @@ agent__queue_event(struct agent *a, const Ks__Event *ev)
     snprintf(it->agent_id, sizeof(it->agent_id), "%s", ev->agent_id);
     evt_event_subject(it->subject, sizeof(it->subject), ev->agent_id,
                       ev->command_id);
-    if (a->state_dir) {
+    if (a->state_dir && persist) {
         char path[4096], tmp[4200];
         int fd;
         outbox_path(a, it->event_id, path, sizeof(path));
@@ -509,6 +515,7 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                            : x->outcome == EXEC_SIGNALED ? "signaled"
                                                          : "start_failed"),
            KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
+    agent__out_finish(j, x, &o, &e);
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
                                            : "CommandCompleted";
     /* Killed because nobody could vouch for it any more: the record is
@@ -712,13 +719,13 @@ start_job(struct job_ctx *j)
     spec.command_id = cmd->command_id;
     spec.timeout_ms = cmd->spec->timeout_ms;
     spec.grace_ms = cmd->spec->grace_ms;
-    /* Both streams together must fit in one NATS message. */
+    /* Output past one NATS message travels in pieces (output.c). */
     spec.stdout_cap_bytes = cmd->spec->stdout_cap_bytes
                                 ? cmd->spec->stdout_cap_bytes
-                                : EXEC_OUTPUT_CAP_MAX;
+                                : EXEC_OUTPUT_CAP_AGENT_DEFAULT;
     spec.stderr_cap_bytes = cmd->spec->stderr_cap_bytes
                                 ? cmd->spec->stderr_cap_bytes
-                                : EXEC_OUTPUT_CAP_MAX;
+                                : EXEC_OUTPUT_CAP_AGENT_DEFAULT;
 
     ks_uuid(claim_id);
     /* Secret variables (secret.c): a command whose values cannot be
@@ -782,12 +789,16 @@ start_job(struct job_ctx *j)
         job_release(j, "+ACK");
         goto out;
     }
+    /* Its output as it is written (output.c); without, only the end. */
+    agent__out_new(j);
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it has its job id. */
     pthread_mutex_lock(&a->mu);
     j->state = JOB_RUNNING;
     a->in_flight++;
-    rc = exec_submit_ex(a->loop, &spec, job_started, job_done, j, &job_id);
+    rc = exec_submit_out(a->loop, &spec, job_started,
+                         j->out ? agent__out_piece : NULL, job_done, j,
+                         &job_id);
     if (rc == 0)
         j->job_id = job_id;
     pthread_mutex_unlock(&a->mu);
@@ -1278,6 +1289,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     a->waitq_tail = &a->waitq;
     a->readyq_tail = &a->readyq;
     pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->out_mu, NULL);
+    pthread_cond_init(&a->out_flush_cond, NULL);
     pthread_mutex_init(&a->hb_mu, NULL);
     pthread_cond_init(&a->out_cond, NULL);
     pthread_cond_init(&a->idle_cond, NULL);
@@ -1403,6 +1416,10 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         rc = KS_EINTERNAL;
         goto fail;
     }
+    if (agent__out_start(a) != 0) {
+        rc = KS_EINTERNAL;
+        goto fail;
+    }
     a->pub_started = true;
     a->n_starters = a->max_concurrent < STARTERS_MAX ? a->max_concurrent
                                                      : STARTERS_MAX;
@@ -1512,6 +1529,7 @@ agent_stop(struct agent *a)
     /* Cancels what still runs; every job's callback has run on return. */
     exec_loop_free(a->loop);
     a->loop = NULL;
+    agent__out_stop(a);
     pthread_mutex_lock(&a->mu);
     a->stopping = 1;
     pthread_cond_broadcast(&a->out_cond);
@@ -1544,6 +1562,8 @@ agent_stop(struct agent *a)
     agent__secret_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->hb_mu);
+    pthread_mutex_destroy(&a->out_mu);
+    pthread_cond_destroy(&a->out_flush_cond);
     pthread_cond_destroy(&a->out_cond);
     pthread_cond_destroy(&a->idle_cond);
     pthread_cond_destroy(&a->ready_cond);

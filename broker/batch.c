@@ -714,6 +714,11 @@ send_progress(struct broker *b, struct batch *bt, struct btarget *t)
     Ks__BatchCounts c;
     if (!bt->req->progress_subject[0])
         return;
+    if (!t && bt->req->live_output)
+        for (size_t i = 0; i < bt->n; i++)
+            if (!kproto_status_terminal(bt->t[i].status))
+                broker__live_add(b, bt->t[i].command_id,
+                                 bt->req->progress_subject);
     counts_of(bt, &c);
     if (t) {
         tg.agent_id = t->agent_id;

@@ -27,7 +27,9 @@ reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
 {
     if (!subject || !subject[0])
         return;
-    int rc = evt_publish_msg(b->nc, subject, m);
+    /* In parts when larger than one NATS message (the requester puts
+     * them back together). */
+    int rc = evt_publish_reply(b->nc, subject, m);
     if (rc)
         ks_log(KS_LOG_WARN, "cannot reply", KS_S("subject", subject),
                KS_ERR(rc));
@@ -125,6 +127,7 @@ broker__command_ended(struct broker *b, const char *command_id,
                       const Ks__CommandResult *result)
 {
     broker__reply_waiter(b, command_id, result, 0, NULL);
+    broker__live_end(b, command_id);
     broker__batch_target_ended(b, command_id, result);
 }
 
@@ -445,6 +448,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
         }
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", req->agent_id);
+        w->live = req->live_output;
         pthread_mutex_lock(&b->mu);
         ks_map_put(&b->waiters, command_id, w);
         pthread_mutex_unlock(&b->mu);
@@ -496,7 +500,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                KS_I("attempt", cmd.attempt),
                KS_S("operator", cmd.operator_));
     }
-    if (req->detach) {
+    if (req->detach || req->live_output) {
+        /* Detached: the answer. Live: the command's id, first (the
+         * client can cancel it or follow it should it stop waiting). */
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
@@ -643,9 +649,9 @@ reply:
  * KS_EDENIED with why; the denial is recorded on the operator's stream.
  * Uses st (the caller's thread's connection).
  */
-static int
-may_read(struct broker *b, struct store *st, natsMsg *msg,
-         const char *stream_id, char *why, size_t len)
+int
+broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
+                 const char *stream_id, char *why, size_t len)
 {
     const char *op = broker__operator_of(msg);
     char owner[128] = "";
@@ -713,7 +719,8 @@ handle_get(struct broker *b, natsMsg *msg)
         char sid[64];
         snprintf(sid, sizeof(sid), "%s%s",
                  is_batch_id(req->id) ? "" : "command-", req->id);
-        if (may_read(b, b->st_misc, msg, sid, why, sizeof(why)) != 0) {
+        if (broker__may_read(b, b->st_misc, msg, sid, why, sizeof(why)) !=
+            0) {
             r.error_code = KS_EDENIED;
             r.error = why;
             reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -727,6 +734,10 @@ handle_get(struct broker *b, natsMsg *msg)
         rc = KS_EINVAL;
     else if (rc == 0)
         rc = store_get_command(b->st_misc, req->id, &view);
+    /* The whole output, also what travelled in pieces; a reply larger
+     * than one NATS message goes in parts (evt_publish_reply). */
+    if (rc == 0 && view)
+        rc = broker__fill_output(b->st_misc, req->id, view->result);
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command or batch with this id"
@@ -802,7 +813,8 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         broker__reply_error(b, msg, r.base.descriptor, rc, why);
         return;
     }
-    if (may_read(b, st, msg, req->stream_id, why, sizeof(why)) != 0) {
+    if (broker__may_read(b, st, msg, req->stream_id, why, sizeof(why)) !=
+        0) {
         r.error_code = KS_EDENIED;
         r.error = why;
         reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -851,13 +863,30 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         r.error_code = rc;
         r.error = (char *)broker__store_error(st, rc, why, sizeof(why));
     }
+    /* One command's events: with the whole output of its end, also what
+     * travelled in pieces (the reply may go in parts). */
+    bool whole = false;
+    if (rc == 0 && req->stream_id[0])
+        for (size_t i = 0; i < acc.n && rc == 0; i++) {
+            Ks__Event *e = acc.evs[i]->event;
+            if (e && e->result &&
+                ((e->result->stdout && e->result->stdout->chunked_bytes) ||
+                 (e->result->stderr && e->result->stderr->chunked_bytes))) {
+                rc = broker__fill_output(st, e->command_id, e->result);
+                whole = true;
+            }
+        }
+    if (rc) {
+        r.error_code = rc;
+        r.error = (char *)broker__store_error(st, rc, why, sizeof(why));
+    }
     r.events = acc.evs;
     r.n_events = acc.n;
     r.cursor_tx_id = cur.tx_id;
     r.cursor_pos = cur.global_pos;
     /* Keep the reply under the max payload: drop the tail (the cursor then
      * points at the last event kept), the client pages on. */
-    while (r.n_events > 1 &&
+    while (!whole && r.n_events > 1 &&
            protobuf_c_message_get_packed_size(&r.base) > KS_MAX_MESSAGE_BYTES)
         r.n_events /= 2;
     if (r.n_events < acc.n && !req->stream_id[0]) {
@@ -1098,6 +1127,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         handle_agents(ud, msg);
     else if (broker__is_method(subj, EVT_API_LIST))
         broker__handle_list(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LOGS))
+        broker__handle_logs(ud, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -1206,6 +1237,14 @@ free_waiter(const char *key, void *val, void *ud)
 }
 
 static void
+free_live(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+static void
 broker_teardown(struct broker *b)
 {
     natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
@@ -1216,7 +1255,8 @@ broker_teardown(struct broker *b)
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory, &b->sub_list};
+                                 &b->sub_advisory, &b->sub_list,
+                                 &b->sub_logs};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1255,6 +1295,8 @@ broker_teardown(struct broker *b)
     evt_verifier_free(b->local_trust);
     ks_map_each(&b->waiters, free_waiter, NULL);
     ks_map_clear(&b->waiters);
+    ks_map_each(&b->live, free_live, NULL);
+    ks_map_clear(&b->live);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);
@@ -1392,6 +1434,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
@@ -1425,8 +1468,8 @@ broker_call(struct evt_conn *c, const char *subject,
     int rc = evt_request(c, subject, req, timeout_ms, &reply);
     if (rc)
         return rc;
-    rc = evt_unpack(reply_desc, natsMsg_GetData(reply),
-                    (size_t)natsMsg_GetDataLength(reply), out);
+    rc = evt_unpack_reply(reply_desc, natsMsg_GetData(reply),
+                          (size_t)natsMsg_GetDataLength(reply), out);
     natsMsg_Destroy(reply);
     return rc;
 }
@@ -1457,6 +1500,14 @@ int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
 {
+    return broker_execute_hooks(c, req, timeout_ms, NULL, out);
+}
+
+int
+broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
+                     int timeout_ms, const struct broker_exec_hooks *h,
+                     Ks__ExecuteReply **out)
+{
     Ks__ExecuteRequest r = *req;
     natsSubscription *sub = NULL;
     char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
@@ -1486,6 +1537,7 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
     }
     if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
         (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
+        (rc = evt_err(natsSubscription_SetPendingLimits(sub, -1, -1))) ||
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
@@ -1495,14 +1547,17 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
         goto out;
     for (;;) {
         natsMsg *m = NULL;
-        natsStatus st = natsSubscription_NextMsg(&m, sub, 1000);
+        natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
         int64_t now = ks_mono_us();
+        if (st == NATS_OK && !natsMsg_IsNoResponders(m) &&
+            (rc = evt_join_parts(sub, m, 5000, &m)))
+            goto out;
         if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
             Ks__ExecuteReply *rep = NULL;
-            rc = evt_unpack(&ks__execute_reply__descriptor,
-                            natsMsg_GetData(m),
-                            (size_t)natsMsg_GetDataLength(m),
-                            (ProtobufCMessage **)&rep);
+            rc = evt_unpack_reply(&ks__execute_reply__descriptor,
+                                  natsMsg_GetData(m),
+                                  (size_t)natsMsg_GetDataLength(m),
+                                  (ProtobufCMessage **)&rep);
             natsMsg_Destroy(m);
             if (rc)
                 goto out;
@@ -1512,6 +1567,8 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
             }
             /* Still running, and someone waits for it: keep waiting. */
             snprintf(id, sizeof(id), "%s", rep->command_id);
+            if (h && h->live)
+                h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
         } else {
@@ -1522,6 +1579,8 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 goto out;
             }
         }
+        if (h && h->tick && (rc = h->tick(h->ud)))
+            goto out;
         if (timeout_ms != INT32_MAX &&
             now - start >= (int64_t)timeout_ms * 1000) {
             rc = KS_ETIMEDOUT;

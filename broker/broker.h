@@ -140,6 +140,22 @@ int broker_wait_ready(const char *url, const struct evt_connect_opts *opts,
 int broker_wait_agent(const char *url, const struct evt_connect_opts *opts,
                       const char *agent_id, int64_t since_us, int timeout_ms);
 
+/*
+ * broker_execute with live output and a say while it waits: live (may be
+ * NULL) gets each reply that carries no result (the command's id, then
+ * pieces of its output as they are recorded: ExecuteReply.chunks; set
+ * req->live_output); tick (may be NULL) runs at least every 100 ms and a
+ * non-zero return ends the wait with that code.
+ */
+struct broker_exec_hooks {
+    void (*live)(const Ks__ExecuteReply *rep, void *ud);
+    int (*tick)(void *ud);
+    void *ud;
+};
+int broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
+                         int timeout_ms, const struct broker_exec_hooks *h,
+                         Ks__ExecuteReply **out);
+
 /* How long a client should wait for an ExecuteCommand reply (ms). */
 int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
 

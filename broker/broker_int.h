@@ -13,6 +13,7 @@
 struct broker__waiter {
     char *reply_subject;
     char agent_id[EVT_AGENT_ID_MAX + 1];
+    bool live; /* ExecuteRequest.live_output: send recorded output on */
 };
 
 /* What the broker knows of one agent (from KSCORE_AGENTS). */
@@ -52,12 +53,13 @@ struct broker {
     struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
     natsSubscription *sub_misc, *sub_events,
-        *sub_cancel, *sub_agents, *sub_follow, *sub_rec;
+        *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
     struct ks_map waiters;      /* command_id -> struct broker__waiter * */
+    struct ks_map live;         /* command_id -> subject (batch live output) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
 
     pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
@@ -241,6 +243,34 @@ int broker__batch_view(struct broker *b, struct store *st,
  * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
+
+/* ---- output in pieces (output.c) ---- */
+/* The rule for an agent's output piece (store_output_check_fn). */
+int broker__admit_output(const struct store_command_state *st,
+                         const struct store_output_chunk *c,
+                         const char **why, void *ud);
+/* Records the OutputChunk events evs (recorder thread, st_rec); verdicts
+ * and whys (n each, caller storage) say what became of each. 0 or a store
+ * error (nothing recorded: retry). */
+int broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
+                          enum store_step *verdicts, const char **whys);
+/* Sends a recorded piece to whoever follows its command live. */
+void broker__live_forward(struct broker *b, const Ks__Event *ev);
+/* Batch live output: pieces of command_id go to subject as BatchProgress
+ * until broker__live_end (called when the command ends). */
+void broker__live_add(struct broker *b, const char *command_id,
+                      const char *subject);
+void broker__live_end(struct broker *b, const char *command_id);
+/* Puts back the bytes of r's outputs that travelled in pieces (reads
+ * them with st). 0 or a store error. */
+int broker__fill_output(struct store *st, const char *command_id,
+                        Ks__CommandResult *r);
+/* kscore.api.v1.logs (under misc_mu, st_misc). */
+void broker__handle_logs(struct broker *b, natsMsg *msg);
+/* Whether the caller of msg may read stream_id (the read policy); a
+ * refusal is recorded. 0 or KS_EDENIED with why. */
+int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
+                     const char *stream_id, char *why, size_t len);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);

@@ -107,6 +107,12 @@ broker__admit_report(const struct store_command_state *st,
     bool known = false;
 
     (void)ud;
+    if (strcmp(ev->type, "OutputChunk") == 0) {
+        /* A piece reaches the events only when refused (output.c): kept
+         * as ReportRejected, with the reason it was refused. */
+        *why = ev->reason[0] ? ev->reason : "output refused";
+        return KS_EDENIED;
+    }
     for (size_t i = 0; i < sizeof(agent_types) / sizeof(agent_types[0]); i++)
         known = known || strcmp(ev->type, agent_types[i]) == 0;
     if (!known) {
@@ -214,13 +220,29 @@ static void
 record_batch(struct broker *b, natsMsg **msgs, size_t n)
 {
     Ks__Event **evs = calloc(n, sizeof(*evs));
-    size_t nev = 0, dups = 0;
+    Ks__Event **pcs = calloc(n ? n : 1, sizeof(*pcs));
+    size_t nev = 0, npc = 0, dups = 0;
+    bool pieces_done = false;
     int rc;
 
     enum store_step *verdicts = calloc(n ? n : 1, sizeof(*verdicts));
-    if (!evs || !verdicts) {
+    enum store_step *pverdicts = calloc(n ? n : 1, sizeof(*pverdicts));
+    const char **pwhys = calloc(n ? n : 1, sizeof(*pwhys));
+    char (*preasons)[200] = calloc(n ? n : 1, sizeof(*preasons));
+    /* A refused piece is recorded as a shallow copy (no bytes, the
+     * reason): borrowed[i] marks evs[i] as one, freed with its original. */
+    Ks__Event *pcopies = calloc(n ? n : 1, sizeof(*pcopies));
+    bool *borrowed = calloc(n ? n : 1, sizeof(*borrowed));
+    if (!evs || !verdicts || !pcs || !pverdicts || !pwhys || !preasons ||
+        !pcopies || !borrowed) {
+        free(pcopies);
+        free(borrowed);
         free(evs);
         free(verdicts);
+        free(pcs);
+        free(pverdicts);
+        free(pwhys);
+        free(preasons);
         return; /* not acked: redelivered */
     }
     for (size_t i = 0; i < n; i++) {
@@ -251,7 +273,12 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             msgs[i] = NULL;
             continue;
         }
-        evs[nev++] = ev;
+        /* Output pieces go to their own table, before the events of the
+         * batch: an agent sends a command's pieces before its end. */
+        if (strcmp(ev->type, "OutputChunk") == 0 && ev->chunk)
+            pcs[npc++] = ev;
+        else
+            evs[nev++] = ev;
     }
     /* Until it is recorded nothing is acked: JetStream keeps it. While
      * PostgreSQL is away, retry with backoff, tell JetStream the messages
@@ -266,11 +293,35 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
          * lock: one terminal event per command, reports only from the
          * command's own agent (store_append_checked,
          * broker__admit_report). */
-        rc = nev ? store_append_checked(b->st_rec,
-                                        (const Ks__Event *const *)evs, nev,
-                                        broker__admit_report, b, verdicts,
-                                        &dups)
-                 : 0;
+        rc = 0;
+        if (!pieces_done && npc) {
+            rc = broker__record_pieces(b, pcs, npc, pverdicts, pwhys);
+            if (rc == 0) {
+                pieces_done = true;
+                /* Refused pieces: kept as ReportRejected (with the
+                 * reason, without the bytes) through the events. */
+                for (size_t i = 0; i < npc; i++) {
+                    if (pverdicts[i] != STORE_STEP_ILLEGAL)
+                        continue;
+                    snprintf(preasons[i], sizeof(preasons[i]),
+                             "%s (stream %u, offset %llu, %zu bytes)",
+                             pwhys[i] ? pwhys[i] : "output refused",
+                             pcs[i]->chunk->stream,
+                             (unsigned long long)pcs[i]->chunk->offset,
+                             pcs[i]->chunk->data.len);
+                    pcopies[i] = *pcs[i];
+                    pcopies[i].reason = preasons[i];
+                    pcopies[i].chunk = NULL;
+                    borrowed[nev] = true;
+                    evs[nev++] = &pcopies[i];
+                }
+            }
+        }
+        if (rc == 0 && nev)
+            rc = store_append_checked(b->st_rec,
+                                      (const Ks__Event *const *)evs, nev,
+                                      broker__admit_report, b, verdicts,
+                                      &dups);
         if (rc == 0 || b->stopping)
             break;
         if (rc != KS_EPGDOWN && rc != KS_EUNAVAIL && failures >= 2) {
@@ -305,6 +356,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             natsMsg_Ack(msgs[i], NULL);
         natsMsg_Destroy(msgs[i]);
     }
+    for (size_t i = 0; i < npc; i++)
+        if (rc == 0 && pverdicts[i] == STORE_STEP_APPLY)
+            broker__live_forward(b, pcs[i]);
     for (size_t i = 0; i < nev; i++) {
         if (rc == 0 && verdicts[i] == STORE_STEP_APPLY &&
             store_event_is_terminal(evs[i]->type))
@@ -327,10 +381,20 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                    KS_S("kept_as", verdicts[i] == STORE_STEP_LATE
                                        ? "LateResult"
                                        : "ReportRejected"));
-        ks__event__free_unpacked(evs[i], NULL);
+        if (!borrowed[i])
+            ks__event__free_unpacked(evs[i], NULL);
     }
+    /* After the events: refused pieces' copies borrow from them. */
+    for (size_t i = 0; i < npc; i++)
+        ks__event__free_unpacked(pcs[i], NULL);
+    free(pcs);
+    free(pverdicts);
+    free(pwhys);
     free(evs);
     free(verdicts);
+    free(preasons);
+    free(pcopies);
+    free(borrowed);
 }
 
 static void *

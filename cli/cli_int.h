@@ -71,8 +71,9 @@ struct cli_conn {
         {"grace", required_argument, 0, CLI_OPT_SPEC + 1},                     \
         {"env", required_argument, 0, CLI_OPT_SPEC + 2},                       \
         {"cwd", required_argument, 0, CLI_OPT_SPEC + 3},                       \
+        {"deliver-within", required_argument, 0, CLI_OPT_SPEC + 4},            \
     {                                                                          \
-        "deliver-within", required_argument, 0, CLI_OPT_SPEC + 4               \
+        "max-output", required_argument, 0, CLI_OPT_SPEC + 5                   \
     }
 
 struct cli_spec {
@@ -336,5 +337,45 @@ struct cli_bundle {
 int cli_bundle_load(const char *path, const char *state_dir,
                     struct cli_bundle *b, char *why, size_t why_len);
 void cli_bundle_release(struct cli_bundle *b);
+
+int cmd_logs(int argc, char **argv);
+
+/* ---- output as it is written (cli/out_stream.c) ---- */
+struct cli_bytes {
+    uint8_t *data;
+    size_t len;
+};
+/* One kscore.api.v1.logs page. 0 with *out, or a transport error. */
+int cli_logs_page(struct evt_conn *c, const char *command_id, uint64_t out_off,
+                  uint64_t err_off, bool no_out, bool no_err,
+                  Ks__LogsReply **out);
+/* Bytes [from, to) of one stream (1 stdout, 2 stderr) from the record, to
+ * fd (-1: none) and/or appended to acc (may be NULL). 0, or an error
+ * (KS_ETIMEDOUT: the record does not hold them after a wait). */
+int cli_output_range(struct evt_conn *c, const char *command_id, int stream,
+                     uint64_t from, uint64_t to, int fd,
+                     struct cli_bytes *acc);
+/* An exec's live output and its Ctrl-C. */
+struct cli_live {
+    struct evt_conn *c;
+    bool print;      /* write the output to fds 1 and 2 (not --json) */
+    char command_id[37];
+    uint64_t off[2]; /* bytes of each stream written */
+    bool cancel_sent;
+};
+void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print);
+/* From now on Ctrl-C is the hooks' to act on (cancel, then detach). */
+void cli_live_catch_sigint(void);
+void cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h);
+/* Whether Ctrl-C was pressed. */
+bool cli_live_interrupted(const struct cli_live *lv);
+/* At the end: prints what was not printed live (print), or fills r's
+ * outputs that travelled in pieces (--json). 0 or an error (said). */
+int cli_live_finish(struct cli_live *lv, const char *command_id,
+                    Ks__CommandResult *r);
+/* batch --stream: prints a progress message's pieces as "agent: line";
+ * _end prints what is left of unfinished lines. */
+void cli_stream_batch_piece(const Ks__BatchProgress *p);
+void cli_stream_batch_end(void);
 
 #endif

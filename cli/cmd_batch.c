@@ -53,6 +53,8 @@ static const char batch_usage[] =
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
     "  --detach                print the batch id and return\n"
+    "  --stream                print each target's output as it comes, one\n"
+    "                          \"agent: line\" per line (stderr to stderr)\n"
     "Without --detach it waits for the end. Should its broker stop, another\n"
     "broker continues the batch and it follows it there; when no broker\n"
     "answers for 20s it prints how to follow the batch and exits 125.\n"
@@ -136,6 +138,12 @@ on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (evt_unpack(&ks__batch_progress__descriptor, natsMsg_GetData(msg),
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
+        if (p->n_chunks) {
+            cli_stream_batch_piece(p); /* --stream */
+            ks__batch_progress__free_unpacked(p, NULL);
+            natsMsg_Destroy(msg);
+            return;
+        }
         pthread_mutex_lock(&st->mu);
         if (!st->batch_id[0] && p->batch_id &&
             strncmp(p->batch_id, "batch-", 6) == 0 &&
@@ -422,6 +430,7 @@ cmd_batch(int argc, char **argv)
         {"secret-env", required_argument, 0, 'X'},
         {"json", no_argument, 0, 'j'},
         {"detach", no_argument, 0, 'D'},
+        {"stream", no_argument, 0, 'T'},
         CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
@@ -504,6 +513,9 @@ cmd_batch(int argc, char **argv)
             }
             break;
         }
+        case 'T':
+            req.live_output = 1; /* cli/out_stream.c prints the pieces */
+            break;
         case 'X':
             if (cli_secret_opt(&sec, optarg) < 0)
                 goto out;
@@ -720,6 +732,8 @@ cmd_batch(int argc, char **argv)
         natsSubscription_Destroy(psub);
         psub = NULL;
     }
+    if (req.live_output)
+        cli_stream_batch_end();
     st.total = rep->n_targets;
     if (fleet_results_load(&fr, c, rep, &st.results, st.json) != 0) {
         cli_err("out of memory");

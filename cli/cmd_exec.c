@@ -61,6 +61,11 @@ put_output(json_t *o, const char *name, const Ks__Output *out)
     snprintf(key, sizeof(key), "%s_total_bytes", name);
     json_object_set_new(o, key, json_integer(out ? (json_int_t)out->total_bytes
                                                  : 0));
+    if (out && out->chunked_bytes && !out->data.len) {
+        /* Not here: in the record's pieces (kscore logs). */
+        snprintf(key, sizeof(key), "%s_chunked_bytes", name);
+        json_object_set_new(o, key, json_integer((json_int_t)out->chunked_bytes));
+    }
 }
 
 json_t *
@@ -227,8 +232,13 @@ static const char exec_usage[] =
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
+    "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
+    "                      stderr (default 16M; K, M, G suffixes); the rest\n"
+    "                      is counted, not kept\n"
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
+    "Output is printed as the command writes it. Ctrl-C cancels the command\n"
+    "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
     CLI_CONN_USAGE;
 
 int
@@ -329,7 +339,20 @@ cmd_exec(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
-    rc = broker_execute(c, &req, broker_execute_wait_ms(&req), &rep);
+    struct cli_live lv;
+    struct broker_exec_hooks hooks;
+    cli_live_init(&lv, c, !json);
+    cli_live_hooks(&lv, &hooks);
+    if (!req.detach) {
+        req.live_output = 1;
+        cli_live_catch_sigint();
+    }
+    rc = broker_execute_hooks(c, &req, broker_execute_wait_ms(&req),
+                              req.detach ? NULL : &hooks, &rep);
+    if (rc == -EINTR) {
+        rc = 130; /* a second Ctrl-C: detached (said so) */
+        goto out;
+    }
     if (rc) {
         if (natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
             cli_err("lost the connection to NATS while waiting for the "
@@ -368,25 +391,40 @@ cmd_exec(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    const Ks__CommandResult *r = rep->result;
+    Ks__CommandResult *r = rep->result;
+    fflush(stdout);
+    cli_live_finish(&lv, rep->command_id, r);
+    if (cli_live_interrupted(&lv)) {
+        /* Ctrl-C: cancelled; say how it ended. */
+        cli_err("command %s ended %s", rep->command_id,
+                r ? kproto_status_name(r->status) : "(unknown)");
+        if (json) {
+            json_t *o = cli_result_json(r);
+            json_object_set_new(o, "command_id", json_string(rep->command_id));
+            json_object_set_new(o, "agent_id", json_string(rep->agent_id));
+            cli_print_json(o);
+        }
+        rc = 130;
+        goto out;
+    }
     if (json) {
         json_t *o = cli_result_json(r);
         json_object_set_new(o, "command_id", json_string(rep->command_id));
         json_object_set_new(o, "agent_id", json_string(rep->agent_id));
         cli_print_json(o);
     } else if (r) {
-        fflush(stdout);
-        if (r->stdout)
-            write_all(1, r->stdout->data.data, r->stdout->data.len);
-        if (r->stderr)
-            write_all(2, r->stderr->data.data, r->stderr->data.len);
+        /* The output went out as it came (cli_live_finish). */
         if (r->stdout && r->stdout->truncated)
             cli_err("stdout truncated: %llu of %llu bytes shown",
-                    (unsigned long long)r->stdout->data.len,
+                    (unsigned long long)(r->stdout->data.len
+                                             ? r->stdout->data.len
+                                             : r->stdout->chunked_bytes),
                     (unsigned long long)r->stdout->total_bytes);
         if (r->stderr && r->stderr->truncated)
             cli_err("stderr truncated: %llu of %llu bytes shown",
-                    (unsigned long long)r->stderr->data.len,
+                    (unsigned long long)(r->stderr->data.len
+                                             ? r->stderr->data.len
+                                             : r->stderr->chunked_bytes),
                     (unsigned long long)r->stderr->total_bytes);
         if (r->status == KS__COMMAND_STATUS__START_FAILED &&
             strcmp(r->start_stage, "secret") == 0)

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "agent.h"
 #include "cli_int.h"
 
 static const char usage[] =
@@ -26,6 +27,8 @@ static const char usage[] =
     "                          run CMD on many agents (--agents, --select,\n"
     "                          --all; --max-concurrency, --max-errors)\n"
     "  get ID [--json]         a command's or batch's state and result\n"
+    "  logs ID [--follow] [--stdout|--stderr] [--json]\n"
+    "                          a command's output, running or finished\n"
     "  events ID [--json]      a command's events, in order\n"
     "  events --follow [ID]    events as they are recorded\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
@@ -317,6 +320,29 @@ cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
         return 1;
     case CLI_OPT_SPEC + 4:
         return duration_opt("deliver-within", arg, &cs->deliver_within_ms);
+    case CLI_OPT_SPEC + 5: {
+        /* Bytes kept per stream: N, NK, NM, NG (powers of 1024). */
+        char *end = NULL;
+        errno = 0;
+        unsigned long long v = strtoull(arg, &end, 10);
+        unsigned long long mul = 1;
+        if (end && (*end == 'k' || *end == 'K'))
+            mul = 1024, end++;
+        else if (end && (*end == 'm' || *end == 'M'))
+            mul = 1024 * 1024, end++;
+        else if (end && (*end == 'g' || *end == 'G'))
+            mul = 1024 * 1024 * 1024, end++;
+        if (errno || end == arg || *end || arg[0] == '-' || v == 0 ||
+            v > EXEC_OUTPUT_CAP_MAX / mul) {
+            cli_err("bad --max-output '%s': bytes per stream, 1 to 1G "
+                    "(K, M, G suffixes)",
+                    arg);
+            return -1;
+        }
+        cs->spec.stdout_cap_bytes = cs->spec.stderr_cap_bytes =
+            (uint32_t)(v * mul);
+        return 1;
+    }
     }
     return 0;
 }
@@ -394,6 +420,7 @@ static const struct {
     {"keygen", cmd_keygen}, {"operator", cmd_operator},
     {"perf", cmd_perf},
     {"list", cmd_list},
+    {"logs", cmd_logs},
 };
 
 /* The subcommand named name, or -1. */

@@ -88,6 +88,15 @@ fleet_results_load(struct fleet_results *fr, struct evt_conn *c,
     for (size_t i = 0; i < fr->n; i++) {
         Ks__BatchTarget *t =
             have ? ks_map_get(have, rep->targets[i]->command_id) : NULL;
+        bool printed = t != NULL;
+        /* Output that travelled in pieces is not in the progress message's
+         * result: fetch the whole result, as for a target never heard of. */
+        if (t && t->result &&
+            ((t->result->stdout && t->result->stdout->chunked_bytes >
+                                         t->result->stdout->data.len) ||
+             (t->result->stderr && t->result->stderr->chunked_bytes >
+                                         t->result->stderr->data.len)))
+            t = NULL;
         if (!t) {
             Ks__GetRequest g = KS__GET_REQUEST__INIT;
             t = rep->targets[i];
@@ -104,7 +113,7 @@ fleet_results_load(struct fleet_results *fr, struct evt_conn *c,
                 if (!kproto_status_terminal(t->status))
                     t->status = fr->fetched[i]->command->status;
             }
-            if (json)
+            if (json && !printed)
                 cli_print_json(fleet_target_json(rep->batch_id, t));
         }
         fr->full[i] = t;

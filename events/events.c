@@ -482,6 +482,52 @@ evt_publish_msg(struct evt_conn *c, const char *subject,
     return evt_err(s);
 }
 
+int
+evt_publish_reply(struct evt_conn *c, const char *subject,
+                  const ProtobufCMessage *msg)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    natsStatus s;
+    int rc;
+
+    if (protobuf_c_message_get_packed_size(msg) > EVT_REPLY_MAX_BYTES)
+        return KS_ETOOBIG;
+    rc = kproto_pack(msg, &buf, &len);
+    if (rc)
+        return rc;
+    if (len <= EVT_PART_BYTES) {
+        s = natsConnection_Publish(c->nc, subject, buf, (int)len);
+        free(buf);
+        return evt_err(s);
+    }
+    /* Larger than one NATS message: in parts, in order, to the one
+     * subscriber of the reply inbox, which puts them back together
+     * (request.c). Core NATS keeps the order of one publisher's messages
+     * to one subscription. */
+    size_t n = (len + EVT_PART_BYTES - 1) / EVT_PART_BYTES;
+    char total[24], idx[24];
+    snprintf(total, sizeof(total), "%zu", n);
+    s = NATS_OK;
+    for (size_t i = 0; i < n && s == NATS_OK; i++) {
+        natsMsg *m = NULL;
+        size_t off = i * EVT_PART_BYTES;
+        size_t part = len - off < EVT_PART_BYTES ? len - off : EVT_PART_BYTES;
+        snprintf(idx, sizeof(idx), "%zu", i + 1);
+        s = natsMsg_Create(&m, subject, NULL, (const char *)buf + off,
+                           (int)part);
+        if (s == NATS_OK)
+            s = natsMsgHeader_Set(m, EVT_HDR_PARTS, total);
+        if (s == NATS_OK)
+            s = natsMsgHeader_Set(m, EVT_HDR_PART, idx);
+        if (s == NATS_OK)
+            s = natsConnection_PublishMsg(c->nc, m);
+        natsMsg_Destroy(m);
+    }
+    free(buf);
+    return evt_err(s);
+}
+
 /*
  * 1 if m or a message inside it kept an unknown field numbered 0. Field 0
  * does not exist (protobuf encoding spec: field numbers start at 1), and
@@ -531,6 +577,26 @@ evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
     /* Without a caller to tell which field, a string kscore cannot carry
      * is one more way of being undecodable. */
     return rc == KS_EINVAL ? KS_EDECODE : rc;
+}
+
+int
+evt_unpack_reply(const ProtobufCMessageDescriptor *desc, const void *data,
+                 size_t len, ProtobufCMessage **out)
+{
+    ProtobufCMessage *m;
+    if (len <= KS_MAX_MESSAGE_BYTES)
+        return evt_unpack(desc, data, len, out);
+    /* A reply put together from parts: from the broker the caller asked,
+     * on the caller's own inbox; still bounded and checked. */
+    if (len > EVT_REPLY_MAX_BYTES)
+        return KS_ETOOBIG;
+    if (evt_check_wire(desc, data, len, NULL, 0) == KS_EINVAL)
+        return KS_EDECODE;
+    m = protobuf_c_message_unpack(desc, NULL, len, data);
+    if (!m)
+        return KS_EDECODE;
+    *out = m;
+    return 0;
 }
 
 int

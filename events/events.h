@@ -64,6 +64,7 @@
 #define EVT_API_FOLLOW "kscore.api.v1.follow"
 #define EVT_API_BATCH "kscore.api.v1.batch"
 #define EVT_API_LIST "kscore.api.v1.list"
+#define EVT_API_LOGS "kscore.api.v1.logs"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000
@@ -377,6 +378,37 @@ int evt_request(struct evt_conn *c, const char *subject,
  */
 int evt_publish_msg(struct evt_conn *c, const char *subject,
                     const ProtobufCMessage *msg);
+
+/*
+ * Replies larger than one NATS message. evt_publish_reply sends a message
+ * that packs to more than EVT_PART_BYTES as consecutive parts of at most
+ * EVT_PART_BYTES, each with the headers Ks-Parts (how many) and Ks-Part
+ * (1-based index); the requester (evt_request*, which waits on its own
+ * inbox) puts them back together into one message. At most
+ * EVT_REPLY_MAX_BYTES in all (KS_ETOOBIG).
+ */
+#define EVT_PART_BYTES (KS_MAX_MESSAGE_BYTES - 4096)
+#define EVT_REPLY_MAX_BYTES ((size_t)1 << 30)
+#define EVT_HDR_PARTS "Ks-Parts"
+#define EVT_HDR_PART "Ks-Part"
+/* Publishes a reply to a request (evt_request*, broker_execute) on its
+ * reply subject: as evt_publish_msg, in parts past EVT_PART_BYTES. 0,
+ * KS_ETOOBIG (past EVT_REPLY_MAX_BYTES), KS_ENATS, -ENOMEM. */
+int evt_publish_reply(struct evt_conn *c, const char *subject,
+                      const ProtobufCMessage *msg);
+/*
+ * Takes the parts that follow first (a message with Ks-Parts n > 1) from
+ * sub, each within timeout_ms, and returns in *out one message with the
+ * whole data (first is consumed either way). A message without the
+ * header is returned as is. 0, KS_ETIMEDOUT, KS_EDECODE (parts out of
+ * order), KS_ETOOBIG, -ENOMEM.
+ */
+int evt_join_parts(natsSubscription *sub, natsMsg *first, int timeout_ms,
+                   natsMsg **out);
+/* evt_unpack for a reply that may have come in parts: up to
+ * EVT_REPLY_MAX_BYTES. */
+int evt_unpack_reply(const ProtobufCMessageDescriptor *desc, const void *data,
+                     size_t len, ProtobufCMessage **out);
 
 /*
  * Replies only this identity may read (events/request.c). Every request

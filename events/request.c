@@ -109,10 +109,10 @@ request_as(struct evt_conn *c, const char *identity, const char *subject,
     if ((rc = inbox_of(identity, inbox, sizeof(inbox))))
         return rc;
     st = natsConnection_SubscribeSync(&sub, c->nc, inbox);
-    /* One reply is all it waits for: the server drops the interest
-     * after it (UNSUB with a max). */
+    /* A reply may come in parts (evt_publish_reply): no limit on pending
+     * bytes here, the parts are bounded by EVT_REPLY_MAX_BYTES. */
     if (st == NATS_OK)
-        st = natsSubscription_AutoUnsubscribe(sub, 1);
+        st = natsSubscription_SetPendingLimits(sub, -1, -1);
     if (st == NATS_OK)
         st = natsMsg_Create(&req, subject, inbox, data, (int)len);
     /* JetStream's de-duplication id (nats-server docs "JetStream model
@@ -124,12 +124,77 @@ request_as(struct evt_conn *c, const char *identity, const char *subject,
     if (st == NATS_OK)
         st = natsSubscription_NextMsg(&reply, sub, timeout_ms);
     natsMsg_Destroy(req);
-    natsSubscription_Destroy(sub);
     if (st != NATS_OK) {
+        natsSubscription_Destroy(sub);
         natsMsg_Destroy(reply);
         /* NATS_NO_RESPONDERS: nobody serves subject (KS_EUNAVAIL). */
         return evt_err(st);
     }
-    *reply_out = reply;
-    return 0;
+    rc = evt_join_parts(sub, reply, timeout_ms, reply_out);
+    natsSubscription_Unsubscribe(sub);
+    natsSubscription_Destroy(sub);
+    return rc;
+}
+
+static size_t
+hdr_num(natsMsg *m, const char *name)
+{
+    const char *v = NULL;
+    if (natsMsgHeader_Get(m, name, &v) != NATS_OK || !v)
+        return 0;
+    char *end;
+    unsigned long long n = strtoull(v, &end, 10);
+    return *end ? 0 : (size_t)n;
+}
+
+int
+evt_join_parts(natsSubscription *sub, natsMsg *first, int timeout_ms,
+               natsMsg **out)
+{
+    size_t n = hdr_num(first, EVT_HDR_PARTS), len = 0;
+    char *buf = NULL;
+    natsMsg *m = first, *joined = NULL;
+    int rc = 0;
+
+    if (n <= 1) {
+        *out = first;
+        return 0;
+    }
+    if (n > EVT_REPLY_MAX_BYTES / EVT_PART_BYTES + 1) {
+        natsMsg_Destroy(first);
+        return KS_ETOOBIG;
+    }
+    if (!(buf = malloc(n * EVT_PART_BYTES))) {
+        natsMsg_Destroy(first);
+        return -ENOMEM;
+    }
+    for (size_t i = 1; i <= n; i++) {
+        if (i > 1) {
+            natsStatus st = natsSubscription_NextMsg(&m, sub, timeout_ms);
+            if (st != NATS_OK) {
+                rc = evt_err(st);
+                m = NULL;
+                break;
+            }
+        }
+        size_t dl = (size_t)natsMsg_GetDataLength(m);
+        if (hdr_num(m, EVT_HDR_PART) != i ||
+            hdr_num(m, EVT_HDR_PARTS) != n || dl > EVT_PART_BYTES) {
+            rc = KS_EDECODE;
+            break;
+        }
+        memcpy(buf + len, natsMsg_GetData(m), dl);
+        len += dl;
+        natsMsg_Destroy(m);
+        m = NULL;
+    }
+    natsMsg_Destroy(m);
+    if (rc == 0 &&
+        natsMsg_Create(&joined, natsSubscription_GetSubject(sub), NULL, buf,
+                       (int)len) != NATS_OK)
+        rc = -ENOMEM;
+    free(buf);
+    if (rc == 0)
+        *out = joined;
+    return rc;
 }

@@ -645,11 +645,27 @@ static const char migration_4[] =
     "CREATE INDEX commands_requested ON commands (requested_at);\n"
     "CREATE INDEX batches_requested ON batches (requested_at);\n";
 
+/*
+ * Migration 5: command output in pieces (store/output.c). A command's
+ * output is no longer capped by the NATS message size: its agent sends it
+ * as it runs, piece by piece, and each piece is kept here once.
+ */
+static const char migration_5[] =
+    "CREATE TABLE command_output (\n"
+    "  command_id  uuid NOT NULL,\n"
+    "  stream      smallint NOT NULL CHECK (stream IN (1, 2)),\n"
+    "  byte_offset bigint NOT NULL CHECK (byte_offset >= 0),\n"
+    "  data        bytea NOT NULL,\n"
+    "  recorded_at timestamptz NOT NULL DEFAULT now(),\n"
+    "  PRIMARY KEY (command_id, stream, byte_offset)\n"
+    ");\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
     {3, "one terminal event per command; NotStarted", migration_3},
     {4, "history: commands and batches by request time", migration_4},
+    {5, "command output in pieces", migration_5},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

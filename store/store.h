@@ -386,6 +386,48 @@ int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,
                          enum store_step *verdicts, size_t *dup_out);
 
+/* ---- output pieces (store/output.c, table command_output) -------------
+ *
+ * A running command's output, recorded in pieces as its agent sends them
+ * (OutputChunk events, not kept in table events): each piece once, by
+ * (command, stream, byte offset); the terminal event's
+ * Output.chunked_bytes says how many bytes of each stream the pieces hold.
+ */
+struct store_output_chunk {
+    const char *command_id; /* UUID text */
+    const char *agent_id;   /* the sender (from its subject) */
+    uint32_t attempt;
+    uint32_t stream;        /* 1 stdout, 2 stderr */
+    uint64_t offset;
+    const uint8_t *data;
+    size_t len;
+};
+/* The caller's rule for a piece, under its stream's lock (the broker's:
+ * only the command's own agent, for the attempt it claimed). 0 or non-zero
+ * with *why (static). */
+typedef int (*store_output_check_fn)(const struct store_command_state *st,
+                                     const struct store_output_chunk *c,
+                                     const char **why, void *ud);
+/*
+ * Records pieces in one transaction, each decided by check (may be NULL)
+ * against its command's state: verdicts[i] is STORE_STEP_APPLY (kept),
+ * STORE_STEP_DUPLICATE (that offset was kept before) or STORE_STEP_ILLEGAL
+ * (refused; whys[i], if whys is not NULL, says why; also for a command that
+ * does not exist). 0, KS_EINVAL (a bad command id or stream; nothing
+ * written) or a store error (nothing written: retry).
+ */
+int store_append_output(struct store *s, const struct store_output_chunk *chunks,
+                        size_t n, store_output_check_fn check, void *ud,
+                        enum store_step *verdicts, const char **whys);
+/*
+ * Up to max bytes of one stream of a command's recorded pieces from
+ * offset, as far as they follow on without a gap: *data_out (malloc'd, or
+ * NULL when nothing) and *len_out. 0, KS_EINVAL, KS_EPG.
+ */
+int store_read_output(struct store *s, const char *command_id, uint32_t stream,
+                      uint64_t offset, size_t max, uint8_t **data_out,
+                      size_t *len_out);
+
 /*
  * The message of the last error on this connection (libpq's or the
  * server's, one line; "" if none), for "PostgreSQL unreachable: <why>".

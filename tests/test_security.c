@@ -353,6 +353,32 @@ START_TEST(operator_reads_only_its_own_inbox)
     ck_assert_msg(strstr(o.err, "operator 'bob' is not in the policy"), "%s",
                   o.err);
     fixture_out_release(&o);
+
+    /* Output is read under the read policy: alice's command's output is
+     * hers (logs), not bob's. */
+    const char *run[] = {"exec", "--agent", AGENT, "--detach", "--", "echo",
+                         "alice-output", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, run, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", o.out);
+    fixture_out_release(&o);
+    const char *logs[] = {"logs", "--follow", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, logs, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "alice-output\n");
+    fixture_out_release(&o);
+    env_seed = strdup(stack.operator_seed);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s",
+             bob_seed);
+    ck_assert_int_eq(fixture_kscore(&stack, logs, &o), 0);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s",
+             env_seed);
+    free(env_seed);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_str_eq(o.out, "");
+    ck_assert_msg(strstr(o.err, "not in the policy"), "%s", o.err);
+    fixture_out_release(&o);
 }
 END_TEST
 

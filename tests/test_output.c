@@ -1,0 +1,716 @@
+/*
+ * Live and whole output: a command's output reaches `kscore exec` as it is
+ * written, travels and is recorded in pieces past one NATS message, and
+ * `get`, `events` and `logs` return all of it; Ctrl-C cancels; an agent
+ * can add output only to the commands it claimed.
+ */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "fixture.h"
+#include "store.h"
+
+#define AGENT "out-agent"
+
+static struct fixture_stack stack;
+static char tmpdir[64];
+
+static void
+stack_up(void)
+{
+    snprintf(tmpdir, sizeof(tmpdir), "%s/kscore-out-XXXXXX",
+             getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) != 0)
+        exit(1);
+    if (fixture_stack_start(&stack, AGENT, 2) != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&stack);
+        exit(1);
+    }
+}
+
+static void
+stack_down(void)
+{
+    char cmd[128];
+    fixture_stack_stop(&stack);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cannot remove %s\n", tmpdir);
+}
+
+static int64_t
+now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* A running `kscore` child with its stdout and stderr on pipes. */
+struct child {
+    pid_t pid;
+    int out, err;
+};
+
+static void
+spawn(struct child *c, const char *const args[])
+{
+    int po[2], pe[2];
+    ck_assert_int_eq(pipe(po), 0);
+    ck_assert_int_eq(pipe(pe), 0);
+    c->pid = fork();
+    ck_assert_int_ne(c->pid, -1);
+    if (c->pid == 0) {
+        size_t n = 0;
+        while (args[n])
+            n++;
+        const char **argv = calloc(n + 2, sizeof(*argv));
+        const char *bin = getenv("KSCORE_BIN");
+        argv[0] = bin ? bin : "kscore";
+        for (size_t i = 0; i < n; i++)
+            argv[i + 1] = args[i];
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        close(po[0]);
+        close(pe[0]);
+        setenv("KSCORE_NATS_URL", stack.nats.url, 1);
+        setenv("KSCORE_HOME", "/nonexistent-kscore-home", 1);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(po[1]);
+    close(pe[1]);
+    c->out = po[0];
+    c->err = pe[0];
+}
+
+/* Reads what fd has until want appears in acc (or EOF / timeout_ms). */
+static bool
+read_until(int fd, char *acc, size_t cap, size_t *len, const char *want,
+           int timeout_ms)
+{
+    int64_t end = now_us() + (int64_t)timeout_ms * 1000;
+    while (!strstr(acc, want)) {
+        int left = (int)((end - now_us()) / 1000);
+        if (left <= 0)
+            return false;
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, left) <= 0)
+            continue;
+        ssize_t r = read(fd, acc + *len, cap - 1 - *len);
+        if (r <= 0)
+            return strstr(acc, want) != NULL;
+        *len += (size_t)r;
+        acc[*len] = '\0';
+    }
+    return true;
+}
+
+static int
+reap(struct child *c, int timeout_ms)
+{
+    int st = 0;
+    for (int i = 0; i < timeout_ms / 20; i++) {
+        pid_t p = waitpid(c->pid, &st, WNOHANG);
+        if (p == c->pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    kill(c->pid, SIGKILL);
+    waitpid(c->pid, &st, 0);
+    return -1;
+}
+
+static long
+sql_long(const char *sql)
+{
+    return fixture_sql_long(stack.pg.conninfo, sql);
+}
+
+static char *
+slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    ck_assert_ptr_nonnull(f);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *p = malloc((size_t)n + 1);
+    ck_assert_int_eq(fread(p, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    *len = (size_t)n;
+    return p;
+}
+
+/* Decodes base64 (jansson gives the text). */
+static uint8_t *
+unb64(const char *s, size_t *len)
+{
+    static int8_t map[256];
+    static bool init;
+    if (!init) {
+        memset(map, -1, sizeof(map));
+        const char *a =
+            "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        for (int i = 0; i < 64; i++)
+            map[(unsigned char)a[i]] = (int8_t)i;
+        init = true;
+    }
+    size_t n = strlen(s);
+    uint8_t *out = malloc(n / 4 * 3 + 3);
+    size_t o = 0;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '=')
+            break;
+        int8_t v = map[(unsigned char)s[i]];
+        ck_assert_int_ge(v, 0);
+        acc = (acc << 6) | (uint32_t)v;
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            out[o++] = (uint8_t)(acc >> bits);
+        }
+    }
+    *len = o;
+    return out;
+}
+
+/* ------------------------------------------------------------------------ */
+
+/* Each line reaches `kscore exec`'s stdout within 100 ms (the target) of
+ * being written: the command prints the time it writes each line, and the
+ * test notes when it arrives. Before live output, all three arrived at
+ * the end (+2 s for the first). */
+START_TEST(live_output_arrives_as_written)
+{
+    struct child c;
+    const char *args[] = {
+        "exec", "--agent", AGENT, "--", "sh", "-c",
+        "for i in 1 2 3; do date +%s%6N; sleep 1; done", NULL};
+    char buf[4096] = "";
+    size_t len = 0, seen = 0;
+    int64_t lag[3];
+    spawn(&c, args);
+    for (int i = 0; i < 3; i++) {
+        /* One more line. */
+        int64_t t;
+        for (;;) {
+            char *nl = memchr(buf + seen, '\n', len - seen);
+            if (nl) {
+                t = now_us();
+                *nl = '\0';
+                int64_t written = strtoll(buf + seen, NULL, 10);
+                lag[i] = t - written;
+                seen = (size_t)(nl - buf) + 1;
+                break;
+            }
+            struct pollfd p = {c.out, POLLIN, 0};
+            ck_assert_int_gt(poll(&p, 1, 10000), 0);
+            ssize_t r = read(c.out, buf + len, sizeof(buf) - 1 - len);
+            ck_assert_int_gt(r, 0);
+            len += (size_t)r;
+            buf[len] = '\0';
+        }
+    }
+    ck_assert_int_eq(reap(&c, 10000), 0);
+    fprintf(stderr, "live output lag: %.1f ms, %.1f ms, %.1f ms\n",
+            lag[0] / 1e3, lag[1] / 1e3, lag[2] / 1e3);
+    /* The target is 100 ms; the bound leaves room for a loaded 2-core
+     * machine. Printing at the end would be >= 1 s late for the second
+     * line and >= 2 s for the first. */
+    for (int i = 0; i < 3; i++)
+        ck_assert_msg(lag[i] >= 0 && lag[i] < 600000,
+                      "line %d arrived %.1f ms after it was written", i + 1,
+                      lag[i] / 1e3);
+    close(c.out);
+    close(c.err);
+}
+END_TEST
+
+/* A short command whose output fits its result sends no pieces: the fast
+ * path has no extra event. */
+START_TEST(short_output_travels_in_the_result)
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--json", "--",
+                          "echo", "hello", NULL};
+    struct fixture_out o;
+    json_error_t e;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    json_t *j = json_loads(o.out, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "stdout")),
+                     "hello\n");
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM command_output WHERE command_id = '%s'",
+             json_string_value(json_object_get(j, "command_id")));
+    ck_assert_int_eq(sql_long(sql), 0);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* 20 MB of stdout, byte for byte, through exec, get --json, events and
+ * logs; 16 MiB by default, the rest counted. */
+START_TEST(whole_output_of_20_mb)
+{
+    char path[128], cmd[512];
+    size_t want_len;
+    snprintf(path, sizeof(path), "%s/big.bin", tmpdir);
+    snprintf(cmd, sizeof(cmd), "head -c 20000000 /dev/urandom > %s", path);
+    ck_assert_int_eq(system(cmd), 0);
+    chmod(path, 0644);
+    char *want = slurp(path, &want_len);
+    ck_assert_int_eq(want_len, 20000000);
+
+    /* exec: stdout as written. */
+    const char *a1[] = {"exec", "--agent", AGENT, "--max-output", "32M",
+                        "--", "cat", path, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_int_eq(o.out_len, want_len);
+    ck_assert(memcmp(o.out, want, want_len) == 0);
+    fixture_out_release(&o);
+
+    /* exec --json, then get --json, logs, events --json of it. */
+    const char *a2[] = {"exec", "--agent", AGENT, "--max-output", "32M",
+                        "--json", "--", "cat", path, NULL};
+    json_error_t e;
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    json_t *j = json_loads(o.out, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    size_t got_len;
+    uint8_t *got = unb64(
+        json_string_value(json_object_get(j, "stdout_base64")), &got_len);
+    ck_assert_int_eq(got_len, want_len);
+    ck_assert(memcmp(got, want, want_len) == 0);
+    free(got);
+    ck_assert(json_is_false(json_object_get(j, "stdout_truncated")));
+    char id[40];
+    snprintf(id, sizeof(id), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *a3[] = {"get", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    j = json_loads(o.out, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    got = unb64(json_string_value(json_object_get(j, "stdout_base64")),
+                &got_len);
+    ck_assert_int_eq(got_len, want_len);
+    ck_assert(memcmp(got, want, want_len) == 0);
+    free(got);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *a4[] = {"logs", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_int_eq(o.out_len, want_len);
+    ck_assert(memcmp(o.out, want, want_len) == 0);
+    fixture_out_release(&o);
+
+    const char *a5[] = {"events", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a5, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char *line = strstr(o.out, "\"CommandCompleted\"");
+    ck_assert_ptr_nonnull(line);
+    while (line > o.out && line[-1] != '\n')
+        line--;
+    char *end = strchr(line, '\n');
+    *end = '\0';
+    j = json_loads(line, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    json_t *res = json_object_get(j, "result");
+    const char *b = json_string_value(
+        json_object_get(res ? res : j, "stdout_base64"));
+    ck_assert_ptr_nonnull(b);
+    got = unb64(b, &got_len);
+    ck_assert_int_eq(got_len, want_len);
+    ck_assert(memcmp(got, want, want_len) == 0);
+    free(got);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* The default cap: 16 MiB kept, the true total counted. */
+    const char *a6[] = {"exec", "--agent", AGENT, "--json", "--",
+                        "cat", path, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a6, &o), 0);
+    j = json_loads(o.out, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    got = unb64(json_string_value(json_object_get(j, "stdout_base64")),
+                &got_len);
+    ck_assert_int_eq(got_len, 16 * 1024 * 1024);
+    ck_assert(memcmp(got, want, got_len) == 0);
+    free(got);
+    ck_assert(json_is_true(json_object_get(j, "stdout_truncated")));
+    ck_assert_int_eq(
+        json_integer_value(json_object_get(j, "stdout_total_bytes")),
+        20000000);
+    json_decref(j);
+    fixture_out_release(&o);
+    free(want);
+}
+END_TEST
+
+/* --max-output: past it, bytes are counted and dropped (truncated, true
+ * total), for a short command as for a long one. */
+START_TEST(max_output_truncates_and_counts)
+{
+    const char *scripts[] = {
+        "head -c 3000000 /dev/zero",
+        "head -c 1000000 /dev/zero; sleep 0.3; head -c 2000000 /dev/zero"};
+    for (int i = 0; i < 2; i++) {
+        const char *args[] = {"exec", "--agent", AGENT, "--max-output",
+                              "1M", "--json", "--", "sh", "-c", scripts[i],
+                              NULL};
+        struct fixture_out o;
+        json_error_t e;
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        json_t *j = json_loads(o.out, 0, &e);
+        ck_assert_ptr_nonnull(j);
+        size_t n;
+        uint8_t *got = unb64(
+            json_string_value(json_object_get(j, "stdout_base64")), &n);
+        ck_assert_int_eq(n, 1024 * 1024);
+        free(got);
+        ck_assert(json_is_true(json_object_get(j, "stdout_truncated")));
+        ck_assert_int_eq(
+            json_integer_value(json_object_get(j, "stdout_total_bytes")),
+            3000000);
+        json_decref(j);
+        fixture_out_release(&o);
+    }
+    const char *bad[] = {"exec", "--agent", AGENT, "--max-output", "2G",
+                         "--", "true", NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, bad, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* A large argv and full outputs: the reply of get is larger than one NATS
+ * message, and arrives (in parts). */
+START_TEST(get_of_large_argv_and_outputs)
+{
+    char *big = malloc(100001);
+    memset(big, 'a', 100000);
+    big[100000] = '\0';
+    const char *args[] = {
+        "exec", "--agent", AGENT, "--detach", "--", "sh", "-c",
+        "head -c 3000000 /dev/zero; head -c 3000000 /dev/zero >&2", "x",
+        big, big, big, big, big, big, big, big, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", o.out);
+    fixture_out_release(&o);
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 30000), 1);
+    const char *g[] = {"get", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_msg(o.status == 0, "get failed: %s", o.err);
+    json_error_t e;
+    json_t *j = json_loads(o.out, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_int_eq(json_array_size(json_object_get(j, "argv")), 12);
+    size_t n;
+    uint8_t *d = unb64(json_string_value(json_object_get(j, "stdout_base64")),
+                       &n);
+    ck_assert_int_eq(n, 3000000);
+    free(d);
+    d = unb64(json_string_value(json_object_get(j, "stderr_base64")), &n);
+    ck_assert_int_eq(n, 3000000);
+    free(d);
+    json_decref(j);
+    fixture_out_release(&o);
+    free(big);
+}
+END_TEST
+
+/* logs --follow prints a running command's output as it comes and ends
+ * when the command ends; --stderr picks one stream. */
+START_TEST(logs_follow_ends_with_the_command)
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--detach", "--", "sh",
+                          "-c",
+                          "for i in 1 2 3; do echo out$i; echo err$i >&2; "
+                          "sleep 0.5; done",
+                          NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", o.out);
+    fixture_out_release(&o);
+
+    struct child c;
+    const char *f[] = {"logs", "--follow", id, NULL};
+    spawn(&c, f);
+    char buf[256] = "";
+    size_t len = 0;
+    /* The first line comes before the command ends. */
+    ck_assert(read_until(c.out, buf, sizeof(buf), &len, "out1\n", 10000));
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 1);
+    ck_assert(read_until(c.out, buf, sizeof(buf), &len, "out3\n", 10000));
+    ck_assert_int_eq(reap(&c, 10000), 0);
+    ck_assert_str_eq(buf, "out1\nout2\nout3\n");
+    close(c.out);
+    close(c.err);
+
+    const char *e[] = {"logs", "--stderr", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, e, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "");
+    ck_assert_str_eq(o.err, "err1\nerr2\nerr3\n");
+    fixture_out_release(&o);
+
+    const char *bad[] = {"logs", "not-an-id", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, bad, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* Ctrl-C: cancels the command (exit 130, the record says Cancelled); a
+ * second Ctrl-C stops waiting and says how to follow it. */
+START_TEST(ctrl_c_cancels_and_twice_detaches)
+{
+    struct child c;
+    char out[256] = "", err[1024] = "";
+    size_t olen = 0, elen = 0;
+    const char *a1[] = {"exec", "--agent", AGENT, "--", "sh", "-c",
+                        "echo started; sleep 60", NULL};
+    spawn(&c, a1);
+    ck_assert(read_until(c.out, out, sizeof(out), &olen, "started\n", 15000));
+    kill(c.pid, SIGINT);
+    ck_assert_int_eq(reap(&c, 20000), 130);
+    read_until(c.err, err, sizeof(err), &elen, "\x01", 500);
+    ck_assert_msg(strstr(err, "ended Cancelled"), "stderr: %s", err);
+    char *p = strstr(err, "cancelling ");
+    ck_assert_ptr_nonnull(p);
+    char id[40], sql[256];
+    snprintf(id, sizeof(id), "%.36s", p + strlen("cancelling "));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status IN ('Cancelled', 'Failed')",
+             id);
+    ck_assert_int_eq(sql_long(sql), 1);
+    close(c.out);
+    close(c.err);
+
+    /* It ignores TERM (a long grace): the second Ctrl-C detaches. */
+    olen = elen = 0;
+    out[0] = err[0] = '\0';
+    const char *a2[] = {"exec",    "--agent", AGENT, "--grace", "20s", "--",
+                        "sh",      "-c",
+                        "trap '' TERM; echo started; sleep 60", NULL};
+    spawn(&c, a2);
+    ck_assert(read_until(c.out, out, sizeof(out), &olen, "started\n", 15000));
+    kill(c.pid, SIGINT);
+    ck_assert(read_until(c.err, err, sizeof(err), &elen, "cancelling", 10000));
+    kill(c.pid, SIGINT);
+    ck_assert_int_eq(reap(&c, 5000), 130);
+    read_until(c.err, err, sizeof(err), &elen, "\x01", 500);
+    ck_assert_msg(strstr(err, "kscore logs --follow"), "stderr: %s", err);
+    p = strstr(err, "cancelling ");
+    snprintf(id, sizeof(id), "%.36s", p + strlen("cancelling "));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 1);
+    close(c.out);
+    close(c.err);
+    /* It still ends (KILL after the grace). */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Cancelled'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 40000), 1);
+}
+END_TEST
+
+/* batch --stream: every target's lines as "agent: line" as they come. */
+START_TEST(batch_stream_prints_agent_lines)
+{
+    struct child c;
+    const char *args[] = {"batch", "--select", "local=true", "--stream",
+                          "--", "sh", "-c",
+                          "echo one; sleep 1; echo two; echo err >&2",
+                          NULL};
+    char out[8192] = "";
+    size_t len = 0;
+    spawn(&c, args);
+    /* "one" of a target before any target ends (1 s later). */
+    ck_assert(read_until(c.out, out, sizeof(out), &len, ": one\n", 10000));
+    ck_assert(!strstr(out, "two"));
+    read_until(c.out, out, sizeof(out), &len, "\x01", 15000);
+    ck_assert_int_eq(reap(&c, 10000), 0);
+    char host[64];
+    gethostname(host, sizeof(host));
+    char *dot = strchr(host, '.');
+    if (dot)
+        *dot = '\0';
+    for (int i = 0; i < 2; i++) {
+        char want[160];
+        snprintf(want, sizeof(want), "%s-%d: one\n", host, i);
+        ck_assert_msg(strstr(out, want), "no '%s' in: %s", want, out);
+        snprintf(want, sizeof(want), "%s-%d: two\n", host, i);
+        ck_assert_msg(strstr(out, want), "no '%s' in: %s", want, out);
+    }
+    char err[1024] = "";
+    size_t elen = 0;
+    read_until(c.err, err, sizeof(err), &elen, "\x01", 500);
+    ck_assert_msg(strstr(err, ": err\n"), "stderr: %s", err);
+    close(c.out);
+    close(c.err);
+}
+END_TEST
+
+/* Publishes an OutputChunk event as agent `as` (on kscore.evt.<as>.<cmd>:
+ * the subject NATS permissions tie to an agent's credential). */
+static void
+publish_piece(struct evt_conn *c, const char *as, const char *command_id,
+              uint32_t attempt, const char *text)
+{
+    Ks__Event ev = KS__EVENT__INIT;
+    Ks__OutputChunk ch = KS__OUTPUT_CHUNK__INIT;
+    char event_id[37], sid[64];
+    ks_uuid(event_id);
+    snprintf(sid, sizeof(sid), "command-%s", command_id);
+    ev.event_id = event_id;
+    ev.stream_id = sid;
+    ev.type = "OutputChunk";
+    ev.occurred_at_us = ks_now_us();
+    ev.command_id = (char *)command_id;
+    ev.agent_id = (char *)as;
+    ev.attempt = attempt;
+    ch.stream = 1;
+    ch.offset = 0;
+    ch.data.data = (uint8_t *)text;
+    ch.data.len = strlen(text);
+    ev.chunk = &ch;
+    ck_assert_int_eq(evt_publish_event(c, &ev, 5000), 0);
+}
+
+/* An agent adds output only to a command it claimed and runs: not to
+ * another agent's, not to another attempt, not once it ended. Each
+ * refusal is a ReportRejected; nothing reaches command_output. */
+START_TEST(agent_cannot_inject_output)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], sql[512];
+    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 3", 0, 0, id), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+
+    publish_piece(c, "intruder", id, 1, "forged by another agent\n");
+    publish_piece(c, AGENT, id, 7, "forged for another attempt\n");
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 2, 15000), 2);
+
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    publish_piece(c, AGENT, id, 1, "forged after the end\n");
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 3, 15000), 3);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM command_output WHERE command_id = '%s'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 0);
+
+    /* A command that does not exist: kept on the reporter's stream. */
+    char ghost[37];
+    ks_uuid(ghost);
+    publish_piece(c, "intruder", ghost, 1, "ghost\n");
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'agent-intruder'"
+             " AND type = 'ReportRejected'");
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM streams WHERE stream_id = 'command-%s'",
+             ghost);
+    ck_assert_int_eq(sql_long(sql), 0);
+
+    /* The command's own output is untouched. */
+    const char *g[] = {"logs", id, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+    evt_close(c);
+}
+END_TEST
+
+static Suite *
+output_suite(void)
+{
+    Suite *s = suite_create("output");
+    TCase *tc = tcase_create("stack");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 240);
+    tcase_add_test(tc, live_output_arrives_as_written);
+    tcase_add_test(tc, short_output_travels_in_the_result);
+    tcase_add_test(tc, whole_output_of_20_mb);
+    tcase_add_test(tc, max_output_truncates_and_counts);
+    tcase_add_test(tc, get_of_large_argv_and_outputs);
+    tcase_add_test(tc, logs_follow_ends_with_the_command);
+    tcase_add_test(tc, ctrl_c_cancels_and_twice_detaches);
+    tcase_add_test(tc, batch_stream_prints_agent_lines);
+    tcase_add_test(tc, agent_cannot_inject_output);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(output_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
