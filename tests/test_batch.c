@@ -1121,8 +1121,9 @@ START_TEST(grouping_by_outcome_and_output)
              "%s) head -c 600000 /dev/zero | tr '\\0' a;; "
              "*) echo same;; esac",
              h5, h6, h7);
-    const char *args[] = {"batch", "--select", "local=true", "--", "sh",
-                          "-c", script, NULL};
+    /* 480 KiB: the cap per stream (default 16 MiB) that h7 passes. */
+    const char *args[] = {"batch", "--select", "local=true", "--max-output",
+                          "480K", "--", "sh", "-c", script, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_msg(o.status == 1, "exit %d: %s", o.status, o.err);
     char host[64];
@@ -1157,8 +1158,9 @@ START_TEST(grouping_by_outcome_and_output)
     fixture_out_release(&o);
 
     /* --json: the flag per target. */
-    const char *jargs[] = {"--select", "local=true", "--", "sh", "-c",
-                           script, NULL};
+    const char *jargs[] = {"--select",     "local=true", "--max-output",
+                           "480K",         "--",         "sh",
+                           "-c",           script,       NULL};
     json_t *j = batch_json(jargs, &o);
     ck_assert_int_eq(o.status, 1);
     ck_assert_int_eq(jint(j, "exit_code"), 1);
