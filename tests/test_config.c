@@ -137,6 +137,63 @@ START_TEST(bad_files_name_file_line_and_key)
 }
 END_TEST
 
+/*
+ * A configuration file or a bundle that another user may change decides
+ * what the agent (root) trusts and runs: refused, not read. /dev/null
+ * (what `kscore up` gives) still passes. Found by a security review.
+ */
+static void
+refused_file(const char *flag, const char *path, const char *want)
+{
+    struct fixture_out o;
+    const char *args[] = {"agent", flag, path, "--id", "a1", "--show-config",
+                          NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_msg(o.status != 0, "%s %s was read: %s", flag, path, o.out);
+    ck_assert_msg(strstr(o.err, want) != NULL, "no '%s' in: %s", want,
+                  o.err);
+    fixture_out_release(&o);
+}
+
+START_TEST(files_others_may_write_are_refused)
+{
+    char path[PATH_MAX + 32], bundle[PATH_MAX + 32];
+    struct fixture_out o;
+
+    tmp_up();
+    write_conf("agent.conf", "max_concurrent = 3\n", path, sizeof(path));
+    ck_assert_int_eq(chmod(path, 0666), 0);
+    refused_file("--config", path, "writable by everyone");
+    ck_assert_int_eq(chmod(path, 0664), 0);
+    refused_file("--config", path, "writable by its group");
+    if (geteuid() == 0) {
+        ck_assert_int_eq(chmod(path, 0644), 0);
+        ck_assert_int_eq(chown(path, 65534, 65534), 0);
+        refused_file("--config", path, "owned by uid 65534");
+        ck_assert_int_eq(chown(path, 0, 0), 0);
+    }
+    /* Its owner's alone: read. */
+    ck_assert_int_eq(chmod(path, 0644), 0);
+    const char *ok[] = {"agent", "--config", path, "--id", "a1",
+                        "--show-config", NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, ok, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_ptr_nonnull(strstr(o.out, "max_concurrent = 3"));
+    fixture_out_release(&o);
+    const char *devnull[] = {"agent", "--config", "/dev/null", "--id", "a1",
+                             "--show-config", NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, devnull, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    /* A bundle holds the agent's trust key and seed: the same rule. */
+    write_conf("a1.bundle", "[bundle]\nversion = 1\n", bundle,
+               sizeof(bundle));
+    ck_assert_int_eq(chmod(bundle, 0646), 0);
+    refused_file("--bundle", bundle, "writable by everyone");
+    tmp_down();
+}
+END_TEST
+
 /* The line of `kscore ... --show-config` output for key (NULL if none). */
 static const char *
 shown(const char *out, const char *line)
@@ -575,6 +632,7 @@ config_suite(void)
     Suite *s = suite_create("config");
     TCase *tc = tcase_create("files");
     tcase_add_test(tc, bad_files_name_file_line_and_key);
+    tcase_add_test(tc, files_others_may_write_are_refused);
     tcase_add_test(tc, flags_beat_environment_beat_file);
     suite_add_tcase(s, tc);
     tc = tcase_create("logs");
