@@ -239,6 +239,9 @@ int cli_conf_load(struct cli_conf *c, unsigned service, const char *path);
  * that another user may write, would let that user run anything where the
  * agent runs (as root). Devices (/dev/null) pass. Else KS_EINVAL with why. */
 int cli_file_trusted(int fd, const char *path, char *why, size_t why_len);
+/* cli_file_trusted on the file at path (printed); 0 also when it cannot
+ * be opened (its reader reports that), else CLI_EXIT_USAGE. */
+int cli_path_trusted(const char *path);
 void cli_conf_release(struct cli_conf *c);
 /* Sets *field, when no flag did, from the key's KSCORE_* variable, else
  * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */

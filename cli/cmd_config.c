@@ -10,6 +10,7 @@
  * table below is the one list of them.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <ini.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -247,6 +248,22 @@ cli_file_trusted(int fd, const char *path, char *why, size_t why_len)
                  path, st.st_mode & S_IWOTH ? "everyone" : "its group",
                  (unsigned)(st.st_mode & 0777));
         return KS_EINVAL;
+    }
+    return 0;
+}
+
+int
+cli_path_trusted(const char *path)
+{
+    char why[PATH_MAX + 256];
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd == -1)
+        return 0; /* its reader says what is wrong with it */
+    int rc = cli_file_trusted(fd, path, why, sizeof(why));
+    close(fd);
+    if (rc) {
+        cli_err("%s", why);
+        return CLI_EXIT_USAGE;
     }
     return 0;
 }

@@ -946,6 +946,9 @@ cmd_broker(int argc, char **argv)
         rc = CLI_EXIT_USAGE;
         goto out;
     }
+    /* A policy others may write grants what they like: refused. */
+    if (o.policy_file && (rc = cli_path_trusted(o.policy_file)))
+        goto out;
     if (metrics_listen && metrics_listen[0]) {
         /* Before the server's thread exists, so that SIGTERM reaches only
          * broker_run's sigwait (it blocks the same set). */
@@ -1281,6 +1284,10 @@ cmd_agent(int argc, char **argv)
                 "config file)");
         goto out;
     }
+    /* A trust key others may write is anyone's key: refused. */
+    for (size_t i = 0; i < o.n_trust_keys; i++)
+        if ((rc = cli_path_trusted(keys[i])))
+            goto out;
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;
     if (!o.nats_url) {

@@ -190,6 +190,27 @@ START_TEST(files_others_may_write_are_refused)
                sizeof(bundle));
     ck_assert_int_eq(chmod(bundle, 0646), 0);
     refused_file("--bundle", bundle, "writable by everyone");
+    /* So do the agent's trust key and the broker's policy. */
+    char key[PATH_MAX + 32], policy[PATH_MAX + 32];
+    write_conf("trust.pub", "not a key, never read\n", key, sizeof(key));
+    ck_assert_int_eq(chmod(key, 0666), 0);
+    const char *agent[] = {"agent",  "--config", "/dev/null", "--id", "a1",
+                           "--nats", "nats://127.0.0.1:1", "--trust-key", key,
+                           NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, agent, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "writable by everyone"), "%s", o.err);
+    fixture_out_release(&o);
+    write_conf("policy.json", "{\"operators\": {}}\n", policy,
+               sizeof(policy));
+    ck_assert_int_eq(chmod(policy, 0664), 0);
+    const char *broker[] = {"broker", "--config", "/dev/null", "--nats",
+                            "nats://127.0.0.1:1", "--db", "dbname=none",
+                            "--signing-key", key, "--policy", policy, NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, broker, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "writable by its group"), "%s", o.err);
+    fixture_out_release(&o);
     tmp_down();
 }
 END_TEST
