@@ -242,6 +242,11 @@ int cli_file_trusted(int fd, const char *path, char *why, size_t why_len);
 /* cli_file_trusted on the file at path (printed); 0 also when it cannot
  * be opened (its reader reports that), else CLI_EXIT_USAGE. */
 int cli_path_trusted(const char *path);
+/* Makes s safe to print on a terminal, in place: every control byte (C0,
+ * DEL) and every C1 control (U+0080..U+009F) becomes '?'. For text others
+ * chose (an agent's labels, another operator's argv): raw, an ESC or a CR
+ * could rewrite what the operator sees (forge another agent's row). */
+void cli_printable(char *s);
 void cli_conf_release(struct cli_conf *c);
 /* Sets *field, when no flag did, from the key's KSCORE_* variable, else
  * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */

@@ -663,6 +663,67 @@ START_TEST(a_huge_registry_entry_is_ignored)
 }
 END_TEST
 
+/*
+ * An agent's labels are its own words: an ESC or a CR in one must not
+ * reach the operator's terminal, where it could rewrite the table (forge
+ * another agent's row, set the window title). Found by a security review.
+ */
+START_TEST(agent_labels_cannot_drive_the_terminal)
+{
+    struct evt_conn *ag = connect_as(stack.agent_seed);
+    Ks__AgentInfo ai = KS__AGENT_INFO__INIT;
+    Ks__EnvVar lab = KS__ENV_VAR__INIT;
+    Ks__EnvVar *labels[] = {&lab};
+    struct fixture_out o;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    bool seen = false;
+
+    lab.name = "env";
+    lab.value = "dev\x1b[2K\r\x1b[1Aforged\xc2\x9b\x1b]0;title\x07";
+    ai.agent_id = AGENT;
+    ai.labels = labels;
+    ai.n_labels = 1;
+    ai.version = "x";
+    ai.host = "h";
+    ai.max_concurrent = 1;
+    for (int i = 0; i < 20 && !seen; i++) {
+        ai.heartbeat_at_us = ks_now_us();
+        ck_assert_int_eq(kproto_pack(&ai.base, &buf, &len), 0);
+        ck_assert_int_eq(
+            natsConnection_Publish(ag->nc, "$KV." EVT_KV_AGENTS "." AGENT,
+                                   buf, (int)len),
+            NATS_OK);
+        ck_assert_int_eq(natsConnection_Flush(ag->nc), NATS_OK);
+        free(buf);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+        const char *args[] = {"agents", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        ck_assert_msg(o.status == 0, "agents: %s", o.err);
+        seen = strstr(o.out, "forged") != NULL;
+        for (const unsigned char *p = (const unsigned char *)o.out; *p; p++)
+            ck_assert_msg(*p == '\n' || (*p >= 0x20 && *p != 0x7f &&
+                                          !(*p == 0xc2 && p[1] >= 0x80 &&
+                                            p[1] <= 0x9f)),
+                          "a control byte 0x%02x reached the terminal: %s",
+                          *p, o.out);
+        fixture_out_release(&o);
+    }
+    ck_assert_msg(seen, "the label never showed");
+    /* The agent's own heartbeat (2 s) puts env=dev back for the policy
+     * tests that follow. */
+    for (int i = 0; i < 100 && seen; i++) {
+        const char *args[] = {"agents", NULL};
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        seen = strstr(o.out, "forged") != NULL;
+        fixture_out_release(&o);
+    }
+    ck_assert(!seen);
+    evt_close(ag);
+}
+END_TEST
+
 /* Nobody's replies but its own: no _INBOX.>, no other user's inbox, no
  * other agent's deliveries or registry entries. */
 START_TEST(agent_credential_reads_no_replies)
@@ -986,6 +1047,7 @@ security_suite(void)
     tcase_add_test(tc, policy_denies_and_records);
     tcase_add_test(tc, agent_credential_reads_no_replies);
     tcase_add_test(tc, a_huge_registry_entry_is_ignored);
+    tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
