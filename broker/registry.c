@@ -108,8 +108,8 @@ agent_store_failed(struct broker *b, const char *key)
  * the agents, and every --secret-env (the CLI reads the keys through that
  * list), fails for everyone. A real entry is a few hundred bytes.
  */
-#define AGENT_INFO_MAX_BYTES 8192
-#define AGENT_INFO_MAX_LABELS 128
+#define AGENT_INFO_MAX_BYTES BROKER_AGENT_INFO_MAX_BYTES
+#define AGENT_INFO_MAX_LABELS BROKER_AGENT_INFO_MAX_LABELS
 
 /* NULL when info may be taken for key, else why not (static text). */
 static const char *

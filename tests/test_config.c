@@ -24,6 +24,7 @@
 
 #include "fixture.h"
 #include "kproto.h"
+#include "broker.h"
 #include "stack.h"
 
 static char tmpdir[PATH_MAX];
@@ -210,6 +211,47 @@ START_TEST(files_others_may_write_are_refused)
     ck_assert_int_eq(fixture_kscore(NULL, broker, &o), 0);
     ck_assert_int_eq(o.status, 2);
     ck_assert_msg(strstr(o.err, "writable by its group"), "%s", o.err);
+    fixture_out_release(&o);
+    tmp_down();
+}
+END_TEST
+
+/* Labels the broker's registry would ignore (broker.h bounds) stop the
+ * agent at once, instead of an agent that never shows up. */
+START_TEST(too_many_labels_are_refused)
+{
+    char key[PATH_MAX + 32], big[7000 + 8];
+    const char *args[2 * 130 + 16];
+    char labels[130][16];
+    struct fixture_out o;
+    size_t n = 0;
+
+    tmp_up();
+    write_conf("trust.pub", "not a key, never read\n", key, sizeof(key));
+    const char *head[] = {"agent", "--config", "/dev/null", "--id", "a1",
+                          "--nats", "nats://127.0.0.1:1", "--trust-key", key};
+    for (size_t i = 0; i < sizeof(head) / sizeof(head[0]); i++)
+        args[n++] = head[i];
+    for (int i = 0; i < BROKER_AGENT_INFO_MAX_LABELS + 1; i++) {
+        snprintf(labels[i], sizeof(labels[i]), "k%d=v", i);
+        args[n++] = "--label";
+        args[n++] = labels[i];
+    }
+    args[n] = NULL;
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "too many labels"), "%s", o.err);
+    fixture_out_release(&o);
+    memcpy(big, "big=", 4);
+    memset(big + 4, 'v', 7000);
+    big[7004] = '\0';
+    n = sizeof(head) / sizeof(head[0]);
+    args[n++] = "--label";
+    args[n++] = big;
+    args[n] = NULL;
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "too many labels"), "%s", o.err);
     fixture_out_release(&o);
     tmp_down();
 }
@@ -654,6 +696,7 @@ config_suite(void)
     TCase *tc = tcase_create("files");
     tcase_add_test(tc, bad_files_name_file_line_and_key);
     tcase_add_test(tc, files_others_may_write_are_refused);
+    tcase_add_test(tc, too_many_labels_are_refused);
     tcase_add_test(tc, flags_beat_environment_beat_file);
     suite_add_tcase(s, tc);
     tc = tcase_create("logs");
