@@ -92,6 +92,14 @@ enum store_step broker_decide_report(const struct store_command_state *st,
  * why (len bytes). broker_select_match: 1 when info matches all n terms
  * (n == 0: every agent), else 0; a malformed term matches nothing.
  */
+/*
+ * What one agent's registry entry may hold (AgentInfo, packed; labels):
+ * the broker ignores an entry past either bound (an agent writes its own
+ * entry, and every `kscore agents` reply carries all of them), and
+ * `kscore agent` refuses labels that could not fit.
+ */
+#define BROKER_AGENT_INFO_MAX_BYTES 8192
+#define BROKER_AGENT_INFO_MAX_LABELS 128
 int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);

@@ -100,6 +100,48 @@ agent_store_failed(struct broker *b, const char *key)
     pthread_mutex_unlock(&b->mu);
 }
 
+/*
+ * What one registry entry may hold. An agent writes its own entry, so its
+ * size is the agent's choice: without a bound one agent could put a 1 MiB
+ * entry that the broker keeps (until it restarts) and packs into every
+ * `kscore agents` reply, which then exceeds the max payload, so listing
+ * the agents, and every --secret-env (the CLI reads the keys through that
+ * list), fails for everyone. A real entry is a few hundred bytes.
+ */
+#define AGENT_INFO_MAX_BYTES BROKER_AGENT_INFO_MAX_BYTES
+#define AGENT_INFO_MAX_LABELS BROKER_AGENT_INFO_MAX_LABELS
+
+/* NULL when info may be taken for key, else why not (static text). */
+static const char *
+entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
+{
+    if (!evt_agent_id_valid(info->agent_id) ||
+        strcmp(info->agent_id, key) != 0)
+        return "its agent_id is not its key";
+    if (packed > AGENT_INFO_MAX_BYTES)
+        return "larger than 8 KiB";
+    if (info->n_labels > AGENT_INFO_MAX_LABELS)
+        return "more than 128 labels";
+    return NULL;
+}
+
+/* One log line per this much time for refused entries (us). */
+#define ENTRY_LOG_EVERY_US (10 * 1000000)
+
+static void
+entry_refused(const char *key, const char *why)
+{
+    static _Atomic int64_t logged_us;
+    int64_t now = ks_mono_us();
+    if (now - logged_us < ENTRY_LOG_EVERY_US)
+        return;
+    logged_us = now;
+    ks_log(KS_LOG_WARN,
+           "ignored an agent's registry entry (logged once per 10 s)",
+           KS_S("module", "registry"), KS_S("agent", key),
+           KS_S("error", why));
+}
+
 /* A consumer is checked again this often though nothing changed (us). */
 #define CONSUMER_RECHECK_US (60 * 1000000)
 /* One log line per this much time for failures to provision (us). */
@@ -226,8 +268,11 @@ registry_main(void *arg)
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
                            (size_t)kvEntry_ValueLen(e), &m) == 0) {
                 Ks__AgentInfo *info = (Ks__AgentInfo *)m;
-                if (evt_agent_id_valid(info->agent_id) &&
-                    strcmp(info->agent_id, kvEntry_Key(e)) == 0) {
+                const char *bad = entry_problem(
+                    kvEntry_Key(e), info, (size_t)kvEntry_ValueLen(e));
+                if (bad)
+                    entry_refused(kvEntry_Key(e), bad);
+                if (!bad) {
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
@@ -302,6 +347,15 @@ broker__agent_known(struct broker *b, const char *agent_id)
     /* The watcher may not have caught up (broker just started, agent just
      * registered): ask the bucket itself. */
     if (evt_agent_get(b->kv, agent_id, &info) == 0) {
+        /* The same rules as the watcher's: else an entry it refused (an
+         * agent_id not its key, a huge one) would come in this way. */
+        const char *bad = entry_problem(
+            agent_id, info, protobuf_c_message_get_packed_size(&info->base));
+        if (bad) {
+            entry_refused(agent_id, bad);
+            ks__agent_info__free_unpacked(info, NULL);
+            return 0;
+        }
         agent_update(b, agent_id, info);
         return 1;
     }

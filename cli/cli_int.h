@@ -233,6 +233,21 @@ struct cli_conf {
  * file exists. 0, or an exit code after printing FILE:LINE and the key
  * (CLI_EXIT_USAGE for an unknown key, a bad value, a key set twice). */
 int cli_conf_load(struct cli_conf *c, unsigned service, const char *path);
+
+/* 0 when the open file fd (named path) may steer a service: it is not
+ * writable by anyone but its owner, and its owner is root or us. A file
+ * that decides which key an agent trusts, or which NATS user it is, and
+ * that another user may write, would let that user run anything where the
+ * agent runs (as root). Devices (/dev/null) pass. Else KS_EINVAL with why. */
+int cli_file_trusted(int fd, const char *path, char *why, size_t why_len);
+/* cli_file_trusted on the file at path (printed); 0 also when it cannot
+ * be opened (its reader reports that), else CLI_EXIT_USAGE. */
+int cli_path_trusted(const char *path);
+/* Makes s safe to print on a terminal, in place: every control byte (C0,
+ * DEL) and every C1 control (U+0080..U+009F) becomes '?'. For text others
+ * chose (an agent's labels, another operator's argv): raw, an ESC or a CR
+ * could rewrite what the operator sees (forge another agent's row). */
+void cli_printable(char *s);
 void cli_conf_release(struct cli_conf *c);
 /* Sets *field, when no flag did, from the key's KSCORE_* variable, else
  * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */

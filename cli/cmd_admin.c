@@ -108,6 +108,7 @@ cmd_agents(int argc, char **argv)
                                      "%s%s=%s", k ? "," : "",
                                      in->labels[k]->name,
                                      in->labels[k]->value);
+        cli_printable(labels);
         printf("%-24s %-8s %-10s %7u %5u  %s\n", in->agent_id,
                st->online ? "online" : "offline", ago, in->running,
                in->max_concurrent, labels);
@@ -186,4 +187,15 @@ cmd_replay(int argc, char **argv)
     free(db_env);
     store_close(st);
     return rc;
+}
+
+void
+cli_printable(char *s)
+{
+    for (unsigned char *p = (unsigned char *)s; p && *p; p++) {
+        if (*p < 0x20 || *p == 0x7f)
+            *p = '?';
+        else if (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f)
+            p[0] = p[1] = '?';
+    }
 }

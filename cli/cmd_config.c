@@ -10,11 +10,14 @@
  * table below is the one list of them.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <ini.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli_int.h"
@@ -220,6 +223,52 @@ bad:
 }
 
 int
+cli_file_trusted(int fd, const char *path, char *why, size_t why_len)
+{
+    struct stat st;
+
+    if (fstat(fd, &st) == -1) {
+        snprintf(why, why_len, "%s: %s", path, strerror(errno));
+        return -errno;
+    }
+    if (S_ISCHR(st.st_mode))
+        return 0;
+    if (st.st_uid != 0 && st.st_uid != geteuid()) {
+        snprintf(why, why_len,
+                 "%s is owned by uid %u, not by root or by us (uid %u): "
+                 "refused, since whoever may change it decides what runs "
+                 "here",
+                 path, (unsigned)st.st_uid, (unsigned)geteuid());
+        return KS_EINVAL;
+    }
+    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+        snprintf(why, why_len,
+                 "%s is writable by %s (mode %03o): refused, since whoever "
+                 "may change it decides what runs here; chmod go-w it",
+                 path, st.st_mode & S_IWOTH ? "everyone" : "its group",
+                 (unsigned)(st.st_mode & 0777));
+        return KS_EINVAL;
+    }
+    return 0;
+}
+
+int
+cli_path_trusted(const char *path)
+{
+    char why[PATH_MAX + 256];
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd == -1)
+        return 0; /* its reader says what is wrong with it */
+    int rc = cli_file_trusted(fd, path, why, sizeof(why));
+    close(fd);
+    if (rc) {
+        cli_err("%s", why);
+        return CLI_EXIT_USAGE;
+    }
+    return 0;
+}
+
+int
 cli_conf_load(struct cli_conf *c, unsigned service, const char *path)
 {
     const char *def = service == CLI_CONF_BROKER ? CLI_CONF_DIR "/broker.conf"
@@ -243,6 +292,14 @@ cli_conf_load(struct cli_conf *c, unsigned service, const char *path)
     if (!r.f) {
         cli_err("%s: %s", path, strerror(errno));
         return CLI_EXIT_USAGE;
+    }
+    {
+        char why[PATH_MAX + 256];
+        if (cli_file_trusted(fileno(r.f), path, why, sizeof(why)) != 0) {
+            fclose(r.f);
+            cli_err("%s", why);
+            return CLI_EXIT_USAGE;
+        }
     }
     rc = ini_parse_stream(conf_reader, &r, conf_handler, &r);
     fclose(r.f);

@@ -260,6 +260,10 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
         snprintf(why, why_len, "cannot read %s: %s", path, strerror(errno));
         return -errno;
     }
+    if ((rc = cli_file_trusted(fileno(f), path, why, why_len)) != 0) {
+        fclose(f);
+        return rc;
+    }
     if (fstat(fileno(f), &st) == 0 && (st.st_mode & 0077))
         fprintf(stderr,
                 "kscore agent: warning: %s is readable by others (mode %03o); "

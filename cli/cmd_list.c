@@ -184,6 +184,7 @@ print_item(const Ks__ListItem *it)
                                  i ? " " : "", it->argv[i]);
     if (it->argv_truncated && used < sizeof(cmd))
         snprintf(cmd + used, sizeof(cmd) - used, " ...");
+    cli_printable(cmd); /* another operator's argv, maybe */
     /* Seconds are enough on a line; --json has microseconds. */
     snprintf(when, sizeof(when), "%.19sZ", cli_time(it->requested_at_us));
     printf("%-42s %-16s %-12s %-13s %-10s %-20s %s\n", it->id,

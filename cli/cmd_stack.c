@@ -946,6 +946,9 @@ cmd_broker(int argc, char **argv)
         rc = CLI_EXIT_USAGE;
         goto out;
     }
+    /* A policy others may write grants what they like: refused. */
+    if (o.policy_file && (rc = cli_path_trusted(o.policy_file)))
+        goto out;
     if (metrics_listen && metrics_listen[0]) {
         /* Before the server's thread exists, so that SIGTERM reaches only
          * broker_run's sigwait (it blocks the same set). */
@@ -1280,6 +1283,27 @@ cmd_agent(int argc, char **argv)
         cli_err("the agent needs --id ID (or --bundle FILE, or id in its "
                 "config file)");
         goto out;
+    }
+    /* A trust key others may write is anyone's key: refused. */
+    for (size_t i = 0; i < o.n_trust_keys; i++)
+        if ((rc = cli_path_trusted(keys[i])))
+            goto out;
+    /* The broker ignores an entry past its bounds: say so now rather
+     * than never show up. The rest of an entry (ids, host, version, key)
+     * takes well under 2 KiB. */
+    {
+        size_t lbytes = 0;
+        for (size_t i = 0; i < o.n_labels; i++)
+            lbytes += strlen(labels[i].key) + strlen(labels[i].value) + 8;
+        if (o.n_labels > BROKER_AGENT_INFO_MAX_LABELS ||
+            lbytes > BROKER_AGENT_INFO_MAX_BYTES - 2048) {
+            cli_err("too many labels: at most %d, of at most %d bytes in "
+                    "all (the broker ignores a larger registry entry)",
+                    BROKER_AGENT_INFO_MAX_LABELS,
+                    BROKER_AGENT_INFO_MAX_BYTES - 2048);
+            rc = CLI_EXIT_USAGE;
+            goto out;
+        }
     }
     o.nats_url = cc.nats_url;
     o.nats = cc.opts;

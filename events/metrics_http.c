@@ -153,10 +153,13 @@ evt_metrics_serve(const char *listen, unsigned roles,
                  ? MHD_USE_DUAL_STACK
                  : 0);
     /* A scrape renders in microseconds: one thread, few connections, short
-     * timeouts so a stuck client holds nothing for long. */
+     * timeouts so a stuck client holds nothing for long. A few per client
+     * address: else one client that opens connections and sends nothing
+     * (slowloris) holds all of them, and the scraper gets none. */
     m->d = MHD_start_daemon(
         flags, 0, NULL, NULL, answer, m, MHD_OPTION_SOCK_ADDR,
-        (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned)16,
+        (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)4,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);
     if (!m->d) {
         set_err(errmsg, "cannot listen for metrics on %s", listen);

@@ -24,6 +24,7 @@
 
 #include "fixture.h"
 #include "kproto.h"
+#include "broker.h"
 #include "stack.h"
 
 static char tmpdir[PATH_MAX];
@@ -132,6 +133,125 @@ START_TEST(bad_files_name_file_line_and_key)
     unsetenv("KSCORE_MAX_CONCURRENT");
     ck_assert_int_eq(o.status, 2);
     ck_assert_ptr_nonnull(strstr(o.err, "KSCORE_MAX_CONCURRENT"));
+    fixture_out_release(&o);
+    tmp_down();
+}
+END_TEST
+
+/*
+ * A configuration file or a bundle that another user may change decides
+ * what the agent (root) trusts and runs: refused, not read. /dev/null
+ * (what `kscore up` gives) still passes. Found by a security review.
+ */
+static void
+refused_file(const char *flag, const char *path, const char *want)
+{
+    struct fixture_out o;
+    const char *args[] = {"agent", flag, path, "--id", "a1", "--show-config",
+                          NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_msg(o.status != 0, "%s %s was read: %s", flag, path, o.out);
+    ck_assert_msg(strstr(o.err, want) != NULL, "no '%s' in: %s", want,
+                  o.err);
+    fixture_out_release(&o);
+}
+
+START_TEST(files_others_may_write_are_refused)
+{
+    char path[PATH_MAX + 32], bundle[PATH_MAX + 32];
+    struct fixture_out o;
+
+    tmp_up();
+    write_conf("agent.conf", "max_concurrent = 3\n", path, sizeof(path));
+    ck_assert_int_eq(chmod(path, 0666), 0);
+    refused_file("--config", path, "writable by everyone");
+    ck_assert_int_eq(chmod(path, 0664), 0);
+    refused_file("--config", path, "writable by its group");
+    if (geteuid() == 0) {
+        ck_assert_int_eq(chmod(path, 0644), 0);
+        ck_assert_int_eq(chown(path, 65534, 65534), 0);
+        refused_file("--config", path, "owned by uid 65534");
+        ck_assert_int_eq(chown(path, 0, 0), 0);
+    }
+    /* Its owner's alone: read. */
+    ck_assert_int_eq(chmod(path, 0644), 0);
+    const char *ok[] = {"agent", "--config", path, "--id", "a1",
+                        "--show-config", NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, ok, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_ptr_nonnull(strstr(o.out, "max_concurrent = 3"));
+    fixture_out_release(&o);
+    const char *devnull[] = {"agent", "--config", "/dev/null", "--id", "a1",
+                             "--show-config", NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, devnull, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    /* A bundle holds the agent's trust key and seed: the same rule. */
+    write_conf("a1.bundle", "[bundle]\nversion = 1\n", bundle,
+               sizeof(bundle));
+    ck_assert_int_eq(chmod(bundle, 0646), 0);
+    refused_file("--bundle", bundle, "writable by everyone");
+    /* So do the agent's trust key and the broker's policy. */
+    char key[PATH_MAX + 32], policy[PATH_MAX + 32];
+    write_conf("trust.pub", "not a key, never read\n", key, sizeof(key));
+    ck_assert_int_eq(chmod(key, 0666), 0);
+    const char *agent[] = {"agent",  "--config", "/dev/null", "--id", "a1",
+                           "--nats", "nats://127.0.0.1:1", "--trust-key", key,
+                           NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, agent, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "writable by everyone"), "%s", o.err);
+    fixture_out_release(&o);
+    write_conf("policy.json", "{\"operators\": {}}\n", policy,
+               sizeof(policy));
+    ck_assert_int_eq(chmod(policy, 0664), 0);
+    const char *broker[] = {"broker", "--config", "/dev/null", "--nats",
+                            "nats://127.0.0.1:1", "--db", "dbname=none",
+                            "--signing-key", key, "--policy", policy, NULL};
+    ck_assert_int_eq(fixture_kscore(NULL, broker, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "writable by its group"), "%s", o.err);
+    fixture_out_release(&o);
+    tmp_down();
+}
+END_TEST
+
+/* Labels the broker's registry would ignore (broker.h bounds) stop the
+ * agent at once, instead of an agent that never shows up. */
+START_TEST(too_many_labels_are_refused)
+{
+    char key[PATH_MAX + 32], big[7000 + 8];
+    const char *args[2 * 130 + 16];
+    char labels[130][16];
+    struct fixture_out o;
+    size_t n = 0;
+
+    tmp_up();
+    write_conf("trust.pub", "not a key, never read\n", key, sizeof(key));
+    const char *head[] = {"agent", "--config", "/dev/null", "--id", "a1",
+                          "--nats", "nats://127.0.0.1:1", "--trust-key", key};
+    for (size_t i = 0; i < sizeof(head) / sizeof(head[0]); i++)
+        args[n++] = head[i];
+    for (int i = 0; i < BROKER_AGENT_INFO_MAX_LABELS + 1; i++) {
+        snprintf(labels[i], sizeof(labels[i]), "k%d=v", i);
+        args[n++] = "--label";
+        args[n++] = labels[i];
+    }
+    args[n] = NULL;
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "too many labels"), "%s", o.err);
+    fixture_out_release(&o);
+    memcpy(big, "big=", 4);
+    memset(big + 4, 'v', 7000);
+    big[7004] = '\0';
+    n = sizeof(head) / sizeof(head[0]);
+    args[n++] = "--label";
+    args[n++] = big;
+    args[n] = NULL;
+    ck_assert_int_eq(fixture_kscore(NULL, args, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "too many labels"), "%s", o.err);
     fixture_out_release(&o);
     tmp_down();
 }
@@ -575,6 +695,8 @@ config_suite(void)
     Suite *s = suite_create("config");
     TCase *tc = tcase_create("files");
     tcase_add_test(tc, bad_files_name_file_line_and_key);
+    tcase_add_test(tc, files_others_may_write_are_refused);
+    tcase_add_test(tc, too_many_labels_are_refused);
     tcase_add_test(tc, flags_beat_environment_beat_file);
     suite_add_tcase(s, tc);
     tc = tcase_create("logs");

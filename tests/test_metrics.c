@@ -6,6 +6,7 @@
  * and a few commands run: the counters must move.
  */
 #include <arpa/inet.h>
+#include <time.h>
 #include <check.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -29,8 +30,8 @@
 /* GET path from 127.0.0.1:port over a plain socket (HTTP/1.0): the status
  * code, *body (malloc'd) and the Content-Type header value in ctype. */
 static int
-http_get(unsigned port, const char *path, char **body, char *ctype,
-         size_t ctlen)
+http_get_from(in_addr_t src, unsigned port, const char *path, char **body,
+              char *ctype, size_t ctlen)
 {
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port)};
@@ -44,6 +45,11 @@ http_get(unsigned port, const char *path, char **body, char *ctype,
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     ck_assert_int_ge(fd, 0);
+    if (src) {
+        struct sockaddr_in from = {.sin_family = AF_INET,
+                                   .sin_addr.s_addr = src};
+        ck_assert_int_eq(bind(fd, (struct sockaddr *)&from, sizeof(from)), 0);
+    }
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         close(fd);
         return -errno;
@@ -81,6 +87,13 @@ http_get(unsigned port, const char *path, char **body, char *ctype,
     *body = strdup(hdr_end + 4);
     free(buf);
     return code;
+}
+
+static int
+http_get(unsigned port, const char *path, char **body, char *ctype,
+         size_t ctlen)
+{
+    return http_get_from(0, port, path, body, ctype, ctlen);
 }
 
 /* The value of one series ("name" or "name{labels}" exactly as rendered),
@@ -286,6 +299,43 @@ START_TEST(collectors_run_at_each_scrape)
     ck_assert_int_eq(ks_metrics_render(KS_METRICS_BROKER, &text, &len), 0);
     ck_assert(series(text, "kscore_agents_online") == 0);
     free(text);
+}
+END_TEST
+
+/*
+ * One client that opens connections and sends nothing must not take every
+ * connection the server has: a scraper at another address still gets its
+ * metrics. Found by a security review (16 idle connections blocked every
+ * scrape).
+ */
+START_TEST(idle_connections_do_not_starve_the_scraper)
+{
+    struct evt_metrics_server *m = NULL;
+    char *errmsg = NULL, *body = NULL;
+    int held[32];
+
+    ck_assert_int_eq(
+        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = evt_metrics_port(m);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++) {
+        held[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        ck_assert_int_ge(held[i], 0);
+        ck_assert_int_eq(connect(held[i], (struct sockaddr *)&a, sizeof(a)),
+                         0);
+        /* Half a request, never finished. */
+        ck_assert_int_eq(write(held[i], "GET /metrics HTTP/1.1\r\n", 23), 23);
+    }
+    nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+    ck_assert_int_eq(http_get_from(inet_addr("127.0.0.2"), port, "/metrics",
+                                   &body, NULL, 0),
+                     200);
+    free(body);
+    for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
+        close(held[i]);
+    evt_metrics_stop(m);
 }
 END_TEST
 
@@ -647,6 +697,7 @@ suite(void)
     tcase_add_test(t, render_is_valid_text_format);
     tcase_add_test(t, collectors_run_at_each_scrape);
     tcase_add_test(t, server_answers_metrics_and_404);
+    tcase_add_test(t, idle_connections_do_not_starve_the_scraper);
     suite_add_tcase(s, t);
     t = tcase_create("stack");
     tcase_set_timeout(t, 300);

@@ -16,6 +16,7 @@
 
 #include <libpq-fe.h>
 
+#include "broker.h"
 #include "events.h"
 #include "fixture.h"
 #include "stack.h"
@@ -628,6 +629,127 @@ local_agent(void)
     return local;
 }
 
+/*
+ * An agent writes its own registry entry, so its size is its choice: a
+ * 1 MiB entry must not reach the agents list, which then exceeds the max
+ * payload, so `kscore agents` and every --secret-env (the CLI reads the
+ * keys through it) failed for everyone until the broker restarted. Found
+ * by a security review.
+ */
+START_TEST(a_huge_registry_entry_is_ignored)
+{
+    struct evt_conn *ag = connect_as(stack.agent_seed);
+    struct evt_conn *op = connect_as(stack.operator_seed);
+    Ks__AgentInfo ai = KS__AGENT_INFO__INIT;
+    Ks__EnvVar fat = KS__ENV_VAR__INIT;
+    Ks__EnvVar *labels[] = {&fat};
+    size_t vlen = 1000 * 1000, len = 0;
+    char *val = malloc(vlen + 1);
+    uint8_t *buf = NULL;
+
+    ck_assert_ptr_nonnull(val);
+    memset(val, 'v', vlen);
+    val[vlen] = '\0';
+    fat.name = "fat";
+    fat.value = val;
+    ai.agent_id = AGENT;
+    ai.labels = labels;
+    ai.n_labels = 1;
+    ai.version = "x";
+    ai.host = "h";
+    ai.max_concurrent = 1;
+    ai.heartbeat_at_us = ks_now_us();
+    ck_assert_int_eq(kproto_pack(&ai.base, &buf, &len), 0);
+    /* Its own key, which its permissions allow. */
+    ck_assert_int_eq(natsConnection_Publish(ag->nc,
+                                            "$KV." EVT_KV_AGENTS "." AGENT,
+                                            buf, (int)len),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Flush(ag->nc), NATS_OK);
+    /* The agent's next heartbeat (2 s) would hide it: look until then. */
+    for (int i = 0; i < 15; i++) {
+        Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+        Ks__AgentsReply *rep = NULL;
+        int rc = broker_call(op, EVT_API_AGENTS, &req.base,
+                             &ks__agents_reply__descriptor, 3000,
+                             (ProtobufCMessage **)&rep);
+        ck_assert_msg(rc == 0, "agents: %s", ks_strerror(rc));
+        ck_assert_int_eq(rep->error_code, 0);
+        for (size_t a = 0; a < rep->n_agents; a++)
+            for (size_t l = 0; l < rep->agents[a]->info->n_labels; l++)
+                ck_assert_str_ne(rep->agents[a]->info->labels[l]->name,
+                                 "fat");
+        ks__agents_reply__free_unpacked(rep, NULL);
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    free(buf);
+    free(val);
+    evt_close(op);
+    evt_close(ag);
+}
+END_TEST
+
+/*
+ * An agent's labels are its own words: an ESC or a CR in one must not
+ * reach the operator's terminal, where it could rewrite the table (forge
+ * another agent's row, set the window title). Found by a security review.
+ */
+START_TEST(agent_labels_cannot_drive_the_terminal)
+{
+    struct evt_conn *ag = connect_as(stack.agent_seed);
+    Ks__AgentInfo ai = KS__AGENT_INFO__INIT;
+    Ks__EnvVar lab = KS__ENV_VAR__INIT;
+    Ks__EnvVar *labels[] = {&lab};
+    struct fixture_out o;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    bool seen = false;
+
+    lab.name = "env";
+    lab.value = "dev\x1b[2K\r\x1b[1Aforged\xc2\x9b\x1b]0;title\x07";
+    ai.agent_id = AGENT;
+    ai.labels = labels;
+    ai.n_labels = 1;
+    ai.version = "x";
+    ai.host = "h";
+    ai.max_concurrent = 1;
+    for (int i = 0; i < 20 && !seen; i++) {
+        ai.heartbeat_at_us = ks_now_us();
+        ck_assert_int_eq(kproto_pack(&ai.base, &buf, &len), 0);
+        ck_assert_int_eq(
+            natsConnection_Publish(ag->nc, "$KV." EVT_KV_AGENTS "." AGENT,
+                                   buf, (int)len),
+            NATS_OK);
+        ck_assert_int_eq(natsConnection_Flush(ag->nc), NATS_OK);
+        free(buf);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+        const char *args[] = {"agents", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        ck_assert_msg(o.status == 0, "agents: %s", o.err);
+        seen = strstr(o.out, "forged") != NULL;
+        for (const unsigned char *p = (const unsigned char *)o.out; *p; p++)
+            ck_assert_msg(*p == '\n' || (*p >= 0x20 && *p != 0x7f &&
+                                          !(*p == 0xc2 && p[1] >= 0x80 &&
+                                            p[1] <= 0x9f)),
+                          "a control byte 0x%02x reached the terminal: %s",
+                          *p, o.out);
+        fixture_out_release(&o);
+    }
+    ck_assert_msg(seen, "the label never showed");
+    /* The agent's own heartbeat (2 s) puts env=dev back for the policy
+     * tests that follow. */
+    for (int i = 0; i < 100 && seen; i++) {
+        const char *args[] = {"agents", NULL};
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        seen = strstr(o.out, "forged") != NULL;
+        fixture_out_release(&o);
+    }
+    ck_assert(!seen);
+    evt_close(ag);
+}
+END_TEST
+
 /* Nobody's replies but its own: no _INBOX.>, no other user's inbox, no
  * other agent's deliveries or registry entries. */
 START_TEST(agent_credential_reads_no_replies)
@@ -950,6 +1072,8 @@ security_suite(void)
     tcase_add_test(tc, refused_commands_never_run);
     tcase_add_test(tc, policy_denies_and_records);
     tcase_add_test(tc, agent_credential_reads_no_replies);
+    tcase_add_test(tc, a_huge_registry_entry_is_ignored);
+    tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
