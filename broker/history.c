@@ -153,8 +153,8 @@ broker__handle_list(struct broker *b, natsMsg *msg)
         if (reply && reply[0]) {
             int prc = evt_publish_msg(b->nc, reply, &r.base);
             if (prc)
-                fprintf(stderr, "kscore broker: reply to %s: %s\n", reply,
-                        ks_strerror(prc));
+                ks_log(KS_LOG_WARN, "cannot send a reply",
+                       KS_S("subject", reply), KS_ERR(prc));
         }
     }
     for (size_t i = 0; i < acc.n; i++)
