@@ -646,6 +646,34 @@ START_TEST(up_listen_serves_a_remote_agent)
                      0);
     ck_assert_msg(strstr(o.out, "inet 10.213.0.11/"), "%s%s", o.out, o.err);
     fixture_out_release(&o);
+    /* status lists the remote agent: it asks the broker over the stack's
+     * TLS (CA and, with --mtls, this login's certificate from env). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"status", NULL}), 0);
+    ck_assert_msg(!strstr(o.out, "cannot list the agents") &&
+                      strstr(o.out, "\nr1 ") && strstr(o.out, "site=ns"),
+                  "%s%s", o.out, o.err);
+    fixture_out_release(&o);
+    /* The same settings again: nothing to say, 0. Others while it runs:
+     * refused (125) with what runs and what was asked, nothing changed. */
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", HOST_ADDR,
+                                             "--mtls", NULL}),
+                     0);
+    ck_assert_msg(!strstr(o.err, "apply when it starts"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", "127.0.0.1",
+                                             NULL}),
+                     125);
+    ck_assert_msg(strstr(o.err, "--listen " HOST_ADDR " --mtls") &&
+                      strstr(o.err, "not --listen 127.0.0.1"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--metrics", NULL}), 125);
+    ck_assert_msg(strstr(o.err, "without metrics"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "r1", "--",
+                                             "true", NULL}),
+                     0);
+    fixture_out_release(&o);
     /* Mutual TLS: the broker's NKey without a certificate is not let in. */
     struct evt_connect_opts nocert = {.name = "no-cert",
                                       .nkey_file = seed,
