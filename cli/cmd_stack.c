@@ -1028,6 +1028,22 @@ out:
     return rc;
 }
 
+/* --show-config: what the bundle gave was noted as given by a flag (it is
+ * put in before the environment and the file are read); say "bundle". */
+static void
+conf_from_bundle(struct cli_conf *cf, const char *value)
+{
+    for (size_t i = 0; value && i < cf->n_shown; i++)
+        if (cf->shown[i].value == value &&
+            strcmp(cf->shown[i].from, "flag") == 0) {
+            char *b = strdup("bundle");
+            if (b) {
+                free(cf->shown[i].from);
+                cf->shown[i].from = b;
+            }
+        }
+}
+
 int
 cmd_agent(int argc, char **argv)
 {
@@ -1310,15 +1326,29 @@ cmd_agent(int argc, char **argv)
             for (size_t j = 0; j < given; j++)
                 dup = dup || strcmp(labels[j].key, kv) == 0;
             if (!dup) {
+                char *shown = NULL;
                 labels[o.n_labels].key = kv;
                 labels[o.n_labels++].value = eq + 1;
+                if (owned_label_keys < room &&
+                    asprintf(&shown, "%s=%s", kv, eq + 1) >= 0) {
+                    label_keys[owned_label_keys++] = shown;
+                    cli_conf_note(&cf, "label", shown, "bundle");
+                }
             }
         }
         bool have = false;
         for (size_t i = 0; i < o.n_trust_keys; i++)
             have = have || strcmp(keys[i], bundle.trust_key) == 0;
-        if (!have && o.n_trust_keys < room)
+        if (!have && o.n_trust_keys < room) {
             keys[o.n_trust_keys++] = bundle.trust_key;
+            cli_conf_note(&cf, "trust_key", bundle.trust_key, "bundle");
+        }
+        conf_from_bundle(&cf, bundle.urls);
+        conf_from_bundle(&cf, bundle.nkey_file);
+        conf_from_bundle(&cf, bundle.tls_ca);
+        conf_from_bundle(&cf, bundle.tls_cert);
+        conf_from_bundle(&cf, bundle.tls_key);
+        conf_from_bundle(&cf, bundle.id);
     }
     if (show) {
         cli_conf_show(&cf, stdout);

@@ -623,6 +623,24 @@ START_TEST(up_listen_serves_a_remote_agent)
                                              bundle, NULL}),
                      0);
     fixture_out_release(&o);
+    /* --show-config says what came from the bundle (it once said "flag"
+     * for all of it, and left out its labels and trust key). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", bundle,
+                                             "--label", "role=x",
+                                             "--show-config", NULL}),
+                     0);
+    {
+        /* The flags are --bundle and --label; the rest is the bundle's. */
+        int flags = 0;
+        for (const char *p = o.out; (p = strstr(p, "  # flag\n")); p++)
+            flags++;
+        ck_assert_msg(flags == 2 && strstr(o.out, "id = r1  # bundle\n") &&
+                          strstr(o.out, "label = role=x  # flag\n") &&
+                          strstr(o.out, "label = site=ns  # bundle\n") &&
+                          strstr(o.out, "trust.pub  # bundle\n"),
+                      "%s%s", o.out, o.err);
+    }
+    fixture_out_release(&o);
     snprintf(ns, sizeof(ns), "%sn1", tag);
     int64_t since = ks_now_us();
     char *aargv[] = {(char *)ip_bin(), "netns",      "exec", ns,
