@@ -132,10 +132,19 @@ label_ok(const char *kv)
     return eq && eq != kv && !strchr(kv, '\n') && !strchr(kv, '\r');
 }
 
+/* nats://HOST:PORT, tls://HOST:PORT or HOST:PORT (what nats.c takes);
+ * another scheme (http://, a pasted monitoring url) is a mistake that
+ * would only show on the agent host, as a connection that never works. */
 static bool
 url_ok(const char *u)
 {
-    return u[0] && !strpbrk(u, " \t\r\n,");
+    const char *scheme_end = strstr(u, "://");
+    if (!u[0] || strpbrk(u, " \t\r\n,"))
+        return false;
+    if (!scheme_end)
+        return true;
+    return (strncmp(u, "nats://", 7) == 0 || strncmp(u, "tls://", 6) == 0) &&
+           scheme_end[3] != '\0';
 }
 
 /* ---- the bundle ---------------------------------------------------------- */
@@ -436,7 +445,9 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         }
     for (size_t i = 0; i < n_urls; i++)
         if (!url_ok(urls[i])) {
-            cli_err("bad --nats-url '%s'", urls[i]);
+            cli_err("bad --nats-url '%s': tls://HOST:PORT (or nats://, or "
+                    "HOST:PORT), one url per flag",
+                    urls[i]);
             return CLI_EXIT_USAGE;
         }
     if (n_urls == 0) {

@@ -618,6 +618,15 @@ START_TEST(up_listen_serves_a_remote_agent)
     fixture_out_release(&o);
 
     snprintf(bundle, sizeof(bundle), "%s/r1.bundle", home);
+    /* A url no agent could use is refused before anything is made. */
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "r1",
+                                             "--nats-url", "http://x:8222",
+                                             "--out", bundle, NULL}),
+                     2);
+    ck_assert_msg(strstr(o.err, "bad --nats-url 'http://x:8222'"), "%s",
+                  o.err);
+    ck_assert_int_ne(access(bundle, F_OK), 0);
+    fixture_out_release(&o);
     ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "r1",
                                              "--label", "site=ns", "--out",
                                              bundle, NULL}),

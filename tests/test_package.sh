@@ -116,6 +116,7 @@ grep -q '^ExecStart=/usr/bin/kscore agent --config /etc/kscore/agent.conf$' \
 for u in broker agent; do
     f="$ROOT/lib/systemd/system/kscore-$u.service"
     check "$u unit restarts on failure" grep -qx 'Restart=on-failure' "$f"
+    check "$u unit restarts without a start limit" grep -qx 'StartLimitIntervalSec=0' "$f"
 done
 # The example configs are what the units read: the parser must take them
 # as they ship (the agent's names a bundle the host does not have yet).
