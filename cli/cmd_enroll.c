@@ -238,20 +238,28 @@ bundle_line(struct cli_bundle *b, struct bundle_read *r, char *line,
         r->seed = strdup(v);
     } else if (IS("trust", "signing_key_pem_base64")) {
         free(r->trust);
-        r->trust = b64_decode(v);
+        if (!(r->trust = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "ca_pem_base64")) {
         free(r->ca);
-        r->ca = b64_decode(v);
+        if (!(r->ca = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "cert_pem_base64")) {
         free(r->cert);
-        r->cert = b64_decode(v);
+        if (!(r->cert = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "key_pem_base64")) {
         free(r->key);
-        r->key = b64_decode(v);
+        if (!(r->key = b64_decode(v)))
+            goto bad_b64;
     }
     /* Unknown keys are ignored: a newer kscore may add some. */
 #undef IS
     return 0;
+bad_b64:
+    snprintf(why, why_len, "[%s] %s is not base64 (the file cut short or "
+             "edited?)", r->section, k);
+    return KS_EINVAL;
 }
 
 int
@@ -266,8 +274,13 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
 
     memset(b, 0, sizeof(*b));
     if (!(f = fopen(path, "re"))) {
-        snprintf(why, why_len, "cannot read %s: %s", path, strerror(errno));
+        snprintf(why, why_len, "%s", strerror(errno));
         return -errno;
+    }
+    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(f);
+        snprintf(why, why_len, "a directory, not a bundle file");
+        return KS_EINVAL;
     }
     if (fstat(fileno(f), &st) == 0 && (st.st_mode & 0077))
         fprintf(stderr,
@@ -281,26 +294,42 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
         goto out;
     rc = KS_EINVAL;
     if (r.version != 1) {
-        snprintf(why, why_len, "%s: not a kscore agent bundle of version 1",
-                 path);
+        snprintf(why, why_len, "not a kscore agent bundle of version 1");
         goto out;
     }
     snprintf(identity, sizeof(identity), "agent-%s", b->id);
     if (!evt_agent_id_valid(b->id) || !evt_identity_valid(identity)) {
-        snprintf(why, why_len, "%s: bad or missing [agent] id", path);
+        snprintf(why, why_len, "bad or missing [agent] id");
         goto out;
     }
     if (!b->urls || !r.seed || !r.trust) {
         snprintf(why, why_len,
-                 "%s: incomplete: needs [nats] url and nkey_seed and [trust] "
-                 "signing_key_pem_base64",
-                 path);
+                 "incomplete: needs [nats] url and nkey_seed and [trust] "
+                 "signing_key_pem_base64");
         goto out;
+    }
+    /* A bundle cut short (a copy that stopped, a paste) still decodes:
+     * say so here, not as a TLS or signature error on the first connect. */
+    {
+        const struct {
+            const char *text, *name;
+        } pems[] = {{r.trust, "[trust] signing_key_pem_base64"},
+                    {r.ca, "[tls] ca_pem_base64"},
+                    {r.cert, "[tls] cert_pem_base64"},
+                    {r.key, "[tls] key_pem_base64"}};
+        for (size_t i = 0; i < sizeof(pems) / sizeof(pems[0]); i++)
+            if (pems[i].text && (strncmp(pems[i].text, "-----BEGIN ", 11) ||
+                                 !strstr(pems[i].text, "-----END "))) {
+                snprintf(why, why_len,
+                         "%s is not a whole PEM block (the file cut short "
+                         "or edited?)",
+                         pems[i].name);
+                goto out;
+            }
     }
     for (size_t i = 0; i < b->n_labels; i++)
         if (!label_ok(b->labels[i])) {
-            snprintf(why, why_len, "%s: bad label '%s' (KEY=VALUE)", path,
-                     b->labels[i]);
+            snprintf(why, why_len, "bad label '%s' (KEY=VALUE)", b->labels[i]);
             goto out;
         }
     /* The pieces become files in a private directory, as nats.c and the
@@ -329,7 +358,7 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
     snprintf(b->nkey_file, sizeof(b->nkey_file), "%s/agent.nk", b->dir);
     unlink(b->nkey_file);
     if ((rc = evt_nkey_write_seed(b->nkey_file, identity, r.seed))) {
-        snprintf(why, why_len, "%s: bad nkey_seed: %s", path, ks_strerror(rc));
+        snprintf(why, why_len, "bad nkey_seed: %s", ks_strerror(rc));
         goto out;
     }
     snprintf(b->trust_key, sizeof(b->trust_key), "%s/trust.pub", b->dir);

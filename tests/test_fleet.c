@@ -18,6 +18,7 @@
  */
 #include <check.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -632,6 +633,37 @@ START_TEST(up_listen_serves_a_remote_agent)
                                              bundle, NULL}),
                      0);
     fixture_out_release(&o);
+    /* A bundle cut short, or a directory: named, before any connection. */
+    {
+        char cut[PATH_MAX + 32], *text = NULL;
+        size_t len = 0;
+        FILE *in = fopen(bundle, "re");
+        ck_assert_ptr_nonnull(in);
+        ck_assert_int_gt(getdelim(&text, &len, '\0', in), 0);
+        fclose(in);
+        /* up to the middle of the CA's line */
+        char *ca = strstr(text, "ca_pem_base64 = ");
+        ck_assert_ptr_nonnull(ca);
+        snprintf(cut, sizeof(cut), "%s/cut.bundle", home);
+        int fd = open(cut, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ck_assert_int_ge(fd, 0);
+        size_t n = (size_t)(ca - text) + 16 + 41;
+        ck_assert_int_eq(write(fd, text, n), (ssize_t)n);
+        close(fd);
+        free(text);
+        ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", cut,
+                                                 "--show-config", NULL}),
+                         125);
+        ck_assert_msg(strstr(o.err, "[tls] ca_pem_base64 is not"), "%s",
+                      o.err);
+        fixture_out_release(&o);
+        ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", home,
+                                                 "--show-config", NULL}),
+                         125);
+        ck_assert_msg(strstr(o.err, "a directory, not a bundle file"), "%s",
+                      o.err);
+        fixture_out_release(&o);
+    }
     /* --show-config says what came from the bundle (it once said "flag"
      * for all of it, and left out its labels and trust key). */
     ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", bundle,
