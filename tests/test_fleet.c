@@ -29,6 +29,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "broker.h"
 #include "events.h"
 #include "fixture.h"
@@ -739,6 +741,31 @@ START_TEST(up_listen_serves_a_remote_agent)
                                       .tls_ca = ca};
     struct evt_conn *c = NULL;
     ck_assert_int_ne(evt_connect(url, &nocert, &c, NULL), 0);
+    /* An operator added to a TLS stack gets a client certificate with its
+     * seed: with them (and the CA) it connects from anywhere. */
+    {
+        ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "alice",
+                                                 "--json", NULL}),
+                         0);
+        json_t *j = json_loads(o.out, 0, NULL);
+        ck_assert_msg(j != NULL, "%s", o.out);
+        const char *oc = json_string_value(json_object_get(j, "tls_cert"));
+        const char *ok = json_string_value(json_object_get(j, "tls_key"));
+        const char *os = json_string_value(json_object_get(j, "seed_file"));
+        ck_assert_msg(oc && ok && os, "%s", o.out);
+        struct evt_connect_opts alice = {.name = "alice",
+                                         .nkey_file = os,
+                                         .tls_ca = ca,
+                                         .tls_cert = oc,
+                                         .tls_key = ok};
+        char *err = NULL;
+        ck_assert_msg(evt_connect(url, &alice, &c, &err) == 0, "%s",
+                      err ? err : "");
+        evt_close(c);
+        c = NULL;
+        json_decref(j);
+        fixture_out_release(&o);
+    }
     ck_assert_int_eq(ks(&o, (const char *[]){"down", NULL}), 0);
     fixture_out_release(&o);
 }
