@@ -575,8 +575,10 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         snprintf(mdir, sizeof(mdir), "%s/enrolled", home);
         FILE *m = stack_mkdirs(mdir, 0700) == 0 ? fopen(meta, "we") : NULL;
         if (m) {
+            /* Absolute: `agent list` is read from anywhere. */
+            char abs[PATH_MAX];
             fprintf(m, "enrolled_at %s\nbundle %s\n", cli_time(ks_now_us()),
-                    out_path);
+                    realpath(out_path, abs) ? abs : out_path);
             for (size_t i = 0; i < n_labels; i++)
                 fprintf(m, "label %s\n", labels[i]);
             for (size_t i = 0; i < n_urls; i++)
@@ -705,6 +707,7 @@ fleet_list(const char *home, bool json)
     struct stack_identity *ids = NULL;
     json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
+    bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
@@ -754,8 +757,13 @@ fleet_list(const char *home, bool json)
         } else {
             const char *k;
             json_t *v;
-            printf("%-24s %s %-27s", id, ids[i].nkey,
-                   at[0] ? at : "local (kscore up)");
+            if (!header) {
+                printf("%-24s %-56s %-27s %-30s %s\n", "AGENT", "NKEY",
+                       "ENROLLED", "BUNDLE", "LABELS");
+                header = true;
+            }
+            printf("%-24s %s %-27s %-30s", id, ids[i].nkey,
+                   at[0] ? at : "local (kscore up)", bundle[0] ? bundle : "-");
             json_object_foreach(labels, k, v)
                 printf(" %s=%s", k, json_string_value(v));
             printf("\n");
