@@ -4,6 +4,8 @@
  * (cli/stack_tls.c). See cli_int.h.
  */
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -175,6 +177,27 @@ cli_listen_tls(const char *home, struct cli_listen *l, const char *agent_user,
 
     if (!l->tls)
         return 0;
+    /* An address of another host (a typo, a lease that changed) would
+     * only show as nats-server failing to bind, seconds later, in its log. */
+    {
+        struct sockaddr_in sa = {.sin_family = AF_INET};
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int err = 0;
+        if (fd >= 0 && inet_pton(AF_INET, l->host, &sa.sin_addr) == 1 &&
+            bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == -1)
+            err = errno;
+        if (fd >= 0)
+            close(fd);
+        if (err == EADDRNOTAVAIL) {
+            cli_err("cannot listen on %s: not an address of this host (ip "
+                    "-4 addr shows them)%s",
+                    l->host,
+                    l->given_host ? ""
+                                  : "; it is the saved --listen: give "
+                                    "another, or --listen 127.0.0.1");
+            return CLI_EXIT_KSCORE;
+        }
+    }
     stack_tls_paths(home, &p);
     snprintf(l->ca, sizeof(l->ca), "%s", p.ca_cert);
     sans[n++] = l->host;

@@ -598,6 +598,15 @@ START_TEST(up_listen_serves_a_remote_agent)
         fprintf(stderr, "test_fleet: SKIPPED: %s\n", skip_reason);
         return;
     }
+    /* An address this host does not have: said at once, nothing started
+     * (it once showed as nats-server failing to bind, in its log). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", "192.0.2.77",
+                                             NULL}),
+                     125);
+    ck_assert_msg(strstr(o.err, "192.0.2.77: not an address of this host"),
+                  "%s", o.err);
+    ck_assert_int_eq(stack_pidfile_alive(home, "nats", NULL), 0);
+    fixture_out_release(&o);
     ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", HOST_ADDR,
                                              "--mtls", NULL}),
                      0);
