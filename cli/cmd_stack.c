@@ -1013,8 +1013,8 @@ cmd_broker(int argc, char **argv)
             rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
             goto out;
         }
-        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
-               KS_S("path", "/metrics"));
+        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
+               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
     }
     rc = broker_run(&o, &errmsg);
     if (rc) {
@@ -1384,8 +1384,8 @@ cmd_agent(int argc, char **argv)
             rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
             goto out;
         }
-        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
-               KS_S("path", "/metrics"));
+        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
+               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
     }
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
