@@ -282,11 +282,7 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
         snprintf(why, why_len, "a directory, not a bundle file");
         return KS_EINVAL;
     }
-    if (fstat(fileno(f), &st) == 0 && (st.st_mode & 0077))
-        fprintf(stderr,
-                "kscore agent: warning: %s is readable by others (mode %03o); "
-                "it holds the agent's secret: chmod 600 it\n",
-                path, (unsigned)(st.st_mode & 0777));
+    mode_t mode = fstat(fileno(f), &st) == 0 ? st.st_mode : 0;
     while (rc == 0 && fgets(line, sizeof(line), f))
         rc = bundle_line(b, &r, line, why, why_len);
     fclose(f);
@@ -297,6 +293,12 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
         snprintf(why, why_len, "not a kscore agent bundle of version 1");
         goto out;
     }
+    /* Only now: a file that is no bundle at all gets no warning about it. */
+    if (mode & 0077)
+        fprintf(stderr,
+                "kscore agent: warning: %s is readable by others (mode %03o); "
+                "it holds the agent's secret: chmod 600 it\n",
+                path, (unsigned)(mode & 0777));
     snprintf(identity, sizeof(identity), "agent-%s", b->id);
     if (!evt_agent_id_valid(b->id) || !evt_identity_valid(identity)) {
         snprintf(why, why_len, "bad or missing [agent] id");
