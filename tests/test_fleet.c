@@ -197,6 +197,26 @@ teardown(void)
 
 /* ---- helpers -------------------------------------------------------------- */
 
+/* utime + stime of pid, in clock ticks; -1 when it is gone. */
+static long
+cpu_ticks(pid_t pid)
+{
+    char path[64], line[1024];
+    long ut = 0, st = 0;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return -1;
+    char *r = fgets(line, sizeof(line), f);
+    fclose(f);
+    char *p = r ? strrchr(line, ')') : NULL;
+    /* after "pid (comm)": fields 3.. ; utime and stime are 14 and 15 */
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %ld %ld",
+                     &ut, &st) != 2)
+        return -1;
+    return ut + st;
+}
+
 static int
 ks(struct fixture_out *o, const char *const args[])
 {
@@ -774,6 +794,47 @@ START_TEST(up_listen_serves_a_remote_agent)
         c = NULL;
         json_decref(j);
         fixture_out_release(&o);
+    }
+    /* Revoked while it runs a command: it fences itself and cannot report
+     * that command's end. It idles (its publisher once spun a CPU, its
+     * sleep cut short by a bad timespec) and, without a state dir to keep
+     * the event, still stops on SIGTERM (it once retried for ever). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "r1",
+                                             "--detach", "--json", "--",
+                                             "sleep", "60", NULL}),
+                     0);
+    {
+        char *cid = json_str(o.out, "command_id");
+        ck_assert_msg(cid != NULL, "%s", o.out);
+        char *st = status_of(cid, "Running", 20000);
+        ck_assert_str_eq(st, "Running");
+        free(st);
+        free(cid);
+    }
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "revoke", "r1", NULL}),
+                     0);
+    fixture_out_release(&o);
+    {
+        char log1[PATH_MAX + 32];
+        snprintf(log1, sizeof(log1), "%s/agent1.log", home);
+        ck_assert_msg(log_wait(log1, "self-fenced", 20000), "see %s", log1);
+        /* the publisher's backoff reaches its 1 s ceiling within ~2 s */
+        sleep(3);
+        long t0 = cpu_ticks(pid);
+        sleep(2);
+        long t1 = cpu_ticks(pid);
+        ck_assert_msg(t0 >= 0 && t1 >= 0 && t1 - t0 < 40,
+                      "a revoked agent used %ld ticks of CPU in 2 s", t1 - t0);
+        ck_assert_int_eq(kill(pid, SIGTERM), 0);
+        int alive = 1;
+        for (int i = 0; i < 300 && alive; i++) {
+            alive = stack_pidfile_alive(home, "agent1", NULL);
+            if (alive)
+                usleep(100000);
+        }
+        ck_assert_msg(!alive, "a revoked agent did not stop on SIGTERM in "
+                              "30 s (see %s)", log1);
     }
     ck_assert_int_eq(ks(&o, (const char *[]){"down", NULL}), 0);
     fixture_out_release(&o);
