@@ -251,7 +251,7 @@ static void *
 publisher_main(void *arg)
 {
     struct agent *a = arg;
-    int backoff_ms = 50;
+    int backoff_ms = 50, stop_tries = 0;
 
     for (;;) {
         struct outbox_item *it;
@@ -287,8 +287,18 @@ publisher_main(void *arg)
             }
             /* NATS down or restarting: keep it and try again. At stop we
              * give up after the current try; the file stays in the outbox
-             * for the next start. */
-            if (a->stopping && a->state_dir) {
+             * for the next start. Without a state dir there is no file:
+             * a few more tries, then it is lost, said so, rather than an
+             * agent that never exits (a revoked agent's connection never
+             * comes back). */
+            if (a->stopping && !a->state_dir && ++stop_tries > 5) {
+                ks_log(KS_LOG_WARN,
+                       "stopping: an event could not be reported and there "
+                       "is no state dir to keep it (lost)",
+                       KS_S("event_id", it->event_id),
+                       KS_S("agent", it->agent_id), KS_S("error", why));
+            }
+            if (a->stopping && (a->state_dir || stop_tries > 5)) {
                 pthread_mutex_lock(&a->mu);
                 a->out_head = it->next;
                 if (!a->out_head)
@@ -298,9 +308,13 @@ publisher_main(void *arg)
                 free(it);
                 continue;
             }
-            nanosleep(&(struct timespec){0, backoff_ms * 1000000L}, NULL);
-            if (backoff_ms < 1000)
-                backoff_ms *= 2;
+            /* tv_nsec must stay below 1 s: at 1600 ms nanosleep failed
+             * with EINVAL at once and this loop spun a CPU for as long as
+             * NATS was gone. */
+            nanosleep(&(struct timespec){backoff_ms / 1000,
+                                         (long)(backoff_ms % 1000) * 1000000L},
+                      NULL);
+            backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
             continue;
         }
         backoff_ms = 50;

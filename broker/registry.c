@@ -231,10 +231,10 @@ agent_forget(struct broker *b, struct provisioner *pv, const char *key)
         if (a->info)
             ks__agent_info__free_unpacked(a->info, NULL);
         free(a);
-        fprintf(stderr,
-                "kscore broker: agent %s left the registry (revoked): "
-                "commands for it are refused\n",
-                key);
+        ks_log(KS_LOG_INFO,
+               "agent left the registry (revoked): commands for it are "
+               "refused",
+               KS_S("agent", key));
     }
     free(ks_map_del(&pv->done, key));
 }

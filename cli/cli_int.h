@@ -316,6 +316,11 @@ struct cli_listen {
 int cli_listen_opt(struct cli_listen *l, int opt, const char *arg);
 /* Fills what no flag gave from the env file of the last `up`. */
 void cli_listen_resolve(struct cli_listen *l);
+/* Whether the flags in given ask for other listen settings than the
+ * stack's (those of the last `up`): true, with both as text in now and
+ * asked. false when no --listen, --tls-name or --mtls was given. */
+bool cli_listen_differs(const struct cli_listen *given, char *now,
+                        size_t now_len, char *asked, size_t asked_len);
 /* The CA, the server certificate and (mtls) the client certificates of
  * the broker, agent_user and operator; the tls block. 0 or
  * CLI_EXIT_KSCORE after printing why. */

@@ -132,10 +132,19 @@ label_ok(const char *kv)
     return eq && eq != kv && !strchr(kv, '\n') && !strchr(kv, '\r');
 }
 
+/* nats://HOST:PORT, tls://HOST:PORT or HOST:PORT (what nats.c takes);
+ * another scheme (http://, a pasted monitoring url) is a mistake that
+ * would only show on the agent host, as a connection that never works. */
 static bool
 url_ok(const char *u)
 {
-    return u[0] && !strpbrk(u, " \t\r\n,");
+    const char *scheme_end = strstr(u, "://");
+    if (!u[0] || strpbrk(u, " \t\r\n,"))
+        return false;
+    if (!scheme_end)
+        return true;
+    return (strncmp(u, "nats://", 7) == 0 || strncmp(u, "tls://", 6) == 0) &&
+           scheme_end[3] != '\0';
 }
 
 /* ---- the bundle ---------------------------------------------------------- */
@@ -229,20 +238,28 @@ bundle_line(struct cli_bundle *b, struct bundle_read *r, char *line,
         r->seed = strdup(v);
     } else if (IS("trust", "signing_key_pem_base64")) {
         free(r->trust);
-        r->trust = b64_decode(v);
+        if (!(r->trust = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "ca_pem_base64")) {
         free(r->ca);
-        r->ca = b64_decode(v);
+        if (!(r->ca = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "cert_pem_base64")) {
         free(r->cert);
-        r->cert = b64_decode(v);
+        if (!(r->cert = b64_decode(v)))
+            goto bad_b64;
     } else if (IS("tls", "key_pem_base64")) {
         free(r->key);
-        r->key = b64_decode(v);
+        if (!(r->key = b64_decode(v)))
+            goto bad_b64;
     }
     /* Unknown keys are ignored: a newer kscore may add some. */
 #undef IS
     return 0;
+bad_b64:
+    snprintf(why, why_len, "[%s] %s is not base64 (the file cut short or "
+             "edited?)", r->section, k);
+    return KS_EINVAL;
 }
 
 int
@@ -257,18 +274,19 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
 
     memset(b, 0, sizeof(*b));
     if (!(f = fopen(path, "re"))) {
-        snprintf(why, why_len, "cannot read %s: %s", path, strerror(errno));
+        snprintf(why, why_len, "%s", strerror(errno));
         return -errno;
+    }
+    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(f);
+        snprintf(why, why_len, "a directory, not a bundle file");
+        return KS_EINVAL;
     }
     if ((rc = cli_file_trusted(fileno(f), path, why, why_len)) != 0) {
         fclose(f);
         return rc;
     }
-    if (fstat(fileno(f), &st) == 0 && (st.st_mode & 0077))
-        fprintf(stderr,
-                "kscore agent: warning: %s is readable by others (mode %03o); "
-                "it holds the agent's secret: chmod 600 it\n",
-                path, (unsigned)(st.st_mode & 0777));
+    mode_t mode = fstat(fileno(f), &st) == 0 ? st.st_mode : 0;
     while (rc == 0 && fgets(line, sizeof(line), f))
         rc = bundle_line(b, &r, line, why, why_len);
     fclose(f);
@@ -276,26 +294,48 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
         goto out;
     rc = KS_EINVAL;
     if (r.version != 1) {
-        snprintf(why, why_len, "%s: not a kscore agent bundle of version 1",
-                 path);
+        snprintf(why, why_len, "not a kscore agent bundle of version 1");
         goto out;
     }
+    /* Only now: a file that is no bundle at all gets no warning about it. */
+    if (mode & 0077)
+        fprintf(stderr,
+                "kscore agent: warning: %s is readable by others (mode %03o); "
+                "it holds the agent's secret: chmod 600 it\n",
+                path, (unsigned)(mode & 0777));
     snprintf(identity, sizeof(identity), "agent-%s", b->id);
     if (!evt_agent_id_valid(b->id) || !evt_identity_valid(identity)) {
-        snprintf(why, why_len, "%s: bad or missing [agent] id", path);
+        snprintf(why, why_len, "bad or missing [agent] id");
         goto out;
     }
     if (!b->urls || !r.seed || !r.trust) {
         snprintf(why, why_len,
-                 "%s: incomplete: needs [nats] url and nkey_seed and [trust] "
-                 "signing_key_pem_base64",
-                 path);
+                 "incomplete: needs [nats] url and nkey_seed and [trust] "
+                 "signing_key_pem_base64");
         goto out;
+    }
+    /* A bundle cut short (a copy that stopped, a paste) still decodes:
+     * say so here, not as a TLS or signature error on the first connect. */
+    {
+        const struct {
+            const char *text, *name;
+        } pems[] = {{r.trust, "[trust] signing_key_pem_base64"},
+                    {r.ca, "[tls] ca_pem_base64"},
+                    {r.cert, "[tls] cert_pem_base64"},
+                    {r.key, "[tls] key_pem_base64"}};
+        for (size_t i = 0; i < sizeof(pems) / sizeof(pems[0]); i++)
+            if (pems[i].text && (strncmp(pems[i].text, "-----BEGIN ", 11) ||
+                                 !strstr(pems[i].text, "-----END "))) {
+                snprintf(why, why_len,
+                         "%s is not a whole PEM block (the file cut short "
+                         "or edited?)",
+                         pems[i].name);
+                goto out;
+            }
     }
     for (size_t i = 0; i < b->n_labels; i++)
         if (!label_ok(b->labels[i])) {
-            snprintf(why, why_len, "%s: bad label '%s' (KEY=VALUE)", path,
-                     b->labels[i]);
+            snprintf(why, why_len, "bad label '%s' (KEY=VALUE)", b->labels[i]);
             goto out;
         }
     /* The pieces become files in a private directory, as nats.c and the
@@ -324,7 +364,7 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
     snprintf(b->nkey_file, sizeof(b->nkey_file), "%s/agent.nk", b->dir);
     unlink(b->nkey_file);
     if ((rc = evt_nkey_write_seed(b->nkey_file, identity, r.seed))) {
-        snprintf(why, why_len, "%s: bad nkey_seed: %s", path, ks_strerror(rc));
+        snprintf(why, why_len, "bad nkey_seed: %s", ks_strerror(rc));
         goto out;
     }
     snprintf(b->trust_key, sizeof(b->trust_key), "%s/trust.pub", b->dir);
@@ -440,7 +480,9 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         }
     for (size_t i = 0; i < n_urls; i++)
         if (!url_ok(urls[i])) {
-            cli_err("bad --nats-url '%s'", urls[i]);
+            cli_err("bad --nats-url '%s': tls://HOST:PORT (or nats://, or "
+                    "HOST:PORT), one url per flag",
+                    urls[i]);
             return CLI_EXIT_USAGE;
         }
     if (n_urls == 0) {
@@ -539,8 +581,10 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         snprintf(mdir, sizeof(mdir), "%s/enrolled", home);
         FILE *m = stack_mkdirs(mdir, 0700) == 0 ? fopen(meta, "we") : NULL;
         if (m) {
+            /* Absolute: `agent list` is read from anywhere. */
+            char abs[PATH_MAX];
             fprintf(m, "enrolled_at %s\nbundle %s\n", cli_time(ks_now_us()),
-                    out_path);
+                    realpath(out_path, abs) ? abs : out_path);
             for (size_t i = 0; i < n_labels; i++)
                 fprintf(m, "label %s\n", labels[i]);
             for (size_t i = 0; i < n_urls; i++)
@@ -669,6 +713,7 @@ fleet_list(const char *home, bool json)
     struct stack_identity *ids = NULL;
     json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
+    bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
@@ -718,8 +763,13 @@ fleet_list(const char *home, bool json)
         } else {
             const char *k;
             json_t *v;
-            printf("%-24s %s %-27s", id, ids[i].nkey,
-                   at[0] ? at : "local (kscore up)");
+            if (!header) {
+                printf("%-24s %-56s %-27s %-30s %s\n", "AGENT", "NKEY",
+                       "ENROLLED", "BUNDLE", "LABELS");
+                header = true;
+            }
+            printf("%-24s %s %-27s %-30s", id, ids[i].nkey,
+                   at[0] ? at : "local (kscore up)", bundle[0] ? bundle : "-");
             json_object_foreach(labels, k, v)
                 printf(" %s=%s", k, json_string_value(v));
             printf("\n");

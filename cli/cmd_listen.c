@@ -4,6 +4,8 @@
  * (cli/stack_tls.c). See cli_int.h.
  */
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -124,6 +126,45 @@ cli_listen_resolve(struct cli_listen *l)
     free(mtls);
 }
 
+/* "--listen 10.0.0.5 --mtls --tls-name a": the settings as flags. */
+static void
+settings_text(const struct cli_listen *l, char *buf, size_t len)
+{
+    size_t used = (size_t)snprintf(buf, len, "--listen %s%s", l->host,
+                                   l->mtls ? " --mtls" : "");
+    for (size_t i = 0; i < l->n_names && used < len; i++)
+        used += (size_t)snprintf(buf + used, len - used, " --tls-name %s",
+                                 l->names[i]);
+}
+
+bool
+cli_listen_differs(const struct cli_listen *given, char *now, size_t now_len,
+                   char *asked, size_t asked_len)
+{
+    struct cli_listen run = {0}, want = *given;
+    char a[512], b[512];
+
+    if (!given->given_host && !given->mtls_given && !given->n_names)
+        return false;
+    cli_listen_resolve(&run);
+    cli_listen_resolve(&want);
+    settings_text(&run, a, sizeof(a));
+    settings_text(&want, b, sizeof(b));
+    snprintf(now, now_len, "%s", a);
+    snprintf(asked, asked_len, "%s", b);
+    if (strcmp(run.host, want.host) != 0 || run.mtls != want.mtls ||
+        run.n_names != want.n_names)
+        return true;
+    for (size_t i = 0; i < want.n_names; i++) {
+        bool found = false;
+        for (size_t j = 0; j < run.n_names && !found; j++)
+            found = strcmp(want.names[i], run.names[j]) == 0;
+        if (!found)
+            return true;
+    }
+    return false;
+}
+
 int
 cli_listen_tls(const char *home, struct cli_listen *l, const char *agent_user,
                const char *operator_name)
@@ -136,6 +177,27 @@ cli_listen_tls(const char *home, struct cli_listen *l, const char *agent_user,
 
     if (!l->tls)
         return 0;
+    /* An address of another host (a typo, a lease that changed) would
+     * only show as nats-server failing to bind, seconds later, in its log. */
+    {
+        struct sockaddr_in sa = {.sin_family = AF_INET};
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int err = 0;
+        if (fd >= 0 && inet_pton(AF_INET, l->host, &sa.sin_addr) == 1 &&
+            bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == -1)
+            err = errno;
+        if (fd >= 0)
+            close(fd);
+        if (err == EADDRNOTAVAIL) {
+            cli_err("cannot listen on %s: not an address of this host (ip "
+                    "-4 addr shows them)%s",
+                    l->host,
+                    l->given_host ? ""
+                                  : "; it is the saved --listen: give "
+                                    "another, or --listen 127.0.0.1");
+            return CLI_EXIT_KSCORE;
+        }
+    }
     stack_tls_paths(home, &p);
     snprintf(l->ca, sizeof(l->ca), "%s", p.ca_cert);
     sans[n++] = l->host;

@@ -71,15 +71,41 @@ op_add(const char *home, const char *name, bool json)
     if ((rc = apply(home)))
         return rc;
     stack_ident_seed_path(home, STACK_OPERATOR, name, seed, sizeof(seed));
+    /* A stack with a CA (`up --listen`) may require client certificates
+     * (--mtls): without one of its own, NAME could not connect from
+     * another host. Next to the seed, as operators/NAME.pem and .key. */
+    struct stack_tls_paths tp;
+    char cert[4300] = "", key[4300] = "";
+    stack_tls_paths(home, &tp);
+    if (access(tp.ca_cert, R_OK) == 0) {
+        snprintf(cert, sizeof(cert), "%s/operators/%s.pem", home, name);
+        snprintf(key, sizeof(key), "%s/operators/%s.key", home, name);
+        if ((rc = stack_tls_client_write(home, name, cert, key))) {
+            cli_err("operator %s added, but its client certificate could not "
+                    "be made: %s",
+                    name, ks_strerror(rc));
+            return CLI_EXIT_KSCORE;
+        }
+    }
     if (json) {
         json_t *o = json_object();
         json_object_set_new(o, "name", json_string(name));
         json_object_set_new(o, "seed_file", json_string(seed));
         json_object_set_new(o, "public_key", json_string(id.nkey));
+        if (cert[0]) {
+            json_object_set_new(o, "tls_ca", json_string(tp.ca_cert));
+            json_object_set_new(o, "tls_cert", json_string(cert));
+            json_object_set_new(o, "tls_key", json_string(key));
+        }
         cli_print_json(o);
         return 0;
     }
     printf("%s\n", seed);
+    if (cert[0])
+        fprintf(stderr,
+                "kscore: the stack's NATS is TLS: give %s also %s (--tls-ca) "
+                "and, for mutual TLS, %s and %s (--tls-cert, --tls-key).\n",
+                name, tp.ca_cert, cert, key);
     fprintf(stderr,
             "kscore: operator %s added (public key %s). Its seed is %s: hand "
             "it to %s, who uses it with --nkey or KSCORE_NATS_NKEY; whoever "
@@ -108,6 +134,13 @@ op_remove(const char *home, const char *name)
     }
     if ((rc = apply(home)))
         return rc;
+    {
+        char path[4300];
+        snprintf(path, sizeof(path), "%s/operators/%s.pem", home, name);
+        unlink(path);
+        snprintf(path, sizeof(path), "%s/operators/%s.key", home, name);
+        unlink(path);
+    }
     fprintf(stderr, "kscore: operator %s removed: it can no longer connect\n",
             name);
     return 0;

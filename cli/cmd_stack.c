@@ -200,6 +200,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
     Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
     Ks__AgentsReply *rep = NULL;
     char *errmsg = NULL, *env_url = NULL, *env_nkey = NULL;
+    char *env_ca = NULL, *env_cert = NULL, *env_key = NULL;
     const char *url = cc->nats_url;
     int rc;
 
@@ -216,6 +217,18 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         !cc->opts.creds_file && !cc->opts.token &&
         (env_nkey = cli_env_get("KSCORE_NATS_NKEY")))
         cc->opts.nkey_file = env_nkey;
+    /* `kscore up --listen`: the stack's CA and, with --mtls, this login's
+     * client certificate (as cli_connect), unless TLS files were given;
+     * without them a TLS-only stack's status could not list its agents. */
+    if (local && !cc->opts.tls_ca &&
+        (env_ca = cli_env_get("KSCORE_NATS_TLS_CA")))
+        cc->opts.tls_ca = env_ca;
+    if (local && !cc->opts.tls_cert &&
+        (env_cert = cli_env_get("KSCORE_NATS_TLS_CERT")) &&
+        (env_key = cli_env_get("KSCORE_NATS_TLS_KEY"))) {
+        cc->opts.tls_cert = env_cert;
+        cc->opts.tls_key = env_key;
+    }
     if (!url || !url[0]) {
         json_object_set_new(o, "agents", json_null());
         json_object_set_new(o, "agents_error",
@@ -291,8 +304,20 @@ out:
         ks__agents_reply__free_unpacked(rep, NULL);
     evt_close(c);
     free(errmsg);
+    /* cc outlives this call: leave no pointer to what is freed here. */
+    if (env_nkey && cc->opts.nkey_file == env_nkey)
+        cc->opts.nkey_file = NULL;
+    if (env_ca && cc->opts.tls_ca == env_ca)
+        cc->opts.tls_ca = NULL;
+    if (env_key && cc->opts.tls_key == env_key) {
+        cc->opts.tls_cert = NULL;
+        cc->opts.tls_key = NULL;
+    }
     free(env_url);
     free(env_nkey);
+    free(env_ca);
+    free(env_cert);
+    free(env_key);
 }
 
 static int
@@ -491,18 +516,37 @@ cmd_up(int argc, char **argv)
     unsigned prev_n = prev ? (unsigned)strtoul(prev, NULL, 10) : 0;
     free(prev);
     if (alive == (int)(sizeof(parts) / sizeof(parts[0]))) {
+        /* A running stack is left as it is. Asked for other settings than
+         * it runs with, `up` says which and fails (125), so a script or a
+         * state (Salt, Ansible) does not take the change for done. */
+        bool refused = false;
+        char now[512], asked[512];
+        char *run_bm = cli_env_get("KSCORE_BROKER_METRICS_URL");
         fprintf(stderr, "kscore: the local stack is already running in %s\n",
                 home);
-        if (local_agents_given && local_agents != prev_n)
+        if (local_agents_given && local_agents != prev_n) {
             fprintf(stderr,
                     "kscore: it runs %u local agents, not %u: `kscore down` "
                     "first to change that\n",
                     prev_n, local_agents);
-        if (ul.given_host || ul.mtls_given || ul.n_names)
-            fprintf(stderr, "kscore: --listen, --tls-name and --mtls apply "
-                            "when it starts: `kscore down` first\n");
+            refused = true;
+        }
+        if (cli_listen_differs(&ul, now, sizeof(now), asked, sizeof(asked))) {
+            fprintf(stderr,
+                    "kscore: it runs with %s, not %s: --listen, "
+                    "--tls-name and --mtls apply when it starts (`kscore "
+                    "down` first)\n",
+                    now, asked);
+            refused = true;
+        }
+        if (metrics && !(run_bm && run_bm[0])) {
+            fprintf(stderr, "kscore: it runs without metrics: --metrics "
+                            "applies when it starts (`kscore down` first)\n");
+            refused = true;
+        }
+        free(run_bm);
         print_status(json, &(struct cli_conn){0});
-        return 0;
+        return refused ? CLI_EXIT_KSCORE : 0;
     }
     if (!local_agents_given)
         local_agents = prev_n;
@@ -575,8 +619,13 @@ cmd_up(int argc, char **argv)
     free(auth_after);
 
     if (nats_up && (ul.given_host || ul.mtls_given || ul.n_names)) {
-        fprintf(stderr, "kscore: nats-server runs: --listen, --tls-name and "
-                        "--mtls apply when it starts (`kscore down` first)\n");
+        char now[512], asked[512];
+        if (cli_listen_differs(&ul, now, sizeof(now), asked, sizeof(asked)))
+            fprintf(stderr,
+                    "kscore: nats-server runs with %s, not %s: --listen, "
+                    "--tls-name and --mtls apply when it starts (`kscore "
+                    "down` first)\n",
+                    now, asked);
         memset(&ul, 0, sizeof(ul));
     }
     cli_listen_resolve(&ul);
@@ -967,8 +1016,8 @@ cmd_broker(int argc, char **argv)
             rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
             goto out;
         }
-        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
-               KS_S("path", "/metrics"));
+        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
+               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
     }
     rc = broker_run(&o, &errmsg);
     if (rc) {
@@ -980,6 +1029,22 @@ out:
     evt_metrics_stop(ms);
     cli_conf_release(&cf);
     return rc;
+}
+
+/* --show-config: what the bundle gave was noted as given by a flag (it is
+ * put in before the environment and the file are read); say "bundle". */
+static void
+conf_from_bundle(struct cli_conf *cf, const char *value)
+{
+    for (size_t i = 0; value && i < cf->n_shown; i++)
+        if (cf->shown[i].value == value &&
+            strcmp(cf->shown[i].from, "flag") == 0) {
+            char *b = strdup("bundle");
+            if (b) {
+                free(cf->shown[i].from);
+                cf->shown[i].from = b;
+            }
+        }
 }
 
 int
@@ -1264,15 +1329,29 @@ cmd_agent(int argc, char **argv)
             for (size_t j = 0; j < given; j++)
                 dup = dup || strcmp(labels[j].key, kv) == 0;
             if (!dup) {
+                char *shown = NULL;
                 labels[o.n_labels].key = kv;
                 labels[o.n_labels++].value = eq + 1;
+                if (owned_label_keys < room &&
+                    asprintf(&shown, "%s=%s", kv, eq + 1) >= 0) {
+                    label_keys[owned_label_keys++] = shown;
+                    cli_conf_note(&cf, "label", shown, "bundle");
+                }
             }
         }
         bool have = false;
         for (size_t i = 0; i < o.n_trust_keys; i++)
             have = have || strcmp(keys[i], bundle.trust_key) == 0;
-        if (!have && o.n_trust_keys < room)
+        if (!have && o.n_trust_keys < room) {
             keys[o.n_trust_keys++] = bundle.trust_key;
+            cli_conf_note(&cf, "trust_key", bundle.trust_key, "bundle");
+        }
+        conf_from_bundle(&cf, bundle.urls);
+        conf_from_bundle(&cf, bundle.nkey_file);
+        conf_from_bundle(&cf, bundle.tls_ca);
+        conf_from_bundle(&cf, bundle.tls_cert);
+        conf_from_bundle(&cf, bundle.tls_key);
+        conf_from_bundle(&cf, bundle.id);
     }
     if (show) {
         cli_conf_show(&cf, stdout);
@@ -1329,8 +1408,8 @@ cmd_agent(int argc, char **argv)
             rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
             goto out;
         }
-        ks_log(KS_LOG_INFO, "metrics", KS_I("port", evt_metrics_port(ms)),
-               KS_S("path", "/metrics"));
+        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
+               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
     }
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {

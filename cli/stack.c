@@ -163,6 +163,12 @@ pid_alive(pid_t pid)
 }
 
 int
+stack_pid_alive(pid_t pid)
+{
+    return pid_alive(pid);
+}
+
+int
 stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out)
 {
     char path[4096];

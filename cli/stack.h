@@ -195,6 +195,9 @@ int stack_nats_reload(const char *nats_dir, int timeout_ms);
 
 /* 1 if the pid in <dir>/<name>.pid is alive, else 0; *pid_out if alive. */
 int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
+/* 1 when pid runs: exists and is not a zombie (a killed process whose
+ * parent has not reaped it yet, e.g. a daemon under a slow init). */
+int stack_pid_alive(pid_t pid);
 
 /* ---- TLS: the stack's own CA (stack_tls.c, OpenSSL libcrypto) ---------
  *

@@ -147,8 +147,19 @@ pg_running(const char *dir, pid_t *pid_out, int *port_out)
     if (pg_read_file(path, buf, sizeof(buf)) <= 0)
         return 0;
     pid = strtol(buf, NULL, 10);
-    if (pid <= 0 || (kill((pid_t)pid, 0) == -1 && errno == ESRCH))
+    if (pid <= 0)
         return 0;
+    /* A killed postmaster stays a zombie until its parent (init) reaps
+     * it: not running, but its pid still answers kill(pid, 0), and
+     * PostgreSQL will not start on a postmaster.pid whose pid exists.
+     * Give init a moment; then it is down either way. */
+    if (!stack_pid_alive((pid_t)pid)) {
+        for (int i = 0; i < 250 && kill((pid_t)pid, 0) == 0; i++) {
+            struct timespec ts = {0, 20000000};
+            nanosleep(&ts, NULL);
+        }
+        return 0;
+    }
     line = buf;
     for (int i = 0; i < 3 && line; i++) {
         line = strchr(line, '\n');

@@ -83,17 +83,24 @@ on_conn_event(natsConnection *nc, void *closure)
     natsConnStatus st = natsConnection_Status(nc);
 
     natsConnection_GetLastError(nc, &err);
+    /* Through ks_log, as every other line of the service: with a time and
+     * a level, and valid JSON under --log-format json. */
     if (st == NATS_CONN_STATUS_CONNECTED) {
-        fprintf(stderr, "kscore: NATS connection of %s is back\n", who);
+        ks_log(KS_LOG_INFO, "NATS connection is back", KS_S("identity", who));
         return;
     }
     /* Closed without an error: our own evt_close, nothing to say. */
     if (st == NATS_CONN_STATUS_CLOSED && !(err && err[0]))
         return;
-    fprintf(stderr, "kscore: NATS connection of %s %s%s%s\n", who,
-            st == NATS_CONN_STATUS_CLOSED ? "closed for good"
-                                          : "lost (reconnecting)",
-            err && err[0] ? ": " : "", err && err[0] ? err : "");
+    if (st == NATS_CONN_STATUS_CLOSED)
+        ks_log(KS_LOG_ERROR, "NATS connection closed for good",
+               KS_S("identity", who), KS_S("error", err));
+    else if (err && err[0])
+        ks_log(KS_LOG_WARN, "NATS connection lost (reconnecting)",
+               KS_S("identity", who), KS_S("error", err));
+    else
+        ks_log(KS_LOG_WARN, "NATS connection lost (reconnecting)",
+               KS_S("identity", who));
 }
 
 int

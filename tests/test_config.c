@@ -664,6 +664,12 @@ daemon_logs(bool json)
              json_string_value(json_object_get(r, "command_id")));
     json_decref(r);
     fixture_out_release(&o);
+    /* The NATS connection's own lines (lost, back) too: they once were
+     * bare "kscore: NATS connection ..." lines, JSON parsers choked. */
+    int64_t before_us = ks_now_us();
+    ck_assert_int_eq(fixture_stack_nats_restart(&s), 0);
+    ck_assert_int_eq(fixture_stack_wait_agent(&s, "logger", before_us, 30000),
+                     0);
     /* "stopping" lines too */
     fixture_stack_agent_kill(&s, SIGTERM);
 
@@ -674,6 +680,18 @@ daemon_logs(bool json)
     int na = check_log(s.dir, "agent", json, id, &with_id);
     ck_assert_int_ge(na, 2);
     ck_assert_int_ge(with_id, 1);
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof(path), "%s/agent.log", s.dir);
+    char *text = NULL;
+    size_t tlen = 0;
+    FILE *lf = fopen(path, "re");
+    ck_assert_ptr_nonnull(lf);
+    ck_assert_int_ge(getdelim(&text, &tlen, '\0', lf), 0);
+    fclose(lf);
+    ck_assert_msg(strstr(text, "NATS connection lost (reconnecting)") &&
+                      strstr(text, "NATS connection is back"),
+                  "no reconnect lines in %s:\n%s", path, text);
+    free(text);
     fixture_stack_stop(&s);
 }
 

@@ -18,6 +18,7 @@
  */
 #include <check.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -27,6 +28,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <jansson.h>
 
 #include "broker.h"
 #include "events.h"
@@ -193,6 +196,26 @@ teardown(void)
 }
 
 /* ---- helpers -------------------------------------------------------------- */
+
+/* utime + stime of pid, in clock ticks; -1 when it is gone. */
+static long
+cpu_ticks(pid_t pid)
+{
+    char path[64], line[1024];
+    long ut = 0, st = 0;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return -1;
+    char *r = fgets(line, sizeof(line), f);
+    fclose(f);
+    char *p = r ? strrchr(line, ')') : NULL;
+    /* after "pid (comm)": fields 3.. ; utime and stime are 14 and 15 */
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %ld %ld",
+                     &ut, &st) != 2)
+        return -1;
+    return ut + st;
+}
 
 static int
 ks(struct fixture_out *o, const char *const args[])
@@ -595,6 +618,15 @@ START_TEST(up_listen_serves_a_remote_agent)
         fprintf(stderr, "test_fleet: SKIPPED: %s\n", skip_reason);
         return;
     }
+    /* An address this host does not have: said at once, nothing started
+     * (it once showed as nats-server failing to bind, in its log). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", "192.0.2.77",
+                                             NULL}),
+                     125);
+    ck_assert_msg(strstr(o.err, "192.0.2.77: not an address of this host"),
+                  "%s", o.err);
+    ck_assert_int_eq(stack_pidfile_alive(home, "nats", NULL), 0);
+    fixture_out_release(&o);
     ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", HOST_ADDR,
                                              "--mtls", NULL}),
                      0);
@@ -618,10 +650,68 @@ START_TEST(up_listen_serves_a_remote_agent)
     fixture_out_release(&o);
 
     snprintf(bundle, sizeof(bundle), "%s/r1.bundle", home);
+    /* A url no agent could use is refused before anything is made. */
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "r1",
+                                             "--nats-url", "http://x:8222",
+                                             "--out", bundle, NULL}),
+                     2);
+    ck_assert_msg(strstr(o.err, "bad --nats-url 'http://x:8222'"), "%s",
+                  o.err);
+    ck_assert_int_ne(access(bundle, F_OK), 0);
+    fixture_out_release(&o);
     ck_assert_int_eq(ks(&o, (const char *[]){"agent", "enroll", "r1",
                                              "--label", "site=ns", "--out",
                                              bundle, NULL}),
                      0);
+    fixture_out_release(&o);
+    /* A bundle cut short, or a directory: named, before any connection. */
+    {
+        char cut[PATH_MAX + 32], *text = NULL;
+        size_t len = 0;
+        FILE *in = fopen(bundle, "re");
+        ck_assert_ptr_nonnull(in);
+        ck_assert_int_gt(getdelim(&text, &len, '\0', in), 0);
+        fclose(in);
+        /* up to the middle of the CA's line */
+        char *ca = strstr(text, "ca_pem_base64 = ");
+        ck_assert_ptr_nonnull(ca);
+        snprintf(cut, sizeof(cut), "%s/cut.bundle", home);
+        int fd = open(cut, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ck_assert_int_ge(fd, 0);
+        size_t n = (size_t)(ca - text) + 16 + 41;
+        ck_assert_int_eq(write(fd, text, n), (ssize_t)n);
+        close(fd);
+        free(text);
+        ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", cut,
+                                                 "--show-config", NULL}),
+                         125);
+        ck_assert_msg(strstr(o.err, "[tls] ca_pem_base64 is not"), "%s",
+                      o.err);
+        fixture_out_release(&o);
+        ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", home,
+                                                 "--show-config", NULL}),
+                         125);
+        ck_assert_msg(strstr(o.err, "a directory, not a bundle file"), "%s",
+                      o.err);
+        fixture_out_release(&o);
+    }
+    /* --show-config says what came from the bundle (it once said "flag"
+     * for all of it, and left out its labels and trust key). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "--bundle", bundle,
+                                             "--label", "role=x",
+                                             "--show-config", NULL}),
+                     0);
+    {
+        /* The flags are --bundle and --label; the rest is the bundle's. */
+        int flags = 0;
+        for (const char *p = o.out; (p = strstr(p, "  # flag\n")); p++)
+            flags++;
+        ck_assert_msg(flags == 2 && strstr(o.out, "id = r1  # bundle\n") &&
+                          strstr(o.out, "label = role=x  # flag\n") &&
+                          strstr(o.out, "label = site=ns  # bundle\n") &&
+                          strstr(o.out, "trust.pub  # bundle\n"),
+                      "%s%s", o.out, o.err);
+    }
     fixture_out_release(&o);
     snprintf(ns, sizeof(ns), "%sn1", tag);
     int64_t since = ks_now_us();
@@ -646,12 +736,106 @@ START_TEST(up_listen_serves_a_remote_agent)
                      0);
     ck_assert_msg(strstr(o.out, "inet 10.213.0.11/"), "%s%s", o.out, o.err);
     fixture_out_release(&o);
+    /* status lists the remote agent: it asks the broker over the stack's
+     * TLS (CA and, with --mtls, this login's certificate from env). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"status", NULL}), 0);
+    ck_assert_msg(!strstr(o.out, "cannot list the agents") &&
+                      strstr(o.out, "\nr1 ") && strstr(o.out, "site=ns"),
+                  "%s%s", o.out, o.err);
+    fixture_out_release(&o);
+    /* The same settings again: nothing to say, 0. Others while it runs:
+     * refused (125) with what runs and what was asked, nothing changed. */
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", HOST_ADDR,
+                                             "--mtls", NULL}),
+                     0);
+    ck_assert_msg(!strstr(o.err, "apply when it starts"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--listen", "127.0.0.1",
+                                             NULL}),
+                     125);
+    ck_assert_msg(strstr(o.err, "--listen " HOST_ADDR " --mtls") &&
+                      strstr(o.err, "not --listen 127.0.0.1"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--metrics", NULL}), 125);
+    ck_assert_msg(strstr(o.err, "without metrics"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "r1", "--",
+                                             "true", NULL}),
+                     0);
+    fixture_out_release(&o);
     /* Mutual TLS: the broker's NKey without a certificate is not let in. */
     struct evt_connect_opts nocert = {.name = "no-cert",
                                       .nkey_file = seed,
                                       .tls_ca = ca};
     struct evt_conn *c = NULL;
     ck_assert_int_ne(evt_connect(url, &nocert, &c, NULL), 0);
+    /* An operator added to a TLS stack gets a client certificate with its
+     * seed: with them (and the CA) it connects from anywhere. */
+    {
+        ck_assert_int_eq(ks(&o, (const char *[]){"operator", "add", "alice",
+                                                 "--json", NULL}),
+                         0);
+        json_t *j = json_loads(o.out, 0, NULL);
+        ck_assert_msg(j != NULL, "%s", o.out);
+        const char *oc = json_string_value(json_object_get(j, "tls_cert"));
+        const char *ok = json_string_value(json_object_get(j, "tls_key"));
+        const char *os = json_string_value(json_object_get(j, "seed_file"));
+        ck_assert_msg(oc && ok && os, "%s", o.out);
+        struct evt_connect_opts alice = {.name = "alice",
+                                         .nkey_file = os,
+                                         .tls_ca = ca,
+                                         .tls_cert = oc,
+                                         .tls_key = ok};
+        char *err = NULL;
+        ck_assert_msg(evt_connect(url, &alice, &c, &err) == 0, "%s",
+                      err ? err : "");
+        evt_close(c);
+        c = NULL;
+        json_decref(j);
+        fixture_out_release(&o);
+    }
+    /* Revoked while it runs a command: it fences itself and cannot report
+     * that command's end. It idles (its publisher once spun a CPU, its
+     * sleep cut short by a bad timespec) and, without a state dir to keep
+     * the event, still stops on SIGTERM (it once retried for ever). */
+    ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "r1",
+                                             "--detach", "--json", "--",
+                                             "sleep", "60", NULL}),
+                     0);
+    {
+        char *cid = json_str(o.out, "command_id");
+        ck_assert_msg(cid != NULL, "%s", o.out);
+        char *st = status_of(cid, "Running", 20000);
+        ck_assert_str_eq(st, "Running");
+        free(st);
+        free(cid);
+    }
+    fixture_out_release(&o);
+    ck_assert_int_eq(ks(&o, (const char *[]){"agent", "revoke", "r1", NULL}),
+                     0);
+    fixture_out_release(&o);
+    {
+        char log1[PATH_MAX + 32];
+        snprintf(log1, sizeof(log1), "%s/agent1.log", home);
+        ck_assert_msg(log_wait(log1, "self-fenced", 20000), "see %s", log1);
+        /* the publisher's backoff reaches its 1 s ceiling within ~2 s */
+        sleep(3);
+        long t0 = cpu_ticks(pid);
+        sleep(2);
+        long t1 = cpu_ticks(pid);
+        ck_assert_msg(t0 >= 0 && t1 >= 0 && t1 - t0 < 40,
+                      "a revoked agent used %ld ticks of CPU in 2 s", t1 - t0);
+        ck_assert_int_eq(kill(pid, SIGTERM), 0);
+        int alive = 1;
+        for (int i = 0; i < 300 && alive; i++) {
+            alive = stack_pidfile_alive(home, "agent1", NULL);
+            if (alive)
+                usleep(100000);
+        }
+        ck_assert_msg(!alive, "a revoked agent did not stop on SIGTERM in "
+                              "30 s (see %s)", log1);
+    }
     ck_assert_int_eq(ks(&o, (const char *[]){"down", NULL}), 0);
     fixture_out_release(&o);
 }

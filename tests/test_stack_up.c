@@ -201,6 +201,31 @@ START_TEST(nats_crash_comes_back_on_its_port)
 }
 END_TEST
 
+/* `kscore up` right after PostgreSQL was killed: the postmaster may still
+ * be a zombie (its parent, init, reaps when it will) and its backends still
+ * on their way out; up once took the stale postmaster.pid for a running
+ * server, "reloaded" it and failed. */
+START_TEST(pg_crash_restarts_postgres_alone)
+{
+    ks_ok((const char *[]){"up", NULL});
+    pid_t nats = pid_of("nats"), agent = pid_of("agent"),
+          broker = pid_of("broker"), pg = pid_of("pg");
+
+    ck_assert_int_eq(kill(pg, SIGKILL), 0);
+    /* Dead as `up` sees it (gone or a zombie), not necessarily reaped. */
+    for (int i = 0; i < 500 && stack_pidfile_alive(home, "pg", NULL); i++) {
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    ks_ok((const char *[]){"up", NULL});
+    ck_assert_int_ne(pid_of("pg"), pg);
+    ck_assert_int_eq(pid_of("nats"), nats);
+    ck_assert_int_eq(pid_of("agent"), agent);
+    ck_assert_int_eq(pid_of("broker"), broker);
+    exec_echo("pg-back");
+}
+END_TEST
+
 START_TEST(down_up_keeps_the_port_or_says_it_moved)
 {
     char url[256], url2[256], url3[256];
@@ -366,6 +391,7 @@ stack_up_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, broker_crash_restarts_the_broker_alone);
     tcase_add_test(tc, nats_crash_comes_back_on_its_port);
+    tcase_add_test(tc, pg_crash_restarts_postgres_alone);
     tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
     tcase_add_test(tc, status_reports_remote_agents);
     suite_add_tcase(s, tc);
