@@ -1759,8 +1759,8 @@ reply_dry_run(struct broker *b, natsMsg *msg, const struct resolve *r)
     rep.max_concurrency = resolve_amount(r->req->max_concurrency, r->n, true);
     rep.max_errors = resolve_amount(r->req->max_errors, r->n, false);
     rep.has_max_errors = r->req->max_errors != NULL;
-    if (subj)
-        evt_publish_msg(b->nc, subj, &rep.base);
+    if (subj) /* in parts when a fleet's list is larger than one message */
+        evt_publish_reply(b->nc, subj, &rep.base);
 out:
     free(ts);
     free(tv);
