@@ -21,6 +21,8 @@ struct broker__agent {
     Ks__AgentInfo *info;
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
+    bool labels_signed;     /* info->labels are the attested ones */
+    bool unsigned_warned;   /* logged that it has no valid attestation */
 };
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
