@@ -421,9 +421,11 @@ static const char usage[] =
     "mode 0600): the NATS urls (--nats-url, repeatable; default the stack's\n"
     "url), the agent's seed, the CA certificate and a client certificate\n"
     "when the stack has a CA ($KSCORE_HOME/tls), the broker's public\n"
-    "signing key, the id and the labels. Copy it to the agent host and run\n"
-    "`kscore agent --bundle FILE` there. A running nats-server reloads its\n"
-    "users without a restart.\n"
+    "signing key, the id and the labels, signed with the broker's key (the\n"
+    "broker gives the agent those labels only). Copy it to the agent host,\n"
+    "run `kscore agent --bundle FILE` there, and delete it here: it is the\n"
+    "agent's secret. A running nats-server reloads its users without a\n"
+    "restart.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
     "for it are refused.\n";
@@ -654,7 +656,8 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
     printf("%s\n", out_path);
     fprintf(stderr,
             "kscore: agent %s enrolled (public key %s). Copy %s to its host "
-            "(it is secret) and run `kscore agent --bundle FILE` there.\n",
+            "(it is secret), run `kscore agent --bundle FILE` there, and "
+            "delete it here.\n",
             id, sid.nkey, out_path);
     ret = 0;
 out:
