@@ -1198,8 +1198,21 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
     /* --require-signed-labels: no attestation, no labels. */
     fixture_stack_broker_kill(&ls, SIGTERM);
     setenv("KSCORE_REQUIRE_SIGNED_LABELS", "true", 1);
-    ck_assert_int_eq(fixture_stack_broker_start(&ls, 0), 0);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
     unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    /* Its in-process agents keep local=true: the broker signs it. */
+    {
+        char host[64], id[96];
+        gethostname(host, sizeof(host));
+        host[sizeof(host) - 1] = '\0';
+        host[strcspn(host, ".")] = '\0';
+        snprintf(id, sizeof(id), "%s-1", host);
+        line = agent_line(id, "\"local\":\"true\"", 10000);
+        ck_assert_msg(strstr(line, "\"local\":\"true\"") &&
+                          strstr(line, "\"labels_signed\":true"),
+                      "%s", line);
+        free(line);
+    }
     since = ks_now_us();
     ck_assert_int_eq(fixture_stack_wait_agent(&ls, "selfdecl", since, 30000),
                      0);
