@@ -87,20 +87,49 @@ drop_labels(Ks__EnvVar ***v, size_t *n)
  * host, tests). A revoked agent's attestation stays valid as a signature,
  * but its NKey is gone, so it can write no entry to show it in.
  * true when the labels are attested; *why: NULL, or why not (static text)
- * when that deserves a log line.
+ * when that deserves a log line; *verified: the attestation's text
+ * (malloc'd, for agent_update's cache) when it is.
  */
+/* 1 when info's attestation is this broker's signature for its id; its
+ * text goes to *text (malloc'd) for the cache. */
 static bool
-labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why)
+attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
+{
+    struct broker__agent *a;
+    size_t len = 0;
+    bool hit;
+
+    *text = NULL;
+    if (info->labels_signature.len != EVT_SIGNATURE_BYTES ||
+        evt_labels_text(info->agent_id, info->labels_enrolled_at_us,
+                        info->attested_labels, info->n_attested_labels, text,
+                        &len) != 0)
+        return false;
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, info->agent_id);
+    hit = a && a->attest_text && strcmp(a->attest_text, *text) == 0 &&
+          memcmp(a->attest_sig, info->labels_signature.data,
+                 EVT_SIGNATURE_BYTES) == 0;
+    pthread_mutex_unlock(&b->mu);
+    if (hit || evt_verify(b->local_trust, info->labels_key_id, *text, len,
+                          info->labels_signature.data,
+                          info->labels_signature.len) == 0)
+        return true;
+    free(*text);
+    *text = NULL;
+    return false;
+}
+
+static bool
+labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
+              char **verified)
 {
     bool require = b->opts && b->opts->require_signed_labels;
 
     *why = NULL;
+    *verified = NULL;
     if (info->labels_signature.len) {
-        if (evt_labels_verify(b->local_trust, info->labels_key_id,
-                              info->agent_id, info->labels_enrolled_at_us,
-                              info->attested_labels, info->n_attested_labels,
-                              info->labels_signature.data,
-                              info->labels_signature.len) == 0) {
+        if (attestation_valid(b, info, verified)) {
             Ks__EnvVar **declared = info->labels;
             size_t n_declared = info->n_labels;
             info->labels = info->attested_labels;
@@ -131,7 +160,7 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why)
  * labels decided by labels_settle. */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why)
+             bool labels_signed, const char *why, char *verified)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -144,6 +173,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
             free(a);
             pthread_mutex_unlock(&b->mu);
             ks__agent_info__free_unpacked(info, NULL);
+            free(verified);
             return;
         }
         a->stored_mono_us = ks_mono_us();
@@ -153,6 +183,12 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
     a->labels_signed = labels_signed;
+    /* What verified, for the next heartbeat to match (cache). */
+    if (verified)
+        memcpy(a->attest_sig, info->labels_signature.data,
+               EVT_SIGNATURE_BYTES);
+    free(a->attest_text);
+    a->attest_text = verified;
     /* Once per agent (again after it had a valid one), not per
      * heartbeat. */
     warn = why && !a->unsigned_warned;
@@ -309,6 +345,7 @@ agent_forget(struct broker *b, struct provisioner *pv, const char *key)
     if (a) {
         if (a->info)
             ks__agent_info__free_unpacked(a->info, NULL);
+        free(a->attest_text);
         free(a);
         fprintf(stderr,
                 "kscore broker: agent %s left the registry (revoked): "
@@ -353,13 +390,15 @@ registry_main(void *arg)
                     entry_refused(kvEntry_Key(e), bad);
                 if (!bad) {
                     const char *why = NULL;
-                    bool sig = labels_settle(b, info, &why);
+                    char *verified = NULL;
+                    bool sig = labels_settle(b, info, &why, &verified);
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
                     /* Before agent_update takes info. */
                     provision(b, &pv, info);
-                    agent_update(b, kvEntry_Key(e), info, sig, why);
+                    agent_update(b, kvEntry_Key(e), info, sig, why,
+                                 verified);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -400,6 +439,7 @@ free_agent(const char *key, void *val, void *ud)
     (void)ud;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
+    free(a->attest_text);
     free(a);
 }
 
@@ -438,8 +478,9 @@ broker__agent_known(struct broker *b, const char *agent_id)
             return 0;
         }
         const char *why = NULL;
-        bool sig = labels_settle(b, info, &why);
-        agent_update(b, agent_id, info, sig, why);
+        char *verified = NULL;
+        bool sig = labels_settle(b, info, &why, &verified);
+        agent_update(b, agent_id, info, sig, why, verified);
         return 1;
     }
     return 0;
