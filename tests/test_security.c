@@ -1073,12 +1073,26 @@ END_TEST
  * here) an agent without one, or with a tampered bundle, gets none.
  */
 static struct fixture_stack ls;
+static char ls_policy[PATH_MAX];
 
 static void
 labels_up(void)
 {
+    /* lop: sh (with DBPASS) on env=prod agents only, true anywhere. */
+    const char *t = getenv("TMPDIR");
+    snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
+             t && t[0] ? t : "/tmp");
+    int fd = mkstemp(ls_policy);
+    FILE *f = fd == -1 ? NULL : fdopen(fd, "w");
+    if (!f)
+        exit(1);
+    fprintf(f, "{\"operators\": {\"lop\": [{\"agents\": {\"env\": "
+               "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
+               "{\"agents\": \"*\", "
+               "\"executables\": [\"true\"]}]}}\n");
+    fclose(f);
     if (fixture_stack_start_secure(&ls, "selfdecl", "env=prod", "lop",
-                                   NULL) != 0) {
+                                   ls_policy) != 0) {
         fixture_stack_stop(&ls);
         exit(1);
     }
@@ -1089,6 +1103,22 @@ labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
     fixture_stack_stop(&ls);
+    unlink(ls_policy);
+}
+
+/* `kscore exec --agent id -- argv...`: its exit status. */
+static int
+exec_on(const char *id, const char *a0, const char *a1, const char *a2)
+{
+    struct fixture_out o;
+    const char *args[] = {"exec", "--agent", id, "--", a0, a1, a2, NULL};
+    int st;
+    ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+    st = o.status;
+    if (st == 125)
+        ck_assert_msg(strstr(o.err, "denied"), "%s", o.err);
+    fixture_out_release(&o);
+    return st;
 }
 
 /* The `kscore agents --json` line of agent id (malloc'd), polled until it
@@ -1194,6 +1224,11 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
                       !strstr(o.err, "enrolled-aa"),
                   "%s%s", o.out, o.err);
     fixture_out_release(&o);
+    /* A label policy rule goes by the same labels: sh is for env=prod,
+     * which enrolled-aa only says it is. It stays reachable by id. */
+    ck_assert_int_eq(exec_on("enrolled-aa", "sh", "-c", "true"), 125);
+    ck_assert_int_eq(exec_on("enrolled-aa", "true", NULL, NULL), 0);
+    ck_assert_int_eq(exec_on("selfdecl", "sh", "-c", "true"), 0);
 
     /* --require-signed-labels: no attestation, no labels. */
     fixture_stack_broker_kill(&ls, SIGTERM);
@@ -1221,6 +1256,8 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
     line = agent_line("selfdecl", "\"labels\":{}", 10000);
     ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
     free(line);
+    ck_assert_int_eq(exec_on("selfdecl", "sh", "-c", "true"), 125);
+    ck_assert_int_eq(exec_on("selfdecl", "true", NULL, NULL), 0);
     line = agent_line("enrolled-aa", "\"env\":\"dev\"", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"dev\"") && !strstr(line, "prod"),
                   "%s", line);
