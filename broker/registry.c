@@ -71,25 +71,6 @@ drop_labels(Ks__EnvVar ***v, size_t *n)
     *n = 0;
 }
 
-/*
- * Decides info's labels, before anything looks at them. An agent writes
- * its own entry, so the labels it declares are its own say: with them one
- * agent's credential could take the commands and secrets meant for
- * another group (--select env=prod, label policy rules). What it cannot
- * make up is an attestation: this broker's signature over (its id, its
- * enrolment time, its labels), from `kscore agent enroll` (or from
- * broker_run for the in-process agents). When that verifies with our own
- * key for info's agent_id (the entry's key: entry_problem), info->labels
- * become exactly the attested ones and whatever else it declared is
- * dropped (not shown by `kscore agents`). When it is missing or does not
- * verify: under require_signed_labels the agent gets no labels at all
- * (still reachable by id), else its self-declared labels stand (a single
- * host, tests). A revoked agent's attestation stays valid as a signature,
- * but its NKey is gone, so it can write no entry to show it in.
- * true when the labels are attested; *why: NULL, or why not (static text)
- * when that deserves a log line; *verified: the attestation's text
- * (malloc'd, for agent_update's cache) when it is.
- */
 /* 1 when info's attestation is this broker's signature for its id; its
  * text goes to *text (malloc'd) for the cache. */
 static bool
@@ -120,6 +101,25 @@ attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
     return false;
 }
 
+/*
+ * Decides info's labels, before anything looks at them. An agent writes
+ * its own entry, so the labels it declares are its own say: with them one
+ * agent's credential could take the commands and secrets meant for
+ * another group (--select env=prod, label policy rules). What it cannot
+ * make up is an attestation: this broker's signature over (its id, its
+ * enrolment time, its labels), from `kscore agent enroll` (or from
+ * broker_run for the in-process agents). When that verifies with our own
+ * key for info's agent_id (the entry's key: entry_problem), info->labels
+ * become exactly the attested ones and whatever else it declared is
+ * dropped (not shown by `kscore agents`). When it is missing or does not
+ * verify: under require_signed_labels the agent gets no labels at all
+ * (still reachable by id), else its self-declared labels stand (a single
+ * host, tests). A revoked agent's attestation stays valid as a signature,
+ * but its NKey is gone, so it can write no entry to show it in.
+ * true when the labels are attested; *why: NULL, or why not (static text)
+ * when that deserves a log line; *verified: the attestation's text
+ * (malloc'd, for agent_update's cache) when it is.
+ */
 static bool
 labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
               char **verified)
@@ -149,7 +149,7 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
         *why = "it has no label attestation (kscore agent enroll): it gets "
                "no labels (--require-signed-labels)";
     }
-    /* Unverified: kept for nobody but the table of what it declared. */
+    /* Labels under a signature that does not hold mean nothing. */
     drop_labels(&info->attested_labels, &info->n_attested_labels);
     if (require)
         drop_labels(&info->labels, &info->n_labels);
