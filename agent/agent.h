@@ -290,6 +290,18 @@ struct agent_label {
     const char *key, *value;
 };
 
+/* The broker's signed attestation of one id's labels (events.h
+ * evt_labels_sign; a bundle's, or the broker's own for its in-process
+ * agents). The agent only passes it on in its registry entry: the broker
+ * verifies it and then uses exactly these labels. */
+struct agent_attestation {
+    const struct agent_label *labels;
+    size_t n_labels;
+    int64_t enrolled_at_us;
+    const uint8_t *sig; /* EVT_SIGNATURE_BYTES */
+    const char *key_id; /* NULL or "": any of the broker's keys */
+};
+
 struct agent_opts {
     const char *nats_url;
     struct evt_connect_opts nats;  /* credentials / TLS */
@@ -297,6 +309,10 @@ struct agent_opts {
     size_t n_ids;
     const struct agent_label *labels; /* for every id */
     size_t n_labels;
+    /* NULL, or n_ids entries (one per id; sig NULL: none for that id):
+     * the signature and key id are copied, the labels borrowed (they
+     * outlive the agent, as labels do). */
+    const struct agent_attestation *attestations;
     unsigned max_concurrent;       /* 0: agent_default_max_concurrent() */
     const char *state_dir;         /* NULL: no disk buffer of results */
     /* Keys whose signatures this agent accepts: at least one is required.

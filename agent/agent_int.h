@@ -22,6 +22,14 @@ struct agent_slot {
     char ack_prefix[32 + EVT_AGENT_ID_MAX];
     /* Core queue subscription to the consumer's deliver subject. */
     natsSubscription *sub, *cancel_sub;
+    /* The broker's attestation of this id's labels (agent_opts), sent in
+     * every heartbeat; has_attest false: none. Labels borrowed. */
+    bool has_attest;
+    const struct agent_label *attest_labels;
+    size_t n_attest_labels;
+    int64_t attest_at_us;
+    uint8_t attest_sig[EVT_SIGNATURE_BYTES];
+    char attest_key_id[EVT_KEY_ID_CHARS + 1];
 };
 
 struct outbox_item {

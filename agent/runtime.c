@@ -1101,14 +1101,44 @@ heartbeat_once(struct agent *a)
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
         slots_running(a, per_slot);
     for (size_t i = 0; i < a->n_slots; i++) {
+        const struct agent_slot *sl = &a->slots[i];
+        Ks__EnvVar *av = NULL, **ap = NULL;
         int one;
         info.agent_id = a->slots[i].id;
+        /* The broker's signature over this id's labels, passed on as is:
+         * the broker believes those labels, not ours. */
+        info.n_attested_labels = 0;
+        info.attested_labels = NULL;
+        info.labels_enrolled_at_us = 0;
+        info.labels_signature.data = NULL;
+        info.labels_signature.len = 0;
+        info.labels_key_id = (char *)"";
+        if (sl->has_attest) {
+            av = calloc(sl->n_attest_labels + 1, sizeof(*av));
+            ap = calloc(sl->n_attest_labels + 1, sizeof(*ap));
+            if (av && ap) {
+                for (size_t k = 0; k < sl->n_attest_labels; k++) {
+                    ks__env_var__init(&av[k]);
+                    av[k].name = (char *)sl->attest_labels[k].key;
+                    av[k].value = (char *)sl->attest_labels[k].value;
+                    ap[k] = &av[k];
+                }
+                info.attested_labels = ap;
+                info.n_attested_labels = sl->n_attest_labels;
+                info.labels_enrolled_at_us = sl->attest_at_us;
+                info.labels_signature.data = (uint8_t *)sl->attest_sig;
+                info.labels_signature.len = sizeof(sl->attest_sig);
+                info.labels_key_id = (char *)sl->attest_key_id;
+            }
+        }
         /* One process may serve several ids (--local-agents): each id
          * reports the commands it runs, not the whole process's. */
         if (per_slot)
             info.running = per_slot[i];
         one = evt_agent_put(a->nc, a->slots[i].identity, &info,
                             HEARTBEAT_TIMEOUT_MS);
+        free(av);
+        free(ap);
         if (one == 0)
             /* What the broker's liveness check sees: JetStream has it. */
             atomic_store(&a->last_contact_us, ks_mono_us());
@@ -1402,6 +1432,16 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         evt_cmd_subject(s->cmd_subject, sizeof(s->cmd_subject), s->id);
         snprintf(s->ack_prefix, sizeof(s->ack_prefix), "$JS.ACK.%s.%s.",
                  EVT_STREAM_CMDS, s->identity);
+        if (opts->attestations && opts->attestations[i].sig) {
+            const struct agent_attestation *at = &opts->attestations[i];
+            s->has_attest = true;
+            s->attest_labels = at->labels;
+            s->n_attest_labels = at->n_labels;
+            s->attest_at_us = at->enrolled_at_us;
+            memcpy(s->attest_sig, at->sig, EVT_SIGNATURE_BYTES);
+            snprintf(s->attest_key_id, sizeof(s->attest_key_id), "%s",
+                     at->key_id ? at->key_id : "");
+        }
     }
     /*
      * Registered (every id) before anything else: the broker creates the

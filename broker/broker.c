@@ -1394,8 +1394,11 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     /* In-process agents first: once the API answers, they are there. */
     if (opts->local_agents > 0) {
         char host[64], **ids;
-        struct agent_label lab = {"local", "true"};
+        /* static: the agent borrows its labels for its whole life */
+        static const struct agent_label lab = {"local", "true"};
         struct agent_opts ao = {0};
+        struct agent_attestation *att;
+        uint8_t(*sigs)[EVT_SIGNATURE_BYTES];
         gethostname(host, sizeof(host));
         host[sizeof(host) - 1] = '\0';
         for (char *p = host; *p; p++)
@@ -1415,7 +1418,25 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         ao.n_labels = 1;
         ao.state_dir = opts->state_dir;
         ao.trust = b.local_trust;
+        /* Their label is ours to give: attested like an enrolled agent's,
+         * so they keep it under --require-signed-labels. */
+        att = calloc(opts->local_agents, sizeof(*att));
+        sigs = calloc(opts->local_agents, sizeof(*sigs));
+        if (att && sigs && ids) {
+            Ks__EnvVar lv = KS__ENV_VAR__INIT, *lp = &lv;
+            int64_t now = ks_now_us();
+            lv.name = (char *)lab.key;
+            lv.value = (char *)lab.value;
+            for (unsigned i = 0; i < opts->local_agents; i++)
+                if (ids[i] && evt_labels_sign(b.signer, ids[i], now, &lp, 1,
+                                              sigs[i]) == 0)
+                    att[i] = (struct agent_attestation){
+                        &lab, 1, now, sigs[i], evt_signer_key_id(b.signer)};
+            ao.attestations = att;
+        }
         rc = agent_start(&ao, &b.local, errmsg);
+        free(att);
+        free(sigs);
         for (unsigned i = 0; ids && i < opts->local_agents; i++)
             free(ids[i]);
         free(ids);

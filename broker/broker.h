@@ -45,6 +45,12 @@ struct broker_opts {
     struct evt_connect_opts nats; /* credentials / TLS */
     const char *signing_key;      /* Ed25519 private key (PEM): required */
     const char *policy_file;      /* operator policy (JSON); NULL: none */
+    /* An agent without a valid label attestation (signed by this broker's
+     * key: kscore agent enroll) gets no labels at all, so --select and
+     * label policy rules never match it; false: its self-declared labels
+     * count (a single host). An attested agent gets exactly its attested
+     * labels either way. */
+    bool require_signed_labels;
 };
 
 /*

@@ -61,11 +61,109 @@ agent_needs_store(struct broker *b, const char *key, const Ks__AgentInfo *info)
     return store;
 }
 
-/* Takes info into the registry map (which owns it from here). */
 static void
-agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
+drop_labels(Ks__EnvVar ***v, size_t *n)
+{
+    for (size_t i = 0; i < *n; i++)
+        ks__env_var__free_unpacked((*v)[i], NULL);
+    free(*v);
+    *v = NULL;
+    *n = 0;
+}
+
+/* 1 when info's attestation is this broker's signature for its id; its
+ * text goes to *text (malloc'd) for the cache. */
+static bool
+attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
 {
     struct broker__agent *a;
+    size_t len = 0;
+    bool hit;
+
+    *text = NULL;
+    if (info->labels_signature.len != EVT_SIGNATURE_BYTES ||
+        evt_labels_text(info->agent_id, info->labels_enrolled_at_us,
+                        info->attested_labels, info->n_attested_labels, text,
+                        &len) != 0)
+        return false;
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, info->agent_id);
+    hit = a && a->attest_text && strcmp(a->attest_text, *text) == 0 &&
+          memcmp(a->attest_sig, info->labels_signature.data,
+                 EVT_SIGNATURE_BYTES) == 0;
+    pthread_mutex_unlock(&b->mu);
+    if (hit || evt_verify(b->local_trust, info->labels_key_id, *text, len,
+                          info->labels_signature.data,
+                          info->labels_signature.len) == 0)
+        return true;
+    free(*text);
+    *text = NULL;
+    return false;
+}
+
+/*
+ * Decides info's labels, before anything looks at them. An agent writes
+ * its own entry, so the labels it declares are its own say: with them one
+ * agent's credential could take the commands and secrets meant for
+ * another group (--select env=prod, label policy rules). What it cannot
+ * make up is an attestation: this broker's signature over (its id, its
+ * enrolment time, its labels), from `kscore agent enroll` (or from
+ * broker_run for the in-process agents). When that verifies with our own
+ * key for info's agent_id (the entry's key: entry_problem), info->labels
+ * become exactly the attested ones and whatever else it declared is
+ * dropped (not shown by `kscore agents`). When it is missing or does not
+ * verify: under require_signed_labels the agent gets no labels at all
+ * (still reachable by id), else its self-declared labels stand (a single
+ * host, tests). A revoked agent's attestation stays valid as a signature,
+ * but its NKey is gone, so it can write no entry to show it in.
+ * true when the labels are attested; *why: NULL, or why not (static text)
+ * when that deserves a log line; *verified: the attestation's text
+ * (malloc'd, for agent_update's cache) when it is.
+ */
+static bool
+labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
+              char **verified)
+{
+    bool require = b->opts && b->opts->require_signed_labels;
+
+    *why = NULL;
+    *verified = NULL;
+    if (info->labels_signature.len) {
+        if (attestation_valid(b, info, verified)) {
+            Ks__EnvVar **declared = info->labels;
+            size_t n_declared = info->n_labels;
+            info->labels = info->attested_labels;
+            info->n_labels = info->n_attested_labels;
+            info->attested_labels = declared;
+            info->n_attested_labels = n_declared;
+            drop_labels(&info->attested_labels, &info->n_attested_labels);
+            return true;
+        }
+        *why = require ? "its label attestation is not this broker's "
+                         "signature over its id and labels: it gets no "
+                         "labels (--require-signed-labels)"
+                       : "its label attestation is not this broker's "
+                         "signature over its id and labels: its "
+                         "self-declared labels are used";
+    } else if (require) {
+        *why = "it has no label attestation (kscore agent enroll): it gets "
+               "no labels (--require-signed-labels)";
+    }
+    /* Labels under a signature that does not hold mean nothing. */
+    drop_labels(&info->attested_labels, &info->n_attested_labels);
+    if (require)
+        drop_labels(&info->labels, &info->n_labels);
+    return false;
+}
+
+/* Takes info into the registry map (which owns it from here), with its
+ * labels decided by labels_settle. */
+static void
+agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
+             bool labels_signed, const char *why, char *verified)
+{
+    struct broker__agent *a;
+    bool warn = false;
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, key);
@@ -75,6 +173,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
             free(a);
             pthread_mutex_unlock(&b->mu);
             ks__agent_info__free_unpacked(info, NULL);
+            free(verified);
             return;
         }
         a->stored_mono_us = ks_mono_us();
@@ -83,7 +182,22 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info)
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
+    a->labels_signed = labels_signed;
+    /* What verified, for the next heartbeat to match (cache). */
+    if (verified)
+        memcpy(a->attest_sig, info->labels_signature.data,
+               EVT_SIGNATURE_BYTES);
+    free(a->attest_text);
+    a->attest_text = verified;
+    /* Once per agent (again after it had a valid one), not per
+     * heartbeat. */
+    warn = why && !a->unsigned_warned;
+    a->unsigned_warned = why != NULL;
     pthread_mutex_unlock(&b->mu);
+    if (warn)
+        ks_log(KS_LOG_WARN, "agent labels not attested",
+               KS_S("module", "registry"), KS_S("agent", key),
+               KS_S("error", why));
 }
 
 /* The projection write failed (PostgreSQL away): the next heartbeat
@@ -120,7 +234,8 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
         return "its agent_id is not its key";
     if (packed > AGENT_INFO_MAX_BYTES)
         return "larger than 8 KiB";
-    if (info->n_labels > AGENT_INFO_MAX_LABELS)
+    if (info->n_labels > AGENT_INFO_MAX_LABELS ||
+        info->n_attested_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
     return NULL;
 }
@@ -230,6 +345,7 @@ agent_forget(struct broker *b, struct provisioner *pv, const char *key)
     if (a) {
         if (a->info)
             ks__agent_info__free_unpacked(a->info, NULL);
+        free(a->attest_text);
         free(a);
         ks_log(KS_LOG_INFO,
                "agent left the registry (revoked): commands for it are "
@@ -273,12 +389,16 @@ registry_main(void *arg)
                 if (bad)
                     entry_refused(kvEntry_Key(e), bad);
                 if (!bad) {
+                    const char *why = NULL;
+                    char *verified = NULL;
+                    bool sig = labels_settle(b, info, &why, &verified);
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
                     /* Before agent_update takes info. */
                     provision(b, &pv, info);
-                    agent_update(b, kvEntry_Key(e), info);
+                    agent_update(b, kvEntry_Key(e), info, sig, why,
+                                 verified);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -319,6 +439,7 @@ free_agent(const char *key, void *val, void *ud)
     (void)ud;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
+    free(a->attest_text);
     free(a);
 }
 
@@ -356,7 +477,10 @@ broker__agent_known(struct broker *b, const char *agent_id)
             ks__agent_info__free_unpacked(info, NULL);
             return 0;
         }
-        agent_update(b, agent_id, info);
+        const char *why = NULL;
+        char *verified = NULL;
+        bool sig = labels_settle(b, info, &why, &verified);
+        agent_update(b, agent_id, info, sig, why, verified);
         return 1;
     }
     return 0;
@@ -390,6 +514,7 @@ add_status(const char *key, void *val, void *ud)
         return;
     }
     st->last_seen_us = a->info->heartbeat_at_us;
+    st->labels_signed = a->labels_signed;
     st->online =
         acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
     acc->v[acc->n++] = st;

@@ -252,6 +252,8 @@ void cli_conf_release(struct cli_conf *c);
 /* Sets *field, when no flag did, from the key's KSCORE_* variable, else
  * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */
 int cli_conf_str(struct cli_conf *c, const char *key, const char **field);
+/* A boolean key's value ("true", "yes", "1"; else false). */
+bool cli_conf_true(const char *v);
 /* Notes a decided value and where it came from ("flag", "KSCORE_X",
  * "FILE:LINE") for cli_conf_show. */
 void cli_conf_note(struct cli_conf *c, const char *key, const char *value,
@@ -327,7 +329,8 @@ bool cli_listen_differs(const struct cli_listen *given, char *now,
 int cli_listen_tls(const char *home, struct cli_listen *l,
                    const char *agent_user, const char *operator_name);
 /* Puts --tls-ca/--tls-cert/--tls-key (the broker's, agent 0, or the
- * local agent's, agent 1) at argv's first NULL (6 free slots needed). */
+ * local agent's, agent 1) at argv's first NULL (6 free slots needed;
+ * the broker's 7: it also gets --require-signed-labels). */
 void cli_listen_args(char **argv, const struct cli_listen *l, int agent);
 /* Appends the listen settings and the operator's TLS files to the env
  * file. 0 or -errno. */
@@ -352,6 +355,13 @@ struct cli_bundle {
     bool made_dir;
     char nkey_file[4300], trust_key[4300];
     char tls_ca[4300], tls_cert[4300], tls_key[4300]; /* "" when absent */
+    /* The broker's attestation of id and labels ([agent] enrolled_at_us,
+     * labels_signature, labels_key_id); has_attest false: none (a bundle
+     * from before attestations). */
+    bool has_attest;
+    int64_t enrolled_at_us;
+    uint8_t labels_sig[EVT_SIGNATURE_BYTES];
+    char labels_key_id[EVT_KEY_ID_CHARS + 1];
 };
 /* 0, or a negative code with why (one line) filled. */
 int cli_bundle_load(const char *path, const char *state_dir,

@@ -93,6 +93,10 @@ cmd_agents(int argc, char **argv)
             json_object_set_new(o, "max_concurrent",
                                 json_integer(in->max_concurrent));
             json_object_set_new(o, "labels", labels);
+            /* true: the broker's signed attestation's labels (kscore
+             * agent enroll); false: the agent's own say */
+            json_object_set_new(o, "labels_signed",
+                                json_boolean(st->labels_signed));
             json_object_set_new(o, "host", json_string(in->host));
             json_object_set_new(o, "version", json_string(in->version));
             json_object_set_new(o, "pid", json_integer(in->pid));

@@ -23,7 +23,7 @@
 #include "cli_int.h"
 
 enum conf_type { CT_STR, CT_UINT, CT_DUR, CT_LOGFMT, CT_LOGLVL, CT_LABEL,
-                 CT_ID };
+                 CT_ID, CT_BOOL };
 
 struct conf_key {
     const char *name;
@@ -53,6 +53,8 @@ static const struct conf_key conf_keys[] = {
     {"signing_key", "KSCORE_SIGNING_KEY", B, CT_STR, false, 0, 0},
     {"policy", "KSCORE_POLICY", B, CT_STR, false, 0, 0},
     {"local_agents", "KSCORE_LOCAL_AGENTS", B, CT_UINT, false, 0, 10000},
+    {"require_signed_labels", "KSCORE_REQUIRE_SIGNED_LABELS", B, CT_BOOL,
+     false, 0, 0},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
     {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},
@@ -63,6 +65,13 @@ static const struct conf_key conf_keys[] = {
 };
 #undef B
 #undef A
+
+bool
+cli_conf_true(const char *v)
+{
+    return strcmp(v, "true") == 0 || strcmp(v, "yes") == 0 ||
+           strcmp(v, "1") == 0;
+}
 
 static const struct conf_key *
 key_of(const char *name, unsigned service)
@@ -111,6 +120,11 @@ value_problem(const struct conf_key *k, const char *v)
     case CT_LOGLVL:
         return ks_log_level_parse(v, &l) ? "not debug, info, warn or error"
                                          : NULL;
+    case CT_BOOL:
+        return cli_conf_true(v) || strcmp(v, "false") == 0 ||
+                       strcmp(v, "no") == 0 || strcmp(v, "0") == 0
+                   ? NULL
+                   : "not true or false";
     case CT_LABEL: {
         const char *eq = strchr(v, '=');
         return eq && eq != v ? NULL : "not KEY=VALUE";

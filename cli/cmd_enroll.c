@@ -19,6 +19,9 @@
  *   [agent]
  *   id = web1
  *   label = env=prod            (repeatable)
+ *   enrolled_at_us = 1764550000000000
+ *   labels_signature = ...      (base64: the broker's signature over id,
+ *   labels_key_id = ...          enrolled_at_us and labels: evt_labels_sign)
  *   [nats]
  *   url = tls://10.0.0.1:4222   (repeatable; tried in order)
  *   nkey_seed = SU...
@@ -105,6 +108,30 @@ b64_decode(const char *b64)
     if (b64[n - 2] == '=')
         len--;
     out[len] = '\0';
+    return (char *)out;
+}
+
+/* Decodes base64 of exactly len bytes into out; out, or NULL when v is
+ * not that. */
+static char *
+b64_decode_bytes(const char *v, uint8_t *out, size_t len)
+{
+    unsigned char buf[128];
+    size_t n = strlen(v);
+    int got;
+
+    if (n == 0 || n % 4 || n / 4 * 3 > sizeof(buf))
+        return NULL;
+    got = EVP_DecodeBlock(buf, (const unsigned char *)v, (int)n);
+    if (got < 0)
+        return NULL;
+    if (v[n - 1] == '=')
+        got--;
+    if (v[n - 2] == '=')
+        got--;
+    if ((size_t)got != len)
+        return NULL;
+    memcpy(out, buf, len);
     return (char *)out;
 }
 
@@ -226,6 +253,25 @@ bundle_line(struct cli_bundle *b, struct bundle_read *r, char *line,
         }
         b->labels = nl;
         b->n_labels++;
+    } else if (IS("agent", "enrolled_at_us")) {
+        char *end;
+        b->enrolled_at_us = strtoll(v, &end, 10);
+        if (!v[0] || *end) {
+            snprintf(why, why_len, "bad enrolled_at_us '%.40s'", v);
+            return KS_EINVAL;
+        }
+    } else if (IS("agent", "labels_signature")) {
+        char *raw = strlen(v) == 4 * ((EVT_SIGNATURE_BYTES + 2) / 3)
+                        ? b64_decode_bytes(v, b->labels_sig,
+                                           sizeof(b->labels_sig))
+                        : NULL;
+        if (!raw) {
+            snprintf(why, why_len, "bad labels_signature");
+            return KS_EINVAL;
+        }
+        b->has_attest = true;
+    } else if (IS("agent", "labels_key_id")) {
+        snprintf(b->labels_key_id, sizeof(b->labels_key_id), "%s", v);
     } else if (IS("nats", "url")) {
         size_t have = b->urls ? strlen(b->urls) : 0;
         char *nu = realloc(b->urls, have + strlen(v) + 2);
@@ -415,12 +461,46 @@ static const char usage[] =
     "mode 0600): the NATS urls (--nats-url, repeatable; default the stack's\n"
     "url), the agent's seed, the CA certificate and a client certificate\n"
     "when the stack has a CA ($KSCORE_HOME/tls), the broker's public\n"
-    "signing key, the id and the labels. Copy it to the agent host and run\n"
-    "`kscore agent --bundle FILE` there. A running nats-server reloads its\n"
-    "users without a restart.\n"
+    "signing key, the id and the labels, signed with the broker's key (the\n"
+    "broker gives the agent those labels only). Copy it to the agent host,\n"
+    "run `kscore agent --bundle FILE` there, and delete it here: it is the\n"
+    "agent's secret. A running nats-server reloads its users without a\n"
+    "restart.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
     "for it are refused.\n";
+
+/* The broker's signature over id, at and the "K=V" labels
+ * (evt_labels_sign). 0 or a negative code. */
+static int
+sign_labels(const struct evt_signer *s, const char *id, int64_t at,
+            char *const *labels, size_t n, uint8_t sig[EVT_SIGNATURE_BYTES])
+{
+    Ks__EnvVar *v = calloc(n + 1, sizeof(*v));
+    Ks__EnvVar **p = calloc(n + 1, sizeof(*p));
+    char **keys = calloc(n + 1, sizeof(*keys));
+    int rc = -ENOMEM;
+
+    if (!v || !p || !keys)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        const char *eq = strchr(labels[i], '=');
+        ks__env_var__init(&v[i]);
+        if (!eq || !(keys[i] = strndup(labels[i], (size_t)(eq - labels[i]))))
+            goto out;
+        v[i].name = keys[i];
+        v[i].value = (char *)eq + 1;
+        p[i] = &v[i];
+    }
+    rc = evt_labels_sign(s, id, at, p, n, sig);
+out:
+    for (size_t i = 0; keys && i < n; i++)
+        free(keys[i]);
+    free(keys);
+    free(p);
+    free(v);
+    return rc;
+}
 
 /* Re-renders nats-auth.conf and reloads a running nats-server. */
 static int
@@ -463,6 +543,10 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
          *ca = NULL;
     struct stack_tls_paths tp;
     struct stack_identity sid;
+    struct evt_signer *signer = NULL;
+    uint8_t sig[EVT_SIGNATURE_BYTES];
+    char sig64[4 * ((EVT_SIGNATURE_BYTES + 2) / 3) + 1];
+    int64_t enrolled_at_us = ks_now_us();
     bool added = false, created = false;
     FILE *f = NULL;
     int fd = -1, rc, ret = CLI_EXIT_KSCORE;
@@ -512,6 +596,18 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
                 dir);
         goto out;
     }
+    /* The broker believes an agent's labels only with its own signature
+     * over them (broker/registry.c labels_settle): it is the one key that
+     * signs commands too, so the agent host needs nothing new to trust. */
+    snprintf(dir, sizeof(dir), "%s/keys/broker.key", home);
+    if ((rc = evt_signer_load(dir, &signer)) ||
+        (rc = sign_labels(signer, id, enrolled_at_us, labels, n_labels,
+                          sig))) {
+        cli_err("cannot sign agent %s's labels with the broker's key %s: %s",
+                id, dir, ks_strerror(rc));
+        goto out;
+    }
+    EVP_EncodeBlock((unsigned char *)sig64, sig, (int)sizeof(sig));
     stack_tls_paths(home, &tp);
     if ((ca = slurp(tp.ca_cert, 64 * 1024)) && !(ca64 = b64_encode(ca)))
         goto out;
@@ -559,6 +655,13 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
             id, cli_time(ks_now_us()), id);
     for (size_t i = 0; i < n_labels; i++)
         fprintf(f, "label = %s\n", labels[i]);
+    fprintf(f,
+            "# The broker's signature over id, labels and enrolled_at_us: "
+            "the broker\n# gives the agent these labels only (a changed "
+            "one voids it).\n"
+            "enrolled_at_us = %lld\nlabels_signature = %s\n"
+            "labels_key_id = %s\n",
+            (long long)enrolled_at_us, sig64, evt_signer_key_id(signer));
     fprintf(f, "\n[nats]\n");
     for (size_t i = 0; i < n_urls; i++)
         fprintf(f, "url = %s\n", urls[i]);
@@ -583,7 +686,7 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         if (m) {
             /* Absolute: `agent list` is read from anywhere. */
             char abs[PATH_MAX];
-            fprintf(m, "enrolled_at %s\nbundle %s\n", cli_time(ks_now_us()),
+            fprintf(m, "enrolled_at %s\nbundle %s\n", cli_time(enrolled_at_us),
                     realpath(out_path, abs) ? abs : out_path);
             for (size_t i = 0; i < n_labels; i++)
                 fprintf(m, "label %s\n", labels[i]);
@@ -597,7 +700,8 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
     printf("%s\n", out_path);
     fprintf(stderr,
             "kscore: agent %s enrolled (public key %s). Copy %s to its host "
-            "(it is secret) and run `kscore agent --bundle FILE` there.\n",
+            "(it is secret), run `kscore agent --bundle FILE` there, and "
+            "delete it here.\n",
             id, sid.nkey, out_path);
     ret = 0;
 out:
@@ -621,6 +725,7 @@ out:
         OPENSSL_cleanse(key, strlen(key));
     if (key64)
         OPENSSL_cleanse(key64, strlen(key64));
+    evt_signer_free(signer);
     free(env_url);
     free(trust);
     free(trust64);

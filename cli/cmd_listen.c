@@ -257,6 +257,10 @@ cli_listen_args(char **argv, const struct cli_listen *l, int agent)
         argv[i++] = "--tls-key";
         argv[i++] = (char *)(agent ? l->akey : l->bkey);
     }
+    /* Agents on other hosts: their labels count only when the broker
+     * signed them (kscore agent enroll). */
+    if (!agent)
+        argv[i++] = "--require-signed-labels";
 }
 
 static void

@@ -733,7 +733,8 @@ cmd_up(int argc, char **argv)
                          /* the host's own service config is not ours */
                          "--config", "/dev/null", NULL, NULL, NULL,
                          NULL,        NULL,             NULL,
-                         NULL,        NULL,             NULL};
+                         NULL,        NULL,             NULL,
+                         NULL,        NULL};
         if (metrics) {
             int bp = metrics_port(prev_bm);
             if (bp > 0) {
@@ -893,9 +894,11 @@ cmd_broker(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"require-signed-labels", no_argument, 0, 'R'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
+    const char *require_signed = NULL;
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
     bool show = false;
@@ -939,14 +942,21 @@ cmd_broker(int argc, char **argv)
         case 'M':
             metrics_listen = optarg;
             break;
+        case 'R':
+            require_signed = "true";
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
                    "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
+                   "[--require-signed-labels] "
                    "[--config FILE] [--log-format "
                    "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n"
+                   "--require-signed-labels: an agent whose labels the "
+                   "signing key did not sign (kscore agent enroll) gets no "
+                   "labels (use it for a fleet).\n"
                    "Settings: flags, then KSCORE_* variables, then the "
                    "config file (default " CLI_CONF_DIR "/broker.conf when "
                    "it exists; kscore.conf(5)).\n");
@@ -970,8 +980,10 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
         (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
         (rc = cli_conf_str(&cf, "metrics_listen", &metrics_listen)) ||
+        (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_log(&cf, log_format, log_level, "broker")))
         goto out;
+    o.require_signed_labels = require_signed && cli_conf_true(require_signed);
     if (local_agents) {
         o.local_agents = (unsigned)strtoul(local_agents, &end, 10);
         if (*end || !local_agents[0] || local_agents[0] == '-' ||
@@ -1068,6 +1080,8 @@ cmd_agent(int argc, char **argv)
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
     struct cli_bundle bundle = {0};
+    struct agent_attestation att = {0};
+    struct agent_label *att_labels = NULL;
     const char *bundle_file = NULL;
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
@@ -1339,6 +1353,38 @@ cmd_agent(int argc, char **argv)
                 }
             }
         }
+        /* The broker's attestation of the bundle's own labels, passed on
+         * as is: with it the broker gives this agent exactly those labels,
+         * so other ones (--label, KSCORE_LABELS, agent.conf) are only
+         * ours to see. The loop above split each "K=V" at its '='. */
+        if (bundle.has_attest && (att_labels = calloc(
+                                      bundle.n_labels + 1,
+                                      sizeof(*att_labels)))) {
+            for (size_t i = 0; i < bundle.n_labels; i++) {
+                att_labels[i].key = bundle.labels[i];
+                att_labels[i].value =
+                    bundle.labels[i] + strlen(bundle.labels[i]) + 1;
+            }
+            att.labels = att_labels;
+            att.n_labels = bundle.n_labels;
+            att.enrolled_at_us = bundle.enrolled_at_us;
+            att.sig = bundle.labels_sig;
+            att.key_id = bundle.labels_key_id;
+            o.attestations = &att;
+            for (size_t i = 0; i < o.n_labels; i++) {
+                bool attested = false;
+                for (size_t j = 0; j < att.n_labels && !attested; j++)
+                    attested = strcmp(labels[i].key, att_labels[j].key) == 0 &&
+                               strcmp(labels[i].value, att_labels[j].value) == 0;
+                if (!attested)
+                    ks_log(KS_LOG_WARN,
+                           "label not in the bundle: the broker ignores it "
+                           "(it gives an enrolled agent only the labels it "
+                           "signed; enrol it again to change them)",
+                           KS_S("label", labels[i].key),
+                           KS_S("value", labels[i].value));
+            }
+        }
         bool have = false;
         for (size_t i = 0; i < o.n_trust_keys; i++)
             have = have || strcmp(keys[i], bundle.trust_key) == 0;
@@ -1427,6 +1473,7 @@ cmd_agent(int argc, char **argv)
 out:
     evt_metrics_stop(ms);
     cli_bundle_release(&bundle);
+    free(att_labels);
     for (size_t i = 0; i < owned_label_keys; i++)
         free(label_keys[i]);
     free(label_keys);

@@ -242,6 +242,40 @@ int evt_verify(const struct evt_verifier *v, const char *key_id,
                const void *data, size_t len, const uint8_t *sig,
                size_t sig_len);
 
+/*
+ * Label attestations: the broker's signature over an agent's labels, so an
+ * agent cannot give itself labels (which pick the targets of --select and
+ * of policy rules, and so who gets which commands and secrets). `kscore
+ * agent enroll` signs (agent id, enrolment time, labels) with the broker's
+ * key and puts it in the bundle; the agent sends it in its registry entry
+ * (AgentInfo attested_labels..labels_key_id); the broker verifies it with
+ * its own key and then uses exactly those labels (broker/registry.c).
+ *
+ * The signed text is canonical and unambiguous: a fixed first line (so it
+ * is never the packed Command a command signature covers), then
+ * "agent LEN:ID", "enrolled_at_us N" and one "label LEN:KEY LEN:VALUE" per
+ * label sorted by key then value (byte order), each line ending '\n'. The
+ * lengths keep a '=' or a newline in a key or value from moving the
+ * boundary between two labels.
+ *
+ * evt_labels_text: the text (malloc'd, NUL-ended; *len without the NUL).
+ * 0 or -ENOMEM. evt_labels_sign: sig over it (0 or KS_EINTERNAL).
+ * evt_labels_verify: 0 when sig is a trusted key's (key_id as in
+ * evt_verify) over the text of exactly these fields, else KS_EREJECTED.
+ * Any thread.
+ */
+#define EVT_LABELS_ATTEST_HEADER "kscore agent labels v1\n"
+int evt_labels_text(const char *agent_id, int64_t enrolled_at_us,
+                    Ks__EnvVar *const *labels, size_t n, char **out,
+                    size_t *len);
+int evt_labels_sign(const struct evt_signer *s, const char *agent_id,
+                    int64_t enrolled_at_us, Ks__EnvVar *const *labels,
+                    size_t n, uint8_t sig[EVT_SIGNATURE_BYTES]);
+int evt_labels_verify(const struct evt_verifier *v, const char *key_id,
+                      const char *agent_id, int64_t enrolled_at_us,
+                      Ks__EnvVar *const *labels, size_t n, const uint8_t *sig,
+                      size_t sig_len);
+
 /* ---- sealed values (X25519, HKDF-SHA256, ChaCha20-Poly1305; seal.c) ------ */
 
 /*

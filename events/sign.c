@@ -264,3 +264,82 @@ evt__sign_command(const struct evt_signer *s, const Ks__Command *cmd,
     free(inner);
     return rc;
 }
+
+/* ---- label attestations (events.h evt_labels_*) -------------------------- */
+
+static int
+cmp_label(const void *x, const void *y)
+{
+    const Ks__EnvVar *a = *(Ks__EnvVar *const *)x;
+    const Ks__EnvVar *b = *(Ks__EnvVar *const *)y;
+    int c = strcmp(a->name ? a->name : "", b->name ? b->name : "");
+    return c ? c : strcmp(a->value ? a->value : "", b->value ? b->value : "");
+}
+
+int
+evt_labels_text(const char *agent_id, int64_t enrolled_at_us,
+                Ks__EnvVar *const *labels, size_t n, char **out, size_t *len)
+{
+    Ks__EnvVar **sorted = calloc(n + 1, sizeof(*sorted));
+    char *buf = NULL;
+    size_t size = 0;
+    FILE *f;
+
+    if (!sorted)
+        return -ENOMEM;
+    if (n)
+        memcpy(sorted, labels, n * sizeof(*sorted));
+    qsort(sorted, n, sizeof(*sorted), cmp_label);
+    if (!(f = open_memstream(&buf, &size))) {
+        free(sorted);
+        return -ENOMEM;
+    }
+    fprintf(f, EVT_LABELS_ATTEST_HEADER "agent %zu:%s\nenrolled_at_us %lld\n",
+            strlen(agent_id), agent_id, (long long)enrolled_at_us);
+    for (size_t i = 0; i < n; i++) {
+        const char *k = sorted[i]->name ? sorted[i]->name : "";
+        const char *v = sorted[i]->value ? sorted[i]->value : "";
+        fprintf(f, "label %zu:%s %zu:%s\n", strlen(k), k, strlen(v), v);
+    }
+    free(sorted);
+    if (fclose(f) != 0 || !buf) {
+        free(buf);
+        return -ENOMEM;
+    }
+    *out = buf;
+    *len = size;
+    return 0;
+}
+
+int
+evt_labels_sign(const struct evt_signer *s, const char *agent_id,
+                int64_t enrolled_at_us, Ks__EnvVar *const *labels, size_t n,
+                uint8_t sig[EVT_SIGNATURE_BYTES])
+{
+    char *text = NULL;
+    size_t len = 0;
+    int rc = evt_labels_text(agent_id, enrolled_at_us, labels, n, &text, &len);
+    if (rc == 0)
+        rc = evt_sign(s, text, len, sig);
+    free(text);
+    return rc;
+}
+
+int
+evt_labels_verify(const struct evt_verifier *v, const char *key_id,
+                  const char *agent_id, int64_t enrolled_at_us,
+                  Ks__EnvVar *const *labels, size_t n, const uint8_t *sig,
+                  size_t sig_len)
+{
+    char *text = NULL;
+    size_t len = 0;
+    int rc;
+
+    if (!agent_id || !sig || sig_len != EVT_SIGNATURE_BYTES)
+        return KS_EREJECTED;
+    if (evt_labels_text(agent_id, enrolled_at_us, labels, n, &text, &len))
+        return KS_EREJECTED;
+    rc = evt_verify(v, key_id, text, len, sig, sig_len);
+    free(text);
+    return rc ? KS_EREJECTED : 0;
+}

@@ -302,6 +302,57 @@ log_wait(const char *path, const char *needle, int timeout_ms)
     }
 }
 
+/* The `kscore agents --json` line of agent id (malloc'd), polled until it
+ * holds want (NULL: any), or the last one seen ("" for none). */
+static char *
+agent_line(const char *id, const char *want, int timeout_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    char pat[128], *line = NULL;
+
+    snprintf(pat, sizeof(pat), "\"agent_id\":\"%s\"", id);
+    for (;;) {
+        struct fixture_out o;
+        ks(&o, (const char *[]){"agents", "--json", NULL});
+        free(line);
+        line = NULL;
+        for (char *l = strtok(o.out, "\n"); l; l = strtok(NULL, "\n"))
+            if (strstr(l, pat))
+                line = strdup(l);
+        fixture_out_release(&o);
+        if ((line && (!want || strstr(line, want))) ||
+            ks_mono_us() > deadline)
+            return line ? line : strdup("");
+        nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+    }
+}
+
+/* Restarts daemon `name` as `ip netns exec ns kscore agent --bundle
+ * bundle --state-dir state [extra...]` and waits for id's heartbeat. */
+static void
+agent_restart(const char *name, const char *ns, const char *id,
+              const char *bundle, const char *state, const char *extra[],
+              const char *url, const struct evt_connect_opts *co)
+{
+    char *argv[16] = {(char *)ip_bin(), "netns",        "exec",
+                      (char *)ns,       getenv("KSCORE_BIN"), "agent",
+                      "--bundle",       (char *)bundle, "--state-dir",
+                      (char *)state};
+    size_t n = 10;
+    int64_t since;
+    pid_t pid;
+
+    for (size_t i = 0; extra && extra[i] && n < 15; i++)
+        argv[n++] = (char *)extra[i];
+    argv[n] = NULL;
+    stack_stop(home, name, 10000);
+    since = ks_now_us();
+    ck_assert_int_eq(stack_daemon(home, name, argv, &pid), 0);
+    ck_assert_msg(broker_wait_agent(url, co, id, since, 30000) == 0,
+                  "agent %s did not register again (see %s/%s.log)", id, home,
+                  name);
+}
+
 /* ---- the test --------------------------------------------------------------- */
 
 START_TEST(fleet_over_tls_in_namespaces)
@@ -381,6 +432,8 @@ START_TEST(fleet_over_tls_in_namespaces)
                          signing_key, "--nkey",     broker_seed,
                          "--tls-ca",  tp.ca_cert,   "--tls-cert",
                          bcert,       "--tls-key",  bkey,
+                         /* as `kscore up --listen` runs it */
+                         "--require-signed-labels",
                          NULL};
         ck_assert_int_eq(stack_daemon(home, "broker", bargv, &pid), 0);
         struct evt_connect_opts co = {.name = "fleet-wait",
@@ -492,6 +545,74 @@ START_TEST(fleet_over_tls_in_namespaces)
                       !strstr(o.out, "fleet3"),
                   "%s", o.out);
     fixture_out_release(&o);
+
+    /* ---- labels: only those the broker signed at enrolment --------------- */
+    {
+        struct evt_connect_opts co = {.name = "fleet-wait",
+                                      .nkey_file = broker_seed,
+                                      .tls_ca = tp.ca_cert,
+                                      .tls_cert = bcert,
+                                      .tls_key = bkey};
+        char ns[48], state[PATH_MAX + 64], tampered[PATH_MAX + 32], *line;
+
+        line = agent_line("fleet1", "\"zone\":\"a\"", 10000);
+        ck_assert_msg(strstr(line, "\"labels_signed\":true"), "%s", line);
+        free(line);
+        /* fleet1 (zone=a) says it is prod and in zone b: the broker keeps
+         * what it signed. */
+        snprintf(ns, sizeof(ns), "%sn1", tag);
+        snprintf(state, sizeof(state), "%s/state-fleet1", home);
+        agent_restart("agent1", ns, "fleet1", bundle[0], state,
+                      (const char *[]){"--label", "env=prod", "--label",
+                                       "zone=b", NULL},
+                      url, &co);
+        line = agent_line("fleet1", NULL, 0);
+        ck_assert_msg(strstr(line, "\"zone\":\"a\"") &&
+                          !strstr(line, "prod") &&
+                          !strstr(line, "\"zone\":\"b\""),
+                      "%s", line);
+        free(line);
+        setenv("DBPASS", "prod-secret-4711", 1);
+        ck_assert_int_ne(ks(&o, (const char *[]){"batch", "--select",
+                                                 "env=prod", "--secret-env",
+                                                 "DBPASS", "--json", "--",
+                                                 "sh", "-c",
+                                                 "echo \"$DBPASS\"", NULL}),
+                         0);
+        unsetenv("DBPASS");
+        ck_assert_msg(!strstr(o.out, "fleet1") && !strstr(o.out, "prod-secret"),
+                      "%s%s", o.out, o.err);
+        fixture_out_release(&o);
+        /* fleet2's bundle with its label changed: the signature fails,
+         * and under --require-signed-labels it gets no labels at all. */
+        snprintf(tampered, sizeof(tampered), "%s/fleet2-tampered.bundle",
+                 home);
+        FILE *in = fopen(bundle[1], "re"), *out = fopen(tampered, "we");
+        char l[16384];
+        ck_assert(in && out);
+        while (fgets(l, sizeof(l), in))
+            fputs(strcmp(l, "label = zone=a\n") == 0 ? "label = zone=b\n" : l,
+                  out);
+        fclose(in);
+        fclose(out);
+        chmod(tampered, 0600);
+        snprintf(ns, sizeof(ns), "%sn2", tag);
+        snprintf(state, sizeof(state), "%s/state-fleet2", home);
+        agent_restart("agent2", ns, "fleet2", tampered, state, NULL, url, &co);
+        line = agent_line("fleet2", "\"labels\":{}", 10000);
+        ck_assert_msg(strstr(line, "\"labels\":{}") &&
+                          strstr(line, "\"labels_signed\":false"),
+                      "%s", line);
+        free(line);
+        ck_assert_int_eq(ks(&o, (const char *[]){"batch", "--select",
+                                                 "zone=b", "--json", "--",
+                                                 "true", NULL}),
+                         0);
+        ck_assert_msg(strstr(o.out, "fleet3") && !strstr(o.out, "fleet1") &&
+                          !strstr(o.out, "fleet2"),
+                      "%s", o.out);
+        fixture_out_release(&o);
+    }
 
     /* ---- revoke fleet3 while it runs a command ---------------------------- */
     ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "fleet3",
@@ -764,6 +885,27 @@ START_TEST(up_listen_serves_a_remote_agent)
                                              "true", NULL}),
                      0);
     fixture_out_release(&o);
+    /* Its labels are the signed ones, and the broker requires them. */
+    {
+        char *line = agent_line("r1", "\"site\":\"ns\"", 10000);
+        ck_assert_msg(strstr(line, "\"site\":\"ns\"") &&
+                          strstr(line, "\"labels_signed\":true"),
+                      "%s", line);
+        free(line);
+        pid_t bpid = 0;
+        char cl[64], args[8192] = "";
+        ck_assert(stack_pidfile_alive(home, "broker", &bpid));
+        snprintf(cl, sizeof(cl), "/proc/%d/cmdline", (int)bpid);
+        FILE *f = fopen(cl, "re");
+        ck_assert_ptr_nonnull(f);
+        size_t n = fread(args, 1, sizeof(args) - 1, f);
+        fclose(f);
+        bool req = false;
+        for (size_t i = 0; i < n; i += strlen(args + i) + 1)
+            req = req || strcmp(args + i, "--require-signed-labels") == 0;
+        ck_assert_msg(req, "kscore up --listen's broker runs without "
+                           "--require-signed-labels");
+    }
     /* Mutual TLS: the broker's NKey without a certificate is not let in. */
     struct evt_connect_opts nocert = {.name = "no-cert",
                                       .nkey_file = seed,

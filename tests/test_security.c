@@ -1060,6 +1060,258 @@ START_TEST(agent_works_with_its_own_rights_only)
 }
 END_TEST
 
+/* ---- labels: only what the broker signed (its own stack) --------------- */
+
+/*
+ * An agent's labels pick who gets a batch, a --secret-env value and what
+ * a label policy rule grants; the agent writes its own registry entry, so
+ * a label it merely says it has must not count. Here, on loopback: an
+ * enrolled agent ("enrolled-aa", env=dev in its bundle) runs with an
+ * extra --label env=prod, next to an agent that was never enrolled and
+ * says env=prod ("selfdecl"). A valid attestation gives exactly its
+ * labels; under --require-signed-labels (KSCORE_REQUIRE_SIGNED_LABELS,
+ * here) an agent without one, or with a tampered bundle, gets none.
+ */
+static struct fixture_stack ls;
+static char ls_policy[PATH_MAX];
+
+static void
+labels_up(void)
+{
+    /* lop: sh (with DBPASS) on env=prod agents only, true anywhere. */
+    const char *t = getenv("TMPDIR");
+    snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
+             t && t[0] ? t : "/tmp");
+    int fd = mkstemp(ls_policy);
+    FILE *f = fd == -1 ? NULL : fdopen(fd, "w");
+    if (!f)
+        exit(1);
+    fprintf(f, "{\"operators\": {\"lop\": [{\"agents\": {\"env\": "
+               "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
+               "{\"agents\": \"*\", "
+               "\"executables\": [\"true\"]}]}}\n");
+    fclose(f);
+    if (fixture_stack_start_secure(&ls, "selfdecl", "env=prod", "lop",
+                                   ls_policy) != 0) {
+        fixture_stack_stop(&ls);
+        exit(1);
+    }
+}
+
+static void
+labels_down(void)
+{
+    stack_stop(ls.dir, "aa", 10000);
+    fixture_stack_stop(&ls);
+    unlink(ls_policy);
+}
+
+/* `kscore exec --agent id -- argv...`: its exit status. */
+static int
+exec_on(const char *id, const char *a0, const char *a1, const char *a2)
+{
+    struct fixture_out o;
+    const char *args[] = {"exec", "--agent", id, "--", a0, a1, a2, NULL};
+    int st;
+    ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+    st = o.status;
+    if (st == 125)
+        ck_assert_msg(strstr(o.err, "denied"), "%s", o.err);
+    fixture_out_release(&o);
+    return st;
+}
+
+/* The `kscore agents --json` line of agent id (malloc'd), polled until it
+ * holds want (NULL: any), or the last one seen. */
+static char *
+agent_line(const char *id, const char *want, int timeout_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    char pat[128], *line = NULL;
+
+    snprintf(pat, sizeof(pat), "\"agent_id\":\"%s\"", id);
+    for (;;) {
+        struct fixture_out o;
+        const char *args[] = {"agents", "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        free(line);
+        line = NULL;
+        for (char *l = strtok(o.out, "\n"); l; l = strtok(NULL, "\n"))
+            if (strstr(l, pat))
+                line = strdup(l);
+        fixture_out_release(&o);
+        if ((line && (!want || strstr(line, want))) ||
+            ks_mono_us() > deadline)
+            return line ? line : strdup("");
+        nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+    }
+}
+
+/* `kscore batch --select env=prod --secret-env DBPASS`: its output. */
+static void
+batch_prod(struct fixture_out *o)
+{
+    const char *args[] = {"batch", "--select", "env=prod", "--json",
+                          "--secret-env", "DBPASS", "--", "sh", "-c",
+                          "echo \"pass=$DBPASS\"", NULL};
+    setenv("DBPASS", "prod-secret-4711", 1);
+    ck_assert_int_eq(fixture_kscore(&ls, args, o), 0);
+    unsetenv("DBPASS");
+}
+
+static void
+start_bundle_agent(const char *bundle, int64_t since)
+{
+    char state[PATH_MAX + 32];
+    pid_t pid;
+    snprintf(state, sizeof(state), "%s/aa-state", ls.dir);
+    char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                    (char *)bundle, "--state-dir", state, "--label",
+                    "env=prod", NULL};
+    ck_assert_int_eq(stack_daemon(ls.dir, "aa", argv, &pid), 0);
+    ck_assert_msg(fixture_stack_wait_agent(&ls, "enrolled-aa", since,
+                                           30000) == 0,
+                  "enrolled-aa did not register (see %s/aa.log)", ls.dir);
+}
+
+START_TEST(agents_get_only_the_labels_the_broker_signed)
+{
+    char keys[PATH_MAX + 16], p[PATH_MAX + 64], bundle[PATH_MAX + 32],
+        tampered[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+
+    /* The fixture's dir is a $KSCORE_HOME (identities, keys/) whose
+     * signing key lies beside keys/: where enroll looks for it. */
+    snprintf(keys, sizeof(keys), "%s/keys", ls.dir);
+    mkdir(keys, 0700);
+    snprintf(p, sizeof(p), "%s/broker.key", keys);
+    ck_assert_int_eq(symlink(ls.signing_key, p), 0);
+    snprintf(p, sizeof(p), "%s/broker.pub", keys);
+    ck_assert_int_eq(symlink(ls.trust_key, p), 0);
+    snprintf(bundle, sizeof(bundle), "%s/aa.bundle", ls.dir);
+    {
+        const char *args[] = {"agent", "enroll",    "enrolled-aa", "--label",
+                              "env=dev", "--out",   bundle,        "--nats-url",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+    since = ks_now_us();
+    start_bundle_agent(bundle, since);
+
+    /* Its attested labels, and nothing it added. */
+    line = agent_line("enrolled-aa", "\"env\":\"dev\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"dev\"") &&
+                      !strstr(line, "prod") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    /* Without --require-signed-labels an agent that was never enrolled
+     * still has the labels it says (a single host). */
+    line = agent_line("selfdecl", "\"env\":\"prod\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
+                      strstr(line, "\"labels_signed\":false"),
+                  "%s", line);
+    free(line);
+    /* The prod batch and its secret go to selfdecl only. */
+    batch_prod(&o);
+    ck_assert_msg(o.status == 0, "batch: %d %s%s", o.status, o.out, o.err);
+    ck_assert_msg(strstr(o.out, "selfdecl") && !strstr(o.out, "enrolled-aa") &&
+                      !strstr(o.err, "enrolled-aa"),
+                  "%s%s", o.out, o.err);
+    fixture_out_release(&o);
+    /* A label policy rule goes by the same labels: sh is for env=prod,
+     * which enrolled-aa only says it is. It stays reachable by id. */
+    ck_assert_int_eq(exec_on("enrolled-aa", "sh", "-c", "true"), 125);
+    ck_assert_int_eq(exec_on("enrolled-aa", "true", NULL, NULL), 0);
+    ck_assert_int_eq(exec_on("selfdecl", "sh", "-c", "true"), 0);
+
+    /* --require-signed-labels: no attestation, no labels. */
+    fixture_stack_broker_kill(&ls, SIGTERM);
+    setenv("KSCORE_REQUIRE_SIGNED_LABELS", "true", 1);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    /* Its in-process agents keep local=true: the broker signs it. */
+    {
+        char host[64], id[96];
+        gethostname(host, sizeof(host));
+        host[sizeof(host) - 1] = '\0';
+        host[strcspn(host, ".")] = '\0';
+        snprintf(id, sizeof(id), "%s-1", host);
+        line = agent_line(id, "\"local\":\"true\"", 10000);
+        ck_assert_msg(strstr(line, "\"local\":\"true\"") &&
+                          strstr(line, "\"labels_signed\":true"),
+                      "%s", line);
+        free(line);
+    }
+    since = ks_now_us();
+    ck_assert_int_eq(fixture_stack_wait_agent(&ls, "selfdecl", since, 30000),
+                     0);
+    ck_assert_int_eq(
+        fixture_stack_wait_agent(&ls, "enrolled-aa", since, 30000), 0);
+    line = agent_line("selfdecl", "\"labels\":{}", 10000);
+    ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
+    free(line);
+    ck_assert_int_eq(exec_on("selfdecl", "sh", "-c", "true"), 125);
+    ck_assert_int_eq(exec_on("selfdecl", "true", NULL, NULL), 0);
+    line = agent_line("enrolled-aa", "\"env\":\"dev\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"dev\"") && !strstr(line, "prod"),
+                  "%s", line);
+    free(line);
+    batch_prod(&o);
+    ck_assert_msg(o.status != 0 && !strstr(o.out, "selfdecl") &&
+                      !strstr(o.out, "enrolled-aa") &&
+                      !strstr(o.out, "prod-secret"),
+                  "batch: %d %s%s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    snprintf(p, sizeof(p), "%s/broker.log", ls.dir);
+    {
+        FILE *f = fopen(p, "re");
+        char l[2048];
+        bool warned = false;
+        while (f && fgets(l, sizeof(l), f))
+            warned = warned || (strstr(l, "not attested") &&
+                                strstr(l, "selfdecl"));
+        if (f)
+            fclose(f);
+        ck_assert_msg(warned, "no warning about selfdecl in %s", p);
+    }
+
+    /* A bundle whose label was changed: the signature no longer holds,
+     * so the agent gets no labels at all. */
+    snprintf(tampered, sizeof(tampered), "%s/aa-tampered.bundle", ls.dir);
+    {
+        FILE *in = fopen(bundle, "re"), *out = fopen(tampered, "we");
+        char l[16384];
+        ck_assert(in && out);
+        while (fgets(l, sizeof(l), in))
+            fputs(strcmp(l, "label = env=dev\n") == 0 ? "label = env=prod\n"
+                                                     : l,
+                  out);
+        fclose(in);
+        fclose(out);
+        chmod(tampered, 0600);
+    }
+    stack_stop(ls.dir, "aa", 10000);
+    since = ks_now_us();
+    start_bundle_agent(tampered, since);
+    line = agent_line("enrolled-aa", "\"labels\":{}", 10000);
+    ck_assert_msg(strstr(line, "\"labels\":{}") &&
+                      strstr(line, "\"labels_signed\":false"),
+                  "%s", line);
+    free(line);
+    batch_prod(&o);
+    ck_assert_msg(o.status != 0 && !strstr(o.out, "enrolled-aa"),
+                  "batch: %d %s%s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    stack_stop(ls.dir, "aa", 10000);
+}
+END_TEST
+
 static Suite *
 security_suite(void)
 {
@@ -1079,6 +1331,12 @@ security_suite(void)
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
     /* Last: it adds a user and reloads the server's users. */
     tcase_add_test(tc, operator_reads_only_its_own_inbox);
+    suite_add_tcase(s, tc);
+    /* Its own stack: it restarts the broker. */
+    tc = tcase_create("signed-labels");
+    tcase_add_unchecked_fixture(tc, labels_up, labels_down);
+    tcase_set_timeout(tc, 180);
+    tcase_add_test(tc, agents_get_only_the_labels_the_broker_signed);
     suite_add_tcase(s, tc);
     return s;
 }
