@@ -11,8 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -541,6 +543,91 @@ START_TEST(stack_unit_commands_start_reload_and_stop_the_stack)
 }
 END_TEST
 
+/* Writes "<pid>\n" + what followed the first line of path. */
+static void
+repoint_pidfile(const char *path, pid_t pid)
+{
+    char *s = slurp(path);
+    char *rest = strchr(s, '\n');
+    FILE *f = fopen(path, "we");
+    ck_assert_msg(f != NULL, "%s: %s", path, strerror(errno));
+    fprintf(f, "%d\n%s", (int)pid, rest ? rest + 1 : "");
+    ck_assert_int_eq(fclose(f), 0);
+    free(s);
+}
+
+/* Power loss, then a reboot: no `down` ran, so every pid file is still
+ * there, and the new boot gave some of those pids to other processes.
+ * `up` (the unit's ExecStart at boot) must start every part, not take
+ * the stranger for nats-server or PostgreSQL (nor SIGHUP it through
+ * pg_ctl reload), and `down` must never signal it. */
+START_TEST(pid_files_of_another_boot_are_forgotten)
+{
+    static const char *const parts[] = {"agent", "broker", "nats"};
+    char path[PATH_MAX + 64];
+    ks_ok((const char *[]){"up", NULL});
+    pid_t pg = pid_of("pg");
+    for (size_t i = 0; i < 3; i++)
+        kill_and_wait(pid_of(parts[i]));
+    ck_assert_int_eq(kill(pg, SIGKILL), 0);
+    /* Gone, as after a reboot (not a zombie init has yet to reap). */
+    for (int i = 0; i < 1000 && kill(pg, 0) == 0; i++) {
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+
+    /* The stranger: a process of the new boot with an old part's pid. */
+    pid_t stranger = fork();
+    ck_assert_int_ge(stranger, 0);
+    if (stranger == 0) {
+        /* gone with this test's process, however it ends */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        execl("/bin/sleep", "sleep", "600", (char *)NULL);
+        _exit(127);
+    }
+    snprintf(path, sizeof(path), "%s/nats.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg/postmaster.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg.port", home);
+    char *port = slurp(path);
+    snprintf(path, sizeof(path), "%s/pgsock/.s.PGSQL.%d.lock", home,
+             atoi(port));
+    free(port);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/boot_id", home);
+    FILE *f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "00000000-0000-4000-8000-000000000000\n");
+    ck_assert_int_eq(fclose(f), 0);
+
+    ks_ok((const char *[]){"up", NULL});
+    ck_assert_int_ne(pid_of("nats"), stranger);
+    ck_assert_int_ne(pid_of("pg"), stranger);
+    exec_echo("rebooted");
+    ck_assert_int_eq(waitpid(stranger, NULL, WNOHANG), 0);
+
+    /* The same with `down` (e.g. `systemctl stop` of a unit that ran). */
+    ks_ok((const char *[]){"down", NULL});
+    snprintf(path, sizeof(path), "%s/broker.pid", home);
+    f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "%d\n", (int)stranger);
+    ck_assert_int_eq(fclose(f), 0);
+    snprintf(path, sizeof(path), "%s/boot_id", home);
+    f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "00000000-0000-4000-8000-000000000000\n");
+    ck_assert_int_eq(fclose(f), 0);
+    ks_ok((const char *[]){"down", NULL});
+    ck_assert_int_eq(waitpid(stranger, NULL, WNOHANG), 0);
+    kill(stranger, SIGKILL);
+    waitpid(stranger, NULL, 0);
+}
+END_TEST
+
 static Suite *
 stack_up_suite(void)
 {
@@ -554,6 +641,7 @@ stack_up_suite(void)
     tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
     tcase_add_test(tc, status_reports_remote_agents);
     tcase_add_test(tc, stack_unit_commands_start_reload_and_stop_the_stack);
+    tcase_add_test(tc, pid_files_of_another_boot_are_forgotten);
     suite_add_tcase(s, tc);
     return s;
 }
