@@ -508,6 +508,9 @@ cmd_up(int argc, char **argv)
         cli_err("cannot find my own executable");
         return CLI_EXIT_KSCORE;
     }
+    /* After a reboot without `down` (power loss), the pid files name
+     * processes that are gone, or other processes by now. */
+    stack_forget_other_boot(home);
     int alive = 0;
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
         alive += stack_pidfile_alive(home, parts[i], NULL);
@@ -563,6 +566,7 @@ cmd_up(int argc, char **argv)
         cli_err("cannot create %s: %s", home, ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
+    stack_forget_other_boot(home); /* records this boot in a new home */
     local_agent_id(agent_id, sizeof(agent_id));
     char keydir[4200], signing_key[4300], trust_key[4300];
     snprintf(keydir, sizeof(keydir), "%s/keys", home);
@@ -856,6 +860,8 @@ cmd_down(int argc, char **argv)
                home);
         return strcmp(argv[1], "--help") == 0 ? 0 : CLI_EXIT_USAGE;
     }
+    /* Never a signal to a pid of another boot (another process now). */
+    stack_forget_other_boot(home);
     /* Agent first, so its running commands end and report while the
      * broker and the servers are still there. */
     int prc;

@@ -2,6 +2,7 @@
  * stack_pg.c. */
 #include "stack.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <arpa/inet.h>
@@ -166,6 +167,75 @@ int
 stack_pid_alive(pid_t pid)
 {
     return pid_alive(pid);
+}
+
+/* The first line of path (up to cap - 1 bytes, no newline) into buf. */
+static int
+read_line(const char *path, char *buf, size_t cap)
+{
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return -errno;
+    int ok = fgets(buf, (int)cap, f) != NULL;
+    fclose(f);
+    if (!ok)
+        return KS_ENOTFOUND;
+    buf[strcspn(buf, "\n")] = '\0';
+    return 0;
+}
+
+int
+stack_forget_other_boot(const char *dir)
+{
+    static const char *const pidfiles[] = {"nats.pid", "pg.pid", "broker.pid",
+                                           "agent.pid", "pg/postmaster.pid"};
+    char now[64], was[64], path[4200];
+    struct stat st;
+    int rc;
+
+    if (stat(dir, &st) == -1 || !S_ISDIR(st.st_mode))
+        return 0;
+    if ((rc = read_line("/proc/sys/kernel/random/boot_id", now,
+                        sizeof(now))) < 0)
+        return rc;
+    snprintf(path, sizeof(path), "%s/boot_id", dir);
+    rc = read_line(path, was, sizeof(was));
+    if (rc == 0 && strcmp(was, now) == 0)
+        return 0;
+    /* Another boot's (or, without the file, a stack older than it: pid
+     * files whose boot nobody knows stay as they are). */
+    if (rc == 0) {
+        for (size_t i = 0; i < sizeof(pidfiles) / sizeof(pidfiles[0]); i++) {
+            snprintf(path, sizeof(path), "%s/%s", dir, pidfiles[i]);
+            if (unlink(path) == 0)
+                fprintf(stderr,
+                        "kscore: %s/%s is from before the last reboot: "
+                        "forgotten\n",
+                        dir, pidfiles[i]);
+        }
+        /* PostgreSQL's socket lock (.s.PGSQL.<port>.lock) holds the
+         * postmaster's pid too, and it refuses to start while that pid
+         * exists. */
+        snprintf(path, sizeof(path), "%s/pgsock", dir);
+        DIR *d = opendir(path);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            size_t n = strlen(e->d_name);
+            if (strncmp(e->d_name, ".s.PGSQL.", 9) != 0 || n < 5 ||
+                strcmp(e->d_name + n - 5, ".lock") != 0)
+                continue;
+            snprintf(path, sizeof(path), "%s/pgsock/%s", dir, e->d_name);
+            unlink(path);
+        }
+        if (d)
+            closedir(d);
+    }
+    snprintf(path, sizeof(path), "%s/boot_id", dir);
+    FILE *f = fopen(path, "we");
+    if (!f)
+        return -errno;
+    fprintf(f, "%s\n", now);
+    return fclose(f) == 0 ? 0 : -errno;
 }
 
 int

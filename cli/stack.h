@@ -199,6 +199,19 @@ int stack_pidfile_alive(const char *dir, const char *name, pid_t *pid_out);
  * parent has not reaped it yet, e.g. a daemon under a slow init). */
 int stack_pid_alive(pid_t pid);
 
+/*
+ * The pid files of <dir> (nats, pg, broker, agent and PostgreSQL's
+ * pg/postmaster.pid, and the pid in its socket lock
+ * pgsock/.s.PGSQL.PORT.lock) are forgotten when <dir>/boot_id names another boot
+ * than this one: no process outlives a reboot, and a stack that was not
+ * stopped (power loss, a crash) leaves pids that after the reboot may be
+ * other processes', which `up` would take for running parts and `down`
+ * (or pg_ctl) would signal. Then records this boot in <dir>/boot_id. A
+ * dir that does not exist is left alone. 0, or -errno (nothing is lost by
+ * ignoring it: the pid files are then read as before).
+ */
+int stack_forget_other_boot(const char *dir);
+
 /* ---- TLS: the stack's own CA (stack_tls.c, OpenSSL libcrypto) ---------
  *
  * <home>/tls/ca.key (0600) and ca.pem, a P-256 CA made once and kept;

@@ -12,6 +12,8 @@ set(KSCORE_SYSTEMD_UNITDIR "lib/systemd/system"
 # <prefix>/etc/kscore otherwise (GNUInstallDirs' rule).
 set(KSCORE_CONFDIR "${CMAKE_INSTALL_FULL_SYSCONFDIR}/kscore")
 set(KSCORE_BINDIR "${CMAKE_INSTALL_FULL_BINDIR}")
+# kscore-stack.service's environment file (KSCORE_UP_ARGS): /etc/default.
+set(KSCORE_DEFAULTDIR "${CMAKE_INSTALL_FULL_SYSCONFDIR}/default")
 
 if(TARGET kscore)
   get_target_property(_ks_type kscore TYPE)
@@ -20,10 +22,11 @@ if(TARGET kscore)
   endif()
 endif()
 
-foreach(unit kscore-broker kscore-agent)
-  configure_file(${CMAKE_SOURCE_DIR}/deploy/systemd/${unit}.service.in
-                 ${CMAKE_BINARY_DIR}/deploy/${unit}.service @ONLY)
-  install(FILES ${CMAKE_BINARY_DIR}/deploy/${unit}.service
+foreach(unit kscore-broker.service kscore-agent.service kscore-stack.service
+             kscore-stack-watch.service kscore-stack-watch.timer)
+  configure_file(${CMAKE_SOURCE_DIR}/deploy/systemd/${unit}.in
+                 ${CMAKE_BINARY_DIR}/deploy/${unit} @ONLY)
+  install(FILES ${CMAKE_BINARY_DIR}/deploy/${unit}
           DESTINATION ${KSCORE_SYSTEMD_UNITDIR})
 endforeach()
 
@@ -40,6 +43,17 @@ foreach(conf broker.conf agent.conf)
            PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ)
     endif()")
 endforeach()
+# kscore-stack.service's arguments: no secret in it, 0644 as /etc/default
+# files are; a conffile too.
+install(CODE "
+  set(_dst \"\$ENV{DESTDIR}${KSCORE_DEFAULTDIR}/kscore-stack\")
+  if(EXISTS \"\${_dst}\" AND \"\$ENV{DESTDIR}\" STREQUAL \"\")
+    message(STATUS \"Kept: \${_dst} (the example is ${CMAKE_SOURCE_DIR}/deploy/etc/default/kscore-stack)\")
+  else()
+    file(INSTALL \"${CMAKE_SOURCE_DIR}/deploy/etc/default/kscore-stack\"
+         DESTINATION \"${KSCORE_DEFAULTDIR}\"
+         PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
+  endif()")
 
 # ---- Debian package --------------------------------------------------------
 set(CPACK_GENERATOR "DEB")
@@ -69,7 +83,7 @@ set(CPACK_SET_DESTDIR ON)
 set(_ks_ctl ${CMAKE_BINARY_DIR}/deploy/debian)
 file(MAKE_DIRECTORY ${_ks_ctl})
 file(WRITE ${_ks_ctl}/conffiles
-     "${KSCORE_CONFDIR}/broker.conf\n${KSCORE_CONFDIR}/agent.conf\n")
+     "${KSCORE_CONFDIR}/broker.conf\n${KSCORE_CONFDIR}/agent.conf\n${KSCORE_DEFAULTDIR}/kscore-stack\n")
 foreach(s postinst prerm postrm)
   file(COPY ${CMAKE_SOURCE_DIR}/deploy/debian/${s} DESTINATION ${_ks_ctl}
        FILE_PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ

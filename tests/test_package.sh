@@ -4,7 +4,7 @@
 # build dir, prefix /usr), inspects it with dpkg-deb (files, Depends,
 # conffiles, maintainer scripts), unpacks it into a throwaway root
 # (dpkg -x) where the binary must run and `systemd-analyze verify` must
-# accept both units, runs the maintainer scripts against logging stand-ins
+# accept every unit, runs the maintainer scripts against logging stand-ins
 # for useradd & co., and stages `cmake --install` into a DESTDIR.
 #   KSCORE_SOURCE_DIR  the source tree;  KSCORE_BUILD_DIR  the ctest build
 #   KSCORE_DEB         use this .deb instead of building one
@@ -46,7 +46,9 @@ mode_of() { awk -v f="$1" '$3 == f {print $1 " " $2}' "$WORK/files"; }
 
 for f in /usr/bin/kscore /lib/systemd/system/kscore-broker.service \
     /lib/systemd/system/kscore-agent.service /etc/kscore/broker.conf \
-    /etc/kscore/agent.conf; do
+    /etc/kscore/agent.conf /lib/systemd/system/kscore-stack.service \
+    /lib/systemd/system/kscore-stack-watch.service \
+    /lib/systemd/system/kscore-stack-watch.timer /etc/default/kscore-stack; do
     check "package holds $f" has_file "$f"
 done
 # What the other install() rules add (man pages, bash completion) is in
@@ -60,6 +62,7 @@ fi
 check "no build path leaks into the package" sh -c "! grep -q ' /work\| /tmp\| /home' '$WORK/files'"
 check "binary is root-owned 0755" test "$(mode_of /usr/bin/kscore)" = "-rwxr-xr-x root/root"
 check "configs are not world-readable" test "$(mode_of /etc/kscore/broker.conf)" = "-rw-r----- root/root"
+check "/etc/default/kscore-stack is 0644" test "$(mode_of /etc/default/kscore-stack)" = "-rw-r--r-- root/root"
 
 depends=$(sed -n 's/^ Depends: //p' "$WORK/info")
 echo "Depends: $depends"
@@ -73,6 +76,7 @@ fi
 mkdir "$WORK/ctl"
 dpkg-deb -e "$DEB" "$WORK/ctl"
 check "conffiles lists both configs" sh -c "grep -qx /etc/kscore/broker.conf '$WORK/ctl/conffiles' && grep -qx /etc/kscore/agent.conf '$WORK/ctl/conffiles'"
+check "conffiles lists the stack's arguments" grep -qx /etc/default/kscore-stack "$WORK/ctl/conffiles"
 for s in postinst prerm postrm; do
     check "$s is executable" test -x "$WORK/ctl/$s"
     check "$s is valid sh" sh -n "$WORK/ctl/$s"
@@ -99,9 +103,13 @@ check "postinst enables and starts nothing" sh -c "! grep -q 'enable\|start ' '$
 check "prerm remove succeeds" runscript prerm remove
 if [ -d /run/systemd/system ]; then
     check "prerm stops both units" called '^systemctl stop kscore-agent.service kscore-broker.service'
+    check "prerm stops the stack's watch" called '^systemctl stop kscore-stack-watch.timer kscore-stack-watch.service'
+    check "prerm stops the stack" called '^systemctl stop kscore-stack.service'
 fi
 check "postrm purge succeeds" runscript postrm purge
-check "postrm purge removes the agent's state" called '^rm -rf /var/lib/kscore$'
+check "postrm purge removes the agent's state" called '^rm -rf /var/lib/kscore/agent$'
+check "postrm purge keeps the stack (its database and CA)" sh -c "! grep -q '^rm .*/var/lib/kscore\(/stack\)\{0,1\}\$' '$WORK/calls'"
+check "postrm purge removes the stack's enable links" called 'timers.target.wants/kscore-stack-watch.timer'
 check "postrm purge leaves the kscore user" sh -c "! grep -q userdel '$WORK/calls'"
 
 # ---- unpacked into a throwaway root ---------------------------------------
@@ -140,13 +148,37 @@ a="$ROOT/lib/systemd/system/kscore-agent.service"
 check "agent unit: children killed with it (mixed)" grep -qx 'KillMode=mixed' "$a"
 check "agent unit: cgroup delegated" grep -qx 'Delegate=yes' "$a"
 check "agent unit: no sandbox its commands would inherit" sh -c "! grep -q '^\(NoNewPrivileges\|ProtectSystem\|ProtectHome\|PrivateTmp\|PrivateDevices\|User\)=' '$a'"
+# The control host's stack: `kscore up` / `down` with the arguments of
+# /etc/default/kscore-stack, in /var/lib/kscore/stack; the watch reloads
+# it (a reload is `up` in the stack's own cgroup).
+st="$ROOT/lib/systemd/system/kscore-stack.service"
+check "stack unit: ExecStart is kscore up \$KSCORE_UP_ARGS" grep -qx 'ExecStart=/usr/bin/kscore up $KSCORE_UP_ARGS' "$st"
+check "stack unit: ExecReload is the same up" grep -qx 'ExecReload=/usr/bin/kscore up $KSCORE_UP_ARGS' "$st"
+check "stack unit: ExecStop is kscore down" grep -qx 'ExecStop=/usr/bin/kscore down' "$st"
+check "stack unit: oneshot that stays active" sh -c "grep -qx 'Type=oneshot' '$st' && grep -qx 'RemainAfterExit=yes' '$st'"
+check "stack unit: KSCORE_HOME is its state dir" sh -c "grep -qx 'Environment=KSCORE_HOME=/var/lib/kscore/stack' '$st' && grep -qx 'StateDirectory=kscore/stack' '$st'"
+check "stack unit: reads /etc/default/kscore-stack" grep -qx 'EnvironmentFile=-/etc/default/kscore-stack' "$st"
+check "stack unit: runs as root" sh -c "! grep -q '^User=' '$st'"
+check "stack watch: only while the stack is active" grep -qx 'ExecCondition=/bin/systemctl is-active --quiet kscore-stack.service' \
+    "$ROOT/lib/systemd/system/kscore-stack-watch.service"
+check "stack watch: reloads the stack" grep -qx 'ExecStart=/bin/systemctl reload kscore-stack.service' \
+    "$ROOT/lib/systemd/system/kscore-stack-watch.service"
+check "stack watch timer: every 30 s" grep -qx 'OnUnitActiveSec=30s' "$ROOT/lib/systemd/system/kscore-stack-watch.timer"
+# The shipped arguments are ones `kscore up` takes (as the unit passes
+# them: one word each).
+(. "$ROOT/etc/default/kscore-stack" && echo "$KSCORE_UP_ARGS") >"$WORK/upargs"
+check "/etc/default/kscore-stack sets KSCORE_UP_ARGS" test -s "$WORK/upargs"
 
 if command -v systemd-analyze >/dev/null; then
     # verify needs the host's targets (sysinit.target ...) inside the root.
     cp -an /lib/systemd/system/. "$ROOT/lib/systemd/system/" 2>/dev/null || true
-    for u in broker agent; do
-        check "systemd-analyze verify kscore-$u.service (no warnings)" sh -c \
-            "systemd-analyze verify --man=no --root='$ROOT' /lib/systemd/system/kscore-$u.service 2>&1 | tee /dev/stderr | { ! grep -q .; }"
+    # ... and the host's commands the units run that are not the package's.
+    mkdir -p "$ROOT/bin"
+    cp -n "$(command -v systemctl || echo /bin/systemctl)" "$ROOT/bin/systemctl" 2>/dev/null || true
+    for u in broker.service agent.service stack.service stack-watch.service \
+        stack-watch.timer; do
+        check "systemd-analyze verify kscore-$u (no warnings)" sh -c \
+            "systemd-analyze verify --man=no --root='$ROOT' /lib/systemd/system/kscore-$u 2>&1 | tee /dev/stderr | { ! grep -q .; }"
     done
     exposure=$(systemd-analyze security --offline=yes --root="$ROOT" \
         /lib/systemd/system/kscore-broker.service 2>/dev/null |
@@ -167,6 +199,9 @@ if [ -f "$BUILD/CMakeCache.txt" ]; then
     S="$WORK/stage$prefix"
     check "make install: binary" test -x "$S/bin/kscore"
     check "make install: units" test -f "$S/lib/systemd/system/kscore-agent.service"
+    check "make install: the stack's units" sh -c "test -f '$S/lib/systemd/system/kscore-stack.service' && test -f '$S/lib/systemd/system/kscore-stack-watch.timer'"
+    check "make install: the stack unit names its binary" grep -q "^ExecStart=$prefix/bin/kscore up" "$S/lib/systemd/system/kscore-stack.service"
+    check "make install: the stack's arguments where its unit reads them" test -f "$WORK/stage$(sed -n 's/^EnvironmentFile=-//p' "$S/lib/systemd/system/kscore-stack.service")"
     check "make install: units name its binary" grep -q "^ExecStart=$prefix/bin/kscore agent" "$S/lib/systemd/system/kscore-agent.service"
     check "make install: configs" test -f "$WORK/stage$(sed -n 's/^ExecStart=.*--config \(.*\)\/agent.conf$/\1/p' "$S/lib/systemd/system/kscore-agent.service")/agent.conf"
 fi

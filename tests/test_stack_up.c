@@ -11,7 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -382,6 +385,249 @@ START_TEST(status_reports_remote_agents)
 }
 END_TEST
 
+/* ---- kscore-stack.service -------------------------------------------------
+ * The control host's unit runs `kscore up $KSCORE_UP_ARGS` (start and
+ * reload) and `kscore down` (stop). Here: exactly those command lines,
+ * read from the unit the build configured (deploy/kscore-stack.service),
+ * with the arguments the package ships in /etc/default/kscore-stack, the
+ * binary of this build for the installed path and a temporary home for
+ * /var/lib/kscore/stack; no TTY, and JOURNAL_STREAM set as systemd sets it. */
+
+#define UNIT_ARGS_MAX 32
+
+/* The words of the unit's KEY= line, $KSCORE_UP_ARGS split on blanks as
+ * systemd splits an unbraced variable that is a word of its own; the
+ * binary is dropped (the fixture runs this build's). */
+static void
+unit_command(const char *unit_text, const char *key, const char *up_args,
+             char store[1024], const char *argv[UNIT_ARGS_MAX])
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\n%s=", key);
+    const char *p = strstr(unit_text, pat);
+    ck_assert_msg(p != NULL, "no %s= in the unit", key);
+    p += strlen(pat);
+    size_t len = strcspn(p, "\n"), n = 0, used = 0;
+    char line[512];
+    ck_assert_uint_lt(len, sizeof(line));
+    memcpy(line, p, len);
+    line[len] = '\0';
+    char *save = NULL;
+    for (char *w = strtok_r(line, " \t", &save); w;
+         w = strtok_r(NULL, " \t", &save)) {
+        if (n == 0 && used == 0 && argv[0] == NULL) {
+            const char *b = strrchr(w, '/');
+            ck_assert_msg(w[0] == '/' && b && strcmp(b, "/kscore") == 0,
+                          "%s= runs %s, not an absolute kscore", key, w);
+            argv[0] = "";
+            continue;
+        }
+        char words[512];
+        snprintf(words, sizeof(words), "%s",
+                 strcmp(w, "$KSCORE_UP_ARGS") == 0 ? up_args : w);
+        ck_assert_msg(strchr(words, '$') == NULL, "%s=: unknown %s", key,
+                      words);
+        char *s2 = NULL;
+        for (char *a = strtok_r(words, " \t", &s2); a;
+             a = strtok_r(NULL, " \t", &s2)) {
+            size_t al = strlen(a) + 1;
+            ck_assert_uint_lt(n, UNIT_ARGS_MAX - 1);
+            ck_assert_uint_le(used + al, 1024);
+            memcpy(store + used, a, al);
+            argv[n++] = store + used;
+            used += al;
+        }
+    }
+    argv[n] = NULL;
+}
+
+/* KSCORE_UP_ARGS="..." of the shipped /etc/default/kscore-stack. */
+static void
+shipped_up_args(char *buf, size_t cap)
+{
+    const char *src = getenv("KSCORE_SOURCE_DIR");
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/deploy/etc/default/kscore-stack",
+             src && *src ? src : ".");
+    char *s = slurp(path);
+    char *p = strstr(s, "\nKSCORE_UP_ARGS=\"");
+    ck_assert_msg(p != NULL, "no KSCORE_UP_ARGS=\"...\" line in %s", path);
+    p += strlen("\nKSCORE_UP_ARGS=\"");
+    char *q = strchr(p, '"');
+    ck_assert_ptr_nonnull(q);
+    snprintf(buf, cap, "%.*s", (int)(q - p), p);
+    free(s);
+}
+
+static void
+run_unit_command(const char *key, const char *const argv[])
+{
+    struct fixture_out o;
+    int st = ks(&o, argv);
+    ck_assert_msg(st == 0, "%s=kscore %s: exit %d: %s", key, argv[0], st,
+                  o.err);
+    fixture_out_release(&o);
+}
+
+START_TEST(stack_unit_commands_start_reload_and_stop_the_stack)
+{
+    static const char *const parts[] = {"nats", "pg", "broker", "agent"};
+    const char *bin = getenv("KSCORE_BIN");
+    char unit[PATH_MAX], up_args[256];
+    char start_s[1024], reload_s[1024], stop_s[1024];
+    const char *start[UNIT_ARGS_MAX] = {0}, *reload[UNIT_ARGS_MAX] = {0},
+               *stop[UNIT_ARGS_MAX] = {0};
+
+    ck_assert_msg(bin && strlen(bin) > strlen("/cli/kscore") &&
+                      strcmp(bin + strlen(bin) - strlen("/cli/kscore"),
+                             "/cli/kscore") == 0,
+                  "KSCORE_BIN (%s) is not <build>/cli/kscore",
+                  bin ? bin : "unset");
+    snprintf(unit, sizeof(unit), "%.*s/deploy/kscore-stack.service",
+             (int)(strlen(bin) - strlen("/cli/kscore")), bin);
+    char *text = slurp(unit);
+    ck_assert_ptr_nonnull(strstr(text, "\nType=oneshot\n"));
+    ck_assert_ptr_nonnull(strstr(text, "\nRemainAfterExit=yes\n"));
+    ck_assert_ptr_nonnull(
+        strstr(text, "\nEnvironment=KSCORE_HOME=/var/lib/kscore/stack\n"));
+    shipped_up_args(up_args, sizeof(up_args));
+    unit_command(text, "ExecStart", up_args, start_s, start);
+    unit_command(text, "ExecReload", up_args, reload_s, reload);
+    unit_command(text, "ExecStop", up_args, stop_s, stop);
+    free(text);
+    ck_assert_str_eq(start[0], "up");
+    ck_assert_str_eq(stop[0], "down");
+
+    /* As systemd runs it: stderr is the journal (the daemons' is their
+     * log file, so they see it is not), stdin /dev/null. */
+    setenv("JOURNAL_STREAM", "8:123456", 1);
+    setenv("INVOCATION_ID", "0123456789abcdef0123456789abcdef", 1);
+
+    run_unit_command("ExecStart", start);
+    pid_t pids[4];
+    for (size_t i = 0; i < 4; i++)
+        pids[i] = pid_of(parts[i]);
+    exec_echo("unit-up");
+
+    /* The watch's reload of a whole stack changes nothing. */
+    run_unit_command("ExecReload", reload);
+    for (size_t i = 0; i < 4; i++)
+        ck_assert_int_eq(pid_of(parts[i]), pids[i]);
+
+    /* A dead broker: the reload brings it (and nothing else) back. */
+    kill_and_wait(pids[2]);
+    run_unit_command("ExecReload", reload);
+    ck_assert_int_ne(pid_of("broker"), pids[2]);
+    ck_assert_int_eq(pid_of("nats"), pids[0]);
+    ck_assert_int_eq(pid_of("pg"), pids[1]);
+    ck_assert_int_eq(pid_of("agent"), pids[3]);
+    exec_echo("unit-reloaded");
+
+    /* The daemons log to their files, not to the unit's journal. */
+    char logp[PATH_MAX + 32];
+    struct stat lst;
+    snprintf(logp, sizeof(logp), "%s/broker.log", home);
+    ck_assert_int_eq(stat(logp, &lst), 0);
+    ck_assert_int_gt(lst.st_size, 0);
+
+    run_unit_command("ExecStop", stop);
+    for (size_t i = 0; i < 4; i++)
+        ck_assert_msg(!stack_pidfile_alive(home, parts[i], NULL),
+                      "%s still runs after ExecStop", parts[i]);
+    for (size_t i = 0; i < 4; i++)
+        ck_assert_msg(!stack_pid_alive(pids[i]) || i == 2,
+                      "%s (pid %d) still runs after ExecStop", parts[i],
+                      (int)pids[i]);
+    unsetenv("JOURNAL_STREAM");
+    unsetenv("INVOCATION_ID");
+}
+END_TEST
+
+/* Writes "<pid>\n" + what followed the first line of path. */
+static void
+repoint_pidfile(const char *path, pid_t pid)
+{
+    char *s = slurp(path);
+    char *rest = strchr(s, '\n');
+    FILE *f = fopen(path, "we");
+    ck_assert_msg(f != NULL, "%s: %s", path, strerror(errno));
+    fprintf(f, "%d\n%s", (int)pid, rest ? rest + 1 : "");
+    ck_assert_int_eq(fclose(f), 0);
+    free(s);
+}
+
+/* Power loss, then a reboot: no `down` ran, so every pid file is still
+ * there, and the new boot gave some of those pids to other processes.
+ * `up` (the unit's ExecStart at boot) must start every part, not take
+ * the stranger for nats-server or PostgreSQL (nor SIGHUP it through
+ * pg_ctl reload), and `down` must never signal it. */
+START_TEST(pid_files_of_another_boot_are_forgotten)
+{
+    static const char *const parts[] = {"agent", "broker", "nats"};
+    char path[PATH_MAX + 64];
+    ks_ok((const char *[]){"up", NULL});
+    pid_t pg = pid_of("pg");
+    for (size_t i = 0; i < 3; i++)
+        kill_and_wait(pid_of(parts[i]));
+    ck_assert_int_eq(kill(pg, SIGKILL), 0);
+    /* Gone, as after a reboot (not a zombie init has yet to reap). */
+    for (int i = 0; i < 1000 && kill(pg, 0) == 0; i++) {
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+
+    /* The stranger: a process of the new boot with an old part's pid. */
+    pid_t stranger = fork();
+    ck_assert_int_ge(stranger, 0);
+    if (stranger == 0) {
+        /* gone with this test's process, however it ends */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        execl("/bin/sleep", "sleep", "600", (char *)NULL);
+        _exit(127);
+    }
+    snprintf(path, sizeof(path), "%s/nats.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg/postmaster.pid", home);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/pg.port", home);
+    char *port = slurp(path);
+    snprintf(path, sizeof(path), "%s/pgsock/.s.PGSQL.%d.lock", home,
+             atoi(port));
+    free(port);
+    repoint_pidfile(path, stranger);
+    snprintf(path, sizeof(path), "%s/boot_id", home);
+    FILE *f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "00000000-0000-4000-8000-000000000000\n");
+    ck_assert_int_eq(fclose(f), 0);
+
+    ks_ok((const char *[]){"up", NULL});
+    ck_assert_int_ne(pid_of("nats"), stranger);
+    ck_assert_int_ne(pid_of("pg"), stranger);
+    exec_echo("rebooted");
+    ck_assert_int_eq(waitpid(stranger, NULL, WNOHANG), 0);
+
+    /* The same with `down` (e.g. `systemctl stop` of a unit that ran). */
+    ks_ok((const char *[]){"down", NULL});
+    snprintf(path, sizeof(path), "%s/broker.pid", home);
+    f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "%d\n", (int)stranger);
+    ck_assert_int_eq(fclose(f), 0);
+    snprintf(path, sizeof(path), "%s/boot_id", home);
+    f = fopen(path, "we");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "00000000-0000-4000-8000-000000000000\n");
+    ck_assert_int_eq(fclose(f), 0);
+    ks_ok((const char *[]){"down", NULL});
+    ck_assert_int_eq(waitpid(stranger, NULL, WNOHANG), 0);
+    kill(stranger, SIGKILL);
+    waitpid(stranger, NULL, 0);
+}
+END_TEST
+
 static Suite *
 stack_up_suite(void)
 {
@@ -394,6 +640,8 @@ stack_up_suite(void)
     tcase_add_test(tc, pg_crash_restarts_postgres_alone);
     tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
     tcase_add_test(tc, status_reports_remote_agents);
+    tcase_add_test(tc, stack_unit_commands_start_reload_and_stop_the_stack);
+    tcase_add_test(tc, pid_files_of_another_boot_are_forgotten);
     suite_add_tcase(s, tc);
     return s;
 }
