@@ -45,6 +45,8 @@ struct broker_opts {
     struct evt_connect_opts nats; /* credentials / TLS */
     const char *signing_key;      /* Ed25519 private key (PEM): required */
     const char *policy_file;      /* operator policy (JSON); NULL: none */
+    unsigned replicas; /* copies of each stream and the KV bucket on a
+                          JetStream cluster (evt_setup_replicas); 0: 1 */
 };
 
 /*
