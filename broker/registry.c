@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "broker_int.h"
 
@@ -197,6 +198,19 @@ agent_forget(struct broker *b, struct provisioner *pv, const char *key)
     free(ks_map_del(&pv->done, key));
 }
 
+/* A watch that has delivered nothing for this long while agents are known
+ * is dead (see registry_main). */
+#define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+
+static bool
+agents_known(struct broker *b)
+{
+    pthread_mutex_lock(&b->mu);
+    bool any = b->agents.count > 0;
+    pthread_mutex_unlock(&b->mu);
+    return any;
+}
+
 static void *
 registry_main(void *arg)
 {
@@ -205,20 +219,54 @@ registry_main(void *arg)
     kvWatchOptions wo;
     struct provisioner pv = {KS_MAP_INIT, 0};
 
+    int64_t last_entry = ks_mono_us();
+    bool warned = false;
+
     kvWatchOptions_Init(&wo);
-    if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
-        ks_log(KS_LOG_ERROR, "cannot watch the agent registry",
-               KS_S("module", "registry"), KS_S("bucket", EVT_KV_AGENTS),
-               KS_S("error", nats_GetLastError(NULL)));
-        return NULL;
-    }
     while (!b->stopping) {
         kvEntry *e = NULL;
-        natsStatus s = kvWatcher_Next(&e, w, 250);
+        natsStatus s;
+        /* On a JetStream cluster the watcher's consumer lives on one
+         * node; when that node dies or the bucket's leader moves, the
+         * watch ends or goes silent. Every agent heartbeats every 2 s, so
+         * a silence of REGISTRY_SILENT_US with agents known is a dead
+         * watch: it is made again (the initial values replay every entry;
+         * provisioning is idempotent). */
+        if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US &&
+            agents_known(b)) {
+            ks_log(KS_LOG_WARN, "agent registry watch silent: watching again",
+                   KS_S("module", "registry"));
+            kvWatcher_Destroy(w);
+            w = NULL;
+        }
+        if (!w) {
+            if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
+                if (!warned)
+                    ks_log(KS_LOG_ERROR, "cannot watch the agent registry",
+                           KS_S("module", "registry"),
+                           KS_S("bucket", EVT_KV_AGENTS),
+                           KS_S("error", nats_GetLastError(NULL)));
+                warned = true;
+                w = NULL;
+                nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+                continue;
+            }
+            warned = false;
+            last_entry = ks_mono_us();
+        }
+        s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
             continue;
-        if (s != NATS_OK)
-            break;
+        if (s != NATS_OK) {
+            ks_log(KS_LOG_WARN, "agent registry watch ended: watching again",
+                   KS_S("module", "registry"),
+                   KS_S("error", natsStatus_GetText(s)));
+            kvWatcher_Destroy(w);
+            w = NULL;
+            nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+            continue;
+        }
+        last_entry = ks_mono_us();
         if (!e) /* end of the initial values */
             continue;
         if (kvEntry_Operation(e) == kvOp_Put) {
@@ -249,7 +297,8 @@ registry_main(void *arg)
         }
         kvEntry_Destroy(e);
     }
-    kvWatcher_Stop(w);
+    if (w)
+        kvWatcher_Stop(w);
     kvWatcher_Destroy(w);
     ks_map_each(&pv.done, free_provisioned, NULL);
     ks_map_clear(&pv.done);
