@@ -208,6 +208,18 @@ fleet_wait(void)
     }
     ck_assert_msg(online >= FLEET, "%d of %d fleet ids online", online,
                   FLEET);
+    /* and every id's consumer made (a raft group each on a cluster) */
+    struct stack_node nodes[3];
+    int consumers = 0;
+    stack_cluster_nodes(home, 3, nodes);
+    while (now_s() - t0 < 90) {
+        struct stack_js_info ji;
+        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+            (consumers = ji.consumers) >= FLEET + 1)
+            break;
+        usleep(250 * 1000);
+    }
+    ck_assert_msg(consumers >= FLEET + 1, "%d consumers", consumers);
     fprintf(stderr, "test_cluster: %d fleet ids online in %.1f s\n", FLEET,
             now_s() - t0);
 }

@@ -138,6 +138,22 @@ chaos_cluster_up(struct chaos_run *r, char (*ids)[16], unsigned n)
     }
     chaos_log(r, "fleet of %u agent ids registered in %.1f s", n,
               chaos_since_s(t0));
+    /* Ready when the brokers have made every id's consumer (on a cluster
+     * each is a raft group: about 0.2 s apiece), as the node counts them
+     * (/jsz: every consumer, the recorder's and the registry watchers'
+     * too). */
+    struct stack_node nodes[3];
+    stack_cluster_nodes(s->dir, 3, nodes);
+    int consumers = 0;
+    while (!chaos_interrupted && chaos_since_s(t0) < 300) {
+        struct stack_js_info ji;
+        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+            (consumers = ji.consumers) >= (int)n + 1)
+            break;
+        chaos_sleep_ms(250);
+    }
+    chaos_log(r, "%d consumers (the fleet's %u + others) after %.1f s",
+              consumers, n, chaos_since_s(t0));
     snprintf(r->probe_agent, sizeof(r->probe_agent), "%s", ids[0]);
     return chaos_readers_start(r);
 }
@@ -158,7 +174,7 @@ chaos_cluster_down(struct chaos_run *r)
     stack_stop(r->st.dir, "agent-fleet", 20000);
     if (fixture_kscore_home(r->st.dir, args, &o) == 0)
         fixture_out_release(&o);
-    if (getenv("KSCORE_KEEP_TMP")) {
+    if (getenv("KSCORE_KEEP_TMP") || r->setup_failed) {
         printf("  kept: %s (KSCORE_HOME of the cluster stack)\n", r->st.dir);
     } else {
         char cmd[PATH_MAX + 32];
