@@ -385,6 +385,9 @@ registry_main(void *arg)
             }
             warned = false;
             last_entry = ks_mono_us();
+            pthread_mutex_lock(&b->mu);
+            b->reg_watch_mono_us = last_entry;
+            pthread_mutex_unlock(&b->mu);
         }
         s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
@@ -690,7 +693,15 @@ broker__agent_presence(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    if (a) {
+    /* A watch (re)started less than a TTL ago may not have seen every
+     * heartbeat yet (a cluster node died under the old one): a stale
+     * entry then says nothing, the delivery deadline decides. */
+    if (a && ks_mono_us() - b->reg_watch_mono_us <
+                 (int64_t)EVT_AGENT_TTL_MS * 1000 &&
+        ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        if (heartbeat_at_us)
+            *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;
+    } else if (a) {
         rc = ks_mono_us() - a->seen_mono_us <
              (int64_t)EVT_AGENT_TTL_MS * 1000;
         if (heartbeat_at_us)
