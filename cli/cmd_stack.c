@@ -571,10 +571,13 @@ cmd_up(int argc, char **argv)
             break;
         case 'C':
             cluster = (unsigned)strtoul(optarg, &end, 10);
-            if (*end || !optarg[0] || optarg[0] == '-' || cluster < 1 ||
+            /* One node cannot be a JetStream cluster (nats-server wants
+             * routes); 3 survive the loss of one. */
+            if (*end || !optarg[0] || optarg[0] == '-' || cluster < 2 ||
                 cluster > STACK_CLUSTER_MAX) {
-                cli_err("bad --cluster '%s' (1..%d nodes)", optarg,
-                        STACK_CLUSTER_MAX);
+                cli_err("bad --cluster '%s' (2..%d nodes; 3 survive the "
+                        "loss of one)",
+                        optarg, STACK_CLUSTER_MAX);
                 return CLI_EXIT_USAGE;
             }
             cluster_given = true;
