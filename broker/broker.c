@@ -1379,7 +1379,9 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_follow, errmsg)) ||
         (rc = open_store(&b, &b.st_batch, errmsg)))
         goto out;
-    if ((rc = evt_setup(b.nc, errmsg)))
+    if ((rc = evt_setup_replicas(b.nc, opts->replicas ? (int)opts->replicas
+                                                      : 1,
+                                 errmsg)))
         goto out;
     if ((rc = evt_agents_kv(b.nc, &b.kv))) {
         if (errmsg && asprintf(errmsg, "open KV %s: %s", EVT_KV_AGENTS,

@@ -51,6 +51,8 @@ struct broker_opts {
      * count (a single host). An attested agent gets exactly its attested
      * labels either way. */
     bool require_signed_labels;
+    unsigned replicas; /* copies of each stream and the KV bucket on a
+                          JetStream cluster (evt_setup_replicas); 0: 1 */
 };
 
 /*

@@ -69,6 +69,9 @@ struct broker {
     struct ks_map waiters;      /* command_id -> struct broker__waiter * */
     struct ks_map live;         /* command_id -> subject (batch live output) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
+    int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
+                                   its watch: no one is judged offline
+                                   for a TTL after (registry.c) */
 
     pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
     natsMsg **rec_q;

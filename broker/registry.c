@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "broker_int.h"
 
@@ -335,7 +336,7 @@ provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
 /* Drops a purged entry from the map and the provisioner. Registry
  * thread. */
 static void
-agent_forget(struct broker *b, struct provisioner *pv, const char *key)
+agent_forget(struct broker *b, const char *key)
 {
     struct broker__agent *a;
 
@@ -352,7 +353,137 @@ agent_forget(struct broker *b, struct provisioner *pv, const char *key)
                "refused",
                KS_S("agent", key));
     }
-    free(ks_map_del(&pv->done, key));
+}
+
+/*
+ * The provisioner's own thread. On a JetStream cluster making a consumer
+ * is a raft proposal (about 200 ms here) and asking one whose node died
+ * waits for its new leader (seconds): done on the registry thread, 50
+ * new agents kept it from reading heartbeats for 10 s, long enough for
+ * the agents it had seen first to look offline (a batch then ended them
+ * Undeliverable). The registry thread only queues what to provision; the
+ * latest entry of an id replaces the one queued before.
+ */
+struct prov_req {
+    int32_t pid;
+    uint32_t max_concurrent;
+    uint64_t ack_wait_ms;
+    bool forget;
+};
+
+struct provq {
+    struct broker *b;
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    struct ks_map pending; /* agent id -> struct prov_req * */
+    bool stop;
+    pthread_t thread;
+};
+
+static void
+provq_push(struct provq *q, const char *id, const Ks__AgentInfo *info)
+{
+    struct prov_req *r = calloc(1, sizeof(*r));
+    if (!r)
+        return; /* the next heartbeat queues it again */
+    if (info) {
+        r->pid = info->pid;
+        r->max_concurrent = info->max_concurrent;
+        r->ack_wait_ms = info->ack_wait_ms;
+    } else {
+        r->forget = true;
+    }
+    pthread_mutex_lock(&q->mu);
+    void *old = ks_map_get(&q->pending, id);
+    if (ks_map_put(&q->pending, id, r) == 0)
+        free(old);
+    else
+        free(r);
+    pthread_cond_signal(&q->cond);
+    pthread_mutex_unlock(&q->mu);
+}
+
+struct prov_item {
+    char id[EVT_AGENT_ID_MAX + 1];
+    struct prov_req *r;
+};
+
+struct prov_take {
+    struct prov_item *items;
+    size_t n;
+};
+
+static void
+take_one(const char *key, void *val, void *ud)
+{
+    struct prov_take *t = ud;
+    snprintf(t->items[t->n].id, sizeof(t->items[t->n].id), "%s", key);
+    t->items[t->n++].r = val;
+}
+
+static void *
+provq_main(void *arg)
+{
+    struct provq *q = arg;
+    struct provisioner pv = {KS_MAP_INIT, 0};
+
+    pthread_mutex_lock(&q->mu);
+    while (!q->stop) {
+        if (q->pending.count == 0) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 250 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&q->cond, &q->mu, &ts);
+            continue;
+        }
+        struct prov_take t = {calloc(q->pending.count, sizeof(*t.items)), 0};
+        if (!t.items) {
+            pthread_mutex_unlock(&q->mu);
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+            pthread_mutex_lock(&q->mu);
+            continue;
+        }
+        ks_map_each(&q->pending, take_one, &t);
+        ks_map_clear(&q->pending);
+        pthread_mutex_unlock(&q->mu);
+        for (size_t i = 0; i < t.n; i++) {
+            struct prov_req *r = t.items[i].r;
+            if (r->forget) {
+                free(ks_map_del(&pv.done, t.items[i].id));
+            } else if (!q->stop) {
+                Ks__AgentInfo info = KS__AGENT_INFO__INIT;
+                info.agent_id = t.items[i].id;
+                info.pid = r->pid;
+                info.max_concurrent = r->max_concurrent;
+                info.ack_wait_ms = r->ack_wait_ms;
+                provision(q->b, &pv, &info);
+            }
+            free(r);
+        }
+        free(t.items);
+        pthread_mutex_lock(&q->mu);
+    }
+    pthread_mutex_unlock(&q->mu);
+    ks_map_each(&pv.done, free_provisioned, NULL);
+    ks_map_clear(&pv.done);
+    return NULL;
+}
+
+/* A watch that has delivered nothing for this long while agents are known
+ * is dead (see registry_main). */
+#define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+
+static bool
+agents_known(struct broker *b)
+{
+    pthread_mutex_lock(&b->mu);
+    bool any = b->agents.count > 0;
+    pthread_mutex_unlock(&b->mu);
+    return any;
 }
 
 static void *
@@ -361,22 +492,74 @@ registry_main(void *arg)
     struct broker *b = arg;
     kvWatcher *w = NULL;
     kvWatchOptions wo;
-    struct provisioner pv = {KS_MAP_INIT, 0};
+    struct provq *q = calloc(1, sizeof(*q));
 
-    kvWatchOptions_Init(&wo);
-    if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
-        ks_log(KS_LOG_ERROR, "cannot watch the agent registry",
-               KS_S("module", "registry"), KS_S("bucket", EVT_KV_AGENTS),
-               KS_S("error", nats_GetLastError(NULL)));
+    int64_t last_entry = ks_mono_us();
+    bool warned = false;
+
+    if (!q) {
+        ks_log(KS_LOG_ERROR, "out of memory: no agent registry",
+               KS_S("module", "registry"));
         return NULL;
     }
+    q->b = b;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cond, NULL);
+    if (pthread_create(&q->thread, NULL, provq_main, q) != 0) {
+        ks_log(KS_LOG_ERROR, "cannot start the provisioner",
+               KS_S("module", "registry"));
+        free(q);
+        return NULL;
+    }
+
+    kvWatchOptions_Init(&wo);
     while (!b->stopping) {
         kvEntry *e = NULL;
-        natsStatus s = kvWatcher_Next(&e, w, 250);
+        natsStatus s;
+        /* On a JetStream cluster the watcher's consumer lives on one
+         * node; when that node dies or the bucket's leader moves, the
+         * watch ends or goes silent. Every agent heartbeats every 2 s, so
+         * a silence of REGISTRY_SILENT_US with agents known is a dead
+         * watch: it is made again (the initial values replay every entry;
+         * provisioning is idempotent). */
+        if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US &&
+            agents_known(b)) {
+            ks_log(KS_LOG_WARN, "agent registry watch silent: watching again",
+                   KS_S("module", "registry"));
+            kvWatcher_Destroy(w);
+            w = NULL;
+        }
+        if (!w) {
+            if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
+                if (!warned)
+                    ks_log(KS_LOG_ERROR, "cannot watch the agent registry",
+                           KS_S("module", "registry"),
+                           KS_S("bucket", EVT_KV_AGENTS),
+                           KS_S("error", nats_GetLastError(NULL)));
+                warned = true;
+                w = NULL;
+                nanosleep(&(struct timespec){0, 500 * 1000000L}, NULL);
+                continue;
+            }
+            warned = false;
+            last_entry = ks_mono_us();
+            pthread_mutex_lock(&b->mu);
+            b->reg_watch_mono_us = last_entry;
+            pthread_mutex_unlock(&b->mu);
+        }
+        s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
             continue;
-        if (s != NATS_OK)
-            break;
+        if (s != NATS_OK) {
+            ks_log(KS_LOG_WARN, "agent registry watch ended: watching again",
+                   KS_S("module", "registry"),
+                   KS_S("error", natsStatus_GetText(s)));
+            kvWatcher_Destroy(w);
+            w = NULL;
+            nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+            continue;
+        }
+        last_entry = ks_mono_us();
         if (!e) /* end of the initial values */
             continue;
         if (kvEntry_Operation(e) == kvOp_Put) {
@@ -396,7 +579,7 @@ registry_main(void *arg)
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
                     /* Before agent_update takes info. */
-                    provision(b, &pv, info);
+                    provq_push(q, kvEntry_Key(e), info);
                     agent_update(b, kvEntry_Key(e), info, sig, why,
                                  verified);
                     if (unstored)
@@ -410,14 +593,24 @@ registry_main(void *arg)
             /* `kscore agent revoke` (evt_agent_forget): the agent is
              * forgotten, so commands for it are refused as for an agent
              * that never registered. */
-            agent_forget(b, &pv, kvEntry_Key(e));
+            agent_forget(b, kvEntry_Key(e));
+            provq_push(q, kvEntry_Key(e), NULL);
         }
         kvEntry_Destroy(e);
     }
-    kvWatcher_Stop(w);
+    if (w)
+        kvWatcher_Stop(w);
     kvWatcher_Destroy(w);
-    ks_map_each(&pv.done, free_provisioned, NULL);
-    ks_map_clear(&pv.done);
+    pthread_mutex_lock(&q->mu);
+    q->stop = true;
+    pthread_cond_signal(&q->cond);
+    pthread_mutex_unlock(&q->mu);
+    pthread_join(q->thread, NULL);
+    ks_map_each(&q->pending, free_provisioned, NULL);
+    ks_map_clear(&q->pending);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cond);
+    free(q);
     return NULL;
 }
 
@@ -679,7 +872,15 @@ broker__agent_presence(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    if (a) {
+    /* A watch (re)started less than a TTL ago may not have seen every
+     * heartbeat yet (a cluster node died under the old one): a stale
+     * entry then says nothing, the delivery deadline decides. */
+    if (a && ks_mono_us() - b->reg_watch_mono_us <
+                 (int64_t)EVT_AGENT_TTL_MS * 1000 &&
+        ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        if (heartbeat_at_us)
+            *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;
+    } else if (a) {
         rc = ks_mono_us() - a->seen_mono_us <
              (int64_t)EVT_AGENT_TTL_MS * 1000;
         if (heartbeat_at_us)

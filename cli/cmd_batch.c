@@ -438,6 +438,11 @@ cmd_batch(int argc, char **argv)
     struct cli_spec cs = {0};
     Ks__Amount conc, errs;
     size_t cap = (size_t)argc * 4 + 4;
+    /* Room for every id of every comma list: --agents t-1,...,t-50 is one
+     * argument (split_commas drops what does not fit). */
+    for (int i = 1; i < argc; i++)
+        for (const char *p = argv[i]; *p; p++)
+            cap += *p == ',';
     char **agents = calloc(cap, sizeof(*agents));
     char **terms = calloc(cap, sizeof(*terms));
     struct cli_conn cc = {0};

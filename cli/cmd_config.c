@@ -55,6 +55,7 @@ static const struct conf_key conf_keys[] = {
     {"local_agents", "KSCORE_LOCAL_AGENTS", B, CT_UINT, false, 0, 10000},
     {"require_signed_labels", "KSCORE_REQUIRE_SIGNED_LABELS", B, CT_BOOL,
      false, 0, 0},
+    {"replicas", "KSCORE_REPLICAS", B, CT_UINT, false, 1, 5},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
     {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},

@@ -15,7 +15,62 @@
 #include "cli_int.h"
 #include "stack.h"
 
-static const char *const parts[] = {"nats", "pg", "broker", "agent"};
+/* `up --cluster N` runs this many brokers (the queue group kscore-broker
+ * shares requests, batch leases in PostgreSQL share batches). */
+#define CLUSTER_BROKERS 2
+
+/* The parts of a stack of `cluster` nodes (0: one nats-server): "nats" or
+ * "nats-1".."nats-N", "pg", "broker" or "broker-1".."broker-2", "agent".
+ * Returns how many. */
+static size_t
+part_names(unsigned cluster, char names[][16])
+{
+    size_t n = 0;
+    if (!cluster)
+        snprintf(names[n++], 16, "nats");
+    for (unsigned i = 1; i <= cluster; i++)
+        snprintf(names[n++], 16, "nats-%u", i);
+    snprintf(names[n++], 16, "pg");
+    if (!cluster)
+        snprintf(names[n++], 16, "broker");
+    for (unsigned i = 1; cluster && i <= CLUSTER_BROKERS; i++)
+        snprintf(names[n++], 16, "broker-%u", i);
+    snprintf(names[n++], 16, "agent");
+    return n;
+}
+
+/* A part's pid file: a cluster node's is <home>/nats-<i>/nats.pid. */
+static int
+part_alive(const char *home, const char *name, pid_t *pid)
+{
+    if (strncmp(name, "nats-", 5) == 0) {
+        char dir[4200];
+        snprintf(dir, sizeof(dir), "%s/%s", home, name);
+        return stack_pidfile_alive(dir, "nats", pid);
+    }
+    return stack_pidfile_alive(home, name, pid);
+}
+
+/* The node count the stack in home was started with (env), else the
+ * nodes that run; 0: one nats-server. */
+static unsigned
+stack_cluster_size(const char *home)
+{
+    char *v = cli_env_get("KSCORE_CLUSTER");
+    unsigned n = v ? (unsigned)strtoul(v, NULL, 10) : 0;
+    free(v);
+    if (n > STACK_CLUSTER_MAX)
+        n = STACK_CLUSTER_MAX;
+    if (n)
+        return n;
+    for (unsigned i = 1; i <= STACK_CLUSTER_MAX; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "nats-%u", i);
+        if (part_alive(home, name, NULL))
+            n = i;
+    }
+    return n;
+}
 
 static void
 local_agent_id(char *buf, size_t len)
@@ -327,29 +382,83 @@ print_status(bool json, struct cli_conn *cc)
     char *url = cli_env_get("KSCORE_NATS_URL");
     char *db = cli_env_get("KSCORE_DB");
     char *agent = cli_env_get("KSCORE_AGENT");
+    unsigned cluster = stack_cluster_size(home);
+    char names[2 * STACK_CLUSTER_MAX + 8][16];
+    size_t nparts = part_names(cluster, names);
+    struct stack_node nodes[STACK_CLUSTER_MAX];
     int running = 0;
     json_t *o = json_object(), *jp = json_object();
+    json_t *jn = json_array(), *jb = json_array();
 
-    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
+    if (cluster)
+        stack_cluster_nodes(home, cluster, nodes);
+    for (size_t i = 0; i < nparts; i++) {
         pid_t pid = 0;
-        int alive = stack_pidfile_alive(home, parts[i], &pid);
-        const char *addr = strcmp(parts[i], "nats") == 0  ? url
-                           : strcmp(parts[i], "pg") == 0  ? db
-                           : strcmp(parts[i], "agent") == 0 ? agent
-                                                            : "";
+        const char *name = names[i];
+        int alive = part_alive(home, name, &pid);
+        bool node = strncmp(name, "nats-", 5) == 0;
+        bool broker = strncmp(name, "broker", 6) == 0;
+        char naddr[64] = "", extra[160] = "";
+        const char *addr = strcmp(name, "nats") == 0    ? url
+                           : strcmp(name, "pg") == 0    ? db
+                           : strcmp(name, "agent") == 0 ? agent
+                                                        : "";
         running += alive;
         json_t *p = json_object();
         json_object_set_new(p, "state",
                             json_string(alive ? "running" : "stopped"));
         json_object_set_new(p, "pid", alive ? json_integer(pid) : json_null());
+        if (node) {
+            /* A node: its port, its name and its JetStream role (leader
+             * or follower of the meta group), from its monitoring port. */
+            const struct stack_node *nd = &nodes[atoi(name + 5) - 1];
+            struct stack_js_info ji;
+            bool have = alive && stack_nats_js_info(nd->mon_port, &ji) == 0;
+            long rss = alive ? stack_rss_kb(pid) : -1;
+            snprintf(naddr, sizeof(naddr), "nats://127.0.0.1:%d", nd->port);
+            addr = naddr;
+            json_object_set_new(p, "name", json_string(name));
+            json_object_set_new(p, "port", json_integer(nd->port));
+            json_object_set_new(p, "route_port",
+                                json_integer(nd->route_port));
+            json_object_set_new(p, "monitor_port",
+                                json_integer(nd->mon_port));
+            json_object_set_new(p, "server_name",
+                                have ? json_string(ji.server_name)
+                                     : json_null());
+            json_object_set_new(p, "jetstream_role",
+                                have ? json_string(stack_js_role(&ji))
+                                     : json_null());
+            json_object_set_new(p, "meta_leader",
+                                have && ji.meta_leader[0]
+                                    ? json_string(ji.meta_leader)
+                                    : json_null());
+            json_object_set_new(p, "rss_kb",
+                                rss >= 0 ? json_integer(rss) : json_null());
+            if (have)
+                snprintf(extra, sizeof(extra), "  %s %s, rss %ld MiB",
+                         ji.server_name, stack_js_role(&ji),
+                         rss >= 0 ? rss / 1024 : 0);
+            json_array_append(jn, p);
+        } else if (broker) {
+            long rss = alive ? stack_rss_kb(pid) : -1;
+            json_object_set_new(p, "name", json_string(name));
+            json_object_set_new(p, "rss_kb",
+                                rss >= 0 ? json_integer(rss) : json_null());
+            if (rss >= 0)
+                snprintf(extra, sizeof(extra), "rss %ld MiB", rss / 1024);
+            if (cluster)
+                json_array_append(jb, p);
+        }
         json_object_set_new(p, "address", json_string(addr ? addr : ""));
-        json_object_set_new(jp, parts[i], p);
+        json_object_set_new(jp, name, p);
         if (!json) {
             char pids[16] = "-";
             if (alive)
                 snprintf(pids, sizeof(pids), "%d", (int)pid);
-            printf("%-7s %-8s pid %-8s %s\n", parts[i],
-                   alive ? "running" : "stopped", pids, addr ? addr : "");
+            printf("%-8s %-8s pid %-8s %s%s\n", name,
+                   alive ? "running" : "stopped", pids, addr ? addr : "",
+                   extra);
         }
     }
     if (json) {
@@ -360,14 +469,23 @@ print_status(bool json, struct cli_conn *cc)
         json_object_set_new(o, "agent_id", agent ? json_string(agent)
                                                  : json_null());
         json_object_set_new(o, "running",
-                            json_boolean(running == (int)(sizeof(parts) /
-                                                          sizeof(parts[0]))));
+                            json_boolean(running == (int)nparts));
         json_object_set_new(o, "parts", jp);
+        json_object_set_new(o, "cluster", json_integer(cluster));
+        if (cluster) {
+            json_object_set_new(o, "nodes", jn);
+            json_object_set_new(o, "brokers", jb);
+            jn = jb = NULL;
+        }
     }
+    json_decref(jn);
+    json_decref(jb);
     /* Remote agents too: whatever the registry holds. Only when there is
      * a NATS server to ask (a running local one, or one given). */
-    if (cc && (cc->nats_url || getenv("KSCORE_NATS_URL") ||
-               stack_pidfile_alive(home, "nats", NULL)))
+    bool nats_alive = stack_pidfile_alive(home, "nats", NULL);
+    for (unsigned i = 0; i < cluster; i++)
+        nats_alive = nats_alive || nodes[i].running;
+    if (cc && (cc->nats_url || getenv("KSCORE_NATS_URL") || nats_alive))
         status_agents(cc, agent, json, o);
     else
         json_object_set_new(o, "agents", json_null());
@@ -380,7 +498,7 @@ print_status(bool json, struct cli_conn *cc)
     free(url);
     free(db);
     free(agent);
-    return running == (int)(sizeof(parts) / sizeof(parts[0])) ? 0 : 1;
+    return running == (int)nparts ? 0 : 1;
 }
 
 int
@@ -442,9 +560,13 @@ cmd_up(int argc, char **argv)
         {"listen", required_argument, 0, 'L'},
         {"tls-name", required_argument, 0, 'N'},
         {"mtls", no_argument, 0, 'M'},
+        {"cluster", required_argument, 0, 'C'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
+    unsigned cluster = 0;
+    bool cluster_given = false;
+    struct stack_node nodes[STACK_CLUSTER_MAX];
     struct cli_listen ul = {0};
     bool metrics = false, json = false;
     char env_extra[512] = "", bmetrics[64] = "", ametrics[64] = "";
@@ -472,6 +594,19 @@ cmd_up(int argc, char **argv)
         case 'm':
             metrics = true;
             break;
+        case 'C':
+            cluster = (unsigned)strtoul(optarg, &end, 10);
+            /* One node cannot be a JetStream cluster (nats-server wants
+             * routes); 3 survive the loss of one. */
+            if (*end || !optarg[0] || optarg[0] == '-' || cluster < 2 ||
+                cluster > STACK_CLUSTER_MAX) {
+                cli_err("bad --cluster '%s' (2..%d nodes; 3 survive the "
+                        "loss of one)",
+                        optarg, STACK_CLUSTER_MAX);
+                return CLI_EXIT_USAGE;
+            }
+            cluster_given = true;
+            break;
         case 'j':
             json = true;
             break;
@@ -483,7 +618,8 @@ cmd_up(int argc, char **argv)
             break;
         case 'h':
             printf("usage: kscore up [--local-agents N] [--metrics] [--json] "
-                   "[--listen ADDR [--tls-name NAME]... [--mtls]]\n"
+                   "[--listen ADDR [--tls-name NAME]... [--mtls]] "
+                   "[--cluster N]\n"
                    "Starts the local stack under $KSCORE_HOME (now %s) and "
                    "prints its\nstatus (--json: as `kscore status --json`). "
                    "Only the parts that are down\nare started; the NATS "
@@ -497,8 +633,11 @@ cmd_up(int argc, char **argv)
                    "stack's own CA ($KSCORE_HOME/tls) for ADDR, the host "
                    "name and each --tls-name; --mtls: clients must show a "
                    "certificate from that CA too. Kept for later `up`s "
-                   "(--listen 127.0.0.1 goes back to loopback).\n",
-                   home);
+                   "(--listen 127.0.0.1 goes back to loopback).\n"
+                   "--cluster N: N nats-server nodes (nats-1..N, routes on "
+                   "loopback) with the streams and the KV bucket replicated "
+                   "N times, and %d brokers; kept for later `up`s.\n",
+                   home, CLUSTER_BROKERS);
             return 0;
         default:
             return CLI_EXIT_USAGE;
@@ -511,14 +650,36 @@ cmd_up(int argc, char **argv)
     /* After a reboot without `down` (power loss), the pid files name
      * processes that are gone, or other processes by now. */
     stack_forget_other_boot(home);
+    /* Without --cluster, keep what the stack was started with. */
+    unsigned prev_cluster = stack_cluster_size(home);
+    bool single_runs = stack_pidfile_alive(home, "nats", NULL);
+    if (!cluster_given)
+        cluster = single_runs ? 0 : prev_cluster;
+    if (cluster_given && single_runs) {
+        cli_err("a one-node stack runs in %s: `kscore down` first to start "
+                "a cluster", home);
+        return CLI_EXIT_USAGE;
+    }
+    if (cluster_given && prev_cluster && cluster != prev_cluster) {
+        cli_err("a stack of %u nodes runs in %s: `kscore down` first to "
+                "change that", prev_cluster, home);
+        return CLI_EXIT_USAGE;
+    }
+    if (cluster && (ul.given_host || ul.mtls_given || ul.n_names)) {
+        cli_err("--cluster runs on loopback: not with --listen, --tls-name "
+                "or --mtls (deploy/cluster/ has the files for real hosts)");
+        return CLI_EXIT_USAGE;
+    }
+    char names[2 * STACK_CLUSTER_MAX + 8][16];
+    size_t nparts = part_names(cluster, names);
     int alive = 0;
-    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
-        alive += stack_pidfile_alive(home, parts[i], NULL);
+    for (size_t i = 0; i < nparts; i++)
+        alive += part_alive(home, names[i], NULL);
     /* Without --local-agents, keep what the stack was started with. */
     char *prev = cli_env_get("KSCORE_LOCAL_AGENTS");
     unsigned prev_n = prev ? (unsigned)strtoul(prev, NULL, 10) : 0;
     free(prev);
-    if (alive == (int)(sizeof(parts) / sizeof(parts[0]))) {
+    if (alive == (int)nparts) {
         /* A running stack is left as it is. Asked for other settings than
          * it runs with, `up` says which and fails (125), so a script or a
          * state (Salt, Ansible) does not take the change for done. */
@@ -638,15 +799,68 @@ cmd_up(int argc, char **argv)
     up_tls.ca = ul.tls ? ul.ca : NULL;
     up_tls.cert = ul.mtls ? ul.ocert : NULL;
     up_tls.key = ul.mtls ? ul.okey : NULL;
-    int port = stack_nats_saved_port(home);
-    if (port <= 0) {
+    int port = cluster ? 0 : stack_nats_saved_port(home);
+    if (cluster) {
+        /* The nodes that are down start, on their kept ports; the
+         * running ones reload their users when those changed. */
+        char moved[256] = "", leader[64] = "";
+        unsigned down = 0;
+        int64_t t0 = ks_mono_us();
+        stack_cluster_nodes(home, cluster, nodes);
+        for (unsigned i = 0; i < cluster; i++) {
+            down += !nodes[i].running;
+            if (nodes[i].running && auth_changed &&
+                stack_nats_auth_write(nodes[i].dir, home) == 0)
+                stack_nats_reload(nodes[i].dir, 5000);
+        }
+        if (down)
+            fprintf(stderr, "kscore: starting %u nats-server node%s ...\n",
+                    down, down > 1 ? "s" : "");
+        rc = stack_cluster_start(home, cluster, nodes,
+                                 STACK_NATS_AUTH_INCLUDE, moved,
+                                 sizeof(moved));
+        if (rc) {
+            cli_err("cannot start the nats-server nodes: %s (see "
+                    "%s/nats-*/nats.log)",
+                    ks_strerror(rc), home);
+            goto fail;
+        }
+        if (moved[0])
+            fprintf(stderr,
+                    "kscore: a kept port was taken, so a node moved (%s); "
+                    "the env file follows\n",
+                    moved);
+        /* Streams with replicas need a JetStream meta leader: elected a
+         * few seconds after the nodes meet. */
+        rc = stack_cluster_wait_leader(nodes, cluster, 30000, leader,
+                                       sizeof(leader));
+        if (rc) {
+            cli_err("the nats-server nodes elect no JetStream leader (see "
+                    "%s/nats-*/nats.log)",
+                    home);
+            goto fail;
+        }
+        if (down)
+            fprintf(stderr, "kscore: JetStream meta leader %s (%.1f s)\n",
+                    leader, (double)(ks_mono_us() - t0) / 1e6);
+        if ((rc = stack_cluster_urls(nodes, cluster, &url)))
+            goto fail;
+        free(prev_mon);
+        if (asprintf(&prev_mon, "http://127.0.0.1:%d", nodes[0].mon_port) <
+            0)
+            prev_mon = NULL;
+        if (down == cluster)
+            since_us = ks_now_us();
+    } else if (port <= 0) {
         /* A stack of an older kscore: no nats.port, but env has the url. */
         char *old = cli_env_get("KSCORE_NATS_URL");
         const char *colon = old ? strrchr(old, ':') : NULL;
         port = colon ? atoi(colon + 1) : 0;
         free(old);
     }
-    if (nats_up && port > 0) {
+    if (cluster) {
+        /* started above */
+    } else if (nats_up && port > 0) {
         if (asprintf(&url, "%s://%s:%d", ul.tls ? "tls" : "nats", ul.host,
                      port) < 0)
             goto fail;
@@ -720,26 +934,51 @@ cmd_up(int argc, char **argv)
     /* Each daemon gets its own seed file through the environment; no
      * other credential of the caller's may reach it. */
     clear_nats_env();
-    if (broker_up) {
-        if (local_agents_given && local_agents != prev_n)
-            fprintf(stderr,
-                    "kscore: the broker runs %u local agents, not %u: "
-                    "`kscore down` first to change that\n",
-                    prev_n, local_agents);
-        local_agents = prev_n;
-    } else {
-        fprintf(stderr, "kscore: starting the broker ...\n");
+    /* One broker, or CLUSTER_BROKERS on a cluster: broker-1 runs the
+     * local agents and the metrics, each gets every node's url. */
+    unsigned nbrokers = cluster ? CLUSTER_BROKERS : 1;
+    char nreplicas[16];
+    snprintf(nreplicas, sizeof(nreplicas), "%u", cluster ? cluster : 1);
+    for (unsigned k = 0; k < nbrokers; k++) {
+        char bname[16], blog_state[4200];
+        bool bup;
+        if (cluster)
+            snprintf(bname, sizeof(bname), "broker-%u", k + 1);
+        else
+            snprintf(bname, sizeof(bname), "broker");
+        bup = cluster ? stack_pidfile_alive(home, bname, NULL) : broker_up;
+        if (k == 0 && cluster)
+            broker_up = bup;
+        if (bup) {
+            if (k == 0 && local_agents_given && local_agents != prev_n)
+                fprintf(stderr,
+                        "kscore: the broker runs %u local agents, not %u: "
+                        "`kscore down` first to change that\n",
+                        prev_n, local_agents);
+            if (k == 0)
+                local_agents = prev_n;
+            continue;
+        }
+        fprintf(stderr, "kscore: starting the %s ...\n",
+                cluster ? bname : "broker");
+        snprintf(nlocal, sizeof(nlocal), "%u", k == 0 ? local_agents : 0);
+        if (k == 0)
+            snprintf(blog_state, sizeof(blog_state), "%s", local_state);
+        else
+            snprintf(blog_state, sizeof(blog_state), "%s/local-agents-%u",
+                     home, k + 1);
         setenv("KSCORE_NATS_NKEY", broker_seed, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
                          "--local-agents", nlocal,      "--state-dir",
-                         local_state, "--signing-key",  signing_key,
+                         blog_state,  "--signing-key",  signing_key,
                          /* the host's own service config is not ours */
                          "--config", "/dev/null", NULL, NULL, NULL,
                          NULL,        NULL,             NULL,
                          NULL,        NULL,             NULL,
-                         NULL,        NULL};
-        if (metrics) {
+                         NULL,        NULL,             NULL,
+                         NULL};
+        if (metrics && k == 0) {
             int bp = metrics_port(prev_bm);
             if (bp > 0) {
                 snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
@@ -747,12 +986,19 @@ cmd_up(int argc, char **argv)
                 bargv[15] = bmetrics;
             }
         }
+        if (cluster) {
+            size_t at = 14;
+            while (bargv[at])
+                at++;
+            bargv[at] = "--replicas";
+            bargv[at + 1] = nreplicas;
+        }
         cli_listen_args(bargv, &ul, 0);
-        rc = stack_daemon(home, "broker", bargv, &pid);
+        rc = stack_daemon(home, bname, bargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");
         if (rc) {
-            cli_err("the broker did not start: %s (see %s/broker.log)",
-                    ks_strerror(rc), home);
+            cli_err("the %s did not start: %s (see %s/%s.log)", bname,
+                    ks_strerror(rc), home, bname);
             goto fail;
         }
     }
@@ -814,6 +1060,11 @@ cmd_up(int argc, char **argv)
             snprintf(env_extra + el, sizeof(env_extra) - el,
                      "KSCORE_AGENT_METRICS_URL='%s'\n", prev_am);
     }
+    if (cluster) {
+        size_t el = strlen(env_extra);
+        snprintf(env_extra + el, sizeof(env_extra) - el,
+                 "KSCORE_CLUSTER='%u'\n", cluster);
+    }
     if ((rc = write_env(home, url, db, agent_id, local_agents,
                         operator_seed, env_extra)) ||
         (rc = cli_listen_env(home, &ul))) {
@@ -869,8 +1120,23 @@ cmd_down(int argc, char **argv)
         rc = down_failed("agent", prc);
     if ((prc = stack_stop(home, "broker", 20000)) != 0)
         rc = down_failed("broker", prc);
+    /* A cluster's brokers and nodes (kscore up --cluster): whichever
+     * have a pid file, running or not. */
+    for (unsigned i = 1; i <= CLUSTER_BROKERS + 2; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "broker-%u", i);
+        if ((prc = stack_stop(home, name, 20000)) != 0)
+            rc = down_failed(name, prc);
+    }
     if ((prc = stack_nats_stop(home)) != 0)
         rc = down_failed("nats", prc);
+    for (unsigned i = 1; i <= STACK_CLUSTER_MAX; i++) {
+        char dir[4200], name[16];
+        snprintf(name, sizeof(name), "nats-%u", i);
+        snprintf(dir, sizeof(dir), "%s/%s", home, name);
+        if ((prc = stack_nats_stop(dir)) != 0)
+            rc = down_failed(name, prc);
+    }
     if ((prc = stack_pg_stop(home)) != 0)
         rc = down_failed("pg", prc);
     snprintf(path, sizeof(path), "%s/env", home);
@@ -900,11 +1166,13 @@ cmd_broker(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
-        {"require-signed-labels", no_argument, 0, 'R'},
+        {"require-signed-labels", no_argument, 0, 'G'},
+        {"replicas", required_argument, 0, 'R'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     const char *require_signed = NULL;
+    const char *replicas = NULL;
     struct evt_metrics_server *ms = NULL;
     const char *metrics_listen = NULL;
     bool show = false;
@@ -949,13 +1217,16 @@ cmd_broker(int argc, char **argv)
             metrics_listen = optarg;
             break;
         case 'R':
+            replicas = optarg;
+            break;
+        case 'G':
             require_signed = "true";
             break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
                    "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
-                   "[--require-signed-labels] "
+                   "[--require-signed-labels] [--replicas N] "
                    "[--config FILE] [--log-format "
                    "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
@@ -963,6 +1234,9 @@ cmd_broker(int argc, char **argv)
                    "--require-signed-labels: an agent whose labels the "
                    "signing key did not sign (kscore agent enroll) gets no "
                    "labels (use it for a fleet).\n"
+                   "--replicas N: copies of the streams and the KV bucket "
+                   "on a JetStream cluster (1..5, at most its nodes; "
+                   "default 1).\n"
                    "Settings: flags, then KSCORE_* variables, then the "
                    "config file (default " CLI_CONF_DIR "/broker.conf when "
                    "it exists; kscore.conf(5)).\n");
@@ -987,9 +1261,19 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
         (rc = cli_conf_str(&cf, "metrics_listen", &metrics_listen)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
+        (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
         (rc = cli_conf_log(&cf, log_format, log_level, "broker")))
         goto out;
     o.require_signed_labels = require_signed && cli_conf_true(require_signed);
+    if (replicas) {
+        o.replicas = (unsigned)strtoul(replicas, &end, 10);
+        if (*end || !replicas[0] || replicas[0] == '-' || o.replicas < 1 ||
+            o.replicas > 5) {
+            cli_err("bad --replicas '%s' (1..5)", replicas);
+            rc = CLI_EXIT_USAGE;
+            goto out;
+        }
+    }
     if (local_agents) {
         o.local_agents = (unsigned)strtoul(local_agents, &end, 10);
         if (*end || !local_agents[0] || local_agents[0] == '-' ||

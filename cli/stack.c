@@ -322,7 +322,17 @@ stack_nats_start_at(const char *dir, const char *host, int port,
                     const char *tls_conf, const char *conf_extra,
                     char **url_out, pid_t *pid_out)
 {
-    char conf[4096], store[4096], pidf[4096];
+    return stack_nats_start_named(dir, host, port, NULL, tls_conf,
+                                  conf_extra, url_out, pid_out);
+}
+
+int
+stack_nats_start_named(const char *dir, const char *host, int port,
+                       const char *server_name, const char *tls_conf,
+                       const char *conf_extra, char **url_out,
+                       pid_t *pid_out)
+{
+    char conf[4096], store[4096], pidf[4096], sname[128];
     FILE *f;
     pid_t pid;
     int rc;
@@ -335,6 +345,10 @@ stack_nats_start_at(const char *dir, const char *host, int port,
         if (port < 0)
             return port;
     }
+    if (server_name && server_name[0])
+        snprintf(sname, sizeof(sname), "%s", server_name);
+    else
+        snprintf(sname, sizeof(sname), "kscore_%d", port);
     snprintf(conf, sizeof(conf), "%s/nats.conf", dir);
     snprintf(store, sizeof(store), "%s/nats", dir);
     snprintf(pidf, sizeof(pidf), "%s/nats.pid", dir);
@@ -351,11 +365,11 @@ stack_nats_start_at(const char *dir, const char *host, int port,
     fprintf(f,
             "# written by kscore; regenerated at every start\n"
             "listen: \"%s:%d\"\n"
-            "server_name: kscore_%d\n"
+            "server_name: %s\n"
             "pid_file: \"%s\"\n"
             "max_payload: %d\n"
             "jetstream {\n  store_dir: \"%s\"\n}\n%s%s\n",
-            host, port, port, pidf, KS_MAX_MESSAGE_BYTES, store,
+            host, port, sname, pidf, KS_MAX_MESSAGE_BYTES, store,
             tls_conf ? tls_conf : "", conf_extra ? conf_extra : "");
     if (fclose(f) != 0)
         return -errno;

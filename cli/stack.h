@@ -56,6 +56,16 @@ int stack_nats_start_at(const char *dir, const char *host, int port,
                         char **url_out, pid_t *pid_out);
 
 /*
+ * As stack_nats_start_at, with server_name (NULL: "kscore_<port>"). A
+ * node of a JetStream cluster needs a name that stays the same across
+ * restarts: JetStream knows its peers by it.
+ */
+int stack_nats_start_named(const char *dir, const char *host, int port,
+                           const char *server_name, const char *tls_conf,
+                           const char *conf_extra, char **url_out,
+                           pid_t *pid_out);
+
+/*
  * Stops the nats-server whose pid is in <dir>/nats.pid (TERM, then KILL
  * after 5 s) and waits until it is gone. 0 if stopped or not running.
  */
@@ -211,6 +221,71 @@ int stack_pid_alive(pid_t pid);
  * ignoring it: the pid files are then read as before).
  */
 int stack_forget_other_boot(const char *dir);
+
+/* ---- the stack as a JetStream cluster (stack_cluster.c) ----------------
+ *
+ * `kscore up --cluster N`: nodes nats-1..N, each in <home>/nats-<i>/ with
+ * its own store, pid file, log and kept ports (nats.port for clients,
+ * route.port for the cluster's routes, monitor.port for /varz and /jsz),
+ * all on 127.0.0.1; server_name is "nats-<i>" (JetStream knows its peers
+ * by name, so it never changes). */
+#define STACK_CLUSTER_MAX 5
+
+struct stack_node {
+    int index;          /* 1..N */
+    char dir[4200];     /* <home>/nats-<i> */
+    char name[32];      /* server_name and part name: "nats-<i>" */
+    int port, route_port, mon_port; /* 0: none kept */
+    bool running;
+    bool started;       /* started by stack_cluster_start */
+    pid_t pid;
+};
+
+/* The n nodes as they are on disk (kept ports) and whether each runs.
+ * 0 or KS_EINVAL (n not in 1..STACK_CLUSTER_MAX). */
+int stack_cluster_nodes(const char *home, unsigned n, struct stack_node *out);
+
+/*
+ * Starts the nodes that do not run, each with a nats.conf naming every
+ * other node's route and including conf_extra (the auth include; each
+ * node dir gets its own nats-auth.conf from home's registry). A node gets
+ * its kept ports back when they are free, else new ones; moved (may be
+ * NULL) then says which client ports changed. Each start waits until the
+ * node accepts clients, not for the meta leader
+ * (stack_cluster_wait_leader). 0 or as stack_nats_start.
+ */
+int stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
+                        const char *conf_extra, char *moved,
+                        size_t moved_len);
+
+/* "nats://127.0.0.1:P1,nats://127.0.0.1:P2,...": every node (*out
+ * malloc'd), as evt_connect takes it. 0 or -ENOMEM. */
+int stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out);
+
+/* What a node's monitoring endpoint says (/varz and /jsz). */
+struct stack_js_info {
+    char server_name[64];
+    char meta_leader[64]; /* "" while there is none */
+    int cluster_size, streams, consumers;
+    long long mem_bytes;
+};
+/* 0, KS_EUNAVAIL (no answer), KS_ETIMEDOUT, KS_EDECODE. */
+int stack_nats_js_info(int mon_port, struct stack_js_info *out);
+/* "leader", "follower" (of the JetStream meta group) or "no-leader". */
+const char *stack_js_role(const struct stack_js_info *ji);
+
+/* Waits (<= timeout_ms) until a running node names a meta leader (into
+ * leader, may be NULL). 0 or KS_ETIMEDOUT. */
+int stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
+                              int timeout_ms, char *leader, size_t len);
+
+/* GET http://127.0.0.1:port<path>: the body of a 200 (malloc'd). 0,
+ * KS_EUNAVAIL, KS_ETIMEDOUT, -errno. */
+int stack_http_get(int port, const char *path, int timeout_ms,
+                   char **body_out);
+
+/* VmRSS of pid in kB, or -1. */
+long stack_rss_kb(pid_t pid);
 
 /* ---- TLS: the stack's own CA (stack_tls.c, OpenSSL libcrypto) ---------
  *

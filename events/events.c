@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <openssl/crypto.h>
 
@@ -120,8 +121,22 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
     if (!c)
         return -ENOMEM;
     s = natsOptions_Create(&opts);
-    if (s == NATS_OK)
-        s = natsOptions_SetServers(opts, (const char *[]){url}, 1);
+    if (s == NATS_OK) {
+        /* "nats://a:1,nats://b:2": every server of a cluster, each its
+         * own entry, so nats.c tries them all and reconnects to another
+         * when one goes. */
+        const char *servers[16];
+        char *copy = strdup(url ? url : ""), *save = NULL;
+        int n = 0;
+        for (char *t = copy ? strtok_r(copy, ", ", &save) : NULL;
+             t && n < (int)(sizeof(servers) / sizeof(servers[0]));
+             t = strtok_r(NULL, ", ", &save))
+            servers[n++] = t;
+        if (n == 0)
+            servers[n++] = url;
+        s = natsOptions_SetServers(opts, servers, n);
+        free(copy);
+    }
     if (s == NATS_OK && o->name)
         s = natsOptions_SetName(opts, o->name);
     if (s == NATS_OK)
@@ -276,6 +291,13 @@ add_or_update_stream(jsCtx *js, jsStreamConfig *sc, char **errmsg)
 int
 evt_setup(struct evt_conn *c, char **errmsg)
 {
+    return evt_setup_replicas(c, 1, errmsg);
+}
+
+/* One try of evt_setup_replicas. */
+static int
+setup_once(struct evt_conn *c, int replicas, char **errmsg)
+{
     jsStreamConfig sc;
     kvConfig kc;
     kvStore *kv = NULL;
@@ -299,6 +321,7 @@ evt_setup(struct evt_conn *c, char **errmsg)
      * removal of acked messages is not an API delete. */
     sc.DenyDelete = true;
     sc.DenyPurge = true;
+    sc.Replicas = replicas;
     rc = add_or_update_stream(c->js, &sc, errmsg);
     if (rc)
         return rc;
@@ -316,6 +339,7 @@ evt_setup(struct evt_conn *c, char **errmsg)
     sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
     sc.DenyDelete = true; /* as KSCORE_CMDS */
     sc.DenyPurge = true;
+    sc.Replicas = replicas;
     rc = add_or_update_stream(c->js, &sc, errmsg);
     if (rc)
         return rc;
@@ -325,6 +349,7 @@ evt_setup(struct evt_conn *c, char **errmsg)
     kc.History = 1;
     kc.TTL = EVT_AGENT_TTL_MS * NS_PER_MS;
     kc.StorageType = js_FileStorage;
+    kc.Replicas = replicas;
     s = js_CreateKeyValue(&kv, c->js, &kc);
     kvStore_Destroy(kv);
     if (s != NATS_OK) {
@@ -343,9 +368,14 @@ evt_setup(struct evt_conn *c, char **errmsg)
         char kvs[64];
         snprintf(kvs, sizeof(kvs), "KV_%s", EVT_KV_AGENTS);
         s = js_GetStreamInfo(&si, c->js, kvs, NULL, NULL);
-        if (s == NATS_OK && si && !si->Config->DenyDelete) {
+        /* A bucket made with fewer replicas (a stack that became a
+         * cluster) is scaled here too: js_CreateKeyValue leaves an
+         * existing bucket as it is. */
+        if (s == NATS_OK && si &&
+            (!si->Config->DenyDelete || si->Config->Replicas != replicas)) {
             jsStreamInfo *nsi = NULL;
             si->Config->DenyDelete = true;
+            si->Config->Replicas = replicas;
             s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);
             jsStreamInfo_Destroy(nsi);
         }
@@ -358,6 +388,35 @@ evt_setup(struct evt_conn *c, char **errmsg)
         }
     }
     return 0;
+}
+
+int
+evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg)
+{
+    /* A cluster that has just started has no JetStream meta leader for a
+     * few seconds (elections), and until then every stream request fails
+     * ("JetStream system temporarily unavailable", or no reply): a
+     * replicated setup is tried again for up to 30 s. One node answers
+     * at once or not at all, as before. */
+    int64_t deadline = ks_mono_us() + INT64_C(30) * 1000 * 1000;
+    int rc;
+
+    if (replicas < 1)
+        replicas = 1;
+    for (;;) {
+        char *why = NULL;
+        rc = setup_once(c, replicas, &why);
+        if (rc == 0 || replicas == 1 || ks_mono_us() >= deadline) {
+            if (errmsg)
+                *errmsg = why;
+            else
+                free(why);
+            return rc;
+        }
+        free(why);
+        struct timespec ts = {0, 250 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 int

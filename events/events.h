@@ -125,6 +125,13 @@ int evt_err(natsStatus s);
  * or KS_ENATS with *errmsg.
  */
 int evt_setup(struct evt_conn *c, char **errmsg);
+/*
+ * As evt_setup, with `replicas` copies of each stream and of the KV bucket
+ * (a JetStream cluster: at most its node count; < 1 is 1). Existing ones
+ * are scaled to it. With replicas > 1 a failure is tried again for up to
+ * 30 s (a new cluster's meta leader election).
+ */
+int evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg);
 
 /* 1 if id is a valid agent id: [A-Za-z0-9_-], 1..EVT_AGENT_ID_MAX. */
 int evt_agent_id_valid(const char *id);

@@ -509,6 +509,149 @@ sc_queued_stopped(struct chaos_run *r)
     return 0;
 }
 
+/* ---- 7. the cluster stack (kscore up --cluster 3): a node or a broker dies ---------- */
+
+/* Agent ids of the cluster scenarios: full 5 batches over 200 ids (1,000
+ * targets), short 4 over 50 (200): every target of a batch is another
+ * agent id, and each id costs the cluster a replicated consumer. */
+#define CLUSTER_IDS_MAX 200
+
+struct cluster_load {
+    char ids[CLUSTER_IDS_MAX][16];
+    const char *idp[CLUSTER_IDS_MAX];
+    unsigned n, nb, conc;
+    long total, kill_at;
+    int64_t down_ms;
+};
+
+static int
+cluster_setup(struct chaos_run *r, struct cluster_load *l)
+{
+    l->n = r->short_mode ? 50 : CLUSTER_IDS_MAX;
+    l->nb = r->short_mode ? 4 : 5;
+    l->conc = r->short_mode ? 25 : 50;
+    l->total = (long)l->n * l->nb;
+    /* deliver-within long enough to outlast an election and a restart */
+    set_spec(r, 30000, 10000, 1000);
+    l->kill_at = (long)chaos_rand(r, (uint64_t)l->total / 5,
+                                  (uint64_t)l->total * 3 / 5);
+    l->down_ms = (int64_t)chaos_rand(r, 1000, r->short_mode ? 3000 : 5000);
+    for (unsigned i = 0; i < l->n; i++) {
+        snprintf(l->ids[i], sizeof(l->ids[i]), "c-%u", i);
+        l->idp[i] = l->ids[i];
+    }
+    return chaos_cluster_up(r, l->ids, l->n);
+}
+
+/* Submits the batches (`sh -c 'echo $$ >> side'`, as /bin/true with a
+ * side effect) and waits until kill_at targets succeeded. */
+static void
+cluster_load_to_kill_point(struct chaos_run *r, struct cluster_load *l)
+{
+    for (unsigned i = 0; i < l->nb; i++) {
+        int rc = chaos_batch_submit(r, l->idp, l->n, l->conc, 0);
+        if (rc)
+            chaos_log(r, "batch %u refused: %s", i, ks_strerror(rc));
+    }
+    int64_t until = ks_mono_us() + 60 * 1000000LL;
+    while (!chaos_interrupted && ks_mono_us() < until &&
+           sql_long(r, "SELECT count(*) FROM commands WHERE batch_id IS NOT "
+                       "NULL AND status = 'Succeeded'") < l->kill_at)
+        chaos_sleep_ms(20);
+    chaos_log(r, "%ld targets running, %ld succeeded",
+              chaos_count_status(r, "Running", NULL),
+              chaos_count_status(r, "Succeeded", NULL));
+}
+
+static void
+wait_pid_gone(pid_t pid)
+{
+    for (int i = 0; i < 500 && kill(pid, 0) == 0; i++)
+        chaos_sleep_ms(10);
+}
+
+/* `kscore up` after down_ms; the recovery probe. */
+static void
+cluster_restart(struct chaos_run *r, const char *what, int64_t down_ms)
+{
+    chaos_sleep_ms(down_ms);
+    int64_t t0 = ks_mono_us();
+    int rc = chaos_cluster_restart(r);
+    chaos_log(r, "kscore up: %s (%.1f s)", rc ? "failed" : "restarted it",
+              chaos_since_s(t0));
+    chaos_probe(r, what, r->probe_agent, t0);
+}
+
+static int
+sc_cluster_node_kill(struct chaos_run *r)
+{
+    struct cluster_load *l = calloc(1, sizeof(*l));
+    int rc;
+    if (!l)
+        return -ENOMEM;
+    int victim = (int)chaos_rand(r, 1, 3);
+    if ((rc = cluster_setup(r, l)))
+        goto out;
+    snprintf(r->note, sizeof(r->note),
+             "%u batches of %u targets (concurrency %u) on 3 nodes, 2 "
+             "brokers; kill -9 nats-%d once %ld targets succeeded; `kscore "
+             "up` %lld ms later",
+             l->nb, l->n, l->conc, victim, l->kill_at,
+             (long long)l->down_ms);
+    chaos_log(r, "%s", r->note);
+    cluster_load_to_kill_point(r, l);
+    char dir[PATH_MAX + 32];
+    pid_t pid = 0;
+    snprintf(dir, sizeof(dir), "%.4000s/nats-%d", r->st.dir, victim);
+    if (stack_pidfile_alive(dir, "nats", &pid)) {
+        kill(pid, SIGKILL);
+        wait_pid_gone(pid);
+        chaos_log(r, "nats-%d killed (kill -9, pid %d)", victim, (int)pid);
+    }
+    cluster_restart(r, "nats node restart", l->down_ms);
+out:
+    free(l);
+    return rc;
+}
+
+static int
+sc_cluster_broker_kill(struct chaos_run *r)
+{
+    struct cluster_load *l = calloc(1, sizeof(*l));
+    int rc;
+    if (!l)
+        return -ENOMEM;
+    if ((rc = cluster_setup(r, l)))
+        goto out;
+    snprintf(r->note, sizeof(r->note),
+             "%u batches of %u targets (concurrency %u) on 3 nodes, 2 "
+             "brokers; kill -9 the broker that drives the first batch once "
+             "%ld targets succeeded; `kscore up` %lld ms later",
+             l->nb, l->n, l->conc, l->kill_at, (long long)l->down_ms);
+    chaos_log(r, "%s", r->note);
+    cluster_load_to_kill_point(r, l);
+    /* the lease owner of the first batch: "<host>/<pid>/<uuid>" */
+    char sql[256], name[16] = "broker-1";
+    snprintf(sql, sizeof(sql),
+             "SELECT split_part(owner, '/', 2)::int FROM batch_leases WHERE "
+             "batch_id = '%s' AND owner <> ''",
+             r->nbatches ? r->batches[0].id : "");
+    long owner = sql_long(r, sql);
+    for (int i = 1; i <= 2; i++) {
+        char n[16];
+        pid_t p = 0;
+        snprintf(n, sizeof(n), "broker-%d", i);
+        if (stack_pidfile_alive(r->st.dir, n, &p) && p == (pid_t)owner)
+            snprintf(name, sizeof(name), "%s", n);
+    }
+    fixture_stack_signal(&r->st, name, SIGKILL);
+    chaos_log(r, "%s killed (kill -9; lease owner pid %ld)", name, owner);
+    cluster_restart(r, "broker restart", l->down_ms);
+out:
+    free(l);
+    return rc;
+}
+
 /* ---- the runner ------------------------------------------------------------------- */
 
 static const struct chaos_scenario scenarios[] = {
@@ -531,6 +674,12 @@ static const struct chaos_scenario scenarios[] = {
     {"burst", "5,000 commands to one agent at once", sc_burst},
     {"queued-stopped", "2,000 commands queued to a stopped agent (SIGSTOP, "
                        "SIGCONT a few seconds later)", sc_queued_stopped},
+    {"cluster_node_kill", "kscore up --cluster 3: kill -9 one nats-server "
+                          "node in the middle of 1,000 batch targets, "
+                          "restart it", sc_cluster_node_kill},
+    {"cluster_broker_kill", "kscore up --cluster 3: kill -9 the broker "
+                            "driving a batch of 1,000 targets, the other "
+                            "continues", sc_cluster_broker_kill},
 };
 #define NSCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

@@ -111,6 +111,7 @@ struct chaos_run {
     /* results */
     unsigned violations[7]; /* by invariant, 1..6 */
     bool setup_failed;
+    bool cluster; /* the stack is `kscore up --cluster 3` in st.dir */
     struct chaos_stats {
         long submitted, accepted, recorded, ran0, ran1, ran2, lost, twice;
     } stats;
@@ -138,6 +139,25 @@ double chaos_since_s(int64_t mono_us);
  * directory and the two readers. 0 or a negative code. */
 int chaos_stack_up(struct chaos_run *r, unsigned local_agents);
 void chaos_stack_down(struct chaos_run *r);
+/* The two readers of I5 (chaos_stack_up starts them). */
+int chaos_readers_start(struct chaos_run *r);
+/* The operator's seed on a secure stack, else NULL (no credential). */
+static inline const char *
+chaos_nkey(const struct chaos_run *r)
+{
+    return r->st.secure ? r->st.operator_seed : NULL;
+}
+
+/* ---- chaos_cluster.c ----------------------------------------------------- */
+/* `kscore up --cluster 3` in a new directory (st.dir is its KSCORE_HOME;
+ * secure: the operator's seed), and one `kscore agent` process
+ * "agent-fleet" serving ids[0..n-1] with the broker's credential. Starts
+ * the readers. 0 or a negative code. */
+int chaos_cluster_up(struct chaos_run *r, char (*ids)[16], unsigned n);
+/* `kscore up` again: starts what is down. 0 or the exit status. */
+int chaos_cluster_restart(struct chaos_run *r);
+/* `kscore down` and the fleet; removes the directory unless kept. */
+void chaos_cluster_down(struct chaos_run *r);
 /* One `kscore agent` process `name` serving ids[0..n-1], max_concurrent. */
 int chaos_agent_spawn(struct chaos_run *r, const char *name,
                       const char *const *ids, unsigned n,

@@ -309,12 +309,16 @@ check_batches(struct chaos_run *r, PGconn *pg, struct cmds *cs)
         }
         if (s->has_end_counts) {
             const Ks__BatchCounts *e = &s->end_counts;
+            /* BatchCounts.failed is only Failed; every other end but
+             * Succeeded and Cancelled (TimedOut, killed, Undeliverable,
+             * Lost, NotStarted) is in its own count, and all of them in
+             * errors. */
             if (e->total != s->spec->n_command_ids || e->succeeded != ok ||
-                e->failed + e->cancelled != bad + cn)
+                e->errors + e->cancelled != bad + cn)
                 viol(r, 4,
                      "batch %s recorded end counts total %u, %u succeeded, "
-                     "%u failed+cancelled; its targets: %zu, %u, %u",
-                     bid, e->total, e->succeeded, e->failed + e->cancelled,
+                     "%u errors+cancelled; its targets: %zu, %u, %u",
+                     bid, e->total, e->succeeded, e->errors + e->cancelled,
                      s->spec->n_command_ids, ok, bad + cn);
         }
     }

@@ -53,7 +53,8 @@ api_reader_main(void *arg)
     struct chaos_run *r = rd->run;
     struct evt_connect_opts o = {.name = "chaos-reader",
                                  .send_asap = true,
-                                 .retry_forever = true};
+                                 .retry_forever = true,
+                                 .nkey_file = chaos_nkey(r)};
     struct evt_conn *c = NULL;
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
 
@@ -133,8 +134,8 @@ store_reader_main(void *arg)
     return NULL;
 }
 
-static int
-readers_start(struct chaos_run *r)
+int
+chaos_readers_start(struct chaos_run *r)
 {
     static const char *const names[2] = {"api", "store"};
     void *(*const mains[2])(void *) = {api_reader_main, store_reader_main};
@@ -178,7 +179,7 @@ chaos_stack_up(struct chaos_run *r, unsigned local_agents)
     if (mkdir(r->side, 0777) == -1 && errno != EEXIST)
         return -errno;
     chmod(r->side, 0777);
-    return readers_start(r);
+    return chaos_readers_start(r);
 }
 
 void
@@ -187,6 +188,10 @@ chaos_stack_down(struct chaos_run *r)
     chaos_readers_stop(r);
     if (!r->stack_up)
         return;
+    if (r->cluster) {
+        chaos_cluster_down(r);
+        return;
+    }
     /* Whatever a scenario paused must run again to hear its SIGTERM. */
     fixture_stack_nats_kill(&r->st, SIGCONT);
     for (unsigned i = 0; i < CHAOS_MAX_AGENTS; i++) {
@@ -308,7 +313,8 @@ submitter_main(void *arg)
     struct chaos_run *r = arg;
     struct evt_connect_opts o = {.name = "chaos-submit",
                                  .send_asap = true,
-                                 .retry_forever = true};
+                                 .retry_forever = true,
+                                 .nkey_file = chaos_nkey(r)};
     struct evt_conn *c = NULL;
     int64_t give_up = ks_mono_us() + 30 * 1000000LL;
 
@@ -372,7 +378,9 @@ int
 chaos_batch_submit(struct chaos_run *r, const char *const *agents,
                    unsigned n, unsigned conc, double sleep_s)
 {
-    struct evt_connect_opts o = {.name = "chaos-batch", .send_asap = true};
+    struct evt_connect_opts o = {.name = "chaos-batch",
+                                 .send_asap = true,
+                                 .nkey_file = chaos_nkey(r)};
     struct evt_conn *c = NULL;
     Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
     Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;

@@ -1,0 +1,353 @@
+/* The local stack as a JetStream cluster (`kscore up --cluster N`): N
+ * nats-server nodes with routes on loopback, each in <home>/nats-<i>/. */
+#include "stack.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "kproto.h"
+
+static void
+sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
+        ;
+}
+
+static int
+read_port(const char *dir, const char *file)
+{
+    char path[4400];
+    long v = 0;
+    FILE *f;
+    snprintf(path, sizeof(path), "%s/%s", dir, file);
+    if (!(f = fopen(path, "re")))
+        return 0;
+    if (fscanf(f, "%ld", &v) != 1 || v <= 0 || v > 65535)
+        v = 0;
+    fclose(f);
+    return (int)v;
+}
+
+static int
+write_port(const char *dir, const char *file, int port)
+{
+    char path[4400];
+    FILE *f;
+    snprintf(path, sizeof(path), "%s/%s", dir, file);
+    if (!(f = fopen(path, "we")))
+        return -errno;
+    fprintf(f, "%d\n", port);
+    return fclose(f) == 0 ? 0 : -errno;
+}
+
+int
+stack_cluster_nodes(const char *home, unsigned n, struct stack_node *out)
+{
+    if (n < 1 || n > STACK_CLUSTER_MAX)
+        return KS_EINVAL;
+    for (unsigned i = 0; i < n; i++) {
+        struct stack_node *nd = &out[i];
+        memset(nd, 0, sizeof(*nd));
+        nd->index = i + 1;
+        snprintf(nd->dir, sizeof(nd->dir), "%s/nats-%u", home, i + 1);
+        snprintf(nd->name, sizeof(nd->name), "nats-%u", i + 1);
+        nd->port = read_port(nd->dir, "nats.port");
+        nd->route_port = read_port(nd->dir, "route.port");
+        nd->mon_port = read_port(nd->dir, "monitor.port");
+        nd->running = stack_pidfile_alive(nd->dir, "nats", &nd->pid) == 1;
+    }
+    return 0;
+}
+
+/* A port for a node that starts: the kept one when it is free, else a new
+ * free one that no other node uses. 0 when there is none. */
+static int
+pick_port(int kept, const int *taken, size_t n_taken)
+{
+    if (kept > 0 && stack_port_free(kept) == 1) {
+        bool dup = false;
+        for (size_t i = 0; i < n_taken; i++)
+            dup = dup || taken[i] == kept;
+        if (!dup)
+            return kept;
+    }
+    for (int tries = 0; tries < 50; tries++) {
+        int p = stack_free_port();
+        bool dup = false;
+        if (p <= 0)
+            return 0;
+        for (size_t i = 0; i < n_taken; i++)
+            dup = dup || taken[i] == p;
+        if (!dup)
+            return p;
+    }
+    return 0;
+}
+
+int
+stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
+                    const char *conf_extra, char *moved, size_t moved_len)
+{
+    int taken[3 * STACK_CLUSTER_MAX];
+    size_t nt = 0;
+    int rc;
+
+    if (moved && moved_len)
+        moved[0] = '\0';
+    /* The running nodes keep their ports; the others get theirs back when
+     * free. Every route port is known before the first node starts, so
+     * each node's routes name all the others. */
+    for (unsigned i = 0; i < n; i++)
+        if (nodes[i].running) {
+            taken[nt++] = nodes[i].port;
+            taken[nt++] = nodes[i].route_port;
+            taken[nt++] = nodes[i].mon_port;
+        }
+    for (unsigned i = 0; i < n; i++) {
+        struct stack_node *nd = &nodes[i];
+        int want[3] = {nd->port, nd->route_port, nd->mon_port};
+        if (nd->running)
+            continue;
+        nd->port = pick_port(nd->port, taken, nt);
+        taken[nt++] = nd->port;
+        nd->route_port = pick_port(nd->route_port, taken, nt);
+        taken[nt++] = nd->route_port;
+        nd->mon_port = pick_port(nd->mon_port, taken, nt);
+        taken[nt++] = nd->mon_port;
+        if (!nd->port || !nd->route_port || !nd->mon_port)
+            return KS_EUNAVAIL;
+        if (want[0] > 0 && want[0] != nd->port && moved && moved_len) {
+            size_t l = strlen(moved);
+            snprintf(moved + l, moved_len - l, "%s%s: %d -> %d",
+                     l ? ", " : "", nd->name, want[0], nd->port);
+        }
+    }
+    for (unsigned i = 0; i < n; i++) {
+        struct stack_node *nd = &nodes[i];
+        char *extra = NULL, routes[64 * STACK_CLUSTER_MAX] = "";
+        size_t rl = 0;
+        char *url = NULL;
+        if (nd->running)
+            continue;
+        if ((rc = stack_mkdirs(nd->dir, 0700)) ||
+            (rc = stack_nats_auth_write(nd->dir, home)))
+            return rc;
+        for (unsigned j = 0; j < n; j++)
+            if (j != i)
+                rl += (size_t)snprintf(routes + rl, sizeof(routes) - rl,
+                                       "%s\"nats-route://127.0.0.1:%d\"",
+                                       rl ? ", " : "", nodes[j].route_port);
+        /* Routes bind loopback only and carry no user auth: nothing but
+         * this host's processes reaches them. The monitoring port (/jsz
+         * says who leads the meta group) is loopback too. */
+        if (asprintf(&extra,
+                     "%shttp: \"127.0.0.1:%d\"\n"
+                     "cluster {\n  name: kscore\n"
+                     "  listen: \"127.0.0.1:%d\"\n"
+                     "  routes: [%s]\n}\n",
+                     conf_extra ? conf_extra : "", nd->mon_port,
+                     nd->route_port, routes) < 0)
+            return -ENOMEM;
+        rc = stack_nats_start_named(nd->dir, "127.0.0.1", nd->port, nd->name,
+                                    NULL, extra, &url, &nd->pid);
+        free(extra);
+        free(url);
+        if (rc)
+            return rc;
+        write_port(nd->dir, "route.port", nd->route_port);
+        write_port(nd->dir, "monitor.port", nd->mon_port);
+        nd->running = true;
+        nd->started = true;
+    }
+    return 0;
+}
+
+int
+stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out)
+{
+    size_t cap = (size_t)n * 32 + 1, l = 0;
+    char *s = malloc(cap);
+    if (!s)
+        return -ENOMEM;
+    s[0] = '\0';
+    for (unsigned i = 0; i < n; i++)
+        l += (size_t)snprintf(s + l, cap - l, "%snats://127.0.0.1:%d",
+                              i ? "," : "", nodes[i].port);
+    *out = s;
+    return 0;
+}
+
+int
+stack_http_get(int port, const char *path, int timeout_ms, char **body_out)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+    char req[512], *buf = NULL, *body;
+    size_t len = 0, cap = 0;
+    int fd, rc = KS_EUNAVAIL;
+
+    *body_out = NULL;
+    if (port <= 0 || port > 65535)
+        return KS_EINVAL;
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd == -1)
+        return -errno;
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == -1)
+        goto out;
+    /* HTTP/1.0: the server closes after the answer, so its end is EOF. */
+    int rl = snprintf(req, sizeof(req),
+                      "GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n\r\n", path,
+                      port);
+    if (write(fd, req, (size_t)rl) != rl)
+        goto out;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *nb = realloc(buf, cap = cap ? cap * 2 : 16384);
+            if (!nb) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            buf = nb;
+        }
+        ssize_t r = read(fd, buf + len, cap - len - 1);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            rc = errno == EAGAIN ? KS_ETIMEDOUT : -errno;
+            goto out;
+        }
+        if (r == 0)
+            break;
+        len += (size_t)r;
+    }
+    if (!buf)
+        goto out;
+    buf[len] = '\0';
+    if (strncmp(buf, "HTTP/1.", 7) != 0 || strncmp(buf + 9, "200", 3) != 0 ||
+        !(body = strstr(buf, "\r\n\r\n")))
+        goto out;
+    body += 4;
+    memmove(buf, body, strlen(body) + 1);
+    *body_out = buf;
+    buf = NULL;
+    rc = 0;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+int
+stack_nats_js_info(int mon_port, struct stack_js_info *out)
+{
+    char *body = NULL;
+    json_t *j = NULL;
+    int rc;
+
+    memset(out, 0, sizeof(*out));
+    if ((rc = stack_http_get(mon_port, "/varz", 2000, &body)))
+        return rc;
+    j = json_loads(body, 0, NULL);
+    free(body);
+    body = NULL;
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return KS_EDECODE;
+    }
+    snprintf(out->server_name, sizeof(out->server_name), "%s",
+             json_string_value(json_object_get(j, "server_name"))
+                 ? json_string_value(json_object_get(j, "server_name"))
+                 : "");
+    out->mem_bytes = json_integer_value(json_object_get(j, "mem"));
+    json_decref(j);
+    if ((rc = stack_http_get(mon_port, "/jsz", 2000, &body)))
+        return rc;
+    j = json_loads(body, 0, NULL);
+    free(body);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return KS_EDECODE;
+    }
+    json_t *meta = json_object_get(j, "meta_cluster");
+    const char *leader = json_string_value(json_object_get(meta, "leader"));
+    snprintf(out->meta_leader, sizeof(out->meta_leader), "%s",
+             leader ? leader : "");
+    out->cluster_size =
+        (int)json_integer_value(json_object_get(meta, "cluster_size"));
+    out->streams = (int)json_integer_value(json_object_get(j, "streams"));
+    out->consumers = (int)json_integer_value(json_object_get(j, "consumers"));
+    json_decref(j);
+    return 0;
+}
+
+const char *
+stack_js_role(const struct stack_js_info *ji)
+{
+    if (!ji->meta_leader[0])
+        return "no-leader";
+    return strcmp(ji->meta_leader, ji->server_name) == 0 ? "leader"
+                                                         : "follower";
+}
+
+int
+stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
+                          int timeout_ms, char *leader, size_t len)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    /* Every running node must name the same leader: a node started
+     * again has then rejoined the meta group, not only its peers. */
+    do {
+        char first[64] = "";
+        bool all = true;
+        for (unsigned i = 0; i < n && all; i++) {
+            struct stack_js_info ji;
+            if (!nodes[i].running)
+                continue;
+            if (stack_nats_js_info(nodes[i].mon_port, &ji) != 0 ||
+                !ji.meta_leader[0] ||
+                (first[0] && strcmp(first, ji.meta_leader) != 0))
+                all = false;
+            else
+                snprintf(first, sizeof(first), "%s", ji.meta_leader);
+        }
+        if (all && first[0]) {
+            if (leader && len)
+                snprintf(leader, len, "%s", first);
+            return 0;
+        }
+        sleep_ms(200);
+    } while (ks_mono_us() < deadline);
+    return KS_ETIMEDOUT;
+}
+
+long
+stack_rss_kb(pid_t pid)
+{
+    char path[64], line[256];
+    long kb = -1;
+    FILE *f;
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    if (!(f = fopen(path, "re")))
+        return -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+            break;
+    fclose(f);
+    return kb;
+}
