@@ -1208,8 +1208,10 @@ cmd_agent(int argc, char **argv)
     if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
         goto out;
     rc = CLI_EXIT_USAGE;
+    /* The log settings first: "bad bundle" is a line of the log too. */
     if (cli_conf_str(&cf, "bundle", &bundle_file) ||
-        cli_conf_str(&cf, "state_dir", &o.state_dir))
+        cli_conf_str(&cf, "state_dir", &o.state_dir) ||
+        cli_conf_log(&cf, log_format, log_level, "agent"))
         goto out;
     if (bundle_file) {
         char why[512] = "";
@@ -1247,8 +1249,7 @@ cmd_agent(int argc, char **argv)
     cli_conf_conn(&cf, &cc);
     if (cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
-        cli_conf_str(&cf, "metrics_listen", &metrics_listen) ||
-        cli_conf_log(&cf, log_format, log_level, "agent"))
+        cli_conf_str(&cf, "metrics_listen", &metrics_listen))
         goto out;
     if (max_concurrent) {
         char *end;
