@@ -255,10 +255,14 @@ broker__claim_instance_ok(struct broker *b, const char *agent_id,
 }
 
 /* Takes info into the registry map (which owns it from here), with its
- * labels decided by labels_settle. */
+ * labels decided by labels_settle. watched: info is the watcher's, which
+ * sees the entries in order; an entry read from the bucket meanwhile
+ * (broker__agent_known) may be newer than what the watcher delivers next,
+ * so it says nothing about which process heartbeats (instance_note). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why, char *verified)
+             bool labels_signed, const char *why, char *verified,
+             bool watched)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -277,7 +281,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         a->stored_mono_us = ks_mono_us();
     }
     a->seen_mono_us = ks_mono_us();
-    bool dup = instance_note(a, info, a->seen_mono_us);
+    bool dup = watched && instance_note(a, info, a->seen_mono_us);
     struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
@@ -514,7 +518,7 @@ registry_main(void *arg)
                     /* Before agent_update takes info. */
                     provision(b, &pv, info);
                     agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified);
+                                 verified, true);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -596,7 +600,7 @@ broker__agent_known(struct broker *b, const char *agent_id)
         const char *why = NULL;
         char *verified = NULL;
         bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified);
+        agent_update(b, agent_id, info, sig, why, verified, false);
         return 1;
     }
     return 0;
