@@ -408,6 +408,25 @@ int agent_decode_command(const struct evt_verifier *trust,
  * cancels running commands, publishes their results, frees. Accepts NULL. */
 void agent_stop(struct agent *a);
 
+/*
+ * Why this agent can serve no more and its process should exit (then with
+ * AGENT_EXIT_CONFIG, which systemd does not restart:
+ * RestartPreventExitStatus): 0 while it serves;
+ *  AGENT_FATAL_REVOKED: NATS closed its connection for good (a revoked
+ *   credential: an authorization violation at the reload) after it fenced
+ *   itself, so it can neither run nor report anything any more;
+ *  AGENT_FATAL_DUPLICATE: the broker refused its claim because another,
+ *   older process serves the same id (KS_EDUPINSTANCE).
+ * Any thread.
+ */
+enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED,
+                   AGENT_FATAL_DUPLICATE };
+#define AGENT_EXIT_CONFIG 78 /* EX_CONFIG */
+enum agent_fatal agent_fatal(struct agent *a);
+
+/* This process's instance id (AgentInfo.instance_id; 36 chars). */
+const char *agent_instance_id(struct agent *a);
+
 /* The pid of the agent's watchdog process, 0 if it has none. */
 pid_t agent_watchdog_pid(struct agent *a);
 

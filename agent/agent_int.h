@@ -107,6 +107,9 @@ struct agent {
     /* Contact with NATS: the last heartbeat a PubAck confirmed (mono us). */
     _Atomic int64_t last_contact_us;
     atomic_bool fenced; /* silent for longer than fence_ms */
+    char instance_id[37];   /* AgentInfo.instance_id: this process */
+    int64_t started_at_us;  /* AgentInfo.started_at_us */
+    atomic_int fatal;       /* enum agent_fatal */
     pthread_mutex_t hb_mu;
     pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
     bool hb_wake;           /* under hb_mu: heartbeat now */

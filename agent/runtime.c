@@ -617,6 +617,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.expected_version = cmd->dispatch_version;
     req.start_failure = start_failure;
     req.operator_ = cmd->operator_;
+    req.instance_id = a->instance_id;
     /* Retried with the same event_id: a claim whose reply was lost is
      * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
      * restarting answers "no responders" at once: wait for it rather than
@@ -643,6 +644,14 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     if (rc)
         return rc;
     rep = (Ks__ClaimReply *)pm;
+    if (!rep->granted && rep->error_code == KS_EDUPINSTANCE &&
+        atomic_exchange(&a->fatal, AGENT_FATAL_DUPLICATE) == 0)
+        /* Another, older process serves this id: this one must not run
+         * its commands, and stops (agent_fatal). */
+        ks_log(KS_LOG_ERROR,
+               "another agent process serves this id: this one stops",
+               KS_S("agent", slot->id), KS_S("instance", a->instance_id),
+               KS_S("error", rep->error));
     rc = rep->granted ? 1 : (rep->error_code == KS_ECLAIMED ? 0
                                                             : rep->error_code);
     if (rc == 0)
@@ -1098,6 +1107,9 @@ heartbeat_once(struct agent *a)
     info.seal_key.len = sizeof(a->seal_pub);
     /* The broker gives this id's consumer the ack wait we keep alive. */
     info.ack_wait_ms = a->ack_wait_ms;
+    /* Which process: the broker tells two processes serving one id. */
+    info.instance_id = a->instance_id;
+    info.started_at_us = a->started_at_us;
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
         slots_running(a, per_slot);
     for (size_t i = 0; i < a->n_slots; i++) {
@@ -1281,6 +1293,16 @@ keeper_main(void *arg)
                        KS_D("silent_s", (double)silence / 1e6),
                        KS_I("fence_ms", a->fence_ms));
             fence_running(a, silence);
+            /* Closed for good (a revoked credential: nats.c gives up
+             * after an authorization violation): fenced, nothing more
+             * to do or report. The process exits (agent_fatal). */
+            if (natsConnection_IsClosed(a->nc->nc) &&
+                atomic_exchange(&a->fatal, AGENT_FATAL_REVOKED) == 0)
+                ks_log(KS_LOG_ERROR,
+                       "NATS closed the connection for good (revoked "
+                       "credential?): the agent stops",
+                       KS_S("agent", a->slots[0].id),
+                       KS_I("exit_code", AGENT_EXIT_CONFIG));
         } else if (silence <= (int64_t)a->fence_ms * 1000 &&
                    atomic_exchange(&a->fenced, false)) {
             ks_log(KS_LOG_INFO, "heartbeats reach NATS again");
@@ -1346,6 +1368,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     pthread_condattr_destroy(&ca);
     atomic_store(&a->last_contact_us, ks_mono_us());
     gethostname(a->host, sizeof(a->host));
+    ks_uuid(a->instance_id);
+    a->started_at_us = ks_now_us();
     a->host[sizeof(a->host) - 1] = '\0';
     a->max_concurrent = opts->max_concurrent ? opts->max_concurrent
                                              : agent_default_max_concurrent();
@@ -1625,4 +1649,16 @@ agent_stop(struct agent *a)
     pthread_cond_destroy(&a->hb_cond);
     free(a->state_dir);
     free(a);
+}
+
+enum agent_fatal
+agent_fatal(struct agent *a)
+{
+    return a ? (enum agent_fatal)atomic_load(&a->fatal) : AGENT_FATAL_NONE;
+}
+
+const char *
+agent_instance_id(struct agent *a)
+{
+    return a ? a->instance_id : "";
 }

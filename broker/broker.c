@@ -552,6 +552,14 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto reply;
         }
     }
+    /* The newer of two processes serving one id claims nothing: the
+     * older one takes the message (registry.c instance_note). */
+    if ((rc = broker__claim_instance_ok(b, req->agent_id, req->instance_id,
+                                        why, sizeof(why)))) {
+        r.error_code = rc;
+        r.error = why;
+        goto reply;
+    }
     snprintf(stream, sizeof(stream), "command-%s", req->command_id);
 
     Ks__Event ev;

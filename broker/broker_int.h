@@ -17,6 +17,15 @@ struct broker__waiter {
 };
 
 /* What the broker knows of one agent (from KSCORE_AGENTS). */
+/* One agent process as its heartbeats show it (AgentInfo.instance_id). */
+struct broker__instance {
+    char id[40];
+    char host[64];
+    int32_t pid;
+    int64_t started_at_us;
+    int64_t seen_mono_us;
+};
+
 struct broker__agent {
     Ks__AgentInfo *info;
     int64_t seen_mono_us;
@@ -29,7 +38,17 @@ struct broker__agent {
      * agent). */
     char *attest_text;
     uint8_t attest_sig[EVT_SIGNATURE_BYTES];
+    /* registry.c: the last two processes that heartbeat this id (cur: the
+     * latest), and when their heartbeats last interleaved (0: never). */
+    struct broker__instance cur, other;
+    int64_t dup_mono_us;
+    bool dup_logged;
 };
+
+/* Heartbeats of two instances of one id interleaved this recently: the id
+ * is `duplicate` (us). */
+#define BROKER_DUP_WINDOW_US ((int64_t)EVT_AGENT_TTL_MS * 1000)
+
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
  * each, every one with its own thread and PostgreSQL connection: each is
@@ -180,6 +199,12 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * (not in the registry). Takes b->mu. */
 int broker__agent_presence(struct broker *b, const char *agent_id,
                            int64_t *heartbeat_at_us);
+/* May the process instance_id claim for agent_id? 0 yes (also for no
+ * instance id), KS_EDUPINSTANCE with why (naming the other process) when
+ * it is the newer of two processes serving the id (registry.c). */
+int broker__claim_instance_ok(struct broker *b, const char *agent_id,
+                              const char *instance_id, char *why,
+                              size_t why_len);
 
 /* Unpacks an API request (evt_unpack_why: no NUL, valid UTF-8) and checks
  * its fields (broker_check_request) for the caller msg names. 0 with

@@ -157,11 +157,113 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
     return false;
 }
 
+static void
+instance_set(struct broker__instance *in, const Ks__AgentInfo *info,
+             int64_t now)
+{
+    snprintf(in->id, sizeof(in->id), "%s", info->instance_id);
+    snprintf(in->host, sizeof(in->host), "%s", info->host);
+    in->pid = info->pid;
+    in->started_at_us = info->started_at_us;
+    in->seen_mono_us = now;
+}
+
+/* 1 when a's id is served by two live processes now. Under b->mu. */
+static bool
+agent_duplicate(const struct broker__agent *a, int64_t now)
+{
+    return a->dup_mono_us && now - a->dup_mono_us < BROKER_DUP_WINDOW_US &&
+           now - a->other.seen_mono_us < BROKER_DUP_WINDOW_US;
+}
+
+/*
+ * Notes which process info's heartbeat comes from. One id served by two
+ * processes (the same bundle on two hosts) shows as heartbeats from two
+ * instance ids that interleave: A, then B, then A again while B is live.
+ * A restart is a new instance after which the old one is never heard
+ * again, so it is never a duplicate. true when this heartbeat starts a
+ * duplicate episode (to be logged once). Under b->mu.
+ */
+static bool
+instance_note(struct broker__agent *a, const Ks__AgentInfo *info,
+              int64_t now)
+{
+    bool was = agent_duplicate(a, now);
+
+    if (!info->instance_id[0]) /* an agent from before instance ids */
+        return false;
+    if (strcmp(a->cur.id, info->instance_id) == 0) {
+        instance_set(&a->cur, info, now);
+    } else if (strcmp(a->other.id, info->instance_id) == 0 &&
+               now - a->cur.seen_mono_us < BROKER_DUP_WINDOW_US) {
+        struct broker__instance t = a->cur;
+        a->cur = a->other;
+        a->other = t;
+        instance_set(&a->cur, info, now);
+        a->dup_mono_us = now;
+    } else {
+        a->other = a->cur;
+        instance_set(&a->cur, info, now);
+    }
+    if (!agent_duplicate(a, now)) {
+        if (!was)
+            a->dup_logged = false;
+        return false;
+    }
+    if (a->dup_logged)
+        return false;
+    a->dup_logged = true;
+    return true;
+}
+
+/* The newer of a duplicate's two processes (started later; the instance
+ * id breaks a tie). Under b->mu. */
+static const struct broker__instance *
+instance_newer(const struct broker__agent *a)
+{
+    if (a->cur.started_at_us != a->other.started_at_us)
+        return a->cur.started_at_us > a->other.started_at_us ? &a->cur
+                                                             : &a->other;
+    return strcmp(a->cur.id, a->other.id) > 0 ? &a->cur : &a->other;
+}
+
+int
+broker__claim_instance_ok(struct broker *b, const char *agent_id,
+                          const char *instance_id, char *why, size_t why_len)
+{
+    struct broker__agent *a;
+    int rc = 0;
+
+    if (!instance_id || !instance_id[0])
+        return 0;
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && agent_duplicate(a, ks_mono_us())) {
+        const struct broker__instance *n = instance_newer(a);
+        const struct broker__instance *o = n == &a->cur ? &a->other : &a->cur;
+        if (strcmp(n->id, instance_id) == 0) {
+            snprintf(why, why_len,
+                     "duplicate agent: another process (host %s, pid %d, "
+                     "instance %s, started earlier) serves agent '%s'; this "
+                     "one (host %s, pid %d) may not claim: stop one of them",
+                     o->host, (int)o->pid, o->id, agent_id, n->host,
+                     (int)n->pid);
+            rc = KS_EDUPINSTANCE;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
 /* Takes info into the registry map (which owns it from here), with its
- * labels decided by labels_settle. */
+ * labels decided by labels_settle. watched: info is the watcher's, which
+ * sees the entries in order; an entry read from the bucket meanwhile
+ * (broker__agent_known) may be newer than what the watcher delivers next,
+ * so it says nothing about which process heartbeats (instance_note). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why, char *verified)
+             bool labels_signed, const char *why, char *verified,
+             bool watched)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -180,6 +282,8 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         a->stored_mono_us = ks_mono_us();
     }
     a->seen_mono_us = ks_mono_us();
+    bool dup = watched && instance_note(a, info, a->seen_mono_us);
+    struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
@@ -195,6 +299,22 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     warn = why && !a->unsigned_warned;
     a->unsigned_warned = why != NULL;
     pthread_mutex_unlock(&b->mu);
+    if (dup) {
+        const struct broker__instance *n =
+            c.started_at_us > o.started_at_us ||
+                    (c.started_at_us == o.started_at_us &&
+                     strcmp(c.id, o.id) > 0)
+                ? &c
+                : &o;
+        const struct broker__instance *old = n == &c ? &o : &c;
+        ks_log(KS_LOG_ERROR,
+               "duplicate agent: two processes serve one id (the newer one's "
+               "claims are refused)",
+               KS_S("module", "registry"), KS_S("agent", key),
+               KS_S("host", old->host), KS_I("pid", old->pid),
+               KS_S("instance", old->id), KS_S("newer_host", n->host),
+               KS_I("newer_pid", n->pid), KS_S("newer_instance", n->id));
+    }
     if (warn)
         ks_log(KS_LOG_WARN, "agent labels not attested",
                KS_S("module", "registry"), KS_S("agent", key),
@@ -581,7 +701,7 @@ registry_main(void *arg)
                     /* Before agent_update takes info. */
                     provq_push(q, kvEntry_Key(e), info);
                     agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified);
+                                 verified, true);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -673,7 +793,7 @@ broker__agent_known(struct broker *b, const char *agent_id)
         const char *why = NULL;
         char *verified = NULL;
         bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified);
+        agent_update(b, agent_id, info, sig, why, verified, false);
         return 1;
     }
     return 0;
@@ -710,6 +830,11 @@ add_status(const char *key, void *val, void *ud)
     st->labels_signed = a->labels_signed;
     st->online =
         acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
+    if (agent_duplicate(a, acc->now_mono)) {
+        st->duplicate = true;
+        st->duplicate_host = strdup(a->other.host);
+        st->duplicate_pid = a->other.pid;
+    }
     acc->v[acc->n++] = st;
 }
 
@@ -764,6 +889,8 @@ broker__agents_reply_free(Ks__AgentsReply *r)
 {
     for (size_t i = 0; i < r->n_agents; i++) {
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
+        if (r->agents[i]->duplicate_host != protobuf_c_empty_string)
+            free(r->agents[i]->duplicate_host);
         free(r->agents[i]);
     }
     free(r->agents);

@@ -150,8 +150,13 @@ char *cli_env_get(const char *key);
 /* Parses "500ms", "10s", "2m", "1h" or plain seconds into ms. 0 or -1. */
 int cli_parse_duration(const char *s, uint64_t *ms_out);
 
-/* Prints "kscore: <message>" on stderr. */
+/* Prints "kscore: <message>" on stderr; once cli_err_as_log() was called,
+ * a ks_log error line instead. */
 void cli_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* From here on cli_err() logs through ks_log (KS_LOG_ERROR): a service's
+ * log settings are known (cli_conf_log), so a `--log-format json` log
+ * stays JSON to its last line ("cannot connect to NATS", ...). */
+void cli_err_as_log(void);
 
 /* The command result as JSON (text when valid UTF-8, base64 always). */
 json_t *cli_result_json(const Ks__CommandResult *r);

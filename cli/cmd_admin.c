@@ -100,6 +100,14 @@ cmd_agents(int argc, char **argv)
             json_object_set_new(o, "host", json_string(in->host));
             json_object_set_new(o, "version", json_string(in->version));
             json_object_set_new(o, "pid", json_integer(in->pid));
+            /* two processes serve this id (the other's host and pid) */
+            json_object_set_new(o, "duplicate", json_boolean(st->duplicate));
+            if (st->duplicate) {
+                json_object_set_new(o, "duplicate_host",
+                                    json_string(st->duplicate_host));
+                json_object_set_new(o, "duplicate_pid",
+                                    json_integer(st->duplicate_pid));
+            }
             cli_print_json(o);
             continue;
         }
@@ -114,7 +122,10 @@ cmd_agents(int argc, char **argv)
                                      in->labels[k]->value);
         cli_printable(labels);
         printf("%-24s %-8s %-10s %7u %5u  %s\n", in->agent_id,
-               st->online ? "online" : "offline", ago, in->running,
+               st->duplicate ? "duplicate"
+               : st->online  ? "online"
+                             : "offline",
+               ago, in->running,
                in->max_concurrent, labels);
     }
     rc = 0;

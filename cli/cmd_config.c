@@ -485,5 +485,7 @@ cli_conf_log(struct cli_conf *c, const char *format_flag,
         return CLI_EXIT_USAGE;
     }
     ks_log_setup(f, l, service);
+    /* A service's errors from here on are lines of its log. */
+    cli_err_as_log();
     return 0;
 }

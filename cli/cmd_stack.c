@@ -334,6 +334,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         json_object_set_new(a, "pid", json_integer(in->pid));
         json_object_set_new(a, "labels", labels);
         json_object_set_new(a, "local", json_boolean(local));
+        json_object_set_new(a, "duplicate", json_boolean(st->duplicate));
         json_array_append_new(arr, a);
         if (!json) {
             char ago[32], run[32], lab[512] = "";
@@ -347,8 +348,10 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
                                          in->labels[k]->name,
                                          in->labels[k]->value);
             printf("%-24s %-8s %-11s %-9s %7s  %-20s %s%s\n", in->agent_id,
-                   st->online ? "online" : "offline", ago,
-                   in->version[0] ? in->version : "-", run,
+                   st->duplicate ? "duplicate"
+                   : st->online  ? "online"
+                                 : "offline",
+                   ago, in->version[0] ? in->version : "-", run,
                    in->host[0] ? in->host : "-", lab,
                    local ? (lab[0] ? " (local)" : "(local)") : "");
         }
@@ -1495,8 +1498,10 @@ cmd_agent(int argc, char **argv)
     if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
         goto out;
     rc = CLI_EXIT_USAGE;
+    /* The log settings first: "bad bundle" is a line of the log too. */
     if (cli_conf_str(&cf, "bundle", &bundle_file) ||
-        cli_conf_str(&cf, "state_dir", &o.state_dir))
+        cli_conf_str(&cf, "state_dir", &o.state_dir) ||
+        cli_conf_log(&cf, log_format, log_level, "agent"))
         goto out;
     if (bundle_file) {
         char why[512] = "";
@@ -1534,8 +1539,7 @@ cmd_agent(int argc, char **argv)
     cli_conf_conn(&cf, &cc);
     if (cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
-        cli_conf_str(&cf, "metrics_listen", &metrics_listen) ||
-        cli_conf_log(&cf, log_format, log_level, "agent"))
+        cli_conf_str(&cf, "metrics_listen", &metrics_listen))
         goto out;
     if (max_concurrent) {
         char *end;
@@ -1756,10 +1760,29 @@ cmd_agent(int argc, char **argv)
     }
     ks_log(KS_LOG_INFO, "serving", KS_S("agent", o.ids[0]),
            KS_I("ids", o.n_ids), KS_S("nats", o.nats_url));
-    sigwait(&set, &sig);
-    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+    ks_log(KS_LOG_INFO, "instance", KS_S("agent", o.ids[0]),
+           KS_S("instance", agent_instance_id(a)));
+    /* A signal, or the agent can serve no more (agent_fatal): then exit
+     * AGENT_EXIT_CONFIG, which systemd does not restart. */
+    for (;;) {
+        struct timespec tick = {0, 250 * 1000000L};
+        sig = sigtimedwait(&set, NULL, &tick);
+        if (sig > 0 || agent_fatal(a))
+            break;
+    }
+    if (sig > 0) {
+        ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        rc = 0;
+    } else {
+        ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
+               KS_S("reason", agent_fatal(a) == AGENT_FATAL_REVOKED
+                                  ? "revoked: NATS closed its connection"
+                                  : "duplicate: another process serves "
+                                    "this id"),
+               KS_I("exit_code", AGENT_EXIT_CONFIG));
+        rc = AGENT_EXIT_CONFIG;
+    }
     agent_stop(a);
-    rc = 0;
 out:
     evt_metrics_stop(ms);
     cli_bundle_release(&bundle);

@@ -58,6 +58,14 @@ static const char usage[] =
     "this login's operator are used. `kscore COMMAND --help` for details.\n"
     "Durations: 500ms, 10s, 2m, 1h (a plain number is seconds).\n";
 
+static bool err_as_log;
+
+void
+cli_err_as_log(void)
+{
+    err_as_log = true;
+}
+
 void
 cli_err(const char *fmt, ...)
 {
@@ -78,7 +86,10 @@ cli_err(const char *fmt, ...)
     while (w > buf && w[-1] == ' ')
         w--;
     *w = '\0';
-    fprintf(stderr, "kscore: %s\n", buf);
+    if (err_as_log)
+        ks_log(KS_LOG_ERROR, buf);
+    else
+        fprintf(stderr, "kscore: %s\n", buf);
 }
 
 const char *

@@ -38,7 +38,8 @@
     X(STOPPED, -1013, "shutting down")                                         \
     X(INTERNAL, -1014, "internal error")                                       \
     X(DENIED, -1015, "denied by policy")                                       \
-    X(PGDOWN, -1016, "PostgreSQL unreachable")
+    X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
+    X(DUPINSTANCE, -1017, "another agent process serves this id")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),

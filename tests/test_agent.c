@@ -892,6 +892,98 @@ START_TEST(claimed_never_spawned_is_not_started)
 }
 END_TEST
 
+/* Whether file path holds needle. */
+static bool
+file_has(const char *path, const char *needle)
+{
+    char buf[65536];
+    FILE *f = fopen(path, "r");
+    size_t n;
+    if (!f)
+        return false;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, needle) != NULL;
+}
+
+/* `kscore agents --json` says id is duplicate. */
+static bool
+agents_say_duplicate(const char *id)
+{
+    const char *args[] = {"agents", "--json", NULL};
+    struct fixture_out o;
+    bool dup = false;
+
+    if (fixture_kscore(&stack, args, &o) == 0)
+        for (char *line = strtok(o.out, "\n"); line && !dup;
+             line = strtok(NULL, "\n")) {
+            json_t *j = json_loads(line, 0, NULL);
+            const char *a = json_string_value(json_object_get(j, "agent_id"));
+            dup = a && !strcmp(a, id) &&
+                  json_is_true(json_object_get(j, "duplicate"));
+            json_decref(j);
+        }
+    fixture_out_release(&o);
+    return dup;
+}
+
+/* One id served by two agent processes (the same bundle on two hosts):
+ * the broker says so once in its log and in `kscore agents`, refuses the
+ * newer process's claims, which then stops; every command runs once. */
+START_TEST(two_processes_with_one_id_are_a_duplicate)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char ids[40][37], script[PATH_MAX + 128], log[PATH_MAX + 32],
+        blog[PATH_MAX + 32];
+    int n = 0;
+    bool dup = false;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-dupa", "dup", NULL),
+                     0);
+    sleep_ms(300); /* started later: the newer one */
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-dupb", "dup", NULL),
+                     0);
+    for (int i = 0; i < 150 && !(dup = agents_say_duplicate("dup")); i++)
+        sleep_ms(100);
+    ck_assert_msg(dup, "two processes serve 'dup', kscore agents does not "
+                       "say duplicate");
+    snprintf(blog, sizeof(blog), "%s/broker.log", stack.dir);
+    ck_assert_msg(file_has(blog, "duplicate agent"), "see %s", blog);
+    /* Commands until the newer one got one, was refused and stopped. */
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side_dir);
+    while (n < 40 && stack_pidfile_alive(stack.dir, "agent-dupb", NULL)) {
+        ck_assert_int_eq(submit(c, "dup", script, ids[n]), 0);
+        n++;
+        sleep_ms(300);
+    }
+    for (int i = 0; i < 100 &&
+                    stack_pidfile_alive(stack.dir, "agent-dupb", NULL);
+         i++)
+        sleep_ms(100);
+    snprintf(log, sizeof(log), "%s/agent-dupb.log", stack.dir);
+    ck_assert_msg(!stack_pidfile_alive(stack.dir, "agent-dupb", NULL),
+                  "the newer process still runs (see %s)", log);
+    ck_assert_msg(file_has(log, "another agent process serves this id"),
+                  "see %s", log);
+    ck_assert_msg(file_has(log, "exit_code=78"), "see %s", log);
+    ck_assert(stack_pidfile_alive(stack.dir, "agent-dupa", NULL));
+    for (int i = 0; i < n; i++) {
+        char st[32];
+        ck_assert_int_eq(wait_status(pg, ids[i], "Succeeded", 20000), 0);
+        ck_assert_str_eq(status_of(pg, ids[i], st, sizeof(st)), "Succeeded");
+        ck_assert_int_eq(runs_of(ids[i]), 1);
+    }
+    fprintf(stderr, "duplicate: %d commands until the newer process "
+                    "stopped\n", n);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-dupa", 20000);
+}
+END_TEST
+
 /* KSCORE_TEST_ONLY=name runs one test of the stack case (development). */
 static void
 add_stack_test(TCase *tc, const TTest *t)
@@ -921,6 +1013,7 @@ agent_suite(void)
     add_stack_test(tc, slots_are_shared_by_the_ids_of_a_process);
     add_stack_test(tc, claimed_never_spawned_is_not_started);
     add_stack_test(tc, self_fence_when_nats_is_gone);
+    add_stack_test(tc, two_processes_with_one_id_are_a_duplicate);
     suite_add_tcase(s, tc);
     return s;
 }

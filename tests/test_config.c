@@ -707,6 +707,90 @@ START_TEST(daemon_logs_parse_as_json)
 }
 END_TEST
 
+/* Every line of err is a JSON object of level error, and one names what. */
+static void
+all_json_errors(const char *what, const struct fixture_out *o,
+                const char *needle)
+{
+    char *copy = strdup(o->err);
+    int n = 0;
+    bool named = false;
+    ck_assert_ptr_nonnull(copy);
+    for (char *save = NULL, *line = strtok_r(copy, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save)) {
+        json_t *j = json_loads(line, 0, NULL);
+        ck_assert_msg(j != NULL, "%s: not a JSON line: %s", what, line);
+        const char *msg = json_string_value(json_object_get(j, "msg"));
+        const char *lvl = json_string_value(json_object_get(j, "level"));
+        ck_assert_ptr_nonnull(msg);
+        ck_assert_ptr_nonnull(lvl);
+        if (!strcmp(lvl, "error") && strstr(msg, needle))
+            named = true;
+        json_decref(j);
+        n++;
+    }
+    free(copy);
+    ck_assert_msg(n > 0 && named, "%s: no JSON error line naming '%s':\n%s",
+                  what, needle, o->err);
+}
+
+/* A service that cannot start says why in its own log format: with
+ * --log-format json, "cannot connect to NATS" or "bad bundle" is a JSON
+ * line like any other (it once was a bare "kscore: ..." line). */
+START_TEST(startup_errors_follow_log_format)
+{
+    struct fixture_out o;
+    char dir[PATH_MAX + 16], pub[PATH_MAX + 32], bundle[PATH_MAX + 32];
+
+    tmp_up();
+    snprintf(dir, sizeof(dir), "%s/keys", tmpdir);
+    ck_assert_int_eq(fixture_kscore(NULL,
+                                    (const char *[]){"keygen", "--out", dir,
+                                                     NULL},
+                                    &o),
+                     0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    fixture_out_release(&o);
+    snprintf(pub, sizeof(pub), "%s/kscore.pub", dir);
+    ck_assert_int_eq(
+        fixture_kscore(NULL,
+                       (const char *[]){"agent", "--config", "/dev/null",
+                                        "--id", "j1", "--nats",
+                                        "nats://127.0.0.1:1", "--trust-key",
+                                        pub, "--log-format", "json", NULL},
+                       &o),
+        0);
+    ck_assert_int_ne(o.status, 0);
+    all_json_errors("agent, no NATS", &o, "cannot connect to NATS");
+    fixture_out_release(&o);
+
+    snprintf(bundle, sizeof(bundle), "%s/none.bundle", tmpdir);
+    ck_assert_int_eq(
+        fixture_kscore(NULL,
+                       (const char *[]){"agent", "--config", "/dev/null",
+                                        "--bundle", bundle, "--log-format",
+                                        "json", NULL},
+                       &o),
+        0);
+    ck_assert_int_ne(o.status, 0);
+    all_json_errors("agent, bad bundle", &o, "bad bundle");
+    fixture_out_release(&o);
+
+    ck_assert_int_eq(
+        fixture_kscore(NULL,
+                       (const char *[]){"broker", "--config", "/dev/null",
+                                        "--nats", "nats://127.0.0.1:1",
+                                        "--db", "host=/nonexistent dbname=x",
+                                        "--log-format", "json", NULL},
+                       &o),
+        0);
+    ck_assert_int_ne(o.status, 0);
+    all_json_errors("broker, nothing to reach", &o, "broker:");
+    fixture_out_release(&o);
+    tmp_down();
+}
+END_TEST
+
 static Suite *
 config_suite(void)
 {
@@ -716,6 +800,7 @@ config_suite(void)
     tcase_add_test(tc, files_others_may_write_are_refused);
     tcase_add_test(tc, too_many_labels_are_refused);
     tcase_add_test(tc, flags_beat_environment_beat_file);
+    tcase_add_test(tc, startup_errors_follow_log_format);
     suite_add_tcase(s, tc);
     tc = tcase_create("logs");
     tcase_set_timeout(tc, 120);
