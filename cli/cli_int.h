@@ -157,6 +157,10 @@ void cli_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
  * log settings are known (cli_conf_log), so a `--log-format json` log
  * stays JSON to its last line ("cannot connect to NATS", ...). */
 void cli_err_as_log(void);
+/* Says that a request (argv, environment, options) is over the NATS max
+ * payload and nothing was sent: the bare KS_ETOOBIG ("too large") does not
+ * tell an operator which limit or what to do. */
+void cli_err_too_large(void);
 
 /* The command result as JSON (text when valid UTF-8, base64 always). */
 json_t *cli_result_json(const Ks__CommandResult *r);

@@ -327,6 +327,12 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
         rc = KS_ENATS;
         goto out;
     }
+    /* NATS refuses a message over its max payload with a bare error:
+     * say why (the caller names the limit), as exec does. */
+    if (len > KS_MAX_MESSAGE_BYTES) {
+        rc = KS_ETOOBIG;
+        goto out;
+    }
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
     if (natsConnection_PublishRequest(c->nc, subject, ib, buf, (int)len) !=
         NATS_OK) {
@@ -704,6 +710,8 @@ cmd_batch(int argc, char **argv)
         if (rc == KS_EUNAVAIL)
             cli_err("no broker is serving %s (is `kscore broker` running?)",
                     EVT_API_BATCH);
+        else if (rc == KS_ETOOBIG)
+            cli_err_too_large();
         else
             cli_err("batch: %s", ks_strerror(rc));
         rc = CLI_EXIT_KSCORE;

@@ -215,6 +215,15 @@ write_all(int fd, const uint8_t *p, size_t n)
 
 /* ---- exec ---------------------------------------------------------------- */
 
+void
+cli_err_too_large(void)
+{
+    cli_err("command too large: its argv, environment and options exceed "
+            "the NATS max payload (%d bytes); nothing was sent (pass large "
+            "data in a file on the agent instead)",
+            KS_MAX_MESSAGE_BYTES);
+}
+
 static const char exec_usage[] =
     "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
@@ -362,6 +371,8 @@ cmd_exec(int argc, char **argv)
                     EVT_API_EXECUTE);
         else if (rc == KS_ETIMEDOUT)
             cli_err("no reply from the broker in time");
+        else if (rc == KS_ETOOBIG)
+            cli_err_too_large();
         else
             cli_err("execute: %s", ks_strerror(rc));
         rc = CLI_EXIT_KSCORE;

@@ -453,6 +453,34 @@ START_TEST(get_of_large_argv_and_outputs)
 }
 END_TEST
 
+/* K21: a command larger than the NATS max payload is refused before
+ * anything is sent, with an error that names the limit (exec, batch). */
+START_TEST(too_large_command_is_refused_clearly)
+{
+    char *big = malloc(100001);
+    memset(big, 'a', 100000);
+    big[100000] = '\0';
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "true", big, big,
+                        big, big, big, big, big, big, big, big, big, big,
+                        NULL};
+    const char *bt[] = {"batch", "--agents", AGENT, "--", "true", big, big,
+                        big, big, big, big, big, big, big, big, big, big,
+                        NULL};
+    const char *const *cases[] = {ex, bt};
+    for (size_t k = 0; k < 2; k++) {
+        struct fixture_out o;
+        ck_assert_int_eq(fixture_kscore(&stack, cases[k], &o), 0);
+        ck_assert_int_eq(o.status, 125);
+        ck_assert_msg(strstr(o.err, "command too large") &&
+                          strstr(o.err, "max payload") &&
+                          strstr(o.err, "nothing was sent"),
+                      "%s: %s", cases[k][0], o.err);
+        fixture_out_release(&o);
+    }
+    free(big);
+}
+END_TEST
+
 /* logs --follow prints a running command's output as it comes and ends
  * when the command ends; --stderr picks one stream. */
 START_TEST(logs_follow_ends_with_the_command)
@@ -697,6 +725,7 @@ output_suite(void)
     tcase_add_test(tc, whole_output_of_20_mb);
     tcase_add_test(tc, max_output_truncates_and_counts);
     tcase_add_test(tc, get_of_large_argv_and_outputs);
+    tcase_add_test(tc, too_large_command_is_refused_clearly);
     tcase_add_test(tc, logs_follow_ends_with_the_command);
     tcase_add_test(tc, ctrl_c_cancels_and_twice_detaches);
     tcase_add_test(tc, batch_stream_prints_agent_lines);
