@@ -257,6 +257,12 @@ int cli_path_trusted(const char *path);
  * chose (an agent's labels, another operator's argv): raw, an ESC or a CR
  * could rewrite what the operator sees (forge another agent's row). */
 void cli_printable(char *s);
+/* Writes argv (n words) into out (cap bytes, NUL-terminated, cut at cap)
+ * as a POSIX shell would read it back: a word with a space, quote or other
+ * shell character, or an empty one, in single quotes ('\'' for a quote).
+ * Joined with bare spaces, `sh -c 'a; b'` and `sh -c a; b` would print the
+ * same and a listed command could not be told apart or pasted back. */
+void cli_shell_join(char *const *argv, size_t n, char *out, size_t cap);
 void cli_conf_release(struct cli_conf *c);
 /* Sets *field, when no flag did, from the key's KSCORE_* variable, else
  * the file. 0, or CLI_EXIT_USAGE after printing a bad environment value. */

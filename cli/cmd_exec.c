@@ -631,13 +631,16 @@ cmd_get(int argc, char **argv)
         const Ks__CommandResult *r = v->result;
         printf("command   %s\nagent     %s\nstatus    %s\nargv     ",
                v->command_id, v->agent_id, kproto_status_name(v->status));
-        for (size_t i = 0; i < v->n_argv; i++) {
-            char *a = strdup(v->argv[i]); /* another operator's, maybe */
-            if (a)
-                cli_printable(a);
-            printf(" %s", a ? a : "?");
-            free(a);
+        size_t need = 1;
+        for (size_t i = 0; i < v->n_argv; i++)
+            need += 4 * strlen(v->argv[i]) + 3; /* every byte a quote */
+        char *a = malloc(need);
+        if (a) {
+            cli_shell_join(v->argv, v->n_argv, a, need);
+            cli_printable(a); /* another operator's, maybe */
         }
+        printf(" %s", a ? a : "?");
+        free(a);
         if (env && json_object_size(env)) {
             const char *k;
             json_t *val;

@@ -254,6 +254,30 @@ END_TEST
  * MiB in all. One request of 1000 is cut to fit (more, with a cursor), and
  * `list --limit 0` pages through every one, once, in order.
  */
+/* list and get show argv as a shell reads it back: quoted where a word
+ * holds a space, a quote or is empty, so words can be told apart. */
+START_TEST(list_and_get_quote_argv)
+{
+    const char *c[] = {"printf", "[%s]\\n", "a b", "it's", "", "x=1", NULL};
+    const char *want = "printf '[%s]\\n' 'a b' 'it'\\''s' '' x=1";
+    char id[40];
+    struct fixture_out o;
+
+    snprintf(id, sizeof(id), "%s", run(AGENT, c));
+    const char *g[] = {"get", id, NULL};
+    ks(&stack, g, &o);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_msg(strstr(o.out, want) != NULL, "get: %s", o.out);
+    fixture_out_release(&o);
+    const char *l[] = {"list", "--agent", AGENT, "--limit", "1", NULL};
+    ks(&stack, l, &o);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_msg(strstr(o.out, id) && strstr(o.out, want), "list: %s",
+                  o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(history_pages_past_one_message)
 {
     enum { N = 160, ARGS = 40 };
@@ -633,6 +657,7 @@ history_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, history_filters_and_order);
     tcase_add_test(tc, history_pages_past_one_message);
+    tcase_add_test(tc, list_and_get_quote_argv);
     suite_add_tcase(s, tc);
 
     tc = tcase_create("policy");
