@@ -414,6 +414,9 @@ void cli_live_catch_sigint(void);
 void cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h);
 /* Whether Ctrl-C was pressed. */
 bool cli_live_interrupted(const struct cli_live *lv);
+/* How many times Ctrl-C was pressed since cli_live_catch_sigint (batch
+ * acts on it as exec does: cancel, then detach). */
+int cli_sigints(void);
 /* At the end: prints what was not printed live (print), or fills r's
  * outputs that travelled in pieces (--json). 0 or an error (said). */
 int cli_live_finish(struct cli_live *lv, const char *command_id,

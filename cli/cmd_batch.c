@@ -70,6 +70,7 @@ static const char batch_usage[] =
 #define BATCH_ACCEPT_MS 30000
 /* What batch_wait() returns when it gave up (after saying so). */
 #define BATCH_GAVE_UP 1
+#define BATCH_DETACHED 2 /* a second Ctrl-C: stopped waiting (said so) */
 
 struct bstate {
     pthread_mutex_t mu;
@@ -316,7 +317,7 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     uint8_t *buf = NULL;
     size_t len = 0;
     int64_t t0 = ks_mono_us(), answered = t0, asked = t0;
-    bool silent_said = false;
+    bool silent_said = false, cancel_sent = false;
     int rc;
 
     /* The reply comes to this operator's own inbox (evt_inbox): the only
@@ -363,6 +364,40 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
         if (st->heard_mono_us > answered)
             answered = st->heard_mono_us; /* a broker drives it */
         pthread_mutex_unlock(&st->mu);
+        /* Ctrl-C as on exec (ssh, clush, salt users press it): the first
+         * cancels the batch (not started targets end Cancelled, running
+         * ones get TERM, grace, KILL) and waits for its end and summary;
+         * the second stops waiting and says how to follow it. Without
+         * this, SIGINT killed the client silently and the batch ran on. */
+        int ints = cli_sigints();
+        if (ints >= 2) {
+            if (id[0])
+                cli_err("detached: %s goes on; follow it with: kscore get "
+                        "%s",
+                        id, id);
+            else
+                cli_err("interrupted");
+            rc = BATCH_DETACHED;
+            goto out;
+        }
+        if (ints == 1 && !cancel_sent && id[0]) {
+            Ks__CancelRequest creq = KS__CANCEL_REQUEST__INIT;
+            Ks__CancelReply *crep = NULL;
+            cancel_sent = true;
+            creq.id = id;
+            int crc = broker_call(c, EVT_API_CANCEL, &creq.base,
+                                  &ks__cancel_reply__descriptor, 10000,
+                                  (ProtobufCMessage **)&crep);
+            if (crc || crep->error_code)
+                cli_err("cannot cancel %s: %s", id,
+                        crc ? ks_strerror(crc) : crep->error);
+            else
+                cli_err("cancelling %s (TERM, grace, KILL on each running "
+                        "target); Ctrl-C again to stop waiting",
+                        id);
+            if (crep)
+                ks__cancel_reply__free_unpacked(crep, NULL);
+        }
         if (!id[0]) {
             /* The id comes once the batch is recorded: until then there
              * is nothing to follow. */
@@ -691,6 +726,7 @@ cmd_batch(int argc, char **argv)
         }
         natsConnection_Flush(c->nc);
         req.progress_subject = inbox;
+        cli_live_catch_sigint();
     }
     if (req.detach)
         rc = broker_batch(c, &req, 30000, &rep);
@@ -698,6 +734,10 @@ cmd_batch(int argc, char **argv)
         rc = batch_wait(c, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
         rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rc == BATCH_DETACHED) {
+        rc = 130;
         goto out;
     }
     if (rc == KS_ETIMEDOUT && !req.detach) {
@@ -786,6 +826,8 @@ cmd_batch(int argc, char **argv)
         fleet_summary(stdout, rep, budget);
     }
     rc = fleet_exit_code(rep->counts);
+    if (!req.detach && cli_sigints() > 0)
+        rc = 130; /* cancelled by Ctrl-C, as exec */
 out:
     fleet_results_release(&fr);
     if (psub) {

@@ -222,6 +222,12 @@ cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h)
     h->ud = lv;
 }
 
+int
+cli_sigints(void)
+{
+    return exec_sigints;
+}
+
 bool
 cli_live_interrupted(const struct cli_live *lv)
 {

@@ -529,6 +529,60 @@ START_TEST(logs_follow_ends_with_the_command)
 }
 END_TEST
 
+/* Ctrl-C on batch, as on exec: the first cancels the batch and prints its
+ * summary (exit 130); a second stops waiting and says how to follow it.
+ * Before, SIGINT ended the client silently and the batch ran on. */
+START_TEST(batch_ctrl_c_cancels_and_twice_detaches)
+{
+    struct child c;
+    char out[4096] = "", err[2048] = "";
+    size_t olen = 0, elen = 0;
+    const char *a1[] = {"batch", "--agents", AGENT, "--stream", "--", "sh",
+                        "-c", "echo started; sleep 60", NULL};
+    spawn(&c, a1);
+    ck_assert(read_until(c.out, out, sizeof(out), &olen, "started\n", 15000));
+    kill(c.pid, SIGINT);
+    ck_assert(read_until(c.out, out, sizeof(out), &olen, "of 1 target",
+                         20000));
+    ck_assert_int_eq(reap(&c, 20000), 130);
+    read_until(c.err, err, sizeof(err), &elen, "\x01", 500);
+    ck_assert_msg(strstr(err, "cancelling batch-"), "stderr: %s", err);
+    ck_assert_msg(strstr(out, ": Cancelled: 1 cancelled of 1 target"),
+                  "stdout: %s", out);
+    close(c.out);
+    close(c.err);
+
+    /* It ignores TERM (a long grace): the second Ctrl-C detaches. */
+    olen = elen = 0;
+    out[0] = err[0] = '\0';
+    const char *a2[] = {"batch", "--agents", AGENT, "--grace", "20s",
+                        "--stream", "--", "sh", "-c",
+                        "trap '' TERM; echo started; sleep 60", NULL};
+    spawn(&c, a2);
+    ck_assert(read_until(c.out, out, sizeof(out), &olen, "started\n", 15000));
+    kill(c.pid, SIGINT);
+    ck_assert(read_until(c.err, err, sizeof(err), &elen, "stop waiting",
+                         10000));
+    kill(c.pid, SIGINT);
+    ck_assert_int_eq(reap(&c, 5000), 130);
+    read_until(c.err, err, sizeof(err), &elen, "\x01", 500);
+    ck_assert_msg(strstr(err, "follow it with: kscore get batch-"),
+                  "stderr: %s", err);
+    char *p = strstr(err, "cancelling batch-");
+    ck_assert_ptr_nonnull(p);
+    char id[48], sql[256];
+    snprintf(id, sizeof(id), "%.42s", p + strlen("cancelling "));
+    close(c.out);
+    close(c.err);
+    /* It still ends (KILL after the grace). */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE batch_id = '%s' AND "
+             "status = 'Cancelled'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 40000), 1);
+}
+END_TEST
+
 /* Ctrl-C: cancels the command (exit 130, the record says Cancelled); a
  * second Ctrl-C stops waiting and says how to follow it. */
 START_TEST(ctrl_c_cancels_and_twice_detaches)
@@ -728,6 +782,7 @@ output_suite(void)
     tcase_add_test(tc, too_large_command_is_refused_clearly);
     tcase_add_test(tc, logs_follow_ends_with_the_command);
     tcase_add_test(tc, ctrl_c_cancels_and_twice_detaches);
+    tcase_add_test(tc, batch_ctrl_c_cancels_and_twice_detaches);
     tcase_add_test(tc, batch_stream_prints_agent_lines);
     tcase_add_test(tc, agent_cannot_inject_output);
     suite_add_tcase(s, tc);
