@@ -351,6 +351,16 @@ void cli_listen_args(char **argv, const struct cli_listen *l, int agent);
  * file. 0 or -errno. */
 int cli_listen_env(const char *home, const struct cli_listen *l);
 
+/* Re-renders $KSCORE_HOME's nats-auth.conf from the identity registry and
+ * makes a running nats-server reload it (cli/cmd_operator.c; used by
+ * operator add/remove and agent enroll/revoke). Prints what went wrong;
+ * 0 or CLI_EXIT_KSCORE. A stopped server is fine: it starts with them. */
+int cli_nats_users_apply(const char *home);
+
+/* write(2) all n bytes to fd, through EINTR (cli/out_stream.c). 0 or -1
+ * with errno. */
+int cli_write_all(int fd, const uint8_t *p, size_t n);
+
 /* kscore agent enroll|revoke|list (cli/cmd_enroll.c); argv[0] is the verb. */
 int cmd_agent_admin(int argc, char **argv);
 

@@ -502,28 +502,6 @@ out:
     return rc;
 }
 
-/* Re-renders nats-auth.conf and reloads a running nats-server. */
-static int
-reload(const char *home)
-{
-    int rc = stack_nats_auth_write(home, home);
-    if (rc) {
-        cli_err("cannot write %s/" STACK_NATS_AUTH_FILE ": %s", home,
-                ks_strerror(rc));
-        return CLI_EXIT_KSCORE;
-    }
-    rc = stack_nats_reload(home, 10000);
-    if (rc == KS_ENOTFOUND)
-        return 0; /* not running: it starts with these users */
-    if (rc) {
-        cli_err("nats-server did not reload its users: %s (see %s/nats.log)",
-                rc == KS_EINVAL ? "it refused the new config" : ks_strerror(rc),
-                home);
-        return CLI_EXIT_KSCORE;
-    }
-    return 0;
-}
-
 static int
 meta_path(const char *home, const char *id, char *buf, size_t len)
 {
@@ -695,7 +673,7 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
             fclose(m);
         }
     }
-    if ((ret = reload(home)) != 0)
+    if ((ret = cli_nats_users_apply(home)) != 0)
         goto out;
     printf("%s\n", out_path);
     fprintf(stderr,
@@ -767,7 +745,7 @@ fleet_revoke(const char *home, struct cli_conn *cc, const char *id)
         unlink(meta);
     /* First shut it out (the reload closes its connections), then forget
      * it: in this order it cannot put its registry entry back. */
-    if ((rc = reload(home)))
+    if ((rc = cli_nats_users_apply(home)))
         return rc;
     stack_ident_seed_path(home, STACK_BROKER, "broker", broker_seed,
                           sizeof(broker_seed));

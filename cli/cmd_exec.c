@@ -197,22 +197,6 @@ cli_print_json(json_t *j)
     json_decref(j);
 }
 
-static int
-write_all(int fd, const uint8_t *p, size_t n)
-{
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        if (w == -1) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
 /* ---- exec ---------------------------------------------------------------- */
 
 void
@@ -663,14 +647,14 @@ cmd_get(int argc, char **argv)
                    (unsigned long long)r->stdout->total_bytes,
                    r->stdout->truncated ? ", truncated" : "");
             fflush(stdout);
-            write_all(1, r->stdout->data.data, r->stdout->data.len);
+            cli_write_all(1, r->stdout->data.data, r->stdout->data.len);
         }
         if (r && r->stderr && r->stderr->data.len) {
             printf("stderr    (%llu bytes%s)\n",
                    (unsigned long long)r->stderr->total_bytes,
                    r->stderr->truncated ? ", truncated" : "");
             fflush(stdout);
-            write_all(1, r->stderr->data.data, r->stderr->data.len);
+            cli_write_all(1, r->stderr->data.data, r->stderr->data.len);
         }
     }
     json_decref(env);

@@ -22,10 +22,8 @@ static const char usage[] =
     "without a restart. NAME: letters, digits, _ and -, not \"broker\",\n"
     "not starting with \"agent-\".\n";
 
-/* Re-renders nats-auth.conf and reloads a running nats-server. Prints what
- * went wrong; 0 or CLI_EXIT_KSCORE. */
-static int
-apply(const char *home)
+int
+cli_nats_users_apply(const char *home)
 {
     int rc = stack_nats_auth_write(home, home);
     if (rc) {
@@ -68,7 +66,7 @@ op_add(const char *home, const char *name, bool json)
             cli_err("cannot add operator %s: %s", name, ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
-    if ((rc = apply(home)))
+    if ((rc = cli_nats_users_apply(home)))
         return rc;
     stack_ident_seed_path(home, STACK_OPERATOR, name, seed, sizeof(seed));
     /* A stack with a CA (`up --listen`) may require client certificates
@@ -132,7 +130,7 @@ op_remove(const char *home, const char *name)
                 rc == KS_ENOTFOUND ? "no such operator" : ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }
-    if ((rc = apply(home)))
+    if ((rc = cli_nats_users_apply(home)))
         return rc;
     {
         char path[4300];

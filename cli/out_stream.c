@@ -27,8 +27,8 @@
  * to this long before giving up on them. */
 #define LOGS_GAP_WAIT_MS 5000
 
-static int
-write_fd(int fd, const uint8_t *p, size_t n)
+int
+cli_write_all(int fd, const uint8_t *p, size_t n)
 {
     while (n > 0) {
         ssize_t w = write(fd, p, n);
@@ -92,7 +92,7 @@ cli_output_range(struct evt_conn *c, const char *command_id, int stream,
         if (n) {
             stalled_since = 0;
             if (fd >= 0)
-                write_fd(fd, d->data, n);
+                cli_write_all(fd, d->data, n);
             if (acc) {
                 uint8_t *p = realloc(acc->data, acc->len + n + 1);
                 if (!p) {
@@ -173,7 +173,7 @@ live_cb(const Ks__ExecuteReply *rep, void *ud)
             lv->off[s] = ch->offset;
         }
         size_t skip = (size_t)(lv->off[s] - ch->offset);
-        write_fd(s + 1, ch->data.data + skip, ch->data.len - skip);
+        cli_write_all(s + 1, ch->data.data + skip, ch->data.len - skip);
         lv->off[s] = end;
     }
 }
@@ -255,7 +255,7 @@ cli_live_finish(struct cli_live *lv, const char *command_id,
                                                lv->off[s], o->chunked_bytes,
                                                s + 1, NULL);
             } else if (lv->off[s] < o->data.len) {
-                write_fd(s + 1, o->data.data + lv->off[s],
+                cli_write_all(s + 1, o->data.data + lv->off[s],
                          o->data.len - (size_t)lv->off[s]);
             }
         } else if (o->chunked_bytes && !o->data.len) {
@@ -396,7 +396,7 @@ cmd_logs(int argc, char **argv)
                 acc[s].data = p;
                 acc[s].len += ds[s]->len;
             } else {
-                write_fd(s + 1, ds[s]->data, ds[s]->len);
+                cli_write_all(s + 1, ds[s]->data, ds[s]->len);
             }
         }
         off[0] = r->stdout_next;
