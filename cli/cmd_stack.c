@@ -1037,7 +1037,10 @@ cmd_up(int argc, char **argv)
             goto fail;
         }
     }
-    rc = wait_agent(url, agent_id, broker_seed, since_us, 30000);
+    /* A cluster first elects the leaders of the replicated agents bucket,
+     * which a loaded machine can stretch past half a minute. */
+    rc = wait_agent(url, agent_id, broker_seed, since_us,
+                    cluster ? 90000 : 30000);
     if (rc) {
         cli_err("the agent does not answer: %s (see %s/agent.log)",
                 ks_strerror(rc), home);

@@ -844,8 +844,10 @@ main(int argc, char **argv)
 
     /* Which scenarios. */
     bool want[NSCENARIOS];
+    /* The cluster scenarios (issue 14, in progress) run when named. */
     for (size_t i = 0; i < NSCENARIOS; i++)
-        want[i] = only == NULL;
+        want[i] = only == NULL &&
+                  strncmp(scenarios[i].name, "cluster_", 8) != 0;
     if (only) {
         char *copy = strdup(only), *save = NULL;
         for (char *t = strtok_r(copy, ",", &save); t;
