@@ -1157,6 +1157,57 @@ cmd_down(int argc, char **argv)
 
 /* ---- services ------------------------------------------------------------ */
 
+/* The flags broker and agent share: --config, --log-format, --log-level,
+ * --show-config, --metrics-listen. */
+struct svc_flags {
+    const char *config, *log_format, *log_level, *metrics_listen;
+    bool show;
+};
+
+/* true when opt is one of them (and taken). */
+static bool
+svc_opt(struct svc_flags *f, int opt, const char *arg)
+{
+    switch (opt) {
+    case 'c':
+        f->config = arg;
+        return true;
+    case 'F':
+        f->log_format = arg;
+        return true;
+    case 'L':
+        f->log_level = arg;
+        return true;
+    case 'S':
+        f->show = true;
+        return true;
+    case 'M':
+        f->metrics_listen = arg;
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Serves metrics of roles on listen (the caller has blocked SIGINT and
+ * SIGTERM first, so the server's thread never takes them). 0, or an exit
+ * code after saying why. */
+static int
+metrics_start(const char *who, const char *listen, unsigned roles,
+              struct evt_metrics_server **ms)
+{
+    char *errmsg = NULL;
+    int rc = evt_metrics_serve(listen, roles, ms, &errmsg);
+    if (rc) {
+        cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
+        free(errmsg);
+        return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+    }
+    ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
+           KS_I("port", evt_metrics_port(*ms)), KS_S("path", "/metrics"));
+    return 0;
+}
+
 int
 cmd_broker(int argc, char **argv)
 {
@@ -1180,11 +1231,9 @@ cmd_broker(int argc, char **argv)
     const char *require_signed = NULL;
     const char *replicas = NULL;
     struct evt_metrics_server *ms = NULL;
-    const char *metrics_listen = NULL;
-    bool show = false;
+    struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
-    const char *config = NULL, *log_format = NULL, *log_level = NULL;
     const char *local_agents = NULL;
     char *errmsg = NULL, *end;
     int opt, rc;
@@ -1198,18 +1247,6 @@ cmd_broker(int argc, char **argv)
         case 'l':
             local_agents = optarg;
             break;
-        case 'c':
-            config = optarg;
-            break;
-        case 'F':
-            log_format = optarg;
-            break;
-        case 'L':
-            log_level = optarg;
-            break;
-        case 'S':
-            show = true;
-            break;
         case 's':
             o.state_dir = optarg;
             break;
@@ -1218,9 +1255,6 @@ cmd_broker(int argc, char **argv)
             break;
         case 'p':
             o.policy_file = optarg;
-            break;
-        case 'M':
-            metrics_listen = optarg;
             break;
         case 'R':
             replicas = optarg;
@@ -1248,7 +1282,7 @@ cmd_broker(int argc, char **argv)
                    "it exists; kscore.conf(5)).\n");
             return 0;
         default:
-            if (cli_conn_opt(&cc, opt, optarg))
+            if (svc_opt(&sf, opt, optarg) || cli_conn_opt(&cc, opt, optarg))
                 break;
             return CLI_EXIT_USAGE;
         }
@@ -1257,7 +1291,7 @@ cmd_broker(int argc, char **argv)
         cli_err("broker: unexpected argument '%s'", argv[optind]);
         return CLI_EXIT_USAGE;
     }
-    if ((rc = cli_conf_load(&cf, CLI_CONF_BROKER, config)))
+    if ((rc = cli_conf_load(&cf, CLI_CONF_BROKER, sf.config)))
         goto out;
     cli_conf_conn(&cf, &cc);
     if ((rc = cli_conf_str(&cf, "db", &o.db_conninfo)) ||
@@ -1265,10 +1299,10 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "policy", &o.policy_file)) ||
         (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
         (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
-        (rc = cli_conf_str(&cf, "metrics_listen", &metrics_listen)) ||
+        (rc = cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
-        (rc = cli_conf_log(&cf, log_format, log_level, "broker")))
+        (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
         goto out;
     o.require_signed_labels = require_signed && cli_conf_true(require_signed);
     if (replicas) {
@@ -1289,7 +1323,7 @@ cmd_broker(int argc, char **argv)
             goto out;
         }
     }
-    if (show) {
+    if (sf.show) {
         cli_conf_show(&cf, stdout);
         rc = 0;
         goto out;
@@ -1306,7 +1340,7 @@ cmd_broker(int argc, char **argv)
     /* A policy others may write grants what they like: refused. */
     if (o.policy_file && (rc = cli_path_trusted(o.policy_file)))
         goto out;
-    if (metrics_listen && metrics_listen[0]) {
+    if (sf.metrics_listen && sf.metrics_listen[0]) {
         /* Before the server's thread exists, so that SIGTERM reaches only
          * broker_run's sigwait (it blocks the same set). */
         sigset_t set;
@@ -1314,18 +1348,11 @@ cmd_broker(int argc, char **argv)
         sigaddset(&set, SIGINT);
         sigaddset(&set, SIGTERM);
         pthread_sigmask(SIG_BLOCK, &set, NULL);
-        rc = evt_metrics_serve(metrics_listen,
-                               KS_METRICS_BROKER |
-                                   (o.local_agents ? KS_METRICS_AGENT : 0),
-                               &ms, &errmsg);
-        if (rc) {
-            cli_err("broker: %s", errmsg ? errmsg : ks_strerror(rc));
-            free(errmsg);
-            rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
+        if ((rc = metrics_start("broker", sf.metrics_listen,
+                                KS_METRICS_BROKER |
+                                    (o.local_agents ? KS_METRICS_AGENT : 0),
+                                &ms)))
             goto out;
-        }
-        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
-               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
     }
     rc = broker_run(&o, &errmsg);
     if (rc) {
@@ -1380,11 +1407,9 @@ cmd_agent(int argc, char **argv)
     struct agent_label *att_labels = NULL;
     const char *bundle_file = NULL;
     struct evt_metrics_server *ms = NULL;
-    const char *metrics_listen = NULL;
-    bool show = false;
+    struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
-    const char *config = NULL, *log_format = NULL, *log_level = NULL;
     const char *max_concurrent = NULL, *ack_wait = NULL;
     char *labels_env = NULL;
     /* Lists (ids, labels, trust keys) come whole from the first source
@@ -1449,21 +1474,6 @@ cmd_agent(int argc, char **argv)
         case 'w':
             ack_wait = optarg;
             break;
-        case 'c':
-            config = optarg;
-            break;
-        case 'F':
-            log_format = optarg;
-            break;
-        case 'L':
-            log_level = optarg;
-            break;
-        case 'S':
-            show = true;
-            break;
-        case 'M':
-            metrics_listen = optarg;
-            break;
         case 'b':
             bundle_file = optarg;
             break;
@@ -1489,7 +1499,7 @@ cmd_agent(int argc, char **argv)
             rc = 0;
             goto out;
         default:
-            if (cli_conn_opt(&cc, opt, optarg))
+            if (svc_opt(&sf, opt, optarg) || cli_conn_opt(&cc, opt, optarg))
                 break;
             goto out;
         }
@@ -1498,13 +1508,13 @@ cmd_agent(int argc, char **argv)
         cli_err("agent: unexpected argument '%s'", argv[optind]);
         goto out;
     }
-    if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, config)))
+    if ((rc = cli_conf_load(&cf, CLI_CONF_AGENT, sf.config)))
         goto out;
     rc = CLI_EXIT_USAGE;
     /* The log settings first: "bad bundle" is a line of the log too. */
     if (cli_conf_str(&cf, "bundle", &bundle_file) ||
         cli_conf_str(&cf, "state_dir", &o.state_dir) ||
-        cli_conf_log(&cf, log_format, log_level, "agent"))
+        cli_conf_log(&cf, sf.log_format, sf.log_level, "agent"))
         goto out;
     if (bundle_file) {
         char why[512] = "";
@@ -1542,7 +1552,7 @@ cmd_agent(int argc, char **argv)
     cli_conf_conn(&cf, &cc);
     if (cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
-        cli_conf_str(&cf, "metrics_listen", &metrics_listen))
+        cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen))
         goto out;
     if (max_concurrent) {
         char *end;
@@ -1696,7 +1706,7 @@ cmd_agent(int argc, char **argv)
         conf_from_bundle(&cf, bundle.tls_key);
         conf_from_bundle(&cf, bundle.id);
     }
-    if (show) {
+    if (sf.show) {
         cli_conf_show(&cf, stdout);
         rc = 0;
         goto out;
@@ -1742,18 +1752,9 @@ cmd_agent(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
-    if (metrics_listen && metrics_listen[0]) {
-        rc = evt_metrics_serve(metrics_listen, KS_METRICS_AGENT, &ms,
-                               &errmsg);
-        if (rc) {
-            cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
-            free(errmsg);
-            rc = rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
-            goto out;
-        }
-        ks_log(KS_LOG_INFO, "metrics", KS_S("listen", metrics_listen),
-               KS_I("port", evt_metrics_port(ms)), KS_S("path", "/metrics"));
-    }
+    if (sf.metrics_listen && sf.metrics_listen[0] &&
+        (rc = metrics_start("agent", sf.metrics_listen, KS_METRICS_AGENT, &ms)))
+        goto out;
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
         cli_err("agent: %s", errmsg ? errmsg : ks_strerror(rc));
