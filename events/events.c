@@ -555,13 +555,14 @@ evt_publish_reply(struct evt_conn *c, const char *subject,
     uint8_t *buf = NULL;
     size_t len = 0;
     natsStatus s;
-    int rc;
 
-    if (protobuf_c_message_get_packed_size(msg) > EVT_REPLY_MAX_BYTES)
+    /* Sized once (every API reply passes here, execute's included). */
+    len = protobuf_c_message_get_packed_size(msg);
+    if (len > EVT_REPLY_MAX_BYTES)
         return KS_ETOOBIG;
-    rc = kproto_pack(msg, &buf, &len);
-    if (rc)
-        return rc;
+    if (!(buf = malloc(len ? len : 1)))
+        return -ENOMEM;
+    protobuf_c_message_pack(msg, buf);
     if (len <= EVT_PART_BYTES) {
         s = natsConnection_Publish(c->nc, subject, buf, (int)len);
         free(buf);
