@@ -39,6 +39,7 @@ struct outbox_item {
     size_t len;
     char subject[16 + EVT_AGENT_ID_MAX + 40];
     char agent_id[EVT_AGENT_ID_MAX + 1]; /* publishes as agent-<id> */
+    char command_id[37];                 /* for ks_trace */
 };
 
 /* Where a held command message is. */

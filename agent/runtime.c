@@ -171,6 +171,7 @@ agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
     }
     snprintf(it->event_id, sizeof(it->event_id), "%s", ev->event_id);
     snprintf(it->agent_id, sizeof(it->agent_id), "%s", ev->agent_id);
+    snprintf(it->command_id, sizeof(it->command_id), "%s", ev->command_id);
     evt_event_subject(it->subject, sizeof(it->subject), ev->agent_id,
                       ev->command_id);
     if (a->state_dir && persist) {
@@ -195,6 +196,7 @@ agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
             }
         }
     }
+    ks_trace("agent.event_queued", it->command_id);
     outbox_push(a, it);
     return 0;
 }
@@ -270,6 +272,7 @@ publisher_main(void *arg)
          * PubAck is a success: the stream has it. */
         char ident[8 + EVT_AGENT_ID_MAX], why[200];
         evt_agent_durable(ident, sizeof(ident), it->agent_id);
+        ks_trace("agent.event_publish", it->command_id);
         int rc = evt_js_publish_as(a->nc, ident, it->subject, it->event_id,
                                    it->buf, it->len, PUBLISH_TIMEOUT_MS, NULL,
                                    why, sizeof(why));
@@ -318,6 +321,7 @@ publisher_main(void *arg)
             continue;
         }
         backoff_ms = 50;
+        ks_trace("agent.event_acked", it->command_id);
         if (a->state_dir) {
             char path[4096];
             outbox_path(a, it->event_id, path, sizeof(path));
@@ -500,6 +504,7 @@ job_started(uint64_t job_id, pid_t pid, void *ud)
     char line[40];
 
     (void)job_id;
+    ks_trace("agent.spawned", j->command_id);
     /* Only now may a restart call it Lost rather than NotStarted. */
     snprintf(line, sizeof(line), "spawned %d\n", (int)pid);
     agent__journal_append(j->agent, j->command_id, line);
@@ -518,6 +523,7 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     int64_t silence_us;
 
     (void)job_id;
+    ks_trace("agent.exited", j->command_id);
     pthread_mutex_lock(&a->mu);
     fenced = j->fenced;
     silence_us = j->fence_silence_us;
@@ -624,6 +630,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
      * hand the message back at once. */
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
+    ks_trace("agent.claim_sent", cmd->command_id);
     for (;;) {
         int64_t t0 = ks_mono_us();
         rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
@@ -638,6 +645,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     }
     if (rc)
         return rc;
+    ks_trace("agent.claim_granted", cmd->command_id);
     rc = evt_unpack(&ks__claim_reply__descriptor, natsMsg_GetData(m),
                     (size_t)natsMsg_GetDataLength(m), &pm);
     natsMsg_Destroy(m);
@@ -879,6 +887,8 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     uint32_t seen;
     int rc;
 
+    int64_t t_in = ks_mono_us();
+
     (void)nc;
     (void)sub;
     pthread_mutex_lock(&a->mu);
@@ -929,6 +939,8 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         agent__ack(a, reply, "+TERM");
         goto out;
     }
+    ks_trace_at("agent.delivered", cmd->command_id, t_in);
+    ks_trace("agent.verified", cmd->command_id);
     pthread_mutex_lock(&a->mu);
     held = ks_map_get(&a->jobs, cmd->command_id);
     if (held) {

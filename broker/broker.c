@@ -92,6 +92,7 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     r.error_code = error_code;
     r.error = (char *)(error ? error : "");
     reply_msg(b, w->reply_subject, &r.base);
+    ks_trace("broker.result_replied", command_id);
     free(w->reply_subject);
     free(w);
 }
@@ -341,6 +342,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ExecuteRequest *req = NULL;
     char why[512], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
+    int64_t t_in = ks_mono_us();
     int rc;
 
     (void)nc;
@@ -375,21 +377,11 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
 
-    if (req->idempotency_key[0]) {
-        rc = store_command_by_key(st, req->idempotency_key, command_id);
-        if (rc == 0)
-            rc = attach_existing(b, st, msg, command_id, req->detach,
-                                 req->spec);
-        if (rc == 0)
-            goto out;
-        if (rc == KS_EPGDOWN) {
-            /* Whether the key names a command is unknown: run nothing. */
-            reply_execute_error(b, msg, rc, "%s",
-                                broker__store_error(st, rc, why,
-                                                    sizeof(why)));
-            goto out;
-        }
-    }
+    /* An idempotency key already used is found by the append below: the
+     * unique index on commands.idempotency_key refuses the second
+     * CommandRequested (KS_ECONFLICT) and the request joins the command
+     * that has it. Looking the key up first cost every execute one more
+     * PostgreSQL round trip (every `kscore exec` sends a key). */
 
     if (b->policy) {
         Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
@@ -407,6 +399,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     ks_uuid(command_id);
+    ks_trace_at("broker.execute_in", command_id, t_in);
     snprintf(stream, sizeof(stream), "command-%s", command_id);
     uint64_t deliver_ms = req->deliver_within_ms
                               ? req->deliver_within_ms
@@ -455,6 +448,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    ks_trace("broker.dispatch_recorded", command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -487,6 +481,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
+    ks_trace("broker.command_published", command_id);
     if (rc) {
         /* Recorded as Dispatched: the deadline scanner re-publishes it or
          * ends it Undeliverable, so the client still gets a terminal
@@ -561,6 +556,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto reply;
     }
     snprintf(stream, sizeof(stream), "command-%s", req->command_id);
+    ks_trace("broker.claim_in", req->command_id);
 
     Ks__Event ev;
     ks__event__init(&ev);
@@ -596,6 +592,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     /* Fast path: nothing happened since this attempt was dispatched. */
     rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
                             req->agent_id, &se, NULL);
+    ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
      * may still claim while the command is Dispatched: the fence is the
@@ -1593,6 +1590,10 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             if (rc)
                 goto out;
             if (rep->error_code || rep->result) {
+                if (ks_trace_on()) {
+                    ks_trace_at("client.sent", rep->command_id, start);
+                    ks_trace_at("client.replied", rep->command_id, now);
+                }
                 *out = rep;
                 goto out;
             }

@@ -279,6 +279,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             pcs[npc++] = ev;
         else
             evs[nev++] = ev;
+        ks_trace("recorder.taken", ev->command_id);
     }
     /* Until it is recorded nothing is acked: JetStream keeps it. While
      * PostgreSQL is away, retry with backoff, tell JetStream the messages
@@ -349,6 +350,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         ks_log(KS_LOG_INFO, "recording again", KS_S("module", "recorder"),
                KS_D("after_s", (double)(ks_mono_us() - failing_since) / 1e6),
                KS_I("failed_attempts", failures));
+    if (rc == 0 && ks_trace_on())
+        for (size_t i = 0; i < nev; i++)
+            ks_trace("recorder.recorded", evs[i]->command_id);
     for (size_t i = 0; i < n; i++) {
         if (!msgs[i])
             continue;

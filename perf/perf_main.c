@@ -23,6 +23,7 @@ static const struct perf_scenario scenarios[] = {
     {"batch_exec_10", 20, 10, false, true, false, perf__batch10_round},
     {"batch_exec_1000", 3, 1000, false, true, true, perf__batch1000_round},
     {"sustained", 1, 0, true, true, false, perf__sustained_round},
+    {"trace", 3, 0, true, true, false, perf__trace_round},
 };
 #define NSCEN (sizeof(scenarios) / sizeof(scenarios[0]))
 
@@ -40,6 +41,8 @@ static const char usage[] =
     "  batch_exec_10     one BatchExecuteCommand across 10 local agents\n"
     "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
     "  sustained         --rate commands/s (200) for --duration s (60)\n"
+    "  trace             where one command's time goes: step stamps of the\n"
+    "                    client, broker and agent (KSCORE_TRACE)\n"
     "\n"
     "  --rounds N        rounds per scenario (default 5; batch_exec_10 20;\n"
     "                    sustained 1, which reports per --window (10 s))\n"

@@ -183,6 +183,26 @@ void ks_metrics_collector_remove(ks_metrics_collect_fn fn, void *ctx);
 int ks_metrics_render(unsigned roles, char **out, size_t *len);
 
 /*
+ * ks_trace: a step of one command, stamped for `kscore perf trace`. Off
+ * (one branch) unless the environment variable KSCORE_TRACE names a file
+ * when the process first stamps; then appends "<CLOCK_MONOTONIC us> <step>
+ * <command_id>\n" to it with one write(2) (O_APPEND: the lines of the
+ * client, the broker and the agent processes never interleave). step: a
+ * static name such as "broker.recorded"; command_id may be NULL or "".
+ * Thread-safe; errors are ignored (a trace is never worth a failure).
+ * ks_trace_on: 1 when tracing is on. The steps and what lies between them:
+ * perf/README.md "trace".
+ */
+void ks_trace(const char *step, const char *command_id);
+/* The same with a stamp taken earlier (ks_mono_us()), for a step whose
+ * command id is known only later. */
+void ks_trace_at(const char *step, const char *command_id, int64_t mono_us);
+int ks_trace_on(void);
+/* Stamps of this process go to path from now on (NULL: tracing off),
+ * whatever KSCORE_TRACE said. 0 or -errno of open(2). */
+int ks_trace_open(const char *path);
+
+/*
  * ks_log: the daemons' logs (broker, agent, watchdog). One line per event,
  * written with one write(2) to stderr (so lines of concurrent threads never
  * interleave): an RFC 3339 UTC time with milliseconds, a level, the message
