@@ -70,6 +70,7 @@ struct job_ctx {
     bool fenced;
     int64_t fence_silence_us;
     bool journaled; /* its journal file exists (written while waiting) */
+    uint64_t delivered; /* JetStream's delivery count of this message */
     struct agent_out *out; /* output.c, while it runs */
 };
 

@@ -54,6 +54,11 @@
 #define CLAIM_TIMEOUT_MS 1000 /* a claim is one commit: ~1 ms */
 /* How long a claim is retried while no broker answers (ms). */
 #define CLAIM_RETRY_MS 20000
+/* Deliveries of a command the record does not have before it is dropped
+ * (start_job). */
+#define CLAIM_UNRECORDED_TRIES 4
+_Static_assert(CLAIM_UNRECORDED_TRIES < EVT_AGENT_MAX_DELIVER,
+               "an unrecorded command is dropped before MaxDeliver");
 #define PUBLISH_TIMEOUT_MS 2000
 /* A heartbeat's wait for the registry stream's PubAck (ms). */
 #define HEARTBEAT_TIMEOUT_MS 2000
@@ -794,6 +799,29 @@ start_job(struct job_ctx *j)
         agent__journal_hold(a, j, claim_id);
     }
     rc = claim(a, slot, cmd, NULL, claim_id);
+    if (rc == KS_ENOTFOUND) {
+        /* Not recorded: the broker publishes a command while its record
+         * commits, and this claim outran the commit (try again soon), or
+         * the record failed and it never will be: dropped at delivery
+         * CLAIM_UNRECORDED_TRIES, after 20, 100 and 500 ms (a record
+         * commits in milliseconds; below the consumer's MaxDeliver, whose
+         * advisory would name a command that does not exist). Counted in
+         * deliveries, not by the broker's clock. */
+        static const int64_t again_ms[] = {20, 100, 500};
+        agent__journal_remove(a, j->command_id);
+        if (j->delivered < CLAIM_UNRECORDED_TRIES) {
+            nak_delay(a, j->ack_subject, again_ms[j->delivered - 1]);
+            job_release(j, NULL);
+        } else {
+            ks_log(KS_LOG_WARN,
+                   "dropping a command the record does not have (its "
+                   "record failed)",
+                   KS_S("command_id", j->command_id), KS_S("agent", slot->id),
+                   KS_I("attempt", j->attempt));
+            job_release(j, "+TERM");
+        }
+        goto out;
+    }
     if (rc <= 0) {
         agent__journal_remove(a, j->command_id);
         if (rc < 0) {
@@ -901,11 +929,13 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * JetStream's, and acks go nowhere else. */
     if (!reply || strncmp(reply, slot->ack_prefix, strlen(slot->ack_prefix)))
         goto out;
+    uint64_t delivered = 1;
     {
         jsMsgMetaData *md = NULL;
         if (natsMsg_GetMetaData(&md, msg) == NATS_OK) {
             if (md->NumDelivered > 1)
                 ks_metric_inc(KS_C_AGENT_REDELIVERIES);
+            delivered = md->NumDelivered;
             jsMsgMetaData_Destroy(md);
         }
     }
@@ -978,6 +1008,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
     j->agent = a;
     j->slot = slot;
+    j->delivered = delivered;
     j->attempt = cmd->attempt;
     snprintf(j->command_id, sizeof(j->command_id), "%s", cmd->command_id);
     snprintf(j->operator_name, sizeof(j->operator_name), "%s",

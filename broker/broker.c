@@ -97,6 +97,66 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     free(w);
 }
 
+static void
+free_value(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+void
+broker__claimed_put(struct broker *b, const char *command_id,
+                    const char *agent_id, uint32_t attempt, int64_t version)
+{
+    struct broker__claimed *c = malloc(sizeof(*c)), *old;
+
+    if (!c)
+        return;
+    c->version = version;
+    c->attempt = attempt;
+    snprintf(c->agent_id, sizeof(c->agent_id), "%s", agent_id);
+    pthread_mutex_lock(&b->mu);
+    if (b->claimed.count >= BROKER_CLAIMED_MAX) {
+        /* Commands whose end never came here (another broker recorded
+         * it, or the agent died): forget them all, cheaply. */
+        ks_map_each(&b->claimed, free_value, NULL);
+        ks_map_clear(&b->claimed);
+    }
+    old = ks_map_del(&b->claimed, command_id);
+    if (ks_map_put(&b->claimed, command_id, c) != 0)
+        free(c);
+    pthread_mutex_unlock(&b->mu);
+    free(old);
+}
+
+bool
+broker__key_seen(struct broker *b, const char *key)
+{
+    bool seen;
+
+    pthread_mutex_lock(&b->mu);
+    seen = ks_map_get(&b->keys_seen, key) != NULL;
+    if (!seen) {
+        if (b->keys_seen.count >= BROKER_KEYS_SEEN_MAX)
+            ks_map_clear(&b->keys_seen);
+        ks_map_put(&b->keys_seen, key, (void *)1);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return seen;
+}
+
+struct broker__claimed *
+broker__claimed_take(struct broker *b, const char *command_id)
+{
+    struct broker__claimed *c;
+
+    pthread_mutex_lock(&b->mu);
+    c = ks_map_del(&b->claimed, command_id);
+    pthread_mutex_unlock(&b->mu);
+    return c;
+}
+
 int
 broker__is_method(const char *subject, const char *method)
 {
@@ -153,6 +213,22 @@ broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev, char ids[2][37],
     disp_ev->operator_ = cmd->operator_;
     disp_ev->deliver_by_us =
         cmd->issued_at_us + broker__attempt_window_us(cmd);
+}
+
+/* The command's publish, overlapping its record (on_execute). rc: 1 not
+ * run, else evt_publish_command's. */
+struct dispatch_pub {
+    struct broker *b;
+    const Ks__Command *cmd;
+    int rc;
+};
+
+static void
+publish_between(void *ud)
+{
+    struct dispatch_pub *dp = ud;
+    dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, 5000);
+    ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
 static void
@@ -447,7 +523,23 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         pthread_mutex_unlock(&b->mu);
     }
 
-    rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    /*
+     * The command goes out while its record commits: publish_between runs
+     * once the append is sent. Safe because only a recorded command can be
+     * claimed (kscore_claim waits for a record being committed, and finds
+     * none if it failed), and an agent runs only what it claimed. A key
+     * this broker has seen before (a client asking again) may name a
+     * recorded command: then record first, and publish only a new one, so
+     * asking again sends no message that can never be claimed.
+     */
+    struct dispatch_pub dp = {b, &cmd, 1};
+    bool overlap = !req->idempotency_key[0] ||
+                   !broker__key_seen(b, req->idempotency_key);
+    if (overlap)
+        rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
+                                  publish_between, &dp);
+    else
+        rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
@@ -480,8 +572,12 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                 why);
         goto out;
     }
-    rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
-    ks_trace("broker.command_published", command_id);
+    if (dp.rc == 1) {
+        rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
+        ks_trace("broker.command_published", command_id);
+    } else {
+        rc = dp.rc;
+    }
     if (rc) {
         /* Recorded as Dispatched: the deadline scanner re-publishes it or
          * ends it Undeliverable, so the client still gets a terminal
@@ -590,8 +686,9 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
     struct store_event se = {&ev};
     /* Fast path: nothing happened since this attempt was dispatched. */
+    int64_t claimed_at = 0;
     rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
-                            req->agent_id, &se, NULL);
+                            req->agent_id, &se, &claimed_at);
     ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -610,13 +707,16 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (!mine || !open)
             break;
         rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
-                                NULL);
+                                &claimed_at);
     }
     if (rc == 0 || rc == KS_EDUPLICATE) {
         /* A duplicate is this same claim retried: still ours. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
             broker__command_ended(b, req->command_id, req->start_failure);
+        else if (rc == 0 && claimed_at > 0)
+            broker__claimed_put(b, req->command_id, req->agent_id,
+                                req->attempt, claimed_at);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
         ks_metric_inc(KS_C_CLAIM_CONFLICTS);
@@ -1302,6 +1402,9 @@ broker_teardown(struct broker *b)
     ks_map_clear(&b->waiters);
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
+    ks_map_each(&b->claimed, free_value, NULL);
+    ks_map_clear(&b->claimed);
+    ks_map_clear(&b->keys_seen);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);

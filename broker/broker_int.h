@@ -16,6 +16,16 @@ struct broker__waiter {
     bool live; /* ExecuteRequest.live_output: send recorded output on */
 };
 
+/* The state a claim this broker recorded left a command in (Running, by
+ * agent_id, attempt) at stream version `version`: the recorder's one
+ * round trip path for the command's end (store_append_checked_at). A hint
+ * only: the version fences it. */
+struct broker__claimed {
+    int64_t version;
+    uint32_t attempt;
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+};
+
 /* What the broker knows of one agent (from KSCORE_AGENTS). */
 /* One agent process as its heartbeats show it (AgentInfo.instance_id). */
 struct broker__instance {
@@ -87,6 +97,8 @@ struct broker {
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
     struct ks_map waiters;      /* command_id -> struct broker__waiter * */
     struct ks_map live;         /* command_id -> subject (batch live output) */
+    struct ks_map claimed;      /* command_id -> struct broker__claimed * */
+    struct ks_map keys_seen;    /* idempotency keys executed here (set) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
     int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
                                    its watch: no one is judged offline
@@ -136,6 +148,22 @@ const char *broker__store_error(struct store *st, int rc, char *buf,
 void broker__reply_error(struct broker *b, natsMsg *msg,
                          const ProtobufCMessageDescriptor *d, int code,
                          const char *text);
+
+/* Notes the state a granted claim left command_id in (any thread; takes
+ * mu). At most BROKER_CLAIMED_MAX are kept: past it the hints are dropped
+ * (a missing hint only costs the recorder its checked path). */
+#define BROKER_CLAIMED_MAX 65536
+void broker__claimed_put(struct broker *b, const char *command_id,
+                         const char *agent_id, uint32_t attempt,
+                         int64_t version);
+/* true if this broker was asked to execute with idempotency key `key`
+ * before (of the last BROKER_KEYS_SEEN_MAX; then forgotten), and notes it.
+ * Any thread; takes mu. */
+#define BROKER_KEYS_SEEN_MAX 65536
+bool broker__key_seen(struct broker *b, const char *key);
+/* Removes and returns command_id's hint (the caller frees it), or NULL. */
+struct broker__claimed *broker__claimed_take(struct broker *b,
+                                             const char *command_id);
 
 /* Replies to the client waiting for command_id, if any, with result. */
 void broker__reply_waiter(struct broker *b, const char *command_id,

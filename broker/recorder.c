@@ -289,7 +289,35 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             touched = 0;
     unsigned failures = 0;
     char why[512];
-    for (;;) {
+    /* One end of a command this broker saw claimed: decided against the
+     * state the claim left, appended at the claim's version, in one round
+     * trip; anything else (the stream moved on, no hint, an annotation)
+     * goes the checked way below. */
+    bool decided = false;
+    if (nev == 1 && npc == 0) {
+        struct broker__claimed *h = broker__claimed_take(b,
+                                                         evs[0]->command_id);
+        if (h) {
+            struct store_command_state known = {
+                .exists = true,
+                .status = KS__COMMAND_STATUS__RUNNING,
+                .attempt = h->attempt,
+            };
+            snprintf(known.agent_id, sizeof(known.agent_id), "%s",
+                     h->agent_id);
+            rc = store_append_checked_at(b->st_rec, evs[0], &known,
+                                         h->version, broker__admit_report,
+                                         b);
+            free(h);
+            if (rc == 0 || rc == KS_EDUPLICATE) {
+                verdicts[0] = rc == 0 ? STORE_STEP_APPLY
+                                      : STORE_STEP_DUPLICATE;
+                decided = true;
+                rc = 0;
+            }
+        }
+    }
+    for (; !decided;) {
         /* Each event is decided against the record under its stream's
          * lock: one terminal event per command, reports only from the
          * command's own agent (store_append_checked,

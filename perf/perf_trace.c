@@ -8,8 +8,11 @@
  * serial path are taken, and per gap the p50 and p90 over the commands.
  * The services are restarted without tracing afterwards.
  *
- * The serial path, in order (the broker's own PubAck of the command is not
- * on it: the agent has the message before the broker has its ack):
+ * The serial path, in order. Off it, and reported apart: the command's
+ * record (CommandRequested + CommandDispatched and their commit), which
+ * the broker overlaps with the command's publish (a claim that arrives
+ * first waits for it, inside broker.claim_in -> broker.claim_recorded),
+ * and the broker's PubAck of the command.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -25,9 +28,8 @@ static const struct {
 } path[] = {
     {"client.sent", NULL},
     {"broker.execute_in", "request: client to broker (NATS)"},
-    {"broker.dispatch_recorded",
-     "checks + PostgreSQL: CommandRequested, CommandDispatched, commit"},
-    {"agent.delivered", "sign + JetStream publish + delivery to the agent"},
+    {"agent.delivered",
+     "checks, record sent, sign, JetStream publish, delivery to the agent"},
     {"agent.verified", "agent: decode + signature check"},
     {"agent.claim_sent", "agent: hold the message, journal, claim request"},
     {"broker.claim_in", "claim: agent to broker (NATS)"},
@@ -43,6 +45,15 @@ static const struct {
     {"client.replied", "reply: broker to client (NATS)"},
 };
 #define NPATH (sizeof(path) / sizeof(path[0]))
+/* Off the path: [i] from step off[i].from to off[i].to, same command. */
+static const struct {
+    const char *key, *from, *to;
+} off[] = {
+    {"dispatch_record", "broker.execute_in", "broker.dispatch_recorded"},
+    {"command_puback", "broker.execute_in", "broker.command_published"},
+};
+#define NOFF (sizeof(off) / sizeof(off[0]))
+#define NSTEPS (NPATH + 2 * NOFF)
 
 struct stamp {
     char id[37];
@@ -67,12 +78,17 @@ cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The path's steps are 0..NPATH-1; NPATH + 2i and NPATH + 2i + 1 are
+ * off[i]'s ends. */
 static int
 step_index(const char *name)
 {
     for (size_t i = 0; i < NPATH; i++)
         if (strcmp(path[i].step, name) == 0)
             return (int)i;
+    for (size_t i = 0; i < NOFF; i++)
+        if (strcmp(off[i].to, name) == 0)
+            return (int)(NPATH + 2 * i + 1);
     return -1;
 }
 
@@ -120,16 +136,19 @@ analyse(const char *file, int *commands_out)
 {
     size_t n = 0, ncmd = 0;
     struct stamp *v = read_stamps(file, &n);
-    int64_t *gaps[NPATH] = {0}, *total = NULL;
+    int64_t *gaps[NPATH] = {0}, *total = NULL, *offs[NOFF] = {0};
+    size_t noff[NOFF] = {0};
     json_t *steps = json_array(), *o = json_object();
 
     for (size_t i = 0; i < NPATH; i++)
         gaps[i] = calloc(n ? n : 1, sizeof(int64_t));
+    for (size_t i = 0; i < NOFF; i++)
+        offs[i] = calloc(n ? n : 1, sizeof(int64_t));
     total = calloc(n ? n : 1, sizeof(int64_t));
     for (size_t i = 0; i < n;) {
         size_t j = i;
-        int64_t at[NPATH];
-        bool have[NPATH] = {0}, all = true;
+        int64_t at[NSTEPS];
+        bool have[NSTEPS] = {0}, all = true;
         while (j < n && strcmp(v[j].id, v[i].id) == 0) {
             if (!have[v[j].step] || v[j].t < at[v[j].step])
                 at[v[j].step] = v[j].t;
@@ -138,6 +157,11 @@ analyse(const char *file, int *commands_out)
         }
         for (size_t k = 0; k < NPATH; k++)
             all = all && have[k];
+        for (size_t k = 0; k < NOFF; k++) {
+            int from = step_index(off[k].from), to = (int)(NPATH + 2 * k + 1);
+            if (from >= 0 && have[from] && have[to] && offs[k])
+                offs[k][noff[k]++] = at[to] - at[from];
+        }
         if (all && gaps[0] && total) {
             for (size_t k = 1; k < NPATH; k++)
                 gaps[k][ncmd] = at[k] - at[k - 1];
@@ -166,10 +190,21 @@ analyse(const char *file, int *commands_out)
         json_object_set_new(o, "total_p90_us",
                             json_integer(perf__pct(total, ncmd, 90)));
     }
+    for (size_t k = 0; k < NOFF; k++) {
+        char key[64];
+        if (!noff[k])
+            continue;
+        qsort(offs[k], noff[k], sizeof(int64_t), cmp_i64);
+        snprintf(key, sizeof(key), "off_path_%s_p50_us", off[k].key);
+        json_object_set_new(o, key,
+                            json_integer(perf__pct(offs[k], noff[k], 50)));
+    }
     json_object_set_new(o, "commands", json_integer((json_int_t)ncmd));
     json_object_set_new(o, "steps", steps);
     for (size_t i = 0; i < NPATH; i++)
         free(gaps[i]);
+    for (size_t i = 0; i < NOFF; i++)
+        free(offs[i]);
     free(total);
     free(v);
     *commands_out = (int)ncmd;

@@ -497,7 +497,8 @@ recheck_recorded(struct store *s, const char *stream_id, int64_t *version_out)
 static int append_impl(struct store *s, const char *stream_id,
                        int64_t expected_version,
                        const struct store_event *events, size_t n,
-                       int64_t *version_out, const char *claim_agent);
+                       int64_t *version_out, const char *claim_agent,
+                       void (*between)(void *), void *ud);
 
 int
 store_append(struct store *s, const char *stream_id,
@@ -505,7 +506,17 @@ store_append(struct store *s, const char *stream_id,
              size_t n, int64_t *version_out)
 {
     return append_impl(s, stream_id, expected_version, events, n,
-                       version_out, NULL);
+                       version_out, NULL, NULL, NULL);
+}
+
+int
+store_append_overlap(struct store *s, const char *stream_id,
+                     int64_t expected_version, const struct store_event *events,
+                     size_t n, int64_t *version_out, void (*between)(void *ud),
+                     void *ud)
+{
+    return append_impl(s, stream_id, expected_version, events, n,
+                       version_out, NULL, between, ud);
 }
 
 int
@@ -517,13 +528,13 @@ store_append_claim(struct store *s, const char *stream_id,
     if (strncmp(stream_id, "command-", 8) != 0 || !ks_is_uuid(stream_id + 8))
         return KS_EINVAL;
     return append_impl(s, stream_id, expected_version, event, 1,
-                       version_out, agent_id);
+                       version_out, agent_id, NULL, NULL);
 }
 
 static int
 append_impl(struct store *s, const char *stream_id, int64_t expected_version,
             const struct store_event *events, size_t n, int64_t *version_out,
-            const char *claim_agent)
+            const char *claim_agent, void (*between)(void *), void *ud)
 {
     const Ks__Event **evs = NULL;
     struct store__params p = {0};
@@ -596,6 +607,11 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
         s->broken = true; /* a pipeline without its sync */
         rc = lost == KS_EPGDOWN ? lost : KS_EPG;
         goto out;
+    }
+    if (between && rc == 0) {
+        /* Sent: the server works while the caller does. */
+        PQflush(s->conn);
+        between(ud);
     }
     {
         int frc = store__pipeline_finish(s, &version, &detail);

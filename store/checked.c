@@ -147,6 +147,36 @@ rollback(struct store *s)
 }
 
 int
+store_append_checked_at(struct store *s, const Ks__Event *ev,
+                        const struct store_command_state *known,
+                        int64_t version, store_check_fn check, void *ud)
+{
+    const char *cid, *why = NULL;
+    Ks__CommandStatus next;
+    Ks__Event copy;
+    char stream[8 + 37];
+
+    BUG_ON(!s || !ev || !known);
+    cid = store__command_id(ev);
+    if (!ks_is_uuid(ev->event_id) || !cid || !ks_is_uuid(cid) ||
+        !ev->type || !ev->type[0])
+        return KS_EINVAL;
+    if (version < 1 || !known->exists)
+        return KS_ECONFLICT;
+    if (check && check(known, ev, &why, ud) != 0)
+        return KS_ECONFLICT; /* an annotation: the checked path words it */
+    if (store_command_step(known, ev, &next, &why) != STORE_STEP_APPLY)
+        return KS_ECONFLICT;
+    snprintf(stream, sizeof(stream), "command-%s", cid);
+    /* The stream is the command's, derived from its id: never taken from
+     * the message. */
+    copy = *ev;
+    copy.stream_id = stream;
+    struct store_event se = {&copy};
+    return store_append(s, stream, version, &se, 1, NULL);
+}
+
+int
 store_append_checked(struct store *s, const Ks__Event *const *events,
                      size_t n, store_check_fn check, void *ud,
                      enum store_step *verdicts, size_t *dup_out)

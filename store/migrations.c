@@ -660,12 +660,45 @@ static const char migration_5[] =
     "  PRIMARY KEY (command_id, stream, byte_offset)\n"
     ");\n";
 
+/*
+ * Migration 6: a claim waits for the command's record. The broker publishes
+ * a command while its CommandRequested and CommandDispatched commit (the
+ * two overlap; broker.c on_execute), so a claim can reach PostgreSQL
+ * before the record is visible. The claim first inserts the stream's row:
+ * a row another transaction is inserting makes it wait for that one's
+ * end (a unique key), and then conflict (it committed: claim as before)
+ * or go in (it failed, or has not begun: nothing to claim, KS005, and the
+ * placeholder goes with the aborted claim). Only a recorded command can
+ * be claimed, so only a recorded command runs.
+ */
+static const char migration_6[] =
+    "CREATE OR REPLACE FUNCTION kscore_claim(p_stream text, p_expected bigint,\n"
+    "  p_ids uuid[], p_types text[], p_data bytea[], p_agent text)\n"
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
+    "DECLARE a text;\n"
+    "BEGIN\n"
+    "  INSERT INTO streams VALUES (p_stream, 'command', 0)\n"
+    "    ON CONFLICT (stream_id) DO NOTHING;\n"
+    "  IF FOUND THEN\n"
+    "    RAISE EXCEPTION 'command stream % is not recorded', p_stream\n"
+    "      USING ERRCODE = 'KS005';\n"
+    "  END IF;\n"
+    "  SELECT c.agent_id INTO a FROM commands c\n"
+    "    WHERE c.command_id = substr(p_stream, 9)::uuid;\n"
+    "  IF a IS DISTINCT FROM p_agent THEN\n"
+    "    RAISE EXCEPTION 'the command is not addressed to agent %', p_agent\n"
+    "      USING ERRCODE = 'KS004';\n"
+    "  END IF;\n"
+    "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
+    "END $$;\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
     {3, "one terminal event per command; NotStarted", migration_3},
     {4, "history: commands and batches by request time", migration_4},
     {5, "command output in pieces", migration_5},
+    {6, "a claim waits for the command's record", migration_6},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

@@ -242,6 +242,8 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
         rc = KS_ECONFLICT;
     else if (state && strcmp(state, STORE__SQLSTATE_NOT_YOURS) == 0)
         rc = KS_EDENIED;
+    else if (state && strcmp(state, STORE__SQLSTATE_NOT_RECORDED) == 0)
+        rc = KS_ENOTFOUND;
     else if (state && (strcmp(state, STORE__SQLSTATE_RECORDED) == 0 ||
                        strcmp(state, STORE__SQLSTATE_FRESH) == 0))
         rc = KS_EDUPLICATE;

@@ -138,10 +138,25 @@ int store_append(struct store *s, const char *stream_id,
                  size_t n, int64_t *version_out);
 
 /*
+ * store_append() that calls between(ud) once, on the calling thread, after
+ * the append and its COMMIT are sent and before their results are read:
+ * the caller's work overlaps the database's. between must not use s. It is
+ * not called when nothing could be sent (then the return code says why);
+ * when it is called the append may still fail (the return code).
+ */
+int store_append_overlap(struct store *s, const char *stream_id,
+                         int64_t expected_version,
+                         const struct store_event *events, size_t n,
+                         int64_t *version_out, void (*between)(void *ud),
+                         void *ud);
+
+/*
  * The claim's append: as store_append of one event on a command stream
  * ("command-<uuid>") at expected_version, only if the command is
  * addressed to agent_id (else KS_EDENIED, nothing written). One round
- * trip (kscore_claim() in migration 3).
+ * trip (kscore_claim() in migrations 3 and 6). A command whose record is
+ * being committed is waited for; one that is not recorded (its record
+ * failed, or has not reached the database yet) is KS_ENOTFOUND.
  */
 int store_append_claim(struct store *s, const char *stream_id,
                        int64_t expected_version, const char *agent_id,
@@ -385,6 +400,26 @@ typedef int (*store_check_fn)(const struct store_command_state *st,
 int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,
                          enum store_step *verdicts, size_t *dup_out);
+
+/*
+ * The one-event case of store_append_checked() when the caller knows the
+ * command's state at a version of its stream (the broker recorded the
+ * claim that put it there): decides ev against known in C (check, then
+ * store_command_step()) and, when the verdict is APPLY, appends it at
+ * expected version `version` of command-<ev->command_id> in one round trip
+ * (append, projection and COMMIT in one pipeline). The expected version is
+ * the fence: the stream is still at `version` only if nothing was
+ * appended since, so the state is still `known`, and a hint that is wrong
+ * or stale costs a conflict, never a wrong record.
+ * Returns 0 (recorded: verdict APPLY), KS_EDUPLICATE (the event was
+ * recorded before), KS_ECONFLICT (nothing written: the stream moved on,
+ * or the verdict is not APPLY; decide it with store_append_checked()),
+ * KS_EINVAL (no UUID event or command id) or a store error (nothing
+ * written).
+ */
+int store_append_checked_at(struct store *s, const Ks__Event *ev,
+                            const struct store_command_state *known,
+                            int64_t version, store_check_fn check, void *ud);
 
 /* ---- output pieces (store/output.c, table command_output) -------------
  *

@@ -18,6 +18,8 @@
 #define STORE__SQLSTATE_FRESH "KS003"
 /* kscore_claim(): the claimer is not the command's agent. */
 #define STORE__SQLSTATE_NOT_YOURS "KS004"
+/* A claim of a command stream that is not recorded (migration 6). */
+#define STORE__SQLSTATE_NOT_RECORDED "KS005"
 
 /* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
 #define STORE__OID_BOOL 16

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fixture.h"
 #include "store.h"
@@ -1345,6 +1346,160 @@ START_TEST(test_append_checked)
 }
 END_TEST
 
+/* The recorder's one round trip path: a report decided against the state
+ * a claim left, appended at the claim's version, or refused to the checked
+ * path when the stream moved on or the verdict is not APPLY. */
+START_TEST(test_append_checked_at)
+{
+    struct store *s = open_store();
+    static struct fev e[6];
+    char cid[37], c2[37];
+    struct store_command_state known = {
+        .exists = true, .status = KS__COMMAND_STATUS__RUNNING, .attempt = 1};
+    snprintf(known.agent_id, sizeof(known.agent_id), "agent-1");
+
+    ks_uuid(cid);
+    running_command(s, cid); /* Requested, Dispatched, Started: v3 */
+    Ks__Event *forged = fresult(&e[0], cid, "CommandCompleted",
+                                KS__COMMAND_STATUS__SUCCEEDED, 0, "FORGED");
+    forged->agent_id = "agent-2";
+    ck_assert_int_eq(store_append_checked_at(s, forged, &known, 3,
+                                             only_agent_1, NULL),
+                     KS_ECONFLICT);
+    /* A wrong stream in the message is ignored: the command's own. */
+    Ks__Event *ok = fresult(&e[1], cid, "CommandCompleted",
+                            KS__COMMAND_STATUS__FAILED, 3, "real");
+    ok->agent_id = "agent-1";
+    ok->attempt = 1;
+    ok->stream_id = "command-00000000-0000-0000-0000-000000000000";
+    ck_assert_int_eq(store_append_checked_at(s, ok, &known, 3, only_agent_1,
+                                             NULL),
+                     0);
+    assert_row(s, cid, "Failed/4/1/agent-1/real/true/true");
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "ReportRejected"), 0);
+    /* Again (a redelivery): recorded once. */
+    ck_assert_int_eq(store_append_checked_at(s, ok, &known, 3, only_agent_1,
+                                             NULL),
+                     KS_EDUPLICATE);
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    /* A stale hint: the stream moved on (a cancel, say); nothing written. */
+    ks_uuid(c2);
+    running_command(s, c2);
+    Ks__Event *other = fstatus(&e[2], c2, "CommandLost", 1, "agent-1");
+    struct store_event se = {other};
+    ck_assert_int_eq(store_append(s, e[2].stream, STORE_ANY, &se, 1, NULL),
+                     0);
+    Ks__Event *late = fresult(&e[3], c2, "CommandCompleted",
+                              KS__COMMAND_STATUS__SUCCEEDED, 0, "late");
+    late->agent_id = "agent-1";
+    late->attempt = 1;
+    ck_assert_int_eq(store_append_checked_at(s, late, &known, 3,
+                                             only_agent_1, NULL),
+                     KS_ECONFLICT);
+    ck_assert_int_eq(count_type(s, e[2].stream, "CommandCompleted"), 0);
+    assert_row(s, c2, "Lost/4/1/agent-1/-/true/true");
+    store_close(s);
+}
+END_TEST
+
+struct claim_arg {
+    const char *stream;
+    struct tev ev;
+    int rc;
+    int64_t version;
+    volatile int done;
+};
+
+static void *
+claim_thread(void *p)
+{
+    struct claim_arg *c = p;
+    struct store *s = open_store();
+    struct store_event se = {&c->ev.ev};
+    c->rc = store_append_claim(s, c->stream, 2, "agent-1", &se, &c->version);
+    c->done = 1;
+    store_close(s);
+    return NULL;
+}
+
+/* The broker publishes a command while its record commits: a claim that
+ * arrives first waits for the record, and claims nothing when the record
+ * fails or never comes. */
+START_TEST(test_claim_waits_for_record)
+{
+    struct store *a = open_store();
+    PGconn *ca = store_pgconn(a);
+    char cid[37], stream[64], sql[512];
+    PGresult *res;
+
+    for (int outcome = 0; outcome < 2; outcome++) {
+        struct claim_arg c = {.stream = stream};
+        pthread_t t;
+        ks_uuid(cid);
+        snprintf(stream, sizeof(stream), "command-%s", cid);
+        /* The record of a dispatched command, not yet committed. */
+        snprintf(sql, sizeof(sql),
+                 "BEGIN; INSERT INTO streams VALUES ('%s', 'command', 2);"
+                 " INSERT INTO commands (command_id, agent_id, status,"
+                 " attempt, version) VALUES ('%s', 'agent-1', 'Dispatched',"
+                 " 1, 2)",
+                 stream, cid);
+        res = PQexec(ca, sql);
+        ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
+                      PQresultErrorMessage(res));
+        PQclear(res);
+        mk(&c.ev, stream, "CommandStarted");
+        c.ev.ev.command_id = cid;
+        c.ev.ev.agent_id = "agent-1";
+        c.ev.ev.attempt = 1;
+        ck_assert_int_eq(pthread_create(&t, NULL, claim_thread, &c), 0);
+        usleep(300 * 1000);
+        ck_assert_msg(!c.done, "the claim did not wait for the record");
+        PQclear(PQexec(ca, outcome == 0 ? "COMMIT" : "ROLLBACK"));
+        pthread_join(t, NULL);
+        if (outcome == 0) {
+            ck_assert_int_eq(c.rc, 0);
+            ck_assert_int_eq(c.version, 3);
+            ck_assert_int_eq(count_type(a, stream, "CommandStarted"), 1);
+            /* A record made by hand, not by events: gone again, so
+             * replay tests see only what events made. */
+            snprintf(sql, sizeof(sql),
+                     "DELETE FROM events WHERE stream_id = '%s';"
+                     " DELETE FROM streams WHERE stream_id = '%s';"
+                     " DELETE FROM commands WHERE command_id = '%s'",
+                     stream, stream, cid);
+            res = PQexec(ca, sql);
+            ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
+                          PQresultErrorMessage(res));
+            PQclear(res);
+        } else {
+            ck_assert_int_eq(c.rc, KS_ENOTFOUND);
+            snprintf(sql, sizeof(sql),
+                     "SELECT count(*) FROM streams WHERE stream_id = '%s'",
+                     stream);
+            ck_assert_int_eq(sql_ll(a, "%s", sql), 0);
+        }
+    }
+    /* No record at all: nothing to claim, no trace left. */
+    {
+        struct claim_arg c = {.stream = stream};
+        ks_uuid(cid);
+        snprintf(stream, sizeof(stream), "command-%s", cid);
+        mk(&c.ev, stream, "CommandStarted");
+        c.ev.ev.command_id = cid;
+        c.ev.ev.agent_id = "agent-1";
+        claim_thread(&c);
+        ck_assert_int_eq(c.rc, KS_ENOTFOUND);
+        snprintf(sql, sizeof(sql),
+                 "SELECT count(*) FROM streams WHERE stream_id = '%s'",
+                 stream);
+        ck_assert_int_eq(sql_ll(a, "%s", sql), 0);
+    }
+    store_close(a);
+}
+END_TEST
+
 START_TEST(test_append_many_refused)
 {
     struct store *s = open_store();
@@ -1552,6 +1707,8 @@ main(void)
     tcase_add_test(tc, test_one_terminal_event);
     tcase_add_test(tc, test_command_machine);
     tcase_add_test(tc, test_append_checked);
+    tcase_add_test(tc, test_append_checked_at);
+    tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
     suite_add_tcase(su, tc);
