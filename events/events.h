@@ -102,6 +102,7 @@ struct evt_conn {
     natsConnection *nc;
     jsCtx *js;
     char identity[EVT_IDENTITY_MAX + 1]; /* a valid subject token */
+    void *nkey; /* EVP_PKEY of the NKey seed: signs each (re)connect's nonce */
 };
 
 /* Longest inbox subject evt_inbox() makes, with its NUL. */
