@@ -86,6 +86,11 @@ struct agent {
     size_t n_slots;
 
     pthread_mutex_t mu;
+    /* Spare files (journal.c agent__file_put): names under spare/. */
+    pthread_mutex_t spare_mu;
+    unsigned long spare_next;           /* (spare_mu) next name */
+    unsigned long spares[256];          /* (spare_mu) AGENT_SPARE_MAX */
+    size_t nspares;                     /* (spare_mu) */
     struct ks_map jobs;  /* command_id -> struct job_ctx *: held */
     unsigned free_slots; /* commands this process may still claim */
     bool claim_inline;   /* claim on the delivery thread (own threads) */
@@ -215,5 +220,26 @@ void agent__journal_remove(struct agent *a, const char *command_id);
  * the consumer's max_ack_pending is free again now, not after the ack wait.
  */
 void agent__journal_recover(struct agent *a);
+
+/*
+ * Files of the state dir (journal entries, outbox events) are recycled,
+ * not created and deleted: ext4 finds a free inode slowly while many were
+ * freed a moment ago (ext4_create -> recently_deleted() was a third of
+ * the agent's CPU samples at one command after another). A dropped file
+ * is renamed into <state>/spare (at most AGENT_SPARE_MAX kept) and the
+ * next put writes into a spare and renames it into place.
+ *
+ * agent__file_put: path (in the state dir) holds exactly data[0..len)
+ * afterwards, atomically (written, then renamed over path). 0 or -errno.
+ * agent__file_drop: path is gone (a spare now, or unlinked).
+ * agent__spare_init: at start, after the state dir exists: adopts the
+ * spares a previous run left (the rest are unlinked).
+ * Any thread; they take a->spare_mu.
+ */
+#define AGENT_SPARE_MAX 256
+int agent__file_put(struct agent *a, const char *path, const void *data,
+                    size_t len);
+void agent__file_drop(struct agent *a, const char *path);
+void agent__spare_init(struct agent *a);
 
 #endif

@@ -8,11 +8,13 @@
  * only after the spawn succeeded).
  */
 #include <dirent.h>
+#include <stdbool.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "agent_int.h"
@@ -41,12 +43,120 @@ write_all(int fd, const char *buf, size_t len)
     }
 }
 
+static void
+spare_path(struct agent *a, unsigned long n, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/spare/%lu", a->state_dir, n);
+}
+
+void
+agent__spare_init(struct agent *a)
+{
+    char dir[4200];
+    DIR *d;
+    struct dirent *de;
+
+    pthread_mutex_init(&a->spare_mu, NULL);
+    if (!a->state_dir)
+        return;
+    snprintf(dir, sizeof(dir), "%s/spare", a->state_dir);
+    mkdir(dir, 0700);
+    if (!(d = opendir(dir)))
+        return;
+    while ((de = readdir(d))) {
+        char *end;
+        unsigned long n = strtoul(de->d_name, &end, 10);
+        if (de->d_name[0] < '0' || de->d_name[0] > '9' || *end)
+            continue;
+        if (a->nspares < AGENT_SPARE_MAX) {
+            a->spares[a->nspares++] = n;
+        } else {
+            char p[4300];
+            spare_path(a, n, p, sizeof(p));
+            unlink(p);
+        }
+        if (n >= a->spare_next)
+            a->spare_next = n + 1;
+    }
+    closedir(d);
+}
+
+int
+agent__file_put(struct agent *a, const char *path, const void *data,
+                size_t len)
+{
+    char sp[4300];
+    unsigned long n;
+    bool reuse;
+    int fd, rc = 0;
+
+    pthread_mutex_lock(&a->spare_mu);
+    reuse = a->nspares > 0;
+    n = reuse ? a->spares[--a->nspares] : a->spare_next++;
+    pthread_mutex_unlock(&a->spare_mu);
+    spare_path(a, n, sp, sizeof(sp));
+    /* Written first, renamed into place after: a crash in between leaves
+     * a spare, never a file holding another command's lines. */
+    fd = open(sp, O_WRONLY | O_TRUNC | O_CLOEXEC | (reuse ? 0 : O_CREAT),
+              0600);
+    if (fd == -1 && reuse && errno == ENOENT)
+        fd = open(sp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd == -1)
+        return -errno;
+    while (len && rc == 0) {
+        ssize_t w = write(fd, data, len);
+        if (w == -1 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            rc = w == -1 ? -errno : -EIO;
+        else {
+            data = (const char *)data + w;
+            len -= (size_t)w;
+        }
+    }
+    close(fd);
+    if (rc == 0 && rename(sp, path) == -1)
+        rc = -errno;
+    if (rc)
+        unlink(sp);
+    return rc;
+}
+
+void
+agent__file_drop(struct agent *a, const char *path)
+{
+    char sp[4300];
+    unsigned long n = 0;
+    bool keep;
+
+    pthread_mutex_lock(&a->spare_mu);
+    keep = a->nspares < AGENT_SPARE_MAX;
+    if (keep)
+        n = a->spare_next++;
+    pthread_mutex_unlock(&a->spare_mu);
+    if (keep) {
+        spare_path(a, n, sp, sizeof(sp));
+        if (rename(path, sp) == 0) {
+            pthread_mutex_lock(&a->spare_mu);
+            if (a->nspares < AGENT_SPARE_MAX) {
+                a->spares[a->nspares++] = n;
+                keep = false; /* kept: nothing left to do */
+            }
+            pthread_mutex_unlock(&a->spare_mu);
+            if (keep)
+                unlink(sp); /* the pool filled meanwhile */
+            return;
+        }
+    }
+    unlink(path);
+}
+
 void
 agent__journal_hold(struct agent *a, const struct job_ctx *j,
                     const char *claim_event_id)
 {
     char path[4200], buf[JOURNAL_MAX_BYTES];
-    int fd, n;
+    int n;
 
     if (!a->state_dir)
         return;
@@ -62,11 +172,7 @@ agent__journal_hold(struct agent *a, const struct job_ctx *j,
         if (m > 0 && (size_t)m < sizeof(buf) - (size_t)n)
             n += m;
     }
-    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
-    if (fd == -1)
-        return;
-    write_all(fd, buf, (size_t)n);
-    close(fd);
+    (void)agent__file_put(a, path, buf, (size_t)n);
 }
 
 void
@@ -93,7 +199,7 @@ agent__journal_remove(struct agent *a, const char *command_id)
     if (!a->state_dir)
         return;
     journal_path(a, command_id, path, sizeof(path));
-    unlink(path);
+    agent__file_drop(a, path);
 }
 
 /* What one journal file says. */

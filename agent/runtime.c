@@ -180,26 +180,15 @@ agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
     evt_event_subject(it->subject, sizeof(it->subject), ev->agent_id,
                       ev->command_id);
     if (a->state_dir && persist) {
-        char path[4096], tmp[4200];
-        int fd;
+        char path[4096];
         outbox_path(a, it->event_id, path, sizeof(path));
-        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (fd >= 0) {
-            ssize_t w = write(fd, it->buf, it->len);
-            /* No fsync: the file outlives a crash of the agent process
-             * (the page cache is the kernel's), which is what it is for;
-             * a crash of the whole machine also loses JetStream's unsynced
-             * data, and the command then ends Lost. An fdatasync here cost
-             * 1-3 ms on every command. */
-            if (w == (ssize_t)it->len) {
-                close(fd);
-                rename(tmp, path);
-            } else {
-                close(fd);
-                unlink(tmp);
-            }
-        }
+        /* No fsync: the file outlives a crash of the agent process (the
+         * page cache is the kernel's), which is what it is for; a crash of
+         * the whole machine also loses JetStream's unsynced data, and the
+         * command then ends Lost. An fdatasync here cost 1-3 ms on every
+         * command. Written whole, then renamed into place (a spare file:
+         * agent__file_put). */
+        (void)agent__file_put(a, path, it->buf, it->len);
     }
     ks_trace("agent.event_queued", it->command_id);
     outbox_push(a, it);
@@ -330,7 +319,7 @@ publisher_main(void *arg)
         if (a->state_dir) {
             char path[4096];
             outbox_path(a, it->event_id, path, sizeof(path));
-            unlink(path);
+            agent__file_drop(a, path);
         }
         pthread_mutex_lock(&a->mu);
         a->out_head = it->next;
@@ -1429,6 +1418,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         snprintf(dir, sizeof(dir), "%s/running", opts->state_dir);
         mkdir(dir, 0700);
     }
+    agent__spare_init(a);
     if ((rc = agent__secret_init(a, errmsg)))
         goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
@@ -1682,6 +1672,7 @@ agent_stop(struct agent *a)
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
     pthread_mutex_destroy(&a->mu);
+    pthread_mutex_destroy(&a->spare_mu);
     pthread_mutex_destroy(&a->hb_mu);
     pthread_mutex_destroy(&a->out_mu);
     pthread_cond_destroy(&a->out_flush_cond);
