@@ -456,7 +456,9 @@ perf__floors_round(struct perf_ctx *ctx, int round, json_t **out)
     sp = put(o, "spawn", lat, n / 2);
     {
         int64_t js_us = 0, pg_us = 0;
-        if ((rc = floor_js_async(ctx, FLOOR_BATCH, &js_us)))
+        /* --quick: event_throughput's burst is 100, so is this */
+        if ((rc = floor_js_async(ctx, ctx->o->quick ? 100 : FLOOR_BATCH,
+                                 &js_us)))
             goto out;
         json_object_set_new(o, "js_async_1000_us", json_integer(js_us));
         if ((rc = floor_pg_pipeline(ctx, FLOOR_BATCH, &pg_us)))
