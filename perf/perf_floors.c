@@ -461,6 +461,15 @@ perf__floors_round(struct perf_ctx *ctx, int round, json_t **out)
                                  &js_us)))
             goto out;
         json_object_set_new(o, "js_async_1000_us", json_integer(js_us));
+        {
+            uint8_t buf[PERF_EVENT_BUF];
+            char a[37], b[37];
+            ks_uuid(a);
+            ks_uuid(b);
+            json_object_set_new(
+                o, "event_bytes",
+                json_integer((json_int_t)perf__completed_pack(a, b, buf)));
+        }
         if ((rc = floor_pg_pipeline(ctx, FLOOR_BATCH, &pg_us)))
             goto out;
         json_object_set_new(o, "pg_pipeline_1000_us", json_integer(pg_us));

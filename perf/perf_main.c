@@ -42,7 +42,7 @@ static const char usage[] =
     "  batch_exec_10     one BatchExecuteCommand across 10 local agents\n"
     "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
     "  exec_process      50 whole `kscore exec -- /bin/true` processes, and\n"
-    "                    `kscore --version` and NATS connects (its floor)\n"
+    "                    and its floor: process start, NATS connect, command\n"
     "  sustained         --rate commands/s (1000) for --duration s (60)\n"
     "\n"
     "  --rounds N        rounds per scenario (default 5; batch_exec_10 20;\n"
