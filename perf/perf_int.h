@@ -139,11 +139,11 @@ size_t perf__completed_pack(const char *event_id, const char *command_id,
 
 int perf__floors_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__latency_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__process_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__events_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch10_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out);
-int perf__process_round(struct perf_ctx *ctx, int round, json_t **out);
 
 /* Sleeps ms milliseconds (interrupted runs return early). */
 void perf__sleep_ms(int ms);

@@ -19,10 +19,10 @@
 static const struct perf_scenario scenarios[] = {
     {"floors", 5, 0, false, false, false, perf__floors_round},
     {"command_latency", 5, 0, true, true, false, perf__latency_round},
+    {"exec_process", 5, 0, true, true, false, perf__process_round},
     {"event_throughput", 5, 0, false, true, false, perf__events_round},
     {"batch_exec_10", 20, 10, false, true, false, perf__batch10_round},
     {"batch_exec_1000", 3, 1000, false, true, true, perf__batch1000_round},
-    {"exec_process", 5, 0, true, true, false, perf__process_round},
     {"sustained", 1, 0, true, true, false, perf__sustained_round},
 };
 #define NSCEN (sizeof(scenarios) / sizeof(scenarios[0]))
@@ -38,11 +38,11 @@ static const char usage[] =
     "                    commit, posix_spawn: p50s and their sum; 1,000\n"
     "                    async JetStream publishes; 1,000 pipelined inserts\n"
     "  command_latency   100 sequential ExecuteCommand of /bin/true\n"
+    "  exec_process      50 whole `kscore exec -- /bin/true` processes;\n"
+    "                    its floor: process start, NATS connect, command\n"
     "  event_throughput  1,000 and 100,000 events: async publish, recording\n"
     "  batch_exec_10     one BatchExecuteCommand across 10 local agents\n"
     "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
-    "  exec_process      50 whole `kscore exec -- /bin/true` processes, and\n"
-    "                    and its floor: process start, NATS connect, command\n"
     "  sustained         --rate commands/s (1000) for --duration s (60)\n"
     "\n"
     "  --rounds N        rounds per scenario (default 5; batch_exec_10 20;\n"
