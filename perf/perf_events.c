@@ -42,35 +42,16 @@ on_pub_err(jsCtx *js, jsPubAckErr *pae, void *closure)
     atomic_fetch_add(&pub_errors, 1);
 }
 
-/* Publishes n realistic CommandCompleted events; *ms_out: first publish to
- * the last PubAck. *t0_out: monotonic time of the first publish. */
-static int
-publish(struct perf_stack *st, struct evbatch *b, double *ms_out,
-        int64_t *t0_out)
+size_t
+perf__completed_pack(const char *event_id, const char *command_id,
+                     uint8_t *buf)
 {
-    struct evt_connect_opts co = {.name = "kscore-perf-events"};
-    struct evt_conn *c = NULL;
-    jsCtx *js = NULL;
-    jsOptions jo;
-    jsPubOptions po;
-    char subject[16 + EVT_AGENT_ID_MAX + 40], stream[48];
     static const char out_text[] = "hello from kscore perf\n";
     Ks__Event ev = KS__EVENT__INIT;
     Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
     Ks__Output so = KS__OUTPUT__INIT, se = KS__OUTPUT__INIT;
-    uint8_t buf[1024];
-    int64_t t0, now_us = ks_now_us();
-    int rc;
-
-    if ((rc = evt_connect(st->nats_url, &co, &c, NULL)))
-        return rc;
-    jsOptions_Init(&jo);
-    jo.PublishAsync.MaxPending = 20000;
-    jo.PublishAsync.ErrHandler = on_pub_err;
-    jo.PublishAsync.StallWait = 5000;
-    if ((rc = evt_err(natsConnection_JetStream(&js, c->nc, &jo))))
-        goto out;
-    atomic_store(&pub_errors, 0);
+    char stream[48];
+    int64_t now_us = ks_now_us();
 
     so.data.data = (uint8_t *)out_text;
     so.data.len = sizeof(out_text) - 1;
@@ -88,20 +69,49 @@ publish(struct perf_stack *st, struct evbatch *b, double *ms_out,
     r.stime_us = 420;
     r.maxrss_kb = 1480;
     r.pid = 4242;
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
     ev.type = "CommandCompleted";
     ev.agent_id = PERF_AGENT_PREFIX "0";
     ev.attempt = 1;
     ev.result = &r;
     ev.stream_id = stream;
+    ev.event_id = (char *)event_id;
+    ev.command_id = (char *)command_id;
+    ev.occurred_at_us = now_us;
+    return protobuf_c_message_pack(&ev.base, buf);
+}
+
+/* Publishes n realistic CommandCompleted events; *ms_out: first publish to
+ * the last PubAck. *t0_out: monotonic time of the first publish. */
+static int
+publish(struct perf_stack *st, struct evbatch *b, double *ms_out,
+        int64_t *t0_out)
+{
+    struct evt_connect_opts co = {.name = "kscore-perf-events"};
+    struct evt_conn *c = NULL;
+    jsCtx *js = NULL;
+    jsOptions jo;
+    jsPubOptions po;
+    char subject[16 + EVT_AGENT_ID_MAX + 40];
+    uint8_t buf[PERF_EVENT_BUF];
+    int64_t t0;
+    int rc;
+
+    if ((rc = evt_connect(st->nats_url, &co, &c, NULL)))
+        return rc;
+    jsOptions_Init(&jo);
+    jo.PublishAsync.MaxPending = 20000;
+    jo.PublishAsync.ErrHandler = on_pub_err;
+    jo.PublishAsync.StallWait = 5000;
+    if ((rc = evt_err(natsConnection_JetStream(&js, c->nc, &jo))))
+        goto out;
+    atomic_store(&pub_errors, 0);
 
     t0 = ks_mono_us();
     for (size_t i = 0; i < b->n && !perf__interrupted; i++) {
-        ev.event_id = b->ids[i];
-        ev.command_id = b->cmds[i];
-        ev.occurred_at_us = ks_now_us();
-        snprintf(stream, sizeof(stream), "command-%s", b->cmds[i]);
-        evt_event_subject(subject, sizeof(subject), ev.agent_id, b->cmds[i]);
-        size_t len = protobuf_c_message_pack(&ev.base, buf);
+        size_t len = perf__completed_pack(b->ids[i], b->cmds[i], buf);
+        evt_event_subject(subject, sizeof(subject), PERF_AGENT_PREFIX "0",
+                          b->cmds[i]);
         jsPubOptions_Init(&po);
         po.MsgId = b->ids[i];
         if ((rc = evt_err(js_PublishAsync(js, subject, buf, (int)len, &po))))

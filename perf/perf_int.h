@@ -131,8 +131,15 @@ struct perf_scenario {
     perf_round_fn round;
 };
 
+/* Packs the CommandCompleted event event_throughput publishes (an agent's
+ * result with a 23-byte stdout, from perf-0) into buf; returns its size. */
+#define PERF_EVENT_BUF 1024
+size_t perf__completed_pack(const char *event_id, const char *command_id,
+                            uint8_t *buf);
+
 int perf__floors_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__latency_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__process_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__events_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch10_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);

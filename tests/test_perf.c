@@ -6,6 +6,7 @@
  */
 #include <check.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,72 @@ num_at(json_t *root, const char *sc, const char *key)
     ck_assert_msg(json_is_number(v), "scenarios.%s.%s is not a number", sc,
                   key);
     return json_number_value(v);
+}
+
+/* Issue 15's targets, in the order the suite reports them. */
+static const char *const target_names[] = {
+    "command_latency p50_us / floors path_us",
+    "command_latency p99_us / p50_us",
+    "event_throughput publish_1000_us / floors js_async_1000_us",
+    "event_throughput record_events_per_s / floors pg_pipeline_rows_per_s",
+    "batch_exec_10 p50_us / (floors path_us + 10 x spawn_p50_us / cpus)",
+    "exec_process p50_us / (version_p50_us + connect_p50_us + ",
+    "exec_process p50_ms <= 15",
+    "sustained >= 1000 commands/s with p99 <= 100 ms and 0 errors",
+    "sustained broker_rss_drift_kb / broker_rss_end_kb",
+    "sustained agent_rss_drift_kb / agent_rss_end_kb",
+};
+#define NTARGETS (sizeof(target_names) / sizeof(target_names[0]))
+
+/*
+ * Every target is there, well formed: evaluated ones with a number value,
+ * a limit, a ratio to a positive floor (null floor and ratio for the
+ * absolute ones) and a boolean met; the others with a reason. Returns the
+ * number of evaluated ones.
+ */
+static size_t
+check_targets(json_t *root)
+{
+    json_t *t = json_object_get(root, "targets");
+    size_t evaluated = 0;
+
+    ck_assert_msg(json_array_size(t) == NTARGETS, "%zu targets, want %zu",
+                  json_array_size(t), NTARGETS);
+    for (size_t i = 0; i < NTARGETS; i++) {
+        json_t *x = json_array_get(t, i);
+        const char *name = json_string_value(json_object_get(x, "target"));
+        ck_assert_msg(name && strncmp(name, target_names[i],
+                                      strlen(target_names[i])) == 0,
+                      "target %zu is '%s', want '%s...'", i,
+                      name ? name : "(none)", target_names[i]);
+        ck_assert(json_is_number(json_object_get(x, "limit")));
+        ck_assert(json_is_boolean(json_object_get(x, "met")));
+        ck_assert(json_is_boolean(json_object_get(x, "evaluated")));
+        if (!json_is_true(json_object_get(x, "evaluated"))) {
+            const char *why = json_string_value(json_object_get(x, "reason"));
+            ck_assert_msg(why && why[0], "%s: not evaluated, no reason",
+                          name);
+            continue;
+        }
+        evaluated++;
+        ck_assert_msg(json_is_number(json_object_get(x, "value")), "%s", name);
+        json_t *fl = json_object_get(x, "floor"), *r = json_object_get(x, "ratio");
+        if (json_is_null(fl)) { /* absolute */
+            ck_assert(json_is_null(r));
+            continue;
+        }
+        ck_assert_msg(json_is_number(fl) && json_number_value(fl) > 0,
+                      "%s: floor", name);
+        ck_assert_msg(json_is_number(r), "%s: ratio", name);
+        /* the ratio is value / floor, and met says where it stands */
+        double ratio = json_number_value(json_object_get(x, "value")) /
+                       json_number_value(fl);
+        ck_assert_msg(fabs(ratio - json_number_value(r)) <=
+                          1e-6 * fmax(1.0, fabs(ratio)),
+                      "%s: ratio %f, value / floor %f", name,
+                      json_number_value(r), ratio);
+    }
+    return evaluated;
 }
 
 static json_t *
@@ -41,7 +108,8 @@ run_perf(const char *const args[], struct fixture_out *o)
 START_TEST(test_quick_all)
 {
     const char *args[] = {"perf",        "floors",  "command_latency",
-                          "event_throughput", "batch_exec_10", "sustained",
+                          "event_throughput", "batch_exec_10",
+                          "exec_process", "sustained",
                           "--rounds",    "1",       "--quick",
                           "--duration",  "2",       "--json",
                           NULL};
@@ -81,7 +149,32 @@ START_TEST(test_quick_all)
     json_t *fl = json_object_get(json_object_get(root, "scenarios"), "floors");
     ck_assert_int_eq(json_array_size(json_object_get(fl, "rounds")), 1);
     ck_assert(json_object_get(json_object_get(fl, "spread"), "sum_us"));
-    ck_assert(json_array_size(json_object_get(root, "targets")) > 0);
+    /* the throughput floors of issue 15 */
+    ck_assert(num_at(root, "floors", "js_async_1000_us") > 0);
+    ck_assert(num_at(root, "floors", "pg_pipeline_1000_us") > 0);
+    ck_assert(num_at(root, "floors", "pg_pipeline_rows_per_s") > 0);
+    /* the whole `kscore exec` process and the parts of its floor */
+    ck_assert(num_at(root, "exec_process", "p50_us") > 0);
+    num_at(root, "exec_process", "p95_us");
+    num_at(root, "exec_process", "p99_us");
+    ck_assert(num_at(root, "exec_process", "version_p50_us") > 0);
+    ck_assert(num_at(root, "exec_process", "connect_p50_us") > 0);
+    ck_assert(num_at(root, "exec_process", "command_p50_us") > 0);
+    ck_assert_int_eq((int)num_at(root, "exec_process", "errors"), 0);
+    ck_assert(json_integer_value(json_object_get(root, "cpus")) >= 1);
+    /* every scenario ran, so every target is evaluated (the batch one
+     * only when the batch API is served) */
+    size_t ev = check_targets(root);
+    ck_assert_uint_ge(ev, NTARGETS - 1);
+    if (!json_object_get(b, "skipped"))
+        ck_assert_uint_eq(ev, NTARGETS);
+    /* sustained at --quick's 20/s for 2 s misses, and says which parts */
+    json_t *sus = json_array_get(json_object_get(root, "targets"), 7);
+    ck_assert(json_is_false(json_object_get(sus, "met")));
+    const char *failed = json_string_value(json_object_get(sus, "failed"));
+    ck_assert_msg(failed && strstr(failed, "rate 20/s < 1000/s") &&
+                      strstr(failed, "duration 2 s < 60 s"),
+                  "failed: %s", failed ? failed : "(none)");
     json_decref(root);
     fixture_out_release(&o);
 }
@@ -107,6 +200,13 @@ START_TEST(test_ab_same_binary)
         json_array_size(json_object_get(json_object_get(cl, "b"), "rounds")),
         2);
     ck_assert_int_eq(json_array_size(json_object_get(cl, "rounds")), 2);
+    /* command_latency brings floors; the targets of the scenarios that did
+     * not run are listed, not evaluated, with the reason */
+    ck_assert_uint_eq(check_targets(root), 2);
+    json_t *et = json_array_get(json_object_get(root, "targets"), 2);
+    ck_assert(json_is_false(json_object_get(et, "evaluated")));
+    ck_assert_str_eq(json_string_value(json_object_get(et, "reason")),
+                     "event_throughput did not run");
     json_decref(root);
     fixture_out_release(&o);
 }
