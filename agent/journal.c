@@ -96,15 +96,18 @@ agent__file_put(struct agent *a, const char *path, const void *data,
     pthread_mutex_unlock(&a->spare_mu);
     spare_path(a, n, sp, sizeof(sp));
     /* Written first, renamed into place after: a crash in between leaves
-     * a spare, never a file holding another command's lines. */
-    fd = open(sp, O_WRONLY | O_TRUNC | O_CLOEXEC | (reuse ? 0 : O_CREAT),
-              0600);
+     * a spare, never a file holding another command's lines. Overwritten
+     * from offset 0 and then cut to size, not truncated first: a small
+     * file keeps its block instead of freeing and allocating one. */
+    fd = open(sp, O_WRONLY | O_CLOEXEC | (reuse ? 0 : O_CREAT), 0600);
     if (fd == -1 && reuse && errno == ENOENT)
-        fd = open(sp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        fd = open(sp, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
     if (fd == -1)
         return -errno;
+    size_t total = len;
+    off_t at = 0;
     while (len && rc == 0) {
-        ssize_t w = write(fd, data, len);
+        ssize_t w = pwrite(fd, data, len, at);
         if (w == -1 && errno == EINTR)
             continue;
         if (w <= 0)
@@ -112,8 +115,11 @@ agent__file_put(struct agent *a, const char *path, const void *data,
         else {
             data = (const char *)data + w;
             len -= (size_t)w;
+            at += w;
         }
     }
+    if (rc == 0 && ftruncate(fd, (off_t)total) == -1)
+        rc = -errno;
     close(fd);
     if (rc == 0 && rename(sp, path) == -1)
         rc = -errno;
