@@ -878,6 +878,9 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             rc = store_batch_append(b->st_batch, m->owner, BATCH_LEASE_MS,
                                     ls, nt, (const Ks__Event *const *)evs,
                                     p.n, &dups);
+            if (ks_trace_on())
+                for (size_t i = 0; i < nt; i++)
+                    ks_trace("batch.turn_recorded", touched[i]->id);
             if (rc == 0 || rc == KS_ECONFLICT || rc == KS_EINVAL ||
                 rc == KS_ETOOBIG)
                 break;
@@ -912,15 +915,21 @@ turn(struct broker *b, struct batch **touched, size_t nt)
     for (size_t i = 0; i < nt; i++)
         touched[i]->done_recorded = touched[i]->done;
     pthread_mutex_unlock(&m->mu);
-    /* Unrecorded commands are never published: no claim could win. */
-    for (size_t i = 0; i < p.npub; i++) {
-        int prc = evt_publish_command(b->nc, b->signer, p.publish[i], 5000);
-        if (prc)
-            ks_log(KS_LOG_WARN, "publish failed; the scanner retries",
-                   KS_S("module", "batch"),
-                   KS_S("command_id", p.publish[i]->command_id),
-                   KS_S("agent", p.publish[i]->agent_id),
-                   KS_I("attempt", p.publish[i]->attempt), KS_ERR(prc));
+    /* Unrecorded commands are never published: no claim could win. All
+     * of the turn's commands at once: one round trip, not one each. */
+    if (p.npub) {
+        int failed = evt_publish_commands(b->nc, b->signer, p.publish,
+                                          p.npub, 5000);
+        if (ks_trace_on())
+            for (size_t i = 0; i < p.npub; i++)
+                ks_trace("batch.command_published",
+                         p.publish[i]->command_id);
+        if (failed)
+            ks_log(KS_LOG_WARN,
+                   "some commands were not published; the scanner retries "
+                   "them",
+                   KS_S("module", "batch"), KS_I("commands", p.npub),
+                   KS_I("failed", failed));
     }
     plan_release(&p);
 
@@ -951,6 +960,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         if (bt->done) {
             if (bt->reply_subject)
                 send_reply(b, bt, bt->reply_subject);
+            ks_trace("batch.replied", bt->id);
             batch_drop(m, bt);
         }
     }

@@ -956,7 +956,9 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         int64_t left_ms = (deadline - ks_mono_us()) / 1000;
         if (left_ms <= 0)
             break;
-        rc = store_wait_notify(st, (int)left_ms);
+        /* Woken by this broker's appends; another broker's are seen by
+         * reading again every 100 ms. */
+        rc = store_wait_notify(st, (int)(left_ms < 100 ? left_ms : 100));
         if (rc == KS_ETIMEDOUT || (rc == KS_EPGDOWN && follow)) {
             rc = 0;
             /* one last read: a commit may race the timeout */

@@ -557,6 +557,45 @@ evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
 }
 
 int
+evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
+                     Ks__Command *const *cmds, size_t n, int timeout_ms)
+{
+    int failed = 0;
+
+    for (size_t i = 0; i < n; i++) {
+        char subject[16 + EVT_AGENT_ID_MAX], msg_id[64];
+        uint8_t *buf = NULL;
+        size_t len = 0;
+        jsPubOptions po;
+
+        if (evt__sign_command(signer, cmds[i], &buf, &len) != 0) {
+            failed++;
+            continue;
+        }
+        evt_cmd_subject(subject, sizeof(subject), cmds[i]->agent_id);
+        snprintf(msg_id, sizeof(msg_id), "%s.%u", cmds[i]->command_id,
+                 cmds[i]->attempt);
+        jsPubOptions_Init(&po);
+        po.MsgId = msg_id;
+        if (js_PublishAsync(c->js, subject, buf, (int)len, &po) != NATS_OK)
+            failed++;
+        free(buf);
+    }
+    if (n) {
+        jsPubOptions po;
+        natsMsgList pending = {0};
+        jsPubOptions_Init(&po);
+        po.MaxWait = timeout_ms;
+        if (js_PublishAsyncComplete(c->js, &po) != NATS_OK &&
+            js_PublishAsyncGetPendingList(&pending, c->js) == NATS_OK) {
+            failed += pending.Count;
+            natsMsgList_Destroy(&pending);
+        }
+    }
+    return failed;
+}
+
+int
 evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
 {
     char subject[16 + EVT_AGENT_ID_MAX + 40];

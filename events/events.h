@@ -396,6 +396,17 @@ int evt_unseal_env(const struct evt_seal_key *k, const char *agent_id,
  */
 int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                         const Ks__Command *cmd, int timeout_ms);
+/*
+ * The same for n commands at once: all published asynchronously
+ * (js_PublishAsync), then their PubAcks awaited together (up to
+ * timeout_ms in all), so n publishes cost about one round trip, not n.
+ * Returns how many were not acknowledged in time or could not be sent
+ * (0: all stored); a command too large is counted and not sent. Not for
+ * concurrent use on one connection (one caller thread: the batch
+ * scheduler): it waits for every asynchronous publish of c->js.
+ */
+int evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
+                         Ks__Command *const *cmds, size_t n, int timeout_ms);
 
 /*
  * Publishes an event to evt_event_subject(agent_id, command_id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,

@@ -166,6 +166,7 @@ store__note_recorded(const Ks__Event *const *evs, size_t n, const bool *skip,
 {
     int64_t now = ks_now_us();
 
+    store__wake();
     ks_metric_observe_us(KS_H_APPEND, ks_mono_us() - t0_us);
     for (size_t i = 0; i < n; i++) {
         const Ks__Event *ev = evs[i];

@@ -113,6 +113,8 @@ commit(struct store *s)
     else if (strcmp(PQcmdStatus(res), "COMMIT") != 0)
         rc = KS_EPG;
     PQclear(res);
+    if (rc == 0)
+        store__wake();
     return rc;
 }
 

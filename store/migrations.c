@@ -81,6 +81,92 @@
     " r_timed_out, r_stdout, r_stderr, r_stdout_total, r_stderr_total,"       \
     " r_stdout_trunc, r_stderr_trunc, r_duration, r_stage, r_errno)"
 
+/*
+ * The wake-up of store_wait_notify() up to migration 7: every append
+ * NOTIFYed kscore_events in its transaction. PostgreSQL serializes the
+ * commits of notifying transactions, WAL flush included (async.c
+ * PreCommit_Notify takes a cluster-wide lock held until after commit), so
+ * no two appends could share an fsync. Migration 7 re-creates the
+ * functions with KS_NOTIFY empty.
+ */
+#define KS_NOTIFY "  PERFORM pg_notify('kscore_events', '');\n"
+
+#define SQL_APPEND(CREATE) \
+    CREATE " FUNCTION kscore_append(p_stream text, p_expected bigint,\n" \
+    "  p_ids uuid[], p_types text[], p_data bytea[])\n" \
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
+    "DECLARE n int := cardinality(p_ids); v bigint;\n" \
+    "BEGIN\n" \
+    "  IF p_expected = -1 THEN\n" \
+    "    INSERT INTO streams AS s VALUES\n" \
+    "      (p_stream, split_part(p_stream, '-', 1), n)\n" \
+    "      ON CONFLICT (stream_id) DO UPDATE SET version = s.version + n\n" \
+    "      RETURNING s.version INTO v;\n" \
+    "  ELSIF p_expected = 0 THEN\n" \
+    "    INSERT INTO streams VALUES\n" \
+    "      (p_stream, split_part(p_stream, '-', 1), n)\n" \
+    "      ON CONFLICT (stream_id) DO NOTHING RETURNING version INTO v;\n" \
+    "  ELSE\n" \
+    "    UPDATE streams SET version = version + n\n" \
+    "      WHERE stream_id = p_stream AND version = p_expected\n" \
+    "      RETURNING version INTO v;\n" \
+    "  END IF;\n" \
+    "  IF EXISTS (SELECT 1 FROM events WHERE event_id = ANY (p_ids)) THEN\n" \
+    "    PERFORM kscore_raise_recorded(p_stream, p_ids);\n" \
+    "  END IF;\n" \
+    "  IF v IS NULL THEN\n" \
+    "    SELECT version INTO v FROM streams WHERE stream_id = p_stream;\n" \
+    "    RAISE EXCEPTION 'stream % is at version %, expected %',\n" \
+    "      p_stream, coalesce(v, 0), p_expected USING ERRCODE = 'KS001';\n" \
+    "  END IF;\n" \
+    "  INSERT INTO events (stream_id, version, event_id, type, data)\n" \
+    "    SELECT p_stream, v - n + u.o, u.id, u.t, u.d\n" \
+    "    FROM unnest(p_ids, p_types, p_data) WITH ORDINALITY AS u(id, t, d, o)\n" \
+    "    ORDER BY u.o;\n" \
+    KS_NOTIFY \
+    "  RETURN v;\n" \
+    "END $$;\n" \
+
+#define SQL_APPEND_MANY(CREATE) \
+    CREATE " FUNCTION kscore_append_many(p_ids uuid[], p_streams text[],\n" \
+    "  p_types text[], p_data bytea[])\n" \
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
+    "DECLARE inserted bigint;\n" \
+    "BEGIN\n" \
+    "  WITH input AS (\n" \
+    "    SELECT u.* FROM unnest(p_ids, p_streams, p_types, p_data)\n" \
+    "      WITH ORDINALITY AS u(id, s, t, d, o)\n" \
+    /* = ANY probes the index per id; an anti join would scan events. */ \
+    "  ), recorded AS (\n" \
+    "    SELECT e.event_id FROM events e WHERE e.event_id = ANY (p_ids)\n" \
+    "  ), fresh AS (\n" \
+    "    SELECT DISTINCT ON (i.id) i.* FROM input i\n" \
+    "    WHERE NOT EXISTS (SELECT 1 FROM recorded r WHERE r.event_id = i.id)\n" \
+    "    ORDER BY i.id, i.o\n" \
+    "  ), counts AS (\n" \
+    "    SELECT f.s, count(*) AS n FROM fresh f GROUP BY f.s\n" \
+    "  ), bumped AS (\n" \
+    "    INSERT INTO streams AS st\n" \
+    "      SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n" \
+    "      ORDER BY c.s\n" \
+    "    ON CONFLICT (stream_id) DO UPDATE\n" \
+    "      SET version = st.version + excluded.version\n" \
+    "    RETURNING st.stream_id, st.version\n" \
+    "  )\n" \
+    "  INSERT INTO events (stream_id, version, event_id, type, data)\n" \
+    "    SELECT f.s, b.version - c.n\n" \
+    "             + row_number() OVER (PARTITION BY f.s ORDER BY f.o),\n" \
+    "           f.id, f.t, f.d\n" \
+    "    FROM fresh f JOIN bumped b ON b.stream_id = f.s\n" \
+    "                 JOIN counts c ON c.s = f.s\n" \
+    "    ORDER BY f.o;\n" \
+    "  GET DIAGNOSTICS inserted = ROW_COUNT;\n" \
+    "  IF inserted > 0 THEN\n" \
+    "  " KS_NOTIFY \
+    "  END IF;\n" \
+    "  RETURN cardinality(p_ids) - inserted;\n" \
+    "END $$;\n" \
+
 #define SQL_RECORD_MANY(CREATE) \
     CREATE " FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n" \
     "  p_types text[], p_data bytea[],\n" \
@@ -139,7 +225,7 @@
     "    RAISE EXCEPTION 'some of the events are already recorded'\n" \
     "      USING ERRCODE = 'KS003', DETAIL = rec;\n" \
     "  END;\n" \
-    "  PERFORM pg_notify('kscore_events', '');\n" \
+    KS_NOTIFY \
     "  IF cardinality(c_id) > 0 THEN\n" \
     /* Commands requested in this batch: one insert in the final state. */ \
     "    WITH r AS (\n" \
@@ -221,6 +307,24 @@
     "  END IF;\n" \
     "  RETURN cardinality(p_ids);\n" \
     "END $$;\n" \
+
+/* The claim (migration 3; migration 6 adds WAIT, the wait for a record
+ * being committed). */
+#define SQL_CLAIM(CREATE, WAIT) \
+    CREATE " FUNCTION kscore_claim(p_stream text, p_expected bigint,\n" \
+    "  p_ids uuid[], p_types text[], p_data bytea[], p_agent text)\n" \
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
+    "DECLARE a text;\n" \
+    "BEGIN\n" \
+    WAIT \
+    "  SELECT c.agent_id INTO a FROM commands c\n" \
+    "    WHERE c.command_id = substr(p_stream, 9)::uuid;\n" \
+    "  IF a IS DISTINCT FROM p_agent THEN\n" \
+    "    RAISE EXCEPTION 'the command is not addressed to agent %', p_agent\n" \
+    "      USING ERRCODE = 'KS004';\n" \
+    "  END IF;\n" \
+    "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n" \
+    "END $$;\n"
 
 #define SQL_PROJECT(CREATE) \
     CREATE " FUNCTION kscore_project(p_event_id uuid, p_replay bool,\n" \
@@ -457,84 +561,14 @@ static const char migration_1[] =
      * The version step comes first: it takes the stream's row lock, so the
      * duplicate check after it sees a concurrent first delivery committed.
      */
-    "CREATE FUNCTION kscore_append(p_stream text, p_expected bigint,\n"
-    "  p_ids uuid[], p_types text[], p_data bytea[])\n"
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
-    "DECLARE n int := cardinality(p_ids); v bigint;\n"
-    "BEGIN\n"
-    "  IF p_expected = -1 THEN\n"
-    "    INSERT INTO streams AS s VALUES\n"
-    "      (p_stream, split_part(p_stream, '-', 1), n)\n"
-    "      ON CONFLICT (stream_id) DO UPDATE SET version = s.version + n\n"
-    "      RETURNING s.version INTO v;\n"
-    "  ELSIF p_expected = 0 THEN\n"
-    "    INSERT INTO streams VALUES\n"
-    "      (p_stream, split_part(p_stream, '-', 1), n)\n"
-    "      ON CONFLICT (stream_id) DO NOTHING RETURNING version INTO v;\n"
-    "  ELSE\n"
-    "    UPDATE streams SET version = version + n\n"
-    "      WHERE stream_id = p_stream AND version = p_expected\n"
-    "      RETURNING version INTO v;\n"
-    "  END IF;\n"
-    "  IF EXISTS (SELECT 1 FROM events WHERE event_id = ANY (p_ids)) THEN\n"
-    "    PERFORM kscore_raise_recorded(p_stream, p_ids);\n"
-    "  END IF;\n"
-    "  IF v IS NULL THEN\n"
-    "    SELECT version INTO v FROM streams WHERE stream_id = p_stream;\n"
-    "    RAISE EXCEPTION 'stream % is at version %, expected %',\n"
-    "      p_stream, coalesce(v, 0), p_expected USING ERRCODE = 'KS001';\n"
-    "  END IF;\n"
-    "  INSERT INTO events (stream_id, version, event_id, type, data)\n"
-    "    SELECT p_stream, v - n + u.o, u.id, u.t, u.d\n"
-    "    FROM unnest(p_ids, p_types, p_data) WITH ORDINALITY AS u(id, t, d, o)\n"
-    "    ORDER BY u.o;\n"
-    "  PERFORM pg_notify('kscore_events', '');\n"
-    "  RETURN v;\n"
-    "END $$;\n"
+    SQL_APPEND("CREATE")
     /*
      * Many streams, each at its current version; events already recorded
      * (or repeated in the batch) are skipped. Returns how many were
      * skipped. Streams are locked in stream_id order so two concurrent
      * batches cannot deadlock on them.
      */
-    "CREATE FUNCTION kscore_append_many(p_ids uuid[], p_streams text[],\n"
-    "  p_types text[], p_data bytea[])\n"
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
-    "DECLARE inserted bigint;\n"
-    "BEGIN\n"
-    "  WITH input AS (\n"
-    "    SELECT u.* FROM unnest(p_ids, p_streams, p_types, p_data)\n"
-    "      WITH ORDINALITY AS u(id, s, t, d, o)\n"
-    /* = ANY probes the index per id; an anti join would scan events. */
-    "  ), recorded AS (\n"
-    "    SELECT e.event_id FROM events e WHERE e.event_id = ANY (p_ids)\n"
-    "  ), fresh AS (\n"
-    "    SELECT DISTINCT ON (i.id) i.* FROM input i\n"
-    "    WHERE NOT EXISTS (SELECT 1 FROM recorded r WHERE r.event_id = i.id)\n"
-    "    ORDER BY i.id, i.o\n"
-    "  ), counts AS (\n"
-    "    SELECT f.s, count(*) AS n FROM fresh f GROUP BY f.s\n"
-    "  ), bumped AS (\n"
-    "    INSERT INTO streams AS st\n"
-    "      SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n"
-    "      ORDER BY c.s\n"
-    "    ON CONFLICT (stream_id) DO UPDATE\n"
-    "      SET version = st.version + excluded.version\n"
-    "    RETURNING st.stream_id, st.version\n"
-    "  )\n"
-    "  INSERT INTO events (stream_id, version, event_id, type, data)\n"
-    "    SELECT f.s, b.version - c.n\n"
-    "             + row_number() OVER (PARTITION BY f.s ORDER BY f.o),\n"
-    "           f.id, f.t, f.d\n"
-    "    FROM fresh f JOIN bumped b ON b.stream_id = f.s\n"
-    "                 JOIN counts c ON c.s = f.s\n"
-    "    ORDER BY f.o;\n"
-    "  GET DIAGNOSTICS inserted = ROW_COUNT;\n"
-    "  IF inserted > 0 THEN\n"
-    "    PERFORM pg_notify('kscore_events', '');\n"
-    "  END IF;\n"
-    "  RETURN cardinality(p_ids) - inserted;\n"
-    "END $$;\n"
+    SQL_APPEND_MANY("CREATE")
     /*
      * The recorder's batch path (store/fold.c): events that are all new
      * (the caller dropped repeats within the batch; any already recorded
@@ -622,19 +656,7 @@ static const char migration_3[] =
      * version the claim names, the command is the one dispatched to that
      * agent, so reading agent_id without a lock is enough.
      */
-    "CREATE FUNCTION kscore_claim(p_stream text, p_expected bigint,\n"
-    "  p_ids uuid[], p_types text[], p_data bytea[], p_agent text)\n"
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
-    "DECLARE a text;\n"
-    "BEGIN\n"
-    "  SELECT c.agent_id INTO a FROM commands c\n"
-    "    WHERE c.command_id = substr(p_stream, 9)::uuid;\n"
-    "  IF a IS DISTINCT FROM p_agent THEN\n"
-    "    RAISE EXCEPTION 'the command is not addressed to agent %', p_agent\n"
-    "      USING ERRCODE = 'KS004';\n"
-    "  END IF;\n"
-    "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
-    "END $$;\n";
+    SQL_CLAIM("CREATE", "");
 
 /*
  * Migration 4: history (`kscore list`, store/history.c) reads commands and
@@ -671,26 +693,27 @@ static const char migration_5[] =
  * placeholder goes with the aborted claim). Only a recorded command can
  * be claimed, so only a recorded command runs.
  */
+#define CLAIM_WAITS_FOR_RECORD                                                 \
+    "  INSERT INTO streams VALUES (p_stream, 'command', 0)\n"                  \
+    "    ON CONFLICT (stream_id) DO NOTHING;\n"                                \
+    "  IF FOUND THEN\n"                                                        \
+    "    RAISE EXCEPTION 'command stream % is not recorded', p_stream\n"       \
+    "      USING ERRCODE = 'KS005';\n"                                         \
+    "  END IF;\n"
 static const char migration_6[] =
-    "CREATE OR REPLACE FUNCTION kscore_claim(p_stream text, p_expected bigint,\n"
-    "  p_ids uuid[], p_types text[], p_data bytea[], p_agent text)\n"
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n"
-    "DECLARE a text;\n"
-    "BEGIN\n"
-    "  INSERT INTO streams VALUES (p_stream, 'command', 0)\n"
-    "    ON CONFLICT (stream_id) DO NOTHING;\n"
-    "  IF FOUND THEN\n"
-    "    RAISE EXCEPTION 'command stream % is not recorded', p_stream\n"
-    "      USING ERRCODE = 'KS005';\n"
-    "  END IF;\n"
-    "  SELECT c.agent_id INTO a FROM commands c\n"
-    "    WHERE c.command_id = substr(p_stream, 9)::uuid;\n"
-    "  IF a IS DISTINCT FROM p_agent THEN\n"
-    "    RAISE EXCEPTION 'the command is not addressed to agent %', p_agent\n"
-    "      USING ERRCODE = 'KS004';\n"
-    "  END IF;\n"
-    "  RETURN kscore_append(p_stream, p_expected, p_ids, p_types, p_data);\n"
-    "END $$;\n";
+    SQL_CLAIM("CREATE OR REPLACE", CLAIM_WAITS_FOR_RECORD);
+
+/*
+ * Migration 7: appends no longer NOTIFY (KS_NOTIFY above). A waiter is
+ * woken by the appends of its own process and re-reads every
+ * STORE_REREAD_MS for those of others (store_wait_notify).
+ */
+#undef KS_NOTIFY
+#define KS_NOTIFY ""
+static const char migration_7[] =
+    SQL_APPEND("CREATE OR REPLACE")
+    SQL_APPEND_MANY("CREATE OR REPLACE")
+    SQL_RECORD_MANY("CREATE OR REPLACE") ";\n";
 
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
@@ -699,6 +722,7 @@ const struct store__migration store__migrations[] = {
     {4, "history: commands and batches by request time", migration_4},
     {5, "command output in pieces", migration_5},
     {6, "a claim waits for the command's record", migration_6},
+    {7, "appends no longer NOTIFY (commits share fsyncs again)", migration_7},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

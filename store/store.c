@@ -6,9 +6,11 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <uuid/uuid.h>
 
 /* ---- buffers ---- */
@@ -316,12 +318,8 @@ session_setup(struct store *s, char **errmsg)
 {
     /* Projections hold timestamps; the session time zone only shows. */
     return store__exec(s,
-                       s->listening
-                           ? "SET TIME ZONE 'UTC';"
-                             " SET client_min_messages = warning;"
-                             " LISTEN kscore_events"
-                           : "SET TIME ZONE 'UTC';"
-                             " SET client_min_messages = warning",
+                       "SET TIME ZONE 'UTC';"
+                       " SET client_min_messages = warning",
                        errmsg);
 }
 
@@ -704,42 +702,72 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
         &p, cursor, cb, ud);
 }
 
+/* Appends committed by this process (store__wake): what store_wait_notify
+ * waits for. A generation number, so a waiter misses no wake-up between
+ * two calls. */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cond;
+static pthread_once_t wake_once = PTHREAD_ONCE_INIT;
+static uint64_t wake_gen;
+
+static void
+wake_init(void)
+{
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&wake_cond, &a);
+    pthread_condattr_destroy(&a);
+}
+
+void
+store__wake(void)
+{
+    pthread_once(&wake_once, wake_init);
+    pthread_mutex_lock(&wake_mu);
+    wake_gen++;
+    pthread_cond_broadcast(&wake_cond);
+    pthread_mutex_unlock(&wake_mu);
+}
+
 int
 store_wait_notify(struct store *s, int timeout_ms)
 {
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    PGnotify *n;
-    int woke = 0, rc;
+    struct timespec until;
+    int rc, woke = 0;
 
     if ((rc = store__ready(s)) < 0)
         return rc;
+    pthread_once(&wake_once, wake_init);
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&wake_mu);
     if (!s->listening) {
-        if ((rc = store__exec(s, "LISTEN kscore_events", NULL)) < 0)
-            return rc == KS_EPGDOWN ? rc : KS_EPG;
+        /* From the first call on: what commits after it. */
         s->listening = true;
+        s->seen_gen = wake_gen;
     }
     if (s->notify_pending) {
-        /* Reconnected: what was notified meanwhile is lost; re-read. */
+        /* Reconnected: whatever happened meanwhile, re-read. */
         s->notify_pending = false;
         woke = 1;
     }
-    for (;;) {
-        if (PQconsumeInput(s->conn) == 0)
-            return store__read_error(s, NULL);
-        while ((n = PQnotifies(s->conn)) != NULL) {
-            woke = 1;
-            PQfreemem(n);
-        }
-        if (woke)
-            return 0;
-        int64_t left_us = deadline - ks_mono_us();
-        if (left_us <= 0)
-            return KS_ETIMEDOUT;
-        struct pollfd pfd = {.fd = PQsocket(s->conn), .events = POLLIN};
-        int r = poll(&pfd, 1, (int)((left_us + 999) / 1000));
-        if (r == -1 && errno != EINTR)
-            return -errno;
+    while (!woke && wake_gen == s->seen_gen) {
+        int r = pthread_cond_timedwait(&wake_cond, &wake_mu, &until);
+        if (r == ETIMEDOUT)
+            break;
     }
+    if (wake_gen != s->seen_gen) {
+        s->seen_gen = wake_gen;
+        woke = 1;
+    }
+    pthread_mutex_unlock(&wake_mu);
+    return woke ? 0 : KS_ETIMEDOUT;
 }
 
 /* ---- commands ---- */

@@ -51,8 +51,9 @@
  * version of the last event applied to the row: the stream's version as
  * long as only the types above are appended to a command stream.
  *
- * Every append NOTIFYs channel kscore_events (empty payload) in its
- * transaction.
+ * Appends do not NOTIFY (migration 7: PostgreSQL serializes the commits of
+ * notifying transactions, fsync included); store_wait_notify() is woken by
+ * the appends of its own process.
  *
  * Threads: a struct store is one libpq connection; use it from one thread at
  * a time. Open one per thread.
@@ -66,10 +67,9 @@
  * or failed transaction, and reconnects a broken connection: at once the
  * first time, then no sooner than 100 ms, 200 ms, ... 2 s after the last
  * failed attempt (calls in between fail at once with KS_EPGDOWN, no
- * connect). A reconnection sets the session up again, prepares the ks_*
- * statements again on first use, and re-issues LISTEN if the connection was
- * listening (store_wait_notify then returns 0 once: notifications sent
- * while it was away are lost, a reader must re-read). store_last_error()
+ * connect). A reconnection sets the session up again and prepares the ks_*
+ * statements again on first use (a store that has waited in
+ * store_wait_notify is woken once: a reader must re-read). store_last_error()
  * says why. Every call below that names KS_EPG may return KS_EPGDOWN
  * as well. A call that fails with KS_EPGDOWN mid-way may or may not have
  * committed (a lost commit reply): appends are idempotent by event_id, so
@@ -221,12 +221,13 @@ int store_read_all(struct store *s, struct store_cursor *cursor,
                    uint32_t limit, store_event_fn cb, void *ud);
 
 /*
- * Blocks until a NOTIFY on channel kscore_events arrives or timeout_ms
- * passes (LISTEN is issued on first call and again after a reconnection;
- * notifications that arrived during other calls on this connection count,
- * and so does a reconnection). Returns 0 (woken), KS_ETIMEDOUT, KS_EPG or
- * KS_EPGDOWN. Only a wake-up: callers always re-read with
- * store_read_all().
+ * Blocks until an append commits in this process (through any struct
+ * store) or timeout_ms passes. Commits since the previous call on s count
+ * (from the first call on), and so does a reconnection of s. Appends of
+ * other processes (other brokers) wake nothing: a reader that must see
+ * them passes a short timeout (100 ms) and re-reads after it. Returns 0
+ * (woken), KS_ETIMEDOUT, or KS_EPGDOWN (the server is away: checked
+ * first). Only a wake-up: callers always re-read with store_read_all().
  */
 int store_wait_notify(struct store *s, int timeout_ms);
 

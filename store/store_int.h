@@ -86,7 +86,8 @@ void store__p_null(struct store__params *p);
 struct store {
     PGconn *conn;   /* the same object for the store's life (PQreset) */
     bool prepared;  /* the ks_* statements exist on this connection */
-    bool listening; /* LISTEN kscore_events wanted (re-issued on reconnect) */
+    bool listening; /* store_wait_notify called: a reconnection wakes it */
+    uint64_t seen_gen; /* store__wake generation its last wait saw */
     bool broken;    /* lost: reconnect before the next statement */
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
@@ -151,6 +152,8 @@ Ks__CommandStatus store__result_status(const Ks__CommandResult *r,
                                        Ks__CommandStatus dflt);
 /* The command / batch an event is about, or NULL. Borrowed from ev. */
 const char *store__command_id(const Ks__Event *ev);
+/* An append committed in this process: wakes store_wait_notify(). */
+void store__wake(void);
 const char *store__batch_id(const Ks__Event *ev);
 /* The result column: r packed without its output bytes, into b. */
 int store__pack_result(struct store__buf *b, const Ks__CommandResult *r);
