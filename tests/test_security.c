@@ -267,6 +267,66 @@ START_TEST(refused_commands_never_run)
 }
 END_TEST
 
+/*
+ * The broker publishes a command while its record commits, so a signed
+ * command can reach an agent before, or without, its record (the broker
+ * died in between, or the record failed). Such a command never runs: its
+ * claim finds no record, the agent tries a few times (the record of a
+ * live broker commits in milliseconds) and then drops the message; no
+ * command stream is created for it.
+ */
+START_TEST(an_unrecorded_command_never_runs)
+{
+    struct evt_signer *real = NULL;
+    struct evt_conn *c = connect_as(stack.broker_seed);
+    char id[37], subject[64], sql[256];
+    uint8_t *buf;
+    size_t len;
+    jsPubAck *pa = NULL;
+
+    ck_assert_int_eq(evt_signer_load(stack.signing_key, &real), 0);
+    ks_uuid(id);
+    craft(real, id, AGENT, ks_now_us() + 60 * 1000000LL, &buf, &len);
+    evt_cmd_subject(subject, sizeof(subject), AGENT);
+    ck_assert_int_eq(js_Publish(&pa, c->js, subject, buf, (int)len, NULL,
+                                NULL),
+                     NATS_OK);
+    jsPubAck_Destroy(pa);
+    free(buf);
+    /* Tried at about +20, +120 and +620 ms, dropped at the fourth
+     * delivery: the consumer holds nothing after that. */
+    jsConsumerInfo *ci = NULL;
+    int held = 1;
+    for (int i = 0; i < 100 && held; i++) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ck_assert_int_eq(js_GetConsumerInfo(&ci, c->js, EVT_STREAM_CMDS,
+                                            "agent-" AGENT, NULL, NULL),
+                         NATS_OK);
+        held = ci->NumAckPending > 0 || ci->NumPending > 0;
+        jsConsumerInfo_Destroy(ci);
+    }
+    ck_assert_msg(!held, "the agent still holds the unrecorded command");
+    ck_assert(!ran(id));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM streams WHERE stream_id = 'command-%s'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 0);
+    /* The agent serves the next, recorded, command as always. */
+    char script[PATH_MAX + 64];
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side);
+    const char *args[] = {"exec", "--agent", AGENT, "--", "sh", "-c", script,
+                          NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert(!ran(id));
+    evt_signer_free(real);
+    evt_close(c);
+}
+END_TEST
+
 START_TEST(operator_cannot_publish_commands)
 {
     struct evt_conn *admin = connect_as(stack.broker_seed);
@@ -1322,6 +1382,7 @@ security_suite(void)
     tcase_add_test(tc, operator_cannot_publish_commands);
     tcase_add_test(tc, agent_cannot_take_another_agents_commands);
     tcase_add_test(tc, refused_commands_never_run);
+    tcase_add_test(tc, an_unrecorded_command_never_runs);
     tcase_add_test(tc, policy_denies_and_records);
     tcase_add_test(tc, agent_credential_reads_no_replies);
     tcase_add_test(tc, a_huge_registry_entry_is_ignored);
