@@ -136,6 +136,14 @@ void kproto_arena_reset(struct kproto_arena *a);
 void kproto_arena_fini(struct kproto_arena *a);
 
 /*
+ * qsort(3) that never allocates (glibc's mallocs a copy of any array above
+ * 1 KiB): an introsort, O(n log n). Not stable: where equal elements must
+ * keep an order, cmp must decide it (e.g. by index).
+ */
+void ks_sort(void *base, size_t n, size_t size,
+             int (*cmp)(const void *, const void *));
+
+/*
  * Largest message kscore accepts from the network (bytes): the default NATS
  * max_payload (1 MiB, nats-server docs "Limits"), which also bounds
  * results. Decoders refuse larger inputs with KS_ETOOBIG before allocating.

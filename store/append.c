@@ -399,7 +399,7 @@ store__mark_repeats(const Ks__Event *const *events, size_t n,
         refs[i].id = events[i]->event_id;
         refs[i].idx = i;
     }
-    qsort(refs, n, sizeof(*refs), cmp_id_ref);
+    ks_sort(refs, n, sizeof(*refs), cmp_id_ref);
     for (size_t i = 1; i < n; i++)
         if (strcasecmp(refs[i].id, refs[i - 1].id) == 0) {
             skip[refs[i].idx] = true;

@@ -201,7 +201,7 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     /* Repeats within the call, in O(n log n); refs stays sorted by id for
      * matching the recorded ids below. */
     store__mark_repeats(events, n, refs, repeat);
-    qsort(states, nstates, sizeof(*states), cmp_cstate);
+    ks_sort(states, nstates, sizeof(*states), cmp_cstate);
     {
         size_t w = 0;
         for (size_t i = 0; i < nstates; i++)

@@ -367,6 +367,59 @@ START_TEST(arena)
 }
 END_TEST
 
+static size_t sort_size; /* element size for cmp_bytes */
+
+/* A total order on the first 4 bytes, then the rest. */
+static int
+cmp_bytes(const void *a, const void *b)
+{
+    uint32_t x, y;
+    memcpy(&x, a, 4);
+    memcpy(&y, b, 4);
+    if (x != y)
+        return x < y ? -1 : 1;
+    return memcmp(a, b, sort_size);
+}
+
+/* ks_sort sorts as qsort does, for element sizes below and above its swap
+ * buffer, sorted, reversed, all-equal and few-valued inputs (the shapes
+ * that break a quicksort). */
+START_TEST(sort_like_qsort)
+{
+    const size_t sizes[] = {4, 16, 200};
+    const size_t counts[] = {0, 1, 2, 3, 15, 16, 17, 100, 1000, 3001};
+    unsigned seed = 7;
+
+    for (size_t si = 0; si < 3; si++)
+        for (size_t ci = 0; ci < 10; ci++)
+            for (int shape = 0; shape < 5; shape++) {
+                size_t size = sizes[si], n = counts[ci];
+                unsigned char *a = malloc(n * size + 1), *b = malloc(n * size + 1);
+                sort_size = size;
+                for (size_t i = 0; i < n; i++) {
+                    uint32_t k;
+                    switch (shape) {
+                    case 0: k = (uint32_t)rand_r(&seed); break;
+                    case 1: k = (uint32_t)i; break;
+                    case 2: k = (uint32_t)(n - i); break;
+                    case 3: k = 5; break;
+                    default: k = (uint32_t)rand_r(&seed) % 3; break;
+                    }
+                    for (size_t j = 0; j < size; j++)
+                        a[i * size + j] = (unsigned char)rand_r(&seed);
+                    memcpy(a + i * size, &k, 4);
+                }
+                memcpy(b, a, n * size);
+                ks_sort(a, n, size, cmp_bytes);
+                qsort(b, n, size, cmp_bytes);
+                ck_assert_msg(n == 0 || memcmp(a, b, n * size) == 0,
+                              "size %zu n %zu shape %d", size, n, shape);
+                free(a);
+                free(b);
+            }
+}
+END_TEST
+
 static Suite *
 events_suite(void)
 {
@@ -376,6 +429,7 @@ events_suite(void)
     tcase_add_test(pure, agent_consumer_shape);
     tcase_add_test(pure, ack_delivered);
     tcase_add_test(pure, arena);
+    tcase_add_test(pure, sort_like_qsort);
     suite_add_tcase(s, pure);
     TCase *tc = tcase_create("nats");
     tcase_add_unchecked_fixture(tc, nats_up, nats_down);
