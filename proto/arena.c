@@ -3,7 +3,7 @@
  * one unit of work (a message, a batch) and is given back all at once
  * (kproto.h has the contract).
  *
- * Two lists of chunks. The regular chunks (64 KiB, doubling up to 1 MiB)
+ * Two lists of chunks. The regular chunks (4 KiB, doubling up to 1 MiB)
  * stay allocated when the arena is rewound (release, reset) and are filled
  * again from the first, so a thread that decodes one batch after another
  * calls malloc only while its batches grow. A request larger than a
@@ -19,7 +19,7 @@
 
 #include "kproto.h"
 
-#define ARENA_CHUNK_MIN ((size_t)64 * 1024)
+#define ARENA_CHUNK_MIN ((size_t)4 * 1024)
 #define ARENA_CHUNK_MAX ((size_t)1024 * 1024)
 #define ARENA_BIG (ARENA_CHUNK_MAX / 2)
 /* Regular chunks kept past a reset: this many bytes at most. */

@@ -81,7 +81,7 @@ int kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out,
  * kproto_arena: memory for one unit of work (a decoded message, a batch),
  * taken by bumping a pointer and given back all at once, so a hot path
  * that decodes message after message stops calling malloc and free for
- * every field. Chunks of 64 KiB doubling to 1 MiB, filled in order; a
+ * every field. Chunks of 4 KiB doubling to 1 MiB, filled in order; a
  * request above 512 KiB gets a chunk of its own.
  *
  *   static _Thread_local struct kproto_arena ar; (or KPROTO_ARENA_INIT)
