@@ -19,6 +19,18 @@
 
 #include "kproto.h"
 
+/* Under ASan (make asan), memory given back stays poisoned until it is
+ * handed out again: a use after a reset or a release is reported, as a
+ * use after free() would be. */
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 #define ARENA_CHUNK_MIN ((size_t)4 * 1024)
 #define ARENA_CHUNK_MAX ((size_t)1024 * 1024)
 #define ARENA_BIG (ARENA_CHUNK_MAX / 2)
@@ -91,6 +103,7 @@ kproto_arena_alloc(struct kproto_arena *a, size_t size)
     if (a->cur && a->cur->size - a->used >= need) {
         void *p = a->cur->data + a->used;
         a->used += need;
+        UNPOISON(p, size);
         return p;
     }
     /* The next regular chunk that fits: one kept from before (one too
@@ -117,10 +130,12 @@ kproto_arena_alloc(struct kproto_arena *a, size_t size)
             return NULL;
         c->size = csize;
         c->next = NULL;
+        POISON(c->data, csize);
         *tail = c;
     }
     a->cur = c;
     a->used = need;
+    UNPOISON(c->data, size);
     return c->data;
 }
 
@@ -162,6 +177,13 @@ kproto_arena_release(struct kproto_arena *a, struct kproto_arena_mark m)
     }
     a->cur = m.cur;
     a->used = m.used;
+#if defined(__SANITIZE_ADDRESS__)
+    for (struct kproto_arena_chunk *c = m.cur ? m.cur : a->first; c;
+         c = c->next) {
+        size_t from = c == m.cur ? m.used : 0;
+        POISON(c->data + from, c->size - from);
+    }
+#endif
 }
 
 void
