@@ -166,7 +166,32 @@ close_fd(struct exec_loop *loop, int *fd)
     *fd = -1;
 }
 
-/* Reads once from one pipe; past the cap, counts and drops. 0 at EOF. */
+/* Room for more bytes in b, growing by doubling from 1 KiB (never past
+ * cap + 1). 0, or -1 when out of memory. */
+static int
+outbuf_grow(struct outbuf *b, size_t more)
+{
+    size_t want = b->alloc ? b->alloc : 1024;
+    char *p;
+
+    if (b->alloc >= b->len + more + 1)
+        return 0;
+    while (want < b->len + more + 1)
+        want *= 2;
+    if (want > b->cap + 1)
+        want = b->cap + 1;
+    p = realloc(b->data, want);
+    if (!p)
+        return -1;
+    b->data = p;
+    b->alloc = want;
+    return 0;
+}
+
+/* Reads once from one pipe; past the cap, counts and drops. 0 at EOF.
+ * Reads into the thread's scratch and keeps what came: the buffer grows
+ * by the output, not by a 64 KiB chunk per pipe (most commands print a
+ * line or nothing). */
 static ssize_t
 pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
 {
@@ -174,35 +199,18 @@ pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
     size_t room = b->cap - b->len;
     ssize_t n;
 
-    if (room > EXEC_READ_CHUNK)
-        room = EXEC_READ_CHUNK;
-    if (room && b->alloc < b->len + room + 1) {
-        size_t want = b->alloc ? b->alloc * 2 : 4096;
-        char *p;
-        if (want < b->len + room + 1)
-            want = b->len + room + 1;
-        if (want > b->cap + 1)
-            want = b->cap + 1;
-        p = realloc(b->data, want);
-        if (p) {
-            b->data = p;
-            b->alloc = want;
-        } else {
-            room = 0; /* out of memory: count and drop like past the cap */
-        }
-    }
     do {
-        if (room)
-            n = read(job->fd[i], b->data + b->len, room);
-        else
-            n = read(job->fd[i], scratch, sizeof(scratch));
+        n = read(job->fd[i], scratch, sizeof(scratch));
     } while (n == -1 && errno == EINTR);
     if (n > 0) {
-        if (room) {
-            b->len += (size_t)n;
+        size_t keep = (size_t)n < room ? (size_t)n : room;
+        /* Out of memory: counted and dropped like past the cap. */
+        if (keep && outbuf_grow(b, keep) == 0) {
+            memcpy(b->data + b->len, scratch, keep);
+            b->len += keep;
             if (job->output_cb)
-                job->output_cb(job->id, i + 1, b->data + b->len - (size_t)n,
-                               (size_t)n, job->ud);
+                job->output_cb(job->id, i + 1, b->data + b->len - keep, keep,
+                               job->ud);
         }
         b->total += (uint64_t)n;
     }

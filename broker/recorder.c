@@ -26,19 +26,20 @@
  * fraction of the ack wait). */
 #define REC_IN_PROGRESS_US ((int64_t)REC_ACK_WAIT_MS * 1000 / 3)
 
+/* The recorder thread's memory for one batch (the decoded events, the
+ * batch's arrays), given back at once at the end of record_batch: no
+ * malloc per field of every event. */
+static _Thread_local struct kproto_arena rec_arena;
+
 static void
 on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
              void *ud)
 {
     struct broker *b = ud;
-    jsMsgMetaData *md = NULL;
     (void)nc;
     (void)sub;
-    if (natsMsg_GetMetaData(&md, msg) == NATS_OK) {
-        if (md->NumDelivered > 1)
-            ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
-        jsMsgMetaData_Destroy(md);
-    }
+    if (evt_ack_delivered(natsMsg_GetReply(msg)) > 1)
+        ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
     pthread_mutex_lock(&b->mu);
     if (b->rec_len == b->rec_cap) {
         size_t ncap = b->rec_cap ? b->rec_cap * 2 : 1024;
@@ -219,36 +220,30 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
 static void
 record_batch(struct broker *b, natsMsg **msgs, size_t n)
 {
-    Ks__Event **evs = calloc(n, sizeof(*evs));
-    Ks__Event **pcs = calloc(n ? n : 1, sizeof(*pcs));
+    struct kproto_arena *ar = &rec_arena;
+    Ks__Event **evs = kproto_arena_calloc(ar, n, sizeof(*evs));
+    Ks__Event **pcs = kproto_arena_calloc(ar, n, sizeof(*pcs));
     size_t nev = 0, npc = 0, dups = 0;
     bool pieces_done = false;
     int rc;
 
-    enum store_step *verdicts = calloc(n ? n : 1, sizeof(*verdicts));
-    enum store_step *pverdicts = calloc(n ? n : 1, sizeof(*pverdicts));
-    const char **pwhys = calloc(n ? n : 1, sizeof(*pwhys));
-    char (*preasons)[200] = calloc(n ? n : 1, sizeof(*preasons));
+    enum store_step *verdicts = kproto_arena_calloc(ar, n, sizeof(*verdicts));
+    enum store_step *pverdicts = kproto_arena_calloc(ar, n, sizeof(*pverdicts));
+    const char **pwhys = kproto_arena_calloc(ar, n, sizeof(*pwhys));
+    char (*preasons)[200] = kproto_arena_calloc(ar, n, sizeof(*preasons));
     /* A refused piece is recorded as a shallow copy (no bytes, the
-     * reason): borrowed[i] marks evs[i] as one, freed with its original. */
-    Ks__Event *pcopies = calloc(n ? n : 1, sizeof(*pcopies));
-    bool *borrowed = calloc(n ? n : 1, sizeof(*borrowed));
+     * reason), borrowing from its original. */
+    Ks__Event *pcopies = kproto_arena_calloc(ar, n, sizeof(*pcopies));
     if (!evs || !verdicts || !pcs || !pverdicts || !pwhys || !preasons ||
-        !pcopies || !borrowed) {
-        free(pcopies);
-        free(borrowed);
-        free(evs);
-        free(verdicts);
-        free(pcs);
-        free(pverdicts);
-        free(pwhys);
-        free(preasons);
+        !pcopies) {
+        kproto_arena_reset(ar);
         return; /* not acked: redelivered */
     }
     for (size_t i = 0; i < n; i++) {
         ProtobufCMessage *m = NULL;
-        rc = evt_unpack(&ks__event__descriptor, natsMsg_GetData(msgs[i]),
-                        (size_t)natsMsg_GetDataLength(msgs[i]), &m);
+        rc = evt_unpack_in(&ks__event__descriptor, natsMsg_GetData(msgs[i]),
+                           (size_t)natsMsg_GetDataLength(msgs[i]),
+                           kproto_arena_pb(ar), &m);
         Ks__Event *ev = (Ks__Event *)m;
         char want[16 + EVT_AGENT_ID_MAX + 40];
         if (rc == 0)
@@ -266,8 +261,6 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                                 "event",
                    KS_S("module", "recorder"),
                    KS_S("subject", natsMsg_GetSubject(msgs[i])));
-            if (m)
-                protobuf_c_message_free_unpacked(m, NULL);
             natsMsg_Term(msgs[i], NULL);
             natsMsg_Destroy(msgs[i]);
             msgs[i] = NULL;
@@ -341,7 +334,6 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                     pcopies[i] = *pcs[i];
                     pcopies[i].reason = preasons[i];
                     pcopies[i].chunk = NULL;
-                    borrowed[nev] = true;
                     evs[nev++] = &pcopies[i];
                 }
             }
@@ -413,20 +405,10 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                    KS_S("kept_as", verdicts[i] == STORE_STEP_LATE
                                        ? "LateResult"
                                        : "ReportRejected"));
-        if (!borrowed[i])
-            ks__event__free_unpacked(evs[i], NULL);
     }
-    /* After the events: refused pieces' copies borrow from them. */
-    for (size_t i = 0; i < npc; i++)
-        ks__event__free_unpacked(pcs[i], NULL);
-    free(pcs);
-    free(pverdicts);
-    free(pwhys);
-    free(evs);
-    free(verdicts);
-    free(preasons);
-    free(pcopies);
-    free(borrowed);
+    /* The events, the refused pieces' copies (borrowing from them) and
+     * the arrays, all at once. */
+    kproto_arena_reset(ar);
 }
 
 static void *
@@ -453,6 +435,7 @@ recorder_main(void *arg)
         record_batch(b, batch, n);
     }
     free(batch);
+    kproto_arena_fini(&rec_arena);
     return NULL;
 }
 

@@ -754,9 +754,10 @@ evt_unpack_reply(const ProtobufCMessageDescriptor *desc, const void *data,
     return 0;
 }
 
-int
-evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
-               size_t len, ProtobufCMessage **out, char *why, size_t why_len)
+static int
+unpack_checked(const ProtobufCMessageDescriptor *desc, const void *data,
+               size_t len, ProtobufCAllocator *alloc, ProtobufCMessage **out,
+               char *why, size_t why_len)
 {
     ProtobufCMessage *m;
     int rc;
@@ -765,15 +766,30 @@ evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
     rc = evt_check_wire(desc, data, len, why, why_len);
     if (rc == KS_EINVAL)
         return rc;
-    m = protobuf_c_message_unpack(desc, NULL, len, data);
+    m = protobuf_c_message_unpack(desc, alloc, len, data);
     if (!m)
         return KS_EDECODE;
     if (has_field_zero(m)) {
-        protobuf_c_message_free_unpacked(m, NULL);
+        protobuf_c_message_free_unpacked(m, alloc);
         return KS_EDECODE;
     }
     *out = m;
     return 0;
+}
+
+int
+evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
+               size_t len, ProtobufCMessage **out, char *why, size_t why_len)
+{
+    return unpack_checked(desc, data, len, NULL, out, why, why_len);
+}
+
+int
+evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
+              size_t len, ProtobufCAllocator *alloc, ProtobufCMessage **out)
+{
+    int rc = unpack_checked(desc, data, len, alloc, out, NULL, 0);
+    return rc == KS_EINVAL ? KS_EDECODE : rc;
 }
 
 int

@@ -528,6 +528,14 @@ int evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
                      char *why, size_t why_len);
 
 /*
+ * How many times JetStream has delivered a message (1 the first time),
+ * read from its ack reply subject ("$JS.ACK...", natsMsg_GetReply); 0 when
+ * reply is NULL or not one. What natsMsg_GetMetaData says as NumDelivered,
+ * without the three allocations it makes per message. Pure.
+ */
+uint64_t evt_ack_delivered(const char *reply);
+
+/*
  * Publishes data (len bytes) to a stream's subject and waits for the
  * stream's PubAck, which comes back on "_INBOX.<identity>.<uuid>"
  * (evt_request_bytes_as: identity NULL is the connection's) with the header
@@ -564,6 +572,14 @@ int evt_unpack(const ProtobufCMessageDescriptor *desc, const void *data,
 int evt_unpack_why(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, ProtobufCMessage **out, char *why,
                    size_t why_len);
+/*
+ * evt_unpack with the memory from alloc (NULL: malloc), e.g. an arena's
+ * (kproto_arena_pb): *out then lives as long as the arena's round and is
+ * never freed alone. The same checks and codes as evt_unpack.
+ */
+int evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
+                  size_t len, ProtobufCAllocator *alloc,
+                  ProtobufCMessage **out);
 /* The check alone: 0, KS_EINVAL (why as above) or KS_EDECODE. Pure. */
 int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, char *why, size_t why_len);

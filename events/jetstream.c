@@ -13,6 +13,7 @@
  */
 #include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "events.h"
@@ -88,4 +89,34 @@ evt_js_publish_as(struct evt_conn *c, const char *identity,
                           why_len);
     natsMsg_Destroy(reply);
     return rc;
+}
+
+uint64_t
+evt_ack_delivered(const char *reply)
+{
+    /* After "$JS.ACK.": v1 "<stream>.<consumer>.<delivered>.<sseq>.<cseq>.
+     * <tm>.<pending>" (7 tokens); v2 "<domain>.<account hash>.<stream>.
+     * <consumer>.<delivered>...", 9 tokens or more. The same rule as
+     * nats.c's js_getMetaData, which copies the names for it. */
+    const char *tok[9], *p;
+    size_t nt = 0;
+    const char *want;
+    char *end;
+    unsigned long long v;
+
+    if (!reply || strncmp(reply, "$JS.ACK.", 8) != 0)
+        return 0;
+    p = reply + 8;
+    tok[nt++] = p;
+    while (nt < 9 && (p = strchr(p, '.')) != NULL)
+        tok[nt++] = ++p;
+    if (nt < 7 || (nt > 7 && nt < 9))
+        return 0;
+    want = tok[nt == 7 ? 2 : 4];
+    if (*want < '0' || *want > '9')
+        return 0;
+    v = strtoull(want, &end, 10);
+    if (*end != '.')
+        return 0;
+    return (uint64_t)v;
 }

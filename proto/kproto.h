@@ -6,8 +6,8 @@
  * Invariants:
  *  - Fallible functions in kscore return 0 or a negative code: -errno for
  *    system errors, KS_E* (all <= -1000) for kscore's own.
- *  - Nothing here allocates except kproto_pack(), ks_map and the log
- *    line (ks_log_format_line).
+ *  - Nothing here allocates except kproto_pack(), ks_map, kproto_arena
+ *    and the log line (ks_log_format_line).
  */
 #ifndef KSCORE_KPROTO_H
 #define KSCORE_KPROTO_H
@@ -76,6 +76,72 @@ int ks_is_uuid(const char *s);
  */
 int kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out,
                 size_t *len_out);
+
+/*
+ * kproto_arena: memory for one unit of work (a decoded message, a batch),
+ * taken by bumping a pointer and given back all at once, so a hot path
+ * that decodes message after message stops calling malloc and free for
+ * every field. Chunks of 4 KiB doubling to 1 MiB, filled in order; a
+ * request above 512 KiB gets a chunk of its own.
+ *
+ *   static _Thread_local struct kproto_arena ar; (or KPROTO_ARENA_INIT)
+ *   evt_unpack_in(desc, data, len, kproto_arena_pb(&ar), &m);
+ *   ... use m, kproto_arena_calloc(&ar, n, sizeof(x)) ...
+ *   kproto_arena_reset(&ar);        m and everything else is gone
+ *   kproto_arena_fini(&ar);         when the thread is done with it
+ *
+ * Ownership: everything allocated belongs to the arena until the next
+ * reset, the release of a mark taken before it, or fini; nothing in it is
+ * freed alone (free() on it is a bug; protobuf_c_message_free_unpacked
+ * with kproto_arena_pb() is a no-op). Thread use: none inside; one thread
+ * at a time (a per-thread or per-connection arena). A zeroed struct is an
+ * empty arena.
+ *
+ * Rewinding keeps the regular chunks (up to 4 MiB past a reset) for the
+ * next round: a thread whose rounds do not grow allocates nothing more.
+ * Nested users (a function that borrows a caller's arena) take a mark and
+ * release it: memory taken since the mark is given back, what the caller
+ * took before stays.
+ */
+struct kproto_arena_chunk;
+struct kproto_arena {
+    struct kproto_arena_chunk *first; /* regular chunks, in fill order */
+    struct kproto_arena_chunk *cur;   /* the one being filled, or NULL */
+    struct kproto_arena_chunk *big;   /* own chunks, newest first */
+    size_t used;                      /* bytes of cur taken */
+    ProtobufCAllocator pb;            /* set by kproto_arena_pb() */
+};
+#define KPROTO_ARENA_INIT {0}
+struct kproto_arena_mark {
+    struct kproto_arena_chunk *cur, *big;
+    size_t used;
+};
+/* size bytes aligned for any type (size 0 counts as 1), or NULL when out
+ * of memory. */
+void *kproto_arena_alloc(struct kproto_arena *a, size_t size);
+/* n * size zeroed bytes; NULL on overflow or when out of memory. */
+void *kproto_arena_calloc(struct kproto_arena *a, size_t n, size_t size);
+/* A copy of s, or NULL. */
+char *kproto_arena_strdup(struct kproto_arena *a, const char *s);
+/* A protobuf-c allocator into a (protobuf_c_message_unpack): alloc from
+ * the arena, free a no-op. Valid as long as a. */
+ProtobufCAllocator *kproto_arena_pb(struct kproto_arena *a);
+/* Where the arena stands now; kproto_arena_release(a, m) gives back
+ * everything allocated after it (marks taken after m are void then). */
+struct kproto_arena_mark kproto_arena_mark(const struct kproto_arena *a);
+void kproto_arena_release(struct kproto_arena *a, struct kproto_arena_mark m);
+/* Gives back everything; keeps up to 4 MiB of chunks for reuse. */
+void kproto_arena_reset(struct kproto_arena *a);
+/* Frees every chunk; a is empty (and usable) again. NULL is a no-op. */
+void kproto_arena_fini(struct kproto_arena *a);
+
+/*
+ * qsort(3) that never allocates (glibc's mallocs a copy of any array above
+ * 1 KiB): an introsort, O(n log n). Not stable: where equal elements must
+ * keep an order, cmp must decide it (e.g. by index).
+ */
+void ks_sort(void *base, size_t n, size_t size,
+             int (*cmp)(const void *, const void *));
 
 /*
  * Largest message kscore accepts from the network (bytes): the default NATS

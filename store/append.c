@@ -400,7 +400,7 @@ store__mark_repeats(const Ks__Event *const *events, size_t n,
         refs[i].id = events[i]->event_id;
         refs[i].idx = i;
     }
-    qsort(refs, n, sizeof(*refs), cmp_id_ref);
+    ks_sort(refs, n, sizeof(*refs), cmp_id_ref);
     for (size_t i = 1; i < n; i++)
         if (strcasecmp(refs[i].id, refs[i - 1].id) == 0) {
             skip[refs[i].idx] = true;
@@ -548,9 +548,10 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
     BUG_ON(!s || !stream_id || !events || n == 0);
     if (expected_version < STORE_ANY)
         return KS_EINVAL;
-    evs = malloc(n * sizeof(*evs));
-    skip = calloc(n, sizeof(*skip));
-    refs = malloc(n * sizeof(*refs));
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
+    evs = kproto_arena_alloc(&s->scratch, n * sizeof(*evs));
+    skip = kproto_arena_calloc(&s->scratch, n, sizeof(*skip));
+    refs = kproto_arena_alloc(&s->scratch, n * sizeof(*refs));
     if (!evs || !skip || !refs) {
         rc = -ENOMEM;
         goto out;
@@ -638,9 +639,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
         store__note_recorded(evs, n, skip, t0);
 out:
     free(detail);
-    free(evs);
-    free(skip);
-    free(refs);
+    kproto_arena_release(&s->scratch, mark);
     return rc;
 }
 
@@ -786,10 +785,11 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
     int rc = 0;
 
     BUG_ON(!s || (n && !events));
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
     if (n == 0)
         goto done;
-    skip = calloc(n, sizeof(*skip));
-    refs = malloc(n * sizeof(*refs));
+    skip = kproto_arena_calloc(&s->scratch, n, sizeof(*skip));
+    refs = kproto_arena_alloc(&s->scratch, n * sizeof(*refs));
     if (!skip || !refs) {
         rc = -ENOMEM;
         goto out;
@@ -840,7 +840,6 @@ done:
     if (dup_out)
         *dup_out = dups;
 out:
-    free(skip);
-    free(refs);
+    kproto_arena_release(&s->scratch, mark);
     return rc;
 }

@@ -55,12 +55,12 @@ status_of(const char *name)
 /* "{a,b,c}": a text-format array literal of simple tokens (UUIDs and
  * command-<uuid> stream ids, checked by the caller: nothing to quote). */
 static char *
-array_literal(const char *const *items, size_t n)
+array_literal(struct kproto_arena *ar, const char *const *items, size_t n)
 {
     size_t len = 3;
     for (size_t i = 0; i < n; i++)
         len += strlen(items[i]) + 1;
-    char *s = malloc(len), *p = s;
+    char *s = kproto_arena_alloc(ar, len), *p = s;
     if (!s)
         return NULL;
     *p++ = '{';
@@ -195,18 +195,20 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     int rc = 0;
 
     BUG_ON(!s || (n && (!events || !verdicts)));
+    struct kproto_arena *ar = &s->scratch;
+    struct kproto_arena_mark mark = kproto_arena_mark(ar);
     if (n == 0)
         goto done;
-    states = calloc(n, sizeof(*states));
-    streams = calloc(n, sizeof(*streams));
-    ids = calloc(n, sizeof(*ids));
-    recorded = calloc(n, sizeof(*recorded));
-    repeat = calloc(n, sizeof(*repeat));
-    refs = calloc(n, sizeof(*refs));
-    copies = calloc(n, sizeof(*copies));
-    out = calloc(n, sizeof(*out));
-    agent_streams = calloc(n, sizeof(*agent_streams));
-    reasons = calloc(n, sizeof(*reasons));
+    states = kproto_arena_calloc(ar, n, sizeof(*states));
+    streams = kproto_arena_calloc(ar, n, sizeof(*streams));
+    ids = kproto_arena_calloc(ar, n, sizeof(*ids));
+    recorded = kproto_arena_calloc(ar, n, sizeof(*recorded));
+    repeat = kproto_arena_calloc(ar, n, sizeof(*repeat));
+    refs = kproto_arena_calloc(ar, n, sizeof(*refs));
+    copies = kproto_arena_calloc(ar, n, sizeof(*copies));
+    out = kproto_arena_calloc(ar, n, sizeof(*out));
+    agent_streams = kproto_arena_calloc(ar, n, sizeof(*agent_streams));
+    reasons = kproto_arena_calloc(ar, n, sizeof(*reasons));
     if (!states || !streams || !ids || !recorded || !repeat || !refs ||
         !copies || !out || !agent_streams || !reasons) {
         rc = -ENOMEM;
@@ -229,7 +231,7 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     /* Repeats within the call, in O(n log n); refs stays sorted by id for
      * matching the recorded ids below. */
     store__mark_repeats(events, n, refs, repeat);
-    qsort(states, nstates, sizeof(*states), cmp_cstate);
+    ks_sort(states, nstates, sizeof(*states), cmp_cstate);
     {
         size_t w = 0;
         for (size_t i = 0; i < nstates; i++)
@@ -239,8 +241,8 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
     }
     for (size_t i = 0; i < nstates; i++)
         streams[i] = states[i].stream;
-    if (!(streams_lit = array_literal(streams, nstates)) ||
-        !(ids_lit = array_literal(ids, n))) {
+    if (!(streams_lit = array_literal(ar, streams, nstates)) ||
+        !(ids_lit = array_literal(ar, ids, n))) {
         rc = -ENOMEM;
         goto out;
     }
@@ -375,17 +377,6 @@ done:
     if (rc == 0 && dup_out)
         *dup_out = dups;
 out:
-    free(states);
-    free(streams);
-    free(ids);
-    free(recorded);
-    free(repeat);
-    free(refs);
-    free(copies);
-    free(out);
-    free(agent_streams);
-    free(reasons);
-    free(streams_lit);
-    free(ids_lit);
+    kproto_arena_release(ar, mark);
     return rc;
 }

@@ -437,13 +437,14 @@ store__fold_batch(struct store *s, const Ks__Event *const *events, size_t n,
     int32_t argv_n = 0;
     int rc;
 
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
     if (batch_order_matters(events, n, skip))
         return 1;
     while (slots < 2 * n)
         slots *= 2;
     f.cap = n;
-    f.rows = malloc(n * sizeof(*f.rows));
-    f.slot = malloc(slots * sizeof(*f.slot));
+    f.rows = kproto_arena_alloc(&s->scratch, n * sizeof(*f.rows));
+    f.slot = kproto_arena_alloc(&s->scratch, slots * sizeof(*f.slot));
     if (!f.rows || !f.slot) {
         rc = -ENOMEM;
         goto out;
@@ -481,7 +482,6 @@ store__fold_batch(struct store *s, const Ks__Event *const *events, size_t n,
     *sent_out = sent;
     rc = 0;
 out:
-    free(f.rows);
-    free(f.slot);
+    kproto_arena_release(&s->scratch, mark);
     return rc;
 }

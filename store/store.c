@@ -454,6 +454,7 @@ store_close(struct store *s)
     store__buf_release(&s->result);
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         store__buf_release(&s->fold[i]);
+    kproto_arena_fini(&s->scratch);
     free(s);
 }
 

@@ -100,6 +100,10 @@ struct store {
     bool commit_in_pipeline, commit_sent;
     struct store__buf ids, streams, types, data, argv, result;
     struct store__buf fold[STORE__FOLD_COLS];
+    /* A call's own arrays (checked.c, fold.c, append.c): taken after a
+     * kproto_arena_mark, given back by its release; reused, so a warm
+     * connection's appends allocate nothing for them. */
+    struct kproto_arena scratch;
 };
 
 /*

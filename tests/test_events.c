@@ -4,6 +4,9 @@
  * (evt_consumer_ensure), pure and against a private nats-server.
  */
 #include <check.h>
+#include <stdalign.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,6 +146,42 @@ START_TEST(js_publish_as_plain_nats)
 }
 END_TEST
 
+/* What a real delivery's ack subject says: the same NumDelivered as
+ * natsMsg_GetMetaData, 1 and then 2 after a Nak. */
+START_TEST(ack_delivered_live)
+{
+    struct evt_conn *c = conn();
+    natsSubscription *sub = NULL;
+    jsSubOptions so;
+    natsMsg *m = NULL;
+
+    ck_assert_int_eq(evt_js_publish_as(c, NULL, "kscore.evt.q.y", NULL, "a",
+                                       1, 2000, NULL, NULL, 0),
+                     0);
+    jsSubOptions_Init(&so);
+    so.Stream = EVT_STREAM_EVENTS;
+    so.ManualAck = true;
+    ck_assert_int_eq(js_SubscribeSync(&sub, c->js, "kscore.evt.q.y", NULL,
+                                      &so, NULL),
+                     NATS_OK);
+    for (uint64_t want = 1; want <= 2; want++) {
+        jsMsgMetaData *md = NULL;
+        ck_assert_int_eq(natsSubscription_NextMsg(&m, sub, 5000), NATS_OK);
+        ck_assert_int_eq(natsMsg_GetMetaData(&md, m), NATS_OK);
+        ck_assert_uint_eq(md->NumDelivered, want);
+        ck_assert_uint_eq(evt_ack_delivered(natsMsg_GetReply(m)), want);
+        jsMsgMetaData_Destroy(md);
+        ck_assert_int_eq(want == 1 ? natsMsg_Nak(m, NULL)
+                                   : natsMsg_Ack(m, NULL),
+                         NATS_OK);
+        natsMsg_Destroy(m);
+    }
+    natsSubscription_Unsubscribe(sub);
+    natsSubscription_Destroy(sub);
+    evt_close(c);
+}
+END_TEST
+
 static jsConsumerInfo *
 info_of(struct evt_conn *c, const char *durable)
 {
@@ -239,6 +278,148 @@ START_TEST(consumer_ensure_corrects)
 }
 END_TEST
 
+/* evt_ack_delivered: the number in the v1 and v2 ack subjects, nothing
+ * for what nats.c's js_getMetaData would refuse. */
+START_TEST(ack_delivered)
+{
+    ck_assert_uint_eq(evt_ack_delivered("$JS.ACK.KSCORE_EVENTS.kscore-recorder"
+                                        ".1.17.17.1764556800000000000.0"),
+                      1);
+    ck_assert_uint_eq(evt_ack_delivered("$JS.ACK.S.c.3.1.2.17645568.5"), 3);
+    ck_assert_uint_eq(evt_ack_delivered("$JS.ACK._.ACCHASH.S.c.12.9.8."
+                                        "1764556800000000000.0.RND"),
+                      12);
+    ck_assert_uint_eq(
+        evt_ack_delivered("$JS.ACK.dom.ACCHASH.S.c.2.9.8.17645568.0"), 2);
+    const char *bad[] = {"$JS.ACK.S.c.x.1.2.3.4", "$JS.ACK.S.c.1.2.3.4",
+                         "$JS.ACK.S.c.1.2.3.4.5.6", "_INBOX.x.y",
+                         "$JS.ACK.", "", NULL};
+    for (int i = 0; bad[i]; i++)
+        ck_assert_msg(evt_ack_delivered(bad[i]) == 0, "%s", bad[i]);
+    ck_assert_uint_eq(evt_ack_delivered(NULL), 0);
+}
+END_TEST
+
+/* kproto_arena: aligned, zeroed by calloc, rewound by a mark and a reset
+ * to the same memory (what makes a warm arena allocate nothing), big
+ * requests on their own, and protobuf-c decoding into it. */
+START_TEST(arena)
+{
+    struct kproto_arena a = KPROTO_ARENA_INIT;
+    struct kproto_arena_mark m;
+    void *first, *p, *q, *big;
+
+    first = kproto_arena_alloc(&a, 3);
+    ck_assert_ptr_nonnull(first);
+    for (int i = 0; i < 1000; i++) {
+        p = kproto_arena_alloc(&a, (size_t)(i % 37) + 1);
+        ck_assert_ptr_nonnull(p);
+        ck_assert_uint_eq((uintptr_t)p % alignof(max_align_t), 0);
+    }
+    unsigned char *z = kproto_arena_calloc(&a, 100, 7);
+    for (int i = 0; i < 700; i++)
+        ck_assert_uint_eq(z[i], 0);
+    ck_assert_ptr_null(kproto_arena_calloc(&a, SIZE_MAX / 2, 3));
+
+    /* A mark: what comes after is given back, what came before stays. */
+    strcpy(kproto_arena_alloc(&a, 16), "kept");
+    m = kproto_arena_mark(&a);
+    p = kproto_arena_alloc(&a, 200000); /* past the first chunk */
+    memset(p, 0xab, 200000);
+    big = kproto_arena_alloc(&a, 3 * 1024 * 1024);
+    ck_assert_ptr_nonnull(big);
+    memset(big, 0xcd, 3 * 1024 * 1024);
+    kproto_arena_release(&a, m);
+    ck_assert_ptr_eq(kproto_arena_alloc(&a, 200000), p);
+
+    /* A reset: the same requests get the same memory again. */
+    kproto_arena_reset(&a);
+    ck_assert_ptr_eq(kproto_arena_alloc(&a, 3), first);
+
+    /* Decoded into the arena; gone with its reset. */
+    kproto_arena_reset(&a);
+    Ks__Event ev = KS__EVENT__INIT;
+    ev.event_id = "0b6f0b5e-3f5b-4c1e-9d2a-0d7c8f1e2a3b";
+    ev.type = "CommandCompleted";
+    ev.agent_id = "web-1";
+    uint8_t buf[256];
+    size_t len = ks__event__pack(&ev, buf);
+    for (int round = 0; round < 3; round++) {
+        ProtobufCMessage *out = NULL;
+        ck_assert_int_eq(evt_unpack_in(&ks__event__descriptor, buf, len,
+                                       kproto_arena_pb(&a), &out),
+                         0);
+        q = out;
+        ck_assert_str_eq(((Ks__Event *)out)->type, "CommandCompleted");
+        ck_assert_str_eq(((Ks__Event *)out)->agent_id, "web-1");
+        protobuf_c_message_free_unpacked(out, kproto_arena_pb(&a)); /* no-op */
+        if (round == 0)
+            first = q;
+        ck_assert_ptr_eq(q, first);
+        kproto_arena_reset(&a);
+    }
+    ck_assert_int_eq(evt_unpack_in(&ks__event__descriptor, "\xff", 1,
+                                   kproto_arena_pb(&a), (ProtobufCMessage **)&q),
+                     KS_EDECODE);
+    kproto_arena_fini(&a);
+    kproto_arena_fini(&a);
+    kproto_arena_fini(NULL);
+}
+END_TEST
+
+static size_t sort_size; /* element size for cmp_bytes */
+
+/* A total order on the first 4 bytes, then the rest. */
+static int
+cmp_bytes(const void *a, const void *b)
+{
+    uint32_t x, y;
+    memcpy(&x, a, 4);
+    memcpy(&y, b, 4);
+    if (x != y)
+        return x < y ? -1 : 1;
+    return memcmp(a, b, sort_size);
+}
+
+/* ks_sort sorts as qsort does, for element sizes below and above its swap
+ * buffer, sorted, reversed, all-equal and few-valued inputs (the shapes
+ * that break a quicksort). */
+START_TEST(sort_like_qsort)
+{
+    const size_t sizes[] = {4, 16, 200};
+    const size_t counts[] = {0, 1, 2, 3, 15, 16, 17, 100, 1000, 3001};
+    unsigned seed = 7;
+
+    for (size_t si = 0; si < 3; si++)
+        for (size_t ci = 0; ci < 10; ci++)
+            for (int shape = 0; shape < 5; shape++) {
+                size_t size = sizes[si], n = counts[ci];
+                unsigned char *a = malloc(n * size + 1), *b = malloc(n * size + 1);
+                sort_size = size;
+                for (size_t i = 0; i < n; i++) {
+                    uint32_t k;
+                    switch (shape) {
+                    case 0: k = (uint32_t)rand_r(&seed); break;
+                    case 1: k = (uint32_t)i; break;
+                    case 2: k = (uint32_t)(n - i); break;
+                    case 3: k = 5; break;
+                    default: k = (uint32_t)rand_r(&seed) % 3; break;
+                    }
+                    for (size_t j = 0; j < size; j++)
+                        a[i * size + j] = (unsigned char)rand_r(&seed);
+                    memcpy(a + i * size, &k, 4);
+                }
+                memcpy(b, a, n * size);
+                ks_sort(a, n, size, cmp_bytes);
+                qsort(b, n, size, cmp_bytes);
+                ck_assert_msg(n == 0 || memcmp(a, b, n * size) == 0,
+                              "size %zu n %zu shape %d", size, n, shape);
+                free(a);
+                free(b);
+            }
+}
+END_TEST
+
 static Suite *
 events_suite(void)
 {
@@ -246,12 +427,16 @@ events_suite(void)
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, puback_parse);
     tcase_add_test(pure, agent_consumer_shape);
+    tcase_add_test(pure, ack_delivered);
+    tcase_add_test(pure, arena);
+    tcase_add_test(pure, sort_like_qsort);
     suite_add_tcase(s, pure);
     TCase *tc = tcase_create("nats");
     tcase_add_unchecked_fixture(tc, nats_up, nats_down);
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, js_publish_as_plain_nats);
     tcase_add_test(tc, consumer_ensure_corrects);
+    tcase_add_test(tc, ack_delivered_live);
     suite_add_tcase(s, tc);
     return s;
 }
