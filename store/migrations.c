@@ -697,6 +697,15 @@ static const char migration_5[] =
     "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
     "DECLARE rec text; vers bigint[]; got bigint; bad bigint;\n" \
     "BEGIN\n" \
+    /* \
+     * After a read: the rows in stream_id order first (the order the \
+     * upsert below and every other batch append takes them, so two \
+     * batches never deadlock), then the bump at the versions read. \
+     */ \
+    "  IF cardinality(p_vstreams) > 0 THEN\n" \
+    "    PERFORM 1 FROM streams WHERE stream_id = ANY (p_streams)\n" \
+    "      ORDER BY stream_id FOR UPDATE;\n" \
+    "  END IF;\n" \
     /* The versions, and with them the streams' row locks. */ \
     "  WITH input AS (\n" \
     "    SELECT u.s, u.o FROM unnest(p_streams) WITH ORDINALITY AS u(s, o)\n" \
