@@ -3,9 +3,10 @@
  * other than the broker reports (agents' results), each checked against
  * the record under the row locks of its stream before it is written.
  *
- * One transaction, two round trips:
+ * One event (and a batch with batch events): one transaction, two round
+ * trips:
  *   1. BEGIN; lock the streams rows (in stream_id order, the order every
- *      append takes them, so no deadlock) and read each command's state;
+ *      append takes them, so no deadlock), then read each command's state;
  *      read which event_ids are recorded already.
  *   2. (C: the caller's check, then the state machine, per event, in
  *      order, each accepted event moving the state the next one sees)
@@ -14,6 +15,10 @@
  * While the locks are held no other writer can move these commands, so
  * the verdicts are the truth at commit; the unique indexes of migration 3
  * back this up for any path that forgets.
+ *
+ * A batch (the recorder's): the same verdicts without the locks while
+ * deciding, checked at the append by the streams' versions instead
+ * (append_batch).
  */
 #include "store_int.h"
 
@@ -26,6 +31,7 @@
 struct cstate {
     char stream[8 + 37];
     struct store_command_state st;
+    int64_t version; /* the batch path's read: the stream's, 0 if none */
 };
 
 static int
@@ -100,7 +106,7 @@ read_locks(struct store *s, struct cstate *states, size_t nstates,
             PQclear(res);
             return rc;
         }
-        if (est == PGRES_TUPLES_OK && query == 1) {
+        if (est == PGRES_TUPLES_OK && query == 2) {
             for (int r = 0; r < PQntuples(res); r++) {
                 struct cstate *c =
                     find_state(states, nstates, PQgetvalue(res, r, 0));
@@ -113,7 +119,7 @@ read_locks(struct store *s, struct cstate *states, size_t nstates,
                 c->st.attempt = (uint32_t)strtoul(PQgetvalue(res, r, 3),
                                                   NULL, 10);
             }
-        } else if (est == PGRES_TUPLES_OK && query == 2) {
+        } else if (est == PGRES_TUPLES_OK && query == 3) {
             for (int r = 0; r < PQntuples(res); r++) {
                 const char *id = PQgetvalue(res, r, 0);
                 /* refs is sorted by id (case-insensitive): find the first
@@ -137,6 +143,94 @@ read_locks(struct store *s, struct cstate *states, size_t nstates,
     }
 }
 
+/*
+ * The verdicts, in order; each accepted event moves the state the next one
+ * of the same command sees. Fills out[] with what to append (copies[i],
+ * rewritten where the verdict says so) and returns how many; *dups_out:
+ * the events recorded already or repeated.
+ */
+static size_t
+decide(const Ks__Event *const *events, size_t n, store_check_fn check,
+       void *ud, struct cstate *states, size_t nstates, const bool *recorded,
+       const bool *repeat, Ks__Event *copies, char (*agent_streams)[8 + 130],
+       char (*reasons)[256], enum store_step *verdicts,
+       const Ks__Event **out, size_t *dups_out)
+{
+    size_t nout = 0, dups = 0;
+
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        struct cstate *c;
+        const char *why = NULL;
+        Ks__CommandStatus next;
+        enum store_step v;
+
+        if (recorded[i] || repeat[i]) {
+            verdicts[i] = STORE_STEP_DUPLICATE;
+            dups++;
+            continue;
+        }
+        copies[i] = *ev;
+        {
+            char key[8 + 37];
+            snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
+            c = find_state(states, nstates, key);
+        }
+        BUG_ON(!c);
+        copies[i].stream_id = c->stream;
+        v = STORE_STEP_APPLY;
+        if (check && check(&c->st, ev, &why, ud) != 0)
+            v = STORE_STEP_ILLEGAL;
+        if (v == STORE_STEP_APPLY)
+            v = store_command_step(&c->st, ev, &next, &why);
+        verdicts[i] = v;
+        if (v == STORE_STEP_APPLY && !c->st.exists) {
+            /* An annotation about no command (an agent refusing a forged
+             * message): kept on the reporter's own stream, so a forged id
+             * never creates a command stream. */
+            if (!ev->agent_id || !ev->agent_id[0]) {
+                verdicts[i] = STORE_STEP_DUPLICATE; /* nowhere to keep it */
+                continue;
+            }
+            snprintf(agent_streams[i], sizeof(agent_streams[i]),
+                     "agent-%.128s", ev->agent_id);
+            copies[i].stream_id = agent_streams[i];
+        } else if (v == STORE_STEP_APPLY) {
+            if (store_event_is_terminal(ev->type) ||
+                strcmp(ev->type, "CommandStarted") == 0 ||
+                strcmp(ev->type, "CommandDispatched") == 0)
+                c->st.status = next;
+        } else {
+            /* Kept as an annotation: what was reported, and why it does
+             * not count. */
+            snprintf(reasons[i], sizeof(reasons[i]), "%s: %s%s%s",
+                     ev->type, why ? why : "refused",
+                     c->st.exists ? " (it is " : "",
+                     c->st.exists ? kproto_status_name(c->st.status) : "");
+            if (c->st.exists)
+                strncat(reasons[i], ")",
+                        sizeof(reasons[i]) - strlen(reasons[i]) - 1);
+            copies[i].type = v == STORE_STEP_LATE ? "LateResult"
+                                                  : "ReportRejected";
+            copies[i].reason = reasons[i];
+            if (!c->st.exists) {
+                /* No such command: on the reporter's own stream, so a
+                 * forged id cannot create a command stream. */
+                if (!ev->agent_id || !ev->agent_id[0]) {
+                    verdicts[i] = STORE_STEP_DUPLICATE; /* nothing to keep */
+                    continue;
+                }
+                snprintf(agent_streams[i], sizeof(agent_streams[i]),
+                         "agent-%.128s", ev->agent_id);
+                copies[i].stream_id = agent_streams[i];
+            }
+        }
+        out[nout++] = &copies[i];
+    }
+    *dups_out = dups;
+    return nout;
+}
+
 static void
 rollback(struct store *s)
 {
@@ -144,6 +238,220 @@ rollback(struct store *s)
         PQexitPipelineMode(s->conn);
     if (PQstatus(s->conn) == CONNECTION_OK)
         PQclear(PQexec(s->conn, "ROLLBACK"));
+}
+
+/*
+ * Marks recorded[] for the events whose ids list names (KS003's DETAIL:
+ * ids, comma-separated) through refs (sorted by id). Returns how many were
+ * newly marked.
+ */
+static size_t
+mark_listed(const struct store__id_ref *refs, size_t n, const char *list,
+            bool *recorded)
+{
+    size_t marked = 0;
+
+    while (*list) {
+        size_t len = strcspn(list, ","), lo = 0, hi = n;
+        char id[37];
+        if (len == 36) {
+            memcpy(id, list, 36);
+            id[36] = '\0';
+            while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+                if (strcasecmp(refs[mid].id, id) < 0)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            if (lo < n && strcasecmp(refs[lo].id, id) == 0 &&
+                !recorded[refs[lo].idx]) {
+                recorded[refs[lo].idx] = true;
+                marked++;
+            }
+        }
+        list += len;
+        if (*list == ',')
+            list++;
+    }
+    return marked;
+}
+
+/* True if one of the events projects onto a batch (the per-event path). */
+static bool
+any_batch_event(const Ks__Event *const *events, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        Ks__CommandStatus st;
+        if (store__proj_kind(events[i], &st) == STORE__PROJ_BATCH)
+            return true;
+    }
+    return false;
+}
+
+/* The batch path's read: each command's state and its stream's version,
+ * in one plain SELECT (one snapshot: a state and its version belong
+ * together). */
+static int
+read_states(struct store *s, struct cstate *states, size_t nstates,
+            const char *streams_lit)
+{
+    const char *p1[1] = {streams_lit};
+    PGresult *res = PQexecParams(
+        s->conn,
+        "SELECT st.stream_id, st.version, c.status, c.agent_id, c.attempt"
+        " FROM streams st LEFT JOIN commands c"
+        "   ON c.command_id = substr(st.stream_id, 9)::uuid"
+        " WHERE st.stream_id = ANY ($1::text[])",
+        1, NULL, p1, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        int rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    for (int r = 0; r < PQntuples(res); r++) {
+        struct cstate *c = find_state(states, nstates, PQgetvalue(res, r, 0));
+        if (!c)
+            continue;
+        c->version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
+        if (PQgetisnull(res, r, 2))
+            continue;
+        c->st.exists = true;
+        c->st.status = status_of(PQgetvalue(res, r, 2));
+        snprintf(c->st.agent_id, sizeof(c->st.agent_id), "%s",
+                 PQgetvalue(res, r, 3));
+        c->st.attempt = (uint32_t)strtoul(PQgetvalue(res, r, 4), NULL, 10);
+    }
+    PQclear(res);
+    return 0;
+}
+
+/*
+ * The batch path (n > 1): no transaction and no row lock while deciding.
+ * First without reading (see the assumption below): one round trip. Else
+ * round trip 1 reads each command's state and its stream's version in one
+ * plain SELECT (one snapshot: a state and its version belong together);
+ * round trip 2 appends what the verdicts say through kscore_record_checked()
+ * in one implicit transaction, which bumps each command stream only at the
+ * version read, under the row lock the bump takes: if one moved meanwhile
+ * (KS001, or a second terminal event refused by events_one_terminal), read
+ * and decide again. So the verdicts are the truth at commit, as under the
+ * locks of the one-event path, without a lock pass over every stream row
+ * before the append (and without the stale read a FOR UPDATE join gives
+ * when it waits: the joined commands row is not re-read). Recorded event
+ * ids are not looked up first either: the insert finds them (KS003, with
+ * their ids), they become duplicates and the batch is decided again. Both
+ * retries are rare: a concurrent writer on one of the commands, a
+ * redelivery. Returns 1 if the events need the locking path after all.
+ */
+static int
+append_batch(struct store *s, const Ks__Event *const *events, size_t n,
+             store_check_fn check, void *ud, enum store_step *verdicts,
+             struct cstate *states, size_t nstates, const char *streams_lit,
+             const struct store__id_ref *refs, bool *recorded,
+             const bool *repeat, Ks__Event *copies,
+             char (*agent_streams)[8 + 130], char (*reasons)[256],
+             const Ks__Event **out, size_t *dups_out, int64_t t0)
+{
+    const char **vstreams = calloc(nstates, sizeof(*vstreams));
+    int64_t *vexp = calloc(nstates, sizeof(*vexp));
+    struct store__assumed *assumed = calloc(nstates, sizeof(*assumed));
+    bool assume = true;
+    int rc = KS_ECONFLICT;
+
+    if (!vstreams || !vexp || !assumed) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (int attempt = 0; attempt < 8; attempt++) {
+        size_t nout, nv = 0, na = 0, dups = 0;
+        char *detail = NULL;
+
+        for (size_t i = 0; i < nstates; i++) {
+            memset(&states[i].st, 0, sizeof(states[i].st));
+            states[i].version = 0;
+        }
+        if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
+            goto out;
+        /*
+         * First, without reading: assume each command is in the state its
+         * agent's first report in the batch finds when all is well
+         * (Running, claimed by that agent at that attempt), decide against
+         * that, and let kscore_record_checked() check it under the
+         * streams' locks. One round trip instead of two; when a command is
+         * not so (a late or a misaddressed report, a redelivery), read.
+         */
+        for (size_t i = 0; assume && i < n; i++) {
+            const Ks__Event *ev = events[i];
+            struct cstate *c;
+            char key[8 + 37];
+            if (recorded[i] || repeat[i])
+                continue;
+            snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
+            c = find_state(states, nstates, key);
+            if (!c || !ev->agent_id || !ev->agent_id[0] ||
+                strlen(ev->agent_id) >= sizeof(c->st.agent_id)) {
+                assume = false;
+                break;
+            }
+            if (c->st.exists)
+                continue; /* assumed at its command's first report */
+            c->st.exists = true;
+            c->st.status = KS__COMMAND_STATUS__RUNNING;
+            snprintf(c->st.agent_id, sizeof(c->st.agent_id), "%s",
+                     ev->agent_id);
+            c->st.attempt = ev->attempt;
+            assumed[na].command_id = c->stream + 8;
+            assumed[na].status = kproto_status_name(c->st.status);
+            assumed[na].agent_id = c->st.agent_id;
+            assumed[na].attempt = c->st.attempt;
+            na++;
+        }
+        if (!assume) {
+            na = 0;
+            for (size_t i = 0; i < nstates; i++)
+                memset(&states[i].st, 0, sizeof(states[i].st));
+        }
+        if (!assume && (rc = read_states(s, states, nstates, streams_lit)))
+            goto out;
+
+        nout = decide(events, n, check, ud, states, nstates, recorded, repeat,
+                      copies, agent_streams, reasons, verdicts, out, &dups);
+        /* Every command stream read is bumped at its version; one that
+         * was absent gets none (as under the locks: no row to hold). */
+        for (size_t i = 0; i < nstates; i++)
+            if (states[i].version > 0) {
+                vstreams[nv] = states[i].stream;
+                vexp[nv++] = states[i].version;
+            }
+        if (nout == 0 && na == 0) {
+            *dups_out = dups;
+            rc = 0;
+            goto out;
+        }
+        if (nout == 0) {
+            assume = false; /* nothing to check it with: read */
+            continue;
+        }
+        rc = store__record_checked(s, out, nout, vstreams, vexp, nv, assumed,
+                                   na, &detail);
+        assume = false; /* after a conflict: read */
+        if (rc == 0) {
+            store__note_recorded(out, nout, NULL, t0);
+            *dups_out = dups;
+        } else if (rc == KS_EDUPLICATE) {
+            size_t m = detail ? mark_listed(refs, n, detail, recorded) : 0;
+            rc = m ? KS_ECONFLICT : KS_EPG; /* none of ours: give up */
+        }
+        free(detail);
+        if (rc != KS_ECONFLICT)
+            goto out;
+    }
+out:
+    free(vstreams);
+    free(vexp);
+    free(assumed);
+    return rc;
 }
 
 int
@@ -246,6 +554,17 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         rc = -ENOMEM;
         goto out;
     }
+    if (n > 1 && !any_batch_event(events, n)) {
+        rc = append_batch(s, events, n, check, ud, verdicts, states, nstates,
+                          streams_lit, refs, recorded, repeat, copies,
+                          agent_streams, reasons, out, &dups, t0);
+        if (rc == 0)
+            goto done;
+        if (rc != 1)
+            goto out;
+        memset(recorded, 0, n * sizeof(*recorded));
+        rc = 0;
+    }
 
     /* Round trip 1: BEGIN, lock and read the states, the recorded ids. */
     if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
@@ -258,13 +577,22 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         const char *p1[1] = {streams_lit}, *p2[1] = {ids_lit};
         if (!PQsendQueryParams(s->conn, "BEGIN", 0, NULL, NULL, NULL, NULL,
                                0) ||
+            /* The locks first, the states in a statement of their own:
+             * its snapshot is taken once the locks are held, so it sees
+             * what a writer that held one committed. (Read in the same
+             * statement, a row lock that waited re-reads the streams row
+             * but not the joined commands row: a stale state.) */
+            !PQsendQueryParams(s->conn,
+                               "SELECT 1 FROM streams"
+                               " WHERE stream_id = ANY ($1::text[])"
+                               " ORDER BY stream_id FOR UPDATE",
+                               1, NULL, p1, NULL, NULL, 0) ||
             !PQsendQueryParams(
                 s->conn,
                 "SELECT st.stream_id, c.status, c.agent_id, c.attempt"
                 " FROM streams st LEFT JOIN commands c"
                 "   ON c.command_id = substr(st.stream_id, 9)::uuid"
-                " WHERE st.stream_id = ANY ($1::text[])"
-                " ORDER BY st.stream_id FOR UPDATE OF st",
+                " WHERE st.stream_id = ANY ($1::text[])",
                 1, NULL, p1, NULL, NULL, 0) ||
             !PQsendQueryParams(s->conn,
                                "SELECT event_id::text FROM events"
@@ -284,77 +612,8 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         goto out;
     }
 
-    /* The verdicts, in order; each accepted event moves the state the next
-     * one of the same command sees. */
-    for (size_t i = 0; i < n; i++) {
-        const Ks__Event *ev = events[i];
-        struct cstate *c;
-        const char *why = NULL;
-        Ks__CommandStatus next;
-        enum store_step v;
-
-        if (recorded[i] || repeat[i]) {
-            verdicts[i] = STORE_STEP_DUPLICATE;
-            dups++;
-            continue;
-        }
-        copies[i] = *ev;
-        {
-            char key[8 + 37];
-            snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
-            c = find_state(states, nstates, key);
-        }
-        BUG_ON(!c);
-        copies[i].stream_id = c->stream;
-        v = STORE_STEP_APPLY;
-        if (check && check(&c->st, ev, &why, ud) != 0)
-            v = STORE_STEP_ILLEGAL;
-        if (v == STORE_STEP_APPLY)
-            v = store_command_step(&c->st, ev, &next, &why);
-        verdicts[i] = v;
-        if (v == STORE_STEP_APPLY && !c->st.exists) {
-            /* An annotation about no command (an agent refusing a forged
-             * message): kept on the reporter's own stream, so a forged id
-             * never creates a command stream. */
-            if (!ev->agent_id || !ev->agent_id[0]) {
-                verdicts[i] = STORE_STEP_DUPLICATE; /* nowhere to keep it */
-                continue;
-            }
-            snprintf(agent_streams[i], sizeof(agent_streams[i]),
-                     "agent-%.128s", ev->agent_id);
-            copies[i].stream_id = agent_streams[i];
-        } else if (v == STORE_STEP_APPLY) {
-            if (store_event_is_terminal(ev->type) ||
-                strcmp(ev->type, "CommandStarted") == 0 ||
-                strcmp(ev->type, "CommandDispatched") == 0)
-                c->st.status = next;
-        } else {
-            /* Kept as an annotation: what was reported, and why it does
-             * not count. */
-            snprintf(reasons[i], sizeof(reasons[i]), "%s: %s%s%s",
-                     ev->type, why ? why : "refused",
-                     c->st.exists ? " (it is " : "",
-                     c->st.exists ? kproto_status_name(c->st.status) : "");
-            if (c->st.exists)
-                strncat(reasons[i], ")",
-                        sizeof(reasons[i]) - strlen(reasons[i]) - 1);
-            copies[i].type = v == STORE_STEP_LATE ? "LateResult"
-                                                  : "ReportRejected";
-            copies[i].reason = reasons[i];
-            if (!c->st.exists) {
-                /* No such command: on the reporter's own stream, so a
-                 * forged id cannot create a command stream. */
-                if (!ev->agent_id || !ev->agent_id[0]) {
-                    verdicts[i] = STORE_STEP_DUPLICATE; /* nothing to keep */
-                    continue;
-                }
-                snprintf(agent_streams[i], sizeof(agent_streams[i]),
-                         "agent-%.128s", ev->agent_id);
-                copies[i].stream_id = agent_streams[i];
-            }
-        }
-        out[nout++] = &copies[i];
-    }
+    nout = decide(events, n, check, ud, states, nstates, recorded, repeat,
+                  copies, agent_streams, reasons, verdicts, out, &dups);
 
     /* Round trip 2: the append, COMMIT in its pipeline. */
     s->commit_in_pipeline = true;

@@ -1500,6 +1500,101 @@ START_TEST(test_claim_waits_for_record)
 }
 END_TEST
 
+struct checked_call {
+    const Ks__Event *const *evs;
+    size_t n;
+    enum store_step *v;
+    int rc;
+};
+
+static void *
+checked_thread(void *arg)
+{
+    struct checked_call *c = arg;
+    struct store *s = open_store();
+    c->rc = store_append_checked(s, c->evs, c->n, only_agent_1, NULL, c->v,
+                                 NULL);
+    store_close(s);
+    return NULL;
+}
+
+static void
+exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *res = PQexec(c, sql);
+    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
+                      PQresultStatus(res) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQresultErrorMessage(res));
+    PQclear(res);
+}
+
+/*
+ * A batch of reports that meets a writer holding one of its commands: the
+ * batch waits for it and is decided against what it committed (here: the
+ * command ended meanwhile, so its result is late), never against the state
+ * before. The batch path decides without locks first and checks at the
+ * append; the locking path once re-read the joined commands row stale.
+ * (The writer's events are real ones: replay must rebuild the same.)
+ */
+START_TEST(test_append_checked_meets_a_writer)
+{
+    struct store *s = open_store();
+    static struct fev e[2];
+    const Ks__Event *b[2];
+    enum store_step v[2] = {99, 99};
+    char c1[37], c2[37], sql[512];
+    pthread_t t;
+
+    ks_uuid(c1);
+    ks_uuid(c2);
+    running_command(s, c1);
+    running_command(s, c2);
+    b[0] = fresult(&e[0], c1, "CommandCompleted",
+                   KS__COMMAND_STATUS__SUCCEEDED, 0, "one");
+    e[0].ev.agent_id = "agent-1";
+    b[1] = fresult(&e[1], c2, "CommandCompleted",
+                   KS__COMMAND_STATUS__SUCCEEDED, 0, "two");
+    e[1].ev.agent_id = "agent-1";
+    /* The writer: an append that ends c1 (the scanner's CommandLost),
+     * its transaction held open. */
+    struct store *w = open_store();
+    static struct fev lost;
+    struct store_event le = {fstatus(&lost, c1, "CommandLost", 1, "agent-1")};
+    exec_ok(store_pgconn(w), "BEGIN");
+    ck_assert_int_eq(store_append(w, lost.stream, STORE_ANY, &le, 1, NULL),
+                     0);
+    struct checked_call call = {b, 2, v, 99};
+    ck_assert_int_eq(pthread_create(&t, NULL, checked_thread, &call), 0);
+    /* Until the batch waits on the writer's lock. */
+    for (int i = 0; i < 500; i++) {
+        if (sql_ll(s, "SELECT count(*) FROM pg_locks WHERE NOT granted%s",
+                   "") > 0)
+            break;
+        usleep(10000);
+    }
+    exec_ok(store_pgconn(w), "COMMIT");
+    pthread_join(t, NULL);
+    store_close(w);
+    ck_assert_int_eq(call.rc, 0);
+    ck_assert_int_eq(v[0], STORE_STEP_LATE);
+    ck_assert_int_eq(v[1], STORE_STEP_APPLY);
+    ck_assert_int_eq(count_type(s, e[0].stream, "LateResult"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 0);
+    ck_assert_int_eq(count_type(s, e[1].stream, "CommandCompleted"), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s'"
+             " AND status = 'Lost'",
+             c1);
+    ck_assert_int_eq(sql_ll(s, "%s", sql), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s'"
+             " AND status = 'Succeeded'",
+             c2);
+    ck_assert_int_eq(sql_ll(s, "%s", sql), 1);
+    store_close(s);
+}
+END_TEST
+
 START_TEST(test_append_many_refused)
 {
     struct store *s = open_store();
@@ -1707,6 +1802,7 @@ main(void)
     tcase_add_test(tc, test_one_terminal_event);
     tcase_add_test(tc, test_command_machine);
     tcase_add_test(tc, test_append_checked);
+    tcase_add_test(tc, test_append_checked_meets_a_writer);
     tcase_add_test(tc, test_append_checked_at);
     tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
