@@ -414,9 +414,9 @@ store__mark_repeats(const Ks__Event *const *events, size_t n,
  * ids, comma-separated) through refs sorted by store__mark_repeats(). Returns the
  * number newly marked; tokens that are no id of the input are ignored.
  */
-static size_t
-mark_recorded(const struct store__id_ref *refs, size_t n, const char *list,
-              bool *skip)
+size_t
+store__mark_recorded(const struct store__id_ref *refs, size_t n,
+                     const char *list, bool *skip)
 {
     size_t marked = 0;
 
@@ -827,7 +827,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
             break;
         rc = record_many(s, events, n, skip, sent, &detail);
         if (rc == KS_EDUPLICATE && detail)
-            dups += mark_recorded(refs, n, detail, skip);
+            dups += store__mark_recorded(refs, n, detail, skip);
         free(detail);
         if (rc != KS_EDUPLICATE)
             break;

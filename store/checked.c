@@ -240,43 +240,6 @@ rollback(struct store *s)
         PQclear(PQexec(s->conn, "ROLLBACK"));
 }
 
-/*
- * Marks recorded[] for the events whose ids list names (KS003's DETAIL:
- * ids, comma-separated) through refs (sorted by id). Returns how many were
- * newly marked.
- */
-static size_t
-mark_listed(const struct store__id_ref *refs, size_t n, const char *list,
-            bool *recorded)
-{
-    size_t marked = 0;
-
-    while (*list) {
-        size_t len = strcspn(list, ","), lo = 0, hi = n;
-        char id[37];
-        if (len == 36) {
-            memcpy(id, list, 36);
-            id[36] = '\0';
-            while (lo < hi) {
-                size_t mid = lo + (hi - lo) / 2;
-                if (strcasecmp(refs[mid].id, id) < 0)
-                    lo = mid + 1;
-                else
-                    hi = mid;
-            }
-            if (lo < n && strcasecmp(refs[lo].id, id) == 0 &&
-                !recorded[refs[lo].idx]) {
-                recorded[refs[lo].idx] = true;
-                marked++;
-            }
-        }
-        list += len;
-        if (*list == ',')
-            list++;
-    }
-    return marked;
-}
-
 /* True if one of the events projects onto a batch (the per-event path). */
 static bool
 any_batch_event(const Ks__Event *const *events, size_t n)
@@ -440,7 +403,8 @@ append_batch(struct store *s, const Ks__Event *const *events, size_t n,
             store__note_recorded(out, nout, NULL, t0);
             *dups_out = dups;
         } else if (rc == KS_EDUPLICATE) {
-            size_t m = detail ? mark_listed(refs, n, detail, recorded) : 0;
+            size_t m =
+                detail ? store__mark_recorded(refs, n, detail, recorded) : 0;
             rc = m ? KS_ECONFLICT : KS_EPG; /* none of ours: give up */
         }
         free(detail);

@@ -167,9 +167,20 @@
     "  RETURN cardinality(p_ids) - inserted;\n" \
     "END $$;\n" \
 
-#define SQL_RECORD_MANY(CREATE) \
-    CREATE " FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n" \
-    "  p_types text[], p_data bytea[],\n" \
+/* An events insert that met recorded ids: KS003 with DETAIL = their ids,
+ * comma-separated (any other unique violation is raised as it is). */
+#define FOLD_RAISE_RECORDED \
+    "  EXCEPTION WHEN unique_violation THEN\n" \
+    "    SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n" \
+    "      WHERE e.event_id = ANY (p_ids);\n" \
+    "    IF rec IS NULL THEN\n" \
+    "      RAISE;\n" \
+    "    END IF;\n" \
+    "    RAISE EXCEPTION 'some of the events are already recorded'\n" \
+    "      USING ERRCODE = 'KS003', DETAIL = rec;\n"
+
+/* The fold's parameters (store/fold.c fills them), one array per column. */
+#define FOLD_PARAMS \
     "  c_id uuid[], c_last int[], c_req bool[], c_agent0 text[],\n" \
     "  c_argv text[], c_argv_lo int[], c_argv_hi int[], c_batch text[],\n" \
     "  c_idem text[], c_oper text[], c_req_at bigint[],\n" \
@@ -180,54 +191,12 @@
     "  c_exit int[], c_signal int[], c_timed_out bool[], c_stdout bytea[],\n" \
     "  c_stderr bytea[], c_stdout_total bigint[], c_stderr_total bigint[],\n" \
     "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n" \
-    "  c_stage text[], c_errno int[])\n" \
-    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
-    "DECLARE rec text; vers bigint[];\n" \
-    "BEGIN\n" \
-    /* \
-     * Versions are numbered on the narrow (stream, ordinal) rows; the \
-     * event bytes are read once, by the insert. No duplicate probe before \
-     * it: the insert's own unique check finds a recorded event, and only \
-     * then are they all looked up. \
-     */ \
-    "  BEGIN\n" \
-    "    WITH input AS (\n" \
-    "      SELECT u.s, u.o FROM unnest(p_streams) WITH ORDINALITY AS u(s, o)\n" \
-    "    ), counts AS (\n" \
-    "      SELECT i.s, count(*) AS n FROM input i GROUP BY i.s\n" \
-    "    ), bumped AS (\n" \
-    "      INSERT INTO streams AS st\n" \
-    "        SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n" \
-    "        ORDER BY c.s\n" \
-    "      ON CONFLICT (stream_id) DO UPDATE\n" \
-    "        SET version = st.version + excluded.version\n" \
-    "      RETURNING st.stream_id, st.version\n" \
-    "    ), numbered AS (\n" \
-    "      SELECT i.o, b.version - c.n\n" \
-    "               + row_number() OVER (PARTITION BY i.s ORDER BY i.o) AS v\n" \
-    "      FROM input i JOIN bumped b ON b.stream_id = i.s\n" \
-    "                   JOIN counts c ON c.s = i.s\n" \
-    "    ), ins AS (\n" \
-    "      INSERT INTO events (stream_id, version, event_id, type, data)\n" \
-    "        SELECT u.s, n.v, u.id, u.t, u.d\n" \
-    "        FROM unnest(p_ids, p_streams, p_types, p_data)\n" \
-    "          WITH ORDINALITY AS u(id, s, t, d, o)\n" \
-    "        JOIN numbered n ON n.o = u.o\n" \
-    "        ORDER BY u.o\n" \
-    "    )\n" \
-    "    SELECT array_agg(n.v ORDER BY n.o) INTO vers FROM numbered n;\n" \
-    "  EXCEPTION WHEN unique_violation THEN\n" \
-    "    SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n" \
-    "      WHERE e.event_id = ANY (p_ids);\n" \
-    "    IF rec IS NULL THEN\n" \
-    "      RAISE;\n" \
-    "    END IF;\n" \
-    "    RAISE EXCEPTION 'some of the events are already recorded'\n" \
-    "      USING ERRCODE = 'KS003', DETAIL = rec;\n" \
-    "  END;\n" \
-    KS_NOTIFY \
-    "  IF cardinality(c_id) > 0 THEN\n" \
-    /* Commands requested in this batch: one insert in the final state. */ \
+    "  c_stage text[], c_errno int[])\n"
+
+/* Commands requested in a batch (c_req): one insert each, in the final
+ * state the fold computed, with their batch targets and counters. Used by
+ * kscore_record_many and kscore_record_checked. */
+#define FOLD_INSERT_REQUESTED \
     "    WITH r AS (\n" \
     "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
     "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
@@ -269,18 +238,16 @@
     "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n" \
     "      succeeded = b.succeeded + excluded.succeeded,\n" \
     "      failed = b.failed + excluded.failed,\n" \
-    "      cancelled = b.cancelled + excluded.cancelled;\n" \
-    /* \
-     * Commands requested before: one update each. s carries the prior \
-     * status (locked, so it is the row the update sees) for the batch \
-     * target and counter rules. One join per row: unnest() of a \
-     * parameter is planned as a few rows, so a second join on s would be \
-     * a nested loop over both, quadratic in the batch. \
-     */ \
+    "      cancelled = b.cancelled + excluded.cancelled;\n"
+
+/* Commands requested before the batch: one update each from the fold, with
+ * their batch targets and counters; LOCK locks their rows first (when the
+ * caller holds no lock that covers them). */
+#define FOLD_UPDATE_EARLIER(LOCK) \
     "    WITH s AS (\n" \
     "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n" \
     "      JOIN commands c ON c.command_id = s.cid\n" \
-    "      WHERE NOT s.req FOR UPDATE OF c\n" \
+    "      WHERE NOT s.req" LOCK "\n" \
     "    ), u AS (\n" \
     "      UPDATE commands c SET version = vers[s.last_ord],\n" \
     "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n" \
@@ -303,7 +270,61 @@
     "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n" \
     "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n" \
     "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n" \
-    "    WHERE b.batch_id = x.batch_id;\n" \
+    "    WHERE b.batch_id = x.batch_id;\n"
+
+#define SQL_RECORD_MANY(CREATE) \
+    CREATE " FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n" \
+    "  p_types text[], p_data bytea[],\n" \
+    FOLD_PARAMS \
+    "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
+    "DECLARE rec text; vers bigint[];\n" \
+    "BEGIN\n" \
+    /* \
+     * Versions are numbered on the narrow (stream, ordinal) rows; the \
+     * event bytes are read once, by the insert. No duplicate probe before \
+     * it: the insert's own unique check finds a recorded event, and only \
+     * then are they all looked up. \
+     */ \
+    "  BEGIN\n" \
+    "    WITH input AS (\n" \
+    "      SELECT u.s, u.o FROM unnest(p_streams) WITH ORDINALITY AS u(s, o)\n" \
+    "    ), counts AS (\n" \
+    "      SELECT i.s, count(*) AS n FROM input i GROUP BY i.s\n" \
+    "    ), bumped AS (\n" \
+    "      INSERT INTO streams AS st\n" \
+    "        SELECT c.s, split_part(c.s, '-', 1), c.n FROM counts c\n" \
+    "        ORDER BY c.s\n" \
+    "      ON CONFLICT (stream_id) DO UPDATE\n" \
+    "        SET version = st.version + excluded.version\n" \
+    "      RETURNING st.stream_id, st.version\n" \
+    "    ), numbered AS (\n" \
+    "      SELECT i.o, b.version - c.n\n" \
+    "               + row_number() OVER (PARTITION BY i.s ORDER BY i.o) AS v\n" \
+    "      FROM input i JOIN bumped b ON b.stream_id = i.s\n" \
+    "                   JOIN counts c ON c.s = i.s\n" \
+    "    ), ins AS (\n" \
+    "      INSERT INTO events (stream_id, version, event_id, type, data)\n" \
+    "        SELECT u.s, n.v, u.id, u.t, u.d\n" \
+    "        FROM unnest(p_ids, p_streams, p_types, p_data)\n" \
+    "          WITH ORDINALITY AS u(id, s, t, d, o)\n" \
+    "        JOIN numbered n ON n.o = u.o\n" \
+    "        ORDER BY u.o\n" \
+    "    )\n" \
+    "    SELECT array_agg(n.v ORDER BY n.o) INTO vers FROM numbered n;\n" \
+    FOLD_RAISE_RECORDED \
+    "  END;\n" \
+    KS_NOTIFY \
+    "  IF cardinality(c_id) > 0 THEN\n" \
+    /* Commands requested in this batch: one insert in the final state. */ \
+    FOLD_INSERT_REQUESTED \
+    /* \
+     * Commands requested before: one update each. s carries the prior \
+     * status (locked, so it is the row the update sees) for the batch \
+     * target and counter rules. One join per row: unnest() of a \
+     * parameter is planned as a few rows, so a second join on s would be \
+     * a nested loop over both, quadratic in the batch. \
+     */ \
+    FOLD_UPDATE_EARLIER(" FOR UPDATE OF c") \
     "  END IF;\n" \
     "  RETURN cardinality(p_ids);\n" \
     "END $$;\n" \
@@ -738,17 +759,7 @@ static const char migration_7[] =
     "CREATE FUNCTION kscore_record_checked(p_ids uuid[], p_streams text[],\n" \
     "  p_types text[], p_data bytea[], p_vstreams text[], p_vexpected bigint[],\n" \
     "  p_pcid uuid[], p_pstatus text[], p_pagent text[], p_pattempt int[],\n" \
-    "  c_id uuid[], c_last int[], c_req bool[], c_agent0 text[],\n" \
-    "  c_argv text[], c_argv_lo int[], c_argv_hi int[], c_batch text[],\n" \
-    "  c_idem text[], c_oper text[], c_req_at bigint[],\n" \
-    "  c_req_deliver bigint[], c_st text[], c_st_first text[],\n" \
-    "  c_st_change bool[], c_att int[], c_agent text[], c_disp bigint[],\n" \
-    "  c_deliver bigint[], c_run bigint[], c_started_after bigint[],\n" \
-    "  c_started_any bigint[], c_fin bigint[], c_res bytea[],\n" \
-    "  c_exit int[], c_signal int[], c_timed_out bool[], c_stdout bytea[],\n" \
-    "  c_stderr bytea[], c_stdout_total bigint[], c_stderr_total bigint[],\n" \
-    "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n" \
-    "  c_stage text[], c_errno int[])\n" \
+    FOLD_PARAMS \
     "RETURNS bigint LANGUAGE plpgsql AS $$\n" \
     "DECLARE rec text; vers bigint[]; got bigint; bad bigint;\n" \
     "BEGIN\n" \
@@ -817,88 +828,14 @@ static const char migration_7[] =
     "      FROM unnest(p_ids, p_streams, p_types, p_data)\n" \
     "        WITH ORDINALITY AS u(id, s, t, d, o)\n" \
     "      ORDER BY u.o;\n" \
-    "  EXCEPTION WHEN unique_violation THEN\n" \
-    "    SELECT string_agg(e.event_id::text, ',') INTO rec FROM events e\n" \
-    "      WHERE e.event_id = ANY (p_ids);\n" \
-    "    IF rec IS NULL THEN\n" \
-    "      RAISE;\n" \
-    "    END IF;\n" \
-    "    RAISE EXCEPTION 'some of the events are already recorded'\n" \
-    "      USING ERRCODE = 'KS003', DETAIL = rec;\n" \
+    FOLD_RAISE_RECORDED \
     "  END;\n" \
     KS_NOTIFY \
     "  IF true = ANY (c_req) THEN\n" \
-    "    WITH r AS (\n" \
-    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
-    "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
-    "      FROM " FOLD_SUMMARY "\n" \
-    "      CROSS JOIN LATERAL (SELECT 'Pending'::text AS status,\n" \
-    "        coalesce(s.agent0, '') AS agent_id, 0 AS attempt,\n" \
-    "        NULL::timestamptz AS dispatched_at,\n" \
-    "        kscore_ts(s.req_deliver) AS deliver_by,\n" \
-    "        NULL::timestamptz AS started_at,\n" \
-    "        NULL::timestamptz AS finished_at, NULL::int AS exit_code,\n" \
-    "        NULL::int AS signal, NULL::bool AS timed_out,\n" \
-    "        NULL::bytea AS stdout, NULL::bytea AS stderr,\n" \
-    "        NULL::bigint AS stdout_total, NULL::bigint AS stderr_total,\n" \
-    "        NULL::bool AS stdout_truncated, NULL::bool AS stderr_truncated,\n" \
-    "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n" \
-    "        NULL::int AS start_errno, NULL::bytea AS result) p\n" \
-    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n" \
-    "      WHERE s.req\n" \
-    "    ), ic AS (\n" \
-    "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n" \
-    "        idempotency_key, operator, version, " FOLD_COLS ")\n" \
-    "      SELECT r.cid, c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n" \
-    "        r.batch, r.idem, coalesce(r.oper, ''), vers[r.last_ord],\n" \
-    "        " FOLD_R_COLS "\n" \
-    "      FROM r\n" \
-    "    ), it AS (\n" \
-    "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n" \
-    "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n" \
-    "      WHERE r.batch IS NOT NULL\n" \
-    "    )\n" \
-    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n" \
-    "      failed, cancelled)\n" \
-    "    SELECT r.batch, 'Running', count(*),\n" \
-    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n" \
-    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n" \
-    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n" \
-    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n" \
-    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n" \
-    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n" \
-    "      succeeded = b.succeeded + excluded.succeeded,\n" \
-    "      failed = b.failed + excluded.failed,\n" \
-    "      cancelled = b.cancelled + excluded.cancelled;\n" \
+    FOLD_INSERT_REQUESTED \
     "  END IF;\n" \
     "  IF false = ANY (c_req) THEN\n" \
-    "    WITH s AS (\n" \
-    "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n" \
-    "      JOIN commands c ON c.command_id = s.cid\n" \
-    "      WHERE NOT s.req\n" \
-    "    ), u AS (\n" \
-    "      UPDATE commands c SET version = vers[s.last_ord],\n" \
-    "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n" \
-    "      FROM s WHERE c.command_id = s.cid\n" \
-    "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n" \
-    "        s.st_change\n" \
-    "    ), t AS (\n" \
-    "      UPDATE batch_targets bt SET status = u.status FROM u\n" \
-    "      WHERE bt.command_id = u.command_id\n" \
-    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n" \
-    "        AND (u.st_change OR u.st_first <> u.prev)\n" \
-    "      RETURNING bt.batch_id, u.status\n" \
-    "    )\n" \
-    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n" \
-    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n" \
-    "    FROM (SELECT t.batch_id,\n" \
-    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n" \
-    "            count(*) FILTER (WHERE t.status NOT IN\n" \
-    "                             ('Succeeded', 'Cancelled')) AS bad,\n" \
-    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n" \
-    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n" \
-    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n" \
-    "    WHERE b.batch_id = x.batch_id;\n" \
+    FOLD_UPDATE_EARLIER("") \
     "  END IF;\n" \
     "  RETURN cardinality(p_ids);\n" \
     "END $$;\n"

@@ -221,6 +221,14 @@ struct store__id_ref {
     const char *id;
     size_t idx;
 };
+
+/* Marks flags[] (through refs, sorted by id by store__mark_repeats) for
+ * the first event of each id in list (KS003's DETAIL: ids, comma-
+ * separated); tokens that are no id of the input are ignored. Returns how
+ * many were newly marked. */
+size_t store__mark_recorded(const struct store__id_ref *refs, size_t n,
+                            const char *list, bool *flags);
+
 /*
  * Sorts refs (n entries, caller storage) by event_id, the first in the
  * input first among equal ids, and marks skip[i] for every event whose
