@@ -528,13 +528,15 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * once the append is sent. Safe because only a recorded command can be
      * claimed (kscore_claim waits for a record being committed, and finds
      * none if it failed), and an agent runs only what it claimed. A key
-     * this broker has seen before (a client asking again) may name a
-     * recorded command: then record first, and publish only a new one, so
-     * asking again sends no message that can never be claimed.
+     * that may name a command already (the caller's own, or a request
+     * asked again: ExecuteRequest.key_may_exist; or one this broker has
+     * seen) records first and publishes only a new command, so a used key
+     * never sends a message that can never be claimed.
      */
     struct dispatch_pub dp = {b, &cmd, 1};
     bool overlap = !req->idempotency_key[0] ||
-                   !broker__key_seen(b, req->idempotency_key);
+                   (!req->key_may_exist &&
+                    !broker__key_seen(b, req->idempotency_key));
     if (overlap)
         rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
                                   publish_between, &dp);
@@ -1667,6 +1669,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         ks_uuid(u);
         snprintf(key, sizeof(key), "exec-%s", u);
         r.idempotency_key = key;
+    } else {
+        r.key_may_exist = 1; /* the caller's key: it may name a command */
     }
     if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
         (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
@@ -1735,6 +1739,16 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
             now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
             asked = now;
+            if (!r.key_may_exist) {
+                /* Asked again: the key may name a command by now (at
+                 * another broker too), which must not be published
+                 * again under a new id. */
+                r.key_may_exist = 1;
+                free(buf);
+                buf = NULL;
+                if ((rc = kproto_pack(&r.base, &buf, &len)))
+                    goto out;
+            }
             if ((rc = evt_err(natsConnection_PublishRequest(
                      c->nc, subject, inbox, buf, (int)len))))
                 goto out;

@@ -360,6 +360,8 @@ int cli_nats_users_apply(const char *home);
 /* write(2) all n bytes to fd, through EINTR (cli/out_stream.c). 0 or -1
  * with errno. */
 int cli_write_all(int fd, const uint8_t *p, size_t n);
+/* errno of the first cli_write_all that failed in this process, or 0. */
+int cli_write_error(void);
 
 /* kscore agent enroll|revoke|list (cli/cmd_enroll.c); argv[0] is the verb. */
 int cmd_agent_admin(int argc, char **argv);

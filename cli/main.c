@@ -480,6 +480,15 @@ main(int argc, char **argv)
          * 40 runs). The connection is closed; the kernel closes the
          * rest. */
         int rc = commands[k].fn(argc - 1, argv + 1);
+        errno = 0;
+        /* Output that could not be written is a failure, not a success
+         * with nothing shown (a full disk, a closed pipe). */
+        if ((fflush(stdout) != 0 || ferror(stdout) || cli_write_error()) &&
+            rc == 0) {
+            int e = cli_write_error() ? cli_write_error() : errno;
+            cli_err("cannot write the output: %s", strerror(e ? e : EIO));
+            rc = CLI_EXIT_KSCORE;
+        }
         fflush(NULL);
         _exit(rc);
     }

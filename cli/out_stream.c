@@ -27,6 +27,14 @@
  * to this long before giving up on them. */
 #define LOGS_GAP_WAIT_MS 5000
 
+static int write_errno; /* the first failed cli_write_all */
+
+int
+cli_write_error(void)
+{
+    return write_errno;
+}
+
 int
 cli_write_all(int fd, const uint8_t *p, size_t n)
 {
@@ -35,6 +43,8 @@ cli_write_all(int fd, const uint8_t *p, size_t n)
         if (w == -1) {
             if (errno == EINTR)
                 continue;
+            if (!write_errno)
+                write_errno = errno;
             return -1;
         }
         p += w;
