@@ -104,19 +104,25 @@ stack_port_free(int port)
 }
 
 int
-stack_nats_saved_port(const char *dir)
+stack_read_port(const char *dir, const char *file)
 {
-    char path[4096];
+    char path[4400];
     long v = 0;
     FILE *f;
 
-    snprintf(path, sizeof(path), "%s/nats.port", dir);
+    snprintf(path, sizeof(path), "%s/%s", dir, file);
     if (!(f = fopen(path, "re")))
         return 0;
     if (fscanf(f, "%ld", &v) != 1 || v <= 0 || v > 65535)
         v = 0;
     fclose(f);
     return (int)v;
+}
+
+int
+stack_nats_saved_port(const char *dir)
+{
+    return stack_read_port(dir, "nats.port");
 }
 
 static int

@@ -29,6 +29,9 @@ int stack_port_free(int port);
 /* The port the last stack_nats_start of dir served on (<dir>/nats.port),
  * or 0 when there is none. */
 int stack_nats_saved_port(const char *dir);
+/* The TCP port written in the file dir/file (1..65535), or 0 when the file
+ * is missing or holds none. */
+int stack_read_port(const char *dir, const char *file);
 
 /* mkdir -p with mode; 0 or -errno. */
 int stack_mkdirs(const char *path, unsigned mode);

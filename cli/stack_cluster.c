@@ -26,21 +26,6 @@ sleep_ms(int ms)
 }
 
 static int
-read_port(const char *dir, const char *file)
-{
-    char path[4400];
-    long v = 0;
-    FILE *f;
-    snprintf(path, sizeof(path), "%s/%s", dir, file);
-    if (!(f = fopen(path, "re")))
-        return 0;
-    if (fscanf(f, "%ld", &v) != 1 || v <= 0 || v > 65535)
-        v = 0;
-    fclose(f);
-    return (int)v;
-}
-
-static int
 write_port(const char *dir, const char *file, int port)
 {
     char path[4400];
@@ -63,9 +48,9 @@ stack_cluster_nodes(const char *home, unsigned n, struct stack_node *out)
         nd->index = i + 1;
         snprintf(nd->dir, sizeof(nd->dir), "%s/nats-%u", home, i + 1);
         snprintf(nd->name, sizeof(nd->name), "nats-%u", i + 1);
-        nd->port = read_port(nd->dir, "nats.port");
-        nd->route_port = read_port(nd->dir, "route.port");
-        nd->mon_port = read_port(nd->dir, "monitor.port");
+        nd->port = stack_read_port(nd->dir, "nats.port");
+        nd->route_port = stack_read_port(nd->dir, "route.port");
+        nd->mon_port = stack_read_port(nd->dir, "monitor.port");
         nd->running = stack_pidfile_alive(nd->dir, "nats", &nd->pid) == 1;
     }
     return 0;
