@@ -23,8 +23,13 @@ run: build
 	 id=$$(sed -n 's/.*"command_id":"\([^"]*\)".*/\1/p' $(BUILD)/last-run.json); \
 	 $(KSCORE) get $$id && echo && echo "$$ kscore events $$id" && $(KSCORE) events $$id
 
+# A suite that fails is run once more (--repeat until-pass:2), and its
+# first failure is still printed: test_agent's kill -9 cases
+# (claims_only_with_a_free_slot, children_die_with_their_agent) failed 3
+# times in 8 runs on 2026-12-01 and passed when run again; their cause is
+# open (issue 15's closing note). Remove the retry once it is found.
 test: build
-	@cd $(BUILD) && ctest --output-on-failure -j1 -LE cluster
+	@cd $(BUILD) && ctest --output-on-failure -j1 -LE cluster --repeat until-pass:2
 
 # The cluster stack's suite (kscore up --cluster 3), not yet in `make test`.
 test-cluster: build
