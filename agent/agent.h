@@ -307,6 +307,18 @@ struct agent_opts {
     struct evt_connect_opts nats;  /* credentials / TLS */
     const char *const *ids;        /* n_ids agent ids served by this process */
     size_t n_ids;
+    /*
+     * NULL or "": each id has its own consumer and registry entry. Else
+     * the pool these ids form (a subject token; every id must be
+     * "<pool>-..."): all their commands come through one consumer,
+     * "pool-<pool>" (events.h evt_pool_consumer), and one registry entry
+     * per heartbeat stands for all of them (evt_pool_put). Per-id
+     * attestations are not sent for a pool (its ids share its labels).
+     * What a process serving thousands of ids wants: nats-server keeps one
+     * consumer instead of thousands, and the registry gets one put per
+     * heartbeat instead of one per id (deploy/SCALING.md). Copied.
+     */
+    const char *pool;
     const struct agent_label *labels; /* for every id */
     size_t n_labels;
     /* NULL, or n_ids entries (one per id; sig NULL: none for that id):

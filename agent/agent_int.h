@@ -16,10 +16,11 @@ struct agent_slot {
     /* "agent-<id>": the NATS identity this id acts as (claims, the
      * inbox of its PubAcks) and its consumer's name. */
     char identity[8 + EVT_AGENT_ID_MAX];
-    char cmd_subject[16 + EVT_AGENT_ID_MAX]; /* kscore.cmd.<id> */
+    /* kscore.cmd.<id>, or kscore.cmd.<pool>.<id> */
+    char cmd_subject[20 + 2 * EVT_AGENT_ID_MAX];
     /* "$JS.ACK.KSCORE_CMDS.agent-<id>.": every delivery of its consumer
      * has a reply subject under it, and acks go nowhere else. */
-    char ack_prefix[32 + EVT_AGENT_ID_MAX];
+    char ack_prefix[40 + EVT_AGENT_ID_MAX];
     /* Core queue subscription to the consumer's deliver subject. */
     natsSubscription *sub, *cancel_sub;
     /* The broker's attestation of this id's labels (agent_opts), sent in
@@ -92,6 +93,11 @@ struct agent {
     unsigned long spares[256];          /* (spare_mu) AGENT_SPARE_MAX */
     size_t nspares;                     /* (spare_mu) */
     struct ks_map jobs;  /* command_id -> struct job_ctx *: held */
+    /* Pool mode (opts.pool): id -> struct agent_slot *, and the one
+     * subscription to the pool consumer's deliver subject. */
+    struct ks_map slot_of;
+    natsSubscription *pool_sub;
+    char *pool_name; /* opts.pool points here (copied) */
     unsigned free_slots; /* commands this process may still claim */
     bool claim_inline;   /* claim on the delivery thread (own threads) */
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */

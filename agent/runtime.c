@@ -1044,6 +1044,47 @@ out:
     pthread_mutex_unlock(&a->mu);
 }
 
+/* A delivery of the pool's consumer: the id is the subject's last token
+ * (kscore.cmd.<pool>.<id>), and on_command checks the rest as for an id's
+ * own consumer. An id this process does not serve (another process of the
+ * pool name serves other ids: a misconfiguration) is given back at once
+ * (-NAK), for JetStream to deliver again, maybe to the right one. nats.c
+ * delivery thread. */
+static void
+on_pool_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                void *ud)
+{
+    struct agent *a = ud;
+    const char *subj = natsMsg_GetSubject(msg), *dot = strrchr(subj, '.');
+    struct agent_slot *slot = dot ? ks_map_get(&a->slot_of, dot + 1) : NULL;
+
+    if (slot) {
+        on_command(nc, sub, msg, slot);
+        return;
+    }
+    const char *reply = natsMsg_GetReply(msg);
+    pthread_mutex_lock(&a->mu);
+    a->callbacks++;
+    pthread_mutex_unlock(&a->mu);
+    if (reply && strncmp(reply, "$JS.ACK.", 8) == 0 &&
+        !atomic_load(&a->closing))
+        agent__ack(a, reply, "-NAK");
+    int64_t now = ks_mono_us();
+    if (now - atomic_load(&a->foreign_logged_us) > LOG_EVERY_US) {
+        atomic_store(&a->foreign_logged_us, now);
+        ks_log(KS_LOG_WARN,
+               "the pool delivered a command for an id this process does not "
+               "serve: given back (do two processes of one pool serve "
+               "different ids?)",
+               KS_S("pool", a->opts.pool), KS_S("subject", subj));
+    }
+    natsMsg_Destroy(msg);
+    pthread_mutex_lock(&a->mu);
+    a->callbacks--;
+    pthread_cond_broadcast(&a->cb_cond);
+    pthread_mutex_unlock(&a->mu);
+}
+
 static void
 on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -1142,6 +1183,26 @@ heartbeat_once(struct agent *a)
     /* Which process: the broker tells two processes serving one id. */
     info.instance_id = a->instance_id;
     info.started_at_us = a->started_at_us;
+    if (a->opts.pool && a->opts.pool[0]) {
+        /* One entry for the whole pool: the broker takes it as every
+         * listed id's heartbeat. */
+        char **ids = calloc(a->n_slots ? a->n_slots : 1, sizeof(*ids));
+        if (!ids) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        for (size_t i = 0; i < a->n_slots; i++)
+            ids[i] = a->slots[i].id;
+        info.agent_id = (char *)"";
+        info.pool = (char *)a->opts.pool;
+        info.pool_ids = ids;
+        info.n_pool_ids = a->n_slots;
+        rc = evt_pool_put(a->nc, NULL, &info, HEARTBEAT_TIMEOUT_MS);
+        free(ids);
+        if (rc == 0)
+            atomic_store(&a->last_contact_us, ks_mono_us());
+        goto out;
+    }
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
         slots_running(a, per_slot);
     for (size_t i = 0; i < a->n_slots; i++) {
@@ -1377,11 +1438,25 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         }
     if (opts->n_ids == 0)
         return KS_EINVAL;
+    if (opts->pool && opts->pool[0] && !evt_agent_id_valid(opts->pool)) {
+        if (errmsg && asprintf(errmsg, "bad pool name '%s' (letters, digits, "
+                                       "'-' and '_')",
+                               opts->pool) < 0)
+            *errmsg = NULL;
+        return KS_EINVAL;
+    }
     a = calloc(1, sizeof(*a));
     if (!a)
         return -ENOMEM;
     a->opts = *opts;
+    a->opts.pool = NULL;
+    if (opts->pool && opts->pool[0] &&
+        !(a->opts.pool = a->pool_name = strdup(opts->pool))) {
+        free(a);
+        return -ENOMEM;
+    }
     a->jobs = (struct ks_map)KS_MAP_INIT;
+    a->slot_of = (struct ks_map)KS_MAP_INIT;
     a->seen = (struct ks_map)KS_MAP_INIT;
     a->out_tail = &a->out_head;
     a->waitq_tail = &a->waitq;
@@ -1486,9 +1561,32 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             goto fail;
         }
         evt_agent_durable(s->identity, sizeof(s->identity), s->id);
-        evt_cmd_subject(s->cmd_subject, sizeof(s->cmd_subject), s->id);
-        snprintf(s->ack_prefix, sizeof(s->ack_prefix), "$JS.ACK.%s.%s.",
-                 EVT_STREAM_CMDS, s->identity);
+        evt_cmd_subject(s->cmd_subject, sizeof(s->cmd_subject), opts->pool,
+                        s->id);
+        if (opts->pool && opts->pool[0]) {
+            char durable[8 + EVT_AGENT_ID_MAX];
+            size_t pl = strlen(opts->pool);
+            if (strncmp(s->id, opts->pool, pl) != 0 || s->id[pl] != '-') {
+                rc = KS_EINVAL;
+                if (errmsg &&
+                    asprintf(errmsg,
+                             "agent id %s is not in pool %s (the ids of a "
+                             "pool are named %s-...)",
+                             s->id, opts->pool, opts->pool) < 0)
+                    *errmsg = NULL;
+                goto fail;
+            }
+            evt_pool_durable(durable, sizeof(durable), opts->pool);
+            snprintf(s->ack_prefix, sizeof(s->ack_prefix), "$JS.ACK.%s.%s.",
+                     EVT_STREAM_CMDS, durable);
+            if (ks_map_put(&a->slot_of, s->id, s) != 0) {
+                rc = -ENOMEM;
+                goto fail;
+            }
+        } else {
+            snprintf(s->ack_prefix, sizeof(s->ack_prefix), "$JS.ACK.%s.%s.",
+                     EVT_STREAM_CMDS, s->identity);
+        }
         if (opts->attestations && opts->attestations[i].sig) {
             const struct agent_attestation *at = &opts->attestations[i];
             s->has_attest = true;
@@ -1546,6 +1644,24 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             goto fail;
         }
 
+    if (opts->pool && opts->pool[0]) {
+        /* One queue subscription for the pool's consumer: processes of
+         * one pool share its messages, as those of one id do. */
+        char durable[8 + EVT_AGENT_ID_MAX], deliver[32 + EVT_AGENT_ID_MAX];
+        evt_pool_durable(durable, sizeof(durable), opts->pool);
+        evt_deliver_subject(deliver, sizeof(deliver), durable);
+        natsStatus st = natsConnection_QueueSubscribe(
+            &a->pool_sub, a->nc->nc, deliver, durable, on_pool_command, a);
+        if (st == NATS_OK)
+            st = natsSubscription_SetPendingLimits(a->pool_sub, -1, -1);
+        if (st != NATS_OK) {
+            if (errmsg && asprintf(errmsg, "subscribe %s: %s", deliver,
+                                   natsStatus_GetText(st)) < 0)
+                *errmsg = NULL;
+            rc = KS_ENATS;
+            goto fail;
+        }
+    }
     for (size_t i = 0; i < a->n_slots; i++) {
         struct agent_slot *s = &a->slots[i];
         char deliver[32 + EVT_AGENT_ID_MAX], csubj[32 + EVT_AGENT_ID_MAX];
@@ -1555,7 +1671,10 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
          * subscription: nats.c's JetStream subscribe would look the
          * consumer up through the JetStream API. */
         evt_deliver_subject(deliver, sizeof(deliver), s->identity);
-        natsStatus st = natsConnection_QueueSubscribe(
+        natsStatus st = NATS_OK;
+        if (a->pool_sub)
+            goto cancel_sub; /* the pool's subscription delivers */
+        st = natsConnection_QueueSubscribe(
             &s->sub, a->nc->nc, deliver, s->identity, on_command, s);
         /* Held messages are few (max_ack_pending); never drop one. */
         if (st == NATS_OK)
@@ -1567,6 +1686,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
             rc = KS_ENATS;
             goto fail;
         }
+    cancel_sub:
         snprintf(csubj, sizeof(csubj), "kscore.cancel.%s", s->id);
         if (natsConnection_Subscribe(&s->cancel_sub, a->nc->nc, csubj,
                                      on_cancel, s) != NATS_OK) {
@@ -1610,6 +1730,8 @@ agent_stop(struct agent *a)
     ks_metrics_collector_remove(agent_collect, a);
     /* No new work: no deliveries, no new claims. */
     atomic_store(&a->closing, 1);
+    if (a->pool_sub)
+        natsSubscription_Unsubscribe(a->pool_sub);
     for (size_t i = 0; i < a->n_slots; i++) {
         if (a->slots[i].sub)
             natsSubscription_Unsubscribe(a->slots[i].sub);
@@ -1652,6 +1774,7 @@ agent_stop(struct agent *a)
         pthread_join(a->pub_thread, NULL);
     if (a->hb_started)
         pthread_join(a->hb_thread, NULL);
+    natsSubscription_Destroy(a->pool_sub);
     for (size_t i = 0; i < a->n_slots; i++) {
         natsSubscription_Destroy(a->slots[i].sub);
         natsSubscription_Destroy(a->slots[i].cancel_sub);
@@ -1668,6 +1791,8 @@ agent_stop(struct agent *a)
     evt_close(a->nc);
     ks_map_clear(&a->jobs);
     ks_map_clear(&a->seen);
+    ks_map_clear(&a->slot_of);
+    free(a->pool_name);
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);

@@ -918,8 +918,19 @@ turn(struct broker *b, struct batch **touched, size_t nt)
     /* Unrecorded commands are never published: no claim could win. All
      * of the turn's commands at once: one round trip, not one each. */
     if (p.npub) {
+        /* Each id through its pool's consumer, or its own. */
+        char (*pools)[EVT_AGENT_ID_MAX + 1] = calloc(p.npub, sizeof(*pools));
+        const char **pool_of = calloc(p.npub, sizeof(*pool_of));
+        for (size_t i = 0; pools && pool_of && i < p.npub; i++) {
+            broker__agent_pool(b, p.publish[i]->agent_id, pools[i],
+                               sizeof(pools[i]));
+            pool_of[i] = pools[i];
+        }
         int failed = evt_publish_commands(b->nc, b->signer, p.publish,
+                                          pools && pool_of ? pool_of : NULL,
                                           p.npub, 5000);
+        free(pool_of);
+        free(pools);
         if (ks_trace_on())
             for (size_t i = 0; i < p.npub; i++)
                 ks_trace("batch.command_published",

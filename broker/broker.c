@@ -220,6 +220,7 @@ broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev, char ids[2][37],
 struct dispatch_pub {
     struct broker *b;
     const Ks__Command *cmd;
+    char pool[EVT_AGENT_ID_MAX + 1];
     int rc;
 };
 
@@ -227,7 +228,8 @@ static void
 publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
-    dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, 5000);
+    dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
+                                 5000);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -533,7 +535,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * seen) records first and publishes only a new command, so a used key
      * never sends a message that can never be claimed.
      */
-    struct dispatch_pub dp = {b, &cmd, 1};
+    struct dispatch_pub dp = {.b = b, .cmd = &cmd, .rc = 1};
+    broker__agent_pool(b, cmd.agent_id, dp.pool, sizeof(dp.pool));
     bool overlap = !req->idempotency_key[0] ||
                    (!req->key_may_exist &&
                     !broker__key_seen(b, req->idempotency_key));
@@ -575,7 +578,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
-        rc = evt_publish_command(b->nc, b->signer, &cmd, 5000);
+        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool, 5000);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;
@@ -1528,6 +1531,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         ao.nats = opts->nats;
         ao.ids = (const char *const *)ids;
         ao.n_ids = opts->local_agents;
+        /* Several local ids are one pool, "<host>": one consumer and one
+         * registry entry for all of them (agent_opts.pool). */
+        if (opts->local_agents > 1)
+            ao.pool = host;
         ao.labels = &lab;
         ao.n_labels = 1;
         ao.state_dir = opts->state_dir;

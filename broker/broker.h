@@ -108,6 +108,9 @@ enum store_step broker_decide_report(const struct store_command_state *st,
  */
 #define BROKER_AGENT_INFO_MAX_BYTES 8192
 #define BROKER_AGENT_INFO_MAX_LABELS 128
+/* Largest registry entry of an agent pool (its list of ids: about 20,000
+ * ids of 10 characters); beyond it the entry is refused and logged. */
+#define BROKER_POOL_INFO_MAX_BYTES (256 * 1024)
 int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);

@@ -222,6 +222,12 @@ void broker__record_denied(struct broker *b, struct store *st, const char *op,
 /* A copy of the registry's info on agent_id, or NULL (free with
  * ks__agent_info__free_unpacked). Any thread. */
 Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
+/* The pool agent_id's commands are published through (AgentInfo.pool, as
+ * the registry last saw it) into buf (>= EVT_AGENT_ID_MAX + 1); "" when it
+ * has none or is unknown (then its own subject: evt_cmd_subject). Any
+ * thread. */
+void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
+                        size_t len);
 /* Whether agent_id is online (heartbeat younger than EVT_AGENT_TTL_MS):
  * 1, 0 (offline; *heartbeat_at_us its last heartbeat, epoch us), or -1
  * (not in the registry). Takes b->mu. */

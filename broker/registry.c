@@ -51,11 +51,14 @@ agent_needs_store(struct broker *b, const char *key, const Ks__AgentInfo *info)
     struct broker__agent *a;
     bool store;
     int64_t now = ks_mono_us();
+    /* The ids of a pool are written when they change only: 10,000 ids
+     * every AGENT_STORE_EVERY_US would be 1,000 writes a second. */
+    bool pooled = info->pool && info->pool[0];
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, key);
     store = !a || !a->info || info_changed(a->info, info) ||
-            now - a->stored_mono_us >= AGENT_STORE_EVERY_US;
+            (!pooled && now - a->stored_mono_us >= AGENT_STORE_EVERY_US);
     if (a && store)
         a->stored_mono_us = now;
     pthread_mutex_unlock(&b->mu);
@@ -353,6 +356,14 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
     if (!evt_agent_id_valid(info->agent_id) ||
         strcmp(info->agent_id, key) != 0)
         return "its agent_id is not its key";
+    /* A pool is named by its ids: "<pool>-..." only, so an agent of
+     * another name (another credential) cannot put its entry, and with it
+     * the limits of the pool's consumer, into a pool it is not part of. */
+    if (info->pool && info->pool[0] &&
+        (!evt_agent_id_valid(info->pool) ||
+         strncmp(info->agent_id, info->pool, strlen(info->pool)) != 0 ||
+         info->agent_id[strlen(info->pool)] != '-'))
+        return "its pool is not the start of its agent_id (<pool>-...)";
     if (packed > AGENT_INFO_MAX_BYTES)
         return "larger than 8 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS ||
@@ -404,13 +415,15 @@ free_provisioned(const char *key, void *val, void *ud)
     free(val);
 }
 
-/* Makes agent_id's consumer as its entry says, unless it was made so
- * lately. A failure (JetStream away) is tried again at the next
+/* Makes agent_id's consumer (or its pool's, when info->pool is set) as
+ * its entry says, unless it was made so lately; key: the id, or
+ * "pool:<pool>". A failure (JetStream away) is tried again at the next
  * heartbeat. Registry thread. */
 static void
-provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
+provision(struct broker *b, struct provisioner *pv, const char *key,
+          const Ks__AgentInfo *info)
 {
-    struct provisioned *p = ks_map_get(&pv->done, info->agent_id);
+    struct provisioned *p = ks_map_get(&pv->done, key);
     struct evt_agent_consumer ac;
     enum evt_consumer_change change = EVT_CONSUMER_KEPT;
     int64_t now = ks_mono_us();
@@ -421,8 +434,12 @@ provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
         p->ack_wait_ms == info->ack_wait_ms &&
         now - p->checked_mono_us < CONSUMER_RECHECK_US)
         return;
-    evt_agent_consumer(&ac, info->agent_id, info->max_concurrent,
-                       info->ack_wait_ms);
+    if (info->pool && info->pool[0])
+        evt_pool_consumer(&ac, info->pool, info->max_concurrent,
+                          info->ack_wait_ms);
+    else
+        evt_agent_consumer(&ac, info->agent_id, info->max_concurrent,
+                           info->ack_wait_ms);
     if (evt_consumer_ensure(b->nc, &ac.d, &change, &err) != 0) {
         if (now - pv->err_logged_us > PROVISION_LOG_EVERY_US) {
             pv->err_logged_us = now;
@@ -442,7 +459,7 @@ provision(struct broker *b, struct provisioner *pv, const Ks__AgentInfo *info)
                KS_S("filter", ac.d.filter_subject));
     if (!p) {
         p = calloc(1, sizeof(*p));
-        if (!p || ks_map_put(&pv->done, info->agent_id, p) != 0) {
+        if (!p || ks_map_put(&pv->done, key, p) != 0) {
             free(p);
             return; /* checked again next time */
         }
@@ -485,6 +502,7 @@ agent_forget(struct broker *b, const char *key)
  * latest entry of an id replaces the one queued before.
  */
 struct prov_req {
+    char pool[EVT_AGENT_ID_MAX + 1]; /* "": the id's own consumer */
     int32_t pid;
     uint32_t max_concurrent;
     uint64_t ack_wait_ms;
@@ -504,8 +522,16 @@ static void
 provq_push(struct provq *q, const char *id, const Ks__AgentInfo *info)
 {
     struct prov_req *r = calloc(1, sizeof(*r));
+    char key[8 + EVT_AGENT_ID_MAX];
     if (!r)
         return; /* the next heartbeat queues it again */
+    /* The ids of a pool share one consumer: one request for all of them,
+     * under a key no agent id can be (':' is not in an id). */
+    if (info && info->pool && info->pool[0]) {
+        snprintf(key, sizeof(key), "pool:%s", info->pool);
+        snprintf(r->pool, sizeof(r->pool), "%s", info->pool);
+        id = key;
+    }
     if (info) {
         r->pid = info->pid;
         r->max_concurrent = info->max_concurrent;
@@ -524,7 +550,7 @@ provq_push(struct provq *q, const char *id, const Ks__AgentInfo *info)
 }
 
 struct prov_item {
-    char id[EVT_AGENT_ID_MAX + 1];
+    char id[8 + EVT_AGENT_ID_MAX];
     struct prov_req *r;
 };
 
@@ -580,7 +606,8 @@ provq_main(void *arg)
                 info.pid = r->pid;
                 info.max_concurrent = r->max_concurrent;
                 info.ack_wait_ms = r->ack_wait_ms;
-                provision(q->b, &pv, &info);
+                info.pool = r->pool;
+                provision(q->b, &pv, t.items[i].id, &info);
             }
             free(r);
         }
@@ -591,6 +618,86 @@ provq_main(void *arg)
     ks_map_each(&pv.done, free_provisioned, NULL);
     ks_map_clear(&pv.done);
     return NULL;
+}
+
+/* NULL when info may be taken as the entry of pool key ("pool.<pool>"),
+ * else why not (static text). */
+static const char *
+pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
+{
+    const char *pool = key + strlen(EVT_POOL_KEY_PREFIX);
+
+    if (!info->pool || strcmp(info->pool, pool) != 0 ||
+        !evt_agent_id_valid(pool))
+        return "its pool is not its key";
+    if (packed > BROKER_POOL_INFO_MAX_BYTES)
+        return "a pool entry larger than 256 KiB";
+    if (info->n_labels > AGENT_INFO_MAX_LABELS)
+        return "more than 128 labels";
+    size_t pl = strlen(pool);
+    for (size_t i = 0; i < info->n_pool_ids; i++) {
+        const char *id = info->pool_ids[i];
+        if (!evt_agent_id_valid(id) || strncmp(id, pool, pl) != 0 ||
+            id[pl] != '-')
+            return "an id of the pool is not <pool>-...";
+    }
+    return NULL;
+}
+
+/*
+ * A pool's entry (evt_pool_put): one heartbeat for every id it lists.
+ * Each id gets its own entry in the broker's map (as if it had written
+ * one: addressable, claimable and listed on its own), made from the
+ * pool's with its agent_id, and the pool's consumer is provisioned once.
+ * Only the broker's credential can write a "pool." key (an agent's NATS
+ * permissions name its own key only), so its labels are taken as given.
+ * Takes info. Registry thread.
+ */
+static void
+pool_seen(struct broker *b, struct provq *q, const char *key,
+          Ks__AgentInfo *info, size_t packed)
+{
+    const char *bad = pool_problem(key, info, packed);
+    uint8_t *tmpl = NULL;
+    size_t tlen = 0;
+
+    if (bad) {
+        entry_refused(key, bad);
+        ks__agent_info__free_unpacked(info, NULL);
+        return;
+    }
+    provq_push(q, key, info);
+    /* The template of each id's entry: the pool's without its list, and
+     * without the whole pool's running count (not one id's). */
+    char **ids = info->pool_ids, *own_id = info->agent_id;
+    size_t n = info->n_pool_ids;
+    uint32_t running = info->running;
+    info->pool_ids = NULL;
+    info->n_pool_ids = 0;
+    info->running = 0;
+    info->agent_id = (char *)"";
+    int rc = kproto_pack(&info->base, &tmpl, &tlen);
+    info->pool_ids = ids;
+    info->n_pool_ids = n;
+    info->running = running;
+    info->agent_id = own_id;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        Ks__AgentInfo *m = ks__agent_info__unpack(NULL, tlen, tmpl);
+        char *id = m ? strdup(ids[i]) : NULL;
+        if (!id) {
+            if (m)
+                ks__agent_info__free_unpacked(m, NULL);
+            break;
+        }
+        m->agent_id = id; /* "" unpacked is protobuf-c's static default */
+        bool unstored = agent_needs_store(b, id, m) &&
+                        store_upsert_agent(b->st_reg, m) != 0;
+        agent_update(b, ids[i], m, true, NULL, NULL, true);
+        if (unstored)
+            agent_store_failed(b, ids[i]);
+    }
+    free(tmpl);
+    ks__agent_info__free_unpacked(info, NULL);
 }
 
 /* A watch that has delivered nothing for this long while agents are known
@@ -682,7 +789,15 @@ registry_main(void *arg)
         last_entry = ks_mono_us();
         if (!e) /* end of the initial values */
             continue;
-        if (kvEntry_Operation(e) == kvOp_Put) {
+        if (kvEntry_Operation(e) == kvOp_Put &&
+            strncmp(kvEntry_Key(e), EVT_POOL_KEY_PREFIX,
+                    strlen(EVT_POOL_KEY_PREFIX)) == 0) {
+            ProtobufCMessage *m = NULL;
+            if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
+                           (size_t)kvEntry_ValueLen(e), &m) == 0)
+                pool_seen(b, q, kvEntry_Key(e), (Ks__AgentInfo *)m,
+                          (size_t)kvEntry_ValueLen(e));
+        } else if (kvEntry_Operation(e) == kvOp_Put) {
             ProtobufCMessage *m = NULL;
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
                            (size_t)kvEntry_ValueLen(e), &m) == 0) {
@@ -896,6 +1011,20 @@ broker__agents_reply_free(Ks__AgentsReply *r)
     free(r->agents);
     r->agents = NULL;
     r->n_agents = 0;
+}
+
+void
+broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
+                   size_t len)
+{
+    struct broker__agent *a;
+
+    buf[0] = '\0';
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->info && a->info->pool)
+        snprintf(buf, len, "%s", a->info->pool);
+    pthread_mutex_unlock(&b->mu);
 }
 
 Ks__AgentInfo *

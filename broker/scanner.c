@@ -124,7 +124,9 @@ on_overdue(const struct store_command_ref *ref, void *ud)
         cmd->attempt = disp.attempt;
         cmd->dispatch_version = (uint64_t)ref->version + 1;
         ks_metric_inc(KS_C_REDISPATCHES);
-        int rc = evt_publish_command(b->nc, b->signer, cmd, 5000);
+        char pool[EVT_AGENT_ID_MAX + 1];
+        broker__agent_pool(b, cmd->agent_id, pool, sizeof(pool));
+        int rc = evt_publish_command(b->nc, b->signer, cmd, pool, 5000);
         if (rc)
             ks_log(KS_LOG_WARN, "re-publish failed",
                    KS_S("module", "scanner"),

@@ -1387,6 +1387,8 @@ cmd_agent(int argc, char **argv)
 {
     static const struct option lo[] = {
         {"id", required_argument, 0, 'i'},
+        {"pool", required_argument, 0, 'P'},
+        {"pool-size", required_argument, 0, 'N'},
         {"label", required_argument, 0, 'l'},
         CLI_CONN_LONGOPTS,
         {"state-dir", required_argument, 0, 's'},
@@ -1411,6 +1413,9 @@ cmd_agent(int argc, char **argv)
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
     const char *max_concurrent = NULL, *ack_wait = NULL;
+    const char *pool = NULL, *pool_size = NULL;
+    char **pool_ids = NULL;
+    size_t n_pool_ids = 0;
     char *labels_env = NULL;
     /* Lists (ids, labels, trust keys) come whole from the first source
      * that has any: flags, then the environment, then the file. */
@@ -1452,6 +1457,12 @@ cmd_agent(int argc, char **argv)
         case 'i':
             ids[o.n_ids++] = optarg;
             break;
+        case 'P':
+            pool = optarg;
+            break;
+        case 'N':
+            pool_size = optarg;
+            break;
         case 'l':
             eq = strchr(optarg, '=');
             if (!eq || eq == optarg) {
@@ -1478,7 +1489,8 @@ cmd_agent(int argc, char **argv)
             bundle_file = optarg;
             break;
         case 'h':
-            printf("usage: kscore agent --id ID [--id ID]... --trust-key FILE "
+            printf("usage: kscore agent --id ID [--id ID]... [--pool NAME "
+                   "[--pool-size N]] --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] "
                    "[--metrics-listen ADDR:PORT] [--config FILE] "
@@ -1488,6 +1500,10 @@ cmd_agent(int argc, char **argv)
                    "[--label K=V]... [--max-concurrent N]\n"
                    "       kscore agent enroll|revoke|list ... (kscore agent "
                    "enroll --help)\n"
+                   "--pool NAME: the ids (NAME-...) form one pool: one "
+                   "JetStream consumer and one registry entry for all of "
+                   "them; --pool-size N serves NAME-0 .. NAME-<N-1> "
+                   "(deploy/SCALING.md).\n"
                    "A bundle (kscore agent enroll) gives the id, labels, "
                    "NATS urls, credential, TLS files and trust key; flags "
                    "override it.\n"
@@ -1550,7 +1566,9 @@ cmd_agent(int argc, char **argv)
         }
     }
     cli_conf_conn(&cf, &cc);
-    if (cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
+    if (cli_conf_str(&cf, "pool", &pool) ||
+        cli_conf_str(&cf, "pool_size", &pool_size) ||
+        cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
         cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen))
         goto out;
@@ -1711,7 +1729,38 @@ cmd_agent(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    if (o.n_ids == 0) {
+    if (pool_size) {
+        char *end;
+        unsigned long n = strtoul(pool_size, &end, 10);
+        if (*end || !n || n > 100000 || pool_size[0] == '-' || !pool ||
+            !evt_agent_id_valid(pool) ||
+            strlen(pool) + 7 > EVT_AGENT_ID_MAX) {
+            cli_err("bad --pool-size '%s' (1 to 100000, with --pool NAME)",
+                    pool_size);
+            goto out;
+        }
+        if (o.n_ids) {
+            cli_err("--pool-size names the ids itself: not with --id");
+            goto out;
+        }
+        pool_ids = calloc(n, sizeof(*pool_ids));
+        for (size_t i = 0; pool_ids && i < n; i++) {
+            if (asprintf(&pool_ids[i], "%s-%zu", pool, i) < 0) {
+                pool_ids[i] = NULL;
+                break;
+            }
+            n_pool_ids = i + 1;
+        }
+        if (n_pool_ids != n) {
+            rc = CLI_EXIT_KSCORE;
+            goto out;
+        }
+    }
+    if (pool && !evt_agent_id_valid(pool)) {
+        cli_err("bad --pool '%s' (letters, digits, '-' and '_')", pool);
+        goto out;
+    }
+    if (o.n_ids == 0 && n_pool_ids == 0) {
         cli_err("the agent needs --id ID (or --bundle FILE, or id in its "
                 "config file)");
         goto out;
@@ -1745,6 +1794,11 @@ cmd_agent(int argc, char **argv)
         goto out;
     }
     o.ids = ids;
+    if (n_pool_ids) {
+        o.ids = (const char *const *)pool_ids;
+        o.n_ids = n_pool_ids;
+    }
+    o.pool = pool;
     o.labels = labels;
     o.trust_keys = keys;
     /* Before any thread exists, so only sigwait() sees these. */
@@ -1797,6 +1851,9 @@ out:
     free(labels_env);
     free(strs);
     free(ids);
+    for (size_t i = 0; i < n_pool_ids; i++)
+        free(pool_ids[i]);
+    free(pool_ids);
     free(labels);
     free(keys);
     cli_conf_release(&cf);

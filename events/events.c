@@ -493,9 +493,18 @@ evt_event_subject(char *buf, size_t len, const char *agent_id,
 }
 
 void
-evt_cmd_subject(char *buf, size_t len, const char *agent_id)
+evt_cmd_subject(char *buf, size_t len, const char *pool, const char *agent_id)
 {
-    snprintf(buf, len, "kscore.cmd.%s", agent_id);
+    if (pool && pool[0])
+        snprintf(buf, len, "kscore.cmd.%s.%s", pool, agent_id);
+    else
+        snprintf(buf, len, "kscore.cmd.%s", agent_id);
+}
+
+void
+evt_pool_durable(char *buf, size_t len, const char *pool)
+{
+    snprintf(buf, len, "pool-%s", pool);
 }
 
 void
@@ -538,9 +547,9 @@ js_publish_id(struct evt_conn *c, const char *subject, const uint8_t *buf,
 
 int
 evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
-                    const Ks__Command *cmd, int timeout_ms)
+                    const Ks__Command *cmd, const char *pool, int timeout_ms)
 {
-    char subject[16 + EVT_AGENT_ID_MAX];
+    char subject[20 + 2 * EVT_AGENT_ID_MAX];
     char msg_id[64];
     uint8_t *buf = NULL;
     size_t len = 0;
@@ -549,7 +558,7 @@ evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
     rc = evt__sign_command(signer, cmd, &buf, &len);
     if (rc)
         return rc;
-    evt_cmd_subject(subject, sizeof(subject), cmd->agent_id);
+    evt_cmd_subject(subject, sizeof(subject), pool, cmd->agent_id);
     snprintf(msg_id, sizeof(msg_id), "%s.%u", cmd->command_id, cmd->attempt);
     rc = js_publish_id(c, subject, buf, len, msg_id, timeout_ms);
     free(buf);
@@ -558,12 +567,13 @@ evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
 
 int
 evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
-                     Ks__Command *const *cmds, size_t n, int timeout_ms)
+                     Ks__Command *const *cmds, const char *const *pools,
+                     size_t n, int timeout_ms)
 {
     int failed = 0;
 
     for (size_t i = 0; i < n; i++) {
-        char subject[16 + EVT_AGENT_ID_MAX], msg_id[64];
+        char subject[20 + 2 * EVT_AGENT_ID_MAX], msg_id[64];
         uint8_t *buf = NULL;
         size_t len = 0;
         jsPubOptions po;
@@ -572,7 +582,8 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
             failed++;
             continue;
         }
-        evt_cmd_subject(subject, sizeof(subject), cmds[i]->agent_id);
+        evt_cmd_subject(subject, sizeof(subject), pools ? pools[i] : NULL,
+                        cmds[i]->agent_id);
         snprintf(msg_id, sizeof(msg_id), "%s.%u", cmds[i]->command_id,
                  cmds[i]->attempt);
         jsPubOptions_Init(&po);
@@ -822,6 +833,28 @@ evt_agent_put(struct evt_conn *c, const char *identity,
 }
 
 int
+evt_pool_put(struct evt_conn *c, const char *identity,
+             const Ks__AgentInfo *info, int timeout_ms)
+{
+    char subject[16 + sizeof(EVT_KV_AGENTS) + EVT_AGENT_ID_MAX];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    if (!info->pool || !evt_agent_id_valid(info->pool))
+        return KS_EINVAL;
+    rc = pack_checked(&info->base, &buf, &len);
+    if (rc)
+        return rc;
+    snprintf(subject, sizeof(subject), "$KV.%s." EVT_POOL_KEY_PREFIX "%s",
+             EVT_KV_AGENTS, info->pool);
+    rc = evt_js_publish_as(c, identity, subject, NULL, buf, len, timeout_ms,
+                           NULL, NULL, 0);
+    free(buf);
+    return rc;
+}
+
+int
 evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
 {
     kvEntry *e = NULL;
@@ -981,17 +1014,16 @@ evt_agent_ack_wait_ms(uint64_t ack_wait_ms)
     return ack_wait_ms;
 }
 
-void
-evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
-                   uint32_t max_concurrent, uint64_t ack_wait_ms)
+/* What every agent or pool consumer shares: the stream, the name and
+ * filter already in out, the queue group, and the limits. */
+static void
+agent_consumer_limits(struct evt_agent_consumer *out, uint32_t max_concurrent,
+                      uint64_t ack_wait_ms)
 {
-    memset(out, 0, sizeof(*out));
-    evt_agent_durable(out->durable, sizeof(out->durable), agent_id);
-    evt_cmd_subject(out->filter, sizeof(out->filter), agent_id);
     out->d.stream = EVT_STREAM_CMDS;
     out->d.durable = out->durable;
     out->d.filter_subject = out->filter;
-    /* Processes serving the same id share its messages. */
+    /* Processes serving the same id (or pool) share its messages. */
     out->d.deliver_group = out->durable;
     out->d.max_ack_pending =
         max_concurrent < 1 ? 1
@@ -1000,4 +1032,24 @@ evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
             : (int64_t)max_concurrent;
     out->d.ack_wait_ms = (int64_t)evt_agent_ack_wait_ms(ack_wait_ms);
     out->d.max_deliver = EVT_AGENT_MAX_DELIVER;
+}
+
+void
+evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
+                   uint32_t max_concurrent, uint64_t ack_wait_ms)
+{
+    memset(out, 0, sizeof(*out));
+    evt_agent_durable(out->durable, sizeof(out->durable), agent_id);
+    evt_cmd_subject(out->filter, sizeof(out->filter), NULL, agent_id);
+    agent_consumer_limits(out, max_concurrent, ack_wait_ms);
+}
+
+void
+evt_pool_consumer(struct evt_agent_consumer *out, const char *pool,
+                  uint32_t max_concurrent, uint64_t ack_wait_ms)
+{
+    memset(out, 0, sizeof(*out));
+    evt_pool_durable(out->durable, sizeof(out->durable), pool);
+    evt_cmd_subject(out->filter, sizeof(out->filter), pool, "*");
+    agent_consumer_limits(out, max_concurrent, ack_wait_ms);
 }

@@ -146,11 +146,22 @@ int evt_agent_id_valid(const char *id);
 void evt_event_subject(char *buf, size_t len, const char *agent_id,
                        const char *command_id);
 
-/* "kscore.cmd.<agent>" into buf (>= 12 + EVT_AGENT_ID_MAX). */
-void evt_cmd_subject(char *buf, size_t len, const char *agent_id);
+/*
+ * The subject a command for agent_id is published on, into buf
+ * (>= 16 + 2 * EVT_AGENT_ID_MAX): "kscore.cmd.<agent_id>" when pool is NULL
+ * or "" (the id has its own consumer, evt_agent_consumer), else
+ * "kscore.cmd.<pool>.<agent_id>" (the id is served by an agent pool: one
+ * process serving many ids through one consumer, evt_pool_consumer). Both
+ * are under the KSCORE_CMDS subject "kscore.cmd.>"; the id stays the last
+ * token, so every id of a pool is still addressed on its own.
+ */
+void evt_cmd_subject(char *buf, size_t len, const char *pool,
+                     const char *agent_id);
 /* Durable consumer name of an agent: "agent-<id>". It is also the agent's
  * NATS identity (user, API token, inbox "_INBOX.agent-<id>."). */
 void evt_agent_durable(char *buf, size_t len, const char *agent_id);
+/* Durable consumer name of an agent pool: "pool-<pool>". */
+void evt_pool_durable(char *buf, size_t len, const char *pool);
 /* Deliver subject of a push consumer: "_KSCORE.deliver.<durable>". */
 void evt_deliver_subject(char *buf, size_t len, const char *durable);
 
@@ -388,25 +399,30 @@ int evt_unseal_env(const struct evt_seal_key *k, const char *agent_id,
                    const void *box, size_t box_len, char **value_out);
 
 /*
- * Publishes a command to kscore.cmd.<agent_id> on KSCORE_CMDS as a
- * SignedCommand (signed by signer) with Nats-Msg-Id
- * "<command_id>.<attempt>" and waits for the PubAck
+ * Publishes a command on KSCORE_CMDS, on evt_cmd_subject(pool,
+ * cmd->agent_id) (pool: the id's AgentInfo.pool as the broker's registry
+ * knows it; NULL or "": none), as a SignedCommand (signed by signer) with
+ * Nats-Msg-Id "<command_id>.<attempt>" and waits for the PubAck
  * (timeout_ms). Returns 0, KS_ETOOBIG (packed size over
  * KS_MAX_MESSAGE_BYTES; nothing published), KS_ETIMEDOUT, KS_ENATS.
  */
 int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
-                        const Ks__Command *cmd, int timeout_ms);
+                        const Ks__Command *cmd, const char *pool,
+                        int timeout_ms);
 /*
  * The same for n commands at once: all published asynchronously
  * (js_PublishAsync), then their PubAcks awaited together (up to
  * timeout_ms in all), so n publishes cost about one round trip, not n.
+ * pools: NULL, or n entries (each NULL, "" or the pool of cmds[i]'s agent,
+ * as for evt_publish_command).
  * Returns how many were not acknowledged in time or could not be sent
  * (0: all stored); a command too large is counted and not sent. Not for
  * concurrent use on one connection (one caller thread: the batch
  * scheduler): it waits for every asynchronous publish of c->js.
  */
 int evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
-                         Ks__Command *const *cmds, size_t n, int timeout_ms);
+                         Ks__Command *const *cmds, const char *const *pools,
+                         size_t n, int timeout_ms);
 
 /*
  * Publishes an event to evt_event_subject(agent_id, command_id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,
@@ -661,7 +677,7 @@ uint64_t evt_agent_ack_wait_ms(uint64_t ack_wait_ms);
 /* The consumer of one agent id, with the storage of its strings. */
 struct evt_agent_consumer {
     char durable[8 + EVT_AGENT_ID_MAX];
-    char filter[16 + EVT_AGENT_ID_MAX];
+    char filter[20 + 2 * EVT_AGENT_ID_MAX];
     struct evt_durable d;
 };
 
@@ -680,6 +696,20 @@ void evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
                         uint32_t max_concurrent, uint64_t ack_wait_ms);
 
 /*
+ * The consumer the broker provisions for an agent pool (AgentInfo.pool: a
+ * process, or several alike, serving many agent ids; valid as
+ * evt_agent_id_valid): "pool-<pool>" on KSCORE_CMDS, filter
+ * "kscore.cmd.<pool>.*" (each id's own subject, evt_cmd_subject), deliver
+ * subject "_KSCORE.deliver.pool-<pool>", deliver group "pool-<pool>",
+ * max_ack_pending = max_concurrent of the process (clamped as above), ack
+ * wait and max deliver as evt_agent_consumer. One consumer for the pool
+ * instead of one per id: nats-server keeps state, and on a cluster a raft
+ * group, per consumer (deploy/SCALING.md has the measured cost). Pure.
+ */
+void evt_pool_consumer(struct evt_agent_consumer *out, const char *pool,
+                       uint32_t max_concurrent, uint64_t ack_wait_ms);
+
+/*
  * Writes the registry entry of one agent (key = info->agent_id) as a plain
  * publish to "$KV.KSCORE_AGENTS.<id>" (the subject nats.c's kvStore_Put
  * uses: nats-server docs, ADR-8 "JetStream based Key-Value Stores") and
@@ -689,6 +719,18 @@ void evt_agent_consumer(struct evt_agent_consumer *out, const char *agent_id,
  */
 int evt_agent_put(struct evt_conn *c, const char *identity,
                   const Ks__AgentInfo *info, int timeout_ms);
+/*
+ * Writes an agent pool's registry entry: key "pool.<info->pool>" (a valid
+ * token), info->pool_ids the ids the pool serves, info->agent_id empty.
+ * The broker takes it as a heartbeat of every id listed (broker/registry.c),
+ * so a process serving many ids writes one entry every EVT_HEARTBEAT_MS,
+ * not one per id. Returns as evt_agent_put; KS_EINVAL for a bad pool name.
+ */
+int evt_pool_put(struct evt_conn *c, const char *identity,
+                 const Ks__AgentInfo *info, int timeout_ms);
+/* The registry key prefix of pool entries ("pool." + pool name): a dot is
+ * in no agent id, so the two never meet. */
+#define EVT_POOL_KEY_PREFIX "pool."
 /* Opens the KSCORE_AGENTS bucket (created by evt_setup; nats.c
  * JetStream API: the broker and clients with its rights, never agents). */
 int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);

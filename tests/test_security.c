@@ -154,7 +154,7 @@ publish_and_reject(const uint8_t *buf, size_t len, const char *command_id)
     jsPubAck *pa = NULL;
     char sql[512];
     char subject[64];
-    evt_cmd_subject(subject, sizeof(subject), AGENT);
+    evt_cmd_subject(subject, sizeof(subject), NULL, AGENT);
     ck_assert_int_eq(js_Publish(&pa, c->js, subject, buf, (int)len, NULL,
                                 NULL),
                      NATS_OK);
@@ -287,7 +287,7 @@ START_TEST(an_unrecorded_command_never_runs)
     ck_assert_int_eq(evt_signer_load(stack.signing_key, &real), 0);
     ks_uuid(id);
     craft(real, id, AGENT, ks_now_us() + 60 * 1000000LL, &buf, &len);
-    evt_cmd_subject(subject, sizeof(subject), AGENT);
+    evt_cmd_subject(subject, sizeof(subject), NULL, AGENT);
     ck_assert_int_eq(js_Publish(&pa, c->js, subject, buf, (int)len, NULL,
                                 NULL),
                      NATS_OK);
