@@ -61,6 +61,8 @@ static const struct conf_key conf_keys[] = {
     {"id", NULL, A, CT_ID, true, 0, 0},
     {"label", "KSCORE_LABELS", A, CT_LABEL, true, 0, 0},
     {"trust_key", "KSCORE_TRUST_KEY", A, CT_STR, true, 0, 0},
+    {"pool", "KSCORE_POOL", A, CT_STR, false, 0, 0},
+    {"pool_size", "KSCORE_POOL_SIZE", A, CT_UINT, false, 1, 100000},
     {"max_concurrent", "KSCORE_MAX_CONCURRENT", A, CT_UINT, false, 1, 100000},
     {"ack_wait", "KSCORE_ACK_WAIT", A, CT_DUR, false, 1000, 0},
 };

@@ -119,6 +119,28 @@ stack_read_port(const char *dir, const char *file)
     return (int)v;
 }
 
+char *
+stack_env_get(const char *home, const char *key)
+{
+    char path[4400], line[8192];
+    size_t kl = strlen(key);
+    char *v = NULL;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/env", home);
+    if (!(f = fopen(path, "re")))
+        return NULL;
+    while (!v && fgets(line, sizeof(line), f))
+        if (strncmp(line, key, kl) == 0 && line[kl] == '=') {
+            char *s = line + kl + 1;
+            s += *s == '\'';
+            s[strcspn(s, "'\n")] = '\0';
+            v = strdup(s);
+        }
+    fclose(f);
+    return v;
+}
+
 int
 stack_nats_saved_port(const char *dir)
 {

@@ -33,6 +33,10 @@ int stack_nats_saved_port(const char *dir);
  * is missing or holds none. */
 int stack_read_port(const char *dir, const char *file);
 
+/* The value of key in the <home>/env file `kscore up` writes (lines
+ * KEY='value'), malloc'd, or NULL when the file or the key is missing. */
+char *stack_env_get(const char *home, const char *key);
+
 /* mkdir -p with mode; 0 or -errno. */
 int stack_mkdirs(const char *path, unsigned mode);
 

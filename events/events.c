@@ -854,6 +854,57 @@ evt_pool_put(struct evt_conn *c, const char *identity,
     return rc;
 }
 
+/* An id without an entry of its own may be one of a pool's (evt_pool_put):
+ * its pool is a prefix of it up to a '-', so each such prefix's entry is
+ * looked at, the longest first. The pool's entry, as the id's (agent_id
+ * set, pool_ids dropped), or KS_ENOTFOUND. */
+static int
+pool_member_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
+{
+    char key[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX];
+    size_t pl = strlen(EVT_POOL_KEY_PREFIX);
+
+    for (const char *dash = strrchr(agent_id, '-'); dash && dash > agent_id;) {
+        kvEntry *e = NULL;
+        ProtobufCMessage *m = NULL;
+        size_t n = (size_t)(dash - agent_id);
+        snprintf(key, sizeof(key), "%s%.*s", EVT_POOL_KEY_PREFIX, (int)n,
+                 agent_id);
+        if (kvStore_Get(&e, kv, key) == NATS_OK) {
+            int rc = evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
+                                (size_t)kvEntry_ValueLen(e), &m);
+            kvEntry_Destroy(e);
+            Ks__AgentInfo *info = (Ks__AgentInfo *)m;
+            bool member = false;
+            for (size_t i = 0; rc == 0 && i < info->n_pool_ids; i++)
+                member = member || strcmp(info->pool_ids[i], agent_id) == 0;
+            if (member && info->pool && strlen(info->pool) == n &&
+                strncmp(key + pl, info->pool, n) == 0) {
+                char *id = strdup(agent_id);
+                if (!id) {
+                    ks__agent_info__free_unpacked(info, NULL);
+                    return -ENOMEM;
+                }
+                for (size_t i = 0; i < info->n_pool_ids; i++)
+                    free(info->pool_ids[i]);
+                free(info->pool_ids);
+                info->pool_ids = NULL;
+                info->n_pool_ids = 0;
+                if (info->agent_id != protobuf_c_empty_string)
+                    free(info->agent_id);
+                info->agent_id = id;
+                *out = info;
+                return 0;
+            }
+            if (rc == 0)
+                ks__agent_info__free_unpacked(info, NULL);
+        }
+        while (--dash > agent_id && *dash != '-')
+            ;
+    }
+    return KS_ENOTFOUND;
+}
+
 int
 evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
 {
@@ -865,6 +916,8 @@ evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out)
     if (!evt_agent_id_valid(agent_id))
         return KS_ENOTFOUND;
     s = kvStore_Get(&e, kv, agent_id);
+    if (s == NATS_NOT_FOUND)
+        return pool_member_get(kv, agent_id, out);
     if (s != NATS_OK)
         return evt_err(s);
     rc = evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),

@@ -143,6 +143,8 @@ int perf__process_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__events_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch10_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);
+/* batch_exec_10000 (perf_cluster.c): its own `kscore up --cluster 3`. */
+int perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__trace_round(struct perf_ctx *ctx, int round, json_t **out);
 

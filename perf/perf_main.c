@@ -26,6 +26,8 @@ static const struct perf_scenario scenarios[] = {
     {"event_throughput", 5, 0, true, true, false, perf__events_round},
     {"batch_exec_10", 20, 10, false, true, false, perf__batch10_round},
     {"batch_exec_1000", 3, 1000, false, true, true, perf__batch1000_round},
+    /* Its own cluster stack (kscore up --cluster 3) and agent pools. */
+    {"batch_exec_10000", 1, 0, false, false, true, perf__batch10000_round},
     {"sustained", 1, 0, true, true, false, perf__sustained_round},
     {"trace", 3, 0, true, true, false, perf__trace_round},
 };
@@ -47,6 +49,8 @@ static const char usage[] =
     "  event_throughput  1,000 and 100,000 events: async publish, recording\n"
     "  batch_exec_10     one BatchExecuteCommand across 10 local agents\n"
     "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
+    "  batch_exec_10000  10,000 agent ids in 20 agent pools on its own\n"
+    "                    `kscore up --cluster 3` (opt-in; minutes)\n"
     "  sustained         --rate commands/s (1000) for --duration s (60)\n"
     "  trace             where one command's time goes: step stamps of the\n"
     "                    client, broker and agent (KSCORE_TRACE)\n"
@@ -311,6 +315,39 @@ targets(json_t *root)
            path + 10.0 * num(root, "floors", "spawn_p50_us") /
                       (cpus > 0 ? cpus : 1),
            1.5, true, why ? why : fl);
+
+    /* The batch floors of issue 14: N spawns on the cpus, and 4 events a
+     * command (requested, dispatched, started, completed) at the
+     * recording floor. */
+    {
+        double spawn = num(root, "floors", "spawn_p50_us");
+        double rows = num(root, "floors", "pg_pipeline_rows_per_s");
+        double c = cpus > 0 ? cpus : 1;
+        why = absent(root, "batch_exec_1000", b2, sizeof(b2));
+        target(t,
+               "batch_exec_1000 p50_us / (1000 x spawn_p50_us / cpus + "
+               "4000 events / floors pg_pipeline_rows_per_s) <= 1.5",
+               true, num(root, "batch_exec_1000", "p50_ms") * 1000.0,
+               1000.0 * spawn / c + 4000.0 / rows * 1e6, 1.5, true,
+               why ? why : fl);
+        why = absent(root, "batch_exec_10000", b2, sizeof(b2));
+        target(t,
+               "batch_exec_10000 wall_us / (10000 x spawn_p50_us / cpus + "
+               "40000 events / floors pg_pipeline_rows_per_s) <= 1.5",
+               true, num(root, "batch_exec_10000", "wall_ms") * 1000.0,
+               10000.0 * spawn / c + 40000.0 / rows * 1e6, 1.5, true,
+               why ? why : fl);
+        target(t, "batch_exec_10000 targets without exactly one terminal "
+                  "event == 0",
+               false, num(root, "batch_exec_10000", "not_exactly_one_terminal"),
+               NAN, 0, true, why);
+        target(t, "batch_exec_10000 nats_rss_peak_mb_max <= 1024", false,
+               num(root, "batch_exec_10000", "nats_rss_peak_mb_max"), NAN,
+               1024, true, why);
+        target(t, "batch_exec_10000 broker_rss_peak_mb_max <= 200", false,
+               num(root, "batch_exec_10000", "broker_rss_peak_mb_max"), NAN,
+               200, true, why);
+    }
 
     /* exec_process's floor: its own version and connect p50s, and
      * command_latency's p50 when it ran (else the 20 calls of its own). */

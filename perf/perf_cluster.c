@@ -1,0 +1,383 @@
+/*
+ * batch_exec_10000: one BatchExecuteCommand of /bin/true to 10,000 agent
+ * ids on the cluster stack. A round is a whole deployment, as an operator
+ * makes it: `kscore up --cluster 3` in a private KSCORE_HOME (three
+ * nats-server nodes with routes, the streams and the registry on 3
+ * replicas, two brokers, one PostgreSQL), then PERF_POOLS `kscore agent
+ * --pool pNN --pool-size N` processes (each a pool: one consumer and one
+ * registry entry for its ids; the broker's credential, as any process
+ * serving many ids), then the batch, then the record is checked (every
+ * target has exactly one terminal event and at most one CommandStarted)
+ * and `kscore down`.
+ *
+ * Reported: the batch's wall time (request to reply, the reply comes after
+ * the last result is recorded), its success counts, the exactly-once
+ * check, the peak RSS (VmHWM) of each nats-server node and each broker,
+ * and the nats-server consumer count (/jsz). The floor is computed in
+ * perf_main.c's targets from the same run's floors: N x spawn_p50 / cpus
+ * + 4N events / pg_pipeline_rows_per_s.
+ */
+#include <errno.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "perf_int.h"
+#include "stack.h"
+
+/* At most 20 agent processes (the bound). */
+#define PERF_POOLS 20
+#define CLUSTER_NODES 3
+
+/* Runs `kscore ARGS...` with KSCORE_HOME=home, output appended to
+ * <home>.log; its exit status, or -1. */
+static int
+kscore_run(const char *bin, const char *home, const char *const *args)
+{
+    char log[PATH_MAX + 16];
+    const char *argv[16];
+    size_t n = 0;
+    pid_t pid;
+    int status;
+
+    snprintf(log, sizeof(log), "%s.log", home);
+    argv[n++] = bin;
+    for (size_t i = 0; args[i] && n < 15; i++)
+        argv[n++] = args[i];
+    argv[n] = NULL;
+    pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stdout);
+        if (f)
+            dup2(fileno(stdout), 2);
+        setenv("KSCORE_HOME", home, 1);
+        execv(bin, (char *const *)argv);
+        _exit(127);
+    }
+    if (waitpid(pid, &status, 0) != pid)
+        return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* Peak resident set (VmHWM) of pid in kB, or -1. */
+static long
+hwm_kb(pid_t pid)
+{
+    char path[64], line[256];
+    long kb = -1;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    if (!(f = fopen(path, "re")))
+        return -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %ld", &kb) == 1)
+            break;
+    fclose(f);
+    return kb;
+}
+
+static pid_t
+pid_of(const char *dir, const char *name)
+{
+    char path[PATH_MAX + 64];
+    long v = 0;
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/%s.pid", dir, name);
+    if (!(f = fopen(path, "re")))
+        return 0;
+    if (fscanf(f, "%ld", &v) != 1)
+        v = 0;
+    fclose(f);
+    return (pid_t)v;
+}
+
+/* Ids of pool k: p<k>-0 .. p<k>-<per-1> (as `--pool-size` names them). */
+static void
+pool_name(char *buf, size_t len, unsigned k)
+{
+    snprintf(buf, len, "p%02u", k);
+}
+
+static int
+pools_start(const char *bin, const char *home, unsigned pools, unsigned per,
+            const char *urls)
+{
+    char seed[PATH_MAX + 4200], trust[PATH_MAX + 4200];
+    int rc = 0;
+
+    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    for (unsigned k = 0; rc == 0 && k < pools; k++) {
+        char pool[16], name[32], size[16], state[PATH_MAX + 4200];
+        pid_t pid;
+        pool_name(pool, sizeof(pool), k);
+        snprintf(name, sizeof(name), "pool-%s", pool);
+        snprintf(size, sizeof(size), "%u", per);
+        snprintf(state, sizeof(state), "%s/%s", home, name);
+        char *argv[] = {(char *)bin,       "agent",          "--pool",
+                        pool,              "--pool-size",    size,
+                        "--nats",          (char *)urls,     "--trust-key",
+                        trust,             "--state-dir",    state,
+                        "--max-concurrent", "64",            "--config",
+                        "/dev/null",       "--log-level",    "warn",
+                        NULL};
+        rc = stack_daemon(home, name, argv, &pid);
+    }
+    unsetenv("KSCORE_NATS_NKEY");
+    return rc;
+}
+
+static void
+pools_stop(const char *home, unsigned pools)
+{
+    for (unsigned k = 0; k < pools; k++) {
+        char pool[16], name[32];
+        pool_name(pool, sizeof(pool), k);
+        snprintf(name, sizeof(name), "pool-%s", pool);
+        stack_stop(home, name, 10000);
+    }
+}
+
+/* Online ids of the pools, as the broker lists them. */
+static long
+online_count(struct evt_conn *c)
+{
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    long n = 0;
+
+    if (broker_call(c, EVT_API_AGENTS, &req.base,
+                    &ks__agents_reply__descriptor, 10000,
+                    (ProtobufCMessage **)&rep) != 0)
+        return -1;
+    for (size_t i = 0; i < rep->n_agents; i++) {
+        const Ks__AgentStatus *a = rep->agents[i];
+        if (a->online && a->info && a->info->pool && a->info->pool[0] == 'p')
+            n++;
+    }
+    ks__agents_reply__free_unpacked(rep, NULL);
+    return n;
+}
+
+static long
+sql_long(PGconn *pg, const char *sql)
+{
+    PGresult *r = PQexec(pg, sql);
+    long v = -1;
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    return v;
+}
+
+/* The record's view of the batch: targets, targets without exactly one
+ * terminal event, targets started more than once. */
+static void
+record_check(const char *db, const char *batch, long *targets, long *not_one,
+             long *twice)
+{
+    static const char term[] = "('CommandCompleted','CommandStartFailed',"
+                               "'CommandUndeliverable','CommandLost',"
+                               "'CommandCancelled','CommandNotStarted')";
+    char sql[1024];
+    PGconn *pg = PQconnectdb(db);
+
+    *targets = *not_one = *twice = -1;
+    if (PQstatus(pg) != CONNECTION_OK) {
+        fprintf(stderr, "kscore perf: %s", PQerrorMessage(pg));
+        PQfinish(pg);
+        return;
+    }
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets WHERE batch_id = '%s'", batch);
+    *targets = sql_long(pg, sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
+             "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
+             "'command-' || t.command_id AND e.type IN %s) <> 1",
+             batch, term);
+    *not_one = sql_long(pg, sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
+             "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
+             "'command-' || t.command_id AND e.type = 'CommandStarted') > 1",
+             batch);
+    *twice = sql_long(pg, sql);
+    PQfinish(pg);
+}
+
+int
+perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
+{
+    const char *bin = ctx->o->bin_a;
+    unsigned n = ctx->o->quick ? 200 : 10000;
+    unsigned pools = ctx->o->quick ? 2 : PERF_POOLS, per = n / pools;
+    char home[PATH_MAX + 32], seed[PATH_MAX + 64], batch[64] = "";
+    char *urls = NULL, *db = NULL, **ids = NULL;
+    struct evt_conn *c = NULL;
+    Ks__BatchReply *rep = NULL;
+    int64_t t0, online_us = 0, dt = 0;
+    long targets = -1, not_one = -1, twice = -1, online = 0;
+    int rc;
+
+    snprintf(home, sizeof(home), "%s/cluster-%d", ctx->st->dir, round);
+    {
+        const char *up[] = {"up", "--cluster", "3", NULL};
+        int64_t u0 = ks_mono_us();
+        if (kscore_run(bin, home, up) != 0) {
+            fprintf(stderr, "kscore perf: kscore up --cluster 3 failed (see "
+                            "%s.log)\n", home);
+            rc = KS_EINTERNAL;
+            goto out;
+        }
+        fprintf(stderr, "  cluster up in %.1f s\n",
+                (double)(ks_mono_us() - u0) / 1e6);
+    }
+    urls = stack_env_get(home, "KSCORE_NATS_URL");
+    db = stack_env_get(home, "KSCORE_DB");
+    if (!urls || !db) {
+        fprintf(stderr, "kscore perf: no KSCORE_NATS_URL/KSCORE_DB in "
+                        "%s/env\n", home);
+        rc = KS_EINTERNAL;
+        goto down;
+    }
+    t0 = ks_mono_us();
+    if ((rc = pools_start(bin, home, pools, per, urls)))
+        goto down;
+    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
+    {
+        struct evt_connect_opts co = {.name = "kscore-perf-cluster",
+                                      .send_asap = true,
+                                      .nkey_file = seed};
+        char *err = NULL;
+        if ((rc = evt_connect(urls, &co, &c, &err))) {
+            fprintf(stderr, "kscore perf: %s\n", err ? err : ks_strerror(rc));
+            free(err);
+            goto down;
+        }
+    }
+    /* Every id online (its pool's entry seen by the broker that answers;
+     * both brokers watch the same registry). */
+    while (!perf__interrupted && (online = online_count(c)) < (long)n &&
+           ks_mono_us() - t0 < 180 * INT64_C(1000000))
+        nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+    online_us = ks_mono_us() - t0;
+    fprintf(stderr, "  %ld of %u ids online in %.1f s (%u agent processes)\n",
+            online, n, (double)online_us / 1e6, pools);
+    if (online < (long)n) {
+        rc = KS_ETIMEDOUT;
+        goto down;
+    }
+    /* The pools' consumers exist before the batch (provisioned on the
+     * first entry; on a cluster each is a raft group of its own). */
+    nanosleep(&(struct timespec){1, 0}, NULL);
+
+    ids = calloc(n, sizeof(*ids));
+    for (unsigned i = 0; ids && i < n; i++) {
+        char pool[16];
+        pool_name(pool, sizeof(pool), i / per);
+        if (asprintf(&ids[i], "%s-%u", pool, i % per) < 0)
+            ids[i] = NULL;
+    }
+    {
+        Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
+        Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+        char *argv[] = {"/bin/true"};
+        spec.argv = argv;
+        spec.n_argv = 1;
+        spec.timeout_ms = 60000;
+        req.spec = &spec;
+        req.agents = ids;
+        req.n_agents = n;
+        t0 = ks_mono_us();
+        rc = broker_batch(c, &req, 900000, &rep);
+        dt = ks_mono_us() - t0;
+    }
+    if (rc == 0 && rep->error_code) {
+        fprintf(stderr, "kscore perf: batch refused: %s\n", rep->error);
+        rc = KS_EINTERNAL;
+    }
+    if (rc) {
+        fprintf(stderr, "kscore perf: batch of %u: %s\n", n, ks_strerror(rc));
+        goto down;
+    }
+    snprintf(batch, sizeof(batch), "%s", rep->batch_id);
+    record_check(db, batch, &targets, &not_one, &twice);
+
+    json_t *o = json_object();
+    unsigned ok = rep->counts ? rep->counts->succeeded : 0;
+    json_object_set_new(o, "wall_ms", json_real((double)dt / 1000.0));
+    json_object_set_new(o, "targets", json_integer(n));
+    json_object_set_new(o, "agent_processes", json_integer(pools));
+    json_object_set_new(o, "succeeded", json_integer(ok));
+    json_object_set_new(o, "not_succeeded", json_integer((long)n - ok));
+    json_object_set_new(o, "online_s", json_real((double)online_us / 1e6));
+    json_object_set_new(o, "recorded_targets", json_integer(targets));
+    json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
+    json_object_set_new(o, "started_twice", json_integer(twice));
+    json_object_set_new(o, "recorded_once",
+                        json_boolean(targets == (long)n && not_one == 0 &&
+                                     twice == 0));
+    {
+        struct stack_node nodes[CLUSTER_NODES];
+        long max_node = 0, max_broker = 0;
+        int consumers = -1;
+        if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
+            for (unsigned i = 0; i < CLUSTER_NODES; i++) {
+                char key[32];
+                long kb = nodes[i].pid > 0 ? hwm_kb(nodes[i].pid) : -1;
+                struct stack_js_info ji;
+                snprintf(key, sizeof(key), "nats_%u_rss_peak_mb", i + 1);
+                json_object_set_new(o, key, json_real((double)kb / 1024.0));
+                if (kb > max_node)
+                    max_node = kb;
+                if (nodes[i].mon_port &&
+                    stack_nats_js_info(nodes[i].mon_port, &ji) == 0 &&
+                    ji.consumers > consumers)
+                    consumers = ji.consumers;
+            }
+        for (int i = 1; i <= 2; i++) {
+            char name[16], key[32];
+            snprintf(name, sizeof(name), "broker-%d", i);
+            long kb = hwm_kb(pid_of(home, name));
+            snprintf(key, sizeof(key), "broker_%d_rss_peak_mb", i);
+            json_object_set_new(o, key, json_real((double)kb / 1024.0));
+            if (kb > max_broker)
+                max_broker = kb;
+        }
+        json_object_set_new(o, "nats_rss_peak_mb_max",
+                            json_real((double)max_node / 1024.0));
+        json_object_set_new(o, "broker_rss_peak_mb_max",
+                            json_real((double)max_broker / 1024.0));
+        json_object_set_new(o, "nats_consumers", json_integer(consumers));
+    }
+    *out = o;
+    if (ok != n)
+        fprintf(stderr, "kscore perf: batch of %u: %u did not succeed\n", n,
+                n - ok);
+down:
+    pools_stop(home, pools);
+    {
+        const char *down[] = {"down", NULL};
+        kscore_run(bin, home, down);
+    }
+out:
+    if (rep)
+        ks__batch_reply__free_unpacked(rep, NULL);
+    evt_close(c);
+    for (unsigned i = 0; ids && i < n; i++)
+        free(ids[i]);
+    free(ids);
+    free(urls);
+    free(db);
+    return rc;
+}
