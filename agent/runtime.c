@@ -70,7 +70,7 @@ _Static_assert(CLAIM_UNRECORDED_TRIES < EVT_AGENT_MAX_DELIVER,
 /* A heartbeat that failed is tried again this soon (ms). */
 #define HEARTBEAT_RETRY_MS 500
 /* Threads that claim queued messages (a claim is a round trip). */
-#define STARTERS_MAX 8
+#define STARTERS_MAX 32
 
 unsigned
 agent_default_max_concurrent(void)
@@ -243,91 +243,135 @@ outbox_load(struct agent *a)
     closedir(d);
 }
 
+/* Events published per round trip: up to this many outbox items go out
+ * at once (evt_js_publish_window). One at a time, a pool of 500 ids
+ * spent seconds waiting for PubAcks one by one (a replicated stream's
+ * PubAck takes milliseconds). */
+#define PUB_WINDOW 64
+
+/* The first items of the outbox that can go out together: one identity
+ * (in a pool, the process's own: its credential is the pool's), and no
+ * two events of one command, so a command's events are stored in the
+ * order they were queued. Under a->mu. */
+static size_t
+window_take(struct agent *a, struct outbox_item **win, size_t max)
+{
+    size_t n = 0;
+    bool pooled = a->opts.pool != NULL;
+
+    for (struct outbox_item *it = a->out_head; it && n < max; it = it->next) {
+        bool clash = false;
+        for (size_t k = 0; k < n && !clash; k++)
+            clash = strcmp(win[k]->command_id, it->command_id) == 0 ||
+                    (!pooled && strcmp(win[k]->agent_id, it->agent_id) != 0);
+        if (clash)
+            break;
+        win[n++] = it;
+    }
+    return n;
+}
+
 static void *
 publisher_main(void *arg)
 {
     struct agent *a = arg;
     int backoff_ms = 50, stop_tries = 0;
+    struct outbox_item *win[PUB_WINDOW];
+    struct evt_js_msg msgs[PUB_WINDOW];
 
     for (;;) {
-        struct outbox_item *it;
+        size_t n;
         pthread_mutex_lock(&a->mu);
         while (!a->out_head && !(a->stopping && a->in_flight == 0))
             pthread_cond_wait(&a->out_cond, &a->mu);
-        it = a->out_head;
-        if (!it) {
+        if (!a->out_head) {
             pthread_mutex_unlock(&a->mu);
             break;
         }
+        n = window_take(a, win, PUB_WINDOW);
         pthread_mutex_unlock(&a->mu);
 
-        /* A publish to the stream's subject whose PubAck comes back to
+        /* Publishes to the stream's subject whose PubAcks come back to
          * this id's own inbox (no JetStream API: events.h). A duplicate
          * PubAck is a success: the stream has it. */
-        char ident[8 + EVT_AGENT_ID_MAX], why[200];
-        evt_agent_durable(ident, sizeof(ident), it->agent_id);
-        ks_trace("agent.event_publish", it->command_id);
-        int rc = evt_js_publish_as(a->nc, ident, it->subject, it->event_id,
-                                   it->buf, it->len, PUBLISH_TIMEOUT_MS, NULL,
-                                   why, sizeof(why));
-        if (rc) {
+        char ident[8 + EVT_AGENT_ID_MAX];
+        evt_agent_durable(ident, sizeof(ident), win[0]->agent_id);
+        for (size_t i = 0; i < n; i++) {
+            ks_trace("agent.event_publish", win[i]->command_id);
+            msgs[i] = (struct evt_js_msg){win[i]->subject, win[i]->event_id,
+                                          win[i]->buf, win[i]->len, 0};
+        }
+        int rc = evt_js_publish_window(a->nc, a->opts.pool ? NULL : ident,
+                                       msgs, n, PUBLISH_TIMEOUT_MS);
+        /* The stream has the leading ones that succeeded: they leave the
+         * outbox. From the first failure on, all stay (one that did get
+         * in is a duplicate next time, which is a success). */
+        size_t done = 0;
+        while (done < n && msgs[done].rc == 0)
+            done++;
+        for (size_t i = 0; i < done; i++) {
+            struct outbox_item *it = win[i];
+            ks_trace("agent.event_acked", it->command_id);
+            if (a->state_dir) {
+                char path[4096];
+                outbox_path(a, it->event_id, path, sizeof(path));
+                agent__file_drop(a, path);
+            }
+            pthread_mutex_lock(&a->mu);
+            a->out_head = it->next;
+            if (!a->out_head)
+                a->out_tail = &a->out_head;
+            pthread_mutex_unlock(&a->mu);
+            free(it->buf);
+            free(it);
+        }
+        if (rc == 0) {
+            backoff_ms = 50;
+            continue;
+        }
+        struct outbox_item *it = win[done];
+        rc = msgs[done].rc;
+        {
             int64_t now = ks_mono_us();
-            if ((rc == KS_ENATS || rc == KS_EDECODE) &&
-                now - a->pub_err_logged_us > LOG_EVERY_US) {
+            if (now - a->pub_err_logged_us > LOG_EVERY_US) {
                 a->pub_err_logged_us = now;
                 ks_log(KS_LOG_WARN,
                        "the event stream did not take an event (kept, tried "
                        "again)",
                        KS_S("stream", EVT_STREAM_EVENTS),
                        KS_S("event_id", it->event_id),
-                       KS_S("agent", it->agent_id), KS_S("error", why));
+                       KS_S("agent", it->agent_id), KS_ERR(rc));
             }
-            /* NATS down or restarting: keep it and try again. At stop we
-             * give up after the current try; the file stays in the outbox
-             * for the next start. Without a state dir there is no file:
-             * a few more tries, then it is lost, said so, rather than an
-             * agent that never exits (a revoked agent's connection never
-             * comes back). */
-            if (a->stopping && !a->state_dir && ++stop_tries > 5) {
-                ks_log(KS_LOG_WARN,
-                       "stopping: an event could not be reported and there "
-                       "is no state dir to keep it (lost)",
-                       KS_S("event_id", it->event_id),
-                       KS_S("agent", it->agent_id), KS_S("error", why));
-            }
-            if (a->stopping && (a->state_dir || stop_tries > 5)) {
-                pthread_mutex_lock(&a->mu);
-                a->out_head = it->next;
-                if (!a->out_head)
-                    a->out_tail = &a->out_head;
-                pthread_mutex_unlock(&a->mu);
-                free(it->buf);
-                free(it);
-                continue;
-            }
-            /* tv_nsec must stay below 1 s: at 1600 ms nanosleep failed
-             * with EINVAL at once and this loop spun a CPU for as long as
-             * NATS was gone. */
-            nanosleep(&(struct timespec){backoff_ms / 1000,
-                                         (long)(backoff_ms % 1000) * 1000000L},
-                      NULL);
-            backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+        }
+        /* NATS down or restarting: keep it and try again. At stop we give
+         * up after the current try; the file stays in the outbox for the
+         * next start. Without a state dir there is no file: a few more
+         * tries, then it is lost, said so, rather than an agent that never
+         * exits (a revoked agent's connection never comes back). */
+        if (a->stopping && !a->state_dir && ++stop_tries > 5) {
+            ks_log(KS_LOG_WARN,
+                   "stopping: an event could not be reported and there is "
+                   "no state dir to keep it (lost)",
+                   KS_S("event_id", it->event_id),
+                   KS_S("agent", it->agent_id), KS_ERR(rc));
+        }
+        if (a->stopping && (a->state_dir || stop_tries > 5)) {
+            pthread_mutex_lock(&a->mu);
+            a->out_head = it->next;
+            if (!a->out_head)
+                a->out_tail = &a->out_head;
+            pthread_mutex_unlock(&a->mu);
+            free(it->buf);
+            free(it);
             continue;
         }
-        backoff_ms = 50;
-        ks_trace("agent.event_acked", it->command_id);
-        if (a->state_dir) {
-            char path[4096];
-            outbox_path(a, it->event_id, path, sizeof(path));
-            agent__file_drop(a, path);
-        }
-        pthread_mutex_lock(&a->mu);
-        a->out_head = it->next;
-        if (!a->out_head)
-            a->out_tail = &a->out_head;
-        pthread_mutex_unlock(&a->mu);
-        free(it->buf);
-        free(it);
+        /* tv_nsec must stay below 1 s: at 1600 ms nanosleep failed with
+         * EINVAL at once and this loop spun a CPU for as long as NATS was
+         * gone. */
+        nanosleep(&(struct timespec){backoff_ms / 1000,
+                                     (long)(backoff_ms % 1000) * 1000000L},
+                  NULL);
+        backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
     }
     return NULL;
 }

@@ -63,7 +63,7 @@ struct broker__agent {
 /* Claims and ExecuteCommand are served by this many queue subscriptions
  * each, every one with its own thread and PostgreSQL connection: each is
  * one commit, and a fan-out or a steady rate brings many at once. */
-#define BROKER_CLAIM_WORKERS 4
+#define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 3
 
 /* One API subscription: the handler behind the boundary guard (broker.c
@@ -74,7 +74,7 @@ struct broker__route {
     natsMsgHandler cb;
     void *ud;
 };
-#define BROKER_MAX_ROUTES 24
+#define BROKER_MAX_ROUTES 48
 
 struct broker__worker {
     struct broker *b;

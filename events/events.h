@@ -570,6 +570,30 @@ int evt_js_publish_as(struct evt_conn *c, const char *identity,
                       const void *data, size_t len, int timeout_ms,
                       struct evt_puback *ack_out, char *why, size_t why_len);
 
+/* One message of evt_js_publish_window. */
+struct evt_js_msg {
+    const char *subject;
+    const char *msg_id; /* Nats-Msg-Id, may be NULL */
+    const void *data;
+    size_t len;
+    int rc; /* out: as evt_js_publish_as */
+};
+
+/*
+ * evt_js_publish_as for n messages at once (1 <= n <= EVT_JS_WINDOW_MAX):
+ * all are published with replies on one inbox of identity
+ * ("_INBOX.<identity>.<uuid>.<i>", one subscription), then the PubAcks are
+ * collected, so n publishes cost one round trip and one subscription,
+ * not n. Each msgs[i].rc is set (0, KS_ENATS, KS_EUNAVAIL, KS_ETIMEDOUT
+ * when no PubAck came within timeout_ms in all, KS_EDECODE, KS_ETOOBIG).
+ * Returns 0 when every rc is 0, else the first failing rc. The stream
+ * may store them in any order: callers that need an order put one
+ * message of a kind in a window. Any thread; waits in the calling thread.
+ */
+#define EVT_JS_WINDOW_MAX 256
+int evt_js_publish_window(struct evt_conn *c, const char *identity,
+                          struct evt_js_msg *msgs, size_t n, int timeout_ms);
+
 /*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
  * with KS_ETOOBIG before allocating; KS_EDECODE if malformed. On 0, *out is

@@ -16,7 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <nats/nats.h>
+
 #include "events.h"
+#include "events_int.h"
 
 int
 evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
@@ -119,4 +122,88 @@ evt_ack_delivered(const char *reply)
     if (*end != '.')
         return 0;
     return (uint64_t)v;
+}
+
+int
+evt_js_publish_window(struct evt_conn *c, const char *identity,
+                      struct evt_js_msg *msgs, size_t n, int timeout_ms)
+{
+    natsSubscription *sub = NULL;
+    char inbox[EVT_INBOX_MAX], reply[EVT_INBOX_MAX + 8], wild[EVT_INBOX_MAX + 4];
+    size_t left = 0, ilen;
+    natsStatus st;
+    int rc = 0;
+
+    if (n == 0 || n > EVT_JS_WINDOW_MAX)
+        return KS_EINVAL;
+    for (size_t i = 0; i < n; i++)
+        msgs[i].rc = KS_ETIMEDOUT;
+    if ((rc = evt__inbox_of(identity ? identity : c->identity, inbox,
+                            sizeof(inbox))))
+        goto fail;
+    ilen = strlen(inbox);
+    snprintf(wild, sizeof(wild), "%s.*", inbox);
+    st = natsConnection_SubscribeSync(&sub, c->nc, wild);
+    if (st == NATS_OK)
+        st = natsSubscription_SetPendingLimits(sub, -1, -1);
+    if (st != NATS_OK) {
+        rc = evt_err(st);
+        goto fail;
+    }
+    for (size_t i = 0; i < n; i++) {
+        natsMsg *m = NULL;
+        if (msgs[i].len > KS_MAX_MESSAGE_BYTES) {
+            msgs[i].rc = KS_ETOOBIG;
+            continue;
+        }
+        snprintf(reply, sizeof(reply), "%s.%zu", inbox, i);
+        st = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data,
+                            (int)msgs[i].len);
+        /* JetStream's de-duplication id (nats-server docs "JetStream
+         * model deep dive", Message Deduplication). */
+        if (st == NATS_OK && msgs[i].msg_id)
+            st = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
+        if (st == NATS_OK)
+            st = natsConnection_PublishMsg(c->nc, m);
+        natsMsg_Destroy(m);
+        if (st != NATS_OK)
+            msgs[i].rc = evt_err(st);
+        else
+            left++;
+    }
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    while (left > 0) {
+        int64_t wait_ms = (deadline - ks_mono_us()) / 1000;
+        natsMsg *m = NULL;
+        if (wait_ms <= 0)
+            break;
+        st = natsSubscription_NextMsg(&m, sub, wait_ms);
+        if (st != NATS_OK)
+            break; /* timed out (or closed): the rest stay KS_ETIMEDOUT */
+        const char *subj = natsMsg_GetSubject(m);
+        char *end = NULL;
+        unsigned long i = strlen(subj) > ilen + 1
+                              ? strtoul(subj + ilen + 1, &end, 10)
+                              : n;
+        if (end && *end == '\0' && i < n && msgs[i].rc == KS_ETIMEDOUT) {
+            left--;
+            if (natsMsg_IsNoResponders(m))
+                msgs[i].rc = KS_EUNAVAIL;
+            else
+                msgs[i].rc = evt_puback_parse(
+                    natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m),
+                    NULL, NULL, 0);
+        }
+        natsMsg_Destroy(m);
+    }
+    natsSubscription_Unsubscribe(sub);
+    natsSubscription_Destroy(sub);
+    for (size_t i = 0; i < n; i++)
+        if (msgs[i].rc)
+            return msgs[i].rc;
+    return 0;
+fail:
+    for (size_t i = 0; i < n; i++)
+        msgs[i].rc = rc;
+    return rc;
 }

@@ -26,9 +26,10 @@
 #include <string.h>
 
 #include "events.h"
+#include "events_int.h"
 
-static int
-inbox_of(const char *identity, char *buf, size_t len)
+int
+evt__inbox_of(const char *identity, char *buf, size_t len)
 {
     char id[37];
     ks_uuid(id);
@@ -40,7 +41,7 @@ inbox_of(const char *identity, char *buf, size_t len)
 int
 evt_inbox(const struct evt_conn *c, char *buf, size_t len)
 {
-    return inbox_of(c->identity, buf, len);
+    return evt__inbox_of(c->identity, buf, len);
 }
 
 static int request_as(struct evt_conn *c, const char *identity,
@@ -106,7 +107,7 @@ request_as(struct evt_conn *c, const char *identity, const char *subject,
 
     if (len > KS_MAX_MESSAGE_BYTES)
         return KS_ETOOBIG;
-    if ((rc = inbox_of(identity, inbox, sizeof(inbox))))
+    if ((rc = evt__inbox_of(identity, inbox, sizeof(inbox))))
         return rc;
     st = natsConnection_SubscribeSync(&sub, c->nc, inbox);
     /* A reply may come in parts (evt_publish_reply): no limit on pending

@@ -183,7 +183,7 @@ sql_long(PGconn *pg, const char *sql)
  * terminal event, targets started more than once. */
 static void
 record_check(const char *db, const char *batch, long *targets, long *not_one,
-             long *twice)
+             long *twice, long *events, long *events_bytes)
 {
     static const char term[] = "('CommandCompleted','CommandStartFailed',"
                                "'CommandUndeliverable','CommandLost',"
@@ -191,7 +191,7 @@ record_check(const char *db, const char *batch, long *targets, long *not_one,
     char sql[1024];
     PGconn *pg = PQconnectdb(db);
 
-    *targets = *not_one = *twice = -1;
+    *targets = *not_one = *twice = *events = *events_bytes = -1;
     if (PQstatus(pg) != CONNECTION_OK) {
         fprintf(stderr, "kscore perf: %s", PQerrorMessage(pg));
         PQfinish(pg);
@@ -212,6 +212,10 @@ record_check(const char *db, const char *batch, long *targets, long *not_one,
              "'command-' || t.command_id AND e.type = 'CommandStarted') > 1",
              batch);
     *twice = sql_long(pg, sql);
+    /* What the record costs on disk, for deploy/SCALING.md: the events
+     * table with its indexes and TOAST. */
+    *events = sql_long(pg, "SELECT count(*) FROM events");
+    *events_bytes = sql_long(pg, "SELECT pg_total_relation_size('events')");
     PQfinish(pg);
 }
 
@@ -226,7 +230,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     struct evt_conn *c = NULL;
     Ks__BatchReply *rep = NULL;
     int64_t t0, online_us = 0, dt = 0;
-    long targets = -1, not_one = -1, twice = -1, online = 0;
+    long targets = -1, not_one = -1, twice = -1, online = 0, events = -1,
+         events_bytes = -1;
     int rc;
 
     snprintf(home, sizeof(home), "%s/cluster-%d", ctx->st->dir, round);
@@ -311,7 +316,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         goto down;
     }
     snprintf(batch, sizeof(batch), "%s", rep->batch_id);
-    record_check(db, batch, &targets, &not_one, &twice);
+    record_check(db, batch, &targets, &not_one, &twice, &events,
+                 &events_bytes);
 
     json_t *o = json_object();
     unsigned ok = rep->counts ? rep->counts->succeeded : 0;
@@ -324,6 +330,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     json_object_set_new(o, "recorded_targets", json_integer(targets));
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
     json_object_set_new(o, "started_twice", json_integer(twice));
+    json_object_set_new(o, "events_in_record", json_integer(events));
+    json_object_set_new(o, "events_table_bytes", json_integer(events_bytes));
     json_object_set_new(o, "recorded_once",
                         json_boolean(targets == (long)n && not_one == 0 &&
                                      twice == 0));
