@@ -669,10 +669,28 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
     ks_trace("agent.claim_sent", cmd->command_id);
+    /* In a pool the claim still names agent-<id> (its subject: the
+     * broker's check, and the pool's NATS permissions list each of its
+     * ids), but the reply comes to the pool's own inbox, the one inbox
+     * its credential may read. */
+    char pool_subject[sizeof(EVT_API_CLAIM) + 16 + EVT_AGENT_ID_MAX];
+    uint8_t *pool_req = NULL;
+    size_t pool_req_len = 0;
+    if (a->opts.pool) {
+        snprintf(pool_subject, sizeof(pool_subject), "%s.%s", EVT_API_CLAIM,
+                 claimer);
+        if ((rc = kproto_pack(&req.base, &pool_req, &pool_req_len)))
+            return rc;
+    }
     for (;;) {
         int64_t t0 = ks_mono_us();
-        rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
-                            CLAIM_TIMEOUT_MS, &m);
+        if (pool_req)
+            rc = evt_request_bytes_as(a->nc, NULL, pool_subject, NULL,
+                                      pool_req, pool_req_len,
+                                      CLAIM_TIMEOUT_MS, &m);
+        else
+            rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+                                CLAIM_TIMEOUT_MS, &m);
         if (rc == 0)
             ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);
         if (rc == 0 || atomic_load(&a->closing) || ks_mono_us() >= give_up)
@@ -681,6 +699,7 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
         if (pause_ms < 500)
             pause_ms *= 2;
     }
+    free(pool_req);
     if (rc)
         return rc;
     ks_trace("agent.claim_granted", cmd->command_id);

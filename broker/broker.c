@@ -1275,8 +1275,20 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct broker__route *r = ud;
     const char *reply = natsMsg_GetReply(msg);
     const char *id = broker__operator_of(msg);
+    bool ok = broker__inbox_of(reply, id);
 
-    if (!broker__inbox_of(reply, id)) {
+    /* An id of an agent pool is answered on its pool's inbox
+     * (_INBOX.pool-<pool>.), the one its process reads: the pool as the
+     * registry knows it for that id, so no other pool's inbox. */
+    if (!ok && strncmp(id, "agent-", 6) == 0) {
+        char pool[EVT_AGENT_ID_MAX + 1], pid[EVT_AGENT_ID_MAX + 8];
+        broker__agent_pool(r->b, id + 6, pool, sizeof(pool));
+        if (pool[0]) {
+            snprintf(pid, sizeof(pid), "pool-%s", pool);
+            ok = broker__inbox_of(reply, pid);
+        }
+    }
+    if (!ok) {
         int64_t now = ks_mono_us();
         if (now - r->b->bad_reply_logged_us > 10000000) {
             r->b->bad_reply_logged_us = now;

@@ -620,6 +620,52 @@ provq_main(void *arg)
     return NULL;
 }
 
+struct pool_members {
+    const char *pool;
+    char **ids;
+    size_t n, cap;
+};
+
+static void
+pool_member(const char *key, void *val, void *ud)
+{
+    struct pool_members *pm = ud;
+    const struct broker__agent *a = val;
+    if (!a->info || !a->info->pool || strcmp(a->info->pool, pm->pool) != 0)
+        return;
+    if (pm->n == pm->cap) {
+        size_t nc = pm->cap ? pm->cap * 2 : 64;
+        char **x = realloc(pm->ids, nc * sizeof(*x));
+        if (!x)
+            return;
+        pm->ids = x;
+        pm->cap = nc;
+    }
+    if ((pm->ids[pm->n] = strdup(key)))
+        pm->n++;
+}
+
+/* `kscore agent revoke pool-<pool>` purged the pool's entry: every id of
+ * the pool is forgotten, as a revoked agent is. Registry thread. */
+static void
+pool_forget(struct broker *b, const char *pool)
+{
+    struct pool_members pm = {.pool = pool};
+
+    pthread_mutex_lock(&b->mu);
+    ks_map_each(&b->agents, pool_member, &pm);
+    pthread_mutex_unlock(&b->mu);
+    for (size_t i = 0; i < pm.n; i++) {
+        agent_forget(b, pm.ids[i]);
+        free(pm.ids[i]);
+    }
+    free(pm.ids);
+    if (pm.n)
+        ks_log(KS_LOG_INFO, "agent pool forgotten (revoked)",
+               KS_S("module", "registry"), KS_S("pool", pool),
+               KS_I("ids", pm.n));
+}
+
 /* NULL when info may be taken as the entry of pool key ("pool.<pool>"),
  * else why not (static text). */
 static const char *
@@ -649,9 +695,8 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
  * Each id gets its own entry in the broker's map (as if it had written
  * one: addressable, claimable and listed on its own), made from the
  * pool's with its agent_id, and the pool's consumer is provisioned once.
- * Only the broker's credential can write a "pool." key (an agent's NATS
- * permissions name its own key only), so its labels are taken as given.
- * Takes info. Registry thread.
+ * Only the pool's own credential (deploy/nats-auth.conf.in) or the
+ * broker's can write its "pool." key. Takes info. Registry thread.
  */
 static void
 pool_seen(struct broker *b, struct provq *q, const char *key,
@@ -667,6 +712,13 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         return;
     }
     provq_push(q, key, info);
+    /* A pool's labels are its own word (its credential, or the broker's,
+     * wrote the entry; no per-id attestation): under
+     * --require-signed-labels it gets none, as an unattested agent. */
+    bool require = b->opts && b->opts->require_signed_labels;
+    if (require)
+        drop_labels(&info->labels, &info->n_labels);
+    drop_labels(&info->attested_labels, &info->n_attested_labels);
     /* The template of each id's entry: the pool's without its list, and
      * without the whole pool's running count (not one id's). */
     char **ids = info->pool_ids, *own_id = info->agent_id;
@@ -692,7 +744,7 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         m->agent_id = id; /* "" unpacked is protobuf-c's static default */
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, true, NULL, NULL, true);
+        agent_update(b, ids[i], m, false, NULL, NULL, true);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -828,7 +880,11 @@ registry_main(void *arg)
             /* `kscore agent revoke` (evt_agent_forget): the agent is
              * forgotten, so commands for it are refused as for an agent
              * that never registered. */
-            agent_forget(b, kvEntry_Key(e));
+            if (strncmp(kvEntry_Key(e), EVT_POOL_KEY_PREFIX,
+                        strlen(EVT_POOL_KEY_PREFIX)) == 0)
+                pool_forget(b, kvEntry_Key(e) + strlen(EVT_POOL_KEY_PREFIX));
+            else
+                agent_forget(b, kvEntry_Key(e));
             provq_push(q, kvEntry_Key(e), NULL);
         }
         kvEntry_Destroy(e);

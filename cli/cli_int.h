@@ -374,7 +374,11 @@ int cmd_agent_admin(int argc, char **argv);
  * cli_bundle_release) where nats.c and the agent read them.
  */
 struct cli_bundle {
-    char id[EVT_AGENT_ID_MAX + 1];
+    char id[EVT_AGENT_ID_MAX + 1];   /* "" in a pool's bundle */
+    /* A pool's bundle (`kscore agent enroll P --pool-size N`): its ids are
+     * pool-0 .. pool-<pool_size-1>; "" and 0 otherwise. */
+    char pool[EVT_AGENT_ID_MAX + 1];
+    unsigned pool_size;
     char *urls;       /* comma-separated, as evt_connect takes them */
     char **labels;    /* "KEY=VALUE" */
     size_t n_labels;

@@ -244,6 +244,16 @@ bundle_line(struct cli_bundle *b, struct bundle_read *r, char *line,
         r->version = atoi(v);
     } else if (IS("agent", "id")) {
         snprintf(b->id, sizeof(b->id), "%s", v);
+    } else if (IS("agent", "pool")) {
+        snprintf(b->pool, sizeof(b->pool), "%s", v);
+    } else if (IS("agent", "pool_size")) {
+        char *end;
+        unsigned long n = strtoul(v, &end, 10);
+        if (!v[0] || *end || n == 0 || n > STACK_POOL_MAX) {
+            snprintf(why, why_len, "bad pool_size '%.40s'", v);
+            return KS_EINVAL;
+        }
+        b->pool_size = (unsigned)n;
     } else if (IS("agent", "label")) {
         char **nl = realloc(b->labels, (b->n_labels + 1) * sizeof(*nl));
         if (!nl || !(nl[b->n_labels] = strdup(v))) {
@@ -349,10 +359,20 @@ cli_bundle_load(const char *path, const char *state_dir, struct cli_bundle *b,
                 "kscore agent: warning: %s is readable by others (mode %03o); "
                 "it holds the agent's secret: chmod 600 it\n",
                 path, (unsigned)(mode & 0777));
-    snprintf(identity, sizeof(identity), "agent-%s", b->id);
-    if (!evt_agent_id_valid(b->id) || !evt_identity_valid(identity)) {
-        snprintf(why, why_len, "bad or missing [agent] id");
-        goto out;
+    if (b->pool[0]) {
+        snprintf(identity, sizeof(identity), "pool-%s", b->pool);
+        if (b->id[0] || !b->pool_size || !evt_agent_id_valid(b->pool) ||
+            !evt_identity_valid(identity)) {
+            snprintf(why, why_len, "bad [agent] pool: a pool's bundle has "
+                                   "pool and pool_size, and no id");
+            goto out;
+        }
+    } else {
+        snprintf(identity, sizeof(identity), "agent-%s", b->id);
+        if (!evt_agent_id_valid(b->id) || !evt_identity_valid(identity)) {
+            snprintf(why, why_len, "bad or missing [agent] id");
+            goto out;
+        }
     }
     if (!b->urls || !r.seed || !r.trust) {
         snprintf(why, why_len,
@@ -453,7 +473,9 @@ out:
 static const char usage[] =
     "usage: kscore agent enroll ID [--label K=V]... [--out FILE]\n"
     "                           [--nats-url URL]...\n"
-    "       kscore agent revoke ID [--nats URL]\n"
+    "       kscore agent enroll POOL --pool-size N [--label K=V]... [--out "
+    "FILE]\n"
+    "       kscore agent revoke ID|pool-POOL [--nats URL]\n"
     "       kscore agent list [--json]\n"
     "The agents of the stack in $KSCORE_HOME (now %s).\n"
     "enroll makes agent ID's NATS identity (an NKey allowed only what agent\n"
@@ -466,6 +488,10 @@ static const char usage[] =
     "run `kscore agent --bundle FILE` there, and delete it here: it is the\n"
     "agent's secret. A running nats-server reloads its users without a\n"
     "restart.\n"
+    "With --pool-size N, POOL is an agent pool: one identity, pool-POOL,\n"
+    "for the ids POOL-0 .. POOL-<N-1> served by one process (`kscore agent\n"
+    "--bundle FILE` serves them all through one consumer); its NATS\n"
+    "permissions name each of its ids and nothing of any other agent.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
     "for it are refused.\n";
@@ -510,8 +536,9 @@ meta_path(const char *home, const char *id, char *buf, size_t len)
 }
 
 static int
-fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
-       const char *out_path, char **urls, size_t n_urls)
+fleet_enroll(const char *home, const char *id, unsigned pool_size,
+             char **labels, size_t n_labels, const char *out_path, char **urls,
+             size_t n_urls)
 {
     char identity[EVT_AGENT_ID_MAX + 8], seed_path[4200], out_buf[4400],
         meta[4200], dir[4200], seed[EVT_NKEY_SEED_CHARS + 1],
@@ -529,10 +556,16 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
     FILE *f = NULL;
     int fd = -1, rc, ret = CLI_EXIT_KSCORE;
 
-    snprintf(identity, sizeof(identity), "agent-%s", id);
-    if (!evt_agent_id_valid(id) || !evt_identity_valid(identity)) {
-        cli_err("bad agent id '%s': letters, digits, _ and - (at most %d)", id,
-                EVT_IDENTITY_MAX - 6);
+    /* A pool (--pool-size N): id names the pool, its ids are id-0 ..
+     * id-<N-1>, its identity pool-<id> (deploy/nats-auth.conf.in). */
+    const enum stack_kind kind = pool_size ? STACK_POOL : STACK_AGENT;
+    snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
+             id);
+    if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
+        (pool_size && strlen(id) + 7 > EVT_AGENT_ID_MAX)) {
+        cli_err("bad %s '%s': letters, digits, _ and - (at most %d)",
+                pool_size ? "pool name" : "agent id", id,
+                pool_size ? EVT_AGENT_ID_MAX - 7 : EVT_IDENTITY_MAX - 6);
         return CLI_EXIT_USAGE;
     }
     for (size_t i = 0; i < n_labels; i++)
@@ -564,7 +597,8 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
             cli_err("cannot create %s: %s", dir, ks_strerror(rc));
             goto out;
         }
-        snprintf(out_buf, sizeof(out_buf), "%s/%s.bundle", dir, id);
+        snprintf(out_buf, sizeof(out_buf), "%s/%s.bundle", dir,
+                 pool_size ? identity : id);
         out_path = out_buf;
     }
     snprintf(dir, sizeof(dir), "%s/keys/broker.pub", home);
@@ -599,18 +633,18 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
     }
     created = true;
     if ((rc = stack_mkdirs(home, 0700)) ||
-        (rc = stack_ident_add(home, STACK_AGENT, identity, &sid))) {
+        (rc = pool_size ? stack_ident_add_pool(home, id, pool_size, &sid)
+                        : stack_ident_add(home, STACK_AGENT, identity, &sid))) {
         if (rc == -EEXIST)
-            cli_err("agent %s is already enrolled (kscore agent revoke %s "
-                    "first to give it a new identity)",
-                    id, id);
+            cli_err("%s is already enrolled (kscore agent revoke %s first to "
+                    "give it a new identity)",
+                    identity, pool_size ? identity : id);
         else
-            cli_err("cannot enrol agent %s: %s", id, ks_strerror(rc));
+            cli_err("cannot enrol %s: %s", identity, ks_strerror(rc));
         goto out;
     }
     added = true;
-    stack_ident_seed_path(home, STACK_AGENT, identity, seed_path,
-                          sizeof(seed_path));
+    stack_ident_seed_path(home, kind, identity, seed_path, sizeof(seed_path));
     if ((rc = evt_nkey_read_seed(seed_path, seed, pub, nid))) {
         cli_err("cannot read %s: %s", seed_path, ks_strerror(rc));
         goto out;
@@ -624,16 +658,23 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         goto out;
     fd = -1;
     fprintf(f,
-            "# kscore agent bundle for agent %s, written by `kscore agent "
+            "# kscore agent bundle for %s, written by `kscore agent "
             "enroll` at %s.\n"
             "# SECRET: it holds the agent's NATS key. Keep it mode 0600, copy "
             "it to the agent\n"
             "# host only, and run `kscore agent --bundle FILE` there.\n"
-            "[bundle]\nversion = 1\n\n[agent]\nid = %s\n",
-            id, cli_time(ks_now_us()), id);
+            "[bundle]\nversion = 1\n\n[agent]\n",
+            identity, cli_time(ks_now_us()));
+    if (pool_size)
+        fprintf(f, "# The ids %s-0 .. %s-%u, served by one process.\n"
+                   "pool = %s\npool_size = %u\n",
+                id, id, pool_size - 1, id, pool_size);
+    else
+        fprintf(f, "id = %s\n", id);
     for (size_t i = 0; i < n_labels; i++)
         fprintf(f, "label = %s\n", labels[i]);
-    fprintf(f,
+    if (!pool_size)
+        fprintf(f,
             "# The broker's signature over id, labels and enrolled_at_us: "
             "the broker\n# gives the agent these labels only (a changed "
             "one voids it).\n"
@@ -657,7 +698,7 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
     }
     /* The bundle is the agent's one copy of its seed: none stays here. */
     unlink(seed_path);
-    if (meta_path(home, id, meta, sizeof(meta)) == 0) {
+    if (meta_path(home, pool_size ? identity : id, meta, sizeof(meta)) == 0) {
         char mdir[4200];
         snprintf(mdir, sizeof(mdir), "%s/enrolled", home);
         FILE *m = stack_mkdirs(mdir, 0700) == 0 ? fopen(meta, "we") : NULL;
@@ -677,17 +718,18 @@ fleet_enroll(const char *home, const char *id, char **labels, size_t n_labels,
         goto out;
     printf("%s\n", out_path);
     fprintf(stderr,
-            "kscore: agent %s enrolled (public key %s). Copy %s to its host "
+            "kscore: %s enrolled (public key %s). Copy %s to its host "
             "(it is secret), run `kscore agent --bundle FILE` there, and "
             "delete it here.\n",
-            id, sid.nkey, out_path);
+            identity, sid.nkey, out_path);
     ret = 0;
 out:
     /* Nothing half-made stays: no identity without its bundle, no bundle
      * without its identity. */
     if (ret && added) {
         stack_ident_remove(home, identity);
-        if (meta_path(home, id, meta, sizeof(meta)) == 0)
+        if (meta_path(home, pool_size ? identity : id, meta, sizeof(meta)) ==
+            0)
             unlink(meta);
         /* nats-auth.conf may already name it: not at the next start. */
         stack_nats_auth_write(home, home);
@@ -725,13 +767,19 @@ fleet_revoke(const char *home, struct cli_conn *cc, const char *id)
     char *errmsg = NULL;
     int rc;
 
-    snprintf(identity, sizeof(identity), "agent-%s", id);
-    if (!evt_agent_id_valid(id) || !evt_identity_valid(identity)) {
+    /* "pool-<pool>": an agent pool's identity (enroll --pool-size). */
+    const char *pool = strncmp(id, "pool-", 5) == 0 ? id + 5 : NULL;
+    if (pool)
+        snprintf(identity, sizeof(identity), "%s", id);
+    else
+        snprintf(identity, sizeof(identity), "agent-%s", id);
+    if (!evt_agent_id_valid(pool ? pool : id) ||
+        !evt_identity_valid(identity)) {
         cli_err("bad agent id '%s'", id);
         return CLI_EXIT_USAGE;
     }
     rc = stack_ident_get(home, identity, &sid);
-    if (rc == 0 && sid.kind != STACK_AGENT)
+    if (rc == 0 && sid.kind != (pool ? STACK_POOL : STACK_AGENT))
         rc = KS_EINVAL;
     if (rc == 0)
         rc = stack_ident_remove(home, identity);
@@ -774,7 +822,8 @@ fleet_revoke(const char *home, struct cli_conn *cc, const char *id)
     }
     rc = evt_connect(cc->nats_url, &cc->opts, &c, &errmsg);
     if (rc == 0)
-        rc = evt_agent_forget(c, id, &errmsg);
+        rc = pool ? evt_pool_forget(c, pool, &errmsg)
+                  : evt_agent_forget(c, id, &errmsg);
     evt_close(c);
     if (rc) {
         cli_err("agent %s can no longer connect, but the broker could not be "
@@ -871,6 +920,7 @@ cmd_agent_admin(int argc, char **argv)
     static const struct option lo[] = {
         CLI_CONN_LONGOPTS,
         {"label", required_argument, 0, 'l'},
+        {"pool-size", required_argument, 0, 'N'},
         {"out", required_argument, 0, 'o'},
         {"nats-url", required_argument, 0, 'u'},
         {"json", no_argument, 0, 'j'},
@@ -880,6 +930,7 @@ cmd_agent_admin(int argc, char **argv)
     char **labels = calloc((size_t)argc + 1, sizeof(*labels));
     char **urls = calloc((size_t)argc + 1, sizeof(*urls));
     size_t n_labels = 0, n_urls = 0;
+    unsigned long pool_size = 0;
     struct cli_conn cc = {0};
     bool json = false;
     int opt, rc = CLI_EXIT_USAGE;
@@ -899,6 +950,17 @@ cmd_agent_admin(int argc, char **argv)
         case 'o':
             out = optarg;
             break;
+        case 'N': {
+            char *end;
+            pool_size = strtoul(optarg, &end, 10);
+            if (*end || !pool_size || pool_size > STACK_POOL_MAX ||
+                optarg[0] == '-') {
+                cli_err("bad --pool-size '%s' (1 to %d)", optarg,
+                        STACK_POOL_MAX);
+                goto done;
+            }
+            break;
+        }
         case 'u':
             urls[n_urls++] = optarg;
             break;
@@ -918,9 +980,10 @@ cmd_agent_admin(int argc, char **argv)
     const char *verb = argv[0];
     int rest = argc - optind;
     if (strcmp(verb, "enroll") == 0 && rest == 1 && !json)
-        rc = fleet_enroll(home, argv[optind], labels, n_labels, out, urls, n_urls);
+        rc = fleet_enroll(home, argv[optind], (unsigned)pool_size, labels,
+                          n_labels, out, urls, n_urls);
     else if (strcmp(verb, "revoke") == 0 && rest == 1 && !json &&
-             !n_labels && !out && !n_urls)
+             !n_labels && !out && !n_urls && !pool_size)
         rc = fleet_revoke(home, &cc, argv[optind]);
     else if (strcmp(verb, "list") == 0 && rest == 0 && !n_labels && !out &&
              !n_urls)

@@ -1542,15 +1542,31 @@ cmd_agent(int argc, char **argv)
             rc = CLI_EXIT_KSCORE;
             goto out;
         }
+        /* A pool's bundle serves its pool's ids, named by its size. */
+        if (bundle.pool[0]) {
+            static char size_buf[16];
+            if (o.n_ids || (pool && strcmp(pool, bundle.pool) != 0)) {
+                cli_err("the bundle is pool %s's: it serves %s-0 .. %s-%u "
+                        "(no --id, no other --pool)",
+                        bundle.pool, bundle.pool, bundle.pool,
+                        bundle.pool_size - 1);
+                goto out;
+            }
+            pool = bundle.pool;
+            if (!pool_size) {
+                snprintf(size_buf, sizeof(size_buf), "%u", bundle.pool_size);
+                pool_size = size_buf;
+            }
+        }
         /* The bundle's identity may serve its own id only. */
-        for (size_t i = 0; i < o.n_ids; i++)
+        for (size_t i = 0; !bundle.pool[0] && i < o.n_ids; i++)
             if (strcmp(ids[i], bundle.id) != 0) {
                 cli_err("--id %s: the bundle is agent %s's (its NATS user "
                         "may serve no other id)",
                         ids[i], bundle.id);
                 goto out;
             }
-        if (o.n_ids == 0)
+        if (o.n_ids == 0 && !bundle.pool[0])
             ids[o.n_ids++] = bundle.id;
         /* Flags first, then the bundle, then the environment and file:
          * the bundle's credential is what this agent is. */

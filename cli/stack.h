@@ -125,16 +125,32 @@ int stack_stop(const char *dir, const char *name, int wait_ms);
  * files hold public keys only. Entries and keys outlive `kscore down`: a
  * restart never changes anyone's credential.
  */
-enum stack_kind { STACK_BROKER, STACK_OPERATOR, STACK_AGENT };
+enum stack_kind { STACK_BROKER, STACK_OPERATOR, STACK_AGENT, STACK_POOL };
 
 struct stack_identity {
     enum stack_kind kind;
     /* "broker", "agent-<id>", or an operator's name (a subject token) */
     char name[EVT_IDENTITY_MAX + 1];
     char nkey[EVT_NKEY_PUBLIC_CHARS + 1]; /* public key, "U..." */
+    /* STACK_POOL ("pool-<pool>"): it serves <pool>-0 .. <pool>-<size-1>,
+     * and its NATS permissions name each of them (1..STACK_POOL_MAX). */
+    unsigned pool_size;
 };
 
-/* "broker", "operator", "agent" (the template's section names). */
+/* Most ids one pool identity may serve: its permissions list each id
+ * (about 150 bytes of nats-auth.conf per id). */
+#define STACK_POOL_MAX 100000
+
+/*
+ * A new pool identity "pool-<pool>" (pool: a subject token) serving
+ * <pool>-0 .. <pool>-<size-1>: as stack_ident_add, with the size in its
+ * entry. 0, -EEXIST, KS_EINVAL (bad name, size 0 or > STACK_POOL_MAX),
+ * -errno.
+ */
+int stack_ident_add_pool(const char *home, const char *pool, unsigned size,
+                         struct stack_identity *out);
+
+/* "broker", "operator", "agent", "pool" (the template's section names). */
 const char *stack_kind_name(enum stack_kind k);
 
 /* An operator name is a subject token ([A-Za-z0-9_-], at most

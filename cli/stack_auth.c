@@ -91,6 +91,50 @@ section(const char *kind, const char **start, size_t *n)
     return KS_ENOTFOUND;
 }
 
+/* A pool's user: the section with its pool, last id, and the per-id
+ * subjects of each of its ids (what an agent-<id> user has for one). */
+static int
+fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
+          const struct stack_identity *id)
+{
+    const char *pool = id->name + 5; /* "pool-<pool>" */
+    char *pub = NULL, *sub = NULL, last[16], line[3 * EVT_AGENT_ID_MAX + 96];
+    size_t plen = 0, pcap = 0, slen = 0, scap = 0;
+    int rc = 0;
+
+    if (id->pool_size == 0)
+        return KS_EINVAL;
+    snprintf(last, sizeof(last), "%u", id->pool_size - 1);
+    for (unsigned i = 0; rc == 0 && i < id->pool_size; i++) {
+        const char *sep = i + 1 < id->pool_size ? "," : "";
+        int n = snprintf(line, sizeof(line),
+                         "            \"kscore.api.v1.claim.agent-%s-%u\", "
+                         "\"kscore.evt.%s-%u.>\"%s\n",
+                         pool, i, pool, i, sep);
+        rc = put(&pub, &plen, &pcap, line, (size_t)n);
+        n = snprintf(line, sizeof(line),
+                     "            \"kscore.cancel.%s-%u\"%s\n", pool, i, sep);
+        if (rc == 0)
+            rc = put(&sub, &slen, &scap, line, (size_t)n);
+    }
+    /* The template's own line ends after each list. */
+    if (rc == 0 && plen)
+        pub[--plen] = '\0';
+    if (rc == 0 && slen)
+        sub[--slen] = '\0';
+    if (rc == 0) {
+        const struct var vars[] = {{"@NKEY@", id->nkey},
+                                   {"@POOL@", pool},
+                                   {"@LAST@", last},
+                                   {"@IDS_PUB@", pub},
+                                   {"@IDS_SUB@", sub}};
+        rc = fill(buf, len, cap, body, blen, vars, 5);
+    }
+    free(pub);
+    free(sub);
+    return rc;
+}
+
 int
 stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
                      char **conf_out)
@@ -121,7 +165,9 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
             break;
         }
         rc = section(stack_kind_name(id->kind), &body, &blen);
-        if (rc == 0)
+        if (rc == 0 && id->kind == STACK_POOL)
+            rc = fill_pool(&users, &ulen, &ucap, body, blen, id);
+        else if (rc == 0)
             rc = fill(&users, &ulen, &ucap, body, blen, vars, 3);
     }
     if (rc == 0) {

@@ -29,6 +29,7 @@ static const char *const kind_names[] = {
     [STACK_BROKER] = "broker",
     [STACK_OPERATOR] = "operator",
     [STACK_AGENT] = "agent",
+    [STACK_POOL] = "pool",
 };
 
 const char *
@@ -54,7 +55,8 @@ int
 stack_operator_name_check(const char *name)
 {
     if (!evt_identity_valid(name) || strcmp(name, "broker") == 0 ||
-        strncmp(name, "agent-", 6) == 0 || strcmp(name, "anonymous") == 0)
+        strncmp(name, "agent-", 6) == 0 || strncmp(name, "pool-", 5) == 0 ||
+        strcmp(name, "anonymous") == 0)
         return KS_EINVAL;
     return 0;
 }
@@ -71,6 +73,9 @@ name_fits(enum stack_kind kind, const char *name)
                evt_identity_valid(name);
     case STACK_OPERATOR:
         return stack_operator_name_check(name) == 0;
+    case STACK_POOL:
+        return strncmp(name, "pool-", 5) == 0 && name[5] &&
+               evt_identity_valid(name);
     }
     return 0;
 }
@@ -111,6 +116,7 @@ stack_ident_get(const char *home, const char *name, struct stack_identity *out)
 {
     char path[4200], line[256], kind[32] = "", nm[EVT_IDENTITY_MAX + 2] = "",
                                 key[EVT_NKEY_PUBLIC_CHARS + 2] = "";
+    unsigned long size = 0;
     struct stack_identity id = {0};
     uint8_t raw[32];
     FILE *f;
@@ -128,12 +134,16 @@ stack_ident_get(const char *home, const char *name, struct stack_identity *out)
             field(nm, sizeof(nm), line + 5);
         else if (strncmp(line, "nkey ", 5) == 0)
             field(key, sizeof(key), line + 5);
+        else if (strncmp(line, "size ", 5) == 0)
+            size = strtoul(line + 5, NULL, 10);
     }
     fclose(f);
     /* An entry that does not check out is refused, never half-used. */
     if (kind_of(kind, &id.kind) || strcmp(nm, name) != 0 ||
-        !name_fits(id.kind, nm) || evt_nkey_decode_public(key, raw))
+        !name_fits(id.kind, nm) || evt_nkey_decode_public(key, raw) ||
+        (id.kind == STACK_POOL && (size == 0 || size > STACK_POOL_MAX)))
         return KS_EINVAL;
+    id.pool_size = id.kind == STACK_POOL ? (unsigned)size : 0;
     snprintf(id.name, sizeof(id.name), "%s", nm);
     snprintf(id.nkey, sizeof(id.nkey), "%s", key);
     *out = id;
@@ -161,6 +171,8 @@ entry_write(const char *home, const struct stack_identity *id)
     }
     fprintf(f, "kind %s\nname %s\nnkey %s\n", stack_kind_name(id->kind),
             id->name, id->nkey);
+    if (id->kind == STACK_POOL)
+        fprintf(f, "size %u\n", id->pool_size);
     if (fclose(f) != 0 || rename(tmp, path) == -1) {
         rc = -errno;
         unlink(tmp);
@@ -173,10 +185,10 @@ entry_write(const char *home, const struct stack_identity *id)
  * public key into the entry. */
 static int
 ident_make(const char *home, enum stack_kind kind, const char *name,
-           struct stack_identity *out)
+           unsigned pool_size, struct stack_identity *out)
 {
     char seed[EVT_NKEY_SEED_CHARS + 1], seed_path[4200], dir[4200];
-    struct stack_identity id = {.kind = kind};
+    struct stack_identity id = {.kind = kind, .pool_size = pool_size};
     int rc;
 
     snprintf(id.name, sizeof(id.name), "%s", name);
@@ -211,7 +223,7 @@ stack_ident_add(const char *home, enum stack_kind kind, const char *name,
         return -EEXIST;
     if (rc != KS_ENOTFOUND)
         return rc;
-    return ident_make(home, kind, name, out);
+    return ident_make(home, kind, name, 0, out);
 }
 
 int
@@ -260,7 +272,7 @@ stack_ident_ensure(const char *home, enum stack_kind kind, const char *name,
         if (rename(seed_path, aside) == -1)
             return -errno;
     }
-    return ident_make(home, kind, name, out);
+    return ident_make(home, kind, name, 0, out);
 }
 
 static int
@@ -341,4 +353,22 @@ stack_ident_remove(const char *home, const char *name)
     if (unlink(seed_path) == -1 && errno != ENOENT)
         return -errno;
     return 0;
+}
+
+int
+stack_ident_add_pool(const char *home, const char *pool, unsigned size,
+                     struct stack_identity *out)
+{
+    char name[EVT_IDENTITY_MAX + 8], path[4200];
+
+    if (!pool || !evt_agent_id_valid(pool) || size == 0 ||
+        size > STACK_POOL_MAX)
+        return KS_EINVAL;
+    snprintf(name, sizeof(name), "pool-%s", pool);
+    if (!name_fits(STACK_POOL, name))
+        return KS_EINVAL;
+    if (entry_path(home, name, path, sizeof(path)) == 0 &&
+        access(path, F_OK) == 0)
+        return -EEXIST;
+    return ident_make(home, STACK_POOL, name, size, out);
 }

@@ -803,5 +803,9 @@ void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
  * with *errmsg (malloc'd, may be NULL).
  */
 int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
+/* The same for an agent pool: purges its registry entry
+ * ("pool.<pool>"; the broker drops every id of the pool) and deletes its
+ * consumer "pool-<pool>". */
+int evt_pool_forget(struct evt_conn *c, const char *pool, char **errmsg);
 
 #endif

@@ -7,16 +7,15 @@
 #include "events.h"
 #include "kproto.h"
 
-int
-evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg)
+/* Purges registry key and deletes consumer durable. */
+static int
+forget(struct evt_conn *c, const char *agent_id, const char *durable,
+       char **errmsg)
 {
-    char durable[EVT_AGENT_ID_MAX + 16];
     kvStore *kv = NULL;
     jsErrCode jerr = 0;
     natsStatus s;
 
-    if (!evt_agent_id_valid(agent_id))
-        return KS_EINVAL;
     /* The registry entry: a purge (not a plain delete) leaves no value
      * behind, and the broker's watcher sees the purge and drops the agent,
      * so new commands for it are refused as for an unknown agent. */
@@ -34,7 +33,6 @@ evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg)
     /* Its consumer: commands still queued for it are not delivered to
      * anyone (they end Undeliverable at their deadline, as for any agent
      * that never takes them). */
-    evt_agent_durable(durable, sizeof(durable), agent_id);
     s = js_DeleteConsumer(c->js, EVT_STREAM_CMDS, durable, NULL, &jerr);
     if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)
         s = NATS_OK;
@@ -45,4 +43,27 @@ evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg)
         return evt_err(s);
     }
     return 0;
+}
+
+int
+evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg)
+{
+    char durable[EVT_AGENT_ID_MAX + 16];
+
+    if (!evt_agent_id_valid(agent_id))
+        return KS_EINVAL;
+    evt_agent_durable(durable, sizeof(durable), agent_id);
+    return forget(c, agent_id, durable, errmsg);
+}
+
+int
+evt_pool_forget(struct evt_conn *c, const char *pool, char **errmsg)
+{
+    char durable[EVT_AGENT_ID_MAX + 16], key[EVT_AGENT_ID_MAX + 16];
+
+    if (!evt_agent_id_valid(pool))
+        return KS_EINVAL;
+    evt_pool_durable(durable, sizeof(durable), pool);
+    snprintf(key, sizeof(key), EVT_POOL_KEY_PREFIX "%s", pool);
+    return forget(c, key, durable, errmsg);
 }

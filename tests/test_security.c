@@ -578,15 +578,13 @@ thief_close(struct thief *t)
 /* 1 if nats-server logged that it refused user `what` ("Subscription" /
  * "Publish") on subject, within 2 s. */
 static int
-server_refused(const char *user, const char *what, const char *subject)
+server_refused_as(const char *seed_file, const char *user, const char *what,
+                  const char *subject)
 {
     char needle[512], needle2[512], path[PATH_MAX + 16], line[1024];
     char seed[EVT_NKEY_SEED_CHARS + 1], pub[EVT_NKEY_PUBLIC_CHARS + 1] = "",
         ident[EVT_IDENTITY_MAX + 1];
     /* nats-server names an NKey user by its public key. */
-    const char *seed_file = strncmp(user, "agent-", 6) == 0
-                                ? stack.agent_seed
-                                : stack.operator_seed;
     if (evt_nkey_read_seed(seed_file, seed, pub, ident) != 0)
         pub[0] = '\0';
     snprintf(needle, sizeof(needle), "%s Violation - User \"%s\", Subject "
@@ -608,6 +606,15 @@ server_refused(const char *user, const char *what, const char *subject)
     }
     fprintf(stderr, "not refused: %s\n", needle);
     return 0;
+}
+
+static int
+server_refused(const char *user, const char *what, const char *subject)
+{
+    return server_refused_as(strncmp(user, "agent-", 6) == 0
+                                 ? stack.agent_seed
+                                 : stack.operator_seed,
+                             user, what, subject);
 }
 
 static int
@@ -1120,6 +1127,131 @@ START_TEST(agent_works_with_its_own_rights_only)
 }
 END_TEST
 
+/*
+ * An agent pool (`kscore agent enroll pq --pool-size 3`): one process
+ * serves pq-0..pq-2 with the pool's own credential, and that credential
+ * reaches nothing of any other agent: not another id's claims, events,
+ * registry key or deliveries, not the command stream, not others'
+ * replies. Revoking the pool forgets all its ids.
+ */
+START_TEST(pool_credential_serves_only_its_ids)
+{
+    char p[PATH_MAX + 64], bundle[PATH_MAX + 32], seed_file[PATH_MAX + 32],
+        state[PATH_MAX + 32], line[8192], seed[EVT_NKEY_SEED_CHARS + 1] = "";
+    struct fixture_out o;
+    pid_t pid;
+
+    /* The fixture's dir is a $KSCORE_HOME: enroll signs with keys/. */
+    snprintf(p, sizeof(p), "%s/keys/broker.key", stack.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(stack.signing_key, p), 0);
+    snprintf(p, sizeof(p), "%s/keys/broker.pub", stack.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(stack.trust_key, p), 0);
+    snprintf(bundle, sizeof(bundle), "%s/pq.bundle", stack.dir);
+    {
+        const char *args[] = {"agent", "enroll", "pq", "--pool-size", "3",
+                              "--label", "env=dev", "--out", bundle,
+                              "--nats-url", stack.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(stack.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    int64_t since = ks_now_us();
+    snprintf(state, sizeof(state), "%s/pq-state", stack.dir);
+    char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle", bundle,
+                    "--state-dir", state, "--config", "/dev/null", NULL};
+    ck_assert_int_eq(stack_daemon(stack.dir, "pq", argv, &pid), 0);
+    ck_assert_msg(fixture_stack_wait_agent(&stack, "pq-2", since, 30000) == 0,
+                  "pq-2 did not register (see %s/pq.log)", stack.dir);
+
+    /* Each id of the pool runs its own commands. */
+    const char *ex[] = {"exec", "--agent", "pq-2", "--", "echo", "pooled",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on pq-2: %s", o.err);
+    ck_assert_str_eq(o.out, "pooled\n");
+    fixture_out_release(&o);
+
+    /* The pool's credential, as a thief would use it. */
+    FILE *f = fopen(bundle, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(line, sizeof(line), f))
+        if (strncmp(line, "nkey_seed = ", 12) == 0) {
+            line[strcspn(line, "\r\n")] = '\0';
+            snprintf(seed, sizeof(seed), "%.*s", EVT_NKEY_SEED_CHARS,
+                     line + 12);
+        }
+    fclose(f);
+    snprintf(seed_file, sizeof(seed_file), "%s/pq.nk", stack.dir);
+    ck_assert_int_eq(evt_nkey_write_seed(seed_file, "pool-pq", seed), 0);
+    struct thief *t = thief_connect(seed_file);
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    const char *pubs[] = {"kscore.api.v1.claim.agent-" AGENT,
+                          "kscore.evt." AGENT ".x",
+                          "$KV." EVT_KV_AGENTS "." AGENT,
+                          "$KV." EVT_KV_AGENTS ".pool.other",
+                          "kscore.cmd." AGENT,
+                          "$JS.API.STREAM.INFO." EVT_STREAM_CMDS};
+    for (size_t i = 0; i < sizeof(pubs) / sizeof(pubs[0]); i++) {
+        ck_assert_int_eq(natsConnection_PublishString(t->nc, pubs[i], "x"),
+                         NATS_OK);
+        natsConnection_Flush(t->nc);
+        ck_assert_msg(server_refused_as(seed_file, "pool-pq", "Publish",
+                                        pubs[i]),
+                      "the pool may publish to %s", pubs[i]);
+    }
+    char other_deliver[160];
+    snprintf(other_deliver, sizeof(other_deliver),
+             "_KSCORE.deliver.agent-%s", AGENT);
+    const char *subs[] = {other_deliver, "kscore.cmd.>", "_INBOX.>",
+                          "kscore.cancel." AGENT};
+    natsSubscription *sub[4] = {0}, *own = NULL;
+    for (size_t i = 0; i < 4; i++) {
+        ck_assert_int_eq(natsConnection_SubscribeSync(&sub[i], t->nc, subs[i]),
+                         NATS_OK);
+        natsConnection_Flush(t->nc);
+        ck_assert_msg(server_refused_as(seed_file, "pool-pq", "Subscription",
+                                        subs[i]),
+                      "the pool may subscribe to %s", subs[i]);
+    }
+    /* The control: its own inbox it reads. */
+    ck_assert_int_eq(
+        natsConnection_SubscribeSync(&own, t->nc, "_INBOX.pool-pq.>"),
+        NATS_OK);
+    natsConnection_Flush(t->nc);
+    ck_assert(thief_hears(t, own, admin, "_INBOX.pool-pq.x"));
+    ck_assert(!thief_hears(t, sub[2], admin, "_INBOX.broker.x"));
+    for (size_t i = 0; i < 4; i++)
+        natsSubscription_Destroy(sub[i]);
+    natsSubscription_Destroy(own);
+    evt_close(admin);
+    thief_close(t);
+
+    /* Revoked, the pool's ids are forgotten: commands for them refused. */
+    stack_stop(stack.dir, "pq", 10000);
+    {
+        const char *args[] = {"agent", "revoke", "pool-pq", "--nats",
+                              stack.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(stack.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "revoke: %s", o.err);
+        fixture_out_release(&o);
+    }
+    int refused = 0;
+    for (int i = 0; i < 50 && !refused; i++) {
+        const char *ex1[] = {"exec", "--agent", "pq-1", "--detach", "--",
+                             "echo", "x", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, ex1, &o), 0);
+        refused = o.status != 0;
+        fixture_out_release(&o);
+        if (!refused)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_assert_msg(refused, "commands for a revoked pool's id still taken");
+}
+END_TEST
+
 /* ---- labels: only what the broker signed (its own stack) --------------- */
 
 /*
@@ -1390,7 +1522,8 @@ security_suite(void)
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
-    /* Last: it adds a user and reloads the server's users. */
+    /* These add users and reload the server's users. */
+    tcase_add_test(tc, pool_credential_serves_only_its_ids);
     tcase_add_test(tc, operator_reads_only_its_own_inbox);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
