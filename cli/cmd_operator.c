@@ -32,15 +32,37 @@ cli_nats_users_apply(const char *home)
         return CLI_EXIT_KSCORE;
     }
     rc = stack_nats_reload(home, 10000);
-    if (rc == KS_ENOTFOUND)
-        return 0; /* not running: `kscore up` starts with these users */
-    if (rc) {
+    if (rc && rc != KS_ENOTFOUND) {
         cli_err("nats-server did not reload its users: %s (see %s/nats.log)",
                 rc == KS_EINVAL ? "it refused the new config" : ks_strerror(rc),
                 home);
         return CLI_EXIT_KSCORE;
     }
-    return 0;
+    /* A cluster (kscore up --cluster N): each node has its own copy of the
+     * users (stack_cluster_start), and each one that runs reloads it. */
+    for (int i = 1; i <= STACK_CLUSTER_MAX; i++) {
+        char dir[4200], conf[4300];
+        snprintf(dir, sizeof(dir), "%s/nats-%d", home, i);
+        snprintf(conf, sizeof(conf), "%s/nats.conf", dir);
+        if (access(conf, F_OK) != 0)
+            continue;
+        if ((rc = stack_nats_auth_write(dir, home))) {
+            cli_err("cannot write %s/" STACK_NATS_AUTH_FILE ": %s", dir,
+                    ks_strerror(rc));
+            return CLI_EXIT_KSCORE;
+        }
+        rc = stack_nats_reload(dir, 10000);
+        if (rc && rc != KS_ENOTFOUND) {
+            cli_err("nats-server nats-%d did not reload its users: %s (see "
+                    "%s/nats.log)",
+                    i,
+                    rc == KS_EINVAL ? "it refused the new config"
+                                    : ks_strerror(rc),
+                    dir);
+            return CLI_EXIT_KSCORE;
+        }
+    }
+    return 0; /* not running: `kscore up` starts with these users */
 }
 
 static int

@@ -4,9 +4,9 @@
  * makes it: `kscore up --cluster 3` in a private KSCORE_HOME (three
  * nats-server nodes with routes, the streams and the registry on 3
  * replicas, two brokers, one PostgreSQL), then PERF_POOLS `kscore agent
- * --pool pNN --pool-size N` processes (each a pool: one consumer and one
- * registry entry for its ids; the broker's credential, as any process
- * serving many ids), then the batch, then the record is checked (every
+ * --bundle` processes, each an agent pool enrolled with `kscore agent
+ * enroll pNN --pool-size N` (one consumer and one registry entry for its
+ * ids, and a credential that may serve those ids only), then the batch, then the record is checked (every
  * target has exactly one terminal event and at most one CommandStarted)
  * and `kscore down`.
  *
@@ -106,33 +106,37 @@ pool_name(char *buf, size_t len, unsigned k)
     snprintf(buf, len, "p%02u", k);
 }
 
+/* Enrols pool k (`kscore agent enroll pNN --pool-size per`: its own
+ * credential, which may serve its ids only) and starts `kscore agent
+ * --bundle` for it, for each of the pools. */
 static int
-pools_start(const char *bin, const char *home, unsigned pools, unsigned per,
-            const char *urls)
+pools_start(const char *bin, const char *home, unsigned pools, unsigned per)
 {
-    char seed[PATH_MAX + 4200], trust[PATH_MAX + 4200];
     int rc = 0;
 
-    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
-    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
-    setenv("KSCORE_NATS_NKEY", seed, 1);
     for (unsigned k = 0; rc == 0 && k < pools; k++) {
-        char pool[16], name[32], size[16], state[PATH_MAX + 4200];
+        char pool[16], name[32], size[16], state[PATH_MAX + 4200],
+            bundle[PATH_MAX + 4200];
         pid_t pid;
         pool_name(pool, sizeof(pool), k);
         snprintf(name, sizeof(name), "pool-%s", pool);
         snprintf(size, sizeof(size), "%u", per);
         snprintf(state, sizeof(state), "%s/%s", home, name);
-        char *argv[] = {(char *)bin,       "agent",          "--pool",
-                        pool,              "--pool-size",    size,
-                        "--nats",          (char *)urls,     "--trust-key",
-                        trust,             "--state-dir",    state,
-                        "--max-concurrent", "64",            "--config",
-                        "/dev/null",       "--log-level",    "warn",
+        snprintf(bundle, sizeof(bundle), "%s/%s.bundle", home, name);
+        const char *enroll[] = {"agent", "enroll", pool, "--pool-size", size,
+                                "--out", bundle, NULL};
+        if (kscore_run(bin, home, enroll) != 0) {
+            fprintf(stderr, "kscore perf: kscore agent enroll %s failed (see "
+                            "%s.log)\n", pool, home);
+            return KS_EINTERNAL;
+        }
+        char *argv[] = {(char *)bin,       "agent",        "--bundle",
+                        bundle,            "--state-dir",  state,
+                        "--max-concurrent", "64",          "--config",
+                        "/dev/null",       "--log-level",  "warn",
                         NULL};
         rc = stack_daemon(home, name, argv, &pid);
     }
-    unsetenv("KSCORE_NATS_NKEY");
     return rc;
 }
 
@@ -256,7 +260,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         goto down;
     }
     t0 = ks_mono_us();
-    if ((rc = pools_start(bin, home, pools, per, urls)))
+    if ((rc = pools_start(bin, home, pools, per)))
         goto down;
     snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
     {
