@@ -2,7 +2,9 @@
  * consumer_cost: what N agent ids cost nats-server (issue 14) with one
  * durable push consumer per id, as the broker makes them
  * (evt_agent_consumer + evt_consumer_ensure), against ONE consumer that
- * serves all N ids (filter kscore.cmd.>), the design that replaces it.
+ * serves all N ids, shaped as an agent pool's consumer (evt_pool_consumer
+ * on the integrator's branch: "pool-<pool>", filter kscore.cmd.<pool>.*),
+ * the design that replaces it.
  *
  * Every step (a design, a node count and replicas, an N) runs on servers
  * of its own, started for it in the run's directory and stopped after, so
@@ -15,15 +17,18 @@
  *   2. base sample: VmRSS and utime+stime of every node (/proc)
  *   3. create: per-id, N x evt_consumer_ensure of evt_agent_consumer(id)
  *      (the broker's path: a consumer info that misses, then the create);
- *      one, a single consumer "pool-0" (filter kscore.cmd.>, deliver
- *      subject _KSCORE.deliver.pool-0, group pool-0, max_ack_pending
- *      N x max_concurrent up to EVT_AGENT_MAX_ACK_PENDING)
+ *      one, a single consumer "pool-cc" (filter kscore.cmd.cc.*, deliver
+ *      subject _KSCORE.deliver.pool-cc, group pool-cc, max_ack_pending
+ *      the process's max_concurrent, ack wait and max deliver as an
+ *      agent's), built here by hand so that this file builds with and
+ *      without evt_pool_consumer
  *   4. a subscriber connection (nats.c's shared delivery pool) takes a
  *      queue subscription per consumer, as agents do
  *   5. idle --idle seconds (30): CPU and RSS of every node over it
  *   6. the server's own view: /jsz (consumers, memory, store, API calls)
  *      and /varz (mem, subscriptions) of every node
- *   7. publish N small messages, one per id (kscore.cmd.<id>), async with
+ *   7. publish N small messages, one per id (kscore.cmd.<id>, or
+ *      kscore.cmd.cc.<id> to the pool), async with
  *      a Nats-Msg-Id each; deliver_ms is from before the first publish to
  *      the N-th delivery in the subscriber (each acked "+ACK" as an agent)
  *
@@ -50,7 +55,8 @@
 #define CC_MAX_NODES 3
 #define CC_MAX_STEPS 8
 #define CC_ID_PREFIX "cc-"
-#define CC_POOL "pool-0"
+#define CC_POOL_NAME "cc"
+#define CC_POOL "pool-" CC_POOL_NAME
 #define CC_EXTRAPOLATE_N 10000
 /* A step's creation is cut off here (reported as partial): a guard, not
  * a measurement. */
@@ -368,12 +374,9 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
         struct evt_durable pd = {
             .stream = EVT_STREAM_CMDS,
             .durable = CC_POOL,
-            .filter_subject = "kscore.cmd.>",
+            .filter_subject = "kscore.cmd." CC_POOL_NAME ".*",
             .deliver_group = CC_POOL,
-            .max_ack_pending =
-                (int64_t)n * maxc > EVT_AGENT_MAX_ACK_PENDING
-                    ? EVT_AGENT_MAX_ACK_PENDING
-                    : (int64_t)n * maxc,
+            .max_ack_pending = maxc,
             .ack_wait_ms = (int64_t)evt_agent_ack_wait_ms(0),
             .max_deliver = EVT_AGENT_MAX_DELIVER};
         char id[32];
@@ -468,7 +471,13 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
         t0 = ks_mono_us();
         for (int i = 0; i < n && rc == 0; i++) {
             cc_id(id, sizeof(id), i);
-            evt_cmd_subject(subj, sizeof(subj), id);
+            /* evt_cmd_subject's subjects, spelled out: its signature
+             * differs between branches (pools) */
+            if (pool)
+                snprintf(subj, sizeof(subj), "kscore.cmd." CC_POOL_NAME ".%s",
+                         id);
+            else
+                snprintf(subj, sizeof(subj), "kscore.cmd.%s", id);
             snprintf(mid, sizeof(mid), "%s.%d", label, i);
             jsPubOptions_Init(&po);
             po.MsgId = mid;
@@ -614,14 +623,18 @@ perf__consumers_round(struct perf_ctx *ctx, int round, json_t **out)
     json_object_set_new(res, "max_concurrent",
                         json_integer(agent_default_max_concurrent()));
 
+    e = getenv("KSCORE_PERF_CC_DESIGNS");
+    bool want_per_id = !e || !*e || strstr(e, "per-id");
+    bool want_one = !e || !*e || strstr(e, "one");
     for (unsigned pass = 0; pass < 2 && rc == 0; pass++) {
         unsigned nodes = pass ? 3 : 1;
         const int *ns = pass ? r3 : r1;
         size_t k = pass ? n3 : n1;
         for (size_t i = 0; i < k && rc == 0 && !perf__interrupted; i++) {
             double cs = 0, cs_pool = 0;
-            rc = step(ctx, nodes, ns[i], false, idle_s, steps, &cs);
-            if (rc == 0 && !perf__interrupted)
+            if (want_per_id)
+                rc = step(ctx, nodes, ns[i], false, idle_s, steps, &cs);
+            if (want_one && rc == 0 && !perf__interrupted)
                 rc = step(ctx, nodes, ns[i], true, idle_s, steps, &cs_pool);
             if (rc == 0 && cs > stop_s && i + 1 < k) {
                 fprintf(stderr,
