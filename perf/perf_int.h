@@ -6,6 +6,7 @@
 #include <limits.h>
 #include <signal.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -147,6 +148,9 @@ int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__trace_round(struct perf_ctx *ctx, int round, json_t **out);
+/* consumer_cost (perf_consumers.c): its round, and its steps table. */
+int perf__consumers_round(struct perf_ctx *ctx, int round, json_t **out);
+void perf__consumers_table(FILE *f, json_t *round);
 
 /* Sleeps ms milliseconds (interrupted runs return early). */
 void perf__sleep_ms(int ms);

@@ -30,6 +30,7 @@ static const struct perf_scenario scenarios[] = {
     {"batch_exec_10000", 1, 0, false, false, true, perf__batch10000_round},
     {"sustained", 1, 0, true, true, false, perf__sustained_round},
     {"trace", 3, 0, true, true, false, perf__trace_round},
+    {"consumer_cost", 1, 0, false, false, true, perf__consumers_round},
 };
 #define NSCEN (sizeof(scenarios) / sizeof(scenarios[0]))
 
@@ -54,6 +55,9 @@ static const char usage[] =
     "  sustained         --rate commands/s (1000) for --duration s (60)\n"
     "  trace             where one command's time goes: step stamps of the\n"
     "                    client, broker and agent (KSCORE_TRACE)\n"
+    "  consumer_cost     what N agent ids cost nats-server: N durable\n"
+    "                    consumers vs one, on 1 node R1 and 3 nodes R3\n"
+    "                    (opt-in; KSCORE_PERF_CC_* in perf/README.md)\n"
     "\n"
     "  --rounds N        rounds per scenario (default 5; batch_exec_10 20;\n"
     "                    sustained 1, which reports per --window (10 s))\n"
@@ -505,6 +509,8 @@ print_table(FILE *f, json_t *root, bool ab)
             }
             fputc('\n', f);
         }
+        if (strcmp(name, "consumer_cost") == 0)
+            perf__consumers_table(f, json_array_get(rounds, 0));
         json_t *wins = json_object_get(json_array_get(rounds, 0), "windows");
         if (wins) {
             size_t i;

@@ -7,6 +7,7 @@
 #include <check.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,6 +213,70 @@ START_TEST(test_ab_same_binary)
 }
 END_TEST
 
+/* consumer_cost (issue 14) with --quick's tiny counts: every step made
+ * its consumers, the servers saw them, and every message came through. */
+START_TEST(test_consumer_cost_quick)
+{
+    const char *args[] = {"perf", "consumer_cost", "--quick", "--json", NULL};
+    static const struct {
+        int nodes, n;
+        const char *design;
+    } want[] = {{1, 5, "per-id"}, {1, 5, "one"}, {1, 20, "per-id"},
+                {1, 20, "one"},   {3, 5, "per-id"}, {3, 5, "one"}};
+    struct fixture_out o;
+    json_t *root, *round, *steps;
+
+    unsetenv("KSCORE_PERF_CC_R1");
+    unsetenv("KSCORE_PERF_CC_R3");
+    unsetenv("KSCORE_PERF_CC_IDLE_S");
+    unsetenv("KSCORE_PERF_CC_STOP_S");
+    root = run_perf(args, &o);
+    ck_assert(json_is_true(json_object_get(root, "ok")));
+    round = json_array_get(
+        json_object_get(json_object_get(json_object_get(root, "scenarios"),
+                                        "consumer_cost"),
+                        "rounds"),
+        0);
+    steps = json_object_get(round, "steps");
+    ck_assert_uint_eq(json_array_size(steps), 6);
+    for (size_t i = 0; i < 6; i++) {
+        json_t *s = json_array_get(steps, i);
+        bool one = strcmp(want[i].design, "one") == 0;
+        json_t *view = json_object_get(s, "server");
+        ck_assert_msg(!json_object_get(s, "error"), "step %zu: %s", i,
+                      json_string_value(json_object_get(s, "error")));
+        ck_assert_str_eq(json_string_value(json_object_get(s, "design")),
+                         want[i].design);
+        ck_assert_int_eq(json_integer_value(json_object_get(s, "nodes")),
+                         want[i].nodes);
+        ck_assert_int_eq(json_integer_value(json_object_get(s, "n")),
+                         want[i].n);
+        ck_assert_int_eq(
+            json_integer_value(json_object_get(s, "consumers_made")),
+            one ? 1 : want[i].n);
+        ck_assert_int_eq(json_integer_value(json_object_get(s, "delivered")),
+                         want[i].n);
+        ck_assert(json_is_number(json_object_get(s, "deliver_ms")));
+        ck_assert(json_number_value(json_object_get(s, "create_p50_ms")) > 0);
+        ck_assert(json_integer_value(json_object_get(s, "rss_idle_kb")) > 0);
+        ck_assert(json_is_number(json_object_get(s, "cpu_idle_s")));
+        ck_assert_uint_eq(
+            json_array_size(json_object_get(s, "rss_idle_kb_nodes")),
+            (size_t)want[i].nodes);
+        /* every node holds a replica of each consumer (R = nodes) */
+        ck_assert_uint_eq(json_array_size(view), (size_t)want[i].nodes);
+        for (size_t k = 0; k < json_array_size(view); k++)
+            ck_assert_int_eq(json_integer_value(json_object_get(
+                                 json_array_get(view, k), "consumers")),
+                             one ? 1 : want[i].n);
+    }
+    ck_assert(json_is_number(json_object_get(round, "r1_rss_kb_per_consumer")));
+    ck_assert(json_is_object(json_object_get(round, "r3_extrapolated")));
+    json_decref(root);
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(test_usage)
 {
     const char *args[] = {"perf", "no_such_scenario", NULL};
@@ -235,6 +300,7 @@ main(void)
     tcase_add_test(tc, test_usage);
     tcase_add_test(tc, test_quick_all);
     tcase_add_test(tc, test_ab_same_binary);
+    tcase_add_test(tc, test_consumer_cost_quick);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
