@@ -98,6 +98,9 @@ struct agent {
     struct ks_map slot_of;
     natsSubscription *pool_sub;
     char *pool_name; /* opts.pool points here (copied) */
+    /* "pool-<pool>": the identity of the pool's inbox (its replies: claims,
+     * PubAcks), whatever the connection's credential is named. */
+    char pool_identity[8 + EVT_AGENT_ID_MAX];
     unsigned free_slots; /* commands this process may still claim */
     bool claim_inline;   /* claim on the delivery thread (own threads) */
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */

@@ -301,7 +301,8 @@ publisher_main(void *arg)
             msgs[i] = (struct evt_js_msg){win[i]->subject, win[i]->event_id,
                                           win[i]->buf, win[i]->len, 0};
         }
-        int rc = evt_js_publish_window(a->nc, a->opts.pool ? NULL : ident,
+        int rc = evt_js_publish_window(a->nc,
+                                       a->opts.pool ? a->pool_identity : ident,
                                        msgs, n, PUBLISH_TIMEOUT_MS);
         /* The stream has the leading ones that succeeded: they leave the
          * outbox. From the first failure on, all stay (one that did get
@@ -685,7 +686,8 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     for (;;) {
         int64_t t0 = ks_mono_us();
         if (pool_req)
-            rc = evt_request_bytes_as(a->nc, NULL, pool_subject, NULL,
+            rc = evt_request_bytes_as(a->nc, a->pool_identity, pool_subject,
+                                      NULL,
                                       pool_req, pool_req_len,
                                       CLAIM_TIMEOUT_MS, &m);
         else
@@ -1260,7 +1262,8 @@ heartbeat_once(struct agent *a)
         info.pool = (char *)a->opts.pool;
         info.pool_ids = ids;
         info.n_pool_ids = a->n_slots;
-        rc = evt_pool_put(a->nc, NULL, &info, HEARTBEAT_TIMEOUT_MS);
+        rc = evt_pool_put(a->nc, a->pool_identity, &info,
+                          HEARTBEAT_TIMEOUT_MS);
         free(ids);
         if (rc == 0)
             atomic_store(&a->last_contact_us, ks_mono_us());
@@ -1518,6 +1521,9 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         free(a);
         return -ENOMEM;
     }
+    if (a->pool_name)
+        evt_pool_durable(a->pool_identity, sizeof(a->pool_identity),
+                         a->pool_name);
     a->jobs = (struct ks_map)KS_MAP_INIT;
     a->slot_of = (struct ks_map)KS_MAP_INIT;
     a->seen = (struct ks_map)KS_MAP_INIT;
