@@ -147,12 +147,15 @@ broker__live_add(struct broker *b, const char *command_id,
     pthread_mutex_unlock(&b->mu);
 }
 
-void
+bool
 broker__live_end(struct broker *b, const char *command_id)
 {
     pthread_mutex_lock(&b->mu);
-    free(ks_map_del(&b->live, command_id));
+    char *s = ks_map_del(&b->live, command_id);
     pthread_mutex_unlock(&b->mu);
+    bool had = s != NULL;
+    free(s);
+    return had;
 }
 
 /* Reads one whole stream: max bytes from 0 (what chunked_bytes says). */
