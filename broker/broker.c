@@ -190,6 +190,7 @@ broker__command_ended(struct broker *b, const char *command_id,
 {
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
+    broker__remote_live_end(b, command_id);
     here = broker__batch_target_ended(b, command_id, result) || here;
     /* Nobody here for it: the broker that waits for it (another exec's,
      * a batch's driver) hears of it at once (notice.c). */
@@ -526,6 +527,11 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         pthread_mutex_lock(&b->mu);
         ks_map_put(&b->waiters, command_id, w);
         pthread_mutex_unlock(&b->mu);
+        /* Pieces recorded by another broker come to this client too;
+         * told before the command goes out, so before its first piece. */
+        if (w->live)
+            broker__notice_follow(b, command_id, true, w->reply_subject,
+                                  req->agent_id);
     }
 
     /*
@@ -1412,6 +1418,7 @@ broker_teardown(struct broker *b)
     ks_map_clear(&b->waiters);
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
+    broker__remote_live_free(b);
     ks_map_each(&b->claimed, free_value, NULL);
     ks_map_clear(&b->claimed);
     ks_map_clear(&b->keys_seen);

@@ -17,6 +17,8 @@
 #include <libpq-fe.h>
 
 #include "fixture.h"
+#include "broker.h"
+#include "events.h"
 #include "kproto.h"
 #include "out_fold.h"
 #include "stack.h"
@@ -1183,6 +1185,66 @@ START_TEST(cancel_through_either_broker)
 }
 END_TEST
 
+/* What reached an exec's client live, before its end. */
+struct live_seen {
+    int64_t first_us; /* mono time of the first piece, 0: none */
+    size_t bytes;
+};
+
+static void
+live_seen_cb(const Ks__ExecuteReply *rep, void *ud)
+{
+    struct live_seen *s = ud;
+    for (size_t i = 0; i < rep->n_chunks; i++) {
+        if (!s->first_us)
+            s->first_us = ks_mono_us();
+        s->bytes += rep->chunks[i]->data.len;
+    }
+}
+
+/*
+ * Two brokers: an exec's output reaches it live whichever broker records
+ * each piece (the follower notice, broker/notice.c): "one" arrives about a
+ * second before the end, in every round. Without it, a piece recorded by
+ * the other broker reached the client only with the result.
+ */
+START_TEST(live_output_through_either_broker)
+{
+    char agent[96];
+    ensure_broker();
+    broker2_start();
+    struct evt_conn *c = fixture_client(&stack);
+    for (int round = 0; round < 6; round++) {
+        char *argv[] = {"sh", "-c", "echo one; sleep 1; echo two"};
+        Ks__CommandSpec sp = KS__COMMAND_SPEC__INIT;
+        Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+        Ks__ExecuteReply *rep = NULL;
+        struct live_seen seen = {0};
+        struct broker_exec_hooks h = {live_seen_cb, NULL, &seen};
+        local_agent(round, agent, sizeof(agent));
+        sp.argv = argv;
+        sp.n_argv = 3;
+        req.spec = &sp;
+        req.agent_id = agent;
+        req.live_output = 1;
+        ck_assert_int_eq(broker_execute_hooks(c, &req, 60000, &h, &rep), 0);
+        int64_t end_us = ks_mono_us();
+        ck_assert_msg(rep->error_code == 0, "%s", rep->error);
+        ck_assert_ptr_nonnull(rep->result);
+        ck_assert_int_eq(rep->result->status, KS__COMMAND_STATUS__SUCCEEDED);
+        ck_assert_msg(seen.first_us && seen.bytes >= 4,
+                      "round %d: no output arrived live (%zu bytes)", round,
+                      seen.bytes);
+        ck_assert_msg(end_us - seen.first_us > 500000,
+                      "round %d: the first piece came %.2f s before the end",
+                      round, (double)(end_us - seen.first_us) / 1e6);
+        ks__execute_reply__free_unpacked(rep, NULL);
+    }
+    evt_close(c);
+    stack_stop(stack.dir, "broker2", 20000);
+}
+END_TEST
+
 static int
 count_held(const struct store_batch_held *h, void *ud)
 {
@@ -1711,6 +1773,7 @@ batch_suite(void)
     tcase_add_test(tc, exec_answered_whichever_broker_records);
     tcase_add_test(tc, batch_counts_ends_recorded_by_other_broker);
     tcase_add_test(tc, cancel_through_either_broker);
+    tcase_add_test(tc, live_output_through_either_broker);
     suite_add_tcase(s, tc);
     return s;
 }
