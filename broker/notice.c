@@ -33,6 +33,9 @@
  * is recorded here or noticed, else the scanner's sweep finds the command
  * ended in the record (broker__remote_live_sweep); a piece that does not
  * reach the client live is read from the record by it (cli/out_stream.c).
+ * A broker that starts while a command runs has not heard of its follower:
+ * the pieces it records reach that client that way, at its next live piece
+ * or its end.
  *
  * Only the broker's credential may publish under _KSCORE.broker.
  * (deploy/nats-auth.conf.in: an operator publishes only its API subjects,
