@@ -182,12 +182,13 @@ broker__remote_live_free(struct broker *b)
 }
 
 /* Followers older than this are checked against the record by the sweep,
- * at most SWEEP_MAX at a time. */
+ * at most SWEEP_MAX a pass, SWEEP_CHUNK ids a query. */
 #define SWEEP_AGE_US (30 * INT64_C(1000000))
-#define SWEEP_MAX 1000
+#define SWEEP_MAX 20000
+#define SWEEP_CHUNK 1000
 
 struct sweep {
-    const char **ids;
+    char (*ids)[37];
     size_t n;
     int64_t before;
 };
@@ -198,7 +199,7 @@ sweep_old(const char *key, void *val, void *ud)
     struct sweep *s = ud;
     const struct broker__follower *f = val;
     if (s->n < SWEEP_MAX && f->added_mono_us < s->before)
-        s->ids[s->n++] = key;
+        snprintf(s->ids[s->n++], sizeof(s->ids[0]), "%s", key);
 }
 
 static int
@@ -211,25 +212,31 @@ sweep_ended(const struct store_command_row *c, void *ud)
 void
 broker__remote_live_sweep(struct broker *b, struct store *st)
 {
-    struct sweep s = {calloc(SWEEP_MAX, sizeof(char *)), 0,
-                      ks_mono_us() - SWEEP_AGE_US};
-    char(*ids)[37] = calloc(SWEEP_MAX, sizeof(*ids));
-    const char **ptrs = calloc(SWEEP_MAX, sizeof(*ptrs));
+    struct sweep s = {NULL, 0, ks_mono_us() - SWEEP_AGE_US};
+    const char **ptrs = NULL;
 
-    if (s.ids && ids && ptrs) {
+    pthread_mutex_lock(&b->mu);
+    bool any = b->remote_live.count > 0;
+    pthread_mutex_unlock(&b->mu);
+    if (!any)
+        return;
+    s.ids = calloc(SWEEP_MAX, sizeof(*s.ids));
+    ptrs = calloc(SWEEP_CHUNK, sizeof(*ptrs));
+    if (s.ids && ptrs) {
         pthread_mutex_lock(&b->mu);
-        if (b->remote_live.count)
-            ks_map_each(&b->remote_live, sweep_old, &s);
-        for (size_t i = 0; i < s.n; i++) {
-            snprintf(ids[i], sizeof(ids[i]), "%s", s.ids[i]);
-            ptrs[i] = ids[i];
-        }
+        ks_map_each(&b->remote_live, sweep_old, &s);
         pthread_mutex_unlock(&b->mu);
-        if (s.n)
-            store_command_states(st, ptrs, s.n, 1, sweep_ended, b);
+        /* The followers' brokers recorded these ends themselves: one
+         * query a chunk finds which have ended. */
+        for (size_t at = 0; at < s.n && !b->stopping; at += SWEEP_CHUNK) {
+            size_t k = s.n - at < SWEEP_CHUNK ? s.n - at : SWEEP_CHUNK;
+            for (size_t i = 0; i < k; i++)
+                ptrs[i] = s.ids[at + i];
+            if (store_command_states(st, ptrs, k, 1, sweep_ended, b) != 0)
+                break;
+        }
     }
     free(s.ids);
-    free(ids);
     free(ptrs);
 }
 
