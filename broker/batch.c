@@ -108,14 +108,16 @@ struct batch {
     int64_t start_mono_us;
 };
 
-enum job_kind { JOB_NEW, JOB_ENDED, JOB_CANCEL };
+/* JOB_REMOTE: another broker recorded the end of a target (its notice,
+ * notice.c); the scheduler reads it from the record. */
+enum job_kind { JOB_NEW, JOB_ENDED, JOB_CANCEL, JOB_REMOTE };
 
 struct job {
     struct job *next;
     enum job_kind kind;
     struct batch *batch;       /* JOB_NEW: owned until applied */
     char batch_id[48];         /* JOB_CANCEL */
-    char command_id[37];       /* JOB_ENDED */
+    char command_id[37];       /* JOB_ENDED, JOB_REMOTE */
     Ks__CommandResult *result; /* owned copy */
 };
 
@@ -774,6 +776,8 @@ apply_job(struct broker__batches *m, struct job *j)
                    false, j->result, true);
         j->result = NULL;
         return bt;
+    case JOB_REMOTE:
+        return NULL; /* read from the record by remote_ends */
     }
     return NULL;
 }
@@ -1450,6 +1454,45 @@ adopt(struct broker *b, struct touched *tt)
     free(a.v);
 }
 
+/*
+ * Targets whose end another broker recorded and noticed (JOB_REMOTE, the
+ * n ids): each still in flight here is read from the record now, not at
+ * the next tick (poll_ends then skips it: it has ended here). One read per
+ * target, at this broker only.
+ */
+static void
+remote_ends(struct broker *b, const char *const *ids, size_t n,
+            struct touched *tt)
+{
+    struct broker__batches *m = b->batches;
+
+    for (size_t i = 0; i < n; i++) {
+        Ks__CommandView *v = NULL;
+        pthread_mutex_lock(&m->mu);
+        struct batch *bt = ks_map_get(&m->by_cmd, ids[i]);
+        struct btarget *t = bt ? target_of(bt, ids[i]) : NULL;
+        bool in_flight = t && t->status == KS__COMMAND_STATUS__DISPATCHED;
+        pthread_mutex_unlock(&m->mu);
+        if (!in_flight || store_get_command(b->st_batch, ids[i], &v) != 0)
+            continue; /* a failed read: the tick reads it again */
+        if (kproto_status_terminal(v->status)) {
+            Ks__CommandResult *r = v->result;
+            v->result = NULL;
+            if (r)
+                r->status = v->status;
+            pthread_mutex_lock(&m->mu);
+            bt = ks_map_get(&m->by_cmd, ids[i]);
+            t = bt ? target_of(bt, ids[i]) : NULL;
+            if (t && target_end(bt, t, v->status, false, r, true))
+                touch(tt, bt);
+            else if (!t && r)
+                ks__command_result__free_unpacked(r, NULL);
+            pthread_mutex_unlock(&m->mu);
+        }
+        ks__command_view__free_unpacked(v, NULL);
+    }
+}
+
 static void
 maintain(struct broker *b)
 {
@@ -1558,12 +1601,24 @@ scheduler_main(void *arg)
         jobs = m->head;
         m->head = NULL;
         m->tail = &m->head;
+        size_t nremote = 0;
         for (struct job *j = jobs; j; j = j->next) {
             struct batch *bt = apply_job(m, j);
             if (bt && !bt->done)
                 touch(&tt, bt);
+            nremote += j->kind == JOB_REMOTE;
         }
         pthread_mutex_unlock(&m->mu);
+        if (nremote) {
+            const char **ids = malloc(nremote * sizeof(*ids));
+            size_t k = 0;
+            for (struct job *j = jobs; ids && j; j = j->next)
+                if (j->kind == JOB_REMOTE)
+                    ids[k++] = j->command_id;
+            if (ids)
+                remote_ends(b, ids, k, &tt);
+            free(ids);
+        }
         if (tt.n)
             turn(b, tt.v, tt.n);
         free(tt.v);
@@ -1618,6 +1673,51 @@ broker__batch_target_ended(struct broker *b, const char *command_id,
 }
 
 int
+broker__batch_remote_end(struct broker *b, const char *command_id)
+{
+    struct broker__batches *m = b->batches;
+    struct job *j;
+    int here = 0;
+
+    if (!m)
+        return 0;
+    j = calloc(1, sizeof(*j));
+    if (!j)
+        return 0; /* the tick reads it */
+    j->kind = JOB_REMOTE;
+    snprintf(j->command_id, sizeof(j->command_id), "%s", command_id);
+    pthread_mutex_lock(&m->mu);
+    if (!m->stopping && !m->handed_over &&
+        ks_map_get(&m->by_cmd, command_id)) {
+        push_job(m, j);
+        j = NULL;
+        here = 1;
+    }
+    pthread_mutex_unlock(&m->mu);
+    free(j);
+    return here;
+}
+
+void
+broker__batch_remote_cancel(struct broker *b, const char *batch_id)
+{
+    struct broker__batches *m = b->batches;
+    struct job *j;
+
+    if (!m || !(j = calloc(1, sizeof(*j))))
+        return;
+    j->kind = JOB_CANCEL;
+    snprintf(j->batch_id, sizeof(j->batch_id), "%s", batch_id);
+    pthread_mutex_lock(&m->mu);
+    if (!m->stopping && ks_map_get(&m->live, batch_id)) {
+        push_job(m, j);
+        j = NULL;
+    }
+    pthread_mutex_unlock(&m->mu);
+    free(j);
+}
+
+int
 broker__batch_cancel(struct broker *b, const char *batch_id,
                      const char *operator_name)
 {
@@ -1639,8 +1739,10 @@ broker__batch_cancel(struct broker *b, const char *batch_id,
     pthread_mutex_unlock(&m->api_mu);
     if (rc)
         return rc;
-    /* Driven here: at once, not at the next renewal. */
+    /* Driven here: at once, not at the next renewal; driven by another
+     * broker: that one hears of it at once (notice.c). */
     struct job *j = calloc(1, sizeof(*j));
+    bool here = false;
     if (!j)
         return 0;
     j->kind = JOB_CANCEL;
@@ -1649,9 +1751,12 @@ broker__batch_cancel(struct broker *b, const char *batch_id,
     if (ks_map_get(&m->live, batch_id)) {
         push_job(m, j);
         j = NULL;
+        here = true;
     }
     pthread_mutex_unlock(&m->mu);
     free(j);
+    if (!here)
+        broker__notice_batch_cancel(b, batch_id);
     return 0;
 }
 

@@ -73,7 +73,7 @@ broker__reply_error(struct broker *b, natsMsg *msg,
     free(m);
 }
 
-void
+bool
 broker__reply_waiter(struct broker *b, const char *command_id,
                      const Ks__CommandResult *result, int error_code,
                      const char *error)
@@ -84,7 +84,7 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     w = ks_map_del(&b->waiters, command_id);
     pthread_mutex_unlock(&b->mu);
     if (!w)
-        return;
+        return false;
     Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
     r.command_id = (char *)command_id;
     r.agent_id = w->agent_id;
@@ -95,6 +95,7 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     ks_trace("broker.result_replied", command_id);
     free(w->reply_subject);
     free(w);
+    return true;
 }
 
 static void
@@ -187,9 +188,14 @@ void
 broker__command_ended(struct broker *b, const char *command_id,
                       const Ks__CommandResult *result)
 {
-    broker__reply_waiter(b, command_id, result, 0, NULL);
-    broker__live_end(b, command_id);
-    broker__batch_target_ended(b, command_id, result);
+    bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
+    here = broker__live_end(b, command_id) || here;
+    broker__remote_live_end(b, command_id);
+    here = broker__batch_target_ended(b, command_id, result) || here;
+    /* Nobody here for it: the broker that waits for it (another exec's,
+     * a batch's driver) hears of it at once (notice.c). */
+    if (!here)
+        broker__notice_ended(b, command_id);
 }
 
 void
@@ -523,6 +529,11 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         pthread_mutex_lock(&b->mu);
         ks_map_put(&b->waiters, command_id, w);
         pthread_mutex_unlock(&b->mu);
+        /* Pieces recorded by another broker come to this client too;
+         * told before the command goes out, so before its first piece. */
+        if (w->live)
+            broker__notice_follow(b, command_id, true, w->reply_subject,
+                                  req->agent_id);
     }
 
     /*
@@ -1380,7 +1391,7 @@ broker_teardown(struct broker *b)
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
                                  &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs};
+                                 &b->sub_logs, &b->sub_notice};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1414,6 +1425,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_scan);
     store_close(b->st_follow);
     store_close(b->st_batch);
+    store_close(b->st_notice);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1421,6 +1433,7 @@ broker_teardown(struct broker *b)
     ks_map_clear(&b->waiters);
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
+    broker__remote_live_free(b);
     ks_map_each(&b->claimed, free_value, NULL);
     ks_map_clear(&b->claimed);
     ks_map_clear(&b->keys_seen);
@@ -1518,6 +1531,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
+        (rc = broker__notice_start(&b, errmsg)) ||
         (rc = broker__recorder_start(&b, errmsg)))
         goto out;
     /* In-process agents first: once the API answers, they are there. */

@@ -60,6 +60,18 @@ struct broker__agent {
 #define BROKER_DUP_WINDOW_US ((int64_t)EVT_AGENT_TTL_MS * 1000)
 
 
+/* A client that follows a command's output live through another broker
+ * (notice.c). */
+struct broker__follower {
+    char *subject;  /* where the pieces go */
+    bool exec;      /* an exec's inbox (ExecuteReply), else BatchProgress */
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    int64_t added_mono_us;
+};
+/* At most this many are kept (past it all are dropped: a piece that does
+ * not reach the client live is read from the record by it). */
+#define BROKER_REMOTE_LIVE_MAX 65536
+
 /* Claims and ExecuteCommand are served by this many queue subscriptions
  * each, every one with its own thread and PostgreSQL connection: each is
  * one commit, and a fan-out or a steady rate brings many at once. */
@@ -129,6 +141,16 @@ struct broker {
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;
     struct store *st_batch;
+
+    /* notice.c: ends and batch cancels recorded by another broker. */
+    natsSubscription *sub_notice;
+    struct store *st_notice; /* its delivery thread's reads */
+    char instance_id[37];    /* this process in its notices */
+    bool notice_on;          /* subscribed: publish notices too */
+    /* (mu) command_id -> struct broker__follower *: clients following a
+     * command live through another broker (its follow notice): a piece
+     * recorded here goes to them directly. */
+    struct ks_map remote_live;
 };
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
@@ -165,8 +187,9 @@ bool broker__key_seen(struct broker *b, const char *key);
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);
 
-/* Replies to the client waiting for command_id, if any, with result. */
-void broker__reply_waiter(struct broker *b, const char *command_id,
+/* Replies to the client waiting for command_id, if any, with result.
+ * true if one waited here. */
+bool broker__reply_waiter(struct broker *b, const char *command_id,
                           const Ks__CommandResult *result, int error_code,
                           const char *error);
 
@@ -299,6 +322,13 @@ void broker__on_batch(natsConnection *nc, natsSubscription *sub,
  * any other batch reads the end from the record). */
 int broker__batch_target_ended(struct broker *b, const char *command_id,
                                const Ks__CommandResult *result);
+/* Called on another broker's end notice (notice.c): 1 if command_id is
+ * a target in flight of a batch driven here (the scheduler then reads its
+ * end from the record at once, with the others noticed meanwhile). */
+int broker__batch_remote_end(struct broker *b, const char *command_id);
+/* Another broker recorded a cancel of batch_id: acts on it at once if
+ * driven here. */
+void broker__batch_remote_cancel(struct broker *b, const char *batch_id);
 /* Cancels an open batch, whatever broker drives it (or none yet): records
  * BatchCancelRequested by operator_name; its driver acts on it. Any
  * thread. 0, KS_ENOTFOUND (no open batch with this id) or KS_EPG. */
@@ -330,7 +360,8 @@ void broker__live_forward(struct broker *b, const Ks__Event *ev);
  * until broker__live_end (called when the command ends). */
 void broker__live_add(struct broker *b, const char *command_id,
                       const char *subject);
-void broker__live_end(struct broker *b, const char *command_id);
+/* true if command_id had a batch live follower here. */
+bool broker__live_end(struct broker *b, const char *command_id);
 /* Puts back the bytes of r's outputs that travelled in pieces (reads
  * them with st). 0 or a store error. */
 int broker__fill_output(struct store *st, const char *command_id,
@@ -341,6 +372,42 @@ void broker__handle_logs(struct broker *b, natsMsg *msg);
  * refusal is recorded. 0 or KS_EDENIED with why. */
 int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
                      const char *stream_id, char *why, size_t len);
+
+/*
+ * Notices between brokers (notice.c), core NATS, only the broker's
+ * credential may publish them: BROKER_NOTICE_ENDED<command_id> (a terminal
+ * event was recorded by a broker that had nobody waiting for it),
+ * BROKER_NOTICE_CANCEL<batch_id> (a batch cancel recorded by a broker that
+ * does not drive the batch). Payload: the sender's instance_id.
+ */
+#define BROKER_NOTICE_PREFIX "_KSCORE.broker."
+#define BROKER_NOTICE_ENDED BROKER_NOTICE_PREFIX "ended."
+#define BROKER_NOTICE_CANCEL BROKER_NOTICE_PREFIX "cancel."
+/* BROKER_NOTICE_FOLLOW<command_id>: a client follows the command live
+ * through the sender; payload "<instance_id>\n<e|b>\n<agent_id>\n<subject>"
+ * (e: an exec's inbox, b: a batch's progress subject). */
+#define BROKER_NOTICE_FOLLOW BROKER_NOTICE_PREFIX "follow."
+/* Opens st_notice and subscribes (every broker, not a queue group). */
+int broker__notice_start(struct broker *b, char **errmsg);
+void broker__notice_ended(struct broker *b, const char *command_id);
+void broker__notice_batch_cancel(struct broker *b, const char *batch_id);
+/* Tells the other brokers that subject follows command_id live here, so
+ * the pieces they record go to it too. */
+void broker__notice_follow(struct broker *b, const char *command_id,
+                           bool exec, const char *subject,
+                           const char *agent_id);
+/* Sends a recorded piece to a client following it through another
+ * broker; false if there is none. */
+bool broker__remote_forward(struct broker *b, const Ks__Event *ev);
+/* Forgets command_id's remote follower (its end was recorded here or
+ * noticed). */
+void broker__remote_live_end(struct broker *b, const char *command_id);
+/* Frees them all (teardown). */
+void broker__remote_live_free(struct broker *b);
+/* Forgets the remote followers of commands that have ended (their end
+ * recorded by the follower's broker, which sends no notice): reads the
+ * older ones' states with st. The scanner thread, now and then. */
+void broker__remote_live_sweep(struct broker *b, struct store *st);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);

@@ -109,8 +109,11 @@ broker__live_forward(struct broker *b, const Ks__Event *ev)
             subject = strdup(s);
     }
     pthread_mutex_unlock(&b->mu);
-    if (!subject)
+    if (!subject) {
+        /* Perhaps followed through another broker (notice.c). */
+        broker__remote_forward(b, ev);
         return;
+    }
     Ks__OutputChunk *cs[1] = {ev->chunk};
     if (exec) {
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
@@ -137,22 +140,32 @@ void
 broker__live_add(struct broker *b, const char *command_id,
                  const char *subject)
 {
-    char *s = strdup(subject);
+    char *s = strdup(subject), *old;
+    bool added;
     if (!s)
         return;
     pthread_mutex_lock(&b->mu);
-    free(ks_map_del(&b->live, command_id));
-    if (ks_map_put(&b->live, command_id, s) != 0)
-        free(s);
+    old = ks_map_del(&b->live, command_id);
+    added = ks_map_put(&b->live, command_id, s) == 0;
     pthread_mutex_unlock(&b->mu);
+    /* New here (it is added again at every tick): the pieces another
+     * broker records come here too. */
+    if (added && (!old || strcmp(old, subject) != 0))
+        broker__notice_follow(b, command_id, false, subject, "");
+    if (!added)
+        free(s);
+    free(old);
 }
 
-void
+bool
 broker__live_end(struct broker *b, const char *command_id)
 {
     pthread_mutex_lock(&b->mu);
-    free(ks_map_del(&b->live, command_id));
+    char *s = ks_map_del(&b->live, command_id);
     pthread_mutex_unlock(&b->mu);
+    bool had = s != NULL;
+    free(s);
+    return had;
 }
 
 /* Reads one whole stream: max bytes from 0 (what chunked_bytes says). */

@@ -183,7 +183,7 @@ static void *
 scanner_main(void *arg)
 {
     struct broker *b = arg;
-    int64_t last_running = 0;
+    int64_t last_running = 0, last_sweep = ks_mono_us();
 
     while (!b->stopping) {
         nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
@@ -199,6 +199,11 @@ scanner_main(void *arg)
         if (ks_mono_us() - last_running >= 1000000) {
             last_running = ks_mono_us();
             store_scan_open(b->st_scan, "Running", 0, 1000, on_running, b);
+        }
+        /* Live followers on other brokers of commands that ended there. */
+        if (ks_mono_us() - last_sweep >= 10 * INT64_C(1000000)) {
+            last_sweep = ks_mono_us();
+            broker__remote_live_sweep(b, b->st_scan);
         }
     }
     return NULL;

@@ -1504,6 +1504,33 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
 }
 END_TEST
 
+/* The notices between brokers (broker/notice.c) answer waiting clients,
+ * count batch targets, cancel batches and say where live output goes:
+ * only the broker's credential may publish them, not an agent's nor an
+ * operator's. */
+START_TEST(only_brokers_publish_notices)
+{
+    char u[37], subjects[3][128];
+    ks_uuid(u);
+    snprintf(subjects[0], sizeof(subjects[0]), "_KSCORE.broker.ended.%s", u);
+    snprintf(subjects[1], sizeof(subjects[1]), "_KSCORE.broker.follow.%s",
+             u);
+    snprintf(subjects[2], sizeof(subjects[2]),
+             "_KSCORE.broker.cancel.batch-%s", u);
+    struct thief *t = thief_connect(stack.agent_seed);
+    struct thief *op = thief_connect(stack.operator_seed);
+    for (int i = 0; i < 3; i++) {
+        natsConnection_PublishString(t->nc, subjects[i], "x");
+        ck_assert(thief_refused(t, "Publish to", subjects[i]));
+        natsConnection_PublishString(op->nc, subjects[i], "x");
+        natsConnection_Flush(op->nc);
+        ck_assert(server_refused("operator", "Publish", subjects[i]));
+    }
+    thief_close(op);
+    thief_close(t);
+}
+END_TEST
+
 static Suite *
 security_suite(void)
 {
@@ -1520,6 +1547,7 @@ security_suite(void)
     tcase_add_test(tc, a_huge_registry_entry_is_ignored);
     tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
+    tcase_add_test(tc, only_brokers_publish_notices);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
     /* These add users and reload the server's users. */
