@@ -319,6 +319,10 @@ struct agent_opts {
      * heartbeat instead of one per id (deploy/SCALING.md). Copied.
      */
     const char *pool;
+    /* NULL, or the broker's attestation of the pool's labels, signed over
+     * the id "pool.<pool>" (its registry key): sent in every pool entry,
+     * as an id's own attestation is (copied as attestations are). */
+    const struct agent_attestation *pool_attestation;
     const struct agent_label *labels; /* for every id */
     size_t n_labels;
     /* NULL, or n_ids entries (one per id; sig NULL: none for that id):

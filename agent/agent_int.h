@@ -101,6 +101,12 @@ struct agent {
     /* "pool-<pool>": the identity of the pool's inbox (its replies: claims,
      * PubAcks), whatever the connection's credential is named. */
     char pool_identity[8 + EVT_AGENT_ID_MAX];
+    /* opts.pool_attestation, copied (labels borrowed), sent in every pool
+     * entry; has_pool_attest false: none. */
+    bool has_pool_attest;
+    struct agent_attestation pool_attest;
+    uint8_t pool_attest_sig[EVT_SIGNATURE_BYTES];
+    char pool_attest_key_id[EVT_KEY_ID_CHARS + 1];
     unsigned free_slots; /* commands this process may still claim */
     bool claim_inline;   /* claim on the delivery thread (own threads) */
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */

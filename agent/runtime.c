@@ -1262,9 +1262,30 @@ heartbeat_once(struct agent *a)
         info.pool = (char *)a->opts.pool;
         info.pool_ids = ids;
         info.n_pool_ids = a->n_slots;
+        /* The broker's signature over the pool's labels (its key
+         * "pool.<pool>"), passed on as is. */
+        Ks__EnvVar *pav = NULL, **pap = NULL;
+        if (a->has_pool_attest &&
+            (pav = calloc(a->pool_attest.n_labels + 1, sizeof(*pav))) &&
+            (pap = calloc(a->pool_attest.n_labels + 1, sizeof(*pap)))) {
+            for (size_t k = 0; k < a->pool_attest.n_labels; k++) {
+                ks__env_var__init(&pav[k]);
+                pav[k].name = (char *)a->pool_attest.labels[k].key;
+                pav[k].value = (char *)a->pool_attest.labels[k].value;
+                pap[k] = &pav[k];
+            }
+            info.attested_labels = pap;
+            info.n_attested_labels = a->pool_attest.n_labels;
+            info.labels_enrolled_at_us = a->pool_attest.enrolled_at_us;
+            info.labels_signature.data = a->pool_attest_sig;
+            info.labels_signature.len = sizeof(a->pool_attest_sig);
+            info.labels_key_id = a->pool_attest_key_id;
+        }
         rc = evt_pool_put(a->nc, a->pool_identity, &info,
                           HEARTBEAT_TIMEOUT_MS);
         free(ids);
+        free(pav);
+        free(pap);
         if (rc == 0)
             atomic_store(&a->last_contact_us, ks_mono_us());
         goto out;
@@ -1524,6 +1545,18 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     if (a->pool_name)
         evt_pool_durable(a->pool_identity, sizeof(a->pool_identity),
                          a->pool_name);
+    a->opts.pool_attestation = NULL;
+    if (a->pool_name && opts->pool_attestation &&
+        opts->pool_attestation->sig) {
+        a->has_pool_attest = true;
+        a->pool_attest = *opts->pool_attestation;
+        memcpy(a->pool_attest_sig, opts->pool_attestation->sig,
+               EVT_SIGNATURE_BYTES);
+        snprintf(a->pool_attest_key_id, sizeof(a->pool_attest_key_id), "%s",
+                 opts->pool_attestation->key_id
+                     ? opts->pool_attestation->key_id
+                     : "");
+    }
     a->jobs = (struct ks_map)KS_MAP_INIT;
     a->slot_of = (struct ks_map)KS_MAP_INIT;
     a->seen = (struct ks_map)KS_MAP_INIT;

@@ -1574,12 +1574,25 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             int64_t now = ks_now_us();
             lv.name = (char *)lab.key;
             lv.value = (char *)lab.value;
-            for (unsigned i = 0; i < opts->local_agents; i++)
-                if (ids[i] && evt_labels_sign(b.signer, ids[i], now, &lp, 1,
-                                              sigs[i]) == 0)
-                    att[i] = (struct agent_attestation){
-                        &lab, 1, now, sigs[i], evt_signer_key_id(b.signer)};
-            ao.attestations = att;
+            if (ao.pool) {
+                /* The pool's entry carries one attestation, over its
+                 * registry key "pool.<host>". */
+                char key[sizeof(EVT_POOL_KEY_PREFIX) + sizeof(host)];
+                snprintf(key, sizeof(key), EVT_POOL_KEY_PREFIX "%s", host);
+                if (evt_labels_sign(b.signer, key, now, &lp, 1, sigs[0]) == 0) {
+                    att[0] = (struct agent_attestation){
+                        &lab, 1, now, sigs[0], evt_signer_key_id(b.signer)};
+                    ao.pool_attestation = &att[0];
+                }
+            } else {
+                for (unsigned i = 0; i < opts->local_agents; i++)
+                    if (ids[i] && evt_labels_sign(b.signer, ids[i], now, &lp,
+                                                  1, sigs[i]) == 0)
+                        att[i] = (struct agent_attestation){
+                            &lab, 1, now, sigs[i],
+                            evt_signer_key_id(b.signer)};
+                ao.attestations = att;
+            }
         }
         rc = agent_start(&ao, &b.local, errmsg);
         free(att);

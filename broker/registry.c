@@ -712,13 +712,16 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         return;
     }
     provq_push(q, key, info);
-    /* A pool's labels are its own word (its credential, or the broker's,
-     * wrote the entry; no per-id attestation): under
-     * --require-signed-labels it gets none, as an unattested agent. */
-    bool require = b->opts && b->opts->require_signed_labels;
-    if (require)
-        drop_labels(&info->labels, &info->n_labels);
-    drop_labels(&info->attested_labels, &info->n_attested_labels);
+    /* A pool's labels as an agent's: what this broker signed for its key
+     * ("pool.<pool>": `kscore agent enroll --pool-size`, or a broker's own
+     * local pool), else its own word, and none under
+     * --require-signed-labels (labels_settle). */
+    char *own_id0 = info->agent_id, *verified = NULL;
+    const char *why = NULL;
+    info->agent_id = (char *)key;
+    bool sig = labels_settle(b, info, &why, &verified);
+    info->agent_id = own_id0;
+    free(verified);
     /* The template of each id's entry: the pool's without its list, and
      * without the whole pool's running count (not one id's). */
     char **ids = info->pool_ids, *own_id = info->agent_id;
@@ -744,7 +747,7 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         m->agent_id = id; /* "" unpacked is protobuf-c's static default */
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, false, NULL, NULL, true);
+        agent_update(b, ids[i], m, sig, NULL, NULL, true);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }

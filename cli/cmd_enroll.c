@@ -559,6 +559,9 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     /* A pool (--pool-size N): id names the pool, its ids are id-0 ..
      * id-<N-1>, its identity pool-<id> (deploy/nats-auth.conf.in). */
     const enum stack_kind kind = pool_size ? STACK_POOL : STACK_AGENT;
+    /* A pool's labels are attested over its registry key, "pool.<id>". */
+    char pool_key[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX];
+    snprintf(pool_key, sizeof(pool_key), EVT_POOL_KEY_PREFIX "%s", id);
     snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
              id);
     if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
@@ -613,8 +616,8 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
      * signs commands too, so the agent host needs nothing new to trust. */
     snprintf(dir, sizeof(dir), "%s/keys/broker.key", home);
     if ((rc = evt_signer_load(dir, &signer)) ||
-        (rc = sign_labels(signer, id, enrolled_at_us, labels, n_labels,
-                          sig))) {
+        (rc = sign_labels(signer, pool_size ? pool_key : id, enrolled_at_us,
+                          labels, n_labels, sig))) {
         cli_err("cannot sign agent %s's labels with the broker's key %s: %s",
                 id, dir, ks_strerror(rc));
         goto out;
@@ -673,8 +676,7 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
         fprintf(f, "id = %s\n", id);
     for (size_t i = 0; i < n_labels; i++)
         fprintf(f, "label = %s\n", labels[i]);
-    if (!pool_size)
-        fprintf(f,
+    fprintf(f,
             "# The broker's signature over id, labels and enrolled_at_us: "
             "the broker\n# gives the agent these labels only (a changed "
             "one voids it).\n"

@@ -1711,7 +1711,10 @@ cmd_agent(int argc, char **argv)
             att.enrolled_at_us = bundle.enrolled_at_us;
             att.sig = bundle.labels_sig;
             att.key_id = bundle.labels_key_id;
-            o.attestations = &att;
+            if (bundle.pool[0])
+                o.pool_attestation = &att;
+            else
+                o.attestations = &att;
             for (size_t i = 0; i < o.n_labels; i++) {
                 bool attested = false;
                 for (size_t j = 0; j < att.n_labels && !attested; j++)

@@ -17,6 +17,7 @@
  * perf_main.c's targets from the same run's floors: N x spawn_p50 / cpus
  * + 4N events / pg_pipeline_rows_per_s.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <libpq-fe.h>
 #include <stdio.h>
@@ -109,6 +110,70 @@ pool_name(char *buf, size_t len, unsigned k)
 /* Enrols pool k (`kscore agent enroll pNN --pool-size per`: its own
  * credential, which may serve its ids only) and starts `kscore agent
  * --bundle` for it, for each of the pools. */
+/* CPU time (us) of pid and, with children, of every process whose parent
+ * it is (PostgreSQL's backends under the postmaster); -1 when gone. */
+static int64_t
+cpu_us_of(pid_t pid, bool children)
+{
+    struct perf_proc pp;
+    int64_t sum;
+    DIR *d;
+    struct dirent *e;
+
+    if (pid <= 0 || perf__proc_sample(pid, &pp) != 0)
+        return -1;
+    sum = pp.cpu_us;
+    if (!children || !(d = opendir("/proc")))
+        return sum;
+    while ((e = readdir(d))) {
+        char path[300], buf[512], *p;
+        long ppid = 0;
+        FILE *f;
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+        if (!(f = fopen(path, "re")))
+            continue;
+        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        /* Field 4 (ppid) after "(comm) state" (proc(5)). */
+        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
+            ppid == pid &&
+            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
+            sum += pp.cpu_us;
+    }
+    closedir(d);
+    return sum;
+}
+
+/* CPU seconds of each part of the stack, for the per-command cost model
+ * of deploy/SCALING.md: nats (all nodes), postgres, brokers, agents. */
+struct stack_cpu {
+    int64_t nats, pg, brokers, agents;
+};
+
+static void
+stack_cpu(const char *home, unsigned pools, struct stack_cpu *out)
+{
+    struct stack_node nodes[CLUSTER_NODES];
+    memset(out, 0, sizeof(*out));
+    if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
+        for (unsigned i = 0; i < CLUSTER_NODES; i++)
+            out->nats += cpu_us_of(nodes[i].pid, false);
+    out->pg = cpu_us_of(pid_of(home, "pg"), true);
+    out->brokers = cpu_us_of(pid_of(home, "broker-1"), false) +
+                   cpu_us_of(pid_of(home, "broker-2"), false);
+    for (unsigned k = 0; k < pools; k++) {
+        char pool[16], name[32];
+        pool_name(pool, sizeof(pool), k);
+        snprintf(name, sizeof(name), "pool-%s", pool);
+        /* The agent and its children (the watchdog; the commands' own
+         * processes are reaped and counted in its cutime, not here). */
+        out->agents += cpu_us_of(pid_of(home, name), false);
+    }
+}
+
 static int
 pools_start(const char *bin, const char *home, unsigned pools, unsigned per)
 {
@@ -236,6 +301,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     int64_t t0, online_us = 0, dt = 0;
     long targets = -1, not_one = -1, twice = -1, online = 0, events = -1,
          events_bytes = -1;
+    struct stack_cpu cpu0, cpu1;
     int rc;
 
     snprintf(home, sizeof(home), "%s/cluster-%d", ctx->st->dir, round);
@@ -307,9 +373,11 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         req.spec = &spec;
         req.agents = ids;
         req.n_agents = n;
+        stack_cpu(home, pools, &cpu0);
         t0 = ks_mono_us();
         rc = broker_batch(c, &req, 900000, &rep);
         dt = ks_mono_us() - t0;
+        stack_cpu(home, pools, &cpu1);
     }
     if (rc == 0 && rep->error_code) {
         fprintf(stderr, "kscore perf: batch refused: %s\n", rep->error);
@@ -334,6 +402,15 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     json_object_set_new(o, "recorded_targets", json_integer(targets));
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
     json_object_set_new(o, "started_twice", json_integer(twice));
+    /* CPU seconds each part spent on the batch (request to reply). */
+    json_object_set_new(o, "cpu_nats_s",
+                        json_real((double)(cpu1.nats - cpu0.nats) / 1e6));
+    json_object_set_new(o, "cpu_postgres_s",
+                        json_real((double)(cpu1.pg - cpu0.pg) / 1e6));
+    json_object_set_new(o, "cpu_brokers_s",
+                        json_real((double)(cpu1.brokers - cpu0.brokers) / 1e6));
+    json_object_set_new(o, "cpu_agents_s",
+                        json_real((double)(cpu1.agents - cpu0.agents) / 1e6));
     json_object_set_new(o, "events_in_record", json_integer(events));
     json_object_set_new(o, "events_table_bytes", json_integer(events_bytes));
     json_object_set_new(o, "recorded_once",
