@@ -640,7 +640,10 @@ cmd_status(int argc, char **argv)
             printf("usage: kscore status [--json] [--nats URL --nkey FILE "
                    "...]\nThe local stack's parts (pid, address, state) and "
                    "every agent the broker knows, local or remote (online, "
-                   "last seen, version, running).\nExit 0 when every part "
+                   "last seen, version, running). On a cluster (up "
+                   "--cluster N) also each node's JetStream role, each "
+                   "stream's leader and whether its followers are current, "
+                   "and the batches each broker drives.\nExit 0 when every part "
                    "of the local stack runs, 1 otherwise.\n");
             return 0;
         default:

@@ -52,6 +52,7 @@ stack_down(const char *h)
     stack_stop(h, "fleet", 10000);
     /* deploy_files_start_a_cluster's parts */
     stack_stop(h, "dagent", 10000);
+    stack_stop(h, "ragent", 10000);
     stack_stop(h, "dbroker-1", 10000);
     stack_stop(h, "dbroker-2", 10000);
     for (int i = 1; i <= 3; i++) {
@@ -541,6 +542,69 @@ START_TEST(node_kill_then_broker_kill)
 }
 END_TEST
 
+/*
+ * An agent that starts while the registry stream has no leader (two of
+ * the three nodes down: no quorum; as after a restart of the nodes, until
+ * the stream's raft group elects one) keeps trying to register, and does
+ * once the nodes are back, instead of exiting at its first heartbeat.
+ */
+START_TEST(agent_registers_once_the_registry_answers)
+{
+    up_cluster();
+    ck_assert_int_eq(stack_stop(home, "agent", 20000), 0);
+    pid_t p2 = node_pid(2), p3 = node_pid(3);
+    ck_assert_int_eq(kill(p2, SIGKILL), 0);
+    ck_assert_int_eq(kill(p3, SIGKILL), 0);
+    for (int i = 0; i < 200 && (kill(p2, 0) == 0 || kill(p3, 0) == 0); i++)
+        usleep(10 * 1000);
+
+    char *url = env_get("KSCORE_NATS_URL"), *agent = env_get("KSCORE_AGENT");
+    char seed[PATH_MAX + 64], trust[PATH_MAX + 64], state[PATH_MAX + 32];
+    const char *bin = getenv("KSCORE_BIN");
+    pid_t pid;
+    snprintf(seed, sizeof(seed), "%s/keys/agent-%s.nk", home, agent);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    snprintf(state, sizeof(state), "%s/ragent", tmpdir);
+    char *argv[] = {(char *)(bin ? bin : "kscore"), "agent", "--id", agent,
+                    "--nats", url, "--trust-key", trust, "--state-dir",
+                    state, "--config", "/dev/null", NULL};
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    ck_assert_int_eq(stack_daemon(home, "ragent", argv, &pid), 0);
+    unsetenv("KSCORE_NATS_NKEY");
+    /* a few heartbeat timeouts: it is still there, trying */
+    sleep(5);
+    ck_assert_msg(stack_pidfile_alive(home, "ragent", NULL) == 1,
+                  "the agent gave up while the registry had no leader (see "
+                  "%s/ragent.log)", home);
+
+    /* the two nodes again (not `up`: it would start its own agent) */
+    struct stack_node nodes[3];
+    stack_cluster_nodes(home, 3, nodes);
+    ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
+                                         STACK_NATS_AUTH_INCLUDE, NULL, 0),
+                     0);
+    double t0 = now_s();
+    const char *ex[] = {"exec", "--", "echo", "back", NULL};
+    struct fixture_out o;
+    int st;
+    do {
+        ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
+        st = o.status;
+        if (st == 0)
+            ck_assert_str_eq(o.out, "back\n");
+        fixture_out_release(&o);
+        if (st != 0)
+            usleep(500 * 1000);
+    } while (st != 0 && now_s() - t0 < 60);
+    ck_assert_msg(st == 0, "no exec on the agent 60 s after the nodes came "
+                           "back (see %s/ragent.log)", home);
+    fprintf(stderr, "test_cluster: the waiting agent served %.1f s after "
+                    "the nodes came back\n", now_s() - t0);
+    free(url);
+    free(agent);
+}
+END_TEST
+
 /* ---- the files of deploy/cluster, as documented, on loopback ------------ */
 
 /* text with every `from` replaced by `to` (malloc'd; text is freed). */
@@ -812,6 +876,7 @@ cluster_suite(void)
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, node_kill_then_broker_kill);
     tcase_add_test(tc, deploy_files_start_a_cluster);
+    tcase_add_test(tc, agent_registers_once_the_registry_answers);
     suite_add_tcase(s, tc);
     return s;
 }
