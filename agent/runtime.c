@@ -67,6 +67,9 @@ _Static_assert(CLAIM_UNRECORDED_TRIES < EVT_AGENT_MAX_DELIVER,
 #define AGENT_VERSION "0.1.0"
 /* The keeper's period (ms): progress acks, contact, fence. */
 #define KEEPER_TICK_MS 200
+/* How long the registration (the first heartbeat) is tried again while
+ * the registry stream does not answer (ms): register_retrying. */
+#define REGISTER_RETRY_MS 30000
 /* A heartbeat that failed is tried again this soon (ms). */
 #define HEARTBEAT_RETRY_MS 500
 /* Threads that claim queued messages (a claim is a round trip). */
@@ -1378,6 +1381,38 @@ heartbeat_main(void *arg)
     return NULL;
 }
 
+/*
+ * The first heartbeat (the registration), tried again with backoff for up
+ * to REGISTER_RETRY_MS while it times out or finds no stream: on a
+ * JetStream cluster that has just started, or started again, the
+ * registry stream's raft group elects its leader some seconds after the
+ * meta leader and after the brokers answer, and until then a put gets no
+ * responders or no PubAck. Failing at the first one left `kscore up
+ * --cluster` waiting for a heartbeat that never came.
+ */
+static int
+register_retrying(struct agent *a)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)REGISTER_RETRY_MS * 1000;
+    int delay_ms = 250, rc, tries = 1;
+
+    while ((rc = heartbeat_once(a)) == KS_EUNAVAIL || rc == KS_ETIMEDOUT) {
+        if (ks_mono_us() + (int64_t)delay_ms * 1000 >= deadline)
+            break;
+        if (tries == 1)
+            ks_log(KS_LOG_WARN, "registry not answering yet: trying again",
+                   KS_S("kv", EVT_KV_AGENTS), KS_S("error", ks_strerror(rc)));
+        struct timespec ts = {delay_ms / 1000,
+                              (long)(delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        delay_ms = delay_ms * 2 > 2000 ? 2000 : delay_ms * 2;
+        tries++;
+    }
+    if (rc == 0 && tries > 1)
+        ks_log(KS_LOG_INFO, "registered", KS_I("tries", tries));
+    return rc;
+}
+
 /* ---- keeper: progress acks, contact, self-fence -------------------------- */
 
 struct collect {
@@ -1707,7 +1742,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
      * An agent never calls the JetStream API, so this is also where it
      * learns that there is no registry bucket: no stream answers.
      */
-    rc = heartbeat_once(a);
+    rc = register_retrying(a);
     if (rc) {
         if (errmsg &&
             asprintf(errmsg, "cannot register in KV bucket %s: %s%s",

@@ -14,6 +14,7 @@
 #include "agent.h"
 #include "cli_int.h"
 #include "stack.h"
+#include "store.h"
 
 /* `up --cluster N` runs this many brokers (the queue group kscore-broker
  * shares requests, batch leases in PostgreSQL share batches). */
@@ -378,6 +379,81 @@ out:
     free(env_key);
 }
 
+/* The batches each broker drives (its leases in batch_leases): owner is
+ * "<host>/<pid>/<uuid>", so a broker is known by its pid. */
+struct lease_list {
+    pid_t pids[2 * STACK_CLUSTER_MAX];
+    json_t *held[2 * STACK_CLUSTER_MAX]; /* array of batch ids per pid */
+    size_t n;
+};
+
+static void
+lease_add(const char *owner, const char *batch_id, void *ud)
+{
+    struct lease_list *ll = ud;
+    const char *sl = strchr(owner, '/');
+    pid_t pid = sl ? (pid_t)atoi(sl + 1) : 0;
+    for (size_t i = 0; i < ll->n; i++)
+        if (ll->pids[i] == pid) {
+            json_array_append_new(ll->held[i], json_string(batch_id));
+            return;
+        }
+}
+
+/* Fills ll->held for the brokers' pids (those alive) from the database;
+ * false when it cannot be read (the lists stay empty). */
+static bool
+leases_read(const char *db, struct lease_list *ll)
+{
+    struct store *st = NULL;
+    bool ok = false;
+    if (db && db[0] && store_open(db, &st, NULL) == 0)
+        ok = store_batch_leases_held(st, lease_add, ll) == 0;
+    store_close(st);
+    return ok;
+}
+
+/* A cluster's streams as their leaders see them: text and JSON. */
+static json_t *
+status_streams(const struct stack_node *nodes, unsigned n, bool json)
+{
+    struct stack_stream_state ss[STACK_STREAMS];
+    json_t *a = json_array();
+    if (stack_cluster_streams(nodes, n, ss) != 0)
+        return a;
+    for (int k = 0; k < STACK_STREAMS; k++) {
+        const struct stack_stream_state *s = &ss[k];
+        json_t *o = json_object();
+        json_object_set_new(o, "name", json_string(s->name));
+        json_object_set_new(o, "leader", s->leader[0]
+                                             ? json_string(s->leader)
+                                             : json_null());
+        json_object_set_new(o, "replicas", json_integer(s->replicas + 1));
+        json_object_set_new(o, "followers_current", json_integer(s->current));
+        json_object_set_new(o, "followers", json_integer(s->replicas));
+        json_object_set_new(o, "behind", json_string(s->behind));
+        json_object_set_new(o, "current", json_boolean(
+                                              s->leader[0] &&
+                                              s->current == s->replicas));
+        json_object_set_new(o, "messages", json_integer(s->messages));
+        json_object_set_new(o, "last_seq", json_integer(s->last_seq));
+        json_array_append_new(a, o);
+        if (json)
+            continue;
+        char behind[160] = "";
+        if (s->behind[0])
+            snprintf(behind, sizeof(behind), " (behind: %s)", s->behind);
+        if (!s->leader[0])
+            printf("stream   %-17s no leader\n", s->name);
+        else
+            printf("stream   %-17s leader %s, followers %d/%d current%s, "
+                   "%lld messages\n",
+                   s->name, s->leader, s->current, s->replicas, behind,
+                   s->messages);
+    }
+    return a;
+}
+
 static int
 print_status(bool json, struct cli_conn *cc)
 {
@@ -393,8 +469,22 @@ print_status(bool json, struct cli_conn *cc)
     json_t *o = json_object(), *jp = json_object();
     json_t *jn = json_array(), *jb = json_array();
 
-    if (cluster)
+    struct lease_list ll = {.n = 0};
+    bool leases = false;
+    if (cluster) {
         stack_cluster_nodes(home, cluster, nodes);
+        for (unsigned k = 1; k <= CLUSTER_BROKERS; k++) {
+            char bname[16];
+            pid_t bp = 0;
+            snprintf(bname, sizeof(bname), "broker-%u", k);
+            if (stack_pidfile_alive(home, bname, &bp) == 1) {
+                ll.pids[ll.n] = bp;
+                ll.held[ll.n++] = json_array();
+            }
+        }
+        if (ll.n && stack_pidfile_alive(home, "pg", NULL) == 1)
+            leases = leases_read(db, &ll);
+    }
     for (size_t i = 0; i < nparts; i++) {
         pid_t pid = 0;
         const char *name = names[i];
@@ -450,8 +540,28 @@ print_status(bool json, struct cli_conn *cc)
                                 rss >= 0 ? json_integer(rss) : json_null());
             if (rss >= 0)
                 snprintf(extra, sizeof(extra), "rss %ld MiB", rss / 1024);
-            if (cluster)
+            json_t *held = NULL;
+            for (size_t k = 0; alive && k < ll.n; k++)
+                if (ll.pids[k] == pid)
+                    held = ll.held[k];
+            if (cluster) {
+                /* the batches it drives (holds the lease of) */
+                size_t nh = held ? json_array_size(held) : 0;
+                json_object_set(p, "batches",
+                                leases && held ? held : json_null());
+                if (leases && alive) {
+                    size_t l = strlen(extra);
+                    snprintf(extra + l, sizeof(extra) - l,
+                             ", drives %zu batch%s%s%s", nh,
+                             nh == 1 ? "" : "es", nh ? ": " : "",
+                             nh ? json_string_value(json_array_get(held, 0))
+                                : "");
+                    l = strlen(extra);
+                    if (nh > 1)
+                        snprintf(extra + l, sizeof(extra) - l, " ...");
+                }
                 json_array_append(jb, p);
+            }
         }
         json_object_set_new(p, "address", json_string(addr ? addr : ""));
         json_object_set_new(jp, name, p);
@@ -464,6 +574,11 @@ print_status(bool json, struct cli_conn *cc)
                    extra);
         }
     }
+    if (cluster)
+        json_object_set_new(o, "streams",
+                            status_streams(nodes, cluster, json));
+    for (size_t k = 0; k < ll.n; k++)
+        json_decref(ll.held[k]);
     if (json) {
         json_object_set_new(o, "home", json_string(home));
         json_object_set_new(o, "nats_url", url ? json_string(url)
@@ -525,7 +640,10 @@ cmd_status(int argc, char **argv)
             printf("usage: kscore status [--json] [--nats URL --nkey FILE "
                    "...]\nThe local stack's parts (pid, address, state) and "
                    "every agent the broker knows, local or remote (online, "
-                   "last seen, version, running).\nExit 0 when every part "
+                   "last seen, version, running). On a cluster (up "
+                   "--cluster N) also each node's JetStream role, each "
+                   "stream's leader and whether its followers are current, "
+                   "and the batches each broker drives.\nExit 0 when every part "
                    "of the local stack runs, 1 otherwise.\n");
             return 0;
         default:
@@ -1010,6 +1128,21 @@ cmd_up(int argc, char **argv)
         cli_err("the broker does not answer: %s (see %s/broker.log)",
                 ks_strerror(rc), home);
         goto fail;
+    }
+    if (cluster) {
+        /* Each replicated stream's raft group elects its own leader,
+         * seconds after the meta leader and often after the brokers
+         * answer (always so when the nodes start again with their
+         * stores): until the registry's has one, an agent's heartbeat
+         * finds no stream. The agent tries again for a while too; this
+         * wait makes its first try the one that works. */
+        int64_t t0 = ks_mono_us();
+        if (stack_cluster_wait_streams(nodes, cluster, false, 60000) != 0)
+            fprintf(stderr, "kscore: a stream has no leader yet (`kscore "
+                            "status` says which); going on\n");
+        else if (ks_mono_us() - t0 > 1000000)
+            fprintf(stderr, "kscore: the streams' leaders elected (%.1f s)\n",
+                    (double)(ks_mono_us() - t0) / 1e6);
     }
     if (!agent_up) {
         fprintf(stderr, "kscore: starting agent %s ...\n", agent_id);

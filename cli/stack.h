@@ -302,6 +302,32 @@ const char *stack_js_role(const struct stack_js_info *ji);
 int stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
                               int timeout_ms, char *leader, size_t len);
 
+/* The replicated streams of the stack (KSCORE_CMDS, KSCORE_EVENTS and the
+ * agents bucket's KV_KSCORE_AGENTS), as their leader sees them. */
+#define STACK_STREAMS 3
+extern const char *const stack_stream_names[STACK_STREAMS];
+struct stack_stream_state {
+    char name[32];
+    char leader[64];   /* "" while its raft group has no leader */
+    int replicas;      /* the peers besides the leader */
+    int current;       /* of those, how many the leader calls current */
+    char behind[128];  /* the ones that are not, comma separated */
+    long long messages, last_seq;
+};
+
+/* Each stack stream's state (out[STACK_STREAMS], in stack_stream_names'
+ * order), from the running nodes' /jsz: the leader's own view of its
+ * replicas (a follower's view of the others is stale). A stream that no
+ * node reports, or whose named leader does not report it as leader, has
+ * leader "". 0, or KS_EUNAVAIL when no node answered. */
+int stack_cluster_streams(const struct stack_node *nodes, unsigned n,
+                          struct stack_stream_state *out);
+
+/* Waits (<= timeout_ms) until every stack stream has a leader and, with
+ * all_current, every replica is current. 0 or KS_ETIMEDOUT. */
+int stack_cluster_wait_streams(const struct stack_node *nodes, unsigned n,
+                               bool all_current, int timeout_ms);
+
 /* GET http://127.0.0.1:port<path>: the body of a 200 (malloc'd). 0,
  * KS_EUNAVAIL, KS_ETIMEDOUT, -errno. */
 int stack_http_get(int port, const char *path, int timeout_ms,

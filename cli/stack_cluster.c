@@ -321,6 +321,108 @@ stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
     return KS_ETIMEDOUT;
 }
 
+const char *const stack_stream_names[STACK_STREAMS] = {
+    "KSCORE_CMDS", "KSCORE_EVENTS", "KV_KSCORE_AGENTS"};
+
+/* One node's view of the stack streams it holds, merged into out: a
+ * stream's entry is taken from the node that calls itself its leader. */
+static int
+node_streams(const struct stack_node *nd, struct stack_stream_state *out)
+{
+    char *body = NULL;
+    json_t *j, *accs, *acc;
+    size_t ai, si;
+    int rc;
+
+    if ((rc = stack_http_get(nd->mon_port, "/jsz?accounts=true&streams=true",
+                             2000, &body)))
+        return rc;
+    /* As reals: an account's reserved_memory is 2^64-1, past jansson's
+     * integers. */
+    j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
+    free(body);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return KS_EDECODE;
+    }
+    accs = json_object_get(j, "account_details");
+    json_array_foreach(accs, ai, acc)
+    {
+        json_t *st;
+        json_array_foreach(json_object_get(acc, "stream_detail"), si, st)
+        {
+            const char *name = json_string_value(json_object_get(st, "name"));
+            json_t *cl = json_object_get(st, "cluster"), *state, *rp;
+            const char *leader =
+                json_string_value(json_object_get(cl, "leader"));
+            size_t ri;
+            for (int k = 0; name && k < STACK_STREAMS; k++) {
+                struct stack_stream_state *o = &out[k];
+                if (strcmp(name, stack_stream_names[k]) != 0 || !leader ||
+                    strcmp(leader, nd->name) != 0)
+                    continue;
+                snprintf(o->leader, sizeof(o->leader), "%s", leader);
+                state = json_object_get(st, "state");
+                o->messages = (long long)json_number_value(
+                    json_object_get(state, "messages"));
+                o->last_seq = (long long)json_number_value(
+                    json_object_get(state, "last_seq"));
+                o->replicas = o->current = 0;
+                o->behind[0] = '\0';
+                json_array_foreach(json_object_get(cl, "replicas"), ri, rp)
+                {
+                    const char *rn =
+                        json_string_value(json_object_get(rp, "name"));
+                    o->replicas++;
+                    if (json_is_true(json_object_get(rp, "current"))) {
+                        o->current++;
+                    } else {
+                        size_t l = strlen(o->behind);
+                        snprintf(o->behind + l, sizeof(o->behind) - l,
+                                 "%s%s", l ? "," : "", rn ? rn : "?");
+                    }
+                }
+            }
+        }
+    }
+    json_decref(j);
+    return 0;
+}
+
+int
+stack_cluster_streams(const struct stack_node *nodes, unsigned n,
+                      struct stack_stream_state *out)
+{
+    int answered = 0;
+    for (int k = 0; k < STACK_STREAMS; k++) {
+        memset(&out[k], 0, sizeof(out[k]));
+        snprintf(out[k].name, sizeof(out[k].name), "%s",
+                 stack_stream_names[k]);
+    }
+    for (unsigned i = 0; i < n; i++)
+        if (nodes[i].running && node_streams(&nodes[i], out) == 0)
+            answered++;
+    return answered ? 0 : KS_EUNAVAIL;
+}
+
+int
+stack_cluster_wait_streams(const struct stack_node *nodes, unsigned n,
+                           bool all_current, int timeout_ms)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    do {
+        struct stack_stream_state ss[STACK_STREAMS];
+        bool ok = stack_cluster_streams(nodes, n, ss) == 0;
+        for (int k = 0; ok && k < STACK_STREAMS; k++)
+            ok = ss[k].leader[0] &&
+                 (!all_current || ss[k].current == ss[k].replicas);
+        if (ok)
+            return 0;
+        sleep_ms(200);
+    } while (ks_mono_us() < deadline);
+    return KS_ETIMEDOUT;
+}
+
 long
 stack_rss_kb(pid_t pid)
 {

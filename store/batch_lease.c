@@ -447,3 +447,27 @@ out:
     store__buf_release(&ids);
     return rc;
 }
+
+int
+store_batch_leases_held(struct store *s, store_batch_lease_fn cb, void *ud)
+{
+    PGresult *res;
+    int rc;
+
+    BUG_ON(!s || !cb);
+    if ((rc = store__ready(s)) < 0)
+        return rc;
+    res = PQexec(s->conn,
+                 "SELECT owner, batch_id FROM batch_leases "
+                 "WHERE owner <> '' AND lease_until > now() "
+                 "AND lease_until <> 'infinity' ORDER BY owner, batch_id");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__pg_error(s, res, NULL);
+        PQclear(res);
+        return KS_EPG;
+    }
+    for (int i = 0; i < PQntuples(res); i++)
+        cb(PQgetvalue(res, i, 0), PQgetvalue(res, i, 1), ud);
+    PQclear(res);
+    return 0;
+}

@@ -510,6 +510,15 @@ int store_batch_append(struct store *s, const char *owner, int lease_ms,
                        size_t n_leases, const Ks__Event *const *events,
                        size_t n, size_t *dup_out);
 
+/* Calls cb(owner, batch_id, ud) for every batch whose lease is held now
+ * (lease_until in the future, not closed), ordered by owner: which broker
+ * drives which batch (`kscore status` on a cluster). cb's strings are
+ * borrowed. 0 or KS_EPG. */
+typedef void (*store_batch_lease_fn)(const char *owner, const char *batch_id,
+                                     void *ud);
+int store_batch_leases_held(struct store *s, store_batch_lease_fn cb,
+                            void *ud);
+
 /* A lease as read back by store_batch_renew / store_batch_adopt. The
  * strings are borrowed for the callback. */
 struct store_batch_held {

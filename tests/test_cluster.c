@@ -50,6 +50,16 @@ stack_down(const char *h)
     struct fixture_out o;
     const char *args[] = {"down", NULL};
     stack_stop(h, "fleet", 10000);
+    /* deploy_files_start_a_cluster's parts */
+    stack_stop(h, "dagent", 10000);
+    stack_stop(h, "ragent", 10000);
+    stack_stop(h, "dbroker-1", 10000);
+    stack_stop(h, "dbroker-2", 10000);
+    for (int i = 1; i <= 3; i++) {
+        char n[16];
+        snprintf(n, sizeof(n), "dnats-%d", i);
+        stack_stop(h, n, 10000);
+    }
     if (fixture_kscore_home(h, args, &o) == 0)
         fixture_out_release(&o);
 }
@@ -532,6 +542,330 @@ START_TEST(node_kill_then_broker_kill)
 }
 END_TEST
 
+/*
+ * An agent that starts while the registry stream has no leader (two of
+ * the three nodes down: no quorum; as after a restart of the nodes, until
+ * the stream's raft group elects one) keeps trying to register, and does
+ * once the nodes are back, instead of exiting at its first heartbeat.
+ */
+START_TEST(agent_registers_once_the_registry_answers)
+{
+    up_cluster();
+    ck_assert_int_eq(stack_stop(home, "agent", 20000), 0);
+    pid_t p2 = node_pid(2), p3 = node_pid(3);
+    ck_assert_int_eq(kill(p2, SIGKILL), 0);
+    ck_assert_int_eq(kill(p3, SIGKILL), 0);
+    for (int i = 0; i < 200 && (kill(p2, 0) == 0 || kill(p3, 0) == 0); i++)
+        usleep(10 * 1000);
+
+    char *url = env_get("KSCORE_NATS_URL"), *agent = env_get("KSCORE_AGENT");
+    char seed[PATH_MAX + 64], trust[PATH_MAX + 64], state[PATH_MAX + 32];
+    const char *bin = getenv("KSCORE_BIN");
+    pid_t pid;
+    snprintf(seed, sizeof(seed), "%s/keys/agent-%s.nk", home, agent);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    snprintf(state, sizeof(state), "%s/ragent", tmpdir);
+    char *argv[] = {(char *)(bin ? bin : "kscore"), "agent", "--id", agent,
+                    "--nats", url, "--trust-key", trust, "--state-dir",
+                    state, "--config", "/dev/null", NULL};
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    ck_assert_int_eq(stack_daemon(home, "ragent", argv, &pid), 0);
+    unsetenv("KSCORE_NATS_NKEY");
+    /* a few heartbeat timeouts: it is still there, trying */
+    sleep(5);
+    ck_assert_msg(stack_pidfile_alive(home, "ragent", NULL) == 1,
+                  "the agent gave up while the registry had no leader (see "
+                  "%s/ragent.log)", home);
+
+    /* the two nodes again (not `up`: it would start its own agent) */
+    struct stack_node nodes[3];
+    stack_cluster_nodes(home, 3, nodes);
+    ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
+                                         STACK_NATS_AUTH_INCLUDE, NULL, 0),
+                     0);
+    double t0 = now_s();
+    const char *ex[] = {"exec", "--", "echo", "back", NULL};
+    struct fixture_out o;
+    int st;
+    do {
+        ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
+        st = o.status;
+        if (st == 0)
+            ck_assert_str_eq(o.out, "back\n");
+        fixture_out_release(&o);
+        if (st != 0)
+            usleep(500 * 1000);
+    } while (st != 0 && now_s() - t0 < 60);
+    ck_assert_msg(st == 0, "no exec on the agent 60 s after the nodes came "
+                           "back (see %s/ragent.log)", home);
+    fprintf(stderr, "test_cluster: the waiting agent served %.1f s after "
+                    "the nodes came back\n", now_s() - t0);
+    free(url);
+    free(agent);
+}
+END_TEST
+
+/* ---- the files of deploy/cluster, as documented, on loopback ------------ */
+
+/* text with every `from` replaced by `to` (malloc'd; text is freed). */
+static char *
+subst(char *text, const char *from, const char *to)
+{
+    size_t fl = strlen(from), tl = strlen(to), n = 0;
+    for (const char *p = text; (p = strstr(p, from)); p += fl)
+        n++;
+    char *out = malloc(strlen(text) + n * tl + 1), *o = out;
+    ck_assert_ptr_nonnull(out);
+    const char *p = text, *q;
+    while ((q = strstr(p, from))) {
+        memcpy(o, p, (size_t)(q - p));
+        o += q - p;
+        memcpy(o, to, tl);
+        o += tl;
+        p = q + fl;
+    }
+    strcpy(o, p);
+    free(text);
+    return out;
+}
+
+/* The first line that is not a comment and still names a host value
+ * (example.net, /etc/, /var/), or NULL. */
+static const char *
+host_value_left(const char *t)
+{
+    for (const char *l = t; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1
+                                                          : NULL) {
+        const char *p = l;
+        size_t len = strcspn(l, "\n");
+        while (*p == ' ' || *p == '\t')
+            p++;
+        if (*p == '#')
+            continue;
+        if (memmem(l, len, "example.net", 11) || memmem(l, len, "/etc/", 5) ||
+            memmem(l, len, "/var/", 5))
+            return l;
+    }
+    return NULL;
+}
+
+static char *
+slurp(const char *path)
+{
+    FILE *f = fopen(path, "re");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    char *buf = malloc(1 << 16);
+    size_t n = fread(buf, 1, (1 << 16) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+static void
+spill(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "we");
+    ck_assert_msg(f != NULL, "cannot write %s", path);
+    fputs(text, f);
+    ck_assert_int_eq(fclose(f), 0);
+}
+
+/*
+ * The documented files for real hosts (deploy/cluster/nats-1..3.conf,
+ * broker-1..2.conf) start a working cluster: rendered with only the
+ * host-specific values replaced (addresses by loopback ports, /etc and
+ * /var paths by this test's; the TLS material from the stack's CA), three
+ * nats-server and two brokers run from them, an agent registers over TLS
+ * and one exec runs.
+ */
+START_TEST(deploy_files_start_a_cluster)
+{
+    const char *src = getenv("KSCORE_SOURCE_DIR");
+    const char *bin = getenv("KSCORE_BIN");
+    char path[PATH_MAX + 512], tls[4400], cmd[6 * PATH_MAX];
+    struct stack_node nodes[3];
+    int port[3], route[3], mon[3];
+    struct fixture_out o;
+
+    ck_assert_msg(src != NULL, "KSCORE_SOURCE_DIR");
+    /* The stack's identities, keys, users file and PostgreSQL, from a
+     * plain `kscore up`; its own nats-server, broker and agent stop. */
+    const char *up[] = {"up", NULL};
+    ks_ok(up, &o);
+    fixture_out_release(&o);
+    ck_assert_int_eq(stack_stop(home, "agent", 20000), 0);
+    ck_assert_int_eq(stack_stop(home, "broker", 20000), 0);
+    ck_assert_int_eq(stack_nats_stop(home), 0);
+    char *db = env_get("KSCORE_DB"), *agent = env_get("KSCORE_AGENT");
+    char *op_seed = env_get("KSCORE_NATS_NKEY");
+
+    /* TLS: the stack's CA; a server certificate for the client port and a
+     * route certificate good for both ends of a route (serverAuth and
+     * clientAuth: with verify, each node checks the other's). */
+    const char *names[] = {"127.0.0.1", "localhost"};
+    ck_assert_int_eq(stack_tls_server_ensure(home, names, 2), 0);
+    struct stack_tls_paths tp;
+    stack_tls_paths(home, &tp);
+    snprintf(tls, sizeof(tls), "%s", tp.dir);
+    snprintf(cmd, sizeof(cmd),
+             "cd '%s' && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n"
+             "extendedKeyUsage=serverAuth,clientAuth\\n' > route.ext && "
+             "openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 "
+             "-nodes -keyout route.key -subj /CN=localhost -out route.csr "
+             "2>/dev/null && openssl x509 -req -in route.csr -CA '%s' -CAkey "
+             "'%s' -CAcreateserial -days 2 -extfile route.ext -out route.pem "
+             "2>/dev/null",
+             tls, tp.ca_cert, tp.ca_key);
+    ck_assert_int_eq(system(cmd), 0);
+
+    for (int i = 0; i < 3; i++) {
+        port[i] = stack_free_port();
+        route[i] = stack_free_port();
+        mon[i] = stack_free_port();
+        ck_assert(port[i] > 0 && route[i] > 0 && mon[i] > 0);
+    }
+    for (int i = 0; i < 3; i++) {
+        char dir[PATH_MAX + 32], v[4500], from[128];
+        struct stack_node *nd = &nodes[i];
+        memset(nd, 0, sizeof(*nd));
+        snprintf(dir, sizeof(dir), "%s/node-%d", tmpdir, i + 1);
+        ck_assert_int_eq(stack_mkdirs(dir, 0700), 0);
+        ck_assert_int_eq(stack_nats_auth_write(dir, home), 0);
+        snprintf(path, sizeof(path), "%s/deploy/cluster/nats-%d.conf", src,
+                 i + 1);
+        char *t = slurp(path);
+        snprintf(v, sizeof(v), "\"127.0.0.1:%d\"", port[i]);
+        t = subst(t, "\"0.0.0.0:4222\"", v);
+        snprintf(v, sizeof(v), "\"127.0.0.1:%d\"", route[i]);
+        t = subst(t, "\"0.0.0.0:6222\"", v);
+        snprintf(v, sizeof(v), "\"127.0.0.1:%d\"", mon[i]);
+        t = subst(t, "\"127.0.0.1:8222\"", v);
+        for (int j = 0; j < 3; j++) {
+            snprintf(from, sizeof(from), "nats-route://nats-%d.example.net:6222",
+                     j + 1);
+            snprintf(v, sizeof(v), "nats-route://localhost:%d", route[j]);
+            t = subst(t, from, v);
+        }
+        t = subst(t, "/etc/nats/server.pem", tp.server_cert);
+        t = subst(t, "/etc/nats/server.key", tp.server_key);
+        t = subst(t, "/etc/nats/ca.pem", tp.ca_cert);
+        snprintf(v, sizeof(v), "%s/route.pem", tls);
+        t = subst(t, "/etc/nats/route.pem", v);
+        snprintf(v, sizeof(v), "%s/route.key", tls);
+        t = subst(t, "/etc/nats/route.key", v);
+        snprintf(v, sizeof(v), "%s/jetstream", dir);
+        t = subst(t, "/var/lib/nats/jetstream", v);
+        ck_assert_msg(!host_value_left(t), "a host value left in "
+                      "nats-%d.conf: %.80s", i + 1, host_value_left(t));
+        snprintf(path, sizeof(path), "%s/nats.conf", dir);
+        spill(path, t);
+        free(t);
+        char *argv[] = {"/usr/sbin/nats-server", "-c", path, NULL};
+        char name[16];
+        snprintf(name, sizeof(name), "dnats-%d", i + 1);
+        ck_assert_int_eq(stack_daemon(home, name, argv, &nd->pid), 0);
+        nd->index = i + 1;
+        snprintf(nd->name, sizeof(nd->name), "nats-%d", i + 1);
+        nd->port = port[i];
+        nd->mon_port = mon[i];
+        nd->running = true;
+    }
+    char leader[64] = "";
+    ck_assert_msg(stack_cluster_wait_leader(nodes, 3, 60000, leader,
+                                            sizeof(leader)) == 0,
+                  "no meta leader (see %s/dnats-*.log)", home);
+    fprintf(stderr, "test_cluster: deploy files: meta leader %s\n", leader);
+
+    /* the brokers, from broker-1.conf and broker-2.conf */
+    char url[256], ca[4400], nk[PATH_MAX + 64], sk[PATH_MAX + 64];
+    snprintf(url, sizeof(url), "tls://localhost:%d,tls://localhost:%d,"
+             "tls://localhost:%d", port[0], port[1], port[2]);
+    snprintf(ca, sizeof(ca), "%s", tp.ca_cert);
+    snprintf(nk, sizeof(nk), "%s/keys/broker.nk", home);
+    snprintf(sk, sizeof(sk), "%s/keys/broker.key", home);
+    unsetenv("KSCORE_NATS_NKEY");
+    unsetenv("KSCORE_NATS_URL");
+    for (int i = 0; i < 2; i++) {
+        char v[PATH_MAX + 256], state[PATH_MAX + 32], name[16];
+        snprintf(path, sizeof(path), "%s/deploy/cluster/broker-%d.conf", src,
+                 i + 1);
+        char *t = slurp(path);
+        t = subst(t, "tls://nats-1.example.net:4222,tls://nats-2.example.net:"
+                     "4222,tls://nats-3.example.net:4222",
+                  url);
+        t = subst(t, "/etc/kscore/broker.nk", nk);
+        t = subst(t, "/etc/kscore/ca.pem", ca);
+        t = subst(t, "/etc/kscore/broker.key", sk);
+        char *dl = strstr(t, "\ndb = ");
+        ck_assert_ptr_nonnull(dl);
+        dl[strcspn(dl + 1, "\n") + 1] = '\0'; /* cut the line ... */
+        char *rest = strdup(dl + strlen(dl) + 1);
+        snprintf(v, sizeof(v), "db = %s\n%s", db, rest);
+        free(rest);
+        dl[1] = '\0'; /* ... and write it again with this db */
+        char *t2 = malloc(strlen(t) + strlen(v) + 1);
+        strcpy(t2, t);
+        strcat(t2, v);
+        free(t);
+        t = t2;
+        ck_assert_msg(!host_value_left(t), "a host value left in "
+                      "broker-%d.conf: %.80s", i + 1, host_value_left(t));
+        snprintf(path, sizeof(path), "%s/broker-%d.conf", tmpdir, i + 1);
+        spill(path, t);
+        free(t);
+        snprintf(state, sizeof(state), "%s/bstate-%d", tmpdir, i + 1);
+        snprintf(name, sizeof(name), "dbroker-%d", i + 1);
+        char *argv[] = {(char *)(bin ? bin : "kscore"), "broker", "--config",
+                        path, "--state-dir", state, NULL};
+        pid_t pid;
+        ck_assert_int_eq(stack_daemon(home, name, argv, &pid), 0);
+    }
+
+    /* the agent of the stack over TLS, with its own credential */
+    {
+        char aseed[PATH_MAX + 64], trust[PATH_MAX + 64], state[PATH_MAX + 32];
+        pid_t pid;
+        snprintf(aseed, sizeof(aseed), "%s/keys/agent-%s.nk", home, agent);
+        snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+        snprintf(state, sizeof(state), "%s/dagent", tmpdir);
+        char *argv[] = {(char *)(bin ? bin : "kscore"), "agent", "--id", agent,
+                        "--nats", url, "--tls-ca", ca, "--trust-key", trust,
+                        "--state-dir", state, "--config", "/dev/null", NULL};
+        setenv("KSCORE_NATS_NKEY", aseed, 1);
+        ck_assert_int_eq(stack_daemon(home, "dagent", argv, &pid), 0);
+        unsetenv("KSCORE_NATS_NKEY");
+    }
+
+    /* one exec through them, as the operator */
+    const char *ex[] = {"exec", "--nats", url, "--tls-ca", ca, "--nkey",
+                        op_seed, "--agent", agent, "--", "echo", "deployed",
+                        NULL};
+    double t0 = now_s();
+    int st = -1;
+    do {
+        ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
+        st = o.status;
+        if (st == 0)
+            ck_assert_str_eq(o.out, "deployed\n");
+        else if (now_s() - t0 > 60)
+            ck_abort_msg("exec: exit %d: %s%s (logs in %s)", st, o.out, o.err,
+                         home);
+        fixture_out_release(&o);
+        if (st != 0)
+            usleep(500 * 1000);
+    } while (st != 0);
+    fprintf(stderr, "test_cluster: deploy files: exec ok %.1f s after the "
+                    "brokers started\n", now_s() - t0);
+    struct stack_stream_state ss[STACK_STREAMS];
+    ck_assert_int_eq(stack_cluster_streams(nodes, 3, ss), 0);
+    for (int k = 0; k < STACK_STREAMS; k++)
+        ck_assert_int_eq(ss[k].replicas, 2); /* replicas = 3 */
+    free(db);
+    free(agent);
+    free(op_seed);
+}
+END_TEST
+
 
 static Suite *
 cluster_suite(void)
@@ -541,6 +875,8 @@ cluster_suite(void)
     tcase_add_checked_fixture(tc, cl_setup, cl_teardown);
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, node_kill_then_broker_kill);
+    tcase_add_test(tc, deploy_files_start_a_cluster);
+    tcase_add_test(tc, agent_registers_once_the_registry_answers);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -582,6 +582,29 @@ cluster_restart(struct chaos_run *r, const char *what, int64_t down_ms)
     chaos_probe(r, what, r->probe_agent, t0);
 }
 
+/* The broker that drives the first batch ("broker-1" or "-2" into name):
+ * its lease's owner is "<host>/<pid>/<uuid>". Its pid, or <= 0 when the
+ * owner is unknown (name is then broker-1). */
+static long
+lease_owner(struct chaos_run *r, char *name, size_t len)
+{
+    char sql[256];
+    snprintf(name, len, "broker-1");
+    snprintf(sql, sizeof(sql),
+             "SELECT split_part(owner, '/', 2)::int FROM batch_leases WHERE "
+             "batch_id = '%s' AND owner <> ''",
+             r->nbatches ? r->batches[0].id : "");
+    long owner = sql_long(r, sql);
+    for (int i = 1; i <= 2; i++) {
+        char n[16];
+        pid_t p = 0;
+        snprintf(n, sizeof(n), "broker-%d", i);
+        if (stack_pidfile_alive(r->st.dir, n, &p) && p == (pid_t)owner)
+            snprintf(name, len, "%s", n);
+    }
+    return owner;
+}
+
 static int
 sc_cluster_node_kill(struct chaos_run *r)
 {
@@ -605,6 +628,7 @@ sc_cluster_node_kill(struct chaos_run *r)
     snprintf(dir, sizeof(dir), "%.4000s/nats-%d", r->st.dir, victim);
     if (stack_pidfile_alive(dir, "nats", &pid)) {
         kill(pid, SIGKILL);
+        r->fault_us = ks_now_us();
         wait_pid_gone(pid);
         chaos_log(r, "nats-%d killed (kill -9, pid %d)", victim, (int)pid);
     }
@@ -630,23 +654,68 @@ sc_cluster_broker_kill(struct chaos_run *r)
              l->nb, l->n, l->conc, l->kill_at, (long long)l->down_ms);
     chaos_log(r, "%s", r->note);
     cluster_load_to_kill_point(r, l);
-    /* the lease owner of the first batch: "<host>/<pid>/<uuid>" */
-    char sql[256], name[16] = "broker-1";
-    snprintf(sql, sizeof(sql),
-             "SELECT split_part(owner, '/', 2)::int FROM batch_leases WHERE "
-             "batch_id = '%s' AND owner <> ''",
-             r->nbatches ? r->batches[0].id : "");
-    long owner = sql_long(r, sql);
-    for (int i = 1; i <= 2; i++) {
-        char n[16];
-        pid_t p = 0;
-        snprintf(n, sizeof(n), "broker-%d", i);
-        if (stack_pidfile_alive(r->st.dir, n, &p) && p == (pid_t)owner)
-            snprintf(name, sizeof(name), "%s", n);
-    }
+    char name[16];
+    long owner = lease_owner(r, name, sizeof(name));
     fixture_stack_signal(&r->st, name, SIGKILL);
+    r->fault_us = ks_now_us();
     chaos_log(r, "%s killed (kill -9; lease owner pid %ld)", name, owner);
     cluster_restart(r, "broker restart", l->down_ms);
+out:
+    free(l);
+    return rc;
+}
+
+/* A node and the broker driving the first batch die together (kill -9),
+ * and at the same moment the other broker restarts (SIGTERM, as a rolling
+ * restart would): for a while no broker runs and the streams have two
+ * nodes. `kscore up` starts all three again. */
+static int
+sc_cluster_node_broker_kill(struct chaos_run *r)
+{
+    struct cluster_load *l = calloc(1, sizeof(*l));
+    int rc;
+    if (!l)
+        return -ENOMEM;
+    int victim = (int)chaos_rand(r, 1, 3);
+    if ((rc = cluster_setup(r, l)))
+        goto out;
+    l->down_ms = (int64_t)chaos_rand(r, 0, 1000);
+    snprintf(r->note, sizeof(r->note),
+             "%u batches of %u targets (concurrency %u) on 3 nodes, 2 "
+             "brokers; once %ld targets succeeded kill -9 nats-%d and the "
+             "broker driving the first batch, SIGTERM the other broker; "
+             "`kscore up` %lld ms after it stopped",
+             l->nb, l->n, l->conc, l->kill_at, victim,
+             (long long)l->down_ms);
+    chaos_log(r, "%s", r->note);
+    cluster_load_to_kill_point(r, l);
+    char name[16], other[16], dir[PATH_MAX + 32];
+    long owner = lease_owner(r, name, sizeof(name));
+    pid_t npid = 0, opid = 0;
+    snprintf(other, sizeof(other), "broker-%d",
+             strcmp(name, "broker-1") == 0 ? 2 : 1);
+    snprintf(dir, sizeof(dir), "%.4000s/nats-%d", r->st.dir, victim);
+    stack_pidfile_alive(dir, "nats", &npid);
+    stack_pidfile_alive(r->st.dir, other, &opid);
+    if (npid > 0)
+        kill(npid, SIGKILL);
+    fixture_stack_signal(&r->st, name, SIGKILL);
+    if (opid > 0)
+        kill(opid, SIGTERM);
+    r->fault_us = ks_now_us();
+    chaos_log(r, "nats-%d (pid %d) and %s (lease owner pid %ld) killed "
+                 "(kill -9); %s (pid %d) stopping (SIGTERM)",
+              victim, (int)npid, name, owner, other, (int)opid);
+    if (npid > 0)
+        wait_pid_gone(npid);
+    if (opid > 0) {
+        /* a broker stops within its grace; up only starts what is down */
+        for (int i = 0; i < 3000 && kill(opid, 0) == 0; i++)
+            chaos_sleep_ms(10);
+        chaos_log(r, "%s stopped %.1f s after the SIGTERM", other,
+                  (double)(ks_now_us() - r->fault_us) / 1e6);
+    }
+    cluster_restart(r, "node + broker restart", l->down_ms);
 out:
     free(l);
     return rc;
@@ -680,6 +749,10 @@ static const struct chaos_scenario scenarios[] = {
     {"cluster_broker_kill", "kscore up --cluster 3: kill -9 the broker "
                             "driving a batch of 1,000 targets, the other "
                             "continues", sc_cluster_broker_kill},
+    {"cluster_node_broker_kill", "kscore up --cluster 3: kill -9 a node and "
+                                 "the broker driving the batches together "
+                                 "while the other broker restarts",
+     sc_cluster_node_broker_kill},
 };
 #define NSCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 
@@ -689,6 +762,7 @@ struct outcome {
     struct chaos_stats stats;
     unsigned viol[7];
     double worst_recover; /* < -1.5: none measured; -1: never */
+    double gap;           /* progress gap after the fault; < 0: none */
     double seconds;
 };
 
@@ -719,6 +793,7 @@ run_one(const struct chaos_scenario *sc, uint64_t seed, bool short_mode,
     r->rng = seed ^ name_hash(sc->name);
     r->short_mode = short_mode;
     r->t0_mono = ks_mono_us();
+    r->gap_s = r->gap_before_s = r->stats.gap_s = -1;
     pthread_mutex_init(&r->mu, NULL);
     printf("\n== %s (seed %llu%s): %s\n", sc->name, (unsigned long long)seed,
            short_mode ? ", short" : "", sc->what);
@@ -739,6 +814,7 @@ run_one(const struct chaos_scenario *sc, uint64_t seed, bool short_mode,
     if (chaos_interrupted && !r->setup_failed)
         out->result = "INTERRUPTED";
     out->stats = r->stats;
+    out->gap = r->stats.gap_s;
     memcpy(out->viol, r->violations, sizeof(out->viol));
     for (unsigned i = 0; i < r->nrec; i++) {
         double s = r->rec[i].seconds < 0 ? -1 : r->rec[i].seconds;
@@ -825,7 +901,7 @@ main(int argc, char **argv)
             break;
         case 'l':
             for (size_t i = 0; i < NSCENARIOS; i++)
-                printf("%-18s %s\n", scenarios[i].name, scenarios[i].what);
+                printf("%-24s %s\n", scenarios[i].name, scenarios[i].what);
             return 0;
         case 'h':
             usage(stdout);
@@ -844,10 +920,8 @@ main(int argc, char **argv)
 
     /* Which scenarios. */
     bool want[NSCENARIOS];
-    /* The cluster scenarios (issue 14, in progress) run when named. */
     for (size_t i = 0; i < NSCENARIOS; i++)
-        want[i] = only == NULL &&
-                  strncmp(scenarios[i].name, "cluster_", 8) != 0;
+        want[i] = only == NULL;
     if (only) {
         char *copy = strdup(only), *save = NULL;
         for (char *t = strtok_r(copy, ",", &save); t;
@@ -900,11 +974,13 @@ main(int argc, char **argv)
     int failed = chaos_interrupted ? 1 : 0;
     printf("\n== SUMMARY (seed %llu%s, %.0f s)\n", (unsigned long long)seed,
            short_mode ? ", short" : "", chaos_since_s(t0));
-    printf("| %-18s | %-6s | %9s | %8s | %-13s | %4s | %5s | %9s | %-24s |\n",
+    printf("| %-24s | %-6s | %9s | %8s | %-13s | %4s | %5s | %9s | %5s | "
+           "%-24s |\n",
            "scenario", "result", "submitted", "accepted", "ran 0/1/2+",
-           "lost", "twice", "recover s", "violations");
-    printf("|--------------------|--------|-----------|----------|-------------"
-           "--|------|-------|-----------|--------------------------|\n");
+           "lost", "twice", "recover s", "gap s", "violations");
+    printf("|--------------------------|--------|-----------|----------|------"
+           "---------|------|-------|-----------|-------|-------------------"
+           "-------|\n");
     for (size_t i = 0; i < nout; i++) {
         struct outcome *o = &outs[i];
         char ran[32], rec[16], v[64] = "";
@@ -921,10 +997,13 @@ main(int argc, char **argv)
             if (o->viol[k])
                 off += (size_t)snprintf(v + off, sizeof(v) - off, "%sI%d x%u",
                                         off ? ", " : "", k, o->viol[k]);
-        printf("| %-18s | %-6s | %9ld | %8ld | %-13s | %4ld | %5ld | %9s | "
-               "%-24s |\n",
+        char gap[16] = "-";
+        if (o->gap >= 0)
+            snprintf(gap, sizeof(gap), "%.1f", o->gap);
+        printf("| %-24s | %-6s | %9ld | %8ld | %-13s | %4ld | %5ld | %9s | "
+               "%5s | %-24s |\n",
                o->name, o->result, o->stats.submitted, o->stats.accepted, ran,
-               o->stats.lost, o->stats.twice, rec, v[0] ? v : "-");
+               o->stats.lost, o->stats.twice, rec, gap, v[0] ? v : "-");
         if (strcmp(o->result, "PASS") != 0)
             failed = 1;
     }

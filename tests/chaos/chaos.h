@@ -17,6 +17,10 @@
 #include "broker.h"
 #include "fixture.h"
 
+/* Target of the progress gap: losing one node or broker costs at most
+ * this long without a new terminal event (issue 14). Printed, not an
+ * invariant. */
+#define CHAOS_GAP_TARGET_S 10.0
 /* The heartbeat deadline of I3 (an agent is dead after this silence). */
 #define CHAOS_HEARTBEAT_DEADLINE_MS 10000
 /* I6: the system serves again within this long after a restart. */
@@ -112,8 +116,15 @@ struct chaos_run {
     unsigned violations[7]; /* by invariant, 1..6 */
     bool setup_failed;
     bool cluster; /* the stack is `kscore up --cluster 3` in st.dir */
+    /* Progress: the wall clock of the fault (0: none marked), and the
+     * longest time without a new terminal event of a batch target from
+     * then to the last one (gap_s), and before it (gap_before_s); < 0
+     * when not measured. chaos_check fills them. */
+    int64_t fault_us;
+    double gap_s, gap_before_s;
     struct chaos_stats {
         long submitted, accepted, recorded, ran0, ran1, ran2, lost, twice;
+        double gap_s; /* progress gap after the fault; < 0: none */
     } stats;
 };
 

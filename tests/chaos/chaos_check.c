@@ -465,6 +465,41 @@ kscore_get_sample(struct chaos_run *r, struct cmds *cs)
     }
 }
 
+/* The longest stretch without a new terminal event of a batch target,
+ * from the fault (r->fault_us) to the last such event (after), and before
+ * the fault (before), from the events' recorded_at (the database's clock;
+ * the same host's). A gap that starts at the fault counts from the fault. */
+static void
+progress_gap(struct chaos_run *r, PGconn *pg)
+{
+    char sql[1400];
+    PGresult *res;
+    double fault = (double)r->fault_us / 1e6;
+
+    r->gap_s = r->gap_before_s = -1;
+    if (!r->fault_us || !r->nbatches)
+        return;
+    snprintf(sql, sizeof(sql),
+             "WITH t AS (SELECT extract(epoch FROM e.recorded_at)::float8 AS "
+             "s FROM events e JOIN batch_targets b ON e.stream_id = "
+             "'command-' || b.command_id WHERE e.type IN "
+             "('CommandCompleted','CommandStartFailed','CommandUndeliverable',"
+             "'CommandLost','CommandCancelled','CommandNotStarted')), "
+             "w AS (SELECT s, lag(s) OVER (ORDER BY s) AS p FROM t) "
+             "SELECT coalesce(max(s - greatest(coalesce(p, %.6f), %.6f)) "
+             "FILTER (WHERE s > %.6f), -1), coalesce(max(s - p) FILTER "
+             "(WHERE s <= %.6f), -1) FROM w",
+             fault, fault, fault, fault);
+    res = PQexec(pg, sql);
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1) {
+        r->gap_s = atof(PQgetvalue(res, 0, 0));
+        r->gap_before_s = atof(PQgetvalue(res, 0, 1));
+    } else {
+        fprintf(stderr, "chaos: progress gap: %s", PQerrorMessage(pg));
+    }
+    PQclear(res);
+}
+
 int
 chaos_check(struct chaos_run *r)
 {
@@ -690,6 +725,11 @@ chaos_check(struct chaos_run *r)
     ROW("readers (I5)", "%s", readers_line[0] ? readers_line : "-");
     if (r->nbatches)
         ROW("batches", "%u (+%u refused)", r->nbatches, r->batch_errors);
+    progress_gap(r, pg);
+    if (r->gap_s >= 0)
+        ROW("progress gap (s)", "%.1f after the fault%s (before: %.1f)",
+            r->gap_s, r->gap_s > CHAOS_GAP_TARGET_S ? ", over 10 s" : "",
+            r->gap_before_s);
 #undef ROW
     r->stats.submitted = t.submitted;
     r->stats.accepted = t.accepted;
@@ -699,6 +739,7 @@ chaos_check(struct chaos_run *r)
     r->stats.ran2 = t.ran[2];
     r->stats.lost = t.lost;
     r->stats.twice = t.twice;
+    r->stats.gap_s = r->gap_s;
 
     ks_map_clear(&cs.by_id);
     free(cs.v);
