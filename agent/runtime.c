@@ -246,6 +246,20 @@ outbox_load(struct agent *a)
     closedir(d);
 }
 
+/* Takes it, the outbox's head, off the outbox and frees it. Publisher
+ * thread (the only one that removes items). */
+static void
+outbox_pop(struct agent *a, struct outbox_item *it)
+{
+    pthread_mutex_lock(&a->mu);
+    a->out_head = it->next;
+    if (!a->out_head)
+        a->out_tail = &a->out_head;
+    pthread_mutex_unlock(&a->mu);
+    free(it->buf);
+    free(it);
+}
+
 /* Events published per round trip: up to this many outbox items go out
  * at once (evt_js_publish_window). One at a time, a pool of 500 ids
  * spent seconds waiting for PubAcks one by one (a replicated stream's
@@ -321,13 +335,7 @@ publisher_main(void *arg)
                 outbox_path(a, it->event_id, path, sizeof(path));
                 agent__file_drop(a, path);
             }
-            pthread_mutex_lock(&a->mu);
-            a->out_head = it->next;
-            if (!a->out_head)
-                a->out_tail = &a->out_head;
-            pthread_mutex_unlock(&a->mu);
-            free(it->buf);
-            free(it);
+            outbox_pop(a, it);
         }
         if (rc == 0) {
             backoff_ms = 50;
@@ -360,13 +368,7 @@ publisher_main(void *arg)
                    KS_S("agent", it->agent_id), KS_ERR(rc));
         }
         if (a->stopping && (a->state_dir || stop_tries > 5)) {
-            pthread_mutex_lock(&a->mu);
-            a->out_head = it->next;
-            if (!a->out_head)
-                a->out_tail = &a->out_head;
-            pthread_mutex_unlock(&a->mu);
-            free(it->buf);
-            free(it);
+            outbox_pop(a, it);
             continue;
         }
         /* tv_nsec must stay below 1 s: at 1600 ms nanosleep failed with
@@ -1217,25 +1219,58 @@ slots_running(struct agent *a, uint32_t *running)
  * heartbeat, so the broker's liveness check sees it. 0 if every id's was
  * acknowledged, else the first error.
  */
+/* labels as the registry entry's EnvVars: *v_out and *p_out (malloc'd;
+ * the strings stay the labels'). 0 or -ENOMEM (both NULL). */
+static int
+labels_proto(const struct agent_label *labels, size_t n, Ks__EnvVar **v_out,
+             Ks__EnvVar ***p_out)
+{
+    Ks__EnvVar *v = calloc(n + 1, sizeof(*v));
+    Ks__EnvVar **p = calloc(n + 1, sizeof(*p));
+
+    *v_out = NULL;
+    *p_out = NULL;
+    if (!v || !p) {
+        free(v);
+        free(p);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        ks__env_var__init(&v[i]);
+        v[i].name = (char *)labels[i].key;
+        v[i].value = (char *)labels[i].value;
+        p[i] = &v[i];
+    }
+    *v_out = v;
+    *p_out = p;
+    return 0;
+}
+
+/* The broker's signature over labels (n of them, made by labels_proto),
+ * passed on in info as is: the broker believes those labels, not ours.
+ * labels NULL clears it. */
+static void
+attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
+           const uint8_t *sig, const char *key_id)
+{
+    info->attested_labels = labels;
+    info->n_attested_labels = labels ? n : 0;
+    info->labels_enrolled_at_us = labels ? at_us : 0;
+    info->labels_signature.data = labels ? (uint8_t *)sig : NULL;
+    info->labels_signature.len = labels ? EVT_SIGNATURE_BYTES : 0;
+    info->labels_key_id = (char *)(labels ? key_id : "");
+}
+
 static int
 heartbeat_once(struct agent *a)
 {
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
-    Ks__EnvVar *lv = calloc(a->opts.n_labels + 1, sizeof(*lv));
-    Ks__EnvVar **lp = calloc(a->opts.n_labels + 1, sizeof(*lp));
+    Ks__EnvVar *lv = NULL, **lp = NULL;
     uint32_t *per_slot = NULL;
-    int rc = 0;
+    int rc;
 
-    if (!lv || !lp) {
-        rc = -ENOMEM;
+    if ((rc = labels_proto(a->opts.labels, a->opts.n_labels, &lv, &lp)))
         goto out;
-    }
-    for (size_t i = 0; i < a->opts.n_labels; i++) {
-        ks__env_var__init(&lv[i]);
-        lv[i].name = (char *)a->opts.labels[i].key;
-        lv[i].value = (char *)a->opts.labels[i].value;
-        lp[i] = &lv[i];
-    }
     info.labels = lp;
     info.n_labels = a->opts.n_labels;
     info.version = AGENT_VERSION;
@@ -1266,24 +1301,14 @@ heartbeat_once(struct agent *a)
         info.pool_ids = ids;
         info.n_pool_ids = a->n_slots;
         /* The broker's signature over the pool's labels (its key
-         * "pool.<pool>"), passed on as is. */
+         * "pool.<pool>"). */
         Ks__EnvVar *pav = NULL, **pap = NULL;
         if (a->has_pool_attest &&
-            (pav = calloc(a->pool_attest.n_labels + 1, sizeof(*pav))) &&
-            (pap = calloc(a->pool_attest.n_labels + 1, sizeof(*pap)))) {
-            for (size_t k = 0; k < a->pool_attest.n_labels; k++) {
-                ks__env_var__init(&pav[k]);
-                pav[k].name = (char *)a->pool_attest.labels[k].key;
-                pav[k].value = (char *)a->pool_attest.labels[k].value;
-                pap[k] = &pav[k];
-            }
-            info.attested_labels = pap;
-            info.n_attested_labels = a->pool_attest.n_labels;
-            info.labels_enrolled_at_us = a->pool_attest.enrolled_at_us;
-            info.labels_signature.data = a->pool_attest_sig;
-            info.labels_signature.len = sizeof(a->pool_attest_sig);
-            info.labels_key_id = a->pool_attest_key_id;
-        }
+            labels_proto(a->pool_attest.labels, a->pool_attest.n_labels, &pav,
+                         &pap) == 0)
+            attest_put(&info, pap, a->pool_attest.n_labels,
+                       a->pool_attest.enrolled_at_us, a->pool_attest_sig,
+                       a->pool_attest_key_id);
         rc = evt_pool_put(a->nc, a->pool_identity, &info,
                           HEARTBEAT_TIMEOUT_MS);
         free(ids);
@@ -1300,32 +1325,13 @@ heartbeat_once(struct agent *a)
         Ks__EnvVar *av = NULL, **ap = NULL;
         int one;
         info.agent_id = a->slots[i].id;
-        /* The broker's signature over this id's labels, passed on as is:
-         * the broker believes those labels, not ours. */
-        info.n_attested_labels = 0;
-        info.attested_labels = NULL;
-        info.labels_enrolled_at_us = 0;
-        info.labels_signature.data = NULL;
-        info.labels_signature.len = 0;
-        info.labels_key_id = (char *)"";
-        if (sl->has_attest) {
-            av = calloc(sl->n_attest_labels + 1, sizeof(*av));
-            ap = calloc(sl->n_attest_labels + 1, sizeof(*ap));
-            if (av && ap) {
-                for (size_t k = 0; k < sl->n_attest_labels; k++) {
-                    ks__env_var__init(&av[k]);
-                    av[k].name = (char *)sl->attest_labels[k].key;
-                    av[k].value = (char *)sl->attest_labels[k].value;
-                    ap[k] = &av[k];
-                }
-                info.attested_labels = ap;
-                info.n_attested_labels = sl->n_attest_labels;
-                info.labels_enrolled_at_us = sl->attest_at_us;
-                info.labels_signature.data = (uint8_t *)sl->attest_sig;
-                info.labels_signature.len = sizeof(sl->attest_sig);
-                info.labels_key_id = (char *)sl->attest_key_id;
-            }
-        }
+        /* This id's own attestation, or none. */
+        attest_put(&info, NULL, 0, 0, NULL, NULL);
+        if (sl->has_attest &&
+            labels_proto(sl->attest_labels, sl->n_attest_labels, &av, &ap) ==
+                0)
+            attest_put(&info, ap, sl->n_attest_labels, sl->attest_at_us,
+                       sl->attest_sig, sl->attest_key_id);
         /* One process may serve several ids (--local-agents): each id
          * reports the commands it runs, not the whole process's. */
         if (per_slot)
@@ -1538,6 +1544,27 @@ agent_collect(void *ctx)
         ks_metric_gauge_add(KS_G_RUNNING_CHILDREN,
                             (int64_t)exec_loop_running(a->loop));
     ks_metric_gauge_add(KS_G_AGENT_SLOTS, (int64_t)a->max_concurrent);
+}
+
+/* A core queue subscription to a consumer's deliver subject, in queue
+ * group `group` (the processes serving one id or pool share its
+ * messages). Held messages are few (max_ack_pending): never drop one.
+ * 0 or KS_ENATS with *errmsg. */
+static int
+subscribe_deliver(struct agent *a, natsSubscription **sub, const char *deliver,
+                  const char *group, natsMsgHandler cb, void *ud,
+                  char **errmsg)
+{
+    natsStatus st =
+        natsConnection_QueueSubscribe(sub, a->nc->nc, deliver, group, cb, ud);
+    if (st == NATS_OK)
+        st = natsSubscription_SetPendingLimits(*sub, -1, -1);
+    if (st == NATS_OK)
+        return 0;
+    if (errmsg && asprintf(errmsg, "subscribe %s: %s", deliver,
+                           natsStatus_GetText(st)) < 0)
+        *errmsg = NULL;
+    return KS_ENATS;
 }
 
 int
@@ -1787,17 +1814,9 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         char durable[8 + EVT_AGENT_ID_MAX], deliver[32 + EVT_AGENT_ID_MAX];
         evt_pool_durable(durable, sizeof(durable), opts->pool);
         evt_deliver_subject(deliver, sizeof(deliver), durable);
-        natsStatus st = natsConnection_QueueSubscribe(
-            &a->pool_sub, a->nc->nc, deliver, durable, on_pool_command, a);
-        if (st == NATS_OK)
-            st = natsSubscription_SetPendingLimits(a->pool_sub, -1, -1);
-        if (st != NATS_OK) {
-            if (errmsg && asprintf(errmsg, "subscribe %s: %s", deliver,
-                                   natsStatus_GetText(st)) < 0)
-                *errmsg = NULL;
-            rc = KS_ENATS;
+        if ((rc = subscribe_deliver(a, &a->pool_sub, deliver, durable,
+                                    on_pool_command, a, errmsg)))
             goto fail;
-        }
     }
     for (size_t i = 0; i < a->n_slots; i++) {
         struct agent_slot *s = &a->slots[i];
@@ -1808,22 +1827,11 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
          * subscription: nats.c's JetStream subscribe would look the
          * consumer up through the JetStream API. */
         evt_deliver_subject(deliver, sizeof(deliver), s->identity);
-        natsStatus st = NATS_OK;
-        if (a->pool_sub)
-            goto cancel_sub; /* the pool's subscription delivers */
-        st = natsConnection_QueueSubscribe(
-            &s->sub, a->nc->nc, deliver, s->identity, on_command, s);
-        /* Held messages are few (max_ack_pending); never drop one. */
-        if (st == NATS_OK)
-            st = natsSubscription_SetPendingLimits(s->sub, -1, -1);
-        if (st != NATS_OK) {
-            if (errmsg && asprintf(errmsg, "subscribe %s: %s", deliver,
-                                   natsStatus_GetText(st)) < 0)
-                *errmsg = NULL;
-            rc = KS_ENATS;
+        /* In a pool, the pool's subscription delivers. */
+        if (!a->pool_sub &&
+            (rc = subscribe_deliver(a, &s->sub, deliver, s->identity,
+                                    on_command, s, errmsg)))
             goto fail;
-        }
-    cancel_sub:
         snprintf(csubj, sizeof(csubj), "kscore.cancel.%s", s->id);
         if (natsConnection_Subscribe(&s->cancel_sub, a->nc->nc, csubj,
                                      on_cancel, s) != NATS_OK) {

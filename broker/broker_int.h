@@ -354,6 +354,11 @@ int broker__admit_output(const struct store_command_state *st,
  * error (nothing recorded: retry). */
 int broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
                           enum store_step *verdicts, const char **whys);
+/* Sends one recorded piece of output (ev->chunk) to a live follower's
+ * subject: as an ExecuteReply part (exec) or a BatchProgress. Any
+ * thread. */
+void broker__live_send(struct broker *b, const char *subject, bool exec,
+                       const char *agent_id, const Ks__Event *ev);
 /* Sends a recorded piece to whoever follows its command live. */
 void broker__live_forward(struct broker *b, const Ks__Event *ev);
 /* Batch live output: pieces of command_id go to subject as BatchProgress

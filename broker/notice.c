@@ -140,25 +140,7 @@ broker__remote_forward(struct broker *b, const Ks__Event *ev)
     pthread_mutex_unlock(&b->mu);
     if (!subject)
         return false;
-    Ks__OutputChunk *cs[1] = {ev->chunk};
-    if (exec) {
-        Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
-        r.command_id = ev->command_id;
-        r.agent_id = agent;
-        r.chunks = cs;
-        r.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &r.base);
-    } else {
-        Ks__BatchProgress pr = KS__BATCH_PROGRESS__INIT;
-        Ks__BatchTarget tg = KS__BATCH_TARGET__INIT;
-        tg.agent_id = ev->agent_id;
-        tg.command_id = ev->command_id;
-        pr.batch_id = ev->batch_id;
-        pr.target = &tg;
-        pr.chunks = cs;
-        pr.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &pr.base);
-    }
+    broker__live_send(b, subject, exec, agent, ev);
     free(subject);
     return true;
 }

@@ -335,6 +335,8 @@ int stack_http_get(int port, const char *path, int timeout_ms,
 
 /* VmRSS of pid in kB, or -1. */
 long stack_rss_kb(pid_t pid);
+/* Its peak resident set (VmHWM) in kB, or -1. */
+long stack_rss_peak_kb(pid_t pid);
 
 /* ---- TLS: the stack's own CA (stack_tls.c, OpenSSL libcrypto) ---------
  *

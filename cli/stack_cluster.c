@@ -423,18 +423,33 @@ stack_cluster_wait_streams(const struct stack_node *nodes, unsigned n,
     return KS_ETIMEDOUT;
 }
 
-long
-stack_rss_kb(pid_t pid)
+/* A "Vm...:" line of /proc/<pid>/status in kB, or -1. */
+static long
+status_kb(pid_t pid, const char *field)
 {
     char path[64], line[256];
+    size_t fl = strlen(field);
     long kb = -1;
     FILE *f;
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     if (!(f = fopen(path, "re")))
         return -1;
     while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+        if (strncmp(line, field, fl) == 0 && line[fl] == ':' &&
+            sscanf(line + fl + 1, " %ld kB", &kb) == 1)
             break;
     fclose(f);
     return kb;
+}
+
+long
+stack_rss_kb(pid_t pid)
+{
+    return status_kb(pid, "VmRSS");
+}
+
+long
+stack_rss_peak_kb(pid_t pid)
+{
+    return status_kb(pid, "VmHWM");
 }

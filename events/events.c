@@ -810,30 +810,10 @@ evt_agents_kv(struct evt_conn *c, kvStore **kv_out)
     return evt_err(s);
 }
 
-int
-evt_agent_put(struct evt_conn *c, const char *identity,
-              const Ks__AgentInfo *info, int timeout_ms)
-{
-    char subject[8 + sizeof(EVT_KV_AGENTS) + EVT_AGENT_ID_MAX];
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    int rc;
-
-    if (!evt_agent_id_valid(info->agent_id))
-        return KS_EINVAL;
-    rc = pack_checked(&info->base, &buf, &len);
-    if (rc)
-        return rc;
-    snprintf(subject, sizeof(subject), "$KV.%s.%s", EVT_KV_AGENTS,
-             info->agent_id);
-    rc = evt_js_publish_as(c, identity, subject, NULL, buf, len, timeout_ms,
-                           NULL, NULL, 0);
-    free(buf);
-    return rc;
-}
-
-int
-evt_pool_put(struct evt_conn *c, const char *identity,
+/* Puts info under key in the registry bucket as a plain publish to
+ * "$KV.KSCORE_AGENTS.<key>" and waits for the PubAck on identity's inbox. */
+static int
+registry_put(struct evt_conn *c, const char *identity, const char *key,
              const Ks__AgentInfo *info, int timeout_ms)
 {
     char subject[16 + sizeof(EVT_KV_AGENTS) + EVT_AGENT_ID_MAX];
@@ -841,17 +821,34 @@ evt_pool_put(struct evt_conn *c, const char *identity,
     size_t len = 0;
     int rc;
 
-    if (!info->pool || !evt_agent_id_valid(info->pool))
-        return KS_EINVAL;
-    rc = pack_checked(&info->base, &buf, &len);
-    if (rc)
+    if ((rc = pack_checked(&info->base, &buf, &len)))
         return rc;
-    snprintf(subject, sizeof(subject), "$KV.%s." EVT_POOL_KEY_PREFIX "%s",
-             EVT_KV_AGENTS, info->pool);
+    snprintf(subject, sizeof(subject), "$KV.%s.%s", EVT_KV_AGENTS, key);
     rc = evt_js_publish_as(c, identity, subject, NULL, buf, len, timeout_ms,
                            NULL, NULL, 0);
     free(buf);
     return rc;
+}
+
+int
+evt_agent_put(struct evt_conn *c, const char *identity,
+              const Ks__AgentInfo *info, int timeout_ms)
+{
+    if (!evt_agent_id_valid(info->agent_id))
+        return KS_EINVAL;
+    return registry_put(c, identity, info->agent_id, info, timeout_ms);
+}
+
+int
+evt_pool_put(struct evt_conn *c, const char *identity,
+             const Ks__AgentInfo *info, int timeout_ms)
+{
+    char key[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX];
+
+    if (!info->pool || !evt_agent_id_valid(info->pool))
+        return KS_EINVAL;
+    snprintf(key, sizeof(key), EVT_POOL_KEY_PREFIX "%s", info->pool);
+    return registry_put(c, identity, key, info, timeout_ms);
 }
 
 /* An id without an entry of its own may be one of a pool's (evt_pool_put):

@@ -66,38 +66,12 @@ kscore_run(const char *bin, const char *home, const char *const *args)
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-/* Peak resident set (VmHWM) of pid in kB, or -1. */
-static long
-hwm_kb(pid_t pid)
-{
-    char path[64], line[256];
-    long kb = -1;
-    FILE *f;
-
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    if (!(f = fopen(path, "re")))
-        return -1;
-    while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmHWM: %ld", &kb) == 1)
-            break;
-    fclose(f);
-    return kb;
-}
-
+/* The pid in <dir>/<name>.pid when it runs, else 0. */
 static pid_t
 pid_of(const char *dir, const char *name)
 {
-    char path[PATH_MAX + 64];
-    long v = 0;
-    FILE *f;
-
-    snprintf(path, sizeof(path), "%s/%s.pid", dir, name);
-    if (!(f = fopen(path, "re")))
-        return 0;
-    if (fscanf(f, "%ld", &v) != 1)
-        v = 0;
-    fclose(f);
-    return (pid_t)v;
+    pid_t pid = 0;
+    return stack_pidfile_alive(dir, name, &pid) == 1 ? pid : 0;
 }
 
 /* Ids of pool k: p<k>-0 .. p<k>-<per-1> (as `--pool-size` names them). */
@@ -107,9 +81,6 @@ pool_name(char *buf, size_t len, unsigned k)
     snprintf(buf, len, "p%02u", k);
 }
 
-/* Enrols pool k (`kscore agent enroll pNN --pool-size per`: its own
- * credential, which may serve its ids only) and starts `kscore agent
- * --bundle` for it, for each of the pools. */
 /* CPU time (us) of pid and, with children, of every process whose parent
  * it is (PostgreSQL's backends under the postmaster); -1 when gone. */
 static int64_t
@@ -174,6 +145,9 @@ stack_cpu(const char *home, unsigned pools, struct stack_cpu *out)
     }
 }
 
+/* Enrols pool k (`kscore agent enroll pNN --pool-size per`: its own
+ * credential, which may serve its ids only) and starts `kscore agent
+ * --bundle` for it, for each of the pools. */
 static int
 pools_start(const char *bin, const char *home, unsigned pools, unsigned per)
 {
@@ -423,7 +397,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
             for (unsigned i = 0; i < CLUSTER_NODES; i++) {
                 char key[32];
-                long kb = nodes[i].pid > 0 ? hwm_kb(nodes[i].pid) : -1;
+                long kb = nodes[i].pid > 0 ? stack_rss_peak_kb(nodes[i].pid) : -1;
                 struct stack_js_info ji;
                 snprintf(key, sizeof(key), "nats_%u_rss_peak_mb", i + 1);
                 json_object_set_new(o, key, json_real((double)kb / 1024.0));
@@ -437,7 +411,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         for (int i = 1; i <= 2; i++) {
             char name[16], key[32];
             snprintf(name, sizeof(name), "broker-%d", i);
-            long kb = hwm_kb(pid_of(home, name));
+            long kb = stack_rss_peak_kb(pid_of(home, name));
             snprintf(key, sizeof(key), "broker_%d_rss_peak_mb", i);
             json_object_set_new(o, key, json_real((double)kb / 1024.0));
             if (kb > max_broker)

@@ -75,28 +75,7 @@ struct cc_servers {
     char *urls; /* malloc'd, comma-separated */
 };
 
-static int
-rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
 
-static double
-load1(void)
-{
-    double l = -1;
-    FILE *f = fopen("/proc/loadavg", "re");
-    if (f) {
-        if (fscanf(f, "%lf", &l) != 1)
-            l = -1;
-        fclose(f);
-    }
-    return l;
-}
 
 /* A free port none of taken[0..n) has. */
 static int
@@ -122,7 +101,7 @@ servers_stop(struct cc_servers *s)
         if (!s->node[i].dir[0])
             continue;
         stack_nats_stop(s->node[i].dir);
-        nftw(s->node[i].dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        perf__rm_tree(s->node[i].dir);
         s->node[i].dir[0] = '\0';
     }
     free(s->urls);
@@ -175,7 +154,7 @@ servers_start(struct perf_ctx *ctx, const char *label, unsigned n,
             snprintf(extra, sizeof(extra), "http: \"127.0.0.1:%d\"\n",
                      nd->mon_port);
         snprintf(name, sizeof(name), "cc-%s-%u", label, i + 1);
-        nftw(nd->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        perf__rm_tree(nd->dir);
         rc = stack_nats_start_named(nd->dir, "127.0.0.1", nd->port, name,
                                     NULL, extra, &url, &nd->pid);
         if (rc == 0)
@@ -335,7 +314,7 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
     char label[48], *err = NULL;
     int made = 0, errors = 0, nsubs = pool ? 1 : n, rc;
     unsigned maxc = agent_default_max_concurrent();
-    double la0 = load1();
+    double la0 = perf__loadavg();
 
     *create_s = 0;
     snprintf(label, sizeof(label), "%s-r%u-%d", pool ? "one" : "per-id", nodes,
@@ -415,7 +394,7 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
                             json_real((double)lat[made - 1] / 1000.0));
     }
     put_sample(o, "created", &srv, &s0, &s1);
-    json_object_set_new(o, "load_created", json_real(load1()));
+    json_object_set_new(o, "load_created", json_real(perf__loadavg()));
     if (made < (pool ? 1 : n)) {
         json_object_set_new(o, "partial", json_true());
         rc = 0;
@@ -453,7 +432,7 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
     sample(&srv, &s3);
     json_object_set_new(o, "idle_s", json_integer(idle_s));
     put_sample(o, "idle", &srv, &s2, &s3);
-    json_object_set_new(o, "load_idle", json_real(load1()));
+    json_object_set_new(o, "load_idle", json_real(perf__loadavg()));
     json_object_set_new(o, "server", server_view(&srv));
 
     /* publish one message per id, until all are delivered */
@@ -507,7 +486,7 @@ step(struct perf_ctx *ctx, unsigned nodes, int n, bool pool, int idle_s,
                 o, "deliver_ms",
                 json_real((double)(atomic_load(&cs.done_us) - t0) / 1e3));
         put_sample(o, "deliver", &srv, &s3, &s4);
-        json_object_set_new(o, "load_end", json_real(load1()));
+        json_object_set_new(o, "load_end", json_real(perf__loadavg()));
     }
 out:
     if (rc)
@@ -619,7 +598,7 @@ perf__consumers_round(struct perf_ctx *ctx, int round, json_t **out)
     if ((e = getenv("KSCORE_PERF_CC_STOP_S")) && *e)
         stop_s = atof(e);
     json_object_set_new(res, "steps", steps);
-    json_object_set_new(res, "load_start", json_real(load1()));
+    json_object_set_new(res, "load_start", json_real(perf__loadavg()));
     json_object_set_new(res, "max_concurrent",
                         json_integer(agent_default_max_concurrent()));
 
@@ -652,7 +631,7 @@ perf__consumers_round(struct perf_ctx *ctx, int round, json_t **out)
         rc = -EINTR;
     extrapolate(res, steps, 1, "r1");
     extrapolate(res, steps, 3, "r3");
-    json_object_set_new(res, "load_end", json_real(load1()));
+    json_object_set_new(res, "load_end", json_real(perf__loadavg()));
     if (rc) {
         json_decref(res);
         return rc;

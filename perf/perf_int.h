@@ -91,6 +91,12 @@ struct perf_proc {
     int64_t rss_kb;
 };
 int perf__proc_sample(pid_t pid, struct perf_proc *out);
+/* Removes dir and everything under it (nftw, depth first, no symlinks
+ * followed); errors are ignored. */
+void perf__rm_tree(const char *dir);
+/* The 1-minute load average (/proc/loadavg), or -1: the machine may be
+ * shared, and the report says how busy it was. */
+double perf__loadavg(void);
 
 /* ---- statistics (perf_stats.c) ---------------------------------------- */
 

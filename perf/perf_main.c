@@ -576,19 +576,6 @@ print_table(FILE *f, json_t *root, bool ab)
     }
 }
 
-/* The 1-minute load average: the machine may be shared (noise). */
-static double
-loadavg(void)
-{
-    double l = -1;
-    FILE *f = fopen("/proc/loadavg", "re");
-    if (f) {
-        if (fscanf(f, "%lf", &l) != 1)
-            l = -1;
-        fclose(f);
-    }
-    return l;
-}
 
 static int
 run_scenario(struct perf_ctx *ctx, const struct perf_scenario *sc,
@@ -771,7 +758,7 @@ perf_main(int argc, char **argv)
         json_object_set_new(root, "cpus",
                             json_integer(sysconf(_SC_NPROCESSORS_ONLN)));
         json_object_set_new(root, "started_at_us", json_integer(ks_now_us()));
-        json_object_set_new(root, "loadavg_start", json_real(loadavg()));
+        json_object_set_new(root, "loadavg_start", json_real(perf__loadavg()));
         json_object_set_new(root, "binary_a", json_string(o.bin_a));
         if (o.bin_b)
             json_object_set_new(root, "binary_b", json_string(o.bin_b));
@@ -789,7 +776,7 @@ perf_main(int argc, char **argv)
             break;
     }
     json_object_set_new(root, "finished_at_us", json_integer(ks_now_us()));
-    json_object_set_new(root, "loadavg_end", json_real(loadavg()));
+    json_object_set_new(root, "loadavg_end", json_real(perf__loadavg()));
     json_object_set_new(root, "targets", targets(root));
     if (rc == 0)
         ret = 0;

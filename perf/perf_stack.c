@@ -32,6 +32,25 @@ rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
     return 0;
 }
 
+void
+perf__rm_tree(const char *dir)
+{
+    nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+double
+perf__loadavg(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "re");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1)
+            l = -1;
+        fclose(f);
+    }
+    return l;
+}
+
 static bool
 pid_alive(pid_t pid)
 {
@@ -540,7 +559,7 @@ perf__stack_stop(struct perf_stack *st, bool keep)
     if (keep || (keep_env && strcmp(keep_env, "1") == 0))
         fprintf(stderr, "kscore perf: kept %s\n", st->dir);
     else
-        nftw(st->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        perf__rm_tree(st->dir);
     free(st->nats_url);
     free(st->conninfo);
     st->nats_url = st->conninfo = NULL;
