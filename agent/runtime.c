@@ -1212,13 +1212,6 @@ slots_running(struct agent *a, uint32_t *running)
     pthread_mutex_unlock(&a->mu);
 }
 
-/*
- * Writes every id's registry entry: a publish to $KV.KSCORE_AGENTS.<id>
- * whose PubAck comes back to agent-<id>'s own inbox (evt_agent_put). The
- * PubAck is what the self-fence counts as contact: JetStream has the
- * heartbeat, so the broker's liveness check sees it. 0 if every id's was
- * acknowledged, else the first error.
- */
 /* labels as the registry entry's EnvVars: *v_out and *p_out (malloc'd;
  * the strings stay the labels'). 0 or -ENOMEM (both NULL). */
 static int
@@ -1261,6 +1254,14 @@ attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
     info->labels_key_id = (char *)(labels ? key_id : "");
 }
 
+/*
+ * Writes every id's registry entry: a publish to $KV.KSCORE_AGENTS.<id>
+ * whose PubAck comes back to agent-<id>'s own inbox (evt_agent_put). The
+ * PubAck is what the self-fence counts as contact: JetStream has the
+ * heartbeat, so the broker's liveness check sees it. 0 if every id's was
+ * acknowledged, else the first error. A pool writes one entry for all its
+ * ids instead (evt_pool_put), with each id's running count.
+ */
 static int
 heartbeat_once(struct agent *a)
 {
@@ -1300,6 +1301,13 @@ heartbeat_once(struct agent *a)
         info.pool = (char *)a->opts.pool;
         info.pool_ids = ids;
         info.n_pool_ids = a->n_slots;
+        /* Each id's own running count, as single ids report it. */
+        if ((per_slot = calloc(a->n_slots ? a->n_slots : 1,
+                               sizeof(*per_slot)))) {
+            slots_running(a, per_slot);
+            info.pool_running = per_slot;
+            info.n_pool_running = a->n_slots;
+        }
         /* The broker's signature over the pool's labels (its key
          * "pool.<pool>"). */
         Ks__EnvVar *pav = NULL, **pap = NULL;

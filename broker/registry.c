@@ -33,7 +33,11 @@
 static bool
 info_changed(const Ks__AgentInfo *a, const Ks__AgentInfo *b)
 {
-    if (a->n_labels != b->n_labels || a->running != b->running ||
+    /* An id of a pool is written when it changes, not its running count
+     * (agent_needs_store): at 10,000 ids a batch would be 20,000 writes. */
+    bool pooled = b->pool && b->pool[0];
+    if (a->n_labels != b->n_labels ||
+        (!pooled && a->running != b->running) ||
         a->pid != b->pid || strcmp(a->version, b->version) != 0)
         return true;
     for (size_t i = 0; i < a->n_labels; i++)
@@ -726,14 +730,19 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
      * without the whole pool's running count (not one id's). */
     char **ids = info->pool_ids, *own_id = info->agent_id;
     size_t n = info->n_pool_ids;
-    uint32_t running = info->running;
+    uint32_t running = info->running, *per_id = info->pool_running;
+    size_t n_per_id = info->n_pool_running;
     info->pool_ids = NULL;
     info->n_pool_ids = 0;
+    info->pool_running = NULL;
+    info->n_pool_running = 0;
     info->running = 0;
     info->agent_id = (char *)"";
     int rc = kproto_pack(&info->base, &tmpl, &tlen);
     info->pool_ids = ids;
     info->n_pool_ids = n;
+    info->pool_running = per_id;
+    info->n_pool_running = n_per_id;
     info->running = running;
     info->agent_id = own_id;
     for (size_t i = 0; rc == 0 && i < n; i++) {
@@ -745,6 +754,8 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             break;
         }
         m->agent_id = id; /* "" unpacked is protobuf-c's static default */
+        if (n_per_id == n)
+            m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
         agent_update(b, ids[i], m, sig, NULL, NULL, true);
