@@ -1771,6 +1771,7 @@ struct resolve {
     size_t n, cap;
     struct ks_map seen;
     int64_t now_mono;
+    bool deaf; /* broker__registry_deaf: nobody is left out as offline */
 };
 
 static int
@@ -1828,7 +1829,7 @@ collect_matching(const char *key, void *val, void *ud)
 {
     struct resolve *r = ud;
     struct broker__agent *a = val;
-    if (r->req->online_only &&
+    if (r->req->online_only && !r->deaf &&
         r->now_mono - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000)
         return;
     if (!broker_select_match(a->info, r->terms, r->n_terms))
@@ -1970,6 +1971,7 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         goto out;
     }
     if (req->n_agents == 0) {
+        r.deaf = broker__registry_deaf(b);
         pthread_mutex_lock(&b->mu);
         r.now_mono = ks_mono_us();
         ks_map_each(&b->agents, collect_matching, &r);

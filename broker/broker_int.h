@@ -115,6 +115,11 @@ struct broker {
     int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
                                    its watch: no one is judged offline
                                    for a TTL after (registry.c) */
+    /* (mu) when the registry watch last delivered an entry: with agents
+     * heartbeating every EVT_HEARTBEAT_MS, a longer silence is a dead
+     * watch (a cluster node gone, the bucket without a leader), not dead
+     * agents (broker__registry_deaf). */
+    int64_t reg_entry_mono_us;
 
     pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
     natsMsg **rec_q;
@@ -251,6 +256,19 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * thread. */
 void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
+/*
+ * true when this broker cannot tell a silent agent from a deaf registry:
+ * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
+ * delivered nothing, not even this broker's own beacon, for more than
+ * 2 x EVT_HEARTBEAT_MS (a cluster node died under it, the bucket has no
+ * leader yet).
+ * Then nobody is judged offline or Lost by silence: the delivery deadline
+ * decides. Any thread.
+ */
+bool broker__registry_deaf(struct broker *b);
+/* Registry keys of the brokers' beacons (registry.c): no agent id has a
+ * dot, and "_broker." is no pool key. */
+#define BROKER_BEACON_PREFIX "_broker."
 /* Whether agent_id is online (heartbeat younger than EVT_AGENT_TTL_MS):
  * 1, 0 (offline; *heartbeat_at_us its last heartbeat, epoch us), or -1
  * (not in the registry). Takes b->mu. */

@@ -766,18 +766,9 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     ks__agent_info__free_unpacked(info, NULL);
 }
 
-/* A watch that has delivered nothing for this long while agents are known
- * is dead (see registry_main). */
+/* A watch that has delivered nothing for this long, not even this
+ * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
-
-static bool
-agents_known(struct broker *b)
-{
-    pthread_mutex_lock(&b->mu);
-    bool any = b->agents.count > 0;
-    pthread_mutex_unlock(&b->mu);
-    return any;
-}
 
 static void *
 registry_main(void *arg)
@@ -805,18 +796,32 @@ registry_main(void *arg)
         return NULL;
     }
 
+    /* This broker's beacon in the registry ("_broker.<uuid>", expiring
+     * with the bucket's TTL): its own entries keep coming through a live
+     * watch whether or not any agent heartbeats, so a watch that delivers
+     * nothing is deaf (broker__registry_deaf), not a fleet that died. A
+     * plain publish: nothing waits for the bucket's PubAck. */
+    char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
+    int64_t beacon_at = 0;
+    ks_uuid(bid);
+    snprintf(beacon, sizeof(beacon), "$KV.%s." BROKER_BEACON_PREFIX "%s",
+             EVT_KV_AGENTS, bid);
+
     kvWatchOptions_Init(&wo);
     while (!b->stopping) {
         kvEntry *e = NULL;
         natsStatus s;
+        if (ks_mono_us() - beacon_at >= (int64_t)EVT_HEARTBEAT_MS * 1000) {
+            beacon_at = ks_mono_us();
+            natsConnection_PublishString(b->nc->nc, beacon, "1");
+        }
         /* On a JetStream cluster the watcher's consumer lives on one
          * node; when that node dies or the bucket's leader moves, the
-         * watch ends or goes silent. Every agent heartbeats every 2 s, so
-         * a silence of REGISTRY_SILENT_US with agents known is a dead
-         * watch: it is made again (the initial values replay every entry;
+         * watch ends or goes silent. The beacon and every agent heartbeat
+         * every 2 s, so a silence of REGISTRY_SILENT_US is a dead watch:
+         * it is made again (the initial values replay every entry;
          * provisioning is idempotent). */
-        if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US &&
-            agents_known(b)) {
+        if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US) {
             ks_log(KS_LOG_WARN, "agent registry watch silent: watching again",
                    KS_S("module", "registry"));
             kvWatcher_Destroy(w);
@@ -853,8 +858,16 @@ registry_main(void *arg)
             continue;
         }
         last_entry = ks_mono_us();
+        pthread_mutex_lock(&b->mu);
+        b->reg_entry_mono_us = last_entry;
+        pthread_mutex_unlock(&b->mu);
         if (!e) /* end of the initial values */
             continue;
+        if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
+                    strlen(BROKER_BEACON_PREFIX)) == 0) {
+            kvEntry_Destroy(e); /* a broker's beacon: heard, that is all */
+            continue;
+        }
         if (kvEntry_Operation(e) == kvOp_Put &&
             strncmp(kvEntry_Key(e), EVT_POOL_KEY_PREFIX,
                     strlen(EVT_POOL_KEY_PREFIX)) == 0) {
@@ -1189,6 +1202,23 @@ broker_select_match(const Ks__AgentInfo *info, char *const *terms, size_t n)
     return 1;
 }
 
+/* broker__registry_deaf under b->mu. */
+static bool
+registry_deaf_locked(struct broker *b, int64_t now)
+{
+    return now - b->reg_watch_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+           now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000;
+}
+
+bool
+broker__registry_deaf(struct broker *b)
+{
+    pthread_mutex_lock(&b->mu);
+    bool deaf = registry_deaf_locked(b, ks_mono_us());
+    pthread_mutex_unlock(&b->mu);
+    return deaf;
+}
+
 int
 broker__agent_presence(struct broker *b, const char *agent_id,
                        int64_t *heartbeat_at_us)
@@ -1198,11 +1228,10 @@ broker__agent_presence(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    /* A watch (re)started less than a TTL ago may not have seen every
-     * heartbeat yet (a cluster node died under the old one): a stale
+    /* A watch that is dead or (re)started less than a TTL ago may not
+     * have seen every heartbeat (a cluster node died under it): a stale
      * entry then says nothing, the delivery deadline decides. */
-    if (a && ks_mono_us() - b->reg_watch_mono_us <
-                 (int64_t)EVT_AGENT_TTL_MS * 1000 &&
+    if (a && registry_deaf_locked(b, ks_mono_us()) &&
         ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
         if (heartbeat_at_us)
             *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;

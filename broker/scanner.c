@@ -155,11 +155,13 @@ on_running(const struct store_command_ref *ref, void *ud)
     if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
         return 0;
     /* Silence means something only while this broker could hear: it must
-     * have been connected to NATS (and watching the registry) for a whole
-     * TTL, else the agents it missed were not dead, it was deaf. */
+     * have been connected to NATS for a whole TTL, and its registry watch
+     * alive and delivering, else the agents it missed were not dead, it
+     * was deaf. */
     if (b->connected_since_mono_us == 0 ||
         ks_mono_us() - b->connected_since_mono_us <
-            (int64_t)EVT_AGENT_TTL_MS * 1000)
+            (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+        broker__registry_deaf(b))
         return 0;
     /* A command claimed a moment ago by an agent that then died is Lost
      * too, but give the claim's first heartbeat a chance. */
