@@ -1401,7 +1401,7 @@ heartbeat_main(void *arg)
  * JetStream cluster that has just started, or started again, the
  * registry stream's raft group elects its leader some seconds after the
  * meta leader and after the brokers answer, and until then a put gets no
- * responders or no PubAck. Failing at the first one left `kscore up
+ * responders, no PubAck, or a JetStream error. Failing at the first one left `kscore up
  * --cluster` waiting for a heartbeat that never came.
  */
 static int
@@ -1410,7 +1410,10 @@ register_retrying(struct agent *a)
     int64_t deadline = ks_mono_us() + (int64_t)REGISTER_RETRY_MS * 1000;
     int delay_ms = 250, rc, tries = 1;
 
-    while ((rc = heartbeat_once(a)) == KS_EUNAVAIL || rc == KS_ETIMEDOUT) {
+    /* KS_ENATS too: a stream without quorum answers the put with a
+     * JetStream error (503) instead of staying silent. */
+    while ((rc = heartbeat_once(a)) == KS_EUNAVAIL || rc == KS_ETIMEDOUT ||
+           rc == KS_ENATS) {
         if (ks_mono_us() + (int64_t)delay_ms * 1000 >= deadline)
             break;
         if (tries == 1)
