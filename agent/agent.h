@@ -349,7 +349,10 @@ struct agent_opts {
 
 /*
  * Self-fence (ms): when no heartbeat has reached NATS for this long (NATS
- * down, cut off, JetStream not answering), the agent SIGKILLs every command
+ * down, cut off, JetStream not answering; but not while a connected NATS
+ * answers that the registry bucket itself is unavailable: then no broker
+ * hears any heartbeat and none judges by silence, runtime.c heard()),
+ * the agent SIGKILLs every command
  * it runs and reports each as CommandLost "agent lost contact with NATS for
  * N s: its processes were killed (self-fence)" once it can. Half the
  * broker's EVT_AGENT_TTL_MS, after which the broker declares the commands

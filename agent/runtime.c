@@ -1255,6 +1255,27 @@ attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
 }
 
 /*
+ * What a heartbeat's outcome says to the self-fence (keeper_main). Stored
+ * in the registry: the broker hears us. Refused by a connected NATS for
+ * want of the registry itself (no responders: the bucket has no leader,
+ * or its JetStream error, such as 503 without quorum): nobody hears
+ * anybody's heartbeat then, the brokers' own beacons included, so no
+ * broker judges us by silence (broker__registry_deaf) and there is
+ * nothing to fence against. A timeout, or NATS away, says nothing: a
+ * partition looks like that. Without this, losing the cluster node that
+ * led the registry fenced every agent for the 5-15 s of the bucket's new
+ * election, and commands claimed then ended NotStarted.
+ */
+static void
+heard(struct agent *a, int rc)
+{
+    if (rc == 0 ||
+        ((rc == KS_EUNAVAIL || rc == KS_ENATS) &&
+         natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED))
+        atomic_store(&a->last_contact_us, ks_mono_us());
+}
+
+/*
  * Writes every id's registry entry: a publish to $KV.KSCORE_AGENTS.<id>
  * whose PubAck comes back to agent-<id>'s own inbox (evt_agent_put). The
  * PubAck is what the self-fence counts as contact: JetStream has the
@@ -1322,8 +1343,7 @@ heartbeat_once(struct agent *a)
         free(ids);
         free(pav);
         free(pap);
-        if (rc == 0)
-            atomic_store(&a->last_contact_us, ks_mono_us());
+        heard(a, rc);
         goto out;
     }
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
@@ -1348,10 +1368,8 @@ heartbeat_once(struct agent *a)
                             HEARTBEAT_TIMEOUT_MS);
         free(av);
         free(ap);
-        if (one == 0)
-            /* What the broker's liveness check sees: JetStream has it. */
-            atomic_store(&a->last_contact_us, ks_mono_us());
-        else if (!rc)
+        heard(a, one);
+        if (one && !rc)
             rc = one;
     }
 out:
