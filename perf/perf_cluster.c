@@ -286,7 +286,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
             fprintf(stderr, "kscore perf: kscore up --cluster 3 failed (see "
                             "%s.log)\n", home);
             rc = KS_EINTERNAL;
-            goto out;
+            goto down; /* what did start must not outlive the run */
         }
         fprintf(stderr, "  cluster up in %.1f s\n",
                 (double)(ks_mono_us() - u0) / 1e6);
