@@ -433,7 +433,6 @@ down:
         const char *down[] = {"down", NULL};
         kscore_run(bin, home, down);
     }
-out:
     if (rep)
         ks__batch_reply__free_unpacked(rep, NULL);
     evt_close(c);
