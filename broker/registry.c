@@ -368,6 +368,12 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
          strncmp(info->agent_id, info->pool, strlen(info->pool)) != 0 ||
          info->agent_id[strlen(info->pool)] != '-'))
         return "its pool is not the start of its agent_id (<pool>-...)";
+    /* A pool heartbeats its "pool.<pool>" key only (agent/runtime.c): an
+     * id's own key naming a pool is another credential's (agent-<pool>-X,
+     * enrolled on its own), which would otherwise route its commands into
+     * the pool's consumer and set that consumer's limits. */
+    if (info->pool && info->pool[0])
+        return "an agent's own entry names a pool (only pool.<pool> may)";
     if (packed > AGENT_INFO_MAX_BYTES)
         return "larger than 8 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS ||

@@ -1231,6 +1231,67 @@ START_TEST(pool_credential_serves_only_its_ids)
 
     /* Revoked, the pool's ids are forgotten: commands for them refused. */
     stack_stop(stack.dir, "pq", 10000);
+
+    /* An agent enrolled on its own whose id merely starts with the pool's
+     * name (agent-pq-9) writes its own entry naming the pool: the broker
+     * must not take it, else it routes pq-9's commands into the pool's
+     * consumer and sets that consumer's limits (max_ack_pending 1). */
+    {
+        char b9[PATH_MAX + 32], s9[PATH_MAX + 32];
+        snprintf(b9, sizeof(b9), "%s/pq9.bundle", stack.dir);
+        const char *args[] = {"agent", "enroll", "pq-9", "--out", b9,
+                              "--nats-url", stack.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(stack.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "enroll pq-9: %s", o.err);
+        fixture_out_release(&o);
+        ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+        f = fopen(b9, "r");
+        ck_assert_ptr_nonnull(f);
+        while (fgets(line, sizeof(line), f))
+            if (strncmp(line, "nkey_seed = ", 12) == 0) {
+                line[strcspn(line, "\r\n")] = '\0';
+                snprintf(seed, sizeof(seed), "%.*s", EVT_NKEY_SEED_CHARS,
+                         line + 12);
+            }
+        fclose(f);
+        snprintf(s9, sizeof(s9), "%s/pq9.nk", stack.dir);
+        ck_assert_int_eq(evt_nkey_write_seed(s9, "agent-pq-9", seed), 0);
+        struct thief *t9 = thief_connect(s9);
+        struct evt_conn *adm = connect_as(stack.broker_seed);
+        Ks__AgentInfo ai = KS__AGENT_INFO__INIT;
+        ai.agent_id = "pq-9";
+        ai.pool = "pq";
+        ai.max_concurrent = 1;
+        ai.ack_wait_ms = 1000;
+        ai.version = "0.1.0";
+        ai.host = "elsewhere";
+        ai.instance_id = "pq9";
+        ai.heartbeat_at_us = ks_now_us();
+        uint8_t buf[512];
+        size_t len = ks__agent_info__pack(&ai, buf);
+        ck_assert_int_eq(natsConnection_Publish(t9->nc,
+                                                "$KV." EVT_KV_AGENTS ".pq-9",
+                                                buf, (int)len),
+                         NATS_OK);
+        natsConnection_Flush(t9->nc);
+        bool changed = false;
+        for (int i = 0; i < 40 && !changed; i++) {
+            natsMsg *r = NULL;
+            if (natsConnection_RequestString(
+                    &r, adm->nc,
+                    "$JS.API.CONSUMER.INFO." EVT_STREAM_CMDS ".pool-pq", "",
+                    2000) == NATS_OK) {
+                changed = strstr(natsMsg_GetData(r),
+                                 "\"max_ack_pending\":1,") != NULL;
+                natsMsg_Destroy(r);
+            }
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        }
+        ck_assert_msg(!changed, "agent-pq-9 set the limits of pool pq's "
+                                "consumer through its own entry");
+        evt_close(adm);
+        thief_close(t9);
+    }
     {
         const char *args[] = {"agent", "revoke", "pool-pq", "--nats",
                               stack.nats.url, NULL};
