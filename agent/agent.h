@@ -323,6 +323,10 @@ struct agent_opts {
      * the id "pool.<pool>" (its registry key): sent in every pool entry,
      * as an id's own attestation is (copied as attestations are). */
     const struct agent_attestation *pool_attestation;
+    /* The pool's size as enrolled and signed (pool_attestation is over
+     * "pool.<pool>/<size>", events.h evt_pool_attest_id); its ids must be
+     * <pool>-<n>, n below it. 0: n_ids. */
+    unsigned pool_size;
     const struct agent_label *labels; /* for every id */
     size_t n_labels;
     /* NULL, or n_ids entries (one per id; sig NULL: none for that id):

@@ -1320,6 +1320,8 @@ heartbeat_once(struct agent *a)
             ids[i] = a->slots[i].id;
         info.agent_id = (char *)"";
         info.pool = (char *)a->opts.pool;
+        info.pool_size = a->opts.pool_size ? a->opts.pool_size
+                                           : (uint32_t)a->n_slots;
         info.pool_ids = ids;
         info.n_pool_ids = a->n_slots;
         /* Each id's own running count, as single ids report it. */
@@ -1758,14 +1760,16 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
                         s->id);
         if (opts->pool && opts->pool[0]) {
             char durable[8 + EVT_AGENT_ID_MAX];
-            size_t pl = strlen(opts->pool);
-            if (strncmp(s->id, opts->pool, pl) != 0 || s->id[pl] != '-') {
+            uint32_t size = opts->pool_size ? opts->pool_size
+                                            : (uint32_t)opts->n_ids;
+            if (evt_pool_index(opts->pool, s->id, size) < 0) {
                 rc = KS_EINVAL;
                 if (errmsg &&
                     asprintf(errmsg,
-                             "agent id %s is not in pool %s (the ids of a "
-                             "pool are named %s-...)",
-                             s->id, opts->pool, opts->pool) < 0)
+                             "agent id %s is not in pool %s (its ids are "
+                             "%s-0 .. %s-%u)",
+                             s->id, opts->pool, opts->pool, opts->pool,
+                             size - 1) < 0)
                     *errmsg = NULL;
                 goto fail;
             }

@@ -1576,9 +1576,11 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             lv.value = (char *)lab.value;
             if (ao.pool) {
                 /* The pool's entry carries one attestation, over its
-                 * registry key "pool.<host>". */
-                char key[sizeof(EVT_POOL_KEY_PREFIX) + sizeof(host)];
-                snprintf(key, sizeof(key), EVT_POOL_KEY_PREFIX "%s", host);
+                 * name and size ("pool.<host>/<N>"). */
+                char key[sizeof(EVT_POOL_KEY_PREFIX) + sizeof(host) + 12];
+                evt_pool_attest_id(key, sizeof(key), host,
+                                   opts->local_agents);
+                ao.pool_size = opts->local_agents;
                 if (evt_labels_sign(b.signer, key, now, &lp, 1, sigs[0]) == 0) {
                     att[0] = (struct agent_attestation){
                         &lab, 1, now, sigs[0], evt_signer_key_id(b.signer)};

@@ -111,6 +111,8 @@ enum store_step broker_decide_report(const struct store_command_state *st,
 /* Largest registry entry of an agent pool (its list of ids: about 20,000
  * ids of 10 characters); beyond it the entry is refused and logged. */
 #define BROKER_POOL_INFO_MAX_BYTES (256 * 1024)
+/* Most ids one pool may have (its signed size). */
+#define BROKER_POOL_MAX 100000
 int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);

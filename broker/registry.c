@@ -690,12 +690,17 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
         return "a pool entry larger than 256 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
-    size_t pl = strlen(pool);
+    if (info->pool_size == 0 || info->pool_size > BROKER_POOL_MAX ||
+        info->n_pool_ids > info->pool_size)
+        return "its pool_size is 0, over the limit, or below its ids";
+    /* Only <pool>-0 .. <pool>-<size-1>: not another agent's id that
+     * happens to start with "<pool>-" (px-a-0 of pool px-a, or an
+     * enrolled px-web), and no more than the signed size. */
     for (size_t i = 0; i < info->n_pool_ids; i++) {
         const char *id = info->pool_ids[i];
-        if (!evt_agent_id_valid(id) || strncmp(id, pool, pl) != 0 ||
-            id[pl] != '-')
-            return "an id of the pool is not <pool>-...";
+        if (!evt_agent_id_valid(id) ||
+            evt_pool_index(pool, id, info->pool_size) < 0)
+            return "an id of the pool is not <pool>-<n>, n below its size";
     }
     return NULL;
 }
@@ -721,17 +726,29 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         ks__agent_info__free_unpacked(info, NULL);
         return;
     }
-    provq_push(q, key, info);
-    /* A pool's labels as an agent's: what this broker signed for its key
-     * ("pool.<pool>": `kscore agent enroll --pool-size`, or a broker's own
-     * local pool), else its own word, and none under
-     * --require-signed-labels (labels_settle). */
-    char *own_id0 = info->agent_id, *verified = NULL;
+    /* A pool's labels as an agent's: what this broker signed for it
+     * (over "pool.<pool>/<size>": `kscore agent enroll --pool-size`, or a
+     * broker's own local pool). */
+    char *own_id0 = info->agent_id, *verified = NULL,
+         attest_id[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX + 12];
     const char *why = NULL;
-    info->agent_id = (char *)key;
+    evt_pool_attest_id(attest_id, sizeof(attest_id), info->pool,
+                       info->pool_size);
+    info->agent_id = attest_id;
     bool sig = labels_settle(b, info, &why, &verified);
     info->agent_id = own_id0;
     free(verified);
+    /* The pool's name and size are this broker's word, or nothing: an
+     * unsigned entry could name any size, and with it any number of ids
+     * for the broker to keep. */
+    if (!sig) {
+        entry_refused(key, "a pool without this broker's signature over its "
+                           "name and size (kscore agent enroll NAME "
+                           "--pool-size N; a broker signs its own local pool)");
+        ks__agent_info__free_unpacked(info, NULL);
+        return;
+    }
+    provq_push(q, key, info);
     /* The template of each id's entry: the pool's without its list, and
      * without the whole pool's running count (not one id's). */
     char **ids = info->pool_ids, *own_id = info->agent_id;

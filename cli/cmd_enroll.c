@@ -37,6 +37,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -535,6 +536,54 @@ meta_path(const char *home, const char *id, char *buf, size_t len)
     return n > 0 && (size_t)n < len ? 0 : -ENAMETOOLONG;
 }
 
+/*
+ * Why id (pool_size 0) or pool id (pool_size > 0) may not be enrolled
+ * next to what is: an agent id that is an id of an enrolled pool
+ * (<pool>-<n>), a pool one of whose ids is an enrolled agent's, or a pool
+ * named as this host (the broker's own local agents <host>-0.. are that
+ * pool). NULL when none; why is filled.
+ */
+static const char *
+enroll_clash(const char *home, const char *id, unsigned pool_size, char *why,
+             size_t len)
+{
+    struct stack_identity *ids = NULL;
+    size_t n = 0;
+    char host[64] = "";
+
+    if (pool_size) {
+        gethostname(host, sizeof(host));
+        host[sizeof(host) - 1] = '\0';
+        host[strcspn(host, ".")] = '\0';
+        if (strcmp(host, id) == 0) {
+            snprintf(why, len,
+                     "pool %s is this host's name: a broker's own local "
+                     "agents %s-0, %s-1, ... are the pool %s",
+                     id, host, host, host);
+            return why;
+        }
+    }
+    if (stack_ident_list(home, &ids, &n) != 0)
+        return NULL; /* no registry yet: nothing to clash with */
+    why[0] = '\0';
+    for (size_t i = 0; i < n && !why[0]; i++) {
+        const struct stack_identity *e = &ids[i];
+        if (!pool_size && e->kind == STACK_POOL &&
+            evt_pool_index(e->name + 5, id, UINT32_MAX) >= 0)
+            snprintf(why, len,
+                     "agent id %s is an id of the enrolled pool %s (its ids "
+                     "are %s-<n>)",
+                     id, e->name + 5, e->name + 5);
+        else if (pool_size && e->kind == STACK_AGENT &&
+                 evt_pool_index(id, e->name + 6, UINT32_MAX) >= 0)
+            snprintf(why, len,
+                     "pool %s would have the id of the enrolled agent %s",
+                     id, e->name + 6);
+    }
+    free(ids);
+    return why[0] ? why : NULL;
+}
+
 static int
 fleet_enroll(const char *home, const char *id, unsigned pool_size,
              char **labels, size_t n_labels, const char *out_path, char **urls,
@@ -559,9 +608,10 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     /* A pool (--pool-size N): id names the pool, its ids are id-0 ..
      * id-<N-1>, its identity pool-<id> (deploy/nats-auth.conf.in). */
     const enum stack_kind kind = pool_size ? STACK_POOL : STACK_AGENT;
-    /* A pool's labels are attested over its registry key, "pool.<id>". */
-    char pool_key[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX];
-    snprintf(pool_key, sizeof(pool_key), EVT_POOL_KEY_PREFIX "%s", id);
+    /* A pool's labels are attested with its name and size,
+     * "pool.<id>/<size>": the broker takes no more ids than that. */
+    char pool_key[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX + 12];
+    evt_pool_attest_id(pool_key, sizeof(pool_key), id, pool_size);
     snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
              id);
     if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
@@ -570,6 +620,13 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
                 pool_size ? "pool name" : "agent id", id,
                 pool_size ? EVT_AGENT_ID_MAX - 7 : EVT_IDENTITY_MAX - 6);
         return CLI_EXIT_USAGE;
+    }
+    {
+        char why[256];
+        if (enroll_clash(home, id, pool_size, why, sizeof(why))) {
+            cli_err("cannot enrol %s: %s", identity, why);
+            return CLI_EXIT_USAGE;
+        }
     }
     for (size_t i = 0; i < n_labels; i++)
         if (!label_ok(labels[i])) {

@@ -1951,6 +1951,8 @@ cmd_agent(int argc, char **argv)
         o.n_ids = n_pool_ids;
     }
     o.pool = pool;
+    if (bundle.pool[0])
+        o.pool_size = bundle.pool_size; /* as enrolled and signed */
     o.labels = labels;
     o.trust_keys = keys;
     /* Before any thread exists, so only sigwait() sees these. */

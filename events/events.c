@@ -508,6 +508,32 @@ evt_pool_durable(char *buf, size_t len, const char *pool)
 }
 
 void
+evt_pool_attest_id(char *buf, size_t len, const char *pool, uint32_t size)
+{
+    snprintf(buf, len, EVT_POOL_KEY_PREFIX "%s/%u", pool, size);
+}
+
+long
+evt_pool_index(const char *pool, const char *id, uint32_t size)
+{
+    size_t pl = strlen(pool);
+    const char *d;
+    unsigned long n = 0;
+
+    if (strncmp(id, pool, pl) != 0 || id[pl] != '-')
+        return -1;
+    d = id + pl + 1;
+    if (!*d || (d[0] == '0' && d[1]) || strlen(d) > 9)
+        return -1;
+    for (; *d; d++) {
+        if (*d < '0' || *d > '9')
+            return -1;
+        n = n * 10 + (unsigned long)(*d - '0');
+    }
+    return n < size ? (long)n : -1;
+}
+
+void
 evt_agent_durable(char *buf, size_t len, const char *agent_id)
 {
     snprintf(buf, len, "agent-%s", agent_id);

@@ -755,6 +755,15 @@ int evt_pool_put(struct evt_conn *c, const char *identity,
 /* The registry key prefix of pool entries ("pool." + pool name): a dot is
  * in no agent id, so the two never meet. */
 #define EVT_POOL_KEY_PREFIX "pool."
+/* The id a pool's labels attestation is signed over: "pool.<pool>/<size>"
+ * (no agent id has a dot or a slash), so the signature also fixes how
+ * many ids the pool may have. buf >= sizeof(EVT_POOL_KEY_PREFIX) +
+ * EVT_AGENT_ID_MAX + 12. */
+void evt_pool_attest_id(char *buf, size_t len, const char *pool,
+                        uint32_t size);
+/* n when id is "<pool>-<n>" in canonical decimal (no sign, no leading
+ * zero) with n < size, else -1. Pure. */
+long evt_pool_index(const char *pool, const char *id, uint32_t size);
 /* Opens the KSCORE_AGENTS bucket (created by evt_setup; nats.c
  * JetStream API: the broker and clients with its rights, never agents). */
 int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);

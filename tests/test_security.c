@@ -685,6 +685,16 @@ fresh_id(char out[37])
 }
 
 static const char *
+local_host(void)
+{
+    static char host[64];
+    gethostname(host, sizeof(host));
+    host[sizeof(host) - 1] = '\0';
+    host[strcspn(host, ".")] = '\0';
+    return host;
+}
+
+static const char *
 local_agent(void)
 {
     static char local[96];
@@ -1223,6 +1233,42 @@ START_TEST(pool_credential_serves_only_its_ids)
     natsConnection_Flush(t->nc);
     ck_assert(thief_hears(t, own, admin, "_INBOX.pool-pq.x"));
     ck_assert(!thief_hears(t, sub[2], admin, "_INBOX.broker.x"));
+    /* Its own registry key, stretched: 1,000 ids under an unsigned size.
+     * The broker takes none of them (the size is signed at enrolment). */
+    {
+        Ks__AgentInfo pi = KS__AGENT_INFO__INIT;
+        char *pids[1000], names[1000][16];
+        for (int i = 0; i < 1000; i++) {
+            snprintf(names[i], sizeof(names[i]), "pq-%d", i);
+            pids[i] = names[i];
+        }
+        pi.agent_id = "";
+        pi.pool = "pq";
+        pi.pool_size = 1000;
+        pi.pool_ids = pids;
+        pi.n_pool_ids = 1000;
+        pi.version = "0.1.0";
+        pi.host = "thief";
+        pi.instance_id = "thief";
+        pi.max_concurrent = 8;
+        pi.heartbeat_at_us = ks_now_us();
+        size_t plen = ks__agent_info__get_packed_size(&pi);
+        uint8_t *pbuf = malloc(plen);
+        ck_assert_ptr_nonnull(pbuf);
+        ks__agent_info__pack(&pi, pbuf);
+        ck_assert_int_eq(natsConnection_Publish(t->nc,
+                                                "$KV." EVT_KV_AGENTS ".pool.pq",
+                                                pbuf, (int)plen),
+                         NATS_OK);
+        natsConnection_Flush(t->nc);
+        free(pbuf);
+        nanosleep(&(struct timespec){1, 500 * 1000000L}, NULL);
+        const char *ag[] = {"agents", "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, ag, &o), 0);
+        ck_assert_msg(!strstr(o.out, "\"agent_id\":\"pq-500\""),
+                      "an unsigned pool size was taken: %.300s", o.out);
+        fixture_out_release(&o);
+    }
     for (size_t i = 0; i < 4; i++)
         natsSubscription_Destroy(sub[i]);
     natsSubscription_Destroy(own);
@@ -1232,17 +1278,37 @@ START_TEST(pool_credential_serves_only_its_ids)
     /* Revoked, the pool's ids are forgotten: commands for them refused. */
     stack_stop(stack.dir, "pq", 10000);
 
+    /* An id of the pool's form (pq-<n>) cannot be enrolled on its own, nor
+     * a pool named as this host (its local agents' pool). */
+    {
+        const char *a1[] = {"agent", "enroll", "pq-9", "--out", "/dev/null",
+                            "--nats-url", stack.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(stack.dir, a1, &o), 0);
+        ck_assert_msg(o.status == 2 && strstr(o.err, "an id of the enrolled "
+                                                     "pool pq"),
+                      "enroll pq-9: %d %s", o.status, o.err);
+        fixture_out_release(&o);
+        const char *a2[] = {"agent",       "enroll", local_host(),
+                            "--pool-size", "2",      "--out",
+                            "/dev/null",   "--nats-url", stack.nats.url,
+                            NULL};
+        ck_assert_int_eq(fixture_kscore_home(stack.dir, a2, &o), 0);
+        ck_assert_msg(o.status == 2 && strstr(o.err, "this host's name"),
+                      "enroll a pool named as the host: %d %s", o.status,
+                      o.err);
+        fixture_out_release(&o);
+    }
     /* An agent enrolled on its own whose id merely starts with the pool's
-     * name (agent-pq-9) writes its own entry naming the pool: the broker
-     * must not take it, else it routes pq-9's commands into the pool's
+     * name (agent-pq-x9) writes its own entry naming the pool: the broker
+     * must not take it, else it routes pq-x9's commands into the pool's
      * consumer and sets that consumer's limits (max_ack_pending 1). */
     {
         char b9[PATH_MAX + 32], s9[PATH_MAX + 32];
-        snprintf(b9, sizeof(b9), "%s/pq9.bundle", stack.dir);
-        const char *args[] = {"agent", "enroll", "pq-9", "--out", b9,
+        snprintf(b9, sizeof(b9), "%s/pqx9.bundle", stack.dir);
+        const char *args[] = {"agent", "enroll", "pq-x9", "--out", b9,
                               "--nats-url", stack.nats.url, NULL};
         ck_assert_int_eq(fixture_kscore_home(stack.dir, args, &o), 0);
-        ck_assert_msg(o.status == 0, "enroll pq-9: %s", o.err);
+        ck_assert_msg(o.status == 0, "enroll pq-x9: %s", o.err);
         fixture_out_release(&o);
         ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
         f = fopen(b9, "r");
@@ -1254,23 +1320,23 @@ START_TEST(pool_credential_serves_only_its_ids)
                          line + 12);
             }
         fclose(f);
-        snprintf(s9, sizeof(s9), "%s/pq9.nk", stack.dir);
-        ck_assert_int_eq(evt_nkey_write_seed(s9, "agent-pq-9", seed), 0);
+        snprintf(s9, sizeof(s9), "%s/pqx9.nk", stack.dir);
+        ck_assert_int_eq(evt_nkey_write_seed(s9, "agent-pq-x9", seed), 0);
         struct thief *t9 = thief_connect(s9);
         struct evt_conn *adm = connect_as(stack.broker_seed);
         Ks__AgentInfo ai = KS__AGENT_INFO__INIT;
-        ai.agent_id = "pq-9";
+        ai.agent_id = "pq-x9";
         ai.pool = "pq";
         ai.max_concurrent = 1;
         ai.ack_wait_ms = 1000;
         ai.version = "0.1.0";
         ai.host = "elsewhere";
-        ai.instance_id = "pq9";
+        ai.instance_id = "pqx9";
         ai.heartbeat_at_us = ks_now_us();
         uint8_t buf[512];
         size_t len = ks__agent_info__pack(&ai, buf);
         ck_assert_int_eq(natsConnection_Publish(t9->nc,
-                                                "$KV." EVT_KV_AGENTS ".pq-9",
+                                                "$KV." EVT_KV_AGENTS ".pq-x9",
                                                 buf, (int)len),
                          NATS_OK);
         natsConnection_Flush(t9->nc);
@@ -1287,7 +1353,7 @@ START_TEST(pool_credential_serves_only_its_ids)
             }
             nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
         }
-        ck_assert_msg(!changed, "agent-pq-9 set the limits of pool pq's "
+        ck_assert_msg(!changed, "agent-pq-x9 set the limits of pool pq's "
                                 "consumer through its own entry");
         evt_close(adm);
         thief_close(t9);
