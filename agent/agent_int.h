@@ -71,6 +71,9 @@ struct job_ctx {
     bool fenced;
     int64_t fence_silence_us;
     bool journaled; /* its journal file exists (written while waiting) */
+    /* A cancel came before it ran (claimed, not yet submitted): it is
+     * cancelled as soon as it is (under a->mu). */
+    bool cancel_pending;
     uint64_t delivered; /* JetStream's delivery count of this message */
     struct agent_out *out; /* output.c, while it runs */
 };

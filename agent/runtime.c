@@ -919,7 +919,10 @@ start_job(struct job_ctx *j)
                          &job_id);
     if (rc == 0)
         j->job_id = job_id;
+    bool cancel_now = rc == 0 && j->cancel_pending;
     pthread_mutex_unlock(&a->mu);
+    if (cancel_now)
+        exec_cancel(a->loop, job_id);
     if (rc) {
         /* Claimed but not started: report it, so it still ends. */
         struct exec_result x = {0};
@@ -1173,6 +1176,10 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         job = ks_map_get(&a->jobs, cc->command_id);
         if (job && job->state == JOB_RUNNING)
             job_id = job->job_id;
+        else if (job)
+            /* Claimed (the record says Running) but not yet spawned: a
+             * cancel dropped here let the command run to its end. */
+            job->cancel_pending = true;
         pthread_mutex_unlock(&a->mu);
         if (job_id)
             exec_cancel(a->loop, job_id);
