@@ -964,6 +964,16 @@ starter_main(void *arg)
     return NULL;
 }
 
+/* true at most once per LOG_EVERY_US for the clock *last (a log line
+ * that a flood of bad messages must not repeat). Any thread. */
+static bool
+log_due(_Atomic int64_t *last)
+{
+    int64_t now = ks_mono_us(), prev = atomic_load(last);
+    return now - prev > LOG_EVERY_US &&
+           atomic_compare_exchange_strong(last, &prev, now);
+}
+
 static void
 on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -1007,9 +1017,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * ack: left alone, it goes back to the stream when the consumer is
      * replaced. */
     if (strcmp(natsMsg_GetSubject(msg), slot->cmd_subject) != 0) {
-        int64_t now = ks_mono_us();
-        if (now - atomic_load(&a->foreign_logged_us) > LOG_EVERY_US) {
-            atomic_store(&a->foreign_logged_us, now);
+        if (log_due(&a->foreign_logged_us)) {
             ks_log(KS_LOG_WARN,
                    "the consumer delivered a message that is not ours: left "
                    "unacked (the broker replaces a consumer with a wrong "
@@ -1142,9 +1150,7 @@ on_pool_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     if (reply && strncmp(reply, "$JS.ACK.", 8) == 0 &&
         !atomic_load(&a->closing))
         agent__ack(a, reply, "-NAK");
-    int64_t now = ks_mono_us();
-    if (now - atomic_load(&a->foreign_logged_us) > LOG_EVERY_US) {
-        atomic_store(&a->foreign_logged_us, now);
+    if (log_due(&a->foreign_logged_us)) {
         ks_log(KS_LOG_WARN,
                "the pool delivered a command for an id this process does not "
                "serve: given back (do two processes of one pool serve "

@@ -749,25 +749,21 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         return;
     }
     provq_push(q, key, info);
-    /* The template of each id's entry: the pool's without its list, and
-     * without the whole pool's running count (not one id's). */
-    char **ids = info->pool_ids, *own_id = info->agent_id;
+    /* The template of each id's entry: a shallow copy of the pool's
+     * without its lists and without the whole pool's running count (not
+     * one id's). */
+    char **ids = info->pool_ids;
     size_t n = info->n_pool_ids;
-    uint32_t running = info->running, *per_id = info->pool_running;
+    const uint32_t *per_id = info->pool_running;
     size_t n_per_id = info->n_pool_running;
-    info->pool_ids = NULL;
-    info->n_pool_ids = 0;
-    info->pool_running = NULL;
-    info->n_pool_running = 0;
-    info->running = 0;
-    info->agent_id = (char *)"";
-    int rc = kproto_pack(&info->base, &tmpl, &tlen);
-    info->pool_ids = ids;
-    info->n_pool_ids = n;
-    info->pool_running = per_id;
-    info->n_pool_running = n_per_id;
-    info->running = running;
-    info->agent_id = own_id;
+    Ks__AgentInfo t = *info;
+    t.pool_ids = NULL;
+    t.n_pool_ids = 0;
+    t.pool_running = NULL;
+    t.n_pool_running = 0;
+    t.running = 0;
+    t.agent_id = (char *)"";
+    int rc = kproto_pack(&t.base, &tmpl, &tlen);
     for (size_t i = 0; rc == 0 && i < n; i++) {
         Ks__AgentInfo *m = ks__agent_info__unpack(NULL, tlen, tmpl);
         char *id = m ? strdup(ids[i]) : NULL;

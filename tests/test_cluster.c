@@ -88,21 +88,8 @@ ks_ok(const char *const args[], struct fixture_out *o)
 static char *
 env_get(const char *key)
 {
-    char path[PATH_MAX + 32], line[4096];
-    size_t kl = strlen(key);
-    char *v = NULL;
-    snprintf(path, sizeof(path), "%s/env", home);
-    FILE *f = fopen(path, "re");
-    ck_assert_msg(f != NULL, "no %s", path);
-    while (!v && fgets(line, sizeof(line), f))
-        if (strncmp(line, key, kl) == 0 && line[kl] == '=') {
-            char *s = line + kl + 1;
-            s += *s == '\'';
-            s[strcspn(s, "'\n")] = '\0';
-            v = strdup(s);
-        }
-    fclose(f);
-    ck_assert_msg(v != NULL, "no %s in %s", key, path);
+    char *v = stack_env_get(home, key);
+    ck_assert_msg(v != NULL, "no %s in %s/env", key, home);
     return v;
 }
 

@@ -1137,6 +1137,24 @@ START_TEST(agent_works_with_its_own_rights_only)
 }
 END_TEST
 
+/* The NKey seed of a bundle ([nats] nkey_seed) written to seed_file as
+ * identity's, for a thief's connection. */
+static void
+bundle_seed(const char *bundle, const char *seed_file, const char *identity)
+{
+    char line[8192], seed[EVT_NKEY_SEED_CHARS + 1] = "";
+    FILE *f = fopen(bundle, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(line, sizeof(line), f))
+        if (strncmp(line, "nkey_seed = ", 12) == 0) {
+            line[strcspn(line, "\r\n")] = '\0';
+            snprintf(seed, sizeof(seed), "%.*s", EVT_NKEY_SEED_CHARS,
+                     line + 12);
+        }
+    fclose(f);
+    ck_assert_int_eq(evt_nkey_write_seed(seed_file, identity, seed), 0);
+}
+
 /*
  * An agent pool (`kscore agent enroll pq --pool-size 3`): one process
  * serves pq-0..pq-2 with the pool's own credential, and that credential
@@ -1147,7 +1165,7 @@ END_TEST
 START_TEST(pool_credential_serves_only_its_ids)
 {
     char p[PATH_MAX + 64], bundle[PATH_MAX + 32], seed_file[PATH_MAX + 32],
-        state[PATH_MAX + 32], line[8192], seed[EVT_NKEY_SEED_CHARS + 1] = "";
+        state[PATH_MAX + 32];
     struct fixture_out o;
     pid_t pid;
 
@@ -1185,17 +1203,8 @@ START_TEST(pool_credential_serves_only_its_ids)
     fixture_out_release(&o);
 
     /* The pool's credential, as a thief would use it. */
-    FILE *f = fopen(bundle, "r");
-    ck_assert_ptr_nonnull(f);
-    while (fgets(line, sizeof(line), f))
-        if (strncmp(line, "nkey_seed = ", 12) == 0) {
-            line[strcspn(line, "\r\n")] = '\0';
-            snprintf(seed, sizeof(seed), "%.*s", EVT_NKEY_SEED_CHARS,
-                     line + 12);
-        }
-    fclose(f);
     snprintf(seed_file, sizeof(seed_file), "%s/pq.nk", stack.dir);
-    ck_assert_int_eq(evt_nkey_write_seed(seed_file, "pool-pq", seed), 0);
+    bundle_seed(bundle, seed_file, "pool-pq");
     struct thief *t = thief_connect(seed_file);
     struct evt_conn *admin = connect_as(stack.broker_seed);
     const char *pubs[] = {"kscore.api.v1.claim.agent-" AGENT,
@@ -1311,17 +1320,8 @@ START_TEST(pool_credential_serves_only_its_ids)
         ck_assert_msg(o.status == 0, "enroll pq-x9: %s", o.err);
         fixture_out_release(&o);
         ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
-        f = fopen(b9, "r");
-        ck_assert_ptr_nonnull(f);
-        while (fgets(line, sizeof(line), f))
-            if (strncmp(line, "nkey_seed = ", 12) == 0) {
-                line[strcspn(line, "\r\n")] = '\0';
-                snprintf(seed, sizeof(seed), "%.*s", EVT_NKEY_SEED_CHARS,
-                         line + 12);
-            }
-        fclose(f);
         snprintf(s9, sizeof(s9), "%s/pqx9.nk", stack.dir);
-        ck_assert_int_eq(evt_nkey_write_seed(s9, "agent-pq-x9", seed), 0);
+        bundle_seed(b9, s9, "agent-pq-x9");
         struct thief *t9 = thief_connect(s9);
         struct evt_conn *adm = connect_as(stack.broker_seed);
         Ks__AgentInfo ai = KS__AGENT_INFO__INIT;

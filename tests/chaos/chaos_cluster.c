@@ -15,28 +15,6 @@
 #include "chaos.h"
 #include "stack.h"
 
-/* A value of home's env file (malloc'd), or NULL. */
-static char *
-env_value(const char *home, const char *key)
-{
-    char path[PATH_MAX + 32], line[4096];
-    size_t kl = strlen(key);
-    char *v = NULL;
-    snprintf(path, sizeof(path), "%s/env", home);
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return NULL;
-    while (!v && fgets(line, sizeof(line), f))
-        if (strncmp(line, key, kl) == 0 && line[kl] == '=') {
-            char *s = line + kl + 1;
-            s += *s == '\'';
-            s[strcspn(s, "'\n")] = '\0';
-            v = strdup(s);
-        }
-    fclose(f);
-    return v;
-}
-
 static int
 kscore_up(struct chaos_run *r)
 {
@@ -71,9 +49,9 @@ chaos_cluster_up(struct chaos_run *r, char (*ids)[16], unsigned n)
     setenv("KSCORE_PG_FAST", "1", 0);
     if ((rc = kscore_up(r)))
         return rc < 0 ? rc : KS_EUNAVAIL;
-    url = env_value(s->dir, "KSCORE_NATS_URL");
-    db = env_value(s->dir, "KSCORE_DB");
-    nkey = env_value(s->dir, "KSCORE_NATS_NKEY");
+    url = stack_env_get(s->dir, "KSCORE_NATS_URL");
+    db = stack_env_get(s->dir, "KSCORE_DB");
+    nkey = stack_env_get(s->dir, "KSCORE_NATS_NKEY");
     if (!url || !db || !nkey) {
         free(url);
         free(db);
