@@ -1279,6 +1279,10 @@ open_store(struct broker *b, struct store **out, char **errmsg)
  * may publish anywhere, so a reply address of the caller's choosing would
  * let any operator make the broker publish to another user's inbox, to
  * kscore.cmd.>, or to the JetStream API ($JS.API.STREAM.DELETE...).
+ * A request from the AGENTS account (deploy/nats-auth.conf.in: an agent's
+ * claim, through its service import) arrives with a reply the server made,
+ * "_R_.<...>", which leads back into AGENTS only; clients cannot name such
+ * a reply themselves (nats-server client.go isReservedReply refuses it).
  */
 static void
 api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
@@ -1286,7 +1290,7 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct broker__route *r = ud;
     const char *reply = natsMsg_GetReply(msg);
     const char *id = broker__operator_of(msg);
-    bool ok = broker__inbox_of(reply, id);
+    bool ok = broker__inbox_of(reply, id) || broker__service_reply(reply);
 
     /* An id of an agent pool is answered on its pool's inbox
      * (_INBOX.pool-<pool>.), the one its process reads: the pool as the

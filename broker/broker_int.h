@@ -290,6 +290,12 @@ int broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *d,
 /* 1 if subject is "_INBOX.<identity>.<token>[...]": a reply address only
  * that identity may read (deploy/nats-auth.conf.in). */
 bool broker__inbox_of(const char *subject, const char *identity);
+/* 1 if subject is "_R_.<token>[...]": the reply nats-server makes for a
+ * request that crossed a service import (an agent's claim from account
+ * AGENTS, deploy/nats-auth.conf.in); it leads back to the requester's own
+ * reply in its own account, and no client may publish with such a reply
+ * (nats-server 2.9 client.go isReservedReply). */
+bool broker__service_reply(const char *subject);
 
 /*
  * Secret variables (validate.c; the per-field and ordering rules are in

@@ -160,6 +160,13 @@ subject_ok(const char *s)
 }
 
 bool
+broker__service_reply(const char *subject)
+{
+    return subject && strncmp(subject, "_R_.", 4) == 0 && subject[4] &&
+           subject_ok(subject);
+}
+
+bool
 broker__inbox_of(const char *subject, const char *identity)
 {
     size_t n = strlen(identity);

@@ -196,9 +196,11 @@ int stack_ident_list(const char *home, struct stack_identity **out,
 int stack_ident_remove(const char *home, const char *name);
 
 /*
- * The nats-server `authorization` block for these identities:
+ * The nats-server accounts and users for these identities:
  * deploy/nats-auth.conf.in with one user per identity from its kind's
- * section. *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an
+ * section, brokers and operators in account KSCORE (which holds
+ * JetStream), agents and pools in account AGENTS (which reaches KSCORE
+ * through the template's imports only). *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an
  * empty user list would let anyone in; or a bad name or key), -ENOMEM.
  */
 int stack_nats_auth_conf(const struct stack_identity *ids, size_t n,

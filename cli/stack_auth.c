@@ -135,14 +135,27 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
     return rc;
 }
 
+/* Drops the trailing newline of a user list: the frame's line brings its
+ * own after each field. */
+static void
+chop(char *s, size_t *len)
+{
+    if (s && *len && s[*len - 1] == '\n')
+        s[--*len] = '\0';
+}
+
 int
 stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
                      char **conf_out)
 {
+    static const char head[] = "# written by kscore from the identity registry "
+                               "(deploy/nats-auth.conf.in); public keys only\n";
     const char *t = stack__nats_auth_template;
     const char *frame_end = strstr(t, "\n#%");
-    char *users = NULL, *out = NULL;
-    size_t ulen = 0, ucap = 0, olen = 0, ocap = 0;
+    /* [0]: account KSCORE (brokers, operators); [1]: AGENTS (agents,
+     * pools). */
+    char *users[2] = {NULL, NULL}, *out = NULL;
+    size_t ulen[2] = {0, 0}, ucap[2] = {0, 0}, olen = 0, ocap = 0;
     int rc = 0;
 
     /* nats-server with an empty user list would let anyone in. */
@@ -159,6 +172,7 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
         const struct var vars[] = {{"@NKEY@", id->nkey},
                                    {"@NAME@", id->name},
                                    {"@AGENT_ID@", agent_id}};
+        int a = id->kind == STACK_AGENT || id->kind == STACK_POOL;
         if (!evt_identity_valid(id->name) || id->nkey[0] != 'U' ||
             strlen(id->nkey) != EVT_NKEY_PUBLIC_CHARS) {
             rc = KS_EINVAL;
@@ -166,25 +180,22 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
         }
         rc = section(stack_kind_name(id->kind), &body, &blen);
         if (rc == 0 && id->kind == STACK_POOL)
-            rc = fill_pool(&users, &ulen, &ucap, body, blen, id);
+            rc = fill_pool(&users[a], &ulen[a], &ucap[a], body, blen, id);
         else if (rc == 0)
-            rc = fill(&users, &ulen, &ucap, body, blen, vars, 3);
+            rc = fill(&users[a], &ulen[a], &ucap[a], body, blen, vars, 3);
     }
     if (rc == 0) {
-        /* The frame without its trailing newline: @USERS@ brings its own. */
-        if (ulen && users[ulen - 1] == '\n')
-            users[--ulen] = '\0';
-        const struct var frame[] = {{"@USERS@", users}};
-        rc = put(&out, &olen, &ocap,
-                 "# written by kscore from the identity registry "
-                 "(deploy/nats-auth.conf.in); public keys only\n",
-                 strlen("# written by kscore from the identity registry "
-                        "(deploy/nats-auth.conf.in); public keys only\n"));
+        chop(users[0], &ulen[0]);
+        chop(users[1], &ulen[1]);
+        const struct var frame[] = {{"@KSCORE_USERS@", users[0] ? users[0] : ""},
+                                    {"@AGENT_USERS@", users[1] ? users[1] : ""}};
+        rc = put(&out, &olen, &ocap, head, sizeof(head) - 1);
         if (rc == 0)
             rc = fill(&out, &olen, &ocap, t, (size_t)(frame_end - t) + 1, frame,
-                      1);
+                      2);
     }
-    free(users);
+    free(users[0]);
+    free(users[1]);
     if (rc) {
         free(out);
         return rc;

@@ -648,6 +648,28 @@ thief_request(struct thief *t, const char *subject, const char *body)
     return reply;
 }
 
+/* The control of a thief's own inbox: a publish to one of its own event
+ * subjects (evt_prefix "kscore.evt.<id>.") with the reply on inbox, whose
+ * PubAck the server sends back into the thief's account. 1 if it came
+ * within 2 s on sub (which reads inbox). */
+static int
+thief_hears_own(struct thief *t, natsSubscription *sub, const char *evt_prefix,
+                const char *inbox)
+{
+    char subject[160], u[37];
+    natsMsg *m = NULL;
+    ks_uuid(u);
+    snprintf(subject, sizeof(subject), "%s%s", evt_prefix, u);
+    ck_assert_int_eq(
+        natsConnection_PublishRequestString(t->nc, subject, inbox, "junk"),
+        NATS_OK);
+    natsConnection_Flush(t->nc);
+    if (natsSubscription_NextMsg(&m, sub, 2000) != NATS_OK)
+        return 0;
+    natsMsg_Destroy(m);
+    return 1;
+}
+
 /* Receives on subject for 300 ms after admin published there: 1 if the
  * message came. */
 static int
@@ -861,7 +883,8 @@ START_TEST(agent_credential_reads_no_replies)
                                                   "_INBOX.agent-" AGENT ".>"),
                      NATS_OK);
     natsConnection_Flush(t->nc);
-    ck_assert(thief_hears(t, own, admin, "_INBOX.agent-" AGENT ".x"));
+    ck_assert(thief_hears_own(t, own, "kscore.evt." AGENT ".",
+                              "_INBOX.agent-" AGENT ".x"));
     ck_assert(!thief_hears(t, all, admin, "_INBOX.broker.x"));
     ck_assert(!thief_hears(t, alice, admin, "_INBOX." OPERATOR ".x"));
     natsSubscription_Destroy(all);
@@ -1155,6 +1178,122 @@ bundle_seed(const char *bundle, const char *seed_file, const char *identity)
     ck_assert_int_eq(evt_nkey_write_seed(seed_file, identity, seed), 0);
 }
 
+/* 1 if nats-server logged that it refused the reply subject `reply` of a
+ * publish (client.go replySubjectViolation: "Publish Violation - <user>,
+ * Reply "<reply>""), within 2 s. */
+static int
+server_refused_reply(const char *reply)
+{
+    char needle[512], path[PATH_MAX + 16], line[1024];
+    snprintf(needle, sizeof(needle), "Reply \"%s\"", reply);
+    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
+    for (int i = 0; i < 100; i++) {
+        FILE *f = fopen(path, "r");
+        int found = 0;
+        while (f && !found && fgets(line, sizeof(line), f))
+            found = strstr(line, "Publish Violation") && strstr(line, needle);
+        if (f)
+            fclose(f);
+        if (found)
+            return 1;
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "not refused: %s\n", needle);
+    return 0;
+}
+
+/*
+ * nats-server answers some messages itself, at the reply subject their
+ * sender names: a JetStream ack with a reply gets an empty "ack of the
+ * ack" (consumer.go processAck), +NXT the next message or an error, a
+ * publish to a stream or the KV a PubAck. An empty body is a complete
+ * $JS.API.STREAM.DELETE or CONSUMER.DELETE request, so on cf06db5 an
+ * agent's credential deleted the recorder's consumer and every stream
+ * (issue 21), put junk into KSCORE_CMDS and ended a batch through
+ * _KSCORE.broker.cancel. With the agents in their own NATS account
+ * (deploy/nats-auth.conf.in) every such answer goes back into AGENTS:
+ * nothing reaches the subjects below, which a broker-side spy watches,
+ * and the streams and the recorder's consumer are all still there.
+ */
+static void
+server_answers_stay_with(struct thief *t, const char *ack_subject,
+                         const char *evt_subject, const char *kv_subject)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    char cancel[96], cmd[160], u[37];
+    ks_uuid(u);
+    snprintf(cancel, sizeof(cancel), "_KSCORE.broker.cancel.batch-%s", u);
+    snprintf(cmd, sizeof(cmd), "kscore.cmd.%s", local_agent());
+    const char *targets[] = {
+        "$JS.API.CONSUMER.DELETE." EVT_STREAM_EVENTS "." EVT_RECORDER_DURABLE,
+        "$JS.API.STREAM.DELETE." EVT_STREAM_EVENTS,
+        "$JS.API.STREAM.PURGE." EVT_STREAM_CMDS,
+        "$JS.API.STREAM.DELETE.KV_" EVT_KV_AGENTS,
+        "$JS.API.STREAM.PURGE.KV_" EVT_KV_AGENTS,
+        "$KV." EVT_KV_AGENTS ".junk",
+        cmd,
+        cancel};
+    enum { N = sizeof(targets) / sizeof(targets[0]) };
+    const char *acks[] = {"", "+ACK", "+WPI", "+NXT", "+TERM", "-NAK"};
+    natsSubscription *spy[N];
+    uint64_t cmds_before = cmds_in_stream(admin);
+
+    for (int i = 0; i < N; i++)
+        ck_assert_int_eq(
+            natsConnection_SubscribeSync(&spy[i], admin->nc, targets[i]),
+            NATS_OK);
+    natsConnection_Flush(admin->nc);
+    for (int i = 0; i < N; i++) {
+        for (size_t k = 0; k < sizeof(acks) / sizeof(acks[0]); k++)
+            ck_assert_int_eq(natsConnection_PublishRequestString(
+                                 t->nc, ack_subject, targets[i], acks[k]),
+                             NATS_OK);
+        ck_assert_int_eq(natsConnection_PublishRequestString(
+                             t->nc, evt_subject, targets[i], "junk"),
+                         NATS_OK);
+        ck_assert_int_eq(natsConnection_PublishRequestString(
+                             t->nc, kv_subject, targets[i], ""),
+                         NATS_OK);
+    }
+    ck_assert_int_eq(natsConnection_Flush(t->nc), NATS_OK);
+    for (int i = 0; i < N; i++) {
+        natsMsg *m = NULL;
+        natsStatus st = natsSubscription_NextMsg(&m, spy[i], i ? 50 : 500);
+        ck_assert_msg(st == NATS_TIMEOUT, "the server answered on %s: %.*s",
+                      targets[i], m ? natsMsg_GetDataLength(m) : 0,
+                      m ? natsMsg_GetData(m) : "");
+        natsSubscription_Destroy(spy[i]);
+    }
+    /* What an answer there would have destroyed is all still there. */
+    const char *streams[] = {EVT_STREAM_CMDS, EVT_STREAM_EVENTS,
+                             "KV_" EVT_KV_AGENTS};
+    for (int i = 0; i < 3; i++) {
+        jsStreamInfo *si = NULL;
+        ck_assert_msg(js_GetStreamInfo(&si, admin->js, streams[i], NULL,
+                                       NULL) == NATS_OK,
+                      "stream %s is gone", streams[i]);
+        jsStreamInfo_Destroy(si);
+    }
+    jsConsumerInfo *ci = NULL;
+    ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_EVENTS,
+                                        EVT_RECORDER_DURABLE, NULL, NULL),
+                     NATS_OK);
+    jsConsumerInfo_Destroy(ci);
+    ck_assert_uint_eq(cmds_in_stream(admin), cmds_before);
+    /* Nor can it name another consumer's ack subject as the reply: the
+     * server refuses a client's reply under $JS.ACK. outright. */
+    char other_ack[192];
+    snprintf(other_ack, sizeof(other_ack),
+             "$JS.ACK." EVT_STREAM_CMDS ".agent-%s.1.%llu.1.1.0",
+             local_agent(), (unsigned long long)cmds_before);
+    ck_assert_int_eq(natsConnection_PublishRequestString(t->nc, evt_subject,
+                                                         other_ack, "junk"),
+                     NATS_OK);
+    natsConnection_Flush(t->nc);
+    ck_assert(server_refused_reply(other_ack));
+    evt_close(admin);
+}
+
 /*
  * An agent pool (`kscore agent enroll pq --pool-size 3`): one process
  * serves pq-0..pq-2 with the pool's own credential, and that credential
@@ -1240,7 +1379,7 @@ START_TEST(pool_credential_serves_only_its_ids)
         natsConnection_SubscribeSync(&own, t->nc, "_INBOX.pool-pq.>"),
         NATS_OK);
     natsConnection_Flush(t->nc);
-    ck_assert(thief_hears(t, own, admin, "_INBOX.pool-pq.x"));
+    ck_assert(thief_hears_own(t, own, "kscore.evt.pq-0.", "_INBOX.pool-pq.x"));
     ck_assert(!thief_hears(t, sub[2], admin, "_INBOX.broker.x"));
     /* Its own registry key, stretched: 1,000 ids under an unsigned size.
      * The broker takes none of them (the size is signed at enrolment). */
@@ -1282,6 +1421,16 @@ START_TEST(pool_credential_serves_only_its_ids)
         natsSubscription_Destroy(sub[i]);
     natsSubscription_Destroy(own);
     evt_close(admin);
+    /* What the server answers to the pool's own acks and publishes stays
+     * in the pool's account (server_answers_stay_with). */
+    {
+        char evt[96], u[37];
+        ks_uuid(u);
+        snprintf(evt, sizeof(evt), "kscore.evt.pq-0.%s", u);
+        server_answers_stay_with(
+            t, "$JS.ACK." EVT_STREAM_CMDS ".pool-pq.1.1.1.1.0", evt,
+            "$KV." EVT_KV_AGENTS ".pool.pq");
+    }
     thief_close(t);
 
     /* Revoked, the pool's ids are forgotten: commands for them refused. */
@@ -1635,6 +1784,27 @@ END_TEST
  * count batch targets, cancel batches and say where live output goes:
  * only the broker's credential may publish them, not an agent's nor an
  * operator's. */
+START_TEST(server_answers_to_an_agent_stay_with_it)
+{
+    struct thief *t = thief_connect(stack.agent_seed);
+    char evt[96], u[37];
+    ks_uuid(u);
+    snprintf(evt, sizeof(evt), "kscore.evt." AGENT ".%s", u);
+    server_answers_stay_with(
+        t, "$JS.ACK." EVT_STREAM_CMDS ".agent-" AGENT ".1.1.1.1.0", evt,
+        "$KV." EVT_KV_AGENTS "." AGENT);
+    thief_close(t);
+    /* The agent still works, through the same imports. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "still",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -1675,6 +1845,7 @@ security_suite(void)
     tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, only_brokers_publish_notices);
+    tcase_add_test(tc, server_answers_to_an_agent_stay_with_it);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
     /* These add users and reload the server's users. */
