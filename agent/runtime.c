@@ -1282,9 +1282,21 @@ attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
 static void
 heard(struct agent *a, int rc)
 {
-    if (rc == 0 ||
-        ((rc == KS_EUNAVAIL || rc == KS_ENATS) &&
-         natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED))
+    bool connected =
+        natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED;
+    /*
+     * An agent's put reaches JetStream through its account's service
+     * import (deploy/nats-auth.conf.in), and the server answers no
+     * "no responders" across an import (nats-server 2.9 client.go: the
+     * import's own subscription counts as delivered): a registry without a
+     * leader now looks like a timeout. A server that still answers a PING
+     * at once is there and is what says nobody serves the registry, as
+     * the "no responders" did; a partition from it fails the PING too.
+     */
+    if (rc == KS_ETIMEDOUT && connected &&
+        natsConnection_FlushTimeout(a->nc->nc, 1000) == NATS_OK)
+        rc = KS_EUNAVAIL;
+    if (rc == 0 || ((rc == KS_EUNAVAIL || rc == KS_ENATS) && connected))
         atomic_store(&a->last_contact_us, ks_mono_us());
 }
 

@@ -439,6 +439,10 @@ void broker__remote_live_free(struct broker *b);
 void broker__remote_live_sweep(struct broker *b, struct store *st);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
+/* Makes the recorder's consumer again as broker__recorder_start made it
+ * (evt_consumer_ensure): the running subscription reads its deliver
+ * subject, so deliveries resume. 0 or KS_ENATS with *errmsg. Any thread. */
+int broker__recorder_ensure(struct broker *b, char **errmsg);
 void broker__recorder_stop(struct broker *b);
 
 /* Records JetStream's max-deliveries advisories (advisory.c). */

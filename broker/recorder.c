@@ -439,20 +439,28 @@ recorder_main(void *arg)
     return NULL;
 }
 
+/* The recorder's consumer, as every broker makes it. */
+static const struct evt_durable rec_durable = {
+    .stream = EVT_STREAM_EVENTS,
+    .durable = EVT_RECORDER_DURABLE,
+    .filter_subject = "kscore.evt.>",
+    .deliver_group = EVT_BROKER_QUEUE,
+    .max_ack_pending = REC_MAX_ACK_PENDING,
+    /* Redelivery of what a dead broker had queued, unrecorded. */
+    .ack_wait_ms = REC_ACK_WAIT_MS,
+};
+
+int
+broker__recorder_ensure(struct broker *b, char **errmsg)
+{
+    return evt_consumer_ensure(b->nc, &rec_durable, NULL, errmsg);
+}
+
 int
 broker__recorder_start(struct broker *b, char **errmsg)
 {
-    struct evt_durable d = {
-        .stream = EVT_STREAM_EVENTS,
-        .durable = EVT_RECORDER_DURABLE,
-        .filter_subject = "kscore.evt.>",
-        .deliver_group = EVT_BROKER_QUEUE,
-        .max_ack_pending = REC_MAX_ACK_PENDING,
-        /* Redelivery of what a dead broker had queued, unrecorded. */
-        .ack_wait_ms = REC_ACK_WAIT_MS,
-    };
-    int rc = evt_durable_subscribe(b->nc, &d, on_event_msg, b, &b->sub_rec,
-                                   errmsg);
+    int rc = evt_durable_subscribe(b->nc, &rec_durable, on_event_msg, b,
+                                   &b->sub_rec, errmsg);
     if (rc)
         return rc;
     if (pthread_create(&b->rec_thread, NULL, recorder_main, b) != 0)

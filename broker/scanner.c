@@ -181,11 +181,60 @@ on_running(const struct store_command_ref *ref, void *ud)
     return 0;
 }
 
+/*
+ * What the broker stands on in JetStream, looked at every
+ * GUARD_PERIOD_US: a stream, the registry bucket or the recorder's
+ * consumer that is gone (deleted by someone holding a broker's credential,
+ * or lost with a node's store) is made again at once, loudly. Without it a
+ * deleted recorder consumer stopped all recording while `kscore status`
+ * said everything ran (issue 21). A part the server does not answer for
+ * is left alone: that is an election or an outage, not a deletion.
+ */
+#define GUARD_PERIOD_US (5 * INT64_C(1000000))
+#define GUARD_TIMEOUT_MS 500
+
+static void
+guard_jetstream(struct broker *b)
+{
+    unsigned missing = 0;
+    char *err = NULL;
+    int rc;
+
+    if (natsConnection_Status(b->nc->nc) != NATS_CONN_STATUS_CONNECTED)
+        return;
+    evt_parts_missing(b->nc, GUARD_TIMEOUT_MS, &missing);
+    for (int i = 0; i < EVT_PARTS; i++)
+        if (missing & (1u << i))
+            ks_log(KS_LOG_ERROR, "a JetStream part kscore needs is gone: "
+                                 "making it again",
+                   KS_S("part", evt_part_names[i]));
+    if (missing & 7u) {
+        rc = evt_setup_replicas(
+            b->nc, b->opts->replicas ? (int)b->opts->replicas : 1, &err);
+        if (rc)
+            ks_log(KS_LOG_ERROR, "cannot make the streams again",
+                   KS_S("error", err ? err : ks_strerror(rc)));
+        free(err);
+        err = NULL;
+    }
+    if (missing & 0xau) { /* the events stream or the consumer itself */
+        rc = broker__recorder_ensure(b, &err);
+        if (rc)
+            ks_log(KS_LOG_ERROR, "cannot make the recorder's consumer again",
+                   KS_S("error", err ? err : ks_strerror(rc)));
+        free(err);
+    }
+    for (int i = 0; i < EVT_PARTS; i++)
+        if (missing & (1u << i))
+            ks_metric_inc(KS_C_JETSTREAM_REPAIRS);
+}
+
 static void *
 scanner_main(void *arg)
 {
     struct broker *b = arg;
-    int64_t last_running = 0, last_sweep = ks_mono_us();
+    int64_t last_running = 0, last_sweep = ks_mono_us(),
+            last_guard = ks_mono_us();
 
     while (!b->stopping) {
         nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
@@ -201,6 +250,10 @@ scanner_main(void *arg)
         if (ks_mono_us() - last_running >= 1000000) {
             last_running = ks_mono_us();
             store_scan_open(b->st_scan, "Running", 0, 1000, on_running, b);
+        }
+        if (ks_mono_us() - last_guard >= GUARD_PERIOD_US) {
+            last_guard = ks_mono_us();
+            guard_jetstream(b);
         }
         /* Live followers on other brokers of commands that ended there. */
         if (ks_mono_us() - last_sweep >= 10 * INT64_C(1000000)) {

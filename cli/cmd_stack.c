@@ -577,6 +577,48 @@ print_status(bool json, struct cli_conn *cc)
     if (cluster)
         json_object_set_new(o, "streams",
                             status_streams(nodes, cluster, json));
+    /* The JetStream parts the brokers stand on: a deleted stream or
+     * recorder consumer is a stack that does not work, whatever its
+     * processes say (the brokers make a missing part again within 5 s). */
+    unsigned present = 0;
+    bool asked = false;
+    if (cluster) {
+        for (unsigned i = 0; i < cluster; i++) {
+            unsigned p1 = 0;
+            if (nodes[i].running && stack_js_parts(nodes[i].mon_port, &p1) == 0) {
+                present |= p1;
+                asked = true;
+            }
+        }
+    } else if (stack_pidfile_alive(home, "nats", NULL) == 1) {
+        char *mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
+        const char *colon = mon ? strrchr(mon, ':') : NULL;
+        if (colon && stack_js_parts(atoi(colon + 1), &present) == 0)
+            asked = true;
+        free(mon);
+    }
+    bool js_ok = true;
+    json_t *jmissing = json_array();
+    for (int k = 0; asked && k < EVT_PARTS; k++) {
+        if (present & (1u << k))
+            continue;
+        js_ok = false;
+        json_array_append_new(jmissing, json_string(evt_part_names[k]));
+        if (!json)
+            printf("jetstream MISSING  %s %s (the brokers make it again; "
+                   "until then nothing %s)\n",
+                   k == 3 ? "consumer" : "stream", evt_part_names[k],
+                   k == 0   ? "is delivered to agents"
+                   : k == 2 ? "hears the agents' heartbeats"
+                            : "is recorded");
+    }
+    json_t *jjs = json_object();
+    json_object_set_new(jjs, "checked", json_boolean(asked));
+    json_object_set_new(jjs, "ok", json_boolean(asked && js_ok));
+    json_object_set_new(jjs, "missing", jmissing);
+    json_object_set_new(o, "jetstream", jjs);
+    if (!js_ok)
+        running--; /* exit 1, as for a stopped part */
     for (size_t k = 0; k < ll.n; k++)
         json_decref(ll.held[k]);
     if (json) {
@@ -643,8 +685,11 @@ cmd_status(int argc, char **argv)
                    "last seen, version, running). On a cluster (up "
                    "--cluster N) also each node's JetStream role, each "
                    "stream's leader and whether its followers are current, "
-                   "and the batches each broker drives.\nExit 0 when every part "
-                   "of the local stack runs, 1 otherwise.\n");
+                   "and the batches each broker drives. Also whether the "
+                   "JetStream streams and the recorder's consumer exist "
+                   "(a 'jetstream MISSING' line each one that is gone).\n"
+                   "Exit 0 when every part of the local stack runs and "
+                   "every JetStream part exists, 1 otherwise.\n");
             return 0;
         default:
             if (cli_conn_opt(&cc, opt, optarg))

@@ -325,6 +325,15 @@ struct stack_stream_state {
 int stack_cluster_streams(const struct stack_node *nodes, unsigned n,
                           struct stack_stream_state *out);
 
+/*
+ * Which of kscore's JetStream parts (evt_part_names: the three streams and
+ * the recorder's consumer) the nats-server whose monitoring port is
+ * mon_port holds, from its /jsz (any account): bit i of *present for
+ * evt_part_names[i]. On a cluster, OR the nodes' answers (a node holds
+ * only the streams it replicates). 0, KS_EDECODE, or as stack_http_get.
+ */
+int stack_js_parts(int mon_port, unsigned *present);
+
 /* Waits (<= timeout_ms) until every stack stream has a leader and, with
  * all_current, every replica is current. 0 or KS_ETIMEDOUT. */
 int stack_cluster_wait_streams(const struct stack_node *nodes, unsigned n,

@@ -15,6 +15,7 @@
 
 #include <jansson.h>
 
+#include "events.h"
 #include "kproto.h"
 
 static void
@@ -323,6 +324,48 @@ stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
 
 const char *const stack_stream_names[STACK_STREAMS] = {
     "KSCORE_CMDS", "KSCORE_EVENTS", "KV_KSCORE_AGENTS"};
+
+int
+stack_js_parts(int mon_port, unsigned *present)
+{
+    char *body = NULL;
+    json_t *j, *acc, *st, *co;
+    size_t ai, si, ci;
+    int rc;
+
+    *present = 0;
+    if ((rc = stack_http_get(mon_port,
+                             "/jsz?accounts=true&streams=true&consumers=true",
+                             2000, &body)))
+        return rc;
+    j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
+    free(body);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return KS_EDECODE;
+    }
+    json_array_foreach(json_object_get(j, "account_details"), ai, acc)
+    {
+        json_array_foreach(json_object_get(acc, "stream_detail"), si, st)
+        {
+            const char *name = json_string_value(json_object_get(st, "name"));
+            for (int k = 0; name && k < 3; k++)
+                if (strcmp(name, evt_part_names[k]) == 0)
+                    *present |= 1u << k;
+            if (!name || strcmp(name, EVT_STREAM_EVENTS) != 0)
+                continue;
+            json_array_foreach(json_object_get(st, "consumer_detail"), ci, co)
+            {
+                const char *cn =
+                    json_string_value(json_object_get(co, "name"));
+                if (cn && strcmp(cn, EVT_RECORDER_DURABLE) == 0)
+                    *present |= 1u << 3;
+            }
+        }
+    }
+    json_decref(j);
+    return 0;
+}
 
 /* One node's view of the stack streams it holds, merged into out: a
  * stream's entry is taken from the node that calls itself its leader. */

@@ -337,6 +337,41 @@ add_or_update_stream(jsCtx *js, jsStreamConfig *sc, char **errmsg)
     return 0;
 }
 
+const char *const evt_part_names[EVT_PARTS] = {
+    EVT_STREAM_CMDS, EVT_STREAM_EVENTS, "KV_" EVT_KV_AGENTS,
+    EVT_STREAM_EVENTS "/" EVT_RECORDER_DURABLE};
+
+int
+evt_parts_missing(struct evt_conn *c, int timeout_ms, unsigned *missing_out)
+{
+    jsOptions jo;
+    int first = 0;
+
+    *missing_out = 0;
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    for (int i = 0; i < EVT_PARTS; i++) {
+        jsErrCode jerr = 0;
+        natsStatus s;
+        if (i < 3) {
+            jsStreamInfo *si = NULL;
+            s = js_GetStreamInfo(&si, c->js, evt_part_names[i], &jo, &jerr);
+            jsStreamInfo_Destroy(si);
+        } else {
+            jsConsumerInfo *ci = NULL;
+            s = js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS,
+                                   EVT_RECORDER_DURABLE, &jo, &jerr);
+            jsConsumerInfo_Destroy(ci);
+        }
+        if (s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr ||
+            jerr == JSConsumerNotFoundErr)
+            *missing_out |= 1u << i;
+        else if (s != NATS_OK && !first)
+            first = evt_err(s);
+    }
+    return first;
+}
+
 int
 evt_setup(struct evt_conn *c, char **errmsg)
 {

@@ -134,6 +134,22 @@ int evt_setup(struct evt_conn *c, char **errmsg);
  */
 int evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg);
 
+/*
+ * Which of kscore's JetStream parts are gone: the streams KSCORE_CMDS,
+ * KSCORE_EVENTS and KV_KSCORE_AGENTS (the registry bucket) and the
+ * recorder's consumer on KSCORE_EVENTS. Sets bit i of *missing_out for
+ * evt_part_names[i] that the server says does not exist (JetStream error
+ * 10059 stream not found / 10014 consumer not found); a part the server
+ * did not answer for within timeout_ms (ms, >= 1) is not counted as
+ * missing. Returns 0 (asked every part) or KS_ETIMEDOUT / KS_EUNAVAIL /
+ * KS_ENATS for the first part it could not ask. Any thread; c is the
+ * broker's connection.
+ */
+#define EVT_PARTS 4
+extern const char *const evt_part_names[EVT_PARTS];
+int evt_parts_missing(struct evt_conn *c, int timeout_ms,
+                      unsigned *missing_out);
+
 /* 1 if id is a valid agent id: [A-Za-z0-9_-], 1..EVT_AGENT_ID_MAX. */
 int evt_agent_id_valid(const char *id);
 

@@ -193,6 +193,7 @@ enum ks_counter {
     KS_C_RECORDER_REDELIVERIES, /* kscore_recorder_redeliveries_total */
     KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
     KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
+    KS_C_JETSTREAM_REPAIRS,  /* kscore_jetstream_repairs_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

@@ -50,6 +50,11 @@ static const struct {
                                 "Claims of this agent the broker refused "
                                 "(claimed or ended already).",
                                 A},
+    [KS_C_JETSTREAM_REPAIRS] = {"kscore_jetstream_repairs_total",
+                                "JetStream parts kscore needs (a stream, "
+                                "the registry bucket, the recorder's "
+                                "consumer) found gone and made again.",
+                                B},
 };
 
 static const struct {

@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "events.h"
 #include "fixture.h"
 #include "kproto.h"
 #include "stack.h"
@@ -176,6 +177,74 @@ START_TEST(broker_crash_restarts_the_broker_alone)
     exec_echo("broker-back");
     free(before);
     free(after);
+}
+END_TEST
+
+/* A connection with the stack's broker credential (what an operator
+ * error or a stolen broker seed would use). */
+static struct evt_conn *
+broker_conn(void)
+{
+    char url[256], seed[PATH_MAX + 64];
+    struct evt_conn *c = NULL;
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    ck_assert_int_eq(stack_ident_seed_path(home, STACK_BROKER, "broker", seed,
+                                           sizeof(seed)),
+                     0);
+    struct evt_connect_opts o = {.name = "up-test", .nkey_file = seed,
+                                 .timeout_ms = 2000};
+    ck_assert_int_eq(evt_connect(url, &o, &c, NULL), 0);
+    return c;
+}
+
+/* `kscore status` exit code and whether its text names `word`. */
+static int
+status_says(const char *word, bool *said)
+{
+    struct fixture_out o;
+    int st = ks(&o, (const char *[]){"status", NULL});
+    *said = o.out && strstr(o.out, word) != NULL;
+    fixture_out_release(&o);
+    return st;
+}
+
+/*
+ * The JetStream parts the brokers stand on are checked, not assumed: with
+ * the broker stopped, a deleted events stream makes `kscore status` fail
+ * naming it (on cf06db5 status said everything ran while nothing was
+ * recorded); a running broker makes a deleted recorder consumer again
+ * (issue 21), and commands are recorded again.
+ */
+START_TEST(status_fails_while_a_stream_is_gone_and_the_broker_remakes_it)
+{
+    bool said;
+    ks_ok((const char *[]){"up", NULL});
+    ck_assert_int_eq(status_says("MISSING", &said), 0);
+    ck_assert(!said);
+
+    kill_and_wait(pid_of("broker"));
+    struct evt_conn *c = broker_conn();
+    ck_assert_int_eq(js_DeleteStream(c->js, EVT_STREAM_EVENTS, NULL, NULL),
+                     NATS_OK);
+    ck_assert_int_eq(status_says("KSCORE_EVENTS", &said), 1);
+    ck_assert_msg(said, "status does not name the missing stream");
+
+    ks_ok((const char *[]){"up", NULL});
+    ck_assert_int_eq(status_says("MISSING", &said), 0);
+    exec_echo("stream-back");
+
+    /* The running broker notices a deleted consumer and makes it again. */
+    ck_assert_int_eq(js_DeleteConsumer(c->js, EVT_STREAM_EVENTS,
+                                       EVT_RECORDER_DURABLE, NULL, NULL),
+                     NATS_OK);
+    unsigned missing = 1;
+    for (int i = 0; i < 300 && missing; i++) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ck_assert_int_eq(evt_parts_missing(c, 2000, &missing), 0);
+    }
+    ck_assert_msg(missing == 0, "the recorder's consumer was not made again");
+    exec_echo("consumer-back");
+    evt_close(c);
 }
 END_TEST
 
@@ -636,6 +705,7 @@ stack_up_suite(void)
     tcase_add_unchecked_fixture(tc, up_setup, up_teardown);
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, broker_crash_restarts_the_broker_alone);
+    tcase_add_test(tc, status_fails_while_a_stream_is_gone_and_the_broker_remakes_it);
     tcase_add_test(tc, nats_crash_comes_back_on_its_port);
     tcase_add_test(tc, pg_crash_restarts_postgres_alone);
     tcase_add_test(tc, down_up_keeps_the_port_or_says_it_moved);
