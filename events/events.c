@@ -414,11 +414,30 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     sc.Name = EVT_STREAM_EVENTS;
     sc.Subjects = (const char *[]){"kscore.evt.>"};
     sc.SubjectsLen = 1;
-    sc.Retention = js_LimitsPolicy;
+    /* PostgreSQL is the record; the stream only holds what the recorder
+     * has not acked yet: interest retention drops an event once the
+     * recorder's consumer (its only one) acks it, after the commit, so
+     * an agent that floods reports fills nothing for good (issue 21:
+     * 100 MB of one agent's events stayed stored for a day). At most
+     * EVT_EVENTS_MAX_BYTES wait unrecorded (PostgreSQL down for long);
+     * past that a publish is refused (discard new: nothing stored is
+     * dropped) and agents keep their results in their outboxes and try
+     * again. And a day at most, as before. */
+    sc.Retention = js_InterestPolicy;
+    sc.MaxBytes = EVT_EVENTS_MAX_BYTES;
+    sc.Discard = js_DiscardNew;
+    {
+        /* A stream made by an older kscore keeps its retention (nats-server
+         * cannot change it in place); it works as it did. */
+        jsStreamInfo *old = NULL;
+        if (js_GetStreamInfo(&old, c->js, EVT_STREAM_EVENTS, NULL, NULL) ==
+                NATS_OK &&
+            old && old->Config->Retention != js_InterestPolicy)
+            sc.Retention = old->Config->Retention;
+        jsStreamInfo_Destroy(old);
+    }
     sc.Storage = js_FileStorage;
     sc.Duplicates = EVT_DUPLICATE_WINDOW_MS * NS_PER_MS;
-    /* PostgreSQL is the record; the stream only has to hold what the
-     * recorder has not acked yet, so a day is plenty. */
     sc.MaxAge = INT64_C(24) * 3600 * 1000 * NS_PER_MS;
     sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
     sc.DenyDelete = true; /* as KSCORE_CMDS */

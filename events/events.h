@@ -10,7 +10,9 @@
  *                  the broker creates and corrects it (evt_agent_consumer,
  *                  evt_consumer_ensure), never the agent;
  *                  Nats-Msg-Id "<command>.<attempt>"
- *   KSCORE_EVENTS  stream, limits, file, subjects kscore.evt.>,
+ *   KSCORE_EVENTS  stream, interest retention (an event stays until the
+ *                  recorder acks it), at most EVT_EVENTS_MAX_BYTES with
+ *                  discard new, file, subjects kscore.evt.>,
  *                  duplicate window 2 min; Nats-Msg-Id = event_id
  *   KSCORE_AGENTS  KV bucket (stream KV_KSCORE_AGENTS), key = agent id,
  *                  value = packed Ks__AgentInfo, max age EVT_AGENT_TTL_MS
@@ -71,6 +73,9 @@
 #define EVT_AGENT_TTL_MS 10000
 /* Duplicate window of KSCORE_EVENTS and KSCORE_CMDS (ms). */
 #define EVT_DUPLICATE_WINDOW_MS (2 * 60 * 1000)
+/* The most KSCORE_EVENTS holds unrecorded (bytes): the stream's max_bytes
+ * with discard new (evt_setup). */
+#define EVT_EVENTS_MAX_BYTES (INT64_C(1) << 30)
 /* Longest agent id (bytes, without NUL). */
 #define EVT_AGENT_ID_MAX 128
 /* Longest identity: the NATS user name that API and inbox subjects carry

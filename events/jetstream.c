@@ -53,8 +53,12 @@ evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
     }
     stream = json_object_get(j, "stream");
     seq = json_object_get(j, "seq");
+    /* A duplicate of a message no consumer wanted (interest retention:
+     * never stored) is answered with seq 0 by nats-server 2.9.10. */
     if (!json_is_string(stream) || !json_is_integer(seq) ||
-        json_integer_value(seq) <= 0) {
+        json_integer_value(seq) < 0 ||
+        (json_integer_value(seq) == 0 &&
+         !json_is_true(json_object_get(j, "duplicate")))) {
         if (why_len)
             snprintf(why, why_len, "not a PubAck: no stream or seq");
         goto out;

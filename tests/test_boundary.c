@@ -358,7 +358,7 @@ START_TEST(puback_cannot_purge_or_delete)
     ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
                                       NULL, NULL),
                      NATS_OK);
-    uint64_t before = si->State.Msgs;
+    uint64_t before = si->State.LastSeq;
     jsStreamInfo_Destroy(si);
     for (int i = 0; targets[i]; i++) {
         ks_uuid(cid);
@@ -372,8 +372,10 @@ START_TEST(puback_cannot_purge_or_delete)
     ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
                                       NULL, NULL),
                      NATS_OK);
-    /* Nothing purged or deleted: at least what was there, plus ours. */
-    ck_assert_uint_ge(si->State.Msgs, before + 3);
+    /* Ours were stored (the recorder then acks them away: interest
+     * retention), and the stream can be neither purged nor have a
+     * message deleted through the API. */
+    ck_assert_uint_ge(si->State.LastSeq, before + 3);
     ck_assert(si->Config->DenyPurge && si->Config->DenyDelete);
     jsStreamInfo_Destroy(si);
     ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL,
@@ -391,6 +393,51 @@ END_TEST
  * recording for everyone: it is refused, and the next command runs.
  * Found by a security review.
  */
+/*
+ * What an agent publishes to its event subjects is stored only until it
+ * is recorded: KSCORE_EVENTS has interest retention, and a byte limit
+ * with discard new for what waits unrecorded. On cf06db5 (limits
+ * retention, 24 h, no byte limit) 100 MB of one agent's reports stayed
+ * stored for a day after they were recorded (issue 21); here 8 MB of junk
+ * reports are recorded as rejected and leave the stream.
+ */
+START_TEST(an_agents_flood_is_not_kept)
+{
+    struct evt_conn *agent = client("agent-" AGENT);
+    struct evt_conn *admin = client("broker");
+    static char junk[16 * 1024];
+    char subject[200], cid[37];
+    jsStreamInfo *si = NULL;
+
+    memset(junk, 'j', sizeof(junk));
+    for (int i = 0; i < 500; i++) {
+        ks_uuid(cid);
+        evt_event_subject(subject, sizeof(subject), AGENT, cid);
+        ck_assert_int_eq(natsConnection_Publish(agent->nc, subject, junk,
+                                                (int)sizeof(junk)),
+                         NATS_OK);
+    }
+    ck_assert_int_eq(natsConnection_Flush(agent->nc), NATS_OK);
+    uint64_t msgs = 1, bytes = 0;
+    for (int i = 0; i < 300 && msgs; i++) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                          NULL, NULL),
+                         NATS_OK);
+        msgs = si->State.Msgs;
+        bytes = si->State.Bytes;
+        ck_assert(si->Config->Retention == js_InterestPolicy);
+        ck_assert(si->Config->Discard == js_DiscardNew);
+        ck_assert_int_eq(si->Config->MaxBytes, EVT_EVENTS_MAX_BYTES);
+        jsStreamInfo_Destroy(si);
+    }
+    ck_assert_msg(msgs == 0, "%llu messages (%llu bytes) stay stored",
+                  (unsigned long long)msgs, (unsigned long long)bytes);
+    evt_close(admin);
+    evt_close(agent);
+}
+END_TEST
+
 START_TEST(a_poisoned_report_does_not_stop_the_recorder)
 {
     struct evt_conn *op = client("root");
@@ -650,6 +697,7 @@ boundary_suite(void)
     tcase_add_test(tc, reply_address_must_be_the_callers_inbox);
     tcase_add_test(tc, puback_cannot_purge_or_delete);
     tcase_add_test(tc, a_poisoned_report_does_not_stop_the_recorder);
+    tcase_add_test(tc, an_agents_flood_is_not_kept);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -110,6 +110,16 @@ START_TEST(js_publish_as_plain_nats)
     struct evt_conn *c = conn();
     struct evt_puback a;
     char why[200];
+    natsSubscription *keep = NULL;
+    jsSubOptions so;
+
+    /* A consumer, so the stream keeps what is published (interest
+     * retention) and the duplicate names the stored message's seq. */
+    jsSubOptions_Init(&so);
+    so.Stream = EVT_STREAM_EVENTS;
+    ck_assert_int_eq(js_SubscribeSync(&keep, c->js, "kscore.evt.p.x", NULL,
+                                      &so, NULL),
+                     NATS_OK);
 
     ck_assert_int_eq(evt_js_publish_as(c, "agent-p", "kscore.evt.p.x",
                                        "id-1", "a", 1, 2000, &a, why,
@@ -124,6 +134,8 @@ START_TEST(js_publish_as_plain_nats)
                      0);
     ck_assert(a.duplicate);
     ck_assert_uint_eq(a.seq, seq);
+    natsSubscription_Unsubscribe(keep);
+    natsSubscription_Destroy(keep);
     ck_assert_int_eq(evt_js_publish_as(c, NULL, "kscore.nostream.x", NULL,
                                        "a", 1, 2000, &a, why, sizeof(why)),
                      KS_EUNAVAIL);
@@ -155,15 +167,17 @@ START_TEST(ack_delivered_live)
     jsSubOptions so;
     natsMsg *m = NULL;
 
-    ck_assert_int_eq(evt_js_publish_as(c, NULL, "kscore.evt.q.y", NULL, "a",
-                                       1, 2000, NULL, NULL, 0),
-                     0);
+    /* The consumer first: KSCORE_EVENTS keeps an event only while a
+     * consumer has yet to ack it (interest retention). */
     jsSubOptions_Init(&so);
     so.Stream = EVT_STREAM_EVENTS;
     so.ManualAck = true;
     ck_assert_int_eq(js_SubscribeSync(&sub, c->js, "kscore.evt.q.y", NULL,
                                       &so, NULL),
                      NATS_OK);
+    ck_assert_int_eq(evt_js_publish_as(c, NULL, "kscore.evt.q.y", NULL, "a",
+                                       1, 2000, NULL, NULL, 0),
+                     0);
     for (uint64_t want = 1; want <= 2; want++) {
         jsMsgMetaData *md = NULL;
         ck_assert_int_eq(natsSubscription_NextMsg(&m, sub, 5000), NATS_OK);
