@@ -345,10 +345,10 @@ struct cli_policy {
  * bytes are *buf_out (malloc'd) and *len_out; else CLI_EXIT_USAGE after
  * printing what is wrong. */
 int cli_policy_check(const char *src, char **buf_out, size_t *len_out);
-/* Saves buf (checked) as the stack's policy. 0 or CLI_EXIT_KSCORE after
- * printing why. */
+/* Saves buf (checked) as the stack's policy; *changed: it was not the
+ * saved one already. 0 or CLI_EXIT_KSCORE after printing why. */
 int cli_policy_save(const char *home, const char *src, const char *buf,
-                    size_t len);
+                    size_t len, bool *changed);
 /* `up --no-policy`. 0 or CLI_EXIT_KSCORE after printing why. */
 int cli_policy_clear(const char *home);
 /* The stack's policy setting and whether its copy loads (out->error);

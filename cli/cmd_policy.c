@@ -119,18 +119,29 @@ cli_policy_check(const char *src, char **buf_out, size_t *len_out)
 
 int
 cli_policy_save(const char *home, const char *src, const char *buf,
-                size_t len)
+                size_t len, bool *changed)
 {
     char copy[4200], setting[4200], hex[BROKER_POLICY_DIGEST_HEX];
     char abs[PATH_MAX], *text = NULL;
+    struct cli_policy now;
     int rc;
 
+    *changed = false;
     snprintf(copy, sizeof(copy), "%s/" COPY_FILE, home);
     snprintf(setting, sizeof(setting), "%s/" SETTING_FILE, home);
     if (!realpath(src, abs))
         snprintf(abs, sizeof(abs), "%s", src);
     if ((rc = broker_policy_digest(buf, len, hex)))
         goto out;
+    /* The same file again (KSCORE_UP_ARGS at every reload of the unit):
+     * nothing to write. */
+    cli_policy_get(home, &now);
+    bool same = now.configured && !now.error &&
+                strcmp(now.sha256, hex) == 0 && strcmp(now.source, abs) == 0;
+    cli_policy_release(&now);
+    if (same)
+        goto out;
+    *changed = true;
     if (asprintf(&text,
                  "# kscore up --policy; written by `kscore up` (--no-policy "
                  "removes it)\nsource=%s\nsha256=%s\n",

@@ -948,8 +948,9 @@ cmd_up(int argc, char **argv)
         free(policy_buf);
         return CLI_EXIT_KSCORE;
     }
+    bool policy_changed = false;
     rc = policy_src ? cli_policy_save(home, policy_src, policy_buf,
-                                      policy_len)
+                                      policy_len, &policy_changed)
          : no_policy ? cli_policy_clear(home)
                      : 0;
     free(policy_buf);
@@ -964,7 +965,7 @@ cmd_up(int argc, char **argv)
         cli_policy_release(&pol);
         return CLI_EXIT_KSCORE;
     }
-    if (policy_src)
+    if (policy_changed)
         fprintf(stderr, "kscore: policy %s (sha256 %s) saved as %s\n",
                 pol.source, pol.sha256, pol.file);
     else if (no_policy)
