@@ -739,6 +739,15 @@ START_TEST(status_names_the_loaded_policy)
 
     policy_path(pol, sizeof(pol));
     ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    /* The same policy again (the unit's KSCORE_UP_ARGS at each reload):
+     * the broker that runs with it stays. */
+    pid_t broker = pid_of("broker");
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    ck_assert_int_eq(pid_of("broker"), broker);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--policy", pol,
+                                             "--no-policy", NULL}),
+                     2);
+    fixture_out_release(&o);
     json_t *j = status_json();
     json_t *p = json_object_get(j, "policy");
     ck_assert_msg(json_is_object(p), "no policy in status --json");
