@@ -225,8 +225,9 @@ broker__policy_load(const char *path, struct broker__policy **out,
     int rc;
 
     if (!path || !path[0]) {
-        /* An empty setting (policy = in a file, KSCORE_POLICY=) is a
-         * policy asked for and not given: never "no policy". */
+        /* A policy asked for and not named (a caller of broker_run
+         * that passes ""; the CLI's config reader already refuses an
+         * empty value): never "no policy". */
         if (errmsg && asprintf(errmsg, "bad policy: the policy setting is "
                                        "empty (give a file, or no setting "
                                        "for none)") < 0)
