@@ -43,6 +43,8 @@ broker_policy_read(const char *path, char **buf_out, size_t *len_out,
     char *buf = NULL;
     size_t len = 0;
     int rc = 0;
+    bool said = false;
+    /* O_NONBLOCK: a FIFO in its place must not hang the start. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
 
     if (fd == -1) {
@@ -55,9 +57,8 @@ broker_policy_read(const char *path, char **buf_out, size_t *len_out,
     }
     if (!S_ISREG(st.st_mode)) {
         rc = KS_EINVAL;
-        if (errmsg && asprintf(errmsg, "policy %s: not a regular file",
-                               path) < 0)
-            *errmsg = NULL;
+        said = errmsg && asprintf(errmsg, "policy %s: not a regular file",
+                                  path) >= 0;
         goto out;
     }
     if (st.st_size > BROKER_POLICY_MAX_BYTES) {
@@ -88,7 +89,7 @@ out:
         close(fd);
     if (rc) {
         free(buf);
-        if (errmsg && !*errmsg &&
+        if (errmsg && !said &&
             asprintf(errmsg, "policy %s: %s", path, ks_strerror(rc)) < 0)
             *errmsg = NULL;
         return rc;
