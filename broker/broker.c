@@ -1464,6 +1464,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                        .waiters = KS_MAP_INIT,
                        .agents = KS_MAP_INIT};
     struct evt_connect_opts co = opts->nats;
+    char policy_hex[BROKER_POLICY_DIGEST_HEX] = "";
     sigset_t set;
     int rc, sig = 0;
 
@@ -1485,9 +1486,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             *errmsg = NULL;
         goto out;
     }
+    /* Fails closed: a policy asked for and not loaded is no start. */
     if (opts->policy_file &&
-        (rc = broker__policy_load(opts->policy_file, &b.policy, errmsg)))
+        (rc = broker__policy_load(opts->policy_file, &b.policy, policy_hex,
+                                  errmsg)))
         goto out;
+    broker__policy_note(opts->state_dir, opts->policy_file, policy_hex);
     if ((rc = evt_signer_load(opts->signing_key, &b.signer)) ||
         (rc = evt_verifier_new(&b.local_trust)) ||
         (rc = evt_verifier_add_signer(b.local_trust, b.signer))) {

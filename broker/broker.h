@@ -117,6 +117,39 @@ int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);
 
+/* ---- the operator policy file (broker/policy.c) ------------------------
+ *
+ * A broker given a policy file (--policy, KSCORE_POLICY, policy = in its
+ * config) that it cannot read or parse does not start: broker_run returns
+ * the error. Only no setting at all means "no policy".
+ *
+ * At start the broker logs the file and the SHA-256 of the bytes it
+ * loaded, and with a state_dir writes <state_dir>/broker-policy:
+ *   pid=<its pid>
+ *   sha256=<hex, or "none" without a policy>
+ *   file=<path, or empty>
+ * so that `kscore status` says what the running broker (that pid) loaded,
+ * not only what the file on disk holds now. */
+#define BROKER_POLICY_MAX_BYTES (1024 * 1024)
+#define BROKER_POLICY_DIGEST_HEX 65 /* 64 hex digits and a NUL */
+#define BROKER_POLICY_NOTE "broker-policy"
+
+/* The bytes of path (a regular file, at most BROKER_POLICY_MAX_BYTES),
+ * read once: *buf_out (malloc'd, NUL-terminated) and *len_out. 0, -errno,
+ * KS_EINVAL (not a regular file), KS_ETOOBIG, with *errmsg (malloc'd,
+ * naming path) when errmsg is not NULL. */
+int broker_policy_read(const char *path, char **buf_out, size_t *len_out,
+                       char **errmsg);
+/* The SHA-256 of buf (len bytes) as 64 lowercase hex digits. 0 or
+ * KS_EINTERNAL. */
+int broker_policy_digest(const char *buf, size_t len,
+                         char hex[BROKER_POLICY_DIGEST_HEX]);
+/* Whether buf is a policy the broker loads (name: where it came from, for
+ * the message). 0, or KS_EINVAL with *errmsg ("bad policy: <name>:...")
+ * naming what is wrong. */
+int broker_policy_check_text(const char *name, const char *buf, size_t len,
+                             char **errmsg);
+
 /* ---- client API (used by the CLI and tests) --------------------------- */
 
 /*

@@ -222,9 +222,19 @@ const char *broker__operator_of(natsMsg *msg);
 
 /* The operator policy (policy.c). NULL policy: everything allowed. */
 struct broker__policy;
+/* Reads path once (broker_policy_read), its SHA-256 into hex, and parses
+ * those bytes: so hex names exactly what *out holds. 0, -errno (missing,
+ * unreadable), KS_ETOOBIG, KS_EINVAL (not a policy; an empty path), with
+ * *errmsg. */
 int broker__policy_load(const char *path, struct broker__policy **out,
-                        char **errmsg);
+                        char hex[BROKER_POLICY_DIGEST_HEX], char **errmsg);
 void broker__policy_free(struct broker__policy *p);
+/* Logs which policy the broker loaded (path NULL: none) and, with a
+ * state_dir, writes BROKER_POLICY_NOTE there (broker.h); a note that
+ * cannot be written is logged, not fatal: the policy is enforced all the
+ * same, and status then says it cannot tell. */
+void broker__policy_note(const char *state_dir, const char *path,
+                         const char *hex);
 /* 0, or KS_EDENIED with one line in why. agent and spec NULL: a read.
  * A rule with "executables" allows argv[0] in it, and only the variables
  * it lists in "env" (env and sealed_env). */

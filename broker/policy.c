@@ -20,10 +20,14 @@
  * "*".
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "broker_int.h"
 
@@ -32,16 +36,99 @@ struct broker__policy {
 };
 
 int
-broker__policy_load(const char *path, struct broker__policy **out,
-                    char **errmsg)
+broker_policy_read(const char *path, char **buf_out, size_t *len_out,
+                   char **errmsg)
+{
+    struct stat st;
+    char *buf = NULL;
+    size_t len = 0;
+    int rc = 0;
+    bool said = false;
+    /* O_NONBLOCK: a FIFO in its place must not hang the start. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+
+    if (fd == -1) {
+        rc = -errno;
+        goto out;
+    }
+    if (fstat(fd, &st) == -1) {
+        rc = -errno;
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = KS_EINVAL;
+        said = errmsg && asprintf(errmsg, "policy %s: not a regular file",
+                                  path) >= 0;
+        goto out;
+    }
+    if (st.st_size > BROKER_POLICY_MAX_BYTES) {
+        rc = KS_ETOOBIG;
+        goto out;
+    }
+    if (!(buf = malloc((size_t)st.st_size + 1))) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    /* The size fstat saw; a file that grows meanwhile is cut there, and
+     * the digest is of the bytes read, so it still names what loaded. */
+    while (len < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + len, (size_t)st.st_size - len);
+        if (r == -1 && errno == EINTR)
+            continue;
+        if (r == -1) {
+            rc = -errno;
+            goto out;
+        }
+        if (r == 0)
+            break;
+        len += (size_t)r;
+    }
+    buf[len] = '\0';
+out:
+    if (fd != -1)
+        close(fd);
+    if (rc) {
+        free(buf);
+        if (errmsg && !said &&
+            asprintf(errmsg, "policy %s: %s", path, ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        return rc;
+    }
+    *buf_out = buf;
+    *len_out = len;
+    return 0;
+}
+
+int
+broker_policy_digest(const char *buf, size_t len,
+                     char hex[BROKER_POLICY_DIGEST_HEX])
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+
+    if (EVP_Digest(buf, len, md, &n, EVP_sha256(), NULL) != 1 || n != 32)
+        return KS_EINTERNAL;
+    for (unsigned int i = 0; i < n; i++)
+        snprintf(hex + 2 * i, 3, "%02x", md[i]);
+    return 0;
+}
+
+/* The policy in buf (len bytes; name says where it came from in errors). */
+static int
+policy_parse(const char *path, const char *buf, size_t len,
+             struct broker__policy **out, char **errmsg)
 {
     json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr), *ops, *rules;
+    json_t *root = json_loadb(buf, len, 0, &jerr), *ops, *rules;
     const char *name;
     char why[300] = "";
 
     if (!root) {
         snprintf(why, sizeof(why), "%s:%d: %s", path, jerr.line, jerr.text);
+        goto bad;
+    }
+    if (!json_is_object(root)) {
+        snprintf(why, sizeof(why), "%s: not a JSON object", path);
         goto bad;
     }
     ops = json_object_get(root, "operators");
@@ -118,6 +205,79 @@ bad:
     if (errmsg && asprintf(errmsg, "bad policy: %s", why) < 0)
         *errmsg = NULL;
     return KS_EINVAL;
+}
+
+int
+broker_policy_check_text(const char *name, const char *buf, size_t len,
+                         char **errmsg)
+{
+    struct broker__policy *p = NULL;
+    int rc = policy_parse(name, buf, len, &p, errmsg);
+    broker__policy_free(p);
+    return rc;
+}
+
+int
+broker__policy_load(const char *path, struct broker__policy **out,
+                    char hex[BROKER_POLICY_DIGEST_HEX], char **errmsg)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    if (!path || !path[0]) {
+        /* A policy asked for and not named (a caller of broker_run
+         * that passes ""; the CLI's config reader already refuses an
+         * empty value): never "no policy". */
+        if (errmsg && asprintf(errmsg, "bad policy: the policy setting is "
+                                       "empty (give a file, or no setting "
+                                       "for none)") < 0)
+            *errmsg = NULL;
+        return KS_EINVAL;
+    }
+    if ((rc = broker_policy_read(path, &buf, &len, errmsg)))
+        return rc;
+    if ((rc = broker_policy_digest(buf, len, hex)) ||
+        (rc = policy_parse(path, buf, len, out, errmsg))) {
+        free(buf);
+        return rc;
+    }
+    free(buf);
+    return 0;
+}
+
+void
+broker__policy_note(const char *state_dir, const char *path, const char *hex)
+{
+    char file[4200], tmp[4300];
+    FILE *f;
+    int fd;
+
+    if (path)
+        ks_log(KS_LOG_INFO, "policy loaded", KS_S("file", path),
+               KS_S("sha256", hex));
+    else
+        ks_log(KS_LOG_WARN, "no policy: every operator may run anything");
+    if (!state_dir || !state_dir[0])
+        return;
+    if (mkdir(state_dir, 0700) == -1 && errno != EEXIST)
+        goto fail;
+    snprintf(file, sizeof(file), "%s/" BROKER_POLICY_NOTE, state_dir);
+    snprintf(tmp, sizeof(tmp), "%s.tmp", file);
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd == -1 || !(f = fdopen(fd, "w"))) {
+        if (fd != -1)
+            close(fd);
+        goto fail;
+    }
+    fprintf(f, "pid=%ld\nsha256=%s\nfile=%s\n", (long)getpid(),
+            path ? hex : "none", path ? path : "");
+    if (fclose(f) != 0 || rename(tmp, file) == -1)
+        goto fail;
+    return;
+fail:
+    ks_log(KS_LOG_WARN, "cannot note the loaded policy",
+           KS_S("dir", state_dir), KS_S("error", strerror(errno)));
 }
 
 void

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/types.h>
 
 #include "broker.h"
 
@@ -328,6 +329,37 @@ struct cli_listen {
     char ca[4300], bcert[4300], bkey[4300], acert[4300], akey[4300],
         ocert[4300], okey[4300];
 };
+/* ---- the stack's operator policy (cmd_policy.c) -------------------------
+ * `up --policy FILE` copies FILE into $KSCORE_HOME/policy.json and notes it
+ * in $KSCORE_HOME/policy; every later `up` starts the brokers with it. */
+struct cli_policy {
+    bool configured;  /* the stack has a policy ($KSCORE_HOME/policy) */
+    char file[4200];  /* the copy the brokers load */
+    char source[4200]; /* what --policy named (absolute) */
+    char sha256[65];  /* of the copy, as saved */
+    char now[65];     /* of the copy as it is now ("" unreadable) */
+    char *error;      /* malloc'd: why the brokers cannot load it; NULL */
+};
+/* src checked as `up --policy` takes it: owner and mode
+ * (cli_path_trusted), read once, parsed by the broker's rules. On 0 its
+ * bytes are *buf_out (malloc'd) and *len_out; else CLI_EXIT_USAGE after
+ * printing what is wrong. */
+int cli_policy_check(const char *src, char **buf_out, size_t *len_out);
+/* Saves buf (checked) as the stack's policy; *changed: it was not the
+ * saved one already. 0 or CLI_EXIT_KSCORE after printing why. */
+int cli_policy_save(const char *home, const char *src, const char *buf,
+                    size_t len, bool *changed);
+/* `up --no-policy`. 0 or CLI_EXIT_KSCORE after printing why. */
+int cli_policy_clear(const char *home);
+/* The stack's policy setting and whether its copy loads (out->error);
+ * cli_policy_release frees it. */
+void cli_policy_get(const char *home, struct cli_policy *out);
+void cli_policy_release(struct cli_policy *p);
+/* What the broker running as pid wrote it loaded in state_dir
+ * (BROKER_POLICY_NOTE): 1 with hex (digest or "none"), 0 when it noted
+ * nothing (an older broker, another process's note). */
+int cli_policy_loaded(const char *state_dir, pid_t pid, char hex[65]);
+
 /* One of up's flags 'L' (--listen), 'N' (--tls-name), 'M' (--mtls): 0,
  * or CLI_EXIT_USAGE after printing why. */
 int cli_listen_opt(struct cli_listen *l, int opt, const char *arg);

@@ -454,6 +454,74 @@ status_streams(const struct stack_node *nodes, unsigned n, bool json)
     return a;
 }
 
+static void broker_part(const char *home, unsigned cluster, unsigned k,
+                        char *name, size_t name_len, char *dir,
+                        size_t dir_len);
+
+/* The stack's policy, and what each running broker loaded (the note it
+ * wrote at start: broker.h BROKER_POLICY_NOTE), into o["policy"]. */
+static void
+status_policy(const char *home, unsigned cluster, bool json, json_t *o)
+{
+    struct cli_policy pol;
+    json_t *jp = json_object(), *jl = json_object();
+    unsigned n = cluster ? CLUSTER_BROKERS : 1;
+    char loaded[512] = "";
+    size_t used = 0;
+
+    cli_policy_get(home, &pol);
+    json_object_set_new(jp, "configured", json_boolean(pol.configured));
+    json_object_set_new(jp, "source", pol.configured && pol.source[0]
+                                          ? json_string(pol.source)
+                                          : json_null());
+    json_object_set_new(jp, "file", pol.configured ? json_string(pol.file)
+                                                   : json_null());
+    json_object_set_new(jp, "sha256", pol.configured && pol.sha256[0]
+                                          ? json_string(pol.sha256)
+                                          : json_null());
+    json_object_set_new(jp, "error", pol.error ? json_string(pol.error)
+                                               : json_null());
+    for (unsigned k = 0; k < n; k++) {
+        char name[16], dir[4200], hex[BROKER_POLICY_DIGEST_HEX] = "";
+        pid_t pid = 0;
+        const char *want = pol.configured ? pol.sha256 : "none";
+        broker_part(home, cluster, k, name, sizeof(name), dir, sizeof(dir));
+        if (stack_pidfile_alive(home, name, &pid) != 1)
+            continue;
+        bool known = cli_policy_loaded(dir, pid, hex);
+        /* "none", a digest, or null: it runs and said nothing. */
+        json_object_set_new(jl, name, known ? json_string(hex) : json_null());
+        if (used < sizeof(loaded))
+            used += (size_t)snprintf(
+                loaded + used, sizeof(loaded) - used, "%s%s %s", used ? ", " : "",
+                name,
+                !known                      ? "loaded an unknown policy "
+                                              "(older kscore)"
+                : strcmp(hex, "none") == 0 ? "runs without a policy"
+                : strcmp(hex, want) == 0    ? "loaded it"
+                                            : "loaded another policy");
+        if (used < sizeof(loaded) && known && strcmp(hex, want) != 0 &&
+            strcmp(hex, "none") != 0)
+            used += (size_t)snprintf(loaded + used, sizeof(loaded) - used,
+                                     " (sha256 %s)", hex);
+    }
+    json_object_set_new(jp, "loaded", jl);
+    json_object_set_new(o, "policy", jp);
+    if (!json) {
+        if (!pol.configured)
+            printf("policy: none (every operator may run anything)");
+        else if (pol.error)
+            printf("policy: %s CANNOT BE LOADED: %s; no broker starts "
+                   "without it",
+                   pol.source, pol.error);
+        else
+            printf("policy: %s sha256 %s (copy %s)", pol.source, pol.sha256,
+                   pol.file);
+        printf("%s%s\n", loaded[0] ? "; " : "", loaded);
+    }
+    cli_policy_release(&pol);
+}
+
 static int
 print_status(bool json, struct cli_conn *cc)
 {
@@ -574,6 +642,7 @@ print_status(bool json, struct cli_conn *cc)
                    extra);
         }
     }
+    status_policy(home, cluster, json, o);
     if (cluster)
         json_object_set_new(o, "streams",
                             status_streams(nodes, cluster, json));
@@ -704,6 +773,48 @@ cmd_status(int argc, char **argv)
     return print_status(json, &cc);
 }
 
+/* Broker k's (0-based) part name and state dir, as cmd_up starts it. */
+static void
+broker_part(const char *home, unsigned cluster, unsigned k, char *name,
+            size_t name_len, char *dir, size_t dir_len)
+{
+    if (cluster)
+        snprintf(name, name_len, "broker-%u", k + 1);
+    else
+        snprintf(name, name_len, "broker");
+    if (k == 0)
+        snprintf(dir, dir_len, "%s/local-agents", home);
+    else
+        snprintf(dir, dir_len, "%s/local-agents-%u", home, k + 1);
+}
+
+/* A running broker that did not load the stack's policy (another one,
+ * none, or it noted nothing: an older kscore) is stopped, so that this
+ * `up` starts it again with the stack's. */
+static void
+restart_other_policy(const char *home, unsigned cluster,
+                     const struct cli_policy *pol)
+{
+    const char *want = pol->configured ? pol->sha256 : "none";
+    unsigned n = cluster ? CLUSTER_BROKERS : 1;
+
+    for (unsigned k = 0; k < n; k++) {
+        char name[16], dir[4200], hex[BROKER_POLICY_DIGEST_HEX] = "";
+        pid_t pid = 0;
+        broker_part(home, cluster, k, name, sizeof(name), dir, sizeof(dir));
+        if (stack_pidfile_alive(home, name, &pid) != 1)
+            continue;
+        if (cli_policy_loaded(dir, pid, hex) && strcmp(hex, want) == 0)
+            continue;
+        fprintf(stderr,
+                "kscore: the %s runs with policy %.12s%s, the stack's is "
+                "%.12s%s: restarting it\n",
+                name, hex[0] ? hex : "unknown", strlen(hex) > 12 ? "..." : "",
+                want, strlen(want) > 12 ? "..." : "");
+        stack_stop(home, name, 20000);
+    }
+}
+
 /* The port of a kept "http://127.0.0.1:PORT[/...]" when it is free again,
  * else a new free port (0 when none). */
 static int
@@ -727,9 +838,16 @@ cmd_up(int argc, char **argv)
         {"tls-name", required_argument, 0, 'N'},
         {"mtls", no_argument, 0, 'M'},
         {"cluster", required_argument, 0, 'C'},
+        {"policy", required_argument, 0, 'P'},
+        {"no-policy", no_argument, 0, 'n'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *home = cli_home();
+    const char *policy_src = NULL;
+    bool no_policy = false;
+    char *policy_buf = NULL;
+    size_t policy_len = 0;
+    struct cli_policy pol = {0};
     unsigned cluster = 0;
     bool cluster_given = false;
     struct stack_node nodes[STACK_CLUSTER_MAX];
@@ -737,7 +855,7 @@ cmd_up(int argc, char **argv)
     bool metrics = false, json = false;
     char env_extra[512] = "", bmetrics[64] = "", ametrics[64] = "";
     char exe[4096], agent_id[EVT_AGENT_ID_MAX + 1], nlocal[16];
-    char agent_state[4200], local_state[4200];
+    char agent_state[4200];
     char *url = NULL, *db = NULL;
     unsigned local_agents = 0;
     bool local_agents_given = false;
@@ -776,6 +894,12 @@ cmd_up(int argc, char **argv)
         case 'j':
             json = true;
             break;
+        case 'P':
+            policy_src = optarg;
+            break;
+        case 'n':
+            no_policy = true;
+            break;
         case 'L':
         case 'N':
         case 'M':
@@ -785,7 +909,7 @@ cmd_up(int argc, char **argv)
         case 'h':
             printf("usage: kscore up [--local-agents N] [--metrics] [--json] "
                    "[--listen ADDR [--tls-name NAME]... [--mtls]] "
-                   "[--cluster N]\n"
+                   "[--cluster N] [--policy FILE | --no-policy]\n"
                    "Starts the local stack under $KSCORE_HOME (now %s) and "
                    "prints its\nstatus (--json: as `kscore status --json`). "
                    "Only the parts that are down\nare started; the NATS "
@@ -802,15 +926,38 @@ cmd_up(int argc, char **argv)
                    "(--listen 127.0.0.1 goes back to loopback).\n"
                    "--cluster N: N nats-server nodes (nats-1..N, routes on "
                    "loopback) with the streams and the KV bucket replicated "
-                   "N times, and %d brokers; kept for later `up`s.\n",
+                   "N times, and %d brokers; kept for later `up`s.\n"
+                   "--policy FILE: the operator policy (README \"Operator "
+                   "identity and policy\"), checked first (a bad file: "
+                   "exit 2) and copied to $KSCORE_HOME/policy.json; every "
+                   "later `up` starts the brokers with that copy, and one "
+                   "that cannot be loaded stops `up`. A running broker with "
+                   "another policy is restarted. An edit of FILE takes "
+                   "`up --policy FILE` again. KSCORE_POLICY counts as "
+                   "--policy. --no-policy: no policy from now on (every "
+                   "operator may run anything).\n",
                    home, CLUSTER_BROKERS);
             return 0;
         default:
             return CLI_EXIT_USAGE;
         }
     }
+    if (policy_src && no_policy) {
+        cli_err("--policy and --no-policy: one or the other");
+        return CLI_EXIT_USAGE;
+    }
+    /* As the broker takes its settings: a flag, else KSCORE_POLICY (which
+     * `up` used to hand to the broker it started, and to no later one). */
+    if (!policy_src && !no_policy && getenv("KSCORE_POLICY") &&
+        getenv("KSCORE_POLICY")[0])
+        policy_src = getenv("KSCORE_POLICY");
+    /* Before anything starts: a bad policy is a usage error. */
+    if (policy_src &&
+        (rc = cli_policy_check(policy_src, &policy_buf, &policy_len)))
+        return rc;
     if (self_exe(exe, sizeof(exe)) != 0) {
         cli_err("cannot find my own executable");
+        free(policy_buf);
         return CLI_EXIT_KSCORE;
     }
     /* After a reboot without `down` (power loss), the pid files name
@@ -824,18 +971,52 @@ cmd_up(int argc, char **argv)
     if (cluster_given && single_runs) {
         cli_err("a one-node stack runs in %s: `kscore down` first to start "
                 "a cluster", home);
+        free(policy_buf);
         return CLI_EXIT_USAGE;
     }
     if (cluster_given && prev_cluster && cluster != prev_cluster) {
         cli_err("a stack of %u nodes runs in %s: `kscore down` first to "
                 "change that", prev_cluster, home);
+        free(policy_buf);
         return CLI_EXIT_USAGE;
     }
     if (cluster && (ul.given_host || ul.mtls_given || ul.n_names)) {
         cli_err("--cluster runs on loopback: not with --listen, --tls-name "
                 "or --mtls (deploy/cluster/ has the files for real hosts)");
+        free(policy_buf);
         return CLI_EXIT_USAGE;
     }
+    /* The policy is the stack's: saved or cleared now, then the one
+     * every broker starts with; one that cannot be loaded stops here. */
+    if ((policy_src || no_policy) && (rc = stack_mkdirs(home, 0700))) {
+        cli_err("cannot create %s: %s", home, ks_strerror(rc));
+        free(policy_buf);
+        return CLI_EXIT_KSCORE;
+    }
+    bool policy_changed = false;
+    rc = policy_src ? cli_policy_save(home, policy_src, policy_buf,
+                                      policy_len, &policy_changed)
+         : no_policy ? cli_policy_clear(home)
+                     : 0;
+    free(policy_buf);
+    if (rc)
+        return rc;
+    cli_policy_get(home, &pol);
+    if (pol.error) {
+        cli_err("the stack's policy cannot be loaded: %s; no broker starts "
+                "without it (`kscore up --policy FILE` saves a new one, "
+                "`--no-policy` none)",
+                pol.error);
+        cli_policy_release(&pol);
+        return CLI_EXIT_KSCORE;
+    }
+    if (policy_changed)
+        fprintf(stderr, "kscore: policy %s (sha256 %s) saved as %s\n",
+                pol.source, pol.sha256, pol.file);
+    else if (no_policy)
+        fprintf(stderr, "kscore: no policy: every operator may run "
+                        "anything\n");
+    restart_other_policy(home, cluster, &pol);
     char names[2 * STACK_CLUSTER_MAX + 8][16];
     size_t nparts = part_names(cluster, names);
     int alive = 0;
@@ -1095,11 +1276,13 @@ cmd_up(int argc, char **argv)
         return CLI_EXIT_KSCORE;
     }
     snprintf(nlocal, sizeof(nlocal), "%u", local_agents);
-    snprintf(local_state, sizeof(local_state), "%s/local-agents", home);
     snprintf(agent_state, sizeof(agent_state), "%s/agent", home);
     /* Each daemon gets its own seed file through the environment; no
      * other credential of the caller's may reach it. */
     clear_nats_env();
+    /* The brokers' policy is the stack's (--policy on its copy, or none),
+     * not whatever this shell has. */
+    unsetenv("KSCORE_POLICY");
     /* One broker, or CLUSTER_BROKERS on a cluster: broker-1 runs the
      * local agents and the metrics, each gets every node's url. */
     unsigned nbrokers = cluster ? CLUSTER_BROKERS : 1;
@@ -1108,10 +1291,8 @@ cmd_up(int argc, char **argv)
     for (unsigned k = 0; k < nbrokers; k++) {
         char bname[16], blog_state[4200];
         bool bup;
-        if (cluster)
-            snprintf(bname, sizeof(bname), "broker-%u", k + 1);
-        else
-            snprintf(bname, sizeof(bname), "broker");
+        broker_part(home, cluster, k, bname, sizeof(bname), blog_state,
+                    sizeof(blog_state));
         bup = cluster ? stack_pidfile_alive(home, bname, NULL) : broker_up;
         if (k == 0 && cluster)
             broker_up = bup;
@@ -1128,11 +1309,6 @@ cmd_up(int argc, char **argv)
         fprintf(stderr, "kscore: starting the %s ...\n",
                 cluster ? bname : "broker");
         snprintf(nlocal, sizeof(nlocal), "%u", k == 0 ? local_agents : 0);
-        if (k == 0)
-            snprintf(blog_state, sizeof(blog_state), "%s", local_state);
-        else
-            snprintf(blog_state, sizeof(blog_state), "%s/local-agents-%u",
-                     home, k + 1);
         setenv("KSCORE_NATS_NKEY", broker_seed, 1);
         char *bargv[] = {exe,         "broker",         "--nats",
                          url,         "--db",           db,
@@ -1143,7 +1319,7 @@ cmd_up(int argc, char **argv)
                          NULL,        NULL,             NULL,
                          NULL,        NULL,             NULL,
                          NULL,        NULL,             NULL,
-                         NULL};
+                         NULL,        NULL,             NULL};
         if (metrics && k == 0) {
             int bp = metrics_port(prev_bm);
             if (bp > 0) {
@@ -1158,6 +1334,13 @@ cmd_up(int argc, char **argv)
                 at++;
             bargv[at] = "--replicas";
             bargv[at + 1] = nreplicas;
+        }
+        if (pol.configured) {
+            size_t at = 14;
+            while (bargv[at])
+                at++;
+            bargv[at] = "--policy";
+            bargv[at + 1] = pol.file;
         }
         cli_listen_args(bargv, &ul, 0);
         rc = stack_daemon(home, bname, bargv, &pid);

@@ -7,6 +7,7 @@
 #include <check.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -697,6 +698,234 @@ START_TEST(pid_files_of_another_boot_are_forgotten)
 }
 END_TEST
 
+
+/* ---- the stack's operator policy (`up --policy`, issue 21) ----------------
+ *
+ * The policy lets only alice (not this login's operator, which `up` made),
+ * so an exec of ours is denied while it is loaded. Its bytes' SHA-256,
+ * from sha256sum(1), is what status must name. */
+#define POLICY_TEXT "{\"operators\": {\"alice\": [{\"agents\": \"*\"}]}}\n"
+#define POLICY_SHA256                                                      \
+    "47d743f740676514d0e6108c8bf3f55d326a61eec988155a543c21a684eb043d"
+
+static void
+write_file(const char *path, const char *text, mode_t mode)
+{
+    FILE *f = fopen(path, "we");
+    ck_assert_msg(f != NULL, "%s: %s", path, strerror(errno));
+    fputs(text, f);
+    ck_assert_int_eq(fclose(f), 0);
+    ck_assert_int_eq(chmod(path, mode), 0);
+}
+
+static void
+policy_path(char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/policy-alice.json", tmpdir);
+}
+
+/* An exec of this login's operator: denied (125, "not in the policy"). */
+static void
+exec_denied(void)
+{
+    struct fixture_out o;
+    int st = ks(&o, (const char *[]){"exec", "--timeout", "20s", "--", "echo",
+                                     "no", NULL});
+    ck_assert_msg(st == 125 && strstr(o.err, "not in the policy"),
+                  "exec outside the policy: exit %d: %s%s", st, o.out, o.err);
+    fixture_out_release(&o);
+}
+
+START_TEST(policy_outlives_down_and_a_broker_restart)
+{
+    char pol[PATH_MAX + 32], bad[PATH_MAX + 32];
+    struct fixture_out o;
+
+    /* A bad file is a usage error naming what is wrong, before anything
+     * starts. */
+    snprintf(bad, sizeof(bad), "%s/bad.json", tmpdir);
+    write_file(bad, "{\"operators\": {\"bob\": {}}}\n", 0600);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--policy", bad, NULL}), 2);
+    ck_assert_msg(strstr(o.err, bad) && strstr(o.err, "bob"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert(!stack_pidfile_alive(home, "nats", NULL));
+    ck_assert(!stack_pidfile_alive(home, "broker", NULL));
+
+    policy_path(pol, sizeof(pol));
+    write_file(pol, POLICY_TEXT, 0600);
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    exec_denied();
+
+    /* The restart of the finding: down, then up without the flag. */
+    ks_ok((const char *[]){"down", NULL});
+    ks_ok((const char *[]){"up", NULL});
+    exec_denied();
+
+    /* A broker that died, started again by up (the unit's reload). */
+    kill_and_wait(pid_of("broker"));
+    ks_ok((const char *[]){"up", NULL});
+    exec_denied();
+
+    /* An edit of the original (one that would let us in) changes nothing
+     * until up --policy again: the stack runs its copy. */
+    char mine[512];
+    struct passwd *pw = getpwuid(getuid());
+    ck_assert_ptr_nonnull(pw);
+    snprintf(mine, sizeof(mine),
+             "{\"operators\": {\"%s\": [{\"agents\": \"*\"}]}}\n",
+             pw->pw_name);
+    write_file(pol, mine, 0600);
+    kill_and_wait(pid_of("broker"));
+    ks_ok((const char *[]){"up", NULL});
+    exec_denied();
+    write_file(pol, POLICY_TEXT, 0600);
+}
+END_TEST
+
+/* The finding as a new operator met it: KSCORE_POLICY when the stack
+ * first came up, and after a restart without it every operator was
+ * root. */
+START_TEST(policy_from_the_environment_outlives_a_restart)
+{
+    char pol[PATH_MAX + 32];
+
+    policy_path(pol, sizeof(pol));
+    write_file(pol, POLICY_TEXT, 0600);
+    setenv("KSCORE_POLICY", pol, 1);
+    ks_ok((const char *[]){"up", NULL});
+    unsetenv("KSCORE_POLICY");
+    exec_denied();
+    ks_ok((const char *[]){"down", NULL});
+    ks_ok((const char *[]){"up", NULL});
+    exec_denied();
+}
+END_TEST
+
+START_TEST(status_names_the_loaded_policy)
+{
+    char pol[PATH_MAX + 32], logp[PATH_MAX + 32];
+    struct fixture_out o;
+
+    policy_path(pol, sizeof(pol));
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    /* The same policy again (the unit's KSCORE_UP_ARGS at each reload):
+     * the broker that runs with it stays. */
+    pid_t broker = pid_of("broker");
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    ck_assert_int_eq(pid_of("broker"), broker);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", "--policy", pol,
+                                             "--no-policy", NULL}),
+                     2);
+    fixture_out_release(&o);
+    json_t *j = status_json();
+    json_t *p = json_object_get(j, "policy");
+    ck_assert_msg(json_is_object(p), "no policy in status --json");
+    ck_assert(json_is_true(json_object_get(p, "configured")));
+    ck_assert_str_eq(json_string_value(json_object_get(p, "sha256")),
+                     POLICY_SHA256);
+    ck_assert(json_is_null(json_object_get(p, "error")));
+    /* What the running broker says it loaded, not only the file. */
+    ck_assert_str_eq(json_string_value(json_object_get(
+                         json_object_get(p, "loaded"), "broker")),
+                     POLICY_SHA256);
+    json_decref(j);
+
+    ks(&o, (const char *[]){"status", NULL});
+    ck_assert_msg(strstr(o.out, "policy: ") &&
+                      strstr(o.out, "sha256 " POLICY_SHA256) &&
+                      strstr(o.out, "broker loaded it"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+
+    snprintf(logp, sizeof(logp), "%s/broker.log", home);
+    char *log = slurp(logp);
+    ck_assert_msg(strstr(log, "policy loaded") &&
+                      strstr(log, "sha256=" POLICY_SHA256),
+                  "the broker's log names no policy");
+    free(log);
+}
+END_TEST
+
+START_TEST(a_policy_that_cannot_load_stops_the_broker)
+{
+    char copy[PATH_MAX + 32], pol[PATH_MAX + 32];
+    struct fixture_out o;
+
+    policy_path(pol, sizeof(pol));
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    snprintf(copy, sizeof(copy), "%s/policy.json", home);
+
+    /* The stack's copy turned into something that is no policy. */
+    kill_and_wait(pid_of("broker"));
+    write_file(copy, "{\"operators\": ", 0600);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", NULL}), 125);
+    ck_assert_msg(strstr(o.err, "policy cannot be loaded"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert(!stack_pidfile_alive(home, "broker", NULL));
+    ks(&o, (const char *[]){"status", NULL});
+    ck_assert_msg(strstr(o.out, "CANNOT BE LOADED"), "%s", o.out);
+    fixture_out_release(&o);
+
+    /* Gone altogether: never "no policy". */
+    ck_assert_int_eq(unlink(copy), 0);
+    ck_assert_int_eq(ks(&o, (const char *[]){"up", NULL}), 125);
+    ck_assert_msg(strstr(o.err, "No such file"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert(!stack_pidfile_alive(home, "broker", NULL));
+
+    /* The broker itself, given a policy it cannot parse, does not serve. */
+    char url[256], db[512];
+    env_value("KSCORE_NATS_URL", url, sizeof(url));
+    env_value("KSCORE_DB", db, sizeof(db));
+    write_file(copy, "[]\n", 0600);
+    char key[PATH_MAX + 32];
+    snprintf(key, sizeof(key), "%s/keys/broker.key", home);
+    ck_assert_int_eq(ks(&o, (const char *[]){"broker", "--nats", url, "--db",
+                                             db, "--signing-key", key,
+                                             "--config", "/dev/null",
+                                             "--policy", copy, NULL}),
+                     125);
+    ck_assert_msg(strstr(o.err, "bad policy") && strstr(o.err, copy), "%s",
+                  o.err);
+    fixture_out_release(&o);
+
+    /* up --policy again repairs it. */
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    exec_denied();
+}
+END_TEST
+
+START_TEST(no_policy_clears_it)
+{
+    char pol[PATH_MAX + 32];
+    struct fixture_out o;
+
+    policy_path(pol, sizeof(pol));
+    ks_ok((const char *[]){"up", "--policy", pol, NULL});
+    exec_denied();
+    pid_t broker = pid_of("broker");
+
+    /* On a running stack: its broker starts again without one. */
+    ks_ok((const char *[]){"up", "--no-policy", NULL});
+    ck_assert_int_ne(pid_of("broker"), broker);
+    exec_echo("no-policy");
+    ks(&o, (const char *[]){"status", NULL});
+    ck_assert_msg(
+        strstr(o.out, "policy: none (every operator may run anything)"), "%s",
+        o.out);
+    fixture_out_release(&o);
+
+    ks_ok((const char *[]){"down", NULL});
+    ks_ok((const char *[]){"up", NULL});
+    exec_echo("still-none");
+    json_t *j = status_json();
+    json_t *p = json_object_get(j, "policy");
+    ck_assert(json_is_false(json_object_get(p, "configured")));
+    ck_assert(json_is_null(json_object_get(p, "sha256")));
+    json_decref(j);
+}
+END_TEST
+
 static Suite *
 stack_up_suite(void)
 {
@@ -712,6 +941,20 @@ stack_up_suite(void)
     tcase_add_test(tc, status_reports_remote_agents);
     tcase_add_test(tc, stack_unit_commands_start_reload_and_stop_the_stack);
     tcase_add_test(tc, pid_files_of_another_boot_are_forgotten);
+    suite_add_tcase(s, tc);
+    /* A home of its own each: these change the stack's policy. */
+    tc = tcase_create("policy-env");
+    tcase_add_unchecked_fixture(tc, up_setup, up_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, policy_from_the_environment_outlives_a_restart);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("policy");
+    tcase_add_unchecked_fixture(tc, up_setup, up_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, policy_outlives_down_and_a_broker_restart);
+    tcase_add_test(tc, status_names_the_loaded_policy);
+    tcase_add_test(tc, a_policy_that_cannot_load_stops_the_broker);
+    tcase_add_test(tc, no_policy_clears_it);
     suite_add_tcase(s, tc);
     return s;
 }
