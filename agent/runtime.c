@@ -1546,8 +1546,25 @@ keeper_main(void *arg)
         nanosleep(&(struct timespec){0, KEEPER_TICK_MS * 1000000L}, NULL);
         int64_t now = ks_mono_us();
         if (now - last_tick > 1000000) {
-            /* This process did not run for a while (stopped, swapped):
-             * the silence is ours, not NATS'. Heartbeat, then judge. */
+            /* This process did not run for a while (stopped, swapped, a
+             * frozen VM or cgroup). If it was silent so long that a broker
+             * may have declared its commands Lost (EVT_AGENT_TTL_MS, less
+             * a second for the broker's own delays), they must not run on
+             * as if nothing happened: fence at once, before any heartbeat
+             * lifts it (on cf06db5 a child frozen 13 s with its agent ran
+             * to its end after the broker had recorded it Lost, issue 25).
+             * A shorter pause: heartbeat, then judge. */
+            int64_t was_silent = now - atomic_load(&a->last_contact_us);
+            if (was_silent > ((int64_t)EVT_AGENT_TTL_MS - 1000) * 1000) {
+                ks_log(KS_LOG_WARN,
+                       "this agent did not run for a while and was silent "
+                       "past the brokers' limit: its commands may be "
+                       "recorded Lost, so it stops them",
+                       KS_D("paused_s", (double)(now - last_tick) / 1e6),
+                       KS_D("silent_s", (double)was_silent / 1e6));
+                atomic_store(&a->fenced, true);
+                fence_running(a, was_silent);
+            }
             heartbeat_poke(a);
             judge_after = now + 2000000;
         }

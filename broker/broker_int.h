@@ -120,6 +120,13 @@ struct broker {
      * watch (a cluster node gone, the bucket without a leader), not dead
      * agents (broker__registry_deaf). */
     int64_t reg_entry_mono_us;
+    /* (mu) The scanner's last tick (every SCAN_PERIOD_MS), and when it
+     * last found it had not run for over BROKER_PAUSE_US: a broker that
+     * was paused (SIGSTOP, a frozen VM, starved) holds heartbeat times
+     * that are stale only because it did not read, and judges nobody by
+     * silence until its registry view is fresh again
+     * (broker__registry_deaf). */
+    int64_t scan_tick_mono_us, woke_mono_us;
 
     pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
     natsMsg **rec_q;
@@ -127,6 +134,13 @@ struct broker {
 
     pthread_t rec_thread, reg_thread, scan_thread;
     bool rec_started, reg_started, scan_started;
+    /* Parked long polls of kscore.api.v1.follow, served by the follow
+     * thread with st_follow (broker.c on_follow). */
+    pthread_mutex_t follow_mu;
+    pthread_cond_t follow_cond;
+    struct broker__long_poll *followers;
+    pthread_t follow_thread;
+    bool follow_started;
     volatile int stopping;
 
     struct agent *local;
@@ -276,6 +290,11 @@ void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
  * decides. Any thread.
  */
 bool broker__registry_deaf(struct broker *b);
+/* A scanner tick later than this after the last one is a pause. */
+#define BROKER_PAUSE_US INT64_C(1000000)
+/* After a pause, nobody is judged by silence for this long: every agent
+ * heartbeats twice meanwhile, so what is silent then really is. */
+#define BROKER_WAKE_FRESH_US (3 * (int64_t)EVT_HEARTBEAT_MS * 1000)
 /* Registry keys of the brokers' beacons (registry.c): no agent id has a
  * dot, and "_broker." is no pool key. */
 #define BROKER_BEACON_PREFIX "_broker."
@@ -449,6 +468,10 @@ void broker__remote_live_free(struct broker *b);
 void broker__remote_live_sweep(struct broker *b, struct store *st);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
+/* The follow thread (broker.c): start before kscore.api.v1.follow is
+ * subscribed, stop after it is drained (it answers whoever is parked). */
+int broker__follow_start(struct broker *b);
+void broker__follow_stop(struct broker *b);
 /* Makes the recorder's consumer again as broker__recorder_start made it
  * (evt_consumer_ensure): the running subscription reads its deliver
  * subject, so deliveries resume. 0 or KS_ENATS with *errmsg. Any thread. */

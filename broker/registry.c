@@ -1226,7 +1226,11 @@ static bool
 registry_deaf_locked(struct broker *b, int64_t now)
 {
     return now - b->reg_watch_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000 ||
-           now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000;
+           now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
+           /* paused: whichever thread asks first after a SIGCONT, the
+            * scanner's tick is old (broker_int.h scan_tick_mono_us) */
+           (b->scan_tick_mono_us && now - b->scan_tick_mono_us > BROKER_PAUSE_US) ||
+           (b->woke_mono_us && now - b->woke_mono_us < BROKER_WAKE_FRESH_US);
 }
 
 bool

@@ -240,6 +240,24 @@ scanner_main(void *arg)
         nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
         if (b->stopping)
             break;
+        {
+            int64_t now = ks_mono_us(), gap = 0;
+            pthread_mutex_lock(&b->mu);
+            if (b->scan_tick_mono_us &&
+                now - b->scan_tick_mono_us > BROKER_PAUSE_US) {
+                gap = now - b->scan_tick_mono_us;
+                b->woke_mono_us = now;
+            }
+            b->scan_tick_mono_us = now;
+            pthread_mutex_unlock(&b->mu);
+            if (gap)
+                ks_log(KS_LOG_WARN,
+                       "this broker did not run for a while (paused or "
+                       "starved): it judges no agent by silence until its "
+                       "registry view is fresh",
+                       KS_I("gap_ms", gap / 1000),
+                       KS_I("fresh_in_ms", BROKER_WAKE_FRESH_US / 1000));
+        }
         store_scan_open(b->st_scan, "Dispatched", ks_now_us(), 200,
                         on_overdue, b);
         if (natsConnection_Status(b->nc->nc) != NATS_CONN_STATUS_CONNECTED)

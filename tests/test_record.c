@@ -252,6 +252,150 @@ START_TEST(broker_kill9_mid_run)
 }
 END_TEST
 
+/*
+ * A broker paused (SIGSTOP: a frozen VM, a debugger) for longer than an
+ * agent's TTL holds heartbeat times that are stale only because it did not
+ * read. On cf06db5, within 16 ms of SIGCONT it recorded CommandLost for an
+ * online agent whose child was running and then finished (issue 25). Now
+ * a broker that wakes judges nobody by silence until its registry view is
+ * fresh: the command ends Succeeded, with no CommandLost.
+ */
+START_TEST(a_paused_broker_judges_no_silence)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], script[PATH_MAX + 128], sql[384];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-pz", "pz", NULL), 0);
+    snprintf(script, sizeof(script), "sleep 14; echo run >> %s/pz.$KSCORE_COMMAND_ID",
+             side_dir);
+    ck_assert_int_eq(submit(c, "pz", script, 6000, id), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'", id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    fixture_stack_broker_kill(&stack, SIGSTOP);
+    /* Past EVT_AGENT_TTL_MS (10 s) of heartbeats unread. */
+    nanosleep(&(struct timespec){12, 0}, NULL);
+    fixture_stack_broker_kill(&stack, SIGCONT);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status IN ('Succeeded', 'Lost', 'Failed', 'Cancelled')", id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 30000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
+             "type = 'CommandLost'", id);
+    ck_assert_int_eq(sql_long(pg, sql), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded'", id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    ck_assert_int_eq(runs_of("pz", id), 1);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-pz", 20000);
+}
+END_TEST
+
+static int pid_of(const char *name);
+
+/* Sends sig to root and to every process descended from it (by PPid in
+ * /proc): the whole tree of an agent, its watchdog and its commands, as a
+ * frozen VM or cgroup stops them all together. */
+static void
+signal_tree(pid_t root, int sig)
+{
+    pid_t tree[256];
+    size_t n = 0, done = 0;
+    tree[n++] = root;
+    while (done < n) {
+        pid_t parent = tree[done++];
+        DIR *d = opendir("/proc");
+        struct dirent *de;
+        while (d && (de = readdir(d)) && n < 256) {
+            char path[300], line[128];
+            int ppid = -1;
+            if (de->d_name[0] < '0' || de->d_name[0] > '9')
+                continue;
+            snprintf(path, sizeof(path), "/proc/%s/status", de->d_name);
+            FILE *f = fopen(path, "r");
+            while (f && fgets(line, sizeof(line), f))
+                if (sscanf(line, "PPid: %d", &ppid) == 1)
+                    break;
+            if (f)
+                fclose(f);
+            if (ppid == parent)
+                tree[n++] = (pid_t)atoi(de->d_name);
+        }
+        if (d)
+            closedir(d);
+    }
+    for (size_t i = 0; i < n; i++)
+        kill(tree[i], sig);
+}
+
+/*
+ * A host frozen past the brokers' limit (agent, watchdog and the command
+ * stopped together for 14 s, then SIGCONT): the broker records the command
+ * Lost, and the agent, waking to find it was silent that long, stops the
+ * command at once instead of letting it run on. On cf06db5 the child ran
+ * to its end (its end marker written), kept only as a LateResult
+ * (issue 25).
+ */
+START_TEST(a_frozen_host_stops_what_was_declared_lost)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char id[37], script[3 * PATH_MAX + 256], sql[384], pidf[PATH_MAX + 64],
+        endf[PATH_MAX + 64];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-fz", "fz", NULL), 0);
+    snprintf(pidf, sizeof(pidf), "%s/fz.sh.pid", side_dir);
+    snprintf(endf, sizeof(endf), "%s/fz.end", side_dir);
+    snprintf(script, sizeof(script), "echo $$ > %s; sleep 40; echo end > %s",
+             pidf, endf);
+    ck_assert_int_eq(submit(c, "fz", script, 6000, id), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Running'", id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    int child = 0;
+    for (int i = 0; i < 100 && child == 0; i++) {
+        FILE *f = fopen(pidf, "r");
+        if (f && fscanf(f, "%d", &child) != 1)
+            child = 0;
+        if (f)
+            fclose(f);
+        if (!child)
+            nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    ck_assert_int_gt(child, 0);
+    pid_t agent = pid_of("agent-fz");
+    signal_tree(agent, SIGSTOP);
+    /* Past EVT_AGENT_TTL_MS (10 s): the broker records it Lost. */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Lost'", id);
+    long lost = fixture_wait_sql(stack.pg.conninfo, sql, 1, 20000);
+    nanosleep(&(struct timespec){1, 0}, NULL);
+    signal_tree(agent, SIGCONT);
+    ck_assert_int_eq(lost, 1);
+    /* The agent stops it: its shell is gone long before its 40 s. */
+    for (int i = 0; i < 150 && kill(child, 0) == 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_msg(kill(child, 0) == -1, "the command runs on after its host "
+                                        "woke past the brokers' limit");
+    ck_assert_int_eq(access(endf, F_OK), -1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Lost'", id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-fz", 20000);
+}
+END_TEST
+
 /* A NATS server restart in the middle of a run: the result arrives exactly
  * once. */
 START_TEST(nats_restart_mid_run)
@@ -674,6 +818,8 @@ record_suite(void)
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
     tcase_add_test(tc, broker_kill9_mid_run);
+    tcase_add_test(tc, a_paused_broker_judges_no_silence);
+    tcase_add_test(tc, a_frozen_host_stops_what_was_declared_lost);
     suite_add_tcase(s, tc);
     return s;
 }
