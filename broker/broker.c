@@ -915,72 +915,40 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
     return 0;
 }
 
-/* Reads what the request asks (one stream after a version, or all streams
- * after a cursor) with st; with wait_ms, waits for a NOTIFY when nothing is
- * new (the follow subscription only: it blocks its thread). */
-static void
-serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
+/*
+ * One read of what req asks (one stream after a version, or all streams
+ * after a cursor) with st. Replies to msg and returns true when there is
+ * something to say: events, an error, or (final) nothing; returns false,
+ * replying nothing, when nothing is new or PostgreSQL is down and the
+ * caller may wait (a follower).
+ */
+static bool
+events_try(struct broker *b, struct store *st, natsMsg *msg,
+           const Ks__EventsRequest *req, bool final)
 {
-    Ks__EventsRequest *req = NULL;
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
     struct store_cursor cur = {0};
     char why[600];
     int rc;
 
-    rc = broker__unpack_request(msg, &ks__events_request__descriptor,
-                                (ProtobufCMessage **)&req, why, sizeof(why));
-    if (rc) {
-        broker__reply_error(b, msg, r.base.descriptor, rc, why);
-        return;
-    }
-    if (broker__may_read(b, st, msg, req->stream_id, why, sizeof(why)) !=
-        0) {
-        r.error_code = KS_EDENIED;
-        r.error = why;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
-        ks__events_request__free_unpacked(req, NULL);
-        return;
-    }
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
-    uint32_t wait_ms = follow ? (req->wait_ms < 5000 ? req->wait_ms : 5000) : 0;
-    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
     cur.tx_id = req->cursor_tx_id;
     cur.global_pos = req->cursor_pos;
-    for (;;) {
-        if (req->stream_id[0])
-            rc = store_read_stream(st, req->stream_id, req->after_version,
-                                   limit, collect_event, &acc);
-        else
-            rc = store_read_all(st, &cur, limit, collect_event, &acc);
-        if (rc == KS_EPGDOWN && follow) {
-            /* A follower outlives a PostgreSQL restart: wait (the store
-             * backs off its reconnects) and read again; at the deadline
-             * an empty reply keeps the cursor where it was. */
-            int64_t left_ms = (deadline - ks_mono_us()) / 1000;
-            if (left_ms <= 0 || b->stopping) {
-                rc = 0;
-                break;
-            }
-            nanosleep(&(struct timespec){0, (left_ms < 200 ? left_ms : 200) *
-                                                1000000L},
-                      NULL);
-            continue;
-        }
-        if (rc || acc.n > 0 || b->stopping)
-            break;
-        int64_t left_ms = (deadline - ks_mono_us()) / 1000;
-        if (left_ms <= 0)
-            break;
-        /* Woken by this broker's appends; another broker's are seen by
-         * reading again every 100 ms. */
-        rc = store_wait_notify(st, (int)(left_ms < 100 ? left_ms : 100));
-        if (rc == KS_ETIMEDOUT || (rc == KS_EPGDOWN && follow)) {
-            rc = 0;
-            /* one last read: a commit may race the timeout */
-        } else if (rc) {
-            break;
-        }
+    if (req->stream_id[0])
+        rc = store_read_stream(st, req->stream_id, req->after_version, limit,
+                               collect_event, &acc);
+    else
+        rc = store_read_all(st, &cur, limit, collect_event, &acc);
+    /* A follower outlives a PostgreSQL restart: it waits (the store backs
+     * off its reconnects) and at its deadline gets an empty reply that
+     * keeps the cursor where it was. */
+    if (rc == KS_EPGDOWN && req->wait_ms)
+        rc = 0;
+    if (rc == 0 && acc.n == 0 && !final) {
+        free(acc.evs);
+        free(acc.tx_ids);
+        return false;
     }
     if (rc) {
         r.error_code = rc;
@@ -1023,24 +991,239 @@ serve_events(struct broker *b, struct store *st, natsMsg *msg, bool follow)
         ks__recorded_event__free_unpacked(acc.evs[i], NULL);
     free(acc.evs);
     free(acc.tx_ids);
-    if (req)
+    return true;
+}
+
+/* Unpacks an EventsRequest and checks that its caller may read it; replies
+ * the refusal itself and returns NULL when not. */
+static Ks__EventsRequest *
+events_request(struct broker *b, struct store *st, natsMsg *msg)
+{
+    Ks__EventsRequest *req = NULL;
+    Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
+    char why[600];
+    int rc = broker__unpack_request(msg, &ks__events_request__descriptor,
+                                    (ProtobufCMessage **)&req, why,
+                                    sizeof(why));
+    if (rc) {
+        broker__reply_error(b, msg, r.base.descriptor, rc, why);
+        return NULL;
+    }
+    if (broker__may_read(b, st, msg, req->stream_id, why, sizeof(why)) !=
+        0) {
+        r.error_code = KS_EDENIED;
+        r.error = why;
+        reply_msg(b, natsMsg_GetReply(msg), &r.base);
         ks__events_request__free_unpacked(req, NULL);
+        return NULL;
+    }
+    return req;
 }
 
 static void
 handle_events(struct broker *b, natsMsg *msg)
 {
-    serve_events(b, b->st_misc, msg, false);
+    Ks__EventsRequest *req = events_request(b, b->st_misc, msg);
+    if (req) {
+        req->wait_ms = 0;
+        events_try(b, b->st_misc, msg, req, true);
+        ks__events_request__free_unpacked(req, NULL);
+    }
+}
+
+/*
+ * Followers (kscore.api.v1.follow: a long poll of up to FOLLOW_MAX_WAIT_MS)
+ * are parked, not served on the delivery thread: on cf06db5 each one held
+ * the follow subscription's only thread for up to 5 s, so 20 requests of
+ * one operator stopped every follower for ~100 s (issue 21). The
+ * subscription's thread only queues a request; the follow thread reads
+ * for each parked one when this broker appended (a NOTIFY), every
+ * FOLLOW_REREAD_US for other brokers' appends, and answers it at its
+ * deadline. One identity may have at most FOLLOW_PER_IDENTITY parked;
+ * beyond that its requests are answered at once (nothing new), so it
+ * spends its own time, not others'.
+ */
+#define FOLLOW_MAX_WAIT_MS 5000
+#define FOLLOW_REREAD_US INT64_C(250000)
+#define FOLLOW_PER_IDENTITY 8
+
+struct broker__long_poll {
+    natsMsg *msg;
+    Ks__EventsRequest *req; /* NULL until the follow thread checked it */
+    int64_t deadline_mono_us, read_mono_us;
+    char identity[EVT_IDENTITY_MAX + 1];
+    struct broker__long_poll *next;
+};
+
+static void
+long_poll_free(struct broker__long_poll *f)
+{
+    if (f->req)
+        ks__events_request__free_unpacked(f->req, NULL);
+    natsMsg_Destroy(f->msg);
+    free(f);
 }
 
 static void
 on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
     struct broker *b = ud;
+    struct broker__long_poll *f;
+    const char *id = broker__operator_of(msg);
+    unsigned mine = 0;
     (void)nc;
     (void)sub;
-    serve_events(b, b->st_follow, msg, true);
-    natsMsg_Destroy(msg);
+
+    pthread_mutex_lock(&b->follow_mu);
+    for (f = b->followers; f; f = f->next)
+        mine += strcmp(f->identity, id) == 0;
+    pthread_mutex_unlock(&b->follow_mu);
+    f = calloc(1, sizeof(*f));
+    if (!f || mine >= FOLLOW_PER_IDENTITY || b->stopping) {
+        /* Answered now, with nothing new and the cursor it sent (no
+         * query: an over-limit caller costs nobody else anything); the
+         * client asks again. */
+        Ks__EventsRequest *req = NULL;
+        Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
+        char why[200];
+        if (broker__unpack_request(msg, &ks__events_request__descriptor,
+                                   (ProtobufCMessage **)&req, why,
+                                   sizeof(why)) == 0) {
+            r.cursor_tx_id = req->cursor_tx_id;
+            r.cursor_pos = req->cursor_pos;
+            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+            ks__events_request__free_unpacked(req, NULL);
+        } else {
+            broker__reply_error(b, msg, r.base.descriptor, KS_EINVAL, why);
+        }
+        free(f);
+        natsMsg_Destroy(msg);
+        return;
+    }
+    f->msg = msg;
+    snprintf(f->identity, sizeof(f->identity), "%s", id);
+    f->deadline_mono_us = ks_mono_us() + (int64_t)FOLLOW_MAX_WAIT_MS * 1000;
+    pthread_mutex_lock(&b->follow_mu);
+    f->next = b->followers;
+    b->followers = f;
+    pthread_cond_signal(&b->follow_cond);
+    pthread_mutex_unlock(&b->follow_mu);
+}
+
+/* One pass over the parked followers: reads for the new ones, for all
+ * after a NOTIFY (notified), for the rest every FOLLOW_REREAD_US; answers
+ * and drops those with something to say or past their deadline. */
+static void
+follow_pass(struct broker *b, bool notified)
+{
+    struct broker__long_poll *list, *keep = NULL, *f, *next;
+
+    pthread_mutex_lock(&b->follow_mu);
+    list = b->followers;
+    b->followers = NULL;
+    pthread_mutex_unlock(&b->follow_mu);
+    for (f = list; f; f = next) {
+        int64_t now = ks_mono_us();
+        bool done = false;
+        next = f->next;
+        if (!f->req) {
+            f->req = events_request(b, b->st_follow, f->msg);
+            if (!f->req) {
+                long_poll_free(f);
+                continue;
+            }
+            uint32_t w = f->req->wait_ms < FOLLOW_MAX_WAIT_MS
+                             ? f->req->wait_ms
+                             : FOLLOW_MAX_WAIT_MS;
+            f->deadline_mono_us = now + (int64_t)w * 1000;
+            f->read_mono_us = 0;
+        }
+        bool last = now >= f->deadline_mono_us || b->stopping;
+        if (last || notified || f->read_mono_us == 0 ||
+            now - f->read_mono_us >= FOLLOW_REREAD_US) {
+            f->read_mono_us = now;
+            done = events_try(b, b->st_follow, f->msg, f->req, last);
+        }
+        if (done) {
+            long_poll_free(f);
+        } else {
+            f->next = keep;
+            keep = f;
+        }
+    }
+    if (keep) {
+        pthread_mutex_lock(&b->follow_mu);
+        for (f = keep; f; f = next) {
+            next = f->next;
+            f->next = b->followers;
+            b->followers = f;
+        }
+        pthread_mutex_unlock(&b->follow_mu);
+    }
+}
+
+static void *
+follow_main(void *arg)
+{
+    struct broker *b = arg;
+
+    while (!b->stopping) {
+        pthread_mutex_lock(&b->follow_mu);
+        while (!b->followers && !b->stopping) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 200 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&b->follow_cond, &b->follow_mu, &ts);
+        }
+        bool fresh = false;
+        for (struct broker__long_poll *f = b->followers; f; f = f->next)
+            fresh = fresh || !f->req;
+        pthread_mutex_unlock(&b->follow_mu);
+        if (b->stopping)
+            break;
+        follow_pass(b, false);
+        /* Woken by this broker's appends (a NOTIFY), or after a short
+         * while to take new followers and read for other brokers'. */
+        if (!fresh) {
+            int rc = store_wait_notify(b->st_follow, 50);
+            if (rc == 0)
+                follow_pass(b, true);
+        }
+    }
+    /* Stopping: everyone parked gets its answer now. */
+    follow_pass(b, true);
+    return NULL;
+}
+
+int
+broker__follow_start(struct broker *b)
+{
+    if (pthread_create(&b->follow_thread, NULL, follow_main, b) != 0)
+        return KS_EINTERNAL;
+    b->follow_started = true;
+    return 0;
+}
+
+void
+broker__follow_stop(struct broker *b)
+{
+    if (!b->follow_started)
+        return;
+    pthread_mutex_lock(&b->follow_mu);
+    b->stopping = 1;
+    pthread_cond_broadcast(&b->follow_cond);
+    pthread_mutex_unlock(&b->follow_mu);
+    pthread_join(b->follow_thread, NULL);
+    b->follow_started = false;
+    for (struct broker__long_poll *f = b->followers, *n; f; f = n) {
+        n = f->next;
+        long_poll_free(f);
+    }
+    b->followers = NULL;
 }
 
 int
@@ -1412,6 +1595,7 @@ broker_teardown(struct broker *b)
             natsSubscription_Destroy(*subs[i]);
             *subs[i] = NULL;
         }
+    broker__follow_stop(b);
     broker__scanner_stop(b);
     broker__batch_stop(b);
     broker__registry_stop(b);
@@ -1444,6 +1628,8 @@ broker_teardown(struct broker *b)
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);
+    pthread_mutex_destroy(&b->follow_mu);
+    pthread_cond_destroy(&b->follow_cond);
 }
 
 /* At each metrics scrape: what the broker sees now (proto/metrics.c). */
@@ -1477,6 +1663,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
     pthread_cond_init(&b.rec_cond, NULL);
+    pthread_mutex_init(&b.follow_mu, NULL);
+    pthread_cond_init(&b.follow_cond, NULL);
 
     if (!opts->signing_key || !opts->signing_key[0]) {
         rc = KS_EINVAL;
@@ -1613,6 +1801,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if (rc)
             goto out;
     }
+    if ((rc = broker__follow_start(&b)))
+        goto out;
     if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
                                 EVT_API_EXECUTE, on_execute, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,

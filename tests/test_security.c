@@ -5,6 +5,8 @@
  * refusal recorded.
  */
 #include <check.h>
+#include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1805,6 +1807,111 @@ START_TEST(server_answers_to_an_agent_stay_with_it)
 }
 END_TEST
 
+/* Counts the replies that come to one subscription (a raw follower's). */
+struct reply_count {
+    pthread_mutex_t mu;
+    int n;
+};
+
+static void
+on_reply_count(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+               void *ud)
+{
+    struct reply_count *rc = ud;
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&rc->mu);
+    rc->n++;
+    pthread_mutex_unlock(&rc->mu);
+    natsMsg_Destroy(msg);
+}
+
+/*
+ * One identity cannot hold another's long polls: on cf06db5 the follow API
+ * was served by one thread and each long poll held it up to 5 s, so 20 of
+ * one operator's follows (of a stream that never changes) stopped every
+ * follower for ~100 s (issue 21). Now the 20 are parked (at most 8, the
+ * rest answered at once), and another identity's follow is answered while
+ * they wait.
+ */
+START_TEST(one_operator_cannot_hold_the_followers)
+{
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--json", "--agent", AGENT, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    char stream[64];
+    snprintf(stream, sizeof(stream), "command-%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    struct evt_conn *alice = connect_as(stack.operator_seed);
+    struct reply_count cnt = {.n = 0};
+    pthread_mutex_init(&cnt.mu, NULL);
+    natsSubscription *sub = NULL;
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, alice->nc,
+                                              "_INBOX." OPERATOR ".hold.>",
+                                              on_reply_count, &cnt),
+                     NATS_OK);
+    natsConnection_Flush(alice->nc);
+    Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
+    req.stream_id = stream;
+    req.after_version = 1000; /* past its end: nothing new, ever */
+    req.wait_ms = 5000;
+    uint8_t *buf;
+    size_t len;
+    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    for (int i = 0; i < 20; i++) {
+        char reply[96];
+        snprintf(reply, sizeof(reply), "_INBOX." OPERATOR ".hold.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             alice->nc, EVT_API_FOLLOW "." OPERATOR, reply,
+                             buf, (int)len),
+                         NATS_OK);
+    }
+    natsConnection_Flush(alice->nc);
+    free(buf);
+
+    /* Another identity's follow of a stream with something to say. */
+    struct evt_conn *other = connect_as(stack.broker_seed);
+    Ks__EventsRequest r2 = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    r2.stream_id = stream;
+    r2.wait_ms = 5000;
+    ck_assert_int_eq(broker_call(other, EVT_API_FOLLOW, &r2.base,
+                                 &ks__events_reply__descriptor, 4000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert_int_eq(rep->error_code, 0);
+    ck_assert_uint_ge(rep->n_events, 1);
+    ks__events_reply__free_unpacked(rep, NULL);
+    pthread_mutex_lock(&cnt.mu);
+    int answered = cnt.n;
+    pthread_mutex_unlock(&cnt.mu);
+    /* Answered while most of alice's were still parked. */
+    ck_assert_msg(answered < 20, "all of alice's long polls were answered "
+                                 "before another identity's");
+    /* And every one of hers is answered in the end (at its deadline). */
+    for (int i = 0; i < 100; i++) {
+        pthread_mutex_lock(&cnt.mu);
+        int n = cnt.n;
+        pthread_mutex_unlock(&cnt.mu);
+        if (n == 20)
+            break;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    pthread_mutex_lock(&cnt.mu);
+    ck_assert_int_eq(cnt.n, 20);
+    pthread_mutex_unlock(&cnt.mu);
+    natsSubscription_Destroy(sub);
+    evt_close(other);
+    evt_close(alice);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -1846,6 +1953,7 @@ security_suite(void)
     tcase_add_test(tc, agent_credential_cannot_touch_consumers);
     tcase_add_test(tc, only_brokers_publish_notices);
     tcase_add_test(tc, server_answers_to_an_agent_stay_with_it);
+    tcase_add_test(tc, one_operator_cannot_hold_the_followers);
     tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
     tcase_add_test(tc, agent_works_with_its_own_rights_only);
     /* These add users and reload the server's users. */
