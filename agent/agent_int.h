@@ -141,6 +141,8 @@ struct agent {
     /* Rate limits of log lines (mono us; their own threads). */
     int64_t pub_err_logged_us, hb_err_logged_us;
     _Atomic int64_t foreign_logged_us;
+    /* A lost exit status. */
+    _Atomic int64_t status_lost_logged_us;
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;
@@ -157,6 +159,10 @@ struct agent {
 };
 
 /* runtime.c */
+
+/* true at most once per 10 s for the clock *last (a log line that a flood
+ * of failures must not repeat). Any thread. */
+bool agent__log_due(_Atomic int64_t *last);
 
 /* Packs ev, saves it in the outbox (if a state dir), queues it. */
 int agent__queue_event(struct agent *a, const Ks__Event *ev);

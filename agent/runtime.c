@@ -526,6 +526,11 @@ fill_result(Ks__CommandResult *r, Ks__Output *o, Ks__Output *e,
         r->core_dumped = x->core_dumped;
         r->status = KS__COMMAND_STATUS__FAILED;
         break;
+    case EXEC_STATUS_LOST:
+        /* It ran, but how it ended is unknown: neither success nor a
+         * failure of its own (job_done gives the reason). */
+        r->status = KS__COMMAND_STATUS__LOST;
+        break;
     case EXEC_START_FAILED:
         r->status = KS__COMMAND_STATUS__START_FAILED;
         r->start_stage = (char *)(x->start_stage ? x->start_stage : "");
@@ -575,9 +580,10 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     fill_result(&r, &o, &e, x);
     ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
            KS_S("agent", j->slot->id), KS_I("attempt", j->attempt),
-           KS_S("outcome", x->outcome == EXEC_EXITED     ? "exited"
-                           : x->outcome == EXEC_SIGNALED ? "signaled"
-                                                         : "start_failed"),
+           KS_S("outcome", x->outcome == EXEC_EXITED       ? "exited"
+                           : x->outcome == EXEC_SIGNALED   ? "signaled"
+                           : x->outcome == EXEC_STATUS_LOST ? "status_lost"
+                                                           : "start_failed"),
            KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     agent__out_finish(j, x, &o, &e);
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
@@ -598,6 +604,19 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "agent lost contact with NATS for %.1f s: its processes "
                  "were killed (self-fence)",
                  (double)silence_us / 1e6);
+    } else if (x->outcome == EXEC_STATUS_LOST &&
+               r.status == KS__COMMAND_STATUS__LOST) {
+        type = "CommandLost";
+        snprintf(reason, sizeof(reason),
+                 "the command ran but its exit status was lost (wait: %s): "
+                 "something else reaped it",
+                 strerror(x->wait_errno));
+        if (agent__log_due(&a->status_lost_logged_us))
+            ks_log(KS_LOG_ERROR,
+                   "a command's exit status was lost: reported Lost (does "
+                   "something reap the agent's children?)",
+                   KS_S("command_id", j->command_id),
+                   KS_S("error", strerror(x->wait_errno)));
     } else if (fenced && x->killed) {
         /* Killed by the fence before the executor spawned it. */
         type = "CommandNotStarted";
@@ -964,10 +983,8 @@ starter_main(void *arg)
     return NULL;
 }
 
-/* true at most once per LOG_EVERY_US for the clock *last (a log line
- * that a flood of bad messages must not repeat). Any thread. */
-static bool
-log_due(_Atomic int64_t *last)
+bool
+agent__log_due(_Atomic int64_t *last)
 {
     int64_t now = ks_mono_us(), prev = atomic_load(last);
     return now - prev > LOG_EVERY_US &&
@@ -1017,7 +1034,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * ack: left alone, it goes back to the stream when the consumer is
      * replaced. */
     if (strcmp(natsMsg_GetSubject(msg), slot->cmd_subject) != 0) {
-        if (log_due(&a->foreign_logged_us)) {
+        if (agent__log_due(&a->foreign_logged_us)) {
             ks_log(KS_LOG_WARN,
                    "the consumer delivered a message that is not ours: left "
                    "unacked (the broker replaces a consumer with a wrong "
@@ -1150,7 +1167,7 @@ on_pool_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     if (reply && strncmp(reply, "$JS.ACK.", 8) == 0 &&
         !atomic_load(&a->closing))
         agent__ack(a, reply, "-NAK");
-    if (log_due(&a->foreign_logged_us)) {
+    if (agent__log_due(&a->foreign_logged_us)) {
         ks_log(KS_LOG_WARN,
                "the pool delivered a command for an id this process does not "
                "serve: given back (do two processes of one pool serve "
