@@ -463,6 +463,13 @@ struct agent;
  * it had spawned as CommandLost, commands it had claimed but never spawned
  * as CommandNotStarted (status NOT_STARTED), and hands unclaimed messages
  * back to JetStream.
+ *
+ * A state_dir that takes no more writes (full, read-only) never leaves a
+ * command the journal does not know: a message it cannot journal is not
+ * claimed but nak'd (redelivered after 1, 2, 4, 8 s: to this process or
+ * another of its id), and an event it cannot save in the outbox is
+ * published from memory. Each failure counts in
+ * kscore_agent_state_write_errors_total and is logged once per 10 s.
  */
 int agent_start(const struct agent_opts *opts, struct agent **out,
                 char **errmsg);

@@ -139,6 +139,19 @@ nak_delay(struct agent *a, const char *ack_subject, int64_t delay_ms)
     agent__ack(a, ack_subject, buf);
 }
 
+/*
+ * The redelivery delay of a message the state dir could not journal (full,
+ * read-only): 1 s doubling to 8 s by JetStream's delivery count, so that
+ * the EVT_AGENT_MAX_DELIVER deliveries of one attempt span some 20 s of a
+ * full disk (then the broker re-dispatches: advisory.c) instead of 5.
+ */
+static int64_t
+state_retry_ms(uint64_t delivered)
+{
+    unsigned shift = delivered > 1 ? (unsigned)(delivered - 1) : 0;
+    return shift >= 3 ? 8000 : 1000 << shift;
+}
+
 /* ---- outbox --------------------------------------------------------------- */
 
 static void
@@ -190,8 +203,21 @@ agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
          * the whole machine also loses JetStream's unsynced data, and the
          * command then ends Lost. An fdatasync here cost 1-3 ms on every
          * command. Written whole, then renamed into place (a spare file:
-         * agent__file_put). */
-        (void)agent__file_put(a, path, it->buf, it->len);
+         * agent__file_put). A state dir that takes no more (full,
+         * read-only) does not hold the event back: it goes out from
+         * memory, and only a crash before its PubAck would lose it. */
+        rc = agent__file_put(a, path, it->buf, it->len);
+        if (rc) {
+            ks_metric_inc(KS_C_AGENT_STATE_WRITE_ERRORS);
+            if (agent__log_due(&a->outbox_err_logged_us))
+                ks_log(KS_LOG_ERROR,
+                       "cannot save an event in the outbox: it is published "
+                       "from memory only",
+                       KS_S("module", "outbox"), KS_S("type", ev->type),
+                       KS_S("command_id", it->command_id),
+                       KS_S("error", strerror(-rc)),
+                       KS_S("state_dir", a->state_dir));
+        }
     }
     ks_trace("agent.event_queued", it->command_id);
     outbox_push(a, it);
@@ -550,13 +576,11 @@ static void
 job_started(uint64_t job_id, pid_t pid, void *ud)
 {
     struct job_ctx *j = ud;
-    char line[40];
 
     (void)job_id;
     ks_trace("agent.spawned", j->command_id);
     /* Only now may a restart call it Lost rather than NotStarted. */
-    snprintf(line, sizeof(line), "spawned %d\n", (int)pid);
-    agent__journal_append(j->agent, j->command_id, line);
+    (void)agent__journal_spawned(j->agent, j, pid); /* logged, counted */
 }
 
 static void
@@ -868,13 +892,15 @@ start_job(struct job_ctx *j)
         }
         goto out;
     }
-    /* Journal first: a crash from here on is "claimed, never spawned". */
-    if (j->journaled) {
-        char line[48];
-        snprintf(line, sizeof(line), "claim %s\n", claim_id);
-        agent__journal_append(a, j->command_id, line);
-    } else {
-        agent__journal_hold(a, j, claim_id);
+    /* Journal first: a crash from here on is "claimed, never spawned". A
+     * claim the journal cannot hold is not made: a crash would leave a
+     * command that never ends (the restart would not know it). The
+     * message goes back to JetStream, for us later or a peer of the id. */
+    if (agent__journal_hold(a, j, claim_id) != 0) {
+        agent__journal_remove(a, j->command_id);
+        nak_delay(a, j->ack_subject, state_retry_ms(j->delivered));
+        job_release(j, NULL);
+        goto out;
     }
     rc = claim(a, slot, cmd, NULL, claim_id);
     if (rc == KS_ENOTFOUND) {
@@ -1124,8 +1150,15 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* No slot: it waits here, unclaimed. Journaled before it can be
          * taken off the queue, so a restart hands it back to JetStream. */
         j->state = JOB_WAITING;
-        agent__journal_hold(a, j, NULL);
-        j->journaled = true;
+        if (agent__journal_hold(a, j, NULL) != 0) {
+            /* A restart would not hand it back: JetStream keeps it. */
+            pthread_mutex_unlock(&a->mu);
+            agent__journal_remove(a, j->command_id);
+            nak_delay(a, j->ack_subject, state_retry_ms(j->delivered));
+            job_release(j, NULL);
+            j = NULL;
+            goto out;
+        }
         *a->waitq_tail = j;
         a->waitq_tail = &j->qnext;
     }

@@ -193,6 +193,8 @@ enum ks_counter {
     KS_C_RECORDER_REDELIVERIES, /* kscore_recorder_redeliveries_total */
     KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
     KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
+    /* kscore_agent_state_write_errors_total: journal, outbox */
+    KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
