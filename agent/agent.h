@@ -14,8 +14,10 @@
  *
  * Kill protocol (the invariants the executor keeps):
  *  - The child leads its own process group (POSIX_SPAWN_SETPGROUP), starts
- *    with default signal dispositions and an empty mask, stdin /dev/null,
- *    stdout/stderr on O_CLOEXEC pipes, every other fd closed.
+ *    with default signal dispositions (every signal 1..NSIG-1 but SIGKILL
+ *    and SIGSTOP) and an empty mask, stdin /dev/null, stdout/stderr on
+ *    O_CLOEXEC pipes, every other fd closed, and a soft RLIMIT_NOFILE of
+ *    min(EXEC_CHILD_NOFILE_SOFT, hard) with the hard limit the agent's.
  *  - Deadlines run on CLOCK_MONOTONIC. At timeout_ms: SIGTERM to the group;
  *    grace_ms later: SIGKILL to the group. The group is the job: when the
  *    leader exits, what is left of its group gets the same TERM, grace, KILL.
@@ -26,11 +28,41 @@
  *    process is a child subreaper and escapees are reported as survivors.
  *    The child is born in its cgroup (clone3 CLONE_INTO_CGROUP, x86_64):
  *    moving it after posix_spawn took 25 us to 9 ms here while it already
- *    forked. Without a cgroup (or off x86_64) the spawn is posix_spawn.
+ *    forked. Without a cgroup the same clone3 child runs, minus
+ *    CLONE_INTO_CGROUP (it sets the NOFILE limit, which posix_spawn has no
+ *    attribute for); where clone3 is missing (off x86_64, valgrind, an old
+ *    kernel or a seccomp filter) the spawn is posix_spawn, and the child
+ *    keeps the agent's soft NOFILE limit (exec_spawn.c says why no other
+ *    way is safe).
  *  - The executor reaps only what is its own: each leader by pid, and the
  *    zombies its job leaves to this subreaper (same pgid, or the job's
  *    cgroup). It never calls waitpid(-1): other children of the process
- *    (a test's nats-server, say) are left alone.
+ *    (a test's nats-server, say) are left alone. A leader whose status
+ *    cannot be read (waitid/wait4 ECHILD: someone else reaped it) ends
+ *    the job at once as EXEC_STATUS_LOST, never as exit 0.
+ *
+ * Process start state (exec_process_init, called first by `kscore agent`,
+ * `kscore broker` and the watchdog, before any thread exists):
+ *  - What an execve(2) lets through from whoever started us is the signal
+ *    mask and the signals set to SIG_IGN; handlers are reset (signal(7),
+ *    "Signal mask and pending signals" and "Signal dispositions";
+ *    execve(2)). A parent that ignored SIGCHLD (python's
+ *    signal(SIGCHLD, SIG_IGN) before exec, some init scripts) passes that
+ *    on, and then "children of the calling process do not become zombies"
+ *    (waitpid(2) NOTES: POSIX.1-2001 specifies that if the disposition of
+ *    SIGCHLD is set to SIG_IGN ... children that terminate do not become
+ *    zombies): the kernel reaps every child at once, and neither the kill
+ *    protocol's unreaped leader nor an exit status is left to us.
+ *  - So every ignored signal goes back to SIG_DFL, SIGCHLD always
+ *    (SIG_DFL, no SA_NOCLDWAIT), the mask is emptied, and then:
+ *    SIGPIPE is SIG_IGN (a write to a closed pipe or socket is EPIPE, not
+ *    the agent's death with children running); SIGINT and SIGTERM are
+ *    blocked in every thread and taken by sigtimedwait()/sigwait() of the
+ *    main thread (cli/cmd_stack.c, broker_run); the watchdog sets its own
+ *    SIGHUP handler (PR_SET_PDEATHSIG). No other signal is used: SIGHUP,
+ *    SIGALRM, SIGUSR1 and SIGUSR2 keep their default action (terminate).
+ *  - Children are spawned from a known state whatever the agent's own:
+ *    default dispositions and an empty mask (see the kill protocol).
  */
 #ifndef KSCORE_AGENT_H
 #define KSCORE_AGENT_H
@@ -68,6 +100,14 @@
 #define EXEC_OUTPUT_CAP_AGENT_DEFAULT (16u * 1024 * 1024)
 /* Grace between SIGTERM and SIGKILL when the spec gives 0 (ms). */
 #define EXEC_GRACE_DEFAULT_MS 5000
+/*
+ * A child's soft RLIMIT_NOFILE (its hard limit is the agent's, and the
+ * soft one is lower when the hard one is). systemd.exec(5), LimitNOFILE=:
+ * services get a soft limit of 1024 so that programs using select(2) keep
+ * working (FD_SETSIZE is 1024), while the agent itself may run with many
+ * more (its unit's LimitNOFILE=, or the ulimit of the shell that ran it).
+ */
+#define EXEC_CHILD_NOFILE_SOFT 1024
 
 /* The child's environment base (documented; nothing else is inherited). */
 #define EXEC_BASE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -95,7 +135,14 @@ struct exec_spec {
 enum exec_outcome {
     EXEC_EXITED = 1,      /* exit_code valid */
     EXEC_SIGNALED = 2,    /* signal valid; never reported as exit 0 */
-    EXEC_START_FAILED = 3 /* start_stage + start_errno valid; no exit code */
+    EXEC_START_FAILED = 3, /* start_stage + start_errno valid; no exit code */
+    /*
+     * The leader ran and is gone, but its exit status could not be read:
+     * waitid/wait4 said wait_errno (ECHILD: someone else reaped it, e.g. the
+     * kernel, when this process ignores SIGCHLD; see "Process start state").
+     * No exit code, no signal; never reported as success.
+     */
+    EXEC_STATUS_LOST = 4
 };
 
 struct exec_output {
@@ -122,6 +169,7 @@ struct exec_result {
     int64_t utime_us, stime_us, maxrss_kb; /* leader's rusage (wait4) */
     const char *start_stage; /* static: "chdir", "exec", "pipe", "spawn" */
     int start_errno;
+    int wait_errno; /* EXEC_STATUS_LOST: the errno of the failed wait */
     /* Most processes one signal step (TERM, KILL) reached, leader included. */
     unsigned signalled;
     /* Alive after the protocol: in the group or cgroup 2 s after SIGKILL, or
@@ -277,6 +325,15 @@ unsigned exec_loop_running(struct exec_loop *loop);
  */
 int exec_global_init(void);
 
+/*
+ * Puts the calling process into the known start state ("Process start
+ * state" above): ignored signals and SIGCHLD back to SIG_DFL, SIGPIPE
+ * ignored, an empty signal mask. Call it first in main() (or the
+ * subcommand), before any thread exists: it sets the calling thread's mask,
+ * which threads created later inherit. Cannot fail.
+ */
+void exec_process_init(void);
+
 /* ------------------------------------------------------------------------ */
 /* Agent runtime                                                             */
 /* ------------------------------------------------------------------------ */
@@ -406,6 +463,13 @@ struct agent;
  * it had spawned as CommandLost, commands it had claimed but never spawned
  * as CommandNotStarted (status NOT_STARTED), and hands unclaimed messages
  * back to JetStream.
+ *
+ * A state_dir that takes no more writes (full, read-only) never leaves a
+ * command the journal does not know: a message it cannot journal is not
+ * claimed but nak'd (redelivered after 1, 2, 4, 8 s: to this process or
+ * another of its id), and an event it cannot save in the outbox is
+ * published from memory. Each failure counts in
+ * kscore_agent_state_write_errors_total and is logged once per 10 s.
  */
 int agent_start(const struct agent_opts *opts, struct agent **out,
                 char **errmsg);

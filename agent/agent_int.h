@@ -70,12 +70,13 @@ struct job_ctx {
     /* Killed by the self-fence (under a->mu): NATS was silent this long. */
     bool fenced;
     int64_t fence_silence_us;
-    bool journaled; /* its journal file exists (written while waiting) */
     /* A cancel came before it ran (claimed, not yet submitted): it is
      * cancelled as soon as it is (under a->mu). */
     bool cancel_pending;
     uint64_t delivered; /* JetStream's delivery count of this message */
     struct agent_out *out; /* output.c, while it runs */
+    /* Offset of the journal's room for "spawned <pid>"; -1: none. */
+    long spawn_at;
 };
 
 struct agent {
@@ -141,6 +142,9 @@ struct agent {
     /* Rate limits of log lines (mono us; their own threads). */
     int64_t pub_err_logged_us, hb_err_logged_us;
     _Atomic int64_t foreign_logged_us;
+    /* A lost exit status, a state dir that takes no more writes. */
+    _Atomic int64_t status_lost_logged_us, journal_err_logged_us,
+        outbox_err_logged_us;
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;
@@ -157,6 +161,10 @@ struct agent {
 };
 
 /* runtime.c */
+
+/* true at most once per 10 s for the clock *last (a log line that a flood
+ * of failures must not repeat). Any thread. */
+bool agent__log_due(_Atomic int64_t *last);
 
 /* Packs ev, saves it in the outbox (if a state dir), queues it. */
 int agent__queue_event(struct agent *a, const Ks__Event *ev);
@@ -218,16 +226,31 @@ void agent__secrets_free(struct agent_secrets *s);
  *
  *   line 1   "<agent_id> <attempt> <operator|-> <ack subject|->"  held
  *   "claim <event_id>"                                  before the claim
- *   "spawned <pid>"                         after the spawn succeeded
+ *   "pending" padded to JOURNAL_SPAWN_FIELD, written with the claim line,
+ *   overwritten in place by "spawned <pid>" (same width) after the spawn
+ *   succeeded
  *
- * Each line is one write(2) in O_APPEND, so a file read after a crash
- * holds whole lines. No fsync: the file must outlive the agent process,
- * not the machine (a crashed machine loses JetStream's unsynced data too).
+ * The file is written whole (agent__file_put: a spare, then renamed over
+ * it), so a file read after a crash holds whole lines; the spawn rewrites
+ * bytes the file already holds, so it needs no new block of a full file
+ * system (tmpfs, ext4; a copy-on-write file system may still refuse it:
+ * logged). No fsync: the file must outlive the agent process, not the
+ * machine (a crashed machine loses JetStream's unsynced data too).
+ *
+ * agent__journal_hold: writes j's file (with claim_event_id: claimed, room
+ * for the spawn; sets j->spawn_at). 0, or -errno (the state dir is full
+ * or read-only): then the caller must not claim, and hands the message
+ * back to JetStream; the failure is logged (one line per 10 s) and counted
+ * (kscore_agent_state_write_errors_total).
+ * agent__journal_spawned: "spawned <pid>" into that room. 0 or -errno
+ * (logged and counted; the command runs on).
+ * Any thread; under a->mu or not.
  */
-void agent__journal_hold(struct agent *a, const struct job_ctx *j,
-                         const char *claim_event_id);
-void agent__journal_append(struct agent *a, const char *command_id,
-                           const char *line);
+#define JOURNAL_SPAWN_FIELD 24
+int agent__journal_hold(struct agent *a, struct job_ctx *j,
+                        const char *claim_event_id);
+int agent__journal_spawned(struct agent *a, const struct job_ctx *j,
+                           pid_t pid);
 void agent__journal_remove(struct agent *a, const char *command_id);
 /*
  * At start, after connecting and before subscribing: what a previous run

@@ -65,6 +65,7 @@ struct exec_job {
     bool started, finished, leader_exited;
     bool term_sent, kill_sent, cg_watched, scan_pgroup, had_members;
     bool poll_leader; /* no pidfd: leader exit found by polling */
+    int wait_errno;   /* waitid/wait4 failed (ECHILD): status lost */
     pid_t pid;
     int pidfd;
     int fd[2];
@@ -423,9 +424,16 @@ job_finish(struct exec_loop *loop, struct exec_job *job)
     do {
         w = wait4(job->pid, &status, 0, &ru);
     } while (w == -1 && errno == EINTR);
+    if (w == -1 && !job->wait_errno)
+        job->wait_errno = errno;
     exec__reap_leftovers(job->pid, &job->cg);
 
-    if (WIFSIGNALED(status)) {
+    if (job->wait_errno) {
+        /* A status of 0 we never read must not look like success. */
+        r->outcome = EXEC_STATUS_LOST;
+        r->wait_errno = job->wait_errno;
+        r->exit_code = -1;
+    } else if (WIFSIGNALED(status)) {
         r->outcome = EXEC_SIGNALED;
         r->signal = WTERMSIG(status);
         r->core_dumped = WCOREDUMP(status);
@@ -518,13 +526,26 @@ static void
 on_leader_exit(struct exec_loop *loop, struct exec_job *job)
 {
     siginfo_t si;
+    int rc;
 
     memset(&si, 0, sizeof(si));
-    if (waitid(job->pidfd != -1 ? (idtype_t)P_PIDFD : P_PID,
-               job->pidfd != -1 ? (id_t)job->pidfd : (id_t)job->pid, &si,
-               WEXITED | WNOHANG | WNOWAIT) == -1 ||
-        si.si_pid == 0)
+    rc = waitid(job->pidfd != -1 ? (idtype_t)P_PIDFD : P_PID,
+                job->pidfd != -1 ? (id_t)job->pidfd : (id_t)job->pid, &si,
+                WEXITED | WNOHANG | WNOWAIT);
+    if (rc == -1 && errno == EINTR)
         return;
+    if (rc == -1) {
+        /*
+         * ECHILD: the leader is no child to wait for any more: the kernel
+         * reaped it (this process ignores SIGCHLD, waitpid(2) NOTES) or a
+         * waitpid(-1) elsewhere did. It has exited (its pidfd said so, or
+         * it is no child at all), its status is gone. Returning here would
+         * spin: the pidfd stays readable. The job ends, status lost.
+         */
+        job->wait_errno = errno;
+    } else if (si.si_pid == 0) {
+        return;
+    }
     close_fd(loop, &job->pidfd);
     job->leader_exited = true;
     check_group(loop, job, ks_mono_us());
@@ -606,12 +627,17 @@ job_start(struct exec_loop *loop, struct exec_job *job)
             job->cg.moved = true;
     }
     if (ret == -ENOSYS) {
-        ret = exec__spawn(spec, path, envp, &job->pid, job->fd, &stage);
+        /* Our child without a cgroup (it sets the child's NOFILE limit),
+         * else posix_spawn (exec_spawn.c). */
+        ret = exec__spawn_cgroup(spec, path, envp, -1, &job->pid,
+                                 &job->pidfd, job->fd, &stage);
+        if (ret == -ENOSYS)
+            ret = exec__spawn(spec, path, envp, &job->pid, job->fd, &stage);
         if (ret == 0 && job->cg.in_use &&
             (exec__cgroup_move(&job->cg, job->pid) != 0 ||
              exec__may_have_forked(job->pid)))
             job->scan_pgroup = true;
-        if (ret == 0)
+        if (ret == 0 && job->pidfd == -1)
             job->pidfd = exec__pidfd_open(job->pid);
     }
     if (ret)

@@ -14,6 +14,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/resource.h>
 
 #include "agent.h"
 
@@ -65,11 +66,18 @@ int exec__resolve(const char *argv0, const char *path_env, char **out);
 int exec__spawn(const struct exec_spec *spec, const char *path,
                 char *const *envp, pid_t *pid_out, int out_fds[2],
                 const char **stage);
+/* The child's RLIMIT_NOFILE: soft min(EXEC_CHILD_NOFILE_SOFT, hard), hard
+ * ours. */
+void exec__child_nofile(struct rlimit *out);
 
 /*
- * Spawns the leader straight into a cgroup (clone3 CLONE_INTO_CGROUP, x86_64)
- * with the same child set-up as exec__spawn(); also returns a pidfd.
- * -ENOSYS when the kernel or arch cannot: the caller uses exec__spawn().
+ * Spawns the leader with clone3 (x86_64) and a child of our own code:
+ * straight into the cgroup cgroup_fd (CLONE_INTO_CGROUP), or, with
+ * cgroup_fd -1, into ours. The same child set-up as exec__spawn(), plus
+ * what posix_spawn cannot do: the soft RLIMIT_NOFILE of
+ * exec__child_nofile(). Also returns a pidfd. -ENOSYS when the kernel,
+ * arch or a filter cannot (valgrind has no clone3): the caller uses
+ * exec__spawn().
  */
 int exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
                        char *const *envp, int cgroup_fd, pid_t *pid_out,

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <linux/sched.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -269,6 +270,60 @@ out:
     return ret;
 }
 
+void
+exec__child_nofile(struct rlimit *out)
+{
+    struct rlimit rl;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) == -1) {
+        rl.rlim_cur = rl.rlim_max = RLIM_INFINITY;
+    }
+    /* systemd.exec(5), LimitNOFILE=: a soft limit above 1024 breaks
+     * programs that still use select(2) (FD_SETSIZE). The hard limit
+     * stays, so a child that needs more can raise its own. */
+    if (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > EXEC_CHILD_NOFILE_SOFT)
+        rl.rlim_cur = EXEC_CHILD_NOFILE_SOFT;
+    else
+        rl.rlim_cur = rl.rlim_max;
+    *out = rl;
+}
+
+/*
+ * The process's own start state (agent.h, "Process start state"): what
+ * execve(2) let through from whoever started us is undone. Only ignored
+ * signals survive an execve (handlers are reset): each goes back to
+ * SIG_DFL, SIGCHLD always (and without SA_NOCLDWAIT), then SIGPIPE is
+ * ignored on purpose, and the inherited mask is emptied. Handlers that
+ * a sanitizer runtime installed before main() are left alone.
+ */
+void
+exec_process_init(void)
+{
+    struct sigaction dfl, cur;
+    sigset_t none;
+
+    memset(&dfl, 0, sizeof(dfl));
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int sig = 1; sig < NSIG; sig++) {
+        if (sig == SIGKILL || sig == SIGSTOP)
+            continue;
+        /* glibc's own signals (SIGCANCEL, SIGSETXID) refuse: EINVAL. */
+        if (sigaction(sig, NULL, &cur) == -1)
+            continue;
+        if (sig == SIGCHLD || cur.sa_handler == SIG_IGN)
+            sigaction(sig, &dfl, NULL);
+    }
+    /* A write to a closed pipe or socket (stderr after its reader went,
+     * an OpenSSL write to a reset connection) is an error the caller
+     * sees (EPIPE), never the death of an agent that has children
+     * running. Children get SIG_DFL back (exec__spawn, child_main). */
+    dfl.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &dfl, NULL);
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
 /*
  * stdout/stderr pipes, O_CLOEXEC. Our read ends are O_NONBLOCK (their own
  * open file description: the child's write ends stay blocking). Every fd is
@@ -385,6 +440,16 @@ out:
  * takes cgroup_threadgroup_rwsem for writing) while the child already runs
  * and forks: its early children, setsid escapees included, stayed outside.
  *
+ * The same child serves spawns without a cgroup (no CLONE_INTO_CGROUP),
+ * for the one set-up posix_spawn has no attribute for: the child's soft
+ * RLIMIT_NOFILE (exec__child_nofile). The alternatives are wrong: our own
+ * soft limit lowered around posix_spawn is the whole process's for that
+ * moment (another thread's open or accept fails with EMFILE), and
+ * prlimit(pid) after posix_spawn races the child's execve (it has run the
+ * program by then). Where clone3 is missing (valgrind, an old kernel, a
+ * seccomp filter, not x86_64) posix_spawn remains, and the child keeps the
+ * agent's soft limit (README "Execution").
+ *
  * The child runs on its own stack in our address space while this thread
  * is suspended; it uses raw syscalls only. A failure before or in execve
  * goes back through a CLOEXEC error pipe (errno and stage), not through
@@ -397,6 +462,7 @@ struct child_ctx {
     const char *cwd;
     int out_w, err_w;
     int report_w; /* error pipe, CLOEXEC: EOF means execve succeeded */
+    struct rlimit nofile; /* exec__child_nofile() */
 };
 
 /* What the child writes to the error pipe when it fails. */
@@ -453,6 +519,9 @@ child_main(void *arg)
         syscall(SYS_close_range, 3, c->report_w - 1, 0) == -1)
         goto fail;
     if (syscall(SYS_close_range, c->report_w + 1, ~0U, 0) == -1)
+        goto fail;
+    /* Only the soft limit comes down, which needs no privilege. */
+    if (syscall(SYS_prlimit64, 0, RLIMIT_NOFILE, &c->nofile, NULL) == -1)
         goto fail;
     if (syscall(SYS_rt_sigprocmask, SIG_SETMASK, &empty, NULL,
                 sizeof(empty)) == -1)
@@ -533,13 +602,17 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     c.out_w = p[0][1];
     c.err_w = p[1][1];
     c.report_w = rp[1];
+    exec__child_nofile(&c.nofile);
     memset(&ca, 0, sizeof(ca));
-    ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_INTO_CGROUP;
+    ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD;
     ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
     ca.exit_signal = SIGCHLD;
     ca.stack = (uint64_t)(uintptr_t)stack;
     ca.stack_size = sizeof(stack);
-    ca.cgroup = (uint64_t)cgroup_fd;
+    if (cgroup_fd != -1) {
+        ca.flags |= CLONE_INTO_CGROUP;
+        ca.cgroup = (uint64_t)cgroup_fd;
+    }
 
     /* No handler of ours may run in the child (shared memory). */
     sigfillset(&all);

@@ -313,6 +313,9 @@ wd_main(int fd, pid_t ppid, unsigned dead_ms)
     sigset_t block, waitmask;
     bool eof = false;
 
+    /* exec__wd_spawn gave it default dispositions and an empty mask; this
+     * holds whoever started it (and ignores SIGPIPE as the agent does). */
+    exec_process_init();
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = wd_on_hup;
     sigaction(SIGHUP, &sa, NULL);

@@ -22,25 +22,12 @@
 /* Longest journal file read back (line 1 with a long ack subject, plus
  * the claim and spawned lines). */
 #define JOURNAL_MAX_BYTES 4096
+_Static_assert(JOURNAL_SPAWN_FIELD >= 8 + 10, "spawned <pid>");
 
 static void
 journal_path(struct agent *a, const char *command_id, char *buf, size_t len)
 {
     snprintf(buf, len, "%s/running/%s", a->state_dir, command_id);
-}
-
-static void
-write_all(int fd, const char *buf, size_t len)
-{
-    while (len) {
-        ssize_t n = write(fd, buf, len);
-        if (n == -1 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return;
-        buf += n;
-        len -= (size_t)n;
-    }
 }
 
 static void
@@ -157,44 +144,96 @@ agent__file_drop(struct agent *a, const char *path)
     unlink(path);
 }
 
-void
-agent__journal_hold(struct agent *a, const struct job_ctx *j,
+/* Failures of the state dir: one log line per LOG_EVERY_US, a counter
+ * for each. */
+static void
+journal_failed(struct agent *a, const char *command_id, const char *what,
+               int err)
+{
+    ks_metric_inc(KS_C_AGENT_STATE_WRITE_ERRORS);
+    if (agent__log_due(&a->journal_err_logged_us))
+        ks_log(KS_LOG_ERROR, what, KS_S("module", "journal"),
+               KS_S("command_id", command_id), KS_S("error", strerror(-err)),
+               KS_S("state_dir", a->state_dir));
+}
+
+int
+agent__journal_hold(struct agent *a, struct job_ctx *j,
                     const char *claim_event_id)
 {
     char path[4200], buf[JOURNAL_MAX_BYTES];
-    int n;
+    int n, rc;
 
+    j->spawn_at = -1;
     if (!a->state_dir)
-        return;
+        return 0;
     journal_path(a, j->command_id, path, sizeof(path));
     n = snprintf(buf, sizeof(buf), "%s %u %s %s\n", j->slot->id, j->attempt,
                  j->operator_name[0] ? j->operator_name : "-",
                  j->ack_subject && j->ack_subject[0] ? j->ack_subject : "-");
-    if (n < 0 || (size_t)n >= sizeof(buf))
-        return;
-    if (claim_event_id) {
-        int m = snprintf(buf + n, sizeof(buf) - (size_t)n, "claim %s\n",
-                         claim_event_id);
-        if (m > 0 && (size_t)m < sizeof(buf) - (size_t)n)
-            n += m;
+    if (n < 0 || (size_t)n >= sizeof(buf)) {
+        rc = -ENAMETOOLONG;
+        goto out;
     }
-    (void)agent__file_put(a, path, buf, (size_t)n);
+    if (claim_event_id) {
+        /* The claim, then the room "spawned <pid>" takes later: written
+         * now, while the claim can still be refused, so that the spawn
+         * only overwrites bytes the file already has. */
+        int m = snprintf(buf + n, sizeof(buf) - (size_t)n, "claim %s\n%-*s\n",
+                         claim_event_id, JOURNAL_SPAWN_FIELD, "pending");
+        if (m < 0 || (size_t)m >= sizeof(buf) - (size_t)n) {
+            rc = -ENAMETOOLONG;
+            goto out;
+        }
+        j->spawn_at = n + m - (JOURNAL_SPAWN_FIELD + 1);
+        n += m;
+    }
+    rc = agent__file_put(a, path, buf, (size_t)n);
+out:
+    if (rc) {
+        j->spawn_at = -1;
+        journal_failed(a, j->command_id,
+                       claim_event_id
+                           ? "cannot journal a claim: refused, the message "
+                             "goes back to JetStream"
+                           : "cannot journal a waiting message: handed back "
+                             "to JetStream",
+                       rc);
+    }
+    return rc;
 }
 
-void
-agent__journal_append(struct agent *a, const char *command_id, const char *line)
+int
+agent__journal_spawned(struct agent *a, const struct job_ctx *j, pid_t pid)
 {
-    char path[4200];
-    int fd;
+    char path[4200], line[JOURNAL_SPAWN_FIELD + 2];
+    ssize_t w;
+    int fd, rc = 0;
 
-    if (!a->state_dir)
-        return;
-    journal_path(a, command_id, path, sizeof(path));
-    fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
-    if (fd == -1)
-        return;
-    write_all(fd, line, strlen(line));
-    close(fd);
+    if (!a->state_dir || j->spawn_at < 0)
+        return 0;
+    journal_path(a, j->command_id, path, sizeof(path));
+    snprintf(line, sizeof(line), "spawned %-*d\n", JOURNAL_SPAWN_FIELD - 8,
+             (int)pid);
+    fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd == -1) {
+        rc = -errno;
+    } else {
+        do {
+            w = pwrite(fd, line, JOURNAL_SPAWN_FIELD + 1, j->spawn_at);
+        } while (w == -1 && errno == EINTR);
+        if (w == -1)
+            rc = -errno;
+        else if (w != JOURNAL_SPAWN_FIELD + 1)
+            rc = -EIO;
+        close(fd);
+    }
+    if (rc)
+        journal_failed(a, j->command_id,
+                       "cannot journal a spawn: a restart would call the "
+                       "running command NotStarted",
+                       rc);
+    return rc;
 }
 
 void
@@ -249,7 +288,7 @@ parse(const char *path, struct entry *e)
     while ((line = strtok_r(NULL, "\n", &save))) {
         if (!strncmp(line, "claim ", 6))
             e->claimed = true;
-        else if (!strncmp(line, "spawned ", 8)) {
+        else if (!strncmp(line, "spawned ", 8)) { /* not "pending" */
             e->spawned = true;
             e->pid = atol(line + 8);
         }

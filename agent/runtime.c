@@ -139,6 +139,19 @@ nak_delay(struct agent *a, const char *ack_subject, int64_t delay_ms)
     agent__ack(a, ack_subject, buf);
 }
 
+/*
+ * The redelivery delay of a message the state dir could not journal (full,
+ * read-only): 1 s doubling to 8 s by JetStream's delivery count, so that
+ * the EVT_AGENT_MAX_DELIVER deliveries of one attempt span some 20 s of a
+ * full disk (then the broker re-dispatches: advisory.c) instead of 5.
+ */
+static int64_t
+state_retry_ms(uint64_t delivered)
+{
+    unsigned shift = delivered > 1 ? (unsigned)(delivered - 1) : 0;
+    return shift >= 3 ? 8000 : 1000 << shift;
+}
+
 /* ---- outbox --------------------------------------------------------------- */
 
 static void
@@ -190,8 +203,21 @@ agent__queue_event_opt(struct agent *a, const Ks__Event *ev, bool persist)
          * the whole machine also loses JetStream's unsynced data, and the
          * command then ends Lost. An fdatasync here cost 1-3 ms on every
          * command. Written whole, then renamed into place (a spare file:
-         * agent__file_put). */
-        (void)agent__file_put(a, path, it->buf, it->len);
+         * agent__file_put). A state dir that takes no more (full,
+         * read-only) does not hold the event back: it goes out from
+         * memory, and only a crash before its PubAck would lose it. */
+        rc = agent__file_put(a, path, it->buf, it->len);
+        if (rc) {
+            ks_metric_inc(KS_C_AGENT_STATE_WRITE_ERRORS);
+            if (agent__log_due(&a->outbox_err_logged_us))
+                ks_log(KS_LOG_ERROR,
+                       "cannot save an event in the outbox: it is published "
+                       "from memory only",
+                       KS_S("module", "outbox"), KS_S("type", ev->type),
+                       KS_S("command_id", it->command_id),
+                       KS_S("error", strerror(-rc)),
+                       KS_S("state_dir", a->state_dir));
+        }
     }
     ks_trace("agent.event_queued", it->command_id);
     outbox_push(a, it);
@@ -526,6 +552,11 @@ fill_result(Ks__CommandResult *r, Ks__Output *o, Ks__Output *e,
         r->core_dumped = x->core_dumped;
         r->status = KS__COMMAND_STATUS__FAILED;
         break;
+    case EXEC_STATUS_LOST:
+        /* It ran, but how it ended is unknown: neither success nor a
+         * failure of its own (job_done gives the reason). */
+        r->status = KS__COMMAND_STATUS__LOST;
+        break;
     case EXEC_START_FAILED:
         r->status = KS__COMMAND_STATUS__START_FAILED;
         r->start_stage = (char *)(x->start_stage ? x->start_stage : "");
@@ -545,13 +576,11 @@ static void
 job_started(uint64_t job_id, pid_t pid, void *ud)
 {
     struct job_ctx *j = ud;
-    char line[40];
 
     (void)job_id;
     ks_trace("agent.spawned", j->command_id);
     /* Only now may a restart call it Lost rather than NotStarted. */
-    snprintf(line, sizeof(line), "spawned %d\n", (int)pid);
-    agent__journal_append(j->agent, j->command_id, line);
+    (void)agent__journal_spawned(j->agent, j, pid); /* logged, counted */
 }
 
 static void
@@ -575,9 +604,10 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     fill_result(&r, &o, &e, x);
     ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
            KS_S("agent", j->slot->id), KS_I("attempt", j->attempt),
-           KS_S("outcome", x->outcome == EXEC_EXITED     ? "exited"
-                           : x->outcome == EXEC_SIGNALED ? "signaled"
-                                                         : "start_failed"),
+           KS_S("outcome", x->outcome == EXEC_EXITED       ? "exited"
+                           : x->outcome == EXEC_SIGNALED   ? "signaled"
+                           : x->outcome == EXEC_STATUS_LOST ? "status_lost"
+                                                           : "start_failed"),
            KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     agent__out_finish(j, x, &o, &e);
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
@@ -598,6 +628,19 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "agent lost contact with NATS for %.1f s: its processes "
                  "were killed (self-fence)",
                  (double)silence_us / 1e6);
+    } else if (x->outcome == EXEC_STATUS_LOST &&
+               r.status == KS__COMMAND_STATUS__LOST) {
+        type = "CommandLost";
+        snprintf(reason, sizeof(reason),
+                 "the command ran but its exit status was lost (wait: %s): "
+                 "something else reaped it",
+                 strerror(x->wait_errno));
+        if (agent__log_due(&a->status_lost_logged_us))
+            ks_log(KS_LOG_ERROR,
+                   "a command's exit status was lost: reported Lost (does "
+                   "something reap the agent's children?)",
+                   KS_S("command_id", j->command_id),
+                   KS_S("error", strerror(x->wait_errno)));
     } else if (fenced && x->killed) {
         /* Killed by the fence before the executor spawned it. */
         type = "CommandNotStarted";
@@ -849,13 +892,15 @@ start_job(struct job_ctx *j)
         }
         goto out;
     }
-    /* Journal first: a crash from here on is "claimed, never spawned". */
-    if (j->journaled) {
-        char line[48];
-        snprintf(line, sizeof(line), "claim %s\n", claim_id);
-        agent__journal_append(a, j->command_id, line);
-    } else {
-        agent__journal_hold(a, j, claim_id);
+    /* Journal first: a crash from here on is "claimed, never spawned". A
+     * claim the journal cannot hold is not made: a crash would leave a
+     * command that never ends (the restart would not know it). The
+     * message goes back to JetStream, for us later or a peer of the id. */
+    if (agent__journal_hold(a, j, claim_id) != 0) {
+        agent__journal_remove(a, j->command_id);
+        nak_delay(a, j->ack_subject, state_retry_ms(j->delivered));
+        job_release(j, NULL);
+        goto out;
     }
     rc = claim(a, slot, cmd, NULL, claim_id);
     if (rc == KS_ENOTFOUND) {
@@ -964,10 +1009,8 @@ starter_main(void *arg)
     return NULL;
 }
 
-/* true at most once per LOG_EVERY_US for the clock *last (a log line
- * that a flood of bad messages must not repeat). Any thread. */
-static bool
-log_due(_Atomic int64_t *last)
+bool
+agent__log_due(_Atomic int64_t *last)
 {
     int64_t now = ks_mono_us(), prev = atomic_load(last);
     return now - prev > LOG_EVERY_US &&
@@ -1017,7 +1060,7 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * ack: left alone, it goes back to the stream when the consumer is
      * replaced. */
     if (strcmp(natsMsg_GetSubject(msg), slot->cmd_subject) != 0) {
-        if (log_due(&a->foreign_logged_us)) {
+        if (agent__log_due(&a->foreign_logged_us)) {
             ks_log(KS_LOG_WARN,
                    "the consumer delivered a message that is not ours: left "
                    "unacked (the broker replaces a consumer with a wrong "
@@ -1107,8 +1150,15 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* No slot: it waits here, unclaimed. Journaled before it can be
          * taken off the queue, so a restart hands it back to JetStream. */
         j->state = JOB_WAITING;
-        agent__journal_hold(a, j, NULL);
-        j->journaled = true;
+        if (agent__journal_hold(a, j, NULL) != 0) {
+            /* A restart would not hand it back: JetStream keeps it. */
+            pthread_mutex_unlock(&a->mu);
+            agent__journal_remove(a, j->command_id);
+            nak_delay(a, j->ack_subject, state_retry_ms(j->delivered));
+            job_release(j, NULL);
+            j = NULL;
+            goto out;
+        }
         *a->waitq_tail = j;
         a->waitq_tail = &j->qnext;
     }
@@ -1150,7 +1200,7 @@ on_pool_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     if (reply && strncmp(reply, "$JS.ACK.", 8) == 0 &&
         !atomic_load(&a->closing))
         agent__ack(a, reply, "-NAK");
-    if (log_due(&a->foreign_logged_us)) {
+    if (agent__log_due(&a->foreign_logged_us)) {
         ks_log(KS_LOG_WARN,
                "the pool delivered a command for an id this process does not "
                "serve: given back (do two processes of one pool serve "

@@ -1599,6 +1599,10 @@ cmd_broker(int argc, char **argv)
     char *errmsg = NULL, *end;
     int opt, rc;
 
+    /* Before any thread: the start state does not depend on who ran us
+     * (a parent that ignored SIGCHLD or blocked signals; agent.h,
+     * "Process start state"). */
+    exec_process_init();
     optind = 1;
     while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         switch (opt) {
@@ -1792,6 +1796,10 @@ cmd_agent(int argc, char **argv)
     sigset_t set;
     int opt, sig, rc = CLI_EXIT_USAGE;
 
+    /* Before any thread: the start state does not depend on who ran us
+     * (a parent that ignored SIGCHLD or blocked signals; agent.h,
+     * "Process start state"). */
+    exec_process_init();
     /* Subcommand words select the fleet mode (cli/cmd_enroll.c). */
     if (argc > 1 && (strcmp(argv[1], "enroll") == 0 ||
                      strcmp(argv[1], "revoke") == 0 ||

@@ -194,6 +194,8 @@ enum ks_counter {
     KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
     KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
     KS_C_JETSTREAM_REPAIRS,  /* kscore_jetstream_repairs_total */
+    /* kscore_agent_state_write_errors_total: journal, outbox */
+    KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

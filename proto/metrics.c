@@ -55,6 +55,11 @@ static const struct {
                                 "the registry bucket, the recorder's "
                                 "consumer) found gone and made again.",
                                 B},
+    [KS_C_AGENT_STATE_WRITE_ERRORS] = {
+        "kscore_agent_state_write_errors_total",
+        "Writes to the agent's state dir that failed (full or read-only): "
+        "claims refused, events published from memory only.",
+        A},
 };
 
 static const struct {

@@ -24,6 +24,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -378,6 +380,9 @@ END_TEST
 
 static struct fixture_stack stack;
 static char side_dir[PATH_MAX];
+/* The tmpfs of state_dir_full_refuses_claims (<stack dir>/fullfs),
+ * unmounted by stack_down too, for a test that failed before it did. */
+static char full_mnt[PATH_MAX];
 
 static void
 stack_up(void)
@@ -386,6 +391,7 @@ stack_up(void)
         fixture_stack_stop(&stack);
         exit(1);
     }
+    snprintf(full_mnt, sizeof(full_mnt), "%.4000s/fullfs", stack.dir);
     snprintf(side_dir, sizeof(side_dir), "%.4000s/side", stack.dir);
     mkdir(side_dir, 0777);
 }
@@ -393,6 +399,11 @@ stack_up(void)
 static void
 stack_down(void)
 {
+    /* A test that failed with its tmpfs mounted (the test ran in a child
+     * process: this one cannot know, so it tries): the stack's directory
+     * cannot go while it is. */
+    stack_stop(stack.dir, "agent-full", 20000);
+    umount2(full_mnt, MNT_DETACH); /* EINVAL when not mounted */
     fixture_stack_stop(&stack);
 }
 
@@ -1063,6 +1074,245 @@ START_TEST(two_processes_with_one_id_are_a_duplicate)
 }
 END_TEST
 
+/* ---- issue 25: the process state an agent inherits ---------------------- */
+
+/* argv[1] of this binary that makes it a wrapper (see main): it ignores
+ * SIGCHLD, blocks SIGTERM and SIGCHLD, and execs argv[2..], as
+ * python3 -c 'signal.signal(SIGCHLD, SIG_IGN); os.execvp(...)' did. */
+#define WRAP_IGNORING "--exec-ignoring-sigchld"
+
+static const char *
+kscore_bin(void)
+{
+    const char *b = getenv("KSCORE_BIN");
+    ck_assert_msg(b && b[0], "KSCORE_BIN is not set (run through ctest)");
+    return b;
+}
+
+/* `kscore agent --id id --state-dir state` as daemon `name` of the stack,
+ * through the wrapper when wrap; waits for its heartbeat. */
+static void
+agent_daemon(const char *name, const char *id, const char *state, bool wrap)
+{
+    char self[PATH_MAX];
+    const char *argv[16];
+    size_t n = 0;
+    int64_t since = ks_now_us();
+    pid_t pid;
+
+    if (wrap) {
+        ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+        ck_assert_int_gt(len, 0);
+        self[len] = '\0';
+        argv[n++] = self;
+        argv[n++] = WRAP_IGNORING;
+    }
+    argv[n++] = kscore_bin();
+    argv[n++] = "agent";
+    argv[n++] = "--id";
+    argv[n++] = id;
+    argv[n++] = "--nats";
+    argv[n++] = stack.nats.url;
+    argv[n++] = "--state-dir";
+    argv[n++] = state;
+    argv[n++] = "--trust-key";
+    argv[n++] = stack.trust_key;
+    argv[n] = NULL;
+    ck_assert_int_eq(stack_daemon(stack.dir, name, (char *const *)argv, &pid),
+                     0);
+    ck_assert_msg(fixture_stack_wait_agent(&stack, id, since, 30000) == 0,
+                  "agent %s did not heartbeat (see %s/%s.log)", id, stack.dir,
+                  name);
+}
+
+/* The hex mask after "key:\t" in text (a /proc/<pid>/status), or ~0. */
+static unsigned long long
+status_mask(const char *text, const char *key)
+{
+    const char *p = strstr(text, key);
+    return p ? strtoull(p + strlen(key) + 1, NULL, 16) : ~0ULL;
+}
+
+/*
+ * Issue 25, item 1: an agent whose parent ignored SIGCHLD and blocked
+ * SIGTERM. Before the fix `exit 3` never ended (the kernel reaped the
+ * leader, the loop spun on its pidfd): this test failed at the first
+ * wait_status. Now: exit 3 is Failed with exit code 3, a --timeout command
+ * is TimedOut, the child starts with nothing blocked or ignored and a soft
+ * NOFILE of 1024 (item 2), and the agent stops on SIGTERM.
+ */
+START_TEST(agent_started_with_sigchld_ignored)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char state[PATH_MAX + 32], id[37], st[32];
+    struct rlimit rl;
+    struct fixture_out o;
+
+    snprintf(state, sizeof(state), "%s/state-sigign", stack.dir);
+    agent_daemon("agent-sigign", "sigign", state, true);
+
+    ck_assert_int_eq(submit(c, "sigign", "exit 3", id), 0);
+    ck_assert_msg(wait_status(pg, id, "Failed", 60000) == 0,
+                  "exit 3 did not end Failed: %s (see %s/agent-sigign.log)",
+                  status_of(pg, id, st, sizeof(st)), stack.dir);
+    ck_assert_int_eq(
+        sql_long(pg, "SELECT exit_code FROM commands WHERE command_id = '%s'",
+                 id),
+        3);
+
+    ck_assert_int_eq(
+        fixture_submit(c, "sigign", "exec sleep 3041", 1000, 0, id), 0);
+    ck_assert_msg(wait_status(pg, id, "TimedOut", 60000) == 0,
+                  "a --timeout 1s command did not end TimedOut: %s",
+                  status_of(pg, id, st, sizeof(st)));
+    ck_assert_int_eq(command_procs(id, NULL), 0);
+
+    const char *args[] = {
+        "exec", "--agent", "sigign", "--", "sh", "-c",
+        "ulimit -Sn; ulimit -Hn; exec grep -E '^Sig(Blk|Ign):' "
+        "/proc/self/status",
+        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "kscore exec: %d\n%s%s", o.status, o.out,
+                  o.err);
+    ck_assert_msg(status_mask(o.out, "SigBlk:") == 0,
+                  "the child starts with signals blocked:\n%s", o.out);
+    ck_assert_msg(status_mask(o.out, "SigIgn:") == 0,
+                  "the child starts with signals ignored:\n%s", o.out);
+    /* The agent has this test's limits (stack_daemon keeps them). */
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    char want[64];
+    if (rl.rlim_max == RLIM_INFINITY)
+        snprintf(want, sizeof(want), "1024\nunlimited\n");
+    else
+        snprintf(want, sizeof(want), "%llu\n%llu\n",
+                 (unsigned long long)(rl.rlim_max > 1024 ? 1024
+                                                         : rl.rlim_max),
+                 (unsigned long long)rl.rlim_max);
+    ck_assert_msg(!strncmp(o.out, want, strlen(want)),
+                  "ulimit -Sn, -Hn in the child:\n%s\nwant:\n%s", o.out, want);
+    fixture_out_release(&o);
+
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-sigign", 20000), 0);
+    PQfinish(pg);
+    evt_close(c);
+}
+END_TEST
+
+
+/* Fills the file system of dir (a file "filler" in it) until ENOSPC. */
+static void
+fill_fs(const char *dir)
+{
+    char path[PATH_MAX + 16], buf[4096];
+    int fd;
+
+    memset(buf, 'x', sizeof(buf));
+    snprintf(path, sizeof(path), "%s/filler", dir);
+    fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    ck_assert_int_ge(fd, 0);
+    while (write(fd, buf, sizeof(buf)) > 0)
+        ;
+    ck_assert_int_eq(errno, ENOSPC);
+    close(fd);
+}
+
+static void
+unfill_fs(const char *dir)
+{
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof(path), "%s/filler", dir);
+    ck_assert_int_eq(unlink(path), 0);
+}
+
+/* Polls the log for needle for up to timeout_ms; 1 if found. */
+static int
+wait_log(const char *log, const char *needle, int timeout_ms)
+{
+    for (int t = 0; t <= timeout_ms; t += 100) {
+        if (file_has(log, needle))
+            return 1;
+        sleep_ms(100);
+    }
+    return 0;
+}
+
+/*
+ * Issue 25, item 3: the agent's state dir on a small tmpfs, filled up.
+ * A claim the journal cannot hold is refused (the message goes back to
+ * JetStream, the log says why) and runs once the space is back; a result
+ * the outbox cannot hold (the tmpfs made read-only) is still published. Before the fix the write
+ * errors were ignored: the command ran at once with nothing journaled, and
+ * the log said nothing (this test failed at "cannot journal").
+ */
+START_TEST(state_dir_full_refuses_claims)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char state[PATH_MAX + 32], log[PATH_MAX + 32], id[37], id2[37], st[32],
+        script[PATH_MAX + 128], go[PATH_MAX + 32];
+
+    ck_assert_int_eq(mkdir(full_mnt, 0700), 0);
+    if (mount("tmpfs", full_mnt, "tmpfs", MS_NOSUID | MS_NODEV,
+              "size=256k,mode=0700") != 0) {
+        fprintf(stderr, "state_dir_full_refuses_claims: skipped, cannot "
+                        "mount a tmpfs (%s)\n",
+                strerror(errno));
+        return;
+    }
+    snprintf(state, sizeof(state), "%s/state", full_mnt);
+    snprintf(log, sizeof(log), "%s/agent-full.log", stack.dir);
+    agent_daemon("agent-full", "full", state, false);
+
+    /* Full: the claim is refused, nothing runs. */
+    fill_fs(full_mnt);
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side_dir);
+    ck_assert_int_eq(submit(c, "full", script, id), 0);
+    ck_assert_msg(wait_log(log, "cannot journal a claim", 30000),
+                  "no refusal in %s", log);
+    ck_assert_int_eq(runs_of(id), 0);
+    status_of(pg, id, st, sizeof(st));
+    ck_assert_msg(strcmp(st, "Running") && strcmp(st, "Succeeded"),
+                  "claimed without a journal: %s", st);
+
+    /* Space again: JetStream's redelivery (or the broker's re-dispatch)
+     * runs it, once. */
+    unfill_fs(full_mnt);
+    ck_assert_msg(wait_status(pg, id, "Succeeded", 90000) == 0,
+                  "not Succeeded once the space was back: %s",
+                  status_of(pg, id, st, sizeof(st)));
+    ck_assert_int_eq(runs_of(id), 1);
+
+    /* Read-only while it runs: its result misses the outbox, and is
+     * published all the same. (Not full: the spare files of the outbox,
+     * agent__file_put, already hold the blocks a small event needs.) */
+    snprintf(go, sizeof(go), "%s/go-full", side_dir);
+    snprintf(script, sizeof(script),
+             "while [ ! -e %s ]; do sleep 0.05; done; echo done", go);
+    ck_assert_int_eq(submit(c, "full", script, id2), 0);
+    wait_running(pg, id2);
+    ck_assert_msg(mount("tmpfs", full_mnt, "tmpfs",
+                        MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                        "size=256k") == 0,
+                  "remount read-only: %s", strerror(errno));
+    int fd = open(go, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    ck_assert_msg(wait_status(pg, id2, "Succeeded", 60000) == 0,
+                  "a result that missed the outbox was not published: %s",
+                  status_of(pg, id2, st, sizeof(st)));
+    ck_assert_msg(file_has(log, "cannot save an event in the outbox"),
+                  "see %s", log);
+
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-full", 20000), 0);
+    ck_assert_int_eq(umount2(full_mnt, MNT_DETACH), 0);
+    PQfinish(pg);
+    evt_close(c);
+}
+END_TEST
+
 /* KSCORE_TEST_ONLY=name runs one test of the stack case (development). */
 static void
 add_stack_test(TCase *tc, const TTest *t)
@@ -1093,13 +1343,27 @@ agent_suite(void)
     add_stack_test(tc, claimed_never_spawned_is_not_started);
     add_stack_test(tc, self_fence_when_nats_is_gone);
     add_stack_test(tc, two_processes_with_one_id_are_a_duplicate);
+    add_stack_test(tc, agent_started_with_sigchld_ignored);
+    add_stack_test(tc, state_dir_full_refuses_claims);
     suite_add_tcase(s, tc);
     return s;
 }
 
 int
-main(void)
+main(int argc, char **argv)
 {
+    if (argc > 2 && !strcmp(argv[1], WRAP_IGNORING)) {
+        /* The wrapper (agent_daemon): a parent's state passed on to the
+         * agent by execve, as a careless supervisor would. */
+        sigset_t block;
+        signal(SIGCHLD, SIG_IGN);
+        sigemptyset(&block);
+        sigaddset(&block, SIGTERM);
+        sigaddset(&block, SIGCHLD);
+        sigprocmask(SIG_BLOCK, &block, NULL);
+        execv(argv[2], argv + 2);
+        _exit(127);
+    }
     SRunner *sr = srunner_create(agent_suite());
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

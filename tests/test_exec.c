@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1001,6 +1003,139 @@ START_TEST(baseline_after_runs)
 }
 END_TEST
 
+/*
+ * Issue 25: a process that ignores SIGCHLD has its children reaped by the
+ * kernel (waitpid(2) NOTES), so the leader's pidfd is readable while
+ * waitid says ECHILD. The job must end, status lost (never exit 0), not
+ * spin on the pidfd. exec_run() in this forked test process, without
+ * exec_process_init(): the executor alone must cope. Before the fix
+ * exec_run never returned (the case's 30 s timeout failed it).
+ */
+START_TEST(status_lost_when_sigchld_ignored)
+{
+    struct exec_result r;
+
+    signal(SIGCHLD, SIG_IGN);
+    run_sh("exit 3", 10000, 0, &r);
+    ck_assert_int_eq(r.outcome, EXEC_STATUS_LOST);
+    ck_assert_int_eq(r.wait_errno, ECHILD);
+    ck_assert_int_eq(r.exit_code, -1);
+    ck_assert(!r.timed_out);
+    exec_result_release(&r);
+
+    /* A timeout still ends it: TERM, the leader goes, the job ends. */
+    run_sh("exec sleep 3031", 500, 500, &r);
+    ck_assert_int_eq(r.outcome, EXEC_STATUS_LOST);
+    ck_assert(r.timed_out);
+    ck_assert_int_ge(r.term_sent_us, 0);
+    exec_result_release(&r);
+    ck_assert_int_eq(procs_matching("sleep 3031"), 0);
+    signal(SIGCHLD, SIG_DFL);
+}
+END_TEST
+
+/* The hex mask after "key:\t" in text (a /proc/<pid>/status), or ~0. */
+static unsigned long long
+status_mask(const char *text, const char *key)
+{
+    const char *p = strstr(text, key);
+
+    if (!p)
+        return ~0ULL;
+    return strtoull(p + strlen(key) + 1, NULL, 16);
+}
+
+/*
+ * Issue 25: whatever the spawning process ignores or blocks, the child
+ * starts with nothing ignored or blocked (SigIgn, SigBlk of
+ * /proc/self/status), and with a soft NOFILE of min(1024, hard) under the
+ * agent's hard limit. The signal half held before the fix too (posix_spawn
+ * with SETSIGDEF|SETSIGMASK, the clone3 child's own resets); the NOFILE
+ * half failed (the child had the test's soft limit, 4096 or the hard one).
+ */
+START_TEST(child_start_state_signals_and_nofile)
+{
+    struct exec_result r;
+    struct rlimit rl;
+    sigset_t block;
+    char want[64];
+
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    signal(SIGPIPE, SIG_IGN);
+    signal(SIGUSR1, SIG_IGN);
+    sigemptyset(&block);
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGUSR2);
+    sigaddset(&block, SIGALRM);
+    pthread_sigmask(SIG_BLOCK, &block, NULL);
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    /* A soft limit above 1024 where the hard one allows it. */
+    if (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > 4096)
+        rl.rlim_cur = 4096;
+    else
+        rl.rlim_cur = rl.rlim_max;
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+
+    run_sh("ulimit -Sn; ulimit -Hn; exec grep -E '^Sig(Blk|Ign):' "
+           "/proc/self/status",
+           10000, 0, &r);
+    ck_assert_int_eq(r.outcome, EXEC_EXITED);
+    ck_assert_int_eq(r.exit_code, 0);
+    ck_assert_msg(status_mask(r.out.data, "SigBlk:") == 0,
+                  "the child starts with signals blocked:\n%s", r.out.data);
+    ck_assert_msg(status_mask(r.out.data, "SigIgn:") == 0,
+                  "the child starts with signals ignored:\n%s", r.out.data);
+    if (rl.rlim_max == RLIM_INFINITY)
+        snprintf(want, sizeof(want), "1024\nunlimited\n");
+    else
+        snprintf(want, sizeof(want), "%llu\n%llu\n",
+                 (unsigned long long)(rl.rlim_max > 1024 ? 1024
+                                                         : rl.rlim_max),
+                 (unsigned long long)rl.rlim_max);
+    ck_assert_msg(!strncmp(r.out.data, want, strlen(want)),
+                  "ulimit -Sn, -Hn in the child:\n%s\nwant:\n%s", r.out.data,
+                  want);
+    exec_result_release(&r);
+    pthread_sigmask(SIG_UNBLOCK, &block, NULL);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
+    signal(SIGUSR1, SIG_DFL);
+}
+END_TEST
+
+/* exec_process_init() undoes an inherited SIG_IGN and mask, and leaves
+ * SIGPIPE ignored (agent.h, "Process start state"). */
+START_TEST(process_init_resets_inherited_state)
+{
+    struct sigaction sa;
+    sigset_t block, cur;
+
+    signal(SIGCHLD, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    sigemptyset(&block);
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &block, NULL);
+    exec_process_init();
+    sigaction(SIGCHLD, NULL, &sa);
+    ck_assert(sa.sa_handler == SIG_DFL);
+    ck_assert(!(sa.sa_flags & SA_NOCLDWAIT));
+    sigaction(SIGTERM, NULL, &sa);
+    ck_assert(sa.sa_handler == SIG_DFL);
+    sigaction(SIGHUP, NULL, &sa);
+    ck_assert(sa.sa_handler == SIG_DFL);
+    sigaction(SIGPIPE, NULL, &sa);
+    ck_assert(sa.sa_handler == SIG_IGN);
+    sigprocmask(SIG_SETMASK, NULL, &cur);
+    ck_assert(!sigismember(&cur, SIGTERM));
+    ck_assert(!sigismember(&cur, SIGCHLD));
+    signal(SIGPIPE, SIG_DFL);
+}
+END_TEST
+
 static Suite *
 exec_suite(void)
 {
@@ -1034,6 +1169,9 @@ exec_suite(void)
     tcase_add_test(tc, loop_max_concurrent_fifo);
     tcase_add_test(tc, report_rusage_and_times);
     tcase_add_test(tc, precheck_and_bad_specs);
+    tcase_add_test(tc, status_lost_when_sigchld_ignored);
+    tcase_add_test(tc, child_start_state_signals_and_nofile);
+    tcase_add_test(tc, process_init_resets_inherited_state);
     tcase_add_test(tc, baseline_after_runs);
     suite_add_tcase(s, tc);
     /*
