@@ -1,6 +1,7 @@
 #include "events_int.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -105,9 +106,28 @@ on_conn_event(natsConnection *nc, void *closure)
                KS_S("identity", who));
 }
 
+static _Atomic unsigned zero_sigs_total;
+
+unsigned
+evt_nkey_zero_signatures(void)
+{
+    return atomic_load(&zero_sigs_total);
+}
+
 /* natsSignatureHandler (nats.h): signs the server's nonce with the
  * connection's NKey; nats.c frees *sig. Called by nats.c on the connecting
- * thread, and on its reconnect thread. */
+ * thread, and on its reconnect thread.
+ *
+ * nats.c 3.4.1 base64-encodes the signature with _base64Encode
+ * (src/util.c), which returns an empty string when src[0] == '\0': a
+ * signature whose first byte is 0 (one in 256, Ed25519 being
+ * deterministic for a nonce) goes out as no signature at all, and
+ * nats-server refuses the connect ("authentication error"). That was the
+ * "1 in ~200 NKey handshakes with a correct key" (issue 22). Such a
+ * signature is not sent: the attempt fails here, before CONNECT, and the
+ * next one gets a new nonce from the server (evt_connect tries again;
+ * nats.c's reconnect loop does by itself, and no auth error reaches the
+ * server, so nats.c never takes it for a revoked credential). */
 static natsStatus
 sign_nonce(char **err_txt, unsigned char **sig, int *sig_len,
            const char *nonce, void *closure)
@@ -126,6 +146,15 @@ sign_nonce(char **err_txt, unsigned char **sig, int *sig_len,
     if (!ok) {
         free(out);
         *err_txt = strdup("cannot sign the server's nonce");
+        return NATS_ERR;
+    }
+    if (out[0] == 0) {
+        free(out);
+        atomic_fetch_add(&c->zero_sigs, 1);
+        atomic_fetch_add(&zero_sigs_total, 1);
+        *err_txt = strdup("the nonce's signature begins with a zero byte, "
+                          "which nats.c 3.4.1 would send as none: another "
+                          "nonce is needed");
         return NATS_ERR;
     }
     *sig = out;
@@ -270,15 +299,16 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
     }
     if (s == NATS_OK)
         s = natsConnection_Connect(&c->nc, opts);
-    /* With an NKey, nats-server 2.9.10 and nats.c 3.4.1 refuse about one
-     * connect in 200 with a correct key ("authentication error" in the
-     * server's log; the same with a signature made by OpenSSL, so it is not
-     * the key or the signing): a handshake that fails for no reason of
-     * ours is tried again, a wrong key still fails five times. */
-    for (int tries = 1; s == NATS_CONNECTION_AUTH_FAILED && o->nkey_file &&
-                        tries < 5;
-         tries++)
+    /* A connect given up in sign_nonce (a signature that nats.c 3.4.1
+     * cannot send) is tried again at once: each try is a new connection
+     * and so a new nonce. Only that case: a refused key is not retried. */
+    for (unsigned tries = 1, zeros = atomic_load(&c->zero_sigs);
+         s != NATS_OK && o->nkey_file && tries < 8 &&
+         atomic_load(&c->zero_sigs) != zeros;
+         tries++) {
+        zeros = atomic_load(&c->zero_sigs);
         s = natsConnection_Connect(&c->nc, opts);
+    }
     if (s != NATS_OK) {
         if (errmsg)
             *errmsg = errmsg_dup("cannot connect to NATS at %s: %s", url,

@@ -108,7 +108,17 @@ struct evt_conn {
     jsCtx *js;
     char identity[EVT_IDENTITY_MAX + 1]; /* a valid subject token */
     void *nkey; /* EVP_PKEY of the NKey seed: signs each (re)connect's nonce */
+    /* Connect attempts given up in the signature handler because the
+     * signature began with a zero byte (events.c sign_nonce). */
+    _Atomic unsigned zero_sigs;
 };
+
+/* How many NKey signatures, over all connections of this process, began
+ * with a zero byte and were given up (a new nonce tried instead): nats.c
+ * 3.4.1 sends such a signature as none (src/util.c _base64Encode returns
+ * an empty string when src[0] == 0), and the server refuses the connect.
+ * About one in 256. For tests and the logs. */
+unsigned evt_nkey_zero_signatures(void);
 
 /* Longest inbox subject evt_inbox() makes, with its NUL. */
 #define EVT_INBOX_MAX 128

@@ -136,6 +136,12 @@ int fixture_stack_nats_start(struct fixture_stack *s);
  * (reaped). 0 or -ESRCH when it is not running.
  */
 int fixture_stack_signal(struct fixture_stack *s, const char *name, int sig);
+/* As fixture_stack_signal, to the process and to every process descended
+ * from it (by PPid in /proc, at most 256): an agent, its watchdog and its
+ * commands together, as a frozen VM or cgroup stops them (SIGSTOP /
+ * SIGCONT). 0 or -ESRCH. */
+int fixture_stack_signal_tree(struct fixture_stack *s, const char *name,
+                              int sig);
 /* Waits (<= timeout_ms) for a heartbeat of agent id at or after since_us
  * (epoch us; 0: any). 0 or KS_ETIMEDOUT. */
 int fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,

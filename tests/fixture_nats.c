@@ -563,6 +563,42 @@ wait_gone(pid_t pid)
 }
 
 int
+fixture_stack_signal_tree(struct fixture_stack *s, const char *name, int sig)
+{
+    pid_t tree[256];
+    size_t n = 0, done = 0;
+
+    if (!stack_pidfile_alive(s->dir, name, &tree[0]))
+        return -ESRCH;
+    n = 1;
+    while (done < n) {
+        pid_t parent = tree[done++];
+        DIR *d = opendir("/proc");
+        struct dirent *de;
+        while (d && (de = readdir(d)) && n < 256) {
+            char path[300], line[128];
+            int ppid = -1;
+            if (de->d_name[0] < '0' || de->d_name[0] > '9')
+                continue;
+            snprintf(path, sizeof(path), "/proc/%s/status", de->d_name);
+            FILE *f = fopen(path, "re");
+            while (f && fgets(line, sizeof(line), f))
+                if (sscanf(line, "PPid: %d", &ppid) == 1)
+                    break;
+            if (f)
+                fclose(f);
+            if (ppid == parent)
+                tree[n++] = (pid_t)atoi(de->d_name);
+        }
+        if (d)
+            closedir(d);
+    }
+    for (size_t i = 0; i < n; i++)
+        kill(tree[i], sig);
+    return 0;
+}
+
+int
 fixture_stack_signal(struct fixture_stack *s, const char *name, int sig)
 {
     pid_t pid;

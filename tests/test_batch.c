@@ -1168,6 +1168,23 @@ START_TEST(cancel_through_either_broker)
         ck_assert_msg(o.status == 0, "cancel: %s", o.err);
         fixture_out_release(&o);
         json_t *j = wait_batch_end(bid);
+        if (jint(j, "cancelled") != 10) {
+            /* What the others became, and their steps, for the cause. */
+            char *why = sql1(
+                "SELECT string_agg(c.agent_id || ' ' || c.status ||"
+                " ' exit ' || coalesce(c.exit_code::text, '-') ||"
+                " ' signal ' || coalesce(c.signal::text, '-') || ': ' ||"
+                " (SELECT string_agg(e.type || ' at ' ||"
+                " to_char(e.recorded_at, 'HH24:MI:SS.MS'), ' > '"
+                " ORDER BY e.version) FROM events e WHERE e.stream_id ="
+                " 'command-' || c.command_id), E'\n')"
+                " FROM commands c WHERE c.batch_id = '%s'"
+                " AND c.status <> 'Cancelled'",
+                bid);
+            fprintf(stderr, "batch %s: not cancelled:\n%s\n", bid,
+                    why ? why : "(none)");
+            free(why);
+        }
         ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                          "Cancelled");
         ck_assert_int_eq(jint(j, "cancelled"), 10);

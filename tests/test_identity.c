@@ -196,6 +196,41 @@ START_TEST(nats_server_takes_a_good_seed_and_refuses_a_wrong_one)
 }
 END_TEST
 
+/*
+ * Every NKey connect with a good key succeeds, the first time: nats.c 3.4.1
+ * sends a signature whose first byte is 0 as no signature (src/util.c
+ * _base64Encode stops at src[0] == '\0'), which nats-server refuses: one
+ * connect in 256, the "1 in ~200" that evt_connect used to retry on any
+ * authentication failure (issue 22). Now such a signature is never sent
+ * (events.c sign_nonce) and only that case is tried again, with a new
+ * nonce. 3,000 connects: the zero-byte case is met (all but certainly:
+ * (255/256)^3000 < 1e-5) and no connect fails.
+ */
+START_TEST(nkey_connects_with_a_good_key_never_fail)
+{
+    char good[PATH_MAX + 16], pub[EVT_NKEY_PUBLIC_CHARS + 1], conf[512];
+    struct fixture_nats n;
+    snprintf(good, sizeof(good), "%s/many.nk", tmpdir);
+    make_seed(good, "dave", pub);
+    snprintf(conf, sizeof(conf),
+             "authorization {\n  users = [\n    { nkey: \"%s\" }\n  ]\n}\n",
+             pub);
+    ck_assert_int_eq(fixture_nats_start(&n, conf), 0);
+    struct evt_connect_opts o = {.name = "ident-many", .timeout_ms = 2000,
+                                 .nkey_file = good};
+    unsigned zeros0 = evt_nkey_zero_signatures();
+    for (int i = 0; i < 3000; i++) {
+        struct evt_conn *c = NULL;
+        char *err = NULL;
+        int rc = evt_connect(n.url, &o, &c, &err);
+        ck_assert_msg(rc == 0, "connect %d: %s", i, err ? err : ks_strerror(rc));
+        evt_close(c);
+    }
+    ck_assert_uint_gt(evt_nkey_zero_signatures(), zeros0);
+    fixture_nats_stop(&n);
+}
+END_TEST
+
 /* ---- the registry ------------------------------------------------------ */
 
 START_TEST(registry_keeps_keys_and_renders_public_keys_only)
@@ -582,6 +617,7 @@ identity_suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, nkey_round_trips_and_matches_nats_c);
     tcase_add_test(tc, nats_server_takes_a_good_seed_and_refuses_a_wrong_one);
+    tcase_add_test(tc, nkey_connects_with_a_good_key_never_fail);
     tcase_add_test(tc, registry_keeps_keys_and_renders_public_keys_only);
     suite_add_tcase(s, tc);
 

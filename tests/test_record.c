@@ -297,43 +297,6 @@ START_TEST(a_paused_broker_judges_no_silence)
 }
 END_TEST
 
-static int pid_of(const char *name);
-
-/* Sends sig to root and to every process descended from it (by PPid in
- * /proc): the whole tree of an agent, its watchdog and its commands, as a
- * frozen VM or cgroup stops them all together. */
-static void
-signal_tree(pid_t root, int sig)
-{
-    pid_t tree[256];
-    size_t n = 0, done = 0;
-    tree[n++] = root;
-    while (done < n) {
-        pid_t parent = tree[done++];
-        DIR *d = opendir("/proc");
-        struct dirent *de;
-        while (d && (de = readdir(d)) && n < 256) {
-            char path[300], line[128];
-            int ppid = -1;
-            if (de->d_name[0] < '0' || de->d_name[0] > '9')
-                continue;
-            snprintf(path, sizeof(path), "/proc/%s/status", de->d_name);
-            FILE *f = fopen(path, "r");
-            while (f && fgets(line, sizeof(line), f))
-                if (sscanf(line, "PPid: %d", &ppid) == 1)
-                    break;
-            if (f)
-                fclose(f);
-            if (ppid == parent)
-                tree[n++] = (pid_t)atoi(de->d_name);
-        }
-        if (d)
-            closedir(d);
-    }
-    for (size_t i = 0; i < n; i++)
-        kill(tree[i], sig);
-}
-
 /*
  * A host frozen past the brokers' limit (agent, watchdog and the command
  * stopped together for 14 s, then SIGCONT): the broker records the command
@@ -370,15 +333,14 @@ START_TEST(a_frozen_host_stops_what_was_declared_lost)
             nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
     }
     ck_assert_int_gt(child, 0);
-    pid_t agent = pid_of("agent-fz");
-    signal_tree(agent, SIGSTOP);
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent-fz", SIGSTOP), 0);
     /* Past EVT_AGENT_TTL_MS (10 s): the broker records it Lost. */
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Lost'", id);
     long lost = fixture_wait_sql(stack.pg.conninfo, sql, 1, 20000);
     nanosleep(&(struct timespec){1, 0}, NULL);
-    signal_tree(agent, SIGCONT);
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent-fz", SIGCONT), 0);
     ck_assert_int_eq(lost, 1);
     /* The agent stops it: its shell is gone long before its 40 s. */
     for (int i = 0; i < 150 && kill(child, 0) == 0; i++)

@@ -428,6 +428,92 @@ sc_batch_broker_kill(struct chaos_run *r)
     return 0;
 }
 
+/* ---- 5b. pauses: the broker, or a whole agent host, frozen ---------------------------- */
+
+/*
+ * SIGSTOP the broker past an agent's TTL while its agents run commands,
+ * then SIGCONT: no agent was silent, so no command may end Lost
+ * (forbid_lost), and every command ends once.
+ */
+static int
+sc_broker_pause(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 40 : 120;
+    int rc;
+
+    set_spec(r, 30000, 30000, 1000);
+    r->rate = r->short_mode ? 8 : 12;
+    r->forbid_lost = true;
+    int64_t pause_ms = (int64_t)chaos_rand(r, 12000, 16000);
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "bp", 4)))
+        return rc;
+    chaos_subs_prepare(r, n, 2.0, 8.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands (sleep 2-8 s) at %.0f/s over 4 agents; SIGSTOP "
+             "the broker for %lld ms once a third are accepted",
+             n, r->rate, (long long)pause_ms);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_wait_accepted(r, (long)n / 3);
+    chaos_log(r, "%ld accepted, %ld running: broker stopped", (long)r->accepted,
+              chaos_count_status(r, "Running", NULL));
+    fixture_stack_broker_kill(&r->st, SIGSTOP);
+    chaos_sleep_ms(pause_ms);
+    fixture_stack_broker_kill(&r->st, SIGCONT);
+    int64_t t0 = ks_mono_us();
+    chaos_log(r, "broker continued (SIGCONT)");
+    chaos_probe(r, "broker SIGCONT", r->probe_agent, t0);
+    return 0;
+}
+
+/*
+ * A whole agent host frozen (the agent, its watchdog and its commands
+ * stopped together, as a paused VM) past the brokers' TTL, then thawed:
+ * its running commands are recorded Lost, and the agent stops them at
+ * SIGCONT; each command ends once, nothing runs twice.
+ */
+static int
+sc_host_freeze(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 12 : 30;
+    const char *ids[] = {"hf"};
+    int rc;
+
+    set_spec(r, 30000, 40000, 1000);
+    r->rate = 0;
+    int64_t freeze_ms = (int64_t)chaos_rand(r, 12000, 15000);
+    if ((rc = chaos_stack_up(r, 0)))
+        return rc;
+    snprintf(r->agents[0], sizeof(r->agents[0]), "hf");
+    r->nagents = 1;
+    snprintf(r->probe_agent, sizeof(r->probe_agent), "hf");
+    if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 8)))
+        return rc;
+    chaos_subs_prepare(r, n, 4.0, 20.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu commands (sleep 4-20 s) on agent hf (8 slots); freeze the "
+             "agent, its watchdog and its commands for %lld ms once 4 run",
+             n, (long long)freeze_ms);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    int64_t until = ks_mono_us() + 20 * 1000000LL;
+    while (!chaos_interrupted && ks_mono_us() < until &&
+           chaos_count_status(r, "Running", "hf") < 4)
+        chaos_sleep_ms(50);
+    chaos_log(r, "%ld running: host frozen",
+              chaos_count_status(r, "Running", "hf"));
+    fixture_stack_signal_tree(&r->st, "agent-0", SIGSTOP);
+    chaos_sleep_ms(freeze_ms);
+    fixture_stack_signal_tree(&r->st, "agent-0", SIGCONT);
+    int64_t t0 = ks_mono_us();
+    chaos_log(r, "host thawed (SIGCONT): %ld Lost",
+              chaos_count_status(r, "Lost", "hf"));
+    chaos_probe(r, "host thaw", "hf", t0);
+    return 0;
+}
+
 /* ---- 6. bursts: 5,000 to one agent; 2,000 queued while it is stopped ------------------- */
 
 static int
@@ -740,6 +826,10 @@ static const struct chaos_scenario scenarios[] = {
                    "submissions", sc_pg_restart},
     {"batch-broker-kill", "kill -9 the broker in the middle of batches over "
                           "10 agents, restart it", sc_batch_broker_kill},
+    {"broker-pause", "SIGSTOP the broker for 12-16 s while 4 agents run "
+                     "commands: no command may end Lost", sc_broker_pause},
+    {"host-freeze", "freeze an agent, its watchdog and its commands together "
+                    "for 12-15 s (a paused VM), then thaw", sc_host_freeze},
     {"burst", "5,000 commands to one agent at once", sc_burst},
     {"queued-stopped", "2,000 commands queued to a stopped agent (SIGSTOP, "
                        "SIGCONT a few seconds later)", sc_queued_stopped},

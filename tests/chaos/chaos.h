@@ -116,6 +116,9 @@ struct chaos_run {
     unsigned violations[7]; /* by invariant, 1..6 */
     bool setup_failed;
     bool cluster; /* the stack is `kscore up --cluster 3` in st.dir */
+    /* Every agent stays alive and heard (a broker pause): a Lost end is a
+     * false one, an I2 violation. */
+    bool forbid_lost;
     /* Progress: the wall clock of the fault (0: none marked), and the
      * longest time without a new terminal event of a batch target from
      * then to the last one (gap_s), and before it (gap_before_s); < 0

@@ -626,6 +626,9 @@ chaos_check(struct chaos_run *r)
                  c->terms, c->runs);
             t.twice++;
         }
+        if (c->nterm && r->forbid_lost && strcmp(c->first, "Lost") == 0)
+            viol(r, 2, "command %s recorded Lost though its agent was alive "
+                 "and heard: %s (ran %d)", c->id, c->terms, c->runs);
         if (c->nterm) {
             for (int k = 0; status_names[k]; k++)
                 if (strcmp(c->first, status_names[k]) == 0)
