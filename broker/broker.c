@@ -43,6 +43,9 @@ broker__store_error(struct store *st, int rc, char *buf, size_t len)
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
+    else if (rc == KS_EPGREFUSED)
+        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
+                 store_last_sqlstate(st), why);
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else

@@ -39,7 +39,9 @@
     X(INTERNAL, -1014, "internal error")                                       \
     X(DENIED, -1015, "denied by policy")                                       \
     X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
-    X(DUPINSTANCE, -1017, "another agent process serves this id")
+    X(DUPINSTANCE, -1017, "another agent process serves this id")            \
+    X(PGREFUSED, -1018, "PostgreSQL refuses writes")                           \
+    X(INDOUBT, -1019, "outcome unknown")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),
@@ -193,6 +195,7 @@ enum ks_counter {
     KS_C_RECORDER_REDELIVERIES, /* kscore_recorder_redeliveries_total */
     KS_C_AGENT_REDELIVERIES, /* kscore_agent_redeliveries_total */
     KS_C_AGENT_CLAIMS_LOST,  /* kscore_agent_claims_refused_total */
+    KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
@@ -204,6 +207,10 @@ enum ks_status_counter {
 enum ks_gauge {
     KS_G_PG_CONNECTIONS,    /* store connections open */
     KS_G_PG_BROKEN,         /* ... of which down (reconnecting) */
+    /* kscore_recorder_stalled{cause}: 1 while the recorder holds events
+     * it cannot record, PostgreSQL refusing writes or away. */
+    KS_G_RECORDER_STALLED_REFUSED,
+    KS_G_RECORDER_STALLED_DOWN,
     /* Collected at scrape time (ks_metrics_collector_add), summed over
      * the collectors of the process: */
     KS_G_AGENTS_ONLINE,     /* kscore_agents_online */

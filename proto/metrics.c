@@ -50,6 +50,13 @@ static const struct {
                                 "Claims of this agent the broker refused "
                                 "(claimed or ended already).",
                                 A},
+    [KS_C_RECORDER_DB_RETRIES] = {"kscore_recorder_db_retries_total",
+                                  "Attempts to record a batch of events "
+                                  "that failed because PostgreSQL refused "
+                                  "writes (disk full, read-only, ...) or "
+                                  "was away; the events wait, unacked, and "
+                                  "are retried.",
+                                  B},
 };
 
 static const struct {
@@ -76,6 +83,18 @@ static const struct {
                              B, false},
     [KS_G_PG_BROKEN] = {"kscore_postgres_connections", "state=\"down\"", NULL,
                         B, false},
+    [KS_G_RECORDER_STALLED_REFUSED] = {"kscore_recorder_stalled",
+                                       "cause=\"refuses_writes\"",
+                                       "1 while the recorder holds events "
+                                       "it cannot record (unacked, "
+                                       "retried): PostgreSQL refuses writes "
+                                       "(the log names the SQLSTATE) or is "
+                                       "unreachable. Commands stay Running "
+                                       "meanwhile.",
+                                       B, false},
+    [KS_G_RECORDER_STALLED_DOWN] = {"kscore_recorder_stalled",
+                                    "cause=\"unreachable\"", NULL, B,
+                                    false},
     [KS_G_AGENTS_ONLINE] = {"kscore_agents_online", NULL,
                             "Agents whose heartbeat is within the liveness "
                             "limit.",
