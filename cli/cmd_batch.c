@@ -757,6 +757,10 @@ cmd_batch(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
+    if (rep->error_code == KS_EINDOUBT) {
+        rc = cli_outcome_unknown("batch", rep->error, rep->batch_id, NULL);
+        goto out;
+    }
     if (rep->error_code) {
         cli_err("%s", rep->error);
         rc = CLI_EXIT_KSCORE;

@@ -363,15 +363,25 @@ cmd_exec(int argc, char **argv)
         goto out;
     }
     if (rep->error_code) {
-        cli_err("%s", rep->error);
+        bool unknown = rep->error_code == KS_EINDOUBT;
+        if (unknown)
+            cli_outcome_unknown("command", rep->error, rep->command_id,
+                                req.idempotency_key);
+        else
+            cli_err("%s", rep->error);
         if (json) {
             json_t *o = json_object();
             json_object_set_new(o, "error", json_string(rep->error));
             json_object_set_new(o, "error_code",
                                 json_string(ks_err_name(rep->error_code)));
+            json_object_set_new(o, "recorded",
+                                unknown ? json_null() : json_false());
+            if (rep->command_id && rep->command_id[0])
+                json_object_set_new(o, "command_id",
+                                    json_string(rep->command_id));
             cli_print_json(o);
         }
-        rc = CLI_EXIT_KSCORE;
+        rc = unknown ? CLI_EXIT_UNKNOWN : CLI_EXIT_KSCORE;
         goto out;
     }
     if (req.detach) {
