@@ -237,8 +237,9 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
 /*
  * The recorder's stall, seen by the operator: the gauge
  * kscore_recorder_stalled{cause} while it lasts, a counter of the
- * attempts, and a log line naming the SQLSTATE and the server's message
- * at its start and then at most every REC_STALL_LOG_US. Recorder thread.
+ * attempts, and, after the line at its start ("cannot record; ...", which
+ * names the SQLSTATE too), one line at most every REC_STALL_LOG_US while
+ * it lasts. Recorder thread.
  */
 struct rec_stall {
     enum ks_gauge gauge; /* KS_G__N: not stalled */
@@ -246,12 +247,18 @@ struct rec_stall {
 };
 
 static void
-stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev)
+stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
+           bool said_now)
 {
     enum ks_gauge g = rc == KS_EPGREFUSED ? KS_G_RECORDER_STALLED_REFUSED
                                           : KS_G_RECORDER_STALLED_DOWN;
     int64_t now = ks_mono_us();
     char why[512];
+
+    /* The cause changed (unreachable, then refusing writes): say so,
+     * but not more than once a second should it flap. */
+    bool changed = sl->gauge != KS_G__N && sl->gauge != g &&
+                   now - sl->logged_us >= 1000000;
 
     ks_metric_inc(KS_C_RECORDER_DB_RETRIES);
     if (sl->gauge != g) {
@@ -262,16 +269,21 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev)
     }
     if (!sl->since_us)
         sl->since_us = now;
-    if (sl->logged_us && now - sl->logged_us < REC_STALL_LOG_US)
+    if (said_now) /* the "cannot record" line names it */
+        sl->logged_us = now;
+    if (said_now ||
+        (!changed && sl->logged_us && now - sl->logged_us < REC_STALL_LOG_US))
         return;
     sl->logged_us = now;
     ks_log(KS_LOG_ERROR,
            rc == KS_EPGREFUSED
-               ? "recorder stalled: PostgreSQL refuses writes; results wait "
-                 "unacked, commands stay Running until it takes them"
-               : "recorder stalled: PostgreSQL unreachable; results wait "
-                 "unacked, commands stay Running until it is back",
+               ? "recorder still stalled: PostgreSQL refuses writes; results "
+                 "wait unacked, commands stay Running until it takes them"
+               : "recorder still stalled: PostgreSQL unreachable; results "
+                 "wait unacked, commands stay Running until it is back",
            KS_S("module", "recorder"), KS_I("events", nev),
+           KS_S("cause", rc == KS_EPGREFUSED ? "refuses_writes"
+                                             : "unreachable"),
            KS_S("sqlstate", store_last_sqlstate(b->st_rec)),
            KS_S("error", broker__store_error(b->st_rec, rc, why,
                                              sizeof(why))),
@@ -423,16 +435,20 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             if (rc == 0)
                 break;
         }
-        if (store_db_sick(rc))
-            stall_note(b, &stall, rc, nev);
         if (failures++ == 0) {
             failing_since = touched = ks_mono_us();
-            ks_log(KS_LOG_WARN,
+            ks_log(store_db_sick(rc) ? KS_LOG_ERROR : KS_LOG_WARN,
                    "cannot record; retrying until it succeeds, unacked",
                    KS_S("module", "recorder"), KS_I("events", nev),
+                   KS_S("cause", rc == KS_EPGREFUSED ? "refuses_writes"
+                                 : store_db_sick(rc) ? "unreachable"
+                                                     : "error"),
+                   KS_S("sqlstate", store_last_sqlstate(b->st_rec)),
                    KS_S("error", broker__store_error(b->st_rec, rc, why,
                                                      sizeof(why))));
         }
+        if (store_db_sick(rc))
+            stall_note(b, &stall, rc, nev, failures == 1);
         if (ks_mono_us() - touched >= REC_IN_PROGRESS_US) {
             touched = ks_mono_us();
             keep_in_progress(b, msgs, n);
