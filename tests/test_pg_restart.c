@@ -724,11 +724,43 @@ START_TEST(results_wait_while_pg_refuses_writes)
     set_read_only(adm, false);
     PQfinish(adm);
 
+    PGconn *pg = db();
+    /* Every command of the test ends, once; none stays Running (before
+     * the fix the recorder dropped their ends: checked before the waiting
+     * execs are joined, which would then wait for ever). */
+    ck_assert_msg(
+        wait_sql(pg,
+                 "SELECT count(*) FROM commands WHERE status <> 'Succeeded'"
+                 " AND array_to_string(argv, ' ') LIKE '%" RO_TAG "%'",
+                 0, 60) == 0,
+        "commands of the test not Succeeded 60 s after the fault: %ld "
+        "(Running: %ld)",
+        sql_long(pg, "SELECT count(*) FROM commands WHERE status <> "
+                     "'Succeeded' AND array_to_string(argv, ' ') LIKE '%"
+                     RO_TAG "%'"),
+        sql_long(pg, "SELECT count(*) FROM commands WHERE status = "
+                     "'Running' AND array_to_string(argv, ' ') LIKE '%"
+                     RO_TAG "%'"));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands c WHERE"
+             " array_to_string(c.argv, ' ') LIKE '%%" RO_TAG "%%' AND"
+             " (SELECT count(*) FROM events e"
+             "  WHERE e.stream_id = 'command-' || c.command_id::text AND"
+             "  e.type IN ('CommandCompleted', 'CommandStartFailed',"
+             "   'CommandUndeliverable', 'CommandLost', 'CommandCancelled',"
+             "   'CommandNotStarted')) <> 1");
+    ck_assert_int_eq(sql_long(pg, sql), 0);
+    for (int i = 0; i < RO_DETACHED; i++) {
+        snprintf(sql, sizeof(sql),
+                 "SELECT count(*) FROM commands WHERE command_id = '%s'"
+                 " AND status = 'Succeeded' AND stdout = 'done\n'::bytea",
+                 ids[i]);
+        ck_assert_int_eq(sql_long(pg, sql), 1);
+    }
     for (int i = 0; i < RO_WAITING; i++)
         pthread_join(waiting[i].th, NULL);
     for (int i = 0; i < RO_DURING; i++)
         pthread_join(during[i].th, NULL);
-    PGconn *pg = db();
     /* Nobody told "not recorded" (125) of a command that is recorded. */
     for (int i = 0; i < RO_WAITING; i++) {
         struct fixture_out *o = &waiting[i].o;
@@ -755,29 +787,6 @@ START_TEST(results_wait_while_pg_refuses_writes)
             ck_assert_msg(strstr(o->err, "kscore get ") != NULL ||
                               strstr(o->err, "idempotency") != NULL,
                           "%s", o->err);
-    }
-    /* Every command of the test ends, once; none stays Running. */
-    ck_assert_int_eq(
-        wait_sql(pg,
-                 "SELECT count(*) FROM commands WHERE status <> 'Succeeded'"
-                 " AND array_to_string(argv, ' ') LIKE '%" RO_TAG "%'",
-                 0, 60),
-        0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands c WHERE"
-             " array_to_string(c.argv, ' ') LIKE '%%" RO_TAG "%%' AND"
-             " (SELECT count(*) FROM events e"
-             "  WHERE e.stream_id = 'command-' || c.command_id::text AND"
-             "  e.type IN ('CommandCompleted', 'CommandStartFailed',"
-             "   'CommandUndeliverable', 'CommandLost', 'CommandCancelled',"
-             "   'CommandNotStarted')) <> 1");
-    ck_assert_int_eq(sql_long(pg, sql), 0);
-    for (int i = 0; i < RO_DETACHED; i++) {
-        snprintf(sql, sizeof(sql),
-                 "SELECT count(*) FROM commands WHERE command_id = '%s'"
-                 " AND status = 'Succeeded' AND stdout = 'done\n'::bytea",
-                 ids[i]);
-        ck_assert_int_eq(sql_long(pg, sql), 1);
     }
     PQfinish(pg);
     /* The operator sees the cause: the SQLSTATE and the server's words. */
