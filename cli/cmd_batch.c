@@ -58,7 +58,7 @@ static const char batch_usage[] =
     "                          \"agent: line\" per line (stderr to stderr)\n"
     "Without --detach it waits for the end. Should its broker stop, another\n"
     "broker continues the batch and it follows it there; when no broker\n"
-    "answers for 20s it prints how to follow the batch and exits 125.\n"
+    "answers for 20s it prints how to follow the batch and exits 69.\n"
     CLI_CONN_USAGE;
 
 /* Waiting for a batch: its driver sends a progress message at least every
@@ -734,7 +734,8 @@ cmd_batch(int argc, char **argv)
     else
         rc = batch_wait(c, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
-        rc = CLI_EXIT_KSCORE;
+        /* Recorded, its end not heard of: not "not accepted" (125). */
+        rc = CLI_EXIT_UNKNOWN;
         goto out;
     }
     if (rc == BATCH_DETACHED) {
