@@ -409,8 +409,8 @@ cli_outcome_unknown(const char *what, const char *error,
 {
     cli_err("%s", error);
     if (command_id && command_id[0])
-        cli_err("the outcome is unknown: %s %s may be recorded (and run); "
-                "look it up with `kscore get %s`",
+        cli_err("the outcome is unknown (not \"not recorded\"): look %s %s "
+                "up with `kscore get %s`",
                 what, command_id, command_id);
     else if (key && key[0])
         cli_err("the outcome is unknown: the %s may be recorded (and run); "
