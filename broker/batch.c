@@ -784,13 +784,15 @@ apply_job(struct broker__batches *m, struct job *j)
 
 static void
 reply_error_to(struct broker *b, const char *subject, int code,
-               const char *text)
+               const char *text, const char *batch_id)
 {
     Ks__BatchReply r = KS__BATCH_REPLY__INIT;
     if (!subject)
         return;
     r.error_code = code;
     r.error = (char *)text;
+    if (batch_id)
+        r.batch_id = (char *)batch_id;
     evt_publish_msg(b->nc, subject, &r.base);
 }
 
@@ -808,15 +810,25 @@ abandon(struct broker *b, struct batch **touched, size_t nt, int why)
     const char **ids = calloc(nt ? nt : 1, sizeof(*ids));
     char (*keep)[48] = calloc(nt ? nt : 1, sizeof(*keep));
     size_t k = 0;
-    char text[160];
+    char text[240];
 
     for (size_t i = 0; i < nt; i++) {
         struct batch *bt = touched[i];
         if (bt->accepted_now) {
-            snprintf(text, sizeof(text), "cannot record the batch: %s",
-                     ks_strerror(why));
-            reply_error_to(b, bt->reply_subject, why, text);
-            reply_error_to(b, bt->accept_subject, why, text);
+            if (why == KS_EINDOUBT)
+                snprintf(text, sizeof(text),
+                         "the outcome is unknown: the batch %s may be "
+                         "recorded (its commit's answer was lost)",
+                         bt->id);
+            else
+                snprintf(text, sizeof(text),
+                         "cannot record the batch: %s; it was not recorded",
+                         ks_strerror(why));
+            /* Unknown: the id, to look the batch up by. */
+            reply_error_to(b, bt->reply_subject, why, text,
+                           why == KS_EINDOUBT ? bt->id : NULL);
+            reply_error_to(b, bt->accept_subject, why, text,
+                           why == KS_EINDOUBT ? bt->id : NULL);
         } else if (ids && keep) {
             snprintf(keep[k], sizeof(keep[k]), "%s", bt->id);
             ids[k] = keep[k];
@@ -862,6 +874,9 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         size_t dups = 0;
         int64_t backoff_ms = 100, since = 0;
         char why[512];
+        /* An attempt lost the answer to its commit: the turn may be
+         * recorded, whatever the last attempt says. */
+        bool doubt = false;
         /* Set by the first attempt; a broker stopping before it records
          * nothing and publishes nothing. */
         rc = evs && ls ? KS_ESTOPPED : -ENOMEM;
@@ -875,9 +890,10 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         }
         /* The turn is decided (targets marked dispatched): it must be
          * recorded, under the lease, before anything is published. While
-         * PostgreSQL is unreachable, wait for it (backoff to 2 s, one line
-         * when it starts, one when it ends); other errors give up after
-         * 50; a lease lost or a refused event will not change. */
+         * PostgreSQL is unreachable or refuses writes, wait for it
+         * (backoff to 2 s, one line when it starts, one when it ends);
+         * other errors give up after 50; a lease lost or a refused event
+         * will not change. */
         for (int tries = 0; evs && ls && tries < 50 && !b->stopping;) {
             rc = store_batch_append(b->st_batch, m->owner, BATCH_LEASE_MS,
                                     ls, nt, (const Ks__Event *const *)evs,
@@ -895,7 +911,10 @@ turn(struct broker *b, struct batch **touched, size_t nt)
                        KS_S("error", broker__store_error(b->st_batch, rc, why,
                                                          sizeof(why))));
             }
-            if (rc != KS_EPGDOWN)
+            doubt = doubt || store_in_doubt(b->st_batch);
+            /* A sick database (away, or refusing writes: disk full,
+             * read-only) is waited for, as long as it lasts. */
+            if (!store_db_sick(rc))
                 tries++;
             for (int64_t ms = backoff_ms; ms > 0 && !b->stopping; ms -= 100)
                 nanosleep(&(struct timespec){0, (ms < 100 ? ms : 100) *
@@ -911,7 +930,8 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         free(ls);
         if (rc) {
             plan_release(&p);
-            abandon(b, touched, nt, rc);
+            abandon(b, touched, nt,
+                    doubt && rc != KS_ECONFLICT ? KS_EINDOUBT : rc);
             return;
         }
     }
@@ -1524,8 +1544,8 @@ free_jobs(struct broker *b, struct job *j, int code, const char *text)
     while (j) {
         struct job *next = j->next;
         if (j->batch) {
-            reply_error_to(b, j->batch->reply_subject, code, text);
-            reply_error_to(b, j->batch->accept_subject, code, text);
+            reply_error_to(b, j->batch->reply_subject, code, text, NULL);
+            reply_error_to(b, j->batch->accept_subject, code, text, NULL);
             batch_free(j->batch);
         }
         if (j->result)
@@ -1556,9 +1576,9 @@ hand_over(struct broker *b)
         struct batch *bt = snap.v[i];
         if (!bt->recorded) { /* never recorded: it does not exist */
             reply_error_to(b, bt->reply_subject, KS_ESTOPPED,
-                           "the broker is stopping");
+                           "the broker is stopping", NULL);
             reply_error_to(b, bt->accept_subject, KS_ESTOPPED,
-                           "the broker is stopping");
+                           "the broker is stopping", NULL);
         }
         batch_drop(m, bt);
     }

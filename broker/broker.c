@@ -43,6 +43,9 @@ broker__store_error(struct store *st, int rc, char *buf, size_t len)
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
+    else if (rc == KS_EPGREFUSED)
+        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
+                 store_last_sqlstate(st), why);
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
@@ -573,19 +576,61 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
     if (rc) {
+        /* Read first: the next call on st forgets it. */
+        bool doubt = store_in_doubt(st);
+        bool sick = store_db_sick(rc) || rc == KS_EPG;
+        broker__store_error(st, rc, why, sizeof(why));
         if (w) {
             pthread_mutex_lock(&b->mu);
             ks_map_del(&b->waiters, command_id);
             pthread_mutex_unlock(&b->mu);
             free(w->reply_subject);
             free(w);
+            w = NULL;
         }
-        broker__store_error(st, rc, why, sizeof(why));
-        if (rc == KS_EPGDOWN)
-            reply_execute_error(b, msg, rc, "%s", why);
-        else
+        /*
+         * A client is told "recorded" or "not recorded" truthfully (issue
+         * 25). This append failed, but the key may name a command all the
+         * same: this very append, if its commit's answer was lost, or an
+         * earlier ask of the same request (a client asks again after 5 s
+         * of silence, which a recorder stalled by the database causes).
+         * Reads still work while PostgreSQL refuses writes: join it.
+         */
+        int krc = KS_ENOTFOUND;
+        if ((doubt || sick) && req->idempotency_key[0]) {
+            char winner[37];
+            krc = store_command_by_key(st, req->idempotency_key, winner);
+            if (krc == 0 &&
+                attach_existing(b, st, msg, winner, req->detach, req->spec) ==
+                    0)
+                goto out;
+        }
+        if (doubt) {
+            /* Sent whole, its answer lost: it may have committed (and
+             * run: the command went out while its record committed). */
+            reply_execute_error(
+                b, msg, KS_EINDOUBT,
+                "the outcome is unknown: %s, after the command %s was sent "
+                "to be recorded; it may be recorded and run: look it up "
+                "with `kscore get %s`",
+                why, command_id, command_id);
+        } else if (sick && req->key_may_exist && krc != KS_ENOTFOUND) {
+            /* Not this ask, but an earlier one with the key may have
+             * recorded it, and the key could not be looked up. */
+            reply_execute_error(
+                b, msg, KS_EINDOUBT,
+                "the outcome is unknown: %s; an earlier request with the "
+                "idempotency key %s may have recorded the command (asking "
+                "again with the same key is safe)",
+                why, req->idempotency_key);
+        } else if (store_db_sick(rc)) {
+            /* The server answered the error: rolled back, nothing ran. */
+            reply_execute_error(b, msg, rc,
+                                "%s; the command was not recorded", why);
+        } else {
             reply_execute_error(b, msg, rc, "cannot record the command: %s",
                                 why);
+        }
         goto out;
     }
     if (dp.rc == 1) {
@@ -1925,6 +1970,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
+    unsigned asks = 1;
     if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
                                                     (int)len))))
         goto out;
@@ -1944,6 +1990,33 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             natsMsg_Destroy(m);
             if (rc)
                 goto out;
+            if (rep->error_code && id[0]) {
+                /* The command is recorded (its id came back): a refusal
+                 * of a later ask (the database refusing writes, say) is
+                 * about that ask, not the command. The broker that waits
+                 * for it still answers with its end. */
+                ks__execute_reply__free_unpacked(rep, NULL);
+                continue;
+            }
+            if (rep->error_code && asks > 1 &&
+                rep->error_code != KS_EINDOUBT &&
+                (rep->error_code == KS_EPGDOWN ||
+                 rep->error_code == KS_EPGREFUSED ||
+                 rep->error_code == KS_EPG)) {
+                /* A later ask was refused, but the first one was never
+                 * answered: it may have recorded the command. */
+                char *t = NULL;
+                if (asprintf(&t,
+                             "the outcome is unknown: %s; an earlier request "
+                             "with the idempotency key %s may have recorded "
+                             "the command (asking again with the same key "
+                             "is safe)",
+                             rep->error, r.idempotency_key) >= 0) {
+                    free(rep->error);
+                    rep->error = t;
+                }
+                rep->error_code = KS_EINDOUBT;
+            }
             if (rep->error_code || rep->result) {
                 if (ks_trace_on()) {
                     ks_trace_at("client.sent", rep->command_id, start);
@@ -1974,11 +2047,28 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             goto out;
         }
         if (now - heard >= (int64_t)EXEC_GIVE_UP_MS * 1000) {
-            if (id[0])
-                fprintf(stderr,
-                        "kscore: no broker answers; command %s goes on: "
-                        "kscore get %s\n",
-                        id, id);
+            if (id[0]) {
+                /* Recorded, its end not heard of: not "not accepted". */
+                Ks__ExecuteReply *rep = malloc(sizeof(*rep));
+                if (!rep) {
+                    rc = -ENOMEM;
+                    goto out;
+                }
+                ks__execute_reply__init(rep);
+                rep->error_code = KS_EINDOUBT;
+                rep->command_id = strdup(id);
+                rep->agent_id = strdup(r.agent_id ? r.agent_id : "");
+                rep->error = strdup("no broker answers; the command is "
+                                    "recorded and goes on");
+                if (!rep->command_id || !rep->agent_id || !rep->error) {
+                    ks__execute_reply__free_unpacked(rep, NULL);
+                    rc = -ENOMEM;
+                    goto out;
+                }
+                *out = rep;
+                rc = 0;
+                goto out;
+            }
             rc = KS_EUNAVAIL;
             goto out;
         }
@@ -1998,6 +2088,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             if ((rc = evt_err(natsConnection_PublishRequest(
                      c->nc, subject, inbox, buf, (int)len))))
                 goto out;
+            asks++;
         }
     }
 out:

@@ -168,6 +168,16 @@ int broker_call(struct evt_conn *c, const char *subject,
  * ExecuteCommand: waits for the terminal result. timeout_ms should cover
  * the command's timeout + grace + delivery deadline; see
  * broker_execute_wait_ms().
+ *
+ * The reply says truthfully whether the command is recorded (issue 25):
+ * error_code KS_EINDOUBT means the outcome is unknown (the broker lost the
+ * answer to the record's commit, an earlier ask with the same idempotency
+ * key may have recorded it, or the command is recorded and no broker
+ * answers for its end); command_id then names it when known ("" when only
+ * the key does: asking again with the same key is safe). Any other
+ * error_code: not recorded. A refusal of a later ask (asked again after
+ * silence) once the command's id came back is not the command's: it is
+ * not returned, the wait goes on.
  */
 int broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                    int timeout_ms, Ks__ExecuteReply **out);

@@ -178,7 +178,8 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
 
 /*
  * What a client is told of a store error rc on st, into buf:
- * "PostgreSQL unreachable: <why>" (KS_EPGDOWN), "PostgreSQL error: <why>"
+ * "PostgreSQL unreachable: <why>" (KS_EPGDOWN), "PostgreSQL refuses writes
+ * (SQLSTATE <s>): <why>" (KS_EPGREFUSED), "PostgreSQL error: <why>"
  * (KS_EPG), else ks_strerror(rc). Returns buf.
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,

@@ -166,14 +166,17 @@ broker_decide_report(const struct store_command_state *st,
 }
 
 /*
- * A batch that fails for a reason other than PostgreSQL being away (a
- * constraint, a value the database refuses) would fail forever and stop
- * recording for every agent. Records each event alone instead; an event
- * that still fails is kept as a bare ReportRejected naming why (its
- * payload dropped), and if even that fails it is given up on with a log
- * line. Returns 0, or KS_EPGDOWN / KS_EUNAVAIL when PostgreSQL went away
- * meanwhile (the caller retries the whole batch: events recorded here are
- * duplicates then, skipped by event_id).
+ * A batch that fails for a reason of its own (a constraint, a value the
+ * database refuses) would fail forever and stop recording for every
+ * agent. Records each event alone instead; an event that still fails is
+ * kept as a bare ReportRejected naming why (its payload dropped). Returns
+ * 0 when every event is recorded (as itself or as that annotation), or a
+ * sick database's code (store_db_sick: away, or refusing writes) when one
+ * of them failed for the database's sake: the caller keeps the whole batch
+ * unacked and retries it (events recorded here are duplicates then,
+ * skipped by event_id). A bare annotation that cannot be written either
+ * says the database is what fails (it carries nothing of the report's):
+ * KS_EPGREFUSED, never given up on. Nothing is acked unrecorded.
  */
 static int
 record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
@@ -184,7 +187,7 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
         char why[512], reason[700];
         int rc = store_append_checked(b->st_rec, one, 1, broker__admit_report,
                                       b, &verdicts[i], NULL);
-        if (rc == KS_EPGDOWN || rc == KS_EUNAVAIL)
+        if (store_db_sick(rc))
             return rc;
         if (rc == 0)
             continue;
@@ -204,17 +207,95 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
         one[0] = &bare;
         enum store_step v;
         rc = store_append_checked(b->st_rec, one, 1, NULL, NULL, &v, NULL);
-        if (rc == KS_EPGDOWN || rc == KS_EUNAVAIL)
+        if (store_db_sick(rc))
             return rc;
+        if (rc) {
+            char bwhy[512];
+            ks_log(KS_LOG_WARN,
+                   "cannot record a report nor its annotation; kept "
+                   "unacked, retrying",
+                   KS_S("module", "recorder"), KS_S("type", evs[i]->type),
+                   KS_S("command_id", evs[i]->command_id),
+                   KS_S("agent", evs[i]->agent_id), KS_S("reason", why),
+                   KS_S("annotation_error",
+                        broker__store_error(b->st_rec, rc, bwhy,
+                                            sizeof(bwhy))));
+            return KS_EPGREFUSED;
+        }
         verdicts[i] = STORE_STEP_ILLEGAL;
-        ks_log(KS_LOG_WARN,
-               rc ? "report given up on" : "report kept as a bare "
-                                           "ReportRejected",
+        ks_log(KS_LOG_WARN, "report kept as a bare ReportRejected",
                KS_S("module", "recorder"), KS_S("type", evs[i]->type),
                KS_S("command_id", evs[i]->command_id),
                KS_S("agent", evs[i]->agent_id), KS_S("reason", why));
     }
     return 0;
+}
+
+/* At most one "stalled" line per this long while the stall lasts. */
+#define REC_STALL_LOG_US INT64_C(10000000)
+
+/*
+ * The recorder's stall, seen by the operator: the gauge
+ * kscore_recorder_stalled{cause} while it lasts, a counter of the
+ * attempts, and, after the line at its start ("cannot record; ...", which
+ * names the SQLSTATE too), one line at most every REC_STALL_LOG_US while
+ * it lasts. Recorder thread.
+ */
+struct rec_stall {
+    enum ks_gauge gauge; /* KS_G__N: not stalled */
+    int64_t since_us, logged_us;
+};
+
+static void
+stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
+           bool said_now)
+{
+    enum ks_gauge g = rc == KS_EPGREFUSED ? KS_G_RECORDER_STALLED_REFUSED
+                                          : KS_G_RECORDER_STALLED_DOWN;
+    int64_t now = ks_mono_us();
+    char why[512];
+
+    /* The cause changed (unreachable, then refusing writes): say so,
+     * but not more than once a second should it flap. */
+    bool changed = sl->gauge != KS_G__N && sl->gauge != g &&
+                   now - sl->logged_us >= 1000000;
+
+    ks_metric_inc(KS_C_RECORDER_DB_RETRIES);
+    if (sl->gauge != g) {
+        if (sl->gauge != KS_G__N)
+            ks_metric_gauge_add(sl->gauge, -1);
+        ks_metric_gauge_add(g, 1);
+        sl->gauge = g;
+    }
+    if (!sl->since_us)
+        sl->since_us = now;
+    if (said_now) /* the "cannot record" line names it */
+        sl->logged_us = now;
+    if (said_now ||
+        (!changed && sl->logged_us && now - sl->logged_us < REC_STALL_LOG_US))
+        return;
+    sl->logged_us = now;
+    ks_log(KS_LOG_ERROR,
+           rc == KS_EPGREFUSED
+               ? "recorder still stalled: PostgreSQL refuses writes; results "
+                 "wait unacked, commands stay Running until it takes them"
+               : "recorder still stalled: PostgreSQL unreachable; results "
+                 "wait unacked, commands stay Running until it is back",
+           KS_S("module", "recorder"), KS_I("events", nev),
+           KS_S("cause", rc == KS_EPGREFUSED ? "refuses_writes"
+                                             : "unreachable"),
+           KS_S("sqlstate", store_last_sqlstate(b->st_rec)),
+           KS_S("error", broker__store_error(b->st_rec, rc, why,
+                                             sizeof(why))),
+           KS_D("for_s", (double)(now - sl->since_us) / 1e6));
+}
+
+static void
+stall_end(struct rec_stall *sl)
+{
+    if (sl->gauge != KS_G__N)
+        ks_metric_gauge_add(sl->gauge, -1);
+    sl->gauge = KS_G__N;
 }
 
 static void
@@ -282,6 +363,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             touched = 0;
     unsigned failures = 0;
     char why[512];
+    struct rec_stall stall = {.gauge = KS_G__N};
     /* One end of a command this broker saw claimed: decided against the
      * state the claim left, appended at the claim's version, in one round
      * trip; anything else (the stream moved on, no hint, an annotation)
@@ -345,19 +427,28 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                                       &dups);
         if (rc == 0 || b->stopping)
             break;
-        if (rc != KS_EPGDOWN && rc != KS_EUNAVAIL && failures >= 2) {
+        /* A sick database (away, or refusing writes: disk full,
+         * read-only...) says nothing about the events: wait for it. Only
+         * an error of the events' own is worth the search one by one. */
+        if (!store_db_sick(rc) && failures >= 2) {
             rc = record_one_by_one(b, evs, nev, verdicts);
             if (rc == 0)
                 break;
         }
         if (failures++ == 0) {
             failing_since = touched = ks_mono_us();
-            ks_log(KS_LOG_WARN,
+            ks_log(store_db_sick(rc) ? KS_LOG_ERROR : KS_LOG_WARN,
                    "cannot record; retrying until it succeeds, unacked",
                    KS_S("module", "recorder"), KS_I("events", nev),
+                   KS_S("cause", rc == KS_EPGREFUSED ? "refuses_writes"
+                                 : store_db_sick(rc) ? "unreachable"
+                                                     : "error"),
+                   KS_S("sqlstate", store_last_sqlstate(b->st_rec)),
                    KS_S("error", broker__store_error(b->st_rec, rc, why,
                                                      sizeof(why))));
         }
+        if (store_db_sick(rc))
+            stall_note(b, &stall, rc, nev, failures == 1);
         if (ks_mono_us() - touched >= REC_IN_PROGRESS_US) {
             touched = ks_mono_us();
             keep_in_progress(b, msgs, n);
@@ -366,6 +457,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         backoff_ms = backoff_ms * 2 < REC_BACKOFF_MAX_MS ? backoff_ms * 2
                                                          : REC_BACKOFF_MAX_MS;
     }
+    stall_end(&stall);
     if (failures && rc == 0)
         ks_log(KS_LOG_INFO, "recording again", KS_S("module", "recorder"),
                KS_D("after_s", (double)(ks_mono_us() - failing_since) / 1e6),

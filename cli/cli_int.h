@@ -18,11 +18,22 @@
 #define CLI_EXIT_USAGE 2       /* bad flags, durations, missing -- */
 #define CLI_EXIT_TIMEDOUT 124  /* the command timed out */
 #define CLI_EXIT_KSCORE 125    /* kscore failed: unreachable, refused, ... */
+/* The outcome is unknown: the command may be recorded (and run); `kscore
+ * get <id>` tells. Distinct from 125, which says it was not accepted. */
+#define CLI_EXIT_UNKNOWN 69
 #define CLI_EXIT_CANNOT_RUN 126 /* start failed (cwd, permission, E2BIG) */
 #define CLI_EXIT_NOT_FOUND 127 /* start failed: program not found */
 /* kscore batch: no target failed, but some never ran (through): no
  * response, lost, not started, cancelled. */
 #define CLI_EXIT_NOT_ALL_RAN 4
+
+/*
+ * Says that the outcome of a request is unknown (error: the broker's
+ * words; command_id may be "" when only key names it) and how to look it
+ * up, on stderr. Returns CLI_EXIT_UNKNOWN.
+ */
+int cli_outcome_unknown(const char *what, const char *error,
+                        const char *command_id, const char *key);
 
 /* Where the local stack lives: $KSCORE_HOME or ~/.local/state/kscore. */
 const char *cli_home(void);

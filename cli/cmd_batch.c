@@ -15,7 +15,8 @@ static const char batch_usage[] =
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
     "a target ran and failed (failed, killed, timed out, could not start),\n"
     "4 when none failed but some never ran (no response, lost, not\n"
-    "started, cancelled), 2 on bad usage, 125 when kscore failed.\n"
+    "started, cancelled), 2 on bad usage, 125 when kscore failed, 69 when\n"
+    "the outcome is unknown (the batch may be recorded).\n"
     "Targets (resolved once, when the batch is accepted):\n"
     "  --agents A,B,C         these agents\n"
     "  --select TERM[,TERM]   registered agents whose labels match every\n"
@@ -57,7 +58,7 @@ static const char batch_usage[] =
     "                          \"agent: line\" per line (stderr to stderr)\n"
     "Without --detach it waits for the end. Should its broker stop, another\n"
     "broker continues the batch and it follows it there; when no broker\n"
-    "answers for 20s it prints how to follow the batch and exits 125.\n"
+    "answers for 20s it prints how to follow the batch and exits 69.\n"
     CLI_CONN_USAGE;
 
 /* Waiting for a batch: its driver sends a progress message at least every
@@ -733,7 +734,8 @@ cmd_batch(int argc, char **argv)
     else
         rc = batch_wait(c, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
-        rc = CLI_EXIT_KSCORE;
+        /* Recorded, its end not heard of: not "not accepted" (125). */
+        rc = CLI_EXIT_UNKNOWN;
         goto out;
     }
     if (rc == BATCH_DETACHED) {
@@ -755,6 +757,10 @@ cmd_batch(int argc, char **argv)
         else
             cli_err("batch: %s", ks_strerror(rc));
         rc = CLI_EXIT_KSCORE;
+        goto out;
+    }
+    if (rep->error_code == KS_EINDOUBT) {
+        rc = cli_outcome_unknown("batch", rep->error, rep->batch_id, NULL);
         goto out;
     }
     if (rep->error_code) {

@@ -211,8 +211,9 @@ cli_err_too_large(void)
 static const char exec_usage[] =
     "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
-    "(128+N when killed by signal N, 124 on timeout; see README \"Exit "
-    "codes\").\n"
+    "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
+    "and the command was not accepted, 69 when the outcome is unknown: it\n"
+    "names the command for kscore get; see README \"Exit codes\").\n"
     "  --agent ID          target agent (default: the local stack's agent)\n"
     "  --timeout D         SIGTERM to the process group after D (default: "
     "none)\n"
@@ -225,6 +226,7 @@ static const char exec_usage[] =
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
+    "                      (safe to repeat after exit 69)\n"
     "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
     "                      stderr (default 16M; K, M, G suffixes); the rest\n"
     "                      is counted, not kept\n"
@@ -363,15 +365,25 @@ cmd_exec(int argc, char **argv)
         goto out;
     }
     if (rep->error_code) {
-        cli_err("%s", rep->error);
+        bool unknown = rep->error_code == KS_EINDOUBT;
+        if (unknown)
+            cli_outcome_unknown("command", rep->error, rep->command_id,
+                                req.idempotency_key);
+        else
+            cli_err("%s", rep->error);
         if (json) {
             json_t *o = json_object();
             json_object_set_new(o, "error", json_string(rep->error));
             json_object_set_new(o, "error_code",
                                 json_string(ks_err_name(rep->error_code)));
+            json_object_set_new(o, "recorded",
+                                unknown ? json_null() : json_false());
+            if (rep->command_id && rep->command_id[0])
+                json_object_set_new(o, "command_id",
+                                    json_string(rep->command_id));
             cli_print_json(o);
         }
-        rc = CLI_EXIT_KSCORE;
+        rc = unknown ? CLI_EXIT_UNKNOWN : CLI_EXIT_KSCORE;
         goto out;
     }
     if (req.detach) {

@@ -522,6 +522,48 @@ status_policy(const char *home, unsigned cluster, bool json, json_t *o)
     cli_policy_release(&pol);
 }
 
+/* Whether the metric line "name value" in a Prometheus text body has a
+ * value above 0. */
+static bool
+metric_on(const char *body, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = body; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : p)
+        if (strncmp(p, name, n) == 0 && p[n] == ' ')
+            return atof(p + n + 1) > 0;
+    return false;
+}
+
+/*
+ * The recorder's state, from the broker's own metrics (the cheap path:
+ * `kscore up --metrics` wrote KSCORE_BROKER_METRICS_URL): "recording", or
+ * why it holds events unrecorded (kscore_recorder_stalled{cause}). NULL
+ * when the broker serves no metrics or does not answer in 1 s.
+ */
+static const char *
+recorder_state(void)
+{
+    char *url = cli_env_get("KSCORE_BROKER_METRICS_URL");
+    const char *colon = url ? strrchr(url, ':') : NULL, *st = NULL;
+    char *body = NULL;
+    int port = colon ? atoi(colon + 1) : 0;
+
+    if (port > 0 && stack_http_get(port, "/metrics", 1000, &body) == 0 &&
+        body) {
+        if (metric_on(body, "kscore_recorder_stalled{cause=\"refuses_writes\"}"))
+            st = "stalled: PostgreSQL refuses writes (the broker's log "
+                 "names the SQLSTATE)";
+        else if (metric_on(body,
+                           "kscore_recorder_stalled{cause=\"unreachable\"}"))
+            st = "stalled: PostgreSQL unreachable";
+        else
+            st = "recording";
+    }
+    free(body);
+    free(url);
+    return st;
+}
+
 static int
 print_status(bool json, struct cli_conn *cc)
 {
@@ -559,7 +601,7 @@ print_status(bool json, struct cli_conn *cc)
         int alive = part_alive(home, name, &pid);
         bool node = strncmp(name, "nats-", 5) == 0;
         bool broker = strncmp(name, "broker", 6) == 0;
-        char naddr[64] = "", extra[160] = "";
+        char naddr[64] = "", extra[256] = "";
         const char *addr = strcmp(name, "nats") == 0    ? url
                            : strcmp(name, "pg") == 0    ? db
                            : strcmp(name, "agent") == 0 ? agent
@@ -608,6 +650,15 @@ print_status(bool json, struct cli_conn *cc)
                                 rss >= 0 ? json_integer(rss) : json_null());
             if (rss >= 0)
                 snprintf(extra, sizeof(extra), "rss %ld MiB", rss / 1024);
+            /* The recorder: results held unrecorded show here at once. */
+            const char *rec = alive && !cluster ? recorder_state() : NULL;
+            json_object_set_new(p, "recorder",
+                                rec ? json_string(rec) : json_null());
+            if (rec) {
+                size_t l = strlen(extra);
+                snprintf(extra + l, sizeof(extra) - l, "%srecorder %s",
+                         l ? ", " : "", rec);
+            }
             json_t *held = NULL;
             for (size_t k = 0; alive && k < ll.n; k++)
                 if (ll.pids[k] == pid)

@@ -404,6 +404,26 @@ cli_time(int64_t us)
 }
 
 int
+cli_outcome_unknown(const char *what, const char *error,
+                    const char *command_id, const char *key)
+{
+    cli_err("%s", error);
+    if (command_id && command_id[0])
+        cli_err("the outcome is unknown (not \"not recorded\"): look %s %s "
+                "up with `kscore get %s`",
+                what, command_id, command_id);
+    else if (key && key[0])
+        cli_err("the outcome is unknown: the %s may be recorded (and run); "
+                "asking again with --idempotency-key %s is safe",
+                what, key);
+    else
+        cli_err("the outcome is unknown: the %s may be recorded (and run); "
+                "look for it with `kscore list`",
+                what);
+    return CLI_EXIT_UNKNOWN;
+}
+
+int
 cli_exit_status(const Ks__CommandResult *r)
 {
     if (!r)

@@ -39,7 +39,9 @@
     X(INTERNAL, -1014, "internal error")                                       \
     X(DENIED, -1015, "denied by policy")                                       \
     X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
-    X(DUPINSTANCE, -1017, "another agent process serves this id")
+    X(DUPINSTANCE, -1017, "another agent process serves this id")            \
+    X(PGREFUSED, -1018, "PostgreSQL refuses writes")                           \
+    X(INDOUBT, -1019, "outcome unknown")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),
@@ -196,6 +198,7 @@ enum ks_counter {
     KS_C_JETSTREAM_REPAIRS,  /* kscore_jetstream_repairs_total */
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
+    KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
@@ -207,6 +210,10 @@ enum ks_status_counter {
 enum ks_gauge {
     KS_G_PG_CONNECTIONS,    /* store connections open */
     KS_G_PG_BROKEN,         /* ... of which down (reconnecting) */
+    /* kscore_recorder_stalled{cause}: 1 while the recorder holds events
+     * it cannot record, PostgreSQL refusing writes or away. */
+    KS_G_RECORDER_STALLED_REFUSED,
+    KS_G_RECORDER_STALLED_DOWN,
     /* Collected at scrape time (ks_metrics_collector_add), summed over
      * the collectors of the process: */
     KS_G_AGENTS_ONLINE,     /* kscore_agents_online */

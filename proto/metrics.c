@@ -60,6 +60,13 @@ static const struct {
         "Writes to the agent's state dir that failed (full or read-only): "
         "claims refused, events published from memory only.",
         A},
+    [KS_C_RECORDER_DB_RETRIES] = {"kscore_recorder_db_retries_total",
+                                  "Attempts to record a batch of events "
+                                  "that failed because PostgreSQL refused "
+                                  "writes (disk full, read-only, ...) or "
+                                  "was away; the events wait, unacked, and "
+                                  "are retried.",
+                                  B},
 };
 
 static const struct {
@@ -86,6 +93,18 @@ static const struct {
                              B, false},
     [KS_G_PG_BROKEN] = {"kscore_postgres_connections", "state=\"down\"", NULL,
                         B, false},
+    [KS_G_RECORDER_STALLED_REFUSED] = {"kscore_recorder_stalled",
+                                       "cause=\"refuses_writes\"",
+                                       "1 while the recorder holds events "
+                                       "it cannot record (unacked, "
+                                       "retried): PostgreSQL refuses writes "
+                                       "(the log names the SQLSTATE) or is "
+                                       "unreachable. Commands stay Running "
+                                       "meanwhile.",
+                                       B, false},
+    [KS_G_RECORDER_STALLED_DOWN] = {"kscore_recorder_stalled",
+                                    "cause=\"unreachable\"", NULL, B,
+                                    false},
     [KS_G_AGENTS_ONLINE] = {"kscore_agents_online", NULL,
                             "Agents whose heartbeat is within the liveness "
                             "limit.",

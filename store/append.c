@@ -309,6 +309,11 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
     bool seen_first = false;
     int rc = 0, nulls = 0;
 
+    /* The pipeline is sent: until an error result says the transaction
+     * failed, a connection lost now may have lost the reply to a commit
+     * (a FATAL result too: conservatively, it may have come at the
+     * commit). */
+    s->in_doubt = true;
     for (;;) {
         PGresult *res = PQgetResult(s->conn);
         if (!res) {
@@ -328,6 +333,7 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
         switch (PQresultStatus(res)) {
         case PGRES_PIPELINE_SYNC:
             PQclear(res);
+            s->in_doubt = false; /* the end of the transaction was read */
             return rc;
         case PGRES_TUPLES_OK:
         case PGRES_COMMAND_OK:
@@ -345,6 +351,8 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
                 const char *d =
                     PQresultErrorField(res, PG_DIAG_MESSAGE_DETAIL);
                 rc = store__pg_error(s, res, NULL);
+                if (rc != KS_EPGDOWN)
+                    s->in_doubt = false; /* it failed: rolled back */
                 if (detail_out && d)
                     *detail_out = strdup(d);
             }
@@ -607,7 +615,8 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
         int lost = store__pg_error(s, NULL, NULL);
         pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
-        rc = lost == KS_EPGDOWN ? lost : KS_EPG;
+        s->in_doubt = true; /* the sync may have gone out in part */
+        rc = store__keep_sick(lost);
         goto out;
     }
     if (between && rc == 0) {
@@ -702,7 +711,8 @@ project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
         int lost = store__pg_error(s, NULL, NULL);
         pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
-        return lost == KS_EPGDOWN ? lost : KS_EPG;
+        s->in_doubt = true; /* the sync may have gone out in part */
+        return store__keep_sick(lost);
     }
     int frc = store__pipeline_finish(s, first_out, detail_out);
     if (rc == 0)
@@ -934,7 +944,8 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
         int lost = store__pg_error(s, NULL, NULL);
         pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
-        rc = lost == KS_EPGDOWN ? lost : KS_EPG;
+        s->in_doubt = true; /* the sync may have gone out in part */
+        rc = store__keep_sick(lost);
         goto out;
     }
     {

@@ -110,7 +110,9 @@ commit(struct store *s)
     PGresult *res = PQexec(s->conn, "COMMIT");
     if (PQresultStatus(res) != PGRES_COMMAND_OK)
         rc = store__pg_error(s, res, NULL);
-    else if (strcmp(PQcmdStatus(res), "COMMIT") != 0)
+    if (rc == KS_EPGDOWN)
+        s->in_doubt = true; /* the answer to COMMIT was lost */
+    else if (rc == 0 && strcmp(PQcmdStatus(res), "COMMIT") != 0)
         rc = KS_EPG;
     PQclear(res);
     if (rc == 0)

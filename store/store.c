@@ -218,6 +218,33 @@ lost_state(const char *state)
                      strcmp(state, "57P03") == 0);
 }
 
+/*
+ * SQLSTATEs that mean the database refuses writes for a while, whatever
+ * was written: it is sick, not the statement (store.h "Sick database").
+ * PostgreSQL 15 docs, Appendix A "PostgreSQL Error Codes": class 53
+ * insufficient resources (53100 disk_full, 53200 out_of_memory, 53300
+ * too_many_connections, 53400 configuration_limit_exceeded), 25006
+ * read_only_sql_transaction, 40001 serialization_failure, 40P01
+ * deadlock_detected, 55P03 lock_not_available, 57014 query_canceled
+ * (statement_timeout too) and class 58 system error (58000, 58030
+ * io_error). Class 08 and 57P01-57P03 are a lost connection (lost_state),
+ * tested first.
+ */
+static bool
+refused_state(const char *state)
+{
+    static const char *const exact[] = {"25006", "40001", "40P01", "55P03",
+                                        "57014"};
+    if (!state)
+        return false;
+    if (strncmp(state, "53", 2) == 0 || strncmp(state, "58", 2) == 0)
+        return true;
+    for (size_t i = 0; i < sizeof(exact) / sizeof(exact[0]); i++)
+        if (strcmp(state, exact[i]) == 0)
+            return true;
+    return false;
+}
+
 int
 store__pg_error(struct store *s, const PGresult *res, char **errmsg)
 {
@@ -230,6 +257,7 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
     if (!msg || !*msg)
         msg = PQerrorMessage(s->conn);
     set_errmsg(errmsg, msg);
+    snprintf(s->sqlstate, sizeof(s->sqlstate), "%s", state ? state : "");
     if (s->broken || lost_state(state) ||
         PQstatus(s->conn) == CONNECTION_BAD) {
         /* The first message says why (the server's FATAL, say); what
@@ -240,7 +268,9 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
         return KS_EPGDOWN;
     }
     keep_error(s, primary && *primary ? primary : msg);
-    if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
+    if (refused_state(state))
+        rc = KS_EPGREFUSED;
+    else if (state && strcmp(state, STORE__SQLSTATE_CONFLICT) == 0)
         rc = KS_ECONFLICT;
     else if (state && strcmp(state, STORE__SQLSTATE_NOT_YOURS) == 0)
         rc = KS_EDENIED;
@@ -260,13 +290,37 @@ store__pg_error(struct store *s, const PGresult *res, char **errmsg)
 int
 store__read_error(struct store *s, const PGresult *res)
 {
-    return store__pg_error(s, res, NULL) == KS_EPGDOWN ? KS_EPGDOWN : KS_EPG;
+    return store__keep_sick(store__pg_error(s, res, NULL));
+}
+
+int
+store__keep_sick(int rc)
+{
+    return rc == KS_EPGDOWN || rc == KS_EPGREFUSED ? rc : KS_EPG;
 }
 
 const char *
 store_last_error(struct store *s)
 {
     return s ? s->err : "";
+}
+
+const char *
+store_last_sqlstate(struct store *s)
+{
+    return s ? s->sqlstate : "";
+}
+
+bool
+store_in_doubt(struct store *s)
+{
+    return s && s->in_doubt;
+}
+
+bool
+store_db_sick(int rc)
+{
+    return rc == KS_EPGDOWN || rc == KS_EPGREFUSED || rc == KS_EUNAVAIL;
 }
 
 int
@@ -278,6 +332,9 @@ store__exec(struct store *s, const char *sql, char **errmsg)
 
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
         rc = store__pg_error(s, res, errmsg);
+    /* A COMMIT whose answer was lost may have committed. */
+    if (rc == KS_EPGDOWN && strcmp(sql, "COMMIT") == 0)
+        s->in_doubt = true;
     PQclear(res);
     return rc;
 }
@@ -358,6 +415,7 @@ store__ready(struct store *s)
      * find out now, not from the statement about to be sent. A
      * non-blocking read, then PQisBusy to parse it (PQconsumeInput only
      * reads): its FATAL reaches on_notice. Notifications stay queued. */
+    s->in_doubt = false; /* a new call: says nothing of the last one's */
     if (!s->broken && PQstatus(s->conn) == CONNECTION_OK &&
         PQconsumeInput(s->conn))
         (void)PQisBusy(s->conn);
@@ -563,7 +621,7 @@ store__prepare(struct store *s, char **errmsg)
         if (PQresultStatus(res) != PGRES_COMMAND_OK) {
             int rc = store__pg_error(s, res, errmsg);
             PQclear(res);
-            return rc == KS_EPGDOWN ? rc : KS_EPG;
+            return store__keep_sick(rc);
         }
         PQclear(res);
     }

@@ -74,6 +74,24 @@
  * as well. A call that fails with KS_EPGDOWN mid-way may or may not have
  * committed (a lost commit reply): appends are idempotent by event_id, so
  * retry them (KS_EDUPLICATE then says it had committed).
+ *
+ * Sick database (one classification, in store__pg_error, for every
+ * caller): a server that is reachable but refuses writes for a while, for
+ * reasons that have nothing to do with what was written, fails a call with
+ * KS_EPGREFUSED, never KS_EPG. The SQLSTATEs (PostgreSQL 15 docs, Appendix
+ * A "PostgreSQL Error Codes"): class 53 insufficient resources (53100
+ * disk_full, 53200 out_of_memory, 53300 too_many_connections), 25006
+ * read_only_sql_transaction (default_transaction_read_only, a standby),
+ * 40001 serialization_failure, 40P01 deadlock_detected, 55P03
+ * lock_not_available, 57014 query_canceled (statement_timeout) and class
+ * 58 system error (58030 io_error). Class 08 and 57P01-57P03 are
+ * KS_EPGDOWN (above). A call that fails with KS_EPGREFUSED wrote nothing
+ * (the server answered the error: its transaction was rolled back); the
+ * caller waits and retries, as for KS_EPGDOWN, and never takes the event
+ * for a bad one. KS_EPG is left for what the statement itself causes (a
+ * constraint, a value refused) and for errors not listed here.
+ * store_last_sqlstate() names the SQLSTATE, store_last_error() the
+ * server's message.
  */
 #ifndef KSCORE_STORE_H
 #define KSCORE_STORE_H
@@ -97,6 +115,19 @@ struct store;
 int store_open(const char *conninfo, struct store **out, char **errmsg);
 /* Accepts NULL. */
 void store_close(struct store *s);
+
+/*
+ * Whether the last call that failed with KS_EPGDOWN may have committed:
+ * its transaction's end (the pipeline's Sync, or COMMIT) was sent and the
+ * answer was lost. False after any other failure (the server said the
+ * transaction failed, or nothing was sent). Valid until the next call on
+ * s. Accepts NULL (false).
+ */
+bool store_in_doubt(struct store *s);
+/* rc says PostgreSQL is away or refuses writes for a while (KS_EPGDOWN,
+ * KS_EPGREFUSED, KS_EUNAVAIL): wait and retry; it says nothing about what
+ * was written. */
+bool store_db_sick(int rc);
 
 /*
  * Applies the numbered migrations not yet applied, in one transaction,
@@ -470,6 +501,9 @@ int store_read_output(struct store *s, const char *command_id, uint32_t stream,
  * Valid until the next call on s.
  */
 const char *store_last_error(struct store *s);
+/* The SQLSTATE of the last error PostgreSQL sent ("" when the last error
+ * had none: a lost connection). Valid until the next call on s. */
+const char *store_last_sqlstate(struct store *s);
 
 /* ---- batch leases (store/batch_lease.c, table batch_leases) -----------
  *

@@ -98,6 +98,10 @@ struct store {
     /* store_append_checked(): the append's pipeline ends the transaction
      * (store__send_commit), and says that it did. */
     bool commit_in_pipeline, commit_sent;
+    /* store_in_doubt(): the current call lost the connection after its
+     * commit (or the pipeline's Sync) was sent. Cleared by store__ready. */
+    bool in_doubt;
+    char sqlstate[6]; /* store_last_sqlstate(): of the last error, or "" */
     struct store__buf ids, streams, types, data, argv, result;
     struct store__buf fold[STORE__FOLD_COLS];
     /* A call's own arrays (checked.c, fold.c, append.c): taken after a
@@ -112,14 +116,19 @@ struct store {
  * 23505 on events_event_id_key -> KS_EDUPLICATE, other 23505 (stream
  * version, command id, idempotency key) -> KS_ECONFLICT, a lost connection
  * (CONNECTION_BAD, SQLSTATE 08xxx, 57P01-57P03) -> KS_EPGDOWN and the
- * connection marked broken (the next call reconnects), the rest KS_EPG.
+ * connection marked broken (the next call reconnects), a database that
+ * refuses writes for a while (store.h "Sick database") -> KS_EPGREFUSED,
+ * the rest KS_EPG.
  * KS003 -> KS_EDUPLICATE as well (its DETAIL lists the recorded ids).
  * The message goes to store_last_error(); *errmsg (may be NULL) gets a
  * malloc'd copy.
  */
 int store__pg_error(struct store *s, const PGresult *res, char **errmsg);
-/* store__pg_error for a read: KS_EPGDOWN or KS_EPG. */
+/* store__pg_error for a read: KS_EPGDOWN, KS_EPGREFUSED or KS_EPG. */
 int store__read_error(struct store *s, const PGresult *res);
+/* rc if KS_EPGDOWN or KS_EPGREFUSED (a sick database: the caller waits
+ * and retries), else KS_EPG. */
+int store__keep_sick(int rc);
 
 /*
  * Makes s->conn ready for a statement; every public call starts with it

@@ -653,7 +653,7 @@ batch_across_restart(int sig, const char *prefix)
         view_before_adoption(id, tg, old);
     bg_join(&c);
     ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 125 &&
+                      (c.out.status == 69 &&
                        strstr(c.out.err, "kscore get batch-")),
                   "client exited %d: %s", c.out.status, c.out.err);
     if (c.out.status == 0)
@@ -711,7 +711,7 @@ START_TEST(error_budget_survives_broker_kill)
     broker_restart(SIGKILL);
     bg_join(&c);
     ck_assert_msg(c.out.status == 1 ||
-                      (c.out.status == 125 &&
+                      (c.out.status == 69 &&
                        strstr(c.out.err, "kscore get batch-")),
                   "client exited %d: %s", c.out.status, c.out.err);
     json_t *j = wait_batch_end(id);
@@ -850,7 +850,7 @@ START_TEST(client_gives_up_with_a_hint)
     bg_join(&c);
     char want[96];
     snprintf(want, sizeof(want), "kscore get %s", id);
-    ck_assert_msg(c.out.status == 125 && strstr(c.out.err, want),
+    ck_assert_msg(c.out.status == 69 && strstr(c.out.err, want),
                   "client exited %d: %s", c.out.status, c.out.err);
     ck_assert_msg(c.out.seconds < 40, "gave up after %.1f s", c.out.seconds);
     ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
@@ -944,7 +944,7 @@ START_TEST(another_broker_takes_over)
     }
     bg_join(&c);
     ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 125 &&
+                      (c.out.status == 69 &&
                        strstr(c.out.err, "kscore get batch-")),
                   "client exited %d: %s", c.out.status, c.out.err);
     json_t *j = wait_batch_end(id);

@@ -1,5 +1,6 @@
 /*
- * PostgreSQL restarts under a running broker (issue 10 item 1): every
+ * PostgreSQL restarts under a running broker (issue 10 item 1), and
+ * refuses writes under it for a while (issue 25): every
  * connection of the store and of the broker comes back without a broker
  * restart, a request while it is down is refused with "PostgreSQL
  * unreachable: <why>" (exit 125), and nothing accepted is lost. Real
@@ -8,6 +9,7 @@
  */
 #include <check.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -582,6 +584,222 @@ START_TEST(everything_after_restart)
 }
 END_TEST
 
+
+/* ---- a database that refuses writes (issue 25) ----------------------------
+ */
+
+/* Runs sql on pg (no rows wanted); a failure fails the test. */
+static void
+sql_exec(PGconn *pg, const char *sql)
+{
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK ||
+                      PQresultStatus(r) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQerrorMessage(pg));
+    PQclear(r);
+}
+
+/*
+ * Makes every new session of the database read-only (ALTER DATABASE, as
+ * its owner: the role kscore may) or writable again, and ends the
+ * sessions of the role but adm's own, so that the broker's reconnect and
+ * take the setting (a session reads it when it starts).
+ */
+static void
+set_read_only(PGconn *adm, bool on)
+{
+    char sql[256];
+    PGresult *r = PQexec(adm, "SELECT current_database()");
+    ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+    snprintf(sql, sizeof(sql),
+             "ALTER DATABASE \"%s\" %s default_transaction_read_only%s",
+             PQgetvalue(r, 0, 0), on ? "SET" : "RESET", on ? " = on" : "");
+    PQclear(r);
+    sql_exec(adm, sql);
+    sql_exec(adm, "SELECT count(pg_terminate_backend(pid))"
+                  " FROM pg_stat_activity"
+                  " WHERE datname = current_database()"
+                  "   AND usename = current_user"
+                  "   AND backend_type = 'client backend'"
+                  "   AND pid <> pg_backend_pid()");
+}
+
+/* One `kscore exec` run on its own thread. */
+struct exec_job {
+    pthread_t th;
+    char word[32], script[64];
+    struct fixture_out o;
+};
+
+static void *
+exec_job_main(void *arg)
+{
+    struct exec_job *j = arg;
+    const char *args[] = {"exec", "--agent", AGENT, "--", "sh",
+                          "-c",   j->script, j->word, NULL};
+    if (fixture_kscore(&stack, args, &j->o) != 0)
+        j->o.status = -1;
+    return NULL;
+}
+
+static void
+exec_job_start(struct exec_job *j, const char *word, const char *script)
+{
+    snprintf(j->word, sizeof(j->word), "%s", word);
+    snprintf(j->script, sizeof(j->script), "%s", script);
+    ck_assert_int_eq(pthread_create(&j->th, NULL, exec_job_main, j), 0);
+}
+
+/* Commands recorded with word as their last argument. */
+static long
+recorded_with(PGconn *pg, const char *word)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands"
+             " WHERE argv[array_length(argv, 1)] = '%s'",
+             word);
+    return sql_long(pg, sql);
+}
+
+#define RO_DETACHED 4
+#define RO_WAITING 4
+#define RO_DURING 2
+#define RO_TAG "rotag"
+
+/*
+ * PostgreSQL refuses writes (default_transaction_read_only, SQLSTATE
+ * 25006, as a full disk refuses with 53100) while commands finish: their
+ * results wait in JetStream, unacked, and are recorded once writes are
+ * taken again; every command ends with exactly one terminal event, none
+ * stays Running; an exec that waits for its result is never told "not
+ * recorded" for a command that is, and one asked during the fault is told
+ * "not recorded" (125) only if it is not. The broker names the SQLSTATE.
+ * Before the fix the recorder gave the results up and acked them (the
+ * commands stayed Running) and the waiting execs, asking again after 5 s
+ * of silence, were told "cannot record the command" (125).
+ */
+START_TEST(results_wait_while_pg_refuses_writes)
+{
+    struct evt_conn *c = client();
+    char ids[RO_DETACHED][37], sql[512], word[32];
+    struct exec_job waiting[RO_WAITING], during[RO_DURING];
+    long log_at = 0;
+
+    pg_up();
+    log_lines(0, "", &log_at);
+    memset(waiting, 0, sizeof(waiting));
+    memset(during, 0, sizeof(during));
+    for (int i = 0; i < RO_DETACHED; i++)
+        ck_assert_int_eq(submit(c, "sleep 4; echo done # " RO_TAG, ids[i]),
+                         0);
+    for (int i = 0; i < RO_WAITING; i++) {
+        snprintf(word, sizeof(word), RO_TAG "-wait-%d", i);
+        exec_job_start(&waiting[i], word, "sleep 4; echo \"$0\"");
+    }
+    PGconn *adm = db();
+    /* Every command recorded and Running before the fault. */
+    ck_assert_int_eq(
+        wait_sql(adm,
+                 "SELECT count(*) FROM commands WHERE status = 'Running'"
+                 " AND array_to_string(argv, ' ') LIKE '%" RO_TAG "%'",
+                 RO_DETACHED + RO_WAITING, 60),
+        RO_DETACHED + RO_WAITING);
+
+    set_read_only(adm, true);
+    for (int i = 0; i < RO_DURING; i++) {
+        snprintf(word, sizeof(word), RO_TAG "-during-%d", i);
+        exec_job_start(&during[i], word, "echo \"$0\"");
+    }
+    /* The fault outlasts the commands (4 s) and an exec's re-ask (5 s
+     * of silence): their ends reach the recorder while writes are
+     * refused. */
+    sleep_ms(10000);
+    PGconn *ro = db(); /* a session of the fault: reads work */
+    ck_assert_int_eq(
+        sql_long(ro, "SELECT count(*) FROM commands WHERE status = 'Running'"
+                     " AND array_to_string(argv, ' ') LIKE '%" RO_TAG "%'"),
+        RO_DETACHED + RO_WAITING);
+    PQfinish(ro);
+    set_read_only(adm, false);
+    PQfinish(adm);
+
+    PGconn *pg = db();
+    /* Every command of the test ends, once; none stays Running (before
+     * the fix the recorder dropped their ends: checked before the waiting
+     * execs are joined, which would then wait for ever). */
+    ck_assert_msg(
+        wait_sql(pg,
+                 "SELECT count(*) FROM commands WHERE status <> 'Succeeded'"
+                 " AND array_to_string(argv, ' ') LIKE '%" RO_TAG "%'",
+                 0, 60) == 0,
+        "commands of the test not Succeeded 60 s after the fault: %ld "
+        "(Running: %ld)",
+        sql_long(pg, "SELECT count(*) FROM commands WHERE status <> "
+                     "'Succeeded' AND array_to_string(argv, ' ') LIKE '%"
+                     RO_TAG "%'"),
+        sql_long(pg, "SELECT count(*) FROM commands WHERE status = "
+                     "'Running' AND array_to_string(argv, ' ') LIKE '%"
+                     RO_TAG "%'"));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands c WHERE"
+             " array_to_string(c.argv, ' ') LIKE '%%" RO_TAG "%%' AND"
+             " (SELECT count(*) FROM events e"
+             "  WHERE e.stream_id = 'command-' || c.command_id::text AND"
+             "  e.type IN ('CommandCompleted', 'CommandStartFailed',"
+             "   'CommandUndeliverable', 'CommandLost', 'CommandCancelled',"
+             "   'CommandNotStarted')) <> 1");
+    ck_assert_int_eq(sql_long(pg, sql), 0);
+    for (int i = 0; i < RO_DETACHED; i++) {
+        snprintf(sql, sizeof(sql),
+                 "SELECT count(*) FROM commands WHERE command_id = '%s'"
+                 " AND status = 'Succeeded' AND stdout = 'done\n'::bytea",
+                 ids[i]);
+        ck_assert_int_eq(sql_long(pg, sql), 1);
+    }
+    for (int i = 0; i < RO_WAITING; i++)
+        pthread_join(waiting[i].th, NULL);
+    for (int i = 0; i < RO_DURING; i++)
+        pthread_join(during[i].th, NULL);
+    /* Nobody told "not recorded" (125) of a command that is recorded. */
+    for (int i = 0; i < RO_WAITING; i++) {
+        struct fixture_out *o = &waiting[i].o;
+        fprintf(stderr, "  waiting exec %d: %d %s", i, o->status, o->err);
+        ck_assert_int_eq(recorded_with(pg, waiting[i].word), 1);
+        ck_assert_msg(o->status == 0, "exec %s (recorded): exit %d: %s",
+                      waiting[i].word, o->status, o->err);
+        ck_assert_msg(strstr(o->out, waiting[i].word) != NULL, "stdout: %s",
+                      o->out);
+    }
+    for (int i = 0; i < RO_DURING; i++) {
+        struct fixture_out *o = &during[i].o;
+        long n = recorded_with(pg, during[i].word);
+        fprintf(stderr, "  exec during the fault %d: %d, recorded %ld: %s",
+                i, o->status, n, o->err);
+        ck_assert_msg(o->status == 0 || o->status == 125 || o->status == 69,
+                      "exit %d: %s", o->status, o->err);
+        if (o->status == 125) {
+            ck_assert_int_eq(n, 0);
+            ck_assert_msg(strstr(o->err, "not recorded") != NULL, "%s",
+                          o->err);
+        }
+        if (o->status == 69)
+            ck_assert_msg(strstr(o->err, "kscore get ") != NULL ||
+                              strstr(o->err, "idempotency") != NULL,
+                          "%s", o->err);
+    }
+    PQfinish(pg);
+    /* The operator sees the cause: the SQLSTATE and the server's words. */
+    ck_assert_int_ge(log_lines(log_at, "cause=refuses_writes", NULL), 1);
+    ck_assert_int_ge(log_lines(log_at, "sqlstate=25006", NULL), 1);
+    for (int i = 0; i < RO_WAITING; i++)
+        fixture_out_release(&waiting[i].o);
+    for (int i = 0; i < RO_DURING; i++)
+        fixture_out_release(&during[i].o);
+    evt_close(c);
+}
+END_TEST
+
 static Suite *
 pg_restart_suite(void)
 {
@@ -593,6 +811,7 @@ pg_restart_suite(void)
     tcase_add_test(tc, exec_heals_after_restart);
     tcase_add_test(tc, running_command_recorded_once);
     tcase_add_test(tc, everything_after_restart);
+    tcase_add_test(tc, results_wait_while_pg_refuses_writes);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -370,6 +370,95 @@ sc_pg_restart(struct chaos_run *r)
     return 0;
 }
 
+/* ---- 4b. PostgreSQL refuses writes for 8-12 s in the middle of 100 submissions ------- */
+
+/*
+ * Makes every new session of the database read-only (as its owner, the
+ * role kscore may: ALTER DATABASE ... SET default_transaction_read_only),
+ * or writable again, and ends the role's other sessions so the broker's
+ * reconnect and take it. The database's answer is 25006, as a full disk's
+ * is 53100: up, reachable, refusing writes (issue 25). 0, or -1 with the
+ * error logged.
+ */
+static int
+pg_read_only(struct chaos_run *r, bool on)
+{
+    PGconn *pg = PQconnectdb(r->st.pg.conninfo);
+    char sql[256];
+    int rc = -1;
+
+    if (PQstatus(pg) != CONNECTION_OK)
+        goto out;
+    PGresult *res = PQexec(pg, "SET default_transaction_read_only = off;"
+                               " SELECT current_database()");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        PQclear(res);
+        goto out;
+    }
+    snprintf(sql, sizeof(sql),
+             "ALTER DATABASE \"%s\" %s default_transaction_read_only%s",
+             PQgetvalue(res, 0, 0), on ? "SET" : "RESET", on ? " = on" : "");
+    PQclear(res);
+    res = PQexec(pg, sql);
+    bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+    PQclear(res);
+    if (!ok)
+        goto out;
+    res = PQexec(pg, "SELECT count(pg_terminate_backend(pid))"
+                     " FROM pg_stat_activity"
+                     " WHERE datname = current_database()"
+                     "   AND usename = current_user"
+                     "   AND backend_type = 'client backend'"
+                     "   AND pid <> pg_backend_pid()");
+    ok = PQresultStatus(res) == PGRES_TUPLES_OK;
+    PQclear(res);
+    rc = ok ? 0 : -1;
+out:
+    if (rc)
+        chaos_log(r, "cannot make PostgreSQL %s: %s",
+                  on ? "read-only" : "writable", PQerrorMessage(pg));
+    PQfinish(pg);
+    return rc;
+}
+
+static int
+sc_pg_readonly(struct chaos_run *r)
+{
+    size_t n = r->short_mode ? 50 : 100;
+    int rc;
+
+    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = r->short_mode ? 15 : 20;
+    long at = (long)chaos_rand(r, n / 4, n * 6 / 10);
+    int64_t fault_ms = (int64_t)chaos_rand(r, 8000, 12000);
+
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "p", 2)))
+        return rc;
+    /* Long enough that many end while writes are refused. */
+    chaos_subs_prepare(r, n, 0.5, 3.0);
+    snprintf(r->note, sizeof(r->note),
+             "%zu submissions at %.0f/s over 2 agents; PostgreSQL refuses "
+             "writes (read-only, 25006) for %lld ms from %ld accepted",
+             n, r->rate, (long long)fault_ms, at);
+    chaos_log(r, "%s", r->note);
+    if ((rc = chaos_submit_start(r)))
+        return rc;
+    chaos_wait_accepted(r, at);
+    if ((rc = pg_read_only(r, true)))
+        return rc;
+    chaos_log(r, "PostgreSQL refuses writes; %ld accepted, %ld running",
+              (long)r->accepted, chaos_count_status(r, "Running", NULL));
+    chaos_sleep_ms(fault_ms);
+    int64_t t0 = ks_mono_us();
+    chaos_log(r, "%ld running while writes are refused; taking writes again",
+              chaos_count_status(r, "Running", NULL));
+    if ((rc = pg_read_only(r, false)))
+        return rc;
+    chaos_probe(r, "PostgreSQL takes writes again", r->probe_agent, t0);
+    return 0;
+}
+
 /* ---- 5. broker kill -9 in the middle of a batch over 10 agents ------------------------ */
 
 static int
@@ -824,6 +913,8 @@ static const struct chaos_scenario scenarios[] = {
                   "later", sc_nats_kill},
     {"pg-restart", "restart PostgreSQL (-m fast) in the middle of 100 "
                    "submissions", sc_pg_restart},
+    {"pg-readonly", "PostgreSQL refuses writes (read-only) for 8-12 s in "
+                    "the middle of 100 submissions", sc_pg_readonly},
     {"batch-broker-kill", "kill -9 the broker in the middle of batches over "
                           "10 agents, restart it", sc_batch_broker_kill},
     {"broker-pause", "SIGSTOP the broker for 12-16 s while 4 agents run "
