@@ -41,6 +41,11 @@ struct broker__agent {
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
+    /* An attestation of this id verified once since this broker started
+     * (or since the id was revoked: agent_forget drops the entry): from
+     * then on its entries without a valid one get no labels, whatever
+     * require_signed_labels says (labels_settle). */
+    bool ever_signed;
     bool unsigned_warned;   /* logged that it has no valid attestation */
     /* The last attestation that verified (its text, malloc'd, and
      * signature): the same one in the next heartbeat needs no Ed25519

@@ -109,6 +109,27 @@ attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
     return false;
 }
 
+/* labels_settle's why for an id whose attestation verified before and
+ * now does not come (agent_update logs it as an error). */
+static const char labels_downgrade[] =
+    "this id had a valid label attestation and this entry has none that "
+    "verifies: it gets no labels (an enrolled agent's labels are signed or "
+    "none)";
+
+/* 1 when an attestation of id verified before (broker__agent.ever_signed). */
+static bool
+agent_was_signed(struct broker *b, const char *id)
+{
+    struct broker__agent *a;
+    bool was;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, id);
+    was = a && a->ever_signed;
+    pthread_mutex_unlock(&b->mu);
+    return was;
+}
+
 /*
  * Decides info's labels, before anything looks at them. An agent writes
  * its own entry, so the labels it declares are its own say: with them one
@@ -120,10 +141,14 @@ attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
  * key for info's agent_id (the entry's key: entry_problem), info->labels
  * become exactly the attested ones and whatever else it declared is
  * dropped (not shown by `kscore agents`). When it is missing or does not
- * verify: under require_signed_labels the agent gets no labels at all
- * (still reachable by id), else its self-declared labels stand (a single
- * host, tests). A revoked agent's attestation stays valid as a signature,
- * but its NKey is gone, so it can write no entry to show it in.
+ * verify, the agent gets no labels at all (still reachable by id) under
+ * require_signed_labels (the default), and also when this id's
+ * attestation verified before: an enrolled agent that leaves the
+ * signature out of its bundle and declares env=dev must not become a dev
+ * agent (issue 21). Else, its self-declared labels stand (a single host
+ * whose agents were never enrolled, tests). A revoked agent's attestation
+ * stays valid as a signature, but its NKey is gone, so it can write no
+ * entry to show it in.
  * true when the labels are attested; *why: NULL, or why not (static text)
  * when that deserves a log line; *verified: the attestation's text
  * (malloc'd, for agent_update's cache) when it is.
@@ -133,6 +158,7 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
               char **verified)
 {
     bool require = b->opts && b->opts->require_signed_labels;
+    bool was_signed = false;
 
     *why = NULL;
     *verified = NULL;
@@ -147,19 +173,25 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
             drop_labels(&info->attested_labels, &info->n_attested_labels);
             return true;
         }
+    }
+    if (!require)
+        was_signed = agent_was_signed(b, info->agent_id);
+    if (was_signed)
+        *why = labels_downgrade;
+    else if (info->labels_signature.len)
         *why = require ? "its label attestation is not this broker's "
                          "signature over its id and labels: it gets no "
                          "labels (--require-signed-labels)"
                        : "its label attestation is not this broker's "
                          "signature over its id and labels: its "
-                         "self-declared labels are used";
-    } else if (require) {
+                         "self-declared labels are used "
+                         "(--allow-unsigned-labels)";
+    else if (require)
         *why = "it has no label attestation (kscore agent enroll): it gets "
                "no labels (--require-signed-labels)";
-    }
     /* Labels under a signature that does not hold mean nothing. */
     drop_labels(&info->attested_labels, &info->n_attested_labels);
-    if (require)
+    if (require || was_signed)
         drop_labels(&info->labels, &info->n_labels);
     return false;
 }
@@ -295,6 +327,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
     a->labels_signed = labels_signed;
+    a->ever_signed = a->ever_signed || labels_signed;
     /* What verified, for the next heartbeat to match (cache). */
     if (verified)
         memcpy(a->attest_sig, info->labels_signature.data,
@@ -322,7 +355,12 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
                KS_S("instance", old->id), KS_S("newer_host", n->host),
                KS_I("newer_pid", n->pid), KS_S("newer_instance", n->id));
     }
-    if (warn)
+    if (warn && why == labels_downgrade)
+        ks_log(KS_LOG_ERROR,
+               "refused an enrolled agent's unsigned labels (it keeps none)",
+               KS_S("module", "registry"), KS_S("agent", key),
+               KS_S("error", why));
+    else if (warn)
         ks_log(KS_LOG_WARN, "agent labels not attested",
                KS_S("module", "registry"), KS_S("agent", key),
                KS_S("error", why));
@@ -806,6 +844,16 @@ registry_main(void *arg)
         return NULL;
     }
     q->b = b;
+    if (b->opts && b->opts->require_signed_labels)
+        ks_log(KS_LOG_INFO,
+               "agent labels: signed ones only (kscore agent enroll; "
+               "--require-signed-labels, the default)",
+               KS_S("module", "registry"));
+    else
+        ks_log(KS_LOG_WARN,
+               "agent labels: an agent never enrolled keeps the labels it "
+               "declares (--allow-unsigned-labels)",
+               KS_S("module", "registry"));
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cond, NULL);
     if (pthread_create(&q->thread, NULL, provq_main, q) != 0) {

@@ -1397,7 +1397,8 @@ static char ls_policy[PATH_MAX];
 static void
 labels_up(void)
 {
-    /* lop: sh (with DBPASS) on env=prod agents only, true anywhere. */
+    /* lop: sh (with DBPASS) on env=prod agents only, id on env=dev ones
+     * only, true anywhere. */
     const char *t = getenv("TMPDIR");
     snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
              t && t[0] ? t : "/tmp");
@@ -1407,6 +1408,8 @@ labels_up(void)
         exit(1);
     fprintf(f, "{\"operators\": {\"lop\": [{\"agents\": {\"env\": "
                "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
+               "{\"agents\": {\"env\": \"dev\"}, \"executables\": "
+               "[\"id\"]}, "
                "{\"agents\": \"*\", "
                "\"executables\": [\"true\"]}]}}\n");
     fclose(f);
@@ -1421,6 +1424,7 @@ static void
 labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
+    stack_stop(ls.dir, "bb", 10000);
     fixture_stack_stop(&ls);
     unlink(ls_policy);
 }
@@ -1631,6 +1635,163 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
 }
 END_TEST
 
+/* ls's $KSCORE_HOME signs with the fixture's key (enroll looks in keys/). */
+static void
+ls_keys(void)
+{
+    char p[PATH_MAX + 64];
+    snprintf(p, sizeof(p), "%s/keys", ls.dir);
+    mkdir(p, 0700);
+    snprintf(p, sizeof(p), "%s/keys/broker.key", ls.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(ls.signing_key, p), 0);
+    snprintf(p, sizeof(p), "%s/keys/broker.pub", ls.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(ls.trust_key, p), 0);
+}
+
+/* 1 when path holds a line with both a and b after offset from. */
+static bool
+log_has_from(const char *path, long from, const char *a, const char *b)
+{
+    FILE *f = fopen(path, "re");
+    char l[4096];
+    bool hit = false;
+    if (f && from > 0)
+        fseek(f, from, SEEK_SET);
+    while (f && !hit && fgets(l, sizeof(l), f))
+        hit = strstr(l, a) && (!b || strstr(l, b));
+    if (f)
+        fclose(f);
+    return hit;
+}
+
+static long
+file_size(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
+}
+
+/*
+ * Issue 21: an agent enrolled as env=prod takes the signature lines out
+ * of its bundle and declares env=dev, to get what a dev-only operator
+ * may do there (lop: id on env=dev only) and dev's batches. The broker
+ * saw this id's signed labels: it gives it none, even with
+ * --allow-unsigned-labels, and says so in its log. Then the broker's own
+ * default (no flag, no variable, no config) is signed labels only.
+ */
+START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], blog[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+    long from;
+
+    ls_keys();
+    snprintf(blog, sizeof(blog), "%s/broker.log", ls.dir);
+    /* Unsigned labels allowed: the fixture's broker as it starts. */
+    fixture_stack_broker_kill(&ls, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    snprintf(bundle, sizeof(bundle), "%s/bb.bundle", ls.dir);
+    {
+        const char *args[] = {"agent", "enroll", "enrolled-bb", "--label",
+                              "env=prod", "--out", bundle, "--nats-url",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+    since = ks_now_us();
+    {
+        char state[PATH_MAX + 32];
+        pid_t pid;
+        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                        bundle, "--state-dir", state, NULL};
+        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
+        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
+                                           30000) == 0);
+    }
+    line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    ck_assert_int_eq(exec_on("enrolled-bb", "id", NULL, NULL), 125);
+    stack_stop(ls.dir, "bb", 10000);
+
+    /* The same bundle without its attestation, saying env=dev. */
+    snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
+    {
+        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
+        char l[16384];
+        ck_assert(in && out);
+        while (fgets(l, sizeof(l), in))
+            if (strncmp(l, "labels_signature", 16) != 0 &&
+                strncmp(l, "labels_key_id", 13) != 0 &&
+                strncmp(l, "enrolled_at_us", 14) != 0)
+                fputs(strcmp(l, "label = env=prod\n") == 0
+                          ? "label = env=dev\n"
+                          : l,
+                      out);
+        fclose(in);
+        fclose(out);
+        chmod(stripped, 0600);
+    }
+    from = file_size(blog);
+    since = ks_now_us();
+    {
+        char state[PATH_MAX + 32];
+        pid_t pid;
+        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                        stripped, "--state-dir", state, NULL};
+        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
+        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
+                                           30000) == 0);
+    }
+    line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
+    ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
+                      strstr(line, "\"labels\":{}"),
+                  "%s", line);
+    free(line);
+    /* The dev-only rule does not reach it; nor does a dev batch. */
+    ck_assert_int_eq(exec_on("enrolled-bb", "id", NULL, NULL), 125);
+    ck_assert_int_eq(exec_on("enrolled-bb", "true", NULL, NULL), 0);
+    {
+        const char *args[] = {"batch", "--select", "env=dev", "--json",
+                              "--", "id", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(!strstr(o.out, "enrolled-bb") &&
+                          !strstr(o.err, "enrolled-bb"),
+                      "batch: %d %s%s", o.status, o.out, o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_msg(log_has_from(blog, from, "unsigned labels", "enrolled-bb"),
+                  "no refusal logged in %s", blog);
+
+    /* The broker's default: signed labels only. */
+    from = file_size(blog);
+    fixture_stack_broker_kill(&ls, SIGTERM);
+    setenv("KSCORE_REQUIRE_SIGNED_LABELS", "", 1);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    ck_assert_msg(log_has_from(blog, from, "signed ones only", NULL),
+                  "the broker's default is not signed labels only (%s)",
+                  blog);
+    since = ks_now_us();
+    ck_assert_int_eq(fixture_stack_wait_agent(&ls, "selfdecl", since, 30000),
+                     0);
+    line = agent_line("selfdecl", "\"labels\":{}", 10000);
+    ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
+    free(line);
+    stack_stop(ls.dir, "bb", 10000);
+}
+END_TEST
+
 /* The notices between brokers (broker/notice.c) answer waiting clients,
  * count batch targets, cancel batches and say where live output goes:
  * only the broker's credential may publish them, not an agent's nor an
@@ -1686,6 +1847,7 @@ security_suite(void)
     tcase_add_unchecked_fixture(tc, labels_up, labels_down);
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, agents_get_only_the_labels_the_broker_signed);
+    tcase_add_test(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
     suite_add_tcase(s, tc);
     return s;
 }
