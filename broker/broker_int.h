@@ -188,11 +188,13 @@ void broker__reply_error(struct broker *b, natsMsg *msg,
 void broker__claimed_put(struct broker *b, const char *command_id,
                          const char *agent_id, uint32_t attempt,
                          int64_t version);
-/* true if this broker was asked to execute with idempotency key `key`
- * before (of the last BROKER_KEYS_SEEN_MAX; then forgotten), and notes it.
- * Any thread; takes mu. */
+/* true if this broker was asked by operator_ to execute with idempotency
+ * key `key` before (of the last BROKER_KEYS_SEEN_MAX; then forgotten), and
+ * notes it. Keys are per operator (store_command_by_key). Any thread;
+ * takes mu. */
 #define BROKER_KEYS_SEEN_MAX 65536
-bool broker__key_seen(struct broker *b, const char *key);
+bool broker__key_seen(struct broker *b, const char *operator_,
+                      const char *key);
 /* Removes and returns command_id's hint (the caller frees it), or NULL. */
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);

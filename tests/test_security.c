@@ -40,8 +40,11 @@ stack_up(void)
     mkdir(side, 0777);
     snprintf(policy_path, sizeof(policy_path), "%s/policy.json", tmpdir);
     FILE *f = fopen(policy_path, "w");
-    /* alice: sh, echo and true on env=dev agents; nothing else anywhere. */
+    /* alice and mallory: sh, echo and true on env=dev agents; nothing else
+     * anywhere. */
     fprintf(f, "{\"operators\": {\"" OPERATOR "\": [{\"agents\": "
+               "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
+               "\"true\"]}], \"mallory\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}]}}\n");
     fclose(f);
@@ -1792,6 +1795,95 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 }
 END_TEST
 
+/* `kscore exec --agent sec --idempotency-key key --detach -- echo word`
+ * as the operator whose seed is seed: its status, and the command id it
+ * printed in id (or ""). */
+static int
+exec_keyed_as(const char *seed, const char *key, const char *word,
+              char id[37], char *err, size_t err_len)
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                          "--detach", "--", "echo", word, NULL};
+    char *own = strdup(stack.operator_seed), *as = strdup(seed);
+    struct fixture_out o;
+    int st;
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", as);
+    free(as);
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", own);
+    free(own);
+    st = o.status;
+    snprintf(id, 37, "%.36s", st == 0 ? o.out : "");
+    snprintf(err, err_len, "%s", o.err);
+    fixture_out_release(&o);
+    return st;
+}
+
+/*
+ * Issue 21: idempotency keys were global. Another operator (mallory,
+ * allowed what alice is) could ask with alice's key whether it exists
+ * (a refusal, "idempotency key already used", said so), and take a key
+ * first, after which alice's request with it came back with mallory's
+ * command as her own. A key is its operator's: the same key from
+ * another operator is another, independent command; a repeat by the same
+ * operator still returns its first command.
+ */
+START_TEST(idempotency_keys_are_per_operator)
+{
+    struct stack_identity mal;
+    char mal_seed[PATH_MAX + 64], key[40], key2[40], m1[37], a1[37], a2[37],
+        m2[37], err[1024], sql[256];
+
+    ck_assert_int_eq(
+        stack_ident_add(stack.dir, STACK_OPERATOR, "mallory", &mal), 0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "mallory", mal_seed,
+                          sizeof(mal_seed));
+    fresh_id(key);
+    fresh_id(key2);
+
+    /* mallory squats a key first, with the argv alice will send. */
+    ck_assert_msg(exec_keyed_as(mal_seed, key, "same", m1, err,
+                                sizeof(err)) == 0,
+                  "%s", err);
+    ck_assert_msg(exec_keyed_as(stack.operator_seed, key, "same", a1, err,
+                                sizeof(err)) == 0,
+                  "%s", err);
+    ck_assert_msg(strcmp(a1, m1) != 0,
+                  "alice's request with a key mallory took first came back "
+                  "with mallory's command %s", m1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "operator = '" OPERATOR "'",
+             a1);
+    ck_assert_int_eq(sql_long(sql), 1);
+    /* Each one's repeat is its own first command. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key, "same", a2, err,
+                                   sizeof(err)),
+                     0);
+    ck_assert_str_eq(a2, a1);
+    ck_assert_int_eq(
+        exec_keyed_as(mal_seed, key, "same", m2, err, sizeof(err)), 0);
+    ck_assert_str_eq(m2, m1);
+
+    /* A probe: alice's key, another argv, by mallory. Not "already used":
+     * a command of mallory's own. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key2, "mine", a1,
+                                   err, sizeof(err)),
+                     0);
+    ck_assert_msg(exec_keyed_as(mal_seed, key2, "probe", m1, err,
+                                sizeof(err)) == 0,
+                  "mallory's probe of alice's key: %s", err);
+    ck_assert_msg(!strstr(err, "already used"), "%s", err);
+    ck_assert_str_ne(m1, a1);
+    /* alice's own different argv with her key is still refused. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key2, "other", a2,
+                                   err, sizeof(err)),
+                     125);
+    ck_assert_msg(strstr(err, "idempotency key already used"), "%s", err);
+}
+END_TEST
+
 /* The notices between brokers (broker/notice.c) answer waiting clients,
  * count batch targets, cancel batches and say where live output goes:
  * only the broker's credential may publish them, not an agent's nor an
@@ -1841,6 +1933,7 @@ security_suite(void)
     /* These add users and reload the server's users. */
     tcase_add_test(tc, pool_credential_serves_only_its_ids);
     tcase_add_test(tc, operator_reads_only_its_own_inbox);
+    tcase_add_test(tc, idempotency_keys_are_per_operator);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
