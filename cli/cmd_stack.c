@@ -1999,10 +1999,7 @@ cmd_agent(int argc, char **argv)
         rc = 0;
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
-               KS_S("reason", agent_fatal(a) == AGENT_FATAL_REVOKED
-                                  ? "revoked: NATS closed its connection"
-                                  : "duplicate: another process serves "
-                                    "this id"),
+               KS_S("reason", "revoked: NATS closed its connection"),
                KS_I("exit_code", AGENT_EXIT_CONFIG));
         rc = AGENT_EXIT_CONFIG;
     }

@@ -1884,6 +1884,206 @@ START_TEST(idempotency_keys_are_per_operator)
 }
 END_TEST
 
+/* ---- duplicates: only live heartbeats count ------------------------- */
+
+/* Starts an agent process for id with its own NATS identity (agent-<id>)
+ * and label env=dev (alice may echo there); its seed path in seed. */
+static void
+spawn_own_agent(const char *id, char *seed, size_t seed_len)
+{
+    struct stack_identity ident;
+    char name[96];
+    snprintf(name, sizeof(name), "agent-%s", id);
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_AGENT, name, &ident),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_AGENT, name, seed, seed_len);
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    const char *extra[] = {"--label", "env=dev", NULL};
+    int rc = fixture_agent_spawn(&stack, id, id, extra);
+    unsetenv("KSCORE_NATS_NKEY");
+    ck_assert_msg(rc == 0, "agent %s did not start (see %s/%s.log)", id,
+                  stack.dir, id);
+}
+
+/* The broker's view of agent id (kscore agents): its AgentInfo (the
+ * caller frees it) and whether it is a duplicate. Polled for up to 10 s
+ * until the broker has it (its watch may be behind the bucket, which the
+ * fixture's wait for a heartbeat reads). */
+static Ks__AgentInfo *
+broker_view(const char *id, bool *duplicate)
+{
+    struct evt_conn *op = connect_as(stack.operator_seed);
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    Ks__AgentInfo *copy = NULL;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int64_t deadline = ks_mono_us() + 10000000;
+again:;
+    int rc = broker_call(op, EVT_API_AGENTS, &req.base,
+                         &ks__agents_reply__descriptor, 5000,
+                         (ProtobufCMessage **)&rep);
+    ck_assert_msg(rc == 0, "agents: %s", ks_strerror(rc));
+    *duplicate = false;
+    for (size_t i = 0; i < rep->n_agents; i++)
+        if (!strcmp(rep->agents[i]->info->agent_id, id)) {
+            *duplicate = rep->agents[i]->duplicate;
+            ck_assert_int_eq(kproto_pack(&rep->agents[i]->info->base, &buf,
+                                         &len),
+                             0);
+            copy = ks__agent_info__unpack(NULL, len, buf);
+            free(buf);
+        }
+    ks__agents_reply__free_unpacked(rep, NULL);
+    rep = NULL;
+    if (!copy && ks_mono_us() < deadline) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        goto again;
+    }
+    evt_close(op);
+    ck_assert_msg(copy != NULL, "%s is not in kscore agents", id);
+    return copy;
+}
+
+/* Writes into the registry, with agent id's own credential (seed), the
+ * entry of another process of id (instance): info's, with another pid,
+ * started at started_us and heartbeating at heartbeat_us. */
+static void
+forge_entry(const char *seed, const Ks__AgentInfo *info,
+            const char *instance, int64_t started_us, int64_t heartbeat_us)
+{
+    struct evt_conn *ag = connect_as(seed);
+    Ks__AgentInfo f = *info;
+    char subject[64 + EVT_AGENT_ID_MAX];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    f.instance_id = (char *)instance;
+    f.pid = info->pid + 1000;
+    f.started_at_us = started_us;
+    f.heartbeat_at_us = heartbeat_us;
+    ck_assert_int_eq(kproto_pack(&f.base, &buf, &len), 0);
+    snprintf(subject, sizeof(subject), "$KV." EVT_KV_AGENTS ".%s",
+             info->agent_id);
+    ck_assert_int_eq(natsConnection_Publish(ag->nc, subject, buf, (int)len),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Flush(ag->nc), NATS_OK);
+    free(buf);
+    evt_close(ag);
+}
+
+/* `kscore exec --agent id --detach -- echo word` as alice: its id. */
+static void
+detach_on(const char *id, const char *word, char cid[37])
+{
+    const char *args[] = {"exec", "--agent", id, "--detach", "--",
+                          "echo", word, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    snprintf(cid, 37, "%.36s", o.out);
+    fixture_out_release(&o);
+}
+
+static bool
+file_says(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "re");
+    char l[4096];
+    bool hit = false;
+    while (f && !hit && fgets(l, sizeof(l), f))
+        hit = strstr(l, needle) != NULL;
+    if (f)
+        fclose(f);
+    return hit;
+}
+
+/*
+ * Issue 21: the agent credential wrote into the registry an old
+ * AgentInfo of its id (867 s old, another instance that started
+ * earlier). The broker took it for a second live process, refused the
+ * live one's claims, and the live agent exited 78 for good. The server
+ * stored that entry now, but the heartbeat in it is 867 s behind the
+ * server's time of its put: no live heartbeat, no duplicate. The live
+ * agent keeps claiming and running.
+ */
+START_TEST(a_replayed_old_heartbeat_does_not_evict_the_live_agent)
+{
+    char seed[PATH_MAX + 64], log[PATH_MAX + 32], blog[PATH_MAX + 32],
+        cid[4][37], old[37];
+    bool dup = false;
+
+    spawn_own_agent("rp", seed, sizeof(seed));
+    Ks__AgentInfo *live = broker_view("rp", &dup);
+    ck_assert(!dup);
+    /* One old heartbeat of an earlier process of rp, as recorded then. */
+    fresh_id(old);
+    int64_t then_us = ks_now_us() - INT64_C(867) * 1000000;
+    /* Replayed three times, spaced so that the live one's heartbeats
+     * (every 2 s) come between them: A, B, A is what a duplicate looks
+     * like to the broker. */
+    for (int i = 0; i < 3; i++) {
+        forge_entry(seed, live, old, then_us - INT64_C(33) * 1000000,
+                    then_us);
+        nanosleep(&(struct timespec){0, 900 * 1000000L}, NULL);
+        Ks__AgentInfo *now = broker_view("rp", &dup);
+        ks__agent_info__free_unpacked(now, NULL);
+        ck_assert_msg(!dup, "an 867 s old heartbeat made rp a duplicate");
+    }
+    ks__agent_info__free_unpacked(live, NULL);
+    for (int i = 0; i < 4; i++) {
+        detach_on("rp", "alive", cid[i]);
+        ck_assert_int_eq(wait_status(cid[i], "Succeeded", 20000), 0);
+    }
+    snprintf(log, sizeof(log), "%s/rp.log", stack.dir);
+    ck_assert_msg(stack_pidfile_alive(stack.dir, "rp", NULL),
+                  "rp stopped (see %s)", log);
+    ck_assert_msg(!file_says(log, "another agent process serves this id"),
+                  "see %s", log);
+    snprintf(blog, sizeof(blog), "%s/broker.log", stack.dir);
+    ck_assert_msg(file_says(blog, "no live heartbeat"), "see %s", blog);
+    stack_stop(stack.dir, "rp", 10000);
+}
+END_TEST
+
+/*
+ * The same credential can write a heartbeat of now for another instance:
+ * the broker cannot tell it from a second live process, marks the id
+ * duplicate and refuses the live process's claims. That process does not
+ * stop for good: it stands aside (no deliveries) while the other is live,
+ * and once the forged instance is no longer heard (10 s) it claims and
+ * runs the command it was refused.
+ */
+START_TEST(a_falsely_accused_agent_serves_again)
+{
+    char seed[PATH_MAX + 64], log[PATH_MAX + 32], cid[37];
+    bool dup = false;
+
+    spawn_own_agent("rq", seed, sizeof(seed));
+    Ks__AgentInfo *live = broker_view("rq", &dup);
+    char forged[37];
+    fresh_id(forged);
+    forge_entry(seed, live, forged, ks_now_us() - INT64_C(900) * 1000000,
+                ks_now_us());
+    ks__agent_info__free_unpacked(live, NULL);
+    for (int i = 0; i < 50 && !dup; i++) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ks__agent_info__free_unpacked(broker_view("rq", &dup), NULL);
+    }
+    ck_assert_msg(dup, "a forged live instance did not make rq duplicate");
+    /* Refused while the forged one is live; run once it is not. */
+    detach_on("rq", "again", cid);
+    ck_assert_int_eq(wait_status(cid, "Succeeded", 30000), 0);
+    snprintf(log, sizeof(log), "%s/rq.log", stack.dir);
+    ck_assert_msg(stack_pidfile_alive(stack.dir, "rq", NULL),
+                  "rq stopped (see %s)", log);
+    ck_assert_msg(file_says(log, "stands aside"), "see %s", log);
+    ck_assert_msg(!file_says(log, "exit_code=78"), "see %s", log);
+    ck_assert_msg(file_says(log, "taking deliveries again"), "see %s", log);
+    stack_stop(stack.dir, "rq", 10000);
+}
+END_TEST
+
 /* The notices between brokers (broker/notice.c) answer waiting clients,
  * count batch targets, cancel batches and say where live output goes:
  * only the broker's credential may publish them, not an agent's nor an
@@ -1911,6 +2111,16 @@ START_TEST(only_brokers_publish_notices)
 }
 END_TEST
 
+/* KSCORE_TEST_ONLY=name runs one test of a case (development), as in
+ * test_agent. */
+static void
+add_only(TCase *tc, const TTest *t)
+{
+    const char *only = getenv("KSCORE_TEST_ONLY");
+    if (!only || !strcmp(only, t->name))
+        tcase_add_test(tc, t);
+}
+
 static Suite *
 security_suite(void)
 {
@@ -1918,29 +2128,31 @@ security_suite(void)
     TCase *tc = tcase_create("secure-stack");
     tcase_add_unchecked_fixture(tc, stack_up, stack_down);
     tcase_set_timeout(tc, 120);
-    tcase_add_test(tc, operator_cannot_publish_commands);
-    tcase_add_test(tc, agent_cannot_take_another_agents_commands);
-    tcase_add_test(tc, refused_commands_never_run);
-    tcase_add_test(tc, an_unrecorded_command_never_runs);
-    tcase_add_test(tc, policy_denies_and_records);
-    tcase_add_test(tc, agent_credential_reads_no_replies);
-    tcase_add_test(tc, a_huge_registry_entry_is_ignored);
-    tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
-    tcase_add_test(tc, agent_credential_cannot_touch_consumers);
-    tcase_add_test(tc, only_brokers_publish_notices);
-    tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
-    tcase_add_test(tc, agent_works_with_its_own_rights_only);
+    add_only(tc, operator_cannot_publish_commands);
+    add_only(tc, agent_cannot_take_another_agents_commands);
+    add_only(tc, refused_commands_never_run);
+    add_only(tc, an_unrecorded_command_never_runs);
+    add_only(tc, policy_denies_and_records);
+    add_only(tc, agent_credential_reads_no_replies);
+    add_only(tc, a_huge_registry_entry_is_ignored);
+    add_only(tc, agent_labels_cannot_drive_the_terminal);
+    add_only(tc, agent_credential_cannot_touch_consumers);
+    add_only(tc, only_brokers_publish_notices);
+    add_only(tc, broker_replaces_a_consumer_with_a_wrong_filter);
+    add_only(tc, agent_works_with_its_own_rights_only);
     /* These add users and reload the server's users. */
-    tcase_add_test(tc, pool_credential_serves_only_its_ids);
-    tcase_add_test(tc, operator_reads_only_its_own_inbox);
-    tcase_add_test(tc, idempotency_keys_are_per_operator);
+    add_only(tc, pool_credential_serves_only_its_ids);
+    add_only(tc, operator_reads_only_its_own_inbox);
+    add_only(tc, idempotency_keys_are_per_operator);
+    add_only(tc, a_replayed_old_heartbeat_does_not_evict_the_live_agent);
+    add_only(tc, a_falsely_accused_agent_serves_again);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
     tcase_add_unchecked_fixture(tc, labels_up, labels_down);
     tcase_set_timeout(tc, 180);
-    tcase_add_test(tc, agents_get_only_the_labels_the_broker_signed);
-    tcase_add_test(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
+    add_only(tc, agents_get_only_the_labels_the_broker_signed);
+    add_only(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
     suite_add_tcase(s, tc);
     return s;
 }
