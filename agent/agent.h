@@ -501,13 +501,14 @@ void agent_stop(struct agent *a);
  * RestartPreventExitStatus): 0 while it serves;
  *  AGENT_FATAL_REVOKED: NATS closed its connection for good (a revoked
  *   credential: an authorization violation at the reload) after it fenced
- *   itself, so it can neither run nor report anything any more;
- *  AGENT_FATAL_DUPLICATE: the broker refused its claim because another,
- *   older process serves the same id (KS_EDUPINSTANCE).
- * Any thread.
+ *   itself, so it can neither run nor report anything any more.
+ * A claim refused because another, older process serves the same id
+ * (KS_EDUPINSTANCE) is not fatal: the id stands aside (no deliveries) for
+ * EVT_AGENT_TTL_MS and then claims again, so a process falsely taken for
+ * a duplicate (a forged registry entry, issue 21) serves again once the
+ * other is no longer live. Any thread.
  */
-enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED,
-                   AGENT_FATAL_DUPLICATE };
+enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED };
 #define AGENT_EXIT_CONFIG 78 /* EX_CONFIG */
 enum agent_fatal agent_fatal(struct agent *a);
 

@@ -23,6 +23,12 @@ struct agent_slot {
     char ack_prefix[40 + EVT_AGENT_ID_MAX];
     /* Core queue subscription to the consumer's deliver subject. */
     natsSubscription *sub, *cancel_sub;
+    /* The broker refused a claim of this id: another, older process
+     * serves it (KS_EDUPINSTANCE). Until then (mono us) the id takes no
+     * deliveries (runtime.c aside_tick); aside: its subscription is
+     * unsubscribed now (keeper thread, under sub_mu). */
+    _Atomic int64_t aside_until_us;
+    bool aside;
     /* The broker's attestation of this id's labels (agent_opts), sent in
      * every heartbeat; has_attest false: none. Labels borrowed. */
     bool has_attest;
@@ -102,6 +108,12 @@ struct agent {
     struct ks_map slot_of;
     natsSubscription *pool_sub;
     char *pool_name; /* opts.pool points here (copied) */
+    /* The pool's deliveries stand aside as one (agent_slot.aside_until_us). */
+    _Atomic int64_t pool_aside_until_us;
+    bool pool_aside;
+    /* Taken to unsubscribe or subscribe again the deliver subscriptions
+     * (keeper thread, agent_stop): none comes back after closing. */
+    pthread_mutex_t sub_mu;
     /* "pool-<pool>": the identity of the pool's inbox (its replies: claims,
      * PubAcks), whatever the connection's credential is named. */
     char pool_identity[8 + EVT_AGENT_ID_MAX];

@@ -67,6 +67,10 @@ _Static_assert(CLAIM_UNRECORDED_TRIES < EVT_AGENT_MAX_DELIVER,
 #define AGENT_VERSION "0.1.0"
 /* The keeper's period (ms): progress acks, contact, fence. */
 #define KEEPER_TICK_MS 200
+/* How long an id refused as a duplicate stands aside (us): the broker's
+ * window (BROKER_DUP_WINDOW_US), after which a process no longer heard is
+ * no longer the other one. */
+#define AGENT_ASIDE_US ((int64_t)EVT_AGENT_TTL_MS * 1000)
 /* How long the registration (the first heartbeat) is tried again while
  * the registry stream does not answer (ms): register_retrying. */
 #define REGISTER_RETRY_MS 30000
@@ -759,14 +763,22 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     if (rc)
         return rc;
     rep = (Ks__ClaimReply *)pm;
-    if (!rep->granted && rep->error_code == KS_EDUPINSTANCE &&
-        atomic_exchange(&a->fatal, AGENT_FATAL_DUPLICATE) == 0)
-        /* Another, older process serves this id: this one must not run
-         * its commands, and stops (agent_fatal). */
-        ks_log(KS_LOG_ERROR,
-               "another agent process serves this id: this one stops",
-               KS_S("agent", slot->id), KS_S("instance", a->instance_id),
-               KS_S("error", rep->error));
+    if (!rep->granted && rep->error_code == KS_EDUPINSTANCE) {
+        /* Another, older process serves this id, as the broker sees it:
+         * this one must not run its commands while that one is live. It
+         * stands aside (aside_tick) instead of stopping for good: the
+         * broker's word may come from a forged registry entry (issue 21),
+         * and when the other process is gone this one serves again. */
+        _Atomic int64_t *until = a->opts.pool ? &a->pool_aside_until_us
+                                              : &slot->aside_until_us;
+        int64_t now = ks_mono_us();
+        if (atomic_exchange(until, now + AGENT_ASIDE_US) <= now)
+            ks_log(KS_LOG_ERROR,
+                   "another agent process serves this id: this one stands "
+                   "aside (no deliveries) and claims again in 10 s",
+                   KS_S("agent", slot->id), KS_S("instance", a->instance_id),
+                   KS_S("error", rep->error));
+    }
     rc = rep->granted ? 1 : (rep->error_code == KS_ECLAIMED ? 0
                                                             : rep->error_code);
     if (rc == 0)
@@ -776,6 +788,83 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
 }
 
 static void heartbeat_poke(struct agent *a);
+
+static int subscribe_deliver(struct agent *a, natsSubscription **sub,
+                             const char *deliver, const char *group,
+                             natsMsgHandler cb, void *ud, char **errmsg);
+static void on_command(natsConnection *nc, natsSubscription *sub,
+                       natsMsg *msg, void *ud);
+static void on_pool_command(natsConnection *nc, natsSubscription *sub,
+                            natsMsg *msg, void *ud);
+
+/*
+ * One deliver subscription (a slot's, or the pool's: slot NULL) standing
+ * aside while *until (mono us) is ahead, and back after. Aside, JetStream
+ * gives the id's messages to the other process of its queue group, not to
+ * this one to hand back (each hand-back costs one of its
+ * EVT_AGENT_MAX_DELIVER deliveries); back, the next claim asks the broker
+ * again. Commands already running go on. Keeper thread.
+ */
+static void
+aside_one(struct agent *a, struct agent_slot *slot, natsSubscription **sub,
+          bool *aside, _Atomic int64_t *until, int64_t now)
+{
+    bool want = atomic_load(until) > now;
+    const char *name = slot ? slot->id : a->pool_name;
+
+    if (want == *aside)
+        return;
+    pthread_mutex_lock(&a->sub_mu);
+    if (atomic_load(&a->closing)) {
+        pthread_mutex_unlock(&a->sub_mu);
+        return;
+    }
+    if (want) {
+        natsSubscription_Unsubscribe(*sub);
+        *aside = true;
+    } else {
+        char durable[8 + EVT_AGENT_ID_MAX], deliver[32 + EVT_AGENT_ID_MAX];
+        natsSubscription *fresh = NULL;
+        char *err = NULL;
+        if (slot)
+            snprintf(durable, sizeof(durable), "%s", slot->identity);
+        else
+            evt_pool_durable(durable, sizeof(durable), a->pool_name);
+        evt_deliver_subject(deliver, sizeof(deliver), durable);
+        if (subscribe_deliver(a, &fresh, deliver, durable,
+                              slot ? on_command : on_pool_command,
+                              slot ? (void *)slot : (void *)a, &err) == 0) {
+            natsSubscription_Destroy(*sub);
+            *sub = fresh;
+            *aside = false;
+        } else {
+            ks_log(KS_LOG_WARN, "cannot take deliveries again (tried again)",
+                   KS_S("agent", name), KS_S("error", err ? err : "?"));
+        }
+        free(err);
+    }
+    pthread_mutex_unlock(&a->sub_mu);
+    if (want)
+        ks_log(KS_LOG_WARN, "standing aside: no deliveries for this id",
+               KS_S("agent", name));
+    else if (!*aside)
+        ks_log(KS_LOG_INFO, "taking deliveries again for this id",
+               KS_S("agent", name));
+}
+
+static void
+aside_tick(struct agent *a, int64_t now)
+{
+    if (a->pool_sub) {
+        aside_one(a, NULL, &a->pool_sub, &a->pool_aside,
+                  &a->pool_aside_until_us, now);
+        return;
+    }
+    for (size_t i = 0; i < a->n_slots; i++)
+        if (a->slots[i].sub)
+            aside_one(a, &a->slots[i], &a->slots[i].sub, &a->slots[i].aside,
+                      &a->slots[i].aside_until_us, now);
+}
 
 /*
  * Fenced, yet a claim just went through: NATS may be back before the next
@@ -1619,6 +1708,7 @@ keeper_main(void *arg)
             judge_after = now + 2000000;
         }
         last_tick = now;
+        aside_tick(a, now);
         natsConnStatus st = natsConnection_Status(a->nc->nc);
         if (st == NATS_CONN_STATUS_CONNECTED && prev != st)
             heartbeat_poke(a); /* back: say so now, not in 2 s */
@@ -1749,6 +1839,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     a->waitq_tail = &a->waitq;
     a->readyq_tail = &a->readyq;
     pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->sub_mu, NULL);
     pthread_mutex_init(&a->out_mu, NULL);
     pthread_cond_init(&a->out_flush_cond, NULL);
     pthread_mutex_init(&a->hb_mu, NULL);
@@ -2000,6 +2091,8 @@ agent_stop(struct agent *a)
     ks_metrics_collector_remove(agent_collect, a);
     /* No new work: no deliveries, no new claims. */
     atomic_store(&a->closing, 1);
+    /* After closing, under sub_mu: aside_tick subscribes nothing again. */
+    pthread_mutex_lock(&a->sub_mu);
     if (a->pool_sub)
         natsSubscription_Unsubscribe(a->pool_sub);
     for (size_t i = 0; i < a->n_slots; i++) {
@@ -2008,6 +2101,7 @@ agent_stop(struct agent *a)
         if (a->slots[i].cancel_sub)
             natsSubscription_Unsubscribe(a->slots[i].cancel_sub);
     }
+    pthread_mutex_unlock(&a->sub_mu);
     pthread_mutex_lock(&a->mu);
     while (a->callbacks)
         pthread_cond_wait(&a->cb_cond, &a->mu);
@@ -2067,6 +2161,7 @@ agent_stop(struct agent *a)
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
     pthread_mutex_destroy(&a->mu);
+    pthread_mutex_destroy(&a->sub_mu);
     pthread_mutex_destroy(&a->spare_mu);
     pthread_mutex_destroy(&a->hb_mu);
     pthread_mutex_destroy(&a->out_mu);

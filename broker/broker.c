@@ -135,10 +135,15 @@ broker__claimed_put(struct broker *b, const char *command_id,
 }
 
 bool
-broker__key_seen(struct broker *b, const char *key)
+broker__key_seen(struct broker *b, const char *operator_, const char *key)
 {
+    /* The operator's key: a NATS subject token has no newline. */
+    char k[EVT_IDENTITY_MAX + 2 + 256];
     bool seen;
 
+    if (snprintf(k, sizeof(k), "%s\n%s", operator_, key) >= (int)sizeof(k))
+        return true; /* not noted: the append finds out (no overlap) */
+    key = k;
     pthread_mutex_lock(&b->mu);
     seen = ks_map_get(&b->keys_seen, key) != NULL;
     if (!seen) {
@@ -465,9 +470,11 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 
     /* An idempotency key already used is found by the append below: the
-     * unique index on commands.idempotency_key refuses the second
-     * CommandRequested (KS_ECONFLICT) and the request joins the command
-     * that has it. Looking the key up first cost every execute one more
+     * unique index on commands (operator, idempotency_key) refuses the
+     * second CommandRequested of the same operator (KS_ECONFLICT) and the
+     * request joins that operator's command that has it; another
+     * operator's same key is a command of its own (issue 21: keys were
+     * global, so one operator could squat another's). Looking the key up first cost every execute one more
      * PostgreSQL round trip (every `kscore exec` sends a key). */
 
     if (b->policy) {
@@ -553,7 +560,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     broker__agent_pool(b, cmd.agent_id, dp.pool, sizeof(dp.pool));
     bool overlap = !req->idempotency_key[0] ||
                    (!req->key_may_exist &&
-                    !broker__key_seen(b, req->idempotency_key));
+                    !broker__key_seen(b, cmd.operator_,
+                                      req->idempotency_key));
     if (overlap)
         rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
                                   publish_between, &dp);
@@ -571,7 +579,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             free(w);
             w = NULL;
         }
-        if (store_command_by_key(st, req->idempotency_key, winner) == 0 &&
+        if (store_command_by_key(st, cmd.operator_, req->idempotency_key,
+                                 winner) == 0 &&
             attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
             goto out;
     }

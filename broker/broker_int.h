@@ -41,6 +41,11 @@ struct broker__agent {
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
+    /* An attestation of this id verified once since this broker started
+     * (or since the id was revoked: agent_forget drops the entry): from
+     * then on its entries without a valid one get no labels, whatever
+     * require_signed_labels says (labels_settle). */
+    bool ever_signed;
     bool unsigned_warned;   /* logged that it has no valid attestation */
     /* The last attestation that verified (its text, malloc'd, and
      * signature): the same one in the next heartbeat needs no Ed25519
@@ -198,11 +203,13 @@ void broker__reply_error(struct broker *b, natsMsg *msg,
 void broker__claimed_put(struct broker *b, const char *command_id,
                          const char *agent_id, uint32_t attempt,
                          int64_t version);
-/* true if this broker was asked to execute with idempotency key `key`
- * before (of the last BROKER_KEYS_SEEN_MAX; then forgotten), and notes it.
- * Any thread; takes mu. */
+/* true if this broker was asked by operator_ to execute with idempotency
+ * key `key` before (of the last BROKER_KEYS_SEEN_MAX; then forgotten), and
+ * notes it. Keys are per operator (store_command_by_key). Any thread;
+ * takes mu. */
 #define BROKER_KEYS_SEEN_MAX 65536
-bool broker__key_seen(struct broker *b, const char *key);
+bool broker__key_seen(struct broker *b, const char *operator_,
+                      const char *key);
 /* Removes and returns command_id's hint (the caller frees it), or NULL. */
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);

@@ -109,6 +109,27 @@ attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
     return false;
 }
 
+/* labels_settle's why for an id whose attestation verified before and
+ * now does not come (agent_update logs it as an error). */
+static const char labels_downgrade[] =
+    "this id had a valid label attestation and this entry has none that "
+    "verifies: it gets no labels (an enrolled agent's labels are signed or "
+    "none)";
+
+/* 1 when an attestation of id verified before (broker__agent.ever_signed). */
+static bool
+agent_was_signed(struct broker *b, const char *id)
+{
+    struct broker__agent *a;
+    bool was;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, id);
+    was = a && a->ever_signed;
+    pthread_mutex_unlock(&b->mu);
+    return was;
+}
+
 /*
  * Decides info's labels, before anything looks at them. An agent writes
  * its own entry, so the labels it declares are its own say: with them one
@@ -120,10 +141,14 @@ attestation_valid(struct broker *b, const Ks__AgentInfo *info, char **text)
  * key for info's agent_id (the entry's key: entry_problem), info->labels
  * become exactly the attested ones and whatever else it declared is
  * dropped (not shown by `kscore agents`). When it is missing or does not
- * verify: under require_signed_labels the agent gets no labels at all
- * (still reachable by id), else its self-declared labels stand (a single
- * host, tests). A revoked agent's attestation stays valid as a signature,
- * but its NKey is gone, so it can write no entry to show it in.
+ * verify, the agent gets no labels at all (still reachable by id) under
+ * require_signed_labels (the default), and also when this id's
+ * attestation verified before: an enrolled agent that leaves the
+ * signature out of its bundle and declares env=dev must not become a dev
+ * agent (issue 21). Else, its self-declared labels stand (a single host
+ * whose agents were never enrolled, tests). A revoked agent's attestation
+ * stays valid as a signature, but its NKey is gone, so it can write no
+ * entry to show it in.
  * true when the labels are attested; *why: NULL, or why not (static text)
  * when that deserves a log line; *verified: the attestation's text
  * (malloc'd, for agent_update's cache) when it is.
@@ -133,6 +158,7 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
               char **verified)
 {
     bool require = b->opts && b->opts->require_signed_labels;
+    bool was_signed = false;
 
     *why = NULL;
     *verified = NULL;
@@ -147,19 +173,25 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
             drop_labels(&info->attested_labels, &info->n_attested_labels);
             return true;
         }
+    }
+    if (!require)
+        was_signed = agent_was_signed(b, info->agent_id);
+    if (was_signed)
+        *why = labels_downgrade;
+    else if (info->labels_signature.len)
         *why = require ? "its label attestation is not this broker's "
                          "signature over its id and labels: it gets no "
                          "labels (--require-signed-labels)"
                        : "its label attestation is not this broker's "
                          "signature over its id and labels: its "
-                         "self-declared labels are used";
-    } else if (require) {
+                         "self-declared labels are used "
+                         "(--allow-unsigned-labels)";
+    else if (require)
         *why = "it has no label attestation (kscore agent enroll): it gets "
                "no labels (--require-signed-labels)";
-    }
     /* Labels under a signature that does not hold mean nothing. */
     drop_labels(&info->attested_labels, &info->n_attested_labels);
-    if (require)
+    if (require || was_signed)
         drop_labels(&info->labels, &info->n_labels);
     return false;
 }
@@ -262,15 +294,61 @@ broker__claim_instance_ok(struct broker *b, const char *agent_id,
     return rc;
 }
 
+/*
+ * true when info, put in the bucket at put_us by the server's clock (the
+ * JetStream timestamp of the KV message: kvEntry_Created), is a live
+ * heartbeat: a process that heartbeats now. server_us: the newest server
+ * time the watch has seen (the beacons and heartbeats of every 2 s), so
+ * the broker's own clock never enters. An entry the server stored more
+ * than the window ago is not one (an initial value of a new watch, a
+ * bucket whose TTL is longer than the window). Nor is one whose own
+ * heartbeat time is more than the window off the server's time of its
+ * put: a heartbeat written by the agent credential from an old AgentInfo
+ * (issue 21: one 867 s old made the live process a duplicate, and it
+ * exited). An agent writes its heartbeat_at_us itself, so that is only
+ * half of it: a forger who writes the time of now is a live process to
+ * the broker, and the falsely refused agent stands aside for as long only
+ * (agent/runtime.c claim). An agent whose clock is off by more than the
+ * window is never taken for a second process: both then claim, and the
+ * claim fence keeps each command to one run. Registry thread.
+ */
+static bool
+heartbeat_live(const Ks__AgentInfo *info, int64_t put_us, int64_t server_us)
+{
+    int64_t skew = put_us - info->heartbeat_at_us;
+    return put_us > 0 && server_us - put_us < BROKER_DUP_WINDOW_US &&
+           skew < BROKER_DUP_WINDOW_US && -skew < BROKER_DUP_WINDOW_US;
+}
+
+/* One log line per this much time for heartbeats not live (us). */
+#define STALE_LOG_EVERY_US (10 * 1000000)
+
+static void
+heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
+{
+    static _Atomic int64_t logged_us;
+    int64_t now = ks_mono_us();
+    if (now - logged_us < STALE_LOG_EVERY_US)
+        return;
+    logged_us = now;
+    ks_log(KS_LOG_WARN,
+           "an agent's registry entry is no live heartbeat: not counted as "
+           "a process of its id (logged once per 10 s)",
+           KS_S("module", "registry"), KS_S("agent", key),
+           KS_S("instance", info->instance_id),
+           KS_D("behind_s", (double)(put_us - info->heartbeat_at_us) / 1e6));
+}
+
 /* Takes info into the registry map (which owns it from here), with its
  * labels decided by labels_settle. watched: info is the watcher's, which
  * sees the entries in order; an entry read from the bucket meanwhile
  * (broker__agent_known) may be newer than what the watcher delivers next,
- * so it says nothing about which process heartbeats (instance_note). */
+ * so it says nothing about which process heartbeats (instance_note); nor
+ * does one that is no live heartbeat (live: heartbeat_live). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
              bool labels_signed, const char *why, char *verified,
-             bool watched)
+             bool watched, bool live)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -289,12 +367,13 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         a->stored_mono_us = ks_mono_us();
     }
     a->seen_mono_us = ks_mono_us();
-    bool dup = watched && instance_note(a, info, a->seen_mono_us);
+    bool dup = watched && live && instance_note(a, info, a->seen_mono_us);
     struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
     a->labels_signed = labels_signed;
+    a->ever_signed = a->ever_signed || labels_signed;
     /* What verified, for the next heartbeat to match (cache). */
     if (verified)
         memcpy(a->attest_sig, info->labels_signature.data,
@@ -322,7 +401,12 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
                KS_S("instance", old->id), KS_S("newer_host", n->host),
                KS_I("newer_pid", n->pid), KS_S("newer_instance", n->id));
     }
-    if (warn)
+    if (warn && why == labels_downgrade)
+        ks_log(KS_LOG_ERROR,
+               "refused an enrolled agent's unsigned labels (it keeps none)",
+               KS_S("module", "registry"), KS_S("agent", key),
+               KS_S("error", why));
+    else if (warn)
         ks_log(KS_LOG_WARN, "agent labels not attested",
                KS_S("module", "registry"), KS_S("agent", key),
                KS_S("error", why));
@@ -715,7 +799,7 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
  */
 static void
 pool_seen(struct broker *b, struct provq *q, const char *key,
-          Ks__AgentInfo *info, size_t packed)
+          Ks__AgentInfo *info, size_t packed, bool live)
 {
     const char *bad = pool_problem(key, info, packed);
     uint8_t *tmpl = NULL;
@@ -777,7 +861,7 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, sig, NULL, NULL, true);
+        agent_update(b, ids[i], m, sig, NULL, NULL, true, live);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -798,6 +882,7 @@ registry_main(void *arg)
     struct provq *q = calloc(1, sizeof(*q));
 
     int64_t last_entry = ks_mono_us();
+    int64_t server_us = 0; /* the newest server time of an entry */
     bool warned = false;
 
     if (!q) {
@@ -806,6 +891,16 @@ registry_main(void *arg)
         return NULL;
     }
     q->b = b;
+    if (b->opts && b->opts->require_signed_labels)
+        ks_log(KS_LOG_INFO,
+               "agent labels: signed ones only (kscore agent enroll; "
+               "--require-signed-labels, the default)",
+               KS_S("module", "registry"));
+    else
+        ks_log(KS_LOG_WARN,
+               "agent labels: an agent never enrolled keeps the labels it "
+               "declares (--allow-unsigned-labels)",
+               KS_S("module", "registry"));
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cond, NULL);
     if (pthread_create(&q->thread, NULL, provq_main, q) != 0) {
@@ -882,6 +977,11 @@ registry_main(void *arg)
         pthread_mutex_unlock(&b->mu);
         if (!e) /* end of the initial values */
             continue;
+        /* The server's clock, as the watch sees it (ns in nats.c 3.4.1:
+         * the JetStream timestamp of the message). */
+        int64_t put_us = kvEntry_Created(e) / 1000;
+        if (put_us > server_us)
+            server_us = put_us;
         if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
                     strlen(BROKER_BEACON_PREFIX)) == 0) {
             kvEntry_Destroy(e); /* a broker's beacon: heard, that is all */
@@ -894,7 +994,9 @@ registry_main(void *arg)
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
                            (size_t)kvEntry_ValueLen(e), &m) == 0)
                 pool_seen(b, q, kvEntry_Key(e), (Ks__AgentInfo *)m,
-                          (size_t)kvEntry_ValueLen(e));
+                          (size_t)kvEntry_ValueLen(e),
+                          heartbeat_live((Ks__AgentInfo *)m, put_us,
+                                         server_us));
         } else if (kvEntry_Operation(e) == kvOp_Put) {
             ProtobufCMessage *m = NULL;
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
@@ -913,8 +1015,11 @@ registry_main(void *arg)
                         store_upsert_agent(b->st_reg, info) != 0;
                     /* Before agent_update takes info. */
                     provq_push(q, kvEntry_Key(e), info);
+                    bool live = heartbeat_live(info, put_us, server_us);
+                    if (!live)
+                        heartbeat_stale(kvEntry_Key(e), info, put_us);
                     agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified, true);
+                                 verified, true, live);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1010,7 +1115,7 @@ broker__agent_known(struct broker *b, const char *agent_id)
         const char *why = NULL;
         char *verified = NULL;
         bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified, false);
+        agent_update(b, agent_id, info, sig, why, verified, false, false);
         return 1;
     }
     return 0;

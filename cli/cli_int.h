@@ -388,7 +388,8 @@ int cli_listen_tls(const char *home, struct cli_listen *l,
                    const char *agent_user, const char *operator_name);
 /* Puts --tls-ca/--tls-cert/--tls-key (the broker's, agent 0, or the
  * local agent's, agent 1) at argv's first NULL (6 free slots needed;
- * the broker's 7: it also gets --require-signed-labels). */
+ * the broker's 7: it also gets --require-signed-labels); on loopback
+ * (no TLS) the broker gets --allow-unsigned-labels only. */
 void cli_listen_args(char **argv, const struct cli_listen *l, int agent);
 /* Appends the listen settings and the operator's TLS files to the env
  * file. 0 or -errno. */

@@ -245,10 +245,17 @@ cli_listen_args(char **argv, const struct cli_listen *l, int agent)
 {
     size_t i = 0;
 
-    if (!l->tls)
-        return;
     while (argv[i])
         i++;
+    /* On loopback only processes of this host reach NATS, and its agents
+     * are seldom enrolled (kscore agent --label on one host, the tests):
+     * the broker's default (signed labels only) is turned off for them. An id whose signed labels the broker saw still
+     * gets none without them (broker/registry.c labels_settle). */
+    if (!l->tls) {
+        if (!agent)
+            argv[i++] = "--allow-unsigned-labels";
+        return;
+    }
     argv[i++] = "--tls-ca";
     argv[i++] = (char *)l->ca;
     if (l->mtls) {

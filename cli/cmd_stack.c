@@ -1636,6 +1636,7 @@ cmd_broker(int argc, char **argv)
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
         {"require-signed-labels", no_argument, 0, 'G'},
+        {"allow-unsigned-labels", no_argument, 0, 'U'},
         {"replicas", required_argument, 0, 'R'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
@@ -1678,18 +1679,25 @@ cmd_broker(int argc, char **argv)
         case 'G':
             require_signed = "true";
             break;
+        case 'U':
+            require_signed = "false";
+            break;
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
                    "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
-                   "[--require-signed-labels] [--replicas N] "
+                   "[--require-signed-labels|--allow-unsigned-labels] "
+                   "[--replicas N] "
                    "[--config FILE] [--log-format "
                    "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
                    "agents trust its public half.\n"
-                   "--require-signed-labels: an agent whose labels the "
-                   "signing key did not sign (kscore agent enroll) gets no "
-                   "labels (use it for a fleet).\n"
+                   "--require-signed-labels (the default): an agent whose "
+                   "labels the signing key did not sign (kscore agent "
+                   "enroll) gets no labels. --allow-unsigned-labels: one "
+                   "that was never enrolled keeps the labels it declares "
+                   "(a single host); an id whose signed labels were seen "
+                   "gets none without them either way.\n"
                    "--replicas N: copies of the streams and the KV bucket "
                    "on a JetStream cluster (1..5, at most its nodes; "
                    "default 1).\n"
@@ -1720,7 +1728,9 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
         goto out;
-    o.require_signed_labels = require_signed && cli_conf_true(require_signed);
+    /* On unless turned off: a label the agent merely declares would pick
+     * prod's commands and secrets for any agent credential (issue 21). */
+    o.require_signed_labels = !require_signed || cli_conf_true(require_signed);
     if (replicas) {
         o.replicas = (unsigned)strtoul(replicas, &end, 10);
         if (*end || !replicas[0] || replicas[0] == '-' || o.replicas < 1 ||
@@ -2276,10 +2286,7 @@ cmd_agent(int argc, char **argv)
         rc = 0;
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
-               KS_S("reason", agent_fatal(a) == AGENT_FATAL_REVOKED
-                                  ? "revoked: NATS closed its connection"
-                                  : "duplicate: another process serves "
-                                    "this id"),
+               KS_S("reason", "revoked: NATS closed its connection"),
                KS_I("exit_code", AGENT_EXIT_CONFIG));
         rc = AGENT_EXIT_CONFIG;
     }

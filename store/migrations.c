@@ -850,6 +850,19 @@ static const char migration_8[] =
      */
     "ALTER TABLE streams SET (fillfactor = 50);\n";
 
+/*
+ * Migration 9: an idempotency key is its operator's (issue 21). Unique on
+ * the key alone, another operator could ask whether a key exists (a
+ * refusal said so) and take it first, after which the owner's request
+ * joined the squatter's command as its own. Now the key is unique per
+ * operator: another operator's same key is another command. Rows keep
+ * their keys: unique alone, they are unique per operator too.
+ */
+static const char migration_9[] =
+    "DROP INDEX commands_idempotency_key_key;\n"
+    "CREATE UNIQUE INDEX commands_operator_idempotency_key ON commands\n"
+    "  (operator, idempotency_key) WHERE idempotency_key IS NOT NULL;\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -860,6 +873,7 @@ const struct store__migration store__migrations[] = {
     {7, "appends no longer NOTIFY (commits share fsyncs again)", migration_7},
     {8, "the recorder's checked batch without locks before the append",
      migration_8},
+    {9, "idempotency keys are per operator", migration_9},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

@@ -1000,10 +1000,10 @@ out:
 }
 
 int
-store_command_by_key(struct store *s, const char *idempotency_key,
-                     char id_out[37])
+store_command_by_key(struct store *s, const char *operator_,
+                     const char *idempotency_key, char id_out[37])
 {
-    const char *params[1] = {idempotency_key};
+    const char *params[2] = {operator_ ? operator_ : "", idempotency_key};
     PGresult *res;
     int rc = store__ready(s);
 
@@ -1011,8 +1011,9 @@ store_command_by_key(struct store *s, const char *idempotency_key,
         return rc;
     res = PQexecParams(
         s->conn,
-        "SELECT command_id::text FROM commands WHERE idempotency_key = $1", 1,
-        NULL, params, NULL, NULL, 0);
+        "SELECT command_id::text FROM commands"
+        " WHERE operator = $1 AND idempotency_key = $2",
+        2, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         rc = store__read_error(s, res);
     } else if (PQntuples(res) == 0) {

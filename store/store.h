@@ -303,12 +303,13 @@ int store_scan_open(struct store *s, const char *status,
 int store_upsert_agent(struct store *s, const Ks__AgentInfo *info);
 
 /*
- * The command whose CommandRequested carried idempotency_key (in
- * Ks__Event.reason). Returns 0 with id_out (UUID text), KS_ENOTFOUND or
- * KS_EPG.
+ * The command of operator whose CommandRequested carried idempotency_key
+ * (in Ks__Event.reason): a key is unique per operator (commands.operator,
+ * '' for NULL), so another operator's same key is never found. Returns 0
+ * with id_out (UUID text), KS_ENOTFOUND or KS_EPG.
  */
-int store_command_by_key(struct store *s, const char *idempotency_key,
-                         char id_out[37]);
+int store_command_by_key(struct store *s, const char *operator_,
+                         const char *idempotency_key, char id_out[37]);
 
 /*
  * The operator who requested batch batch_id ("batch-<uuid>"), into buf

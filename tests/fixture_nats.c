@@ -147,7 +147,23 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
     }
     if (s->secure)
         setenv("KSCORE_NATS_NKEY", s->broker_seed, 1);
+    /* The fixtures' agents are never enrolled and most tests select them
+     * by the labels they declare: the broker's default (signed labels
+     * only) is off here unless the test set KSCORE_REQUIRE_SIGNED_LABELS
+     * itself (test_security's signed-labels case); set to "" it is
+     * unset for the broker, which then runs with its own default. */
+    const char *rsl = getenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    char *rsl_copy = rsl ? strdup(rsl) : NULL;
+    if (!rsl)
+        setenv("KSCORE_REQUIRE_SIGNED_LABELS", "false", 1);
+    else if (!rsl[0])
+        unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
     rc = stack_daemon(s->dir, "broker", argv, &pid);
+    if (rsl_copy)
+        setenv("KSCORE_REQUIRE_SIGNED_LABELS", rsl_copy, 1);
+    else
+        unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    free(rsl_copy);
     unsetenv("KSCORE_NATS_NKEY");
     if (rc == 0)
         rc = wait_broker(s, 30000);

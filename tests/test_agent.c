@@ -1020,7 +1020,9 @@ agents_say_duplicate(const char *id)
 
 /* One id served by two agent processes (the same bundle on two hosts):
  * the broker says so once in its log and in `kscore agents`, refuses the
- * newer process's claims, which then stops; every command runs once. */
+ * newer process's claims, which then stands aside (no deliveries) instead
+ * of stopping for good; every command runs once. When the older one
+ * stops, the newer one serves the id. */
 START_TEST(two_processes_with_one_id_are_a_duplicate)
 {
     struct evt_conn *c = client();
@@ -1041,24 +1043,21 @@ START_TEST(two_processes_with_one_id_are_a_duplicate)
                        "say duplicate");
     snprintf(blog, sizeof(blog), "%s/broker.log", stack.dir);
     ck_assert_msg(file_has(blog, "duplicate agent"), "see %s", blog);
-    /* Commands until the newer one got one, was refused and stopped. */
+    /* Commands until the newer one got one and was refused. */
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
-    while (n < 40 && stack_pidfile_alive(stack.dir, "agent-dupb", NULL)) {
+    snprintf(log, sizeof(log), "%s/agent-dupb.log", stack.dir);
+    while (n < 39 && !file_has(log, "another agent process serves this id")) {
         ck_assert_int_eq(submit(c, "dup", script, ids[n]), 0);
         n++;
         sleep_ms(300);
     }
-    for (int i = 0; i < 100 &&
-                    stack_pidfile_alive(stack.dir, "agent-dupb", NULL);
-         i++)
-        sleep_ms(100);
-    snprintf(log, sizeof(log), "%s/agent-dupb.log", stack.dir);
-    ck_assert_msg(!stack_pidfile_alive(stack.dir, "agent-dupb", NULL),
-                  "the newer process still runs (see %s)", log);
     ck_assert_msg(file_has(log, "another agent process serves this id"),
                   "see %s", log);
-    ck_assert_msg(file_has(log, "exit_code=78"), "see %s", log);
+    ck_assert_msg(file_has(log, "stands aside"), "see %s", log);
+    ck_assert_msg(stack_pidfile_alive(stack.dir, "agent-dupb", NULL),
+                  "the newer process stopped (see %s)", log);
+    ck_assert_msg(!file_has(log, "exit_code=78"), "see %s", log);
     ck_assert(stack_pidfile_alive(stack.dir, "agent-dupa", NULL));
     for (int i = 0; i < n; i++) {
         char st[32];
@@ -1066,11 +1065,21 @@ START_TEST(two_processes_with_one_id_are_a_duplicate)
         ck_assert_str_eq(status_of(pg, ids[i], st, sizeof(st)), "Succeeded");
         ck_assert_int_eq(runs_of(ids[i]), 1);
     }
-    fprintf(stderr, "duplicate: %d commands until the newer process "
-                    "stopped\n", n);
+    fprintf(stderr, "duplicate: %d commands until the newer process was "
+                    "refused\n", n);
+    /* The older one goes: once the broker no longer hears it, the newer
+     * one serves the id. */
+    stack_stop(stack.dir, "agent-dupa", 20000);
+    for (int i = 0; i < 300 && agents_say_duplicate("dup"); i++)
+        sleep_ms(100);
+    ck_assert_msg(!agents_say_duplicate("dup"), "still a duplicate");
+    ck_assert_int_eq(submit(c, "dup", script, ids[n]), 0);
+    ck_assert_int_eq(wait_status(pg, ids[n], "Succeeded", 30000), 0);
+    ck_assert_int_eq(runs_of(ids[n]), 1);
+    ck_assert(stack_pidfile_alive(stack.dir, "agent-dupb", NULL));
     PQfinish(pg);
     evt_close(c);
-    stack_stop(stack.dir, "agent-dupa", 20000);
+    stack_stop(stack.dir, "agent-dupb", 20000);
 }
 END_TEST
 

@@ -879,7 +879,9 @@ broker2_start(void)
     snprintf(key, sizeof(key), "%s", stack.signing_key);
     char *argv[] = {getenv("KSCORE_BIN"), "broker", "--nats", stack.nats.url,
                     "--db", stack.pg.conninfo, "--local-agents", "0",
-                    "--signing-key", key, NULL};
+                    "--signing-key", key,
+                    /* as the fixture's broker: its agents are unenrolled */
+                    "--allow-unsigned-labels", NULL};
     ck_assert_ptr_nonnull(argv[0]);
     snprintf(log, sizeof(log), "%s/broker2.log", stack.dir);
     /* The log is appended to at each start: only this start's lines. */

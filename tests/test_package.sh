@@ -147,7 +147,7 @@ check "broker unit: control-group kill" grep -qx 'KillMode=control-group' "$ROOT
 a="$ROOT/lib/systemd/system/kscore-agent.service"
 check "agent unit: children killed with it (mixed)" grep -qx 'KillMode=mixed' "$a"
 check "agent unit: cgroup delegated" grep -qx 'Delegate=yes' "$a"
-check "agent unit: not restarted after exit 78 (revoked, duplicate id)" grep -qx 'RestartPreventExitStatus=78' "$a"
+check "agent unit: not restarted after exit 78 (revoked)" grep -qx 'RestartPreventExitStatus=78' "$a"
 check "agent unit: no sandbox its commands would inherit" sh -c "! grep -q '^\(NoNewPrivileges\|ProtectSystem\|ProtectHome\|PrivateTmp\|PrivateDevices\|User\)=' '$a'"
 # The control host's stack: `kscore up` / `down` with the arguments of
 # /etc/default/kscore-stack, in /var/lib/kscore/stack; the watch reloads

@@ -42,8 +42,11 @@ stack_up(void)
     mkdir(side, 0777);
     snprintf(policy_path, sizeof(policy_path), "%s/policy.json", tmpdir);
     FILE *f = fopen(policy_path, "w");
-    /* alice: sh, echo and true on env=dev agents; nothing else anywhere. */
+    /* alice and mallory: sh, echo and true on env=dev agents; nothing else
+     * anywhere. */
     fprintf(f, "{\"operators\": {\"" OPERATOR "\": [{\"agents\": "
+               "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
+               "\"true\"]}], \"mallory\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}]}}\n");
     fclose(f);
@@ -550,30 +553,31 @@ END_TEST
  */
 struct thief {
     natsConnection *nc;
+    struct evt_conn *ec;
 };
 
+/* The connection is evt_connect's (only the NKey handshake: nats.c
+ * 3.4.1's own signer, natsOptions_SetNKeyFromSeed, sends a signature
+ * that begins with a zero byte as none, so one connect in 256 failed;
+ * events.c sign_nonce); everything the thief does is raw nats.c on it. */
 static struct thief *
 thief_connect(const char *seed_file)
 {
     struct thief *t = calloc(1, sizeof(*t));
-    natsOptions *o = NULL;
-    char seed[EVT_NKEY_SEED_CHARS + 1], pub[EVT_NKEY_PUBLIC_CHARS + 1],
-        ident[EVT_IDENTITY_MAX + 1];
+    struct evt_connect_opts o = {.name = "thief", .nkey_file = seed_file,
+                                 .timeout_ms = 2000};
+    char *err = NULL;
     ck_assert_ptr_nonnull(t);
-    ck_assert_int_eq(evt_nkey_read_seed(seed_file, seed, pub, ident), 0);
-    ck_assert_int_eq(natsOptions_Create(&o), NATS_OK);
-    ck_assert_int_eq(natsOptions_SetURL(o, stack.nats.url), NATS_OK);
-    ck_assert_int_eq(natsOptions_SetNKeyFromSeed(o, pub, seed_file),
-                     NATS_OK);
-    ck_assert_int_eq(natsConnection_Connect(&t->nc, o), NATS_OK);
-    natsOptions_Destroy(o);
+    ck_assert_msg(evt_connect(stack.nats.url, &o, &t->ec, &err) == 0,
+                  "thief connect: %s", err ? err : "");
+    t->nc = t->ec->nc;
     return t;
 }
 
 static void
 thief_close(struct thief *t)
 {
-    natsConnection_Destroy(t->nc);
+    evt_close(t->ec);
     free(t);
 }
 
@@ -1548,7 +1552,8 @@ static char ls_policy[PATH_MAX];
 static void
 labels_up(void)
 {
-    /* lop: sh (with DBPASS) on env=prod agents only, true anywhere. */
+    /* lop: sh (with DBPASS) on env=prod agents only, id on env=dev ones
+     * only, true anywhere. */
     const char *t = getenv("TMPDIR");
     snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
              t && t[0] ? t : "/tmp");
@@ -1558,6 +1563,8 @@ labels_up(void)
         exit(1);
     fprintf(f, "{\"operators\": {\"lop\": [{\"agents\": {\"env\": "
                "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
+               "{\"agents\": {\"env\": \"dev\"}, \"executables\": "
+               "[\"id\"]}, "
                "{\"agents\": \"*\", "
                "\"executables\": [\"true\"]}]}}\n");
     fclose(f);
@@ -1572,6 +1579,7 @@ static void
 labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
+    stack_stop(ls.dir, "bb", 10000);
     fixture_stack_stop(&ls);
     unlink(ls_policy);
 }
@@ -1782,6 +1790,452 @@ START_TEST(agents_get_only_the_labels_the_broker_signed)
 }
 END_TEST
 
+/* ls's $KSCORE_HOME signs with the fixture's key (enroll looks in keys/). */
+static void
+ls_keys(void)
+{
+    char p[PATH_MAX + 64];
+    snprintf(p, sizeof(p), "%s/keys", ls.dir);
+    mkdir(p, 0700);
+    snprintf(p, sizeof(p), "%s/keys/broker.key", ls.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(ls.signing_key, p), 0);
+    snprintf(p, sizeof(p), "%s/keys/broker.pub", ls.dir);
+    if (access(p, F_OK) != 0)
+        ck_assert_int_eq(symlink(ls.trust_key, p), 0);
+}
+
+/* 1 when path holds a line with both a and b after offset from. */
+static bool
+log_has_from(const char *path, long from, const char *a, const char *b)
+{
+    FILE *f = fopen(path, "re");
+    char l[4096];
+    bool hit = false;
+    if (f && from > 0)
+        fseek(f, from, SEEK_SET);
+    while (f && !hit && fgets(l, sizeof(l), f))
+        hit = strstr(l, a) && (!b || strstr(l, b));
+    if (f)
+        fclose(f);
+    return hit;
+}
+
+static long
+file_size(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
+}
+
+/*
+ * Issue 21: an agent enrolled as env=prod takes the signature lines out
+ * of its bundle and declares env=dev, to get what a dev-only operator
+ * may do there (lop: id on env=dev only) and dev's batches. The broker
+ * saw this id's signed labels: it gives it none, even with
+ * --allow-unsigned-labels, and says so in its log. Then the broker's own
+ * default (no flag, no variable, no config) is signed labels only.
+ */
+START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], blog[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+    long from;
+
+    ls_keys();
+    snprintf(blog, sizeof(blog), "%s/broker.log", ls.dir);
+    /* Unsigned labels allowed: the fixture's broker as it starts. */
+    fixture_stack_broker_kill(&ls, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    snprintf(bundle, sizeof(bundle), "%s/bb.bundle", ls.dir);
+    {
+        const char *args[] = {"agent", "enroll", "enrolled-bb", "--label",
+                              "env=prod", "--out", bundle, "--nats-url",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+    since = ks_now_us();
+    {
+        char state[PATH_MAX + 32];
+        pid_t pid;
+        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                        bundle, "--state-dir", state, NULL};
+        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
+        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
+                                           30000) == 0);
+    }
+    line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    ck_assert_int_eq(exec_on("enrolled-bb", "id", NULL, NULL), 125);
+    stack_stop(ls.dir, "bb", 10000);
+
+    /* The same bundle without its attestation, saying env=dev. */
+    snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
+    {
+        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
+        char l[16384];
+        ck_assert(in && out);
+        while (fgets(l, sizeof(l), in))
+            if (strncmp(l, "labels_signature", 16) != 0 &&
+                strncmp(l, "labels_key_id", 13) != 0 &&
+                strncmp(l, "enrolled_at_us", 14) != 0)
+                fputs(strcmp(l, "label = env=prod\n") == 0
+                          ? "label = env=dev\n"
+                          : l,
+                      out);
+        fclose(in);
+        fclose(out);
+        chmod(stripped, 0600);
+    }
+    from = file_size(blog);
+    since = ks_now_us();
+    {
+        char state[PATH_MAX + 32];
+        pid_t pid;
+        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                        stripped, "--state-dir", state, NULL};
+        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
+        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
+                                           30000) == 0);
+    }
+    line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
+    ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
+                      strstr(line, "\"labels\":{}"),
+                  "%s", line);
+    free(line);
+    /* The dev-only rule does not reach it; nor does a dev batch. */
+    ck_assert_int_eq(exec_on("enrolled-bb", "id", NULL, NULL), 125);
+    ck_assert_int_eq(exec_on("enrolled-bb", "true", NULL, NULL), 0);
+    {
+        const char *args[] = {"batch", "--select", "env=dev", "--json",
+                              "--", "id", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(!strstr(o.out, "enrolled-bb") &&
+                          !strstr(o.err, "enrolled-bb"),
+                      "batch: %d %s%s", o.status, o.out, o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_msg(log_has_from(blog, from, "unsigned labels", "enrolled-bb"),
+                  "no refusal logged in %s", blog);
+
+    /* The broker's default: signed labels only. */
+    from = file_size(blog);
+    fixture_stack_broker_kill(&ls, SIGTERM);
+    setenv("KSCORE_REQUIRE_SIGNED_LABELS", "", 1);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
+    ck_assert_msg(log_has_from(blog, from, "signed ones only", NULL),
+                  "the broker's default is not signed labels only (%s)",
+                  blog);
+    since = ks_now_us();
+    ck_assert_int_eq(fixture_stack_wait_agent(&ls, "selfdecl", since, 30000),
+                     0);
+    line = agent_line("selfdecl", "\"labels\":{}", 10000);
+    ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
+    free(line);
+    stack_stop(ls.dir, "bb", 10000);
+}
+END_TEST
+
+/* `kscore exec --agent sec --idempotency-key key --detach -- echo word`
+ * as the operator whose seed is seed: its status, and the command id it
+ * printed in id (or ""). */
+static int
+exec_keyed_as(const char *seed, const char *key, const char *word,
+              char id[37], char *err, size_t err_len)
+{
+    const char *args[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                          "--detach", "--", "echo", word, NULL};
+    char *own = strdup(stack.operator_seed), *as = strdup(seed);
+    struct fixture_out o;
+    int st;
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", as);
+    free(as);
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", own);
+    free(own);
+    st = o.status;
+    snprintf(id, 37, "%.36s", st == 0 ? o.out : "");
+    snprintf(err, err_len, "%s", o.err);
+    fixture_out_release(&o);
+    return st;
+}
+
+/*
+ * Issue 21: idempotency keys were global. Another operator (mallory,
+ * allowed what alice is) could ask with alice's key whether it exists
+ * (a refusal, "idempotency key already used", said so), and take a key
+ * first, after which alice's request with it came back with mallory's
+ * command as her own. A key is its operator's: the same key from
+ * another operator is another, independent command; a repeat by the same
+ * operator still returns its first command.
+ */
+START_TEST(idempotency_keys_are_per_operator)
+{
+    struct stack_identity mal;
+    char mal_seed[PATH_MAX + 64], key[40], key2[40], m1[37], a1[37], a2[37],
+        m2[37], err[1024], sql[256];
+
+    ck_assert_int_eq(
+        stack_ident_add(stack.dir, STACK_OPERATOR, "mallory", &mal), 0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "mallory", mal_seed,
+                          sizeof(mal_seed));
+    fresh_id(key);
+    fresh_id(key2);
+
+    /* mallory squats a key first, with the argv alice will send. */
+    ck_assert_msg(exec_keyed_as(mal_seed, key, "same", m1, err,
+                                sizeof(err)) == 0,
+                  "%s", err);
+    ck_assert_msg(exec_keyed_as(stack.operator_seed, key, "same", a1, err,
+                                sizeof(err)) == 0,
+                  "%s", err);
+    ck_assert_msg(strcmp(a1, m1) != 0,
+                  "alice's request with a key mallory took first came back "
+                  "with mallory's command %s", m1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "operator = '" OPERATOR "'",
+             a1);
+    ck_assert_int_eq(sql_long(sql), 1);
+    /* Each one's repeat is its own first command. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key, "same", a2, err,
+                                   sizeof(err)),
+                     0);
+    ck_assert_str_eq(a2, a1);
+    ck_assert_int_eq(
+        exec_keyed_as(mal_seed, key, "same", m2, err, sizeof(err)), 0);
+    ck_assert_str_eq(m2, m1);
+
+    /* A probe: alice's key, another argv, by mallory. Not "already used":
+     * a command of mallory's own. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key2, "mine", a1,
+                                   err, sizeof(err)),
+                     0);
+    ck_assert_msg(exec_keyed_as(mal_seed, key2, "probe", m1, err,
+                                sizeof(err)) == 0,
+                  "mallory's probe of alice's key: %s", err);
+    ck_assert_msg(!strstr(err, "already used"), "%s", err);
+    ck_assert_str_ne(m1, a1);
+    /* alice's own different argv with her key is still refused. */
+    ck_assert_int_eq(exec_keyed_as(stack.operator_seed, key2, "other", a2,
+                                   err, sizeof(err)),
+                     125);
+    ck_assert_msg(strstr(err, "idempotency key already used"), "%s", err);
+}
+END_TEST
+
+/* ---- duplicates: only live heartbeats count ------------------------- */
+
+/* Starts an agent process for id with its own NATS identity (agent-<id>)
+ * and label env=dev (alice may echo there); its seed path in seed. */
+static void
+spawn_own_agent(const char *id, char *seed, size_t seed_len)
+{
+    struct stack_identity ident;
+    char name[96];
+    snprintf(name, sizeof(name), "agent-%s", id);
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_AGENT, name, &ident),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_AGENT, name, seed, seed_len);
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    const char *extra[] = {"--label", "env=dev", NULL};
+    int rc = fixture_agent_spawn(&stack, id, id, extra);
+    unsetenv("KSCORE_NATS_NKEY");
+    ck_assert_msg(rc == 0, "agent %s did not start (see %s/%s.log)", id,
+                  stack.dir, id);
+}
+
+/* The broker's view of agent id (kscore agents): its AgentInfo (the
+ * caller frees it) and whether it is a duplicate. Polled for up to 10 s
+ * until the broker has it (its watch may be behind the bucket, which the
+ * fixture's wait for a heartbeat reads). */
+static Ks__AgentInfo *
+broker_view(const char *id, bool *duplicate)
+{
+    struct evt_conn *op = connect_as(stack.operator_seed);
+    Ks__AgentsRequest req = KS__AGENTS_REQUEST__INIT;
+    Ks__AgentsReply *rep = NULL;
+    Ks__AgentInfo *copy = NULL;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int64_t deadline = ks_mono_us() + 10000000;
+again:;
+    int rc = broker_call(op, EVT_API_AGENTS, &req.base,
+                         &ks__agents_reply__descriptor, 5000,
+                         (ProtobufCMessage **)&rep);
+    ck_assert_msg(rc == 0, "agents: %s", ks_strerror(rc));
+    *duplicate = false;
+    for (size_t i = 0; i < rep->n_agents; i++)
+        if (!strcmp(rep->agents[i]->info->agent_id, id)) {
+            *duplicate = rep->agents[i]->duplicate;
+            ck_assert_int_eq(kproto_pack(&rep->agents[i]->info->base, &buf,
+                                         &len),
+                             0);
+            copy = ks__agent_info__unpack(NULL, len, buf);
+            free(buf);
+        }
+    ks__agents_reply__free_unpacked(rep, NULL);
+    rep = NULL;
+    if (!copy && ks_mono_us() < deadline) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        goto again;
+    }
+    evt_close(op);
+    ck_assert_msg(copy != NULL, "%s is not in kscore agents", id);
+    return copy;
+}
+
+/* Writes into the registry, with agent id's own credential (seed), the
+ * entry of another process of id (instance): info's, with another pid,
+ * started at started_us and heartbeating at heartbeat_us. */
+static void
+forge_entry(const char *seed, const Ks__AgentInfo *info,
+            const char *instance, int64_t started_us, int64_t heartbeat_us)
+{
+    struct evt_conn *ag = connect_as(seed);
+    Ks__AgentInfo f = *info;
+    char subject[64 + EVT_AGENT_ID_MAX];
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    f.instance_id = (char *)instance;
+    f.pid = info->pid + 1000;
+    f.started_at_us = started_us;
+    f.heartbeat_at_us = heartbeat_us;
+    ck_assert_int_eq(kproto_pack(&f.base, &buf, &len), 0);
+    snprintf(subject, sizeof(subject), "$KV." EVT_KV_AGENTS ".%s",
+             info->agent_id);
+    ck_assert_int_eq(natsConnection_Publish(ag->nc, subject, buf, (int)len),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Flush(ag->nc), NATS_OK);
+    free(buf);
+    evt_close(ag);
+}
+
+/* `kscore exec --agent id --detach -- echo word` as alice: its id. */
+static void
+detach_on(const char *id, const char *word, char cid[37])
+{
+    const char *args[] = {"exec", "--agent", id, "--detach", "--",
+                          "echo", word, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    snprintf(cid, 37, "%.36s", o.out);
+    fixture_out_release(&o);
+}
+
+static bool
+file_says(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "re");
+    char l[4096];
+    bool hit = false;
+    while (f && !hit && fgets(l, sizeof(l), f))
+        hit = strstr(l, needle) != NULL;
+    if (f)
+        fclose(f);
+    return hit;
+}
+
+/*
+ * Issue 21: the agent credential wrote into the registry an old
+ * AgentInfo of its id (867 s old, another instance that started
+ * earlier). The broker took it for a second live process, refused the
+ * live one's claims, and the live agent exited 78 for good. The server
+ * stored that entry now, but the heartbeat in it is 867 s behind the
+ * server's time of its put: no live heartbeat, no duplicate. The live
+ * agent keeps claiming and running.
+ */
+START_TEST(a_replayed_old_heartbeat_does_not_evict_the_live_agent)
+{
+    char seed[PATH_MAX + 64], log[PATH_MAX + 32], blog[PATH_MAX + 32],
+        cid[4][37], old[37];
+    bool dup = false;
+
+    spawn_own_agent("rp", seed, sizeof(seed));
+    Ks__AgentInfo *live = broker_view("rp", &dup);
+    ck_assert(!dup);
+    /* One old heartbeat of an earlier process of rp, as recorded then. */
+    fresh_id(old);
+    int64_t then_us = ks_now_us() - INT64_C(867) * 1000000;
+    /* Replayed three times, spaced so that the live one's heartbeats
+     * (every 2 s) come between them: A, B, A is what a duplicate looks
+     * like to the broker. */
+    for (int i = 0; i < 3; i++) {
+        forge_entry(seed, live, old, then_us - INT64_C(33) * 1000000,
+                    then_us);
+        nanosleep(&(struct timespec){0, 900 * 1000000L}, NULL);
+        Ks__AgentInfo *now = broker_view("rp", &dup);
+        ks__agent_info__free_unpacked(now, NULL);
+        ck_assert_msg(!dup, "an 867 s old heartbeat made rp a duplicate");
+    }
+    ks__agent_info__free_unpacked(live, NULL);
+    for (int i = 0; i < 4; i++) {
+        detach_on("rp", "alive", cid[i]);
+        ck_assert_int_eq(wait_status(cid[i], "Succeeded", 20000), 0);
+    }
+    snprintf(log, sizeof(log), "%s/rp.log", stack.dir);
+    ck_assert_msg(stack_pidfile_alive(stack.dir, "rp", NULL),
+                  "rp stopped (see %s)", log);
+    ck_assert_msg(!file_says(log, "another agent process serves this id"),
+                  "see %s", log);
+    snprintf(blog, sizeof(blog), "%s/broker.log", stack.dir);
+    ck_assert_msg(file_says(blog, "no live heartbeat"), "see %s", blog);
+    stack_stop(stack.dir, "rp", 10000);
+}
+END_TEST
+
+/*
+ * The same credential can write a heartbeat of now for another instance:
+ * the broker cannot tell it from a second live process, marks the id
+ * duplicate and refuses the live process's claims. That process does not
+ * stop for good: it stands aside (no deliveries) while the other is live,
+ * and once the forged instance is no longer heard (10 s) it claims and
+ * runs the command it was refused.
+ */
+START_TEST(a_falsely_accused_agent_serves_again)
+{
+    char seed[PATH_MAX + 64], log[PATH_MAX + 32], cid[37];
+    bool dup = false;
+
+    spawn_own_agent("rq", seed, sizeof(seed));
+    Ks__AgentInfo *live = broker_view("rq", &dup);
+    char forged[37];
+    fresh_id(forged);
+    forge_entry(seed, live, forged, ks_now_us() - INT64_C(900) * 1000000,
+                ks_now_us());
+    ks__agent_info__free_unpacked(live, NULL);
+    for (int i = 0; i < 50 && !dup; i++) {
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        ks__agent_info__free_unpacked(broker_view("rq", &dup), NULL);
+    }
+    ck_assert_msg(dup, "a forged live instance did not make rq duplicate");
+    /* Refused while the forged one is live; run once it is not. */
+    detach_on("rq", "again", cid);
+    ck_assert_int_eq(wait_status(cid, "Succeeded", 30000), 0);
+    snprintf(log, sizeof(log), "%s/rq.log", stack.dir);
+    ck_assert_msg(stack_pidfile_alive(stack.dir, "rq", NULL),
+                  "rq stopped (see %s)", log);
+    ck_assert_msg(file_says(log, "stands aside"), "see %s", log);
+    ck_assert_msg(!file_says(log, "exit_code=78"), "see %s", log);
+    ck_assert_msg(file_says(log, "taking deliveries again"), "see %s", log);
+    stack_stop(stack.dir, "rq", 10000);
+}
+END_TEST
+
 /* The notices between brokers (broker/notice.c) answer waiting clients,
  * count batch targets, cancel batches and say where live output goes:
  * only the broker's credential may publish them, not an agent's nor an
@@ -1935,6 +2389,16 @@ START_TEST(only_brokers_publish_notices)
 }
 END_TEST
 
+/* KSCORE_TEST_ONLY=name runs one test of a case (development), as in
+ * test_agent. */
+static void
+add_only(TCase *tc, const TTest *t)
+{
+    const char *only = getenv("KSCORE_TEST_ONLY");
+    if (!only || !strcmp(only, t->name))
+        tcase_add_test(tc, t);
+}
+
 static Suite *
 security_suite(void)
 {
@@ -1942,29 +2406,33 @@ security_suite(void)
     TCase *tc = tcase_create("secure-stack");
     tcase_add_unchecked_fixture(tc, stack_up, stack_down);
     tcase_set_timeout(tc, 120);
-    tcase_add_test(tc, operator_cannot_publish_commands);
-    tcase_add_test(tc, agent_cannot_take_another_agents_commands);
-    tcase_add_test(tc, refused_commands_never_run);
-    tcase_add_test(tc, an_unrecorded_command_never_runs);
-    tcase_add_test(tc, policy_denies_and_records);
-    tcase_add_test(tc, agent_credential_reads_no_replies);
-    tcase_add_test(tc, a_huge_registry_entry_is_ignored);
-    tcase_add_test(tc, agent_labels_cannot_drive_the_terminal);
-    tcase_add_test(tc, agent_credential_cannot_touch_consumers);
-    tcase_add_test(tc, only_brokers_publish_notices);
-    tcase_add_test(tc, server_answers_to_an_agent_stay_with_it);
-    tcase_add_test(tc, one_operator_cannot_hold_the_followers);
-    tcase_add_test(tc, broker_replaces_a_consumer_with_a_wrong_filter);
-    tcase_add_test(tc, agent_works_with_its_own_rights_only);
+    add_only(tc, operator_cannot_publish_commands);
+    add_only(tc, agent_cannot_take_another_agents_commands);
+    add_only(tc, refused_commands_never_run);
+    add_only(tc, an_unrecorded_command_never_runs);
+    add_only(tc, policy_denies_and_records);
+    add_only(tc, agent_credential_reads_no_replies);
+    add_only(tc, a_huge_registry_entry_is_ignored);
+    add_only(tc, agent_labels_cannot_drive_the_terminal);
+    add_only(tc, agent_credential_cannot_touch_consumers);
+    add_only(tc, only_brokers_publish_notices);
+    add_only(tc, server_answers_to_an_agent_stay_with_it);
+    add_only(tc, one_operator_cannot_hold_the_followers);
+    add_only(tc, broker_replaces_a_consumer_with_a_wrong_filter);
+    add_only(tc, agent_works_with_its_own_rights_only);
     /* These add users and reload the server's users. */
-    tcase_add_test(tc, pool_credential_serves_only_its_ids);
-    tcase_add_test(tc, operator_reads_only_its_own_inbox);
+    add_only(tc, pool_credential_serves_only_its_ids);
+    add_only(tc, operator_reads_only_its_own_inbox);
+    add_only(tc, idempotency_keys_are_per_operator);
+    add_only(tc, a_replayed_old_heartbeat_does_not_evict_the_live_agent);
+    add_only(tc, a_falsely_accused_agent_serves_again);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
     tcase_add_unchecked_fixture(tc, labels_up, labels_down);
     tcase_set_timeout(tc, 180);
-    tcase_add_test(tc, agents_get_only_the_labels_the_broker_signed);
+    add_only(tc, agents_get_only_the_labels_the_broker_signed);
+    add_only(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -463,9 +463,12 @@ START_TEST(test_command_projection)
     ck_assert_str_eq(hex, "6f6bfffe00656e640a/Succeeded/0/alice");
     free(hex);
 
-    ck_assert_int_eq(store_command_by_key(s, key, found), 0);
+    ck_assert_int_eq(store_command_by_key(s, "alice", key, found), 0);
     ck_assert_str_eq(found, cid);
-    ck_assert_int_eq(store_command_by_key(s, "no-such-key", found),
+    ck_assert_int_eq(store_command_by_key(s, "alice", "no-such-key", found),
+                     KS_ENOTFOUND);
+    /* A key is its operator's: another one's lookup finds nothing. */
+    ck_assert_int_eq(store_command_by_key(s, "bob", key, found),
                      KS_ENOTFOUND);
     ks_uuid(found);
     ck_assert_int_eq(store_get_command(s, found, &v), KS_ENOTFOUND);
@@ -489,7 +492,8 @@ START_TEST(test_command_projection)
         free(before);
         free(after);
     }
-    /* A second command with the same idempotency key is refused. */
+    /* A second command of the same operator with the same idempotency
+     * key is refused. */
     {
         char cid2[37], stream[64];
         struct tev t;
@@ -498,12 +502,31 @@ START_TEST(test_command_projection)
         ks_uuid(cid2);
         snprintf(stream, sizeof(stream), "command-%s", cid2);
         cmd.command_id = cid2;
+        cmd.operator_ = "alice";
         mk(&t, stream, "CommandRequested")->command = &cmd;
         t.ev.reason = key;
         ck_assert_int_eq(append1(s, &t.ev, STORE_NO_STREAM, &ver),
                          KS_ECONFLICT);
         ck_assert_int_eq(store_stream_version(s, stream, &ver), 0);
         ck_assert_int_eq(ver, 0);
+    }
+    /* Another operator's same key is a command of its own (issue 21). */
+    {
+        char cid3[37], stream[64];
+        struct tev t;
+        Ks__Command cmd = KS__COMMAND__INIT;
+        int64_t ver;
+        ks_uuid(cid3);
+        snprintf(stream, sizeof(stream), "command-%s", cid3);
+        cmd.command_id = cid3;
+        cmd.operator_ = "bob";
+        mk(&t, stream, "CommandRequested")->command = &cmd;
+        t.ev.reason = key;
+        ck_assert_int_eq(append1(s, &t.ev, STORE_NO_STREAM, &ver), 0);
+        ck_assert_int_eq(store_command_by_key(s, "bob", key, found), 0);
+        ck_assert_str_eq(found, cid3);
+        ck_assert_int_eq(store_command_by_key(s, "alice", key, found), 0);
+        ck_assert_str_eq(found, cid);
     }
     store_close(s);
 }
@@ -840,7 +863,7 @@ START_TEST(test_replay_equality)
         sql_ll(s,
                "SELECT count(*) FROM pg_indexes WHERE indexname IN"
                " ('commands_pkey', 'commands_open', 'commands_batch',"
-               " 'commands_idempotency_key_key', 'batch_targets_batch')%s",
+               " 'commands_operator_idempotency_key', 'batch_targets_batch')%s",
                ""),
         5);
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
@@ -1038,7 +1061,7 @@ START_TEST(test_append_many_fold)
     assert_row(s, cid[5], "Pending/1/0/agent-1/-/false/false");
     {
         char id[37];
-        ck_assert_int_eq(store_command_by_key(s, key, id), 0);
+        ck_assert_int_eq(store_command_by_key(s, "carol", key, id), 0);
         ck_assert_str_eq(id, cid[0]);
     }
 
