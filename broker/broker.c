@@ -608,7 +608,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         int krc = KS_ENOTFOUND;
         if ((doubt || sick) && req->idempotency_key[0]) {
             char winner[37];
-            krc = store_command_by_key(st, req->idempotency_key, winner);
+            krc = store_command_by_key(st, cmd.operator_,
+                                       req->idempotency_key, winner);
             if (krc == 0 &&
                 attach_existing(b, st, msg, winner, req->detach, req->spec) ==
                     0)
