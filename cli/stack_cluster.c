@@ -325,25 +325,38 @@ stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
 const char *const stack_stream_names[STACK_STREAMS] = {
     "KSCORE_CMDS", "KSCORE_EVENTS", "KV_KSCORE_AGENTS"};
 
+/* A monitoring endpoint's JSON object (*out, the caller's): 0, KS_EDECODE,
+ * or as stack_http_get. */
+static int
+jsz_get(int mon_port, const char *path, json_t **out)
+{
+    char *body = NULL;
+    int rc = stack_http_get(mon_port, path, 2000, &body);
+    if (rc)
+        return rc;
+    /* As reals: an account's reserved_memory is 2^64-1, past jansson's
+     * integers. */
+    *out = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
+    free(body);
+    if (!json_is_object(*out)) {
+        json_decref(*out);
+        *out = NULL;
+        return KS_EDECODE;
+    }
+    return 0;
+}
+
 int
 stack_js_parts(int mon_port, unsigned *present)
 {
-    char *body = NULL;
     json_t *j, *acc, *st, *co;
     size_t ai, si, ci;
     int rc;
 
     *present = 0;
-    if ((rc = stack_http_get(mon_port,
-                             "/jsz?accounts=true&streams=true&consumers=true",
-                             2000, &body)))
+    if ((rc = jsz_get(mon_port,
+                      "/jsz?accounts=true&streams=true&consumers=true", &j)))
         return rc;
-    j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
-    free(body);
-    if (!json_is_object(j)) {
-        json_decref(j);
-        return KS_EDECODE;
-    }
     json_array_foreach(json_object_get(j, "account_details"), ai, acc)
     {
         json_array_foreach(json_object_get(acc, "stream_detail"), si, st)
@@ -372,22 +385,12 @@ stack_js_parts(int mon_port, unsigned *present)
 static int
 node_streams(const struct stack_node *nd, struct stack_stream_state *out)
 {
-    char *body = NULL;
     json_t *j, *accs, *acc;
     size_t ai, si;
     int rc;
 
-    if ((rc = stack_http_get(nd->mon_port, "/jsz?accounts=true&streams=true",
-                             2000, &body)))
+    if ((rc = jsz_get(nd->mon_port, "/jsz?accounts=true&streams=true", &j)))
         return rc;
-    /* As reals: an account's reserved_memory is 2^64-1, past jansson's
-     * integers. */
-    j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
-    free(body);
-    if (!json_is_object(j)) {
-        json_decref(j);
-        return KS_EDECODE;
-    }
     accs = json_object_get(j, "account_details");
     json_array_foreach(accs, ai, acc)
     {

@@ -297,17 +297,16 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         if (s == NATS_OK)
             s = natsOptions_SetClosedCB(opts, on_conn_event, who);
     }
-    if (s == NATS_OK)
-        s = natsConnection_Connect(&c->nc, opts);
     /* A connect given up in sign_nonce (a signature that nats.c 3.4.1
      * cannot send) is tried again at once: each try is a new connection
      * and so a new nonce. Only that case: a refused key is not retried. */
-    for (unsigned tries = 1, zeros = atomic_load(&c->zero_sigs);
-         s != NATS_OK && o->nkey_file && tries < 8 &&
-         atomic_load(&c->zero_sigs) != zeros;
-         tries++) {
-        zeros = atomic_load(&c->zero_sigs);
+    for (int tries = 0; s == NATS_OK; tries++) {
+        unsigned zeros = atomic_load(&c->zero_sigs);
         s = natsConnection_Connect(&c->nc, opts);
+        if (s == NATS_OK || atomic_load(&c->zero_sigs) == zeros ||
+            tries == 7)
+            break;
+        s = NATS_OK; /* try again */
     }
     if (s != NATS_OK) {
         if (errmsg)

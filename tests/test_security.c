@@ -581,13 +581,36 @@ thief_close(struct thief *t)
     free(t);
 }
 
+/* 1 if a line of the stack's nats.log holds needle (or needle2, when not
+ * NULL) within 2 s; else says which was not found. */
+static int
+nats_log_says(const char *needle, const char *needle2)
+{
+    char path[PATH_MAX + 16], line[1024];
+    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
+    for (int i = 0; i < 100; i++) {
+        FILE *f = fopen(path, "r");
+        int found = 0;
+        while (f && !found && fgets(line, sizeof(line), f))
+            found = strstr(line, needle) != NULL ||
+                    (needle2 && strstr(line, needle2) != NULL);
+        if (f)
+            fclose(f);
+        if (found)
+            return 1;
+        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "not in nats.log: %s\n", needle);
+    return 0;
+}
+
 /* 1 if nats-server logged that it refused user `what` ("Subscription" /
  * "Publish") on subject, within 2 s. */
 static int
 server_refused_as(const char *seed_file, const char *user, const char *what,
                   const char *subject)
 {
-    char needle[512], needle2[512], path[PATH_MAX + 16], line[1024];
+    char needle[512], needle2[512];
     char seed[EVT_NKEY_SEED_CHARS + 1], pub[EVT_NKEY_PUBLIC_CHARS + 1] = "",
         ident[EVT_IDENTITY_MAX + 1];
     /* nats-server names an NKey user by its public key. */
@@ -597,21 +620,7 @@ server_refused_as(const char *seed_file, const char *user, const char *what,
              "\"%s\"", what, user, subject);
     snprintf(needle2, sizeof(needle2), "%s Violation - Nkey \"%s\", Subject "
              "\"%s\"", what, pub, subject);
-    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
-    for (int i = 0; i < 100; i++) {
-        FILE *f = fopen(path, "r");
-        int found = 0;
-        while (f && !found && fgets(line, sizeof(line), f))
-            found = strstr(line, needle) != NULL ||
-                    (pub[0] && strstr(line, needle2) != NULL);
-        if (f)
-            fclose(f);
-        if (found)
-            return 1;
-        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
-    }
-    fprintf(stderr, "not refused: %s\n", needle);
-    return 0;
+    return nats_log_says(needle, pub[0] ? needle2 : NULL);
 }
 
 static int
@@ -1190,22 +1199,9 @@ bundle_seed(const char *bundle, const char *seed_file, const char *identity)
 static int
 server_refused_reply(const char *reply)
 {
-    char needle[512], path[PATH_MAX + 16], line[1024];
+    char needle[512];
     snprintf(needle, sizeof(needle), "Reply \"%s\"", reply);
-    snprintf(path, sizeof(path), "%s/nats.log", stack.nats.dir);
-    for (int i = 0; i < 100; i++) {
-        FILE *f = fopen(path, "r");
-        int found = 0;
-        while (f && !found && fgets(line, sizeof(line), f))
-            found = strstr(line, "Publish Violation") && strstr(line, needle);
-        if (f)
-            fclose(f);
-        if (found)
-            return 1;
-        nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
-    }
-    fprintf(stderr, "not refused: %s\n", needle);
-    return 0;
+    return nats_log_says(needle, NULL);
 }
 
 /*
