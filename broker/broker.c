@@ -752,6 +752,21 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                       "StartFailed";
             goto reply;
         }
+        /* Nothing ran, so nothing was written: an agent's claim may not
+         * put output (or an exit status) in the record under the name of
+         * a command that never started (issue 21: a claim's StartFailed
+         * carried forged stdout). */
+        const Ks__CommandResult *sf = req->start_failure;
+        if ((sf->stdout && (sf->stdout->data.len || sf->stdout->total_bytes ||
+                            sf->stdout->chunked_bytes)) ||
+            (sf->stderr && (sf->stderr->data.len || sf->stderr->total_bytes ||
+                            sf->stderr->chunked_bytes)) ||
+            sf->has_exit_code || sf->signal) {
+            r.error_code = KS_EINVAL;
+            r.error = "bad ClaimRequest: a start failure carries no output, "
+                      "exit code or signal (nothing ran)";
+            goto reply;
+        }
     } else {
         ev.type = "CommandStarted";
     }
@@ -875,6 +890,35 @@ broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
     return rc;
 }
 
+/* Appends each LateResult's result of a command's stream to the view
+ * (store_read_stream's callback; ud: the view). */
+static int
+collect_late(const Ks__RecordedEvent *rev, void *ud)
+{
+    Ks__CommandView *v = ud;
+    const Ks__Event *ev = rev->event;
+    uint8_t *buf;
+    size_t len;
+    if (!ev || !ev->result || strcmp(ev->type, "LateResult") != 0)
+        return 0;
+    if (kproto_pack(&ev->result->base, &buf, &len))
+        return -ENOMEM;
+    Ks__CommandResult *copy = ks__command_result__unpack(NULL, len, buf);
+    free(buf);
+    Ks__CommandResult **p =
+        copy ? realloc(v->late_results,
+                       (v->n_late_results + 1) * sizeof(*p))
+             : NULL;
+    if (!p) {
+        if (copy)
+            ks__command_result__free_unpacked(copy, NULL);
+        return -ENOMEM;
+    }
+    v->late_results = p;
+    v->late_results[v->n_late_results++] = copy;
+    return 0;
+}
+
 static void
 handle_get(struct broker *b, natsMsg *msg)
 {
@@ -914,6 +958,13 @@ handle_get(struct broker *b, natsMsg *msg)
      * than one NATS message goes in parts (evt_publish_reply). */
     if (rc == 0 && view)
         rc = broker__fill_output(b->st_misc, req->id, view->result);
+    /* What an agent reported after the end: `get` of a Lost command shows
+     * that it did in fact succeed (issue 25). */
+    if (rc == 0 && view && kproto_status_terminal(view->status)) {
+        char sid[64];
+        snprintf(sid, sizeof(sid), "command-%s", req->id);
+        rc = store_read_stream(b->st_misc, sid, 0, 1000, collect_late, view);
+    }
     if (rc) {
         r.error_code = rc;
         r.error = rc == KS_ENOTFOUND ? "no command or batch with this id"
@@ -1394,8 +1445,20 @@ handle_cancel(struct broker *b, natsMsg *msg)
         if (rc == 0)
             r.outcome = "requested";
         if (rc == KS_ENOTFOUND) {
-            r.error_code = rc;
-            r.error = "no running batch with this id (it may have ended)";
+            /* Not open: ended (say how, as for a command: README "Exit
+             * codes", exit 1), or never was. */
+            Ks__BatchReply *bv = NULL;
+            if (broker__batch_view(b, b->st_misc, req->id, &bv) == 0 && bv &&
+                bv->status != KS__BATCH_STATUS__BATCH_RUNNING &&
+                bv->status != KS__BATCH_STATUS__BATCH_STATUS_UNSPECIFIED) {
+                r.outcome = "ended";
+                r.batch_status = bv->status;
+            } else {
+                r.error_code = rc;
+                r.error = "no batch with this id";
+            }
+            if (bv)
+                ks__batch_reply__free_unpacked(bv, NULL);
             rc = 0;
         }
     } else if (rc == 0 && !ks_is_uuid(req->id)) {

@@ -622,6 +622,11 @@ cmd_get(int argc, char **argv)
         json_object_set_new(o, "version", json_integer(v->version));
         json_object_set_new(o, "requested_at",
                             json_string(cli_time(v->requested_at_us)));
+        json_object_set_new(o, "operator", json_string(v->operator_));
+        json_t *late = json_array();
+        for (size_t i = 0; i < v->n_late_results; i++)
+            json_array_append_new(late, cli_result_json(v->late_results[i]));
+        json_object_set_new(o, "late_results", late);
         cli_print_json(o);
     } else {
         const Ks__CommandResult *r = v->result;
@@ -644,7 +649,13 @@ cmd_get(int argc, char **argv)
             json_object_foreach(env, k, val)
                 printf(" %s=%s", k, json_string_value(val));
         }
-        printf("\nrequested %s\n", cli_time(v->requested_at_us));
+        printf("\nrequested %s", cli_time(v->requested_at_us));
+        if (v->operator_[0])
+            printf(" by %s", v->operator_);
+        printf("\n");
+        if (r && r->reason && r->reason[0] &&
+            r->status != KS__COMMAND_STATUS__SUCCEEDED)
+            printf("reason    %s\n", r->reason);
         if (r && r->has_exit_code)
             printf("exit code %d\n", r->exit_code);
         if (r && r->signal)
@@ -667,6 +678,20 @@ cmd_get(int argc, char **argv)
                    r->stderr->truncated ? ", truncated" : "");
             fflush(stdout);
             cli_write_all(1, r->stderr->data.data, r->stderr->data.len);
+        }
+        /* Reports that came after the end: the record keeps its first
+         * terminal event, and says what else the agent told it. */
+        for (size_t i = 0; i < v->n_late_results; i++) {
+            const Ks__CommandResult *l = v->late_results[i];
+            printf("late      %s", kproto_status_name(l->status));
+            if (l->has_exit_code)
+                printf(", exit %d", l->exit_code);
+            if (l->signal)
+                printf(", signal %d", l->signal);
+            if (l->reason && l->reason[0])
+                printf(" (%s)", l->reason);
+            printf(": reported after the end, kept as a LateResult "
+                   "(kscore events %s)\n", v->command_id);
         }
     }
     json_decref(env);
@@ -854,13 +879,17 @@ cmd_cancel(int argc, char **argv)
         json_t *o = json_object();
         json_object_set_new(o, "id", json_string(id));
         json_object_set_new(o, "outcome", json_string(outcome));
-        if (rep->status)
+        if (rep->batch_status)
+            json_object_set_new(
+                o, "status", json_string(fleet_status_name(rep->batch_status)));
+        else if (rep->status)
             json_object_set_new(o, "status",
                                 json_string(kproto_status_name(rep->status)));
         cli_print_json(o);
     } else if (ended) {
         printf("%s already ended: %s (nothing to cancel)\n", id,
-               kproto_status_name(rep->status));
+               rep->batch_status ? fleet_status_name(rep->batch_status)
+                                 : kproto_status_name(rep->status));
     } else if (strcmp(outcome, "cancelled") == 0) {
         printf("%s cancelled before it started\n", id);
     } else {

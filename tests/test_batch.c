@@ -284,6 +284,22 @@ START_TEST(cancel_in_the_middle)
     ck_assert_int_eq(jint(j, "pending") + jint(j, "running"), 0);
     json_decref(j);
     ck_assert_int_eq(sleeps_left("3517"), 0);
+    /* Cancelled again, once it has ended: "already ended", exit 1, as for
+     * a command (README "Exit codes"); on cf06db5 exit 125 "no running
+     * batch", as for an unknown id (issue 24). An unknown one is still
+     * an error. */
+    ck_assert_int_eq(fixture_kscore(&stack, cargs, &o), 0);
+    ck_assert_msg(o.status == 1, "cancel of an ended batch: exit %d: %s%s",
+                  o.status, o.out, o.err);
+    ck_assert_msg(strstr(o.out, "already ended: Cancelled"), "%s", o.out);
+    fixture_out_release(&o);
+    const char *uargs[] = {"cancel",
+                           "batch-00000000-0000-4000-8000-000000000000",
+                           NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, uargs, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "no batch with this id"), "%s", o.err);
+    fixture_out_release(&o);
 }
 END_TEST
 

@@ -263,6 +263,60 @@ START_TEST(claim_cannot_forge_a_result)
 }
 END_TEST
 
+/*
+ * A claim's start failure says nothing ran, so it carries no output, exit
+ * code or signal: on cf06db5 the addressed agent's credential could put
+ * forged stdout in the record as a StartFailed command's (issue 21).
+ * Refused before anything is appended, whatever the race with the real
+ * agent; the command ends without it.
+ */
+START_TEST(a_claims_start_failure_carries_no_output)
+{
+    struct evt_conn *op = client("root");
+    struct evt_conn *ag = client("agent-" AGENT);
+    char id[37], eid[37], sql[512];
+    Ks__ClaimRequest cr = KS__CLAIM_REQUEST__INIT;
+    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+    Ks__Output out = KS__OUTPUT__INIT;
+    Ks__ClaimReply *rep = NULL;
+
+    run_detached(op, "sleep 1", id);
+    ks_uuid(eid);
+    out.data.data = (uint8_t *)"FORGED";
+    out.data.len = 6;
+    out.total_bytes = 6;
+    r.status = KS__COMMAND_STATUS__START_FAILED;
+    r.start_stage = "exec";
+    r.stdout = &out;
+    cr.command_id = id;
+    cr.attempt = 1;
+    cr.agent_id = AGENT;
+    cr.event_id = eid;
+    cr.expected_version = 2;
+    cr.start_failure = &r;
+    ck_assert_int_eq(broker_call(ag, EVT_API_CLAIM, &cr.base,
+                                 &ks__claim_reply__descriptor, 5000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert(!rep->granted);
+    ck_assert_int_eq(rep->error_code, KS_EINVAL);
+    ck_assert_msg(strstr(rep->error, "no output"), "%s", rep->error);
+    ks__claim_reply__free_unpacked(rep, NULL);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded' AND coalesce(stdout, '') <> "
+             "'FORGED'::bytea",
+             id);
+    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
+             "type = 'CommandStartFailed'", id);
+    ck_assert_int_eq(sql_long(sql), 0);
+    evt_close(ag);
+    evt_close(op);
+}
+END_TEST
+
 static int
 claim_as(const char *identity, const char *command_id, const char *agent_id,
          uint64_t version, char *err, size_t err_len)
@@ -692,6 +746,7 @@ boundary_suite(void)
     tcase_add_test(tc, agent_cannot_inject_a_command);
     tcase_add_test(tc, another_agent_cannot_report_a_result);
     tcase_add_test(tc, claim_cannot_forge_a_result);
+    tcase_add_test(tc, a_claims_start_failure_carries_no_output);
     tcase_add_test(tc, only_the_addressed_agent_may_claim);
     tcase_add_test(tc, bad_fields_are_refused_by_name);
     tcase_add_test(tc, reply_address_must_be_the_callers_inbox);

@@ -352,6 +352,26 @@ START_TEST(a_frozen_host_stops_what_was_declared_lost)
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Lost'", id);
     ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* What the agent reported after the end is kept as a LateResult, and
+     * `kscore get` shows it beside the Lost (issue 25: get hid it). */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
+             "type = 'LateResult'", id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 20000), 1);
+    struct fixture_out o;
+    const char *get[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, get, &o), 0);
+    ck_assert_msg(o.status == 0, "get: %s", o.err);
+    ck_assert_msg(strstr(o.out, "status    Lost") && strstr(o.out, "\nlate "),
+                  "get shows no late result: %s", o.out);
+    fixture_out_release(&o);
+    const char *getj[] = {"get", "--json", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, getj, &o), 0);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_uint_eq(json_array_size(json_object_get(j, "late_results")), 1);
+    json_decref(j);
+    fixture_out_release(&o);
     PQfinish(pg);
     evt_close(c);
     stack_stop(stack.dir, "agent-fz", 20000);
