@@ -1,6 +1,8 @@
 /* kscore: the operator binary. Thin over the broker client API. */
 #include <errno.h>
 #include <stdarg.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -501,11 +503,24 @@ main(int argc, char **argv)
          * rest. */
         int rc = commands[k].fn(argc - 1, argv + 1);
         errno = 0;
+        bool failed = fflush(stdout) != 0 || ferror(stdout) ||
+                      cli_write_error();
+        int e = cli_write_error() ? cli_write_error() : errno;
+        /* A reader that went away (`kscore exec -- seq 1 200000 | head
+         * -2`): die of SIGPIPE, as cat, ssh and every filter do, so the
+         * shell sees 141 and says nothing (issue 24: exit 125 "Broken
+         * pipe"). */
+        if (failed && e == EPIPE) {
+            sigset_t pipe_set;
+            sigemptyset(&pipe_set);
+            sigaddset(&pipe_set, SIGPIPE);
+            signal(SIGPIPE, SIG_DFL);
+            sigprocmask(SIG_UNBLOCK, &pipe_set, NULL);
+            raise(SIGPIPE);
+        }
         /* Output that could not be written is a failure, not a success
-         * with nothing shown (a full disk, a closed pipe). */
-        if ((fflush(stdout) != 0 || ferror(stdout) || cli_write_error()) &&
-            rc == 0) {
-            int e = cli_write_error() ? cli_write_error() : errno;
+         * with nothing shown (a full disk). */
+        if (failed && rc == 0) {
             cli_err("cannot write the output: %s", strerror(e ? e : EIO));
             rc = CLI_EXIT_KSCORE;
         }

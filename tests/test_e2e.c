@@ -258,6 +258,35 @@ START_TEST(bad_inputs_are_refused_clearly)
 }
 END_TEST
 
+/*
+ * A reader that goes away: `kscore exec -- seq 1 200000 | head -2` dies of
+ * SIGPIPE, as cat and ssh do (the shell sees 141 and prints nothing); on
+ * cf06db5 it exited 125 "cannot write the output: Broken pipe" (issue 24).
+ */
+START_TEST(exec_into_a_closed_pipe_dies_of_sigpipe)
+{
+    char cmd[8192], outf[64] = "/tmp/kscore-e2e-pipe-XXXXXX";
+    int fd = mkstemp(outf);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    snprintf(cmd, sizeof(cmd),
+             "KSCORE_HOME=/nonexistent-kscore-home KSCORE_NATS_URL='%s' "
+             "bash -c '\"%s\" exec --agent %s -- seq 1 200000 | head -2 "
+             ">/dev/null; echo \"${PIPESTATUS[0]}\"' >%s 2>&1",
+             stack.nats.url, getenv("KSCORE_BIN"), AGENT, outf);
+    ck_assert_int_eq(system(cmd), 0);
+    FILE *f = fopen(outf, "r");
+    char got[4096] = "";
+    size_t n = f ? fread(got, 1, sizeof(got) - 1, f) : 0;
+    got[n] = '\0';
+    if (f)
+        fclose(f);
+    unlink(outf);
+    ck_assert_msg(strcmp(got, "141\n") == 0,
+                  "exec into a closed pipe: %s", got);
+}
+END_TEST
+
 START_TEST(start_failure_is_not_an_exit_code)
 {
     struct fixture_out o;
@@ -306,6 +335,7 @@ e2e_suite(void)
     tcase_add_test(tc, binary_output_round_trips);
     tcase_add_test(tc, bad_inputs_are_refused_clearly);
     tcase_add_test(tc, start_failure_is_not_an_exit_code);
+    tcase_add_test(tc, exec_into_a_closed_pipe_dies_of_sigpipe);
     suite_add_tcase(s, tc);
     return s;
 }
