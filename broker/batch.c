@@ -2316,7 +2316,11 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
     }
     free(r->targets);
     free(r->counts);
-    free(r->batch_id);
+    /* Only ours: unset, it is protobuf-c's static empty string (freeing
+     * it crashed the broker on `kscore get` or `cancel` of an unknown
+     * batch id). */
+    if (r->batch_id != protobuf_c_empty_string)
+        free(r->batch_id);
     free(r);
     return rc;
 }
