@@ -218,6 +218,54 @@ START_TEST(another_agent_cannot_report_a_result)
 }
 END_TEST
 
+/* Claims command id (Dispatched at version 2, attempt 1, for AGENT) as c
+ * with a start failure of status st whose stdout is "FORGED"; the reply
+ * (the caller frees it). */
+static Ks__ClaimReply *
+claim_with_forged_output(struct evt_conn *c, const char *id,
+                         Ks__CommandStatus st)
+{
+    Ks__ClaimRequest cr = KS__CLAIM_REQUEST__INIT;
+    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+    Ks__Output out = KS__OUTPUT__INIT;
+    Ks__ClaimReply *rep = NULL;
+    char eid[37];
+
+    ks_uuid(eid);
+    out.data.data = (uint8_t *)"FORGED";
+    out.data.len = 6;
+    out.total_bytes = 6;
+    r.status = st;
+    r.has_exit_code = st == KS__COMMAND_STATUS__SUCCEEDED;
+    r.start_stage = st == KS__COMMAND_STATUS__START_FAILED ? "exec" : "";
+    r.stdout = &out;
+    cr.command_id = (char *)id;
+    cr.attempt = 1;
+    cr.agent_id = AGENT;
+    cr.event_id = eid;
+    cr.expected_version = 2;
+    cr.start_failure = &r;
+    ck_assert_int_eq(broker_call(c, EVT_API_CLAIM, &cr.base,
+                                 &ks__claim_reply__descriptor, 5000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert(!rep->granted);
+    return rep;
+}
+
+/* The command ended Succeeded on its own agent, without the forgery. */
+static void
+assert_not_forged(const char *id)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Succeeded' AND coalesce(stdout, '') <> "
+             "'FORGED'::bytea",
+             id);
+    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+}
+
 /*
  * Issue 11 input 2: a claim whose start_failure says Succeeded (with
  * output) is refused, and the command runs for real.
@@ -225,40 +273,16 @@ END_TEST
 START_TEST(claim_cannot_forge_a_result)
 {
     struct evt_conn *op = client("root");
-    char id[37], eid[37], sql[512];
-    Ks__ClaimRequest cr = KS__CLAIM_REQUEST__INIT;
-    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
-    Ks__Output out = KS__OUTPUT__INIT;
-    Ks__ClaimReply *rep = NULL;
+    char id[37];
 
     /* A command that cannot be claimed by its agent for a while: to an
      * agent id that is known but whose consumer is this test (none). */
     run_detached(op, "sleep 2", id);
-    ks_uuid(eid);
-    out.data.data = (uint8_t *)"FORGED";
-    out.data.len = 6;
-    r.status = KS__COMMAND_STATUS__SUCCEEDED;
-    r.has_exit_code = 1;
-    r.stdout = &out;
-    cr.command_id = id;
-    cr.attempt = 1;
-    cr.agent_id = AGENT;
-    cr.event_id = eid;
-    cr.expected_version = 2;
-    cr.start_failure = &r;
-    ck_assert_int_eq(broker_call(op, EVT_API_CLAIM, &cr.base,
-                                 &ks__claim_reply__descriptor, 5000,
-                                 (ProtobufCMessage **)&rep),
-                     0);
-    ck_assert(!rep->granted);
+    Ks__ClaimReply *rep =
+        claim_with_forged_output(op, id, KS__COMMAND_STATUS__SUCCEEDED);
     ck_assert_int_ne(rep->error_code, 0);
     ks__claim_reply__free_unpacked(rep, NULL);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded' AND coalesce(stdout, '') <> "
-             "'FORGED'::bytea",
-             id);
-    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+    assert_not_forged(id);
     evt_close(op);
 }
 END_TEST
@@ -274,40 +298,15 @@ START_TEST(a_claims_start_failure_carries_no_output)
 {
     struct evt_conn *op = client("root");
     struct evt_conn *ag = client("agent-" AGENT);
-    char id[37], eid[37], sql[512];
-    Ks__ClaimRequest cr = KS__CLAIM_REQUEST__INIT;
-    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
-    Ks__Output out = KS__OUTPUT__INIT;
-    Ks__ClaimReply *rep = NULL;
+    char id[37], sql[512];
 
     run_detached(op, "sleep 1", id);
-    ks_uuid(eid);
-    out.data.data = (uint8_t *)"FORGED";
-    out.data.len = 6;
-    out.total_bytes = 6;
-    r.status = KS__COMMAND_STATUS__START_FAILED;
-    r.start_stage = "exec";
-    r.stdout = &out;
-    cr.command_id = id;
-    cr.attempt = 1;
-    cr.agent_id = AGENT;
-    cr.event_id = eid;
-    cr.expected_version = 2;
-    cr.start_failure = &r;
-    ck_assert_int_eq(broker_call(ag, EVT_API_CLAIM, &cr.base,
-                                 &ks__claim_reply__descriptor, 5000,
-                                 (ProtobufCMessage **)&rep),
-                     0);
-    ck_assert(!rep->granted);
+    Ks__ClaimReply *rep =
+        claim_with_forged_output(ag, id, KS__COMMAND_STATUS__START_FAILED);
     ck_assert_int_eq(rep->error_code, KS_EINVAL);
     ck_assert_msg(strstr(rep->error, "no output"), "%s", rep->error);
     ks__claim_reply__free_unpacked(rep, NULL);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded' AND coalesce(stdout, '') <> "
-             "'FORGED'::bytea",
-             id);
-    ck_assert_int_eq(wait_long(sql, 1, 15000), 1);
+    assert_not_forged(id);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
              "type = 'CommandStartFailed'", id);

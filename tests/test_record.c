@@ -252,6 +252,20 @@ START_TEST(broker_kill9_mid_run)
 }
 END_TEST
 
+/* 1 when command id's projection has status `cond` ("= 'Lost'", "IN
+ * (...)") within timeout_ms (0: now), else 0. */
+static long
+command_in(const char *id, const char *cond, int timeout_ms)
+{
+    char sql[384];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status %s",
+             id, cond);
+    return timeout_ms ? fixture_wait_sql(stack.pg.conninfo, sql, 1, timeout_ms)
+                      : fixture_sql_long(stack.pg.conninfo, sql);
+}
+
 /*
  * A broker paused (SIGSTOP: a frozen VM, a debugger) for longer than an
  * agent's TTL holds heartbeat times that are stale only because it did not
@@ -270,26 +284,17 @@ START_TEST(a_paused_broker_judges_no_silence)
     snprintf(script, sizeof(script), "sleep 14; echo run >> %s/pz.$KSCORE_COMMAND_ID",
              side_dir);
     ck_assert_int_eq(submit(c, "pz", script, 6000, id), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Running'", id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    ck_assert_int_eq(command_in(id, "= 'Running'", 15000), 1);
     fixture_stack_broker_kill(&stack, SIGSTOP);
     /* Past EVT_AGENT_TTL_MS (10 s) of heartbeats unread. */
     nanosleep(&(struct timespec){12, 0}, NULL);
     fixture_stack_broker_kill(&stack, SIGCONT);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status IN ('Succeeded', 'Lost', 'Failed', 'Cancelled')", id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 30000), 1);
+    ck_assert_int_eq(command_in(id, "IN ('Succeeded', 'Lost', 'Failed', 'Cancelled')", 30000), 1);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
              "type = 'CommandLost'", id);
     ck_assert_int_eq(sql_long(pg, sql), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded'", id);
-    ck_assert_int_eq(sql_long(pg, sql), 1);
+    ck_assert_int_eq(command_in(id, "= 'Succeeded'", 0), 1);
     ck_assert_int_eq(runs_of("pz", id), 1);
     PQfinish(pg);
     evt_close(c);
@@ -318,10 +323,7 @@ START_TEST(a_frozen_host_stops_what_was_declared_lost)
     snprintf(script, sizeof(script), "echo $$ > %s; sleep 40; echo end > %s",
              pidf, endf);
     ck_assert_int_eq(submit(c, "fz", script, 6000, id), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Running'", id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    ck_assert_int_eq(command_in(id, "= 'Running'", 15000), 1);
     int child = 0;
     for (int i = 0; i < 100 && child == 0; i++) {
         FILE *f = fopen(pidf, "r");
@@ -335,10 +337,7 @@ START_TEST(a_frozen_host_stops_what_was_declared_lost)
     ck_assert_int_gt(child, 0);
     ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent-fz", SIGSTOP), 0);
     /* Past EVT_AGENT_TTL_MS (10 s): the broker records it Lost. */
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Lost'", id);
-    long lost = fixture_wait_sql(stack.pg.conninfo, sql, 1, 20000);
+    long lost = command_in(id, "= 'Lost'", 20000);
     nanosleep(&(struct timespec){1, 0}, NULL);
     ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent-fz", SIGCONT), 0);
     ck_assert_int_eq(lost, 1);
@@ -348,10 +347,7 @@ START_TEST(a_frozen_host_stops_what_was_declared_lost)
     ck_assert_msg(kill(child, 0) == -1, "the command runs on after its host "
                                         "woke past the brokers' limit");
     ck_assert_int_eq(access(endf, F_OK), -1);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Lost'", id);
-    ck_assert_int_eq(sql_long(pg, sql), 1);
+    ck_assert_int_eq(command_in(id, "= 'Lost'", 0), 1);
     /* What the agent reported after the end is kept as a LateResult, and
      * `kscore get` shows it beside the Lost (issue 25: get hid it). */
     snprintf(sql, sizeof(sql),

@@ -1824,6 +1824,21 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
+/* Starts agent "bb" of the labels stack from bundle (its state in
+ * bb-state) and waits for its heartbeat after since_us. */
+static void
+start_bb(const char *bundle, int64_t since_us)
+{
+    char state[PATH_MAX + 32];
+    pid_t pid;
+    snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+    char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
+                    (char *)bundle, "--state-dir", state, NULL};
+    ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
+    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since_us,
+                                       30000) == 0);
+}
+
 /*
  * Issue 21: an agent enrolled as env=prod takes the signature lines out
  * of its bundle and declares env=dev, to get what a dev-only operator
@@ -1856,16 +1871,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
     since = ks_now_us();
-    {
-        char state[PATH_MAX + 32];
-        pid_t pid;
-        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
-        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
-                        bundle, "--state-dir", state, NULL};
-        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
-                                           30000) == 0);
-    }
+    start_bb(bundle, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
                       strstr(line, "\"labels_signed\":true"),
@@ -1894,16 +1900,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     from = file_size(blog);
     since = ks_now_us();
-    {
-        char state[PATH_MAX + 32];
-        pid_t pid;
-        snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
-        char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
-                        stripped, "--state-dir", state, NULL};
-        ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-        ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since,
-                                           30000) == 0);
-    }
+    start_bb(stripped, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
     ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
                       strstr(line, "\"labels\":{}"),

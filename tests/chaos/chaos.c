@@ -337,21 +337,34 @@ sc_nats_kill(struct chaos_run *r)
 
 /* ---- 4. PostgreSQL restart in the middle of 100 submissions ------------------------- */
 
+/* The PostgreSQL scenarios' setting: n submissions at 15/s (20 full) over
+ * two agents p0, p1, commands of min_s..max_s; *at_out: after how many
+ * accepted the fault comes (a quarter to 60 %). */
+static int
+pg_scenario_up(struct chaos_run *r, size_t n, double min_s, double max_s,
+               long *at_out)
+{
+    int rc;
+    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
+             1000);
+    r->rate = r->short_mode ? 15 : 20;
+    *at_out = (long)chaos_rand(r, n / 4, n * 6 / 10);
+    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "p", 2)))
+        return rc;
+    chaos_subs_prepare(r, n, min_s, max_s);
+    return 0;
+}
+
 static int
 sc_pg_restart(struct chaos_run *r)
 {
     size_t n = r->short_mode ? 50 : 100;
     int rc;
 
-    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
-             1000);
-    r->rate = r->short_mode ? 15 : 20;
-    long at = (long)chaos_rand(r, n / 4, n * 6 / 10);
-    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 300);
-
-    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "p", 2)))
+    long at;
+    if ((rc = pg_scenario_up(r, n, 0.2, 0.6, &at)))
         return rc;
-    chaos_subs_prepare(r, n, 0.2, 0.6);
+    int64_t extra_ms = (int64_t)chaos_rand(r, 0, 300);
     snprintf(r->note, sizeof(r->note),
              "%zu submissions at %.0f/s over 2 agents; PostgreSQL restart "
              "-m fast at %ld accepted +%lld ms",
@@ -427,16 +440,11 @@ sc_pg_readonly(struct chaos_run *r)
     size_t n = r->short_mode ? 50 : 100;
     int rc;
 
-    set_spec(r, r->short_mode ? 15000 : 20000, r->short_mode ? 10000 : 20000,
-             1000);
-    r->rate = r->short_mode ? 15 : 20;
-    long at = (long)chaos_rand(r, n / 4, n * 6 / 10);
-    int64_t fault_ms = (int64_t)chaos_rand(r, 8000, 12000);
-
-    if ((rc = chaos_stack_up(r, 0)) || (rc = fleet_up(r, "p", 2)))
-        return rc;
+    long at;
     /* Long enough that many end while writes are refused. */
-    chaos_subs_prepare(r, n, 0.5, 3.0);
+    if ((rc = pg_scenario_up(r, n, 0.5, 3.0, &at)))
+        return rc;
+    int64_t fault_ms = (int64_t)chaos_rand(r, 8000, 12000);
     snprintf(r->note, sizeof(r->note),
              "%zu submissions at %.0f/s over 2 agents; PostgreSQL refuses "
              "writes (read-only, 25006) for %lld ms from %ld accepted",
