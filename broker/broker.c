@@ -1743,6 +1743,7 @@ broker_teardown(struct broker *b)
     ks_map_each(&b->claimed, free_value, NULL);
     ks_map_clear(&b->claimed);
     ks_map_clear(&b->keys_seen);
+    broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_cond_destroy(&b->rec_cond);
@@ -1783,6 +1784,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
+    if ((rc = broker__budget_init(&b)))
+        goto out;
 
     if (!opts->signing_key || !opts->signing_key[0]) {
         rc = KS_EINVAL;

@@ -278,6 +278,7 @@ scanner_main(void *arg)
             last_sweep = ks_mono_us();
             broker__remote_live_sweep(b, b->st_scan);
         }
+        broker__budget_sweep(b);
     }
     return NULL;
 }

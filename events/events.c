@@ -575,6 +575,26 @@ evt_event_subject(char *buf, size_t len, const char *agent_id,
              command_id && command_id[0] ? command_id : "_");
 }
 
+char *
+evt_event_subject_agent(const char *subject, char *buf, size_t len)
+{
+    static const char prefix[] = "kscore.evt.";
+    size_t n;
+
+    buf[0] = '\0';
+    if (!subject || strncmp(subject, prefix, sizeof(prefix) - 1) != 0)
+        return buf;
+    subject += sizeof(prefix) - 1;
+    n = strcspn(subject, ".");
+    if (n == 0 || n >= len || n > EVT_AGENT_ID_MAX)
+        return buf;
+    memcpy(buf, subject, n);
+    buf[n] = '\0';
+    if (!evt_agent_id_valid(buf))
+        buf[0] = '\0';
+    return buf;
+}
+
 void
 evt_cmd_subject(char *buf, size_t len, const char *pool, const char *agent_id)
 {

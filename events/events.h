@@ -176,6 +176,11 @@ int evt_agent_id_valid(const char *id);
  */
 void evt_event_subject(char *buf, size_t len, const char *agent_id,
                        const char *command_id);
+/* The agent id token of an event subject ("kscore.evt.<agent_id>" or
+ * "kscore.evt.<agent_id>.<...>") into buf (>= EVT_AGENT_ID_MAX + 1);
+ * "" when subject is no such thing or the token is no valid agent id.
+ * Returns buf. */
+char *evt_event_subject_agent(const char *subject, char *buf, size_t len);
 
 /*
  * The subject a command for agent_id is published on, into buf

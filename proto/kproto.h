@@ -199,6 +199,10 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
+     * written, the identity past its share (broker/budget.c) */
+    KS_C_REPORTS_DROPPED,
+    KS_C_DENIALS_DROPPED,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

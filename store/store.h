@@ -388,6 +388,9 @@ enum store_step {
     STORE_STEP_LATE,      /* a terminal event after the end: LateResult */
     STORE_STEP_ILLEGAL,   /* not allowed here: ReportRejected */
     STORE_STEP_DUPLICATE, /* recorded before (same event_id): skipped */
+    /* an annotation the caller's check chose not to keep (STORE_CHECK_DROP:
+     * its sender is past its share of annotation rows): nothing written */
+    STORE_STEP_DROPPED,
 };
 
 /*
@@ -407,8 +410,13 @@ int store_event_is_terminal(const char *type);
 /*
  * A caller's own rule for a reported event (the broker's: who may report
  * what), run under the lock before the state machine. Returns 0 to let the
- * machine decide, non-zero to refuse with *why (static) saying why.
+ * machine decide, STORE_CHECK_DROP to refuse it and keep nothing (verdict
+ * STORE_STEP_DROPPED: no annotation row; the broker's bound on annotation
+ * rows per identity), any other non-zero value to refuse with *why
+ * (static) saying why. It may run more than once for one event (a batch
+ * decided again after a conflict).
  */
+#define STORE_CHECK_DROP 1
 typedef int (*store_check_fn)(const struct store_command_state *st,
                               const Ks__Event *ev, const char **why,
                               void *ud);

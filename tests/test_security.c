@@ -2359,6 +2359,320 @@ START_TEST(one_operator_cannot_hold_the_followers)
 }
 END_TEST
 
+/* ---- annotation rows per identity ----------------------------------------
+ *
+ * A refused report or request is kept as a row (ReportRejected,
+ * RequestDenied) saying why. On cf06db5 every one was: 10,000 junk
+ * reports in 5 s from one agent were 10,000 rows, and 5,000 requests of
+ * an operator not in the policy 5,000 RequestDenied (issue 21). Now each
+ * identity has a share (broker/budget.c: 1000 at once, then 10 a second);
+ * past it the refusal stands but leaves no row: it is counted and summed
+ * up in the log.
+ */
+#define BUDGET_BURST 1000
+#define BUDGET_PER_S 10
+
+/* Counts the PubAcks of a flood by the index in their reply subject. */
+struct flood {
+    pthread_mutex_t mu;
+    bool *ok;
+    int n, acked, refused;
+};
+
+static void
+on_flood_ack(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+             void *ud)
+{
+    struct flood *f = ud;
+    const char *subj = natsMsg_GetSubject(msg), *dot = strrchr(subj, '.');
+    int i = dot ? atoi(dot + 1) : -1;
+    bool good = natsMsg_GetDataLength(msg) > 0 &&
+                strstr(natsMsg_GetData(msg), "\"error\"") == NULL;
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&f->mu);
+    if (i >= 0 && i < f->n && good && !f->ok[i]) {
+        f->ok[i] = true;
+        f->acked++;
+    } else if (!good) {
+        f->refused++;
+    }
+    pthread_mutex_unlock(&f->mu);
+    natsMsg_Destroy(msg);
+}
+
+/*
+ * Publishes n reports of agent id (type CommandCompleted, each about a
+ * command that does not exist) with seed_file's credential, raw, as fast
+ * as the server takes them: a report the stream refuses (the sender past
+ * its share of the stream) is sent again, as an agent does. Returns once
+ * the stream holds all n (<= 120 s).
+ */
+static void
+flood_reports(const char *seed_file, const char *id, int n)
+{
+    struct thief *t = thief_connect(seed_file);
+    struct flood f = {.n = n};
+    natsSubscription *sub = NULL;
+    char inbox[96];
+    pthread_mutex_init(&f.mu, NULL);
+    f.ok = calloc((size_t)n, sizeof(*f.ok));
+    ck_assert_ptr_nonnull(f.ok);
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.flood.>", id);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox,
+                                              on_flood_ack, &f),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (int round = 0;; round++) {
+        int sent = 0;
+        for (int i = 0; i < n; i++) {
+            pthread_mutex_lock(&f.mu);
+            bool done = f.ok[i];
+            pthread_mutex_unlock(&f.mu);
+            if (done)
+                continue;
+            Ks__Event ev = KS__EVENT__INIT;
+            char eid[37], cid[37], subject[160], reply[96];
+            uint8_t *buf;
+            size_t len;
+            fresh_id(eid);
+            fresh_id(cid);
+            ev.event_id = eid;
+            ev.command_id = cid;
+            ev.agent_id = (char *)id;
+            ev.type = "CommandCompleted";
+            ev.attempt = 1;
+            ev.occurred_at_us = ks_now_us();
+            ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+            evt_event_subject(subject, sizeof(subject), id, cid);
+            snprintf(reply, sizeof(reply), "_INBOX.agent-%s.flood.%d", id,
+                     i);
+            ck_assert_int_eq(natsConnection_PublishRequest(
+                                 t->nc, subject, reply, buf, (int)len),
+                             NATS_OK);
+            free(buf);
+            sent++;
+        }
+        natsConnection_Flush(t->nc);
+        /* Until every PubAck of the round came, or a while. */
+        int64_t until = ks_mono_us() + 3 * INT64_C(1000000);
+        for (;;) {
+            pthread_mutex_lock(&f.mu);
+            int acked = f.acked;
+            pthread_mutex_unlock(&f.mu);
+            if (acked == n || ks_mono_us() > until)
+                break;
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+        }
+        pthread_mutex_lock(&f.mu);
+        int acked = f.acked;
+        pthread_mutex_unlock(&f.mu);
+        if (acked == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline,
+                      "the stream took %d of %d reports (round %d, %d sent)",
+                      acked, n, round, sent);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(f.ok);
+}
+
+/* Waits (<= 120 s) until the recorder has taken everything the events
+ * stream holds. */
+static void
+recorder_drained(void)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        jsConsumerInfo *ci = NULL;
+        ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_EVENTS,
+                                            EVT_RECORDER_DURABLE, NULL, NULL),
+                         NATS_OK);
+        bool idle = ci->NumPending == 0 && ci->NumAckPending == 0;
+        jsConsumerInfo_Destroy(ci);
+        if (idle)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "the recorder did not drain");
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    evt_close(admin);
+}
+
+/* Lines of the broker's log that hold both a and b. */
+static long
+broker_log_count(const char *a, const char *b)
+{
+    char path[PATH_MAX + 32], line[4096];
+    long n = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, a) && (!b || strstr(line, b));
+    if (f)
+        fclose(f);
+    return n;
+}
+
+START_TEST(an_agents_junk_reports_are_bounded_rows)
+{
+    char seed[PATH_MAX + 64], sql[256];
+    const int n = 10000;
+    /* Named agent...: the fixture stops it should the test fail. */
+    spawn_own_agent("agentflood", seed, sizeof(seed));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = "
+             "'agent-agentflood' AND type = 'ReportRejected'");
+    long before = sql_long(sql);
+    long lines_before = broker_log_count("kept as an annotation", NULL) +
+                        broker_log_count("dropping an undecodable", NULL);
+    int64_t t0 = ks_mono_us();
+    flood_reports(seed, "agentflood", n);
+    recorder_drained();
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    long rows = sql_long(sql) - before;
+    /* Its share, and no more: not a row per report. */
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld rows of %d junk reports in %.1f s", rows, n, took_s);
+    /* Within it, refusals are kept as before. */
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    /* The log says so in summary, not in a line per report. */
+    ck_assert_int_ge(
+        broker_log_count("past its share", "identity=agent-agentflood"), 1);
+    long lines = broker_log_count("kept as an annotation", NULL) +
+                 broker_log_count("dropping an undecodable", NULL) -
+                 lines_before;
+    ck_assert_msg(lines <= rows + 20, "%ld log lines for %ld rows", lines,
+                  rows);
+    /* The flooder's own honest process and the others keep working. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", "agentflood", "--", "echo",
+                        "still", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on agentflood: %s", o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, "agentflood", 5000);
+}
+END_TEST
+
+/* Answers to a raw client's requests, counted. */
+struct answers {
+    pthread_mutex_t mu;
+    int n, denied;
+};
+
+static void
+on_answer(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct answers *a = ud;
+    Ks__ExecuteReply *r = ks__execute_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&a->mu);
+    a->n++;
+    if (r && r->error && strncmp(r->error, "denied", 6) == 0)
+        a->denied++;
+    pthread_mutex_unlock(&a->mu);
+    if (r)
+        ks__execute_reply__free_unpacked(r, NULL);
+    natsMsg_Destroy(msg);
+}
+
+START_TEST(an_operators_denials_are_bounded_rows)
+{
+    struct stack_identity eve;
+    char eve_seed[PATH_MAX + 64];
+    const int n = 5000;
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, "eve", &eve),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "eve", eve_seed,
+                          sizeof(eve_seed));
+    const char *rows_sql = "SELECT count(*) FROM events WHERE stream_id = "
+                           "'operator-eve' AND type = 'RequestDenied'";
+    long before = sql_long(rows_sql);
+
+    /* eve is in no policy: every request of hers is denied. */
+    struct thief *t = thief_connect(eve_seed);
+    struct answers a = {.n = 0};
+    natsSubscription *sub = NULL;
+    pthread_mutex_init(&a.mu, NULL);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, "_INBOX.eve.>",
+                                              on_answer, &a),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"true"};
+    spec.argv = argv;
+    spec.n_argv = 1;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    uint8_t *buf;
+    size_t len;
+    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    int64_t t0 = ks_mono_us();
+    for (int i = 0; i < n; i++) {
+        char reply[64];
+        snprintf(reply, sizeof(reply), "_INBOX.eve.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             t->nc, EVT_API_EXECUTE ".eve", reply, buf,
+                             (int)len),
+                         NATS_OK);
+        if (i % 500 == 499)
+            natsConnection_Flush(t->nc);
+    }
+    natsConnection_Flush(t->nc);
+    free(buf);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&a.mu);
+        int got = a.n;
+        pthread_mutex_unlock(&a.mu);
+        if (got == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "%d of %d answered", got, n);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    /* Every request is denied, rows or not. */
+    ck_assert_int_eq(a.denied, n);
+    long rows = sql_long(rows_sql) - before;
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld RequestDenied rows of %d requests in %.1f s", rows, n,
+                  took_s);
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    ck_assert_int_ge(broker_log_count("past its share", "identity=operator-eve"),
+                     1);
+    /* Past her share she is still denied, through the CLI too. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--nkey", eve_seed, "--agent", AGENT, "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_ptr_nonnull(strstr(o.err, "denied"));
+    fixture_out_release(&o);
+    /* And an operator the policy lets run keeps running. */
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec as " OPERATOR ": %s", o.err);
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -2419,6 +2733,8 @@ security_suite(void)
     add_only(tc, idempotency_keys_are_per_operator);
     add_only(tc, a_replayed_old_heartbeat_does_not_evict_the_live_agent);
     add_only(tc, a_falsely_accused_agent_serves_again);
+    add_only(tc, an_operators_denials_are_bounded_rows);
+    add_only(tc, an_agents_junk_reports_are_bounded_rows);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
