@@ -334,15 +334,13 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                            kproto_arena_pb(ar), &m);
         Ks__Event *ev = (Ks__Event *)m;
         char want[16 + EVT_AGENT_ID_MAX + 40];
-        if (rc == 0)
-            evt_event_subject(want, sizeof(want), ev->agent_id,
-                              ev->command_id);
         /* The subject is what NATS permissions vouch for: an agent may only
          * publish under its own id, so an event claiming another agent (or
          * another command) is refused. */
         if (rc || !ks_is_uuid(ev->event_id) || !ks_is_uuid(ev->command_id) ||
             !evt_agent_id_valid(ev->agent_id) || !ev->type[0] ||
-            strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
+            !evt_event_subject_ok(natsMsg_GetSubject(msgs[i]), ev->agent_id,
+                                  ev->command_id)) {
             /* A message that can never be recorded: drop it for good
              * rather than redeliver it forever. Said once per message
              * within its sender's share of annotations, then summed up

@@ -109,7 +109,7 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
         const char *sep = i + 1 < id->pool_size ? "," : "";
         int n = snprintf(line, sizeof(line),
                          "            \"kscore.api.v1.claim.agent-%s-%u\", "
-                         "\"kscore.evt.%s-%u.>\"%s\n",
+                         "\"kscore.evt.%s-%u.0\"%s\n",
                          pool, i, pool, i, sep);
         rc = put(&pub, &plen, &pcap, line, (size_t)n);
         n = snprintf(line, sizeof(line),

@@ -455,6 +455,10 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     sc.Retention = js_InterestPolicy;
     sc.MaxBytes = EVT_EVENTS_MAX_BYTES;
     sc.Discard = js_DiscardNew;
+    /* Each agent's share (EVT_EVENTS_PER_SUBJECT): past it only that
+     * agent is refused. */
+    sc.MaxMsgsPerSubject = EVT_EVENTS_PER_SUBJECT;
+    sc.DiscardNewPerSubject = true;
     {
         /* A stream made by an older kscore keeps its retention (nats-server
          * cannot change it in place); it works as it did. */
@@ -573,6 +577,72 @@ evt_event_subject(char *buf, size_t len, const char *agent_id,
     snprintf(buf, len, "kscore.evt.%s.%s",
              agent_id && agent_id[0] ? agent_id : "_",
              command_id && command_id[0] ? command_id : "_");
+}
+
+int
+evt_event_subject_ok(const char *subject, const char *agent_id,
+                     const char *command_id)
+{
+    char want[16 + EVT_AGENT_ID_MAX + 40];
+    size_t n;
+
+    if (!subject || !agent_id || !agent_id[0])
+        return 0;
+    evt_event_subject(want, sizeof(want), agent_id, command_id);
+    if (strcmp(want, subject) == 0)
+        return 1;
+    /* "kscore.evt.<agent_id>.0": want with "0" for its last token. */
+    n = strlen(want) - strlen(strrchr(want, '.')) + 1;
+    return strncmp(want, subject, n) == 0 && strcmp(subject + n, "0") == 0;
+}
+
+int
+evt_events_agents_at_share(struct evt_conn *c, int timeout_ms,
+                           char ***ids_out, size_t *n_out)
+{
+    jsOptions jo;
+    jsStreamInfo *si = NULL;
+    char **ids = NULL;
+    size_t n = 0;
+    natsStatus s;
+
+    *ids_out = NULL;
+    *n_out = 0;
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    /* Only kscore.evt.<id>.0: the agents' own subjects, as mapped. */
+    jo.Stream.Info.SubjectsFilter = "kscore.evt.*.0";
+    s = js_GetStreamInfo(&si, c->js, EVT_STREAM_EVENTS, &jo, NULL);
+    if (s != NATS_OK)
+        return evt_err(s);
+    const jsStreamStateSubjects *ss = si->State.Subjects;
+    for (int i = 0; ss && i < ss->Count; i++) {
+        const jsStreamStateSubject *e = &ss->List[i];
+        if (e->Msgs < EVT_EVENTS_PER_SUBJECT)
+            continue;
+        char **v = realloc(ids, (n + 1) * sizeof(*ids));
+        if (!v)
+            break;
+        ids = v;
+        char id[EVT_AGENT_ID_MAX + 1];
+        if (!evt_event_subject_agent(e->Subject, id, sizeof(id))[0])
+            continue;
+        if (!(ids[n] = strdup(id)))
+            break;
+        n++;
+    }
+    jsStreamInfo_Destroy(si);
+    *ids_out = ids;
+    *n_out = n;
+    return 0;
+}
+
+void
+evt_strv_free(char **v, size_t n)
+{
+    for (size_t i = 0; v && i < n; i++)
+        free(v[i]);
+    free(v);
 }
 
 char *

@@ -2563,6 +2563,150 @@ START_TEST(an_agents_junk_reports_are_bounded_rows)
 }
 END_TEST
 
+/*
+ * Publishes n reports of agent id with seed_file's credential, raw, each
+ * of about body_bytes (a junk error text), each about a command that does
+ * not exist, without sending any again: *ok_out the stream took, and
+ * *refused_out it refused; *why_out (static) the text of one refusal.
+ */
+static void
+publish_reports_once(const char *seed_file, const char *id, int n,
+                     size_t body_bytes, int *ok_out, int *refused_out,
+                     const char **why_out)
+{
+    static char why[256];
+    struct thief *t = thief_connect(seed_file);
+    natsSubscription *sub = NULL;
+    char inbox[96], *pad = malloc(body_bytes + 1);
+    int ok = 0, refused = 0;
+    ck_assert_ptr_nonnull(pad);
+    memset(pad, 'x', body_bytes);
+    pad[body_bytes] = '\0';
+    why[0] = '\0';
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.once.%d", id,
+             (int)getpid());
+    ck_assert_int_eq(natsConnection_SubscribeSync(&sub, t->nc, inbox),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    for (int i = 0; i < n; i++) {
+        Ks__Event ev = KS__EVENT__INIT;
+        char eid[37], cid[37], subject[160];
+        uint8_t *buf;
+        size_t len;
+        fresh_id(eid);
+        fresh_id(cid);
+        ev.event_id = eid;
+        ev.command_id = cid;
+        ev.agent_id = (char *)id;
+        ev.type = "CommandCompleted";
+        ev.reason = pad;
+        ev.attempt = 1;
+        ev.occurred_at_us = ks_now_us();
+        ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+        evt_event_subject(subject, sizeof(subject), id, cid);
+        ck_assert_int_eq(natsConnection_PublishRequest(t->nc, subject, inbox,
+                                                       buf, (int)len),
+                         NATS_OK);
+        free(buf);
+        /* One at a time: each PubAck says what became of its report. */
+        natsMsg *m = NULL;
+        ck_assert_int_eq(natsSubscription_NextMsg(&m, sub, 5000), NATS_OK);
+        if (strstr(natsMsg_GetData(m), "\"error\"")) {
+            refused++;
+            snprintf(why, sizeof(why), "%.*s", natsMsg_GetDataLength(m),
+                     natsMsg_GetData(m));
+        } else {
+            ok++;
+        }
+        natsMsg_Destroy(m);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(pad);
+    *ok_out = ok;
+    *refused_out = refused;
+    *why_out = why;
+}
+
+/*
+ * KSCORE_EVENTS is bounded as a whole (1 GiB, discard new), so on the
+ * code before, one agent that published faster than the recorder recorded
+ * could fill it, and then every agent's results were refused, or waited
+ * behind its backlog (issue 21). Now nats-server puts all of an agent's
+ * events on one subject (the agents' account maps kscore.evt.<id>.<cmd>
+ * to kscore.evt.<id>.0) and the stream holds at most
+ * EVT_EVENTS_PER_SUBJECT of one subject: past that only that agent is
+ * refused, and the broker's log names it. PostgreSQL is stopped for the
+ * flood, so the recorder takes nothing meanwhile: the worst case.
+ */
+START_TEST(one_agent_cannot_fill_the_events_stream)
+{
+    char seed[PATH_MAX + 64];
+    const int extra = 100;
+    int ok = 0, refused = 0;
+    const char *why = NULL;
+    spawn_own_agent("agentshare", seed, sizeof(seed));
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+
+    publish_reports_once(seed, "agentshare", EVT_EVENTS_PER_SUBJECT + extra,
+                         64 * 1024, &ok, &refused, &why);
+    ck_assert_msg(ok <= EVT_EVENTS_PER_SUBJECT && refused >= extra,
+                  "the stream took %d of one agent's %d reports (refused "
+                  "%d)",
+                  ok, EVT_EVENTS_PER_SUBJECT + extra, refused);
+    ck_assert_msg(strstr(why, "maximum messages per subject"), "%s", why);
+    /* What it holds of that agent is its share, on its one subject. */
+    {
+        struct evt_conn *admin = connect_as(stack.broker_seed);
+        jsOptions jo;
+        jsStreamInfo *si = NULL;
+        jsOptions_Init(&jo);
+        jo.Stream.Info.SubjectsFilter = "kscore.evt.agentshare.>";
+        ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                          &jo, NULL),
+                         NATS_OK);
+        ck_assert_ptr_nonnull(si->State.Subjects);
+        ck_assert_int_eq(si->State.Subjects->Count, 1);
+        ck_assert_str_eq(si->State.Subjects->List[0].Subject,
+                         "kscore.evt.agentshare.0");
+        ck_assert_uint_le(si->State.Subjects->List[0].Msgs,
+                          EVT_EVENTS_PER_SUBJECT);
+        jsStreamInfo_Destroy(si);
+        evt_close(admin);
+    }
+    /* Another agent's report still gets in. */
+    int ok2 = 0, refused2 = 0;
+    publish_reports_once(stack.agent_seed, AGENT, 1, 100, &ok2, &refused2,
+                         &why);
+    ck_assert_msg(ok2 == 1, "another agent's report was refused: %s", why);
+    /* The broker says who is at its share. */
+    int said = 0;
+    for (int i = 0; i < 150 && !said; i++) {
+        said = broker_log_count("at their share of the events stream",
+                                "agentshare") > 0;
+        if (!said)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_assert_msg(said, "the broker's log does not name agentshare");
+
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    recorder_drained();
+    /* Then both serve as before. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", "agentshare", "--", "echo",
+                        "still", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on agentshare: %s", o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, "agentshare", 5000);
+}
+END_TEST
+
 /* Answers to a raw client's requests, counted. */
 struct answers {
     pthread_mutex_t mu;
@@ -2735,6 +2879,7 @@ security_suite(void)
     add_only(tc, a_falsely_accused_agent_serves_again);
     add_only(tc, an_operators_denials_are_bounded_rows);
     add_only(tc, an_agents_junk_reports_are_bounded_rows);
+    add_only(tc, one_agent_cannot_fill_the_events_stream);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
