@@ -1,22 +1,32 @@
 /*
  * metrics_http.c: the Prometheus scrape endpoint, on libmicrohttpd's own
- * polling thread, and the scrape-time gauges that need NATS.
+ * polling thread, and the scrape-time gauges that need NATS. With a token
+ * file, every request must carry "Authorization: Bearer <token>"
+ * (Prometheus: scrape_config authorization.credentials_file): a port on
+ * loopback is still open to every local user.
  */
 #include "events_int.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <microhttpd.h>
+#include <openssl/crypto.h>
+#include <openssl/rand.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 struct evt_metrics_server {
     struct MHD_Daemon *d;
     unsigned roles;
     unsigned port;
+    /* "Bearer <token>" every request must carry; "" for none. */
+    char auth[8 + EVT_METRICS_TOKEN_MAX + 1];
 };
 
 static void
@@ -38,7 +48,23 @@ answer(void *cls, struct MHD_Connection *conn, const char *url,
     char *text = NULL;
     size_t len = 0;
 
-    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+    const char *given =
+        m->auth[0] ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                 MHD_HTTP_HEADER_AUTHORIZATION)
+                   : NULL;
+    if (m->auth[0] &&
+        (!given || strlen(given) != strlen(m->auth) ||
+         CRYPTO_memcmp(given, m->auth, strlen(m->auth)) != 0)) {
+        /* RFC 6750: a bearer token, compared in constant time. */
+        static const char msg[] = "a bearer token is needed: the metrics "
+                                  "are their owner's\n";
+        r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
+                                            MHD_RESPMEM_PERSISTENT);
+        if (r)
+            MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE,
+                                    "Bearer realm=\"kscore\"");
+        status = MHD_HTTP_UNAUTHORIZED;
+    } else if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
         static const char msg[] = "only GET\n";
         r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
                                             MHD_RESPMEM_PERSISTENT);
@@ -127,13 +153,99 @@ parse_listen(const char *listen, struct sockaddr_storage *ss)
     return KS_EINVAL;
 }
 
+static bool
+token_char(char c)
+{
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
+           (c >= '0' && c <= '9') || strchr("-._~+/=", c) != NULL;
+}
+
+int
+evt_metrics_token_read(const char *path, char *buf, size_t len,
+                       char **errmsg)
+{
+    char line[EVT_METRICS_TOKEN_MAX + 3];
+    struct stat st;
+    size_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+
+    if (fd == -1) {
+        int e = errno;
+        set_err(errmsg, "cannot read the metrics token file %s", path);
+        return -e;
+    }
+    if (fstat(fd, &st) == -1 || !S_ISREG(st.st_mode) ||
+        (st.st_mode & 077) != 0) {
+        /* A secret: its owner's alone, as ssh wants of a key. */
+        close(fd);
+        set_err(errmsg,
+                "the metrics token file %s must be a regular file that "
+                "only its owner may read (chmod 600)",
+                path);
+        return KS_EINVAL;
+    }
+    ssize_t r = read(fd, line, sizeof(line) - 1);
+    close(fd);
+    line[r > 0 ? r : 0] = '\0';
+    n = strcspn(line, "\r\n");
+    line[n] = '\0';
+    bool ok = n >= EVT_METRICS_TOKEN_MIN && n <= EVT_METRICS_TOKEN_MAX &&
+              n < len;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = token_char(line[i]);
+    if (!ok) {
+        set_err(errmsg,
+                "the metrics token file %s holds no token (one line of 16 "
+                "to 256 of A-Z a-z 0-9 - . _ ~ + / =)",
+                path);
+        return KS_EINVAL;
+    }
+    memcpy(buf, line, n + 1);
+    return 0;
+}
+
+int
+evt_metrics_token_make(const char *path)
+{
+    unsigned char raw[32];
+    char hex[2 * sizeof(raw) + 2];
+    int fd;
+
+    if (RAND_bytes(raw, sizeof(raw)) != 1)
+        return KS_EINTERNAL;
+    for (size_t i = 0; i < sizeof(raw); i++)
+        snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+    hex[2 * sizeof(raw)] = '\n';
+    fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd == -1)
+        return -errno;
+    if (write(fd, hex, 2 * sizeof(raw) + 1) != 2 * sizeof(raw) + 1 ||
+        fsync(fd) == -1) {
+        int e = errno ? errno : EIO;
+        close(fd);
+        unlink(path);
+        return -e;
+    }
+    return close(fd) == 0 ? 0 : -errno;
+}
+
 int
 evt_metrics_serve(const char *listen, unsigned roles,
                   struct evt_metrics_server **out, char **errmsg)
 {
+    return evt_metrics_serve_auth(listen, roles, NULL, out, errmsg);
+}
+
+int
+evt_metrics_serve_auth(const char *listen, unsigned roles,
+                       const char *token_file,
+                       struct evt_metrics_server **out, char **errmsg)
+{
     struct sockaddr_storage ss;
     struct evt_metrics_server *m;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    char token[EVT_METRICS_TOKEN_MAX + 1];
+    int rc;
 
     *out = NULL;
     if (parse_listen(listen, &ss) != 0) {
@@ -142,10 +254,16 @@ evt_metrics_serve(const char *listen, unsigned roles,
                 listen ? listen : "");
         return KS_EINVAL;
     }
+    if (token_file && token_file[0] &&
+        (rc = evt_metrics_token_read(token_file, token, sizeof(token),
+                                     errmsg)))
+        return rc;
     m = calloc(1, sizeof(*m));
     if (!m)
         return -ENOMEM;
     m->roles = roles;
+    if (token_file && token_file[0])
+        snprintf(m->auth, sizeof(m->auth), "Bearer %s", token);
     if (ss.ss_family == AF_INET6)
         flags |=
             MHD_USE_IPv6 |

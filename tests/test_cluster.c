@@ -211,7 +211,7 @@ fleet_wait(void)
     stack_cluster_nodes(home, 3, nodes);
     while (now_s() - t0 < 90) {
         struct stack_js_info ji;
-        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+        if (stack_nats_js_info(&nodes[0], &ji) == 0 &&
             (consumers = ji.consumers) >= FLEET + 1)
             break;
         usleep(250 * 1000);
