@@ -489,8 +489,11 @@ typedef int (*store_output_check_fn)(const struct store_command_state *st,
  * against its command's state: verdicts[i] is STORE_STEP_APPLY (kept),
  * STORE_STEP_DUPLICATE (that offset was kept before) or STORE_STEP_ILLEGAL
  * (refused; whys[i], if whys is not NULL, says why; also for a command that
- * does not exist). 0, KS_EINVAL (a bad command id or stream; nothing
- * written) or a store error (nothing written: retry).
+ * does not exist, and for a piece that overlaps one kept at another offset
+ * of the same stream: each byte is kept once). Pieces of one command are
+ * decided one at a time across connections (its stream row, locked).
+ * 0, KS_EINVAL (a bad command id or stream; nothing written) or a store
+ * error (nothing written: retry).
  */
 int store_append_output(struct store *s, const struct store_output_chunk *chunks,
                         size_t n, store_output_check_fn check, void *ud,
