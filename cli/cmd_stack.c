@@ -545,11 +545,11 @@ recorder_state(void)
 {
     char *url = cli_env_get("KSCORE_BROKER_METRICS_URL");
     const char *colon = url ? strrchr(url, ':') : NULL, *st = NULL;
-    char *body = NULL, token[EVT_METRICS_TOKEN_MAX + 1] = "", path[4200];
+    char *body = NULL, token[EVT_TOKEN_MAX + 1] = "", path[4200];
     int port = colon ? atoi(colon + 1) : 0;
 
     snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, cli_home());
-    if (evt_metrics_token_read(path, token, sizeof(token), NULL) != 0)
+    if (evt_token_file_read(path, token, sizeof(token), NULL) != 0)
         token[0] = '\0';
     if (port > 0 &&
         stack_http_get_auth(port, "/metrics", token, 1000, &body) == 0 &&
@@ -1153,7 +1153,7 @@ cmd_up(int argc, char **argv)
              keydir);
     if (metrics && access(metrics_token, R_OK) != 0 &&
         ((rc = stack_mkdirs(keydir, 0700)) ||
-         (rc = evt_metrics_token_make(metrics_token)))) {
+         (rc = evt_token_file_make(metrics_token)))) {
         cli_err("cannot make %s: %s", metrics_token, ks_strerror(rc));
         return CLI_EXIT_KSCORE;
     }

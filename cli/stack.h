@@ -281,8 +281,11 @@ struct stack_node {
 };
 
 /* The token a scrape of the local stack's /metrics needs, in
- * <home>/keys/ (evt_metrics_token_make; `kscore up --metrics`). */
+ * <home>/keys/ (evt_token_file_make; `kscore up --metrics`). */
 #define STACK_METRICS_TOKEN "metrics.token"
+/* The password of the local cluster's routes, in <home>/keys/ (made by
+ * the first stack_cluster_start; evt_token_file_make). */
+#define STACK_ROUTE_SECRET "route.secret"
 
 /* The n nodes as they are on disk (kept ports) and whether each runs.
  * 0 or KS_EINVAL (n not in 1..STACK_CLUSTER_MAX). */

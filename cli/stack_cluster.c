@@ -121,9 +121,27 @@ stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
                      l ? ", " : "", nd->name, want[0], nd->port);
         }
     }
+    /* The routes' password: a route carries every message of every
+     * account and may send any (a server trusts its peers), and a port on
+     * loopback is open to every user of the host, so a node takes a route
+     * only from who knows it (issue 21: without it a local user joined
+     * the routes and read the stack's messages). Made once, kept. */
+    char secret_path[4300], secret[EVT_TOKEN_MAX + 1];
+    snprintf(secret_path, sizeof(secret_path), "%s/keys/" STACK_ROUTE_SECRET,
+             home);
+    if (access(secret_path, F_OK) != 0) {
+        char keys[4200];
+        snprintf(keys, sizeof(keys), "%s/keys", home);
+        if ((rc = stack_mkdirs(keys, 0700)) ||
+            (rc = evt_token_file_make(secret_path)))
+            return rc;
+    }
+    if ((rc = evt_token_file_read(secret_path, secret, sizeof(secret), NULL)))
+        return rc;
     for (unsigned i = 0; i < n; i++) {
         struct stack_node *nd = &nodes[i];
-        char *extra = NULL, routes[64 * STACK_CLUSTER_MAX] = "";
+        char *extra = NULL, routes[(96 + EVT_TOKEN_MAX) * STACK_CLUSTER_MAX] =
+                                "";
         size_t rl = 0;
         char *url = NULL;
         if (nd->running)
@@ -133,18 +151,21 @@ stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
             return rc;
         for (unsigned j = 0; j < n; j++)
             if (j != i)
-                rl += (size_t)snprintf(routes + rl, sizeof(routes) - rl,
-                                       "%s\"nats-route://127.0.0.1:%d\"",
-                                       rl ? ", " : "", nodes[j].route_port);
-        /* Routes bind loopback only and carry no user auth: nothing but
-         * this host's processes reaches them. No HTTP monitoring port:
-         * nats-server 2.9 asks no credential there, and /connz lists
-         * every user (stack_nats_monitor asks over NATS instead). */
+                rl += (size_t)snprintf(
+                    routes + rl, sizeof(routes) - rl,
+                    "%s\"nats-route://route:%s@127.0.0.1:%d\"",
+                    rl ? ", " : "", secret, nodes[j].route_port);
+        /* Routes bind loopback and want the routes' password (nats.conf
+         * is 0600). No HTTP monitoring port: nats-server 2.9 asks no
+         * credential there, and /connz lists every user
+         * (stack_nats_monitor asks over NATS instead). */
         if (asprintf(&extra,
                      "%scluster {\n  name: kscore\n"
                      "  listen: \"127.0.0.1:%d\"\n"
+                     "  authorization {\n    user: route\n"
+                     "    password: \"%s\"\n    timeout: 2\n  }\n"
                      "  routes: [%s]\n}\n",
-                     conf_extra ? conf_extra : "", nd->route_port,
+                     conf_extra ? conf_extra : "", nd->route_port, secret,
                      routes) < 0)
             return -ENOMEM;
         rc = stack_nats_start_named(nd->dir, "127.0.0.1", nd->port, nd->name,

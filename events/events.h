@@ -860,26 +860,27 @@ int evt_metrics_serve(const char *listen, unsigned roles,
  * As evt_metrics_serve; with token_file (not NULL or ""), every request
  * must carry "Authorization: Bearer <the token in it>", else 401 (a port
  * on loopback is open to every local user). The file is read once, as
- * evt_metrics_token_read. Errors as evt_metrics_serve, and its errors.
+ * evt_token_file_read. Errors as evt_metrics_serve, and its errors.
  */
 int evt_metrics_serve_auth(const char *listen, unsigned roles,
                            const char *token_file,
                            struct evt_metrics_server **out, char **errmsg);
-#define EVT_METRICS_TOKEN_MIN 16
-#define EVT_METRICS_TOKEN_MAX 256
+#define EVT_TOKEN_MIN 16
+#define EVT_TOKEN_MAX 256
 /*
- * The token of a metrics token file: its first line, 16..256 of
- * [A-Za-z0-9-._~+/=], into buf (>= EVT_METRICS_TOKEN_MAX + 1). The file
- * must be a regular file that only its owner may read or write (mode
- * 0600 or less: a secret). 0, -errno (cannot open), KS_EINVAL (not such a
- * file or no token) with *errmsg (malloc'd, may be NULL).
+ * The token of a token file (a metrics bearer token, the local cluster's
+ * route password): its first line, 16..256 of [A-Za-z0-9-._~+/=], into
+ * buf (>= EVT_TOKEN_MAX + 1). The file must be a regular file that only
+ * its owner may read or write (mode 0600 or less: a secret). 0, -errno
+ * (cannot open), KS_EINVAL (not such a file or no token) with *errmsg
+ * (malloc'd, may be NULL).
  */
-int evt_metrics_token_read(const char *path, char *buf, size_t len,
+int evt_token_file_read(const char *path, char *buf, size_t len,
                            char **errmsg);
 /* A new token file at path (mode 0600, never replacing one): 64 hex
  * digits of 32 random bytes (OpenSSL). 0, -errno (-EEXIST) or
  * KS_EINTERNAL. */
-int evt_metrics_token_make(const char *path);
+int evt_token_file_make(const char *path);
 /* The port it listens on. */
 unsigned evt_metrics_port(const struct evt_metrics_server *m);
 /* Stops serving and frees. Accepts NULL. */

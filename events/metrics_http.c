@@ -26,7 +26,7 @@ struct evt_metrics_server {
     unsigned roles;
     unsigned port;
     /* "Bearer <token>" every request must carry; "" for none. */
-    char auth[8 + EVT_METRICS_TOKEN_MAX + 1];
+    char auth[8 + EVT_TOKEN_MAX + 1];
 };
 
 static void
@@ -161,17 +161,17 @@ token_char(char c)
 }
 
 int
-evt_metrics_token_read(const char *path, char *buf, size_t len,
+evt_token_file_read(const char *path, char *buf, size_t len,
                        char **errmsg)
 {
-    char line[EVT_METRICS_TOKEN_MAX + 3];
+    char line[EVT_TOKEN_MAX + 3];
     struct stat st;
     size_t n;
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
 
     if (fd == -1) {
         int e = errno;
-        set_err(errmsg, "cannot read the metrics token file %s", path);
+        set_err(errmsg, "cannot read the token file %s", path);
         return -e;
     }
     if (fstat(fd, &st) == -1 || !S_ISREG(st.st_mode) ||
@@ -179,7 +179,7 @@ evt_metrics_token_read(const char *path, char *buf, size_t len,
         /* A secret: its owner's alone, as ssh wants of a key. */
         close(fd);
         set_err(errmsg,
-                "the metrics token file %s must be a regular file that "
+                "the token file %s must be a regular file that "
                 "only its owner may read (chmod 600)",
                 path);
         return KS_EINVAL;
@@ -189,13 +189,13 @@ evt_metrics_token_read(const char *path, char *buf, size_t len,
     line[r > 0 ? r : 0] = '\0';
     n = strcspn(line, "\r\n");
     line[n] = '\0';
-    bool ok = n >= EVT_METRICS_TOKEN_MIN && n <= EVT_METRICS_TOKEN_MAX &&
+    bool ok = n >= EVT_TOKEN_MIN && n <= EVT_TOKEN_MAX &&
               n < len;
     for (size_t i = 0; ok && i < n; i++)
         ok = token_char(line[i]);
     if (!ok) {
         set_err(errmsg,
-                "the metrics token file %s holds no token (one line of 16 "
+                "the token file %s holds no token (one line of 16 "
                 "to 256 of A-Z a-z 0-9 - . _ ~ + / =)",
                 path);
         return KS_EINVAL;
@@ -205,7 +205,7 @@ evt_metrics_token_read(const char *path, char *buf, size_t len,
 }
 
 int
-evt_metrics_token_make(const char *path)
+evt_token_file_make(const char *path)
 {
     unsigned char raw[32];
     char hex[2 * sizeof(raw) + 2];
@@ -244,7 +244,7 @@ evt_metrics_serve_auth(const char *listen, unsigned roles,
     struct sockaddr_storage ss;
     struct evt_metrics_server *m;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
-    char token[EVT_METRICS_TOKEN_MAX + 1];
+    char token[EVT_TOKEN_MAX + 1];
     int rc;
 
     *out = NULL;
@@ -255,7 +255,7 @@ evt_metrics_serve_auth(const char *listen, unsigned roles,
         return KS_EINVAL;
     }
     if (token_file && token_file[0] &&
-        (rc = evt_metrics_token_read(token_file, token, sizeof(token),
+        (rc = evt_token_file_read(token_file, token, sizeof(token),
                                      errmsg)))
         return rc;
     m = calloc(1, sizeof(*m));

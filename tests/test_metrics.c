@@ -366,9 +366,9 @@ START_TEST(metrics_need_their_token)
     char *errmsg = NULL, *body = NULL;
     ck_assert_ptr_nonnull(mkdtemp(dir));
     snprintf(path, sizeof(path), "%s/metrics.token", dir);
-    ck_assert_int_eq(evt_metrics_token_make(path), 0);
-    ck_assert_int_eq(evt_metrics_token_make(path), -EEXIST);
-    ck_assert_int_eq(evt_metrics_token_read(path, token, sizeof(token), NULL),
+    ck_assert_int_eq(evt_token_file_make(path), 0);
+    ck_assert_int_eq(evt_token_file_make(path), -EEXIST);
+    ck_assert_int_eq(evt_token_file_read(path, token, sizeof(token), NULL),
                      0);
     ck_assert_uint_eq(strlen(token), 64);
     ck_assert_int_eq(evt_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
@@ -682,10 +682,10 @@ up_teardown(void)
 static const char *
 up_token(void)
 {
-    static char token[EVT_METRICS_TOKEN_MAX + 1];
+    static char token[EVT_TOKEN_MAX + 1];
     char path[PATH_MAX + 64];
     snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, up_home);
-    ck_assert_int_eq(evt_metrics_token_read(path, token, sizeof(token), NULL),
+    ck_assert_int_eq(evt_token_file_read(path, token, sizeof(token), NULL),
                      0);
     return token;
 }
