@@ -151,6 +151,23 @@ struct stack_identity {
 #define STACK_POOL_MAX 100000
 
 /*
+ * Limits of the agents' account AGENTS in nats-auth.conf. nats-server 2.9
+ * has limits per account only (opts.go parseAccountLimits), none per
+ * user, and an account that a reload adds gets no working service
+ * imports (2.9.10: its requests reach nobody until a restart), so agents
+ * and pools share AGENTS and its limits: STACK_AGENT_CONNECTIONS
+ * connections per agent or pool identity and
+ * STACK_AGENTS_SPARE_CONNECTIONS more, all together; each connection at
+ * most STACK_SUBSCRIPTIONS subscriptions more than the largest pool has
+ * ids. Measured: an agent uses 1 connection and 2 subscriptions, a pool
+ * of N ids 1 connection and N + 1 (one per id's cancels), the broker 1
+ * and 32 (its in-process agents another, 1 + ids).
+ */
+#define STACK_AGENT_CONNECTIONS 4
+#define STACK_AGENTS_SPARE_CONNECTIONS 16
+#define STACK_SUBSCRIPTIONS 64
+
+/*
  * A new pool identity "pool-<pool>" (pool: a subject token) serving
  * <pool>-0 .. <pool>-<size-1>: as stack_ident_add, with the size in its
  * entry. 0, -EEXIST, KS_EINVAL (bad name, size 0 or > STACK_POOL_MAX),
@@ -208,9 +225,11 @@ int stack_ident_remove(const char *home, const char *name);
  * The nats-server accounts and users for these identities:
  * deploy/nats-auth.conf.in with one user per identity from its kind's
  * section, brokers and operators in account KSCORE (which holds
- * JetStream), agents and pools in account AGENTS (which reaches KSCORE
- * through the template's imports only). *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an
- * empty user list would let anyone in; or a bad name or key), -ENOMEM.
+ * JetStream), single agents in account AGENTS and each pool in an account
+ * of its own, "pool-<pool>" (which reach KSCORE through the template's
+ * imports only), with the limits above; the system user in SYS.
+ * *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an empty user
+ * list would let anyone in; or a bad name or key), -ENOMEM.
  */
 int stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
                          char **conf_out);

@@ -156,6 +156,7 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
      * pools); [2]: SYS (the system user). */
     char *users[3] = {NULL, NULL, NULL}, *out = NULL;
     size_t ulen[3] = {0, 0, 0}, ucap[3] = {0, 0, 0}, olen = 0, ocap = 0;
+    unsigned n_agents = 0, largest_pool = 0;
     int rc = 0;
 
     /* nats-server with an empty user list would let anyone in. */
@@ -180,6 +181,10 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
             rc = KS_EINVAL;
             break;
         }
+        if (id->kind == STACK_AGENT || id->kind == STACK_POOL)
+            n_agents++;
+        if (id->kind == STACK_POOL && id->pool_size > largest_pool)
+            largest_pool = id->pool_size;
         rc = section(stack_kind_name(id->kind), &body, &blen);
         if (rc == 0 && id->kind == STACK_POOL)
             rc = fill_pool(&users[a], &ulen[a], &ucap[a], body, blen, id);
@@ -189,14 +194,22 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
     if (rc == 0) {
         for (int k = 0; k < 3; k++)
             chop(users[k], &ulen[k]);
+        char conns[16], subs[16];
+        snprintf(conns, sizeof(conns), "%u",
+                 STACK_AGENT_CONNECTIONS * n_agents +
+                     STACK_AGENTS_SPARE_CONNECTIONS);
+        snprintf(subs, sizeof(subs), "%u",
+                 largest_pool + STACK_SUBSCRIPTIONS);
         const struct var frame[] = {
             {"@KSCORE_USERS@", users[0] ? users[0] : ""},
             {"@AGENT_USERS@", users[1] ? users[1] : ""},
-            {"@SYSTEM_USERS@", users[2] ? users[2] : ""}};
+            {"@SYSTEM_USERS@", users[2] ? users[2] : ""},
+            {"@AGENT_CONNECTIONS@", conns},
+            {"@AGENT_SUBSCRIPTIONS@", subs}};
         rc = put(&out, &olen, &ocap, head, sizeof(head) - 1);
         if (rc == 0)
             rc = fill(&out, &olen, &ocap, t, (size_t)(frame_end - t) + 1, frame,
-                      3);
+                      5);
     }
     for (int k = 0; k < 3; k++)
         free(users[k]);

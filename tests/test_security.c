@@ -2707,6 +2707,99 @@ START_TEST(one_agent_cannot_fill_the_events_stream)
 }
 END_TEST
 
+/* The number after "key: " in the stack's rendered nats-auth.conf (the
+ * agents' account limits), or -1. */
+static long
+auth_conf_value(const char *key)
+{
+    char path[PATH_MAX + 32], line[512];
+    long v = -1;
+    snprintf(path, sizeof(path), "%s/nats-auth.conf", stack.nats.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f)) {
+        char *k = strstr(line, key);
+        if (k && k[strlen(key)] == ':')
+            v = strtol(k + strlen(key) + 1, NULL, 10);
+    }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/*
+ * An agent's credential opens connections and subscriptions until the
+ * agents' account limits (nats-server 2.9 has them per account, none per
+ * user): on cf06db5 there were none, so one stolen agent credential could
+ * open connections and subscriptions until the server ran out (issue 21).
+ * Past max_connections (4 per agent identity and 16 more) the server
+ * refuses the connection, past max_subscriptions the subscription; the
+ * brokers and operators, in another account, keep theirs and run
+ * commands meanwhile.
+ */
+START_TEST(an_agent_credential_has_bounded_connections)
+{
+    enum { TRY = 400 };
+    long max_conns = auth_conf_value("max_connections");
+    long max_subs = auth_conf_value("max_subscriptions");
+    /* No limits written (the code before): try TRY connections and 1000
+     * subscriptions. */
+    if (max_conns <= 0 || max_conns >= TRY)
+        max_conns = TRY - 1;
+    if (max_subs <= 0)
+        max_subs = 1000;
+    struct evt_conn *held[TRY];
+    int n = 0, refused = 0;
+    for (; n < TRY && n <= max_conns; n++) {
+        struct evt_connect_opts o = {.name = "hoarder",
+                                     .nkey_file = stack.agent_seed,
+                                     .timeout_ms = 2000};
+        char *err = NULL;
+        held[n] = NULL;
+        if (evt_connect(stack.nats.url, &o, &held[n], &err) != 0) {
+            refused = 1;
+            free(err);
+            break;
+        }
+    }
+    /* The agents' account holds the real agent's too: refused before
+     * max_conns of the hoarder's own. */
+    ck_assert_msg(refused, "%d connections of one agent credential, "
+                           "none refused (limit %ld)",
+                  n, max_conns);
+    ck_assert_int_le(n, max_conns);
+    ck_assert_int_ge(n, 1);
+    ck_assert(nats_log_says("maximum account active connections exceeded",
+                            NULL));
+    /* Meanwhile the others work: an operator runs a command on the
+     * agent, whose own connection was there before. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "held",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec while the agents' connections are "
+                                 "taken: %s",
+                  o.err);
+    fixture_out_release(&o);
+    /* Subscriptions: one connection past max_subscriptions. */
+    natsSubscription *subs[1024];
+    ck_assert_int_lt(max_subs, 1024);
+    int ns = 0;
+    for (; ns <= max_subs; ns++) {
+        char subj[96];
+        snprintf(subj, sizeof(subj), "_INBOX.agent-" AGENT ".hoard.%d", ns);
+        ck_assert_int_eq(
+            natsConnection_SubscribeSync(&subs[ns], held[0]->nc, subj),
+            NATS_OK);
+    }
+    natsConnection_FlushTimeout(held[0]->nc, 2000);
+    ck_assert(nats_log_says("maximum subscriptions exceeded", NULL));
+    for (int i = 0; i < ns; i++)
+        natsSubscription_Destroy(subs[i]);
+    for (int i = 0; i < n; i++)
+        evt_close(held[i]);
+}
+END_TEST
+
 /* Answers to a raw client's requests, counted. */
 struct answers {
     pthread_mutex_t mu;
@@ -2880,6 +2973,7 @@ security_suite(void)
     add_only(tc, an_operators_denials_are_bounded_rows);
     add_only(tc, an_agents_junk_reports_are_bounded_rows);
     add_only(tc, one_agent_cannot_fill_the_events_stream);
+    add_only(tc, an_agent_credential_has_bounded_connections);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
