@@ -486,7 +486,11 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     kc.TTL = EVT_AGENT_TTL_MS * NS_PER_MS;
     kc.StorageType = js_FileStorage;
     kc.Replicas = replicas;
-    s = js_CreateKeyValue(&kv, c->js, &kc);
+    /* Made once; after that its stream is kscore's (below), which
+     * js_CreateKeyValue would call "a different configuration". */
+    s = js_KeyValue(&kv, c->js, EVT_KV_AGENTS);
+    if (s != NATS_OK)
+        s = js_CreateKeyValue(&kv, c->js, &kc);
     kvStore_Destroy(kv);
     if (s != NATS_OK) {
         if (errmsg)
@@ -494,11 +498,13 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
                                  EVT_KV_AGENTS, nats_GetLastError(NULL));
         return KS_ENATS;
     }
-    /* The bucket's stream: no message delete through the API (kvConfig
-     * has no such option in nats.c 3.4.1; a key's delete is a marker
-     * message). Purge must stay: a KV bucket's roll-ups need it (nats-server
-     * refuses DenyPurge with AllowRollup); a purge through the PubAck trick
-     * above costs at most one heartbeat (2 s) of registry entries. */
+    /* The bucket's stream: no message delete nor purge through the API,
+     * and no roll-up (kvConfig has no such options in nats.c 3.4.1). A
+     * roll-up header is the publisher's choice, and an agent may publish
+     * its own key: "Nats-Rollup: all" there removed every other entry
+     * (issue 21: one agent credential emptied the registry). kscore only
+     * puts and deletes keys (a delete is a marker message, which History
+     * 1 keeps alone: evt_agent_forget), so it needs neither. */
     {
         jsStreamInfo *si = NULL;
         char kvs[64];
@@ -508,9 +514,12 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
          * cluster) is scaled here too: js_CreateKeyValue leaves an
          * existing bucket as it is. */
         if (s == NATS_OK && si &&
-            (!si->Config->DenyDelete || si->Config->Replicas != replicas)) {
+            (!si->Config->DenyDelete || !si->Config->DenyPurge ||
+             si->Config->AllowRollup || si->Config->Replicas != replicas)) {
             jsStreamInfo *nsi = NULL;
             si->Config->DenyDelete = true;
+            si->Config->DenyPurge = true;
+            si->Config->AllowRollup = false;
             si->Config->Replicas = replicas;
             s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);
             jsStreamInfo_Destroy(nsi);

@@ -899,7 +899,7 @@ void evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g);
 void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
 
 /*
- * Forgets an agent (`kscore agent revoke`, events/fleet.c): purges its
+ * Forgets an agent (`kscore agent revoke`, events/fleet.c): deletes its
  * registry entry, which makes the broker drop it (commands to it are then
  * refused as for an unknown agent), and deletes its consumer. c needs the
  * broker's rights (JetStream API). Run it after the agent's NATS user is
@@ -907,7 +907,7 @@ void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
  * with *errmsg (malloc'd, may be NULL).
  */
 int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
-/* The same for an agent pool: purges its registry entry
+/* The same for an agent pool: deletes its registry entry
  * ("pool.<pool>"; the broker drops every id of the pool) and deletes its
  * consumer "pool-<pool>". */
 int evt_pool_forget(struct evt_conn *c, const char *pool, char **errmsg);

@@ -1354,12 +1354,16 @@ START_TEST(pool_credential_serves_only_its_ids)
                           "$KV." EVT_KV_AGENTS ".pool.other",
                           "kscore.cmd." AGENT,
                           "$JS.API.STREAM.INFO." EVT_STREAM_CMDS};
+    /* What the server checks and logs: an events subject as the agents'
+     * account maps it (kscore.evt.<id>.<cmd> -> kscore.evt.<id>.0). */
+    const char *checked[] = {pubs[0], "kscore.evt." AGENT ".0", pubs[2],
+                             pubs[3], pubs[4], pubs[5]};
     for (size_t i = 0; i < sizeof(pubs) / sizeof(pubs[0]); i++) {
         ck_assert_int_eq(natsConnection_PublishString(t->nc, pubs[i], "x"),
                          NATS_OK);
         natsConnection_Flush(t->nc);
         ck_assert_msg(server_refused_as(seed_file, "pool-pq", "Publish",
-                                        pubs[i]),
+                                        checked[i]),
                       "the pool may publish to %s", pubs[i]);
     }
     char other_deliver[160];
@@ -2800,6 +2804,59 @@ START_TEST(an_agent_credential_has_bounded_connections)
 }
 END_TEST
 
+/*
+ * An agent may publish its own registry key, and a publisher chooses its
+ * headers: on cf06db5 "Nats-Rollup: all" on its own key made the bucket's
+ * stream drop every other entry (found attacking with the agent's
+ * credential, issue 21: the brokers' and pools' entries gone until their
+ * next heartbeat, so a broker that starts then, or `kscore up` waiting
+ * for an agent, sees an empty registry). The bucket allows no roll-up
+ * and no purge now: the server refuses it and every entry stays.
+ */
+START_TEST(an_agent_cannot_empty_the_registry)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    jsStreamInfo *si = NULL;
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    uint64_t before = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    ck_assert_uint_ge(before, 2); /* the agent's and the local pool's */
+
+    struct thief *t = thief_connect(stack.agent_seed);
+    natsSubscription *sub = NULL;
+    natsMsg *m = NULL, *r = NULL;
+    const char *rollups[] = {"all", "sub"};
+    ck_assert_int_eq(natsConnection_SubscribeSync(
+                         &sub, t->nc, "_INBOX.agent-" AGENT ".rollup"),
+                     NATS_OK);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(natsMsg_Create(&m, "$KV." EVT_KV_AGENTS "." AGENT,
+                                        "_INBOX.agent-" AGENT ".rollup", "x",
+                                        1),
+                         NATS_OK);
+        ck_assert_int_eq(natsMsgHeader_Set(m, "Nats-Rollup", rollups[i]),
+                         NATS_OK);
+        ck_assert_int_eq(natsConnection_PublishMsg(t->nc, m), NATS_OK);
+        natsMsg_Destroy(m);
+        ck_assert_int_eq(natsSubscription_NextMsg(&r, sub, 5000), NATS_OK);
+        ck_assert_msg(strstr(natsMsg_GetData(r), "\"error\""),
+                      "the bucket took a roll-up (%s): %.*s", rollups[i],
+                      natsMsg_GetDataLength(r), natsMsg_GetData(r));
+        natsMsg_Destroy(r);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    ck_assert_uint_ge(si->State.Msgs, before);
+    jsStreamInfo_Destroy(si);
+    evt_close(admin);
+}
+END_TEST
+
 /* Answers to a raw client's requests, counted. */
 struct answers {
     pthread_mutex_t mu;
@@ -2974,6 +3031,7 @@ security_suite(void)
     add_only(tc, an_agents_junk_reports_are_bounded_rows);
     add_only(tc, one_agent_cannot_fill_the_events_stream);
     add_only(tc, an_agent_credential_has_bounded_connections);
+    add_only(tc, an_agent_cannot_empty_the_registry);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
