@@ -2,8 +2,8 @@
  * budget.c: how many annotation rows one identity may add to the record.
  *
  * An annotation (ReportRejected, LateResult, an agent's CommandRejected,
- * RequestDenied) is a row that records a refusal or a late word: it moves
- * no command. Every junk report of an agent and every refused request of
+ * a lost claim's DuplicateSuppressed, RequestDenied) is a row that records
+ * a refusal or a late word: it moves no command. Every junk report of an agent and every refused request of
  * an operator would be one, so one credential could write rows as fast as
  * it can publish (issue 21: 10,000 ReportRejected in 5 s from one agent,
  * 5,000 RequestDenied from an operator not in the policy). Each identity
