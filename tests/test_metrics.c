@@ -895,6 +895,32 @@ START_TEST(a_local_user_reads_no_monitoring)
     ck_assert_int_eq(stack_nats_monitor(&nd, "CONNZ", 0, 5000, &j), 0);
     ck_assert(json_is_array(json_object_get(j, "connections")));
     json_decref(j);
+    /* The system user sees nothing of kscore's own traffic: its account
+     * imports none. */
+    {
+        char sys_seed[PATH_MAX + 64];
+        struct evt_connect_opts so = {.name = "sys", .nkey_file = sys_seed,
+                                      .timeout_ms = 5000};
+        struct evt_conn *sc = NULL;
+        natsSubscription *all = NULL;
+        natsMsg *m = NULL;
+        snprintf(sys_seed, sizeof(sys_seed), "%s/keys/system.nk", up_home);
+        ck_assert_int_eq(evt_connect(nd.url, &so, &sc, NULL), 0);
+        ck_assert_int_eq(natsConnection_SubscribeSync(&all, sc->nc,
+                                                      "kscore.>"),
+                         NATS_OK);
+        natsConnection_Flush(sc->nc);
+        ck_assert_int_eq(
+            fixture_kscore_home(up_home,
+                                (const char *[]){"exec", "--", "true", NULL},
+                                &o),
+            0);
+        ck_assert_int_eq(o.status, 0);
+        fixture_out_release(&o);
+        ck_assert_int_ne(natsSubscription_NextMsg(&m, all, 500), NATS_OK);
+        natsSubscription_Destroy(all);
+        evt_close(sc);
+    }
     char *seed = stack_env_get(up_home, "KSCORE_NATS_NKEY");
     ck_assert_ptr_nonnull(seed);
     struct evt_connect_opts co = {.name = "op", .nkey_file = seed,
