@@ -8,7 +8,31 @@
 #include <stdio.h>
 #include <sys/types.h>
 
-#include "broker.h"
+#include "client.h"
+
+/*
+ * kscore is two executables (README "Modules"): kscore, the operator's
+ * commands (cli/main.c), and the daemon half, CLI_DAEMON_NAME
+ * (cli/daemon.c): the services, the local stack and what needs PostgreSQL
+ * or libmicrohttpd, the commands of CLI_DAEMON_COMMANDS. kscore runs the
+ * daemon half for those with the same argv. In the build tree both are in
+ * build/cli/; installed, kscore is in bindir and the daemon half in
+ * libexecdir/kscore/.
+ */
+#define CLI_DAEMON_NAME "kscore-daemon"
+#define CLI_VERSION "0.1.0"
+#define CLI_DAEMON_COMMANDS(X)                                                 \
+    X(up) X(down) X(status) X(broker) X(agent) X(replay) X(perf) X(keygen)     \
+        X(operator)
+/*
+ * The path of the other half, name (CLI_DAEMON_NAME or "kscore"): beside
+ * this executable (the build tree), else at rel (from this executable's
+ * directory to where the other half is installed, CMake's
+ * KSCORE_DAEMON_REL / KSCORE_FRONT_REL). 0 with buf, or -errno (-ENOENT:
+ * in neither place) with buf the last path tried ("" when this
+ * executable's own path cannot be read).
+ */
+int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 
 /*
  * Exit codes of kscore itself (README "Exit codes"). `kscore exec` otherwise

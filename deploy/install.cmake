@@ -19,6 +19,10 @@ if(TARGET kscore)
   get_target_property(_ks_type kscore TYPE)
   if(_ks_type STREQUAL "EXECUTABLE")
     install(TARGETS kscore RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+    # The daemon half (cli_int.h): kscore runs it for `kscore broker`,
+    # `kscore agent`, `kscore up` ...; found from bindir by KSCORE_DAEMON_REL.
+    install(TARGETS kscore-daemon
+            RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/kscore)
   endif()
 endif()
 

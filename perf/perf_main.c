@@ -626,7 +626,7 @@ run_scenario(struct perf_ctx *ctx, const struct perf_scenario *sc,
 }
 
 int
-perf_main(int argc, char **argv)
+perf_main(int argc, char **argv, const char *kscore_bin)
 {
     static const struct option lo[] = {
         {"rounds", required_argument, 0, 'r'},
@@ -723,12 +723,10 @@ perf_main(int argc, char **argv)
         fprintf(stderr, "kscore perf: --nats and --db go together\n");
         return EXIT_USAGE;
     }
-    ssize_t n = readlink("/proc/self/exe", o.bin_a, sizeof(o.bin_a) - 1);
-    if (n <= 0) {
-        fprintf(stderr, "kscore perf: /proc/self/exe: %s\n", strerror(errno));
+    if (!realpath(kscore_bin, o.bin_a)) {
+        fprintf(stderr, "kscore perf: %s: %s\n", kscore_bin, strerror(errno));
         return EXIT_FAILED;
     }
-    o.bin_a[n] = '\0';
     if (o.bin_b) {
         if (!realpath(o.bin_b, bin_b) || access(bin_b, X_OK) != 0) {
             fprintf(stderr, "kscore perf: --ab %s: not an executable\n",
