@@ -429,3 +429,46 @@ cli_other_half(const char *name, const char *rel, char *buf, size_t len)
     snprintf(buf, len, "%s/%s/%s", self, rel, name);
     return access(buf, X_OK) == 0 ? 0 : -errno;
 }
+
+int
+cli_main(int argc, char **argv, const struct cli_command *cmds, size_t n,
+         const char *usage, int (*other)(char **argv, const char *name))
+{
+    size_t k = 0;
+    int rc;
+
+    /* `kscore help CMD`: that command's own help. */
+    if (argc >= 3 && strcmp(argv[1], "help") == 0) {
+        char *hargv[] = {argv[2], "--help", NULL};
+        while (k < n && strcmp(argv[2], cmds[k].name) != 0)
+            k++;
+        if (k < n)
+            return cmds[k].fn(2, hargv);
+        if (other && (rc = other(argv, argv[2])) >= 0)
+            return rc;
+        cli_err("unknown command '%s' (see kscore --help)", argv[2]);
+        return CLI_EXIT_USAGE;
+    }
+    /* -h is --help on every subcommand (their getopt tables are long
+     * options only); the command after `--` keeps its own -h. */
+    for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
+        if (strcmp(argv[i], "-h") == 0)
+            argv[i] = "--help";
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 ||
+        strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        fputs(usage, argc < 2 ? stderr : stdout);
+        return argc < 2 ? CLI_EXIT_USAGE : 0;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        printf("kscore " CLI_VERSION "\n");
+        return 0;
+    }
+    while (k < n && strcmp(argv[1], cmds[k].name) != 0)
+        k++;
+    if (k < n)
+        return cmds[k].fn(argc - 1, argv + 1);
+    if (other && (rc = other(argv, argv[1])) >= 0)
+        return rc;
+    cli_err("unknown command '%s' (see kscore --help)", argv[1]);
+    return CLI_EXIT_USAGE;
+}

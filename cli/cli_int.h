@@ -24,6 +24,21 @@
 #define CLI_DAEMON_COMMANDS(X)                                                 \
     X(up) X(down) X(status) X(broker) X(agent) X(replay) X(perf) X(keygen)     \
         X(operator)
+struct cli_command {
+    const char *name;
+    int (*fn)(int argc, char **argv); /* argv[0] is the name */
+};
+/*
+ * main() of both halves: `help CMD` (CMD's own --help), -h as --help
+ * before `--`, --help or no command (usage on stdout, or stderr and
+ * CLI_EXIT_USAGE), --version, then argv[1]'s command of cmds (n
+ * entries). A name not in cmds goes to other (may be NULL) with the
+ * whole argv, which returns -1 when it is not its either, else an exit
+ * code. Returns the process's exit code.
+ */
+int cli_main(int argc, char **argv, const struct cli_command *cmds, size_t n,
+             const char *usage, int (*other)(char **argv, const char *name));
+
 /*
  * The path of the other half, name (CLI_DAEMON_NAME or "kscore"): beside
  * this executable (the build tree), else at rel (from this executable's

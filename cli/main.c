@@ -69,44 +69,75 @@ static const char usage[] =
     "Durations: 500ms, 10s, 2m, 1h (a plain number is seconds).\n";
 
 
-static const struct {
-    const char *name;
-    int (*fn)(int, char **);
-} commands[] = {
-    {"exec", cmd_exec},     {"get", cmd_get},       {"events", cmd_events},
-    {"cancel", cmd_cancel}, {"agents", cmd_agents}, {"batch", cmd_batch},
-    {"list", cmd_list},     {"logs", cmd_logs},
+/*
+ * An operator's one request (exec, batch): once its output is out,
+ * nothing the libraries' exit handlers tear down (OpenSSL's tables,
+ * nats.c's threads) is worth 0.7 ms of every `kscore exec` (measured, 40
+ * runs). The connection is closed; the kernel closes the rest.
+ */
+static int
+run_and_exit(int (*fn)(int, char **), int argc, char **argv)
+{
+    int rc = fn(argc, argv);
+    errno = 0;
+    bool failed = fflush(stdout) != 0 || ferror(stdout) || cli_write_error();
+    int e = cli_write_error() ? cli_write_error() : errno;
+    /* A reader that went away (`kscore exec -- seq 1 200000 | head -2`):
+     * die of SIGPIPE, as cat, ssh and every filter do, so the shell sees
+     * 141 and says nothing (issue 24: exit 125 "Broken pipe"). */
+    if (failed && e == EPIPE) {
+        sigset_t pipe_set;
+        sigemptyset(&pipe_set);
+        sigaddset(&pipe_set, SIGPIPE);
+        signal(SIGPIPE, SIG_DFL);
+        sigprocmask(SIG_UNBLOCK, &pipe_set, NULL);
+        raise(SIGPIPE);
+    }
+    /* Output that could not be written is a failure, not a success with
+     * nothing shown (a full disk). */
+    if (failed && rc == 0) {
+        cli_err("cannot write the output: %s", strerror(e ? e : EIO));
+        rc = CLI_EXIT_KSCORE;
+    }
+    fflush(NULL);
+    _exit(rc);
+}
+
+static int
+exec_then_exit(int argc, char **argv)
+{
+    return run_and_exit(cmd_exec, argc, argv);
+}
+
+static int
+batch_then_exit(int argc, char **argv)
+{
+    return run_and_exit(cmd_batch, argc, argv);
+}
+
+static const struct cli_command commands[] = {
+    {"exec", exec_then_exit}, {"get", cmd_get},       {"events", cmd_events},
+    {"cancel", cmd_cancel},   {"agents", cmd_agents}, {"batch", batch_then_exit},
+    {"list", cmd_list},       {"logs", cmd_logs},
 };
 
 #define CLI_NAME(c) #c,
 static const char *const daemon_commands[] = {CLI_DAEMON_COMMANDS(CLI_NAME)};
 #undef CLI_NAME
 
-/* The subcommand named name, or -1. */
-static int
-find_command(const char *name)
-{
-    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-        if (strcmp(name, commands[i].name) == 0)
-            return (int)i;
-    return -1;
-}
-
-static bool
-is_daemon_command(const char *name)
-{
-    for (size_t i = 0; i < sizeof(daemon_commands) / sizeof(daemon_commands[0]);
-         i++)
-        if (strcmp(name, daemon_commands[i]) == 0)
-            return true;
-    return false;
-}
-
-/* Runs the daemon half with this argv; returns only when it cannot. */
+/* cli_main's other: a command of the daemon half runs there, with this
+ * argv; returns only when it cannot (-1: name is not one of them). */
 static int
 run_daemon(char **argv, const char *name)
 {
     char path[PATH_MAX];
+    size_t i = 0;
+
+    while (i < sizeof(daemon_commands) / sizeof(daemon_commands[0]) &&
+           strcmp(name, daemon_commands[i]) != 0)
+        i++;
+    if (i == sizeof(daemon_commands) / sizeof(daemon_commands[0]))
+        return -1;
     int rc = cli_other_half(CLI_DAEMON_NAME, KSCORE_DAEMON_REL, path,
                             sizeof(path));
     if (rc == 0) {
@@ -122,69 +153,7 @@ run_daemon(char **argv, const char *name)
 int
 main(int argc, char **argv)
 {
-    /* `kscore help CMD`: that command's own help. */
-    if (argc >= 3 && strcmp(argv[1], "help") == 0) {
-        int k = find_command(argv[2]);
-        char *hargv[] = {argv[2], "--help", NULL};
-        if (is_daemon_command(argv[2]))
-            return run_daemon(argv, argv[2]);
-        if (k < 0) {
-            cli_err("unknown command '%s' (see kscore --help)", argv[2]);
-            return CLI_EXIT_USAGE;
-        }
-        return commands[k].fn(2, hargv);
-    }
-    /* -h is --help on every subcommand (their getopt tables are long
-     * options only); the command after `--` keeps its own -h. */
-    for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
-        if (strcmp(argv[i], "-h") == 0)
-            argv[i] = "--help";
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 ||
-        strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
-        fputs(usage, argc < 2 ? stderr : stdout);
-        return argc < 2 ? CLI_EXIT_USAGE : 0;
-    }
-    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
-        printf("kscore " CLI_VERSION "\n");
-        return 0;
-    }
-    if (is_daemon_command(argv[1]))
-        return run_daemon(argv, argv[1]);
-    int k = find_command(argv[1]);
-    if (k >= 0 && (commands[k].fn == cmd_exec || commands[k].fn == cmd_batch)) {
-        /* An operator's one request: once its output is out, nothing the
-         * libraries' exit handlers tear down (OpenSSL's tables, nats.c's
-         * threads) is worth 0.7 ms of every `kscore exec` (measured,
-         * 40 runs). The connection is closed; the kernel closes the
-         * rest. */
-        int rc = commands[k].fn(argc - 1, argv + 1);
-        errno = 0;
-        bool failed = fflush(stdout) != 0 || ferror(stdout) ||
-                      cli_write_error();
-        int e = cli_write_error() ? cli_write_error() : errno;
-        /* A reader that went away (`kscore exec -- seq 1 200000 | head
-         * -2`): die of SIGPIPE, as cat, ssh and every filter do, so the
-         * shell sees 141 and says nothing (issue 24: exit 125 "Broken
-         * pipe"). */
-        if (failed && e == EPIPE) {
-            sigset_t pipe_set;
-            sigemptyset(&pipe_set);
-            sigaddset(&pipe_set, SIGPIPE);
-            signal(SIGPIPE, SIG_DFL);
-            sigprocmask(SIG_UNBLOCK, &pipe_set, NULL);
-            raise(SIGPIPE);
-        }
-        /* Output that could not be written is a failure, not a success
-         * with nothing shown (a full disk). */
-        if (failed && rc == 0) {
-            cli_err("cannot write the output: %s", strerror(e ? e : EIO));
-            rc = CLI_EXIT_KSCORE;
-        }
-        fflush(NULL);
-        _exit(rc);
-    }
-    if (k >= 0)
-        return commands[k].fn(argc - 1, argv + 1);
-    cli_err("unknown command '%s' (see kscore --help)", argv[1]);
-    return CLI_EXIT_USAGE;
+    return cli_main(argc, argv, commands,
+                    sizeof(commands) / sizeof(commands[0]), usage,
+                    run_daemon);
 }
