@@ -99,8 +99,28 @@ struct broker__worker {
     natsSubscription *sub;
 };
 
+/*
+ * What the lower parts of the broker (the recorder, the scanner, a cancel,
+ * the notices of other brokers) tell the upper ones (the waiting execs,
+ * the live followers, the batches: broker.c, batch.c) without calling up
+ * into them: broker_run sets these before any thread starts; each runs
+ * on its caller's thread.
+ */
+struct broker__up {
+    /* A terminal event of command_id was recorded here (recorder, claim
+     * handler, scanner, cancel); result may be NULL (then only its status
+     * is known to be terminal). */
+    void (*ended)(struct broker *b, const char *command_id,
+                  const Ks__CommandResult *result);
+    /* Another broker recorded command_id's end (notice.c). */
+    void (*remote_ended)(struct broker *b, const char *command_id);
+    /* Another broker recorded a cancel of batch_id (notice.c). */
+    void (*remote_batch_cancel)(struct broker *b, const char *batch_id);
+};
+
 struct broker {
     const struct broker_opts *opts;
+    struct broker__up up;
     struct evt_conn *nc;
     kvStore *kv;
 
@@ -190,6 +210,11 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
 
+/* Sends m to subject (a client's inbox; nothing when empty), in parts
+ * when larger than one NATS message. A failure is logged. */
+void broker__reply_msg(struct broker *b, const char *subject,
+                       const ProtobufCMessage *m);
+
 /* Answers msg with an empty reply of type d (every kscore reply has
  * error_code and error as fields 1 and 2) carrying code and text. */
 void broker__reply_error(struct broker *b, natsMsg *msg,
@@ -214,6 +239,9 @@ bool broker__key_seen(struct broker *b, const char *operator_,
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);
 
+/* Frees what waiters.c holds (the waiters, claim hints, keys seen). */
+void broker__waiters_release(struct broker *b);
+
 /* Replies to the client waiting for command_id, if any, with result.
  * true if one waited here. */
 bool broker__reply_waiter(struct broker *b, const char *command_id,
@@ -223,11 +251,15 @@ bool broker__reply_waiter(struct broker *b, const char *command_id,
 /*
  * A terminal event of command_id has been recorded (any thread: recorder,
  * claim handler, scanner, cancel): answers the waiting client and tells the
- * command's batch, if any. result may be NULL (then only its status is
- * known to be terminal).
+ * command's batch, if any (b->up.ended, broker.c). result may be NULL
+ * (then only its status is known to be terminal).
  */
-void broker__command_ended(struct broker *b, const char *command_id,
-                           const Ks__CommandResult *result);
+static inline void
+broker__command_ended(struct broker *b, const char *command_id,
+                      const Ks__CommandResult *result)
+{
+    b->up.ended(b, command_id, result);
+}
 
 /* Fills the two events that start a command: CommandRequested (v1, with
  * cmd) and CommandDispatched (v2, attempt 1, first attempt's deadline).
@@ -236,6 +268,8 @@ void broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev,
                           char ids[2][37], char *stream, Ks__Command *cmd,
                           const char *idempotency_key);
 
+/* 1 if id is "batch-<uuid>". */
+int broker__is_batch_id(const char *id);
 /* 1 if subject is method's, with or without the operator token. */
 int broker__is_method(const char *subject, const char *method);
 /* The operator a request came from: the subject's last token (events.h

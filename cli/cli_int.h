@@ -8,7 +8,46 @@
 #include <stdio.h>
 #include <sys/types.h>
 
-#include "broker.h"
+#include "client.h"
+
+/*
+ * kscore is two executables (README "Modules"): kscore, the operator's
+ * commands (cli/main.c), and the daemon half, CLI_DAEMON_NAME
+ * (cli/daemon.c): the services, the local stack and what needs PostgreSQL
+ * or libmicrohttpd, the commands of CLI_DAEMON_COMMANDS. kscore runs the
+ * daemon half for those with the same argv. In the build tree both are in
+ * build/cli/; installed, kscore is in bindir and the daemon half in
+ * libexecdir/kscore/.
+ */
+#define CLI_DAEMON_NAME "kscore-daemon"
+#define CLI_VERSION "0.1.0"
+#define CLI_DAEMON_COMMANDS(X)                                                 \
+    X(up) X(down) X(status) X(broker) X(agent) X(replay) X(perf) X(keygen)     \
+        X(operator)
+struct cli_command {
+    const char *name;
+    int (*fn)(int argc, char **argv); /* argv[0] is the name */
+};
+/*
+ * main() of both halves: `help CMD` (CMD's own --help), -h as --help
+ * before `--`, --help or no command (usage on stdout, or stderr and
+ * CLI_EXIT_USAGE), --version, then argv[1]'s command of cmds (n
+ * entries). A name not in cmds goes to other (may be NULL) with the
+ * whole argv, which returns -1 when it is not its either, else an exit
+ * code. Returns the process's exit code.
+ */
+int cli_main(int argc, char **argv, const struct cli_command *cmds, size_t n,
+             const char *usage, int (*other)(char **argv, const char *name));
+
+/*
+ * The path of the other half, name (CLI_DAEMON_NAME or "kscore"): beside
+ * this executable (the build tree), else at rel (from this executable's
+ * directory to where the other half is installed, CMake's
+ * KSCORE_DAEMON_REL / KSCORE_FRONT_REL). 0 with buf, or -errno (-ENOENT:
+ * in neither place) with buf the last path tried ("" when this
+ * executable's own path cannot be read).
+ */
+int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 
 /*
  * Exit codes of kscore itself (README "Exit codes"). `kscore exec` otherwise
