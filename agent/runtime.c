@@ -420,6 +420,7 @@ job_free(struct job_ctx *j)
 {
     if (!j)
         return;
+    agent__payload_free(j->payload); /* its private files, whatever the end */
     free(j->ack_subject);
     if (j->cmd)
         ks__command__free_unpacked(j->cmd, NULL);
@@ -959,10 +960,13 @@ start_job(struct job_ctx *j)
      * opened never runs, and ends StartFailed through the claim. */
     rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
                              secret_why, sizeof(secret_why));
+    if (rc)
+        stage = "secret";
+    else /* script, stdin, user (payload.c) */
+        rc = agent__payload_prepare(a, cmd, &spec, &j->payload, &stage,
+                                    secret_why, sizeof(secret_why));
     if (rc == 0)
         rc = exec_precheck(&spec, &stage);
-    else
-        stage = "secret";
     if (rc) {
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
         r.status = KS__COMMAND_STATUS__START_FAILED;
@@ -1472,6 +1476,8 @@ heartbeat_once(struct agent *a)
     /* Which process: the broker tells two processes serving one id. */
     info.instance_id = a->instance_id;
     info.started_at_us = a->started_at_us;
+    info.features = (char **)agent_features;
+    info.n_features = AGENT_N_FEATURES;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -1872,7 +1878,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         mkdir(dir, 0700);
     }
     agent__spare_init(a);
-    if ((rc = agent__secret_init(a, errmsg)))
+    if ((rc = agent__secret_init(a, errmsg)) ||
+        (rc = agent__payload_init(a, errmsg)))
         goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
@@ -2160,6 +2167,7 @@ agent_stop(struct agent *a)
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
+    agent__payload_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->sub_mu);
     pthread_mutex_destroy(&a->spare_mu);
