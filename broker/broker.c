@@ -462,6 +462,24 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             req->agent_id);
         goto out;
     }
+    if (req->spec->copy) {
+        reply_execute_error(b, msg, KS_EINVAL,
+                            "ExecuteRequest.spec.copy: not allowed: a copy "
+                            "is a batch (kscore copy, kscore.api.v1.batch)");
+        goto out;
+    }
+    if (broker__spec_special(req->spec)) {
+        /* Never to an agent that would ignore --run-as or --script. */
+        Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
+        rc = broker__check_features(req->spec, info, req->agent_id, why,
+                                    sizeof(why));
+        if (info)
+            ks__agent_info__free_unpacked(info, NULL);
+        if (rc) {
+            reply_execute_error(b, msg, rc, "%s", why);
+            goto out;
+        }
+    }
     /* Secret variables: sealed to this agent, and to it only. */
     if ((rc = broker__check_sealed_targets(req->spec, &req->agent_id, 1,
                                            true, why, sizeof(why)))) {

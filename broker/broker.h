@@ -75,6 +75,11 @@ int broker_run(const struct broker_opts *opts, char **errmsg);
 int broker_check_request(const ProtobufCMessage *m, const char *identity,
                          char *why, size_t len);
 
+/* true for "USER" or "USER:GROUP" of names useradd(8) takes (letters,
+ * digits, _, . and -, not - first, 1-32 bytes each): the form of
+ * CommandSpec.run_as and CopySpec.owner. */
+bool broker_user_spec_ok(const char *s);
+
 /*
  * What the record does with an agent's event ev (its sender is
  * ev->agent_id, as the subject vouched) about a command in state st: the

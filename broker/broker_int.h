@@ -352,6 +352,22 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
                             Ks__CommandSpec *out);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
+/*
+ * 0 if the agent (info: its registry entry, may be NULL) lists every
+ * feature spec needs (a script, stdin, run_as, a copy: AgentInfo.features),
+ * else KS_EINVAL with why naming the agent and what it cannot run: an
+ * older agent would ignore the field (and run as itself, or run argv).
+ */
+/* true when sp needs more of its agent than argv (see below). */
+static inline bool
+broker__spec_special(const Ks__CommandSpec *sp)
+{
+    return sp && (sp->script || (sp->input && sp->input->data.len) ||
+                  sp->run_as[0] || sp->copy);
+}
+int broker__check_features(const Ks__CommandSpec *sp,
+                           const Ks__AgentInfo *info, const char *agent_id,
+                           char *why, size_t len);
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
 
