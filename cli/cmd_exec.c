@@ -175,6 +175,7 @@ cli_event_json(const Ks__RecordedEvent *rec)
             }
             json_object_set_new(o, "secret_env", sec);
         }
+        cli_payload_json(o, sp);
         json_object_set_new(o, "cwd", json_string(sp->cwd));
         json_object_set_new(o, "timeout_ms", json_integer(sp->timeout_ms));
         json_object_set_new(o, "grace_ms", json_integer(sp->grace_ms));
@@ -210,6 +211,7 @@ cli_err_too_large(void)
 
 static const char exec_usage[] =
     "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore exec [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
     "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
     "and the command was not accepted, 69 when the outcome is unknown: it\n"
@@ -230,10 +232,13 @@ static const char exec_usage[] =
     "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
     "                      stderr (default 16M; K, M, G suffixes); the rest\n"
     "                      is counted, not kept\n"
+    CLI_PAYLOAD_USAGE
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
     "Output is printed as the command writes it. Ctrl-C cancels the command\n"
     "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
+    "Stdin is read to its end before the command is sent (when it is not a\n"
+    "terminal): use --no-stdin in a loop that reads its own stdin.\n"
     CLI_CONN_USAGE;
 
 int
@@ -242,6 +247,7 @@ cmd_exec(int argc, char **argv)
     static const struct option lo[] = {
         {"agent", required_argument, 0, 'a'},
         CLI_SPEC_LONGOPTS,
+        CLI_PAYLOAD_LONGOPTS,
         {"secret-env", required_argument, 0, 'X'},
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
@@ -254,6 +260,7 @@ cmd_exec(int argc, char **argv)
     Ks__CommandSpec *sp = &cs.spec;
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
+    struct cli_payload pl = {0};
     struct evt_conn *c = NULL;
     Ks__ExecuteReply *rep = NULL;
     char *agent_from_env = NULL;
@@ -266,6 +273,8 @@ cmd_exec(int argc, char **argv)
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
+        if (!taken)
+            taken = cli_payload_opt(&pl, opt, optarg);
         if (taken < 0)
             goto out;
         if (taken)
@@ -298,7 +307,7 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0 ||
+    if (cli_payload_argv(&pl, &cs, argc, argv, optind, "exec") != 0 ||
         cli_secrets_check(&sec, sp) != 0)
         goto out;
     req.deliver_within_ms = cs.deliver_within_ms;
@@ -327,6 +336,9 @@ cmd_exec(int argc, char **argv)
     }
     req.agent_id = (char *)agent;
     req.spec = sp;
+    /* The script and stdin are read whole before anything is sent. */
+    if ((rc = cli_payload_load(&pl, sp, true)))
+        goto out;
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
@@ -439,6 +451,14 @@ cmd_exec(int argc, char **argv)
                     r->reason[0] ? r->reason
                                  : "a secret variable cannot be opened");
         else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 r->reason[0])
+            cli_err("cannot start %s: %s (%s: %s)", sp->argv[0], r->reason,
+                    r->start_stage, strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 strcmp(r->start_stage, "user") == 0)
+            cli_err("cannot start %s as '%s': %s", sp->argv[0], sp->run_as,
+                    strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
                  strcmp(r->start_stage, "chdir") == 0)
             cli_err("cannot start %s: cannot chdir to '%s': %s", sp->argv[0],
                     sp->cwd && sp->cwd[0] ? sp->cwd : "/",
@@ -462,6 +482,7 @@ out:
     evt_close(c);
     free(agent_from_env);
     cli_secrets_release(&sec);
+    cli_payload_release(&pl);
     cli_spec_release(&cs);
     cli_conn_release(&cc);
     return rc;
@@ -519,7 +540,8 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
  * it cannot be read (an older broker, a read the policy refuses).
  */
 static json_t *
-requested_env(struct evt_conn *c, const char *command_id)
+requested_env(struct evt_conn *c, const char *command_id,
+              Ks__EventsReply **rep_out)
 {
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
     Ks__EventsReply *rep = NULL;
@@ -544,6 +566,8 @@ requested_env(struct evt_conn *c, const char *command_id)
         for (size_t i = 0; i < sp->n_sealed_env; i++)
             json_object_set_new(env, sp->sealed_env[i]->name,
                                 json_string(CLI_SECRET_SHOWN));
+        *rep_out = rep; /* its script, stdin, user, files */
+        return env;
     }
     ks__events_reply__free_unpacked(rep, NULL);
     return env;
@@ -605,7 +629,10 @@ cmd_get(int argc, char **argv)
         goto out;
     }
     const Ks__CommandView *v = rep->command;
-    json_t *env = requested_env(c, v->command_id);
+    Ks__EventsReply *first = NULL;
+    json_t *env = requested_env(c, v->command_id, &first);
+    const Ks__CommandSpec *rsp =
+        first ? first->events[0]->event->command->spec : NULL;
     if (json) {
         json_t *o = cli_result_json(v->result);
         json_t *argvj = json_array();
@@ -618,6 +645,8 @@ cmd_get(int argc, char **argv)
         json_object_set_new(o, "argv", argvj);
         if (env)
             json_object_set_new(o, "env", json_incref(env));
+        if (rsp)
+            cli_payload_json(o, rsp);
         json_object_set_new(o, "attempt", json_integer(v->attempt));
         json_object_set_new(o, "version", json_integer(v->version));
         json_object_set_new(o, "requested_at",
@@ -649,7 +678,10 @@ cmd_get(int argc, char **argv)
             json_object_foreach(env, k, val)
                 printf(" %s=%s", k, json_string_value(val));
         }
-        printf("\nrequested %s", cli_time(v->requested_at_us));
+        printf("\n");
+        if (rsp)
+            cli_payload_print(stdout, rsp, "");
+        printf("requested %s", cli_time(v->requested_at_us));
         if (v->operator_[0])
             printf(" by %s", v->operator_);
         printf("\n");
@@ -695,6 +727,8 @@ cmd_get(int argc, char **argv)
         }
     }
     json_decref(env);
+    if (first)
+        ks__events_reply__free_unpacked(first, NULL);
     rc = 0;
 out:
     if (rep)
@@ -736,6 +770,8 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
             printf("  %s=%s", e->event->command->spec->sealed_env[i]->name,
                    CLI_SECRET_SHOWN);
     printf("\n");
+    if (e->event->command && e->event->command->spec)
+        cli_payload_print(stdout, e->event->command->spec, "     ");
 }
 
 static const char events_usage[] =
