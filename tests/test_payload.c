@@ -1,0 +1,772 @@
+/*
+ * What an operator sends besides argv, end to end through the real stack
+ * (the kscore binary as broker, agent and client, a private nats-server
+ * and PostgreSQL, real child processes): --script FILE, stdin, --run-as
+ * USER[:GROUP], and the policy's run_as rule (README "Scripts, stdin and
+ * files").
+ */
+#include <check.h>
+#include <errno.h>
+#include <grp.h>
+#include <jansson.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include "fixture.h"
+#include "store.h"
+
+#define AGENT "pl-agent"
+
+static struct fixture_stack stack;
+static char tmpdir[PATH_MAX];
+/* A real unprivileged user made for the suite (useradd), with a
+ * supplementary group of its own, removed at the end. */
+static char tuser[32], tgroup[32];
+static bool have_tuser;
+
+static void
+run_sh(const char *cmd)
+{
+    if (system(cmd) != 0)
+        fprintf(stderr, "failed: %s\n", cmd);
+}
+
+static void
+users_up(void)
+{
+    char cmd[256];
+    snprintf(tuser, sizeof(tuser), "kst%ld", (long)getpid());
+    snprintf(tgroup, sizeof(tgroup), "kstg%ld", (long)getpid());
+    snprintf(cmd, sizeof(cmd),
+             "groupadd %s && useradd -M -N -g nogroup -G %s -d /home/%s %s",
+             tgroup, tgroup, tuser, tuser);
+    have_tuser = system(cmd) == 0;
+}
+
+static void
+users_down(void)
+{
+    char cmd[256];
+    if (!have_tuser)
+        return;
+    snprintf(cmd, sizeof(cmd), "userdel %s; groupdel %s", tuser, tgroup);
+    run_sh(cmd);
+}
+
+static void
+stack_up(void)
+{
+    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kscore-pl-XXXXXX");
+    if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) != 0)
+        exit(1);
+    users_up();
+    /* One agent process, two in-process agents for the batches. */
+    if (fixture_stack_start(&stack, AGENT, 2) != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&stack);
+        users_down();
+        exit(1);
+    }
+}
+
+static void
+stack_down(void)
+{
+    char cmd[PATH_MAX + 16];
+    fixture_stack_stop(&stack);
+    users_down();
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
+    run_sh(cmd);
+}
+
+/* Writes len bytes to tmpdir/name; returns the path (static per call). */
+static const char *
+put_file(const char *name, const void *data, size_t len)
+{
+    static char paths[8][PATH_MAX + 64];
+    static int next;
+    char *p = paths[next++ % 8];
+    snprintf(p, PATH_MAX + 64, "%s/%s", tmpdir, name);
+    FILE *f = fopen(p, "w");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(data, 1, len, f), len);
+    ck_assert_int_eq(fclose(f), 0);
+    return p;
+}
+
+static void
+sha256_hex(const void *data, size_t len, char hex[65])
+{
+    unsigned char md[32];
+    unsigned int n = 0;
+    ck_assert_int_eq(EVP_Digest(data, len, md, &n, EVP_sha256(), NULL), 1);
+    for (int i = 0; i < 32; i++)
+        snprintf(hex + 2 * i, 3, "%02x", md[i]);
+}
+
+static json_t *
+parse_json(const struct fixture_out *o)
+{
+    json_error_t err;
+    json_t *j = json_loads(o->out, 0, &err);
+    ck_assert_msg(j != NULL, "not JSON: %s (stderr %s)", o->out, o->err);
+    return j;
+}
+
+static const char *
+jstr(json_t *o, const char *k)
+{
+    const char *s = json_string_value(json_object_get(o, k));
+    ck_assert_msg(s != NULL, "no string %s", k);
+    return s;
+}
+
+static long
+sql_long(const char *sql)
+{
+    return fixture_sql_long(stack.pg.conninfo, sql);
+}
+
+/* The in-process agent number i: "<host>-i". */
+static const char *
+local_agent(int i)
+{
+    static char id[2][96];
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[strcspn(host, ".")] = '\0';
+    snprintf(id[i], sizeof(id[i]), "%s-%d", host, i);
+    return id[i];
+}
+
+/* The directory part of path (in place). */
+static char *
+dir_of(char *path)
+{
+    char *slash = strrchr(path, '/');
+    if (slash)
+        *slash = '\0';
+    return path;
+}
+
+/* ---- --script ------------------------------------------------------------ */
+
+START_TEST(script_runs_by_its_interpreter_with_args_and_goes_away)
+{
+    static const char script[] =
+        "#!/bin/sh\n"
+        "echo \"argc=$# 1=$1 2=$2\"\n"
+        "echo \"$0\"\n"
+        "stat -c '%a %U' \"$0\" \"$(dirname \"$0\")\"\n";
+    const char *path = put_file("show.sh", script, sizeof(script) - 1);
+    struct fixture_out o;
+    const char *args[] = {"exec",   "--agent", AGENT, "--json", "--script",
+                          path,     "one",     "two words",       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    json_t *j = parse_json(&o);
+    char out[1024];
+    snprintf(out, sizeof(out), "%s", jstr(j, "stdout"));
+    /* $1.. are the arguments after the file; $0 its private copy, named
+     * as the file, in a 0700 directory, the file 0500, both root's (the
+     * agent's user). */
+    ck_assert_msg(strncmp(out, "argc=2 1=one 2=two words\n", 25) == 0, "%s",
+                  out);
+    char *line2 = strchr(out, '\n') + 1;
+    char *end2 = strchr(line2, '\n');
+    *end2 = '\0';
+    ck_assert_msg(strstr(line2, "/kscore-agent-") && strstr(line2, "/show.sh"),
+                  "%s", line2);
+    ck_assert_msg(strstr(end2 + 1, "500 root\n700 root\n") == end2 + 1, "%s",
+                  end2 + 1);
+    /* Removed once it ended: the file and its directory. */
+    struct stat st;
+    ck_assert_int_eq(stat(line2, &st), -1);
+    ck_assert_int_eq(stat(dir_of(line2), &st), -1);
+    ck_assert_int_eq(errno, ENOENT);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(script_without_shebang_runs_by_sh_and_a_shebang_argument_counts)
+{
+    static const char plain[] = "echo \"plain $1\"\n";
+    const char *p1 = put_file("plain", plain, sizeof(plain) - 1);
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--script", p1, "--",
+                        "-x", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "plain -x\n");
+    fixture_out_release(&o);
+
+    /* "#!/bin/sh -e": the interpreter's own argument: false stops it. */
+    static const char strict[] = "#!/bin/sh -e\nfalse\necho not reached\n";
+    const char *p2 = put_file("strict.sh", strict, sizeof(strict) - 1);
+    const char *a2[] = {"exec", "--agent", AGENT, "--script", p2, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The issue's case: a 200 KB script cannot travel as `sh -c "$(cat s)"`
+ * (E2BIG, exit 126); as --script it runs. Past the cap it is refused
+ * before anything is sent or recorded. */
+START_TEST(a_large_script_runs_and_one_past_the_cap_is_refused)
+{
+    size_t n = 300 * 1024;
+    char *big = malloc(n + 64);
+    memcpy(big, "#!/bin/sh\n#", 11);
+    memset(big + 11, 'x', n - 11);
+    strcpy(big + n, "\necho big done\n");
+    const char *p = put_file("big.sh", big, strlen(big));
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "big done\n");
+    fixture_out_release(&o);
+    free(big);
+
+    n = 600 * 1024;
+    big = malloc(n);
+    memset(big, '#', n);
+    p = put_file("huge.sh", big, n);
+    free(big);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a2[] = {"exec", "--agent", AGENT, "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "larger than 512 KiB"), "%s", o.err);
+    ck_assert_msg(strstr(o.err, "nothing was sent"), "%s", o.err);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The record keeps the script's checksum and size; get and events show
+ * them, never the bytes. */
+START_TEST(script_checksum_is_in_the_record_and_shown)
+{
+    static const char script[] = "#!/bin/sh\necho recorded\n";
+    char hex[65];
+    sha256_hex(script, sizeof(script) - 1, hex);
+    const char *p = put_file("rec.sh", script, sizeof(script) - 1);
+    struct fixture_out o;
+    const char *a1[] = {"exec",   "--agent", AGENT, "--json",
+                        "--script", p,       "arg", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    json_t *j = parse_json(&o);
+    char id[40];
+    snprintf(id, sizeof(id), "%s", jstr(j, "command_id"));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *g[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char want[160];
+    snprintf(want, sizeof(want), "script    rec.sh (%zu bytes, sha256 %s)",
+             sizeof(script) - 1, hex);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    ck_assert_msg(strstr(o.out, "rec.sh arg"), "argv: %s", o.out);
+    ck_assert_msg(!strstr(o.out, "echo recorded"), "%s", o.out);
+    fixture_out_release(&o);
+
+    const char *gj[] = {"get", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gj, &o), 0);
+    j = parse_json(&o);
+    json_t *s = json_object_get(j, "script");
+    ck_assert_ptr_nonnull(s);
+    ck_assert_str_eq(jstr(s, "sha256"), hex);
+    ck_assert_str_eq(jstr(s, "name"), "rec.sh");
+    ck_assert_int_eq(json_integer_value(json_object_get(s, "bytes")),
+                     (json_int_t)(sizeof(script) - 1));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *e[] = {"events", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, e, &o), 0);
+    ck_assert_msg(strstr(o.out, hex), "%s", o.out);
+    ck_assert_msg(!strstr(o.out, "echo recorded"), "%s", o.out);
+    fixture_out_release(&o);
+    /* The bytes themselves are in the record (the signed command). */
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT (position('echo recorded'::bytea in data) > 0)::int FROM "
+             "events WHERE stream_id = 'command-%s' AND version = 1",
+             id);
+    ck_assert_int_eq(sql_long(sql), 1);
+}
+END_TEST
+
+/* Reads the script's own path it wrote to tmpdir/name; waits for it. */
+static void
+wait_path(const char *name, char *out, size_t len)
+{
+    char p[PATH_MAX + 64];
+    snprintf(p, sizeof(p), "%s/%s", tmpdir, name);
+    for (int i = 0; i < 200; i++) {
+        FILE *f = fopen(p, "r");
+        if (f) {
+            bool got = fgets(out, (int)len, f) != NULL;
+            fclose(f);
+            if (got && strchr(out, '\n')) {
+                out[strcspn(out, "\n")] = '\0';
+                return;
+            }
+        }
+        usleep(50 * 1000);
+    }
+    ck_abort_msg("the script never wrote %s", p);
+}
+
+static bool
+gone_within(const char *path, int ms)
+{
+    struct stat st;
+    for (int i = 0; i < ms / 50; i++) {
+        if (stat(path, &st) == -1 && errno == ENOENT)
+            return true;
+        usleep(50 * 1000);
+    }
+    return false;
+}
+
+START_TEST(script_file_goes_after_a_timeout_and_after_a_cancel)
+{
+    char script[PATH_MAX + 128], path[PATH_MAX];
+    struct fixture_out o;
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/to.path\nexec sleep 30\n", tmpdir);
+    const char *p = put_file("to.sh", script, strlen(script));
+    const char *a1[] = {"exec",   "--agent", AGENT, "--timeout", "1s",
+                        "--script", p,       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 124);
+    fixture_out_release(&o);
+    wait_path("to.path", path, sizeof(path));
+    ck_assert_msg(gone_within(dir_of(path), 5000), "%s stays", path);
+
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/cx.path\nexec sleep 30\n", tmpdir);
+    p = put_file("cx.sh", script, strlen(script));
+    const char *a2[] = {"exec", "--agent", AGENT, "--detach", "--script", p,
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", o.out);
+    fixture_out_release(&o);
+    wait_path("cx.path", path, sizeof(path));
+    const char *c[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, c, &o), 0);
+    fixture_out_release(&o);
+    ck_assert_msg(gone_within(dir_of(path), 10000), "%s stays", path);
+}
+END_TEST
+
+/* kill -9 of the agent: its watchdog kills the script, and the restarted
+ * agent removes what the dead one left (its run dir, noted in its state
+ * dir). */
+START_TEST(a_restarted_agent_removes_what_the_last_run_left)
+{
+    char script[PATH_MAX + 128], path[PATH_MAX];
+    struct fixture_out o;
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/rs.path\nexec sleep 60\n", tmpdir);
+    const char *p = put_file("rs.sh", script, strlen(script));
+    const char *a[] = {"exec", "--agent", AGENT, "--detach", "--script", p,
+                       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    wait_path("rs.path", path, sizeof(path));
+    char run_dir[PATH_MAX];
+    snprintf(run_dir, sizeof(run_dir), "%s", path);
+    dir_of(dir_of(run_dir));
+    fixture_stack_agent_kill(&stack, SIGKILL);
+    struct stat st;
+    ck_assert_int_eq(stat(run_dir, &st), 0); /* left behind */
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    ck_assert_msg(gone_within(run_dir, 10000), "%s stays", run_dir);
+}
+END_TEST
+
+/* ---- stdin ---------------------------------------------------------------- */
+
+START_TEST(stdin_reaches_the_command_byte_for_byte)
+{
+    struct fixture_out o;
+    const char *in = put_file("hello.in", "hello\n", 6);
+    const char *a1[] = {"exec", "--agent", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    ck_assert_str_eq(o.out, "hello\n");
+    fixture_out_release(&o);
+
+    /* Binary, NUL included, larger than a pipe's buffer (64 KiB): the
+     * agent writes it as the child reads. */
+    size_t n = 200 * 1024;
+    unsigned char *bin = malloc(n);
+    for (size_t i = 0; i < n; i++)
+        bin[i] = (unsigned char)(i * 7);
+    char hex[65];
+    sha256_hex(bin, n, hex);
+    in = put_file("bin.in", bin, n);
+    free(bin);
+    const char *a2[] = {"exec", "--agent", AGENT, "--", "sha256sum", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    ck_assert_msg(strncmp(o.out, hex, 64) == 0, "%s vs %s", o.out, hex);
+    fixture_out_release(&o);
+
+    /* A command that reads a little and exits, and one that reads
+     * nothing: both end at once (the agent's write meets EPIPE). */
+    const char *a3[] = {"exec", "--agent", AGENT, "--", "head", "-c", "3",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a3, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_uint_eq(o.out_len, 3);
+    fixture_out_release(&o);
+    const char *a4[] = {"exec", "--agent", AGENT, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a4, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* K22 holds: without stdin the child reads /dev/null (EOF at once); so it
+ * does with --no-stdin whatever kscore's stdin is. --stdin-file reads a
+ * file. */
+START_TEST(no_stdin_is_dev_null_and_stdin_file_is_read)
+{
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--timeout", "5s", "--",
+                        "sh", "-c", "read x; echo \"rc=$?\"", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "rc=1\n");
+    fixture_out_release(&o);
+
+    const char *in = put_file("ignored.in", "ignored\n", 8);
+    const char *a2[] = {"exec", "--agent", AGENT, "--no-stdin", "--", "cat",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+
+    const char *f = put_file("file.in", "from a file\n", 12);
+    const char *a3[] = {"exec", "--agent", AGENT, "--stdin-file", f, "--",
+                        "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a3, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "from a file\n");
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(stdin_past_the_cap_is_refused_before_anything_is_recorded)
+{
+    struct fixture_out o;
+    size_t n = 256 * 1024 + 1;
+    char *big = malloc(n);
+    memset(big, 'y', n);
+    const char *in = put_file("big.in", big, n);
+    free(big);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a1[] = {"exec", "--agent", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a1, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "stdin is larger than 256 KiB"), "%s",
+                  o.err);
+    fixture_out_release(&o);
+    const char *a2[] = {"batch", "--agents", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+}
+END_TEST
+
+/* As clush: a batch gives every target the same bytes. The record keeps
+ * their size and checksum (and, as argv, the bytes). */
+START_TEST(batch_broadcasts_stdin_to_every_target)
+{
+    struct fixture_out o;
+    const char *in = put_file("fleet.in", "to all\n", 7);
+    char hex[65];
+    sha256_hex("to all\n", 7, hex);
+    char agents[256];
+    snprintf(agents, sizeof(agents), "%s,%s,%s", AGENT, local_agent(0),
+             local_agent(1));
+    const char *a[] = {"batch", "--agents", agents, "--json", "--", "cat",
+                       NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    /* One JSON line per target, then the summary. */
+    int seen = 0;
+    for (char *line = strtok(o.out, "\n"); line; line = strtok(NULL, "\n")) {
+        json_t *j = json_loads(line, 0, NULL);
+        ck_assert_ptr_nonnull(j);
+        json_t *out = json_object_get(j, "stdout");
+        if (out) {
+            ck_assert_str_eq(json_string_value(out), "to all\n");
+            seen++;
+        }
+        json_decref(j);
+    }
+    ck_assert_int_eq(seen, 3);
+    fixture_out_release(&o);
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events e JOIN commands c ON e.stream_id = "
+             "'command-' || c.command_id AND e.version = 1 WHERE "
+             "c.batch_id IS NOT NULL AND c.batch_id <> '' AND "
+             "position('\\x%s'::bytea in e.data) > 0",
+             hex);
+    ck_assert_int_eq(sql_long(sql), 3);
+}
+END_TEST
+
+/* ---- --run-as ------------------------------------------------------------- */
+
+START_TEST(run_as_nobody_drops_every_privilege)
+{
+    struct fixture_out o;
+    const char *a[] = {"exec", "--agent", AGENT, "--run-as", "nobody", "--",
+                       "sh", "-c",
+                       "id -u; id -g; id -G; echo \"$HOME $USER $LOGNAME\"; "
+                       "grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status",
+                       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "65534\n65534\n65534\n"
+                            "/nonexistent nobody nobody\n"
+                            "CapPrm:\t0000000000000000\n"
+                            "CapEff:\t0000000000000000\n"
+                            "CapAmb:\t0000000000000000\n");
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(run_as_user_and_group_with_a_script_it_owns)
+{
+    if (!have_tuser) {
+        fprintf(stderr, "useradd failed: skipped\n");
+        return;
+    }
+    struct fixture_out o;
+    struct passwd *pw = getpwnam(tuser);
+    struct group *gr = getgrnam(tgroup);
+    ck_assert_ptr_nonnull(pw);
+    ck_assert_ptr_nonnull(gr);
+    uid_t uid = pw->pw_uid;
+    gid_t gid = gr->gr_gid;
+    static const char script[] =
+        "#!/bin/sh\nid -u; id -g; id -G\n"
+        "stat -c '%a %U' \"$0\" \"$(dirname \"$0\")\"\necho \"$HOME\"\n";
+    const char *p = put_file("who.sh", script, sizeof(script) - 1);
+    char spec[80], want[512];
+    /* USER alone: its primary group (nogroup) and its groups. */
+    const char *a1[] = {"exec", "--agent", AGENT, "--run-as", tuser,
+                        "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    snprintf(want, sizeof(want),
+             "%u\n65534\n65534 %u\n500 %s\n700 %s\n/home/%s\n",
+             (unsigned)uid, (unsigned)gid, tuser, tuser, tuser);
+    ck_assert_str_eq(o.out, want);
+    fixture_out_release(&o);
+    /* USER:GROUP: that group is the primary one. */
+    snprintf(spec, sizeof(spec), "%s:%s", tuser, tgroup);
+    const char *a2[] = {"exec", "--agent", AGENT, "--run-as", spec, "--",
+                        "id", "-g", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    snprintf(want, sizeof(want), "%u\n", (unsigned)gid);
+    ck_assert_str_eq(o.out, want);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(an_unknown_user_or_an_unreachable_cwd_is_a_start_failure)
+{
+    struct fixture_out o;
+    const char *a1[] = {"exec",   "--agent", AGENT, "--json", "--run-as",
+                        "no-such-user-kst", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    json_t *j = parse_json(&o);
+    ck_assert_str_eq(jstr(j, "status"), "StartFailed");
+    ck_assert_str_eq(jstr(j, "start_stage"), "user");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "start_errno")),
+                     ENOENT);
+    ck_assert_msg(strstr(jstr(j, "reason"), "no user 'no-such-user-kst'"),
+                  "%s", jstr(j, "reason"));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *a2[] = {"exec", "--agent", AGENT, "--run-as",
+                        "no-such-user-kst", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    ck_assert_msg(strstr(o.err, "no user 'no-such-user-kst' on this agent"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+
+    /* /root is 0700: nobody cannot enter it. */
+    const char *a3[] = {"exec",    "--agent", AGENT,  "--json", "--run-as",
+                        "nobody",  "--cwd",   "/root", "--",    "true",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    j = parse_json(&o);
+    ck_assert_str_eq(jstr(j, "start_stage"), "chdir");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "start_errno")),
+                     EACCES);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* A malformed name never reaches the broker. */
+    const char *a4[] = {"exec", "--agent", AGENT, "--run-as", "a b", "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* ---- the policy's run_as --------------------------------------------------- */
+
+static struct fixture_stack sstack;
+static char spolicy[PATH_MAX + 32];
+
+static void
+secure_up(void)
+{
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "/tmp/kscore-plp-XXXXXX");
+    if (!mkdtemp(dir))
+        exit(1);
+    snprintf(spolicy, sizeof(spolicy), "%s/policy.json", dir);
+    FILE *f = fopen(spolicy, "w");
+    /* alice: id and sh as nobody only; nothing as root, no script (an
+     * executables list cannot vouch for one). */
+    fprintf(f, "{\"operators\": {\"alice\": [{\"agents\": \"*\", "
+               "\"executables\": [\"id\", \"sh\"], \"run_as\": "
+               "[\"nobody\"]}]}}\n");
+    fclose(f);
+    if (fixture_stack_start_secure(&sstack, "plp", NULL, "alice",
+                                   spolicy) != 0) {
+        fixture_stack_stop(&sstack);
+        exit(1);
+    }
+}
+
+static void
+secure_down(void)
+{
+    char cmd[PATH_MAX + 64];
+    fixture_stack_stop(&sstack);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir_of(spolicy));
+    run_sh(cmd);
+}
+
+START_TEST(the_policy_decides_who_runs_as_whom)
+{
+    struct fixture_out o;
+    const char *ok[] = {"exec", "--agent", "plp", "--run-as", "nobody", "--",
+                        "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, ok, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "65534\n");
+    fixture_out_release(&o);
+
+    /* Without --run-as it would run as root, which the rule does not
+     * list. */
+    const char *root[] = {"exec", "--agent", "plp", "--", "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, root, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "denied") && strstr(o.err, "as 'root'"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+
+    const char *other[] = {"exec", "--agent", "plp", "--run-as", "daemon",
+                           "--", "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, other, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "as 'daemon'"), "%s", o.err);
+    fixture_out_release(&o);
+
+    /* A script named like an allowed executable is still a script. */
+    static const char script[] = "id -u\n";
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof(path), "%s/id", dir_of(strdup(spolicy)));
+    FILE *f = fopen(path, "w");
+    fputs(script, f);
+    fclose(f);
+    const char *s[] = {"exec",   "--agent", "plp", "--run-as", "nobody",
+                       "--script", path,    NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, s, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not run the script"), "%s", o.err);
+    fixture_out_release(&o);
+    unlink(path);
+}
+END_TEST
+
+Suite *
+payload_suite(void)
+{
+    Suite *s = suite_create("payload");
+    TCase *tc = tcase_create("payload");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, script_runs_by_its_interpreter_with_args_and_goes_away);
+    tcase_add_test(
+        tc, script_without_shebang_runs_by_sh_and_a_shebang_argument_counts);
+    tcase_add_test(tc, a_large_script_runs_and_one_past_the_cap_is_refused);
+    tcase_add_test(tc, script_checksum_is_in_the_record_and_shown);
+    tcase_add_test(tc, script_file_goes_after_a_timeout_and_after_a_cancel);
+    tcase_add_test(tc, stdin_reaches_the_command_byte_for_byte);
+    tcase_add_test(tc, no_stdin_is_dev_null_and_stdin_file_is_read);
+    tcase_add_test(tc,
+                   stdin_past_the_cap_is_refused_before_anything_is_recorded);
+    tcase_add_test(tc, batch_broadcasts_stdin_to_every_target);
+    tcase_add_test(tc, run_as_nobody_drops_every_privilege);
+    tcase_add_test(tc, run_as_user_and_group_with_a_script_it_owns);
+    tcase_add_test(tc,
+                   an_unknown_user_or_an_unreachable_cwd_is_a_start_failure);
+    tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
+    suite_add_tcase(s, tc);
+
+    TCase *tp = tcase_create("policy");
+    tcase_add_unchecked_fixture(tp, secure_up, secure_down);
+    tcase_set_timeout(tp, 120);
+    tcase_add_test(tp, the_policy_decides_who_runs_as_whom);
+    suite_add_tcase(s, tp);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(payload_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
