@@ -2017,6 +2017,12 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
             }
         }
     }
+    /* A copy's files are stored whole before anything is recorded. */
+    if (!req->dry_run &&
+        (rc = broker__check_copy_files(b, req->spec, why, sizeof(why)))) {
+        reply_batch_error(b, msg, rc, why);
+        goto out;
+    }
     if (broker__spec_special(req->spec) && !req->dry_run) {
         /* Every target must run it as asked: an older agent would ignore
          * --run-as or --script. */

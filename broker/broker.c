@@ -1714,7 +1714,8 @@ broker_teardown(struct broker *b)
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
                                  &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice};
+                                 &b->sub_logs, &b->sub_notice,
+                                 &b->sub_upload, &b->sub_fetch};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1750,6 +1751,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_follow);
     store_close(b->st_batch);
     store_close(b->st_notice);
+    store_close(b->st_blob);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1763,6 +1765,7 @@ broker_teardown(struct broker *b)
     ks_map_clear(&b->keys_seen);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
+    pthread_mutex_destroy(&b->blob_mu);
     pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
@@ -1798,6 +1801,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
+    pthread_mutex_init(&b.blob_mu, NULL);
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
@@ -1952,6 +1956,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_fetch, EVT_API_FETCH, broker__on_blob,
+                        errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
