@@ -83,6 +83,9 @@ struct job_ctx {
     /* payload.c: its script file, stdin and user, from the precheck to
      * the end of the hold (job_free). */
     struct agent_payload *payload;
+    /* Why it ended before it ran, after the claim (a copy's fetch):
+     * the terminal report's reason (malloc'd; job_free frees it). */
+    char *end_reason;
     struct agent_out *out; /* output.c, while it runs */
     /* Offset of the journal's room for "spawned <pid>"; -1: none. */
     long spawn_at;
@@ -264,6 +267,31 @@ int agent__payload_prepare(struct agent *a, const Ks__Command *cmd,
                            const char **stage, char *why, size_t len);
 /* Removes the command's private directory and frees. Accepts NULL. */
 void agent__payload_free(struct agent_payload *p);
+/*
+ * After the claim: a copy's files, fetched from the broker into the
+ * command's private directory and checked against their SHA-256 (copy.c).
+ * 0 (also for any other command), or -ECANCELED (cancelled, the agent
+ * stops), -EBADMSG (a checksum), a NATS or broker error, with why. Blocks
+ * the calling (starter or delivery) thread for the fetch.
+ */
+int agent__payload_fetch(struct agent *a, struct job_ctx *j,
+                         const Ks__Command *cmd, char *why, size_t len);
+
+/*
+ * copy.c: kscore copy's fetch and writer (the writer is this binary
+ * re-executed with agent__copy_env set).
+ * agent__copy_argv: the writer's argv for cp, its files in spool, owner
+ * (NULL: keep) as uid:gid; free with agent__copy_argv_free.
+ * agent__copy_fetch: each file of cmd's copy into spool/<i> (see
+ * agent__payload_fetch).
+ */
+extern const char agent__copy_env[];
+int agent__copy_argv(const Ks__CopySpec *cp, const char *spool,
+                     const struct exec_user *owner, char ***argv_out);
+void agent__copy_argv_free(char **argv);
+int agent__copy_fetch(struct agent *a, struct job_ctx *j,
+                      const Ks__Command *cmd, const char *spool, char *why,
+                      size_t len);
 /* SHA-256 of len bytes (OpenSSL). 0 or KS_EINTERNAL. */
 int agent__payload_sha256(const void *data, size_t len,
                           uint8_t out[KS_SHA256_BYTES]);

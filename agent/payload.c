@@ -5,6 +5,9 @@
  *  - CommandSpec.input: the child's stdin bytes (exec_spec.stdin_data);
  *  - CommandSpec.run_as: the user to run as, looked up here (NSS may
  *    block: never on the executor's loop thread) into an exec_user;
+ *  - CommandSpec.copy: the owner looked up, a private directory for the
+ *    files (fetched after the claim: agent__payload_fetch, copy.c) and
+ *    the writer that puts them in place;
  *  - CommandSpec.script: the bytes written to a private file,
  *    <run dir>/<command id>/<name> (the directory 0700, the file 0500,
  *    both owned by the user the command runs as), run by their "#!"
@@ -46,6 +49,8 @@ struct agent_payload {
     char *dir;            /* <run dir>/<command id>, or NULL */
     char *script;         /* the script's path in dir, or NULL */
     const char **argv;    /* the script's argv (NULL: the command's own) */
+    char **copy_argv;     /* a copy's writer (copy.c), or NULL */
+    struct exec_env copy_env;
     struct exec_user user;
     gid_t *groups;
     char *user_name, *user_home;
@@ -303,6 +308,84 @@ script_file_name(const Ks__Payload *s)
     return n;
 }
 
+/* <run dir>/<command id>, 0700, ours for now (the user gets it only once
+ * what it holds is done): 0 with p->dir. */
+static int
+private_dir(struct agent *a, const Ks__Command *cmd, struct agent_payload *p,
+            char *why, size_t len)
+{
+    int rc = 0;
+
+    if (!a->run_dir) {
+        snprintf(why, len, "the agent has no private directory");
+        return -ENOENT;
+    }
+    if (asprintf(&p->dir, "%s/%s", a->run_dir, cmd->command_id) < 0) {
+        p->dir = NULL;
+        return -ENOMEM;
+    }
+    if (mkdir(p->dir, 0700) == -1) {
+        rc = -errno;
+        if (rc == -EEXIST) {
+            /* A redelivery of a command this process already prepared
+             * and gave up: start again from nothing. */
+            rm_tree(p->dir);
+            rc = mkdir(p->dir, 0700) == -1 ? -errno : 0;
+        }
+    }
+    if (rc)
+        snprintf(why, len, "cannot make %s: %s", p->dir, strerror(-rc));
+    return rc;
+}
+
+/* A copy (copy.c): its owner looked up, its spool directory, the writer's
+ * argv and environment. */
+static int
+prepare_copy(struct agent *a, const Ks__Command *cmd,
+             struct agent_payload *p, struct exec_spec *spec,
+             const char **stage, char *why, size_t len)
+{
+    const Ks__CopySpec *cp = cmd->spec->copy;
+    struct exec_user owner = {0};
+    gid_t *groups = NULL;
+    char *name = NULL, *home = NULL;
+    int rc;
+
+    if (cp->owner[0]) {
+        *stage = "owner";
+        rc = agent__user_lookup(cp->owner, &owner, &groups, &name, &home, why,
+                                len);
+        free(groups);
+        free(name);
+        free(home);
+        if (rc)
+            return rc;
+    }
+    *stage = "copy";
+    if ((rc = private_dir(a, cmd, p, why, len)) ||
+        (rc = agent__copy_argv(cp, p->dir, cp->owner[0] ? &owner : NULL,
+                               &p->copy_argv)))
+        return rc;
+    /* The writer is this binary (copy.c): only its marker, no env of the
+     * command's. */
+    p->copy_env.name = agent__copy_env;
+    p->copy_env.value = "1";
+    spec->argv = (const char *const *)p->copy_argv;
+    spec->env = &p->copy_env;
+    spec->env_len = 1;
+    spec->cwd = "/";
+    return 0;
+}
+
+int
+agent__payload_fetch(struct agent *a, struct job_ctx *j,
+                     const Ks__Command *cmd, char *why, size_t len)
+{
+    if (!j->payload || !j->payload->copy_argv)
+        return 0;
+    return agent__copy_fetch(a, j, cmd, j->payload->dir, why, len);
+}
+
 /* Writes the script into its private directory (0700 dir, 0500 file, the
  * user's): 0 with p->dir and the path in *path_out (malloc'd). */
 static int
@@ -316,28 +399,10 @@ write_script(struct agent *a, const Ks__Command *cmd, struct agent_payload *p,
     char *path = NULL;
     int fd = -1, rc = 0;
 
-    if (!a->run_dir) {
-        snprintf(why, len, "the agent has no private directory for scripts");
-        return -ENOENT;
-    }
-    if (asprintf(&p->dir, "%s/%s", a->run_dir, cmd->command_id) < 0) {
-        p->dir = NULL;
-        return -ENOMEM;
-    }
+    if ((rc = private_dir(a, cmd, p, why, len)))
+        return rc;
     if (asprintf(&path, "%s/%s", p->dir, fname) < 0)
         return -ENOMEM;
-    /* The user gets the directory only once the file in it is done. */
-    if (mkdir(p->dir, 0700) == -1) {
-        rc = -errno;
-        if (rc == -EEXIST) {
-            /* A redelivery of a command this process already prepared
-             * and gave up: start again from nothing. */
-            rm_tree(p->dir);
-            rc = mkdir(p->dir, 0700) == -1 ? -errno : 0;
-        }
-        if (rc)
-            goto fail;
-    }
     fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
               0700);
     if (fd == -1) {
@@ -393,10 +458,16 @@ agent__payload_prepare(struct agent *a, const Ks__Command *cmd,
     int rc = 0;
 
     *out = NULL;
-    if (!cs->input && !cs->script && !cs->run_as[0])
+    if (!cs->input && !cs->script && !cs->run_as[0] && !cs->copy)
         return 0;
     if (!(p = calloc(1, sizeof(*p))))
         return -ENOMEM;
+    if (cs->copy) {
+        if ((rc = prepare_copy(a, cmd, p, spec, stage, why, len)))
+            goto fail;
+        *out = p;
+        return 0;
+    }
     if (cs->input && cs->input->data.len) {
         *stage = "input";
         if ((rc = check_sum(cs->input, "stdin", why, len)))
@@ -454,6 +525,7 @@ agent__payload_free(struct agent_payload *p)
         rm_tree(p->dir);
     free(p->script);
     free(p->argv);
+    agent__copy_argv_free(p->copy_argv);
     free(p->dir);
     free(p->groups);
     free(p->user_name);
