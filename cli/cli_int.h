@@ -422,6 +422,7 @@ int cmd_agents(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
+int cmd_copy(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_operator(int argc, char **argv);
 int cmd_list(int argc, char **argv);

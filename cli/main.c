@@ -25,10 +25,15 @@ static const char usage[] =
     "\n"
     "Commands:\n"
     "  exec [--agent ID] [--timeout D] [--grace D] [--env K=V]... [--cwd DIR]\n"
-    "       [--json] -- CMD [ARG]...   run CMD on one agent\n"
+    "       [--run-as USER[:GROUP]] [--json] -- CMD [ARG]...\n"
+    "                          run CMD on one agent (its stdin: kscore's,\n"
+    "                          when not a terminal, or --stdin-file FILE)\n"
+    "  exec [OPTIONS] --script FILE [ARG]...   run a local script there\n"
     "  batch TARGETS [RATE] [--json] [--detach] -- CMD [ARG]...\n"
     "                          run CMD on many agents (--agents, --select,\n"
     "                          --all; --max-concurrency, --max-errors)\n"
+    "  copy TARGETS [RATE] SRC... --to PATH [--mode M] [--owner U[:G]]\n"
+    "                          write files on many agents, atomically\n"
     "  get ID [--json]         a command's or batch's state and result\n"
     "  logs ID [--follow] [--stdout|--stderr] [--json]\n"
     "                          a command's output, running or finished\n"
@@ -455,6 +460,7 @@ static const struct {
     {"perf", cmd_perf},
     {"list", cmd_list},
     {"logs", cmd_logs},
+    {"copy", cmd_copy},
 };
 
 /* The subcommand named name, or -1. */
@@ -495,7 +501,8 @@ main(int argc, char **argv)
         return 0;
     }
     int k = find_command(argv[1]);
-    if (k >= 0 && (commands[k].fn == cmd_exec || commands[k].fn == cmd_batch)) {
+    if (k >= 0 && (commands[k].fn == cmd_exec || commands[k].fn == cmd_batch ||
+                   commands[k].fn == cmd_copy)) {
         /* An operator's one request: once its output is out, nothing the
          * libraries' exit handlers tear down (OpenSSL's tables, nats.c's
          * threads) is worth 0.7 ms of every `kscore exec` (measured,

@@ -19,6 +19,7 @@
 
 #include <openssl/evp.h>
 
+#include "events.h"
 #include "fixture.h"
 #include "store.h"
 
@@ -649,6 +650,240 @@ START_TEST(an_unknown_user_or_an_unreachable_cwd_is_a_start_failure)
 }
 END_TEST
 
+/* ---- kscore copy ----------------------------------------------------------- */
+
+/* Random-ish bytes of n, into tmpdir/name; its sha256 in hex. */
+static const char *
+put_random(const char *name, size_t n, char hex[65])
+{
+    unsigned char *b = malloc(n);
+    uint32_t x = 2463534242u ^ (uint32_t)n;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        b[i] = (unsigned char)x;
+    }
+    sha256_hex(b, n, hex);
+    const char *p = put_file(name, b, n);
+    free(b);
+    return p;
+}
+
+/* 1 if the files at a and b hold the same bytes. */
+static int
+same_bytes(const char *a, const char *b)
+{
+    char cmd[2 * PATH_MAX + 32];
+    snprintf(cmd, sizeof(cmd), "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+/* Names in dir other than . and .. (temporaries left behind show here). */
+static int
+entries(const char *dir)
+{
+    char cmd[PATH_MAX + 64];
+    snprintf(cmd, sizeof(cmd), "ls -A '%s' | wc -l", dir);
+    FILE *f = popen(cmd, "r");
+    int n = -1;
+    if (f) {
+        if (fscanf(f, "%d", &n) != 1)
+            n = -1;
+        pclose(f);
+    }
+    return n;
+}
+
+/* Three agents, one file in three parts (1.3 MB), a mode and an owner:
+ * each target writes it whole, and nothing else stays in the directory.
+ * The upload is stored once, and a second copy sends nothing. */
+START_TEST(copy_writes_a_file_on_every_target_atomically)
+{
+    char hex[65], dest_dir[PATH_MAX + 16], dest[PATH_MAX + 32], agents[256];
+    const char *src = put_random("app.bin", 1300 * 1000, hex);
+    snprintf(dest_dir, sizeof(dest_dir), "%s/dest1", tmpdir);
+    ck_assert_int_eq(mkdir(dest_dir, 0755), 0);
+    snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
+    snprintf(agents, sizeof(agents), "%s,%s,%s", AGENT, local_agent(0),
+             local_agent(1));
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", agents, src, "--to", dest,
+                       "--mode", "0640", "--owner", "nobody:nogroup", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    ck_assert_msg(strstr(o.out, "3 succeeded"), "%s", o.out);
+    fixture_out_release(&o);
+    ck_assert(same_bytes(src, dest));
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), 0);
+    ck_assert_int_eq(st.st_mode & 07777, 0640);
+    ck_assert_int_eq(st.st_uid, 65534);
+    ck_assert_int_eq(st.st_gid, 65534);
+    ck_assert_int_eq(entries(dest_dir), 1);
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM blob_parts WHERE sha256 = '\\x%s'", hex);
+    ck_assert_int_eq(sql_long(sql), 3);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM blob_files WHERE sha256 = '\\x%s'", hex);
+    ck_assert_int_eq(sql_long(sql), 1);
+
+    /* Again, to a directory (trailing /): nothing uploaded anew, the file
+     * replaced (a new inode: renamed over), its mode and owner kept. */
+    ino_t before = st.st_ino;
+    snprintf(dest, sizeof(dest), "%s/", dest_dir);
+    const char *b[] = {"copy", "--agents", AGENT, src, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
+    ck_assert_int_eq(stat(dest, &st), 0);
+    ck_assert(st.st_ino != before);
+    ck_assert_int_eq(st.st_mode & 07777, 0640);
+    ck_assert_int_eq(st.st_uid, 65534);
+    ck_assert_int_eq(entries(dest_dir), 1);
+    ck_assert_int_eq(sql_long(sql), 1);
+}
+END_TEST
+
+/* Several files into an existing directory (no trailing /); the record
+ * names each with its size and checksum; get of the batch groups them. */
+START_TEST(copy_several_files_is_recorded_file_by_file)
+{
+    char h1[65], h2[65], dest_dir[PATH_MAX + 16];
+    const char *f1 = put_random("one.conf", 10, h1);
+    const char *f2 = put_random("two.conf", 0, h2);
+    snprintf(dest_dir, sizeof(dest_dir), "%s/dest2", tmpdir);
+    ck_assert_int_eq(mkdir(dest_dir, 0755), 0);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", AGENT, "--json", f1, f2, "--to",
+                       dest_dir, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    char *cid = strstr(o.out, "\"command_id\":\"");
+    ck_assert_ptr_nonnull(cid);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", cid + 14);
+    fixture_out_release(&o);
+    char p[PATH_MAX + 48];
+    snprintf(p, sizeof(p), "%s/one.conf", dest_dir);
+    ck_assert(same_bytes(f1, p));
+    snprintf(p, sizeof(p), "%s/two.conf", dest_dir);
+    ck_assert(same_bytes(f2, p));
+    ck_assert_int_eq(entries(dest_dir), 2);
+
+    const char *e[] = {"events", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, e, &o), 0);
+    char want[200];
+    snprintf(want, sizeof(want), "file      one.conf (10 bytes, sha256 %s)",
+             h1);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    snprintf(want, sizeof(want), "file      two.conf (0 bytes, sha256 %s)",
+             h2);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* What cannot be done says why, per target, and changes nothing. */
+START_TEST(copy_failures_are_clear_and_leave_nothing)
+{
+    char hex[65], missing[PATH_MAX + 32];
+    const char *src = put_random("x.conf", 100, hex);
+    snprintf(missing, sizeof(missing), "%s/no-such-dir/x.conf", tmpdir);
+    struct fixture_out o;
+    const char *a1[] = {"copy", "--agents", AGENT, src, "--to", missing,
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_msg(strstr(o.out, "cannot open the directory"), "%s", o.out);
+    fixture_out_release(&o);
+
+    /* An owner the agent does not know: the copy never starts. */
+    char dest[PATH_MAX + 16];
+    snprintf(dest, sizeof(dest), "%s/x-dest.conf", tmpdir);
+    const char *a2[] = {"copy", "--agents", AGENT, "--json", src, "--to",
+                        dest, "--owner", "no-such-user-kst", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_msg(strstr(o.out, "\"start_stage\":\"owner\""), "%s", o.out);
+    fixture_out_release(&o);
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), -1);
+
+    /* Past the cap (a sparse file): refused before anything is sent. */
+    char big[PATH_MAX + 16];
+    snprintf(big, sizeof(big), "%s/huge.bin", tmpdir);
+    FILE *f = fopen(big, "w");
+    ck_assert_int_eq(ftruncate(fileno(f), (off_t)(256LL << 20) + 1), 0);
+    fclose(f);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a3[] = {"copy", "--agents", AGENT, big, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "larger than 256 MiB"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+    unlink(big);
+
+    /* A relative --to, no files. */
+    const char *a4[] = {"copy", "--agents", AGENT, src, "--to", "rel", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The fetch API serves a part only to the command's own agent, while the
+ * copy runs: not to another id, not after its end. */
+START_TEST(only_the_copys_agent_fetches_while_it_runs)
+{
+    char hex[65], dest[PATH_MAX + 16];
+    const char *src = put_random("f.conf", 100, hex);
+    snprintf(dest, sizeof(dest), "%s/f.conf", tmpdir);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", AGENT, "--json", src, "--to",
+                       dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char *cid = strstr(o.out, "\"command_id\":\"");
+    ck_assert_ptr_nonnull(cid);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", cid + 14);
+    fixture_out_release(&o);
+
+    uint8_t sum[32];
+    for (int i = 0; i < 32; i++)
+        sscanf(hex + 2 * i, "%2hhx", &sum[i]);
+    struct evt_conn *c = fixture_client(&stack);
+    const char *who[][2] = {{"agent-other", "other"}, {"agent-" AGENT, AGENT}};
+    for (int k = 0; k < 2; k++) {
+        Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
+        req.command_id = id;
+        req.attempt = 1;
+        req.agent_id = (char *)who[k][1];
+        req.sha256.data = sum;
+        req.sha256.len = 32;
+        natsMsg *m = NULL;
+        ck_assert_int_eq(evt_request_as(c, who[k][0], EVT_API_FETCH,
+                                        &req.base, 5000, &m),
+                         0);
+        ProtobufCMessage *pm = NULL;
+        ck_assert_int_eq(evt_unpack(&ks__fetch_reply__descriptor,
+                                    natsMsg_GetData(m),
+                                    (size_t)natsMsg_GetDataLength(m), &pm),
+                         0);
+        Ks__FetchReply *rep = (Ks__FetchReply *)pm;
+        ck_assert_int_eq(rep->error_code, KS_EDENIED);
+        ck_assert_uint_eq(rep->data.len, 0);
+        ks__fetch_reply__free_unpacked(rep, NULL);
+        natsMsg_Destroy(m);
+    }
+    evt_close(c);
+}
+END_TEST
+
 /* ---- the policy's run_as --------------------------------------------------- */
 
 static struct fixture_stack sstack;
@@ -750,6 +985,10 @@ payload_suite(void)
     tcase_add_test(tc, run_as_user_and_group_with_a_script_it_owns);
     tcase_add_test(tc,
                    an_unknown_user_or_an_unreachable_cwd_is_a_start_failure);
+    tcase_add_test(tc, copy_writes_a_file_on_every_target_atomically);
+    tcase_add_test(tc, copy_several_files_is_recorded_file_by_file);
+    tcase_add_test(tc, copy_failures_are_clear_and_leave_nothing);
+    tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
     tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
     suite_add_tcase(s, tc);
 
