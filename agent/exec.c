@@ -227,9 +227,40 @@ pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
 }
 
 /*
+ * write(2) that never raises SIGPIPE, whatever the process's disposition
+ * (exec_process_init ignores it, a program using exec_run may not): the
+ * signal is blocked in this thread around the write, and the one a closed
+ * pipe raised is taken back unless it was pending before (as git's
+ * sigchain and libcurl do for sockets without MSG_NOSIGNAL).
+ */
+static ssize_t
+write_nosigpipe(int fd, const void *buf, size_t len)
+{
+    sigset_t pipe_set, old, pending;
+    bool was_pending;
+    ssize_t n;
+    int e;
+
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    sigpending(&pending);
+    was_pending = sigismember(&pending, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    n = write(fd, buf, len);
+    e = errno;
+    if (n == -1 && e == EPIPE && !was_pending) {
+        const struct timespec zero = {0, 0};
+        sigtimedwait(&pipe_set, NULL, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = e;
+    return n;
+}
+
+/*
  * Writes what the pipe takes of the child's stdin; at the end, or when the
- * child has closed its end (EPIPE: SIGPIPE is ignored, exec_process_init),
- * closes ours, so the child reads EOF. Until then, waits for EPOLLOUT.
+ * child has closed its end (EPIPE), closes ours, so the child reads EOF.
+ * Until then, waits for EPOLLOUT.
  */
 static void
 feed_stdin(struct exec_loop *loop, struct exec_job *job)
@@ -237,8 +268,8 @@ feed_stdin(struct exec_loop *loop, struct exec_job *job)
     const char *data = job->spec.stdin_data;
 
     while (job->in_fd != -1 && job->in_off < job->spec.stdin_len) {
-        ssize_t n = write(job->in_fd, data + job->in_off,
-                          job->spec.stdin_len - job->in_off);
+        ssize_t n = write_nosigpipe(job->in_fd, data + job->in_off,
+                                    job->spec.stdin_len - job->in_off);
         if (n == -1 && errno == EINTR)
             continue;
         if (n == -1 && errno == EAGAIN) {

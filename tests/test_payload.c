@@ -21,6 +21,7 @@
 
 #include "events.h"
 #include "fixture.h"
+#include "stack.h"
 #include "store.h"
 
 #define AGENT "pl-agent"
@@ -674,7 +675,7 @@ put_random(const char *name, size_t n, char hex[65])
 static int
 same_bytes(const char *a, const char *b)
 {
-    char cmd[2 * PATH_MAX + 32];
+    char cmd[2 * PATH_MAX + 256];
     snprintf(cmd, sizeof(cmd), "cmp -s '%s' '%s'", a, b);
     return system(cmd) == 0;
 }
@@ -902,7 +903,7 @@ secure_up(void)
      * executables list cannot vouch for one). */
     fprintf(f, "{\"operators\": {\"alice\": [{\"agents\": \"*\", "
                "\"executables\": [\"id\", \"sh\"], \"run_as\": "
-               "[\"nobody\"]}]}}\n");
+               "[\"nobody\"]}], \"bob\": [{\"agents\": \"*\"}]}}\n");
     fclose(f);
     if (fixture_stack_start_secure(&sstack, "plp", NULL, "alice",
                                    spolicy) != 0) {
@@ -963,6 +964,55 @@ START_TEST(the_policy_decides_who_runs_as_whom)
 }
 END_TEST
 
+/* As operator name of the secure stack (added to its registry once). */
+static int
+kscore_as(const char *name, const char *const args[], struct fixture_out *o)
+{
+    char seed[PATH_MAX + 64], saved[PATH_MAX + 64];
+    struct stack_identity id;
+
+    stack_ident_seed_path(sstack.dir, STACK_OPERATOR, name, seed,
+                          sizeof(seed));
+    if (access(seed, R_OK) != 0) {
+        ck_assert_int_eq(stack_ident_add(sstack.dir, STACK_OPERATOR, name,
+                                         &id),
+                         0);
+        ck_assert_int_eq(fixture_stack_nats_reauth(&sstack), 0);
+    }
+    snprintf(saved, sizeof(saved), "%s", sstack.operator_seed);
+    snprintf(sstack.operator_seed, sizeof(sstack.operator_seed), "%s", seed);
+    int rc = fixture_kscore(&sstack, args, o);
+    snprintf(sstack.operator_seed, sizeof(sstack.operator_seed), "%s", saved);
+    return rc;
+}
+
+/* Under NATS permissions: the agent fetches as itself (its own
+ * kscore.api.v1.fetch.agent-<id>, imported into the brokers' account);
+ * a copy writes as root, so alice's rule (executables) does not grant
+ * it, bob's ("*", no run_as: root) does. */
+START_TEST(copy_under_permissions_and_policy)
+{
+    char dir[PATH_MAX + 64], src[PATH_MAX + 96], dest[PATH_MAX + 96];
+    snprintf(dir, sizeof(dir), "%s", spolicy);
+    dir_of(dir);
+    snprintf(src, sizeof(src), "%s/src.conf", dir);
+    snprintf(dest, sizeof(dest), "%s/dest.conf", dir);
+    FILE *f = fopen(src, "w");
+    fputs("secure copy\n", f);
+    fclose(f);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", "plp", src, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, a, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not copy files"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(kscore_as("bob", a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    ck_assert(same_bytes(src, dest));
+}
+END_TEST
+
 Suite *
 payload_suite(void)
 {
@@ -996,6 +1046,7 @@ payload_suite(void)
     tcase_add_unchecked_fixture(tp, secure_up, secure_down);
     tcase_set_timeout(tp, 120);
     tcase_add_test(tp, the_policy_decides_who_runs_as_whom);
+    tcase_add_test(tp, copy_under_permissions_and_policy);
     suite_add_tcase(s, tp);
     return s;
 }
