@@ -12,6 +12,7 @@
 
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore batch TARGETS [RATE] [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
     "a target ran and failed (failed, killed, timed out, could not start),\n"
     "4 when none failed but some never ran (no response, lost, not\n"
@@ -50,6 +51,9 @@ static const char batch_usage[] =
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
     "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
     "                          each target's own key (repeatable)\n"
+    CLI_PAYLOAD_USAGE
+    "  Stdin, when not a terminal, is read first and every target gets the\n"
+    "  same bytes (as clush).\n"
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
