@@ -19,6 +19,7 @@
 
 #include <openssl/evp.h>
 
+#include "broker.h"
 #include "events.h"
 #include "fixture.h"
 #include "stack.h"
@@ -1013,6 +1014,124 @@ START_TEST(copy_under_permissions_and_policy)
 }
 END_TEST
 
+/* ---- the field rules (broker_check_request, pure) -------------------------- */
+
+static int
+check_exec(const Ks__CommandSpec *spec, char *why, size_t len)
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    req.spec = (Ks__CommandSpec *)spec;
+    req.agent_id = "a";
+    why[0] = '\0';
+    return broker_check_request(&req.base, "op", why, len);
+}
+
+START_TEST(field_rules_of_scripts_stdin_users_and_copies)
+{
+    char *argv[] = {"s.sh"};
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__Payload pl = KS__PAYLOAD__INIT;
+    uint8_t sum[32];
+    char why[600];
+    unsigned int n;
+    static uint8_t big[600 * 1024];
+
+    spec.argv = argv;
+    spec.n_argv = 1;
+    EVP_Digest("echo\n", 5, sum, &n, EVP_sha256(), NULL);
+    pl.data.data = (uint8_t *)"echo\n";
+    pl.data.len = 5;
+    pl.sha256.data = sum;
+    pl.sha256.len = 32;
+    spec.script = &pl;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    /* A checksum that is not the bytes', a short one, too many bytes. */
+    pl.data.data = (uint8_t *)"echx\n";
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    ck_assert_msg(strstr(why, "spec.script.sha256"), "%s", why);
+    pl.sha256.len = 31;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    pl.sha256.len = 32;
+    EVP_Digest(big, sizeof(big), sum, &n, EVP_sha256(), NULL);
+    pl.data.data = big;
+    pl.data.len = sizeof(big);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    /* Stdin: 256 KiB at most. */
+    spec.script = NULL;
+    spec.input = &pl;
+    pl.data.len = 256 * 1024 + 1;
+    EVP_Digest(big, pl.data.len, sum, &n, EVP_sha256(), NULL);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    ck_assert_msg(strstr(why, "stdin is at most 256 KiB"), "%s", why);
+    pl.data.len = 256 * 1024;
+    EVP_Digest(big, pl.data.len, sum, &n, EVP_sha256(), NULL);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    spec.input = NULL;
+
+    /* Users. */
+    const char *good[] = {"deploy", "www-data:www-data", "a.b_c", "Svc1"};
+    const char *bad[] = {"a b", "-x", "deploy:", ":g", "a:b:c", "x/y",
+                         "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"};
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        spec.run_as = (char *)good[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == 0, "%s: %s",
+                      good[i], why);
+    }
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        spec.run_as = (char *)bad[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == KS_EINVAL,
+                      "%s allowed", bad[i]);
+    }
+    spec.run_as = "";
+
+    /* Copies. */
+    Ks__CopySpec cp = KS__COPY_SPEC__INIT;
+    Ks__CopyFile f = KS__COPY_FILE__INIT, *fp = &f;
+    f.name = "app.conf";
+    f.sha256.data = sum;
+    f.sha256.len = 32;
+    cp.files = &fp;
+    cp.n_files = 1;
+    cp.path = "/etc/app/";
+    spec.copy = &cp;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    const char *names[] = {"../x", "a/b", ".", ".."};
+    for (size_t i = 0; i < 4; i++) {
+        f.name = (char *)names[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == KS_EINVAL,
+                      "%s allowed", names[i]);
+    }
+    f.name = "app.conf";
+    cp.path = "etc/app";
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    cp.path = "/etc/app";
+    cp.mode = 010000;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    cp.mode = 0640;
+    f.size = (256ULL << 20) + 1;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    f.size = 10;
+    spec.run_as = "deploy"; /* a copy writes as the agent's user */
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    spec.run_as = "";
+    cp.n_files = 0;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+
+    /* An upload part larger than a part. */
+    Ks__UploadRequest up = KS__UPLOAD_REQUEST__INIT;
+    up.sha256.data = sum;
+    up.sha256.len = 32;
+    up.size = sizeof(big);
+    up.data.data = big;
+    up.data.len = 512 * 1024 + 1;
+    ck_assert_int_eq(broker_check_request(&up.base, "op", why, sizeof(why)),
+                     KS_EINVAL);
+    up.data.len = 512 * 1024;
+    ck_assert_int_eq(broker_check_request(&up.base, "op", why, sizeof(why)),
+                     0);
+}
+END_TEST
+
 Suite *
 payload_suite(void)
 {
@@ -1041,6 +1160,10 @@ payload_suite(void)
     tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
     tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
     suite_add_tcase(s, tc);
+
+    TCase *tr = tcase_create("rules");
+    tcase_add_test(tr, field_rules_of_scripts_stdin_users_and_copies);
+    suite_add_tcase(s, tr);
 
     TCase *tp = tcase_create("policy");
     tcase_add_unchecked_fixture(tp, secure_up, secure_down);
