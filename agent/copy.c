@@ -48,27 +48,6 @@ const char agent__copy_env[] = COPY_ENV;
 
 /* ---- the agent's side: fetch ---------------------------------------------- */
 
-static uint32_t
-parts_of(uint64_t size)
-{
-    return (uint32_t)((size + KS_BLOB_PART_BYTES - 1) / KS_BLOB_PART_BYTES);
-}
-
-static size_t
-part_len(uint64_t size, uint32_t i)
-{
-    uint64_t at = (uint64_t)i * KS_BLOB_PART_BYTES;
-    uint64_t left = size > at ? size - at : 0;
-    return left < KS_BLOB_PART_BYTES ? (size_t)left : KS_BLOB_PART_BYTES;
-}
-
-static void
-hex_of(const uint8_t *md, char hex[2 * KS_SHA256_BYTES + 1])
-{
-    for (int i = 0; i < KS_SHA256_BYTES; i++)
-        snprintf(hex + 2 * i, 3, "%02x", md[i]);
-}
-
 /* One part, as the command's agent. 0 with *rep, or an error with why. */
 static int
 fetch_part(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
@@ -162,7 +141,7 @@ fetch_file(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
                  ks_strerror(rc));
         goto out;
     }
-    for (uint32_t p = 0; p < parts_of(f->size) && rc == 0; p++) {
+    for (uint32_t p = 0; p < ks_blob_parts(f->size) && rc == 0; p++) {
         Ks__FetchReply *rep = NULL;
         if (given_up(a, j)) {
             rc = -ECANCELED;
@@ -171,10 +150,10 @@ fetch_file(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
         }
         if ((rc = fetch_part(a, j, cmd, f, p, &rep, why, len)))
             break;
-        if (rep->data.len != part_len(f->size, p)) {
+        if (rep->data.len != ks_blob_part_len(f->size, p)) {
             rc = -EBADMSG;
             snprintf(why, len, "part %u of '%s' has %zu bytes, not %zu", p,
-                     f->name, rep->data.len, part_len(f->size, p));
+                     f->name, rep->data.len, ks_blob_part_len(f->size, p));
         }
         for (size_t at = 0; rc == 0 && at < rep->data.len;) {
             ssize_t w = write(fd, rep->data.data + at, rep->data.len - at);
@@ -197,7 +176,7 @@ fetch_file(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
         (EVP_DigestFinal_ex(ctx, md, &n) != 1 || n != KS_SHA256_BYTES ||
          memcmp(md, f->sha256.data, KS_SHA256_BYTES) != 0)) {
         char hex[2 * KS_SHA256_BYTES + 1];
-        hex_of(f->sha256.data, hex);
+        ks_hex(f->sha256.data, KS_SHA256_BYTES, hex);
         rc = -EBADMSG;
         snprintf(why, len, "'%s' as fetched is not the file of sha256 %s",
                  f->name, hex);
@@ -242,7 +221,7 @@ agent__copy_argv(const Ks__CopySpec *cp, const char *spool,
     argv[4] = strdup(owner ? num : "-");
     for (size_t i = 0; i < cp->n_files; i++) {
         char hex[2 * KS_SHA256_BYTES + 1];
-        hex_of(cp->files[i]->sha256.data, hex);
+        ks_hex(cp->files[i]->sha256.data, KS_SHA256_BYTES, hex);
         snprintf(num, sizeof(num), "%llu",
                  (unsigned long long)cp->files[i]->size);
         argv[5 + 3 * i] = strdup(cp->files[i]->name);
@@ -350,7 +329,7 @@ copy_hashed(int src, int fd, uint64_t size, const char *sha_hex,
         }
     }
     if (rc == 0 && EVP_DigestFinal_ex(ctx, md, &n) == 1) {
-        hex_of(md, got_hex);
+        ks_hex(md, KS_SHA256_BYTES, got_hex);
         if (total != size || strcmp(got_hex, sha_hex) != 0)
             rc = -EBADMSG;
     }

@@ -25,29 +25,6 @@
 
 #include "broker_int.h"
 
-/* Parts of a file of size bytes (an empty file has none). */
-static uint32_t
-parts_of(uint64_t size)
-{
-    return (uint32_t)((size + KS_BLOB_PART_BYTES - 1) / KS_BLOB_PART_BYTES);
-}
-
-/* Bytes of part i of a file of size bytes. */
-static size_t
-part_len(uint64_t size, uint32_t i)
-{
-    uint64_t at = (uint64_t)i * KS_BLOB_PART_BYTES;
-    uint64_t left = size > at ? size - at : 0;
-    return left < KS_BLOB_PART_BYTES ? (size_t)left : KS_BLOB_PART_BYTES;
-}
-
-static void
-hex_of(const uint8_t *md, char hex[2 * KS_SHA256_BYTES + 1])
-{
-    for (int i = 0; i < KS_SHA256_BYTES; i++)
-        snprintf(hex + 2 * i, 3, "%02x", md[i]);
-}
-
 /*
  * Reads every part back and checks them against sha256 and size: 1 when
  * they make that file, 0 when a part is missing (*missing set), -EBADMSG
@@ -66,7 +43,7 @@ verify(struct store *st, const uint8_t *sha256, uint64_t size,
         EVP_MD_CTX_free(ctx);
         return KS_EINTERNAL;
     }
-    for (uint32_t i = 0; i < parts_of(size) && rc == 1; i++) {
+    for (uint32_t i = 0; i < ks_blob_parts(size) && rc == 1; i++) {
         uint8_t *data = NULL;
         size_t len = 0;
         int r = store_blob_read(st, sha256, i, &data, &len);
@@ -75,7 +52,7 @@ verify(struct store *st, const uint8_t *sha256, uint64_t size,
             rc = 0;
         } else if (r) {
             rc = r;
-        } else if (len != part_len(size, i) ||
+        } else if (len != ks_blob_part_len(size, i) ||
                    EVP_DigestUpdate(ctx, data, len) != 1) {
             rc = -EBADMSG;
         }
@@ -109,7 +86,7 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
         broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
         goto out;
     }
-    hex_of(req->sha256.data, hex);
+    ks_hex(req->sha256.data, KS_SHA256_BYTES, hex);
     rc = store_blob_complete(st, req->sha256.data, NULL);
     if (rc == 1) {
         r.complete = 1; /* stored already: nothing to send */
@@ -118,8 +95,8 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
     if (rc < 0)
         goto store_err;
     if (!req->commit || req->data.len) {
-        uint32_t n = parts_of(req->size);
-        if (req->part >= n || req->data.len != part_len(req->size, req->part)) {
+        uint32_t n = ks_blob_parts(req->size);
+        if (req->part >= n || req->data.len != ks_blob_part_len(req->size, req->part)) {
             snprintf(why, sizeof(why),
                      "UploadRequest.part: part %u of %zu bytes is not "
                      "allowed: a file of %llu bytes has %u part(s) of %d "
@@ -246,7 +223,7 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
     }
     if (rc)
         goto store_fail;
-    if (req->part >= parts_of(n.size)) {
+    if (req->part >= ks_blob_parts(n.size)) {
         snprintf(why, sizeof(why), "FetchRequest.part: %u is past the end "
                  "of a file of %llu bytes", req->part,
                  (unsigned long long)n.size);
@@ -326,7 +303,7 @@ broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
         const Ks__CopyFile *f = sp->copy->files[i];
         uint64_t size = 0;
         int c = store_blob_complete(b->st_blob, f->sha256.data, &size);
-        hex_of(f->sha256.data, hex);
+        ks_hex(f->sha256.data, KS_SHA256_BYTES, hex);
         if (c < 0) {
             broker__store_error(b->st_blob, c, why, len);
             rc = c;

@@ -216,9 +216,6 @@ void cli_payload_release(struct cli_payload *p);
 void cli_payload_json(json_t *o, const Ks__CommandSpec *sp);
 void cli_payload_print(FILE *f, const Ks__CommandSpec *sp,
                        const char *indent);
-/* Lower-case hex of len bytes into hex (hex_len >= 2 * len + 1). */
-void cli_sha256_hex(const uint8_t *md, size_t len, char *hex,
-                    size_t hex_len);
 
 /*
  * --secret-env NAME (cli/cmd_secret.c): NAME's value in this process's

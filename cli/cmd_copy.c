@@ -165,12 +165,9 @@ upload_file(struct evt_conn *c, const struct copy_src *s)
         goto out;
     }
     /* An empty file has no part: the commit above found it complete. */
-    uint32_t parts =
-        (uint32_t)((s->size + KS_BLOB_PART_BYTES - 1) / KS_BLOB_PART_BYTES);
+    uint32_t parts = ks_blob_parts(s->size);
     for (uint32_t p = 0; p < parts; p++) {
-        size_t want = KS_BLOB_PART_BYTES, got = 0;
-        if ((uint64_t)p * KS_BLOB_PART_BYTES + want > s->size)
-            want = (size_t)(s->size - (uint64_t)p * KS_BLOB_PART_BYTES);
+        size_t want = ks_blob_part_len(s->size, p), got = 0;
         while (got < want) {
             ssize_t r = read(fd, buf + got, want - got);
             if (r == -1 && errno == EINTR)

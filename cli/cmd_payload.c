@@ -17,14 +17,12 @@
 
 #include "cli_int.h"
 
-void
-cli_sha256_hex(const uint8_t *md, size_t len, char *hex, size_t hex_len)
+/* A recorded SHA-256 in hex (at most 32 bytes of it). */
+static void
+sum_hex(const ProtobufCBinaryData *sum, char hex[2 * KS_SHA256_BYTES + 1])
 {
-    size_t at = 0;
-
-    hex[0] = '\0';
-    for (size_t i = 0; i < len && at + 3 <= hex_len; i++, at += 2)
-        snprintf(hex + at, 3, "%02x", md[i]);
+    ks_hex(sum->data, sum->len < KS_SHA256_BYTES ? sum->len : KS_SHA256_BYTES,
+           hex);
 }
 
 int
@@ -259,7 +257,7 @@ payload_json(const Ks__Payload *pl, bool with_name)
     char hex[2 * KS_SHA256_BYTES + 1];
     json_t *o = json_object();
 
-    cli_sha256_hex(pl->sha256.data, pl->sha256.len, hex, sizeof(hex));
+    sum_hex(&pl->sha256, hex);
     if (with_name)
         json_object_set_new(o, "name", json_string(pl->name));
     json_object_set_new(o, "bytes", json_integer((json_int_t)pl->data.len));
@@ -282,8 +280,7 @@ cli_payload_json(json_t *o, const Ks__CommandSpec *sp)
         char hex[2 * KS_SHA256_BYTES + 1];
         for (size_t i = 0; i < cp->n_files; i++) {
             json_t *f = json_object();
-            cli_sha256_hex(cp->files[i]->sha256.data,
-                           cp->files[i]->sha256.len, hex, sizeof(hex));
+            sum_hex(&cp->files[i]->sha256, hex);
             json_object_set_new(f, "name", json_string(cp->files[i]->name));
             json_object_set_new(f, "bytes",
                                 json_integer((json_int_t)cp->files[i]->size));
@@ -308,14 +305,12 @@ cli_payload_print(FILE *f, const Ks__CommandSpec *sp, const char *indent)
     char hex[2 * KS_SHA256_BYTES + 1];
 
     if (sp->script) {
-        cli_sha256_hex(sp->script->sha256.data, sp->script->sha256.len, hex,
-                       sizeof(hex));
+        sum_hex(&sp->script->sha256, hex);
         fprintf(f, "%sscript    %s (%zu bytes, sha256 %s)\n", indent,
                 sp->script->name, sp->script->data.len, hex);
     }
     if (sp->input && sp->input->data.len) {
-        cli_sha256_hex(sp->input->sha256.data, sp->input->sha256.len, hex,
-                       sizeof(hex));
+        sum_hex(&sp->input->sha256, hex);
         fprintf(f, "%sstdin     %zu bytes, sha256 %s\n", indent,
                 sp->input->data.len, hex);
     }
@@ -330,8 +325,7 @@ cli_payload_print(FILE *f, const Ks__CommandSpec *sp, const char *indent)
             fprintf(f, " owner %s", cp->owner);
         fputc('\n', f);
         for (size_t i = 0; i < cp->n_files; i++) {
-            cli_sha256_hex(cp->files[i]->sha256.data,
-                           cp->files[i]->sha256.len, hex, sizeof(hex));
+            sum_hex(&cp->files[i]->sha256, hex);
             fprintf(f, "%sfile      %s (%llu bytes, sha256 %s)\n", indent,
                     cp->files[i]->name,
                     (unsigned long long)cp->files[i]->size, hex);

@@ -11,12 +11,24 @@
 
 #include "store_int.h"
 
+/* One statement that returns no rows. 0 or a store error. */
+static int
+blob_command(struct store *s, const char *sql, const struct store__params *p)
+{
+    PGresult *res = PQexecParams(s->conn, sql, p->n, NULL, p->val, p->len,
+                                 p->fmt, 0);
+    int rc = 0;
+    if (PQresultStatus(res) != PGRES_COMMAND_OK)
+        rc = store__pg_error(s, res, NULL);
+    PQclear(res);
+    return rc;
+}
+
 int
 store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                uint32_t part, const void *data, size_t len)
 {
     struct store__params p = {0};
-    PGresult *res;
     int rc;
 
     if ((rc = store__ready(s)))
@@ -26,18 +38,14 @@ store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
     store__p_bin(&p, len ? data : "", len);
     /* Until the file is complete a part may be sent again (a retry, or a
      * fresh upload after a mismatch); after, it is the record. */
-    res = PQexecParams(
-        s->conn,
+    return blob_command(
+        s,
         "INSERT INTO blob_parts (sha256, part, data)"
         " VALUES ($1, $2::int, $3)"
         " ON CONFLICT (sha256, part) DO UPDATE SET data = EXCLUDED.data"
         " WHERE NOT EXISTS (SELECT 1 FROM blob_files f"
         "                   WHERE f.sha256 = EXCLUDED.sha256)",
-        p.n, NULL, p.val, p.len, p.fmt, 0);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK)
-        rc = store__pg_error(s, res, NULL);
-    PQclear(res);
-    return rc;
+        &p);
 }
 
 int
@@ -112,7 +120,6 @@ store_blob_mark_complete(struct store *s,
                          const char *operator_)
 {
     struct store__params p = {0};
-    PGresult *res;
     int rc;
 
     if ((rc = store__ready(s)))
@@ -120,34 +127,25 @@ store_blob_mark_complete(struct store *s,
     store__p_bin(&p, sha256, KS_SHA256_BYTES);
     store__p_i64(&p, (int64_t)size);
     store__p_text(&p, operator_ ? operator_ : "");
-    res = PQexecParams(s->conn,
-                       "INSERT INTO blob_files (sha256, size, operator)"
-                       " VALUES ($1, $2::bigint, $3)"
-                       " ON CONFLICT (sha256) DO NOTHING",
-                       p.n, NULL, p.val, p.len, p.fmt, 0);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK)
-        rc = store__pg_error(s, res, NULL);
-    PQclear(res);
-    return rc;
+    return blob_command(s,
+                        "INSERT INTO blob_files (sha256, size, operator)"
+                        " VALUES ($1, $2::bigint, $3)"
+                        " ON CONFLICT (sha256) DO NOTHING",
+                        &p);
 }
 
 int
 store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES])
 {
     struct store__params p = {0};
-    PGresult *res;
     int rc;
 
     if ((rc = store__ready(s)))
         return rc;
     store__p_bin(&p, sha256, KS_SHA256_BYTES);
-    res = PQexecParams(s->conn,
-                       "DELETE FROM blob_parts WHERE sha256 = $1"
-                       " AND NOT EXISTS (SELECT 1 FROM blob_files f"
-                       "                 WHERE f.sha256 = $1)",
-                       p.n, NULL, p.val, p.len, p.fmt, 0);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK)
-        rc = store__pg_error(s, res, NULL);
-    PQclear(res);
-    return rc;
+    return blob_command(s,
+                        "DELETE FROM blob_parts WHERE sha256 = $1"
+                        " AND NOT EXISTS (SELECT 1 FROM blob_files f"
+                        "                 WHERE f.sha256 = $1)",
+                        &p);
 }

@@ -467,6 +467,26 @@ fixture_kscore_stdin(const struct fixture_stack *s, const char *stdin_path,
 }
 
 int
+fixture_kscore_as(struct fixture_stack *s, const char *name,
+                  const char *const args[], struct fixture_out *out)
+{
+    char seed[PATH_MAX + 64], saved[sizeof(s->operator_seed)];
+    struct stack_identity id;
+    int rc;
+
+    stack_ident_seed_path(s->dir, STACK_OPERATOR, name, seed, sizeof(seed));
+    if (access(seed, R_OK) != 0 &&
+        ((rc = stack_ident_add(s->dir, STACK_OPERATOR, name, &id)) ||
+         (rc = fixture_stack_nats_reauth(s))))
+        return rc;
+    snprintf(saved, sizeof(saved), "%s", s->operator_seed);
+    snprintf(s->operator_seed, sizeof(s->operator_seed), "%s", seed);
+    rc = run_kscore(s, NULL, NULL, args, out);
+    snprintf(s->operator_seed, sizeof(s->operator_seed), "%s", saved);
+    return rc;
+}
+
+int
 fixture_kscore_home(const char *home, const char *const args[],
                     struct fixture_out *out)
 {

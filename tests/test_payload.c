@@ -22,7 +22,6 @@
 #include "broker.h"
 #include "events.h"
 #include "fixture.h"
-#include "stack.h"
 #include "store.h"
 
 #define AGENT "pl-agent"
@@ -965,28 +964,6 @@ START_TEST(the_policy_decides_who_runs_as_whom)
 }
 END_TEST
 
-/* As operator name of the secure stack (added to its registry once). */
-static int
-kscore_as(const char *name, const char *const args[], struct fixture_out *o)
-{
-    char seed[PATH_MAX + 64], saved[PATH_MAX + 64];
-    struct stack_identity id;
-
-    stack_ident_seed_path(sstack.dir, STACK_OPERATOR, name, seed,
-                          sizeof(seed));
-    if (access(seed, R_OK) != 0) {
-        ck_assert_int_eq(stack_ident_add(sstack.dir, STACK_OPERATOR, name,
-                                         &id),
-                         0);
-        ck_assert_int_eq(fixture_stack_nats_reauth(&sstack), 0);
-    }
-    snprintf(saved, sizeof(saved), "%s", sstack.operator_seed);
-    snprintf(sstack.operator_seed, sizeof(sstack.operator_seed), "%s", seed);
-    int rc = fixture_kscore(&sstack, args, o);
-    snprintf(sstack.operator_seed, sizeof(sstack.operator_seed), "%s", saved);
-    return rc;
-}
-
 /* Under NATS permissions: the agent fetches as itself (its own
  * kscore.api.v1.fetch.agent-<id>, imported into the brokers' account);
  * a copy writes as root, so alice's rule (executables) does not grant
@@ -1007,7 +984,7 @@ START_TEST(copy_under_permissions_and_policy)
     ck_assert_int_eq(o.status, 125);
     ck_assert_msg(strstr(o.err, "may not copy files"), "%s", o.err);
     fixture_out_release(&o);
-    ck_assert_int_eq(kscore_as("bob", a, &o), 0);
+    ck_assert_int_eq(fixture_kscore_as(&sstack, "bob", a, &o), 0);
     ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
     fixture_out_release(&o);
     ck_assert(same_bytes(src, dest));
