@@ -346,6 +346,49 @@ same_argv(const Ks__CommandView *v, const Ks__CommandSpec *spec)
     return true;
 }
 
+/* Whether two payloads (script, stdin) are the same bytes: by SHA-256,
+ * which the broker checked against the bytes of each. */
+static bool
+same_payload(const Ks__Payload *a, const Ks__Payload *b)
+{
+    if (!a || !b)
+        return a == b;
+    return a->sha256.len == b->sha256.len &&
+           memcmp(a->sha256.data, b->sha256.data, a->sha256.len) == 0;
+}
+
+/* store_read_stream's callback: ud is the spec asked for; clears it (sets
+ * *(const void **)ud to NULL) when the recorded command's script, stdin
+ * or user differ from it. */
+static int
+same_recorded(const Ks__RecordedEvent *rev, void *ud)
+{
+    const Ks__CommandSpec **want = ud;
+    const Ks__Event *ev = rev->event;
+    if (!*want || !ev || !ev->command || !ev->command->spec)
+        return 0;
+    const Ks__CommandSpec *got = ev->command->spec;
+    if (!same_payload(got->script, (*want)->script) ||
+        !same_payload(got->input, (*want)->input) ||
+        strcmp(got->run_as, (*want)->run_as) != 0)
+        *want = NULL;
+    return 0;
+}
+
+/* Whether the command recorded as command_id runs what spec asks beyond
+ * argv (the projection keeps argv only: its CommandRequested the rest). */
+static bool
+same_spec_beyond_argv(struct store *st, const char *command_id,
+                      const Ks__CommandSpec *spec)
+{
+    char stream[64];
+    const Ks__CommandSpec *want = spec;
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    if (store_read_stream(st, stream, 0, 1, same_recorded, &want) != 0)
+        return true; /* unreadable: argv decided, as before */
+    return want != NULL;
+}
+
 static int
 attach_existing(struct broker *b, struct store *st, natsMsg *msg,
                 const char *command_id, bool detach,
@@ -390,7 +433,8 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     }
     if (w)
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", v->agent_id);
-    if (argv && !same_argv(v, argv)) {
+    if (argv && (!same_argv(v, argv) ||
+                 !same_spec_beyond_argv(st, command_id, argv))) {
         /* The key names another command: say so, run nothing. */
         if (w) {
             pthread_mutex_lock(&b->mu);

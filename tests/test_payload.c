@@ -313,6 +313,40 @@ START_TEST(script_checksum_is_in_the_record_and_shown)
 }
 END_TEST
 
+/* An idempotency key names one command: the same key with the same
+ * script joins it, with other script bytes (the same name and arguments)
+ * or another user it is refused, as another argv is. */
+START_TEST(an_idempotency_key_names_one_script)
+{
+    struct fixture_out o;
+    char key[64];
+    snprintf(key, sizeof(key), "pl-key-%ld", (long)getpid());
+    const char *p = put_file("idem.sh", "echo one\n", 9);
+    const char *a[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                       "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "one\n");
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "one\n");
+    fixture_out_release(&o);
+    put_file("idem.sh", "echo two\n", 9);
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "already used for a different command"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+    put_file("idem.sh", "echo one\n", 9);
+    const char *b[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                       "--run-as", "nobody", "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    fixture_out_release(&o);
+}
+END_TEST
+
 /* Reads the script's own path it wrote to tmpdir/name; waits for it. */
 static void
 wait_path(const char *name, char *out, size_t len)
@@ -1122,6 +1156,7 @@ payload_suite(void)
     tcase_add_test(tc, a_large_script_runs_and_one_past_the_cap_is_refused);
     tcase_add_test(tc, script_checksum_is_in_the_record_and_shown);
     tcase_add_test(tc, script_file_goes_after_a_timeout_and_after_a_cancel);
+    tcase_add_test(tc, an_idempotency_key_names_one_script);
     tcase_add_test(tc, stdin_reaches_the_command_byte_for_byte);
     tcase_add_test(tc, no_stdin_is_dev_null_and_stdin_file_is_read);
     tcase_add_test(tc,
