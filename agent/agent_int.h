@@ -245,9 +245,10 @@ void agent__secrets_free(struct agent_secrets *s);
  * .input, .run_as), made ready for the executor before the claim.
  *
  * agent__payload_init: removes what the last run of this state dir left
- * in its private run dir (noted in <state_dir>/run-dir), makes this run's
- * (a->run_dir: $TMPDIR/kscore-agent-XXXXXX, 0711) and notes it. 0 or
- * -errno with *errmsg. agent__payload_release removes it (agent_stop).
+ * in its private run dir (noted in <state_dir>/run-dir); this run's
+ * (a->run_dir: $TMPDIR/kscore-agent-XXXXXX, 0711) is made and noted at
+ * its first use (under a->mu). 0 (errmsg is for a failure to come).
+ * agent__payload_release removes it (agent_stop).
  *
  * agent__payload_prepare: checks the payloads' SHA-256, looks the user up,
  * writes the script to <run dir>/<command id>/<name> (0700 directory, 0500

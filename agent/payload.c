@@ -17,9 +17,10 @@
  * Each payload's bytes are checked against their SHA-256 (signed with the
  * command) before use. The run dir is one per agent process,
  * mkdtemp("$TMPDIR/kscore-agent-XXXXXX"), mode 0711 (anyone may pass
- * through to their own command's directory, nobody may list it), and
- * noted in <state_dir>/run-dir: a restarted agent removes what the last
- * run left there (a crash, kill -9, a power loss) before it makes its own.
+ * through to their own command's directory, nobody may list it), made at
+ * the first script or copy and noted in <state_dir>/run-dir: a restarted
+ * agent removes what the last run left there (a crash, kill -9, a power
+ * loss) when it starts.
  * A command's directory goes when its job ends, whatever the end (job_free
  * calls agent__payload_free).
  */
@@ -100,7 +101,7 @@ tmp_base(void)
 /* What the last run of this state dir left: its run dir, if the note
  * names one that is ours (a directory, not a link, owned by us). */
 static void
-remove_previous(struct agent *a, const char *note)
+remove_previous(const char *note)
 {
     char buf[PATH_MAX] = "";
     struct stat st;
@@ -119,31 +120,50 @@ remove_previous(struct agent *a, const char *note)
     ks_log(KS_LOG_INFO, "removed what the last run left of its commands' "
                         "private files",
            KS_S("dir", buf));
-    (void)a;
 }
 
 int
 agent__payload_init(struct agent *a, char **errmsg)
 {
-    char note[PATH_MAX], tmp[PATH_MAX + 8], templ[PATH_MAX];
+    char note[PATH_MAX];
 
+    (void)errmsg;
     if (a->state_dir) {
         snprintf(note, sizeof(note), "%s/" RUN_DIR_NOTE, a->state_dir);
-        remove_previous(a, note);
+        remove_previous(note);
+        unlink(note);
     }
+    return 0;
+}
+
+/* This run's directory, made at its first use (an agent that runs no
+ * script and no copy leaves nothing in $TMPDIR) and noted in the state
+ * dir before anything goes into it: a crash from then on leaves nothing
+ * the next start does not find. 0 or -errno with why. */
+static int
+run_dir(struct agent *a, char *why, size_t len)
+{
+    char note[PATH_MAX], tmp[PATH_MAX + 8], templ[PATH_MAX];
+    int rc = 0;
+
+    pthread_mutex_lock(&a->mu);
+    if (a->run_dir)
+        goto out;
     snprintf(templ, sizeof(templ), "%s/kscore-agent-XXXXXX", tmp_base());
     if (!mkdtemp(templ) || chmod(templ, 0711) == -1) {
-        if (asprintf(errmsg, "cannot make a private directory in %s: %s",
-                     tmp_base(), strerror(errno)) < 0)
-            *errmsg = NULL;
-        return -errno;
+        rc = -errno;
+        snprintf(why, len, "cannot make a private directory in %s: %s",
+                 tmp_base(), strerror(-rc));
+        goto out;
     }
-    if (!(a->run_dir = strdup(templ)))
-        return -ENOMEM;
+    if (!(a->run_dir = strdup(templ))) {
+        rmdir(templ);
+        rc = -ENOMEM;
+        goto out;
+    }
     if (a->state_dir) {
-        /* Noted before any command uses it: a crash from now on leaves
-         * nothing the next start does not find. */
         FILE *f;
+        snprintf(note, sizeof(note), "%s/" RUN_DIR_NOTE, a->state_dir);
         snprintf(tmp, sizeof(tmp), "%s.tmp", note);
         f = fopen(tmp, "we");
         if (!f || fprintf(f, "%s\n", templ) < 0 || fclose(f) != 0 ||
@@ -153,17 +173,25 @@ agent__payload_init(struct agent *a, char **errmsg)
                    "it behind",
                    KS_S("dir", templ), KS_S("error", strerror(errno)));
     }
-    return 0;
+out:
+    pthread_mutex_unlock(&a->mu);
+    return rc;
 }
 
 void
 agent__payload_release(struct agent *a)
 {
+    char note[PATH_MAX];
+
     if (!a->run_dir)
         return;
     rm_tree(a->run_dir);
     free(a->run_dir);
     a->run_dir = NULL;
+    if (a->state_dir) {
+        snprintf(note, sizeof(note), "%s/" RUN_DIR_NOTE, a->state_dir);
+        unlink(note);
+    }
 }
 
 int
@@ -316,10 +344,8 @@ private_dir(struct agent *a, const Ks__Command *cmd, struct agent_payload *p,
 {
     int rc = 0;
 
-    if (!a->run_dir) {
-        snprintf(why, len, "the agent has no private directory");
-        return -ENOENT;
-    }
+    if ((rc = run_dir(a, why, len)))
+        return rc;
     if (asprintf(&p->dir, "%s/%s", a->run_dir, cmd->command_id) < 0) {
         p->dir = NULL;
         return -ENOMEM;
