@@ -118,6 +118,49 @@ same_argv(const Ks__CommandView *v, const Ks__CommandSpec *spec)
     return true;
 }
 
+/* Whether two payloads (script, stdin) are the same bytes: by SHA-256,
+ * which the broker checked against the bytes of each. */
+static bool
+same_payload(const Ks__Payload *a, const Ks__Payload *b)
+{
+    if (!a || !b)
+        return a == b;
+    return a->sha256.len == b->sha256.len &&
+           memcmp(a->sha256.data, b->sha256.data, a->sha256.len) == 0;
+}
+
+/* store_read_stream's callback: ud is the spec asked for; clears it (sets
+ * *(const void **)ud to NULL) when the recorded command's script, stdin
+ * or user differ from it. */
+static int
+same_recorded(const Ks__RecordedEvent *rev, void *ud)
+{
+    const Ks__CommandSpec **want = ud;
+    const Ks__Event *ev = rev->event;
+    if (!*want || !ev || !ev->command || !ev->command->spec)
+        return 0;
+    const Ks__CommandSpec *got = ev->command->spec;
+    if (!same_payload(got->script, (*want)->script) ||
+        !same_payload(got->input, (*want)->input) ||
+        strcmp(got->run_as, (*want)->run_as) != 0)
+        *want = NULL;
+    return 0;
+}
+
+/* Whether the command recorded as command_id runs what spec asks beyond
+ * argv (the projection keeps argv only: its CommandRequested the rest). */
+static bool
+same_spec_beyond_argv(struct store *st, const char *command_id,
+                      const Ks__CommandSpec *spec)
+{
+    char stream[64];
+    const Ks__CommandSpec *want = spec;
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    if (store_read_stream(st, stream, 0, 1, same_recorded, &want) != 0)
+        return true; /* unreadable: argv decided, as before */
+    return want != NULL;
+}
+
 static int
 attach_existing(struct broker *b, struct store *st, natsMsg *msg,
                 const char *command_id, bool detach,
@@ -162,7 +205,8 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     }
     if (w)
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", v->agent_id);
-    if (argv && !same_argv(v, argv)) {
+    if (argv && (!same_argv(v, argv) ||
+                 !same_spec_beyond_argv(st, command_id, argv))) {
         /* The key names another command: say so, run nothing. */
         if (w) {
             pthread_mutex_lock(&b->mu);
@@ -233,6 +277,24 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             "registered (see kscore agents)",
                             req->agent_id);
         goto out;
+    }
+    if (req->spec->copy) {
+        reply_execute_error(b, msg, KS_EINVAL,
+                            "ExecuteRequest.spec.copy: not allowed: a copy "
+                            "is a batch (kscore copy, kscore.api.v1.batch)");
+        goto out;
+    }
+    if (broker__spec_special(req->spec)) {
+        /* Never to an agent that would ignore --run-as or --script. */
+        Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
+        rc = broker__check_features(req->spec, info, req->agent_id, why,
+                                    sizeof(why));
+        if (info)
+            ks__agent_info__free_unpacked(info, NULL);
+        if (rc) {
+            reply_execute_error(b, msg, rc, "%s", why);
+            goto out;
+        }
     }
     /* Secret variables: sealed to this agent, and to it only. */
     if ((rc = broker__check_sealed_targets(req->spec, &req->agent_id, 1,
@@ -1321,7 +1383,8 @@ broker_teardown(struct broker *b)
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
                                  &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice};
+                                 &b->sub_logs, &b->sub_notice,
+                                 &b->sub_upload, &b->sub_fetch};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1357,6 +1420,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_follow);
     store_close(b->st_batch);
     store_close(b->st_notice);
+    store_close(b->st_blob);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1366,6 +1430,7 @@ broker_teardown(struct broker *b)
     broker__remote_live_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
+    pthread_mutex_destroy(&b->blob_mu);
     pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
@@ -1403,6 +1468,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
+    pthread_mutex_init(&b.blob_mu, NULL);
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
@@ -1557,6 +1623,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_fetch, EVT_API_FETCH, broker__on_blob,
+                        errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,

@@ -189,6 +189,11 @@ struct broker {
     /* notice.c: ends and batch cancels recorded by another broker. */
     natsSubscription *sub_notice;
     struct store *st_notice; /* its delivery thread's reads */
+    /* blob.c: kscore copy's uploads and fetches, on a store connection of
+     * their own (opened at the first), one at a time under blob_mu. */
+    natsSubscription *sub_upload, *sub_fetch;
+    struct store *st_blob;
+    pthread_mutex_t blob_mu;
     char instance_id[37];    /* this process in its notices */
     bool notice_on;          /* subscribed: publish notices too */
     /* (mu) command_id -> struct broker__follower *: clients following a
@@ -386,6 +391,33 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
                             Ks__CommandSpec *out);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
+/*
+ * 0 if the agent (info: its registry entry, may be NULL) lists every
+ * feature spec needs (a script, stdin, run_as, a copy: AgentInfo.features),
+ * else KS_EINVAL with why naming the agent and what it cannot run: an
+ * older agent would ignore the field (and run as itself, or run argv).
+ */
+/* blob.c: kscore.api.v1.upload and kscore.api.v1.fetch (ud: the broker). */
+void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                     void *ud);
+/*
+ * A copy (sp->copy) names only files uploaded whole (complete, of the size
+ * it says): 0, or KS_EINVAL with why naming the file, or a store error.
+ * Nothing to check without a copy. Takes blob_mu.
+ */
+int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
+                             char *why, size_t len);
+
+/* true when sp needs more of its agent than argv (see below). */
+static inline bool
+broker__spec_special(const Ks__CommandSpec *sp)
+{
+    return sp && (sp->script || (sp->input && sp->input->data.len) ||
+                  sp->run_as[0] || sp->copy);
+}
+int broker__check_features(const Ks__CommandSpec *sp,
+                           const Ks__AgentInfo *info, const char *agent_id,
+                           char *why, size_t len);
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
 

@@ -12,6 +12,7 @@
 
 static const char exec_usage[] =
     "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore exec [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
     "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
     "and the command was not accepted, 69 when the outcome is unknown: it\n"
@@ -32,10 +33,13 @@ static const char exec_usage[] =
     "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
     "                      stderr (default 16M; K, M, G suffixes); the rest\n"
     "                      is counted, not kept\n"
+    CLI_PAYLOAD_USAGE
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
     "Output is printed as the command writes it. Ctrl-C cancels the command\n"
     "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
+    "Stdin is read to its end before the command is sent (when it is not a\n"
+    "terminal): use --no-stdin in a loop that reads its own stdin.\n"
     CLI_CONN_USAGE;
 
 int
@@ -44,6 +48,7 @@ cmd_exec(int argc, char **argv)
     static const struct option lo[] = {
         {"agent", required_argument, 0, 'a'},
         CLI_SPEC_LONGOPTS,
+        CLI_PAYLOAD_LONGOPTS,
         {"secret-env", required_argument, 0, 'X'},
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
@@ -56,6 +61,7 @@ cmd_exec(int argc, char **argv)
     Ks__CommandSpec *sp = &cs.spec;
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
+    struct cli_payload pl = {0};
     struct evt_conn *c = NULL;
     Ks__ExecuteReply *rep = NULL;
     char *agent_from_env = NULL;
@@ -68,6 +74,8 @@ cmd_exec(int argc, char **argv)
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
+        if (!taken)
+            taken = cli_payload_opt(&pl, opt, optarg);
         if (taken < 0)
             goto out;
         if (taken)
@@ -100,7 +108,7 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0 ||
+    if (cli_payload_argv(&pl, &cs, argc, argv, optind, "exec") != 0 ||
         cli_secrets_check(&sec, sp) != 0)
         goto out;
     req.deliver_within_ms = cs.deliver_within_ms;
@@ -129,6 +137,9 @@ cmd_exec(int argc, char **argv)
     }
     req.agent_id = (char *)agent;
     req.spec = sp;
+    /* The script and stdin are read whole before anything is sent. */
+    if ((rc = cli_payload_load(&pl, sp, true)))
+        goto out;
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
@@ -241,6 +252,14 @@ cmd_exec(int argc, char **argv)
                     r->reason[0] ? r->reason
                                  : "a secret variable cannot be opened");
         else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 r->reason[0])
+            cli_err("cannot start %s: %s (%s: %s)", sp->argv[0], r->reason,
+                    r->start_stage, strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 strcmp(r->start_stage, "user") == 0)
+            cli_err("cannot start %s as '%s': %s", sp->argv[0], sp->run_as,
+                    strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
                  strcmp(r->start_stage, "chdir") == 0)
             cli_err("cannot start %s: cannot chdir to '%s': %s", sp->argv[0],
                     sp->cwd && sp->cwd[0] ? sp->cwd : "/",
@@ -264,6 +283,7 @@ out:
     evt_close(c);
     free(agent_from_env);
     cli_secrets_release(&sec);
+    cli_payload_release(&pl);
     cli_spec_release(&cs);
     cli_conn_release(&cc);
     return rc;
@@ -321,7 +341,8 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
  * it cannot be read (an older broker, a read the policy refuses).
  */
 static json_t *
-requested_env(struct evt_conn *c, const char *command_id)
+requested_env(struct evt_conn *c, const char *command_id,
+              Ks__EventsReply **rep_out)
 {
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
     Ks__EventsReply *rep = NULL;
@@ -346,6 +367,8 @@ requested_env(struct evt_conn *c, const char *command_id)
         for (size_t i = 0; i < sp->n_sealed_env; i++)
             json_object_set_new(env, sp->sealed_env[i]->name,
                                 json_string(CLI_SECRET_SHOWN));
+        *rep_out = rep; /* its script, stdin, user, files */
+        return env;
     }
     ks__events_reply__free_unpacked(rep, NULL);
     return env;
@@ -407,7 +430,10 @@ cmd_get(int argc, char **argv)
         goto out;
     }
     const Ks__CommandView *v = rep->command;
-    json_t *env = requested_env(c, v->command_id);
+    Ks__EventsReply *first = NULL;
+    json_t *env = requested_env(c, v->command_id, &first);
+    const Ks__CommandSpec *rsp =
+        first ? first->events[0]->event->command->spec : NULL;
     if (json) {
         json_t *o = cli_result_json(v->result);
         json_t *argvj = json_array();
@@ -420,6 +446,8 @@ cmd_get(int argc, char **argv)
         json_object_set_new(o, "argv", argvj);
         if (env)
             json_object_set_new(o, "env", json_incref(env));
+        if (rsp)
+            cli_payload_json(o, rsp);
         json_object_set_new(o, "attempt", json_integer(v->attempt));
         json_object_set_new(o, "version", json_integer(v->version));
         json_object_set_new(o, "requested_at",
@@ -451,7 +479,10 @@ cmd_get(int argc, char **argv)
             json_object_foreach(env, k, val)
                 printf(" %s=%s", k, json_string_value(val));
         }
-        printf("\nrequested %s", cli_time(v->requested_at_us));
+        printf("\n");
+        if (rsp)
+            cli_payload_print(stdout, rsp, "");
+        printf("requested %s", cli_time(v->requested_at_us));
         if (v->operator_[0])
             printf(" by %s", v->operator_);
         printf("\n");
@@ -497,6 +528,8 @@ cmd_get(int argc, char **argv)
         }
     }
     json_decref(env);
+    if (first)
+        ks__events_reply__free_unpacked(first, NULL);
     rc = 0;
 out:
     if (rep)
@@ -538,6 +571,8 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
             printf("  %s=%s", e->event->command->spec->sealed_env[i]->name,
                    CLI_SECRET_SHOWN);
     printf("\n");
+    if (e->event->command && e->event->command->spec)
+        cli_payload_print(stdout, e->event->command->spec, "     ");
 }
 
 static const char events_usage[] =

@@ -32,10 +32,15 @@ static const char usage[] =
     "\n"
     "Commands:\n"
     "  exec [--agent ID] [--timeout D] [--grace D] [--env K=V]... [--cwd DIR]\n"
-    "       [--json] -- CMD [ARG]...   run CMD on one agent\n"
+    "       [--run-as USER[:GROUP]] [--json] -- CMD [ARG]...\n"
+    "                          run CMD on one agent (its stdin: kscore's,\n"
+    "                          when not a terminal, or --stdin-file FILE)\n"
+    "  exec [OPTIONS] --script FILE [ARG]...   run a local script there\n"
     "  batch TARGETS [RATE] [--json] [--detach] -- CMD [ARG]...\n"
     "                          run CMD on many agents (--agents, --select,\n"
     "                          --all; --max-concurrency, --max-errors)\n"
+    "  copy TARGETS [RATE] SRC... --to PATH [--mode M] [--owner U[:G]]\n"
+    "                          write files on many agents, atomically\n"
     "  get ID [--json]         a command's or batch's state and result\n"
     "  logs ID [--follow] [--stdout|--stderr] [--json]\n"
     "                          a command's output, running or finished\n"
@@ -115,10 +120,16 @@ batch_then_exit(int argc, char **argv)
     return run_and_exit(cmd_batch, argc, argv);
 }
 
+static int
+copy_then_exit(int argc, char **argv)
+{
+    return run_and_exit(cmd_copy, argc, argv);
+}
+
 static const struct cli_command commands[] = {
     {"exec", exec_then_exit}, {"get", cmd_get},       {"events", cmd_events},
     {"cancel", cmd_cancel},   {"agents", cmd_agents}, {"batch", batch_then_exit},
-    {"list", cmd_list},       {"logs", cmd_logs},
+    {"list", cmd_list},       {"logs", cmd_logs},     {"copy", copy_then_exit},
 };
 
 #define CLI_NAME(c) #c,

@@ -176,6 +176,7 @@ cli_event_json(const Ks__RecordedEvent *rec)
             }
             json_object_set_new(o, "secret_env", sec);
         }
+        cli_payload_json(o, sp);
         json_object_set_new(o, "cwd", json_string(sp->cwd));
         json_object_set_new(o, "timeout_ms", json_integer(sp->timeout_ms));
         json_object_set_new(o, "grace_ms", json_integer(sp->grace_ms));

@@ -121,4 +121,10 @@ int broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
 /* How long a client should wait for an ExecuteCommand reply (ms). */
 int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
 
+/* true for "USER" or "USER:GROUP" of names useradd(8) takes (letters,
+ * digits, _, . and -, not - first, 1-32 bytes each): the form of
+ * CommandSpec.run_as and CopySpec.owner, read the same way by the CLI and
+ * the brokers (client/select.c). Any thread. */
+bool broker_user_spec_ok(const char *s);
+
 #endif

@@ -77,3 +77,28 @@ broker_select_match(const Ks__AgentInfo *info, char *const *terms, size_t n)
     }
     return 1;
 }
+
+/* A user or group name as useradd(8) takes it (NAME_REGEX, relaxed to
+ * upper case): letters, digits, _, . and -, not - first; 1-32 bytes. */
+static bool
+name_ok(const char *s, size_t n)
+{
+    if (n == 0 || n > 32 || s[0] == '-')
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') ||
+              (s[i] >= '0' && s[i] <= '9') || s[i] == '_' || s[i] == '.' ||
+              s[i] == '-'))
+            return false;
+    return true;
+}
+
+bool
+broker_user_spec_ok(const char *s)
+{
+    const char *colon = strchr(s, ':');
+    if (!colon)
+        return name_ok(s, strlen(s));
+    return name_ok(s, (size_t)(colon - s)) &&
+           name_ok(colon + 1, strlen(colon + 1));
+}

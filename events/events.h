@@ -67,6 +67,8 @@
 #define EVT_API_BATCH "kscore.api.v1.batch"
 #define EVT_API_LIST "kscore.api.v1.list"
 #define EVT_API_LOGS "kscore.api.v1.logs"
+#define EVT_API_UPLOAD "kscore.api.v1.upload"
+#define EVT_API_FETCH "kscore.api.v1.fetch"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000
