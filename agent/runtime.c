@@ -345,8 +345,10 @@ publisher_main(void *arg)
         evt_agent_durable(ident, sizeof(ident), win[0]->agent_id);
         for (size_t i = 0; i < n; i++) {
             ks_trace("agent.event_publish", win[i]->command_id);
-            msgs[i] = (struct evt_js_msg){win[i]->subject, win[i]->event_id,
-                                          win[i]->buf, win[i]->len, 0};
+            msgs[i] = (struct evt_js_msg){.subject = win[i]->subject,
+                                          .msg_id = win[i]->event_id,
+                                          .data = win[i]->buf,
+                                          .len = win[i]->len};
         }
         int rc = evt_js_publish_window(a->nc,
                                        a->opts.pool ? a->pool_identity : ident,

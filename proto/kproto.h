@@ -199,6 +199,8 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
+    KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
