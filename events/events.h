@@ -579,6 +579,25 @@ int evt_link_probe(struct evt_conn *c, int timeout_ms);
 int64_t evt_link_answered_us(const struct evt_conn *c);
 
 /*
+ * A watch of c's link (events/link.c): a thread that, while nats.c says
+ * CONNECTED, sends a PING every EVT_LINK_PROBE_MS unless something else
+ * was answered within that time, and calls dead(ud, silent_us) once when
+ * nats.c has said CONNECTED for more than timeout_ms (ms) with no answer
+ * from the server in that time: a link nats.c will not repair (a server
+ * stopped or cut off without a reset, a read thread that hangs). While
+ * nats.c says it is not connected it reconnects by itself, and the watch
+ * only waits. dead runs on the watch's thread; it must not stop the watch.
+ * 0 with *out, -ENOMEM, KS_EINTERNAL. evt_link_watch_stop joins the thread
+ * and frees (accepts NULL); c must outlive the watch.
+ */
+#define EVT_LINK_PROBE_MS 1000
+struct evt_link_watch;
+int evt_link_watch_start(struct evt_conn *c, int timeout_ms,
+                         void (*dead)(void *ud, int64_t silent_us), void *ud,
+                         struct evt_link_watch **out);
+void evt_link_watch_stop(struct evt_link_watch *w);
+
+/*
  * evt_request under another identity than the connection's: API subjects
  * get ".<identity>" and the reply comes to an inbox of identity.
  * For a connection that acts for several ids (an agent process serving

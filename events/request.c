@@ -159,30 +159,6 @@ evt_late_replies(const struct evt_conn *c)
     return c && c->mux ? atomic_load(&c->mux->late) : 0;
 }
 
-int64_t
-evt_link_answered_us(const struct evt_conn *c)
-{
-    return c && c->mux ? atomic_load(&c->mux->answered_us) : 0;
-}
-
-int
-evt_link_probe(struct evt_conn *c, int timeout_ms)
-{
-    int64_t t0 = ks_mono_us();
-    natsStatus st = natsConnection_FlushTimeout(c->nc, timeout_ms);
-
-    if (st != NATS_OK)
-        return evt_err(st);
-    /* The PONG came after everything written before the PING: any "no
-     * responders" for a request given back before t0 is in. */
-    pthread_mutex_lock(&c->mux->mu);
-    if (t0 > c->mux->flushed_us)
-        c->mux->flushed_us = t0;
-    pthread_mutex_unlock(&c->mux->mu);
-    note_answer(c->mux);
-    return 0;
-}
-
 /* Under m->mu. NULL: -ENOMEM. */
 static struct evt__inboxes *
 set_of(struct evt__mux *m, const char *identity)
