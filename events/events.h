@@ -123,7 +123,7 @@ struct evt_conn {
 unsigned evt_nkey_zero_signatures(void);
 
 /* Longest reply subject of an inbox (evt_inbox_subject), with its NUL. */
-#define EVT_INBOX_MAX 128
+#define EVT_INBOX_MAX 256
 
 /*
  * Connects to url (comma-separated list allowed). Returns 0, or
@@ -526,7 +526,8 @@ int evt_unpack_reply(const ProtobufCMessageDescriptor *desc, const void *data,
  * reply.
  *
  * evt_inbox_take: lends an inbox of identity (NULL: the connection's;
- * evt_identity_valid or KS_EINVAL) to the caller, which alone uses it
+ * letters, digits, _ and -, at most EVT_AGENT_ID_MAX + 8 of them, or
+ * KS_EINVAL) to the caller, which alone uses it
  * until evt_inbox_give. Waits only when INBOXES_MAX (1024) of this
  * identity are lent. 0, KS_EINVAL, -ENOMEM, or as evt_err when a
  * subscription cannot be made. Any thread.

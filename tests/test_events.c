@@ -610,6 +610,12 @@ START_TEST(requests_make_no_subscription)
     }
     ck_assert_int_le(subsz("num_inserts"), made + 7);
     ck_assert_uint_eq(evt_late_replies(c), 0);
+    /* An agent id as long as one may be (EVT_AGENT_ID_MAX) gives an
+     * identity longer than a user name: its inbox still fits. */
+    char longid[8 + EVT_AGENT_ID_MAX + 1];
+    snprintf(longid, sizeof(longid), "agent-%0*d", EVT_AGENT_ID_MAX, 7);
+    ck_assert_int_eq(ask(c, longid, "echo.x", "long", 5000), 0);
+    ck_assert_int_eq(ask(c, "bad.identity", "echo.x", "x", 5000), KS_EINVAL);
     evt_close(c);
     responder_stop(&r);
 }
