@@ -1976,12 +1976,25 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     ks_metrics_collector_add(broker_collect, &b);
     ks_log(KS_LOG_INFO, "serving", KS_S("nats", opts->nats_url),
            KS_I("local_agents", opts->local_agents));
-    sigwait(&set, &sig);
+    /* A signal; or the in-process agents' own connection answers nothing
+     * (agent_fatal: they stay fenced), which a broker process restarted
+     * by its supervisor cures as it does for its own link. */
+    for (;;) {
+        struct timespec tick = {0, 250 * 1000000L};
+        sig = sigtimedwait(&set, NULL, &tick);
+        if (sig > 0)
+            break;
+        if (b.local && agent_fatal(b.local) == AGENT_FATAL_LINK) {
+            atomic_store(&b.link_dead, true);
+            break;
+        }
+    }
     if (atomic_load(&b.link_dead)) {
         rc = KS_EUNAVAIL;
         if (errmsg && asprintf(errmsg,
-                               "the NATS link answered nothing for %d s "
-                               "though nats.c said it was connected: "
+                               "the NATS link (the broker's, or its "
+                               "in-process agents') answered nothing for "
+                               "%d s though nats.c said it was connected: "
                                "stopped, to be started again",
                                BROKER_LINK_TIMEOUT_MS / 1000) < 0)
             *errmsg = NULL;
