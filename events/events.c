@@ -559,18 +559,24 @@ evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg)
 }
 
 int
-evt_agent_id_valid(const char *id)
+evt__token_ok(const char *s, size_t max)
 {
-    size_t n = id ? strlen(id) : 0;
-    if (n == 0 || n > EVT_AGENT_ID_MAX)
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > max)
         return 0;
     for (size_t i = 0; i < n; i++) {
-        char ch = id[i];
+        char ch = s[i];
         if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
               (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
             return 0;
     }
     return 1;
+}
+
+int
+evt_agent_id_valid(const char *id)
+{
+    return evt__token_ok(id, EVT_AGENT_ID_MAX);
 }
 
 void

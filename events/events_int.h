@@ -12,6 +12,10 @@
 int evt__sign_command(const struct evt_signer *s, const Ks__Command *cmd,
                       uint8_t **buf_out, size_t *len_out);
 
+/* 1 if s is 1..max of [A-Za-z0-9_-]: a subject token that names someone
+ * (agent ids, identities). s may be NULL (0). */
+int evt__token_ok(const char *s, size_t max);
+
 /* A connection's reply inboxes (request.c). */
 struct evt__inboxes;
 struct evt__mux {

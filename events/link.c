@@ -62,13 +62,7 @@ watch_main(void *arg)
     pthread_mutex_lock(&w->mu);
     while (!w->stop) {
         struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += EVT_LINK_PROBE_MS / 1000;
-        ts.tv_nsec += (long)(EVT_LINK_PROBE_MS % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        ks_mono_deadline(&ts, EVT_LINK_PROBE_MS);
         while (!w->stop &&
                pthread_cond_timedwait(&w->cond, &w->mu, &ts) != ETIMEDOUT)
             ;

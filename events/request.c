@@ -72,24 +72,6 @@
 /* Longest identity an inbox carries: "agent-<id>" or "pool-<name>". */
 #define IDENTITY_MAX (EVT_AGENT_ID_MAX + 8)
 
-/* 1 if identity can be an inbox's token: [A-Za-z0-9_-], 1..IDENTITY_MAX
- * (an agent id's identity, "agent-<id>", may be longer than a user name:
- * evt_identity_valid). */
-static int
-identity_ok(const char *identity)
-{
-    size_t n = strlen(identity);
-    if (n == 0 || n > IDENTITY_MAX)
-        return 0;
-    for (size_t i = 0; i < n; i++) {
-        char ch = identity[i];
-        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-              (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
-            return 0;
-    }
-    return 1;
-}
-
 /* The inboxes of one identity on one connection. */
 struct evt__inboxes {
     char identity[IDENTITY_MAX + 1];
@@ -262,7 +244,9 @@ evt_inbox_take(struct evt_conn *c, const char *identity,
 
     if (!identity)
         identity = c->identity;
-    if (!identity_ok(identity))
+    /* An agent id's identity, "agent-<id>", may be longer than a user
+     * name (evt_identity_valid). */
+    if (!evt__token_ok(identity, IDENTITY_MAX))
         return KS_EINVAL;
     pthread_mutex_lock(&m->mu);
     if (!(set = set_of(m, identity))) {
