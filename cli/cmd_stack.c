@@ -12,7 +12,9 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "broker.h"
 #include "cli_int.h"
+#include "metrics_http.h"
 #include "stack.h"
 #include "store.h"
 
@@ -1637,11 +1639,11 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
  * code after saying why. */
 static int
 metrics_start(const char *who, const struct svc_flags *sf, unsigned roles,
-              struct evt_metrics_server **ms)
+              struct cli_metrics_server **ms)
 {
     const char *listen = sf->metrics_listen;
     char *errmsg = NULL;
-    int rc = evt_metrics_serve_auth(listen, roles, sf->metrics_token_file,
+    int rc = cli_metrics_serve_auth(listen, roles, sf->metrics_token_file,
                                     ms, &errmsg);
     if (rc) {
         cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
@@ -1649,7 +1651,7 @@ metrics_start(const char *who, const struct svc_flags *sf, unsigned roles,
         return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
     }
     ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
-           KS_I("port", evt_metrics_port(*ms)), KS_S("path", "/metrics"),
+           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"),
            KS_S("auth", sf->metrics_token_file &&
                                 sf->metrics_token_file[0]
                             ? "bearer token"
@@ -1681,7 +1683,7 @@ cmd_broker(int argc, char **argv)
     struct broker_opts o = {0};
     const char *require_signed = NULL;
     const char *replicas = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -1828,7 +1830,7 @@ cmd_broker(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
     }
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_conf_release(&cf);
     return rc;
 }
@@ -1876,7 +1878,7 @@ cmd_agent(int argc, char **argv)
     struct agent_attestation att = {0};
     struct agent_label *att_labels = NULL;
     const char *bundle_file = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -2318,7 +2320,8 @@ cmd_agent(int argc, char **argv)
     ks_log(KS_LOG_INFO, "instance", KS_S("agent", o.ids[0]),
            KS_S("instance", agent_instance_id(a)));
     /* A signal, or the agent can serve no more (agent_fatal): then exit
-     * AGENT_EXIT_CONFIG, which systemd does not restart. */
+     * AGENT_EXIT_CONFIG (revoked), which systemd does not restart, or
+     * AGENT_EXIT_LINK (a dead link), which it does. */
     for (;;) {
         struct timespec tick = {0, 250 * 1000000L};
         sig = sigtimedwait(&set, NULL, &tick);
@@ -2328,6 +2331,11 @@ cmd_agent(int argc, char **argv)
     if (sig > 0) {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
         rc = 0;
+    } else if (agent_fatal(a) == AGENT_FATAL_LINK) {
+        ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
+               KS_S("reason", "the NATS link answers nothing"),
+               KS_I("exit_code", AGENT_EXIT_LINK));
+        rc = AGENT_EXIT_LINK;
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "revoked: NATS closed its connection"),
@@ -2336,7 +2344,7 @@ cmd_agent(int argc, char **argv)
     }
     agent_stop(a);
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_bundle_release(&bundle);
     free(att_labels);
     for (size_t i = 0; i < owned_label_keys; i++)

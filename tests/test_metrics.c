@@ -25,6 +25,7 @@
 #include "events.h"
 #include "fixture.h"
 #include "kproto.h"
+#include "metrics_http.h"
 #include "stack.h"
 
 /* ---- helpers ---------------------------------------------------------------
@@ -324,13 +325,13 @@ END_TEST
  */
 START_TEST(idle_connections_do_not_starve_the_scraper)
 {
-    struct evt_metrics_server *m = NULL;
+    struct cli_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL;
     int held[32];
 
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
-    unsigned port = evt_metrics_port(m);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = cli_metrics_port(m);
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -349,7 +350,7 @@ START_TEST(idle_connections_do_not_starve_the_scraper)
     free(body);
     for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
         close(held[i]);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
 }
 END_TEST
 
@@ -362,7 +363,7 @@ END_TEST
 START_TEST(metrics_need_their_token)
 {
     char dir[] = "/tmp/kscore-token-XXXXXX", path[64], token[300];
-    struct evt_metrics_server *m = NULL;
+    struct cli_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL;
     ck_assert_ptr_nonnull(mkdtemp(dir));
     snprintf(path, sizeof(path), "%s/metrics.token", dir);
@@ -371,10 +372,10 @@ START_TEST(metrics_need_their_token)
     ck_assert_int_eq(evt_token_file_read(path, token, sizeof(token), NULL),
                      0);
     ck_assert_uint_eq(strlen(token), 64);
-    ck_assert_int_eq(evt_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
+    ck_assert_int_eq(cli_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
                                             path, &m, &errmsg),
                      0);
-    unsigned port = evt_metrics_port(m);
+    unsigned port = cli_metrics_port(m);
     ck_assert_int_eq(http_get(port, "/metrics", &body, NULL, 0), 401);
     ck_assert_ptr_null(strstr(body, "kscore_"));
     free(body);
@@ -389,11 +390,11 @@ START_TEST(metrics_need_their_token)
     ck_assert_int_eq(http_get_bearer(port, "/metrics", token, &body), 200);
     check_exposition(body);
     free(body);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
     /* Readable by others: refused, nothing served. */
     ck_assert_int_eq(chmod(path, 0640), 0);
     errmsg = NULL;
-    ck_assert_int_eq(evt_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
+    ck_assert_int_eq(cli_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
                                             path, &m, &errmsg),
                      KS_EINVAL);
     ck_assert_ptr_nonnull(strstr(errmsg, "chmod 600"));
@@ -405,12 +406,12 @@ END_TEST
 
 START_TEST(server_answers_metrics_and_404)
 {
-    struct evt_metrics_server *m = NULL;
+    struct cli_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL, ctype[128];
 
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
-    unsigned port = evt_metrics_port(m);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = cli_metrics_port(m);
     ck_assert_uint_gt(port, 0);
     ck_assert_int_eq(http_get(port, "/metrics", &body, ctype, sizeof(ctype)),
                      200);
@@ -420,7 +421,7 @@ START_TEST(server_answers_metrics_and_404)
     free(body);
     ck_assert_int_eq(http_get(port, "/nothing", &body, NULL, 0), 404);
     free(body);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
     /* Stopped: nobody listens any more. */
     ck_assert_int_lt(http_get(port, "/metrics", &body, NULL, 0), 0);
 
@@ -429,22 +430,22 @@ START_TEST(server_answers_metrics_and_404)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         errmsg = NULL;
         ck_assert_int_eq(
-            evt_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
+            cli_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
             KS_EINVAL);
         ck_assert_ptr_nonnull(errmsg);
         free(errmsg);
     }
     /* A port in use is refused, not shared. */
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
     char addr[64];
-    struct evt_metrics_server *m2 = NULL;
-    snprintf(addr, sizeof(addr), "127.0.0.1:%u", evt_metrics_port(m));
+    struct cli_metrics_server *m2 = NULL;
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", cli_metrics_port(m));
     errmsg = NULL;
-    ck_assert_int_eq(evt_metrics_serve(addr, KS_METRICS_AGENT, &m2, &errmsg),
+    ck_assert_int_eq(cli_metrics_serve(addr, KS_METRICS_AGENT, &m2, &errmsg),
                      KS_EUNAVAIL);
     free(errmsg);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
 }
 END_TEST
 

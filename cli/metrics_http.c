@@ -1,27 +1,24 @@
 /*
- * metrics_http.c: the Prometheus scrape endpoint, on libmicrohttpd's own
- * polling thread, and the scrape-time gauges that need NATS. With a token
- * file, every request must carry "Authorization: Bearer <token>"
+ * metrics_http.c: the Prometheus scrape endpoint of `kscore broker` and
+ * `kscore agent` (--metrics), on libmicrohttpd's own polling thread. Only
+ * the daemon half (kscore-daemon) links it, and so libmicrohttpd. With a
+ * token file, every request must carry "Authorization: Bearer <token>"
  * (Prometheus: scrape_config authorization.credentials_file): a port on
  * loopback is still open to every local user.
  */
-#include "events_int.h"
+#include "metrics_http.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <microhttpd.h>
 #include <openssl/crypto.h>
-#include <openssl/rand.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-struct evt_metrics_server {
+struct cli_metrics_server {
     struct MHD_Daemon *d;
     unsigned roles;
     unsigned port;
@@ -41,7 +38,7 @@ answer(void *cls, struct MHD_Connection *conn, const char *url,
        const char *method, const char *version, const char *upload,
        size_t *upload_len, void **req_cls)
 {
-    struct evt_metrics_server *m = cls;
+    struct cli_metrics_server *m = cls;
     struct MHD_Response *r;
     enum MHD_Result ret;
     unsigned status = MHD_HTTP_OK;
@@ -153,96 +150,20 @@ parse_listen(const char *listen, struct sockaddr_storage *ss)
     return KS_EINVAL;
 }
 
-static bool
-token_char(char c)
+int
+cli_metrics_serve(const char *listen, unsigned roles,
+                  struct cli_metrics_server **out, char **errmsg)
 {
-    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
-           (c >= '0' && c <= '9') || strchr("-._~+/=", c) != NULL;
+    return cli_metrics_serve_auth(listen, roles, NULL, out, errmsg);
 }
 
 int
-evt_token_file_read(const char *path, char *buf, size_t len,
-                       char **errmsg)
-{
-    char line[EVT_TOKEN_MAX + 3];
-    struct stat st;
-    size_t n;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-
-    if (fd == -1) {
-        int e = errno;
-        set_err(errmsg, "cannot read the token file %s", path);
-        return -e;
-    }
-    if (fstat(fd, &st) == -1 || !S_ISREG(st.st_mode) ||
-        (st.st_mode & 077) != 0) {
-        /* A secret: its owner's alone, as ssh wants of a key. */
-        close(fd);
-        set_err(errmsg,
-                "the token file %s must be a regular file that "
-                "only its owner may read (chmod 600)",
-                path);
-        return KS_EINVAL;
-    }
-    ssize_t r = read(fd, line, sizeof(line) - 1);
-    close(fd);
-    line[r > 0 ? r : 0] = '\0';
-    n = strcspn(line, "\r\n");
-    line[n] = '\0';
-    bool ok = n >= EVT_TOKEN_MIN && n <= EVT_TOKEN_MAX &&
-              n < len;
-    for (size_t i = 0; ok && i < n; i++)
-        ok = token_char(line[i]);
-    if (!ok) {
-        set_err(errmsg,
-                "the token file %s holds no token (one line of 16 "
-                "to 256 of A-Z a-z 0-9 - . _ ~ + / =)",
-                path);
-        return KS_EINVAL;
-    }
-    memcpy(buf, line, n + 1);
-    return 0;
-}
-
-int
-evt_token_file_make(const char *path)
-{
-    unsigned char raw[32];
-    char hex[2 * sizeof(raw) + 2];
-    int fd;
-
-    if (RAND_bytes(raw, sizeof(raw)) != 1)
-        return KS_EINTERNAL;
-    for (size_t i = 0; i < sizeof(raw); i++)
-        snprintf(hex + 2 * i, 3, "%02x", raw[i]);
-    hex[2 * sizeof(raw)] = '\n';
-    fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd == -1)
-        return -errno;
-    if (write(fd, hex, 2 * sizeof(raw) + 1) != 2 * sizeof(raw) + 1 ||
-        fsync(fd) == -1) {
-        int e = errno ? errno : EIO;
-        close(fd);
-        unlink(path);
-        return -e;
-    }
-    return close(fd) == 0 ? 0 : -errno;
-}
-
-int
-evt_metrics_serve(const char *listen, unsigned roles,
-                  struct evt_metrics_server **out, char **errmsg)
-{
-    return evt_metrics_serve_auth(listen, roles, NULL, out, errmsg);
-}
-
-int
-evt_metrics_serve_auth(const char *listen, unsigned roles,
+cli_metrics_serve_auth(const char *listen, unsigned roles,
                        const char *token_file,
-                       struct evt_metrics_server **out, char **errmsg)
+                       struct cli_metrics_server **out, char **errmsg)
 {
     struct sockaddr_storage ss;
-    struct evt_metrics_server *m;
+    struct cli_metrics_server *m;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
     char token[EVT_TOKEN_MAX + 1];
     int rc;
@@ -292,52 +213,16 @@ evt_metrics_serve_auth(const char *listen, unsigned roles,
 }
 
 unsigned
-evt_metrics_port(const struct evt_metrics_server *m)
+cli_metrics_port(const struct cli_metrics_server *m)
 {
     return m ? m->port : 0;
 }
 
 void
-evt_metrics_stop(struct evt_metrics_server *m)
+cli_metrics_stop(struct cli_metrics_server *m)
 {
     if (!m)
         return;
     MHD_stop_daemon(m->d);
     free(m);
-}
-
-void
-evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g)
-{
-    if (c && c->nc &&
-        natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)
-        ks_metric_gauge_add(g, 1);
-}
-
-void
-evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms)
-{
-    jsOptions o;
-    jsConsumerInfo *ci = NULL;
-    jsStreamInfo *si = NULL;
-    jsErrCode jerr = 0;
-
-    if (!c || !c->js ||
-        natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
-        return;
-    jsOptions_Init(&o);
-    o.Wait = timeout_ms;
-    if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS, EVT_RECORDER_DURABLE,
-                           &o, &jerr) == NATS_OK &&
-        ci) {
-        ks_metric_gauge_add(
-            KS_G_QUEUE_EVENTS,
-            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
-        jsConsumerInfo_Destroy(ci);
-    }
-    if (js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, &o, &jerr) == NATS_OK &&
-        si) {
-        ks_metric_gauge_add(KS_G_QUEUE_COMMANDS, (int64_t)si->State.Msgs);
-        jsStreamInfo_Destroy(si);
-    }
 }
