@@ -679,6 +679,27 @@ up_teardown(void)
         fprintf(stderr, "cannot remove %s\n", up_tmp);
 }
 
+/* `kscore up --metrics` of up_home (exit 0), and its env file into env. */
+static void
+up_metrics(char *env, size_t len)
+{
+    struct fixture_out o;
+    char path[PATH_MAX + 32];
+    setenv("KSCORE_PG_FAST", "1", 0);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
+                            &o),
+        0);
+    ck_assert_msg(o.status == 0, "up: %s", o.err);
+    fixture_out_release(&o);
+    snprintf(path, sizeof(path), "%s/env", up_home);
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(env, 1, len - 1, f);
+    env[n] = '\0';
+    fclose(f);
+}
+
 /* The token of the stack's /metrics (keys/metrics.token; static). */
 static const char *
 up_token(void)
@@ -709,19 +730,8 @@ START_TEST(local_stack_serves_metrics)
     FILE *f;
     size_t n;
 
-    setenv("KSCORE_PG_FAST", "1", 0);
-    ck_assert_int_eq(
-        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
-                            &o),
-        0);
-    ck_assert_msg(o.status == 0, "up: %s", o.err);
-    fixture_out_release(&o);
+    up_metrics(env, sizeof(env));
     snprintf(path, sizeof(path), "%s/env", up_home);
-    f = fopen(path, "r");
-    ck_assert_ptr_nonnull(f);
-    n = fread(env, 1, sizeof(env) - 1, f);
-    env[n] = '\0';
-    fclose(f);
     unsigned bp = env_port(env, "KSCORE_BROKER_METRICS_URL");
     unsigned ap = env_port(env, "KSCORE_AGENT_METRICS_URL");
     ck_assert_msg(bp && ap, "env: %s", env);
@@ -834,25 +844,11 @@ START_TEST(a_local_user_reads_no_monitoring)
     struct fixture_out o;
     char path[PATH_MAX + 64], env[4096], *body = NULL;
     struct stat st;
-    FILE *f;
-    size_t n;
 
-    setenv("KSCORE_PG_FAST", "1", 0);
     /* --metrics applies when the stack starts. */
     fixture_kscore_home(up_home, (const char *[]){"down", NULL}, &o);
     fixture_out_release(&o);
-    ck_assert_int_eq(
-        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
-                            &o),
-        0);
-    ck_assert_msg(o.status == 0, "up: %s", o.err);
-    fixture_out_release(&o);
-    snprintf(path, sizeof(path), "%s/env", up_home);
-    f = fopen(path, "r");
-    ck_assert_ptr_nonnull(f);
-    n = fread(env, 1, sizeof(env) - 1, f);
-    env[n] = '\0';
-    fclose(f);
+    up_metrics(env, sizeof(env));
     unsigned ports[2] = {env_port(env, "KSCORE_BROKER_METRICS_URL"),
                          env_port(env, "KSCORE_AGENT_METRICS_URL")};
     ck_assert_msg(ports[0] && ports[1], "env: %s", env);

@@ -729,36 +729,44 @@ publish_piece_at(struct evt_conn *c, const char *as, const char *command_id,
 /* An agent adds output only to a command it claimed and runs: not to
  * another agent's, not to another attempt, not once it ended. Each
  * refusal is a ReportRejected; nothing reaches command_output. */
+/* Waits (<= 15 s) until command id has status. */
+static void
+wait_status(const char *id, const char *status)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = '%s'",
+             id, status);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+}
+
+/* Waits (<= 15 s) until n ReportRejected name command id. */
+static void
+wait_rejected(const char *id, long n)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, n, 15000), n);
+}
+
 START_TEST(agent_cannot_inject_output)
 {
     struct evt_conn *c = fixture_client(&stack);
     char id[37], sql[512];
     ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 3", 0, 0, id), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Running'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Running");
 
     publish_piece(c, "intruder", id, 1, "forged by another agent\n");
     publish_piece(c, AGENT, id, 7, "forged for another attempt\n");
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
-             "position(convert_to('%s', 'UTF8') in data) > 0",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 2, 15000), 2);
+    wait_rejected(id, 2);
 
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Succeeded");
     publish_piece(c, AGENT, id, 1, "forged after the end\n");
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
-             "position(convert_to('%s', 'UTF8') in data) > 0",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 3, 15000), 3);
+    wait_rejected(id, 3);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM command_output WHERE command_id = '%s'",
              id);
@@ -806,11 +814,7 @@ START_TEST(each_byte_of_output_is_kept_once)
     memset(b, 'b', 2000);
     b[2000] = '\0';
     ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Running'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Running");
 
     publish_piece_at(c, AGENT, id, 1, at, a);              /* kept */
     publish_piece_at(c, AGENT, id, 1, at + 10, a);         /* overlaps */
@@ -820,11 +824,7 @@ START_TEST(each_byte_of_output_is_kept_once)
     publish_piece_at(c, AGENT, id, 1, at + 1000, a);       /* kept: next */
     publish_piece_at(c, AGENT, id, 1,
                      (uint64_t)EXEC_OUTPUT_CAP_MAX - 10, a); /* past cap */
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
-             "position(convert_to('%s', 'UTF8') in data) > 0",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 4, 15000), 4);
+    wait_rejected(id, 4);
     snprintf(sql, sizeof(sql),
              "SELECT coalesce(sum(length(data)), 0) FROM command_output "
              "WHERE command_id = '%s'",
@@ -838,11 +838,7 @@ START_TEST(each_byte_of_output_is_kept_once)
              id);
     ck_assert_int_eq(sql_long(sql), 3);
     /* The command itself ends as it would have. */
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Succeeded");
     evt_close(c);
 }
 END_TEST

@@ -2373,6 +2373,24 @@ END_TEST
  * past it the refusal stands but leaves no row: it is counted and summed
  * up in the log.
  */
+/* After a flood from agent id's credential: its own process still runs
+ * a command, and so does AGENT. Then stops id's process. */
+static void
+both_still_serve(const char *id)
+{
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", id, "--", "echo", "still", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on %s: %s", id, o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, id, 5000);
+}
+
 #define BUDGET_BURST 1000
 #define BUDGET_PER_S 10
 
@@ -2552,18 +2570,7 @@ START_TEST(an_agents_junk_reports_are_bounded_rows)
     ck_assert_msg(lines <= rows + 20, "%ld log lines for %ld rows", lines,
                   rows);
     /* The flooder's own honest process and the others keep working. */
-    struct fixture_out o;
-    const char *ex[] = {"exec", "--agent", "agentflood", "--", "echo",
-                        "still", NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
-    ck_assert_msg(o.status == 0, "exec on agentflood: %s", o.err);
-    ck_assert_str_eq(o.out, "still\n");
-    fixture_out_release(&o);
-    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
-    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
-    fixture_out_release(&o);
-    stack_stop(stack.dir, "agentflood", 5000);
+    both_still_serve("agentflood");
 }
 END_TEST
 
@@ -2696,18 +2703,7 @@ START_TEST(one_agent_cannot_fill_the_events_stream)
     ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
     recorder_drained();
     /* Then both serve as before. */
-    struct fixture_out o;
-    const char *ex[] = {"exec", "--agent", "agentshare", "--", "echo",
-                        "still", NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
-    ck_assert_msg(o.status == 0, "exec on agentshare: %s", o.err);
-    ck_assert_str_eq(o.out, "still\n");
-    fixture_out_release(&o);
-    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
-    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
-    fixture_out_release(&o);
-    stack_stop(stack.dir, "agentshare", 5000);
+    both_still_serve("agentshare");
 }
 END_TEST
 
@@ -2952,12 +2948,7 @@ START_TEST(an_agents_lost_claims_are_bounded_rows)
                   rows, n, took_s);
     ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
     /* Its honest process serves on. */
-    const char *ex2[] = {"exec", "--agent", "agentclaim", "--", "echo",
-                         "still", NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
-    ck_assert_msg(o.status == 0, "exec on agentclaim: %s", o.err);
-    fixture_out_release(&o);
-    stack_stop(stack.dir, "agentclaim", 5000);
+    both_still_serve("agentclaim");
 }
 END_TEST
 
