@@ -505,13 +505,18 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
                                  EVT_KV_AGENTS, nats_GetLastError(NULL));
         return KS_ENATS;
     }
-    /* The bucket's stream: no message delete nor purge through the API,
-     * and no roll-up (kvConfig has no such options in nats.c 3.4.1). A
-     * roll-up header is the publisher's choice, and an agent may publish
-     * its own key: "Nats-Rollup: all" there removed every other entry
-     * (issue 21: one agent credential emptied the registry). kscore only
-     * puts and deletes keys (a delete is a marker message, which History
-     * 1 keeps alone: evt_agent_forget), so it needs neither. */
+    /* The bucket's stream: no message delete through the API, and no
+     * roll-up (kvConfig has no such options in nats.c 3.4.1). A roll-up
+     * header is the publisher's choice, and an agent may publish its own
+     * key: "Nats-Rollup: all" there removed every other entry (issue 21:
+     * one agent credential emptied the registry). kscore only puts and
+     * deletes keys (a delete is a marker message, which History 1 keeps
+     * alone: evt_agent_forget), so it needs none. Purge stays allowed:
+     * nats-server 2.9.10 refuses to turn deny_purge off again, and a
+     * cluster node that replays the bucket's creation over a stream that
+     * denies purge panics (jetstream_cluster.go processClusterCreateStream,
+     * seen in test_cluster); no agent reaches the purge API (the
+     * accounts). */
     {
         jsStreamInfo *si = NULL;
         char kvs[64];
@@ -521,11 +526,10 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
          * cluster) is scaled here too: js_CreateKeyValue leaves an
          * existing bucket as it is. */
         if (s == NATS_OK && si &&
-            (!si->Config->DenyDelete || !si->Config->DenyPurge ||
-             si->Config->AllowRollup || si->Config->Replicas != replicas)) {
+            (!si->Config->DenyDelete || si->Config->AllowRollup ||
+             si->Config->Replicas != replicas)) {
             jsStreamInfo *nsi = NULL;
             si->Config->DenyDelete = true;
-            si->Config->DenyPurge = true;
             si->Config->AllowRollup = false;
             si->Config->Replicas = replicas;
             s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);

@@ -17,10 +17,10 @@ forget(struct evt_conn *c, const char *agent_id, const char *durable,
     natsStatus s;
 
     /* The registry entry: a delete marker, which the bucket's History 1
-     * keeps alone (no value left behind; a purge would need roll-ups,
-     * which the bucket refuses: evt_setup), and the broker's watcher sees
-     * it and drops the agent, so new commands for it are refused as for
-     * an unknown agent. */
+     * keeps alone (no value left behind; a KV purge is a roll-up, which
+     * the bucket refuses: evt_setup), and the broker's watcher sees it
+     * and drops the agent, so new commands for it are refused as for an
+     * unknown agent. */
     s = js_KeyValue(&kv, c->js, EVT_KV_AGENTS);
     if (s == NATS_OK) {
         s = kvStore_Delete(kv, agent_id);
