@@ -2853,20 +2853,6 @@ START_TEST(an_agent_cannot_empty_the_registry)
 }
 END_TEST
 
-/* Counts the replies that come to a subscription (any reply type). */
-static void
-on_any_answer(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
-              void *ud)
-{
-    struct reply_count *rc = ud;
-    (void)nc;
-    (void)sub;
-    pthread_mutex_lock(&rc->mu);
-    rc->n++;
-    pthread_mutex_unlock(&rc->mu);
-    natsMsg_Destroy(msg);
-}
-
 /*
  * A claim that loses (the command was claimed, re-dispatched or ended) is
  * kept as a DuplicateSuppressed row on the command's stream. An agent
@@ -2901,7 +2887,7 @@ START_TEST(an_agents_lost_claims_are_bounded_rows)
     pthread_mutex_init(&got.mu, NULL);
     ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc,
                                               "_INBOX.agent-agentclaim.c.>",
-                                              on_any_answer, &got),
+                                              on_reply_count, &got),
                      NATS_OK);
     natsSubscription_SetPendingLimits(sub, -1, -1);
     natsConnection_Flush(t->nc);
