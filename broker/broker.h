@@ -50,7 +50,19 @@ struct broker_opts {
     bool require_signed_labels;
     unsigned replicas; /* copies of each stream and the KV bucket on a
                           JetStream cluster (evt_setup_replicas); 0: 1 */
+    /* kscore copy's files (broker/blob.c; README "Pushing files"); 0: the
+     * BROKER_COPY_* default. The bytes of uploads one operator may hold
+     * (its unfinished uploads and its files) and all operators together;
+     * how long a file nobody uploaded or copied is kept, and the parts of
+     * an upload that was not finished. */
+    uint64_t copy_operator_bytes, copy_total_bytes;
+    uint64_t copy_keep_ms, copy_upload_keep_ms;
 };
+
+#define BROKER_COPY_OPERATOR_BYTES (UINT64_C(1) << 30) /* 1 GiB */
+#define BROKER_COPY_TOTAL_BYTES (UINT64_C(8) << 30)    /* 8 GiB */
+#define BROKER_COPY_KEEP_MS (UINT64_C(24) * 3600 * 1000)
+#define BROKER_COPY_UPLOAD_KEEP_MS (UINT64_C(3600) * 1000)
 
 /*
  * How long the broker's NATS link may answer nothing while nats.c says it

@@ -309,6 +309,12 @@ void broker__policy_note(const char *state_dir, const char *path,
 int broker__policy_check(const struct broker__policy *p, const char *op,
                          const Ks__AgentInfo *agent,
                          const Ks__CommandSpec *spec, char *why, size_t len);
+/* Whether op may upload files for kscore copy (kscore.api.v1.upload):
+ * only an operator the policy lets copy to some agent (a "run" rule
+ * without "executables" that grants root: see policy.c), so that storage
+ * goes to no one who could not use it. 0, or KS_EDENIED with why. */
+int broker__policy_check_upload(const struct broker__policy *p,
+                                const char *op, char *why, size_t len);
 /* Whether op may read a record: its own (owner == op), or one about an
  * agent a "read" rule of op matches; every_agent: all records at once
  * (needs a read rule on agents "*"). agent may be NULL (unknown agent:
@@ -418,6 +424,15 @@ void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
  */
 int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
                              char *why, size_t len);
+/*
+ * The scanner's clean-up of kscore copy's files (store_blob_expire, a few
+ * short transactions on st): files nobody uploaded or copied for
+ * copy_keep that no open batch names, parts of uploads not finished
+ * within copy_upload_keep. Returns the wait (us) before the next call: 0
+ * when more is due, else up to 10 s (a quarter of the shorter keep).
+ * Scanner thread.
+ */
+int64_t broker__blob_expire(struct broker *b, struct store *st);
 
 /* true when sp needs more of its agent than argv (see below). */
 static inline bool

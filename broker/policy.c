@@ -50,6 +50,12 @@ struct broker__policy {
     json_t *operators; /* object: name -> array of rules */
 };
 
+/* What a copy takes, in a denial's words. */
+#define COPY_RULE                                                              \
+    "a copy writes as root: it takes a \"run\" rule without "                  \
+    "\"executables\" that grants root"
+
+
 int
 broker_policy_read(const char *path, char **buf_out, size_t *len_out,
                    char **errmsg)
@@ -460,9 +466,8 @@ broker__policy_check(const struct broker__policy *p, const char *op,
     }
     if (spec && spec->copy)
         snprintf(why, len,
-                 "denied: operator '%s' may not copy files to agent '%s' (a "
-                 "copy writes as root: it takes a \"run\" rule without "
-                 "\"executables\" that grants root)",
+                 "denied: operator '%s' may not copy files to agent '%s' "
+                 "(" COPY_RULE ")",
                  op, agent ? agent->agent_id : "?");
     else if (spec && spec->script)
         snprintf(why, len,
@@ -479,6 +484,30 @@ broker__policy_check(const struct broker__policy *p, const char *op,
     else
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+int
+broker__policy_check_upload(const struct broker__policy *p, const char *op,
+                            char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p)
+        return 0;
+    rules = json_object_get(p->operators, op);
+    json_array_foreach(rules, i, rule)
+    {
+        /* What rule_allows asks of a copy, on whichever agents. */
+        if (rule_can(rule, "run") && !json_object_get(rule, "executables") &&
+            user_listed(rule, "root"))
+            return 0;
+    }
+    snprintf(why, len,
+             "denied: operator '%s' may not upload files for kscore copy, "
+             "as it may copy to no agent (" COPY_RULE ")",
+             op);
     return KS_EDENIED;
 }
 

@@ -1683,6 +1683,7 @@ cmd_broker(int argc, char **argv)
     struct broker_opts o = {0};
     const char *require_signed = NULL;
     const char *replicas = NULL;
+    const char *copy_mib[2] = {NULL, NULL}, *copy_keep[2] = {NULL, NULL};
     struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
@@ -1769,8 +1770,21 @@ cmd_broker(int argc, char **argv)
                            &sf.metrics_token_file)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
+        (rc = cli_conf_str(&cf, "copy_operator_mib", &copy_mib[0])) ||
+        (rc = cli_conf_str(&cf, "copy_total_mib", &copy_mib[1])) ||
+        (rc = cli_conf_str(&cf, "copy_keep", &copy_keep[0])) ||
+        (rc = cli_conf_str(&cf, "copy_upload_keep", &copy_keep[1])) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
         goto out;
+    /* Checked as they were read (cli_conf_load, the environment's). */
+    if (copy_mib[0])
+        o.copy_operator_bytes = strtoull(copy_mib[0], NULL, 10) << 20;
+    if (copy_mib[1])
+        o.copy_total_bytes = strtoull(copy_mib[1], NULL, 10) << 20;
+    if (copy_keep[0])
+        cli_parse_duration(copy_keep[0], &o.copy_keep_ms);
+    if (copy_keep[1])
+        cli_parse_duration(copy_keep[1], &o.copy_upload_keep_ms);
     /* On unless turned off: a label the agent merely declares would pick
      * prod's commands and secrets for any agent credential (issue 21). */
     o.require_signed_labels = !require_signed || cli_conf_true(require_signed);

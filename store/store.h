@@ -499,30 +499,85 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
                         size_t n, store_output_check_fn check, void *ud,
                         enum store_step *verdicts, const char **whys);
 /*
- * Files for kscore copy (store/blob.c, migration 10), named by their
- * SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0.
- *  store_blob_put: writes one part (again, until the file is complete;
- *   never after). 0 or a store error.
+ * Files for kscore copy (store/blob.c, migrations 10 and 11), named by
+ * their SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0. Each
+ * part is charged to the operator who wrote it for as long as it is kept
+ * (complete file or not), and the bounds are checked in the same
+ * transaction as the write, against sums no other writer is changing, on
+ * any connection of any broker: parallel uploads cannot pass them. Each
+ * call is one short transaction (a part, or a few).
+ *  store_blob_put: writes one part from operator_ (again, replacing it,
+ *   until the file is complete; never after: then 0 and nothing written),
+ *   if the operator's parts stay within bounds->operator_bytes and
+ *   everyone's within bounds->total_bytes. 0, KS_ETOOBIG with
+ *   *refusal_out (nothing written), or a store error.
+ *  store_blob_room: whether a file of size bytes from operator_ would fit
+ *   now (its parts already there count once): 0 or KS_ETOOBIG with
+ *   *refusal_out. Advisory (a way to refuse before anything is sent):
+ *   store_blob_put decides.
  *  store_blob_complete: 1 with *size_out (may be NULL) when the file is
- *   complete (checked and marked), 0 when not, or a store error.
- *  store_blob_read: one part, *data_out (malloc'd) and *len_out. 0,
- *   KS_ENOTFOUND, KS_ETOOBIG or a store error.
- *  store_blob_mark_complete: records that the parts make the file of that
- *   SHA-256 and size (the caller checked), uploaded by operator_. 0 or a
+ *   complete (checked and marked), and marks it used now (kept
+ *   files_unused_us of store_blob_expire from now); 0 when not, or a
  *   store error.
+ *  store_blob_read: one part, *data_out (malloc'd) and *len_out, and its
+ *   version *ver_out (may be NULL; another each time the part is
+ *   written). 0, KS_ENOTFOUND, KS_ETOOBIG or a store error.
+ *  store_blob_mark_complete: records that the parts make the file of that
+ *   SHA-256 and size (the caller read them back and checked them),
+ *   uploaded by operator_, if they are still the parts read: vers[i] is
+ *   the version of part i (n = ks_blob_parts(size)). Parts past n are
+ *   dropped. 1 (complete, now or before), 0 (a part was written since:
+ *   nothing marked) or a store error.
  *  store_blob_drop: forgets the parts of a file that is not complete (its
- *   check failed). 0 or a store error.
+ *   check failed, or its upload was refused) that operator_ wrote (NULL:
+ *   anyone), a few per transaction. 0 or a store error.
+ *  store_blob_expire: one round of the broker's clean-up, at most limit
+ *   (> 0) of each: deletes complete files not used (uploaded, or named by
+ *   a copy accepted) for files_unused_us that no open batch names, and
+ *   the parts of files not complete that were written more than
+ *   parts_unwritten_us ago (a file deleted here: its parts, in later
+ *   rounds). *files_out and *parts_out: how many; fewer than limit of
+ *   both: nothing more is due. 0 or a store error.
+ *  store_blob_usage: the bytes of parts operator_ holds and everyone
+ *   holds. 0 or a store error.
  */
+struct store_blob_bounds {
+    uint64_t operator_bytes; /* one operator's parts, in bytes */
+    uint64_t total_bytes;    /* every operator's together */
+};
+enum store_blob_over {
+    STORE_BLOB_OVER_OPERATOR = 1, /* bounds->operator_bytes */
+    STORE_BLOB_OVER_TOTAL,        /* bounds->total_bytes */
+};
+struct store_blob_refusal {
+    enum store_blob_over bound;
+    uint64_t used_bytes; /* held against that bound now */
+};
 int store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                   uint32_t part, const void *data, size_t len);
+                   uint32_t part, const void *data, size_t len,
+                   const char *operator_,
+                   const struct store_blob_bounds *bounds,
+                   struct store_blob_refusal *refusal_out);
+int store_blob_room(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                    uint64_t size, const char *operator_,
+                    const struct store_blob_bounds *bounds,
+                    struct store_blob_refusal *refusal_out);
 int store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                         uint64_t *size_out);
 int store_blob_read(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                    uint32_t part, uint8_t **data_out, size_t *len_out);
+                    uint32_t part, uint8_t **data_out, size_t *len_out,
+                    uint64_t *ver_out);
 int store_blob_mark_complete(struct store *s,
                              const uint8_t sha256[KS_SHA256_BYTES],
-                             uint64_t size, const char *operator_);
-int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES]);
+                             uint64_t size, const char *operator_,
+                             const uint64_t *vers, uint32_t n);
+int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                    const char *operator_);
+int store_blob_expire(struct store *s, int64_t files_unused_us,
+                      int64_t parts_unwritten_us, unsigned limit,
+                      unsigned *files_out, unsigned *parts_out);
+int store_blob_usage(struct store *s, const char *operator_,
+                     uint64_t *operator_bytes_out, uint64_t *total_bytes_out);
 
 /*
  * Up to max bytes of one stream of a command's recorded pieces from
