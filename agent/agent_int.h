@@ -134,7 +134,7 @@ struct agent {
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
     struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
     pthread_cond_t ready_cond;
-    unsigned callbacks; /* on_command calls in progress */
+    unsigned callbacks; /* on_command calls and fetch threads running */
     pthread_cond_t cb_cond;
     struct ks_map seen; /* claimed command ids (replay guard) */
     char (*seen_ring)[37];
@@ -272,12 +272,16 @@ void agent__payload_free(struct agent_payload *p);
 /*
  * After the claim: a copy's files, fetched from the broker into the
  * command's private directory and checked against their SHA-256 (copy.c).
- * 0 (also for any other command), or -ECANCELED (cancelled, the agent
- * stops), -EBADMSG (a checksum), a NATS or broker error, with why. Blocks
- * the calling (starter or delivery) thread for the fetch.
+ * 0 (also for any other command), or -ECANCELED (the command was
+ * cancelled), KS_ESTOPPED (the agent stops), -EBADMSG (a checksum), a
+ * NATS or broker error after the retries, with why. Blocks the calling
+ * thread for the download: runtime.c runs it on a thread of its own
+ * (agent__payload_fetches says when there is one).
  */
 int agent__payload_fetch(struct agent *a, struct job_ctx *j,
                          const Ks__Command *cmd, char *why, size_t len);
+/* true when p has files to fetch after the claim (a copy). */
+bool agent__payload_fetches(const struct agent_payload *p);
 
 /*
  * copy.c: kscore copy's fetch and writer (the writer is this binary

@@ -566,6 +566,12 @@ fill_result(Ks__CommandResult *r, Ks__Output *o, Ks__Output *e,
         r->status = KS__COMMAND_STATUS__LOST;
         break;
     case EXEC_START_FAILED:
+        if (x->cancelled) {
+            /* Cancelled after the claim, before the spawn (a copy's
+             * fetch): it ends as a cancel of a running command does. */
+            r->status = KS__COMMAND_STATUS__CANCELLED;
+            break;
+        }
         r->status = KS__COMMAND_STATUS__START_FAILED;
         r->start_stage = (char *)(x->start_stage ? x->start_stage : "");
         r->start_errno = x->start_errno;
@@ -618,8 +624,9 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                                                            : "start_failed"),
            KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     agent__out_finish(j, x, &o, &e);
-    type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
-                                           : "CommandCompleted";
+    type = x->outcome == EXEC_START_FAILED && !x->cancelled
+               ? "CommandStartFailed"
+               : "CommandCompleted";
     /* Killed because nobody could vouch for it any more: the record is
      * told so, never a normal completion. */
     if (x->watchdog_killed && x->outcome != EXEC_START_FAILED) {
@@ -892,10 +899,164 @@ contact_regained(struct agent *a)
     return false;
 }
 
+/* Ends a claimed command that was never spawned: CommandNotStarted with
+ * reason, and the message acked. */
+static void
+not_started(struct job_ctx *j, const char *reason)
+{
+    Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
+    r.status = KS__COMMAND_STATUS__NOT_STARTED;
+    r.term_sent_us = r.kill_sent_us = -1;
+    r.reason = (char *)reason;
+    report(j, "CommandNotStarted", &r, r.reason);
+    agent__journal_remove(j->agent, j->command_id);
+    job_release(j, "+ACK");
+}
+
+/*
+ * After the claim: a copy's files (payload.c), then the spawn. A fetch
+ * that fails ends the command StartFailed (stage fetch) with the reason;
+ * a cancel during it ends it Cancelled; the agent stopping during it,
+ * NotStarted (it never ran: another claim may run it). spec is what
+ * start_job made; cmd is still the caller's. Starter, delivery or fetch
+ * thread.
+ */
+static void
+spawn_claimed(struct job_ctx *j, const Ks__Command *cmd,
+              const struct exec_spec *spec)
+{
+    struct agent *a = j->agent;
+    char why[512] = "";
+    uint64_t job_id = 0;
+    int rc;
+
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, why, sizeof(why));
+    if (rc == KS_ESTOPPED) {
+        not_started(j, why);
+        return;
+    }
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(why);
+        ks_log(rc == -ECANCELED ? KS_LOG_INFO : KS_LOG_WARN,
+               rc == -ECANCELED ? "a copy was cancelled while it fetched"
+                                : "a copy's fetch failed: the command ends "
+                                  "StartFailed",
+               KS_S("command_id", j->command_id), KS_S("agent", j->slot->id),
+               KS_S("reason", why));
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
+    /* Held across the submit, so job_done (which takes mu) cannot free j
+     * before it has its job id. */
+    pthread_mutex_lock(&a->mu);
+    j->state = JOB_RUNNING;
+    a->in_flight++;
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
+    if (rc == 0)
+        j->job_id = job_id;
+    bool cancel_now = rc == 0 && j->cancel_pending;
+    pthread_mutex_unlock(&a->mu);
+    if (cancel_now)
+        exec_cancel(a->loop, job_id);
+    if (rc) {
+        /* Claimed but not started: report it, so it still ends. */
+        struct exec_result x = {0};
+        x.outcome = EXEC_START_FAILED;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        /* Cancelled before it could start: Cancelled (fill_result). */
+        x.cancelled = rc == -ECANCELED;
+        x.term_sent_us = x.kill_sent_us = -1;
+        job_done(0, &x, j);
+    }
+}
+
+/* What a fetch thread takes over from start_job. */
+struct fetch_apart {
+    struct job_ctx *j;
+    Ks__Command *cmd;
+    struct exec_spec spec;
+    const char **argv;
+    struct exec_env *env;
+    struct agent_secrets *secrets;
+};
+
+static void *
+fetch_main(void *arg)
+{
+    struct fetch_apart *f = arg;
+    struct agent *a = f->j->agent;
+
+    spawn_claimed(f->j, f->cmd, &f->spec);
+    agent__secrets_free(f->secrets);
+    free(f->argv);
+    free(f->env);
+    ks__command__free_unpacked(f->cmd, NULL);
+    free(f);
+    /* Counted as a callback: agent_stop waits for it before the executor
+     * goes. Nothing of a is touched after this. */
+    pthread_mutex_lock(&a->mu);
+    a->callbacks--;
+    pthread_cond_broadcast(&a->cb_cond);
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/*
+ * Runs spawn_claimed on a detached thread of its own, which takes *cmd,
+ * *argv, *env and *secrets (NULLed) and a copy of *spec. 0, or an error
+ * (nothing taken: the caller runs it itself). One thread per copy being
+ * fetched, at most max_concurrent (each holds a slot).
+ */
+static int
+fetch_apart(struct job_ctx *j, Ks__Command **cmd, const struct exec_spec *spec,
+            const char ***argv, struct exec_env **env,
+            struct agent_secrets **secrets)
+{
+    struct agent *a = j->agent;
+    struct fetch_apart *f = calloc(1, sizeof(*f));
+    pthread_attr_t attr;
+    pthread_t t;
+    int rc;
+
+    if (!f)
+        return -ENOMEM;
+    *f = (struct fetch_apart){j, *cmd, *spec, *argv, *env, *secrets};
+    pthread_mutex_lock(&a->mu);
+    a->callbacks++;
+    pthread_mutex_unlock(&a->mu);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &attr, fetch_main, f);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        pthread_mutex_lock(&a->mu);
+        a->callbacks--;
+        pthread_cond_broadcast(&a->cb_cond);
+        pthread_mutex_unlock(&a->mu);
+        free(f);
+        return -rc;
+    }
+    *cmd = NULL;
+    *argv = NULL;
+    *env = NULL;
+    *secrets = NULL;
+    return 0;
+}
+
 /*
  * Starts a held message that has a slot (state JOB_STARTING): precheck,
- * claim, submit. Every path ends the hold (job_release) or hands it to the
- * executor (job_done ends it). Delivery or starter thread.
+ * claim, submit (spawn_claimed; a copy's on a fetch thread). Every path
+ * ends the hold (job_release) or hands it to the executor (job_done ends
+ * it). Delivery or starter thread.
  */
 static void
 start_job(struct job_ctx *j)
@@ -909,7 +1070,6 @@ start_job(struct job_ctx *j)
     const char *stage = NULL;
     char claim_id[37], secret_why[256] = "";
     struct agent_secrets *secrets = NULL;
-    uint64_t job_id = 0;
     int rc;
 
     j->cmd = NULL; /* ours now; exec_submit copies what it keeps */
@@ -1040,54 +1200,18 @@ start_job(struct job_ctx *j)
     if (atomic_load(&a->fenced) && !contact_regained(a)) {
         /* Claimed, but NATS has gone silent: a command started now could
          * be declared Lost while it runs. It provably never started. */
-        Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
-        r.status = KS__COMMAND_STATUS__NOT_STARTED;
-        r.term_sent_us = r.kill_sent_us = -1;
-        r.reason = "agent lost contact with NATS right after it claimed the "
-                   "command: not spawned (self-fence)";
-        report(j, "CommandNotStarted", &r, r.reason);
-        agent__journal_remove(a, j->command_id);
-        job_release(j, "+ACK");
+        not_started(j, "agent lost contact with NATS right after it claimed "
+                       "the command: not spawned (self-fence)");
         goto out;
     }
-    /* A copy's files, now that it is ours (payload.c); past the claim, a
-     * failure ends it StartFailed with the reason. */
-    const char *claimed_stage = "spawn";
-    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
-    if (rc) {
-        claimed_stage = "fetch";
-        j->end_reason = strdup(secret_why);
-    } else {
-        /* Its output as it is written (output.c); without, only the end. */
-        agent__out_new(j);
-    }
-    /* Held across the submit, so job_done (which takes mu) cannot free j
-     * before it has its job id. */
-    pthread_mutex_lock(&a->mu);
-    j->state = JOB_RUNNING;
-    a->in_flight++;
-    if (rc == 0)
-        rc = exec_submit_out(a->loop, &spec, job_started,
-                             j->out ? agent__out_piece : NULL, job_done, j,
-                             &job_id);
-    if (rc == 0)
-        j->job_id = job_id;
-    bool cancel_now = rc == 0 && j->cancel_pending;
-    pthread_mutex_unlock(&a->mu);
-    if (cancel_now)
-        exec_cancel(a->loop, job_id);
-    if (rc) {
-        /* Claimed but not started: report it, so it still ends. */
-        struct exec_result x = {0};
-        x.outcome = EXEC_START_FAILED;
-        x.start_stage = claimed_stage;
-        /* A kscore code (a broker's refusal) is no errno: the reason
-         * says what it was. */
-        x.start_errno = rc > -1000 ? -rc : EIO;
-        x.cancelled = rc == -ECANCELED;
-        x.term_sent_us = x.kill_sent_us = -1;
-        job_done(0, &x, j);
-    }
+    /* A copy's files are fetched on a thread of their own (fetch_apart):
+     * a download must not hold up the other commands this thread would
+     * take (the delivery thread of an id or of a whole pool, or a
+     * starter). */
+    if (j->payload && agent__payload_fetches(j->payload) &&
+        fetch_apart(j, &cmd, &spec, &argv, &env, &secrets) == 0)
+        goto out;
+    spawn_claimed(j, cmd, &spec);
 out:
     agent__secrets_free(secrets); /* exec_submit copied what it keeps */
     free(argv);
@@ -2175,6 +2299,12 @@ agent_stop(struct agent *a)
     pthread_mutex_unlock(&a->mu);
     for (size_t i = 0; i < a->n_starters; i++)
         pthread_join(a->starters[i], NULL); /* they nak what is ready */
+    /* A starter may have handed a copy to a fetch thread after the wait
+     * above: it sees closing and ends soon (spawn_claimed). */
+    pthread_mutex_lock(&a->mu);
+    while (a->callbacks)
+        pthread_cond_wait(&a->cb_cond, &a->mu);
+    pthread_mutex_unlock(&a->mu);
     if (a->keeper_started)
         pthread_join(a->keeper_thread, NULL);
     /* What never got a slot goes back to JetStream for whoever is next. */
