@@ -201,6 +201,20 @@ int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
                    uint64_t timeout_ms, uint64_t deliver_within_ms,
                    char id_out[37]);
 
+/*
+ * Uploads len bytes (a file for kscore copy) as identity, as kscore copy
+ * does, through kscore.api.v1.upload.<identity> on c: the question first
+ * (a commit without data: is it there?), then parts 0 .. parts_max - 1, a
+ * request each; with every part (parts_max >= its parts) the last one
+ * commits. 0 when no answer was an error (*complete_out, may be NULL: the
+ * last answer's complete), else the first error's code, its text in why
+ * (why_len bytes; may be NULL), and nothing more sent. A request that
+ * gets no answer fails the test.
+ */
+int fixture_upload(struct evt_conn *c, const char *identity, const void *data,
+                   size_t len, uint32_t parts_max, bool *complete_out,
+                   char *why, size_t why_len);
+
 /* ------------------------------------------------------------------------ */
 /* Queries for assertions (tests/fixture_pg.c)                               */
 /* ------------------------------------------------------------------------ */

@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <openssl/evp.h>
+
 #include "broker.h"
 #include "kproto.h"
 #include "stack.h"
@@ -738,4 +740,55 @@ fixture_submit(struct evt_conn *c, const char *agent, const char *script,
     if (rep)
         ks__execute_reply__free_unpacked(rep, NULL);
     return rc;
+}
+
+int
+fixture_upload(struct evt_conn *c, const char *identity, const void *data,
+               size_t len, uint32_t parts_max, bool *complete_out, char *why,
+               size_t why_len)
+{
+    Ks__UploadRequest req = KS__UPLOAD_REQUEST__INIT;
+    uint8_t sum[KS_SHA256_BYTES];
+    unsigned int md_len = 0;
+    uint32_t parts = ks_blob_parts(len);
+    bool all = parts_max >= parts;
+
+    ck_assert_int_eq(EVP_Digest(data, len, sum, &md_len, EVP_sha256(), NULL),
+                     1);
+    req.sha256.data = sum;
+    req.sha256.len = sizeof(sum);
+    req.size = len;
+    /* As kscore copy asks: first whether it is there (a commit without
+     * data), then each part, the last one with the commit. */
+    for (int step = -1; step < (int)(all ? parts : parts_max); step++) {
+        ProtobufCMessage *pm = NULL;
+        natsMsg *m = NULL;
+        req.commit = step == -1 || (all && (uint32_t)step + 1 == parts);
+        req.part = step < 0 ? 0 : (uint32_t)step;
+        req.data.data = step < 0 ? NULL
+                                 : (uint8_t *)data + (size_t)step *
+                                                         KS_BLOB_PART_BYTES;
+        req.data.len = step < 0 ? 0 : ks_blob_part_len(len, req.part);
+        ck_assert_int_eq(evt_request_as(c, identity, EVT_API_UPLOAD, &req.base,
+                                        30000, &m),
+                         0);
+        ck_assert_int_eq(evt_unpack(&ks__upload_reply__descriptor,
+                                    natsMsg_GetData(m),
+                                    (size_t)natsMsg_GetDataLength(m), &pm),
+                         0);
+        natsMsg_Destroy(m);
+        Ks__UploadReply *rep = (Ks__UploadReply *)pm;
+        int code = rep->error_code;
+        if (code && why)
+            snprintf(why, why_len, "%s", rep->error);
+        if (complete_out)
+            *complete_out = rep->complete;
+        bool done = rep->complete;
+        ks__upload_reply__free_unpacked(rep, NULL);
+        if (code)
+            return code;
+        if (done)
+            break; /* there already: nothing to send */
+    }
+    return 0;
 }
