@@ -420,7 +420,9 @@ void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 /*
  * A copy (sp->copy) names only files uploaded whole (complete, of the size
  * it says): 0, or KS_EINVAL with why naming the file, or a store error.
- * Nothing to check without a copy. Takes blob_mu.
+ * Each file is marked used (kept copy_keep from now; while the batch is
+ * open, the batch keeps it). Nothing to check without a copy. Takes
+ * blob_mu.
  */
 int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
                              char *why, size_t len);
