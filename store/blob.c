@@ -321,30 +321,3 @@ store_blob_expire(struct store *s, int64_t files_unused_us,
     *parts_out = (unsigned)parts;
     return 0;
 }
-
-int
-store_blob_usage(struct store *s, const char *operator_,
-                 uint64_t *operator_bytes_out, uint64_t *total_bytes_out)
-{
-    struct store__params p = {0};
-    PGresult *res;
-    int rc;
-
-    if ((rc = store__ready(s)))
-        return rc;
-    store__p_text(&p, operator_);
-    res = PQexecParams(
-        s->conn,
-        "SELECT coalesce((SELECT bytes FROM blob_usage WHERE operator = $1),"
-        " 0), coalesce((SELECT bytes FROM blob_usage WHERE operator = '*'),"
-        " 0)",
-        p.n, NULL, p.val, p.len, p.fmt, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
-        rc = store__read_error(s, res);
-    } else {
-        *operator_bytes_out = text_u64(res, 0);
-        *total_bytes_out = text_u64(res, 1);
-    }
-    PQclear(res);
-    return rc;
-}

@@ -538,8 +538,6 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
  *   parts_unwritten_us ago (a file deleted here: its parts, in later
  *   rounds). *files_out and *parts_out: how many; fewer than limit of
  *   both: nothing more is due. 0 or a store error.
- *  store_blob_usage: the bytes of parts operator_ holds and everyone
- *   holds. 0 or a store error.
  */
 struct store_blob_bounds {
     uint64_t operator_bytes; /* one operator's parts, in bytes */
@@ -576,8 +574,6 @@ int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 int store_blob_expire(struct store *s, int64_t files_unused_us,
                       int64_t parts_unwritten_us, unsigned limit,
                       unsigned *files_out, unsigned *parts_out);
-int store_blob_usage(struct store *s, const char *operator_,
-                     uint64_t *operator_bytes_out, uint64_t *total_bytes_out);
 
 /*
  * Up to max bytes of one stream of a command's recorded pieces from

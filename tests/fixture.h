@@ -201,6 +201,10 @@ int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
                    uint64_t timeout_ms, uint64_t deliver_within_ms,
                    char id_out[37]);
 
+/* n bytes (malloc'd) of a xorshift sequence seeded by seed: the same
+ * bytes for the same (n, seed), others for another seed. */
+uint8_t *fixture_bytes(size_t n, uint32_t seed);
+
 /*
  * Uploads len bytes (a file for kscore copy) as identity, as kscore copy
  * does, through kscore.api.v1.upload.<identity> on c: the question first

@@ -742,6 +742,21 @@ fixture_submit(struct evt_conn *c, const char *agent, const char *script,
     return rc;
 }
 
+uint8_t *
+fixture_bytes(size_t n, uint32_t seed)
+{
+    uint8_t *b = malloc(n ? n : 1);
+    uint32_t x = 2463534242u ^ seed;
+    ck_assert_ptr_nonnull(b);
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        b[i] = (uint8_t)x;
+    }
+    return b;
+}
+
 int
 fixture_upload(struct evt_conn *c, const char *identity, const void *data,
                size_t len, uint32_t parts_max, bool *complete_out, char *why,

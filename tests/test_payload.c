@@ -692,18 +692,21 @@ END_TEST
 static const char *
 put_random(const char *name, size_t n, char hex[65])
 {
-    unsigned char *b = malloc(n);
-    uint32_t x = 2463534242u ^ (uint32_t)n;
-    for (size_t i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        b[i] = (unsigned char)x;
-    }
+    uint8_t *b = fixture_bytes(n, (uint32_t)n);
     sha256_hex(b, n, hex);
     const char *p = put_file(name, b, n);
     free(b);
     return p;
+}
+
+/* Runs kscore with args against st, which must exit 0. */
+static void
+run_ok(struct fixture_stack *st, const char *const args[])
+{
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(st, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
 }
 
 /* 1 if the files at a and b hold the same bytes. */
@@ -770,9 +773,7 @@ START_TEST(copy_writes_a_file_on_every_target_atomically)
     ino_t before = st.st_ino;
     snprintf(dest, sizeof(dest), "%s/", dest_dir);
     const char *b[] = {"copy", "--agents", AGENT, src, "--to", dest, NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&stack, b);
     snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
     ck_assert_int_eq(stat(dest, &st), 0);
     ck_assert(st.st_ino != before);
@@ -1019,9 +1020,7 @@ START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
     snprintf(dest, sizeof(dest), "%s/cx-dest.bin", tmpdir);
     struct fixture_out o;
     const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, up, &o), 0); /* stores it */
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&stack, up);
 
     PGconn *lock = parts_lock();
     copy_detached_running(src, dest, id);
@@ -1047,9 +1046,7 @@ START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
     /* The file is whole in the store still: a copy now succeeds. */
     const char *again[] = {"copy", "--agents", AGENT, src, "--to", dest,
                            NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, again, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&stack, again);
     ck_assert(same_bytes(src, dest));
 }
 END_TEST
@@ -1086,11 +1083,8 @@ START_TEST(a_fetch_that_keeps_failing_ends_the_copy_with_its_reason)
     const char *src = put_random("fx.bin", 4 * 512 * 1024, hex);
     snprintf(first, sizeof(first), "%s/fx-first.bin", tmpdir);
     snprintf(dest, sizeof(dest), "%s/fx-dest.bin", tmpdir);
-    struct fixture_out o;
     const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, up, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&stack, up);
 
     PGconn *lock = parts_lock();
     copy_detached_running(src, dest, id);
@@ -1211,14 +1205,10 @@ START_TEST(a_file_goes_after_its_last_use_and_not_while_a_copy_names_it)
     snprintf(dest, sizeof(dest), "%s/", dir);
     struct fixture_out o;
     const char *a[] = {"copy", "--agents", XAGENT, src, "--to", dest, NULL};
-    ck_assert_int_eq(fixture_kscore(&xstack, a, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&xstack, a);
     long ver = xsql("SELECT max(ver) FROM blob_parts WHERE sha256 = '\\x%s'",
                     hex);
-    ck_assert_int_eq(fixture_kscore(&xstack, a, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&xstack, a);
     ck_assert_int_eq(
         xsql("SELECT max(ver) FROM blob_parts WHERE sha256 = '\\x%s'", hex),
         ver);

@@ -3095,22 +3095,6 @@ END_TEST
  * alice and mallory may not (their rules list executables).
  */
 
-/* n bytes that are not another test's (seeded by the tag). */
-static uint8_t *
-file_bytes(size_t n, uint32_t tag)
-{
-    uint8_t *b = malloc(n ? n : 1);
-    uint32_t x = 2463534242u ^ tag;
-    ck_assert_ptr_nonnull(b);
-    for (size_t i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        b[i] = (uint8_t)x;
-    }
-    return b;
-}
-
 /* What blob_usage holds for op ('*': everyone), and what its parts
  * really sum to: the two agree. */
 static long
@@ -3140,7 +3124,7 @@ upload_as(const char *op, size_t n, uint32_t tag, char *why, size_t len)
     char seed[PATH_MAX + 64];
     operator_seed(op, seed, sizeof(seed));
     struct evt_conn *c = connect_as(seed);
-    uint8_t *b = file_bytes(n, tag);
+    uint8_t *b = fixture_bytes(n, tag);
     bool complete = false;
     int rc = fixture_upload(c, op, b, n, UINT32_MAX, &complete, why, len);
     ck_assert(rc != 0 || complete);
@@ -3247,7 +3231,7 @@ START_TEST(parallel_uploads_stay_within_the_operators_bound)
     /* The CLI says which bound, and exits 125. */
     char src[PATH_MAX + 32];
     snprintf(src, sizeof(src), "%s/big.bin", tmpdir);
-    uint8_t *b = file_bytes(9 * MiB / 2, 7);
+    uint8_t *b = fixture_bytes(9 * MiB / 2, 7);
     FILE *f = fopen(src, "w");
     ck_assert_uint_eq(fwrite(b, 1, 9 * MiB / 2, f), 9 * MiB / 2);
     fclose(f);
@@ -3277,7 +3261,7 @@ store_putter_main(void *arg)
     struct store_putter *p = arg;
     struct store *st = NULL;
     struct store_blob_bounds bd = {2 * MiB, 1L << 40};
-    uint8_t sha[32] = {0xf0, (uint8_t)p->k}, *data = file_bytes(256 * 1024,
+    uint8_t sha[32] = {0xf0, (uint8_t)p->k}, *data = fixture_bytes(256 * 1024,
                                                                  (uint32_t)p->k);
     if (store_open(p->conninfo, &st, NULL) != 0)
         return NULL;
