@@ -66,8 +66,8 @@ struct agent_claim {
     uint32_t attempt;
     char operator_name[64];
     /* Taken from a previous run's journal and not delivered again yet
-     * (mono us; 0: a held message has it). Past the ack wait it is given
-     * up: CommandNotStarted (keeper thread). */
+     * (mono us; 0: a held message has it). Not delivered within twice the
+     * ack wait, it is let go, unreported (runtime.c claims_forget_old). */
     int64_t recovered_us;
 };
 

@@ -239,7 +239,7 @@ claim_old_one(const char *key, void *val, void *ud)
 
 /*
  * A claim taken up from the journal whose message JetStream has not
- * delivered again within the ack wait went elsewhere (another process of
+ * delivered again within twice the ack wait went elsewhere (another process of
  * the id, or the broker ended the command): it is let go, with its
  * journal file. Nothing is reported for it: if it won, this process may
  * not say how it ended, and the broker ends it (Lost) once no heartbeat of
@@ -248,8 +248,10 @@ claim_old_one(const char *key, void *val, void *ud)
 static void
 claims_forget_old(struct agent *a, int64_t now)
 {
-    struct claims_old o = {a, now - (int64_t)a->ack_wait_ms * 1000, NULL, 0,
-                           0};
+    /* Nak'd at the start, it comes back at once; a message whose nak was
+     * lost (or that had no ack subject) comes back after the ack wait. */
+    struct claims_old o = {a, now - 2 * (int64_t)a->ack_wait_ms * 1000, NULL,
+                           0, 0};
 
     pthread_mutex_lock(&a->mu);
     ks_map_each(&a->claims, claim_old_one, &o);
@@ -816,6 +818,18 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
         r.term_sent_us = r.kill_sent_us = -1;
         snprintf(reason, sizeof(reason),
                  "the agent stopped before it spawned the command");
+    } else if (x->outcome == EXEC_START_FAILED && x->cancelled) {
+        /* Cancelled after its claim, before the executor spawned it (the
+         * cancel came before the claim's reply, or with it: two brokers,
+         * two paths): the executor calls that a start failure, but
+         * nothing failed to start; it was cancelled and never ran. */
+        type = "CommandCompleted";
+        r.status = KS__COMMAND_STATUS__CANCELLED;
+        r.cancelled = 1;
+        r.start_stage = (char *)"";
+        r.start_errno = 0;
+        snprintf(reason, sizeof(reason),
+                 "cancelled before it was spawned: it never ran");
     } else if (stopped) {
         /* Nobody cancelled it: the agent was stopped (SIGTERM) and its
          * drain timeout passed, or it stopped without one. The kill

@@ -1504,6 +1504,51 @@ START_TEST(claim_taken_up_after_a_restart)
 }
 END_TEST
 
+/*
+ * Issue 22 (test_batch cancel_through_either_broker: 9 of 10 cancelled):
+ * a cancel that reaches the agent after it sent the claim and before the
+ * executor spawned the command (its claim's reply and the cancel come on
+ * different paths, from different brokers) used to end the command
+ * StartFailed ("spawn: Operation canceled"): the executor reports a job
+ * cancelled while queued as a start failure. Nobody's start failed; it
+ * was cancelled, and never ran. Here the claim is held up in PostgreSQL
+ * while the cancel comes, as a broker sends it.
+ */
+START_TEST(cancel_before_the_spawn_is_cancelled)
+{
+    const char *extra[] = {"--max-concurrent", "1", NULL};
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char first[37], id[37], script[PATH_MAX + 64], st[32];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cx", "cx", extra), 0);
+    blocker(c, pg, "cx", "go-cx", first);
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side_dir);
+    ck_assert_int_eq(fixture_submit(c, "cx", script, 120000, 120000, id), 0);
+    ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
+    PGconn *lock = lock_stream(id);
+    touch_side("go-cx"); /* the claim goes out, and waits */
+    ck_assert_int_eq(wait_status(pg, first, "Succeeded", 15000), 0);
+    sleep_ms(500);
+    Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
+    cc.command_id = id;
+    ck_assert_int_eq(evt_publish_msg(c, "kscore.cancel.cx", &cc.base), 0);
+    natsConnection_Flush(c->nc);
+    sleep_ms(500);
+    unlock_stream(lock);
+    if (wait_status(pg, id, "Cancelled", 15000) != 0)
+        print_events(id);
+    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Cancelled");
+    ck_assert(has_event(id, "CommandCompleted", "before it was spawned",
+                        "Cancelled"));
+    ck_assert_int_eq(runs_of(id), 0);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-cx", 20000);
+}
+END_TEST
+
 /* One heartbeat of the fake agent `id` (process instance, number seq)
  * listing the n commands in held (text UUIDs). */
 static void
@@ -1770,6 +1815,7 @@ agent_suite(void)
     add_stack_test(tc, state_dir_full_refuses_claims);
     add_stack_test(tc, claim_whose_reply_is_lost_runs_once);
     add_stack_test(tc, claim_taken_up_after_a_restart);
+    add_stack_test(tc, cancel_before_the_spawn_is_cancelled);
     add_stack_test(tc, running_command_no_heartbeat_lists_ends_lost);
     add_stack_test(tc, restart_without_state_dir_ends_lost);
     add_stack_test(tc, term_drains_the_agent);
