@@ -1339,21 +1339,23 @@ start_job(struct job_ctx *j)
     pthread_mutex_lock(&a->mu);
     j->state = JOB_RUNNING;
     a->in_flight++;
-    rc = exec_submit_out(a->loop, &spec, job_started,
-                         j->out ? agent__out_piece : NULL, job_done, j,
-                         &job_id);
+    /* A cancel that came while the claim was out: never spawned. */
+    bool cancelled = j->cancel_pending;
+    rc = cancelled ? -ECANCELED
+                   : exec_submit_out(a->loop, &spec, job_started,
+                                     j->out ? agent__out_piece : NULL,
+                                     job_done, j, &job_id);
     if (rc == 0)
         j->job_id = job_id;
-    bool cancel_now = rc == 0 && j->cancel_pending;
     pthread_mutex_unlock(&a->mu);
-    if (cancel_now)
-        exec_cancel(a->loop, job_id);
     if (rc) {
-        /* Claimed but not started: report it, so it still ends. */
+        /* Claimed but not started: report it, so it still ends (a
+         * cancel's as Cancelled: job_done). */
         struct exec_result x = {0};
         x.outcome = EXEC_START_FAILED;
         x.start_stage = "spawn";
         x.start_errno = -rc;
+        x.cancelled = cancelled;
         x.term_sent_us = x.kill_sent_us = -1;
         job_done(0, &x, j);
     }

@@ -880,6 +880,56 @@ START_TEST(self_fence_when_nats_is_gone)
 }
 END_TEST
 
+/* A connection of its own that holds the row lock of a command's stream
+ * (streams FOR UPDATE): a claim of it blocks in the broker until
+ * unlock_stream. */
+static PGconn *
+lock_stream(const char *id)
+{
+    PGconn *pg = db();
+    char sql[256];
+    PQclear(PQexec(pg, "BEGIN"));
+    snprintf(sql, sizeof(sql),
+             "SELECT version FROM streams WHERE stream_id = 'command-%s' "
+             "FOR UPDATE",
+             id);
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+    ck_assert_int_eq(PQntuples(r), 1);
+    PQclear(r);
+    return pg;
+}
+
+static void
+unlock_stream(PGconn *pg)
+{
+    PQclear(PQexec(pg, "COMMIT"));
+    PQfinish(pg);
+}
+
+/* A command to agent `agent` that waits until <side>/<go> exists; its id
+ * once it runs. */
+static void
+blocker(struct evt_conn *c, PGconn *pg, const char *agent, const char *go,
+        char id[37])
+{
+    char script[PATH_MAX + 128];
+    snprintf(script, sizeof(script),
+             "while [ ! -e %s/%s ]; do sleep 0.05; done", side_dir, go);
+    ck_assert_int_eq(fixture_submit(c, agent, script, 120000, 120000, id), 0);
+    ck_assert_int_eq(wait_status(pg, id, "Running", 15000), 0);
+}
+
+static void
+touch_side(const char *name)
+{
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof(path), "%s/%s", side_dir, name);
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+}
+
 static long
 events_of_type(PGconn *pg, const char *id, const char *type)
 {
@@ -888,6 +938,48 @@ events_of_type(PGconn *pg, const char *id, const char *type)
                     "'command-%s' AND type = '%s'",
                     id, type);
 }
+
+/*
+ * A claim held up in PostgreSQL: agent `agent` (daemon `name`, one slot,
+ * extra arguments after --max-concurrent 1) runs a blocker, a second
+ * command (`echo run >> <side>/$KSCORE_COMMAND_ID`) waits for the slot,
+ * its stream is locked (lock_stream), and the blocker let go: the second
+ * command's claim goes out and waits in the broker until unlock_stream.
+ * Its id into target; returns the lock.
+ */
+static PGconn *
+claim_held_up(struct evt_conn *c, PGconn *pg, const char *name,
+              const char *agent, char target[37])
+{
+    const char *extra[] = {"--max-concurrent", "1", NULL};
+    char first[37], go[64], script[PATH_MAX + 64];
+
+    snprintf(go, sizeof(go), "go-%s", agent);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, name, agent, extra), 0);
+    blocker(c, pg, agent, go, first);
+    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
+             side_dir);
+    ck_assert_int_eq(
+        fixture_submit(c, agent, script, 120000, 120000, target), 0);
+    ck_assert_int_eq(wait_status(pg, target, "Dispatched", 5000), 0);
+    PGconn *lock = lock_stream(target);
+    touch_side(go); /* the slot passes on: the claim goes out */
+    ck_assert_int_eq(wait_status(pg, first, "Succeeded", 15000), 0);
+    return lock;
+}
+
+/* Command id ended Succeeded (within timeout_ms), ran once, claimed once. */
+static void
+assert_ran_once(PGconn *pg, const char *id, int timeout_ms)
+{
+    char st[32];
+    if (wait_status(pg, id, "Succeeded", timeout_ms) != 0)
+        print_events(id);
+    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Succeeded");
+    ck_assert_int_eq(runs_of(id), 1);
+    ck_assert_int_eq(events_of_type(pg, id, "CommandStarted"), 1);
+}
+
 
 /* As agent `agent` (its identity, no process): claims command id at
  * version 2 (Requested, Dispatched) with claim_id; asserts it is granted. */
@@ -937,7 +1029,7 @@ START_TEST(claimed_never_spawned_runs_once_after_restart)
     PGconn *pg = db();
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     char id[37], id2[37], claim_id[37], claim2[37], script[PATH_MAX + 64],
-        path[PATH_MAX + 128], path2[PATH_MAX + 128], st[32];
+        path[PATH_MAX + 128], path2[PATH_MAX + 128];
 
     /* Known to the broker, but no agent process yet. */
     info.agent_id = "ns";
@@ -978,11 +1070,7 @@ START_TEST(claimed_never_spawned_runs_once_after_restart)
     fclose(f);
 
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ns", "ns", NULL), 0);
-    if (wait_status(pg, id, "Succeeded", 20000) != 0)
-        print_events(id);
-    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Succeeded");
-    ck_assert_int_eq(runs_of(id), 1);
-    ck_assert_int_eq(events_of_type(pg, id, "CommandStarted"), 1);
+    assert_ran_once(pg, id, 20000);
     ck_assert(!has_event(id, "CommandNotStarted", NULL, NULL));
     ck_assert(!has_event(id, "DuplicateSuppressed", NULL, NULL));
 
@@ -1372,55 +1460,6 @@ END_TEST
 
 /* ---- claims whose reply is lost, holds, graceful stops ---------------------- */
 
-/* A connection of its own that holds the row lock of a command's stream
- * (streams FOR UPDATE): a claim of it blocks in the broker until
- * unlock_stream. */
-static PGconn *
-lock_stream(const char *id)
-{
-    PGconn *pg = db();
-    char sql[256];
-    PQclear(PQexec(pg, "BEGIN"));
-    snprintf(sql, sizeof(sql),
-             "SELECT version FROM streams WHERE stream_id = 'command-%s' "
-             "FOR UPDATE",
-             id);
-    PGresult *r = PQexec(pg, sql);
-    ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
-    ck_assert_int_eq(PQntuples(r), 1);
-    PQclear(r);
-    return pg;
-}
-
-static void
-unlock_stream(PGconn *pg)
-{
-    PQclear(PQexec(pg, "COMMIT"));
-    PQfinish(pg);
-}
-
-/* A command to agent `agent` that waits until <side>/<go> exists; its id
- * once it runs. */
-static void
-blocker(struct evt_conn *c, PGconn *pg, const char *agent, const char *go,
-        char id[37])
-{
-    char script[PATH_MAX + 128];
-    snprintf(script, sizeof(script),
-             "while [ ! -e %s/%s ]; do sleep 0.05; done", side_dir, go);
-    ck_assert_int_eq(fixture_submit(c, agent, script, 120000, 120000, id), 0);
-    ck_assert_int_eq(wait_status(pg, id, "Running", 15000), 0);
-}
-
-static void
-touch_side(const char *name)
-{
-    char path[PATH_MAX + 64];
-    snprintf(path, sizeof(path), "%s/%s", side_dir, name);
-    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
-}
 
 /*
  * Issue 22: a claim that commits while its reply is lost. The claim of the
@@ -1433,28 +1472,15 @@ touch_side(const char *name)
  */
 START_TEST(claim_whose_reply_is_lost_runs_once)
 {
-    const char *extra[] = {"--max-concurrent", "1", NULL};
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char first[37], id[37], script[PATH_MAX + 64], st[32];
+    char id[37], st[32];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-lk", "lk", extra), 0);
-    blocker(c, pg, "lk", "go-lk", first);
-    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
-             side_dir);
-    ck_assert_int_eq(fixture_submit(c, "lk", script, 120000, 120000, id), 0);
-    ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
-    PGconn *lock = lock_stream(id);
-    touch_side("go-lk"); /* the slot passes on: the claim goes out */
-    ck_assert_int_eq(wait_status(pg, first, "Succeeded", 15000), 0);
+    PGconn *lock = claim_held_up(c, pg, "agent-lk", "lk", id);
     sleep_ms(25000);
     ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Dispatched");
     unlock_stream(lock);
-    if (wait_status(pg, id, "Succeeded", 20000) != 0)
-        print_events(id);
-    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Succeeded");
-    ck_assert_int_eq(runs_of(id), 1);
-    ck_assert_int_eq(events_of_type(pg, id, "CommandStarted"), 1);
+    assert_ran_once(pg, id, 20000);
     ck_assert_int_eq(events_of_type(pg, id, "DuplicateSuppressed"), 0);
     PQfinish(pg);
     evt_close(c);
@@ -1472,32 +1498,20 @@ END_TEST
  */
 START_TEST(claim_taken_up_after_a_restart)
 {
-    /* The default drain timeout (10 s): the stop waits for the claim that
-     * far, then leaves it unanswered. */
     const char *extra[] = {"--max-concurrent", "1", NULL};
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char first[37], id[37], script[PATH_MAX + 64], st[32];
+    char id[37];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-rs", "rs", extra), 0);
-    blocker(c, pg, "rs", "go-rs", first);
-    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
-             side_dir);
-    ck_assert_int_eq(fixture_submit(c, "rs", script, 120000, 120000, id), 0);
-    ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
-    PGconn *lock = lock_stream(id);
-    touch_side("go-rs");
-    ck_assert_int_eq(wait_status(pg, first, "Succeeded", 15000), 0);
+    PGconn *lock = claim_held_up(c, pg, "agent-rs", "rs", id);
     sleep_ms(1500); /* the claim is out, and held up */
+    /* The default drain timeout (10 s): the stop waits for the claim that
+     * far, then leaves it unanswered. */
     ck_assert_int_eq(stack_stop(stack.dir, "agent-rs", 20000), 0);
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-rs", "rs", extra), 0);
     sleep_ms(1500);
     unlock_stream(lock);
-    if (wait_status(pg, id, "Succeeded", 20000) != 0)
-        print_events(id);
-    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Succeeded");
-    ck_assert_int_eq(runs_of(id), 1);
-    ck_assert_int_eq(events_of_type(pg, id, "CommandStarted"), 1);
+    assert_ran_once(pg, id, 20000);
     PQfinish(pg);
     evt_close(c);
     stack_stop(stack.dir, "agent-rs", 20000);
@@ -1516,20 +1530,11 @@ END_TEST
  */
 START_TEST(cancel_before_the_spawn_is_cancelled)
 {
-    const char *extra[] = {"--max-concurrent", "1", NULL};
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char first[37], id[37], script[PATH_MAX + 64], st[32];
+    char id[37], st[32];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-cx", "cx", extra), 0);
-    blocker(c, pg, "cx", "go-cx", first);
-    snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
-             side_dir);
-    ck_assert_int_eq(fixture_submit(c, "cx", script, 120000, 120000, id), 0);
-    ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
-    PGconn *lock = lock_stream(id);
-    touch_side("go-cx"); /* the claim goes out, and waits */
-    ck_assert_int_eq(wait_status(pg, first, "Succeeded", 15000), 0);
+    PGconn *lock = claim_held_up(c, pg, "agent-cx", "cx", id);
     sleep_ms(500);
     Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
     cc.command_id = id;
