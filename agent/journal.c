@@ -4,8 +4,11 @@
  *
  * The point is that a restart can tell apart a command that ran (Lost: it
  * may have done part of its work) from one that provably never started
- * (NotStarted: claimed, but "spawned" was never written, and it is written
- * only after the spawn succeeded).
+ * (claimed, but "spawned" was never written, and it is written only after
+ * the spawn succeeded). The latter's claim id is on its claim line, written
+ * before the claim was sent: the restart claims with it again (the claim
+ * may have won while its reply was lost) and runs the command once;
+ * without a readable claim id it reports NotStarted.
  */
 #include <dirent.h>
 #include <stdbool.h>

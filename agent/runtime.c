@@ -1755,7 +1755,10 @@ holds_collect(struct agent *a, struct holds *h, size_t n, size_t max)
                                &h[i]};
         h[i] = (struct holds){.max = max, .complete = true};
         ks_map_each(&a->claims, holds_claim, &w);
-        for (struct outbox_item *it = a->out_head; it; it = it->next)
+        /* A long outbox (NATS away) makes the list not complete soon:
+         * no need to walk the rest. */
+        for (struct outbox_item *it = a->out_head; it && h[i].complete;
+             it = it->next)
             if (!w.agent_id || strcmp(it->agent_id, w.agent_id) == 0)
                 holds_add(&h[i], it->command_id);
     }

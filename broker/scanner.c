@@ -164,6 +164,7 @@ out:
 struct scan_unlisted {
     uint64_t need_seq; /* the event stream's last sequence when seen */
     uint64_t pass;     /* the last pass that still found it so */
+    char why[300];     /* the reason it ends with */
 };
 
 /* The claim of a command as its CommandStarted recorded it. */
@@ -236,20 +237,26 @@ struct running_pass {
 /*
  * 1 when ref, Running on an agent that heartbeats, is held by no process
  * that could still end it (above), with why; 0 when it is held or this
- * broker cannot tell.
+ * broker cannot tell. *known: it was found so before (b->unlisted: its
+ * claim, which never changes, is not read again).
  */
 static int
 claimer_let_go(struct broker *b, const struct store_command_ref *ref,
-               char *why, size_t len)
+               char *why, size_t len, bool *known)
 {
     uint8_t id[16];
     char inst[37], stream[64];
     uint64_t seq = 0;
     struct claim_of c = {"", 0};
 
+    *known = false;
     if (ks_uuid_bin(ref->command_id, id) != 0 ||
         broker__agent_lists(b, ref->agent_id, id, inst, &seq) != 0)
         return 0;
+    if (ks_map_get(&b->unlisted, ref->command_id)) {
+        *known = true;
+        return 1;
+    }
     snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
     if (store_read_stream(b->st_scan, stream, 0, 256, claim_event, &c) < 0 ||
         !c.instance[0] || !c.listed_from)
@@ -279,8 +286,9 @@ claimer_let_go(struct broker *b, const struct store_command_ref *ref,
     return 1;
 }
 
-/* Ends ref as Lost for why once the recorder has taken what the event
- * stream held when its claimer was first found to let it go. */
+/* Ends ref as Lost for why (NULL: the one it was first found with) once
+ * the recorder has taken what the event stream held when its claimer was
+ * first found to let it go. */
 static void
 end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
            const char *why)
@@ -293,6 +301,7 @@ end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
         if (!events_last_seq(b, &last) || !(u = calloc(1, sizeof(*u))))
             return;
         u->need_seq = last;
+        snprintf(u->why, sizeof(u->why), "%s", why);
         if (ks_map_put(&b->unlisted, ref->command_id, u) != 0) {
             free(u);
             return;
@@ -309,8 +318,8 @@ end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
     read_requested(b->st_scan, stream, &req);
     ks_log(KS_LOG_WARN, "a running command is held by no agent process: Lost",
            KS_S("module", "scanner"), KS_S("command_id", ref->command_id),
-           KS_S("agent", ref->agent_id), KS_S("reason", why));
-    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, why,
+           KS_S("agent", ref->agent_id), KS_S("reason", u->why));
+    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, u->why,
                 req ? req->command->operator_ : "");
     if (req)
         ks__event__free_unpacked(req, NULL);
@@ -370,8 +379,9 @@ on_running(const struct store_command_ref *ref, void *ud)
     pthread_mutex_unlock(&b->mu);
     if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000) {
         /* It heartbeats: does the process that claimed this hold it? */
-        if (claimer_let_go(b, ref, reason, sizeof(reason)))
-            end_let_go(rp, ref, reason);
+        bool known;
+        if (claimer_let_go(b, ref, reason, sizeof(reason), &known))
+            end_let_go(rp, ref, known ? NULL : reason);
         return 0;
     }
     /* Silence means something only while this broker could hear: it must
