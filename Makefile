@@ -113,7 +113,8 @@ install: bootstrap
 	@cmake --install $(BUILD)
 
 # The Debian package (CPack DEB) in $(BUILD)-deb/: prefix /usr, units in
-# /lib/systemd/system, configs in /etc/kscore. Only the binary is built.
+# /lib/systemd/system, configs in /etc/kscore. Only kscore and its daemon half
+# (kscore-daemon, built with it) are built.
 deb: bootstrap
 	@cmake -S . -B $(BUILD)-deb -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	    -DCMAKE_INSTALL_PREFIX=/usr -DKSCORE_SYSTEMD_UNITDIR=/lib/systemd/system >/dev/null

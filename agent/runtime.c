@@ -573,6 +573,8 @@ job_free(struct job_ctx *j)
 {
     if (!j)
         return;
+    agent__payload_free(j->payload); /* its private files, whatever the end */
+    free(j->end_reason);
     free(j->ack_subject);
     if (j->cmd)
         ks__command__free_unpacked(j->cmd, NULL);
@@ -758,9 +760,10 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     pthread_mutex_lock(&a->mu);
     fenced = j->fenced;
     silence_us = j->fence_silence_us;
-    /* Cancelled by agent_stop, not by an operator: the agent stopped. */
-    stopped = atomic_load(&a->stop_killing) && !j->op_cancelled &&
-              x->cancelled;
+    /* Cancelled by agent_stop (a copy's fetch given up at closing, or
+     * the executor's stop), not by an operator: the agent stopped. */
+    stopped = (atomic_load(&a->stop_killing) || atomic_load(&a->closing)) &&
+              !j->op_cancelled && x->cancelled;
     pthread_mutex_unlock(&a->mu);
     fill_result(&r, &o, &e, x);
     ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
@@ -843,6 +846,8 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "after the grace)",
                  (double)a->drain_ms / 1000);
     }
+    if (!reason[0] && j->end_reason)
+        snprintf(reason, sizeof(reason), "%s", j->end_reason);
     if (reason[0])
         r.reason = reason;
     report(j, type, &r, reason[0] ? reason : NULL);
@@ -1205,10 +1210,13 @@ start_job(struct job_ctx *j)
      * opened never runs, and ends StartFailed through the claim. */
     rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
                              secret_why, sizeof(secret_why));
+    if (rc)
+        stage = "secret";
+    else /* script, stdin, user (payload.c) */
+        rc = agent__payload_prepare(a, cmd, &spec, &j->payload, &stage,
+                                    secret_why, sizeof(secret_why));
     if (rc == 0)
         rc = exec_precheck(&spec, &stage);
-    else
-        stage = "secret";
     Ks__CommandResult start_failure = KS__COMMAND_RESULT__INIT;
     bool start_failed = rc != 0;
     if (start_failed) {
@@ -1332,19 +1340,29 @@ start_job(struct job_ctx *j)
         job_release(j, "+ACK");
         goto out;
     }
-    /* Its output as it is written (output.c); without, only the end. */
-    agent__out_new(j);
+    /* A copy's files, now that it is ours (payload.c); past the claim, a
+     * failure ends it StartFailed with the reason. */
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(secret_why);
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it has its job id. */
     pthread_mutex_lock(&a->mu);
     j->state = JOB_RUNNING;
     a->in_flight++;
     /* A cancel that came while the claim was out: never spawned. */
-    bool cancelled = j->cancel_pending;
-    rc = cancelled ? -ECANCELED
-                   : exec_submit_out(a->loop, &spec, job_started,
-                                     j->out ? agent__out_piece : NULL,
-                                     job_done, j, &job_id);
+    if (rc == 0 && j->cancel_pending)
+        rc = -ECANCELED;
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, &spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
     if (rc == 0)
         j->job_id = job_id;
     pthread_mutex_unlock(&a->mu);
@@ -1353,9 +1371,12 @@ start_job(struct job_ctx *j)
          * cancel's as Cancelled: job_done). */
         struct exec_result x = {0};
         x.outcome = EXEC_START_FAILED;
-        x.start_stage = "spawn";
-        x.start_errno = -rc;
-        x.cancelled = cancelled;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        /* A cancel's is Cancelled (job_done). */
+        x.cancelled = rc == -ECANCELED;
         x.term_sent_us = x.kill_sent_us = -1;
         job_done(0, &x, j);
     }
@@ -1917,6 +1938,8 @@ heartbeat_once(struct agent *a)
     /* Which process: the broker tells two processes serving one id. */
     info.instance_id = a->instance_id;
     info.started_at_us = a->started_at_us;
+    info.features = (char **)agent_features;
+    info.n_features = AGENT_N_FEATURES;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -2328,7 +2351,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         mkdir(dir, 0700);
     }
     agent__spare_init(a);
-    if ((rc = agent__secret_init(a, errmsg)))
+    if ((rc = agent__secret_init(a, errmsg)) ||
+        (rc = agent__payload_init(a, errmsg)))
         goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
@@ -2722,6 +2746,7 @@ agent_stop(struct agent *a)
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
+    agent__payload_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->sub_mu);
     pthread_mutex_destroy(&a->spare_mu);
