@@ -181,42 +181,36 @@ claim_event(const Ks__RecordedEvent *rev, void *ud)
 /* JetStream waits of the scanner's look at the recorder (ms). */
 #define SCAN_JS_WAIT_MS 1000
 
-/* The event stream's last sequence into *seq (0: empty). false when
- * JetStream does not say. */
+/*
+ * What JetStream says of the recorder into *seq: the event stream's last
+ * sequence (0: empty), or with floor the recorder consumer's ack floor,
+ * up to which every event is recorded (or refused, and that recorded;
+ * nats-server 2.9 consumer.go processAckMsg: with nothing pending it is
+ * the last delivered). false when JetStream does not answer.
+ */
 static bool
-events_last_seq(struct broker *b, uint64_t *seq)
+recorder_seq(struct broker *b, bool floor, uint64_t *seq)
 {
-    jsStreamInfo *si = NULL;
     jsOptions o;
+    natsStatus s;
 
     jsOptions_Init(&o);
     o.Wait = SCAN_JS_WAIT_MS;
-    if (js_GetStreamInfo(&si, b->nc->js, EVT_STREAM_EVENTS, &o, NULL) !=
-        NATS_OK)
-        return false;
-    *seq = si->State.LastSeq;
-    jsStreamInfo_Destroy(si);
-    return true;
-}
-
-/* The recorder consumer's ack floor into *seq: every event up to it is
- * recorded (or refused, and that recorded; nats-server 2.9 consumer.go
- * processAckMsg: with nothing pending it is the last delivered). false
- * when JetStream does not say. */
-static bool
-recorder_floor(struct broker *b, uint64_t *seq)
-{
-    jsConsumerInfo *ci = NULL;
-    jsOptions o;
-
-    jsOptions_Init(&o);
-    o.Wait = SCAN_JS_WAIT_MS;
-    if (js_GetConsumerInfo(&ci, b->nc->js, EVT_STREAM_EVENTS,
-                           EVT_RECORDER_DURABLE, &o, NULL) != NATS_OK)
-        return false;
-    *seq = ci->AckFloor.Stream;
-    jsConsumerInfo_Destroy(ci);
-    return true;
+    if (floor) {
+        jsConsumerInfo *ci = NULL;
+        s = js_GetConsumerInfo(&ci, b->nc->js, EVT_STREAM_EVENTS,
+                               EVT_RECORDER_DURABLE, &o, NULL);
+        if (s == NATS_OK)
+            *seq = ci->AckFloor.Stream;
+        jsConsumerInfo_Destroy(ci);
+    } else {
+        jsStreamInfo *si = NULL;
+        s = js_GetStreamInfo(&si, b->nc->js, EVT_STREAM_EVENTS, &o, NULL);
+        if (s == NATS_OK)
+            *seq = si->State.LastSeq;
+        jsStreamInfo_Destroy(si);
+    }
+    return s == NATS_OK;
 }
 
 /* What one pass of the Running scan knows (scanner thread). */
@@ -224,7 +218,7 @@ struct running_pass {
     struct broker *b;
     uint64_t pass;
     bool have_floor; /* floor read (once per pass) */
-    uint64_t floor;  /* recorder_floor */
+    uint64_t floor;  /* recorder_seq's ack floor */
 };
 
 /*
@@ -291,7 +285,7 @@ end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
 
     if (!u) {
         uint64_t last;
-        if (!events_last_seq(b, &last) || !(u = calloc(1, sizeof(*u))))
+        if (!recorder_seq(b, false, &last) || !(u = calloc(1, sizeof(*u))))
             return;
         u->need_seq = last;
         snprintf(u->why, sizeof(u->why), "%s", why);
@@ -302,7 +296,7 @@ end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
     }
     u->pass = rp->pass;
     if (!rp->have_floor)
-        rp->have_floor = recorder_floor(b, &rp->floor);
+        rp->have_floor = recorder_seq(b, true, &rp->floor);
     if (!rp->have_floor || rp->floor < u->need_seq)
         return; /* an end may still be on its way: next pass */
     char stream[64];
