@@ -444,6 +444,7 @@ struct agent_opts {
                                       and runs, kept alive with a progress
                                       ack every ack_wait / 3 */
     uint64_t fence_ms;             /* 0: AGENT_FENCE_MS */
+    uint64_t link_timeout_ms;      /* 0: AGENT_LINK_TIMEOUT_MS */
     unsigned watchdog_ms;          /* 0: AGENT_WATCHDOG_MS */
 };
 
@@ -460,6 +461,19 @@ struct agent_opts {
  * true. A command claimed while fenced is not spawned (CommandNotStarted).
  */
 #define AGENT_FENCE_MS 5000
+/*
+ * Link timeout (ms): when nats.c has said CONNECTED for this long and the
+ * server has answered nothing in that time (no PubAck, no reply, no PONG
+ * to the PINGs the agent sends every EVT_LINK_PROBE_MS: events/link.c),
+ * the link is dead in a way nats.c will not repair (a server stopped or
+ * cut off without a reset; a read thread that hangs, while every write
+ * fails with EPIPE: issue 22). The agent is fenced long before (it heard
+ * nothing: AGENT_FENCE_MS); then it can serve no more as it is and stops
+ * with AGENT_EXIT_LINK, which its supervisor restarts (agent_fatal).
+ * While nats.c says it is reconnecting, the agent stays fenced and waits:
+ * a new process would find the server no better.
+ */
+#define AGENT_LINK_TIMEOUT_MS 30000
 /*
  * Watchdog (ms): the executor loop's watchdog process (exec_loop_opts)
  * kills every command at once when the agent process dies, and when the
@@ -588,20 +602,26 @@ int agent_stop_graceful(struct agent *a, uint64_t timeout_ms,
 void agent_stop(struct agent *a);
 
 /*
- * Why this agent can serve no more and its process should exit (then with
- * AGENT_EXIT_CONFIG, which systemd does not restart:
- * RestartPreventExitStatus): 0 while it serves;
+ * Why this agent can serve no more and its process should exit: 0 while
+ * it serves;
  *  AGENT_FATAL_REVOKED: NATS closed its connection for good (a revoked
  *   credential: an authorization violation at the reload) after it fenced
- *   itself, so it can neither run nor report anything any more.
+ *   itself, so it can neither run nor report anything any more. Exit
+ *   AGENT_EXIT_CONFIG, which systemd does not restart
+ *   (RestartPreventExitStatus=78 in deploy/systemd/kscore-agent.service).
+ *  AGENT_FATAL_LINK: the link answered nothing for AGENT_LINK_TIMEOUT_MS
+ *   while nats.c said CONNECTED, after it fenced itself. Exit
+ *   AGENT_EXIT_LINK, which systemd restarts (Restart=on-failure): a new
+ *   process has a new connection.
  * A claim refused because another, older process serves the same id
  * (KS_EDUPINSTANCE) is not fatal: the id stands aside (no deliveries) for
  * EVT_AGENT_TTL_MS and then claims again, so a process falsely taken for
  * a duplicate (a forged registry entry, issue 21) serves again once the
  * other is no longer live. Any thread.
  */
-enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED };
+enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED, AGENT_FATAL_LINK };
 #define AGENT_EXIT_CONFIG 78 /* EX_CONFIG */
+#define AGENT_EXIT_LINK 75   /* EX_TEMPFAIL */
 enum agent_fatal agent_fatal(struct agent *a);
 
 /* This process's instance id (AgentInfo.instance_id; 36 chars). */

@@ -121,7 +121,7 @@ struct agent {
     char *state_dir;
     char host[64];
     unsigned max_concurrent;
-    uint64_t ack_wait_ms, fence_ms;
+    uint64_t ack_wait_ms, fence_ms, link_timeout_ms;
     struct evt_conn *nc;
     struct exec_loop *loop;
     struct agent_slot *slots;
@@ -184,6 +184,7 @@ struct agent {
     char instance_id[37];   /* AgentInfo.instance_id: this process */
     int64_t started_at_us;  /* AgentInfo.started_at_us */
     atomic_int fatal;       /* enum agent_fatal */
+    struct evt_link_watch *link_watch; /* AGENT_FATAL_LINK */
     pthread_mutex_t hb_mu;
     pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
     bool hb_wake;           /* under hb_mu: heartbeat now */

@@ -77,8 +77,9 @@ static void
 publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
+    /* Tried again while KSCORE_CMDS elects a leader (events.h). */
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
-                                 5000);
+                                 EVT_PUBLISH_RETRY_MS);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -478,7 +479,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
-        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool, 5000);
+        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
+                                 EVT_PUBLISH_RETRY_MS);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;
@@ -1306,6 +1308,30 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- start / stop ------------------------------------------------------- */
 
+/*
+ * The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while nats.c
+ * said CONNECTED (evt_link_watch, its thread): a broker that can neither
+ * hear requests and events nor publish must not keep holding work (the
+ * batches it drives, the waiters of its clients). It stops, as on
+ * SIGTERM, and broker_run returns KS_EUNAVAIL: `kscore broker` exits
+ * non-zero and its supervisor starts it again (systemd: Restart=
+ * on-failure); meanwhile another broker adopts its batches and clients
+ * ask again (README "When an agent fails").
+ */
+static void
+link_dead(void *ud, int64_t silent_us)
+{
+    struct broker *b = ud;
+
+    ks_log(KS_LOG_ERROR,
+           "the NATS link answers nothing though nats.c says it is "
+           "connected: the broker stops, to be started again",
+           KS_D("silent_s", (double)silent_us / 1e6),
+           KS_I("link_timeout_ms", BROKER_LINK_TIMEOUT_MS));
+    atomic_store(&b->link_dead, true);
+    kill(getpid(), SIGTERM); /* to broker_run's sigwait */
+}
+
 static int
 open_store(struct broker *b, struct store **out, char **errmsg)
 {
@@ -1687,19 +1713,46 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = broker__scanner_start(&b)))
         goto out;
 
+    if ((rc = evt_link_watch_start(b.nc, BROKER_LINK_TIMEOUT_MS, link_dead,
+                                   &b, &b.link_watch)))
+        goto out;
     ks_metrics_collector_add(broker_collect, &b);
     ks_log(KS_LOG_INFO, "serving", KS_S("nats", opts->nats_url),
            KS_I("local_agents", opts->local_agents));
-    sigwait(&set, &sig);
-    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
-    /* The in-process agents drain while everything else serves on (their
-     * results are recorded, their claims answered); a second signal cuts
-     * the drain short. */
-    if (b.local) {
-        agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
-        b.local = NULL;
+    /* A signal; or the in-process agents' own connection answers nothing
+     * (agent_fatal: they stay fenced), which a broker process restarted
+     * by its supervisor cures as it does for its own link. */
+    for (;;) {
+        struct timespec tick = {0, 250 * 1000000L};
+        sig = sigtimedwait(&set, NULL, &tick);
+        if (sig > 0)
+            break;
+        if (b.local && agent_fatal(b.local) == AGENT_FATAL_LINK) {
+            atomic_store(&b.link_dead, true);
+            break;
+        }
+    }
+    if (atomic_load(&b.link_dead)) {
+        rc = KS_EUNAVAIL;
+        if (errmsg && asprintf(errmsg,
+                               "the NATS link (the broker's, or its "
+                               "in-process agents') answered nothing for "
+                               "%d s though nats.c said it was connected: "
+                               "stopped, to be started again",
+                               BROKER_LINK_TIMEOUT_MS / 1000) < 0)
+            *errmsg = NULL;
+    } else {
+        ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        /* The in-process agents drain while everything else serves on
+         * (their results are recorded, their claims answered); a second
+         * signal cuts the drain short. */
+        if (b.local) {
+            agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
+            b.local = NULL;
+        }
     }
 out:
+    evt_link_watch_stop(b.link_watch);
     ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);
     return rc;

@@ -3,6 +3,7 @@
 #define KSCORE_BROKER_INT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "agent.h"
@@ -203,6 +204,10 @@ struct broker {
     struct broker__route routes[BROKER_MAX_ROUTES];
     int n_routes;
     int64_t bad_reply_logged_us; /* rate limit of that log line */
+    /* The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while
+     * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
+    struct evt_link_watch *link_watch;
+    atomic_bool link_dead;
 
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;

@@ -2316,7 +2316,8 @@ cmd_agent(int argc, char **argv)
     ks_log(KS_LOG_INFO, "instance", KS_S("agent", o.ids[0]),
            KS_S("instance", agent_instance_id(a)));
     /* A signal, or the agent can serve no more (agent_fatal): then exit
-     * AGENT_EXIT_CONFIG, which systemd does not restart. */
+     * AGENT_EXIT_CONFIG (revoked), which systemd does not restart, or
+     * AGENT_EXIT_LINK (a dead link), which it does. */
     for (;;) {
         struct timespec tick = {0, 250 * 1000000L};
         sig = sigtimedwait(&set, NULL, &tick);
@@ -2329,6 +2330,12 @@ cmd_agent(int argc, char **argv)
         /* Drains: no new work, what runs may finish (a second signal
          * stops at once). */
         agent_stop_graceful(a, drain_ms, &set);
+    } else if (agent_fatal(a) == AGENT_FATAL_LINK) {
+        ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
+               KS_S("reason", "the NATS link answers nothing"),
+               KS_I("exit_code", AGENT_EXIT_LINK));
+        rc = AGENT_EXIT_LINK;
+        agent_stop(a);
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "revoked: NATS closed its connection"),

@@ -66,6 +66,10 @@ _Noreturn void ks__bug(const char *file, int line, const char *expr);
 int64_t ks_now_us(void);
 /* Microseconds on CLOCK_MONOTONIC (arbitrary origin). */
 int64_t ks_mono_us(void);
+/* CLOCK_MONOTONIC now plus ms (>= 0) into *out: a deadline for
+ * pthread_cond_timedwait on a condition made with that clock. */
+struct timespec;
+void ks_mono_deadline(struct timespec *out, int64_t ms);
 
 /* Random (v4) UUID, lower-case text, into out[37] (NUL-terminated). */
 void ks_uuid(char out[37]);
@@ -239,6 +243,8 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
+    KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
