@@ -514,6 +514,37 @@ out:
 
 /* ---- claim -------------------------------------------------------------- */
 
+/*
+ * A claim whose event is recorded already (KS_EDUPLICATE) is granted
+ * again only while its command is still in the state that claim put it
+ * in: Running for CommandStarted (StartFailed for a start failure, which
+ * changes nothing). 1 when it is, 0 with why (the status it ended in)
+ * when not, or the store's error.
+ */
+static int
+claim_repeat_open(struct store *st, const Ks__ClaimRequest *req, char *why,
+                  size_t len)
+{
+    Ks__CommandView *v = NULL;
+    Ks__CommandStatus want = req->start_failure
+                                 ? KS__COMMAND_STATUS__START_FAILED
+                                 : KS__COMMAND_STATUS__RUNNING;
+    int open, rc;
+
+    /* Cannot tell: the agent is answered with the store's error and
+     * claims again. */
+    if ((rc = store_get_command(st, req->command_id, &v)) != 0)
+        return rc == KS_ENOTFOUND ? KS_EINTERNAL : rc;
+    open = v->status == want;
+    if (!open)
+        snprintf(why, len,
+                 "already claimed: this claim won, but the command has "
+                 "ended since (%s)",
+                 kproto_status_name(v->status));
+    ks__command_view__free_unpacked(v, NULL);
+    return open;
+}
+
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -605,6 +636,11 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     } else {
         ev.type = "CommandStarted";
+        /* Which process claims, and from which of its heartbeats on it
+         * lists the command: what the scanner ends a Running command by
+         * once that process's heartbeats no longer list it. */
+        ev.instance_id = req->instance_id;
+        ev.listed_from_seq = req->listed_from_seq;
     }
     struct store_event se = {&ev};
     /* Fast path: nothing happened since this attempt was dispatched. */
@@ -631,8 +667,22 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
                                 &claimed_at);
     }
-    if (rc == 0 || rc == KS_EDUPLICATE) {
-        /* A duplicate is this same claim retried: still ours. */
+    int open = rc == KS_EDUPLICATE
+                   ? claim_repeat_open(cl->st, req, why, sizeof(why))
+                   : 1;
+    if (open < 0) {
+        r.error_code = open;
+        r.error = (char *)broker__store_error(cl->st, open, why, sizeof(why));
+    } else if (!open) {
+        /* The claim that won, asked again after the command ended (the
+         * broker ended it: its claimer's heartbeats stopped listing it):
+         * too late to run it. */
+        r.error_code = KS_ECLAIMED;
+        r.error = why;
+    } else if (rc == 0 || rc == KS_EDUPLICATE) {
+        /* A duplicate is this same claim retried (its reply was lost, or
+         * its claimer restarted and claims again with the journalled
+         * claim id): still ours while the command runs. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
             broker__command_ended(b, req->command_id, req->start_failure);
@@ -1704,6 +1754,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             *errmsg = NULL;
     } else {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        /* The in-process agents drain while everything else serves on
+         * (their results are recorded, their claims answered); a second
+         * signal cuts the drain short. */
+        if (b.local) {
+            agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
+            b.local = NULL;
+        }
     }
 out:
     evt_link_watch_stop(b.link_watch);

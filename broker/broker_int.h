@@ -37,8 +37,25 @@ struct broker__instance {
     int64_t seen_mono_us;
 };
 
+/*
+ * What one heartbeat of an agent process listed (AgentInfo.holds, only
+ * when holds_complete): the commands it holds, sorted 16-byte ids, with
+ * the heartbeat's process and number. A pool's ids share one (refs).
+ * Immutable; refs under b->mu (registry.c).
+ */
+struct broker__holds {
+    unsigned refs;
+    char instance[37];
+    uint64_t seq;
+    size_t n;
+    uint8_t ids[][16];
+};
+
 struct broker__agent {
     Ks__AgentInfo *info;
+    /* The latest live heartbeat's list (info has it stripped); NULL: none
+     * complete, or an agent from before AgentInfo.holds. */
+    struct broker__holds *holds;
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
@@ -172,6 +189,11 @@ struct broker {
     struct agent *local;
     int64_t started_mono_us;
     int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
+    /* scanner.c: Running commands no heartbeat of their claimer lists any
+     * more (command id -> struct scan_unlisted *), waiting for the
+     * recorder to take what the event stream held when that was seen.
+     * Scanner thread only. */
+    struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
@@ -361,6 +383,23 @@ bool broker__registry_deaf(struct broker *b);
  * (not in the registry). Takes b->mu. */
 int broker__agent_presence(struct broker *b, const char *agent_id,
                            int64_t *heartbeat_at_us);
+/*
+ * Whether the latest live heartbeat of agent_id lists command (16 bytes,
+ * AgentInfo.holds): 1 it does; 0 it is a complete list without it, with
+ * its process (instance[37]) and number (*seq); -1 this broker cannot
+ * tell (no complete list, the id silent for EVT_AGENT_TTL_MS, or a deaf
+ * registry: broker__registry_deaf). Takes b->mu.
+ */
+int broker__agent_lists(struct broker *b, const char *agent_id,
+                        const uint8_t command[16], char instance[37],
+                        uint64_t *seq);
+/* true when this broker has heard no heartbeat of process instance of
+ * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard).
+ * The caller makes sure the broker could hear all along (its connection
+ * and watch up for a TTL). Takes b->mu. */
+bool broker__instance_silent(struct broker *b, const char *agent_id,
+                             const char *instance);
+
 /* May the process instance_id claim for agent_id? 0 yes (also for no
  * instance id), KS_EDUPINSTANCE with why (naming the other process) when
  * it is the newer of two processes serving the id (registry.c). */

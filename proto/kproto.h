@@ -75,6 +75,9 @@ void ks_mono_deadline(struct timespec *out, int64_t ms);
 void ks_uuid(char out[37]);
 /* 1 if s is a UUID in canonical text form, else 0. */
 int ks_is_uuid(const char *s);
+/* The 16 bytes of the UUID text s into out (RFC 4122 byte order, as
+ * PostgreSQL's uuid): 0, or KS_EINVAL when s is not one (out untouched). */
+int ks_uuid_bin(const char *s, uint8_t out[16]);
 
 /*
  * Pack a protobuf message into a new malloc'd buffer of *len_out bytes.

@@ -632,6 +632,12 @@ START_TEST(one_end_when_a_dead_agent_reports_late)
     for (int i = 0; i < 100 && sql_long(pg, sql) == 0; i++)
         nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
     ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* Running in the record is the claim; the spawn comes a moment
+     * later. A kill in between (1 run in 10 here) left a command that
+     * never ran, and the test then found no run. */
+    for (int i = 0; i < 100 && runs_of("late", id) == 0; i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_int_eq(runs_of("late", id), 1);
     int pid = pid_of("agent-late");
     ck_assert_int_gt(pid, 0);
     kill(pid, SIGKILL);
