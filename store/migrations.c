@@ -195,8 +195,10 @@
 
 /* Commands requested in a batch (c_req): one insert each, in the final
  * state the fold computed, with their batch targets and counters. Used by
- * kscore_record_many and kscore_record_checked. */
-#define FOLD_INSERT_REQUESTED \
+ * kscore_record_many and kscore_record_checked; COND narrows the rows
+ * further (kscore_write: only those of the appends that were written). */
+#define FOLD_INSERT_REQUESTED FOLD_INSERT_REQUESTED_IF("")
+#define FOLD_INSERT_REQUESTED_IF(COND) \
     "    WITH r AS (\n" \
     "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
     "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
@@ -214,7 +216,7 @@
     "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n" \
     "        NULL::int AS start_errno, NULL::bytea AS result) p\n" \
     "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n" \
-    "      WHERE s.req\n" \
+    "      WHERE s.req" COND "\n" \
     "    ), ic AS (\n" \
     "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n" \
     "        idempotency_key, operator, version, " FOLD_COLS ")\n" \
@@ -863,6 +865,155 @@ static const char migration_9[] =
     "CREATE UNIQUE INDEX commands_operator_idempotency_key ON commands\n"
     "  (operator, idempotency_key) WHERE idempotency_key IS NOT NULL;\n";
 
+/*
+ * Migration 10: the group writer's statement (store/writer.c). Many
+ * appends, each to one stream at its expected version (-1 any, 0 no
+ * stream, n exactly n), in one call, set-based, each with its own
+ * verdict instead of an exception that would undo the others: one row per
+ * append, in input order, (w_code, w_version):
+ *   0  written; w_version = the stream's version after it
+ *   1  every event of it recorded before (a redelivery); w_version = the
+ *      stream's version now
+ *   2  conflict: the stream is not at the expected version, some but not
+ *      all of its events are recorded, or its idempotency key is taken
+ *      (by a command, or by an earlier append of the call); nothing written
+ *   3  a claim (p_agent set) of a command addressed to another agent
+ *   4  a claim of a command that is not recorded (migration 6: a record
+ *      being committed is waited for)
+ * An append's events are p_ids[p_first .. p_first + p_count - 1], in order;
+ * p_evitem names each event's append. The caller sends at most one append
+ * per stream and per command in a call (a later one goes in a later call
+ * of the same transaction), so every row below is touched once, and the
+ * fold (store/fold.c) has one row per command, of one append: a row is
+ * applied only if its append was written (vers > 0 at its last event).
+ * The checks a read can decide come first, with no write; then the
+ * streams move, each only at its expected version (the row lock is the
+ * fence, as in kscore_append); an append whose stream did not move is a
+ * conflict, or a duplicate if its events were recorded meanwhile (by the
+ * writer whose lock it waited for). What no check here foresees (a unique
+ * violation) still raises, and the caller writes the appends one by one.
+ * Streams are locked in stream_id order first (the order every batch
+ * append takes them) when there are several.
+ */
+#define SQL_WRITE \
+    "CREATE FUNCTION kscore_write(p_stream text[], p_expected bigint[],\n" \
+    "  p_agent text[], p_first int[], p_count int[], p_ids uuid[],\n" \
+    "  p_types text[], p_data bytea[], p_evitem int[],\n" \
+    FOLD_PARAMS \
+    "RETURNS TABLE (w_code int, w_version bigint) LANGUAGE plpgsql AS $$\n" \
+    "DECLARE\n" \
+    "  n int := cardinality(p_stream);\n" \
+    "  unrec text[]; taken int[]; codes int[]; vi bigint[]; vers bigint[];\n" \
+    "BEGIN\n" \
+    /* Claims: the placeholder of migration 6, for all of them at once. */ \
+    "  IF cardinality(array_remove(p_agent, NULL)) > 0 THEN\n" \
+    "    WITH ph AS (\n" \
+    "      INSERT INTO streams AS st\n" \
+    "        SELECT x.s, 'command', 0 FROM unnest(p_stream, p_agent) AS x(s, a)\n" \
+    "        WHERE x.a IS NOT NULL ORDER BY x.s\n" \
+    "      ON CONFLICT (stream_id) DO NOTHING RETURNING st.stream_id\n" \
+    "    )\n" \
+    "    SELECT array_agg(ph.stream_id) INTO unrec FROM ph;\n" \
+    "    IF unrec IS NOT NULL THEN\n" \
+    "      DELETE FROM streams WHERE stream_id = ANY (unrec);\n" \
+    "    END IF;\n" \
+    "  END IF;\n" \
+    /* Idempotency keys (per operator, migration 9): the first asker wins. */ \
+    "  IF cardinality(array_remove(c_idem, NULL)) > 0 THEN\n" \
+    "    SELECT array_agg(p_evitem[k.last_ord]) INTO taken FROM (\n" \
+    "      SELECT s.last_ord, s.idem, coalesce(s.oper, '') AS oper,\n" \
+    "        row_number() OVER (PARTITION BY coalesce(s.oper, ''), s.idem\n" \
+    "                           ORDER BY s.last_ord) AS rn\n" \
+    "      FROM unnest(c_last, c_req, c_idem, c_oper) AS s(last_ord, req, idem,\n" \
+    "                                                      oper)\n" \
+    "      WHERE s.req AND s.idem IS NOT NULL) k\n" \
+    "    WHERE k.rn > 1 OR EXISTS (SELECT 1 FROM commands c\n" \
+    "      WHERE c.operator = k.oper AND c.idempotency_key = k.idem);\n" \
+    "  END IF;\n" \
+    "  SELECT array_agg(CASE\n" \
+    "      WHEN x.s = ANY (unrec) THEN 4\n" \
+    "      WHEN x.a IS NOT NULL AND c.agent_id IS DISTINCT FROM x.a THEN 3\n" \
+    "      WHEN r.k = x.cnt THEN 1\n" \
+    "      WHEN r.k > 0 OR x.i = ANY (taken) THEN 2\n" \
+    "      ELSE 0 END ORDER BY x.i) INTO codes\n" \
+    "    FROM unnest(p_stream, p_agent, p_first, p_count)\n" \
+    "      WITH ORDINALITY AS x(s, a, f, cnt, i)\n" \
+    "    LEFT JOIN commands c ON c.command_id =\n" \
+    "      CASE WHEN x.a IS NOT NULL THEN substr(x.s, 9)::uuid END\n" \
+    "    CROSS JOIN LATERAL (SELECT count(*) AS k FROM events e\n" \
+    "      WHERE e.event_id = ANY (p_ids[x.f:x.f + x.cnt - 1])) r;\n" \
+    "  IF n > 1 THEN\n" \
+    "    PERFORM 1 FROM streams st\n" \
+    "      JOIN unnest(p_stream, p_expected) WITH ORDINALITY AS x(s, e, i)\n" \
+    "        ON st.stream_id = x.s\n" \
+    "      WHERE x.e <> 0 AND codes[x.i] = 0\n" \
+    "      ORDER BY st.stream_id FOR UPDATE OF st;\n" \
+    "  END IF;\n" \
+    "  WITH x AS (\n" \
+    "    SELECT x.s, x.e, x.cnt, x.i\n" \
+    "    FROM unnest(p_stream, p_expected, p_count) WITH ORDINALITY\n" \
+    "      AS x(s, e, cnt, i)\n" \
+    "    WHERE codes[x.i] = 0\n" \
+    "  ), upd AS (\n" \
+    "    UPDATE streams st SET version = st.version + x.cnt FROM x\n" \
+    "    WHERE x.e > 0 AND st.stream_id = x.s AND st.version = x.e\n" \
+    "    RETURNING x.i, st.version\n" \
+    "  ), ins AS (\n" \
+    "    INSERT INTO streams AS st\n" \
+    "      SELECT x.s, split_part(x.s, '-', 1), x.cnt FROM x WHERE x.e = 0\n" \
+    "      ORDER BY x.s\n" \
+    "    ON CONFLICT (stream_id) DO NOTHING\n" \
+    "    RETURNING st.stream_id, st.version\n" \
+    "  ), ups AS (\n" \
+    "    INSERT INTO streams AS st\n" \
+    "      SELECT x.s, split_part(x.s, '-', 1), x.cnt FROM x WHERE x.e = -1\n" \
+    "      ORDER BY x.s\n" \
+    "    ON CONFLICT (stream_id) DO UPDATE\n" \
+    "      SET version = st.version + excluded.version\n" \
+    "    RETURNING st.stream_id, st.version\n" \
+    "  ), moved AS (\n" \
+    "    SELECT upd.i, upd.version FROM upd\n" \
+    "    UNION ALL\n" \
+    "    SELECT x.i, b.version FROM x\n" \
+    "      JOIN (SELECT * FROM ins UNION ALL SELECT * FROM ups) b\n" \
+    "        ON b.stream_id = x.s AND x.e <= 0\n" \
+    "  )\n" \
+    "  SELECT array_agg(coalesce(m.version, 0) ORDER BY g.i) INTO vi\n" \
+    "    FROM generate_series(1, n) AS g(i) LEFT JOIN moved m ON m.i = g.i;\n" \
+    /* Did not move: recorded meanwhile, or a conflict. */ \
+    "  IF EXISTS (SELECT 1 FROM generate_series(1, n) AS g(i)\n" \
+    "             WHERE codes[g.i] = 0 AND vi[g.i] = 0) THEN\n" \
+    "    SELECT array_agg(CASE WHEN codes[x.i] <> 0 OR vi[x.i] <> 0\n" \
+    "        THEN codes[x.i]\n" \
+    "        WHEN (SELECT count(*) FROM events e WHERE e.event_id = ANY\n" \
+    "              (p_ids[x.f:x.f + x.cnt - 1])) = x.cnt THEN 1\n" \
+    "        ELSE 2 END ORDER BY x.i) INTO codes\n" \
+    "      FROM unnest(p_first, p_count) WITH ORDINALITY AS x(f, cnt, i);\n" \
+    "  END IF;\n" \
+    /* Each event's version; 0: its append was not written. */ \
+    "  SELECT array_agg(CASE WHEN vi[u.it] > 0\n" \
+    "      THEN vi[u.it] - (p_first[u.it] + p_count[u.it] - 1 - u.j)\n" \
+    "      ELSE 0 END ORDER BY u.j) INTO vers\n" \
+    "    FROM unnest(p_evitem) WITH ORDINALITY AS u(it, j);\n" \
+    "  INSERT INTO events (stream_id, version, event_id, type, data)\n" \
+    "    SELECT x.s, vers[u.j], u.id, u.t, u.d\n" \
+    "    FROM unnest(p_ids, p_types, p_data, p_evitem)\n" \
+    "      WITH ORDINALITY AS u(id, t, d, it, j)\n" \
+    "    JOIN unnest(p_stream) WITH ORDINALITY AS x(s, i) ON x.i = u.it\n" \
+    "    WHERE vers[u.j] > 0 ORDER BY u.j;\n" \
+    "  IF true = ANY (c_req) THEN\n" \
+    FOLD_INSERT_REQUESTED_IF(" AND vers[s.last_ord] > 0") \
+    "  END IF;\n" \
+    "  IF false = ANY (c_req) THEN\n" \
+    FOLD_UPDATE_EARLIER(" AND vers[s.last_ord] > 0") \
+    "  END IF;\n" \
+    "  RETURN QUERY SELECT codes[x.i], CASE codes[x.i] WHEN 0 THEN vi[x.i]\n" \
+    "      WHEN 1 THEN (SELECT st.version FROM streams st\n" \
+    "                   WHERE st.stream_id = x.s) END\n" \
+    "    FROM unnest(p_stream) WITH ORDINALITY AS x(s, i) ORDER BY x.i;\n" \
+    "END $$;\n"
+static const char migration_10[] = SQL_WRITE;
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -874,6 +1025,8 @@ const struct store__migration store__migrations[] = {
     {8, "the recorder's checked batch without locks before the append",
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
+    {10, "the group writer: many appends, one statement, a verdict each",
+     migration_10},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

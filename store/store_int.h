@@ -59,6 +59,9 @@ void store__buf_release(struct store__buf *b);
 int store__arr_begin(struct store__buf *b, uint32_t elem_oid, size_t n);
 int store__arr_put(struct store__buf *b, const void *p, size_t len);
 int store__arr_put_uuid(struct store__buf *b, const char *uuid_text);
+int store__arr_put_null(struct store__buf *b);
+int store__arr_put_i32(struct store__buf *b, int32_t v);
+int store__arr_put_i64(struct store__buf *b, int64_t v);
 
 /* Parameters of one statement. Values are borrowed until it is sent. */
 #define STORE__MAX_PARAMS 48
@@ -246,6 +249,28 @@ size_t store__mark_recorded(const struct store__id_ref *refs, size_t n,
  */
 size_t store__mark_repeats(const Ks__Event *const *events, size_t n,
                            struct store__id_ref *refs, bool *skip);
+
+/* Checks what an append of ev needs before anything is sent: a UUID
+ * event_id, a stream and a type, and the command or batch id its
+ * projection keys on. 0 or KS_EINVAL. */
+int store__validate(const Ks__Event *ev);
+/* Appends ev packed as one element of the bytea[] in b (KS_ETOOBIG past
+ * KS_MAX_MESSAGE_BYTES). */
+int store__put_packed_event(struct store__buf *b, const Ks__Event *ev);
+/* Leaves pipeline mode; a connection that cannot (results unread) is
+ * marked broken, started afresh by the next call. */
+void store__pipeline_end(struct store *s);
+
+/*
+ * store_append_checked_at()'s decision, before any append: 0 with *copy
+ * = ev on stream command-<its command id> (stream, caller storage), to be
+ * appended at `version`; KS_EINVAL (no UUID event or command id, no type)
+ * or KS_ECONFLICT (no known state, or its verdict is not APPLY).
+ */
+int store__checked_at_decide(const Ks__Event *ev,
+                             const struct store_command_state *known,
+                             int64_t version, store_check_fn check, void *ud,
+                             Ks__Event *copy, char stream[8 + 37]);
 
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);
