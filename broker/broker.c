@@ -35,22 +35,36 @@ reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
                KS_ERR(rc));
 }
 
-const char *
-broker__store_error(struct store *st, int rc, char *buf, size_t len)
+/* What a client is told of a store error (broker__store_error). */
+static const char *
+store_error_text(int rc, const char *sqlstate, const char *why, char *buf,
+                 size_t len)
 {
-    const char *why = store_last_error(st);
-
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
     else if (rc == KS_EPGREFUSED)
         snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 store_last_sqlstate(st), why);
+                 sqlstate, why);
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
         snprintf(buf, len, "%s", ks_strerror(rc));
     return buf;
+}
+
+const char *
+broker__store_error(struct store *st, int rc, char *buf, size_t len)
+{
+    return store_error_text(rc, store_last_sqlstate(st), store_last_error(st),
+                            buf, len);
+}
+
+const char *
+broker__write_error(const struct store_write_result *res, int rc, char *buf,
+                    size_t len)
+{
+    return store_error_text(rc, res->sqlstate, res->error, buf, len);
 }
 
 void
@@ -562,11 +576,14 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (!req->key_may_exist &&
                     !broker__key_seen(b, cmd.operator_,
                                       req->idempotency_key));
-    if (overlap)
-        rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
-                                  publish_between, &dp);
-    else
-        rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version = STORE_NO_STREAM,
+                             .events = evs,
+                             .n = 2,
+                             .between = overlap ? publish_between : NULL,
+                             .ud = &dp};
+    struct store_write_result wres;
+    rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
@@ -585,10 +602,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
     if (rc) {
-        /* Read first: the next call on st forgets it. */
-        bool doubt = store_in_doubt(st);
+        bool doubt = wres.in_doubt;
         bool sick = store_db_sick(rc) || rc == KS_EPG;
-        broker__store_error(st, rc, why, sizeof(why));
+        broker__write_error(&wres, rc, why, sizeof(why));
         if (w) {
             pthread_mutex_lock(&b->mu);
             ks_map_del(&b->waiters, command_id);
@@ -771,10 +787,19 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         ev.type = "CommandStarted";
     }
     struct store_event se = {&ev};
-    /* Fast path: nothing happened since this attempt was dispatched. */
+    /* Fast path: nothing happened since this attempt was dispatched. The
+     * claim's reply goes out only after the commit that holds it (the
+     * writer returns once its transaction's end is known). */
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version =
+                                 (int64_t)req->expected_version,
+                             .events = &se,
+                             .n = 1,
+                             .claim_agent = req->agent_id};
+    struct store_write_result wres;
     int64_t claimed_at = 0;
-    rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
-                            req->agent_id, &se, &claimed_at);
+    rc = store_writer_append(b->writer, &wr, &wres);
+    claimed_at = wres.version;
     ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -792,8 +817,9 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             rc = KS_EDENIED; /* not this agent's: no trace on its stream */
         if (!mine || !open)
             break;
-        rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
-                                &claimed_at);
+        wr.expected_version = at;
+        rc = store_writer_append(b->writer, &wr, &wres);
+        claimed_at = wres.version;
     }
     if (rc == 0 || rc == KS_EDUPLICATE) {
         /* A duplicate is this same claim retried: still ours. */
@@ -813,7 +839,11 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         d.reason = "claim lost: the command was already claimed, "
                    "re-dispatched or ended";
         struct store_event de = {&d};
-        store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
+        struct store_write dw = {.stream_id = stream,
+                                 .expected_version = STORE_ANY,
+                                 .events = &de,
+                                 .n = 1};
+        store_writer_append(b->writer, &dw, NULL);
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else if (rc == KS_EDENIED) {
@@ -822,7 +852,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     } else {
         /* The agent hands the message back and claims again later. */
         r.error_code = rc;
-        r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
+        r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
     reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -1572,6 +1602,22 @@ open_store(struct broker *b, struct store **out, char **errmsg)
     return rc;
 }
 
+/* The group writer (store.h): the appends of every handler and of the
+ * recorder, in shared transactions. */
+static int
+open_writer(struct broker *b, char **errmsg)
+{
+    char *why = NULL;
+    int rc = store_writer_open(b->opts->db_conninfo, BROKER_WRITER_CONNS,
+                               &b->writer, &why);
+    if (rc && errmsg &&
+        asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
+                 b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    free(why);
+    return rc;
+}
+
 /* Serves "<subject>.<operator>" (see events.h "API subjects"). */
 /*
  * The boundary of every API request: the reply address must be under the
@@ -1687,17 +1733,24 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
-                                 &b->claimers[2].sub, &b->claimers[3].sub,
-                                 &b->executors[0].sub,
-                                 &b->executors[1].sub,
-                                 &b->executors[2].sub,
-                                 &b->sub_misc,   &b->sub_events,
-                                 &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice};
-    const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 16];
+    size_t nsubs = 0;
+
+    /* Every worker's subscription: each handler uses the writer and the
+     * store connections closed below. */
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
+        subs[nsubs++] = &b->claimers[i].sub;
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
+        subs[nsubs++] = &b->executors[i].sub;
+    {
+        natsSubscription **rest[] = {
+            &b->sub_misc,     &b->sub_events, &b->sub_cancel,
+            &b->sub_agents,   &b->sub_follow, &b->sub_batch,
+            &b->sub_advisory, &b->sub_list,   &b->sub_logs,
+            &b->sub_notice};
+        for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
+            subs[nsubs++] = rest[i];
+    }
 
     b->stopping = 1;
     agent_stop(b->local);
@@ -1718,6 +1771,10 @@ broker_teardown(struct broker *b)
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
+    /* Its last users (the handlers, the recorder) are gone: what it holds
+     * is written, and each caller had its answer. */
+    store_writer_close(b->writer);
+    b->writer = NULL;
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_setup);
@@ -1815,6 +1872,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = open_store(&b, &b.st_setup, errmsg)))
         goto out;
     if ((rc = store_migrate(b.st_setup, errmsg)))
+        goto out;
+    if ((rc = open_writer(&b, errmsg)))
         goto out;
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
         b.executors[i].b = &b;
