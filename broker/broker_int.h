@@ -82,7 +82,7 @@ struct broker__follower {
  * reads): each waits for its append's commit, and the appends of all of
  * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
-#define BROKER_EXEC_WORKERS 3
+#define BROKER_EXEC_WORKERS 8
 /* Connections of the group writer (store.h): the appends of the workers
  * above and of the recorder's single results share its transactions. */
 #define BROKER_WRITER_CONNS 1

@@ -391,15 +391,30 @@ on_notice(void *arg, const PGresult *res)
            KS_S("sqlstate", state ? state : ""));
 }
 
+/* A group writer's connection (store__writer_session). */
+#define WRITER_SESSION                                                        \
+    "SET plan_cache_mode = force_generic_plan;"                               \
+    " SET application_name = 'kscore writer'"
+
 /* The session every connection gets, after each (re)connection. */
 static int
 session_setup(struct store *s, char **errmsg)
 {
     /* Projections hold timestamps; the session time zone only shows. */
-    return store__exec(s,
-                       "SET TIME ZONE 'UTC';"
-                       " SET client_min_messages = warning",
-                       errmsg);
+    int rc = store__exec(s,
+                         "SET TIME ZONE 'UTC';"
+                         " SET client_min_messages = warning",
+                         errmsg);
+    if (rc == 0 && s->writer_session)
+        rc = store__exec(s, WRITER_SESSION, errmsg);
+    return rc;
+}
+
+int
+store__writer_session(struct store *s)
+{
+    s->writer_session = true;
+    return store__exec(s, WRITER_SESSION, NULL);
 }
 
 /* A new session on s->conn, or KS_EPGDOWN and the next attempt's time. */
@@ -624,11 +639,8 @@ static const struct {
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
      " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
      " $39, $40, $41, $42, $43, $44, $45, $46)"},
-    {"ks_write",
-     "SELECT w_code, w_version FROM kscore_write($1, $2, $3, $4, $5, $6, $7,"
-     " $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21,"
-     " $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35,"
-     " $36, $37, $38, $39, $40, $41, $42, $43, $44, $45)"},
+    {"ks_write_wait", store__sql_write_wait},
+    {"ks_write", store__sql_write},
     {"ks_project",
      "SELECT kscore_project($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
      " $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"

@@ -457,24 +457,27 @@ int store_append_checked_at(struct store *s, const Ks__Event *ev,
 /* ---- the group writer (store/writer.c) ----------------------------------
  *
  * Appends of many threads written together. A writer has n connections,
- * each with a thread that takes every append queued while its last
- * transaction ran and writes them all in one transaction: one statement
+ * each with a thread, and one queue: an idle connection takes every append
+ * queued and writes them all in one transaction: one statement
  * (kscore_write, migration 10; a second one in the same transaction for
- * an append of a stream already in the first), set-based, each append
- * with its own verdict, so one append's conflict never fails the others.
- * An idle connection writes an append at once (no waiting for company,
- * as EventStoreDB's single writer flushes when its queue is empty); a
- * busy one writes, in one commit, what queued during the last (at most
- * STORE_WRITER_MAX_APPENDS appends and about 8 MiB of events), so commits
- * per append fall far below one under load.
+ * an append of a stream or command already in the first), set-based, each
+ * append with its own verdict, so one append's conflict never fails the
+ * others. An idle writer writes an append at once (no waiting for
+ * company, as EventStoreDB's single writer flushes when its queue is
+ * empty); under load a connection writes, in one commit, what queued
+ * during the last (at most STORE_WRITER_MAX_APPENDS appends and about
+ * 8 MiB of events), so commits per append fall far below one. More
+ * connections write side by side only when one is busy; each splits the
+ * groups, and a group's fixed cost is most of an append's (test_store's
+ * test_writer_bench), so one is the default a caller should measure
+ * against.
  *
- * An append's stream decides its connection (a hash of the stream id),
- * so the appends of one stream are written in the order they were
- * queued, never side by side. Every guarantee of store_append() and
- * store_append_claim() holds for each append as if it were alone: the
- * same return codes, the same expected-version fence, the same projection
- * rows (kscore replay rebuilds them), one commit that holds all of it or
- * none. An append returns only once its transaction's end is known.
+ * Every guarantee of store_append() and store_append_claim() holds for
+ * each append as if it were alone: the same return codes, the same
+ * expected-version fence (two appends of one stream in one group are
+ * decided in queue order), the same projection rows (kscore replay
+ * rebuilds them), one commit that holds all of it or none. An append
+ * returns only once its transaction's end is known.
  *
  * When the group's transaction fails as a whole, every append in it has
  * the group's code: a sick database (KS_EPGDOWN, KS_EPGREFUSED: nothing

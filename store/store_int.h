@@ -36,6 +36,10 @@ struct store__migration {
 };
 extern const struct store__migration store__migrations[];
 extern const size_t store__n_migrations;
+/* The group writer's statements (migrations.c, where the projection rules
+ * are): the claims' wait for their records, then the appends. */
+extern const char store__sql_write_wait[];
+extern const char store__sql_write[];
 
 /*
  * A growable byte buffer with a hard cap: grows to at most cap bytes, then
@@ -93,6 +97,7 @@ struct store {
     uint64_t seen_gen; /* store__wake generation its last wait saw */
     bool broken;    /* lost: reconnect before the next statement */
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
+    bool writer_session; /* store__writer_session: kept across reconnects */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
@@ -142,6 +147,18 @@ int store__ready(struct store *s);
 /* Prepares the ks_* statements once per connection. 0, KS_EPG or
  * KS_EPGDOWN. */
 int store__prepare(struct store *s, char **errmsg);
+
+/*
+ * Makes s a group writer's connection, now and after each reconnection:
+ * application_name 'kscore writer' (pg_stat_activity tells it from the
+ * others), and every statement planned once, for any parameters
+ * (plan_cache_mode = force_generic_plan): the writer's statement is large,
+ * and re-planning it for each group's arrays (the plan cache keeps custom
+ * plans while it sees their sizes) cost more than running it. It reaches
+ * every table by an index on an array (= ANY), so a generic plan is the
+ * plan it needs. 0 or a code.
+ */
+int store__writer_session(struct store *s);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */
 int store__exec(struct store *s, const char *sql, char **errmsg);

@@ -1,22 +1,28 @@
 /*
- * writer.c: the group writer (store.h "the group writer"). Callers queue
- * appends and wait; one thread per connection takes whatever has queued
- * and writes it in one transaction through kscore_write() (migration 10),
- * which gives each append its own verdict. So the appends of every
- * command in flight (dispatch records, claims, results) share commits
- * under load, and an idle writer sends at once.
+ * writer.c: the group writer (store.h "the group writer"). Group commit
+ * without a thread of its own: a caller that queues an append and finds a
+ * connection free writes, on its own thread, everything queued (its own
+ * append first of all when it is alone: no hand-over, no added latency);
+ * the callers that queue meanwhile wait, and when the writing one is done
+ * the first of them writes what queued during its transaction, and so on.
+ * So the appends of every command in flight (dispatch records, claims,
+ * results) share commits under load, and an idle system writes each at
+ * once.
  *
- * A group is sent as one libpq pipeline (one implicit transaction,
- * committed at its Sync; libpq docs 34.5 "Pipeline Mode"): one
- * kscore_write() per wave. A wave holds at most one append per stream and
- * per command id (the function's statements touch each row once, and the
- * fold has one row per command), so an append whose stream or command is
- * already in a wave goes into the next one, which runs after it in the
- * same transaction and sees what it wrote. Nearly every group is one wave.
+ * A group of two or more is sent as one libpq pipeline (one implicit
+ * transaction, committed at its Sync; libpq docs 34.5 "Pipeline Mode"):
+ * per wave, the claims' wait for their records (store__sql_write_wait)
+ * and store__sql_write, which gives each append its own verdict. A wave
+ * holds at most one append per stream and per command id (the statement
+ * touches each row once, and the fold has one row per command), so an
+ * append whose stream or command is already in a wave goes into the next
+ * one, which runs after it in the same transaction and sees what it wrote.
+ * Nearly every group is one wave.
  *
- * An append holding a batch event (BatchRequested, BatchCompleted, ...),
- * which the fold does not project, is written alone by store_append() on
- * the writer's connection, in queue order.
+ * One append alone, one that holds a batch event (BatchRequested, ...,
+ * which the fold does not project) or one at any version is written by
+ * store_append() (store_append_claim()) on the writer's connection, in
+ * queue order.
  */
 #include "store_int.h"
 
@@ -25,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 /* The packed events of one group, about (one append may pass it). */
 #define WRITER_MAX_BYTES (8u << 20)
@@ -41,27 +48,35 @@ struct witem {
     struct store_write_result res;
     int rc;
     enum witem_state state;
-    bool solo;     /* holds a batch event: written alone */
-    size_t bytes;  /* its packed events */
-    unsigned wave; /* group building */
+    bool solo;         /* holds a batch event, or at any version: alone */
+    bool between_done; /* wr->between has run */
+    size_t bytes;      /* its packed events */
+    unsigned wave;     /* group building */
     pthread_cond_t cond;
     struct witem *next;
 };
 
+struct store_writer;
+
+/* One connection, used by one writing caller at a time. */
 struct wconn {
+    struct store_writer *w;
     struct store *s;
-    pthread_t thread;
-    bool started;
-    pthread_mutex_t mu;
-    pthread_cond_t work; /* queued, or stopping */
-    struct witem *head, *tail;
-    bool stopping;
-    /* The item arrays of kscore_write(), reused from group to group. */
-    struct store__buf stream, expected, agent, first, count, evitem;
+    bool busy;          /* (w->mu) a caller writes on it */
+    struct witem *self; /* the writing caller's own append, if in hand */
+    /* The arrays of store__sql_write, reused from group to group. */
+    struct store__buf stream, expected, agent, count, evitem, version;
     struct witem **batch; /* STORE_WRITER_MAX_APPENDS */
 };
 
+/* One queue for every connection: a free connection takes everything
+ * queued, so one connection writes while the load is light (no group is
+ * split for nothing) and the others join in when it is busy. */
 struct store_writer {
+    pthread_mutex_t mu;
+    pthread_cond_t drained; /* a connection was freed (close waits) */
+    struct witem *head, *tail;
+    bool stopping;
     unsigned n;
     struct wconn c[WRITER_MAX_CONNS];
 };
@@ -70,17 +85,34 @@ static const struct store_write_result no_result;
 
 /* ---- queue ---- */
 
-/* Marks items (under c->mu) and wakes their callers. */
+/* Marks items (under the queue's lock) and wakes their callers. */
 static void
 set_state(struct wconn *c, struct witem **it, size_t n,
           enum witem_state st)
 {
-    pthread_mutex_lock(&c->mu);
+    pthread_mutex_lock(&c->w->mu);
     for (size_t i = 0; i < n; i++) {
         it[i]->state = st;
         pthread_cond_signal(&it[i]->cond);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->w->mu);
+}
+
+/*
+ * The items are sent: their callers may run their between() now, beside
+ * the database's work. The writing caller's own runs here, on its thread
+ * (it is busy reading the results after this).
+ */
+static void
+set_sent(struct wconn *c, struct witem **it, size_t n)
+{
+    set_state(c, it, n, W_SENT);
+    for (size_t i = 0; i < n; i++)
+        if (it[i] == c->self && it[i]->wr->between &&
+            !it[i]->between_done) {
+            it[i]->between_done = true;
+            it[i]->wr->between(it[i]->wr->ud);
+        }
 }
 
 /* The group's code for one append, with what the connection says. */
@@ -175,19 +207,23 @@ assign_waves(struct store *s, struct witem **it, size_t n)
     return (int)waves;
 }
 
-/* Sends kscore_write() for the appends of wave w. */
+/*
+ * Sends the statements of wave w: the claims' wait for their records
+ * (when it has claims), then the appends (store__sql_write).
+ */
 static int
 send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
 {
     struct store *s = c->s;
     struct store__params p = {0};
-    size_t na = 0, ne = 0, sent = 0;
+    size_t na = 0, ne = 0, nclaims = 0, sent = 0;
     int rc;
 
     for (size_t i = 0; i < n; i++)
         if (it[i]->wave == w) {
             na++;
             ne += it[i]->wr->n;
+            nclaims += it[i]->wr->claim_agent != NULL;
         }
     struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
     const Ks__Event **evs = kproto_arena_alloc(&s->scratch, ne * sizeof(*evs));
@@ -196,12 +232,30 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
         rc = -ENOMEM;
         goto out;
     }
+    if (nclaims) {
+        if ((rc = store__arr_begin(&c->agent, STORE__OID_TEXT, nclaims)) < 0)
+            goto out;
+        for (size_t i = 0; i < n; i++) {
+            const struct store_write *wr = it[i]->wr;
+            if (it[i]->wave == w && wr->claim_agent &&
+                (rc = store__arr_put(&c->agent, wr->stream_id,
+                                     strlen(wr->stream_id))) < 0)
+                goto out;
+        }
+        store__p_bin(&p, c->agent.p, c->agent.len);
+        if (!PQsendQueryPrepared(s->conn, "ks_write_wait", p.n, p.val, p.len,
+                                 p.fmt, 0)) {
+            rc = store__pg_error(s, NULL, NULL);
+            goto out;
+        }
+        p.n = 0;
+    }
     if ((rc = store__arr_begin(&c->stream, STORE__OID_TEXT, na)) < 0 ||
         (rc = store__arr_begin(&c->expected, STORE__OID_INT8, na)) < 0 ||
         (rc = store__arr_begin(&c->agent, STORE__OID_TEXT, na)) < 0 ||
-        (rc = store__arr_begin(&c->first, STORE__OID_INT4, na)) < 0 ||
         (rc = store__arr_begin(&c->count, STORE__OID_INT4, na)) < 0 ||
         (rc = store__arr_begin(&c->evitem, STORE__OID_INT4, ne)) < 0 ||
+        (rc = store__arr_begin(&c->version, STORE__OID_INT8, ne)) < 0 ||
         (rc = store__arr_begin(&s->ids, STORE__OID_UUID, ne)) < 0 ||
         (rc = store__arr_begin(&s->types, STORE__OID_TEXT, ne)) < 0 ||
         (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, ne)) < 0)
@@ -220,13 +274,16 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
                       ? store__arr_put(&c->agent, wr->claim_agent,
                                        strlen(wr->claim_agent))
                       : store__arr_put_null(&c->agent)) < 0 ||
-            (rc = store__arr_put_i32(&c->first, (int32_t)sent + 1)) < 0 ||
             (rc = store__arr_put_i32(&c->count, (int32_t)wr->n)) < 0)
             goto out;
         for (size_t e = 0; e < wr->n; e++) {
             const Ks__Event *ev = wr->events[e].event;
             evs[sent++] = ev;
+            /* The writer decides the versions: the expected one's next. */
             if ((rc = store__arr_put_i32(&c->evitem, (int32_t)na)) < 0 ||
+                (rc = store__arr_put_i64(&c->version,
+                                         wr->expected_version + 1 +
+                                             (int64_t)e)) < 0 ||
                 (rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
                 (rc = store__arr_put(&s->types, ev->type,
                                      strlen(ev->type))) < 0 ||
@@ -244,12 +301,12 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
     store__p_bin(&p, c->stream.p, c->stream.len);
     store__p_bin(&p, c->expected.p, c->expected.len);
     store__p_bin(&p, c->agent.p, c->agent.len);
-    store__p_bin(&p, c->first.p, c->first.len);
     store__p_bin(&p, c->count.p, c->count.len);
     store__p_bin(&p, s->ids.p, s->ids.len);
     store__p_bin(&p, s->types.p, s->types.len);
     store__p_bin(&p, s->data.p, s->data.len);
     store__p_bin(&p, c->evitem.p, c->evitem.len);
+    store__p_bin(&p, c->version.p, c->version.len);
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         store__p_bin(&p, s->fold[i].p, s->fold[i].len);
     if (!PQsendQueryPrepared(s->conn, "ks_write", p.n, p.val, p.len, p.fmt,
@@ -260,7 +317,7 @@ out:
     return rc;
 }
 
-/* The verdict of kscore_write() for one append (row r of res). */
+/* The verdict of store__sql_write for one append (row r of res). */
 static void
 take_verdict(struct witem *it, const PGresult *res, int r)
 {
@@ -318,6 +375,7 @@ read_group(struct wconn *c, struct witem **it, size_t n)
             }
             wave++;
             break;
+        case PGRES_COMMAND_OK: /* the claims' wait */
         case PGRES_PIPELINE_ABORTED:
             break;
         default:
@@ -385,8 +443,7 @@ group_once(struct wconn *c, struct witem **it, size_t n)
         return store__keep_sick(lost);
     }
     PQflush(s->conn);
-    /* Each caller's between() runs now, beside the database's work. */
-    set_state(c, it, n, W_SENT);
+    set_sent(c, it, n);
     ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
     rc = read_group(c, it, n);
     store__pipeline_end(s);
@@ -403,6 +460,63 @@ retryable(struct store *s, int rc)
            (strcmp(st, "40P01") == 0 || strcmp(st, "40001") == 0);
 }
 
+/*
+ * Appends that came back a conflict: was it a redelivery racing its first
+ * delivery (every event recorded, by the writer whose lock it waited
+ * for)? Then it is a duplicate, with its stream's version, as
+ * store_append says. One read, only when a group had conflicts; if it
+ * fails, the conflicts stand (true as well: nothing of theirs written).
+ */
+static void
+recheck_conflicts(struct wconn *c, struct witem **it, size_t n)
+{
+    struct store *s = c->s;
+    struct store__params p = {0};
+    size_t ne = 0;
+    PGresult *res;
+
+    for (size_t i = 0; i < n; i++)
+        if (it[i]->rc == KS_ECONFLICT)
+            ne += it[i]->wr->n;
+    if (ne == 0 || store__arr_begin(&c->evitem, STORE__OID_UUID, ne) < 0)
+        return;
+    for (size_t i = 0; i < n; i++)
+        for (size_t e = 0; it[i]->rc == KS_ECONFLICT && e < it[i]->wr->n; e++)
+            if (store__arr_put_uuid(&c->evitem,
+                                    it[i]->wr->events[e].event->event_id) < 0)
+                return;
+    store__p_bin(&p, c->evitem.p, c->evitem.len);
+    res = PQexecParams(s->conn,
+                       "SELECT e.event_id::text, coalesce((SELECT st.version"
+                       " FROM streams st WHERE st.stream_id = e.stream_id), 0)"
+                       " FROM events e WHERE e.event_id = ANY ($1::uuid[])",
+                       p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__read_error(s, res);
+        PQclear(res);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t found = 0;
+        int64_t version = 0;
+        if (it[i]->rc != KS_ECONFLICT)
+            continue;
+        for (size_t e = 0; e < it[i]->wr->n; e++)
+            for (int r = 0; r < PQntuples(res); r++)
+                if (strcasecmp(PQgetvalue(res, r, 0),
+                               it[i]->wr->events[e].event->event_id) == 0) {
+                    found++;
+                    version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
+                    break;
+                }
+        if (found == it[i]->wr->n) {
+            it[i]->rc = KS_EDUPLICATE;
+            it[i]->res.version = version;
+        }
+    }
+    PQclear(res);
+}
+
 /* A group, with its retries; every append has its code on return. */
 static void
 write_group(struct wconn *c, struct witem **it, size_t n)
@@ -412,8 +526,10 @@ write_group(struct wconn *c, struct witem **it, size_t n)
 
     for (int t = 1; rc && retryable(s, rc) && t < WRITER_RETRIES; t++)
         rc = group_once(c, it, n);
-    if (rc == 0)
+    if (rc == 0) {
+        recheck_conflicts(c, it, n);
         return;
+    }
     if (store_db_sick(rc) || rc == -ENOMEM) {
         for (size_t i = 0; i < n; i++)
             fail_item(s, it[i], rc);
@@ -434,24 +550,51 @@ write_group(struct wconn *c, struct witem **it, size_t n)
             r = group_once(c, &it[i], 1);
         if (r)
             fail_item(s, it[i], r);
+        else
+            recheck_conflicts(c, &it[i], 1);
     }
 }
 
-/* An append that holds a batch event: store_append() alone. */
+/* store_append_overlap's between: the append is sent. */
+struct solo_sent {
+    struct wconn *c;
+    struct witem *it;
+};
+
+static void
+solo_sent(void *ud)
+{
+    struct solo_sent *ss = ud;
+    set_sent(ss->c, &ss->it, 1);
+}
+
+/*
+ * One append alone, by store_append() (or store_append_claim()): one that
+ * holds a batch event or is at any version, and any append that finds
+ * the writer idle. The set-based statement costs more than the per-event
+ * functions for one append (it sets up every part of the statement, the
+ * projections included, whatever the append needs: test_writer_bench
+ * with one thread), and a lone append has nobody to share its commit with.
+ */
 static void
 write_solo(struct wconn *c, struct witem *it)
 {
     const struct store_write *wr = it->wr;
     struct store *s = c->s;
+    struct solo_sent ss = {c, it};
 
-    set_state(c, &it, 1, W_SENT);
     it->res = no_result;
-    it->rc = wr->claim_agent
-                 ? store_append_claim(s, wr->stream_id, wr->expected_version,
-                                      wr->claim_agent, wr->events,
-                                      &it->res.version)
-                 : store_append(s, wr->stream_id, wr->expected_version,
-                                wr->events, wr->n, &it->res.version);
+    ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
+    if (wr->claim_agent) {
+        set_sent(c, &it, 1); /* before: a claim's has nothing to overlap */
+        it->rc = store_append_claim(s, wr->stream_id, wr->expected_version,
+                                    wr->claim_agent, wr->events,
+                                    &it->res.version);
+    } else {
+        it->rc = store_append_overlap(s, wr->stream_id, wr->expected_version,
+                                      wr->events, wr->n, &it->res.version,
+                                      solo_sent, &ss);
+    }
     if (it->rc && it->rc != KS_EDUPLICATE) {
         int64_t v = it->res.version;
         fail_item(s, it, it->rc);
@@ -464,46 +607,59 @@ flush(struct wconn *c, struct witem **it, size_t n)
 {
     for (size_t i = 0; i < n;) {
         size_t j = i;
-        if (it[i]->solo) {
-            write_solo(c, it[i]);
-            j = i + 1;
-        } else {
-            while (j < n && !it[j]->solo)
-                j++;
+        while (j < n && !it[j]->solo)
+            j++;
+        if (j - i >= 2) {
             write_group(c, it + i, j - i);
+        } else {
+            j = i + 1;
+            write_solo(c, it[i]);
         }
         set_state(c, it + i, j - i, W_DONE);
         i = j;
     }
 }
 
-static void *
-wconn_main(void *arg)
+/*
+ * With w->mu held and c taken: writes what is queued, as many groups as
+ * it takes to reach self if self is queued (at most one when self is
+ * NULL), then frees c and hands the queue to the next waiting caller.
+ * Returns with w->mu held.
+ */
+static void
+lead(struct store_writer *w, struct wconn *c, struct witem *self)
 {
-    struct wconn *c = arg;
-
-    for (;;) {
+    do {
         size_t n = 0, bytes = 0;
-        pthread_mutex_lock(&c->mu);
-        while (!c->head && !c->stopping)
-            pthread_cond_wait(&c->work, &c->mu);
-        if (!c->head) {
-            pthread_mutex_unlock(&c->mu);
-            break;
-        }
-        /* Everything that queued meanwhile, within the caps. */
-        while (c->head && n < STORE_WRITER_MAX_APPENDS &&
-               (n == 0 || bytes + c->head->bytes <= WRITER_MAX_BYTES)) {
-            struct witem *it = c->head;
-            c->head = it->next;
-            if (!c->head)
-                c->tail = NULL;
+        while (w->head && n < STORE_WRITER_MAX_APPENDS &&
+               (n == 0 || bytes + w->head->bytes <= WRITER_MAX_BYTES)) {
+            struct witem *it = w->head;
+            w->head = it->next;
+            if (!w->head)
+                w->tail = NULL;
             bytes += it->bytes;
             c->batch[n++] = it;
         }
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&w->mu);
+        c->self = self;
         flush(c, c->batch, n);
-    }
+        c->self = NULL;
+        pthread_mutex_lock(&w->mu);
+    } while (self && self->state == W_QUEUED && w->head);
+    c->busy = false;
+    /* The first caller still queued writes next (it waits on its own
+     * condition); close() may be waiting for the connections. */
+    if (w->head)
+        pthread_cond_signal(&w->head->cond);
+    pthread_cond_broadcast(&w->drained);
+}
+
+static struct wconn *
+free_conn(struct store_writer *w)
+{
+    for (unsigned i = 0; i < w->n; i++)
+        if (!w->c[i].busy)
+            return &w->c[i];
     return NULL;
 }
 
@@ -512,26 +668,14 @@ wconn_main(void *arg)
 static void
 wconn_release(struct wconn *c)
 {
-    if (c->started) {
-        pthread_mutex_lock(&c->mu);
-        c->stopping = true;
-        pthread_cond_broadcast(&c->work);
-        pthread_mutex_unlock(&c->mu);
-        pthread_join(c->thread, NULL);
-        c->started = false;
-    }
-    if (c->s) {
-        pthread_mutex_destroy(&c->mu);
-        pthread_cond_destroy(&c->work);
-    }
     store_close(c->s);
     c->s = NULL;
     store__buf_release(&c->stream);
     store__buf_release(&c->expected);
     store__buf_release(&c->agent);
-    store__buf_release(&c->first);
     store__buf_release(&c->count);
     store__buf_release(&c->evitem);
+    store__buf_release(&c->version);
     free(c->batch);
     c->batch = NULL;
 }
@@ -547,26 +691,24 @@ store_writer_open(const char *conninfo, unsigned n_conns,
         return KS_EINVAL;
     if (!(w = calloc(1, sizeof(*w))))
         return -ENOMEM;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->drained, NULL);
     for (unsigned i = 0; i < n_conns; i++) {
         struct wconn *c = &w->c[i];
+        c->w = w;
+        w->n = i + 1;
         if ((rc = store_open(conninfo, &c->s, errmsg)) < 0)
             break;
-        w->n = i + 1;
-        pthread_mutex_init(&c->mu, NULL);
-        pthread_cond_init(&c->work, NULL);
+        if ((rc = store__writer_session(c->s)) < 0)
+            break;
         c->stream.cap = c->agent.cap = KS_MAX_MESSAGE_BYTES;
-        c->expected.cap = c->first.cap = c->count.cap = KS_MAX_MESSAGE_BYTES;
-        c->evitem.cap = KS_MAX_MESSAGE_BYTES;
+        c->expected.cap = c->count.cap = KS_MAX_MESSAGE_BYTES;
+        c->evitem.cap = c->version.cap = KS_MAX_MESSAGE_BYTES;
         if (!(c->batch = calloc(STORE_WRITER_MAX_APPENDS,
                                 sizeof(*c->batch)))) {
             rc = -ENOMEM;
             break;
         }
-        if (pthread_create(&c->thread, NULL, wconn_main, c) != 0) {
-            rc = -EAGAIN;
-            break;
-        }
-        c->started = true;
     }
     if (rc < 0) {
         store_writer_close(w);
@@ -581,8 +723,23 @@ store_writer_close(struct store_writer *w)
 {
     if (!w)
         return;
+    /* New appends are refused; those queued are written by their callers,
+     * who are waiting for them. */
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true;
+    for (;;) {
+        bool busy = w->head != NULL;
+        for (unsigned i = 0; i < w->n; i++)
+            busy = busy || w->c[i].busy;
+        if (!busy)
+            break;
+        pthread_cond_wait(&w->drained, &w->mu);
+    }
+    pthread_mutex_unlock(&w->mu);
     for (unsigned i = 0; i < w->n; i++)
         wconn_release(&w->c[i]);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->drained);
     free(w);
 }
 
@@ -608,6 +765,9 @@ check_write(const struct store_write *wr, bool *solo, size_t *bytes)
         if (strcmp(ev->stream_id, wr->stream_id) != 0)
             return KS_EINVAL;
         if (store__proj_kind(ev, &st) == STORE__PROJ_BATCH)
+            *solo = true;
+        /* At any version: the server numbers it (store_append). */
+        if (wr->expected_version == STORE_ANY)
             *solo = true;
         len = ks__event__get_packed_size(ev);
         if (len > KS_MAX_MESSAGE_BYTES)
@@ -641,8 +801,6 @@ store_writer_append(struct store_writer *w, const struct store_write *wr,
                     struct store_write_result *res)
 {
     struct witem it = {.wr = wr, .state = W_QUEUED};
-    struct wconn *c;
-    bool between_done = false;
     int rc;
 
     BUG_ON(!w || !wr);
@@ -651,36 +809,41 @@ store_writer_append(struct store_writer *w, const struct store_write *wr,
             *res = no_result;
         return rc;
     }
-    c = &w->c[key_hash(wr->stream_id) % w->n];
     pthread_cond_init(&it.cond, NULL);
-    pthread_mutex_lock(&c->mu);
-    if (c->stopping) {
-        pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&w->mu);
+    if (w->stopping) {
+        pthread_mutex_unlock(&w->mu);
         pthread_cond_destroy(&it.cond);
         if (res)
             *res = no_result;
         return KS_ESTOPPED;
     }
-    ks_metric_inc(KS_C_WRITER_APPENDS);
-    if (c->tail)
-        c->tail->next = &it;
+    if (w->tail)
+        w->tail->next = &it;
     else
-        c->head = &it;
-    c->tail = &it;
-    pthread_cond_signal(&c->work);
+        w->head = &it;
+    w->tail = &it;
+    ks_metric_inc(KS_C_WRITER_APPENDS); /* counted once queued */
     for (;;) {
+        struct wconn *c;
         if (it.state == W_DONE)
             break;
-        if (it.state == W_SENT && wr->between && !between_done) {
-            pthread_mutex_unlock(&c->mu);
-            wr->between(wr->ud);
-            between_done = true;
-            pthread_mutex_lock(&c->mu);
+        if (it.state == W_QUEUED && (c = free_conn(w))) {
+            /* Nobody writes on c: write what is queued, here. */
+            c->busy = true;
+            lead(w, c, &it);
             continue;
         }
-        pthread_cond_wait(&it.cond, &c->mu);
+        if (it.state == W_SENT && wr->between && !it.between_done) {
+            it.between_done = true;
+            pthread_mutex_unlock(&w->mu);
+            wr->between(wr->ud);
+            pthread_mutex_lock(&w->mu);
+            continue;
+        }
+        pthread_cond_wait(&it.cond, &w->mu);
     }
-    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&w->mu);
     pthread_cond_destroy(&it.cond);
     if (res)
         *res = it.res;

@@ -5,6 +5,7 @@
  * each other's data.
  */
 #include <check.h>
+#include <dirent.h>
 #include <libpq-fe.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -1744,7 +1745,7 @@ waiting_writer(struct store *s)
     return sql_ll(s,
                   "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
                   " WHERE wait_event_type = 'Lock'"
-                  " AND query LIKE '%%kscore_write%%'%s",
+                  " AND application_name = 'kscore writer'%s",
                   "");
 }
 
@@ -1780,8 +1781,9 @@ wait_queued(uint64_t appends)
                     ks_metric_counter_value(KS_C_WRITER_APPENDS) < appends;
          i++)
         usleep(5000);
+    /* Counted once in the queue (and the writer, held, takes the queue
+     * only after the test lets it go). */
     ck_assert_uint_ge(ks_metric_counter_value(KS_C_WRITER_APPENDS), appends);
-    usleep(50 * 1000); /* from the counter to the queue: a few lines */
 }
 
 /* First: an append that waits behind the held stream. Returns its
@@ -1884,12 +1886,6 @@ START_TEST(test_writer_group_verdicts)
     /* A stale expected version. */
     w_claim(&calls[nc++], w, cids[NCMD - 1], "agent-1", 7);
     size_t stale = nc - 1;
-    /* Appends at any version to one stream, several. */
-    ks_uuid(misc + 5);
-    memcpy(misc, "misc-", 5);
-    size_t misc_begin = nc;
-    for (int i = 0; i < 5; i++)
-        w_opaque(&calls[nc++], w, misc);
     ck_assert_uint_le(nc, NCALL);
 
     /* The rival claims first, so each pair is queued together. */
@@ -1966,9 +1962,18 @@ START_TEST(test_writer_group_verdicts)
             2);
     }
     ck_assert_int_eq(calls[stale].rc, KS_ECONFLICT);
+    /* Appends at any version (numbered by the server: each written
+     * alone), several at once on one stream: each its own version. */
+    ks_uuid(misc + 5);
+    memcpy(misc, "misc-", 5);
+    for (int i = 0; i < 5; i++) {
+        w_opaque(&calls[i], w, misc);
+        start_queued(&th[i], &calls[i]);
+    }
     {
         bool seen[6] = {0};
-        for (size_t k = misc_begin; k < misc_begin + 5; k++) {
+        for (int k = 0; k < 5; k++) {
+            pthread_join(th[k], NULL);
             ck_assert_int_eq(calls[k].rc, 0);
             ck_assert(calls[k].res.version >= 1 && calls[k].res.version <= 5);
             ck_assert(!seen[calls[k].res.version]);
@@ -2013,7 +2018,7 @@ end_writer_session(struct store *s)
     ck_assert_int_ge(
         sql_ll(s,
                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-               " WHERE query LIKE '%%FROM kscore_write(%%' AND pid <> pg_backend_pid()"
+               " WHERE application_name = 'kscore writer'"
                " AND state = 'idle'%s",
                ""),
         1);
@@ -2322,6 +2327,144 @@ cmp_i64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* ---- the writer against one connection per thread (a measurement) ---- */
+
+struct wbench {
+    struct store_writer *w; /* NULL: store_append on a connection each */
+    int commands;
+    int64_t us;
+};
+
+static void *
+wbench_thread(void *arg)
+{
+    struct wbench *b = arg;
+    struct store *s = b->w ? NULL : open_store();
+    struct wcall c;
+    int64_t t0 = ks_mono_us();
+
+    for (int i = 0; i < b->commands; i++) {
+        char cid[37];
+        ks_uuid(cid);
+        w_dispatch(&c, b->w, cid, NULL, NULL);
+        if (s)
+            c.rc = store_append(s, c.wr.stream_id, STORE_NO_STREAM, c.se, 2,
+                                NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+        w_claim(&c, b->w, cid, "agent-1", 2);
+        if (s)
+            c.rc = store_append_claim(s, c.wr.stream_id, 2, "agent-1", c.se,
+                                      NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+        w_result(&c, b->w, cid, 3, 0);
+        if (s)
+            c.rc = store_append_checked_at(s, &c.e[0].ev, &c.known, 3, NULL,
+                                           NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+    }
+    b->us = ks_mono_us() - t0;
+    store_close(s);
+    return NULL;
+}
+
+/* CPU (us) of the suite's PostgreSQL: the postmaster with what it
+ * reaped, and its live backends. */
+static int64_t
+pg_cpu_us(void)
+{
+    unsigned long long t[4] = {0}, sum = 0;
+    char path[64], buf[1024], *p;
+    long tck = sysconf(_SC_CLK_TCK);
+    struct dirent *e;
+    DIR *d = opendir("/proc");
+
+    while (d && (e = readdir(d))) {
+        long pid = atol(e->d_name), ppid = 0;
+        FILE *f;
+        size_t n;
+        if (pid <= 0)
+            continue;
+        snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+        if (!(f = fopen(path, "re")))
+            continue;
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        if (!(p = strrchr(buf, ')')) ||
+            sscanf(p + 2, "%*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u"
+                          " %llu %llu %llu %llu",
+                   &ppid, &t[0], &t[1], &t[2], &t[3]) != 5)
+            continue;
+        if (pid == pg.pid)
+            sum += t[0] + t[1] + t[2] + t[3];
+        else if (ppid == pg.pid)
+            sum += t[0] + t[1];
+    }
+    if (d)
+        closedir(d);
+    return (int64_t)(sum * 1000000ULL / (unsigned long long)tck);
+}
+
+/* Not an assertion: prints what this machine does. */
+START_TEST(test_writer_bench)
+{
+    enum { MAXT = 64 };
+    int THREADS = getenv("WTW_THREADS") ? atoi(getenv("WTW_THREADS")) : 16;
+    int PER = 640 / THREADS;
+    static struct wbench b[MAXT];
+    pthread_t th[MAXT];
+
+    store_close(open_store()); /* migrated */
+    /* A connection each, then writers of 1, 2 and 4 connections. */
+    unsigned conns[16] = {0, 1, 2, 4, 0, 1, 2, 4};
+    size_t nmodes = 8;
+    if (getenv("WTW_MODES")) {
+        char *m = getenv("WTW_MODES");
+        for (nmodes = 0; *m && nmodes < 16; nmodes++) {
+            conns[nmodes] = (unsigned)strtoul(m, &m, 10);
+            if (*m == ',')
+                m++;
+        }
+    }
+    for (size_t mode = 0; mode < nmodes; mode++) {
+        struct store_writer *w = NULL;
+        if (conns[mode]) {
+            char *err = NULL;
+            ck_assert_int_eq(store_writer_open(pg.conninfo, conns[mode], &w,
+                                               &err), 0);
+        }
+        uint64_t tx0 = ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS);
+        int64_t t0 = ks_mono_us(), cpu0 = pg_cpu_us();
+        for (int i = 0; i < THREADS; i++) {
+            b[i] = (struct wbench){.w = w, .commands = PER};
+            ck_assert_int_eq(pthread_create(&th[i], NULL, wbench_thread,
+                                            &b[i]), 0);
+        }
+        for (int i = 0; i < THREADS; i++)
+            pthread_join(th[i], NULL);
+        int64_t us = ks_mono_us() - t0, cpu = pg_cpu_us() - cpu0;
+        uint64_t tx = ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS) - tx0;
+        printf("bench %s (%u): %d threads x %d commands (dispatch, claim,"
+               " result) in %.0f ms = %.0f commands/s, PostgreSQL %.0f us of"
+               " CPU a command%s",
+               w ? "writer" : "a connection each", conns[mode], THREADS, PER,
+               us / 1000.0,
+               THREADS * PER * 1e6 / us, (double)cpu / (THREADS * PER),
+               w ? "" : "\n");
+        if (w)
+            printf(", %.1f appends per transaction\n",
+                   tx ? 3.0 * THREADS * PER / tx : 0);
+        store_writer_close(w);
+    }
+}
+END_TEST
+
 /* Not an assertion: prints what this machine does (see the report). */
 START_TEST(test_bench)
 {
@@ -2451,6 +2594,11 @@ main(void)
     tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
+    suite_add_tcase(su, tc);
+    /* Measurements alone: CK_RUN_CASE=bench. */
+    tc = tcase_create("bench");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_writer_bench);
     suite_add_tcase(su, tc);
     sr = srunner_create(su);
     srunner_run_all(sr, CK_NORMAL);
