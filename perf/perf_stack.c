@@ -106,6 +106,118 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
     return 0;
 }
 
+int64_t
+perf__tree_cpu_us(pid_t pid)
+{
+    char path[64], buf[1024], *p;
+    unsigned long long t[4];
+    long tck = sysconf(_SC_CLK_TCK);
+    int64_t sum;
+    DIR *d;
+    struct dirent *e;
+    FILE *f;
+    size_t n;
+
+    if (pid <= 0)
+        return -1;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    if (!(f = fopen(path, "re")))
+        return -1;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    /* utime, stime, cutime, cstime: fields 14-17 (proc(5)); the last two
+     * hold the children it reaped (PostgreSQL's ended backends). */
+    p = strrchr(buf, ')');
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u "
+                            "%llu %llu %llu %llu",
+                     &t[0], &t[1], &t[2], &t[3]) != 4)
+        return -1;
+    sum = (int64_t)((t[0] + t[1] + t[2] + t[3]) * 1000000ULL /
+                    (unsigned long long)tck);
+    if (!(d = opendir("/proc")))
+        return sum;
+    while ((e = readdir(d))) {
+        long ppid = 0;
+        struct perf_proc pp;
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof(path), "/proc/%.20s/stat", e->d_name);
+        if (!(f = fopen(path, "re")))
+            continue;
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        /* Field 4 (ppid) after "(comm) state". */
+        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
+            ppid == pid &&
+            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
+            sum += pp.cpu_us;
+    }
+    closedir(d);
+    return sum;
+}
+
+void
+perf__cost_sample(const struct perf_stack *st, struct perf_cost *out)
+{
+    struct perf_proc pp;
+    PGconn *pg;
+
+    out->xid = -1;
+    out->pg_cpu_us = st->own_pg ? perf__tree_cpu_us(st->pg_pid) : -1;
+    out->broker_cpu_us = st->broker_pid > 0 &&
+                                 perf__proc_sample(st->broker_pid, &pp) == 0
+                             ? pp.cpu_us
+                             : -1;
+    out->agent_cpu_us = st->agent_pid > 0 &&
+                                perf__proc_sample(st->agent_pid, &pp) == 0
+                            ? pp.cpu_us
+                            : -1;
+    pg = PQconnectdb(st->conninfo);
+    if (PQstatus(pg) == CONNECTION_OK) {
+        PGresult *r = PQexec(pg, "SELECT pg_current_xact_id()::text");
+        if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+            out->xid = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+        PQclear(r);
+    }
+    PQfinish(pg);
+}
+
+void
+perf__cost_json(json_t *o, const struct perf_cost *a,
+                const struct perf_cost *b, double units, const char *unit)
+{
+    char key[64];
+
+    if (units <= 0)
+        return;
+    /* Each sample takes an xid of its own: the one that opens the
+     * interval is not the stack's. */
+    if (a->xid >= 0 && b->xid > a->xid) {
+        snprintf(key, sizeof(key), "pg_write_xacts_per_%s", unit);
+        json_object_set_new(o, key,
+                            json_real((double)(b->xid - a->xid - 1) / units));
+    }
+    if (a->pg_cpu_us >= 0 && b->pg_cpu_us >= a->pg_cpu_us) {
+        snprintf(key, sizeof(key), "pg_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key, json_real((double)(b->pg_cpu_us - a->pg_cpu_us) / units));
+    }
+    if (a->broker_cpu_us >= 0 && b->broker_cpu_us >= a->broker_cpu_us) {
+        snprintf(key, sizeof(key), "broker_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key,
+            json_real((double)(b->broker_cpu_us - a->broker_cpu_us) / units));
+    }
+    if (a->agent_cpu_us >= 0 && b->agent_cpu_us >= a->agent_cpu_us) {
+        snprintf(key, sizeof(key), "agent_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key,
+            json_real((double)(b->agent_cpu_us - a->agent_cpu_us) / units));
+    }
+}
+
 int
 perf__connect(const struct perf_stack *st, const char *name,
               struct evt_conn **out)
@@ -207,6 +319,7 @@ perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
             return rc;
         }
         st->own_pg = true;
+        st->pg_pid = pid;
     }
     return pg_settings(st);
 }
