@@ -70,13 +70,14 @@ pid_alive(pid_t pid)
     return p && p[1] == ' ' && p[2] != 'Z';
 }
 
-int
-perf__proc_sample(pid_t pid, struct perf_proc *out)
+/*
+ * The fields of /proc/PID/stat a sample needs (proc(5)): ppid (4), utime,
+ * stime, cutime and cstime (14-17, clock ticks). 0 or -errno/KS_EDECODE.
+ */
+static int
+read_stat(pid_t pid, long *ppid, unsigned long long t[4])
 {
     char path[64], buf[1024], *p;
-    unsigned long long ut = 0, stime = 0;
-    long tck = sysconf(_SC_CLK_TCK);
-    int64_t rss = -1;
     FILE *f;
     size_t n;
 
@@ -86,12 +87,34 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
     n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
-    /* Fields after "(comm)": state is 3, utime 14 and stime 15 (proc(5)). */
+    /* After "(comm)": the state is field 3. */
     p = strrchr(buf, ')');
-    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u "
-                            "%llu %llu",
-                     &ut, &stime) != 2)
+    if (!p || sscanf(p + 2, "%*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u "
+                            "%llu %llu %llu %llu",
+                     ppid, &t[0], &t[1], &t[2], &t[3]) != 5)
         return KS_EDECODE;
+    return 0;
+}
+
+static int64_t
+ticks_us(unsigned long long ticks)
+{
+    return (int64_t)(ticks * 1000000ULL /
+                     (unsigned long long)sysconf(_SC_CLK_TCK));
+}
+
+int
+perf__proc_sample(pid_t pid, struct perf_proc *out)
+{
+    char path[64], buf[1024];
+    unsigned long long t[4];
+    long ppid;
+    int64_t rss = -1;
+    FILE *f;
+    int rc;
+
+    if ((rc = read_stat(pid, &ppid, t)) < 0)
+        return rc;
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     if (!(f = fopen(path, "re")))
         return -errno;
@@ -101,7 +124,7 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
             break;
         }
     fclose(f);
-    out->cpu_us = (int64_t)((ut + stime) * 1000000ULL / (unsigned long long)tck);
+    out->cpu_us = ticks_us(t[0] + t[1]);
     out->rss_kb = rss;
     return 0;
 }
@@ -109,50 +132,23 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
 int64_t
 perf__tree_cpu_us(pid_t pid)
 {
-    char path[64], buf[1024], *p;
     unsigned long long t[4];
-    long tck = sysconf(_SC_CLK_TCK);
+    long ppid;
     int64_t sum;
     DIR *d;
     struct dirent *e;
-    FILE *f;
-    size_t n;
 
-    if (pid <= 0)
+    /* The postmaster with the children it reaped (PostgreSQL's ended
+     * backends: cutime, cstime), then its live children. */
+    if (pid <= 0 || read_stat(pid, &ppid, t) < 0)
         return -1;
-    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-    if (!(f = fopen(path, "re")))
-        return -1;
-    n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    /* utime, stime, cutime, cstime: fields 14-17 (proc(5)); the last two
-     * hold the children it reaped (PostgreSQL's ended backends). */
-    p = strrchr(buf, ')');
-    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u "
-                            "%llu %llu %llu %llu",
-                     &t[0], &t[1], &t[2], &t[3]) != 4)
-        return -1;
-    sum = (int64_t)((t[0] + t[1] + t[2] + t[3]) * 1000000ULL /
-                    (unsigned long long)tck);
+    sum = ticks_us(t[0] + t[1] + t[2] + t[3]);
     if (!(d = opendir("/proc")))
         return sum;
     while ((e = readdir(d))) {
-        long ppid = 0;
-        struct perf_proc pp;
-        if (e->d_name[0] < '1' || e->d_name[0] > '9')
-            continue;
-        snprintf(path, sizeof(path), "/proc/%.20s/stat", e->d_name);
-        if (!(f = fopen(path, "re")))
-            continue;
-        n = fread(buf, 1, sizeof(buf) - 1, f);
-        fclose(f);
-        buf[n] = '\0';
-        /* Field 4 (ppid) after "(comm) state". */
-        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
-            ppid == pid &&
-            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
-            sum += pp.cpu_us;
+        pid_t child = (pid_t)atol(e->d_name);
+        if (child > 0 && read_stat(child, &ppid, t) == 0 && ppid == pid)
+            sum += ticks_us(t[0] + t[1]);
     }
     closedir(d);
     return sum;

@@ -304,9 +304,9 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
 }
 
 int
-store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
+store__pipeline_read(struct store *s, store__result_fn on_result, void *ud,
+                     char **detail_out)
 {
-    bool seen_first = false;
     int rc = 0, nulls = 0;
 
     /* The pipeline is sent: until an error result says the transaction
@@ -337,16 +337,13 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
             return rc;
         case PGRES_TUPLES_OK:
         case PGRES_COMMAND_OK:
-            if (!seen_first && first_out && PQntuples(res) == 1 &&
-                !PQgetisnull(res, 0, 0))
-                *first_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-            seen_first = true;
-            break;
         case PGRES_PIPELINE_ABORTED:
-            seen_first = true;
+            if (on_result)
+                on_result(res, ud);
             break;
         default:
-            seen_first = true;
+            if (on_result)
+                on_result(res, ud);
             if (rc == 0) {
                 const char *d =
                     PQresultErrorField(res, PG_DIAG_MESSAGE_DETAIL);
@@ -361,6 +358,32 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
         PQclear(res);
     }
     return rc;
+}
+
+/* store__pipeline_finish's reader: the first result's first value. */
+struct first_value {
+    int64_t *out;
+    bool seen;
+};
+
+static void
+take_first(const PGresult *res, void *ud)
+{
+    struct first_value *f = ud;
+    ExecStatusType st = PQresultStatus(res);
+
+    if (!f->seen && f->out &&
+        (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) &&
+        PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
+        *f->out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    f->seen = true;
+}
+
+int
+store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
+{
+    struct first_value f = {first_out, false};
+    return store__pipeline_read(s, take_first, &f, detail_out);
 }
 
 void

@@ -457,20 +457,22 @@ int store_append_checked_at(struct store *s, const Ks__Event *ev,
 /* ---- the group writer (store/writer.c) ----------------------------------
  *
  * Appends of many threads written together. A writer has n connections,
- * each with a thread, and one queue: an idle connection takes every append
- * queued and writes them all in one transaction: one statement
- * (kscore_write, migration 10; a second one in the same transaction for
- * an append of a stream or command already in the first), set-based, each
- * append with its own verdict, so one append's conflict never fails the
- * others. An idle writer writes an append at once (no waiting for
- * company, as EventStoreDB's single writer flushes when its queue is
- * empty); under load a connection writes, in one commit, what queued
- * during the last (at most STORE_WRITER_MAX_APPENDS appends and about
- * 8 MiB of events), so commits per append fall far below one. More
- * connections write side by side only when one is busy; each splits the
- * groups, and a group's fixed cost is most of an append's (test_store's
- * test_writer_bench), so one is the default a caller should measure
- * against.
+ * and one queue, and no thread of its own: a caller that finds a
+ * connection free writes, on its own thread, every append queued (its own
+ * alone when nobody else waits: an idle writer adds no latency, as
+ * EventStoreDB's single writer flushes when its queue is empty); callers
+ * that queue meanwhile wait, and the first of them writes, in one
+ * transaction, what queued during the last (at most
+ * STORE_WRITER_MAX_APPENDS appends and about 8 MiB of events), so commits
+ * per append fall far below one under load. Two or more appends are one
+ * statement (store__sql_write in migrations.c; a second one in the same
+ * transaction for an append of a stream or command already in the first),
+ * set-based, each append with its own verdict, so one append's conflict
+ * never fails the others; one append alone is store_append()'s (cheaper
+ * for one: test_store's test_writer_bench). More connections write side
+ * by side only when one is busy; each splits the groups, and a group's
+ * fixed cost is a large part of an append's, so one connection is the
+ * default to measure against.
  *
  * Every guarantee of store_append() and store_append_claim() holds for
  * each append as if it were alone: the same return codes, the same
@@ -509,10 +511,12 @@ struct store_write {
     /* NULL, or the claim's agent: store_append_claim()'s rules (the
      * stream must be "command-<uuid>"; KS_EDENIED, KS_ENOTFOUND). */
     const char *claim_agent;
-    /* NULL, or called once on the calling thread once the transaction
-     * holding the append is sent and before its end is read, as
-     * store_append_overlap()'s; must not block for long (the call's
-     * caller waits for it, not the writer). */
+    /* NULL, or called at most once, on the calling thread, once the
+     * transaction holding the append is sent, as store_append_overlap()'s:
+     * its work overlaps the commit. Not called when nothing was sent or
+     * the append's end came before the caller saw it sent (then the
+     * caller does that work after). Must not block for long: when the
+     * caller writes the group, the group's results wait for it. */
     void (*between)(void *ud);
     void *ud;
 };

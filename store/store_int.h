@@ -238,6 +238,12 @@ int store__send_project(struct store *s, const Ks__Event *ev, bool replay);
  * NULL) receives the first query's first value as int64 when it is
  * non-NULL; *detail_out (may be NULL) the DETAIL of the first error.
  */
+/* store__pipeline_finish with each result but the sync (rows, command
+ * results, errors, aborted ones) passed to on_result(res, ud) (may be
+ * NULL), in order, borrowed for the call. */
+typedef void (*store__result_fn)(const PGresult *res, void *ud);
+int store__pipeline_read(struct store *s, store__result_fn on_result,
+                         void *ud, char **detail_out);
 int store__pipeline_finish(struct store *s, int64_t *first_out,
                            char **detail_out);
 

@@ -331,6 +331,30 @@ take_verdict(struct witem *it, const PGresult *res, int r)
         it->res.version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
 }
 
+/* read_group's reader: the rows of each wave in turn. */
+struct verdicts {
+    struct witem **it;
+    size_t n;
+    unsigned wave;
+    bool short_; /* a wave with fewer rows than appends: cannot be */
+};
+
+static void
+take_wave(const PGresult *res, void *ud)
+{
+    struct verdicts *v = ud;
+    int r = 0;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+        return; /* the claims' wait, or a failure: the reader's */
+    v->wave++;
+    for (size_t i = 0; i < v->n; i++)
+        if (v->it[i]->wave == v->wave && r < PQntuples(res))
+            take_verdict(v->it[i], res, r++);
+        else if (v->it[i]->wave == v->wave)
+            v->short_ = true;
+}
+
 /*
  * Reads the group's results up to its sync: each wave's rows, in wave
  * order, are the verdicts of its appends in queue order. Returns 0 (every
@@ -339,55 +363,9 @@ take_verdict(struct witem *it, const PGresult *res, int r)
 static int
 read_group(struct wconn *c, struct witem **it, size_t n)
 {
-    struct store *s = c->s;
-    unsigned wave = 1;
-    int rc = 0, nulls = 0;
-
-    /* Sent: a connection lost from here on may have lost a commit's
-     * answer, until a result says the transaction failed. */
-    s->in_doubt = true;
-    for (;;) {
-        PGresult *res = PQgetResult(s->conn);
-        if (!res) {
-            if (PQstatus(s->conn) == CONNECTION_BAD || ++nulls > 1) {
-                int lost = store__pg_error(s, NULL, NULL);
-                s->broken = true;
-                if (rc == 0 || lost == KS_EPGDOWN)
-                    rc = lost;
-                return rc;
-            }
-            continue;
-        }
-        nulls = 0;
-        switch (PQresultStatus(res)) {
-        case PGRES_PIPELINE_SYNC:
-            PQclear(res);
-            s->in_doubt = false;
-            return rc;
-        case PGRES_TUPLES_OK:
-            if (rc == 0) {
-                int r = 0;
-                for (size_t i = 0; i < n; i++)
-                    if (it[i]->wave == wave && r < PQntuples(res))
-                        take_verdict(it[i], res, r++);
-                if (r != PQntuples(res))
-                    rc = KS_EPG; /* cannot be: a verdict per append */
-            }
-            wave++;
-            break;
-        case PGRES_COMMAND_OK: /* the claims' wait */
-        case PGRES_PIPELINE_ABORTED:
-            break;
-        default:
-            if (rc == 0) {
-                rc = store__pg_error(s, res, NULL);
-                if (rc != KS_EPGDOWN)
-                    s->in_doubt = false; /* the server said: rolled back */
-            }
-            break;
-        }
-        PQclear(res);
-    }
+    struct verdicts v = {it, n, 0, false};
+    int rc = store__pipeline_read(c->s, take_wave, &v, NULL);
+    return rc == 0 && v.short_ ? KS_EPG : rc;
 }
 
 /* Metrics and wake-ups of what one group wrote. */

@@ -811,6 +811,28 @@ static const char *digest_sql[] = {
     " FROM batch_targets t",
 };
 
+/* A replay from events alone rebuilds the projections as they are;
+ * returns the events replayed. */
+static int64_t
+assert_replay_equal(struct store *s)
+{
+    char *before[3], *err = NULL;
+    int64_t n = 0;
+
+    for (int i = 0; i < 3; i++)
+        before[i] = sql1(s, digest_sql[i]);
+    ck_assert_msg(store_replay(s, &n, &err) == 0, "replay: %s",
+                  err ? err : "");
+    for (int i = 0; i < 3; i++) {
+        char *after = sql1(s, digest_sql[i]);
+        ck_assert_str_eq(before[i], after);
+        free(after);
+        free(before[i]);
+    }
+    free(err);
+    return n;
+}
+
 START_TEST(test_replay_equality)
 {
     struct store *s = open_store(), *other = open_store();
@@ -997,11 +1019,10 @@ START_TEST(test_append_many_fold)
 {
     struct store *s = open_store();
     enum { C = 10 };
-    char cid[C][37], bid[37], bstream[64], key[37], *before[3], *err = NULL;
+    char cid[C][37], bid[37], bstream[64], key[37];
     static struct fev e[64];
     Ks__Event *b[64];
     size_t n = 0, k = 0, dups = 99;
-    int64_t replayed;
 
     for (int i = 0; i < C; i++)
         ks_uuid(cid[i]);
@@ -1125,15 +1146,7 @@ START_TEST(test_append_many_fold)
     ck_assert_uint_eq(dups, n);
 
     /* The per-event rules (replay) give the same projections. */
-    for (int i = 0; i < 3; i++)
-        before[i] = sql1(s, digest_sql[i]);
-    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
-    for (int i = 0; i < 3; i++) {
-        char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
-        free(after);
-        free(before[i]);
-    }
+    assert_replay_equal(s);
     store_close(s);
 }
 END_TEST
@@ -1815,7 +1828,6 @@ START_TEST(test_writer_group_verdicts)
     static struct wcall pre[NCMD + 4], calls[NCALL], first;
     pthread_t th[NCALL], t0;
     char cids[NCMD][37], held[64], fresh[37], unrec[37], misc[64], key[40];
-    char *before[3];
     size_t nc = 0;
 
     /* Set-up, one at a time: NCMD dispatched commands, one of them claimed
@@ -1992,19 +2004,7 @@ START_TEST(test_writer_group_verdicts)
                " WHERE e.stream_id = st.stream_id)%s",
                ""),
         0);
-    for (int i = 0; i < 3; i++)
-        before[i] = sql1(s, digest_sql[i]);
-    {
-        char *err = NULL;
-        int64_t n = 0;
-        ck_assert_int_eq(store_replay(s, &n, &err), 0);
-    }
-    for (int i = 0; i < 3; i++) {
-        char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
-        free(after);
-        free(before[i]);
-    }
+    assert_replay_equal(s);
     store_writer_close(w);
     store_close(s);
 }
@@ -2286,9 +2286,8 @@ START_TEST(test_append_many_batch_order)
     struct store *s = open_store();
     static struct fev e[4];
     Ks__Event *b[4];
-    char c1[37], bid[37], *before[3], *err = NULL, sql[256], *row;
+    char c1[37], bid[37], sql[256], *row;
     size_t n = 0, dups;
-    int64_t replayed;
 
     /* A batch completed before its command is requested, in one call:
      * the completion finds no row, as event by event. */
@@ -2307,15 +2306,7 @@ START_TEST(test_append_many_batch_order)
     row = sql1(s, sql);
     ck_assert_str_eq(row, "Running1");
     free(row);
-    for (int i = 0; i < 3; i++)
-        before[i] = sql1(s, digest_sql[i]);
-    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
-    for (int i = 0; i < 3; i++) {
-        char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
-        free(after);
-        free(before[i]);
-    }
+    assert_replay_equal(s);
     store_close(s);
 }
 END_TEST
