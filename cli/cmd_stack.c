@@ -12,7 +12,9 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "broker.h"
 #include "cli_int.h"
+#include "metrics_http.h"
 #include "stack.h"
 #include "store.h"
 
@@ -1606,17 +1608,17 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
  * code after saying why. */
 static int
 metrics_start(const char *who, const char *listen, unsigned roles,
-              struct evt_metrics_server **ms)
+              struct cli_metrics_server **ms)
 {
     char *errmsg = NULL;
-    int rc = evt_metrics_serve(listen, roles, ms, &errmsg);
+    int rc = cli_metrics_serve(listen, roles, ms, &errmsg);
     if (rc) {
         cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
         return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
     }
     ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
-           KS_I("port", evt_metrics_port(*ms)), KS_S("path", "/metrics"));
+           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"));
     return 0;
 }
 
@@ -1643,7 +1645,7 @@ cmd_broker(int argc, char **argv)
     struct broker_opts o = {0};
     const char *require_signed = NULL;
     const char *replicas = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -1787,7 +1789,7 @@ cmd_broker(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
     }
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_conf_release(&cf);
     return rc;
 }
@@ -1834,7 +1836,7 @@ cmd_agent(int argc, char **argv)
     struct agent_attestation att = {0};
     struct agent_label *att_labels = NULL;
     const char *bundle_file = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -2274,7 +2276,8 @@ cmd_agent(int argc, char **argv)
     ks_log(KS_LOG_INFO, "instance", KS_S("agent", o.ids[0]),
            KS_S("instance", agent_instance_id(a)));
     /* A signal, or the agent can serve no more (agent_fatal): then exit
-     * AGENT_EXIT_CONFIG, which systemd does not restart. */
+     * AGENT_EXIT_CONFIG (revoked), which systemd does not restart, or
+     * AGENT_EXIT_LINK (a dead link), which it does. */
     for (;;) {
         struct timespec tick = {0, 250 * 1000000L};
         sig = sigtimedwait(&set, NULL, &tick);
@@ -2284,6 +2287,11 @@ cmd_agent(int argc, char **argv)
     if (sig > 0) {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
         rc = 0;
+    } else if (agent_fatal(a) == AGENT_FATAL_LINK) {
+        ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
+               KS_S("reason", "the NATS link answers nothing"),
+               KS_I("exit_code", AGENT_EXIT_LINK));
+        rc = AGENT_EXIT_LINK;
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "revoked: NATS closed its connection"),
@@ -2292,7 +2300,7 @@ cmd_agent(int argc, char **argv)
     }
     agent_stop(a);
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_bundle_release(&bundle);
     free(att_labels);
     for (size_t i = 0; i < owned_label_keys; i++)

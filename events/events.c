@@ -315,6 +315,11 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         rc = KS_EUNAVAIL;
         goto out;
     }
+    if ((rc = evt__mux_init(c))) {
+        if (errmsg)
+            *errmsg = errmsg_dup("%s%s", ks_strerror(rc), "");
+        goto out;
+    }
     s = natsConnection_JetStream(&c->js, c->nc, NULL);
     if (s != NATS_OK) {
         if (errmsg)
@@ -342,8 +347,10 @@ evt_close(struct evt_conn *c)
     if (c->nc) {
         natsConnection_FlushTimeout(c->nc, 500);
         natsConnection_Close(c->nc);
-        natsConnection_Destroy(c->nc);
     }
+    /* After the close: its read thread, joined, delivers to no inbox. */
+    evt__mux_free(c);
+    natsConnection_Destroy(c->nc);
     EVP_PKEY_free(c->nkey); /* after the connection: reconnects sign */
     free(c);
 }
@@ -552,18 +559,24 @@ evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg)
 }
 
 int
-evt_agent_id_valid(const char *id)
+evt__token_ok(const char *s, size_t max)
 {
-    size_t n = id ? strlen(id) : 0;
-    if (n == 0 || n > EVT_AGENT_ID_MAX)
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > max)
         return 0;
     for (size_t i = 0; i < n; i++) {
-        char ch = id[i];
+        char ch = s[i];
         if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
               (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
             return 0;
     }
     return 1;
+}
+
+int
+evt_agent_id_valid(const char *id)
+{
+    return evt__token_ok(id, EVT_AGENT_ID_MAX);
 }
 
 void
@@ -637,40 +650,41 @@ pack_checked(const ProtobufCMessage *msg, uint8_t **buf, size_t *len)
     return kproto_pack(msg, buf, len);
 }
 
-static int
-js_publish_id(struct evt_conn *c, const char *subject, const uint8_t *buf,
-              size_t len, const char *msg_id, int timeout_ms)
-{
-    jsPubOptions po;
-    jsPubAck *pa = NULL;
-    jsErrCode jerr = 0;
-    natsStatus s;
+/* One message's subject and de-duplication id, with their storage. */
+struct cmd_msg {
+    char subject[20 + 2 * EVT_AGENT_ID_MAX];
+    char msg_id[64];
+    uint8_t *buf;
+    size_t len;
+};
 
-    jsPubOptions_Init(&po);
-    po.MsgId = msg_id;
-    po.MaxWait = timeout_ms;
-    s = js_Publish(&pa, c->js, subject, buf, (int)len, &po, &jerr);
-    jsPubAck_Destroy(pa);
-    return evt_err(s);
+/* Signs and packs cmd into m: "<command_id>.<attempt>" as its Nats-Msg-Id
+ * (the broker publishes a new attempt under a new id). */
+static int
+cmd_msg_make(const struct evt_signer *signer, const Ks__Command *cmd,
+             const char *pool, struct cmd_msg *m)
+{
+    int rc = evt__sign_command(signer, cmd, &m->buf, &m->len);
+    if (rc)
+        return rc;
+    evt_cmd_subject(m->subject, sizeof(m->subject), pool, cmd->agent_id);
+    snprintf(m->msg_id, sizeof(m->msg_id), "%s.%u", cmd->command_id,
+             cmd->attempt);
+    return 0;
 }
 
 int
 evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                     const Ks__Command *cmd, const char *pool, int timeout_ms)
 {
-    char subject[20 + 2 * EVT_AGENT_ID_MAX];
-    char msg_id[64];
-    uint8_t *buf = NULL;
-    size_t len = 0;
+    struct cmd_msg m = {0};
     int rc;
 
-    rc = evt__sign_command(signer, cmd, &buf, &len);
-    if (rc)
+    if ((rc = cmd_msg_make(signer, cmd, pool, &m)))
         return rc;
-    evt_cmd_subject(subject, sizeof(subject), pool, cmd->agent_id);
-    snprintf(msg_id, sizeof(msg_id), "%s.%u", cmd->command_id, cmd->attempt);
-    rc = js_publish_id(c, subject, buf, len, msg_id, timeout_ms);
-    free(buf);
+    rc = evt_js_publish_as(c, NULL, m.subject, m.msg_id, m.buf, m.len,
+                           timeout_ms, NULL, NULL, 0);
+    free(m.buf);
     return rc;
 }
 
@@ -679,37 +693,37 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                      Ks__Command *const *cmds, const char *const *pools,
                      size_t n, int timeout_ms)
 {
+    struct cmd_msg m[EVT_JS_WINDOW_MAX];
+    struct evt_js_msg w[EVT_JS_WINDOW_MAX];
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     int failed = 0;
 
-    for (size_t i = 0; i < n; i++) {
-        char subject[20 + 2 * EVT_AGENT_ID_MAX], msg_id[64];
-        uint8_t *buf = NULL;
-        size_t len = 0;
-        jsPubOptions po;
+    /* A window at a time: each PubAck looked at (nats.c 3.4.1's
+     * js_PublishAsync drops an error PubAck unless an error handler is
+     * set, and the batch took such commands for published). */
+    for (size_t off = 0; off < n; off += EVT_JS_WINDOW_MAX) {
+        size_t k = n - off < EVT_JS_WINDOW_MAX ? n - off : EVT_JS_WINDOW_MAX;
+        size_t nw = 0;
+        int64_t left_ms = (deadline - ks_mono_us()) / 1000;
 
-        if (evt__sign_command(signer, cmds[i], &buf, &len) != 0) {
-            failed++;
-            continue;
+        for (size_t i = 0; i < k; i++) {
+            const Ks__Command *cmd = cmds[off + i];
+            struct cmd_msg *cm = &m[nw];
+            memset(cm, 0, sizeof(*cm));
+            if (cmd_msg_make(signer, cmd, pools ? pools[off + i] : NULL,
+                             cm) != 0) {
+                failed++; /* too large: never sent */
+                continue;
+            }
+            w[nw++] = (struct evt_js_msg){cm->subject, cm->msg_id, cm->buf,
+                                          cm->len, 0, NULL, NULL, 0};
         }
-        evt_cmd_subject(subject, sizeof(subject), pools ? pools[i] : NULL,
-                        cmds[i]->agent_id);
-        snprintf(msg_id, sizeof(msg_id), "%s.%u", cmds[i]->command_id,
-                 cmds[i]->attempt);
-        jsPubOptions_Init(&po);
-        po.MsgId = msg_id;
-        if (js_PublishAsync(c->js, subject, buf, (int)len, &po) != NATS_OK)
-            failed++;
-        free(buf);
-    }
-    if (n) {
-        jsPubOptions po;
-        natsMsgList pending = {0};
-        jsPubOptions_Init(&po);
-        po.MaxWait = timeout_ms;
-        if (js_PublishAsyncComplete(c->js, &po) != NATS_OK &&
-            js_PublishAsyncGetPendingList(&pending, c->js) == NATS_OK) {
-            failed += pending.Count;
-            natsMsgList_Destroy(&pending);
+        if (nw)
+            evt_js_publish_window(c, NULL, w, nw,
+                                  left_ms > 0 ? (int)left_ms : 1);
+        for (size_t i = 0; i < nw; i++) {
+            failed += w[i].rc != 0;
+            free(m[i].buf);
         }
     }
     return failed;
@@ -727,7 +741,8 @@ evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
     if (rc)
         return rc;
     evt_event_subject(subject, sizeof(subject), ev->agent_id, ev->command_id);
-    rc = js_publish_id(c, subject, buf, len, ev->event_id, timeout_ms);
+    rc = evt_js_publish_as(c, NULL, subject, ev->event_id, buf, len,
+                           timeout_ms, NULL, NULL, 0);
     free(buf);
     return rc;
 }

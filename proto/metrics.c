@@ -77,6 +77,16 @@ static const struct {
                                   "appends per transaction is how much "
                                   "commits are shared.",
                                   B},
+    [KS_C_LATE_REPLIES] = {"kscore_nats_late_replies_total",
+                           "Replies that came after their requester had "
+                           "given up waiting, dropped.",
+                           B | A},
+    [KS_C_PUBLISH_RETRIES] = {"kscore_publish_retries_total",
+                              "JetStream publishes tried again because the "
+                              "stream did not take them for now (no "
+                              "responders during a leader election, no "
+                              "PubAck, a 503 error), same message id.",
+                              B | A},
 };
 
 static const struct {
