@@ -1900,9 +1900,14 @@ START_TEST(test_writer_group_verdicts)
     size_t stale = nc - 1;
     ck_assert_uint_le(nc, NCALL);
 
-    /* The rival claims first, so each pair is queued together. */
+    /* Everything but the claim of the fresh command, then that claim: it
+     * is queued after its command's record (threads started one after
+     * the other may queue in any order). */
     for (size_t i = 0; i < nc; i++)
-        start_queued(&th[i], &calls[i]);
+        if (i != fresh_claim)
+            start_queued(&th[i], &calls[i]);
+    wait_queued(ap0 + nc);
+    start_queued(&th[fresh_claim], &calls[fresh_claim]);
     wait_queued(ap0 + 1 + nc);
     for (size_t i = 0; i < nc; i++)
         ck_assert_msg(!calls[i].done, "call %zu finished before the release",
