@@ -513,10 +513,11 @@ struct store_write {
     const char *claim_agent;
     /* NULL, or called at most once, on the calling thread, once the
      * transaction holding the append is sent, as store_append_overlap()'s:
-     * its work overlaps the commit. Not called when nothing was sent or
-     * the append's end came before the caller saw it sent (then the
-     * caller does that work after). Must not block for long: when the
-     * caller writes the group, the group's results wait for it. */
+     * its work overlaps the commit. Not called when nothing was sent, when
+     * the append's end came before the caller saw it sent, or when the
+     * caller writes the group itself while others wait for the
+     * connection (it would hold them up): then the caller does that work
+     * after. */
     void (*between)(void *ud);
     void *ud;
 };

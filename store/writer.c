@@ -101,13 +101,24 @@ set_state(struct wconn *c, struct witem **it, size_t n,
 /*
  * The items are sent: their callers may run their between() now, beside
  * the database's work. The writing caller's own runs here, on its thread
- * (it is busy reading the results after this).
+ * (it is busy reading the results after this), but only when nobody waits
+ * for the connection: the connection is held until it returns, and a
+ * between() that is slow (a publish waiting for its PubAck) must not hold
+ * up the next group. Not run, its caller does that work after.
  */
 static void
 set_sent(struct wconn *c, struct witem **it, size_t n)
 {
-    set_state(c, it, n, W_SENT);
-    for (size_t i = 0; i < n; i++)
+    bool alone;
+
+    pthread_mutex_lock(&c->w->mu);
+    for (size_t i = 0; i < n; i++) {
+        it[i]->state = W_SENT;
+        pthread_cond_signal(&it[i]->cond);
+    }
+    alone = c->w->head == NULL;
+    pthread_mutex_unlock(&c->w->mu);
+    for (size_t i = 0; alone && i < n; i++)
         if (it[i] == c->self && it[i]->wr->between &&
             !it[i]->between_done) {
             it[i]->between_done = true;
