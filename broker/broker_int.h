@@ -96,10 +96,14 @@ struct broker__follower {
 #define BROKER_REMOTE_LIVE_MAX 65536
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
- * each, every one with its own thread and PostgreSQL connection: each is
- * one commit, and a fan-out or a steady rate brings many at once. */
+ * each, every one with its own thread (and a PostgreSQL connection for its
+ * reads): each waits for its append's commit, and the appends of all of
+ * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
-#define BROKER_EXEC_WORKERS 3
+#define BROKER_EXEC_WORKERS 8
+/* Connections of the group writer (store.h): the appends of the workers
+ * above and of the recorder's single results share its transactions. */
+#define BROKER_WRITER_CONNS 1
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
@@ -144,6 +148,9 @@ struct broker {
 
     struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
+    /* The dispatch records, claims and the recorder's single results are
+     * written through it (store.h "the group writer"). */
+    struct store_writer *writer;
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
@@ -243,6 +250,9 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+/* The same for an append the group writer failed (its result). */
+const char *broker__write_error(const struct store_write_result *res, int rc,
+                                char *buf, size_t len);
 
 /* Sends m to subject (a client's inbox; nothing when empty), in parts
  * when larger than one NATS message. A failure is logged. */

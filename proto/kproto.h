@@ -243,6 +243,10 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* The group writer (store/writer.c): appends written through it, and
+     * the transactions they took (their ratio: appends per commit). */
+    KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */
+    KS_C_WRITER_TRANSACTIONS, /* kscore_writer_transactions_total */
     KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
     KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
     /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
