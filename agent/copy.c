@@ -56,8 +56,8 @@ const char agent__copy_env[] = COPY_ENV;
 
 /* ---- the agent's side: fetch ---------------------------------------------- */
 
-/* 0 while the fetch goes on; -ECANCELED when the command was cancelled,
- * KS_ESTOPPED when the agent stops. */
+/* 0 while the fetch goes on; -ECANCELED when the command was cancelled
+ * or the agent stops (job_done tells which: j->op_cancelled). */
 static int
 given_up(struct agent *a, struct job_ctx *j)
 {
@@ -65,9 +65,7 @@ given_up(struct agent *a, struct job_ctx *j)
     pthread_mutex_lock(&a->mu);
     cancelled = j->cancel_pending;
     pthread_mutex_unlock(&a->mu);
-    if (cancelled)
-        return -ECANCELED;
-    return atomic_load(&a->closing) ? KS_ESTOPPED : 0;
+    return cancelled || atomic_load(&a->closing) ? -ECANCELED : 0;
 }
 
 /* Waits ms unless given up meanwhile: 0 or given_up's code. */
@@ -84,8 +82,8 @@ pause_unless_given_up(struct agent *a, struct job_ctx *j, int ms)
 /*
  * One request for a part, as the command's agent: its own subject
  * (kscore.api.v1.fetch.agent-<id>), the answer to its own inbox, or the
- * pool's (a pool's claim: runtime.c). 0 with *reply, given_up's code, or
- * as evt_inbox_next (KS_ETIMEDOUT, KS_EUNAVAIL: nobody serves fetch).
+ * pool's (a pool's claim: runtime.c). 0 with *reply, -ECANCELED
+ * (given_up), or as evt_inbox_next (KS_ETIMEDOUT, KS_EUNAVAIL: nobody serves fetch).
  */
 static int
 ask_part(struct agent *a, struct job_ctx *j, const Ks__FetchRequest *req,
@@ -160,7 +158,7 @@ fetch_part(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
                                         t ? fetch_backoff_ms[t - 1] : 0)))
             break;
         rc = ask_part(a, j, &req, &m);
-        if (rc == -ECANCELED || rc == KS_ESTOPPED)
+        if (rc == -ECANCELED)
             break;
         if (rc) {
             snprintf(last, sizeof(last), "%s",
@@ -191,13 +189,13 @@ fetch_part(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
             return rc;
         }
     }
-    if (rc == -ECANCELED)
-        snprintf(why, len, "cancelled while fetching '%s' (part %u of %u)",
-                 f->name, part + 1, ks_blob_parts(f->size));
-    else if (rc == KS_ESTOPPED)
+    if (rc == -ECANCELED && atomic_load(&a->closing))
         snprintf(why, len,
                  "the agent stopped while fetching '%s': the copy never ran",
                  f->name);
+    else if (rc == -ECANCELED)
+        snprintf(why, len, "cancelled while fetching '%s' (part %u of %u)",
+                 f->name, part + 1, ks_blob_parts(f->size));
     else
         snprintf(why, len,
                  "cannot fetch part %u of %u of '%s' after %d tries in %.1f "
