@@ -68,7 +68,7 @@ given_up(struct agent *a, struct job_ctx *j)
     return cancelled || atomic_load(&a->closing) ? -ECANCELED : 0;
 }
 
-/* Waits ms unless given up meanwhile: 0 or given_up's code. */
+/* Waits ms unless given up meanwhile: 0 or -ECANCELED. */
 static int
 pause_unless_given_up(struct agent *a, struct job_ctx *j, int ms)
 {
@@ -83,7 +83,8 @@ pause_unless_given_up(struct agent *a, struct job_ctx *j, int ms)
  * One request for a part, as the command's agent: its own subject
  * (kscore.api.v1.fetch.agent-<id>), the answer to its own inbox, or the
  * pool's (a pool's claim: runtime.c). 0 with *reply, -ECANCELED
- * (given_up), or as evt_inbox_next (KS_ETIMEDOUT, KS_EUNAVAIL: nobody serves fetch).
+ * (given_up), or as evt_inbox_next (KS_ETIMEDOUT; KS_EUNAVAIL: nobody
+ * serves fetch).
  */
 static int
 ask_part(struct agent *a, struct job_ctx *j, const Ks__FetchRequest *req,
@@ -135,7 +136,7 @@ passing(int error_code)
 }
 
 /* One part, as the command's agent, tried again as the top says. 0 with
- * *rep, given_up's code, or an error, each with why. */
+ * *rep, -ECANCELED (given_up), or an error, each with why. */
 static int
 fetch_part(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
            const Ks__CopyFile *f, uint32_t part, Ks__FetchReply **rep,

@@ -1109,7 +1109,7 @@ START_TEST(a_fetch_that_keeps_failing_ends_the_copy_with_its_reason)
 }
 END_TEST
 
-/* ---- what kscore copy keeps, and for how long ----------------------------- */
+/* ---- what kscore copy keeps, and for how long ---------------------------- */
 
 #define XAGENT "px-agent"
 static struct fixture_stack xstack;
@@ -1524,8 +1524,8 @@ payload_suite(void)
     tcase_add_unchecked_fixture(tx, expiry_up, expiry_down);
     tcase_set_timeout(tx, 180);
     tcase_add_test(tx, an_unfinished_upload_goes_away);
-    tcase_add_test(tx,
-                   a_file_goes_after_its_last_use_and_not_while_a_copy_names_it);
+    tcase_add_test(
+        tx, a_file_goes_after_its_last_use_and_not_while_a_copy_names_it);
     suite_add_tcase(s, tx);
 
     TCase *tr = tcase_create("rules");

@@ -3107,9 +3107,9 @@ held_bytes(const char *op)
              op);
     long held = sql_long(sql);
     snprintf(sql, sizeof(sql),
-             "SELECT coalesce(sum(octet_length(data)), 0) FROM blob_parts%s%s%s",
-             strcmp(op, "*") ? " WHERE operator = '" : "",
-             strcmp(op, "*") ? op : "", strcmp(op, "*") ? "'" : "");
+             "SELECT coalesce(sum(octet_length(data)), 0) FROM blob_parts "
+             "WHERE '%s' IN ('*', operator)",
+             op);
     ck_assert_int_eq(sql_long(sql), held);
     return held;
 }
@@ -3261,8 +3261,8 @@ store_putter_main(void *arg)
     struct store_putter *p = arg;
     struct store *st = NULL;
     struct store_blob_bounds bd = {2 * MiB, 1L << 40};
-    uint8_t sha[32] = {0xf0, (uint8_t)p->k}, *data = fixture_bytes(256 * 1024,
-                                                                 (uint32_t)p->k);
+    uint8_t sha[32] = {0xf0, (uint8_t)p->k};
+    uint8_t *data = fixture_bytes(256 * 1024, (uint32_t)p->k);
     if (store_open(p->conninfo, &st, NULL) != 0)
         return NULL;
     for (uint32_t i = 0; i < 16; i++) {
