@@ -151,6 +151,8 @@ static const struct rule rules[] = {
      "0 to 2^62"},
     {"EventsRequest", "limit", R_RANGE, 0, 10000, "at most 10000"},
     {"EventsRequest", "wait_ms", R_RANGE, 0, 5000, "at most 5000 ms"},
+    {"EventsRequest", "start_at_us", R_RANGE, 0, (1ULL << 62),
+     "0 or a time in microseconds since the epoch"},
     {"ListRequest", "agents", R_COUNT, 0, 64, "at most 64 agents"},
     {"ListRequest", "agents", R_AGENT_ID, 0, 0,
      "each 1-128 letters, digits, _ and -"},

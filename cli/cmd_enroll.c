@@ -614,11 +614,20 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     evt_pool_attest_id(pool_key, sizeof(pool_key), id, pool_size);
     snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
              id);
+    /* The NATS identity "agent-<id>" or "pool-<id>" is a user name of at
+     * most EVT_IDENTITY_MAX bytes; a pool's ids "<id>-<n>" must be agent
+     * ids too (n < STACK_POOL_MAX: "-" and up to 6 digits). */
+    size_t max = pool_size ? EVT_IDENTITY_MAX - 5 : EVT_IDENTITY_MAX - 6;
+    if (pool_size && max > EVT_AGENT_ID_MAX - 7)
+        max = EVT_AGENT_ID_MAX - 7;
     if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
-        (pool_size && strlen(id) + 7 > EVT_AGENT_ID_MAX)) {
-        cli_err("bad %s '%s': letters, digits, _ and - (at most %d)",
+        strlen(id) > max) {
+        cli_err("bad %s '%s'%s: 1 to %zu letters, digits, _ and - (its NATS "
+                "identity %s-<%s> is at most %d characters)",
                 pool_size ? "pool name" : "agent id", id,
-                pool_size ? EVT_AGENT_ID_MAX - 7 : EVT_IDENTITY_MAX - 6);
+                strlen(id) > max ? ": too long" : "", max,
+                pool_size ? "pool" : "agent", pool_size ? "name" : "id",
+                EVT_IDENTITY_MAX);
         return CLI_EXIT_USAGE;
     }
     {

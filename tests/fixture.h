@@ -187,6 +187,38 @@ int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
 
+/*
+ * A kscore process running beside the test (an `events --follow`, a batch
+ * on a terminal), its output collected as the test waits for it.
+ * terminal: stdin, stdout and stderr are a pseudo-terminal of 120x40
+ * (forkpty), the process leads its session with it as its controlling
+ * terminal, out is everything the terminal received (both streams, in
+ * order, with the terminal's \r\n), err stays empty, and bytes written with
+ * fixture_proc_write are typed (^C, \x03, is a SIGINT); else stdin is
+ * /dev/null and stdout, stderr are pipes into out and err. The
+ * environment is fixture_kscore's for s (s NULL: none of a stack's).
+ */
+struct fixture_proc {
+    pid_t pid;
+    int fd_out, fd_err; /* pipes, or the terminal's master and -1 */
+    char *out, *err;    /* what came so far, NUL-terminated (or NULL) */
+    size_t out_len, err_len, out_cap, err_cap;
+    int status;         /* after fixture_proc_wait: as fixture_out's; -1 */
+};
+int fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                         bool terminal, struct fixture_proc *p);
+/* Collects output until needle is in out or err: 0, or KS_ETIMEDOUT after
+ * timeout_ms (or when the process closed its output without it). */
+int fixture_proc_expect(struct fixture_proc *p, const char *needle,
+                        int timeout_ms);
+/* Types bytes on its terminal. 0 or -errno (-EINVAL: no terminal). */
+int fixture_proc_write(struct fixture_proc *p, const char *bytes);
+/* Sends sig (0: none), then collects output until it exits, at most
+ * timeout_ms (then SIGKILL). Returns p->status. */
+int fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms);
+/* Kills it if it still runs (SIGKILL), frees. Accepts a zeroed p. */
+void fixture_proc_release(struct fixture_proc *p);
+
 /* ------------------------------------------------------------------------ */
 /* Clients (tests/fixture_nats.c)                                            */
 /* ------------------------------------------------------------------------ */
