@@ -952,6 +952,17 @@ START_TEST(claimed_never_spawned_is_not_started)
         print_events(id);
     ck_assert(found);
     ck_assert(!has_event(id, "CommandLost", NULL, NULL));
+    /* `kscore events --follow` stops at this end as at any other (it
+     * followed a NotStarted command forever). */
+    {
+        const char *args[] = {"events", "--follow", id, NULL};
+        struct fixture_proc p;
+        ck_assert_int_eq(fixture_kscore_spawn(&stack, args, false, &p), 0);
+        int st = fixture_proc_wait(&p, 0, 20000);
+        ck_assert_msg(st == 0 && strstr(p.out, "CommandNotStarted"),
+                      "events --follow: exit %d: %s", st, p.out);
+        fixture_proc_release(&p);
+    }
     /* `kscore get`: NotStarted where the store knows the event; a store
      * that predates it leaves the command Running, never anything else. */
     {
