@@ -178,17 +178,6 @@ label_key_ok(const char *s)
     return true;
 }
 
-static bool
-env_name_ok(const char *n)
-{
-    bool ok = (n[0] >= 'A' && n[0] <= 'Z') || (n[0] >= 'a' && n[0] <= 'z') ||
-              n[0] == '_';
-    for (const char *c = n; ok && *c; c++)
-        ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
-             (*c >= '0' && *c <= '9') || *c == '_';
-    return ok && strncmp(n, "KSCORE_", 7) != 0;
-}
-
 /* A subject token: no wildcard, separator or whitespace. */
 static bool
 subject_ok(const char *s)
@@ -240,7 +229,7 @@ check_string(const struct rule *r, const char *v, const char *identity,
         ok = evt_agent_id_valid(v);
         break;
     case R_ENV_NAME:
-        ok = env_name_ok(v);
+        ok = broker_env_name_ok(v);
         break;
     case R_LABEL_KEY:
         ok = label_key_ok(v);

@@ -345,6 +345,14 @@ cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
             return -1;
         }
         *eq = '\0';
+        if (!broker_env_name_ok(arg)) {
+            /* Said here, before anything is sent: a usage error (2). */
+            cli_err("bad --env name '%s': letters, digits and _, not "
+                    "starting with a digit, at most 256 bytes, not KSCORE_*",
+                    arg);
+            *eq = '=';
+            return -1;
+        }
         Ks__EnvVar *ev = &cs->envs[cs->spec.n_env];
         ks__env_var__init(ev);
         ev->name = arg;
@@ -353,6 +361,12 @@ cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
         return 1;
     }
     case CLI_OPT_SPEC + 3:
+        if (arg[0] != '/') {
+            cli_err("bad --cwd '%s': an absolute path on the agent (the "
+                    "default is /)",
+                    arg);
+            return -1;
+        }
         cs->spec.cwd = arg;
         return 1;
     case CLI_OPT_SPEC + 4:

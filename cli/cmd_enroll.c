@@ -911,14 +911,12 @@ static int
 fleet_list(const char *home, bool json)
 {
     struct stack_identity *ids = NULL;
-    json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
     bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
         cli_err("cannot read %s/identities: %s", home, ks_strerror(rc));
-        json_decref(arr);
         return CLI_EXIT_KSCORE;
     }
     for (size_t i = 0; i < n; i++) {
@@ -959,7 +957,7 @@ fleet_list(const char *home, bool json)
             json_object_set_new(o, "bundle",
                                 bundle[0] ? json_string(bundle) : json_null());
             json_object_set_new(o, "labels", labels);
-            json_array_append_new(arr, o);
+            cli_print_json(o); /* one a line, as every other list */
         } else {
             const char *k;
             json_t *v;
@@ -977,8 +975,6 @@ fleet_list(const char *home, bool json)
         }
     }
     free(ids);
-    if (json)
-        cli_print_json(arr);
     return 0;
 }
 

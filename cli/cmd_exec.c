@@ -301,11 +301,15 @@ out:
 /* ---- get / events / cancel ----------------------------------------------- */
 
 /* Parses "ID [--json] [connection flags]" where ID is a command id or a
- * batch id; returns the id, or NULL after printing why (*rc set). */
+ * batch id; returns the id, or NULL after printing why (*rc set). usage:
+ * the --help text; its first line is the usage line that errors quote. */
 static const char *
-parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
+parse_id_args(int argc, char **argv, const char *usage, bool *json,
               struct cli_conn *cc, int *rc)
 {
+    char usage_line[160];
+    snprintf(usage_line, sizeof(usage_line), "%.*s",
+             (int)strcspn(usage, "\n"), usage);
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
                                        CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
@@ -319,7 +323,7 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
             *json = true;
             break;
         case 'h':
-            printf("%s\n", usage_line);
+            fputs(usage, stdout);
             *rc = 0;
             return NULL;
         default:
@@ -383,6 +387,20 @@ requested_env(struct evt_conn *c, const char *command_id,
     return env;
 }
 
+static const char get_usage[] =
+    "usage: kscore get ID [--json]\n"
+    "ID is a command id (a UUID) or a batch id (batch-<uuid>).\n"
+    "A command: its state, argv, environment, who asked it, why it ended\n"
+    "so, its exit code or signal, duration, output and late reports. A\n"
+    "batch: each target's outcome and output, grouped as kscore batch\n"
+    "prints them, and the summary.\n"
+    "  --json   one object: a command's whole result; a batch with its\n"
+    "           targets and exit_code, the code kscore batch exits with\n"
+    "           (null while the batch runs)\n"
+    "Exit 0 whatever the command or batch did, 125 kscore failed\n"
+    "(unreachable, not found, denied), 2 usage.\n"
+    CLI_CONN_USAGE;
+
 int
 cmd_get(int argc, char **argv)
 {
@@ -392,8 +410,7 @@ cmd_get(int argc, char **argv)
     Ks__GetReply *rep = NULL;
     bool json = false;
     int rc;
-    const char *id = parse_id_args(argc, argv, "usage: kscore get ID [--json]",
-                                   &json, &cc, &rc);
+    const char *id = parse_id_args(argc, argv, get_usage, &json, &cc, &rc);
     if (!id)
         return rc;
     if ((rc = cli_connect(&cc, &c)))
@@ -782,9 +799,14 @@ cmd_cancel(int argc, char **argv)
     const char *id = parse_id_args(
         argc, argv,
         "usage: kscore cancel ID [--json]   (a command id, or batch-<uuid>)\n"
+        "Before an agent claims it, a command ends Cancelled; a running one\n"
+        "gets TERM, grace, KILL on its agent; a batch starts no more\n"
+        "targets and cancels its running ones.\n"
+        "  --json   one object: id, outcome (cancelled, requested, ended),\n"
+        "           status\n"
         "Exit: 0 cancelled or cancel requested, 1 it had already ended "
         "(nothing done),\n125 kscore failed (unreachable, not found, "
-        "denied), 2 usage.",
+        "denied), 2 usage.\n" CLI_CONN_USAGE,
         &json, &cc, &rc);
     if (!id)
         return rc;

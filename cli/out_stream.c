@@ -408,9 +408,16 @@ cmd_logs(int argc, char **argv)
             goto out;
         }
     }
-    if (optind != argc - 1 || !ks_is_uuid(argv[optind])) {
-        cli_err("usage: kscore logs ID [--follow] [--stdout|--stderr] "
-                "[--json] (ID: a command id)");
+    if (optind != argc - 1) {
+        cli_err("expected one id: usage: kscore logs ID [--follow] "
+                "[--stdout|--stderr] [--json]");
+        goto out;
+    }
+    if (!ks_is_uuid(argv[optind])) {
+        cli_err("'%s' is not a command id (a UUID)%s", argv[optind],
+                strncmp(argv[optind], "batch-", 6) == 0
+                    ? ": a batch's outputs are in kscore get"
+                    : "");
         goto out;
     }
     if (only_out && only_err) {

@@ -138,4 +138,11 @@ int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
  * the brokers (client/select.c). Any thread. */
 bool broker_user_spec_ok(const char *s);
 
+/* true for the name of a variable a command may be given (--env,
+ * --secret-env; CommandSpec.env and sealed_env): a POSIX name (letters,
+ * digits, _; not a digit first) of 1-256 bytes, not KSCORE_* (kscore's
+ * own: KSCORE_COMMAND_ID is how a command knows itself). The CLI and the
+ * brokers read it the same way (client/select.c). Any thread. */
+bool broker_env_name_ok(const char *name);
+
 #endif

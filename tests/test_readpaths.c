@@ -392,6 +392,55 @@ START_TEST(confirmation_shows_the_command_and_its_targets)
 }
 END_TEST
 
+/*
+ * `batch --detach --json` and `get batch-... --json` of a running batch
+ * said "exit_code":4 (some never ran): it has no exit code yet.
+ */
+START_TEST(running_batch_has_no_exit_code_yet)
+{
+    char agent0[96];
+    struct fixture_out o;
+    snprintf(agent0, sizeof(agent0), "%s-0", host);
+    const char *args[] = {"batch", "--agents", agent0, "--detach", "--json",
+                          "--",    "sleep",    "2",    NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_msg(j, "not JSON: %s", o.out);
+    char id[64];
+    snprintf(id, sizeof(id), "%s",
+             json_string_value(json_object_get(j, "batch_id")));
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Running");
+    ck_assert_msg(json_is_null(json_object_get(j, "exit_code")), "%s", o.out);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *get[] = {"get", id, "--json", NULL};
+    bool ended = false, running_seen = false;
+    for (int i = 0; i < 200 && !ended; i++) {
+        ck_assert_int_eq(fixture_kscore(&stack, get, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        j = json_loads(o.out, 0, NULL);
+        ck_assert_msg(j, "not JSON: %s", o.out);
+        const char *st = json_string_value(json_object_get(j, "status"));
+        json_t *code = json_object_get(j, "exit_code");
+        if (strcmp(st, "Running") == 0) {
+            running_seen = true;
+            ck_assert_msg(json_is_null(code), "running: %s", o.out);
+        } else {
+            ended = true;
+            ck_assert_int_eq(json_integer_value(code), 0);
+        }
+        json_decref(j);
+        fixture_out_release(&o);
+        if (!ended)
+            sleep_ms(100);
+    }
+    ck_assert(running_seen && ended);
+}
+END_TEST
+
 /* ---- exec says what it waits for ----------------------------------------- */
 
 /* Waits until the broker lists id as offline. */
@@ -696,7 +745,108 @@ START_TEST(operator_and_agent_streams_are_readable)
 }
 END_TEST
 
+/*
+ * `operator list --json` and `agent list --json` printed one JSON array
+ * where every other list (list, agents, events) prints one object a line:
+ * `| jq .name` failed on them. One object a line.
+ */
+START_TEST(identity_lists_are_one_object_a_line)
+{
+    struct fixture_out o;
+    const char *const lists[][5] = {
+        {"operator", "list", "--all", "--json", NULL},
+        {"agent", "list", "--json", NULL, NULL}};
+    for (size_t k = 0; k < 2; k++) {
+        ck_assert_int_eq(fixture_kscore_home(sec.dir, lists[k], &o), 0);
+        ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+        size_t n = 0;
+        for (char *save = NULL, *l = strtok_r(o.out, "\n", &save); l;
+             l = strtok_r(NULL, "\n", &save), n++) {
+            json_t *j = json_loads(l, 0, NULL);
+            ck_assert_msg(json_is_object(j), "%s: not an object a line: %s",
+                          lists[k][0], l);
+            json_decref(j);
+        }
+        /* operator list --all: broker, alice, agent-rsec; agent list:
+         * rsec */
+        ck_assert_uint_ge(n, k == 0 ? 3 : 1);
+        fixture_out_release(&o);
+    }
+    /* The table has a header, as the other tables. */
+    const char *human[] = {"operator", "list", NULL};
+    ck_assert_int_eq(fixture_kscore_home(sec.dir, human, &o), 0);
+    ck_assert_msg(strncmp(o.out, "NAME", 4) == 0 && strstr(o.out, "alice"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
 /* ---- without a stack ----------------------------------------------------- */
+
+/* Runs kscore without any stack (a usage error never reaches one). */
+static int
+ks_nostack(const char *const args[], struct fixture_out *o)
+{
+    ck_assert_int_eq(fixture_kscore_home("/nonexistent-kscore-home", args, o),
+                     0);
+    return o->status;
+}
+
+/*
+ * `exec --env BAD-NAME=1` and `--cwd rel` went to the broker and came
+ * back as 125 naming a protobuf field (ExecuteRequest.spec.cwd). They are
+ * usage errors, said before anything is sent: 2, naming the flag.
+ */
+START_TEST(bad_env_and_cwd_are_usage_errors)
+{
+    struct fixture_out o;
+    const char *const cases[][8] = {
+        {"exec", "--agent", "a", "--env", "BAD-NAME=1", "--", "true", NULL},
+        {"exec", "--agent", "a", "--env", "KSCORE_X=1", "--", "true", NULL},
+        {"exec", "--agent", "a", "--cwd", "rel", "--", "true", NULL},
+        {"batch", "--all", "--cwd", "", "--", "true", NULL, NULL},
+        {"batch", "--all", "--env", "1X=2", "--", "true", NULL, NULL},
+    };
+    const char *want[] = {"bad --env name 'BAD-NAME'",
+                          "bad --env name 'KSCORE_X'", "bad --cwd 'rel'",
+                          "bad --cwd ''", "bad --env name '1X'"};
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        ck_assert_int_eq(ks_nostack(cases[i], &o), 2);
+        ck_assert_msg(strstr(o.err, want[i]), "%s: %s", want[i], o.err);
+        fixture_out_release(&o);
+    }
+}
+END_TEST
+
+/*
+ * `get --help` printed one line (not that a batch id is taken, nor the
+ * exit codes, nor the connection flags); `cancel --help` had no
+ * connection flags; `logs nope` printed its usage instead of what was
+ * wrong.
+ */
+START_TEST(help_and_id_errors_say_what_is_taken)
+{
+    struct fixture_out o;
+    const char *g[] = {"get", "--help", NULL};
+    ck_assert_int_eq(ks_nostack(g, &o), 0);
+    ck_assert_msg(strstr(o.out, "batch-<uuid>") && strstr(o.out, "Exit 0") &&
+                      strstr(o.out, "--nats URL") &&
+                      strstr(o.out, "null while the batch runs"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+    const char *c[] = {"cancel", "--help", NULL};
+    ck_assert_int_eq(ks_nostack(c, &o), 0);
+    ck_assert_msg(strstr(o.out, "--nats URL") && strstr(o.out, "outcome"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+    const char *l[] = {"logs", "batch-1", NULL};
+    ck_assert_int_eq(ks_nostack(l, &o), 2);
+    ck_assert_msg(strstr(o.err, "'batch-1' is not a command id") &&
+                      strstr(o.err, "kscore get"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+}
+END_TEST
 
 /* An id of 58 characters was refused with "(at most 57)": the limit and
  * its reason are said, and a pool name's limit is its own (58). */
@@ -745,6 +895,7 @@ readpaths_suite(void)
     tcase_add_test(tc, progress_bar_never_glued_to_stream_lines);
     tcase_add_test(tc, progress_bar_never_glued_to_the_ctrl_c_message);
     tcase_add_test(tc, confirmation_shows_the_command_and_its_targets);
+    tcase_add_test(tc, running_batch_has_no_exit_code_yet);
     tcase_add_test(tc, exec_says_at_once_it_waits_for_an_offline_agent);
     tcase_add_test(tc, exec_says_at_once_that_no_broker_answers);
     suite_add_tcase(s, tc);
@@ -754,11 +905,14 @@ readpaths_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, denial_names_only_the_variables_refused);
     tcase_add_test(tc, operator_and_agent_streams_are_readable);
+    tcase_add_test(tc, identity_lists_are_one_object_a_line);
     suite_add_tcase(s, tc);
 
     tc = tcase_create("cli");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, enroll_names_the_id_limit);
+    tcase_add_test(tc, bad_env_and_cwd_are_usage_errors);
+    tcase_add_test(tc, help_and_id_errors_say_what_is_taken);
     suite_add_tcase(s, tc);
     return s;
 }
