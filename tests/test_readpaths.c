@@ -441,6 +441,39 @@ START_TEST(running_batch_has_no_exit_code_yet)
 }
 END_TEST
 
+/* The CLI refuses bad variable names itself now; the broker still does,
+ * for a request that does not come through it, with the same rule. */
+START_TEST(broker_refuses_bad_env_names_too)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    const char *bad[] = {"A B", "KSCORE_COMMAND_ID", "1X"};
+    const char *want[] = {"bad environment variable name 'A B'",
+                          "the KSCORE_ prefix is kscore's own",
+                          "bad environment variable name '1X'"};
+    for (size_t i = 0; i < 3; i++) {
+        Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+        Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+        Ks__EnvVar ev = KS__ENV_VAR__INIT, *evp = &ev;
+        Ks__ExecuteReply *rep = NULL;
+        char *argv[] = {"true"};
+        ev.name = (char *)bad[i];
+        ev.value = "1";
+        spec.argv = argv;
+        spec.n_argv = 1;
+        spec.env = &evp;
+        spec.n_env = 1;
+        req.spec = &spec;
+        req.agent_id = AGENT;
+        req.detach = 1;
+        ck_assert_int_eq(broker_execute(c, &req, 5000, &rep), 0);
+        ck_assert_int_eq(rep->error_code, KS_EINVAL);
+        ck_assert_msg(strstr(rep->error, want[i]), "%s", rep->error);
+        ks__execute_reply__free_unpacked(rep, NULL);
+    }
+    evt_close(c);
+}
+END_TEST
+
 /* ---- exec says what it waits for ----------------------------------------- */
 
 /* Waits until the broker lists id as offline. */
@@ -896,6 +929,7 @@ readpaths_suite(void)
     tcase_add_test(tc, progress_bar_never_glued_to_the_ctrl_c_message);
     tcase_add_test(tc, confirmation_shows_the_command_and_its_targets);
     tcase_add_test(tc, running_batch_has_no_exit_code_yet);
+    tcase_add_test(tc, broker_refuses_bad_env_names_too);
     tcase_add_test(tc, exec_says_at_once_it_waits_for_an_offline_agent);
     tcase_add_test(tc, exec_says_at_once_that_no_broker_answers);
     suite_add_tcase(s, tc);
