@@ -31,14 +31,22 @@ static char status_text[512];
 static bool status_shown;
 static int stdout_tty = -1; /* isatty(1), asked once */
 
+/* Draws the kept text (on) or erases the line, under status_mu. */
+static void
+status_draw_locked(bool on)
+{
+    fflush(stdout); /* what was written before stays before */
+    fprintf(stderr, "\r\033[K%s", on ? status_text : "");
+    fflush(stderr);
+    status_shown = on;
+}
+
 void
 cli_status_show(const char *text)
 {
     pthread_mutex_lock(&status_mu);
     snprintf(status_text, sizeof(status_text), "%s", text);
-    fprintf(stderr, "\r\033[K%s", status_text);
-    fflush(stderr);
-    status_shown = true;
+    status_draw_locked(true);
     pthread_mutex_unlock(&status_mu);
 }
 
@@ -46,11 +54,8 @@ void
 cli_status_end(void)
 {
     pthread_mutex_lock(&status_mu);
-    if (status_shown) {
-        fputs("\r\033[K", stderr);
-        fflush(stderr);
-    }
-    status_shown = false;
+    if (status_shown)
+        status_draw_locked(false);
     status_text[0] = '\0';
     pthread_mutex_unlock(&status_mu);
 }
@@ -61,11 +66,8 @@ cli_status_hide(int fd)
     pthread_mutex_lock(&status_mu);
     if (fd == 1 && stdout_tty < 0)
         stdout_tty = isatty(1);
-    if (status_shown && (fd == 2 || (fd == 1 && stdout_tty))) {
-        fputs("\r\033[K", stderr);
-        fflush(stderr);
-        status_shown = false;
-    }
+    if (status_shown && (fd == 2 || (fd == 1 && stdout_tty)))
+        status_draw_locked(false);
     fflush(fd == 1 ? stdout : stderr);
     pthread_mutex_unlock(&status_mu);
 }
@@ -74,12 +76,8 @@ void
 cli_status_redraw(void)
 {
     pthread_mutex_lock(&status_mu);
-    if (!status_shown && status_text[0]) {
-        fflush(stdout);
-        fprintf(stderr, "\r\033[K%s", status_text);
-        fflush(stderr);
-        status_shown = true;
-    }
+    if (!status_shown && status_text[0])
+        status_draw_locked(true);
     pthread_mutex_unlock(&status_mu);
 }
 

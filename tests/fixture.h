@@ -88,6 +88,7 @@ struct fixture_stack {
     char broker_seed[PATH_MAX + 64], operator_seed[PATH_MAX + 64],
         agent_seed[PATH_MAX + 256];
     char policy[PATH_MAX + 16]; /* broker --policy, "" for none */
+    const char *policy_json;    /* fixture_stack_start_policy's text */
     char agent_labels[128];     /* "--label" value for the agent, or "" */
 };
 
@@ -102,6 +103,11 @@ int fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
                                const char *policy_file);
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
+/* As fixture_stack_start_secure, with the policy given as its JSON text
+ * (written to <dir>/policy.json, removed with the stack). */
+int fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                               const char *label, const char *operator_name,
+                               const char *policy_json);
 /*
  * A secure stack after its registry (s->dir) changed (stack_ident_add or
  * _remove with home s->dir): renders nats-auth.conf again and makes

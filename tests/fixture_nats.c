@@ -325,13 +325,16 @@ fixture_stack_start(struct fixture_stack *s, const char *agent_id,
     return stack_start(s, agent_id, local_agents);
 }
 
-int
-fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
-                           const char *label, const char *operator_name,
-                           const char *policy_file)
+/* A secure stack with a policy file, or its text (one of the two, or
+ * neither). */
+static int
+secure_start(struct fixture_stack *s, const char *agent_id,
+             const char *label, const char *operator_name,
+             const char *policy_file, const char *policy_json)
 {
     memset(s, 0, sizeof(*s));
     s->secure = true;
+    s->policy_json = policy_json;
     snprintf(s->operator_name, sizeof(s->operator_name), "%s",
              operator_name);
     if (policy_file)
@@ -340,6 +343,24 @@ fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
         snprintf(s->agent_labels, sizeof(s->agent_labels), "%s", label);
     snprintf(s->agent_id, sizeof(s->agent_id), "%s", agent_id);
     return stack_start(s, agent_id, 1);
+}
+
+int
+fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_file)
+{
+    return secure_start(s, agent_id, label, operator_name, policy_file,
+                        NULL);
+}
+
+int
+fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_json)
+{
+    return secure_start(s, agent_id, label, operator_name, NULL,
+                        policy_json);
 }
 
 /* The secure stack's identities, as `kscore up` makes them: broker,
@@ -380,6 +401,13 @@ stack_start(struct fixture_stack *s, const char *agent_id,
     int rc;
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
         return rc;
+    if (s->policy_json) {
+        FILE *f;
+        snprintf(s->policy, sizeof(s->policy), "%s/policy.json", s->dir);
+        if (!(f = fopen(s->policy, "w")) || fputs(s->policy_json, f) < 0 ||
+            fclose(f) != 0)
+            return -EIO;
+    }
     snprintf(s->signing_key, sizeof(s->signing_key), "%s/broker.key",
              s->dir);
     snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
@@ -528,74 +556,12 @@ exec_kscore(const struct fixture_stack *s, const char *home,
     _exit(127);
 }
 
+/* Starts kscore with args against s (or the local stack of home), stdin
+ * stdin_path (NULL: /dev/null), or on a terminal (fixture_kscore_spawn). */
 static int
-run_kscore(const struct fixture_stack *s, const char *home,
-           const char *stdin_path, const char *const args[],
-           struct fixture_out *out)
-{
-    int po[2], pe[2];
-    size_t n = 0, cap_o = 0, cap_e = 0;
-    int64_t t0 = ks_mono_us();
-    pid_t pid;
-    int st = 0;
-
-    memset(out, 0, sizeof(*out));
-    while (args[n])
-        n++;
-    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
-        return -errno;
-    pid = fork();
-    if (pid == -1)
-        return -errno;
-    if (pid == 0) {
-        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
-        if (nul == -1)
-            _exit(126);
-        dup2(nul, 0);
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        exec_kscore(s, home, args);
-    }
-    close(po[1]);
-    close(pe[1]);
-    struct pollfd fds[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
-    int open_fds = 2;
-    while (open_fds > 0) {
-        if (poll(fds, 2, -1) == -1) {
-            if (errno == EINTR)
-                continue;
-            break;
-        }
-        for (int i = 0; i < 2; i++) {
-            char buf[65536];
-            if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP)))
-                continue;
-            ssize_t r = read(fds[i].fd, buf, sizeof(buf));
-            if (r <= 0) {
-                close(fds[i].fd);
-                fds[i].fd = -1;
-                open_fds--;
-                continue;
-            }
-            if (i == 0)
-                append(&out->out, &out->out_len, &cap_o, buf, (size_t)r);
-            else
-                append(&out->err, &out->err_len, &cap_e, buf, (size_t)r);
-        }
-    }
-    waitpid(pid, &st, 0);
-    if (!out->out)
-        out->out = strdup("");
-    if (!out->err)
-        out->err = strdup("");
-    out->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    out->seconds = (double)(ks_mono_us() - t0) / 1e6;
-    return 0;
-}
-
-int
-fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
-                     bool terminal, struct fixture_proc *p)
+proc_start(const struct fixture_stack *s, const char *home,
+           const char *stdin_path, const char *const args[], bool terminal,
+           struct fixture_proc *p)
 {
     int po[2] = {-1, -1}, pe[2] = {-1, -1};
 
@@ -612,7 +578,7 @@ fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
         if (p->pid == -1)
             return -errno;
         if (p->pid == 0)
-            exec_kscore(s, NULL, args);
+            exec_kscore(s, home, args);
         p->fd_out = master;
         return 0;
     }
@@ -622,19 +588,26 @@ fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
     if (p->pid == -1)
         return -errno;
     if (p->pid == 0) {
-        int nul = open("/dev/null", O_RDONLY);
+        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
         if (nul == -1)
             _exit(126);
         dup2(nul, 0);
         dup2(po[1], 1);
         dup2(pe[1], 2);
-        exec_kscore(s, NULL, args);
+        exec_kscore(s, home, args);
     }
     close(po[1]);
     close(pe[1]);
     p->fd_out = po[0];
     p->fd_err = pe[0];
     return 0;
+}
+
+int
+fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                     bool terminal, struct fixture_proc *p)
+{
+    return proc_start(s, NULL, NULL, args, terminal, p);
 }
 
 /* Reads what is there (waiting up to wait_ms for something); 0, or -1
@@ -724,6 +697,30 @@ fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms)
                                              : 128 + WTERMSIG(st))
                             : -1;
     return p->status;
+}
+
+/* Runs kscore to its end: what fixture_kscore and its variants return. */
+static int
+run_kscore(const struct fixture_stack *s, const char *home,
+           const char *stdin_path, const char *const args[],
+           struct fixture_out *out)
+{
+    struct fixture_proc p;
+    int64_t t0 = ks_mono_us();
+    int rc = proc_start(s, home, stdin_path, args, false, &p);
+
+    memset(out, 0, sizeof(*out));
+    if (rc)
+        return rc;
+    out->status = fixture_proc_wait(&p, 0, INT_MAX);
+    out->seconds = (double)(ks_mono_us() - t0) / 1e6;
+    out->out = p.out ? p.out : strdup("");
+    out->err = p.err ? p.err : strdup("");
+    out->out_len = p.out_len;
+    out->err_len = p.err_len;
+    p.out = p.err = NULL;
+    fixture_proc_release(&p);
+    return 0;
 }
 
 void

@@ -578,36 +578,26 @@ END_TEST
 /* ---- operator and agent streams, denials (a policy) ---------------------- */
 
 static struct fixture_stack sec;
-static char sec_tmp[PATH_MAX];
 
 #define SEC_AGENT "rsec"
 
 static void
 sec_up(void)
 {
-    char policy[PATH_MAX + 16];
-    const char *t = getenv("TMPDIR");
     host_name();
-    snprintf(sec_tmp, sizeof(sec_tmp), "%s/kscore-rp-XXXXXX",
-             t && *t ? t : "/tmp");
-    if (!mkdtemp(sec_tmp))
-        exit(1);
-    snprintf(policy, sizeof(policy), "%s/policy.json", sec_tmp);
-    FILE *f = fopen(policy, "w");
     /* alice runs uptime and true on env=dev agents, with LANG only;
      * bob runs anything anywhere but reads only his own; auditor reads
      * everything; devreader reads env=dev agents' records. */
-    fprintf(f, "{\"operators\": {"
-               "\"alice\": [{\"agents\": {\"env\": \"dev\"},"
-               " \"executables\": [\"uptime\", \"true\"],"
-               " \"env\": [\"LANG\"]}],"
-               "\"bob\": [{\"agents\": \"*\", \"can\": [\"run\"]}],"
-               "\"auditor\": [{\"agents\": \"*\", \"can\": [\"read\"]}],"
-               "\"devreader\": [{\"agents\": {\"env\": \"dev\"},"
-               " \"can\": [\"read\"]}]}}\n");
-    fclose(f);
-    if (fixture_stack_start_secure(&sec, SEC_AGENT, "env=dev", "alice",
-                                   policy) != 0) {
+    if (fixture_stack_start_policy(
+            &sec, SEC_AGENT, "env=dev", "alice",
+            "{\"operators\": {"
+            "\"alice\": [{\"agents\": {\"env\": \"dev\"},"
+            " \"executables\": [\"uptime\", \"true\"],"
+            " \"env\": [\"LANG\"]}],"
+            "\"bob\": [{\"agents\": \"*\", \"can\": [\"run\"]}],"
+            "\"auditor\": [{\"agents\": \"*\", \"can\": [\"read\"]}],"
+            "\"devreader\": [{\"agents\": {\"env\": \"dev\"},"
+            " \"can\": [\"read\"]}]}}\n") != 0) {
         fixture_stack_stop(&sec);
         exit(1);
     }
@@ -616,11 +606,7 @@ sec_up(void)
 static void
 sec_down(void)
 {
-    char cmd[PATH_MAX + 16];
     fixture_stack_stop(&sec);
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", sec_tmp);
-    if (system(cmd) != 0)
-        fprintf(stderr, "cannot remove %s\n", sec_tmp);
 }
 
 static int
