@@ -233,7 +233,10 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.result = res;
             broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
-    } else if (!w) {
+    } else {
+        /* Still running: said at once, also to a client this broker now
+         * waits for (one that asked again after its broker died), so it
+         * knows a broker answers before the end comes. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);

@@ -441,6 +441,70 @@ START_TEST(running_batch_has_no_exit_code_yet)
 }
 END_TEST
 
+/*
+ * An argument with a newline or an escape sequence was printed raw in
+ * quotes (the line broken, or the terminal driven) or as '?': get, list
+ * and the confirmation write it as a shell reads it back, $'...'.
+ */
+START_TEST(control_characters_in_argv_are_quoted)
+{
+    char id[40];
+    struct fixture_out o;
+    const char *args[] = {"exec", "--agent", AGENT, "--json", "--",
+                          "printf", "%s", "x\ny\033[2J", NULL};
+    const char *want = "printf %s $'x\\ny\\x1b[2J'";
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    snprintf(id, sizeof(id), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+    const char *g[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_msg(strstr(o.out, want), "get: %s", o.out);
+    fixture_out_release(&o);
+    const char *l[] = {"list", "--agent", AGENT, "--limit", "1", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, l, &o), 0);
+    ck_assert_msg(strstr(o.out, want), "list: %s", o.out);
+    ck_assert_msg(!strchr(o.out, '\033'), "list: %s", o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/*
+ * A waiting exec whose broker died said nothing until it gave up or the
+ * broker came back. It says that no broker answers about its recorded
+ * command, and when one answers again; the result still comes.
+ */
+START_TEST(exec_says_when_no_broker_answers_about_its_command)
+{
+    /* Long enough to be running when the broker is back (it is killed
+     * at 1.5 s, the note comes at the next ask, 5 s, and the one after,
+     * at 10 s, reaches the new broker). */
+    const char *args[] = {"exec", "--agent", AGENT,    "--", "sh",
+                          "-c",   "sleep 16; echo done", NULL};
+    struct fixture_proc p;
+    ck_assert_int_eq(fixture_kscore_spawn(&stack, args, false, &p), 0);
+    sleep_ms(1500);
+    fixture_stack_broker_kill(&stack, SIGKILL);
+    ck_assert_msg(fixture_proc_expect(&p, "no broker answers about command",
+                                      15000) == 0,
+                  "no note: %s", p.err ? p.err : "");
+    ck_assert_msg(strstr(p.err, "it is recorded and goes on"), "%s", p.err);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, N_LOCAL), 0);
+    ck_assert_msg(fixture_proc_expect(&p, "a broker answers again", 20000) ==
+                      0,
+                  "%s", p.err);
+    int st = fixture_proc_wait(&p, 0, 60000);
+    ck_assert_msg(st == 0 && strcmp(p.out, "done\n") == 0,
+                  "exit %d out '%s' err '%s'", st, p.out ? p.out : "",
+                  p.err);
+    fixture_proc_release(&p);
+}
+END_TEST
+
 /* The CLI refuses bad variable names itself now; the broker still does,
  * for a request that does not come through it, with the same rule. */
 START_TEST(broker_refuses_bad_env_names_too)
@@ -918,6 +982,9 @@ readpaths_suite(void)
     tcase_add_test(tc, broker_refuses_bad_env_names_too);
     tcase_add_test(tc, exec_says_at_once_it_waits_for_an_offline_agent);
     tcase_add_test(tc, exec_says_at_once_that_no_broker_answers);
+    tcase_add_test(tc, control_characters_in_argv_are_quoted);
+    /* Last: it kills and restarts the broker. */
+    tcase_add_test(tc, exec_says_when_no_broker_answers_about_its_command);
     suite_add_tcase(s, tc);
 
     tc = tcase_create("policy");
