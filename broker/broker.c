@@ -889,10 +889,10 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
 /*
  * One read of what req asks (one stream after a version, or all streams
  * after a cursor, or from its start: then req's cursor is set to where it
- * starts, the first time that can be found) with st. Replies to msg and returns true when there is
- * something to say: events, an error, or (final) nothing; returns false,
- * replying nothing, when nothing is new or PostgreSQL is down and the
- * caller may wait (a follower).
+ * starts, the first time that can be found) with st. Replies to msg and
+ * returns true when there is something to say: events, an error, or
+ * (final) nothing; returns false, replying nothing, when nothing is new
+ * or PostgreSQL is down and the caller may wait (a follower).
  */
 static bool
 events_try(struct broker *b, struct store *st, natsMsg *msg,
@@ -909,8 +909,7 @@ events_try(struct broker *b, struct store *st, natsMsg *msg,
         (req->start_now || req->start_at_us)) {
         /* Where to start, once per request (a parked follower keeps it):
          * never from the first event, which a start asks not to read. */
-        rc = store_cursor_at(st, req->start_now ? 0 : req->start_at_us,
-                             &cur);
+        rc = store_cursor_at(st, req->start_now ? 0 : req->start_at_us, &cur);
         if (rc == 0) {
             req->cursor_tx_id = cur.tx_id;
             req->cursor_pos = cur.global_pos;

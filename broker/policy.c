@@ -455,8 +455,7 @@ env_denied(const char *op, json_t *rules, const Ks__AgentInfo *agent,
     bare.n_env = bare.n_sealed_env = 0;
     json_array_foreach(rules, i, rule)
     {
-        if (!grant && rule_can(rule, "run") &&
-            rule_allows(rule, agent, &bare))
+        if (!grant && rule_can(rule, "run") && rule_allows(rule, agent, &bare))
             grant = rule;
     }
     if (!grant)

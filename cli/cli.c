@@ -21,7 +21,7 @@
 
 static bool err_as_log;
 
-/* ---- the status line ------------------------------------------------------ */
+/* ---- the status line --------------------------------------------------- */
 
 /* A line redrawn in place at the bottom of the terminal on stderr (batch
  * progress). Other output to that terminal erases it first and draws it

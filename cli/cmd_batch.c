@@ -430,12 +430,19 @@ confirmed(const Ks__BatchReply *rep, const Ks__CommandSpec *spec,
     fprintf(stderr, "About to run on %zu agent%s: %s\n", rep->n_targets,
             rep->n_targets == 1 ? "" : "s", set ? set : "?");
     if (offline)
-        fprintf(stderr, "  %zu offline: they end \"no response\"\n",
-                offline);
+        fprintf(stderr, "  %zu offline: they end \"no response\"\n", offline);
     fprintf(stderr, "  command   %s\n", cmd ? cmd : spec->argv[0]);
-    for (size_t i = 0; i < spec->n_env; i++)
-        fprintf(stderr, "  env       %s=%s\n", spec->env[i]->name,
-                spec->env[i]->value);
+    for (size_t i = 0; i < spec->n_env; i++) {
+        /* NAME=VALUE as one shell word: a value's control bytes escaped */
+        char *kv = NULL, *q = NULL;
+        if (asprintf(&kv, "%s=%s", spec->env[i]->name,
+                     spec->env[i]->value) >= 0 &&
+            (q = malloc(4 * strlen(kv) + 5)))
+            cli_shell_join(&kv, 1, q, 4 * strlen(kv) + 5);
+        fprintf(stderr, "  env       %s\n", q ? q : spec->env[i]->name);
+        free(kv);
+        free(q);
+    }
     cli_payload_print(stderr, spec, "  ");
     fputs("Run it? [y/N] ", stderr);
     fflush(stderr);

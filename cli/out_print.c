@@ -248,8 +248,7 @@ cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
             static const char hex[] = "0123456789abcdef";
             PUT('$');
             PUT('\'');
-            for (const unsigned char *p = (const unsigned char *)a; *p;
-                 p++) {
+            for (const unsigned char *p = (const unsigned char *)a; *p; p++) {
                 bool c1 = *p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f;
                 if (*p == '\n' || *p == '\t' || *p == '\r') {
                     PUT('\\');

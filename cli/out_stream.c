@@ -141,8 +141,7 @@ on_sigint(int sig)
 }
 
 void
-cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print,
-              bool quiet)
+cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print, bool quiet)
 {
     memset(lv, 0, sizeof(*lv));
     lv->c = c;
@@ -188,12 +187,10 @@ silence_cb(bool silent, int give_up_ms, const char *command_id, void *ud)
     if (lv->quiet)
         return;
     if (!silent) {
-        cli_err("a broker answers again: waiting for command %s",
-                command_id);
+        cli_err("a broker answers again: waiting for command %s", command_id);
         return;
     }
-    if (natsConnection_GetConnectedUrl(lv->c->nc, url, sizeof(url)) !=
-        NATS_OK)
+    if (natsConnection_GetConnectedUrl(lv->c->nc, url, sizeof(url)) != NATS_OK)
         url[0] = '\0';
     if (command_id)
         cli_err("no broker answers about command %s (it is recorded and "

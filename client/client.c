@@ -102,7 +102,6 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
     return total > INT32_MAX ? INT32_MAX : (int)total;
 }
 
-
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
@@ -130,8 +129,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
      * A waiting exec must not hang with its broker: the broker that holds
      * its waiter may die. The request names its command with an
      * idempotency key (a fresh one unless the caller gave one), and after
-     * BROKER_EXEC_REASK_MS of silence the same request goes out again on the same
-     * inbox: the broker that still waits for the command answers at once
+     * BROKER_EXEC_REASK_MS of silence the same request goes out again on the
+     * same inbox: the broker that still waits for the command answers at once
      * that it does (a reply without a result), another broker attaches
      * this inbox to the command (or answers with its end), and no answer
      * at all for BROKER_EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
@@ -226,8 +225,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
              now - heard >= 2 * (int64_t)BROKER_EXEC_REASK_MS * 1000)) {
             /* Nobody serves the API, or nobody answered an ask again:
              * say so now, not at the end of the wait. */
-            int64_t left = (int64_t)BROKER_EXEC_GIVE_UP_MS -
-                           (now - heard) / 1000;
+            int64_t left =
+                (int64_t)BROKER_EXEC_GIVE_UP_MS - (now - heard) / 1000;
             silent = true;
             h->silence(true, left > 0 ? (int)left : 0, id[0] ? id : NULL,
                        h->ud);
