@@ -233,7 +233,10 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.result = res;
             broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
-    } else if (!w) {
+    } else {
+        /* Still running: said at once, also to a client this broker now
+         * waits for (one that asked again after its broker died), so it
+         * knows a broker answers before the end comes. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -504,8 +507,16 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* Detached: the answer. Live: the command's id, first (the
          * client can cancel it or follow it should it stop waiting). */
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+        int64_t seen_us = 0;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
+        /* What the client waits for: an offline agent is waited for up
+         * to the delivery deadline, and the client says so at once. */
+        if (broker__agent_presence(b, req->agent_id, &seen_us) == 0) {
+            r.agent_offline = true;
+            r.agent_last_seen_us = seen_us;
+        }
+        r.deliver_within_ms = deliver_ms;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
 out:
@@ -877,28 +888,42 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
 
 /*
  * One read of what req asks (one stream after a version, or all streams
- * after a cursor) with st. Replies to msg and returns true when there is
- * something to say: events, an error, or (final) nothing; returns false,
- * replying nothing, when nothing is new or PostgreSQL is down and the
- * caller may wait (a follower).
+ * after a cursor, or from its start: then req's cursor is set to where it
+ * starts, the first time that can be found) with st. Replies to msg and
+ * returns true when there is something to say: events, an error, or
+ * (final) nothing; returns false, replying nothing, when nothing is new
+ * or PostgreSQL is down and the caller may wait (a follower).
  */
 static bool
 events_try(struct broker *b, struct store *st, natsMsg *msg,
-           const Ks__EventsRequest *req, bool final)
+           Ks__EventsRequest *req, bool final)
 {
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
     struct store_cursor cur = {0};
     char why[600];
-    int rc;
+    int rc = 0;
 
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
+    if (!req->stream_id[0] && !req->cursor_tx_id && !req->cursor_pos &&
+        (req->start_now || req->start_at_us)) {
+        /* Where to start, once per request (a parked follower keeps it):
+         * never from the first event, which a start asks not to read. */
+        rc = store_cursor_at(st, req->start_now ? 0 : req->start_at_us, &cur);
+        if (rc == 0) {
+            req->cursor_tx_id = cur.tx_id;
+            req->cursor_pos = cur.global_pos;
+            req->start_now = false;
+            req->start_at_us = 0;
+        }
+    }
     cur.tx_id = req->cursor_tx_id;
     cur.global_pos = req->cursor_pos;
-    if (req->stream_id[0])
+    /* Without its start, nothing is read: a follower waits, as below. */
+    if (rc == 0 && req->stream_id[0])
         rc = store_read_stream(st, req->stream_id, req->after_version, limit,
                                collect_event, &acc);
-    else
+    else if (rc == 0)
         rc = store_read_all(st, &cur, limit, collect_event, &acc);
     /* A follower outlives a PostgreSQL restart: it waits (the store backs
      * off its reconnects) and at its deadline gets an empty reply that

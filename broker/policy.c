@@ -441,6 +441,50 @@ rule_allows(json_t *rule, const Ks__AgentInfo *agent,
     return true;
 }
 
+/*
+ * When the variables a command sets are all that stands in the way (a
+ * "run" rule allows it without them), says so in why, naming those its
+ * "env" does not list; true then. A denial only mentions variables that
+ * were given and not allowed.
+ */
+static bool
+env_denied(const char *op, json_t *rules, const Ks__AgentInfo *agent,
+           const Ks__CommandSpec *spec, char *why, size_t len)
+{
+    Ks__CommandSpec bare;
+    json_t *rule, *grant = NULL;
+    size_t i, used;
+
+    if (!spec->n_env && !spec->n_sealed_env)
+        return false;
+    bare = *spec;
+    bare.n_env = bare.n_sealed_env = 0;
+    json_array_foreach(rules, i, rule)
+    {
+        if (!grant && rule_can(rule, "run") && rule_allows(rule, agent, &bare))
+            grant = rule;
+    }
+    if (!grant)
+        return false;
+    used = (size_t)snprintf(
+        why, len,
+        "denied: operator '%s' may run '%s' as '%s' on agent '%s', but not "
+        "with the environment variable(s)",
+        op, spec->argv[0], run_user(spec), agent ? agent->agent_id : "?");
+    for (size_t k = 0; k < spec->n_env + spec->n_sealed_env; k++) {
+        const char *name = k < spec->n_env
+                               ? spec->env[k]->name
+                               : spec->sealed_env[k - spec->n_env]->name;
+        if (!env_listed(grant, name) && used < len)
+            used += (size_t)snprintf(why + used, len - used, " %s", name);
+    }
+    if (used < len)
+        snprintf(why + used, len - used,
+                 ": a rule that lists \"executables\" lets a command set "
+                 "only the variables its \"env\" lists");
+    return true;
+}
+
 int
 broker__policy_check(const struct broker__policy *p, const char *op,
                      const Ks__AgentInfo *agent, const Ks__CommandSpec *spec,
@@ -476,14 +520,14 @@ broker__policy_check(const struct broker__policy *p, const char *op,
                  "\"executables\" whose \"run_as\" grants the user)",
                  op, argv0 ? argv0 : "?", run_user(spec),
                  agent ? agent->agent_id : "?");
-    else if (argv0)
-        snprintf(why, len,
-                 "denied: operator '%s' may not run '%s' as '%s' on agent "
-                 "'%s' (with these environment variables)",
-                 op, argv0, run_user(spec), agent ? agent->agent_id : "?");
-    else
+    else if (!argv0)
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");
+    else if (!env_denied(op, rules, agent, spec, why, len))
+        snprintf(why, len,
+                 "denied: operator '%s' may not run '%s' as '%s' on agent "
+                 "'%s'",
+                 op, argv0, run_user(spec), agent ? agent->agent_id : "?");
     return KS_EDENIED;
 }
 

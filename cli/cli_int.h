@@ -308,6 +308,21 @@ int cli_parse_duration(const char *s, uint64_t *ms_out);
 /* Prints "kscore: <message>" on stderr; once cli_err_as_log() was called,
  * a ks_log error line instead. */
 void cli_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/*
+ * The status line (kscore batch's progress bar): one line on stderr,
+ * redrawn in place ("\r\033[K" then the text), for the caller to use
+ * only when stderr is a terminal. cli_status_show draws text (at most 511
+ * bytes, no newline) and keeps it; cli_status_end erases it for good.
+ * Around any other output that may reach the terminal, cli_status_hide(fd)
+ * (fd 1 or 2: what is about to be written) erases the line when fd is
+ * that terminal, or stdout is a terminal too, and flushes fd's stdio
+ * stream; cli_status_redraw draws the kept text again. cli_err does both.
+ * Any thread (one lock).
+ */
+void cli_status_show(const char *text);
+void cli_status_end(void);
+void cli_status_hide(int fd);
+void cli_status_redraw(void);
 /* From here on cli_err() logs through ks_log (KS_LOG_ERROR): a service's
  * log settings are known (cli_conf_log), so a `--log-format json` log
  * stays JSON to its last line ("cannot connect to NATS", ...). */
@@ -325,6 +340,9 @@ json_t *cli_event_json(const Ks__RecordedEvent *rec);
 void cli_print_json(json_t *j);
 /* Microseconds since the epoch as RFC 3339 UTC text (static buffer). */
 const char *cli_time(int64_t us);
+/* How long ago us microseconds is, short, into buf: "0.4s ago", "3m ago",
+ * "2h ago", "5d ago" (negative: 0). */
+void cli_ago(char *buf, size_t len, int64_t us);
 
 /* A batch reply (state, counts, targets) as JSON. */
 json_t *cli_batch_json(const Ks__BatchReply *rep);
@@ -414,7 +432,11 @@ int cli_path_trusted(const char *path);
 void cli_printable(char *s);
 /* Writes argv (n words) into out (cap bytes, NUL-terminated, cut at cap)
  * as a POSIX shell would read it back: a word with a space, quote or other
- * shell character, or an empty one, in single quotes ('\'' for a quote).
+ * shell character, or an empty one, in single quotes ('\'' for a quote);
+ * one with a control byte (a newline, an ESC, a C1 control) as $'...'
+ * with escapes (\n, \t, \r, \xHH), so it is one line and safe on a
+ * terminal. 4 * strlen + 4 bytes a word (with its separator) and one
+ * for the NUL always suffice.
  * Joined with bare spaces, `sh -c 'a; b'` and `sh -c a; b` would print the
  * same and a listed command could not be told apart or pasted back. */
 void cli_shell_join(char *const *argv, size_t n, char *out, size_t cap);
@@ -608,11 +630,16 @@ int cli_output_range(struct evt_conn *c, const char *command_id, int stream,
 struct cli_live {
     struct evt_conn *c;
     bool print;      /* write the output to fds 1 and 2 (not --json) */
+    bool quiet;      /* --quiet: no notes on stderr about the wait */
     char command_id[37];
     uint64_t off[2]; /* bytes of each stream written */
     bool cancel_sent;
 };
-void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print);
+/* The hooks say on stderr, at once, what a wait is for (an offline
+ * agent, no broker answering), as ssh and kubectl print their notes,
+ * unless quiet. */
+void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print,
+                   bool quiet);
 /* From now on Ctrl-C is the hooks' to act on (cancel, then detach). */
 void cli_live_catch_sigint(void);
 void cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h);

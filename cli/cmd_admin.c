@@ -112,8 +112,7 @@ cmd_agents(int argc, char **argv)
         }
         char ago[32], labels[512] = "";
         size_t used = 0;
-        snprintf(ago, sizeof(ago), "%.1fs ago",
-                 (double)(now - st->last_seen_us) / 1e6);
+        cli_ago(ago, sizeof(ago), now - st->last_seen_us);
         for (size_t k = 0; k < in->n_labels && used < sizeof(labels); k++)
             used += (size_t)snprintf(labels + used, sizeof(labels) - used,
                                      "%s%s=%s", k ? "," : "",

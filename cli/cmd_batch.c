@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cli_int.h"
+#include "out_fold.h"
 
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
@@ -87,11 +88,11 @@ struct bstate {
     Ks__BatchCounts counts;
     /* results by command id, as progress arrives */
     struct ks_map results; /* command_id -> Ks__BatchTarget * */
-    bool line_shown;
 };
 
 /* The progress bar on stderr, redrawn in place, on a terminal only:
- * [#####.....] done/total, counts by state, rate, ETA. The final call
+ * [#####.....] done/total, counts by state, rate, ETA (cli_status_show:
+ * other output erases it first and draws it again after). The final call
  * erases it (the summary says the rest). */
 static void
 progress_line(struct bstate *st, bool final)
@@ -106,10 +107,7 @@ progress_line(struct bstate *st, bool final)
     if (!st->tty || st->json || total == 0)
         return;
     if (final) {
-        if (st->line_shown)
-            fputs("\r\033[K", stderr);
-        st->line_shown = false;
-        fflush(stderr);
+        cli_status_end();
         return;
     }
     unsigned fill = done * 20 / total;
@@ -128,10 +126,10 @@ progress_line(struct bstate *st, bool final)
     double rate = el > 0 ? done / el : 0.0;
     if (done && done < total && rate > 0)
         snprintf(eta, sizeof(eta), " ETA %.0fs", (total - done) / rate);
-    fprintf(stderr, "\r\033[K[%s] %u/%u %s  %.1f/s%s", bar, done, total,
-            counts, rate, eta);
-    st->line_shown = true;
-    fflush(stderr);
+    char line[512];
+    snprintf(line, sizeof(line), "[%s] %u/%u %s  %.1f/s%s", bar, done, total,
+             counts, rate, eta);
+    cli_status_show(line);
 }
 
 /* A progress message (on the batch's inbox, "<lease>.p"); takes msg. */
@@ -160,8 +158,6 @@ on_progress(struct bstate *st, natsMsg *msg)
         }
         if (p->target && !ks_map_get(&st->results, p->target->command_id)) {
             if (st->json) {
-                if (st->line_shown)
-                    fputs("\r\033[K", stderr);
                 cli_print_json(fleet_target_json(p->batch_id, p->target));
                 fflush(stdout);
             }
@@ -399,6 +395,62 @@ out:
     natsMsg_Destroy(msg);
     free(buf);
     return rc;
+}
+
+/* The longest target list the confirmation prints (bytes of the folded
+ * node set); a longer one is cut, and --dry-run lists every target. */
+#define CONFIRM_TARGETS_MAX 400
+
+/*
+ * Asks on the terminal before a run on many targets, showing what the
+ * operator is about to do: the whole command as a shell would read it
+ * back, what travels with it (script, stdin, user, files), and the
+ * targets as a folded node set (web[1-3,7]). true on y or Y.
+ */
+static bool
+confirmed(const Ks__BatchReply *rep, const Ks__CommandSpec *spec,
+          size_t offline)
+{
+    char answer[16] = "", *cmd = NULL, *set = NULL;
+    const char **ids = calloc(rep->n_targets + 1, sizeof(*ids));
+    size_t need = 1;
+
+    for (size_t i = 0; i < spec->n_argv; i++)
+        need += 4 * strlen(spec->argv[i]) + 4; /* cli_shell_join */
+    cmd = malloc(need);
+    if (cmd)
+        cli_shell_join(spec->argv, spec->n_argv, cmd, need);
+    for (size_t i = 0; ids && i < rep->n_targets; i++)
+        ids[i] = rep->targets[i]->agent_id;
+    if (ids)
+        set = fold_nodeset(ids, rep->n_targets);
+    if (set && strlen(set) > CONFIRM_TARGETS_MAX)
+        strcpy(set + CONFIRM_TARGETS_MAX - 40,
+               "... (--dry-run lists every target)");
+    fprintf(stderr, "About to run on %zu agent%s: %s\n", rep->n_targets,
+            rep->n_targets == 1 ? "" : "s", set ? set : "?");
+    if (offline)
+        fprintf(stderr, "  %zu offline: they end \"no response\"\n", offline);
+    fprintf(stderr, "  command   %s\n", cmd ? cmd : spec->argv[0]);
+    for (size_t i = 0; i < spec->n_env; i++) {
+        /* NAME=VALUE as one shell word: a value's control bytes escaped */
+        char *kv = NULL, *q = NULL;
+        if (asprintf(&kv, "%s=%s", spec->env[i]->name,
+                     spec->env[i]->value) >= 0 &&
+            (q = malloc(4 * strlen(kv) + 5)))
+            cli_shell_join(&kv, 1, q, 4 * strlen(kv) + 5);
+        fprintf(stderr, "  env       %s\n", q ? q : spec->env[i]->name);
+        free(kv);
+        free(q);
+    }
+    cli_payload_print(stderr, spec, "  ");
+    fputs("Run it? [y/N] ", stderr);
+    fflush(stderr);
+    free(cmd);
+    free(set);
+    free(ids);
+    return fgets(answer, sizeof(answer), stdin) &&
+           (answer[0] == 'y' || answer[0] == 'Y');
 }
 
 int
@@ -690,21 +742,11 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
             rc = 0;
             goto out;
         }
-        if (req.all || rep->n_targets > (size_t)confirm_over) {
-            char answer[16] = "";
-            fprintf(stderr, "Run `%s%s` on %zu agent(s)", spec->argv[0],
-                    spec->n_argv > 1 ? " ..." : "", rep->n_targets);
-            if (offline)
-                fprintf(stderr, " (%zu offline: they end \"no response\")",
-                        offline);
-            fputs("? [y/N] ", stderr);
-            fflush(stderr);
-            if (!fgets(answer, sizeof(answer), stdin) ||
-                (answer[0] != 'y' && answer[0] != 'Y')) {
-                cli_err("not confirmed: nothing run");
-                rc = CLI_EXIT_USAGE;
-                goto out;
-            }
+        if ((req.all || rep->n_targets > (size_t)confirm_over) &&
+            !confirmed(rep, spec, offline)) {
+            cli_err("not confirmed: nothing run");
+            rc = CLI_EXIT_USAGE;
+            goto out;
         }
         ks__batch_reply__free_unpacked(rep, NULL);
         rep = NULL;

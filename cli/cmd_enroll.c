@@ -614,11 +614,20 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     evt_pool_attest_id(pool_key, sizeof(pool_key), id, pool_size);
     snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
              id);
+    /* The NATS identity "agent-<id>" or "pool-<id>" is a user name of at
+     * most EVT_IDENTITY_MAX bytes; a pool's ids "<id>-<n>" must be agent
+     * ids too (n < STACK_POOL_MAX: "-" and up to 6 digits). */
+    size_t max = pool_size ? EVT_IDENTITY_MAX - 5 : EVT_IDENTITY_MAX - 6;
+    if (pool_size && max > EVT_AGENT_ID_MAX - 7)
+        max = EVT_AGENT_ID_MAX - 7;
     if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
-        (pool_size && strlen(id) + 7 > EVT_AGENT_ID_MAX)) {
-        cli_err("bad %s '%s': letters, digits, _ and - (at most %d)",
+        strlen(id) > max) {
+        cli_err("bad %s '%s'%s: 1 to %zu letters, digits, _ and - (its NATS "
+                "identity %s-<%s> is at most %d characters)",
                 pool_size ? "pool name" : "agent id", id,
-                pool_size ? EVT_AGENT_ID_MAX - 7 : EVT_IDENTITY_MAX - 6);
+                strlen(id) > max ? ": too long" : "", max,
+                pool_size ? "pool" : "agent", pool_size ? "name" : "id",
+                EVT_IDENTITY_MAX);
         return CLI_EXIT_USAGE;
     }
     {
@@ -902,14 +911,12 @@ static int
 fleet_list(const char *home, bool json)
 {
     struct stack_identity *ids = NULL;
-    json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
     bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
         cli_err("cannot read %s/identities: %s", home, ks_strerror(rc));
-        json_decref(arr);
         return CLI_EXIT_KSCORE;
     }
     for (size_t i = 0; i < n; i++) {
@@ -950,7 +957,7 @@ fleet_list(const char *home, bool json)
             json_object_set_new(o, "bundle",
                                 bundle[0] ? json_string(bundle) : json_null());
             json_object_set_new(o, "labels", labels);
-            json_array_append_new(arr, o);
+            cli_print_json(o); /* one a line, as every other list */
         } else {
             const char *k;
             json_t *v;
@@ -968,8 +975,6 @@ fleet_list(const char *home, bool json)
         }
     }
     free(ids);
-    if (json)
-        cli_print_json(arr);
     return 0;
 }
 

@@ -227,23 +227,6 @@ write_env(const char *home, const char *url, const char *db,
     return 0;
 }
 
-/* How long ago, short: "0.4s", "3m", "2h", "5d". */
-static void
-ago_text(char *buf, size_t len, int64_t us)
-{
-    double s = (double)us / 1e6;
-    if (us < 0)
-        s = 0;
-    if (s < 60)
-        snprintf(buf, len, "%.1fs ago", s);
-    else if (s < 3600)
-        snprintf(buf, len, "%.0fm ago", s / 60);
-    else if (s < 86400)
-        snprintf(buf, len, "%.0fh ago", s / 3600);
-    else
-        snprintf(buf, len, "%.0fd ago", s / 86400);
-}
-
 /*
  * The agents the broker knows (the registry, through the agents API):
  * local or on other hosts, online or not. Into o["agents"] (an array) or,
@@ -342,7 +325,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         if (!json) {
             char ago[32], run[32], lab[512] = "";
             size_t used = 0;
-            ago_text(ago, sizeof(ago), now - st->last_seen_us);
+            cli_ago(ago, sizeof(ago), now - st->last_seen_us);
             snprintf(run, sizeof(run), "%u/%u", in->running,
                      in->max_concurrent);
             for (size_t k = 0; k < in->n_labels && used < sizeof(lab); k++)

@@ -411,7 +411,11 @@ cli_batch_json(const Ks__BatchReply *rep)
     COUNT(pending);
     COUNT(errors);
 #undef COUNT
-    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
+    /* A batch that runs has no exit code yet (4 said "some never ran"). */
+    json_object_set_new(o, "exit_code",
+                        rep->status == KS__BATCH_STATUS__BATCH_RUNNING
+                            ? json_null()
+                            : json_integer(fleet_exit_code(c)));
     json_object_set_new(o, "elapsed_ms",
                         json_real((double)rep->elapsed_us / 1000.0));
     json_object_set_new(o, "max_concurrency",

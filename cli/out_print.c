@@ -229,11 +229,47 @@ cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
             plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                     (*p >= '0' && *p <= '9') || strchr("_@%+=:,./-", *p) ||
                     (unsigned char)*p >= 0x80;
+        bool control = false;
+        for (const unsigned char *p = (const unsigned char *)a; *p; p++)
+            control |= *p < 0x20 || *p == 0x7f ||
+                       (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f);
+        plain = plain && !control; /* a C1 control is >= 0x80 */
         if (i)
             PUT(' ');
         if (plain) {
             for (const char *p = a; *p; p++)
                 PUT(*p);
+            continue;
+        }
+        if (control) {
+            /* $'...' (bash, ksh, zsh, POSIX.1-2024 sh): a control byte
+             * as an escape, never raw, so the line is one line and no
+             * escape sequence reaches the terminal. */
+            static const char hex[] = "0123456789abcdef";
+            PUT('$');
+            PUT('\'');
+            for (const unsigned char *p = (const unsigned char *)a; *p; p++) {
+                bool c1 = *p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f;
+                if (*p == '\n' || *p == '\t' || *p == '\r') {
+                    PUT('\\');
+                    PUT(*p == '\n' ? 'n' : *p == '\t' ? 't' : 'r');
+                } else if (*p == '\\' || *p == '\'') {
+                    PUT('\\');
+                    PUT(*p);
+                } else if (*p < 0x20 || *p == 0x7f || c1) {
+                    size_t k = c1 ? 2 : 1; /* a C1 control is 2 bytes */
+                    for (size_t j = 0; j < k; j++) {
+                        PUT('\\');
+                        PUT('x');
+                        PUT(hex[p[j] >> 4]);
+                        PUT(hex[p[j] & 15]);
+                    }
+                    p += k - 1;
+                } else {
+                    PUT(*p);
+                }
+            }
+            PUT('\'');
             continue;
         }
         PUT('\'');

@@ -102,11 +102,6 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
     return total > INT32_MAX ? INT32_MAX : (int)total;
 }
 
-/* Silence after which a waiting exec asks again, and after which it gives
- * up when no broker answers at all (ms). */
-#define EXEC_REASK_MS 5000
-#define EXEC_GIVE_UP_MS 20000
-
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
@@ -134,11 +129,11 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
      * A waiting exec must not hang with its broker: the broker that holds
      * its waiter may die. The request names its command with an
      * idempotency key (a fresh one unless the caller gave one), and after
-     * EXEC_REASK_MS of silence the same request goes out again on the same
-     * inbox: the broker that still waits for the command answers at once
+     * BROKER_EXEC_REASK_MS of silence the same request goes out again on the
+     * same inbox: the broker that still waits for the command answers at once
      * that it does (a reply without a result), another broker attaches
      * this inbox to the command (or answers with its end), and no answer
-     * at all for EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
+     * at all for BROKER_EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
      */
     if (!r.idempotency_key || !r.idempotency_key[0]) {
         char u[37];
@@ -155,6 +150,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
     unsigned asks = 1;
+    bool silent = false; /* said so through h->silence */
     if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
         goto out;
     for (;;) {
@@ -209,6 +205,9 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             }
             /* Still running, and someone waits for it: keep waiting. */
             snprintf(id, sizeof(id), "%s", rep->command_id);
+            if (silent && h && h->silence)
+                h->silence(false, 0, id, h->ud);
+            silent = false;
             if (h && h->live)
                 h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
@@ -221,6 +220,17 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = nrc;
             goto out;
         }
+        if (!silent && h && h->silence &&
+            (nrc == KS_EUNAVAIL ||
+             now - heard >= 2 * (int64_t)BROKER_EXEC_REASK_MS * 1000)) {
+            /* Nobody serves the API, or nobody answered an ask again:
+             * say so now, not at the end of the wait. */
+            int64_t left =
+                (int64_t)BROKER_EXEC_GIVE_UP_MS - (now - heard) / 1000;
+            silent = true;
+            h->silence(true, left > 0 ? (int)left : 0, id[0] ? id : NULL,
+                       h->ud);
+        }
         if (h && h->tick && (rc = h->tick(h->ud)))
             goto out;
         if (timeout_ms != INT32_MAX &&
@@ -228,7 +238,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_ETIMEDOUT;
             goto out;
         }
-        if (now - heard >= (int64_t)EXEC_GIVE_UP_MS * 1000) {
+        if (now - heard >= (int64_t)BROKER_EXEC_GIVE_UP_MS * 1000) {
             if (id[0]) {
                 /* Recorded, its end not heard of: not "not accepted". */
                 Ks__ExecuteReply *rep = malloc(sizeof(*rep));
@@ -254,8 +264,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_EUNAVAIL;
             goto out;
         }
-        if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
-            now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
+        if (now - heard >= (int64_t)BROKER_EXEC_REASK_MS * 1000 &&
+            now - asked >= (int64_t)BROKER_EXEC_REASK_MS * 1000) {
             asked = now;
             if (!r.key_may_exist) {
                 /* Asked again: the key may name a command by now (at

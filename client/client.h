@@ -107,13 +107,24 @@ int broker_wait_agent(const char *url, const struct evt_connect_opts *opts,
  * NULL) gets each reply that carries no result (the command's id, then
  * pieces of its output as they are recorded: ExecuteReply.chunks; set
  * req->live_output); tick (may be NULL) runs at least every 100 ms and a
- * non-zero return ends the wait with that code.
+ * non-zero return ends the wait with that code. silence (may be NULL)
+ * says when no broker answers: silent true once when it starts (at the
+ * first "no responders", at once, or after 2 x BROKER_EXEC_REASK_MS
+ * without any answer to an ask), with give_up_ms, how much longer the
+ * wait lasts without an answer, and command_id the command's id when it
+ * is recorded (else NULL); silent false when a broker answers again.
  */
 struct broker_exec_hooks {
     void (*live)(const Ks__ExecuteReply *rep, void *ud);
     int (*tick)(void *ud);
     void *ud;
+    void (*silence)(bool silent, int give_up_ms, const char *command_id,
+                    void *ud);
 };
+/* Silence after which a waiting exec asks again, and after which it gives
+ * up when no broker answers at all (ms). */
+#define BROKER_EXEC_REASK_MS 5000
+#define BROKER_EXEC_GIVE_UP_MS 20000
 int broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                          int timeout_ms, const struct broker_exec_hooks *h,
                          Ks__ExecuteReply **out);
@@ -126,5 +137,12 @@ int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
  * CommandSpec.run_as and CopySpec.owner, read the same way by the CLI and
  * the brokers (client/select.c). Any thread. */
 bool broker_user_spec_ok(const char *s);
+
+/* true for the name of a variable a command may be given (--env,
+ * --secret-env; CommandSpec.env and sealed_env): a POSIX name (letters,
+ * digits, _; not a digit first) of 1-256 bytes, not KSCORE_* (kscore's
+ * own: KSCORE_COMMAND_ID is how a command knows itself). The CLI and the
+ * brokers read it the same way (client/select.c). Any thread. */
+bool broker_env_name_ok(const char *name);
 
 #endif

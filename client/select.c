@@ -102,3 +102,14 @@ broker_user_spec_ok(const char *s)
     return name_ok(s, (size_t)(colon - s)) &&
            name_ok(colon + 1, strlen(colon + 1));
 }
+
+bool
+broker_env_name_ok(const char *n)
+{
+    bool ok = (n[0] >= 'A' && n[0] <= 'Z') || (n[0] >= 'a' && n[0] <= 'z') ||
+              n[0] == '_';
+    for (const char *c = n; ok && *c; c++)
+        ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
+             (*c >= '0' && *c <= '9') || *c == '_';
+    return ok && strlen(n) <= 256 && strncmp(n, "KSCORE_", 7) != 0;
+}

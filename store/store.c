@@ -805,6 +805,51 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
         &p, cursor, cb, ud);
 }
 
+int
+store_cursor_at(struct store *s, int64_t since_us, struct store_cursor *out)
+{
+    struct store__params p = {0};
+    PGresult *res;
+    int rc = store__ready(s);
+
+    if (rc)
+        return rc;
+    store__p_i64(&p, since_us);
+    /*
+     * xid8 has no arithmetic: through bigint (an xid8 is epoch << 32 |
+     * xid, far below 2^63). Without since_us, xmin - 1 with the largest
+     * position: every event of xmin or later is after it. With since_us,
+     * the backward walk of events_tx_pos below xmin stops at the first
+     * row recorded before it (ORDER BY ... DESC LIMIT 1 on the index's
+     * columns; the qualified names, as in store_read_all).
+     */
+    res = PQexecParams(
+        s->conn,
+        "WITH x AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)"
+        " SELECT (x.xmin::text::bigint - 1)::text, NULL::bigint FROM x"
+        "  WHERE $1::bigint = 0"
+        " UNION ALL"
+        " (SELECT e.tx_id::text, e.global_pos FROM events e, x"
+        "   WHERE $1::bigint <> 0 AND e.tx_id < x.xmin"
+        "     AND e.recorded_at < kscore_ts($1::bigint)"
+        "   ORDER BY e.tx_id DESC, e.global_pos DESC LIMIT 1)",
+        p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    memset(out, 0, sizeof(*out));
+    if (PQntuples(res) == 1) {
+        out->tx_id = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+        out->global_pos = PQgetisnull(res, 0, 1)
+                              ? INT64_MAX
+                              : strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+    }
+    PQclear(res);
+    return 0;
+}
+
 /* Appends committed by this process (store__wake): what store_wait_notify
  * waits for. A generation number, so a waiter misses no wake-up between
  * two calls. */

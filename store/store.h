@@ -252,6 +252,31 @@ int store_read_all(struct store *s, struct store_cursor *cursor,
                    uint32_t limit, store_event_fn cb, void *ud);
 
 /*
+ * A cursor for store_read_all that starts at a point in time instead of at
+ * the first event (kscore events --follow, --since), found without reading
+ * the history before it.
+ *
+ * since_us == 0: now. The cursor is just below the oldest transaction
+ * still open (pg_snapshot_xmin - 1): a read from it returns every event
+ * committed after this call, and none committed before it but the few of
+ * transactions that began after the oldest one still open.
+ *
+ * since_us > 0 (epoch us): just after the last event, in read order, that
+ * was recorded before since_us (recorded_at, the time its transaction
+ * began) and lies below xmin; zeroed (the first event) when there is none.
+ * The lookup walks events_tx_pos backwards from xmin: it costs what the
+ * read from the cursor costs, never the history before since_us. A
+ * transaction that began before since_us but wrote after one that began
+ * later may hide that one's events: within one transaction's length of
+ * since_us, the cut is that approximate.
+ *
+ * Either way, no transaction open at the call is skipped. Returns 0 with
+ * *out, KS_EPGDOWN or KS_EPG.
+ */
+int store_cursor_at(struct store *s, int64_t since_us,
+                    struct store_cursor *out);
+
+/*
  * Blocks until an append commits in this process (through any struct
  * store) or timeout_ms passes. Commits since the previous call on s count
  * (from the first call on), and so does a reconnection of s. Appends of

@@ -88,6 +88,7 @@ struct fixture_stack {
     char broker_seed[PATH_MAX + 64], operator_seed[PATH_MAX + 64],
         agent_seed[PATH_MAX + 256];
     char policy[PATH_MAX + 16]; /* broker --policy, "" for none */
+    const char *policy_json;    /* fixture_stack_start_policy's text */
     char agent_labels[128];     /* "--label" value for the agent, or "" */
 };
 
@@ -102,6 +103,11 @@ int fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
                                const char *policy_file);
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
+/* As fixture_stack_start_secure, with the policy given as its JSON text
+ * (written to <dir>/policy.json, removed with the stack). */
+int fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                               const char *label, const char *operator_name,
+                               const char *policy_json);
 /*
  * A secure stack after its registry (s->dir) changed (stack_ident_add or
  * _remove with home s->dir): renders nats-auth.conf again and makes
@@ -186,6 +192,38 @@ int fixture_kscore_as(struct fixture_stack *s, const char *name,
 int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
+
+/*
+ * A kscore process running beside the test (an `events --follow`, a batch
+ * on a terminal), its output collected as the test waits for it.
+ * terminal: stdin, stdout and stderr are a pseudo-terminal of 120x40
+ * (forkpty), the process leads its session with it as its controlling
+ * terminal, out is everything the terminal received (both streams, in
+ * order, with the terminal's \r\n), err stays empty, and bytes written with
+ * fixture_proc_write are typed (^C, \x03, is a SIGINT); else stdin is
+ * /dev/null and stdout, stderr are pipes into out and err. The
+ * environment is fixture_kscore's for s (s NULL: none of a stack's).
+ */
+struct fixture_proc {
+    pid_t pid;
+    int fd_out, fd_err; /* pipes, or the terminal's master and -1 */
+    char *out, *err;    /* what came so far, NUL-terminated (or NULL) */
+    size_t out_len, err_len, out_cap, err_cap;
+    int status;         /* after fixture_proc_wait: as fixture_out's; -1 */
+};
+int fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                         bool terminal, struct fixture_proc *p);
+/* Collects output until needle is in out or err: 0, or KS_ETIMEDOUT after
+ * timeout_ms (or when the process closed its output without it). */
+int fixture_proc_expect(struct fixture_proc *p, const char *needle,
+                        int timeout_ms);
+/* Types bytes on its terminal. 0 or -errno (-EINVAL: no terminal). */
+int fixture_proc_write(struct fixture_proc *p, const char *bytes);
+/* Sends sig (0: none), then collects output until it exits, at most
+ * timeout_ms (then SIGKILL). Returns p->status. */
+int fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms);
+/* Kills it if it still runs (SIGKILL), frees. Accepts a zeroed p. */
+void fixture_proc_release(struct fixture_proc *p);
 
 /* ------------------------------------------------------------------------ */
 /* Clients (tests/fixture_nats.c)                                            */

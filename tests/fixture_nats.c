@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -326,13 +327,16 @@ fixture_stack_start(struct fixture_stack *s, const char *agent_id,
     return stack_start(s, agent_id, local_agents);
 }
 
-int
-fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
-                           const char *label, const char *operator_name,
-                           const char *policy_file)
+/* A secure stack with a policy file, or its text (one of the two, or
+ * neither). */
+static int
+secure_start(struct fixture_stack *s, const char *agent_id,
+             const char *label, const char *operator_name,
+             const char *policy_file, const char *policy_json)
 {
     memset(s, 0, sizeof(*s));
     s->secure = true;
+    s->policy_json = policy_json;
     snprintf(s->operator_name, sizeof(s->operator_name), "%s",
              operator_name);
     if (policy_file)
@@ -341,6 +345,24 @@ fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
         snprintf(s->agent_labels, sizeof(s->agent_labels), "%s", label);
     snprintf(s->agent_id, sizeof(s->agent_id), "%s", agent_id);
     return stack_start(s, agent_id, 1);
+}
+
+int
+fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_file)
+{
+    return secure_start(s, agent_id, label, operator_name, policy_file,
+                        NULL);
+}
+
+int
+fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_json)
+{
+    return secure_start(s, agent_id, label, operator_name, NULL,
+                        policy_json);
 }
 
 /* The secure stack's identities, as `kscore up` makes them: broker,
@@ -381,6 +403,13 @@ stack_start(struct fixture_stack *s, const char *agent_id,
     int rc;
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
         return rc;
+    if (s->policy_json) {
+        FILE *f;
+        snprintf(s->policy, sizeof(s->policy), "%s/policy.json", s->dir);
+        if (!(f = fopen(s->policy, "w")) || fputs(s->policy_json, f) < 0 ||
+            fclose(f) != 0)
+            return -EIO;
+    }
     snprintf(s->signing_key, sizeof(s->signing_key), "%s/broker.key",
              s->dir);
     snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
@@ -495,89 +524,221 @@ fixture_kscore_home(const char *home, const char *const args[],
     return run_kscore(NULL, home, NULL, args, out);
 }
 
+/* In a forked child: the environment of a kscore run against s (or the
+ * local stack of home), then execv of the binary with args. */
+static void __attribute__((noreturn))
+exec_kscore(const struct fixture_stack *s, const char *home,
+            const char *const args[])
+{
+    size_t n = 0;
+    while (args[n])
+        n++;
+    const char **argv = calloc(n + 2, sizeof(*argv));
+    if (!argv)
+        _exit(126);
+    argv[0] = kscore_bin();
+    for (size_t i = 0; i < n; i++)
+        argv[i + 1] = args[i];
+    if (s)
+        setenv("KSCORE_NATS_URL", s->nats.url, 1);
+    if (s && s->secure)
+        setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
+    /* never fall back to a developer's own local stack */
+    setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
+    if (home) {
+        /* the stack of home alone decides */
+        static const char *const vars[] = {
+            "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
+            "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
+            "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
+        for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+            unsetenv(vars[i]);
+    }
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+}
+
+/* Starts kscore with args against s (or the local stack of home), stdin
+ * stdin_path (NULL: /dev/null), or on a terminal (fixture_kscore_spawn). */
+static int
+proc_start(const struct fixture_stack *s, const char *home,
+           const char *stdin_path, const char *const args[], bool terminal,
+           struct fixture_proc *p)
+{
+    int po[2] = {-1, -1}, pe[2] = {-1, -1};
+
+    memset(p, 0, sizeof(*p));
+    p->fd_out = p->fd_err = -1;
+    p->status = -1;
+    if (terminal) {
+        /* A terminal of 120x40: stdin, stdout and stderr are its slave,
+         * the process leads its session with it as the controlling
+         * terminal, so a ^C written to the master is a SIGINT. */
+        struct winsize ws = {.ws_row = 40, .ws_col = 120};
+        int master = -1;
+        p->pid = forkpty(&master, NULL, NULL, &ws);
+        if (p->pid == -1)
+            return -errno;
+        if (p->pid == 0)
+            exec_kscore(s, home, args);
+        p->fd_out = master;
+        return 0;
+    }
+    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
+        return -errno;
+    p->pid = fork();
+    if (p->pid == -1)
+        return -errno;
+    if (p->pid == 0) {
+        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
+        if (nul == -1)
+            _exit(126);
+        dup2(nul, 0);
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        exec_kscore(s, home, args);
+    }
+    close(po[1]);
+    close(pe[1]);
+    p->fd_out = po[0];
+    p->fd_err = pe[0];
+    return 0;
+}
+
+int
+fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                     bool terminal, struct fixture_proc *p)
+{
+    return proc_start(s, NULL, NULL, args, terminal, p);
+}
+
+/* Reads what is there (waiting up to wait_ms for something); 0, or -1
+ * when every fd is closed. */
+static int
+proc_collect(struct fixture_proc *p, int wait_ms)
+{
+    struct pollfd fds[2] = {{p->fd_out, POLLIN, 0}, {p->fd_err, POLLIN, 0}};
+    if (p->fd_out < 0 && p->fd_err < 0)
+        return -1;
+    if (poll(fds, 2, wait_ms) <= 0)
+        return 0;
+    for (int i = 0; i < 2; i++) {
+        char buf[65536];
+        if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
+            continue;
+        ssize_t r = read(fds[i].fd, buf, sizeof(buf));
+        if (r == -1 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            /* EOF, or EIO: a terminal whose last slave is closed */
+            close(fds[i].fd);
+            *(i == 0 ? &p->fd_out : &p->fd_err) = -1;
+            continue;
+        }
+        if (i == 0)
+            append(&p->out, &p->out_len, &p->out_cap, buf, (size_t)r);
+        else
+            append(&p->err, &p->err_len, &p->err_cap, buf, (size_t)r);
+    }
+    return 0;
+}
+
+int
+fixture_proc_expect(struct fixture_proc *p, const char *needle,
+                    int timeout_ms)
+{
+    int64_t until = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    for (;;) {
+        if ((p->out && strstr(p->out, needle)) ||
+            (p->err && strstr(p->err, needle)))
+            return 0;
+        int64_t left = (until - ks_mono_us()) / 1000;
+        if (left <= 0 || proc_collect(p, left > 100 ? 100 : (int)left) < 0)
+            return (p->out && strstr(p->out, needle)) ||
+                           (p->err && strstr(p->err, needle))
+                       ? 0
+                       : KS_ETIMEDOUT;
+    }
+}
+
+int
+fixture_proc_write(struct fixture_proc *p, const char *bytes)
+{
+    size_t n = strlen(bytes);
+    if (p->fd_out < 0 || p->fd_err >= 0)
+        return -EINVAL; /* a terminal's only */
+    return write(p->fd_out, bytes, n) == (ssize_t)n ? 0 : -errno;
+}
+
+int
+fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms)
+{
+    int64_t until = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    int st = 0;
+    pid_t r = 0;
+
+    if (p->status >= 0)
+        return p->status;
+    if (sig)
+        kill(p->pid, sig);
+    while ((r = waitpid(p->pid, &st, WNOHANG)) == 0) {
+        if (ks_mono_us() >= until) {
+            kill(p->pid, SIGKILL);
+            waitpid(p->pid, &st, 0);
+            r = p->pid;
+            break;
+        }
+        if (proc_collect(p, 50) < 0)
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    /* What it wrote before it exited (a pipe's EOF; a terminal's master
+     * gives EIO once the slave is closed). */
+    while (proc_collect(p, 100) == 0 && (p->fd_out >= 0 || p->fd_err >= 0))
+        ;
+    p->status = r == p->pid ? (WIFEXITED(st) ? WEXITSTATUS(st)
+                                             : 128 + WTERMSIG(st))
+                            : -1;
+    return p->status;
+}
+
+/* Runs kscore to its end: what fixture_kscore and its variants return. */
 static int
 run_kscore(const struct fixture_stack *s, const char *home,
            const char *stdin_path, const char *const args[],
            struct fixture_out *out)
 {
-    int po[2], pe[2];
-    size_t n = 0, cap_o = 0, cap_e = 0;
+    struct fixture_proc p;
     int64_t t0 = ks_mono_us();
-    pid_t pid;
-    int st = 0;
+    int rc = proc_start(s, home, stdin_path, args, false, &p);
 
     memset(out, 0, sizeof(*out));
-    while (args[n])
-        n++;
-    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
-        return -errno;
-    pid = fork();
-    if (pid == -1)
-        return -errno;
-    if (pid == 0) {
-        const char **argv = calloc(n + 2, sizeof(*argv));
-        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
-        if (nul == -1)
-            _exit(126);
-        argv[0] = kscore_bin();
-        for (size_t i = 0; i < n; i++)
-            argv[i + 1] = args[i];
-        dup2(nul, 0);
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        if (s)
-            setenv("KSCORE_NATS_URL", s->nats.url, 1);
-        if (s && s->secure)
-            setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
-        /* never fall back to a developer's own local stack */
-        setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
-        if (home) {
-            /* the stack of home alone decides */
-            static const char *const vars[] = {
-                "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
-                "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
-                "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
-            for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
-                unsetenv(vars[i]);
-        }
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    close(po[1]);
-    close(pe[1]);
-    struct pollfd fds[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
-    int open_fds = 2;
-    while (open_fds > 0) {
-        if (poll(fds, 2, -1) == -1) {
-            if (errno == EINTR)
-                continue;
-            break;
-        }
-        for (int i = 0; i < 2; i++) {
-            char buf[65536];
-            if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP)))
-                continue;
-            ssize_t r = read(fds[i].fd, buf, sizeof(buf));
-            if (r <= 0) {
-                close(fds[i].fd);
-                fds[i].fd = -1;
-                open_fds--;
-                continue;
-            }
-            if (i == 0)
-                append(&out->out, &out->out_len, &cap_o, buf, (size_t)r);
-            else
-                append(&out->err, &out->err_len, &cap_e, buf, (size_t)r);
-        }
-    }
-    waitpid(pid, &st, 0);
-    if (!out->out)
-        out->out = strdup("");
-    if (!out->err)
-        out->err = strdup("");
-    out->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    if (rc)
+        return rc;
+    out->status = fixture_proc_wait(&p, 0, INT_MAX);
     out->seconds = (double)(ks_mono_us() - t0) / 1e6;
+    out->out = p.out ? p.out : strdup("");
+    out->err = p.err ? p.err : strdup("");
+    out->out_len = p.out_len;
+    out->err_len = p.err_len;
+    p.out = p.err = NULL;
+    fixture_proc_release(&p);
     return 0;
+}
+
+void
+fixture_proc_release(struct fixture_proc *p)
+{
+    if (!p || !p->pid)
+        return;
+    if (p->status < 0)
+        fixture_proc_wait(p, SIGKILL, 5000);
+    if (p->fd_out >= 0)
+        close(p->fd_out);
+    if (p->fd_err >= 0)
+        close(p->fd_err);
+    free(p->out);
+    free(p->err);
+    memset(p, 0, sizeof(*p));
 }
 
 void

@@ -1321,7 +1321,7 @@ START_TEST(live_output_through_either_broker)
         Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
         Ks__ExecuteReply *rep = NULL;
         struct live_seen seen = {0};
-        struct broker_exec_hooks h = {live_seen_cb, NULL, &seen};
+        struct broker_exec_hooks h = {live_seen_cb, NULL, &seen, NULL};
         local_agent(round, agent, sizeof(agent));
         sp.argv = argv;
         sp.n_argv = 3;

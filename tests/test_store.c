@@ -2552,6 +2552,136 @@ START_TEST(test_bench)
 }
 END_TEST
 
+/* Rows of events read so far by every session (pg_stat_user_tables), as
+ * (sequential, through an index): after s's own pending counts are in
+ * (pg_stat_force_next_flush: flushed when s's backend goes idle). */
+static void
+events_rows_read(struct store *s, long long *seq, long long *idx)
+{
+    PGconn *c = store_pgconn(s);
+    PQclear(PQexec(c, "SELECT pg_stat_force_next_flush()"));
+    PGresult *res = PQexec(
+        c, "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)"
+           " FROM pg_stat_user_tables WHERE relname = 'events'");
+    ck_assert_msg(PQresultStatus(res) == PGRES_TUPLES_OK, "%s",
+                  PQresultErrorMessage(res));
+    *seq = atoll(PQgetvalue(res, 0, 0));
+    *idx = atoll(PQgetvalue(res, 0, 1));
+    PQclear(res);
+}
+
+/*
+ * Where `events --follow` starts (store_cursor_at): at now, or after the
+ * last event recorded before a time, found without reading the history
+ * before it, and never past a transaction still open.
+ */
+START_TEST(test_cursor_at)
+{
+    struct store *r = open_store(), *a = open_store(), *b = open_store();
+    struct store_cursor cur, zero = {0};
+    struct ordered seen = {0};
+    struct tev old_one, recent[3], held, later, last;
+    char stream[64], u[37];
+    uint8_t *data;
+    size_t len;
+    long long seq0, idx0, seq1, idx1;
+    PGresult *res;
+
+    /* A history of 20,000 events recorded two hours ago. */
+    ck_assert_int_eq(kproto_pack(&mk(&old_one, "hist", "Thing")->base, &data,
+                                 &len),
+                     0);
+    {
+        const char *vals[1] = {(const char *)data};
+        int lens[1] = {(int)len}, fmts[1] = {1};
+        res = PQexecParams(
+            store_pgconn(b),
+            "INSERT INTO events (stream_id, version, event_id, type, data,"
+            " recorded_at) SELECT 'hist-' || g, 1, gen_random_uuid(),"
+            " 'Thing', $1, now() - interval '2 hours'"
+            " FROM generate_series(1, 20000) g",
+            1, NULL, vals, lens, fmts, 0);
+        ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
+                      PQresultErrorMessage(res));
+        PQclear(res);
+    }
+    free(data);
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "at-%s", u);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(
+            append1(b, mk(&recent[i], stream, "Thing"), STORE_ANY, NULL), 0);
+    /* Held open across the start: its event must not be skipped. */
+    PQclear(PQexec(store_pgconn(a), "BEGIN"));
+    ck_assert_int_eq(append1(a, mk(&held, "at-held", "Thing"), STORE_ANY,
+                             NULL),
+                     0);
+    ck_assert_int_eq(append1(b, mk(&later, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+
+    /* The counters see what a query reads: a scan of the history. */
+    events_rows_read(r, &seq0, &idx0);
+    PQclear(PQexec(store_pgconn(r),
+                   "SELECT count(*) FROM events WHERE data = ''"));
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_ge(seq1 - seq0 + idx1 - idx0, 20000);
+
+    /* Now: nothing of the history is read to find it. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, 0, &cur), 0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_eq(idx1 - idx0, 0);
+    ck_assert(cur.tx_id != 0);
+    PQclear(PQexec(store_pgconn(a), "COMMIT"));
+    ck_assert_int_eq(append1(b, mk(&last, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    events_rows_read(r, &seq0, &idx0);
+    read_pages(r, &cur, &seen);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100); /* what it returned, not 20,000 */
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(ordered_find(&seen, recent[i].id), -1);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* An hour ago: after the history, found by walking back from the
+     * end, not through the history. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, ks_now_us() - 3600 * INT64_C(1000000),
+                                     &cur),
+                     0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    seen = (struct ordered){0};
+    read_pages(r, &cur, &seen);
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_ge(ordered_find(&seen, recent[i].id), 0);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, later.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* Before anything was recorded: the first event. */
+    ck_assert_int_eq(store_cursor_at(r, INT64_C(1000000), &cur), 0);
+    ck_assert(cur.tx_id == zero.tx_id && cur.global_pos == zero.global_pos);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    store_close(a);
+    store_close(b);
+    store_close(r);
+}
+END_TEST
+
 int
 main(void)
 {
@@ -2590,6 +2720,7 @@ main(void)
     tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
+    tcase_add_test(tc, test_cursor_at);
     suite_add_tcase(su, tc);
     /* Measurements alone: CK_RUN_CASE=bench. */
     tc = tcase_create("bench");
