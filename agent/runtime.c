@@ -718,7 +718,12 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     /* Retried with the same event_id: a claim whose reply was lost is
      * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
      * restarting answers "no responders" at once: wait for it rather than
-     * hand the message back at once. */
+     * hand the message back at once. The first ask goes to the brokers'
+     * queue group, which may hand it to a stopped broker (nats-server keeps
+     * one in the group while it has messages to hand it); every retry goes
+     * to all of them (EVT_API_CLAIM_AGAIN), and the first answer counts:
+     * the claim fence lets one append of the claim win, and a repeat of it
+     * is granted as ours. */
     int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
     int pause_ms = 50;
     ks_trace("agent.claim_sent", cmd->command_id);
@@ -726,25 +731,26 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
      * broker's check, and the pool's NATS permissions list each of its
      * ids), but the reply comes to the pool's own inbox, the one inbox
      * its credential may read. */
-    char pool_subject[sizeof(EVT_API_CLAIM) + 16 + EVT_AGENT_ID_MAX];
+    char pool_subject[sizeof(EVT_API_CLAIM_AGAIN) + 16 + EVT_AGENT_ID_MAX];
     uint8_t *pool_req = NULL;
     size_t pool_req_len = 0;
-    if (a->opts.pool) {
-        snprintf(pool_subject, sizeof(pool_subject), "%s.%s", EVT_API_CLAIM,
-                 claimer);
-        if ((rc = kproto_pack(&req.base, &pool_req, &pool_req_len)))
-            return rc;
-    }
-    for (;;) {
+    if (a->opts.pool && (rc = kproto_pack(&req.base, &pool_req,
+                                          &pool_req_len)))
+        return rc;
+    for (bool again = false;; again = true) {
         int64_t t0 = ks_mono_us();
-        if (pool_req)
+        const char *api = again ? EVT_API_CLAIM_AGAIN : EVT_API_CLAIM;
+        if (pool_req) {
+            snprintf(pool_subject, sizeof(pool_subject), "%s.%s", api,
+                     claimer);
             rc = evt_request_bytes_as(a->nc, a->pool_identity, pool_subject,
                                       NULL,
                                       pool_req, pool_req_len,
                                       CLAIM_TIMEOUT_MS, &m);
-        else
-            rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+        } else {
+            rc = evt_request_as(a->nc, claimer, api, &req.base,
                                 CLAIM_TIMEOUT_MS, &m);
+        }
         if (rc == 0)
             ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);
         if (rc == 0 || atomic_load(&a->closing) || ks_mono_us() >= give_up)

@@ -179,11 +179,17 @@ broker__operator_of(natsMsg *msg)
 {
     const char *subj = natsMsg_GetSubject(msg);
     const char *dot = strrchr(subj, '.');
-    /* "kscore.api.v1.<method>.<operator>": 5 tokens. */
-    int dots = 0;
+    /* "kscore.api.v1.<method>.<operator>": 5 tokens; a claim asked again
+     * has one more, "kscore.api.v1.claim.again.<agent>" (an operator may
+     * publish 5 tokens only, an agent this subject under its own name
+     * only: deploy/nats-auth.conf.in). */
+    int dots = 0, want = 4;
     for (const char *p = subj; *p; p++)
         dots += *p == '.';
-    return dots == 4 && dot ? dot + 1 : "anonymous";
+    if (strncmp(subj, EVT_API_CLAIM_AGAIN ".",
+                sizeof(EVT_API_CLAIM_AGAIN)) == 0)
+        want = 5;
+    return dots == want && dot ? dot + 1 : "anonymous";
 }
 
 static int
@@ -416,7 +422,10 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.result = res;
             reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
-    } else if (!w) {
+    } else {
+        /* Still running: its id, at once, whether this broker waits for
+         * it now or another does. A client that asked again because its
+         * broker went silent learns that someone waits again. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -1622,9 +1631,11 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     r->cb(nc, sub, msg, r->ud);
 }
 
+/* Subscribes cb (behind api_guard) to "<subject>.*", in the brokers'
+ * queue group, or (queue NULL) as every broker does. */
 static int
-subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
-             natsMsgHandler cb, void *ud, char **errmsg)
+subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
+            const char *queue, natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
     BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
@@ -1633,9 +1644,11 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
     route->cb = cb;
     route->ud = ud;
     snprintf(full, sizeof(full), "%s.*", subject);
-    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
-                                                 EVT_BROKER_QUEUE, api_guard,
-                                                 route);
+    natsStatus s =
+        queue ? natsConnection_QueueSubscribe(sub, b->nc->nc, full, queue,
+                                              api_guard, route)
+              : natsConnection_Subscribe(sub, b->nc->nc, full, api_guard,
+                                         route);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
@@ -1645,6 +1658,13 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
         return KS_ENATS;
     }
     return 0;
+}
+
+static int
+subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
+             natsMsgHandler cb, void *ud, char **errmsg)
+{
+    return subscribe_q(b, sub, subject, EVT_BROKER_QUEUE, cb, ud, errmsg);
 }
 
 static int
@@ -1692,6 +1712,8 @@ broker_teardown(struct broker *b)
                                  &b->executors[0].sub,
                                  &b->executors[1].sub,
                                  &b->executors[2].sub,
+                                 &b->exec_again.sub,
+                                 &b->claim_again.sub,
                                  &b->sub_misc,   &b->sub_events,
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
@@ -1723,6 +1745,8 @@ broker_teardown(struct broker *b)
     store_close(b->st_setup);
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
         store_close(b->executors[i].st);
+    store_close(b->exec_again.st);
+    store_close(b->claim_again.st);
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -1745,7 +1769,6 @@ broker_teardown(struct broker *b)
     ks_map_clear(&b->keys_seen);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
-    pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
 }
@@ -1780,7 +1803,6 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
-    pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
 
@@ -1821,6 +1843,11 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
             goto out;
     }
+    b.exec_again.b = &b;
+    b.claim_again.b = &b;
+    if ((rc = open_store(&b, &b.exec_again.st, errmsg)) ||
+        (rc = open_store(&b, &b.claim_again.st, errmsg)))
+        goto out;
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1923,8 +1950,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
                                 EVT_API_EXECUTE, on_execute, errmsg)) ||
+        (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
+                          on_execute, &b.exec_again, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
                                 EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe_q(&b, &b.claim_again.sub, EVT_API_CLAIM_AGAIN, NULL,
+                          on_claim, &b.claim_again, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||
@@ -1994,6 +2025,11 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
  * up when no broker answers at all (ms). */
 #define EXEC_REASK_MS 5000
 #define EXEC_GIVE_UP_MS 20000
+/* An ask that a live broker answers at once (a live request's id, any ask
+ * again) and that went unanswered this long is asked again: the broker it
+ * reached may be stopped (ms). An answer takes a commit, milliseconds; the
+ * margin is for a loaded database, where asking more would add load. */
+#define EXEC_UNANSWERED_MS 2000
 
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
@@ -2009,7 +2045,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
 {
     Ks__ExecuteRequest r = *req;
     natsSubscription *sub = NULL;
-    char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
+    char inbox[EVT_INBOX_MAX], subject[192], again[192], key[48], id[37] = "";
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -2020,13 +2056,25 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                            (ProtobufCMessage **)out);
     /*
      * A waiting exec must not hang with its broker: the broker that holds
-     * its waiter may die. The request names its command with an
+     * its waiter may die or stop. The request names its command with an
      * idempotency key (a fresh one unless the caller gave one), and after
      * EXEC_REASK_MS of silence the same request goes out again on the same
      * inbox: the broker that still waits for the command answers at once
      * that it does (a reply without a result), another broker attaches
-     * this inbox to the command (or answers with its end), and no answer
-     * at all for EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
+     * this inbox to the command and says so at once (or answers with its
+     * end), and no answer at all for EXEC_GIVE_UP_MS ends the wait with
+     * KS_EUNAVAIL.
+     *
+     * The first ask goes to the brokers' queue group, which hands it to one
+     * broker at random, also to one that is stopped (SIGSTOP, a frozen
+     * VM): nats-server keeps a stopped client in the group as long as it
+     * has messages to hand it (a delivery counts as the client's activity,
+     * so it is never pinged; server/client.go flushClients), and half the
+     * asks of two brokers went there. So every ask again goes to all the
+     * brokers (EVT_API_EXECUTE_AGAIN): whichever live broker holds or
+     * finds the command answers. An ask that a live broker answers at once
+     * (a live request: its id comes first; any ask again) is asked again
+     * after EXEC_UNANSWERED_MS without an answer.
      */
     if (!r.idempotency_key || !r.idempotency_key[0]) {
         char u[37];
@@ -2042,7 +2090,10 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
+    snprintf(again, sizeof(again), "%s.%s", EVT_API_EXECUTE_AGAIN,
+             c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
+    bool answered = false; /* the last ask was answered */
     unsigned asks = 1;
     if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
                                                     (int)len))))
@@ -2104,6 +2155,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
+            answered = true;
         } else {
             natsMsg_Destroy(m);
             if (st != NATS_OK && st != NATS_TIMEOUT &&
@@ -2145,9 +2197,12 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_EUNAVAIL;
             goto out;
         }
-        if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
-            now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
+        bool unanswered = !answered && (asks > 1 || r.live_output) &&
+                          now - asked >= (int64_t)EXEC_UNANSWERED_MS * 1000;
+        if (unanswered || (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
+                           now - asked >= (int64_t)EXEC_REASK_MS * 1000)) {
             asked = now;
+            answered = false;
             if (!r.key_may_exist) {
                 /* Asked again: the key may name a command by now (at
                  * another broker too), which must not be published
@@ -2159,7 +2214,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                     goto out;
             }
             if ((rc = evt_err(natsConnection_PublishRequest(
-                     c->nc, subject, inbox, buf, (int)len))))
+                     c->nc, again, inbox, buf, (int)len))))
                 goto out;
             asks++;
         }

@@ -133,10 +133,6 @@ struct broker {
      * (broker__registry_deaf). */
     int64_t scan_tick_mono_us, woke_mono_us;
 
-    pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
-    natsMsg **rec_q;
-    size_t rec_len, rec_cap;
-
     pthread_t rec_thread, reg_thread, scan_thread;
     bool rec_started, reg_started, scan_started;
     /* Parked long polls of kscore.api.v1.follow, served by the follow
@@ -153,6 +149,11 @@ struct broker {
     int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
+    /* kscore.api.v1.execute-again: every broker's, no queue group (a
+     * client asks again there when an ask went unanswered). */
+    struct broker__worker exec_again;
+    /* kscore.api.v1.claim.again: every broker's, likewise. */
+    struct broker__worker claim_again;
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;

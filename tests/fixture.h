@@ -151,6 +151,15 @@ int fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
 int fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env);
 void fixture_stack_agent_kill(struct fixture_stack *s, int sig);
 int fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents);
+/*
+ * One more `kscore broker` of the stack, in the same queue group and on
+ * the same database, with no local agents: the daemon name (pid file and
+ * log <dir>/<name>.{pid,log}). Waits until it logs that it serves (a
+ * readiness probe would be answered by the first broker). Stop it with
+ * stack_stop(s->dir, name, ...); signal it with fixture_stack_signal.
+ * 0 or a negative code.
+ */
+int fixture_stack_broker_spawn(struct fixture_stack *s, const char *name);
 void fixture_stack_broker_kill(struct fixture_stack *s, int sig);
 
 /* What a child process did. */

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -124,18 +125,21 @@ wait_agent(const struct fixture_stack *st, const char *id, int timeout_ms)
                              timeout_ms);
 }
 
-int
-fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+/* Starts `kscore broker` as the daemon name of the stack (its pid file
+ * and log <dir>/<name>.{pid,log}, its local agents' state in state_dir),
+ * as the stack's broker is. 0 or a negative code; waits for nothing. */
+static int
+broker_daemon(struct fixture_stack *s, const char *name,
+              unsigned local_agents, const char *state)
 {
-    char n[16], state[PATH_MAX + 16];
+    char n[16];
     pid_t pid;
     int rc;
     snprintf(n, sizeof(n), "%u", local_agents);
-    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
     char *argv[] = {(char *)kscore_bin(), "broker",     "--nats",
                     s->nats.url,          "--db",       s->pg.conninfo,
                     "--local-agents",     n,            "--state-dir",
-                    state,                "--signing-key", s->signing_key,
+                    (char *)state,        "--signing-key", s->signing_key,
                     NULL,                 NULL,          NULL};
     if (s->policy[0]) {
         size_t n = 0;
@@ -158,13 +162,22 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", "false", 1);
     else if (!rsl[0])
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
-    rc = stack_daemon(s->dir, "broker", argv, &pid);
+    rc = stack_daemon(s->dir, name, argv, &pid);
     if (rsl_copy)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", rsl_copy, 1);
     else
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
     free(rsl_copy);
     unsetenv("KSCORE_NATS_NKEY");
+    return rc;
+}
+
+int
+fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+{
+    char state[PATH_MAX + 16];
+    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
+    int rc = broker_daemon(s, "broker", local_agents, state);
     if (rc == 0)
         rc = wait_broker(s, 30000);
     if (rc)
@@ -183,6 +196,36 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
                     id, ks_strerror(rc));
     }
     return rc;
+}
+
+int
+fixture_stack_broker_spawn(struct fixture_stack *s, const char *name)
+{
+    char state[PATH_MAX + 96], log[PATH_MAX + 96];
+    struct stat sb;
+    snprintf(state, sizeof(state), "%s/%s-local-agents", s->dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", s->dir, name);
+    /* The log is appended to at each start: only this start's lines. */
+    off_t from = stat(log, &sb) == 0 ? sb.st_size : 0;
+    int rc = broker_daemon(s, name, 0, state);
+    for (int i = 0; rc == 0 && i < 600; i++) {
+        char buf[8192] = "";
+        FILE *f = fopen(log, "r");
+        if (f && fseeko(f, from, SEEK_SET) == 0) {
+            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+            buf[n] = '\0';
+        }
+        if (f)
+            fclose(f);
+        if (strstr(buf, "msg=serving "))
+            return 0;
+        if (!stack_pidfile_alive(s->dir, name, NULL))
+            break;
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "fixture: broker %s did not start (%s), see %s\n", name,
+            ks_strerror(rc ? rc : KS_ETIMEDOUT), log);
+    return rc ? rc : KS_ETIMEDOUT;
 }
 
 void
