@@ -43,9 +43,12 @@ broker__store_error(struct store *st, int rc, char *buf, size_t len)
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
-    else if (rc == KS_EPGREFUSED)
-        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 store_last_sqlstate(st), why);
+    else if (rc == KS_EPGREFUSED) {
+        const char *state = store_last_sqlstate(st),
+                   *name = store_sqlstate_name(state);
+        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s%s%s): %s",
+                 state, name[0] ? " " : "", name, why);
+    }
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
@@ -190,6 +193,32 @@ broker__operator_of(natsMsg *msg)
                 sizeof(EVT_API_CLAIM_AGAIN)) == 0)
         want = 5;
     return dots == want && dot ? dot + 1 : "anonymous";
+}
+
+struct notice_ctx {
+    struct broker *b;
+    const char *text;
+};
+
+static void
+notice_one(const char *command_id, void *val, void *ud)
+{
+    struct notice_ctx *n = ud;
+    struct broker__waiter *w = val;
+    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+    r.command_id = (char *)command_id;
+    r.agent_id = w->agent_id;
+    r.notice = (char *)n->text;
+    reply_msg(n->b, w->reply_subject, &r.base);
+}
+
+void
+broker__waiters_notice(struct broker *b, const char *text)
+{
+    struct notice_ctx n = {b, text ? text : ""};
+    pthread_mutex_lock(&b->mu);
+    ks_map_each(&b->waiters, notice_one, &n);
+    pthread_mutex_unlock(&b->mu);
 }
 
 static int

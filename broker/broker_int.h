@@ -477,6 +477,10 @@ void broker__remote_live_free(struct broker *b);
 void broker__remote_live_sweep(struct broker *b, struct store *st);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
+/* Tells every client waiting on this broker for a result why it cannot come
+ * now (ExecuteReply.notice: text), or that it can again (""). A reply with
+ * no result: the clients keep waiting. Any thread; takes b->mu. */
+void broker__waiters_notice(struct broker *b, const char *text);
 /* The follow thread (broker.c): start before kscore.api.v1.follow is
  * subscribed, stop after it is drained (it answers whoever is parked). */
 int broker__follow_start(struct broker *b);

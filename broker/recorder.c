@@ -227,7 +227,7 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
  */
 struct rec_stall {
     enum ks_gauge gauge; /* KS_G__N: not stalled */
-    int64_t since_us, logged_us;
+    int64_t since_us, logged_us, noticed_us;
 };
 
 static void
@@ -255,6 +255,19 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
         sl->since_us = now;
     if (said_now) /* the "cannot record" line names it */
         sl->logged_us = now;
+    if (said_now || changed ||
+        now - sl->noticed_us >= REC_STALL_LOG_US) {
+        /* The clients waiting for results are told at once, and again
+         * while it lasts (a waiter that came since hears it too). */
+        char text[700];
+        snprintf(text, sizeof(text),
+                 "waits: its result cannot be recorded now: %s; it is "
+                 "recorded once PostgreSQL %s",
+                 broker__store_error(b->st_rec, rc, why, sizeof(why)),
+                 rc == KS_EPGREFUSED ? "takes writes again" : "is back");
+        broker__waiters_notice(b, text);
+        sl->noticed_us = now;
+    }
     if (said_now ||
         (!changed && sl->logged_us && now - sl->logged_us < REC_STALL_LOG_US))
         return;
@@ -275,10 +288,13 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
 }
 
 static void
-stall_end(struct rec_stall *sl)
+stall_end(struct broker *b, struct rec_stall *sl)
 {
     if (sl->gauge != KS_G__N)
         ks_metric_gauge_add(sl->gauge, -1);
+    if (sl->noticed_us)
+        broker__waiters_notice(b, "goes on: PostgreSQL takes writes again, "
+                                  "its result is recorded as it comes");
     sl->gauge = KS_G__N;
 }
 
@@ -441,7 +457,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         backoff_ms = backoff_ms * 2 < REC_BACKOFF_MAX_MS ? backoff_ms * 2
                                                          : REC_BACKOFF_MAX_MS;
     }
-    stall_end(&stall);
+    stall_end(b, &stall);
     if (failures && rc == 0)
         ks_log(KS_LOG_INFO, "recording again", KS_S("module", "recorder"),
                KS_D("after_s", (double)(ks_mono_us() - failing_since) / 1e6),

@@ -165,6 +165,10 @@ live_cb(const Ks__ExecuteReply *rep, void *ud)
     if (!lv->command_id[0] && ks_is_uuid(rep->command_id))
         snprintf(lv->command_id, sizeof(lv->command_id), "%s",
                  rep->command_id);
+    /* Said at once, on stderr, --json or not: the operator learns why the
+     * wait goes on (a database refusing writes), and that it ends. */
+    if (rep->notice && rep->notice[0])
+        cli_err("command %s %s", lv->command_id, rep->notice);
     if (!lv->print)
         return;
     for (size_t i = 0; i < rep->n_chunks; i++) {

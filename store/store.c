@@ -311,6 +311,32 @@ store_last_sqlstate(struct store *s)
     return s ? s->sqlstate : "";
 }
 
+const char *
+store_sqlstate_name(const char *sqlstate)
+{
+    /* PostgreSQL 15 docs, Appendix A, the codes refused_state() takes. */
+    static const struct {
+        const char *code, *name;
+    } names[] = {
+        {"53000", "insufficient_resources"},
+        {"53100", "disk_full"},
+        {"53200", "out_of_memory"},
+        {"53300", "too_many_connections"},
+        {"53400", "configuration_limit_exceeded"},
+        {"25006", "read_only_sql_transaction"},
+        {"40001", "serialization_failure"},
+        {"40P01", "deadlock_detected"},
+        {"55P03", "lock_not_available"},
+        {"57014", "query_canceled"},
+        {"58000", "system_error"},
+        {"58030", "io_error"},
+    };
+    for (size_t i = 0; sqlstate && i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(sqlstate, names[i].code) == 0)
+            return names[i].name;
+    return "";
+}
+
 bool
 store_in_doubt(struct store *s)
 {

@@ -518,6 +518,10 @@ const char *store_last_error(struct store *s);
 /* The SQLSTATE of the last error PostgreSQL sent ("" when the last error
  * had none: a lost connection). Valid until the next call on s. */
 const char *store_last_sqlstate(struct store *s);
+/* The condition name of a SQLSTATE of a sick database (store.h "Sick
+ * database"; PostgreSQL 15 docs Appendix A): "disk_full" for 53100,
+ * "read_only_sql_transaction" for 25006, ...; "" for any other. Pure. */
+const char *store_sqlstate_name(const char *sqlstate);
 
 /* ---- batch leases (store/batch_lease.c, table batch_leases) -----------
  *

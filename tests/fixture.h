@@ -21,6 +21,7 @@ struct fixture_pg {
     char dir[PATH_MAX]; /* the temporary stack directory */
     char *conninfo;     /* libpq conninfo of database "kscore" (malloc'd) */
     pid_t pid;          /* postmaster */
+    bool small_disk;    /* fixture_pg_small_disk mounted one */
 };
 
 /*
@@ -46,6 +47,34 @@ void fixture_pg_stop(struct fixture_pg *f);
 int fixture_pg_halt(struct fixture_pg *f);
 int fixture_pg_resume(struct fixture_pg *f);
 int fixture_pg_restart(struct fixture_pg *f);
+
+/*
+ * Runs sql on database kscore as the superuser postgres: a child becomes
+ * the server's OS user and connects by peer, as the stack's own
+ * administration does. For the faults a test injects (a tablespace, a
+ * full disk), never for what kscore does. 0, or -1 with the server's
+ * message on stderr (an error sql expects, e.g. 53100 of a filler, is
+ * allowed_sqlstate: then 0 too; NULL: none).
+ */
+int fixture_pg_admin(const struct fixture_pg *f, const char *sql,
+                     const char *allowed_sqlstate);
+
+/*
+ * A small disk under the events table (issue 25, fleet case F06, a full
+ * disk with PostgreSQL up): a tmpfs of size_mb mounted at <dir>/evdisk,
+ * the tablespace kscore_evdisk on it, the table events moved there (its
+ * indexes stay). fixture_pg_fill_disk fills it (a filler table in the
+ * tablespace, until PostgreSQL answers 53100 disk_full): events can grow
+ * no more, every append fails with 53100 (a few may still fit in the
+ * table's last page). fixture_pg_free_disk drops the filler: the space is
+ * back. fixture_pg_small_disk_undo moves events back and unmounts
+ * (fixture_pg_stop does it too). 0; KS_EUNAVAIL when no tmpfs can be
+ * mounted (not root, no CAP_SYS_ADMIN: the caller skips, saying so); -1.
+ */
+int fixture_pg_small_disk(struct fixture_pg *f, int size_mb);
+int fixture_pg_fill_disk(struct fixture_pg *f);
+int fixture_pg_free_disk(struct fixture_pg *f);
+void fixture_pg_small_disk_undo(struct fixture_pg *f);
 
 /* ------------------------------------------------------------------------ */
 /* NATS and the whole stack (tests/fixture_nats.c)                          */
