@@ -145,6 +145,13 @@ void fixture_stack_stop(struct fixture_stack *s);
  */
 int fixture_agent_spawn(struct fixture_stack *s, const char *name,
                         const char *id, const char *const extra[]);
+/* As fixture_agent_spawn, started through launcher (NULL-terminated: a
+ * program and its arguments, run with the agent's command line after
+ * them, which it must exec), e.g. one that leaves odd signal state. Its
+ * state dir is <dir>/state-<name>. */
+int fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                            const char *id, const char *const extra[],
+                            const char *const launcher[]);
 /* Restarts nats-server on the same port and store dir (SIGTERM first, so
  * JetStream flushes). */
 int fixture_stack_nats_restart(struct fixture_stack *s);

@@ -292,13 +292,23 @@ int
 fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
                     const char *const extra[])
 {
+    return fixture_agent_spawn_via(s, name, id, extra, NULL);
+}
+
+int
+fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                        const char *id, const char *const extra[],
+                        const char *const launcher[])
+{
     char state[PATH_MAX + 96];
-    const char *argv[32];
+    const char *argv[80];
     size_t n = 0;
     pid_t pid;
     int rc;
 
     snprintf(state, sizeof(state), "%s/state-%s", s->dir, name);
+    for (size_t i = 0; launcher && launcher[i] && n < 8; i++)
+        argv[n++] = launcher[i];
     argv[n++] = kscore_bin();
     argv[n++] = "agent";
     argv[n++] = "--id";
@@ -309,7 +319,7 @@ fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
     argv[n++] = state;
     argv[n++] = "--trust-key";
     argv[n++] = s->trust_key;
-    for (size_t i = 0; extra && extra[i] && n < 31; i++)
+    for (size_t i = 0; extra && extra[i] && n < 79; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
     rc = stack_daemon(s->dir, name, (char *const *)argv, &pid);
