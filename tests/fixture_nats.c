@@ -463,20 +463,26 @@ fixture_stack_stop(struct fixture_stack *s)
     if (!s || !s->dir[0])
         return;
     /* Every daemon a test started here, also those of a test that failed
-     * before it could stop them (agent-*.pid): agents first. */
-    d = opendir(s->dir);
-    while (d && (de = readdir(d))) {
-        size_t n = strlen(de->d_name);
-        if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
-            strncmp(de->d_name, "agent", 5) == 0) {
-            char name[256];
-            snprintf(name, sizeof(name), "%.*s", (int)(n - 4), de->d_name);
-            stack_stop(s->dir, name, 20000);
+     * before it could stop them (agent-*.pid, and brokers the test spawned
+     * besides the stack's: broker*.pid): agents first. A stopped one
+     * (SIGSTOP) is continued first, to hear the TERM. */
+    for (int pass = 0; pass < 2; pass++) {
+        const char *kind = pass == 0 ? "agent" : "broker";
+        d = opendir(s->dir);
+        while (d && (de = readdir(d))) {
+            size_t n = strlen(de->d_name);
+            if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
+                strncmp(de->d_name, kind, strlen(kind)) == 0) {
+                char name[256];
+                snprintf(name, sizeof(name), "%.*s", (int)(n - 4),
+                         de->d_name);
+                fixture_stack_signal(s, name, SIGCONT);
+                stack_stop(s->dir, name, 20000);
+            }
         }
+        if (d)
+            closedir(d);
     }
-    if (d)
-        closedir(d);
-    stack_stop(s->dir, "broker", 20000);
     fixture_nats_stop(&s->nats);
     fixture_pg_stop(&s->pg);
     rm_tree(s->dir);
