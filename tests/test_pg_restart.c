@@ -805,6 +805,98 @@ START_TEST(results_wait_while_pg_refuses_writes)
 }
 END_TEST
 
+/* ---- followers and long transactions elsewhere (issue 25) ---------------- */
+
+/* A connection of its own to database dbname of the stack's cluster. */
+static PGconn *
+db_named(const char *dbname)
+{
+    char ci[PATH_MAX + 64];
+    snprintf(ci, sizeof(ci), "%s dbname=%s", stack.pg.conninfo, dbname);
+    PGconn *pg = PQconnectdb(ci);
+    ck_assert_msg(PQstatus(pg) == CONNECTION_OK, "%s", PQerrorMessage(pg));
+    return pg;
+}
+
+/* One follow call of every stream from *cur (cur moves on); whether the
+ * end of command_id (empty: anything) was among its events. */
+static bool
+follow_once(struct evt_conn *c, uint64_t *tx, int64_t *pos,
+            const char *command_id, uint32_t wait_ms)
+{
+    Ks__EventsRequest er = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    bool found = false;
+    er.stream_id = "";
+    er.cursor_tx_id = *tx;
+    er.cursor_pos = *pos;
+    er.limit = 1000;
+    er.wait_ms = wait_ms;
+    ck_assert_int_eq(broker_call(c, EVT_API_FOLLOW, &er.base,
+                                 &ks__events_reply__descriptor, 10000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert_msg(rep->error_code == 0, "follow: %s", rep->error);
+    for (size_t i = 0; i < rep->n_events; i++) {
+        const Ks__Event *ev = rep->events[i]->event;
+        if (ev && strcmp(ev->type, "CommandCompleted") == 0 &&
+            (!command_id[0] || strcmp(ev->command_id, command_id) == 0))
+            found = true;
+    }
+    *tx = rep->cursor_tx_id;
+    *pos = rep->cursor_pos;
+    ks__events_reply__free_unpacked(rep, NULL);
+    return found;
+}
+
+/*
+ * A follower (kscore.api.v1.follow, what `kscore events --follow` reads)
+ * gets a command's end while a transaction of another database, and one of
+ * this database that writes no event, stay open. On 9d94e2b it waited
+ * until they ended (below pg_snapshot_xmin, the oldest open transaction of
+ * the whole cluster: a 25 s transaction delayed delivery by 24 s).
+ */
+START_TEST(a_long_transaction_elsewhere_delays_no_follower)
+{
+    struct evt_conn *c = client();
+    uint64_t tx = 0;
+    int64_t pos = 0;
+    char id[37];
+
+    pg_up();
+    /* To the end of what is there. */
+    for (int i = 0; i < 100; i++) {
+        uint64_t t0 = tx;
+        int64_t p0 = pos;
+        follow_once(c, &tx, &pos, "", 0);
+        if (tx == t0 && pos == p0)
+            break;
+    }
+    PGconn *other = db_named("postgres"), *same = db();
+    sql_exec(other, "BEGIN");
+    sql_exec(other, "SELECT pg_current_xact_id()");
+    sql_exec(same, "CREATE TABLE IF NOT EXISTS follow_bystander (x int)");
+    sql_exec(same, "BEGIN");
+    sql_exec(same, "INSERT INTO follow_bystander VALUES (1)");
+
+    ck_assert_int_eq(submit(c, "echo followed", id), 0);
+    bool found = false;
+    int64_t until = ks_mono_us() + 30 * 1000000LL;
+    while (!found && ks_mono_us() < until)
+        found = follow_once(c, &tx, &pos, id, 1000);
+    ck_assert_int_eq(PQtransactionStatus(other), PQTRANS_INTRANS);
+    ck_assert_int_eq(PQtransactionStatus(same), PQTRANS_INTRANS);
+    sql_exec(other, "COMMIT");
+    sql_exec(same, "ROLLBACK");
+    PQfinish(other);
+    PQfinish(same);
+    ck_assert_msg(found, "the follower did not get the command's end in 30 s "
+                         "while two transactions that append nothing were "
+                         "open");
+    evt_close(c);
+}
+END_TEST
+
 /* ---- a full disk under events (issue 25, fleet case F06) ---------------- */
 
 /* Together at most the agent's slots (8 here). */
@@ -971,6 +1063,7 @@ pg_restart_suite(void)
     tcase_add_test(tc, running_command_recorded_once);
     tcase_add_test(tc, everything_after_restart);
     tcase_add_test(tc, results_wait_while_pg_refuses_writes);
+    tcase_add_test(tc, a_long_transaction_elsewhere_delays_no_follower);
     suite_add_tcase(s, tc);
     /* Its own stack (CK_RUN_CASE=full runs it alone): a tablespace on a
      * tmpfs under events. */
