@@ -593,7 +593,8 @@ broker__recorder_start(struct broker *b, char **errmsg)
 {
     int rc = broker__recorder_ensure(b, errmsg);
     if (rc == 0)
-        rc = evt_pull_subscribe(b->nc, &rec_durable, &b->sub_rec, errmsg);
+        rc = evt_durable_subscribe(b->nc, &rec_durable, NULL, NULL,
+                                   &b->sub_rec, errmsg);
     if (rc)
         return rc;
     if (pthread_create(&b->rec_thread, NULL, recorder_main, b) != 0)

@@ -1146,12 +1146,19 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
         return rc;
     jsSubOptions_Init(&so);
     so.Stream = d->stream;
-    so.Consumer = d->durable;
-    so.Queue = d->deliver_group;
-    so.ManualAck = true;
-    s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so, &jerr);
-    if (s == NATS_OK)
-        s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    so.Consumer = d->durable; /* bound: nats.c never deletes it */
+    if (d->pull) {
+        BUG_ON(cb);
+        s = js_PullSubscribe(&sub, c->js, d->filter_subject, d->durable,
+                             NULL, &so, &jerr);
+    } else {
+        so.Queue = d->deliver_group;
+        so.ManualAck = true;
+        s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so,
+                         &jerr);
+        if (s == NATS_OK)
+            s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    }
     if (s != NATS_OK) {
         if (errmsg)
             *errmsg = errmsg_dup("consumer %s: %s", d->durable,
@@ -1172,35 +1179,6 @@ evt_consumer_delete(struct evt_conn *c, const char *stream,
     if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)
         return KS_ENOTFOUND;
     return s == NATS_OK ? 0 : KS_ENATS;
-}
-
-int
-evt_pull_subscribe(struct evt_conn *c, const struct evt_durable *d,
-                   natsSubscription **sub_out, char **errmsg)
-{
-    jsSubOptions so;
-    jsErrCode jerr = 0;
-    natsSubscription *sub = NULL;
-    natsStatus s;
-    int rc;
-
-    BUG_ON(!d->pull);
-    if ((rc = evt_consumer_ensure(c, d, NULL, errmsg)))
-        return rc;
-    jsSubOptions_Init(&so);
-    so.Stream = d->stream;
-    so.Consumer = d->durable; /* bound: nats.c never deletes it */
-    s = js_PullSubscribe(&sub, c->js, d->filter_subject, d->durable, NULL,
-                         &so, &jerr);
-    if (s != NATS_OK) {
-        if (errmsg)
-            *errmsg = errmsg_dup("consumer %s: %s", d->durable,
-                                 nats_GetLastError(NULL));
-        natsSubscription_Destroy(sub);
-        return KS_ENATS;
-    }
-    *sub_out = sub;
-    return 0;
 }
 
 int

@@ -683,7 +683,7 @@ struct evt_durable {
     int64_t ack_wait_ms;
     int64_t max_deliver;          /* 0: unlimited */
     /* A pull consumer (no deliver subject, no group): its messages go only
-     * to whoever asks for them (evt_pull_subscribe, evt_fetch). */
+     * to whoever asks for them (evt_durable_subscribe, evt_fetch). */
     bool pull;
 };
 
@@ -719,7 +719,10 @@ int evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
  * Creates or updates the consumer (evt_consumer_ensure), then subscribes to
  * its deliver subject with manual acks and no pending limits. cb runs on
  * the subscription's nats.c delivery thread (or the shared pool when
- * global delivery is on), owns the message and acks it.
+ * global delivery is on), owns the message and acks it. A pull consumer
+ * (d->pull; cb and ud NULL) is bound instead, and read with evt_fetch from
+ * one thread at a time. Bound either way, never created by nats.c:
+ * unsubscribing or destroying *sub_out never deletes the consumer.
  * Returns 0 or KS_ENATS with *errmsg.
  */
 int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
@@ -735,18 +738,8 @@ int evt_consumer_delete(struct evt_conn *c, const char *stream,
                         const char *durable);
 
 /*
- * Binds a pull subscription to the pull consumer d (d->pull), made or
- * corrected first (evt_consumer_ensure). Bound, never created by nats.c:
- * unsubscribing or destroying *sub_out never deletes the consumer. Read it
- * with evt_fetch from one thread at a time. Returns 0 or KS_ENATS with
- * *errmsg (malloc'd, may be NULL).
- */
-int evt_pull_subscribe(struct evt_conn *c, const struct evt_durable *d,
-                       natsSubscription **sub_out, char **errmsg);
-
-/*
- * One pull of at most batch messages (1..EVT_FETCH_MAX) from sub
- * (evt_pull_subscribe), waiting at most wait_ms (>= 1) for the first: as
+ * One pull of at most batch messages (1..EVT_FETCH_MAX) from sub (a pull
+ * consumer's evt_durable_subscribe), waiting at most wait_ms (>= 1) for the first: as
  * soon as any are there it returns with everything the consumer had ready
  * then, up to batch. That is nats-server's one-shot request (no_wait with
  * an expiry: "wait for expires but return as soon as we have any

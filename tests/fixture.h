@@ -244,6 +244,9 @@ int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
 /* The first column of the first row of sql as a long (-1 when there is no
  * row) on pgconn (a PGconn *); a failed query fails the test. */
 long fixture_pg_long(void *pgconn, const char *sql);
+/* Lines in the file at path, 0 when there is none: how often a command
+ * whose side effect appends a line to it ran. */
+long fixture_file_lines(const char *path);
 /* The same on a connection of its own to conninfo. */
 long fixture_sql_long(const char *conninfo, const char *sql);
 /* Polls sql until it returns want or timeout_ms passes: the last value. */

@@ -159,6 +159,20 @@ fixture_wait_sql(const char *conninfo, const char *sql, long want,
     return v;
 }
 
+long
+fixture_file_lines(const char *path)
+{
+    char line[256];
+    long n = 0;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        n += strchr(line, '\n') != NULL;
+    fclose(f);
+    return n;
+}
+
 /* ---- a small disk under events (issue 25, F06) ------------------------- */
 
 int

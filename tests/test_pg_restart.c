@@ -908,19 +908,12 @@ END_TEST
 #define DF_ASKS 40
 
 /* Lines in the side-effect file of a command of this test. */
-static int
+static long
 df_runs(const char *id)
 {
-    char path[PATH_MAX + 300], line[64];
-    int n = 0;
+    char path[PATH_MAX + 300];
     snprintf(path, sizeof(path), "%s/df.%s", side_dir, id);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return 0;
-    while (fgets(line, sizeof(line), f))
-        n++;
-    fclose(f);
-    return n;
+    return fixture_file_lines(path);
 }
 
 /*

@@ -99,16 +99,9 @@ wait_all_terminal(PGconn *pg, int timeout_s)
 static int
 runs_of(const char *prefix, const char *id)
 {
-    char path[PATH_MAX + 80], line[64];
-    int n = 0;
+    char path[PATH_MAX + 512];
     snprintf(path, sizeof(path), "%s/%s.%s", side_dir, prefix, id);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return 0;
-    while (fgets(line, sizeof(line), f))
-        n++;
-    fclose(f);
-    return n;
+    return (int)fixture_file_lines(path);
 }
 
 /* No stream has two claims or two terminal events. */
