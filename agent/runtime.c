@@ -345,8 +345,10 @@ publisher_main(void *arg)
         evt_agent_durable(ident, sizeof(ident), win[0]->agent_id);
         for (size_t i = 0; i < n; i++) {
             ks_trace("agent.event_publish", win[i]->command_id);
-            msgs[i] = (struct evt_js_msg){win[i]->subject, win[i]->event_id,
-                                          win[i]->buf, win[i]->len, 0};
+            msgs[i] = (struct evt_js_msg){.subject = win[i]->subject,
+                                          .msg_id = win[i]->event_id,
+                                          .data = win[i]->buf,
+                                          .len = win[i]->len};
         }
         int rc = evt_js_publish_window(a->nc,
                                        a->opts.pool ? a->pool_identity : ident,
@@ -420,6 +422,8 @@ job_free(struct job_ctx *j)
 {
     if (!j)
         return;
+    agent__payload_free(j->payload); /* its private files, whatever the end */
+    free(j->end_reason);
     free(j->ack_subject);
     if (j->cmd)
         ks__command__free_unpacked(j->cmd, NULL);
@@ -654,6 +658,8 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "spawn the command (self-fence)",
                  (double)silence_us / 1e6);
     }
+    if (!reason[0] && j->end_reason)
+        snprintf(reason, sizeof(reason), "%s", j->end_reason);
     if (reason[0])
         r.reason = reason;
     report(j, type, &r, reason[0] ? reason : NULL);
@@ -965,10 +971,13 @@ start_job(struct job_ctx *j)
      * opened never runs, and ends StartFailed through the claim. */
     rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
                              secret_why, sizeof(secret_why));
+    if (rc)
+        stage = "secret";
+    else /* script, stdin, user (payload.c) */
+        rc = agent__payload_prepare(a, cmd, &spec, &j->payload, &stage,
+                                    secret_why, sizeof(secret_why));
     if (rc == 0)
         rc = exec_precheck(&spec, &stage);
-    else
-        stage = "secret";
     if (rc) {
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
         r.status = KS__COMMAND_STATUS__START_FAILED;
@@ -1047,16 +1056,26 @@ start_job(struct job_ctx *j)
         job_release(j, "+ACK");
         goto out;
     }
-    /* Its output as it is written (output.c); without, only the end. */
-    agent__out_new(j);
+    /* A copy's files, now that it is ours (payload.c); past the claim, a
+     * failure ends it StartFailed with the reason. */
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(secret_why);
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it has its job id. */
     pthread_mutex_lock(&a->mu);
     j->state = JOB_RUNNING;
     a->in_flight++;
-    rc = exec_submit_out(a->loop, &spec, job_started,
-                         j->out ? agent__out_piece : NULL, job_done, j,
-                         &job_id);
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, &spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
     if (rc == 0)
         j->job_id = job_id;
     bool cancel_now = rc == 0 && j->cancel_pending;
@@ -1067,8 +1086,11 @@ start_job(struct job_ctx *j)
         /* Claimed but not started: report it, so it still ends. */
         struct exec_result x = {0};
         x.outcome = EXEC_START_FAILED;
-        x.start_stage = "spawn";
-        x.start_errno = -rc;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        x.cancelled = rc == -ECANCELED;
         x.term_sent_us = x.kill_sent_us = -1;
         job_done(0, &x, j);
     }
@@ -1413,35 +1435,47 @@ attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
 }
 
 /*
- * What a heartbeat's outcome says to the self-fence (keeper_main). Stored
- * in the registry: the broker hears us. Refused by a connected NATS for
- * want of the registry itself (no responders: the bucket has no leader,
- * or its JetStream error, such as 503 without quorum): nobody hears
- * anybody's heartbeat then, the brokers' own beacons included, so no
- * broker judges us by silence (broker__registry_deaf) and there is
- * nothing to fence against. A timeout, or NATS away, says nothing: a
- * partition looks like that. Without this, losing the cluster node that
- * led the registry fenced every agent for the 5-15 s of the bucket's new
- * election, and commands claimed then ended NotStarted.
+ * What a heartbeat's outcome says to the self-fence (keeper_main); t0:
+ * when the put began (ks_mono_us). Stored in the registry: the broker
+ * hears us. Refused by the server for want of the registry itself (no
+ * responders: the bucket has no leader, or its JetStream error, such as
+ * 503 without quorum): nobody hears anybody's heartbeat then, the
+ * brokers' own beacons included, so no broker judges us by silence
+ * (broker__registry_deaf) and there is nothing to fence against. Without
+ * this, losing the cluster node that led the registry fenced every agent
+ * for the 5-15 s of the bucket's new election, and commands claimed then
+ * ended NotStarted.
+ *
+ * But only an answer from the server says so. KS_ENATS or KS_EUNAVAIL on
+ * a connection nats.c calls CONNECTED may also be a write that failed:
+ * the deaf agent of issue 22 (its read thread hung in nats.c, every write
+ * failing with EPIPE, the status still CONNECTED) counted those as
+ * contact, lifted its fence and ran commands it could never report. So
+ * the server must have answered since t0: the put's "no responders" or
+ * error PubAck, or else the PONG to a PING sent now.
  */
 static void
-heard(struct agent *a, int rc)
+heard(struct agent *a, int rc, int64_t t0)
 {
-    bool connected =
-        natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED;
+    if (rc == 0) {
+        atomic_store(&a->last_contact_us, ks_mono_us());
+        return;
+    }
+    if (rc != KS_EUNAVAIL && rc != KS_ENATS && rc != KS_ETIMEDOUT)
+        return;
     /*
      * An agent's put reaches JetStream through its account's service
      * import (deploy/nats-auth.conf.in), and the server answers no
      * "no responders" across an import (nats-server 2.9 client.go: the
      * import's own subscription counts as delivered): a registry without a
-     * leader now looks like a timeout. A server that still answers a PING
-     * at once is there and is what says nobody serves the registry, as
-     * the "no responders" did; a partition from it fails the PING too.
+     * leader looks like a timeout. A server that still answers a PING at
+     * once is there and is what says nobody serves the registry, as the
+     * "no responders" did; a partition from it fails the PING too.
      */
-    if (rc == KS_ETIMEDOUT && connected &&
-        natsConnection_FlushTimeout(a->nc->nc, 1000) == NATS_OK)
-        rc = KS_EUNAVAIL;
-    if (rc == 0 || ((rc == KS_EUNAVAIL || rc == KS_ENATS) && connected))
+    if (evt_link_answered_us(a->nc) < t0 &&
+        natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED)
+        (void)evt_link_probe(a->nc, 1000);
+    if (evt_link_answered_us(a->nc) >= t0)
         atomic_store(&a->last_contact_us, ks_mono_us());
 }
 
@@ -1478,6 +1512,8 @@ heartbeat_once(struct agent *a)
     /* Which process: the broker tells two processes serving one id. */
     info.instance_id = a->instance_id;
     info.started_at_us = a->started_at_us;
+    info.features = (char **)agent_features;
+    info.n_features = AGENT_N_FEATURES;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -1510,12 +1546,13 @@ heartbeat_once(struct agent *a)
             attest_put(&info, pap, a->pool_attest.n_labels,
                        a->pool_attest.enrolled_at_us, a->pool_attest_sig,
                        a->pool_attest_key_id);
+        int64_t t0 = ks_mono_us();
         rc = evt_pool_put(a->nc, a->pool_identity, &info,
                           HEARTBEAT_TIMEOUT_MS);
         free(ids);
         free(pav);
         free(pap);
-        heard(a, rc);
+        heard(a, rc, t0);
         goto out;
     }
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
@@ -1536,11 +1573,12 @@ heartbeat_once(struct agent *a)
          * reports the commands it runs, not the whole process's. */
         if (per_slot)
             info.running = per_slot[i];
+        int64_t t0 = ks_mono_us();
         one = evt_agent_put(a->nc, a->slots[i].identity, &info,
                             HEARTBEAT_TIMEOUT_MS);
         free(av);
         free(ap);
-        heard(a, one);
+        heard(a, one, t0);
         if (one && !rc)
             rc = one;
     }
@@ -1751,6 +1789,26 @@ keeper_main(void *arg)
     return NULL;
 }
 
+/* The link answered nothing for link_timeout_ms while nats.c said
+ * CONNECTED (evt_link_watch, its thread): fenced already, the process
+ * stops for its supervisor to start a new one (agent_fatal). */
+static void
+link_dead(void *ud, int64_t silent_us)
+{
+    struct agent *a = ud;
+
+    atomic_store(&a->fenced, true);
+    fence_running(a, silent_us);
+    if (atomic_exchange(&a->fatal, AGENT_FATAL_LINK) == 0)
+        ks_log(KS_LOG_ERROR,
+               "the NATS link answers nothing though nats.c says it is "
+               "connected: the agent stops, to be started again",
+               KS_S("agent", a->slots[0].id),
+               KS_D("silent_s", (double)silent_us / 1e6),
+               KS_I("link_timeout_ms", (int64_t)a->link_timeout_ms),
+               KS_I("exit_code", AGENT_EXIT_LINK));
+}
+
 /* ---- start / stop ------------------------------------------------------------ */
 
 /* At each metrics scrape: what this agent sees now (proto/metrics.c). */
@@ -1868,6 +1926,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     /* As the broker will make the consumer (AgentInfo.ack_wait_ms). */
     a->ack_wait_ms = evt_agent_ack_wait_ms(opts->ack_wait_ms);
     a->fence_ms = opts->fence_ms ? opts->fence_ms : AGENT_FENCE_MS;
+    a->link_timeout_ms = opts->link_timeout_ms ? opts->link_timeout_ms
+                                               : AGENT_LINK_TIMEOUT_MS;
     if (opts->state_dir) {
         char dir[4096];
         a->state_dir = strdup(opts->state_dir);
@@ -1878,7 +1938,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         mkdir(dir, 0700);
     }
     agent__spare_init(a);
-    if ((rc = agent__secret_init(a, errmsg)))
+    if ((rc = agent__secret_init(a, errmsg)) ||
+        (rc = agent__payload_init(a, errmsg)))
         goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
@@ -2073,6 +2134,9 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     a->keeper_started = true;
+    if ((rc = evt_link_watch_start(a->nc, (int)a->link_timeout_ms, link_dead,
+                                   a, &a->link_watch)))
+        goto fail;
     ks_metrics_collector_add(agent_collect, a);
     *out = a;
     return 0;
@@ -2095,6 +2159,8 @@ agent_stop(struct agent *a)
     if (!a)
         return;
     ks_metrics_collector_remove(agent_collect, a);
+    evt_link_watch_stop(a->link_watch);
+    a->link_watch = NULL;
     /* No new work: no deliveries, no new claims. */
     atomic_store(&a->closing, 1);
     /* After closing, under sub_mu: aside_tick subscribes nothing again. */
@@ -2144,13 +2210,6 @@ agent_stop(struct agent *a)
         pthread_join(a->pub_thread, NULL);
     if (a->hb_started)
         pthread_join(a->hb_thread, NULL);
-    natsSubscription_Destroy(a->pool_sub);
-    for (size_t i = 0; i < a->n_slots; i++) {
-        natsSubscription_Destroy(a->slots[i].sub);
-        natsSubscription_Destroy(a->slots[i].cancel_sub);
-        free(a->slots[i].id);
-    }
-    free(a->slots);
     free(a->starters);
     while (a->out_head) {
         struct outbox_item *it = a->out_head;
@@ -2159,6 +2218,16 @@ agent_stop(struct agent *a)
         free(it);
     }
     evt_close(a->nc);
+    /* Destroyed once the connection is closed and its read thread
+     * joined: a message being delivered meanwhile could otherwise meet
+     * the destruction (nats.c 3.4.1, issue 637). */
+    natsSubscription_Destroy(a->pool_sub);
+    for (size_t i = 0; i < a->n_slots; i++) {
+        natsSubscription_Destroy(a->slots[i].sub);
+        natsSubscription_Destroy(a->slots[i].cancel_sub);
+        free(a->slots[i].id);
+    }
+    free(a->slots);
     ks_map_clear(&a->jobs);
     ks_map_clear(&a->seen);
     ks_map_clear(&a->slot_of);
@@ -2166,6 +2235,7 @@ agent_stop(struct agent *a)
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
+    agent__payload_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->sub_mu);
     pthread_mutex_destroy(&a->spare_mu);

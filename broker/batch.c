@@ -952,7 +952,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         }
         int failed = evt_publish_commands(b->nc, b->signer, p.publish,
                                           pools && pool_of ? pool_of : NULL,
-                                          p.npub, 5000);
+                                          p.npub, EVT_PUBLISH_RETRY_MS);
         free(pool_of);
         free(pools);
         if (ks_trace_on())
@@ -2012,6 +2012,27 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                 broker__record_denied(b, m->st_api, op, r.ids[i], req->spec,
                                       why);
                 pthread_mutex_unlock(&m->api_mu);
+                reply_batch_error(b, msg, rc, why);
+                goto out;
+            }
+        }
+    }
+    /* A copy's files are stored whole before anything is recorded. */
+    if (!req->dry_run &&
+        (rc = broker__check_copy_files(b, req->spec, why, sizeof(why)))) {
+        reply_batch_error(b, msg, rc, why);
+        goto out;
+    }
+    if (broker__spec_special(req->spec) && !req->dry_run) {
+        /* Every target must run it as asked: an older agent would ignore
+         * --run-as or --script. */
+        for (size_t i = 0; i < r.n; i++) {
+            Ks__AgentInfo *info = broker__agent_info(b, r.ids[i]);
+            rc = broker__check_features(req->spec, info, r.ids[i], why,
+                                        sizeof(why));
+            if (info)
+                ks__agent_info__free_unpacked(info, NULL);
+            if (rc) {
                 reply_batch_error(b, msg, rc, why);
                 goto out;
             }

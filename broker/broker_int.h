@@ -3,6 +3,7 @@
 #define KSCORE_BROKER_INT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "agent.h"
@@ -99,8 +100,28 @@ struct broker__worker {
     natsSubscription *sub;
 };
 
+/*
+ * What the lower parts of the broker (the recorder, the scanner, a cancel,
+ * the notices of other brokers) tell the upper ones (the waiting execs,
+ * the live followers, the batches: broker.c, batch.c) without calling up
+ * into them: broker_run sets these before any thread starts; each runs
+ * on its caller's thread.
+ */
+struct broker__up {
+    /* A terminal event of command_id was recorded here (recorder, claim
+     * handler, scanner, cancel); result may be NULL (then only its status
+     * is known to be terminal). */
+    void (*ended)(struct broker *b, const char *command_id,
+                  const Ks__CommandResult *result);
+    /* Another broker recorded command_id's end (notice.c). */
+    void (*remote_ended)(struct broker *b, const char *command_id);
+    /* Another broker recorded a cancel of batch_id (notice.c). */
+    void (*remote_batch_cancel)(struct broker *b, const char *batch_id);
+};
+
 struct broker {
     const struct broker_opts *opts;
+    struct broker__up up;
     struct evt_conn *nc;
     kvStore *kv;
 
@@ -162,6 +183,10 @@ struct broker {
     struct broker__route routes[BROKER_MAX_ROUTES];
     int n_routes;
     int64_t bad_reply_logged_us; /* rate limit of that log line */
+    /* The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while
+     * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
+    struct evt_link_watch *link_watch;
+    atomic_bool link_dead;
 
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;
@@ -170,12 +195,19 @@ struct broker {
     /* notice.c: ends and batch cancels recorded by another broker. */
     natsSubscription *sub_notice;
     struct store *st_notice; /* its delivery thread's reads */
+    /* blob.c: kscore copy's uploads and fetches, on a store connection of
+     * their own (opened at the first), one at a time under blob_mu. */
+    natsSubscription *sub_upload, *sub_fetch;
+    struct store *st_blob;
+    pthread_mutex_t blob_mu;
     char instance_id[37];    /* this process in its notices */
     bool notice_on;          /* subscribed: publish notices too */
     /* (mu) command_id -> struct broker__follower *: clients following a
      * command live through another broker (its follow notice): a piece
      * recorded here goes to them directly. */
     struct ks_map remote_live;
+    /* budget.c: annotation rows per identity. */
+    struct broker__budget *budget;
 };
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
@@ -190,6 +222,11 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+
+/* Sends m to subject (a client's inbox; nothing when empty), in parts
+ * when larger than one NATS message. A failure is logged. */
+void broker__reply_msg(struct broker *b, const char *subject,
+                       const ProtobufCMessage *m);
 
 /* Answers msg with an empty reply of type d (every kscore reply has
  * error_code and error as fields 1 and 2) carrying code and text. */
@@ -215,6 +252,14 @@ bool broker__key_seen(struct broker *b, const char *operator_,
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);
 
+/* Frees what waiters.c holds (the waiters, claim hints, keys seen). */
+void broker__waiters_release(struct broker *b);
+
+/* Tells every client waiting on this broker for a result something it must
+ * know now (ExecuteReply.notice: text, e.g. why the result cannot come;
+ * the recorder's stall, recorder.c). A reply with no result: the clients
+ * keep waiting. Any thread; takes b->mu. */
+void broker__waiters_notice(struct broker *b, const char *text);
 /* Replies to the client waiting for command_id, if any, with result.
  * true if one waited here. */
 bool broker__reply_waiter(struct broker *b, const char *command_id,
@@ -224,11 +269,15 @@ bool broker__reply_waiter(struct broker *b, const char *command_id,
 /*
  * A terminal event of command_id has been recorded (any thread: recorder,
  * claim handler, scanner, cancel): answers the waiting client and tells the
- * command's batch, if any. result may be NULL (then only its status is
- * known to be terminal).
+ * command's batch, if any (b->up.ended, broker.c). result may be NULL
+ * (then only its status is known to be terminal).
  */
-void broker__command_ended(struct broker *b, const char *command_id,
-                           const Ks__CommandResult *result);
+static inline void
+broker__command_ended(struct broker *b, const char *command_id,
+                      const Ks__CommandResult *result)
+{
+    b->up.ended(b, command_id, result);
+}
 
 /* Fills the two events that start a command: CommandRequested (v1, with
  * cmd) and CommandDispatched (v2, attempt 1, first attempt's deadline).
@@ -237,6 +286,8 @@ void broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev,
                           char ids[2][37], char *stream, Ks__Command *cmd,
                           const char *idempotency_key);
 
+/* 1 if id is "batch-<uuid>". */
+int broker__is_batch_id(const char *id);
 /* 1 if subject is method's, with or without the operator token. */
 int broker__is_method(const char *subject, const char *method);
 /* The operator a request came from: the subject's last token (events.h
@@ -289,6 +340,10 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * thread. */
 void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
+/* As broker__agent_pool; 1 if the registry has an entry for agent_id, 0
+ * if not. */
+int broker__agent_pool_known(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
  * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
@@ -353,6 +408,33 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
                             Ks__CommandSpec *out);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
+/*
+ * 0 if the agent (info: its registry entry, may be NULL) lists every
+ * feature spec needs (a script, stdin, run_as, a copy: AgentInfo.features),
+ * else KS_EINVAL with why naming the agent and what it cannot run: an
+ * older agent would ignore the field (and run as itself, or run argv).
+ */
+/* blob.c: kscore.api.v1.upload and kscore.api.v1.fetch (ud: the broker). */
+void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                     void *ud);
+/*
+ * A copy (sp->copy) names only files uploaded whole (complete, of the size
+ * it says): 0, or KS_EINVAL with why naming the file, or a store error.
+ * Nothing to check without a copy. Takes blob_mu.
+ */
+int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
+                             char *why, size_t len);
+
+/* true when sp needs more of its agent than argv (see below). */
+static inline bool
+broker__spec_special(const Ks__CommandSpec *sp)
+{
+    return sp && (sp->script || (sp->input && sp->input->data.len) ||
+                  sp->run_as[0] || sp->copy);
+}
+int broker__check_features(const Ks__CommandSpec *sp,
+                           const Ks__AgentInfo *info, const char *agent_id,
+                           char *why, size_t len);
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
 
@@ -405,6 +487,39 @@ int broker__batch_view(struct broker *b, struct store *st,
  * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
+
+/* ---- annotation rows per identity (budget.c) ----
+ * Each identity (agent-<id>, pool-<pool>, operator-<name>, or
+ * "unregistered": every agent id the registry has no entry for) may add
+ * 1000 annotation rows at once, then 10 a second, and 64 MiB of them,
+ * then 64 KiB a second, per broker; past that an annotation is not
+ * written, only counted and summed up in the log. */
+enum broker__annotation {
+    BROKER_ANNOTATION_REPORT, /* ReportRejected, LateResult, CommandRejected */
+    BROKER_ANNOTATION_DENIAL, /* RequestDenied */
+};
+/* 0 or -ENOMEM; broker__budget_free (accepts an unset one) releases. */
+int broker__budget_init(struct broker *b);
+void broker__budget_free(struct broker *b);
+/* true: identity may add one annotation row of `bytes` bytes (taken from
+ * its share); false: past its share, do not write it (counted in
+ * kscore_annotations_dropped_total, logged in summary). Any thread. */
+bool broker__budget_take(struct broker *b, const char *identity,
+                         size_t bytes, enum broker__annotation kind);
+/* Scanner tick: the summary lines of identities still past their share,
+ * and forgets the identities whose share is whole again. */
+void broker__budget_sweep(struct broker *b);
+/* The identity whose share an agent id's annotations use, into buf
+ * (>= 16 + EVT_AGENT_ID_MAX): "pool-<pool>" for an id of a pool,
+ * "agent-<id>" for another id the registry knows, else "unregistered".
+ * Any thread; takes mu. */
+void broker__report_identity(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
+/* broker__admit_report with the budget (store_check_fn, ud: the broker):
+ * a report that would be kept as an annotation while its identity is past
+ * its share is STORE_CHECK_DROP. Recorder thread. */
+int broker__admit_bounded(const struct store_command_state *st,
+                          const Ks__Event *ev, const char **why, void *ud);
 
 /* ---- output in pieces (output.c) ---- */
 /* The rule for an agent's output piece (store_output_check_fn). */
@@ -477,10 +592,6 @@ void broker__remote_live_free(struct broker *b);
 void broker__remote_live_sweep(struct broker *b, struct store *st);
 
 int broker__recorder_start(struct broker *b, char **errmsg);
-/* Tells every client waiting on this broker for a result why it cannot come
- * now (ExecuteReply.notice: text), or that it can again (""). A reply with
- * no result: the clients keep waiting. Any thread; takes b->mu. */
-void broker__waiters_notice(struct broker *b, const char *text);
 /* The follow thread (broker.c): start before kscore.api.v1.follow is
  * subscribed, stop after it is drained (it answers whoever is parked). */
 int broker__follow_start(struct broker *b);

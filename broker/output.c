@@ -42,8 +42,10 @@ broker__admit_output(const struct store_command_state *st,
         *why = "output of another attempt than the one claimed";
         return KS_EDENIED;
     }
+    /* No byte past the largest cap a command may have. */
     if (c->offset > (uint64_t)EXEC_OUTPUT_CAP_MAX ||
-        c->len > KS_MAX_MESSAGE_BYTES) {
+        c->len > KS_MAX_MESSAGE_BYTES ||
+        c->offset + c->len > (uint64_t)EXEC_OUTPUT_CAP_MAX) {
         *why = "output offset out of range";
         return KS_EDENIED;
     }
@@ -87,31 +89,6 @@ broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
     }
     free(cs);
     return rc;
-}
-
-void
-broker__live_send(struct broker *b, const char *subject, bool exec,
-                  const char *agent_id, const Ks__Event *ev)
-{
-    Ks__OutputChunk *cs[1] = {ev->chunk};
-    if (exec) {
-        Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
-        r.command_id = ev->command_id;
-        r.agent_id = (char *)agent_id;
-        r.chunks = cs;
-        r.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &r.base);
-    } else {
-        Ks__BatchProgress pr = KS__BATCH_PROGRESS__INIT;
-        Ks__BatchTarget tg = KS__BATCH_TARGET__INIT;
-        tg.agent_id = ev->agent_id;
-        tg.command_id = ev->command_id;
-        pr.batch_id = ev->batch_id;
-        pr.target = &tg;
-        pr.chunks = cs;
-        pr.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &pr.base);
-    }
 }
 
 void

@@ -12,6 +12,7 @@
 
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore batch TARGETS [RATE] [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
     "a target ran and failed (failed, killed, timed out, could not start),\n"
     "4 when none failed but some never ran (no response, lost, not\n"
@@ -50,6 +51,9 @@ static const char batch_usage[] =
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
     "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
     "                          each target's own key (repeatable)\n"
+    CLI_PAYLOAD_USAGE
+    "  Stdin, when not a terminal, is read first and every target gets the\n"
+    "  same bytes (as clush).\n"
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
@@ -130,13 +134,11 @@ progress_line(struct bstate *st, bool final)
     fflush(stderr);
 }
 
+/* A progress message (on the batch's inbox, "<lease>.p"); takes msg. */
 static void
-on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+on_progress(struct bstate *st, natsMsg *msg)
 {
-    struct bstate *st = ud;
     ProtobufCMessage *pm = NULL;
-    (void)nc;
-    (void)sub;
     if (evt_unpack(&ks__batch_progress__descriptor, natsMsg_GetData(msg),
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
@@ -219,61 +221,6 @@ split_commas(char *s, char **out, size_t cap)
     return n;
 }
 
-json_t *
-cli_batch_json(const Ks__BatchReply *rep)
-{
-    const Ks__BatchCounts *c = rep->counts;
-    json_t *o = json_object();
-    json_object_set_new(o, "batch_id", json_string(rep->batch_id));
-    json_object_set_new(o, "status",
-                        json_string(fleet_status_name(rep->status)));
-#define COUNT(name) json_object_set_new(o, #name, json_integer(c ? c->name : 0))
-    COUNT(total);
-    COUNT(succeeded);
-    COUNT(failed);
-    COUNT(killed);
-    COUNT(timed_out);
-    COUNT(no_response);
-    COUNT(lost);
-    COUNT(not_started);
-    COUNT(cancelled);
-    COUNT(running);
-    COUNT(pending);
-    COUNT(errors);
-#undef COUNT
-    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
-    json_object_set_new(o, "elapsed_ms",
-                        json_real((double)rep->elapsed_us / 1000.0));
-    json_object_set_new(o, "max_concurrency",
-                        json_integer(rep->max_concurrency));
-    json_object_set_new(o, "max_errors",
-                        rep->has_max_errors ? json_integer(rep->max_errors)
-                                            : json_null());
-    json_t *targets = json_array();
-    for (size_t i = 0; i < rep->n_targets; i++) {
-        const Ks__BatchTarget *bt = rep->targets[i];
-        json_t *t = json_object();
-        json_object_set_new(t, "agent_id", json_string(bt->agent_id));
-        json_object_set_new(t, "command_id", json_string(bt->command_id));
-        json_object_set_new(t, "status",
-                            json_string(kproto_status_name(bt->status)));
-        if (bt->result) {
-            const Ks__CommandResult *r = bt->result;
-            json_object_set_new(t, "exit_code",
-                                r->has_exit_code ? json_integer(r->exit_code)
-                                                 : json_null());
-            json_object_set_new(t, "signal", r->signal
-                                                 ? json_integer(r->signal)
-                                                 : json_null());
-            if (r->reason[0])
-                json_object_set_new(t, "reason", json_string(r->reason));
-        }
-        json_array_append_new(targets, t);
-    }
-    json_object_set_new(o, "targets", targets);
-    return o;
-}
-
 /* Asks any broker for the batch. 0 with *out (a BatchReply), or a code:
  * no broker answered, or it could not say. */
 static int
@@ -298,21 +245,34 @@ batch_get(struct evt_conn *c, const char *batch_id, Ks__BatchReply **out)
     return rc;
 }
 
+/* Progress comes to the batch's inbox lease under this suffix. */
+#define PROGRESS_SUFFIX "p"
+
+/* 1 if msg came to the lease's progress subject. */
+static bool
+is_progress(struct evt_inbox *ib, natsMsg *msg)
+{
+    const char *base = evt_inbox_subject(ib), *subj = natsMsg_GetSubject(msg);
+    size_t n = strlen(base);
+    return strncmp(subj, base, n) == 0 && subj[n] == '.' &&
+           strcmp(subj + n + 1, PROGRESS_SUFFIX) == 0;
+}
+
 /*
  * Sends the batch request and waits for its end, from whichever broker
  * can say: the reply from the broker driving it (the one that took the
  * request, or one that took the batch over and answers the same inbox),
  * or, every BATCH_POLL_MS without news, a get of the batch from any
- * broker. Returns 0 with *out (the reply, maybe an error reply),
- * BATCH_GAVE_UP after telling the operator how to follow the batch, or a
- * negative code (KS_EUNAVAIL: no broker serves batches).
+ * broker. Progress on ib (its PROGRESS_SUFFIX) is shown as it comes.
+ * Returns 0 with *out (the reply, maybe an error reply), BATCH_GAVE_UP
+ * after telling the operator how to follow the batch, or a negative code
+ * (KS_EUNAVAIL: no broker serves batches).
  */
 static int
-batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
-           struct bstate *st, Ks__BatchReply **out)
+batch_wait(struct evt_conn *c, struct evt_inbox *ib,
+           const Ks__BatchRequest *req, struct bstate *st,
+           Ks__BatchReply **out)
 {
-    natsSubscription *rsub = NULL;
-    char ib[EVT_INBOX_MAX];
     natsMsg *msg = NULL;
     char subject[192], id[48];
     uint8_t *buf = NULL;
@@ -321,14 +281,10 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     bool silent_said = false, cancel_sent = false;
     int rc;
 
-    /* The reply comes to this operator's own inbox (evt_inbox): the only
-     * reply address the broker answers. */
-    if (evt_inbox(c, ib, sizeof(ib)) != 0 ||
-        natsConnection_SubscribeSync(&rsub, c->nc, ib) != NATS_OK ||
-        (rc = kproto_pack(&req->base, &buf, &len)) != 0) {
-        rc = KS_ENATS;
+    /* The reply comes to this operator's own inbox (evt_inbox_take): the
+     * only reply address the broker answers. */
+    if ((rc = kproto_pack(&req->base, &buf, &len)) != 0)
         goto out;
-    }
     /* NATS refuses a message over its max payload with a bare error:
      * say why (the caller names the limit), as exec does. */
     if (len > KS_MAX_MESSAGE_BYTES) {
@@ -336,28 +292,23 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
         goto out;
     }
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
-    if (natsConnection_PublishRequest(c->nc, subject, ib, buf, (int)len) !=
-        NATS_OK) {
-        rc = KS_ENATS;
+    if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)) != 0)
         goto out;
-    }
-    natsConnection_Flush(c->nc);
     for (;;) {
-        natsStatus s = natsSubscription_NextMsg(&msg, rsub, 500);
+        int nrc = evt_inbox_next(ib, 500, &msg);
         int64_t now = ks_mono_us();
-        if (s == NATS_OK) {
-            if (natsMsg_IsNoResponders(msg)) {
-                rc = KS_EUNAVAIL;
-                goto out;
-            }
+        if (nrc == 0 && is_progress(ib, msg)) {
+            on_progress(st, msg);
+            msg = NULL;
+        } else if (nrc == 0) {
             rc = evt_unpack(&ks__batch_reply__descriptor,
                             natsMsg_GetData(msg),
                             (size_t)natsMsg_GetDataLength(msg),
                             (ProtobufCMessage **)out);
             goto out;
-        }
-        if (s != NATS_TIMEOUT) {
-            rc = evt_err(s);
+        } else if (nrc != KS_ETIMEDOUT) {
+            /* KS_EUNAVAIL: no responders, no broker serves batches. */
+            rc = nrc;
             goto out;
         }
         pthread_mutex_lock(&st->mu);
@@ -446,151 +397,187 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     }
 out:
     natsMsg_Destroy(msg);
-    if (rsub) {
-        natsSubscription_Unsubscribe(rsub);
-        natsSubscription_Destroy(rsub);
-    }
     free(buf);
     return rc;
+}
+
+int
+cli_batch_init(struct cli_batch *bt, int argc, char **argv)
+{
+    memset(bt, 0, sizeof(*bt));
+    ks__batch_request__init(&bt->req);
+    bt->confirm_over = 20;
+    bt->cap = (size_t)argc * 4 + 4;
+    /* Room for every id of every comma list: --agents t-1,...,t-50 is one
+     * argument (split_commas drops what does not fit). */
+    for (int i = 1; i < argc; i++)
+        for (const char *p = argv[i]; *p; p++)
+            bt->cap += *p == ',';
+    bt->agents = calloc(bt->cap, sizeof(*bt->agents));
+    bt->terms = calloc(bt->cap, sizeof(*bt->terms));
+    if (!bt->agents || !bt->terms) {
+        cli_err("out of memory");
+        return CLI_EXIT_KSCORE;
+    }
+    bt->req.agents = bt->agents;
+    bt->req.selector = bt->terms;
+    const char *env_over = getenv("KSCORE_CONFIRM_OVER");
+    if (env_over && env_over[0]) {
+        char *end;
+        bt->confirm_over = strtol(env_over, &end, 10);
+        if (*end || bt->confirm_over < 0) {
+            cli_err("bad KSCORE_CONFIRM_OVER '%s' (a count >= 0)", env_over);
+            return CLI_EXIT_USAGE;
+        }
+    }
+    return 0;
+}
+
+void
+cli_batch_release(struct cli_batch *bt)
+{
+    free(bt->agents);
+    free(bt->terms);
+    bt->agents = bt->terms = NULL;
+}
+
+int
+cli_batch_opt(struct cli_batch *bt, int opt, char *arg)
+{
+    Ks__BatchRequest *req = &bt->req;
+
+    switch (opt) {
+    case 'a':
+        req->n_agents += split_commas(arg, bt->agents + req->n_agents,
+                                      bt->cap - req->n_agents);
+        return 1;
+    case 's': {
+        char *pairs[64];
+        char why[256];
+        size_t np = split_commas(arg, pairs, 64);
+        for (size_t i = 0; i < np && req->n_selector < bt->cap; i++) {
+            if (broker_select_check(pairs[i], why, sizeof(why))) {
+                cli_err("--select: %s", why);
+                return -1;
+            }
+            bt->terms[req->n_selector++] = pairs[i];
+        }
+        return 1;
+    }
+    case 'A':
+        req->all = 1;
+        return 1;
+    case 'O':
+        req->online_only = 1;
+        return 1;
+    case 'n':
+        req->dry_run = 1;
+        return 1;
+    case 'y':
+        bt->yes = true;
+        return 1;
+    case 'C': {
+        char *end;
+        bt->confirm_over = strtol(arg, &end, 10);
+        if (*end || !arg[0] || bt->confirm_over < 0) {
+            cli_err("bad --confirm-over '%s' (a count >= 0)", arg);
+            return -1;
+        }
+        return 1;
+    }
+    case 'T':
+        req->live_output = 1; /* cli/out_stream.c prints the pieces */
+        return 1;
+    case 'c':
+        if (parse_amount(arg, &bt->conc) || bt->conc.value == 0) {
+            cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)", arg);
+            return -1;
+        }
+        req->max_concurrency = &bt->conc;
+        return 1;
+    case 'E':
+        if (parse_amount(arg, &bt->errs)) {
+            cli_err("bad --max-errors '%s' (N, or P%%)", arg);
+            return -1;
+        }
+        bt->errs_arg = arg;
+        req->max_errors = &bt->errs;
+        return 1;
+    case 'S':
+        req->strict_errors = 1;
+        return 1;
+    case 'j':
+        bt->json = true;
+        return 1;
+    case 'D':
+        req->detach = 1;
+        return 1;
+    }
+    return 0;
+}
+
+int
+cli_batch_check(const struct cli_batch *bt)
+{
+    const Ks__BatchRequest *req = &bt->req;
+
+    if (!req->n_agents && !req->n_selector && !req->all) {
+        cli_err("no targets: give --agents A,B, --select K=V or --all");
+        return -1;
+    }
+    if (req->all && (req->n_agents || req->n_selector)) {
+        cli_err("--all takes no --agents or --select (use --select alone "
+                "to filter every agent, or both --agents and --select for "
+                "the listed agents that match)");
+        return -1;
+    }
+    if (req->strict_errors && !req->max_errors) {
+        cli_err("--strict-errors needs --max-errors");
+        return -1;
+    }
+    return 0;
 }
 
 int
 cmd_batch(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"agents", required_argument, 0, 'a'},
-        {"select", required_argument, 0, 's'},
-        {"all", no_argument, 0, 'A'},
-        {"online-only", no_argument, 0, 'O'},
-        {"dry-run", no_argument, 0, 'n'},
-        {"yes", no_argument, 0, 'y'},
-        {"confirm-over", required_argument, 0, 'C'},
-        {"max-concurrency", required_argument, 0, 'c'},
-        {"max-errors", required_argument, 0, 'E'},
-        {"strict-errors", no_argument, 0, 'S'},
+        CLI_BATCH_LONGOPTS,
         CLI_SPEC_LONGOPTS,
+        CLI_PAYLOAD_LONGOPTS,
         {"secret-env", required_argument, 0, 'X'},
-        {"json", no_argument, 0, 'j'},
-        {"detach", no_argument, 0, 'D'},
-        {"stream", no_argument, 0, 'T'},
         CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
-    Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
+    struct cli_batch bt;
     struct cli_spec cs = {0};
-    Ks__Amount conc, errs;
-    size_t cap = (size_t)argc * 4 + 4;
-    /* Room for every id of every comma list: --agents t-1,...,t-50 is one
-     * argument (split_commas drops what does not fit). */
-    for (int i = 1; i < argc; i++)
-        for (const char *p = argv[i]; *p; p++)
-            cap += *p == ',';
-    char **agents = calloc(cap, sizeof(*agents));
-    char **terms = calloc(cap, sizeof(*terms));
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
-    struct evt_conn *c = NULL;
-    natsSubscription *psub = NULL;
-    Ks__BatchReply *rep = NULL;
-    struct bstate st = {.results = KS_MAP_INIT};
-    struct fleet_results fr = {0};
-    char inbox[EVT_INBOX_MAX] = "", budget[256] = "";
-    const char *errs_arg = NULL;
-    bool yes = false;
-    long confirm_over = 20;
-    int opt, rc = CLI_EXIT_USAGE;
+    struct cli_payload pl = {0};
+    int opt, rc;
 
-    pthread_mutex_init(&st.mu, NULL);
-    if (!agents || !terms || cli_spec_init(&cs, cap) != 0) {
+    if ((rc = cli_batch_init(&bt, argc, argv)))
+        goto out;
+    rc = CLI_EXIT_USAGE;
+    if (cli_spec_init(&cs, bt.cap) != 0) {
         rc = CLI_EXIT_KSCORE;
         goto out;
-    }
-    const char *env_over = getenv("KSCORE_CONFIRM_OVER");
-    if (env_over && env_over[0]) {
-        char *end;
-        confirm_over = strtol(env_over, &end, 10);
-        if (*end || confirm_over < 0) {
-            cli_err("bad KSCORE_CONFIRM_OVER '%s' (a count >= 0)", env_over);
-            goto out;
-        }
     }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
+        if (!taken)
+            taken = cli_payload_opt(&pl, opt, optarg);
+        if (!taken)
+            taken = cli_batch_opt(&bt, opt, optarg);
         if (taken < 0)
             goto out;
         if (taken)
             continue;
         switch (opt) {
-        case 'a':
-            req.n_agents += split_commas(optarg, agents + req.n_agents,
-                                         cap - req.n_agents);
-            break;
-        case 's': {
-            char *pairs[64];
-            char why[256];
-            size_t np = split_commas(optarg, pairs, 64);
-            for (size_t i = 0; i < np && req.n_selector < cap; i++) {
-                if (broker_select_check(pairs[i], why, sizeof(why))) {
-                    cli_err("--select: %s", why);
-                    goto out;
-                }
-                terms[req.n_selector++] = pairs[i];
-            }
-            break;
-        }
-        case 'A':
-            req.all = 1;
-            break;
-        case 'O':
-            req.online_only = 1;
-            break;
-        case 'n':
-            req.dry_run = 1;
-            break;
-        case 'y':
-            yes = true;
-            break;
-        case 'C': {
-            char *end;
-            confirm_over = strtol(optarg, &end, 10);
-            if (*end || !optarg[0] || confirm_over < 0) {
-                cli_err("bad --confirm-over '%s' (a count >= 0)", optarg);
-                goto out;
-            }
-            break;
-        }
-        case 'T':
-            req.live_output = 1; /* cli/out_stream.c prints the pieces */
-            break;
         case 'X':
             if (cli_secret_opt(&sec, optarg) < 0)
                 goto out;
-            break;
-        case 'c':
-            if (parse_amount(optarg, &conc) || conc.value == 0) {
-                cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)",
-                        optarg);
-                goto out;
-            }
-            req.max_concurrency = &conc;
-            break;
-        case 'E':
-            if (parse_amount(optarg, &errs)) {
-                cli_err("bad --max-errors '%s' (N, or P%%)", optarg);
-                goto out;
-            }
-            errs_arg = optarg;
-            req.max_errors = &errs;
-            break;
-        case 'S':
-            req.strict_errors = 1;
-            break;
-        case 'j':
-            st.json = true;
-            break;
-        case 'D':
-            req.detach = 1;
             break;
         case 'h':
             fputs(batch_usage, stdout);
@@ -603,39 +590,57 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (req.dry_run) {
+    if (bt.req.dry_run) {
         /* Only the targets: no command needed. */
         if (optind < argc && strcmp(argv[optind - 1], "--") == 0)
             cli_spec_argv(&cs, argc, argv, optind, "batch");
-    } else if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
+    } else if (cli_payload_argv(&pl, &cs, argc, argv, optind, "batch") != 0 ||
                cli_secrets_check(&sec, &cs.spec) != 0) {
         goto out;
     }
-    if (!req.n_agents && !req.n_selector && !req.all) {
-        cli_err("no targets: give --agents A,B, --select K=V or --all");
+    if (cli_batch_check(&bt) != 0)
         goto out;
-    }
-    if (req.all && (req.n_agents || req.n_selector)) {
-        cli_err("--all takes no --agents or --select (use --select alone "
-                "to filter every agent, or both --agents and --select for "
-                "the listed agents that match)");
-        goto out;
-    }
-    if (req.strict_errors && !req.max_errors) {
-        cli_err("--strict-errors needs --max-errors");
-        goto out;
-    }
     if (!cs.spec.n_argv) {
         static char *true_argv[] = {"true"};
         cs.spec.argv = true_argv; /* a dry run: any valid spec */
         cs.spec.n_argv = 1;
     }
-    req.spec = &cs.spec;
-    req.deliver_within_ms = cs.deliver_within_ms;
-    req.agents = agents;
-    req.selector = terms;
+    /* The script and stdin (broadcast to every target, as clush does),
+     * read whole before anything is sent; not for a dry run. */
+    if (!bt.req.dry_run && (rc = cli_payload_load(&pl, &cs.spec, true)))
+        goto out;
+    bt.req.deliver_within_ms = cs.deliver_within_ms;
+    rc = cli_batch_run(&bt, &cc, &cs.spec, &sec, NULL, NULL);
+out:
+    cli_batch_release(&bt);
+    cli_secrets_release(&sec);
+    cli_payload_release(&pl);
+    cli_spec_release(&cs);
+    cli_conn_release(&cc);
+    return rc;
+}
 
-    if ((rc = cli_connect(&cc, &c)))
+int
+cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
+              Ks__CommandSpec *spec, struct cli_secrets *sec,
+              int (*prepare)(void *ud, struct evt_conn *c), void *ud)
+{
+    Ks__BatchRequest req = bt->req;
+    struct evt_conn *c = NULL;
+    struct evt_inbox *ib = NULL;
+    Ks__BatchReply *rep = NULL;
+    struct bstate st = {.results = KS_MAP_INIT, .json = bt->json};
+    struct fleet_results fr = {0};
+    char inbox[EVT_INBOX_MAX] = "", budget[256] = "";
+    const char *errs_arg = bt->errs_arg;
+    Ks__Amount errs = bt->errs;
+    bool yes = bt->yes;
+    long confirm_over = bt->confirm_over;
+    int rc;
+
+    pthread_mutex_init(&st.mu, NULL);
+    req.spec = spec;
+    if ((rc = cli_connect(cc, &c)))
         goto out;
 
     /* The targets first, when they are to be listed or counted: a dry
@@ -687,8 +692,8 @@ cmd_batch(int argc, char **argv)
         }
         if (req.all || rep->n_targets > (size_t)confirm_over) {
             char answer[16] = "";
-            fprintf(stderr, "Run `%s%s` on %zu agent(s)", cs.spec.argv[0],
-                    cs.spec.n_argv > 1 ? " ..." : "", rep->n_targets);
+            fprintf(stderr, "Run `%s%s` on %zu agent(s)", spec->argv[0],
+                    spec->n_argv > 1 ? " ..." : "", rep->n_targets);
             if (offline)
                 fprintf(stderr, " (%zu offline: they end \"no response\")",
                         offline);
@@ -705,9 +710,13 @@ cmd_batch(int argc, char **argv)
         rep = NULL;
     }
 
+    /* What must be there before the request (kscore copy: the files). */
+    if (prepare && (rc = prepare(ud, c)))
+        goto out;
     /* Each target's value sealed to its own key (cli/cmd_secret.c). */
-    if (cli_secrets_seal(&sec, c, req.agents, req.n_agents, req.selector,
-                         req.n_selector, req.all, &cs.spec)) {
+    if (sec && cli_secrets_seal(sec, c, req.agents, req.n_agents,
+                                req.selector, req.n_selector, req.all,
+                                spec)) {
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
@@ -715,24 +724,22 @@ cmd_batch(int argc, char **argv)
     st.start_us = ks_mono_us();
     if (!req.detach) {
         /* Under this operator's own inbox prefix: nobody else may read
-         * it (evt_inbox), and the broker publishes progress nowhere
-         * else. */
-        if (evt_inbox(c, inbox, sizeof(inbox)) != 0 ||
-            natsConnection_Subscribe(&psub, c->nc, inbox, on_progress, &st) !=
-                NATS_OK ||
-            natsSubscription_SetPendingLimits(psub, -1, -1) != NATS_OK) {
+         * it (evt_inbox_take), and the broker publishes progress nowhere
+         * else. The reply comes to the same lease. */
+        if (evt_inbox_take(c, NULL, &ib) != 0) {
             cli_err("cannot subscribe to progress");
             rc = CLI_EXIT_KSCORE;
             goto out;
         }
-        natsConnection_Flush(c->nc);
+        snprintf(inbox, sizeof(inbox), "%s.%s", evt_inbox_subject(ib),
+                 PROGRESS_SUFFIX);
         req.progress_subject = inbox;
         cli_live_catch_sigint();
     }
     if (req.detach)
         rc = broker_batch(c, &req, 30000, &rep);
     else
-        rc = batch_wait(c, &req, &st, &rep);
+        rc = batch_wait(c, ib, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
         /* Recorded, its end not heard of: not "not accepted" (125). */
         rc = CLI_EXIT_UNKNOWN;
@@ -778,18 +785,20 @@ cmd_batch(int argc, char **argv)
     }
     /* Let the last progress messages land, then fill any gap from the
      * record (core NATS progress is best effort). */
-    natsConnection_Flush(c->nc);
-    if (psub) {
-        /* Drain, not unsubscribe: a progress callback still running (its
-         * message came in just before the reply) would print its target
-         * while the loop below, not finding it yet, prints it again.
-         * Once drained no callback runs and st.results is complete. */
-        if (natsSubscription_DrainTimeout(psub, 2000) == NATS_OK)
-            natsSubscription_WaitForDrainCompletion(psub, 3000);
-        else
-            natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-        psub = NULL;
+    if (ib) {
+        /* What the server sent before the PONG is in the lease: shown
+         * here, before the loop below looks for what is missing, so no
+         * target is printed twice. */
+        natsMsg *pm = NULL;
+        evt_link_probe(c, 2000);
+        while (evt_inbox_next(ib, 1, &pm) == 0) {
+            if (is_progress(ib, pm))
+                on_progress(&st, pm);
+            else
+                natsMsg_Destroy(pm);
+        }
+        evt_inbox_give(ib);
+        ib = NULL;
     }
     if (req.live_output)
         cli_stream_batch_end();
@@ -836,19 +845,12 @@ cmd_batch(int argc, char **argv)
         rc = 130; /* cancelled by Ctrl-C, as exec */
 out:
     fleet_results_release(&fr);
-    if (psub) {
-        natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-    }
+    evt_inbox_give(ib);
     ks_map_each(&st.results, free_target, NULL);
     ks_map_clear(&st.results);
     if (rep)
         ks__batch_reply__free_unpacked(rep, NULL);
     evt_close(c);
-    free(agents);
-    free(terms);
-    cli_secrets_release(&sec);
-    cli_spec_release(&cs);
-    cli_conn_release(&cc);
+    pthread_mutex_destroy(&st.mu);
     return rc;
 }

@@ -66,6 +66,10 @@ _Noreturn void ks__bug(const char *file, int line, const char *expr);
 int64_t ks_now_us(void);
 /* Microseconds on CLOCK_MONOTONIC (arbitrary origin). */
 int64_t ks_mono_us(void);
+/* CLOCK_MONOTONIC now plus ms (>= 0) into *out: a deadline for
+ * pthread_cond_timedwait on a condition made with that clock. */
+struct timespec;
+void ks_mono_deadline(struct timespec *out, int64_t ms);
 
 /* Random (v4) UUID, lower-case text, into out[37] (NUL-terminated). */
 void ks_uuid(char out[37]);
@@ -152,6 +156,43 @@ void ks_sort(void *base, size_t n, size_t size,
  */
 #define KS_MAX_MESSAGE_BYTES (1024 * 1024)
 
+/*
+ * What travels inside one command besides argv (README "Scripts, stdin and
+ * files"): a script (CommandSpec.script) and stdin (CommandSpec.input),
+ * each checked by the CLI before anything is sent and by the broker
+ * before anything is recorded. Both together stay below one NATS message,
+ * with room for argv and the rest; larger data goes by kscore copy.
+ */
+#define KS_SCRIPT_MAX_BYTES (512 * 1024)
+#define KS_INPUT_MAX_BYTES (256 * 1024)
+/*
+ * kscore copy: each file travels in parts of KS_BLOB_PART_BYTES (an
+ * upload request or a fetch reply holds one, well within one NATS
+ * message), at most KS_COPY_MAX_BYTES per file and KS_COPY_MAX_FILES files
+ * per copy.
+ */
+#define KS_BLOB_PART_BYTES (512 * 1024)
+#define KS_COPY_MAX_BYTES (256ULL * 1024 * 1024)
+#define KS_COPY_MAX_FILES 64
+#define KS_SHA256_BYTES 32
+/* The parts of a file of size bytes (none for an empty one), and the
+ * length of part i (the last one shorter). */
+static inline uint32_t
+ks_blob_parts(uint64_t size)
+{
+    return (uint32_t)((size + KS_BLOB_PART_BYTES - 1) / KS_BLOB_PART_BYTES);
+}
+static inline size_t
+ks_blob_part_len(uint64_t size, uint32_t i)
+{
+    uint64_t at = (uint64_t)i * KS_BLOB_PART_BYTES;
+    uint64_t left = size > at ? size - at : 0;
+    return left < KS_BLOB_PART_BYTES ? (size_t)left : KS_BLOB_PART_BYTES;
+}
+
+/* Lower-case hex of len bytes into out (2 * len + 1 bytes, with NUL). */
+void ks_hex(const uint8_t *data, size_t len, char *out);
+
 /* Status names as the CLI and JSON print them ("Succeeded", ...). */
 const char *kproto_status_name(Ks__CommandStatus st);
 /* 1 if the status is terminal. */
@@ -199,6 +240,12 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
+    KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
+    /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
+     * written, the identity past its share (broker/budget.c) */
+    KS_C_REPORTS_DROPPED,
+    KS_C_DENIALS_DROPPED,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

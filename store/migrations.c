@@ -864,6 +864,28 @@ static const char migration_9[] =
     "  (operator, idempotency_key) WHERE idempotency_key IS NOT NULL;\n";
 
 /*
+ * Migration 10: files for kscore copy (broker/blob.c), one row per part of
+ * KS_BLOB_PART_BYTES, named by the whole file's SHA-256. A file is
+ * complete once the broker has read its parts back and found their
+ * SHA-256 (a row in blob_files); only then may a copy name it, and from
+ * then on its parts never change. Kept as part of the record: what was
+ * pushed, byte for byte, once however many agents got it.
+ */
+static const char migration_10[] =
+    "CREATE TABLE blob_parts (\n"
+    "  sha256 bytea NOT NULL,\n"
+    "  part   int NOT NULL,\n"
+    "  data   bytea NOT NULL,\n"
+    "  PRIMARY KEY (sha256, part)\n"
+    ");\n"
+    "CREATE TABLE blob_files (\n"
+    "  sha256       bytea PRIMARY KEY,\n"
+    "  size         bigint NOT NULL,\n"
+    "  operator     text NOT NULL,\n"
+    "  completed_at timestamptz NOT NULL DEFAULT now()\n"
+    ");\n";
+
+/*
  * Migration 11: the writer's side of the reading rule (store.h "Readers").
  * A reader goes past every transaction that is still open unless it holds
  * a lock on events (other than a reader's ACCESS SHARE), so an appender
@@ -924,7 +946,7 @@ const struct store__migration store__migrations[] = {
     {8, "the recorder's checked batch without locks before the append",
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
-    /* 10 is left to the group writer (store/writer.c), made meanwhile. */
+    {10, "files for kscore copy, in parts", migration_10},
     {11, "appenders lock events first: readers wait for them alone",
      migration_11},
 };

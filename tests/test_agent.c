@@ -698,7 +698,13 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
     char ids[6][37], script[PATH_MAX + 128];
     int max_procs = 0;
 
+    int64_t since = ks_now_us() - 1000000;
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-mid", "mid-a", extra),
+                     0);
+    /* The spawn waits for mid-a's heartbeat only; the process writes
+     * mid-b's after it, and a command for mid-b before then is refused
+     * as for an unknown agent (seen under load: KS_ENOAGENT). */
+    ck_assert_int_eq(fixture_stack_wait_agent(&stack, "mid-b", since, 30000),
                      0);
     snprintf(script, sizeof(script),
              "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 1", side_dir);
@@ -1322,6 +1328,109 @@ START_TEST(state_dir_full_refuses_claims)
 }
 END_TEST
 
+/* The exit status of child pid (a daemon this test process started) once
+ * it exits within timeout_ms; -1 if it does not. */
+static int
+wait_exit_status(pid_t pid, long timeout_ms)
+{
+    for (long t = 0; t <= timeout_ms; t += 100) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        sleep_ms(100);
+    }
+    return -1;
+}
+
+/* 1 if the daemon's log (<dir>/<name>.log) has text. */
+static int
+log_has(const char *dir, const char *name, const char *text)
+{
+    char path[PATH_MAX + 80], line[4096];
+    int found = 0;
+    snprintf(path, sizeof(path), "%s/%s.log", dir, name);
+    FILE *f = fopen(path, "r");
+    while (f && !found && fgets(line, sizeof(line), f))
+        found = strstr(line, text) != NULL;
+    if (f)
+        fclose(f);
+    return found;
+}
+
+/*
+ * Issue 22: a link that answers nothing while nats.c says CONNECTED (here
+ * a nats-server stopped with SIGSTOP: the socket stays open, nats.c
+ * notices only after its 2-minute ping interval; in the cluster suite, a
+ * read thread hung in nats.c with every write failing EPIPE) left the
+ * agent fenced but alive for good, and the broker serving nothing. Now
+ * the agent kills its command (the fence), and after
+ * AGENT_LINK_TIMEOUT_MS stops with AGENT_EXIT_LINK, which systemd
+ * restarts; the broker stops too (BROKER_LINK_TIMEOUT_MS), non-zero.
+ * Its own stack: the broker is a child of this test process, to be
+ * waited for.
+ */
+START_TEST(dead_link_stops_agent_and_broker)
+{
+    struct fixture_stack ls;
+    struct evt_conn *c;
+    PGconn *pg;
+    char id[37];
+    pid_t child = 0, apid = 0, bpid = 0;
+
+    memset(&ls, 0, sizeof(ls));
+    ck_assert_int_eq(fixture_stack_start(&ls, NULL, 0), 0);
+    ck_assert_int_eq(fixture_agent_spawn(&ls, "agent-lnk", "lnk", NULL), 0);
+    ck_assert(stack_pidfile_alive(ls.dir, "agent-lnk", &apid));
+    ck_assert(stack_pidfile_alive(ls.dir, "broker", &bpid));
+    c = fixture_client(&ls);
+    pg = PQconnectdb(ls.pg.conninfo);
+    ck_assert_int_eq(PQstatus(pg), CONNECTION_OK);
+    ck_assert_int_eq(fixture_submit(c, "lnk", "exec sleep 120", 120000, 0, id),
+                     0);
+    evt_close(c);
+    for (int i = 0; i < 200 && command_procs(id, &child) == 0; i++)
+        sleep_ms(50);
+    ck_assert_int_gt(child, 0);
+
+    int64_t t0 = ks_mono_us();
+    ck_assert_int_eq(fixture_stack_nats_kill(&ls, SIGSTOP), 0);
+    /* Fenced: the command dies within the fence. */
+    long fenced_ms = wait_dead(child, AGENT_FENCE_MS + 5000);
+    /* Then both stop by themselves. */
+    int ast = wait_exit_status(apid, AGENT_LINK_TIMEOUT_MS + 20000);
+    double agent_s = (double)(ks_mono_us() - t0) / 1e6;
+    int bst = wait_exit_status(bpid, BROKER_LINK_TIMEOUT_MS + 30000);
+    double broker_s = (double)(ks_mono_us() - t0) / 1e6;
+    fixture_stack_nats_kill(&ls, SIGCONT);
+    fprintf(stderr,
+            "dead link: agent exited %d after %.1f s, broker %d after "
+            "%.1f s\n",
+            ast, agent_s, bst, broker_s);
+    bool agent_said = log_has(ls.dir, "agent-lnk",
+                              "the NATS link answers nothing");
+    bool broker_said = log_has(ls.dir, "broker",
+                               "the NATS link answers nothing");
+    /* Nothing left behind, whatever the outcome. */
+    if (ast == -1) {
+        kill(apid, SIGKILL);
+        waitpid(apid, NULL, 0);
+    }
+    if (bst == -1) {
+        kill(bpid, SIGKILL);
+        waitpid(bpid, NULL, 0);
+    }
+    PQfinish(pg);
+    fixture_stack_stop(&ls);
+    ck_assert_int_ge(fenced_ms, 0);
+    ck_assert_int_eq(ast, AGENT_EXIT_LINK);
+    ck_assert(agent_s * 1000 >= AGENT_LINK_TIMEOUT_MS - EVT_HEARTBEAT_MS);
+    ck_assert(agent_said);
+    ck_assert_int_ne(bst, 0);
+    ck_assert_int_ne(bst, -1);
+    ck_assert(broker_said);
+}
+END_TEST
+
 /* KSCORE_TEST_ONLY=name runs one test of the stack case (development). */
 static void
 add_stack_test(TCase *tc, const TTest *t)
@@ -1355,6 +1464,12 @@ agent_suite(void)
     add_stack_test(tc, agent_started_with_sigchld_ignored);
     add_stack_test(tc, state_dir_full_refuses_claims);
     suite_add_tcase(s, tc);
+
+    /* Each test its own stack. */
+    TCase *own = tcase_create("own-stack");
+    tcase_set_timeout(own, 240);
+    tcase_add_test(own, dead_link_stops_agent_and_broker);
+    suite_add_tcase(s, own);
     return s;
 }
 
