@@ -786,7 +786,7 @@ END_TEST
 
 /* Runs sql on c; a failure fails the test. */
 static void
-pq_ok(PGconn *c, const char *sql)
+exec_ok(PGconn *c, const char *sql)
 {
     PGresult *res = PQexec(c, sql);
     ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
@@ -845,14 +845,14 @@ START_TEST(test_read_all_passes_other_transactions)
     read_finds(r, &cur, "");
     /* A transaction with an id, in another database... */
     PGconn *other = pq_db("postgres");
-    pq_ok(other, "BEGIN");
-    pq_ok(other, "SELECT pg_current_xact_id()");
+    exec_ok(other, "BEGIN");
+    exec_ok(other, "SELECT pg_current_xact_id()");
     /* ... and one of this database that writes, but no event. */
     PGconn *same = pq_db("kscore");
-    pq_ok(same, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
-    pq_ok(same, "BEGIN");
-    pq_ok(same, "INSERT INTO reader_bystander VALUES (1)");
-    pq_ok(same, "SELECT count(*) FROM events"); /* reading is no append */
+    exec_ok(same, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(same, "BEGIN");
+    exec_ok(same, "INSERT INTO reader_bystander VALUES (1)");
+    exec_ok(same, "SELECT count(*) FROM events"); /* reading is no append */
 
     ck_assert_int_eq(append1(a, mk(&t1, stream, "Thing"), STORE_ANY, NULL),
                      0);
@@ -868,15 +868,15 @@ START_TEST(test_read_all_passes_other_transactions)
     ck_assert_int_eq(append1(a, mk(&t2, stream, "Thing"), STORE_ANY, NULL),
                      0);
     ck_assert(!read_finds(r, &cur, t2.id));
-    pq_ok(store_pgconn(w), "COMMIT");
+    exec_ok(store_pgconn(w), "COMMIT");
     struct collect col = {0};
     ck_assert_int_eq(store_read_all(r, &cur, 64, collect_cb, &col), 0);
     ck_assert_int_eq(col.n, 2);
     ck_assert_str_eq(col.ids[0], held.id);
     ck_assert_str_eq(col.ids[1], t2.id);
 
-    pq_ok(other, "COMMIT");
-    pq_ok(same, "ROLLBACK");
+    exec_ok(other, "COMMIT");
+    exec_ok(same, "ROLLBACK");
     PQfinish(other);
     PQfinish(same);
     store_close(w);
@@ -902,35 +902,35 @@ START_TEST(test_append_locks_events_first)
 
     ks_uuid(u);
     snprintf(stream, sizeof(stream), "lock-%s", u);
-    pq_ok(c, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
-    pq_ok(c, "BEGIN");
-    pq_ok(c, "INSERT INTO reader_bystander VALUES (2)");
+    exec_ok(c, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (2)");
     ck_assert_int_eq(append1(s, mk(&t, stream, "Thing"), STORE_ANY, NULL),
                      KS_EPG);
     ck_assert_str_eq(store_last_sqlstate(s), "KS006");
-    pq_ok(c, "ROLLBACK");
+    exec_ok(c, "ROLLBACK");
 
     snprintf(sql, sizeof(sql),
              "INSERT INTO events (stream_id, version, event_id, type, data)"
              " VALUES ('%s', 1, '%s', 'Thing', '')",
              stream, t.id);
-    pq_ok(c, "BEGIN");
-    pq_ok(c, "INSERT INTO reader_bystander VALUES (3)");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (3)");
     PGresult *res = PQexec(c, sql);
     ck_assert_int_eq(PQresultStatus(res), PGRES_FATAL_ERROR);
     ck_assert_str_eq(PQresultErrorField(res, PG_DIAG_SQLSTATE), "KS006");
     PQclear(res);
-    pq_ok(c, "ROLLBACK");
+    exec_ok(c, "ROLLBACK");
 
-    pq_ok(c, "BEGIN");
-    pq_ok(c, sql);
-    pq_ok(c, "INSERT INTO reader_bystander VALUES (4)");
-    pq_ok(c, "ROLLBACK");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, sql);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (4)");
+    exec_ok(c, "ROLLBACK");
     /* And the store's own appends still work in a transaction. */
-    pq_ok(c, "BEGIN");
+    exec_ok(c, "BEGIN");
     ck_assert_int_eq(append1(s, &t.ev, STORE_ANY, NULL), 0);
-    pq_ok(c, "INSERT INTO reader_bystander VALUES (5)");
-    pq_ok(c, "COMMIT");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (5)");
+    exec_ok(c, "COMMIT");
     store_close(s);
 }
 END_TEST
@@ -1692,16 +1692,6 @@ checked_thread(void *arg)
                                  NULL);
     store_close(s);
     return NULL;
-}
-
-static void
-exec_ok(PGconn *c, const char *sql)
-{
-    PGresult *res = PQexec(c, sql);
-    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
-                      PQresultStatus(res) == PGRES_TUPLES_OK,
-                  "%s: %s", sql, PQresultErrorMessage(res));
-    PQclear(res);
 }
 
 /*
