@@ -146,6 +146,35 @@ local_agents(struct chaos_run *r, unsigned n)
     snprintf(r->probe_agent, sizeof(r->probe_agent), "%s", r->agents[0]);
 }
 
+/* The scenario's one agent id (also the probe's). */
+static void
+single_agent(struct chaos_run *r, const char *id)
+{
+    snprintf(r->agents[0], sizeof(r->agents[0]), "%s", id);
+    r->nagents = 1;
+    snprintf(r->probe_agent, sizeof(r->probe_agent), "%s", id);
+}
+
+/* Waits (at most 20 s) until n commands run on agent. */
+static void
+wait_running(struct chaos_run *r, const char *agent, long n)
+{
+    int64_t until = ks_mono_us() + 20 * 1000000LL;
+    while (!chaos_interrupted && ks_mono_us() < until &&
+           chaos_count_status(r, "Running", agent) < n)
+        chaos_sleep_ms(50);
+}
+
+/* A scenario that needs a tmpfs, on a host that cannot mount one: skipped,
+ * saying so (rc is KS_EUNAVAIL). */
+static int
+skip_no_tmpfs(struct chaos_run *r, int rc)
+{
+    snprintf(r->skipped, sizeof(r->skipped),
+             "no tmpfs can be mounted here (needs root and CAP_SYS_ADMIN)");
+    return rc;
+}
+
 static void
 set_spec(struct chaos_run *r, uint64_t deliver_ms, uint64_t timeout_ms,
          uint64_t grace_ms)
@@ -244,9 +273,7 @@ agent_kill_common(struct chaos_run *r, int64_t down_ms)
 
     if ((rc = chaos_stack_up(r, 0)))
         return rc;
-    snprintf(r->agents[0], sizeof(r->agents[0]), "ak");
-    r->nagents = 1;
-    snprintf(r->probe_agent, sizeof(r->probe_agent), "ak");
+    single_agent(r, "ak");
     if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 32)))
         return rc;
     chaos_subs_prepare(r, n, 2.0, 10.0);
@@ -595,12 +622,8 @@ sc_pg_full(struct chaos_run *r)
         return rc;
     int64_t fault_ms = r->short_mode ? 15000 : 120000;
     rc = fixture_pg_small_disk(&r->st.pg, 32);
-    if (rc == KS_EUNAVAIL) {
-        snprintf(r->skipped, sizeof(r->skipped),
-                 "no tmpfs can be mounted here (needs root and "
-                 "CAP_SYS_ADMIN)");
-        return rc;
-    }
+    if (rc == KS_EUNAVAIL)
+        return skip_no_tmpfs(r, rc);
     if (rc)
         return KS_EUNAVAIL;
     snprintf(r->note, sizeof(r->note),
@@ -657,18 +680,12 @@ sc_agent_disk_full(struct chaos_run *r)
     r->rate = 4;
     if ((rc = chaos_stack_up(r, 0)))
         return rc;
-    snprintf(r->agents[0], sizeof(r->agents[0]), "adf");
-    r->nagents = 1;
-    snprintf(r->probe_agent, sizeof(r->probe_agent), "adf");
+    single_agent(r, "adf");
     snprintf(state, sizeof(state), "%s/state-agent-0", r->st.dir);
     snprintf(fill, sizeof(fill), "%s/fill", state);
     rc = chaos_mount_small(r, state, 2);
-    if (rc == KS_EUNAVAIL) {
-        snprintf(r->skipped, sizeof(r->skipped),
-                 "no tmpfs can be mounted here (needs root and "
-                 "CAP_SYS_ADMIN)");
-        return rc;
-    }
+    if (rc == KS_EUNAVAIL)
+        return skip_no_tmpfs(r, rc);
     if (rc || (rc = chaos_agent_spawn(r, "agent-0", ids, 1, 8)))
         return rc;
     chaos_subs_prepare(r, n, 2.0, 6.0);
@@ -680,10 +697,7 @@ sc_agent_disk_full(struct chaos_run *r)
     chaos_log(r, "%s", r->note);
     if ((rc = chaos_submit_start(r)))
         return rc;
-    int64_t until = ks_mono_us() + 20 * 1000000LL;
-    while (!chaos_interrupted && ks_mono_us() < until &&
-           chaos_count_status(r, "Running", "adf") < 4)
-        chaos_sleep_ms(50);
+    wait_running(r, "adf", 4);
     /* Fill: write until the disk says no more. */
     FILE *f = fopen(fill, "w");
     static char block[64 * 1024];
@@ -753,9 +767,7 @@ sc_agent_sigchld_ignored(struct chaos_run *r)
     r->rate = 6;
     if ((rc = chaos_stack_up(r, 0)))
         return rc;
-    snprintf(r->agents[0], sizeof(r->agents[0]), "sig");
-    r->nagents = 1;
-    snprintf(r->probe_agent, sizeof(r->probe_agent), "sig");
+    single_agent(r, "sig");
     if ((rc = chaos_agent_spawn_via(r, "agent-0", ids, 1, 8, launcher)))
         return rc;
     chaos_subs_prepare(r, n, 0.5, 4.0);
@@ -904,9 +916,7 @@ sc_host_freeze(struct chaos_run *r)
     int64_t freeze_ms = (int64_t)chaos_rand(r, 12000, 15000);
     if ((rc = chaos_stack_up(r, 0)))
         return rc;
-    snprintf(r->agents[0], sizeof(r->agents[0]), "hf");
-    r->nagents = 1;
-    snprintf(r->probe_agent, sizeof(r->probe_agent), "hf");
+    single_agent(r, "hf");
     if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 8)))
         return rc;
     chaos_subs_prepare(r, n, 4.0, 20.0);
@@ -917,10 +927,7 @@ sc_host_freeze(struct chaos_run *r)
     chaos_log(r, "%s", r->note);
     if ((rc = chaos_submit_start(r)))
         return rc;
-    int64_t until = ks_mono_us() + 20 * 1000000LL;
-    while (!chaos_interrupted && ks_mono_us() < until &&
-           chaos_count_status(r, "Running", "hf") < 4)
-        chaos_sleep_ms(50);
+    wait_running(r, "hf", 4);
     chaos_log(r, "%ld running: host frozen",
               chaos_count_status(r, "Running", "hf"));
     fixture_stack_signal_tree(&r->st, "agent-0", SIGSTOP);
