@@ -949,35 +949,42 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.operator_ = cmd->operator_;
     req.instance_id = a->instance_id;
     req.listed_from_seq = listed_from;
+    /* The first ask goes to the brokers' queue group, which may hand it to
+     * a stopped broker (nats-server keeps one in the group while it has
+     * messages to hand it); every ask again goes to all of them
+     * (EVT_API_CLAIM_AGAIN), and the first answer counts: the claim fence
+     * lets one append of the claim win, and a repeat of it is granted as
+     * ours. */
     int pause_ms = CLAIM_PAUSE_MIN_MS;
     ks_trace("agent.claim_sent", cmd->command_id);
     /* In a pool the claim still names agent-<id> (its subject: the
      * broker's check, and the pool's NATS permissions list each of its
      * ids), but the reply comes to the pool's own inbox, the one inbox
      * its credential may read. */
-    char pool_subject[sizeof(EVT_API_CLAIM) + 16 + EVT_AGENT_ID_MAX];
+    char pool_subject[sizeof(EVT_API_CLAIM_AGAIN) + 16 + EVT_AGENT_ID_MAX];
     uint8_t *pool_req = NULL;
     size_t pool_req_len = 0;
-    if (a->opts.pool) {
-        snprintf(pool_subject, sizeof(pool_subject), "%s.%s", EVT_API_CLAIM,
-                 claimer);
-        if ((rc = kproto_pack(&req.base, &pool_req, &pool_req_len)))
-            return rc;
-    }
-    for (;;) {
+    if (a->opts.pool && (rc = kproto_pack(&req.base, &pool_req,
+                                          &pool_req_len)))
+        return rc;
+    for (bool again = false;; again = true) {
         if (atomic_load(&a->closing)) {
             rc = KS_ESTOPPED;
             break;
         }
         int64_t t0 = ks_mono_us();
-        if (pool_req)
+        const char *api = again ? EVT_API_CLAIM_AGAIN : EVT_API_CLAIM;
+        if (pool_req) {
+            snprintf(pool_subject, sizeof(pool_subject), "%s.%s", api,
+                     claimer);
             rc = evt_request_bytes_as(a->nc, a->pool_identity, pool_subject,
                                       NULL,
                                       pool_req, pool_req_len,
                                       CLAIM_TIMEOUT_MS, &m);
-        else
-            rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+        } else {
+            rc = evt_request_as(a->nc, claimer, api, &req.base,
                                 CLAIM_TIMEOUT_MS, &m);
+        }
         if (rc == 0) {
             ProtobufCMessage *pm = NULL;
             ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);

@@ -234,9 +234,9 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
     } else {
-        /* Still running: said at once, also to a client this broker now
-         * waits for (one that asked again after its broker died), so it
-         * knows a broker answers before the end comes. */
+        /* Still running: its id, at once, whether this broker waits for
+         * it now or another does. A client that asked again because its
+         * broker went silent learns that someone waits again. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -1461,9 +1461,11 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     r->cb(nc, sub, msg, r->ud);
 }
 
+/* Subscribes cb (behind api_guard) to "<subject>.*", in the brokers'
+ * queue group, or (queue NULL) as every broker does. */
 static int
-subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
-             natsMsgHandler cb, void *ud, char **errmsg)
+subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
+            const char *queue, natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
     BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
@@ -1472,9 +1474,11 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
     route->cb = cb;
     route->ud = ud;
     snprintf(full, sizeof(full), "%s.*", subject);
-    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
-                                                 EVT_BROKER_QUEUE, api_guard,
-                                                 route);
+    natsStatus s =
+        queue ? natsConnection_QueueSubscribe(sub, b->nc->nc, full, queue,
+                                              api_guard, route)
+              : natsConnection_Subscribe(sub, b->nc->nc, full, api_guard,
+                                         route);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
@@ -1484,6 +1488,13 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
         return KS_ENATS;
     }
     return 0;
+}
+
+static int
+subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
+             natsMsgHandler cb, void *ud, char **errmsg)
+{
+    return subscribe_q(b, sub, subject, EVT_BROKER_QUEUE, cb, ud, errmsg);
 }
 
 static int
@@ -1516,7 +1527,7 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 16];
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 18];
     size_t nsubs = 0;
 
     /* Every worker's subscription: each handler uses the writer and the
@@ -1530,7 +1541,8 @@ broker_teardown(struct broker *b)
             &b->sub_misc,     &b->sub_events, &b->sub_cancel,
             &b->sub_agents,   &b->sub_follow, &b->sub_batch,
             &b->sub_advisory, &b->sub_list,   &b->sub_logs,
-            &b->sub_notice,   &b->sub_upload, &b->sub_fetch};
+            &b->sub_notice,   &b->sub_upload, &b->sub_fetch,
+            &b->exec_again.sub, &b->claim_again.sub};
         for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
             subs[nsubs++] = rest[i];
     }
@@ -1563,6 +1575,8 @@ broker_teardown(struct broker *b)
     store_close(b->st_setup);
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
         store_close(b->executors[i].st);
+    store_close(b->exec_again.st);
+    store_close(b->claim_again.st);
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -1584,7 +1598,6 @@ broker_teardown(struct broker *b)
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_mutex_destroy(&b->blob_mu);
-    pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
 }
@@ -1622,7 +1635,6 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
     pthread_mutex_init(&b.blob_mu, NULL);
-    pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
     if ((rc = broker__budget_init(&b)))
@@ -1667,6 +1679,11 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
             goto out;
     }
+    b.exec_again.b = &b;
+    b.claim_again.b = &b;
+    if ((rc = open_store(&b, &b.exec_again.st, errmsg)) ||
+        (rc = open_store(&b, &b.claim_again.st, errmsg)))
+        goto out;
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1769,8 +1786,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
                                 EVT_API_EXECUTE, on_execute, errmsg)) ||
+        (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
+                          on_execute, &b.exec_again, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
                                 EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe_q(&b, &b.claim_again.sub, EVT_API_CLAIM_AGAIN, NULL,
+                          on_claim, &b.claim_again, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||

@@ -178,10 +178,6 @@ struct broker {
      * (broker__registry_deaf). */
     int64_t scan_tick_mono_us, woke_mono_us;
 
-    pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
-    natsMsg **rec_q;
-    size_t rec_len, rec_cap;
-
     pthread_t rec_thread, reg_thread, scan_thread;
     bool rec_started, reg_started, scan_started;
     /* Parked long polls of kscore.api.v1.follow, served by the follow
@@ -203,6 +199,11 @@ struct broker {
     struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
+    /* kscore.api.v1.execute-again: every broker's, no queue group (a
+     * client asks again there when an ask went unanswered). */
+    struct broker__worker exec_again;
+    /* kscore.api.v1.claim.again: every broker's, likewise. */
+    struct broker__worker claim_again;
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;
@@ -286,6 +287,11 @@ struct broker__claimed *broker__claimed_take(struct broker *b,
 /* Frees what waiters.c holds (the waiters, claim hints, keys seen). */
 void broker__waiters_release(struct broker *b);
 
+/* Tells every client waiting on this broker for a result something it must
+ * know now (ExecuteReply.notice: text, e.g. why the result cannot come;
+ * the recorder's stall, recorder.c). A reply with no result: the clients
+ * keep waiting. Any thread; takes b->mu. */
+void broker__waiters_notice(struct broker *b, const char *text);
 /* Replies to the client waiting for command_id, if any, with result.
  * true if one waited here. */
 bool broker__reply_waiter(struct broker *b, const char *command_id,

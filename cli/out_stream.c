@@ -211,6 +211,10 @@ live_cb(const Ks__ExecuteReply *rep, void *ud)
                  rep->command_id);
         say_target(lv, rep);
     }
+    /* Said at once, on stderr, --json or not: the operator learns why the
+     * wait goes on (a database refusing writes), and that it ends. */
+    if (rep->notice && rep->notice[0])
+        cli_err("command %s %s", lv->command_id, rep->notice);
     if (!lv->print)
         return;
     for (size_t i = 0; i < rep->n_chunks; i++) {

@@ -102,6 +102,12 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
     return total > INT32_MAX ? INT32_MAX : (int)total;
 }
 
+/* An ask that a live broker answers at once (a live request's id, any ask
+ * again) and that went unanswered this long is asked again: the broker it
+ * reached may be stopped (ms). An answer takes a commit, milliseconds; the
+ * margin is for a loaded database, where asking more would add load. */
+#define EXEC_UNANSWERED_MS 2000
+
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
                int timeout_ms, Ks__ExecuteReply **out)
@@ -116,7 +122,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
 {
     Ks__ExecuteRequest r = *req;
     struct evt_inbox *ib = NULL;
-    char subject[192], key[48], id[37] = "";
+    char subject[192], again[192], key[48], id[37] = "";
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -127,13 +133,25 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                            (ProtobufCMessage **)out);
     /*
      * A waiting exec must not hang with its broker: the broker that holds
-     * its waiter may die. The request names its command with an
+     * its waiter may die or stop. The request names its command with an
      * idempotency key (a fresh one unless the caller gave one), and after
      * BROKER_EXEC_REASK_MS of silence the same request goes out again on the
      * same inbox: the broker that still waits for the command answers at once
      * that it does (a reply without a result), another broker attaches
-     * this inbox to the command (or answers with its end), and no answer
-     * at all for BROKER_EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
+     * this inbox to the command and says so at once (or answers with its
+     * end), and no answer at all for BROKER_EXEC_GIVE_UP_MS ends the wait
+     * with KS_EUNAVAIL.
+     *
+     * The first ask goes to the brokers' queue group, which hands it to one
+     * broker at random, also to one that is stopped (SIGSTOP, a frozen
+     * VM): nats-server keeps a stopped client in the group as long as it
+     * has messages to hand it (a delivery counts as the client's activity,
+     * so it is never pinged; server/client.go flushClients), and half the
+     * asks of two brokers went there. So every ask again goes to all the
+     * brokers (EVT_API_EXECUTE_AGAIN): whichever live broker holds or
+     * finds the command answers. An ask that a live broker answers at once
+     * (a live request: its id comes first; any ask again) is asked again
+     * after EXEC_UNANSWERED_MS without an answer.
      */
     if (!r.idempotency_key || !r.idempotency_key[0]) {
         char u[37];
@@ -148,7 +166,10 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
+    snprintf(again, sizeof(again), "%s.%s", EVT_API_EXECUTE_AGAIN,
+             c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
+    bool answered = false; /* the last ask was answered */
     unsigned asks = 1;
     bool silent = false; /* said so through h->silence */
     if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
@@ -212,6 +233,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
+            answered = true;
         } else if (nrc != KS_ETIMEDOUT && nrc != KS_EUNAVAIL) {
             /* No responders (KS_EUNAVAIL) or silence: ask again below. */
             rc = nrc;
@@ -264,9 +286,13 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_EUNAVAIL;
             goto out;
         }
-        if (now - heard >= (int64_t)BROKER_EXEC_REASK_MS * 1000 &&
-            now - asked >= (int64_t)BROKER_EXEC_REASK_MS * 1000) {
+        bool unanswered = !answered && (asks > 1 || r.live_output) &&
+                          now - asked >= (int64_t)EXEC_UNANSWERED_MS * 1000;
+        int64_t reask_us = (int64_t)BROKER_EXEC_REASK_MS * 1000;
+        if (unanswered ||
+            (now - heard >= reask_us && now - asked >= reask_us)) {
             asked = now;
+            answered = false;
             if (!r.key_may_exist) {
                 /* Asked again: the key may name a command by now (at
                  * another broker too), which must not be published
@@ -277,7 +303,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 if ((rc = kproto_pack(&r.base, &buf, &len)))
                     goto out;
             }
-            if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
+            if ((rc = evt_inbox_send(ib, again, NULL, NULL, buf, len)))
                 goto out;
             asks++;
         }

@@ -151,7 +151,7 @@ static const struct {
     [KS_G_QUEUE_EVENTS] = {"kscore_queue_depth", "queue=\"events\"",
                            "Messages waiting in JetStream: events not yet "
                            "recorded (KSCORE_EVENTS, consumer "
-                           "kscore-recorder) and commands not yet acked by "
+                           "kscore-recorder-pull) and commands not yet acked by "
                            "their agent (KSCORE_CMDS).",
                            B, true},
     [KS_G_QUEUE_COMMANDS] = {"kscore_queue_depth", "queue=\"commands\"", NULL,

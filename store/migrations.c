@@ -1060,6 +1060,63 @@ static const char migration_11[] =
     "  RETURN true;\n"
     "END $$;\n";
 
+/*
+ * Migration 12: the writer's side of the reading rule (store.h "Readers").
+ * A reader goes past every transaction that is still open unless it holds
+ * a lock on events (other than a reader's ACCESS SHARE), so an appender
+ * must hold that lock before it has a transaction id: from then on a
+ * reader that sees its id open sees its lock too. kscore_events_lock()
+ * takes it (ROW EXCLUSIVE, as any INSERT does) and refuses to once the
+ * transaction has an id; the store's appending statements call it first
+ * (store.c, "FROM kscore_events_lock()"). The statement trigger keeps every
+ * other writer honest: an INSERT into events is the transaction's first
+ * write (and takes the lock before its id), or comes after
+ * kscore_events_lock() (or CALL kscore_events_locked(), the same with no
+ * rows), or fails with KS006. The mark is a transaction's
+ * setting (set_config local): it ends with the transaction, and with a
+ * subtransaction that rolls back, as the lock does.
+ */
+#define SQL_EVENTS_LOCK_REFUSE(WHERE) \
+    "    RAISE EXCEPTION 'events locked after the transaction''s first " \
+    "write (" WHERE ")'\n" \
+    "      USING ERRCODE = '" STORE__SQLSTATE_UNLOCKED "', HINT =\n" \
+    "      'an appending transaction calls kscore_events_lock() first: a " \
+    "reader would not wait for it (store.h)';\n"
+static const char migration_12[] =
+    "CREATE FUNCTION kscore_events_lock() RETURNS void LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true) = 'on' THEN\n"
+    "    RETURN;\n"
+    "  END IF;\n"
+    "  IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("kscore_events_lock")
+    "  END IF;\n"
+    "  LOCK TABLE events IN ROW EXCLUSIVE MODE;\n"
+    "  PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "END $$;\n"
+    "CREATE FUNCTION kscore_events_guard() RETURNS trigger LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true)\n"
+    "       IS DISTINCT FROM 'on' THEN\n"
+    "    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("INSERT INTO events")
+    "    END IF;\n"
+    /* This INSERT holds the lock already, and the transaction no id. */
+    "    PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "  END IF;\n"
+    "  RETURN NULL;\n"
+    "END $$;\n"
+    "CREATE TRIGGER events_locked_first BEFORE INSERT ON events\n"
+    "  FOR EACH STATEMENT EXECUTE FUNCTION kscore_events_guard();\n"
+    /* The same as a statement that answers no rows (a pipeline's first,
+     * whose reader counts row sets: store/writer.c). */
+    "CREATE PROCEDURE kscore_events_locked() LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM kscore_events_lock();\n"
+    "END $$;\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -1074,6 +1131,8 @@ const struct store__migration store__migrations[] = {
     {10, "files for kscore copy, in parts", migration_10},
     {11, "kscore copy's files bounded per operator, and expired",
      migration_11},
+    {12, "appenders lock events first: readers wait for them alone",
+     migration_12},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

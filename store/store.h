@@ -16,10 +16,20 @@
  *    zero rows is a conflict, returned as KS_ECONFLICT, never swallowed.
  *  - Projections are updated in the same transaction as the append, so they
  *    never disagree with events; store_replay() rebuilds them from events.
- *  - Readers catch up by (tx_id, global_pos) below
- *    pg_snapshot_xmin(pg_current_snapshot()), never by global_pos alone (a
- *    sequence value is handed out before commit, so a later position can
- *    commit first; PostgreSQL docs 9.27 "Transaction ID and Snapshot").
+ *  - Readers catch up by (tx_id, global_pos) below a bound, never by
+ *    global_pos alone (a sequence value is handed out before commit, so a
+ *    later position can commit first; PostgreSQL docs 9.27 "Transaction ID
+ *    and Snapshot"). The bound is the lowest id of an open transaction
+ *    that may still append, else the next id: an appender locks events
+ *    (ROW EXCLUSIVE) before it has an id (migration 12; kscore_events_lock
+ *    and a statement trigger that fails any other order with KS006), so a
+ *    reader that looks at pg_locks after its snapshot knows which open ids
+ *    to wait for and passes every other one: a long transaction of another
+ *    database, or of this one that appends nothing, no longer holds the
+ *    readers back (before, the bound was pg_snapshot_xmin, the oldest open
+ *    id of the whole cluster: a 25 s transaction anywhere delayed every
+ *    follower by 25 s). Events are still read once each, in the same
+ *    order.
  *
  * Projections (the rules of kscore_project() in migrations.c, applied in
  * the append's transaction: per event by store_append() and
@@ -238,8 +248,11 @@ int store_read_stream(struct store *s, const char *stream_id,
 /*
  * Catch-up read of all streams. The cursor is (tx_id, global_pos), compared
  * and ordered as numbers (xid8, bigint), never as text; reads only events
- * whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()), so no late
- * commit is ever skipped and every event is read once. Start with a zeroed cursor; it is
+ * whose tx_id is below the reading rule's bound (the header: the lowest id
+ * of an open appender of this database, else the next id), so no late
+ * commit is ever skipped and every event is read once, and no open
+ * transaction that appends nothing delays it. Two statements (the bound,
+ * then the read). Start with a zeroed cursor; it is
  * advanced past each event passed to cb (also the one whose cb stopped
  * the read). Returns 0, cb's non-zero value, KS_EDECODE / KS_ETOOBIG (a row
  * that is not a Ks__Event of at most KS_MAX_MESSAGE_BYTES) or KS_EPG.
@@ -716,6 +729,10 @@ const char *store_last_error(struct store *s);
 /* The SQLSTATE of the last error PostgreSQL sent ("" when the last error
  * had none: a lost connection). Valid until the next call on s. */
 const char *store_last_sqlstate(struct store *s);
+/* The condition name of a SQLSTATE of a sick database (store.h "Sick
+ * database"; PostgreSQL 15 docs Appendix A): "disk_full" for 53100,
+ * "read_only_sql_transaction" for 25006, ...; "" for any other. Pure. */
+const char *store_sqlstate_name(const char *sqlstate);
 
 /* ---- batch leases (store/batch_lease.c, table batch_leases) -----------
  *

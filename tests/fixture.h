@@ -21,6 +21,7 @@ struct fixture_pg {
     char dir[PATH_MAX]; /* the temporary stack directory */
     char *conninfo;     /* libpq conninfo of database "kscore" (malloc'd) */
     pid_t pid;          /* postmaster */
+    bool small_disk;    /* fixture_pg_small_disk mounted one */
 };
 
 /*
@@ -46,6 +47,34 @@ void fixture_pg_stop(struct fixture_pg *f);
 int fixture_pg_halt(struct fixture_pg *f);
 int fixture_pg_resume(struct fixture_pg *f);
 int fixture_pg_restart(struct fixture_pg *f);
+
+/*
+ * Runs sql on database kscore as the superuser postgres: a child becomes
+ * the server's OS user and connects by peer, as the stack's own
+ * administration does. For the faults a test injects (a tablespace, a
+ * full disk), never for what kscore does. 0, or -1 with the server's
+ * message on stderr (an error sql expects, e.g. 53100 of a filler, is
+ * allowed_sqlstate: then 0 too; NULL: none).
+ */
+int fixture_pg_admin(const struct fixture_pg *f, const char *sql,
+                     const char *allowed_sqlstate);
+
+/*
+ * A small disk under the events table (issue 25, fleet case F06, a full
+ * disk with PostgreSQL up): a tmpfs of size_mb mounted at <dir>/evdisk,
+ * the tablespace kscore_evdisk on it, the table events moved there (its
+ * indexes stay). fixture_pg_fill_disk fills it (a filler table in the
+ * tablespace, until PostgreSQL answers 53100 disk_full): events can grow
+ * no more, every append fails with 53100 (a few may still fit in the
+ * table's last page). fixture_pg_free_disk drops the filler: the space is
+ * back. fixture_pg_small_disk_undo moves events back and unmounts
+ * (fixture_pg_stop does it too). 0; KS_EUNAVAIL when no tmpfs can be
+ * mounted (not root, no CAP_SYS_ADMIN: the caller skips, saying so); -1.
+ */
+int fixture_pg_small_disk(struct fixture_pg *f, int size_mb);
+int fixture_pg_fill_disk(struct fixture_pg *f);
+int fixture_pg_free_disk(struct fixture_pg *f);
+void fixture_pg_small_disk_undo(struct fixture_pg *f);
 
 /* ------------------------------------------------------------------------ */
 /* NATS and the whole stack (tests/fixture_nats.c)                          */
@@ -122,6 +151,13 @@ void fixture_stack_stop(struct fixture_stack *s);
  */
 int fixture_agent_spawn(struct fixture_stack *s, const char *name,
                         const char *id, const char *const extra[]);
+/* As fixture_agent_spawn, started through launcher (NULL-terminated: a
+ * program and its arguments, run with the agent's command line after
+ * them, which it must exec), e.g. one that leaves odd signal state. Its
+ * state dir is <dir>/state-<name>. */
+int fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                            const char *id, const char *const extra[],
+                            const char *const launcher[]);
 /* Restarts nats-server on the same port and store dir (SIGTERM first, so
  * JetStream flushes). */
 int fixture_stack_nats_restart(struct fixture_stack *s);
@@ -157,6 +193,15 @@ int fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
 int fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env);
 void fixture_stack_agent_kill(struct fixture_stack *s, int sig);
 int fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents);
+/*
+ * One more `kscore broker` of the stack, in the same queue group and on
+ * the same database, with no local agents: the daemon name (pid file and
+ * log <dir>/<name>.{pid,log}). Waits until it logs that it serves (a
+ * readiness probe would be answered by the first broker). Stop it with
+ * stack_stop(s->dir, name, ...); signal it with fixture_stack_signal.
+ * 0 or a negative code.
+ */
+int fixture_stack_broker_spawn(struct fixture_stack *s, const char *name);
 void fixture_stack_broker_kill(struct fixture_stack *s, int sig);
 
 /* What a child process did. */
@@ -264,6 +309,9 @@ int fixture_upload(struct evt_conn *c, const char *identity, const void *data,
 /* The first column of the first row of sql as a long (-1 when there is no
  * row) on pgconn (a PGconn *); a failed query fails the test. */
 long fixture_pg_long(void *pgconn, const char *sql);
+/* Lines in the file at path, 0 when there is none: how often a command
+ * whose side effect appends a line to it ran. */
+long fixture_file_lines(const char *path);
 /* The same on a connection of its own to conninfo. */
 long fixture_sql_long(const char *conninfo, const char *sql);
 /* Polls sql until it returns want or timeout_ms passes: the last value. */

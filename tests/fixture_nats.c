@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -127,18 +128,21 @@ wait_agent(const struct fixture_stack *st, const char *id, int timeout_ms)
                              timeout_ms);
 }
 
-int
-fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+/* Starts `kscore broker` as the daemon name of the stack (its pid file
+ * and log <dir>/<name>.{pid,log}, its local agents' state in state_dir),
+ * as the stack's broker is. 0 or a negative code; waits for nothing. */
+static int
+broker_daemon(struct fixture_stack *s, const char *name,
+              unsigned local_agents, const char *state)
 {
-    char n[16], state[PATH_MAX + 16];
+    char n[16];
     pid_t pid;
     int rc;
     snprintf(n, sizeof(n), "%u", local_agents);
-    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
     char *argv[] = {(char *)kscore_bin(), "broker",     "--nats",
                     s->nats.url,          "--db",       s->pg.conninfo,
                     "--local-agents",     n,            "--state-dir",
-                    state,                "--signing-key", s->signing_key,
+                    (char *)state,        "--signing-key", s->signing_key,
                     NULL,                 NULL,          NULL};
     if (s->policy[0]) {
         size_t n = 0;
@@ -161,13 +165,22 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", "false", 1);
     else if (!rsl[0])
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
-    rc = stack_daemon(s->dir, "broker", argv, &pid);
+    rc = stack_daemon(s->dir, name, argv, &pid);
     if (rsl_copy)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", rsl_copy, 1);
     else
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
     free(rsl_copy);
     unsetenv("KSCORE_NATS_NKEY");
+    return rc;
+}
+
+int
+fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+{
+    char state[PATH_MAX + 16];
+    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
+    int rc = broker_daemon(s, "broker", local_agents, state);
     if (rc == 0)
         rc = wait_broker(s, 30000);
     if (rc)
@@ -186,6 +199,36 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
                     id, ks_strerror(rc));
     }
     return rc;
+}
+
+int
+fixture_stack_broker_spawn(struct fixture_stack *s, const char *name)
+{
+    char state[PATH_MAX + 96], log[PATH_MAX + 96];
+    struct stat sb;
+    snprintf(state, sizeof(state), "%s/%s-local-agents", s->dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", s->dir, name);
+    /* The log is appended to at each start: only this start's lines. */
+    off_t from = stat(log, &sb) == 0 ? sb.st_size : 0;
+    int rc = broker_daemon(s, name, 0, state);
+    for (int i = 0; rc == 0 && i < 600; i++) {
+        char buf[8192] = "";
+        FILE *f = fopen(log, "r");
+        if (f && fseeko(f, from, SEEK_SET) == 0) {
+            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+            buf[n] = '\0';
+        }
+        if (f)
+            fclose(f);
+        if (strstr(buf, "msg=serving "))
+            return 0;
+        if (!stack_pidfile_alive(s->dir, name, NULL))
+            break;
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "fixture: broker %s did not start (%s), see %s\n", name,
+            ks_strerror(rc ? rc : KS_ETIMEDOUT), log);
+    return rc ? rc : KS_ETIMEDOUT;
 }
 
 void
@@ -252,13 +295,23 @@ int
 fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
                     const char *const extra[])
 {
+    return fixture_agent_spawn_via(s, name, id, extra, NULL);
+}
+
+int
+fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                        const char *id, const char *const extra[],
+                        const char *const launcher[])
+{
     char state[PATH_MAX + 96];
-    const char *argv[32];
+    const char *argv[80];
     size_t n = 0;
     pid_t pid;
     int rc;
 
     snprintf(state, sizeof(state), "%s/state-%s", s->dir, name);
+    for (size_t i = 0; launcher && launcher[i] && n < 8; i++)
+        argv[n++] = launcher[i];
     argv[n++] = kscore_bin();
     argv[n++] = "agent";
     argv[n++] = "--id";
@@ -269,7 +322,7 @@ fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
     argv[n++] = state;
     argv[n++] = "--trust-key";
     argv[n++] = s->trust_key;
-    for (size_t i = 0; extra && extra[i] && n < 31; i++)
+    for (size_t i = 0; extra && extra[i] && n < 79; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
     rc = stack_daemon(s->dir, name, (char *const *)argv, &pid);
@@ -441,20 +494,26 @@ fixture_stack_stop(struct fixture_stack *s)
     if (!s || !s->dir[0])
         return;
     /* Every daemon a test started here, also those of a test that failed
-     * before it could stop them (agent-*.pid): agents first. */
-    d = opendir(s->dir);
-    while (d && (de = readdir(d))) {
-        size_t n = strlen(de->d_name);
-        if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
-            strncmp(de->d_name, "agent", 5) == 0) {
-            char name[256];
-            snprintf(name, sizeof(name), "%.*s", (int)(n - 4), de->d_name);
-            stack_stop(s->dir, name, 20000);
+     * before it could stop them (agent-*.pid, and brokers the test spawned
+     * besides the stack's: broker*.pid): agents first. A stopped one
+     * (SIGSTOP) is continued first, to hear the TERM. */
+    for (int pass = 0; pass < 2; pass++) {
+        const char *kind = pass == 0 ? "agent" : "broker";
+        d = opendir(s->dir);
+        while (d && (de = readdir(d))) {
+            size_t n = strlen(de->d_name);
+            if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
+                strncmp(de->d_name, kind, strlen(kind)) == 0) {
+                char name[256];
+                snprintf(name, sizeof(name), "%.*s", (int)(n - 4),
+                         de->d_name);
+                fixture_stack_signal(s, name, SIGCONT);
+                stack_stop(s->dir, name, 20000);
+            }
         }
+        if (d)
+            closedir(d);
     }
-    if (d)
-        closedir(d);
-    stack_stop(s->dir, "broker", 20000);
     fixture_nats_stop(&s->nats);
     fixture_pg_stop(&s->pg);
     rm_tree(s->dir);

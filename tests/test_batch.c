@@ -948,37 +948,7 @@ END_TEST
 static void
 broker2_start(void)
 {
-    char key[PATH_MAX + 16], log[PATH_MAX + 16];
-    pid_t pid;
-    snprintf(key, sizeof(key), "%s", stack.signing_key);
-    char *argv[] = {getenv("KSCORE_BIN"), "broker", "--nats", stack.nats.url,
-                    "--db", stack.pg.conninfo, "--local-agents", "0",
-                    "--signing-key", key,
-                    /* as the fixture's broker: its agents are unenrolled */
-                    "--allow-unsigned-labels", NULL};
-    ck_assert_ptr_nonnull(argv[0]);
-    snprintf(log, sizeof(log), "%s/broker2.log", stack.dir);
-    /* The log is appended to at each start: only this start's lines. */
-    struct stat sb;
-    off_t from = stat(log, &sb) == 0 ? sb.st_size : 0;
-    ck_assert_int_eq(stack_daemon(stack.dir, "broker2", argv, &pid), 0);
-    for (int i = 0; i < 300; i++) {
-        char buf[4096] = "";
-        FILE *f = fopen(log, "r");
-        if (f && fseeko(f, from, SEEK_SET) != 0) {
-            fclose(f);
-            f = NULL;
-        }
-        if (f) {
-            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-            buf[n] = '\0';
-            fclose(f);
-        }
-        if (strstr(buf, "msg=serving "))
-            return;
-        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
-    }
-    ck_abort_msg("broker2 did not start, see %s", log);
+    ck_assert_int_eq(fixture_stack_broker_spawn(&stack, "broker2"), 0);
 }
 
 /*

@@ -783,6 +783,159 @@ START_TEST(test_read_all_xid_order)
 }
 END_TEST
 
+/* ---- what a reader waits for (issue 25) ---- */
+
+/* Runs sql on c; a failure fails the test. */
+static void
+exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *res = PQexec(c, sql);
+    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
+                      PQresultStatus(res) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQresultErrorMessage(res));
+    PQclear(res);
+}
+
+/* A connection of its own to database db of the fixture's cluster. */
+static PGconn *
+pq_db(const char *db)
+{
+    char ci[PATH_MAX + 64];
+    snprintf(ci, sizeof(ci), "%s dbname=%s", pg.conninfo, db);
+    PGconn *c = PQconnectdb(ci);
+    ck_assert_msg(PQstatus(c) == CONNECTION_OK, "%s: %s", ci,
+                  PQerrorMessage(c));
+    return c;
+}
+
+/* Reads from *cur until a page is empty; whether id was among them. */
+static bool
+read_finds(struct store *r, struct store_cursor *cur, const char *id)
+{
+    bool found = false;
+    struct collect col;
+    do {
+        col = (struct collect){0};
+        ck_assert_int_eq(store_read_all(r, cur, 64, collect_cb, &col), 0);
+        for (int i = 0; i < col.n && i < 64; i++)
+            found = found || strcmp(col.ids[i], id) == 0;
+    } while (col.n > 0);
+    return found;
+}
+
+/*
+ * Issue 25: readers waited below pg_snapshot_xmin, the oldest open
+ * transaction of the whole cluster, so one open transaction of another
+ * database (25 s: a follower's delivery went from 1 s to 24 s) or of this
+ * one that writes no event held every follower back. Both stay open here
+ * while an event is appended: the reader gets it at once. An open
+ * appender of this database is still waited for, and its event comes
+ * first (the order is (tx_id, global_pos)).
+ */
+START_TEST(test_read_all_passes_other_transactions)
+{
+    struct store *r = open_store(), *a = open_store(), *w = open_store();
+    struct store_cursor cur = {0};
+    struct tev t1, held, t2;
+    char stream[64], hstream[64], u[37];
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "pass-%s", u);
+    ks_uuid(u);
+    snprintf(hstream, sizeof(hstream), "pass-%s", u);
+    read_finds(r, &cur, "");
+    /* A transaction with an id, in another database... */
+    PGconn *other = pq_db("postgres");
+    exec_ok(other, "BEGIN");
+    exec_ok(other, "SELECT pg_current_xact_id()");
+    /* ... and one of this database that writes, but no event. */
+    PGconn *same = pq_db("kscore");
+    exec_ok(same, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(same, "BEGIN");
+    exec_ok(same, "INSERT INTO reader_bystander VALUES (1)");
+    exec_ok(same, "SELECT count(*) FROM events"); /* reading is no append */
+
+    ck_assert_int_eq(append1(a, mk(&t1, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert_msg(read_finds(r, &cur, t1.id),
+                  "an event committed after two open transactions that "
+                  "append nothing was not read while they are open");
+
+    /* An appender that is open is waited for: nothing after it is read
+     * until it ends, then its event first. */
+    PQclear(PQexec(store_pgconn(w), "BEGIN"));
+    ck_assert_int_eq(
+        append1(w, mk(&held, hstream, "Thing"), STORE_ANY, NULL), 0);
+    ck_assert_int_eq(append1(a, mk(&t2, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert(!read_finds(r, &cur, t2.id));
+    exec_ok(store_pgconn(w), "COMMIT");
+    struct collect col = {0};
+    ck_assert_int_eq(store_read_all(r, &cur, 64, collect_cb, &col), 0);
+    ck_assert_int_eq(col.n, 2);
+    ck_assert_str_eq(col.ids[0], held.id);
+    ck_assert_str_eq(col.ids[1], t2.id);
+
+    exec_ok(other, "COMMIT");
+    exec_ok(same, "ROLLBACK");
+    PQfinish(other);
+    PQfinish(same);
+    store_close(w);
+    store_close(a);
+    store_close(r);
+}
+END_TEST
+
+/*
+ * The writer's half of the rule (migration 12): a transaction that wrote
+ * something else first (so it has an id) and then appends would be passed
+ * by readers while open, and its events skipped for good once it commits.
+ * Such an append is refused (KS006), by the store's appends and by a
+ * plain INSERT; the same INSERT as the transaction's first write is
+ * fine (it locks events before it has an id).
+ */
+START_TEST(test_append_locks_events_first)
+{
+    struct store *s = open_store();
+    struct tev t;
+    char stream[64], u[37], sql[512];
+    PGconn *c = store_pgconn(s);
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "lock-%s", u);
+    exec_ok(c, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (2)");
+    ck_assert_int_eq(append1(s, mk(&t, stream, "Thing"), STORE_ANY, NULL),
+                     KS_EPG);
+    ck_assert_str_eq(store_last_sqlstate(s), "KS006");
+    exec_ok(c, "ROLLBACK");
+
+    snprintf(sql, sizeof(sql),
+             "INSERT INTO events (stream_id, version, event_id, type, data)"
+             " VALUES ('%s', 1, '%s', 'Thing', '')",
+             stream, t.id);
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (3)");
+    PGresult *res = PQexec(c, sql);
+    ck_assert_int_eq(PQresultStatus(res), PGRES_FATAL_ERROR);
+    ck_assert_str_eq(PQresultErrorField(res, PG_DIAG_SQLSTATE), "KS006");
+    PQclear(res);
+    exec_ok(c, "ROLLBACK");
+
+    exec_ok(c, "BEGIN");
+    exec_ok(c, sql);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (4)");
+    exec_ok(c, "ROLLBACK");
+    /* And the store's own appends still work in a transaction. */
+    exec_ok(c, "BEGIN");
+    ck_assert_int_eq(append1(s, &t.ev, STORE_ANY, NULL), 0);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (5)");
+    exec_ok(c, "COMMIT");
+    store_close(s);
+}
+END_TEST
+
 START_TEST(test_wait_notify)
 {
     struct store *l = open_store(), *w = open_store();
@@ -1553,16 +1706,6 @@ checked_thread(void *arg)
                                  NULL);
     store_close(s);
     return NULL;
-}
-
-static void
-exec_ok(PGconn *c, const char *sql)
-{
-    PGresult *res = PQexec(c, sql);
-    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
-                      PQresultStatus(res) == PGRES_TUPLES_OK,
-                  "%s: %s", sql, PQresultErrorMessage(res));
-    PQclear(res);
 }
 
 /* ---- the group writer (store/writer.c) ---- */
@@ -2705,6 +2848,8 @@ main(void)
     tcase_add_test(tc, test_command_projection);
     tcase_add_test(tc, test_read_all_late_commit);
     tcase_add_test(tc, test_read_all_xid_order);
+    tcase_add_test(tc, test_read_all_passes_other_transactions);
+    tcase_add_test(tc, test_append_locks_events_first);
     tcase_add_test(tc, test_wait_notify);
     tcase_add_test(tc, test_writer_verdicts_alone);
     tcase_add_test(tc, test_writer_group_verdicts);
