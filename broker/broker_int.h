@@ -82,6 +82,11 @@ struct broker__follower {
  * one commit, and a fan-out or a steady rate brings many at once. */
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 3
+/* The longest a request may be expected to wait in kscore's own queues
+ * (the intake and the claims) before it is refused as busy (admit.c; ms).
+ * From measurements (perf/BASELINE.md "Overload"): under twice the
+ * capacity, what is accepted then still ends within 1 s. */
+#define BROKER_QUEUE_MAX_MS 500
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
@@ -183,6 +188,8 @@ struct broker {
     int64_t bad_reply_logged_us; /* rate limit of that log line */
 
     struct broker__batches *batches; /* batch.c */
+    struct broker__admit *admit;     /* admit.c: in flight, the intake */
+    natsSubscription *sub_execute;   /* kscore.api.v1.execute: the intake */
     natsSubscription *sub_batch;
     struct store *st_batch;
 
@@ -433,6 +440,55 @@ struct broker__cancel_outcome {
 int broker__cancel_command(struct broker *b, struct store *st,
                            const char *command_id, const char *operator_name,
                            struct broker__cancel_outcome *out);
+
+/* ---- admission and the exec intake (admit.c) ---- */
+/*
+ * Starts the exec workers (one per b->executors[i], with its store
+ * connection), which take requests from the intake in arrival order and
+ * run handler(NULL, NULL, msg, &b->executors[i]) on each (it destroys the
+ * message). 0, -ENOMEM or KS_EINTERNAL (then call broker__admit_stop).
+ */
+int broker__admit_start(struct broker *b, natsMsgHandler handler);
+/* Serves what the intake still holds and joins the workers (call after
+ * the execute subscription is drained); the figures stay until
+ * broker__admit_free, when no other thread uses them. Both accept a
+ * broker whose admission never started. */
+void broker__admit_stop(struct broker *b);
+void broker__admit_free(struct broker *b);
+/* The execute subscription's callback (ud: the broker): refuses at once
+ * (KS_EBUSY) a request that cannot start in time, else queues it for the
+ * workers. */
+void broker__intake_push(natsConnection *nc, natsSubscription *sub,
+                         natsMsg *msg, void *ud);
+/* 0 when a command for agent_id with delivery deadline deliver_ms (0: the
+ * default) can start in time, else KS_EBUSY with why (len bytes) naming
+ * the limit and the figures (admit.c's rule). Any thread. */
+int broker__admit_check(struct broker *b, const char *agent_id,
+                        uint64_t deliver_ms, char *why, size_t len);
+/* Batch pacing: true when the queue named key (broker__agent_queue, with
+ * its slots) takes one more command now
+ * (less than two rounds of its slots in flight, its wait within half of
+ * deliver_ms, kscore's own queues within BROKER_QUEUE_MAX_MS). */
+bool broker__admit_room(struct broker *b, const char *key, unsigned slots,
+                        uint64_t deliver_ms);
+/* command_id was dispatched here to agent_id (its first deadline
+ * not_after_us, epoch; its spec's timeout, 0: none): in flight until its
+ * end is noted (broker__admit_ended) or long past both. */
+void broker__admit_dispatched(struct broker *b, const char *command_id,
+                              const char *agent_id, int64_t not_after_us,
+                              uint64_t timeout_ms);
+/* A claim was answered (handler_us: the time its handler took); granted:
+ * command_id started (its slot's hold is timed from now). */
+void broker__admit_claim_done(struct broker *b, const char *command_id,
+                              bool granted, int64_t handler_us);
+/* command_id ended (here or noticed from another broker). */
+void broker__admit_ended(struct broker *b, const char *command_id);
+/* The queue agent_id's commands wait in (registry.c): "pool:<pool>",
+ * "proc:<instance>" (its process's ids share its slots) or "id:<id>",
+ * into key (len bytes), and its slots (AgentInfo.max_concurrent; 0 when
+ * unknown). Takes b->mu. */
+void broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                         size_t len, unsigned *slots);
 
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);

@@ -74,7 +74,7 @@ int
 perf__proc_sample(pid_t pid, struct perf_proc *out)
 {
     char path[64], buf[1024], *p;
-    unsigned long long ut = 0, stime = 0;
+    unsigned long long ut = 0, stime = 0, cut = 0, cst = 0;
     long tck = sysconf(_SC_CLK_TCK);
     int64_t rss = -1;
     FILE *f;
@@ -86,11 +86,12 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
     n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
-    /* Fields after "(comm)": state is 3, utime 14 and stime 15 (proc(5)). */
+    /* Fields after "(comm)": state is 3, utime 14 and stime 15, cutime 16
+     * and cstime 17: the reaped children's (proc(5)). */
     p = strrchr(buf, ')');
     if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u "
-                            "%llu %llu",
-                     &ut, &stime) != 2)
+                            "%llu %llu %llu %llu",
+                     &ut, &stime, &cut, &cst) != 4)
         return KS_EDECODE;
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     if (!(f = fopen(path, "re")))
@@ -102,8 +103,48 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
         }
     fclose(f);
     out->cpu_us = (int64_t)((ut + stime) * 1000000ULL / (unsigned long long)tck);
+    out->children_us =
+        (int64_t)((cut + cst) * 1000000ULL / (unsigned long long)tck);
     out->rss_kb = rss;
     return 0;
+}
+
+int64_t
+perf__cpu_us_of(pid_t pid, bool children)
+{
+    struct perf_proc pp;
+    int64_t sum;
+    DIR *d;
+    struct dirent *e;
+
+    if (pid <= 0 || perf__proc_sample(pid, &pp) != 0)
+        return -1;
+    sum = pp.cpu_us;
+    if (!children || !(d = opendir("/proc")))
+        return sum;
+    /* The children that are gone were reaped by pid: their time is in its
+     * cutime/cstime; those alive are read one by one. */
+    sum += pp.children_us;
+    while ((e = readdir(d))) {
+        char path[300], buf[512], *p;
+        long ppid = 0;
+        FILE *f;
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+        if (!(f = fopen(path, "re")))
+            continue;
+        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        /* Field 4 (ppid) after "(comm) state" (proc(5)). */
+        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
+            ppid == pid &&
+            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
+            sum += pp.cpu_us;
+    }
+    closedir(d);
+    return sum;
 }
 
 int
@@ -154,7 +195,6 @@ int
 perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
 {
     const char *tmp = getenv("TMPDIR");
-    pid_t pid;
     int rc;
 
     memset(st, 0, sizeof(*st));
@@ -186,7 +226,7 @@ perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
         if (!(st->nats_url = strdup(o->nats_url)))
             return -ENOMEM;
     } else {
-        rc = stack_nats_start(st->dir, 0, NULL, &st->nats_url, &pid);
+        rc = stack_nats_start(st->dir, 0, NULL, &st->nats_url, &st->nats_pid);
         if (rc) {
             fprintf(stderr, "kscore perf: nats-server: %s (see %s/nats.log)\n",
                     ks_strerror(rc), st->dir);
@@ -200,7 +240,7 @@ perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
     } else {
         /* The SLOs are about a durable system: never fsync=off here. */
         unsetenv("KSCORE_PG_FAST");
-        rc = stack_pg_start(st->dir, 0, &st->conninfo, &pid);
+        rc = stack_pg_start(st->dir, 0, &st->conninfo, &st->pg_pid);
         if (rc) {
             fprintf(stderr, "kscore perf: PostgreSQL: %s (see %s/pg.log)\n",
                     ks_strerror(rc), st->dir);

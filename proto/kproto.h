@@ -41,7 +41,8 @@
     X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
     X(DUPINSTANCE, -1017, "another agent process serves this id")            \
     X(PGREFUSED, -1018, "PostgreSQL refuses writes")                           \
-    X(INDOUBT, -1019, "outcome unknown")
+    X(INDOUBT, -1019, "outcome unknown")                                       \
+    X(BUSY, -1020, "busy: cannot start in time, try again later")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),
@@ -236,6 +237,7 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    KS_C_REFUSED_BUSY,       /* kscore_refused_busy_total: KS_EBUSY */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

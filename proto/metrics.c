@@ -67,6 +67,12 @@ static const struct {
                                   "was away; the events wait, unacked, and "
                                   "are retried.",
                                   B},
+    [KS_C_REFUSED_BUSY] = {"kscore_refused_busy_total",
+                           "Commands refused at once because they could "
+                           "not start within their delivery deadline (or "
+                           "kscore's own queues were over their limit): "
+                           "nothing recorded, the client may retry.",
+                           B},
 };
 
 static const struct {
