@@ -102,6 +102,7 @@ struct broker__admit {
     struct admit_cmd *head, *tail;
     size_t n;
     double exec_us, claim_us; /* mean handler times, 0: none yet */
+    int64_t claim_done_mono_us; /* the last claim answered */
     /* The intake: requests in arrival order, served by the exec workers
      * (b->executors) with `handler`. */
     pthread_cond_t cond;
@@ -263,6 +264,7 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
         return;
     pthread_mutex_lock(&a->mu);
     a->claim_us = ewma(a->claim_us, (double)handler_us);
+    a->claim_done_mono_us = ks_mono_us();
     struct admit_cmd *c =
         granted && command_id ? ks_map_get(&a->cmds, command_id) : NULL;
     if (c && !c->claimed_mono_us)
@@ -305,13 +307,23 @@ claims_pending(struct broker *b)
     return sum;
 }
 
-/* kscore's own queues: the intake and the claims (us). Under mu. */
+/* kscore's own queues: the intake and the claims (us). Under mu. A
+ * stalled stage (PostgreSQL blocked, say) finishes nothing, so its mean
+ * time says nothing new: the intake's oldest request has waited at least
+ * its age, and claims pending beyond one per worker at least the time
+ * since one was last answered. */
 static int64_t
-own_wait_us(struct broker__admit *a, size_t ilen, int64_t claims)
+own_wait_us(struct broker__admit *a, size_t ilen, int64_t claims,
+            int64_t now)
 {
-    double w = (double)ilen * a->exec_us / BROKER_EXEC_WORKERS +
-               (double)claims * a->claim_us / BROKER_CLAIM_WORKERS;
-    return (int64_t)w;
+    double in = (double)ilen * a->exec_us / BROKER_EXEC_WORKERS;
+    double cl = (double)claims * a->claim_us / BROKER_CLAIM_WORKERS;
+    if (a->ihead && (double)(now - a->ihead->in_mono_us) > in)
+        in = (double)(now - a->ihead->in_mono_us);
+    if (claims > BROKER_CLAIM_WORKERS && a->claim_done_mono_us &&
+        (double)(now - a->claim_done_mono_us) > cl)
+        cl = (double)(now - a->claim_done_mono_us);
+    return (int64_t)(in + cl);
 }
 
 /* The wait for one of q's slots (us). Under mu. */
@@ -343,7 +355,7 @@ broker__admit_check(struct broker *b, const char *agent_id,
     struct admit_q *q = queue_of(b, agent_id);
     expire(a, now);
     size_t ilen = a->ilen;
-    int64_t own = own_wait_us(a, ilen, claims);
+    int64_t own = own_wait_us(a, ilen, claims, now);
     int64_t agent = q ? agent_wait_us(q) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
@@ -388,12 +400,12 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
         (int64_t)(deliver_ms ? deliver_ms : BROKER_DELIVER_WITHIN_DEFAULT_MS) *
         1000;
     int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
-    int64_t claims = claims_pending(b);
+    int64_t claims = claims_pending(b), now = ks_mono_us();
     pthread_mutex_lock(&a->mu);
     struct admit_q *q = queue_get(a, key, slots);
     bool room = true;
     if (q) {
-        int64_t own = own_wait_us(a, a->ilen, claims);
+        int64_t own = own_wait_us(a, a->ilen, claims, now);
         /* Two rounds of slots at most: the agent never waits for the
          * next one, and no target waits long. Before any end was seen
          * (hold unknown) one round. */
