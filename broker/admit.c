@@ -65,6 +65,8 @@
 #define ADMIT_EXPIRE_SLACK_US INT64_C(60000000)
 /* Without a command timeout, an entry is forgotten after this (us). */
 #define ADMIT_EXPIRE_MAX_US (INT64_C(24) * 3600 * 1000000)
+/* Requests the intake holds at most, whatever the rule says. */
+#define ADMIT_INTAKE_MAX 65536
 /* Queues kept before idle ones are forgotten, and how many at a time. */
 #define ADMIT_QUEUES_MAX 65536
 #define ADMIT_IDLE_SWEEP 1024
@@ -516,6 +518,23 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         r.error_code = KS_EBUSY;
         r.error = why;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        natsMsg_Destroy(msg);
+        return;
+    }
+    /* A hard bound beside the rule: requests the rule lets through
+     * unseen (an idempotency key that may name a command) cannot pile up
+     * without end either. */
+    pthread_mutex_lock(&a->mu);
+    size_t ilen = a->ilen;
+    pthread_mutex_unlock(&a->mu);
+    if (ilen >= ADMIT_INTAKE_MAX) {
+        snprintf(why, sizeof(why),
+                 "the broker is busy: %zu requests wait to be recorded, its "
+                 "most; nothing was recorded, try again later",
+                 ilen);
+        broker__reply_error(b, msg, &ks__execute_reply__descriptor,
+                            KS_EBUSY, why);
+        ks_metric_inc(KS_C_REFUSED_BUSY);
         natsMsg_Destroy(msg);
         return;
     }

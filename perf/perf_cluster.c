@@ -335,6 +335,21 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     json_object_set_new(o, "agent_processes", json_integer(pools));
     json_object_set_new(o, "succeeded", json_integer(ok));
     json_object_set_new(o, "not_succeeded", json_integer((long)n - ok));
+    /* The targets' terminal states by kind (BatchCounts: each end once). */
+    if (rep->counts) {
+        const Ks__BatchCounts *k = rep->counts;
+        json_object_set_new(o, "ended_failed", json_integer(k->failed));
+        json_object_set_new(o, "ended_cancelled", json_integer(k->cancelled));
+        json_object_set_new(o, "ended_timed_out", json_integer(k->timed_out));
+        json_object_set_new(o, "ended_killed", json_integer(k->killed));
+        json_object_set_new(o, "ended_no_response",
+                            json_integer(k->no_response));
+        json_object_set_new(o, "ended_lost", json_integer(k->lost));
+        json_object_set_new(o, "ended_not_started",
+                            json_integer(k->not_started));
+        json_object_set_new(o, "not_ended",
+                            json_integer(k->pending + k->running));
+    }
     json_object_set_new(o, "online_s", json_real((double)online_us / 1e6));
     json_object_set_new(o, "recorded_targets", json_integer(targets));
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
