@@ -393,7 +393,7 @@ broker__admit_check(struct broker *b, const char *agent_id,
 
 bool
 broker__admit_room(struct broker *b, const char *key, unsigned slots,
-                   uint64_t deliver_ms)
+                   uint64_t deliver_ms, uint64_t timeout_ms)
 {
     struct broker__admit *a = b->admit;
     if (!a)
@@ -410,8 +410,12 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
         int64_t own = own_wait_us(a, a->ilen, claims, now);
         /* Two rounds of slots at most: the agent never waits for the
          * next one, and no target waits long. Before any end was seen
-         * (hold unknown) one round. */
-        unsigned cap = q->hold_us > 0 ? 2 * q->slots : q->slots;
+         * (the hold unknown) one round, unless the command's timeout
+         * bounds the hold within half the deadline. */
+        bool bounded = q->hold_us > 0 ||
+                       (timeout_ms &&
+                        (int64_t)timeout_ms * 1000 <= deadline_us / 2);
+        unsigned cap = bounded ? 2 * q->slots : q->slots;
         room = q->inflight < cap && own <= own_max_us &&
                own + agent_wait_us(q) <= deadline_us / 2;
     }

@@ -648,7 +648,8 @@ plan_batch(struct plan *p, struct batch *bt)
             continue;
         }
         if (p->b && !broker__admit_room(p->b, key, slots,
-                                        bt->req->deliver_within_ms)) {
+                                        bt->req->deliver_within_ms,
+                                        bt->req->spec->timeout_ms)) {
             if (ks_map_put(&full, key, bt) != 0)
                 rc = -ENOMEM;
             continue;

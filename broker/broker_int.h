@@ -466,11 +466,12 @@ void broker__intake_push(natsConnection *nc, natsSubscription *sub,
 int broker__admit_check(struct broker *b, const char *agent_id,
                         uint64_t deliver_ms, char *why, size_t len);
 /* Batch pacing: true when the queue named key (broker__agent_queue, with
- * its slots) takes one more command now
- * (less than two rounds of its slots in flight, its wait within half of
- * deliver_ms, kscore's own queues within BROKER_QUEUE_MAX_MS). */
+ * its slots) takes one more command now (less than two rounds of its
+ * slots in flight, one while its hold is unknown and the command's
+ * timeout_ms (0: none) does not bound it; its wait within half of
+ * deliver_ms; kscore's own queues within BROKER_QUEUE_MAX_MS). */
 bool broker__admit_room(struct broker *b, const char *key, unsigned slots,
-                        uint64_t deliver_ms);
+                        uint64_t deliver_ms, uint64_t timeout_ms);
 /* command_id was dispatched here to agent_id (its first deadline
  * not_after_us, epoch; its spec's timeout, 0: none): in flight until its
  * end is noted (broker__admit_ended) or long past both. */

@@ -48,6 +48,8 @@
 #define CAP_TRIAL_S 15
 #define CAP_CONFIRM_S 60
 #define CAP_MAX_TRIALS 12
+/* Confirmations tried, each 15% below the last that did not hold. */
+#define CAP_CONFIRM_TRIES 6
 
 enum rq_state { RQ_UNSENT, RQ_SENT, RQ_ACCEPTED, RQ_DONE };
 
@@ -757,8 +759,8 @@ trial(struct perf_ctx *ctx, double rate, int dur_s, json_t *trials,
  * refused or lost) for CAP_CONFIRM_S. Search trials of CAP_TRIAL_S: double
  * from the start rate while it holds (halve while it does not), then
  * bisect (geometric mean) until the bounds are within 15%; then the best
- * rate is confirmed over CAP_CONFIRM_S, 10% lower each time it does not
- * hold (at most 3 times).
+ * rate is confirmed over CAP_CONFIRM_S, 15% lower each time it does not
+ * hold (at most CAP_CONFIRM_TRIES times; 0 when none held).
  */
 int
 perf__capacity_round(struct perf_ctx *ctx, int round, json_t **out)
@@ -796,7 +798,8 @@ perf__capacity_round(struct perf_ctx *ctx, int round, json_t **out)
             break;
     }
     /* Confirm over the full length. */
-    for (int k = 0; lo >= 1 && k < 3 && !perf__interrupted; k++) {
+    for (int k = 0; lo >= 1 && k < CAP_CONFIRM_TRIES && !perf__interrupted;
+         k++) {
         if ((rc = trial(ctx, lo, confirm_s, trials, &o)))
             goto out;
         if (held(o)) {
@@ -806,7 +809,7 @@ perf__capacity_round(struct perf_ctx *ctx, int round, json_t **out)
         }
         json_decref(o);
         o = NULL;
-        lo *= 0.9;
+        lo *= 0.85;
     }
     if (perf__interrupted) {
         rc = -EINTR;
