@@ -83,9 +83,10 @@ struct broker__follower {
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 3
 /* The longest a request may be expected to wait in kscore's own queues
- * (the intake and the claims) before it is refused as busy (admit.c; ms).
- * From measurements (perf/BASELINE.md "Overload"): under twice the
- * capacity, what is accepted then still ends within 1 s. */
+ * (the intake and the claims), and to start at all when it gave no
+ * delivery deadline, before it is refused as busy (admit.c; ms). From
+ * measurements (perf/BASELINE.md "Overload"): under twice the capacity,
+ * what is accepted then still ends within 1 s. */
 #define BROKER_QUEUE_MAX_MS 500
 
 /* One API subscription: the handler behind the boundary guard (broker.c
@@ -460,9 +461,9 @@ void broker__admit_free(struct broker *b);
  * workers. */
 void broker__intake_push(natsConnection *nc, natsSubscription *sub,
                          natsMsg *msg, void *ud);
-/* 0 when a command for agent_id with delivery deadline deliver_ms (0: the
- * default) can start in time, else KS_EBUSY with why (len bytes) naming
- * the limit and the figures (admit.c's rule). Any thread. */
+/* 0 when a command for agent_id with delivery deadline deliver_ms (0:
+ * none given) can start in time, else KS_EBUSY with why (len bytes)
+ * naming the limit and the figures (admit.c's rule). Any thread. */
 int broker__admit_check(struct broker *b, const char *agent_id,
                         uint64_t deliver_ms, char *why, size_t len);
 /* Batch pacing: true when the queue named key (broker__agent_queue, with

@@ -174,17 +174,6 @@ online_count(struct evt_conn *c)
     return n;
 }
 
-static long
-sql_long(PGconn *pg, const char *sql)
-{
-    PGresult *r = PQexec(pg, sql);
-    long v = -1;
-    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
-        v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
-    PQclear(r);
-    return v;
-}
-
 /* The record's view of the batch: targets, targets without exactly one
  * terminal event, targets started more than once. */
 static void
@@ -205,23 +194,23 @@ record_check(const char *db, const char *batch, long *targets, long *not_one,
     }
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets WHERE batch_id = '%s'", batch);
-    *targets = sql_long(pg, sql);
+    *targets = perf__sql_long(pg, sql);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
              "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
              "'command-' || t.command_id AND e.type IN %s) <> 1",
              batch, term);
-    *not_one = sql_long(pg, sql);
+    *not_one = perf__sql_long(pg, sql);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
              "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
              "'command-' || t.command_id AND e.type = 'CommandStarted') > 1",
              batch);
-    *twice = sql_long(pg, sql);
+    *twice = perf__sql_long(pg, sql);
     /* What the record costs on disk, for deploy/SCALING.md: the events
      * table with its indexes and TOAST. */
-    *events = sql_long(pg, "SELECT count(*) FROM events");
-    *events_bytes = sql_long(pg, "SELECT pg_total_relation_size('events')");
+    *events = perf__sql_long(pg, "SELECT count(*) FROM events");
+    *events_bytes = perf__sql_long(pg, "SELECT pg_total_relation_size('events')");
     PQfinish(pg);
 }
 

@@ -100,6 +100,9 @@ int perf__proc_sample(pid_t pid, struct perf_proc *out);
  * is and those it reaped (PostgreSQL's backends under the postmaster).
  * -1 when pid is 0 or gone. */
 int64_t perf__cpu_us_of(pid_t pid, bool children);
+/* The one number a query returns (one row, one column), or -1. */
+typedef struct pg_conn PGconn;
+long perf__sql_long(PGconn *pg, const char *sql);
 /* Removes dir and everything under it (nftw, depth first, no symlinks
  * followed); errors are ignored. */
 void perf__rm_tree(const char *dir);

@@ -284,17 +284,6 @@ parts_json(json_t *o, const struct parts_cpu *a, const struct parts_cpu *b,
 
 /* ---- the record -------------------------------------------------------- */
 
-static long
-sql_long(PGconn *pg, const char *sql)
-{
-    PGresult *r = PQexec(pg, sql);
-    long v = -1;
-    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
-        v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
-    PQclear(r);
-    return v;
-}
-
 /* Commands of the run recorded, with no terminal event, and with another
  * count of them than one; -1 each when the record cannot be read. */
 static void
@@ -317,7 +306,7 @@ record_check(const struct perf_stack *st, const char *run, long *recorded,
              "SELECT count(*) FROM commands WHERE idempotency_key LIKE "
              "'perf-%s-%%'",
              run);
-    *recorded = sql_long(pg, sql);
+    *recorded = perf__sql_long(pg, sql);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FILTER (WHERE n = 0), count(*) FILTER (WHERE "
              "n <> 1) FROM (SELECT (SELECT count(*) FROM events e WHERE "

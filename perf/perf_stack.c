@@ -162,6 +162,17 @@ perf__connect(const struct perf_stack *st, const char *name,
     return rc;
 }
 
+long
+perf__sql_long(PGconn *pg, const char *sql)
+{
+    PGresult *r = PQexec(pg, sql);
+    long v = -1;
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
+    PQclear(r);
+    return v;
+}
+
 /* The durability the numbers were measured with, for the report. */
 static int
 pg_settings(struct perf_stack *st)
