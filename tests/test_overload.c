@@ -115,12 +115,14 @@ all_ended_once(PGconn *pg, const char *agent_id, int timeout_s)
     ck_assert_int_eq(sql_long(pg, sql), 0);
 }
 
-/* `kscore exec --detach` of `sleep N` on agent: its command id. */
+/* `kscore exec --detach` of `sleep N` on agent, willing to wait 10 min
+ * for a slot: its command id. */
 static void
 detach_sleep(const char *agent, const char *secs, char id[37])
 {
-    const char *args[] = {"exec", "--agent", agent, "--detach", "--",
-                          "sleep", secs, NULL};
+    const char *args[] = {"exec",  "--agent", agent, "--detach",
+                          "--deliver-within", "10m", "--", "sleep", secs,
+                          NULL};
     struct fixture_out o;
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_msg(o.status == 0, "exec --detach: %d %s", o.status, o.err);
@@ -131,12 +133,14 @@ detach_sleep(const char *agent, const char *secs, char id[37])
 
 /*
  * An agent whose one slot is taken, with two more commands waiting behind
- * it, each holding the slot about 2 s: a command that must start within
- * 2 s cannot, so it is refused at once (exit 75), naming the agent and the
- * deadline, and nothing is recorded, also with an idempotency key (the
- * key is looked up first: it names nothing). Once the slot is free again
- * the same command runs. Before admission it was accepted and ended
- * Undeliverable (exit 125) after its deadline.
+ * it (they were willing to wait), each holding the slot about 2 s: a
+ * command that must start within 2 s cannot, so it is refused at once
+ * (exit 75), naming the agent and the deadline, and nothing is recorded,
+ * also with an idempotency key (the key is looked up first: it names
+ * nothing); one that gave no deadline is given 500 ms and refused the
+ * same way. Once the slot is free again the same command runs. Before
+ * admission it was accepted and ended Undeliverable (exit 125) after its
+ * deadline.
  */
 START_TEST(exec_refused_when_it_cannot_start_in_time)
 {
@@ -168,6 +172,13 @@ START_TEST(exec_refused_when_it_cannot_start_in_time)
     ck_assert_msg(strstr(o.err, "agent ov1 is busy") &&
                       strstr(o.err, "delivery deadline"),
                   "%s", o.err);
+    fixture_out_release(&o);
+    const char *no_deadline[] = {"exec", "--agent", "ov1", "--", "true",
+                                 NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, no_deadline, &o), 0);
+    ck_assert_msg(o.status == 75, "exit %d (want 75, busy): %s", o.status,
+                  o.err);
+    ck_assert_msg(strstr(o.err, "without --deliver-within"), "%s", o.err);
     fixture_out_release(&o);
     const char *busy_key[] = {"exec",  "--agent", "ov1", "--deliver-within",
                               "2s",    "--idempotency-key", "ov-key-1",
