@@ -380,7 +380,7 @@ broker__admit_check(struct broker *b, const char *agent_id,
         snprintf(why, len,
                  "agent %s is busy: %u commands in flight on its %u slots, "
                  "each held about %.0f ms: this one could start in about "
-                 "%.1f s, %s %.1f s; nothing was recorded, try again later "
+                 "%.2f s, %s %.2f s; nothing was recorded, try again later "
                  "(or give a longer --deliver-within)",
                  agent_id, q->inflight, q->slots, q->hold_us / 1000.0,
                  (double)(own + agent) / 1e6,

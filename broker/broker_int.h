@@ -85,9 +85,11 @@ struct broker__follower {
 /* The longest a request may be expected to wait in kscore's own queues
  * (the intake and the claims), and to start at all when it gave no
  * delivery deadline, before it is refused as busy (admit.c; ms). From
- * measurements (perf/BASELINE.md "Overload"): under twice the capacity,
- * what is accepted then still ends within 1 s. */
-#define BROKER_QUEUE_MAX_MS 500
+ * measurements (perf/BASELINE.md "Overload", an A/B of 250 against 500 at
+ * 300 commands/s on this 2-core machine): with 500 the accepted p99 was
+ * 0.8-1.5 s, with 250 0.65-0.78 s, what is accepted still ends within
+ * 1 s. */
+#define BROKER_QUEUE_MAX_MS 250
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the

@@ -30,7 +30,7 @@ static const char exec_usage[] =
     "  --cwd DIR           working directory (default /)\n"
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
     "                      (default 30s); refused at once (exit 75) when it\n"
-    "                      cannot start in D (without it: in 500 ms)\n"
+    "                      cannot start in D (without it: in 250 ms)\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
     "                      (safe to repeat after exit 69)\n"

@@ -137,7 +137,7 @@ detach_sleep(const char *agent, const char *secs, char id[37])
  * command that must start within 2 s cannot, so it is refused at once
  * (exit 75), naming the agent and the deadline, and nothing is recorded,
  * also with an idempotency key (the key is looked up first: it names
- * nothing); one that gave no deadline is given 500 ms and refused the
+ * nothing); one that gave no deadline is given 250 ms and refused the
  * same way. Once the slot is free again the same command runs. Before
  * admission it was accepted and ended Undeliverable (exit 125) after its
  * deadline.
@@ -302,7 +302,7 @@ START_TEST(broker_refuses_while_its_queue_stalls)
         free(buf);
     }
     natsConnection_Flush(c->nc);
-    /* Longer than the broker's limit (BROKER_QUEUE_MAX_MS, 500 ms): the
+    /* Longer than the broker's limit (BROKER_QUEUE_MAX_MS, 250 ms): the
      * oldest queued request has waited at least this long. */
     sleep_ms(2000);
     const char *args[] = {"exec", "--agent", "ov2", "--", "true", NULL};
