@@ -989,7 +989,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         }
         int failed = evt_publish_commands(b->nc, b->signer, p.publish,
                                           pools && pool_of ? pool_of : NULL,
-                                          p.npub, 5000);
+                                          p.npub, EVT_PUBLISH_RETRY_MS);
         free(pool_of);
         free(pools);
         if (ks_trace_on())

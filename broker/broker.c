@@ -79,8 +79,9 @@ static void
 publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
+    /* Tried again while KSCORE_CMDS elects a leader (events.h). */
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
-                                 5000);
+                                 EVT_PUBLISH_RETRY_MS);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -418,11 +419,14 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * come before the append returns. */
     broker__admit_dispatched(b, command_id, cmd.agent_id, cmd.not_after_us,
                              req->spec->timeout_ms);
-    if (overlap)
-        rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
-                                  publish_between, &dp);
-    else
-        rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version = STORE_NO_STREAM,
+                             .events = evs,
+                             .n = 2,
+                             .between = overlap ? publish_between : NULL,
+                             .ud = &dp};
+    struct store_write_result wres;
+    rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc)
         broker__admit_ended(b, command_id);
@@ -443,10 +447,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
     if (rc) {
-        /* Read first: the next call on st forgets it. */
-        bool doubt = store_in_doubt(st);
+        bool doubt = wres.in_doubt;
         bool sick = store_db_sick(rc) || rc == KS_EPG;
-        broker__store_error(st, rc, why, sizeof(why));
+        broker__write_error(&wres, rc, why, sizeof(why));
         if (w) {
             pthread_mutex_lock(&b->mu);
             ks_map_del(&b->waiters, command_id);
@@ -502,7 +505,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
-        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool, 5000);
+        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
+                                 EVT_PUBLISH_RETRY_MS);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;
@@ -535,6 +539,37 @@ out:
 }
 
 /* ---- claim -------------------------------------------------------------- */
+
+/*
+ * A claim whose event is recorded already (KS_EDUPLICATE) is granted
+ * again only while its command is still in the state that claim put it
+ * in: Running for CommandStarted (StartFailed for a start failure, which
+ * changes nothing). 1 when it is, 0 with why (the status it ended in)
+ * when not, or the store's error.
+ */
+static int
+claim_repeat_open(struct store *st, const Ks__ClaimRequest *req, char *why,
+                  size_t len)
+{
+    Ks__CommandView *v = NULL;
+    Ks__CommandStatus want = req->start_failure
+                                 ? KS__COMMAND_STATUS__START_FAILED
+                                 : KS__COMMAND_STATUS__RUNNING;
+    int open, rc;
+
+    /* Cannot tell: the agent is answered with the store's error and
+     * claims again. */
+    if ((rc = store_get_command(st, req->command_id, &v)) != 0)
+        return rc == KS_ENOTFOUND ? KS_EINTERNAL : rc;
+    open = v->status == want;
+    if (!open)
+        snprintf(why, len,
+                 "already claimed: this claim won, but the command has "
+                 "ended since (%s)",
+                 kproto_status_name(v->status));
+    ks__command_view__free_unpacked(v, NULL);
+    return open;
+}
 
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
@@ -628,12 +663,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     } else {
         ev.type = "CommandStarted";
+        /* Which process claims, and from which of its heartbeats on it
+         * lists the command: what the scanner ends a Running command by
+         * once that process's heartbeats no longer list it. */
+        ev.instance_id = req->instance_id;
+        ev.listed_from_seq = req->listed_from_seq;
     }
     struct store_event se = {&ev};
-    /* Fast path: nothing happened since this attempt was dispatched. */
+    /* Fast path: nothing happened since this attempt was dispatched. The
+     * claim's reply goes out only after the commit that holds it (the
+     * writer returns once its transaction's end is known). */
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version =
+                                 (int64_t)req->expected_version,
+                             .events = &se,
+                             .n = 1,
+                             .claim_agent = req->agent_id};
+    struct store_write_result wres;
     int64_t claimed_at = 0;
-    rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
-                            req->agent_id, &se, &claimed_at);
+    rc = store_writer_append(b->writer, &wr, &wres);
+    claimed_at = wres.version;
     ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -651,11 +700,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             rc = KS_EDENIED; /* not this agent's: no trace on its stream */
         if (!mine || !open)
             break;
-        rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
-                                &claimed_at);
+        wr.expected_version = at;
+        rc = store_writer_append(b->writer, &wr, &wres);
+        claimed_at = wres.version;
     }
-    if (rc == 0 || rc == KS_EDUPLICATE) {
-        /* A duplicate is this same claim retried: still ours. */
+    int open = rc == KS_EDUPLICATE
+                   ? claim_repeat_open(cl->st, req, why, sizeof(why))
+                   : 1;
+    if (open < 0) {
+        r.error_code = open;
+        r.error = (char *)broker__store_error(cl->st, open, why, sizeof(why));
+    } else if (!open) {
+        /* The claim that won, asked again after the command ended (the
+         * broker ended it: its claimer's heartbeats stopped listing it):
+         * too late to run it. */
+        r.error_code = KS_ECLAIMED;
+        r.error = why;
+    } else if (rc == 0 || rc == KS_EDUPLICATE) {
+        /* A duplicate is this same claim retried (its reply was lost, or
+         * its claimer restarted and claims again with the journalled
+         * claim id): still ours while the command runs. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
             broker__command_ended(b, req->command_id, req->start_failure);
@@ -664,6 +728,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                 req->attempt, claimed_at);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
+        char identity[16 + EVT_AGENT_ID_MAX];
         ks_metric_inc(KS_C_CLAIM_CONFLICTS);
         broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
                            req->command_id);
@@ -672,7 +737,19 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         d.reason = "claim lost: the command was already claimed, "
                    "re-dispatched or ended";
         struct store_event de = {&d};
-        store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
+        /* An annotation the agent causes at will (a claim of its own
+         * ended command, again and again): within its share only
+         * (budget.c). */
+        broker__report_identity(b, req->agent_id, identity,
+                                sizeof(identity));
+        if (broker__budget_take(b, identity, ks__event__get_packed_size(&d),
+                                BROKER_ANNOTATION_REPORT)) {
+            struct store_write dw = {.stream_id = stream,
+                                     .expected_version = STORE_ANY,
+                                     .events = &de,
+                                     .n = 1};
+            store_writer_append(b->writer, &dw, NULL);
+        }
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else if (rc == KS_EDENIED) {
@@ -681,7 +758,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     } else {
         /* The agent hands the message back and claims again later. */
         r.error_code = rc;
-        r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
+        r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -1285,11 +1362,51 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
 /* ---- start / stop ------------------------------------------------------- */
 
+/*
+ * The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while nats.c
+ * said CONNECTED (evt_link_watch, its thread): a broker that can neither
+ * hear requests and events nor publish must not keep holding work (the
+ * batches it drives, the waiters of its clients). It stops, as on
+ * SIGTERM, and broker_run returns KS_EUNAVAIL: `kscore broker` exits
+ * non-zero and its supervisor starts it again (systemd: Restart=
+ * on-failure); meanwhile another broker adopts its batches and clients
+ * ask again (README "When an agent fails").
+ */
+static void
+link_dead(void *ud, int64_t silent_us)
+{
+    struct broker *b = ud;
+
+    ks_log(KS_LOG_ERROR,
+           "the NATS link answers nothing though nats.c says it is "
+           "connected: the broker stops, to be started again",
+           KS_D("silent_s", (double)silent_us / 1e6),
+           KS_I("link_timeout_ms", BROKER_LINK_TIMEOUT_MS));
+    atomic_store(&b->link_dead, true);
+    kill(getpid(), SIGTERM); /* to broker_run's sigwait */
+}
+
 static int
 open_store(struct broker *b, struct store **out, char **errmsg)
 {
     char *why = NULL;
     int rc = store_open(b->opts->db_conninfo, out, &why);
+    if (rc && errmsg &&
+        asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
+                 b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    free(why);
+    return rc;
+}
+
+/* The group writer (store.h): the appends of every handler and of the
+ * recorder, in shared transactions. */
+static int
+open_writer(struct broker *b, char **errmsg)
+{
+    char *why = NULL;
+    int rc = store_writer_open(b->opts->db_conninfo, BROKER_WRITER_CONNS,
+                               &b->writer, &why);
     if (rc && errmsg &&
         asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
                  b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
@@ -1403,16 +1520,23 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
-                                 &b->claimers[2].sub, &b->claimers[3].sub,
-                                 &b->sub_execute,
-                                 &b->sub_misc,   &b->sub_events,
-                                 &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice,
-                                 &b->sub_upload, &b->sub_fetch};
-    const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 16];
+    size_t nsubs = 0;
+
+    /* Every worker's subscription: each handler uses the writer and the
+     * store connections closed below. */
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
+        subs[nsubs++] = &b->claimers[i].sub;
+    {
+        natsSubscription **rest[] = {
+            &b->sub_execute,  &b->sub_misc,   &b->sub_events,
+            &b->sub_cancel,   &b->sub_agents, &b->sub_follow,
+            &b->sub_batch,    &b->sub_advisory, &b->sub_list,
+            &b->sub_logs,     &b->sub_notice, &b->sub_upload,
+            &b->sub_fetch};
+        for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
+            subs[nsubs++] = rest[i];
+    }
 
     b->stopping = 1;
     agent_stop(b->local);
@@ -1435,6 +1559,10 @@ broker_teardown(struct broker *b)
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
+    /* Its last users (the handlers, the recorder) are gone: what it holds
+     * is written, and each caller had its answer. */
+    store_writer_close(b->writer);
+    b->writer = NULL;
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_setup);
@@ -1458,6 +1586,7 @@ broker_teardown(struct broker *b)
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
     broker__remote_live_free(b);
+    broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_mutex_destroy(&b->blob_mu);
@@ -1502,6 +1631,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
+    if ((rc = broker__budget_init(&b)))
+        goto out;
 
     if (!opts->signing_key || !opts->signing_key[0]) {
         rc = KS_EINVAL;
@@ -1534,6 +1665,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = open_store(&b, &b.st_setup, errmsg)))
         goto out;
     if ((rc = store_migrate(b.st_setup, errmsg)))
+        goto out;
+    if ((rc = open_writer(&b, errmsg)))
         goto out;
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
         b.executors[i].b = &b;
@@ -1674,12 +1807,46 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = broker__scanner_start(&b)))
         goto out;
 
+    if ((rc = evt_link_watch_start(b.nc, BROKER_LINK_TIMEOUT_MS, link_dead,
+                                   &b, &b.link_watch)))
+        goto out;
     ks_metrics_collector_add(broker_collect, &b);
     ks_log(KS_LOG_INFO, "serving", KS_S("nats", opts->nats_url),
            KS_I("local_agents", opts->local_agents));
-    sigwait(&set, &sig);
-    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+    /* A signal; or the in-process agents' own connection answers nothing
+     * (agent_fatal: they stay fenced), which a broker process restarted
+     * by its supervisor cures as it does for its own link. */
+    for (;;) {
+        struct timespec tick = {0, 250 * 1000000L};
+        sig = sigtimedwait(&set, NULL, &tick);
+        if (sig > 0)
+            break;
+        if (b.local && agent_fatal(b.local) == AGENT_FATAL_LINK) {
+            atomic_store(&b.link_dead, true);
+            break;
+        }
+    }
+    if (atomic_load(&b.link_dead)) {
+        rc = KS_EUNAVAIL;
+        if (errmsg && asprintf(errmsg,
+                               "the NATS link (the broker's, or its "
+                               "in-process agents') answered nothing for "
+                               "%d s though nats.c said it was connected: "
+                               "stopped, to be started again",
+                               BROKER_LINK_TIMEOUT_MS / 1000) < 0)
+            *errmsg = NULL;
+    } else {
+        ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        /* The in-process agents drain while everything else serves on
+         * (their results are recorded, their claims answered); a second
+         * signal cuts the drain short. */
+        if (b.local) {
+            agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
+            b.local = NULL;
+        }
+    }
 out:
+    evt_link_watch_stop(b.link_watch);
     ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);
     return rc;

@@ -50,12 +50,33 @@ struct broker_opts {
     bool require_signed_labels;
     unsigned replicas; /* copies of each stream and the KV bucket on a
                           JetStream cluster (evt_setup_replicas); 0: 1 */
+    /* At SIGTERM/SIGINT the in-process agents drain first
+     * (agent_stop_graceful): no new claims, the running commands may
+     * finish for up to this long (ms) while the broker serves on; a
+     * second signal cuts it short. 0: stop them at once. `kscore broker
+     * --drain-timeout`, default AGENT_DRAIN_TIMEOUT_MS. */
+    uint64_t drain_timeout_ms;
 };
 
 /*
- * Runs a broker until SIGINT or SIGTERM. Loads the signing key, applies
- * migrations, sets up the streams, serves. Returns 0 after a clean stop, or a negative code with
- * *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL unreachable).
+ * How long the broker's NATS link may answer nothing while nats.c says it
+ * is connected before the broker stops (ms): no reply, no PubAck, no PONG
+ * to the PINGs it sends every EVT_LINK_PROBE_MS (evt_link_watch). A
+ * server stopped or cut off without a reset, or a read thread that hangs
+ * in nats.c (issue 22), is a link nats.c will not repair; a broker that
+ * can neither hear nor publish must not keep holding batches and waiting
+ * clients, and a new process has a new connection.
+ */
+#define BROKER_LINK_TIMEOUT_MS 30000
+
+/*
+ * Runs a broker until SIGINT or SIGTERM (then drains its in-process agents
+ * first: drain_timeout_ms). Loads the signing key, applies migrations,
+ * sets up the streams, serves. Returns 0 after a clean stop, or a negative
+ * code with *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL
+ * unreachable), or KS_EUNAVAIL when it stopped because its NATS link
+ * answered nothing for BROKER_LINK_TIMEOUT_MS (its supervisor is to start
+ * it again).
  */
 int broker_run(const struct broker_opts *opts, char **errmsg);
 

@@ -3,6 +3,7 @@
 #define KSCORE_BROKER_INT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "agent.h"
@@ -36,8 +37,25 @@ struct broker__instance {
     int64_t seen_mono_us;
 };
 
+/*
+ * What one heartbeat of an agent process listed (AgentInfo.holds, only
+ * when holds_complete): the commands it holds, sorted 16-byte ids, with
+ * the heartbeat's process and number. A pool's ids share one (refs).
+ * Immutable; refs under b->mu (registry.c).
+ */
+struct broker__holds {
+    unsigned refs;
+    char instance[37];
+    uint64_t seq;
+    size_t n;
+    uint8_t ids[][16];
+};
+
 struct broker__agent {
     Ks__AgentInfo *info;
+    /* The latest live heartbeat's list (info has it stripped); NULL: none
+     * complete, or an agent from before AgentInfo.holds. */
+    struct broker__holds *holds;
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
@@ -78,10 +96,14 @@ struct broker__follower {
 #define BROKER_REMOTE_LIVE_MAX 65536
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
- * each, every one with its own thread and PostgreSQL connection: each is
- * one commit, and a fan-out or a steady rate brings many at once. */
+ * each, every one with its own thread (and a PostgreSQL connection for its
+ * reads): each waits for its append's commit, and the appends of all of
+ * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
-#define BROKER_EXEC_WORKERS 3
+#define BROKER_EXEC_WORKERS 8
+/* Connections of the group writer (store.h): the appends of the workers
+ * above and of the recorder's single results share its transactions. */
+#define BROKER_WRITER_CONNS 1
 /* The longest a request may be expected to wait in kscore's own queues
  * (the intake and the claims), and to start at all when it gave no
  * delivery deadline, before it is refused as busy (admit.c; ms). From
@@ -134,6 +156,9 @@ struct broker {
 
     struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
+    /* The dispatch records, claims and the recorder's single results are
+     * written through it (store.h "the group writer"). */
+    struct store_writer *writer;
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
@@ -179,6 +204,11 @@ struct broker {
     struct agent *local;
     int64_t started_mono_us;
     int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
+    /* scanner.c: Running commands no heartbeat of their claimer lists any
+     * more (command id -> struct scan_unlisted *), waiting for the
+     * recorder to take what the event stream held when that was seen.
+     * Scanner thread only. */
+    struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
@@ -189,6 +219,10 @@ struct broker {
     struct broker__route routes[BROKER_MAX_ROUTES];
     int n_routes;
     int64_t bad_reply_logged_us; /* rate limit of that log line */
+    /* The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while
+     * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
+    struct evt_link_watch *link_watch;
+    atomic_bool link_dead;
 
     struct broker__batches *batches; /* batch.c */
     struct broker__admit *admit;     /* admit.c: in flight, the intake */
@@ -210,6 +244,8 @@ struct broker {
      * command live through another broker (its follow notice): a piece
      * recorded here goes to them directly. */
     struct ks_map remote_live;
+    /* budget.c: annotation rows per identity. */
+    struct broker__budget *budget;
 };
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
@@ -224,6 +260,9 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+/* The same for an append the group writer failed (its result). */
+const char *broker__write_error(const struct store_write_result *res, int rc,
+                                char *buf, size_t len);
 
 /* Sends m to subject (a client's inbox; nothing when empty), in parts
  * when larger than one NATS message. A failure is logged. */
@@ -337,6 +376,10 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * thread. */
 void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
+/* As broker__agent_pool; 1 if the registry has an entry for agent_id, 0
+ * if not. */
+int broker__agent_pool_known(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
  * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
@@ -360,6 +403,23 @@ bool broker__registry_deaf(struct broker *b);
  * (not in the registry). Takes b->mu. */
 int broker__agent_presence(struct broker *b, const char *agent_id,
                            int64_t *heartbeat_at_us);
+/*
+ * Whether the latest live heartbeat of agent_id lists command (16 bytes,
+ * AgentInfo.holds): 1 it does; 0 it is a complete list without it, with
+ * its process (instance[37]) and number (*seq); -1 this broker cannot
+ * tell (no complete list, the id silent for EVT_AGENT_TTL_MS, or a deaf
+ * registry: broker__registry_deaf). Takes b->mu.
+ */
+int broker__agent_lists(struct broker *b, const char *agent_id,
+                        const uint8_t command[16], char instance[37],
+                        uint64_t *seq);
+/* true when this broker has heard no heartbeat of process instance of
+ * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard).
+ * The caller makes sure the broker could hear all along (its connection
+ * and watch up for a TTL). Takes b->mu. */
+bool broker__instance_silent(struct broker *b, const char *agent_id,
+                             const char *instance);
+
 /* May the process instance_id claim for agent_id? 0 yes (also for no
  * instance id), KS_EDUPINSTANCE with why (naming the other process) when
  * it is the newer of two processes serving the id (registry.c). */
@@ -530,6 +590,39 @@ int broker__batch_view(struct broker *b, struct store *st,
  * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
+
+/* ---- annotation rows per identity (budget.c) ----
+ * Each identity (agent-<id>, pool-<pool>, operator-<name>, or
+ * "unregistered": every agent id the registry has no entry for) may add
+ * 1000 annotation rows at once, then 10 a second, and 64 MiB of them,
+ * then 64 KiB a second, per broker; past that an annotation is not
+ * written, only counted and summed up in the log. */
+enum broker__annotation {
+    BROKER_ANNOTATION_REPORT, /* ReportRejected, LateResult, CommandRejected */
+    BROKER_ANNOTATION_DENIAL, /* RequestDenied */
+};
+/* 0 or -ENOMEM; broker__budget_free (accepts an unset one) releases. */
+int broker__budget_init(struct broker *b);
+void broker__budget_free(struct broker *b);
+/* true: identity may add one annotation row of `bytes` bytes (taken from
+ * its share); false: past its share, do not write it (counted in
+ * kscore_annotations_dropped_total, logged in summary). Any thread. */
+bool broker__budget_take(struct broker *b, const char *identity,
+                         size_t bytes, enum broker__annotation kind);
+/* Scanner tick: the summary lines of identities still past their share,
+ * and forgets the identities whose share is whole again. */
+void broker__budget_sweep(struct broker *b);
+/* The identity whose share an agent id's annotations use, into buf
+ * (>= 16 + EVT_AGENT_ID_MAX): "pool-<pool>" for an id of a pool,
+ * "agent-<id>" for another id the registry knows, else "unregistered".
+ * Any thread; takes mu. */
+void broker__report_identity(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
+/* broker__admit_report with the budget (store_check_fn, ud: the broker):
+ * a report that would be kept as an annotation while its identity is past
+ * its share is STORE_CHECK_DROP. Recorder thread. */
+int broker__admit_bounded(const struct store_command_state *st,
+                          const Ks__Event *ev, const char **why, void *ud);
 
 /* ---- output in pieces (output.c) ---- */
 /* The rule for an agent's output piece (store_output_check_fn). */

@@ -134,13 +134,11 @@ progress_line(struct bstate *st, bool final)
     fflush(stderr);
 }
 
+/* A progress message (on the batch's inbox, "<lease>.p"); takes msg. */
 static void
-on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+on_progress(struct bstate *st, natsMsg *msg)
 {
-    struct bstate *st = ud;
     ProtobufCMessage *pm = NULL;
-    (void)nc;
-    (void)sub;
     if (evt_unpack(&ks__batch_progress__descriptor, natsMsg_GetData(msg),
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
@@ -247,21 +245,34 @@ batch_get(struct evt_conn *c, const char *batch_id, Ks__BatchReply **out)
     return rc;
 }
 
+/* Progress comes to the batch's inbox lease under this suffix. */
+#define PROGRESS_SUFFIX "p"
+
+/* 1 if msg came to the lease's progress subject. */
+static bool
+is_progress(struct evt_inbox *ib, natsMsg *msg)
+{
+    const char *base = evt_inbox_subject(ib), *subj = natsMsg_GetSubject(msg);
+    size_t n = strlen(base);
+    return strncmp(subj, base, n) == 0 && subj[n] == '.' &&
+           strcmp(subj + n + 1, PROGRESS_SUFFIX) == 0;
+}
+
 /*
  * Sends the batch request and waits for its end, from whichever broker
  * can say: the reply from the broker driving it (the one that took the
  * request, or one that took the batch over and answers the same inbox),
  * or, every BATCH_POLL_MS without news, a get of the batch from any
- * broker. Returns 0 with *out (the reply, maybe an error reply),
- * BATCH_GAVE_UP after telling the operator how to follow the batch, or a
- * negative code (KS_EUNAVAIL: no broker serves batches).
+ * broker. Progress on ib (its PROGRESS_SUFFIX) is shown as it comes.
+ * Returns 0 with *out (the reply, maybe an error reply), BATCH_GAVE_UP
+ * after telling the operator how to follow the batch, or a negative code
+ * (KS_EUNAVAIL: no broker serves batches).
  */
 static int
-batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
-           struct bstate *st, Ks__BatchReply **out)
+batch_wait(struct evt_conn *c, struct evt_inbox *ib,
+           const Ks__BatchRequest *req, struct bstate *st,
+           Ks__BatchReply **out)
 {
-    natsSubscription *rsub = NULL;
-    char ib[EVT_INBOX_MAX];
     natsMsg *msg = NULL;
     char subject[192], id[48];
     uint8_t *buf = NULL;
@@ -270,14 +281,10 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     bool silent_said = false, cancel_sent = false;
     int rc;
 
-    /* The reply comes to this operator's own inbox (evt_inbox): the only
-     * reply address the broker answers. */
-    if (evt_inbox(c, ib, sizeof(ib)) != 0 ||
-        natsConnection_SubscribeSync(&rsub, c->nc, ib) != NATS_OK ||
-        (rc = kproto_pack(&req->base, &buf, &len)) != 0) {
-        rc = KS_ENATS;
+    /* The reply comes to this operator's own inbox (evt_inbox_take): the
+     * only reply address the broker answers. */
+    if ((rc = kproto_pack(&req->base, &buf, &len)) != 0)
         goto out;
-    }
     /* NATS refuses a message over its max payload with a bare error:
      * say why (the caller names the limit), as exec does. */
     if (len > KS_MAX_MESSAGE_BYTES) {
@@ -285,28 +292,23 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
         goto out;
     }
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
-    if (natsConnection_PublishRequest(c->nc, subject, ib, buf, (int)len) !=
-        NATS_OK) {
-        rc = KS_ENATS;
+    if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)) != 0)
         goto out;
-    }
-    natsConnection_Flush(c->nc);
     for (;;) {
-        natsStatus s = natsSubscription_NextMsg(&msg, rsub, 500);
+        int nrc = evt_inbox_next(ib, 500, &msg);
         int64_t now = ks_mono_us();
-        if (s == NATS_OK) {
-            if (natsMsg_IsNoResponders(msg)) {
-                rc = KS_EUNAVAIL;
-                goto out;
-            }
+        if (nrc == 0 && is_progress(ib, msg)) {
+            on_progress(st, msg);
+            msg = NULL;
+        } else if (nrc == 0) {
             rc = evt_unpack(&ks__batch_reply__descriptor,
                             natsMsg_GetData(msg),
                             (size_t)natsMsg_GetDataLength(msg),
                             (ProtobufCMessage **)out);
             goto out;
-        }
-        if (s != NATS_TIMEOUT) {
-            rc = evt_err(s);
+        } else if (nrc != KS_ETIMEDOUT) {
+            /* KS_EUNAVAIL: no responders, no broker serves batches. */
+            rc = nrc;
             goto out;
         }
         pthread_mutex_lock(&st->mu);
@@ -395,10 +397,6 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     }
 out:
     natsMsg_Destroy(msg);
-    if (rsub) {
-        natsSubscription_Unsubscribe(rsub);
-        natsSubscription_Destroy(rsub);
-    }
     free(buf);
     return rc;
 }
@@ -629,7 +627,7 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
 {
     Ks__BatchRequest req = bt->req;
     struct evt_conn *c = NULL;
-    natsSubscription *psub = NULL;
+    struct evt_inbox *ib = NULL;
     Ks__BatchReply *rep = NULL;
     struct bstate st = {.results = KS_MAP_INIT, .json = bt->json};
     struct fleet_results fr = {0};
@@ -726,24 +724,22 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
     st.start_us = ks_mono_us();
     if (!req.detach) {
         /* Under this operator's own inbox prefix: nobody else may read
-         * it (evt_inbox), and the broker publishes progress nowhere
-         * else. */
-        if (evt_inbox(c, inbox, sizeof(inbox)) != 0 ||
-            natsConnection_Subscribe(&psub, c->nc, inbox, on_progress, &st) !=
-                NATS_OK ||
-            natsSubscription_SetPendingLimits(psub, -1, -1) != NATS_OK) {
+         * it (evt_inbox_take), and the broker publishes progress nowhere
+         * else. The reply comes to the same lease. */
+        if (evt_inbox_take(c, NULL, &ib) != 0) {
             cli_err("cannot subscribe to progress");
             rc = CLI_EXIT_KSCORE;
             goto out;
         }
-        natsConnection_Flush(c->nc);
+        snprintf(inbox, sizeof(inbox), "%s.%s", evt_inbox_subject(ib),
+                 PROGRESS_SUFFIX);
         req.progress_subject = inbox;
         cli_live_catch_sigint();
     }
     if (req.detach)
         rc = broker_batch(c, &req, 30000, &rep);
     else
-        rc = batch_wait(c, &req, &st, &rep);
+        rc = batch_wait(c, ib, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
         /* Recorded, its end not heard of: not "not accepted" (125). */
         rc = CLI_EXIT_UNKNOWN;
@@ -789,18 +785,20 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
     }
     /* Let the last progress messages land, then fill any gap from the
      * record (core NATS progress is best effort). */
-    natsConnection_Flush(c->nc);
-    if (psub) {
-        /* Drain, not unsubscribe: a progress callback still running (its
-         * message came in just before the reply) would print its target
-         * while the loop below, not finding it yet, prints it again.
-         * Once drained no callback runs and st.results is complete. */
-        if (natsSubscription_DrainTimeout(psub, 2000) == NATS_OK)
-            natsSubscription_WaitForDrainCompletion(psub, 3000);
-        else
-            natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-        psub = NULL;
+    if (ib) {
+        /* What the server sent before the PONG is in the lease: shown
+         * here, before the loop below looks for what is missing, so no
+         * target is printed twice. */
+        natsMsg *pm = NULL;
+        evt_link_probe(c, 2000);
+        while (evt_inbox_next(ib, 1, &pm) == 0) {
+            if (is_progress(ib, pm))
+                on_progress(&st, pm);
+            else
+                natsMsg_Destroy(pm);
+        }
+        evt_inbox_give(ib);
+        ib = NULL;
     }
     if (req.live_output)
         cli_stream_batch_end();
@@ -847,10 +845,7 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
         rc = 130; /* cancelled by Ctrl-C, as exec */
 out:
     fleet_results_release(&fr);
-    if (psub) {
-        natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-    }
+    evt_inbox_give(ib);
     ks_map_each(&st.results, free_target, NULL);
     ks_map_clear(&st.results);
     if (rep)

@@ -57,6 +57,8 @@ static const struct conf_key conf_keys[] = {
      false, 0, 0},
     {"replicas", "KSCORE_REPLICAS", B, CT_UINT, false, 1, 5},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
+    {"metrics_token_file", "KSCORE_METRICS_TOKEN_FILE", B | A, CT_STR, false,
+     0, 0},
     {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},
     {"label", "KSCORE_LABELS", A, CT_LABEL, true, 0, 0},
@@ -65,6 +67,7 @@ static const struct conf_key conf_keys[] = {
     {"pool_size", "KSCORE_POOL_SIZE", A, CT_UINT, false, 1, 100000},
     {"max_concurrent", "KSCORE_MAX_CONCURRENT", A, CT_UINT, false, 1, 100000},
     {"ack_wait", "KSCORE_ACK_WAIT", A, CT_DUR, false, 1000, 0},
+    {"drain_timeout", "KSCORE_DRAIN_TIMEOUT", B | A, CT_DUR, false, 0, 0},
 };
 #undef B
 #undef A

@@ -120,8 +120,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                      Ks__ExecuteReply **out)
 {
     Ks__ExecuteRequest r = *req;
-    natsSubscription *sub = NULL;
-    char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
+    struct evt_inbox *ib = NULL;
+    char subject[192], key[48], id[37] = "";
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -148,25 +148,22 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
     } else {
         r.key_may_exist = 1; /* the caller's key: it may name a command */
     }
-    if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
-        (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
-        (rc = evt_err(natsSubscription_SetPendingLimits(sub, -1, -1))) ||
+    /* One inbox lease for every ask and every answer (events.h). */
+    if ((rc = evt_inbox_take(c, NULL, &ib)) ||
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
     unsigned asks = 1;
-    if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
-                                                    (int)len))))
+    if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
         goto out;
     for (;;) {
         natsMsg *m = NULL;
-        natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
+        int nrc = evt_inbox_next(ib, h ? 100 : 1000, &m);
         int64_t now = ks_mono_us();
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m) &&
-            (rc = evt_join_parts(sub, m, 5000, &m)))
+        if (nrc == 0 && (rc = evt_join_parts(ib, m, 5000, &m)))
             goto out;
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
+        if (nrc == 0) {
             Ks__ExecuteReply *rep = NULL;
             rc = evt_unpack_reply(&ks__execute_reply__descriptor,
                                   natsMsg_GetData(m),
@@ -219,13 +216,13 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
-        } else {
-            natsMsg_Destroy(m);
-            if (st != NATS_OK && st != NATS_TIMEOUT &&
-                st != NATS_NO_RESPONDERS) {
-                rc = evt_err(st);
-                goto out;
-            }
+        } else if (nrc != KS_ETIMEDOUT && nrc != KS_EUNAVAIL) {
+            /* No responders (KS_EUNAVAIL) or silence: ask again below. */
+            rc = nrc;
+            goto out;
+        } else if (nrc == KS_EUNAVAIL && natsConnection_IsClosed(c->nc)) {
+            rc = nrc;
+            goto out;
         }
         if (h && h->tick && (rc = h->tick(h->ud)))
             goto out;
@@ -273,17 +270,13 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 if ((rc = kproto_pack(&r.base, &buf, &len)))
                     goto out;
             }
-            if ((rc = evt_err(natsConnection_PublishRequest(
-                     c->nc, subject, inbox, buf, (int)len))))
+            if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
                 goto out;
             asks++;
         }
     }
 out:
-    if (sub) {
-        natsSubscription_Unsubscribe(sub);
-        natsSubscription_Destroy(sub);
-    }
+    evt_inbox_give(ib);
     free(buf);
     return rc;
 }

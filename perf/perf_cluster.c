@@ -81,6 +81,14 @@ pool_name(char *buf, size_t len, unsigned k)
     snprintf(buf, len, "p%02u", k);
 }
 
+/* CPU time (us) of pid; -1 when gone. */
+static int64_t
+cpu_us_of(pid_t pid)
+{
+    struct perf_proc pp;
+    return pid > 0 && perf__proc_sample(pid, &pp) == 0 ? pp.cpu_us : -1;
+}
+
 /* CPU seconds of each part of the stack, for the per-command cost model
  * of deploy/SCALING.md: nats (all nodes), postgres, brokers, agents. */
 struct stack_cpu {
@@ -94,17 +102,17 @@ stack_cpu(const char *home, unsigned pools, struct stack_cpu *out)
     memset(out, 0, sizeof(*out));
     if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
         for (unsigned i = 0; i < CLUSTER_NODES; i++)
-            out->nats += perf__cpu_us_of(nodes[i].pid, false);
-    out->pg = perf__cpu_us_of(pid_of(home, "pg"), true);
-    out->brokers = perf__cpu_us_of(pid_of(home, "broker-1"), false) +
-                   perf__cpu_us_of(pid_of(home, "broker-2"), false);
+            out->nats += cpu_us_of(nodes[i].pid);
+    out->pg = perf__tree_cpu_us(pid_of(home, "pg"));
+    out->brokers = cpu_us_of(pid_of(home, "broker-1")) +
+                   cpu_us_of(pid_of(home, "broker-2"));
     for (unsigned k = 0; k < pools; k++) {
         char pool[16], name[32];
         pool_name(pool, sizeof(pool), k);
         snprintf(name, sizeof(name), "pool-%s", pool);
         /* The agent and its children (the watchdog; the commands' own
          * processes are reaped and counted in its cutime, not here). */
-        out->agents += perf__cpu_us_of(pid_of(home, name), false);
+        out->agents += cpu_us_of(pid_of(home, name));
     }
 }
 
@@ -212,6 +220,36 @@ record_check(const char *db, const char *batch, long *targets, long *not_one,
     *events = perf__sql_long(pg, "SELECT count(*) FROM events");
     *events_bytes = perf__sql_long(pg, "SELECT pg_total_relation_size('events')");
     PQfinish(pg);
+}
+
+/* The reasons of the targets that did not succeed, as the reply has them
+ * (the targets that fit in one message), with their counts: {"Undeliverable:
+ * offline since ...": n, ...}; at most 8 distinct, the rest as "other". */
+static json_t *
+why_not_succeeded(const Ks__BatchReply *rep)
+{
+    json_t *o = json_object();
+    for (size_t i = 0; i < rep->n_targets; i++) {
+        const Ks__BatchTarget *t = rep->targets[i];
+        if (t->status == KS__COMMAND_STATUS__SUCCEEDED)
+            continue;
+        char key[96];
+        /* The reason's words, not its times and ids: they group. */
+        const char *why = t->result && t->result->reason && t->result->reason[0]
+                              ? t->result->reason
+                              : "(no reason)";
+        size_t n = strcspn(why, "0123456789(");
+        snprintf(key, sizeof(key), "%s: %.*s", kproto_status_name(t->status),
+                 (int)(n > 60 ? 60 : n), why);
+        json_t *c = json_object_get(o, key);
+        if (!c && json_object_size(o) >= 8) {
+            snprintf(key, sizeof(key), "other");
+            c = json_object_get(o, key);
+        }
+        json_object_set_new(o, key,
+                            json_integer(c ? json_integer_value(c) + 1 : 1));
+    }
+    return o;
 }
 
 int
@@ -339,6 +377,7 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
         json_object_set_new(o, "not_ended",
                             json_integer(k->pending + k->running));
     }
+    json_object_set_new(o, "why_not_succeeded", why_not_succeeded(rep));
     json_object_set_new(o, "online_s", json_real((double)online_us / 1e6));
     json_object_set_new(o, "recorded_targets", json_integer(targets));
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
@@ -370,8 +409,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
                 json_object_set_new(o, key, json_real((double)kb / 1024.0));
                 if (kb > max_node)
                     max_node = kb;
-                if (nodes[i].mon_port &&
-                    stack_nats_js_info(nodes[i].mon_port, &ji) == 0 &&
+                if (nodes[i].running &&
+                    stack_nats_js_info(&nodes[i], &ji) == 0 &&
                     ji.consumers > consumers)
                     consumers = ji.consumers;
             }

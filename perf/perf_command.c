@@ -51,7 +51,10 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
     perf__true_spec(&spec, argv);
     req.spec = &spec;
     req.agent_id = PERF_AGENT_PREFIX "0";
+    struct perf_cost k0 = PERF_COST_UNKNOWN, k1 = k0;
     for (int i = -warm; i < n && !perf__interrupted; i++) {
+        if (i == 0)
+            perf__cost_sample(ctx->st, &k0);
         Ks__ExecuteReply *rep = NULL;
         int64_t t0 = ks_mono_us();
         rc = broker_execute(c, &req, 30000, &rep);
@@ -68,6 +71,7 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
         if (i >= 0)
             lat[i] = dt;
     }
+    perf__cost_sample(ctx->st, &k1);
     rc = 0;
     if (perf__interrupted) {
         rc = -EINTR;
@@ -90,6 +94,7 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
                         json_real(p50 ? (double)p99 / (double)p50 : 0));
     json_object_set_new(o, "calls", json_integer(n));
     json_object_set_new(o, "errors", json_integer(errors));
+    perf__cost_json(o, &k0, &k1, n, "command");
     *out = o;
 out:
     evt_close(c);

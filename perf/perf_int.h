@@ -58,9 +58,10 @@ struct perf_stack {
     pid_t broker_pid;    /* the kscore broker process (not its wrapper) */
     pid_t agent_pid;     /* the kscore agent process, or 0 */
     pid_t broker_daemon, agent_daemon; /* what stack_daemon() started */
-    pid_t nats_pid, pg_pid; /* private servers (the postmaster), else 0 */
+    pid_t nats_pid;      /* the nats-server, when own_nats */
     char host[64];       /* host name up to the first dot: local agent ids */
     char pg_fsync[16], pg_sync_commit[16]; /* SHOW fsync, synchronous_commit */
+    pid_t pg_pid;        /* the postmaster, when own_pg */
 };
 
 /* Starts (or adopts, with --nats/--db) nats-server and PostgreSQL. 0, or a
@@ -96,10 +97,33 @@ struct perf_proc {
     int64_t rss_kb;
 };
 int perf__proc_sample(pid_t pid, struct perf_proc *out);
-/* CPU time (us) of pid; with children, plus every process whose parent it
- * is and those it reaped (PostgreSQL's backends under the postmaster).
- * -1 when pid is 0 or gone. */
-int64_t perf__cpu_us_of(pid_t pid, bool children);
+/* CPU (us) of pid with what it reaped (cutime, cstime) and its live
+ * children (PostgreSQL's postmaster and backends); -1 when gone. */
+int64_t perf__tree_cpu_us(pid_t pid);
+
+/*
+ * What the stack spends between two samples: PostgreSQL's write
+ * transactions (xids handed out: every transaction that wrote, whoever
+ * ran it, and nothing else), the CPU of nats-server and PostgreSQL (when
+ * the suite started them), of the broker and of the agent process, and
+ * of the agent's reaped children (the commands). -1: not known.
+ */
+struct perf_cost {
+    int64_t xid, nats_cpu_us, pg_cpu_us, broker_cpu_us, agent_cpu_us,
+        children_cpu_us;
+};
+#define PERF_COST_UNKNOWN {-1, -1, -1, -1, -1, -1}
+void perf__cost_sample(const struct perf_stack *st, struct perf_cost *out);
+/* Sets, on o, pg_write_xacts_per_<unit>, nats_cpu_us_per_<unit>,
+ * pg_cpu_us_per_<unit>, broker_cpu_us_per_<unit>,
+ * agent_cpu_us_per_<unit> and children_cpu_us_per_<unit> between a and b
+ * for `units` commands (or targets, events), those known, and
+ * cpu_per_<unit>_us, the sum of the four processes' (children excluded),
+ * when all four are known. */
+void perf__cost_json(json_t *o, const struct perf_cost *a,
+                     const struct perf_cost *b, double units,
+                     const char *unit);
+
 /* The one number a query returns (one row, one column), or -1. */
 typedef struct pg_conn PGconn;
 long perf__sql_long(PGconn *pg, const char *sql);

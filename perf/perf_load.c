@@ -20,17 +20,19 @@
  * PROBE_EVERY_MS from the end of the load: `recovery_ms` is when the first
  * one came back succeeded (capacity is back).
  *
- * CPU per command: utime + stime (/proc/PID/stat) of nats-server, of
- * PostgreSQL (the postmaster, its live backends and those it reaped), of
- * the broker and of the agent process over the round (load and drain),
- * divided by the commands recorded; the commands' own processes are not
- * in it (a process's utime/stime excludes its children), and are reported
- * apart (`cpu_children_us_per_cmd`: the agent's cutime + cstime).
+ * CPU per command (perf__cost_json, unit "command"): utime + stime
+ * (/proc/PID/stat) of nats-server, of PostgreSQL (the postmaster, its live
+ * backends and those it reaped), of the broker and of the agent process
+ * over the round (load and drain), divided by the commands recorded; the
+ * commands' own processes are not in it (a process's utime/stime excludes
+ * its children), and are reported apart (`children_cpu_us_per_command`:
+ * the agent's cutime + cstime).
  */
 #include <errno.h>
 #include <libpq-fe.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,17 +72,15 @@ struct load {
         uint64_t deliver_ms; /* 0: the broker's default */
     } o;
     struct evt_conn *c;
-    natsSubscription *sub;
-    char inbox[EVT_INBOX_MAX];
+    struct evt_inbox *ib; /* request i's replies: "<its subject>.<i>" */
     char subject[192];
     char run[16]; /* idempotency keys: perf-<run>-<i> */
     struct rq *r;
     size_t n, ndone, oldest; /* oldest: no request before it is open */
-    pthread_mutex_t mu;
     char first_error[256];
 };
 
-/* Ends request r (under L->mu). */
+/* Ends request r. */
 static void
 rq_end(struct load *L, struct rq *r, int err, int64_t now)
 {
@@ -90,11 +90,10 @@ rq_end(struct load *L, struct rq *r, int err, int64_t now)
     L->ndone++;
 }
 
-/* nats.c's delivery thread: one answer to request <inbox>.<i>. */
+/* One answer to request <inbox>.<i> (takes m). */
 static void
-on_reply(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
+on_reply(struct load *L, natsMsg *m)
 {
-    struct load *L = ud;
     const char *subj = natsMsg_GetSubject(m), *dot = strrchr(subj, '.');
     Ks__ExecuteReply *rep = NULL;
     int64_t now = ks_mono_us();
@@ -102,20 +101,13 @@ on_reply(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
     size_t i = dot ? (size_t)strtoull(dot + 1, &end, 10) : L->n;
     int rc = 0;
 
-    (void)nc;
-    (void)sub;
     if (i >= L->n || !end || *end) {
         natsMsg_Destroy(m);
         return;
     }
-    if (natsMsg_IsNoResponders(m))
-        rc = KS_EUNAVAIL;
-    else
-        rc = evt_unpack_reply(&ks__execute_reply__descriptor,
-                              natsMsg_GetData(m),
-                              (size_t)natsMsg_GetDataLength(m),
-                              (ProtobufCMessage **)&rep);
-    pthread_mutex_lock(&L->mu);
+    rc = evt_unpack_reply(&ks__execute_reply__descriptor, natsMsg_GetData(m),
+                          (size_t)natsMsg_GetDataLength(m),
+                          (ProtobufCMessage **)&rep);
     struct rq *r = &L->r[i];
     if (r->state == RQ_DONE) {
         /* answered already */
@@ -154,7 +146,6 @@ on_reply(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
         r->state = RQ_ACCEPTED;
         r->heard_us = now;
     }
-    pthread_mutex_unlock(&L->mu);
     if (rep)
         ks__execute_reply__free_unpacked(rep, NULL);
     natsMsg_Destroy(m);
@@ -166,14 +157,14 @@ ask(struct load *L, size_t i, bool again)
 {
     Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
     Ks__CommandSpec spec;
-    char *argv[1], id[32], key[48], reply[EVT_INBOX_MAX + 24];
+    char *argv[1], id[32], key[48], suffix[24];
     uint8_t buf[512];
     size_t len;
 
     perf__true_spec(&spec, argv);
     snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%zu", i % PERF_AGENTS);
     snprintf(key, sizeof(key), "perf-%s-%zu", L->run, i);
-    snprintf(reply, sizeof(reply), "%s.%zu", L->inbox, i);
+    snprintf(suffix, sizeof(suffix), "%zu", i);
     req.spec = &spec;
     req.agent_id = id;
     req.idempotency_key = key;
@@ -183,42 +174,44 @@ ask(struct load *L, size_t i, bool again)
     if (len > sizeof(buf))
         return KS_ETOOBIG;
     protobuf_c_message_pack(&req.base, buf);
-    return evt_err(natsConnection_PublishRequest(L->c->nc, L->subject, reply,
-                                                 buf, (int)len));
+    return evt_inbox_send(L->ib, L->subject, suffix, NULL, buf, len);
 }
 
 /* Asks again every request silent for EXEC_REASK_US (as the client). */
 static void
 reask(struct load *L, int64_t now)
 {
-    size_t from, to;
-    pthread_mutex_lock(&L->mu);
     while (L->oldest < L->n && L->r[L->oldest].state == RQ_DONE)
         L->oldest++;
-    from = L->oldest;
-    to = L->n;
-    pthread_mutex_unlock(&L->mu);
-    for (size_t i = from; i < to; i++) {
+    for (size_t i = L->oldest; i < L->n; i++) {
         struct rq *r = &L->r[i];
-        bool go = false;
-        pthread_mutex_lock(&L->mu);
-        if (r->state == RQ_UNSENT) {
-            pthread_mutex_unlock(&L->mu);
+        if (r->state == RQ_UNSENT)
             break;
-        }
-        if (r->state != RQ_DONE) {
-            int64_t last = r->heard_us > r->asked_us ? r->heard_us
-                                                     : r->asked_us;
-            if (now - last >= EXEC_REASK_US) {
-                go = true;
-                r->asked_us = now;
-                if (r->asks < 255)
-                    r->asks++;
-            }
-        }
-        pthread_mutex_unlock(&L->mu);
-        if (go)
-            ask(L, i, true);
+        int64_t last = r->heard_us > r->asked_us ? r->heard_us : r->asked_us;
+        if (r->state == RQ_DONE || now - last < EXEC_REASK_US)
+            continue;
+        r->asked_us = now;
+        if (r->asks < 255)
+            r->asks++;
+        ask(L, i, true);
+    }
+}
+
+/* Takes the answers that come until mono time until (one thread sends
+ * and reads: the inbox's lease is the caller's alone). */
+static void
+pump(struct load *L, int64_t until)
+{
+    for (;;) {
+        int64_t left = until - ks_mono_us();
+        natsMsg *m = NULL;
+        if (left <= 0)
+            return;
+        int rc = evt_inbox_next(L->ib, (int)((left + 999) / 1000), &m);
+        if (rc == 0)
+            on_reply(L, m);
+        else if (rc != KS_EUNAVAIL) /* "no responders": asked again */
+            return;
     }
 }
 
@@ -229,57 +222,6 @@ sleep_until_us(int64_t mono_us)
                           (long)(mono_us % 1000000) * 1000};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
-}
-
-/* ---- what the stack spent ---------------------------------------------- */
-
-struct parts_cpu {
-    int64_t nats, pg, broker, agent, children; /* us; -1: not known */
-};
-
-static void
-parts_sample(const struct perf_stack *st, struct parts_cpu *p)
-{
-    struct perf_proc ag = {0};
-    p->nats = perf__cpu_us_of(st->nats_pid, false);
-    p->pg = perf__cpu_us_of(st->pg_pid, true);
-    p->broker = perf__cpu_us_of(st->broker_pid, false);
-    p->agent = p->children = -1;
-    if (st->agent_pid > 0 && perf__proc_sample(st->agent_pid, &ag) == 0) {
-        p->agent = ag.cpu_us;
-        p->children = ag.children_us;
-    }
-}
-
-/* Sets key = (b - a) / n, or null when a part is not known. */
-static void
-per_cmd(json_t *o, const char *key, int64_t a, int64_t b, size_t n)
-{
-    if (a < 0 || b < 0 || n == 0)
-        json_object_set_new(o, key, json_null());
-    else
-        json_object_set_new(o, key, json_real((double)(b - a) / (double)n));
-}
-
-static void
-parts_json(json_t *o, const struct parts_cpu *a, const struct parts_cpu *b,
-           size_t cmds)
-{
-    per_cmd(o, "cpu_nats_us_per_cmd", a->nats, b->nats, cmds);
-    per_cmd(o, "cpu_postgres_us_per_cmd", a->pg, b->pg, cmds);
-    per_cmd(o, "cpu_broker_us_per_cmd", a->broker, b->broker, cmds);
-    per_cmd(o, "cpu_agent_us_per_cmd", a->agent, b->agent, cmds);
-    per_cmd(o, "cpu_children_us_per_cmd", a->children, b->children, cmds);
-    /* The sum only when every part is known (private servers). */
-    if (a->nats >= 0 && b->nats >= 0 && a->pg >= 0 && b->pg >= 0 &&
-        a->broker >= 0 && b->broker >= 0 && a->agent >= 0 && b->agent >= 0 &&
-        cmds)
-        json_object_set_new(
-            o, "cpu_per_command_us",
-            json_real((double)((b->nats - a->nats) + (b->pg - a->pg) +
-                               (b->broker - a->broker) +
-                               (b->agent - a->agent)) /
-                      (double)cmds));
 }
 
 /* ---- the record -------------------------------------------------------- */
@@ -326,8 +268,9 @@ record_check(const struct perf_stack *st, const char *run, long *recorded,
 
 struct probe {
     const struct perf_stack *st;
-    int64_t from_us, back_us; /* back_us: 0 until a probe succeeded */
-    volatile bool stop;
+    int64_t from_us;
+    _Atomic int64_t back_us; /* 0 until a probe succeeded */
+    atomic_bool stop;
 };
 
 static void *
@@ -344,14 +287,14 @@ probe_main(void *arg)
     perf__true_spec(&spec, argv);
     req.spec = &spec;
     req.agent_id = id;
-    for (unsigned k = 0; !p->stop && !perf__interrupted; k++) {
+    for (unsigned k = 0; !atomic_load(&p->stop) && !perf__interrupted; k++) {
         Ks__ExecuteReply *rep = NULL;
         snprintf(id, sizeof(id), PERF_AGENT_PREFIX "%u", k % PERF_AGENTS);
         int64_t t = ks_mono_us();
         if (broker_execute(c, &req, 30000, &rep) == 0 && !rep->error_code &&
             rep->result &&
             rep->result->status == KS__COMMAND_STATUS__SUCCEEDED) {
-            p->back_us = ks_mono_us();
+            atomic_store(&p->back_us, ks_mono_us());
             ks__execute_reply__free_unpacked(rep, NULL);
             break;
         }
@@ -473,7 +416,7 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
 {
     struct load L = {.ctx = ctx, .o = *lo};
     struct window *w = NULL;
-    struct parts_cpu cpu0, cpu1;
+    struct perf_cost cpu0, cpu1;
     struct probe pr = {.st = ctx->st};
     pthread_t probe_th;
     bool probing = false;
@@ -488,7 +431,6 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
     if (L.n == 0)
         return KS_EINVAL;
     interval_us = (int64_t)(1e6 / L.o.rate);
-    pthread_mutex_init(&L.mu, NULL);
     L.r = calloc(L.n, sizeof(*L.r));
     scratch = calloc(L.n, sizeof(*scratch));
     w = calloc((size_t)nwin + 1, sizeof(*w));
@@ -506,22 +448,13 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
     warm_up(L.c);
     snprintf(L.subject, sizeof(L.subject), "%s.%s", EVT_API_EXECUTE,
              L.c->identity);
-    if ((rc = evt_inbox(L.c, L.inbox, sizeof(L.inbox) - 24)))
+    if ((rc = evt_inbox_take(L.c, NULL, &L.ib)))
         goto out;
-    {
-        char wild[EVT_INBOX_MAX + 4];
-        snprintf(wild, sizeof(wild), "%s.*", L.inbox);
-        if ((rc = evt_err(natsConnection_Subscribe(&L.sub, L.c->nc, wild,
-                                                   on_reply, &L))) ||
-            (rc = evt_err(natsSubscription_SetPendingLimits(L.sub, -1, -1))) ||
-            (rc = evt_err(natsConnection_Flush(L.c->nc))))
-            goto out;
-    }
 
     t0 = ks_mono_us() + 1000;
     for (size_t i = 0; i < L.n; i++)
         L.r[i].due_us = t0 + (int64_t)i * interval_us;
-    parts_sample(ctx->st, &cpu0);
+    perf__cost_sample(ctx->st, &cpu0);
     sample(ctx->st, &w[0]);
     int next_win = 1;
     int64_t next_scan = t0 + 100000;
@@ -536,48 +469,39 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
             reask(&L, now);
             next_scan = now + 100000;
         }
+        pump(&L, L.r[i].due_us);
         sleep_until_us(L.r[i].due_us);
-        pthread_mutex_lock(&L.mu);
         L.r[i].state = RQ_SENT;
         L.r[i].asks = 1;
         L.r[i].asked_us = ks_mono_us();
-        pthread_mutex_unlock(&L.mu);
-        if ((rc = ask(&L, i, false))) {
-            pthread_mutex_lock(&L.mu);
+        if ((rc = ask(&L, i, false)))
             rq_end(&L, &L.r[i], rc, ks_mono_us());
-            pthread_mutex_unlock(&L.mu);
-        }
     }
     load_end = ks_mono_us();
     pr.from_us = load_end;
     probing = pthread_create(&probe_th, NULL, probe_main, &pr) == 0;
     while (next_win <= nwin && !perf__interrupted) {
-        sleep_until_us(t0 + (int64_t)next_win * L.o.win_s * 1000000);
+        int64_t at = t0 + (int64_t)next_win * L.o.win_s * 1000000;
+        pump(&L, at);
+        sleep_until_us(at);
         sample(ctx->st, &w[next_win]);
         next_win++;
     }
     /* The answers, each request asked again as a client would. */
-    for (;;) {
-        int64_t now = ks_mono_us();
-        pthread_mutex_lock(&L.mu);
-        bool all = L.ndone == L.n;
-        pthread_mutex_unlock(&L.mu);
-        if (all || perf__interrupted ||
-            now - load_end > (int64_t)LOAD_DRAIN_S * 1000000)
-            break;
-        reask(&L, now);
-        perf__sleep_ms(100);
+    while (L.ndone < L.n && !perf__interrupted &&
+           ks_mono_us() - load_end <= (int64_t)LOAD_DRAIN_S * 1000000) {
+        reask(&L, ks_mono_us());
+        pump(&L, ks_mono_us() + 100000);
     }
     int64_t drained = ks_mono_us();
-    parts_sample(ctx->st, &cpu1);
+    perf__cost_sample(ctx->st, &cpu1);
     /* Give the probe its chance when the drain was instant. */
-    while (probing && !pr.back_us && !perf__interrupted &&
+    while (probing && !atomic_load(&pr.back_us) && !perf__interrupted &&
            ks_mono_us() - load_end < 10 * INT64_C(1000000))
         perf__sleep_ms(20);
-    pr.stop = true;
+    atomic_store(&pr.stop, true);
     if (probing)
         pthread_join(probe_th, NULL);
-    natsSubscription_Unsubscribe(L.sub);
     if (perf__interrupted) {
         rc = -EINTR;
         goto out;
@@ -656,28 +580,25 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
     json_object_set_new(o, "drain_s",
                         json_real((double)(drained - load_end) / 1e6));
-    if (pr.back_us)
+    int64_t back = atomic_load(&pr.back_us);
+    if (back)
         json_object_set_new(
-            o, "recovery_ms",
-            json_real((double)(pr.back_us - pr.from_us) / 1000.0));
+            o, "recovery_ms", json_real((double)(back - pr.from_us) / 1000.0));
     else
         json_object_set_new(o, "recovery_ms", json_null());
     if (L.first_error[0])
         json_object_set_new(o, "first_error", json_string(L.first_error));
     json_object_set_new(o, "worst_window_p99_us", json_real(worst_p99));
-    parts_json(o, &cpu0, &cpu1, recorded > 0 ? (size_t)recorded : 0);
+    /* Per command recorded: what ran of the load. */
+    perf__cost_json(o, &cpu0, &cpu1, (double)recorded, "command");
     set_proc(o, "broker", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, true);
     set_proc(o, "agent", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, false);
     json_object_set_new(o, "windows", wins);
     *out = o;
     rc = 0;
 out:
-    if (L.sub) {
-        natsSubscription_Unsubscribe(L.sub);
-        natsSubscription_Destroy(L.sub);
-    }
+    evt_inbox_give(L.ib);
     evt_close(L.c);
-    pthread_mutex_destroy(&L.mu);
     free(L.r);
     free(scratch);
     free(w);
@@ -811,9 +732,15 @@ perf__capacity_round(struct perf_ctx *ctx, int round, json_t **out)
                         json_integer((json_int_t)json_array_size(trials)));
     if (best) {
         static const char *const keep[] = {
-            "p50_us", "p99_us", "cpu_per_command_us", "cpu_nats_us_per_cmd",
-            "cpu_postgres_us_per_cmd", "cpu_broker_us_per_cmd",
-            "cpu_agent_us_per_cmd", "cpu_children_us_per_cmd"};
+            "p50_us",
+            "p99_us",
+            "cpu_per_command_us",
+            "nats_cpu_us_per_command",
+            "pg_cpu_us_per_command",
+            "broker_cpu_us_per_command",
+            "agent_cpu_us_per_command",
+            "children_cpu_us_per_command",
+            "pg_write_xacts_per_command"};
         for (size_t i = 0; i < sizeof(keep) / sizeof(keep[0]); i++) {
             json_t *v = json_object_get(best, keep[i]);
             if (v && json_is_number(v))

@@ -67,11 +67,18 @@ _Noreturn void ks__bug(const char *file, int line, const char *expr);
 int64_t ks_now_us(void);
 /* Microseconds on CLOCK_MONOTONIC (arbitrary origin). */
 int64_t ks_mono_us(void);
+/* CLOCK_MONOTONIC now plus ms (>= 0) into *out: a deadline for
+ * pthread_cond_timedwait on a condition made with that clock. */
+struct timespec;
+void ks_mono_deadline(struct timespec *out, int64_t ms);
 
 /* Random (v4) UUID, lower-case text, into out[37] (NUL-terminated). */
 void ks_uuid(char out[37]);
 /* 1 if s is a UUID in canonical text form, else 0. */
 int ks_is_uuid(const char *s);
+/* The 16 bytes of the UUID text s into out (RFC 4122 byte order, as
+ * PostgreSQL's uuid): 0, or KS_EINVAL when s is not one (out untouched). */
+int ks_uuid_bin(const char *s, uint8_t out[16]);
 
 /*
  * Pack a protobuf message into a new malloc'd buffer of *len_out bytes.
@@ -237,6 +244,16 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* The group writer (store/writer.c): appends written through it, and
+     * the transactions they took (their ratio: appends per commit). */
+    KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */
+    KS_C_WRITER_TRANSACTIONS, /* kscore_writer_transactions_total */
+    KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
+    KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
+    /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
+     * written, the identity past its share (broker/budget.c) */
+    KS_C_REPORTS_DROPPED,
+    KS_C_DENIALS_DROPPED,
     KS_C_REFUSED_BUSY,       /* kscore_refused_busy_total: KS_EBUSY */
     KS_C__N
 };

@@ -15,7 +15,6 @@
 #include <check.h>
 #include <jansson.h>
 #include <libpq-fe.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -221,33 +220,9 @@ START_TEST(exec_refused_when_it_cannot_start_in_time)
 }
 END_TEST
 
-/* Replies to the raw requests of broker_stalls (nats.c's thread). */
-struct replies {
-    pthread_mutex_t mu;
-    int n, busy;
-    char ids[8][37];
-};
-
-static void
-on_reply(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
-{
-    struct replies *r = ud;
-    Ks__ExecuteReply *rep = NULL;
-    (void)nc;
-    (void)sub;
-    if (evt_unpack_reply(&ks__execute_reply__descriptor, natsMsg_GetData(m),
-                         (size_t)natsMsg_GetDataLength(m),
-                         (ProtobufCMessage **)&rep) == 0) {
-        pthread_mutex_lock(&r->mu);
-        if (rep->error_code == KS_EBUSY)
-            r->busy++;
-        else if (!rep->error_code && rep->command_id && r->n < 8)
-            snprintf(r->ids[r->n++], 37, "%s", rep->command_id);
-        pthread_mutex_unlock(&r->mu);
-        ks__execute_reply__free_unpacked(rep, NULL);
-    }
-    natsMsg_Destroy(m);
-}
+/* Requests queued in broker_refuses_while_its_queue_stalls: more than the
+ * broker's exec workers (BROKER_EXEC_WORKERS, 8). */
+#define REQUESTS 12
 
 /*
  * The broker's own queue: PostgreSQL stalls its writes (a transaction
@@ -263,30 +238,28 @@ START_TEST(broker_refuses_while_its_queue_stalls)
     const char *extra[] = {"--max-concurrent", "8", NULL};
     PGconn *pg = db(), *lock = db();
     struct evt_conn *c = NULL;
-    natsSubscription *sub = NULL;
-    struct replies r = {.mu = PTHREAD_MUTEX_INITIALIZER};
-    char inbox[EVT_INBOX_MAX], wild[EVT_INBOX_MAX + 4], subject[192];
+    struct evt_inbox *ib = NULL;
+    char subject[192];
     struct fixture_out o;
+    int answered = 0, busy = 0;
 
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov2", "ov2", extra),
                      0);
     c = fixture_client(&stack);
-    ck_assert_int_eq(evt_inbox(c, inbox, sizeof(inbox) - 4), 0);
-    snprintf(wild, sizeof(wild), "%s.*", inbox);
-    ck_assert_int_eq(natsConnection_Subscribe(&sub, c->nc, wild, on_reply, &r),
-                     NATS_OK);
+    ck_assert_int_eq(evt_inbox_take(c, NULL, &ib), 0);
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
 
     PGresult *res = PQexec(lock, "BEGIN; LOCK TABLE events IN ACCESS "
                                  "EXCLUSIVE MODE");
     ck_assert_int_eq(PQresultStatus(res), PGRES_COMMAND_OK);
     PQclear(res);
-    /* Six detached requests: three take the workers (stalled on the
-     * lock), three wait in the intake. */
-    for (int i = 0; i < 6; i++) {
+    /* More detached requests than the broker has exec workers: those
+     * take the workers (stalled on the lock), the rest wait in the
+     * intake. */
+    for (int i = 0; i < REQUESTS; i++) {
         Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
         Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-        char *argv[] = {"true"}, reply[EVT_INBOX_MAX + 8];
+        char *argv[] = {"true"}, suffix[16];
         uint8_t *buf = NULL;
         size_t len = 0;
         spec.argv = argv;
@@ -294,11 +267,10 @@ START_TEST(broker_refuses_while_its_queue_stalls)
         req.spec = &spec;
         req.agent_id = "ov2";
         req.detach = 1;
-        snprintf(reply, sizeof(reply), "%s.%d", inbox, i);
+        snprintf(suffix, sizeof(suffix), "%d", i);
         ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
-        ck_assert_int_eq(natsConnection_PublishRequest(c->nc, subject, reply,
-                                                       buf, (int)len),
-                         NATS_OK);
+        ck_assert_int_eq(evt_inbox_send(ib, subject, suffix, NULL, buf, len),
+                         0);
         free(buf);
     }
     natsConnection_Flush(c->nc);
@@ -314,25 +286,33 @@ START_TEST(broker_refuses_while_its_queue_stalls)
 
     res = PQexec(lock, "COMMIT");
     PQclear(res);
-    /* Nothing the intake took is lost: all six are accepted and end. */
-    for (int i = 0; i < 300; i++) {
-        pthread_mutex_lock(&r.mu);
-        int n = r.n + r.busy;
-        pthread_mutex_unlock(&r.mu);
-        if (n >= 6)
+    /* Nothing the intake took is lost: all are accepted and end. */
+    while (answered < REQUESTS) {
+        natsMsg *m = NULL;
+        Ks__ExecuteReply *rep = NULL;
+        if (evt_inbox_next(ib, 30000, &m) != 0)
             break;
-        sleep_ms(100);
+        if (evt_unpack_reply(&ks__execute_reply__descriptor,
+                             natsMsg_GetData(m),
+                             (size_t)natsMsg_GetDataLength(m),
+                             (ProtobufCMessage **)&rep) == 0) {
+            busy += rep->error_code == KS_EBUSY;
+            ck_assert_msg(rep->error_code == 0 || rep->error_code == KS_EBUSY,
+                          "%s", rep->error);
+            ks__execute_reply__free_unpacked(rep, NULL);
+        }
+        answered++;
+        natsMsg_Destroy(m);
     }
-    pthread_mutex_lock(&r.mu);
-    ck_assert_int_eq(r.busy, 0);
-    ck_assert_int_eq(r.n, 6);
-    pthread_mutex_unlock(&r.mu);
+    ck_assert_int_eq(answered, REQUESTS);
+    ck_assert_int_eq(busy, 0);
     all_ended_once(pg, "ov2", 60);
-    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
-                                  "agent_id = 'ov2' AND status = "
-                                  "'Succeeded'"),
-                     6);
-    natsSubscription_Destroy(sub);
+    char sql[128];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE agent_id = 'ov2' AND "
+             "status = 'Succeeded'");
+    ck_assert_int_eq(sql_long(pg, sql), REQUESTS);
+    evt_inbox_give(ib);
     evt_close(c);
     PQfinish(lock);
     PQfinish(pg);

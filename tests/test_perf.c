@@ -180,11 +180,11 @@ START_TEST(test_quick_all)
     num_at(root, "sustained", "refused");
     ck_assert_int_eq((int)num_at(root, "sustained", "lost"), 0);
     ck_assert(num_at(root, "sustained", "cpu_per_command_us") > 0);
-    num_at(root, "sustained", "cpu_postgres_us_per_cmd");
-    num_at(root, "sustained", "cpu_nats_us_per_cmd");
-    num_at(root, "sustained", "cpu_broker_us_per_cmd");
-    num_at(root, "sustained", "cpu_agent_us_per_cmd");
-    num_at(root, "sustained", "cpu_children_us_per_cmd");
+    num_at(root, "sustained", "pg_cpu_us_per_command");
+    num_at(root, "sustained", "nats_cpu_us_per_command");
+    num_at(root, "sustained", "broker_cpu_us_per_command");
+    num_at(root, "sustained", "agent_cpu_us_per_command");
+    num_at(root, "sustained", "children_cpu_us_per_command");
     num_at(root, "sustained", "p99_us");
     ck_assert(num_at(root, "sustained", "recorded") > 0);
     /* capacity: a search, each trial listed; overload at twice it (or
