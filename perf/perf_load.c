@@ -61,6 +61,8 @@ struct rq {
     uint8_t state;  /* enum rq_state */
     uint8_t asks;
     bool refused;   /* KS_EBUSY on its first ask: not recorded */
+    bool by_agent;  /* ... because of its agent's slots (else kscore's
+                       own queues) */
     bool accepted;  /* the broker named its command */
 };
 
@@ -123,6 +125,8 @@ on_reply(struct load *L, natsMsg *m)
                                 e == KS_EPGDOWN || e == KS_EPGREFUSED))
                 e = KS_EINDOUBT;
             r->refused = e == KS_EBUSY;
+            r->by_agent = r->refused && rep->error &&
+                          strncmp(rep->error, "agent ", 6) == 0;
             if (!L->first_error[0] && !r->refused)
                 snprintf(L->first_error, sizeof(L->first_error), "%s: %s",
                          ks_err_name(e), rep->error ? rep->error : "");
@@ -355,6 +359,8 @@ window_json(struct load *L, int64_t from, int64_t to, int64_t *scratch)
     }
     json_object_set_new(o, "sent", json_integer((json_int_t)sent));
     json_object_set_new(o, "refused", json_integer((json_int_t)refused));
+    json_object_set_new(o, "refused_agent_busy",
+                        json_integer((json_int_t)by_agent));
     json_object_set_new(o, "errors", json_integer((json_int_t)errors));
     if (k) {
         perf__sort(scratch, k);
@@ -508,7 +514,8 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
     }
 
     /* No answer by now: counted as errors (no reply). */
-    size_t refused = 0, errors = 0, accepted = 0, k = 0, no_reply = 0,
+    size_t refused = 0, by_agent = 0, errors = 0, accepted = 0, k = 0,
+           no_reply = 0,
            indoubt = 0;
     int64_t *ref = calloc(L.n, sizeof(*ref));
     size_t nref = 0;
@@ -518,6 +525,7 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
             accepted++;
         if (r->refused) {
             refused++;
+            by_agent += r->by_agent;
             if (ref)
                 ref[nref++] = r->done_us - r->due_us;
         } else if (r->state != RQ_DONE) {
@@ -572,6 +580,8 @@ load_run(const struct perf_ctx *ctx, const struct load_opts *lo,
     json_object_set_new(o, "succeeded", json_integer((json_int_t)k));
     json_object_set_new(o, "accepted", json_integer((json_int_t)accepted));
     json_object_set_new(o, "refused", json_integer((json_int_t)refused));
+    json_object_set_new(o, "refused_agent_busy",
+                        json_integer((json_int_t)by_agent));
     json_object_set_new(o, "errors", json_integer((json_int_t)errors));
     json_object_set_new(o, "no_reply", json_integer((json_int_t)no_reply));
     json_object_set_new(o, "in_doubt", json_integer((json_int_t)indoubt));
