@@ -52,6 +52,13 @@
  *   strict: errors + in flight <= E as well before a dispatch, so at most
  *   E + 1 errors ever happen (the one that spends the budget).
  *
+ * Pacing (issue 23): besides max_concurrency, a target is dispatched only
+ * when its agent's queue has room (admit.c broker__admit_room: less than
+ * two rounds of its slots in flight, its wait within half the delivery
+ * deadline), so a batch to more hosts than the fleet runs at once never
+ * ends Undeliverable because kscore dispatched faster than the agents
+ * take up: each target's deadline runs from its own dispatch.
+ *
  * An offline target (its agent's heartbeat older than the registry TTL
  * when its turn comes) is not dispatched: it ends Undeliverable at once
  * ("no response", reason "offline since HH:MM:SS UTC") rather than after
@@ -496,6 +503,9 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     d->ev.event_id = d->id;
     t->status = KS__COMMAND_STATUS__DISPATCHED;
     bt->running++;
+    if (p->b)
+        broker__admit_dispatched(p->b, t->command_id, t->agent_id,
+                                 cmd->not_after_us, bt->req->spec->timeout_ms);
     return plan_publish(p, cmd);
 }
 
@@ -612,14 +622,41 @@ plan_batch(struct plan *p, struct batch *bt)
         bt->recorded = true;
         bt->accepted_now = true;
     }
-    while (rc == 0 && !p->no_dispatch && may_dispatch(bt)) {
-        struct btarget *t = &bt->t[bt->next];
+    /* Paced: a target goes out only when its agent's queue takes it now
+     * (admit.c), so its delivery deadline runs from a dispatch its agent
+     * can take up soon; the rest wait here, Pending, for the next turns
+     * (each end brings one) instead of in JetStream, where the deadlines
+     * of a batch larger than its fleet can run at once would run out.
+     * A target whose agent has no room is passed over for later ones;
+     * its queue is noted as full for the rest of the turn. */
+    struct ks_map full = KS_MAP_INIT;
+    for (size_t i = next_pending(bt);
+         rc == 0 && !p->no_dispatch && i < bt->n && may_dispatch(bt); i++) {
+        struct btarget *t = &bt->t[i];
         int64_t hb = 0;
-        if (p->b && broker__agent_presence(p->b, t->agent_id, &hb) == 0)
+        char key[EVT_AGENT_ID_MAX + 48];
+        unsigned slots = 0;
+        if (t->status != KS__COMMAND_STATUS__PENDING)
+            continue;
+        if (p->b) {
+            broker__agent_queue(p->b, t->agent_id, key, sizeof(key), &slots);
+            if (ks_map_get(&full, key))
+                continue;
+        }
+        if (p->b && broker__agent_presence(p->b, t->agent_id, &hb) == 0) {
             rc = no_response_pending(p, bt, t, hb);
-        else
-            rc = dispatch_target(p, bt, t);
+            continue;
+        }
+        if (p->b && !broker__admit_room(p->b, key, slots,
+                                        bt->req->deliver_within_ms,
+                                        bt->req->spec->timeout_ms)) {
+            if (ks_map_put(&full, key, bt) != 0)
+                rc = -ENOMEM;
+            continue;
+        }
+        rc = dispatch_target(p, bt, t);
     }
+    ks_map_clear(&full);
     if (rc == 0 && next_pending(bt) < bt->n &&
         (bt->cancel_req || (bt->has_max_err && bt->errors > bt->max_err))) {
         const char *why = bt->cancel_req

@@ -16,6 +16,7 @@ static void
 command_ended(struct broker *b, const char *command_id,
               const Ks__CommandResult *result)
 {
+    broker__admit_ended(b, command_id);
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
     broker__remote_live_end(b, command_id);
@@ -58,6 +59,7 @@ answer_waiter(struct broker *b, const char *command_id)
 static void
 remote_ended(struct broker *b, const char *command_id)
 {
+    broker__admit_ended(b, command_id);
     broker__live_end(b, command_id);
     broker__remote_live_end(b, command_id);
     broker__batch_remote_end(b, command_id);
@@ -330,6 +332,22 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     }
 
+    /* Admission (admit.c): the intake refused at once what could not
+     * start in time, except a request whose key may name a command
+     * already: that key is looked up first (its command is joined), and
+     * only a key that names nothing is refused. */
+    if (req->key_may_exist && req->idempotency_key[0] &&
+        broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
+                            sizeof(why)) == KS_EBUSY) {
+        char winner[37];
+        if (store_command_by_key(st, broker__operator_of(msg),
+                                 req->idempotency_key, winner) == 0 &&
+            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
+            goto out;
+        reply_execute_error(b, msg, KS_EBUSY, "%s", why);
+        goto out;
+    }
+
     ks_uuid(command_id);
     ks_trace_at("broker.execute_in", command_id, t_in);
     snprintf(stream, sizeof(stream), "command-%s", command_id);
@@ -400,6 +418,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (!req->key_may_exist &&
                     !broker__key_seen(b, cmd.operator_,
                                       req->idempotency_key));
+    /* In flight from before its publish: its claim, even its end, may
+     * come before the append returns. */
+    broker__admit_dispatched(b, command_id, cmd.agent_id, cmd.not_after_us,
+                             req->spec->timeout_ms);
     struct store_write wr = {.stream_id = stream,
                              .expected_version = STORE_NO_STREAM,
                              .events = evs,
@@ -409,6 +431,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct store_write_result wres;
     rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
+    if (rc)
+        broker__admit_ended(b, command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -566,6 +590,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
     char stream[64], dup_id[37], why[600];
+    int64_t t_in = ks_mono_us();
     int rc;
 
     (void)nc;
@@ -748,6 +773,10 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    /* The claim stage's pace, and the start of the slot's hold. */
+    broker__admit_claim_done(b, req ? req->command_id : NULL,
+                             r.granted && !(req && req->start_failure),
+                             ks_mono_us() - t_in);
     if (req)
         ks__claim_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
@@ -1527,22 +1556,20 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 18];
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 18];
     size_t nsubs = 0;
 
     /* Every worker's subscription: each handler uses the writer and the
      * store connections closed below. */
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         subs[nsubs++] = &b->claimers[i].sub;
-    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
-        subs[nsubs++] = &b->executors[i].sub;
     {
         natsSubscription **rest[] = {
-            &b->sub_misc,     &b->sub_events, &b->sub_cancel,
-            &b->sub_agents,   &b->sub_follow, &b->sub_batch,
-            &b->sub_advisory, &b->sub_list,   &b->sub_logs,
-            &b->sub_notice,   &b->sub_upload, &b->sub_fetch,
-            &b->exec_again.sub, &b->claim_again.sub};
+            &b->sub_execute,    &b->sub_misc,     &b->sub_events,
+            &b->sub_cancel,     &b->sub_agents,   &b->sub_follow,
+            &b->sub_batch,      &b->sub_advisory, &b->sub_list,
+            &b->sub_logs,       &b->sub_notice,   &b->sub_upload,
+            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub};
         for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
             subs[nsubs++] = rest[i];
     }
@@ -1561,6 +1588,8 @@ broker_teardown(struct broker *b)
             natsSubscription_Destroy(*subs[i]);
             *subs[i] = NULL;
         }
+    /* What the intake took in is served before anything below stops. */
+    broker__admit_stop(b);
     broker__follow_stop(b);
     broker__scanner_stop(b);
     broker__batch_stop(b);
@@ -1587,6 +1616,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_batch);
     store_close(b->st_notice);
     store_close(b->st_blob);
+    broker__admit_free(b);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1706,6 +1736,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             *errmsg = NULL;
         goto out;
     }
+    /* Before the batches: they pace their targets by its figures. */
+    if ((rc = broker__admit_start(&b, on_execute))) {
+        if (errmsg && asprintf(errmsg, "exec workers: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__notice_start(&b, errmsg)) ||
@@ -1784,8 +1821,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = broker__follow_start(&b)))
         goto out;
-    if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
-                                EVT_API_EXECUTE, on_execute, errmsg)) ||
+    if ((rc = subscribe(&b, &b.sub_execute, EVT_API_EXECUTE,
+                        broker__intake_push, errmsg)) ||
         (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
                           on_execute, &b.exec_again, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,

@@ -104,6 +104,14 @@ struct broker__follower {
 /* Connections of the group writer (store.h): the appends of the workers
  * above and of the recorder's single results share its transactions. */
 #define BROKER_WRITER_CONNS 1
+/* The longest a request may be expected to wait in kscore's own queues
+ * (the intake and the claims), and to start at all when it gave no
+ * delivery deadline, before it is refused as busy (admit.c; ms). From
+ * measurements (perf/BASELINE.md "Overload", an A/B of 250 against 500 at
+ * 300 commands/s on this 2-core machine): with 500 the accepted p99 was
+ * 0.8-1.5 s, with 250 0.65-0.78 s, what is accepted still ends within
+ * 1 s. */
+#define BROKER_QUEUE_MAX_MS 250
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
@@ -218,6 +226,8 @@ struct broker {
     atomic_bool link_dead;
 
     struct broker__batches *batches; /* batch.c */
+    struct broker__admit *admit;     /* admit.c: in flight, the intake */
+    natsSubscription *sub_execute;   /* kscore.api.v1.execute: the intake */
     natsSubscription *sub_batch;
     struct store *st_batch;
 
@@ -516,6 +526,56 @@ struct broker__cancel_outcome {
 int broker__cancel_command(struct broker *b, struct store *st,
                            const char *command_id, const char *operator_name,
                            struct broker__cancel_outcome *out);
+
+/* ---- admission and the exec intake (admit.c) ---- */
+/*
+ * Starts the exec workers (one per b->executors[i], with its store
+ * connection), which take requests from the intake in arrival order and
+ * run handler(NULL, NULL, msg, &b->executors[i]) on each (it destroys the
+ * message). 0, -ENOMEM or KS_EINTERNAL (then call broker__admit_stop).
+ */
+int broker__admit_start(struct broker *b, natsMsgHandler handler);
+/* Serves what the intake still holds and joins the workers (call after
+ * the execute subscription is drained); the figures stay until
+ * broker__admit_free, when no other thread uses them. Both accept a
+ * broker whose admission never started. */
+void broker__admit_stop(struct broker *b);
+void broker__admit_free(struct broker *b);
+/* The execute subscription's callback (ud: the broker): refuses at once
+ * (KS_EBUSY) a request that cannot start in time, else queues it for the
+ * workers. */
+void broker__intake_push(natsConnection *nc, natsSubscription *sub,
+                         natsMsg *msg, void *ud);
+/* 0 when a command for agent_id with delivery deadline deliver_ms (0:
+ * none given) can start in time, else KS_EBUSY with why (len bytes)
+ * naming the limit and the figures (admit.c's rule). Any thread. */
+int broker__admit_check(struct broker *b, const char *agent_id,
+                        uint64_t deliver_ms, char *why, size_t len);
+/* Batch pacing: true when the queue named key (broker__agent_queue, with
+ * its slots) takes one more command now (less than two rounds of its
+ * slots in flight, one while its hold is unknown and the command's
+ * timeout_ms (0: none) does not bound it; its wait within half of
+ * deliver_ms; kscore's own queues within BROKER_QUEUE_MAX_MS). */
+bool broker__admit_room(struct broker *b, const char *key, unsigned slots,
+                        uint64_t deliver_ms, uint64_t timeout_ms);
+/* command_id was dispatched here to agent_id (its first deadline
+ * not_after_us, epoch; its spec's timeout, 0: none): in flight until its
+ * end is noted (broker__admit_ended) or long past both. */
+void broker__admit_dispatched(struct broker *b, const char *command_id,
+                              const char *agent_id, int64_t not_after_us,
+                              uint64_t timeout_ms);
+/* A claim was answered (handler_us: the time its handler took); granted:
+ * command_id started (its slot's hold is timed from now). */
+void broker__admit_claim_done(struct broker *b, const char *command_id,
+                              bool granted, int64_t handler_us);
+/* command_id ended (here or noticed from another broker). */
+void broker__admit_ended(struct broker *b, const char *command_id);
+/* The queue agent_id's commands wait in (registry.c): "pool:<pool>",
+ * "proc:<instance>" (its process's ids share its slots) or "id:<id>",
+ * into key (len bytes), and its slots (AgentInfo.max_concurrent; 0 when
+ * unknown). Takes b->mu. */
+void broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                         size_t len, unsigned *slots);
 
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);

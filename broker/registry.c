@@ -1356,6 +1356,24 @@ broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
     pthread_mutex_unlock(&b->mu);
 }
 
+void
+broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                     size_t len, unsigned *slots)
+{
+    struct broker__agent *a;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    *slots = a && a->info ? a->info->max_concurrent : 0;
+    if (a && a->info && a->info->pool && a->info->pool[0])
+        snprintf(key, len, "pool:%s", a->info->pool);
+    else if (a && a->cur.id[0])
+        snprintf(key, len, "proc:%s", a->cur.id);
+    else
+        snprintf(key, len, "id:%s", agent_id);
+    pthread_mutex_unlock(&b->mu);
+}
+
 int
 broker__agent_pool_known(struct broker *b, const char *agent_id, char *buf,
                          size_t len)

@@ -60,6 +60,9 @@ int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 /* The outcome is unknown: the command may be recorded (and run); `kscore
  * get <id>` tells. Distinct from 125, which says it was not accepted. */
 #define CLI_EXIT_UNKNOWN 69
+/* Refused because it could not start in time (KS_EBUSY): nothing was
+ * recorded, asking again later is safe. sysexits.h EX_TEMPFAIL. */
+#define CLI_EXIT_BUSY 75
 #define CLI_EXIT_CANNOT_RUN 126 /* start failed (cwd, permission, E2BIG) */
 #define CLI_EXIT_NOT_FOUND 127 /* start failed: program not found */
 /* kscore batch: no target failed, but some never ran (through): no

@@ -15,8 +15,10 @@ static const char exec_usage[] =
     "       kscore exec [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
     "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
-    "and the command was not accepted, 69 when the outcome is unknown: it\n"
-    "names the command for kscore get; see README \"Exit codes\").\n"
+    "and the command was not accepted, 75 when it was refused because it\n"
+    "could not start within its delivery deadline (busy: nothing recorded,\n"
+    "try again later), 69 when the outcome is unknown: it names the command\n"
+    "for kscore get; see README \"Exit codes\").\n"
     "  --agent ID          target agent (default: the local stack's agent)\n"
     "  --timeout D         SIGTERM to the process group after D (default: "
     "none)\n"
@@ -27,6 +29,8 @@ static const char exec_usage[] =
     "                      never see it (repeatable)\n"
     "  --cwd DIR           working directory (default /)\n"
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
+    "                      (default 30s); refused at once (exit 75) when it\n"
+    "                      cannot start in D (without it: in 250 ms)\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
     "                      (safe to repeat after exit 69)\n"
@@ -205,7 +209,9 @@ cmd_exec(int argc, char **argv)
                                     json_string(rep->command_id));
             cli_print_json(o);
         }
-        rc = unknown ? CLI_EXIT_UNKNOWN : CLI_EXIT_KSCORE;
+        rc = unknown                            ? CLI_EXIT_UNKNOWN
+             : rep->error_code == KS_EBUSY ? CLI_EXIT_BUSY
+                                           : CLI_EXIT_KSCORE;
         goto out;
     }
     if (req.detach) {

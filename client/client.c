@@ -201,9 +201,12 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 rep->error_code != KS_EINDOUBT &&
                 (rep->error_code == KS_EPGDOWN ||
                  rep->error_code == KS_EPGREFUSED ||
-                 rep->error_code == KS_EPG)) {
+                 rep->error_code == KS_EPG || rep->error_code == KS_EBUSY)) {
                 /* A later ask was refused, but the first one was never
-                 * answered: it may have recorded the command. */
+                 * answered: it may have recorded the command (a busy
+                 * broker refuses an ask again only when the key names
+                 * nothing yet, but the first ask may still wait in its
+                 * queue). */
                 char *t = NULL;
                 if (asprintf(&t,
                              "the outcome is unknown: %s; an earlier request "

@@ -72,8 +72,10 @@ int broker_call(struct evt_conn *c, const char *subject,
  * answer to the record's commit, an earlier ask with the same idempotency
  * key may have recorded it, or the command is recorded and no broker
  * answers for its end); command_id then names it when known ("" when only
- * the key does: asking again with the same key is safe). Any other
- * error_code: not recorded. A refusal of a later ask (asked again after
+ * the key does: asking again with the same key is safe). KS_EBUSY: the
+ * broker refused it because it could not start within its delivery
+ * deadline (the error names the limit and the figure); not recorded,
+ * asking again later is safe. Any other error_code: not recorded. A refusal of a later ask (asked again after
  * silence) once the command's id came back is not the command's: it is
  * not returned, the wait goes on.
  */

@@ -809,6 +809,29 @@ int evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
 int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, char *why, size_t why_len);
 
+/*
+ * One field of a protobuf message on the wire (protobuf.dev "Encoding":
+ * a varint key, field number << 3 | wire type). number >= 1; type 0
+ * (varint: value), 1 (8 bytes), 2 (length-delimited), 5 (4 bytes): data
+ * and len are the field's bytes for 1, 2 and 5 (they point into the
+ * message).
+ */
+struct evt_wire_field {
+    uint32_t number;
+    unsigned type;
+    uint64_t value;
+    const uint8_t *data;
+    size_t len;
+};
+/*
+ * Reads the top-level field at *p (end: the message's end) into *f and
+ * moves *p past it, without decoding anything else (a field a reader does
+ * not need costs nothing, however long). 0; 1 at the end (*p == end);
+ * KS_EDECODE when malformed or a group (not in kscore.proto). Pure.
+ */
+int evt_wire_next(const uint8_t **p, const uint8_t *end,
+                  struct evt_wire_field *f);
+
 /* A durable push consumer, created (or updated) explicitly and then bound,
  * so that unsubscribing never deletes it: nats.c deletes a consumer that
  * js_Subscribe itself created when the subscription is unsubscribed or
