@@ -130,7 +130,8 @@ agent_was_signed(struct broker *b, const char *id)
 }
 
 /*
- * Decides info's labels, before anything looks at them. An agent writes
+ * Decides info's labels, before anything looks at them (settled: what
+ * they came from, for agent_update). An agent writes
  * its own entry, so the labels it declares are its own say: with them one
  * agent's credential could take the commands and secrets meant for
  * another group (--select env=prod, label policy rules). What it cannot
@@ -148,21 +149,38 @@ agent_was_signed(struct broker *b, const char *id)
  * whose agents were never enrolled, tests). A revoked agent's attestation
  * stays valid as a signature, but its NKey is gone, so it can write no
  * entry to show it in.
- * true when the labels are attested; *why: NULL, or why not (static text)
- * when that deserves a log line; *verified: the attestation's text
- * (malloc'd, for agent_update's cache) when it is.
+ * A relabel of info's subject (kscore agent label: labels.c) newer than
+ * its attestation, or for an entry without a valid one, gives it the
+ * relabel's labels instead.
+ * true when the labels are attested (or a relabel's); *why: NULL, or why
+ * not (static text) when that deserves a log line; *verified: the
+ * attestation's text (malloc'd, for agent_update's cache) when it
+ * verified.
  */
 static bool
 labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
-              char **verified)
+              char **verified, struct broker__settled *settled)
 {
     bool require = b->opts && b->opts->require_signed_labels;
-    bool was_signed = false;
+    bool was_signed = false, valid;
 
     *why = NULL;
     *verified = NULL;
+    memset(settled, 0, sizeof(*settled));
+    valid = info->labels_signature.len && attestation_valid(b, info, verified);
+    settled->entry_at_us = valid ? info->labels_enrolled_at_us : 0;
+    /* A relabel (labels.c): this broker's later word on the same
+     * subject (the id, or the pool's "pool.<pool>/<size>"), newer than
+     * the entry's own attestation or standing for a missing one. */
+    if (broker__relabel_settle(b, info->agent_id,
+                               valid ? info->labels_enrolled_at_us
+                                     : INT64_MIN,
+                               info, settled)) {
+        drop_labels(&info->attested_labels, &info->n_attested_labels);
+        return true;
+    }
     if (info->labels_signature.len) {
-        if (attestation_valid(b, info, verified)) {
+        if (valid) {
             Ks__EnvVar **declared = info->labels;
             size_t n_declared = info->n_labels;
             info->labels = info->attested_labels;
@@ -346,8 +364,8 @@ heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
  * does one that is no live heartbeat (live: heartbeat_live). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why, char *verified,
-             bool watched, bool live)
+             bool labels_signed, const struct broker__settled *settled,
+             const char *why, char *verified, bool watched, bool live)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -373,6 +391,10 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     a->info = info;
     a->labels_signed = labels_signed;
     a->ever_signed = a->ever_signed || labels_signed;
+    a->entry_at_us = settled->entry_at_us;
+    a->relabel_at_us = settled->relabelled ? settled->at_us : 0;
+    snprintf(a->relabel_by, sizeof(a->relabel_by), "%s",
+             settled->relabelled ? settled->by : "");
     /* What verified, for the next heartbeat to match (cache). */
     if (verified)
         memcpy(a->attest_sig, info->labels_signature.data,
@@ -462,6 +484,8 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
     if (info->n_labels > AGENT_INFO_MAX_LABELS ||
         info->n_attested_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     return NULL;
 }
 
@@ -773,6 +797,8 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
         return "a pool entry larger than 256 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     if (info->pool_size == 0 || info->pool_size > BROKER_POOL_MAX ||
         info->n_pool_ids > info->pool_size)
         return "its pool_size is 0, over the limit, or below its ids";
@@ -815,10 +841,11 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     char *own_id0 = info->agent_id, *verified = NULL,
          attest_id[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX + 12];
     const char *why = NULL;
+    struct broker__settled settled;
     evt_pool_attest_id(attest_id, sizeof(attest_id), info->pool,
                        info->pool_size);
     info->agent_id = attest_id;
-    bool sig = labels_settle(b, info, &why, &verified);
+    bool sig = labels_settle(b, info, &why, &verified, &settled);
     info->agent_id = own_id0;
     free(verified);
     /* The pool's name and size are this broker's word, or nothing: an
@@ -860,7 +887,7 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, sig, NULL, NULL, true, live);
+        agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -958,6 +985,11 @@ registry_main(void *arg)
             b->reg_watch_mono_us = last_entry;
             pthread_mutex_unlock(&b->mu);
         }
+        /* Relabels recorded by another broker (its notice), or every
+         * BROKER_RELABEL_RELOAD_US: the next heartbeat of each agent
+         * takes them (labels.c). */
+        if (broker__relabels_due(b) && broker__relabels_load(b, b->st_reg))
+            atomic_store(&b->relabels_dirty, true);
         s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
             continue;
@@ -1008,7 +1040,9 @@ registry_main(void *arg)
                 if (!bad) {
                     const char *why = NULL;
                     char *verified = NULL;
-                    bool sig = labels_settle(b, info, &why, &verified);
+                    struct broker__settled settled;
+                    bool sig =
+                        labels_settle(b, info, &why, &verified, &settled);
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
@@ -1017,8 +1051,8 @@ registry_main(void *arg)
                     bool live = heartbeat_live(info, put_us, server_us);
                     if (!live)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
-                    agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified, true, live);
+                    agent_update(b, kvEntry_Key(e), info, sig, &settled,
+                                 why, verified, true, live);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1058,7 +1092,15 @@ registry_main(void *arg)
 int
 broker__registry_start(struct broker *b, char **errmsg)
 {
-    (void)errmsg;
+    /* The relabels before any entry: an id relabelled (so signed) is
+     * never served with unsigned labels, not even for a heartbeat. */
+    int rc = broker__relabels_load(b, b->st_reg);
+    if (rc) {
+        if (errmsg && asprintf(errmsg, "cannot read the agents' relabels: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        return rc;
+    }
     if (pthread_create(&b->reg_thread, NULL, registry_main, b) != 0)
         return KS_EINTERNAL;
     b->reg_started = true;
@@ -1086,6 +1128,7 @@ broker__registry_stop(struct broker *b)
     b->reg_started = false;
     ks_map_each(&b->agents, free_agent, NULL);
     ks_map_clear(&b->agents);
+    broker__relabels_free(b);
 }
 
 int
@@ -1113,8 +1156,10 @@ broker__agent_known(struct broker *b, const char *agent_id)
         }
         const char *why = NULL;
         char *verified = NULL;
-        bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified, false, false);
+        struct broker__settled settled;
+        bool sig = labels_settle(b, info, &why, &verified, &settled);
+        agent_update(b, agent_id, info, sig, &settled, why, verified, false,
+                     false);
         return 1;
     }
     return 0;
@@ -1149,6 +1194,10 @@ add_status(const char *key, void *val, void *ud)
     }
     st->last_seen_us = a->info->heartbeat_at_us;
     st->labels_signed = a->labels_signed;
+    if (a->relabel_at_us) {
+        st->labels_by = strdup(a->relabel_by);
+        st->labels_at_us = a->relabel_at_us;
+    }
     st->online =
         acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
     if (agent_duplicate(a, acc->now_mono)) {
@@ -1212,6 +1261,8 @@ broker__agents_reply_free(Ks__AgentsReply *r)
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
         if (r->agents[i]->duplicate_host != protobuf_c_empty_string)
             free(r->agents[i]->duplicate_host);
+        if (r->agents[i]->labels_by != protobuf_c_empty_string)
+            free(r->agents[i]->labels_by);
         free(r->agents[i]);
     }
     free(r->agents);

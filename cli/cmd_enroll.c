@@ -628,11 +628,21 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
             return CLI_EXIT_USAGE;
         }
     }
-    for (size_t i = 0; i < n_labels; i++)
+    for (size_t i = 0; i < n_labels; i++) {
+        char why[200], key[BROKER_LABEL_KEY_MAX + 2];
+        const char *eq = strchr(labels[i], '=');
         if (!label_ok(labels[i])) {
             cli_err("bad --label '%s': expected KEY=VALUE", labels[i]);
             return CLI_EXIT_USAGE;
         }
+        /* What `kscore agent label` takes too (a key too long is cut
+         * here, and refused for its length). */
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - labels[i]), labels[i]);
+        if (broker_label_check(key, eq + 1, why, sizeof(why))) {
+            cli_err("bad --label '%s': %s", labels[i], why);
+            return CLI_EXIT_USAGE;
+        }
+    }
     for (size_t i = 0; i < n_urls; i++)
         if (!url_ok(urls[i])) {
             cli_err("bad --nats-url '%s': tls://HOST:PORT (or nats://, or "

@@ -135,6 +135,13 @@ cmd_exec(int argc, char **argv)
         free(env_url);
         goto out;
     }
+    /* A usage error (README "Exit codes": 2), said before any
+     * connection, as the broker would refuse it. */
+    if (!evt_agent_id_valid(agent)) {
+        cli_err("bad agent id '%s' (letters, digits, _ and -, up to %d)",
+                agent, EVT_AGENT_ID_MAX);
+        goto out;
+    }
     req.agent_id = (char *)agent;
     req.spec = sp;
     /* The script and stdin are read whole before anything is sent. */
@@ -564,6 +571,10 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
            cli_time(e->recorded_at_us), e->event->agent_id);
     if (e->event->result)
         printf("  %s", kproto_status_name(e->event->result->status));
+    if (e->event->wave)
+        printf("  wave %u", e->event->wave);
+    if (e->event->rerun_batch_id[0])
+        printf("  %s", e->event->rerun_batch_id);
     if (e->event->reason[0] && strcmp(e->event->type, "CommandRequested") != 0)
         printf("  (%s)", e->event->reason);
     if (e->event->command && e->event->command->spec)
@@ -578,7 +589,8 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
 static const char events_usage[] =
     "usage: kscore events ID [--json]\n"
     "       kscore events --follow [ID] [--json]\n"
-    "ID is a command id, or a stream id (command-<uuid>, batch-<uuid>).\n"
+    "ID is a command id, or a stream id (command-<uuid>, batch-<uuid>,\n"
+    "agent-<id>: an agent's relabels and refused reports, pool-<pool>).\n"
     "--follow prints events as they are recorded: for one stream until its\n"
     "terminal event, for all streams (no ID) until interrupted.\n";
 
@@ -627,7 +639,13 @@ cmd_events(int argc, char **argv)
         if (ks_is_uuid(id))
             snprintf(stream, sizeof(stream), "command-%s", id);
         else if ((strncmp(id, "command-", 8) == 0 ||
-                  strncmp(id, "batch-", 6) == 0) &&
+                  strncmp(id, "batch-", 6) == 0 ||
+                  /* an agent's (its relabels, refused reports) or a
+                   * pool's (its relabels) */
+                  (strncmp(id, "agent-", 6) == 0 &&
+                   evt_agent_id_valid(id + 6)) ||
+                  (strncmp(id, "pool-", 5) == 0 &&
+                   evt_agent_id_valid(id + 5))) &&
                  strlen(id) < sizeof(stream))
             snprintf(stream, sizeof(stream), "%s", id);
         else {
