@@ -478,6 +478,7 @@ static const char usage[] =
     "FILE]\n"
     "       kscore agent revoke ID|pool-POOL [--nats URL]\n"
     "       kscore agent list [--json]\n"
+    "       kscore agent label ID|pool-POOL KEY=VALUE|KEY-... [--json]\n"
     "The agents of the stack in $KSCORE_HOME (now %s).\n"
     "enroll makes agent ID's NATS identity (an NKey allowed only what agent\n"
     "ID may do) and writes a bundle (default $KSCORE_HOME/bundles/ID.bundle,\n"
@@ -495,7 +496,9 @@ static const char usage[] =
     "permissions name each of its ids and nothing of any other agent.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
-    "for it are refused.\n";
+    "for it are refused.\n"
+    "label changes an agent's signed labels without a new enrolment (see\n"
+    "kscore agent label --help); list shows the labels of the enrolment.\n";
 
 /* The broker's signature over id, at and the "K=V" labels
  * (evt_labels_sign). 0 or a negative code. */
