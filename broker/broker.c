@@ -647,6 +647,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                 req->attempt, claimed_at);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
+        char identity[16 + EVT_AGENT_ID_MAX];
         ks_metric_inc(KS_C_CLAIM_CONFLICTS);
         broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
                            req->command_id);
@@ -655,7 +656,14 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         d.reason = "claim lost: the command was already claimed, "
                    "re-dispatched or ended";
         struct store_event de = {&d};
-        store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
+        /* An annotation the agent causes at will (a claim of its own
+         * ended command, again and again): within its share only
+         * (budget.c). */
+        broker__report_identity(b, req->agent_id, identity,
+                                sizeof(identity));
+        if (broker__budget_take(b, identity, ks__event__get_packed_size(&d),
+                                BROKER_ANNOTATION_REPORT))
+            store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else if (rc == KS_EDENIED) {
@@ -1463,6 +1471,7 @@ broker_teardown(struct broker *b)
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
     broker__remote_live_free(b);
+    broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_mutex_destroy(&b->blob_mu);
@@ -1508,6 +1517,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
+    if ((rc = broker__budget_init(&b)))
+        goto out;
 
     if (!opts->signing_key || !opts->signing_key[0]) {
         rc = KS_EINVAL;

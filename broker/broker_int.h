@@ -217,6 +217,8 @@ struct broker {
     struct ks_map relabels;
     int64_t relabels_loaded_mono_us;
     atomic_bool relabels_dirty;
+    /* budget.c: annotation rows per identity. */
+    struct broker__budget *budget;
 };
 
 /* What labels_settle (registry.c) decided an entry's labels came from. */
@@ -401,6 +403,10 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * thread. */
 void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
+/* As broker__agent_pool; 1 if the registry has an entry for agent_id, 0
+ * if not. */
+int broker__agent_pool_known(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
  * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
@@ -544,6 +550,39 @@ int broker__batch_view(struct broker *b, struct store *st,
  * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
+
+/* ---- annotation rows per identity (budget.c) ----
+ * Each identity (agent-<id>, pool-<pool>, operator-<name>, or
+ * "unregistered": every agent id the registry has no entry for) may add
+ * 1000 annotation rows at once, then 10 a second, and 64 MiB of them,
+ * then 64 KiB a second, per broker; past that an annotation is not
+ * written, only counted and summed up in the log. */
+enum broker__annotation {
+    BROKER_ANNOTATION_REPORT, /* ReportRejected, LateResult, CommandRejected */
+    BROKER_ANNOTATION_DENIAL, /* RequestDenied */
+};
+/* 0 or -ENOMEM; broker__budget_free (accepts an unset one) releases. */
+int broker__budget_init(struct broker *b);
+void broker__budget_free(struct broker *b);
+/* true: identity may add one annotation row of `bytes` bytes (taken from
+ * its share); false: past its share, do not write it (counted in
+ * kscore_annotations_dropped_total, logged in summary). Any thread. */
+bool broker__budget_take(struct broker *b, const char *identity,
+                         size_t bytes, enum broker__annotation kind);
+/* Scanner tick: the summary lines of identities still past their share,
+ * and forgets the identities whose share is whole again. */
+void broker__budget_sweep(struct broker *b);
+/* The identity whose share an agent id's annotations use, into buf
+ * (>= 16 + EVT_AGENT_ID_MAX): "pool-<pool>" for an id of a pool,
+ * "agent-<id>" for another id the registry knows, else "unregistered".
+ * Any thread; takes mu. */
+void broker__report_identity(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
+/* broker__admit_report with the budget (store_check_fn, ud: the broker):
+ * a report that would be kept as an annotation while its identity is past
+ * its share is STORE_CHECK_DROP. Recorder thread. */
+int broker__admit_bounded(const struct store_command_state *st,
+                          const Ks__Event *ev, const char **why, void *ud);
 
 /* ---- output in pieces (output.c) ---- */
 /* The rule for an agent's output piece (store_output_check_fn). */

@@ -616,7 +616,13 @@ broker__record_denied(struct broker *b, struct store *st, const char *op,
         cmd.operator_ = (char *)op;
         ev.command = &cmd;
     }
+    char identity[16 + EVT_IDENTITY_MAX];
+    snprintf(identity, sizeof(identity), "operator-%s", op);
+    /* Past the operator's share of annotation rows it is still denied,
+     * only not written (budget.c). */
+    if (!broker__budget_take(b, identity, ks__event__get_packed_size(&ev),
+                             BROKER_ANNOTATION_DENIAL))
+        return;
     struct store_event se = {&ev};
-    (void)b;
     store_append(st, stream, STORE_ANY, &se, 1, NULL);
 }

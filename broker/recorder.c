@@ -185,13 +185,20 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
     for (size_t i = 0; i < nev; i++) {
         const Ks__Event *one[1] = {evs[i]};
         char why[512], reason[700];
-        int rc = store_append_checked(b->st_rec, one, 1, broker__admit_report,
+        int rc = store_append_checked(b->st_rec, one, 1, broker__admit_bounded,
                                       b, &verdicts[i], NULL);
         if (store_db_sick(rc))
             return rc;
         if (rc == 0)
             continue;
         broker__store_error(b->st_rec, rc, why, sizeof(why));
+        char identity[16 + EVT_AGENT_ID_MAX];
+        broker__report_identity(b, evs[i]->agent_id, identity,
+                                sizeof(identity));
+        if (!broker__budget_take(b, identity, 0, BROKER_ANNOTATION_REPORT)) {
+            verdicts[i] = STORE_STEP_DROPPED;
+            continue;
+        }
         snprintf(reason, sizeof(reason), "%s: could not be recorded (%s)",
                  evs[i]->type, why);
         Ks__Event bare;
@@ -327,21 +334,28 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                            kproto_arena_pb(ar), &m);
         Ks__Event *ev = (Ks__Event *)m;
         char want[16 + EVT_AGENT_ID_MAX + 40];
-        if (rc == 0)
-            evt_event_subject(want, sizeof(want), ev->agent_id,
-                              ev->command_id);
         /* The subject is what NATS permissions vouch for: an agent may only
          * publish under its own id, so an event claiming another agent (or
          * another command) is refused. */
         if (rc || !ks_is_uuid(ev->event_id) || !ks_is_uuid(ev->command_id) ||
             !evt_agent_id_valid(ev->agent_id) || !ev->type[0] ||
-            strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
+            !evt_event_subject_ok(natsMsg_GetSubject(msgs[i]), ev->agent_id,
+                                  ev->command_id)) {
             /* A message that can never be recorded: drop it for good
-             * rather than redeliver it forever. */
-            ks_log(KS_LOG_WARN, "dropping an undecodable or misaddressed "
-                                "event",
-                   KS_S("module", "recorder"),
-                   KS_S("subject", natsMsg_GetSubject(msgs[i])));
+             * rather than redeliver it forever. Said once per message
+             * within its sender's share of annotations, then summed up
+             * (budget.c): a flood of junk is not a flood of lines. */
+            char identity[16 + EVT_AGENT_ID_MAX];
+            broker__report_identity(
+                b, evt_event_subject_agent(natsMsg_GetSubject(msgs[i]),
+                                           want, sizeof(want)),
+                identity, sizeof(identity));
+            if (broker__budget_take(b, identity, 0,
+                                    BROKER_ANNOTATION_REPORT))
+                ks_log(KS_LOG_WARN, "dropping an undecodable or "
+                                    "misaddressed event",
+                       KS_S("module", "recorder"),
+                       KS_S("subject", natsMsg_GetSubject(msgs[i])));
             natsMsg_Term(msgs[i], NULL);
             natsMsg_Destroy(msgs[i]);
             msgs[i] = NULL;
@@ -381,7 +395,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             snprintf(known.agent_id, sizeof(known.agent_id), "%s",
                      h->agent_id);
             rc = store_append_checked_at(b->st_rec, evs[0], &known,
-                                         h->version, broker__admit_report,
+                                         h->version, broker__admit_bounded,
                                          b);
             free(h);
             if (rc == 0 || rc == KS_EDUPLICATE) {
@@ -423,7 +437,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         if (rc == 0 && nev)
             rc = store_append_checked(b->st_rec,
                                       (const Ks__Event *const *)evs, nev,
-                                      broker__admit_report, b, verdicts,
+                                      broker__admit_bounded, b, verdicts,
                                       &dups);
         if (rc == 0 || b->stopping)
             break;
@@ -489,7 +503,8 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             broker__command_ended(b, evs[i]->command_id, evs[i]->result);
         }
         else if (rc == 0 && verdicts[i] != STORE_STEP_APPLY &&
-                 verdicts[i] != STORE_STEP_DUPLICATE)
+                 verdicts[i] != STORE_STEP_DUPLICATE &&
+                 verdicts[i] != STORE_STEP_DROPPED) /* budget.c says */
             ks_log(KS_LOG_INFO, "report kept as an annotation",
                    KS_S("module", "recorder"), KS_S("type", evs[i]->type),
                    KS_S("command_id", evs[i]->command_id),

@@ -1284,6 +1284,23 @@ broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
     pthread_mutex_unlock(&b->mu);
 }
 
+int
+broker__agent_pool_known(struct broker *b, const char *agent_id, char *buf,
+                         size_t len)
+{
+    struct broker__agent *a;
+    int known;
+
+    buf[0] = '\0';
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    known = a != NULL;
+    if (a && a->info && a->info->pool)
+        snprintf(buf, len, "%s", a->info->pool);
+    pthread_mutex_unlock(&b->mu);
+    return known;
+}
+
 Ks__AgentInfo *
 broker__agent_info(struct broker *b, const char *agent_id)
 {

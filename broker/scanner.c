@@ -186,6 +186,40 @@ on_running(const struct store_command_ref *ref, void *ud)
 #define GUARD_PERIOD_US (5 * INT64_C(1000000))
 #define GUARD_TIMEOUT_MS 500
 
+/*
+ * Agents whose share of the events stream is full (EVT_EVENTS_PER_SUBJECT
+ * unrecorded events): nats-server refuses their publishes and only the
+ * agent hears of it, so say here who they are, once per guard period
+ * while it lasts. An agent that floods reports stays there; one whose
+ * events wait for a stalled recorder gets there too.
+ */
+static void
+note_agents_at_share(struct broker *b)
+{
+    char **ids = NULL, list[512] = "";
+    size_t n = 0, used = 0;
+
+    if (evt_events_agents_at_share(b->nc, GUARD_TIMEOUT_MS, &ids, &n) != 0 ||
+        n == 0) {
+        evt_strv_free(ids, n);
+        return;
+    }
+    for (size_t i = 0; i < n && used + 2 < sizeof(list); i++) {
+        int w = snprintf(list + used, sizeof(list) - used, "%s%s",
+                         i ? "," : "", ids[i]);
+        if (w < 0 || (size_t)w >= sizeof(list) - used)
+            break;
+        used += (size_t)w;
+    }
+    ks_log(KS_LOG_WARN,
+           "agents at their share of the events stream: nats-server "
+           "refuses their reports until the recorder takes what they have "
+           "waiting (an agent that floods, or a recorder that is behind)",
+           KS_S("module", "scanner"), KS_I("agents", n),
+           KS_S("agent_ids", list), KS_I("share", EVT_EVENTS_PER_SUBJECT));
+    evt_strv_free(ids, n);
+}
+
 static void
 guard_jetstream(struct broker *b)
 {
@@ -220,6 +254,7 @@ guard_jetstream(struct broker *b)
     for (int i = 0; i < EVT_PARTS; i++)
         if (missing & (1u << i))
             ks_metric_inc(KS_C_JETSTREAM_REPAIRS);
+    note_agents_at_share(b);
 }
 
 static void *
@@ -271,6 +306,7 @@ scanner_main(void *arg)
             last_sweep = ks_mono_us();
             broker__remote_live_sweep(b, b->st_scan);
         }
+        broker__budget_sweep(b);
     }
     return NULL;
 }

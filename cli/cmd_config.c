@@ -57,6 +57,8 @@ static const struct conf_key conf_keys[] = {
      false, 0, 0},
     {"replicas", "KSCORE_REPLICAS", B, CT_UINT, false, 1, 5},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
+    {"metrics_token_file", "KSCORE_METRICS_TOKEN_FILE", B | A, CT_STR, false,
+     0, 0},
     {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},
     {"label", "KSCORE_LABELS", A, CT_LABEL, true, 0, 0},

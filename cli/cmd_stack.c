@@ -547,10 +547,14 @@ recorder_state(void)
 {
     char *url = cli_env_get("KSCORE_BROKER_METRICS_URL");
     const char *colon = url ? strrchr(url, ':') : NULL, *st = NULL;
-    char *body = NULL;
+    char *body = NULL, token[EVT_TOKEN_MAX + 1] = "", path[4200];
     int port = colon ? atoi(colon + 1) : 0;
 
-    if (port > 0 && stack_http_get(port, "/metrics", 1000, &body) == 0 &&
+    snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, cli_home());
+    if (evt_token_file_read(path, token, sizeof(token), NULL) != 0)
+        token[0] = '\0';
+    if (port > 0 &&
+        stack_http_get_auth(port, "/metrics", token, 1000, &body) == 0 &&
         body) {
         if (metric_on(body, "kscore_recorder_stalled{cause=\"refuses_writes\"}"))
             st = "stalled: PostgreSQL refuses writes (the broker's log "
@@ -615,10 +619,11 @@ print_status(bool json, struct cli_conn *cc)
         json_object_set_new(p, "pid", alive ? json_integer(pid) : json_null());
         if (node) {
             /* A node: its port, its name and its JetStream role (leader
-             * or follower of the meta group), from its monitoring port. */
+             * or follower of the meta group), from its monitoring
+             * (stack_nats_monitor). */
             const struct stack_node *nd = &nodes[atoi(name + 5) - 1];
             struct stack_js_info ji;
-            bool have = alive && stack_nats_js_info(nd->mon_port, &ji) == 0;
+            bool have = alive && stack_nats_js_info(nd, &ji) == 0;
             long rss = alive ? stack_rss_kb(pid) : -1;
             snprintf(naddr, sizeof(naddr), "nats://127.0.0.1:%d", nd->port);
             addr = naddr;
@@ -626,8 +631,6 @@ print_status(bool json, struct cli_conn *cc)
             json_object_set_new(p, "port", json_integer(nd->port));
             json_object_set_new(p, "route_port",
                                 json_integer(nd->route_port));
-            json_object_set_new(p, "monitor_port",
-                                json_integer(nd->mon_port));
             json_object_set_new(p, "server_name",
                                 have ? json_string(ji.server_name)
                                      : json_null());
@@ -707,17 +710,16 @@ print_status(bool json, struct cli_conn *cc)
     if (cluster) {
         for (unsigned i = 0; i < cluster; i++) {
             unsigned p1 = 0;
-            if (nodes[i].running && stack_js_parts(nodes[i].mon_port, &p1) == 0) {
+            if (nodes[i].running && stack_js_parts(&nodes[i], &p1) == 0) {
                 present |= p1;
                 asked = true;
             }
         }
     } else if (stack_pidfile_alive(home, "nats", NULL) == 1) {
-        char *mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
-        const char *colon = mon ? strrchr(mon, ':') : NULL;
-        if (colon && stack_js_parts(atoi(colon + 1), &present) == 0)
+        struct stack_node nd;
+        if (stack_single_node(home, &nd) == 0 &&
+            stack_js_parts(&nd, &present) == 0)
             asked = true;
-        free(mon);
     }
     bool js_ok = true;
     json_t *jmissing = json_array();
@@ -1109,15 +1111,28 @@ cmd_up(int argc, char **argv)
             refused = true;
         }
         free(run_bm);
+        {
+            /* Started by an older kscore: an HTTP monitoring port and
+             * metrics that any local user may read, until it starts
+             * again (this `up` then closes them). */
+            char conf[4300];
+            snprintf(conf, sizeof(conf), "%s/%s/nats.conf", home,
+                     cluster ? "nats-1" : ".");
+            char *text = slurp_small(conf);
+            if (text && strstr(text, "\nhttp:"))
+                fprintf(stderr,
+                        "kscore: it runs with an HTTP monitoring port (and "
+                        "metrics without a token) that any local user may "
+                        "read: `kscore down` and `kscore up` close them\n");
+            free(text);
+        }
         print_status(json, &(struct cli_conn){0});
         return refused ? CLI_EXIT_KSCORE : 0;
     }
     if (!local_agents_given)
         local_agents = prev_n;
-    /* Addresses of a stack that runs on keep it: the monitoring port of
-     * nats-server and, with --metrics (once given, kept), those of the
-     * broker and the agent. */
-    char *prev_mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
+    /* Addresses of a stack that runs on keep it: with --metrics (once
+     * given, kept), those of the broker and the agent. */
     char *prev_bm = cli_env_get("KSCORE_BROKER_METRICS_URL");
     char *prev_am = cli_env_get("KSCORE_AGENT_METRICS_URL");
     metrics = metrics || (prev_bm && prev_bm[0]);
@@ -1133,6 +1148,17 @@ cmd_up(int argc, char **argv)
     snprintf(keydir, sizeof(keydir), "%s/keys", home);
     snprintf(signing_key, sizeof(signing_key), "%s/broker.key", keydir);
     snprintf(trust_key, sizeof(trust_key), "%s/broker.pub", keydir);
+    /* The metrics are the stack owner's: a port on loopback is open to
+     * every local user, so a scrape needs this token (made once, kept). */
+    char metrics_token[4300];
+    snprintf(metrics_token, sizeof(metrics_token), "%s/" STACK_METRICS_TOKEN,
+             keydir);
+    if (metrics && access(metrics_token, R_OK) != 0 &&
+        ((rc = stack_mkdirs(keydir, 0700)) ||
+         (rc = evt_token_file_make(metrics_token)))) {
+        cli_err("cannot make %s: %s", metrics_token, ks_strerror(rc));
+        return CLI_EXIT_KSCORE;
+    }
     if (access(signing_key, R_OK) != 0) {
         if ((rc = stack_mkdirs(keydir, 0700)) ||
             (rc = evt_keygen(signing_key, trust_key))) {
@@ -1163,6 +1189,7 @@ cmd_up(int argc, char **argv)
     snprintf(authp, sizeof(authp), "%s/" STACK_NATS_AUTH_FILE, home);
     auth_before = slurp_small(authp);
     if ((rc = stack_ident_ensure(home, STACK_BROKER, "broker", &sid)) ||
+        (rc = stack_ident_ensure(home, STACK_SYSTEM, "system", &sid)) ||
         (rc = stack_ident_ensure(home, STACK_AGENT, agent_user, &sid)) ||
         (rc = stack_ident_ensure(home, STACK_OPERATOR, operator_name, &sid)) ||
         (rc = stack_ident_seed_path(home, STACK_BROKER, "broker", broker_seed,
@@ -1180,6 +1207,10 @@ cmd_up(int argc, char **argv)
     auth_after = slurp_small(authp);
     bool auth_changed = !auth_before || !auth_after ||
                         strcmp(auth_before, auth_after) != 0;
+    /* A nats-server started by an older kscore has no system account (a
+     * reload cannot add one) and an HTTP monitoring port that any local
+     * user may read: it starts again, on its port. */
+    bool nats_stale = auth_before && !strstr(auth_before, "system_account");
     free(auth_before);
     free(auth_after);
 
@@ -1208,6 +1239,10 @@ cmd_up(int argc, char **argv)
         int64_t t0 = ks_mono_us();
         stack_cluster_nodes(home, cluster, nodes);
         for (unsigned i = 0; i < cluster; i++) {
+            if (nodes[i].running && nats_stale) {
+                stack_nats_stop(nodes[i].dir);
+                nodes[i].running = false;
+            }
             down += !nodes[i].running;
             if (nodes[i].running && auth_changed &&
                 stack_nats_auth_write(nodes[i].dir, home) == 0)
@@ -1245,10 +1280,6 @@ cmd_up(int argc, char **argv)
                     leader, (double)(ks_mono_us() - t0) / 1e6);
         if ((rc = stack_cluster_urls(nodes, cluster, &url)))
             goto fail;
-        free(prev_mon);
-        if (asprintf(&prev_mon, "http://127.0.0.1:%d", nodes[0].mon_port) <
-            0)
-            prev_mon = NULL;
         if (down == cluster)
             since_us = ks_now_us();
     } else if (port <= 0) {
@@ -1257,6 +1288,12 @@ cmd_up(int argc, char **argv)
         const char *colon = old ? strrchr(old, ':') : NULL;
         port = colon ? atoi(colon + 1) : 0;
         free(old);
+    }
+    if (!cluster && nats_up && port > 0 && nats_stale) {
+        fprintf(stderr, "kscore: restarting nats-server (no system account, "
+                        "an HTTP monitoring port)\n");
+        stack_nats_stop(home);
+        nats_up = false;
     }
     if (cluster) {
         /* started above */
@@ -1291,24 +1328,13 @@ cmd_up(int argc, char **argv)
                 stack_stop(home, "agent", 20000);
             broker_up = agent_up = false;
         }
-        /* nats-server's monitoring endpoint (/varz, /jsz, ...) on
-         * loopback: what a Prometheus NATS exporter scrapes. */
-        char nats_extra[512];
-        int mon_port = metrics_port(prev_mon);
-        free(prev_mon);
-        prev_mon = NULL;
-        snprintf(nats_extra, sizeof(nats_extra), "%s",
-                 STACK_NATS_AUTH_INCLUDE);
-        if (mon_port > 0) {
-            snprintf(nats_extra, sizeof(nats_extra),
-                     "%shttp: \"127.0.0.1:%d\"\n", STACK_NATS_AUTH_INCLUDE,
-                     mon_port);
-            if (asprintf(&prev_mon, "http://127.0.0.1:%d", mon_port) < 0)
-                prev_mon = NULL;
-        }
+        /* No HTTP monitoring port: nats-server 2.9 asks no credential
+         * there (server.go startMonitoring) and /connz lists every user;
+         * the stack asks its monitoring over NATS as the system user
+         * (stack_nats_monitor). */
         fprintf(stderr, "kscore: starting nats-server ...\n");
-        rc = stack_nats_start_at(home, ul.host, port, ul.tls_conf, nats_extra,
-                                 &url, &pid);
+        rc = stack_nats_start_at(home, ul.host, port, ul.tls_conf,
+                                 STACK_NATS_AUTH_INCLUDE, &url, &pid);
         if (rc) {
             cli_err("cannot start nats-server: %s (see %s/nats.log)",
                     ks_strerror(rc), home);
@@ -1379,6 +1405,8 @@ cmd_up(int argc, char **argv)
                 snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
                 bargv[14] = "--metrics-listen";
                 bargv[15] = bmetrics;
+                bargv[16] = "--metrics-token-file";
+                bargv[17] = metrics_token;
             }
         }
         if (cluster) {
@@ -1433,6 +1461,7 @@ cmd_up(int argc, char **argv)
                          agent_state, "--trust-key", trust_key,
                          "--config",  "/dev/null",  NULL,        NULL,
                          NULL,        NULL,         NULL,        NULL,
+                         NULL,        NULL,         NULL,        NULL,
                          NULL,        NULL,         NULL};
         if (metrics) {
             int ap = metrics_port(prev_am);
@@ -1440,6 +1469,8 @@ cmd_up(int argc, char **argv)
                 snprintf(ametrics, sizeof(ametrics), "127.0.0.1:%d", ap);
                 aargv[12] = "--metrics-listen";
                 aargv[13] = ametrics;
+                aargv[14] = "--metrics-token-file";
+                aargv[15] = metrics_token;
             }
         }
         cli_listen_args(aargv, &ul, 1);
@@ -1462,9 +1493,6 @@ cmd_up(int argc, char **argv)
     }
     {
         size_t el = 0;
-        if (prev_mon && prev_mon[0])
-            el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
-                                   "KSCORE_NATS_MONITOR_URL='%s'\n", prev_mon);
         if (bmetrics[0])
             el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
                                    "KSCORE_BROKER_METRICS_URL='http://%s/metrics'\n",
@@ -1494,7 +1522,6 @@ cmd_up(int argc, char **argv)
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
-    free(prev_mon);
     free(prev_bm);
     free(prev_am);
     free(ul.tls_conf);
@@ -1504,7 +1531,6 @@ fail:
     free(url);
     free(db);
     free(ul.tls_conf);
-    free(prev_mon);
     free(prev_bm);
     free(prev_am);
     return CLI_EXIT_KSCORE;
@@ -1572,11 +1598,13 @@ cmd_down(int argc, char **argv)
 /* ---- services ------------------------------------------------------------ */
 
 /* The flags broker and agent share: --config, --log-format, --log-level,
- * --show-config, --metrics-listen. */
+ * --show-config, --metrics-listen, --metrics-token-file. */
 struct svc_flags {
     const char *config, *log_format, *log_level, *metrics_listen;
+    const char *metrics_token_file;
     bool show;
 };
+#define SVC_OPT_METRICS_TOKEN 1000
 
 /* true when opt is one of them (and taken). */
 static bool
@@ -1598,6 +1626,9 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
     case 'M':
         f->metrics_listen = arg;
         return true;
+    case SVC_OPT_METRICS_TOKEN:
+        f->metrics_token_file = arg;
+        return true;
     default:
         return false;
     }
@@ -1607,18 +1638,24 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
  * SIGTERM first, so the server's thread never takes them). 0, or an exit
  * code after saying why. */
 static int
-metrics_start(const char *who, const char *listen, unsigned roles,
+metrics_start(const char *who, const struct svc_flags *sf, unsigned roles,
               struct cli_metrics_server **ms)
 {
+    const char *listen = sf->metrics_listen;
     char *errmsg = NULL;
-    int rc = cli_metrics_serve(listen, roles, ms, &errmsg);
+    int rc = cli_metrics_serve_auth(listen, roles, sf->metrics_token_file,
+                                    ms, &errmsg);
     if (rc) {
         cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
         return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
     }
     ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
-           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"));
+           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"),
+           KS_S("auth", sf->metrics_token_file &&
+                                sf->metrics_token_file[0]
+                            ? "bearer token"
+                            : "none"));
     return 0;
 }
 
@@ -1637,6 +1674,7 @@ cmd_broker(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"metrics-token-file", required_argument, 0, SVC_OPT_METRICS_TOKEN},
         {"require-signed-labels", no_argument, 0, 'G'},
         {"allow-unsigned-labels", no_argument, 0, 'U'},
         {"replicas", required_argument, 0, 'R'},
@@ -1687,7 +1725,8 @@ cmd_broker(int argc, char **argv)
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
+                   "[--state-dir DIR] [--metrics-listen ADDR:PORT "
+                   "[--metrics-token-file FILE]] "
                    "[--require-signed-labels|--allow-unsigned-labels] "
                    "[--replicas N] "
                    "[--config FILE] [--log-format "
@@ -1726,6 +1765,8 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
         (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
         (rc = cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen)) ||
+        (rc = cli_conf_str(&cf, "metrics_token_file",
+                           &sf.metrics_token_file)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
@@ -1776,7 +1817,7 @@ cmd_broker(int argc, char **argv)
         sigaddset(&set, SIGINT);
         sigaddset(&set, SIGTERM);
         pthread_sigmask(SIG_BLOCK, &set, NULL);
-        if ((rc = metrics_start("broker", sf.metrics_listen,
+        if ((rc = metrics_start("broker", &sf,
                                 KS_METRICS_BROKER |
                                     (o.local_agents ? KS_METRICS_AGENT : 0),
                                 &ms)))
@@ -1828,6 +1869,7 @@ cmd_agent(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"metrics-token-file", required_argument, 0, SVC_OPT_METRICS_TOKEN},
         {"bundle", required_argument, 0, 'b'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
@@ -1925,7 +1967,8 @@ cmd_agent(int argc, char **argv)
                    "[--pool-size N]] --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] "
-                   "[--metrics-listen ADDR:PORT] [--config FILE] "
+                   "[--metrics-listen ADDR:PORT [--metrics-token-file FILE]] "
+                   "[--config FILE] "
                    "[--log-format text|json] [--log-level LEVEL] "
                    "[--show-config]\n"
                    "       kscore agent --bundle FILE [--state-dir DIR] "
@@ -2023,7 +2066,8 @@ cmd_agent(int argc, char **argv)
         cli_conf_str(&cf, "pool_size", &pool_size) ||
         cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
-        cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen))
+        cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen) ||
+        cli_conf_str(&cf, "metrics_token_file", &sf.metrics_token_file))
         goto out;
     if (max_concurrent) {
         char *end;
@@ -2265,7 +2309,7 @@ cmd_agent(int argc, char **argv)
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     if (sf.metrics_listen && sf.metrics_listen[0] &&
-        (rc = metrics_start("agent", sf.metrics_listen, KS_METRICS_AGENT, &ms)))
+        (rc = metrics_start("agent", &sf, KS_METRICS_AGENT, &ms)))
         goto out;
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {

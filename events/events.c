@@ -462,6 +462,10 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     sc.Retention = js_InterestPolicy;
     sc.MaxBytes = EVT_EVENTS_MAX_BYTES;
     sc.Discard = js_DiscardNew;
+    /* Each agent's share (EVT_EVENTS_PER_SUBJECT): past it only that
+     * agent is refused. */
+    sc.MaxMsgsPerSubject = EVT_EVENTS_PER_SUBJECT;
+    sc.DiscardNewPerSubject = true;
     {
         /* A stream made by an older kscore keeps its retention (nats-server
          * cannot change it in place); it works as it did. */
@@ -489,7 +493,11 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     kc.TTL = EVT_AGENT_TTL_MS * NS_PER_MS;
     kc.StorageType = js_FileStorage;
     kc.Replicas = replicas;
-    s = js_CreateKeyValue(&kv, c->js, &kc);
+    /* Made once; after that its stream is kscore's (below), which
+     * js_CreateKeyValue would call "a different configuration". */
+    s = js_KeyValue(&kv, c->js, EVT_KV_AGENTS);
+    if (s != NATS_OK)
+        s = js_CreateKeyValue(&kv, c->js, &kc);
     kvStore_Destroy(kv);
     if (s != NATS_OK) {
         if (errmsg)
@@ -497,11 +505,18 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
                                  EVT_KV_AGENTS, nats_GetLastError(NULL));
         return KS_ENATS;
     }
-    /* The bucket's stream: no message delete through the API (kvConfig
-     * has no such option in nats.c 3.4.1; a key's delete is a marker
-     * message). Purge must stay: a KV bucket's roll-ups need it (nats-server
-     * refuses DenyPurge with AllowRollup); a purge through the PubAck trick
-     * above costs at most one heartbeat (2 s) of registry entries. */
+    /* The bucket's stream: no message delete through the API, and no
+     * roll-up (kvConfig has no such options in nats.c 3.4.1). A roll-up
+     * header is the publisher's choice, and an agent may publish its own
+     * key: "Nats-Rollup: all" there removed every other entry (issue 21:
+     * one agent credential emptied the registry). kscore only puts and
+     * deletes keys (a delete is a marker message, which History 1 keeps
+     * alone: evt_agent_forget), so it needs none. Purge stays allowed:
+     * nats-server 2.9.10 refuses to turn deny_purge off again, and a
+     * cluster node that replays the bucket's creation over a stream that
+     * denies purge panics (jetstream_cluster.go processClusterCreateStream,
+     * seen in test_cluster); no agent reaches the purge API (the
+     * accounts). */
     {
         jsStreamInfo *si = NULL;
         char kvs[64];
@@ -511,9 +526,11 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
          * cluster) is scaled here too: js_CreateKeyValue leaves an
          * existing bucket as it is. */
         if (s == NATS_OK && si &&
-            (!si->Config->DenyDelete || si->Config->Replicas != replicas)) {
+            (!si->Config->DenyDelete || si->Config->AllowRollup ||
+             si->Config->Replicas != replicas)) {
             jsStreamInfo *nsi = NULL;
             si->Config->DenyDelete = true;
+            si->Config->AllowRollup = false;
             si->Config->Replicas = replicas;
             s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);
             jsStreamInfo_Destroy(nsi);
@@ -586,6 +603,92 @@ evt_event_subject(char *buf, size_t len, const char *agent_id,
     snprintf(buf, len, "kscore.evt.%s.%s",
              agent_id && agent_id[0] ? agent_id : "_",
              command_id && command_id[0] ? command_id : "_");
+}
+
+int
+evt_event_subject_ok(const char *subject, const char *agent_id,
+                     const char *command_id)
+{
+    char want[16 + EVT_AGENT_ID_MAX + 40];
+    size_t n;
+
+    if (!subject || !agent_id || !agent_id[0])
+        return 0;
+    evt_event_subject(want, sizeof(want), agent_id, command_id);
+    if (strcmp(want, subject) == 0)
+        return 1;
+    /* "kscore.evt.<agent_id>.0": want with "0" for its last token. */
+    n = strlen(want) - strlen(strrchr(want, '.')) + 1;
+    return strncmp(want, subject, n) == 0 && strcmp(subject + n, "0") == 0;
+}
+
+int
+evt_events_agents_at_share(struct evt_conn *c, int timeout_ms,
+                           char ***ids_out, size_t *n_out)
+{
+    jsOptions jo;
+    jsStreamInfo *si = NULL;
+    char **ids = NULL;
+    size_t n = 0;
+    natsStatus s;
+
+    *ids_out = NULL;
+    *n_out = 0;
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    /* Only kscore.evt.<id>.0: the agents' own subjects, as mapped. */
+    jo.Stream.Info.SubjectsFilter = "kscore.evt.*.0";
+    s = js_GetStreamInfo(&si, c->js, EVT_STREAM_EVENTS, &jo, NULL);
+    if (s != NATS_OK)
+        return evt_err(s);
+    const jsStreamStateSubjects *ss = si->State.Subjects;
+    for (int i = 0; ss && i < ss->Count; i++) {
+        const jsStreamStateSubject *e = &ss->List[i];
+        if (e->Msgs < EVT_EVENTS_PER_SUBJECT)
+            continue;
+        char **v = realloc(ids, (n + 1) * sizeof(*ids));
+        if (!v)
+            break;
+        ids = v;
+        char id[EVT_AGENT_ID_MAX + 1];
+        if (!evt_event_subject_agent(e->Subject, id, sizeof(id))[0])
+            continue;
+        if (!(ids[n] = strdup(id)))
+            break;
+        n++;
+    }
+    jsStreamInfo_Destroy(si);
+    *ids_out = ids;
+    *n_out = n;
+    return 0;
+}
+
+void
+evt_strv_free(char **v, size_t n)
+{
+    for (size_t i = 0; v && i < n; i++)
+        free(v[i]);
+    free(v);
+}
+
+char *
+evt_event_subject_agent(const char *subject, char *buf, size_t len)
+{
+    static const char prefix[] = "kscore.evt.";
+    size_t n;
+
+    buf[0] = '\0';
+    if (!subject || strncmp(subject, prefix, sizeof(prefix) - 1) != 0)
+        return buf;
+    subject += sizeof(prefix) - 1;
+    n = strcspn(subject, ".");
+    if (n == 0 || n >= len || n > EVT_AGENT_ID_MAX)
+        return buf;
+    memcpy(buf, subject, n);
+    buf[n] = '\0';
+    if (!evt_agent_id_valid(buf))
+        buf[0] = '\0';
+    return buf;
 }
 
 void

@@ -12,8 +12,11 @@
  *                  Nats-Msg-Id "<command>.<attempt>"
  *   KSCORE_EVENTS  stream, interest retention (an event stays until the
  *                  recorder acks it), at most EVT_EVENTS_MAX_BYTES with
- *                  discard new, file, subjects kscore.evt.>,
- *                  duplicate window 2 min; Nats-Msg-Id = event_id
+ *                  discard new, at most EVT_EVENTS_PER_SUBJECT per
+ *                  subject with discard new per subject (an agent's
+ *                  events all come on kscore.evt.<id>.0: its share), file,
+ *                  subjects kscore.evt.>, duplicate window 2 min;
+ *                  Nats-Msg-Id = event_id
  *   KSCORE_AGENTS  KV bucket (stream KV_KSCORE_AGENTS), key = agent id,
  *                  value = packed Ks__AgentInfo, max age EVT_AGENT_TTL_MS
  *   kscore.api.v1.<method>  core request/reply, queue group kscore-broker
@@ -79,6 +82,20 @@
 /* The most KSCORE_EVENTS holds unrecorded (bytes): the stream's max_bytes
  * with discard new (evt_setup). */
 #define EVT_EVENTS_MAX_BYTES (INT64_C(1) << 30)
+/*
+ * The most KSCORE_EVENTS holds unrecorded of one subject (messages), with
+ * discard new per subject: a publish past it is refused (its PubAck is an
+ * error, "maximum messages per subject exceeded"; an agent keeps the event
+ * in its outbox and tries again). nats-server maps every event an agent
+ * publishes (kscore.evt.<id>.<command>) to kscore.evt.<id>.0 in the
+ * agents' account (deploy/nats-auth.conf.in), so this is each agent id's
+ * share:
+ * one id that publishes faster than the recorder records holds at most
+ * this many (of at most KS_MAX_MESSAGE_BYTES each, 1/8 of
+ * EVT_EVENTS_MAX_BYTES), and the others' events still get in, and are
+ * recorded after at most this many of its.
+ */
+#define EVT_EVENTS_PER_SUBJECT 128
 /* Longest agent id (bytes, without NUL). */
 #define EVT_AGENT_ID_MAX 128
 /* Longest identity: the NATS user name that API and inbox subjects carry
@@ -181,6 +198,28 @@ int evt_agent_id_valid(const char *id);
  */
 void evt_event_subject(char *buf, size_t len, const char *agent_id,
                        const char *command_id);
+/* 1 if an event of agent_id about command_id may come on subject: its
+ * evt_event_subject, or "kscore.evt.<agent_id>.0", which nats-server makes
+ * of it in the agents' account (deploy/nats-auth.conf.in: the subject is
+ * the sender's share of the stream). Else 0. */
+int evt_event_subject_ok(const char *subject, const char *agent_id,
+                         const char *command_id);
+/*
+ * The agent ids that hold EVT_EVENTS_PER_SUBJECT unrecorded events now
+ * (their publishes are refused until the recorder takes some): from the
+ * stream's per-subject counts of kscore.evt.<id>.0. On 0, *ids_out
+ * (malloc'd, each malloc'd; free with evt_strv_free) and *n_out. Any
+ * thread. 0 or KS_ENATS.
+ */
+int evt_events_agents_at_share(struct evt_conn *c, int timeout_ms,
+                               char ***ids_out, size_t *n_out);
+/* Frees n strings and their array (accepts NULL). */
+void evt_strv_free(char **v, size_t n);
+/* The agent id token of an event subject ("kscore.evt.<agent_id>.<...>")
+ * into buf (>= EVT_AGENT_ID_MAX + 1);
+ * "" when subject is no such thing or the token is no valid agent id.
+ * Returns buf. */
+char *evt_event_subject_agent(const char *subject, char *buf, size_t len);
 
 /*
  * The subject a command for agent_id is published on, into buf
@@ -908,6 +947,24 @@ int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
 int evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out);
 
 
+/* ---- token files (events/token.c) -------------------------------------- */
+#define EVT_TOKEN_MIN 16
+#define EVT_TOKEN_MAX 256
+/*
+ * The token of a token file (a metrics bearer token, the local cluster's
+ * route password): its first line, 16..256 of [A-Za-z0-9-._~+/=], into
+ * buf (>= EVT_TOKEN_MAX + 1). The file must be a regular file that only
+ * its owner may read or write (mode 0600 or less: a secret). 0, -errno
+ * (cannot open), KS_EINVAL (not such a file or no token) with *errmsg
+ * (malloc'd, may be NULL).
+ */
+int evt_token_file_read(const char *path, char *buf, size_t len,
+                        char **errmsg);
+/* A new token file at path (mode 0600, never replacing one): 64 hex
+ * digits of 32 random bytes (OpenSSL). 0, -errno (-EEXIST) or
+ * KS_EINTERNAL. */
+int evt_token_file_make(const char *path);
+
 /* ---- scrape-time gauges (events/jetstream.c) ----------------------------
  * For a ks_metrics_collect_fn of the broker or the agent; the endpoint
  * that serves them is the daemon's (cli/metrics_http.c).
@@ -926,7 +983,7 @@ void evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g);
 void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
 
 /*
- * Forgets an agent (`kscore agent revoke`, events/fleet.c): purges its
+ * Forgets an agent (`kscore agent revoke`, events/fleet.c): deletes its
  * registry entry, which makes the broker drop it (commands to it are then
  * refused as for an unknown agent), and deletes its consumer. c needs the
  * broker's rights (JetStream API). Run it after the agent's NATS user is
@@ -934,7 +991,7 @@ void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
  * with *errmsg (malloc'd, may be NULL).
  */
 int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
-/* The same for an agent pool: purges its registry entry
+/* The same for an agent pool: deletes its registry entry
  * ("pool.<pool>"; the broker drops every id of the pool) and deletes its
  * consumer "pool-<pool>". */
 int evt_pool_forget(struct evt_conn *c, const char *pool, char **errmsg);

@@ -403,8 +403,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
                 json_object_set_new(o, key, json_real((double)kb / 1024.0));
                 if (kb > max_node)
                     max_node = kb;
-                if (nodes[i].mon_port &&
-                    stack_nats_js_info(nodes[i].mon_port, &ji) == 0 &&
+                if (nodes[i].running &&
+                    stack_nats_js_info(&nodes[i], &ji) == 0 &&
                     ji.consumers > consumers)
                     consumers = ji.consumers;
             }

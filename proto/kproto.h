@@ -246,6 +246,10 @@ enum ks_counter {
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
     KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
     KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
+    /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
+     * written, the identity past its share (broker/budget.c) */
+    KS_C_REPORTS_DROPPED,
+    KS_C_DENIALS_DROPPED,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

@@ -179,8 +179,15 @@ decide(const Ks__Event *const *events, size_t n, store_check_fn check,
         BUG_ON(!c);
         copies[i].stream_id = c->stream;
         v = STORE_STEP_APPLY;
-        if (check && check(&c->st, ev, &why, ud) != 0)
-            v = STORE_STEP_ILLEGAL;
+        if (check) {
+            int crc = check(&c->st, ev, &why, ud);
+            if (crc == STORE_CHECK_DROP) {
+                verdicts[i] = STORE_STEP_DROPPED; /* kept nowhere */
+                continue;
+            }
+            if (crc != 0)
+                v = STORE_STEP_ILLEGAL;
+        }
         if (v == STORE_STEP_APPLY)
             v = store_command_step(&c->st, ev, &next, &why);
         verdicts[i] = v;

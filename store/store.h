@@ -401,6 +401,9 @@ enum store_step {
     STORE_STEP_LATE,      /* a terminal event after the end: LateResult */
     STORE_STEP_ILLEGAL,   /* not allowed here: ReportRejected */
     STORE_STEP_DUPLICATE, /* recorded before (same event_id): skipped */
+    /* an annotation the caller's check chose not to keep (STORE_CHECK_DROP:
+     * its sender is past its share of annotation rows): nothing written */
+    STORE_STEP_DROPPED,
 };
 
 /*
@@ -420,8 +423,13 @@ int store_event_is_terminal(const char *type);
 /*
  * A caller's own rule for a reported event (the broker's: who may report
  * what), run under the lock before the state machine. Returns 0 to let the
- * machine decide, non-zero to refuse with *why (static) saying why.
+ * machine decide, STORE_CHECK_DROP to refuse it and keep nothing (verdict
+ * STORE_STEP_DROPPED: no annotation row; the broker's bound on annotation
+ * rows per identity), any other non-zero value to refuse with *why
+ * (static) saying why. It may run more than once for one event (a batch
+ * decided again after a conflict).
  */
+#define STORE_CHECK_DROP 1
 typedef int (*store_check_fn)(const struct store_command_state *st,
                               const Ks__Event *ev, const char **why,
                               void *ud);
@@ -494,8 +502,11 @@ typedef int (*store_output_check_fn)(const struct store_command_state *st,
  * against its command's state: verdicts[i] is STORE_STEP_APPLY (kept),
  * STORE_STEP_DUPLICATE (that offset was kept before) or STORE_STEP_ILLEGAL
  * (refused; whys[i], if whys is not NULL, says why; also for a command that
- * does not exist). 0, KS_EINVAL (a bad command id or stream; nothing
- * written) or a store error (nothing written: retry).
+ * does not exist, and for a piece that overlaps one kept at another offset
+ * of the same stream: each byte is kept once). Pieces of one command are
+ * decided one at a time across connections (its stream row, locked).
+ * 0, KS_EINVAL (a bad command id or stream; nothing written) or a store
+ * error (nothing written: retry).
  */
 int store_append_output(struct store *s, const struct store_output_chunk *chunks,
                         size_t n, store_output_check_fn check, void *ud,

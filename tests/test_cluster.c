@@ -14,6 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -211,7 +216,7 @@ fleet_wait(void)
     stack_cluster_nodes(home, 3, nodes);
     while (now_s() - t0 < 90) {
         struct stack_js_info ji;
-        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+        if (stack_nats_js_info(&nodes[0], &ji) == 0 &&
             (consumers = ji.consumers) >= FLEET + 1)
             break;
         usleep(250 * 1000);
@@ -854,6 +859,76 @@ START_TEST(deploy_files_start_a_cluster)
 END_TEST
 
 
+/*
+ * A route carries every message of every account, and a server trusts
+ * what its peers send (any account, any subject, JetStream's API
+ * included). On the code before, the local cluster's route ports (on
+ * loopback, so open to every user of the host) asked nothing: a process
+ * without any credential that spoke the route protocol there was sent
+ * the stack's messages (found by the issue 21 review: it read a
+ * message of account KSCORE). Now a node takes a route only with the
+ * routes' password, in the owner's keys/ (route.secret, 0600).
+ */
+START_TEST(a_local_user_cannot_join_the_routes)
+{
+    up_cluster();
+    struct stack_node nodes[3];
+    ck_assert_int_eq(stack_cluster_nodes(home, 3, nodes), 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)nodes[0].route_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct timeval tv = {0, 200 * 1000};
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    /* A route's CONNECT and INFO (nats-server's route protocol), then
+     * interest in everything of account KSCORE. */
+    static const char hello[] =
+        "CONNECT {\"verbose\":false,\"pedantic\":false,\"tls_required\":"
+        "false,\"name\":\"intruder\",\"cluster\":\"kscore\","
+        "\"headers\":true}\r\n"
+        "INFO {\"server_id\":\"NINTRUDERXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"
+        "XXXXXXXXXXX\",\"name\":\"intruder\",\"cluster\":\"kscore\"}\r\n"
+        "RS+ KSCORE >\r\nPING\r\n";
+    ck_assert_int_eq(write(fd, hello, sizeof(hello) - 1),
+                     (ssize_t)(sizeof(hello) - 1));
+    /* A message of the stack's account, published on node 1. */
+    struct evt_conn *c = broker_conn();
+    char got[65536];
+    size_t have = 0;
+    for (int i = 0; i < 15; i++) {
+        ck_assert_int_eq(natsConnection_PublishString(c->nc, "secret.probe",
+                                                      "for the stack only"),
+                         NATS_OK);
+        natsConnection_Flush(c->nc);
+        ssize_t r = read(fd, got + have, sizeof(got) - 1 - have);
+        if (r == 0)
+            break; /* the node hung up */
+        if (r > 0)
+            have += (size_t)r;
+        if (have >= sizeof(got) - 1)
+            break;
+    }
+    got[have] = '\0';
+    close(fd);
+    evt_close(c);
+    ck_assert_msg(!strstr(got, "secret.probe"),
+                  "a process without the routes' password read the "
+                  "stack's message: %.300s",
+                  got);
+    ck_assert_msg(!strstr(got, "RS+"), "the node took the intruder as a "
+                                       "route: %.200s", got);
+    /* The password is the owner's alone; the stack still works. */
+    char path[PATH_MAX + 64];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/keys/" STACK_ROUTE_SECRET, home);
+    ck_assert_int_eq(stat(path, &st), 0);
+    ck_assert_int_eq(st.st_mode & 077, 0);
+    check_status();
+}
+END_TEST
+
 static Suite *
 cluster_suite(void)
 {
@@ -864,6 +939,7 @@ cluster_suite(void)
     tcase_add_test(tc, node_kill_then_broker_kill);
     tcase_add_test(tc, deploy_files_start_a_cluster);
     tcase_add_test(tc, agent_registers_once_the_registry_answers);
+    tcase_add_test(tc, a_local_user_cannot_join_the_routes);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -1354,12 +1354,16 @@ START_TEST(pool_credential_serves_only_its_ids)
                           "$KV." EVT_KV_AGENTS ".pool.other",
                           "kscore.cmd." AGENT,
                           "$JS.API.STREAM.INFO." EVT_STREAM_CMDS};
+    /* What the server checks and logs: an events subject as the agents'
+     * account maps it (kscore.evt.<id>.<cmd> -> kscore.evt.<id>.0). */
+    const char *checked[] = {pubs[0], "kscore.evt." AGENT ".0", pubs[2],
+                             pubs[3], pubs[4], pubs[5]};
     for (size_t i = 0; i < sizeof(pubs) / sizeof(pubs[0]); i++) {
         ck_assert_int_eq(natsConnection_PublishString(t->nc, pubs[i], "x"),
                          NATS_OK);
         natsConnection_Flush(t->nc);
         ck_assert_msg(server_refused_as(seed_file, "pool-pq", "Publish",
-                                        pubs[i]),
+                                        checked[i]),
                       "the pool may publish to %s", pubs[i]);
     }
     char other_deliver[160];
@@ -2523,6 +2527,691 @@ START_TEST(one_operator_cannot_hold_the_followers)
 }
 END_TEST
 
+/* ---- annotation rows per identity ----------------------------------------
+ *
+ * A refused report or request is kept as a row (ReportRejected,
+ * RequestDenied) saying why. On cf06db5 every one was: 10,000 junk
+ * reports in 5 s from one agent were 10,000 rows, and 5,000 requests of
+ * an operator not in the policy 5,000 RequestDenied (issue 21). Now each
+ * identity has a share (broker/budget.c: 1000 at once, then 10 a second);
+ * past it the refusal stands but leaves no row: it is counted and summed
+ * up in the log.
+ */
+/* After a flood from agent id's credential: its own process still runs
+ * a command, and so does AGENT. Then stops id's process. */
+static void
+both_still_serve(const char *id)
+{
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", id, "--", "echo", "still", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on %s: %s", id, o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, id, 5000);
+}
+
+#define BUDGET_BURST 1000
+#define BUDGET_PER_S 10
+
+/* Counts the PubAcks of a flood by the index in their reply subject. */
+struct flood {
+    pthread_mutex_t mu;
+    bool *ok;
+    int n, acked, refused;
+};
+
+static void
+on_flood_ack(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+             void *ud)
+{
+    struct flood *f = ud;
+    const char *subj = natsMsg_GetSubject(msg), *dot = strrchr(subj, '.');
+    int i = dot ? atoi(dot + 1) : -1;
+    bool good = natsMsg_GetDataLength(msg) > 0 &&
+                strstr(natsMsg_GetData(msg), "\"error\"") == NULL;
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&f->mu);
+    if (i >= 0 && i < f->n && good && !f->ok[i]) {
+        f->ok[i] = true;
+        f->acked++;
+    } else if (!good) {
+        f->refused++;
+    }
+    pthread_mutex_unlock(&f->mu);
+    natsMsg_Destroy(msg);
+}
+
+/*
+ * Publishes n reports of agent id (type CommandCompleted, each about a
+ * command that does not exist) with seed_file's credential, raw, as fast
+ * as the server takes them: a report the stream refuses (the sender past
+ * its share of the stream) is sent again, as an agent does. Returns once
+ * the stream holds all n (<= 120 s).
+ */
+static void
+flood_reports(const char *seed_file, const char *id, int n)
+{
+    struct thief *t = thief_connect(seed_file);
+    struct flood f = {.n = n};
+    natsSubscription *sub = NULL;
+    char inbox[96];
+    pthread_mutex_init(&f.mu, NULL);
+    f.ok = calloc((size_t)n, sizeof(*f.ok));
+    ck_assert_ptr_nonnull(f.ok);
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.flood.>", id);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox,
+                                              on_flood_ack, &f),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (int round = 0;; round++) {
+        int sent = 0;
+        for (int i = 0; i < n; i++) {
+            pthread_mutex_lock(&f.mu);
+            bool done = f.ok[i];
+            pthread_mutex_unlock(&f.mu);
+            if (done)
+                continue;
+            Ks__Event ev = KS__EVENT__INIT;
+            char eid[37], cid[37], subject[160], reply[96];
+            uint8_t *buf;
+            size_t len;
+            fresh_id(eid);
+            fresh_id(cid);
+            ev.event_id = eid;
+            ev.command_id = cid;
+            ev.agent_id = (char *)id;
+            ev.type = "CommandCompleted";
+            ev.attempt = 1;
+            ev.occurred_at_us = ks_now_us();
+            ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+            evt_event_subject(subject, sizeof(subject), id, cid);
+            snprintf(reply, sizeof(reply), "_INBOX.agent-%s.flood.%d", id,
+                     i);
+            ck_assert_int_eq(natsConnection_PublishRequest(
+                                 t->nc, subject, reply, buf, (int)len),
+                             NATS_OK);
+            free(buf);
+            sent++;
+        }
+        natsConnection_Flush(t->nc);
+        /* Until every PubAck of the round came, or a while. */
+        int64_t until = ks_mono_us() + 3 * INT64_C(1000000);
+        for (;;) {
+            pthread_mutex_lock(&f.mu);
+            int acked = f.acked;
+            pthread_mutex_unlock(&f.mu);
+            if (acked == n || ks_mono_us() > until)
+                break;
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+        }
+        pthread_mutex_lock(&f.mu);
+        int acked = f.acked;
+        pthread_mutex_unlock(&f.mu);
+        if (acked == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline,
+                      "the stream took %d of %d reports (round %d, %d sent)",
+                      acked, n, round, sent);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(f.ok);
+}
+
+/* Waits (<= 120 s) until the recorder has taken everything the events
+ * stream holds. */
+static void
+recorder_drained(void)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        jsConsumerInfo *ci = NULL;
+        ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_EVENTS,
+                                            EVT_RECORDER_DURABLE, NULL, NULL),
+                         NATS_OK);
+        bool idle = ci->NumPending == 0 && ci->NumAckPending == 0;
+        jsConsumerInfo_Destroy(ci);
+        if (idle)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "the recorder did not drain");
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    evt_close(admin);
+}
+
+/* Lines of the broker's log that hold both a and b. */
+static long
+broker_log_count(const char *a, const char *b)
+{
+    char path[PATH_MAX + 32], line[4096];
+    long n = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, a) && (!b || strstr(line, b));
+    if (f)
+        fclose(f);
+    return n;
+}
+
+START_TEST(an_agents_junk_reports_are_bounded_rows)
+{
+    char seed[PATH_MAX + 64], sql[256];
+    const int n = 10000;
+    /* Named agent...: the fixture stops it should the test fail. */
+    spawn_own_agent("agentflood", seed, sizeof(seed));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = "
+             "'agent-agentflood' AND type = 'ReportRejected'");
+    long before = sql_long(sql);
+    long lines_before = broker_log_count("kept as an annotation", NULL) +
+                        broker_log_count("dropping an undecodable", NULL);
+    int64_t t0 = ks_mono_us();
+    flood_reports(seed, "agentflood", n);
+    recorder_drained();
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    long rows = sql_long(sql) - before;
+    /* Its share, and no more: not a row per report. */
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld rows of %d junk reports in %.1f s", rows, n, took_s);
+    /* Within it, refusals are kept as before. */
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    /* The log says so in summary, not in a line per report. */
+    ck_assert_int_ge(
+        broker_log_count("past its share", "identity=agent-agentflood"), 1);
+    long lines = broker_log_count("kept as an annotation", NULL) +
+                 broker_log_count("dropping an undecodable", NULL) -
+                 lines_before;
+    ck_assert_msg(lines <= rows + 20, "%ld log lines for %ld rows", lines,
+                  rows);
+    /* The flooder's own honest process and the others keep working. */
+    both_still_serve("agentflood");
+}
+END_TEST
+
+/*
+ * Publishes n reports of agent id with seed_file's credential, raw, each
+ * of about body_bytes (a junk error text), each about a command that does
+ * not exist, without sending any again: *ok_out the stream took, and
+ * *refused_out it refused; *why_out (static) the text of one refusal.
+ */
+static void
+publish_reports_once(const char *seed_file, const char *id, int n,
+                     size_t body_bytes, int *ok_out, int *refused_out,
+                     const char **why_out)
+{
+    static char why[256];
+    struct thief *t = thief_connect(seed_file);
+    natsSubscription *sub = NULL;
+    char inbox[96], *pad = malloc(body_bytes + 1);
+    int ok = 0, refused = 0;
+    ck_assert_ptr_nonnull(pad);
+    memset(pad, 'x', body_bytes);
+    pad[body_bytes] = '\0';
+    why[0] = '\0';
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.once.%d", id,
+             (int)getpid());
+    ck_assert_int_eq(natsConnection_SubscribeSync(&sub, t->nc, inbox),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    for (int i = 0; i < n; i++) {
+        Ks__Event ev = KS__EVENT__INIT;
+        char eid[37], cid[37], subject[160];
+        uint8_t *buf;
+        size_t len;
+        fresh_id(eid);
+        fresh_id(cid);
+        ev.event_id = eid;
+        ev.command_id = cid;
+        ev.agent_id = (char *)id;
+        ev.type = "CommandCompleted";
+        ev.reason = pad;
+        ev.attempt = 1;
+        ev.occurred_at_us = ks_now_us();
+        ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+        evt_event_subject(subject, sizeof(subject), id, cid);
+        ck_assert_int_eq(natsConnection_PublishRequest(t->nc, subject, inbox,
+                                                       buf, (int)len),
+                         NATS_OK);
+        free(buf);
+        /* One at a time: each PubAck says what became of its report. */
+        natsMsg *m = NULL;
+        ck_assert_int_eq(natsSubscription_NextMsg(&m, sub, 5000), NATS_OK);
+        if (strstr(natsMsg_GetData(m), "\"error\"")) {
+            refused++;
+            snprintf(why, sizeof(why), "%.*s", natsMsg_GetDataLength(m),
+                     natsMsg_GetData(m));
+        } else {
+            ok++;
+        }
+        natsMsg_Destroy(m);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(pad);
+    *ok_out = ok;
+    *refused_out = refused;
+    *why_out = why;
+}
+
+/*
+ * KSCORE_EVENTS is bounded as a whole (1 GiB, discard new), so on the
+ * code before, one agent that published faster than the recorder recorded
+ * could fill it, and then every agent's results were refused, or waited
+ * behind its backlog (issue 21). Now nats-server puts all of an agent's
+ * events on one subject (the agents' account maps kscore.evt.<id>.<cmd>
+ * to kscore.evt.<id>.0) and the stream holds at most
+ * EVT_EVENTS_PER_SUBJECT of one subject: past that only that agent is
+ * refused, and the broker's log names it. PostgreSQL is stopped for the
+ * flood, so the recorder takes nothing meanwhile: the worst case.
+ */
+START_TEST(one_agent_cannot_fill_the_events_stream)
+{
+    char seed[PATH_MAX + 64];
+    const int extra = 100;
+    int ok = 0, refused = 0;
+    const char *why = NULL;
+    spawn_own_agent("agentshare", seed, sizeof(seed));
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+
+    publish_reports_once(seed, "agentshare", EVT_EVENTS_PER_SUBJECT + extra,
+                         64 * 1024, &ok, &refused, &why);
+    ck_assert_msg(ok <= EVT_EVENTS_PER_SUBJECT && refused >= extra,
+                  "the stream took %d of one agent's %d reports (refused "
+                  "%d)",
+                  ok, EVT_EVENTS_PER_SUBJECT + extra, refused);
+    ck_assert_msg(strstr(why, "maximum messages per subject"), "%s", why);
+    /* What it holds of that agent is its share, on its one subject. */
+    {
+        struct evt_conn *admin = connect_as(stack.broker_seed);
+        jsOptions jo;
+        jsStreamInfo *si = NULL;
+        jsOptions_Init(&jo);
+        jo.Stream.Info.SubjectsFilter = "kscore.evt.agentshare.>";
+        ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                          &jo, NULL),
+                         NATS_OK);
+        ck_assert_ptr_nonnull(si->State.Subjects);
+        ck_assert_int_eq(si->State.Subjects->Count, 1);
+        ck_assert_str_eq(si->State.Subjects->List[0].Subject,
+                         "kscore.evt.agentshare.0");
+        ck_assert_uint_le(si->State.Subjects->List[0].Msgs,
+                          EVT_EVENTS_PER_SUBJECT);
+        jsStreamInfo_Destroy(si);
+        evt_close(admin);
+    }
+    /* Another agent's report still gets in. */
+    int ok2 = 0, refused2 = 0;
+    publish_reports_once(stack.agent_seed, AGENT, 1, 100, &ok2, &refused2,
+                         &why);
+    ck_assert_msg(ok2 == 1, "another agent's report was refused: %s", why);
+    /* The broker says who is at its share. */
+    int said = 0;
+    for (int i = 0; i < 150 && !said; i++) {
+        said = broker_log_count("at their share of the events stream",
+                                "agentshare") > 0;
+        if (!said)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_assert_msg(said, "the broker's log does not name agentshare");
+
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    recorder_drained();
+    /* Then both serve as before. */
+    both_still_serve("agentshare");
+}
+END_TEST
+
+/* The number after "key: " in the stack's rendered nats-auth.conf (the
+ * agents' account limits), or -1. */
+static long
+auth_conf_value(const char *key)
+{
+    char path[PATH_MAX + 32], line[512];
+    long v = -1;
+    snprintf(path, sizeof(path), "%s/nats-auth.conf", stack.nats.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f)) {
+        char *k = strstr(line, key);
+        if (k && k[strlen(key)] == ':')
+            v = strtol(k + strlen(key) + 1, NULL, 10);
+    }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/*
+ * An agent's credential opens connections and subscriptions until the
+ * agents' account limits (nats-server 2.9 has them per account, none per
+ * user): on cf06db5 there were none, so one stolen agent credential could
+ * open connections and subscriptions until the server ran out (issue 21).
+ * Past max_connections (4 per agent identity and 16 more) the server
+ * refuses the connection, past max_subscriptions the subscription; the
+ * brokers and operators, in another account, keep theirs and run
+ * commands meanwhile.
+ */
+START_TEST(an_agent_credential_has_bounded_connections)
+{
+    enum { TRY = 400 };
+    long max_conns = auth_conf_value("max_connections");
+    long max_subs = auth_conf_value("max_subscriptions");
+    /* No limits written (the code before): try TRY connections and 1000
+     * subscriptions. */
+    if (max_conns <= 0 || max_conns >= TRY)
+        max_conns = TRY - 1;
+    if (max_subs <= 0)
+        max_subs = 1000;
+    struct evt_conn *held[TRY];
+    int n = 0, refused = 0;
+    for (; n < TRY && n <= max_conns; n++) {
+        struct evt_connect_opts o = {.name = "hoarder",
+                                     .nkey_file = stack.agent_seed,
+                                     .timeout_ms = 2000};
+        char *err = NULL;
+        held[n] = NULL;
+        if (evt_connect(stack.nats.url, &o, &held[n], &err) != 0) {
+            refused = 1;
+            free(err);
+            break;
+        }
+    }
+    /* The agents' account holds the real agent's too: refused before
+     * max_conns of the hoarder's own. */
+    ck_assert_msg(refused, "%d connections of one agent credential, "
+                           "none refused (limit %ld)",
+                  n, max_conns);
+    ck_assert_int_le(n, max_conns);
+    ck_assert_int_ge(n, 1);
+    ck_assert(nats_log_says("maximum account active connections exceeded",
+                            NULL));
+    /* Meanwhile the others work: an operator runs a command on the
+     * agent, whose own connection was there before. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "held",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec while the agents' connections are "
+                                 "taken: %s",
+                  o.err);
+    fixture_out_release(&o);
+    /* Subscriptions: one connection past max_subscriptions. */
+    natsSubscription *subs[1024];
+    ck_assert_int_lt(max_subs, 1024);
+    int ns = 0;
+    for (; ns <= max_subs; ns++) {
+        char subj[96];
+        snprintf(subj, sizeof(subj), "_INBOX.agent-" AGENT ".hoard.%d", ns);
+        ck_assert_int_eq(
+            natsConnection_SubscribeSync(&subs[ns], held[0]->nc, subj),
+            NATS_OK);
+    }
+    natsConnection_FlushTimeout(held[0]->nc, 2000);
+    ck_assert(nats_log_says("maximum subscriptions exceeded", NULL));
+    for (int i = 0; i < ns; i++)
+        natsSubscription_Destroy(subs[i]);
+    for (int i = 0; i < n; i++)
+        evt_close(held[i]);
+}
+END_TEST
+
+/*
+ * An agent may publish its own registry key, and a publisher chooses its
+ * headers: on cf06db5 "Nats-Rollup: all" on its own key made the bucket's
+ * stream drop every other entry (found attacking with the agent's
+ * credential, issue 21: the brokers' and pools' entries gone until their
+ * next heartbeat, so a broker that starts then, or `kscore up` waiting
+ * for an agent, sees an empty registry). The bucket allows no roll-up
+ * and no purge now: the server refuses it and every entry stays.
+ */
+START_TEST(an_agent_cannot_empty_the_registry)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    jsStreamInfo *si = NULL;
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    uint64_t before = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    ck_assert_uint_ge(before, 2); /* the agent's and the local pool's */
+
+    struct thief *t = thief_connect(stack.agent_seed);
+    natsSubscription *sub = NULL;
+    natsMsg *m = NULL, *r = NULL;
+    const char *rollups[] = {"all", "sub"};
+    ck_assert_int_eq(natsConnection_SubscribeSync(
+                         &sub, t->nc, "_INBOX.agent-" AGENT ".rollup"),
+                     NATS_OK);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(natsMsg_Create(&m, "$KV." EVT_KV_AGENTS "." AGENT,
+                                        "_INBOX.agent-" AGENT ".rollup", "x",
+                                        1),
+                         NATS_OK);
+        ck_assert_int_eq(natsMsgHeader_Set(m, "Nats-Rollup", rollups[i]),
+                         NATS_OK);
+        ck_assert_int_eq(natsConnection_PublishMsg(t->nc, m), NATS_OK);
+        natsMsg_Destroy(m);
+        ck_assert_int_eq(natsSubscription_NextMsg(&r, sub, 5000), NATS_OK);
+        ck_assert_msg(strstr(natsMsg_GetData(r), "\"error\""),
+                      "the bucket took a roll-up (%s): %.*s", rollups[i],
+                      natsMsg_GetDataLength(r), natsMsg_GetData(r));
+        natsMsg_Destroy(r);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    ck_assert_uint_ge(si->State.Msgs, before);
+    jsStreamInfo_Destroy(si);
+    evt_close(admin);
+}
+END_TEST
+
+/*
+ * A claim that loses (the command was claimed, re-dispatched or ended) is
+ * kept as a DuplicateSuppressed row on the command's stream. An agent
+ * chooses when it claims: on cf06db5, 3,000 claims of its own ended
+ * command were 3,000 rows (found attacking with the agent's credential,
+ * issue 21). Now they are within the agent's share of annotation rows.
+ */
+START_TEST(an_agents_lost_claims_are_bounded_rows)
+{
+    char seed[PATH_MAX + 64], sql[256], cid[37];
+    const int n = 3000;
+    spawn_own_agent("agentclaim", seed, sizeof(seed));
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--json", "--agent", "agentclaim", "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    snprintf(cid, sizeof(cid), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'DuplicateSuppressed'",
+             cid);
+
+    struct thief *t = thief_connect(seed);
+    struct reply_count got = {.n = 0};
+    natsSubscription *sub = NULL;
+    pthread_mutex_init(&got.mu, NULL);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc,
+                                              "_INBOX.agent-agentclaim.c.>",
+                                              on_reply_count, &got),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t t0 = ks_mono_us();
+    for (int i = 0; i < n; i++) {
+        Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
+        char eid[37], reply[96];
+        uint8_t *buf;
+        size_t len;
+        fresh_id(eid);
+        req.command_id = cid;
+        req.attempt = 1;
+        req.agent_id = "agentclaim";
+        req.event_id = eid;
+        req.expected_version = 2;
+        ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+        snprintf(reply, sizeof(reply), "_INBOX.agent-agentclaim.c.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             t->nc, EVT_API_CLAIM ".agent-agentclaim", reply,
+                             buf, (int)len),
+                         NATS_OK);
+        free(buf);
+        if (i % 500 == 499)
+            natsConnection_Flush(t->nc);
+    }
+    natsConnection_Flush(t->nc);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&got.mu);
+        int k = got.n;
+        pthread_mutex_unlock(&got.mu);
+        if (k == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "%d of %d claims answered", k,
+                      n);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    long rows = sql_long(sql);
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld DuplicateSuppressed rows of %d lost claims in %.1f s",
+                  rows, n, took_s);
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    /* Its honest process serves on. */
+    both_still_serve("agentclaim");
+}
+END_TEST
+
+/* Answers to a raw client's requests, counted. */
+struct answers {
+    pthread_mutex_t mu;
+    int n, denied;
+};
+
+static void
+on_answer(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct answers *a = ud;
+    Ks__ExecuteReply *r = ks__execute_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&a->mu);
+    a->n++;
+    if (r && r->error && strncmp(r->error, "denied", 6) == 0)
+        a->denied++;
+    pthread_mutex_unlock(&a->mu);
+    if (r)
+        ks__execute_reply__free_unpacked(r, NULL);
+    natsMsg_Destroy(msg);
+}
+
+START_TEST(an_operators_denials_are_bounded_rows)
+{
+    struct stack_identity eve;
+    char eve_seed[PATH_MAX + 64];
+    const int n = 5000;
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, "eve", &eve),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "eve", eve_seed,
+                          sizeof(eve_seed));
+    const char *rows_sql = "SELECT count(*) FROM events WHERE stream_id = "
+                           "'operator-eve' AND type = 'RequestDenied'";
+    long before = sql_long(rows_sql);
+
+    /* eve is in no policy: every request of hers is denied. */
+    struct thief *t = thief_connect(eve_seed);
+    struct answers a = {.n = 0};
+    natsSubscription *sub = NULL;
+    pthread_mutex_init(&a.mu, NULL);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, "_INBOX.eve.>",
+                                              on_answer, &a),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"true"};
+    spec.argv = argv;
+    spec.n_argv = 1;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    uint8_t *buf;
+    size_t len;
+    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    int64_t t0 = ks_mono_us();
+    for (int i = 0; i < n; i++) {
+        char reply[64];
+        snprintf(reply, sizeof(reply), "_INBOX.eve.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             t->nc, EVT_API_EXECUTE ".eve", reply, buf,
+                             (int)len),
+                         NATS_OK);
+        if (i % 500 == 499)
+            natsConnection_Flush(t->nc);
+    }
+    natsConnection_Flush(t->nc);
+    free(buf);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&a.mu);
+        int got = a.n;
+        pthread_mutex_unlock(&a.mu);
+        if (got == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "%d of %d answered", got, n);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    /* Every request is denied, rows or not. */
+    ck_assert_int_eq(a.denied, n);
+    long rows = sql_long(rows_sql) - before;
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld RequestDenied rows of %d requests in %.1f s", rows, n,
+                  took_s);
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    ck_assert_int_ge(broker_log_count("past its share", "identity=operator-eve"),
+                     1);
+    /* Past her share she is still denied, through the CLI too. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--nkey", eve_seed, "--agent", AGENT, "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_ptr_nonnull(strstr(o.err, "denied"));
+    fixture_out_release(&o);
+    /* And an operator the policy lets run keeps running. */
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec as " OPERATOR ": %s", o.err);
+    fixture_out_release(&o);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -2583,6 +3272,12 @@ security_suite(void)
     add_only(tc, idempotency_keys_are_per_operator);
     add_only(tc, a_replayed_old_heartbeat_does_not_evict_the_live_agent);
     add_only(tc, a_falsely_accused_agent_serves_again);
+    add_only(tc, an_operators_denials_are_bounded_rows);
+    add_only(tc, an_agents_junk_reports_are_bounded_rows);
+    add_only(tc, one_agent_cannot_fill_the_events_stream);
+    add_only(tc, an_agent_credential_has_bounded_connections);
+    add_only(tc, an_agent_cannot_empty_the_registry);
+    add_only(tc, an_agents_lost_claims_are_bounded_rows);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
