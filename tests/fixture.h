@@ -186,6 +186,8 @@ int fixture_kscore_as(struct fixture_stack *s, const char *name,
 int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
+/* The last line of out (a batch's --json summary), or out itself. */
+const char *fixture_last_line(const char *out);
 
 /* ------------------------------------------------------------------------ */
 /* Clients (tests/fixture_nats.c)                                            */

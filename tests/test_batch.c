@@ -44,6 +44,18 @@ stack_down(void)
     fixture_stack_stop(&stack);
 }
 
+/* kscore ARGS --json ... : the one JSON object it printed last (the
+ * batch's summary), with o kept for the caller to release. */
+static json_t *
+ks_json(const char *const args[], struct fixture_out *o)
+{
+    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
+    json_t *j = json_loads(fixture_last_line(o->out), JSON_DISABLE_EOF_CHECK,
+                           NULL);
+    ck_assert_msg(j != NULL, "no JSON: %s / %s", o->out, o->err);
+    return j;
+}
+
 /* Runs kscore batch --json ARGS; returns the summary (last line). */
 static json_t *
 batch_json(const char *const args[], struct fixture_out *o)
@@ -53,21 +65,7 @@ batch_json(const char *const args[], struct fixture_out *o)
     for (size_t i = 0; args[i] && n < 63; i++)
         full[n++] = args[i];
     full[n] = NULL;
-    ck_assert_int_eq(fixture_kscore(&stack, full, o), 0);
-    char *last = NULL;
-    for (char *p = o->out; *p;) {
-        char *nl = strchr(p, '\n');
-        if (!nl)
-            break;
-        if (nl[1])
-            last = nl + 1;
-        p = nl + 1;
-    }
-    if (!last)
-        last = o->out;
-    json_t *j = json_loads(last, JSON_DISABLE_EOF_CHECK, NULL);
-    ck_assert_msg(j != NULL, "no JSON summary: %s / %s", o->out, o->err);
-    return j;
+    return ks_json(full, o);
 }
 
 static int
@@ -382,6 +380,19 @@ bg_join(struct bg_run *r)
 
 /* A test that failed while its broker was down does not fail the next
  * ones: each starts with the stack's broker up, and broker2 down. */
+/* Joins a waiting client whose broker died under it: it ended with want,
+ * or, when no broker answered for long enough, 69 with how to follow the
+ * batch. */
+static void
+join_across_restart(struct bg_run *c, int want)
+{
+    bg_join(c);
+    ck_assert_msg(c->out.status == want ||
+                      (c->out.status == 69 &&
+                       strstr(c->out.err, "kscore get batch-")),
+                  "client exited %d: %s", c->out.status, c->out.err);
+}
+
 static void
 ensure_broker(void)
 {
@@ -692,11 +703,7 @@ batch_across_restart(int sig, const char *prefix)
     broker_restart(sig);
     if (sig == SIGKILL)
         view_before_adoption(id, tg, old);
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 0);
     if (c.out.status == 0)
         ck_assert_ptr_nonnull(strstr(c.out.out, "\"Succeeded\""));
 
@@ -750,11 +757,7 @@ START_TEST(error_budget_survives_broker_kill)
     wait_runs(runs, ids[0], 1);
     batch_of(ids[0], id);
     broker_restart(SIGKILL);
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 1 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 1);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Failed");
@@ -985,11 +988,7 @@ START_TEST(another_broker_takes_over)
         kill((pid_t)driver, SIGKILL);
         waitpid((pid_t)driver, NULL, 0);
     }
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 0);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Succeeded");
@@ -1810,21 +1809,6 @@ END_TEST
 
 /* ---- waves, reruns, and what get and list say (issue 24) ----------------- */
 
-/* kscore ARGS --json ... : the one JSON object it printed last (the
- * batch's summary), with o kept for the caller to release. */
-static json_t *
-ks_json(const char *const args[], struct fixture_out *o)
-{
-    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
-    const char *last = o->out;
-    for (const char *p = o->out; *p; p++)
-        if (*p == '\n' && p[1])
-            last = p + 1;
-    json_t *j = json_loads(last, JSON_DISABLE_EOF_CHECK, NULL);
-    ck_assert_msg(j != NULL, "no JSON: %s / %s", o->out, o->err);
-    return j;
-}
-
 static const char *
 jstr(json_t *j, const char *k)
 {
@@ -1961,11 +1945,7 @@ START_TEST(waves_survive_broker_kill)
          i++)
         nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
     broker_restart(SIGKILL);
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 0);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Succeeded");

@@ -55,11 +55,8 @@ ks(const char *const args[], struct fixture_out *o)
 static json_t *
 last_json(const struct fixture_out *o)
 {
-    const char *last = o->out;
-    for (const char *p = o->out; *p; p++)
-        if (*p == '\n' && p[1])
-            last = p + 1;
-    json_t *j = json_loads(last, JSON_DISABLE_EOF_CHECK, NULL);
+    json_t *j = json_loads(fixture_last_line(o->out), JSON_DISABLE_EOF_CHECK,
+                           NULL);
     ck_assert_msg(j != NULL, "no JSON: %s / %s", o->out, o->err);
     return j;
 }

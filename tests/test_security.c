@@ -1831,19 +1831,42 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
-/* Starts agent "bb" of the labels stack from bundle (its state in
- * bb-state) and waits for its heartbeat after since_us. */
+/* bundle without its label attestation (its signature, key id and time)
+ * and with label `from` said as `to`, into out (0600): what an enrolled
+ * agent's host could run to choose its labels. */
 static void
-start_bb(const char *bundle, int64_t since_us)
+strip_attestation(const char *bundle, const char *out_path, const char *from,
+                  const char *to)
 {
-    char state[PATH_MAX + 32];
+    FILE *in = fopen(bundle, "re"), *out = fopen(out_path, "we");
+    char l[16384], was[128], now[128];
+    snprintf(was, sizeof(was), "label = %s\n", from);
+    snprintf(now, sizeof(now), "label = %s\n", to);
+    ck_assert(in && out);
+    while (fgets(l, sizeof(l), in))
+        if (strncmp(l, "labels_signature", 16) != 0 &&
+            strncmp(l, "labels_key_id", 13) != 0 &&
+            strncmp(l, "enrolled_at_us", 14) != 0)
+            fputs(strcmp(l, was) == 0 ? now : l, out);
+    fclose(in);
+    fclose(out);
+    chmod(out_path, 0600);
+}
+
+/* Starts agent "enrolled-<name>" of the labels stack from bundle (daemon
+ * <name>, its state in <name>-state) and waits for its heartbeat after
+ * since_us. */
+static void
+start_enrolled(const char *name, const char *bundle, int64_t since_us)
+{
+    char state[PATH_MAX + 32], id[64];
     pid_t pid;
-    snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+    snprintf(state, sizeof(state), "%s/%s-state", ls.dir, name);
+    snprintf(id, sizeof(id), "enrolled-%.40s", name);
     char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
                     (char *)bundle, "--state-dir", state, NULL};
-    ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since_us,
-                                       30000) == 0);
+    ck_assert_int_eq(stack_daemon(ls.dir, name, argv, &pid), 0);
+    ck_assert(fixture_stack_wait_agent(&ls, id, since_us, 30000) == 0);
 }
 
 /*
@@ -1878,7 +1901,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
     since = ks_now_us();
-    start_bb(bundle, since);
+    start_enrolled("bb", bundle, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
                       strstr(line, "\"labels_signed\":true"),
@@ -1889,25 +1912,10 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 
     /* The same bundle without its attestation, saying env=dev. */
     snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
-    {
-        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
-        char l[16384];
-        ck_assert(in && out);
-        while (fgets(l, sizeof(l), in))
-            if (strncmp(l, "labels_signature", 16) != 0 &&
-                strncmp(l, "labels_key_id", 13) != 0 &&
-                strncmp(l, "enrolled_at_us", 14) != 0)
-                fputs(strcmp(l, "label = env=prod\n") == 0
-                          ? "label = env=dev\n"
-                          : l,
-                      out);
-        fclose(in);
-        fclose(out);
-        chmod(stripped, 0600);
-    }
+    strip_attestation(bundle, stripped, "env=prod", "env=dev");
     from = file_size(blog);
     since = ks_now_us();
-    start_bb(stripped, since);
+    start_enrolled("bb", stripped, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
     ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
                       strstr(line, "\"labels\":{}"),
@@ -1947,21 +1955,6 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 }
 END_TEST
 
-/* Starts agent "cc" of the labels stack from bundle and waits for its
- * heartbeat after since_us. */
-static void
-start_cc(const char *bundle, int64_t since_us)
-{
-    char state[PATH_MAX + 32];
-    pid_t pid;
-    snprintf(state, sizeof(state), "%s/cc-state", ls.dir);
-    char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
-                    (char *)bundle, "--state-dir", state, NULL};
-    ck_assert_int_eq(stack_daemon(ls.dir, "cc", argv, &pid), 0);
-    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-cc", since_us,
-                                       30000) == 0);
-}
-
 static void
 enroll_cc(const char *label, const char *bundle)
 {
@@ -1997,7 +1990,7 @@ START_TEST(a_relabel_is_signed_recorded_and_kept)
     snprintf(bundle, sizeof(bundle), "%s/cc.bundle", ls.dir);
     enroll_cc("env=dev", bundle);
     since = ks_now_us();
-    start_cc(bundle, since);
+    start_enrolled("cc", bundle, since);
     line = agent_line("enrolled-cc", "\"env\":\"dev\"", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"dev\""), "%s", line);
     free(line);
@@ -2053,26 +2046,11 @@ START_TEST(a_relabel_is_signed_recorded_and_kept)
      * stands, signed. */
     stack_stop(ls.dir, "cc", 10000);
     snprintf(stripped, sizeof(stripped), "%s/cc-stripped.bundle", ls.dir);
-    {
-        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
-        char l[16384];
-        ck_assert(in && out);
-        while (fgets(l, sizeof(l), in))
-            if (strncmp(l, "labels_signature", 16) != 0 &&
-                strncmp(l, "labels_key_id", 13) != 0 &&
-                strncmp(l, "enrolled_at_us", 14) != 0)
-                fputs(strcmp(l, "label = env=dev\n") == 0
-                          ? "label = env=prod\n"
-                          : l,
-                      out);
-        fclose(in);
-        fclose(out);
-        chmod(stripped, 0600);
-    }
+    strip_attestation(bundle, stripped, "env=dev", "env=prod");
     fixture_stack_broker_kill(&ls, SIGKILL);
     ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
     since = ks_now_us();
-    start_cc(stripped, since);
+    start_enrolled("cc", stripped, since);
     line = agent_line("enrolled-cc", NULL, 10000);
     ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
                       strstr(line, "\"env\":\"dev\"") &&
@@ -2098,7 +2076,7 @@ START_TEST(a_relabel_is_signed_recorded_and_kept)
     snprintf(bundle2, sizeof(bundle2), "%s/cc2.bundle", ls.dir);
     enroll_cc("env=qa", bundle2);
     since = ks_now_us();
-    start_cc(bundle2, since);
+    start_enrolled("cc", bundle2, since);
     line = agent_line("enrolled-cc", "\"env\":\"qa\"", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"qa\"") && !strstr(line, "role") &&
                       !strstr(line, "labels_by"),
