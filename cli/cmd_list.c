@@ -239,6 +239,12 @@ cmd_list(int argc, char **argv)
                     cli_err("at most 64 agents for --agent");
                     return CLI_EXIT_USAGE;
                 }
+                if (!evt_agent_id_valid(t)) {
+                    cli_err("bad agent id '%s' for --agent (letters, digits, "
+                            "_ and -, up to %d)",
+                            t, EVT_AGENT_ID_MAX);
+                    return CLI_EXIT_USAGE;
+                }
                 agents[n_agents++] = t;
             }
             break;

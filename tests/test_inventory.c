@@ -176,6 +176,10 @@ START_TEST(selectors_and_agent_ids_are_checked_first)
     ck_assert_msg(o.status == 2, "exit %d: %s", o.status, o.err);
     ck_assert_msg(strstr(o.err, "bad agent id 'web/1'"), "%s", o.err);
     fixture_out_release(&o);
+    const char *a5[] = {"list", "--agent", "inv,a b", NULL};
+    ks(a5, &o);
+    ck_assert_msg(o.status == 2, "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
 }
 END_TEST
 
