@@ -70,6 +70,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -524,10 +525,18 @@ struct agent;
  * KSCORE_EVENTS until a PubAck arrives (outbox on disk); ack the JetStream
  * message; the slot goes to the next message.
  *
+ * A claim is tried with one claim id until the broker answers it (a claim
+ * whose reply was lost may have won: the broker grants a repeat of the
+ * winning claim while the command runs), and every command from its claim
+ * until its end is published is listed in the heartbeats (AgentInfo.holds,
+ * with heartbeat_seq); the broker ends a Running command that a live
+ * heartbeat of its claimer, sent after the claim, does not list.
+ *
  * With a state_dir, a restart reports what the previous run left: commands
- * it had spawned as CommandLost, commands it had claimed but never spawned
- * as CommandNotStarted (status NOT_STARTED), and hands unclaimed messages
- * back to JetStream.
+ * it had spawned as CommandLost; commands it had claimed but never spawned
+ * are claimed again with the journalled claim id when JetStream delivers
+ * them again (at once: their messages are nak'd), and run if that claim
+ * won; unclaimed messages go back to JetStream.
  *
  * A state_dir that takes no more writes (full, read-only) never leaves a
  * command the journal does not know: a message it cannot journal is not
@@ -556,8 +565,53 @@ int agent_decode_command(const struct evt_verifier *trust,
                          const void *data, size_t len, Ks__Command **out,
                          const char **reason_out, char cmd_id_out[37]);
 
-/* Stops taking work (messages not yet claimed go back to JetStream),
- * cancels running commands, publishes their results, frees. Accepts NULL. */
+/*
+ * A graceful stop, first half: takes no new work from now on. The
+ * deliveries stop (each id's or the pool's subscription goes), messages
+ * waiting for a slot or not yet claimed go back to JetStream (-NAK: for
+ * another process of the id, or for this one after its restart), and no
+ * claim is sent any more; claims already sent are answered, and what
+ * runs goes on, reported as usual. Heartbeats, progress acks and the
+ * self-fence go on. timeout_ms is only said in the reason of what
+ * agent_stop must then stop. Returns at once; any thread; once (later
+ * calls do nothing). Accepts NULL.
+ *
+ * The caller waits until agent_busy() is 0 or its drain timeout passed
+ * (`kscore agent --drain-timeout`, `kscore broker --drain-timeout`:
+ * AGENT_DRAIN_TIMEOUT_MS by default), then calls agent_stop().
+ */
+void agent_drain(struct agent *a, uint64_t timeout_ms);
+/* Default drain timeout (ms) of `kscore agent` and `kscore broker` (its
+ * in-process agents). A service manager's stop timeout must exceed it by
+ * the longest --grace of the commands (deploy/systemd). */
+#define AGENT_DRAIN_TIMEOUT_MS 10000
+
+/* What this agent still holds: commands claimed or being claimed or
+ * running, plus results not yet published (0 for NULL). Any thread. */
+unsigned agent_busy(struct agent *a);
+
+/*
+ * The whole graceful stop of a process's agent: agent_drain, then waits
+ * until agent_busy() is 0, timeout_ms passed, or a signal of stop_now
+ * arrives (taken with sigtimedwait(2): they must be blocked in every
+ * thread; NULL: none), then agent_stop (which stops what is left, as
+ * "the agent stopped"). Logs which of them ended the drain. Returns the
+ * signal that cut it short, or 0. Accepts NULL.
+ */
+int agent_stop_graceful(struct agent *a, uint64_t timeout_ms,
+                        const sigset_t *stop_now);
+
+/*
+ * Stops taking work (messages not yet claimed go back to JetStream), stops
+ * what still runs with the kill protocol (TERM, grace, KILL to its group),
+ * publishes the results, frees. Accepts NULL. A command it stops ends
+ * CommandLost with the reason "the agent stopped while the command ran",
+ * one still queued in the executor CommandNotStarted: never Cancelled,
+ * which only an operator's cancel is. A claim still unanswered is left as
+ * it is: with a state dir the journal keeps it for the next start (which
+ * claims again with the same claim id); without, the broker ends the
+ * command if the claim won (no heartbeat lists it).
+ */
 void agent_stop(struct agent *a);
 
 /*

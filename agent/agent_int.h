@@ -49,6 +49,28 @@ struct outbox_item {
     char command_id[37];                 /* for ks_trace */
 };
 
+/*
+ * A claim this process has sent or is about to send (runtime.c "claims"),
+ * from before its ClaimRequest goes out until the command's end is queued
+ * for publishing, or the broker's definite no. Meanwhile the command is in
+ * every heartbeat's AgentInfo.holds, and every try of the claim carries
+ * the same claim_id: the broker grants a repeat of the claim that won (its
+ * event id is recorded), so a claim whose reply was lost is still ours.
+ * With a state dir the claim line of the journal is its copy on disk: a
+ * restarted agent takes the claim up again (recovered_us) and claims with
+ * the same id when JetStream delivers the message again.
+ */
+struct agent_claim {
+    char claim_id[37];
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    uint32_t attempt;
+    char operator_name[64];
+    /* Taken from a previous run's journal and not delivered again yet
+     * (mono us; 0: a held message has it). Not delivered within twice the
+     * ack wait, it is let go, unreported (runtime.c claims_forget_old). */
+    int64_t recovered_us;
+};
+
 /* Where a held command message is. */
 enum job_state {
     JOB_WAITING,  /* delivered, no free slot yet: unclaimed */
@@ -79,6 +101,9 @@ struct job_ctx {
     /* A cancel came before it ran (claimed, not yet submitted): it is
      * cancelled as soon as it is (under a->mu). */
     bool cancel_pending;
+    /* An operator's cancel reached it (on_cancel; under a->mu): its end is
+     * Cancelled, whereas one killed by agent_stop is not. */
+    bool op_cancelled;
     uint64_t delivered; /* JetStream's delivery count of this message */
     /* payload.c: its script file, stdin and user, from the precheck to
      * the end of the hold (job_free). */
@@ -148,6 +173,11 @@ struct agent {
     unsigned callbacks; /* on_command calls in progress */
     pthread_cond_t cb_cond;
     struct ks_map seen; /* claimed command ids (replay guard) */
+    /* command_id -> struct agent_claim * (runtime.c "claims"), and the
+     * number of the last heartbeat built (AgentInfo.heartbeat_seq). Under
+     * mu. */
+    struct ks_map claims;
+    uint64_t hb_seq;
     char (*seen_ring)[37];
     size_t seen_next;
     const struct evt_verifier *trust;
@@ -174,7 +204,7 @@ struct agent {
     _Atomic int64_t foreign_logged_us;
     /* A lost exit status, a state dir that takes no more writes. */
     _Atomic int64_t status_lost_logged_us, journal_err_logged_us,
-        outbox_err_logged_us;
+        outbox_err_logged_us, claim_err_logged_us;
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;
@@ -187,7 +217,12 @@ struct agent {
     pthread_t out_thread;
     bool out_started, out_stopping;
     char *run_dir;         /* payload.c: this run's private files */
+    atomic_int draining;   /* agent_drain: take no new work, finish */
     atomic_int closing;    /* agent_stop: take no new work */
+    /* agent_stop is killing what still runs: those end Lost (the agent
+     * stopped), not Cancelled. */
+    atomic_bool stop_killing;
+    int64_t drain_ms;      /* agent_drain's timeout, for the reason */
     volatile int stopping; /* agent_stop: the executor is done */
 };
 
@@ -363,14 +398,31 @@ int agent__journal_spawned(struct agent *a, const struct job_ctx *j,
                            pid_t pid);
 void agent__journal_remove(struct agent *a, const char *command_id);
 /*
- * At start, after connecting and before subscribing: what a previous run
- * left. Spawned: CommandLost (its watchdog killed it, and
- * exec_global_init() killed its cgroups). Claimed, never spawned:
- * CommandNotStarted. Held, never claimed: nak'd, so JetStream redelivers it
- * at once. Each message is acked or nak'd through its saved ack subject, so
- * the consumer's max_ack_pending is free again now, not after the ack wait.
+ * At start, after connecting and before the first heartbeat: what a
+ * previous run left. Spawned: CommandLost (its watchdog killed it, and
+ * exec_global_init() killed its cgroups). Claimed, never spawned: the
+ * claim is taken up again (agent__claim_recovered; the file stays) and
+ * the message nak'd, so JetStream redelivers it at once and it is claimed
+ * with the same claim id: it runs if the claim won, or wins now. Held,
+ * never claimed: nak'd. Each message is acked or nak'd through its saved
+ * ack subject, so the consumer's max_ack_pending is free again now, not
+ * after the ack wait.
  */
 void agent__journal_recover(struct agent *a);
+
+/* Queues the end of a command the agent holds no job for (a journal
+ * entry, a claim given up): an event of type with a result of status,
+ * reason (also the event's), and pid (0: none). Any thread. */
+void agent__report_end(struct agent *a, const char *command_id,
+                       const char *agent_id, uint32_t attempt,
+                       const char *operator_name, const char *type,
+                       Ks__CommandStatus status, const char *reason, long pid);
+
+/* runtime.c: takes up a claim a previous run journalled (claimed, never
+ * spawned) for command_id of agent_id. 0 or -ENOMEM. */
+int agent__claim_recovered(struct agent *a, const char *command_id,
+                           const char *agent_id, uint32_t attempt,
+                           const char *operator_name, const char *claim_id);
 
 /*
  * Files of the state dir (journal entries, outbox events) are recycled,

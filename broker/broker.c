@@ -402,11 +402,14 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (!req->key_may_exist &&
                     !broker__key_seen(b, cmd.operator_,
                                       req->idempotency_key));
-    if (overlap)
-        rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
-                                  publish_between, &dp);
-    else
-        rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version = STORE_NO_STREAM,
+                             .events = evs,
+                             .n = 2,
+                             .between = overlap ? publish_between : NULL,
+                             .ud = &dp};
+    struct store_write_result wres;
+    rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
@@ -425,10 +428,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
     if (rc) {
-        /* Read first: the next call on st forgets it. */
-        bool doubt = store_in_doubt(st);
+        bool doubt = wres.in_doubt;
         bool sick = store_db_sick(rc) || rc == KS_EPG;
-        broker__store_error(st, rc, why, sizeof(why));
+        broker__write_error(&wres, rc, why, sizeof(why));
         if (w) {
             pthread_mutex_lock(&b->mu);
             ks_map_del(&b->waiters, command_id);
@@ -519,6 +521,37 @@ out:
 }
 
 /* ---- claim -------------------------------------------------------------- */
+
+/*
+ * A claim whose event is recorded already (KS_EDUPLICATE) is granted
+ * again only while its command is still in the state that claim put it
+ * in: Running for CommandStarted (StartFailed for a start failure, which
+ * changes nothing). 1 when it is, 0 with why (the status it ended in)
+ * when not, or the store's error.
+ */
+static int
+claim_repeat_open(struct store *st, const Ks__ClaimRequest *req, char *why,
+                  size_t len)
+{
+    Ks__CommandView *v = NULL;
+    Ks__CommandStatus want = req->start_failure
+                                 ? KS__COMMAND_STATUS__START_FAILED
+                                 : KS__COMMAND_STATUS__RUNNING;
+    int open, rc;
+
+    /* Cannot tell: the agent is answered with the store's error and
+     * claims again. */
+    if ((rc = store_get_command(st, req->command_id, &v)) != 0)
+        return rc == KS_ENOTFOUND ? KS_EINTERNAL : rc;
+    open = v->status == want;
+    if (!open)
+        snprintf(why, len,
+                 "already claimed: this claim won, but the command has "
+                 "ended since (%s)",
+                 kproto_status_name(v->status));
+    ks__command_view__free_unpacked(v, NULL);
+    return open;
+}
 
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
@@ -611,12 +644,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     } else {
         ev.type = "CommandStarted";
+        /* Which process claims, and from which of its heartbeats on it
+         * lists the command: what the scanner ends a Running command by
+         * once that process's heartbeats no longer list it. */
+        ev.instance_id = req->instance_id;
+        ev.listed_from_seq = req->listed_from_seq;
     }
     struct store_event se = {&ev};
-    /* Fast path: nothing happened since this attempt was dispatched. */
+    /* Fast path: nothing happened since this attempt was dispatched. The
+     * claim's reply goes out only after the commit that holds it (the
+     * writer returns once its transaction's end is known). */
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version =
+                                 (int64_t)req->expected_version,
+                             .events = &se,
+                             .n = 1,
+                             .claim_agent = req->agent_id};
+    struct store_write_result wres;
     int64_t claimed_at = 0;
-    rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
-                            req->agent_id, &se, &claimed_at);
+    rc = store_writer_append(b->writer, &wr, &wres);
+    claimed_at = wres.version;
     ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -634,11 +681,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             rc = KS_EDENIED; /* not this agent's: no trace on its stream */
         if (!mine || !open)
             break;
-        rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
-                                &claimed_at);
+        wr.expected_version = at;
+        rc = store_writer_append(b->writer, &wr, &wres);
+        claimed_at = wres.version;
     }
-    if (rc == 0 || rc == KS_EDUPLICATE) {
-        /* A duplicate is this same claim retried: still ours. */
+    int open = rc == KS_EDUPLICATE
+                   ? claim_repeat_open(cl->st, req, why, sizeof(why))
+                   : 1;
+    if (open < 0) {
+        r.error_code = open;
+        r.error = (char *)broker__store_error(cl->st, open, why, sizeof(why));
+    } else if (!open) {
+        /* The claim that won, asked again after the command ended (the
+         * broker ended it: its claimer's heartbeats stopped listing it):
+         * too late to run it. */
+        r.error_code = KS_ECLAIMED;
+        r.error = why;
+    } else if (rc == 0 || rc == KS_EDUPLICATE) {
+        /* A duplicate is this same claim retried (its reply was lost, or
+         * its claimer restarted and claims again with the journalled
+         * claim id): still ours while the command runs. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
             broker__command_ended(b, req->command_id, req->start_failure);
@@ -662,8 +724,13 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         broker__report_identity(b, req->agent_id, identity,
                                 sizeof(identity));
         if (broker__budget_take(b, identity, ks__event__get_packed_size(&d),
-                                BROKER_ANNOTATION_REPORT))
-            store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
+                                BROKER_ANNOTATION_REPORT)) {
+            struct store_write dw = {.stream_id = stream,
+                                     .expected_version = STORE_ANY,
+                                     .events = &de,
+                                     .n = 1};
+            store_writer_append(b->writer, &dw, NULL);
+        }
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else if (rc == KS_EDENIED) {
@@ -672,7 +739,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     } else {
         /* The agent hands the message back and claims again later. */
         r.error_code = rc;
-        r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
+        r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -1311,6 +1378,22 @@ open_store(struct broker *b, struct store **out, char **errmsg)
     return rc;
 }
 
+/* The group writer (store.h): the appends of every handler and of the
+ * recorder, in shared transactions. */
+static int
+open_writer(struct broker *b, char **errmsg)
+{
+    char *why = NULL;
+    int rc = store_writer_open(b->opts->db_conninfo, BROKER_WRITER_CONNS,
+                               &b->writer, &why);
+    if (rc && errmsg &&
+        asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
+                 b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    free(why);
+    return rc;
+}
+
 /* Serves "<subject>.<operator>" (see events.h "API subjects"). */
 /*
  * The boundary of every API request: the reply address must be under the
@@ -1416,19 +1499,25 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
-                                 &b->claimers[2].sub, &b->claimers[3].sub,
-                                 &b->executors[0].sub,
-                                 &b->executors[1].sub,
-                                 &b->executors[2].sub,
-                                 &b->sub_misc,   &b->sub_events,
-                                 &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory, &b->sub_list,
-                                 &b->sub_label,
-                                 &b->sub_logs, &b->sub_notice,
-                                 &b->sub_upload, &b->sub_fetch};
-    const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 16];
+    size_t nsubs = 0;
+
+    /* Every worker's subscription: each handler uses the writer and the
+     * store connections closed below. */
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
+        subs[nsubs++] = &b->claimers[i].sub;
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
+        subs[nsubs++] = &b->executors[i].sub;
+    {
+        natsSubscription **rest[] = {
+            &b->sub_misc,     &b->sub_events, &b->sub_cancel,
+            &b->sub_agents,   &b->sub_follow, &b->sub_batch,
+            &b->sub_advisory, &b->sub_list,   &b->sub_logs,
+            &b->sub_notice,   &b->sub_upload, &b->sub_fetch,
+            &b->sub_label};
+        for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
+            subs[nsubs++] = rest[i];
+    }
 
     b->stopping = 1;
     agent_stop(b->local);
@@ -1449,6 +1538,10 @@ broker_teardown(struct broker *b)
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
+    /* Its last users (the handlers, the recorder) are gone: what it holds
+     * is written, and each caller had its answer. */
+    store_writer_close(b->writer);
+    b->writer = NULL;
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_setup);
@@ -1551,6 +1644,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = open_store(&b, &b.st_setup, errmsg)))
         goto out;
     if ((rc = store_migrate(b.st_setup, errmsg)))
+        goto out;
+    if ((rc = open_writer(&b, errmsg)))
         goto out;
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
         b.executors[i].b = &b;
@@ -1718,6 +1813,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
             *errmsg = NULL;
     } else {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        /* The in-process agents drain while everything else serves on
+         * (their results are recorded, their claims answered); a second
+         * signal cuts the drain short. */
+        if (b.local) {
+            agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
+            b.local = NULL;
+        }
     }
 out:
     evt_link_watch_stop(b.link_watch);

@@ -50,6 +50,12 @@ struct broker_opts {
     bool require_signed_labels;
     unsigned replicas; /* copies of each stream and the KV bucket on a
                           JetStream cluster (evt_setup_replicas); 0: 1 */
+    /* At SIGTERM/SIGINT the in-process agents drain first
+     * (agent_stop_graceful): no new claims, the running commands may
+     * finish for up to this long (ms) while the broker serves on; a
+     * second signal cuts it short. 0: stop them at once. `kscore broker
+     * --drain-timeout`, default AGENT_DRAIN_TIMEOUT_MS. */
+    uint64_t drain_timeout_ms;
 };
 
 /*
@@ -64,12 +70,13 @@ struct broker_opts {
 #define BROKER_LINK_TIMEOUT_MS 30000
 
 /*
- * Runs a broker until SIGINT or SIGTERM. Loads the signing key, applies
- * migrations, sets up the streams, serves. Returns 0 after a clean stop,
- * or a negative code with *errmsg (malloc'd) when it cannot start (NATS or
- * PostgreSQL unreachable), or KS_EUNAVAIL when it stopped because its
- * NATS link answered nothing for BROKER_LINK_TIMEOUT_MS (its supervisor
- * is to start it again).
+ * Runs a broker until SIGINT or SIGTERM (then drains its in-process agents
+ * first: drain_timeout_ms). Loads the signing key, applies migrations,
+ * sets up the streams, serves. Returns 0 after a clean stop, or a negative
+ * code with *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL
+ * unreachable), or KS_EUNAVAIL when it stopped because its NATS link
+ * answered nothing for BROKER_LINK_TIMEOUT_MS (its supervisor is to start
+ * it again).
  */
 int broker_run(const struct broker_opts *opts, char **errmsg);
 

@@ -37,8 +37,25 @@ struct broker__instance {
     int64_t seen_mono_us;
 };
 
+/*
+ * What one heartbeat of an agent process listed (AgentInfo.holds, only
+ * when holds_complete): the commands it holds, sorted 16-byte ids, with
+ * the heartbeat's process and number. A pool's ids share one (refs).
+ * Immutable; refs under b->mu (registry.c).
+ */
+struct broker__holds {
+    unsigned refs;
+    char instance[37];
+    uint64_t seq;
+    size_t n;
+    uint8_t ids[][16];
+};
+
 struct broker__agent {
     Ks__AgentInfo *info;
+    /* The latest live heartbeat's list (info has it stripped); NULL: none
+     * complete, or an agent from before AgentInfo.holds. */
+    struct broker__holds *holds;
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
@@ -84,10 +101,14 @@ struct broker__follower {
 #define BROKER_REMOTE_LIVE_MAX 65536
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
- * each, every one with its own thread and PostgreSQL connection: each is
- * one commit, and a fan-out or a steady rate brings many at once. */
+ * each, every one with its own thread (and a PostgreSQL connection for its
+ * reads): each waits for its append's commit, and the appends of all of
+ * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
-#define BROKER_EXEC_WORKERS 3
+#define BROKER_EXEC_WORKERS 8
+/* Connections of the group writer (store.h): the appends of the workers
+ * above and of the recorder's single results share its transactions. */
+#define BROKER_WRITER_CONNS 1
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
@@ -132,6 +153,9 @@ struct broker {
 
     struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
+    /* The dispatch records, claims and the recorder's single results are
+     * written through it (store.h "the group writer"). */
+    struct store_writer *writer;
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
@@ -178,6 +202,11 @@ struct broker {
     struct agent *local;
     int64_t started_mono_us;
     int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
+    /* scanner.c: Running commands no heartbeat of their claimer lists any
+     * more (command id -> struct scan_unlisted *), waiting for the
+     * recorder to take what the event stream held when that was seen.
+     * Scanner thread only. */
+    struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
     struct evt_signer *signer;     /* signs every command dispatched */
@@ -283,6 +312,9 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+/* The same for an append the group writer failed (its result). */
+const char *broker__write_error(const struct store_write_result *res, int rc,
+                                char *buf, size_t len);
 
 /* Sends m to subject (a client's inbox; nothing when empty), in parts
  * when larger than one NATS message. A failure is logged. */
@@ -430,6 +462,23 @@ bool broker__registry_deaf(struct broker *b);
  * (not in the registry). Takes b->mu. */
 int broker__agent_presence(struct broker *b, const char *agent_id,
                            int64_t *heartbeat_at_us);
+/*
+ * Whether the latest live heartbeat of agent_id lists command (16 bytes,
+ * AgentInfo.holds): 1 it does; 0 it is a complete list without it, with
+ * its process (instance[37]) and number (*seq); -1 this broker cannot
+ * tell (no complete list, the id silent for EVT_AGENT_TTL_MS, or a deaf
+ * registry: broker__registry_deaf). Takes b->mu.
+ */
+int broker__agent_lists(struct broker *b, const char *agent_id,
+                        const uint8_t command[16], char instance[37],
+                        uint64_t *seq);
+/* true when this broker has heard no heartbeat of process instance of
+ * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard).
+ * The caller makes sure the broker could hear all along (its connection
+ * and watch up for a TTL). Takes b->mu. */
+bool broker__instance_silent(struct broker *b, const char *agent_id,
+                             const char *instance);
+
 /* May the process instance_id claim for agent_id? 0 yes (also for no
  * instance id), KS_EDUPINSTANCE with why (naming the other process) when
  * it is the newer of two processes serving the id (registry.c). */

@@ -394,9 +394,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             };
             snprintf(known.agent_id, sizeof(known.agent_id), "%s",
                      h->agent_id);
-            rc = store_append_checked_at(b->st_rec, evs[0], &known,
-                                         h->version, broker__admit_bounded,
-                                         b);
+            rc = store_writer_checked_at(b->writer, evs[0], &known,
+                                         h->version, broker__admit_bounded, b,
+                                         NULL);
             free(h);
             if (rc == 0 || rc == KS_EDUPLICATE) {
                 verdicts[0] = rc == 0 ? STORE_STEP_APPLY

@@ -356,16 +356,114 @@ heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
            KS_D("behind_s", (double)(put_us - info->heartbeat_at_us) / 1e6));
 }
 
+/* ---- what a heartbeat lists (AgentInfo.holds) ----------------------------- */
+
+static bool registry_deaf_locked(struct broker *b, int64_t now);
+
+static int
+cmp_id16(const void *x, const void *y)
+{
+    return memcmp(x, y, 16);
+}
+
+/*
+ * Takes info's list of held commands out of info (the map keeps info
+ * without it: a pool's list would else be copied into every id's entry)
+ * and makes it a broker__holds with one reference; NULL when info has no
+ * complete list from a process that numbers its heartbeats (an older
+ * agent, or too many to list), or no memory. The list is the agent's
+ * word: sorted here, not trusted to be; an id not 16 bytes voids it.
+ */
+static struct broker__holds *
+holds_take(Ks__AgentInfo *info)
+{
+    struct broker__holds *h = NULL;
+    bool ok = info->holds_complete && info->heartbeat_seq > 0 &&
+              info->instance_id[0];
+
+    for (size_t i = 0; ok && i < info->n_holds; i++)
+        ok = info->holds[i].len == 16;
+    if (ok && (h = malloc(sizeof(*h) + info->n_holds * 16))) {
+        h->refs = 1;
+        snprintf(h->instance, sizeof(h->instance), "%s", info->instance_id);
+        h->seq = info->heartbeat_seq;
+        h->n = info->n_holds;
+        for (size_t i = 0; i < h->n; i++)
+            memcpy(h->ids[i], info->holds[i].data, 16);
+        qsort(h->ids, h->n, 16, cmp_id16);
+    }
+    /* protobuf-c's unpacked repeated bytes: each element and the array
+     * malloc'd (system allocator). */
+    for (size_t i = 0; i < info->n_holds; i++)
+        free(info->holds[i].data);
+    free(info->holds);
+    info->holds = NULL;
+    info->n_holds = 0;
+    return h;
+}
+
+/* Drops one reference. Under b->mu (or before h is shared). */
+static void
+holds_unref_locked(struct broker__holds *h)
+{
+    if (h && --h->refs == 0)
+        free(h);
+}
+
+int
+broker__agent_lists(struct broker *b, const char *agent_id,
+                    const uint8_t command[16], char instance[37],
+                    uint64_t *seq)
+{
+    struct broker__agent *a;
+    int64_t now = ks_mono_us();
+    int rc = -1;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->holds && !registry_deaf_locked(b, now) &&
+        now - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        rc = bsearch(command, a->holds->ids, a->holds->n, 16, cmp_id16) != NULL;
+        if (rc == 0) {
+            memcpy(instance, a->holds->instance, 37);
+            *seq = a->holds->seq;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+bool
+broker__instance_silent(struct broker *b, const char *agent_id,
+                        const char *instance)
+{
+    struct broker__agent *a;
+    int64_t now = ks_mono_us(), ttl = (int64_t)EVT_AGENT_TTL_MS * 1000;
+    bool silent = true;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && !strcmp(a->cur.id, instance))
+        silent = now - a->cur.seen_mono_us >= ttl;
+    else if (a && !strcmp(a->other.id, instance))
+        silent = now - a->other.seen_mono_us >= ttl;
+    pthread_mutex_unlock(&b->mu);
+    return silent;
+}
+
 /* Takes info into the registry map (which owns it from here), with its
  * labels decided by labels_settle. watched: info is the watcher's, which
  * sees the entries in order; an entry read from the bucket meanwhile
  * (broker__agent_known) may be newer than what the watcher delivers next,
- * so it says nothing about which process heartbeats (instance_note); nor
- * does one that is no live heartbeat (live: heartbeat_live). */
+ * so it says nothing about which process heartbeats (instance_note) or
+ * what it holds; nor does one that is no live heartbeat (live:
+ * heartbeat_live). holds: info's list (holds_take; one reference, taken;
+ * may be NULL). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
              bool labels_signed, const struct broker__settled *settled,
-             const char *why, char *verified, bool watched, bool live)
+             const char *why, char *verified, bool watched, bool live,
+             struct broker__holds *holds)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -376,6 +474,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         a = calloc(1, sizeof(*a));
         if (!a || ks_map_put(&b->agents, key, a) != 0) {
             free(a);
+            holds_unref_locked(holds);
             pthread_mutex_unlock(&b->mu);
             ks__agent_info__free_unpacked(info, NULL);
             free(verified);
@@ -385,6 +484,14 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     }
     a->seen_mono_us = ks_mono_us();
     bool dup = watched && live && instance_note(a, info, a->seen_mono_us);
+    if (watched && live) {
+        /* The latest heartbeat's list, or none (an older agent, too many
+         * to list): never an older list standing for a newer heartbeat. */
+        holds_unref_locked(a->holds);
+        a->holds = holds;
+        holds = NULL;
+    }
+    holds_unref_locked(holds);
     struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
@@ -600,6 +707,9 @@ agent_forget(struct broker *b, const char *key)
     if (a) {
         if (a->info)
             ks__agent_info__free_unpacked(a->info, NULL);
+        pthread_mutex_lock(&b->mu);
+        holds_unref_locked(a->holds);
+        pthread_mutex_unlock(&b->mu);
         free(a->attest_text);
         free(a);
         ks_log(KS_LOG_INFO,
@@ -859,6 +969,8 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         return;
     }
     provq_push(q, key, info);
+    /* One list for the pool's ids: each id's entry refers to it. */
+    struct broker__holds *holds = holds_take(info);
     /* The template of each id's entry: a shallow copy of the pool's
      * without its lists and without the whole pool's running count (not
      * one id's). */
@@ -887,10 +999,19 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live);
+        if (holds) {
+            pthread_mutex_lock(&b->mu);
+            holds->refs++;
+            pthread_mutex_unlock(&b->mu);
+        }
+        agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live,
+                     holds);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
+    pthread_mutex_lock(&b->mu);
+    holds_unref_locked(holds);
+    pthread_mutex_unlock(&b->mu);
     free(tmpl);
     ks__agent_info__free_unpacked(info, NULL);
 }
@@ -1051,8 +1172,9 @@ registry_main(void *arg)
                     bool live = heartbeat_live(info, put_us, server_us);
                     if (!live)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
+                    struct broker__holds *holds = holds_take(info);
                     agent_update(b, kvEntry_Key(e), info, sig, &settled,
-                                 why, verified, true, live);
+                                 why, verified, true, live, holds);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1115,6 +1237,7 @@ free_agent(const char *key, void *val, void *ud)
     (void)ud;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
+    holds_unref_locked(a->holds); /* registry stopped: no other user */
     free(a->attest_text);
     free(a);
 }
@@ -1158,8 +1281,9 @@ broker__agent_known(struct broker *b, const char *agent_id)
         char *verified = NULL;
         struct broker__settled settled;
         bool sig = labels_settle(b, info, &why, &verified, &settled);
+        holds_unref_locked(holds_take(info)); /* not shared yet */
         agent_update(b, agent_id, info, sig, &settled, why, verified, false,
-                     false);
+                     false, NULL);
         return 1;
     }
     return 0;

@@ -37,22 +37,36 @@ broker__reply_msg(struct broker *b, const char *subject,
                KS_ERR(rc));
 }
 
-const char *
-broker__store_error(struct store *st, int rc, char *buf, size_t len)
+/* What a client is told of a store error (broker__store_error). */
+static const char *
+store_error_text(int rc, const char *sqlstate, const char *why, char *buf,
+                 size_t len)
 {
-    const char *why = store_last_error(st);
-
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
     else if (rc == KS_EPGREFUSED)
         snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 store_last_sqlstate(st), why);
+                 sqlstate, why);
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
         snprintf(buf, len, "%s", ks_strerror(rc));
     return buf;
+}
+
+const char *
+broker__store_error(struct store *st, int rc, char *buf, size_t len)
+{
+    return store_error_text(rc, store_last_sqlstate(st), store_last_error(st),
+                            buf, len);
+}
+
+const char *
+broker__write_error(const struct store_write_result *res, int rc, char *buf,
+                    size_t len)
+{
+    return store_error_text(rc, res->sqlstate, res->error, buf, len);
 }
 
 void

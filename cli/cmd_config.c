@@ -67,6 +67,7 @@ static const struct conf_key conf_keys[] = {
     {"pool_size", "KSCORE_POOL_SIZE", A, CT_UINT, false, 1, 100000},
     {"max_concurrent", "KSCORE_MAX_CONCURRENT", A, CT_UINT, false, 1, 100000},
     {"ack_wait", "KSCORE_ACK_WAIT", A, CT_DUR, false, 1000, 0},
+    {"drain_timeout", "KSCORE_DRAIN_TIMEOUT", B | A, CT_DUR, false, 0, 0},
 };
 #undef B
 #undef A

@@ -1659,6 +1659,20 @@ metrics_start(const char *who, const struct svc_flags *sf, unsigned roles,
     return 0;
 }
 
+/* --drain-timeout D of `kscore broker` and `kscore agent` (NULL: the
+ * default, AGENT_DRAIN_TIMEOUT_MS) into *ms. 0, or CLI_EXIT_USAGE after
+ * saying why. */
+static int
+drain_timeout(const char *d, uint64_t *ms)
+{
+    *ms = AGENT_DRAIN_TIMEOUT_MS;
+    if (d && cli_parse_duration(d, ms)) {
+        cli_err("bad --drain-timeout '%s' (a duration: 30s, 2m, 0)", d);
+        return CLI_EXIT_USAGE;
+    }
+    return 0;
+}
+
 int
 cmd_broker(int argc, char **argv)
 {
@@ -1678,11 +1692,12 @@ cmd_broker(int argc, char **argv)
         {"require-signed-labels", no_argument, 0, 'G'},
         {"allow-unsigned-labels", no_argument, 0, 'U'},
         {"replicas", required_argument, 0, 'R'},
+        {"drain-timeout", required_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     const char *require_signed = NULL;
-    const char *replicas = NULL;
+    const char *replicas = NULL, *drain = NULL;
     struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
@@ -1716,6 +1731,9 @@ cmd_broker(int argc, char **argv)
         case 'R':
             replicas = optarg;
             break;
+        case 'D':
+            drain = optarg;
+            break;
         case 'G':
             require_signed = "true";
             break;
@@ -1728,7 +1746,7 @@ cmd_broker(int argc, char **argv)
                    "[--state-dir DIR] [--metrics-listen ADDR:PORT "
                    "[--metrics-token-file FILE]] "
                    "[--require-signed-labels|--allow-unsigned-labels] "
-                   "[--replicas N] "
+                   "[--replicas N] [--drain-timeout D] "
                    "[--config FILE] [--log-format "
                    "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
@@ -1742,6 +1760,11 @@ cmd_broker(int argc, char **argv)
                    "--replicas N: copies of the streams and the KV bucket "
                    "on a JetStream cluster (1..5, at most its nodes; "
                    "default 1).\n"
+                   "--drain-timeout D: at SIGTERM the in-process agents "
+                   "take no new work and their running commands may finish "
+                   "for up to D (default 10s; 0: stop them at once); what "
+                   "is left is stopped and ends Lost (the agent stopped). "
+                   "A second signal stops at once.\n"
                    "Settings: flags, then KSCORE_* variables, then the "
                    "config file (default " CLI_CONF_DIR "/broker.conf when "
                    "it exists; kscore.conf(5)).\n");
@@ -1769,7 +1792,10 @@ cmd_broker(int argc, char **argv)
                            &sf.metrics_token_file)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
+        (rc = cli_conf_str(&cf, "drain_timeout", &drain)) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
+        goto out;
+    if ((rc = drain_timeout(drain, &o.drain_timeout_ms)))
         goto out;
     /* On unless turned off: a label the agent merely declares would pick
      * prod's commands and secrets for any agent credential (issue 21). */
@@ -1871,6 +1897,7 @@ cmd_agent(int argc, char **argv)
         {"metrics-listen", required_argument, 0, 'M'},
         {"metrics-token-file", required_argument, 0, SVC_OPT_METRICS_TOKEN},
         {"bundle", required_argument, 0, 'b'},
+        {"drain-timeout", required_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
@@ -1882,7 +1909,8 @@ cmd_agent(int argc, char **argv)
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
-    const char *max_concurrent = NULL, *ack_wait = NULL;
+    const char *max_concurrent = NULL, *ack_wait = NULL, *drain = NULL;
+    uint64_t drain_ms = AGENT_DRAIN_TIMEOUT_MS;
     const char *pool = NULL, *pool_size = NULL;
     char **pool_ids = NULL;
     size_t n_pool_ids = 0;
@@ -1962,11 +1990,15 @@ cmd_agent(int argc, char **argv)
         case 'b':
             bundle_file = optarg;
             break;
+        case 'D':
+            drain = optarg;
+            break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... [--pool NAME "
                    "[--pool-size N]] --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] "
+                   "[--drain-timeout D] "
                    "[--metrics-listen ADDR:PORT [--metrics-token-file FILE]] "
                    "[--config FILE] "
                    "[--log-format text|json] [--log-level LEVEL] "
@@ -1984,6 +2016,11 @@ cmd_agent(int argc, char **argv)
                    "comes from its bundle (kscore agent enroll NAME "
                    "--pool-size N: the broker takes a pool it signed "
                    "only; deploy/SCALING.md).\n"
+                   "--drain-timeout D: at SIGTERM the agent takes no new "
+                   "work and its running commands may finish for up to D "
+                   "(default 10s; 0: stop them at once); what is left is "
+                   "stopped and ends Lost (the agent stopped). A second "
+                   "signal stops at once.\n"
                    "A bundle (kscore agent enroll) gives the id, labels, "
                    "NATS urls, credential, TLS files and trust key; flags "
                    "override it.\n"
@@ -2066,8 +2103,11 @@ cmd_agent(int argc, char **argv)
         cli_conf_str(&cf, "pool_size", &pool_size) ||
         cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
+        cli_conf_str(&cf, "drain_timeout", &drain) ||
         cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen) ||
         cli_conf_str(&cf, "metrics_token_file", &sf.metrics_token_file))
+        goto out;
+    if ((rc = drain_timeout(drain, &drain_ms)))
         goto out;
     if (max_concurrent) {
         char *end;
@@ -2334,18 +2374,22 @@ cmd_agent(int argc, char **argv)
     if (sig > 0) {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
         rc = 0;
+        /* Drains: no new work, what runs may finish (a second signal
+         * stops at once). */
+        agent_stop_graceful(a, drain_ms, &set);
     } else if (agent_fatal(a) == AGENT_FATAL_LINK) {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "the NATS link answers nothing"),
                KS_I("exit_code", AGENT_EXIT_LINK));
         rc = AGENT_EXIT_LINK;
+        agent_stop(a);
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "revoked: NATS closed its connection"),
                KS_I("exit_code", AGENT_EXIT_CONFIG));
         rc = AGENT_EXIT_CONFIG;
+        agent_stop(a);
     }
-    agent_stop(a);
 out:
     cli_metrics_stop(ms);
     cli_bundle_release(&bundle);

@@ -81,41 +81,12 @@ pool_name(char *buf, size_t len, unsigned k)
     snprintf(buf, len, "p%02u", k);
 }
 
-/* CPU time (us) of pid and, with children, of every process whose parent
- * it is (PostgreSQL's backends under the postmaster); -1 when gone. */
+/* CPU time (us) of pid; -1 when gone. */
 static int64_t
-cpu_us_of(pid_t pid, bool children)
+cpu_us_of(pid_t pid)
 {
     struct perf_proc pp;
-    int64_t sum;
-    DIR *d;
-    struct dirent *e;
-
-    if (pid <= 0 || perf__proc_sample(pid, &pp) != 0)
-        return -1;
-    sum = pp.cpu_us;
-    if (!children || !(d = opendir("/proc")))
-        return sum;
-    while ((e = readdir(d))) {
-        char path[300], buf[512], *p;
-        long ppid = 0;
-        FILE *f;
-        if (e->d_name[0] < '1' || e->d_name[0] > '9')
-            continue;
-        snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
-        if (!(f = fopen(path, "re")))
-            continue;
-        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-        fclose(f);
-        buf[n] = '\0';
-        /* Field 4 (ppid) after "(comm) state" (proc(5)). */
-        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
-            ppid == pid &&
-            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
-            sum += pp.cpu_us;
-    }
-    closedir(d);
-    return sum;
+    return pid > 0 && perf__proc_sample(pid, &pp) == 0 ? pp.cpu_us : -1;
 }
 
 /* CPU seconds of each part of the stack, for the per-command cost model
@@ -131,17 +102,17 @@ stack_cpu(const char *home, unsigned pools, struct stack_cpu *out)
     memset(out, 0, sizeof(*out));
     if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
         for (unsigned i = 0; i < CLUSTER_NODES; i++)
-            out->nats += cpu_us_of(nodes[i].pid, false);
-    out->pg = cpu_us_of(pid_of(home, "pg"), true);
-    out->brokers = cpu_us_of(pid_of(home, "broker-1"), false) +
-                   cpu_us_of(pid_of(home, "broker-2"), false);
+            out->nats += cpu_us_of(nodes[i].pid);
+    out->pg = perf__tree_cpu_us(pid_of(home, "pg"));
+    out->brokers = cpu_us_of(pid_of(home, "broker-1")) +
+                   cpu_us_of(pid_of(home, "broker-2"));
     for (unsigned k = 0; k < pools; k++) {
         char pool[16], name[32];
         pool_name(pool, sizeof(pool), k);
         snprintf(name, sizeof(name), "pool-%s", pool);
         /* The agent and its children (the watchdog; the commands' own
          * processes are reaped and counted in its cutime, not here). */
-        out->agents += cpu_us_of(pid_of(home, name), false);
+        out->agents += cpu_us_of(pid_of(home, name));
     }
 }
 

@@ -60,7 +60,10 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
     true_spec(&spec, argv);
     req.spec = &spec;
     req.agent_id = PERF_AGENT_PREFIX "0";
+    struct perf_cost k0 = {-1, -1, -1, -1}, k1 = k0;
     for (int i = -warm; i < n && !perf__interrupted; i++) {
+        if (i == 0)
+            perf__cost_sample(ctx->st, &k0);
         Ks__ExecuteReply *rep = NULL;
         int64_t t0 = ks_mono_us();
         rc = broker_execute(c, &req, 30000, &rep);
@@ -77,6 +80,7 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
         if (i >= 0)
             lat[i] = dt;
     }
+    perf__cost_sample(ctx->st, &k1);
     rc = 0;
     if (perf__interrupted) {
         rc = -EINTR;
@@ -99,6 +103,7 @@ perf__latency_round(struct perf_ctx *ctx, int round, json_t **out)
                         json_real(p50 ? (double)p99 / (double)p50 : 0));
     json_object_set_new(o, "calls", json_integer(n));
     json_object_set_new(o, "errors", json_integer(errors));
+    perf__cost_json(o, &k0, &k1, n, "command");
     *out = o;
 out:
     evt_close(c);
@@ -305,6 +310,8 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
         if (pthread_create(&th[nth], NULL, sus_worker, &s) != 0)
             break;
 
+    struct perf_cost k0, k1;
+    perf__cost_sample(ctx->st, &k0);
     t0 = ks_mono_us() + 1000;
     for (size_t i = 0; i < s.n; i++)
         s.due_us[i] = t0 + (int64_t)i * interval_us;
@@ -334,6 +341,7 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
     for (int i = 0; i < nth; i++)
         pthread_join(th[i], NULL);
     nth = 0;
+    perf__cost_sample(ctx->st, &k1);
     if (perf__interrupted) {
         rc = -EINTR;
         goto out;
@@ -384,6 +392,8 @@ perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out)
         json_object_set_new(o, "first_error",
                             json_string(ks_err_name(first_err)));
     json_object_set_new(o, "worst_window_p99_us", json_real(worst_p99));
+    /* From the first request to the last reply: every command's cost. */
+    perf__cost_json(o, &k0, &k1, (double)s.n, "command");
     set_proc(o, "broker", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, true);
     set_proc(o, "agent", &w[0], &w[nwin > 1 ? 1 : 0], &w[nwin], wall, false);
     json_object_set_new(o, "windows", wins);

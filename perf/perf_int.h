@@ -59,6 +59,7 @@ struct perf_stack {
     pid_t broker_daemon, agent_daemon; /* what stack_daemon() started */
     char host[64];       /* host name up to the first dot: local agent ids */
     char pg_fsync[16], pg_sync_commit[16]; /* SHOW fsync, synchronous_commit */
+    pid_t pg_pid;        /* the postmaster, when own_pg */
 };
 
 /* Starts (or adopts, with --nats/--db) nats-server and PostgreSQL. 0, or a
@@ -92,6 +93,27 @@ struct perf_proc {
     int64_t rss_kb;
 };
 int perf__proc_sample(pid_t pid, struct perf_proc *out);
+/* CPU (us) of pid with what it reaped (cutime, cstime) and its live
+ * children (PostgreSQL's postmaster and backends); -1 when gone. */
+int64_t perf__tree_cpu_us(pid_t pid);
+
+/*
+ * What the stack spends between two samples: PostgreSQL's write
+ * transactions (xids handed out: every transaction that wrote, whoever
+ * ran it, and nothing else), PostgreSQL's CPU (when the suite started it),
+ * the broker's and the agent process's CPU. -1: not known.
+ */
+struct perf_cost {
+    int64_t xid, pg_cpu_us, broker_cpu_us, agent_cpu_us;
+};
+void perf__cost_sample(const struct perf_stack *st, struct perf_cost *out);
+/* Sets, on o, pg_write_xacts_per_<unit>, pg_cpu_us_per_<unit>,
+ * broker_cpu_us_per_<unit> and agent_cpu_us_per_<unit> between a and b
+ * for `units` commands (or targets, events), those known. */
+void perf__cost_json(json_t *o, const struct perf_cost *a,
+                     const struct perf_cost *b, double units,
+                     const char *unit);
+
 /* Removes dir and everything under it (nftw, depth first, no symlinks
  * followed); errors are ignored. */
 void perf__rm_tree(const char *dir);

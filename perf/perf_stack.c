@@ -70,13 +70,14 @@ pid_alive(pid_t pid)
     return p && p[1] == ' ' && p[2] != 'Z';
 }
 
-int
-perf__proc_sample(pid_t pid, struct perf_proc *out)
+/*
+ * The fields of /proc/PID/stat a sample needs (proc(5)): ppid (4), utime,
+ * stime, cutime and cstime (14-17, clock ticks). 0 or -errno/KS_EDECODE.
+ */
+static int
+read_stat(pid_t pid, long *ppid, unsigned long long t[4])
 {
     char path[64], buf[1024], *p;
-    unsigned long long ut = 0, stime = 0;
-    long tck = sysconf(_SC_CLK_TCK);
-    int64_t rss = -1;
     FILE *f;
     size_t n;
 
@@ -86,12 +87,34 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
     n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
-    /* Fields after "(comm)": state is 3, utime 14 and stime 15 (proc(5)). */
+    /* After "(comm)": the state is field 3. */
     p = strrchr(buf, ')');
-    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u "
-                            "%llu %llu",
-                     &ut, &stime) != 2)
+    if (!p || sscanf(p + 2, "%*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u "
+                            "%llu %llu %llu %llu",
+                     ppid, &t[0], &t[1], &t[2], &t[3]) != 5)
         return KS_EDECODE;
+    return 0;
+}
+
+static int64_t
+ticks_us(unsigned long long ticks)
+{
+    return (int64_t)(ticks * 1000000ULL /
+                     (unsigned long long)sysconf(_SC_CLK_TCK));
+}
+
+int
+perf__proc_sample(pid_t pid, struct perf_proc *out)
+{
+    char path[64], buf[1024];
+    unsigned long long t[4];
+    long ppid;
+    int64_t rss = -1;
+    FILE *f;
+    int rc;
+
+    if ((rc = read_stat(pid, &ppid, t)) < 0)
+        return rc;
     snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     if (!(f = fopen(path, "re")))
         return -errno;
@@ -101,9 +124,94 @@ perf__proc_sample(pid_t pid, struct perf_proc *out)
             break;
         }
     fclose(f);
-    out->cpu_us = (int64_t)((ut + stime) * 1000000ULL / (unsigned long long)tck);
+    out->cpu_us = ticks_us(t[0] + t[1]);
     out->rss_kb = rss;
     return 0;
+}
+
+int64_t
+perf__tree_cpu_us(pid_t pid)
+{
+    unsigned long long t[4];
+    long ppid;
+    int64_t sum;
+    DIR *d;
+    struct dirent *e;
+
+    /* The postmaster with the children it reaped (PostgreSQL's ended
+     * backends: cutime, cstime), then its live children. */
+    if (pid <= 0 || read_stat(pid, &ppid, t) < 0)
+        return -1;
+    sum = ticks_us(t[0] + t[1] + t[2] + t[3]);
+    if (!(d = opendir("/proc")))
+        return sum;
+    while ((e = readdir(d))) {
+        pid_t child = (pid_t)atol(e->d_name);
+        if (child > 0 && read_stat(child, &ppid, t) == 0 && ppid == pid)
+            sum += ticks_us(t[0] + t[1]);
+    }
+    closedir(d);
+    return sum;
+}
+
+void
+perf__cost_sample(const struct perf_stack *st, struct perf_cost *out)
+{
+    struct perf_proc pp;
+    PGconn *pg;
+
+    out->xid = -1;
+    out->pg_cpu_us = st->own_pg ? perf__tree_cpu_us(st->pg_pid) : -1;
+    out->broker_cpu_us = st->broker_pid > 0 &&
+                                 perf__proc_sample(st->broker_pid, &pp) == 0
+                             ? pp.cpu_us
+                             : -1;
+    out->agent_cpu_us = st->agent_pid > 0 &&
+                                perf__proc_sample(st->agent_pid, &pp) == 0
+                            ? pp.cpu_us
+                            : -1;
+    pg = PQconnectdb(st->conninfo);
+    if (PQstatus(pg) == CONNECTION_OK) {
+        PGresult *r = PQexec(pg, "SELECT pg_current_xact_id()::text");
+        if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+            out->xid = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+        PQclear(r);
+    }
+    PQfinish(pg);
+}
+
+void
+perf__cost_json(json_t *o, const struct perf_cost *a,
+                const struct perf_cost *b, double units, const char *unit)
+{
+    char key[64];
+
+    if (units <= 0)
+        return;
+    /* Each sample takes an xid of its own: the one that opens the
+     * interval is not the stack's. */
+    if (a->xid >= 0 && b->xid > a->xid) {
+        snprintf(key, sizeof(key), "pg_write_xacts_per_%s", unit);
+        json_object_set_new(o, key,
+                            json_real((double)(b->xid - a->xid - 1) / units));
+    }
+    if (a->pg_cpu_us >= 0 && b->pg_cpu_us >= a->pg_cpu_us) {
+        snprintf(key, sizeof(key), "pg_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key, json_real((double)(b->pg_cpu_us - a->pg_cpu_us) / units));
+    }
+    if (a->broker_cpu_us >= 0 && b->broker_cpu_us >= a->broker_cpu_us) {
+        snprintf(key, sizeof(key), "broker_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key,
+            json_real((double)(b->broker_cpu_us - a->broker_cpu_us) / units));
+    }
+    if (a->agent_cpu_us >= 0 && b->agent_cpu_us >= a->agent_cpu_us) {
+        snprintf(key, sizeof(key), "agent_cpu_us_per_%s", unit);
+        json_object_set_new(
+            o, key,
+            json_real((double)(b->agent_cpu_us - a->agent_cpu_us) / units));
+    }
 }
 
 int
@@ -207,6 +315,7 @@ perf__stack_start(struct perf_stack *st, const struct perf_opts *o)
             return rc;
         }
         st->own_pg = true;
+        st->pg_pid = pid;
     }
     return pg_settings(st);
 }

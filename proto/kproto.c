@@ -160,6 +160,16 @@ ks_hex(const uint8_t *data, size_t len, char *out)
 }
 
 int
+ks_uuid_bin(const char *s, uint8_t out[16])
+{
+    uuid_t u;
+    if (!s || strlen(s) != 36 || uuid_parse(s, u) != 0)
+        return KS_EINVAL;
+    memcpy(out, u, 16);
+    return 0;
+}
+
+int
 kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
 {
     size_t len = protobuf_c_message_get_packed_size(msg);

@@ -75,6 +75,9 @@ void ks_mono_deadline(struct timespec *out, int64_t ms);
 void ks_uuid(char out[37]);
 /* 1 if s is a UUID in canonical text form, else 0. */
 int ks_is_uuid(const char *s);
+/* The 16 bytes of the UUID text s into out (RFC 4122 byte order, as
+ * PostgreSQL's uuid): 0, or KS_EINVAL when s is not one (out untouched). */
+int ks_uuid_bin(const char *s, uint8_t out[16]);
 
 /*
  * Pack a protobuf message into a new malloc'd buffer of *len_out bytes.
@@ -244,6 +247,10 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* The group writer (store/writer.c): appends written through it, and
+     * the transactions they took (their ratio: appends per commit). */
+    KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */
+    KS_C_WRITER_TRANSACTIONS, /* kscore_writer_transactions_total */
     KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
     KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
     /* kscore_annotations_dropped_total{kind="report"|"denial"}: not

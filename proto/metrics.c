@@ -70,6 +70,16 @@ static const struct {
                                   "was away; the events wait, unacked, and "
                                   "are retried.",
                                   B},
+    [KS_C_WRITER_APPENDS] = {"kscore_writer_appends_total",
+                             "Appends (dispatch records, claims, results) "
+                             "written through the group writer, whatever "
+                             "their verdict.",
+                             B},
+    [KS_C_WRITER_TRANSACTIONS] = {"kscore_writer_transactions_total",
+                                  "Transactions the group writer sent; "
+                                  "appends per transaction is how much "
+                                  "commits are shared.",
+                                  B},
     [KS_C_LATE_REPLIES] = {"kscore_nats_late_replies_total",
                            "Replies that came after their requester had "
                            "given up waiting, dropped.",

@@ -426,16 +426,15 @@ out:
 }
 
 int
-store_append_checked_at(struct store *s, const Ks__Event *ev,
-                        const struct store_command_state *known,
-                        int64_t version, store_check_fn check, void *ud)
+store__checked_at_decide(const Ks__Event *ev,
+                         const struct store_command_state *known,
+                         int64_t version, store_check_fn check, void *ud,
+                         Ks__Event *copy, char stream[8 + 37])
 {
     const char *cid, *why = NULL;
     Ks__CommandStatus next;
-    Ks__Event copy;
-    char stream[8 + 37];
 
-    BUG_ON(!s || !ev || !known);
+    BUG_ON(!ev || !known);
     cid = store__command_id(ev);
     if (!ks_is_uuid(ev->event_id) || !cid || !ks_is_uuid(cid) ||
         !ev->type || !ev->type[0])
@@ -446,11 +445,27 @@ store_append_checked_at(struct store *s, const Ks__Event *ev,
         return KS_ECONFLICT; /* an annotation: the checked path words it */
     if (store_command_step(known, ev, &next, &why) != STORE_STEP_APPLY)
         return KS_ECONFLICT;
-    snprintf(stream, sizeof(stream), "command-%s", cid);
+    snprintf(stream, 8 + 37, "command-%s", cid);
     /* The stream is the command's, derived from its id: never taken from
      * the message. */
-    copy = *ev;
-    copy.stream_id = stream;
+    *copy = *ev;
+    copy->stream_id = stream;
+    return 0;
+}
+
+int
+store_append_checked_at(struct store *s, const Ks__Event *ev,
+                        const struct store_command_state *known,
+                        int64_t version, store_check_fn check, void *ud)
+{
+    Ks__Event copy;
+    char stream[8 + 37];
+    int rc;
+
+    BUG_ON(!s);
+    if ((rc = store__checked_at_decide(ev, known, version, check, ud, &copy,
+                                       stream)))
+        return rc;
     struct store_event se = {&copy};
     return store_append(s, stream, version, &se, 1, NULL);
 }

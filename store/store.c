@@ -94,6 +94,28 @@ store__arr_put(struct store__buf *b, const void *p, size_t len)
 }
 
 int
+store__arr_put_null(struct store__buf *b)
+{
+    return store__buf_put_be32(b, UINT32_MAX); /* length -1 */
+}
+
+int
+store__arr_put_i32(struct store__buf *b, int32_t v)
+{
+    int rc = store__buf_put_be32(b, 4);
+    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
+}
+
+int
+store__arr_put_i64(struct store__buf *b, int64_t v)
+{
+    int rc = store__buf_put_be32(b, 8);
+    if (rc == 0)
+        rc = store__buf_put_be32(b, (uint32_t)((uint64_t)v >> 32));
+    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
+}
+
+int
 store__arr_put_uuid(struct store__buf *b, const char *text)
 {
     uuid_t u;
@@ -369,15 +391,30 @@ on_notice(void *arg, const PGresult *res)
            KS_S("sqlstate", state ? state : ""));
 }
 
+/* A group writer's connection (store__writer_session). */
+#define WRITER_SESSION                                                        \
+    "SET plan_cache_mode = force_generic_plan;"                               \
+    " SET application_name = 'kscore writer'"
+
 /* The session every connection gets, after each (re)connection. */
 static int
 session_setup(struct store *s, char **errmsg)
 {
     /* Projections hold timestamps; the session time zone only shows. */
-    return store__exec(s,
-                       "SET TIME ZONE 'UTC';"
-                       " SET client_min_messages = warning",
-                       errmsg);
+    int rc = store__exec(s,
+                         "SET TIME ZONE 'UTC';"
+                         " SET client_min_messages = warning",
+                         errmsg);
+    if (rc == 0 && s->writer_session)
+        rc = store__exec(s, WRITER_SESSION, errmsg);
+    return rc;
+}
+
+int
+store__writer_session(struct store *s)
+{
+    s->writer_session = true;
+    return store__exec(s, WRITER_SESSION, NULL);
 }
 
 /* A new session on s->conn, or KS_EPGDOWN and the next attempt's time. */
@@ -602,6 +639,8 @@ static const struct {
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
      " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
      " $39, $40, $41, $42, $43, $44, $45, $46)"},
+    {"ks_write_wait", store__sql_write_wait},
+    {"ks_write", store__sql_write},
     {"ks_project",
      "SELECT kscore_project($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
      " $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"

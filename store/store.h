@@ -475,6 +475,104 @@ int store_append_checked_at(struct store *s, const Ks__Event *ev,
                             const struct store_command_state *known,
                             int64_t version, store_check_fn check, void *ud);
 
+/* ---- the group writer (store/writer.c) ----------------------------------
+ *
+ * Appends of many threads written together. A writer has n connections,
+ * and one queue, and no thread of its own: a caller that finds a
+ * connection free writes, on its own thread, every append queued (its own
+ * alone when nobody else waits: an idle writer adds no latency, as
+ * EventStoreDB's single writer flushes when its queue is empty); callers
+ * that queue meanwhile wait, and the first of them writes, in one
+ * transaction, what queued during the last (at most
+ * STORE_WRITER_MAX_APPENDS appends and about 8 MiB of events), so commits
+ * per append fall far below one under load. Two or more appends are one
+ * statement (store__sql_write in migrations.c; a second one in the same
+ * transaction for an append of a stream or command already in the first),
+ * set-based, each append with its own verdict, so one append's conflict
+ * never fails the others; one append alone is store_append()'s (cheaper
+ * for one: test_store's test_writer_bench). More connections write side
+ * by side only when one is busy; each splits the groups, and a group's
+ * fixed cost is a large part of an append's, so one connection is the
+ * default to measure against.
+ *
+ * Every guarantee of store_append() and store_append_claim() holds for
+ * each append as if it were alone: the same return codes, the same
+ * expected-version fence (two appends of one stream in one group are
+ * decided in queue order), the same projection rows (kscore replay
+ * rebuilds them), one commit that holds all of it or none. An append
+ * returns only once its transaction's end is known.
+ *
+ * When the group's transaction fails as a whole, every append in it has
+ * the group's code: a sick database (KS_EPGDOWN, KS_EPGREFUSED: nothing
+ * written, unless in_doubt), after two more tries for a deadlock or a
+ * serialization failure. Any other failure (a unique violation no check
+ * foresaw) is the appends': they are then written one at a time, each
+ * getting its own code.
+ */
+struct store_writer;
+#define STORE_WRITER_MAX_APPENDS 512
+
+/*
+ * Opens n_conns (1..16) connections with conninfo and starts their
+ * threads. 0, or KS_EUNAVAIL / KS_EINVAL with *errmsg (malloc'd, may be
+ * NULL). Does not migrate (store_migrate() first).
+ */
+int store_writer_open(const char *conninfo, unsigned n_conns,
+                      struct store_writer **out, char **errmsg);
+/* Writes what is queued, stops the threads, closes. Appends asked for
+ * after it began return KS_ESTOPPED. Accepts NULL. */
+void store_writer_close(struct store_writer *w);
+
+/* One append (borrowed for the call). */
+struct store_write {
+    const char *stream_id;
+    int64_t expected_version; /* STORE_ANY, STORE_NO_STREAM or exactly n */
+    const struct store_event *events; /* n >= 1, on stream_id */
+    size_t n;
+    /* NULL, or the claim's agent: store_append_claim()'s rules (the
+     * stream must be "command-<uuid>"; KS_EDENIED, KS_ENOTFOUND). */
+    const char *claim_agent;
+    /* NULL, or called at most once, on the calling thread, once the
+     * transaction holding the append is sent, as store_append_overlap()'s:
+     * its work overlaps the commit. Not called when nothing was sent, when
+     * the append's end came before the caller saw it sent, or when the
+     * caller writes the group itself while others wait for the
+     * connection (it would hold them up): then the caller does that work
+     * after. */
+    void (*between)(void *ud);
+    void *ud;
+};
+
+/* What the writer says of one append besides its code. */
+struct store_write_result {
+    int64_t version;  /* 0: the stream's version after it (KS_EDUPLICATE:
+                         its version now) */
+    bool in_doubt;    /* store_in_doubt() of the append's transaction */
+    char sqlstate[6]; /* store_last_sqlstate() of its failure, or "" */
+    char error[256];  /* store_last_error() of its failure, or "" */
+};
+
+/*
+ * Queues wr on w and waits for its verdict: the codes of store_append()
+ * (and of store_append_claim() with claim_agent), KS_EINVAL / KS_ETOOBIG
+ * (checked on the calling thread, nothing queued), or KS_ESTOPPED (the
+ * writer is closing). *res (may be NULL) says more. Any thread; many at
+ * once (that is the point).
+ */
+int store_writer_append(struct store_writer *w, const struct store_write *wr,
+                        struct store_write_result *res);
+
+/*
+ * store_append_checked_at() through the writer: ev decided against known
+ * in C, appended at `version` of command-<ev->command_id> only if the
+ * verdict is APPLY. Same codes; *res (may be NULL) as above.
+ */
+int store_writer_checked_at(struct store_writer *w, const Ks__Event *ev,
+                            const struct store_command_state *known,
+                            int64_t version, store_check_fn check, void *ud,
+                            struct store_write_result *res);
+
+
 /* ---- output pieces (store/output.c, table command_output) -------------
  *
  * A running command's output, recorded in pieces as its agent sends them

@@ -737,6 +737,52 @@ START_TEST(batch_survives_broker_kill)
 }
 END_TEST
 
+/*
+ * Issue 22: a broker stopped with TERM while its in-process agents run
+ * two targets drains them (--drain-timeout, 10 s by default): they finish
+ * and are recorded as they ended, and the batch ends Succeeded across the
+ * restart. Before, the stop cancelled them (signal 15, Cancelled, though
+ * nobody had), and the batch ended PartialFailure.
+ */
+START_TEST(local_targets_finish_across_broker_term)
+{
+    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[512], id[64], tg[2][32],
+         csv[80], host[64];
+    ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
+    gethostname(host, sizeof(host));
+    host[strcspn(host, ".")] = '\0';
+    snprintf(tg[0], sizeof(tg[0]), "%.29s-3", host);
+    snprintf(tg[1], sizeof(tg[1]), "%.29s-4", host);
+    snprintf(csv, sizeof(csv), "%s,%s", tg[0], tg[1]);
+    snprintf(sh, sizeof(sh),
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 3",
+             runs);
+    const char *args[] = {"batch", "--detach", "--agents", csv, "--", "sh",
+                          "-c", sh, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s", o.err);
+    snprintf(id, sizeof(id), "%.*s", (int)strcspn(o.out, "\n"), o.out);
+    fixture_out_release(&o);
+    wait_runs(runs, tg[0], 1);
+    wait_runs(runs, tg[1], 1);
+    broker_restart(SIGTERM);
+    json_t *j = wait_batch_end(id);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Succeeded");
+    ck_assert_int_eq(jint(j, "succeeded"), 2);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_str_eq(target_status(j, tg[i]), "Succeeded");
+        ck_assert_int_eq(runs_of(runs, tg[i]), 1);
+    }
+    json_decref(j);
+    char rm[128];
+    snprintf(rm, sizeof(rm), "rm -rf %s", runs);
+    ck_assert_int_eq(system(rm), 0);
+}
+END_TEST
+
 /* A max-errors budget spent while no broker ran is still spent: the
  * adopter dispatches nothing more and cancels the rest. */
 START_TEST(error_budget_survives_broker_kill)
@@ -2229,6 +2275,7 @@ batch_suite(void)
     tcase_add_test(tc, k27_dead_agent_costs_its_deadline);
     tcase_add_test(tc, batch_survives_broker_term);
     tcase_add_test(tc, batch_survives_broker_kill);
+    tcase_add_test(tc, local_targets_finish_across_broker_term);
     tcase_add_test(tc, error_budget_survives_broker_kill);
     tcase_add_test(tc, cancel_adopted_batch);
     tcase_add_test(tc, client_gives_up_with_a_hint);

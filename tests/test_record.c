@@ -632,6 +632,12 @@ START_TEST(one_end_when_a_dead_agent_reports_late)
     for (int i = 0; i < 100 && sql_long(pg, sql) == 0; i++)
         nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
     ck_assert_int_eq(sql_long(pg, sql), 1);
+    /* Running in the record is the claim; the spawn comes a moment
+     * later. A kill in between (1 run in 10 here) left a command that
+     * never ran, and the test then found no run. */
+    for (int i = 0; i < 100 && runs_of("late", id) == 0; i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_int_eq(runs_of("late", id), 1);
     int pid = pid_of("agent-late");
     ck_assert_int_gt(pid, 0);
     kill(pid, SIGKILL);
@@ -779,6 +785,81 @@ START_TEST(waiting_exec_survives_its_broker)
 }
 END_TEST
 
+/* The recorder's consumer: events delivered and not yet acked. */
+static int64_t
+recorder_unacked(struct evt_conn *c)
+{
+    jsConsumerInfo *ci = NULL;
+    int64_t n = -1;
+    if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS,
+                           EVT_RECORDER_DURABLE, NULL, NULL) == NATS_OK) {
+        n = (int64_t)ci->NumAckPending + (int64_t)ci->NumPending;
+        jsConsumerInfo_Destroy(ci);
+    }
+    return n;
+}
+
+/*
+ * The broker dies after a command's result is committed and before it is
+ * acked to JetStream: the result is recorded once, and the restarted
+ * broker, given it again, finds it recorded and acks it (no second
+ * terminal event, no annotation). The result goes through the group
+ * writer (this broker recorded the claim): held behind a row lock until
+ * the broker is stopped, so its commit lands while the broker cannot ack.
+ */
+START_TEST(broker_dies_between_commit_and_ack)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db(), *hold = db();
+    char id[37], sql[256];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ca", "ca", NULL), 0);
+    ck_assert_int_eq(submit(c, "ca", "true", 0, id), 0); /* warm */
+    ck_assert_int_eq(command_in(id, "= 'Succeeded'", 30000), 1);
+    /* No output: the result alone, on the writer's path. */
+    ck_assert_int_eq(submit(c, "ca", "sleep 2", 0, id), 0);
+    ck_assert_int_eq(command_in(id, "= 'Running'", 30000), 1);
+    snprintf(sql, sizeof(sql),
+             "BEGIN; SELECT 1 FROM streams WHERE stream_id = 'command-%s'"
+             " FOR UPDATE",
+             id);
+    PQclear(PQexec(hold, sql));
+    /* The result's append, in the writer, waits for the row. */
+    ck_assert_int_eq(
+        fixture_wait_sql(stack.pg.conninfo,
+                         "SELECT count(*) FROM pg_stat_activity"
+                         " WHERE application_name = 'kscore writer'"
+                         " AND wait_event_type = 'Lock'",
+                         1, 30000),
+        1);
+    fixture_stack_broker_kill(&stack, SIGSTOP);
+    PQclear(PQexec(hold, "COMMIT"));
+    /* Committed by the server while the broker is stopped: never acked. */
+    ck_assert_int_eq(command_in(id, "= 'Succeeded'", 10000), 1);
+    ck_assert_int_ge(recorder_unacked(c), 1);
+    fixture_stack_broker_kill(&stack, SIGKILL);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 0), 0);
+    /* Redelivered after the ack wait (10 s), found recorded, acked. */
+    for (int i = 0; i < 400 && recorder_unacked(c) != 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    ck_assert_int_eq(recorder_unacked(c), 0);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s'", id);
+    ck_assert_int_eq(sql_long(pg, sql), 4); /* requested ... completed */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s'"
+             " AND type IN ('CommandCompleted', 'LateResult',"
+             " 'ReportRejected')",
+             id);
+    ck_assert_int_eq(sql_long(pg, sql), 1);
+    assert_recorded_once(pg);
+    PQfinish(hold);
+    PQfinish(pg);
+    evt_close(c);
+    stack_stop(stack.dir, "agent-ca", 20000);
+}
+END_TEST
+
 static Suite *
 record_suite(void)
 {
@@ -796,6 +877,7 @@ record_suite(void)
     tcase_add_test(tc, k23_no_second_run_on_redelivery);
     tcase_add_test(tc, nats_restart_mid_run);
     tcase_add_test(tc, broker_kill9_mid_run);
+    tcase_add_test(tc, broker_dies_between_commit_and_ack);
     tcase_add_test(tc, a_paused_broker_judges_no_silence);
     tcase_add_test(tc, a_frozen_host_stops_what_was_declared_lost);
     suite_add_tcase(s, tc);
