@@ -78,6 +78,22 @@ drop_labels(Ks__EnvVar ***v, size_t *n)
     *n = 0;
 }
 
+/* A self-declared label named fact.* would read as a fact, and no
+ * selector could pick it (fact.* selects facts): the keys are the facts'
+ * (the broker signs no label so named). */
+static void
+drop_fact_labels(Ks__AgentInfo *info)
+{
+    size_t k = 0, plen = strlen(BROKER_FACT_PREFIX);
+    for (size_t i = 0; i < info->n_labels; i++) {
+        if (strncmp(info->labels[i]->name, BROKER_FACT_PREFIX, plen) == 0)
+            ks__env_var__free_unpacked(info->labels[i], NULL);
+        else
+            info->labels[k++] = info->labels[i];
+    }
+    info->n_labels = k;
+}
+
 /* 1 when info's attestation is this broker's signature for its id; its
  * text goes to *text (malloc'd) for the cache. */
 static bool
@@ -210,6 +226,8 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
     drop_labels(&info->attested_labels, &info->n_attested_labels);
     if (require || was_signed)
         drop_labels(&info->labels, &info->n_labels);
+    else
+        drop_fact_labels(info);
     return false;
 }
 
