@@ -116,8 +116,19 @@ struct job_ctx {
     long spawn_at;
 };
 
+/* facts.c: what the agent says of its host (AgentInfo.facts), read once
+ * at its start; p[0..n) point into v, whose strings are the fields. */
+#define AGENT_N_FACTS 5
+struct agent_facts {
+    char os[64], kernel[65], arch[65], cpus[24], mem_mb[24];
+    Ks__EnvVar v[AGENT_N_FACTS];
+    Ks__EnvVar *p[AGENT_N_FACTS];
+    size_t n;
+};
+
 struct agent {
     struct agent_opts opts;
+    struct agent_facts facts;
     char *state_dir;
     char host[64];
     unsigned max_concurrent;
@@ -275,6 +286,20 @@ int agent__secrets_open(struct agent *a, const char *agent_id,
                         char *why, size_t why_len);
 /* Wipes and frees the values. Accepts NULL. */
 void agent__secrets_free(struct agent_secrets *s);
+
+/*
+ * facts.c. agent__facts_read: the host's facts into f (one it cannot read
+ * is left out); at start. agent__inventory_env: cmd's labels
+ * (Command.labels) as KSCORE_LABEL_<KEY> and a's facts as
+ * KSCORE_FACT_<KEY> (agent_inventory_name) into env[*env_len] onwards
+ * (room for cmd->n_labels + a->facts.n more), advancing *env_len; a name
+ * already added is not added again (the first key in order stands). The
+ * names live in *names_out (free it after the spawn). 0 or -ENOMEM.
+ */
+void agent__facts_read(struct agent_facts *f);
+int agent__inventory_env(const struct agent *a, const Ks__Command *cmd,
+                         struct exec_env *env, size_t *env_len,
+                         char **names_out);
 
 /*
  * payload.c: a command's script, stdin and user (CommandSpec.script,

@@ -1294,7 +1294,7 @@ start_job(struct job_ctx *j)
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
     const char *stage = NULL;
-    char claim_id[37], secret_why[256] = "";
+    char claim_id[37], secret_why[256] = "", *inventory = NULL;
     struct agent_secrets *secrets = NULL;
     int rc;
 
@@ -1321,7 +1321,8 @@ start_job(struct job_ctx *j)
         goto out;
     }
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
-    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + 2,
+    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + cmd->n_labels +
+                     a->facts.n + 2,
                  sizeof(*env));
     if (!argv || !env) {
         agent__journal_remove(a, j->command_id);
@@ -1340,6 +1341,12 @@ start_job(struct job_ctx *j)
     spec.argv = argv;
     spec.env = env;
     spec.env_len = cmd->spec->n_env + 1;
+    /* KSCORE_LABEL_*, KSCORE_FACT_* (facts.c). */
+    if (agent__inventory_env(a, cmd, env, &spec.env_len, &inventory) != 0) {
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
+        goto out;
+    }
     spec.cwd = cmd->spec->cwd;
     spec.command_id = cmd->command_id;
     spec.timeout_ms = cmd->spec->timeout_ms;
@@ -1496,6 +1503,7 @@ start_job(struct job_ctx *j)
     spawn_claimed(j, cmd, &spec);
 out:
     agent__secrets_free(secrets); /* exec_submit copied what it keeps */
+    free(inventory);
     free(argv);
     free(env);
     ks__command__free_unpacked(cmd, NULL);
@@ -2066,6 +2074,8 @@ heartbeat_once(struct agent *a)
     info.started_at_us = a->started_at_us;
     info.features = (char **)agent_features;
     info.n_features = AGENT_N_FEATURES;
+    info.facts = a->facts.p;
+    info.n_facts = a->facts.n;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -2480,6 +2490,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     pthread_condattr_destroy(&ca);
     atomic_store(&a->last_contact_us, ks_mono_us());
     gethostname(a->host, sizeof(a->host));
+    agent__facts_read(&a->facts);
     ks_uuid(a->instance_id);
     a->started_at_us = ks_now_us();
     a->host[sizeof(a->host) - 1] = '\0';

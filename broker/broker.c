@@ -256,6 +256,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ExecuteRequest *req = NULL;
     char why[512], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
+    struct broker__labels labels = {0};
     int64_t t_in = ks_mono_us();
     int rc;
 
@@ -365,6 +366,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     cmd.dispatch_version = 2;
     cmd.operator_ = (char *)broker__operator_of(msg);
     cmd.batch_id = "";
+    /* Its labels, for the child (KSCORE_LABEL_*). */
+    broker__command_labels(b, req->agent_id, &labels);
+    cmd.labels = labels.v;
+    cmd.n_labels = labels.n;
 
     /* Refuse what cannot be published before recording anything (K21). */
     if (protobuf_c_message_get_packed_size(&cmd.base) > KS_MAX_MESSAGE_BYTES) {
@@ -544,6 +549,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
 out:
+    broker__labels_release(&labels);
     if (req)
         ks__execute_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
@@ -1381,6 +1387,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         broker__handle_list(ud, msg);
     else if (broker__is_method(subj, EVT_API_LOGS))
         broker__handle_logs(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LABEL))
+        broker__handle_label(ud, b->st_misc, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -1556,7 +1564,7 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + 18];
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 19];
     size_t nsubs = 0;
 
     /* Every worker's subscription: each handler uses the writer and the
@@ -1565,11 +1573,12 @@ broker_teardown(struct broker *b)
         subs[nsubs++] = &b->claimers[i].sub;
     {
         natsSubscription **rest[] = {
-            &b->sub_execute,    &b->sub_misc,     &b->sub_events,
-            &b->sub_cancel,     &b->sub_agents,   &b->sub_follow,
-            &b->sub_batch,      &b->sub_advisory, &b->sub_list,
-            &b->sub_logs,       &b->sub_notice,   &b->sub_upload,
-            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub};
+            &b->sub_execute,    &b->sub_misc,       &b->sub_events,
+            &b->sub_cancel,     &b->sub_agents,     &b->sub_follow,
+            &b->sub_batch,      &b->sub_advisory,   &b->sub_list,
+            &b->sub_logs,       &b->sub_notice,     &b->sub_upload,
+            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub,
+            &b->sub_label};
         for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
             subs[nsubs++] = rest[i];
     }
@@ -1649,6 +1658,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                        .started_mono_us = ks_mono_us(),
                        .waiters = KS_MAP_INIT,
                        .agents = KS_MAP_INIT,
+                       .relabels = KS_MAP_INIT,
                        .up = {command_ended, remote_ended,
                               broker__batch_remote_cancel}};
     struct evt_connect_opts co = opts->nats;
@@ -1785,7 +1795,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         sigs = calloc(opts->local_agents, sizeof(*sigs));
         if (att && sigs && ids) {
             Ks__EnvVar lv = KS__ENV_VAR__INIT, *lp = &lv;
-            int64_t now = ks_now_us();
+            /* Signed as of the epoch, not of this start: any relabel of
+             * them (kscore agent label, labels.c) is newer and so
+             * outlives this broker's restarts. */
+            int64_t now = BROKER_LOCAL_ATTEST_AT_US;
             lv.name = (char *)lab.key;
             lv.value = (char *)lab.value;
             if (ao.pool) {
@@ -1837,6 +1850,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_label, EVT_API_LABEL, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
                         errmsg)) ||

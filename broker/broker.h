@@ -125,6 +125,11 @@ enum store_step broker_decide_report(const struct store_command_state *st,
  */
 #define BROKER_AGENT_INFO_MAX_BYTES 8192
 #define BROKER_AGENT_INFO_MAX_LABELS 128
+/* Wave sizes a batch request may give (BatchRequest.waves; the last
+ * repeats). */
+#define BROKER_WAVES_MAX 1000
+/* Facts an entry may hold (AgentInfo.facts; an agent sends 5). */
+#define BROKER_AGENT_INFO_MAX_FACTS 32
 /* Largest registry entry of an agent pool (its list of ids: about 20,000
  * ids of 10 characters); beyond it the entry is refused and logged. */
 #define BROKER_POOL_INFO_MAX_BYTES (256 * 1024)

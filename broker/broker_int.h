@@ -71,6 +71,11 @@ struct broker__agent {
      * agent). */
     char *attest_text;
     uint8_t attest_sig[EVT_SIGNATURE_BYTES];
+    /* registry.c labels_settle: the time of the entry's own attestation
+     * when it verified (0: none), and the relabel whose labels it has
+     * (labels.c; relabel_at_us 0: none): by whom, when. */
+    int64_t entry_at_us, relabel_at_us;
+    char relabel_by[64];
     /* registry.c: the last two processes that heartbeat this id (cur: the
      * latest), and when their heartbeats last interleaved (0: never). */
     struct broker__instance cur, other;
@@ -162,6 +167,7 @@ struct broker {
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
+    natsSubscription *sub_label; /* kscore.api.v1.label (labels.c) */
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
@@ -245,9 +251,65 @@ struct broker {
      * command live through another broker (its follow notice): a piece
      * recorded here goes to them directly. */
     struct ks_map remote_live;
+    /* labels.c: (mu) the newest relabel of each subject, as the record
+     * has them; when they were last read; dirty: read them again (another
+     * broker's notice). */
+    struct ks_map relabels;
+    int64_t relabels_loaded_mono_us;
+    atomic_bool relabels_dirty;
     /* budget.c: annotation rows per identity. */
     struct broker__budget *budget;
 };
+
+/* What labels_settle (registry.c) decided an entry's labels came from. */
+struct broker__settled {
+    int64_t entry_at_us; /* its own attestation's time, when valid; 0 */
+    bool relabelled;     /* a relabel's (labels.c): */
+    char by[64];         /* its operator */
+    int64_t at_us;       /* its time */
+};
+
+/*
+ * labels.c: relabels (kscore agent label) and a command's labels.
+ *
+ * broker__relabels_load: reads the newest relabel of every subject from
+ * the record into b->relabels (replacing them; one not signed by this
+ * broker's key is left out and logged). 0 or a store error (kept as it
+ * was). Before the registry thread starts, then on that thread.
+ * broker__relabels_due: whether to load again (another broker recorded
+ * one: BROKER_NOTICE_RELABEL; or BROKER_RELABEL_RELOAD_US have passed).
+ * broker__relabels_free: teardown.
+ *
+ * broker__relabel_settle: when subject (an agent id, or
+ * "pool.<pool>/<size>") has a relabel at least as new as entry_at_us
+ * (INT64_MIN: the entry has no valid attestation), replaces info's
+ * labels by a copy of its labels, fills out's relabelled, by, at_us and
+ * returns true. Any thread.
+ *
+ * broker__command_labels: agent_id's labels as the registry has them,
+ * sorted by name, copied into out (none: n 0); release with
+ * broker__labels_release. For Command.labels.
+ *
+ * broker__handle_label: kscore.api.v1.label (on_misc, with st).
+ */
+#define BROKER_RELABEL_RELOAD_US (60 * INT64_C(1000000))
+struct broker__labels {
+    Ks__EnvVar **v;
+    size_t n;
+};
+int broker__relabels_load(struct broker *b, struct store *st);
+bool broker__relabels_due(struct broker *b);
+void broker__relabels_free(struct broker *b);
+bool broker__relabel_settle(struct broker *b, const char *subject,
+                            int64_t entry_at_us, Ks__AgentInfo *info,
+                            struct broker__settled *out);
+void broker__command_labels(struct broker *b, const char *agent_id,
+                            struct broker__labels *out);
+void broker__labels_release(struct broker__labels *l);
+void broker__handle_label(struct broker *b, struct store *st, natsMsg *msg);
+/* The time a broker signs its in-process agents' labels as of (the
+ * epoch, 1 us): every relabel of them is newer. */
+#define BROKER_LOCAL_ATTEST_AT_US 1
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
 void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
@@ -370,6 +432,13 @@ int broker__policy_check_upload(const struct broker__policy *p,
 int broker__policy_check_read(const struct broker__policy *p, const char *op,
                               const char *owner, const Ks__AgentInfo *agent,
                               bool every_agent, char *why, size_t len);
+/* Whether op may change an agent's labels from before's to after's
+ * (kscore agent label): a rule that lists "label" in "can" and whose
+ * "agents" match both. 0, or KS_EDENIED with why. */
+int broker__policy_check_label(const struct broker__policy *p, const char *op,
+                               const Ks__AgentInfo *before,
+                               const Ks__AgentInfo *after, char *why,
+                               size_t len);
 /* Whether op may act on (cancel) a batch requested by owner: its own, or
  * with a "run" rule on agents "*". 0, or KS_EDENIED with why. */
 int broker__policy_check_batch(const struct broker__policy *p,
@@ -691,6 +760,9 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
 #define BROKER_NOTICE_PREFIX "_KSCORE.broker."
 #define BROKER_NOTICE_ENDED BROKER_NOTICE_PREFIX "ended."
 #define BROKER_NOTICE_CANCEL BROKER_NOTICE_PREFIX "cancel."
+/* BROKER_NOTICE_RELABEL<stream>: a relabel was recorded on stream
+ * ("agent-<id>", "pool-<pool>"): read the relabels again (labels.c). */
+#define BROKER_NOTICE_RELABEL BROKER_NOTICE_PREFIX "relabel."
 /* BROKER_NOTICE_FOLLOW<command_id>: a client follows the command live
  * through the sender; payload "<instance_id>\n<e|b>\n<agent_id>\n<subject>"
  * (e: an exec's inbox, b: a batch's progress subject). */
@@ -699,6 +771,7 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
 int broker__notice_start(struct broker *b, char **errmsg);
 void broker__notice_ended(struct broker *b, const char *command_id);
 void broker__notice_batch_cancel(struct broker *b, const char *batch_id);
+void broker__notice_relabel(struct broker *b, const char *stream);
 /* Tells the other brokers that subject follows command_id live here, so
  * the pieces they record go to it too. */
 void broker__notice_follow(struct broker *b, const char *command_id,

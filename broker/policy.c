@@ -17,7 +17,12 @@
  *   {"auditor": [{"agents": "*", "can": ["read"]}]}
  * An operator always reads what it ran itself. Reading every stream at
  * once (events --follow without an id) takes a "read" rule with agents
- * "*".
+ * "*". "label" (never granted unless listed) lets the operator change
+ * the signed labels of the agents the rule matches (kscore agent label),
+ * if the rule matches them after the change too:
+ *   {"ops": [{"agents": {"env": "dev"}, "can": ["label"]}]}
+ * Rules match labels only: a key "fact.*" (an agent's own word about its
+ * host) is refused when the policy loads.
  *
  * Users (kscore exec --run-as USER[:GROUP]): every run is a run as a user,
  * the --run-as value or "root" without one (the agent's own user, root
@@ -205,16 +210,34 @@ policy_parse(const char *path, const char *buf, size_t len,
                 {
                     if (!json_is_string(c) ||
                         (strcmp(json_string_value(c), "run") != 0 &&
-                         strcmp(json_string_value(c), "read") != 0))
+                         strcmp(json_string_value(c), "read") != 0 &&
+                         strcmp(json_string_value(c), "label") != 0))
                         can_ok = false;
                 }
             if (!can_ok) {
                 snprintf(why, sizeof(why),
                          "%s: operator \"%s\" rule %zu: \"can\" is a list "
-                         "of \"run\" and \"read\"",
+                         "of \"run\", \"read\" and \"label\"",
                          path, name, i + 1);
                 goto bad;
             }
+            /* A fact is what an agent says of itself: it grants nothing
+             * (a rule on one would be a rule any agent can meet). */
+            const char *lk;
+            json_t *lv;
+            if (json_is_object(ag))
+                json_object_foreach(ag, lk, lv)
+                {
+                    if (strncmp(lk, BROKER_FACT_PREFIX,
+                                strlen(BROKER_FACT_PREFIX)) == 0) {
+                        snprintf(why, sizeof(why),
+                                 "%s: operator \"%s\" rule %zu: \"%s\" is "
+                                 "a fact, the agent's own word: a rule "
+                                 "matches signed labels only",
+                                 path, name, i + 1, lk);
+                        goto bad;
+                    }
+                }
             if (!json_is_object(rule) ||
                 !(json_is_object(ag) ||
                   (json_is_string(ag) &&
@@ -337,15 +360,16 @@ has_label(const Ks__AgentInfo *info, const char *k, const char *v)
     return false;
 }
 
-/* 1 if rule grants what ("run" or "read"); a rule without "can" grants
- * both. */
+/* 1 if rule grants what ("run", "read" or "label"); a rule without
+ * "can" grants run and read (label only when listed: policies written
+ * before it grant what they granted). */
 static bool
 rule_can(json_t *rule, const char *what)
 {
     json_t *can = json_object_get(rule, "can"), *c;
     size_t i;
     if (!can)
-        return true;
+        return strcmp(what, "label") != 0;
     json_array_foreach(can, i, c)
     {
         if (strcmp(json_string_value(c), what) == 0)
@@ -614,6 +638,32 @@ broker__policy_check_read(const struct broker__policy *p, const char *op,
         snprintf(why, len,
                  "denied: operator '%s' may not read records of agent '%s'",
                  op, agent && agent->agent_id[0] ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+int
+broker__policy_check_label(const struct broker__policy *p, const char *op,
+                           const Ks__AgentInfo *before,
+                           const Ks__AgentInfo *after, char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p)
+        return 0;
+    rules = json_object_get(p->operators, op);
+    json_array_foreach(rules, i, rule)
+    {
+        /* Its labels now and after: an operator cannot move an agent
+         * out of reach of its rules, nor into another group's. */
+        if (rule_can(rule, "label") && rule_allows(rule, before, NULL) &&
+            rule_allows(rule, after, NULL))
+            return 0;
+    }
+    snprintf(why, len,
+             "denied: operator '%s' may not give agent '%s' these labels (a "
+             "\"label\" rule must match its labels before and after)",
+             op, before && before->agent_id[0] ? before->agent_id : "?");
     return KS_EDENIED;
 }
 

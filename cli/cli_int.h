@@ -172,6 +172,8 @@ int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
         {"max-concurrency", required_argument, 0, 'c'},                        \
         {"max-errors", required_argument, 0, 'E'},                             \
         {"strict-errors", no_argument, 0, 'S'},                                \
+        {"waves", required_argument, 0, 'W'},                                  \
+        {"wave-pause", required_argument, 0, 'P'},                             \
         {"json", no_argument, 0, 'j'}, {"detach", no_argument, 0, 'D'},        \
     {                                                                          \
         "stream", no_argument, 0, 'T'                                          \
@@ -180,7 +182,13 @@ struct cli_batch {
     Ks__BatchRequest req; /* targets and rate; spec set by cli_batch_run */
     Ks__Amount conc, errs;
     char **agents, **terms; /* storage of req.agents, req.selector */
-    size_t cap;
+    size_t cap;            /* of terms */
+    size_t agents_cap;     /* of agents (grows: --agents @FILE) */
+    char **owned;          /* the ids read from files */
+    size_t n_owned, owned_cap;
+    bool agents_stdin;     /* --agents @-: stdin held the ids */
+    Ks__Amount *waves;     /* --waves, storage of req.waves */
+    Ks__Amount **wavep;
     const char *errs_arg;
     bool yes, json;
     long confirm_over;
@@ -189,10 +197,16 @@ struct cli_batch {
  * printing. */
 int cli_batch_init(struct cli_batch *bt, int argc, char **argv);
 void cli_batch_release(struct cli_batch *bt);
+/* --waves takes at most this many sizes; --wave-pause at most 24 h. */
+#define CLI_WAVES_MAX 1000
+#define CLI_WAVE_PAUSE_MAX_MS (24 * 3600 * 1000ULL)
 /* One of CLI_BATCH_LONGOPTS: 1 taken, 0 not one, -1 after printing. */
 int cli_batch_opt(struct cli_batch *bt, int opt, char *arg);
-/* After getopt: targets given and consistent. 0 or -1 after printing. */
+/* After getopt: targets given and consistent, and the rate options
+ * (cli_batch_check_rate alone: a rerun's, whose targets are the
+ * broker's). 0 or -1 after printing. */
 int cli_batch_check(const struct cli_batch *bt);
+int cli_batch_check_rate(const struct cli_batch *bt);
 /*
  * Connects (cc), lists the targets for a dry run or a confirmation, calls
  * prepare (may be NULL: what must exist before the request, e.g. kscore
@@ -356,8 +370,11 @@ json_t *cli_batch_json(const Ks__BatchReply *rep);
  * ran and failed (Failed, killed, TimedOut, StartFailed); else
  * CLI_EXIT_NOT_ALL_RAN. */
 int fleet_exit_code(const Ks__BatchCounts *c);
-/* "3 succeeded, 1 failed, 1 no response of 5 targets" (only states > 0). */
-void fleet_counts_text(const Ks__BatchCounts *c, char *buf, size_t len);
+/* "3 succeeded, 1 failed, 1 no response of 5 targets" (only states > 0);
+ * of c->running (in flight), dispatched are said "dispatched" (not yet
+ * claimed), the rest "running". */
+void fleet_counts_text(const Ks__BatchCounts *c, unsigned dispatched,
+                       char *buf, size_t len);
 const char *fleet_status_name(Ks__BatchStatus s);
 /* One target's result as JSON (cli_result_json + batch_id, agent_id,
  * command_id, status, truncated). */
@@ -381,7 +398,11 @@ void fleet_results_release(struct fleet_results *fr);
  * folded, its outcome, stdout, then stderr), then "no response from:". */
 void fleet_print(FILE *f, const Ks__BatchReply *rep,
                  Ks__BatchTarget *const *full, size_t n);
-/* "<id>: <status>: <counts> in <s>", then budget (a line) when set. */
+/* The waves of rep in one line ("waves: 3 (1, 5, 44 targets), pause
+ * 10s; halted after wave 2 of 3: ..."), "" without waves. */
+void fleet_waves_text(const Ks__BatchReply *rep, char *buf, size_t len);
+/* "<id>: <status>: <counts> in <s>", then budget (a line) when set, the
+ * waves, and a rerun's original and the batch's reruns. */
 void fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget);
 
 /* Exit status for a finished command (see the codes above). */
@@ -480,6 +501,8 @@ int cmd_get(int argc, char **argv);
 int cmd_events(int argc, char **argv);
 int cmd_cancel(int argc, char **argv);
 int cmd_agents(int argc, char **argv);
+/* kscore agent label (cmd_admin.c): argv[0] is "label". */
+int cmd_agent_label(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);

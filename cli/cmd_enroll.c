@@ -478,6 +478,7 @@ static const char usage[] =
     "FILE]\n"
     "       kscore agent revoke ID|pool-POOL [--nats URL]\n"
     "       kscore agent list [--json]\n"
+    "       kscore agent label ID|pool-POOL KEY=VALUE|KEY-... [--json]\n"
     "The agents of the stack in $KSCORE_HOME (now %s).\n"
     "enroll makes agent ID's NATS identity (an NKey allowed only what agent\n"
     "ID may do) and writes a bundle (default $KSCORE_HOME/bundles/ID.bundle,\n"
@@ -495,7 +496,9 @@ static const char usage[] =
     "permissions name each of its ids and nothing of any other agent.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
-    "for it are refused.\n";
+    "for it are refused.\n"
+    "label changes an agent's signed labels without a new enrolment (see\n"
+    "kscore agent label --help); list shows the labels of the enrolment.\n";
 
 /* The broker's signature over id, at and the "K=V" labels
  * (evt_labels_sign). 0 or a negative code. */
@@ -637,11 +640,21 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
             return CLI_EXIT_USAGE;
         }
     }
-    for (size_t i = 0; i < n_labels; i++)
+    for (size_t i = 0; i < n_labels; i++) {
+        char why[200], key[BROKER_LABEL_KEY_MAX + 2];
+        const char *eq = strchr(labels[i], '=');
         if (!label_ok(labels[i])) {
             cli_err("bad --label '%s': expected KEY=VALUE", labels[i]);
             return CLI_EXIT_USAGE;
         }
+        /* What `kscore agent label` takes too (a key too long is cut
+         * here, and refused for its length). */
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - labels[i]), labels[i]);
+        if (broker_label_check(key, eq + 1, why, sizeof(why))) {
+            cli_err("bad --label '%s': %s", labels[i], why);
+            return CLI_EXIT_USAGE;
+        }
+    }
     for (size_t i = 0; i < n_urls; i++)
         if (!url_ok(urls[i])) {
             cli_err("bad --nats-url '%s': tls://HOST:PORT (or nats://, or "

@@ -148,6 +148,13 @@ cmd_exec(int argc, char **argv)
         free(env_url);
         goto out;
     }
+    /* A usage error (README "Exit codes": 2), said before any
+     * connection, as the broker would refuse it. */
+    if (!evt_agent_id_valid(agent)) {
+        cli_err("bad agent id '%s' (letters, digits, _ and -, up to %d)",
+                agent, EVT_AGENT_ID_MAX);
+        goto out;
+    }
     req.agent_id = (char *)agent;
     req.spec = sp;
     /* The script and stdin are read whole before anything is sent. */
@@ -597,6 +604,10 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
            cli_time(e->recorded_at_us), e->event->agent_id);
     if (e->event->result)
         printf("  %s", kproto_status_name(e->event->result->status));
+    if (e->event->wave)
+        printf("  wave %u", e->event->wave);
+    if (e->event->rerun_batch_id[0])
+        printf("  %s", e->event->rerun_batch_id);
     if (e->event->reason[0] && strcmp(e->event->type, "CommandRequested") != 0)
         printf("  (%s)", e->event->reason);
     if (e->event->command && e->event->command->spec)
@@ -614,7 +625,8 @@ static const char events_usage[] =
     "       kscore events --since T | --from-start [--json]\n"
     "ID is a command id, or a stream id: command-<uuid>, batch-<uuid>,\n"
     "operator-<name> (that operator's refusals, RequestDenied) or\n"
-    "agent-<id> (what that agent reported about no command of its own).\n"
+    "agent-<id> (what that agent reported about no command of its own, and\n"
+    "its relabels) or pool-<pool> (a pool's relabels).\n"
     "With a policy, an operator reads its own stream, and others' with a\n"
     "\"read\" rule on agents \"*\" (an agent's: a \"read\" rule matching it).\n"
     "  --follow       print events as they are recorded: one stream from its\n"
@@ -650,11 +662,13 @@ events_stream_of(const char *id, char *stream, size_t len)
         ok = evt_identity_valid(id + 9);
     else if (strncmp(id, "agent-", 6) == 0)
         ok = evt_agent_id_valid(id + 6);
+    else if (strncmp(id, "pool-", 5) == 0)
+        ok = evt_agent_id_valid(id + 5);
     else
         ok = false;
     if (!ok || strlen(id) >= len) {
         cli_err("'%s' is not a command id nor a stream id (command-<uuid>, "
-                "batch-<uuid>, operator-<name>, agent-<id>)",
+                "batch-<uuid>, operator-<name>, agent-<id>, pool-<pool>)",
                 id);
         return -1;
     }

@@ -183,6 +183,33 @@ cli_event_json(const Ks__RecordedEvent *rec)
     }
     if (e->result)
         json_object_set_new(o, "result", cli_result_json(e->result));
+    /* AgentLabelsChanged: the signed labels, and those they replaced. */
+    if (e->labels) {
+        json_t *now = json_object(), *was = json_object();
+        for (size_t i = 0; i < e->labels->n_labels; i++)
+            json_object_set_new(now, e->labels->labels[i]->name,
+                                json_string(e->labels->labels[i]->value));
+        for (size_t i = 0; i < e->labels->n_previous; i++)
+            json_object_set_new(was, e->labels->previous[i]->name,
+                                json_string(e->labels->previous[i]->value));
+        json_object_set_new(o, "labels", now);
+        json_object_set_new(o, "previous_labels", was);
+        json_object_set_new(o, "labels_subject",
+                            json_string(e->labels->subject));
+    }
+    /* Waves and reruns of a batch. */
+    if (e->wave)
+        json_object_set_new(o, "wave", json_integer(e->wave));
+    if (e->halted)
+        json_object_set_new(o, "halted", json_true());
+    if (e->next_wave_at_us)
+        json_object_set_new(o, "next_wave_at",
+                            json_string(cli_time(e->next_wave_at_us)));
+    if (e->rerun_batch_id[0])
+        json_object_set_new(o, "rerun_batch_id",
+                            json_string(e->rerun_batch_id));
+    if (e->batch && e->batch->rerun_of[0])
+        json_object_set_new(o, "rerun_of", json_string(e->batch->rerun_of));
     return o;
 }
 

@@ -39,13 +39,31 @@
  * its value matches one of VALUES) or "KEY!=VALUES" (it has no label KEY,
  * or its value matches none of them); VALUES is one or more fnmatch(3)
  * globs separated by '|' ("role=web|db", "zone=eu-*"). An agent matches a
- * selector when it matches every term. The broker resolves batches with
- * these functions; the CLI uses the same ones.
+ * selector when it matches every term. A KEY "fact.K" is the agent's fact
+ * K (AgentInfo.facts: its own word about its host, "fact.os=debian*"),
+ * never a label; no label may be named so (BROKER_FACT_PREFIX). The
+ * broker resolves batches with these functions; the CLI uses the same
+ * ones.
  *
  * broker_select_check: 0 when term is well formed, else KS_EINVAL with
- * why (len bytes). broker_select_match: 1 when info matches all n terms
- * (n == 0: every agent), else 0; a malformed term matches nothing.
+ * why (len bytes): no '=', an empty key, a value that starts with '='
+ * ("env==prod": the message suggests "env=prod"), a bare "fact.".
+ * broker_select_match: 1 when info matches all n terms (n == 0: every
+ * agent), else 0; a malformed term matches nothing.
  */
+#define BROKER_FACT_PREFIX "fact."
+
+/*
+ * A label as `kscore agent enroll --label` and `kscore agent label` take
+ * it: KEY of 1 to BROKER_LABEL_KEY_MAX letters, digits, '_', '.', '-',
+ * '/', not starting with "fact."; VALUE (may be NULL: not checked) of at
+ * most BROKER_LABEL_VALUE_MAX bytes, no control character, no ','. 0, or
+ * KS_EINVAL with why (len bytes) naming the label.
+ */
+#define BROKER_LABEL_KEY_MAX 63
+#define BROKER_LABEL_VALUE_MAX 255
+int broker_label_check(const char *key, const char *value, char *why,
+                       size_t len);
 int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);

@@ -85,6 +85,7 @@
 #define EVT_API_LOGS "kscore.api.v1.logs"
 #define EVT_API_UPLOAD "kscore.api.v1.upload"
 #define EVT_API_FETCH "kscore.api.v1.fetch"
+#define EVT_API_LABEL "kscore.api.v1.label"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000

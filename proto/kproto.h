@@ -199,6 +199,10 @@ void ks_hex(const uint8_t *data, size_t len, char *out);
 
 /* Status names as the CLI and JSON print them ("Succeeded", ...). */
 const char *kproto_status_name(Ks__CommandStatus st);
+/* A batch's, as the CLI, JSON and the batches projection (migration 13)
+ * name them: "Running", "Succeeded", "PartialFailure", "Failed",
+ * "Cancelled"; "Unknown" for any other value. */
+const char *kproto_batch_status_name(Ks__BatchStatus st);
 /* 1 if the status is terminal. */
 int kproto_status_terminal(Ks__CommandStatus st);
 

@@ -17,6 +17,11 @@
  * terminal status is final (a terminal P keeps its status, attempt,
  * agent, times), the first result is kept.
  */
+/* A batch's status at its end, as the SQL of a migration knows it
+ * (re-defined by migration 13, as FOLD_TERMINAL_LIST below is). */
+#define BATCH_END_STATUS                                                       \
+    "CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n"                     \
+    "               ELSE 'Cancelled' END"
 /* The terminal statuses as the SQL of a migration knows them: re-defined
  * before each migration that changes the set, so a shipped migration's
  * text never changes (macros expand where they are used). */
@@ -408,8 +413,7 @@
     "    RETURN;\n" \
     "  ELSIF p_type IN ('BatchCompleted', 'BatchCancelled') THEN\n" \
     "    UPDATE batches SET\n" \
-    "      status = CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n" \
-    "               ELSE 'Cancelled' END,\n" \
+    "      status = " BATCH_END_STATUS ",\n" \
     "      finished_at = kscore_ts(p_at), version = v\n" \
     "    WHERE batch_id = p_batch_id;\n" \
     "    RETURN;\n" \
@@ -1117,6 +1121,34 @@ static const char migration_12[] =
     "  PERFORM kscore_events_lock();\n"
     "END $$;\n";
 
+/*
+ * Migration 13: a batch's row says how it ended, as `kscore get` does:
+ * Succeeded, PartialFailure, Failed or Cancelled (BatchCompleted carries
+ * it, passed as p_status: store/append.c), where every ended batch was
+ * "Completed", a cancelled one included (issue 24: `kscore list` showed a
+ * cancelled batch Completed, and --status cancelled never found it). Rows
+ * written before are decided as the broker decided them (broker/batch.c
+ * final_status): cancelled when a cancel was requested, else by their
+ * counts. And the relabels (AgentLabelsChanged, broker/labels.c), which a
+ * broker reads at its start, newest of each stream first, through a
+ * partial index of their own.
+ */
+#undef BATCH_END_STATUS
+#define BATCH_END_STATUS                                                       \
+    "CASE WHEN p_type = 'BatchCancelled' THEN 'Cancelled'\n"                   \
+    "               ELSE coalesce(p_status, 'Completed') END"
+static const char migration_13[] =
+    SQL_PROJECT("CREATE OR REPLACE") ";\n"
+    "UPDATE batches b SET status = CASE\n"
+    "    WHEN EXISTS (SELECT 1 FROM events e WHERE e.stream_id = b.batch_id\n"
+    "                 AND e.type = 'BatchCancelRequested') THEN 'Cancelled'\n"
+    "    WHEN b.succeeded = b.total THEN 'Succeeded'\n"
+    "    WHEN b.succeeded = 0 THEN 'Failed'\n"
+    "    ELSE 'PartialFailure' END\n"
+    "  WHERE b.status = 'Completed';\n"
+    "CREATE INDEX events_relabels ON events (stream_id, version)\n"
+    "  WHERE type = 'AgentLabelsChanged';\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -1133,6 +1165,8 @@ const struct store__migration store__migrations[] = {
      migration_11},
     {12, "appenders lock events first: readers wait for them alone",
      migration_12},
+    {13, "a batch's row says how it ended; relabels by stream",
+     migration_13},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

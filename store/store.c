@@ -846,6 +846,23 @@ static const char read_bound_sql[] =
     "FROM s";
 
 int
+store_read_relabels(struct store *s, const char *stream_id, store_event_fn cb,
+                    void *ud)
+{
+    struct store__params p = {0};
+
+    store__p_text(&p, stream_id ? stream_id : "");
+    /* The partial index events_relabels (migration 13) holds only these. */
+    return query_events(s,
+                        "SELECT DISTINCT ON (stream_id) global_pos, version,"
+                        " kscore_us(recorded_at), data FROM events"
+                        " WHERE type = 'AgentLabelsChanged'"
+                        "   AND ($1 = '' OR stream_id = $1)"
+                        " ORDER BY stream_id, version DESC",
+                        &p, NULL, cb, ud);
+}
+
+int
 store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
                store_event_fn cb, void *ud)
 {

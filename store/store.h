@@ -52,7 +52,9 @@
  *                     the result, if the event carries one)
  *   CommandCancelRequested / CommandRejected / DuplicateSuppressed   version
  *   BatchRequested    batches row (Running, operator, requested_at)
- *   BatchCompleted / BatchCancelled   batches.status, finished_at
+ *   BatchCompleted / BatchCancelled   batches.status (how it ended:
+ *                     Succeeded, PartialFailure, Failed, Cancelled;
+ *                     migration 13), finished_at
  *   any other type    recorded; no projection changes.
  * A terminal status is final: later status events only move the row's
  * version (the first result is still recorded). Batch counters (succeeded,
@@ -246,6 +248,15 @@ int store_read_stream(struct store *s, const char *stream_id,
                       void *ud);
 
 /*
+ * The newest AgentLabelsChanged event (a relabel: `kscore agent label`,
+ * broker/labels.c) of stream_id, or of every stream that has one
+ * (stream_id NULL or ""), passed to cb as store_read_stream does (in
+ * stream id order). Returns 0, cb's non-zero value or a store error.
+ */
+int store_read_relabels(struct store *s, const char *stream_id,
+                        store_event_fn cb, void *ud);
+
+/*
  * Catch-up read of all streams. The cursor is (tx_id, global_pos), compared
  * and ordered as numbers (xid8, bigint), never as text; reads only events
  * whose tx_id is below the reading rule's bound (the header: the lowest id
@@ -363,7 +374,9 @@ int store_batch_operator(struct store *s, const char *batch_id, char *buf,
  * agents: the commands on any of them, batch targets included (no batch
  * rows); with batch_id: that batch's targets. Every filter given must
  * hold: operator, statuses (any of, as stored: "Succeeded", "Running",
- * ...; a batch's are "Running", "Completed", "Cancelled"), requested in
+ * ...; a batch's are "Running", "Succeeded", "PartialFailure", "Failed",
+ * "Cancelled", and "Completed" picks every ended one but Cancelled),
+ * requested in
  * [since_us, until_us). The page starts after the cursor (cursor_at_us 0:
  * at the newest) and holds at most limit items (0: STORE_LIST_DEFAULT).
  * cb gets each item, borrowed for the call (argv: at most 32 elements of

@@ -237,6 +237,8 @@ int fixture_kscore_as(struct fixture_stack *s, const char *name,
 int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
+/* The last line of out (a batch's --json summary), or out itself. */
+const char *fixture_last_line(const char *out);
 
 /*
  * A kscore process running beside the test (an `events --follow`, a batch

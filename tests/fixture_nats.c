@@ -784,6 +784,16 @@ run_kscore(const struct fixture_stack *s, const char *home,
     return 0;
 }
 
+const char *
+fixture_last_line(const char *out)
+{
+    const char *last = out;
+    for (const char *p = out; *p; p++)
+        if (*p == '\n' && p[1])
+            last = p + 1;
+    return last;
+}
+
 void
 fixture_proc_release(struct fixture_proc *p)
 {

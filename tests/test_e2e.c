@@ -220,9 +220,11 @@ START_TEST(bad_inputs_are_refused_clearly)
     expect_failure((const char *const[]){"exec", "--agent", AGENT, "true",
                                          NULL},
                    2, "missing --");
+    /* A usage error, said before anything is sent (README "Exit codes":
+     * 2; issue 24: it was the broker's refusal, 125). */
     expect_failure((const char *const[]){"exec", "--agent", "bad.id", "--",
                                          "true", NULL},
-                   125, "agent_id");
+                   2, "bad agent id 'bad.id'");
     expect_failure((const char *const[]){"exec", "--nats",
                                          "nats://127.0.0.1:1", "--agent",
                                          AGENT, "--", "true", NULL},

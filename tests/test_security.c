@@ -1565,7 +1565,8 @@ static void
 labels_up(void)
 {
     /* lop: sh (with DBPASS) on env=prod agents only, id on env=dev ones
-     * only, true anywhere. */
+     * only, true anywhere; it may change the labels of env=dev agents
+     * while they stay env=dev. */
     const char *t = getenv("TMPDIR");
     snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
              t && t[0] ? t : "/tmp");
@@ -1577,6 +1578,7 @@ labels_up(void)
                "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
                "{\"agents\": {\"env\": \"dev\"}, \"executables\": "
                "[\"id\"]}, "
+               "{\"agents\": {\"env\": \"dev\"}, \"can\": [\"label\"]}, "
                "{\"agents\": \"*\", "
                "\"executables\": [\"true\"]}]}}\n");
     fclose(f);
@@ -1592,6 +1594,7 @@ labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
     stack_stop(ls.dir, "bb", 10000);
+    stack_stop(ls.dir, "cc", 10000);
     fixture_stack_stop(&ls);
     unlink(ls_policy);
 }
@@ -1840,19 +1843,42 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
-/* Starts agent "bb" of the labels stack from bundle (its state in
- * bb-state) and waits for its heartbeat after since_us. */
+/* bundle without its label attestation (its signature, key id and time)
+ * and with label `from` said as `to`, into out (0600): what an enrolled
+ * agent's host could run to choose its labels. */
 static void
-start_bb(const char *bundle, int64_t since_us)
+strip_attestation(const char *bundle, const char *out_path, const char *from,
+                  const char *to)
 {
-    char state[PATH_MAX + 32];
+    FILE *in = fopen(bundle, "re"), *out = fopen(out_path, "we");
+    char l[16384], was[128], now[128];
+    snprintf(was, sizeof(was), "label = %s\n", from);
+    snprintf(now, sizeof(now), "label = %s\n", to);
+    ck_assert(in && out);
+    while (fgets(l, sizeof(l), in))
+        if (strncmp(l, "labels_signature", 16) != 0 &&
+            strncmp(l, "labels_key_id", 13) != 0 &&
+            strncmp(l, "enrolled_at_us", 14) != 0)
+            fputs(strcmp(l, was) == 0 ? now : l, out);
+    fclose(in);
+    fclose(out);
+    chmod(out_path, 0600);
+}
+
+/* Starts agent "enrolled-<name>" of the labels stack from bundle (daemon
+ * <name>, its state in <name>-state) and waits for its heartbeat after
+ * since_us. */
+static void
+start_enrolled(const char *name, const char *bundle, int64_t since_us)
+{
+    char state[PATH_MAX + 32], id[64];
     pid_t pid;
-    snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+    snprintf(state, sizeof(state), "%s/%s-state", ls.dir, name);
+    snprintf(id, sizeof(id), "enrolled-%.40s", name);
     char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
                     (char *)bundle, "--state-dir", state, NULL};
-    ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since_us,
-                                       30000) == 0);
+    ck_assert_int_eq(stack_daemon(ls.dir, name, argv, &pid), 0);
+    ck_assert(fixture_stack_wait_agent(&ls, id, since_us, 30000) == 0);
 }
 
 /*
@@ -1887,7 +1913,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
     since = ks_now_us();
-    start_bb(bundle, since);
+    start_enrolled("bb", bundle, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
                       strstr(line, "\"labels_signed\":true"),
@@ -1898,25 +1924,10 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 
     /* The same bundle without its attestation, saying env=dev. */
     snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
-    {
-        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
-        char l[16384];
-        ck_assert(in && out);
-        while (fgets(l, sizeof(l), in))
-            if (strncmp(l, "labels_signature", 16) != 0 &&
-                strncmp(l, "labels_key_id", 13) != 0 &&
-                strncmp(l, "enrolled_at_us", 14) != 0)
-                fputs(strcmp(l, "label = env=prod\n") == 0
-                          ? "label = env=dev\n"
-                          : l,
-                      out);
-        fclose(in);
-        fclose(out);
-        chmod(stripped, 0600);
-    }
+    strip_attestation(bundle, stripped, "env=prod", "env=dev");
     from = file_size(blog);
     since = ks_now_us();
-    start_bb(stripped, since);
+    start_enrolled("bb", stripped, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
     ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
                       strstr(line, "\"labels\":{}"),
@@ -1953,6 +1964,137 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
     free(line);
     stack_stop(ls.dir, "bb", 10000);
+}
+END_TEST
+
+static void
+enroll_cc(const char *label, const char *bundle)
+{
+    struct fixture_out o;
+    const char *args[] = {"agent", "enroll", "enrolled-cc", "--label", label,
+                          "--out", bundle, "--nats-url", ls.nats.url, NULL};
+    ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+    ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+}
+
+/*
+ * Issue 24: labels change without a new enrolment, and keep what makes
+ * them worth anything. `kscore agent label` is this broker's signature
+ * (as an enrolment's), recorded with the operator, allowed only by a
+ * "label" rule that matches the agent before and after (lop may retag a
+ * dev agent, not move it to prod: RequestDenied); a fact's key is no
+ * label. The relabelled id is never served with labels of its own
+ * choosing: run from a bundle without its attestation that says
+ * env=prod, it keeps the relabel's (not prod, not none), across a broker
+ * kill -9 (the broker reads them from the record at its start). A newer
+ * enrolment replaces them.
+ */
+START_TEST(a_relabel_is_signed_recorded_and_kept)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], bundle2[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+
+    ls_keys();
+    snprintf(bundle, sizeof(bundle), "%s/cc.bundle", ls.dir);
+    enroll_cc("env=dev", bundle);
+    since = ks_now_us();
+    start_enrolled("cc", bundle, since);
+    line = agent_line("enrolled-cc", "\"env\":\"dev\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"dev\""), "%s", line);
+    free(line);
+
+    /* Allowed: still env=dev after. */
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "role=web",
+                              "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 0 && strstr(o.out, "\"applied\":true"),
+                      "exit %d: %s%s", o.status, o.out, o.err);
+        fixture_out_release(&o);
+    }
+    line = agent_line("enrolled-cc", "\"role\":\"web\"", 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      strstr(line, "\"labels_signed\":true") &&
+                      strstr(line, "\"labels_by\":\"lop\""),
+                  "%s", line);
+    free(line);
+    /* Refused: out of the rule's reach (and recorded so); a fact. */
+    long denied = fixture_sql_long(ls.pg.conninfo,
+                                   "SELECT count(*) FROM events WHERE"
+                                   " stream_id = 'operator-lop' AND type ="
+                                   " 'RequestDenied'");
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "env=prod",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 125 && strstr(o.err, "denied"),
+                      "exit %d: %s", o.status, o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'operator-lop' AND type"
+                                      " = 'RequestDenied'"),
+                     denied + 1);
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "fact.os=x",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_int_eq(o.status, 2);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'agent-enrolled-cc' AND"
+                                      " type = 'AgentLabelsChanged'"),
+                     1);
+
+    /* Its bundle without the attestation, saying env=prod: the relabel
+     * stands, signed. */
+    stack_stop(ls.dir, "cc", 10000);
+    snprintf(stripped, sizeof(stripped), "%s/cc-stripped.bundle", ls.dir);
+    strip_attestation(bundle, stripped, "env=dev", "env=prod");
+    fixture_stack_broker_kill(&ls, SIGKILL);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    since = ks_now_us();
+    start_enrolled("cc", stripped, since);
+    line = agent_line("enrolled-cc", NULL, 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      !strstr(line, "prod") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    /* Nor does a prod batch reach it. */
+    batch_prod(&o);
+    ck_assert_msg(!strstr(o.out, "enrolled-cc") && !strstr(o.err, "enrolled-cc"),
+                  "batch: %d %s%s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+
+    /* A new enrolment (revoke, enroll) is newer than the relabel. */
+    stack_stop(ls.dir, "cc", 10000);
+    {
+        const char *args[] = {"agent", "revoke", "enrolled-cc", "--nats",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "revoke: %s", o.err);
+        fixture_out_release(&o);
+    }
+    snprintf(bundle2, sizeof(bundle2), "%s/cc2.bundle", ls.dir);
+    enroll_cc("env=qa", bundle2);
+    since = ks_now_us();
+    start_enrolled("cc", bundle2, since);
+    line = agent_line("enrolled-cc", "\"env\":\"qa\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"qa\"") && !strstr(line, "role") &&
+                      !strstr(line, "labels_by"),
+                  "%s", line);
+    free(line);
+    stack_stop(ls.dir, "cc", 10000);
 }
 END_TEST
 
@@ -3407,6 +3549,7 @@ security_suite(void)
     tcase_set_timeout(tc, 180);
     add_only(tc, agents_get_only_the_labels_the_broker_signed);
     add_only(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
+    add_only(tc, a_relabel_is_signed_recorded_and_kept);
     suite_add_tcase(s, tc);
     return s;
 }
