@@ -1,7 +1,8 @@
 /*
  * Admission: what this broker holds in flight, and whether a new command
  * can start within its delivery deadline (issue 23: overload is refused,
- * not queued for minutes). README "Overload" is the operator's account.
+ * not queued for minutes). docs/operating.md "Overload" is the operator's
+ * account.
  *
  * Three queues stand between an ExecuteCommand and its start; each one's
  * wait is its length times its measured service time over its servers
