@@ -435,6 +435,20 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                              .ud = &dp};
     struct store_write_result wres;
     rc = store_writer_append(b->writer, &wr, &wres);
+    /* A new stream's append waits for a lock only while a transaction
+     * holds the whole events table (a LOCK, a migration): the database
+     * stalls for every writer, and the request waits for it as for a slow
+     * commit (up to BROKER_LOCKED_WAIT_MS) instead of failing after the
+     * writer's lock_timeout (store.c WRITER_SESSION), which is there so
+     * that one stream's row held elsewhere holds up no other append. */
+    for (int64_t t0 = ks_mono_us();
+         rc == KS_EPGREFUSED && strcmp(wres.sqlstate, "55P03") == 0 &&
+         ks_mono_us() - t0 < (int64_t)BROKER_LOCKED_WAIT_MS * 1000 &&
+         !b->stopping;) {
+        if (dp.rc != 1)
+            wr.between = NULL; /* published already */
+        rc = store_writer_append(b->writer, &wr, &wres);
+    }
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc)
         broker__admit_ended(b, command_id);

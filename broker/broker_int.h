@@ -106,6 +106,10 @@ struct broker__follower {
  * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 8
+/* How long an ExecuteCommand's record waits for a table lock held
+ * elsewhere, tried again after each lock_timeout (broker.c on_execute;
+ * ms). */
+#define BROKER_LOCKED_WAIT_MS 60000
 /* Workers of each "ask again" subject (execute-again, claim.again). */
 #define BROKER_AGAIN_WORKERS 4
 /* Connections of the group writer (store.h): the appends of the workers
