@@ -447,6 +447,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
          !b->stopping;) {
         if (dp.rc != 1)
             wr.between = NULL; /* published already */
+        /* (the writer fails a stream found locked at once for a while) */
+        nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
         rc = store_writer_append(b->writer, &wr, &wres);
     }
     ks_trace("broker.dispatch_recorded", command_id);
