@@ -1843,26 +1843,13 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
-/* bundle without its label attestation (its signature, key id and time)
- * and with label `from` said as `to`, into out (0600): what an enrolled
- * agent's host could run to choose its labels. */
+/* bundle without its label attestation, label `from` said as `to`. */
 static void
 strip_attestation(const char *bundle, const char *out_path, const char *from,
                   const char *to)
 {
-    FILE *in = fopen(bundle, "re"), *out = fopen(out_path, "we");
-    char l[16384], was[128], now[128];
-    snprintf(was, sizeof(was), "label = %s\n", from);
-    snprintf(now, sizeof(now), "label = %s\n", to);
-    ck_assert(in && out);
-    while (fgets(l, sizeof(l), in))
-        if (strncmp(l, "labels_signature", 16) != 0 &&
-            strncmp(l, "labels_key_id", 13) != 0 &&
-            strncmp(l, "enrolled_at_us", 14) != 0)
-            fputs(strcmp(l, was) == 0 ? now : l, out);
-    fclose(in);
-    fclose(out);
-    chmod(out_path, 0600);
+    ck_assert_int_eq(fixture_bundle_strip_labels(bundle, out_path, from, to),
+                     0);
 }
 
 /* Starts agent "enrolled-<name>" of the labels stack from bundle (daemon
