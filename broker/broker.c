@@ -613,7 +613,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (strncmp(who, "agent-", 6) == 0)
             snprintf(ident, sizeof(ident), "%s", who);
     }
-    if (ident[0] && !broker__budget_claim_ok(b, ident)) {
+    if (ident[0] && !broker__budget_ask_ok(b, ident)) {
         r.error_code = KS_EBUSY;
         r.error = "busy: this agent's claims that did not win are past its "
                   "share (1000, then 100 a second): try again later";
@@ -803,7 +803,7 @@ reply:
          r.error_code == KS_EDENIED || r.error_code == KS_EDUPINSTANCE ||
          r.error_code == KS_EINVAL || r.error_code == KS_EDECODE ||
          r.error_code == KS_ETOOBIG))
-        broker__budget_claim_lost(b, ident);
+        broker__budget_ask_failed(b, ident);
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     /* The claim stage's pace, and the start of the slot's hold. */
     broker__admit_claim_done(b, req ? req->command_id : NULL,

@@ -34,7 +34,7 @@
 #define BUDGET_ROWS_PER_S 10.0
 #define BUDGET_BYTES_BURST (64.0 * 1024 * 1024)
 #define BUDGET_BYTES_PER_S (64.0 * 1024)
-/* Claims that did not win (broker_int.h broker__budget_claim_ok): up to
+/* Claims that did not win (broker_int.h broker__budget_ask_ok): up to
  * BUDGET_CLAIMS_BURST at once, then BUDGET_CLAIMS_PER_S. */
 #define BUDGET_CLAIMS_BURST 1000.0
 #define BUDGET_CLAIMS_PER_S 100.0
@@ -158,10 +158,10 @@ log_claims(const char *identity, struct budget_entry *e, int64_t now,
 {
     ks_log(KS_LOG_WARN,
            first ? "an identity is past its share of claims that do not "
-                   "win: its claims are answered busy without the store "
-                   "(one line every 10 s while it lasts)"
-                 : "claims answered busy (past the identity's share of "
-                   "claims that do not win)",
+                   "win and fetches refused: they are answered busy "
+                   "without the store (one line every 10 s while it lasts)"
+                 : "claims and fetches answered busy (past the identity's "
+                   "share of claims that do not win and fetches refused)",
            KS_S("module", "budget"), KS_S("identity", identity),
            KS_I("refused", e->claims_refused),
            KS_D("lost_claims_per_s", BUDGET_CLAIMS_PER_S),
@@ -171,7 +171,7 @@ log_claims(const char *identity, struct budget_entry *e, int64_t now,
 }
 
 bool
-broker__budget_claim_ok(struct broker *b, const char *identity)
+broker__budget_ask_ok(struct broker *b, const char *identity)
 {
     struct broker__budget *bu = b->budget;
     int64_t now = ks_mono_us();
@@ -199,7 +199,7 @@ broker__budget_claim_ok(struct broker *b, const char *identity)
 }
 
 void
-broker__budget_claim_lost(struct broker *b, const char *identity)
+broker__budget_ask_failed(struct broker *b, const char *identity)
 {
     struct broker__budget *bu = b->budget;
     int64_t now = ks_mono_us();
