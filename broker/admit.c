@@ -1,7 +1,8 @@
 /*
  * Admission: what this broker holds in flight, and whether a new command
  * can start within its delivery deadline (issue 23: overload is refused,
- * not queued for minutes). README "Overload" is the operator's account.
+ * not queued for minutes). docs/operating.md "Overload" is the operator's
+ * account.
  *
  * Three queues stand between an ExecuteCommand and its start; each one's
  * wait is its length times its measured service time over its servers
@@ -511,8 +512,12 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 
     /* Refused at once, on this thread, before any work: the worker would
      * only find the same (a malformed request goes on: the worker says
-     * what is wrong with it). */
-    if (peek_execute((const uint8_t *)natsMsg_GetData(msg),
+     * what is wrong with it). Not while the recorder cannot record: the
+     * queues look full with ends not recorded, and the worker's append
+     * names the database's refusal, the cause an operator can act on
+     * (chaos pg-full: "busy" was said instead of disk_full). */
+    if (!atomic_load(&b->rec_stalled) &&
+        peek_execute((const uint8_t *)natsMsg_GetData(msg),
                      (size_t)natsMsg_GetDataLength(msg), &pk) == 0 &&
         !pk.key_may_exist && pk.agent_id[0] &&
         broker__admit_check(b, pk.agent_id, pk.deliver_ms, why,

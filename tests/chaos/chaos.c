@@ -544,6 +544,10 @@ pg_full_refusal(struct chaos_run *r)
     req.agent_id = r->agents[0];
     req.spec = &spec;
     req.detach = 1;
+    /* Its agent's slots are full of the scenario's sleeps: with no
+     * deadline of its own the request would be refused as busy before
+     * the record is asked (admit.c), and this asks the record. */
+    req.deliver_within_ms = 600000;
     if ((rc = evt_connect(r->st.nats.url, &o, &c, NULL))) {
         chaos_fail(r, "cannot connect: %s", ks_strerror(rc));
         return;
@@ -580,8 +584,9 @@ pg_full_refusal(struct chaos_run *r)
 
     /* Detached: one that finds room is not waited for (its end waits for
      * the space). */
-    const char *args[] = {"exec", "--detach", "--agent", r->agents[0], "--",
-                          "sh", "-c", script, NULL};
+    const char *args[] = {"exec", "--detach", "--deliver-within", "10m",
+                          "--agent", r->agents[0], "--", "sh", "-c", script,
+                          NULL};
     struct fixture_out out = {0};
     for (asked = 0; asked < PG_FULL_ASKS; asked++) {
         fixture_out_release(&out);
@@ -719,7 +724,7 @@ sc_agent_disk_full(struct chaos_run *r)
     if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 8)))
         return rc;
     chaos_log(r, "agent restarted (the space is back)");
-    chaos_probe(r, "agent restart", "adf", t0);
+    chaos_serving_again(r, "agent restart", "adf", t0);
     return 0;
 }
 
@@ -797,7 +802,7 @@ sc_agent_sigchld_ignored(struct chaos_run *r)
     t0 = ks_mono_us();
     if ((rc = chaos_agent_spawn_via(r, "agent-0", ids, 1, 8, launcher)))
         return rc;
-    chaos_probe(r, "agent restart", "sig", t0);
+    chaos_serving_again(r, "agent restart", "sig", t0);
     return 0;
 }
 
@@ -936,7 +941,7 @@ sc_host_freeze(struct chaos_run *r)
     int64_t t0 = ks_mono_us();
     chaos_log(r, "host thawed (SIGCONT): %ld Lost",
               chaos_count_status(r, "Lost", "hf"));
-    chaos_probe(r, "host thaw", "hf", t0);
+    chaos_serving_again(r, "host thaw", "hf", t0);
     return 0;
 }
 

@@ -27,7 +27,8 @@
 #define CHAOS_RECOVER_LIMIT_S 10.0
 /* I3 slack for the scanner's period and the commit of the terminal event. */
 #define CHAOS_SLACK_MS 2000
-/* Default grace of a command (README: grace 5 s) when the spec says 0. */
+/* Default grace of a command (docs/operating.md "Limits and defaults":
+ * grace 5 s) when the spec says 0. */
 #define CHAOS_DEFAULT_GRACE_MS 5000
 
 #define CHAOS_MAX_BATCHES 16
@@ -218,6 +219,15 @@ int chaos_batch_submit(struct chaos_run *r, const char *const *agents,
  * seconds since t0_mono as a recovery named what. */
 double chaos_probe(struct chaos_run *r, const char *what, const char *agent,
                    int64_t t0_mono);
+/*
+ * As chaos_probe, for an agent restarted (or thawed) with a backlog of its
+ * own: a fresh exec would be refused as busy at once (admission, exit 75),
+ * truthfully, or queue behind the backlog, which is no fault; serving
+ * again is then the agent's first command started after t0_mono. With no
+ * command waiting, chaos_probe. Seconds, or -1 (not within the window).
+ */
+double chaos_serving_again(struct chaos_run *r, const char *what,
+                           const char *agent, int64_t t0_mono);
 void chaos_add_recovery(struct chaos_run *r, const char *what, double s);
 /* Commands of a status ("Running") on agent (NULL: any), from the
  * projection; -1 on error. */
