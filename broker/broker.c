@@ -617,6 +617,24 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     (void)nc;
     (void)sub;
+    /* An agent's share of claims that do not win (budget.c): past it,
+     * answered busy before anything else is done (the agent asks again
+     * later). The broker's own in-process agents have none. */
+    char ident[16 + EVT_AGENT_ID_MAX] = "";
+    {
+        /* The claimer NATS vouches for, agent-<id> (each id of a pool
+         * its own: as its share of the events stream), without the
+         * registry's lock: this runs for every message of a flood. */
+        const char *who = broker__operator_of(msg);
+        if (strncmp(who, "agent-", 6) == 0)
+            snprintf(ident, sizeof(ident), "%s", who);
+    }
+    if (ident[0] && !broker__budget_ask_ok(b, ident)) {
+        r.error_code = KS_EBUSY;
+        r.error = "busy: this agent's claims that did not win are past its "
+                  "share (1000, then 100 a second): try again later";
+        goto reply;
+    }
     rc = broker__unpack_request(msg, &ks__claim_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
@@ -794,6 +812,14 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
+    /* What the agent made up or lost (not a store that failed, nor a
+     * refusal of the share itself) takes from its share. */
+    if (ident[0] && !r.granted && r.error_code != KS_EBUSY &&
+        (r.error_code == KS_ECLAIMED || r.error_code == KS_ENOTFOUND ||
+         r.error_code == KS_EDENIED || r.error_code == KS_EDUPINSTANCE ||
+         r.error_code == KS_EINVAL || r.error_code == KS_EDECODE ||
+         r.error_code == KS_ETOOBIG))
+        broker__budget_ask_failed(b, ident);
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     /* The claim stage's pace, and the start of the slot's hold. */
     broker__admit_claim_done(b, req ? req->command_id : NULL,
