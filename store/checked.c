@@ -1,10 +1,20 @@
 /*
  * checked.c: store_append_checked(), the append of events that someone
  * other than the broker reports (agents' results), each checked against
- * the record under the row locks of its stream before it is written.
+ * the record before it is written.
  *
- * One event (and a batch with batch events): one transaction, two round
- * trips:
+ * First, one round trip and no read (append_assumed): every command is
+ * taken to be in the state its agent's first report finds when all is well
+ * (Running, claimed by that agent at that attempt); its reports are decided
+ * against that in C and written by the group writer's statement
+ * (store__write_now: one append per command, at the version the statement
+ * reads, only if the commands row is in the assumed state in the same
+ * snapshot), each command with its own verdict: written, every event
+ * recorded before (a redelivery), or not so. A command that was not so
+ * (a late, misaddressed or partly redelivered report, one about no
+ * command) costs nothing written and goes, alone, the locking way:
+ *
+ * One transaction, two round trips (checked_locked):
  *   1. BEGIN; lock the streams rows (in stream_id order, the order every
  *      append takes them, so no deadlock), then read each command's state;
  *      read which event_ids are recorded already.
@@ -14,11 +24,8 @@
  *      with COMMIT in the same pipeline.
  * While the locks are held no other writer can move these commands, so
  * the verdicts are the truth at commit; the unique indexes of migration 3
- * back this up for any path that forgets.
- *
- * A batch (the recorder's): the same verdicts without the locks while
- * deciding, checked at the append by the streams' versions instead
- * (append_batch).
+ * back this up for any path that forgets. Events with batch events among
+ * them go this way from the start.
  */
 #include "store_int.h"
 
@@ -31,7 +38,6 @@
 struct cstate {
     char stream[8 + 37];
     struct store_command_state st;
-    int64_t version; /* the batch path's read: the stream's, 0 if none */
 };
 
 static int
@@ -259,169 +265,165 @@ any_batch_event(const Ks__Event *const *events, size_t n)
     return false;
 }
 
-/* The batch path's read: each command's state and its stream's version,
- * in one plain SELECT (one snapshot: a state and its version belong
- * together). */
+/*
+ * The commands of events[0..n), each once, sorted by stream (the states
+ * array, n entries of caller storage); returns how many, or KS_EINVAL (an
+ * event without a UUID event id, command id or type).
+ */
 static int
-read_states(struct store *s, struct cstate *states, size_t nstates,
-            const char *streams_lit)
+command_states(const Ks__Event *const *events, size_t n, struct cstate *states)
 {
-    const char *p1[1] = {streams_lit};
-    PGresult *res = PQexecParams(
-        s->conn,
-        "SELECT st.stream_id, st.version, c.status, c.agent_id, c.attempt"
-        " FROM streams st LEFT JOIN commands c"
-        "   ON c.command_id = substr(st.stream_id, 9)::uuid"
-        " WHERE st.stream_id = ANY ($1::text[])",
-        1, NULL, p1, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        int rc = store__read_error(s, res);
-        PQclear(res);
-        return rc;
+    size_t nstates = 0, w = 0;
+
+    for (size_t i = 0; i < n; i++) {
+        const char *cid = store__command_id(events[i]);
+        if (!ks_is_uuid(events[i]->event_id) || !events[i]->type ||
+            !events[i]->type[0] || !cid || !ks_is_uuid(cid))
+            return KS_EINVAL;
+        /* The stream is the command's, derived from its id: never taken
+         * from the message. */
+        snprintf(states[nstates].stream, sizeof(states[nstates].stream),
+                 "command-%s", cid);
+        memset(&states[nstates].st, 0, sizeof(states[nstates].st));
+        nstates++;
     }
-    for (int r = 0; r < PQntuples(res); r++) {
-        struct cstate *c = find_state(states, nstates, PQgetvalue(res, r, 0));
-        if (!c)
-            continue;
-        c->version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
-        if (PQgetisnull(res, r, 2))
-            continue;
-        c->st.exists = true;
-        c->st.status = status_of(PQgetvalue(res, r, 2));
-        snprintf(c->st.agent_id, sizeof(c->st.agent_id), "%s",
-                 PQgetvalue(res, r, 3));
-        c->st.attempt = (uint32_t)strtoul(PQgetvalue(res, r, 4), NULL, 10);
-    }
-    PQclear(res);
-    return 0;
+    ks_sort(states, nstates, sizeof(*states), cmp_cstate);
+    for (size_t i = 0; i < nstates; i++)
+        if (w == 0 || strcmp(states[w - 1].stream, states[i].stream))
+            states[w++] = states[i];
+    return (int)w;
+}
+
+/* The index in states of the command of ev. */
+static size_t
+state_of(struct cstate *states, size_t nstates, const Ks__Event *ev)
+{
+    char key[8 + 37];
+    snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
+    struct cstate *c = find_state(states, nstates, key);
+    BUG_ON(!c);
+    return (size_t)(c - states);
 }
 
 /*
- * The batch path (n > 1): no transaction and no row lock while deciding.
- * First without reading (see the assumption below): one round trip. Else
- * round trip 1 reads each command's state and its stream's version in one
- * plain SELECT (one snapshot: a state and its version belong together);
- * round trip 2 appends what the verdicts say through kscore_record_checked()
- * in one implicit transaction, which bumps each command stream only at the
- * version read, under the row lock the bump takes: if one moved meanwhile
- * (KS001, or a second terminal event refused by events_one_terminal), read
- * and decide again. So the verdicts are the truth at commit, as under the
- * locks of the one-event path, without a lock pass over every stream row
- * before the append (and without the stale read a FOR UPDATE join gives
- * when it waits: the joined commands row is not re-read). Recorded event
- * ids are not looked up first either: the insert finds them (KS003, with
- * their ids), they become duplicates and the batch is decided again. Both
- * retries are rare: a concurrent writer on one of the commands, a
- * redelivery. Returns 1 if the events need the locking path after all.
+ * The first way (the top of this file). Returns 0 with verdicts[i] set for
+ * the events of the commands it settled and left[i] set for the others
+ * (not repeats: the caller decides them under the locks), or a store error
+ * (nothing of this call written). *dups_out: the settled events recorded
+ * before or repeated in the call.
  */
 static int
-append_batch(struct store *s, const Ks__Event *const *events, size_t n,
-             store_check_fn check, void *ud, enum store_step *verdicts,
-             struct cstate *states, size_t nstates, const char *streams_lit,
-             const struct store__id_ref *refs, bool *recorded,
-             const bool *repeat, Ks__Event *copies,
-             char (*agent_streams)[8 + 130], char (*reasons)[256],
-             const Ks__Event **out, size_t *dups_out, int64_t t0)
+append_assumed(struct store *s, const Ks__Event *const *events, size_t n,
+               store_check_fn check, void *ud, enum store_step *verdicts,
+               bool *left, size_t *dups_out)
 {
-    const char **vstreams = calloc(nstates, sizeof(*vstreams));
-    int64_t *vexp = calloc(nstates, sizeof(*vexp));
-    struct store__assumed *assumed = calloc(nstates, sizeof(*assumed));
-    bool assume = true;
-    int rc = KS_ECONFLICT;
+    struct kproto_arena *ar = &s->scratch;
+    struct kproto_arena_mark mark = kproto_arena_mark(ar);
+    struct cstate *states = kproto_arena_calloc(ar, n, sizeof(*states));
+    struct store_command_state *assumed =
+        kproto_arena_calloc(ar, n, sizeof(*assumed));
+    bool *bad = kproto_arena_calloc(ar, n, sizeof(*bad));
+    bool *repeat = kproto_arena_calloc(ar, n, sizeof(*repeat));
+    bool *skip = kproto_arena_calloc(ar, n, sizeof(*skip));
+    struct store__id_ref *refs = kproto_arena_calloc(ar, n, sizeof(*refs));
+    Ks__Event *copies = kproto_arena_calloc(ar, n, sizeof(*copies));
+    char (*agent_streams)[8 + 130] =
+        kproto_arena_calloc(ar, n, sizeof(*agent_streams));
+    char (*reasons)[256] = kproto_arena_calloc(ar, n, sizeof(*reasons));
+    const Ks__Event **out = kproto_arena_calloc(ar, n, sizeof(*out));
+    size_t *cnt = kproto_arena_calloc(ar, n + 1, sizeof(*cnt));
+    size_t *req_of = kproto_arena_calloc(ar, n, sizeof(*req_of));
+    struct store_event *se = kproto_arena_calloc(ar, n, sizeof(*se));
+    struct store__wreq *reqs = kproto_arena_calloc(ar, n, sizeof(*reqs));
+    size_t nstates, nout, nreq = 0, dd = 0, dups = 0;
+    int rc;
 
-    if (!vstreams || !vexp || !assumed) {
+    if (!states || !assumed || !bad || !repeat || !skip || !refs ||
+        !copies || !agent_streams || !reasons || !out || !cnt || !req_of ||
+        !se || !reqs) {
         rc = -ENOMEM;
         goto out;
     }
-    for (int attempt = 0; attempt < 8; attempt++) {
-        size_t nout, nv = 0, na = 0, dups = 0;
-        char *detail = NULL;
-
-        for (size_t i = 0; i < nstates; i++) {
-            memset(&states[i].st, 0, sizeof(states[i].st));
-            states[i].version = 0;
-        }
-        if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
-            goto out;
-        /*
-         * First, without reading: assume each command is in the state its
-         * agent's first report in the batch finds when all is well
-         * (Running, claimed by that agent at that attempt), decide against
-         * that, and let kscore_record_checked() check it under the
-         * streams' locks. One round trip instead of two; when a command is
-         * not so (a late or a misaddressed report, a redelivery), read.
-         */
-        for (size_t i = 0; assume && i < n; i++) {
-            const Ks__Event *ev = events[i];
-            struct cstate *c;
-            char key[8 + 37];
-            if (recorded[i] || repeat[i])
-                continue;
-            snprintf(key, sizeof(key), "command-%s", store__command_id(ev));
-            c = find_state(states, nstates, key);
-            if (!c || !ev->agent_id || !ev->agent_id[0] ||
-                strlen(ev->agent_id) >= sizeof(c->st.agent_id)) {
-                assume = false;
-                break;
-            }
-            if (c->st.exists)
-                continue; /* assumed at its command's first report */
-            c->st.exists = true;
-            c->st.status = KS__COMMAND_STATUS__RUNNING;
-            snprintf(c->st.agent_id, sizeof(c->st.agent_id), "%s",
-                     ev->agent_id);
-            c->st.attempt = ev->attempt;
-            assumed[na].command_id = c->stream + 8;
-            assumed[na].status = kproto_status_name(c->st.status);
-            assumed[na].agent_id = c->st.agent_id;
-            assumed[na].attempt = c->st.attempt;
-            na++;
-        }
-        if (!assume) {
-            na = 0;
-            for (size_t i = 0; i < nstates; i++)
-                memset(&states[i].st, 0, sizeof(states[i].st));
-        }
-        if (!assume && (rc = read_states(s, states, nstates, streams_lit)))
-            goto out;
-
-        nout = decide(events, n, check, ud, states, nstates, recorded, repeat,
-                      copies, agent_streams, reasons, verdicts, out, &dups);
-        /* Every command stream read is bumped at its version; one that
-         * was absent gets none (as under the locks: no row to hold). */
-        for (size_t i = 0; i < nstates; i++)
-            if (states[i].version > 0) {
-                vstreams[nv] = states[i].stream;
-                vexp[nv++] = states[i].version;
-            }
-        if (nout == 0 && na == 0) {
-            *dups_out = dups;
-            rc = 0;
-            goto out;
-        }
-        if (nout == 0) {
-            assume = false; /* nothing to check it with: read */
+    if ((rc = command_states(events, n, states)) < 0)
+        goto out;
+    nstates = (size_t)rc;
+    rc = 0;
+    store__mark_repeats(events, n, refs, repeat);
+    /* Each command as its agent's first report here finds it when all is
+     * well; a command that cannot be assumed so is decided under the
+     * locks. */
+    for (size_t i = 0; i < n; i++) {
+        const Ks__Event *ev = events[i];
+        size_t k;
+        if (repeat[i])
+            continue;
+        k = state_of(states, nstates, ev);
+        if (states[k].st.exists || bad[k])
+            continue;
+        if (!ev->agent_id || !ev->agent_id[0] ||
+            strlen(ev->agent_id) >= sizeof(states[k].st.agent_id)) {
+            bad[k] = true;
             continue;
         }
-        rc = store__record_checked(s, out, nout, vstreams, vexp, nv, assumed,
-                                   na, &detail);
-        assume = false; /* after a conflict: read */
-        if (rc == 0) {
-            store__note_recorded(out, nout, NULL, t0);
-            *dups_out = dups;
-        } else if (rc == KS_EDUPLICATE) {
-            size_t m =
-                detail ? store__mark_recorded(refs, n, detail, recorded) : 0;
-            rc = m ? KS_ECONFLICT : KS_EPG; /* none of ours: give up */
-        }
-        free(detail);
-        if (rc != KS_ECONFLICT)
-            goto out;
+        states[k].st.exists = true;
+        states[k].st.status = KS__COMMAND_STATUS__RUNNING;
+        snprintf(states[k].st.agent_id, sizeof(states[k].st.agent_id), "%s",
+                 ev->agent_id);
+        states[k].st.attempt = ev->attempt;
+        assumed[k] = states[k].st; /* decide() moves states[k].st on */
     }
+    for (size_t i = 0; i < n; i++) {
+        left[i] = !repeat[i] && bad[state_of(states, nstates, events[i])];
+        skip[i] = repeat[i] || left[i];
+    }
+    nout = decide(events, n, check, ud, states, nstates, skip, repeat, copies,
+                  agent_streams, reasons, verdicts, out, &dd);
+    /* One append per command: its events in input order (every copy is on
+     * its command's stream: the command exists, as assumed). */
+    for (size_t o = 0; o < nout; o++)
+        cnt[state_of(states, nstates, out[o]) + 1]++;
+    for (size_t k = 0; k < nstates; k++)
+        cnt[k + 1] += cnt[k]; /* cnt[k]: where command k's events start */
+    for (size_t o = 0; o < nout; o++) {
+        size_t k = state_of(states, nstates, out[o]);
+        if (req_of[k] == 0) {
+            struct store__wreq *r = &reqs[nreq++];
+            r->wr.stream_id = states[k].stream;
+            r->wr.expected_version = STORE_ANY; /* at_read instead */
+            r->wr.events = &se[cnt[k]];
+            r->at_read = true;
+            r->assumed = &assumed[k];
+            req_of[k] = nreq; /* 1-based */
+        }
+        se[cnt[k] + reqs[req_of[k] - 1].wr.n++].event = out[o];
+    }
+    if (nreq && (rc = store__write_now(s, reqs, nreq)) < 0)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        struct store__wreq *r;
+        size_t k;
+        if (skip[i]) {
+            dups += repeat[i];
+            continue;
+        }
+        k = state_of(states, nstates, events[i]);
+        r = req_of[k] ? &reqs[req_of[k] - 1] : NULL;
+        if (!r || r->rc == 0) {
+            /* Written as decided (or nothing of it to write: dropped). */
+            continue;
+        }
+        if (r->rc == KS_EDUPLICATE && verdicts[i] != STORE_STEP_DROPPED) {
+            verdicts[i] = STORE_STEP_DUPLICATE;
+            dups++;
+            continue;
+        }
+        /* Not as assumed (or partly recorded): the command's reports are
+         * decided again, under the locks, against what it is. */
+        left[i] = true;
+    }
+    *dups_out = dups;
 out:
-    free(vstreams);
-    free(vexp);
-    free(assumed);
+    kproto_arena_release(ar, mark);
     return rc;
 }
 
@@ -470,10 +472,11 @@ store_append_checked_at(struct store *s, const Ks__Event *ev,
     return store_append(s, stream, version, &se, 1, NULL);
 }
 
-int
-store_append_checked(struct store *s, const Ks__Event *const *events,
-                     size_t n, store_check_fn check, void *ud,
-                     enum store_step *verdicts, size_t *dup_out)
+/* The locking way (the top of this file). */
+static int
+checked_locked(struct store *s, const Ks__Event *const *events, size_t n,
+               store_check_fn check, void *ud, enum store_step *verdicts,
+               size_t *dup_out)
 {
     struct cstate *states = NULL;
     const char **streams = NULL, **ids = NULL;
@@ -508,31 +511,15 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         rc = -ENOMEM;
         goto out;
     }
-    for (size_t i = 0; i < n; i++) {
-        const char *cid = store__command_id(events[i]);
-        if (!ks_is_uuid(events[i]->event_id) || !events[i]->type ||
-            !events[i]->type[0] || !cid || !ks_is_uuid(cid)) {
-            rc = KS_EINVAL;
-            goto out;
-        }
+    if ((rc = command_states(events, n, states)) < 0)
+        goto out;
+    nstates = (size_t)rc;
+    rc = 0;
+    for (size_t i = 0; i < n; i++)
         ids[i] = events[i]->event_id;
-        /* The stream is the command's, derived from its id: never taken
-         * from the message. */
-        snprintf(states[nstates].stream, sizeof(states[nstates].stream),
-                 "command-%s", cid);
-        nstates++;
-    }
     /* Repeats within the call, in O(n log n); refs stays sorted by id for
      * matching the recorded ids below. */
     store__mark_repeats(events, n, refs, repeat);
-    ks_sort(states, nstates, sizeof(*states), cmp_cstate);
-    {
-        size_t w = 0;
-        for (size_t i = 0; i < nstates; i++)
-            if (w == 0 || strcmp(states[w - 1].stream, states[i].stream))
-                states[w++] = states[i];
-        nstates = w;
-    }
     for (size_t i = 0; i < nstates; i++)
         streams[i] = states[i].stream;
     if (!(streams_lit = array_literal(ar, streams, nstates)) ||
@@ -540,18 +527,6 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         rc = -ENOMEM;
         goto out;
     }
-    if (n > 1 && !any_batch_event(events, n)) {
-        rc = append_batch(s, events, n, check, ud, verdicts, states, nstates,
-                          streams_lit, refs, recorded, repeat, copies,
-                          agent_streams, reasons, out, &dups, t0);
-        if (rc == 0)
-            goto done;
-        if (rc != 1)
-            goto out;
-        memset(recorded, 0, n * sizeof(*recorded));
-        rc = 0;
-    }
-
     /* Round trip 1: BEGIN, lock and read the states, the recorded ids. */
     if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
         goto out;
@@ -620,6 +595,54 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
         store__note_recorded(out, nout, NULL, t0);
 done:
     if (rc == 0 && dup_out)
+        *dup_out = dups;
+out:
+    kproto_arena_release(ar, mark);
+    return rc;
+}
+
+int
+store_append_checked(struct store *s, const Ks__Event *const *events,
+                     size_t n, store_check_fn check, void *ud,
+                     enum store_step *verdicts, size_t *dup_out)
+{
+    size_t dups = 0, nleft = 0, ldups = 0;
+    int rc;
+
+    BUG_ON(!s || (n && (!events || !verdicts)));
+    if (n == 0) {
+        if (dup_out)
+            *dup_out = 0;
+        return 0;
+    }
+    if (any_batch_event(events, n))
+        return checked_locked(s, events, n, check, ud, verdicts, dup_out);
+    struct kproto_arena *ar = &s->scratch;
+    struct kproto_arena_mark mark = kproto_arena_mark(ar);
+    bool *left = kproto_arena_calloc(ar, n, sizeof(*left));
+    const Ks__Event **sub = kproto_arena_calloc(ar, n, sizeof(*sub));
+    enum store_step *subv = kproto_arena_calloc(ar, n, sizeof(*subv));
+    if (!left || !sub || !subv) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if ((rc = append_assumed(s, events, n, check, ud, verdicts, left,
+                             &dups)) < 0)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        if (left[i])
+            sub[nleft++] = events[i];
+    if (nleft) {
+        /* What the first way wrote stays written: a failure here leaves
+         * those events recorded, and a retry of the call finds them so. */
+        if ((rc = checked_locked(s, sub, nleft, check, ud, subv, &ldups)) < 0)
+            goto out;
+        for (size_t i = 0, j = 0; i < n; i++)
+            if (left[i])
+                verdicts[i] = subv[j++];
+        dups += ldups;
+    }
+    if (dup_out)
         *dup_out = dups;
 out:
     kproto_arena_release(ar, mark);

@@ -423,20 +423,27 @@ typedef int (*store_check_fn)(const struct store_command_state *st,
 
 /*
  * Appends events that others report about existing commands (agents'
- * results), each decided against the record: in one transaction it locks
- * the streams of the commands (command-<id>, derived from each event's
- * command id; the event's own stream_id is ignored), reads their states,
- * runs check (may be NULL) and store_command_step() per event in input
- * order, and appends each event as it is (APPLY), as a LateResult (LATE)
- * or as a ReportRejected (ILLEGAL), with an event about a command that
- * does not exist kept on the stream agent-<agent_id> instead (so a forged
- * id never creates a command stream),
- * with the reason in Event.reason. Events recorded before are skipped
- * (DUPLICATE). verdicts[i] (n entries, caller storage) says what became of
- * events[i]. Two round trips.
+ * results), each decided against the record of its command (command-<id>,
+ * derived from each event's command id; the event's own stream_id is
+ * ignored): check (may be NULL) and store_command_step() per event in
+ * input order, and each event appended as it is (APPLY), as a LateResult
+ * (LATE) or as a ReportRejected (ILLEGAL), with an event about a command
+ * that does not exist kept on the stream agent-<agent_id> instead (so a
+ * forged id never creates a command stream), with the reason in
+ * Event.reason. Events recorded before are skipped (DUPLICATE).
+ * verdicts[i] (n entries, caller storage) says what became of events[i].
+ * First in one round trip: each command taken to be Running, claimed by
+ * the agent of its first report here at that attempt, and its events
+ * written only if its commands row is so (store/checked.c); the commands
+ * that were not (and every call with batch events) are decided in a
+ * transaction that locks their streams and reads their states (two round
+ * trips). check may so be called twice for an event, with the state
+ * assumed and then with the one read.
  * Returns 0 (all decided and written), KS_EINVAL (an event lacks a UUID
  * event_id or command id, or a type; nothing written) or a store error
- * (KS_EPG ...; nothing written, verdicts undefined: retry the call).
+ * (KS_EPG ...; verdicts undefined, and the events of the commands decided
+ * in the first round trip may be written: retry the call, which finds
+ * them DUPLICATE).
  */
 int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,

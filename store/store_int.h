@@ -67,6 +67,8 @@ int store__arr_put_null(struct store__buf *b);
 int store__arr_put_i32(struct store__buf *b, int32_t v);
 int store__arr_put_i64(struct store__buf *b, int64_t v);
 
+struct store__wconn; /* store/writer.c */
+
 /* Parameters of one statement. Values are borrowed until it is sent. */
 #define STORE__MAX_PARAMS 48
 struct store__params {
@@ -116,6 +118,8 @@ struct store {
      * kproto_arena_mark, given back by its release; reused, so a warm
      * connection's appends allocate nothing for them. */
     struct kproto_arena scratch;
+    /* store__write_now's arrays (store/writer.c), made at its first use. */
+    struct store__wconn *direct;
 };
 
 /*
@@ -201,30 +205,6 @@ int store__pack_result(struct store__buf *b, const Ks__CommandResult *r);
 int store__fold_batch(struct store *s, const Ks__Event *const *events,
                       size_t n, const bool *skip, size_t *sent_out);
 
-/* A command's state assumed, not read (store__record_checked). */
-struct store__assumed {
-    const char *command_id, *status, *agent_id;
-    uint32_t attempt;
-};
-
-/*
- * store_append_checked()'s batch: appends events[0..n) (all new, no
- * repeats, no batch events) with their projections in one implicit
- * transaction through kscore_record_checked(), bumping each stream in
- * vstreams[0..nv) only at vexpected[i] (streams not listed: at any
- * version), and only if each command in assumed[0..na) is in that state
- * once its stream is held. Returns 0; KS_ECONFLICT when a listed stream
- * moved or an assumed state is not the command's (read and decide again);
- * KS_EDUPLICATE when some events are recorded already, *detail_out
- * (malloc'd, may stay NULL) listing their ids; 1 when the events need the
- * per-event path (batch events); or another code.
- */
-int store__record_checked(struct store *s, const Ks__Event *const *events,
-                          size_t n, const char *const *vstreams,
-                          const int64_t *vexpected, size_t nv,
-                          const struct store__assumed *assumed, size_t na,
-                          char **detail_out);
-
 /*
  * Adds one kscore_project(...) call for ev to the open pipeline (replay:
  * apply whatever its tx_id). Returns 1 if a call was queued, 0 if the
@@ -294,6 +274,39 @@ int store__checked_at_decide(const Ks__Event *ev,
                              const struct store_command_state *known,
                              int64_t version, store_check_fn check, void *ud,
                              Ks__Event *copy, char stream[8 + 37]);
+
+/*
+ * One append of store__write_now: a store_write, and what only the store's
+ * own callers ask for.
+ */
+struct store__wreq {
+    struct store_write wr; /* between is not called */
+    /* At the version the statement reads (0 if the stream has none),
+     * instead of wr.expected_version, and with assumed (may be NULL, else
+     * on a command-<uuid> stream): only if the commands row is in that
+     * state (status, agent, attempt) in the same snapshot. */
+    bool at_read;
+    const struct store_command_state *assumed;
+    int rc;                        /* out: its code */
+    struct store_write_result res; /* out */
+};
+
+/*
+ * The group writer's statement (store__sql_write) on s itself, for the
+ * store's own callers: reqs[0..n) (n >= 1; validated by the caller, no batch events, at most one append per stream
+ * and per command, or later ones go in later statements of the same
+ * transaction) in one transaction, one round trip, each with its own code
+ * in reqs[i].rc: 0, KS_EDUPLICATE (all its events recorded before),
+ * KS_ECONFLICT (its stream moved, some of its events are recorded, or the
+ * command is not in the state assumed: nothing of it written). Returns 0
+ * when every append has its code, or the transaction's failure (nothing
+ * written: every rc is it): a sick database's code, or KS_EPG when it
+ * failed three times. The connection becomes a writer's
+ * (store__writer_session) at the first call.
+ */
+int store__write_now(struct store *s, struct store__wreq *reqs, size_t n);
+/* Frees what store__write_now made for a store (store_close). */
+void store__direct_free(struct store__wconn *c);
 
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);
