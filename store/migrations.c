@@ -921,6 +921,97 @@ static const char migration_10[] =
     "  completed_at timestamptz NOT NULL DEFAULT now()\n"
     ");\n";
 
+/*
+ * Migration 11: updates of commands rows become HOT (heap-only tuples: the
+ * new row version on the same page, no new index entry). An update is HOT
+ * only when no indexed column changes, and commands_open indexed the status
+ * (its key and its predicate), so every step of a command (claim, end)
+ * wrote a new row version elsewhere plus an entry in every index of
+ * commands, and bottom-up deletion passes to clear them: the largest part
+ * of what PostgreSQL did per recorded result (perf/BASELINE.md, issue 23).
+ * The open commands move to a narrow table of their own, open_commands
+ * (the deadline scanner's view: command, status, delivery deadline),
+ * written in the same statements as the commands rows: a row while the
+ * command is Pending, Dispatched or Running, deleted when it ends. commands,
+ * batch_targets and batches keep half of each page free for the new row
+ * versions (fillfactor 50, as streams since migration 8). Every projection
+ * writer learns open_commands (the fold's statements through the hooks
+ * above, kscore_project), and the fold's joins on commands name its key
+ * (FOLD_IDX), so a plan never hashes the whole table. All brokers of a
+ * deployment must run a kscore that knows open_commands: an older one's
+ * writes would not keep it.
+ */
+#define FOLD_OPEN_LIST "'{Pending,Dispatched,Running}'::text[]"
+#undef FOLD_IDX
+#define FOLD_IDX " AND c.command_id = ANY (c_id)"
+#undef FOLD_S_PREV
+#define FOLD_S_PREV ", c.deliver_by AS prev_deliver"
+#undef FOLD_U_RET
+#define FOLD_U_RET ", c.deliver_by, s.prev_deliver"
+#undef FOLD_OPEN_MOVE
+#define FOLD_OPEN_MOVE \
+    "    ), uo AS (\n" \
+    "      INSERT INTO open_commands AS o (command_id, status, deliver_by)\n" \
+    "      SELECT u.command_id, u.status, u.deliver_by FROM u\n" \
+    "      WHERE u.status = ANY (" FOLD_OPEN_LIST ")\n" \
+    "        AND (u.status <> u.prev\n" \
+    "             OR u.deliver_by IS DISTINCT FROM u.prev_deliver)\n" \
+    "      ON CONFLICT (command_id) DO UPDATE\n" \
+    "        SET status = excluded.status, deliver_by = excluded.deliver_by\n" \
+    "    ), ud AS (\n" \
+    "      DELETE FROM open_commands o WHERE o.command_id = ANY (ARRAY(\n" \
+    "        SELECT u.command_id FROM u\n" \
+    "        WHERE NOT (u.status = ANY (" FOLD_OPEN_LIST "))\n" \
+    "          AND u.prev = ANY (" FOLD_OPEN_LIST ")))\n"
+#undef FOLD_OPEN_INSERT
+#define FOLD_OPEN_INSERT \
+    "    ), io AS (\n" \
+    "      INSERT INTO open_commands AS o (command_id, status, deliver_by)\n" \
+    "      SELECT r.cid, r.status, r.deliver_by FROM r\n" \
+    "      WHERE r.status = ANY (" FOLD_OPEN_LIST ")\n" \
+    "      ON CONFLICT (command_id) DO NOTHING\n"
+#undef PROJ_DECL
+#define PROJ_DECL "  ns text; nd timestamptz;\n"
+#undef PROJ_OPEN_REQUESTED
+#define PROJ_OPEN_REQUESTED \
+    "    INSERT INTO open_commands AS o VALUES\n" \
+    "      (p_command_id, 'Pending', kscore_ts(p_deliver_by))\n" \
+    "      ON CONFLICT (command_id) DO UPDATE\n" \
+    "        SET status = excluded.status, deliver_by = excluded.deliver_by;\n"
+#undef PROJ_RET
+#define PROJ_RET "\n  RETURNING status, deliver_by INTO ns, nd"
+#undef PROJ_OPEN_SYNC
+#define PROJ_OPEN_SYNC \
+    "  IF ns = ANY (" FOLD_OPEN_LIST ") THEN\n" \
+    "    IF p_status IS NOT NULL THEN\n" \
+    "      INSERT INTO open_commands AS o VALUES (p_command_id, ns, nd)\n" \
+    "        ON CONFLICT (command_id) DO UPDATE\n" \
+    "          SET status = excluded.status, deliver_by = excluded.deliver_by\n" \
+    "          WHERE (o.status, o.deliver_by)\n" \
+    "            IS DISTINCT FROM (excluded.status, excluded.deliver_by);\n" \
+    "    END IF;\n" \
+    "  ELSIF prev = ANY (" FOLD_OPEN_LIST ") THEN\n" \
+    "    DELETE FROM open_commands WHERE command_id = p_command_id;\n" \
+    "  END IF;\n"
+static const char migration_11[] =
+    "CREATE TABLE open_commands (\n"
+    "  command_id uuid PRIMARY KEY,\n"
+    "  status     text NOT NULL,\n"
+    "  deliver_by timestamptz\n"
+    ");\n"
+    /* The deadline scanner: open commands of a status by deadline. */
+    "CREATE INDEX open_commands_due ON open_commands (status, deliver_by);\n"
+    "INSERT INTO open_commands\n"
+    "  SELECT command_id, status, deliver_by FROM commands\n"
+    "  WHERE status = ANY (" FOLD_OPEN_LIST ");\n"
+    "DROP INDEX commands_open;\n"
+    "ALTER TABLE commands SET (fillfactor = 50);\n"
+    "ALTER TABLE batch_targets SET (fillfactor = 50);\n"
+    "ALTER TABLE batches SET (fillfactor = 50);\n"
+    SQL_RECORD_MANY("CREATE OR REPLACE")
+    SQL_RECORD_CHECKED_AS("CREATE OR REPLACE")
+    SQL_PROJECT("CREATE OR REPLACE") ";\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -933,6 +1024,8 @@ const struct store__migration store__migrations[] = {
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
     {10, "files for kscore copy, in parts", migration_10},
+    {11, "open commands in a table of their own: HOT updates of commands",
+     migration_11},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

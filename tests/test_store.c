@@ -809,6 +809,8 @@ static const char *digest_sql[] = {
     " FROM batches t",
     "SELECT coalesce(md5(string_agg(t::text, ',' ORDER BY command_id)), '')"
     " FROM batch_targets t",
+    "SELECT coalesce(md5(string_agg(t::text, ',' ORDER BY command_id)), '')"
+    " FROM open_commands t",
 };
 #define N_DIGESTS (sizeof(digest_sql) / sizeof(digest_sql[0]))
 
@@ -874,6 +876,7 @@ START_TEST(test_replay_equality)
     }
     /* Damage the projections; a replay restores them. */
     PQclear(PQexec(store_pgconn(s), "UPDATE commands SET status = 'Bogus';"
+                                    "DELETE FROM open_commands;"
                                     "DELETE FROM batch_targets;"
                                     "UPDATE batches SET total = 0"));
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
@@ -886,10 +889,11 @@ START_TEST(test_replay_equality)
     ck_assert_int_eq(
         sql_ll(s,
                "SELECT count(*) FROM pg_indexes WHERE indexname IN"
-               " ('commands_pkey', 'commands_open', 'commands_batch',"
-               " 'commands_operator_idempotency_key', 'batch_targets_batch')%s",
+               " ('commands_pkey', 'open_commands_due', 'open_commands_pkey',"
+               " 'commands_batch', 'commands_operator_idempotency_key',"
+               " 'batch_targets_batch')%s",
                ""),
-        5);
+        6);
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
     /* Connections that prepared before the swap still append. */
     run_command(other, cid, NULL, NULL, 0);
@@ -1508,6 +1512,12 @@ START_TEST(test_append_checked_mixed_batch)
     ck_assert_int_eq(count_type(s, e[4].stream, "ReportRejected"), 1);
     ck_assert_int_eq(count_type(s, e[6].stream, "LateResult"), 1);
     ck_assert_int_eq(count_type(s, e[8].stream, "LateResult"), 1);
+    for (int i = 0; i < 5; i++)
+        ck_assert_int_eq(sql_ll(s,
+                                "SELECT count(*) FROM open_commands WHERE"
+                                " command_id = '%s'",
+                                cids[i]),
+                         0);
     assert_replay_equal(s);
     store_close(s);
 }
@@ -1634,8 +1644,9 @@ START_TEST(test_claim_waits_for_record)
             snprintf(sql, sizeof(sql),
                      "DELETE FROM events WHERE stream_id = '%s';"
                      " DELETE FROM streams WHERE stream_id = '%s';"
-                     " DELETE FROM commands WHERE command_id = '%s'",
-                     stream, stream, cid);
+                     " DELETE FROM commands WHERE command_id = '%s';"
+                     " DELETE FROM open_commands WHERE command_id = '%s'",
+                     stream, stream, cid, cid);
             res = PQexec(ca, sql);
             ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
                           PQresultErrorMessage(res));
