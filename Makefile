@@ -51,7 +51,7 @@ fleet-demo: build
 	@KSCORE=$(CURDIR)/$(KSCORE) ./deploy/fleet-demo.sh
 
 # The fault-injection suite (tests/chaos/README.md): every scenario at full
-# size, or CHAOS_SCALE=short (about 5-7 minutes, for CI, the three cluster
+# size, or CHAOS_SCALE=short (about 6-8 minutes, for CI, the three cluster
 # scenarios about 1.5 of them); SCENARIO=a,b runs
 # only those, SEED=N replays the random choices of an earlier run. Not part
 # of `make test`. Exits non-zero when an invariant broke.

@@ -379,6 +379,19 @@ void exec_process_init(void);
 extern const char *const agent_features[];
 #define AGENT_N_FEATURES 4
 
+/*
+ * The name a label (prefix "KSCORE_LABEL_") or a fact ("KSCORE_FACT_")
+ * has in a command's environment: prefix, then key with each ASCII letter
+ * upper-cased, each digit kept and every other byte '_'
+ * ("app.kubernetes.io/name" -> KSCORE_LABEL_APP_KUBERNETES_IO_NAME),
+ * into out (len bytes, cut to fit; AGENT_INVENTORY_NAME_MAX is enough for
+ * any key the CLI takes). Two keys that map to one name: the one that
+ * sorts first gives the value (README "Scripts, stdin and files").
+ */
+#define AGENT_INVENTORY_NAME_MAX 160
+void agent_inventory_name(const char *prefix, const char *key, char *out,
+                          size_t len);
+
 /* Default commands running at once per agent process: CPUs x 4. */
 unsigned agent_default_max_concurrent(void);
 

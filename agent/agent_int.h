@@ -116,8 +116,19 @@ struct job_ctx {
     long spawn_at;
 };
 
+/* facts.c: what the agent says of its host (AgentInfo.facts), read once
+ * at its start; p[0..n) point into v, whose strings are the fields. */
+#define AGENT_N_FACTS 5
+struct agent_facts {
+    char os[64], kernel[65], arch[65], cpus[24], mem_mb[24];
+    Ks__EnvVar v[AGENT_N_FACTS];
+    Ks__EnvVar *p[AGENT_N_FACTS];
+    size_t n;
+};
+
 struct agent {
     struct agent_opts opts;
+    struct agent_facts facts;
     char *state_dir;
     char host[64];
     unsigned max_concurrent;
@@ -159,7 +170,7 @@ struct agent {
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
     struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
     pthread_cond_t ready_cond;
-    unsigned callbacks; /* on_command calls in progress */
+    unsigned callbacks; /* on_command calls and fetch threads running */
     pthread_cond_t cb_cond;
     struct ks_map seen; /* claimed command ids (replay guard) */
     /* command_id -> struct agent_claim * (runtime.c "claims"), and the
@@ -277,6 +288,20 @@ int agent__secrets_open(struct agent *a, const char *agent_id,
 void agent__secrets_free(struct agent_secrets *s);
 
 /*
+ * facts.c. agent__facts_read: the host's facts into f (one it cannot read
+ * is left out); at start. agent__inventory_env: cmd's labels
+ * (Command.labels) as KSCORE_LABEL_<KEY> and a's facts as
+ * KSCORE_FACT_<KEY> (agent_inventory_name) into env[*env_len] onwards
+ * (room for cmd->n_labels + a->facts.n more), advancing *env_len; a name
+ * already added is not added again (the first key in order stands). The
+ * names live in *names_out (free it after the spawn). 0 or -ENOMEM.
+ */
+void agent__facts_read(struct agent_facts *f);
+int agent__inventory_env(const struct agent *a, const Ks__Command *cmd,
+                         struct exec_env *env, size_t *env_len,
+                         char **names_out);
+
+/*
  * payload.c: a command's script, stdin and user (CommandSpec.script,
  * .input, .run_as), made ready for the executor before the claim.
  *
@@ -307,12 +332,16 @@ void agent__payload_free(struct agent_payload *p);
 /*
  * After the claim: a copy's files, fetched from the broker into the
  * command's private directory and checked against their SHA-256 (copy.c).
- * 0 (also for any other command), or -ECANCELED (cancelled, the agent
- * stops), -EBADMSG (a checksum), a NATS or broker error, with why. Blocks
- * the calling (starter or delivery) thread for the fetch.
+ * 0 (also for any other command), or -ECANCELED (the command was
+ * cancelled, or the agent stops), -EBADMSG (a checksum), a NATS or
+ * broker error after the retries, with why. Blocks the calling
+ * thread for the download: runtime.c runs it on a thread of its own
+ * (agent__payload_fetches says when there is one).
  */
 int agent__payload_fetch(struct agent *a, struct job_ctx *j,
                          const Ks__Command *cmd, char *why, size_t len);
+/* true when p has files to fetch after the claim (a copy). */
+bool agent__payload_fetches(const struct agent_payload *p);
 
 /*
  * copy.c: kscore copy's fetch and writer (the writer is this binary

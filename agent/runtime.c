@@ -833,8 +833,11 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
         r.cancelled = 1;
         r.start_stage = (char *)"";
         r.start_errno = 0;
-        snprintf(reason, sizeof(reason),
-                 "cancelled before it was spawned: it never ran");
+        /* (a copy's fetch says where it was) */
+        snprintf(reason, sizeof(reason), "%s",
+                 j->end_reason ? j->end_reason
+                               : "cancelled before it was spawned: it never "
+                                 "ran");
     } else if (stopped) {
         /* Nobody cancelled it: the agent was stopped (SIGTERM) and its
          * drain timeout passed, or it stopped without one. The kill
@@ -946,35 +949,42 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.operator_ = cmd->operator_;
     req.instance_id = a->instance_id;
     req.listed_from_seq = listed_from;
+    /* The first ask goes to the brokers' queue group, which may hand it to
+     * a stopped broker (nats-server keeps one in the group while it has
+     * messages to hand it); every ask again goes to all of them
+     * (EVT_API_CLAIM_AGAIN), and the first answer counts: the claim fence
+     * lets one append of the claim win, and a repeat of it is granted as
+     * ours. */
     int pause_ms = CLAIM_PAUSE_MIN_MS;
     ks_trace("agent.claim_sent", cmd->command_id);
     /* In a pool the claim still names agent-<id> (its subject: the
      * broker's check, and the pool's NATS permissions list each of its
      * ids), but the reply comes to the pool's own inbox, the one inbox
      * its credential may read. */
-    char pool_subject[sizeof(EVT_API_CLAIM) + 16 + EVT_AGENT_ID_MAX];
+    char pool_subject[sizeof(EVT_API_CLAIM_AGAIN) + 16 + EVT_AGENT_ID_MAX];
     uint8_t *pool_req = NULL;
     size_t pool_req_len = 0;
-    if (a->opts.pool) {
-        snprintf(pool_subject, sizeof(pool_subject), "%s.%s", EVT_API_CLAIM,
-                 claimer);
-        if ((rc = kproto_pack(&req.base, &pool_req, &pool_req_len)))
-            return rc;
-    }
-    for (;;) {
+    if (a->opts.pool && (rc = kproto_pack(&req.base, &pool_req,
+                                          &pool_req_len)))
+        return rc;
+    for (bool again = false;; again = true) {
         if (atomic_load(&a->closing)) {
             rc = KS_ESTOPPED;
             break;
         }
         int64_t t0 = ks_mono_us();
-        if (pool_req)
+        const char *api = again ? EVT_API_CLAIM_AGAIN : EVT_API_CLAIM;
+        if (pool_req) {
+            snprintf(pool_subject, sizeof(pool_subject), "%s.%s", api,
+                     claimer);
             rc = evt_request_bytes_as(a->nc, a->pool_identity, pool_subject,
                                       NULL,
                                       pool_req, pool_req_len,
                                       CLAIM_TIMEOUT_MS, &m);
-        else
-            rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+        } else {
+            rc = evt_request_as(a->nc, claimer, api, &req.base,
                                 CLAIM_TIMEOUT_MS, &m);
+        }
         if (rc == 0) {
             ProtobufCMessage *pm = NULL;
             ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);
@@ -1135,9 +1145,144 @@ contact_regained(struct agent *a)
 }
 
 /*
+ * After the claim: a copy's files (payload.c), then the spawn. A fetch
+ * that fails ends the command StartFailed (stage fetch) with the reason;
+ * one given up for a cancel ends it Cancelled, for the agent's stop
+ * NotStarted (job_done). spec is what start_job made; cmd stays the
+ * caller's. Starter, delivery or fetch thread.
+ */
+static void
+spawn_claimed(struct job_ctx *j, const Ks__Command *cmd,
+              const struct exec_spec *spec)
+{
+    struct agent *a = j->agent;
+    char why[512] = "";
+    uint64_t job_id = 0;
+    int rc;
+
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, why, sizeof(why));
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(why);
+        if (rc != -ECANCELED)
+            ks_log(KS_LOG_WARN,
+                   "a copy's fetch failed: the command ends StartFailed",
+                   KS_S("command_id", j->command_id),
+                   KS_S("agent", j->slot->id), KS_S("reason", why));
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
+    /* Held across the submit, so job_done (which takes mu) cannot free j
+     * before it has its job id. */
+    pthread_mutex_lock(&a->mu);
+    j->state = JOB_RUNNING;
+    a->in_flight++;
+    /* A cancel that came while the claim was out: never spawned. */
+    if (rc == 0 && j->cancel_pending)
+        rc = -ECANCELED;
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
+    if (rc == 0)
+        j->job_id = job_id;
+    pthread_mutex_unlock(&a->mu);
+    if (rc) {
+        /* Claimed but not started: report it, so it still ends (a
+         * cancel's as Cancelled: job_done). */
+        struct exec_result x = {0};
+        x.outcome = EXEC_START_FAILED;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        /* A cancel's is Cancelled (job_done). */
+        x.cancelled = rc == -ECANCELED;
+        x.term_sent_us = x.kill_sent_us = -1;
+        job_done(0, &x, j);
+    }
+}
+
+/* What a fetch thread takes over from start_job. */
+struct fetch_apart {
+    struct job_ctx *j;
+    Ks__Command *cmd;
+    struct exec_spec spec;
+    const char **argv;
+    struct exec_env *env;
+    struct agent_secrets *secrets;
+};
+
+static void *
+fetch_main(void *arg)
+{
+    struct fetch_apart *f = arg;
+    struct agent *a = f->j->agent;
+
+    spawn_claimed(f->j, f->cmd, &f->spec);
+    agent__secrets_free(f->secrets);
+    free(f->argv);
+    free(f->env);
+    ks__command__free_unpacked(f->cmd, NULL);
+    free(f);
+    /* Counted as a callback: agent_stop waits for it before the executor
+     * goes. Nothing of a is touched after this. */
+    pthread_mutex_lock(&a->mu);
+    a->callbacks--;
+    pthread_cond_broadcast(&a->cb_cond);
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/*
+ * Runs spawn_claimed on a detached thread of its own, which takes *cmd,
+ * *argv, *env and *secrets (NULLed) and a copy of *spec. 0, or an error
+ * (nothing taken: the caller runs it itself). One thread per copy being
+ * fetched, at most max_concurrent (each holds a slot).
+ */
+static int
+fetch_apart(struct job_ctx *j, Ks__Command **cmd, const struct exec_spec *spec,
+            const char ***argv, struct exec_env **env,
+            struct agent_secrets **secrets)
+{
+    struct agent *a = j->agent;
+    struct fetch_apart *f = calloc(1, sizeof(*f));
+    pthread_attr_t attr;
+    pthread_t t;
+    int rc;
+
+    if (!f)
+        return -ENOMEM;
+    *f = (struct fetch_apart){j, *cmd, *spec, *argv, *env, *secrets};
+    pthread_mutex_lock(&a->mu);
+    a->callbacks++;
+    pthread_mutex_unlock(&a->mu);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &attr, fetch_main, f);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        pthread_mutex_lock(&a->mu);
+        a->callbacks--;
+        pthread_cond_broadcast(&a->cb_cond);
+        pthread_mutex_unlock(&a->mu);
+        free(f);
+        return -rc;
+    }
+    *cmd = NULL;
+    *argv = NULL;
+    *env = NULL;
+    *secrets = NULL;
+    return 0;
+}
+
+/*
  * Starts a held message that has a slot (state JOB_STARTING): precheck,
- * claim, submit. Every path ends the hold (job_release) or hands it to the
- * executor (job_done ends it). Delivery or starter thread.
+ * claim, submit (spawn_claimed; a copy's on a fetch thread). Every path
+ * ends the hold (job_release) or hands it to the executor (job_done ends
+ * it). Delivery or starter thread.
  */
 static void
 start_job(struct job_ctx *j)
@@ -1149,9 +1294,8 @@ start_job(struct job_ctx *j)
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
     const char *stage = NULL;
-    char claim_id[37], secret_why[256] = "";
+    char claim_id[37], secret_why[256] = "", *inventory = NULL;
     struct agent_secrets *secrets = NULL;
-    uint64_t job_id = 0;
     int rc;
 
     j->cmd = NULL; /* ours now; exec_submit copies what it keeps */
@@ -1177,7 +1321,8 @@ start_job(struct job_ctx *j)
         goto out;
     }
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
-    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + 2,
+    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + cmd->n_labels +
+                     a->facts.n + 2,
                  sizeof(*env));
     if (!argv || !env) {
         agent__journal_remove(a, j->command_id);
@@ -1196,6 +1341,12 @@ start_job(struct job_ctx *j)
     spec.argv = argv;
     spec.env = env;
     spec.env_len = cmd->spec->n_env + 1;
+    /* KSCORE_LABEL_*, KSCORE_FACT_* (facts.c). */
+    if (agent__inventory_env(a, cmd, env, &spec.env_len, &inventory) != 0) {
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
+        goto out;
+    }
     spec.cwd = cmd->spec->cwd;
     spec.command_id = cmd->command_id;
     spec.timeout_ms = cmd->spec->timeout_ms;
@@ -1342,48 +1493,17 @@ start_job(struct job_ctx *j)
         job_release(j, "+ACK");
         goto out;
     }
-    /* A copy's files, now that it is ours (payload.c); past the claim, a
-     * failure ends it StartFailed with the reason. */
-    const char *claimed_stage = "spawn";
-    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
-    if (rc) {
-        claimed_stage = "fetch";
-        j->end_reason = strdup(secret_why);
-    } else {
-        /* Its output as it is written (output.c); without, only the end. */
-        agent__out_new(j);
-    }
-    /* Held across the submit, so job_done (which takes mu) cannot free j
-     * before it has its job id. */
-    pthread_mutex_lock(&a->mu);
-    j->state = JOB_RUNNING;
-    a->in_flight++;
-    /* A cancel that came while the claim was out: never spawned. */
-    if (rc == 0 && j->cancel_pending)
-        rc = -ECANCELED;
-    if (rc == 0)
-        rc = exec_submit_out(a->loop, &spec, job_started,
-                             j->out ? agent__out_piece : NULL, job_done, j,
-                             &job_id);
-    if (rc == 0)
-        j->job_id = job_id;
-    pthread_mutex_unlock(&a->mu);
-    if (rc) {
-        /* Claimed but not started: report it, so it still ends (a
-         * cancel's as Cancelled: job_done). */
-        struct exec_result x = {0};
-        x.outcome = EXEC_START_FAILED;
-        x.start_stage = claimed_stage;
-        /* A kscore code (a broker's refusal) is no errno: the reason
-         * says what it was. */
-        x.start_errno = rc > -1000 ? -rc : EIO;
-        /* A cancel's is Cancelled (job_done). */
-        x.cancelled = rc == -ECANCELED;
-        x.term_sent_us = x.kill_sent_us = -1;
-        job_done(0, &x, j);
-    }
+    /* A copy's files are fetched on a thread of their own (fetch_apart):
+     * a download must not hold up the other commands this thread would
+     * take (the delivery thread of an id or of a whole pool, or a
+     * starter). */
+    if (j->payload && agent__payload_fetches(j->payload) &&
+        fetch_apart(j, &cmd, &spec, &argv, &env, &secrets) == 0)
+        goto out;
+    spawn_claimed(j, cmd, &spec);
 out:
     agent__secrets_free(secrets); /* exec_submit copied what it keeps */
+    free(inventory);
     free(argv);
     free(env);
     ks__command__free_unpacked(cmd, NULL);
@@ -1954,6 +2074,8 @@ heartbeat_once(struct agent *a)
     info.started_at_us = a->started_at_us;
     info.features = (char **)agent_features;
     info.n_features = AGENT_N_FEATURES;
+    info.facts = a->facts.p;
+    info.n_facts = a->facts.n;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -2368,6 +2490,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     pthread_condattr_destroy(&ca);
     atomic_store(&a->last_contact_us, ks_mono_us());
     gethostname(a->host, sizeof(a->host));
+    agent__facts_read(&a->facts);
     ks_uuid(a->instance_id);
     a->started_at_us = ks_now_us();
     a->host[sizeof(a->host) - 1] = '\0';
@@ -2743,6 +2866,12 @@ agent_stop(struct agent *a)
     pthread_mutex_unlock(&a->mu);
     for (size_t i = 0; i < a->n_starters; i++)
         pthread_join(a->starters[i], NULL); /* they nak what is ready */
+    /* A starter may have handed a copy to a fetch thread after the wait
+     * above: it sees closing and ends soon (spawn_claimed). */
+    pthread_mutex_lock(&a->mu);
+    while (a->callbacks)
+        pthread_cond_wait(&a->cb_cond, &a->mu);
+    pthread_mutex_unlock(&a->mu);
     if (a->keeper_started)
         pthread_join(a->keeper_thread, NULL);
     /* What never got a slot goes back to JetStream for whoever is next. */

@@ -16,6 +16,7 @@ static void
 command_ended(struct broker *b, const char *command_id,
               const Ks__CommandResult *result)
 {
+    broker__admit_ended(b, command_id);
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
     broker__remote_live_end(b, command_id);
@@ -58,6 +59,7 @@ answer_waiter(struct broker *b, const char *command_id)
 static void
 remote_ended(struct broker *b, const char *command_id)
 {
+    broker__admit_ended(b, command_id);
     broker__live_end(b, command_id);
     broker__remote_live_end(b, command_id);
     broker__batch_remote_end(b, command_id);
@@ -233,7 +235,10 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.result = res;
             broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
-    } else if (!w) {
+    } else {
+        /* Still running: its id, at once, whether this broker waits for
+         * it now or another does. A client that asked again because its
+         * broker went silent learns that someone waits again. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -251,6 +256,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ExecuteRequest *req = NULL;
     char why[512], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
+    struct broker__labels labels = {0};
     int64_t t_in = ks_mono_us();
     int rc;
 
@@ -327,6 +333,22 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     }
 
+    /* Admission (admit.c): the intake refused at once what could not
+     * start in time, except a request whose key may name a command
+     * already: that key is looked up first (its command is joined), and
+     * only a key that names nothing is refused. */
+    if (req->key_may_exist && req->idempotency_key[0] &&
+        broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
+                            sizeof(why)) == KS_EBUSY) {
+        char winner[37];
+        if (store_command_by_key(st, broker__operator_of(msg),
+                                 req->idempotency_key, winner) == 0 &&
+            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
+            goto out;
+        reply_execute_error(b, msg, KS_EBUSY, "%s", why);
+        goto out;
+    }
+
     ks_uuid(command_id);
     ks_trace_at("broker.execute_in", command_id, t_in);
     snprintf(stream, sizeof(stream), "command-%s", command_id);
@@ -344,6 +366,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     cmd.dispatch_version = 2;
     cmd.operator_ = (char *)broker__operator_of(msg);
     cmd.batch_id = "";
+    /* Its labels, for the child (KSCORE_LABEL_*). */
+    broker__command_labels(b, req->agent_id, &labels);
+    cmd.labels = labels.v;
+    cmd.n_labels = labels.n;
 
     /* Refuse what cannot be published before recording anything (K21). */
     if (protobuf_c_message_get_packed_size(&cmd.base) > KS_MAX_MESSAGE_BYTES) {
@@ -397,6 +423,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (!req->key_may_exist &&
                     !broker__key_seen(b, cmd.operator_,
                                       req->idempotency_key));
+    /* In flight from before its publish: its claim, even its end, may
+     * come before the append returns. */
+    broker__admit_dispatched(b, command_id, cmd.agent_id, cmd.not_after_us,
+                             req->spec->timeout_ms);
     struct store_write wr = {.stream_id = stream,
                              .expected_version = STORE_NO_STREAM,
                              .events = evs,
@@ -406,6 +436,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     struct store_write_result wres;
     rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
+    if (rc)
+        broker__admit_ended(b, command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -504,11 +536,20 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* Detached: the answer. Live: the command's id, first (the
          * client can cancel it or follow it should it stop waiting). */
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+        int64_t seen_us = 0;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
+        /* What the client waits for: an offline agent is waited for up
+         * to the delivery deadline, and the client says so at once. */
+        if (broker__agent_presence(b, req->agent_id, &seen_us) == 0) {
+            r.agent_offline = true;
+            r.agent_last_seen_us = seen_us;
+        }
+        r.deliver_within_ms = deliver_ms;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
 out:
+    broker__labels_release(&labels);
     if (req)
         ks__execute_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
@@ -555,6 +596,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
     char stream[64], dup_id[37], why[600];
+    int64_t t_in = ks_mono_us();
     int rc;
 
     (void)nc;
@@ -737,6 +779,10 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     }
 reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    /* The claim stage's pace, and the start of the slot's hold. */
+    broker__admit_claim_done(b, req ? req->command_id : NULL,
+                             r.granted && !(req && req->start_failure),
+                             ks_mono_us() - t_in);
     if (req)
         ks__claim_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
@@ -877,28 +923,42 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
 
 /*
  * One read of what req asks (one stream after a version, or all streams
- * after a cursor) with st. Replies to msg and returns true when there is
- * something to say: events, an error, or (final) nothing; returns false,
- * replying nothing, when nothing is new or PostgreSQL is down and the
- * caller may wait (a follower).
+ * after a cursor, or from its start: then req's cursor is set to where it
+ * starts, the first time that can be found) with st. Replies to msg and
+ * returns true when there is something to say: events, an error, or
+ * (final) nothing; returns false, replying nothing, when nothing is new
+ * or PostgreSQL is down and the caller may wait (a follower).
  */
 static bool
 events_try(struct broker *b, struct store *st, natsMsg *msg,
-           const Ks__EventsRequest *req, bool final)
+           Ks__EventsRequest *req, bool final)
 {
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
     struct store_cursor cur = {0};
     char why[600];
-    int rc;
+    int rc = 0;
 
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
+    if (!req->stream_id[0] && !req->cursor_tx_id && !req->cursor_pos &&
+        (req->start_now || req->start_at_us)) {
+        /* Where to start, once per request (a parked follower keeps it):
+         * never from the first event, which a start asks not to read. */
+        rc = store_cursor_at(st, req->start_now ? 0 : req->start_at_us, &cur);
+        if (rc == 0) {
+            req->cursor_tx_id = cur.tx_id;
+            req->cursor_pos = cur.global_pos;
+            req->start_now = false;
+            req->start_at_us = 0;
+        }
+    }
     cur.tx_id = req->cursor_tx_id;
     cur.global_pos = req->cursor_pos;
-    if (req->stream_id[0])
+    /* Without its start, nothing is read: a follower waits, as below. */
+    if (rc == 0 && req->stream_id[0])
         rc = store_read_stream(st, req->stream_id, req->after_version, limit,
                                collect_event, &acc);
-    else
+    else if (rc == 0)
         rc = store_read_all(st, &cur, limit, collect_event, &acc);
     /* A follower outlives a PostgreSQL restart: it waits (the store backs
      * off its reconnects) and at its deadline gets an empty reply that
@@ -1327,6 +1387,8 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         broker__handle_list(ud, msg);
     else if (broker__is_method(subj, EVT_API_LOGS))
         broker__handle_logs(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LABEL))
+        broker__handle_label(ud, b->st_misc, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
@@ -1436,9 +1498,11 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     r->cb(nc, sub, msg, r->ud);
 }
 
+/* Subscribes cb (behind api_guard) to "<subject>.*", in the brokers'
+ * queue group, or (queue NULL) as every broker does. */
 static int
-subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
-             natsMsgHandler cb, void *ud, char **errmsg)
+subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
+            const char *queue, natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
     BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
@@ -1447,9 +1511,11 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
     route->cb = cb;
     route->ud = ud;
     snprintf(full, sizeof(full), "%s.*", subject);
-    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
-                                                 EVT_BROKER_QUEUE, api_guard,
-                                                 route);
+    natsStatus s =
+        queue ? natsConnection_QueueSubscribe(sub, b->nc->nc, full, queue,
+                                              api_guard, route)
+              : natsConnection_Subscribe(sub, b->nc->nc, full, api_guard,
+                                         route);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
@@ -1459,6 +1525,13 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
         return KS_ENATS;
     }
     return 0;
+}
+
+static int
+subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
+             natsMsgHandler cb, void *ud, char **errmsg)
+{
+    return subscribe_q(b, sub, subject, EVT_BROKER_QUEUE, cb, ud, errmsg);
 }
 
 static int
@@ -1491,21 +1564,21 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + BROKER_EXEC_WORKERS + 16];
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 19];
     size_t nsubs = 0;
 
     /* Every worker's subscription: each handler uses the writer and the
      * store connections closed below. */
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         subs[nsubs++] = &b->claimers[i].sub;
-    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
-        subs[nsubs++] = &b->executors[i].sub;
     {
         natsSubscription **rest[] = {
-            &b->sub_misc,     &b->sub_events, &b->sub_cancel,
-            &b->sub_agents,   &b->sub_follow, &b->sub_batch,
-            &b->sub_advisory, &b->sub_list,   &b->sub_logs,
-            &b->sub_notice,   &b->sub_upload, &b->sub_fetch};
+            &b->sub_execute,    &b->sub_misc,       &b->sub_events,
+            &b->sub_cancel,     &b->sub_agents,     &b->sub_follow,
+            &b->sub_batch,      &b->sub_advisory,   &b->sub_list,
+            &b->sub_logs,       &b->sub_notice,     &b->sub_upload,
+            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub,
+            &b->sub_label};
         for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
             subs[nsubs++] = rest[i];
     }
@@ -1524,6 +1597,8 @@ broker_teardown(struct broker *b)
             natsSubscription_Destroy(*subs[i]);
             *subs[i] = NULL;
         }
+    /* What the intake took in is served before anything below stops. */
+    broker__admit_stop(b);
     broker__follow_stop(b);
     broker__scanner_stop(b);
     broker__batch_stop(b);
@@ -1538,6 +1613,8 @@ broker_teardown(struct broker *b)
     store_close(b->st_setup);
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
         store_close(b->executors[i].st);
+    store_close(b->exec_again.st);
+    store_close(b->claim_again.st);
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -1548,6 +1625,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_batch);
     store_close(b->st_notice);
     store_close(b->st_blob);
+    broker__admit_free(b);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1559,7 +1637,6 @@ broker_teardown(struct broker *b)
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_mutex_destroy(&b->blob_mu);
-    pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
 }
@@ -1581,6 +1658,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                        .started_mono_us = ks_mono_us(),
                        .waiters = KS_MAP_INIT,
                        .agents = KS_MAP_INIT,
+                       .relabels = KS_MAP_INIT,
                        .up = {command_ended, remote_ended,
                               broker__batch_remote_cancel}};
     struct evt_connect_opts co = opts->nats;
@@ -1597,7 +1675,6 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
     pthread_mutex_init(&b.blob_mu, NULL);
-    pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
     if ((rc = broker__budget_init(&b)))
@@ -1642,6 +1719,11 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
             goto out;
     }
+    b.exec_again.b = &b;
+    b.claim_again.b = &b;
+    if ((rc = open_store(&b, &b.exec_again.st, errmsg)) ||
+        (rc = open_store(&b, &b.claim_again.st, errmsg)))
+        goto out;
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1660,6 +1742,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = evt_agents_kv(b.nc, &b.kv))) {
         if (errmsg && asprintf(errmsg, "open KV %s: %s", EVT_KV_AGENTS,
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
+    /* Before the batches: they pace their targets by its figures. */
+    if ((rc = broker__admit_start(&b, on_execute))) {
+        if (errmsg && asprintf(errmsg, "exec workers: %s",
                                ks_strerror(rc)) < 0)
             *errmsg = NULL;
         goto out;
@@ -1706,7 +1795,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         sigs = calloc(opts->local_agents, sizeof(*sigs));
         if (att && sigs && ids) {
             Ks__EnvVar lv = KS__ENV_VAR__INIT, *lp = &lv;
-            int64_t now = ks_now_us();
+            /* Signed as of the epoch, not of this start: any relabel of
+             * them (kscore agent label, labels.c) is newer and so
+             * outlives this broker's restarts. */
+            int64_t now = BROKER_LOCAL_ATTEST_AT_US;
             lv.name = (char *)lab.key;
             lv.value = (char *)lab.value;
             if (ao.pool) {
@@ -1742,10 +1834,14 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = broker__follow_start(&b)))
         goto out;
-    if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
-                                EVT_API_EXECUTE, on_execute, errmsg)) ||
+    if ((rc = subscribe(&b, &b.sub_execute, EVT_API_EXECUTE,
+                        broker__intake_push, errmsg)) ||
+        (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
+                          on_execute, &b.exec_again, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
                                 EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe_q(&b, &b.claim_again.sub, EVT_API_CLAIM_AGAIN, NULL,
+                          on_claim, &b.claim_again, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||
@@ -1754,6 +1850,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_label, EVT_API_LABEL, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
                         errmsg)) ||

@@ -78,6 +78,22 @@ drop_labels(Ks__EnvVar ***v, size_t *n)
     *n = 0;
 }
 
+/* A self-declared label named fact.* would read as a fact, and no
+ * selector could pick it (fact.* selects facts): the keys are the facts'
+ * (the broker signs no label so named). */
+static void
+drop_fact_labels(Ks__AgentInfo *info)
+{
+    size_t k = 0, plen = strlen(BROKER_FACT_PREFIX);
+    for (size_t i = 0; i < info->n_labels; i++) {
+        if (strncmp(info->labels[i]->name, BROKER_FACT_PREFIX, plen) == 0)
+            ks__env_var__free_unpacked(info->labels[i], NULL);
+        else
+            info->labels[k++] = info->labels[i];
+    }
+    info->n_labels = k;
+}
+
 /* 1 when info's attestation is this broker's signature for its id; its
  * text goes to *text (malloc'd) for the cache. */
 static bool
@@ -130,7 +146,8 @@ agent_was_signed(struct broker *b, const char *id)
 }
 
 /*
- * Decides info's labels, before anything looks at them. An agent writes
+ * Decides info's labels, before anything looks at them (settled: what
+ * they came from, for agent_update). An agent writes
  * its own entry, so the labels it declares are its own say: with them one
  * agent's credential could take the commands and secrets meant for
  * another group (--select env=prod, label policy rules). What it cannot
@@ -148,21 +165,38 @@ agent_was_signed(struct broker *b, const char *id)
  * whose agents were never enrolled, tests). A revoked agent's attestation
  * stays valid as a signature, but its NKey is gone, so it can write no
  * entry to show it in.
- * true when the labels are attested; *why: NULL, or why not (static text)
- * when that deserves a log line; *verified: the attestation's text
- * (malloc'd, for agent_update's cache) when it is.
+ * A relabel of info's subject (kscore agent label: labels.c) newer than
+ * its attestation, or for an entry without a valid one, gives it the
+ * relabel's labels instead.
+ * true when the labels are attested (or a relabel's); *why: NULL, or why
+ * not (static text) when that deserves a log line; *verified: the
+ * attestation's text (malloc'd, for agent_update's cache) when it
+ * verified.
  */
 static bool
 labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
-              char **verified)
+              char **verified, struct broker__settled *settled)
 {
     bool require = b->opts && b->opts->require_signed_labels;
-    bool was_signed = false;
+    bool was_signed = false, valid;
 
     *why = NULL;
     *verified = NULL;
+    memset(settled, 0, sizeof(*settled));
+    valid = info->labels_signature.len && attestation_valid(b, info, verified);
+    settled->entry_at_us = valid ? info->labels_enrolled_at_us : 0;
+    /* A relabel (labels.c): this broker's later word on the same
+     * subject (the id, or the pool's "pool.<pool>/<size>"), newer than
+     * the entry's own attestation or standing for a missing one. */
+    if (broker__relabel_settle(b, info->agent_id,
+                               valid ? info->labels_enrolled_at_us
+                                     : INT64_MIN,
+                               info, settled)) {
+        drop_labels(&info->attested_labels, &info->n_attested_labels);
+        return true;
+    }
     if (info->labels_signature.len) {
-        if (attestation_valid(b, info, verified)) {
+        if (valid) {
             Ks__EnvVar **declared = info->labels;
             size_t n_declared = info->n_labels;
             info->labels = info->attested_labels;
@@ -192,6 +226,8 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
     drop_labels(&info->attested_labels, &info->n_attested_labels);
     if (require || was_signed)
         drop_labels(&info->labels, &info->n_labels);
+    else
+        drop_fact_labels(info);
     return false;
 }
 
@@ -443,8 +479,9 @@ broker__instance_silent(struct broker *b, const char *agent_id,
  * may be NULL). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why, char *verified,
-             bool watched, bool live, struct broker__holds *holds)
+             bool labels_signed, const struct broker__settled *settled,
+             const char *why, char *verified, bool watched, bool live,
+             struct broker__holds *holds)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -479,6 +516,10 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     a->info = info;
     a->labels_signed = labels_signed;
     a->ever_signed = a->ever_signed || labels_signed;
+    a->entry_at_us = settled->entry_at_us;
+    a->relabel_at_us = settled->relabelled ? settled->at_us : 0;
+    snprintf(a->relabel_by, sizeof(a->relabel_by), "%s",
+             settled->relabelled ? settled->by : "");
     /* What verified, for the next heartbeat to match (cache). */
     if (verified)
         memcpy(a->attest_sig, info->labels_signature.data,
@@ -568,6 +609,8 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
     if (info->n_labels > AGENT_INFO_MAX_LABELS ||
         info->n_attested_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     return NULL;
 }
 
@@ -882,6 +925,8 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
         return "a pool entry larger than 256 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     if (info->pool_size == 0 || info->pool_size > BROKER_POOL_MAX ||
         info->n_pool_ids > info->pool_size)
         return "its pool_size is 0, over the limit, or below its ids";
@@ -924,10 +969,11 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     char *own_id0 = info->agent_id, *verified = NULL,
          attest_id[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX + 12];
     const char *why = NULL;
+    struct broker__settled settled;
     evt_pool_attest_id(attest_id, sizeof(attest_id), info->pool,
                        info->pool_size);
     info->agent_id = attest_id;
-    bool sig = labels_settle(b, info, &why, &verified);
+    bool sig = labels_settle(b, info, &why, &verified, &settled);
     info->agent_id = own_id0;
     free(verified);
     /* The pool's name and size are this broker's word, or nothing: an
@@ -976,7 +1022,8 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             holds->refs++;
             pthread_mutex_unlock(&b->mu);
         }
-        agent_update(b, ids[i], m, sig, NULL, NULL, true, live, holds);
+        agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live,
+                     holds);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -1077,6 +1124,11 @@ registry_main(void *arg)
             b->reg_watch_mono_us = last_entry;
             pthread_mutex_unlock(&b->mu);
         }
+        /* Relabels recorded by another broker (its notice), or every
+         * BROKER_RELABEL_RELOAD_US: the next heartbeat of each agent
+         * takes them (labels.c). */
+        if (broker__relabels_due(b) && broker__relabels_load(b, b->st_reg))
+            atomic_store(&b->relabels_dirty, true);
         s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
             continue;
@@ -1127,7 +1179,9 @@ registry_main(void *arg)
                 if (!bad) {
                     const char *why = NULL;
                     char *verified = NULL;
-                    bool sig = labels_settle(b, info, &why, &verified);
+                    struct broker__settled settled;
+                    bool sig =
+                        labels_settle(b, info, &why, &verified, &settled);
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
@@ -1137,8 +1191,8 @@ registry_main(void *arg)
                     if (!live)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
                     struct broker__holds *holds = holds_take(info);
-                    agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified, true, live, holds);
+                    agent_update(b, kvEntry_Key(e), info, sig, &settled,
+                                 why, verified, true, live, holds);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1178,7 +1232,15 @@ registry_main(void *arg)
 int
 broker__registry_start(struct broker *b, char **errmsg)
 {
-    (void)errmsg;
+    /* The relabels before any entry: an id relabelled (so signed) is
+     * never served with unsigned labels, not even for a heartbeat. */
+    int rc = broker__relabels_load(b, b->st_reg);
+    if (rc) {
+        if (errmsg && asprintf(errmsg, "cannot read the agents' relabels: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        return rc;
+    }
     if (pthread_create(&b->reg_thread, NULL, registry_main, b) != 0)
         return KS_EINTERNAL;
     b->reg_started = true;
@@ -1207,6 +1269,7 @@ broker__registry_stop(struct broker *b)
     b->reg_started = false;
     ks_map_each(&b->agents, free_agent, NULL);
     ks_map_clear(&b->agents);
+    broker__relabels_free(b);
 }
 
 int
@@ -1234,10 +1297,11 @@ broker__agent_known(struct broker *b, const char *agent_id)
         }
         const char *why = NULL;
         char *verified = NULL;
-        bool sig = labels_settle(b, info, &why, &verified);
+        struct broker__settled settled;
+        bool sig = labels_settle(b, info, &why, &verified, &settled);
         holds_unref_locked(holds_take(info)); /* not shared yet */
-        agent_update(b, agent_id, info, sig, why, verified, false, false,
-                     NULL);
+        agent_update(b, agent_id, info, sig, &settled, why, verified, false,
+                     false, NULL);
         return 1;
     }
     return 0;
@@ -1272,6 +1336,10 @@ add_status(const char *key, void *val, void *ud)
     }
     st->last_seen_us = a->info->heartbeat_at_us;
     st->labels_signed = a->labels_signed;
+    if (a->relabel_at_us) {
+        st->labels_by = strdup(a->relabel_by);
+        st->labels_at_us = a->relabel_at_us;
+    }
     st->online =
         acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
     if (agent_duplicate(a, acc->now_mono)) {
@@ -1335,6 +1403,8 @@ broker__agents_reply_free(Ks__AgentsReply *r)
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
         if (r->agents[i]->duplicate_host != protobuf_c_empty_string)
             free(r->agents[i]->duplicate_host);
+        if (r->agents[i]->labels_by != protobuf_c_empty_string)
+            free(r->agents[i]->labels_by);
         free(r->agents[i]);
     }
     free(r->agents);
@@ -1353,6 +1423,24 @@ broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
     a = ks_map_get(&b->agents, agent_id);
     if (a && a->info && a->info->pool)
         snprintf(buf, len, "%s", a->info->pool);
+    pthread_mutex_unlock(&b->mu);
+}
+
+void
+broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                     size_t len, unsigned *slots)
+{
+    struct broker__agent *a;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    *slots = a && a->info ? a->info->max_concurrent : 0;
+    if (a && a->info && a->info->pool && a->info->pool[0])
+        snprintf(key, len, "pool:%s", a->info->pool);
+    else if (a && a->cur.id[0])
+        snprintf(key, len, "proc:%s", a->cur.id);
+    else
+        snprintf(key, len, "id:%s", agent_id);
     pthread_mutex_unlock(&b->mu);
 }
 

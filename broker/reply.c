@@ -45,9 +45,11 @@ store_error_text(int rc, const char *sqlstate, const char *why, char *buf,
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
-    else if (rc == KS_EPGREFUSED)
-        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 sqlstate, why);
+    else if (rc == KS_EPGREFUSED) {
+        const char *name = store_sqlstate_name(sqlstate);
+        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s%s%s): %s",
+                 sqlstate, name[0] ? " " : "", name, why);
+    }
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
@@ -105,11 +107,17 @@ broker__operator_of(natsMsg *msg)
 {
     const char *subj = natsMsg_GetSubject(msg);
     const char *dot = strrchr(subj, '.');
-    /* "kscore.api.v1.<method>.<operator>": 5 tokens. */
-    int dots = 0;
+    /* "kscore.api.v1.<method>.<operator>": 5 tokens; a claim asked again
+     * has one more, "kscore.api.v1.claim.again.<agent>" (an operator may
+     * publish 5 tokens only, an agent this subject under its own name
+     * only: deploy/nats-auth.conf.in). */
+    int dots = 0, want = 4;
     for (const char *p = subj; *p; p++)
         dots += *p == '.';
-    return dots == 4 && dot ? dot + 1 : "anonymous";
+    if (strncmp(subj, EVT_API_CLAIM_AGAIN ".",
+                sizeof(EVT_API_CLAIM_AGAIN)) == 0)
+        want = 5;
+    return dots == want && dot ? dot + 1 : "anonymous";
 }
 
 int

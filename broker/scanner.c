@@ -12,6 +12,8 @@
  *  - Running on an agent that heartbeats, but no process of it holds it
  *    (AgentInfo.holds; "Running, but its claimer does not hold it"
  *    below): CommandLost.
+ *  - kscore copy's files past their keep, and unfinished uploads, are
+ *    deleted a few at a time (broker__blob_expire).
  *
  * Every append is at the version the scan read, so a claim or a result
  * that lands meanwhile wins and the scanner's append is a conflict, dropped.
@@ -486,7 +488,7 @@ scanner_main(void *arg)
 {
     struct broker *b = arg;
     int64_t last_running = 0, last_sweep = ks_mono_us(),
-            last_guard = ks_mono_us();
+            last_guard = ks_mono_us(), next_expire = 0;
     uint64_t pass = 0;
 
     while (!b->stopping) {
@@ -534,6 +536,8 @@ scanner_main(void *arg)
             last_sweep = ks_mono_us();
             broker__remote_live_sweep(b, b->st_scan);
         }
+        if (ks_mono_us() >= next_expire)
+            next_expire = ks_mono_us() + broker__blob_expire(b, b->st_scan);
         broker__budget_sweep(b);
     }
     return NULL;

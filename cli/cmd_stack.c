@@ -227,23 +227,6 @@ write_env(const char *home, const char *url, const char *db,
     return 0;
 }
 
-/* How long ago, short: "0.4s", "3m", "2h", "5d". */
-static void
-ago_text(char *buf, size_t len, int64_t us)
-{
-    double s = (double)us / 1e6;
-    if (us < 0)
-        s = 0;
-    if (s < 60)
-        snprintf(buf, len, "%.1fs ago", s);
-    else if (s < 3600)
-        snprintf(buf, len, "%.0fm ago", s / 60);
-    else if (s < 86400)
-        snprintf(buf, len, "%.0fh ago", s / 3600);
-    else
-        snprintf(buf, len, "%.0fd ago", s / 86400);
-}
-
 /*
  * The agents the broker knows (the registry, through the agents API):
  * local or on other hosts, online or not. Into o["agents"] (an array) or,
@@ -342,7 +325,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         if (!json) {
             char ago[32], run[32], lab[512] = "";
             size_t used = 0;
-            ago_text(ago, sizeof(ago), now - st->last_seen_us);
+            cli_ago(ago, sizeof(ago), now - st->last_seen_us);
             snprintf(run, sizeof(run), "%u/%u", in->running,
                      in->max_concurrent);
             for (size_t k = 0; k < in->n_labels && used < sizeof(lab); k++)
@@ -536,20 +519,74 @@ metric_on(const char *body, const char *name)
     return false;
 }
 
+/* A stall line of the broker's log is current for this long: the broker
+ * repeats it every 10 s while the stall lasts (broker/recorder.c). */
+#define STALL_LINE_FRESH_S 25
+
 /*
- * The recorder's state, from the broker's own metrics (the cheap path:
- * `kscore up --metrics` wrote KSCORE_BROKER_METRICS_URL): "recording", or
- * why it holds events unrecorded (kscore_recorder_stalled{cause}). NULL
- * when the broker serves no metrics or does not answer in 1 s.
+ * The recorder's last word in the broker's log (<home>/broker.log, logfmt):
+ * when its last state line ("cannot record; ...", "recorder still
+ * stalled", "recording again") says it is stalled and is fresh, the
+ * cause it names (its error= value, which names the SQLSTATE and the
+ * server's message) into buf; else "". Reads the last 256 KiB.
+ */
+static void
+recorder_stall_in_log(const char *home, char *buf, size_t len)
+{
+    char path[PATH_MAX + 16], *text = NULL, *last = NULL;
+    buf[0] = '\0';
+    snprintf(path, sizeof(path), "%s/broker.log", home);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return;
+    long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    long from = size > 256 * 1024 ? size - 256 * 1024 : 0;
+    if (size > 0 && fseek(f, from, SEEK_SET) == 0 &&
+        (text = calloc(1, (size_t)(size - from) + 1)))
+        fread(text, 1, (size_t)(size - from), f);
+    fclose(f);
+    for (char *p = text, *nl; p && *p; p = nl ? nl + 1 : NULL) {
+        nl = strchr(p, '\n');
+        if (nl)
+            *nl = '\0';
+        if (strstr(p, "module=recorder") &&
+            (strstr(p, "msg=\"cannot record;") ||
+             strstr(p, "msg=\"recorder still stalled") ||
+             strstr(p, "msg=\"recording again\"")))
+            last = p;
+    }
+    struct tm tm = {0};
+    const char *t = last ? strstr(last, "time=") : NULL;
+    const char *e = last ? strstr(last, " error=\"") : NULL;
+    if (last && !strstr(last, "recording again") && t && e &&
+        strptime(t + 5, "%Y-%m-%dT%H:%M:%S", &tm) &&
+        time(NULL) - timegm(&tm) <= STALL_LINE_FRESH_S) {
+        e += 8;
+        size_t n = strcspn(e, "\"");
+        snprintf(buf, len, "%.*s", (int)(n < 400 ? n : 400), e);
+    }
+    free(text);
+}
+
+/*
+ * The recorder's state: from the broker's own metrics (the cheap path:
+ * `kscore up --metrics` wrote KSCORE_BROKER_METRICS_URL), "recording", or
+ * why it holds events unrecorded (kscore_recorder_stalled{cause}), with
+ * the cause as its log names it (the SQLSTATE and the server's words);
+ * without metrics, from the log alone (NULL when it says nothing fresh).
+ * The returned string is in buf (len bytes) or static. NULL when the
+ * broker serves no metrics (or does not answer in 1 s) and its log names
+ * no stall.
  */
 static const char *
-recorder_state(void)
+recorder_state(const char *home, char *buf, size_t len)
 {
     char *url = cli_env_get("KSCORE_BROKER_METRICS_URL");
     const char *colon = url ? strrchr(url, ':') : NULL, *st = NULL;
-    char *body = NULL, token[EVT_TOKEN_MAX + 1] = "", path[4200];
+    char *body = NULL, cause[448], token[EVT_TOKEN_MAX + 1] = "", path[4200];
     int port = colon ? atoi(colon + 1) : 0;
 
+    recorder_stall_in_log(home, cause, sizeof(cause));
     snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, cli_home());
     if (evt_token_file_read(path, token, sizeof(token), NULL) != 0)
         token[0] = '\0';
@@ -557,13 +594,18 @@ recorder_state(void)
         stack_http_get_auth(port, "/metrics", token, 1000, &body) == 0 &&
         body) {
         if (metric_on(body, "kscore_recorder_stalled{cause=\"refuses_writes\"}"))
-            st = "stalled: PostgreSQL refuses writes (the broker's log "
-                 "names the SQLSTATE)";
+            st = "stalled: PostgreSQL refuses writes";
         else if (metric_on(body,
                            "kscore_recorder_stalled{cause=\"unreachable\"}"))
             st = "stalled: PostgreSQL unreachable";
         else
             st = "recording";
+    } else if (cause[0]) {
+        st = "stalled";
+    }
+    if (st && strcmp(st, "recording") != 0 && cause[0]) {
+        snprintf(buf, len, "stalled: %s", cause);
+        st = buf;
     }
     free(body);
     free(url);
@@ -607,7 +649,7 @@ print_status(bool json, struct cli_conn *cc)
         int alive = part_alive(home, name, &pid);
         bool node = strncmp(name, "nats-", 5) == 0;
         bool broker = strncmp(name, "broker", 6) == 0;
-        char naddr[64] = "", extra[256] = "";
+        char naddr[64] = "", extra[768] = "";
         const char *addr = strcmp(name, "nats") == 0    ? url
                            : strcmp(name, "pg") == 0    ? db
                            : strcmp(name, "agent") == 0 ? agent
@@ -656,7 +698,11 @@ print_status(bool json, struct cli_conn *cc)
             if (rss >= 0)
                 snprintf(extra, sizeof(extra), "rss %ld MiB", rss / 1024);
             /* The recorder: results held unrecorded show here at once. */
-            const char *rec = alive && !cluster ? recorder_state() : NULL;
+            char recbuf[512];
+            const char *rec = alive && !cluster
+                                  ? recorder_state(home, recbuf,
+                                                   sizeof(recbuf))
+                                  : NULL;
             json_object_set_new(p, "recorder",
                                 rec ? json_string(rec) : json_null());
             if (rec) {
@@ -1698,6 +1744,7 @@ cmd_broker(int argc, char **argv)
     struct broker_opts o = {0};
     const char *require_signed = NULL;
     const char *replicas = NULL, *drain = NULL;
+    const char *copy_mib[2] = {NULL, NULL}, *copy_keep[2] = {NULL, NULL};
     struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
@@ -1793,10 +1840,23 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
         (rc = cli_conf_str(&cf, "drain_timeout", &drain)) ||
+        (rc = cli_conf_str(&cf, "copy_operator_mib", &copy_mib[0])) ||
+        (rc = cli_conf_str(&cf, "copy_total_mib", &copy_mib[1])) ||
+        (rc = cli_conf_str(&cf, "copy_keep", &copy_keep[0])) ||
+        (rc = cli_conf_str(&cf, "copy_upload_keep", &copy_keep[1])) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
         goto out;
     if ((rc = drain_timeout(drain, &o.drain_timeout_ms)))
         goto out;
+    /* Checked as they were read (cli_conf_load, the environment's). */
+    if (copy_mib[0])
+        o.copy_operator_bytes = strtoull(copy_mib[0], NULL, 10) << 20;
+    if (copy_mib[1])
+        o.copy_total_bytes = strtoull(copy_mib[1], NULL, 10) << 20;
+    if (copy_keep[0])
+        cli_parse_duration(copy_keep[0], &o.copy_keep_ms);
+    if (copy_keep[1])
+        cli_parse_duration(copy_keep[1], &o.copy_upload_keep_ms);
     /* On unless turned off: a label the agent merely declares would pick
      * prod's commands and secrets for any agent credential (issue 21). */
     o.require_signed_labels = !require_signed || cli_conf_true(require_signed);
@@ -2007,6 +2067,9 @@ cmd_agent(int argc, char **argv)
                    "[--label K=V]... [--max-concurrent N]\n"
                    "       kscore agent enroll|revoke|list ... (kscore agent "
                    "enroll --help)\n"
+                   "       kscore agent label ID|pool-POOL KEY=VALUE|KEY-... "
+                   "[--json]: change its signed labels (kscore agent label "
+                   "--help)\n"
                    "--pool NAME: the ids NAME-0 .. NAME-<N-1> form one "
                    "pool: one JetStream consumer and one registry entry for "
                    "all of them; --pool-size N serves them all. A pool "

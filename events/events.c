@@ -1160,11 +1160,13 @@ delivers_otherwise(const jsConsumerConfig *have, const jsConsumerConfig *want)
 {
     const char *hg = have->DeliverGroup ? have->DeliverGroup : "";
     const char *wg = want->DeliverGroup ? want->DeliverGroup : "";
+    /* A pull consumer has no deliver subject. */
+    const char *hd = have->DeliverSubject ? have->DeliverSubject : "";
+    const char *wd = want->DeliverSubject ? want->DeliverSubject : "";
 
     return !have->FilterSubject ||
            strcmp(have->FilterSubject, want->FilterSubject) != 0 ||
-           !have->DeliverSubject ||
-           strcmp(have->DeliverSubject, want->DeliverSubject) != 0 ||
+           strcmp(hd, wd) != 0 ||
            strcmp(hg, wg) != 0 || have->AckPolicy != want->AckPolicy ||
            have->DeliverPolicy != want->DeliverPolicy || have->HeadersOnly ||
            have->FlowControl || have->Heartbeat != 0 ||
@@ -1194,8 +1196,8 @@ evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
     evt_deliver_subject(deliver, sizeof(deliver), d->durable);
     jsConsumerConfig_Init(&cc);
     cc.Durable = d->durable;
-    cc.DeliverSubject = deliver;
-    cc.DeliverGroup = d->deliver_group;
+    cc.DeliverSubject = d->pull ? NULL : deliver;
+    cc.DeliverGroup = d->pull ? NULL : d->deliver_group;
     cc.FilterSubject = d->filter_subject;
     cc.AckPolicy = js_AckExplicit;
     cc.DeliverPolicy = js_DeliverAll;
@@ -1262,12 +1264,19 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
         return rc;
     jsSubOptions_Init(&so);
     so.Stream = d->stream;
-    so.Consumer = d->durable;
-    so.Queue = d->deliver_group;
-    so.ManualAck = true;
-    s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so, &jerr);
-    if (s == NATS_OK)
-        s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    so.Consumer = d->durable; /* bound: nats.c never deletes it */
+    if (d->pull) {
+        BUG_ON(cb);
+        s = js_PullSubscribe(&sub, c->js, d->filter_subject, d->durable,
+                             NULL, &so, &jerr);
+    } else {
+        so.Queue = d->deliver_group;
+        so.ManualAck = true;
+        s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so,
+                         &jerr);
+        if (s == NATS_OK)
+            s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    }
     if (s != NATS_OK) {
         if (errmsg)
             *errmsg = errmsg_dup("consumer %s: %s", d->durable,
@@ -1277,6 +1286,38 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
     }
     *sub_out = sub;
     return 0;
+}
+
+int
+evt_consumer_delete(struct evt_conn *c, const char *stream,
+                    const char *durable)
+{
+    jsErrCode jerr = 0;
+    natsStatus s = js_DeleteConsumer(c->js, stream, durable, NULL, &jerr);
+    if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)
+        return KS_ENOTFOUND;
+    return s == NATS_OK ? 0 : KS_ENATS;
+}
+
+int
+evt_fetch(natsSubscription *sub, int batch, int wait_ms, natsMsgList *out)
+{
+    jsFetchRequest req;
+    natsStatus s;
+
+    BUG_ON(batch < 1 || batch > EVT_FETCH_MAX || wait_ms < 1);
+    jsFetchRequest_Init(&req);
+    req.Batch = batch;
+    req.NoWait = true;
+    req.Expires = (int64_t)wait_ms * NS_PER_MS;
+    s = natsSubscription_FetchRequest(out, sub, &req);
+    if (s == NATS_OK)
+        return out->Count > 0 ? 0 : KS_ETIMEDOUT;
+    /* 404 (nothing, no wait) and 408 (expired, or other requests first)
+     * are both "nothing now". */
+    if (s == NATS_TIMEOUT || s == NATS_NOT_FOUND)
+        return KS_ETIMEDOUT;
+    return evt_err(s);
 }
 
 uint64_t

@@ -50,7 +50,11 @@
 #define EVT_STREAM_EVENTS "KSCORE_EVENTS"
 #define EVT_KV_AGENTS "KSCORE_AGENTS"
 #define EVT_BROKER_QUEUE "kscore-broker"
-#define EVT_RECORDER_DURABLE "kscore-recorder"
+/* The recorder's pull consumer on KSCORE_EVENTS (broker/recorder.c). */
+#define EVT_RECORDER_DURABLE "kscore-recorder-pull"
+/* The push consumer kscore had before (deliver group kscore-broker): a
+ * broker deletes it once the pull consumer exists. */
+#define EVT_RECORDER_DURABLE_PUSH "kscore-recorder"
 
 /*
  * API subjects. A request goes to "<subject>.<identity>": the last token
@@ -61,7 +65,16 @@
  */
 #define EVT_API_PREFIX "kscore.api.v1."
 #define EVT_API_EXECUTE "kscore.api.v1.execute"
+/* An ExecuteCommand asked again (the same request, key_may_exist): every
+ * broker gets it (no queue group), so one that is stopped or gone cannot
+ * swallow it as it can an ask to the group (broker_execute). */
+#define EVT_API_EXECUTE_AGAIN "kscore.api.v1.execute-again"
 #define EVT_API_CLAIM "kscore.api.v1.claim"
+/* A claim asked again (the same claim id): every broker gets it, as
+ * EVT_API_EXECUTE_AGAIN. Under the claim subject's prefix, so the AGENTS
+ * account reaches it through the same service import
+ * (deploy/nats-auth.conf.in); "claim.*" (the first ask) never matches it. */
+#define EVT_API_CLAIM_AGAIN "kscore.api.v1.claim.again"
 #define EVT_API_GET "kscore.api.v1.get"
 #define EVT_API_EVENTS "kscore.api.v1.events"
 #define EVT_API_CANCEL "kscore.api.v1.cancel"
@@ -72,6 +85,7 @@
 #define EVT_API_LOGS "kscore.api.v1.logs"
 #define EVT_API_UPLOAD "kscore.api.v1.upload"
 #define EVT_API_FETCH "kscore.api.v1.fetch"
+#define EVT_API_LABEL "kscore.api.v1.label"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000
@@ -796,6 +810,29 @@ int evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
 int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, char *why, size_t why_len);
 
+/*
+ * One field of a protobuf message on the wire (protobuf.dev "Encoding":
+ * a varint key, field number << 3 | wire type). number >= 1; type 0
+ * (varint: value), 1 (8 bytes), 2 (length-delimited), 5 (4 bytes): data
+ * and len are the field's bytes for 1, 2 and 5 (they point into the
+ * message).
+ */
+struct evt_wire_field {
+    uint32_t number;
+    unsigned type;
+    uint64_t value;
+    const uint8_t *data;
+    size_t len;
+};
+/*
+ * Reads the top-level field at *p (end: the message's end) into *f and
+ * moves *p past it, without decoding anything else (a field a reader does
+ * not need costs nothing, however long). 0; 1 at the end (*p == end);
+ * KS_EDECODE when malformed or a group (not in kscore.proto). Pure.
+ */
+int evt_wire_next(const uint8_t **p, const uint8_t *end,
+                  struct evt_wire_field *f);
+
 /* A durable push consumer, created (or updated) explicitly and then bound,
  * so that unsubscribing never deletes it: nats.c deletes a consumer that
  * js_Subscribe itself created when the subscription is unsubscribed or
@@ -810,6 +847,9 @@ struct evt_durable {
     int64_t max_ack_pending;
     int64_t ack_wait_ms;
     int64_t max_deliver;          /* 0: unlimited */
+    /* A pull consumer (no deliver subject, no group): its messages go only
+     * to whoever asks for them (evt_durable_subscribe, evt_fetch). */
+    bool pull;
 };
 
 /* What evt_consumer_ensure did. */
@@ -844,12 +884,49 @@ int evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
  * Creates or updates the consumer (evt_consumer_ensure), then subscribes to
  * its deliver subject with manual acks and no pending limits. cb runs on
  * the subscription's nats.c delivery thread (or the shared pool when
- * global delivery is on), owns the message and acks it.
+ * global delivery is on), owns the message and acks it. A pull consumer
+ * (d->pull; cb and ud NULL) is bound instead, and read with evt_fetch from
+ * one thread at a time. Bound either way, never created by nats.c:
+ * unsubscribing or destroying *sub_out never deletes the consumer.
  * Returns 0 or KS_ENATS with *errmsg.
  */
 int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
                           natsMsgHandler cb, void *ud,
                           natsSubscription **sub_out, char **errmsg);
+
+/*
+ * Deletes the consumer durable of stream (nats.c JetStream API on c: the
+ * broker's connection). 0, KS_ENOTFOUND (no such consumer), or KS_ENATS.
+ * Any thread.
+ */
+int evt_consumer_delete(struct evt_conn *c, const char *stream,
+                        const char *durable);
+
+/*
+ * One pull of at most batch messages (1..EVT_FETCH_MAX) from sub (a pull
+ * consumer's evt_durable_subscribe), waiting at most wait_ms (>= 1) for the first: as
+ * soon as any are there it returns with everything the consumer had ready
+ * then, up to batch. That is nats-server's one-shot request (no_wait with
+ * an expiry: "wait for expires but return as soon as we have any
+ * messages", server/consumer.go processNextMsgReq, 2.9): it never waits
+ * for a full batch, so one message is handed over at once, and a puller
+ * that stops asking (stopped, paused, gone) is handed nothing more once its
+ * request has been served or has expired. nats.c 3.4.1's
+ * natsSubscription_Fetch does wait for a full batch after an empty first
+ * try, which would hold a lone message for the whole wait.
+ *
+ * Returns 0 with out filled (out->Count >= 1; the caller acks and destroys
+ * each message, then frees out->Msgs, or natsMsgList_Destroy for both),
+ * KS_ETIMEDOUT (nothing came; also at once when other pullers' requests
+ * already wait for more than the consumer has: the server's 408 "Requests
+ * Pending", so wait a moment before asking again), KS_EUNAVAIL (no
+ * connection, or nobody serves the consumer: gone, or its stream), or
+ * KS_ENATS. The calling thread; the subscription's messages are not
+ * delivered anywhere else.
+ */
+#define EVT_FETCH_MAX 10000
+int evt_fetch(natsSubscription *sub, int batch, int wait_ms,
+              natsMsgList *out);
 
 /* ---- agent consumers ------------------------------------------------------ */
 

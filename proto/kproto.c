@@ -183,6 +183,25 @@ kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
 }
 
 const char *
+kproto_batch_status_name(Ks__BatchStatus st)
+{
+    switch (st) {
+    case KS__BATCH_STATUS__BATCH_RUNNING:
+        return "Running";
+    case KS__BATCH_STATUS__BATCH_SUCCEEDED:
+        return "Succeeded";
+    case KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE:
+        return "PartialFailure";
+    case KS__BATCH_STATUS__BATCH_FAILED:
+        return "Failed";
+    case KS__BATCH_STATUS__BATCH_CANCELLED:
+        return "Cancelled";
+    default:
+        return "Unknown";
+    }
+}
+
+const char *
 kproto_status_name(Ks__CommandStatus st)
 {
     switch (st) {

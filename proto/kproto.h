@@ -41,7 +41,8 @@
     X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
     X(DUPINSTANCE, -1017, "another agent process serves this id")            \
     X(PGREFUSED, -1018, "PostgreSQL refuses writes")                           \
-    X(INDOUBT, -1019, "outcome unknown")
+    X(INDOUBT, -1019, "outcome unknown")                                       \
+    X(BUSY, -1020, "busy: cannot start in time, try again later")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),
@@ -198,6 +199,10 @@ void ks_hex(const uint8_t *data, size_t len, char *out);
 
 /* Status names as the CLI and JSON print them ("Succeeded", ...). */
 const char *kproto_status_name(Ks__CommandStatus st);
+/* A batch's, as the CLI, JSON and the batches projection (migration 13)
+ * name them: "Running", "Succeeded", "PartialFailure", "Failed",
+ * "Cancelled"; "Unknown" for any other value. */
+const char *kproto_batch_status_name(Ks__BatchStatus st);
 /* 1 if the status is terminal. */
 int kproto_status_terminal(Ks__CommandStatus st);
 
@@ -253,6 +258,7 @@ enum ks_counter {
      * written, the identity past its share (broker/budget.c) */
     KS_C_REPORTS_DROPPED,
     KS_C_DENIALS_DROPPED,
+    KS_C_REFUSED_BUSY,       /* kscore_refused_busy_total: KS_EBUSY */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

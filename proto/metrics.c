@@ -100,6 +100,12 @@ static const struct {
                               B, "kind=\"report\""},
     [KS_C_DENIALS_DROPPED] = {"kscore_annotations_dropped_total", NULL, B,
                               "kind=\"denial\""},
+    [KS_C_REFUSED_BUSY] = {"kscore_refused_busy_total",
+                           "Commands refused at once because they could "
+                           "not start within their delivery deadline (or "
+                           "kscore's own queues were over their limit): "
+                           "nothing recorded, the client may retry.",
+                           B},
 };
 
 static const struct {
@@ -151,7 +157,7 @@ static const struct {
     [KS_G_QUEUE_EVENTS] = {"kscore_queue_depth", "queue=\"events\"",
                            "Messages waiting in JetStream: events not yet "
                            "recorded (KSCORE_EVENTS, consumer "
-                           "kscore-recorder) and commands not yet acked by "
+                           "kscore-recorder-pull) and commands not yet acked by "
                            "their agent (KSCORE_CMDS).",
                            B, true},
     [KS_G_QUEUE_COMMANDS] = {"kscore_queue_depth", "queue=\"commands\"", NULL,

@@ -249,6 +249,11 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
     store__p_text_or_null(&p, kind == STORE__PROJ_REQUESTED ? ev->reason : NULL);
     if (kind == STORE__PROJ_STATUS) /* 12 */
         store__p_text(&p, kproto_status_name(st));
+    else if (kind == STORE__PROJ_BATCH && ev->batch_status &&
+             ev->batch_status != KS__BATCH_STATUS__BATCH_RUNNING &&
+             strcmp(ev->type, "BatchCompleted") == 0)
+        /* How it ended (migration 13). */
+        store__p_text(&p, kproto_batch_status_name(ev->batch_status));
     else if (kind == STORE__PROJ_RESULT)
         store__p_text(&p, kproto_status_name(store__result_status(r, st)));
     else

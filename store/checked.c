@@ -543,10 +543,12 @@ checked_locked(struct store *s, const Ks__Event *const *events, size_t n,
              * what a writer that held one committed. (Read in the same
              * statement, a row lock that waited re-reads the streams row
              * but not the joined commands row: a stale state.) */
+            /* Events first, before the row locks give the transaction
+             * its id (STORE__LOCKED). */
             !PQsendQueryParams(s->conn,
-                               "SELECT 1 FROM streams"
+                               "SELECT 1" STORE__LOCKED ", streams"
                                " WHERE stream_id = ANY ($1::text[])"
-                               " ORDER BY stream_id FOR UPDATE",
+                               " ORDER BY stream_id FOR UPDATE OF streams",
                                1, NULL, p1, NULL, NULL, 0) ||
             !PQsendQueryParams(
                 s->conn,

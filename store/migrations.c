@@ -17,6 +17,11 @@
  * terminal status is final (a terminal P keeps its status, attempt,
  * agent, times), the first result is kept.
  */
+/* A batch's status at its end, as the SQL of a migration knows it
+ * (re-defined by migration 13, as FOLD_TERMINAL_LIST below is). */
+#define BATCH_END_STATUS                                                       \
+    "CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n"                     \
+    "               ELSE 'Cancelled' END"
 /* The terminal statuses as the SQL of a migration knows them: re-defined
  * before each migration that changes the set, so a shipped migration's
  * text never changes (macros expand where they are used). */
@@ -68,7 +73,7 @@
     FOLD_RES(P, "r_errno", "start_errno") ",\n"                                \
     FOLD_RES(P, "res", "result")
 /*
- * Hooks that later migrations fill (migration 11: open_commands and index
+ * Hooks that later migrations fill (migration 14: open_commands and index
  * access on commands); empty, they leave the earlier migrations' text as
  * it shipped. Each is re-defined before the migration that needs it.
  */
@@ -427,8 +432,7 @@
     "    RETURN;\n" \
     "  ELSIF p_type IN ('BatchCompleted', 'BatchCancelled') THEN\n" \
     "    UPDATE batches SET\n" \
-    "      status = CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n" \
-    "               ELSE 'Cancelled' END,\n" \
+    "      status = " BATCH_END_STATUS ",\n" \
     "      finished_at = kscore_ts(p_at), version = v\n" \
     "    WHERE batch_id = p_batch_id;\n" \
     "    RETURN;\n" \
@@ -922,7 +926,252 @@ static const char migration_10[] =
     ");\n";
 
 /*
- * Migration 11: updates of commands rows become HOT (heap-only tuples: the
+ * Migration 11: what kscore copy keeps is bounded and goes away (issue 21:
+ * any operator in the policy could store any number of files, and the
+ * parts of an upload never finished stayed for good).
+ *
+ * Each part is charged to the operator who wrote it (blob_parts.operator;
+ * parts from before this migration: their file's, else ''), as long as
+ * it is kept, whether its file is complete or not. blob_usage holds the
+ * sums: a row per operator and the row '*' for all of them (no operator
+ * is named '*': it is the NATS wildcard, and an operator's name is the
+ * last token of its API subject). Every writer of blob_parts locks the
+ * '*' row first, so parts are written, dropped and counted one
+ * transaction at a time, whichever broker writes: the bound is checked
+ * against sums no other transaction is changing (kscore_blob_put), and
+ * no two writers lock rows in different orders. Each such transaction is
+ * one part or a few: short.
+ *
+ * blob_parts.ver: a number no other write of a part had
+ * (blob_parts_ver), so a commit can tell that the parts it read back and
+ * checked are still the ones there (kscore_blob_commit): a part sent again
+ * meanwhile has another. NULL for parts from before this migration
+ * (nullable, so adding it rewrites nothing).
+ *
+ * blob_files.used_at: the last upload of the file or the last copy that
+ * named it; written_at: when a part was written. The broker's scanner
+ * deletes files unused for its copy_keep that no open batch names, and
+ * parts of files not complete written longer than copy_upload_keep ago
+ * (store_blob_expire).
+ */
+static const char migration_11[] =
+    "ALTER TABLE blob_parts\n"
+    "  ADD COLUMN operator   text NOT NULL DEFAULT '',\n"
+    "  ADD COLUMN written_at timestamptz NOT NULL DEFAULT now(),\n"
+    "  ADD COLUMN ver        bigint;\n"
+    "CREATE SEQUENCE blob_parts_ver;\n"
+    "ALTER TABLE blob_files\n"
+    "  ADD COLUMN used_at timestamptz NOT NULL DEFAULT now();\n"
+    "UPDATE blob_parts p SET operator = f.operator FROM blob_files f\n"
+    "  WHERE f.sha256 = p.sha256;\n"
+    "CREATE INDEX blob_parts_written ON blob_parts (written_at);\n"
+    "CREATE INDEX blob_files_used ON blob_files (used_at);\n"
+    "CREATE TABLE blob_usage (\n"
+    "  operator text PRIMARY KEY,\n"
+    "  bytes    bigint NOT NULL CHECK (bytes >= 0)\n"
+    ");\n"
+    "INSERT INTO blob_usage (operator, bytes)\n"
+    "  SELECT '*', coalesce(sum(octet_length(data)), 0) FROM blob_parts\n"
+    "  UNION ALL\n"
+    "  SELECT operator, sum(octet_length(data)) FROM blob_parts\n"
+    "  GROUP BY operator;\n"
+    /*
+     * One part from p_op, under the bounds: o_bound NULL when it is
+     * written (or its file is complete: nothing to write), else which
+     * bound it would pass ('operator', 'total') and what is held against
+     * it now (o_used, bytes). A part sent again replaces the one there,
+     * whose bytes go back to whoever wrote it.
+     */
+    "CREATE FUNCTION kscore_blob_put(p_sha bytea, p_part int, p_data bytea,\n"
+    "  p_op text, p_op_max bigint, p_total_max bigint,\n"
+    "  OUT o_bound text, OUT o_used bigint)\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "DECLARE\n"
+    "  n bigint := octet_length(p_data);\n"
+    "  total bigint; mine bigint; after bigint; old_op text;\n"
+    "  old_n bigint;\n"
+    "BEGIN\n"
+    "  SELECT bytes INTO total FROM blob_usage WHERE operator = '*'\n"
+    "    FOR UPDATE;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    RETURN;\n"
+    "  END IF;\n"
+    "  SELECT operator, octet_length(data) INTO old_op, old_n\n"
+    "    FROM blob_parts WHERE sha256 = p_sha AND part = p_part;\n"
+    "  old_n := coalesce(old_n, 0);\n"
+    "  SELECT coalesce(max(bytes), 0) INTO mine FROM blob_usage\n"
+    "    WHERE operator = p_op;\n"
+    /* (plpgsql reads an IF's condition up to the first THEN: no CASE
+     * in it) */
+    "  after := mine + n;\n"
+    "  IF old_op = p_op THEN\n"
+    "    after := after - old_n;\n"
+    "  END IF;\n"
+    "  IF after > p_op_max THEN\n"
+    "    o_bound := 'operator'; o_used := mine; RETURN;\n"
+    "  END IF;\n"
+    "  IF total + n - old_n > p_total_max THEN\n"
+    "    o_bound := 'total'; o_used := total; RETURN;\n"
+    "  END IF;\n"
+    "  UPDATE blob_usage SET bytes = bytes - old_n WHERE operator = old_op;\n"
+    "  INSERT INTO blob_parts (sha256, part, data, operator, written_at,\n"
+    "    ver)\n"
+    "  VALUES (p_sha, p_part, p_data, p_op, now(), nextval('blob_parts_ver'))\n"
+    "  ON CONFLICT (sha256, part) DO UPDATE SET data = EXCLUDED.data,\n"
+    "    operator = EXCLUDED.operator, written_at = EXCLUDED.written_at,\n"
+    "    ver = EXCLUDED.ver;\n"
+    "  INSERT INTO blob_usage AS u (operator, bytes) VALUES (p_op, n)\n"
+    "    ON CONFLICT (operator) DO UPDATE SET bytes = u.bytes + n;\n"
+    "  UPDATE blob_usage SET bytes = bytes + n - old_n WHERE operator = '*';\n"
+    "END $$;\n"
+    /*
+     * Deletes up to p_limit parts of files that are not complete: of file
+     * p_sha (NULL: any) from part p_from on, written by p_op (NULL:
+     * anyone), before p_before (NULL: any time). Their bytes go back to
+     * their operators. Returns how many.
+     */
+    "CREATE FUNCTION kscore_blob_forget(p_sha bytea, p_from int, p_op text,\n"
+    "  p_before timestamptz, p_limit int) RETURNS int\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "DECLARE k int;\n"
+    "BEGIN\n"
+    "  PERFORM 1 FROM blob_usage WHERE operator = '*' FOR UPDATE;\n"
+    "  WITH gone AS (\n"
+    "    DELETE FROM blob_parts p WHERE (p.sha256, p.part) IN (\n"
+    "      SELECT q.sha256, q.part FROM blob_parts q\n"
+    "      WHERE (p_sha IS NULL OR q.sha256 = p_sha) AND q.part >= p_from\n"
+    "        AND (p_op IS NULL OR q.operator = p_op)\n"
+    "        AND (p_before IS NULL OR q.written_at < p_before)\n"
+    "        AND NOT EXISTS (SELECT 1 FROM blob_files f\n"
+    "                        WHERE f.sha256 = q.sha256)\n"
+    "      LIMIT p_limit)\n"
+    "    RETURNING p.operator, octet_length(p.data)::bigint AS n\n"
+    "  ), per AS (\n"
+    "    SELECT operator, sum(n) AS n FROM gone GROUP BY operator\n"
+    "    UNION ALL SELECT '*', coalesce(sum(n), 0) FROM gone\n"
+    "  ), counted AS (\n"
+    "    UPDATE blob_usage u SET bytes = u.bytes - per.n FROM per\n"
+    "    WHERE u.operator = per.operator\n"
+    "  )\n"
+    "  SELECT count(*) INTO k FROM gone;\n"
+    "  RETURN k;\n"
+    "END $$;\n"
+    /*
+     * Marks file p_sha complete, of p_size bytes, uploaded by p_op, if
+     * its parts are still those the caller read back and checked: p_vers
+     * is their ver, in part order (a part sent again since has another).
+     * Parts past them (sent for a larger size) are dropped. true when the
+     * file is complete (now or before), false when its parts changed.
+     */
+    "CREATE FUNCTION kscore_blob_commit(p_sha bytea, p_size bigint,\n"
+    "  p_op text, p_vers bigint[]) RETURNS bool\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM 1 FROM blob_usage WHERE operator = '*' FOR UPDATE;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    UPDATE blob_files SET used_at = now() WHERE sha256 = p_sha;\n"
+    "    RETURN true;\n"
+    "  END IF;\n"
+    "  IF (SELECT coalesce(array_agg(coalesce(ver, 0) ORDER BY part),\n"
+    "                      '{}')\n"
+    "      FROM blob_parts WHERE sha256 = p_sha\n"
+    "      AND part < cardinality(p_vers)) <> p_vers THEN\n"
+    "    RETURN false;\n"
+    "  END IF;\n"
+    "  PERFORM kscore_blob_forget(p_sha, cardinality(p_vers), NULL, NULL,\n"
+    "                             2147483647);\n"
+    "  INSERT INTO blob_files (sha256, size, operator)\n"
+    "    VALUES (p_sha, p_size, p_op);\n"
+    "  RETURN true;\n"
+    "END $$;\n";
+
+/*
+ * Migration 12: the writer's side of the reading rule (store.h "Readers").
+ * A reader goes past every transaction that is still open unless it holds
+ * a lock on events (other than a reader's ACCESS SHARE), so an appender
+ * must hold that lock before it has a transaction id: from then on a
+ * reader that sees its id open sees its lock too. kscore_events_lock()
+ * takes it (ROW EXCLUSIVE, as any INSERT does) and refuses to once the
+ * transaction has an id; the store's appending statements call it first
+ * (store.c, "FROM kscore_events_lock()"). The statement trigger keeps every
+ * other writer honest: an INSERT into events is the transaction's first
+ * write (and takes the lock before its id), or comes after
+ * kscore_events_lock() (or CALL kscore_events_locked(), the same with no
+ * rows), or fails with KS006. The mark is a transaction's
+ * setting (set_config local): it ends with the transaction, and with a
+ * subtransaction that rolls back, as the lock does.
+ */
+#define SQL_EVENTS_LOCK_REFUSE(WHERE) \
+    "    RAISE EXCEPTION 'events locked after the transaction''s first " \
+    "write (" WHERE ")'\n" \
+    "      USING ERRCODE = '" STORE__SQLSTATE_UNLOCKED "', HINT =\n" \
+    "      'an appending transaction calls kscore_events_lock() first: a " \
+    "reader would not wait for it (store.h)';\n"
+static const char migration_12[] =
+    "CREATE FUNCTION kscore_events_lock() RETURNS void LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true) = 'on' THEN\n"
+    "    RETURN;\n"
+    "  END IF;\n"
+    "  IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("kscore_events_lock")
+    "  END IF;\n"
+    "  LOCK TABLE events IN ROW EXCLUSIVE MODE;\n"
+    "  PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "END $$;\n"
+    "CREATE FUNCTION kscore_events_guard() RETURNS trigger LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true)\n"
+    "       IS DISTINCT FROM 'on' THEN\n"
+    "    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("INSERT INTO events")
+    "    END IF;\n"
+    /* This INSERT holds the lock already, and the transaction no id. */
+    "    PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "  END IF;\n"
+    "  RETURN NULL;\n"
+    "END $$;\n"
+    "CREATE TRIGGER events_locked_first BEFORE INSERT ON events\n"
+    "  FOR EACH STATEMENT EXECUTE FUNCTION kscore_events_guard();\n"
+    /* The same as a statement that answers no rows (a pipeline's first,
+     * whose reader counts row sets: store/writer.c). */
+    "CREATE PROCEDURE kscore_events_locked() LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM kscore_events_lock();\n"
+    "END $$;\n";
+
+/*
+ * Migration 13: a batch's row says how it ended, as `kscore get` does:
+ * Succeeded, PartialFailure, Failed or Cancelled (BatchCompleted carries
+ * it, passed as p_status: store/append.c), where every ended batch was
+ * "Completed", a cancelled one included (issue 24: `kscore list` showed a
+ * cancelled batch Completed, and --status cancelled never found it). Rows
+ * written before are decided as the broker decided them (broker/batch.c
+ * final_status): cancelled when a cancel was requested, else by their
+ * counts. And the relabels (AgentLabelsChanged, broker/labels.c), which a
+ * broker reads at its start, newest of each stream first, through a
+ * partial index of their own.
+ */
+#undef BATCH_END_STATUS
+#define BATCH_END_STATUS                                                       \
+    "CASE WHEN p_type = 'BatchCancelled' THEN 'Cancelled'\n"                   \
+    "               ELSE coalesce(p_status, 'Completed') END"
+static const char migration_13[] =
+    SQL_PROJECT("CREATE OR REPLACE") ";\n"
+    "UPDATE batches b SET status = CASE\n"
+    "    WHEN EXISTS (SELECT 1 FROM events e WHERE e.stream_id = b.batch_id\n"
+    "                 AND e.type = 'BatchCancelRequested') THEN 'Cancelled'\n"
+    "    WHEN b.succeeded = b.total THEN 'Succeeded'\n"
+    "    WHEN b.succeeded = 0 THEN 'Failed'\n"
+    "    ELSE 'PartialFailure' END\n"
+    "  WHERE b.status = 'Completed';\n"
+    "CREATE INDEX events_relabels ON events (stream_id, version)\n"
+    "  WHERE type = 'AgentLabelsChanged';\n";
+
+/*
+ * Migration 14: updates of commands rows become HOT (heap-only tuples: the
  * new row version on the same page, no new index entry). An update is HOT
  * only when no indexed column changes, and commands_open indexed the status
  * (its key and its predicate), so every step of a command (claim, end)
@@ -993,7 +1242,7 @@ static const char migration_10[] =
     "  ELSIF prev = ANY (" FOLD_OPEN_LIST ") THEN\n" \
     "    DELETE FROM open_commands WHERE command_id = p_command_id;\n" \
     "  END IF;\n"
-static const char migration_11[] =
+static const char migration_14[] =
     "CREATE TABLE open_commands (\n"
     "  command_id uuid PRIMARY KEY,\n"
     "  status     text NOT NULL,\n"
@@ -1024,8 +1273,14 @@ const struct store__migration store__migrations[] = {
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
     {10, "files for kscore copy, in parts", migration_10},
-    {11, "open commands in a table of their own: HOT updates of commands",
+    {11, "kscore copy's files bounded per operator, and expired",
      migration_11},
+    {12, "appenders lock events first: readers wait for them alone",
+     migration_12},
+    {13, "a batch's row says how it ended; relabels by stream",
+     migration_13},
+    {14, "open commands in a table of their own: HOT updates of commands",
+     migration_14},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);
@@ -1212,7 +1467,7 @@ const char store__sql_write[] =
     "    r.batch, r.idem, coalesce(r.oper, ''), evv.vers[r.last_ord],\n"
     "    " FOLD_R_COLS "\n"
     "  FROM r, prm, evv\n"
-    /* Its row in open_commands while it is open (migration 11). */
+    /* Its row in open_commands while it is open (migration 14). */
     FOLD_OPEN_INSERT
     "), itg AS (\n"
     "  INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"

@@ -5,7 +5,7 @@
  *
  *  1. LOCK events IN EXCLUSIVE MODE: appends wait, reads go on.
  *  2. Fresh tables kscore_replay.<name> (LIKE <name> INCLUDING ALL, and
- *     the page fill of migration 11, which LIKE does not copy).
+ *     the page fill of migration 14, which LIKE does not copy).
  *  3. search_path = kscore_replay, <schema>: the same kscore_project() the
  *     live path runs now writes the fresh tables; every event, in
  *     global_pos order (for one stream that is its version order, and rows

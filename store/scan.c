@@ -19,7 +19,7 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
     snprintf(due, sizeof(due), "%lld", (long long)due_before_us);
     snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
     /* due_before_us = 0: every command in that status. The open
-     * commands are a table of their own (migration 11); the commands row
+     * commands are a table of their own (migration 14); the commands row
      * says the rest, and has the last word on the status. */
     res = PQexecParams(
         s->conn,

@@ -20,6 +20,20 @@
 #define STORE__SQLSTATE_NOT_YOURS "KS004"
 /* A claim of a command stream that is not recorded (migration 6). */
 #define STORE__SQLSTATE_NOT_RECORDED "KS005"
+/* An events insert by a transaction that had an id before it locked
+ * events (migration 12). */
+#define STORE__SQLSTATE_UNLOCKED "KS006"
+/*
+ * The FROM clause of every statement that begins an appending transaction
+ * (or may): it locks events before the transaction has an id (migration
+ * 11, the reading rule in store.h). A function in FROM runs before the
+ * target list and before any row of a join is locked; it returns at once
+ * when an earlier statement of the transaction took the lock.
+ */
+#define STORE__LOCKED " FROM kscore_events_lock()"
+/* An explicit transaction that appends: BEGIN, then the lock (one round
+ * trip, for store__exec). */
+#define STORE__BEGIN_APPENDING "BEGIN; SELECT kscore_events_lock()"
 
 /* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
 #define STORE__OID_BOOL 16

@@ -1090,6 +1090,17 @@ START_TEST(claimed_never_spawned_runs_once_after_restart)
         print_events(id2);
     ck_assert(found);
     ck_assert(!has_event(id2, "CommandLost", NULL, NULL));
+    /* `kscore events --follow` stops at this end as at any other (it
+     * followed a NotStarted command forever). */
+    {
+        const char *args[] = {"events", "--follow", id2, NULL};
+        struct fixture_proc p;
+        ck_assert_int_eq(fixture_kscore_spawn(&stack, args, false, &p), 0);
+        int st = fixture_proc_wait(&p, 0, 20000);
+        ck_assert_msg(st == 0 && strstr(p.out, "CommandNotStarted"),
+                      "events --follow: exit %d: %s", st, p.out);
+        fixture_proc_release(&p);
+    }
     {
         const char *args[] = {"get", id2, "--json", NULL};
         struct fixture_out o;

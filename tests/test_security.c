@@ -48,8 +48,18 @@ stack_up(void)
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}], \"mallory\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
-               "\"true\"]}]}}\n");
+               "\"true\"]}]");
+    /* Operators that may copy (kscore copy's bounds). */
+    const char *copiers[] = {"carol", "dave", "filler0", "filler1",
+                             "filler2"};
+    for (size_t i = 0; i < sizeof(copiers) / sizeof(copiers[0]); i++)
+        fprintf(f, ", \"%s\": [{\"agents\": \"*\"}]", copiers[i]);
+    fprintf(f, "}}\n");
     fclose(f);
+    /* Small bounds for kscore copy's uploads (the upload tests); set for
+     * every start of the broker (one test restarts it). */
+    setenv("KSCORE_COPY_OPERATOR_MIB", "4", 1);
+    setenv("KSCORE_COPY_TOTAL_MIB", "6", 1);
     if (fixture_stack_start_secure(&stack, AGENT, "env=dev", OPERATOR,
                                    policy_path) != 0) {
         fixture_stack_stop(&stack);
@@ -61,6 +71,8 @@ static void
 stack_down(void)
 {
     fixture_stack_stop(&stack);
+    unsetenv("KSCORE_COPY_OPERATOR_MIB");
+    unsetenv("KSCORE_COPY_TOTAL_MIB");
     char cmd[PATH_MAX + 16];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
     if (system(cmd) != 0)
@@ -1553,7 +1565,8 @@ static void
 labels_up(void)
 {
     /* lop: sh (with DBPASS) on env=prod agents only, id on env=dev ones
-     * only, true anywhere. */
+     * only, true anywhere; it may change the labels of env=dev agents
+     * while they stay env=dev. */
     const char *t = getenv("TMPDIR");
     snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
              t && t[0] ? t : "/tmp");
@@ -1565,6 +1578,7 @@ labels_up(void)
                "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
                "{\"agents\": {\"env\": \"dev\"}, \"executables\": "
                "[\"id\"]}, "
+               "{\"agents\": {\"env\": \"dev\"}, \"can\": [\"label\"]}, "
                "{\"agents\": \"*\", "
                "\"executables\": [\"true\"]}]}}\n");
     fclose(f);
@@ -1580,6 +1594,7 @@ labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
     stack_stop(ls.dir, "bb", 10000);
+    stack_stop(ls.dir, "cc", 10000);
     fixture_stack_stop(&ls);
     unlink(ls_policy);
 }
@@ -1828,19 +1843,42 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
-/* Starts agent "bb" of the labels stack from bundle (its state in
- * bb-state) and waits for its heartbeat after since_us. */
+/* bundle without its label attestation (its signature, key id and time)
+ * and with label `from` said as `to`, into out (0600): what an enrolled
+ * agent's host could run to choose its labels. */
 static void
-start_bb(const char *bundle, int64_t since_us)
+strip_attestation(const char *bundle, const char *out_path, const char *from,
+                  const char *to)
 {
-    char state[PATH_MAX + 32];
+    FILE *in = fopen(bundle, "re"), *out = fopen(out_path, "we");
+    char l[16384], was[128], now[128];
+    snprintf(was, sizeof(was), "label = %s\n", from);
+    snprintf(now, sizeof(now), "label = %s\n", to);
+    ck_assert(in && out);
+    while (fgets(l, sizeof(l), in))
+        if (strncmp(l, "labels_signature", 16) != 0 &&
+            strncmp(l, "labels_key_id", 13) != 0 &&
+            strncmp(l, "enrolled_at_us", 14) != 0)
+            fputs(strcmp(l, was) == 0 ? now : l, out);
+    fclose(in);
+    fclose(out);
+    chmod(out_path, 0600);
+}
+
+/* Starts agent "enrolled-<name>" of the labels stack from bundle (daemon
+ * <name>, its state in <name>-state) and waits for its heartbeat after
+ * since_us. */
+static void
+start_enrolled(const char *name, const char *bundle, int64_t since_us)
+{
+    char state[PATH_MAX + 32], id[64];
     pid_t pid;
-    snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+    snprintf(state, sizeof(state), "%s/%s-state", ls.dir, name);
+    snprintf(id, sizeof(id), "enrolled-%.40s", name);
     char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
                     (char *)bundle, "--state-dir", state, NULL};
-    ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since_us,
-                                       30000) == 0);
+    ck_assert_int_eq(stack_daemon(ls.dir, name, argv, &pid), 0);
+    ck_assert(fixture_stack_wait_agent(&ls, id, since_us, 30000) == 0);
 }
 
 /*
@@ -1875,7 +1913,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
     since = ks_now_us();
-    start_bb(bundle, since);
+    start_enrolled("bb", bundle, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
                       strstr(line, "\"labels_signed\":true"),
@@ -1886,25 +1924,10 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 
     /* The same bundle without its attestation, saying env=dev. */
     snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
-    {
-        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
-        char l[16384];
-        ck_assert(in && out);
-        while (fgets(l, sizeof(l), in))
-            if (strncmp(l, "labels_signature", 16) != 0 &&
-                strncmp(l, "labels_key_id", 13) != 0 &&
-                strncmp(l, "enrolled_at_us", 14) != 0)
-                fputs(strcmp(l, "label = env=prod\n") == 0
-                          ? "label = env=dev\n"
-                          : l,
-                      out);
-        fclose(in);
-        fclose(out);
-        chmod(stripped, 0600);
-    }
+    strip_attestation(bundle, stripped, "env=prod", "env=dev");
     from = file_size(blog);
     since = ks_now_us();
-    start_bb(stripped, since);
+    start_enrolled("bb", stripped, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
     ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
                       strstr(line, "\"labels\":{}"),
@@ -1941,6 +1964,137 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
     free(line);
     stack_stop(ls.dir, "bb", 10000);
+}
+END_TEST
+
+static void
+enroll_cc(const char *label, const char *bundle)
+{
+    struct fixture_out o;
+    const char *args[] = {"agent", "enroll", "enrolled-cc", "--label", label,
+                          "--out", bundle, "--nats-url", ls.nats.url, NULL};
+    ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+    ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+}
+
+/*
+ * Issue 24: labels change without a new enrolment, and keep what makes
+ * them worth anything. `kscore agent label` is this broker's signature
+ * (as an enrolment's), recorded with the operator, allowed only by a
+ * "label" rule that matches the agent before and after (lop may retag a
+ * dev agent, not move it to prod: RequestDenied); a fact's key is no
+ * label. The relabelled id is never served with labels of its own
+ * choosing: run from a bundle without its attestation that says
+ * env=prod, it keeps the relabel's (not prod, not none), across a broker
+ * kill -9 (the broker reads them from the record at its start). A newer
+ * enrolment replaces them.
+ */
+START_TEST(a_relabel_is_signed_recorded_and_kept)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], bundle2[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+
+    ls_keys();
+    snprintf(bundle, sizeof(bundle), "%s/cc.bundle", ls.dir);
+    enroll_cc("env=dev", bundle);
+    since = ks_now_us();
+    start_enrolled("cc", bundle, since);
+    line = agent_line("enrolled-cc", "\"env\":\"dev\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"dev\""), "%s", line);
+    free(line);
+
+    /* Allowed: still env=dev after. */
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "role=web",
+                              "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 0 && strstr(o.out, "\"applied\":true"),
+                      "exit %d: %s%s", o.status, o.out, o.err);
+        fixture_out_release(&o);
+    }
+    line = agent_line("enrolled-cc", "\"role\":\"web\"", 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      strstr(line, "\"labels_signed\":true") &&
+                      strstr(line, "\"labels_by\":\"lop\""),
+                  "%s", line);
+    free(line);
+    /* Refused: out of the rule's reach (and recorded so); a fact. */
+    long denied = fixture_sql_long(ls.pg.conninfo,
+                                   "SELECT count(*) FROM events WHERE"
+                                   " stream_id = 'operator-lop' AND type ="
+                                   " 'RequestDenied'");
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "env=prod",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 125 && strstr(o.err, "denied"),
+                      "exit %d: %s", o.status, o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'operator-lop' AND type"
+                                      " = 'RequestDenied'"),
+                     denied + 1);
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "fact.os=x",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_int_eq(o.status, 2);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'agent-enrolled-cc' AND"
+                                      " type = 'AgentLabelsChanged'"),
+                     1);
+
+    /* Its bundle without the attestation, saying env=prod: the relabel
+     * stands, signed. */
+    stack_stop(ls.dir, "cc", 10000);
+    snprintf(stripped, sizeof(stripped), "%s/cc-stripped.bundle", ls.dir);
+    strip_attestation(bundle, stripped, "env=dev", "env=prod");
+    fixture_stack_broker_kill(&ls, SIGKILL);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    since = ks_now_us();
+    start_enrolled("cc", stripped, since);
+    line = agent_line("enrolled-cc", NULL, 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      !strstr(line, "prod") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    /* Nor does a prod batch reach it. */
+    batch_prod(&o);
+    ck_assert_msg(!strstr(o.out, "enrolled-cc") && !strstr(o.err, "enrolled-cc"),
+                  "batch: %d %s%s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+
+    /* A new enrolment (revoke, enroll) is newer than the relabel. */
+    stack_stop(ls.dir, "cc", 10000);
+    {
+        const char *args[] = {"agent", "revoke", "enrolled-cc", "--nats",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "revoke: %s", o.err);
+        fixture_out_release(&o);
+    }
+    snprintf(bundle2, sizeof(bundle2), "%s/cc2.bundle", ls.dir);
+    enroll_cc("env=qa", bundle2);
+    since = ks_now_us();
+    start_enrolled("cc", bundle2, since);
+    line = agent_line("enrolled-cc", "\"env\":\"qa\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"qa\"") && !strstr(line, "role") &&
+                      !strstr(line, "labels_by"),
+                  "%s", line);
+    free(line);
+    stack_stop(ls.dir, "cc", 10000);
 }
 END_TEST
 
@@ -2963,47 +3117,60 @@ on_answer(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     natsMsg_Destroy(msg);
 }
 
-START_TEST(an_operators_denials_are_bounded_rows)
+/* The seed of operator name in the stack's registry (made there, and the
+ * server's users reloaded, the first time) into seed. */
+static void
+operator_seed(const char *name, char *seed, size_t len)
 {
-    struct stack_identity eve;
-    char eve_seed[PATH_MAX + 64];
-    const int n = 5000;
-    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, "eve", &eve),
+    struct stack_identity id;
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, name, seed, len);
+    if (access(seed, F_OK) == 0)
+        return;
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, name, &id),
                      0);
     ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
-    stack_ident_seed_path(stack.dir, STACK_OPERATOR, "eve", eve_seed,
-                          sizeof(eve_seed));
-    const char *rows_sql = "SELECT count(*) FROM events WHERE stream_id = "
-                           "'operator-eve' AND type = 'RequestDenied'";
+}
+
+/*
+ * n requests (req, packed) to API method as operator op, published at
+ * once from a raw client with op's credential; every answer must be a
+ * denial (each reply's error_code and error are its fields 1 and 2).
+ * Checks that op wrote no more RequestDenied rows than its share
+ * (budget.c) and at least half its burst, and that the broker said so.
+ */
+static void
+denials_stay_bounded(const char *op, const char *method,
+                     const ProtobufCMessage *req, int n)
+{
+    char seed[PATH_MAX + 64], rows_sql[256], inbox[96], identity[96];
+    operator_seed(op, seed, sizeof(seed));
+    snprintf(rows_sql, sizeof(rows_sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'operator-%s' "
+             "AND type = 'RequestDenied'",
+             op);
     long before = sql_long(rows_sql);
 
-    /* eve is in no policy: every request of hers is denied. */
-    struct thief *t = thief_connect(eve_seed);
+    struct thief *t = thief_connect(seed);
     struct answers a = {.n = 0};
     natsSubscription *sub = NULL;
     pthread_mutex_init(&a.mu, NULL);
-    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, "_INBOX.eve.>",
-                                              on_answer, &a),
+    snprintf(inbox, sizeof(inbox), "_INBOX.%s.>", op);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox, on_answer,
+                                              &a),
                      NATS_OK);
     natsSubscription_SetPendingLimits(sub, -1, -1);
     natsConnection_Flush(t->nc);
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
-    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-    char *argv[] = {"true"};
-    spec.argv = argv;
-    spec.n_argv = 1;
-    req.spec = &spec;
-    req.agent_id = AGENT;
     uint8_t *buf;
     size_t len;
-    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    char subject[128];
+    snprintf(subject, sizeof(subject), "%s.%s", method, op);
+    ck_assert_int_eq(kproto_pack(req, &buf, &len), 0);
     int64_t t0 = ks_mono_us();
     for (int i = 0; i < n; i++) {
-        char reply[64];
-        snprintf(reply, sizeof(reply), "_INBOX.eve.%d", i);
-        ck_assert_int_eq(natsConnection_PublishRequest(
-                             t->nc, EVT_API_EXECUTE ".eve", reply, buf,
-                             (int)len),
+        char reply[128];
+        snprintf(reply, sizeof(reply), "_INBOX.%s.%d", op, i);
+        ck_assert_int_eq(natsConnection_PublishRequest(t->nc, subject, reply,
+                                                       buf, (int)len),
                          NATS_OK);
         if (i % 500 == 499)
             natsConnection_Flush(t->nc);
@@ -3030,8 +3197,23 @@ START_TEST(an_operators_denials_are_bounded_rows)
                   "%ld RequestDenied rows of %d requests in %.1f s", rows, n,
                   took_s);
     ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
-    ck_assert_int_ge(broker_log_count("past its share", "identity=operator-eve"),
-                     1);
+    snprintf(identity, sizeof(identity), "identity=operator-%s", op);
+    ck_assert_int_ge(broker_log_count("past its share", identity), 1);
+}
+
+START_TEST(an_operators_denials_are_bounded_rows)
+{
+    char eve_seed[PATH_MAX + 64];
+    /* eve is in no policy: every request of hers is denied. */
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"true"};
+    spec.argv = argv;
+    spec.n_argv = 1;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    denials_stay_bounded("eve", EVT_API_EXECUTE, &req.base, 5000);
+    operator_seed("eve", eve_seed, sizeof(eve_seed));
     /* Past her share she is still denied, through the CLI too. */
     struct fixture_out o;
     const char *ex[] = {"exec", "--nkey", eve_seed, "--agent", AGENT, "--",
@@ -3045,6 +3227,248 @@ START_TEST(an_operators_denials_are_bounded_rows)
     ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
     ck_assert_msg(o.status == 0, "exec as " OPERATOR ": %s", o.err);
     fixture_out_release(&o);
+}
+END_TEST
+
+/* ---- kscore copy's uploads: who, how much --------------------------------
+ *
+ * The stack's broker runs with copy_operator_mib 4 and copy_total_mib 6
+ * (stack_up). carol, dave, frank and the fillers may copy ("agents": "*");
+ * alice and mallory may not (their rules list executables).
+ */
+
+/* What blob_usage holds for op ('*': everyone), and what its parts
+ * really sum to: the two agree. */
+static long
+held_bytes(const char *op)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce((SELECT bytes FROM blob_usage WHERE operator = "
+             "'%s'), 0)",
+             op);
+    long held = sql_long(sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(sum(octet_length(data)), 0) FROM blob_parts "
+             "WHERE '%s' IN ('*', operator)",
+             op);
+    ck_assert_int_eq(sql_long(sql), held);
+    return held;
+}
+
+#define MiB (1024L * 1024)
+
+/* Uploads n bytes (tag) as op on a connection of op's credential: the
+ * answer's code, its text in why. */
+static int
+upload_as(const char *op, size_t n, uint32_t tag, char *why, size_t len)
+{
+    char seed[PATH_MAX + 64];
+    operator_seed(op, seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    uint8_t *b = fixture_bytes(n, tag);
+    bool complete = false;
+    int rc = fixture_upload(c, op, b, n, UINT32_MAX, &complete, why, len);
+    ck_assert(rc != 0 || complete);
+    free(b);
+    evt_close(c);
+    return rc;
+}
+
+START_TEST(only_an_operator_who_may_copy_uploads)
+{
+    char why[700];
+    const char *rows_sql =
+        "SELECT count(*) FROM events WHERE stream_id = 'operator-" OPERATOR
+        "' AND type = 'RequestDenied' AND position(convert_to('may not "
+        "upload', 'UTF8') in data) > 0";
+    long rows_before = sql_long(rows_sql);
+    /* alice may run sh and echo: no copy, so no upload either, and nothing
+     * of hers is stored. */
+    ck_assert_int_eq(upload_as(OPERATOR, 3 * MiB / 2, 1, why, sizeof(why)),
+                     KS_EDENIED);
+    ck_assert_msg(strstr(why, "may not upload files for kscore copy"), "%s",
+                  why);
+    ck_assert_int_eq(held_bytes(OPERATOR), 0);
+    ck_assert_int_gt(sql_long(rows_sql), rows_before);
+    /* Through the CLI: refused at the upload, exit 125. */
+    char src[PATH_MAX + 32];
+    snprintf(src, sizeof(src), "%s/up.conf", tmpdir);
+    FILE *f = fopen(src, "w");
+    fputs("not for alice\n", f);
+    fclose(f);
+    struct fixture_out o;
+    const char *cp[] = {"copy", "--agents", AGENT, src, "--to", "/tmp/x",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cp, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not upload files"), "%s", o.err);
+    fixture_out_release(&o);
+    /* Refused uploads are annotations like any denial: bounded rows. */
+    Ks__UploadRequest up = KS__UPLOAD_REQUEST__INIT;
+    uint8_t sum[32] = {1};
+    up.sha256.data = sum;
+    up.sha256.len = sizeof(sum);
+    up.size = 10;
+    up.commit = 1;
+    denials_stay_bounded("mallory", EVT_API_UPLOAD, &up.base, 1500);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM blob_parts WHERE "
+                              "operator = 'mallory'"),
+                     0);
+}
+END_TEST
+
+struct parallel_upload {
+    int k, rc;
+    char why[700];
+};
+
+static void *
+parallel_upload_main(void *arg)
+{
+    struct parallel_upload *u = arg;
+    u->rc = upload_as("carol", 3 * MiB / 2, 100 + (uint32_t)u->k, u->why,
+                      sizeof(u->why));
+    return NULL;
+}
+
+/* Parallel uploads of one operator, each on its own connection: within
+ * its bound, the refused ones named by it and gone at once. */
+START_TEST(parallel_uploads_stay_within_the_operators_bound)
+{
+    char seed[PATH_MAX + 64];
+    operator_seed("carol", seed, sizeof(seed)); /* before the threads */
+    struct parallel_upload u[4];
+    pthread_t th[4];
+    int done = 0, refused = 0;
+    for (int k = 0; k < 4; k++) {
+        u[k] = (struct parallel_upload){.k = k};
+        ck_assert_int_eq(
+            pthread_create(&th[k], NULL, parallel_upload_main, &u[k]), 0);
+    }
+    for (int k = 0; k < 4; k++) {
+        pthread_join(th[k], NULL);
+        if (u[k].rc == 0) {
+            done++;
+            continue;
+        }
+        ck_assert_int_eq(u[k].rc, KS_ETOOBIG);
+        ck_assert_msg(strstr(u[k].why, "copy_operator_mib") &&
+                          strstr(u[k].why, "operator 'carol'"),
+                      "%s", u[k].why);
+        refused++;
+    }
+    /* 4 files of 1.5 MiB against 4 MiB: two at most. */
+    ck_assert_int_ge(refused, 2);
+    ck_assert_int_ge(done, 1);
+    long held = held_bytes("carol");
+    ck_assert_int_le(held, 4 * MiB);
+    /* Only the complete files' parts stay: a refused upload's are
+     * dropped. */
+    ck_assert_int_eq(held, (long)done * 3 * MiB / 2);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM blob_files WHERE "
+                              "operator = 'carol'"),
+                     done);
+
+    /* The CLI says which bound, and exits 125. */
+    char src[PATH_MAX + 32];
+    snprintf(src, sizeof(src), "%s/big.bin", tmpdir);
+    uint8_t *b = fixture_bytes(9 * MiB / 2, 7);
+    FILE *f = fopen(src, "w");
+    ck_assert_uint_eq(fwrite(b, 1, 9 * MiB / 2, f), 9 * MiB / 2);
+    fclose(f);
+    free(b);
+    struct fixture_out o;
+    const char *cp[] = {"copy", "--agents", AGENT, src, "--to", "/tmp/x",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_as(&stack, "carol", cp, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "copy_operator_mib"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(held_bytes("carol"), held);
+}
+END_TEST
+
+struct store_putter {
+    const char *conninfo;
+    int k, stored, refused;
+};
+
+/* Puts 16 parts of 256 KiB of its own file as frank, through a store
+ * connection of its own (as a broker would), under frank's bound of
+ * 2 MiB. */
+static void *
+store_putter_main(void *arg)
+{
+    struct store_putter *p = arg;
+    struct store *st = NULL;
+    struct store_blob_bounds bd = {2 * MiB, 1L << 40};
+    uint8_t sha[32] = {0xf0, (uint8_t)p->k};
+    uint8_t *data = fixture_bytes(256 * 1024, (uint32_t)p->k);
+    if (store_open(p->conninfo, &st, NULL) != 0)
+        return NULL;
+    for (uint32_t i = 0; i < 16; i++) {
+        struct store_blob_refusal r = {0};
+        int rc = store_blob_put(st, sha, i, data, 256 * 1024, "frank", &bd,
+                                &r);
+        if (rc == 0)
+            p->stored++;
+        else if (rc == KS_ETOOBIG && r.bound == STORE_BLOB_OVER_OPERATOR)
+            p->refused++;
+    }
+    free(data);
+    store_close(st);
+    return NULL;
+}
+
+/* The bound holds across connections, as across brokers: the check and
+ * the write are one transaction, against sums no other is changing. */
+START_TEST(the_bound_is_checked_where_the_parts_are_written)
+{
+    struct store_putter p[4];
+    pthread_t th[4];
+    int stored = 0, refused = 0;
+    for (int k = 0; k < 4; k++) {
+        p[k] = (struct store_putter){.conninfo = stack.pg.conninfo, .k = k};
+        ck_assert_int_eq(pthread_create(&th[k], NULL, store_putter_main, &p[k]),
+                         0);
+    }
+    for (int k = 0; k < 4; k++) {
+        pthread_join(th[k], NULL);
+        stored += p[k].stored;
+        refused += p[k].refused;
+    }
+    ck_assert_int_eq(stored + refused, 64);
+    /* 2 MiB: exactly 8 parts of 256 KiB, whatever the interleaving. */
+    ck_assert_int_eq(stored, 8);
+    ck_assert_int_eq(held_bytes("frank"), 2 * MiB);
+    held_bytes("*");
+}
+END_TEST
+
+/* Everyone's bound: fill the store up to 2 MiB under it (fillers of
+ * 1 MiB, at most 4 per operator), then a 2 MiB file of an operator far
+ * from its own bound is refused by the total, named. */
+START_TEST(uploads_stay_within_everyones_bound)
+{
+    char why[700], op[32];
+    int i = 0;
+    while (held_bytes("*") <= 4 * MiB) {
+        snprintf(op, sizeof(op), "filler%d", i / 4);
+        ck_assert_int_eq(upload_as(op, MiB, 1000 + (uint32_t)i, why,
+                                   sizeof(why)),
+                         0);
+        i++;
+    }
+    long total = held_bytes("*");
+    ck_assert_int_le(total, 6 * MiB);
+    ck_assert_int_eq(upload_as("dave", 2 * MiB, 9, why, sizeof(why)),
+                     KS_ETOOBIG);
+    ck_assert_msg(strstr(why, "copy_total_mib") &&
+                      strstr(why, "all operators together"),
+                  "%s", why);
+    ck_assert_int_eq(held_bytes("dave"), 0);
+    ck_assert_int_eq(held_bytes("*"), total);
 }
 END_TEST
 
@@ -3114,6 +3538,10 @@ security_suite(void)
     add_only(tc, an_agent_credential_has_bounded_connections);
     add_only(tc, an_agent_cannot_empty_the_registry);
     add_only(tc, an_agents_lost_claims_are_bounded_rows);
+    add_only(tc, only_an_operator_who_may_copy_uploads);
+    add_only(tc, parallel_uploads_stay_within_the_operators_bound);
+    add_only(tc, the_bound_is_checked_where_the_parts_are_written);
+    add_only(tc, uploads_stay_within_everyones_bound);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
@@ -3121,6 +3549,7 @@ security_suite(void)
     tcase_set_timeout(tc, 180);
     add_only(tc, agents_get_only_the_labels_the_broker_signed);
     add_only(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
+    add_only(tc, a_relabel_is_signed_recorded_and_kept);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -783,6 +783,159 @@ START_TEST(test_read_all_xid_order)
 }
 END_TEST
 
+/* ---- what a reader waits for (issue 25) ---- */
+
+/* Runs sql on c; a failure fails the test. */
+static void
+exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *res = PQexec(c, sql);
+    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
+                      PQresultStatus(res) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQresultErrorMessage(res));
+    PQclear(res);
+}
+
+/* A connection of its own to database db of the fixture's cluster. */
+static PGconn *
+pq_db(const char *db)
+{
+    char ci[PATH_MAX + 64];
+    snprintf(ci, sizeof(ci), "%s dbname=%s", pg.conninfo, db);
+    PGconn *c = PQconnectdb(ci);
+    ck_assert_msg(PQstatus(c) == CONNECTION_OK, "%s: %s", ci,
+                  PQerrorMessage(c));
+    return c;
+}
+
+/* Reads from *cur until a page is empty; whether id was among them. */
+static bool
+read_finds(struct store *r, struct store_cursor *cur, const char *id)
+{
+    bool found = false;
+    struct collect col;
+    do {
+        col = (struct collect){0};
+        ck_assert_int_eq(store_read_all(r, cur, 64, collect_cb, &col), 0);
+        for (int i = 0; i < col.n && i < 64; i++)
+            found = found || strcmp(col.ids[i], id) == 0;
+    } while (col.n > 0);
+    return found;
+}
+
+/*
+ * Issue 25: readers waited below pg_snapshot_xmin, the oldest open
+ * transaction of the whole cluster, so one open transaction of another
+ * database (25 s: a follower's delivery went from 1 s to 24 s) or of this
+ * one that writes no event held every follower back. Both stay open here
+ * while an event is appended: the reader gets it at once. An open
+ * appender of this database is still waited for, and its event comes
+ * first (the order is (tx_id, global_pos)).
+ */
+START_TEST(test_read_all_passes_other_transactions)
+{
+    struct store *r = open_store(), *a = open_store(), *w = open_store();
+    struct store_cursor cur = {0};
+    struct tev t1, held, t2;
+    char stream[64], hstream[64], u[37];
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "pass-%s", u);
+    ks_uuid(u);
+    snprintf(hstream, sizeof(hstream), "pass-%s", u);
+    read_finds(r, &cur, "");
+    /* A transaction with an id, in another database... */
+    PGconn *other = pq_db("postgres");
+    exec_ok(other, "BEGIN");
+    exec_ok(other, "SELECT pg_current_xact_id()");
+    /* ... and one of this database that writes, but no event. */
+    PGconn *same = pq_db("kscore");
+    exec_ok(same, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(same, "BEGIN");
+    exec_ok(same, "INSERT INTO reader_bystander VALUES (1)");
+    exec_ok(same, "SELECT count(*) FROM events"); /* reading is no append */
+
+    ck_assert_int_eq(append1(a, mk(&t1, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert_msg(read_finds(r, &cur, t1.id),
+                  "an event committed after two open transactions that "
+                  "append nothing was not read while they are open");
+
+    /* An appender that is open is waited for: nothing after it is read
+     * until it ends, then its event first. */
+    PQclear(PQexec(store_pgconn(w), "BEGIN"));
+    ck_assert_int_eq(
+        append1(w, mk(&held, hstream, "Thing"), STORE_ANY, NULL), 0);
+    ck_assert_int_eq(append1(a, mk(&t2, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert(!read_finds(r, &cur, t2.id));
+    exec_ok(store_pgconn(w), "COMMIT");
+    struct collect col = {0};
+    ck_assert_int_eq(store_read_all(r, &cur, 64, collect_cb, &col), 0);
+    ck_assert_int_eq(col.n, 2);
+    ck_assert_str_eq(col.ids[0], held.id);
+    ck_assert_str_eq(col.ids[1], t2.id);
+
+    exec_ok(other, "COMMIT");
+    exec_ok(same, "ROLLBACK");
+    PQfinish(other);
+    PQfinish(same);
+    store_close(w);
+    store_close(a);
+    store_close(r);
+}
+END_TEST
+
+/*
+ * The writer's half of the rule (migration 12): a transaction that wrote
+ * something else first (so it has an id) and then appends would be passed
+ * by readers while open, and its events skipped for good once it commits.
+ * Such an append is refused (KS006), by the store's appends and by a
+ * plain INSERT; the same INSERT as the transaction's first write is
+ * fine (it locks events before it has an id).
+ */
+START_TEST(test_append_locks_events_first)
+{
+    struct store *s = open_store();
+    struct tev t;
+    char stream[64], u[37], sql[512];
+    PGconn *c = store_pgconn(s);
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "lock-%s", u);
+    exec_ok(c, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (2)");
+    ck_assert_int_eq(append1(s, mk(&t, stream, "Thing"), STORE_ANY, NULL),
+                     KS_EPG);
+    ck_assert_str_eq(store_last_sqlstate(s), "KS006");
+    exec_ok(c, "ROLLBACK");
+
+    snprintf(sql, sizeof(sql),
+             "INSERT INTO events (stream_id, version, event_id, type, data)"
+             " VALUES ('%s', 1, '%s', 'Thing', '')",
+             stream, t.id);
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (3)");
+    PGresult *res = PQexec(c, sql);
+    ck_assert_int_eq(PQresultStatus(res), PGRES_FATAL_ERROR);
+    ck_assert_str_eq(PQresultErrorField(res, PG_DIAG_SQLSTATE), "KS006");
+    PQclear(res);
+    exec_ok(c, "ROLLBACK");
+
+    exec_ok(c, "BEGIN");
+    exec_ok(c, sql);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (4)");
+    exec_ok(c, "ROLLBACK");
+    /* And the store's own appends still work in a transaction. */
+    exec_ok(c, "BEGIN");
+    ck_assert_int_eq(append1(s, &t.ev, STORE_ANY, NULL), 0);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (5)");
+    exec_ok(c, "COMMIT");
+    store_close(s);
+}
+END_TEST
+
 START_TEST(test_wait_notify)
 {
     struct store *l = open_store(), *w = open_store();
@@ -853,6 +1006,9 @@ START_TEST(test_replay_equality)
     run_command(s, cid, bid, NULL, 2);
     run_command(s, cid, NULL, NULL, 0);
     mk(&t, bstream, "BatchCompleted")->batch_id = bid;
+    /* How it ended is the row's status (migration 13; "Completed" before,
+     * whatever the end), the same after a replay. */
+    t.ev.batch_status = KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE;
     ck_assert_int_eq(append1(s, &t.ev, 1, &v), 0);
     {
         char sql[256], *row;
@@ -861,7 +1017,7 @@ START_TEST(test_replay_equality)
                  " FROM batches WHERE batch_id = '%s'",
                  bid);
         row = sql1(s, sql);
-        ck_assert_str_eq(row, "Completed21102");
+        ck_assert_str_eq(row, "PartialFailure21102");
         free(row);
     }
 
@@ -1694,16 +1850,6 @@ checked_thread(void *arg)
                                  NULL);
     store_close(s);
     return NULL;
-}
-
-static void
-exec_ok(PGconn *c, const char *sql)
-{
-    PGresult *res = PQexec(c, sql);
-    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
-                      PQresultStatus(res) == PGRES_TUPLES_OK,
-                  "%s: %s", sql, PQresultErrorMessage(res));
-    PQclear(res);
 }
 
 /* ---- the group writer (store/writer.c) ---- */
@@ -2693,6 +2839,136 @@ START_TEST(test_bench)
 }
 END_TEST
 
+/* Rows of events read so far by every session (pg_stat_user_tables), as
+ * (sequential, through an index): after s's own pending counts are in
+ * (pg_stat_force_next_flush: flushed when s's backend goes idle). */
+static void
+events_rows_read(struct store *s, long long *seq, long long *idx)
+{
+    PGconn *c = store_pgconn(s);
+    PQclear(PQexec(c, "SELECT pg_stat_force_next_flush()"));
+    PGresult *res = PQexec(
+        c, "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)"
+           " FROM pg_stat_user_tables WHERE relname = 'events'");
+    ck_assert_msg(PQresultStatus(res) == PGRES_TUPLES_OK, "%s",
+                  PQresultErrorMessage(res));
+    *seq = atoll(PQgetvalue(res, 0, 0));
+    *idx = atoll(PQgetvalue(res, 0, 1));
+    PQclear(res);
+}
+
+/*
+ * Where `events --follow` starts (store_cursor_at): at now, or after the
+ * last event recorded before a time, found without reading the history
+ * before it, and never past a transaction still open.
+ */
+START_TEST(test_cursor_at)
+{
+    struct store *r = open_store(), *a = open_store(), *b = open_store();
+    struct store_cursor cur, zero = {0};
+    struct ordered seen = {0};
+    struct tev old_one, recent[3], held, later, last;
+    char stream[64], u[37];
+    uint8_t *data;
+    size_t len;
+    long long seq0, idx0, seq1, idx1;
+    PGresult *res;
+
+    /* A history of 20,000 events recorded two hours ago. */
+    ck_assert_int_eq(kproto_pack(&mk(&old_one, "hist", "Thing")->base, &data,
+                                 &len),
+                     0);
+    {
+        const char *vals[1] = {(const char *)data};
+        int lens[1] = {(int)len}, fmts[1] = {1};
+        res = PQexecParams(
+            store_pgconn(b),
+            "INSERT INTO events (stream_id, version, event_id, type, data,"
+            " recorded_at) SELECT 'hist-' || g, 1, gen_random_uuid(),"
+            " 'Thing', $1, now() - interval '2 hours'"
+            " FROM generate_series(1, 20000) g",
+            1, NULL, vals, lens, fmts, 0);
+        ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
+                      PQresultErrorMessage(res));
+        PQclear(res);
+    }
+    free(data);
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "at-%s", u);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(
+            append1(b, mk(&recent[i], stream, "Thing"), STORE_ANY, NULL), 0);
+    /* Held open across the start: its event must not be skipped. */
+    PQclear(PQexec(store_pgconn(a), "BEGIN"));
+    ck_assert_int_eq(append1(a, mk(&held, "at-held", "Thing"), STORE_ANY,
+                             NULL),
+                     0);
+    ck_assert_int_eq(append1(b, mk(&later, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+
+    /* The counters see what a query reads: a scan of the history. */
+    events_rows_read(r, &seq0, &idx0);
+    PQclear(PQexec(store_pgconn(r),
+                   "SELECT count(*) FROM events WHERE data = ''"));
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_ge(seq1 - seq0 + idx1 - idx0, 20000);
+
+    /* Now: nothing of the history is read to find it. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, 0, &cur), 0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_eq(idx1 - idx0, 0);
+    ck_assert(cur.tx_id != 0);
+    PQclear(PQexec(store_pgconn(a), "COMMIT"));
+    ck_assert_int_eq(append1(b, mk(&last, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    events_rows_read(r, &seq0, &idx0);
+    read_pages(r, &cur, &seen);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100); /* what it returned, not 20,000 */
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(ordered_find(&seen, recent[i].id), -1);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* An hour ago: after the history, found by walking back from the
+     * end, not through the history. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, ks_now_us() - 3600 * INT64_C(1000000),
+                                     &cur),
+                     0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    seen = (struct ordered){0};
+    read_pages(r, &cur, &seen);
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_ge(ordered_find(&seen, recent[i].id), 0);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, later.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* Before anything was recorded: the first event. */
+    ck_assert_int_eq(store_cursor_at(r, INT64_C(1000000), &cur), 0);
+    ck_assert(cur.tx_id == zero.tx_id && cur.global_pos == zero.global_pos);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    store_close(a);
+    store_close(b);
+    store_close(r);
+}
+END_TEST
+
 int
 main(void)
 {
@@ -2716,6 +2992,8 @@ main(void)
     tcase_add_test(tc, test_command_projection);
     tcase_add_test(tc, test_read_all_late_commit);
     tcase_add_test(tc, test_read_all_xid_order);
+    tcase_add_test(tc, test_read_all_passes_other_transactions);
+    tcase_add_test(tc, test_append_locks_events_first);
     tcase_add_test(tc, test_wait_notify);
     tcase_add_test(tc, test_writer_verdicts_alone);
     tcase_add_test(tc, test_writer_group_verdicts);
@@ -2732,6 +3010,7 @@ main(void)
     tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
+    tcase_add_test(tc, test_cursor_at);
     suite_add_tcase(su, tc);
     /* Measurements alone: CK_RUN_CASE=bench. */
     tc = tcase_create("bench");
