@@ -717,24 +717,33 @@ free_conn(struct store_writer *w)
 
 /* ---- API ---- */
 
+/* The arrays of store__sql_write a connection keeps. */
+#define WCONN_BUFS 9
+static void
+wconn_bufs(struct store__wconn *c, struct store__buf *b[WCONN_BUFS])
+{
+    struct store__buf *all[WCONN_BUFS] = {
+        &c->stream, &c->expected, &c->agent, &c->count, &c->evitem,
+        &c->ord,    &c->ast,      &c->aag,   &c->aat};
+    memcpy(b, all, sizeof(all));
+}
+
 /* The arrays' caps (a store__buf grows up to its cap). */
 static void
 wconn_init(struct store__wconn *c)
 {
-    struct store__buf *b[] = {&c->stream, &c->expected, &c->agent,
-                              &c->count,  &c->evitem,   &c->ord,
-                              &c->ast,    &c->aag,      &c->aat};
-    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+    struct store__buf *b[WCONN_BUFS];
+    wconn_bufs(c, b);
+    for (size_t i = 0; i < WCONN_BUFS; i++)
         b[i]->cap = KS_MAX_MESSAGE_BYTES;
 }
 
 static void
 wconn_bufs_release(struct store__wconn *c)
 {
-    struct store__buf *b[] = {&c->stream, &c->expected, &c->agent,
-                              &c->count,  &c->evitem,   &c->ord,
-                              &c->ast,    &c->aag,      &c->aat};
-    for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+    struct store__buf *b[WCONN_BUFS];
+    wconn_bufs(c, b);
+    for (size_t i = 0; i < WCONN_BUFS; i++)
         store__buf_release(b[i]);
 }
 
