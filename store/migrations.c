@@ -72,21 +72,6 @@
     FOLD_RES(P, "r_stage", "start_stage") ",\n"                                \
     FOLD_RES(P, "r_errno", "start_errno") ",\n"                                \
     FOLD_RES(P, "res", "result")
-/*
- * Hooks that later migrations fill (migration 14: open_commands and index
- * access on commands); empty, they leave the earlier migrations' text as
- * it shipped. Each is re-defined before the migration that needs it.
- */
-#define FOLD_IDX ""          /* a qual that forces commands' key index */
-#define FOLD_S_PREV ""       /* more of the prior row, in s */
-#define FOLD_U_RET ""        /* more RETURNING of u */
-#define FOLD_OPEN_MOVE ""    /* CTEs after u (the updated rows) */
-#define FOLD_OPEN_INSERT ""  /* CTEs after ic (the inserted rows r) */
-#define PROJ_DECL ""         /* kscore_project's variables */
-#define PROJ_OPEN_REQUESTED "" /* after a CommandRequested's insert */
-#define PROJ_RET ""          /* RETURNING of its status update */
-#define PROJ_OPEN_SYNC ""    /* after its status update */
-
 /* The fold's summary rows, one per command (store/fold.c fills them). */
 #define FOLD_SUMMARY                                                           \
     "unnest(c_id, c_last, c_req, c_agent0, c_argv_lo, c_argv_hi, c_batch,"    \
@@ -261,7 +246,6 @@
     "        r.batch, r.idem, coalesce(r.oper, ''), vers[r.last_ord],\n" \
     "        " FOLD_R_COLS "\n" \
     "      FROM r\n" \
-    FOLD_OPEN_INSERT \
     "    ), it AS (\n" \
     "      INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n" \
     "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n" \
@@ -294,16 +278,15 @@
  * caller holds no lock that covers them). */
 #define FOLD_UPDATE_EARLIER(LOCK) \
     "    WITH s AS (\n" \
-    "      SELECT s.*, c.status AS prev" FOLD_S_PREV " FROM " FOLD_SUMMARY "\n" \
-    "      JOIN commands c ON c.command_id = s.cid" FOLD_IDX "\n" \
+    "      SELECT s.*, c.status AS prev FROM " FOLD_SUMMARY "\n" \
+    "      JOIN commands c ON c.command_id = s.cid\n" \
     "      WHERE NOT s.req" LOCK "\n" \
     "    ), u AS (\n" \
     "      UPDATE commands c SET version = vers[s.last_ord],\n" \
     "        (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n" \
-    "      FROM s WHERE c.command_id = s.cid" FOLD_IDX "\n" \
+    "      FROM s WHERE c.command_id = s.cid\n" \
     "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n" \
-    "        s.st_change" FOLD_U_RET "\n" \
-    FOLD_OPEN_MOVE \
+    "        s.st_change\n" \
     "    ), t AS (\n" \
     FOLD_TARGETS_MOVE \
     "    )\n" \
@@ -397,7 +380,6 @@
     "RETURNS void LANGUAGE plpgsql AS $$\n" \
     "DECLARE\n" \
     "  v bigint; tx xid8; prev text; had_result bool;\n" \
-    PROJ_DECL \
     "  terminal constant text[] := '{" FOLD_TERMINAL_LIST "}';\n" \
     "BEGIN\n" \
     "  SELECT e.version, e.tx_id INTO v, tx FROM events e\n" \
@@ -412,7 +394,6 @@
     "    VALUES (p_command_id, coalesce(p_agent_id, ''), 'Pending',\n" \
     "      coalesce(p_argv, '{}'), 0, kscore_ts(p_at), p_batch_id, p_idem,\n" \
     "      coalesce(p_operator, ''), v, kscore_ts(p_deliver_by));\n" \
-    PROJ_OPEN_REQUESTED \
     "    IF p_batch_id IS NOT NULL THEN\n" \
     "      INSERT INTO batches AS b (batch_id, status, total)\n" \
     "        VALUES (p_batch_id, 'Running', 1)\n" \
@@ -464,8 +445,7 @@
     "                  THEN coalesce(kscore_ts(p_finished_at), " \
     "kscore_ts(p_at))\n" \
     "                  ELSE finished_at END\n" \
-    "  WHERE command_id = p_command_id" PROJ_RET ";\n" \
-    PROJ_OPEN_SYNC \
+    "  WHERE command_id = p_command_id;\n" \
     /* The first result is kept even when a status was final before it. */ \
     "  IF p_result IS NOT NULL AND NOT had_result THEN\n" \
     "    UPDATE commands SET exit_code = p_exit_code, signal = p_signal,\n" \
@@ -794,9 +774,8 @@ static const char migration_7[] =
  * the bump. Commands requested in the batch (never, for agents' reports)
  * are inserted as in kscore_record_many.
  */
-#define SQL_RECORD_CHECKED SQL_RECORD_CHECKED_AS("CREATE")
-#define SQL_RECORD_CHECKED_AS(CREATE) \
-    CREATE " FUNCTION kscore_record_checked(p_ids uuid[], p_streams text[],\n" \
+#define SQL_RECORD_CHECKED \
+    "CREATE FUNCTION kscore_record_checked(p_ids uuid[], p_streams text[],\n" \
     "  p_types text[], p_data bytea[], p_vstreams text[], p_vexpected bigint[],\n" \
     "  p_pcid uuid[], p_pstatus text[], p_pagent text[], p_pattempt int[],\n" \
     FOLD_PARAMS \
@@ -1170,97 +1149,6 @@ static const char migration_13[] =
     "CREATE INDEX events_relabels ON events (stream_id, version)\n"
     "  WHERE type = 'AgentLabelsChanged';\n";
 
-/*
- * Migration 14: updates of commands rows become HOT (heap-only tuples: the
- * new row version on the same page, no new index entry). An update is HOT
- * only when no indexed column changes, and commands_open indexed the status
- * (its key and its predicate), so every step of a command (claim, end)
- * wrote a new row version elsewhere plus an entry in every index of
- * commands, and bottom-up deletion passes to clear them: the largest part
- * of what PostgreSQL did per recorded result (perf/BASELINE.md, issue 23).
- * The open commands move to a narrow table of their own, open_commands
- * (the deadline scanner's view: command, status, delivery deadline),
- * written in the same statements as the commands rows: a row while the
- * command is Pending, Dispatched or Running, deleted when it ends. commands,
- * batch_targets and batches keep half of each page free for the new row
- * versions (fillfactor 50, as streams since migration 8). Every projection
- * writer learns open_commands (the fold's statements through the hooks
- * above, kscore_project), and the fold's joins on commands name its key
- * (FOLD_IDX), so a plan never hashes the whole table. All brokers of a
- * deployment must run a kscore that knows open_commands: an older one's
- * writes would not keep it.
- */
-#define FOLD_OPEN_LIST "'{Pending,Dispatched,Running}'::text[]"
-#undef FOLD_IDX
-#define FOLD_IDX " AND c.command_id = ANY (c_id)"
-#undef FOLD_S_PREV
-#define FOLD_S_PREV ", c.deliver_by AS prev_deliver"
-#undef FOLD_U_RET
-#define FOLD_U_RET ", c.deliver_by, s.prev_deliver"
-#undef FOLD_OPEN_MOVE
-#define FOLD_OPEN_MOVE \
-    "    ), uo AS (\n" \
-    "      INSERT INTO open_commands AS o (command_id, status, deliver_by)\n" \
-    "      SELECT u.command_id, u.status, u.deliver_by FROM u\n" \
-    "      WHERE u.status = ANY (" FOLD_OPEN_LIST ")\n" \
-    "        AND (u.status <> u.prev\n" \
-    "             OR u.deliver_by IS DISTINCT FROM u.prev_deliver)\n" \
-    "      ON CONFLICT (command_id) DO UPDATE\n" \
-    "        SET status = excluded.status, deliver_by = excluded.deliver_by\n" \
-    "    ), ud AS (\n" \
-    "      DELETE FROM open_commands o WHERE o.command_id = ANY (ARRAY(\n" \
-    "        SELECT u.command_id FROM u\n" \
-    "        WHERE NOT (u.status = ANY (" FOLD_OPEN_LIST "))\n" \
-    "          AND u.prev = ANY (" FOLD_OPEN_LIST ")))\n"
-#undef FOLD_OPEN_INSERT
-#define FOLD_OPEN_INSERT \
-    "    ), io AS (\n" \
-    "      INSERT INTO open_commands AS o (command_id, status, deliver_by)\n" \
-    "      SELECT r.cid, r.status, r.deliver_by FROM r\n" \
-    "      WHERE r.status = ANY (" FOLD_OPEN_LIST ")\n" \
-    "      ON CONFLICT (command_id) DO NOTHING\n"
-#undef PROJ_DECL
-#define PROJ_DECL "  ns text; nd timestamptz;\n"
-#undef PROJ_OPEN_REQUESTED
-#define PROJ_OPEN_REQUESTED \
-    "    INSERT INTO open_commands AS o VALUES\n" \
-    "      (p_command_id, 'Pending', kscore_ts(p_deliver_by))\n" \
-    "      ON CONFLICT (command_id) DO UPDATE\n" \
-    "        SET status = excluded.status, deliver_by = excluded.deliver_by;\n"
-#undef PROJ_RET
-#define PROJ_RET "\n  RETURNING status, deliver_by INTO ns, nd"
-#undef PROJ_OPEN_SYNC
-#define PROJ_OPEN_SYNC \
-    "  IF ns = ANY (" FOLD_OPEN_LIST ") THEN\n" \
-    "    IF p_status IS NOT NULL THEN\n" \
-    "      INSERT INTO open_commands AS o VALUES (p_command_id, ns, nd)\n" \
-    "        ON CONFLICT (command_id) DO UPDATE\n" \
-    "          SET status = excluded.status, deliver_by = excluded.deliver_by\n" \
-    "          WHERE (o.status, o.deliver_by)\n" \
-    "            IS DISTINCT FROM (excluded.status, excluded.deliver_by);\n" \
-    "    END IF;\n" \
-    "  ELSIF prev = ANY (" FOLD_OPEN_LIST ") THEN\n" \
-    "    DELETE FROM open_commands WHERE command_id = p_command_id;\n" \
-    "  END IF;\n"
-static const char migration_14[] =
-    "CREATE TABLE open_commands (\n"
-    "  command_id uuid PRIMARY KEY,\n"
-    "  status     text NOT NULL,\n"
-    "  deliver_by timestamptz\n"
-    ");\n"
-    /* The deadline scanner: open commands of a status by deadline. */
-    "CREATE INDEX open_commands_due ON open_commands (status, deliver_by);\n"
-    "INSERT INTO open_commands\n"
-    "  SELECT command_id, status, deliver_by FROM commands\n"
-    "  WHERE status = ANY (" FOLD_OPEN_LIST ");\n"
-    "DROP INDEX commands_open;\n"
-    "ALTER TABLE commands SET (fillfactor = 50);\n"
-    "ALTER TABLE batch_targets SET (fillfactor = 50);\n"
-    "ALTER TABLE batches SET (fillfactor = 50);\n"
-    SQL_RECORD_MANY("CREATE OR REPLACE")
-    SQL_RECORD_CHECKED_AS("CREATE OR REPLACE")
-    SQL_PROJECT("CREATE OR REPLACE") ";\n";
-
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -1279,8 +1167,6 @@ const struct store__migration store__migrations[] = {
      migration_12},
     {13, "a batch's row says how it ended; relabels by stream",
      migration_13},
-    {14, "open commands in a table of their own: HOT updates of commands",
-     migration_14},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);
@@ -1467,14 +1353,12 @@ const char store__sql_write[] =
     "    r.batch, r.idem, coalesce(r.oper, ''), evv.vers[r.last_ord],\n"
     "    " FOLD_R_COLS "\n"
     "  FROM r, prm, evv\n"
-    /* Its row in open_commands while it is open (migration 14). */
-    FOLD_OPEN_INSERT
     "), itg AS (\n"
     "  INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
     "  SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n"
     "  WHERE r.batch IS NOT NULL\n"
     "), su AS (\n"
-    "  SELECT s.*, c.status AS prev" FOLD_S_PREV " FROM fs s\n"
+    "  SELECT s.*, c.status AS prev FROM fs s\n"
     "  JOIN commands c ON c.command_id = s.cid\n"
     "  WHERE NOT s.req AND c.command_id = ANY ($10::uuid[])\n"
     "), u AS (\n"
@@ -1482,9 +1366,7 @@ const char store__sql_write[] =
     "    (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
     "  FROM su s, prm, evv\n"
     "  WHERE c.command_id = s.cid AND c.command_id = ANY ($10::uuid[])\n"
-    "  RETURNING c.command_id, c.status, s.prev, s.st_first, s.st_change"
-    FOLD_U_RET "\n"
-    FOLD_OPEN_MOVE
+    "  RETURNING c.command_id, c.status, s.prev, s.st_first, s.st_change\n"
     "), t AS (\n"
     FOLD_TARGETS_MOVE
     /* A batch's new targets and its targets' ends in one write of its

@@ -1,11 +1,9 @@
 /*
- * replay.c: rebuilds the event-sourced projections (commands,
- * open_commands, batches, batch_targets) from events alone, in one
- * transaction:
+ * replay.c: rebuilds the event-sourced projections (commands, batches,
+ * batch_targets) from events alone, in one transaction:
  *
  *  1. LOCK events IN EXCLUSIVE MODE: appends wait, reads go on.
- *  2. Fresh tables kscore_replay.<name> (LIKE <name> INCLUDING ALL, and
- *     the page fill of migration 14, which LIKE does not copy).
+ *  2. Fresh tables kscore_replay.<name> (LIKE <name> INCLUDING ALL).
  *  3. search_path = kscore_replay, <schema>: the same kscore_project() the
  *     live path runs now writes the fresh tables; every event, in
  *     global_pos order (for one stream that is its version order, and rows
@@ -53,11 +51,9 @@ static const char swap_sql[] =
     "    END IF;\n"
     "  END LOOP;\n"
     "  EXECUTE format('DROP TABLE %%1$I.commands, %%1$I.batches,'\n"
-    "                 ' %%1$I.batch_targets, %%1$I.open_commands', sch);\n"
+    "                 ' %%1$I.batch_targets', sch);\n"
     "  EXECUTE format('ALTER TABLE kscore_replay.commands SET SCHEMA %%I',\n"
     "                 sch);\n"
-    "  EXECUTE format('ALTER TABLE kscore_replay.open_commands'\n"
-    "                 ' SET SCHEMA %%I', sch);\n"
     "  EXECUTE format('ALTER TABLE kscore_replay.batches SET SCHEMA %%I',\n"
     "                 sch);\n"
     "  EXECUTE format('ALTER TABLE kscore_replay.batch_targets'\n"
@@ -158,16 +154,11 @@ store_replay(struct store *s, int64_t *events_out, char **errmsg)
     }
     if (asprintf(&sql,
                  "CREATE TABLE kscore_replay.commands"
-                 " (LIKE %1$s.commands INCLUDING ALL)"
-                 " WITH (fillfactor = 50);"
-                 "CREATE TABLE kscore_replay.open_commands"
-                 " (LIKE %1$s.open_commands INCLUDING ALL);"
+                 " (LIKE %1$s.commands INCLUDING ALL);"
                  "CREATE TABLE kscore_replay.batches"
-                 " (LIKE %1$s.batches INCLUDING ALL)"
-                 " WITH (fillfactor = 50);"
+                 " (LIKE %1$s.batches INCLUDING ALL);"
                  "CREATE TABLE kscore_replay.batch_targets"
-                 " (LIKE %1$s.batch_targets INCLUDING ALL)"
-                 " WITH (fillfactor = 50);"
+                 " (LIKE %1$s.batch_targets INCLUDING ALL);"
                  "SET LOCAL search_path = kscore_replay, %1$s;"
                  "DECLARE ks_replay NO SCROLL CURSOR FOR"
                  " SELECT data FROM %1$s.events ORDER BY global_pos",

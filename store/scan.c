@@ -18,19 +18,16 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
         return rc;
     snprintf(due, sizeof(due), "%lld", (long long)due_before_us);
     snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
-    /* due_before_us = 0: every command in that status. The open
-     * commands are a table of their own (migration 14); the commands row
-     * says the rest, and has the last word on the status. */
+    /* due_before_us = 0: every command in that status. */
     res = PQexecParams(
         s->conn,
-        "SELECT c.command_id::text, c.agent_id, c.attempt, c.version,"
-        " coalesce(kscore_us(c.deliver_by), 0),"
-        " coalesce(kscore_us(c.dispatched_at), 0),"
-        " coalesce(kscore_us(c.started_at), 0)"
-        " FROM open_commands o JOIN commands c USING (command_id)"
-        " WHERE o.status = $1 AND c.status = $1"
-        " AND ($2::bigint = 0 OR o.deliver_by < kscore_ts($2::bigint))"
-        " ORDER BY o.deliver_by NULLS LAST LIMIT $3::int",
+        "SELECT command_id::text, agent_id, attempt, version,"
+        " coalesce(kscore_us(deliver_by), 0),"
+        " coalesce(kscore_us(dispatched_at), 0),"
+        " coalesce(kscore_us(started_at), 0)"
+        " FROM commands WHERE status = $1"
+        " AND ($2::bigint = 0 OR deliver_by < kscore_ts($2::bigint))"
+        " ORDER BY deliver_by NULLS LAST LIMIT $3::int",
         3, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         rc = store__read_error(s, res);

@@ -962,8 +962,6 @@ static const char *digest_sql[] = {
     " FROM batches t",
     "SELECT coalesce(md5(string_agg(t::text, ',' ORDER BY command_id)), '')"
     " FROM batch_targets t",
-    "SELECT coalesce(md5(string_agg(t::text, ',' ORDER BY command_id)), '')"
-    " FROM open_commands t",
 };
 #define N_DIGESTS (sizeof(digest_sql) / sizeof(digest_sql[0]))
 
@@ -1032,7 +1030,6 @@ START_TEST(test_replay_equality)
     }
     /* Damage the projections; a replay restores them. */
     PQclear(PQexec(store_pgconn(s), "UPDATE commands SET status = 'Bogus';"
-                                    "DELETE FROM open_commands;"
                                     "DELETE FROM batch_targets;"
                                     "UPDATE batches SET total = 0"));
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
@@ -1045,11 +1042,10 @@ START_TEST(test_replay_equality)
     ck_assert_int_eq(
         sql_ll(s,
                "SELECT count(*) FROM pg_indexes WHERE indexname IN"
-               " ('commands_pkey', 'open_commands_due', 'open_commands_pkey',"
-               " 'commands_batch', 'commands_operator_idempotency_key',"
-               " 'batch_targets_batch')%s",
+               " ('commands_pkey', 'commands_open', 'commands_batch',"
+               " 'commands_operator_idempotency_key', 'batch_targets_batch')%s",
                ""),
-        6);
+        5);
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
     /* Connections that prepared before the swap still append. */
     run_command(other, cid, NULL, NULL, 0);
@@ -1665,12 +1661,6 @@ START_TEST(test_append_checked_mixed_batch)
     ck_assert_int_eq(count_type(s, e[4].stream, "ReportRejected"), 1);
     ck_assert_int_eq(count_type(s, e[6].stream, "LateResult"), 1);
     ck_assert_int_eq(count_type(s, e[8].stream, "LateResult"), 1);
-    for (int i = 0; i < 5; i++)
-        ck_assert_int_eq(sql_ll(s,
-                                "SELECT count(*) FROM open_commands WHERE"
-                                " command_id = '%s'",
-                                cids[i]),
-                         0);
     assert_replay_equal(s);
     store_close(s);
 }
@@ -1866,9 +1856,8 @@ START_TEST(test_claim_waits_for_record)
             snprintf(sql, sizeof(sql),
                      "DELETE FROM events WHERE stream_id = '%s';"
                      " DELETE FROM streams WHERE stream_id = '%s';"
-                     " DELETE FROM commands WHERE command_id = '%s';"
-                     " DELETE FROM open_commands WHERE command_id = '%s'",
-                     stream, stream, cid, cid);
+                     " DELETE FROM commands WHERE command_id = '%s'",
+                     stream, stream, cid);
             res = PQexec(ca, sql);
             ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
                           PQresultErrorMessage(res));
@@ -2923,94 +2912,6 @@ events_rows_read(struct store *s, long long *seq, long long *idx)
     PQclear(res);
 }
 
-/* Updates of commands rows so far, all and heap-only (HOT), after s's own
- * pending counts are in (as events_rows_read). */
-static void
-commands_updates(struct store *s, long long *upd, long long *hot)
-{
-    PGconn *c = store_pgconn(s);
-    PQclear(PQexec(c, "SELECT pg_stat_force_next_flush()"));
-    PGresult *res = PQexec(
-        c, "SELECT coalesce(n_tup_upd, 0), coalesce(n_tup_hot_upd, 0)"
-           " FROM pg_stat_user_tables WHERE relname = 'commands'");
-    ck_assert_msg(PQresultStatus(res) == PGRES_TUPLES_OK, "%s",
-                  PQresultErrorMessage(res));
-    *upd = atoll(PQgetvalue(res, 0, 0));
-    *hot = atoll(PQgetvalue(res, 0, 1));
-    PQclear(res);
-}
-
-/* The scanner's commands that are among ids[0..n). */
-struct ours {
-    char (*ids)[37];
-    int n, seen;
-};
-
-static int
-count_ours(const struct store_command_ref *ref, void *ud)
-{
-    struct ours *o = ud;
-    for (int i = 0; i < o->n; i++)
-        if (strcmp(o->ids[i], ref->command_id) == 0)
-            o->seen++;
-    return 0;
-}
-
-/*
- * A command's steps update its commands row in place (HOT: no new index
- * entries, migration 14), on the per-event path (kscore_project) and on
- * the group writer's statement (the recorder's reports), while the
- * deadline scanner still finds each open command in its status, and no
- * ended one.
- */
-START_TEST(test_command_steps_are_hot)
-{
-    struct store *s = open_store();
-    static struct fev e[20];
-    const Ks__Event *b[20];
-    enum store_step v[20];
-    char cids[20][37], cid[37];
-    long long upd0, hot0, upd1, hot1;
-
-    commands_updates(s, &upd0, &hot0);
-    for (int i = 0; i < 20; i++)
-        run_command(s, cid, NULL, NULL, 0);
-    for (int i = 0; i < 20; i++) {
-        ks_uuid(cids[i]);
-        running_command(s, cids[i]);
-    }
-    /* The scanner sees the 20 Running. */
-    struct ours o = {cids, 20, 0};
-    ck_assert_int_eq(store_scan_open(s, "Running", 0, 0, count_ours, &o), 0);
-    ck_assert_int_eq(o.seen, 20);
-    for (int i = 0; i < 20; i++) {
-        b[i] = fresult(&e[i], cids[i], "CommandCompleted",
-                       KS__COMMAND_STATUS__SUCCEEDED, 0, "x");
-        e[i].ev.agent_id = "agent-1";
-    }
-    ck_assert_int_eq(store_append_checked(s, b, 20, NULL, NULL, v, NULL), 0);
-    for (int i = 0; i < 20; i++)
-        ck_assert_int_eq(v[i], STORE_STEP_APPLY);
-    commands_updates(s, &upd1, &hot1);
-    /* At least Dispatched, Started and the end of the first 20 (each an
-     * update of its own), and the end of the others (their first three
-     * events made one row). */
-    ck_assert_int_ge(upd1 - upd0, 20 * 3 + 20);
-    ck_assert_msg((hot1 - hot0) * 10 >= (upd1 - upd0) * 9,
-                  "%lld of %lld updates of commands were HOT", hot1 - hot0,
-                  upd1 - upd0);
-    /* Ended: in no open status. */
-    o.seen = 0;
-    static const char *const open_st[] = {"Pending", "Dispatched",
-                                          "Running"};
-    for (int i = 0; i < 3; i++)
-        ck_assert_int_eq(
-            store_scan_open(s, open_st[i], 0, 0, count_ours, &o), 0);
-    ck_assert_int_eq(o.seen, 0);
-    store_close(s);
-}
-END_TEST
-
 /*
  * Where `events --follow` starts (store_cursor_at): at now, or after the
  * last event recorded before a time, found without reading the history
@@ -3160,7 +3061,6 @@ main(void)
     tcase_add_test(tc, test_append_checked);
     tcase_add_test(tc, test_append_checked_mixed_batch);
     tcase_add_test(tc, test_append_checked_one_by_one);
-    tcase_add_test(tc, test_command_steps_are_hot);
     tcase_add_test(tc, test_append_checked_meets_a_writer);
     tcase_add_test(tc, test_append_checked_at);
     tcase_add_test(tc, test_claim_waits_for_record);
