@@ -114,6 +114,7 @@ struct store {
     bool broken;    /* lost: reconnect before the next statement */
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
     bool writer_session; /* store__writer_session: kept across reconnects */
+    bool generic_plans;  /* store__generic_plans: kept across reconnects */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
@@ -177,6 +178,12 @@ int store__prepare(struct store *s, char **errmsg);
  * plan it needs. 0 or a code.
  */
 int store__writer_session(struct store *s);
+/*
+ * Only the writer session's plan_cache_mode on s (store__write_now on a
+ * connection that is not a writer's): no lock_timeout, so what else s
+ * does waits for locks as before. 0 or a code.
+ */
+int store__generic_plans(struct store *s);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */
 int store__exec(struct store *s, const char *sql, char **errmsg);
@@ -339,8 +346,8 @@ struct store__wreq {
  * command is not in the state assumed: nothing of it written). Returns 0
  * when every append has its code, or the transaction's failure (nothing
  * written: every rc is it): a sick database's code, or KS_EPG when it
- * failed three times. The connection becomes a writer's
- * (store__writer_session) at the first call.
+ * failed three times. The connection plans as a writer's
+ * (store__generic_plans) from the first call.
  */
 int store__write_now(struct store *s, struct store__wreq *reqs, size_t n);
 /* Frees what store__write_now made for a store (store_close). */
