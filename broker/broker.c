@@ -1715,6 +1715,7 @@ broker_teardown(struct broker *b)
         }
     broker__follow_stop(b);
     broker__scanner_stop(b);
+    broker__guard_stop(b);
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
@@ -1941,7 +1942,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = broker__advisory_start(&b, errmsg)))
         goto out;
     natsConnection_Flush(b.nc->nc);
-    if ((rc = broker__scanner_start(&b)))
+    if ((rc = broker__scanner_start(&b)) ||
+        (rc = broker__guard_start(&b, errmsg)))
         goto out;
 
     ks_metrics_collector_add(broker_collect, &b);

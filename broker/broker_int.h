@@ -117,6 +117,11 @@ struct broker {
     struct ks_map claimed;      /* command_id -> struct broker__claimed * */
     struct ks_map keys_seen;    /* idempotency keys executed here (set) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
+    /* (mu) The brokers heard in the registry: beacon id -> int64_t *
+     * (mono us, last heard), and this broker's own beacon id
+     * (registry.c; broker__guard_owner). */
+    struct ks_map brokers;
+    char beacon_id[37];
     int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
                                    its watch: no one is judged offline
                                    for a TTL after (registry.c) */
@@ -162,6 +167,7 @@ struct broker {
     int n_routes;
     int64_t bad_reply_logged_us; /* rate limit of that log line */
 
+    struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */
     natsSubscription *sub_batch;
     struct store *st_batch;
@@ -306,6 +312,39 @@ bool broker__registry_deaf(struct broker *b);
 /* Registry keys of the brokers' beacons (registry.c): no agent id has a
  * dot, and "_broker." is no pool key. */
 #define BROKER_BEACON_PREFIX "_broker."
+/* The consumer an agent id's commands come through, as the registry's
+ * provisioner makes it from the id's entry (its own "agent-<id>", or its
+ * pool's "pool-<pool>"), and the slots of what serves it: the running
+ * count and max_concurrent of its process (a pool's: every id's running
+ * summed). */
+struct broker__consumer_of {
+    struct evt_agent_consumer ac;
+    int64_t heard_us; /* mono: when its last heartbeat came */
+    uint32_t running, max_concurrent;
+};
+/* 0 with *out, or KS_ENOTFOUND (not in the registry). Takes b->mu. */
+int broker__consumer_of(struct broker *b, const char *agent_id,
+                        struct broker__consumer_of *out);
+
+/* Whether this broker is the one to repair consumer name: of the
+ * brokers heard in the registry within EVT_AGENT_TTL_MS (their beacons),
+ * this one has the highest rendezvous score for name (itself always
+ * counts). Every broker gets the same answer from the same beacons, so
+ * one repairs and the others stand by. Takes b->mu. */
+bool broker__guard_owner(struct broker *b, const char *name);
+
+/* The consumer guard (stall.c): notices a consumer of KSCORE_CMDS that
+ * has work for an agent with free slots and delivers nothing, and repairs
+ * it. Its own thread and PostgreSQL connection. */
+struct broker__guard;
+int broker__guard_start(struct broker *b, char **errmsg);
+void broker__guard_stop(struct broker *b);
+/* What the guard last saw of consumer durable, into st's consumer_*
+ * fields (nothing when it saw nothing wrong). Any thread; takes the
+ * guard's own lock only. */
+void broker__guard_view(struct broker *b, const char *durable,
+                        Ks__AgentStatus *st);
+
 /* Whether agent_id is online (heartbeat younger than EVT_AGENT_TTL_MS):
  * 1, 0 (offline; *heartbeat_at_us its last heartbeat, epoch us), or -1
  * (not in the registry). Takes b->mu. */
@@ -453,6 +492,9 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
  * through the sender; payload "<instance_id>\n<e|b>\n<agent_id>\n<subject>"
  * (e: an exec's inbox, b: a batch's progress subject). */
 #define BROKER_NOTICE_FOLLOW BROKER_NOTICE_PREFIX "follow."
+/* BROKER_NOTICE_GUARD<consumer>: the sender's consumer guard repaired it
+ * (stall.c); payload "<instance_id>\n<epoch us>\n<what it did>". */
+#define BROKER_NOTICE_GUARD BROKER_NOTICE_PREFIX "guard."
 /* Opens st_notice and subscribes (every broker, not a queue group). */
 int broker__notice_start(struct broker *b, char **errmsg);
 void broker__notice_ended(struct broker *b, const char *command_id);

@@ -869,6 +869,63 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     ks__agent_info__free_unpacked(info, NULL);
 }
 
+/* Notes a broker's beacon (its id). Registry thread. */
+static void
+beacon_heard(struct broker *b, const char *id)
+{
+    pthread_mutex_lock(&b->mu);
+    int64_t *at = ks_map_get(&b->brokers, id);
+    if (!at && (at = malloc(sizeof(*at))) &&
+        ks_map_put(&b->brokers, id, at) != 0) {
+        free(at);
+        at = NULL;
+    }
+    if (at)
+        *at = ks_mono_us();
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* FNV-1a of a then b: the rendezvous score of broker a for name b. */
+static uint64_t
+rendezvous(const char *a, const char *name)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (const char *p = a; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    h = (h ^ '/') * 1099511628211ULL;
+    for (const char *p = name; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    return h;
+}
+
+struct owner_pick {
+    const char *name;
+    const char *self;
+    int64_t now;
+    bool other_wins;
+};
+
+static void
+owner_one(const char *key, void *val, void *ud)
+{
+    struct owner_pick *o = ud;
+    const int64_t *at = val;
+    if (strcmp(key, o->self) != 0 &&
+        o->now - *at < (int64_t)EVT_AGENT_TTL_MS * 1000 &&
+        rendezvous(key, o->name) > rendezvous(o->self, o->name))
+        o->other_wins = true;
+}
+
+bool
+broker__guard_owner(struct broker *b, const char *name)
+{
+    pthread_mutex_lock(&b->mu);
+    struct owner_pick o = {name, b->beacon_id, ks_mono_us(), false};
+    ks_map_each(&b->brokers, owner_one, &o);
+    pthread_mutex_unlock(&b->mu);
+    return !o.other_wins;
+}
+
 /* A watch that has delivered nothing for this long, not even this
  * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
@@ -918,6 +975,9 @@ registry_main(void *arg)
     char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
     int64_t beacon_at = 0;
     ks_uuid(bid);
+    pthread_mutex_lock(&b->mu);
+    memcpy(b->beacon_id, bid, sizeof(bid));
+    pthread_mutex_unlock(&b->mu);
     snprintf(beacon, sizeof(beacon), "$KV.%s." BROKER_BEACON_PREFIX "%s",
              EVT_KV_AGENTS, bid);
 
@@ -984,7 +1044,9 @@ registry_main(void *arg)
             server_us = put_us;
         if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
                     strlen(BROKER_BEACON_PREFIX)) == 0) {
-            kvEntry_Destroy(e); /* a broker's beacon: heard, that is all */
+            /* a broker's beacon: who serves (broker__guard_owner) */
+            beacon_heard(b, kvEntry_Key(e) + strlen(BROKER_BEACON_PREFIX));
+            kvEntry_Destroy(e);
             continue;
         }
         if (kvEntry_Operation(e) == kvOp_Put &&
@@ -1087,6 +1149,8 @@ broker__registry_stop(struct broker *b)
     b->reg_started = false;
     ks_map_each(&b->agents, free_agent, NULL);
     ks_map_clear(&b->agents);
+    ks_map_each(&b->brokers, free_provisioned, NULL); /* free() each */
+    ks_map_clear(&b->brokers);
 }
 
 int
@@ -1122,6 +1186,7 @@ broker__agent_known(struct broker *b, const char *agent_id)
 }
 
 struct list_acc {
+    struct broker *b;
     Ks__AgentStatus **v;
     size_t n;
     int64_t now_mono;
@@ -1135,7 +1200,6 @@ add_status(const char *key, void *val, void *ud)
     Ks__AgentStatus *st = calloc(1, sizeof(*st));
     uint8_t *buf = NULL;
     size_t len = 0;
-    (void)key;
     if (!st)
         return;
     ks__agent_status__init(st);
@@ -1156,6 +1220,14 @@ add_status(const char *key, void *val, void *ud)
         st->duplicate = true;
         st->duplicate_host = strdup(a->other.host);
         st->duplicate_pid = a->other.pid;
+    }
+    {
+        char durable[8 + EVT_AGENT_ID_MAX];
+        if (a->info->pool && a->info->pool[0])
+            evt_pool_durable(durable, sizeof(durable), a->info->pool);
+        else
+            evt_agent_durable(durable, sizeof(durable), key);
+        broker__guard_view(acc->b, durable, st);
     }
     acc->v[acc->n++] = st;
 }
@@ -1191,7 +1263,7 @@ cmp_status(const void *x, const void *y)
 int
 broker__agents_list(struct broker *b, Ks__AgentsReply *out)
 {
-    struct list_acc acc = {0};
+    struct list_acc acc = {.b = b};
     pthread_mutex_lock(&b->mu);
     acc.v = calloc(b->agents.count + 1, sizeof(*acc.v));
     acc.now_mono = ks_mono_us();
@@ -1211,13 +1283,64 @@ broker__agents_reply_free(Ks__AgentsReply *r)
 {
     for (size_t i = 0; i < r->n_agents; i++) {
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
-        if (r->agents[i]->duplicate_host != protobuf_c_empty_string)
-            free(r->agents[i]->duplicate_host);
+        Ks__AgentStatus *st = r->agents[i];
+        char *strs[] = {st->duplicate_host, st->consumer, st->consumer_stall,
+                        st->consumer_last_repair};
+        for (size_t k = 0; k < sizeof(strs) / sizeof(strs[0]); k++)
+            if (strs[k] != protobuf_c_empty_string)
+                free(strs[k]);
         free(r->agents[i]);
     }
     free(r->agents);
     r->agents = NULL;
     r->n_agents = 0;
+}
+
+struct pool_slots {
+    const char *pool;
+    uint32_t running;
+};
+
+static void
+pool_running(const char *key, void *val, void *ud)
+{
+    struct pool_slots *ps = ud;
+    const struct broker__agent *a = val;
+    (void)key;
+    if (a->info && a->info->pool && strcmp(a->info->pool, ps->pool) == 0)
+        ps->running += a->info->running;
+}
+
+int
+broker__consumer_of(struct broker *b, const char *agent_id,
+                    struct broker__consumer_of *out)
+{
+    struct broker__agent *a;
+    int rc = KS_ENOTFOUND;
+
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->info) {
+        const Ks__AgentInfo *in = a->info;
+        /* As provision() makes it, from the same entry. */
+        if (in->pool && in->pool[0]) {
+            struct pool_slots ps = {in->pool, 0};
+            evt_pool_consumer(&out->ac, in->pool, in->max_concurrent,
+                              in->ack_wait_ms);
+            ks_map_each(&b->agents, pool_running, &ps);
+            out->running = ps.running;
+        } else {
+            evt_agent_consumer(&out->ac, agent_id, in->max_concurrent,
+                               in->ack_wait_ms);
+            out->running = in->running;
+        }
+        out->max_concurrent = in->max_concurrent;
+        out->heard_us = a->seen_mono_us;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
 }
 
 void

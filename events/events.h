@@ -710,6 +710,74 @@ int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
                           natsMsgHandler cb, void *ud,
                           natsSubscription **sub_out, char **errmsg);
 
+/* ---- a consumer's health, and its repairs (events/consumer.c) ------------
+ * The JetStream API on the broker's connection (never an agent's).
+ */
+
+/* What a consumer's leader says of it (consumer info). */
+struct evt_consumer_state {
+    int64_t created_ns;      /* when it was made (epoch ns): a new value is
+                                a new consumer (remade) */
+    uint64_t delivered;      /* deliveries so far, redeliveries included
+                                (its consumer sequence) */
+    int64_t delivered_at_ns; /* the last delivery (epoch ns), 0: none */
+    uint64_t ack_floor;      /* consumer sequence of the ack floor */
+    uint64_t pending;        /* stored on its filter, not yet delivered */
+    int64_t ack_pending;     /* delivered, not acked yet */
+    int64_t max_ack_pending; /* its limit (the agent's slots) */
+    bool push_bound;         /* someone subscribes to its deliver subject */
+    char leader[64];         /* its leader node, "" single server */
+};
+
+/*
+ * The state of consumer durable on stream, asked within timeout_ms (>= 1).
+ * 0 with *out; KS_ENOTFOUND (no such consumer or stream); KS_EUNAVAIL (its
+ * raft group has no leader: JetStream error 10008, or no responders);
+ * KS_ETIMEDOUT (nobody answered: a leader gone unnoticed yet); KS_ENATS.
+ * Any thread.
+ */
+int evt_consumer_state(struct evt_conn *c, const char *stream,
+                       const char *durable, int timeout_ms,
+                       struct evt_consumer_state *out);
+
+/*
+ * How many messages stream holds on the subjects filter (a subject, with
+ * wildcards) matches, asked within timeout_ms (stream info with
+ * subjects_filter, nats-server 2.8+). On a work-queue stream, what is
+ * stored is what no consumer has acked: a consumer whose pending +
+ * ack_pending is below it has skipped messages it will never deliver.
+ * 0 with *count_out; KS_ENOTFOUND, KS_EUNAVAIL, KS_ETIMEDOUT, KS_ENATS.
+ */
+int evt_stream_stored(struct evt_conn *c, const char *stream,
+                      const char *filter, int timeout_ms,
+                      uint64_t *count_out);
+
+/*
+ * Asks the leader of consumer durable to step down
+ * ($JS.API.CONSUMER.LEADER.STEPDOWN.<stream>.<durable>, nats-server docs
+ * "JetStream wire API"): another member becomes leader with the same
+ * replicated state (deliveries, acks, unacked messages). 0 when the leader
+ * said success; KS_ENATS with why (why_len bytes, may be NULL: the API's
+ * error, e.g. 10008 no leader, or "clustering support required" on a
+ * single server); KS_ETIMEDOUT / KS_EUNAVAIL (no leader answered);
+ * KS_EDECODE. Any thread; waits in the calling thread.
+ */
+int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
+                          const char *durable, int timeout_ms, char *why,
+                          size_t why_len);
+
+/*
+ * Deletes consumer d and makes it again as asked (evt_consumer_ensure): its
+ * delivery state is gone, unacked messages nobody holds with it. On a
+ * work-queue stream (KSCORE_CMDS) the messages stay until acked, and the
+ * new consumer delivers every one again (the claim fence keeps one run; an
+ * agent holding a message takes the new delivery's ack subject). A
+ * consumer already gone is just made. 0, or KS_ENATS / as evt_err with
+ * *errmsg (malloc'd, may be NULL). Any thread.
+ */
+int evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
+                        char **errmsg);
+
 /* ---- agent consumers ------------------------------------------------------ */
 
 /* JetStream gives up on a command message after this many deliveries

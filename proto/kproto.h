@@ -199,6 +199,11 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* The consumer guard (broker/stall.c): stalls noticed, and its two
+     * repairs. */
+    KS_C_CONSUMER_STALLS,    /* kscore_consumer_stalls_total */
+    KS_C_CONSUMER_STEPDOWNS, /* kscore_consumer_stepdowns_total */
+    KS_C_CONSUMER_REMAKES,   /* kscore_consumer_remakes_total */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */
