@@ -1834,16 +1834,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_follow, errmsg)) ||
         (rc = open_store(&b, &b.st_batch, errmsg)))
         goto out;
-    if ((rc = evt_setup_replicas(b.nc, opts->replicas ? (int)opts->replicas
-                                                      : 1,
-                                 errmsg)))
+    if ((rc = broker__jetstream_ready(&b, errmsg)))
         goto out;
-    if ((rc = evt_agents_kv(b.nc, &b.kv))) {
-        if (errmsg && asprintf(errmsg, "open KV %s: %s", EVT_KV_AGENTS,
-                               ks_strerror(rc)) < 0)
-            *errmsg = NULL;
-        goto out;
-    }
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__notice_start(&b, errmsg)) ||

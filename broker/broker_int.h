@@ -326,6 +326,14 @@ struct broker__consumer_of {
 int broker__consumer_of(struct broker *b, const char *agent_id,
                         struct broker__consumer_of *out);
 
+/* Makes the streams and the registry bucket (evt_setup_replicas), opens
+ * the bucket (b->kv) and makes the recorder's consumer, and on a cluster
+ * (replicas > 1) waits for each until JetStream answers through its
+ * leader, up to BROKER_JS_WAIT_MS, logging what it waits for every
+ * BROKER_JS_SAY_US (jsready.c). 0, or the last step's code with *errmsg. */
+#define BROKER_JS_SAY_US (5 * INT64_C(1000000))
+int broker__jetstream_ready(struct broker *b, char **errmsg);
+
 /* Whether this broker is the one to repair consumer name: of the
  * brokers heard in the registry within EVT_AGENT_TTL_MS (their beacons),
  * this one has the highest rendezvous score for name (itself always

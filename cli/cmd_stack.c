@@ -1408,7 +1408,10 @@ cmd_up(int argc, char **argv)
             goto fail;
         }
     }
-    rc = wait_broker(url, operator_seed, 30000);
+    /* On a cluster a broker waits for JetStream's leaders before it
+     * serves (up to BROKER_JS_WAIT_MS, broker/jsready.c): longer here. */
+    rc = wait_broker(url, operator_seed,
+                     cluster ? BROKER_JS_WAIT_MS + 30000 : 30000);
     if (rc) {
         cli_err("the broker does not answer: %s (see %s/broker.log)",
                 ks_strerror(rc), home);

@@ -358,9 +358,11 @@ add_or_update_stream(jsCtx *js, jsStreamConfig *sc, char **errmsg)
         s = js_UpdateStream(&si, js, sc, NULL, &jerr);
     jsStreamInfo_Destroy(si);
     if (s != NATS_OK) {
+        /* nats.c leaves no text for a request nobody answered */
+        const char *why = nats_GetLastError(NULL);
         if (errmsg)
             *errmsg = errmsg_dup("cannot create stream %s: %s", sc->Name,
-                                 nats_GetLastError(NULL));
+                                 why && why[0] ? why : natsStatus_GetText(s));
         return KS_ENATS;
     }
     return 0;
@@ -530,7 +532,13 @@ evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg)
      * ("JetStream system temporarily unavailable", or no reply): a
      * replicated setup is tried again for up to 30 s. One node answers
      * at once or not at all, as before. */
-    int64_t deadline = ks_mono_us() + INT64_C(30) * 1000 * 1000;
+    return evt_setup_wait(c, replicas, 30000, errmsg);
+}
+
+int
+evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms, char **errmsg)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
     int rc;
 
     if (replicas < 1)

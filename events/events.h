@@ -148,6 +148,10 @@ int evt_setup(struct evt_conn *c, char **errmsg);
  * 30 s (a new cluster's meta leader election).
  */
 int evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg);
+/* evt_setup_replicas trying again for up to wait_ms (ms, >= 0) instead of
+ * 30 s, so that a caller waiting longer can say how it goes meanwhile. */
+int evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms,
+                   char **errmsg);
 
 /*
  * Which of kscore's JetStream parts are gone: the streams KSCORE_CMDS,
