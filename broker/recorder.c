@@ -36,9 +36,17 @@ on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
              void *ud)
 {
     struct broker *b = ud;
+    uint64_t delivered = evt_ack_delivered(natsMsg_GetReply(msg));
     (void)nc;
     (void)sub;
-    if (evt_ack_delivered(natsMsg_GetReply(msg)) > 1)
+    /* Every delivery of the consumer has its ack subject; anything else on
+     * its deliver subject (a status message: nats.c passes on all but its
+     * own 100s; a stray publish) is no event, and changes nothing. */
+    if (delivered == 0) {
+        natsMsg_Destroy(msg);
+        return;
+    }
+    if (delivered > 1)
         ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
     pthread_mutex_lock(&b->mu);
     if (b->rec_len == b->rec_cap) {

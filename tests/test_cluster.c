@@ -628,6 +628,8 @@ END_TEST
 
 /* ---- fleet cases (shared/cases/fleet-cases.md) ---------------------------- */
 
+static bool broker_logged(const char *text);
+
 /* The long variants (KSCORE_CLUSTER_LONG=1: `make test-cluster-long`) run
  * each case at the size the case gives; the default keeps the suite short
  * and asserts the same right behaviour on a smaller load. */
@@ -690,6 +692,29 @@ consumer_stepdown(struct evt_conn *c, const char *consumer)
               strstr(natsMsg_GetData(m), "\"success\":true") != NULL;
     natsMsg_Destroy(m);
     return ok;
+}
+
+/* Publishes to consumer durable's deliver subject what is no delivery:
+ * a header-only status message without a reply ("Status: 409",
+ * "Description: Leadership Change"; nats.c cannot write the status line
+ * itself, so a client's handler sees what it would see of one it does not
+ * handle: no ack subject) and a message with a reply that is no ack
+ * subject. */
+static void
+status_to_deliver(struct evt_conn *c, const char *durable)
+{
+    char subj[256];
+    natsMsg *m = NULL;
+    evt_deliver_subject(subj, sizeof(subj), durable);
+    ck_assert_int_eq(natsMsg_Create(&m, subj, NULL, NULL, 0), NATS_OK);
+    natsMsgHeader_Set(m, "Status", "409");
+    natsMsgHeader_Set(m, "Description", "Leadership Change");
+    ck_assert_int_eq(natsConnection_PublishMsg(c->nc, m), NATS_OK);
+    natsMsg_Destroy(m);
+    ck_assert_int_eq(natsConnection_PublishRequestString(
+                         c->nc, subj, "_INBOX.broker.stray", "x"),
+                     NATS_OK);
+    natsConnection_Flush(c->nc);
 }
 
 /* The node process of "nats-<i>". */
@@ -982,6 +1007,12 @@ START_TEST(consumer_leader_changes)
         changes[nch++] = wall_s();
         bool sa = consumer_stepdown(bc, c_agent);
         bool sp = consumer_stepdown(bc, c_pool);
+        /* what a puller gets at a leader change (nats-server 2.9 sends it
+         * to pull requests only), and a stray reply, on each deliver
+         * subject: nobody stops, nothing is taken for a command */
+        const char *dur[] = {c_agent, c_pool, EVT_RECORDER_DURABLE};
+        for (int d = 0; d < 3; d++)
+            status_to_deliver(bc, dur[d]);
         fprintf(stderr,
                 "test_cluster: step-down %d: %s (%s) %s, %s (%s) %s\n",
                 k + 1, c_agent, la, sa ? "stepped down" : "refused", c_pool,
@@ -1024,6 +1055,10 @@ START_TEST(consumer_leader_changes)
                   "a command waited %.1f s for its claim (over %.0f s) "
                   "across a leader change (see %s)",
                   worst, RESUME_LIMIT_S, home);
+    ck_assert_msg(!broker_logged("dropping an undecodable"),
+                  "a status message was taken for an event (see %s)", home);
+    ck_assert_msg(!broker_logged("the pool delivered a command for an id"),
+                  "a status message was taken for a command (see %s)", home);
     /* no agent exited; each still takes work */
     pid_t p2 = 0;
     ck_assert_int_eq(stack_pidfile_alive(home, "agent", &p2), 1);
