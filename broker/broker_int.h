@@ -123,8 +123,13 @@ struct broker {
     struct ks_map brokers;
     char beacon_id[37];
     int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
-                                   its watch: no one is judged offline
-                                   for a TTL after (registry.c) */
+                                   its watch (registry.c) */
+    /* (mu) When that watch had delivered its initial values (the latest
+     * entry of every id, each dated by its put: registry_main), 0 before:
+     * no one is judged offline until BROKER_REG_FRESH_US after, time for
+     * every live agent to heartbeat again after a registry that was away
+     * (no heartbeat lands while the bucket has no leader). */
+    int64_t reg_caught_up_mono_us;
     /* (mu) when the registry watch last delivered an entry: with agents
      * heartbeating every EVT_HEARTBEAT_MS, a longer silence is a dead
      * watch (a cluster node gone, the bucket without a leader), not dead
@@ -296,14 +301,22 @@ void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
- * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
- * delivered nothing, not even this broker's own beacon, for more than
+ * its registry watch (re)started and has not delivered its initial values
+ * yet, or did less than BROKER_REG_FRESH_US ago, or has delivered
+ * nothing, not even this broker's own beacon, for more than
  * 2 x EVT_HEARTBEAT_MS (a cluster node died under it, the bucket has no
- * leader yet).
+ * leader yet). Each agent's last heartbeat is dated by its put in the
+ * bucket (server time, on this broker's monotonic clock), so an agent
+ * that stopped while the watch was dead is seen as silent since then
+ * once the new watch has its initial values (F04).
  * Then nobody is judged offline or Lost by silence: the delivery deadline
  * decides. Any thread.
  */
 bool broker__registry_deaf(struct broker *b);
+/* After a registry watch has its initial values, nobody is judged by
+ * silence for this long: two heartbeat periods (an agent whose put failed
+ * tries again within EVT_HEARTBEAT_MS). */
+#define BROKER_REG_FRESH_US (2 * (int64_t)EVT_HEARTBEAT_MS * 1000)
 /* A scanner tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)
 /* After a pause, nobody is judged by silence for this long: every agent

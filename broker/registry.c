@@ -340,7 +340,8 @@ heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
 }
 
 /* Takes info into the registry map (which owns it from here), with its
- * labels decided by labels_settle. watched: info is the watcher's, which
+ * labels decided by labels_settle; heard_mono_us: when the entry was put,
+ * on this broker's monotonic clock. watched: info is the watcher's, which
  * sees the entries in order; an entry read from the bucket meanwhile
  * (broker__agent_known) may be newer than what the watcher delivers next,
  * so it says nothing about which process heartbeats (instance_note); nor
@@ -348,7 +349,7 @@ heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
              bool labels_signed, const char *why, char *verified,
-             bool watched, bool live)
+             bool watched, bool live, int64_t heard_mono_us)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -366,8 +367,11 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         }
         a->stored_mono_us = ks_mono_us();
     }
-    a->seen_mono_us = ks_mono_us();
-    bool dup = watched && live && instance_note(a, info, a->seen_mono_us);
+    /* When the entry was put, not when it came: a new watch replays the
+     * latest entry of every id, however old (registry_main). */
+    if (heard_mono_us > a->seen_mono_us)
+        a->seen_mono_us = heard_mono_us;
+    bool dup = watched && live && instance_note(a, info, ks_mono_us());
     struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
@@ -799,7 +803,7 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
  */
 static void
 pool_seen(struct broker *b, struct provq *q, const char *key,
-          Ks__AgentInfo *info, size_t packed, bool live)
+          Ks__AgentInfo *info, size_t packed, bool live, int64_t heard_mono_us)
 {
     const char *bad = pool_problem(key, info, packed);
     uint8_t *tmpl = NULL;
@@ -861,7 +865,8 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, sig, NULL, NULL, true, live);
+        agent_update(b, ids[i], m, sig, NULL, NULL, true, live,
+                     heard_mono_us);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -871,17 +876,17 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
 
 /* Notes a broker's beacon (its id). Registry thread. */
 static void
-beacon_heard(struct broker *b, const char *id)
+beacon_heard(struct broker *b, const char *id, int64_t heard_mono_us)
 {
     pthread_mutex_lock(&b->mu);
     int64_t *at = ks_map_get(&b->brokers, id);
-    if (!at && (at = malloc(sizeof(*at))) &&
+    if (!at && (at = calloc(1, sizeof(*at))) &&
         ks_map_put(&b->brokers, id, at) != 0) {
         free(at);
         at = NULL;
     }
-    if (at)
-        *at = ks_mono_us();
+    if (at && heard_mono_us > *at)
+        *at = heard_mono_us;
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -929,6 +934,9 @@ broker__guard_owner(struct broker *b, const char *name)
 /* A watch that has delivered nothing for this long, not even this
  * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+/* A new watch that has not delivered its initial values this long after
+ * it was made delivers nothing (registry_main). */
+#define REGISTRY_CATCHUP_US (3000 * INT64_C(1000))
 
 static void *
 registry_main(void *arg)
@@ -939,7 +947,13 @@ registry_main(void *arg)
     struct provq *q = calloc(1, sizeof(*q));
 
     int64_t last_entry = ks_mono_us();
-    int64_t server_us = 0; /* the newest server time of an entry */
+    /* The newest server time of an entry, and when it came (mono): an
+     * entry put at put_us was put at server_mono - (server_us - put_us)
+     * on this broker's clock. A registry that was away meanwhile leaves
+     * the pair as it was, and the time since still counts. */
+    int64_t server_us = 0, server_mono = 0;
+    int64_t watch_at = 0;   /* mono: when the watch was made */
+    bool caught_up = false; /* it delivered its initial values */
     bool warned = false;
 
     if (!q) {
@@ -1001,6 +1015,18 @@ registry_main(void *arg)
             kvWatcher_Destroy(w);
             w = NULL;
         }
+        /* A new watch is an R1 ephemeral consumer that nats-server 2.9
+         * may place on a node that is down (it did, for the 10 s of F04):
+         * it then delivers not even its initial values, with no error. */
+        if (w && !caught_up &&
+            ks_mono_us() - watch_at > REGISTRY_CATCHUP_US) {
+            ks_log(KS_LOG_WARN,
+                   "agent registry watch delivers nothing (its consumer on "
+                   "a node that is down?): watching again",
+                   KS_S("module", "registry"));
+            kvWatcher_Destroy(w);
+            w = NULL;
+        }
         if (!w) {
             if (kvStore_WatchAll(&w, b->kv, &wo) != NATS_OK) {
                 if (!warned)
@@ -1014,9 +1040,11 @@ registry_main(void *arg)
                 continue;
             }
             warned = false;
-            last_entry = ks_mono_us();
+            last_entry = watch_at = ks_mono_us();
+            caught_up = false;
             pthread_mutex_lock(&b->mu);
             b->reg_watch_mono_us = last_entry;
+            b->reg_caught_up_mono_us = 0;
             pthread_mutex_unlock(&b->mu);
         }
         s = kvWatcher_Next(&e, w, 250);
@@ -1034,18 +1062,28 @@ registry_main(void *arg)
         last_entry = ks_mono_us();
         pthread_mutex_lock(&b->mu);
         b->reg_entry_mono_us = last_entry;
+        /* End of the initial values: the latest entry of every id is in
+         * (nats.c kvWatcher_Next returns a NULL entry once). */
+        if (!e) {
+            b->reg_caught_up_mono_us = last_entry;
+            caught_up = true;
+        }
         pthread_mutex_unlock(&b->mu);
-        if (!e) /* end of the initial values */
+        if (!e)
             continue;
         /* The server's clock, as the watch sees it (ns in nats.c 3.4.1:
          * the JetStream timestamp of the message). */
         int64_t put_us = kvEntry_Created(e) / 1000;
-        if (put_us > server_us)
+        if (put_us > server_us) {
             server_us = put_us;
+            server_mono = last_entry;
+        }
+        int64_t heard = server_mono - (server_us - put_us);
         if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
                     strlen(BROKER_BEACON_PREFIX)) == 0) {
             /* a broker's beacon: who serves (broker__guard_owner) */
-            beacon_heard(b, kvEntry_Key(e) + strlen(BROKER_BEACON_PREFIX));
+            beacon_heard(b, kvEntry_Key(e) + strlen(BROKER_BEACON_PREFIX),
+                         heard);
             kvEntry_Destroy(e);
             continue;
         }
@@ -1058,7 +1096,8 @@ registry_main(void *arg)
                 pool_seen(b, q, kvEntry_Key(e), (Ks__AgentInfo *)m,
                           (size_t)kvEntry_ValueLen(e),
                           heartbeat_live((Ks__AgentInfo *)m, put_us,
-                                         server_us));
+                                         server_us),
+                          heard);
         } else if (kvEntry_Operation(e) == kvOp_Put) {
             ProtobufCMessage *m = NULL;
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
@@ -1081,7 +1120,7 @@ registry_main(void *arg)
                     if (!live)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
                     agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified, true, live);
+                                 verified, true, live, heard);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1179,7 +1218,8 @@ broker__agent_known(struct broker *b, const char *agent_id)
         const char *why = NULL;
         char *verified = NULL;
         bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified, false, false);
+        agent_update(b, agent_id, info, sig, why, verified, false, false,
+                     ks_mono_us());
         return 1;
     }
     return 0;
@@ -1453,7 +1493,8 @@ broker_select_match(const Ks__AgentInfo *info, char *const *terms, size_t n)
 static bool
 registry_deaf_locked(struct broker *b, int64_t now)
 {
-    return now - b->reg_watch_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+    return !b->reg_caught_up_mono_us ||
+           now - b->reg_caught_up_mono_us < BROKER_REG_FRESH_US ||
            now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
            /* paused: whichever thread asks first after a SIGCONT, the
             * scanner's tick is old (broker_int.h scan_tick_mono_us) */
@@ -1479,9 +1520,9 @@ broker__agent_presence(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    /* A watch that is dead or (re)started less than a TTL ago may not
-     * have seen every heartbeat (a cluster node died under it): a stale
-     * entry then says nothing, the delivery deadline decides. */
+    /* A watch that is dead, or new and not caught up with the heartbeats
+     * (a cluster node died under it), may not have seen every heartbeat:
+     * a stale entry then says nothing, the delivery deadline decides. */
     if (a && registry_deaf_locked(b, ks_mono_us()) &&
         ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
         if (heartbeat_at_us)

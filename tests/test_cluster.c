@@ -1513,6 +1513,230 @@ START_TEST(a_broker_waits_for_the_leaders)
 }
 END_TEST
 
+/* A `kscore agent --id id --label label` daemon `name` (the broker's
+ * credential, as the fleet); its pid. */
+static pid_t
+label_agent_start(const char *name, const char *id, const char *label)
+{
+    char *url = env_get("KSCORE_NATS_URL");
+    char seed[PATH_MAX + 64], trust[PATH_MAX + 64], state[PATH_MAX + 32];
+    const char *bin = getenv("KSCORE_BIN");
+    pid_t pid;
+    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
+    snprintf(trust, sizeof(trust), "%s/keys/broker.pub", home);
+    snprintf(state, sizeof(state), "%s/%s", tmpdir, name);
+    char *argv[] = {(char *)(bin ? bin : "kscore"), "agent", "--id",
+                    (char *)id, "--label", (char *)label, "--nats", url,
+                    "--trust-key", trust, "--state-dir", state, "--config",
+                    "/dev/null", NULL};
+    setenv("KSCORE_NATS_NKEY", seed, 1);
+    ck_assert_int_eq(stack_daemon(home, name, argv, &pid), 0);
+    unsetenv("KSCORE_NATS_NKEY");
+    free(url);
+    return pid;
+}
+
+/* From `kscore agents --json`: 1 online, 0 offline, -1 not listed. */
+static int
+agent_online(const char *out, const char *id)
+{
+    char want[160];
+    snprintf(want, sizeof(want), "\"agent_id\":\"%s\"", id);
+    const char *p = strstr(out, want);
+    if (!p)
+        return -1;
+    const char *e = strchr(p, '\n');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    return memmem(p, n, "\"online\":true", 13) ? 1 : 0;
+}
+
+/* The node ("nats-<i>": i) that leads the registry watch of the one
+ * broker running, and the node that broker's connection is on (0 when
+ * not found): the watch is an ephemeral consumer on KV_KSCORE_AGENTS
+ * (nats.c kvStore_WatchAll: ordered, R1) delivering to an inbox that the
+ * broker's connection subscribes. */
+static void
+watch_nodes(int *watch_node, int *broker_node)
+{
+    struct stack_node nodes[3];
+    stack_cluster_nodes(home, 3, nodes);
+    *watch_node = *broker_node = 0;
+    char deliver[128] = "";
+    for (int i = 0; i < 3 && !*watch_node; i++) {
+        char *body = NULL;
+        if (!nodes[i].running ||
+            stack_http_get(nodes[i].mon_port,
+                           "/jsz?accounts=true&streams=true&consumers=true"
+                           "&config=true",
+                           2000, &body) != 0)
+            continue;
+        json_t *j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL), *a, *st,
+               *co;
+        size_t ai, si, ci;
+        free(body);
+        json_array_foreach(json_object_get(j, "account_details"), ai, a)
+        json_array_foreach(json_object_get(a, "stream_detail"), si, st)
+        {
+            const char *sn = json_string_value(json_object_get(st, "name"));
+            if (!sn || strcmp(sn, "KV_" EVT_KV_AGENTS) != 0)
+                continue;
+            json_array_foreach(json_object_get(st, "consumer_detail"), ci, co)
+            {
+                const char *l = json_string_value(json_object_get(
+                    json_object_get(co, "cluster"), "leader"));
+                const char *d = json_string_value(json_object_get(
+                    json_object_get(co, "config"), "deliver_subject"));
+                if (l && d && node_index(l) == i + 1) {
+                    *watch_node = i + 1;
+                    snprintf(deliver, sizeof(deliver), "%s", d);
+                }
+            }
+        }
+        json_decref(j);
+    }
+    for (int i = 0; i < 3 && deliver[0]; i++) {
+        char *body = NULL;
+        if (!nodes[i].running ||
+            stack_http_get(nodes[i].mon_port, "/connz?subs=1&limit=1000",
+                           2000, &body) != 0)
+            continue;
+        char pat[160];
+        snprintf(pat, sizeof(pat), "\"%s\"", deliver);
+        if (strstr(body, pat))
+            *broker_node = i + 1;
+        free(body);
+    }
+}
+
+/*
+ * F04 registry watch silently dead (nats-io/nats.go#1094, nats.c#988: a KV
+ * watcher delivered nothing after its server went away, with no error).
+ * One broker serves; the node that hosts its registry watch (an R1
+ * ephemeral consumer) dies while the broker stays connected to another;
+ * within 1 s a new agent with role=db starts and an old one with it
+ * stops; the node comes back after 10 s; at 15 s a batch --select role=db
+ * runs. Right: `kscore agents` converges within 10 s plus the election;
+ * the batch runs on exactly the agents online with that label (an offline
+ * one is no target that waits: it ends at once as offline).
+ */
+START_TEST(registry_watch_node_dies)
+{
+    up_cluster();
+    label_agent_start("keepdb", "keepdb", "role=db");
+    label_agent_start("olddb", "olddb", "role=db");
+    char *db = env_get("KSCORE_DB");
+    const char *ag[] = {"agents", "--json", NULL};
+    struct fixture_out o;
+    double t0 = now_s();
+    int ready = 0;
+    while (!ready && now_s() - t0 < 60) {
+        ks_ok(ag, &o);
+        ready = agent_online(o.out, "keepdb") == 1 &&
+                agent_online(o.out, "olddb") == 1;
+        fixture_out_release(&o);
+        if (!ready)
+            usleep(300 * 1000);
+    }
+    ck_assert_msg(ready, "keepdb and olddb not online");
+    /* one broker, whose watch is on another node than its connection */
+    ck_assert_int_eq(stack_stop(home, "broker-2", 20000), 0);
+    int wn = 0, bn = 0;
+    for (int k = 0; k < 6 && (!wn || !bn || wn == bn); k++) {
+        if (k) {
+            /* a new connection and a new watch, placed anew */
+            ck_assert_int_eq(stack_stop(home, "broker-1", 20000), 0);
+            up_cluster();
+            ck_assert_int_eq(stack_stop(home, "broker-2", 20000), 0);
+        }
+        t0 = now_s();
+        do {
+            watch_nodes(&wn, &bn);
+            if (!wn || !bn)
+                usleep(300 * 1000);
+        } while ((!wn || !bn) && now_s() - t0 < 20);
+    }
+    ck_assert_msg(wn && bn && wn != bn,
+                  "the broker's watch (nats-%d) is on its own node (nats-%d)",
+                  wn, bn);
+    pid_t victim = node_pid(wn);
+    ck_assert_int_eq(kill(victim, SIGKILL), 0);
+    double killed = now_s();
+    fprintf(stderr, "test_cluster: kill -9 nats-%d (the registry watch's; "
+                    "the broker is on nats-%d)\n", wn, bn);
+    label_agent_start("newdb", "newdb", "role=db");
+    ck_assert_int_eq(stack_stop(home, "olddb", 20000), 0);
+    double conv = -1;
+    bool restarted = false;
+    while (now_s() - killed < 15) {
+        if (!restarted && now_s() - killed >= 10) {
+            struct stack_node nodes[3];
+            stack_cluster_nodes(home, 3, nodes);
+            ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
+                                                 STACK_NATS_AUTH_INCLUDE,
+                                                 NULL, 0),
+                             0);
+            restarted = true;
+        }
+        ks_ok(ag, &o);
+        bool ok = agent_online(o.out, "keepdb") == 1 &&
+                  agent_online(o.out, "newdb") == 1 &&
+                  agent_online(o.out, "olddb") == 0;
+        fixture_out_release(&o);
+        if (ok && conv < 0)
+            conv = now_s() - killed;
+        else if (!ok)
+            conv = -1;
+        usleep(500 * 1000);
+    }
+    fprintf(stderr, "test_cluster: kscore agents converged %.1f s after the "
+                    "kill\n", conv);
+    ck_assert_msg(conv >= 0, "kscore agents has not converged 15 s after "
+                             "the kill (see %s)", home);
+    /* at 15 s, the batch */
+    const char *bargs[] = {"batch", "--select", "role=db", "--yes",
+                           "--detach", "--", "hostname", NULL};
+    ks_ok(bargs, &o);
+    char batch[64];
+    snprintf(batch, sizeof(batch), "%.*s", (int)strcspn(o.out, "\n"), o.out);
+    fixture_out_release(&o);
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = '%s' AND type "
+             "IN ('BatchCompleted','BatchCancelled')",
+             batch);
+    ck_assert_int_eq(fixture_wait_sql(db, sql, 1, 30000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets WHERE batch_id = '%s' AND "
+             "status = 'Succeeded' AND agent_id IN ('keepdb','newdb')",
+             batch);
+    long ran = fixture_sql_long(db, sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets WHERE batch_id = '%s'",
+             batch);
+    long all = fixture_sql_long(db, sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM batch_targets t JOIN commands c USING "
+             "(command_id) WHERE t.batch_id = '%s' AND t.agent_id = 'olddb' "
+             "AND c.status = 'Undeliverable' AND c.started_at IS NULL AND "
+             "c.finished_at - c.requested_at < interval '5 seconds'",
+             batch);
+    long old_off = fixture_sql_long(db, sql);
+    print_statuses(db, batch);
+    snprintf(sql, sizeof(sql),
+             "SELECT (extract(epoch FROM c.finished_at - c.requested_at) * "
+             "1000)::bigint FROM batch_targets t JOIN commands c USING "
+             "(command_id) WHERE t.batch_id = '%s' AND t.agent_id = 'olddb'",
+             batch);
+    fprintf(stderr, "test_cluster: olddb's target ended %ld ms after its "
+                    "request\n", fixture_sql_long(db, sql));
+    ck_assert_msg(ran == 2 && all - ran == old_off,
+                  "the batch over role=db: %ld targets, %ld of keepdb and "
+                  "newdb ran, %ld olddb ended at once as offline", all, ran,
+                  old_off);
+    free(db);
+}
+END_TEST
+
 /* ---- the files of deploy/cluster, as documented, on loopback ------------ */
 
 /* text with every `from` replaced by `to` (malloc'd; text is freed). */
@@ -1800,6 +2024,7 @@ cluster_suite(void)
              long_mode() ? 400 : 180);
     add_case(s, "up_after_down_waits_for_the_leaders",
              up_after_down_waits_for_the_leaders, long_mode() ? 400 : 180);
+    add_case(s, "registry_watch_node_dies", registry_watch_node_dies, 180);
     add_case(s, "a_broker_waits_for_the_leaders",
              a_broker_waits_for_the_leaders, 180);
     add_case(s, "a_consumer_stalled_by_a_lost_ack_is_repaired",
