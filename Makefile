@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test test-cluster chaos down clean asan profile fuzz deb install fleet-demo
+.PHONY: all bootstrap build run test test-cluster soak chaos down clean asan profile fuzz deb install fleet-demo
 
 all: build
 
@@ -37,6 +37,13 @@ test: build
 # batch after the node's restart all Undeliverable; tests/CMakeLists.txt).
 test-cluster: build
 	@cd $(BUILD) && ctest --output-on-failure -L cluster
+
+# The timing-sensitive suites N times each (tests/soak.sh), with pass
+# counts: `make soak N=10`, or SUITES="test_batch test_agent" for others.
+N ?= 10
+SUITES ?= test_agent test_batch test_security test_cluster
+soak: build
+	@./tests/soak.sh $(BUILD) $(N) $(SUITES)
 
 # A broker host and three agents in network namespaces, enrolled by bundle,
 # over TCP + mutual TLS; one revoked (deploy/fleet-demo.sh; needs root).
@@ -106,7 +113,8 @@ install: bootstrap
 	@cmake --install $(BUILD)
 
 # The Debian package (CPack DEB) in $(BUILD)-deb/: prefix /usr, units in
-# /lib/systemd/system, configs in /etc/kscore. Only the binary is built.
+# /lib/systemd/system, configs in /etc/kscore. Only kscore and its daemon half
+# (kscore-daemon, built with it) are built.
 deb: bootstrap
 	@cmake -S . -B $(BUILD)-deb -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	    -DCMAKE_INSTALL_PREFIX=/usr -DKSCORE_SYSTEMD_UNITDIR=/lib/systemd/system >/dev/null

@@ -15,7 +15,8 @@
  * Kill protocol (the invariants the executor keeps):
  *  - The child leads its own process group (POSIX_SPAWN_SETPGROUP), starts
  *    with default signal dispositions (every signal 1..NSIG-1 but SIGKILL
- *    and SIGSTOP) and an empty mask, stdin /dev/null, stdout/stderr on
+ *    and SIGSTOP) and an empty mask, stdin /dev/null (or a pipe the
+ *    executor writes exec_spec.stdin_data to), stdout/stderr on
  *    O_CLOEXEC pipes, every other fd closed, and a soft RLIMIT_NOFILE of
  *    min(EXEC_CHILD_NOFILE_SOFT, hard) with the hard limit the agent's.
  *  - Deadlines run on CLOCK_MONOTONIC. At timeout_ms: SIGTERM to the group;
@@ -112,11 +113,31 @@
 /* The child's environment base (documented; nothing else is inherited). */
 #define EXEC_BASE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define EXEC_BASE_LANG "C.UTF-8"
-/* HOME is the home of the agent's user (getpwuid), "/" if it has none. */
+/* HOME is the home of the agent's user (getpwuid), "/" if it has none;
+ * with exec_spec.user, that user's home, and USER and LOGNAME its name. */
 
 struct exec_env {
     const char *name;
     const char *value; /* may be "" */
+};
+
+/*
+ * A user to run a child as (exec_spec.user), resolved by the caller: name
+ * lookups (getpwnam, initgroups' group scan) may block on NSS (LDAP,
+ * sssd), so they never run on the loop thread. The child calls
+ * setgroups(groups), setresgid(gid), setresuid(uid) before its chdir and
+ * execve, so the cwd and the program are reached as that user, and a
+ * non-root uid leaves no capability (capabilities(7): all of the
+ * permitted and effective sets go when every uid becomes non-zero) and
+ * none of the agent's groups.
+ */
+struct exec_user {
+    uid_t uid;
+    gid_t gid;              /* the primary group */
+    const gid_t *groups;    /* supplementary groups, n_groups (may be 0) */
+    size_t n_groups;
+    const char *name;       /* the child's USER and LOGNAME */
+    const char *home;       /* the child's HOME */
 };
 
 /* What to run. Borrowed by the call that takes it; copied if kept. */
@@ -130,6 +151,14 @@ struct exec_spec {
     uint64_t grace_ms;         /* 0: EXEC_GRACE_DEFAULT_MS */
     size_t stdout_cap_bytes;   /* 0: default; else <= EXEC_OUTPUT_CAP_MAX */
     size_t stderr_cap_bytes;
+    /* The child's stdin: these bytes on a pipe that the executor writes
+     * (never blocking its loop) and closes after the last byte, or at
+     * once when the child closes its end. NULL / 0: stdin is /dev/null. */
+    const void *stdin_data;
+    size_t stdin_len;
+    /* NULL: the agent's own user. Needs the clone child (x86_64): where
+     * only posix_spawn is left, the start fails (stage "user", ENOTSUP). */
+    const struct exec_user *user;
 };
 
 enum exec_outcome {
@@ -167,7 +196,8 @@ struct exec_result {
     int64_t term_sent_us;   /* monotonic offset from spawn; -1: not sent */
     int64_t kill_sent_us;   /* monotonic offset from spawn; -1: not sent */
     int64_t utime_us, stime_us, maxrss_kb; /* leader's rusage (wait4) */
-    const char *start_stage; /* static: "chdir", "exec", "pipe", "spawn" */
+    const char *start_stage; /* static: "chdir", "exec", "pipe", "spawn",
+                                "user" */
     int start_errno;
     int wait_errno; /* EXEC_STATUS_LOST: the errno of the failed wait */
     /* Most processes one signal step (TERM, KILL) reached, leader included. */
@@ -339,6 +369,14 @@ void exec_process_init(void);
 /* ------------------------------------------------------------------------ */
 
 #include "events.h"
+
+/*
+ * What this agent runs beyond argv (AgentInfo.features): "script"
+ * (CommandSpec.script), "input" (stdin), "run_as", "copy". The broker
+ * sends a command that needs one only to an agent that lists it.
+ */
+extern const char *const agent_features[];
+#define AGENT_N_FEATURES 4
 
 /* Default commands running at once per agent process: CPUs x 4. */
 unsigned agent_default_max_concurrent(void);

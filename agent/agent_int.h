@@ -80,6 +80,12 @@ struct job_ctx {
      * cancelled as soon as it is (under a->mu). */
     bool cancel_pending;
     uint64_t delivered; /* JetStream's delivery count of this message */
+    /* payload.c: its script file, stdin and user, from the precheck to
+     * the end of the hold (job_free). */
+    struct agent_payload *payload;
+    /* Why it ended before it ran, after the claim (a copy's fetch):
+     * the terminal report's reason (malloc'd; job_free frees it). */
+    char *end_reason;
     struct agent_out *out; /* output.c, while it runs */
     /* Offset of the journal's room for "spawned <pid>"; -1: none. */
     long spawn_at;
@@ -168,6 +174,7 @@ struct agent {
     struct agent_out *out_list;
     pthread_t out_thread;
     bool out_started, out_stopping;
+    char *run_dir;         /* payload.c: this run's private files */
     atomic_int closing;    /* agent_stop: take no new work */
     volatile int stopping; /* agent_stop: the executor is done */
 };
@@ -232,6 +239,71 @@ int agent__secrets_open(struct agent *a, const char *agent_id,
                         char *why, size_t why_len);
 /* Wipes and frees the values. Accepts NULL. */
 void agent__secrets_free(struct agent_secrets *s);
+
+/*
+ * payload.c: a command's script, stdin and user (CommandSpec.script,
+ * .input, .run_as), made ready for the executor before the claim.
+ *
+ * agent__payload_init: removes what the last run of this state dir left
+ * in its private run dir (noted in <state_dir>/run-dir); this run's
+ * (a->run_dir: $TMPDIR/kscore-agent-XXXXXX, 0711) is made and noted at
+ * its first use (under a->mu). 0 (errmsg is for a failure to come).
+ * agent__payload_release removes it (agent_stop).
+ *
+ * agent__payload_prepare: checks the payloads' SHA-256, looks the user up,
+ * writes the script to <run dir>/<command id>/<name> (0700 directory, 0500
+ * file, the user's) and points spec at them (stdin_data, user, argv: the
+ * script's path, after /bin/sh when it has no "#!", then argv[1..]). What
+ * spec points at lives in *out until agent__payload_free, which also
+ * removes the directory. Nothing to do: 0 and *out NULL. On failure
+ * -errno (-EBADMSG: a checksum, -ENOENT: no such user or group) with
+ * *stage ("input", "user", "script") and why: the command must not run.
+ * Before the claim, on the thread that starts the job.
+ */
+struct agent_payload;
+int agent__payload_init(struct agent *a, char **errmsg);
+void agent__payload_release(struct agent *a);
+int agent__payload_prepare(struct agent *a, const Ks__Command *cmd,
+                           struct exec_spec *spec, struct agent_payload **out,
+                           const char **stage, char *why, size_t len);
+/* Removes the command's private directory and frees. Accepts NULL. */
+void agent__payload_free(struct agent_payload *p);
+/*
+ * After the claim: a copy's files, fetched from the broker into the
+ * command's private directory and checked against their SHA-256 (copy.c).
+ * 0 (also for any other command), or -ECANCELED (cancelled, the agent
+ * stops), -EBADMSG (a checksum), a NATS or broker error, with why. Blocks
+ * the calling (starter or delivery) thread for the fetch.
+ */
+int agent__payload_fetch(struct agent *a, struct job_ctx *j,
+                         const Ks__Command *cmd, char *why, size_t len);
+
+/*
+ * copy.c: kscore copy's fetch and writer (the writer is this binary
+ * re-executed with agent__copy_env set).
+ * agent__copy_argv: the writer's argv for cp, its files in spool, owner
+ * (NULL: keep) as uid:gid; free with agent__copy_argv_free.
+ * agent__copy_fetch: each file of cmd's copy into spool/<i> (see
+ * agent__payload_fetch).
+ */
+extern const char agent__copy_env[];
+int agent__copy_argv(const Ks__CopySpec *cp, const char *spool,
+                     const struct exec_user *owner, char ***argv_out);
+void agent__copy_argv_free(char **argv);
+int agent__copy_fetch(struct agent *a, struct job_ctx *j,
+                      const Ks__Command *cmd, const char *spool, char *why,
+                      size_t len);
+/* SHA-256 of len bytes (OpenSSL). 0 or KS_EINTERNAL. */
+int agent__payload_sha256(const void *data, size_t len,
+                          uint8_t out[KS_SHA256_BYTES]);
+/*
+ * Looks up "USER" or "USER:GROUP" (getpwnam_r, getgrnam_r, getgrouplist):
+ * u filled, its groups, name and home in *groups, *name, *home (malloc'd,
+ * the caller frees). 0, or -ENOENT (no such user or group) / -errno with
+ * why. May block on NSS.
+ */
+int agent__user_lookup(const char *spec, struct exec_user *u, gid_t **groups,
+                       char **name, char **home, char *why, size_t len);
 
 /*
  * journal.c: <state_dir>/running/<command_id>, one file per held message.

@@ -30,7 +30,7 @@
 #define EXEC_POLL_MAX_US 64000
 #define EXEC_READ_CHUNK 65536
 
-enum watch_kind { W_OUT, W_ERR, W_PID, W_CG, W_EVENT, W_WD };
+enum watch_kind { W_OUT, W_ERR, W_PID, W_CG, W_EVENT, W_WD, W_IN };
 
 struct exec_job;
 
@@ -70,6 +70,12 @@ struct exec_job {
     int pidfd;
     int fd[2];
     struct watch w[4];
+    /* stdin: our write end (-1: none or done), how much is written, and
+     * its watch (EPOLLOUT while the pipe is full). */
+    int in_fd;
+    size_t in_off;
+    bool in_watched;
+    struct watch win;
     struct outbuf buf[2];
     int64_t t0, grace_us;
     uint64_t start_ticks; /* boot-time ticks at spawn, for /proc starttime */
@@ -132,7 +138,9 @@ static void
 job_init(struct exec_job *job, const struct exec_spec *spec)
 {
     job->spec = *spec;
-    job->pidfd = job->fd[0] = job->fd[1] = -1;
+    job->pidfd = job->fd[0] = job->fd[1] = job->in_fd = -1;
+    job->win.job = job;
+    job->win.kind = W_IN;
     job->cg.events_fd = job->cg.dir_fd = -1;
     for (int i = 0; i < 4; i++) {
         job->w[i].job = job;
@@ -216,6 +224,72 @@ pipe_read(struct exec_loop *loop, struct exec_job *job, int i)
         b->total += (uint64_t)n;
     }
     return n;
+}
+
+/*
+ * write(2) that never raises SIGPIPE, whatever the process's disposition
+ * (exec_process_init ignores it, a program using exec_run may not): the
+ * signal is blocked in this thread around the write, and the one a closed
+ * pipe raised is taken back unless it was pending before (as git's
+ * sigchain and libcurl do for sockets without MSG_NOSIGNAL).
+ */
+static ssize_t
+write_nosigpipe(int fd, const void *buf, size_t len)
+{
+    sigset_t pipe_set, old, pending;
+    bool was_pending;
+    ssize_t n;
+    int e;
+
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    sigpending(&pending);
+    was_pending = sigismember(&pending, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    n = write(fd, buf, len);
+    e = errno;
+    if (n == -1 && e == EPIPE && !was_pending) {
+        const struct timespec zero = {0, 0};
+        sigtimedwait(&pipe_set, NULL, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = e;
+    return n;
+}
+
+/*
+ * Writes what the pipe takes of the child's stdin; at the end, or when the
+ * child has closed its end (EPIPE), closes ours, so the child reads EOF.
+ * Until then, waits for EPOLLOUT.
+ */
+static void
+feed_stdin(struct exec_loop *loop, struct exec_job *job)
+{
+    const char *data = job->spec.stdin_data;
+
+    while (job->in_fd != -1 && job->in_off < job->spec.stdin_len) {
+        ssize_t n = write_nosigpipe(job->in_fd, data + job->in_off,
+                                    job->spec.stdin_len - job->in_off);
+        if (n == -1 && errno == EINTR)
+            continue;
+        if (n == -1 && errno == EAGAIN) {
+            if (!job->in_watched) {
+                struct epoll_event ev = {.events = EPOLLOUT,
+                                         .data.ptr = &job->win};
+                /* Where epoll cannot take it (ENOMEM), the child gets
+                 * EOF early rather than the loop spinning on it. */
+                if (epoll_ctl(loop->epfd, EPOLL_CTL_ADD, job->in_fd, &ev) ==
+                    -1)
+                    break;
+                job->in_watched = true;
+            }
+            return;
+        }
+        if (n <= 0)
+            break; /* EPIPE: the child does not read any more */
+        job->in_off += (size_t)n;
+    }
+    close_fd(loop, &job->in_fd);
 }
 
 static void
@@ -413,6 +487,7 @@ job_finish(struct exec_loop *loop, struct exec_job *job)
         }
     }
     close_fd(loop, &job->pidfd);
+    close_fd(loop, &job->in_fd);
     if (job->wd_added) {
         /* Its report (if it fired) is read before the result is made, and
          * the DEL goes out while the unreaped leader still pins the pgid. */
@@ -597,6 +672,7 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     const struct exec_spec *spec = &job->spec;
     char **envp = NULL, *path = NULL;
     const char *stage = "spawn";
+    int fds[3] = {-1, -1, -1};
     int ret;
 
     job->started = true;
@@ -622,7 +698,7 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     ret = -ENOSYS;
     if (job->cg.in_use) {
         ret = exec__spawn_cgroup(spec, path, envp, job->cg.dir_fd, &job->pid,
-                                 &job->pidfd, job->fd, &stage);
+                                 &job->pidfd, fds, &stage);
         if (ret == 0)
             job->cg.moved = true;
     }
@@ -630,9 +706,9 @@ job_start(struct exec_loop *loop, struct exec_job *job)
         /* Our child without a cgroup (it sets the child's NOFILE limit),
          * else posix_spawn (exec_spawn.c). */
         ret = exec__spawn_cgroup(spec, path, envp, -1, &job->pid,
-                                 &job->pidfd, job->fd, &stage);
+                                 &job->pidfd, fds, &stage);
         if (ret == -ENOSYS)
-            ret = exec__spawn(spec, path, envp, &job->pid, job->fd, &stage);
+            ret = exec__spawn(spec, path, envp, &job->pid, fds, &stage);
         if (ret == 0 && job->cg.in_use &&
             (exec__cgroup_move(&job->cg, job->pid) != 0 ||
              exec__may_have_forked(job->pid)))
@@ -642,6 +718,9 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     }
     if (ret)
         goto fail;
+    job->fd[0] = fds[0];
+    job->fd[1] = fds[1];
+    job->in_fd = fds[2];
     job->res.pid = job->pid;
     if (job->pidfd == -1) {
         /*
@@ -654,6 +733,7 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     }
     watch_add(loop, job->fd[0], &job->w[W_OUT], EPOLLIN);
     watch_add(loop, job->fd[1], &job->w[W_ERR], EPOLLIN);
+    feed_stdin(loop, job);
     if (job->pidfd != -1)
         watch_add(loop, job->pidfd, &job->w[W_PID], EPOLLIN);
     if (spec->timeout_ms)
@@ -881,6 +961,9 @@ loop_step(struct exec_loop *loop)
             if (j->pidfd != -1)
                 on_leader_exit(loop, j);
             break;
+        case W_IN:
+            feed_stdin(loop, j);
+            break;
         case W_CG:
             if (j->leader_exited)
                 check_group(loop, j, ks_mono_us());
@@ -1072,13 +1155,21 @@ spec_copy(const struct exec_spec *spec, struct exec_job *job)
     for (size_t i = 0; i < spec->env_len; i++)
         bytes += STR_BYTES(spec->env[i].name) + STR_BYTES(spec->env[i].value);
     bytes += STR_BYTES(spec->cwd) + STR_BYTES(spec->command_id);
-    job->blob = malloc((argc + 1) * sizeof(char *) +
+    if (spec->user)
+        bytes += STR_BYTES(spec->user->name) + STR_BYTES(spec->user->home);
+    bytes += spec->stdin_len;
+    /* Aligned parts first (user, groups, env, argv), then the bytes. */
+    size_t ngroups = spec->user ? spec->user->n_groups : 0;
+    job->blob = malloc(sizeof(struct exec_user) + ngroups * sizeof(gid_t) +
+                       (argc + 1) * sizeof(char *) +
                        spec->env_len * sizeof(struct exec_env) + bytes);
     if (!job->blob)
         return -ENOMEM;
-    env = job->blob;
+    struct exec_user *user = job->blob;
+    env = (struct exec_env *)(user + 1);
     argv = (const char **)(env + spec->env_len);
-    p = (char *)(argv + argc + 1);
+    gid_t *groups = (gid_t *)(argv + argc + 1);
+    p = (char *)(groups + ngroups);
 #define STR_COPY(dst, s)                                                       \
     do {                                                                       \
         if (s) {                                                               \
@@ -1099,6 +1190,20 @@ spec_copy(const struct exec_spec *spec, struct exec_job *job)
     job->spec.env = env;
     STR_COPY(job->spec.cwd, spec->cwd);
     STR_COPY(job->spec.command_id, spec->command_id);
+    if (spec->user) {
+        *user = *spec->user;
+        if (ngroups)
+            memcpy(groups, spec->user->groups, ngroups * sizeof(gid_t));
+        user->groups = groups;
+        STR_COPY(user->name, spec->user->name);
+        STR_COPY(user->home, spec->user->home);
+        job->spec.user = user;
+    }
+    if (spec->stdin_len) {
+        memcpy(p, spec->stdin_data, spec->stdin_len);
+        job->spec.stdin_data = p;
+        p += spec->stdin_len;
+    }
 #undef STR_COPY
 #undef STR_BYTES
     return 0;

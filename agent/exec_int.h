@@ -60,11 +60,13 @@ int exec__check_cwd(const char *cwd);
 int exec__resolve(const char *argv0, const char *path_env, char **out);
 /*
  * Spawns the leader under the kill protocol. out_fds receive the read ends
- * of stdout/stderr (O_CLOEXEC|O_NONBLOCK). On failure returns -errno and
- * sets *stage ("pipe", "spawn", "exec", "chdir").
+ * of stdout/stderr and the write end of stdin, or -1 when the spec has no
+ * stdin bytes (all O_CLOEXEC|O_NONBLOCK). On failure returns -errno and
+ * sets *stage ("pipe", "spawn", "exec", "chdir"; "user" for a spec with a
+ * user, which posix_spawn cannot start: -ENOTSUP).
  */
 int exec__spawn(const struct exec_spec *spec, const char *path,
-                char *const *envp, pid_t *pid_out, int out_fds[2],
+                char *const *envp, pid_t *pid_out, int out_fds[3],
                 const char **stage);
 /* The child's RLIMIT_NOFILE: soft min(EXEC_CHILD_NOFILE_SOFT, hard), hard
  * ours. */
@@ -75,13 +77,16 @@ void exec__child_nofile(struct rlimit *out);
  * straight into the cgroup cgroup_fd (CLONE_INTO_CGROUP), or, with
  * cgroup_fd -1, into ours. The same child set-up as exec__spawn(), plus
  * what posix_spawn cannot do: the soft RLIMIT_NOFILE of
- * exec__child_nofile(). Also returns a pidfd. -ENOSYS when the kernel,
- * arch or a filter cannot (valgrind has no clone3): the caller uses
- * exec__spawn().
+ * exec__child_nofile(), and the spec's user (setgroups, setresgid,
+ * setresuid: stage "user"). Also returns a pidfd (-1 after the clone(2)
+ * fallback below). Without clone3 and without a cgroup, a spec with a user
+ * takes the same child on clone(2) (CLONE_VM|CLONE_VFORK). -ENOSYS when
+ * the kernel, arch or a filter cannot (valgrind has no clone3): the caller
+ * uses exec__spawn().
  */
 int exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
                        char *const *envp, int cgroup_fd, pid_t *pid_out,
-                       int *pidfd_out, int out_fds[2], const char **stage);
+                       int *pidfd_out, int out_fds[3], const char **stage);
 
 /* exec_group.c */
 

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sched.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +33,10 @@ exec__spec_valid(const struct exec_spec *spec)
         if (!n || !n[0] || strchr(n, '=') || !spec->env[i].value)
             return KS_EINVAL;
     }
+    if ((spec->stdin_len && !spec->stdin_data) ||
+        (spec->user && (!spec->user->name || !spec->user->home ||
+                        (spec->user->n_groups && !spec->user->groups))))
+        return KS_EINVAL;
     return 0;
 }
 
@@ -55,13 +60,23 @@ exec__env_get(char *const *envp, const char *name)
 int
 exec__build_env(const struct exec_spec *spec, char ***envp_out)
 {
+    const struct exec_user *u = spec->user;
     struct {
         const char *name, *value;
-    } base[4] = {{"PATH", EXEC_BASE_PATH},
+    } base[6] = {{"PATH", EXEC_BASE_PATH},
                  {"LANG", EXEC_BASE_LANG},
-                 {"HOME", exec__home()},
-                 {"KSCORE_COMMAND_ID", spec->command_id}};
-    size_t nbase = spec->command_id ? 4 : 3;
+                 {"HOME", u ? u->home : exec__home()}};
+    size_t nbase = 3;
+    if (u) {
+        base[nbase].name = "USER";
+        base[nbase++].value = u->name;
+        base[nbase].name = "LOGNAME";
+        base[nbase++].value = u->name;
+    }
+    if (spec->command_id) {
+        base[nbase].name = "KSCORE_COMMAND_ID";
+        base[nbase++].value = spec->command_id;
+    }
     size_t max = nbase + spec->env_len;
     /* Slot i holds (name, value); a later spec entry replaces its slot. */
     const char **names = NULL, **values = NULL;
@@ -325,14 +340,16 @@ exec_process_init(void)
 }
 
 /*
- * stdout/stderr pipes, O_CLOEXEC. Our read ends are O_NONBLOCK (their own
- * open file description: the child's write ends stay blocking). Every fd is
- * >= 3, so dup'ing onto 0-2 in the child never meets itself.
+ * stdout/stderr pipes (p[0], p[1]) and, with stdin bytes to give, the
+ * stdin pipe (p[2]), all O_CLOEXEC. Our ends (the read ends of stdout and
+ * stderr, the write end of stdin) are O_NONBLOCK (their own open file
+ * description: the child's ends stay blocking). Every fd is >= 3, so
+ * dup'ing onto 0-2 in the child never meets itself.
  */
 static int
-make_pipes(int p[2][2])
+make_pipes(int p[3][2], bool with_stdin)
 {
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < (with_stdin ? 3 : 2); i++) {
         if (pipe2(p[i], O_CLOEXEC) == -1)
             return -errno;
         for (int j = 0; j < 2; j++) {
@@ -344,36 +361,53 @@ make_pipes(int p[2][2])
                 p[i][j] = fd;
             }
         }
-        if (fcntl(p[i][0], F_SETFL, O_NONBLOCK) == -1)
+        if (fcntl(p[i][i == 2 ? 1 : 0], F_SETFL, O_NONBLOCK) == -1)
             return -errno;
     }
     return 0;
 }
 
 static void
-close_pipes(int p[2][2])
+close_pipes(int p[3][2])
 {
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 3; i++)
         for (int j = 0; j < 2; j++)
             if (p[i][j] != -1)
                 close(p[i][j]);
 }
 
+/* Our ends to the caller: out_fds[0] stdout, [1] stderr (read), [2] stdin
+ * (write, -1 without stdin bytes). */
+static void
+take_ends(int p[3][2], int out_fds[3])
+{
+    out_fds[0] = p[0][0];
+    out_fds[1] = p[1][0];
+    out_fds[2] = p[2][1];
+    p[0][0] = p[1][0] = p[2][1] = -1;
+}
+
 int
 exec__spawn(const struct exec_spec *spec, const char *path,
-            char *const *envp, pid_t *pid_out, int out_fds[2],
+            char *const *envp, pid_t *pid_out, int out_fds[3],
             const char **stage)
 {
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t attr;
     bool fa_ok = false, attr_ok = false;
-    int p[2][2] = {{-1, -1}, {-1, -1}};
+    int p[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
     sigset_t set;
     pid_t pid;
     int ret;
 
+    if (spec->user) {
+        /* posix_spawn has no attribute for another user (only
+         * POSIX_SPAWN_RESETIDS, back to the real ids). */
+        *stage = "user";
+        return -ENOTSUP;
+    }
     *stage = "pipe";
-    ret = make_pipes(p);
+    ret = make_pipes(p, spec->stdin_len > 0);
     if (ret)
         goto out;
 
@@ -386,8 +420,10 @@ exec__spawn(const struct exec_spec *spec, const char *path,
     if (ret)
         goto out;
     attr_ok = true;
-    if ((ret = -posix_spawn_file_actions_addopen(&fa, 0, "/dev/null",
-                                                 O_RDONLY, 0)) ||
+    if ((ret = p[2][0] != -1
+                   ? -posix_spawn_file_actions_adddup2(&fa, p[2][0], 0)
+                   : -posix_spawn_file_actions_addopen(&fa, 0, "/dev/null",
+                                                       O_RDONLY, 0)) ||
         (ret = -posix_spawn_file_actions_adddup2(&fa, p[0][1], 1)) ||
         (ret = -posix_spawn_file_actions_adddup2(&fa, p[1][1], 2)) ||
         (ret = -posix_spawn_file_actions_addchdir_np(&fa, exec__cwd(spec))) ||
@@ -419,9 +455,7 @@ exec__spawn(const struct exec_spec *spec, const char *path,
         goto out;
     }
     *pid_out = pid;
-    out_fds[0] = p[0][0];
-    out_fds[1] = p[1][0];
-    p[0][0] = p[1][0] = -1;
+    take_ends(p, out_fds);
 out:
     close_pipes(p);
     if (attr_ok)
@@ -460,9 +494,11 @@ struct child_ctx {
     const char *path;
     char *const *argv, *const *envp;
     const char *cwd;
+    int in_r; /* stdin pipe, -1: /dev/null */
     int out_w, err_w;
     int report_w; /* error pipe, CLOEXEC: EOF means execve succeeded */
     struct rlimit nofile; /* exec__child_nofile() */
+    const struct exec_user *user; /* NULL: stay who we are */
 };
 
 /* What the child writes to the error pipe when it fails. */
@@ -471,7 +507,8 @@ struct child_report {
     int stage; /* index into child_stages */
 };
 
-static const char *const child_stages[] = {"spawn", "chdir", "exec"};
+static const char *const child_stages[] = {"spawn", "chdir", "exec",
+                                           "user"};
 
 /* The kernel's struct sigaction for rt_sigaction on x86_64. */
 struct ksigaction {
@@ -499,17 +536,36 @@ child_main(void *arg)
     for (int sig = 1; sig < 65; sig++)
         if (sig != SIGKILL && sig != SIGSTOP)
             syscall(SYS_rt_sigaction, sig, &dfl, NULL, sizeof(uint64_t));
-    fd = syscall(SYS_openat, AT_FDCWD, "/dev/null", O_RDONLY);
-    if (fd == -1)
-        goto fail;
-    if (fd != 0) {
-        if (syscall(SYS_dup3, fd, 0, 0) == -1)
+    if (c->in_r != -1) {
+        if (syscall(SYS_dup3, c->in_r, 0, 0) == -1)
             goto fail;
-        syscall(SYS_close, fd);
+    } else {
+        fd = syscall(SYS_openat, AT_FDCWD, "/dev/null", O_RDONLY);
+        if (fd == -1)
+            goto fail;
+        if (fd != 0) {
+            if (syscall(SYS_dup3, fd, 0, 0) == -1)
+                goto fail;
+            syscall(SYS_close, fd);
+        }
     }
     if (syscall(SYS_dup3, c->out_w, 1, 0) == -1 ||
         syscall(SYS_dup3, c->err_w, 2, 0) == -1)
         goto fail;
+    if (c->user) {
+        /* Groups first (they need our CAP_SETGID), then the gid, then the
+         * uid, which drops every capability when it is not 0. Raw
+         * syscalls: glibc's wrappers would signal every thread of the
+         * agent (setxid) from this vfork child. */
+        rep.stage = 3;
+        if (syscall(SYS_setgroups, c->user->n_groups, c->user->groups) ==
+                -1 ||
+            syscall(SYS_setresgid, c->user->gid, c->user->gid,
+                    c->user->gid) == -1 ||
+            syscall(SYS_setresuid, c->user->uid, c->user->uid,
+                    c->user->uid) == -1)
+            goto fail;
+    }
     rep.stage = 1;
     if (syscall(SYS_chdir, c->cwd) == -1)
         goto fail;
@@ -562,10 +618,10 @@ clone3_run(struct clone_args *ca, int (*fn)(void *), void *arg)
 int
 exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
                    char *const *envp, int cgroup_fd, pid_t *pid_out,
-                   int *pidfd_out, int out_fds[2], const char **stage)
+                   int *pidfd_out, int out_fds[3], const char **stage)
 {
     static _Alignas(16) __thread char stack[CHILD_STACK_BYTES];
-    int p[2][2] = {{-1, -1}, {-1, -1}};
+    int p[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
     int rp[2] = {-1, -1};
     struct child_ctx c = {0};
     struct child_report rep;
@@ -577,7 +633,7 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     int ret;
 
     *stage = "pipe";
-    ret = make_pipes(p);
+    ret = make_pipes(p, spec->stdin_len > 0);
     if (ret)
         goto out;
     if (pipe2(rp, O_CLOEXEC) == -1) {
@@ -599,6 +655,8 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     c.argv = (char *const *)spec->argv;
     c.envp = envp;
     c.cwd = exec__cwd(spec);
+    c.in_r = p[2][0];
+    c.user = spec->user;
     c.out_w = p[0][1];
     c.err_w = p[1][1];
     c.report_w = rp[1];
@@ -618,6 +676,19 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pid = clone3_run(&ca, child_main, &c);
+    if (pid < 0 && cgroup_fd == -1 && spec->user &&
+        (pid == -ENOSYS || pid == -EPERM || pid == -EOPNOTSUPP)) {
+        /*
+         * No clone3 (a seccomp filter, Docker's among them, answers
+         * ENOSYS so that glibc falls back to clone): the same child on
+         * clone(2), which posix_spawn itself uses, since only our child
+         * can change the user. The pidfd comes from pidfd_open after.
+         */
+        pid = clone(child_main, stack + sizeof(stack),
+                    CLONE_VM | CLONE_VFORK | SIGCHLD, &c);
+        if (pid == -1)
+            pid = -errno;
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     *stage = "spawn";
     if (pid < 0) {
@@ -645,9 +716,7 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     }
     *pid_out = (pid_t)pid;
     *pidfd_out = pidfd;
-    out_fds[0] = p[0][0];
-    out_fds[1] = p[1][0];
-    p[0][0] = p[1][0] = -1;
+    take_ends(p, out_fds);
 out:
     if (rp[0] != -1)
         close(rp[0]);
@@ -660,7 +729,7 @@ out:
 int
 exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
                    char *const *envp, int cgroup_fd, pid_t *pid_out,
-                   int *pidfd_out, int out_fds[2], const char **stage)
+                   int *pidfd_out, int out_fds[3], const char **stage)
 {
     return -ENOSYS;
 }

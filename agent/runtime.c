@@ -420,6 +420,8 @@ job_free(struct job_ctx *j)
 {
     if (!j)
         return;
+    agent__payload_free(j->payload); /* its private files, whatever the end */
+    free(j->end_reason);
     free(j->ack_subject);
     if (j->cmd)
         ks__command__free_unpacked(j->cmd, NULL);
@@ -654,6 +656,8 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "spawn the command (self-fence)",
                  (double)silence_us / 1e6);
     }
+    if (!reason[0] && j->end_reason)
+        snprintf(reason, sizeof(reason), "%s", j->end_reason);
     if (reason[0])
         r.reason = reason;
     report(j, type, &r, reason[0] ? reason : NULL);
@@ -959,10 +963,13 @@ start_job(struct job_ctx *j)
      * opened never runs, and ends StartFailed through the claim. */
     rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
                              secret_why, sizeof(secret_why));
+    if (rc)
+        stage = "secret";
+    else /* script, stdin, user (payload.c) */
+        rc = agent__payload_prepare(a, cmd, &spec, &j->payload, &stage,
+                                    secret_why, sizeof(secret_why));
     if (rc == 0)
         rc = exec_precheck(&spec, &stage);
-    else
-        stage = "secret";
     if (rc) {
         Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
         r.status = KS__COMMAND_STATUS__START_FAILED;
@@ -1041,16 +1048,26 @@ start_job(struct job_ctx *j)
         job_release(j, "+ACK");
         goto out;
     }
-    /* Its output as it is written (output.c); without, only the end. */
-    agent__out_new(j);
+    /* A copy's files, now that it is ours (payload.c); past the claim, a
+     * failure ends it StartFailed with the reason. */
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(secret_why);
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it has its job id. */
     pthread_mutex_lock(&a->mu);
     j->state = JOB_RUNNING;
     a->in_flight++;
-    rc = exec_submit_out(a->loop, &spec, job_started,
-                         j->out ? agent__out_piece : NULL, job_done, j,
-                         &job_id);
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, &spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
     if (rc == 0)
         j->job_id = job_id;
     bool cancel_now = rc == 0 && j->cancel_pending;
@@ -1061,8 +1078,11 @@ start_job(struct job_ctx *j)
         /* Claimed but not started: report it, so it still ends. */
         struct exec_result x = {0};
         x.outcome = EXEC_START_FAILED;
-        x.start_stage = "spawn";
-        x.start_errno = -rc;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        x.cancelled = rc == -ECANCELED;
         x.term_sent_us = x.kill_sent_us = -1;
         job_done(0, &x, j);
     }
@@ -1476,6 +1496,8 @@ heartbeat_once(struct agent *a)
     /* Which process: the broker tells two processes serving one id. */
     info.instance_id = a->instance_id;
     info.started_at_us = a->started_at_us;
+    info.features = (char **)agent_features;
+    info.n_features = AGENT_N_FEATURES;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -1876,7 +1898,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         mkdir(dir, 0700);
     }
     agent__spare_init(a);
-    if ((rc = agent__secret_init(a, errmsg)))
+    if ((rc = agent__secret_init(a, errmsg)) ||
+        (rc = agent__payload_init(a, errmsg)))
         goto fail;
     a->seen_ring = calloc(SEEN_MAX, sizeof(*a->seen_ring));
     if (!a->seen_ring) {
@@ -2164,6 +2187,7 @@ agent_stop(struct agent *a)
     free(a->seen_ring);
     evt_verifier_free(a->own_trust);
     agent__secret_release(a);
+    agent__payload_release(a);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->sub_mu);
     pthread_mutex_destroy(&a->spare_mu);

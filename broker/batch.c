@@ -2017,6 +2017,27 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
             }
         }
     }
+    /* A copy's files are stored whole before anything is recorded. */
+    if (!req->dry_run &&
+        (rc = broker__check_copy_files(b, req->spec, why, sizeof(why)))) {
+        reply_batch_error(b, msg, rc, why);
+        goto out;
+    }
+    if (broker__spec_special(req->spec) && !req->dry_run) {
+        /* Every target must run it as asked: an older agent would ignore
+         * --run-as or --script. */
+        for (size_t i = 0; i < r.n; i++) {
+            Ks__AgentInfo *info = broker__agent_info(b, r.ids[i]);
+            rc = broker__check_features(req->spec, info, r.ids[i], why,
+                                        sizeof(why));
+            if (info)
+                ks__agent_info__free_unpacked(info, NULL);
+            if (rc) {
+                reply_batch_error(b, msg, rc, why);
+                goto out;
+            }
+        }
+    }
     if (req->dry_run && r.n) {
         reply_dry_run(b, msg, &r);
         goto out;

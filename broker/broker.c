@@ -9,192 +9,12 @@
 
 #include "broker_int.h"
 
-void
-broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
-                   const char *type, const char *command_id)
-{
-    ks__event__init(ev);
-    ks_uuid(event_id);
-    ev->event_id = event_id;
-    ev->stream_id = stream_id;
-    ev->type = (char *)type;
-    ev->occurred_at_us = ks_now_us();
-    ev->command_id = (char *)(command_id ? command_id : "");
-}
-
+/* b->up.ended (broker_int.h): a command's end recorded here reaches its
+ * waiter, its live followers, its batch, or, when none of them is here,
+ * the broker that has them (notice.c). */
 static void
-reply_msg(struct broker *b, const char *subject, const ProtobufCMessage *m)
-{
-    if (!subject || !subject[0])
-        return;
-    /* In parts when larger than one NATS message (the requester puts
-     * them back together). */
-    int rc = evt_publish_reply(b->nc, subject, m);
-    if (rc)
-        ks_log(KS_LOG_WARN, "cannot reply", KS_S("subject", subject),
-               KS_ERR(rc));
-}
-
-const char *
-broker__store_error(struct store *st, int rc, char *buf, size_t len)
-{
-    const char *why = store_last_error(st);
-
-    if (rc == KS_EPGDOWN)
-        snprintf(buf, len, "PostgreSQL unreachable: %s",
-                 why[0] ? why : "no connection");
-    else if (rc == KS_EPGREFUSED)
-        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 store_last_sqlstate(st), why);
-    else if (rc == KS_EPG && why[0])
-        snprintf(buf, len, "PostgreSQL error: %s", why);
-    else
-        snprintf(buf, len, "%s", ks_strerror(rc));
-    return buf;
-}
-
-void
-broker__reply_error(struct broker *b, natsMsg *msg,
-                    const ProtobufCMessageDescriptor *d, int code,
-                    const char *text)
-{
-    /* Every kscore reply carries error_code (1) and error (2): set them
-     * through the descriptor, so one function answers for every method. */
-    const ProtobufCFieldDescriptor *fc =
-        protobuf_c_message_descriptor_get_field(d, 1);
-    const ProtobufCFieldDescriptor *ft =
-        protobuf_c_message_descriptor_get_field(d, 2);
-    ProtobufCMessage *m = calloc(1, d->sizeof_message);
-    BUG_ON(!fc || !ft || strcmp(fc->name, "error_code") != 0 ||
-           strcmp(ft->name, "error") != 0);
-    if (!m)
-        return;
-    d->message_init(m);
-    *(int32_t *)((char *)m + fc->offset) = code;
-    *(const char **)((char *)m + ft->offset) = text ? text : "";
-    reply_msg(b, natsMsg_GetReply(msg), m);
-    free(m);
-}
-
-bool
-broker__reply_waiter(struct broker *b, const char *command_id,
-                     const Ks__CommandResult *result, int error_code,
-                     const char *error)
-{
-    struct broker__waiter *w;
-
-    pthread_mutex_lock(&b->mu);
-    w = ks_map_del(&b->waiters, command_id);
-    pthread_mutex_unlock(&b->mu);
-    if (!w)
-        return false;
-    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
-    r.command_id = (char *)command_id;
-    r.agent_id = w->agent_id;
-    r.result = (Ks__CommandResult *)result;
-    r.error_code = error_code;
-    r.error = (char *)(error ? error : "");
-    reply_msg(b, w->reply_subject, &r.base);
-    ks_trace("broker.result_replied", command_id);
-    free(w->reply_subject);
-    free(w);
-    return true;
-}
-
-static void
-free_value(const char *key, void *val, void *ud)
-{
-    (void)key;
-    (void)ud;
-    free(val);
-}
-
-void
-broker__claimed_put(struct broker *b, const char *command_id,
-                    const char *agent_id, uint32_t attempt, int64_t version)
-{
-    struct broker__claimed *c = malloc(sizeof(*c)), *old;
-
-    if (!c)
-        return;
-    c->version = version;
-    c->attempt = attempt;
-    snprintf(c->agent_id, sizeof(c->agent_id), "%s", agent_id);
-    pthread_mutex_lock(&b->mu);
-    if (b->claimed.count >= BROKER_CLAIMED_MAX) {
-        /* Commands whose end never came here (another broker recorded
-         * it, or the agent died): forget them all, cheaply. */
-        ks_map_each(&b->claimed, free_value, NULL);
-        ks_map_clear(&b->claimed);
-    }
-    old = ks_map_del(&b->claimed, command_id);
-    if (ks_map_put(&b->claimed, command_id, c) != 0)
-        free(c);
-    pthread_mutex_unlock(&b->mu);
-    free(old);
-}
-
-bool
-broker__key_seen(struct broker *b, const char *operator_, const char *key)
-{
-    /* The operator's key: a NATS subject token has no newline. */
-    char k[EVT_IDENTITY_MAX + 2 + 256];
-    bool seen;
-
-    if (snprintf(k, sizeof(k), "%s\n%s", operator_, key) >= (int)sizeof(k))
-        return true; /* not noted: the append finds out (no overlap) */
-    key = k;
-    pthread_mutex_lock(&b->mu);
-    seen = ks_map_get(&b->keys_seen, key) != NULL;
-    if (!seen) {
-        if (b->keys_seen.count >= BROKER_KEYS_SEEN_MAX)
-            ks_map_clear(&b->keys_seen);
-        ks_map_put(&b->keys_seen, key, (void *)1);
-    }
-    pthread_mutex_unlock(&b->mu);
-    return seen;
-}
-
-struct broker__claimed *
-broker__claimed_take(struct broker *b, const char *command_id)
-{
-    struct broker__claimed *c;
-
-    pthread_mutex_lock(&b->mu);
-    c = ks_map_del(&b->claimed, command_id);
-    pthread_mutex_unlock(&b->mu);
-    return c;
-}
-
-int
-broker__is_method(const char *subject, const char *method)
-{
-    size_t n = strlen(method);
-    return strncmp(subject, method, n) == 0 &&
-           (subject[n] == '\0' || subject[n] == '.');
-}
-
-const char *
-broker__operator_of(natsMsg *msg)
-{
-    const char *subj = natsMsg_GetSubject(msg);
-    const char *dot = strrchr(subj, '.');
-    /* "kscore.api.v1.<method>.<operator>": 5 tokens. */
-    int dots = 0;
-    for (const char *p = subj; *p; p++)
-        dots += *p == '.';
-    return dots == 4 && dot ? dot + 1 : "anonymous";
-}
-
-static int
-is_batch_id(const char *id)
-{
-    return strncmp(id, "batch-", 6) == 0 && ks_is_uuid(id + 6);
-}
-
-void
-broker__command_ended(struct broker *b, const char *command_id,
-                      const Ks__CommandResult *result)
+command_ended(struct broker *b, const char *command_id,
+              const Ks__CommandResult *result)
 {
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
@@ -206,27 +26,42 @@ broker__command_ended(struct broker *b, const char *command_id,
         broker__notice_ended(b, command_id);
 }
 
-void
-broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev, char ids[2][37],
-                     char *stream, Ks__Command *cmd,
-                     const char *idempotency_key)
+/* The waiter for command_id (if any is still here) gets its result from
+ * the record. */
+static void
+answer_waiter(struct broker *b, const char *command_id)
 {
-    broker__event_init(req_ev, ids[0], stream, "CommandRequested",
-                       cmd->command_id);
-    req_ev->agent_id = cmd->agent_id;
-    req_ev->batch_id = cmd->batch_id;
-    req_ev->command = cmd;
-    req_ev->reason = (char *)(idempotency_key ? idempotency_key : "");
-    req_ev->operator_ = cmd->operator_;
-    broker__event_init(disp_ev, ids[1], stream, "CommandDispatched",
-                       cmd->command_id);
-    disp_ev->agent_id = cmd->agent_id;
-    disp_ev->batch_id = cmd->batch_id;
-    disp_ev->attempt = 1;
-    disp_ev->occurred_at_us = req_ev->occurred_at_us;
-    disp_ev->operator_ = cmd->operator_;
-    disp_ev->deliver_by_us =
-        cmd->issued_at_us + broker__attempt_window_us(cmd);
+    Ks__CommandView *v = NULL;
+    bool waits;
+
+    pthread_mutex_lock(&b->mu);
+    waits = ks_map_get(&b->waiters, command_id) != NULL;
+    pthread_mutex_unlock(&b->mu);
+    if (!waits)
+        return;
+    if (store_get_command(b->st_notice, command_id, &v) != 0)
+        return; /* the client asks again and is answered then */
+    if (kproto_status_terminal(v->status)) {
+        Ks__CommandResult empty = KS__COMMAND_RESULT__INIT;
+        Ks__CommandResult *res = v->result ? v->result : &empty;
+        res->status = v->status;
+        /* Output that travelled in pieces is put back, as get does. */
+        if (broker__fill_output(b->st_notice, command_id, res) == 0)
+            broker__reply_waiter(b, command_id, res, 0, NULL);
+    }
+    ks__command_view__free_unpacked(v, NULL);
+}
+
+/* b->up.remote_ended (broker_int.h), on notice.c's delivery thread:
+ * another broker recorded command_id's end; whatever waits for it here
+ * hears of it now. */
+static void
+remote_ended(struct broker *b, const char *command_id)
+{
+    broker__live_end(b, command_id);
+    broker__remote_live_end(b, command_id);
+    broker__batch_remote_end(b, command_id);
+    answer_waiter(b, command_id);
 }
 
 /* The command's publish, overlapping its record (on_execute). rc: 1 not
@@ -262,73 +97,10 @@ reply_execute_error(struct broker *b, natsMsg *msg, int code, const char *fmt,
     Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
     r.error_code = code;
     r.error = text;
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
-}
-
-int
-broker__unpack_request(natsMsg *msg, const ProtobufCMessageDescriptor *desc,
-                       ProtobufCMessage **out, char *why, size_t len)
-{
-    ProtobufCMessage *m = NULL;
-    int rc;
-
-    why[0] = '\0';
-    rc = evt_unpack_why(desc, natsMsg_GetData(msg),
-                        (size_t)natsMsg_GetDataLength(msg), &m, why, len);
-    if (rc == 0)
-        rc = broker_check_request(m, broker__operator_of(msg), why, len);
-    if (rc && !why[0])
-        snprintf(why, len, "bad %s: %s", desc->short_name, ks_strerror(rc));
-    if (rc) {
-        if (m)
-            protobuf_c_message_free_unpacked(m, NULL);
-        return rc;
-    }
-    *out = m;
-    return 0;
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
 }
 
 /* ---- ExecuteCommand ---------------------------------------------------- */
-
-int
-broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
-{
-    if (!spec || spec->n_argv == 0 || !spec->argv[0][0]) {
-        snprintf(why, len, "empty argv: give the command after --");
-        return KS_EINVAL;
-    }
-    for (size_t i = 0; i < spec->n_env; i++) {
-        const char *n = spec->env[i]->name;
-        /* POSIX names (letters, digits, _; not a digit first); KSCORE_ is
-         * kscore's own (KSCORE_COMMAND_ID is how a command knows itself). */
-        bool ok = (n[0] >= 'A' && n[0] <= 'Z') ||
-                  (n[0] >= 'a' && n[0] <= 'z') || n[0] == '_';
-        for (const char *c = n; ok && *c; c++)
-            ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
-                 (*c >= '0' && *c <= '9') || *c == '_';
-        if (!ok) {
-            snprintf(why, len,
-                     "bad environment variable name '%.64s' (letters, digits "
-                     "and _, not starting with a digit)",
-                     n);
-            return KS_EINVAL;
-        }
-        if (strncmp(n, "KSCORE_", 7) == 0) {
-            snprintf(why, len,
-                     "environment variable '%.64s': the KSCORE_ prefix is "
-                     "kscore's own",
-                     n);
-            return KS_EINVAL;
-        }
-    }
-    if (spec->stdout_cap_bytes > EXEC_OUTPUT_CAP_MAX ||
-        spec->stderr_cap_bytes > EXEC_OUTPUT_CAP_MAX) {
-        snprintf(why, len, "output cap above the maximum of %d bytes",
-                 EXEC_OUTPUT_CAP_MAX);
-        return KS_EINVAL;
-    }
-    return 0;
-}
 
 /*
  * A request whose idempotency key names an existing command: answer with
@@ -344,6 +116,49 @@ same_argv(const Ks__CommandView *v, const Ks__CommandSpec *spec)
         if (strcmp(v->argv[i], spec->argv[i]) != 0)
             return false;
     return true;
+}
+
+/* Whether two payloads (script, stdin) are the same bytes: by SHA-256,
+ * which the broker checked against the bytes of each. */
+static bool
+same_payload(const Ks__Payload *a, const Ks__Payload *b)
+{
+    if (!a || !b)
+        return a == b;
+    return a->sha256.len == b->sha256.len &&
+           memcmp(a->sha256.data, b->sha256.data, a->sha256.len) == 0;
+}
+
+/* store_read_stream's callback: ud is the spec asked for; clears it (sets
+ * *(const void **)ud to NULL) when the recorded command's script, stdin
+ * or user differ from it. */
+static int
+same_recorded(const Ks__RecordedEvent *rev, void *ud)
+{
+    const Ks__CommandSpec **want = ud;
+    const Ks__Event *ev = rev->event;
+    if (!*want || !ev || !ev->command || !ev->command->spec)
+        return 0;
+    const Ks__CommandSpec *got = ev->command->spec;
+    if (!same_payload(got->script, (*want)->script) ||
+        !same_payload(got->input, (*want)->input) ||
+        strcmp(got->run_as, (*want)->run_as) != 0)
+        *want = NULL;
+    return 0;
+}
+
+/* Whether the command recorded as command_id runs what spec asks beyond
+ * argv (the projection keeps argv only: its CommandRequested the rest). */
+static bool
+same_spec_beyond_argv(struct store *st, const char *command_id,
+                      const Ks__CommandSpec *spec)
+{
+    char stream[64];
+    const Ks__CommandSpec *want = spec;
+    snprintf(stream, sizeof(stream), "command-%s", command_id);
+    if (store_read_stream(st, stream, 0, 1, same_recorded, &want) != 0)
+        return true; /* unreadable: argv decided, as before */
+    return want != NULL;
 }
 
 static int
@@ -390,7 +205,8 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     }
     if (w)
         snprintf(w->agent_id, sizeof(w->agent_id), "%s", v->agent_id);
-    if (argv && !same_argv(v, argv)) {
+    if (argv && (!same_argv(v, argv) ||
+                 !same_spec_beyond_argv(st, command_id, argv))) {
         /* The key names another command: say so, run nothing. */
         if (w) {
             pthread_mutex_lock(&b->mu);
@@ -401,7 +217,7 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
         }
         r.error_code = KS_ECONFLICT;
         r.error = "idempotency key already used for a different command";
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         ks__command_view__free_unpacked(v, NULL);
         return 0;
     }
@@ -414,12 +230,12 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.command_id = (char *)command_id;
             r.agent_id = v->agent_id;
             r.result = res;
-            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+            broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
     } else if (!w) {
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
     ks__command_view__free_unpacked(v, NULL);
     return 0;
@@ -461,6 +277,24 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             "registered (see kscore agents)",
                             req->agent_id);
         goto out;
+    }
+    if (req->spec->copy) {
+        reply_execute_error(b, msg, KS_EINVAL,
+                            "ExecuteRequest.spec.copy: not allowed: a copy "
+                            "is a batch (kscore copy, kscore.api.v1.batch)");
+        goto out;
+    }
+    if (broker__spec_special(req->spec)) {
+        /* Never to an agent that would ignore --run-as or --script. */
+        Ks__AgentInfo *info = broker__agent_info(b, req->agent_id);
+        rc = broker__check_features(req->spec, info, req->agent_id, why,
+                                    sizeof(why));
+        if (info)
+            ks__agent_info__free_unpacked(info, NULL);
+        if (rc) {
+            reply_execute_error(b, msg, rc, "%s", why);
+            goto out;
+        }
     }
     /* Secret variables: sealed to this agent, and to it only. */
     if ((rc = broker__check_sealed_targets(req->spec, &req->agent_id, 1,
@@ -668,7 +502,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
 out:
     if (req)
@@ -825,70 +659,13 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
     }
 reply:
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     if (req)
         ks__claim_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
 }
 
 /* ---- get / events / cancel ---------------------------------------------- */
-
-/*
- * Whether the caller of msg may read the records of stream_id (a command,
- * a batch, an operator's or an agent's stream; "" for every stream). Only
- * with a policy loaded (none: everyone reads everything). 0, or
- * KS_EDENIED with why; the denial is recorded on the operator's stream.
- * Uses st (the caller's thread's connection).
- */
-int
-broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
-                 const char *stream_id, char *why, size_t len)
-{
-    const char *op = broker__operator_of(msg);
-    char owner[128] = "";
-    Ks__AgentInfo *info = NULL;
-    bool every = false;
-    int rc;
-
-    if (!b->policy)
-        return 0;
-    if (!stream_id[0]) {
-        every = true;
-    } else if (strncmp(stream_id, "command-", 8) == 0 &&
-               ks_is_uuid(stream_id + 8)) {
-        Ks__CommandView *v = NULL;
-        int grc = store_get_command(st, stream_id + 8, &v);
-        if (grc == KS_ENOTFOUND)
-            return 0; /* nothing to read, nothing to hide */
-        if (grc == 0) {
-            snprintf(owner, sizeof(owner), "%s", v->operator_);
-            info = broker__agent_info(b, v->agent_id);
-            if (!info) {
-                /* An agent gone from the registry: its id still names it
-                 * for the message; only rules on "*" can match. */
-                info = calloc(1, sizeof(*info));
-                if (info) {
-                    ks__agent_info__init(info);
-                    info->agent_id = strdup(v->agent_id);
-                }
-            }
-            ks__command_view__free_unpacked(v, NULL);
-        }
-    } else if (is_batch_id(stream_id)) {
-        store_batch_operator(st, stream_id, owner, sizeof(owner));
-    } else if (strncmp(stream_id, "operator-", 9) == 0) {
-        snprintf(owner, sizeof(owner), "%s", stream_id + 9);
-    } else if (strncmp(stream_id, "agent-", 6) == 0) {
-        info = broker__agent_info(b, stream_id + 6);
-    }
-    rc = broker__policy_check_read(b->policy, op, owner[0] ? owner : NULL,
-                                   info, every, why, len);
-    if (info)
-        ks__agent_info__free_unpacked(info, NULL);
-    if (rc)
-        broker__record_denied(b, st, op, NULL, NULL, why);
-    return rc;
-}
 
 /* Appends each LateResult's result of a command's stream to the view
  * (store_read_stream's callback; ud: the view). */
@@ -938,17 +715,17 @@ handle_get(struct broker *b, natsMsg *msg)
     {
         char sid[64];
         snprintf(sid, sizeof(sid), "%s%s",
-                 is_batch_id(req->id) ? "" : "command-", req->id);
+                 broker__is_batch_id(req->id) ? "" : "command-", req->id);
         if (broker__may_read(b, b->st_misc, msg, sid, why, sizeof(why)) !=
             0) {
             r.error_code = KS_EDENIED;
             r.error = why;
-            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+            broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
             ks__get_request__free_unpacked(req, NULL);
             return;
         }
     }
-    if (is_batch_id(req->id))
+    if (broker__is_batch_id(req->id))
         rc = broker__batch_view(b, b->st_misc, req->id, &batch);
     else if (rc == 0 && !ks_is_uuid(req->id))
         rc = KS_EINVAL;
@@ -976,7 +753,7 @@ handle_get(struct broker *b, natsMsg *msg)
     }
     r.command = view;
     r.batch = batch;
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     if (batch)
         ks__batch_reply__free_unpacked(batch, NULL);
     if (view)
@@ -1092,7 +869,7 @@ events_try(struct broker *b, struct store *st, natsMsg *msg,
         r.cursor_pos = acc.evs[r.n_events - 1]->global_pos;
         r.cursor_tx_id = acc.tx_ids[r.n_events - 1];
     }
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     for (size_t i = 0; i < acc.n; i++)
         ks__recorded_event__free_unpacked(acc.evs[i], NULL);
     free(acc.evs);
@@ -1119,7 +896,7 @@ events_request(struct broker *b, struct store *st, natsMsg *msg)
         0) {
         r.error_code = KS_EDENIED;
         r.error = why;
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         ks__events_request__free_unpacked(req, NULL);
         return NULL;
     }
@@ -1197,7 +974,7 @@ on_follow(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                    sizeof(why)) == 0) {
             r.cursor_tx_id = req->cursor_tx_id;
             r.cursor_pos = req->cursor_pos;
-            reply_msg(b, natsMsg_GetReply(msg), &r.base);
+            broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
             ks__events_request__free_unpacked(req, NULL);
         } else {
             broker__reply_error(b, msg, r.base.descriptor, KS_EINVAL, why);
@@ -1332,86 +1109,6 @@ broker__follow_stop(struct broker *b)
     b->followers = NULL;
 }
 
-int
-broker__cancel_command(struct broker *b, struct store *st,
-                       const char *command_id, const char *operator_name,
-                       struct broker__cancel_outcome *out)
-{
-    Ks__CommandView *view = NULL;
-    char stream[64], evid[37], subject[32 + EVT_AGENT_ID_MAX];
-    struct broker__cancel_outcome res_out = {"ended", 0};
-    int rc = 0;
-
-    snprintf(stream, sizeof(stream), "command-%s", command_id);
-    /* Each try reads the state and acts at that version; a conflict means
-     * the command moved (claimed, ended): read again. */
-    for (int tries = 0;; tries++) {
-        if (view)
-            ks__command_view__free_unpacked(view, NULL);
-        view = NULL;
-        rc = store_get_command(st, command_id, &view);
-        if (rc)
-            break;
-        res_out.status = view->status;
-        if (kproto_status_terminal(view->status)) {
-            res_out.outcome = "ended"; /* nothing to cancel; not an error */
-            break;
-        }
-        if (tries == 8) {
-            rc = KS_ECONFLICT;
-            break;
-        }
-        if (view->status == KS__COMMAND_STATUS__RUNNING) {
-            Ks__CancelCommand cc = KS__CANCEL_COMMAND__INIT;
-            Ks__Event ev;
-            broker__event_init(&ev, evid, stream, "CommandCancelRequested",
-                               command_id);
-            ev.agent_id = view->agent_id;
-            ev.reason = "cancel requested";
-            ev.operator_ = (char *)operator_name;
-            struct store_event se = {&ev};
-            rc = store_append(st, stream, STORE_ANY, &se, 1, NULL);
-            if (rc)
-                break;
-            cc.command_id = (char *)command_id;
-            snprintf(subject, sizeof(subject), "kscore.cancel.%s",
-                     view->agent_id);
-            rc = evt_publish_msg(b->nc, subject, &cc.base);
-            res_out.outcome = "requested";
-            break;
-        }
-        /* Not claimed yet: end it here, at the version we read, so a claim
-         * arriving later loses. */
-        Ks__Event ev;
-        Ks__CommandResult res = KS__COMMAND_RESULT__INIT;
-        res.status = KS__COMMAND_STATUS__CANCELLED;
-        res.cancelled = 1;
-        res.term_sent_us = res.kill_sent_us = -1;
-        res.reason = "cancelled before an agent claimed it";
-        broker__event_init(&ev, evid, stream, "CommandCancelled", command_id);
-        ev.agent_id = view->agent_id;
-        ev.batch_id = view->batch_id;
-        ev.result = &res;
-        ev.reason = res.reason;
-        ev.operator_ = (char *)operator_name;
-        struct store_event se = {&ev};
-        rc = store_append(st, stream, view->version, &se, 1, NULL);
-        if (rc == 0) {
-            res_out.outcome = "cancelled";
-            res_out.status = KS__COMMAND_STATUS__CANCELLED;
-            broker__command_ended(b, command_id, &res);
-            break;
-        }
-        if (rc != KS_ECONFLICT)
-            break;
-    }
-    if (view)
-        ks__command_view__free_unpacked(view, NULL);
-    if (rc == 0 && out)
-        *out = res_out;
-    return rc;
-}
-
 static void
 handle_cancel(struct broker *b, natsMsg *msg)
 {
@@ -1427,7 +1124,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
         broker__reply_error(b, msg, r.base.descriptor, rc, bad);
         return;
     }
-    if (is_batch_id(req->id) && b->policy) {
+    if (broker__is_batch_id(req->id) && b->policy) {
         char owner[128] = "", why[256];
         const char *op = broker__operator_of(msg);
         store_batch_operator(b->st_misc, req->id, owner, sizeof(owner));
@@ -1440,7 +1137,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
             return;
         }
     }
-    if (is_batch_id(req->id)) {
+    if (broker__is_batch_id(req->id)) {
         rc = broker__batch_cancel(b, req->id, broker__operator_of(msg));
         if (rc == 0)
             r.outcome = "requested";
@@ -1482,7 +1179,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
                 broker__record_denied(b, b->st_misc, op, NULL, NULL, why);
                 r.error_code = prc;
                 r.error = why;
-                reply_msg(b, natsMsg_GetReply(msg), &r.base);
+                broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
                 ks__cancel_request__free_unpacked(req, NULL);
                 return;
             }
@@ -1502,7 +1199,7 @@ handle_cancel(struct broker *b, natsMsg *msg)
                       : (char *)broker__store_error(b->st_misc, rc, store_why,
                                                     sizeof(store_why));
     }
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     if (req)
         ks__cancel_request__free_unpacked(req, NULL);
 }
@@ -1516,7 +1213,7 @@ handle_agents(struct broker *b, natsMsg *msg)
         r.error_code = rc;
         r.error = (char *)ks_strerror(rc);
     }
-    reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     broker__agents_reply_free(&r);
 }
 
@@ -1540,7 +1237,7 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error = why;
         broker__record_denied(b, b->st_misc, broker__operator_of(msg), NULL,
                               NULL, why);
-        reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     } else if (broker__is_method(subj, EVT_API_GET))
         handle_get(ud, msg);
     else if (broker__is_method(subj, EVT_API_EVENTS))
@@ -1667,16 +1364,6 @@ subscribe_workers(struct broker *b, struct broker__worker *w, int n,
 }
 
 static void
-free_waiter(const char *key, void *val, void *ud)
-{
-    struct broker__waiter *w = val;
-    (void)key;
-    (void)ud;
-    free(w->reply_subject);
-    free(w);
-}
-
-static void
 free_live(const char *key, void *val, void *ud)
 {
     (void)key;
@@ -1696,7 +1383,8 @@ broker_teardown(struct broker *b)
                                  &b->sub_cancel, &b->sub_agents,
                                  &b->sub_follow, &b->sub_batch,
                                  &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice};
+                                 &b->sub_logs, &b->sub_notice,
+                                 &b->sub_upload, &b->sub_fetch};
     const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
 
     b->stopping = 1;
@@ -1733,19 +1421,17 @@ broker_teardown(struct broker *b)
     store_close(b->st_follow);
     store_close(b->st_batch);
     store_close(b->st_notice);
+    store_close(b->st_blob);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
-    ks_map_each(&b->waiters, free_waiter, NULL);
-    ks_map_clear(&b->waiters);
+    broker__waiters_release(b);
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
     broker__remote_live_free(b);
-    ks_map_each(&b->claimed, free_value, NULL);
-    ks_map_clear(&b->claimed);
-    ks_map_clear(&b->keys_seen);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
+    pthread_mutex_destroy(&b->blob_mu);
     pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
@@ -1767,7 +1453,9 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     struct broker b = {.opts = opts,
                        .started_mono_us = ks_mono_us(),
                        .waiters = KS_MAP_INIT,
-                       .agents = KS_MAP_INIT};
+                       .agents = KS_MAP_INIT,
+                       .up = {command_ended, remote_ended,
+                              broker__batch_remote_cancel}};
     struct evt_connect_opts co = opts->nats;
     char policy_hex[BROKER_POLICY_DIGEST_HEX] = "";
     sigset_t set;
@@ -1781,6 +1469,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
+    pthread_mutex_init(&b.blob_mu, NULL);
     pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
@@ -1927,6 +1616,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
+                        errmsg)) ||
+        (rc = subscribe(&b, &b.sub_fetch, EVT_API_FETCH, broker__on_blob,
+                        errmsg)) ||
         (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
@@ -1947,231 +1640,4 @@ out:
     ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);
     return rc;
-}
-
-/* ---- client API ---------------------------------------------------------- */
-
-int
-broker_call(struct evt_conn *c, const char *subject,
-            const ProtobufCMessage *req,
-            const ProtobufCMessageDescriptor *reply_desc, int timeout_ms,
-            ProtobufCMessage **out)
-{
-    natsMsg *reply = NULL;
-    int rc = evt_request(c, subject, req, timeout_ms, &reply);
-    if (rc)
-        return rc;
-    rc = evt_unpack_reply(reply_desc, natsMsg_GetData(reply),
-                          (size_t)natsMsg_GetDataLength(reply), out);
-    natsMsg_Destroy(reply);
-    return rc;
-}
-
-int
-broker_execute_wait_ms(const Ks__ExecuteRequest *req)
-{
-    uint64_t t = req->spec ? req->spec->timeout_ms : 0;
-    uint64_t g = req->spec && req->spec->grace_ms ? req->spec->grace_ms
-                                                  : EXEC_GRACE_DEFAULT_MS;
-    uint64_t d = req->deliver_within_ms ? req->deliver_within_ms
-                                        : BROKER_DELIVER_WITHIN_DEFAULT_MS;
-    uint64_t total;
-    if (req->detach)
-        return 10000;
-    if (t == 0)
-        return INT32_MAX; /* no timeout: wait as long as the command runs */
-    total = t + 2 * g + d * BROKER_MAX_ATTEMPTS + 10000;
-    return total > INT32_MAX ? INT32_MAX : (int)total;
-}
-
-/* Silence after which a waiting exec asks again, and after which it gives
- * up when no broker answers at all (ms). */
-#define EXEC_REASK_MS 5000
-#define EXEC_GIVE_UP_MS 20000
-
-int
-broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
-               int timeout_ms, Ks__ExecuteReply **out)
-{
-    return broker_execute_hooks(c, req, timeout_ms, NULL, out);
-}
-
-int
-broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
-                     int timeout_ms, const struct broker_exec_hooks *h,
-                     Ks__ExecuteReply **out)
-{
-    Ks__ExecuteRequest r = *req;
-    natsSubscription *sub = NULL;
-    char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    int rc;
-
-    if (req->detach)
-        return broker_call(c, EVT_API_EXECUTE, &req->base,
-                           &ks__execute_reply__descriptor, timeout_ms,
-                           (ProtobufCMessage **)out);
-    /*
-     * A waiting exec must not hang with its broker: the broker that holds
-     * its waiter may die. The request names its command with an
-     * idempotency key (a fresh one unless the caller gave one), and after
-     * EXEC_REASK_MS of silence the same request goes out again on the same
-     * inbox: the broker that still waits for the command answers at once
-     * that it does (a reply without a result), another broker attaches
-     * this inbox to the command (or answers with its end), and no answer
-     * at all for EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
-     */
-    if (!r.idempotency_key || !r.idempotency_key[0]) {
-        char u[37];
-        ks_uuid(u);
-        snprintf(key, sizeof(key), "exec-%s", u);
-        r.idempotency_key = key;
-    } else {
-        r.key_may_exist = 1; /* the caller's key: it may name a command */
-    }
-    if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
-        (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
-        (rc = evt_err(natsSubscription_SetPendingLimits(sub, -1, -1))) ||
-        (rc = kproto_pack(&r.base, &buf, &len)))
-        goto out;
-    snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
-    int64_t start = ks_mono_us(), heard = start, asked = start;
-    unsigned asks = 1;
-    if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
-                                                    (int)len))))
-        goto out;
-    for (;;) {
-        natsMsg *m = NULL;
-        natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
-        int64_t now = ks_mono_us();
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m) &&
-            (rc = evt_join_parts(sub, m, 5000, &m)))
-            goto out;
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
-            Ks__ExecuteReply *rep = NULL;
-            rc = evt_unpack_reply(&ks__execute_reply__descriptor,
-                                  natsMsg_GetData(m),
-                                  (size_t)natsMsg_GetDataLength(m),
-                                  (ProtobufCMessage **)&rep);
-            natsMsg_Destroy(m);
-            if (rc)
-                goto out;
-            if (rep->error_code && id[0]) {
-                /* The command is recorded (its id came back): a refusal
-                 * of a later ask (the database refusing writes, say) is
-                 * about that ask, not the command. The broker that waits
-                 * for it still answers with its end. */
-                ks__execute_reply__free_unpacked(rep, NULL);
-                continue;
-            }
-            if (rep->error_code && asks > 1 &&
-                rep->error_code != KS_EINDOUBT &&
-                (rep->error_code == KS_EPGDOWN ||
-                 rep->error_code == KS_EPGREFUSED ||
-                 rep->error_code == KS_EPG)) {
-                /* A later ask was refused, but the first one was never
-                 * answered: it may have recorded the command. */
-                char *t = NULL;
-                if (asprintf(&t,
-                             "the outcome is unknown: %s; an earlier request "
-                             "with the idempotency key %s may have recorded "
-                             "the command (asking again with the same key "
-                             "is safe)",
-                             rep->error, r.idempotency_key) >= 0) {
-                    free(rep->error);
-                    rep->error = t;
-                }
-                rep->error_code = KS_EINDOUBT;
-            }
-            if (rep->error_code || rep->result) {
-                if (ks_trace_on()) {
-                    ks_trace_at("client.sent", rep->command_id, start);
-                    ks_trace_at("client.replied", rep->command_id, now);
-                }
-                *out = rep;
-                goto out;
-            }
-            /* Still running, and someone waits for it: keep waiting. */
-            snprintf(id, sizeof(id), "%s", rep->command_id);
-            if (h && h->live)
-                h->live(rep, h->ud);
-            ks__execute_reply__free_unpacked(rep, NULL);
-            heard = now;
-        } else {
-            natsMsg_Destroy(m);
-            if (st != NATS_OK && st != NATS_TIMEOUT &&
-                st != NATS_NO_RESPONDERS) {
-                rc = evt_err(st);
-                goto out;
-            }
-        }
-        if (h && h->tick && (rc = h->tick(h->ud)))
-            goto out;
-        if (timeout_ms != INT32_MAX &&
-            now - start >= (int64_t)timeout_ms * 1000) {
-            rc = KS_ETIMEDOUT;
-            goto out;
-        }
-        if (now - heard >= (int64_t)EXEC_GIVE_UP_MS * 1000) {
-            if (id[0]) {
-                /* Recorded, its end not heard of: not "not accepted". */
-                Ks__ExecuteReply *rep = malloc(sizeof(*rep));
-                if (!rep) {
-                    rc = -ENOMEM;
-                    goto out;
-                }
-                ks__execute_reply__init(rep);
-                rep->error_code = KS_EINDOUBT;
-                rep->command_id = strdup(id);
-                rep->agent_id = strdup(r.agent_id ? r.agent_id : "");
-                rep->error = strdup("no broker answers; the command is "
-                                    "recorded and goes on");
-                if (!rep->command_id || !rep->agent_id || !rep->error) {
-                    ks__execute_reply__free_unpacked(rep, NULL);
-                    rc = -ENOMEM;
-                    goto out;
-                }
-                *out = rep;
-                rc = 0;
-                goto out;
-            }
-            rc = KS_EUNAVAIL;
-            goto out;
-        }
-        if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
-            now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
-            asked = now;
-            if (!r.key_may_exist) {
-                /* Asked again: the key may name a command by now (at
-                 * another broker too), which must not be published
-                 * again under a new id. */
-                r.key_may_exist = 1;
-                free(buf);
-                buf = NULL;
-                if ((rc = kproto_pack(&r.base, &buf, &len)))
-                    goto out;
-            }
-            if ((rc = evt_err(natsConnection_PublishRequest(
-                     c->nc, subject, inbox, buf, (int)len))))
-                goto out;
-            asks++;
-        }
-    }
-out:
-    if (sub) {
-        natsSubscription_Unsubscribe(sub);
-        natsSubscription_Destroy(sub);
-    }
-    free(buf);
-    return rc;
-}
-
-int
-broker_batch(struct evt_conn *c, const Ks__BatchRequest *req, int timeout_ms,
-             Ks__BatchReply **out)
-{
-    return broker_call(c, EVT_API_BATCH, &req->base,
-                       &ks__batch_reply__descriptor, timeout_ms,
-                       (ProtobufCMessage **)out);
 }

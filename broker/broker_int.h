@@ -99,8 +99,28 @@ struct broker__worker {
     natsSubscription *sub;
 };
 
+/*
+ * What the lower parts of the broker (the recorder, the scanner, a cancel,
+ * the notices of other brokers) tell the upper ones (the waiting execs,
+ * the live followers, the batches: broker.c, batch.c) without calling up
+ * into them: broker_run sets these before any thread starts; each runs
+ * on its caller's thread.
+ */
+struct broker__up {
+    /* A terminal event of command_id was recorded here (recorder, claim
+     * handler, scanner, cancel); result may be NULL (then only its status
+     * is known to be terminal). */
+    void (*ended)(struct broker *b, const char *command_id,
+                  const Ks__CommandResult *result);
+    /* Another broker recorded command_id's end (notice.c). */
+    void (*remote_ended)(struct broker *b, const char *command_id);
+    /* Another broker recorded a cancel of batch_id (notice.c). */
+    void (*remote_batch_cancel)(struct broker *b, const char *batch_id);
+};
+
 struct broker {
     const struct broker_opts *opts;
+    struct broker__up up;
     struct evt_conn *nc;
     kvStore *kv;
 
@@ -180,6 +200,11 @@ struct broker {
     /* notice.c: ends and batch cancels recorded by another broker. */
     natsSubscription *sub_notice;
     struct store *st_notice; /* its delivery thread's reads */
+    /* blob.c: kscore copy's uploads and fetches, on a store connection of
+     * their own (opened at the first), one at a time under blob_mu. */
+    natsSubscription *sub_upload, *sub_fetch;
+    struct store *st_blob;
+    pthread_mutex_t blob_mu;
     char instance_id[37];    /* this process in its notices */
     bool notice_on;          /* subscribed: publish notices too */
     /* (mu) command_id -> struct broker__follower *: clients following a
@@ -200,6 +225,11 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+
+/* Sends m to subject (a client's inbox; nothing when empty), in parts
+ * when larger than one NATS message. A failure is logged. */
+void broker__reply_msg(struct broker *b, const char *subject,
+                       const ProtobufCMessage *m);
 
 /* Answers msg with an empty reply of type d (every kscore reply has
  * error_code and error as fields 1 and 2) carrying code and text. */
@@ -225,6 +255,9 @@ bool broker__key_seen(struct broker *b, const char *operator_,
 struct broker__claimed *broker__claimed_take(struct broker *b,
                                              const char *command_id);
 
+/* Frees what waiters.c holds (the waiters, claim hints, keys seen). */
+void broker__waiters_release(struct broker *b);
+
 /* Replies to the client waiting for command_id, if any, with result.
  * true if one waited here. */
 bool broker__reply_waiter(struct broker *b, const char *command_id,
@@ -234,11 +267,15 @@ bool broker__reply_waiter(struct broker *b, const char *command_id,
 /*
  * A terminal event of command_id has been recorded (any thread: recorder,
  * claim handler, scanner, cancel): answers the waiting client and tells the
- * command's batch, if any. result may be NULL (then only its status is
- * known to be terminal).
+ * command's batch, if any (b->up.ended, broker.c). result may be NULL
+ * (then only its status is known to be terminal).
  */
-void broker__command_ended(struct broker *b, const char *command_id,
-                           const Ks__CommandResult *result);
+static inline void
+broker__command_ended(struct broker *b, const char *command_id,
+                      const Ks__CommandResult *result)
+{
+    b->up.ended(b, command_id, result);
+}
 
 /* Fills the two events that start a command: CommandRequested (v1, with
  * cmd) and CommandDispatched (v2, attempt 1, first attempt's deadline).
@@ -247,6 +284,8 @@ void broker__start_events(Ks__Event *req_ev, Ks__Event *disp_ev,
                           char ids[2][37], char *stream, Ks__Command *cmd,
                           const char *idempotency_key);
 
+/* 1 if id is "batch-<uuid>". */
+int broker__is_batch_id(const char *id);
 /* 1 if subject is method's, with or without the operator token. */
 int broker__is_method(const char *subject, const char *method);
 /* The operator a request came from: the subject's last token (events.h
@@ -412,6 +451,33 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
                             Ks__CommandSpec *out);
 
 /* Checks a command spec; KS_EINVAL with one line in why. */
+/*
+ * 0 if the agent (info: its registry entry, may be NULL) lists every
+ * feature spec needs (a script, stdin, run_as, a copy: AgentInfo.features),
+ * else KS_EINVAL with why naming the agent and what it cannot run: an
+ * older agent would ignore the field (and run as itself, or run argv).
+ */
+/* blob.c: kscore.api.v1.upload and kscore.api.v1.fetch (ud: the broker). */
+void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                     void *ud);
+/*
+ * A copy (sp->copy) names only files uploaded whole (complete, of the size
+ * it says): 0, or KS_EINVAL with why naming the file, or a store error.
+ * Nothing to check without a copy. Takes blob_mu.
+ */
+int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
+                             char *why, size_t len);
+
+/* true when sp needs more of its agent than argv (see below). */
+static inline bool
+broker__spec_special(const Ks__CommandSpec *sp)
+{
+    return sp && (sp->script || (sp->input && sp->input->data.len) ||
+                  sp->run_as[0] || sp->copy);
+}
+int broker__check_features(const Ks__CommandSpec *sp,
+                           const Ks__AgentInfo *info, const char *agent_id,
+                           char *why, size_t len);
 int broker__validate_spec(const Ks__CommandSpec *spec, char *why,
                           size_t len);
 

@@ -236,32 +236,6 @@ broker__notice_batch_cancel(struct broker *b, const char *batch_id)
                    (int)strlen(b->instance_id));
 }
 
-/* The waiter for command_id (if any is still here) gets its result from
- * the record. */
-static void
-answer_waiter(struct broker *b, const char *command_id)
-{
-    Ks__CommandView *v = NULL;
-    bool waits;
-
-    pthread_mutex_lock(&b->mu);
-    waits = ks_map_get(&b->waiters, command_id) != NULL;
-    pthread_mutex_unlock(&b->mu);
-    if (!waits)
-        return;
-    if (store_get_command(b->st_notice, command_id, &v) != 0)
-        return; /* the client asks again and is answered then */
-    if (kproto_status_terminal(v->status)) {
-        Ks__CommandResult empty = KS__COMMAND_RESULT__INIT;
-        Ks__CommandResult *res = v->result ? v->result : &empty;
-        res->status = v->status;
-        /* Output that travelled in pieces is put back, as get does. */
-        if (broker__fill_output(b->st_notice, command_id, res) == 0)
-            broker__reply_waiter(b, command_id, res, 0, NULL);
-    }
-    ks__command_view__free_unpacked(v, NULL);
-}
-
 static void
 on_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -284,17 +258,14 @@ on_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         ks_is_uuid(subj + ne)) {
         const char *id = subj + ne;
         ks_trace("broker.end_notice", id);
-        broker__live_end(b, id);
-        broker__remote_live_end(b, id);
-        broker__batch_remote_end(b, id);
-        answer_waiter(b, id);
+        b->up.remote_ended(b, id);
     } else if (strncmp(subj, BROKER_NOTICE_FOLLOW, nf) == 0 &&
                ks_is_uuid(subj + nf) && len > (int)ni) {
         follow_add(b, subj + nf, data + ni + 1, data + len);
     } else if (strncmp(subj, BROKER_NOTICE_CANCEL, nc_) == 0 &&
                strncmp(subj + nc_, "batch-", 6) == 0 &&
                ks_is_uuid(subj + nc_ + 6)) {
-        broker__batch_remote_cancel(b, subj + nc_);
+        b->up.remote_batch_cancel(b, subj + nc_);
     }
 out:
     natsMsg_Destroy(msg);

@@ -90,31 +90,6 @@ broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
 }
 
 void
-broker__live_send(struct broker *b, const char *subject, bool exec,
-                  const char *agent_id, const Ks__Event *ev)
-{
-    Ks__OutputChunk *cs[1] = {ev->chunk};
-    if (exec) {
-        Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
-        r.command_id = ev->command_id;
-        r.agent_id = (char *)agent_id;
-        r.chunks = cs;
-        r.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &r.base);
-    } else {
-        Ks__BatchProgress pr = KS__BATCH_PROGRESS__INIT;
-        Ks__BatchTarget tg = KS__BATCH_TARGET__INIT;
-        tg.agent_id = ev->agent_id;
-        tg.command_id = ev->command_id;
-        pr.batch_id = ev->batch_id;
-        pr.target = &tg;
-        pr.chunks = cs;
-        pr.n_chunks = 1;
-        evt_publish_msg(b->nc, subject, &pr.base);
-    }
-}
-
-void
 broker__live_forward(struct broker *b, const Ks__Event *ev)
 {
     char *subject = NULL;

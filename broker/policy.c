@@ -18,9 +18,24 @@
  * An operator always reads what it ran itself. Reading every stream at
  * once (events --follow without an id) takes a "read" rule with agents
  * "*".
+ *
+ * Users (kscore exec --run-as USER[:GROUP]): every run is a run as a user,
+ * the --run-as value or "root" without one (the agent's own user, root
+ * for the packaged service). "run_as" lists the users a rule grants, as
+ * fnmatch(3) globs matched against "USER" or "USER:GROUP" ("deploy",
+ * "deploy:*", "*"); a rule without "run_as" grants "root" only, so a
+ * policy written before --run-as grants what it granted. As sudoers
+ * (alice ALL=(deploy) ALL) and SSM's run-as: a rule that lists users
+ * grants exactly those; "root" must be listed to keep running as root.
+ *   {"alice": [{"agents": {"role": "web"}, "run_as": ["deploy"]}]}
+ * A script (--script) is any code its interpreter runs: only a rule
+ * without "executables" grants it. A copy (kscore copy) writes files as
+ * the agent's user: it takes a rule without "executables" that grants
+ * "root".
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <jansson.h>
 #include <openssl/evp.h>
 #include <stdio.h>
@@ -152,6 +167,23 @@ policy_parse(const char *path, const char *buf, size_t len,
             json_t *ex = json_object_get(rule, "executables");
             json_t *can = json_object_get(rule, "can");
             json_t *envl = json_object_get(rule, "env");
+            json_t *ras = json_object_get(rule, "run_as"), *ra;
+            size_t ri;
+            bool ras_ok = !ras || json_is_array(ras);
+            if (ras && json_is_array(ras))
+                json_array_foreach(ras, ri, ra)
+                {
+                    if (!json_is_string(ra) || !json_string_value(ra)[0])
+                        ras_ok = false;
+                }
+            if (!ras_ok) {
+                snprintf(why, sizeof(why),
+                         "%s: operator \"%s\" rule %zu: \"run_as\" is a list "
+                         "of user names or globs (\"deploy\", \"deploy:*\", "
+                         "\"*\")",
+                         path, name, i + 1);
+                goto bad;
+            }
             if (envl && !json_is_array(envl)) {
                 snprintf(why, sizeof(why),
                          "%s: operator \"%s\" rule %zu: \"env\" is a list "
@@ -330,6 +362,29 @@ env_listed(json_t *rule, const char *name)
     return false;
 }
 
+/* The user a command runs as, for the policy: --run-as, else "root". */
+static const char *
+run_user(const Ks__CommandSpec *spec)
+{
+    return spec->run_as && spec->run_as[0] ? spec->run_as : "root";
+}
+
+/* 1 if the rule grants running as user (see the top: no "run_as": root). */
+static bool
+user_listed(json_t *rule, const char *user)
+{
+    json_t *ras = json_object_get(rule, "run_as"), *r;
+    size_t i;
+    if (!ras)
+        return strcmp(user, "root") == 0;
+    json_array_foreach(ras, i, r)
+    {
+        if (fnmatch(json_string_value(r), user, 0) == 0)
+            return true;
+    }
+    return false;
+}
+
 static bool
 rule_allows(json_t *rule, const Ks__AgentInfo *agent,
             const Ks__CommandSpec *spec)
@@ -337,6 +392,13 @@ rule_allows(json_t *rule, const Ks__AgentInfo *agent,
     json_t *ag = json_object_get(rule, "agents");
     json_t *ex = json_object_get(rule, "executables");
     const char *argv0 = spec && spec->n_argv ? spec->argv[0] : NULL;
+    if (spec && !user_listed(rule, run_user(spec)))
+        return false;
+    /* A script is whatever its interpreter runs, a copy any file as the
+     * agent's user: an executables list cannot vouch for either (argv[0]
+     * only names them). */
+    if (spec && ex && (spec->script || spec->copy))
+        return false;
     if (json_is_object(ag)) {
         const char *k;
         json_t *v;
@@ -396,11 +458,24 @@ broker__policy_check(const struct broker__policy *p, const char *op,
         if (rule_can(rule, "run") && rule_allows(rule, agent, spec))
             return 0;
     }
-    if (argv0)
+    if (spec && spec->copy)
         snprintf(why, len,
-                 "denied: operator '%s' may not run '%s' on agent '%s' (with "
-                 "these environment variables)",
-                 op, argv0, agent ? agent->agent_id : "?");
+                 "denied: operator '%s' may not copy files to agent '%s' (a "
+                 "copy writes as root: it takes a \"run\" rule without "
+                 "\"executables\" that grants root)",
+                 op, agent ? agent->agent_id : "?");
+    else if (spec && spec->script)
+        snprintf(why, len,
+                 "denied: operator '%s' may not run the script '%s' as '%s' "
+                 "on agent '%s' (a script takes a \"run\" rule without "
+                 "\"executables\" whose \"run_as\" grants the user)",
+                 op, argv0 ? argv0 : "?", run_user(spec),
+                 agent ? agent->agent_id : "?");
+    else if (argv0)
+        snprintf(why, len,
+                 "denied: operator '%s' may not run '%s' as '%s' on agent "
+                 "'%s' (with these environment variables)",
+                 op, argv0, run_user(spec), agent ? agent->agent_id : "?");
     else
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");

@@ -77,13 +77,6 @@ end_command(struct broker *b, const struct store_command_ref *ref,
         broker__command_ended(b, ref->command_id, &res);
 }
 
-int64_t
-broker__attempt_window_us(const Ks__Command *cmd)
-{
-    int64_t whole = cmd->not_after_us - cmd->issued_at_us;
-    return whole > 0 ? whole / BROKER_MAX_ATTEMPTS : 0;
-}
-
 static int
 on_overdue(const struct store_command_ref *ref, void *ud)
 {

@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <openssl/evp.h>
+
 #include "broker_int.h"
 
 #define DEFAULT_MAX_BYTES 4096
@@ -31,6 +33,8 @@ enum rule_kind {
     R_STREAM_ID,  /* "" or <category>-<id> of printable ASCII */
     R_INBOX,      /* "" or "_INBOX.<identity>." + subject tokens */
     R_BLOB,       /* bytes: length in [lo, hi] */
+    R_USER,       /* "" or USER[:GROUP] (user_spec_ok) */
+    R_BASE_NAME,  /* a file name: no '/', not "." or ".." */
 };
 
 struct rule {
@@ -75,6 +79,47 @@ static const struct rule rules[] = {
     {"SealedEnv", "sealed", R_BLOB, EVT_SEAL_OVERHEAD,
      EVT_SEAL_ENV_VALUE_MAX + EVT_SEAL_OVERHEAD,
      "a sealed box (events/seal.c) of a value of at most 128 KiB"},
+    {"CommandSpec", "run_as", R_USER, 0, 0,
+     "empty or USER[:GROUP]: names of letters, digits, _, . and - (not "
+     "first), at most 32 bytes each"},
+    {"Payload", "data", R_BLOB, 0, KS_SCRIPT_MAX_BYTES,
+     "at most 512 KiB (a script; stdin at most 256 KiB)"},
+    {"Payload", "sha256", R_BLOB, KS_SHA256_BYTES, KS_SHA256_BYTES,
+     "32 bytes (a SHA-256)"},
+    {"Payload", "name", R_BYTES, 0, 255, "at most 255 bytes"},
+    {"CopySpec", "files", R_COUNT, 1, KS_COPY_MAX_FILES,
+     "1 to 64 files"},
+    {"CopySpec", "path", R_BYTES, 1, 4095,
+     "an absolute path of at most 4095 bytes"},
+    {"CopySpec", "path", R_ABS_PATH, 0, 4095,
+     "an absolute path of at most 4095 bytes"},
+    {"CopySpec", "mode", R_RANGE, 0, 07777, "permission bits (0 to 07777)"},
+    {"CopySpec", "owner", R_USER, 0, 0,
+     "empty or USER[:GROUP]: names of letters, digits, _, . and - (not "
+     "first), at most 32 bytes each"},
+    {"CopyFile", "name", R_BYTES, 1, 255, "1 to 255 bytes"},
+    {"CopyFile", "name", R_BASE_NAME, 0, 0,
+     "a file name: no '/', not . or .."},
+    {"CopyFile", "sha256", R_BLOB, KS_SHA256_BYTES, KS_SHA256_BYTES,
+     "32 bytes (a SHA-256)"},
+    {"CopyFile", "size", R_RANGE, 0, KS_COPY_MAX_BYTES,
+     "at most 256 MiB"},
+    {"UploadRequest", "sha256", R_BLOB, KS_SHA256_BYTES, KS_SHA256_BYTES,
+     "32 bytes (a SHA-256)"},
+    {"UploadRequest", "size", R_RANGE, 0, KS_COPY_MAX_BYTES,
+     "at most 256 MiB"},
+    {"UploadRequest", "part", R_RANGE, 0,
+     KS_COPY_MAX_BYTES / KS_BLOB_PART_BYTES, "a part of at most 256 MiB"},
+    {"UploadRequest", "data", R_BLOB, 0, KS_BLOB_PART_BYTES,
+     "at most 512 KiB (one part)"},
+    {"FetchRequest", "command_id", R_UUID, 1, 0, "a UUID"},
+    {"FetchRequest", "agent_id", R_AGENT_ID, 0, 0,
+     "1-128 letters, digits, _ and -"},
+    {"FetchRequest", "attempt", R_RANGE, 1, 1000, "1 to 1000"},
+    {"FetchRequest", "sha256", R_BLOB, KS_SHA256_BYTES, KS_SHA256_BYTES,
+     "32 bytes (a SHA-256)"},
+    {"FetchRequest", "part", R_RANGE, 0,
+     KS_COPY_MAX_BYTES / KS_BLOB_PART_BYTES, "a part of at most 256 MiB"},
     {"BatchRequest", "agents", R_COUNT, 0, 100000,
      "at most 100000 agents"},
     {"BatchRequest", "agents", R_AGENT_ID, 0, 0,
@@ -211,6 +256,12 @@ check_string(const struct rule *r, const char *v, const char *identity,
     case R_INBOX:
         ok = n == 0 || broker__inbox_of(v, identity);
         break;
+    case R_USER:
+        ok = n == 0 || broker_user_spec_ok(v);
+        break;
+    case R_BASE_NAME:
+        ok = !strchr(v, '/') && strcmp(v, ".") && strcmp(v, "..");
+        break;
     default:
         return 0;
     }
@@ -300,13 +351,63 @@ lacks:
     return KS_EINVAL;
 }
 
+/* A payload's sha256 is that of its data (the agent checks it again). */
+static int
+check_payload(const Ks__Payload *p, const char *path, size_t max,
+              const char *what, char *why, size_t len)
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+
+    if (p->data.len > max) {
+        snprintf(why, len, "%s.data: %zu bytes: %s at most %zu KiB", path,
+                 p->data.len, what, max / 1024);
+        return KS_EINVAL;
+    }
+    if (EVP_Digest(p->data.data, p->data.len, md, &n, EVP_sha256(), NULL) !=
+            1 ||
+        p->sha256.len != n || memcmp(md, p->sha256.data, n) != 0) {
+        snprintf(why, len, "%s.sha256: not allowed: it is not the SHA-256 "
+                 "of data", path);
+        return KS_EINVAL;
+    }
+    return 0;
+}
+
+/* CommandSpec: secret values, script and stdin, what goes with a copy. */
+static int
+check_spec(const Ks__CommandSpec *sp, const char *path, char *why, size_t len)
+{
+    char sub[352];
+    int rc;
+
+    if ((rc = check_sealed(sp, path, why, len)))
+        return rc;
+    snprintf(sub, sizeof(sub), "%s.script", path);
+    if (sp->script && (rc = check_payload(sp->script, sub,
+                                          KS_SCRIPT_MAX_BYTES, "a script is",
+                                          why, len)))
+        return rc;
+    snprintf(sub, sizeof(sub), "%s.input", path);
+    if (sp->input && (rc = check_payload(sp->input, sub, KS_INPUT_MAX_BYTES,
+                                         "stdin is", why, len)))
+        return rc;
+    if (sp->copy && (sp->script || sp->input || sp->run_as[0])) {
+        snprintf(why, len, "%s.copy: not allowed with a script, stdin or "
+                 "run_as (a copy writes files as the agent's user and "
+                 "gives them copy.owner)", path);
+        return KS_EINVAL;
+    }
+    return 0;
+}
+
 /* Rules across fields of one message. */
 static int
 check_whole(const ProtobufCMessage *m, const char *path, char *why,
             size_t len)
 {
     if (m->descriptor == &ks__command_spec__descriptor)
-        return check_sealed((const Ks__CommandSpec *)m, path, why, len);
+        return check_spec((const Ks__CommandSpec *)m, path, why, len);
     if (m->descriptor == &ks__sealed_env__descriptor) {
         const Ks__SealedEnv *e = (const Ks__SealedEnv *)m;
         if (e->sealed.len && e->sealed.data[0] != EVT_SEAL_VERSION) {
@@ -546,4 +647,49 @@ broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
         sealed_run(sp, agent_id, &first, &n);
     out->sealed_env = n ? sp->sealed_env + first : NULL;
     out->n_sealed_env = n;
+}
+
+/* What spec needs of its agent beyond argv (agent.h AGENT_FEATURES). */
+static size_t
+spec_needs(const Ks__CommandSpec *sp, const char *need[4])
+{
+    size_t n = 0;
+    if (sp->script)
+        need[n++] = "script";
+    if (sp->input && sp->input->data.len)
+        need[n++] = "input";
+    if (sp->run_as[0])
+        need[n++] = "run_as";
+    if (sp->copy)
+        need[n++] = "copy";
+    return n;
+}
+
+int
+broker__check_features(const Ks__CommandSpec *sp, const Ks__AgentInfo *info,
+                       const char *agent_id, char *why, size_t len)
+{
+    static const char *const flag[] = {"--script", "stdin", "--run-as",
+                                       "kscore copy"};
+    static const char *const name[] = {"script", "input", "run_as", "copy"};
+    const char *need[4];
+    size_t n = sp ? spec_needs(sp, need) : 0;
+
+    for (size_t i = 0; i < n; i++) {
+        bool has = false;
+        for (size_t k = 0; info && k < info->n_features && !has; k++)
+            has = strcmp(info->features[k], need[i]) == 0;
+        if (has)
+            continue;
+        for (size_t k = 0; k < 4; k++)
+            if (strcmp(name[k], need[i]) == 0)
+                snprintf(why, len,
+                         "agent '%.128s' (version %.32s) cannot run %s: it "
+                         "is older than this broker (upgrade it)",
+                         agent_id,
+                         info && info->version[0] ? info->version : "unknown",
+                         flag[k]);
+        return KS_EINVAL;
+    }
+    return 0;
 }

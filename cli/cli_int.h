@@ -8,7 +8,46 @@
 #include <stdio.h>
 #include <sys/types.h>
 
-#include "broker.h"
+#include "client.h"
+
+/*
+ * kscore is two executables (README "Modules"): kscore, the operator's
+ * commands (cli/main.c), and the daemon half, CLI_DAEMON_NAME
+ * (cli/daemon.c): the services, the local stack and what needs PostgreSQL
+ * or libmicrohttpd, the commands of CLI_DAEMON_COMMANDS. kscore runs the
+ * daemon half for those with the same argv. In the build tree both are in
+ * build/cli/; installed, kscore is in bindir and the daemon half in
+ * libexecdir/kscore/.
+ */
+#define CLI_DAEMON_NAME "kscore-daemon"
+#define CLI_VERSION "0.1.0"
+#define CLI_DAEMON_COMMANDS(X)                                                 \
+    X(up) X(down) X(status) X(broker) X(agent) X(replay) X(perf) X(keygen)     \
+        X(operator)
+struct cli_command {
+    const char *name;
+    int (*fn)(int argc, char **argv); /* argv[0] is the name */
+};
+/*
+ * main() of both halves: `help CMD` (CMD's own --help), -h as --help
+ * before `--`, --help or no command (usage on stdout, or stderr and
+ * CLI_EXIT_USAGE), --version, then argv[1]'s command of cmds (n
+ * entries). A name not in cmds goes to other (may be NULL) with the
+ * whole argv, which returns -1 when it is not its either, else an exit
+ * code. Returns the process's exit code.
+ */
+int cli_main(int argc, char **argv, const struct cli_command *cmds, size_t n,
+             const char *usage, int (*other)(char **argv, const char *name));
+
+/*
+ * The path of the other half, name (CLI_DAEMON_NAME or "kscore"): beside
+ * this executable (the build tree), else at rel (from this executable's
+ * directory to where the other half is installed, CMake's
+ * KSCORE_DAEMON_REL / KSCORE_FRONT_REL). 0 with buf, or -errno (-ENOENT:
+ * in neither place) with buf the last path tried ("" when this
+ * executable's own path cannot be read).
+ */
+int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 
 /*
  * Exit codes of kscore itself (README "Exit codes"). `kscore exec` otherwise
@@ -112,6 +151,110 @@ int cli_spec_opt(struct cli_spec *cs, int opt, char *arg);
  */
 int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
                   const char *name);
+
+/*
+ * A fleet run (cli/cmd_batch.c), shared by `kscore batch` and `kscore
+ * copy`: its targets (--agents, --select, --all, --online-only,
+ * --dry-run, --yes, --confirm-over), rate (--max-concurrency,
+ * --max-errors, --strict-errors) and output (--json, --detach,
+ * --stream) options, and the run itself: confirmation, progress, the
+ * grouped results, the exit code (README "Exit codes").
+ */
+#define CLI_BATCH_LONGOPTS                                                     \
+    {"agents", required_argument, 0, 'a'},                                     \
+        {"select", required_argument, 0, 's'},                                 \
+        {"all", no_argument, 0, 'A'}, {"online-only", no_argument, 0, 'O'},    \
+        {"dry-run", no_argument, 0, 'n'}, {"yes", no_argument, 0, 'y'},        \
+        {"confirm-over", required_argument, 0, 'C'},                           \
+        {"max-concurrency", required_argument, 0, 'c'},                        \
+        {"max-errors", required_argument, 0, 'E'},                             \
+        {"strict-errors", no_argument, 0, 'S'},                                \
+        {"json", no_argument, 0, 'j'}, {"detach", no_argument, 0, 'D'},        \
+    {                                                                          \
+        "stream", no_argument, 0, 'T'                                          \
+    }
+struct cli_batch {
+    Ks__BatchRequest req; /* targets and rate; spec set by cli_batch_run */
+    Ks__Amount conc, errs;
+    char **agents, **terms; /* storage of req.agents, req.selector */
+    size_t cap;
+    const char *errs_arg;
+    bool yes, json;
+    long confirm_over;
+};
+/* Room for argv's targets, $KSCORE_CONFIRM_OVER. 0, or an exit code after
+ * printing. */
+int cli_batch_init(struct cli_batch *bt, int argc, char **argv);
+void cli_batch_release(struct cli_batch *bt);
+/* One of CLI_BATCH_LONGOPTS: 1 taken, 0 not one, -1 after printing. */
+int cli_batch_opt(struct cli_batch *bt, int opt, char *arg);
+/* After getopt: targets given and consistent. 0 or -1 after printing. */
+int cli_batch_check(const struct cli_batch *bt);
+/*
+ * Connects (cc), lists the targets for a dry run or a confirmation, calls
+ * prepare (may be NULL: what must exist before the request, e.g. kscore
+ * copy's uploads; it returns 0 or an exit code after printing), seals sec
+ * (may be NULL), runs spec on the targets and prints as kscore batch does.
+ * Returns the exit code.
+ */
+struct cli_secrets;
+int cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
+                  Ks__CommandSpec *spec, struct cli_secrets *sec,
+                  int (*prepare)(void *ud, struct evt_conn *c), void *ud);
+
+/*
+ * What exec and batch send besides argv (cli/cmd_payload.c): --script
+ * FILE [ARG]..., stdin (read to its end when it is not a terminal, or
+ * --stdin-file FILE; --no-stdin: none), --run-as USER[:GROUP].
+ */
+#define CLI_OPT_PAYLOAD 0x2100
+#define CLI_PAYLOAD_LONGOPTS                                                   \
+    {"script", required_argument, 0, CLI_OPT_PAYLOAD},                         \
+        {"stdin-file", required_argument, 0, CLI_OPT_PAYLOAD + 1},             \
+        {"no-stdin", no_argument, 0, CLI_OPT_PAYLOAD + 2},                     \
+    {                                                                          \
+        "run-as", required_argument, 0, CLI_OPT_PAYLOAD + 3                    \
+    }
+#define CLI_PAYLOAD_USAGE                                                      \
+    "  --script FILE       run FILE (at most 512 KiB) on the agent by its #!\n" \
+    "                      interpreter (none: /bin/sh), from a private copy\n" \
+    "                      removed after; the arguments after it are $1...\n"  \
+    "  --stdin-file FILE   the command's stdin (at most 256 KiB); without it\n" \
+    "                      kscore's own stdin when it is not a terminal\n"      \
+    "  --no-stdin          send no stdin (the command reads /dev/null), as\n"  \
+    "                      ssh -n: for a stdin that never ends\n"              \
+    "  --run-as USER[:GROUP]  run as USER (its groups, HOME), when the\n"       \
+    "                      policy allows it\n"
+struct cli_payload {
+    const char *script_path, *stdin_path, *run_as; /* borrowed from argv */
+    bool no_stdin;
+    uint8_t *script, *input; /* what was read (malloc'd) */
+    size_t script_len, input_len;
+    uint8_t script_sum[32], input_sum[32];
+    Ks__Payload script_pl, input_pl;
+    char **argv; /* --script: the script's name and arguments */
+};
+/* One of CLI_PAYLOAD_LONGOPTS: 1 taken, 0 not one, -1 after printing. */
+int cli_payload_opt(struct cli_payload *p, int opt, const char *arg);
+/* After getopt: without --script as cli_spec_argv; with it, argv[optind..]
+ * (after an optional --) are the script's arguments. 0 or -1 after
+ * printing. */
+int cli_payload_argv(struct cli_payload *p, struct cli_spec *cs, int argc,
+                     char **argv, int optind, const char *name);
+/*
+ * Reads the script and (stdin_too) stdin within their caps (proto/kproto.h
+ * KS_SCRIPT_MAX_BYTES, KS_INPUT_MAX_BYTES) and points spec at them with
+ * their SHA-256, before anything is sent. 0, or CLI_EXIT_USAGE after
+ * printing why (unreadable, over its cap: nothing is sent).
+ */
+int cli_payload_load(struct cli_payload *p, Ks__CommandSpec *spec,
+                     bool stdin_too);
+void cli_payload_release(struct cli_payload *p);
+/* get / events: a recorded spec's script, stdin, run_as and copy, as
+ * JSON keys of o or text lines (sizes and SHA-256, never the bytes). */
+void cli_payload_json(json_t *o, const Ks__CommandSpec *sp);
+void cli_payload_print(FILE *f, const Ks__CommandSpec *sp,
+                       const char *indent);
 
 /*
  * --secret-env NAME (cli/cmd_secret.c): NAME's value in this process's
@@ -325,6 +468,7 @@ int cmd_agents(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
+int cmd_copy(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_operator(int argc, char **argv);
 int cmd_list(int argc, char **argv);

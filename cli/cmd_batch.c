@@ -12,6 +12,7 @@
 
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore batch TARGETS [RATE] [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
     "a target ran and failed (failed, killed, timed out, could not start),\n"
     "4 when none failed but some never ran (no response, lost, not\n"
@@ -50,6 +51,9 @@ static const char batch_usage[] =
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
     "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
     "                          each target's own key (repeatable)\n"
+    CLI_PAYLOAD_USAGE
+    "  Stdin, when not a terminal, is read first and every target gets the\n"
+    "  same bytes (as clush).\n"
     "Output:\n"
     "  --json                  one JSON object per target as it ends, then a\n"
     "                          summary object\n"
@@ -217,61 +221,6 @@ split_commas(char *s, char **out, size_t cap)
         if (t[0])
             out[n++] = t;
     return n;
-}
-
-json_t *
-cli_batch_json(const Ks__BatchReply *rep)
-{
-    const Ks__BatchCounts *c = rep->counts;
-    json_t *o = json_object();
-    json_object_set_new(o, "batch_id", json_string(rep->batch_id));
-    json_object_set_new(o, "status",
-                        json_string(fleet_status_name(rep->status)));
-#define COUNT(name) json_object_set_new(o, #name, json_integer(c ? c->name : 0))
-    COUNT(total);
-    COUNT(succeeded);
-    COUNT(failed);
-    COUNT(killed);
-    COUNT(timed_out);
-    COUNT(no_response);
-    COUNT(lost);
-    COUNT(not_started);
-    COUNT(cancelled);
-    COUNT(running);
-    COUNT(pending);
-    COUNT(errors);
-#undef COUNT
-    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
-    json_object_set_new(o, "elapsed_ms",
-                        json_real((double)rep->elapsed_us / 1000.0));
-    json_object_set_new(o, "max_concurrency",
-                        json_integer(rep->max_concurrency));
-    json_object_set_new(o, "max_errors",
-                        rep->has_max_errors ? json_integer(rep->max_errors)
-                                            : json_null());
-    json_t *targets = json_array();
-    for (size_t i = 0; i < rep->n_targets; i++) {
-        const Ks__BatchTarget *bt = rep->targets[i];
-        json_t *t = json_object();
-        json_object_set_new(t, "agent_id", json_string(bt->agent_id));
-        json_object_set_new(t, "command_id", json_string(bt->command_id));
-        json_object_set_new(t, "status",
-                            json_string(kproto_status_name(bt->status)));
-        if (bt->result) {
-            const Ks__CommandResult *r = bt->result;
-            json_object_set_new(t, "exit_code",
-                                r->has_exit_code ? json_integer(r->exit_code)
-                                                 : json_null());
-            json_object_set_new(t, "signal", r->signal
-                                                 ? json_integer(r->signal)
-                                                 : json_null());
-            if (r->reason[0])
-                json_object_set_new(t, "reason", json_string(r->reason));
-        }
-        json_array_append_new(targets, t);
-    }
-    json_object_set_new(o, "targets", targets);
-    return o;
 }
 
 /* Asks any broker for the batch. 0 with *out (a BatchReply), or a code:
@@ -455,142 +404,182 @@ out:
 }
 
 int
-cmd_batch(int argc, char **argv)
+cli_batch_init(struct cli_batch *bt, int argc, char **argv)
 {
-    static const struct option lo[] = {
-        {"agents", required_argument, 0, 'a'},
-        {"select", required_argument, 0, 's'},
-        {"all", no_argument, 0, 'A'},
-        {"online-only", no_argument, 0, 'O'},
-        {"dry-run", no_argument, 0, 'n'},
-        {"yes", no_argument, 0, 'y'},
-        {"confirm-over", required_argument, 0, 'C'},
-        {"max-concurrency", required_argument, 0, 'c'},
-        {"max-errors", required_argument, 0, 'E'},
-        {"strict-errors", no_argument, 0, 'S'},
-        CLI_SPEC_LONGOPTS,
-        {"secret-env", required_argument, 0, 'X'},
-        {"json", no_argument, 0, 'j'},
-        {"detach", no_argument, 0, 'D'},
-        {"stream", no_argument, 0, 'T'},
-        CLI_CONN_LONGOPTS,
-        {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
-    Ks__BatchRequest req = KS__BATCH_REQUEST__INIT;
-    struct cli_spec cs = {0};
-    Ks__Amount conc, errs;
-    size_t cap = (size_t)argc * 4 + 4;
+    memset(bt, 0, sizeof(*bt));
+    ks__batch_request__init(&bt->req);
+    bt->confirm_over = 20;
+    bt->cap = (size_t)argc * 4 + 4;
     /* Room for every id of every comma list: --agents t-1,...,t-50 is one
      * argument (split_commas drops what does not fit). */
     for (int i = 1; i < argc; i++)
         for (const char *p = argv[i]; *p; p++)
-            cap += *p == ',';
-    char **agents = calloc(cap, sizeof(*agents));
-    char **terms = calloc(cap, sizeof(*terms));
-    struct cli_conn cc = {0};
-    struct cli_secrets sec = {0};
-    struct evt_conn *c = NULL;
-    natsSubscription *psub = NULL;
-    Ks__BatchReply *rep = NULL;
-    struct bstate st = {.results = KS_MAP_INIT};
-    struct fleet_results fr = {0};
-    char inbox[EVT_INBOX_MAX] = "", budget[256] = "";
-    const char *errs_arg = NULL;
-    bool yes = false;
-    long confirm_over = 20;
-    int opt, rc = CLI_EXIT_USAGE;
-
-    pthread_mutex_init(&st.mu, NULL);
-    if (!agents || !terms || cli_spec_init(&cs, cap) != 0) {
-        rc = CLI_EXIT_KSCORE;
-        goto out;
+            bt->cap += *p == ',';
+    bt->agents = calloc(bt->cap, sizeof(*bt->agents));
+    bt->terms = calloc(bt->cap, sizeof(*bt->terms));
+    if (!bt->agents || !bt->terms) {
+        cli_err("out of memory");
+        return CLI_EXIT_KSCORE;
     }
+    bt->req.agents = bt->agents;
+    bt->req.selector = bt->terms;
     const char *env_over = getenv("KSCORE_CONFIRM_OVER");
     if (env_over && env_over[0]) {
         char *end;
-        confirm_over = strtol(env_over, &end, 10);
-        if (*end || confirm_over < 0) {
+        bt->confirm_over = strtol(env_over, &end, 10);
+        if (*end || bt->confirm_over < 0) {
             cli_err("bad KSCORE_CONFIRM_OVER '%s' (a count >= 0)", env_over);
-            goto out;
+            return CLI_EXIT_USAGE;
         }
+    }
+    return 0;
+}
+
+void
+cli_batch_release(struct cli_batch *bt)
+{
+    free(bt->agents);
+    free(bt->terms);
+    bt->agents = bt->terms = NULL;
+}
+
+int
+cli_batch_opt(struct cli_batch *bt, int opt, char *arg)
+{
+    Ks__BatchRequest *req = &bt->req;
+
+    switch (opt) {
+    case 'a':
+        req->n_agents += split_commas(arg, bt->agents + req->n_agents,
+                                      bt->cap - req->n_agents);
+        return 1;
+    case 's': {
+        char *pairs[64];
+        char why[256];
+        size_t np = split_commas(arg, pairs, 64);
+        for (size_t i = 0; i < np && req->n_selector < bt->cap; i++) {
+            if (broker_select_check(pairs[i], why, sizeof(why))) {
+                cli_err("--select: %s", why);
+                return -1;
+            }
+            bt->terms[req->n_selector++] = pairs[i];
+        }
+        return 1;
+    }
+    case 'A':
+        req->all = 1;
+        return 1;
+    case 'O':
+        req->online_only = 1;
+        return 1;
+    case 'n':
+        req->dry_run = 1;
+        return 1;
+    case 'y':
+        bt->yes = true;
+        return 1;
+    case 'C': {
+        char *end;
+        bt->confirm_over = strtol(arg, &end, 10);
+        if (*end || !arg[0] || bt->confirm_over < 0) {
+            cli_err("bad --confirm-over '%s' (a count >= 0)", arg);
+            return -1;
+        }
+        return 1;
+    }
+    case 'T':
+        req->live_output = 1; /* cli/out_stream.c prints the pieces */
+        return 1;
+    case 'c':
+        if (parse_amount(arg, &bt->conc) || bt->conc.value == 0) {
+            cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)", arg);
+            return -1;
+        }
+        req->max_concurrency = &bt->conc;
+        return 1;
+    case 'E':
+        if (parse_amount(arg, &bt->errs)) {
+            cli_err("bad --max-errors '%s' (N, or P%%)", arg);
+            return -1;
+        }
+        bt->errs_arg = arg;
+        req->max_errors = &bt->errs;
+        return 1;
+    case 'S':
+        req->strict_errors = 1;
+        return 1;
+    case 'j':
+        bt->json = true;
+        return 1;
+    case 'D':
+        req->detach = 1;
+        return 1;
+    }
+    return 0;
+}
+
+int
+cli_batch_check(const struct cli_batch *bt)
+{
+    const Ks__BatchRequest *req = &bt->req;
+
+    if (!req->n_agents && !req->n_selector && !req->all) {
+        cli_err("no targets: give --agents A,B, --select K=V or --all");
+        return -1;
+    }
+    if (req->all && (req->n_agents || req->n_selector)) {
+        cli_err("--all takes no --agents or --select (use --select alone "
+                "to filter every agent, or both --agents and --select for "
+                "the listed agents that match)");
+        return -1;
+    }
+    if (req->strict_errors && !req->max_errors) {
+        cli_err("--strict-errors needs --max-errors");
+        return -1;
+    }
+    return 0;
+}
+
+int
+cmd_batch(int argc, char **argv)
+{
+    static const struct option lo[] = {
+        CLI_BATCH_LONGOPTS,
+        CLI_SPEC_LONGOPTS,
+        CLI_PAYLOAD_LONGOPTS,
+        {"secret-env", required_argument, 0, 'X'},
+        CLI_CONN_LONGOPTS,
+        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    struct cli_batch bt;
+    struct cli_spec cs = {0};
+    struct cli_conn cc = {0};
+    struct cli_secrets sec = {0};
+    struct cli_payload pl = {0};
+    int opt, rc;
+
+    if ((rc = cli_batch_init(&bt, argc, argv)))
+        goto out;
+    rc = CLI_EXIT_USAGE;
+    if (cli_spec_init(&cs, bt.cap) != 0) {
+        rc = CLI_EXIT_KSCORE;
+        goto out;
     }
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
+        if (!taken)
+            taken = cli_payload_opt(&pl, opt, optarg);
+        if (!taken)
+            taken = cli_batch_opt(&bt, opt, optarg);
         if (taken < 0)
             goto out;
         if (taken)
             continue;
         switch (opt) {
-        case 'a':
-            req.n_agents += split_commas(optarg, agents + req.n_agents,
-                                         cap - req.n_agents);
-            break;
-        case 's': {
-            char *pairs[64];
-            char why[256];
-            size_t np = split_commas(optarg, pairs, 64);
-            for (size_t i = 0; i < np && req.n_selector < cap; i++) {
-                if (broker_select_check(pairs[i], why, sizeof(why))) {
-                    cli_err("--select: %s", why);
-                    goto out;
-                }
-                terms[req.n_selector++] = pairs[i];
-            }
-            break;
-        }
-        case 'A':
-            req.all = 1;
-            break;
-        case 'O':
-            req.online_only = 1;
-            break;
-        case 'n':
-            req.dry_run = 1;
-            break;
-        case 'y':
-            yes = true;
-            break;
-        case 'C': {
-            char *end;
-            confirm_over = strtol(optarg, &end, 10);
-            if (*end || !optarg[0] || confirm_over < 0) {
-                cli_err("bad --confirm-over '%s' (a count >= 0)", optarg);
-                goto out;
-            }
-            break;
-        }
-        case 'T':
-            req.live_output = 1; /* cli/out_stream.c prints the pieces */
-            break;
         case 'X':
             if (cli_secret_opt(&sec, optarg) < 0)
                 goto out;
-            break;
-        case 'c':
-            if (parse_amount(optarg, &conc) || conc.value == 0) {
-                cli_err("bad --max-concurrency '%s' (N >= 1, or P%%)",
-                        optarg);
-                goto out;
-            }
-            req.max_concurrency = &conc;
-            break;
-        case 'E':
-            if (parse_amount(optarg, &errs)) {
-                cli_err("bad --max-errors '%s' (N, or P%%)", optarg);
-                goto out;
-            }
-            errs_arg = optarg;
-            req.max_errors = &errs;
-            break;
-        case 'S':
-            req.strict_errors = 1;
-            break;
-        case 'j':
-            st.json = true;
-            break;
-        case 'D':
-            req.detach = 1;
             break;
         case 'h':
             fputs(batch_usage, stdout);
@@ -603,39 +592,57 @@ cmd_batch(int argc, char **argv)
             goto out;
         }
     }
-    if (req.dry_run) {
+    if (bt.req.dry_run) {
         /* Only the targets: no command needed. */
         if (optind < argc && strcmp(argv[optind - 1], "--") == 0)
             cli_spec_argv(&cs, argc, argv, optind, "batch");
-    } else if (cli_spec_argv(&cs, argc, argv, optind, "batch") != 0 ||
+    } else if (cli_payload_argv(&pl, &cs, argc, argv, optind, "batch") != 0 ||
                cli_secrets_check(&sec, &cs.spec) != 0) {
         goto out;
     }
-    if (!req.n_agents && !req.n_selector && !req.all) {
-        cli_err("no targets: give --agents A,B, --select K=V or --all");
+    if (cli_batch_check(&bt) != 0)
         goto out;
-    }
-    if (req.all && (req.n_agents || req.n_selector)) {
-        cli_err("--all takes no --agents or --select (use --select alone "
-                "to filter every agent, or both --agents and --select for "
-                "the listed agents that match)");
-        goto out;
-    }
-    if (req.strict_errors && !req.max_errors) {
-        cli_err("--strict-errors needs --max-errors");
-        goto out;
-    }
     if (!cs.spec.n_argv) {
         static char *true_argv[] = {"true"};
         cs.spec.argv = true_argv; /* a dry run: any valid spec */
         cs.spec.n_argv = 1;
     }
-    req.spec = &cs.spec;
-    req.deliver_within_ms = cs.deliver_within_ms;
-    req.agents = agents;
-    req.selector = terms;
+    /* The script and stdin (broadcast to every target, as clush does),
+     * read whole before anything is sent; not for a dry run. */
+    if (!bt.req.dry_run && (rc = cli_payload_load(&pl, &cs.spec, true)))
+        goto out;
+    bt.req.deliver_within_ms = cs.deliver_within_ms;
+    rc = cli_batch_run(&bt, &cc, &cs.spec, &sec, NULL, NULL);
+out:
+    cli_batch_release(&bt);
+    cli_secrets_release(&sec);
+    cli_payload_release(&pl);
+    cli_spec_release(&cs);
+    cli_conn_release(&cc);
+    return rc;
+}
 
-    if ((rc = cli_connect(&cc, &c)))
+int
+cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
+              Ks__CommandSpec *spec, struct cli_secrets *sec,
+              int (*prepare)(void *ud, struct evt_conn *c), void *ud)
+{
+    Ks__BatchRequest req = bt->req;
+    struct evt_conn *c = NULL;
+    natsSubscription *psub = NULL;
+    Ks__BatchReply *rep = NULL;
+    struct bstate st = {.results = KS_MAP_INIT, .json = bt->json};
+    struct fleet_results fr = {0};
+    char inbox[EVT_INBOX_MAX] = "", budget[256] = "";
+    const char *errs_arg = bt->errs_arg;
+    Ks__Amount errs = bt->errs;
+    bool yes = bt->yes;
+    long confirm_over = bt->confirm_over;
+    int rc;
+
+    pthread_mutex_init(&st.mu, NULL);
+    req.spec = spec;
+    if ((rc = cli_connect(cc, &c)))
         goto out;
 
     /* The targets first, when they are to be listed or counted: a dry
@@ -687,8 +694,8 @@ cmd_batch(int argc, char **argv)
         }
         if (req.all || rep->n_targets > (size_t)confirm_over) {
             char answer[16] = "";
-            fprintf(stderr, "Run `%s%s` on %zu agent(s)", cs.spec.argv[0],
-                    cs.spec.n_argv > 1 ? " ..." : "", rep->n_targets);
+            fprintf(stderr, "Run `%s%s` on %zu agent(s)", spec->argv[0],
+                    spec->n_argv > 1 ? " ..." : "", rep->n_targets);
             if (offline)
                 fprintf(stderr, " (%zu offline: they end \"no response\")",
                         offline);
@@ -705,9 +712,13 @@ cmd_batch(int argc, char **argv)
         rep = NULL;
     }
 
+    /* What must be there before the request (kscore copy: the files). */
+    if (prepare && (rc = prepare(ud, c)))
+        goto out;
     /* Each target's value sealed to its own key (cli/cmd_secret.c). */
-    if (cli_secrets_seal(&sec, c, req.agents, req.n_agents, req.selector,
-                         req.n_selector, req.all, &cs.spec)) {
+    if (sec && cli_secrets_seal(sec, c, req.agents, req.n_agents,
+                                req.selector, req.n_selector, req.all,
+                                spec)) {
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
@@ -845,10 +856,6 @@ out:
     if (rep)
         ks__batch_reply__free_unpacked(rep, NULL);
     evt_close(c);
-    free(agents);
-    free(terms);
-    cli_secrets_release(&sec);
-    cli_spec_release(&cs);
-    cli_conn_release(&cc);
+    pthread_mutex_destroy(&st.mu);
     return rc;
 }

@@ -6,210 +6,13 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <openssl/evp.h>
-
 #include "cli_int.h"
-
-/* ---- JSON ------------------------------------------------------------- */
-
-static int
-utf8_valid(const uint8_t *s, size_t n)
-{
-    /* jansson refuses invalid UTF-8 and NUL in json_stringn only for
-     * invalid UTF-8; NUL is fine, but we only call text what a terminal can
-     * show as is, so NUL also makes it binary. */
-    for (size_t i = 0; i < n; i++)
-        if (s[i] == 0)
-            return 0;
-    json_t *j = json_stringn((const char *)s, n);
-    if (!j)
-        return 0;
-    json_decref(j);
-    return 1;
-}
-
-/* Base64 through OpenSSL (EVP_EncodeBlock writes no newlines). */
-static json_t *
-b64(const uint8_t *s, size_t n)
-{
-    size_t olen = 4 * ((n + 2) / 3);
-    unsigned char *o = malloc(olen + 1);
-    json_t *j;
-    if (!o || n > INT32_MAX) {
-        free(o);
-        return json_null();
-    }
-    EVP_EncodeBlock(o, s, (int)n);
-    j = json_stringn((const char *)o, olen);
-    free(o);
-    return j;
-}
-
-static void
-put_output(json_t *o, const char *name, const Ks__Output *out)
-{
-    char key[64];
-    size_t n = out ? out->data.len : 0;
-    const uint8_t *d = n ? out->data.data : (const uint8_t *)"";
-    json_object_set_new(o, name,
-                        utf8_valid(d, n) ? json_stringn((const char *)d, n)
-                                         : json_null());
-    snprintf(key, sizeof(key), "%s_base64", name);
-    json_object_set_new(o, key, b64(d, n));
-    snprintf(key, sizeof(key), "%s_truncated", name);
-    json_object_set_new(o, key, json_boolean(out && out->truncated));
-    snprintf(key, sizeof(key), "%s_total_bytes", name);
-    json_object_set_new(o, key, json_integer(out ? (json_int_t)out->total_bytes
-                                                 : 0));
-    if (out && out->chunked_bytes && !out->data.len) {
-        /* Not here: in the record's pieces (kscore logs). */
-        snprintf(key, sizeof(key), "%s_chunked_bytes", name);
-        json_object_set_new(o, key, json_integer((json_int_t)out->chunked_bytes));
-    }
-}
-
-json_t *
-cli_result_json(const Ks__CommandResult *r)
-{
-    json_t *o = json_object();
-    if (!r)
-        return o;
-    json_object_set_new(o, "status",
-                        json_string(kproto_status_name(r->status)));
-    json_object_set_new(o, "exit_code", r->has_exit_code
-                                            ? json_integer(r->exit_code)
-                                            : json_null());
-    json_object_set_new(o, "signal",
-                        r->signal ? json_integer(r->signal) : json_null());
-    json_object_set_new(o, "core_dumped", json_boolean(r->core_dumped));
-    json_object_set_new(o, "timed_out", json_boolean(r->timed_out));
-    json_object_set_new(o, "cancelled", json_boolean(r->cancelled));
-    put_output(o, "stdout", r->stdout);
-    put_output(o, "stderr", r->stderr);
-    json_object_set_new(o, "started_at",
-                        r->started_at_us ? json_string(cli_time(r->started_at_us))
-                                         : json_null());
-    json_object_set_new(o, "finished_at",
-                        r->finished_at_us
-                            ? json_string(cli_time(r->finished_at_us))
-                            : json_null());
-    json_object_set_new(o, "duration_ms",
-                        json_real((double)r->duration_us / 1000.0));
-    json_object_set_new(o, "term_sent_ms",
-                        r->term_sent_us >= 0 && r->timed_out + r->cancelled +
-                                                        r->signalled >
-                                                    0
-                            ? json_real((double)r->term_sent_us / 1000.0)
-                            : json_null());
-    json_object_set_new(o, "kill_sent_ms",
-                        r->kill_sent_us > 0
-                            ? json_real((double)r->kill_sent_us / 1000.0)
-                            : json_null());
-    json_object_set_new(o, "user_cpu_ms",
-                        json_real((double)r->utime_us / 1000.0));
-    json_object_set_new(o, "system_cpu_ms",
-                        json_real((double)r->stime_us / 1000.0));
-    json_object_set_new(o, "max_rss_kb", json_integer(r->maxrss_kb));
-    json_object_set_new(o, "signalled", json_integer(r->signalled));
-    json_object_set_new(o, "survivors", json_integer(r->survivors));
-    if (r->reason[0])
-        json_object_set_new(o, "reason", json_string(r->reason));
-    if (r->status == KS__COMMAND_STATUS__START_FAILED) {
-        json_object_set_new(o, "start_stage", json_string(r->start_stage));
-        json_object_set_new(o, "start_errno", json_integer(r->start_errno));
-        json_object_set_new(o, "start_error",
-                            json_string(strerror(r->start_errno)));
-    }
-    return o;
-}
-
-json_t *
-cli_event_json(const Ks__RecordedEvent *rec)
-{
-    const Ks__Event *e = rec->event;
-    json_t *o = json_object();
-    json_object_set_new(o, "version", json_integer(rec->version));
-    json_object_set_new(o, "type", json_string(e ? e->type : ""));
-    json_object_set_new(o, "event_id", json_string(e ? e->event_id : ""));
-    json_object_set_new(o, "recorded_at",
-                        json_string(cli_time(rec->recorded_at_us)));
-    json_object_set_new(o, "global_pos", json_integer(rec->global_pos));
-    if (!e)
-        return o;
-    json_object_set_new(o, "stream_id", json_string(e->stream_id));
-    if (e->command_id[0])
-        json_object_set_new(o, "command_id", json_string(e->command_id));
-    if (e->agent_id[0])
-        json_object_set_new(o, "agent_id", json_string(e->agent_id));
-    if (e->attempt)
-        json_object_set_new(o, "attempt", json_integer(e->attempt));
-    if (e->operator_[0])
-        json_object_set_new(o, "operator", json_string(e->operator_));
-    if (e->reason[0] && strcmp(e->type, "CommandRequested") != 0)
-        json_object_set_new(o, "reason", json_string(e->reason));
-    if (e->command && e->command->spec) {
-        const Ks__CommandSpec *sp = e->command->spec;
-        json_t *argv = json_array(), *env = json_object();
-        for (size_t i = 0; i < sp->n_argv; i++)
-            json_array_append_new(argv, json_string(sp->argv[i]));
-        for (size_t i = 0; i < sp->n_env; i++)
-            json_object_set_new(env, sp->env[i]->name,
-                                json_string(sp->env[i]->value));
-        json_object_set_new(o, "argv", argv);
-        json_object_set_new(o, "env", env);
-        if (sp->n_sealed_env) {
-            /* Redacted: the name, never the ciphertext (harmless, but
-             * noise), only its size. */
-            json_t *sec = json_array();
-            for (size_t i = 0; i < sp->n_sealed_env; i++) {
-                const Ks__SealedEnv *se = sp->sealed_env[i];
-                json_t *x = json_object();
-                json_object_set_new(env, se->name,
-                                    json_string(CLI_SECRET_SHOWN));
-                json_object_set_new(x, "name", json_string(se->name));
-                json_object_set_new(x, "agent_id",
-                                    json_string(se->agent_id));
-                json_object_set_new(x, "sealed_bytes",
-                                    json_integer((json_int_t)se->sealed.len));
-                json_array_append_new(sec, x);
-            }
-            json_object_set_new(o, "secret_env", sec);
-        }
-        json_object_set_new(o, "cwd", json_string(sp->cwd));
-        json_object_set_new(o, "timeout_ms", json_integer(sp->timeout_ms));
-        json_object_set_new(o, "grace_ms", json_integer(sp->grace_ms));
-    }
-    if (e->result)
-        json_object_set_new(o, "result", cli_result_json(e->result));
-    return o;
-}
-
-void
-cli_print_json(json_t *j)
-{
-    char *s = json_dumps(j, JSON_COMPACT | JSON_ENSURE_ASCII |
-                                JSON_REAL_PRECISION(9));
-    if (s) {
-        fputs(s, stdout);
-        fputc('\n', stdout);
-        free(s);
-    }
-    json_decref(j);
-}
 
 /* ---- exec ---------------------------------------------------------------- */
 
-void
-cli_err_too_large(void)
-{
-    cli_err("command too large: its argv, environment and options exceed "
-            "the NATS max payload (%d bytes); nothing was sent (pass large "
-            "data in a file on the agent instead)",
-            KS_MAX_MESSAGE_BYTES);
-}
-
 static const char exec_usage[] =
     "usage: kscore exec [OPTIONS] -- CMD [ARG]...\n"
+    "       kscore exec [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
     "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
     "and the command was not accepted, 69 when the outcome is unknown: it\n"
@@ -230,10 +33,13 @@ static const char exec_usage[] =
     "  --max-output SIZE   keep at most SIZE bytes of each of stdout and\n"
     "                      stderr (default 16M; K, M, G suffixes); the rest\n"
     "                      is counted, not kept\n"
+    CLI_PAYLOAD_USAGE
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
     "Output is printed as the command writes it. Ctrl-C cancels the command\n"
     "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
+    "Stdin is read to its end before the command is sent (when it is not a\n"
+    "terminal): use --no-stdin in a loop that reads its own stdin.\n"
     CLI_CONN_USAGE;
 
 int
@@ -242,6 +48,7 @@ cmd_exec(int argc, char **argv)
     static const struct option lo[] = {
         {"agent", required_argument, 0, 'a'},
         CLI_SPEC_LONGOPTS,
+        CLI_PAYLOAD_LONGOPTS,
         {"secret-env", required_argument, 0, 'X'},
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
@@ -254,6 +61,7 @@ cmd_exec(int argc, char **argv)
     Ks__CommandSpec *sp = &cs.spec;
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
+    struct cli_payload pl = {0};
     struct evt_conn *c = NULL;
     Ks__ExecuteReply *rep = NULL;
     char *agent_from_env = NULL;
@@ -266,6 +74,8 @@ cmd_exec(int argc, char **argv)
     optind = 1;
     while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
+        if (!taken)
+            taken = cli_payload_opt(&pl, opt, optarg);
         if (taken < 0)
             goto out;
         if (taken)
@@ -298,7 +108,7 @@ cmd_exec(int argc, char **argv)
             goto out;
         }
     }
-    if (cli_spec_argv(&cs, argc, argv, optind, "exec") != 0 ||
+    if (cli_payload_argv(&pl, &cs, argc, argv, optind, "exec") != 0 ||
         cli_secrets_check(&sec, sp) != 0)
         goto out;
     req.deliver_within_ms = cs.deliver_within_ms;
@@ -327,6 +137,9 @@ cmd_exec(int argc, char **argv)
     }
     req.agent_id = (char *)agent;
     req.spec = sp;
+    /* The script and stdin are read whole before anything is sent. */
+    if ((rc = cli_payload_load(&pl, sp, true)))
+        goto out;
 
     if ((rc = cli_connect(&cc, &c)))
         goto out;
@@ -439,6 +252,14 @@ cmd_exec(int argc, char **argv)
                     r->reason[0] ? r->reason
                                  : "a secret variable cannot be opened");
         else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 r->reason[0])
+            cli_err("cannot start %s: %s (%s: %s)", sp->argv[0], r->reason,
+                    r->start_stage, strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
+                 strcmp(r->start_stage, "user") == 0)
+            cli_err("cannot start %s as '%s': %s", sp->argv[0], sp->run_as,
+                    strerror(r->start_errno));
+        else if (r->status == KS__COMMAND_STATUS__START_FAILED &&
                  strcmp(r->start_stage, "chdir") == 0)
             cli_err("cannot start %s: cannot chdir to '%s': %s", sp->argv[0],
                     sp->cwd && sp->cwd[0] ? sp->cwd : "/",
@@ -462,6 +283,7 @@ out:
     evt_close(c);
     free(agent_from_env);
     cli_secrets_release(&sec);
+    cli_payload_release(&pl);
     cli_spec_release(&cs);
     cli_conn_release(&cc);
     return rc;
@@ -519,7 +341,8 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
  * it cannot be read (an older broker, a read the policy refuses).
  */
 static json_t *
-requested_env(struct evt_conn *c, const char *command_id)
+requested_env(struct evt_conn *c, const char *command_id,
+              Ks__EventsReply **rep_out)
 {
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
     Ks__EventsReply *rep = NULL;
@@ -544,6 +367,8 @@ requested_env(struct evt_conn *c, const char *command_id)
         for (size_t i = 0; i < sp->n_sealed_env; i++)
             json_object_set_new(env, sp->sealed_env[i]->name,
                                 json_string(CLI_SECRET_SHOWN));
+        *rep_out = rep; /* its script, stdin, user, files */
+        return env;
     }
     ks__events_reply__free_unpacked(rep, NULL);
     return env;
@@ -605,7 +430,10 @@ cmd_get(int argc, char **argv)
         goto out;
     }
     const Ks__CommandView *v = rep->command;
-    json_t *env = requested_env(c, v->command_id);
+    Ks__EventsReply *first = NULL;
+    json_t *env = requested_env(c, v->command_id, &first);
+    const Ks__CommandSpec *rsp =
+        first ? first->events[0]->event->command->spec : NULL;
     if (json) {
         json_t *o = cli_result_json(v->result);
         json_t *argvj = json_array();
@@ -618,6 +446,8 @@ cmd_get(int argc, char **argv)
         json_object_set_new(o, "argv", argvj);
         if (env)
             json_object_set_new(o, "env", json_incref(env));
+        if (rsp)
+            cli_payload_json(o, rsp);
         json_object_set_new(o, "attempt", json_integer(v->attempt));
         json_object_set_new(o, "version", json_integer(v->version));
         json_object_set_new(o, "requested_at",
@@ -649,7 +479,10 @@ cmd_get(int argc, char **argv)
             json_object_foreach(env, k, val)
                 printf(" %s=%s", k, json_string_value(val));
         }
-        printf("\nrequested %s", cli_time(v->requested_at_us));
+        printf("\n");
+        if (rsp)
+            cli_payload_print(stdout, rsp, "");
+        printf("requested %s", cli_time(v->requested_at_us));
         if (v->operator_[0])
             printf(" by %s", v->operator_);
         printf("\n");
@@ -695,6 +528,8 @@ cmd_get(int argc, char **argv)
         }
     }
     json_decref(env);
+    if (first)
+        ks__events_reply__free_unpacked(first, NULL);
     rc = 0;
 out:
     if (rep)
@@ -736,6 +571,8 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
             printf("  %s=%s", e->event->command->spec->sealed_env[i]->name,
                    CLI_SECRET_SHOWN);
     printf("\n");
+    if (e->event->command && e->event->command->spec)
+        cli_payload_print(stdout, e->event->command->spec, "     ");
 }
 
 static const char events_usage[] =

@@ -164,47 +164,6 @@ item_json(const Ks__ListItem *it)
     return o;
 }
 
-void
-cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
-{
-    size_t used = 0;
-
-    if (!cap)
-        return;
-#define PUT(ch)                                                              \
-    do {                                                                     \
-        if (used + 1 < cap)                                                  \
-            out[used++] = (ch);                                              \
-    } while (0)
-    for (size_t i = 0; i < n; i++) {
-        const char *a = argv[i];
-        bool plain = a[0] != '\0';
-        for (const char *p = a; *p && plain; p++)
-            plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
-                    (*p >= '0' && *p <= '9') || strchr("_@%+=:,./-", *p) ||
-                    (unsigned char)*p >= 0x80;
-        if (i)
-            PUT(' ');
-        if (plain) {
-            for (const char *p = a; *p; p++)
-                PUT(*p);
-            continue;
-        }
-        PUT('\'');
-        for (const char *p = a; *p; p++) {
-            if (*p == '\'') {
-                PUT('\'');
-                PUT('\\');
-                PUT('\'');
-            }
-            PUT(*p);
-        }
-        PUT('\'');
-    }
-#undef PUT
-    out[used] = '\0';
-}
-
 static void
 print_item(const Ks__ListItem *it)
 {

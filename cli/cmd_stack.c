@@ -12,7 +12,9 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "broker.h"
 #include "cli_int.h"
+#include "metrics_http.h"
 #include "stack.h"
 #include "store.h"
 
@@ -1615,17 +1617,17 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
  * code after saying why. */
 static int
 metrics_start(const char *who, const char *listen, unsigned roles,
-              struct evt_metrics_server **ms)
+              struct cli_metrics_server **ms)
 {
     char *errmsg = NULL;
-    int rc = evt_metrics_serve(listen, roles, ms, &errmsg);
+    int rc = cli_metrics_serve(listen, roles, ms, &errmsg);
     if (rc) {
         cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
         return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
     }
     ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
-           KS_I("port", evt_metrics_port(*ms)), KS_S("path", "/metrics"));
+           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"));
     return 0;
 }
 
@@ -1652,7 +1654,7 @@ cmd_broker(int argc, char **argv)
     struct broker_opts o = {0};
     const char *require_signed = NULL;
     const char *replicas = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -1796,7 +1798,7 @@ cmd_broker(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
     }
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_conf_release(&cf);
     return rc;
 }
@@ -1843,7 +1845,7 @@ cmd_agent(int argc, char **argv)
     struct agent_attestation att = {0};
     struct agent_label *att_labels = NULL;
     const char *bundle_file = NULL;
-    struct evt_metrics_server *ms = NULL;
+    struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
@@ -2301,7 +2303,7 @@ cmd_agent(int argc, char **argv)
     }
     agent_stop(a);
 out:
-    evt_metrics_stop(ms);
+    cli_metrics_stop(ms);
     cli_bundle_release(&bundle);
     free(att_labels);
     for (size_t i = 0; i < owned_label_keys; i++)

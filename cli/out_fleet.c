@@ -388,3 +388,58 @@ fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget)
     if (budget && budget[0])
         fprintf(f, "%s\n", budget);
 }
+
+json_t *
+cli_batch_json(const Ks__BatchReply *rep)
+{
+    const Ks__BatchCounts *c = rep->counts;
+    json_t *o = json_object();
+    json_object_set_new(o, "batch_id", json_string(rep->batch_id));
+    json_object_set_new(o, "status",
+                        json_string(fleet_status_name(rep->status)));
+#define COUNT(name) json_object_set_new(o, #name, json_integer(c ? c->name : 0))
+    COUNT(total);
+    COUNT(succeeded);
+    COUNT(failed);
+    COUNT(killed);
+    COUNT(timed_out);
+    COUNT(no_response);
+    COUNT(lost);
+    COUNT(not_started);
+    COUNT(cancelled);
+    COUNT(running);
+    COUNT(pending);
+    COUNT(errors);
+#undef COUNT
+    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
+    json_object_set_new(o, "elapsed_ms",
+                        json_real((double)rep->elapsed_us / 1000.0));
+    json_object_set_new(o, "max_concurrency",
+                        json_integer(rep->max_concurrency));
+    json_object_set_new(o, "max_errors",
+                        rep->has_max_errors ? json_integer(rep->max_errors)
+                                            : json_null());
+    json_t *targets = json_array();
+    for (size_t i = 0; i < rep->n_targets; i++) {
+        const Ks__BatchTarget *bt = rep->targets[i];
+        json_t *t = json_object();
+        json_object_set_new(t, "agent_id", json_string(bt->agent_id));
+        json_object_set_new(t, "command_id", json_string(bt->command_id));
+        json_object_set_new(t, "status",
+                            json_string(kproto_status_name(bt->status)));
+        if (bt->result) {
+            const Ks__CommandResult *r = bt->result;
+            json_object_set_new(t, "exit_code",
+                                r->has_exit_code ? json_integer(r->exit_code)
+                                                 : json_null());
+            json_object_set_new(t, "signal", r->signal
+                                                 ? json_integer(r->signal)
+                                                 : json_null());
+            if (r->reason[0])
+                json_object_set_new(t, "reason", json_string(r->reason));
+        }
+        json_array_append_new(targets, t);
+    }
+    json_object_set_new(o, "targets", targets);
+    return o;
+}

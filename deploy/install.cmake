@@ -12,6 +12,8 @@ set(KSCORE_SYSTEMD_UNITDIR "lib/systemd/system"
 # <prefix>/etc/kscore otherwise (GNUInstallDirs' rule).
 set(KSCORE_CONFDIR "${CMAKE_INSTALL_FULL_SYSCONFDIR}/kscore")
 set(KSCORE_BINDIR "${CMAKE_INSTALL_FULL_BINDIR}")
+# kscore-daemon, the daemon half kscore runs (cli/CMakeLists.txt).
+set(KSCORE_LIBEXECDIR "${CMAKE_INSTALL_FULL_LIBEXECDIR}/kscore")
 # kscore-stack.service's environment file (KSCORE_UP_ARGS): /etc/default.
 set(KSCORE_DEFAULTDIR "${CMAKE_INSTALL_FULL_SYSCONFDIR}/default")
 
@@ -19,6 +21,10 @@ if(TARGET kscore)
   get_target_property(_ks_type kscore TYPE)
   if(_ks_type STREQUAL "EXECUTABLE")
     install(TARGETS kscore RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+    # The daemon half (cli_int.h): kscore runs it for `kscore broker`,
+    # `kscore agent`, `kscore up` ...; found from bindir by KSCORE_DAEMON_REL.
+    install(TARGETS kscore-daemon
+            RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/kscore)
   endif()
 endif()
 
@@ -63,7 +69,7 @@ set(CPACK_PACKAGE_CONTACT "kscore maintainers <kscore@localhost>")
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY
     "event-sourced command dispatch broker and agent")
 set(CPACK_PACKAGE_DESCRIPTION
-    "kscore runs commands on one host or a fleet: the broker records every\nstep in PostgreSQL and dispatches signed commands over NATS JetStream;\nthe agent runs them under a kill protocol and reports back. One binary\nfor the broker, the agent and the operator's CLI, with systemd units.")
+    "kscore runs commands on one host or a fleet: the broker records every\nstep in PostgreSQL and dispatches signed commands over NATS JetStream;\nthe agent runs them under a kill protocol and reports back. The operator's\nkscore and its daemon half (broker, agent, local stack), with systemd units.")
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
 set(CPACK_DEBIAN_PACKAGE_SECTION "admin")
 set(CPACK_DEBIAN_PACKAGE_PRIORITY "optional")

@@ -67,6 +67,8 @@
 #define EVT_API_BATCH "kscore.api.v1.batch"
 #define EVT_API_LIST "kscore.api.v1.list"
 #define EVT_API_LOGS "kscore.api.v1.logs"
+#define EVT_API_UPLOAD "kscore.api.v1.upload"
+#define EVT_API_FETCH "kscore.api.v1.fetch"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000
@@ -877,22 +879,10 @@ int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
 int evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out);
 
 
-/* ---- metrics endpoint (events/metrics_http.c) ----------------------------
- * A Prometheus endpoint (libmicrohttpd, its own thread): GET /metrics
- * answers ks_metrics_render(roles) as text/plain; version=0.0.4.
+/* ---- scrape-time gauges (events/jetstream.c) ----------------------------
+ * For a ks_metrics_collect_fn of the broker or the agent; the endpoint
+ * that serves them is the daemon's (cli/metrics_http.c).
  */
-struct evt_metrics_server;
-/*
- * Listens on listen ("ADDR:PORT", "[V6ADDR]:PORT" or ":PORT" for every
- * address; port 0 picks a free one). 0 with *out, or KS_EINVAL (bad
- * address) / KS_EUNAVAIL (cannot listen) with *errmsg (malloc'd).
- */
-int evt_metrics_serve(const char *listen, unsigned roles,
-                      struct evt_metrics_server **out, char **errmsg);
-/* The port it listens on. */
-unsigned evt_metrics_port(const struct evt_metrics_server *m);
-/* Stops serving and frees. Accepts NULL. */
-void evt_metrics_stop(struct evt_metrics_server *m);
 /*
  * Adds whether c is connected now to the collected gauge g
  * (KS_G_NATS_BROKER or KS_G_NATS_AGENT): for a ks_metrics_collect_fn.

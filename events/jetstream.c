@@ -211,3 +211,41 @@ fail:
         msgs[i].rc = rc;
     return rc;
 }
+
+/* ---- scrape-time gauges (events.h) ---------------------------------------- */
+
+void
+evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g)
+{
+    if (c && c->nc &&
+        natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)
+        ks_metric_gauge_add(g, 1);
+}
+
+void
+evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms)
+{
+    jsOptions o;
+    jsConsumerInfo *ci = NULL;
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+
+    if (!c || !c->js ||
+        natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
+        return;
+    jsOptions_Init(&o);
+    o.Wait = timeout_ms;
+    if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS, EVT_RECORDER_DURABLE,
+                           &o, &jerr) == NATS_OK &&
+        ci) {
+        ks_metric_gauge_add(
+            KS_G_QUEUE_EVENTS,
+            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
+        jsConsumerInfo_Destroy(ci);
+    }
+    if (js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, &o, &jerr) == NATS_OK &&
+        si) {
+        ks_metric_gauge_add(KS_G_QUEUE_COMMANDS, (int64_t)si->State.Msgs);
+        jsStreamInfo_Destroy(si);
+    }
+}

@@ -30,12 +30,14 @@
 #define KSCORE_PERF_H
 
 /*
- * `kscore perf [SCENARIO]... [OPTIONS]`: argv[0] is "perf". Prints the
+ * `kscore perf [SCENARIO]... [OPTIONS]`: argv[0] is "perf"; kscore_bin is
+ * the operator's kscore binary under test (binary A: it runs `kscore
+ * broker` and `kscore agent` through its daemon half). Prints the
  * table (or JSON) on stdout, progress and errors on stderr. Returns the
  * process exit code: 0 when every selected scenario ran (a skipped one
  * counts as run), 2 on usage errors, 125 when the stack could not be
  * started or a scenario failed.
  */
-int perf_main(int argc, char **argv);
+int perf_main(int argc, char **argv, const char *kscore_bin);
 
 #endif

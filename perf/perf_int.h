@@ -49,7 +49,8 @@ struct perf_stack {
     char *nats_url;      /* malloc'd */
     char *conninfo;      /* malloc'd */
     bool own_nats, own_pg;
-    char bin[PATH_MAX];  /* binary of the running broker/agent; "" none */
+    char bin[PATH_MAX];  /* kscore binary of the running broker/agent (its
+                            daemon half runs them); "" none */
     unsigned local_agents;
     bool agent_up;
     unsigned starts;     /* broker starts so far (state dir names) */

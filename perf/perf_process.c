@@ -8,11 +8,16 @@
  *            $KSCORE_HOME/env or KSCORE_NATS_* is read): wall time from
  *            posix_spawn to waitpid; p50/p95/p99
  *
- * and, in the same round, the parts of its floor:
+ * and, in the same round, the parts of its floor (issue 23: "empty C
+ * program start + connect + command p50"):
  *
+ *  empty     50 runs of /bin/true (a C program that links libc only and
+ *            returns at once) under the same environment: process start,
+ *            spawn to reap; p50
  *  version   50 runs of the same binary as `kscore --version` (returns
- *            before any connection): process start and library loading of
- *            a C binary linked the same way; p50
+ *            before any connection): kscore's own start and library
+ *            loading, reported beside the floor (version - empty is what
+ *            kscore's start costs over an empty program); p50
  *  connect   20 evt_connect + evt_close on the suite's nats-server,
  *            in-process, with the cli's options (send_asap); p50
  *  command   20 ExecuteCommand of /bin/true on perf-0 through
@@ -189,7 +194,7 @@ perf__process_round(struct perf_ctx *ctx, int round, json_t **out)
     char home[PATH_MAX + 16], logp[PATH_MAX + 32], *home_var = NULL;
     char **env = NULL;
     int log_fd = -1, ok, errors, verr, rc;
-    int64_t ver_p50, conn_p50, cmd_p50;
+    int64_t empty_p50, ver_p50, conn_p50, cmd_p50;
     json_t *o = NULL;
 
     (void)round;
@@ -208,6 +213,16 @@ perf__process_round(struct perf_ctx *ctx, int round, json_t **out)
         rc = -ENOMEM;
         goto out;
     }
+    char *empty_argv[] = {"/bin/true", NULL};
+    if ((rc = run_many(empty_argv, env, log_fd, n, lat, &ok, &verr)))
+        goto out;
+    if (ok == 0) {
+        fprintf(stderr, "kscore perf: exec_process: /bin/true failed\n");
+        rc = KS_EINTERNAL;
+        goto out;
+    }
+    perf__sort(lat, (size_t)ok);
+    empty_p50 = perf__pct(lat, (size_t)ok, 50);
     char *ver_argv[] = {ctx->st->bin, "--version", NULL};
     if ((rc = run_many(ver_argv, env, log_fd, n, lat, &ok, &verr)))
         goto out;
@@ -240,13 +255,14 @@ perf__process_round(struct perf_ctx *ctx, int round, json_t **out)
     perf__lat_json(o, lat, (size_t)ok);
     json_object_set_new(o, "runs", json_integer(n));
     json_object_set_new(o, "errors", json_integer(errors));
+    json_object_set_new(o, "empty_p50_us", json_integer(empty_p50));
     json_object_set_new(o, "version_p50_us", json_integer(ver_p50));
     json_object_set_new(o, "connect_p50_us", json_integer(conn_p50));
     json_object_set_new(o, "command_p50_us", json_integer(cmd_p50));
     /* This round's own floor; the target uses command_latency's p50 for
      * the last part when that scenario ran (perf_main.c). */
     json_object_set_new(o, "floor_own_us",
-                        json_integer(ver_p50 + conn_p50 + cmd_p50));
+                        json_integer(empty_p50 + conn_p50 + cmd_p50));
     *out = o;
     rc = 0;
 out:

@@ -458,9 +458,31 @@ perf__services_stop(struct perf_stack *st)
     st->bin[0] = '\0';
 }
 
-static int
-start_agent(struct perf_stack *st, const char *bin)
+/*
+ * The executable that runs bin's broker and agent: the daemon half beside
+ * it (kscore-daemon: kscore runs it for `kscore broker` and `kscore
+ * agent`, cli_int.h), so that a KSCORE_PERF_WRAP tool (valgrind,
+ * heaptrack) wraps the daemon itself, not a kscore that replaces itself
+ * with it, and real_pid() finds it; bin itself when there is none beside
+ * it (an older kscore that was one binary, or an installed kscore, whose
+ * daemon half is under libexec: that one runs, but a wrapper sees only
+ * kscore).
+ */
+static void
+services_bin(const char *bin, char *out, size_t len)
 {
+    const char *slash = strrchr(bin, '/');
+    snprintf(out, len, "%.*s/kscore-daemon",
+             slash ? (int)(slash - bin) : 1, slash ? bin : ".");
+    if (access(out, X_OK) != 0)
+        snprintf(out, len, "%s", bin);
+}
+
+static int
+start_agent(struct perf_stack *st, const char *bin_)
+{
+    char bin[PATH_MAX];
+    services_bin(bin_, bin, sizeof(bin));
     char *args[12 + 2 * PERF_AGENTS], ids[PERF_AGENTS][32], state[PATH_MAX + 32];
     int64_t since = ks_now_us() - 500000;
     pid_t daemon;
@@ -506,6 +528,8 @@ perf__services(struct perf_stack *st, const char *bin, unsigned local_agents,
     pid_t daemon;
     int rc;
 
+    char svc[PATH_MAX];
+
     if (!restart && strcmp(st->bin, bin) == 0 &&
         st->local_agents == local_agents && st->broker_pid > 0 &&
         pid_alive(st->broker_pid)) {
@@ -513,11 +537,12 @@ perf__services(struct perf_stack *st, const char *bin, unsigned local_agents,
             return start_agent(st, bin);
         return 0;
     }
+    services_bin(bin, svc, sizeof(svc));
     perf__services_stop(st);
     st->starts++;
     snprintf(nla, sizeof(nla), "%u", local_agents);
     snprintf(state, sizeof(state), "%s/local-%u", st->dir, st->starts);
-    char *args[] = {(char *)bin,      "broker", "--nats",       st->nats_url,
+    char *args[] = {svc,              "broker", "--nats",       st->nats_url,
                     "--db",           st->conninfo, "--local-agents", nla,
                     "--state-dir",    state,   NULL};
     since = ks_now_us() - 500000;
@@ -537,7 +562,7 @@ perf__services(struct perf_stack *st, const char *bin, unsigned local_agents,
                 ks_strerror(rc), st->dir);
         return rc;
     }
-    st->broker_pid = real_pid(daemon, bin);
+    st->broker_pid = real_pid(daemon, svc);
     snprintf(st->bin, sizeof(st->bin), "%s", bin);
     st->local_agents = local_agents;
     if (agent)

@@ -4,7 +4,8 @@
 #   1. under `perf record -a -g` (system wide, so the broker, the agent
 #      process and the perf client are all sampled; reported for the
 #      processes named kscore), or valgrind callgrind on the broker when
-#      perf cannot sample;
+#      perf cannot sample; the broker and the agent are kscore's daemon
+#      half, named kscore-daemon, so both names are reported;
 #   2. with the broker and the agent process under heaptrack
 #      (KSCORE_PERF_WRAP / KSCORE_PERF_WRAP_AGENT).
 # Prints the top 20 CPU consumers and the top 20 allocation sites of the
@@ -59,9 +60,9 @@ if [ "$cpu_tool" = perf ]; then
     perf report -i "$OUT/cpu.data" --stdio -g none --sort comm \
         >"$OUT/cpu-by-process.txt" 2>/dev/null
     perf report -i "$OUT/cpu.data" --stdio -g none --no-children \
-        --comms kscore --sort dso,sym >"$OUT/cpu-self.txt" 2>/dev/null
+        --comms kscore,kscore-daemon --sort dso,sym >"$OUT/cpu-self.txt" 2>/dev/null
     perf report -i "$OUT/cpu.data" --stdio -g none --children \
-        --comms kscore --sort sym >"$OUT/cpu-children.txt" 2>/dev/null
+        --comms kscore,kscore-daemon --sort sym >"$OUT/cpu-children.txt" 2>/dev/null
     echo
     echo "== CPU by process (all samples, system wide)"
     grep -v '^#' "$OUT/cpu-by-process.txt" | grep -v '^$' | head -8
@@ -72,18 +73,18 @@ if [ "$cpu_tool" = perf ]; then
     # (--percentage relative: the filtered samples are 100%), per symbol of
     # the kscore binary (dso column "kscore").
     perf report -i "$OUT/cpu.data" --stdio -g none --no-children \
-        --comms kscore --percentage relative --sort dso,sym \
+        --comms kscore,kscore-daemon --percentage relative --sort dso,sym \
         >"$OUT/cpu-self-relative.txt" 2>/dev/null
     kscore_dso=$(basename "$KSCORE")
     awk -v dso="$kscore_dso" -v lim="$CPU_LIMIT_PCT" '
         /^#/ || NF < 4 { next }
-        $2 == dso { p = $1; sub(/%$/, "", p); sym = $4
+        $2 == dso || $2 == dso "-daemon" { p = $1; sub(/%$/, "", p); sym = $4
                     for (i = 5; i <= NF; i++) sym = sym " " $i
                     if (p + 0 > lim + 0) printf "%s\t%s\n", p, sym }' \
         "$OUT/cpu-self-relative.txt" >"$OUT/cpu-over-limit.tsv"
     awk -v dso="$kscore_dso" '
         /^#/ || NF < 4 { next }
-        $2 == dso { p = $1; sub(/%$/, "", p); sym = $4
+        $2 == dso || $2 == dso "-daemon" { p = $1; sub(/%$/, "", p); sym = $4
                     for (i = 5; i <= NF; i++) sym = sym " " $i
                     printf "%s\t%s\n", p, sym; if (++n == 10) exit }' \
         "$OUT/cpu-self-relative.txt" >"$OUT/cpu-top-kscore.tsv"

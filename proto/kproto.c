@@ -136,6 +136,17 @@ ks_is_uuid(const char *s)
     return s && strlen(s) == 36 && uuid_parse(s, u) == 0;
 }
 
+void
+ks_hex(const uint8_t *data, size_t len, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < len; i++) {
+        out[2 * i] = digits[data[i] >> 4];
+        out[2 * i + 1] = digits[data[i] & 15];
+    }
+    out[2 * len] = '\0';
+}
+
 int
 kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
 {

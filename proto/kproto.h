@@ -152,6 +152,43 @@ void ks_sort(void *base, size_t n, size_t size,
  */
 #define KS_MAX_MESSAGE_BYTES (1024 * 1024)
 
+/*
+ * What travels inside one command besides argv (README "Scripts, stdin and
+ * files"): a script (CommandSpec.script) and stdin (CommandSpec.input),
+ * each checked by the CLI before anything is sent and by the broker
+ * before anything is recorded. Both together stay below one NATS message,
+ * with room for argv and the rest; larger data goes by kscore copy.
+ */
+#define KS_SCRIPT_MAX_BYTES (512 * 1024)
+#define KS_INPUT_MAX_BYTES (256 * 1024)
+/*
+ * kscore copy: each file travels in parts of KS_BLOB_PART_BYTES (an
+ * upload request or a fetch reply holds one, well within one NATS
+ * message), at most KS_COPY_MAX_BYTES per file and KS_COPY_MAX_FILES files
+ * per copy.
+ */
+#define KS_BLOB_PART_BYTES (512 * 1024)
+#define KS_COPY_MAX_BYTES (256ULL * 1024 * 1024)
+#define KS_COPY_MAX_FILES 64
+#define KS_SHA256_BYTES 32
+/* The parts of a file of size bytes (none for an empty one), and the
+ * length of part i (the last one shorter). */
+static inline uint32_t
+ks_blob_parts(uint64_t size)
+{
+    return (uint32_t)((size + KS_BLOB_PART_BYTES - 1) / KS_BLOB_PART_BYTES);
+}
+static inline size_t
+ks_blob_part_len(uint64_t size, uint32_t i)
+{
+    uint64_t at = (uint64_t)i * KS_BLOB_PART_BYTES;
+    uint64_t left = size > at ? size - at : 0;
+    return left < KS_BLOB_PART_BYTES ? (size_t)left : KS_BLOB_PART_BYTES;
+}
+
+/* Lower-case hex of len bytes into out (2 * len + 1 bytes, with NUL). */
+void ks_hex(const uint8_t *data, size_t len, char *out);
+
 /* Status names as the CLI and JSON print them ("Succeeded", ...). */
 const char *kproto_status_name(Ks__CommandStatus st);
 /* 1 if the status is terminal. */

@@ -863,6 +863,28 @@ static const char migration_9[] =
     "CREATE UNIQUE INDEX commands_operator_idempotency_key ON commands\n"
     "  (operator, idempotency_key) WHERE idempotency_key IS NOT NULL;\n";
 
+/*
+ * Migration 10: files for kscore copy (broker/blob.c), one row per part of
+ * KS_BLOB_PART_BYTES, named by the whole file's SHA-256. A file is
+ * complete once the broker has read its parts back and found their
+ * SHA-256 (a row in blob_files); only then may a copy name it, and from
+ * then on its parts never change. Kept as part of the record: what was
+ * pushed, byte for byte, once however many agents got it.
+ */
+static const char migration_10[] =
+    "CREATE TABLE blob_parts (\n"
+    "  sha256 bytea NOT NULL,\n"
+    "  part   int NOT NULL,\n"
+    "  data   bytea NOT NULL,\n"
+    "  PRIMARY KEY (sha256, part)\n"
+    ");\n"
+    "CREATE TABLE blob_files (\n"
+    "  sha256       bytea PRIMARY KEY,\n"
+    "  size         bigint NOT NULL,\n"
+    "  operator     text NOT NULL,\n"
+    "  completed_at timestamptz NOT NULL DEFAULT now()\n"
+    ");\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -874,6 +896,7 @@ const struct store__migration store__migrations[] = {
     {8, "the recorder's checked batch without locks before the append",
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
+    {10, "files for kscore copy, in parts", migration_10},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

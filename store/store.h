@@ -507,6 +507,32 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
                         size_t n, store_output_check_fn check, void *ud,
                         enum store_step *verdicts, const char **whys);
 /*
+ * Files for kscore copy (store/blob.c, migration 10), named by their
+ * SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0.
+ *  store_blob_put: writes one part (again, until the file is complete;
+ *   never after). 0 or a store error.
+ *  store_blob_complete: 1 with *size_out (may be NULL) when the file is
+ *   complete (checked and marked), 0 when not, or a store error.
+ *  store_blob_read: one part, *data_out (malloc'd) and *len_out. 0,
+ *   KS_ENOTFOUND, KS_ETOOBIG or a store error.
+ *  store_blob_mark_complete: records that the parts make the file of that
+ *   SHA-256 and size (the caller checked), uploaded by operator_. 0 or a
+ *   store error.
+ *  store_blob_drop: forgets the parts of a file that is not complete (its
+ *   check failed). 0 or a store error.
+ */
+int store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                   uint32_t part, const void *data, size_t len);
+int store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                        uint64_t *size_out);
+int store_blob_read(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                    uint32_t part, uint8_t **data_out, size_t *len_out);
+int store_blob_mark_complete(struct store *s,
+                             const uint8_t sha256[KS_SHA256_BYTES],
+                             uint64_t size, const char *operator_);
+int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES]);
+
+/*
  * Up to max bytes of one stream of a command's recorded pieces from
  * offset, as far as they follow on without a gap: *data_out (malloc'd, or
  * NULL when nothing) and *len_out. 0, KS_EINVAL, KS_EPG.

@@ -169,6 +169,15 @@ struct fixture_out {
  */
 int fixture_kscore(const struct fixture_stack *s, const char *const args[],
                    struct fixture_out *out);
+/* As fixture_kscore, with stdin the file stdin_path (not a terminal:
+ * kscore exec and batch read it and send it to the command). */
+int fixture_kscore_stdin(const struct fixture_stack *s, const char *stdin_path,
+                         const char *const args[], struct fixture_out *out);
+/* As fixture_kscore on a secure stack, as operator name: made in its
+ * registry (and the server's users reloaded) the first time. 0 or a
+ * negative code. */
+int fixture_kscore_as(struct fixture_stack *s, const char *name,
+                      const char *const args[], struct fixture_out *out);
 /*
  * As fixture_kscore, for the local stack of `kscore up` in home: runs with
  * KSCORE_HOME=home and no KSCORE_NATS_* / KSCORE_AGENT / KSCORE_DB of the

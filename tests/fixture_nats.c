@@ -449,25 +449,54 @@ append(char **buf, size_t *len, size_t *cap, const char *p, size_t n)
 
 static int
 run_kscore(const struct fixture_stack *s, const char *home,
-           const char *const args[], struct fixture_out *out);
+           const char *stdin_path, const char *const args[],
+           struct fixture_out *out);
 
 int
 fixture_kscore(const struct fixture_stack *s, const char *const args[],
                struct fixture_out *out)
 {
-    return run_kscore(s, NULL, args, out);
+    return run_kscore(s, NULL, NULL, args, out);
+}
+
+int
+fixture_kscore_stdin(const struct fixture_stack *s, const char *stdin_path,
+                     const char *const args[], struct fixture_out *out)
+{
+    return run_kscore(s, NULL, stdin_path, args, out);
+}
+
+int
+fixture_kscore_as(struct fixture_stack *s, const char *name,
+                  const char *const args[], struct fixture_out *out)
+{
+    char seed[PATH_MAX + 64], saved[sizeof(s->operator_seed)];
+    struct stack_identity id;
+    int rc;
+
+    stack_ident_seed_path(s->dir, STACK_OPERATOR, name, seed, sizeof(seed));
+    if (access(seed, R_OK) != 0 &&
+        ((rc = stack_ident_add(s->dir, STACK_OPERATOR, name, &id)) ||
+         (rc = fixture_stack_nats_reauth(s))))
+        return rc;
+    snprintf(saved, sizeof(saved), "%s", s->operator_seed);
+    snprintf(s->operator_seed, sizeof(s->operator_seed), "%s", seed);
+    rc = run_kscore(s, NULL, NULL, args, out);
+    snprintf(s->operator_seed, sizeof(s->operator_seed), "%s", saved);
+    return rc;
 }
 
 int
 fixture_kscore_home(const char *home, const char *const args[],
                     struct fixture_out *out)
 {
-    return run_kscore(NULL, home, args, out);
+    return run_kscore(NULL, home, NULL, args, out);
 }
 
 static int
 run_kscore(const struct fixture_stack *s, const char *home,
-           const char *const args[], struct fixture_out *out)
+           const char *stdin_path, const char *const args[],
+           struct fixture_out *out)
 {
     int po[2], pe[2];
     size_t n = 0, cap_o = 0, cap_e = 0;
@@ -485,7 +514,9 @@ run_kscore(const struct fixture_stack *s, const char *home,
         return -errno;
     if (pid == 0) {
         const char **argv = calloc(n + 2, sizeof(*argv));
-        int nul = open("/dev/null", O_RDONLY);
+        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
+        if (nul == -1)
+            _exit(126);
         argv[0] = kscore_bin();
         for (size_t i = 0; i < n; i++)
             argv[i + 1] = args[i];

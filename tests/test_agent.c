@@ -698,7 +698,13 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
     char ids[6][37], script[PATH_MAX + 128];
     int max_procs = 0;
 
+    int64_t since = ks_now_us() - 1000000;
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-mid", "mid-a", extra),
+                     0);
+    /* The spawn waits for mid-a's heartbeat only; the process writes
+     * mid-b's after it, and a command for mid-b before then is refused
+     * as for an unknown agent (seen under load: KS_ENOAGENT). */
+    ck_assert_int_eq(fixture_stack_wait_agent(&stack, "mid-b", since, 30000),
                      0);
     snprintf(script, sizeof(script),
              "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 1", side_dir);

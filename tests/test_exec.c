@@ -758,6 +758,108 @@ START_TEST(k22_stdin_is_dev_null)
 }
 END_TEST
 
+/* Stdin bytes (exec_spec.stdin_data): the child reads them, then EOF; a
+ * child that reads none, or a part, ends at once (the loop's write meets
+ * EPIPE, never blocks); through the loop the spec's bytes are copied (the
+ * caller's buffer is gone before the job starts). */
+START_TEST(stdin_bytes_reach_the_child)
+{
+    const char *cat[] = {"cat", NULL};
+    const char *tru[] = {"true", NULL};
+    const char *head[] = {"head", "-c", "5", NULL};
+    size_t n = 1024 * 1024;
+    char *big = malloc(n);
+    struct exec_spec s;
+    struct exec_result r;
+
+    for (size_t i = 0; i < n; i++)
+        big[i] = (char)('a' + i % 26);
+    spec_argv(&s, cat, 5000, 0);
+    s.stdin_data = big;
+    s.stdin_len = n;
+    s.stdout_cap_bytes = n;
+    ck_assert_int_eq(exec_run(&s, &r), 0);
+    ck_assert_int_eq(r.outcome, EXEC_EXITED);
+    ck_assert_int_eq(r.exit_code, 0);
+    ck_assert_uint_eq(r.out.len, n);
+    ck_assert(memcmp(r.out.data, big, n) == 0);
+    exec_result_release(&r);
+
+    spec_argv(&s, tru, 5000, 0);
+    s.stdin_data = big;
+    s.stdin_len = n;
+    ck_assert_int_eq(exec_run(&s, &r), 0);
+    ck_assert_int_eq(r.exit_code, 0);
+    ck_assert_int_lt(r.duration_us, SEC / 2);
+    exec_result_release(&r);
+
+    spec_argv(&s, head, 5000, 0);
+    s.stdin_data = big;
+    s.stdin_len = n;
+    ck_assert_int_eq(exec_run(&s, &r), 0);
+    ck_assert_int_eq(r.exit_code, 0);
+    ck_assert_str_eq(r.out.data, "abcde");
+    exec_result_release(&r);
+
+    struct exec_loop *loop;
+    atomic_store(&g_done, 0);
+    ck_assert_int_eq(exec_loop_new(1, &loop), 0);
+    char *copy = strdup("from the loop\n");
+    spec_argv(&s, cat, 5000, 0);
+    s.stdin_data = copy;
+    s.stdin_len = strlen(copy);
+    ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)0, NULL), 0);
+    memset(copy, 'X', strlen(copy));
+    free(copy);
+    wait_done(1, 5 * SEC);
+    ck_assert_str_eq(g_results[0].out.data, "from the loop\n");
+    exec_result_release(&g_results[0]);
+    exec_loop_free(loop);
+    free(big);
+}
+END_TEST
+
+/* exec_spec.user: the child has that uid, gid and groups only, no
+ * capability, HOME, USER and LOGNAME of the user; its cwd is reached as
+ * that user (a start failure, stage chdir, when it cannot). */
+START_TEST(user_runs_the_child_as_that_user)
+{
+    const char *argv[] = {"sh", "-c",
+                          "id -u; id -g; id -G; echo $HOME $USER $LOGNAME; "
+                          "grep CapEff /proc/self/status",
+                          NULL};
+    gid_t groups[] = {65534};
+    struct exec_user u = {.uid = 65534, .gid = 65534, .groups = groups,
+                          .n_groups = 1, .name = "nobody",
+                          .home = "/nonexistent"};
+    struct exec_spec s;
+    struct exec_result r;
+
+    if (geteuid() != 0)
+        return; /* setuid needs root */
+    spec_argv(&s, argv, 5000, 0);
+    s.user = &u;
+    ck_assert_int_eq(exec_run(&s, &r), 0);
+    ck_assert_msg(r.outcome == EXEC_EXITED && r.exit_code == 0,
+                  "outcome %d stage %s errno %d", r.outcome,
+                  r.start_stage ? r.start_stage : "", r.start_errno);
+    ck_assert_str_eq(r.out.data, "65534\n65534\n65534\n"
+                                 "/nonexistent nobody nobody\n"
+                                 "CapEff:\t0000000000000000\n");
+    exec_result_release(&r);
+
+    const char *tru[] = {"true", NULL};
+    spec_argv(&s, tru, 5000, 0);
+    s.user = &u;
+    s.cwd = "/root"; /* 0700 root */
+    ck_assert_int_eq(exec_run(&s, &r), 0);
+    ck_assert_int_eq(r.outcome, EXEC_START_FAILED);
+    ck_assert_str_eq(r.start_stage, "chdir");
+    ck_assert_int_eq(r.start_errno, EACCES);
+    exec_result_release(&r);
+}
+END_TEST
+
 /* ---------------------------------------------------------------------- */
 /* Beyond the cases                                                        */
 
@@ -1163,6 +1265,8 @@ exec_suite(void)
     tcase_add_test(tc, k19_argv_exact);
     tcase_add_test(tc, k21_long_argument);
     tcase_add_test(tc, k22_stdin_is_dev_null);
+    tcase_add_test(tc, stdin_bytes_reach_the_child);
+    tcase_add_test(tc, user_runs_the_child_as_that_user);
     tcase_add_test(tc, cancel_running_and_queued);
     tcase_add_test(tc, loop_free_cancels_all);
     tcase_add_test(tc, loop_concurrency_100);

@@ -17,7 +17,6 @@
 
 #include "broker.h"
 #include "fixture.h"
-#include "stack.h"
 
 #define AGENT "hist-a"
 
@@ -385,21 +384,10 @@ sec_down(void)
 static json_t *
 sec_lines_as(const char *name, const char *const args[], int *status)
 {
-    char seed[PATH_MAX + 64], saved[PATH_MAX + 64];
-    struct stack_identity id;
     struct fixture_out o;
     json_t *arr = json_array();
 
-    stack_ident_seed_path(sec.dir, STACK_OPERATOR, name, seed, sizeof(seed));
-    if (access(seed, R_OK) != 0) {
-        ck_assert_int_eq(stack_ident_add(sec.dir, STACK_OPERATOR, name, &id),
-                         0);
-        ck_assert_int_eq(fixture_stack_nats_reauth(&sec), 0);
-    }
-    snprintf(saved, sizeof(saved), "%s", sec.operator_seed);
-    snprintf(sec.operator_seed, sizeof(sec.operator_seed), "%s", seed);
-    ck_assert_int_eq(fixture_kscore(&sec, args, &o), 0);
-    snprintf(sec.operator_seed, sizeof(sec.operator_seed), "%s", saved);
+    ck_assert_int_eq(fixture_kscore_as(&sec, name, args, &o), 0);
     *status = o.status;
     for (char *save = NULL, *line = strtok_r(o.out, "\n", &save); line;
          line = strtok_r(NULL, "\n", &save)) {

@@ -22,6 +22,7 @@
 #include "events.h"
 #include "fixture.h"
 #include "kproto.h"
+#include "metrics_http.h"
 #include "stack.h"
 
 /* ---- helpers ---------------------------------------------------------------
@@ -310,13 +311,13 @@ END_TEST
  */
 START_TEST(idle_connections_do_not_starve_the_scraper)
 {
-    struct evt_metrics_server *m = NULL;
+    struct cli_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL;
     int held[32];
 
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
-    unsigned port = evt_metrics_port(m);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = cli_metrics_port(m);
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -335,18 +336,18 @@ START_TEST(idle_connections_do_not_starve_the_scraper)
     free(body);
     for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
         close(held[i]);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
 }
 END_TEST
 
 START_TEST(server_answers_metrics_and_404)
 {
-    struct evt_metrics_server *m = NULL;
+    struct cli_metrics_server *m = NULL;
     char *errmsg = NULL, *body = NULL, ctype[128];
 
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
-    unsigned port = evt_metrics_port(m);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_BROKER, &m, &errmsg), 0);
+    unsigned port = cli_metrics_port(m);
     ck_assert_uint_gt(port, 0);
     ck_assert_int_eq(http_get(port, "/metrics", &body, ctype, sizeof(ctype)),
                      200);
@@ -356,7 +357,7 @@ START_TEST(server_answers_metrics_and_404)
     free(body);
     ck_assert_int_eq(http_get(port, "/nothing", &body, NULL, 0), 404);
     free(body);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
     /* Stopped: nobody listens any more. */
     ck_assert_int_lt(http_get(port, "/metrics", &body, NULL, 0), 0);
 
@@ -365,22 +366,22 @@ START_TEST(server_answers_metrics_and_404)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         errmsg = NULL;
         ck_assert_int_eq(
-            evt_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
+            cli_metrics_serve(bad[i], KS_METRICS_BROKER, &m, &errmsg),
             KS_EINVAL);
         ck_assert_ptr_nonnull(errmsg);
         free(errmsg);
     }
     /* A port in use is refused, not shared. */
     ck_assert_int_eq(
-        evt_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
+        cli_metrics_serve("127.0.0.1:0", KS_METRICS_AGENT, &m, &errmsg), 0);
     char addr[64];
-    struct evt_metrics_server *m2 = NULL;
-    snprintf(addr, sizeof(addr), "127.0.0.1:%u", evt_metrics_port(m));
+    struct cli_metrics_server *m2 = NULL;
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", cli_metrics_port(m));
     errmsg = NULL;
-    ck_assert_int_eq(evt_metrics_serve(addr, KS_METRICS_AGENT, &m2, &errmsg),
+    ck_assert_int_eq(cli_metrics_serve(addr, KS_METRICS_AGENT, &m2, &errmsg),
                      KS_EUNAVAIL);
     free(errmsg);
-    evt_metrics_stop(m);
+    cli_metrics_stop(m);
 }
 END_TEST
 

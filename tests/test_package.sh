@@ -44,7 +44,8 @@ dpkg-deb -c "$DEB" | awk '{print $1, $2, $6}' | sed 's#^\(.*\) \./#\1 /#' >"$WOR
 has_file() { grep -q " $1\$" "$WORK/files"; }
 mode_of() { awk -v f="$1" '$3 == f {print $1 " " $2}' "$WORK/files"; }
 
-for f in /usr/bin/kscore /lib/systemd/system/kscore-broker.service \
+for f in /usr/bin/kscore /usr/libexec/kscore/kscore-daemon \
+    /lib/systemd/system/kscore-broker.service \
     /lib/systemd/system/kscore-agent.service /etc/kscore/broker.conf \
     /etc/kscore/agent.conf /lib/systemd/system/kscore-stack.service \
     /lib/systemd/system/kscore-stack-watch.service \
@@ -61,6 +62,7 @@ if [ -f "$SRC/deploy/bash-completion/kscore" ]; then
 fi
 check "no build path leaks into the package" sh -c "! grep -q ' /work\| /tmp\| /home' '$WORK/files'"
 check "binary is root-owned 0755" test "$(mode_of /usr/bin/kscore)" = "-rwxr-xr-x root/root"
+check "daemon half is root-owned 0755" test "$(mode_of /usr/libexec/kscore/kscore-daemon)" = "-rwxr-xr-x root/root"
 check "configs are not world-readable" test "$(mode_of /etc/kscore/broker.conf)" = "-rw-r----- root/root"
 check "/etc/default/kscore-stack is 0644" test "$(mode_of /etc/default/kscore-stack)" = "-rw-r--r-- root/root"
 
@@ -117,6 +119,12 @@ ROOT="$WORK/root"
 dpkg-deb -x "$DEB" "$ROOT"
 check "the unpacked binary runs" "$ROOT/usr/bin/kscore" --version
 check "the unpacked binary finds every library" sh -c "! ldd '$ROOT/usr/bin/kscore' | grep -q 'not found'"
+check "the unpacked daemon half finds every library" sh -c "! ldd '$ROOT/usr/libexec/kscore/kscore-daemon' | grep -q 'not found'"
+# The operator's kscore starts like a small C program: what only the
+# daemons use is the daemon half's (README "Modules").
+check "the operator's binary loads no libpq, libmicrohttpd or inih" sh -c "! ldd '$ROOT/usr/bin/kscore' | grep -q 'libpq\|libmicrohttpd\|libinih'"
+# kscore finds its daemon half under the prefix it was unpacked to.
+check "the unpacked kscore runs its daemon half" "$ROOT/usr/bin/kscore" keygen --help
 grep -q '^ExecStart=/usr/bin/kscore broker --config /etc/kscore/broker.conf$' \
     "$ROOT/lib/systemd/system/kscore-broker.service" && ok "broker unit: ExecStart" || bad "broker unit: ExecStart"
 grep -q '^ExecStart=/usr/bin/kscore agent --config /etc/kscore/agent.conf$' \
@@ -199,6 +207,8 @@ if [ -f "$BUILD/CMakeCache.txt" ]; then
         { cat "$WORK/install.log"; bad "cmake --install"; }
     S="$WORK/stage$prefix"
     check "make install: binary" test -x "$S/bin/kscore"
+    check "make install: the daemon half" test -x "$S/libexec/kscore/kscore-daemon"
+    check "make install: kscore runs its daemon half" "$S/bin/kscore" up --help
     check "make install: units" test -f "$S/lib/systemd/system/kscore-agent.service"
     check "make install: the stack's units" sh -c "test -f '$S/lib/systemd/system/kscore-stack.service' && test -f '$S/lib/systemd/system/kscore-stack-watch.timer'"
     check "make install: the stack unit names its binary" grep -q "^ExecStart=$prefix/bin/kscore up" "$S/lib/systemd/system/kscore-stack.service"

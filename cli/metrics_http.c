@@ -1,8 +1,9 @@
 /*
- * metrics_http.c: the Prometheus scrape endpoint, on libmicrohttpd's own
- * polling thread, and the scrape-time gauges that need NATS.
+ * metrics_http.c: the Prometheus scrape endpoint of `kscore broker` and
+ * `kscore agent` (--metrics), on libmicrohttpd's own polling thread. Only
+ * the daemon half (kscore-daemon) links it, and so libmicrohttpd.
  */
-#include "events_int.h"
+#include "metrics_http.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -13,7 +14,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
-struct evt_metrics_server {
+struct cli_metrics_server {
     struct MHD_Daemon *d;
     unsigned roles;
     unsigned port;
@@ -31,7 +32,7 @@ answer(void *cls, struct MHD_Connection *conn, const char *url,
        const char *method, const char *version, const char *upload,
        size_t *upload_len, void **req_cls)
 {
-    struct evt_metrics_server *m = cls;
+    struct cli_metrics_server *m = cls;
     struct MHD_Response *r;
     enum MHD_Result ret;
     unsigned status = MHD_HTTP_OK;
@@ -128,11 +129,11 @@ parse_listen(const char *listen, struct sockaddr_storage *ss)
 }
 
 int
-evt_metrics_serve(const char *listen, unsigned roles,
-                  struct evt_metrics_server **out, char **errmsg)
+cli_metrics_serve(const char *listen, unsigned roles,
+                  struct cli_metrics_server **out, char **errmsg)
 {
     struct sockaddr_storage ss;
-    struct evt_metrics_server *m;
+    struct cli_metrics_server *m;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
 
     *out = NULL;
@@ -174,52 +175,16 @@ evt_metrics_serve(const char *listen, unsigned roles,
 }
 
 unsigned
-evt_metrics_port(const struct evt_metrics_server *m)
+cli_metrics_port(const struct cli_metrics_server *m)
 {
     return m ? m->port : 0;
 }
 
 void
-evt_metrics_stop(struct evt_metrics_server *m)
+cli_metrics_stop(struct cli_metrics_server *m)
 {
     if (!m)
         return;
     MHD_stop_daemon(m->d);
     free(m);
-}
-
-void
-evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g)
-{
-    if (c && c->nc &&
-        natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED)
-        ks_metric_gauge_add(g, 1);
-}
-
-void
-evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms)
-{
-    jsOptions o;
-    jsConsumerInfo *ci = NULL;
-    jsStreamInfo *si = NULL;
-    jsErrCode jerr = 0;
-
-    if (!c || !c->js ||
-        natsConnection_Status(c->nc) != NATS_CONN_STATUS_CONNECTED)
-        return;
-    jsOptions_Init(&o);
-    o.Wait = timeout_ms;
-    if (js_GetConsumerInfo(&ci, c->js, EVT_STREAM_EVENTS, EVT_RECORDER_DURABLE,
-                           &o, &jerr) == NATS_OK &&
-        ci) {
-        ks_metric_gauge_add(
-            KS_G_QUEUE_EVENTS,
-            (int64_t)(ci->NumPending + (uint64_t)ci->NumAckPending));
-        jsConsumerInfo_Destroy(ci);
-    }
-    if (js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, &o, &jerr) == NATS_OK &&
-        si) {
-        ks_metric_gauge_add(KS_G_QUEUE_COMMANDS, (int64_t)si->State.Msgs);
-        jsStreamInfo_Destroy(si);
-    }
 }

@@ -98,7 +98,7 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
           const struct stack_identity *id)
 {
     const char *pool = id->name + 5; /* "pool-<pool>" */
-    char *pub = NULL, *sub = NULL, last[16], line[3 * EVT_AGENT_ID_MAX + 96];
+    char *pub = NULL, *sub = NULL, last[16], line[4 * EVT_AGENT_ID_MAX + 128];
     size_t plen = 0, pcap = 0, slen = 0, scap = 0;
     int rc = 0;
 
@@ -109,8 +109,9 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
         const char *sep = i + 1 < id->pool_size ? "," : "";
         int n = snprintf(line, sizeof(line),
                          "            \"kscore.api.v1.claim.agent-%s-%u\", "
+                         "\"kscore.api.v1.fetch.agent-%s-%u\", "
                          "\"kscore.evt.%s-%u.>\"%s\n",
-                         pool, i, pool, i, sep);
+                         pool, i, pool, i, pool, i, sep);
         rc = put(&pub, &plen, &pcap, line, (size_t)n);
         n = snprintf(line, sizeof(line),
                      "            \"kscore.cancel.%s-%u\"%s\n", pool, i, sep);

@@ -1,0 +1,321 @@
+/*
+ * blob.c: the files of kscore copy (README "Pushing files").
+ *
+ *  kscore.api.v1.upload.<operator>  UploadRequest: an operator sends a
+ *      file in parts (KS_BLOB_PART_BYTES), then commits it: the broker
+ *      reads the parts back, checks their SHA-256 against the file's name
+ *      and marks it complete (store/blob.c). A commit with no data of a
+ *      file already complete answers at once: a file is stored once,
+ *      however often and to however many agents it is copied.
+ *  kscore.api.v1.fetch.agent-<id>   FetchRequest: an agent reads a part of
+ *      a file of a copy it runs: only the command's own agent (the
+ *      subject NATS let it publish on), for the attempt it claimed, while
+ *      the command runs, and only a file the command names. The agent
+ *      checks the whole against the SHA-256 signed into the command.
+ *
+ * One store connection, opened at the first request, under blob_mu: an
+ * upload or a fetch never waits behind get or events (st_misc).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/evp.h>
+
+#include "broker_int.h"
+
+/*
+ * Reads every part back and checks them against sha256 and size: 1 when
+ * they make that file, 0 when a part is missing (*missing set), -EBADMSG
+ * when they make another file, or a store error.
+ */
+static int
+verify(struct store *st, const uint8_t *sha256, uint64_t size,
+       uint32_t *missing)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    uint8_t md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    int rc = 1;
+
+    if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1) {
+        EVP_MD_CTX_free(ctx);
+        return KS_EINTERNAL;
+    }
+    for (uint32_t i = 0; i < ks_blob_parts(size) && rc == 1; i++) {
+        uint8_t *data = NULL;
+        size_t len = 0;
+        int r = store_blob_read(st, sha256, i, &data, &len);
+        if (r == KS_ENOTFOUND) {
+            *missing = i;
+            rc = 0;
+        } else if (r) {
+            rc = r;
+        } else if (len != ks_blob_part_len(size, i) ||
+                   EVP_DigestUpdate(ctx, data, len) != 1) {
+            rc = -EBADMSG;
+        }
+        free(data);
+    }
+    if (rc == 1 &&
+        (EVP_DigestFinal_ex(ctx, md, &n) != 1 || n != KS_SHA256_BYTES ||
+         memcmp(md, sha256, KS_SHA256_BYTES) != 0))
+        rc = -EBADMSG;
+    EVP_MD_CTX_free(ctx);
+    return rc;
+}
+
+static void
+handle_upload(struct broker *b, struct store *st, natsMsg *msg)
+{
+    Ks__UploadRequest *req = NULL;
+    Ks__UploadReply r = KS__UPLOAD_REPLY__INIT;
+    const char *op = broker__operator_of(msg);
+    char why[600], hex[2 * KS_SHA256_BYTES + 1];
+    uint32_t missing = 0;
+    int rc;
+
+    rc = broker__unpack_request(msg, &ks__upload_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
+    if (rc == 0 &&
+        (rc = broker__policy_check(b->policy, op, NULL, NULL, why,
+                                   sizeof(why))) != 0)
+        broker__record_denied(b, st, op, NULL, NULL, why);
+    if (rc) {
+        broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
+        goto out;
+    }
+    ks_hex(req->sha256.data, KS_SHA256_BYTES, hex);
+    rc = store_blob_complete(st, req->sha256.data, NULL);
+    if (rc == 1) {
+        r.complete = 1; /* stored already: nothing to send */
+        goto reply;
+    }
+    if (rc < 0)
+        goto store_err;
+    if (!req->commit || req->data.len) {
+        uint32_t n = ks_blob_parts(req->size);
+        if (req->part >= n || req->data.len != ks_blob_part_len(req->size, req->part)) {
+            snprintf(why, sizeof(why),
+                     "UploadRequest.part: part %u of %zu bytes is not "
+                     "allowed: a file of %llu bytes has %u part(s) of %d "
+                     "bytes (the last one shorter)",
+                     req->part, req->data.len,
+                     (unsigned long long)req->size, n, KS_BLOB_PART_BYTES);
+            broker__reply_error(b, msg, &ks__upload_reply__descriptor,
+                                KS_EINVAL, why);
+            goto out;
+        }
+        if ((rc = store_blob_put(st, req->sha256.data, req->part,
+                                 req->data.data, req->data.len)))
+            goto store_err;
+    }
+    if (req->commit) {
+        rc = verify(st, req->sha256.data, req->size, &missing);
+        if (rc == 1)
+            rc = store_blob_mark_complete(st, req->sha256.data, req->size,
+                                          op);
+        else if (rc == 0)
+            goto reply; /* not all there: complete stays false */
+        if (rc == -EBADMSG) {
+            store_blob_drop(st, req->sha256.data);
+            snprintf(why, sizeof(why),
+                     "the parts sent are not the file of sha256 %s and %llu "
+                     "bytes: they were dropped, send it again",
+                     hex, (unsigned long long)req->size);
+            broker__reply_error(b, msg, &ks__upload_reply__descriptor,
+                                KS_EINVAL, why);
+            goto out;
+        }
+        if (rc)
+            goto store_err;
+        r.complete = 1;
+        ks_log(KS_LOG_INFO, "file stored for kscore copy",
+               KS_S("sha256", hex), KS_I("bytes", (int64_t)req->size),
+               KS_S("operator", op));
+    }
+reply:
+    evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
+    goto out;
+store_err:
+    broker__store_error(st, rc, why, sizeof(why));
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
+out:
+    if (req)
+        ks__upload_request__free_unpacked(req, NULL);
+}
+
+/* The size of the file sha256 names in the copy of the command whose
+ * CommandRequested is rev (store_read_stream's callback; ud: struct
+ * named). */
+struct named {
+    const uint8_t *sha256;
+    bool found;
+    uint64_t size;
+};
+
+static int
+find_file(const Ks__RecordedEvent *rev, void *ud)
+{
+    struct named *n = ud;
+    const Ks__Event *ev = rev->event;
+    if (!ev || !ev->command || !ev->command->spec || !ev->command->spec->copy)
+        return 0;
+    const Ks__CopySpec *cp = ev->command->spec->copy;
+    for (size_t i = 0; i < cp->n_files; i++)
+        if (cp->files[i]->sha256.len == KS_SHA256_BYTES &&
+            memcmp(cp->files[i]->sha256.data, n->sha256, KS_SHA256_BYTES) ==
+                0) {
+            n->found = true;
+            n->size = cp->files[i]->size;
+        }
+    return 0;
+}
+
+static void
+handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
+{
+    Ks__FetchRequest *req = NULL;
+    Ks__FetchReply r = KS__FETCH_REPLY__INIT;
+    Ks__CommandView *v = NULL;
+    const char *who = broker__operator_of(msg);
+    char why[600], want[EVT_AGENT_ID_MAX + 8], stream[64];
+    struct named n = {0};
+    uint8_t *data = NULL;
+    size_t len = 0;
+    int rc;
+
+    rc = broker__unpack_request(msg, &ks__fetch_request__descriptor,
+                                (ProtobufCMessage **)&req, why, sizeof(why));
+    if (rc)
+        goto fail;
+    /* Who asks is what NATS vouches for (as a claim: broker.c on_claim),
+     * never a field of the message. */
+    snprintf(want, sizeof(want), "agent-%s", req->agent_id);
+    if (strcmp(who, want) != 0 && strcmp(who, "broker") != 0) {
+        snprintf(why, sizeof(why),
+                 "denied: '%s' may not fetch for agent '%s' (only agent-%s "
+                 "may)",
+                 who, req->agent_id, req->agent_id);
+        rc = KS_EDENIED;
+        goto fail;
+    }
+    rc = store_get_command(st, req->command_id, &v);
+    if (rc == 0 && (strcmp(v->agent_id, req->agent_id) != 0 ||
+                    v->status != KS__COMMAND_STATUS__RUNNING ||
+                    v->attempt != req->attempt))
+        rc = KS_ENOTFOUND;
+    if (rc == 0) {
+        n.sha256 = req->sha256.data;
+        snprintf(stream, sizeof(stream), "command-%s", req->command_id);
+        rc = store_read_stream(st, stream, 0, 1, find_file, &n);
+        if (rc == 0 && !n.found)
+            rc = KS_ENOTFOUND;
+    }
+    if (rc == KS_ENOTFOUND) {
+        snprintf(why, sizeof(why),
+                 "denied: command %s is no copy of this file that agent '%s' "
+                 "runs (attempt %u)",
+                 req->command_id, req->agent_id, req->attempt);
+        rc = KS_EDENIED;
+        goto fail;
+    }
+    if (rc)
+        goto store_fail;
+    if (req->part >= ks_blob_parts(n.size)) {
+        snprintf(why, sizeof(why), "FetchRequest.part: %u is past the end "
+                 "of a file of %llu bytes", req->part,
+                 (unsigned long long)n.size);
+        rc = KS_EINVAL;
+        goto fail;
+    }
+    if ((rc = store_blob_read(st, req->sha256.data, req->part, &data, &len)))
+        goto store_fail;
+    r.data.data = data;
+    r.data.len = len;
+    evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
+    goto out;
+store_fail:
+    broker__store_error(st, rc, why, sizeof(why));
+fail:
+    broker__reply_error(b, msg, &ks__fetch_reply__descriptor, rc, why);
+out:
+    free(data);
+    if (v)
+        ks__command_view__free_unpacked(v, NULL);
+    if (req)
+        ks__fetch_request__free_unpacked(req, NULL);
+}
+
+void
+broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                void *ud)
+{
+    struct broker *b = ud;
+    const char *subj = natsMsg_GetSubject(msg);
+    char *errmsg = NULL;
+
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&b->blob_mu);
+    if (!b->st_blob &&
+        store_open(b->opts->db_conninfo, &b->st_blob, &errmsg) != 0) {
+        char why[600];
+        snprintf(why, sizeof(why), "cannot connect to PostgreSQL: %s",
+                 errmsg ? errmsg : "?");
+        broker__reply_error(b, msg,
+                            broker__is_method(subj, EVT_API_UPLOAD)
+                                ? &ks__upload_reply__descriptor
+                                : &ks__fetch_reply__descriptor,
+                            KS_EPGDOWN, why);
+        b->st_blob = NULL;
+    } else if (broker__is_method(subj, EVT_API_UPLOAD)) {
+        handle_upload(b, b->st_blob, msg);
+    } else if (broker__is_method(subj, EVT_API_FETCH)) {
+        handle_fetch(b, b->st_blob, msg);
+    }
+    pthread_mutex_unlock(&b->blob_mu);
+    free(errmsg);
+    natsMsg_Destroy(msg);
+}
+
+int
+broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
+                         char *why, size_t len)
+{
+    char hex[2 * KS_SHA256_BYTES + 1];
+    int rc = 0;
+
+    if (!sp || !sp->copy)
+        return 0;
+    pthread_mutex_lock(&b->blob_mu);
+    char *errmsg = NULL;
+    if (!b->st_blob &&
+        store_open(b->opts->db_conninfo, &b->st_blob, &errmsg) != 0) {
+        snprintf(why, len, "cannot connect to PostgreSQL: %s",
+                 errmsg ? errmsg : "?");
+        b->st_blob = NULL;
+        rc = KS_EPGDOWN;
+    }
+    free(errmsg);
+    for (size_t i = 0; rc == 0 && i < sp->copy->n_files; i++) {
+        const Ks__CopyFile *f = sp->copy->files[i];
+        uint64_t size = 0;
+        int c = store_blob_complete(b->st_blob, f->sha256.data, &size);
+        ks_hex(f->sha256.data, KS_SHA256_BYTES, hex);
+        if (c < 0) {
+            broker__store_error(b->st_blob, c, why, len);
+            rc = c;
+        } else if (c == 0 || size != f->size) {
+            snprintf(why, len,
+                     "copy: no file of sha256 %s and %llu bytes ('%.128s') "
+                     "was uploaded (kscore copy uploads it first: "
+                     "kscore.api.v1.upload)",
+                     hex, (unsigned long long)f->size, f->name);
+            rc = KS_EINVAL;
+        }
+    }
+    pthread_mutex_unlock(&b->blob_mu);
+    return rc;
+}

@@ -1,0 +1,1197 @@
+/*
+ * What an operator sends besides argv, end to end through the real stack
+ * (the kscore binary as broker, agent and client, a private nats-server
+ * and PostgreSQL, real child processes): --script FILE, stdin, --run-as
+ * USER[:GROUP], and the policy's run_as rule (README "Scripts, stdin and
+ * files").
+ */
+#include <check.h>
+#include <errno.h>
+#include <grp.h>
+#include <jansson.h>
+#include <pwd.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include "broker.h"
+#include "events.h"
+#include "fixture.h"
+#include "store.h"
+
+#define AGENT "pl-agent"
+
+static struct fixture_stack stack;
+static char tmpdir[PATH_MAX];
+/* A real unprivileged user made for the suite (useradd), with a
+ * supplementary group of its own, removed at the end. */
+static char tuser[32], tgroup[32];
+static bool have_tuser;
+
+static void
+run_sh(const char *cmd)
+{
+    if (system(cmd) != 0)
+        fprintf(stderr, "failed: %s\n", cmd);
+}
+
+static void
+users_up(void)
+{
+    char cmd[256];
+    snprintf(tuser, sizeof(tuser), "kst%ld", (long)getpid());
+    snprintf(tgroup, sizeof(tgroup), "kstg%ld", (long)getpid());
+    snprintf(cmd, sizeof(cmd),
+             "groupadd %s && useradd -M -N -g nogroup -G %s -d /home/%s %s",
+             tgroup, tgroup, tuser, tuser);
+    have_tuser = system(cmd) == 0;
+}
+
+static void
+users_down(void)
+{
+    char cmd[256];
+    if (!have_tuser)
+        return;
+    snprintf(cmd, sizeof(cmd), "userdel %s; groupdel %s", tuser, tgroup);
+    run_sh(cmd);
+}
+
+static void
+stack_up(void)
+{
+    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kscore-pl-XXXXXX");
+    if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) != 0)
+        exit(1);
+    users_up();
+    /* One agent process, two in-process agents for the batches. */
+    if (fixture_stack_start(&stack, AGENT, 2) != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&stack);
+        users_down();
+        exit(1);
+    }
+}
+
+static void
+stack_down(void)
+{
+    char cmd[PATH_MAX + 16];
+    fixture_stack_stop(&stack);
+    users_down();
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
+    run_sh(cmd);
+}
+
+/* Writes len bytes to tmpdir/name; returns the path (static per call). */
+static const char *
+put_file(const char *name, const void *data, size_t len)
+{
+    static char paths[8][PATH_MAX + 64];
+    static int next;
+    char *p = paths[next++ % 8];
+    snprintf(p, PATH_MAX + 64, "%s/%s", tmpdir, name);
+    FILE *f = fopen(p, "w");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(data, 1, len, f), len);
+    ck_assert_int_eq(fclose(f), 0);
+    return p;
+}
+
+static void
+sha256_hex(const void *data, size_t len, char hex[65])
+{
+    unsigned char md[32];
+    unsigned int n = 0;
+    ck_assert_int_eq(EVP_Digest(data, len, md, &n, EVP_sha256(), NULL), 1);
+    for (int i = 0; i < 32; i++)
+        snprintf(hex + 2 * i, 3, "%02x", md[i]);
+}
+
+static json_t *
+parse_json(const struct fixture_out *o)
+{
+    json_error_t err;
+    json_t *j = json_loads(o->out, 0, &err);
+    ck_assert_msg(j != NULL, "not JSON: %s (stderr %s)", o->out, o->err);
+    return j;
+}
+
+static const char *
+jstr(json_t *o, const char *k)
+{
+    const char *s = json_string_value(json_object_get(o, k));
+    ck_assert_msg(s != NULL, "no string %s", k);
+    return s;
+}
+
+static long
+sql_long(const char *sql)
+{
+    return fixture_sql_long(stack.pg.conninfo, sql);
+}
+
+/* The in-process agent number i: "<host>-i". */
+static const char *
+local_agent(int i)
+{
+    static char id[2][96];
+    char host[64];
+    gethostname(host, sizeof(host));
+    host[strcspn(host, ".")] = '\0';
+    snprintf(id[i], sizeof(id[i]), "%s-%d", host, i);
+    return id[i];
+}
+
+/* The directory part of path (in place). */
+static char *
+dir_of(char *path)
+{
+    char *slash = strrchr(path, '/');
+    if (slash)
+        *slash = '\0';
+    return path;
+}
+
+/* ---- --script ------------------------------------------------------------ */
+
+START_TEST(script_runs_by_its_interpreter_with_args_and_goes_away)
+{
+    static const char script[] =
+        "#!/bin/sh\n"
+        "echo \"argc=$# 1=$1 2=$2\"\n"
+        "echo \"$0\"\n"
+        "stat -c '%a %U' \"$0\" \"$(dirname \"$0\")\"\n";
+    const char *path = put_file("show.sh", script, sizeof(script) - 1);
+    struct fixture_out o;
+    const char *args[] = {"exec",   "--agent", AGENT, "--json", "--script",
+                          path,     "one",     "two words",       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    json_t *j = parse_json(&o);
+    char out[1024];
+    snprintf(out, sizeof(out), "%s", jstr(j, "stdout"));
+    /* $1.. are the arguments after the file; $0 its private copy, named
+     * as the file, in a 0700 directory, the file 0500, both root's (the
+     * agent's user). */
+    ck_assert_msg(strncmp(out, "argc=2 1=one 2=two words\n", 25) == 0, "%s",
+                  out);
+    char *line2 = strchr(out, '\n') + 1;
+    char *end2 = strchr(line2, '\n');
+    *end2 = '\0';
+    ck_assert_msg(strstr(line2, "/kscore-agent-") && strstr(line2, "/show.sh"),
+                  "%s", line2);
+    ck_assert_msg(strstr(end2 + 1, "500 root\n700 root\n") == end2 + 1, "%s",
+                  end2 + 1);
+    /* Removed once it ended: the file and its directory. */
+    struct stat st;
+    ck_assert_int_eq(stat(line2, &st), -1);
+    ck_assert_int_eq(stat(dir_of(line2), &st), -1);
+    ck_assert_int_eq(errno, ENOENT);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(script_without_shebang_runs_by_sh_and_a_shebang_argument_counts)
+{
+    static const char plain[] = "echo \"plain $1\"\n";
+    const char *p1 = put_file("plain", plain, sizeof(plain) - 1);
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--script", p1, "--",
+                        "-x", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "plain -x\n");
+    fixture_out_release(&o);
+
+    /* "#!/bin/sh -e": the interpreter's own argument: false stops it. */
+    static const char strict[] = "#!/bin/sh -e\nfalse\necho not reached\n";
+    const char *p2 = put_file("strict.sh", strict, sizeof(strict) - 1);
+    const char *a2[] = {"exec", "--agent", AGENT, "--script", p2, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The issue's case: a 200 KB script cannot travel as `sh -c "$(cat s)"`
+ * (E2BIG, exit 126); as --script it runs. Past the cap it is refused
+ * before anything is sent or recorded. */
+START_TEST(a_large_script_runs_and_one_past_the_cap_is_refused)
+{
+    size_t n = 300 * 1024;
+    char *big = malloc(n + 64);
+    memcpy(big, "#!/bin/sh\n#", 11);
+    memset(big + 11, 'x', n - 11);
+    strcpy(big + n, "\necho big done\n");
+    const char *p = put_file("big.sh", big, strlen(big));
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "big done\n");
+    fixture_out_release(&o);
+    free(big);
+
+    n = 600 * 1024;
+    big = malloc(n);
+    memset(big, '#', n);
+    p = put_file("huge.sh", big, n);
+    free(big);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a2[] = {"exec", "--agent", AGENT, "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "larger than 512 KiB"), "%s", o.err);
+    ck_assert_msg(strstr(o.err, "nothing was sent"), "%s", o.err);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The record keeps the script's checksum and size; get and events show
+ * them, never the bytes. */
+START_TEST(script_checksum_is_in_the_record_and_shown)
+{
+    static const char script[] = "#!/bin/sh\necho recorded\n";
+    char hex[65];
+    sha256_hex(script, sizeof(script) - 1, hex);
+    const char *p = put_file("rec.sh", script, sizeof(script) - 1);
+    struct fixture_out o;
+    const char *a1[] = {"exec",   "--agent", AGENT, "--json",
+                        "--script", p,       "arg", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    json_t *j = parse_json(&o);
+    char id[40];
+    snprintf(id, sizeof(id), "%s", jstr(j, "command_id"));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *g[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char want[160];
+    snprintf(want, sizeof(want), "script    rec.sh (%zu bytes, sha256 %s)",
+             sizeof(script) - 1, hex);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    ck_assert_msg(strstr(o.out, "rec.sh arg"), "argv: %s", o.out);
+    ck_assert_msg(!strstr(o.out, "echo recorded"), "%s", o.out);
+    fixture_out_release(&o);
+
+    const char *gj[] = {"get", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gj, &o), 0);
+    j = parse_json(&o);
+    json_t *s = json_object_get(j, "script");
+    ck_assert_ptr_nonnull(s);
+    ck_assert_str_eq(jstr(s, "sha256"), hex);
+    ck_assert_str_eq(jstr(s, "name"), "rec.sh");
+    ck_assert_int_eq(json_integer_value(json_object_get(s, "bytes")),
+                     (json_int_t)(sizeof(script) - 1));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *e[] = {"events", id, "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, e, &o), 0);
+    ck_assert_msg(strstr(o.out, hex), "%s", o.out);
+    ck_assert_msg(!strstr(o.out, "echo recorded"), "%s", o.out);
+    fixture_out_release(&o);
+    /* The bytes themselves are in the record (the signed command). */
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT (position('echo recorded'::bytea in data) > 0)::int FROM "
+             "events WHERE stream_id = 'command-%s' AND version = 1",
+             id);
+    ck_assert_int_eq(sql_long(sql), 1);
+}
+END_TEST
+
+/* An idempotency key names one command: the same key with the same
+ * script joins it, with other script bytes (the same name and arguments)
+ * or another user it is refused, as another argv is. */
+START_TEST(an_idempotency_key_names_one_script)
+{
+    struct fixture_out o;
+    char key[64];
+    snprintf(key, sizeof(key), "pl-key-%ld", (long)getpid());
+    const char *p = put_file("idem.sh", "echo one\n", 9);
+    const char *a[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                       "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "one\n");
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "one\n");
+    fixture_out_release(&o);
+    put_file("idem.sh", "echo two\n", 9);
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "already used for a different command"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+    put_file("idem.sh", "echo one\n", 9);
+    const char *b[] = {"exec", "--agent", AGENT, "--idempotency-key", key,
+                       "--run-as", "nobody", "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* Reads the script's own path it wrote to tmpdir/name; waits for it. */
+static void
+wait_path(const char *name, char *out, size_t len)
+{
+    char p[PATH_MAX + 64];
+    snprintf(p, sizeof(p), "%s/%s", tmpdir, name);
+    for (int i = 0; i < 200; i++) {
+        FILE *f = fopen(p, "r");
+        if (f) {
+            bool got = fgets(out, (int)len, f) != NULL;
+            fclose(f);
+            if (got && strchr(out, '\n')) {
+                out[strcspn(out, "\n")] = '\0';
+                return;
+            }
+        }
+        usleep(50 * 1000);
+    }
+    ck_abort_msg("the script never wrote %s", p);
+}
+
+static bool
+gone_within(const char *path, int ms)
+{
+    struct stat st;
+    for (int i = 0; i < ms / 50; i++) {
+        if (stat(path, &st) == -1 && errno == ENOENT)
+            return true;
+        usleep(50 * 1000);
+    }
+    return false;
+}
+
+START_TEST(script_file_goes_after_a_timeout_and_after_a_cancel)
+{
+    char script[PATH_MAX + 128], path[PATH_MAX];
+    struct fixture_out o;
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/to.path\nexec sleep 30\n", tmpdir);
+    const char *p = put_file("to.sh", script, strlen(script));
+    const char *a1[] = {"exec",   "--agent", AGENT, "--timeout", "1s",
+                        "--script", p,       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 124);
+    fixture_out_release(&o);
+    wait_path("to.path", path, sizeof(path));
+    ck_assert_msg(gone_within(dir_of(path), 5000), "%s stays", path);
+
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/cx.path\nexec sleep 30\n", tmpdir);
+    p = put_file("cx.sh", script, strlen(script));
+    const char *a2[] = {"exec", "--agent", AGENT, "--detach", "--script", p,
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", o.out);
+    fixture_out_release(&o);
+    wait_path("cx.path", path, sizeof(path));
+    const char *c[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, c, &o), 0);
+    fixture_out_release(&o);
+    ck_assert_msg(gone_within(dir_of(path), 10000), "%s stays", path);
+}
+END_TEST
+
+/* kill -9 of the agent: its watchdog kills the script, and the restarted
+ * agent removes what the dead one left (its run dir, noted in its state
+ * dir). */
+START_TEST(a_restarted_agent_removes_what_the_last_run_left)
+{
+    char script[PATH_MAX + 128], path[PATH_MAX];
+    struct fixture_out o;
+    snprintf(script, sizeof(script),
+             "#!/bin/sh\necho \"$0\" > %s/rs.path\nexec sleep 60\n", tmpdir);
+    const char *p = put_file("rs.sh", script, strlen(script));
+    const char *a[] = {"exec", "--agent", AGENT, "--detach", "--script", p,
+                       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+    wait_path("rs.path", path, sizeof(path));
+    char run_dir[PATH_MAX];
+    snprintf(run_dir, sizeof(run_dir), "%s", path);
+    dir_of(dir_of(run_dir));
+    fixture_stack_agent_kill(&stack, SIGKILL);
+    struct stat st;
+    ck_assert_int_eq(stat(run_dir, &st), 0); /* left behind */
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    ck_assert_msg(gone_within(run_dir, 10000), "%s stays", run_dir);
+}
+END_TEST
+
+/* ---- stdin ---------------------------------------------------------------- */
+
+START_TEST(stdin_reaches_the_command_byte_for_byte)
+{
+    struct fixture_out o;
+    const char *in = put_file("hello.in", "hello\n", 6);
+    const char *a1[] = {"exec", "--agent", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    ck_assert_str_eq(o.out, "hello\n");
+    fixture_out_release(&o);
+
+    /* Binary, NUL included, larger than a pipe's buffer (64 KiB): the
+     * agent writes it as the child reads. */
+    size_t n = 200 * 1024;
+    unsigned char *bin = malloc(n);
+    for (size_t i = 0; i < n; i++)
+        bin[i] = (unsigned char)(i * 7);
+    char hex[65];
+    sha256_hex(bin, n, hex);
+    in = put_file("bin.in", bin, n);
+    free(bin);
+    const char *a2[] = {"exec", "--agent", AGENT, "--", "sha256sum", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_msg(o.status == 0, "%s", o.err);
+    ck_assert_msg(strncmp(o.out, hex, 64) == 0, "%s vs %s", o.out, hex);
+    fixture_out_release(&o);
+
+    /* A command that reads a little and exits, and one that reads
+     * nothing: both end at once (the agent's write meets EPIPE). */
+    const char *a3[] = {"exec", "--agent", AGENT, "--", "head", "-c", "3",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a3, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_uint_eq(o.out_len, 3);
+    fixture_out_release(&o);
+    const char *a4[] = {"exec", "--agent", AGENT, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a4, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* K22 holds: without stdin the child reads /dev/null (EOF at once); so it
+ * does with --no-stdin whatever kscore's stdin is. --stdin-file reads a
+ * file. */
+START_TEST(no_stdin_is_dev_null_and_stdin_file_is_read)
+{
+    struct fixture_out o;
+    const char *a1[] = {"exec", "--agent", AGENT, "--timeout", "5s", "--",
+                        "sh", "-c", "read x; echo \"rc=$?\"", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "rc=1\n");
+    fixture_out_release(&o);
+
+    const char *in = put_file("ignored.in", "ignored\n", 8);
+    const char *a2[] = {"exec", "--agent", AGENT, "--no-stdin", "--", "cat",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "");
+    fixture_out_release(&o);
+
+    const char *f = put_file("file.in", "from a file\n", 12);
+    const char *a3[] = {"exec", "--agent", AGENT, "--stdin-file", f, "--",
+                        "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a3, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    ck_assert_str_eq(o.out, "from a file\n");
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(stdin_past_the_cap_is_refused_before_anything_is_recorded)
+{
+    struct fixture_out o;
+    size_t n = 256 * 1024 + 1;
+    char *big = malloc(n);
+    memset(big, 'y', n);
+    const char *in = put_file("big.in", big, n);
+    free(big);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a1[] = {"exec", "--agent", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a1, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "stdin is larger than 256 KiB"), "%s",
+                  o.err);
+    fixture_out_release(&o);
+    const char *a2[] = {"batch", "--agents", AGENT, "--", "cat", NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a2, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+}
+END_TEST
+
+/* As clush: a batch gives every target the same bytes. The record keeps
+ * their size and checksum (and, as argv, the bytes). */
+START_TEST(batch_broadcasts_stdin_to_every_target)
+{
+    struct fixture_out o;
+    const char *in = put_file("fleet.in", "to all\n", 7);
+    char hex[65];
+    sha256_hex("to all\n", 7, hex);
+    char agents[256];
+    snprintf(agents, sizeof(agents), "%s,%s,%s", AGENT, local_agent(0),
+             local_agent(1));
+    const char *a[] = {"batch", "--agents", agents, "--json", "--", "cat",
+                       NULL};
+    ck_assert_int_eq(fixture_kscore_stdin(&stack, in, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    /* One JSON line per target, then the summary. */
+    int seen = 0;
+    for (char *line = strtok(o.out, "\n"); line; line = strtok(NULL, "\n")) {
+        json_t *j = json_loads(line, 0, NULL);
+        ck_assert_ptr_nonnull(j);
+        json_t *out = json_object_get(j, "stdout");
+        if (out) {
+            ck_assert_str_eq(json_string_value(out), "to all\n");
+            seen++;
+        }
+        json_decref(j);
+    }
+    ck_assert_int_eq(seen, 3);
+    fixture_out_release(&o);
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events e JOIN commands c ON e.stream_id = "
+             "'command-' || c.command_id AND e.version = 1 WHERE "
+             "c.batch_id IS NOT NULL AND c.batch_id <> '' AND "
+             "position('\\x%s'::bytea in e.data) > 0",
+             hex);
+    ck_assert_int_eq(sql_long(sql), 3);
+}
+END_TEST
+
+/* ---- --run-as ------------------------------------------------------------- */
+
+START_TEST(run_as_nobody_drops_every_privilege)
+{
+    struct fixture_out o;
+    const char *a[] = {"exec", "--agent", AGENT, "--run-as", "nobody", "--",
+                       "sh", "-c",
+                       "id -u; id -g; id -G; echo \"$HOME $USER $LOGNAME\"; "
+                       "grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status",
+                       NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "65534\n65534\n65534\n"
+                            "/nonexistent nobody nobody\n"
+                            "CapPrm:\t0000000000000000\n"
+                            "CapEff:\t0000000000000000\n"
+                            "CapAmb:\t0000000000000000\n");
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(run_as_user_and_group_with_a_script_it_owns)
+{
+    if (!have_tuser) {
+        fprintf(stderr, "useradd failed: skipped\n");
+        return;
+    }
+    struct fixture_out o;
+    struct passwd *pw = getpwnam(tuser);
+    struct group *gr = getgrnam(tgroup);
+    ck_assert_ptr_nonnull(pw);
+    ck_assert_ptr_nonnull(gr);
+    uid_t uid = pw->pw_uid;
+    gid_t gid = gr->gr_gid;
+    static const char script[] =
+        "#!/bin/sh\nid -u; id -g; id -G\n"
+        "stat -c '%a %U' \"$0\" \"$(dirname \"$0\")\"\necho \"$HOME\"\n";
+    const char *p = put_file("who.sh", script, sizeof(script) - 1);
+    char spec[80], want[512];
+    /* USER alone: its primary group (nogroup) and its groups. */
+    const char *a1[] = {"exec", "--agent", AGENT, "--run-as", tuser,
+                        "--script", p, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    snprintf(want, sizeof(want),
+             "%u\n65534\n65534 %u\n500 %s\n700 %s\n/home/%s\n",
+             (unsigned)uid, (unsigned)gid, tuser, tuser, tuser);
+    ck_assert_str_eq(o.out, want);
+    fixture_out_release(&o);
+    /* USER:GROUP: that group is the primary one. */
+    snprintf(spec, sizeof(spec), "%s:%s", tuser, tgroup);
+    const char *a2[] = {"exec", "--agent", AGENT, "--run-as", spec, "--",
+                        "id", "-g", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    snprintf(want, sizeof(want), "%u\n", (unsigned)gid);
+    ck_assert_str_eq(o.out, want);
+    fixture_out_release(&o);
+}
+END_TEST
+
+START_TEST(an_unknown_user_or_an_unreachable_cwd_is_a_start_failure)
+{
+    struct fixture_out o;
+    const char *a1[] = {"exec",   "--agent", AGENT, "--json", "--run-as",
+                        "no-such-user-kst", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    json_t *j = parse_json(&o);
+    ck_assert_str_eq(jstr(j, "status"), "StartFailed");
+    ck_assert_str_eq(jstr(j, "start_stage"), "user");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "start_errno")),
+                     ENOENT);
+    ck_assert_msg(strstr(jstr(j, "reason"), "no user 'no-such-user-kst'"),
+                  "%s", jstr(j, "reason"));
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *a2[] = {"exec", "--agent", AGENT, "--run-as",
+                        "no-such-user-kst", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    ck_assert_msg(strstr(o.err, "no user 'no-such-user-kst' on this agent"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+
+    /* /root is 0700: nobody cannot enter it. */
+    const char *a3[] = {"exec",    "--agent", AGENT,  "--json", "--run-as",
+                        "nobody",  "--cwd",   "/root", "--",    "true",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    ck_assert_int_eq(o.status, 126);
+    j = parse_json(&o);
+    ck_assert_str_eq(jstr(j, "start_stage"), "chdir");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "start_errno")),
+                     EACCES);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* A malformed name never reaches the broker. */
+    const char *a4[] = {"exec", "--agent", AGENT, "--run-as", "a b", "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* ---- kscore copy ----------------------------------------------------------- */
+
+/* Random-ish bytes of n, into tmpdir/name; its sha256 in hex. */
+static const char *
+put_random(const char *name, size_t n, char hex[65])
+{
+    unsigned char *b = malloc(n);
+    uint32_t x = 2463534242u ^ (uint32_t)n;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        b[i] = (unsigned char)x;
+    }
+    sha256_hex(b, n, hex);
+    const char *p = put_file(name, b, n);
+    free(b);
+    return p;
+}
+
+/* 1 if the files at a and b hold the same bytes. */
+static int
+same_bytes(const char *a, const char *b)
+{
+    char cmd[2 * PATH_MAX + 256];
+    snprintf(cmd, sizeof(cmd), "cmp -s '%s' '%s'", a, b);
+    return system(cmd) == 0;
+}
+
+/* Names in dir other than . and .. (temporaries left behind show here). */
+static int
+entries(const char *dir)
+{
+    char cmd[PATH_MAX + 64];
+    snprintf(cmd, sizeof(cmd), "ls -A '%s' | wc -l", dir);
+    FILE *f = popen(cmd, "r");
+    int n = -1;
+    if (f) {
+        if (fscanf(f, "%d", &n) != 1)
+            n = -1;
+        pclose(f);
+    }
+    return n;
+}
+
+/* Three agents, one file in three parts (1.3 MB), a mode and an owner:
+ * each target writes it whole, and nothing else stays in the directory.
+ * The upload is stored once, and a second copy sends nothing. */
+START_TEST(copy_writes_a_file_on_every_target_atomically)
+{
+    char hex[65], dest_dir[PATH_MAX + 16], dest[PATH_MAX + 32], agents[256];
+    const char *src = put_random("app.bin", 1300 * 1000, hex);
+    snprintf(dest_dir, sizeof(dest_dir), "%s/dest1", tmpdir);
+    ck_assert_int_eq(mkdir(dest_dir, 0755), 0);
+    snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
+    snprintf(agents, sizeof(agents), "%s,%s,%s", AGENT, local_agent(0),
+             local_agent(1));
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", agents, src, "--to", dest,
+                       "--mode", "0640", "--owner", "nobody:nogroup", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    ck_assert_msg(strstr(o.out, "3 succeeded"), "%s", o.out);
+    fixture_out_release(&o);
+    ck_assert(same_bytes(src, dest));
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), 0);
+    ck_assert_int_eq(st.st_mode & 07777, 0640);
+    ck_assert_int_eq(st.st_uid, 65534);
+    ck_assert_int_eq(st.st_gid, 65534);
+    ck_assert_int_eq(entries(dest_dir), 1);
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM blob_parts WHERE sha256 = '\\x%s'", hex);
+    ck_assert_int_eq(sql_long(sql), 3);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM blob_files WHERE sha256 = '\\x%s'", hex);
+    ck_assert_int_eq(sql_long(sql), 1);
+
+    /* Again, to a directory (trailing /): nothing uploaded anew, the file
+     * replaced (a new inode: renamed over), its mode and owner kept. */
+    ino_t before = st.st_ino;
+    snprintf(dest, sizeof(dest), "%s/", dest_dir);
+    const char *b[] = {"copy", "--agents", AGENT, src, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
+    ck_assert_int_eq(stat(dest, &st), 0);
+    ck_assert(st.st_ino != before);
+    ck_assert_int_eq(st.st_mode & 07777, 0640);
+    ck_assert_int_eq(st.st_uid, 65534);
+    ck_assert_int_eq(entries(dest_dir), 1);
+    ck_assert_int_eq(sql_long(sql), 1);
+}
+END_TEST
+
+/* Several files into an existing directory (no trailing /); the record
+ * names each with its size and checksum; get of the batch groups them. */
+START_TEST(copy_several_files_is_recorded_file_by_file)
+{
+    char h1[65], h2[65], dest_dir[PATH_MAX + 16];
+    const char *f1 = put_random("one.conf", 10, h1);
+    const char *f2 = put_random("two.conf", 0, h2);
+    snprintf(dest_dir, sizeof(dest_dir), "%s/dest2", tmpdir);
+    ck_assert_int_eq(mkdir(dest_dir, 0755), 0);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", AGENT, "--json", f1, f2, "--to",
+                       dest_dir, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    char *cid = strstr(o.out, "\"command_id\":\"");
+    ck_assert_ptr_nonnull(cid);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", cid + 14);
+    fixture_out_release(&o);
+    char p[PATH_MAX + 48];
+    snprintf(p, sizeof(p), "%s/one.conf", dest_dir);
+    ck_assert(same_bytes(f1, p));
+    snprintf(p, sizeof(p), "%s/two.conf", dest_dir);
+    ck_assert(same_bytes(f2, p));
+    ck_assert_int_eq(entries(dest_dir), 2);
+
+    const char *e[] = {"events", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, e, &o), 0);
+    char want[200];
+    snprintf(want, sizeof(want), "file      one.conf (10 bytes, sha256 %s)",
+             h1);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    snprintf(want, sizeof(want), "file      two.conf (0 bytes, sha256 %s)",
+             h2);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* What cannot be done says why, per target, and changes nothing. */
+START_TEST(copy_failures_are_clear_and_leave_nothing)
+{
+    char hex[65], missing[PATH_MAX + 32];
+    const char *src = put_random("x.conf", 100, hex);
+    snprintf(missing, sizeof(missing), "%s/no-such-dir/x.conf", tmpdir);
+    struct fixture_out o;
+    const char *a1[] = {"copy", "--agents", AGENT, src, "--to", missing,
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_msg(strstr(o.out, "cannot open the directory"), "%s", o.out);
+    fixture_out_release(&o);
+
+    /* An owner the agent does not know: the copy never starts. */
+    char dest[PATH_MAX + 16];
+    snprintf(dest, sizeof(dest), "%s/x-dest.conf", tmpdir);
+    const char *a2[] = {"copy", "--agents", AGENT, "--json", src, "--to",
+                        dest, "--owner", "no-such-user-kst", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+    ck_assert_int_eq(o.status, 1);
+    ck_assert_msg(strstr(o.out, "\"start_stage\":\"owner\""), "%s", o.out);
+    fixture_out_release(&o);
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), -1);
+
+    /* Past the cap (a sparse file): refused before anything is sent. */
+    char big[PATH_MAX + 16];
+    snprintf(big, sizeof(big), "%s/huge.bin", tmpdir);
+    FILE *f = fopen(big, "w");
+    ck_assert_int_eq(ftruncate(fileno(f), (off_t)(256LL << 20) + 1), 0);
+    fclose(f);
+    long before = sql_long("SELECT count(*) FROM commands");
+    const char *a3[] = {"copy", "--agents", AGENT, big, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    ck_assert_msg(strstr(o.err, "larger than 256 MiB"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands"), before);
+    unlink(big);
+
+    /* A relative --to, no files. */
+    const char *a4[] = {"copy", "--agents", AGENT, src, "--to", "rel", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+    ck_assert_int_eq(o.status, 2);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* The fetch API serves a part only to the command's own agent, while the
+ * copy runs: not to another id, not after its end. */
+START_TEST(only_the_copys_agent_fetches_while_it_runs)
+{
+    char hex[65], dest[PATH_MAX + 16];
+    const char *src = put_random("f.conf", 100, hex);
+    snprintf(dest, sizeof(dest), "%s/f.conf", tmpdir);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", AGENT, "--json", src, "--to",
+                       dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_int_eq(o.status, 0);
+    char *cid = strstr(o.out, "\"command_id\":\"");
+    ck_assert_ptr_nonnull(cid);
+    char id[40];
+    snprintf(id, sizeof(id), "%.36s", cid + 14);
+    fixture_out_release(&o);
+
+    uint8_t sum[32];
+    for (int i = 0; i < 32; i++)
+        sscanf(hex + 2 * i, "%2hhx", &sum[i]);
+    struct evt_conn *c = fixture_client(&stack);
+    const char *who[][2] = {{"agent-other", "other"}, {"agent-" AGENT, AGENT}};
+    for (int k = 0; k < 2; k++) {
+        Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
+        req.command_id = id;
+        req.attempt = 1;
+        req.agent_id = (char *)who[k][1];
+        req.sha256.data = sum;
+        req.sha256.len = 32;
+        natsMsg *m = NULL;
+        ck_assert_int_eq(evt_request_as(c, who[k][0], EVT_API_FETCH,
+                                        &req.base, 5000, &m),
+                         0);
+        ProtobufCMessage *pm = NULL;
+        ck_assert_int_eq(evt_unpack(&ks__fetch_reply__descriptor,
+                                    natsMsg_GetData(m),
+                                    (size_t)natsMsg_GetDataLength(m), &pm),
+                         0);
+        Ks__FetchReply *rep = (Ks__FetchReply *)pm;
+        ck_assert_int_eq(rep->error_code, KS_EDENIED);
+        ck_assert_uint_eq(rep->data.len, 0);
+        ks__fetch_reply__free_unpacked(rep, NULL);
+        natsMsg_Destroy(m);
+    }
+    evt_close(c);
+}
+END_TEST
+
+/* ---- the policy's run_as --------------------------------------------------- */
+
+static struct fixture_stack sstack;
+static char spolicy[PATH_MAX + 32];
+
+static void
+secure_up(void)
+{
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "/tmp/kscore-plp-XXXXXX");
+    if (!mkdtemp(dir))
+        exit(1);
+    snprintf(spolicy, sizeof(spolicy), "%s/policy.json", dir);
+    FILE *f = fopen(spolicy, "w");
+    /* alice: id and sh as nobody only; nothing as root, no script (an
+     * executables list cannot vouch for one). */
+    fprintf(f, "{\"operators\": {\"alice\": [{\"agents\": \"*\", "
+               "\"executables\": [\"id\", \"sh\"], \"run_as\": "
+               "[\"nobody\"]}], \"bob\": [{\"agents\": \"*\"}]}}\n");
+    fclose(f);
+    if (fixture_stack_start_secure(&sstack, "plp", NULL, "alice",
+                                   spolicy) != 0) {
+        fixture_stack_stop(&sstack);
+        exit(1);
+    }
+}
+
+static void
+secure_down(void)
+{
+    char cmd[PATH_MAX + 64];
+    fixture_stack_stop(&sstack);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir_of(spolicy));
+    run_sh(cmd);
+}
+
+START_TEST(the_policy_decides_who_runs_as_whom)
+{
+    struct fixture_out o;
+    const char *ok[] = {"exec", "--agent", "plp", "--run-as", "nobody", "--",
+                        "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, ok, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    ck_assert_str_eq(o.out, "65534\n");
+    fixture_out_release(&o);
+
+    /* Without --run-as it would run as root, which the rule does not
+     * list. */
+    const char *root[] = {"exec", "--agent", "plp", "--", "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, root, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "denied") && strstr(o.err, "as 'root'"),
+                  "%s", o.err);
+    fixture_out_release(&o);
+
+    const char *other[] = {"exec", "--agent", "plp", "--run-as", "daemon",
+                           "--", "id", "-u", NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, other, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "as 'daemon'"), "%s", o.err);
+    fixture_out_release(&o);
+
+    /* A script named like an allowed executable is still a script. */
+    static const char script[] = "id -u\n";
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof(path), "%s/id", dir_of(strdup(spolicy)));
+    FILE *f = fopen(path, "w");
+    fputs(script, f);
+    fclose(f);
+    const char *s[] = {"exec",   "--agent", "plp", "--run-as", "nobody",
+                       "--script", path,    NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, s, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not run the script"), "%s", o.err);
+    fixture_out_release(&o);
+    unlink(path);
+}
+END_TEST
+
+/* Under NATS permissions: the agent fetches as itself (its own
+ * kscore.api.v1.fetch.agent-<id>, imported into the brokers' account);
+ * a copy writes as root, so alice's rule (executables) does not grant
+ * it, bob's ("*", no run_as: root) does. */
+START_TEST(copy_under_permissions_and_policy)
+{
+    char dir[PATH_MAX + 64], src[PATH_MAX + 96], dest[PATH_MAX + 96];
+    snprintf(dir, sizeof(dir), "%s", spolicy);
+    dir_of(dir);
+    snprintf(src, sizeof(src), "%s/src.conf", dir);
+    snprintf(dest, sizeof(dest), "%s/dest.conf", dir);
+    FILE *f = fopen(src, "w");
+    fputs("secure copy\n", f);
+    fclose(f);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", "plp", src, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&sstack, a, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not copy files"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_kscore_as(&sstack, "bob", a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    ck_assert(same_bytes(src, dest));
+}
+END_TEST
+
+/* ---- the field rules (broker_check_request, pure) -------------------------- */
+
+static int
+check_exec(const Ks__CommandSpec *spec, char *why, size_t len)
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    req.spec = (Ks__CommandSpec *)spec;
+    req.agent_id = "a";
+    why[0] = '\0';
+    return broker_check_request(&req.base, "op", why, len);
+}
+
+START_TEST(field_rules_of_scripts_stdin_users_and_copies)
+{
+    char *argv[] = {"s.sh"};
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__Payload pl = KS__PAYLOAD__INIT;
+    uint8_t sum[32];
+    char why[600];
+    unsigned int n;
+    static uint8_t big[600 * 1024];
+
+    spec.argv = argv;
+    spec.n_argv = 1;
+    EVP_Digest("echo\n", 5, sum, &n, EVP_sha256(), NULL);
+    pl.data.data = (uint8_t *)"echo\n";
+    pl.data.len = 5;
+    pl.sha256.data = sum;
+    pl.sha256.len = 32;
+    spec.script = &pl;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    /* A checksum that is not the bytes', a short one, too many bytes. */
+    pl.data.data = (uint8_t *)"echx\n";
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    ck_assert_msg(strstr(why, "spec.script.sha256"), "%s", why);
+    pl.sha256.len = 31;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    pl.sha256.len = 32;
+    EVP_Digest(big, sizeof(big), sum, &n, EVP_sha256(), NULL);
+    pl.data.data = big;
+    pl.data.len = sizeof(big);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    /* Stdin: 256 KiB at most. */
+    spec.script = NULL;
+    spec.input = &pl;
+    pl.data.len = 256 * 1024 + 1;
+    EVP_Digest(big, pl.data.len, sum, &n, EVP_sha256(), NULL);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    ck_assert_msg(strstr(why, "stdin is at most 256 KiB"), "%s", why);
+    pl.data.len = 256 * 1024;
+    EVP_Digest(big, pl.data.len, sum, &n, EVP_sha256(), NULL);
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    spec.input = NULL;
+
+    /* Users. */
+    const char *good[] = {"deploy", "www-data:www-data", "a.b_c", "Svc1"};
+    const char *bad[] = {"a b", "-x", "deploy:", ":g", "a:b:c", "x/y",
+                         "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"};
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        spec.run_as = (char *)good[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == 0, "%s: %s",
+                      good[i], why);
+    }
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        spec.run_as = (char *)bad[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == KS_EINVAL,
+                      "%s allowed", bad[i]);
+    }
+    spec.run_as = "";
+
+    /* Copies. */
+    Ks__CopySpec cp = KS__COPY_SPEC__INIT;
+    Ks__CopyFile f = KS__COPY_FILE__INIT, *fp = &f;
+    f.name = "app.conf";
+    f.sha256.data = sum;
+    f.sha256.len = 32;
+    cp.files = &fp;
+    cp.n_files = 1;
+    cp.path = "/etc/app/";
+    spec.copy = &cp;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), 0);
+    const char *names[] = {"../x", "a/b", ".", ".."};
+    for (size_t i = 0; i < 4; i++) {
+        f.name = (char *)names[i];
+        ck_assert_msg(check_exec(&spec, why, sizeof(why)) == KS_EINVAL,
+                      "%s allowed", names[i]);
+    }
+    f.name = "app.conf";
+    cp.path = "etc/app";
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    cp.path = "/etc/app";
+    cp.mode = 010000;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    cp.mode = 0640;
+    f.size = (256ULL << 20) + 1;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    f.size = 10;
+    spec.run_as = "deploy"; /* a copy writes as the agent's user */
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+    spec.run_as = "";
+    cp.n_files = 0;
+    ck_assert_int_eq(check_exec(&spec, why, sizeof(why)), KS_EINVAL);
+
+    /* An upload part larger than a part. */
+    Ks__UploadRequest up = KS__UPLOAD_REQUEST__INIT;
+    up.sha256.data = sum;
+    up.sha256.len = 32;
+    up.size = sizeof(big);
+    up.data.data = big;
+    up.data.len = 512 * 1024 + 1;
+    ck_assert_int_eq(broker_check_request(&up.base, "op", why, sizeof(why)),
+                     KS_EINVAL);
+    up.data.len = 512 * 1024;
+    ck_assert_int_eq(broker_check_request(&up.base, "op", why, sizeof(why)),
+                     0);
+}
+END_TEST
+
+Suite *
+payload_suite(void)
+{
+    Suite *s = suite_create("payload");
+    TCase *tc = tcase_create("payload");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, script_runs_by_its_interpreter_with_args_and_goes_away);
+    tcase_add_test(
+        tc, script_without_shebang_runs_by_sh_and_a_shebang_argument_counts);
+    tcase_add_test(tc, a_large_script_runs_and_one_past_the_cap_is_refused);
+    tcase_add_test(tc, script_checksum_is_in_the_record_and_shown);
+    tcase_add_test(tc, script_file_goes_after_a_timeout_and_after_a_cancel);
+    tcase_add_test(tc, an_idempotency_key_names_one_script);
+    tcase_add_test(tc, stdin_reaches_the_command_byte_for_byte);
+    tcase_add_test(tc, no_stdin_is_dev_null_and_stdin_file_is_read);
+    tcase_add_test(tc,
+                   stdin_past_the_cap_is_refused_before_anything_is_recorded);
+    tcase_add_test(tc, batch_broadcasts_stdin_to_every_target);
+    tcase_add_test(tc, run_as_nobody_drops_every_privilege);
+    tcase_add_test(tc, run_as_user_and_group_with_a_script_it_owns);
+    tcase_add_test(tc,
+                   an_unknown_user_or_an_unreachable_cwd_is_a_start_failure);
+    tcase_add_test(tc, copy_writes_a_file_on_every_target_atomically);
+    tcase_add_test(tc, copy_several_files_is_recorded_file_by_file);
+    tcase_add_test(tc, copy_failures_are_clear_and_leave_nothing);
+    tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
+    tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
+    suite_add_tcase(s, tc);
+
+    TCase *tr = tcase_create("rules");
+    tcase_add_test(tr, field_rules_of_scripts_stdin_users_and_copies);
+    suite_add_tcase(s, tr);
+
+    TCase *tp = tcase_create("policy");
+    tcase_add_unchecked_fixture(tp, secure_up, secure_down);
+    tcase_set_timeout(tp, 120);
+    tcase_add_test(tp, the_policy_decides_who_runs_as_whom);
+    tcase_add_test(tp, copy_under_permissions_and_policy);
+    suite_add_tcase(s, tp);
+    return s;
+}
+
+int
+main(void)
+{
+    SRunner *sr = srunner_create(payload_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
