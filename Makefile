@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test test-cluster soak chaos down clean asan profile fuzz deb install fleet-demo
+.PHONY: all bootstrap build run test test-cluster test-cluster-long soak chaos down clean asan profile fuzz deb install fleet-demo
 
 all: build
 
@@ -37,6 +37,15 @@ test: build
 # batch after the node's restart all Undeliverable; tests/CMakeLists.txt).
 test-cluster: build
 	@cd $(BUILD) && ctest --output-on-failure -L cluster
+
+# The cluster suite's long variants (KSCORE_CLUSTER_LONG=1: each fleet case
+# of shared/cases/fleet-cases.md at the case's size; README "When a leader
+# moves"), then F05 (deliveries after the KSCORE_CMDS leader dies) 20 times
+# in a row, with pass counts (tests/soak.sh). About 30 minutes.
+test-cluster-long: build
+	@KSCORE_CLUSTER_LONG=1 ./tests/soak.sh $(BUILD) 1 test_cluster
+	@CK_RUN_CASE=deliveries_after_the_cmds_leader_dies \
+	    ./tests/soak.sh $(BUILD) 20 test_cluster
 
 # The timing-sensitive suites N times each (tests/soak.sh), with pass
 # counts: `make soak N=10`, or SUITES="test_batch test_agent" for others.

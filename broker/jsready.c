@@ -20,8 +20,9 @@
 
 #include "broker_int.h"
 
-/* One try of each step here waits this long at most (ms). */
-#define JS_TRY_MS 2000
+/* One try of each step here, and each request of it, waits this long at
+ * most (ms). */
+#define JS_TRY_MS 3000
 
 /* One step of the start: 0 or a code with *why (malloc'd, may be NULL). */
 typedef int (*js_step_fn)(struct broker *b, char **why);

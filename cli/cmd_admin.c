@@ -6,55 +6,6 @@
 
 #include "cli_int.h"
 
-json_t *
-cli_consumer_json(const Ks__AgentStatus *st)
-{
-    if (!st->consumer || !st->consumer[0])
-        return json_null();
-    json_t *o = json_object();
-    json_object_set_new(o, "name", json_string(st->consumer));
-    json_object_set_new(o, "stalled", st->consumer_stall[0]
-                                          ? json_string(st->consumer_stall)
-                                          : json_null());
-    json_object_set_new(o, "stalled_since",
-                        st->consumer_stalled_since_us
-                            ? json_string(cli_time(st->consumer_stalled_since_us))
-                            : json_null());
-    json_object_set_new(o, "repairs", json_integer(st->consumer_repairs));
-    json_object_set_new(o, "last_repair",
-                        st->consumer_last_repair[0]
-                            ? json_string(st->consumer_last_repair)
-                            : json_null());
-    json_object_set_new(o, "repaired_at",
-                        st->consumer_repaired_at_us
-                            ? json_string(cli_time(st->consumer_repaired_at_us))
-                            : json_null());
-    return o;
-}
-
-void
-cli_consumer_line(const Ks__AgentStatus *st, int64_t now_us, char *buf,
-                  size_t len)
-{
-    size_t l = 0;
-    buf[0] = '\0';
-    if (!st->consumer || !st->consumer[0])
-        return;
-    l += (size_t)snprintf(buf, len, "consumer %s", st->consumer);
-    if (st->consumer_stall[0] && l < len)
-        l += (size_t)snprintf(buf + l, len - l, " STALLED %.1f s: %s",
-                              (double)(now_us -
-                                       st->consumer_stalled_since_us) / 1e6,
-                              st->consumer_stall);
-    if (st->consumer_repairs && l < len)
-        snprintf(buf + l, len - l, "%s repaired %u time%s, last %.1f s ago: %s",
-                 st->consumer_stall[0] ? ";" : "", st->consumer_repairs,
-                 st->consumer_repairs == 1 ? "" : "s",
-                 (double)(now_us - st->consumer_repaired_at_us) / 1e6,
-                 st->consumer_last_repair);
-    cli_printable(buf);
-}
-
 int
 cmd_agents(int argc, char **argv)
 {

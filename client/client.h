@@ -32,6 +32,10 @@
 #define BROKER_DELIVER_WITHIN_DEFAULT_MS 30000
 /* Attempts before a command ends Undeliverable. */
 #define BROKER_MAX_ATTEMPTS 3
+/* How long a broker starting on a JetStream cluster waits for the leaders
+ * of the streams and the recorder's consumer before it gives up (ms):
+ * `kscore up --cluster` waits longer for the brokers to answer. */
+#define BROKER_JS_WAIT_MS 120000
 
 /*
  * Label selectors (kscore batch --select, kscore agents --select;

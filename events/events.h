@@ -151,7 +151,9 @@ int evt_setup(struct evt_conn *c, char **errmsg);
  */
 int evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg);
 /* evt_setup_replicas trying again for up to wait_ms (ms, >= 0) instead of
- * 30 s, so that a caller waiting longer can say how it goes meanwhile. */
+ * 30 s, each stream request waiting at most wait_ms too when that is under
+ * nats.c's 5 s, so that a caller waiting longer can say how it goes
+ * meanwhile. */
 int evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms,
                    char **errmsg);
 
