@@ -27,7 +27,12 @@
 #include "kproto.h"
 #include "stack.h"
 
-#define FLEET 50 /* agent ids of the batch, served by one process */
+/* Agent ids t-1..t-<fleet> of the batches, served by one process: at most
+ * FLEET_MAX; fleet_start sets it (a test's own size: each id is a
+ * consumer, a raft group, about 0.2 s to make). */
+#define FLEET_MAX 50
+static int fleet = FLEET_MAX;
+#define FLEET fleet
 
 static char tmpdir[PATH_MAX];
 static char home[PATH_MAX + 16];
@@ -148,15 +153,16 @@ stream_replicas(struct evt_conn *c, const char *name, char *leader,
     return r;
 }
 
-/* One `kscore agent` process serving t-1..t-FLEET (the broker's
- * credential: one identity may serve many ids only with that). */
+/* One `kscore agent` process serving t-1..t-n (the broker's credential:
+ * one identity may serve many ids only with that); n <= FLEET_MAX. */
 static void
-fleet_start(void)
+fleet_start(int n_ids)
 {
     char *url = env_get("KSCORE_NATS_URL");
     char seed[PATH_MAX + 64], trust[PATH_MAX + 64], state[PATH_MAX + 64];
     const char *bin = getenv("KSCORE_BIN");
-    char *argv[16 + 2 * FLEET], ids[FLEET][16];
+    char *argv[16 + 2 * FLEET_MAX], ids[FLEET_MAX][16];
+    fleet = n_ids;
     size_t n = 0;
     pid_t pid;
     snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
@@ -230,7 +236,7 @@ static const char *
 batch_start(unsigned conc)
 {
     static char id[64];
-    char agents[FLEET * 8] = "", concs[16];
+    char agents[FLEET_MAX * 8] = "", concs[16];
     size_t l = 0;
     for (int i = 0; i < FLEET; i++)
         l += (size_t)snprintf(agents + l, sizeof(agents) - l, "%st-%d",
@@ -432,7 +438,7 @@ kill_lease_owner_mid_batch(const char *db)
 
     /* The broker that holds the batch's lease dies: the other adopts the
      * batch when the lease runs out and finishes it. */
-    const char *batch = batch_start(5);
+    const char *batch = batch_start(2);
     char sql[512], owner[32] = "";
     snprintf(sql, sizeof(sql),
              "SELECT split_part(owner, '/', 2)::int FROM batch_leases "
@@ -443,7 +449,7 @@ kill_lease_owner_mid_batch(const char *db)
         usleep(100 * 1000);
         opid = fixture_sql_long(db, sql);
     }
-    wait_targets_done(db, batch, 8);
+    wait_targets_done(db, batch, 3);
     int victim = 0;
     for (int i = 1; i <= 2; i++) {
         char name[16];
@@ -503,7 +509,7 @@ START_TEST(deliveries_after_the_cmds_leader_dies)
     ck_assert_str_eq(o.out, "hi\n");
     fixture_out_release(&o);
 
-    fleet_start();
+    fleet_start(FLEET_MAX);
     fleet_wait();
     print_rss("idle");
     char *db = env_get("KSCORE_DB");
@@ -579,7 +585,7 @@ END_TEST
 START_TEST(broker_kill_mid_batch)
 {
     up_cluster();
-    fleet_start();
+    fleet_start(10);
     fleet_wait();
     char *db = env_get("KSCORE_DB");
     kill_lease_owner_mid_batch(db);
@@ -971,14 +977,14 @@ wall_s(void)
  * and again, then while the node leading the agent's consumer is killed
  * (kill -9) for 10 s. Every command completes, once; none waits for its
  * claim past RESUME_LIMIT_S; no agent exits or stops taking work. Long:
- * the case's size (idle 30 s, 10 step-downs in 60 s); default: idle 10 s,
- * 4 step-downs in 16 s.
+ * the case's size (idle 30 s, 10 step-downs in 60 s); default: idle 5 s,
+ * 4 step-downs in 12 s.
  */
 START_TEST(consumer_leader_changes)
 {
     bool full = long_mode();
-    int idle_s = full ? 30 : 10, steps = full ? 10 : 4,
-        step_every_s = full ? 6 : 4, kill_s = 10;
+    int idle_s = full ? 30 : 5, steps = full ? 10 : 4,
+        step_every_s = full ? 6 : 3, kill_s = 10;
     const char *upa[] = {"up", "--cluster", "3", "--local-agents", "2", NULL};
     struct fixture_out o;
     ks_ok(upa, &o);
@@ -1060,7 +1066,7 @@ START_TEST(consumer_leader_changes)
     sleep((unsigned)kill_s);
     up_cluster();
     changes[nch++] = wall_s();
-    sleep(8);
+    sleep(5);
     load_stop(&l);
 
     double worst = load_check(db, &l, 60);
@@ -1464,12 +1470,13 @@ END_TEST
  * seconds after the meta leader. Brokers that start meanwhile wait for
  * the leaders they need (saying so in their logs) instead of exiting at
  * "JetStream system temporarily unavailable": up succeeds, both brokers
- * run, and a batch over the fleet succeeds. Long: three rounds.
+ * run, and a batch over the fleet succeeds. Long mode only (three
+ * rounds).
  */
 START_TEST(up_after_down_waits_for_the_leaders)
 {
     up_cluster();
-    fleet_start();
+    fleet_start(FLEET_MAX);
     fleet_wait();
     char *db = env_get("KSCORE_DB");
     int rounds = long_mode() ? 3 : 1;
@@ -2052,7 +2059,7 @@ f02_run(enum f02_fault fault, int n, double rate)
 START_TEST(publish_during_a_stream_leader_election)
 {
     up_cluster();
-    fleet_start();
+    fleet_start(long_mode() ? FLEET_MAX : 10);
     fleet_wait();
     f02_run(F02_KILL_LEADER, 200, 20);
     if (long_mode()) {
@@ -2325,13 +2332,17 @@ END_TEST
 
 
 /* One TCase per test, named as it, so that CK_RUN_CASE=<test> runs one
- * (the loops of `make test-cluster-long` do). */
+ * (the loops of `make test-cluster-long` do), tagged with the half of the
+ * suite it belongs to: ctest runs test_cluster (CK_INCLUDE_TAGS=part1) and
+ * test_cluster_2 (part2) side by side (tests/CMakeLists.txt). */
 static void
-add_case(Suite *s, const char *name, const TTest *t, int timeout_s)
+add_case(Suite *s, const char *name, const TTest *t, int timeout_s,
+         const char *tags)
 {
     TCase *tc = tcase_create(name);
     tcase_add_checked_fixture(tc, cl_setup, cl_teardown);
     tcase_set_timeout(tc, timeout_s);
+    tcase_set_tags(tc, tags);
     tcase_add_test(tc, t);
     suite_add_tcase(s, tc);
 }
@@ -2340,25 +2351,31 @@ static Suite *
 cluster_suite(void)
 {
     Suite *s = suite_create("cluster");
+    int lt = long_mode() ? 600 : 180;
     add_case(s, "deliveries_after_the_cmds_leader_dies",
-             deliveries_after_the_cmds_leader_dies, 180);
-    add_case(s, "broker_kill_mid_batch", broker_kill_mid_batch, 180);
-    add_case(s, "deploy_files_start_a_cluster", deploy_files_start_a_cluster,
-             180);
-    add_case(s, "agent_registers_once_the_registry_answers",
-             agent_registers_once_the_registry_answers, 180);
-    add_case(s, "consumer_leader_changes", consumer_leader_changes,
-             long_mode() ? 400 : 180);
-    add_case(s, "up_after_down_waits_for_the_leaders",
-             up_after_down_waits_for_the_leaders, long_mode() ? 400 : 180);
-    add_case(s, "registry_watch_node_dies", registry_watch_node_dies, 180);
-    add_case(s, "publish_during_a_stream_leader_election",
-             publish_during_a_stream_leader_election,
-             long_mode() ? 600 : 180);
-    add_case(s, "a_broker_waits_for_the_leaders",
-             a_broker_waits_for_the_leaders, 180);
+             deliveries_after_the_cmds_leader_dies, 180, "part1");
+    add_case(s, "consumer_leader_changes", consumer_leader_changes, lt,
+             "part1");
     add_case(s, "a_consumer_stalled_by_a_lost_ack_is_repaired",
-             a_consumer_stalled_by_a_lost_ack_is_repaired, 180);
+             a_consumer_stalled_by_a_lost_ack_is_repaired, 180, "part1");
+    add_case(s, "deploy_files_start_a_cluster", deploy_files_start_a_cluster,
+             180, "part1");
+    add_case(s, "publish_during_a_stream_leader_election",
+             publish_during_a_stream_leader_election, lt, "part2");
+    add_case(s, "registry_watch_node_dies", registry_watch_node_dies, 180,
+             "part2");
+    add_case(s, "broker_kill_mid_batch", broker_kill_mid_batch, 180,
+             "part2");
+    add_case(s, "a_broker_waits_for_the_leaders",
+             a_broker_waits_for_the_leaders, 180, "part2");
+    add_case(s, "agent_registers_once_the_registry_answers",
+             agent_registers_once_the_registry_answers, 180, "part2");
+    /* The same fault as a_broker_waits_for_the_leaders, as it came: `up`
+     * after `down` with a fleet of 50 consumers, three times (2 of 4 runs
+     * failed before the fix); long only. */
+    if (long_mode())
+        add_case(s, "up_after_down_waits_for_the_leaders",
+                 up_after_down_waits_for_the_leaders, lt, "part2");
     return s;
 }
 
