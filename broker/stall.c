@@ -21,16 +21,22 @@
  *    deliver. Its leader steps down; still so GUARD_STALL_US later: made
  *    again.
  *  - fewer messages pending and unacked than the stream holds on its
- *    subjects: it skipped some and will never deliver them. Made again.
+ *    subjects: it skipped some and will never deliver them (also those it
+ *    gave up at MaxDeliver, which the work queue keeps). Made again.
  *  - no leader (no answer, or its group says so) for GUARD_NO_LEADER_US:
  *    made again (a new raft group; the meta leader does it).
- *  - gone: made again.
+ *  - gone (for GUARD_STALL_US: a node that has just come back may not know
+ *    it yet): made again.
  * Every repair is logged with what was seen, counted
  * (kscore_consumer_stalls_total, _stepdowns_total, _remakes_total), and
  * shown by `kscore agents --json` / `kscore status` for the agents of that
- * consumer (broker__guard_view). Each broker runs its own guard; after a
- * repair by one, the other sees a new consumer or a new delivery and
- * starts its count again.
+ * consumer (broker__guard_view). Each broker runs a guard, and one of them
+ * repairs a given consumer (broker__guard_owner: a rendezvous over the
+ * brokers' registry beacons); another does only when the trouble lasts
+ * GUARD_BACKUP_US longer (the owner died or does not see it). A repair is
+ * told to the other brokers (BROKER_NOTICE_GUARD), which count and show
+ * it too; after it each sees a new consumer or a new delivery and starts
+ * its count again.
  *
  * A repair delivers what the consumer held again: the agent takes the new
  * delivery of a command it runs (same attempt: its ack subject), a command
