@@ -146,10 +146,14 @@ struct broker {
                                    its watch (registry.c) */
     /* (mu) When that watch had delivered its initial values (the latest
      * entry of every id, each dated by its put: registry_main), 0 before:
-     * no one is judged offline until BROKER_REG_FRESH_US after, time for
-     * every live agent to heartbeat again after a registry that was away
-     * (no heartbeat lands while the bucket has no leader). */
+     * no one is judged offline until then. */
     int64_t reg_caught_up_mono_us;
+    /* (mu) Whether the bucket took this broker's last beacon (its PubAck
+     * came), and since when it has without a failure: no heartbeat lands
+     * while it takes none, so no agent's silence counts from before then
+     * (broker__heard_locked). */
+    bool reg_beacon_ok;
+    int64_t reg_up_mono_us;
     /* (mu) when the registry watch last delivered an entry: with agents
      * heartbeating every EVT_HEARTBEAT_MS, a longer silence is a dead
      * watch (a cluster node gone, the bucket without a leader), not dead
@@ -341,21 +345,28 @@ void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
  * its registry watch (re)started and has not delivered its initial values
- * yet, or did less than BROKER_REG_FRESH_US ago, or has delivered
- * nothing, not even this broker's own beacon, for more than
- * 2 x EVT_HEARTBEAT_MS (a cluster node died under it, the bucket has no
- * leader yet). Each agent's last heartbeat is dated by its put in the
- * bucket (server time, on this broker's monotonic clock), so an agent
- * that stopped while the watch was dead is seen as silent since then
- * once the new watch has its initial values (F04).
+ * yet, or has delivered nothing, not even this broker's own beacon, for
+ * more than 2 x EVT_HEARTBEAT_MS (a cluster node died under it), or the
+ * bucket did not take this broker's last beacon (no leader, no quorum).
+ * Each agent's last heartbeat is dated by its put in the bucket (server
+ * time, on this broker's monotonic clock), so an agent that stopped while
+ * the watch was dead is silent since then once the new watch has its
+ * initial values (F04), and a silence counts only from when the bucket
+ * took puts again (broker__heard_locked).
  * Then nobody is judged offline or Lost by silence: the delivery deadline
  * decides. Any thread.
  */
 bool broker__registry_deaf(struct broker *b);
-/* After a registry watch has its initial values, nobody is judged by
- * silence for this long: two heartbeat periods (an agent whose put failed
- * tries again within EVT_HEARTBEAT_MS). */
-#define BROKER_REG_FRESH_US (2 * (int64_t)EVT_HEARTBEAT_MS * 1000)
+/* When agent a was last heard, for judging its silence, under b->mu: its
+ * last heartbeat's put, or when the registry bucket last began taking
+ * puts again, whichever is later (a silence while no heartbeat could land
+ * says nothing of the agent). Mono us. */
+static inline int64_t
+broker__heard_locked(const struct broker *b, const struct broker__agent *a)
+{
+    return a->seen_mono_us > b->reg_up_mono_us ? a->seen_mono_us
+                                               : b->reg_up_mono_us;
+}
 /* A scanner tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)
 /* After a pause, nobody is judged by silence for this long: every agent

@@ -933,6 +933,8 @@ broker__guard_owner(struct broker *b, const char *name)
 /* A watch that has delivered nothing for this long, not even this
  * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+/* How long the beacon waits for the bucket's PubAck (ms). */
+#define BEACON_TIMEOUT_MS 1000
 /* A new watch that has not delivered its initial values this long after
  * it was made delivers nothing (registry_main). */
 #define REGISTRY_CATCHUP_US (3000 * INT64_C(1000))
@@ -983,10 +985,14 @@ registry_main(void *arg)
     /* This broker's beacon in the registry ("_broker.<uuid>", expiring
      * with the bucket's TTL): its own entries keep coming through a live
      * watch whether or not any agent heartbeats, so a watch that delivers
-     * nothing is deaf (broker__registry_deaf), not a fleet that died. A
-     * plain publish: nothing waits for the bucket's PubAck. */
+     * nothing is deaf (broker__registry_deaf), not a fleet that died. Its
+     * PubAck says whether the bucket takes puts: while it does not (no
+     * leader, no quorum, this broker cut off), nobody's heartbeat lands,
+     * and from when it does again every agent gets a whole TTL before its
+     * silence counts (broker__heard_locked). */
     char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
     int64_t beacon_at = 0;
+    bool beacon_ok = false;
     ks_uuid(bid);
     pthread_mutex_lock(&b->mu);
     memcpy(b->beacon_id, bid, sizeof(bid));
@@ -1000,7 +1006,14 @@ registry_main(void *arg)
         natsStatus s;
         if (ks_mono_us() - beacon_at >= (int64_t)EVT_HEARTBEAT_MS * 1000) {
             beacon_at = ks_mono_us();
-            natsConnection_PublishString(b->nc->nc, beacon, "1");
+            bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
+                                        BEACON_TIMEOUT_MS, NULL, NULL,
+                                        0) == 0;
+            pthread_mutex_lock(&b->mu);
+            if (ok && !beacon_ok)
+                b->reg_up_mono_us = ks_mono_us();
+            b->reg_beacon_ok = beacon_ok = ok;
+            pthread_mutex_unlock(&b->mu);
         }
         /* On a JetStream cluster the watcher's consumer lives on one
          * node; when that node dies or the bucket's leader moves, the
@@ -1253,8 +1266,8 @@ add_status(const char *key, void *val, void *ud)
     }
     st->last_seen_us = a->info->heartbeat_at_us;
     st->labels_signed = a->labels_signed;
-    st->online =
-        acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
+    st->online = acc->now_mono - broker__heard_locked(acc->b, a) <
+                 (int64_t)EVT_AGENT_TTL_MS * 1000;
     if (agent_duplicate(a, acc->now_mono)) {
         st->duplicate = true;
         st->duplicate_host = strdup(a->other.host);
@@ -1277,14 +1290,15 @@ count_online(const char *key, void *val, void *ud)
     struct list_acc *acc = ud;
     struct broker__agent *a = val;
     (void)key;
-    if (acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+    if (acc->now_mono - broker__heard_locked(acc->b, a) <
+        (int64_t)EVT_AGENT_TTL_MS * 1000)
         acc->n++;
 }
 
 int
 broker__agents_online(struct broker *b)
 {
-    struct list_acc acc = {.now_mono = ks_mono_us()};
+    struct list_acc acc = {.b = b, .now_mono = ks_mono_us()};
     pthread_mutex_lock(&b->mu);
     ks_map_each(&b->agents, count_online, &acc);
     pthread_mutex_unlock(&b->mu);
@@ -1375,7 +1389,7 @@ broker__consumer_of(struct broker *b, const char *agent_id,
             out->running = in->running;
         }
         out->max_concurrent = in->max_concurrent;
-        out->heard_us = a->seen_mono_us;
+        out->heard_us = broker__heard_locked(b, a);
         rc = 0;
     }
     pthread_mutex_unlock(&b->mu);
@@ -1420,8 +1434,7 @@ broker__agent_info(struct broker *b, const char *agent_id)
 static bool
 registry_deaf_locked(struct broker *b, int64_t now)
 {
-    return !b->reg_caught_up_mono_us ||
-           now - b->reg_caught_up_mono_us < BROKER_REG_FRESH_US ||
+    return !b->reg_caught_up_mono_us || !b->reg_beacon_ok ||
            now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
            /* paused: whichever thread asks first after a SIGCONT, the
             * scanner's tick is old (broker_int.h scan_tick_mono_us) */
@@ -1451,11 +1464,12 @@ broker__agent_presence(struct broker *b, const char *agent_id,
      * (a cluster node died under it), may not have seen every heartbeat:
      * a stale entry then says nothing, the delivery deadline decides. */
     if (a && registry_deaf_locked(b, ks_mono_us()) &&
-        ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        ks_mono_us() - broker__heard_locked(b, a) >=
+            (int64_t)EVT_AGENT_TTL_MS * 1000) {
         if (heartbeat_at_us)
             *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;
     } else if (a) {
-        rc = ks_mono_us() - a->seen_mono_us <
+        rc = ks_mono_us() - broker__heard_locked(b, a) <
              (int64_t)EVT_AGENT_TTL_MS * 1000;
         if (heartbeat_at_us)
             *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;

@@ -251,6 +251,13 @@ cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
     out[used] = '\0';
 }
 
+/* A time (epoch us) as cli_time's text, or null for 0. */
+static json_t *
+time_or_null(int64_t us)
+{
+    return us ? json_string(cli_time(us)) : json_null();
+}
+
 json_t *
 cli_consumer_json(const Ks__AgentStatus *st)
 {
@@ -262,18 +269,14 @@ cli_consumer_json(const Ks__AgentStatus *st)
                                           ? json_string(st->consumer_stall)
                                           : json_null());
     json_object_set_new(o, "stalled_since",
-                        st->consumer_stalled_since_us
-                            ? json_string(cli_time(st->consumer_stalled_since_us))
-                            : json_null());
+                        time_or_null(st->consumer_stalled_since_us));
     json_object_set_new(o, "repairs", json_integer(st->consumer_repairs));
     json_object_set_new(o, "last_repair",
                         st->consumer_last_repair[0]
                             ? json_string(st->consumer_last_repair)
                             : json_null());
     json_object_set_new(o, "repaired_at",
-                        st->consumer_repaired_at_us
-                            ? json_string(cli_time(st->consumer_repaired_at_us))
-                            : json_null());
+                        time_or_null(st->consumer_repaired_at_us));
     return o;
 }
 

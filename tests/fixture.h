@@ -200,6 +200,15 @@ struct evt_conn *fixture_client(const struct fixture_stack *s);
 int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
                    uint64_t timeout_ms, uint64_t deliver_within_ms,
                    char id_out[37]);
+/* fixture_submit with an idempotency key (NULL: none), so that asking
+ * again after a failure cannot make a second command. */
+int fixture_submit_key(struct evt_conn *c, const char *agent,
+                       const char *script, uint64_t timeout_ms,
+                       uint64_t deliver_within_ms, const char *key,
+                       char id_out[37]);
+/* How many lines the file at path has (0 when it does not exist): a
+ * command's side-effect file holds one line per run. */
+int fixture_file_lines(const char *path);
 
 /* ------------------------------------------------------------------------ */
 /* Queries for assertions (tests/fixture_pg.c)                               */

@@ -780,34 +780,16 @@ static int
 load_submit(struct load *l, int i, char id_out[37])
 {
     char script[PATH_MAX + 256], key[64];
-    char *argv[] = {"sh", "-c", script};
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
-    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
     double t0 = now_s();
     int rc;
 
     snprintf(script, sizeof(script), "echo $$ >> %s/$KSCORE_COMMAND_ID",
              l->side);
     snprintf(key, sizeof(key), "%s-%d", l->keypfx, i);
-    spec.argv = argv;
-    spec.n_argv = 3;
-    spec.timeout_ms = 10000;
-    req.spec = &spec;
-    req.agent_id = (char *)l->targets[i % l->ntargets];
-    req.idempotency_key = key;
-    req.detach = 1;
-    do {
-        Ks__ExecuteReply *rep = NULL;
-        rc = broker_execute(l->c, &req, 3000, &rep);
-        if (rc == 0 && rep->error_code)
-            rc = rep->error_code;
-        if (rc == 0)
-            snprintf(id_out, 37, "%s", rep->command_id);
-        if (rep)
-            ks__execute_reply__free_unpacked(rep, NULL);
-        if (rc)
-            usleep(200 * 1000);
-    } while (rc && now_s() - t0 < 30);
+    while ((rc = fixture_submit_key(l->c, l->targets[i % l->ntargets], script,
+                                    10000, 0, key, id_out)) &&
+           now_s() - t0 < 30)
+        usleep(200 * 1000);
     return rc;
 }
 
@@ -873,16 +855,9 @@ load_ids_sql(const struct load *l, const char *agent)
 static int
 load_runs_in(const char *side, const char *id)
 {
-    char path[PATH_MAX + 160], line[64];
-    int n = 0;
+    char path[PATH_MAX + 160];
     snprintf(path, sizeof(path), "%s/%s", side, id);
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return 0;
-    while (fgets(line, sizeof(line), f))
-        n++;
-    fclose(f);
-    return n;
+    return fixture_file_lines(path);
 }
 
 /* Every command of the load ended within wait_s: each Succeeded, ran
@@ -1140,10 +1115,10 @@ own_agent_start(const char *name, const char *const extra[])
     return pid;
 }
 
-/* The node ("nats-<i>": i) one connection named name is on, per the
- * nodes' /connz; 0 when none. */
+/* The node ("nats-<i>": i) whose /connz lists a connection that match
+ * takes, 0 when none does. */
 static int
-conn_node(const char *name)
+connz_node(bool (*match)(json_t *conn, const void *ud), const void *ud)
 {
     struct stack_node nodes[3];
     stack_cluster_nodes(home, 3, nodes);
@@ -1158,15 +1133,43 @@ conn_node(const char *name)
         bool here = false;
         free(body);
         json_array_foreach(json_object_get(j, "connections"), k, c)
-        {
-            const char *n = json_string_value(json_object_get(c, "name"));
-            here = here || (n && strcmp(n, name) == 0);
-        }
+            here = here || match(c, ud);
         json_decref(j);
         if (here)
             return i + 1;
     }
     return 0;
+}
+
+static bool
+conn_named(json_t *c, const void *name)
+{
+    const char *n = json_string_value(json_object_get(c, "name"));
+    return n && strcmp(n, name) == 0;
+}
+
+/* The node one connection named name is on (0: none). */
+static int
+conn_node(const char *name)
+{
+    return connz_node(conn_named, name);
+}
+
+/* Local TCP ports of a process's sockets (conn_node_of_pid). */
+struct ports {
+    int v[256];
+    int n;
+};
+
+static bool
+conn_on_port(json_t *c, const void *ud)
+{
+    const struct ports *p = ud;
+    int port = (int)json_number_value(json_object_get(c, "port"));
+    for (int q = 0; q < p->n; q++)
+        if (port == p->v[q])
+            return true;
+    return false;
 }
 
 /* Whether a broker of the stack wrote text into its log. */
@@ -1198,6 +1201,7 @@ conn_node_of_pid(pid_t pid)
 {
     char path[64], link[128];
     unsigned long inodes[256];
+    struct ports ports = {.n = 0};
     int ni = 0;
     snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
     DIR *d = opendir(path);
@@ -1213,10 +1217,9 @@ conn_node_of_pid(pid_t pid)
     }
     if (d)
         closedir(d);
-    int ports[256], np = 0;
     FILE *f = fopen("/proc/net/tcp", "re");
     char line[512];
-    while (f && fgets(line, sizeof(line), f) && np < 256) {
+    while (f && fgets(line, sizeof(line), f) && ports.n < 256) {
         unsigned lport;
         unsigned long ino;
         if (sscanf(line, " %*d: %*x:%x %*x:%*x %*x %*x:%*x %*x:%*x %*x %*d "
@@ -1224,33 +1227,11 @@ conn_node_of_pid(pid_t pid)
             continue;
         for (int k = 0; k < ni; k++)
             if (inodes[k] == ino)
-                ports[np++] = (int)lport;
+                ports.v[ports.n++] = (int)lport;
     }
     if (f)
         fclose(f);
-    struct stack_node nodes[3];
-    stack_cluster_nodes(home, 3, nodes);
-    for (int i = 0; i < 3; i++) {
-        char *body = NULL;
-        if (!nodes[i].running ||
-            stack_http_get(nodes[i].mon_port, "/connz?limit=1000", 2000,
-                           &body) != 0)
-            continue;
-        json_t *j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL), *c;
-        size_t k;
-        bool here = false;
-        free(body);
-        json_array_foreach(json_object_get(j, "connections"), k, c)
-        {
-            int port = (int)json_number_value(json_object_get(c, "port"));
-            for (int q = 0; q < np; q++)
-                here = here || port == ports[q];
-        }
-        json_decref(j);
-        if (here)
-            return i + 1;
-    }
-    return 0;
+    return connz_node(conn_on_port, &ports);
 }
 
 /* The status of a command from the projection, into buf. */
@@ -1569,7 +1550,13 @@ START_TEST(a_broker_waits_for_the_leaders)
     setenv("KSCORE_NATS_NKEY", seed, 1);
     ck_assert_int_eq(stack_daemon(home, "broker-2", argv, &bp), 0);
     unsetenv("KSCORE_NATS_NKEY");
-    sleep(8);
+    /* its start (NATS, a PostgreSQL connection per worker, migrations)
+     * takes seconds on a loaded machine, then it waits and says so */
+    double t1 = now_s();
+    while (!daemon_logged("broker-2", "waiting for JetStream") &&
+           stack_pidfile_alive(home, "broker-2", NULL) == 1 &&
+           now_s() - t1 < 30)
+        usleep(200 * 1000);
     ck_assert_msg(stack_pidfile_alive(home, "broker-2", NULL) == 1,
                   "broker-2 exited while JetStream had no leaders (see %s)",
                   logpath);
