@@ -1528,7 +1528,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__notice_start(&b, errmsg)) ||
-        (rc = broker__recorder_start(&b, errmsg)))
+        (rc = broker__js_wait(&b, "the recorder's subscription",
+                              broker__recorder_start, errmsg)))
         goto out;
     /* In-process agents first: once the API answers, they are there. */
     if (opts->local_agents > 0) {

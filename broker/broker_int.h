@@ -396,6 +396,14 @@ int broker__consumer_of(struct broker *b, const char *agent_id,
  * BROKER_JS_SAY_US (jsready.c). 0, or the last step's code with *errmsg. */
 #define BROKER_JS_SAY_US (5 * INT64_C(1000000))
 int broker__jetstream_ready(struct broker *b, char **errmsg);
+/* Runs fn until it succeeds; on a cluster, while it fails as JetStream
+ * does in an election (KS_ENATS, KS_EUNAVAIL, KS_ETIMEDOUT), again every
+ * 250 ms for up to BROKER_JS_WAIT_MS, logging what (a part's name) and
+ * fn's *why every BROKER_JS_SAY_US. 0, or fn's last code with *errmsg.
+ * A leader elected a moment ago can still change (the nodes that come
+ * back rejoin): what subscribes after the ready check waits the same. */
+int broker__js_wait(struct broker *b, const char *what,
+                    int (*fn)(struct broker *b, char **why), char **errmsg);
 
 /* Whether this broker is the one to repair consumer name: of the
  * brokers heard in the registry within EVT_AGENT_TTL_MS (their beacons),

@@ -24,9 +24,6 @@
  * most (ms). */
 #define JS_TRY_MS 3000
 
-/* One step of the start: 0 or a code with *why (malloc'd, may be NULL). */
-typedef int (*js_step_fn)(struct broker *b, char **why);
-
 static int
 step_setup(struct broker *b, char **why)
 {
@@ -65,55 +62,58 @@ step_recorder(struct broker *b, char **why)
 }
 
 int
+broker__js_wait(struct broker *b, const char *what,
+                int (*fn)(struct broker *b, char **why), char **errmsg)
+{
+    bool wait = b->opts->replicas > 1;
+    int64_t t0 = ks_mono_us(), said = 0;
+    int rc;
+
+    for (;;) {
+        char *why = NULL;
+        rc = fn(b, &why);
+        int64_t now = ks_mono_us();
+        /* JetStream's answers of an election: not ready, no leader, no
+         * answer; anything else is no wait's to cure. */
+        bool transient = rc == KS_ENATS || rc == KS_EUNAVAIL ||
+                         rc == KS_ETIMEDOUT;
+        if (rc == 0 || !wait || !transient || b->stopping ||
+            now - t0 >= (int64_t)BROKER_JS_WAIT_MS * 1000) {
+            if (rc && errmsg &&
+                asprintf(errmsg, "%s%s: %s",
+                         wait && transient ? "after waiting for JetStream: "
+                                           : "",
+                         what, why ? why : ks_strerror(rc)) < 0)
+                *errmsg = NULL;
+            free(why);
+            break;
+        }
+        if (!said || now - said >= BROKER_JS_SAY_US) {
+            said = now;
+            ks_log(KS_LOG_WARN,
+                   "waiting for JetStream (a cluster elects its leaders)",
+                   KS_S("part", what),
+                   KS_S("error", why ? why : ks_strerror(rc)),
+                   KS_I("waited_ms", (now - t0) / 1000),
+                   KS_I("limit_ms", BROKER_JS_WAIT_MS));
+        }
+        free(why);
+        nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+    }
+    if (rc == 0 && said)
+        ks_log(KS_LOG_INFO, "JetStream ready", KS_S("part", what),
+               KS_I("waited_ms", (ks_mono_us() - t0) / 1000));
+    return rc;
+}
+
+int
 broker__jetstream_ready(struct broker *b, char **errmsg)
 {
-    static const struct {
-        const char *what;
-        js_step_fn fn;
-    } steps[] = {
-        {"the streams and the registry bucket", step_setup},
-        {"the registry bucket", step_kv},
-        {"the recorder's consumer", step_recorder},
-    };
-    bool wait = b->opts->replicas > 1;
-    int64_t t0 = ks_mono_us(), said = t0;
-    int rc = 0;
-
-    for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
-        for (;;) {
-            char *why = NULL;
-            rc = steps[i].fn(b, &why);
-            int64_t now = ks_mono_us();
-            if (rc == 0 || !wait || b->stopping ||
-                now - t0 >= (int64_t)BROKER_JS_WAIT_MS * 1000) {
-                if (rc && errmsg) {
-                    if (asprintf(errmsg, "%s%s: %s", wait ? "after waiting "
-                                                            "for JetStream: "
-                                                          : "",
-                                 steps[i].what,
-                                 why ? why : ks_strerror(rc)) < 0)
-                        *errmsg = NULL;
-                }
-                free(why);
-                break;
-            }
-            if (now - said >= BROKER_JS_SAY_US || said == t0) {
-                said = now;
-                ks_log(KS_LOG_WARN,
-                       "waiting for JetStream (a cluster elects its leaders)",
-                       KS_S("part", steps[i].what),
-                       KS_S("error", why ? why : ks_strerror(rc)),
-                       KS_I("waited_ms", (now - t0) / 1000),
-                       KS_I("limit_ms", BROKER_JS_WAIT_MS));
-            }
-            free(why);
-            nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
-        }
-        if (rc)
-            return rc;
-    }
-    if (ks_mono_us() - t0 > BROKER_JS_SAY_US)
-        ks_log(KS_LOG_INFO, "JetStream ready",
-               KS_I("waited_ms", (ks_mono_us() - t0) / 1000));
-    return 0;
+    int rc;
+    if ((rc = broker__js_wait(b, "the streams and the registry bucket",
+                              step_setup, errmsg)) ||
+        (rc = broker__js_wait(b, "the registry bucket", step_kv, errmsg)))
+        return rc;
+    return broker__js_wait(b, "the recorder's consumer", step_recorder,
+                           errmsg);
 }

@@ -933,8 +933,10 @@ broker__guard_owner(struct broker *b, const char *name)
 /* A watch that has delivered nothing for this long, not even this
  * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
-/* How long the beacon waits for the bucket's PubAck (ms). */
+/* How long the beacon waits for the bucket's PubAck, and how soon it is
+ * tried again while the bucket takes none (ms). */
 #define BEACON_TIMEOUT_MS 1000
+#define BEACON_RETRY_MS 250
 /* A new watch that has not delivered its initial values this long after
  * it was made delivers nothing (registry_main). */
 #define REGISTRY_CATCHUP_US (3000 * INT64_C(1000))
@@ -1004,7 +1006,11 @@ registry_main(void *arg)
     while (!b->stopping) {
         kvEntry *e = NULL;
         natsStatus s;
-        if (ks_mono_us() - beacon_at >= (int64_t)EVT_HEARTBEAT_MS * 1000) {
+        /* Every heartbeat period; every BEACON_RETRY_MS while the bucket
+         * takes none, so that when it takes puts again is known within
+         * that. */
+        if (ks_mono_us() - beacon_at >=
+            (beacon_ok ? EVT_HEARTBEAT_MS : BEACON_RETRY_MS) * INT64_C(1000)) {
             beacon_at = ks_mono_us();
             bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
                                         BEACON_TIMEOUT_MS, NULL, NULL,

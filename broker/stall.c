@@ -62,8 +62,12 @@
 #define GUARD_NO_LEADER_US (10 * INT64_C(1000000))
 /* Each JetStream question waits this long (ms). */
 #define GUARD_ASK_MS 1000
-/* Suspects looked at per tick at most. */
+/* Suspects looked at per tick at most, and each consumer at most this
+ * often (two looks judge a stall): a busy fleet's agents have commands
+ * waiting all the time, and each look is a request to the consumer's
+ * leader. */
 #define GUARD_SUSPECTS_MAX 64
+#define GUARD_LOOK_EVERY_US (750 * INT64_C(1000))
 /* An agent counts as there when its consumer has a subscriber
  * (push_bound) or its last heartbeat came this recently: two heartbeats
  * and a second. Positive evidence only, so a registry watch restarted a
@@ -83,6 +87,7 @@ struct guarded {
     uint64_t delivered;     /* its deliveries then */
     int64_t quiet_since_us; /* mono: no new delivery since */
     int kind;               /* enum stall_kind of the last look */
+    int64_t looked_us;      /* mono of the last look */
     int64_t stepped_down_us;    /* mono of the last step-down, 0: none */
     bool suspect;           /* a suspect at this tick */
     /* what `kscore agents` shows (under g->mu) */
@@ -353,6 +358,9 @@ look(struct broker__guard *g, const struct suspect *x)
     if (!c)
         return;
     c->suspect = true;
+    if (now - c->looked_us < GUARD_LOOK_EVERY_US)
+        return;
+    c->looked_us = now;
     rc = evt_consumer_state(g->b->nc, EVT_STREAM_CMDS, c->durable,
                             GUARD_ASK_MS, &cs);
     if (rc == 0 && c->seen && cs.created_ns == c->created_ns &&
