@@ -994,7 +994,7 @@ registry_main(void *arg)
      * silence counts (broker__heard_locked). */
     char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
     int64_t beacon_at = 0;
-    bool beacon_ok = false;
+    bool beacon_ok = false, beacon_seen = false;
     ks_uuid(bid);
     pthread_mutex_lock(&b->mu);
     memcpy(b->beacon_id, bid, sizeof(bid));
@@ -1018,8 +1018,18 @@ registry_main(void *arg)
             pthread_mutex_lock(&b->mu);
             if (ok && !beacon_ok)
                 b->reg_up_mono_us = ks_mono_us();
-            b->reg_beacon_ok = beacon_ok = ok;
+            b->reg_beacon_ok = ok;
             pthread_mutex_unlock(&b->mu);
+            if (ok != beacon_ok && (ok || beacon_seen))
+                ks_log(ok ? KS_LOG_INFO : KS_LOG_WARN,
+                       ok ? "the agent registry takes heartbeats again: "
+                            "silences count from now"
+                          : "the agent registry takes no heartbeat (its "
+                            "bucket has no leader?): nobody is judged by "
+                            "silence meanwhile",
+                       KS_S("module", "registry"));
+            beacon_seen = beacon_seen || ok;
+            beacon_ok = ok;
         }
         /* On a JetStream cluster the watcher's consumer lives on one
          * node; when that node dies or the bucket's leader moves, the

@@ -19,7 +19,8 @@
 
 #include "events.h"
 
-/* A free TCP port on 127.0.0.1 (bind to port 0), or -errno. */
+/* A free TCP port on 127.0.0.1, picked below the kernel's ephemeral range
+ * (so no connect(2) takes it before the caller binds it), or -errno. */
 int stack_free_port(void);
 
 /* 1 if 127.0.0.1:port has no listener (it binds with SO_REUSEADDR, as
