@@ -70,6 +70,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -378,6 +379,19 @@ void exec_process_init(void);
 extern const char *const agent_features[];
 #define AGENT_N_FEATURES 4
 
+/*
+ * The name a label (prefix "KSCORE_LABEL_") or a fact ("KSCORE_FACT_")
+ * has in a command's environment: prefix, then key with each ASCII letter
+ * upper-cased, each digit kept and every other byte '_'
+ * ("app.kubernetes.io/name" -> KSCORE_LABEL_APP_KUBERNETES_IO_NAME),
+ * into out (len bytes, cut to fit; AGENT_INVENTORY_NAME_MAX is enough for
+ * any key the CLI takes). Two keys that map to one name: the one that
+ * sorts first gives the value (README "Scripts, stdin and files").
+ */
+#define AGENT_INVENTORY_NAME_MAX 160
+void agent_inventory_name(const char *prefix, const char *key, char *out,
+                          size_t len);
+
 /* Default commands running at once per agent process: CPUs x 4. */
 unsigned agent_default_max_concurrent(void);
 
@@ -443,6 +457,7 @@ struct agent_opts {
                                       and runs, kept alive with a progress
                                       ack every ack_wait / 3 */
     uint64_t fence_ms;             /* 0: AGENT_FENCE_MS */
+    uint64_t link_timeout_ms;      /* 0: AGENT_LINK_TIMEOUT_MS */
     unsigned watchdog_ms;          /* 0: AGENT_WATCHDOG_MS */
 };
 
@@ -459,6 +474,19 @@ struct agent_opts {
  * true. A command claimed while fenced is not spawned (CommandNotStarted).
  */
 #define AGENT_FENCE_MS 5000
+/*
+ * Link timeout (ms): when nats.c has said CONNECTED for this long and the
+ * server has answered nothing in that time (no PubAck, no reply, no PONG
+ * to the PINGs the agent sends every EVT_LINK_PROBE_MS: events/link.c),
+ * the link is dead in a way nats.c will not repair (a server stopped or
+ * cut off without a reset; a read thread that hangs, while every write
+ * fails with EPIPE: issue 22). The agent is fenced long before (it heard
+ * nothing: AGENT_FENCE_MS); then it can serve no more as it is and stops
+ * with AGENT_EXIT_LINK, which its supervisor restarts (agent_fatal).
+ * While nats.c says it is reconnecting, the agent stays fenced and waits:
+ * a new process would find the server no better.
+ */
+#define AGENT_LINK_TIMEOUT_MS 30000
 /*
  * Watchdog (ms): the executor loop's watchdog process (exec_loop_opts)
  * kills every command at once when the agent process dies, and when the
@@ -497,10 +525,18 @@ struct agent;
  * KSCORE_EVENTS until a PubAck arrives (outbox on disk); ack the JetStream
  * message; the slot goes to the next message.
  *
+ * A claim is tried with one claim id until the broker answers it (a claim
+ * whose reply was lost may have won: the broker grants a repeat of the
+ * winning claim while the command runs), and every command from its claim
+ * until its end is published is listed in the heartbeats (AgentInfo.holds,
+ * with heartbeat_seq); the broker ends a Running command that a live
+ * heartbeat of its claimer, sent after the claim, does not list.
+ *
  * With a state_dir, a restart reports what the previous run left: commands
- * it had spawned as CommandLost, commands it had claimed but never spawned
- * as CommandNotStarted (status NOT_STARTED), and hands unclaimed messages
- * back to JetStream.
+ * it had spawned as CommandLost; commands it had claimed but never spawned
+ * are claimed again with the journalled claim id when JetStream delivers
+ * them again (at once: their messages are nak'd), and run if that claim
+ * won; unclaimed messages go back to JetStream.
  *
  * A state_dir that takes no more writes (full, read-only) never leaves a
  * command the journal does not know: a message it cannot journal is not
@@ -529,25 +565,76 @@ int agent_decode_command(const struct evt_verifier *trust,
                          const void *data, size_t len, Ks__Command **out,
                          const char **reason_out, char cmd_id_out[37]);
 
-/* Stops taking work (messages not yet claimed go back to JetStream),
- * cancels running commands, publishes their results, frees. Accepts NULL. */
+/*
+ * A graceful stop, first half: takes no new work from now on. The
+ * deliveries stop (each id's or the pool's subscription goes), messages
+ * waiting for a slot or not yet claimed go back to JetStream (-NAK: for
+ * another process of the id, or for this one after its restart), and no
+ * claim is sent any more; claims already sent are answered, and what
+ * runs goes on, reported as usual. Heartbeats, progress acks and the
+ * self-fence go on. timeout_ms is only said in the reason of what
+ * agent_stop must then stop. Returns at once; any thread; once (later
+ * calls do nothing). Accepts NULL.
+ *
+ * The caller waits until agent_busy() is 0 or its drain timeout passed
+ * (`kscore agent --drain-timeout`, `kscore broker --drain-timeout`:
+ * AGENT_DRAIN_TIMEOUT_MS by default), then calls agent_stop().
+ */
+void agent_drain(struct agent *a, uint64_t timeout_ms);
+/* Default drain timeout (ms) of `kscore agent` and `kscore broker` (its
+ * in-process agents). A service manager's stop timeout must exceed it by
+ * the longest --grace of the commands (deploy/systemd). */
+#define AGENT_DRAIN_TIMEOUT_MS 10000
+
+/* What this agent still holds: commands claimed or being claimed or
+ * running, plus results not yet published (0 for NULL). Any thread. */
+unsigned agent_busy(struct agent *a);
+
+/*
+ * The whole graceful stop of a process's agent: agent_drain, then waits
+ * until agent_busy() is 0, timeout_ms passed, or a signal of stop_now
+ * arrives (taken with sigtimedwait(2): they must be blocked in every
+ * thread; NULL: none), then agent_stop (which stops what is left, as
+ * "the agent stopped"). Logs which of them ended the drain. Returns the
+ * signal that cut it short, or 0. Accepts NULL.
+ */
+int agent_stop_graceful(struct agent *a, uint64_t timeout_ms,
+                        const sigset_t *stop_now);
+
+/*
+ * Stops taking work (messages not yet claimed go back to JetStream), stops
+ * what still runs with the kill protocol (TERM, grace, KILL to its group),
+ * publishes the results, frees. Accepts NULL. A command it stops ends
+ * CommandLost with the reason "the agent stopped while the command ran",
+ * one still queued in the executor CommandNotStarted: never Cancelled,
+ * which only an operator's cancel is. A claim still unanswered is left as
+ * it is: with a state dir the journal keeps it for the next start (which
+ * claims again with the same claim id); without, the broker ends the
+ * command if the claim won (no heartbeat lists it).
+ */
 void agent_stop(struct agent *a);
 
 /*
- * Why this agent can serve no more and its process should exit (then with
- * AGENT_EXIT_CONFIG, which systemd does not restart:
- * RestartPreventExitStatus): 0 while it serves;
+ * Why this agent can serve no more and its process should exit: 0 while
+ * it serves;
  *  AGENT_FATAL_REVOKED: NATS closed its connection for good (a revoked
  *   credential: an authorization violation at the reload) after it fenced
- *   itself, so it can neither run nor report anything any more.
+ *   itself, so it can neither run nor report anything any more. Exit
+ *   AGENT_EXIT_CONFIG, which systemd does not restart
+ *   (RestartPreventExitStatus=78 in deploy/systemd/kscore-agent.service).
+ *  AGENT_FATAL_LINK: the link answered nothing for AGENT_LINK_TIMEOUT_MS
+ *   while nats.c said CONNECTED, after it fenced itself. Exit
+ *   AGENT_EXIT_LINK, which systemd restarts (Restart=on-failure): a new
+ *   process has a new connection.
  * A claim refused because another, older process serves the same id
  * (KS_EDUPINSTANCE) is not fatal: the id stands aside (no deliveries) for
  * EVT_AGENT_TTL_MS and then claims again, so a process falsely taken for
  * a duplicate (a forged registry entry, issue 21) serves again once the
  * other is no longer live. Any thread.
  */
-enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED };
+enum agent_fatal { AGENT_FATAL_NONE, AGENT_FATAL_REVOKED, AGENT_FATAL_LINK };
 #define AGENT_EXIT_CONFIG 78 /* EX_CONFIG */
+#define AGENT_EXIT_LINK 75   /* EX_TEMPFAIL */
 enum agent_fatal agent_fatal(struct agent *a);
 
 /* This process's instance id (AgentInfo.instance_id; 36 chars). */

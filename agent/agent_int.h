@@ -49,6 +49,28 @@ struct outbox_item {
     char command_id[37];                 /* for ks_trace */
 };
 
+/*
+ * A claim this process has sent or is about to send (runtime.c "claims"),
+ * from before its ClaimRequest goes out until the command's end is queued
+ * for publishing, or the broker's definite no. Meanwhile the command is in
+ * every heartbeat's AgentInfo.holds, and every try of the claim carries
+ * the same claim_id: the broker grants a repeat of the claim that won (its
+ * event id is recorded), so a claim whose reply was lost is still ours.
+ * With a state dir the claim line of the journal is its copy on disk: a
+ * restarted agent takes the claim up again (recovered_us) and claims with
+ * the same id when JetStream delivers the message again.
+ */
+struct agent_claim {
+    char claim_id[37];
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    uint32_t attempt;
+    char operator_name[64];
+    /* Taken from a previous run's journal and not delivered again yet
+     * (mono us; 0: a held message has it). Not delivered within twice the
+     * ack wait, it is let go, unreported (runtime.c claims_forget_old). */
+    int64_t recovered_us;
+};
+
 /* Where a held command message is. */
 enum job_state {
     JOB_WAITING,  /* delivered, no free slot yet: unclaimed */
@@ -79,6 +101,9 @@ struct job_ctx {
     /* A cancel came before it ran (claimed, not yet submitted): it is
      * cancelled as soon as it is (under a->mu). */
     bool cancel_pending;
+    /* An operator's cancel reached it (on_cancel; under a->mu): its end is
+     * Cancelled, whereas one killed by agent_stop is not. */
+    bool op_cancelled;
     uint64_t delivered; /* JetStream's delivery count of this message */
     /* payload.c: its script file, stdin and user, from the precheck to
      * the end of the hold (job_free). */
@@ -91,12 +116,23 @@ struct job_ctx {
     long spawn_at;
 };
 
+/* facts.c: what the agent says of its host (AgentInfo.facts), read once
+ * at its start; p[0..n) point into v, whose strings are the fields. */
+#define AGENT_N_FACTS 5
+struct agent_facts {
+    char os[64], kernel[65], arch[65], cpus[24], mem_mb[24];
+    Ks__EnvVar v[AGENT_N_FACTS];
+    Ks__EnvVar *p[AGENT_N_FACTS];
+    size_t n;
+};
+
 struct agent {
     struct agent_opts opts;
+    struct agent_facts facts;
     char *state_dir;
     char host[64];
     unsigned max_concurrent;
-    uint64_t ack_wait_ms, fence_ms;
+    uint64_t ack_wait_ms, fence_ms, link_timeout_ms;
     struct evt_conn *nc;
     struct exec_loop *loop;
     struct agent_slot *slots;
@@ -134,9 +170,14 @@ struct agent {
     struct job_ctx *waitq, **waitq_tail;   /* no slot yet, in order */
     struct job_ctx *readyq, **readyq_tail; /* a slot, to be started */
     pthread_cond_t ready_cond;
-    unsigned callbacks; /* on_command calls in progress */
+    unsigned callbacks; /* on_command calls and fetch threads running */
     pthread_cond_t cb_cond;
     struct ks_map seen; /* claimed command ids (replay guard) */
+    /* command_id -> struct agent_claim * (runtime.c "claims"), and the
+     * number of the last heartbeat built (AgentInfo.heartbeat_seq). Under
+     * mu. */
+    struct ks_map claims;
+    uint64_t hb_seq;
     char (*seen_ring)[37];
     size_t seen_next;
     const struct evt_verifier *trust;
@@ -154,6 +195,7 @@ struct agent {
     char instance_id[37];   /* AgentInfo.instance_id: this process */
     int64_t started_at_us;  /* AgentInfo.started_at_us */
     atomic_int fatal;       /* enum agent_fatal */
+    struct evt_link_watch *link_watch; /* AGENT_FATAL_LINK */
     pthread_mutex_t hb_mu;
     pthread_cond_t hb_cond; /* CLOCK_MONOTONIC */
     bool hb_wake;           /* under hb_mu: heartbeat now */
@@ -162,7 +204,7 @@ struct agent {
     _Atomic int64_t foreign_logged_us;
     /* A lost exit status, a state dir that takes no more writes. */
     _Atomic int64_t status_lost_logged_us, journal_err_logged_us,
-        outbox_err_logged_us;
+        outbox_err_logged_us, claim_err_logged_us;
 
     pthread_t pub_thread, hb_thread, keeper_thread;
     pthread_t *starters;
@@ -175,7 +217,12 @@ struct agent {
     pthread_t out_thread;
     bool out_started, out_stopping;
     char *run_dir;         /* payload.c: this run's private files */
+    atomic_int draining;   /* agent_drain: take no new work, finish */
     atomic_int closing;    /* agent_stop: take no new work */
+    /* agent_stop is killing what still runs: those end Lost (the agent
+     * stopped), not Cancelled. */
+    atomic_bool stop_killing;
+    int64_t drain_ms;      /* agent_drain's timeout, for the reason */
     volatile int stopping; /* agent_stop: the executor is done */
 };
 
@@ -241,6 +288,20 @@ int agent__secrets_open(struct agent *a, const char *agent_id,
 void agent__secrets_free(struct agent_secrets *s);
 
 /*
+ * facts.c. agent__facts_read: the host's facts into f (one it cannot read
+ * is left out); at start. agent__inventory_env: cmd's labels
+ * (Command.labels) as KSCORE_LABEL_<KEY> and a's facts as
+ * KSCORE_FACT_<KEY> (agent_inventory_name) into env[*env_len] onwards
+ * (room for cmd->n_labels + a->facts.n more), advancing *env_len; a name
+ * already added is not added again (the first key in order stands). The
+ * names live in *names_out (free it after the spawn). 0 or -ENOMEM.
+ */
+void agent__facts_read(struct agent_facts *f);
+int agent__inventory_env(const struct agent *a, const Ks__Command *cmd,
+                         struct exec_env *env, size_t *env_len,
+                         char **names_out);
+
+/*
  * payload.c: a command's script, stdin and user (CommandSpec.script,
  * .input, .run_as), made ready for the executor before the claim.
  *
@@ -271,12 +332,16 @@ void agent__payload_free(struct agent_payload *p);
 /*
  * After the claim: a copy's files, fetched from the broker into the
  * command's private directory and checked against their SHA-256 (copy.c).
- * 0 (also for any other command), or -ECANCELED (cancelled, the agent
- * stops), -EBADMSG (a checksum), a NATS or broker error, with why. Blocks
- * the calling (starter or delivery) thread for the fetch.
+ * 0 (also for any other command), or -ECANCELED (the command was
+ * cancelled, or the agent stops), -EBADMSG (a checksum), a NATS or
+ * broker error after the retries, with why. Blocks the calling
+ * thread for the download: runtime.c runs it on a thread of its own
+ * (agent__payload_fetches says when there is one).
  */
 int agent__payload_fetch(struct agent *a, struct job_ctx *j,
                          const Ks__Command *cmd, char *why, size_t len);
+/* true when p has files to fetch after the claim (a copy). */
+bool agent__payload_fetches(const struct agent_payload *p);
 
 /*
  * copy.c: kscore copy's fetch and writer (the writer is this binary
@@ -337,14 +402,31 @@ int agent__journal_spawned(struct agent *a, const struct job_ctx *j,
                            pid_t pid);
 void agent__journal_remove(struct agent *a, const char *command_id);
 /*
- * At start, after connecting and before subscribing: what a previous run
- * left. Spawned: CommandLost (its watchdog killed it, and
- * exec_global_init() killed its cgroups). Claimed, never spawned:
- * CommandNotStarted. Held, never claimed: nak'd, so JetStream redelivers it
- * at once. Each message is acked or nak'd through its saved ack subject, so
- * the consumer's max_ack_pending is free again now, not after the ack wait.
+ * At start, after connecting and before the first heartbeat: what a
+ * previous run left. Spawned: CommandLost (its watchdog killed it, and
+ * exec_global_init() killed its cgroups). Claimed, never spawned: the
+ * claim is taken up again (agent__claim_recovered; the file stays) and
+ * the message nak'd, so JetStream redelivers it at once and it is claimed
+ * with the same claim id: it runs if the claim won, or wins now. Held,
+ * never claimed: nak'd. Each message is acked or nak'd through its saved
+ * ack subject, so the consumer's max_ack_pending is free again now, not
+ * after the ack wait.
  */
 void agent__journal_recover(struct agent *a);
+
+/* Queues the end of a command the agent holds no job for (a journal
+ * entry, a claim given up): an event of type with a result of status,
+ * reason (also the event's), and pid (0: none). Any thread. */
+void agent__report_end(struct agent *a, const char *command_id,
+                       const char *agent_id, uint32_t attempt,
+                       const char *operator_name, const char *type,
+                       Ks__CommandStatus status, const char *reason, long pid);
+
+/* runtime.c: takes up a claim a previous run journalled (claimed, never
+ * spawned) for command_id of agent_id. 0 or -ENOMEM. */
+int agent__claim_recovered(struct agent *a, const char *command_id,
+                           const char *agent_id, uint32_t attempt,
+                           const char *operator_name, const char *claim_id);
 
 /*
  * Files of the state dir (journal entries, outbox events) are recycled,

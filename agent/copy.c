@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <openssl/evp.h>
@@ -41,83 +42,168 @@
 #include "agent_int.h"
 
 #define COPY_ENV "KSCORE_EXEC_COPY"
+/* One part's answer: within this (ms), waited for in slices of
+ * FETCH_SLICE_MS so that a cancel or the agent's stop ends the wait. */
 #define FETCH_TIMEOUT_MS 10000
-#define FETCH_TRIES 3
+#define FETCH_SLICE_MS 100
+/* Tries of one part, and the waits between them (ms): a broker that
+ * restarts, or PostgreSQL away for a few seconds, is waited out; a
+ * refusal (denied, no such part) is not tried again. */
+#define FETCH_TRIES 5
+static const int fetch_backoff_ms[FETCH_TRIES - 1] = {250, 500, 1000, 2000};
 
 const char agent__copy_env[] = COPY_ENV;
 
 /* ---- the agent's side: fetch ---------------------------------------------- */
 
-/* One part, as the command's agent. 0 with *rep, or an error with why. */
+/* 0 while the fetch goes on; -ECANCELED when the command was cancelled
+ * or the agent stops (job_done tells which: j->op_cancelled). */
+static int
+given_up(struct agent *a, struct job_ctx *j)
+{
+    bool cancelled;
+    pthread_mutex_lock(&a->mu);
+    cancelled = j->cancel_pending;
+    pthread_mutex_unlock(&a->mu);
+    return cancelled || atomic_load(&a->closing) ? -ECANCELED : 0;
+}
+
+/* Waits ms unless given up meanwhile: 0 or -ECANCELED. */
+static int
+pause_unless_given_up(struct agent *a, struct job_ctx *j, int ms)
+{
+    int rc;
+    for (int waited = 0; (rc = given_up(a, j)) == 0 && waited < ms;
+         waited += FETCH_SLICE_MS)
+        nanosleep(&(struct timespec){0, FETCH_SLICE_MS * 1000000L}, NULL);
+    return rc;
+}
+
+/*
+ * One request for a part, as the command's agent: its own subject
+ * (kscore.api.v1.fetch.agent-<id>), the answer to its own inbox, or the
+ * pool's (a pool's claim: runtime.c). 0 with *reply, -ECANCELED
+ * (given_up), or as evt_inbox_next (KS_ETIMEDOUT; KS_EUNAVAIL: nobody
+ * serves fetch).
+ */
+static int
+ask_part(struct agent *a, struct job_ctx *j, const Ks__FetchRequest *req,
+         natsMsg **reply)
+{
+    char subject[sizeof(EVT_API_FETCH) + 16 + EVT_AGENT_ID_MAX];
+    struct evt_inbox *ib = NULL;
+    natsMsg *m = NULL;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    int rc;
+
+    snprintf(subject, sizeof(subject), "%s.%s", EVT_API_FETCH,
+             j->slot->identity);
+    if ((rc = kproto_pack(&req->base, &buf, &len)) ||
+        (rc = evt_inbox_take(a->nc,
+                             a->opts.pool ? a->pool_identity
+                                          : j->slot->identity,
+                             &ib)) ||
+        (rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
+        goto out;
+    for (int waited = 0;;) {
+        rc = evt_inbox_next(ib, FETCH_SLICE_MS, &m);
+        if (rc != KS_ETIMEDOUT)
+            break;
+        if ((rc = given_up(a, j)))
+            goto out;
+        if ((waited += FETCH_SLICE_MS) >= FETCH_TIMEOUT_MS) {
+            rc = KS_ETIMEDOUT;
+            goto out;
+        }
+    }
+    if (rc == 0)
+        rc = evt_join_parts(ib, m, FETCH_TIMEOUT_MS, reply);
+out:
+    evt_inbox_give(ib);
+    free(buf);
+    return rc;
+}
+
+/* A broker's refusal that another try may not meet: its store was away,
+ * or it stops. */
+static bool
+passing(int error_code)
+{
+    return error_code == KS_EPGDOWN || error_code == KS_EPGREFUSED ||
+           error_code == KS_EUNAVAIL || error_code == KS_ESTOPPED ||
+           error_code == KS_ETIMEDOUT;
+}
+
+/* One part, as the command's agent, tried again as the top says. 0 with
+ * *rep, -ECANCELED (given_up), or an error, each with why. */
 static int
 fetch_part(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
            const Ks__CopyFile *f, uint32_t part, Ks__FetchReply **rep,
            char *why, size_t len)
 {
     Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
-    ProtobufCMessage *pm = NULL;
-    natsMsg *m = NULL;
-    int rc = 0;
+    int64_t t0 = ks_mono_us();
+    char last[300] = "";
+    int rc = 0, t;
 
     req.command_id = cmd->command_id;
     req.attempt = cmd->attempt;
     req.agent_id = j->slot->id;
     req.sha256 = f->sha256;
     req.part = part;
-    for (int t = 0; t < FETCH_TRIES; t++) {
-        if (a->opts.pool) {
-            /* As a pool's claim: the subject names the id, the reply
-             * comes to the pool's inbox (runtime.c claim). */
-            char subject[sizeof(EVT_API_FETCH) + 16 + EVT_AGENT_ID_MAX];
-            uint8_t *buf = NULL;
-            size_t blen = 0;
-            snprintf(subject, sizeof(subject), "%s.%s", EVT_API_FETCH,
-                     j->slot->identity);
-            if ((rc = kproto_pack(&req.base, &buf, &blen)))
-                break;
-            rc = evt_request_bytes_as(a->nc, a->pool_identity, subject, NULL,
-                                      buf, blen, FETCH_TIMEOUT_MS, &m);
-            free(buf);
-        } else {
-            rc = evt_request_as(a->nc, j->slot->identity, EVT_API_FETCH,
-                                &req.base, FETCH_TIMEOUT_MS, &m);
-        }
-        if (rc == 0 || atomic_load(&a->closing))
+    for (t = 0; t < FETCH_TRIES; t++) {
+        ProtobufCMessage *pm = NULL;
+        natsMsg *m = NULL;
+        if ((rc = pause_unless_given_up(a, j,
+                                        t ? fetch_backoff_ms[t - 1] : 0)))
             break;
-    }
-    if (rc) {
-        snprintf(why, len, "cannot fetch part %u of '%s' from the broker: %s",
-                 part, f->name, ks_strerror(rc));
-        return rc;
-    }
-    rc = evt_unpack(&ks__fetch_reply__descriptor, natsMsg_GetData(m),
-                    (size_t)natsMsg_GetDataLength(m), &pm);
-    natsMsg_Destroy(m);
-    if (rc) {
-        snprintf(why, len, "a bad answer to the fetch of '%s': %s", f->name,
-                 ks_strerror(rc));
-        return rc;
-    }
-    *rep = (Ks__FetchReply *)pm;
-    if ((*rep)->error_code) {
+        rc = ask_part(a, j, &req, &m);
+        if (rc == -ECANCELED)
+            break;
+        if (rc) {
+            snprintf(last, sizeof(last), "%s",
+                     rc == KS_EUNAVAIL ? "no broker answers "
+                                         "kscore.api.v1.fetch"
+                                       : ks_strerror(rc));
+            continue;
+        }
+        rc = evt_unpack(&ks__fetch_reply__descriptor, natsMsg_GetData(m),
+                        (size_t)natsMsg_GetDataLength(m), &pm);
+        natsMsg_Destroy(m);
+        if (rc) {
+            snprintf(why, len, "a bad answer to the fetch of '%s': %s",
+                     f->name, ks_strerror(rc));
+            return rc;
+        }
+        *rep = (Ks__FetchReply *)pm;
+        if (!(*rep)->error_code)
+            return 0;
         rc = (*rep)->error_code;
-        snprintf(why, len, "the broker refused part %u of '%s': %s", part,
-                 f->name, (*rep)->error);
+        snprintf(last, sizeof(last), "the broker refused it: %s",
+                 (*rep)->error);
         ks__fetch_reply__free_unpacked(*rep, NULL);
         *rep = NULL;
+        if (!passing(rc)) {
+            snprintf(why, len, "cannot fetch part %u of %u of '%s': %s",
+                     part + 1, ks_blob_parts(f->size), f->name, last);
+            return rc;
+        }
     }
+    if (rc == -ECANCELED && atomic_load(&a->closing))
+        snprintf(why, len,
+                 "the agent stopped while fetching '%s': the copy never ran",
+                 f->name);
+    else if (rc == -ECANCELED)
+        snprintf(why, len, "cancelled while fetching '%s' (part %u of %u)",
+                 f->name, part + 1, ks_blob_parts(f->size));
+    else
+        snprintf(why, len,
+                 "cannot fetch part %u of %u of '%s' after %d tries in %.1f "
+                 "s: %s",
+                 part + 1, ks_blob_parts(f->size), f->name, t,
+                 (double)(ks_mono_us() - t0) / 1e6, last);
     return rc;
-}
-
-/* true when the command was cancelled or the agent stops. */
-static bool
-given_up(struct agent *a, struct job_ctx *j)
-{
-    bool stop;
-    pthread_mutex_lock(&a->mu);
-    stop = j->cancel_pending;
-    pthread_mutex_unlock(&a->mu);
-    return stop || atomic_load(&a->closing);
 }
 
 /* File i of the copy into spool/<i>, checked against its SHA-256. */
@@ -143,11 +229,6 @@ fetch_file(struct agent *a, struct job_ctx *j, const Ks__Command *cmd,
     }
     for (uint32_t p = 0; p < ks_blob_parts(f->size) && rc == 0; p++) {
         Ks__FetchReply *rep = NULL;
-        if (given_up(a, j)) {
-            rc = -ECANCELED;
-            snprintf(why, len, "cancelled while fetching '%s'", f->name);
-            break;
-        }
         if ((rc = fetch_part(a, j, cmd, f, p, &rep, why, len)))
             break;
         if (rep->data.len != ks_blob_part_len(f->size, p)) {

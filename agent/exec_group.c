@@ -3,18 +3,23 @@
  * set-up (subreaper, cgroup v2 probe, HOME), one cgroup per job, counting
  * a job's live members, and reaping the zombies it leaves to us.
  *
- * cgroup placement has a window: glibc 2.36 posix_spawn cannot use
- * clone3(CLONE_INTO_CGROUP), so the leader is written into its cgroup right
- * after posix_spawn returns (after the child's execve). The move is not
- * instant: it takes the kernel's cgroup_threadgroup_rwsem for writing, 25-75
- * us here and several ms for the first one (an RCU grace period), and the
- * child runs meanwhile. A process the leader forks before the move stays
- * outside the cgroup. The executor notices (right after the move the leader
- * is dead or already has children) and then also scans /proc for the
- * process group, so such a stray still gets TERM/KILL as a group member. A
- * stray that also calls setsid() before the move is out of the cgroup's
- * reach; it is counted as a survivor if it was reparented to us.
- * clone3(CLONE_INTO_CGROUP) would close the window and save the move.
+ * cgroup placement: on x86_64 the leader is cloned straight into its
+ * cgroup, a pre-made one from the pool below (exec_spawn.c
+ * exec__spawn_cgroup: clone3(CLONE_INTO_CGROUP)), so it never runs outside
+ * it and no move is made. Only where clone3 is missing (valgrind, an old
+ * kernel, a seccomp filter, another architecture) is the leader written
+ * into cgroup.procs after posix_spawn (exec__cgroup_move), which has a
+ * cost and a window. The cost, measured with `strace -T` on Linux 6.18
+ * here (issue 23; perf/BASELINE.md "The cgroup step"): p50 16-21 us, p90
+ * 45-50 us, p99 0.65-12 ms: since Linux 6.0 the write takes
+ * cgroup_threadgroup_rwsem for writing, which waits for an RCU grace
+ * period; spawn to reap p99 doubled with it. The window: the child runs
+ * meanwhile, and a process the leader forks before the move stays outside
+ * the cgroup. The executor notices (right after the move the leader is
+ * dead or already has children) and then also scans /proc for the process
+ * group, so such a stray still gets TERM/KILL as a group member. A stray
+ * that also calls setsid() before the move is out of the cgroup's reach;
+ * it is counted as a survivor if it was reparented to us.
  */
 #include "exec_int.h"
 

@@ -4,8 +4,11 @@
  *
  * The point is that a restart can tell apart a command that ran (Lost: it
  * may have done part of its work) from one that provably never started
- * (NotStarted: claimed, but "spawned" was never written, and it is written
- * only after the spawn succeeded).
+ * (claimed, but "spawned" was never written, and it is written only after
+ * the spawn succeeded). The latter's claim id is on its claim line, written
+ * before the claim was sent: the restart claims with it again (the claim
+ * may have won while its reply was lost) and runs the command once;
+ * without a readable claim id it reports NotStarted.
  */
 #include <dirent.h>
 #include <stdbool.h>
@@ -254,6 +257,7 @@ struct entry {
     char op[64];
     char ack[JOURNAL_MAX_BYTES];
     bool claimed, spawned;
+    char claim_id[37]; /* "" when the claim line names none */
     long pid;
 };
 
@@ -286,8 +290,11 @@ parse(const char *path, struct entry *e)
         return 0;
     }
     while ((line = strtok_r(NULL, "\n", &save))) {
-        if (!strncmp(line, "claim ", 6))
+        if (!strncmp(line, "claim ", 6)) {
             e->claimed = true;
+            if (ks_is_uuid(line + 6))
+                snprintf(e->claim_id, sizeof(e->claim_id), "%s", line + 6);
+        }
         else if (!strncmp(line, "spawned ", 8)) { /* not "pending" */
             e->spawned = true;
             e->pid = atol(line + 8);
@@ -296,9 +303,11 @@ parse(const char *path, struct entry *e)
     return 0;
 }
 
-static void
-report(struct agent *a, const char *command_id, const struct entry *e,
-       const char *type, Ks__CommandStatus status, const char *reason)
+void
+agent__report_end(struct agent *a, const char *command_id,
+                  const char *agent_id, uint32_t attempt,
+                  const char *operator_name, const char *type,
+                  Ks__CommandStatus status, const char *reason, long pid)
 {
     Ks__Event ev = KS__EVENT__INIT;
     Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
@@ -308,19 +317,29 @@ report(struct agent *a, const char *command_id, const struct entry *e,
     snprintf(stream, sizeof(stream), "command-%s", command_id);
     r.status = status;
     r.term_sent_us = r.kill_sent_us = -1;
-    r.pid = (int32_t)e->pid;
+    r.pid = (int32_t)pid;
     r.reason = (char *)reason;
     ev.event_id = event_id;
     ev.stream_id = stream;
     ev.type = (char *)type;
     ev.occurred_at_us = ks_now_us();
     ev.command_id = (char *)command_id;
-    ev.agent_id = (char *)e->agent_id;
-    ev.attempt = e->attempt;
-    ev.operator_ = strcmp(e->op, "-") ? (char *)e->op : "";
+    ev.agent_id = (char *)agent_id;
+    ev.attempt = attempt;
+    ev.operator_ = (char *)(operator_name ? operator_name : "");
     ev.reason = r.reason;
     ev.result = &r;
     agent__queue_event(a, &ev);
+}
+
+/* agent__report_end of what journal entry e says. */
+static void
+report(struct agent *a, const char *command_id, const struct entry *e,
+       const char *type, Ks__CommandStatus status, const char *reason)
+{
+    agent__report_end(a, command_id, e->agent_id, e->attempt,
+                      strcmp(e->op, "-") ? e->op : "", type, status, reason,
+                      e->pid);
 }
 
 void
@@ -329,7 +348,7 @@ agent__journal_recover(struct agent *a)
     char dir[4200];
     DIR *d;
     struct dirent *de;
-    unsigned lost = 0, not_started = 0, requeued = 0;
+    unsigned lost = 0, not_started = 0, requeued = 0, reclaimed = 0;
 
     snprintf(dir, sizeof(dir), "%s/running", a->state_dir);
     d = opendir(dir);
@@ -354,6 +373,18 @@ agent__journal_recover(struct agent *a)
                    "killed the command's processes (SIGKILL to the process "
                    "group, cgroup.kill) and the restarted agent made sure");
             lost++;
+        } else if (e.claimed && e.claim_id[0] &&
+                   agent__claim_recovered(a, command_id, e.agent_id,
+                                          e.attempt,
+                                          strcmp(e.op, "-") ? e.op : "",
+                                          e.claim_id) == 0) {
+            /* Its claim may have won while its reply was lost: claimed
+             * again with the same id when JetStream delivers it again
+             * (now: the nak), it runs once; the file stays until then. */
+            if (have_ack)
+                agent__ack(a, e.ack, "-NAK");
+            reclaimed++;
+            continue;
         } else if (e.claimed) {
             report(a, command_id, &e, "CommandNotStarted",
                    KS__COMMAND_STATUS__NOT_STARTED,
@@ -375,12 +406,13 @@ agent__journal_recover(struct agent *a)
         unlink(path);
     }
     closedir(d);
-    if (lost || not_started || requeued)
+    if (lost || not_started || requeued || reclaimed)
         ks_log(KS_LOG_WARN,
                "a previous run left commands: running ones reported Lost, "
-               "claimed but never started NotStarted, waiting ones handed "
-               "back to JetStream",
+               "claimed but never started claimed again with the same "
+               "claim id, waiting ones handed back to JetStream",
                KS_S("module", "journal"), KS_I("lost", lost),
+               KS_I("reclaimed", reclaimed),
                KS_I("not_started", not_started), KS_I("requeued", requeued),
                KS_S("state_dir", a->state_dir));
 }

@@ -403,11 +403,17 @@ prepare_copy(struct agent *a, const Ks__Command *cmd,
     return 0;
 }
 
+bool
+agent__payload_fetches(const struct agent_payload *p)
+{
+    return p && p->copy_argv;
+}
+
 int
 agent__payload_fetch(struct agent *a, struct job_ctx *j,
                      const Ks__Command *cmd, char *why, size_t len)
 {
-    if (!j->payload || !j->payload->copy_argv)
+    if (!agent__payload_fetches(j->payload))
         return 0;
     return agent__copy_fetch(a, j, cmd, j->payload->dir, why, len);
 }

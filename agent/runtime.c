@@ -35,13 +35,24 @@
  * Nats-Msg-Id is the event_id, and the recorder appends by unique event_id,
  * so a result published twice is recorded once. The journal (journal.c)
  * tells a restarted agent which commands ran (Lost) and which were claimed
- * but never spawned (NotStarted).
+ * but never spawned (claimed again with the journalled claim id).
+ *
+ * Claims are deterministic (issue 22): a claim is tried with one claim id
+ * until a broker answers it, never given up for a new id (the broker
+ * grants a repeat of the claim that won), and every command this process
+ * holds is listed in its heartbeats (AgentInfo.holds, "claims" below), so
+ * the broker can end one it claimed but no longer holds.
+ *
+ * A graceful stop (agent_drain, agent_stop_graceful) takes no new work and
+ * lets what runs finish; agent_stop ends what is left as Lost, the agent
+ * stopped, never as a cancel.
  */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,8 +63,6 @@
 #include "agent_int.h"
 
 #define CLAIM_TIMEOUT_MS 1000 /* a claim is one commit: ~1 ms */
-/* How long a claim is retried while no broker answers (ms). */
-#define CLAIM_RETRY_MS 20000
 /* Deliveries of a command the record does not have before it is dropped
  * (start_job). */
 #define CLAIM_UNRECORDED_TRIES 4
@@ -113,6 +122,150 @@ seen_add(struct agent *a, const char *command_id, uint32_t attempt)
     ks_map_put(&a->seen, slot, (void *)(uintptr_t)(attempt + 1));
     a->seen_next = (a->seen_next + 1) % SEEN_MAX;
     pthread_mutex_unlock(&a->mu);
+}
+
+/* ---- claims ---------------------------------------------------------------- */
+
+/*
+ * The claim j is about to send (struct agent_claim): the one this process
+ * already holds for its command (a previous run's, from the journal),
+ * else a new one. Either way it is listed in every heartbeat from the
+ * next one on: *listed_from gets that heartbeat's number (ClaimRequest.
+ * listed_from_seq), taken under the lock heartbeat_once builds the list
+ * under, so the list of heartbeat *listed_from and later has it. *prior:
+ * it was held before (its id may be recorded already). 0 or -ENOMEM.
+ */
+static int
+claim_take(struct job_ctx *j, char claim_id[37], uint64_t *listed_from,
+           bool *prior)
+{
+    struct agent *a = j->agent;
+    struct agent_claim *c;
+    int rc = 0;
+
+    pthread_mutex_lock(&a->mu);
+    c = ks_map_get(&a->claims, j->command_id);
+    *prior = c != NULL;
+    if (!c && (c = calloc(1, sizeof(*c)))) {
+        ks_uuid(c->claim_id);
+        snprintf(c->agent_id, sizeof(c->agent_id), "%s", j->slot->id);
+        snprintf(c->operator_name, sizeof(c->operator_name), "%s",
+                 j->operator_name);
+        if (ks_map_put(&a->claims, j->command_id, c) != 0) {
+            free(c);
+            c = NULL;
+        }
+    }
+    if (c) {
+        c->attempt = j->attempt;
+        c->recovered_us = 0; /* held by j now */
+        memcpy(claim_id, c->claim_id, 37);
+        *listed_from = a->hb_seq + 1;
+    } else {
+        rc = -ENOMEM;
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
+
+/* The claim of command_id is settled: no longer listed. Any thread. */
+static void
+claim_drop(struct agent *a, const char *command_id)
+{
+    pthread_mutex_lock(&a->mu);
+    free(ks_map_del(&a->claims, command_id));
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* true when this process holds a claim of command_id. */
+static bool
+claim_held(struct agent *a, const char *command_id)
+{
+    pthread_mutex_lock(&a->mu);
+    bool held = ks_map_get(&a->claims, command_id) != NULL;
+    pthread_mutex_unlock(&a->mu);
+    return held;
+}
+
+int
+agent__claim_recovered(struct agent *a, const char *command_id,
+                       const char *agent_id, uint32_t attempt,
+                       const char *operator_name, const char *claim_id)
+{
+    struct agent_claim *c = calloc(1, sizeof(*c));
+    int rc;
+
+    if (!c)
+        return -ENOMEM;
+    snprintf(c->claim_id, sizeof(c->claim_id), "%s", claim_id);
+    snprintf(c->agent_id, sizeof(c->agent_id), "%s", agent_id);
+    snprintf(c->operator_name, sizeof(c->operator_name), "%s", operator_name);
+    c->attempt = attempt;
+    c->recovered_us = ks_mono_us();
+    pthread_mutex_lock(&a->mu);
+    free(ks_map_del(&a->claims, command_id));
+    rc = ks_map_put(&a->claims, command_id, c);
+    pthread_mutex_unlock(&a->mu);
+    if (rc)
+        free(c);
+    return rc;
+}
+
+struct claims_old {
+    struct agent *a;
+    int64_t before_us;
+    char (*ids)[37];
+    size_t n, cap;
+};
+
+static void
+claim_old_one(const char *key, void *val, void *ud)
+{
+    struct agent_claim *c = val;
+    struct claims_old *o = ud;
+    if (!c->recovered_us || c->recovered_us > o->before_us ||
+        ks_map_get(&o->a->jobs, key))
+        return;
+    if (o->n == o->cap) {
+        size_t nc = o->cap ? o->cap * 2 : 8;
+        char (*p)[37] = realloc(o->ids, nc * sizeof(*p));
+        if (!p)
+            return; /* the next tick */
+        o->ids = p;
+        o->cap = nc;
+    }
+    memcpy(o->ids[o->n++], key, 37);
+}
+
+/*
+ * A claim taken up from the journal whose message JetStream has not
+ * delivered again within twice the ack wait went elsewhere (another process of
+ * the id, or the broker ended the command): it is let go, with its
+ * journal file. Nothing is reported for it: if it won, this process may
+ * not say how it ended, and the broker ends it (Lost) once no heartbeat of
+ * a live process lists it. Keeper thread.
+ */
+static void
+claims_forget_old(struct agent *a, int64_t now)
+{
+    /* Nak'd at the start, it comes back at once; a message whose nak was
+     * lost (or that had no ack subject) comes back after the ack wait. */
+    struct claims_old o = {a, now - 2 * (int64_t)a->ack_wait_ms * 1000, NULL,
+                           0, 0};
+
+    pthread_mutex_lock(&a->mu);
+    ks_map_each(&a->claims, claim_old_one, &o);
+    for (size_t i = 0; i < o.n; i++)
+        free(ks_map_del(&a->claims, o.ids[i]));
+    pthread_mutex_unlock(&a->mu);
+    for (size_t i = 0; i < o.n; i++) {
+        agent__journal_remove(a, o.ids[i]);
+        ks_log(KS_LOG_WARN,
+               "a claim a previous run left was not delivered again: let go "
+               "(if it won, the broker ends the command)",
+               KS_S("command_id", o.ids[i]));
+    }
+    free(o.ids);
 }
 
 /* ---- acks ------------------------------------------------------------------ */
@@ -345,8 +498,10 @@ publisher_main(void *arg)
         evt_agent_durable(ident, sizeof(ident), win[0]->agent_id);
         for (size_t i = 0; i < n; i++) {
             ks_trace("agent.event_publish", win[i]->command_id);
-            msgs[i] = (struct evt_js_msg){win[i]->subject, win[i]->event_id,
-                                          win[i]->buf, win[i]->len, 0};
+            msgs[i] = (struct evt_js_msg){.subject = win[i]->subject,
+                                          .msg_id = win[i]->event_id,
+                                          .data = win[i]->buf,
+                                          .len = win[i]->len};
         }
         int rc = evt_js_publish_window(a->nc,
                                        a->opts.pool ? a->pool_identity : ident,
@@ -444,7 +599,8 @@ job_release(struct job_ctx *j, const char *what)
         ks_map_del(&a->jobs, j->command_id);
     if (j->state != JOB_WAITING) {
         struct job_ctx *next = a->waitq;
-        if (next && !atomic_load(&a->closing)) {
+        if (next && !atomic_load(&a->closing) &&
+            !atomic_load(&a->draining)) {
             a->waitq = next->qnext;
             if (!a->waitq)
                 a->waitq_tail = &a->waitq;
@@ -598,7 +754,7 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     Ks__Output o, e;
     const char *type;
     char reason[200] = "";
-    bool fenced;
+    bool fenced, stopped;
     int64_t silence_us;
 
     (void)job_id;
@@ -606,6 +762,10 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
     pthread_mutex_lock(&a->mu);
     fenced = j->fenced;
     silence_us = j->fence_silence_us;
+    /* Cancelled by agent_stop (a copy's fetch given up at closing, or
+     * the executor's stop), not by an operator: the agent stopped. */
+    stopped = (atomic_load(&a->stop_killing) || atomic_load(&a->closing)) &&
+              !j->op_cancelled && x->cancelled;
     pthread_mutex_unlock(&a->mu);
     fill_result(&r, &o, &e, x);
     ks_log(KS_LOG_DEBUG, "command finished", KS_S("command_id", j->command_id),
@@ -655,6 +815,41 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                  "agent lost contact with NATS for %.1f s before it could "
                  "spawn the command (self-fence)",
                  (double)silence_us / 1e6);
+    } else if (stopped && x->outcome == EXEC_START_FAILED) {
+        /* Queued in the executor when the agent stopped: never spawned. */
+        type = "CommandNotStarted";
+        r = (Ks__CommandResult)KS__COMMAND_RESULT__INIT;
+        r.status = KS__COMMAND_STATUS__NOT_STARTED;
+        r.term_sent_us = r.kill_sent_us = -1;
+        snprintf(reason, sizeof(reason),
+                 "the agent stopped before it spawned the command");
+    } else if (x->outcome == EXEC_START_FAILED && x->cancelled) {
+        /* Cancelled after its claim, before the executor spawned it (the
+         * cancel came before the claim's reply, or with it: two brokers,
+         * two paths): the executor calls that a start failure, but
+         * nothing failed to start; it was cancelled and never ran. */
+        type = "CommandCompleted";
+        r.status = KS__COMMAND_STATUS__CANCELLED;
+        r.cancelled = 1;
+        r.start_stage = (char *)"";
+        r.start_errno = 0;
+        /* (a copy's fetch says where it was) */
+        snprintf(reason, sizeof(reason), "%s",
+                 j->end_reason ? j->end_reason
+                               : "cancelled before it was spawned: it never "
+                                 "ran");
+    } else if (stopped) {
+        /* Nobody cancelled it: the agent was stopped (SIGTERM) and its
+         * drain timeout passed, or it stopped without one. The kill
+         * protocol ended it (TERM, grace, KILL to its group). */
+        type = "CommandLost";
+        r.status = KS__COMMAND_STATUS__LOST;
+        r.cancelled = 0;
+        snprintf(reason, sizeof(reason),
+                 "the agent stopped while the command ran (drain timeout "
+                 "%.0f s): its processes were stopped (TERM, then KILL "
+                 "after the grace)",
+                 (double)a->drain_ms / 1000);
     }
     if (!reason[0] && j->end_reason)
         snprintf(reason, sizeof(reason), "%s", j->end_reason);
@@ -662,6 +857,8 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
         r.reason = reason;
     report(j, type, &r, reason[0] ? reason : NULL);
     agent__journal_remove(a, j->command_id);
+    /* Its end is queued (the outbox is listed until its PubAck). */
+    claim_drop(a, j->command_id);
     exec_result_release(x);
     pthread_mutex_lock(&a->mu);
     a->in_flight--;
@@ -693,17 +890,49 @@ reject(struct agent_slot *slot, const char *command_id, uint32_t attempt,
     agent__queue_event(slot->agent, &ev);
 }
 
+/* Whether a claim's reply is the broker's last word on it. A failure of
+ * its store is not (the claim's commit is in doubt): the claim is tried
+ * again, with the same claim id. */
+static bool
+claim_answered(const Ks__ClaimReply *rep)
+{
+    if (rep->granted)
+        return true;
+    switch (rep->error_code) {
+    case KS_ECLAIMED:
+    case KS_ENOTFOUND:
+    case KS_EDENIED:
+    case KS_EDUPINSTANCE:
+    case KS_EINVAL:
+    case KS_EDECODE:
+    case KS_ETOOBIG:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Between two tries of a claim (ms): 50 doubling to 1 s. */
+#define CLAIM_PAUSE_MIN_MS 50
+#define CLAIM_PAUSE_MAX_MS 1000
+
 /*
- * Claims the command through the broker with the claim event event_id.
- * 1 granted, 0 lost, <0 error.
+ * Claims the command through the broker with the claim event event_id,
+ * listed in this process's heartbeats from number listed_from on. Tried
+ * with the same event_id until the broker answers (claim_answered): a
+ * claim whose reply was lost, or whose broker restarted or could not
+ * reach its store, may have won, and the broker grants a repeat of the
+ * claim that won (broker.c on_claim). 1 granted, 0 lost, a negative code
+ * the broker answered with, or KS_ESTOPPED: agent_stop came first and
+ * the claim's fate is unknown.
  */
 static int
 claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
-      Ks__CommandResult *start_failure, const char *event_id)
+      Ks__CommandResult *start_failure, const char *event_id,
+      uint64_t listed_from)
 {
     Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
     Ks__ClaimReply *rep = NULL;
-    ProtobufCMessage *pm = NULL;
     natsMsg *m = NULL;
     int rc = 0;
 
@@ -719,54 +948,79 @@ claim(struct agent *a, struct agent_slot *slot, const Ks__Command *cmd,
     req.start_failure = start_failure;
     req.operator_ = cmd->operator_;
     req.instance_id = a->instance_id;
-    /* Retried with the same event_id: a claim whose reply was lost is
-     * recognised by the broker as ours (KS_EDUPLICATE -> granted). A broker
-     * restarting answers "no responders" at once: wait for it rather than
-     * hand the message back at once. */
-    int64_t give_up = ks_mono_us() + (int64_t)CLAIM_RETRY_MS * 1000;
-    int pause_ms = 50;
+    req.listed_from_seq = listed_from;
+    /* The first ask goes to the brokers' queue group, which may hand it to
+     * a stopped broker (nats-server keeps one in the group while it has
+     * messages to hand it); every ask again goes to all of them
+     * (EVT_API_CLAIM_AGAIN), and the first answer counts: the claim fence
+     * lets one append of the claim win, and a repeat of it is granted as
+     * ours. */
+    int pause_ms = CLAIM_PAUSE_MIN_MS;
     ks_trace("agent.claim_sent", cmd->command_id);
     /* In a pool the claim still names agent-<id> (its subject: the
      * broker's check, and the pool's NATS permissions list each of its
      * ids), but the reply comes to the pool's own inbox, the one inbox
      * its credential may read. */
-    char pool_subject[sizeof(EVT_API_CLAIM) + 16 + EVT_AGENT_ID_MAX];
+    char pool_subject[sizeof(EVT_API_CLAIM_AGAIN) + 16 + EVT_AGENT_ID_MAX];
     uint8_t *pool_req = NULL;
     size_t pool_req_len = 0;
-    if (a->opts.pool) {
-        snprintf(pool_subject, sizeof(pool_subject), "%s.%s", EVT_API_CLAIM,
-                 claimer);
-        if ((rc = kproto_pack(&req.base, &pool_req, &pool_req_len)))
-            return rc;
-    }
-    for (;;) {
+    if (a->opts.pool && (rc = kproto_pack(&req.base, &pool_req,
+                                          &pool_req_len)))
+        return rc;
+    for (bool again = false;; again = true) {
+        if (atomic_load(&a->closing)) {
+            rc = KS_ESTOPPED;
+            break;
+        }
         int64_t t0 = ks_mono_us();
-        if (pool_req)
+        const char *api = again ? EVT_API_CLAIM_AGAIN : EVT_API_CLAIM;
+        if (pool_req) {
+            snprintf(pool_subject, sizeof(pool_subject), "%s.%s", api,
+                     claimer);
             rc = evt_request_bytes_as(a->nc, a->pool_identity, pool_subject,
                                       NULL,
                                       pool_req, pool_req_len,
                                       CLAIM_TIMEOUT_MS, &m);
-        else
-            rc = evt_request_as(a->nc, claimer, EVT_API_CLAIM, &req.base,
+        } else {
+            rc = evt_request_as(a->nc, claimer, api, &req.base,
                                 CLAIM_TIMEOUT_MS, &m);
-        if (rc == 0)
+        }
+        if (rc == 0) {
+            ProtobufCMessage *pm = NULL;
             ks_metric_observe_us(KS_H_AGENT_CLAIM, ks_mono_us() - t0);
-        if (rc == 0 || atomic_load(&a->closing) || ks_mono_us() >= give_up)
-            break;
-        nanosleep(&(struct timespec){0, pause_ms * 1000000L}, NULL);
-        if (pause_ms < 500)
-            pause_ms *= 2;
+            rc = evt_unpack(&ks__claim_reply__descriptor, natsMsg_GetData(m),
+                            (size_t)natsMsg_GetDataLength(m), &pm);
+            natsMsg_Destroy(m);
+            m = NULL;
+            rep = (Ks__ClaimReply *)pm;
+            if (rc == 0 && claim_answered(rep))
+                break;
+            if (rc == 0)
+                rc = rep->error_code;
+            if (rep)
+                ks__claim_reply__free_unpacked(rep, NULL);
+            rep = NULL;
+        }
+        /* No broker (restarting: "no responders"), no reply in time, or
+         * its store failed: the claim may have won, so it is not given up
+         * and never made again under another id. */
+        if (agent__log_due(&a->claim_err_logged_us))
+            ks_log(KS_LOG_WARN,
+                   "a claim has no answer yet: tried again with the same "
+                   "claim id",
+                   KS_S("command_id", cmd->command_id),
+                   KS_S("agent", slot->id), KS_S("claim_id", event_id),
+                   KS_ERR(rc));
+        nanosleep(&(struct timespec){pause_ms / 1000,
+                                     (long)(pause_ms % 1000) * 1000000L},
+                  NULL);
+        pause_ms = pause_ms * 2 > CLAIM_PAUSE_MAX_MS ? CLAIM_PAUSE_MAX_MS
+                                                     : pause_ms * 2;
     }
     free(pool_req);
     if (rc)
         return rc;
     ks_trace("agent.claim_granted", cmd->command_id);
-    rc = evt_unpack(&ks__claim_reply__descriptor, natsMsg_GetData(m),
-                    (size_t)natsMsg_GetDataLength(m), &pm);
-    natsMsg_Destroy(m);
-    if (rc)
-        return rc;
-    rep = (Ks__ClaimReply *)pm;
     if (!rep->granted && rep->error_code == KS_EDUPINSTANCE) {
         /* Another, older process serves this id, as the broker sees it:
          * this one must not run its commands while that one is live. It
@@ -819,7 +1073,7 @@ aside_one(struct agent *a, struct agent_slot *slot, natsSubscription **sub,
     if (want == *aside)
         return;
     pthread_mutex_lock(&a->sub_mu);
-    if (atomic_load(&a->closing)) {
+    if (atomic_load(&a->closing) || atomic_load(&a->draining)) {
         pthread_mutex_unlock(&a->sub_mu);
         return;
     }
@@ -891,9 +1145,144 @@ contact_regained(struct agent *a)
 }
 
 /*
+ * After the claim: a copy's files (payload.c), then the spawn. A fetch
+ * that fails ends the command StartFailed (stage fetch) with the reason;
+ * one given up for a cancel ends it Cancelled, for the agent's stop
+ * NotStarted (job_done). spec is what start_job made; cmd stays the
+ * caller's. Starter, delivery or fetch thread.
+ */
+static void
+spawn_claimed(struct job_ctx *j, const Ks__Command *cmd,
+              const struct exec_spec *spec)
+{
+    struct agent *a = j->agent;
+    char why[512] = "";
+    uint64_t job_id = 0;
+    int rc;
+
+    const char *claimed_stage = "spawn";
+    rc = agent__payload_fetch(a, j, cmd, why, sizeof(why));
+    if (rc) {
+        claimed_stage = "fetch";
+        j->end_reason = strdup(why);
+        if (rc != -ECANCELED)
+            ks_log(KS_LOG_WARN,
+                   "a copy's fetch failed: the command ends StartFailed",
+                   KS_S("command_id", j->command_id),
+                   KS_S("agent", j->slot->id), KS_S("reason", why));
+    } else {
+        /* Its output as it is written (output.c); without, only the end. */
+        agent__out_new(j);
+    }
+    /* Held across the submit, so job_done (which takes mu) cannot free j
+     * before it has its job id. */
+    pthread_mutex_lock(&a->mu);
+    j->state = JOB_RUNNING;
+    a->in_flight++;
+    /* A cancel that came while the claim was out: never spawned. */
+    if (rc == 0 && j->cancel_pending)
+        rc = -ECANCELED;
+    if (rc == 0)
+        rc = exec_submit_out(a->loop, spec, job_started,
+                             j->out ? agent__out_piece : NULL, job_done, j,
+                             &job_id);
+    if (rc == 0)
+        j->job_id = job_id;
+    pthread_mutex_unlock(&a->mu);
+    if (rc) {
+        /* Claimed but not started: report it, so it still ends (a
+         * cancel's as Cancelled: job_done). */
+        struct exec_result x = {0};
+        x.outcome = EXEC_START_FAILED;
+        x.start_stage = claimed_stage;
+        /* A kscore code (a broker's refusal) is no errno: the reason
+         * says what it was. */
+        x.start_errno = rc > -1000 ? -rc : EIO;
+        /* A cancel's is Cancelled (job_done). */
+        x.cancelled = rc == -ECANCELED;
+        x.term_sent_us = x.kill_sent_us = -1;
+        job_done(0, &x, j);
+    }
+}
+
+/* What a fetch thread takes over from start_job. */
+struct fetch_apart {
+    struct job_ctx *j;
+    Ks__Command *cmd;
+    struct exec_spec spec;
+    const char **argv;
+    struct exec_env *env;
+    struct agent_secrets *secrets;
+};
+
+static void *
+fetch_main(void *arg)
+{
+    struct fetch_apart *f = arg;
+    struct agent *a = f->j->agent;
+
+    spawn_claimed(f->j, f->cmd, &f->spec);
+    agent__secrets_free(f->secrets);
+    free(f->argv);
+    free(f->env);
+    ks__command__free_unpacked(f->cmd, NULL);
+    free(f);
+    /* Counted as a callback: agent_stop waits for it before the executor
+     * goes. Nothing of a is touched after this. */
+    pthread_mutex_lock(&a->mu);
+    a->callbacks--;
+    pthread_cond_broadcast(&a->cb_cond);
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/*
+ * Runs spawn_claimed on a detached thread of its own, which takes *cmd,
+ * *argv, *env and *secrets (NULLed) and a copy of *spec. 0, or an error
+ * (nothing taken: the caller runs it itself). One thread per copy being
+ * fetched, at most max_concurrent (each holds a slot).
+ */
+static int
+fetch_apart(struct job_ctx *j, Ks__Command **cmd, const struct exec_spec *spec,
+            const char ***argv, struct exec_env **env,
+            struct agent_secrets **secrets)
+{
+    struct agent *a = j->agent;
+    struct fetch_apart *f = calloc(1, sizeof(*f));
+    pthread_attr_t attr;
+    pthread_t t;
+    int rc;
+
+    if (!f)
+        return -ENOMEM;
+    *f = (struct fetch_apart){j, *cmd, *spec, *argv, *env, *secrets};
+    pthread_mutex_lock(&a->mu);
+    a->callbacks++;
+    pthread_mutex_unlock(&a->mu);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &attr, fetch_main, f);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        pthread_mutex_lock(&a->mu);
+        a->callbacks--;
+        pthread_cond_broadcast(&a->cb_cond);
+        pthread_mutex_unlock(&a->mu);
+        free(f);
+        return -rc;
+    }
+    *cmd = NULL;
+    *argv = NULL;
+    *env = NULL;
+    *secrets = NULL;
+    return 0;
+}
+
+/*
  * Starts a held message that has a slot (state JOB_STARTING): precheck,
- * claim, submit. Every path ends the hold (job_release) or hands it to the
- * executor (job_done ends it). Delivery or starter thread.
+ * claim, submit (spawn_claimed; a copy's on a fetch thread). Every path
+ * ends the hold (job_release) or hands it to the executor (job_done ends
+ * it). Delivery or starter thread.
  */
 static void
 start_job(struct job_ctx *j)
@@ -905,19 +1294,24 @@ start_job(struct job_ctx *j)
     struct exec_env *env = NULL;
     struct exec_spec spec = {0};
     const char *stage = NULL;
-    char claim_id[37], secret_why[256] = "";
+    char claim_id[37], secret_why[256] = "", *inventory = NULL;
     struct agent_secrets *secrets = NULL;
-    uint64_t job_id = 0;
     int rc;
 
     j->cmd = NULL; /* ours now; exec_submit copies what it keeps */
-    if (atomic_load(&a->closing)) {
-        /* Stopping: someone else (or our next start) takes it at once. */
-        agent__journal_remove(a, j->command_id);
+    /* A claim this process holds already (a previous run's, from the
+     * journal) may have won: it is claimed again as it was, never given
+     * up for a new one, expired or not. */
+    bool prior = claim_held(a, j->command_id);
+    if (atomic_load(&a->closing) || atomic_load(&a->draining)) {
+        /* Stopping: someone else (or our next start) takes it at once.
+         * A claim held before stays journalled for the next start. */
+        if (!prior)
+            agent__journal_remove(a, j->command_id);
         job_release(j, "-NAK");
         goto out;
     }
-    if (ks_now_us() >= cmd->not_after_us) {
+    if (!prior && ks_now_us() >= cmd->not_after_us) {
         /* It waited here past its deadline: the broker ends it
          * Undeliverable; claiming it now would only be refused. */
         reject(slot, j->command_id, j->attempt,
@@ -927,7 +1321,8 @@ start_job(struct job_ctx *j)
         goto out;
     }
     argv = calloc(cmd->spec->n_argv + 1, sizeof(*argv));
-    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + 2,
+    env = calloc(cmd->spec->n_env + cmd->spec->n_sealed_env + cmd->n_labels +
+                     a->facts.n + 2,
                  sizeof(*env));
     if (!argv || !env) {
         agent__journal_remove(a, j->command_id);
@@ -946,6 +1341,12 @@ start_job(struct job_ctx *j)
     spec.argv = argv;
     spec.env = env;
     spec.env_len = cmd->spec->n_env + 1;
+    /* KSCORE_LABEL_*, KSCORE_FACT_* (facts.c). */
+    if (agent__inventory_env(a, cmd, env, &spec.env_len, &inventory) != 0) {
+        agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
+        goto out;
+    }
     spec.cwd = cmd->spec->cwd;
     spec.command_id = cmd->command_id;
     spec.timeout_ms = cmd->spec->timeout_ms;
@@ -958,7 +1359,6 @@ start_job(struct job_ctx *j)
                                 ? cmd->spec->stderr_cap_bytes
                                 : EXEC_OUTPUT_CAP_AGENT_DEFAULT;
 
-    ks_uuid(claim_id);
     /* Secret variables (secret.c): a command whose values cannot be
      * opened never runs, and ends StartFailed through the claim. */
     rc = agent__secrets_open(a, slot->id, cmd, env, &spec.env_len, &secrets,
@@ -970,15 +1370,22 @@ start_job(struct job_ctx *j)
                                     secret_why, sizeof(secret_why));
     if (rc == 0)
         rc = exec_precheck(&spec, &stage);
-    if (rc) {
-        Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
-        r.status = KS__COMMAND_STATUS__START_FAILED;
-        r.start_stage = (char *)stage;
-        r.start_errno = -rc;
-        r.reason = secret_why;
-        r.started_at_us = r.finished_at_us = ks_now_us();
-        r.term_sent_us = r.kill_sent_us = -1;
-        rc = claim(a, slot, cmd, &r, claim_id);
+    Ks__CommandResult start_failure = KS__COMMAND_RESULT__INIT;
+    bool start_failed = rc != 0;
+    if (start_failed) {
+        start_failure.status = KS__COMMAND_STATUS__START_FAILED;
+        start_failure.start_stage = (char *)stage;
+        start_failure.start_errno = -rc;
+        start_failure.reason = secret_why;
+        start_failure.started_at_us = start_failure.finished_at_us =
+            ks_now_us();
+        start_failure.term_sent_us = start_failure.kill_sent_us = -1;
+    }
+    if (start_failed && !prior) {
+        /* Nothing is listed or journalled: if this claim wins, the
+         * command has ended. */
+        ks_uuid(claim_id);
+        rc = claim(a, slot, cmd, &start_failure, claim_id, 0);
         agent__journal_remove(a, j->command_id);
         if (rc >= 0) {
             job_release(j, "+ACK");
@@ -988,17 +1395,44 @@ start_job(struct job_ctx *j)
         }
         goto out;
     }
-    /* Journal first: a crash from here on is "claimed, never spawned". A
-     * claim the journal cannot hold is not made: a crash would leave a
-     * command that never ends (the restart would not know it). The
-     * message goes back to JetStream, for us later or a peer of the id. */
+    /* Listed in the heartbeats from now on, with the claim id every try
+     * of this claim carries (claim_take). */
+    uint64_t listed_from = 0;
+    if (claim_take(j, claim_id, &listed_from, &prior) != 0) {
+        nak_delay(a, j->ack_subject, 1000);
+        job_release(j, NULL);
+        goto out;
+    }
+    /* Journal first: a crash from here on is "claimed, never spawned", and
+     * the claim id is on disk before the claim is sent, so a restart
+     * claims with it again. A claim the journal cannot hold is not made:
+     * a crash would leave a command that never ends (the restart would
+     * not know it). The message goes back to JetStream, for us later or a
+     * peer of the id. */
     if (agent__journal_hold(a, j, claim_id) != 0) {
-        agent__journal_remove(a, j->command_id);
+        if (!prior) {
+            claim_drop(a, j->command_id);
+            agent__journal_remove(a, j->command_id);
+        }
         nak_delay(a, j->ack_subject, state_retry_ms(j->delivered));
         job_release(j, NULL);
         goto out;
     }
-    rc = claim(a, slot, cmd, NULL, claim_id);
+    rc = claim(a, slot, cmd, NULL, claim_id, listed_from);
+    if (rc == KS_ESTOPPED) {
+        /* Stopping with the claim unanswered: it may have won. With a
+         * state dir the journal keeps it, and the next start claims with
+         * the same id; without, nobody can, and the broker ends it
+         * (Lost) if it won, once no live process's heartbeat lists it.
+         * The message goes back to JetStream either way. */
+        if (!a->state_dir)
+            claim_drop(a, j->command_id);
+        agent__ack(a, j->ack_subject, "-NAK");
+        job_release(j, NULL);
+        goto out;
+    }
+    if (rc != 1)
+        claim_drop(a, j->command_id); /* not ours */
     if (rc == KS_ENOTFOUND) {
         /* Not recorded: the broker publishes a command while its record
          * commits, and this claim outran the commit (try again soon), or
@@ -1035,6 +1469,16 @@ start_job(struct job_ctx *j)
         goto out;
     }
     seen_add(a, j->command_id, j->attempt);
+    if (start_failed) {
+        /* A previous run's claim, claimed again, and now it cannot start:
+         * ours to end. */
+        report(j, "CommandStartFailed", &start_failure,
+               secret_why[0] ? secret_why : NULL);
+        agent__journal_remove(a, j->command_id);
+        claim_drop(a, j->command_id);
+        job_release(j, "+ACK");
+        goto out;
+    }
     if (atomic_load(&a->fenced) && !contact_regained(a)) {
         /* Claimed, but NATS has gone silent: a command started now could
          * be declared Lost while it runs. It provably never started. */
@@ -1045,49 +1489,21 @@ start_job(struct job_ctx *j)
                    "command: not spawned (self-fence)";
         report(j, "CommandNotStarted", &r, r.reason);
         agent__journal_remove(a, j->command_id);
+        claim_drop(a, j->command_id);
         job_release(j, "+ACK");
         goto out;
     }
-    /* A copy's files, now that it is ours (payload.c); past the claim, a
-     * failure ends it StartFailed with the reason. */
-    const char *claimed_stage = "spawn";
-    rc = agent__payload_fetch(a, j, cmd, secret_why, sizeof(secret_why));
-    if (rc) {
-        claimed_stage = "fetch";
-        j->end_reason = strdup(secret_why);
-    } else {
-        /* Its output as it is written (output.c); without, only the end. */
-        agent__out_new(j);
-    }
-    /* Held across the submit, so job_done (which takes mu) cannot free j
-     * before it has its job id. */
-    pthread_mutex_lock(&a->mu);
-    j->state = JOB_RUNNING;
-    a->in_flight++;
-    if (rc == 0)
-        rc = exec_submit_out(a->loop, &spec, job_started,
-                             j->out ? agent__out_piece : NULL, job_done, j,
-                             &job_id);
-    if (rc == 0)
-        j->job_id = job_id;
-    bool cancel_now = rc == 0 && j->cancel_pending;
-    pthread_mutex_unlock(&a->mu);
-    if (cancel_now)
-        exec_cancel(a->loop, job_id);
-    if (rc) {
-        /* Claimed but not started: report it, so it still ends. */
-        struct exec_result x = {0};
-        x.outcome = EXEC_START_FAILED;
-        x.start_stage = claimed_stage;
-        /* A kscore code (a broker's refusal) is no errno: the reason
-         * says what it was. */
-        x.start_errno = rc > -1000 ? -rc : EIO;
-        x.cancelled = rc == -ECANCELED;
-        x.term_sent_us = x.kill_sent_us = -1;
-        job_done(0, &x, j);
-    }
+    /* A copy's files are fetched on a thread of their own (fetch_apart):
+     * a download must not hold up the other commands this thread would
+     * take (the delivery thread of an id or of a whole pool, or a
+     * starter). */
+    if (j->payload && agent__payload_fetches(j->payload) &&
+        fetch_apart(j, &cmd, &spec, &argv, &env, &secrets) == 0)
+        goto out;
+    spawn_claimed(j, cmd, &spec);
 out:
     agent__secrets_free(secrets); /* exec_submit copied what it keeps */
+    free(inventory);
     free(argv);
     free(env);
     ks__command__free_unpacked(cmd, NULL);
@@ -1148,6 +1564,14 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     pthread_mutex_unlock(&a->mu);
     if (atomic_load(&a->closing))
         goto out; /* not acked: redelivered after the ack wait */
+    if (atomic_load(&a->draining)) {
+        /* Taking no more work: back to JetStream at once, for another
+         * process of the id or for after the restart. */
+        if (reply && !strncmp(reply, slot->ack_prefix,
+                              strlen(slot->ack_prefix)))
+            agent__ack(a, reply, "-NAK");
+        goto out;
+    }
     /* Every delivery of this id's consumer comes with a reply subject
      * under its ack prefix; anything else on the deliver subject is not
      * JetStream's, and acks go nowhere else. */
@@ -1257,9 +1681,12 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     } else {
         /* No slot: it waits here, unclaimed. Journaled before it can be
-         * taken off the queue, so a restart hands it back to JetStream. */
+         * taken off the queue, so a restart hands it back to JetStream;
+         * a claim a previous run left for it keeps its entry as it is
+         * (its claim line is what the next start needs). */
         j->state = JOB_WAITING;
-        if (agent__journal_hold(a, j, NULL) != 0) {
+        if (!ks_map_get(&a->claims, j->command_id) &&
+            agent__journal_hold(a, j, NULL) != 0) {
             /* A restart would not hand it back: JetStream keeps it. */
             pthread_mutex_unlock(&a->mu);
             agent__journal_remove(a, j->command_id);
@@ -1343,6 +1770,8 @@ on_cancel(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         Ks__CancelCommand *cc = (Ks__CancelCommand *)pm;
         pthread_mutex_lock(&a->mu);
         job = ks_map_get(&a->jobs, cc->command_id);
+        if (job)
+            job->op_cancelled = true;
         if (job && job->state == JOB_RUNNING)
             job_id = job->job_id;
         else if (job)
@@ -1388,6 +1817,128 @@ slots_running(struct agent *a, uint32_t *running)
     pthread_mutex_unlock(&a->mu);
 }
 
+/* ---- holds: what this process lists in its heartbeats ----------------------- */
+
+/*
+ * AgentInfo.holds (proto/kscore.proto): every command with a claim in
+ * a->claims (sent or about to be: claim_take lists it first), and every
+ * command with an event in the outbox (its end, until the PubAck). A
+ * command leaves the claims only once its end is queued, so a command
+ * this process claimed is listed until the event stream has its end: a
+ * heartbeat that does not list it tells the broker this process does not
+ * run it. At most AGENT_HOLDS_MAX ids in an id's own entry (8 KiB in all:
+ * BROKER_AGENT_INFO_MAX_BYTES), AGENT_POOL_HOLDS_MAX in a pool's; more
+ * is "not complete", and the broker judges by silence alone.
+ */
+#define AGENT_HOLDS_MAX 128
+#define AGENT_POOL_HOLDS_MAX 8192
+#define AGENT_ENTRY_MAX_BYTES 8192
+#define AGENT_POOL_ENTRY_MAX_BYTES (256 * 1024)
+
+struct holds {
+    uint8_t (*ids)[16];
+    size_t n, cap, max;
+    bool complete;
+};
+
+static void
+holds_add(struct holds *h, const char *command_id)
+{
+    if (!h->complete)
+        return;
+    if (h->n == h->max) {
+        h->complete = false;
+        return;
+    }
+    if (h->n == h->cap) {
+        size_t nc = h->cap ? h->cap * 2 : 16;
+        uint8_t (*p)[16] = realloc(h->ids, nc * sizeof(*p));
+        if (!p) {
+            h->complete = false;
+            return;
+        }
+        h->ids = p;
+        h->cap = nc;
+    }
+    if (ks_uuid_bin(command_id, h->ids[h->n]) == 0)
+        h->n++;
+}
+
+struct holds_walk {
+    const char *agent_id; /* NULL: every id's (a pool) */
+    struct holds *h;
+};
+
+static void
+holds_claim(const char *key, void *val, void *ud)
+{
+    const struct agent_claim *c = val;
+    struct holds_walk *w = ud;
+    if (!w->agent_id || strcmp(c->agent_id, w->agent_id) == 0)
+        holds_add(w->h, key);
+}
+
+static int
+cmp_id16(const void *x, const void *y)
+{
+    return memcmp(x, y, 16);
+}
+
+/*
+ * The next heartbeat's number and what it lists: h[i] for a->slots[i],
+ * or h[0] alone for a pool (n 1). One lock for all, the one claim_take
+ * lists a claim under. h[i].ids malloc'd, sorted, without repeats.
+ */
+static uint64_t
+holds_collect(struct agent *a, struct holds *h, size_t n, size_t max)
+{
+    uint64_t seq;
+
+    pthread_mutex_lock(&a->mu);
+    seq = ++a->hb_seq;
+    for (size_t i = 0; i < n; i++) {
+        struct holds_walk w = {n == 1 && a->opts.pool ? NULL
+                                                      : a->slots[i].id,
+                               &h[i]};
+        h[i] = (struct holds){.max = max, .complete = true};
+        ks_map_each(&a->claims, holds_claim, &w);
+        /* A long outbox (NATS away) makes the list not complete soon:
+         * no need to walk the rest. */
+        for (struct outbox_item *it = a->out_head; it && h[i].complete;
+             it = it->next)
+            if (!w.agent_id || strcmp(it->agent_id, w.agent_id) == 0)
+                holds_add(&h[i], it->command_id);
+    }
+    pthread_mutex_unlock(&a->mu);
+    for (size_t i = 0; i < n; i++) {
+        size_t k = 0;
+        qsort(h[i].ids, h[i].n, 16, cmp_id16);
+        for (size_t j = 0; j < h[i].n; j++)
+            if (k == 0 || memcmp(h[i].ids[k - 1], h[i].ids[j], 16) != 0)
+                memmove(h[i].ids[k++], h[i].ids[j], 16);
+        h[i].n = k;
+    }
+    return seq;
+}
+
+/* Puts h into info (the binary data borrows h; bin: room for h->n). A
+ * list that would make the entry larger than max_bytes is left out (not
+ * complete). */
+static void
+holds_put(Ks__AgentInfo *info, const struct holds *h, ProtobufCBinaryData *bin,
+          size_t max_bytes)
+{
+    for (size_t i = 0; i < h->n; i++)
+        bin[i] = (ProtobufCBinaryData){16, h->ids[i]};
+    info->holds = bin;
+    info->n_holds = h->complete ? h->n : 0;
+    info->holds_complete = h->complete;
+    if (protobuf_c_message_get_packed_size(&info->base) > max_bytes) {
+        info->n_holds = 0;
+        info->holds_complete = false;
+    }
+}
+
 /* labels as the registry entry's EnvVars: *v_out and *p_out (malloc'd;
  * the strings stay the labels'). 0 or -ENOMEM (both NULL). */
 static int
@@ -1431,35 +1982,47 @@ attest_put(Ks__AgentInfo *info, Ks__EnvVar **labels, size_t n, int64_t at_us,
 }
 
 /*
- * What a heartbeat's outcome says to the self-fence (keeper_main). Stored
- * in the registry: the broker hears us. Refused by a connected NATS for
- * want of the registry itself (no responders: the bucket has no leader,
- * or its JetStream error, such as 503 without quorum): nobody hears
- * anybody's heartbeat then, the brokers' own beacons included, so no
- * broker judges us by silence (broker__registry_deaf) and there is
- * nothing to fence against. A timeout, or NATS away, says nothing: a
- * partition looks like that. Without this, losing the cluster node that
- * led the registry fenced every agent for the 5-15 s of the bucket's new
- * election, and commands claimed then ended NotStarted.
+ * What a heartbeat's outcome says to the self-fence (keeper_main); t0:
+ * when the put began (ks_mono_us). Stored in the registry: the broker
+ * hears us. Refused by the server for want of the registry itself (no
+ * responders: the bucket has no leader, or its JetStream error, such as
+ * 503 without quorum): nobody hears anybody's heartbeat then, the
+ * brokers' own beacons included, so no broker judges us by silence
+ * (broker__registry_deaf) and there is nothing to fence against. Without
+ * this, losing the cluster node that led the registry fenced every agent
+ * for the 5-15 s of the bucket's new election, and commands claimed then
+ * ended NotStarted.
+ *
+ * But only an answer from the server says so. KS_ENATS or KS_EUNAVAIL on
+ * a connection nats.c calls CONNECTED may also be a write that failed:
+ * the deaf agent of issue 22 (its read thread hung in nats.c, every write
+ * failing with EPIPE, the status still CONNECTED) counted those as
+ * contact, lifted its fence and ran commands it could never report. So
+ * the server must have answered since t0: the put's "no responders" or
+ * error PubAck, or else the PONG to a PING sent now.
  */
 static void
-heard(struct agent *a, int rc)
+heard(struct agent *a, int rc, int64_t t0)
 {
-    bool connected =
-        natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED;
+    if (rc == 0) {
+        atomic_store(&a->last_contact_us, ks_mono_us());
+        return;
+    }
+    if (rc != KS_EUNAVAIL && rc != KS_ENATS && rc != KS_ETIMEDOUT)
+        return;
     /*
      * An agent's put reaches JetStream through its account's service
      * import (deploy/nats-auth.conf.in), and the server answers no
      * "no responders" across an import (nats-server 2.9 client.go: the
      * import's own subscription counts as delivered): a registry without a
-     * leader now looks like a timeout. A server that still answers a PING
-     * at once is there and is what says nobody serves the registry, as
-     * the "no responders" did; a partition from it fails the PING too.
+     * leader looks like a timeout. A server that still answers a PING at
+     * once is there and is what says nobody serves the registry, as the
+     * "no responders" did; a partition from it fails the PING too.
      */
-    if (rc == KS_ETIMEDOUT && connected &&
-        natsConnection_FlushTimeout(a->nc->nc, 1000) == NATS_OK)
-        rc = KS_EUNAVAIL;
-    if (rc == 0 || ((rc == KS_EUNAVAIL || rc == KS_ENATS) && connected))
+    if (evt_link_answered_us(a->nc) < t0 &&
+        natsConnection_Status(a->nc->nc) == NATS_CONN_STATUS_CONNECTED)
+        (void)evt_link_probe(a->nc, 1000);
+    if (evt_link_answered_us(a->nc) >= t0)
         atomic_store(&a->last_contact_us, ks_mono_us());
 }
 
@@ -1477,8 +2040,25 @@ heartbeat_once(struct agent *a)
     Ks__AgentInfo info = KS__AGENT_INFO__INIT;
     Ks__EnvVar *lv = NULL, **lp = NULL;
     uint32_t *per_slot = NULL;
+    bool pooled = a->opts.pool && a->opts.pool[0];
+    size_t n_holds = pooled ? 1 : a->n_slots;
+    struct holds *holds = calloc(n_holds ? n_holds : 1, sizeof(*holds));
+    ProtobufCBinaryData *bin = NULL;
     int rc;
 
+    if (!holds) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    info.heartbeat_seq = holds_collect(
+        a, holds, n_holds, pooled ? AGENT_POOL_HOLDS_MAX : AGENT_HOLDS_MAX);
+    size_t most = 0;
+    for (size_t i = 0; i < n_holds; i++)
+        most = holds[i].n > most ? holds[i].n : most;
+    if (!(bin = calloc(most ? most : 1, sizeof(*bin)))) {
+        rc = -ENOMEM;
+        goto out;
+    }
     if ((rc = labels_proto(a->opts.labels, a->opts.n_labels, &lv, &lp)))
         goto out;
     info.labels = lp;
@@ -1498,6 +2078,8 @@ heartbeat_once(struct agent *a)
     info.started_at_us = a->started_at_us;
     info.features = (char **)agent_features;
     info.n_features = AGENT_N_FEATURES;
+    info.facts = a->facts.p;
+    info.n_facts = a->facts.n;
     if (a->opts.pool && a->opts.pool[0]) {
         /* One entry for the whole pool: the broker takes it as every
          * listed id's heartbeat. */
@@ -1530,12 +2112,14 @@ heartbeat_once(struct agent *a)
             attest_put(&info, pap, a->pool_attest.n_labels,
                        a->pool_attest.enrolled_at_us, a->pool_attest_sig,
                        a->pool_attest_key_id);
+        holds_put(&info, &holds[0], bin, AGENT_POOL_ENTRY_MAX_BYTES);
+        int64_t t0 = ks_mono_us();
         rc = evt_pool_put(a->nc, a->pool_identity, &info,
                           HEARTBEAT_TIMEOUT_MS);
         free(ids);
         free(pav);
         free(pap);
-        heard(a, rc);
+        heard(a, rc, t0);
         goto out;
     }
     if (a->n_slots > 1 && (per_slot = calloc(a->n_slots, sizeof(*per_slot))))
@@ -1556,11 +2140,13 @@ heartbeat_once(struct agent *a)
          * reports the commands it runs, not the whole process's. */
         if (per_slot)
             info.running = per_slot[i];
+        holds_put(&info, &holds[i], bin, AGENT_ENTRY_MAX_BYTES);
+        int64_t t0 = ks_mono_us();
         one = evt_agent_put(a->nc, a->slots[i].identity, &info,
                             HEARTBEAT_TIMEOUT_MS);
         free(av);
         free(ap);
-        heard(a, one);
+        heard(a, one, t0);
         if (one && !rc)
             rc = one;
     }
@@ -1568,6 +2154,10 @@ out:
     free(lv);
     free(lp);
     free(per_slot);
+    for (size_t i = 0; holds && i < n_holds; i++)
+        free(holds[i].ids);
+    free(holds);
+    free(bin);
     return rc;
 }
 
@@ -1704,7 +2294,7 @@ keeper_main(void *arg)
     struct agent *a = arg;
     int64_t wpi_us = (int64_t)a->ack_wait_ms * 1000 / 3;
     int64_t last_tick = ks_mono_us(), next_wpi = last_tick + wpi_us;
-    int64_t judge_after = 0;
+    int64_t judge_after = 0, next_forget = last_tick + 1000000;
     natsConnStatus prev = NATS_CONN_STATUS_CONNECTED;
 
     while (!atomic_load(&a->closing)) {
@@ -1745,6 +2335,10 @@ keeper_main(void *arg)
             pthread_mutex_unlock(&a->mu);
             next_wpi = now + wpi_us;
         }
+        if (now >= next_forget) {
+            claims_forget_old(a, now);
+            next_forget = now + 1000000;
+        }
         int64_t silence = now - atomic_load(&a->last_contact_us);
         if (silence > (int64_t)a->fence_ms * 1000 && now >= judge_after) {
             if (!atomic_exchange(&a->fenced, true))
@@ -1769,6 +2363,26 @@ keeper_main(void *arg)
         }
     }
     return NULL;
+}
+
+/* The link answered nothing for link_timeout_ms while nats.c said
+ * CONNECTED (evt_link_watch, its thread): fenced already, the process
+ * stops for its supervisor to start a new one (agent_fatal). */
+static void
+link_dead(void *ud, int64_t silent_us)
+{
+    struct agent *a = ud;
+
+    atomic_store(&a->fenced, true);
+    fence_running(a, silent_us);
+    if (atomic_exchange(&a->fatal, AGENT_FATAL_LINK) == 0)
+        ks_log(KS_LOG_ERROR,
+               "the NATS link answers nothing though nats.c says it is "
+               "connected: the agent stops, to be started again",
+               KS_S("agent", a->slots[0].id),
+               KS_D("silent_s", (double)silent_us / 1e6),
+               KS_I("link_timeout_ms", (int64_t)a->link_timeout_ms),
+               KS_I("exit_code", AGENT_EXIT_LINK));
 }
 
 /* ---- start / stop ------------------------------------------------------------ */
@@ -1861,6 +2475,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     a->jobs = (struct ks_map)KS_MAP_INIT;
     a->slot_of = (struct ks_map)KS_MAP_INIT;
     a->seen = (struct ks_map)KS_MAP_INIT;
+    a->claims = (struct ks_map)KS_MAP_INIT;
     a->out_tail = &a->out_head;
     a->waitq_tail = &a->waitq;
     a->readyq_tail = &a->readyq;
@@ -1879,6 +2494,7 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     pthread_condattr_destroy(&ca);
     atomic_store(&a->last_contact_us, ks_mono_us());
     gethostname(a->host, sizeof(a->host));
+    agent__facts_read(&a->facts);
     ks_uuid(a->instance_id);
     a->started_at_us = ks_now_us();
     a->host[sizeof(a->host) - 1] = '\0';
@@ -1888,6 +2504,8 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     /* As the broker will make the consumer (AgentInfo.ack_wait_ms). */
     a->ack_wait_ms = evt_agent_ack_wait_ms(opts->ack_wait_ms);
     a->fence_ms = opts->fence_ms ? opts->fence_ms : AGENT_FENCE_MS;
+    a->link_timeout_ms = opts->link_timeout_ms ? opts->link_timeout_ms
+                                               : AGENT_LINK_TIMEOUT_MS;
     if (opts->state_dir) {
         char dir[4096];
         a->state_dir = strdup(opts->state_dir);
@@ -2012,6 +2630,14 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
      * An agent never calls the JetStream API, so this is also where it
      * learns that there is no registry bucket: no stream answers.
      */
+    /* What a previous run left, before the first heartbeat: that one
+     * already lists the claims it takes up again (AgentInfo.holds), so no
+     * broker ends those commands meanwhile. */
+    if (a->state_dir) {
+        outbox_load(a);
+        /* After exec_global_init() killed the cgroups of dead agents. */
+        agent__journal_recover(a);
+    }
     rc = register_retrying(a);
     if (rc) {
         if (errmsg &&
@@ -2022,11 +2648,6 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
                                        : "") < 0)
             *errmsg = NULL;
         goto fail;
-    }
-    if (a->state_dir) {
-        outbox_load(a);
-        /* After exec_global_init() killed the cgroups of dead agents. */
-        agent__journal_recover(a);
     }
     if (pthread_create(&a->pub_thread, NULL, publisher_main, a) != 0) {
         rc = KS_EINTERNAL;
@@ -2094,6 +2715,9 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
         goto fail;
     }
     a->keeper_started = true;
+    if ((rc = evt_link_watch_start(a->nc, (int)a->link_timeout_ms, link_dead,
+                                   a, &a->link_watch)))
+        goto fail;
     ks_metrics_collector_add(agent_collect, a);
     *out = a;
     return 0;
@@ -2108,14 +2732,124 @@ agent_watchdog_pid(struct agent *a)
     return a && a->loop ? exec_loop_watchdog_pid(a->loop) : 0;
 }
 
-void
-agent_stop(struct agent *a)
+/* Hands every message waiting for a slot back to JetStream (-NAK). */
+static void
+waitq_give_back(struct agent *a)
 {
     struct job_ctx *waiting;
 
+    pthread_mutex_lock(&a->mu);
+    waiting = a->waitq;
+    a->waitq = NULL;
+    a->waitq_tail = &a->waitq;
+    pthread_mutex_unlock(&a->mu);
+    while (waiting) {
+        struct job_ctx *j = waiting;
+        waiting = j->qnext;
+        if (!claim_held(a, j->command_id))
+            agent__journal_remove(a, j->command_id);
+        job_release(j, "-NAK");
+    }
+}
+
+void
+agent_drain(struct agent *a, uint64_t timeout_ms)
+{
+    if (!a || atomic_exchange(&a->draining, 1))
+        return;
+    a->drain_ms = (int64_t)timeout_ms;
+    pthread_mutex_lock(&a->sub_mu);
+    if (a->pool_sub)
+        natsSubscription_Unsubscribe(a->pool_sub);
+    for (size_t i = 0; i < a->n_slots; i++)
+        if (a->slots[i].sub)
+            natsSubscription_Unsubscribe(a->slots[i].sub);
+    pthread_mutex_unlock(&a->sub_mu);
+    /* The starters hand back what is ready and not yet claimed
+     * (start_job); on_command hands back what is delivered meanwhile. */
+    waitq_give_back(a);
+    ks_log(KS_LOG_INFO,
+           "draining: no new work; the running commands may finish",
+           KS_S("agent", a->slots[0].id),
+           KS_D("drain_timeout_s", (double)timeout_ms / 1000),
+           KS_I("busy", agent_busy(a)));
+}
+
+static void
+count_busy(const char *key, void *val, void *ud)
+{
+    const struct job_ctx *j = val;
+    (void)key;
+    if (j->state != JOB_WAITING)
+        ++*(unsigned *)ud;
+}
+
+unsigned
+agent_busy(struct agent *a)
+{
+    unsigned n = 0;
+
+    if (!a)
+        return 0;
+    pthread_mutex_lock(&a->mu);
+    ks_map_each(&a->jobs, count_busy, &n);
+    for (struct outbox_item *it = a->out_head; it; it = it->next)
+        n++;
+    pthread_mutex_unlock(&a->mu);
+    return n;
+}
+
+int
+agent_stop_graceful(struct agent *a, uint64_t timeout_ms,
+                    const sigset_t *stop_now)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    int sig = 0;
+    unsigned busy;
+
+    if (!a)
+        return 0;
+    agent_drain(a, timeout_ms);
+    while ((busy = agent_busy(a)) && ks_mono_us() < deadline) {
+        struct timespec tick = {0, 100 * 1000000L};
+        if (stop_now && (sig = sigtimedwait(stop_now, NULL, &tick)) > 0)
+            break;
+        if (!stop_now)
+            nanosleep(&tick, NULL);
+        sig = 0;
+    }
+    if (busy)
+        ks_log(KS_LOG_WARN,
+               sig > 0 ? "stopping now (a second signal): what still runs is "
+                         "stopped and reported Lost (the agent stopped)"
+                       : "the drain timeout passed: what still runs is "
+                         "stopped and reported Lost (the agent stopped)",
+               KS_S("agent", a->slots ? a->slots[0].id : ""),
+               KS_I("busy", busy),
+               KS_D("drain_timeout_s", (double)timeout_ms / 1000));
+    else
+        ks_log(KS_LOG_INFO, "drained: nothing runs any more",
+               KS_S("agent", a->slots ? a->slots[0].id : ""));
+    agent_stop(a);
+    return sig > 0 ? sig : 0;
+}
+
+static void
+free_claim(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+void
+agent_stop(struct agent *a)
+{
     if (!a)
         return;
     ks_metrics_collector_remove(agent_collect, a);
+    evt_link_watch_stop(a->link_watch);
+    a->link_watch = NULL;
     /* No new work: no deliveries, no new claims. */
     atomic_store(&a->closing, 1);
     /* After closing, under sub_mu: aside_tick subscribes nothing again. */
@@ -2136,21 +2870,20 @@ agent_stop(struct agent *a)
     pthread_mutex_unlock(&a->mu);
     for (size_t i = 0; i < a->n_starters; i++)
         pthread_join(a->starters[i], NULL); /* they nak what is ready */
+    /* A starter may have handed a copy to a fetch thread after the wait
+     * above: it sees closing and ends soon (spawn_claimed). */
+    pthread_mutex_lock(&a->mu);
+    while (a->callbacks)
+        pthread_cond_wait(&a->cb_cond, &a->mu);
+    pthread_mutex_unlock(&a->mu);
     if (a->keeper_started)
         pthread_join(a->keeper_thread, NULL);
     /* What never got a slot goes back to JetStream for whoever is next. */
-    pthread_mutex_lock(&a->mu);
-    waiting = a->waitq;
-    a->waitq = NULL;
-    a->waitq_tail = &a->waitq;
-    pthread_mutex_unlock(&a->mu);
-    while (waiting) {
-        struct job_ctx *j = waiting;
-        waiting = j->qnext;
-        agent__journal_remove(a, j->command_id);
-        job_release(j, "-NAK");
-    }
-    /* Cancels what still runs; every job's callback has run on return. */
+    waitq_give_back(a);
+    /* Stops what still runs (the kill protocol: TERM, grace, KILL); every
+     * job's callback has run on return, and reports the agent stopped
+     * (job_done), not a cancel. */
+    atomic_store(&a->stop_killing, true);
     exec_loop_free(a->loop);
     a->loop = NULL;
     agent__out_stop(a);
@@ -2165,13 +2898,6 @@ agent_stop(struct agent *a)
         pthread_join(a->pub_thread, NULL);
     if (a->hb_started)
         pthread_join(a->hb_thread, NULL);
-    natsSubscription_Destroy(a->pool_sub);
-    for (size_t i = 0; i < a->n_slots; i++) {
-        natsSubscription_Destroy(a->slots[i].sub);
-        natsSubscription_Destroy(a->slots[i].cancel_sub);
-        free(a->slots[i].id);
-    }
-    free(a->slots);
     free(a->starters);
     while (a->out_head) {
         struct outbox_item *it = a->out_head;
@@ -2180,8 +2906,20 @@ agent_stop(struct agent *a)
         free(it);
     }
     evt_close(a->nc);
+    /* Destroyed once the connection is closed and its read thread
+     * joined: a message being delivered meanwhile could otherwise meet
+     * the destruction (nats.c 3.4.1, issue 637). */
+    natsSubscription_Destroy(a->pool_sub);
+    for (size_t i = 0; i < a->n_slots; i++) {
+        natsSubscription_Destroy(a->slots[i].sub);
+        natsSubscription_Destroy(a->slots[i].cancel_sub);
+        free(a->slots[i].id);
+    }
+    free(a->slots);
     ks_map_clear(&a->jobs);
     ks_map_clear(&a->seen);
+    ks_map_each(&a->claims, free_claim, NULL);
+    ks_map_clear(&a->claims);
     ks_map_clear(&a->slot_of);
     free(a->pool_name);
     free(a->seen_ring);

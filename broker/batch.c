@@ -52,6 +52,13 @@
  *   strict: errors + in flight <= E as well before a dispatch, so at most
  *   E + 1 errors ever happen (the one that spends the budget).
  *
+ * Pacing (issue 23): besides max_concurrency, a target is dispatched only
+ * when its agent's queue has room (admit.c broker__admit_room: less than
+ * two rounds of its slots in flight, its wait within half the delivery
+ * deadline), so a batch to more hosts than the fleet runs at once never
+ * ends Undeliverable because kscore dispatched faster than the agents
+ * take up: each target's deadline runs from its own dispatch.
+ *
  * An offline target (its agent's heartbeat older than the registry TTL
  * when its turn comes) is not dispatched: it ends Undeliverable at once
  * ("no response", reason "offline since HH:MM:SS UTC") rather than after
@@ -106,6 +113,23 @@ struct batch {
     char *reply_subject;  /* NULL when detached (replied at acceptance) */
     char *accept_subject; /* detached: reply once recorded */
     int64_t start_mono_us;
+    /* Waves (BatchSpec.wave_ends: the index after each wave's last
+     * target): the wave now (1-based; 0: none started), whether its
+     * BatchWaveEnded is planned, when the next may start (epoch us), and
+     * a halt (the budget spent at a wave's end). Rebuilt from the
+     * BatchWave* events by batch_load. */
+    uint32_t *wave_ends;
+    size_t n_waves;
+    uint64_t wave_pause_ms;
+    uint32_t wave;
+    bool wave_ended;
+    int64_t next_wave_at_us;
+    bool halted;
+    uint32_t halted_wave;
+    char halt_reason[200];
+    /* A rerun (BatchSpec.rerun_of, rerun_filter). */
+    char rerun_of[48];
+    char rerun_filter[16];
 };
 
 /* JOB_REMOTE: another broker recorded the end of a target (its notice,
@@ -166,6 +190,7 @@ batch_free(struct batch *bt)
     free(bt->t);
     free(bt->agent_ptrs);
     free(bt->cmd_ptrs);
+    free(bt->wave_ends);
     if (bt->req)
         ks__batch_request__free_unpacked(bt->req, NULL);
     free(bt->reply_subject);
@@ -368,6 +393,7 @@ struct slot {
     char stream[64];
     Ks__Command cmd;
     Ks__CommandSpec tspec; /* the batch's spec, this target's secrets */
+    struct broker__labels labels; /* cmd.labels */
     Ks__CommandResult res;
     Ks__BatchCounts counts;
     Ks__BatchSpec spec;
@@ -426,8 +452,10 @@ plan_release(struct plan *p)
     for (size_t i = 0; i < p->nstr; i++)
         free(p->strings[i]);
     free(p->strings);
-    for (size_t i = 0; i < p->n; i++)
+    for (size_t i = 0; i < p->n; i++) {
+        broker__labels_release(&p->slots[i]->labels);
         free(p->slots[i]);
+    }
     free(p->slots);
     free(p->publish);
     memset(p, 0, sizeof(*p));
@@ -489,6 +517,11 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     cmd->dispatch_version = 2;
     cmd->batch_id = bt->id;
     cmd->operator_ = bt->operator_name;
+    if (p->b) { /* its labels, for the child (KSCORE_LABEL_*) */
+        broker__command_labels(p->b, t->agent_id, &a->labels);
+        cmd->labels = a->labels.v;
+        cmd->n_labels = a->labels.n;
+    }
     broker__start_events(&a->ev, &d->ev, ids, a->stream, cmd, NULL);
     memcpy(a->id, ids[0], 37);
     memcpy(d->id, ids[1], 37);
@@ -496,6 +529,9 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     d->ev.event_id = d->id;
     t->status = KS__COMMAND_STATUS__DISPATCHED;
     bt->running++;
+    if (p->b)
+        broker__admit_dispatched(p->b, t->command_id, t->agent_id,
+                                 cmd->not_after_us, bt->req->spec->timeout_ms);
     return plan_publish(p, cmd);
 }
 
@@ -571,10 +607,22 @@ no_response_pending(struct plan *p, struct batch *bt, struct btarget *t,
     return end_pending(p, bt, t, KS__COMMAND_STATUS__UNDELIVERABLE, why);
 }
 
+/* The index after the current wave's last target (no waves: all). */
+static size_t
+wave_end(const struct batch *bt)
+{
+    if (!bt->n_waves)
+        return bt->n;
+    return bt->wave ? bt->wave_ends[bt->wave - 1] : 0;
+}
+
 static bool
 may_dispatch(struct batch *bt)
 {
     if (bt->cancel_req)
+        return false;
+    /* Waves: only the current one's targets, and none between two. */
+    if (bt->n_waves && (bt->wave_ended || next_pending(bt) >= wave_end(bt)))
         return false;
     if (bt->has_max_err && bt->errors > bt->max_err)
         return false;
@@ -584,6 +632,55 @@ may_dispatch(struct batch *bt)
         (uint64_t)bt->running + bt->errors > bt->max_err)
         return false;
     return next_pending(bt) < bt->n;
+}
+
+/* A BatchWaveStarted or BatchWaveEnded of bt's current wave. */
+static struct slot *
+wave_event(struct plan *p, struct batch *bt, const char *type)
+{
+    struct slot *s = batch_event(p, bt, type);
+    if (s)
+        s->ev.wave = bt->wave;
+    return s;
+}
+
+/*
+ * The wave's end, once every target of it has ended: the error budget is
+ * checked (spent: the batch halts, the rest end Cancelled by plan_batch),
+ * and the next wave may start after the pause. Recorded (BatchWaveEnded)
+ * so that a broker that adopts the batch knows the wave and the pause.
+ */
+static int
+wave_finish(struct plan *p, struct batch *bt)
+{
+    struct slot *s = wave_event(p, bt, "BatchWaveEnded");
+    if (!s)
+        return -ENOMEM;
+    bt->wave_ended = true;
+    if (bt->has_max_err && bt->errors > bt->max_err && !bt->cancel_req &&
+        bt->wave < bt->n_waves) {
+        bt->halted = true;
+        bt->halted_wave = bt->wave;
+        snprintf(bt->halt_reason, sizeof(bt->halt_reason),
+                 "halted after wave %u of %zu: %u error(s), more than "
+                 "--max-errors %u",
+                 bt->wave, bt->n_waves, bt->errors, bt->max_err);
+        s->ev.halted = true;
+        s->ev.reason = bt->halt_reason;
+    } else if (bt->wave < bt->n_waves && !bt->cancel_req) {
+        bt->next_wave_at_us = ks_now_us() + (int64_t)bt->wave_pause_ms * 1000;
+        s->ev.next_wave_at_us = bt->next_wave_at_us;
+    }
+    return 0;
+}
+
+/* Whether the next wave may start now. */
+static bool
+wave_due(const struct batch *bt)
+{
+    return bt->n_waves && (bt->wave == 0 || bt->wave_ended) && !bt->halted &&
+           !bt->cancel_req && bt->wave < bt->n_waves &&
+           ks_now_us() >= bt->next_wave_at_us;
 }
 
 /* Decides one batch's turn into p. Caller holds the module lock. */
@@ -608,37 +705,113 @@ plan_batch(struct plan *p, struct batch *bt)
         sp->has_max_errors = bt->has_max_err;
         sp->strict_errors = bt->strict;
         sp->deliver_within_ms = bt->req->deliver_within_ms;
+        sp->wave_ends = bt->wave_ends;
+        sp->n_wave_ends = bt->n_waves;
+        sp->wave_pause_ms = bt->wave_pause_ms;
+        sp->rerun_of = bt->rerun_of;
+        sp->rerun_filter = bt->rerun_filter;
         s->ev.batch = sp;
         bt->recorded = true;
         bt->accepted_now = true;
+        if (bt->rerun_of[0]) {
+            /* The link both ways: the original's record names its rerun
+             * (one transaction with the rerun's own). */
+            struct slot *o = plan_add(p);
+            if (!o)
+                return -ENOMEM;
+            snprintf(o->stream, sizeof(o->stream), "%s", bt->rerun_of);
+            broker__event_init(&o->ev, o->id, o->stream,
+                               "BatchRerunRequested", NULL);
+            o->ev.batch_id = o->stream;
+            o->ev.operator_ = bt->operator_name;
+            o->ev.rerun_batch_id = bt->id;
+            o->ev.reason = bt->rerun_filter;
+        }
     }
-    while (rc == 0 && !p->no_dispatch && may_dispatch(bt)) {
-        struct btarget *t = &bt->t[bt->next];
-        int64_t hb = 0;
-        if (p->b && broker__agent_presence(p->b, t->agent_id, &hb) == 0)
-            rc = no_response_pending(p, bt, t, hb);
-        else
+    for (;;) {
+        if (!p->no_dispatch && wave_due(bt)) {
+            bt->wave++;
+            bt->wave_ended = false;
+            bt->next_wave_at_us = 0;
+            if (!wave_event(p, bt, "BatchWaveStarted"))
+                return -ENOMEM;
+        }
+        /* Paced: a target goes out only when its agent's queue takes it
+         * now (admit.c), so its delivery deadline runs from a dispatch its
+         * agent can take up soon; the rest wait here, Pending, for the
+         * next turns (each end brings one) instead of in JetStream, where
+         * the deadlines of a batch larger than its fleet can run at once
+         * would run out. A target whose agent has no room is passed over
+         * for later ones of its wave; its queue is noted as full for the
+         * rest of the turn. */
+        struct ks_map full = KS_MAP_INIT;
+        size_t end = wave_end(bt);
+        for (size_t i = next_pending(bt); rc == 0 && !p->no_dispatch &&
+                                          i < end && may_dispatch(bt);
+             i++) {
+            struct btarget *t = &bt->t[i];
+            int64_t hb = 0;
+            char key[EVT_AGENT_ID_MAX + 48];
+            unsigned slots = 0;
+            if (t->status != KS__COMMAND_STATUS__PENDING)
+                continue;
+            if (p->b) {
+                broker__agent_queue(p->b, t->agent_id, key, sizeof(key),
+                                    &slots);
+                if (ks_map_get(&full, key))
+                    continue;
+            }
+            if (p->b &&
+                broker__agent_presence(p->b, t->agent_id, &hb) == 0) {
+                rc = no_response_pending(p, bt, t, hb);
+                continue;
+            }
+            if (p->b && !broker__admit_room(p->b, key, slots,
+                                            bt->req->deliver_within_ms,
+                                            bt->req->spec->timeout_ms)) {
+                if (ks_map_put(&full, key, bt) != 0)
+                    rc = -ENOMEM;
+                continue;
+            }
             rc = dispatch_target(p, bt, t);
-    }
-    if (rc == 0 && next_pending(bt) < bt->n &&
-        (bt->cancel_req || (bt->has_max_err && bt->errors > bt->max_err))) {
-        const char *why = bt->cancel_req
-                              ? "batch cancelled before this target ran"
-                              : "batch error budget spent before this target "
-                                "ran";
-        while (rc == 0 && next_pending(bt) < bt->n)
-            rc = cancel_pending(p, bt, &bt->t[bt->next], why);
-    }
-    for (size_t i = 0; rc == 0 && i < bt->n; i++) {
-        struct btarget *t = &bt->t[i];
-        if (!t->ended_unreported)
-            continue;
-        struct slot *s = batch_event(p, bt, "BatchTargetEnded");
-        if (!s)
-            return -ENOMEM;
-        s->ev.command_id = t->command_id;
-        s->ev.agent_id = t->agent_id;
-        s->ev.target_status = t->status;
+        }
+        ks_map_clear(&full);
+        if (rc == 0 && next_pending(bt) < bt->n &&
+            (bt->cancel_req || (bt->has_max_err && bt->errors > bt->max_err))) {
+            const char *why = bt->cancel_req
+                                  ? "batch cancelled before this target ran"
+                                  : "batch error budget spent before this "
+                                    "target ran";
+            char *w = bt->n_waves && !bt->cancel_req ? plan_string(p, 96)
+                                                     : NULL;
+            if (w) {
+                snprintf(w, 96,
+                         "batch halted in wave %u of %zu (error budget "
+                         "spent) before this target ran",
+                         bt->wave, bt->n_waves);
+                why = w;
+            }
+            while (rc == 0 && next_pending(bt) < bt->n)
+                rc = cancel_pending(p, bt, &bt->t[bt->next], why);
+        }
+        for (size_t i = 0; rc == 0 && i < bt->n; i++) {
+            struct btarget *t = &bt->t[i];
+            if (!t->ended_unreported || t->reported)
+                continue;
+            struct slot *s = batch_event(p, bt, "BatchTargetEnded");
+            if (!s)
+                return -ENOMEM;
+            s->ev.command_id = t->command_id;
+            s->ev.agent_id = t->agent_id;
+            s->ev.target_status = t->status;
+            t->reported = true; /* planned: once in this turn */
+        }
+        /* The wave has ended when every target up to its last has. */
+        if (rc || !bt->n_waves || !bt->wave || bt->wave_ended ||
+            bt->running || next_pending(bt) < wave_end(bt))
+            break;
+        if ((rc = wave_finish(p, bt)) || !wave_due(bt) || p->no_dispatch)
+            break;
     }
     if (rc == 0 && !bt->done && next_pending(bt) == bt->n &&
         bt->running == 0) {
@@ -669,6 +842,16 @@ fill_reply(const struct batch *bt, Ks__BatchReply *r, Ks__BatchCounts *c,
     r->max_concurrency = bt->conc;
     r->max_errors = bt->has_max_err ? bt->max_err : 0;
     r->has_max_errors = bt->has_max_err;
+    r->wave_ends = bt->wave_ends;
+    r->n_wave_ends = bt->n_waves;
+    r->wave = bt->wave;
+    r->next_wave_at_us = bt->wave_ended ? bt->next_wave_at_us : 0;
+    r->halted = bt->halted;
+    r->halted_wave = bt->halted_wave;
+    r->halt_reason = (char *)bt->halt_reason;
+    r->wave_pause_ms = bt->wave_pause_ms;
+    r->rerun_of = (char *)bt->rerun_of;
+    r->rerun_filter = (char *)bt->rerun_filter;
     for (size_t i = 0; tv && i < bt->n; i++) {
         ks__batch_target__init(&ts[i]);
         ts[i].agent_id = (char *)bt->t[i].agent_id;
@@ -732,6 +915,9 @@ send_progress(struct broker *b, struct batch *bt, struct btarget *t)
     pr.batch_id = bt->id;
     pr.counts = &c;
     pr.elapsed_us = ks_mono_us() - bt->start_mono_us;
+    pr.wave = bt->wave;
+    pr.waves = (uint32_t)bt->n_waves;
+    pr.next_wave_at_us = bt->wave_ended ? bt->next_wave_at_us : 0;
     if (evt_publish_msg(b->nc, bt->req->progress_subject, &pr.base) ==
         KS_ETOOBIG) {
         tg.result = NULL; /* the client fetches it with kscore get */
@@ -952,7 +1138,7 @@ turn(struct broker *b, struct batch **touched, size_t nt)
         }
         int failed = evt_publish_commands(b->nc, b->signer, p.publish,
                                           pools && pool_of ? pool_of : NULL,
-                                          p.npub, 5000);
+                                          p.npub, EVT_PUBLISH_RETRY_MS);
         free(pool_of);
         free(pools);
         if (ks_trace_on())
@@ -1045,6 +1231,23 @@ load_requested(struct load *l, const Ks__RecordedEvent *rec)
     bt->has_max_err = sp->has_max_errors;
     bt->strict = sp->strict_errors;
     bt->recorded = true;
+    if (sp->n_wave_ends) {
+        /* Ascending, the last one the target count: else no waves. */
+        bool ok = sp->wave_ends[sp->n_wave_ends - 1] == n;
+        for (size_t i = 0; ok && i < sp->n_wave_ends; i++)
+            ok = sp->wave_ends[i] > (i ? sp->wave_ends[i - 1] : 0);
+        if (!ok)
+            return KS_EDECODE;
+        if (!(bt->wave_ends = calloc(sp->n_wave_ends, sizeof(uint32_t))))
+            return -ENOMEM;
+        memcpy(bt->wave_ends, sp->wave_ends,
+               sp->n_wave_ends * sizeof(uint32_t));
+        bt->n_waves = sp->n_wave_ends;
+        bt->wave_pause_ms = sp->wave_pause_ms;
+    }
+    snprintf(bt->rerun_of, sizeof(bt->rerun_of), "%s", sp->rerun_of);
+    snprintf(bt->rerun_filter, sizeof(bt->rerun_filter), "%s",
+             sp->rerun_filter);
     /* The request as the scheduler uses it: spec, delivery window, and
      * where the waiting client listens (the lease row). Packed and
      * unpacked, so that it is owned like an API request. */
@@ -1081,6 +1284,23 @@ load_event(const Ks__RecordedEvent *rec, void *ud)
             l->bt->t[i - 1].reported = true;
     } else if (strcmp(e->type, "BatchCancelRequested") == 0) {
         l->cancel = true;
+    } else if (strcmp(e->type, "BatchWaveStarted") == 0 && l->bt &&
+               e->wave >= 1 && e->wave <= l->bt->n_waves) {
+        /* The wave a new driver continues (its targets' states are read
+         * from the record). */
+        l->bt->wave = e->wave;
+        l->bt->wave_ended = false;
+        l->bt->next_wave_at_us = 0;
+    } else if (strcmp(e->type, "BatchWaveEnded") == 0 && l->bt &&
+               e->wave == l->bt->wave) {
+        l->bt->wave_ended = true;
+        l->bt->next_wave_at_us = e->next_wave_at_us;
+        if (e->halted) {
+            l->bt->halted = true;
+            l->bt->halted_wave = e->wave;
+            snprintf(l->bt->halt_reason, sizeof(l->bt->halt_reason), "%s",
+                     e->reason);
+        }
     } else if (strcmp(e->type, "BatchCompleted") == 0 ||
                strcmp(e->type, "BatchCancelled") == 0) {
         l->ended = true;
@@ -1526,6 +1746,12 @@ maintain(struct broker *b)
     if (snap.rc == 0 && snap.n) {
         renew_leases(b, &snap, &tt);
         poll_ends(b, &snap, &tt);
+        /* A wave whose pause is over starts (the scheduler alone writes
+         * these fields). */
+        for (size_t i = 0; i < snap.n; i++)
+            if (snap.v[i] && !snap.v[i]->done && snap.v[i]->wave_ended &&
+                wave_due(snap.v[i]))
+                touch(&tt, snap.v[i]);
     }
     if (!b->stopping)
         adopt(b, &tt);
@@ -1914,6 +2140,263 @@ out:
     free(tv);
 }
 
+/*
+ * The index after each wave's last target, for n targets in waves of the
+ * sizes w (nw >= 1): each a count or a percentage of n rounded down, at
+ * least 1, as Ansible's serial reads them; the last size repeats until
+ * every target has had its turn. 0 with *out (malloc'd, *n_out entries,
+ * ascending, the last n) or -ENOMEM.
+ */
+static int
+resolve_waves(Ks__Amount *const *w, size_t nw, size_t n, uint32_t **out,
+              size_t *n_out)
+{
+    uint32_t *ends = NULL;
+    size_t k = 0, done = 0, cap = 0;
+
+    while (done < n) {
+        const Ks__Amount *a = w[k < nw ? k : nw - 1];
+        uint64_t size = a->percent ? (uint64_t)n * a->value / 100 : a->value;
+        if (size == 0)
+            size = 1;
+        done = size >= n - done ? n : done + (size_t)size;
+        if (k == cap) {
+            size_t nc = cap ? cap * 2 : 8;
+            uint32_t *x = realloc(ends, nc * sizeof(*x));
+            if (!x) {
+                free(ends);
+                return -ENOMEM;
+            }
+            ends = x;
+            cap = nc;
+        }
+        ends[k++] = (uint32_t)done;
+    }
+    *out = ends;
+    *n_out = k;
+    return 0;
+}
+
+/* ---- kscore batch --rerun ------------------------------------------------ */
+
+/* The original batch as its stream has it. */
+struct rerun_src {
+    Ks__Event *requested; /* its BatchRequested, owned */
+    bool ended;
+    int rc;
+};
+
+static int
+rerun_read(const Ks__RecordedEvent *rec, void *ud)
+{
+    struct rerun_src *o = ud;
+    const Ks__Event *e = rec->event;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+
+    if (!e || !e->type)
+        return 0;
+    if (strcmp(e->type, "BatchRequested") == 0 && e->batch && !o->requested) {
+        if (kproto_pack(&e->base, &buf, &len) != 0 ||
+            !(o->requested = ks__event__unpack(NULL, len, buf))) {
+            free(buf);
+            return o->rc = -ENOMEM;
+        }
+        free(buf);
+    } else if (strcmp(e->type, "BatchCompleted") == 0 ||
+               strcmp(e->type, "BatchCancelled") == 0) {
+        o->ended = true;
+    }
+    return 0;
+}
+
+struct rerun_pick {
+    struct ks_map want; /* command id -> agent index + 1, picked */
+    const Ks__BatchSpec *sp;
+    bool not_succeeded;
+};
+
+static int
+rerun_state(const struct store_command_row *c, void *ud)
+{
+    struct rerun_pick *pk = ud;
+    /* --failed: the ends the error budget counts (every one but
+     * Succeeded and Cancelled); --not-succeeded: Cancelled as well. */
+    bool pick = c->status != KS__COMMAND_STATUS__SUCCEEDED &&
+                (pk->not_succeeded ||
+                 c->status != KS__COMMAND_STATUS__CANCELLED);
+    if (!pick)
+        ks_map_del(&pk->want, c->command_id);
+    return 0;
+}
+
+/* A count as an Amount of the request (owned by it, freed with it). */
+static Ks__Amount *
+amount_of(uint32_t v)
+{
+    Ks__Amount *a = malloc(sizeof(*a));
+    if (a) {
+        ks__amount__init(a);
+        a->value = v;
+    }
+    return a;
+}
+
+/*
+ * kscore batch --rerun: fills req (its targets must be empty) from the
+ * batch req->rerun_of: its spec, and its options where req gives none
+ * (max_concurrency, max_errors and the waves as the counts it resolved
+ * them to, strict, the delivery window, the pause), and adds to r the
+ * targets that did not succeed (see rerun_state). The original must have
+ * ended, be readable by op, and, when its command has secret variables
+ * (sealed for its operator), be op's own. 0 or a code with why.
+ */
+static int
+rerun_prepare(struct broker *b, struct store *st, natsMsg *msg,
+              Ks__BatchRequest *req, struct resolve *r, char *why,
+              size_t len)
+{
+    struct rerun_src o = {0};
+    struct rerun_pick pk = {.want = KS_MAP_INIT,
+                            .not_succeeded = req->rerun_not_succeeded};
+    const char *op = broker__operator_of(msg);
+    uint8_t *buf = NULL;
+    size_t blen = 0;
+    int rc;
+
+    if (!broker__is_batch_id(req->rerun_of)) {
+        snprintf(why, len, "bad --rerun '%s': expected batch-<uuid>",
+                 req->rerun_of);
+        return KS_EINVAL;
+    }
+    if (req->n_agents || req->n_select || req->n_selector || req->all) {
+        snprintf(why, len,
+                 "--rerun takes no targets: they are those of %s that did "
+                 "not succeed",
+                 req->rerun_of);
+        return KS_EINVAL;
+    }
+    if ((rc = broker__may_read(b, st, msg, req->rerun_of, why, len)))
+        return rc;
+    rc = store_read_stream(st, req->rerun_of, 0, 0, rerun_read, &o);
+    if (rc == 0)
+        rc = o.rc;
+    if (rc) {
+        broker__store_error(st, rc, why, len);
+        goto out;
+    }
+    if (!o.requested) {
+        rc = KS_ENOTFOUND;
+        snprintf(why, len, "no batch %s", req->rerun_of);
+        goto out;
+    }
+    if (!o.ended) {
+        rc = KS_EINVAL;
+        snprintf(why, len,
+                 "%s is still running: rerun it once it has ended (kscore "
+                 "get %s)",
+                 req->rerun_of, req->rerun_of);
+        goto out;
+    }
+    const Ks__BatchSpec *sp = o.requested->batch;
+    if (!sp->spec || sp->n_agents != sp->n_command_ids) {
+        rc = KS_EDECODE;
+        snprintf(why, len, "%s: its record cannot be rerun", req->rerun_of);
+        goto out;
+    }
+    /* Secret values are sealed for the operator who asked (events/seal.c):
+     * another operator's rerun could not open them. */
+    if (sp->spec->n_sealed_env && strcmp(op, o.requested->operator_) != 0) {
+        rc = KS_EINVAL;
+        snprintf(why, len,
+                 "%s has secret variables sealed for operator '%s': only "
+                 "'%s' can rerun it (or run a new batch)",
+                 req->rerun_of, o.requested->operator_,
+                 o.requested->operator_);
+        goto out;
+    }
+    for (size_t i = 0; i < sp->n_agents; i++)
+        if ((rc = ks_map_put(&pk.want, sp->command_ids[i], (void *)(i + 1))))
+            goto out;
+    rc = store_command_states(st, (const char *const *)sp->command_ids,
+                              sp->n_command_ids, 1, rerun_state, &pk);
+    if (rc) {
+        broker__store_error(st, rc, why, len);
+        goto out;
+    }
+    /* In the original's order; each still known (not revoked since), as
+     * --agents would have it. */
+    why[0] = '\0';
+    for (size_t i = 0; rc == 0 && i < sp->n_agents; i++) {
+        if (!ks_map_get(&pk.want, sp->command_ids[i]))
+            continue;
+        if (!broker__agent_known(b, sp->agents[i])) {
+            size_t used = strlen(why);
+            snprintf(why + used, len - used, "%s%s",
+                     used ? ", " : "unknown agent(s) (revoked since?): ",
+                     sp->agents[i]);
+            continue;
+        }
+        rc = add_target(r, sp->agents[i]);
+    }
+    if (rc == 0 && why[0])
+        rc = KS_ENOAGENT;
+    if (rc)
+        goto out;
+    if (r->n == 0) {
+        rc = KS_ENOAGENT;
+        snprintf(why, len, "no targets: no target of %s %s", req->rerun_of,
+                 req->rerun_not_succeeded ? "ended other than Succeeded"
+                                          : "ended in error (--not-succeeded "
+                                            "takes the cancelled ones too)");
+        goto out;
+    }
+    /* Its command, exactly: the spec as recorded (script, stdin, files,
+     * run-as and secret boxes included). */
+    if ((rc = kproto_pack(&sp->spec->base, &buf, &blen)) != 0)
+        goto out;
+    Ks__CommandSpec *spec = ks__command_spec__unpack(NULL, blen, buf);
+    free(buf);
+    if (!spec) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if (req->spec)
+        ks__command_spec__free_unpacked(req->spec, NULL);
+    req->spec = spec;
+    /* Its options, unless given again. */
+    if (!req->max_concurrency && sp->max_concurrency < sp->n_agents &&
+        !(req->max_concurrency = amount_of(sp->max_concurrency)))
+        rc = -ENOMEM;
+    if (rc == 0 && !req->max_errors && sp->has_max_errors &&
+        !(req->max_errors = amount_of(sp->max_errors)))
+        rc = -ENOMEM;
+    req->strict_errors = req->strict_errors || sp->strict_errors;
+    if (!req->deliver_within_ms)
+        req->deliver_within_ms = sp->deliver_within_ms;
+    if (rc == 0 && !req->n_waves && sp->n_wave_ends) {
+        /* The original's wave sizes, in turn (the last repeats). */
+        req->waves = calloc(sp->n_wave_ends, sizeof(*req->waves));
+        for (size_t i = 0; req->waves && i < sp->n_wave_ends; i++) {
+            uint32_t size = sp->wave_ends[i] - (i ? sp->wave_ends[i - 1] : 0);
+            if (!(req->waves[i] = amount_of(size)))
+                break;
+            req->n_waves++;
+        }
+        if (req->n_waves != sp->n_wave_ends)
+            rc = -ENOMEM;
+        if (!req->wave_pause_ms)
+            req->wave_pause_ms = sp->wave_pause_ms;
+    }
+out:
+    if (o.requested)
+        ks__event__free_unpacked(o.requested, NULL);
+    ks_map_clear(&pk.want);
+    if (rc == -ENOMEM)
+        snprintf(why, len, "out of memory");
+    return rc;
+}
+
 void
 broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                  void *ud)
@@ -1935,8 +2418,37 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         goto out;
     }
     r.req = req;
+    if (req->rerun_of[0]) {
+        /* The original's command and targets (the request has none). */
+        pthread_mutex_lock(&m->api_mu);
+        rc = m->st_api ? rerun_prepare(b, m->st_api, msg, req, &r, why,
+                                       sizeof(why))
+                       : KS_ESTOPPED;
+        pthread_mutex_unlock(&m->api_mu);
+        if (rc) {
+            reply_batch_error(b, msg, rc,
+                              rc == KS_ESTOPPED ? "the broker is stopping"
+                                                : why);
+            goto out;
+        }
+    }
     if ((rc = broker__validate_spec(req->spec, why, sizeof(why)))) {
         reply_batch_error(b, msg, rc, why);
+        goto out;
+    }
+    if (req->n_waves > BROKER_WAVES_MAX) {
+        reply_batch_error(b, msg, KS_EINVAL, "too many waves");
+        goto out;
+    }
+    for (size_t i = 0; i < req->n_waves; i++)
+        if (!req->waves[i] || req->waves[i]->value == 0 ||
+            (req->waves[i]->percent && req->waves[i]->value > 100)) {
+            reply_batch_error(b, msg, KS_EINVAL,
+                              "bad wave size: N >= 1, or P% (1-100)");
+            goto out;
+        }
+    if (req->wave_pause_ms && !req->n_waves) {
+        reply_batch_error(b, msg, KS_EINVAL, "a wave pause needs waves");
         goto out;
     }
     if (strlen(req->progress_subject) > 255) {
@@ -1945,7 +2457,7 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         goto out;
     }
     if (req->n_agents == 0 && req->n_select == 0 && req->n_selector == 0 &&
-        !req->all) {
+        !req->all && !req->rerun_of[0]) {
         reply_batch_error(b, msg, KS_EINVAL,
                           "no targets: give --agents, --select or --all");
         goto out;
@@ -1991,7 +2503,7 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         reply_batch_error(b, msg, KS_ENOAGENT, why);
         goto out;
     }
-    if (req->n_agents == 0) {
+    if (req->n_agents == 0 && !req->rerun_of[0]) {
         r.deaf = broker__registry_deaf(b);
         pthread_mutex_lock(&b->mu);
         r.now_mono = ks_mono_us();
@@ -2079,6 +2591,18 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     bt->has_max_err = req->max_errors != NULL;
     bt->max_err = resolve_amount(req->max_errors, r.n, false);
     bt->strict = req->strict_errors;
+    if (req->n_waves &&
+        resolve_waves(req->waves, req->n_waves, r.n, &bt->wave_ends,
+                      &bt->n_waves) != 0) {
+        reply_batch_error(b, msg, -ENOMEM, "out of memory");
+        goto out;
+    }
+    bt->wave_pause_ms = req->wave_pause_ms;
+    if (req->rerun_of[0]) {
+        snprintf(bt->rerun_of, sizeof(bt->rerun_of), "%s", req->rerun_of);
+        snprintf(bt->rerun_filter, sizeof(bt->rerun_filter), "%s",
+                 req->rerun_not_succeeded ? "not-succeeded" : "failed");
+    }
     bt->start_mono_us = ks_mono_us();
     snprintf(bt->operator_name, sizeof(bt->operator_name), "%s",
              broker__operator_of(msg));
@@ -2155,6 +2679,40 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
         r->has_max_errors = sp->has_max_errors;
         r->status = KS__BATCH_STATUS__BATCH_RUNNING;
         r->elapsed_us = -rec->recorded_at_us; /* completed below */
+        if (sp->n_wave_ends) {
+            r->wave_ends = calloc(sp->n_wave_ends, sizeof(uint32_t));
+            if (!r->wave_ends)
+                return v->rc = -ENOMEM;
+            memcpy(r->wave_ends, sp->wave_ends,
+                   sp->n_wave_ends * sizeof(uint32_t));
+            r->n_wave_ends = sp->n_wave_ends;
+        }
+        r->wave_pause_ms = sp->wave_pause_ms;
+        if (sp->rerun_of[0] && (!(r->rerun_of = strdup(sp->rerun_of)) ||
+                                !(r->rerun_filter = strdup(sp->rerun_filter))))
+            return v->rc = -ENOMEM;
+    } else if (strcmp(e->type, "BatchWaveStarted") == 0) {
+        r->wave = e->wave;
+        r->next_wave_at_us = 0;
+    } else if (strcmp(e->type, "BatchWaveEnded") == 0) {
+        r->next_wave_at_us = e->next_wave_at_us;
+        if (e->halted) {
+            r->halted = true;
+            r->halted_wave = e->wave;
+            if (r->halt_reason != protobuf_c_empty_string)
+                free(r->halt_reason);
+            if (!(r->halt_reason = strdup(e->reason)))
+                return v->rc = -ENOMEM;
+        }
+    } else if (strcmp(e->type, "BatchRerunRequested") == 0 &&
+               e->rerun_batch_id[0]) {
+        char **x = realloc(r->reruns, (r->n_reruns + 1) * sizeof(*x));
+        if (!x)
+            return v->rc = -ENOMEM;
+        r->reruns = x;
+        if (!(r->reruns[r->n_reruns] = strdup(e->rerun_batch_id)))
+            return v->rc = -ENOMEM;
+        r->n_reruns++;
     } else if (strcmp(e->type, "BatchTargetEnded") == 0) {
         for (size_t i = 0; i < r->n_targets; i++)
             if (strcmp(r->targets[i]->command_id, e->command_id) == 0)
@@ -2162,6 +2720,7 @@ view_event(const Ks__RecordedEvent *rec, void *ud)
     } else if (strcmp(e->type, "BatchCompleted") == 0) {
         r->status = e->batch_status;
         r->elapsed_us += rec->recorded_at_us;
+        r->next_wave_at_us = 0;
     }
     if (e->batch_counts) {
         if (!r->counts) {
@@ -2214,23 +2773,26 @@ overlay_state(const struct store_command_row *c, void *ud)
  * their command's state.
  */
 static int
-view_overlay(struct store *st, Ks__BatchReply *r)
+view_overlay(struct store *st, Ks__BatchReply *r, bool in_flight_only)
 {
     struct overlay o = {.r = r, .idx = KS_MAP_INIT};
     const char **ids = calloc(r->n_targets ? r->n_targets : 1, sizeof(*ids));
+    size_t n = 0;
     int rc = 0;
 
     o.attempt = calloc(r->n_targets ? r->n_targets : 1, sizeof(*o.attempt));
     if (!ids || !o.attempt || !r->counts)
         rc = -ENOMEM;
     for (size_t i = 0; rc == 0 && i < r->n_targets; i++) {
-        ids[i] = r->targets[i]->command_id;
-        rc = ks_map_put(&o.idx, ids[i], (void *)(i + 1));
+        if (in_flight_only &&
+            r->targets[i]->status != KS__COMMAND_STATUS__DISPATCHED)
+            continue;
+        ids[n] = r->targets[i]->command_id;
+        rc = ks_map_put(&o.idx, ids[n++], (void *)(i + 1));
     }
-    if (rc == 0)
-        rc = store_command_states(st, ids, r->n_targets, 0, overlay_state,
-                                  &o);
-    if (rc == 0) {
+    if (rc == 0 && n)
+        rc = store_command_states(st, ids, n, 0, overlay_state, &o);
+    if (rc == 0 && !in_flight_only) {
         Ks__BatchCounts *c = r->counts;
         c->total = (uint32_t)r->n_targets;
         unsigned ok = 0, failed = 0, cancelled = 0, to = 0, killed = 0,
@@ -2298,7 +2860,14 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
             return rc;
         *out = ks__batch_reply__unpack(NULL, len, buf);
         free(buf);
-        return *out ? 0 : -ENOMEM;
+        if (!*out)
+            return -ENOMEM;
+        /* In memory an in-flight target is only "dispatched": its own
+         * state (Dispatched, or Running once claimed) is its command's
+         * (issue 24: `kscore get` showed Dispatched where its summary
+         * said running). Unread, it stays as it was. */
+        view_overlay(st, *out, true);
+        return 0;
     }
 
     /* Ended (or served by another broker): fold its stream. */
@@ -2318,7 +2887,7 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
             r->elapsed_us = 0;
     }
     if (rc == 0 && r->status == KS__BATCH_STATUS__BATCH_RUNNING)
-        rc = view_overlay(st, r);
+        rc = view_overlay(st, r, false);
     /* Normalise ownership: repack so protobuf-c's free_unpacked owns it. */
     if (rc == 0 && kproto_pack(&r->base, &buf, &len) == 0) {
         *out = ks__batch_reply__unpack(NULL, len, buf);
@@ -2338,6 +2907,16 @@ broker__batch_view(struct broker *b, struct store *st, const char *batch_id,
     }
     free(r->targets);
     free(r->counts);
+    free(r->wave_ends);
+    for (size_t i = 0; i < r->n_reruns; i++)
+        free(r->reruns[i]);
+    free(r->reruns);
+    if (r->rerun_of != protobuf_c_empty_string)
+        free(r->rerun_of);
+    if (r->rerun_filter != protobuf_c_empty_string)
+        free(r->rerun_filter);
+    if (r->halt_reason != protobuf_c_empty_string)
+        free(r->halt_reason);
     /* Only ours: unset, it is protobuf-c's static empty string (freeing
      * it crashed the broker on `kscore get` or `cancel` of an unknown
      * batch id). */

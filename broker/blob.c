@@ -13,6 +13,17 @@
  *      the command runs, and only a file the command names. The agent
  *      checks the whole against the SHA-256 signed into the command.
  *
+ * Who may upload: only an operator the policy lets copy to some agent
+ * (broker__policy_check_upload); any other is refused before anything is
+ * stored, with a RequestDenied (bounded as every annotation: budget.c).
+ * How much: each operator's parts (unfinished uploads and files) within
+ * copy_operator_bytes, everyone's within copy_total_bytes, checked in the
+ * transaction that writes each part (store_blob_put), so parallel
+ * uploads, through any broker, cannot pass them; a refused upload's parts
+ * are dropped at once. How long: the scanner deletes files no one
+ * uploaded or copied for copy_keep that no open batch names, and the parts
+ * of uploads not finished within copy_upload_keep (broker__blob_expire).
+ *
  * One store connection, opened at the first request, under blob_mu: an
  * upload or a fetch never waits behind get or events (st_misc).
  */
@@ -27,12 +38,14 @@
 
 /*
  * Reads every part back and checks them against sha256 and size: 1 when
- * they make that file, 0 when a part is missing (*missing set), -EBADMSG
- * when they make another file, or a store error.
+ * they make that file (vers[i]: the version of part i read), 0 when a part
+ * is missing (*missing set), -EBADMSG when they make another file, or a
+ * store error. No transaction is held meanwhile (seconds for 256 MiB):
+ * store_blob_mark_complete confirms the versions.
  */
 static int
 verify(struct store *st, const uint8_t *sha256, uint64_t size,
-       uint32_t *missing)
+       uint32_t *missing, uint64_t *vers)
 {
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     uint8_t md[EVP_MAX_MD_SIZE];
@@ -46,7 +59,7 @@ verify(struct store *st, const uint8_t *sha256, uint64_t size,
     for (uint32_t i = 0; i < ks_blob_parts(size) && rc == 1; i++) {
         uint8_t *data = NULL;
         size_t len = 0;
-        int r = store_blob_read(st, sha256, i, &data, &len);
+        int r = store_blob_read(st, sha256, i, &data, &len, &vers[i]);
         if (r == KS_ENOTFOUND) {
             *missing = i;
             rc = 0;
@@ -66,21 +79,112 @@ verify(struct store *st, const uint8_t *sha256, uint64_t size,
     return rc;
 }
 
+/* What the bounds are (broker.h: 0 in the options is the default). */
+static struct store_blob_bounds
+bounds_of(const struct broker *b)
+{
+    struct store_blob_bounds bd = {b->opts->copy_operator_bytes,
+                                   b->opts->copy_total_bytes};
+    if (!bd.operator_bytes)
+        bd.operator_bytes = BROKER_COPY_OPERATOR_BYTES;
+    if (!bd.total_bytes)
+        bd.total_bytes = BROKER_COPY_TOTAL_BYTES;
+    return bd;
+}
+
+static uint64_t
+keep_ms(const struct broker *b)
+{
+    return b->opts->copy_keep_ms ? b->opts->copy_keep_ms
+                                 : BROKER_COPY_KEEP_MS;
+}
+
+static uint64_t
+upload_keep_ms(const struct broker *b)
+{
+    return b->opts->copy_upload_keep_ms ? b->opts->copy_upload_keep_ms
+                                        : BROKER_COPY_UPLOAD_KEEP_MS;
+}
+
+/* ms as the config file writes it: "24h", "90m", "2s", "1500ms". */
+static void
+duration_text(uint64_t ms, char *buf, size_t len)
+{
+    if (ms % 3600000 == 0)
+        snprintf(buf, len, "%lluh", (unsigned long long)(ms / 3600000));
+    else if (ms % 60000 == 0)
+        snprintf(buf, len, "%llum", (unsigned long long)(ms / 60000));
+    else if (ms % 1000 == 0)
+        snprintf(buf, len, "%llus", (unsigned long long)(ms / 1000));
+    else
+        snprintf(buf, len, "%llums", (unsigned long long)ms);
+}
+
+#define MIB(n) ((double)(n) / (1024.0 * 1024.0))
+
+/* Answers an upload that would pass a bound: which one (its config key),
+ * what is held, how long things are kept. dropped: the parts of the file
+ * sent so far were dropped. */
+static void
+reply_over(struct broker *b, natsMsg *msg, const char *op,
+           const struct store_blob_refusal *r, uint64_t size, bool dropped)
+{
+    struct store_blob_bounds bd = bounds_of(b);
+    char why[700], keep[32], upload_keep[32];
+    int n;
+
+    duration_text(keep_ms(b), keep, sizeof(keep));
+    duration_text(upload_keep_ms(b), upload_keep, sizeof(upload_keep));
+    if (r->bound == STORE_BLOB_OVER_OPERATOR)
+        n = snprintf(why, sizeof(why),
+                     "upload refused: operator '%s' holds %.1f MiB of files "
+                     "for kscore copy, and a file of %.1f MiB would pass its "
+                     "bound of %.1f MiB (copy_operator_mib in the broker's "
+                     "config)",
+                     op, MIB(r->used_bytes), MIB(size),
+                     MIB(bd.operator_bytes));
+    else
+        n = snprintf(why, sizeof(why),
+                     "upload refused: the broker holds %.1f MiB of files for "
+                     "kscore copy, and a file of %.1f MiB would pass the "
+                     "bound of all operators together, %.1f MiB "
+                     "(copy_total_mib in the broker's config)",
+                     MIB(r->used_bytes), MIB(size), MIB(bd.total_bytes));
+    if (n > 0 && (size_t)n < sizeof(why))
+        snprintf(why + n, sizeof(why) - (size_t)n,
+                 "%s; a file is kept %s after its last upload or copy "
+                 "(copy_keep), an unfinished upload %s (copy_upload_keep)",
+                 dropped ? "; the parts of it sent were dropped" : "", keep,
+                 upload_keep);
+    ks_log(KS_LOG_WARN, "upload refused: past a bound of kscore copy's files",
+           KS_S("operator", op),
+           KS_S("bound", r->bound == STORE_BLOB_OVER_OPERATOR
+                             ? "copy_operator_mib"
+                             : "copy_total_mib"),
+           KS_I("held_bytes", (int64_t)r->used_bytes),
+           KS_I("file_bytes", (int64_t)size));
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_ETOOBIG,
+                        why);
+}
+
 static void
 handle_upload(struct broker *b, struct store *st, natsMsg *msg)
 {
     Ks__UploadRequest *req = NULL;
     Ks__UploadReply r = KS__UPLOAD_REPLY__INIT;
     const char *op = broker__operator_of(msg);
+    struct store_blob_bounds bounds = bounds_of(b);
+    struct store_blob_refusal over = {0};
     char why[600], hex[2 * KS_SHA256_BYTES + 1];
+    uint64_t *vers = NULL;
     uint32_t missing = 0;
     int rc;
 
     rc = broker__unpack_request(msg, &ks__upload_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc == 0 &&
-        (rc = broker__policy_check(b->policy, op, NULL, NULL, why,
-                                   sizeof(why))) != 0)
+        (rc = broker__policy_check_upload(b->policy, op, why,
+                                          sizeof(why))) != 0)
         broker__record_denied(b, st, op, NULL, NULL, why);
     if (rc) {
         broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
@@ -107,19 +211,58 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
                                 KS_EINVAL, why);
             goto out;
         }
-        if ((rc = store_blob_put(st, req->sha256.data, req->part,
-                                 req->data.data, req->data.len)))
+        rc = store_blob_put(st, req->sha256.data, req->part, req->data.data,
+                            req->data.len, op, &bounds, &over);
+        if (rc == KS_ETOOBIG) {
+            /* Its other parts would only hold the operator's room until
+             * they expire. */
+            store_blob_drop(st, req->sha256.data, op);
+            reply_over(b, msg, op, &over, req->size, true);
+            goto out;
+        }
+        if (rc)
             goto store_err;
     }
     if (req->commit) {
-        rc = verify(st, req->sha256.data, req->size, &missing);
-        if (rc == 1)
-            rc = store_blob_mark_complete(st, req->sha256.data, req->size,
-                                          op);
-        else if (rc == 0)
+        if (!(vers = calloc(ks_blob_parts(req->size) + 1, sizeof(*vers)))) {
+            rc = -ENOMEM;
+            goto store_err;
+        }
+        rc = verify(st, req->sha256.data, req->size, &missing, vers);
+        if (rc == 0 && !req->data.len) {
+            /* Asked before an upload: refused now if it cannot fit, not
+             * after 256 MiB were sent. */
+            rc = store_blob_room(st, req->sha256.data, req->size, op,
+                                 &bounds, &over);
+            if (rc == KS_ETOOBIG) {
+                reply_over(b, msg, op, &over, req->size, false);
+                goto out;
+            }
+            if (rc)
+                goto store_err;
+            goto reply; /* not there: complete stays false */
+        }
+        if (rc == 0)
             goto reply; /* not all there: complete stays false */
+        if (rc == 1) {
+            rc = store_blob_mark_complete(st, req->sha256.data, req->size,
+                                          op, vers,
+                                          ks_blob_parts(req->size));
+            if (rc == 0) {
+                snprintf(why, sizeof(why),
+                         "the parts of the file of sha256 %s changed while "
+                         "they were checked (another upload of it?): send "
+                         "it again",
+                         hex);
+                broker__reply_error(b, msg, &ks__upload_reply__descriptor,
+                                    KS_ECONFLICT, why);
+                goto out;
+            }
+            if (rc == 1)
+                rc = 0;
+        }
         if (rc == -EBADMSG) {
-            store_blob_drop(st, req->sha256.data);
+            store_blob_drop(st, req->sha256.data, NULL);
             snprintf(why, sizeof(why),
                      "the parts sent are not the file of sha256 %s and %llu "
                      "bytes: they were dropped, send it again",
@@ -142,6 +285,7 @@ store_err:
     broker__store_error(st, rc, why, sizeof(why));
     broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
 out:
+    free(vers);
     if (req)
         ks__upload_request__free_unpacked(req, NULL);
 }
@@ -230,7 +374,17 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
         rc = KS_EINVAL;
         goto fail;
     }
-    if ((rc = store_blob_read(st, req->sha256.data, req->part, &data, &len)))
+    rc = store_blob_read(st, req->sha256.data, req->part, &data, &len, NULL);
+    if (rc == KS_ENOTFOUND) {
+        char hex[2 * KS_SHA256_BYTES + 1];
+        ks_hex(req->sha256.data, KS_SHA256_BYTES, hex);
+        snprintf(why, sizeof(why),
+                 "part %u of the file of sha256 %s is not in the store (it "
+                 "was deleted: a new kscore copy uploads it again)",
+                 req->part, hex);
+        goto fail;
+    }
+    if (rc)
         goto store_fail;
     r.data.data = data;
     r.data.len = len;
@@ -318,4 +472,50 @@ broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
     }
     pthread_mutex_unlock(&b->blob_mu);
     return rc;
+}
+
+/* store_blob_expire rounds: at most this many files and parts each (a
+ * part is 512 KiB: 8 MiB per transaction), this many rounds per call. */
+#define EXPIRE_BATCH 16
+#define EXPIRE_ROUNDS 4
+/* The longest wait between two calls (us). */
+#define EXPIRE_PERIOD_US (10 * INT64_C(1000000))
+
+int64_t
+broker__blob_expire(struct broker *b, struct store *st)
+{
+    int64_t keep_us = (int64_t)keep_ms(b) * 1000;
+    int64_t upload_keep_us = (int64_t)upload_keep_ms(b) * 1000;
+    unsigned files = 0, parts = 0, f = 0, p = 0;
+    bool more = false;
+    int rc = 0;
+
+    for (int i = 0; i < EXPIRE_ROUNDS; i++) {
+        rc = store_blob_expire(st, keep_us, upload_keep_us, EXPIRE_BATCH, &f,
+                               &p);
+        if (rc)
+            break;
+        files += f;
+        parts += p;
+        more = f == EXPIRE_BATCH || p == EXPIRE_BATCH;
+        if (!more)
+            break;
+    }
+    if (files || parts)
+        ks_log(KS_LOG_INFO,
+               "kscore copy: deleted files nobody used for copy_keep and "
+               "parts of uploads not finished within copy_upload_keep",
+               KS_S("module", "scanner"), KS_I("files", files),
+               KS_I("parts", parts));
+    if (rc && rc != KS_EPGDOWN)
+        ks_log(KS_LOG_WARN, "kscore copy: cannot delete expired files",
+               KS_S("module", "scanner"), KS_ERR(rc));
+    if (more && rc == 0)
+        return 0; /* more is due: at the scanner's next turn */
+    /* Often enough that nothing stays much past its keep. */
+    int64_t period = EXPIRE_PERIOD_US;
+    int64_t shortest = keep_us < upload_keep_us ? keep_us : upload_keep_us;
+    if (shortest / 4 < period)
+        period = shortest / 4;
+    return period;
 }

@@ -16,6 +16,7 @@ static void
 command_ended(struct broker *b, const char *command_id,
               const Ks__CommandResult *result)
 {
+    broker__admit_ended(b, command_id);
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
     broker__remote_live_end(b, command_id);
@@ -58,6 +59,7 @@ answer_waiter(struct broker *b, const char *command_id)
 static void
 remote_ended(struct broker *b, const char *command_id)
 {
+    broker__admit_ended(b, command_id);
     broker__live_end(b, command_id);
     broker__remote_live_end(b, command_id);
     broker__batch_remote_end(b, command_id);
@@ -77,8 +79,9 @@ static void
 publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
+    /* Tried again while KSCORE_CMDS elects a leader (events.h). */
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
-                                 5000);
+                                 EVT_PUBLISH_RETRY_MS);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -232,7 +235,10 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
             r.result = res;
             broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
         }
-    } else if (!w) {
+    } else {
+        /* Still running: its id, at once, whether this broker waits for
+         * it now or another does. A client that asked again because its
+         * broker went silent learns that someone waits again. */
         r.command_id = (char *)command_id;
         r.agent_id = v->agent_id;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
@@ -250,6 +256,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ExecuteRequest *req = NULL;
     char why[512], command_id[37], stream[64], ev_ids[2][37];
     struct broker__waiter *w = NULL;
+    struct broker__labels labels = {0};
     int64_t t_in = ks_mono_us();
     int rc;
 
@@ -326,6 +333,22 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     }
 
+    /* Admission (admit.c): the intake refused at once what could not
+     * start in time, except a request whose key may name a command
+     * already: that key is looked up first (its command is joined), and
+     * only a key that names nothing is refused. */
+    if (req->key_may_exist && req->idempotency_key[0] &&
+        broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
+                            sizeof(why)) == KS_EBUSY) {
+        char winner[37];
+        if (store_command_by_key(st, broker__operator_of(msg),
+                                 req->idempotency_key, winner) == 0 &&
+            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
+            goto out;
+        reply_execute_error(b, msg, KS_EBUSY, "%s", why);
+        goto out;
+    }
+
     ks_uuid(command_id);
     ks_trace_at("broker.execute_in", command_id, t_in);
     snprintf(stream, sizeof(stream), "command-%s", command_id);
@@ -343,6 +366,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     cmd.dispatch_version = 2;
     cmd.operator_ = (char *)broker__operator_of(msg);
     cmd.batch_id = "";
+    /* Its labels, for the child (KSCORE_LABEL_*). */
+    broker__command_labels(b, req->agent_id, &labels);
+    cmd.labels = labels.v;
+    cmd.n_labels = labels.n;
 
     /* Refuse what cannot be published before recording anything (K21). */
     if (protobuf_c_message_get_packed_size(&cmd.base) > KS_MAX_MESSAGE_BYTES) {
@@ -396,12 +423,21 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                    (!req->key_may_exist &&
                     !broker__key_seen(b, cmd.operator_,
                                       req->idempotency_key));
-    if (overlap)
-        rc = store_append_overlap(st, stream, STORE_NO_STREAM, evs, 2, NULL,
-                                  publish_between, &dp);
-    else
-        rc = store_append(st, stream, STORE_NO_STREAM, evs, 2, NULL);
+    /* In flight from before its publish: its claim, even its end, may
+     * come before the append returns. */
+    broker__admit_dispatched(b, command_id, cmd.agent_id, cmd.not_after_us,
+                             req->spec->timeout_ms);
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version = STORE_NO_STREAM,
+                             .events = evs,
+                             .n = 2,
+                             .between = overlap ? publish_between : NULL,
+                             .ud = &dp};
+    struct store_write_result wres;
+    rc = store_writer_append(b->writer, &wr, &wres);
     ks_trace("broker.dispatch_recorded", command_id);
+    if (rc)
+        broker__admit_ended(b, command_id);
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -419,10 +455,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             goto out;
     }
     if (rc) {
-        /* Read first: the next call on st forgets it. */
-        bool doubt = store_in_doubt(st);
+        bool doubt = wres.in_doubt;
         bool sick = store_db_sick(rc) || rc == KS_EPG;
-        broker__store_error(st, rc, why, sizeof(why));
+        broker__write_error(&wres, rc, why, sizeof(why));
         if (w) {
             pthread_mutex_lock(&b->mu);
             ks_map_del(&b->waiters, command_id);
@@ -478,7 +513,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
-        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool, 5000);
+        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
+                                 EVT_PUBLISH_RETRY_MS);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;
@@ -500,17 +536,57 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         /* Detached: the answer. Live: the command's id, first (the
          * client can cancel it or follow it should it stop waiting). */
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+        int64_t seen_us = 0;
         r.command_id = command_id;
         r.agent_id = req->agent_id;
+        /* What the client waits for: an offline agent is waited for up
+         * to the delivery deadline, and the client says so at once. */
+        if (broker__agent_presence(b, req->agent_id, &seen_us) == 0) {
+            r.agent_offline = true;
+            r.agent_last_seen_us = seen_us;
+        }
+        r.deliver_within_ms = deliver_ms;
         broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     }
 out:
+    broker__labels_release(&labels);
     if (req)
         ks__execute_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
 }
 
 /* ---- claim -------------------------------------------------------------- */
+
+/*
+ * A claim whose event is recorded already (KS_EDUPLICATE) is granted
+ * again only while its command is still in the state that claim put it
+ * in: Running for CommandStarted (StartFailed for a start failure, which
+ * changes nothing). 1 when it is, 0 with why (the status it ended in)
+ * when not, or the store's error.
+ */
+static int
+claim_repeat_open(struct store *st, const Ks__ClaimRequest *req, char *why,
+                  size_t len)
+{
+    Ks__CommandView *v = NULL;
+    Ks__CommandStatus want = req->start_failure
+                                 ? KS__COMMAND_STATUS__START_FAILED
+                                 : KS__COMMAND_STATUS__RUNNING;
+    int open, rc;
+
+    /* Cannot tell: the agent is answered with the store's error and
+     * claims again. */
+    if ((rc = store_get_command(st, req->command_id, &v)) != 0)
+        return rc == KS_ENOTFOUND ? KS_EINTERNAL : rc;
+    open = v->status == want;
+    if (!open)
+        snprintf(why, len,
+                 "already claimed: this claim won, but the command has "
+                 "ended since (%s)",
+                 kproto_status_name(v->status));
+    ks__command_view__free_unpacked(v, NULL);
+    return open;
+}
 
 static void
 on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
@@ -520,6 +596,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     Ks__ClaimRequest *req = NULL;
     Ks__ClaimReply r = KS__CLAIM_REPLY__INIT;
     char stream[64], dup_id[37], why[600];
+    int64_t t_in = ks_mono_us();
     int rc;
 
     (void)nc;
@@ -603,12 +680,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
     } else {
         ev.type = "CommandStarted";
+        /* Which process claims, and from which of its heartbeats on it
+         * lists the command: what the scanner ends a Running command by
+         * once that process's heartbeats no longer list it. */
+        ev.instance_id = req->instance_id;
+        ev.listed_from_seq = req->listed_from_seq;
     }
     struct store_event se = {&ev};
-    /* Fast path: nothing happened since this attempt was dispatched. */
+    /* Fast path: nothing happened since this attempt was dispatched. The
+     * claim's reply goes out only after the commit that holds it (the
+     * writer returns once its transaction's end is known). */
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version =
+                                 (int64_t)req->expected_version,
+                             .events = &se,
+                             .n = 1,
+                             .claim_agent = req->agent_id};
+    struct store_write_result wres;
     int64_t claimed_at = 0;
-    rc = store_append_claim(cl->st, stream, (int64_t)req->expected_version,
-                            req->agent_id, &se, &claimed_at);
+    rc = store_writer_append(b->writer, &wr, &wres);
+    claimed_at = wres.version;
     ks_trace("broker.claim_recorded", req->command_id);
     /* Slow path: a newer attempt was dispatched (the agent had a backlog,
      * or a broker restarted), or other events landed. Any attempt's message
@@ -626,11 +717,26 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             rc = KS_EDENIED; /* not this agent's: no trace on its stream */
         if (!mine || !open)
             break;
-        rc = store_append_claim(cl->st, stream, at, req->agent_id, &se,
-                                &claimed_at);
+        wr.expected_version = at;
+        rc = store_writer_append(b->writer, &wr, &wres);
+        claimed_at = wres.version;
     }
-    if (rc == 0 || rc == KS_EDUPLICATE) {
-        /* A duplicate is this same claim retried: still ours. */
+    int open = rc == KS_EDUPLICATE
+                   ? claim_repeat_open(cl->st, req, why, sizeof(why))
+                   : 1;
+    if (open < 0) {
+        r.error_code = open;
+        r.error = (char *)broker__store_error(cl->st, open, why, sizeof(why));
+    } else if (!open) {
+        /* The claim that won, asked again after the command ended (the
+         * broker ended it: its claimer's heartbeats stopped listing it):
+         * too late to run it. */
+        r.error_code = KS_ECLAIMED;
+        r.error = why;
+    } else if (rc == 0 || rc == KS_EDUPLICATE) {
+        /* A duplicate is this same claim retried (its reply was lost, or
+         * its claimer restarted and claims again with the journalled
+         * claim id): still ours while the command runs. */
         r.granted = 1;
         if (req->start_failure && rc == 0)
             broker__command_ended(b, req->command_id, req->start_failure);
@@ -639,6 +745,7 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                 req->attempt, claimed_at);
     } else if (rc == KS_ECONFLICT) {
         Ks__Event d;
+        char identity[16 + EVT_AGENT_ID_MAX];
         ks_metric_inc(KS_C_CLAIM_CONFLICTS);
         broker__event_init(&d, dup_id, stream, "DuplicateSuppressed",
                            req->command_id);
@@ -647,7 +754,19 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         d.reason = "claim lost: the command was already claimed, "
                    "re-dispatched or ended";
         struct store_event de = {&d};
-        store_append(cl->st, stream, STORE_ANY, &de, 1, NULL);
+        /* An annotation the agent causes at will (a claim of its own
+         * ended command, again and again): within its share only
+         * (budget.c). */
+        broker__report_identity(b, req->agent_id, identity,
+                                sizeof(identity));
+        if (broker__budget_take(b, identity, ks__event__get_packed_size(&d),
+                                BROKER_ANNOTATION_REPORT)) {
+            struct store_write dw = {.stream_id = stream,
+                                     .expected_version = STORE_ANY,
+                                     .events = &de,
+                                     .n = 1};
+            store_writer_append(b->writer, &dw, NULL);
+        }
         r.error_code = KS_ECLAIMED;
         r.error = "already claimed";
     } else if (rc == KS_EDENIED) {
@@ -656,10 +775,14 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     } else {
         /* The agent hands the message back and claims again later. */
         r.error_code = rc;
-        r.error = (char *)broker__store_error(cl->st, rc, why, sizeof(why));
+        r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
+    /* The claim stage's pace, and the start of the slot's hold. */
+    broker__admit_claim_done(b, req ? req->command_id : NULL,
+                             r.granted && !(req && req->start_failure),
+                             ks_mono_us() - t_in);
     if (req)
         ks__claim_request__free_unpacked(req, NULL);
     natsMsg_Destroy(msg);
@@ -800,28 +923,42 @@ collect_event(const Ks__RecordedEvent *ev, void *ud)
 
 /*
  * One read of what req asks (one stream after a version, or all streams
- * after a cursor) with st. Replies to msg and returns true when there is
- * something to say: events, an error, or (final) nothing; returns false,
- * replying nothing, when nothing is new or PostgreSQL is down and the
- * caller may wait (a follower).
+ * after a cursor, or from its start: then req's cursor is set to where it
+ * starts, the first time that can be found) with st. Replies to msg and
+ * returns true when there is something to say: events, an error, or
+ * (final) nothing; returns false, replying nothing, when nothing is new
+ * or PostgreSQL is down and the caller may wait (a follower).
  */
 static bool
 events_try(struct broker *b, struct store *st, natsMsg *msg,
-           const Ks__EventsRequest *req, bool final)
+           Ks__EventsRequest *req, bool final)
 {
     Ks__EventsReply r = KS__EVENTS_REPLY__INIT;
     struct events_acc acc = {0};
     struct store_cursor cur = {0};
     char why[600];
-    int rc;
+    int rc = 0;
 
     uint32_t limit = req->limit && req->limit < 1000 ? req->limit : 1000;
+    if (!req->stream_id[0] && !req->cursor_tx_id && !req->cursor_pos &&
+        (req->start_now || req->start_at_us)) {
+        /* Where to start, once per request (a parked follower keeps it):
+         * never from the first event, which a start asks not to read. */
+        rc = store_cursor_at(st, req->start_now ? 0 : req->start_at_us, &cur);
+        if (rc == 0) {
+            req->cursor_tx_id = cur.tx_id;
+            req->cursor_pos = cur.global_pos;
+            req->start_now = false;
+            req->start_at_us = 0;
+        }
+    }
     cur.tx_id = req->cursor_tx_id;
     cur.global_pos = req->cursor_pos;
-    if (req->stream_id[0])
+    /* Without its start, nothing is read: a follower waits, as below. */
+    if (rc == 0 && req->stream_id[0])
         rc = store_read_stream(st, req->stream_id, req->after_version, limit,
                                collect_event, &acc);
-    else
+    else if (rc == 0)
         rc = store_read_all(st, &cur, limit, collect_event, &acc);
     /* A follower outlives a PostgreSQL restart: it waits (the store backs
      * off its reconnects) and at its deadline gets an empty reply that
@@ -1250,17 +1387,59 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         broker__handle_list(ud, msg);
     else if (broker__is_method(subj, EVT_API_LOGS))
         broker__handle_logs(ud, msg);
+    else if (broker__is_method(subj, EVT_API_LABEL))
+        broker__handle_label(ud, b->st_misc, msg);
     pthread_mutex_unlock(&b->misc_mu);
     natsMsg_Destroy(msg);
 }
 
 /* ---- start / stop ------------------------------------------------------- */
 
+/*
+ * The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while nats.c
+ * said CONNECTED (evt_link_watch, its thread): a broker that can neither
+ * hear requests and events nor publish must not keep holding work (the
+ * batches it drives, the waiters of its clients). It stops, as on
+ * SIGTERM, and broker_run returns KS_EUNAVAIL: `kscore broker` exits
+ * non-zero and its supervisor starts it again (systemd: Restart=
+ * on-failure); meanwhile another broker adopts its batches and clients
+ * ask again (README "When an agent fails").
+ */
+static void
+link_dead(void *ud, int64_t silent_us)
+{
+    struct broker *b = ud;
+
+    ks_log(KS_LOG_ERROR,
+           "the NATS link answers nothing though nats.c says it is "
+           "connected: the broker stops, to be started again",
+           KS_D("silent_s", (double)silent_us / 1e6),
+           KS_I("link_timeout_ms", BROKER_LINK_TIMEOUT_MS));
+    atomic_store(&b->link_dead, true);
+    kill(getpid(), SIGTERM); /* to broker_run's sigwait */
+}
+
 static int
 open_store(struct broker *b, struct store **out, char **errmsg)
 {
     char *why = NULL;
     int rc = store_open(b->opts->db_conninfo, out, &why);
+    if (rc && errmsg &&
+        asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
+                 b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    free(why);
+    return rc;
+}
+
+/* The group writer (store.h): the appends of every handler and of the
+ * recorder, in shared transactions. */
+static int
+open_writer(struct broker *b, char **errmsg)
+{
+    char *why = NULL;
+    int rc = store_writer_open(b->opts->db_conninfo, BROKER_WRITER_CONNS,
+                               &b->writer, &why);
     if (rc && errmsg &&
         asprintf(errmsg, "cannot connect to PostgreSQL (%s): %s",
                  b->opts->db_conninfo, why ? why : ks_strerror(rc)) < 0)
@@ -1319,9 +1498,11 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     r->cb(nc, sub, msg, r->ud);
 }
 
+/* Subscribes cb (behind api_guard) to "<subject>.*", in the brokers'
+ * queue group, or (queue NULL) as every broker does. */
 static int
-subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
-             natsMsgHandler cb, void *ud, char **errmsg)
+subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
+            const char *queue, natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
     BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
@@ -1330,9 +1511,11 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
     route->cb = cb;
     route->ud = ud;
     snprintf(full, sizeof(full), "%s.*", subject);
-    natsStatus s = natsConnection_QueueSubscribe(sub, b->nc->nc, full,
-                                                 EVT_BROKER_QUEUE, api_guard,
-                                                 route);
+    natsStatus s =
+        queue ? natsConnection_QueueSubscribe(sub, b->nc->nc, full, queue,
+                                              api_guard, route)
+              : natsConnection_Subscribe(sub, b->nc->nc, full, api_guard,
+                                         route);
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
@@ -1342,6 +1525,13 @@ subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
         return KS_ENATS;
     }
     return 0;
+}
+
+static int
+subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
+             natsMsgHandler cb, void *ud, char **errmsg)
+{
+    return subscribe_q(b, sub, subject, EVT_BROKER_QUEUE, cb, ud, errmsg);
 }
 
 static int
@@ -1374,18 +1564,24 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[] = {&b->claimers[0].sub, &b->claimers[1].sub,
-                                 &b->claimers[2].sub, &b->claimers[3].sub,
-                                 &b->executors[0].sub,
-                                 &b->executors[1].sub,
-                                 &b->executors[2].sub,
-                                 &b->sub_misc,   &b->sub_events,
-                                 &b->sub_cancel, &b->sub_agents,
-                                 &b->sub_follow, &b->sub_batch,
-                                 &b->sub_advisory, &b->sub_list,
-                                 &b->sub_logs, &b->sub_notice,
-                                 &b->sub_upload, &b->sub_fetch};
-    const size_t nsubs = sizeof(subs) / sizeof(subs[0]);
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 19];
+    size_t nsubs = 0;
+
+    /* Every worker's subscription: each handler uses the writer and the
+     * store connections closed below. */
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
+        subs[nsubs++] = &b->claimers[i].sub;
+    {
+        natsSubscription **rest[] = {
+            &b->sub_execute,    &b->sub_misc,       &b->sub_events,
+            &b->sub_cancel,     &b->sub_agents,     &b->sub_follow,
+            &b->sub_batch,      &b->sub_advisory,   &b->sub_list,
+            &b->sub_logs,       &b->sub_notice,     &b->sub_upload,
+            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub,
+            &b->sub_label};
+        for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
+            subs[nsubs++] = rest[i];
+    }
 
     b->stopping = 1;
     agent_stop(b->local);
@@ -1401,17 +1597,25 @@ broker_teardown(struct broker *b)
             natsSubscription_Destroy(*subs[i]);
             *subs[i] = NULL;
         }
+    /* What the intake took in is served before anything below stops. */
+    broker__admit_stop(b);
     broker__follow_stop(b);
     broker__scanner_stop(b);
     broker__guard_stop(b);
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
+    /* Its last users (the handlers, the recorder) are gone: what it holds
+     * is written, and each caller had its answer. */
+    store_writer_close(b->writer);
+    b->writer = NULL;
     kvStore_Destroy(b->kv);
     evt_close(b->nc);
     store_close(b->st_setup);
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
         store_close(b->executors[i].st);
+    store_close(b->exec_again.st);
+    store_close(b->claim_again.st);
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -1422,6 +1626,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_batch);
     store_close(b->st_notice);
     store_close(b->st_blob);
+    broker__admit_free(b);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1429,10 +1634,10 @@ broker_teardown(struct broker *b)
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
     broker__remote_live_free(b);
+    broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
     pthread_mutex_destroy(&b->blob_mu);
-    pthread_cond_destroy(&b->rec_cond);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
 }
@@ -1454,6 +1659,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
                        .started_mono_us = ks_mono_us(),
                        .waiters = KS_MAP_INIT,
                        .agents = KS_MAP_INIT,
+                       .relabels = KS_MAP_INIT,
                        .up = {command_ended, remote_ended,
                               broker__batch_remote_cancel}};
     struct evt_connect_opts co = opts->nats;
@@ -1470,9 +1676,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     pthread_mutex_init(&b.mu, NULL);
     pthread_mutex_init(&b.misc_mu, NULL);
     pthread_mutex_init(&b.blob_mu, NULL);
-    pthread_cond_init(&b.rec_cond, NULL);
     pthread_mutex_init(&b.follow_mu, NULL);
     pthread_cond_init(&b.follow_cond, NULL);
+    if ((rc = broker__budget_init(&b)))
+        goto out;
 
     if (!opts->signing_key || !opts->signing_key[0]) {
         rc = KS_EINVAL;
@@ -1506,11 +1713,18 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = store_migrate(b.st_setup, errmsg)))
         goto out;
+    if ((rc = open_writer(&b, errmsg)))
+        goto out;
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
         b.executors[i].b = &b;
         if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
             goto out;
     }
+    b.exec_again.b = &b;
+    b.claim_again.b = &b;
+    if ((rc = open_store(&b, &b.exec_again.st, errmsg)) ||
+        (rc = open_store(&b, &b.claim_again.st, errmsg)))
+        goto out;
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1525,6 +1739,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = broker__jetstream_ready(&b, errmsg)))
         goto out;
+    /* Before the batches: they pace their targets by its figures. */
+    if ((rc = broker__admit_start(&b, on_execute))) {
+        if (errmsg && asprintf(errmsg, "exec workers: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__notice_start(&b, errmsg)) ||
@@ -1568,7 +1789,10 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         sigs = calloc(opts->local_agents, sizeof(*sigs));
         if (att && sigs && ids) {
             Ks__EnvVar lv = KS__ENV_VAR__INIT, *lp = &lv;
-            int64_t now = ks_now_us();
+            /* Signed as of the epoch, not of this start: any relabel of
+             * them (kscore agent label, labels.c) is newer and so
+             * outlives this broker's restarts. */
+            int64_t now = BROKER_LOCAL_ATTEST_AT_US;
             lv.name = (char *)lab.key;
             lv.value = (char *)lab.value;
             if (ao.pool) {
@@ -1604,10 +1828,14 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = broker__follow_start(&b)))
         goto out;
-    if ((rc = subscribe_workers(&b, b.executors, BROKER_EXEC_WORKERS,
-                                EVT_API_EXECUTE, on_execute, errmsg)) ||
+    if ((rc = subscribe(&b, &b.sub_execute, EVT_API_EXECUTE,
+                        broker__intake_push, errmsg)) ||
+        (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
+                          on_execute, &b.exec_again, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
                                 EVT_API_CLAIM, on_claim, errmsg)) ||
+        (rc = subscribe_q(&b, &b.claim_again.sub, EVT_API_CLAIM_AGAIN, NULL,
+                          on_claim, &b.claim_again, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||
@@ -1616,6 +1844,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
                         errmsg)) ||
         (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
+        (rc = subscribe(&b, &b.sub_label, EVT_API_LABEL, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
                         errmsg)) ||
@@ -1632,12 +1861,46 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = broker__guard_start(&b, errmsg)))
         goto out;
 
+    if ((rc = evt_link_watch_start(b.nc, BROKER_LINK_TIMEOUT_MS, link_dead,
+                                   &b, &b.link_watch)))
+        goto out;
     ks_metrics_collector_add(broker_collect, &b);
     ks_log(KS_LOG_INFO, "serving", KS_S("nats", opts->nats_url),
            KS_I("local_agents", opts->local_agents));
-    sigwait(&set, &sig);
-    ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+    /* A signal; or the in-process agents' own connection answers nothing
+     * (agent_fatal: they stay fenced), which a broker process restarted
+     * by its supervisor cures as it does for its own link. */
+    for (;;) {
+        struct timespec tick = {0, 250 * 1000000L};
+        sig = sigtimedwait(&set, NULL, &tick);
+        if (sig > 0)
+            break;
+        if (b.local && agent_fatal(b.local) == AGENT_FATAL_LINK) {
+            atomic_store(&b.link_dead, true);
+            break;
+        }
+    }
+    if (atomic_load(&b.link_dead)) {
+        rc = KS_EUNAVAIL;
+        if (errmsg && asprintf(errmsg,
+                               "the NATS link (the broker's, or its "
+                               "in-process agents') answered nothing for "
+                               "%d s though nats.c said it was connected: "
+                               "stopped, to be started again",
+                               BROKER_LINK_TIMEOUT_MS / 1000) < 0)
+            *errmsg = NULL;
+    } else {
+        ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
+        /* The in-process agents drain while everything else serves on
+         * (their results are recorded, their claims answered); a second
+         * signal cuts the drain short. */
+        if (b.local) {
+            agent_stop_graceful(b.local, opts->drain_timeout_ms, &set);
+            b.local = NULL;
+        }
+    }
 out:
+    evt_link_watch_stop(b.link_watch);
     ks_metrics_collector_remove(broker_collect, &b);
     broker_teardown(&b);
     return rc;

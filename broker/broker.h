@@ -50,12 +50,45 @@ struct broker_opts {
     bool require_signed_labels;
     unsigned replicas; /* copies of each stream and the KV bucket on a
                           JetStream cluster (evt_setup_replicas); 0: 1 */
+    /* kscore copy's files (broker/blob.c; README "Pushing files"); 0: the
+     * BROKER_COPY_* default. The bytes of uploads one operator may hold
+     * (its unfinished uploads and its files) and all operators together;
+     * how long a file nobody uploaded or copied is kept, and the parts of
+     * an upload that was not finished. */
+    uint64_t copy_operator_bytes, copy_total_bytes;
+    uint64_t copy_keep_ms, copy_upload_keep_ms;
+    /* At SIGTERM/SIGINT the in-process agents drain first
+     * (agent_stop_graceful): no new claims, the running commands may
+     * finish for up to this long (ms) while the broker serves on; a
+     * second signal cuts it short. 0: stop them at once. `kscore broker
+     * --drain-timeout`, default AGENT_DRAIN_TIMEOUT_MS. */
+    uint64_t drain_timeout_ms;
 };
 
+#define BROKER_COPY_OPERATOR_BYTES (UINT64_C(1) << 30) /* 1 GiB */
+#define BROKER_COPY_TOTAL_BYTES (UINT64_C(8) << 30)    /* 8 GiB */
+#define BROKER_COPY_KEEP_MS (UINT64_C(24) * 3600 * 1000)
+#define BROKER_COPY_UPLOAD_KEEP_MS (UINT64_C(3600) * 1000)
+
 /*
- * Runs a broker until SIGINT or SIGTERM. Loads the signing key, applies
- * migrations, sets up the streams, serves. Returns 0 after a clean stop, or a negative code with
- * *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL unreachable).
+ * How long the broker's NATS link may answer nothing while nats.c says it
+ * is connected before the broker stops (ms): no reply, no PubAck, no PONG
+ * to the PINGs it sends every EVT_LINK_PROBE_MS (evt_link_watch). A
+ * server stopped or cut off without a reset, or a read thread that hangs
+ * in nats.c (issue 22), is a link nats.c will not repair; a broker that
+ * can neither hear nor publish must not keep holding batches and waiting
+ * clients, and a new process has a new connection.
+ */
+#define BROKER_LINK_TIMEOUT_MS 30000
+
+/*
+ * Runs a broker until SIGINT or SIGTERM (then drains its in-process agents
+ * first: drain_timeout_ms). Loads the signing key, applies migrations,
+ * sets up the streams, serves. Returns 0 after a clean stop, or a negative
+ * code with *errmsg (malloc'd) when it cannot start (NATS or PostgreSQL
+ * unreachable), or KS_EUNAVAIL when it stopped because its NATS link
+ * answered nothing for BROKER_LINK_TIMEOUT_MS (its supervisor is to start
+ * it again).
  */
 int broker_run(const struct broker_opts *opts, char **errmsg);
 
@@ -92,6 +125,11 @@ enum store_step broker_decide_report(const struct store_command_state *st,
  */
 #define BROKER_AGENT_INFO_MAX_BYTES 8192
 #define BROKER_AGENT_INFO_MAX_LABELS 128
+/* Wave sizes a batch request may give (BatchRequest.waves; the last
+ * repeats). */
+#define BROKER_WAVES_MAX 1000
+/* Facts an entry may hold (AgentInfo.facts; an agent sends 5). */
+#define BROKER_AGENT_INFO_MAX_FACTS 32
 /* Largest registry entry of an agent pool (its list of ids: about 20,000
  * ids of 10 characters); beyond it the entry is refused and logged. */
 #define BROKER_POOL_INFO_MAX_BYTES (256 * 1024)

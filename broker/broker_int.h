@@ -3,6 +3,7 @@
 #define KSCORE_BROKER_INT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "agent.h"
@@ -36,8 +37,25 @@ struct broker__instance {
     int64_t seen_mono_us;
 };
 
+/*
+ * What one heartbeat of an agent process listed (AgentInfo.holds, only
+ * when holds_complete): the commands it holds, sorted 16-byte ids, with
+ * the heartbeat's process and number. A pool's ids share one (refs).
+ * Immutable; refs under b->mu (registry.c).
+ */
+struct broker__holds {
+    unsigned refs;
+    char instance[37];
+    uint64_t seq;
+    size_t n;
+    uint8_t ids[][16];
+};
+
 struct broker__agent {
     Ks__AgentInfo *info;
+    /* The latest live heartbeat's list (info has it stripped); NULL: none
+     * complete, or an agent from before AgentInfo.holds. */
+    struct broker__holds *holds;
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
@@ -53,6 +71,11 @@ struct broker__agent {
      * agent). */
     char *attest_text;
     uint8_t attest_sig[EVT_SIGNATURE_BYTES];
+    /* registry.c labels_settle: the time of the entry's own attestation
+     * when it verified (0: none), and the relabel whose labels it has
+     * (labels.c; relabel_at_us 0: none): by whom, when. */
+    int64_t entry_at_us, relabel_at_us;
+    char relabel_by[64];
     /* registry.c: the last two processes that heartbeat this id (cur: the
      * latest), and when their heartbeats last interleaved (0: never). */
     struct broker__instance cur, other;
@@ -78,10 +101,22 @@ struct broker__follower {
 #define BROKER_REMOTE_LIVE_MAX 65536
 
 /* Claims and ExecuteCommand are served by this many queue subscriptions
- * each, every one with its own thread and PostgreSQL connection: each is
- * one commit, and a fan-out or a steady rate brings many at once. */
+ * each, every one with its own thread (and a PostgreSQL connection for its
+ * reads): each waits for its append's commit, and the appends of all of
+ * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
-#define BROKER_EXEC_WORKERS 3
+#define BROKER_EXEC_WORKERS 8
+/* Connections of the group writer (store.h): the appends of the workers
+ * above and of the recorder's single results share its transactions. */
+#define BROKER_WRITER_CONNS 1
+/* The longest a request may be expected to wait in kscore's own queues
+ * (the intake and the claims), and to start at all when it gave no
+ * delivery deadline, before it is refused as busy (admit.c; ms). From
+ * measurements (perf/BASELINE.md "Overload", an A/B of 250 against 500 at
+ * 300 commands/s on this 2-core machine): with 500 the accepted p99 was
+ * 0.8-1.5 s, with 250 0.65-0.78 s, what is accepted still ends within
+ * 1 s. */
+#define BROKER_QUEUE_MAX_MS 250
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
@@ -126,9 +161,13 @@ struct broker {
 
     struct store *st_setup, *st_misc, *st_rec, *st_reg, *st_scan,
         *st_follow;
+    /* The dispatch records, claims and the recorder's single results are
+     * written through it (store.h "the group writer"). */
+    struct store_writer *writer;
     natsSubscription *sub_misc, *sub_events,
         *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
     natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
+    natsSubscription *sub_label; /* kscore.api.v1.label (labels.c) */
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
@@ -167,10 +206,6 @@ struct broker {
      * (broker__registry_deaf). */
     int64_t scan_tick_mono_us, woke_mono_us;
 
-    pthread_cond_t rec_cond;    /* recorder queue not empty / stopping */
-    natsMsg **rec_q;
-    size_t rec_len, rec_cap;
-
     pthread_t rec_thread, reg_thread, scan_thread;
     bool rec_started, reg_started, scan_started;
     /* Parked long polls of kscore.api.v1.follow, served by the follow
@@ -185,8 +220,18 @@ struct broker {
     struct agent *local;
     int64_t started_mono_us;
     int64_t connected_since_mono_us; /* scanner: 0 while NATS is down */
+    /* scanner.c: Running commands no heartbeat of their claimer lists any
+     * more (command id -> struct scan_unlisted *), waiting for the
+     * recorder to take what the event stream held when that was seen.
+     * Scanner thread only. */
+    struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
+    /* kscore.api.v1.execute-again: every broker's, no queue group (a
+     * client asks again there when an ask went unanswered). */
+    struct broker__worker exec_again;
+    /* kscore.api.v1.claim.again: every broker's, likewise. */
+    struct broker__worker claim_again;
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;
@@ -195,9 +240,15 @@ struct broker {
     struct broker__route routes[BROKER_MAX_ROUTES];
     int n_routes;
     int64_t bad_reply_logged_us; /* rate limit of that log line */
+    /* The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while
+     * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
+    struct evt_link_watch *link_watch;
+    atomic_bool link_dead;
 
     struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */
+    struct broker__admit *admit;     /* admit.c: in flight, the intake */
+    natsSubscription *sub_execute;   /* kscore.api.v1.execute: the intake */
     natsSubscription *sub_batch;
     struct store *st_batch;
 
@@ -215,7 +266,65 @@ struct broker {
      * command live through another broker (its follow notice): a piece
      * recorded here goes to them directly. */
     struct ks_map remote_live;
+    /* labels.c: (mu) the newest relabel of each subject, as the record
+     * has them; when they were last read; dirty: read them again (another
+     * broker's notice). */
+    struct ks_map relabels;
+    int64_t relabels_loaded_mono_us;
+    atomic_bool relabels_dirty;
+    /* budget.c: annotation rows per identity. */
+    struct broker__budget *budget;
 };
+
+/* What labels_settle (registry.c) decided an entry's labels came from. */
+struct broker__settled {
+    int64_t entry_at_us; /* its own attestation's time, when valid; 0 */
+    bool relabelled;     /* a relabel's (labels.c): */
+    char by[64];         /* its operator */
+    int64_t at_us;       /* its time */
+};
+
+/*
+ * labels.c: relabels (kscore agent label) and a command's labels.
+ *
+ * broker__relabels_load: reads the newest relabel of every subject from
+ * the record into b->relabels (replacing them; one not signed by this
+ * broker's key is left out and logged). 0 or a store error (kept as it
+ * was). Before the registry thread starts, then on that thread.
+ * broker__relabels_due: whether to load again (another broker recorded
+ * one: BROKER_NOTICE_RELABEL; or BROKER_RELABEL_RELOAD_US have passed).
+ * broker__relabels_free: teardown.
+ *
+ * broker__relabel_settle: when subject (an agent id, or
+ * "pool.<pool>/<size>") has a relabel at least as new as entry_at_us
+ * (INT64_MIN: the entry has no valid attestation), replaces info's
+ * labels by a copy of its labels, fills out's relabelled, by, at_us and
+ * returns true. Any thread.
+ *
+ * broker__command_labels: agent_id's labels as the registry has them,
+ * sorted by name, copied into out (none: n 0); release with
+ * broker__labels_release. For Command.labels.
+ *
+ * broker__handle_label: kscore.api.v1.label (on_misc, with st).
+ */
+#define BROKER_RELABEL_RELOAD_US (60 * INT64_C(1000000))
+struct broker__labels {
+    Ks__EnvVar **v;
+    size_t n;
+};
+int broker__relabels_load(struct broker *b, struct store *st);
+bool broker__relabels_due(struct broker *b);
+void broker__relabels_free(struct broker *b);
+bool broker__relabel_settle(struct broker *b, const char *subject,
+                            int64_t entry_at_us, Ks__AgentInfo *info,
+                            struct broker__settled *out);
+void broker__command_labels(struct broker *b, const char *agent_id,
+                            struct broker__labels *out);
+void broker__labels_release(struct broker__labels *l);
+void broker__handle_label(struct broker *b, struct store *st, natsMsg *msg);
+/* The time a broker signs its in-process agents' labels as of (the
+ * epoch, 1 us): every relabel of them is newer. */
+#define BROKER_LOCAL_ATTEST_AT_US 1
 
 /* Fills the envelope of a new event: fresh event_id, stream, type, time. */
 void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
@@ -229,6 +338,9 @@ void broker__event_init(Ks__Event *ev, char event_id[37], char *stream_id,
  */
 const char *broker__store_error(struct store *st, int rc, char *buf,
                                 size_t len);
+/* The same for an append the group writer failed (its result). */
+const char *broker__write_error(const struct store_write_result *res, int rc,
+                                char *buf, size_t len);
 
 /* Sends m to subject (a client's inbox; nothing when empty), in parts
  * when larger than one NATS message. A failure is logged. */
@@ -262,6 +374,11 @@ struct broker__claimed *broker__claimed_take(struct broker *b,
 /* Frees what waiters.c holds (the waiters, claim hints, keys seen). */
 void broker__waiters_release(struct broker *b);
 
+/* Tells every client waiting on this broker for a result something it must
+ * know now (ExecuteReply.notice: text, e.g. why the result cannot come;
+ * the recorder's stall, recorder.c). A reply with no result: the clients
+ * keep waiting. Any thread; takes b->mu. */
+void broker__waiters_notice(struct broker *b, const char *text);
 /* Replies to the client waiting for command_id, if any, with result.
  * true if one waited here. */
 bool broker__reply_waiter(struct broker *b, const char *command_id,
@@ -317,6 +434,12 @@ void broker__policy_note(const char *state_dir, const char *path,
 int broker__policy_check(const struct broker__policy *p, const char *op,
                          const Ks__AgentInfo *agent,
                          const Ks__CommandSpec *spec, char *why, size_t len);
+/* Whether op may upload files for kscore copy (kscore.api.v1.upload):
+ * only an operator the policy lets copy to some agent (a "run" rule
+ * without "executables" that grants root: see policy.c), so that storage
+ * goes to no one who could not use it. 0, or KS_EDENIED with why. */
+int broker__policy_check_upload(const struct broker__policy *p,
+                                const char *op, char *why, size_t len);
 /* Whether op may read a record: its own (owner == op), or one about an
  * agent a "read" rule of op matches; every_agent: all records at once
  * (needs a read rule on agents "*"). agent may be NULL (unknown agent:
@@ -324,6 +447,13 @@ int broker__policy_check(const struct broker__policy *p, const char *op,
 int broker__policy_check_read(const struct broker__policy *p, const char *op,
                               const char *owner, const Ks__AgentInfo *agent,
                               bool every_agent, char *why, size_t len);
+/* Whether op may change an agent's labels from before's to after's
+ * (kscore agent label): a rule that lists "label" in "can" and whose
+ * "agents" match both. 0, or KS_EDENIED with why. */
+int broker__policy_check_label(const struct broker__policy *p, const char *op,
+                               const Ks__AgentInfo *before,
+                               const Ks__AgentInfo *after, char *why,
+                               size_t len);
 /* Whether op may act on (cancel) a batch requested by owner: its own, or
  * with a "run" rule on agents "*". 0, or KS_EDENIED with why. */
 int broker__policy_check_batch(const struct broker__policy *p,
@@ -342,6 +472,10 @@ Ks__AgentInfo *broker__agent_info(struct broker *b, const char *agent_id);
  * thread. */
 void broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
                         size_t len);
+/* As broker__agent_pool; 1 if the registry has an entry for agent_id, 0
+ * if not. */
+int broker__agent_pool_known(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
  * its registry watch (re)started and has not delivered its initial values
@@ -429,6 +563,23 @@ void broker__guard_view(struct broker *b, const char *durable,
  * (not in the registry). Takes b->mu. */
 int broker__agent_presence(struct broker *b, const char *agent_id,
                            int64_t *heartbeat_at_us);
+/*
+ * Whether the latest live heartbeat of agent_id lists command (16 bytes,
+ * AgentInfo.holds): 1 it does; 0 it is a complete list without it, with
+ * its process (instance[37]) and number (*seq); -1 this broker cannot
+ * tell (no complete list, the id silent for EVT_AGENT_TTL_MS, or a deaf
+ * registry: broker__registry_deaf). Takes b->mu.
+ */
+int broker__agent_lists(struct broker *b, const char *agent_id,
+                        const uint8_t command[16], char instance[37],
+                        uint64_t *seq);
+/* true when this broker has heard no heartbeat of process instance of
+ * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard).
+ * The caller makes sure the broker could hear all along (its connection
+ * and watch up for a TTL). Takes b->mu. */
+bool broker__instance_silent(struct broker *b, const char *agent_id,
+                             const char *instance);
+
 /* May the process instance_id claim for agent_id? 0 yes (also for no
  * instance id), KS_EDUPINSTANCE with why (naming the other process) when
  * it is the newer of two processes serving the id (registry.c). */
@@ -482,10 +633,21 @@ void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 /*
  * A copy (sp->copy) names only files uploaded whole (complete, of the size
  * it says): 0, or KS_EINVAL with why naming the file, or a store error.
- * Nothing to check without a copy. Takes blob_mu.
+ * Each file is marked used (kept copy_keep from now; while the batch is
+ * open, the batch keeps it). Nothing to check without a copy. Takes
+ * blob_mu.
  */
 int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
                              char *why, size_t len);
+/*
+ * The scanner's clean-up of kscore copy's files (store_blob_expire, a few
+ * short transactions on st): files nobody uploaded or copied for
+ * copy_keep that no open batch names, parts of uploads not finished
+ * within copy_upload_keep. Returns the wait (us) before the next call: 0
+ * when more is due, else up to 10 s (a quarter of the shorter keep).
+ * Scanner thread.
+ */
+int64_t broker__blob_expire(struct broker *b, struct store *st);
 
 /* true when sp needs more of its agent than argv (see below). */
 static inline bool
@@ -512,6 +674,56 @@ struct broker__cancel_outcome {
 int broker__cancel_command(struct broker *b, struct store *st,
                            const char *command_id, const char *operator_name,
                            struct broker__cancel_outcome *out);
+
+/* ---- admission and the exec intake (admit.c) ---- */
+/*
+ * Starts the exec workers (one per b->executors[i], with its store
+ * connection), which take requests from the intake in arrival order and
+ * run handler(NULL, NULL, msg, &b->executors[i]) on each (it destroys the
+ * message). 0, -ENOMEM or KS_EINTERNAL (then call broker__admit_stop).
+ */
+int broker__admit_start(struct broker *b, natsMsgHandler handler);
+/* Serves what the intake still holds and joins the workers (call after
+ * the execute subscription is drained); the figures stay until
+ * broker__admit_free, when no other thread uses them. Both accept a
+ * broker whose admission never started. */
+void broker__admit_stop(struct broker *b);
+void broker__admit_free(struct broker *b);
+/* The execute subscription's callback (ud: the broker): refuses at once
+ * (KS_EBUSY) a request that cannot start in time, else queues it for the
+ * workers. */
+void broker__intake_push(natsConnection *nc, natsSubscription *sub,
+                         natsMsg *msg, void *ud);
+/* 0 when a command for agent_id with delivery deadline deliver_ms (0:
+ * none given) can start in time, else KS_EBUSY with why (len bytes)
+ * naming the limit and the figures (admit.c's rule). Any thread. */
+int broker__admit_check(struct broker *b, const char *agent_id,
+                        uint64_t deliver_ms, char *why, size_t len);
+/* Batch pacing: true when the queue named key (broker__agent_queue, with
+ * its slots) takes one more command now (less than two rounds of its
+ * slots in flight, one while its hold is unknown and the command's
+ * timeout_ms (0: none) does not bound it; its wait within half of
+ * deliver_ms; kscore's own queues within BROKER_QUEUE_MAX_MS). */
+bool broker__admit_room(struct broker *b, const char *key, unsigned slots,
+                        uint64_t deliver_ms, uint64_t timeout_ms);
+/* command_id was dispatched here to agent_id (its first deadline
+ * not_after_us, epoch; its spec's timeout, 0: none): in flight until its
+ * end is noted (broker__admit_ended) or long past both. */
+void broker__admit_dispatched(struct broker *b, const char *command_id,
+                              const char *agent_id, int64_t not_after_us,
+                              uint64_t timeout_ms);
+/* A claim was answered (handler_us: the time its handler took); granted:
+ * command_id started (its slot's hold is timed from now). */
+void broker__admit_claim_done(struct broker *b, const char *command_id,
+                              bool granted, int64_t handler_us);
+/* command_id ended (here or noticed from another broker). */
+void broker__admit_ended(struct broker *b, const char *command_id);
+/* The queue agent_id's commands wait in (registry.c): "pool:<pool>",
+ * "proc:<instance>" (its process's ids share its slots) or "id:<id>",
+ * into key (len bytes), and its slots (AgentInfo.max_concurrent; 0 when
+ * unknown). Takes b->mu. */
+void broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                         size_t len, unsigned *slots);
 
 /* Batch scheduler (batch.c). */
 int broker__batch_start(struct broker *b, char **errmsg);
@@ -549,6 +761,39 @@ int broker__batch_view(struct broker *b, struct store *st,
  * the attempt it claimed. 0, or KS_EDENIED with *why. Pure; any thread. */
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
+
+/* ---- annotation rows per identity (budget.c) ----
+ * Each identity (agent-<id>, pool-<pool>, operator-<name>, or
+ * "unregistered": every agent id the registry has no entry for) may add
+ * 1000 annotation rows at once, then 10 a second, and 64 MiB of them,
+ * then 64 KiB a second, per broker; past that an annotation is not
+ * written, only counted and summed up in the log. */
+enum broker__annotation {
+    BROKER_ANNOTATION_REPORT, /* ReportRejected, LateResult, CommandRejected */
+    BROKER_ANNOTATION_DENIAL, /* RequestDenied */
+};
+/* 0 or -ENOMEM; broker__budget_free (accepts an unset one) releases. */
+int broker__budget_init(struct broker *b);
+void broker__budget_free(struct broker *b);
+/* true: identity may add one annotation row of `bytes` bytes (taken from
+ * its share); false: past its share, do not write it (counted in
+ * kscore_annotations_dropped_total, logged in summary). Any thread. */
+bool broker__budget_take(struct broker *b, const char *identity,
+                         size_t bytes, enum broker__annotation kind);
+/* Scanner tick: the summary lines of identities still past their share,
+ * and forgets the identities whose share is whole again. */
+void broker__budget_sweep(struct broker *b);
+/* The identity whose share an agent id's annotations use, into buf
+ * (>= 16 + EVT_AGENT_ID_MAX): "pool-<pool>" for an id of a pool,
+ * "agent-<id>" for another id the registry knows, else "unregistered".
+ * Any thread; takes mu. */
+void broker__report_identity(struct broker *b, const char *agent_id,
+                             char *buf, size_t len);
+/* broker__admit_report with the budget (store_check_fn, ud: the broker):
+ * a report that would be kept as an annotation while its identity is past
+ * its share is STORE_CHECK_DROP. Recorder thread. */
+int broker__admit_bounded(const struct store_command_state *st,
+                          const Ks__Event *ev, const char **why, void *ud);
 
 /* ---- output in pieces (output.c) ---- */
 /* The rule for an agent's output piece (store_output_check_fn). */
@@ -594,6 +839,9 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
 #define BROKER_NOTICE_PREFIX "_KSCORE.broker."
 #define BROKER_NOTICE_ENDED BROKER_NOTICE_PREFIX "ended."
 #define BROKER_NOTICE_CANCEL BROKER_NOTICE_PREFIX "cancel."
+/* BROKER_NOTICE_RELABEL<stream>: a relabel was recorded on stream
+ * ("agent-<id>", "pool-<pool>"): read the relabels again (labels.c). */
+#define BROKER_NOTICE_RELABEL BROKER_NOTICE_PREFIX "relabel."
 /* BROKER_NOTICE_FOLLOW<command_id>: a client follows the command live
  * through the sender; payload "<instance_id>\n<e|b>\n<agent_id>\n<subject>"
  * (e: an exec's inbox, b: a batch's progress subject). */
@@ -605,6 +853,7 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
 int broker__notice_start(struct broker *b, char **errmsg);
 void broker__notice_ended(struct broker *b, const char *command_id);
 void broker__notice_batch_cancel(struct broker *b, const char *batch_id);
+void broker__notice_relabel(struct broker *b, const char *stream);
 /* Tells the other brokers that subject follows command_id live here, so
  * the pieces they record go to it too. */
 void broker__notice_follow(struct broker *b, const char *command_id,

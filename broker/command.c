@@ -20,27 +20,19 @@ broker__validate_spec(const Ks__CommandSpec *spec, char *why, size_t len)
     }
     for (size_t i = 0; i < spec->n_env; i++) {
         const char *n = spec->env[i]->name;
-        /* POSIX names (letters, digits, _; not a digit first); KSCORE_ is
-         * kscore's own (KSCORE_COMMAND_ID is how a command knows itself). */
-        bool ok = (n[0] >= 'A' && n[0] <= 'Z') ||
-                  (n[0] >= 'a' && n[0] <= 'z') || n[0] == '_';
-        for (const char *c = n; ok && *c; c++)
-            ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
-                 (*c >= '0' && *c <= '9') || *c == '_';
-        if (!ok) {
-            snprintf(why, len,
-                     "bad environment variable name '%.64s' (letters, digits "
-                     "and _, not starting with a digit)",
-                     n);
-            return KS_EINVAL;
-        }
-        if (strncmp(n, "KSCORE_", 7) == 0) {
+        if (broker_env_name_ok(n))
+            continue;
+        if (strncmp(n, "KSCORE_", 7) == 0)
             snprintf(why, len,
                      "environment variable '%.64s': the KSCORE_ prefix is "
                      "kscore's own",
                      n);
-            return KS_EINVAL;
-        }
+        else
+            snprintf(why, len,
+                     "bad environment variable name '%.64s' (letters, digits "
+                     "and _, not starting with a digit)",
+                     n);
+        return KS_EINVAL;
     }
     if (spec->stdout_cap_bytes > EXEC_OUTPUT_CAP_MAX ||
         spec->stderr_cap_bytes > EXEC_OUTPUT_CAP_MAX) {

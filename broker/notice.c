@@ -22,7 +22,9 @@
  * again, the batch's tick reads the end.
  *
  * A batch cancel recorded by another broker than the batch's driver is
- * passed on the same way (BROKER_NOTICE_CANCEL "<batch_id>").
+ * passed on the same way (BROKER_NOTICE_CANCEL "<batch_id>"), and so is a
+ * relabel (BROKER_NOTICE_RELABEL "<stream>": every broker reads the
+ * relabels again, labels.c).
  *
  * Live output: a client following a command live (an exec, a batch with
  * --stream) is announced once by the broker it talks to
@@ -236,6 +238,13 @@ broker__notice_batch_cancel(struct broker *b, const char *batch_id)
                    (int)strlen(b->instance_id));
 }
 
+void
+broker__notice_relabel(struct broker *b, const char *stream)
+{
+    publish_notice(b, BROKER_NOTICE_RELABEL, stream, b->instance_id,
+                   (int)strlen(b->instance_id));
+}
+
 static void
 on_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -266,6 +275,10 @@ on_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                strncmp(subj + nc_, "batch-", 6) == 0 &&
                ks_is_uuid(subj + nc_ + 6)) {
         b->up.remote_batch_cancel(b, subj + nc_);
+    } else if (strncmp(subj, BROKER_NOTICE_RELABEL,
+                       strlen(BROKER_NOTICE_RELABEL)) == 0) {
+        /* The registry thread reads them again (labels.c). */
+        atomic_store(&b->relabels_dirty, true);
     }
 out:
     natsMsg_Destroy(msg);

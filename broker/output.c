@@ -42,8 +42,10 @@ broker__admit_output(const struct store_command_state *st,
         *why = "output of another attempt than the one claimed";
         return KS_EDENIED;
     }
+    /* No byte past the largest cap a command may have. */
     if (c->offset > (uint64_t)EXEC_OUTPUT_CAP_MAX ||
-        c->len > KS_MAX_MESSAGE_BYTES) {
+        c->len > KS_MAX_MESSAGE_BYTES ||
+        c->offset + c->len > (uint64_t)EXEC_OUTPUT_CAP_MAX) {
         *why = "output offset out of range";
         return KS_EDENIED;
     }

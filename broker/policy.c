@@ -17,7 +17,12 @@
  *   {"auditor": [{"agents": "*", "can": ["read"]}]}
  * An operator always reads what it ran itself. Reading every stream at
  * once (events --follow without an id) takes a "read" rule with agents
- * "*".
+ * "*". "label" (never granted unless listed) lets the operator change
+ * the signed labels of the agents the rule matches (kscore agent label),
+ * if the rule matches them after the change too:
+ *   {"ops": [{"agents": {"env": "dev"}, "can": ["label"]}]}
+ * Rules match labels only: a key "fact.*" (an agent's own word about its
+ * host) is refused when the policy loads.
  *
  * Users (kscore exec --run-as USER[:GROUP]): every run is a run as a user,
  * the --run-as value or "root" without one (the agent's own user, root
@@ -49,6 +54,12 @@
 struct broker__policy {
     json_t *operators; /* object: name -> array of rules */
 };
+
+/* What a copy takes, in a denial's words. */
+#define COPY_RULE                                                              \
+    "a copy writes as root: it takes a \"run\" rule without "                  \
+    "\"executables\" that grants root"
+
 
 int
 broker_policy_read(const char *path, char **buf_out, size_t *len_out,
@@ -199,16 +210,34 @@ policy_parse(const char *path, const char *buf, size_t len,
                 {
                     if (!json_is_string(c) ||
                         (strcmp(json_string_value(c), "run") != 0 &&
-                         strcmp(json_string_value(c), "read") != 0))
+                         strcmp(json_string_value(c), "read") != 0 &&
+                         strcmp(json_string_value(c), "label") != 0))
                         can_ok = false;
                 }
             if (!can_ok) {
                 snprintf(why, sizeof(why),
                          "%s: operator \"%s\" rule %zu: \"can\" is a list "
-                         "of \"run\" and \"read\"",
+                         "of \"run\", \"read\" and \"label\"",
                          path, name, i + 1);
                 goto bad;
             }
+            /* A fact is what an agent says of itself: it grants nothing
+             * (a rule on one would be a rule any agent can meet). */
+            const char *lk;
+            json_t *lv;
+            if (json_is_object(ag))
+                json_object_foreach(ag, lk, lv)
+                {
+                    if (strncmp(lk, BROKER_FACT_PREFIX,
+                                strlen(BROKER_FACT_PREFIX)) == 0) {
+                        snprintf(why, sizeof(why),
+                                 "%s: operator \"%s\" rule %zu: \"%s\" is "
+                                 "a fact, the agent's own word: a rule "
+                                 "matches signed labels only",
+                                 path, name, i + 1, lk);
+                        goto bad;
+                    }
+                }
             if (!json_is_object(rule) ||
                 !(json_is_object(ag) ||
                   (json_is_string(ag) &&
@@ -331,15 +360,16 @@ has_label(const Ks__AgentInfo *info, const char *k, const char *v)
     return false;
 }
 
-/* 1 if rule grants what ("run" or "read"); a rule without "can" grants
- * both. */
+/* 1 if rule grants what ("run", "read" or "label"); a rule without
+ * "can" grants run and read (label only when listed: policies written
+ * before it grant what they granted). */
 static bool
 rule_can(json_t *rule, const char *what)
 {
     json_t *can = json_object_get(rule, "can"), *c;
     size_t i;
     if (!can)
-        return true;
+        return strcmp(what, "label") != 0;
     json_array_foreach(can, i, c)
     {
         if (strcmp(json_string_value(c), what) == 0)
@@ -435,6 +465,50 @@ rule_allows(json_t *rule, const Ks__AgentInfo *agent,
     return true;
 }
 
+/*
+ * When the variables a command sets are all that stands in the way (a
+ * "run" rule allows it without them), says so in why, naming those its
+ * "env" does not list; true then. A denial only mentions variables that
+ * were given and not allowed.
+ */
+static bool
+env_denied(const char *op, json_t *rules, const Ks__AgentInfo *agent,
+           const Ks__CommandSpec *spec, char *why, size_t len)
+{
+    Ks__CommandSpec bare;
+    json_t *rule, *grant = NULL;
+    size_t i, used;
+
+    if (!spec->n_env && !spec->n_sealed_env)
+        return false;
+    bare = *spec;
+    bare.n_env = bare.n_sealed_env = 0;
+    json_array_foreach(rules, i, rule)
+    {
+        if (!grant && rule_can(rule, "run") && rule_allows(rule, agent, &bare))
+            grant = rule;
+    }
+    if (!grant)
+        return false;
+    used = (size_t)snprintf(
+        why, len,
+        "denied: operator '%s' may run '%s' as '%s' on agent '%s', but not "
+        "with the environment variable(s)",
+        op, spec->argv[0], run_user(spec), agent ? agent->agent_id : "?");
+    for (size_t k = 0; k < spec->n_env + spec->n_sealed_env; k++) {
+        const char *name = k < spec->n_env
+                               ? spec->env[k]->name
+                               : spec->sealed_env[k - spec->n_env]->name;
+        if (!env_listed(grant, name) && used < len)
+            used += (size_t)snprintf(why + used, len - used, " %s", name);
+    }
+    if (used < len)
+        snprintf(why + used, len - used,
+                 ": a rule that lists \"executables\" lets a command set "
+                 "only the variables its \"env\" lists");
+    return true;
+}
+
 int
 broker__policy_check(const struct broker__policy *p, const char *op,
                      const Ks__AgentInfo *agent, const Ks__CommandSpec *spec,
@@ -460,9 +534,8 @@ broker__policy_check(const struct broker__policy *p, const char *op,
     }
     if (spec && spec->copy)
         snprintf(why, len,
-                 "denied: operator '%s' may not copy files to agent '%s' (a "
-                 "copy writes as root: it takes a \"run\" rule without "
-                 "\"executables\" that grants root)",
+                 "denied: operator '%s' may not copy files to agent '%s' "
+                 "(" COPY_RULE ")",
                  op, agent ? agent->agent_id : "?");
     else if (spec && spec->script)
         snprintf(why, len,
@@ -471,14 +544,38 @@ broker__policy_check(const struct broker__policy *p, const char *op,
                  "\"executables\" whose \"run_as\" grants the user)",
                  op, argv0 ? argv0 : "?", run_user(spec),
                  agent ? agent->agent_id : "?");
-    else if (argv0)
-        snprintf(why, len,
-                 "denied: operator '%s' may not run '%s' as '%s' on agent "
-                 "'%s' (with these environment variables)",
-                 op, argv0, run_user(spec), agent ? agent->agent_id : "?");
-    else
+    else if (!argv0)
         snprintf(why, len, "denied: operator '%s' may not act on agent '%s'",
                  op, agent ? agent->agent_id : "?");
+    else if (!env_denied(op, rules, agent, spec, why, len))
+        snprintf(why, len,
+                 "denied: operator '%s' may not run '%s' as '%s' on agent "
+                 "'%s'",
+                 op, argv0, run_user(spec), agent ? agent->agent_id : "?");
+    return KS_EDENIED;
+}
+
+int
+broker__policy_check_upload(const struct broker__policy *p, const char *op,
+                            char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p)
+        return 0;
+    rules = json_object_get(p->operators, op);
+    json_array_foreach(rules, i, rule)
+    {
+        /* What rule_allows asks of a copy, on whichever agents. */
+        if (rule_can(rule, "run") && !json_object_get(rule, "executables") &&
+            user_listed(rule, "root"))
+            return 0;
+    }
+    snprintf(why, len,
+             "denied: operator '%s' may not upload files for kscore copy, "
+             "as it may copy to no agent (" COPY_RULE ")",
+             op);
     return KS_EDENIED;
 }
 
@@ -544,6 +641,32 @@ broker__policy_check_read(const struct broker__policy *p, const char *op,
     return KS_EDENIED;
 }
 
+int
+broker__policy_check_label(const struct broker__policy *p, const char *op,
+                           const Ks__AgentInfo *before,
+                           const Ks__AgentInfo *after, char *why, size_t len)
+{
+    json_t *rules, *rule;
+    size_t i;
+
+    if (!p)
+        return 0;
+    rules = json_object_get(p->operators, op);
+    json_array_foreach(rules, i, rule)
+    {
+        /* Its labels now and after: an operator cannot move an agent
+         * out of reach of its rules, nor into another group's. */
+        if (rule_can(rule, "label") && rule_allows(rule, before, NULL) &&
+            rule_allows(rule, after, NULL))
+            return 0;
+    }
+    snprintf(why, len,
+             "denied: operator '%s' may not give agent '%s' these labels (a "
+             "\"label\" rule must match its labels before and after)",
+             op, before && before->agent_id[0] ? before->agent_id : "?");
+    return KS_EDENIED;
+}
+
 void
 broker__record_denied(struct broker *b, struct store *st, const char *op,
                       const char *agent_id, const Ks__CommandSpec *spec,
@@ -566,7 +689,13 @@ broker__record_denied(struct broker *b, struct store *st, const char *op,
         cmd.operator_ = (char *)op;
         ev.command = &cmd;
     }
+    char identity[16 + EVT_IDENTITY_MAX];
+    snprintf(identity, sizeof(identity), "operator-%s", op);
+    /* Past the operator's share of annotation rows it is still denied,
+     * only not written (budget.c). */
+    if (!broker__budget_take(b, identity, ks__event__get_packed_size(&ev),
+                             BROKER_ANNOTATION_DENIAL))
+        return;
     struct store_event se = {&ev};
-    (void)b;
     store_append(st, stream, STORE_ANY, &se, 1, NULL);
 }

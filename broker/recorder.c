@@ -1,12 +1,20 @@
 /*
- * The recorder: consumes KSCORE_EVENTS (durable push consumer
- * kscore-recorder, explicit ack), appends each event once (unique event_id)
- * in batches, acks only after the commit, then answers the clients waiting
- * for terminal events.
+ * The recorder: pulls from KSCORE_EVENTS (durable pull consumer
+ * EVT_RECORDER_DURABLE, explicit ack), appends each event once (unique
+ * event_id) in batches, acks only after the commit, then answers the
+ * clients waiting for terminal events.
  *
- * The nats.c delivery thread only queues the message; the recorder thread
- * takes whatever has queued (up to REC_BATCH) into one transaction, so an
- * idle system records each event at once and a busy one in batches.
+ * Pull, not push: the recorder thread asks for what it will record next
+ * (everything ready, up to REC_BATCH, at once: an idle system records each
+ * event as it comes, a busy one in batches), and only when it is ready to
+ * record. A broker that stops asking (SIGSTOP, a frozen VM, a thread stuck
+ * in PostgreSQL) is handed nothing more once its last request is served or
+ * expired (REC_FETCH_WAIT_MS), and what it holds comes back to the other
+ * brokers after REC_ACK_WAIT_MS. A push consumer shared by a queue group
+ * went on handing every other event to a stopped broker until nats-server
+ * dropped its connection, each held for the ack wait (10 s) and then
+ * possibly handed to it again: one hung broker of two delayed results by
+ * up to 60 s (issue 25).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -18,7 +26,13 @@
 
 #define REC_BATCH 1000
 #define REC_MAX_ACK_PENDING 20000
-#define REC_ACK_WAIT_MS 10000
+/* What a stopped broker's unrecorded messages cost: they go to another
+ * broker this long after they were handed out. A broker that holds them
+ * while it retries marks them in progress every third of it. */
+#define REC_ACK_WAIT_MS 3000
+/* How long one pull waits for the first message. Also how long a stopped
+ * broker's last request can still be handed messages. */
+#define REC_FETCH_WAIT_MS 1000
 /* A failed append is retried after 100 ms, doubling to 2 s. */
 #define REC_BACKOFF_MIN_MS 100
 #define REC_BACKOFF_MAX_MS 2000
@@ -31,41 +45,6 @@
  * malloc per field of every event. */
 static _Thread_local struct kproto_arena rec_arena;
 
-static void
-on_event_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
-             void *ud)
-{
-    struct broker *b = ud;
-    uint64_t delivered = evt_ack_delivered(natsMsg_GetReply(msg));
-    (void)nc;
-    (void)sub;
-    /* Every delivery of the consumer has its ack subject; anything else on
-     * its deliver subject (a status message: nats.c passes on all but its
-     * own 100s; a stray publish) is no event, and changes nothing. */
-    if (delivered == 0) {
-        natsMsg_Destroy(msg);
-        return;
-    }
-    if (delivered > 1)
-        ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
-    pthread_mutex_lock(&b->mu);
-    if (b->rec_len == b->rec_cap) {
-        size_t ncap = b->rec_cap ? b->rec_cap * 2 : 1024;
-        natsMsg **q = realloc(b->rec_q, ncap * sizeof(*q));
-        if (!q) {
-            /* Not acked: JetStream redelivers after the ack wait. */
-            pthread_mutex_unlock(&b->mu);
-            natsMsg_Destroy(msg);
-            return;
-        }
-        b->rec_q = q;
-        b->rec_cap = ncap;
-    }
-    b->rec_q[b->rec_len++] = msg;
-    pthread_cond_signal(&b->rec_cond);
-    pthread_mutex_unlock(&b->mu);
-}
-
 /* Sleeps ms, in slices, returning early once the broker stops. */
 static void
 rec_sleep(struct broker *b, int64_t ms)
@@ -77,18 +56,15 @@ rec_sleep(struct broker *b, int64_t ms)
     }
 }
 
-/* Resets the ack wait of the batch in hand and of what is queued behind
- * it: they are held, not lost. */
+/* Resets the ack wait of the batch in hand: held, not lost (nothing is
+ * pulled behind it). */
 static void
 keep_in_progress(struct broker *b, natsMsg **msgs, size_t n)
 {
+    (void)b;
     for (size_t i = 0; i < n; i++)
         if (msgs[i])
             natsMsg_InProgress(msgs[i], NULL);
-    pthread_mutex_lock(&b->mu);
-    for (size_t i = 0; i < b->rec_len; i++)
-        natsMsg_InProgress(b->rec_q[i], NULL);
-    pthread_mutex_unlock(&b->mu);
 }
 
 /*
@@ -193,13 +169,20 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
     for (size_t i = 0; i < nev; i++) {
         const Ks__Event *one[1] = {evs[i]};
         char why[512], reason[700];
-        int rc = store_append_checked(b->st_rec, one, 1, broker__admit_report,
+        int rc = store_append_checked(b->st_rec, one, 1, broker__admit_bounded,
                                       b, &verdicts[i], NULL);
         if (store_db_sick(rc))
             return rc;
         if (rc == 0)
             continue;
         broker__store_error(b->st_rec, rc, why, sizeof(why));
+        char identity[16 + EVT_AGENT_ID_MAX];
+        broker__report_identity(b, evs[i]->agent_id, identity,
+                                sizeof(identity));
+        if (!broker__budget_take(b, identity, 0, BROKER_ANNOTATION_REPORT)) {
+            verdicts[i] = STORE_STEP_DROPPED;
+            continue;
+        }
         snprintf(reason, sizeof(reason), "%s: could not be recorded (%s)",
                  evs[i]->type, why);
         Ks__Event bare;
@@ -251,7 +234,7 @@ record_one_by_one(struct broker *b, Ks__Event **evs, size_t nev,
  */
 struct rec_stall {
     enum ks_gauge gauge; /* KS_G__N: not stalled */
-    int64_t since_us, logged_us;
+    int64_t since_us, logged_us, noticed_us;
 };
 
 static void
@@ -279,6 +262,19 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
         sl->since_us = now;
     if (said_now) /* the "cannot record" line names it */
         sl->logged_us = now;
+    if (said_now || changed ||
+        now - sl->noticed_us >= REC_STALL_LOG_US) {
+        /* The clients waiting for results are told at once, and again
+         * while it lasts (a waiter that came since hears it too). */
+        char text[700];
+        snprintf(text, sizeof(text),
+                 "waits: its result cannot be recorded now: %s; it is "
+                 "recorded once PostgreSQL %s",
+                 broker__store_error(b->st_rec, rc, why, sizeof(why)),
+                 rc == KS_EPGREFUSED ? "takes writes again" : "is back");
+        broker__waiters_notice(b, text);
+        sl->noticed_us = now;
+    }
     if (said_now ||
         (!changed && sl->logged_us && now - sl->logged_us < REC_STALL_LOG_US))
         return;
@@ -299,10 +295,13 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
 }
 
 static void
-stall_end(struct rec_stall *sl)
+stall_end(struct broker *b, struct rec_stall *sl)
 {
     if (sl->gauge != KS_G__N)
         ks_metric_gauge_add(sl->gauge, -1);
+    if (sl->noticed_us)
+        broker__waiters_notice(b, "goes on: PostgreSQL takes writes again, "
+                                  "its result is recorded as it comes");
     sl->gauge = KS_G__N;
 }
 
@@ -335,21 +334,28 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
                            kproto_arena_pb(ar), &m);
         Ks__Event *ev = (Ks__Event *)m;
         char want[16 + EVT_AGENT_ID_MAX + 40];
-        if (rc == 0)
-            evt_event_subject(want, sizeof(want), ev->agent_id,
-                              ev->command_id);
         /* The subject is what NATS permissions vouch for: an agent may only
          * publish under its own id, so an event claiming another agent (or
          * another command) is refused. */
         if (rc || !ks_is_uuid(ev->event_id) || !ks_is_uuid(ev->command_id) ||
             !evt_agent_id_valid(ev->agent_id) || !ev->type[0] ||
-            strcmp(want, natsMsg_GetSubject(msgs[i])) != 0) {
+            !evt_event_subject_ok(natsMsg_GetSubject(msgs[i]), ev->agent_id,
+                                  ev->command_id)) {
             /* A message that can never be recorded: drop it for good
-             * rather than redeliver it forever. */
-            ks_log(KS_LOG_WARN, "dropping an undecodable or misaddressed "
-                                "event",
-                   KS_S("module", "recorder"),
-                   KS_S("subject", natsMsg_GetSubject(msgs[i])));
+             * rather than redeliver it forever. Said once per message
+             * within its sender's share of annotations, then summed up
+             * (budget.c): a flood of junk is not a flood of lines. */
+            char identity[16 + EVT_AGENT_ID_MAX];
+            broker__report_identity(
+                b, evt_event_subject_agent(natsMsg_GetSubject(msgs[i]),
+                                           want, sizeof(want)),
+                identity, sizeof(identity));
+            if (broker__budget_take(b, identity, 0,
+                                    BROKER_ANNOTATION_REPORT))
+                ks_log(KS_LOG_WARN, "dropping an undecodable or "
+                                    "misaddressed event",
+                       KS_S("module", "recorder"),
+                       KS_S("subject", natsMsg_GetSubject(msgs[i])));
             natsMsg_Term(msgs[i], NULL);
             natsMsg_Destroy(msgs[i]);
             msgs[i] = NULL;
@@ -388,9 +394,9 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             };
             snprintf(known.agent_id, sizeof(known.agent_id), "%s",
                      h->agent_id);
-            rc = store_append_checked_at(b->st_rec, evs[0], &known,
-                                         h->version, broker__admit_report,
-                                         b);
+            rc = store_writer_checked_at(b->writer, evs[0], &known,
+                                         h->version, broker__admit_bounded, b,
+                                         NULL);
             free(h);
             if (rc == 0 || rc == KS_EDUPLICATE) {
                 verdicts[0] = rc == 0 ? STORE_STEP_APPLY
@@ -431,7 +437,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         if (rc == 0 && nev)
             rc = store_append_checked(b->st_rec,
                                       (const Ks__Event *const *)evs, nev,
-                                      broker__admit_report, b, verdicts,
+                                      broker__admit_bounded, b, verdicts,
                                       &dups);
         if (rc == 0 || b->stopping)
             break;
@@ -465,7 +471,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
         backoff_ms = backoff_ms * 2 < REC_BACKOFF_MAX_MS ? backoff_ms * 2
                                                          : REC_BACKOFF_MAX_MS;
     }
-    stall_end(&stall);
+    stall_end(b, &stall);
     if (failures && rc == 0)
         ks_log(KS_LOG_INFO, "recording again", KS_S("module", "recorder"),
                KS_D("after_s", (double)(ks_mono_us() - failing_since) / 1e6),
@@ -497,7 +503,8 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             broker__command_ended(b, evs[i]->command_id, evs[i]->result);
         }
         else if (rc == 0 && verdicts[i] != STORE_STEP_APPLY &&
-                 verdicts[i] != STORE_STEP_DUPLICATE)
+                 verdicts[i] != STORE_STEP_DUPLICATE &&
+                 verdicts[i] != STORE_STEP_DROPPED) /* budget.c says */
             ks_log(KS_LOG_INFO, "report kept as an annotation",
                    KS_S("module", "recorder"), KS_S("type", evs[i]->type),
                    KS_S("command_id", evs[i]->command_id),
@@ -511,30 +518,46 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
     kproto_arena_reset(ar);
 }
 
+/* At most one "cannot pull" line per this long while it lasts. */
+#define REC_PULL_LOG_US INT64_C(10000000)
+
 static void *
 recorder_main(void *arg)
 {
     struct broker *b = arg;
-    natsMsg **batch = malloc(REC_BATCH * sizeof(*batch));
-    if (!batch)
-        return NULL;
-    for (;;) {
-        size_t n;
-        pthread_mutex_lock(&b->mu);
-        while (b->rec_len == 0 && !b->stopping)
-            pthread_cond_wait(&b->rec_cond, &b->mu);
-        if (b->rec_len == 0 && b->stopping) {
-            pthread_mutex_unlock(&b->mu);
-            break;
+    int64_t logged = 0;
+
+    while (!b->stopping) {
+        natsMsgList list = {0};
+        int64_t t0 = ks_mono_us();
+        int rc = evt_fetch(b->sub_rec, REC_BATCH, REC_FETCH_WAIT_MS, &list);
+        if (rc == 0) {
+            for (int i = 0; i < list.Count; i++)
+                if (evt_ack_delivered(natsMsg_GetReply(list.Msgs[i])) > 1)
+                    ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
+            /* record_batch acks and destroys each message. */
+            record_batch(b, list.Msgs, (size_t)list.Count);
+            list.Count = 0;
+            natsMsgList_Destroy(&list);
+            logged = 0;
+            continue;
         }
-        n = b->rec_len < REC_BATCH ? b->rec_len : REC_BATCH;
-        memcpy(batch, b->rec_q, n * sizeof(*batch));
-        memmove(b->rec_q, b->rec_q + n, (b->rec_len - n) * sizeof(*batch));
-        b->rec_len -= n;
-        pthread_mutex_unlock(&b->mu);
-        record_batch(b, batch, n);
+        if (rc == KS_ETIMEDOUT) {
+            /* Answered at once (the other brokers' requests were first in
+             * line for what is there): a moment, not a spin. */
+            if (ks_mono_us() - t0 < REC_FETCH_WAIT_MS * 1000 / 2)
+                rec_sleep(b, 10);
+            continue;
+        }
+        /* No connection (nats.c reconnects) or no consumer (the scanner's
+         * guard makes it again): ask again soon. */
+        if (!logged || ks_mono_us() - logged >= REC_PULL_LOG_US) {
+            logged = ks_mono_us();
+            ks_log(KS_LOG_WARN, "recorder cannot pull; asking again",
+                   KS_S("module", "recorder"), KS_ERR(rc));
+        }
+        rec_sleep(b, 250);
     }
-    free(batch);
     kproto_arena_fini(&rec_arena);
     return NULL;
 }
@@ -544,22 +567,48 @@ static const struct evt_durable rec_durable = {
     .stream = EVT_STREAM_EVENTS,
     .durable = EVT_RECORDER_DURABLE,
     .filter_subject = "kscore.evt.>",
-    .deliver_group = EVT_BROKER_QUEUE,
     .max_ack_pending = REC_MAX_ACK_PENDING,
-    /* Redelivery of what a dead broker had queued, unrecorded. */
+    /* Redelivery of what a dead or stopped broker had pulled, unrecorded. */
     .ack_wait_ms = REC_ACK_WAIT_MS,
+    .pull = true,
 };
 
 int
 broker__recorder_ensure(struct broker *b, char **errmsg)
 {
-    return evt_consumer_ensure(b->nc, &rec_durable, NULL, errmsg);
+    int rc = evt_consumer_ensure(b->nc, &rec_durable, NULL, errmsg);
+    if (rc)
+        return rc;
+    /*
+     * The push consumer of an older kscore goes once this one exists, never
+     * before: KSCORE_EVENTS keeps a message while some consumer has not
+     * acked it (interest retention), and nats-server removes what no
+     * consumer is left to want when one is deleted (server/consumer.go,
+     * stopWithFlags), so replacing the consumer in place would drop every
+     * event not yet recorded. The new one delivers everything stored.
+     */
+    rc = evt_consumer_delete(b->nc, EVT_STREAM_EVENTS,
+                             EVT_RECORDER_DURABLE_PUSH);
+    if (rc == 0)
+        ks_log(KS_LOG_INFO, "the push consumer of an older kscore is "
+                            "replaced by the pull consumer",
+               KS_S("module", "recorder"),
+               KS_S("deleted", EVT_RECORDER_DURABLE_PUSH),
+               KS_S("consumer", EVT_RECORDER_DURABLE));
+    else if (rc != KS_ENOTFOUND)
+        ks_log(KS_LOG_WARN, "cannot delete the push consumer of an older "
+                            "kscore; events are recorded, kept until it goes",
+               KS_S("module", "recorder"),
+               KS_S("consumer", EVT_RECORDER_DURABLE_PUSH), KS_ERR(rc));
+    return 0;
 }
 
 int
 broker__recorder_start(struct broker *b, char **errmsg)
 {
-    int rc = evt_durable_subscribe(b->nc, &rec_durable, on_event_msg, b,
+    int rc = broker__recorder_ensure(b, errmsg);
+    if (rc == 0)
+        rc = evt_durable_subscribe(b->nc, &rec_durable, NULL, NULL,
                                    &b->sub_rec, errmsg);
     if (rc)
         return rc;
@@ -572,24 +621,18 @@ broker__recorder_start(struct broker *b, char **errmsg)
 void
 broker__recorder_stop(struct broker *b)
 {
-    if (b->sub_rec) {
-        /* Drain, so no delivery callback runs once the queue is freed.
-         * What is queued but not recorded is never acked: redelivered. */
-        natsSubscription_Drain(b->sub_rec);
-        natsSubscription_WaitForDrainCompletion(b->sub_rec, 10000);
-        natsSubscription_Destroy(b->sub_rec);
-        b->sub_rec = NULL;
-    }
+    /* The thread's pull ends within REC_FETCH_WAIT_MS; what it pulled but
+     * did not record is never acked: another broker (or the next start)
+     * gets it after the ack wait. */
     pthread_mutex_lock(&b->mu);
     b->stopping = 1;
-    pthread_cond_broadcast(&b->rec_cond);
     pthread_mutex_unlock(&b->mu);
     if (b->rec_started)
         pthread_join(b->rec_thread, NULL);
     b->rec_started = false;
-    for (size_t i = 0; i < b->rec_len; i++)
-        natsMsg_Destroy(b->rec_q[i]);
-    free(b->rec_q);
-    b->rec_q = NULL;
-    b->rec_len = b->rec_cap = 0;
+    if (b->sub_rec) {
+        natsSubscription_Unsubscribe(b->sub_rec);
+        natsSubscription_Destroy(b->sub_rec);
+        b->sub_rec = NULL;
+    }
 }

@@ -78,6 +78,22 @@ drop_labels(Ks__EnvVar ***v, size_t *n)
     *n = 0;
 }
 
+/* A self-declared label named fact.* would read as a fact, and no
+ * selector could pick it (fact.* selects facts): the keys are the facts'
+ * (the broker signs no label so named). */
+static void
+drop_fact_labels(Ks__AgentInfo *info)
+{
+    size_t k = 0, plen = strlen(BROKER_FACT_PREFIX);
+    for (size_t i = 0; i < info->n_labels; i++) {
+        if (strncmp(info->labels[i]->name, BROKER_FACT_PREFIX, plen) == 0)
+            ks__env_var__free_unpacked(info->labels[i], NULL);
+        else
+            info->labels[k++] = info->labels[i];
+    }
+    info->n_labels = k;
+}
+
 /* 1 when info's attestation is this broker's signature for its id; its
  * text goes to *text (malloc'd) for the cache. */
 static bool
@@ -130,7 +146,8 @@ agent_was_signed(struct broker *b, const char *id)
 }
 
 /*
- * Decides info's labels, before anything looks at them. An agent writes
+ * Decides info's labels, before anything looks at them (settled: what
+ * they came from, for agent_update). An agent writes
  * its own entry, so the labels it declares are its own say: with them one
  * agent's credential could take the commands and secrets meant for
  * another group (--select env=prod, label policy rules). What it cannot
@@ -148,21 +165,38 @@ agent_was_signed(struct broker *b, const char *id)
  * whose agents were never enrolled, tests). A revoked agent's attestation
  * stays valid as a signature, but its NKey is gone, so it can write no
  * entry to show it in.
- * true when the labels are attested; *why: NULL, or why not (static text)
- * when that deserves a log line; *verified: the attestation's text
- * (malloc'd, for agent_update's cache) when it is.
+ * A relabel of info's subject (kscore agent label: labels.c) newer than
+ * its attestation, or for an entry without a valid one, gives it the
+ * relabel's labels instead.
+ * true when the labels are attested (or a relabel's); *why: NULL, or why
+ * not (static text) when that deserves a log line; *verified: the
+ * attestation's text (malloc'd, for agent_update's cache) when it
+ * verified.
  */
 static bool
 labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
-              char **verified)
+              char **verified, struct broker__settled *settled)
 {
     bool require = b->opts && b->opts->require_signed_labels;
-    bool was_signed = false;
+    bool was_signed = false, valid;
 
     *why = NULL;
     *verified = NULL;
+    memset(settled, 0, sizeof(*settled));
+    valid = info->labels_signature.len && attestation_valid(b, info, verified);
+    settled->entry_at_us = valid ? info->labels_enrolled_at_us : 0;
+    /* A relabel (labels.c): this broker's later word on the same
+     * subject (the id, or the pool's "pool.<pool>/<size>"), newer than
+     * the entry's own attestation or standing for a missing one. */
+    if (broker__relabel_settle(b, info->agent_id,
+                               valid ? info->labels_enrolled_at_us
+                                     : INT64_MIN,
+                               info, settled)) {
+        drop_labels(&info->attested_labels, &info->n_attested_labels);
+        return true;
+    }
     if (info->labels_signature.len) {
-        if (attestation_valid(b, info, verified)) {
+        if (valid) {
             Ks__EnvVar **declared = info->labels;
             size_t n_declared = info->n_labels;
             info->labels = info->attested_labels;
@@ -192,6 +226,8 @@ labels_settle(struct broker *b, Ks__AgentInfo *info, const char **why,
     drop_labels(&info->attested_labels, &info->n_attested_labels);
     if (require || was_signed)
         drop_labels(&info->labels, &info->n_labels);
+    else
+        drop_fact_labels(info);
     return false;
 }
 
@@ -338,17 +374,115 @@ heartbeat_stale(const char *key, const Ks__AgentInfo *info, int64_t put_us)
            KS_D("behind_s", (double)(put_us - info->heartbeat_at_us) / 1e6));
 }
 
+/* ---- what a heartbeat lists (AgentInfo.holds) ----------------------------- */
+
+static bool registry_deaf_locked(struct broker *b, int64_t now);
+
+static int
+cmp_id16(const void *x, const void *y)
+{
+    return memcmp(x, y, 16);
+}
+
+/*
+ * Takes info's list of held commands out of info (the map keeps info
+ * without it: a pool's list would else be copied into every id's entry)
+ * and makes it a broker__holds with one reference; NULL when info has no
+ * complete list from a process that numbers its heartbeats (an older
+ * agent, or too many to list), or no memory. The list is the agent's
+ * word: sorted here, not trusted to be; an id not 16 bytes voids it.
+ */
+static struct broker__holds *
+holds_take(Ks__AgentInfo *info)
+{
+    struct broker__holds *h = NULL;
+    bool ok = info->holds_complete && info->heartbeat_seq > 0 &&
+              info->instance_id[0];
+
+    for (size_t i = 0; ok && i < info->n_holds; i++)
+        ok = info->holds[i].len == 16;
+    if (ok && (h = malloc(sizeof(*h) + info->n_holds * 16))) {
+        h->refs = 1;
+        snprintf(h->instance, sizeof(h->instance), "%s", info->instance_id);
+        h->seq = info->heartbeat_seq;
+        h->n = info->n_holds;
+        for (size_t i = 0; i < h->n; i++)
+            memcpy(h->ids[i], info->holds[i].data, 16);
+        qsort(h->ids, h->n, 16, cmp_id16);
+    }
+    /* protobuf-c's unpacked repeated bytes: each element and the array
+     * malloc'd (system allocator). */
+    for (size_t i = 0; i < info->n_holds; i++)
+        free(info->holds[i].data);
+    free(info->holds);
+    info->holds = NULL;
+    info->n_holds = 0;
+    return h;
+}
+
+/* Drops one reference. Under b->mu (or before h is shared). */
+static void
+holds_unref_locked(struct broker__holds *h)
+{
+    if (h && --h->refs == 0)
+        free(h);
+}
+
+int
+broker__agent_lists(struct broker *b, const char *agent_id,
+                    const uint8_t command[16], char instance[37],
+                    uint64_t *seq)
+{
+    struct broker__agent *a;
+    int64_t now = ks_mono_us();
+    int rc = -1;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->holds && !registry_deaf_locked(b, now) &&
+        now - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        rc = bsearch(command, a->holds->ids, a->holds->n, 16, cmp_id16) != NULL;
+        if (rc == 0) {
+            memcpy(instance, a->holds->instance, 37);
+            *seq = a->holds->seq;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+bool
+broker__instance_silent(struct broker *b, const char *agent_id,
+                        const char *instance)
+{
+    struct broker__agent *a;
+    int64_t now = ks_mono_us(), ttl = (int64_t)EVT_AGENT_TTL_MS * 1000;
+    bool silent = true;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && !strcmp(a->cur.id, instance))
+        silent = now - a->cur.seen_mono_us >= ttl;
+    else if (a && !strcmp(a->other.id, instance))
+        silent = now - a->other.seen_mono_us >= ttl;
+    pthread_mutex_unlock(&b->mu);
+    return silent;
+}
+
 /* Takes info into the registry map (which owns it from here), with its
  * labels decided by labels_settle; heard_mono_us: when the entry was put,
  * on this broker's monotonic clock. watched: info is the watcher's, which
  * sees the entries in order; an entry read from the bucket meanwhile
  * (broker__agent_known) may be newer than what the watcher delivers next,
- * so it says nothing about which process heartbeats (instance_note); nor
- * does one that is no live heartbeat (live: heartbeat_live). */
+ * so it says nothing about which process heartbeats (instance_note) or
+ * what it holds; nor does one that is no live heartbeat (live:
+ * heartbeat_live). holds: info's list (holds_take; one reference, taken;
+ * may be NULL). */
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
-             bool labels_signed, const char *why, char *verified,
-             bool watched, bool live, int64_t heard_mono_us)
+             bool labels_signed, const struct broker__settled *settled,
+             const char *why, char *verified, bool watched, bool live,
+             struct broker__holds *holds, int64_t heard_mono_us)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -359,6 +493,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         a = calloc(1, sizeof(*a));
         if (!a || ks_map_put(&b->agents, key, a) != 0) {
             free(a);
+            holds_unref_locked(holds);
             pthread_mutex_unlock(&b->mu);
             ks__agent_info__free_unpacked(info, NULL);
             free(verified);
@@ -371,12 +506,24 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     if (heard_mono_us > a->seen_mono_us)
         a->seen_mono_us = heard_mono_us;
     bool dup = watched && live && instance_note(a, info, ks_mono_us());
+    if (watched && live) {
+        /* The latest heartbeat's list, or none (an older agent, too many
+         * to list): never an older list standing for a newer heartbeat. */
+        holds_unref_locked(a->holds);
+        a->holds = holds;
+        holds = NULL;
+    }
+    holds_unref_locked(holds);
     struct broker__instance c = a->cur, o = a->other;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
     a->info = info;
     a->labels_signed = labels_signed;
     a->ever_signed = a->ever_signed || labels_signed;
+    a->entry_at_us = settled->entry_at_us;
+    a->relabel_at_us = settled->relabelled ? settled->at_us : 0;
+    snprintf(a->relabel_by, sizeof(a->relabel_by), "%s",
+             settled->relabelled ? settled->by : "");
     /* What verified, for the next heartbeat to match (cache). */
     if (verified)
         memcpy(a->attest_sig, info->labels_signature.data,
@@ -466,6 +613,8 @@ entry_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
     if (info->n_labels > AGENT_INFO_MAX_LABELS ||
         info->n_attested_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     return NULL;
 }
 
@@ -580,6 +729,9 @@ agent_forget(struct broker *b, const char *key)
     if (a) {
         if (a->info)
             ks__agent_info__free_unpacked(a->info, NULL);
+        pthread_mutex_lock(&b->mu);
+        holds_unref_locked(a->holds);
+        pthread_mutex_unlock(&b->mu);
         free(a->attest_text);
         free(a);
         ks_log(KS_LOG_INFO,
@@ -777,6 +929,8 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
         return "a pool entry larger than 256 KiB";
     if (info->n_labels > AGENT_INFO_MAX_LABELS)
         return "more than 128 labels";
+    if (info->n_facts > BROKER_AGENT_INFO_MAX_FACTS)
+        return "more than 32 facts";
     if (info->pool_size == 0 || info->pool_size > BROKER_POOL_MAX ||
         info->n_pool_ids > info->pool_size)
         return "its pool_size is 0, over the limit, or below its ids";
@@ -819,10 +973,11 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     char *own_id0 = info->agent_id, *verified = NULL,
          attest_id[sizeof(EVT_POOL_KEY_PREFIX) + EVT_AGENT_ID_MAX + 12];
     const char *why = NULL;
+    struct broker__settled settled;
     evt_pool_attest_id(attest_id, sizeof(attest_id), info->pool,
                        info->pool_size);
     info->agent_id = attest_id;
-    bool sig = labels_settle(b, info, &why, &verified);
+    bool sig = labels_settle(b, info, &why, &verified, &settled);
     info->agent_id = own_id0;
     free(verified);
     /* The pool's name and size are this broker's word, or nothing: an
@@ -836,6 +991,8 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
         return;
     }
     provq_push(q, key, info);
+    /* One list for the pool's ids: each id's entry refers to it. */
+    struct broker__holds *holds = holds_take(info);
     /* The template of each id's entry: a shallow copy of the pool's
      * without its lists and without the whole pool's running count (not
      * one id's). */
@@ -864,11 +1021,19 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             m->running = per_id[i];
         bool unstored = agent_needs_store(b, id, m) &&
                         store_upsert_agent(b->st_reg, m) != 0;
-        agent_update(b, ids[i], m, sig, NULL, NULL, true, live,
-                     heard_mono_us);
+        if (holds) {
+            pthread_mutex_lock(&b->mu);
+            holds->refs++;
+            pthread_mutex_unlock(&b->mu);
+        }
+        agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live,
+                     holds, heard_mono_us);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
+    pthread_mutex_lock(&b->mu);
+    holds_unref_locked(holds);
+    pthread_mutex_unlock(&b->mu);
     free(tmpl);
     ks__agent_info__free_unpacked(info, NULL);
 }
@@ -1075,6 +1240,11 @@ registry_main(void *arg)
             b->reg_caught_up_mono_us = 0;
             pthread_mutex_unlock(&b->mu);
         }
+        /* Relabels recorded by another broker (its notice), or every
+         * BROKER_RELABEL_RELOAD_US: the next heartbeat of each agent
+         * takes them (labels.c). */
+        if (broker__relabels_due(b) && broker__relabels_load(b, b->st_reg))
+            atomic_store(&b->relabels_dirty, true);
         s = kvWatcher_Next(&e, w, 250);
         if (s == NATS_TIMEOUT)
             continue;
@@ -1138,7 +1308,9 @@ registry_main(void *arg)
                 if (!bad) {
                     const char *why = NULL;
                     char *verified = NULL;
-                    bool sig = labels_settle(b, info, &why, &verified);
+                    struct broker__settled settled;
+                    bool sig =
+                        labels_settle(b, info, &why, &verified, &settled);
                     bool unstored =
                         agent_needs_store(b, kvEntry_Key(e), info) &&
                         store_upsert_agent(b->st_reg, info) != 0;
@@ -1147,8 +1319,9 @@ registry_main(void *arg)
                     bool live = heartbeat_live(info, put_us, server_us);
                     if (!live)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
-                    agent_update(b, kvEntry_Key(e), info, sig, why,
-                                 verified, true, live, heard);
+                    struct broker__holds *holds = holds_take(info);
+                    agent_update(b, kvEntry_Key(e), info, sig, &settled,
+                                 why, verified, true, live, holds, heard);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1188,7 +1361,15 @@ registry_main(void *arg)
 int
 broker__registry_start(struct broker *b, char **errmsg)
 {
-    (void)errmsg;
+    /* The relabels before any entry: an id relabelled (so signed) is
+     * never served with unsigned labels, not even for a heartbeat. */
+    int rc = broker__relabels_load(b, b->st_reg);
+    if (rc) {
+        if (errmsg && asprintf(errmsg, "cannot read the agents' relabels: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        return rc;
+    }
     if (pthread_create(&b->reg_thread, NULL, registry_main, b) != 0)
         return KS_EINTERNAL;
     b->reg_started = true;
@@ -1203,6 +1384,7 @@ free_agent(const char *key, void *val, void *ud)
     (void)ud;
     if (a->info)
         ks__agent_info__free_unpacked(a->info, NULL);
+    holds_unref_locked(a->holds); /* registry stopped: no other user */
     free(a->attest_text);
     free(a);
 }
@@ -1218,6 +1400,7 @@ broker__registry_stop(struct broker *b)
     ks_map_clear(&b->agents);
     ks_map_each(&b->brokers, free_provisioned, NULL); /* free() each */
     ks_map_clear(&b->brokers);
+    broker__relabels_free(b);
 }
 
 int
@@ -1245,9 +1428,11 @@ broker__agent_known(struct broker *b, const char *agent_id)
         }
         const char *why = NULL;
         char *verified = NULL;
-        bool sig = labels_settle(b, info, &why, &verified);
-        agent_update(b, agent_id, info, sig, why, verified, false, false,
-                     ks_mono_us());
+        struct broker__settled settled;
+        bool sig = labels_settle(b, info, &why, &verified, &settled);
+        holds_unref_locked(holds_take(info)); /* not shared yet */
+        agent_update(b, agent_id, info, sig, &settled, why, verified, false,
+                     false, NULL, ks_mono_us());
         return 1;
     }
     return 0;
@@ -1282,6 +1467,10 @@ add_status(const char *key, void *val, void *ud)
     }
     st->last_seen_us = a->info->heartbeat_at_us;
     st->labels_signed = a->labels_signed;
+    if (a->relabel_at_us) {
+        st->labels_by = strdup(a->relabel_by);
+        st->labels_at_us = a->relabel_at_us;
+    }
     st->online = acc->now_mono - broker__heard_locked(acc->b, a) <
                  (int64_t)EVT_AGENT_TTL_MS * 1000;
     if (agent_duplicate(a, acc->now_mono)) {
@@ -1354,7 +1543,7 @@ broker__agents_reply_free(Ks__AgentsReply *r)
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
         Ks__AgentStatus *st = r->agents[i];
         char *strs[] = {st->duplicate_host, st->consumer, st->consumer_stall,
-                        st->consumer_last_repair};
+                        st->consumer_last_repair, st->labels_by};
         for (size_t k = 0; k < sizeof(strs) / sizeof(strs[0]); k++)
             if (strs[k] != protobuf_c_empty_string)
                 free(strs[k]);
@@ -1424,6 +1613,41 @@ broker__agent_pool(struct broker *b, const char *agent_id, char *buf,
     if (a && a->info && a->info->pool)
         snprintf(buf, len, "%s", a->info->pool);
     pthread_mutex_unlock(&b->mu);
+}
+
+void
+broker__agent_queue(struct broker *b, const char *agent_id, char *key,
+                     size_t len, unsigned *slots)
+{
+    struct broker__agent *a;
+
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    *slots = a && a->info ? a->info->max_concurrent : 0;
+    if (a && a->info && a->info->pool && a->info->pool[0])
+        snprintf(key, len, "pool:%s", a->info->pool);
+    else if (a && a->cur.id[0])
+        snprintf(key, len, "proc:%s", a->cur.id);
+    else
+        snprintf(key, len, "id:%s", agent_id);
+    pthread_mutex_unlock(&b->mu);
+}
+
+int
+broker__agent_pool_known(struct broker *b, const char *agent_id, char *buf,
+                         size_t len)
+{
+    struct broker__agent *a;
+    int known;
+
+    buf[0] = '\0';
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    known = a != NULL;
+    if (a && a->info && a->info->pool)
+        snprintf(buf, len, "%s", a->info->pool);
+    pthread_mutex_unlock(&b->mu);
+    return known;
 }
 
 Ks__AgentInfo *

@@ -37,22 +37,38 @@ broker__reply_msg(struct broker *b, const char *subject,
                KS_ERR(rc));
 }
 
-const char *
-broker__store_error(struct store *st, int rc, char *buf, size_t len)
+/* What a client is told of a store error (broker__store_error). */
+static const char *
+store_error_text(int rc, const char *sqlstate, const char *why, char *buf,
+                 size_t len)
 {
-    const char *why = store_last_error(st);
-
     if (rc == KS_EPGDOWN)
         snprintf(buf, len, "PostgreSQL unreachable: %s",
                  why[0] ? why : "no connection");
-    else if (rc == KS_EPGREFUSED)
-        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s): %s",
-                 store_last_sqlstate(st), why);
+    else if (rc == KS_EPGREFUSED) {
+        const char *name = store_sqlstate_name(sqlstate);
+        snprintf(buf, len, "PostgreSQL refuses writes (SQLSTATE %s%s%s): %s",
+                 sqlstate, name[0] ? " " : "", name, why);
+    }
     else if (rc == KS_EPG && why[0])
         snprintf(buf, len, "PostgreSQL error: %s", why);
     else
         snprintf(buf, len, "%s", ks_strerror(rc));
     return buf;
+}
+
+const char *
+broker__store_error(struct store *st, int rc, char *buf, size_t len)
+{
+    return store_error_text(rc, store_last_sqlstate(st), store_last_error(st),
+                            buf, len);
+}
+
+const char *
+broker__write_error(const struct store_write_result *res, int rc, char *buf,
+                    size_t len)
+{
+    return store_error_text(rc, res->sqlstate, res->error, buf, len);
 }
 
 void
@@ -91,11 +107,17 @@ broker__operator_of(natsMsg *msg)
 {
     const char *subj = natsMsg_GetSubject(msg);
     const char *dot = strrchr(subj, '.');
-    /* "kscore.api.v1.<method>.<operator>": 5 tokens. */
-    int dots = 0;
+    /* "kscore.api.v1.<method>.<operator>": 5 tokens; a claim asked again
+     * has one more, "kscore.api.v1.claim.again.<agent>" (an operator may
+     * publish 5 tokens only, an agent this subject under its own name
+     * only: deploy/nats-auth.conf.in). */
+    int dots = 0, want = 4;
     for (const char *p = subj; *p; p++)
         dots += *p == '.';
-    return dots == 4 && dot ? dot + 1 : "anonymous";
+    if (strncmp(subj, EVT_API_CLAIM_AGAIN ".",
+                sizeof(EVT_API_CLAIM_AGAIN)) == 0)
+        want = 5;
+    return dots == want && dot ? dot + 1 : "anonymous";
 }
 
 int

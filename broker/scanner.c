@@ -9,10 +9,16 @@
  *    delivery deadline (K27), never more.
  *  - Running on an agent whose heartbeat is older than EVT_AGENT_TTL_MS:
  *    CommandLost.
+ *  - Running on an agent that heartbeats, but no process of it holds it
+ *    (AgentInfo.holds; "Running, but its claimer does not hold it"
+ *    below): CommandLost.
+ *  - kscore copy's files past their keep, and unfinished uploads, are
+ *    deleted a few at a time (broker__blob_expire).
  *
  * Every append is at the version the scan read, so a claim or a result
  * that lands meanwhile wins and the scanner's append is a conflict, dropped.
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,21 +138,241 @@ out:
     return 0;
 }
 
+/* ---- Running, but its claimer does not hold it ----------------------------- */
+
+/*
+ * A command is listed in every heartbeat of the agent process that claimed
+ * it, from before its claim is sent until its end is in the event stream
+ * (AgentInfo.holds). So a live heartbeat of that process, sent after the
+ * claim (heartbeat_seq >= the claim's listed_from_seq), that does not list
+ * it says the process does not run it and has no end of it to report:
+ * its claim's reply was lost and it forgot the claim, or it restarted
+ * without the state dir that would have told it. Such a command never ends
+ * by itself, so the scanner ends it Lost, once the recorder has taken
+ * everything the event stream held when that heartbeat was seen (an end
+ * published just before it may still be on its way to the record: the
+ * recorder consumer's ack floor, not a clock, says when it is there). A
+ * heartbeat of another process of the id that does not list it counts
+ * once the claimer has been silent for EVT_AGENT_TTL_MS (a restart: its
+ * watchdog killed what it ran).
+ */
+struct scan_unlisted {
+    uint64_t need_seq; /* the event stream's last sequence when seen */
+    uint64_t pass;     /* the last pass that still found it so */
+    char why[300];     /* the reason it ends with */
+};
+
+/* The claim of a command as its CommandStarted recorded it. */
+struct claim_of {
+    char instance[37];
+    uint64_t listed_from;
+};
+
+static int
+claim_event(const Ks__RecordedEvent *rev, void *ud)
+{
+    struct claim_of *c = ud;
+    const Ks__Event *ev = rev->event;
+    if (ev && strcmp(ev->type, "CommandStarted") == 0) {
+        snprintf(c->instance, sizeof(c->instance), "%s", ev->instance_id);
+        c->listed_from = ev->listed_from_seq;
+    }
+    return 0;
+}
+
+/* JetStream waits of the scanner's look at the recorder (ms). */
+#define SCAN_JS_WAIT_MS 1000
+
+/*
+ * What JetStream says of the recorder into *seq: the event stream's last
+ * sequence (0: empty), or with floor the recorder consumer's ack floor,
+ * up to which every event is recorded (or refused, and that recorded;
+ * nats-server 2.9 consumer.go processAckMsg: with nothing pending it is
+ * the last delivered). false when JetStream does not answer.
+ */
+static bool
+recorder_seq(struct broker *b, bool floor, uint64_t *seq)
+{
+    jsOptions o;
+    natsStatus s;
+
+    jsOptions_Init(&o);
+    o.Wait = SCAN_JS_WAIT_MS;
+    if (floor) {
+        jsConsumerInfo *ci = NULL;
+        s = js_GetConsumerInfo(&ci, b->nc->js, EVT_STREAM_EVENTS,
+                               EVT_RECORDER_DURABLE, &o, NULL);
+        if (s == NATS_OK)
+            *seq = ci->AckFloor.Stream;
+        jsConsumerInfo_Destroy(ci);
+    } else {
+        jsStreamInfo *si = NULL;
+        s = js_GetStreamInfo(&si, b->nc->js, EVT_STREAM_EVENTS, &o, NULL);
+        if (s == NATS_OK)
+            *seq = si->State.LastSeq;
+        jsStreamInfo_Destroy(si);
+    }
+    return s == NATS_OK;
+}
+
+/* What one pass of the Running scan knows (scanner thread). */
+struct running_pass {
+    struct broker *b;
+    uint64_t pass;
+    bool have_floor; /* floor read (once per pass) */
+    uint64_t floor;  /* recorder_seq's ack floor */
+};
+
+/*
+ * 1 when ref, Running on an agent that heartbeats, is held by no process
+ * that could still end it (above), with why; 0 when it is held or this
+ * broker cannot tell. *known: it was found so before (b->unlisted: its
+ * claim, which never changes, is not read again).
+ */
+static int
+claimer_let_go(struct broker *b, const struct store_command_ref *ref,
+               char *why, size_t len, bool *known)
+{
+    uint8_t id[16];
+    char inst[37], stream[64];
+    uint64_t seq = 0;
+    struct claim_of c = {"", 0};
+
+    *known = false;
+    if (ks_uuid_bin(ref->command_id, id) != 0 ||
+        broker__agent_lists(b, ref->agent_id, id, inst, &seq) != 0)
+        return 0;
+    if (ks_map_get(&b->unlisted, ref->command_id)) {
+        *known = true;
+        return 1;
+    }
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    if (store_read_stream(b->st_scan, stream, 0, 256, claim_event, &c) < 0 ||
+        !c.instance[0] || !c.listed_from)
+        return 0; /* an agent from before AgentInfo.holds */
+    if (strcmp(c.instance, inst) == 0) {
+        if (seq < c.listed_from)
+            return 0; /* that heartbeat was made before the claim */
+        snprintf(why, len,
+                 "agent %s does not run it: its heartbeat %" PRIu64
+                 " (process %.8s), sent after its claim, does not list it "
+                 "(the claim's reply was lost and the agent let it go)",
+                 ref->agent_id, seq, inst);
+        return 1;
+    }
+    /* Another process of the id: the claimer must be gone, heard by a
+     * broker that could hear it all along. */
+    if (b->connected_since_mono_us == 0 ||
+        ks_mono_us() - b->connected_since_mono_us <
+            (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+        !broker__instance_silent(b, ref->agent_id, c.instance))
+        return 0;
+    snprintf(why, len,
+             "agent %s does not run it: the process that claimed it (%.8s) "
+             "is gone (silent for %d s) and the one serving the id now "
+             "(%.8s) does not list it",
+             ref->agent_id, c.instance, EVT_AGENT_TTL_MS / 1000, inst);
+    return 1;
+}
+
+/* Ends ref as Lost for why (NULL: the one it was first found with) once
+ * the recorder has taken what the event stream held when its claimer was
+ * first found to let it go. */
+static void
+end_let_go(struct running_pass *rp, const struct store_command_ref *ref,
+           const char *why)
+{
+    struct broker *b = rp->b;
+    struct scan_unlisted *u = ks_map_get(&b->unlisted, ref->command_id);
+
+    if (!u) {
+        uint64_t last;
+        if (!recorder_seq(b, false, &last) || !(u = calloc(1, sizeof(*u))))
+            return;
+        u->need_seq = last;
+        snprintf(u->why, sizeof(u->why), "%s", why);
+        if (ks_map_put(&b->unlisted, ref->command_id, u) != 0) {
+            free(u);
+            return;
+        }
+    }
+    u->pass = rp->pass;
+    if (!rp->have_floor)
+        rp->have_floor = recorder_seq(b, true, &rp->floor);
+    if (!rp->have_floor || rp->floor < u->need_seq)
+        return; /* an end may still be on its way: next pass */
+    char stream[64];
+    Ks__Event *req = NULL;
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    read_requested(b->st_scan, stream, &req);
+    ks_log(KS_LOG_WARN, "a running command is held by no agent process: Lost",
+           KS_S("module", "scanner"), KS_S("command_id", ref->command_id),
+           KS_S("agent", ref->agent_id), KS_S("reason", u->why));
+    end_command(b, ref, "CommandLost", KS__COMMAND_STATUS__LOST, u->why,
+                req ? req->command->operator_ : "");
+    if (req)
+        ks__event__free_unpacked(req, NULL);
+    free(ks_map_del(&b->unlisted, ref->command_id));
+}
+
+struct sweep {
+    struct broker *b;
+    uint64_t pass;
+    char (*gone)[37];
+    size_t n, cap;
+};
+
+static void
+sweep_one(const char *key, void *val, void *ud)
+{
+    struct sweep *sw = ud;
+    const struct scan_unlisted *u = val;
+    if (u->pass == sw->pass)
+        return;
+    if (sw->n == sw->cap) {
+        size_t nc = sw->cap ? sw->cap * 2 : 16;
+        char (*p)[37] = realloc(sw->gone, nc * sizeof(*p));
+        if (!p)
+            return;
+        sw->gone = p;
+        sw->cap = nc;
+    }
+    snprintf(sw->gone[sw->n++], 37, "%s", key);
+}
+
+/* Forgets the commands this pass no longer found let go (ended, or
+ * listed again). */
+static void
+unlisted_sweep(struct broker *b, uint64_t pass)
+{
+    struct sweep sw = {b, pass, NULL, 0, 0};
+    ks_map_each(&b->unlisted, sweep_one, &sw);
+    for (size_t i = 0; i < sw.n; i++)
+        free(ks_map_del(&b->unlisted, sw.gone[i]));
+    free(sw.gone);
+}
+
 static int
 on_running(const struct store_command_ref *ref, void *ud)
 {
-    struct broker *b = ud;
+    struct running_pass *rp = ud;
+    struct broker *b = rp->b;
     struct broker__agent *a;
     int64_t seen_age_us = -1;
-    char reason[200];
+    char reason[300];
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, ref->agent_id);
     if (a)
         seen_age_us = ks_mono_us() - broker__heard_locked(b, a);
     pthread_mutex_unlock(&b->mu);
-    if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+    if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        /* It heartbeats: does the process that claimed this hold it? */
+        bool known;
+        if (claimer_let_go(b, ref, reason, sizeof(reason), &known))
+            end_let_go(rp, ref, known ? NULL : reason);
         return 0;
+    }
     /* Silence means something only while this broker could hear: it must
      * have been connected to NATS for a whole TTL, and its registry watch
      * alive and delivering, else the agents it missed were not dead, it
@@ -186,6 +412,40 @@ on_running(const struct store_command_ref *ref, void *ud)
 #define GUARD_PERIOD_US (5 * INT64_C(1000000))
 #define GUARD_TIMEOUT_MS 500
 
+/*
+ * Agents whose share of the events stream is full (EVT_EVENTS_PER_SUBJECT
+ * unrecorded events): nats-server refuses their publishes and only the
+ * agent hears of it, so say here who they are, once per guard period
+ * while it lasts. An agent that floods reports stays there; one whose
+ * events wait for a stalled recorder gets there too.
+ */
+static void
+note_agents_at_share(struct broker *b)
+{
+    char **ids = NULL, list[512] = "";
+    size_t n = 0, used = 0;
+
+    if (evt_events_agents_at_share(b->nc, GUARD_TIMEOUT_MS, &ids, &n) != 0 ||
+        n == 0) {
+        evt_strv_free(ids, n);
+        return;
+    }
+    for (size_t i = 0; i < n && used + 2 < sizeof(list); i++) {
+        int w = snprintf(list + used, sizeof(list) - used, "%s%s",
+                         i ? "," : "", ids[i]);
+        if (w < 0 || (size_t)w >= sizeof(list) - used)
+            break;
+        used += (size_t)w;
+    }
+    ks_log(KS_LOG_WARN,
+           "agents at their share of the events stream: nats-server "
+           "refuses their reports until the recorder takes what they have "
+           "waiting (an agent that floods, or a recorder that is behind)",
+           KS_S("module", "scanner"), KS_I("agents", n),
+           KS_S("agent_ids", list), KS_I("share", EVT_EVENTS_PER_SUBJECT));
+    evt_strv_free(ids, n);
+}
+
 static void
 guard_jetstream(struct broker *b)
 {
@@ -220,6 +480,7 @@ guard_jetstream(struct broker *b)
     for (int i = 0; i < EVT_PARTS; i++)
         if (missing & (1u << i))
             ks_metric_inc(KS_C_JETSTREAM_REPAIRS);
+    note_agents_at_share(b);
 }
 
 static void *
@@ -227,7 +488,8 @@ scanner_main(void *arg)
 {
     struct broker *b = arg;
     int64_t last_running = 0, last_sweep = ks_mono_us(),
-            last_guard = ks_mono_us();
+            last_guard = ks_mono_us(), next_expire = 0;
+    uint64_t pass = 0;
 
     while (!b->stopping) {
         nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
@@ -259,8 +521,11 @@ scanner_main(void *arg)
             b->connected_since_mono_us = ks_mono_us();
         /* Lost agents need a coarser look: once a second. */
         if (ks_mono_us() - last_running >= 1000000) {
+            struct running_pass rp = {b, ++pass, false, 0};
             last_running = ks_mono_us();
-            store_scan_open(b->st_scan, "Running", 0, 1000, on_running, b);
+            if (store_scan_open(b->st_scan, "Running", 0, 1000, on_running,
+                                &rp) == 0)
+                unlisted_sweep(b, pass);
         }
         if (ks_mono_us() - last_guard >= GUARD_PERIOD_US) {
             last_guard = ks_mono_us();
@@ -271,6 +536,9 @@ scanner_main(void *arg)
             last_sweep = ks_mono_us();
             broker__remote_live_sweep(b, b->st_scan);
         }
+        if (ks_mono_us() >= next_expire)
+            next_expire = ks_mono_us() + broker__blob_expire(b, b->st_scan);
+        broker__budget_sweep(b);
     }
     return NULL;
 }
@@ -284,6 +552,14 @@ broker__scanner_start(struct broker *b)
     return 0;
 }
 
+static void
+free_unlisted(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
 void
 broker__scanner_stop(struct broker *b)
 {
@@ -291,4 +567,6 @@ broker__scanner_stop(struct broker *b)
     if (b->scan_started)
         pthread_join(b->scan_thread, NULL);
     b->scan_started = false;
+    ks_map_each(&b->unlisted, free_unlisted, NULL);
+    ks_map_clear(&b->unlisted);
 }

@@ -151,6 +151,8 @@ static const struct rule rules[] = {
      "0 to 2^62"},
     {"EventsRequest", "limit", R_RANGE, 0, 10000, "at most 10000"},
     {"EventsRequest", "wait_ms", R_RANGE, 0, 5000, "at most 5000 ms"},
+    {"EventsRequest", "start_at_us", R_RANGE, 0, (1ULL << 62),
+     "0 or a time in microseconds since the epoch"},
     {"ListRequest", "agents", R_COUNT, 0, 64, "at most 64 agents"},
     {"ListRequest", "agents", R_AGENT_ID, 0, 0,
      "each 1-128 letters, digits, _ and -"},
@@ -174,17 +176,6 @@ label_key_ok(const char *s)
               *s == '.' || *s == '/'))
             return false;
     return true;
-}
-
-static bool
-env_name_ok(const char *n)
-{
-    bool ok = (n[0] >= 'A' && n[0] <= 'Z') || (n[0] >= 'a' && n[0] <= 'z') ||
-              n[0] == '_';
-    for (const char *c = n; ok && *c; c++)
-        ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
-             (*c >= '0' && *c <= '9') || *c == '_';
-    return ok && strncmp(n, "KSCORE_", 7) != 0;
 }
 
 /* A subject token: no wildcard, separator or whitespace. */
@@ -238,7 +229,7 @@ check_string(const struct rule *r, const char *v, const char *identity,
         ok = evt_agent_id_valid(v);
         break;
     case R_ENV_NAME:
-        ok = env_name_ok(v);
+        ok = broker_env_name_ok(v);
         break;
     case R_LABEL_KEY:
         ok = label_key_ok(v);

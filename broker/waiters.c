@@ -36,6 +36,32 @@ broker__reply_waiter(struct broker *b, const char *command_id,
     return true;
 }
 
+struct notice_ctx {
+    struct broker *b;
+    const char *text;
+};
+
+static void
+notice_one(const char *command_id, void *val, void *ud)
+{
+    struct notice_ctx *n = ud;
+    struct broker__waiter *w = val;
+    Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+    r.command_id = (char *)command_id;
+    r.agent_id = w->agent_id;
+    r.notice = (char *)n->text;
+    broker__reply_msg(n->b, w->reply_subject, &r.base);
+}
+
+void
+broker__waiters_notice(struct broker *b, const char *text)
+{
+    struct notice_ctx n = {b, text ? text : ""};
+    pthread_mutex_lock(&b->mu);
+    ks_map_each(&b->waiters, notice_one, &n);
+    pthread_mutex_unlock(&b->mu);
+}
+
 static void
 free_value(const char *key, void *val, void *ud)
 {

@@ -7,6 +7,7 @@
  */
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -19,6 +20,66 @@
 #include "cli_int.h"
 
 static bool err_as_log;
+
+/* ---- the status line --------------------------------------------------- */
+
+/* A line redrawn in place at the bottom of the terminal on stderr (batch
+ * progress). Other output to that terminal erases it first and draws it
+ * again after, so that nothing is glued to it. */
+static pthread_mutex_t status_mu = PTHREAD_MUTEX_INITIALIZER;
+static char status_text[512];
+static bool status_shown;
+static int stdout_tty = -1; /* isatty(1), asked once */
+
+/* Draws the kept text (on) or erases the line, under status_mu. */
+static void
+status_draw_locked(bool on)
+{
+    fflush(stdout); /* what was written before stays before */
+    fprintf(stderr, "\r\033[K%s", on ? status_text : "");
+    fflush(stderr);
+    status_shown = on;
+}
+
+void
+cli_status_show(const char *text)
+{
+    pthread_mutex_lock(&status_mu);
+    snprintf(status_text, sizeof(status_text), "%s", text);
+    status_draw_locked(true);
+    pthread_mutex_unlock(&status_mu);
+}
+
+void
+cli_status_end(void)
+{
+    pthread_mutex_lock(&status_mu);
+    if (status_shown)
+        status_draw_locked(false);
+    status_text[0] = '\0';
+    pthread_mutex_unlock(&status_mu);
+}
+
+void
+cli_status_hide(int fd)
+{
+    pthread_mutex_lock(&status_mu);
+    if (fd == 1 && stdout_tty < 0)
+        stdout_tty = isatty(1);
+    if (status_shown && (fd == 2 || (fd == 1 && stdout_tty)))
+        status_draw_locked(false);
+    fflush(fd == 1 ? stdout : stderr);
+    pthread_mutex_unlock(&status_mu);
+}
+
+void
+cli_status_redraw(void)
+{
+    pthread_mutex_lock(&status_mu);
+    if (!status_shown && status_text[0])
+        status_draw_locked(true);
+    pthread_mutex_unlock(&status_mu);
+}
 
 void
 cli_err_as_log(void)
@@ -46,10 +107,13 @@ cli_err(const char *fmt, ...)
     while (w > buf && w[-1] == ' ')
         w--;
     *w = '\0';
-    if (err_as_log)
+    if (err_as_log) {
         ks_log(KS_LOG_ERROR, buf);
-    else
-        fprintf(stderr, "kscore: %s\n", buf);
+        return;
+    }
+    cli_status_hide(2);
+    fprintf(stderr, "kscore: %s\n", buf);
+    cli_status_redraw();
 }
 
 const char *
@@ -279,6 +343,14 @@ cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
             return -1;
         }
         *eq = '\0';
+        if (!broker_env_name_ok(arg)) {
+            /* Said here, before anything is sent: a usage error (2). */
+            cli_err("bad --env name '%s': letters, digits and _, not "
+                    "starting with a digit, at most 256 bytes, not KSCORE_*",
+                    arg);
+            *eq = '=';
+            return -1;
+        }
         Ks__EnvVar *ev = &cs->envs[cs->spec.n_env];
         ks__env_var__init(ev);
         ev->name = arg;
@@ -287,6 +359,12 @@ cli_spec_opt(struct cli_spec *cs, int opt, char *arg)
         return 1;
     }
     case CLI_OPT_SPEC + 3:
+        if (arg[0] != '/') {
+            cli_err("bad --cwd '%s': an absolute path on the agent (the "
+                    "default is /)",
+                    arg);
+            return -1;
+        }
         cs->spec.cwd = arg;
         return 1;
     case CLI_OPT_SPEC + 4:
@@ -360,6 +438,20 @@ cli_time(int64_t us)
     strftime(base, sizeof(base), "%Y-%m-%dT%H:%M:%S", &tm);
     snprintf(buf, sizeof(buf), "%s.%06ldZ", base, (long)(us % 1000000));
     return buf;
+}
+
+void
+cli_ago(char *buf, size_t len, int64_t us)
+{
+    double s = us < 0 ? 0 : (double)us / 1e6;
+    if (s < 60)
+        snprintf(buf, len, "%.1fs ago", s);
+    else if (s < 3600)
+        snprintf(buf, len, "%.0fm ago", s / 60);
+    else if (s < 86400)
+        snprintf(buf, len, "%.0fh ago", s / 3600);
+    else
+        snprintf(buf, len, "%.0fd ago", s / 86400);
 }
 
 int

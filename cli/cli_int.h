@@ -60,6 +60,9 @@ int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 /* The outcome is unknown: the command may be recorded (and run); `kscore
  * get <id>` tells. Distinct from 125, which says it was not accepted. */
 #define CLI_EXIT_UNKNOWN 69
+/* Refused because it could not start in time (KS_EBUSY): nothing was
+ * recorded, asking again later is safe. sysexits.h EX_TEMPFAIL. */
+#define CLI_EXIT_BUSY 75
 #define CLI_EXIT_CANNOT_RUN 126 /* start failed (cwd, permission, E2BIG) */
 #define CLI_EXIT_NOT_FOUND 127 /* start failed: program not found */
 /* kscore batch: no target failed, but some never ran (through): no
@@ -169,6 +172,8 @@ int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
         {"max-concurrency", required_argument, 0, 'c'},                        \
         {"max-errors", required_argument, 0, 'E'},                             \
         {"strict-errors", no_argument, 0, 'S'},                                \
+        {"waves", required_argument, 0, 'W'},                                  \
+        {"wave-pause", required_argument, 0, 'P'},                             \
         {"json", no_argument, 0, 'j'}, {"detach", no_argument, 0, 'D'},        \
     {                                                                          \
         "stream", no_argument, 0, 'T'                                          \
@@ -177,7 +182,13 @@ struct cli_batch {
     Ks__BatchRequest req; /* targets and rate; spec set by cli_batch_run */
     Ks__Amount conc, errs;
     char **agents, **terms; /* storage of req.agents, req.selector */
-    size_t cap;
+    size_t cap;            /* of terms */
+    size_t agents_cap;     /* of agents (grows: --agents @FILE) */
+    char **owned;          /* the ids read from files */
+    size_t n_owned, owned_cap;
+    bool agents_stdin;     /* --agents @-: stdin held the ids */
+    Ks__Amount *waves;     /* --waves, storage of req.waves */
+    Ks__Amount **wavep;
     const char *errs_arg;
     bool yes, json;
     long confirm_over;
@@ -186,10 +197,16 @@ struct cli_batch {
  * printing. */
 int cli_batch_init(struct cli_batch *bt, int argc, char **argv);
 void cli_batch_release(struct cli_batch *bt);
+/* --waves takes at most this many sizes; --wave-pause at most 24 h. */
+#define CLI_WAVES_MAX 1000
+#define CLI_WAVE_PAUSE_MAX_MS (24 * 3600 * 1000ULL)
 /* One of CLI_BATCH_LONGOPTS: 1 taken, 0 not one, -1 after printing. */
 int cli_batch_opt(struct cli_batch *bt, int opt, char *arg);
-/* After getopt: targets given and consistent. 0 or -1 after printing. */
+/* After getopt: targets given and consistent, and the rate options
+ * (cli_batch_check_rate alone: a rerun's, whose targets are the
+ * broker's). 0 or -1 after printing. */
 int cli_batch_check(const struct cli_batch *bt);
+int cli_batch_check_rate(const struct cli_batch *bt);
 /*
  * Connects (cc), lists the targets for a dry run or a confirmation, calls
  * prepare (may be NULL: what must exist before the request, e.g. kscore
@@ -308,6 +325,21 @@ int cli_parse_duration(const char *s, uint64_t *ms_out);
 /* Prints "kscore: <message>" on stderr; once cli_err_as_log() was called,
  * a ks_log error line instead. */
 void cli_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/*
+ * The status line (kscore batch's progress bar): one line on stderr,
+ * redrawn in place ("\r\033[K" then the text), for the caller to use
+ * only when stderr is a terminal. cli_status_show draws text (at most 511
+ * bytes, no newline) and keeps it; cli_status_end erases it for good.
+ * Around any other output that may reach the terminal, cli_status_hide(fd)
+ * (fd 1 or 2: what is about to be written) erases the line when fd is
+ * that terminal, or stdout is a terminal too, and flushes fd's stdio
+ * stream; cli_status_redraw draws the kept text again. cli_err does both.
+ * Any thread (one lock).
+ */
+void cli_status_show(const char *text);
+void cli_status_end(void);
+void cli_status_hide(int fd);
+void cli_status_redraw(void);
 /* From here on cli_err() logs through ks_log (KS_LOG_ERROR): a service's
  * log settings are known (cli_conf_log), so a `--log-format json` log
  * stays JSON to its last line ("cannot connect to NATS", ...). */
@@ -335,6 +367,9 @@ json_t *cli_consumer_json(const Ks__AgentStatus *st);
  * made it again: ...". */
 void cli_consumer_line(const Ks__AgentStatus *st, int64_t now_us, char *buf,
                        size_t len);
+/* How long ago us microseconds is, short, into buf: "0.4s ago", "3m ago",
+ * "2h ago", "5d ago" (negative: 0). */
+void cli_ago(char *buf, size_t len, int64_t us);
 
 /* A batch reply (state, counts, targets) as JSON. */
 json_t *cli_batch_json(const Ks__BatchReply *rep);
@@ -345,8 +380,11 @@ json_t *cli_batch_json(const Ks__BatchReply *rep);
  * ran and failed (Failed, killed, TimedOut, StartFailed); else
  * CLI_EXIT_NOT_ALL_RAN. */
 int fleet_exit_code(const Ks__BatchCounts *c);
-/* "3 succeeded, 1 failed, 1 no response of 5 targets" (only states > 0). */
-void fleet_counts_text(const Ks__BatchCounts *c, char *buf, size_t len);
+/* "3 succeeded, 1 failed, 1 no response of 5 targets" (only states > 0);
+ * of c->running (in flight), dispatched are said "dispatched" (not yet
+ * claimed), the rest "running". */
+void fleet_counts_text(const Ks__BatchCounts *c, unsigned dispatched,
+                       char *buf, size_t len);
 const char *fleet_status_name(Ks__BatchStatus s);
 /* One target's result as JSON (cli_result_json + batch_id, agent_id,
  * command_id, status, truncated). */
@@ -370,7 +408,11 @@ void fleet_results_release(struct fleet_results *fr);
  * folded, its outcome, stdout, then stderr), then "no response from:". */
 void fleet_print(FILE *f, const Ks__BatchReply *rep,
                  Ks__BatchTarget *const *full, size_t n);
-/* "<id>: <status>: <counts> in <s>", then budget (a line) when set. */
+/* The waves of rep in one line ("waves: 3 (1, 5, 44 targets), pause
+ * 10s; halted after wave 2 of 3: ..."), "" without waves. */
+void fleet_waves_text(const Ks__BatchReply *rep, char *buf, size_t len);
+/* "<id>: <status>: <counts> in <s>", then budget (a line) when set, the
+ * waves, and a rerun's original and the batch's reruns. */
 void fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget);
 
 /* Exit status for a finished command (see the codes above). */
@@ -424,7 +466,11 @@ int cli_path_trusted(const char *path);
 void cli_printable(char *s);
 /* Writes argv (n words) into out (cap bytes, NUL-terminated, cut at cap)
  * as a POSIX shell would read it back: a word with a space, quote or other
- * shell character, or an empty one, in single quotes ('\'' for a quote).
+ * shell character, or an empty one, in single quotes ('\'' for a quote);
+ * one with a control byte (a newline, an ESC, a C1 control) as $'...'
+ * with escapes (\n, \t, \r, \xHH), so it is one line and safe on a
+ * terminal. 4 * strlen + 4 bytes a word (with its separator) and one
+ * for the NUL always suffice.
  * Joined with bare spaces, `sh -c 'a; b'` and `sh -c a; b` would print the
  * same and a listed command could not be told apart or pasted back. */
 void cli_shell_join(char *const *argv, size_t n, char *out, size_t cap);
@@ -465,6 +511,8 @@ int cmd_get(int argc, char **argv);
 int cmd_events(int argc, char **argv);
 int cmd_cancel(int argc, char **argv);
 int cmd_agents(int argc, char **argv);
+/* kscore agent label (cmd_admin.c): argv[0] is "label". */
+int cmd_agent_label(int argc, char **argv);
 int cmd_replay(int argc, char **argv);
 int cmd_perf(int argc, char **argv);
 int cmd_batch(int argc, char **argv);
@@ -618,11 +666,16 @@ int cli_output_range(struct evt_conn *c, const char *command_id, int stream,
 struct cli_live {
     struct evt_conn *c;
     bool print;      /* write the output to fds 1 and 2 (not --json) */
+    bool quiet;      /* --quiet: no notes on stderr about the wait */
     char command_id[37];
     uint64_t off[2]; /* bytes of each stream written */
     bool cancel_sent;
 };
-void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print);
+/* The hooks say on stderr, at once, what a wait is for (an offline
+ * agent, no broker answering), as ssh and kubectl print their notes,
+ * unless quiet. */
+void cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print,
+                   bool quiet);
 /* From now on Ctrl-C is the hooks' to act on (cancel, then detach). */
 void cli_live_catch_sigint(void);
 void cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h);

@@ -9,10 +9,13 @@
 #include <unistd.h>
 
 #include "cli_int.h"
+#include "out_fold.h"
 
 static const char batch_usage[] =
     "usage: kscore batch TARGETS [RATE] [OPTIONS] -- CMD [ARG]...\n"
     "       kscore batch TARGETS [RATE] [OPTIONS] --script FILE [--] [ARG]...\n"
+    "       kscore batch --rerun batch-ID [--failed | --not-succeeded] [RATE]\n"
+    "                    [OUTPUT]\n"
     "Runs CMD on many agents. Exit 0 when every target succeeded, 1 when\n"
     "a target ran and failed (failed, killed, timed out, could not start),\n"
     "4 when none failed but some never ran (no response, lost, not\n"
@@ -20,10 +23,16 @@ static const char batch_usage[] =
     "the outcome is unknown (the batch may be recorded).\n"
     "Targets (resolved once, when the batch is accepted):\n"
     "  --agents A,B,C         these agents\n"
+    "  --agents @FILE         the agents listed in FILE, one id a line ('#'\n"
+    "                         starts a comment, blank lines skipped; @-:\n"
+    "                         stdin, which the command then does not get)\n"
     "  --select TERM[,TERM]   registered agents whose labels match every\n"
     "                         term: K=V, K!=V, K=V1|V2; values are globs\n"
     "                         (role=web*). With --agents: the listed agents\n"
     "                         that match (the intersection). Repeatable.\n"
+    "                         fact.K=V matches what the agent says of its\n"
+    "                         host (fact.os=debian*, fact.arch=x86_64): its\n"
+    "                         own word, not a signed label\n"
     "  --all                  every registered agent\n"
     "  An offline target is not waited for: it ends \"no response\"\n"
     "  (Undeliverable) at once.\n"
@@ -36,7 +45,10 @@ static const char batch_usage[] =
     "                         terminal nothing is asked (as salt, ansible);\n"
     "                         declining exits 2, nothing run\n"
     "Rate control:\n"
-    "  --max-concurrency N|P%  at most N (or P% of the targets, >= 1) at once\n"
+    "  --max-concurrency N|P%  at most N (or P% of the targets, >= 1) at once;\n"
+    "                          whatever N, a target goes out only when its\n"
+    "                          agent can take it up soon (--deliver-within\n"
+    "                          runs from its own dispatch)\n"
     "  --max-errors N|P%       once MORE than N targets ended in error, start\n"
     "                          no more; the rest end Cancelled (in-flight\n"
     "                          ones finish). 0: stop after the first error.\n"
@@ -47,6 +59,22 @@ static const char batch_usage[] =
     "                          lost, not started.\n"
     "  --strict-errors         start a target only while errors + running\n"
     "                          <= N, so at most N+1 errors ever happen\n"
+    "  --waves N|P%[,N|P%]...  run the targets in waves of these sizes, in\n"
+    "                          turn (as Ansible's serial: 1,10%,100% is a\n"
+    "                          canary, then 10% of the targets, then the\n"
+    "                          rest; the last size repeats); a wave starts\n"
+    "                          when the one before has ended. --max-errors\n"
+    "                          is checked at each wave's end: spent, the\n"
+    "                          batch halts and the rest end Cancelled\n"
+    "  --wave-pause D          wait D between two waves\n"
+    "Rerun:\n"
+    "  --rerun batch-ID        the same command with the same options (RATE\n"
+    "                          given here replaces its own) on the targets of\n"
+    "                          batch-ID that ended in error (failed, killed,\n"
+    "                          timed out, could not start, no response,\n"
+    "                          lost, not started): --failed, the default;\n"
+    "                          --not-succeeded: every one but Succeeded\n"
+    "                          (cancelled too). Recorded as its rerun.\n"
     "Command:\n"
     "  --timeout D  --grace D  --env K=V  --cwd DIR  --deliver-within D\n"
     "  --secret-env NAME       pass $NAME from your environment, sealed to\n"
@@ -87,11 +115,13 @@ struct bstate {
     Ks__BatchCounts counts;
     /* results by command id, as progress arrives */
     struct ks_map results; /* command_id -> Ks__BatchTarget * */
-    bool line_shown;
+    uint32_t wave, waves;    /* BatchProgress: the wave now, of waves */
+    int64_t next_wave_at_us; /* between two waves: the next one's start */
 };
 
 /* The progress bar on stderr, redrawn in place, on a terminal only:
- * [#####.....] done/total, counts by state, rate, ETA. The final call
+ * [#####.....] done/total, counts by state, rate, ETA (cli_status_show:
+ * other output erases it first and draws it again after). The final call
  * erases it (the summary says the rest). */
 static void
 progress_line(struct bstate *st, bool final)
@@ -106,10 +136,7 @@ progress_line(struct bstate *st, bool final)
     if (!st->tty || st->json || total == 0)
         return;
     if (final) {
-        if (st->line_shown)
-            fputs("\r\033[K", stderr);
-        st->line_shown = false;
-        fflush(stderr);
+        cli_status_end();
         return;
     }
     unsigned fill = done * 20 / total;
@@ -119,28 +146,35 @@ progress_line(struct bstate *st, bool final)
     Ks__BatchCounts shown = *c;
     shown.pending = 0; /* said by done/total */
     shown.total = 0;
-    fleet_counts_text(&shown, counts, sizeof(counts));
+    fleet_counts_text(&shown, 0, counts, sizeof(counts));
     char *of = strstr(counts, " of 0 targets");
     if (of)
         *of = '\0';
     else if (strcmp(counts, "0 targets") == 0)
         counts[0] = '\0';
     double rate = el > 0 ? done / el : 0.0;
-    if (done && done < total && rate > 0)
+    char wave[64] = "";
+    if (st->waves && st->next_wave_at_us)
+        snprintf(wave, sizeof(wave), " wave %u/%u, next in %.0fs", st->wave,
+                 st->waves,
+                 st->next_wave_at_us > ks_now_us()
+                     ? (double)(st->next_wave_at_us - ks_now_us()) / 1e6
+                     : 0.0);
+    else if (st->waves)
+        snprintf(wave, sizeof(wave), " wave %u/%u", st->wave, st->waves);
+    if (done && done < total && rate > 0 && !st->waves)
         snprintf(eta, sizeof(eta), " ETA %.0fs", (total - done) / rate);
-    fprintf(stderr, "\r\033[K[%s] %u/%u %s  %.1f/s%s", bar, done, total,
-            counts, rate, eta);
-    st->line_shown = true;
-    fflush(stderr);
+    char line[512];
+    snprintf(line, sizeof(line), "[%s] %u/%u%s %s  %.1f/s%s", bar, done,
+             total, wave, counts, rate, eta);
+    cli_status_show(line);
 }
 
+/* A progress message (on the batch's inbox, "<lease>.p"); takes msg. */
 static void
-on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+on_progress(struct bstate *st, natsMsg *msg)
 {
-    struct bstate *st = ud;
     ProtobufCMessage *pm = NULL;
-    (void)nc;
-    (void)sub;
     if (evt_unpack(&ks__batch_progress__descriptor, natsMsg_GetData(msg),
                    (size_t)natsMsg_GetDataLength(msg), &pm) == 0) {
         Ks__BatchProgress *p = (Ks__BatchProgress *)pm;
@@ -156,14 +190,15 @@ on_progress(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
             ks_is_uuid(p->batch_id + 6))
             snprintf(st->batch_id, sizeof(st->batch_id), "%s", p->batch_id);
         st->heard_mono_us = ks_mono_us();
+        st->wave = p->wave;
+        st->waves = p->waves;
+        st->next_wave_at_us = p->next_wave_at_us;
         if (p->counts) {
             st->counts = *p->counts;
             st->total = p->counts->total;
         }
         if (p->target && !ks_map_get(&st->results, p->target->command_id)) {
             if (st->json) {
-                if (st->line_shown)
-                    fputs("\r\033[K", stderr);
                 cli_print_json(fleet_target_json(p->batch_id, p->target));
                 fflush(stdout);
             }
@@ -247,21 +282,34 @@ batch_get(struct evt_conn *c, const char *batch_id, Ks__BatchReply **out)
     return rc;
 }
 
+/* Progress comes to the batch's inbox lease under this suffix. */
+#define PROGRESS_SUFFIX "p"
+
+/* 1 if msg came to the lease's progress subject. */
+static bool
+is_progress(struct evt_inbox *ib, natsMsg *msg)
+{
+    const char *base = evt_inbox_subject(ib), *subj = natsMsg_GetSubject(msg);
+    size_t n = strlen(base);
+    return strncmp(subj, base, n) == 0 && subj[n] == '.' &&
+           strcmp(subj + n + 1, PROGRESS_SUFFIX) == 0;
+}
+
 /*
  * Sends the batch request and waits for its end, from whichever broker
  * can say: the reply from the broker driving it (the one that took the
  * request, or one that took the batch over and answers the same inbox),
  * or, every BATCH_POLL_MS without news, a get of the batch from any
- * broker. Returns 0 with *out (the reply, maybe an error reply),
- * BATCH_GAVE_UP after telling the operator how to follow the batch, or a
- * negative code (KS_EUNAVAIL: no broker serves batches).
+ * broker. Progress on ib (its PROGRESS_SUFFIX) is shown as it comes.
+ * Returns 0 with *out (the reply, maybe an error reply), BATCH_GAVE_UP
+ * after telling the operator how to follow the batch, or a negative code
+ * (KS_EUNAVAIL: no broker serves batches).
  */
 static int
-batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
-           struct bstate *st, Ks__BatchReply **out)
+batch_wait(struct evt_conn *c, struct evt_inbox *ib,
+           const Ks__BatchRequest *req, struct bstate *st,
+           Ks__BatchReply **out)
 {
-    natsSubscription *rsub = NULL;
-    char ib[EVT_INBOX_MAX];
     natsMsg *msg = NULL;
     char subject[192], id[48];
     uint8_t *buf = NULL;
@@ -270,14 +318,10 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     bool silent_said = false, cancel_sent = false;
     int rc;
 
-    /* The reply comes to this operator's own inbox (evt_inbox): the only
-     * reply address the broker answers. */
-    if (evt_inbox(c, ib, sizeof(ib)) != 0 ||
-        natsConnection_SubscribeSync(&rsub, c->nc, ib) != NATS_OK ||
-        (rc = kproto_pack(&req->base, &buf, &len)) != 0) {
-        rc = KS_ENATS;
+    /* The reply comes to this operator's own inbox (evt_inbox_take): the
+     * only reply address the broker answers. */
+    if ((rc = kproto_pack(&req->base, &buf, &len)) != 0)
         goto out;
-    }
     /* NATS refuses a message over its max payload with a bare error:
      * say why (the caller names the limit), as exec does. */
     if (len > KS_MAX_MESSAGE_BYTES) {
@@ -285,28 +329,23 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
         goto out;
     }
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_BATCH, c->identity);
-    if (natsConnection_PublishRequest(c->nc, subject, ib, buf, (int)len) !=
-        NATS_OK) {
-        rc = KS_ENATS;
+    if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)) != 0)
         goto out;
-    }
-    natsConnection_Flush(c->nc);
     for (;;) {
-        natsStatus s = natsSubscription_NextMsg(&msg, rsub, 500);
+        int nrc = evt_inbox_next(ib, 500, &msg);
         int64_t now = ks_mono_us();
-        if (s == NATS_OK) {
-            if (natsMsg_IsNoResponders(msg)) {
-                rc = KS_EUNAVAIL;
-                goto out;
-            }
+        if (nrc == 0 && is_progress(ib, msg)) {
+            on_progress(st, msg);
+            msg = NULL;
+        } else if (nrc == 0) {
             rc = evt_unpack(&ks__batch_reply__descriptor,
                             natsMsg_GetData(msg),
                             (size_t)natsMsg_GetDataLength(msg),
                             (ProtobufCMessage **)out);
             goto out;
-        }
-        if (s != NATS_TIMEOUT) {
-            rc = evt_err(s);
+        } else if (nrc != KS_ETIMEDOUT) {
+            /* KS_EUNAVAIL: no responders, no broker serves batches. */
+            rc = nrc;
             goto out;
         }
         pthread_mutex_lock(&st->mu);
@@ -395,12 +434,64 @@ batch_wait(struct evt_conn *c, const Ks__BatchRequest *req,
     }
 out:
     natsMsg_Destroy(msg);
-    if (rsub) {
-        natsSubscription_Unsubscribe(rsub);
-        natsSubscription_Destroy(rsub);
-    }
     free(buf);
     return rc;
+}
+
+/* The longest target list the confirmation prints (bytes of the folded
+ * node set); a longer one is cut, and --dry-run lists every target. */
+#define CONFIRM_TARGETS_MAX 400
+
+/*
+ * Asks on the terminal before a run on many targets, showing what the
+ * operator is about to do: the whole command as a shell would read it
+ * back, what travels with it (script, stdin, user, files), and the
+ * targets as a folded node set (web[1-3,7]). true on y or Y.
+ */
+static bool
+confirmed(const Ks__BatchReply *rep, const Ks__CommandSpec *spec,
+          size_t offline)
+{
+    char answer[16] = "", *cmd = NULL, *set = NULL;
+    const char **ids = calloc(rep->n_targets + 1, sizeof(*ids));
+    size_t need = 1;
+
+    for (size_t i = 0; i < spec->n_argv; i++)
+        need += 4 * strlen(spec->argv[i]) + 4; /* cli_shell_join */
+    cmd = malloc(need);
+    if (cmd)
+        cli_shell_join(spec->argv, spec->n_argv, cmd, need);
+    for (size_t i = 0; ids && i < rep->n_targets; i++)
+        ids[i] = rep->targets[i]->agent_id;
+    if (ids)
+        set = fold_nodeset(ids, rep->n_targets);
+    if (set && strlen(set) > CONFIRM_TARGETS_MAX)
+        strcpy(set + CONFIRM_TARGETS_MAX - 40,
+               "... (--dry-run lists every target)");
+    fprintf(stderr, "About to run on %zu agent%s: %s\n", rep->n_targets,
+            rep->n_targets == 1 ? "" : "s", set ? set : "?");
+    if (offline)
+        fprintf(stderr, "  %zu offline: they end \"no response\"\n", offline);
+    fprintf(stderr, "  command   %s\n", cmd ? cmd : spec->argv[0]);
+    for (size_t i = 0; i < spec->n_env; i++) {
+        /* NAME=VALUE as one shell word: a value's control bytes escaped */
+        char *kv = NULL, *q = NULL;
+        if (asprintf(&kv, "%s=%s", spec->env[i]->name,
+                     spec->env[i]->value) >= 0 &&
+            (q = malloc(4 * strlen(kv) + 5)))
+            cli_shell_join(&kv, 1, q, 4 * strlen(kv) + 5);
+        fprintf(stderr, "  env       %s\n", q ? q : spec->env[i]->name);
+        free(kv);
+        free(q);
+    }
+    cli_payload_print(stderr, spec, "  ");
+    fputs("Run it? [y/N] ", stderr);
+    fflush(stderr);
+    free(cmd);
+    free(set);
+    free(ids);
+    return fgets(answer, sizeof(answer), stdin) &&
+           (answer[0] == 'y' || answer[0] == 'Y');
 }
 
 int
@@ -415,6 +506,7 @@ cli_batch_init(struct cli_batch *bt, int argc, char **argv)
     for (int i = 1; i < argc; i++)
         for (const char *p = argv[i]; *p; p++)
             bt->cap += *p == ',';
+    bt->agents_cap = bt->cap;
     bt->agents = calloc(bt->cap, sizeof(*bt->agents));
     bt->terms = calloc(bt->cap, sizeof(*bt->terms));
     if (!bt->agents || !bt->terms) {
@@ -438,9 +530,163 @@ cli_batch_init(struct cli_batch *bt, int argc, char **argv)
 void
 cli_batch_release(struct cli_batch *bt)
 {
+    for (size_t i = 0; i < bt->n_owned; i++)
+        free(bt->owned[i]);
+    free(bt->owned);
     free(bt->agents);
     free(bt->terms);
-    bt->agents = bt->terms = NULL;
+    free(bt->waves);
+    free(bt->wavep);
+    bt->agents = bt->terms = bt->owned = NULL;
+    bt->waves = NULL;
+    bt->wavep = NULL;
+}
+
+/* One target id of --agents: checked (a usage error, exit 2, as the
+ * README says, where the broker would refuse it with 125) and added.
+ * where: "" or "FILE:LINE: " for the message. 0 or -1 after printing. */
+static int
+add_agent(struct cli_batch *bt, char *id, const char *where)
+{
+    if (!evt_agent_id_valid(id)) {
+        cli_err("%sbad agent id '%s' (letters, digits, _ and -, up to %d)",
+                where[0] ? where : "--agents: ", id, EVT_AGENT_ID_MAX);
+        return -1;
+    }
+    if (bt->req.n_agents == bt->agents_cap) {
+        size_t nc = bt->agents_cap ? bt->agents_cap * 2 : 64;
+        char **x = realloc(bt->agents, nc * sizeof(*x));
+        if (!x) {
+            cli_err("out of memory");
+            return -1;
+        }
+        bt->agents = x;
+        bt->agents_cap = nc;
+    }
+    bt->agents[bt->req.n_agents++] = id;
+    bt->req.agents = bt->agents;
+    return 0;
+}
+
+/* At most this many ids in an --agents file (a fleet). */
+#define AGENTS_FILE_MAX 100000
+
+/*
+ * --agents @FILE: one id per line; '#' starts a comment (to the end of
+ * the line), blank lines and the blanks around an id are skipped, as
+ * pdsh -w ^FILE, clush --hostfile and Ansible inventories read them.
+ * "@-" reads the ids from stdin (which the command then does not get).
+ * 0, or -1 after printing what is wrong with FILE:LINE.
+ */
+static int
+add_agents_file(struct cli_batch *bt, const char *path)
+{
+    bool is_stdin = strcmp(path, "-") == 0;
+    const char *name = is_stdin ? "stdin" : path;
+    FILE *f = is_stdin ? stdin : fopen(path, "re");
+    char *line = NULL, where[PATH_MAX + 32];
+    size_t cap = 0, lineno = 0, n = 0;
+    ssize_t len;
+    int rc = 0;
+
+    if (!f) {
+        cli_err("--agents @%s: cannot read it: %s", path, strerror(errno));
+        return -1;
+    }
+    if (is_stdin) {
+        if (bt->agents_stdin) {
+            cli_err("--agents @-: stdin is read once");
+            return -1;
+        }
+        bt->agents_stdin = true;
+    }
+    while (rc == 0 && (len = getline(&line, &cap, f)) != -1) {
+        lineno++;
+        char *p = line, *hash = strchr(line, '#');
+        if (hash)
+            *hash = '\0';
+        while (*p == ' ' || *p == '\t')
+            p++;
+        size_t k = strlen(p);
+        while (k && (p[k - 1] == '\n' || p[k - 1] == '\r' ||
+                     p[k - 1] == ' ' || p[k - 1] == '\t'))
+            p[--k] = '\0';
+        if (!k)
+            continue;
+        snprintf(where, sizeof(where), "%s:%zu: ", name, lineno);
+        if (++n > AGENTS_FILE_MAX) {
+            cli_err("%smore than %d agent ids", where, AGENTS_FILE_MAX);
+            rc = -1;
+            break;
+        }
+        char *id = strdup(p);
+        if (!id || (bt->n_owned == bt->owned_cap &&
+                    !(bt->owned = realloc(bt->owned,
+                                          (bt->owned_cap = bt->owned_cap
+                                                               ? bt->owned_cap * 2
+                                                               : 64) *
+                                              sizeof(*bt->owned))))) {
+            free(id);
+            cli_err("out of memory");
+            rc = -1;
+            break;
+        }
+        bt->owned[bt->n_owned++] = id;
+        rc = add_agent(bt, id, where);
+    }
+    if (rc == 0 && ferror(f)) {
+        cli_err("--agents @%s: cannot read it: %s", path, strerror(errno));
+        rc = -1;
+    }
+    if (rc == 0 && n == 0) {
+        cli_err("--agents @%s: no agent id in it", path);
+        rc = -1;
+    }
+    free(line);
+    if (!is_stdin)
+        fclose(f);
+    return rc;
+}
+
+/* --waves N|P%,...: each wave's size. 0 or -1 after printing. */
+static int
+parse_waves(struct cli_batch *bt, char *arg)
+{
+    size_t n = 1;
+    for (const char *p = arg; *p; p++)
+        n += *p == ',';
+    if (n > CLI_WAVES_MAX) {
+        cli_err("bad --waves '%s': at most %d waves (the last size repeats)",
+                arg, CLI_WAVES_MAX);
+        return -1;
+    }
+    free(bt->waves);
+    free(bt->wavep);
+    bt->waves = calloc(n, sizeof(*bt->waves));
+    bt->wavep = calloc(n, sizeof(*bt->wavep));
+    if (!bt->waves || !bt->wavep) {
+        cli_err("out of memory");
+        return -1;
+    }
+    size_t k = 0;
+    for (char *save = NULL, *t = strtok_r(arg, ",", &save); t;
+         t = strtok_r(NULL, ",", &save)) {
+        if (parse_amount(t, &bt->waves[k]) || bt->waves[k].value == 0) {
+            cli_err("bad --waves size '%s': N >= 1, or P%% (1-100), as "
+                    "--waves 1,10%%,100%%",
+                    t);
+            return -1;
+        }
+        bt->wavep[k] = &bt->waves[k];
+        k++;
+    }
+    if (k == 0) {
+        cli_err("bad --waves '': N or P%%, comma-separated");
+        return -1;
+    }
+    bt->req.waves = bt->wavep;
+    bt->req.n_waves = k;
+    return 0;
 }
 
 int
@@ -449,10 +695,34 @@ cli_batch_opt(struct cli_batch *bt, int opt, char *arg)
     Ks__BatchRequest *req = &bt->req;
 
     switch (opt) {
-    case 'a':
-        req->n_agents += split_commas(arg, bt->agents + req->n_agents,
-                                      bt->cap - req->n_agents);
+    case 'a': {
+        if (arg[0] == '@')
+            return add_agents_file(bt, arg + 1) ? -1 : 1;
+        size_t cap = 1;
+        for (const char *p = arg; *p; p++)
+            cap += *p == ',';
+        char **ids = calloc(cap, sizeof(*ids));
+        size_t n = ids ? split_commas(arg, ids, cap) : 0;
+        int rc = ids ? 1 : -1;
+        for (size_t i = 0; rc == 1 && i < n; i++)
+            if (add_agent(bt, ids[i], "") != 0)
+                rc = -1;
+        free(ids);
+        return rc;
+    }
+    case 'W':
+        return parse_waves(bt, arg) ? -1 : 1;
+    case 'P': {
+        uint64_t ms;
+        if (cli_parse_duration(arg, &ms) || ms > CLI_WAVE_PAUSE_MAX_MS) {
+            cli_err("bad --wave-pause '%s' (a duration: 30s, 5m; at most "
+                    "24h)",
+                    arg);
+            return -1;
+        }
+        req->wave_pause_ms = ms;
         return 1;
+    }
     case 's': {
         char *pairs[64];
         char why[256];
@@ -519,6 +789,22 @@ cli_batch_opt(struct cli_batch *bt, int opt, char *arg)
 }
 
 int
+cli_batch_check_rate(const struct cli_batch *bt)
+{
+    const Ks__BatchRequest *req = &bt->req;
+
+    if (req->strict_errors && !req->max_errors && !req->rerun_of[0]) {
+        cli_err("--strict-errors needs --max-errors");
+        return -1;
+    }
+    if (req->wave_pause_ms && !req->n_waves && !req->rerun_of[0]) {
+        cli_err("--wave-pause needs --waves");
+        return -1;
+    }
+    return 0;
+}
+
+int
 cli_batch_check(const struct cli_batch *bt)
 {
     const Ks__BatchRequest *req = &bt->req;
@@ -533,11 +819,7 @@ cli_batch_check(const struct cli_batch *bt)
                 "the listed agents that match)");
         return -1;
     }
-    if (req->strict_errors && !req->max_errors) {
-        cli_err("--strict-errors needs --max-errors");
-        return -1;
-    }
-    return 0;
+    return cli_batch_check_rate(bt);
 }
 
 int
@@ -548,6 +830,9 @@ cmd_batch(int argc, char **argv)
         CLI_SPEC_LONGOPTS,
         CLI_PAYLOAD_LONGOPTS,
         {"secret-env", required_argument, 0, 'X'},
+        {"rerun", required_argument, 0, 'R'},
+        {"failed", no_argument, 0, 'F'},
+        {"not-succeeded", no_argument, 0, 'N'},
         CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
@@ -556,6 +841,8 @@ cmd_batch(int argc, char **argv)
     struct cli_conn cc = {0};
     struct cli_secrets sec = {0};
     struct cli_payload pl = {0};
+    const char *command_opt = NULL; /* one of the command's options */
+    bool failed = false;
     int opt, rc;
 
     if ((rc = cli_batch_init(&bt, argc, argv)))
@@ -570,6 +857,8 @@ cmd_batch(int argc, char **argv)
         int taken = cli_spec_opt(&cs, opt, optarg);
         if (!taken)
             taken = cli_payload_opt(&pl, opt, optarg);
+        if (taken && !command_opt)
+            command_opt = argv[optind - 1 - (optarg == argv[optind - 1])];
         if (!taken)
             taken = cli_batch_opt(&bt, opt, optarg);
         if (taken < 0)
@@ -580,6 +869,16 @@ cmd_batch(int argc, char **argv)
         case 'X':
             if (cli_secret_opt(&sec, optarg) < 0)
                 goto out;
+            command_opt = "--secret-env";
+            break;
+        case 'R':
+            bt.req.rerun_of = optarg;
+            break;
+        case 'F':
+            failed = true;
+            break;
+        case 'N':
+            bt.req.rerun_not_succeeded = 1;
             break;
         case 'h':
             fputs(batch_usage, stdout);
@@ -591,6 +890,41 @@ cmd_batch(int argc, char **argv)
             cli_err("see kscore batch --help");
             goto out;
         }
+    }
+    if ((failed || bt.req.rerun_not_succeeded) && !bt.req.rerun_of[0]) {
+        cli_err("--failed and --not-succeeded go with --rerun batch-ID");
+        goto out;
+    }
+    if (failed && bt.req.rerun_not_succeeded) {
+        cli_err("--failed or --not-succeeded: give one");
+        goto out;
+    }
+    if (bt.req.rerun_of[0]) {
+        /* The original's command and targets, as recorded. */
+        if (strncmp(bt.req.rerun_of, "batch-", 6) != 0 ||
+            !ks_is_uuid(bt.req.rerun_of + 6)) {
+            cli_err("bad --rerun '%s': expected batch-<uuid>",
+                    bt.req.rerun_of);
+            goto out;
+        }
+        if (command_opt || optind < argc) {
+            cli_err("--rerun runs %s's own command with its options: %s "
+                    "is not taken (only targets' rate, --waves and output "
+                    "options are)",
+                    bt.req.rerun_of,
+                    command_opt ? command_opt : "a command");
+            goto out;
+        }
+        if (bt.req.n_agents || bt.req.n_selector || bt.req.all) {
+            cli_err("--rerun takes no targets: they are those of %s that "
+                    "did not succeed",
+                    bt.req.rerun_of);
+            goto out;
+        }
+        if (cli_batch_check_rate(&bt) != 0)
+            goto out;
+        rc = cli_batch_run(&bt, &cc, NULL, NULL, NULL, NULL);
+        goto out;
     }
     if (bt.req.dry_run) {
         /* Only the targets: no command needed. */
@@ -607,6 +941,10 @@ cmd_batch(int argc, char **argv)
         cs.spec.argv = true_argv; /* a dry run: any valid spec */
         cs.spec.n_argv = 1;
     }
+    /* --agents @-: stdin held the ids, the command gets none (unless
+     * --stdin-file). */
+    if (bt.agents_stdin && !pl.stdin_path)
+        pl.no_stdin = true;
     /* The script and stdin (broadcast to every target, as clush does),
      * read whole before anything is sent; not for a dry run. */
     if (!bt.req.dry_run && (rc = cli_payload_load(&pl, &cs.spec, true)))
@@ -629,7 +967,7 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
 {
     Ks__BatchRequest req = bt->req;
     struct evt_conn *c = NULL;
-    natsSubscription *psub = NULL;
+    struct evt_inbox *ib = NULL;
     Ks__BatchReply *rep = NULL;
     struct bstate st = {.results = KS_MAP_INIT, .json = bt->json};
     struct fleet_results fr = {0};
@@ -692,21 +1030,11 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
             rc = 0;
             goto out;
         }
-        if (req.all || rep->n_targets > (size_t)confirm_over) {
-            char answer[16] = "";
-            fprintf(stderr, "Run `%s%s` on %zu agent(s)", spec->argv[0],
-                    spec->n_argv > 1 ? " ..." : "", rep->n_targets);
-            if (offline)
-                fprintf(stderr, " (%zu offline: they end \"no response\")",
-                        offline);
-            fputs("? [y/N] ", stderr);
-            fflush(stderr);
-            if (!fgets(answer, sizeof(answer), stdin) ||
-                (answer[0] != 'y' && answer[0] != 'Y')) {
-                cli_err("not confirmed: nothing run");
-                rc = CLI_EXIT_USAGE;
-                goto out;
-            }
+        if ((req.all || rep->n_targets > (size_t)confirm_over) &&
+            !confirmed(rep, spec, offline)) {
+            cli_err("not confirmed: nothing run");
+            rc = CLI_EXIT_USAGE;
+            goto out;
         }
         ks__batch_reply__free_unpacked(rep, NULL);
         rep = NULL;
@@ -726,24 +1054,22 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
     st.start_us = ks_mono_us();
     if (!req.detach) {
         /* Under this operator's own inbox prefix: nobody else may read
-         * it (evt_inbox), and the broker publishes progress nowhere
-         * else. */
-        if (evt_inbox(c, inbox, sizeof(inbox)) != 0 ||
-            natsConnection_Subscribe(&psub, c->nc, inbox, on_progress, &st) !=
-                NATS_OK ||
-            natsSubscription_SetPendingLimits(psub, -1, -1) != NATS_OK) {
+         * it (evt_inbox_take), and the broker publishes progress nowhere
+         * else. The reply comes to the same lease. */
+        if (evt_inbox_take(c, NULL, &ib) != 0) {
             cli_err("cannot subscribe to progress");
             rc = CLI_EXIT_KSCORE;
             goto out;
         }
-        natsConnection_Flush(c->nc);
+        snprintf(inbox, sizeof(inbox), "%s.%s", evt_inbox_subject(ib),
+                 PROGRESS_SUFFIX);
         req.progress_subject = inbox;
         cli_live_catch_sigint();
     }
     if (req.detach)
         rc = broker_batch(c, &req, 30000, &rep);
     else
-        rc = batch_wait(c, &req, &st, &rep);
+        rc = batch_wait(c, ib, &req, &st, &rep);
     if (rc == BATCH_GAVE_UP) {
         /* Recorded, its end not heard of: not "not accepted" (125). */
         rc = CLI_EXIT_UNKNOWN;
@@ -789,18 +1115,20 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
     }
     /* Let the last progress messages land, then fill any gap from the
      * record (core NATS progress is best effort). */
-    natsConnection_Flush(c->nc);
-    if (psub) {
-        /* Drain, not unsubscribe: a progress callback still running (its
-         * message came in just before the reply) would print its target
-         * while the loop below, not finding it yet, prints it again.
-         * Once drained no callback runs and st.results is complete. */
-        if (natsSubscription_DrainTimeout(psub, 2000) == NATS_OK)
-            natsSubscription_WaitForDrainCompletion(psub, 3000);
-        else
-            natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-        psub = NULL;
+    if (ib) {
+        /* What the server sent before the PONG is in the lease: shown
+         * here, before the loop below looks for what is missing, so no
+         * target is printed twice. */
+        natsMsg *pm = NULL;
+        evt_link_probe(c, 2000);
+        while (evt_inbox_next(ib, 1, &pm) == 0) {
+            if (is_progress(ib, pm))
+                on_progress(&st, pm);
+            else
+                natsMsg_Destroy(pm);
+        }
+        evt_inbox_give(ib);
+        ib = NULL;
     }
     if (req.live_output)
         cli_stream_batch_end();
@@ -847,10 +1175,7 @@ cli_batch_run(struct cli_batch *bt, struct cli_conn *cc,
         rc = 130; /* cancelled by Ctrl-C, as exec */
 out:
     fleet_results_release(&fr);
-    if (psub) {
-        natsSubscription_Unsubscribe(psub);
-        natsSubscription_Destroy(psub);
-    }
+    evt_inbox_give(ib);
     ks_map_each(&st.results, free_target, NULL);
     ks_map_clear(&st.results);
     if (rep)

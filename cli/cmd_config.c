@@ -56,7 +56,16 @@ static const struct conf_key conf_keys[] = {
     {"require_signed_labels", "KSCORE_REQUIRE_SIGNED_LABELS", B, CT_BOOL,
      false, 0, 0},
     {"replicas", "KSCORE_REPLICAS", B, CT_UINT, false, 1, 5},
+    {"copy_operator_mib", "KSCORE_COPY_OPERATOR_MIB", B, CT_UINT, false, 1,
+     1UL << 20},
+    {"copy_total_mib", "KSCORE_COPY_TOTAL_MIB", B, CT_UINT, false, 1,
+     1UL << 24},
+    {"copy_keep", "KSCORE_COPY_KEEP", B, CT_DUR, false, 1000, 0},
+    {"copy_upload_keep", "KSCORE_COPY_UPLOAD_KEEP", B, CT_DUR, false, 1000,
+     0},
     {"metrics_listen", "KSCORE_METRICS_LISTEN", B | A, CT_STR, false, 0, 0},
+    {"metrics_token_file", "KSCORE_METRICS_TOKEN_FILE", B | A, CT_STR, false,
+     0, 0},
     {"bundle", "KSCORE_BUNDLE", A, CT_STR, false, 0, 0},
     {"id", NULL, A, CT_ID, true, 0, 0},
     {"label", "KSCORE_LABELS", A, CT_LABEL, true, 0, 0},
@@ -65,6 +74,7 @@ static const struct conf_key conf_keys[] = {
     {"pool_size", "KSCORE_POOL_SIZE", A, CT_UINT, false, 1, 100000},
     {"max_concurrent", "KSCORE_MAX_CONCURRENT", A, CT_UINT, false, 1, 100000},
     {"ack_wait", "KSCORE_ACK_WAIT", A, CT_DUR, false, 1000, 0},
+    {"drain_timeout", "KSCORE_DRAIN_TIMEOUT", B | A, CT_DUR, false, 0, 0},
 };
 #undef B
 #undef A

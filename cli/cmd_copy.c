@@ -37,12 +37,14 @@ static const char copy_usage[] =
     "  --owner USER[:GROUP] the files' owner on the agent (default: the\n"
     "                       replaced file's, else the agent's user)\n"
     "  --timeout D  --deliver-within D   as kscore batch\n"
-    "Each file at most 256 MiB, at most 64 files; a file is uploaded once\n"
-    "and stored in the record (named by its SHA-256).\n"
-    "Targets, rate control and output: as kscore batch (--agents, --select,\n"
-    "--all, --online-only, --dry-run, --yes, --confirm-over,\n"
-    "--max-concurrency, --max-errors, --strict-errors, --json, --detach,\n"
-    "--stream); see kscore batch --help.\n"
+    "Each file at most 256 MiB, at most 64 files; a file is uploaded once,\n"
+    "named by its SHA-256, and kept by the broker a day after its last copy\n"
+    "(copy_keep), within the bounds of its config (copy_operator_mib).\n"
+    "Targets, rate control and output: as kscore batch (--agents, --agents\n"
+    "@FILE, --select, --all, --online-only, --dry-run, --yes,\n"
+    "--confirm-over, --max-concurrency, --max-errors, --strict-errors,\n"
+    "--waves, --wave-pause, --json, --detach, --stream); see kscore batch\n"
+    "--help.\n"
     CLI_CONN_USAGE;
 
 struct copy_src {

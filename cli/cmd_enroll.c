@@ -478,6 +478,7 @@ static const char usage[] =
     "FILE]\n"
     "       kscore agent revoke ID|pool-POOL [--nats URL]\n"
     "       kscore agent list [--json]\n"
+    "       kscore agent label ID|pool-POOL KEY=VALUE|KEY-... [--json]\n"
     "The agents of the stack in $KSCORE_HOME (now %s).\n"
     "enroll makes agent ID's NATS identity (an NKey allowed only what agent\n"
     "ID may do) and writes a bundle (default $KSCORE_HOME/bundles/ID.bundle,\n"
@@ -495,7 +496,9 @@ static const char usage[] =
     "permissions name each of its ids and nothing of any other agent.\n"
     "revoke removes the identity: nats-server closes the agent's connections\n"
     "and refuses it from then on; the broker forgets the agent, so commands\n"
-    "for it are refused.\n";
+    "for it are refused.\n"
+    "label changes an agent's signed labels without a new enrolment (see\n"
+    "kscore agent label --help); list shows the labels of the enrolment.\n";
 
 /* The broker's signature over id, at and the "K=V" labels
  * (evt_labels_sign). 0 or a negative code. */
@@ -614,11 +617,20 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     evt_pool_attest_id(pool_key, sizeof(pool_key), id, pool_size);
     snprintf(identity, sizeof(identity), "%s-%s", pool_size ? "pool" : "agent",
              id);
+    /* The NATS identity "agent-<id>" or "pool-<id>" is a user name of at
+     * most EVT_IDENTITY_MAX bytes; a pool's ids "<id>-<n>" must be agent
+     * ids too (n < STACK_POOL_MAX: "-" and up to 6 digits). */
+    size_t max = pool_size ? EVT_IDENTITY_MAX - 5 : EVT_IDENTITY_MAX - 6;
+    if (pool_size && max > EVT_AGENT_ID_MAX - 7)
+        max = EVT_AGENT_ID_MAX - 7;
     if (!evt_agent_id_valid(id) || !evt_identity_valid(identity) ||
-        (pool_size && strlen(id) + 7 > EVT_AGENT_ID_MAX)) {
-        cli_err("bad %s '%s': letters, digits, _ and - (at most %d)",
+        strlen(id) > max) {
+        cli_err("bad %s '%s'%s: 1 to %zu letters, digits, _ and - (its NATS "
+                "identity %s-<%s> is at most %d characters)",
                 pool_size ? "pool name" : "agent id", id,
-                pool_size ? EVT_AGENT_ID_MAX - 7 : EVT_IDENTITY_MAX - 6);
+                strlen(id) > max ? ": too long" : "", max,
+                pool_size ? "pool" : "agent", pool_size ? "name" : "id",
+                EVT_IDENTITY_MAX);
         return CLI_EXIT_USAGE;
     }
     {
@@ -628,11 +640,21 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
             return CLI_EXIT_USAGE;
         }
     }
-    for (size_t i = 0; i < n_labels; i++)
+    for (size_t i = 0; i < n_labels; i++) {
+        char why[200], key[BROKER_LABEL_KEY_MAX + 2];
+        const char *eq = strchr(labels[i], '=');
         if (!label_ok(labels[i])) {
             cli_err("bad --label '%s': expected KEY=VALUE", labels[i]);
             return CLI_EXIT_USAGE;
         }
+        /* What `kscore agent label` takes too (a key too long is cut
+         * here, and refused for its length). */
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - labels[i]), labels[i]);
+        if (broker_label_check(key, eq + 1, why, sizeof(why))) {
+            cli_err("bad --label '%s': %s", labels[i], why);
+            return CLI_EXIT_USAGE;
+        }
+    }
     for (size_t i = 0; i < n_urls; i++)
         if (!url_ok(urls[i])) {
             cli_err("bad --nats-url '%s': tls://HOST:PORT (or nats://, or "
@@ -902,14 +924,12 @@ static int
 fleet_list(const char *home, bool json)
 {
     struct stack_identity *ids = NULL;
-    json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
     bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
         cli_err("cannot read %s/identities: %s", home, ks_strerror(rc));
-        json_decref(arr);
         return CLI_EXIT_KSCORE;
     }
     for (size_t i = 0; i < n; i++) {
@@ -950,7 +970,7 @@ fleet_list(const char *home, bool json)
             json_object_set_new(o, "bundle",
                                 bundle[0] ? json_string(bundle) : json_null());
             json_object_set_new(o, "labels", labels);
-            json_array_append_new(arr, o);
+            cli_print_json(o); /* one a line, as every other list */
         } else {
             const char *k;
             json_t *v;
@@ -968,8 +988,6 @@ fleet_list(const char *home, bool json)
         }
     }
     free(ids);
-    if (json)
-        cli_print_json(arr);
     return 0;
 }
 

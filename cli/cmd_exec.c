@@ -15,8 +15,10 @@ static const char exec_usage[] =
     "       kscore exec [OPTIONS] --script FILE [--] [ARG]...\n"
     "Runs CMD on one agent through the broker and exits with its exit code\n"
     "(128+N when killed by signal N, 124 on timeout, 125 when kscore failed\n"
-    "and the command was not accepted, 69 when the outcome is unknown: it\n"
-    "names the command for kscore get; see README \"Exit codes\").\n"
+    "and the command was not accepted, 75 when it was refused because it\n"
+    "could not start within its delivery deadline (busy: nothing recorded,\n"
+    "try again later), 69 when the outcome is unknown: it names the command\n"
+    "for kscore get; see README \"Exit codes\").\n"
     "  --agent ID          target agent (default: the local stack's agent)\n"
     "  --timeout D         SIGTERM to the process group after D (default: "
     "none)\n"
@@ -27,6 +29,8 @@ static const char exec_usage[] =
     "                      never see it (repeatable)\n"
     "  --cwd DIR           working directory (default /)\n"
     "  --deliver-within D  fail as Undeliverable if no agent claims it in D\n"
+    "                      (default 30s); refused at once (exit 75) when it\n"
+    "                      cannot start in D (without it: in 250 ms)\n"
     "  --idempotency-key K a repeat with the same key returns the first "
     "result\n"
     "                      (safe to repeat after exit 69)\n"
@@ -36,8 +40,13 @@ static const char exec_usage[] =
     CLI_PAYLOAD_USAGE
     "  --detach            print the command id and return at once\n"
     "  --json              print one JSON object with the whole result\n"
+    "  -q, --quiet         no notes on stderr about what it waits for\n"
     "Output is printed as the command writes it. Ctrl-C cancels the command\n"
     "(TERM, grace, KILL) and exits 130; a second Ctrl-C stops waiting.\n"
+    "When the agent is offline, or no broker answers, it says so at once on\n"
+    "stderr (\"kscore: agent X is offline ...: waiting up to 30s\"), as ssh\n"
+    "and kubectl print their notes, whatever stderr is; -q leaves them out\n"
+    "(errors are always printed).\n"
     "Stdin is read to its end before the command is sent (when it is not a\n"
     "terminal): use --no-stdin in a loop that reads its own stdin.\n"
     CLI_CONN_USAGE;
@@ -53,6 +62,7 @@ cmd_exec(int argc, char **argv)
         {"idempotency-key", required_argument, 0, 'k'},
         {"detach", no_argument, 0, 'D'},
         {"json", no_argument, 0, 'j'},
+        {"quiet", no_argument, 0, 'q'},
         CLI_CONN_LONGOPTS,
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
@@ -66,13 +76,13 @@ cmd_exec(int argc, char **argv)
     Ks__ExecuteReply *rep = NULL;
     char *agent_from_env = NULL;
     const char *agent = NULL;
-    bool json = false;
+    bool json = false, quiet = false;
     int opt, rc = CLI_EXIT_USAGE;
 
     if (cli_spec_init(&cs, (size_t)argc) != 0)
         return CLI_EXIT_KSCORE;
     optind = 1;
-    while ((opt = getopt_long(argc, argv, "+", lo, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "+q", lo, NULL)) != -1) {
         int taken = cli_spec_opt(&cs, opt, optarg);
         if (!taken)
             taken = cli_payload_opt(&pl, opt, optarg);
@@ -96,6 +106,9 @@ cmd_exec(int argc, char **argv)
             break;
         case 'j':
             json = true;
+            break;
+        case 'q':
+            quiet = true;
             break;
         case 'h':
             fputs(exec_usage, stdout);
@@ -135,6 +148,13 @@ cmd_exec(int argc, char **argv)
         free(env_url);
         goto out;
     }
+    /* A usage error (README "Exit codes": 2), said before any
+     * connection, as the broker would refuse it. */
+    if (!evt_agent_id_valid(agent)) {
+        cli_err("bad agent id '%s' (letters, digits, _ and -, up to %d)",
+                agent, EVT_AGENT_ID_MAX);
+        goto out;
+    }
     req.agent_id = (char *)agent;
     req.spec = sp;
     /* The script and stdin are read whole before anything is sent. */
@@ -149,7 +169,7 @@ cmd_exec(int argc, char **argv)
     }
     struct cli_live lv;
     struct broker_exec_hooks hooks;
-    cli_live_init(&lv, c, !json);
+    cli_live_init(&lv, c, !json, quiet);
     cli_live_hooks(&lv, &hooks);
     if (!req.detach) {
         req.live_output = 1;
@@ -196,7 +216,9 @@ cmd_exec(int argc, char **argv)
                                     json_string(rep->command_id));
             cli_print_json(o);
         }
-        rc = unknown ? CLI_EXIT_UNKNOWN : CLI_EXIT_KSCORE;
+        rc = unknown                            ? CLI_EXIT_UNKNOWN
+             : rep->error_code == KS_EBUSY ? CLI_EXIT_BUSY
+                                           : CLI_EXIT_KSCORE;
         goto out;
     }
     if (req.detach) {
@@ -292,11 +314,15 @@ out:
 /* ---- get / events / cancel ----------------------------------------------- */
 
 /* Parses "ID [--json] [connection flags]" where ID is a command id or a
- * batch id; returns the id, or NULL after printing why (*rc set). */
+ * batch id; returns the id, or NULL after printing why (*rc set). usage:
+ * the --help text; its first line is the usage line that errors quote. */
 static const char *
-parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
+parse_id_args(int argc, char **argv, const char *usage, bool *json,
               struct cli_conn *cc, int *rc)
 {
+    char usage_line[160];
+    snprintf(usage_line, sizeof(usage_line), "%.*s",
+             (int)strcspn(usage, "\n"), usage);
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
                                        CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
@@ -310,7 +336,7 @@ parse_id_args(int argc, char **argv, const char *usage_line, bool *json,
             *json = true;
             break;
         case 'h':
-            printf("%s\n", usage_line);
+            fputs(usage, stdout);
             *rc = 0;
             return NULL;
         default:
@@ -374,6 +400,20 @@ requested_env(struct evt_conn *c, const char *command_id,
     return env;
 }
 
+static const char get_usage[] =
+    "usage: kscore get ID [--json]\n"
+    "ID is a command id (a UUID) or a batch id (batch-<uuid>).\n"
+    "A command: its state, argv, environment, who asked it, why it ended\n"
+    "so, its exit code or signal, duration, output and late reports. A\n"
+    "batch: each target's outcome and output, grouped as kscore batch\n"
+    "prints them, and the summary.\n"
+    "  --json   one object: a command's whole result; a batch with its\n"
+    "           targets and exit_code, the code kscore batch exits with\n"
+    "           (null while the batch runs)\n"
+    "Exit 0 whatever the command or batch did, 125 kscore failed\n"
+    "(unreachable, not found, denied), 2 usage.\n"
+    CLI_CONN_USAGE;
+
 int
 cmd_get(int argc, char **argv)
 {
@@ -383,8 +423,7 @@ cmd_get(int argc, char **argv)
     Ks__GetReply *rep = NULL;
     bool json = false;
     int rc;
-    const char *id = parse_id_args(argc, argv, "usage: kscore get ID [--json]",
-                                   &json, &cc, &rc);
+    const char *id = parse_id_args(argc, argv, get_usage, &json, &cc, &rc);
     if (!id)
         return rc;
     if ((rc = cli_connect(&cc, &c)))
@@ -464,7 +503,7 @@ cmd_get(int argc, char **argv)
                v->command_id, v->agent_id, kproto_status_name(v->status));
         size_t need = 1;
         for (size_t i = 0; i < v->n_argv; i++)
-            need += 4 * strlen(v->argv[i]) + 3; /* every byte a quote */
+            need += 4 * strlen(v->argv[i]) + 4; /* cli_shell_join */
         char *a = malloc(need);
         if (a) {
             cli_shell_join(v->argv, v->n_argv, a, need);
@@ -541,10 +580,11 @@ out:
 static int
 is_terminal_event(const char *type)
 {
+    /* The ends of store/machine.c's state machine, and a batch's. */
     static const char *const t[] = {
         "CommandCompleted",     "CommandStartFailed", "CommandCancelled",
-        "CommandUndeliverable", "CommandLost",        "CommandRejected",
-        "BatchCompleted"};
+        "CommandUndeliverable", "CommandLost",        "CommandNotStarted",
+        "CommandRejected",      "BatchCompleted",     "BatchCancelled"};
     for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
         if (strcmp(type, t[i]) == 0)
             return 1;
@@ -564,6 +604,10 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
            cli_time(e->recorded_at_us), e->event->agent_id);
     if (e->event->result)
         printf("  %s", kproto_status_name(e->event->result->status));
+    if (e->event->wave)
+        printf("  wave %u", e->event->wave);
+    if (e->event->rerun_batch_id[0])
+        printf("  %s", e->event->rerun_batch_id);
     if (e->event->reason[0] && strcmp(e->event->type, "CommandRequested") != 0)
         printf("  (%s)", e->event->reason);
     if (e->event->command && e->event->command->spec)
@@ -576,26 +620,79 @@ print_event(const Ks__RecordedEvent *e, bool json, bool all)
 }
 
 static const char events_usage[] =
-    "usage: kscore events ID [--json]\n"
-    "       kscore events --follow [ID] [--json]\n"
-    "ID is a command id, or a stream id (command-<uuid>, batch-<uuid>).\n"
-    "--follow prints events as they are recorded: for one stream until its\n"
-    "terminal event, for all streams (no ID) until interrupted.\n";
+    "usage: kscore events ID [--follow] [--json]\n"
+    "       kscore events --follow [--since T | --from-start] [--json]\n"
+    "       kscore events --since T | --from-start [--json]\n"
+    "ID is a command id, or a stream id: command-<uuid>, batch-<uuid>,\n"
+    "operator-<name> (that operator's refusals, RequestDenied) or\n"
+    "agent-<id> (what that agent reported about no command of its own, and\n"
+    "its relabels) or pool-<pool> (a pool's relabels).\n"
+    "With a policy, an operator reads its own stream, and others' with a\n"
+    "\"read\" rule on agents \"*\" (an agent's: a \"read\" rule matching it).\n"
+    "  --follow       print events as they are recorded: one stream from its\n"
+    "                 first event until its end (a command's or a batch's\n"
+    "                 terminal event; an operator's or an agent's stream\n"
+    "                 until interrupted); every stream (no ID) from now on,\n"
+    "                 until interrupted\n"
+    "  --since T      every stream, from the first event recorded at or\n"
+    "                 after T: a duration back from now (90s, 1h, `2h ago`)\n"
+    "                 or an RFC 3339 time or date (as kscore list)\n"
+    "  --from-start   every stream, from the first event ever recorded\n"
+    "Without --follow, --since and --from-start print what is recorded up\n"
+    "to now and exit.\n"
+    "Exit 0; 125 kscore failed (unreachable, denied, no events for a\n"
+    "command or batch id); 2 usage.\n"
+    CLI_CONN_USAGE;
+
+/* The stream an `events` ID names, into stream (len bytes). 0, or -1
+ * after saying why. */
+static int
+events_stream_of(const char *id, char *stream, size_t len)
+{
+    bool ok;
+    if (ks_is_uuid(id)) {
+        snprintf(stream, len, "command-%s", id);
+        return 0;
+    }
+    if (strncmp(id, "command-", 8) == 0)
+        ok = ks_is_uuid(id + 8);
+    else if (strncmp(id, "batch-", 6) == 0)
+        ok = ks_is_uuid(id + 6);
+    else if (strncmp(id, "operator-", 9) == 0)
+        ok = evt_identity_valid(id + 9);
+    else if (strncmp(id, "agent-", 6) == 0)
+        ok = evt_agent_id_valid(id + 6);
+    else if (strncmp(id, "pool-", 5) == 0)
+        ok = evt_agent_id_valid(id + 5);
+    else
+        ok = false;
+    if (!ok || strlen(id) >= len) {
+        cli_err("'%s' is not a command id nor a stream id (command-<uuid>, "
+                "batch-<uuid>, operator-<name>, agent-<id>, pool-<pool>)",
+                id);
+        return -1;
+    }
+    snprintf(stream, len, "%s", id);
+    return 0;
+}
 
 int
 cmd_events(int argc, char **argv)
 {
     static const struct option lo[] = {{"json", no_argument, 0, 'j'},
                                        {"follow", no_argument, 0, 'f'},
+                                       {"since", required_argument, 0, 'S'},
+                                       {"from-start", no_argument, 0, 'B'},
                                        CLI_CONN_LONGOPTS,
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
     struct cli_conn cc = {0};
     struct evt_conn *c = NULL;
     Ks__EventsRequest req = KS__EVENTS_REQUEST__INIT;
-    char stream[128] = "";
-    bool json = false, follow = false, done = false;
-    const char *id = NULL;
+    char stream[EVT_AGENT_ID_MAX + 16] = "";
+    bool json = false, follow = false, from_start = false, done = false;
+    const char *id = NULL, *since = NULL;
+    int64_t since_us = 0;
     int opt, rc, total = 0;
 
     optind = 1;
@@ -606,6 +703,19 @@ cmd_events(int argc, char **argv)
             break;
         case 'f':
             follow = true;
+            break;
+        case 'S':
+            since = optarg;
+            if (cli_parse_time(optarg, ks_now_us(), &since_us) != 0 ||
+                since_us <= 0) {
+                cli_err("bad --since '%s': a duration back from now (90s, "
+                        "1h, `2h ago`) or an RFC 3339 time or date",
+                        optarg);
+                return CLI_EXIT_USAGE;
+            }
+            break;
+        case 'B':
+            from_start = true;
             break;
         case 'h':
             fputs(events_usage, stdout);
@@ -619,26 +729,35 @@ cmd_events(int argc, char **argv)
     }
     if (optind < argc)
         id = argv[optind++];
-    if (optind != argc || (!id && !follow)) {
-        cli_err("expected one id: kscore events ID [--json] (or --follow)");
+    if (optind != argc) {
+        cli_err("expected one id: kscore events ID (see kscore events "
+                "--help)");
         return CLI_EXIT_USAGE;
     }
-    if (id) {
-        if (ks_is_uuid(id))
-            snprintf(stream, sizeof(stream), "command-%s", id);
-        else if ((strncmp(id, "command-", 8) == 0 ||
-                  strncmp(id, "batch-", 6) == 0) &&
-                 strlen(id) < sizeof(stream))
-            snprintf(stream, sizeof(stream), "%s", id);
-        else {
-            cli_err("'%s' is not a command id, nor a stream id", id);
-            return CLI_EXIT_USAGE;
-        }
+    if (id && (since || from_start)) {
+        cli_err("--since and --from-start read every stream: give no ID "
+                "(one stream is read from its first event)");
+        return CLI_EXIT_USAGE;
     }
+    if (since && from_start) {
+        cli_err("--since and --from-start are two starts: give one");
+        return CLI_EXIT_USAGE;
+    }
+    if (!id && !follow && !since && !from_start) {
+        cli_err("expected an id, --follow, --since T or --from-start (see "
+                "kscore events --help)");
+        return CLI_EXIT_USAGE;
+    }
+    if (id && events_stream_of(id, stream, sizeof(stream)) != 0)
+        return CLI_EXIT_USAGE;
     if ((rc = cli_connect(&cc, &c)))
         return rc;
     req.stream_id = stream;
     req.wait_ms = follow ? 5000 : 0;
+    /* Every stream: from now on unless told otherwise, so that following
+     * a long record does not print all of it first. */
+    req.start_now = !id && !since && !from_start;
+    req.start_at_us = since ? since_us : 0;
     while (!done) {
         Ks__EventsReply *rep = NULL;
         rc = broker_call(c, follow ? EVT_API_FOLLOW : EVT_API_EVENTS,
@@ -674,10 +793,17 @@ cmd_events(int argc, char **argv)
         }
     }
     evt_close(c);
-    if (total == 0) {
+    /* A command or a batch without events does not exist (or may not be
+     * read); an operator's or an agent's stream is empty until something
+     * is recorded there, and every stream may be quiet. */
+    if (total == 0 && id &&
+        (strncmp(stream, "command-", 8) == 0 ||
+         strncmp(stream, "batch-", 6) == 0)) {
         cli_err("no events for %s", id);
         return CLI_EXIT_KSCORE;
     }
+    if (total == 0 && id)
+        cli_err("no events recorded on %s", stream);
     return 0;
 }
 
@@ -693,9 +819,14 @@ cmd_cancel(int argc, char **argv)
     const char *id = parse_id_args(
         argc, argv,
         "usage: kscore cancel ID [--json]   (a command id, or batch-<uuid>)\n"
+        "Before an agent claims it, a command ends Cancelled; a running one\n"
+        "gets TERM, grace, KILL on its agent; a batch starts no more\n"
+        "targets and cancels its running ones.\n"
+        "  --json   one object: id, outcome (cancelled, requested, ended),\n"
+        "           status\n"
         "Exit: 0 cancelled or cancel requested, 1 it had already ended "
         "(nothing done),\n125 kscore failed (unreachable, not found, "
-        "denied), 2 usage.",
+        "denied), 2 usage.\n" CLI_CONN_USAGE,
         &json, &cc, &rc);
     if (!id)
         return rc;

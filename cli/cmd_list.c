@@ -21,8 +21,10 @@ static const char list_usage[] =
     "  --status S        any of: Pending, Dispatched, Running, Succeeded,\n"
     "                    Failed, TimedOut, StartFailed, Cancelled,\n"
     "                    Undeliverable, Lost, NotStarted; batches: Running,\n"
-    "                    Completed, Cancelled (case does not matter; `open`\n"
-    "                    means Pending,Dispatched,Running)\n"
+    "                    Succeeded, PartialFailure, Failed, Cancelled, and\n"
+    "                    Completed for any that ended but Cancelled (case\n"
+    "                    does not matter; `open` means\n"
+    "                    Pending,Dispatched,Running)\n"
     "  --since T, --until T   requested at or after T / before T: a duration\n"
     "                    back from now (90s, 1h, `2h ago`) or an RFC 3339\n"
     "                    time (2026-12-01T08:00:00Z, +01:00 offsets,\n"
@@ -35,6 +37,7 @@ static const char *const known_status[] = {
     "Pending",   "Dispatched",  "Running",   "Succeeded",
     "Failed",    "TimedOut",    "StartFailed", "Cancelled",
     "Undeliverable", "Lost",    "NotStarted", "Completed",
+    "PartialFailure",
 };
 #define N_KNOWN (sizeof(known_status) / sizeof(known_status[0]))
 
@@ -186,7 +189,7 @@ print_item(const Ks__ListItem *it)
     cli_printable(cmd); /* another operator's argv, maybe */
     /* Seconds are enough on a line; --json has microseconds. */
     snprintf(when, sizeof(when), "%.19sZ", cli_time(it->requested_at_us));
-    printf("%-42s %-16s %-12s %-13s %-10s %-20s %s\n", it->id,
+    printf("%-42s %-16s %-12s %-14s %-10s %-20s %s\n", it->id,
            it->is_batch ? "-" : it->agent_id, it->operator_, it->status,
            outcome, when, cmd);
 }
@@ -234,6 +237,12 @@ cmd_list(int argc, char **argv)
                  t = strtok_r(NULL, ",", &save)) {
                 if (n_agents >= 64) {
                     cli_err("at most 64 agents for --agent");
+                    return CLI_EXIT_USAGE;
+                }
+                if (!evt_agent_id_valid(t)) {
+                    cli_err("bad agent id '%s' for --agent (letters, digits, "
+                            "_ and -, up to %d)",
+                            t, EVT_AGENT_ID_MAX);
                     return CLI_EXIT_USAGE;
                 }
                 agents[n_agents++] = t;
@@ -311,7 +320,7 @@ cmd_list(int argc, char **argv)
             goto out;
         }
         if (!json && !header) {
-            printf("%-42s %-16s %-12s %-13s %-10s %-20s %s\n", "ID", "AGENT",
+            printf("%-42s %-16s %-12s %-14s %-10s %-20s %s\n", "ID", "AGENT",
                    "OPERATOR", "STATUS", "OUTCOME", "REQUESTED", "COMMAND");
             header = true;
         }

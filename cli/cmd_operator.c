@@ -170,13 +170,12 @@ static int
 op_list(const char *home, bool all, bool json)
 {
     struct stack_identity *ids = NULL;
-    json_t *arr = json ? json_array() : NULL;
     size_t n = 0;
+    bool header = false;
     int rc = stack_ident_list(home, &ids, &n);
 
     if (rc) {
         cli_err("cannot read %s/identities: %s", home, ks_strerror(rc));
-        json_decref(arr);
         return CLI_EXIT_KSCORE;
     }
     for (size_t i = 0; i < n; i++) {
@@ -189,6 +188,7 @@ op_list(const char *home, bool all, bool json)
          * handed over and deleted). */
         bool here = access(seed, F_OK) == 0;
         if (json) {
+            /* One object a line, as every other list (list, agents). */
             json_t *o = json_object();
             json_object_set_new(o, "name", json_string(ids[i].name));
             json_object_set_new(o, "kind",
@@ -196,16 +196,18 @@ op_list(const char *home, bool all, bool json)
             json_object_set_new(o, "nkey", json_string(ids[i].nkey));
             json_object_set_new(o, "seed_file",
                                 here ? json_string(seed) : json_null());
-            json_array_append_new(arr, o);
+            cli_print_json(o);
         } else {
+            if (!header)
+                printf("%-24s %-8s %-56s %s\n", "NAME", "KIND", "NKEY",
+                       "SEED FILE");
+            header = true;
             printf("%-24s %-8s %s %s\n", ids[i].name,
                    stack_kind_name(ids[i].kind), ids[i].nkey,
                    here ? seed : "-");
         }
     }
     free(ids);
-    if (json)
-        cli_print_json(arr);
     return 0;
 }
 

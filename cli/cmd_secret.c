@@ -22,23 +22,12 @@
 
 #include "cli_int.h"
 
-static bool
-env_name_ok(const char *n)
-{
-    bool ok = (n[0] >= 'A' && n[0] <= 'Z') || (n[0] >= 'a' && n[0] <= 'z') ||
-              n[0] == '_';
-    for (const char *c = n; ok && *c; c++)
-        ok = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
-             (*c >= '0' && *c <= '9') || *c == '_';
-    return ok && strlen(n) <= 256 && strncmp(n, "KSCORE_", 7) != 0;
-}
-
 int
 cli_secret_opt(struct cli_secrets *s, const char *name)
 {
     const char *v;
 
-    if (!env_name_ok(name)) {
+    if (!broker_env_name_ok(name)) {
         cli_err("bad --secret-env '%s': a variable name (letters, digits "
                 "and _, not starting with a digit, not KSCORE_*)",
                 name);

@@ -227,23 +227,6 @@ write_env(const char *home, const char *url, const char *db,
     return 0;
 }
 
-/* How long ago, short: "0.4s", "3m", "2h", "5d". */
-static void
-ago_text(char *buf, size_t len, int64_t us)
-{
-    double s = (double)us / 1e6;
-    if (us < 0)
-        s = 0;
-    if (s < 60)
-        snprintf(buf, len, "%.1fs ago", s);
-    else if (s < 3600)
-        snprintf(buf, len, "%.0fm ago", s / 60);
-    else if (s < 86400)
-        snprintf(buf, len, "%.0fh ago", s / 3600);
-    else
-        snprintf(buf, len, "%.0fd ago", s / 86400);
-}
-
 /*
  * The agents the broker knows (the registry, through the agents API):
  * local or on other hosts, online or not. Into o["agents"] (an array) or,
@@ -343,7 +326,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         if (!json) {
             char ago[32], run[32], lab[512] = "";
             size_t used = 0;
-            ago_text(ago, sizeof(ago), now - st->last_seen_us);
+            cli_ago(ago, sizeof(ago), now - st->last_seen_us);
             snprintf(run, sizeof(run), "%u/%u", in->running,
                      in->max_concurrent);
             for (size_t k = 0; k < in->n_labels && used < sizeof(lab); k++)
@@ -542,30 +525,93 @@ metric_on(const char *body, const char *name)
     return false;
 }
 
+/* A stall line of the broker's log is current for this long: the broker
+ * repeats it every 10 s while the stall lasts (broker/recorder.c). */
+#define STALL_LINE_FRESH_S 25
+
 /*
- * The recorder's state, from the broker's own metrics (the cheap path:
- * `kscore up --metrics` wrote KSCORE_BROKER_METRICS_URL): "recording", or
- * why it holds events unrecorded (kscore_recorder_stalled{cause}). NULL
- * when the broker serves no metrics or does not answer in 1 s.
+ * The recorder's last word in the broker's log (<home>/broker.log, logfmt):
+ * when its last state line ("cannot record; ...", "recorder still
+ * stalled", "recording again") says it is stalled and is fresh, the
+ * cause it names (its error= value, which names the SQLSTATE and the
+ * server's message) into buf; else "". Reads the last 256 KiB.
+ */
+static void
+recorder_stall_in_log(const char *home, char *buf, size_t len)
+{
+    char path[PATH_MAX + 16], *text = NULL, *last = NULL;
+    buf[0] = '\0';
+    snprintf(path, sizeof(path), "%s/broker.log", home);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return;
+    long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    long from = size > 256 * 1024 ? size - 256 * 1024 : 0;
+    if (size > 0 && fseek(f, from, SEEK_SET) == 0 &&
+        (text = calloc(1, (size_t)(size - from) + 1)))
+        fread(text, 1, (size_t)(size - from), f);
+    fclose(f);
+    for (char *p = text, *nl; p && *p; p = nl ? nl + 1 : NULL) {
+        nl = strchr(p, '\n');
+        if (nl)
+            *nl = '\0';
+        if (strstr(p, "module=recorder") &&
+            (strstr(p, "msg=\"cannot record;") ||
+             strstr(p, "msg=\"recorder still stalled") ||
+             strstr(p, "msg=\"recording again\"")))
+            last = p;
+    }
+    struct tm tm = {0};
+    const char *t = last ? strstr(last, "time=") : NULL;
+    const char *e = last ? strstr(last, " error=\"") : NULL;
+    if (last && !strstr(last, "recording again") && t && e &&
+        strptime(t + 5, "%Y-%m-%dT%H:%M:%S", &tm) &&
+        time(NULL) - timegm(&tm) <= STALL_LINE_FRESH_S) {
+        e += 8;
+        size_t n = strcspn(e, "\"");
+        snprintf(buf, len, "%.*s", (int)(n < 400 ? n : 400), e);
+    }
+    free(text);
+}
+
+/*
+ * The recorder's state: from the broker's own metrics (the cheap path:
+ * `kscore up --metrics` wrote KSCORE_BROKER_METRICS_URL), "recording", or
+ * why it holds events unrecorded (kscore_recorder_stalled{cause}), with
+ * the cause as its log names it (the SQLSTATE and the server's words);
+ * without metrics, from the log alone (NULL when it says nothing fresh).
+ * The returned string is in buf (len bytes) or static. NULL when the
+ * broker serves no metrics (or does not answer in 1 s) and its log names
+ * no stall.
  */
 static const char *
-recorder_state(void)
+recorder_state(const char *home, char *buf, size_t len)
 {
     char *url = cli_env_get("KSCORE_BROKER_METRICS_URL");
     const char *colon = url ? strrchr(url, ':') : NULL, *st = NULL;
-    char *body = NULL;
+    char *body = NULL, cause[448], token[EVT_TOKEN_MAX + 1] = "", path[4200];
     int port = colon ? atoi(colon + 1) : 0;
 
-    if (port > 0 && stack_http_get(port, "/metrics", 1000, &body) == 0 &&
+    recorder_stall_in_log(home, cause, sizeof(cause));
+    snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, cli_home());
+    if (evt_token_file_read(path, token, sizeof(token), NULL) != 0)
+        token[0] = '\0';
+    if (port > 0 &&
+        stack_http_get_auth(port, "/metrics", token, 1000, &body) == 0 &&
         body) {
         if (metric_on(body, "kscore_recorder_stalled{cause=\"refuses_writes\"}"))
-            st = "stalled: PostgreSQL refuses writes (the broker's log "
-                 "names the SQLSTATE)";
+            st = "stalled: PostgreSQL refuses writes";
         else if (metric_on(body,
                            "kscore_recorder_stalled{cause=\"unreachable\"}"))
             st = "stalled: PostgreSQL unreachable";
         else
             st = "recording";
+    } else if (cause[0]) {
+        st = "stalled";
+    }
+    if (st && strcmp(st, "recording") != 0 && cause[0]) {
+        snprintf(buf, len, "stalled: %s", cause);
+        st = buf;
     }
     free(body);
     free(url);
@@ -609,7 +655,7 @@ print_status(bool json, struct cli_conn *cc)
         int alive = part_alive(home, name, &pid);
         bool node = strncmp(name, "nats-", 5) == 0;
         bool broker = strncmp(name, "broker", 6) == 0;
-        char naddr[64] = "", extra[256] = "";
+        char naddr[64] = "", extra[768] = "";
         const char *addr = strcmp(name, "nats") == 0    ? url
                            : strcmp(name, "pg") == 0    ? db
                            : strcmp(name, "agent") == 0 ? agent
@@ -621,10 +667,11 @@ print_status(bool json, struct cli_conn *cc)
         json_object_set_new(p, "pid", alive ? json_integer(pid) : json_null());
         if (node) {
             /* A node: its port, its name and its JetStream role (leader
-             * or follower of the meta group), from its monitoring port. */
+             * or follower of the meta group), from its monitoring
+             * (stack_nats_monitor). */
             const struct stack_node *nd = &nodes[atoi(name + 5) - 1];
             struct stack_js_info ji;
-            bool have = alive && stack_nats_js_info(nd->mon_port, &ji) == 0;
+            bool have = alive && stack_nats_js_info(nd, &ji) == 0;
             long rss = alive ? stack_rss_kb(pid) : -1;
             snprintf(naddr, sizeof(naddr), "nats://127.0.0.1:%d", nd->port);
             addr = naddr;
@@ -632,8 +679,6 @@ print_status(bool json, struct cli_conn *cc)
             json_object_set_new(p, "port", json_integer(nd->port));
             json_object_set_new(p, "route_port",
                                 json_integer(nd->route_port));
-            json_object_set_new(p, "monitor_port",
-                                json_integer(nd->mon_port));
             json_object_set_new(p, "server_name",
                                 have ? json_string(ji.server_name)
                                      : json_null());
@@ -659,7 +704,11 @@ print_status(bool json, struct cli_conn *cc)
             if (rss >= 0)
                 snprintf(extra, sizeof(extra), "rss %ld MiB", rss / 1024);
             /* The recorder: results held unrecorded show here at once. */
-            const char *rec = alive && !cluster ? recorder_state() : NULL;
+            char recbuf[512];
+            const char *rec = alive && !cluster
+                                  ? recorder_state(home, recbuf,
+                                                   sizeof(recbuf))
+                                  : NULL;
             json_object_set_new(p, "recorder",
                                 rec ? json_string(rec) : json_null());
             if (rec) {
@@ -713,17 +762,16 @@ print_status(bool json, struct cli_conn *cc)
     if (cluster) {
         for (unsigned i = 0; i < cluster; i++) {
             unsigned p1 = 0;
-            if (nodes[i].running && stack_js_parts(nodes[i].mon_port, &p1) == 0) {
+            if (nodes[i].running && stack_js_parts(&nodes[i], &p1) == 0) {
                 present |= p1;
                 asked = true;
             }
         }
     } else if (stack_pidfile_alive(home, "nats", NULL) == 1) {
-        char *mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
-        const char *colon = mon ? strrchr(mon, ':') : NULL;
-        if (colon && stack_js_parts(atoi(colon + 1), &present) == 0)
+        struct stack_node nd;
+        if (stack_single_node(home, &nd) == 0 &&
+            stack_js_parts(&nd, &present) == 0)
             asked = true;
-        free(mon);
     }
     bool js_ok = true;
     json_t *jmissing = json_array();
@@ -1115,15 +1163,28 @@ cmd_up(int argc, char **argv)
             refused = true;
         }
         free(run_bm);
+        {
+            /* Started by an older kscore: an HTTP monitoring port and
+             * metrics that any local user may read, until it starts
+             * again (this `up` then closes them). */
+            char conf[4300];
+            snprintf(conf, sizeof(conf), "%s/%s/nats.conf", home,
+                     cluster ? "nats-1" : ".");
+            char *text = slurp_small(conf);
+            if (text && strstr(text, "\nhttp:"))
+                fprintf(stderr,
+                        "kscore: it runs with an HTTP monitoring port (and "
+                        "metrics without a token) that any local user may "
+                        "read: `kscore down` and `kscore up` close them\n");
+            free(text);
+        }
         print_status(json, &(struct cli_conn){0});
         return refused ? CLI_EXIT_KSCORE : 0;
     }
     if (!local_agents_given)
         local_agents = prev_n;
-    /* Addresses of a stack that runs on keep it: the monitoring port of
-     * nats-server and, with --metrics (once given, kept), those of the
-     * broker and the agent. */
-    char *prev_mon = cli_env_get("KSCORE_NATS_MONITOR_URL");
+    /* Addresses of a stack that runs on keep it: with --metrics (once
+     * given, kept), those of the broker and the agent. */
     char *prev_bm = cli_env_get("KSCORE_BROKER_METRICS_URL");
     char *prev_am = cli_env_get("KSCORE_AGENT_METRICS_URL");
     metrics = metrics || (prev_bm && prev_bm[0]);
@@ -1139,6 +1200,17 @@ cmd_up(int argc, char **argv)
     snprintf(keydir, sizeof(keydir), "%s/keys", home);
     snprintf(signing_key, sizeof(signing_key), "%s/broker.key", keydir);
     snprintf(trust_key, sizeof(trust_key), "%s/broker.pub", keydir);
+    /* The metrics are the stack owner's: a port on loopback is open to
+     * every local user, so a scrape needs this token (made once, kept). */
+    char metrics_token[4300];
+    snprintf(metrics_token, sizeof(metrics_token), "%s/" STACK_METRICS_TOKEN,
+             keydir);
+    if (metrics && access(metrics_token, R_OK) != 0 &&
+        ((rc = stack_mkdirs(keydir, 0700)) ||
+         (rc = evt_token_file_make(metrics_token)))) {
+        cli_err("cannot make %s: %s", metrics_token, ks_strerror(rc));
+        return CLI_EXIT_KSCORE;
+    }
     if (access(signing_key, R_OK) != 0) {
         if ((rc = stack_mkdirs(keydir, 0700)) ||
             (rc = evt_keygen(signing_key, trust_key))) {
@@ -1169,6 +1241,7 @@ cmd_up(int argc, char **argv)
     snprintf(authp, sizeof(authp), "%s/" STACK_NATS_AUTH_FILE, home);
     auth_before = slurp_small(authp);
     if ((rc = stack_ident_ensure(home, STACK_BROKER, "broker", &sid)) ||
+        (rc = stack_ident_ensure(home, STACK_SYSTEM, "system", &sid)) ||
         (rc = stack_ident_ensure(home, STACK_AGENT, agent_user, &sid)) ||
         (rc = stack_ident_ensure(home, STACK_OPERATOR, operator_name, &sid)) ||
         (rc = stack_ident_seed_path(home, STACK_BROKER, "broker", broker_seed,
@@ -1186,6 +1259,10 @@ cmd_up(int argc, char **argv)
     auth_after = slurp_small(authp);
     bool auth_changed = !auth_before || !auth_after ||
                         strcmp(auth_before, auth_after) != 0;
+    /* A nats-server started by an older kscore has no system account (a
+     * reload cannot add one) and an HTTP monitoring port that any local
+     * user may read: it starts again, on its port. */
+    bool nats_stale = auth_before && !strstr(auth_before, "system_account");
     free(auth_before);
     free(auth_after);
 
@@ -1214,6 +1291,10 @@ cmd_up(int argc, char **argv)
         int64_t t0 = ks_mono_us();
         stack_cluster_nodes(home, cluster, nodes);
         for (unsigned i = 0; i < cluster; i++) {
+            if (nodes[i].running && nats_stale) {
+                stack_nats_stop(nodes[i].dir);
+                nodes[i].running = false;
+            }
             down += !nodes[i].running;
             if (nodes[i].running && auth_changed &&
                 stack_nats_auth_write(nodes[i].dir, home) == 0)
@@ -1251,10 +1332,6 @@ cmd_up(int argc, char **argv)
                     leader, (double)(ks_mono_us() - t0) / 1e6);
         if ((rc = stack_cluster_urls(nodes, cluster, &url)))
             goto fail;
-        free(prev_mon);
-        if (asprintf(&prev_mon, "http://127.0.0.1:%d", nodes[0].mon_port) <
-            0)
-            prev_mon = NULL;
         if (down == cluster)
             since_us = ks_now_us();
     } else if (port <= 0) {
@@ -1263,6 +1340,12 @@ cmd_up(int argc, char **argv)
         const char *colon = old ? strrchr(old, ':') : NULL;
         port = colon ? atoi(colon + 1) : 0;
         free(old);
+    }
+    if (!cluster && nats_up && port > 0 && nats_stale) {
+        fprintf(stderr, "kscore: restarting nats-server (no system account, "
+                        "an HTTP monitoring port)\n");
+        stack_nats_stop(home);
+        nats_up = false;
     }
     if (cluster) {
         /* started above */
@@ -1297,24 +1380,13 @@ cmd_up(int argc, char **argv)
                 stack_stop(home, "agent", 20000);
             broker_up = agent_up = false;
         }
-        /* nats-server's monitoring endpoint (/varz, /jsz, ...) on
-         * loopback: what a Prometheus NATS exporter scrapes. */
-        char nats_extra[512];
-        int mon_port = metrics_port(prev_mon);
-        free(prev_mon);
-        prev_mon = NULL;
-        snprintf(nats_extra, sizeof(nats_extra), "%s",
-                 STACK_NATS_AUTH_INCLUDE);
-        if (mon_port > 0) {
-            snprintf(nats_extra, sizeof(nats_extra),
-                     "%shttp: \"127.0.0.1:%d\"\n", STACK_NATS_AUTH_INCLUDE,
-                     mon_port);
-            if (asprintf(&prev_mon, "http://127.0.0.1:%d", mon_port) < 0)
-                prev_mon = NULL;
-        }
+        /* No HTTP monitoring port: nats-server 2.9 asks no credential
+         * there (server.go startMonitoring) and /connz lists every user;
+         * the stack asks its monitoring over NATS as the system user
+         * (stack_nats_monitor). */
         fprintf(stderr, "kscore: starting nats-server ...\n");
-        rc = stack_nats_start_at(home, ul.host, port, ul.tls_conf, nats_extra,
-                                 &url, &pid);
+        rc = stack_nats_start_at(home, ul.host, port, ul.tls_conf,
+                                 STACK_NATS_AUTH_INCLUDE, &url, &pid);
         if (rc) {
             cli_err("cannot start nats-server: %s (see %s/nats.log)",
                     ks_strerror(rc), home);
@@ -1385,6 +1457,8 @@ cmd_up(int argc, char **argv)
                 snprintf(bmetrics, sizeof(bmetrics), "127.0.0.1:%d", bp);
                 bargv[14] = "--metrics-listen";
                 bargv[15] = bmetrics;
+                bargv[16] = "--metrics-token-file";
+                bargv[17] = metrics_token;
             }
         }
         if (cluster) {
@@ -1442,6 +1516,7 @@ cmd_up(int argc, char **argv)
                          agent_state, "--trust-key", trust_key,
                          "--config",  "/dev/null",  NULL,        NULL,
                          NULL,        NULL,         NULL,        NULL,
+                         NULL,        NULL,         NULL,        NULL,
                          NULL,        NULL,         NULL};
         if (metrics) {
             int ap = metrics_port(prev_am);
@@ -1449,6 +1524,8 @@ cmd_up(int argc, char **argv)
                 snprintf(ametrics, sizeof(ametrics), "127.0.0.1:%d", ap);
                 aargv[12] = "--metrics-listen";
                 aargv[13] = ametrics;
+                aargv[14] = "--metrics-token-file";
+                aargv[15] = metrics_token;
             }
         }
         cli_listen_args(aargv, &ul, 1);
@@ -1471,9 +1548,6 @@ cmd_up(int argc, char **argv)
     }
     {
         size_t el = 0;
-        if (prev_mon && prev_mon[0])
-            el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
-                                   "KSCORE_NATS_MONITOR_URL='%s'\n", prev_mon);
         if (bmetrics[0])
             el += (size_t)snprintf(env_extra + el, sizeof(env_extra) - el,
                                    "KSCORE_BROKER_METRICS_URL='http://%s/metrics'\n",
@@ -1503,7 +1577,6 @@ cmd_up(int argc, char **argv)
     fprintf(stderr, "kscore: the local stack is up in %s\n", home);
     free(url);
     free(db);
-    free(prev_mon);
     free(prev_bm);
     free(prev_am);
     free(ul.tls_conf);
@@ -1513,7 +1586,6 @@ fail:
     free(url);
     free(db);
     free(ul.tls_conf);
-    free(prev_mon);
     free(prev_bm);
     free(prev_am);
     return CLI_EXIT_KSCORE;
@@ -1581,11 +1653,13 @@ cmd_down(int argc, char **argv)
 /* ---- services ------------------------------------------------------------ */
 
 /* The flags broker and agent share: --config, --log-format, --log-level,
- * --show-config, --metrics-listen. */
+ * --show-config, --metrics-listen, --metrics-token-file. */
 struct svc_flags {
     const char *config, *log_format, *log_level, *metrics_listen;
+    const char *metrics_token_file;
     bool show;
 };
+#define SVC_OPT_METRICS_TOKEN 1000
 
 /* true when opt is one of them (and taken). */
 static bool
@@ -1607,6 +1681,9 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
     case 'M':
         f->metrics_listen = arg;
         return true;
+    case SVC_OPT_METRICS_TOKEN:
+        f->metrics_token_file = arg;
+        return true;
     default:
         return false;
     }
@@ -1616,18 +1693,38 @@ svc_opt(struct svc_flags *f, int opt, const char *arg)
  * SIGTERM first, so the server's thread never takes them). 0, or an exit
  * code after saying why. */
 static int
-metrics_start(const char *who, const char *listen, unsigned roles,
+metrics_start(const char *who, const struct svc_flags *sf, unsigned roles,
               struct cli_metrics_server **ms)
 {
+    const char *listen = sf->metrics_listen;
     char *errmsg = NULL;
-    int rc = cli_metrics_serve(listen, roles, ms, &errmsg);
+    int rc = cli_metrics_serve_auth(listen, roles, sf->metrics_token_file,
+                                    ms, &errmsg);
     if (rc) {
         cli_err("%s: %s", who, errmsg ? errmsg : ks_strerror(rc));
         free(errmsg);
         return rc == KS_EINVAL ? CLI_EXIT_USAGE : CLI_EXIT_KSCORE;
     }
     ks_log(KS_LOG_INFO, "metrics", KS_S("listen", listen),
-           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"));
+           KS_I("port", cli_metrics_port(*ms)), KS_S("path", "/metrics"),
+           KS_S("auth", sf->metrics_token_file &&
+                                sf->metrics_token_file[0]
+                            ? "bearer token"
+                            : "none"));
+    return 0;
+}
+
+/* --drain-timeout D of `kscore broker` and `kscore agent` (NULL: the
+ * default, AGENT_DRAIN_TIMEOUT_MS) into *ms. 0, or CLI_EXIT_USAGE after
+ * saying why. */
+static int
+drain_timeout(const char *d, uint64_t *ms)
+{
+    *ms = AGENT_DRAIN_TIMEOUT_MS;
+    if (d && cli_parse_duration(d, ms)) {
+        cli_err("bad --drain-timeout '%s' (a duration: 30s, 2m, 0)", d);
+        return CLI_EXIT_USAGE;
+    }
     return 0;
 }
 
@@ -1646,14 +1743,17 @@ cmd_broker(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"metrics-token-file", required_argument, 0, SVC_OPT_METRICS_TOKEN},
         {"require-signed-labels", no_argument, 0, 'G'},
         {"allow-unsigned-labels", no_argument, 0, 'U'},
         {"replicas", required_argument, 0, 'R'},
+        {"drain-timeout", required_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct broker_opts o = {0};
     const char *require_signed = NULL;
-    const char *replicas = NULL;
+    const char *replicas = NULL, *drain = NULL;
+    const char *copy_mib[2] = {NULL, NULL}, *copy_keep[2] = {NULL, NULL};
     struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
@@ -1687,6 +1787,9 @@ cmd_broker(int argc, char **argv)
         case 'R':
             replicas = optarg;
             break;
+        case 'D':
+            drain = optarg;
+            break;
         case 'G':
             require_signed = "true";
             break;
@@ -1696,9 +1799,10 @@ cmd_broker(int argc, char **argv)
         case 'h':
             printf("usage: kscore broker --nats URL --db CONNINFO "
                    "--signing-key FILE [--policy FILE] [--local-agents N] "
-                   "[--state-dir DIR] [--metrics-listen ADDR:PORT] "
+                   "[--state-dir DIR] [--metrics-listen ADDR:PORT "
+                   "[--metrics-token-file FILE]] "
                    "[--require-signed-labels|--allow-unsigned-labels] "
-                   "[--replicas N] "
+                   "[--replicas N] [--drain-timeout D] "
                    "[--config FILE] [--log-format "
                    "text|json] [--log-level LEVEL] [--show-config]\n"
                    "The signing key (kscore keygen) signs every command; "
@@ -1712,6 +1816,11 @@ cmd_broker(int argc, char **argv)
                    "--replicas N: copies of the streams and the KV bucket "
                    "on a JetStream cluster (1..5, at most its nodes; "
                    "default 1).\n"
+                   "--drain-timeout D: at SIGTERM the in-process agents "
+                   "take no new work and their running commands may finish "
+                   "for up to D (default 10s; 0: stop them at once); what "
+                   "is left is stopped and ends Lost (the agent stopped). "
+                   "A second signal stops at once.\n"
                    "Settings: flags, then KSCORE_* variables, then the "
                    "config file (default " CLI_CONF_DIR "/broker.conf when "
                    "it exists; kscore.conf(5)).\n");
@@ -1735,10 +1844,28 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "state_dir", &o.state_dir)) ||
         (rc = cli_conf_str(&cf, "local_agents", &local_agents)) ||
         (rc = cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen)) ||
+        (rc = cli_conf_str(&cf, "metrics_token_file",
+                           &sf.metrics_token_file)) ||
         (rc = cli_conf_str(&cf, "require_signed_labels", &require_signed)) ||
         (rc = cli_conf_str(&cf, "replicas", &replicas)) ||
+        (rc = cli_conf_str(&cf, "drain_timeout", &drain)) ||
+        (rc = cli_conf_str(&cf, "copy_operator_mib", &copy_mib[0])) ||
+        (rc = cli_conf_str(&cf, "copy_total_mib", &copy_mib[1])) ||
+        (rc = cli_conf_str(&cf, "copy_keep", &copy_keep[0])) ||
+        (rc = cli_conf_str(&cf, "copy_upload_keep", &copy_keep[1])) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
         goto out;
+    if ((rc = drain_timeout(drain, &o.drain_timeout_ms)))
+        goto out;
+    /* Checked as they were read (cli_conf_load, the environment's). */
+    if (copy_mib[0])
+        o.copy_operator_bytes = strtoull(copy_mib[0], NULL, 10) << 20;
+    if (copy_mib[1])
+        o.copy_total_bytes = strtoull(copy_mib[1], NULL, 10) << 20;
+    if (copy_keep[0])
+        cli_parse_duration(copy_keep[0], &o.copy_keep_ms);
+    if (copy_keep[1])
+        cli_parse_duration(copy_keep[1], &o.copy_upload_keep_ms);
     /* On unless turned off: a label the agent merely declares would pick
      * prod's commands and secrets for any agent credential (issue 21). */
     o.require_signed_labels = !require_signed || cli_conf_true(require_signed);
@@ -1785,7 +1912,7 @@ cmd_broker(int argc, char **argv)
         sigaddset(&set, SIGINT);
         sigaddset(&set, SIGTERM);
         pthread_sigmask(SIG_BLOCK, &set, NULL);
-        if ((rc = metrics_start("broker", sf.metrics_listen,
+        if ((rc = metrics_start("broker", &sf,
                                 KS_METRICS_BROKER |
                                     (o.local_agents ? KS_METRICS_AGENT : 0),
                                 &ms)))
@@ -1837,7 +1964,9 @@ cmd_agent(int argc, char **argv)
         {"log-level", required_argument, 0, 'L'},
         {"show-config", no_argument, 0, 'S'},
         {"metrics-listen", required_argument, 0, 'M'},
+        {"metrics-token-file", required_argument, 0, SVC_OPT_METRICS_TOKEN},
         {"bundle", required_argument, 0, 'b'},
+        {"drain-timeout", required_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct agent_opts o = {0};
@@ -1849,7 +1978,8 @@ cmd_agent(int argc, char **argv)
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
     struct cli_conf cf = {0};
-    const char *max_concurrent = NULL, *ack_wait = NULL;
+    const char *max_concurrent = NULL, *ack_wait = NULL, *drain = NULL;
+    uint64_t drain_ms = AGENT_DRAIN_TIMEOUT_MS;
     const char *pool = NULL, *pool_size = NULL;
     char **pool_ids = NULL;
     size_t n_pool_ids = 0;
@@ -1929,24 +2059,37 @@ cmd_agent(int argc, char **argv)
         case 'b':
             bundle_file = optarg;
             break;
+        case 'D':
+            drain = optarg;
+            break;
         case 'h':
             printf("usage: kscore agent --id ID [--id ID]... [--pool NAME "
                    "[--pool-size N]] --trust-key FILE "
                    "[--label K=V]... [--nats URL] [--state-dir DIR] "
                    "[--max-concurrent N] [--ack-wait D] "
-                   "[--metrics-listen ADDR:PORT] [--config FILE] "
+                   "[--drain-timeout D] "
+                   "[--metrics-listen ADDR:PORT [--metrics-token-file FILE]] "
+                   "[--config FILE] "
                    "[--log-format text|json] [--log-level LEVEL] "
                    "[--show-config]\n"
                    "       kscore agent --bundle FILE [--state-dir DIR] "
                    "[--label K=V]... [--max-concurrent N]\n"
                    "       kscore agent enroll|revoke|list ... (kscore agent "
                    "enroll --help)\n"
+                   "       kscore agent label ID|pool-POOL KEY=VALUE|KEY-... "
+                   "[--json]: change its signed labels (kscore agent label "
+                   "--help)\n"
                    "--pool NAME: the ids NAME-0 .. NAME-<N-1> form one "
                    "pool: one JetStream consumer and one registry entry for "
                    "all of them; --pool-size N serves them all. A pool "
                    "comes from its bundle (kscore agent enroll NAME "
                    "--pool-size N: the broker takes a pool it signed "
                    "only; deploy/SCALING.md).\n"
+                   "--drain-timeout D: at SIGTERM the agent takes no new "
+                   "work and its running commands may finish for up to D "
+                   "(default 10s; 0: stop them at once); what is left is "
+                   "stopped and ends Lost (the agent stopped). A second "
+                   "signal stops at once.\n"
                    "A bundle (kscore agent enroll) gives the id, labels, "
                    "NATS urls, credential, TLS files and trust key; flags "
                    "override it.\n"
@@ -2029,7 +2172,11 @@ cmd_agent(int argc, char **argv)
         cli_conf_str(&cf, "pool_size", &pool_size) ||
         cli_conf_str(&cf, "max_concurrent", &max_concurrent) ||
         cli_conf_str(&cf, "ack_wait", &ack_wait) ||
-        cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen))
+        cli_conf_str(&cf, "drain_timeout", &drain) ||
+        cli_conf_str(&cf, "metrics_listen", &sf.metrics_listen) ||
+        cli_conf_str(&cf, "metrics_token_file", &sf.metrics_token_file))
+        goto out;
+    if ((rc = drain_timeout(drain, &drain_ms)))
         goto out;
     if (max_concurrent) {
         char *end;
@@ -2271,7 +2418,7 @@ cmd_agent(int argc, char **argv)
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     if (sf.metrics_listen && sf.metrics_listen[0] &&
-        (rc = metrics_start("agent", sf.metrics_listen, KS_METRICS_AGENT, &ms)))
+        (rc = metrics_start("agent", &sf, KS_METRICS_AGENT, &ms)))
         goto out;
     rc = agent_start(&o, &a, &errmsg);
     if (rc) {
@@ -2285,7 +2432,8 @@ cmd_agent(int argc, char **argv)
     ks_log(KS_LOG_INFO, "instance", KS_S("agent", o.ids[0]),
            KS_S("instance", agent_instance_id(a)));
     /* A signal, or the agent can serve no more (agent_fatal): then exit
-     * AGENT_EXIT_CONFIG, which systemd does not restart. */
+     * AGENT_EXIT_CONFIG (revoked), which systemd does not restart, or
+     * AGENT_EXIT_LINK (a dead link), which it does. */
     for (;;) {
         struct timespec tick = {0, 250 * 1000000L};
         sig = sigtimedwait(&set, NULL, &tick);
@@ -2295,13 +2443,22 @@ cmd_agent(int argc, char **argv)
     if (sig > 0) {
         ks_log(KS_LOG_INFO, "stopping", KS_S("signal", strsignal(sig)));
         rc = 0;
+        /* Drains: no new work, what runs may finish (a second signal
+         * stops at once). */
+        agent_stop_graceful(a, drain_ms, &set);
+    } else if (agent_fatal(a) == AGENT_FATAL_LINK) {
+        ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
+               KS_S("reason", "the NATS link answers nothing"),
+               KS_I("exit_code", AGENT_EXIT_LINK));
+        rc = AGENT_EXIT_LINK;
+        agent_stop(a);
     } else {
         ks_log(KS_LOG_ERROR, "stopping: the agent can serve no more",
                KS_S("reason", "revoked: NATS closed its connection"),
                KS_I("exit_code", AGENT_EXIT_CONFIG));
         rc = AGENT_EXIT_CONFIG;
+        agent_stop(a);
     }
-    agent_stop(a);
 out:
     cli_metrics_stop(ms);
     cli_bundle_release(&bundle);

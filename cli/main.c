@@ -44,8 +44,10 @@ static const char usage[] =
     "  get ID [--json]         a command's or batch's state and result\n"
     "  logs ID [--follow] [--stdout|--stderr] [--json]\n"
     "                          a command's output, running or finished\n"
-    "  events ID [--json]      a command's events, in order\n"
-    "  events --follow [ID]    events as they are recorded\n"
+    "  events ID [--json]      a command's events, in order (or a batch's,\n"
+    "                          an operator's, an agent's stream)\n"
+    "  events --follow [ID] [--since T | --from-start]\n"
+    "                          events as they are recorded (from now on)\n"
     "  cancel ID               cancel a command (TERM, grace, KILL)\n"
     "  list [--agent ID] [--status S] [--since T] [--batch ID] [--json]\n"
     "                          history: commands and batches, newest first\n"
@@ -66,6 +68,7 @@ static const char usage[] =
     "  agent enroll ID [--label K=V]... [--out FILE] [--nats-url URL]...\n"
     "                          a remote agent's identity and bundle file\n"
     "  agent revoke ID         the agent can no longer connect\n"
+    "  agent label ID K=V|K-...  change its signed labels (no new bundle)\n"
     "  agent list [--json]     the agent identities\n"
     "\n"
     "Every client command takes --nats URL (or $KSCORE_NATS_URL) and\n"
@@ -143,6 +146,17 @@ run_daemon(char **argv, const char *name)
 {
     char path[PATH_MAX];
     size_t i = 0;
+
+    /* `kscore agent label` is an operator's request to the broker (no
+     * PostgreSQL, no stack), so it runs here; the other agent words are
+     * the daemon half's. */
+    if (strcmp(name, "agent") == 0 && argv[1] && argv[2] &&
+        strcmp(argv[2], "label") == 0) {
+        int argc = 0;
+        while (argv[2 + argc])
+            argc++;
+        return cmd_agent_label(argc, argv + 2);
+    }
 
     while (i < sizeof(daemon_commands) / sizeof(daemon_commands[0]) &&
            strcmp(name, daemon_commands[i]) != 0)

@@ -1,13 +1,17 @@
 /*
  * metrics_http.c: the Prometheus scrape endpoint of `kscore broker` and
  * `kscore agent` (--metrics), on libmicrohttpd's own polling thread. Only
- * the daemon half (kscore-daemon) links it, and so libmicrohttpd.
+ * the daemon half (kscore-daemon) links it, and so libmicrohttpd. With a
+ * token file, every request must carry "Authorization: Bearer <token>"
+ * (Prometheus: scrape_config authorization.credentials_file): a port on
+ * loopback is still open to every local user.
  */
 #include "metrics_http.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <microhttpd.h>
+#include <openssl/crypto.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +22,8 @@ struct cli_metrics_server {
     struct MHD_Daemon *d;
     unsigned roles;
     unsigned port;
+    /* "Bearer <token>" every request must carry; "" for none. */
+    char auth[8 + EVT_TOKEN_MAX + 1];
 };
 
 static void
@@ -39,7 +45,23 @@ answer(void *cls, struct MHD_Connection *conn, const char *url,
     char *text = NULL;
     size_t len = 0;
 
-    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+    const char *given =
+        m->auth[0] ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                 MHD_HTTP_HEADER_AUTHORIZATION)
+                   : NULL;
+    if (m->auth[0] &&
+        (!given || strlen(given) != strlen(m->auth) ||
+         CRYPTO_memcmp(given, m->auth, strlen(m->auth)) != 0)) {
+        /* RFC 6750: a bearer token, compared in constant time. */
+        static const char msg[] = "a bearer token is needed: the metrics "
+                                  "are their owner's\n";
+        r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
+                                            MHD_RESPMEM_PERSISTENT);
+        if (r)
+            MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE,
+                                    "Bearer realm=\"kscore\"");
+        status = MHD_HTTP_UNAUTHORIZED;
+    } else if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
         static const char msg[] = "only GET\n";
         r = MHD_create_response_from_buffer(sizeof(msg) - 1, (void *)msg,
                                             MHD_RESPMEM_PERSISTENT);
@@ -132,9 +154,19 @@ int
 cli_metrics_serve(const char *listen, unsigned roles,
                   struct cli_metrics_server **out, char **errmsg)
 {
+    return cli_metrics_serve_auth(listen, roles, NULL, out, errmsg);
+}
+
+int
+cli_metrics_serve_auth(const char *listen, unsigned roles,
+                       const char *token_file,
+                       struct cli_metrics_server **out, char **errmsg)
+{
     struct sockaddr_storage ss;
     struct cli_metrics_server *m;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    char token[EVT_TOKEN_MAX + 1];
+    int rc;
 
     *out = NULL;
     if (parse_listen(listen, &ss) != 0) {
@@ -143,10 +175,16 @@ cli_metrics_serve(const char *listen, unsigned roles,
                 listen ? listen : "");
         return KS_EINVAL;
     }
+    if (token_file && token_file[0] &&
+        (rc = evt_token_file_read(token_file, token, sizeof(token),
+                                     errmsg)))
+        return rc;
     m = calloc(1, sizeof(*m));
     if (!m)
         return -ENOMEM;
     m->roles = roles;
+    if (token_file && token_file[0])
+        snprintf(m->auth, sizeof(m->auth), "Bearer %s", token);
     if (ss.ss_family == AF_INET6)
         flags |=
             MHD_USE_IPv6 |

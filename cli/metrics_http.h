@@ -8,6 +8,7 @@
 #ifndef KSCORE_CLI_METRICS_HTTP_H
 #define KSCORE_CLI_METRICS_HTTP_H
 
+#include "events.h"
 #include "kproto.h"
 
 struct cli_metrics_server;
@@ -19,6 +20,16 @@ struct cli_metrics_server;
  */
 int cli_metrics_serve(const char *listen, unsigned roles,
                       struct cli_metrics_server **out, char **errmsg);
+/*
+ * As cli_metrics_serve; with token_file (not NULL or ""), every request
+ * must carry "Authorization: Bearer <the token in it>", else 401 (a port
+ * on loopback is open to every local user). The file is read once, as
+ * evt_token_file_read (events.h). Errors as cli_metrics_serve, and its
+ * errors.
+ */
+int cli_metrics_serve_auth(const char *listen, unsigned roles,
+                           const char *token_file,
+                           struct cli_metrics_server **out, char **errmsg);
 /* The port it listens on. */
 unsigned cli_metrics_port(const struct cli_metrics_server *m);
 /* Stops serving and frees. Accepts NULL. */

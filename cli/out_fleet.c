@@ -24,8 +24,12 @@ fleet_exit_code(const Ks__BatchCounts *c)
 }
 
 void
-fleet_counts_text(const Ks__BatchCounts *c, char *buf, size_t len)
+fleet_counts_text(const Ks__BatchCounts *c, unsigned dispatched, char *buf,
+                  size_t len)
 {
+    unsigned in_flight = c ? c->running : 0;
+    if (dispatched > in_flight)
+        dispatched = in_flight;
     const struct {
         unsigned v;
         const char *name;
@@ -38,7 +42,8 @@ fleet_counts_text(const Ks__BatchCounts *c, char *buf, size_t len)
         {c ? c->lost : 0, "lost"},
         {c ? c->not_started : 0, "not started"},
         {c ? c->cancelled : 0, "cancelled"},
-        {c ? c->running : 0, "running"},
+        {in_flight - dispatched, "running"},
+        {dispatched, "dispatched"},
         {c ? c->pending : 0, "pending"},
     };
     size_t used = 0;
@@ -105,11 +110,15 @@ fleet_results_load(struct fleet_results *fr, struct evt_conn *c,
                 broker_call(c, EVT_API_GET, &g.base,
                             &ks__get_reply__descriptor, 5000,
                             (ProtobufCMessage **)&fr->fetched[i]) == 0 &&
-                fr->fetched[i]->command && fr->fetched[i]->command->result) {
-                /* Swap in the full result; swapped back in release. */
+                fr->fetched[i]->command) {
+                /* Swap in the full result (none while it runs); swapped
+                 * back in release. In flight: its own state, Dispatched
+                 * or Running. */
                 Ks__CommandResult *mine = t->result;
-                t->result = fr->fetched[i]->command->result;
-                fr->fetched[i]->command->result = mine;
+                if (fr->fetched[i]->command->result || !mine) {
+                    t->result = fr->fetched[i]->command->result;
+                    fr->fetched[i]->command->result = mine;
+                }
                 if (!kproto_status_terminal(t->status))
                     t->status = fr->fetched[i]->command->status;
             }
@@ -359,27 +368,59 @@ out:
 const char *
 fleet_status_name(Ks__BatchStatus s)
 {
-    switch (s) {
-    case KS__BATCH_STATUS__BATCH_RUNNING:
-        return "Running";
-    case KS__BATCH_STATUS__BATCH_SUCCEEDED:
-        return "Succeeded";
-    case KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE:
-        return "PartialFailure";
-    case KS__BATCH_STATUS__BATCH_FAILED:
-        return "Failed";
-    case KS__BATCH_STATUS__BATCH_CANCELLED:
-        return "Cancelled";
-    default:
-        return "Unknown";
+    return kproto_batch_status_name(s);
+}
+
+void
+fleet_waves_text(const Ks__BatchReply *rep, char *buf, size_t len)
+{
+    size_t n = rep->n_wave_ends, used;
+    buf[0] = '\0';
+    if (!n)
+        return;
+    used = (size_t)snprintf(buf, len, "waves: %zu (", n);
+    for (size_t i = 0; i < n && used < len; i++) {
+        if (i == 6 && n > 8) { /* the sizes repeat: enough to read */
+            used += (size_t)snprintf(buf + used, len - used, ", ...");
+            i = n - 1;
+        }
+        used += (size_t)snprintf(
+            buf + used, len - used, "%s%u", i ? ", " : "",
+            rep->wave_ends[i] - (i ? rep->wave_ends[i - 1] : 0));
     }
+    if (used < len)
+        used += (size_t)snprintf(buf + used, len - used, " targets)");
+    if (rep->wave_pause_ms && used < len)
+        used += (size_t)snprintf(buf + used, len - used, ", pause %.0fs",
+                                 (double)rep->wave_pause_ms / 1000.0);
+    if (used >= len)
+        return;
+    if (rep->halted)
+        snprintf(buf + used, len - used, "; %s; the rest were cancelled",
+                 rep->halt_reason);
+    else if (rep->status != KS__BATCH_STATUS__BATCH_RUNNING &&
+             rep->status != KS__BATCH_STATUS__BATCH_STATUS_UNSPECIFIED)
+        snprintf(buf + used, len - used, "; %u of %zu ran", rep->wave, n);
+    else if (rep->next_wave_at_us) {
+        int64_t left = rep->next_wave_at_us - ks_now_us();
+        snprintf(buf + used, len - used,
+                 "; wave %u of %zu ended, wave %u starts in %.0fs",
+                 rep->wave, n, rep->wave + 1,
+                 left > 0 ? (double)left / 1e6 : 0.0);
+    } else if (rep->wave)
+        snprintf(buf + used, len - used, "; in wave %u of %zu", rep->wave, n);
 }
 
 void
 fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget)
 {
     char counts[512];
-    fleet_counts_text(rep->counts, counts, sizeof(counts));
+    unsigned dispatched = 0;
+    /* In flight: claimed (Running) or not yet (Dispatched), as each
+     * target's line says. */
+    for (size_t i = 0; i < rep->n_targets; i++)
+        dispatched += rep->targets[i]->status == KS__COMMAND_STATUS__DISPATCHED;
+    fleet_counts_text(rep->counts, dispatched, counts, sizeof(counts));
     fprintf(f, "%s: %s: %s", rep->batch_id, fleet_status_name(rep->status),
             counts);
     if (rep->elapsed_us > 0)
@@ -387,6 +428,17 @@ fleet_summary(FILE *f, const Ks__BatchReply *rep, const char *budget)
     fputc('\n', f);
     if (budget && budget[0])
         fprintf(f, "%s\n", budget);
+    char waves[512];
+    fleet_waves_text(rep, waves, sizeof(waves));
+    if (waves[0])
+        fprintf(f, "%s\n", waves);
+    if (rep->rerun_of[0])
+        fprintf(f, "rerun of %s (its %s targets)\n", rep->rerun_of,
+                strcmp(rep->rerun_filter, "not-succeeded") == 0
+                    ? "not succeeded"
+                    : "failed");
+    for (size_t i = 0; i < rep->n_reruns; i++)
+        fprintf(f, "%s %s\n", i ? "        " : "rerun by", rep->reruns[i]);
 }
 
 json_t *
@@ -411,7 +463,11 @@ cli_batch_json(const Ks__BatchReply *rep)
     COUNT(pending);
     COUNT(errors);
 #undef COUNT
-    json_object_set_new(o, "exit_code", json_integer(fleet_exit_code(c)));
+    /* A batch that runs has no exit code yet (4 said "some never ran"). */
+    json_object_set_new(o, "exit_code",
+                        rep->status == KS__BATCH_STATUS__BATCH_RUNNING
+                            ? json_null()
+                            : json_integer(fleet_exit_code(c)));
     json_object_set_new(o, "elapsed_ms",
                         json_real((double)rep->elapsed_us / 1000.0));
     json_object_set_new(o, "max_concurrency",
@@ -419,6 +475,38 @@ cli_batch_json(const Ks__BatchReply *rep)
     json_object_set_new(o, "max_errors",
                         rep->has_max_errors ? json_integer(rep->max_errors)
                                             : json_null());
+    /* Waves: each one's size, the one now, a halt. */
+    json_t *waves = rep->n_wave_ends ? json_array() : json_null();
+    for (size_t i = 0; i < rep->n_wave_ends; i++)
+        json_array_append_new(
+            waves, json_integer(rep->wave_ends[i] -
+                                (i ? rep->wave_ends[i - 1] : 0)));
+    json_object_set_new(o, "waves", waves);
+    json_object_set_new(o, "wave", json_integer(rep->wave));
+    json_object_set_new(o, "wave_pause_ms",
+                        json_integer((json_int_t)rep->wave_pause_ms));
+    json_object_set_new(o, "next_wave_at",
+                        rep->next_wave_at_us
+                            ? json_string(cli_time(rep->next_wave_at_us))
+                            : json_null());
+    json_object_set_new(o, "halted", json_boolean(rep->halted));
+    json_object_set_new(o, "halted_wave",
+                        rep->halted ? json_integer(rep->halted_wave)
+                                    : json_null());
+    json_object_set_new(o, "halt_reason",
+                        rep->halted ? json_string(rep->halt_reason)
+                                    : json_null());
+    /* A rerun's original, and this batch's reruns. */
+    json_object_set_new(o, "rerun_of", rep->rerun_of[0]
+                                           ? json_string(rep->rerun_of)
+                                           : json_null());
+    json_object_set_new(o, "rerun_filter",
+                        rep->rerun_of[0] ? json_string(rep->rerun_filter)
+                                         : json_null());
+    json_t *reruns = json_array();
+    for (size_t i = 0; i < rep->n_reruns; i++)
+        json_array_append_new(reruns, json_string(rep->reruns[i]));
+    json_object_set_new(o, "reruns", reruns);
     json_t *targets = json_array();
     for (size_t i = 0; i < rep->n_targets; i++) {
         const Ks__BatchTarget *bt = rep->targets[i];

@@ -183,6 +183,33 @@ cli_event_json(const Ks__RecordedEvent *rec)
     }
     if (e->result)
         json_object_set_new(o, "result", cli_result_json(e->result));
+    /* AgentLabelsChanged: the signed labels, and those they replaced. */
+    if (e->labels) {
+        json_t *now = json_object(), *was = json_object();
+        for (size_t i = 0; i < e->labels->n_labels; i++)
+            json_object_set_new(now, e->labels->labels[i]->name,
+                                json_string(e->labels->labels[i]->value));
+        for (size_t i = 0; i < e->labels->n_previous; i++)
+            json_object_set_new(was, e->labels->previous[i]->name,
+                                json_string(e->labels->previous[i]->value));
+        json_object_set_new(o, "labels", now);
+        json_object_set_new(o, "previous_labels", was);
+        json_object_set_new(o, "labels_subject",
+                            json_string(e->labels->subject));
+    }
+    /* Waves and reruns of a batch. */
+    if (e->wave)
+        json_object_set_new(o, "wave", json_integer(e->wave));
+    if (e->halted)
+        json_object_set_new(o, "halted", json_true());
+    if (e->next_wave_at_us)
+        json_object_set_new(o, "next_wave_at",
+                            json_string(cli_time(e->next_wave_at_us)));
+    if (e->rerun_batch_id[0])
+        json_object_set_new(o, "rerun_batch_id",
+                            json_string(e->rerun_batch_id));
+    if (e->batch && e->batch->rerun_of[0])
+        json_object_set_new(o, "rerun_of", json_string(e->batch->rerun_of));
     return o;
 }
 
@@ -229,11 +256,47 @@ cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
             plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
                     (*p >= '0' && *p <= '9') || strchr("_@%+=:,./-", *p) ||
                     (unsigned char)*p >= 0x80;
+        bool control = false;
+        for (const unsigned char *p = (const unsigned char *)a; *p; p++)
+            control |= *p < 0x20 || *p == 0x7f ||
+                       (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f);
+        plain = plain && !control; /* a C1 control is >= 0x80 */
         if (i)
             PUT(' ');
         if (plain) {
             for (const char *p = a; *p; p++)
                 PUT(*p);
+            continue;
+        }
+        if (control) {
+            /* $'...' (bash, ksh, zsh, POSIX.1-2024 sh): a control byte
+             * as an escape, never raw, so the line is one line and no
+             * escape sequence reaches the terminal. */
+            static const char hex[] = "0123456789abcdef";
+            PUT('$');
+            PUT('\'');
+            for (const unsigned char *p = (const unsigned char *)a; *p; p++) {
+                bool c1 = *p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f;
+                if (*p == '\n' || *p == '\t' || *p == '\r') {
+                    PUT('\\');
+                    PUT(*p == '\n' ? 'n' : *p == '\t' ? 't' : 'r');
+                } else if (*p == '\\' || *p == '\'') {
+                    PUT('\\');
+                    PUT(*p);
+                } else if (*p < 0x20 || *p == 0x7f || c1) {
+                    size_t k = c1 ? 2 : 1; /* a C1 control is 2 bytes */
+                    for (size_t j = 0; j < k; j++) {
+                        PUT('\\');
+                        PUT('x');
+                        PUT(hex[p[j] >> 4]);
+                        PUT(hex[p[j] & 15]);
+                    }
+                    p += k - 1;
+                } else {
+                    PUT(*p);
+                }
+            }
+            PUT('\'');
             continue;
         }
         PUT('\'');

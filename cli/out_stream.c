@@ -141,11 +141,12 @@ on_sigint(int sig)
 }
 
 void
-cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print)
+cli_live_init(struct cli_live *lv, struct evt_conn *c, bool print, bool quiet)
 {
     memset(lv, 0, sizeof(*lv));
     lv->c = c;
     lv->print = print;
+    lv->quiet = quiet;
 }
 
 void
@@ -158,13 +159,62 @@ cli_live_catch_sigint(void)
     sigaction(SIGINT, &sa, NULL);
 }
 
+/* The first reply says where the command went: an offline agent is
+ * waited for up to the delivery deadline, said at once. */
+static void
+say_target(const struct cli_live *lv, const Ks__ExecuteReply *rep)
+{
+    char seen[128] = "never seen";
+    if (lv->quiet || !rep->agent_offline)
+        return;
+    if (rep->agent_last_seen_us > 0) {
+        char ago[32];
+        cli_ago(ago, sizeof(ago), ks_now_us() - rep->agent_last_seen_us);
+        snprintf(seen, sizeof(seen), "last seen %s, %s",
+                 cli_time(rep->agent_last_seen_us), ago);
+    }
+    cli_err("agent %s is offline (%s): waiting up to %gs for it to take "
+            "command %s (Ctrl-C cancels it)",
+            rep->agent_id, seen, (double)rep->deliver_within_ms / 1000.0,
+            rep->command_id);
+}
+
+static void
+silence_cb(bool silent, int give_up_ms, const char *command_id, void *ud)
+{
+    struct cli_live *lv = ud;
+    char url[256] = "";
+    if (lv->quiet)
+        return;
+    if (!silent) {
+        cli_err("a broker answers again: waiting for command %s", command_id);
+        return;
+    }
+    if (natsConnection_GetConnectedUrl(lv->c->nc, url, sizeof(url)) != NATS_OK)
+        url[0] = '\0';
+    if (command_id)
+        cli_err("no broker answers about command %s (it is recorded and "
+                "goes on): asking again for up to %ds",
+                command_id, (give_up_ms + 999) / 1000);
+    else
+        cli_err("no broker answers on %s%s%s: waiting up to %ds for one",
+                EVT_API_EXECUTE, url[0] ? " at " : "", url,
+                (give_up_ms + 999) / 1000);
+}
+
 static void
 live_cb(const Ks__ExecuteReply *rep, void *ud)
 {
     struct cli_live *lv = ud;
-    if (!lv->command_id[0] && ks_is_uuid(rep->command_id))
+    if (!lv->command_id[0] && ks_is_uuid(rep->command_id)) {
         snprintf(lv->command_id, sizeof(lv->command_id), "%s",
                  rep->command_id);
+        say_target(lv, rep);
+    }
+    /* Said at once, on stderr, --json or not: the operator learns why the
+     * wait goes on (a database refusing writes), and that it ends. */
+    if (rep->notice && rep->notice[0])
+        cli_err("command %s %s", lv->command_id, rep->notice);
     if (!lv->print)
         return;
     for (size_t i = 0; i < rep->n_chunks; i++) {
@@ -229,6 +279,7 @@ cli_live_hooks(struct cli_live *lv, struct broker_exec_hooks *h)
 {
     h->live = live_cb;
     h->tick = tick_cb;
+    h->silence = silence_cb;
     h->ud = lv;
 }
 
@@ -358,9 +409,16 @@ cmd_logs(int argc, char **argv)
             goto out;
         }
     }
-    if (optind != argc - 1 || !ks_is_uuid(argv[optind])) {
-        cli_err("usage: kscore logs ID [--follow] [--stdout|--stderr] "
-                "[--json] (ID: a command id)");
+    if (optind != argc - 1) {
+        cli_err("expected one id: usage: kscore logs ID [--follow] "
+                "[--stdout|--stderr] [--json]");
+        goto out;
+    }
+    if (!ks_is_uuid(argv[optind])) {
+        cli_err("'%s' is not a command id (a UUID)%s", argv[optind],
+                strncmp(argv[optind], "batch-", 6) == 0
+                    ? ": a batch's outputs are in kscore get"
+                    : "");
         goto out;
     }
     if (only_out && only_err) {
@@ -475,18 +533,27 @@ static void
 emit_lines(struct line_buf *lb, int fd, bool all)
 {
     size_t start = 0;
+    bool hidden = false;
     for (size_t i = 0; i < lb->len; i++) {
         if (lb->p[i] != '\n')
             continue;
+        if (!hidden) /* the progress bar: off its line first */
+            cli_status_hide(fd);
+        hidden = true;
         dprintf(fd, "%s: %.*s\n", lb->agent, (int)(i - start),
                 lb->p + start);
         start = i + 1;
     }
     if (all && start < lb->len) {
+        if (!hidden)
+            cli_status_hide(fd);
+        hidden = true;
         dprintf(fd, "%s: %.*s\n", lb->agent, (int)(lb->len - start),
                 lb->p + start);
         start = lb->len;
     }
+    if (hidden)
+        cli_status_redraw();
     memmove(lb->p, lb->p + start, lb->len - start);
     lb->len -= start;
 }

@@ -102,10 +102,11 @@ broker_execute_wait_ms(const Ks__ExecuteRequest *req)
     return total > INT32_MAX ? INT32_MAX : (int)total;
 }
 
-/* Silence after which a waiting exec asks again, and after which it gives
- * up when no broker answers at all (ms). */
-#define EXEC_REASK_MS 5000
-#define EXEC_GIVE_UP_MS 20000
+/* An ask that a live broker answers at once (a live request's id, any ask
+ * again) and that went unanswered this long is asked again: the broker it
+ * reached may be stopped (ms). An answer takes a commit, milliseconds; the
+ * margin is for a loaded database, where asking more would add load. */
+#define EXEC_UNANSWERED_MS 2000
 
 int
 broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
@@ -120,8 +121,8 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                      Ks__ExecuteReply **out)
 {
     Ks__ExecuteRequest r = *req;
-    natsSubscription *sub = NULL;
-    char inbox[EVT_INBOX_MAX], subject[192], key[48], id[37] = "";
+    struct evt_inbox *ib = NULL;
+    char subject[192], again[192], key[48], id[37] = "";
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -132,13 +133,25 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                            (ProtobufCMessage **)out);
     /*
      * A waiting exec must not hang with its broker: the broker that holds
-     * its waiter may die. The request names its command with an
+     * its waiter may die or stop. The request names its command with an
      * idempotency key (a fresh one unless the caller gave one), and after
-     * EXEC_REASK_MS of silence the same request goes out again on the same
-     * inbox: the broker that still waits for the command answers at once
+     * BROKER_EXEC_REASK_MS of silence the same request goes out again on the
+     * same inbox: the broker that still waits for the command answers at once
      * that it does (a reply without a result), another broker attaches
-     * this inbox to the command (or answers with its end), and no answer
-     * at all for EXEC_GIVE_UP_MS ends the wait with KS_EUNAVAIL.
+     * this inbox to the command and says so at once (or answers with its
+     * end), and no answer at all for BROKER_EXEC_GIVE_UP_MS ends the wait
+     * with KS_EUNAVAIL.
+     *
+     * The first ask goes to the brokers' queue group, which hands it to one
+     * broker at random, also to one that is stopped (SIGSTOP, a frozen
+     * VM): nats-server keeps a stopped client in the group as long as it
+     * has messages to hand it (a delivery counts as the client's activity,
+     * so it is never pinged; server/client.go flushClients), and half the
+     * asks of two brokers went there. So every ask again goes to all the
+     * brokers (EVT_API_EXECUTE_AGAIN): whichever live broker holds or
+     * finds the command answers. An ask that a live broker answers at once
+     * (a live request: its id comes first; any ask again) is asked again
+     * after EXEC_UNANSWERED_MS without an answer.
      */
     if (!r.idempotency_key || !r.idempotency_key[0]) {
         char u[37];
@@ -148,25 +161,26 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
     } else {
         r.key_may_exist = 1; /* the caller's key: it may name a command */
     }
-    if ((rc = evt_inbox(c, inbox, sizeof(inbox))) ||
-        (rc = evt_err(natsConnection_SubscribeSync(&sub, c->nc, inbox))) ||
-        (rc = evt_err(natsSubscription_SetPendingLimits(sub, -1, -1))) ||
+    /* One inbox lease for every ask and every answer (events.h). */
+    if ((rc = evt_inbox_take(c, NULL, &ib)) ||
         (rc = kproto_pack(&r.base, &buf, &len)))
         goto out;
     snprintf(subject, sizeof(subject), "%s.%s", EVT_API_EXECUTE, c->identity);
+    snprintf(again, sizeof(again), "%s.%s", EVT_API_EXECUTE_AGAIN,
+             c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
+    bool answered = false; /* the last ask was answered */
     unsigned asks = 1;
-    if ((rc = evt_err(natsConnection_PublishRequest(c->nc, subject, inbox, buf,
-                                                    (int)len))))
+    bool silent = false; /* said so through h->silence */
+    if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
         goto out;
     for (;;) {
         natsMsg *m = NULL;
-        natsStatus st = natsSubscription_NextMsg(&m, sub, h ? 100 : 1000);
+        int nrc = evt_inbox_next(ib, h ? 100 : 1000, &m);
         int64_t now = ks_mono_us();
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m) &&
-            (rc = evt_join_parts(sub, m, 5000, &m)))
+        if (nrc == 0 && (rc = evt_join_parts(ib, m, 5000, &m)))
             goto out;
-        if (st == NATS_OK && !natsMsg_IsNoResponders(m)) {
+        if (nrc == 0) {
             Ks__ExecuteReply *rep = NULL;
             rc = evt_unpack_reply(&ks__execute_reply__descriptor,
                                   natsMsg_GetData(m),
@@ -187,9 +201,12 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 rep->error_code != KS_EINDOUBT &&
                 (rep->error_code == KS_EPGDOWN ||
                  rep->error_code == KS_EPGREFUSED ||
-                 rep->error_code == KS_EPG)) {
+                 rep->error_code == KS_EPG || rep->error_code == KS_EBUSY)) {
                 /* A later ask was refused, but the first one was never
-                 * answered: it may have recorded the command. */
+                 * answered: it may have recorded the command (a busy
+                 * broker refuses an ask again only when the key names
+                 * nothing yet, but the first ask may still wait in its
+                 * queue). */
                 char *t = NULL;
                 if (asprintf(&t,
                              "the outcome is unknown: %s; an earlier request "
@@ -212,17 +229,32 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             }
             /* Still running, and someone waits for it: keep waiting. */
             snprintf(id, sizeof(id), "%s", rep->command_id);
+            if (silent && h && h->silence)
+                h->silence(false, 0, id, h->ud);
+            silent = false;
             if (h && h->live)
                 h->live(rep, h->ud);
             ks__execute_reply__free_unpacked(rep, NULL);
             heard = now;
-        } else {
-            natsMsg_Destroy(m);
-            if (st != NATS_OK && st != NATS_TIMEOUT &&
-                st != NATS_NO_RESPONDERS) {
-                rc = evt_err(st);
-                goto out;
-            }
+            answered = true;
+        } else if (nrc != KS_ETIMEDOUT && nrc != KS_EUNAVAIL) {
+            /* No responders (KS_EUNAVAIL) or silence: ask again below. */
+            rc = nrc;
+            goto out;
+        } else if (nrc == KS_EUNAVAIL && natsConnection_IsClosed(c->nc)) {
+            rc = nrc;
+            goto out;
+        }
+        if (!silent && h && h->silence &&
+            (nrc == KS_EUNAVAIL ||
+             now - heard >= 2 * (int64_t)BROKER_EXEC_REASK_MS * 1000)) {
+            /* Nobody serves the API, or nobody answered an ask again:
+             * say so now, not at the end of the wait. */
+            int64_t left =
+                (int64_t)BROKER_EXEC_GIVE_UP_MS - (now - heard) / 1000;
+            silent = true;
+            h->silence(true, left > 0 ? (int)left : 0, id[0] ? id : NULL,
+                       h->ud);
         }
         if (h && h->tick && (rc = h->tick(h->ud)))
             goto out;
@@ -231,7 +263,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_ETIMEDOUT;
             goto out;
         }
-        if (now - heard >= (int64_t)EXEC_GIVE_UP_MS * 1000) {
+        if (now - heard >= (int64_t)BROKER_EXEC_GIVE_UP_MS * 1000) {
             if (id[0]) {
                 /* Recorded, its end not heard of: not "not accepted". */
                 Ks__ExecuteReply *rep = malloc(sizeof(*rep));
@@ -257,9 +289,13 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
             rc = KS_EUNAVAIL;
             goto out;
         }
-        if (now - heard >= (int64_t)EXEC_REASK_MS * 1000 &&
-            now - asked >= (int64_t)EXEC_REASK_MS * 1000) {
+        bool unanswered = !answered && (asks > 1 || r.live_output) &&
+                          now - asked >= (int64_t)EXEC_UNANSWERED_MS * 1000;
+        int64_t reask_us = (int64_t)BROKER_EXEC_REASK_MS * 1000;
+        if (unanswered ||
+            (now - heard >= reask_us && now - asked >= reask_us)) {
             asked = now;
+            answered = false;
             if (!r.key_may_exist) {
                 /* Asked again: the key may name a command by now (at
                  * another broker too), which must not be published
@@ -270,17 +306,13 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                 if ((rc = kproto_pack(&r.base, &buf, &len)))
                     goto out;
             }
-            if ((rc = evt_err(natsConnection_PublishRequest(
-                     c->nc, subject, inbox, buf, (int)len))))
+            if ((rc = evt_inbox_send(ib, again, NULL, NULL, buf, len)))
                 goto out;
             asks++;
         }
     }
 out:
-    if (sub) {
-        natsSubscription_Unsubscribe(sub);
-        natsSubscription_Destroy(sub);
-    }
+    evt_inbox_give(ib);
     free(buf);
     return rc;
 }

@@ -43,13 +43,31 @@
  * its value matches one of VALUES) or "KEY!=VALUES" (it has no label KEY,
  * or its value matches none of them); VALUES is one or more fnmatch(3)
  * globs separated by '|' ("role=web|db", "zone=eu-*"). An agent matches a
- * selector when it matches every term. The broker resolves batches with
- * these functions; the CLI uses the same ones.
+ * selector when it matches every term. A KEY "fact.K" is the agent's fact
+ * K (AgentInfo.facts: its own word about its host, "fact.os=debian*"),
+ * never a label; no label may be named so (BROKER_FACT_PREFIX). The
+ * broker resolves batches with these functions; the CLI uses the same
+ * ones.
  *
  * broker_select_check: 0 when term is well formed, else KS_EINVAL with
- * why (len bytes). broker_select_match: 1 when info matches all n terms
- * (n == 0: every agent), else 0; a malformed term matches nothing.
+ * why (len bytes): no '=', an empty key, a value that starts with '='
+ * ("env==prod": the message suggests "env=prod"), a bare "fact.".
+ * broker_select_match: 1 when info matches all n terms (n == 0: every
+ * agent), else 0; a malformed term matches nothing.
  */
+#define BROKER_FACT_PREFIX "fact."
+
+/*
+ * A label as `kscore agent enroll --label` and `kscore agent label` take
+ * it: KEY of 1 to BROKER_LABEL_KEY_MAX letters, digits, '_', '.', '-',
+ * '/', not starting with "fact."; VALUE (may be NULL: not checked) of at
+ * most BROKER_LABEL_VALUE_MAX bytes, no control character, no ','. 0, or
+ * KS_EINVAL with why (len bytes) naming the label.
+ */
+#define BROKER_LABEL_KEY_MAX 63
+#define BROKER_LABEL_VALUE_MAX 255
+int broker_label_check(const char *key, const char *value, char *why,
+                       size_t len);
 int broker_select_check(const char *term, char *why, size_t len);
 int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
                         size_t n);
@@ -76,8 +94,10 @@ int broker_call(struct evt_conn *c, const char *subject,
  * answer to the record's commit, an earlier ask with the same idempotency
  * key may have recorded it, or the command is recorded and no broker
  * answers for its end); command_id then names it when known ("" when only
- * the key does: asking again with the same key is safe). Any other
- * error_code: not recorded. A refusal of a later ask (asked again after
+ * the key does: asking again with the same key is safe). KS_EBUSY: the
+ * broker refused it because it could not start within its delivery
+ * deadline (the error names the limit and the figure); not recorded,
+ * asking again later is safe. Any other error_code: not recorded. A refusal of a later ask (asked again after
  * silence) once the command's id came back is not the command's: it is
  * not returned, the wait goes on.
  */
@@ -111,13 +131,24 @@ int broker_wait_agent(const char *url, const struct evt_connect_opts *opts,
  * NULL) gets each reply that carries no result (the command's id, then
  * pieces of its output as they are recorded: ExecuteReply.chunks; set
  * req->live_output); tick (may be NULL) runs at least every 100 ms and a
- * non-zero return ends the wait with that code.
+ * non-zero return ends the wait with that code. silence (may be NULL)
+ * says when no broker answers: silent true once when it starts (at the
+ * first "no responders", at once, or after 2 x BROKER_EXEC_REASK_MS
+ * without any answer to an ask), with give_up_ms, how much longer the
+ * wait lasts without an answer, and command_id the command's id when it
+ * is recorded (else NULL); silent false when a broker answers again.
  */
 struct broker_exec_hooks {
     void (*live)(const Ks__ExecuteReply *rep, void *ud);
     int (*tick)(void *ud);
     void *ud;
+    void (*silence)(bool silent, int give_up_ms, const char *command_id,
+                    void *ud);
 };
+/* Silence after which a waiting exec asks again, and after which it gives
+ * up when no broker answers at all (ms). */
+#define BROKER_EXEC_REASK_MS 5000
+#define BROKER_EXEC_GIVE_UP_MS 20000
 int broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
                          int timeout_ms, const struct broker_exec_hooks *h,
                          Ks__ExecuteReply **out);
@@ -130,5 +161,12 @@ int broker_execute_wait_ms(const Ks__ExecuteRequest *req);
  * CommandSpec.run_as and CopySpec.owner, read the same way by the CLI and
  * the brokers (client/select.c). Any thread. */
 bool broker_user_spec_ok(const char *s);
+
+/* true for the name of a variable a command may be given (--env,
+ * --secret-env; CommandSpec.env and sealed_env): a POSIX name (letters,
+ * digits, _; not a digit first) of 1-256 bytes, not KSCORE_* (kscore's
+ * own: KSCORE_COMMAND_ID is how a command knows itself). The CLI and the
+ * brokers read it the same way (client/select.c). Any thread. */
+bool broker_env_name_ok(const char *name);
 
 #endif

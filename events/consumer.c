@@ -156,17 +156,14 @@ int
 evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                     char **errmsg)
 {
-    jsErrCode jerr = 0;
-    natsStatus s = js_DeleteConsumer(c->js, d->stream, d->durable, NULL,
-                                     &jerr);
+    int rc = evt_consumer_delete(c, d->stream, d->durable);
     /* Gone already (another broker's repair, or its deletion was what went
      * wrong): made below all the same. */
-    if (s != NATS_OK && s != NATS_NOT_FOUND &&
-        jerr != JSConsumerNotFoundErr) {
+    if (rc && rc != KS_ENOTFOUND) {
         if (errmsg && asprintf(errmsg, "consumer %s (delete): %s",
                                d->durable, nats_GetLastError(NULL)) < 0)
             *errmsg = NULL;
-        return evt_err(s) ? evt_err(s) : KS_ENATS;
+        return rc;
     }
     return evt_consumer_ensure(c, d, NULL, errmsg);
 }

@@ -315,6 +315,11 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         rc = KS_EUNAVAIL;
         goto out;
     }
+    if ((rc = evt__mux_init(c))) {
+        if (errmsg)
+            *errmsg = errmsg_dup("%s%s", ks_strerror(rc), "");
+        goto out;
+    }
     s = natsConnection_JetStream(&c->js, c->nc, NULL);
     if (s != NATS_OK) {
         if (errmsg)
@@ -342,8 +347,10 @@ evt_close(struct evt_conn *c)
     if (c->nc) {
         natsConnection_FlushTimeout(c->nc, 500);
         natsConnection_Close(c->nc);
-        natsConnection_Destroy(c->nc);
     }
+    /* After the close: its read thread, joined, delivers to no inbox. */
+    evt__mux_free(c);
+    natsConnection_Destroy(c->nc);
     EVP_PKEY_free(c->nkey); /* after the connection: reconnects sign */
     free(c);
 }
@@ -459,6 +466,10 @@ setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
     sc.Retention = js_InterestPolicy;
     sc.MaxBytes = EVT_EVENTS_MAX_BYTES;
     sc.Discard = js_DiscardNew;
+    /* Each agent's share (EVT_EVENTS_PER_SUBJECT): past it only that
+     * agent is refused. */
+    sc.MaxMsgsPerSubject = EVT_EVENTS_PER_SUBJECT;
+    sc.DiscardNewPerSubject = true;
     {
         /* A stream made by an older kscore keeps its retention (nats-server
          * cannot change it in place); it works as it did. */
@@ -486,7 +497,11 @@ setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
     kc.TTL = EVT_AGENT_TTL_MS * NS_PER_MS;
     kc.StorageType = js_FileStorage;
     kc.Replicas = replicas;
-    s = js_CreateKeyValue(&kv, c->js, &kc);
+    /* Made once; after that its stream is kscore's (below), which
+     * js_CreateKeyValue would call "a different configuration". */
+    s = js_KeyValue(&kv, c->js, EVT_KV_AGENTS);
+    if (s != NATS_OK)
+        s = js_CreateKeyValue(&kv, c->js, &kc);
     kvStore_Destroy(kv);
     if (s != NATS_OK) {
         if (errmsg)
@@ -494,11 +509,18 @@ setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
                                  EVT_KV_AGENTS, nats_GetLastError(NULL));
         return KS_ENATS;
     }
-    /* The bucket's stream: no message delete through the API (kvConfig
-     * has no such option in nats.c 3.4.1; a key's delete is a marker
-     * message). Purge must stay: a KV bucket's roll-ups need it (nats-server
-     * refuses DenyPurge with AllowRollup); a purge through the PubAck trick
-     * above costs at most one heartbeat (2 s) of registry entries. */
+    /* The bucket's stream: no message delete through the API, and no
+     * roll-up (kvConfig has no such options in nats.c 3.4.1). A roll-up
+     * header is the publisher's choice, and an agent may publish its own
+     * key: "Nats-Rollup: all" there removed every other entry (issue 21:
+     * one agent credential emptied the registry). kscore only puts and
+     * deletes keys (a delete is a marker message, which History 1 keeps
+     * alone: evt_agent_forget), so it needs none. Purge stays allowed:
+     * nats-server 2.9.10 refuses to turn deny_purge off again, and a
+     * cluster node that replays the bucket's creation over a stream that
+     * denies purge panics (jetstream_cluster.go processClusterCreateStream,
+     * seen in test_cluster); no agent reaches the purge API (the
+     * accounts). */
     {
         jsStreamInfo *si = NULL;
         char kvs[64];
@@ -508,9 +530,11 @@ setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
          * cluster) is scaled here too: js_CreateKeyValue leaves an
          * existing bucket as it is. */
         if (s == NATS_OK && si &&
-            (!si->Config->DenyDelete || si->Config->Replicas != replicas)) {
+            (!si->Config->DenyDelete || si->Config->AllowRollup ||
+             si->Config->Replicas != replicas)) {
             jsStreamInfo *nsi = NULL;
             si->Config->DenyDelete = true;
+            si->Config->AllowRollup = false;
             si->Config->Replicas = replicas;
             s = js_UpdateStream(&nsi, c->js, si->Config, jo, NULL);
             jsStreamInfo_Destroy(nsi);
@@ -567,18 +591,24 @@ evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms, char **errmsg)
 }
 
 int
-evt_agent_id_valid(const char *id)
+evt__token_ok(const char *s, size_t max)
 {
-    size_t n = id ? strlen(id) : 0;
-    if (n == 0 || n > EVT_AGENT_ID_MAX)
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > max)
         return 0;
     for (size_t i = 0; i < n; i++) {
-        char ch = id[i];
+        char ch = s[i];
         if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
               (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
             return 0;
     }
     return 1;
+}
+
+int
+evt_agent_id_valid(const char *id)
+{
+    return evt__token_ok(id, EVT_AGENT_ID_MAX);
 }
 
 void
@@ -588,6 +618,92 @@ evt_event_subject(char *buf, size_t len, const char *agent_id,
     snprintf(buf, len, "kscore.evt.%s.%s",
              agent_id && agent_id[0] ? agent_id : "_",
              command_id && command_id[0] ? command_id : "_");
+}
+
+int
+evt_event_subject_ok(const char *subject, const char *agent_id,
+                     const char *command_id)
+{
+    char want[16 + EVT_AGENT_ID_MAX + 40];
+    size_t n;
+
+    if (!subject || !agent_id || !agent_id[0])
+        return 0;
+    evt_event_subject(want, sizeof(want), agent_id, command_id);
+    if (strcmp(want, subject) == 0)
+        return 1;
+    /* "kscore.evt.<agent_id>.0": want with "0" for its last token. */
+    n = strlen(want) - strlen(strrchr(want, '.')) + 1;
+    return strncmp(want, subject, n) == 0 && strcmp(subject + n, "0") == 0;
+}
+
+int
+evt_events_agents_at_share(struct evt_conn *c, int timeout_ms,
+                           char ***ids_out, size_t *n_out)
+{
+    jsOptions jo;
+    jsStreamInfo *si = NULL;
+    char **ids = NULL;
+    size_t n = 0;
+    natsStatus s;
+
+    *ids_out = NULL;
+    *n_out = 0;
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    /* Only kscore.evt.<id>.0: the agents' own subjects, as mapped. */
+    jo.Stream.Info.SubjectsFilter = "kscore.evt.*.0";
+    s = js_GetStreamInfo(&si, c->js, EVT_STREAM_EVENTS, &jo, NULL);
+    if (s != NATS_OK)
+        return evt_err(s);
+    const jsStreamStateSubjects *ss = si->State.Subjects;
+    for (int i = 0; ss && i < ss->Count; i++) {
+        const jsStreamStateSubject *e = &ss->List[i];
+        if (e->Msgs < EVT_EVENTS_PER_SUBJECT)
+            continue;
+        char **v = realloc(ids, (n + 1) * sizeof(*ids));
+        if (!v)
+            break;
+        ids = v;
+        char id[EVT_AGENT_ID_MAX + 1];
+        if (!evt_event_subject_agent(e->Subject, id, sizeof(id))[0])
+            continue;
+        if (!(ids[n] = strdup(id)))
+            break;
+        n++;
+    }
+    jsStreamInfo_Destroy(si);
+    *ids_out = ids;
+    *n_out = n;
+    return 0;
+}
+
+void
+evt_strv_free(char **v, size_t n)
+{
+    for (size_t i = 0; v && i < n; i++)
+        free(v[i]);
+    free(v);
+}
+
+char *
+evt_event_subject_agent(const char *subject, char *buf, size_t len)
+{
+    static const char prefix[] = "kscore.evt.";
+    size_t n;
+
+    buf[0] = '\0';
+    if (!subject || strncmp(subject, prefix, sizeof(prefix) - 1) != 0)
+        return buf;
+    subject += sizeof(prefix) - 1;
+    n = strcspn(subject, ".");
+    if (n == 0 || n >= len || n > EVT_AGENT_ID_MAX)
+        return buf;
+    memcpy(buf, subject, n);
+    buf[n] = '\0';
+    if (!evt_agent_id_valid(buf))
+        buf[0] = '\0';
+    return buf;
 }
 
 void
@@ -652,40 +768,41 @@ pack_checked(const ProtobufCMessage *msg, uint8_t **buf, size_t *len)
     return kproto_pack(msg, buf, len);
 }
 
-static int
-js_publish_id(struct evt_conn *c, const char *subject, const uint8_t *buf,
-              size_t len, const char *msg_id, int timeout_ms)
-{
-    jsPubOptions po;
-    jsPubAck *pa = NULL;
-    jsErrCode jerr = 0;
-    natsStatus s;
+/* One message's subject and de-duplication id, with their storage. */
+struct cmd_msg {
+    char subject[20 + 2 * EVT_AGENT_ID_MAX];
+    char msg_id[64];
+    uint8_t *buf;
+    size_t len;
+};
 
-    jsPubOptions_Init(&po);
-    po.MsgId = msg_id;
-    po.MaxWait = timeout_ms;
-    s = js_Publish(&pa, c->js, subject, buf, (int)len, &po, &jerr);
-    jsPubAck_Destroy(pa);
-    return evt_err(s);
+/* Signs and packs cmd into m: "<command_id>.<attempt>" as its Nats-Msg-Id
+ * (the broker publishes a new attempt under a new id). */
+static int
+cmd_msg_make(const struct evt_signer *signer, const Ks__Command *cmd,
+             const char *pool, struct cmd_msg *m)
+{
+    int rc = evt__sign_command(signer, cmd, &m->buf, &m->len);
+    if (rc)
+        return rc;
+    evt_cmd_subject(m->subject, sizeof(m->subject), pool, cmd->agent_id);
+    snprintf(m->msg_id, sizeof(m->msg_id), "%s.%u", cmd->command_id,
+             cmd->attempt);
+    return 0;
 }
 
 int
 evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                     const Ks__Command *cmd, const char *pool, int timeout_ms)
 {
-    char subject[20 + 2 * EVT_AGENT_ID_MAX];
-    char msg_id[64];
-    uint8_t *buf = NULL;
-    size_t len = 0;
+    struct cmd_msg m = {0};
     int rc;
 
-    rc = evt__sign_command(signer, cmd, &buf, &len);
-    if (rc)
+    if ((rc = cmd_msg_make(signer, cmd, pool, &m)))
         return rc;
-    evt_cmd_subject(subject, sizeof(subject), pool, cmd->agent_id);
-    snprintf(msg_id, sizeof(msg_id), "%s.%u", cmd->command_id, cmd->attempt);
-    rc = js_publish_id(c, subject, buf, len, msg_id, timeout_ms);
-    free(buf);
+    rc = evt_js_publish_as(c, NULL, m.subject, m.msg_id, m.buf, m.len,
+                           timeout_ms, NULL, NULL, 0);
+    free(m.buf);
     return rc;
 }
 
@@ -694,37 +811,37 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                      Ks__Command *const *cmds, const char *const *pools,
                      size_t n, int timeout_ms)
 {
+    struct cmd_msg m[EVT_JS_WINDOW_MAX];
+    struct evt_js_msg w[EVT_JS_WINDOW_MAX];
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     int failed = 0;
 
-    for (size_t i = 0; i < n; i++) {
-        char subject[20 + 2 * EVT_AGENT_ID_MAX], msg_id[64];
-        uint8_t *buf = NULL;
-        size_t len = 0;
-        jsPubOptions po;
+    /* A window at a time: each PubAck looked at (nats.c 3.4.1's
+     * js_PublishAsync drops an error PubAck unless an error handler is
+     * set, and the batch took such commands for published). */
+    for (size_t off = 0; off < n; off += EVT_JS_WINDOW_MAX) {
+        size_t k = n - off < EVT_JS_WINDOW_MAX ? n - off : EVT_JS_WINDOW_MAX;
+        size_t nw = 0;
+        int64_t left_ms = (deadline - ks_mono_us()) / 1000;
 
-        if (evt__sign_command(signer, cmds[i], &buf, &len) != 0) {
-            failed++;
-            continue;
+        for (size_t i = 0; i < k; i++) {
+            const Ks__Command *cmd = cmds[off + i];
+            struct cmd_msg *cm = &m[nw];
+            memset(cm, 0, sizeof(*cm));
+            if (cmd_msg_make(signer, cmd, pools ? pools[off + i] : NULL,
+                             cm) != 0) {
+                failed++; /* too large: never sent */
+                continue;
+            }
+            w[nw++] = (struct evt_js_msg){cm->subject, cm->msg_id, cm->buf,
+                                          cm->len, 0, NULL, NULL, 0};
         }
-        evt_cmd_subject(subject, sizeof(subject), pools ? pools[i] : NULL,
-                        cmds[i]->agent_id);
-        snprintf(msg_id, sizeof(msg_id), "%s.%u", cmds[i]->command_id,
-                 cmds[i]->attempt);
-        jsPubOptions_Init(&po);
-        po.MsgId = msg_id;
-        if (js_PublishAsync(c->js, subject, buf, (int)len, &po) != NATS_OK)
-            failed++;
-        free(buf);
-    }
-    if (n) {
-        jsPubOptions po;
-        natsMsgList pending = {0};
-        jsPubOptions_Init(&po);
-        po.MaxWait = timeout_ms;
-        if (js_PublishAsyncComplete(c->js, &po) != NATS_OK &&
-            js_PublishAsyncGetPendingList(&pending, c->js) == NATS_OK) {
-            failed += pending.Count;
-            natsMsgList_Destroy(&pending);
+        if (nw)
+            evt_js_publish_window(c, NULL, w, nw,
+                                  left_ms > 0 ? (int)left_ms : 1);
+        for (size_t i = 0; i < nw; i++) {
+            failed += w[i].rc != 0;
+            free(m[i].buf);
         }
     }
     return failed;
@@ -742,7 +859,8 @@ evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms)
     if (rc)
         return rc;
     evt_event_subject(subject, sizeof(subject), ev->agent_id, ev->command_id);
-    rc = js_publish_id(c, subject, buf, len, ev->event_id, timeout_ms);
+    rc = evt_js_publish_as(c, NULL, subject, ev->event_id, buf, len,
+                           timeout_ms, NULL, NULL, 0);
     free(buf);
     return rc;
 }
@@ -1057,11 +1175,13 @@ delivers_otherwise(const jsConsumerConfig *have, const jsConsumerConfig *want)
 {
     const char *hg = have->DeliverGroup ? have->DeliverGroup : "";
     const char *wg = want->DeliverGroup ? want->DeliverGroup : "";
+    /* A pull consumer has no deliver subject. */
+    const char *hd = have->DeliverSubject ? have->DeliverSubject : "";
+    const char *wd = want->DeliverSubject ? want->DeliverSubject : "";
 
     return !have->FilterSubject ||
            strcmp(have->FilterSubject, want->FilterSubject) != 0 ||
-           !have->DeliverSubject ||
-           strcmp(have->DeliverSubject, want->DeliverSubject) != 0 ||
+           strcmp(hd, wd) != 0 ||
            strcmp(hg, wg) != 0 || have->AckPolicy != want->AckPolicy ||
            have->DeliverPolicy != want->DeliverPolicy || have->HeadersOnly ||
            have->FlowControl || have->Heartbeat != 0 ||
@@ -1091,8 +1211,8 @@ evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
     evt_deliver_subject(deliver, sizeof(deliver), d->durable);
     jsConsumerConfig_Init(&cc);
     cc.Durable = d->durable;
-    cc.DeliverSubject = deliver;
-    cc.DeliverGroup = d->deliver_group;
+    cc.DeliverSubject = d->pull ? NULL : deliver;
+    cc.DeliverGroup = d->pull ? NULL : d->deliver_group;
     cc.FilterSubject = d->filter_subject;
     cc.AckPolicy = js_AckExplicit;
     cc.DeliverPolicy = js_DeliverAll;
@@ -1159,12 +1279,19 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
         return rc;
     jsSubOptions_Init(&so);
     so.Stream = d->stream;
-    so.Consumer = d->durable;
-    so.Queue = d->deliver_group;
-    so.ManualAck = true;
-    s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so, &jerr);
-    if (s == NATS_OK)
-        s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    so.Consumer = d->durable; /* bound: nats.c never deletes it */
+    if (d->pull) {
+        BUG_ON(cb);
+        s = js_PullSubscribe(&sub, c->js, d->filter_subject, d->durable,
+                             NULL, &so, &jerr);
+    } else {
+        so.Queue = d->deliver_group;
+        so.ManualAck = true;
+        s = js_Subscribe(&sub, c->js, d->filter_subject, cb, ud, NULL, &so,
+                         &jerr);
+        if (s == NATS_OK)
+            s = natsSubscription_SetPendingLimits(sub, -1, -1);
+    }
     if (s != NATS_OK) {
         if (errmsg)
             *errmsg = errmsg_dup("consumer %s: %s", d->durable,
@@ -1174,6 +1301,38 @@ evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
     }
     *sub_out = sub;
     return 0;
+}
+
+int
+evt_consumer_delete(struct evt_conn *c, const char *stream,
+                    const char *durable)
+{
+    jsErrCode jerr = 0;
+    natsStatus s = js_DeleteConsumer(c->js, stream, durable, NULL, &jerr);
+    if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr)
+        return KS_ENOTFOUND;
+    return s == NATS_OK ? 0 : KS_ENATS;
+}
+
+int
+evt_fetch(natsSubscription *sub, int batch, int wait_ms, natsMsgList *out)
+{
+    jsFetchRequest req;
+    natsStatus s;
+
+    BUG_ON(batch < 1 || batch > EVT_FETCH_MAX || wait_ms < 1);
+    jsFetchRequest_Init(&req);
+    req.Batch = batch;
+    req.NoWait = true;
+    req.Expires = (int64_t)wait_ms * NS_PER_MS;
+    s = natsSubscription_FetchRequest(out, sub, &req);
+    if (s == NATS_OK)
+        return out->Count > 0 ? 0 : KS_ETIMEDOUT;
+    /* 404 (nothing, no wait) and 408 (expired, or other requests first)
+     * are both "nothing now". */
+    if (s == NATS_TIMEOUT || s == NATS_NOT_FOUND)
+        return KS_ETIMEDOUT;
+    return evt_err(s);
 }
 
 uint64_t

@@ -12,8 +12,11 @@
  *                  Nats-Msg-Id "<command>.<attempt>"
  *   KSCORE_EVENTS  stream, interest retention (an event stays until the
  *                  recorder acks it), at most EVT_EVENTS_MAX_BYTES with
- *                  discard new, file, subjects kscore.evt.>,
- *                  duplicate window 2 min; Nats-Msg-Id = event_id
+ *                  discard new, at most EVT_EVENTS_PER_SUBJECT per
+ *                  subject with discard new per subject (an agent's
+ *                  events all come on kscore.evt.<id>.0: its share), file,
+ *                  subjects kscore.evt.>, duplicate window 2 min;
+ *                  Nats-Msg-Id = event_id
  *   KSCORE_AGENTS  KV bucket (stream KV_KSCORE_AGENTS), key = agent id,
  *                  value = packed Ks__AgentInfo, max age EVT_AGENT_TTL_MS
  *   kscore.api.v1.<method>  core request/reply, queue group kscore-broker
@@ -47,7 +50,11 @@
 #define EVT_STREAM_EVENTS "KSCORE_EVENTS"
 #define EVT_KV_AGENTS "KSCORE_AGENTS"
 #define EVT_BROKER_QUEUE "kscore-broker"
-#define EVT_RECORDER_DURABLE "kscore-recorder"
+/* The recorder's pull consumer on KSCORE_EVENTS (broker/recorder.c). */
+#define EVT_RECORDER_DURABLE "kscore-recorder-pull"
+/* The push consumer kscore had before (deliver group kscore-broker): a
+ * broker deletes it once the pull consumer exists. */
+#define EVT_RECORDER_DURABLE_PUSH "kscore-recorder"
 
 /*
  * API subjects. A request goes to "<subject>.<identity>": the last token
@@ -58,7 +65,16 @@
  */
 #define EVT_API_PREFIX "kscore.api.v1."
 #define EVT_API_EXECUTE "kscore.api.v1.execute"
+/* An ExecuteCommand asked again (the same request, key_may_exist): every
+ * broker gets it (no queue group), so one that is stopped or gone cannot
+ * swallow it as it can an ask to the group (broker_execute). */
+#define EVT_API_EXECUTE_AGAIN "kscore.api.v1.execute-again"
 #define EVT_API_CLAIM "kscore.api.v1.claim"
+/* A claim asked again (the same claim id): every broker gets it, as
+ * EVT_API_EXECUTE_AGAIN. Under the claim subject's prefix, so the AGENTS
+ * account reaches it through the same service import
+ * (deploy/nats-auth.conf.in); "claim.*" (the first ask) never matches it. */
+#define EVT_API_CLAIM_AGAIN "kscore.api.v1.claim.again"
 #define EVT_API_GET "kscore.api.v1.get"
 #define EVT_API_EVENTS "kscore.api.v1.events"
 #define EVT_API_CANCEL "kscore.api.v1.cancel"
@@ -69,6 +85,7 @@
 #define EVT_API_LOGS "kscore.api.v1.logs"
 #define EVT_API_UPLOAD "kscore.api.v1.upload"
 #define EVT_API_FETCH "kscore.api.v1.fetch"
+#define EVT_API_LABEL "kscore.api.v1.label"
 
 /* Agent heartbeat period and the registry entry's max age (ms). */
 #define EVT_HEARTBEAT_MS 2000
@@ -78,6 +95,20 @@
 /* The most KSCORE_EVENTS holds unrecorded (bytes): the stream's max_bytes
  * with discard new (evt_setup). */
 #define EVT_EVENTS_MAX_BYTES (INT64_C(1) << 30)
+/*
+ * The most KSCORE_EVENTS holds unrecorded of one subject (messages), with
+ * discard new per subject: a publish past it is refused (its PubAck is an
+ * error, "maximum messages per subject exceeded"; an agent keeps the event
+ * in its outbox and tries again). nats-server maps every event an agent
+ * publishes (kscore.evt.<id>.<command>) to kscore.evt.<id>.0 in the
+ * agents' account (deploy/nats-auth.conf.in), so this is each agent id's
+ * share:
+ * one id that publishes faster than the recorder records holds at most
+ * this many (of at most KS_MAX_MESSAGE_BYTES each, 1/8 of
+ * EVT_EVENTS_MAX_BYTES), and the others' events still get in, and are
+ * recorded after at most this many of its.
+ */
+#define EVT_EVENTS_PER_SUBJECT 128
 /* Longest agent id (bytes, without NUL). */
 #define EVT_AGENT_ID_MAX 128
 /* Longest identity: the NATS user name that API and inbox subjects carry
@@ -113,6 +144,8 @@ struct evt_conn {
     /* Connect attempts given up in the signature handler because the
      * signature began with a zero byte (events.c sign_nonce). */
     _Atomic unsigned zero_sigs;
+    /* Its reply inboxes (events/request.c, events_int.h). */
+    struct evt__mux *mux;
 };
 
 /* How many NKey signatures, over all connections of this process, began
@@ -122,8 +155,8 @@ struct evt_conn {
  * About one in 256. For tests and the logs. */
 unsigned evt_nkey_zero_signatures(void);
 
-/* Longest inbox subject evt_inbox() makes, with its NUL. */
-#define EVT_INBOX_MAX 128
+/* Longest reply subject of an inbox (evt_inbox_subject), with its NUL. */
+#define EVT_INBOX_MAX 256
 
 /*
  * Connects to url (comma-separated list allowed). Returns 0, or
@@ -184,6 +217,28 @@ int evt_agent_id_valid(const char *id);
  */
 void evt_event_subject(char *buf, size_t len, const char *agent_id,
                        const char *command_id);
+/* 1 if an event of agent_id about command_id may come on subject: its
+ * evt_event_subject, or "kscore.evt.<agent_id>.0", which nats-server makes
+ * of it in the agents' account (deploy/nats-auth.conf.in: the subject is
+ * the sender's share of the stream). Else 0. */
+int evt_event_subject_ok(const char *subject, const char *agent_id,
+                         const char *command_id);
+/*
+ * The agent ids that hold EVT_EVENTS_PER_SUBJECT unrecorded events now
+ * (their publishes are refused until the recorder takes some): from the
+ * stream's per-subject counts of kscore.evt.<id>.0. On 0, *ids_out
+ * (malloc'd, each malloc'd; free with evt_strv_free) and *n_out. Any
+ * thread. 0 or KS_ENATS.
+ */
+int evt_events_agents_at_share(struct evt_conn *c, int timeout_ms,
+                               char ***ids_out, size_t *n_out);
+/* Frees n strings and their array (accepts NULL). */
+void evt_strv_free(char **v, size_t n);
+/* The agent id token of an event subject ("kscore.evt.<agent_id>.<...>")
+ * into buf (>= EVT_AGENT_ID_MAX + 1);
+ * "" when subject is no such thing or the token is no valid agent id.
+ * Returns buf. */
+char *evt_event_subject_agent(const char *subject, char *buf, size_t len);
 
 /*
  * The subject a command for agent_id is published on, into buf
@@ -441,32 +496,36 @@ int evt_unseal_env(const struct evt_seal_key *k, const char *agent_id,
  * Publishes a command on KSCORE_CMDS, on evt_cmd_subject(pool,
  * cmd->agent_id) (pool: the id's AgentInfo.pool as the broker's registry
  * knows it; NULL or "": none), as a SignedCommand (signed by signer) with
- * Nats-Msg-Id "<command_id>.<attempt>" and waits for the PubAck
- * (timeout_ms). Returns 0, KS_ETOOBIG (packed size over
- * KS_MAX_MESSAGE_BYTES; nothing published), KS_ETIMEDOUT, KS_ENATS.
+ * Nats-Msg-Id "<command_id>.<attempt>" and waits for the PubAck: through
+ * evt_js_publish_window on c's own inbox, so tried again within
+ * timeout_ms (the whole budget, ms: EVT_PUBLISH_RETRY_MS to outlast a
+ * stream leader's election) while the stream does not take it for now.
+ * Returns 0, KS_ETOOBIG (packed size over KS_MAX_MESSAGE_BYTES; nothing
+ * published), KS_ETIMEDOUT, KS_EUNAVAIL, KS_ENATS.
  */
 int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                         const Ks__Command *cmd, const char *pool,
                         int timeout_ms);
 /*
- * The same for n commands at once: all published asynchronously
- * (js_PublishAsync), then their PubAcks awaited together (up to
- * timeout_ms in all), so n publishes cost about one round trip, not n.
+ * The same for n commands at once, EVT_JS_WINDOW_MAX to a window
+ * (evt_js_publish_window: one round trip each, every PubAck looked at,
+ * what the stream did not take tried again), all within timeout_ms.
  * pools: NULL, or n entries (each NULL, "" or the pool of cmds[i]'s agent,
  * as for evt_publish_command).
- * Returns how many were not acknowledged in time or could not be sent
- * (0: all stored); a command too large is counted and not sent. Not for
- * concurrent use on one connection (one caller thread: the batch
- * scheduler): it waits for every asynchronous publish of c->js.
+ * Returns how many were not stored: refused, unanswered within
+ * timeout_ms, or never sent (a command too large). 0: all stored. Any
+ * thread.
  */
 int evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                          Ks__Command *const *cmds, const char *const *pools,
                          size_t n, int timeout_ms);
 
 /*
- * Publishes an event to evt_event_subject(agent_id, command_id) on KSCORE_EVENTS with Nats-Msg-Id = event_id,
- * waiting for the PubAck (timeout_ms). A duplicate PubAck counts as
- * success. Returns 0, KS_ETOOBIG, KS_ETIMEDOUT, KS_ENATS.
+ * Publishes an event to evt_event_subject(agent_id, command_id) on
+ * KSCORE_EVENTS with Nats-Msg-Id = event_id and waits for the PubAck, as
+ * evt_publish_command (tried again within timeout_ms). A duplicate PubAck
+ * counts as success. Returns 0, KS_ETOOBIG, KS_ETIMEDOUT, KS_EUNAVAIL,
+ * KS_ENATS.
  */
 int evt_publish_event(struct evt_conn *c, const Ks__Event *ev, int timeout_ms);
 
@@ -504,46 +563,105 @@ int evt_publish_msg(struct evt_conn *c, const char *subject,
  * KS_ETOOBIG (past EVT_REPLY_MAX_BYTES), KS_ENATS, -ENOMEM. */
 int evt_publish_reply(struct evt_conn *c, const char *subject,
                       const ProtobufCMessage *msg);
-/*
- * Takes the parts that follow first (a message with Ks-Parts n > 1) from
- * sub, each within timeout_ms, and returns in *out one message with the
- * whole data (first is consumed either way). A message without the
- * header is returned as is. 0, KS_ETIMEDOUT, KS_EDECODE (parts out of
- * order), KS_ETOOBIG, -ENOMEM.
- */
-int evt_join_parts(natsSubscription *sub, natsMsg *first, int timeout_ms,
-                   natsMsg **out);
 /* evt_unpack for a reply that may have come in parts: up to
  * EVT_REPLY_MAX_BYTES. */
 int evt_unpack_reply(const ProtobufCMessageDescriptor *desc, const void *data,
                      size_t len, ProtobufCMessage **out);
 
 /*
- * Replies only this identity may read (events/request.c). Every request
- * kscore makes goes out with the reply subject
- * "_INBOX.<identity>.<uuid>", and the server's permissions let a
+ * Reply inboxes (events/request.c). Every request kscore makes gets its
+ * replies on "_INBOX.<identity>.<...>", and the server's permissions let a
  * user subscribe to "_INBOX.<its name>.>" only, so nobody reads another
  * user's replies (nats.c 3.4.1's own requests use "_INBOX.<nuid>", which
  * would need "_INBOX.>" for everyone).
  *
- * evt_inbox: a fresh subject "_INBOX.<identity>.<uuid>" in buf (len >=
- * EVT_INBOX_MAX) for a subscription of the caller's own (batch progress).
- * 0 or KS_ETOOBIG.
+ * The inboxes live as long as the connection: kscore makes no subscription
+ * per request (a subscription destroyed while a late reply came in could
+ * hang nats.c 3.4.1's read thread for good: nats.c issue 637). Each
+ * identity of a connection has a few synchronous subscriptions, each lent
+ * to one waiter at a time (a lease): the lease's subject
+ * evt_inbox_subject() and anything under it ("<subject>.<suffix>") reach
+ * it; a reply for an earlier lease of the same subscription (its waiter
+ * gave up) is dropped and counted (evt_late_replies). No delivery thread
+ * is involved: a handler on nats.c's delivery threads may wait for a
+ * reply.
  *
- * evt_request_bytes: publishes data (len bytes, at most
- * KS_MAX_MESSAGE_BYTES) to subject with such a reply subject, and the
- * header Nats-Msg-Id = msg_id when msg_id is not NULL (a JetStream publish
- * whose PubAck is the reply); waits up to timeout_ms for the reply. On 0,
- * *reply_out is the reply (natsMsg_Destroy it). KS_EUNAVAIL when the
- * server says no one serves subject (no responders) or the connection is
- * down, KS_ETIMEDOUT, KS_ETOOBIG, KS_ENATS (e.g. the permissions refuse
- * the inbox subscription), -ENOMEM. Any thread, delivery threads included
- * (it waits in the calling thread).
+ * evt_inbox_take: lends an inbox of identity (NULL: the connection's;
+ * letters, digits, _ and -, at most EVT_AGENT_ID_MAX + 8 of them, or
+ * KS_EINVAL) to the caller, which alone uses it
+ * until evt_inbox_give. Waits only when INBOXES_MAX (1024) of this
+ * identity are lent. 0, KS_EINVAL, -ENOMEM, or as evt_err when a
+ * subscription cannot be made. Any thread.
+ * evt_inbox_subject: the lease's reply subject (valid until give).
+ * evt_inbox_send: publishes data (len bytes, <= KS_MAX_MESSAGE_BYTES) to
+ * subject with the reply "<lease subject>[.<reply_suffix>]" (suffix NULL
+ * or ""; a valid subject token or tokens) and the header Nats-Msg-Id =
+ * msg_id when not NULL. 0, KS_ETOOBIG, or as evt_err.
+ * evt_inbox_next: the next message for the lease within timeout_ms (ms,
+ * > 0): 0 with *out (natsMsg_Destroy it; its subject says which suffix),
+ * KS_EUNAVAIL for the server's "no responders" to one of the lease's
+ * publishes (nobody serves its subject) or a connection gone,
+ * KS_ETIMEDOUT.
+ * evt_inbox_give: gives the inbox back (accepts NULL). One whose publish
+ * is still unanswered is lent again only after a PING has come back
+ * (evt_link_probe), so that no late "no responders" meets the next waiter.
  */
-int evt_inbox(const struct evt_conn *c, char *buf, size_t len);
+struct evt_inbox;
+int evt_inbox_take(struct evt_conn *c, const char *identity,
+                   struct evt_inbox **out);
+const char *evt_inbox_subject(const struct evt_inbox *ib);
+int evt_inbox_send(struct evt_inbox *ib, const char *subject,
+                   const char *reply_suffix, const char *msg_id,
+                   const void *data, size_t len);
+int evt_inbox_next(struct evt_inbox *ib, int timeout_ms, natsMsg **out);
+void evt_inbox_give(struct evt_inbox *ib);
+/*
+ * Takes the parts that follow first (a message with Ks-Parts n > 1) from
+ * ib, each within timeout_ms, and returns in *out one message with the
+ * whole data (first is consumed either way). A message without the
+ * header is returned as is. 0, KS_ETIMEDOUT, KS_EDECODE (parts out of
+ * order), KS_ETOOBIG, -ENOMEM.
+ */
+int evt_join_parts(struct evt_inbox *ib, natsMsg *first, int timeout_ms,
+                   natsMsg **out);
+/* Replies dropped because their waiter had given up, since connect. */
+uint64_t evt_late_replies(const struct evt_conn *c);
+
+/*
+ * The link's liveness. nats.c may say CONNECTED while nothing gets
+ * through (writes failing, a server that stopped, a read thread that
+ * hangs): only an answer from the server proves the link.
+ * evt_link_probe: a PING and its PONG (natsConnection_FlushTimeout) within
+ * timeout_ms; 0 or as evt_err (KS_ETIMEDOUT, KS_EUNAVAIL). Any thread.
+ * evt_link_answered_us: when the server last answered on c (ks_mono_us: a
+ * message on one of its inboxes, a "no responders", a probe's PONG); 0:
+ * never.
+ */
+int evt_link_probe(struct evt_conn *c, int timeout_ms);
+int64_t evt_link_answered_us(const struct evt_conn *c);
+
+/*
+ * A watch of c's link (events/link.c): a thread that, while nats.c says
+ * CONNECTED, sends a PING every EVT_LINK_PROBE_MS unless something else
+ * was answered within that time, and calls dead(ud, silent_us) once when
+ * nats.c has said CONNECTED for more than timeout_ms (ms) with no answer
+ * from the server in that time: a link nats.c will not repair (a server
+ * stopped or cut off without a reset, a read thread that hangs). While
+ * nats.c says it is not connected it reconnects by itself, and the watch
+ * only waits. dead runs on the watch's thread; it must not stop the watch.
+ * 0 with *out, -ENOMEM, KS_EINTERNAL. evt_link_watch_stop joins the thread
+ * and frees (accepts NULL); c must outlive the watch.
+ */
+#define EVT_LINK_PROBE_MS 1000
+struct evt_link_watch;
+int evt_link_watch_start(struct evt_conn *c, int timeout_ms,
+                         void (*dead)(void *ud, int64_t silent_us), void *ud,
+                         struct evt_link_watch **out);
+void evt_link_watch_stop(struct evt_link_watch *w);
+
 /*
  * evt_request under another identity than the connection's: API subjects
- * get ".<identity>" and the reply comes to "_INBOX.<identity>.<uuid>".
+ * get ".<identity>" and the reply comes to an inbox of identity.
  * For a connection that acts for several ids (an agent process serving
  * several agent ids claims as "agent-<id>" for each): the server's
  * permissions must allow that user both subjects. identity NULL: the
@@ -552,11 +670,22 @@ int evt_inbox(const struct evt_conn *c, char *buf, size_t len);
 int evt_request_as(struct evt_conn *c, const char *identity,
                    const char *subject, const ProtobufCMessage *msg,
                    int timeout_ms, natsMsg **reply_out);
+/*
+ * Request/reply on a lent inbox (evt_inbox_take). evt_request_bytes:
+ * publishes data (len bytes, at most KS_MAX_MESSAGE_BYTES) to subject,
+ * with the header Nats-Msg-Id = msg_id when msg_id is not NULL (a
+ * JetStream publish whose PubAck is the reply); waits up to timeout_ms
+ * for the reply, put together from its parts if it came in parts. On 0,
+ * *reply_out is the reply (natsMsg_Destroy it). KS_EUNAVAIL when the
+ * server says no one serves subject (no responders) or the connection is
+ * down, KS_ETIMEDOUT, KS_ETOOBIG, KS_ENATS, -ENOMEM. Any thread, delivery
+ * threads included (it waits in the calling thread).
+ */
 int evt_request_bytes(struct evt_conn *c, const char *subject,
                       const char *msg_id, const void *data, size_t len,
                       int timeout_ms, natsMsg **reply_out);
-/* evt_request_bytes with the reply on "_INBOX.<identity>.<uuid>" (NULL:
- * the connection's identity), as evt_request_as. */
+/* evt_request_bytes with the reply on an inbox of identity (NULL: the
+ * connection's), as evt_request_as. */
 int evt_request_bytes_as(struct evt_conn *c, const char *identity,
                          const char *subject, const char *msg_id,
                          const void *data, size_t len, int timeout_ms,
@@ -591,18 +720,31 @@ int evt_puback_parse(const void *data, size_t len, struct evt_puback *out,
 uint64_t evt_ack_delivered(const char *reply);
 
 /*
+ * How long a JetStream publish is tried again while the stream does not
+ * take it for now (ms): a stream leader's election after its node died,
+ * measured at up to 15 s on `kscore up --cluster 3` (README "A cluster"),
+ * with room to spare. What waits for a command's publish (the broker's
+ * dispatch) gives it this much.
+ */
+#define EVT_PUBLISH_RETRY_MS 20000
+/* One try's wait for its PubAcks (ms); a PubAck takes milliseconds. */
+#define EVT_PUBLISH_TRY_MS 2000
+
+/*
  * Publishes data (len bytes) to a stream's subject and waits for the
- * stream's PubAck, which comes back on "_INBOX.<identity>.<uuid>"
- * (evt_request_bytes_as: identity NULL is the connection's) with the header
- * Nats-Msg-Id = msg_id when not NULL. A duplicate is a success (the stream
- * has the message). No $JS.API subject is used, so a user that may only
- * publish to the subject and read its own inbox can do it. Returns 0 with
- * *ack_out (may be NULL); KS_ENATS when the stream refused it (why, up
- * to why_len bytes, may be NULL, says why: evt_puback_parse);
- * KS_EUNAVAIL when no stream takes the subject ("no responders") or the
- * connection is down; KS_ETIMEDOUT (also what a publish the permissions
- * refuse looks like: the server drops it); KS_EDECODE (a reply that is no
- * PubAck); KS_ETOOBIG; -ENOMEM. Any thread; waits in the calling thread.
+ * stream's PubAck, which comes back on an inbox of identity (NULL: the
+ * connection's), with the header Nats-Msg-Id = msg_id when not NULL: as
+ * evt_js_publish_window for one message, so tried again within
+ * timeout_ms when the stream does not take it for now. A duplicate is a
+ * success (the stream has the message). No $JS.API subject is used, so a
+ * user that may only publish to the subject and read its own inbox can do
+ * it. Returns 0 with *ack_out (may be NULL); KS_ENATS when the stream
+ * refused it (why, up to why_len bytes, may be NULL, says why:
+ * evt_puback_parse); KS_EUNAVAIL when no stream takes the subject ("no
+ * responders") or the connection is down; KS_ETIMEDOUT (also what a
+ * publish the permissions refuse looks like: the server drops it);
+ * KS_EDECODE (a reply that is no PubAck); KS_ETOOBIG; -ENOMEM. Any
+ * thread; waits in the calling thread.
  */
 int evt_js_publish_as(struct evt_conn *c, const char *identity,
                       const char *subject, const char *msg_id,
@@ -616,18 +758,29 @@ struct evt_js_msg {
     const void *data;
     size_t len;
     int rc; /* out: as evt_js_publish_as */
+    struct evt_puback *ack; /* out, may be NULL: its PubAck */
+    char *why;              /* out, may be NULL: why it failed */
+    size_t why_len;
 };
 
 /*
- * evt_js_publish_as for n messages at once (1 <= n <= EVT_JS_WINDOW_MAX):
- * all are published with replies on one inbox of identity
- * ("_INBOX.<identity>.<uuid>.<i>", one subscription), then the PubAcks are
- * collected, so n publishes cost one round trip and one subscription,
- * not n. Each msgs[i].rc is set (0, KS_ENATS, KS_EUNAVAIL, KS_ETIMEDOUT
- * when no PubAck came within timeout_ms in all, KS_EDECODE, KS_ETOOBIG).
- * Returns 0 when every rc is 0, else the first failing rc. The stream
- * may store them in any order: callers that need an order put one
- * message of a kind in a window. Any thread; waits in the calling thread.
+ * Publishes n messages (1 <= n <= EVT_JS_WINDOW_MAX) to stream subjects
+ * and waits for their PubAcks: all are published with replies on one
+ * inbox lease of identity (NULL: the connection's), "<lease>.<i>", then
+ * the PubAcks are collected, so n publishes cost one round trip, not n.
+ * Every PubAck is looked at: an error is that message's failure, never
+ * taken for a success. What the stream did not take for now ("no
+ * responders": no stream leader; no PubAck within EVT_PUBLISH_TRY_MS; an
+ * error PubAck with code 503) is published again, with the same msg_id,
+ * with a growing pause (50 ms to 1 s), until timeout_ms (ms, the whole
+ * budget) has passed: the stream's de-duplication (within
+ * EVT_DUPLICATE_WINDOW_MS) keeps one copy of a message that more than one
+ * try reached, so a message without a msg_id may be stored twice. Each
+ * msgs[i].rc is set (0, KS_ENATS, KS_EUNAVAIL, KS_ETIMEDOUT, KS_EDECODE,
+ * KS_ETOOBIG), and ack / why when given. Returns 0 when every rc is 0,
+ * else the first failing rc. The stream may store them in any order:
+ * callers that need an order put one message of a kind in a window. Any
+ * thread; waits in the calling thread.
  */
 #define EVT_JS_WINDOW_MAX 256
 int evt_js_publish_window(struct evt_conn *c, const char *identity,
@@ -663,6 +816,29 @@ int evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
 int evt_check_wire(const ProtobufCMessageDescriptor *desc, const void *data,
                    size_t len, char *why, size_t why_len);
 
+/*
+ * One field of a protobuf message on the wire (protobuf.dev "Encoding":
+ * a varint key, field number << 3 | wire type). number >= 1; type 0
+ * (varint: value), 1 (8 bytes), 2 (length-delimited), 5 (4 bytes): data
+ * and len are the field's bytes for 1, 2 and 5 (they point into the
+ * message).
+ */
+struct evt_wire_field {
+    uint32_t number;
+    unsigned type;
+    uint64_t value;
+    const uint8_t *data;
+    size_t len;
+};
+/*
+ * Reads the top-level field at *p (end: the message's end) into *f and
+ * moves *p past it, without decoding anything else (a field a reader does
+ * not need costs nothing, however long). 0; 1 at the end (*p == end);
+ * KS_EDECODE when malformed or a group (not in kscore.proto). Pure.
+ */
+int evt_wire_next(const uint8_t **p, const uint8_t *end,
+                  struct evt_wire_field *f);
+
 /* A durable push consumer, created (or updated) explicitly and then bound,
  * so that unsubscribing never deletes it: nats.c deletes a consumer that
  * js_Subscribe itself created when the subscription is unsubscribed or
@@ -677,6 +853,9 @@ struct evt_durable {
     int64_t max_ack_pending;
     int64_t ack_wait_ms;
     int64_t max_deliver;          /* 0: unlimited */
+    /* A pull consumer (no deliver subject, no group): its messages go only
+     * to whoever asks for them (evt_durable_subscribe, evt_fetch). */
+    bool pull;
 };
 
 /* What evt_consumer_ensure did. */
@@ -711,7 +890,10 @@ int evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
  * Creates or updates the consumer (evt_consumer_ensure), then subscribes to
  * its deliver subject with manual acks and no pending limits. cb runs on
  * the subscription's nats.c delivery thread (or the shared pool when
- * global delivery is on), owns the message and acks it.
+ * global delivery is on), owns the message and acks it. A pull consumer
+ * (d->pull; cb and ud NULL) is bound instead, and read with evt_fetch from
+ * one thread at a time. Bound either way, never created by nats.c:
+ * unsubscribing or destroying *sub_out never deletes the consumer.
  * Returns 0 or KS_ENATS with *errmsg.
  */
 int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
@@ -785,6 +967,40 @@ int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
  */
 int evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                         char **errmsg);
+
+/*
+ * Deletes the consumer durable of stream (nats.c JetStream API on c: the
+ * broker's connection). 0, KS_ENOTFOUND (no such consumer), or KS_ENATS.
+ * Any thread.
+ */
+int evt_consumer_delete(struct evt_conn *c, const char *stream,
+                        const char *durable);
+
+/*
+ * One pull of at most batch messages (1..EVT_FETCH_MAX) from sub (a pull
+ * consumer's evt_durable_subscribe), waiting at most wait_ms (>= 1) for the first: as
+ * soon as any are there it returns with everything the consumer had ready
+ * then, up to batch. That is nats-server's one-shot request (no_wait with
+ * an expiry: "wait for expires but return as soon as we have any
+ * messages", server/consumer.go processNextMsgReq, 2.9): it never waits
+ * for a full batch, so one message is handed over at once, and a puller
+ * that stops asking (stopped, paused, gone) is handed nothing more once its
+ * request has been served or has expired. nats.c 3.4.1's
+ * natsSubscription_Fetch does wait for a full batch after an empty first
+ * try, which would hold a lone message for the whole wait.
+ *
+ * Returns 0 with out filled (out->Count >= 1; the caller acks and destroys
+ * each message, then frees out->Msgs, or natsMsgList_Destroy for both),
+ * KS_ETIMEDOUT (nothing came; also at once when other pullers' requests
+ * already wait for more than the consumer has: the server's 408 "Requests
+ * Pending", so wait a moment before asking again), KS_EUNAVAIL (no
+ * connection, or nobody serves the consumer: gone, or its stream), or
+ * KS_ENATS. The calling thread; the subscription's messages are not
+ * delivered anywhere else.
+ */
+#define EVT_FETCH_MAX 10000
+int evt_fetch(natsSubscription *sub, int batch, int wait_ms,
+              natsMsgList *out);
 
 /* ---- agent consumers ------------------------------------------------------ */
 
@@ -881,6 +1097,24 @@ int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
 int evt_agent_get(kvStore *kv, const char *agent_id, Ks__AgentInfo **out);
 
 
+/* ---- token files (events/token.c) -------------------------------------- */
+#define EVT_TOKEN_MIN 16
+#define EVT_TOKEN_MAX 256
+/*
+ * The token of a token file (a metrics bearer token, the local cluster's
+ * route password): its first line, 16..256 of [A-Za-z0-9-._~+/=], into
+ * buf (>= EVT_TOKEN_MAX + 1). The file must be a regular file that only
+ * its owner may read or write (mode 0600 or less: a secret). 0, -errno
+ * (cannot open), KS_EINVAL (not such a file or no token) with *errmsg
+ * (malloc'd, may be NULL).
+ */
+int evt_token_file_read(const char *path, char *buf, size_t len,
+                        char **errmsg);
+/* A new token file at path (mode 0600, never replacing one): 64 hex
+ * digits of 32 random bytes (OpenSSL). 0, -errno (-EEXIST) or
+ * KS_EINTERNAL. */
+int evt_token_file_make(const char *path);
+
 /* ---- scrape-time gauges (events/jetstream.c) ----------------------------
  * For a ks_metrics_collect_fn of the broker or the agent; the endpoint
  * that serves them is the daemon's (cli/metrics_http.c).
@@ -899,7 +1133,7 @@ void evt_metrics_nats_state(struct evt_conn *c, enum ks_gauge g);
 void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
 
 /*
- * Forgets an agent (`kscore agent revoke`, events/fleet.c): purges its
+ * Forgets an agent (`kscore agent revoke`, events/fleet.c): deletes its
  * registry entry, which makes the broker drop it (commands to it are then
  * refused as for an unknown agent), and deletes its consumer. c needs the
  * broker's rights (JetStream API). Run it after the agent's NATS user is
@@ -907,7 +1141,7 @@ void evt_metrics_queue_depths(struct evt_conn *c, int timeout_ms);
  * with *errmsg (malloc'd, may be NULL).
  */
 int evt_agent_forget(struct evt_conn *c, const char *agent_id, char **errmsg);
-/* The same for an agent pool: purges its registry entry
+/* The same for an agent pool: deletes its registry entry
  * ("pool.<pool>"; the broker drops every id of the pool) and deletes its
  * consumer "pool-<pool>". */
 int evt_pool_forget(struct evt_conn *c, const char *pool, char **errmsg);

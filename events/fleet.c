@@ -7,7 +7,7 @@
 #include "events.h"
 #include "kproto.h"
 
-/* Purges registry key and deletes consumer durable. */
+/* Deletes registry key and consumer durable. */
 static int
 forget(struct evt_conn *c, const char *agent_id, const char *durable,
        char **errmsg)
@@ -16,12 +16,14 @@ forget(struct evt_conn *c, const char *agent_id, const char *durable,
     jsErrCode jerr = 0;
     natsStatus s;
 
-    /* The registry entry: a purge (not a plain delete) leaves no value
-     * behind, and the broker's watcher sees the purge and drops the agent,
-     * so new commands for it are refused as for an unknown agent. */
+    /* The registry entry: a delete marker, which the bucket's History 1
+     * keeps alone (no value left behind; a KV purge is a roll-up, which
+     * the bucket refuses: evt_setup), and the broker's watcher sees it
+     * and drops the agent, so new commands for it are refused as for an
+     * unknown agent. */
     s = js_KeyValue(&kv, c->js, EVT_KV_AGENTS);
     if (s == NATS_OK) {
-        s = kvStore_Purge(kv, agent_id, NULL);
+        s = kvStore_Delete(kv, agent_id);
         kvStore_Destroy(kv);
     }
     if (s != NATS_OK && s != NATS_NOT_FOUND) {

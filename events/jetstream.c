@@ -9,12 +9,26 @@
  * window, or {"error": {"code": 503, "err_code": 10077, "description":
  * "..."}}). nats.c's js_Publish does the same on a "_INBOX.<nuid>" reply
  * subject, which needs the permission to subscribe to "_INBOX.>"; here the
- * reply comes to "_INBOX.<identity>.<uuid>" (request.c).
+ * reply comes to an inbox of the identity (request.c).
+ *
+ * Every JetStream publish kscore makes goes through evt_js_publish_window,
+ * the broker's commands included, so that every PubAck is looked at and
+ * what the stream did not take for now is tried again. A stream whose
+ * leader is being elected (its node killed: 5-15 s on a 3-node cluster)
+ * has no interest on its subjects, and the server answers a publish with
+ * "no responders" (nats.c 3.4.1's js_Publish returns NATS_NO_RESPONDERS
+ * and does not try again; js_PublishAsync without an error handler drops
+ * an error PubAck altogether: src/js.c _handleAsyncReply). A stream
+ * without quorum lets the PubAck time out, or answers a 503 error. Each
+ * is tried again with the same Nats-Msg-Id, so the stream's
+ * de-duplication stores the message once however many tries reached it.
  */
 #include <jansson.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <nats/nats.h>
 
@@ -81,21 +95,12 @@ evt_js_publish_as(struct evt_conn *c, const char *identity,
                   size_t len, int timeout_ms, struct evt_puback *ack_out,
                   char *why, size_t why_len)
 {
-    natsMsg *reply = NULL;
-    int rc;
+    struct evt_js_msg m = {subject, msg_id, data, len, 0, ack_out, why,
+                           why_len};
 
-    rc = evt_request_bytes_as(c, identity, subject, msg_id, data, len,
-                              timeout_ms, &reply);
-    if (rc) {
-        if (why && why_len)
-            snprintf(why, why_len, "%s", ks_strerror(rc));
-        return rc;
-    }
-    rc = evt_puback_parse(natsMsg_GetData(reply),
-                          (size_t)natsMsg_GetDataLength(reply), ack_out, why,
-                          why_len);
-    natsMsg_Destroy(reply);
-    return rc;
+    if (why && why_len)
+        why[0] = '\0';
+    return evt_js_publish_window(c, identity, &m, 1, timeout_ms);
 }
 
 uint64_t
@@ -128,88 +133,157 @@ evt_ack_delivered(const char *reply)
     return (uint64_t)v;
 }
 
+/* A JetStream error PubAck that says "not now" (code 503: JetStream
+ * temporarily unavailable, a stream full with discard new, a cluster not
+ * ready), as opposed to "never" (a message too large, a wrong subject). */
+static bool
+puback_busy(const void *data, size_t len)
+{
+    json_t *j = data && len ? json_loadb(data, len, 0, NULL) : NULL;
+    json_t *code = json_object_get(json_object_get(j, "error"), "code");
+    bool busy = json_is_integer(code) && json_integer_value(code) == 503;
+
+    json_decref(j);
+    return busy;
+}
+
+/* Worth another try: nothing, or "not now", came back. */
+static bool
+try_again(const struct evt_js_msg *m, bool busy)
+{
+    return m->rc == KS_EUNAVAIL || m->rc == KS_ETIMEDOUT ||
+           (m->rc == KS_ENATS && busy);
+}
+
+/*
+ * One try: publishes msgs[i] for each i with todo[i], on one lease, and
+ * collects their answers for up to wait_ms. Sets msgs[i].rc (and busy[i])
+ * for each; KS_ETIMEDOUT for none. Returns 0 or the lease's error.
+ */
+static int
+window_try(struct evt_conn *c, const char *identity, struct evt_js_msg *msgs,
+           const bool *todo, bool *busy, size_t n, int wait_ms)
+{
+    struct evt_inbox *ib = NULL;
+    const char *base;
+    size_t sent = 0, answered = 0, refused = 0, blen;
+    char idx[24];
+    int rc;
+
+    if ((rc = evt_inbox_take(c, identity, &ib)))
+        return rc;
+    for (size_t i = 0; i < n; i++) {
+        if (!todo[i])
+            continue;
+        busy[i] = false;
+        if (msgs[i].why && msgs[i].why_len)
+            msgs[i].why[0] = '\0';
+        snprintf(idx, sizeof(idx), "%zu", i);
+        msgs[i].rc = evt_inbox_send(ib, msgs[i].subject, idx, msgs[i].msg_id,
+                                    msgs[i].data, msgs[i].len);
+        if (msgs[i].rc == 0) {
+            msgs[i].rc = KS_ETIMEDOUT; /* until its PubAck */
+            sent++;
+        }
+    }
+    base = evt_inbox_subject(ib);
+    blen = strlen(base);
+    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
+    while (answered + refused < sent) {
+        int64_t left_ms = (deadline - ks_mono_us()) / 1000;
+        natsMsg *m = NULL;
+        if (left_ms <= 0)
+            break;
+        rc = evt_inbox_next(ib, (int)left_ms, &m);
+        if (rc == KS_EUNAVAIL && !natsConnection_IsClosed(c->nc)) {
+            /* "No responders" for one of them: which one the status does
+             * not say (events/request.c). Each publish gets one answer,
+             * so once all are in, those without a PubAck are those. */
+            refused++;
+            continue;
+        }
+        if (rc)
+            break; /* timed out (or gone): the rest stay KS_ETIMEDOUT */
+        const char *subj = natsMsg_GetSubject(m);
+        char *end = NULL;
+        unsigned long i = subj[blen] == '.' ? strtoul(subj + blen + 1, &end, 10)
+                                            : n;
+        if (end && *end == '\0' && i < n && todo[i] &&
+            msgs[i].rc == KS_ETIMEDOUT) {
+            const void *d = natsMsg_GetData(m);
+            size_t dl = (size_t)natsMsg_GetDataLength(m);
+            answered++;
+            msgs[i].rc = evt_puback_parse(d, dl, msgs[i].ack, msgs[i].why,
+                                          msgs[i].why_len);
+            busy[i] = msgs[i].rc == KS_ENATS && puback_busy(d, dl);
+        }
+        natsMsg_Destroy(m);
+    }
+    for (size_t i = 0; i < n && refused; i++)
+        if (todo[i] && msgs[i].rc == KS_ETIMEDOUT)
+            msgs[i].rc = answered + refused == sent ? KS_EUNAVAIL
+                                                    : KS_ETIMEDOUT;
+    if (answered + refused == sent)
+        evt__inbox_settled(ib);
+    evt_inbox_give(ib);
+    return 0;
+}
+
 int
 evt_js_publish_window(struct evt_conn *c, const char *identity,
                       struct evt_js_msg *msgs, size_t n, int timeout_ms)
 {
-    natsSubscription *sub = NULL;
-    char inbox[EVT_INBOX_MAX], reply[EVT_INBOX_MAX + 8], wild[EVT_INBOX_MAX + 4];
-    size_t left = 0, ilen;
-    natsStatus st;
-    int rc = 0;
+    bool todo[EVT_JS_WINDOW_MAX], busy[EVT_JS_WINDOW_MAX];
+    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    int pause_ms = 50, rc = 0;
+    size_t left = 0;
 
     if (n == 0 || n > EVT_JS_WINDOW_MAX)
         return KS_EINVAL;
-    for (size_t i = 0; i < n; i++)
-        msgs[i].rc = KS_ETIMEDOUT;
-    if ((rc = evt__inbox_of(identity ? identity : c->identity, inbox,
-                            sizeof(inbox))))
-        goto fail;
-    ilen = strlen(inbox);
-    snprintf(wild, sizeof(wild), "%s.*", inbox);
-    st = natsConnection_SubscribeSync(&sub, c->nc, wild);
-    if (st == NATS_OK)
-        st = natsSubscription_SetPendingLimits(sub, -1, -1);
-    if (st != NATS_OK) {
-        rc = evt_err(st);
-        goto fail;
+    for (size_t i = 0; i < n; i++) {
+        todo[i] = msgs[i].len <= KS_MAX_MESSAGE_BYTES;
+        msgs[i].rc = todo[i] ? KS_ETIMEDOUT : KS_ETOOBIG;
+        left += todo[i];
+    }
+    for (unsigned tries = 1; left; tries++) {
+        int64_t now = ks_mono_us(), wait_ms = (deadline - now) / 1000;
+        if (wait_ms > EVT_PUBLISH_TRY_MS)
+            wait_ms = EVT_PUBLISH_TRY_MS;
+        if (wait_ms < 1)
+            wait_ms = 1;
+        if (tries > 1)
+            ks_metric_inc(KS_C_PUBLISH_RETRIES);
+        if ((rc = window_try(c, identity, msgs, todo, busy, n, (int)wait_ms))) {
+            for (size_t i = 0; i < n; i++)
+                if (todo[i])
+                    msgs[i].rc = rc;
+            break;
+        }
+        left = 0;
+        for (size_t i = 0; i < n; i++) {
+            todo[i] = todo[i] && try_again(&msgs[i], busy[i]);
+            left += todo[i];
+        }
+        /* A connection closed for good answers nothing any more. */
+        if (!left || natsConnection_IsClosed(c->nc))
+            break;
+        now = ks_mono_us();
+        if (now + (int64_t)pause_ms * 1000 >= deadline)
+            break;
+        nanosleep(&(struct timespec){pause_ms / 1000,
+                                     (long)(pause_ms % 1000) * 1000000L},
+                  NULL);
+        pause_ms = pause_ms * 2 > 1000 ? 1000 : pause_ms * 2;
     }
     for (size_t i = 0; i < n; i++) {
-        natsMsg *m = NULL;
-        if (msgs[i].len > KS_MAX_MESSAGE_BYTES) {
-            msgs[i].rc = KS_ETOOBIG;
-            continue;
-        }
-        snprintf(reply, sizeof(reply), "%s.%zu", inbox, i);
-        st = natsMsg_Create(&m, msgs[i].subject, reply, msgs[i].data,
-                            (int)msgs[i].len);
-        /* JetStream's de-duplication id (nats-server docs "JetStream
-         * model deep dive", Message Deduplication). */
-        if (st == NATS_OK && msgs[i].msg_id)
-            st = natsMsgHeader_Set(m, "Nats-Msg-Id", msgs[i].msg_id);
-        if (st == NATS_OK)
-            st = natsConnection_PublishMsg(c->nc, m);
-        natsMsg_Destroy(m);
-        if (st != NATS_OK)
-            msgs[i].rc = evt_err(st);
-        else
-            left++;
+        if (msgs[i].rc && msgs[i].why && msgs[i].why_len && !msgs[i].why[0])
+            snprintf(msgs[i].why, msgs[i].why_len, "%s",
+                     ks_strerror(msgs[i].rc));
     }
-    int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
-    while (left > 0) {
-        int64_t wait_ms = (deadline - ks_mono_us()) / 1000;
-        natsMsg *m = NULL;
-        if (wait_ms <= 0)
-            break;
-        st = natsSubscription_NextMsg(&m, sub, wait_ms);
-        if (st != NATS_OK)
-            break; /* timed out (or closed): the rest stay KS_ETIMEDOUT */
-        const char *subj = natsMsg_GetSubject(m);
-        char *end = NULL;
-        unsigned long i = strlen(subj) > ilen + 1
-                              ? strtoul(subj + ilen + 1, &end, 10)
-                              : n;
-        if (end && *end == '\0' && i < n && msgs[i].rc == KS_ETIMEDOUT) {
-            left--;
-            if (natsMsg_IsNoResponders(m))
-                msgs[i].rc = KS_EUNAVAIL;
-            else
-                msgs[i].rc = evt_puback_parse(
-                    natsMsg_GetData(m), (size_t)natsMsg_GetDataLength(m),
-                    NULL, NULL, 0);
-        }
-        natsMsg_Destroy(m);
-    }
-    natsSubscription_Unsubscribe(sub);
-    natsSubscription_Destroy(sub);
     for (size_t i = 0; i < n; i++)
         if (msgs[i].rc)
             return msgs[i].rc;
     return 0;
-fail:
-    for (size_t i = 0; i < n; i++)
-        msgs[i].rc = rc;
-    return rc;
 }
 
 /* ---- scrape-time gauges (events.h) ---------------------------------------- */

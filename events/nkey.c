@@ -203,16 +203,7 @@ out:
 int
 evt_identity_valid(const char *name)
 {
-    size_t n = name ? strlen(name) : 0;
-    if (n == 0 || n > EVT_IDENTITY_MAX)
-        return 0;
-    for (size_t i = 0; i < n; i++) {
-        char ch = name[i];
-        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-              (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
-            return 0;
-    }
-    return 1;
+    return evt__token_ok(name, EVT_IDENTITY_MAX);
 }
 
 #define IDENTITY_LINE "# kscore NATS identity: "

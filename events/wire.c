@@ -71,6 +71,41 @@ varint(const uint8_t **p, const uint8_t *end, uint64_t *out)
     return -1;
 }
 
+int
+evt_wire_next(const uint8_t **p, const uint8_t *end, struct evt_wire_field *f)
+{
+    uint64_t tag, n;
+    if (*p >= end)
+        return 1;
+    if (varint(p, end, &tag) || tag >> 3 == 0 || tag >> 3 > UINT32_MAX)
+        return KS_EDECODE;
+    f->number = (uint32_t)(tag >> 3);
+    f->type = (unsigned)(tag & 7);
+    f->value = 0;
+    f->data = NULL;
+    f->len = 0;
+    switch (f->type) {
+    case 0:
+        return varint(p, end, &f->value) ? KS_EDECODE : 0;
+    case 1:
+    case 5:
+        n = f->type == 1 ? 8 : 4;
+        break;
+    case 2:
+        if (varint(p, end, &n))
+            return KS_EDECODE;
+        break;
+    default:
+        return KS_EDECODE; /* groups: not in kscore.proto */
+    }
+    if (n > (uint64_t)(end - *p))
+        return KS_EDECODE;
+    f->data = *p;
+    f->len = (size_t)n;
+    *p += n;
+    return 0;
+}
+
 static int
 check(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t len,
       int depth, char *path, size_t path_len, size_t path_cap, char *why,
@@ -82,65 +117,43 @@ check(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t len,
 
     if (depth > 16)
         return KS_EDECODE;
-    while (p < end) {
-        uint64_t tag, n;
-        if (varint(&p, end, &tag))
-            return KS_EDECODE; /* protobuf-c says why: malformed */
-        switch (tag & 7) {
-        case 0:
-            if (varint(&p, end, &n))
-                return KS_EDECODE;
-            continue;
-        case 1:
-            if ((size_t)(end - p) < 8)
-                return KS_EDECODE;
-            p += 8;
-            continue;
-        case 5:
-            if ((size_t)(end - p) < 4)
-                return KS_EDECODE;
-            p += 4;
-            continue;
-        case 2:
+    for (;;) {
+        struct evt_wire_field fl;
+        int rc = evt_wire_next(&p, end, &fl);
+        if (rc == 1)
             break;
-        default:
-            return KS_EDECODE; /* groups: not in kscore.proto */
-        }
-        if (varint(&p, end, &n) || n > (uint64_t)(end - p))
-            return KS_EDECODE;
+        if (rc)
+            return KS_EDECODE; /* protobuf-c says why: malformed */
+        if (fl.type != 2)
+            continue;
         const ProtobufCFieldDescriptor *f =
-            tag >> 3 <= UINT32_MAX
-                ? protobuf_c_message_descriptor_get_field(d,
-                                                          (unsigned)(tag >> 3))
-                : NULL;
-        if (f) {
-            size_t at = path_len;
-            int w = snprintf(path + at, path_cap - at, "%s%s",
-                             at ? "." : "", f->name);
-            size_t sub_len = w > 0 && (size_t)w < path_cap - at
-                                 ? at + (size_t)w
-                                 : at;
-            if (f->type == PROTOBUF_C_TYPE_STRING) {
-                if (memchr(p, '\0', (size_t)n)) {
-                    snprintf(why, why_len,
-                             "%s: contains a NUL byte (kscore text never "
-                             "does)",
-                             path);
-                    return KS_EINVAL;
-                }
-                if (!utf8_valid(p, (size_t)n)) {
-                    snprintf(why, why_len, "%s: not valid UTF-8", path);
-                    return KS_EINVAL;
-                }
-            } else if (f->type == PROTOBUF_C_TYPE_MESSAGE) {
-                int rc = check(f->descriptor, p, (size_t)n, depth + 1, path,
-                               sub_len, path_cap, why, why_len);
-                if (rc)
-                    return rc;
+            protobuf_c_message_descriptor_get_field(d, fl.number);
+        if (!f)
+            continue;
+        size_t at = path_len;
+        int w = snprintf(path + at, path_cap - at, "%s%s", at ? "." : "",
+                         f->name);
+        size_t sub_len =
+            w > 0 && (size_t)w < path_cap - at ? at + (size_t)w : at;
+        if (f->type == PROTOBUF_C_TYPE_STRING) {
+            if (memchr(fl.data, '\0', fl.len)) {
+                snprintf(why, why_len,
+                         "%s: contains a NUL byte (kscore text never "
+                         "does)",
+                         path);
+                return KS_EINVAL;
             }
-            path[at] = '\0';
+            if (!utf8_valid(fl.data, fl.len)) {
+                snprintf(why, why_len, "%s: not valid UTF-8", path);
+                return KS_EINVAL;
+            }
+        } else if (f->type == PROTOBUF_C_TYPE_MESSAGE) {
+            rc = check(f->descriptor, fl.data, fl.len, depth + 1, path,
+                       sub_len, path_cap, why, why_len);
+            if (rc)
+                return rc;
         }
-        p += n;
+        path[at] = '\0';
     }
     return 0;
 }

@@ -44,9 +44,12 @@ batch_round(struct perf_ctx *ctx, unsigned n, json_t **out)
     req.spec = &spec;
     req.agents = ids;
     req.n_agents = n;
+    struct perf_cost k0, k1;
+    perf__cost_sample(ctx->st, &k0);
     t0 = ks_mono_us();
     rc = broker_batch(c, &req, 120000, &rep);
     dt = ks_mono_us() - t0;
+    perf__cost_sample(ctx->st, &k1);
     if (rc == KS_EUNAVAIL) {
         *out = json_pack("{s:s}", "skipped",
                          "batch not available: no broker serves "
@@ -68,6 +71,7 @@ batch_round(struct perf_ctx *ctx, unsigned n, json_t **out)
                      "broker_elapsed_ms", (double)rep->elapsed_us / 1000.0,
                      "targets", (int)n, "succeeded", (int)ok, "not_succeeded",
                      (int)(n - ok));
+    perf__cost_json(*out, &k0, &k1, n, "target");
     if (ok != n)
         fprintf(stderr, "kscore perf: batch of %u: %u did not succeed\n", n,
                 n - ok);

@@ -81,41 +81,12 @@ pool_name(char *buf, size_t len, unsigned k)
     snprintf(buf, len, "p%02u", k);
 }
 
-/* CPU time (us) of pid and, with children, of every process whose parent
- * it is (PostgreSQL's backends under the postmaster); -1 when gone. */
+/* CPU time (us) of pid; -1 when gone. */
 static int64_t
-cpu_us_of(pid_t pid, bool children)
+cpu_us_of(pid_t pid)
 {
     struct perf_proc pp;
-    int64_t sum;
-    DIR *d;
-    struct dirent *e;
-
-    if (pid <= 0 || perf__proc_sample(pid, &pp) != 0)
-        return -1;
-    sum = pp.cpu_us;
-    if (!children || !(d = opendir("/proc")))
-        return sum;
-    while ((e = readdir(d))) {
-        char path[300], buf[512], *p;
-        long ppid = 0;
-        FILE *f;
-        if (e->d_name[0] < '1' || e->d_name[0] > '9')
-            continue;
-        snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
-        if (!(f = fopen(path, "re")))
-            continue;
-        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-        fclose(f);
-        buf[n] = '\0';
-        /* Field 4 (ppid) after "(comm) state" (proc(5)). */
-        if ((p = strrchr(buf, ')')) && sscanf(p + 2, "%*c %ld", &ppid) == 1 &&
-            ppid == pid &&
-            perf__proc_sample((pid_t)atol(e->d_name), &pp) == 0)
-            sum += pp.cpu_us;
-    }
-    closedir(d);
-    return sum;
+    return pid > 0 && perf__proc_sample(pid, &pp) == 0 ? pp.cpu_us : -1;
 }
 
 /* CPU seconds of each part of the stack, for the per-command cost model
@@ -131,17 +102,17 @@ stack_cpu(const char *home, unsigned pools, struct stack_cpu *out)
     memset(out, 0, sizeof(*out));
     if (stack_cluster_nodes(home, CLUSTER_NODES, nodes) == 0)
         for (unsigned i = 0; i < CLUSTER_NODES; i++)
-            out->nats += cpu_us_of(nodes[i].pid, false);
-    out->pg = cpu_us_of(pid_of(home, "pg"), true);
-    out->brokers = cpu_us_of(pid_of(home, "broker-1"), false) +
-                   cpu_us_of(pid_of(home, "broker-2"), false);
+            out->nats += cpu_us_of(nodes[i].pid);
+    out->pg = perf__tree_cpu_us(pid_of(home, "pg"));
+    out->brokers = cpu_us_of(pid_of(home, "broker-1")) +
+                   cpu_us_of(pid_of(home, "broker-2"));
     for (unsigned k = 0; k < pools; k++) {
         char pool[16], name[32];
         pool_name(pool, sizeof(pool), k);
         snprintf(name, sizeof(name), "pool-%s", pool);
         /* The agent and its children (the watchdog; the commands' own
          * processes are reaped and counted in its cutime, not here). */
-        out->agents += cpu_us_of(pid_of(home, name), false);
+        out->agents += cpu_us_of(pid_of(home, name));
     }
 }
 
@@ -211,17 +182,6 @@ online_count(struct evt_conn *c)
     return n;
 }
 
-static long
-sql_long(PGconn *pg, const char *sql)
-{
-    PGresult *r = PQexec(pg, sql);
-    long v = -1;
-    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
-        v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
-    PQclear(r);
-    return v;
-}
-
 /* The record's view of the batch: targets, targets without exactly one
  * terminal event, targets started more than once. */
 static void
@@ -242,24 +202,54 @@ record_check(const char *db, const char *batch, long *targets, long *not_one,
     }
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets WHERE batch_id = '%s'", batch);
-    *targets = sql_long(pg, sql);
+    *targets = perf__sql_long(pg, sql);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
              "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
              "'command-' || t.command_id AND e.type IN %s) <> 1",
              batch, term);
-    *not_one = sql_long(pg, sql);
+    *not_one = perf__sql_long(pg, sql);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM batch_targets t WHERE t.batch_id = '%s' "
              "AND (SELECT count(*) FROM events e WHERE e.stream_id = "
              "'command-' || t.command_id AND e.type = 'CommandStarted') > 1",
              batch);
-    *twice = sql_long(pg, sql);
+    *twice = perf__sql_long(pg, sql);
     /* What the record costs on disk, for deploy/SCALING.md: the events
      * table with its indexes and TOAST. */
-    *events = sql_long(pg, "SELECT count(*) FROM events");
-    *events_bytes = sql_long(pg, "SELECT pg_total_relation_size('events')");
+    *events = perf__sql_long(pg, "SELECT count(*) FROM events");
+    *events_bytes = perf__sql_long(pg, "SELECT pg_total_relation_size('events')");
     PQfinish(pg);
+}
+
+/* The reasons of the targets that did not succeed, as the reply has them
+ * (the targets that fit in one message), with their counts: {"Undeliverable:
+ * offline since ...": n, ...}; at most 8 distinct, the rest as "other". */
+static json_t *
+why_not_succeeded(const Ks__BatchReply *rep)
+{
+    json_t *o = json_object();
+    for (size_t i = 0; i < rep->n_targets; i++) {
+        const Ks__BatchTarget *t = rep->targets[i];
+        if (t->status == KS__COMMAND_STATUS__SUCCEEDED)
+            continue;
+        char key[96];
+        /* The reason's words, not its times and ids: they group. */
+        const char *why = t->result && t->result->reason && t->result->reason[0]
+                              ? t->result->reason
+                              : "(no reason)";
+        size_t n = strcspn(why, "0123456789(");
+        snprintf(key, sizeof(key), "%s: %.*s", kproto_status_name(t->status),
+                 (int)(n > 60 ? 60 : n), why);
+        json_t *c = json_object_get(o, key);
+        if (!c && json_object_size(o) >= 8) {
+            snprintf(key, sizeof(key), "other");
+            c = json_object_get(o, key);
+        }
+        json_object_set_new(o, key,
+                            json_integer(c ? json_integer_value(c) + 1 : 1));
+    }
+    return o;
 }
 
 int
@@ -372,6 +362,22 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
     json_object_set_new(o, "agent_processes", json_integer(pools));
     json_object_set_new(o, "succeeded", json_integer(ok));
     json_object_set_new(o, "not_succeeded", json_integer((long)n - ok));
+    /* The targets' terminal states by kind (BatchCounts: each end once). */
+    if (rep->counts) {
+        const Ks__BatchCounts *k = rep->counts;
+        json_object_set_new(o, "ended_failed", json_integer(k->failed));
+        json_object_set_new(o, "ended_cancelled", json_integer(k->cancelled));
+        json_object_set_new(o, "ended_timed_out", json_integer(k->timed_out));
+        json_object_set_new(o, "ended_killed", json_integer(k->killed));
+        json_object_set_new(o, "ended_no_response",
+                            json_integer(k->no_response));
+        json_object_set_new(o, "ended_lost", json_integer(k->lost));
+        json_object_set_new(o, "ended_not_started",
+                            json_integer(k->not_started));
+        json_object_set_new(o, "not_ended",
+                            json_integer(k->pending + k->running));
+    }
+    json_object_set_new(o, "why_not_succeeded", why_not_succeeded(rep));
     json_object_set_new(o, "online_s", json_real((double)online_us / 1e6));
     json_object_set_new(o, "recorded_targets", json_integer(targets));
     json_object_set_new(o, "not_exactly_one_terminal", json_integer(not_one));
@@ -403,8 +409,8 @@ perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out)
                 json_object_set_new(o, key, json_real((double)kb / 1024.0));
                 if (kb > max_node)
                     max_node = kb;
-                if (nodes[i].mon_port &&
-                    stack_nats_js_info(nodes[i].mon_port, &ji) == 0 &&
+                if (nodes[i].running &&
+                    stack_nats_js_info(&nodes[i], &ji) == 0 &&
                     ji.consumers > consumers)
                     consumers = ji.consumers;
             }

@@ -190,7 +190,7 @@ sample(const struct cc_servers *s, struct cc_sample *out)
 {
     memset(out, 0, sizeof(*out));
     for (unsigned i = 0; i < s->n; i++) {
-        struct perf_proc p = {0, -1};
+        struct perf_proc p = {.cpu_us = 0, .rss_kb = -1};
         perf__proc_sample(s->node[i].pid, &p);
         out->cpu_us[i] = p.cpu_us;
         out->rss_kb[i] = p.rss_kb;

@@ -260,6 +260,8 @@ run_batch(struct perf_ctx *ctx, size_t n, const char *name, json_t *o)
         rc = KS_EPG;
         goto out;
     }
+    struct perf_cost k0, k1;
+    perf__cost_sample(ctx->st, &k0);
     if ((rc = publish(ctx->st, &b, &pub_ms, &t0))) {
         fprintf(stderr, "kscore perf: event_throughput publish: %s\n",
                 ks_strerror(rc));
@@ -274,6 +276,7 @@ run_batch(struct perf_ctx *ctx, size_t n, const char *name, json_t *o)
                 n, ks_strerror(rc));
         goto out;
     }
+    perf__cost_sample(ctx->st, &k1);
     double rec_s = (double)(done - t0) / 1e6;
     snprintf(key, sizeof(key), "publish_%s_ms", name);
     json_object_set_new(o, key, json_real(pub_ms));
@@ -283,6 +286,13 @@ run_batch(struct perf_ctx *ctx, size_t n, const char *name, json_t *o)
     json_object_set_new(o, key, json_real(rec_s * 1000.0));
     snprintf(key, sizeof(key), "record_%s_events_per_s", name);
     json_object_set_new(o, key, json_real((double)n / rec_s));
+    if (strcmp(name, "1000") == 0) {
+        /* The burst's cost per event (the round's first batch). */
+        json_t *c = json_object();
+        perf__cost_json(c, &k0, &k1, (double)n, "event");
+        json_object_update(o, c);
+        json_decref(c);
+    }
 out:
     PQfinish(pg);
     free(b.ids);

@@ -31,6 +31,7 @@ struct perf_opts {
     double rate;        /* sustained: commands per second */
     int duration_s;     /* sustained: length of a round */
     int window_s;       /* sustained: latency window */
+    uint64_t deliver_ms; /* the loads' delivery deadline, 0: the default */
     const char *out_path; /* --out FILE, NULL: stdout */
     const char *nats_url; /* --nats: a running nats-server, NULL: private */
     const char *db;       /* --db: a running PostgreSQL, NULL: private */
@@ -57,8 +58,10 @@ struct perf_stack {
     pid_t broker_pid;    /* the kscore broker process (not its wrapper) */
     pid_t agent_pid;     /* the kscore agent process, or 0 */
     pid_t broker_daemon, agent_daemon; /* what stack_daemon() started */
+    pid_t nats_pid;      /* the nats-server, when own_nats */
     char host[64];       /* host name up to the first dot: local agent ids */
     char pg_fsync[16], pg_sync_commit[16]; /* SHOW fsync, synchronous_commit */
+    pid_t pg_pid;        /* the postmaster, when own_pg */
 };
 
 /* Starts (or adopts, with --nats/--db) nats-server and PostgreSQL. 0, or a
@@ -86,12 +89,44 @@ void perf__services_stop(struct perf_stack *st);
 int perf__connect(const struct perf_stack *st, const char *name,
                   struct evt_conn **out);
 
-/* CPU (utime + stime, us) and RSS (VmRSS, KiB) of a process. */
+/* CPU (utime + stime, us) and RSS (VmRSS, KiB) of a process, and the CPU
+ * of its children it has reaped (cutime + cstime, us). */
 struct perf_proc {
     int64_t cpu_us;
+    int64_t children_us;
     int64_t rss_kb;
 };
 int perf__proc_sample(pid_t pid, struct perf_proc *out);
+/* CPU (us) of pid with what it reaped (cutime, cstime) and its live
+ * children (PostgreSQL's postmaster and backends); -1 when gone. */
+int64_t perf__tree_cpu_us(pid_t pid);
+
+/*
+ * What the stack spends between two samples: PostgreSQL's write
+ * transactions (xids handed out: every transaction that wrote, whoever
+ * ran it, and nothing else), the CPU of nats-server and PostgreSQL (when
+ * the suite started them), of the broker and of the agent process, and
+ * of the agent's reaped children (the commands). -1: not known.
+ */
+struct perf_cost {
+    int64_t xid, nats_cpu_us, pg_cpu_us, broker_cpu_us, agent_cpu_us,
+        children_cpu_us;
+};
+#define PERF_COST_UNKNOWN {-1, -1, -1, -1, -1, -1}
+void perf__cost_sample(const struct perf_stack *st, struct perf_cost *out);
+/* Sets, on o, pg_write_xacts_per_<unit>, nats_cpu_us_per_<unit>,
+ * pg_cpu_us_per_<unit>, broker_cpu_us_per_<unit>,
+ * agent_cpu_us_per_<unit> and children_cpu_us_per_<unit> between a and b
+ * for `units` commands (or targets, events), those known, and
+ * cpu_per_<unit>_us, the sum of the four processes' (children excluded),
+ * when all four are known. */
+void perf__cost_json(json_t *o, const struct perf_cost *a,
+                     const struct perf_cost *b, double units,
+                     const char *unit);
+
+/* The one number a query returns (one row, one column), or -1. */
+typedef struct pg_conn PGconn;
+long perf__sql_long(PGconn *pg, const char *sql);
 /* Removes dir and everything under it (nftw, depth first, no symlinks
  * followed); errors are ignored. */
 void perf__rm_tree(const char *dir);
@@ -123,7 +158,11 @@ struct perf_ctx {
     const struct perf_opts *o;
     struct perf_stack *st;
     double floor_sum_us; /* this run's floors sum (median), 0 if unknown */
+    double capacity_per_s; /* this run's capacity (median), 0 if unknown */
 };
+
+/* The spec every load runs: /bin/true, timeout 10 s (argv: one slot). */
+void perf__true_spec(Ks__CommandSpec *spec, char **argv);
 
 /* One round: 0 with *out (a JSON object of metrics), PERF_SKIPPED with
  * *out = {"skipped": why}, or a negative code. */
@@ -153,7 +192,10 @@ int perf__batch10_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__batch1000_round(struct perf_ctx *ctx, int round, json_t **out);
 /* batch_exec_10000 (perf_cluster.c): its own `kscore up --cluster 3`. */
 int perf__batch10000_round(struct perf_ctx *ctx, int round, json_t **out);
+/* The open-loop loads (perf_load.c). */
 int perf__sustained_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__capacity_round(struct perf_ctx *ctx, int round, json_t **out);
+int perf__overload_round(struct perf_ctx *ctx, int round, json_t **out);
 int perf__trace_round(struct perf_ctx *ctx, int round, json_t **out);
 /* consumer_cost (perf_consumers.c): its round, and its steps table. */
 int perf__consumers_round(struct perf_ctx *ctx, int round, json_t **out);

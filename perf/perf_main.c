@@ -29,6 +29,9 @@ static const struct perf_scenario scenarios[] = {
     /* Its own cluster stack (kscore up --cluster 3) and agent pools. */
     {"batch_exec_10000", 1, 0, false, false, true, perf__batch10000_round},
     {"sustained", 1, 0, true, true, false, perf__sustained_round},
+    /* A search over rates, then twice what it found (issue 23). */
+    {"capacity", 1, 0, true, true, false, perf__capacity_round},
+    {"overload", 1, 0, true, true, false, perf__overload_round},
     {"trace", 3, 0, true, true, false, perf__trace_round},
     {"consumer_cost", 1, 0, false, false, true, perf__consumers_round},
 };
@@ -38,6 +41,7 @@ static const char usage[] =
     "usage: kscore perf [SCENARIO]... [--rounds N] [--json] [--out FILE]\n"
     "                   [--nats URL --db CONNINFO] [--ab OTHER_KSCORE]\n"
     "                   [--rate N] [--duration SECONDS] [--window SECONDS]\n"
+    "                   [--deliver-within MS]\n"
     "                   [--quick]\n"
     "\n"
     "Scenarios (default: all but batch_exec_1000):\n"
@@ -52,7 +56,12 @@ static const char usage[] =
     "  batch_exec_1000   the same across 1,000 local agents (opt-in)\n"
     "  batch_exec_10000  10,000 agent ids in 20 agent pools on a\n"
     "                    3-node cluster stack of its own (opt-in)\n"
-    "  sustained         --rate commands/s (1000) for --duration s (60)\n"
+    "  sustained         --rate commands/s (1000) for --duration s (60),\n"
+    "                    open loop: refused, lost, CPU per command\n"
+    "  capacity          the highest rate with p99 <= 100 ms, no error,\n"
+    "                    none refused or lost, held for 60 s (a search)\n"
+    "  overload          twice that capacity (or --rate) for 30 s: the\n"
+    "                    accepted p99, refusals, lost, recovery\n"
     "  trace             where one command's time goes: step stamps of the\n"
     "                    client, broker and agent (KSCORE_TRACE)\n"
     "  consumer_cost     what N agent ids cost nats-server: N durable\n"
@@ -68,6 +77,9 @@ static const char usage[] =
     "  --ab OTHER        A/B: alternate rounds of this binary's broker and\n"
     "                    OTHER's; a difference is real when it exceeds A's\n"
     "                    round-to-round spread\n"
+    "  --deliver-within MS  the delivery deadline of the loads' commands\n"
+    "                    (sustained, capacity, overload; default: the\n"
+    "                    broker's, 30 s)\n"
     "  --quick           tiny counts: a smoke test, not a measurement\n"
     "\n"
     "Environment: KSCORE_PERF_WRAP / KSCORE_PERF_WRAP_AGENT prefix the broker\n"
@@ -279,8 +291,65 @@ target(json_t *arr, const char *what, bool ratio_target, double value,
 }
 
 /*
- * The targets of issue 15, each a ratio to a floor measured in the same
- * run (perf/README.md "Targets" defines each), plus the absolute ones.
+ * Issue 23's table (capacity at the floor), after issue 15's and 14's:
+ * perf/README.md "Targets". fl: why the floors are absent, or NULL.
+ */
+static void
+issue23_targets(json_t *root, json_t *t, const char *fl)
+{
+    char b2[256];
+    const char *why;
+    double cpus = json_number_value(json_object_get(root, "cpus"));
+    double spawn = num(root, "floors", "spawn_p50_us");
+    double c = cpus > 0 ? cpus : 1;
+
+    /* Spawning alone on half the CPUs: 0.5 x cpus / spawn_p50. */
+    why = absent(root, "capacity", b2, sizeof(b2));
+    target(t,
+           "capacity capacity_per_s / (0.5 x cpus / floors spawn_p50) >= 1.0",
+           true, num(root, "capacity", "capacity_per_s"),
+           0.5 * c * 1e6 / spawn, 1.0, false, why ? why : fl);
+    /* At the capacity found (its confirming trial), else sustained's. */
+    {
+        bool cap = !absent(root, "capacity", b2, sizeof(b2)) &&
+                   !isnan(num(root, "capacity", "cpu_per_command_us"));
+        const char *sc = cap ? "capacity" : "sustained";
+        why = absent(root, sc, b2, sizeof(b2));
+        json_t *x = target(t,
+                           "cpu_per_command_us (children excluded) / floors "
+                           "spawn_p50_us <= 1.0",
+                           true, num(root, sc, "cpu_per_command_us"), spawn,
+                           1.0, true, why ? why : fl);
+        json_object_set_new(x, "source", json_string(sc));
+    }
+    why = absent(root, "overload", b2, sizeof(b2));
+    target(t, "overload p99_ms of the accepted commands <= 1000", false,
+           num(root, "overload", "p99_us") / 1000.0, NAN, 1000, true, why);
+    target(t, "overload lost == 0", false, num(root, "overload", "lost"), NAN,
+           0, true, why);
+    why = absent(root, "batch_exec_10000", b2, sizeof(b2));
+    target(t, "batch_exec_10000 succeeded / targets >= 1.0", true,
+           num(root, "batch_exec_10000", "succeeded"),
+           num(root, "batch_exec_10000", "targets"), 1.0, false, why);
+    /* What is not the child, against the path's part that is not. */
+    why = absent(root, "command_latency", b2, sizeof(b2));
+    target(t,
+           "command_latency (p50_us - spawn_p50_us) / (floors path_us - "
+           "spawn_p50_us) <= 1.5",
+           true, num(root, "command_latency", "p50_us") - spawn,
+           num(root, "floors", "path_us") - spawn, 1.5, true,
+           why ? why : fl);
+    target(t, "allocations over the SLO suite: kscore's own <= 5 MB, all <= "
+              "33 MB (make profile)",
+           false, NAN, NAN, 5e6, true,
+           "measured by `make profile` (perf/profile.sh, heaptrack), not by "
+           "kscore perf");
+}
+
+/*
+ * The targets of issues 15, 14 and 23, each a ratio to a floor measured
+ * in the same run (perf/README.md "Targets" defines each), plus the
+ * absolute ones.
  */
 static json_t *
 targets(json_t *root)
@@ -418,6 +487,7 @@ targets(json_t *root)
                true, num(root, "sustained", "agent_rss_drift_kb"),
                num(root, "sustained", "agent_rss_end_kb"), 0.05, true, why);
     }
+    issue23_targets(root, t, fl);
     return t;
 }
 
@@ -512,23 +582,44 @@ print_table(FILE *f, json_t *root, bool ab)
         }
         if (strcmp(name, "consumer_cost") == 0)
             perf__consumers_table(f, json_array_get(rounds, 0));
+        json_t *trials = json_object_get(json_array_get(rounds, 0), "trials");
+        if (trials) {
+            size_t i;
+            json_t *x;
+            fprintf(f, "  trials of round 1:  %8s %6s %10s %8s %8s %6s  %s\n",
+                    "rate", "dur_s", "p99_us", "errors", "refused", "lost",
+                    "held");
+            json_array_foreach(trials, i, x)
+            fprintf(f, "  %19s %8.1f %6lld %10.0f %8lld %8lld %6lld  %s\n", "",
+                    json_number_value(json_object_get(x, "rate")),
+                    (long long)json_integer_value(
+                        json_object_get(x, "duration_s")),
+                    json_number_value(json_object_get(x, "p99_us")),
+                    (long long)json_integer_value(json_object_get(x, "errors")),
+                    (long long)json_integer_value(
+                        json_object_get(x, "refused")),
+                    (long long)json_integer_value(json_object_get(x, "lost")),
+                    json_is_true(json_object_get(x, "held")) ? "yes" : "no");
+        }
         json_t *wins = json_object_get(json_array_get(rounds, 0), "windows");
         if (wins) {
             size_t i;
             json_t *w;
-            fprintf(f, "  windows of round 1: %6s %6s %6s %10s %10s %8s %8s "
-                       "%12s %12s\n",
-                    "t_end", "sent", "errors", "p50_us", "p99_us", "brk_cpu",
-                    "agt_cpu", "brk_rss_kb", "agt_rss_kb");
+            fprintf(f, "  windows of round 1: %6s %6s %7s %6s %10s %10s %8s "
+                       "%8s %12s %12s\n",
+                    "t_end", "sent", "refused", "errors", "p50_us", "p99_us",
+                    "brk_cpu", "agt_cpu", "brk_rss_kb", "agt_rss_kb");
             json_array_foreach(wins, i, w)
             {
                 fprintf(f,
-                        "  %19s %6lld %6lld %6lld %10lld %10lld %7.1f%% "
+                        "  %19s %6lld %6lld %7lld %6lld %10lld %10lld %7.1f%% "
                         "%7.1f%% %12lld %12lld\n",
                         "",
                         (long long)json_integer_value(
                             json_object_get(w, "t_end_s")),
                         (long long)json_integer_value(json_object_get(w, "sent")),
+                        (long long)json_integer_value(
+                            json_object_get(w, "refused")),
                         (long long)json_integer_value(
                             json_object_get(w, "errors")),
                         (long long)json_integer_value(
@@ -619,6 +710,10 @@ run_scenario(struct perf_ctx *ctx, const struct perf_scenario *sc,
             json_t *v = json_object_get(sum, "sum_us");
             ctx->floor_sum_us = v ? json_number_value(v) : 0;
         }
+        if (strcmp(sc->name, "capacity") == 0) {
+            json_t *v = json_object_get(sum, "capacity_per_s");
+            ctx->capacity_per_s = v ? json_number_value(v) : 0;
+        }
         json_object_set_new(scs, sc->name, sum);
     }
     json_decref(ra);
@@ -639,12 +734,13 @@ perf_main(int argc, char **argv, const char *kscore_bin)
         {"rate", required_argument, 0, 'R'},
         {"duration", required_argument, 0, 'D'},
         {"window", required_argument, 0, 'W'},
+        {"deliver-within", required_argument, 0, 'T'},
         {"quick", no_argument, 0, 'q'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     struct perf_opts o = {0};
     struct perf_stack st = {0};
-    struct perf_ctx ctx = {&o, &st, 0};
+    struct perf_ctx ctx = {.o = &o, .st = &st};
     bool want[NSCEN] = {0}, any = false;
     struct sigaction sa = {0}, old_int, old_term, old_pipe;
     char bin_b[PATH_MAX];
@@ -686,6 +782,13 @@ perf_main(int argc, char **argv, const char *kscore_bin)
             if (parse_int(optarg, 1, &o.window_s))
                 goto bad;
             break;
+        case 'T': {
+            int ms;
+            if (parse_int(optarg, 1, &ms))
+                goto bad;
+            o.deliver_ms = (uint64_t)ms;
+            break;
+        }
         case 'q':
             o.quick = true;
             break;
@@ -716,9 +819,13 @@ perf_main(int argc, char **argv, const char *kscore_bin)
     if (!any)
         for (size_t k = 0; k < NSCEN; k++)
             want[k] = !scenarios[k].opt_in;
+    /* Overload is twice this run's capacity (unless --rate says). */
+    if (want[find("overload") - scenarios] && !(o.rate > 0))
+        want[find("capacity") - scenarios] = true;
     /* The ratios to the floors need this run's floors. */
     if (want[1] || want[find("event_throughput") - scenarios] ||
-        want[find("batch_exec_10") - scenarios])
+        want[find("batch_exec_10") - scenarios] ||
+        want[find("capacity") - scenarios])
         want[0] = true;
     if ((o.nats_url == NULL) != (o.db == NULL)) {
         fprintf(stderr, "kscore perf: --nats and --db go together\n");

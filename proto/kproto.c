@@ -69,6 +69,18 @@ ks_mono_us(void)
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+void
+ks_mono_deadline(struct timespec *out, int64_t ms)
+{
+    clock_gettime(CLOCK_MONOTONIC, out);
+    out->tv_sec += ms / 1000;
+    out->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (out->tv_nsec >= 1000000000L) {
+        out->tv_sec++;
+        out->tv_nsec -= 1000000000L;
+    }
+}
+
 /*
  * Random bytes from a per-thread buffer refilled by getrandom(2) 4 KiB at a
  * time: libuuid's uuid_generate_random() reseeds and calls getrandom for
@@ -148,6 +160,16 @@ ks_hex(const uint8_t *data, size_t len, char *out)
 }
 
 int
+ks_uuid_bin(const char *s, uint8_t out[16])
+{
+    uuid_t u;
+    if (!s || strlen(s) != 36 || uuid_parse(s, u) != 0)
+        return KS_EINVAL;
+    memcpy(out, u, 16);
+    return 0;
+}
+
+int
 kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
 {
     size_t len = protobuf_c_message_get_packed_size(msg);
@@ -158,6 +180,25 @@ kproto_pack(const ProtobufCMessage *msg, uint8_t **buf_out, size_t *len_out)
     *buf_out = buf;
     *len_out = len;
     return 0;
+}
+
+const char *
+kproto_batch_status_name(Ks__BatchStatus st)
+{
+    switch (st) {
+    case KS__BATCH_STATUS__BATCH_RUNNING:
+        return "Running";
+    case KS__BATCH_STATUS__BATCH_SUCCEEDED:
+        return "Succeeded";
+    case KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE:
+        return "PartialFailure";
+    case KS__BATCH_STATUS__BATCH_FAILED:
+        return "Failed";
+    case KS__BATCH_STATUS__BATCH_CANCELLED:
+        return "Cancelled";
+    default:
+        return "Unknown";
+    }
 }
 
 const char *

@@ -41,7 +41,8 @@
     X(PGDOWN, -1016, "PostgreSQL unreachable")                                 \
     X(DUPINSTANCE, -1017, "another agent process serves this id")            \
     X(PGREFUSED, -1018, "PostgreSQL refuses writes")                           \
-    X(INDOUBT, -1019, "outcome unknown")
+    X(INDOUBT, -1019, "outcome unknown")                                       \
+    X(BUSY, -1020, "busy: cannot start in time, try again later")
 
 enum ks_err {
 #define KS_ERR_ENUM(name, val, msg) KS_E##name = (val),
@@ -66,11 +67,18 @@ _Noreturn void ks__bug(const char *file, int line, const char *expr);
 int64_t ks_now_us(void);
 /* Microseconds on CLOCK_MONOTONIC (arbitrary origin). */
 int64_t ks_mono_us(void);
+/* CLOCK_MONOTONIC now plus ms (>= 0) into *out: a deadline for
+ * pthread_cond_timedwait on a condition made with that clock. */
+struct timespec;
+void ks_mono_deadline(struct timespec *out, int64_t ms);
 
 /* Random (v4) UUID, lower-case text, into out[37] (NUL-terminated). */
 void ks_uuid(char out[37]);
 /* 1 if s is a UUID in canonical text form, else 0. */
 int ks_is_uuid(const char *s);
+/* The 16 bytes of the UUID text s into out (RFC 4122 byte order, as
+ * PostgreSQL's uuid): 0, or KS_EINVAL when s is not one (out untouched). */
+int ks_uuid_bin(const char *s, uint8_t out[16]);
 
 /*
  * Pack a protobuf message into a new malloc'd buffer of *len_out bytes.
@@ -191,6 +199,10 @@ void ks_hex(const uint8_t *data, size_t len, char *out);
 
 /* Status names as the CLI and JSON print them ("Succeeded", ...). */
 const char *kproto_status_name(Ks__CommandStatus st);
+/* A batch's, as the CLI, JSON and the batches projection (migration 13)
+ * name them: "Running", "Succeeded", "PartialFailure", "Failed",
+ * "Cancelled"; "Unknown" for any other value. */
+const char *kproto_batch_status_name(Ks__BatchStatus st);
 /* 1 if the status is terminal. */
 int kproto_status_terminal(Ks__CommandStatus st);
 
@@ -241,6 +253,17 @@ enum ks_counter {
     KS_C_CONSUMER_STALLS,    /* kscore_consumer_stalls_total */
     KS_C_CONSUMER_STEPDOWNS, /* kscore_consumer_stepdowns_total */
     KS_C_CONSUMER_REMAKES,   /* kscore_consumer_remakes_total */
+    /* The group writer (store/writer.c): appends written through it, and
+     * the transactions they took (their ratio: appends per commit). */
+    KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */
+    KS_C_WRITER_TRANSACTIONS, /* kscore_writer_transactions_total */
+    KS_C_LATE_REPLIES,       /* kscore_nats_late_replies_total */
+    KS_C_PUBLISH_RETRIES,    /* kscore_publish_retries_total */
+    /* kscore_annotations_dropped_total{kind="report"|"denial"}: not
+     * written, the identity past its share (broker/budget.c) */
+    KS_C_REPORTS_DROPPED,
+    KS_C_DENIALS_DROPPED,
+    KS_C_REFUSED_BUSY,       /* kscore_refused_busy_total: KS_EBUSY */
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

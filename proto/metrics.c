@@ -23,9 +23,12 @@
 #define B KS_METRICS_BROKER
 #define A KS_METRICS_AGENT
 
+/* Counters sharing a name are one family with a label (help on the
+ * first), as the gauges below. */
 static const struct {
     const char *name, *help;
     unsigned roles;
+    const char *label;
 } counters[KS_C__N] = {
     [KS_C_EVENTS_RECORDED] = {"kscore_events_recorded_total",
                               "Events appended to the record (PostgreSQL).", B},
@@ -84,6 +87,42 @@ static const struct {
                                "are delivered again; the claim fence keeps "
                                "one run).",
                                B},
+    [KS_C_WRITER_APPENDS] = {"kscore_writer_appends_total",
+                             "Appends (dispatch records, claims, results) "
+                             "written through the group writer, whatever "
+                             "their verdict.",
+                             B},
+    [KS_C_WRITER_TRANSACTIONS] = {"kscore_writer_transactions_total",
+                                  "Transactions the group writer sent; "
+                                  "appends per transaction is how much "
+                                  "commits are shared.",
+                                  B},
+    [KS_C_LATE_REPLIES] = {"kscore_nats_late_replies_total",
+                           "Replies that came after their requester had "
+                           "given up waiting, dropped.",
+                           B | A},
+    [KS_C_PUBLISH_RETRIES] = {"kscore_publish_retries_total",
+                              "JetStream publishes tried again because the "
+                              "stream did not take them for now (no "
+                              "responders during a leader election, no "
+                              "PubAck, a 503 error), same message id.",
+                              B | A},
+    [KS_C_REPORTS_DROPPED] = {"kscore_annotations_dropped_total",
+                              "Annotation rows not written because their "
+                              "identity was past its share (1000 at once, "
+                              "then 10 a second, per broker): an agent's "
+                              "refused or late reports (kind=report), an "
+                              "operator's refused requests "
+                              "(kind=denial). The log sums them up.",
+                              B, "kind=\"report\""},
+    [KS_C_DENIALS_DROPPED] = {"kscore_annotations_dropped_total", NULL, B,
+                              "kind=\"denial\""},
+    [KS_C_REFUSED_BUSY] = {"kscore_refused_busy_total",
+                           "Commands refused at once because they could "
+                           "not start within their delivery deadline (or "
+                           "kscore's own queues were over their limit): "
+                           "nothing recorded, the client may retry.",
+                           B},
 };
 
 static const struct {
@@ -135,7 +174,7 @@ static const struct {
     [KS_G_QUEUE_EVENTS] = {"kscore_queue_depth", "queue=\"events\"",
                            "Messages waiting in JetStream: events not yet "
                            "recorded (KSCORE_EVENTS, consumer "
-                           "kscore-recorder) and commands not yet acked by "
+                           "kscore-recorder-pull) and commands not yet acked by "
                            "their agent (KSCORE_CMDS).",
                            B, true},
     [KS_G_QUEUE_COMMANDS] = {"kscore_queue_depth", "queue=\"commands\"", NULL,
@@ -353,13 +392,18 @@ ks_metrics_render(unsigned roles, char **out, size_t *len)
     for (size_t i = 0; i < g_ncoll; i++)
         g_coll[i].fn(g_coll[i].ctx);
 
+    const char *family = NULL, *help = NULL;
     for (int c = 0; c < KS_C__N; c++) {
+        if (counters[c].help)
+            help = counters[c].help;
         if (!(counters[c].roles & roles))
             continue;
-        head(&b, counters[c].name, counters[c].help, "counter");
+        if (!family || strcmp(family, counters[c].name) != 0)
+            head(&b, counters[c].name, help, "counter");
+        family = counters[c].name;
         snprintf(v, sizeof(v), "%llu",
                  (unsigned long long)atomic_load(&g_counter[c]));
-        sample(&b, counters[c].name, "", NULL, NULL, v);
+        sample(&b, counters[c].name, "", counters[c].label, NULL, v);
     }
     for (int c = 0; c < KS_SC__N; c++) {
         if (!(status_counters[c].roles & roles))
@@ -378,7 +422,8 @@ ks_metrics_render(unsigned roles, char **out, size_t *len)
             sample(&b, status_counters[c].name, "", lab, NULL, v);
         }
     }
-    const char *family = NULL, *help = NULL;
+    family = NULL;
+    help = NULL;
     for (int g = 0; g < KS_G__N; g++) {
         /* A family's help is on its first entry; its head goes before the
          * first entry this process shows. */

@@ -126,7 +126,16 @@ int stack_stop(const char *dir, const char *name, int wait_ms);
  * files hold public keys only. Entries and keys outlive `kscore down`: a
  * restart never changes anyone's credential.
  */
-enum stack_kind { STACK_BROKER, STACK_OPERATOR, STACK_AGENT, STACK_POOL };
+/* STACK_SYSTEM: "system", the user of nats-server's system account
+ * (SYS): the stack's own view of the server's monitoring
+ * (stack_nats_monitor), which no other user may ask for. */
+enum stack_kind {
+    STACK_BROKER,
+    STACK_OPERATOR,
+    STACK_AGENT,
+    STACK_POOL,
+    STACK_SYSTEM
+};
 
 struct stack_identity {
     enum stack_kind kind;
@@ -143,6 +152,23 @@ struct stack_identity {
 #define STACK_POOL_MAX 100000
 
 /*
+ * Limits of the agents' account AGENTS in nats-auth.conf. nats-server 2.9
+ * has limits per account only (opts.go parseAccountLimits), none per
+ * user, and an account that a reload adds gets no working service
+ * imports (2.9.10: its requests reach nobody until a restart), so agents
+ * and pools share AGENTS and its limits: STACK_AGENT_CONNECTIONS
+ * connections per agent or pool identity and
+ * STACK_AGENTS_SPARE_CONNECTIONS more, all together; each connection at
+ * most STACK_SUBSCRIPTIONS subscriptions more than the largest pool has
+ * ids. Measured: an agent uses 1 connection and 2 subscriptions, a pool
+ * of N ids 1 connection and N + 1 (one per id's cancels), the broker 1
+ * and 32 (its in-process agents another, 1 + ids).
+ */
+#define STACK_AGENT_CONNECTIONS 4
+#define STACK_AGENTS_SPARE_CONNECTIONS 16
+#define STACK_SUBSCRIPTIONS 64
+
+/*
  * A new pool identity "pool-<pool>" (pool: a subject token) serving
  * <pool>-0 .. <pool>-<size-1>: as stack_ident_add, with the size in its
  * entry. 0, -EEXIST, KS_EINVAL (bad name, size 0 or > STACK_POOL_MAX),
@@ -155,8 +181,8 @@ int stack_ident_add_pool(const char *home, const char *pool, unsigned size,
 const char *stack_kind_name(enum stack_kind k);
 
 /* An operator name is a subject token ([A-Za-z0-9_-], at most
- * EVT_IDENTITY_MAX), not "broker" or "anonymous", and does not start with
- * "agent-". 0 or KS_EINVAL. */
+ * EVT_IDENTITY_MAX), not "broker", "system" or "anonymous", and does not
+ * start with "agent-" or "pool-". 0 or KS_EINVAL. */
 int stack_operator_name_check(const char *name);
 
 /* The seed file of an identity held under home (see above). 0 or
@@ -200,9 +226,11 @@ int stack_ident_remove(const char *home, const char *name);
  * The nats-server accounts and users for these identities:
  * deploy/nats-auth.conf.in with one user per identity from its kind's
  * section, brokers and operators in account KSCORE (which holds
- * JetStream), agents and pools in account AGENTS (which reaches KSCORE
- * through the template's imports only). *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an
- * empty user list would let anyone in; or a bad name or key), -ENOMEM.
+ * JetStream), single agents in account AGENTS and each pool in an account
+ * of its own, "pool-<pool>" (which reach KSCORE through the template's
+ * imports only), with the limits above; the system user in SYS.
+ * *conf_out is malloc'd. 0, KS_EINVAL (no identity at all: an empty user
+ * list would let anyone in; or a bad name or key), -ENOMEM.
  */
 int stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
                          char **conf_out);
@@ -252,20 +280,32 @@ int stack_forget_other_boot(const char *dir);
  *
  * `kscore up --cluster N`: nodes nats-1..N, each in <home>/nats-<i>/ with
  * its own store, pid file, log and kept ports (nats.port for clients,
- * route.port for the cluster's routes, monitor.port for /varz and /jsz),
- * all on 127.0.0.1; server_name is "nats-<i>" (JetStream knows its peers
- * by name, so it never changes). */
+ * route.port for the cluster's routes), all on 127.0.0.1; server_name is
+ * "nats-<i>" (JetStream knows its peers by name, so it never changes).
+ * No node opens an HTTP monitoring port: stack_nats_monitor asks over
+ * NATS as the stack's system user. */
 #define STACK_CLUSTER_MAX 5
 
 struct stack_node {
     int index;          /* 1..N */
     char dir[4200];     /* <home>/nats-<i> */
     char name[32];      /* server_name and part name: "nats-<i>" */
-    int port, route_port, mon_port; /* 0: none kept */
+    int port, route_port; /* 0: none kept */
+    /* > 0: the node's HTTP monitoring port (a node of the deploy files,
+     * deploy/cluster), asked instead of the system user over NATS */
+    int mon_port;
+    char url[64]; /* nats://127.0.0.1:<port>, or the stack's own url */
     bool running;
     bool started;       /* started by stack_cluster_start */
     pid_t pid;
 };
+
+/* The token a scrape of the local stack's /metrics needs, in
+ * <home>/keys/ (evt_token_file_make; `kscore up --metrics`). */
+#define STACK_METRICS_TOKEN "metrics.token"
+/* The password of the local cluster's routes, in <home>/keys/ (made by
+ * the first stack_cluster_start; evt_token_file_make). */
+#define STACK_ROUTE_SECRET "route.secret"
 
 /* The n nodes as they are on disk (kept ports) and whether each runs.
  * 0 or KS_EINVAL (n not in 1..STACK_CLUSTER_MAX). */
@@ -288,15 +328,41 @@ int stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
  * malloc'd), as evt_connect takes it. 0 or -ENOMEM. */
 int stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out);
 
-/* What a node's monitoring endpoint says (/varz and /jsz). */
+/*
+ * What a stack nats-server's monitoring says: `what` "VARZ", "JSZ" or
+ * "CONNZ" (the server's /varz, /jsz, /connz; flags add the accounts',
+ * streams' and consumers' details and the consumers' config to JSZ, each
+ * connection's subscriptions to CONNZ; at most STACK_MON_LIMIT
+ * connections or accounts), asked over NATS as the stack's system user
+ * ($SYS.REQ.SERVER.<server id>.<what> of the server at nd->url, seed
+ * <home>/keys/system.nk, TLS files from <home>/env; home is the parent of
+ * nd->dir), or at nd->mon_port when that is set. *out (the caller's) is
+ * what the HTTP port would answer. 0, KS_ENOTFOUND (no system user: a
+ * stack that `kscore up` has not started since it has one),
+ * KS_EUNAVAIL (no answer), KS_ETIMEDOUT, KS_EDECODE.
+ */
+#define STACK_MON_ACCOUNTS 1u
+#define STACK_MON_STREAMS 2u
+#define STACK_MON_CONSUMERS 4u
+#define STACK_MON_CONFIG 8u
+#define STACK_MON_SUBS 16u
+#define STACK_MON_LIMIT 1024
+struct json_t; /* jansson's json_t */
+int stack_nats_monitor(const struct stack_node *nd, const char *what,
+                       unsigned flags, int timeout_ms, struct json_t **out);
+/* The node of a one-node stack (dir <home>/nats, its url from
+ * <home>/env), for stack_nats_monitor. 0 or KS_ENOTFOUND (no url). */
+int stack_single_node(const char *home, struct stack_node *out);
+
+/* What a node's monitoring says (VARZ and JSZ). */
 struct stack_js_info {
     char server_name[64];
     char meta_leader[64]; /* "" while there is none */
     int cluster_size, streams, consumers;
     long long mem_bytes;
 };
-/* 0, KS_EUNAVAIL (no answer), KS_ETIMEDOUT, KS_EDECODE. */
-int stack_nats_js_info(int mon_port, struct stack_js_info *out);
+/* As stack_nats_monitor. */
+int stack_nats_js_info(const struct stack_node *nd, struct stack_js_info *out);
 /* "leader", "follower" (of the JetStream meta group) or "no-leader". */
 const char *stack_js_role(const struct stack_js_info *ji);
 
@@ -328,12 +394,12 @@ int stack_cluster_streams(const struct stack_node *nodes, unsigned n,
 
 /*
  * Which of kscore's JetStream parts (evt_part_names: the three streams and
- * the recorder's consumer) the nats-server whose monitoring port is
- * mon_port holds, from its /jsz (any account): bit i of *present for
- * evt_part_names[i]. On a cluster, OR the nodes' answers (a node holds
- * only the streams it replicates). 0, KS_EDECODE, or as stack_http_get.
+ * the recorder's consumer) the nats-server nd holds, from its JSZ (any
+ * account): bit i of *present for evt_part_names[i]. On a cluster, OR the
+ * nodes' answers (a node holds only the streams it replicates). 0, or as
+ * stack_nats_monitor.
  */
-int stack_js_parts(int mon_port, unsigned *present);
+int stack_js_parts(const struct stack_node *nd, unsigned *present);
 
 /* Waits (<= timeout_ms) until every stack stream has a leader and, with
  * all_current, every replica is current. 0 or KS_ETIMEDOUT. */
@@ -344,6 +410,10 @@ int stack_cluster_wait_streams(const struct stack_node *nodes, unsigned n,
  * KS_EUNAVAIL, KS_ETIMEDOUT, -errno. */
 int stack_http_get(int port, const char *path, int timeout_ms,
                    char **body_out);
+/* The same with "Authorization: Bearer <bearer>" when bearer is not NULL
+ * or "" (a kscore /metrics with a token file). */
+int stack_http_get_auth(int port, const char *path, const char *bearer,
+                        int timeout_ms, char **body_out);
 
 /* VmRSS of pid in kB, or -1. */
 long stack_rss_kb(pid_t pid);

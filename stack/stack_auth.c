@@ -98,7 +98,7 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
           const struct stack_identity *id)
 {
     const char *pool = id->name + 5; /* "pool-<pool>" */
-    char *pub = NULL, *sub = NULL, last[16], line[4 * EVT_AGENT_ID_MAX + 128];
+    char *pub = NULL, *sub = NULL, last[16], line[5 * EVT_AGENT_ID_MAX + 192];
     size_t plen = 0, pcap = 0, slen = 0, scap = 0;
     int rc = 0;
 
@@ -109,9 +109,10 @@ fill_pool(char **buf, size_t *len, size_t *cap, const char *body, size_t blen,
         const char *sep = i + 1 < id->pool_size ? "," : "";
         int n = snprintf(line, sizeof(line),
                          "            \"kscore.api.v1.claim.agent-%s-%u\", "
+                         "\"kscore.api.v1.claim.again.agent-%s-%u\", "
                          "\"kscore.api.v1.fetch.agent-%s-%u\", "
-                         "\"kscore.evt.%s-%u.>\"%s\n",
-                         pool, i, pool, i, pool, i, sep);
+                         "\"kscore.evt.%s-%u.0\"%s\n",
+                         pool, i, pool, i, pool, i, pool, i, sep);
         rc = put(&pub, &plen, &pcap, line, (size_t)n);
         n = snprintf(line, sizeof(line),
                      "            \"kscore.cancel.%s-%u\"%s\n", pool, i, sep);
@@ -154,9 +155,10 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
     const char *t = stack__nats_auth_template;
     const char *frame_end = strstr(t, "\n#%");
     /* [0]: account KSCORE (brokers, operators); [1]: AGENTS (agents,
-     * pools). */
-    char *users[2] = {NULL, NULL}, *out = NULL;
-    size_t ulen[2] = {0, 0}, ucap[2] = {0, 0}, olen = 0, ocap = 0;
+     * pools); [2]: SYS (the system user). */
+    char *users[3] = {NULL, NULL, NULL}, *out = NULL;
+    size_t ulen[3] = {0, 0, 0}, ucap[3] = {0, 0, 0}, olen = 0, ocap = 0;
+    unsigned n_agents = 0, largest_pool = 0;
     int rc = 0;
 
     /* nats-server with an empty user list would let anyone in. */
@@ -173,12 +175,18 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
         const struct var vars[] = {{"@NKEY@", id->nkey},
                                    {"@NAME@", id->name},
                                    {"@AGENT_ID@", agent_id}};
-        int a = id->kind == STACK_AGENT || id->kind == STACK_POOL;
+        int a = id->kind == STACK_SYSTEM                             ? 2
+                : id->kind == STACK_AGENT || id->kind == STACK_POOL ? 1
+                                                                     : 0;
         if (!evt_identity_valid(id->name) || id->nkey[0] != 'U' ||
             strlen(id->nkey) != EVT_NKEY_PUBLIC_CHARS) {
             rc = KS_EINVAL;
             break;
         }
+        if (id->kind == STACK_AGENT || id->kind == STACK_POOL)
+            n_agents++;
+        if (id->kind == STACK_POOL && id->pool_size > largest_pool)
+            largest_pool = id->pool_size;
         rc = section(stack_kind_name(id->kind), &body, &blen);
         if (rc == 0 && id->kind == STACK_POOL)
             rc = fill_pool(&users[a], &ulen[a], &ucap[a], body, blen, id);
@@ -186,17 +194,27 @@ stack_nats_auth_conf(const struct stack_identity *ids, size_t n,
             rc = fill(&users[a], &ulen[a], &ucap[a], body, blen, vars, 3);
     }
     if (rc == 0) {
-        chop(users[0], &ulen[0]);
-        chop(users[1], &ulen[1]);
-        const struct var frame[] = {{"@KSCORE_USERS@", users[0] ? users[0] : ""},
-                                    {"@AGENT_USERS@", users[1] ? users[1] : ""}};
+        for (int k = 0; k < 3; k++)
+            chop(users[k], &ulen[k]);
+        char conns[16], subs[16];
+        snprintf(conns, sizeof(conns), "%u",
+                 STACK_AGENT_CONNECTIONS * n_agents +
+                     STACK_AGENTS_SPARE_CONNECTIONS);
+        snprintf(subs, sizeof(subs), "%u",
+                 largest_pool + STACK_SUBSCRIPTIONS);
+        const struct var frame[] = {
+            {"@KSCORE_USERS@", users[0] ? users[0] : ""},
+            {"@AGENT_USERS@", users[1] ? users[1] : ""},
+            {"@SYSTEM_USERS@", users[2] ? users[2] : ""},
+            {"@AGENT_CONNECTIONS@", conns},
+            {"@AGENT_SUBSCRIPTIONS@", subs}};
         rc = put(&out, &olen, &ocap, head, sizeof(head) - 1);
         if (rc == 0)
             rc = fill(&out, &olen, &ocap, t, (size_t)(frame_end - t) + 1, frame,
-                      2);
+                      5);
     }
-    free(users[0]);
-    free(users[1]);
+    for (int k = 0; k < 3; k++)
+        free(users[k]);
     if (rc) {
         free(out);
         return rc;

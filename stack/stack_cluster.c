@@ -51,7 +51,10 @@ stack_cluster_nodes(const char *home, unsigned n, struct stack_node *out)
         snprintf(nd->name, sizeof(nd->name), "nats-%u", i + 1);
         nd->port = stack_read_port(nd->dir, "nats.port");
         nd->route_port = stack_read_port(nd->dir, "route.port");
-        nd->mon_port = stack_read_port(nd->dir, "monitor.port");
+        /* No HTTP monitoring port (stack_nats_monitor asks over NATS):
+         * a monitor.port kept by an older kscore is not read. */
+        nd->mon_port = 0;
+        snprintf(nd->url, sizeof(nd->url), "nats://127.0.0.1:%d", nd->port);
         nd->running = stack_pidfile_alive(nd->dir, "nats", &nd->pid) == 1;
     }
     return 0;
@@ -99,30 +102,46 @@ stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
         if (nodes[i].running) {
             taken[nt++] = nodes[i].port;
             taken[nt++] = nodes[i].route_port;
-            taken[nt++] = nodes[i].mon_port;
         }
     for (unsigned i = 0; i < n; i++) {
         struct stack_node *nd = &nodes[i];
-        int want[3] = {nd->port, nd->route_port, nd->mon_port};
+        int want[2] = {nd->port, nd->route_port};
         if (nd->running)
             continue;
         nd->port = pick_port(nd->port, taken, nt);
         taken[nt++] = nd->port;
         nd->route_port = pick_port(nd->route_port, taken, nt);
         taken[nt++] = nd->route_port;
-        nd->mon_port = pick_port(nd->mon_port, taken, nt);
-        taken[nt++] = nd->mon_port;
-        if (!nd->port || !nd->route_port || !nd->mon_port)
+        if (!nd->port || !nd->route_port)
             return KS_EUNAVAIL;
+        snprintf(nd->url, sizeof(nd->url), "nats://127.0.0.1:%d", nd->port);
         if (want[0] > 0 && want[0] != nd->port && moved && moved_len) {
             size_t l = strlen(moved);
             snprintf(moved + l, moved_len - l, "%s%s: %d -> %d",
                      l ? ", " : "", nd->name, want[0], nd->port);
         }
     }
+    /* The routes' password: a route carries every message of every
+     * account and may send any (a server trusts its peers), and a port on
+     * loopback is open to every user of the host, so a node takes a route
+     * only from who knows it (issue 21: without it a local user joined
+     * the routes and read the stack's messages). Made once, kept. */
+    char secret_path[4300], secret[EVT_TOKEN_MAX + 1];
+    snprintf(secret_path, sizeof(secret_path), "%s/keys/" STACK_ROUTE_SECRET,
+             home);
+    if (access(secret_path, F_OK) != 0) {
+        char keys[4200];
+        snprintf(keys, sizeof(keys), "%s/keys", home);
+        if ((rc = stack_mkdirs(keys, 0700)) ||
+            (rc = evt_token_file_make(secret_path)))
+            return rc;
+    }
+    if ((rc = evt_token_file_read(secret_path, secret, sizeof(secret), NULL)))
+        return rc;
     for (unsigned i = 0; i < n; i++) {
         struct stack_node *nd = &nodes[i];
-        char *extra = NULL, routes[64 * STACK_CLUSTER_MAX] = "";
+        char *extra = NULL, routes[(96 + EVT_TOKEN_MAX) * STACK_CLUSTER_MAX] =
+                                "";
         size_t rl = 0;
         char *url = NULL;
         if (nd->running)
@@ -132,19 +151,22 @@ stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
             return rc;
         for (unsigned j = 0; j < n; j++)
             if (j != i)
-                rl += (size_t)snprintf(routes + rl, sizeof(routes) - rl,
-                                       "%s\"nats-route://127.0.0.1:%d\"",
-                                       rl ? ", " : "", nodes[j].route_port);
-        /* Routes bind loopback only and carry no user auth: nothing but
-         * this host's processes reaches them. The monitoring port (/jsz
-         * says who leads the meta group) is loopback too. */
+                rl += (size_t)snprintf(
+                    routes + rl, sizeof(routes) - rl,
+                    "%s\"nats-route://route:%s@127.0.0.1:%d\"",
+                    rl ? ", " : "", secret, nodes[j].route_port);
+        /* Routes bind loopback and want the routes' password (nats.conf
+         * is 0600). No HTTP monitoring port: nats-server 2.9 asks no
+         * credential there, and /connz lists every user
+         * (stack_nats_monitor asks over NATS instead). */
         if (asprintf(&extra,
-                     "%shttp: \"127.0.0.1:%d\"\n"
-                     "cluster {\n  name: kscore\n"
+                     "%scluster {\n  name: kscore\n"
                      "  listen: \"127.0.0.1:%d\"\n"
+                     "  authorization {\n    user: route\n"
+                     "    password: \"%s\"\n    timeout: 2\n  }\n"
                      "  routes: [%s]\n}\n",
-                     conf_extra ? conf_extra : "", nd->mon_port,
-                     nd->route_port, routes) < 0)
+                     conf_extra ? conf_extra : "", nd->route_port, secret,
+                     routes) < 0)
             return -ENOMEM;
         rc = stack_nats_start_named(nd->dir, "127.0.0.1", nd->port, nd->name,
                                     NULL, extra, &url, &nd->pid);
@@ -153,7 +175,6 @@ stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
         if (rc)
             return rc;
         write_port(nd->dir, "route.port", nd->route_port);
-        write_port(nd->dir, "monitor.port", nd->mon_port);
         nd->running = true;
         nd->started = true;
     }
@@ -178,11 +199,18 @@ stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out)
 int
 stack_http_get(int port, const char *path, int timeout_ms, char **body_out)
 {
+    return stack_http_get_auth(port, path, NULL, timeout_ms, body_out);
+}
+
+int
+stack_http_get_auth(int port, const char *path, const char *bearer,
+                    int timeout_ms, char **body_out)
+{
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
-    char req[512], *buf = NULL, *body;
+    char req[1024], *buf = NULL, *body;
     size_t len = 0, cap = 0;
     int fd, rc = KS_EUNAVAIL;
 
@@ -197,9 +225,13 @@ stack_http_get(int port, const char *path, int timeout_ms, char **body_out)
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == -1)
         goto out;
     /* HTTP/1.0: the server closes after the answer, so its end is EOF. */
+    bool auth = bearer && bearer[0];
     int rl = snprintf(req, sizeof(req),
-                      "GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n\r\n", path,
-                      port);
+                      "GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%s%s%s\r\n",
+                      path, port, auth ? "Authorization: Bearer " : "",
+                      auth ? bearer : "", auth ? "\r\n" : "");
+    if (rl < 0 || (size_t)rl >= sizeof(req))
+        goto out;
     if (write(fd, req, (size_t)rl) != rl)
         goto out;
     for (;;) {
@@ -239,45 +271,183 @@ out:
     return rc;
 }
 
-int
-stack_nats_js_info(int mon_port, struct stack_js_info *out)
+/* The home of a node: the parent of its dir ("<home>/nats" or
+ * "<home>/nats-<i>"). */
+static void
+node_home(const struct stack_node *nd, char *buf, size_t len)
 {
-    char *body = NULL;
+    const char *slash = strrchr(nd->dir, '/');
+    size_t n = slash ? (size_t)(slash - nd->dir) : 0;
+    if (n >= len)
+        n = len - 1;
+    memcpy(buf, nd->dir, n);
+    buf[n] = '\0';
+}
+
+/* The monitoring answer over NATS: $SYS.REQ.SERVER.<id>.<WHAT> of the
+ * server the system user reaches at nd->url (events.go 2.9: the answer
+ * is {"server": {...}, "data": <what its HTTP port says>}). */
+static int
+monitor_nats(const struct stack_node *nd, const char *what, unsigned flags,
+             int timeout_ms, json_t **out)
+{
+    char home[4200], seed[4400], id[128], subject[200], body[256];
+    char *ca, *cert, *key, *err = NULL;
+    struct evt_conn *c = NULL;
+    natsMsg *reply = NULL;
+    json_t *j = NULL;
+    int rc;
+
+    node_home(nd, home, sizeof(home));
+    if (!nd->url[0] ||
+        stack_ident_seed_path(home, STACK_SYSTEM, "system", seed,
+                              sizeof(seed)) != 0 ||
+        access(seed, R_OK) != 0)
+        return KS_ENOTFOUND; /* a stack from before the system user */
+    ca = stack_env_get(home, "KSCORE_NATS_TLS_CA");
+    cert = stack_env_get(home, "KSCORE_NATS_TLS_CERT");
+    key = stack_env_get(home, "KSCORE_NATS_TLS_KEY");
+    struct evt_connect_opts o = {.name = "kscore-monitor",
+                                 .send_asap = true,
+                                 .timeout_ms = timeout_ms,
+                                 .nkey_file = seed,
+                                 .tls_ca = ca,
+                                 .tls_cert = cert && key ? cert : NULL,
+                                 .tls_key = cert && key ? key : NULL};
+    rc = evt_connect(nd->url, &o, &c, &err);
+    free(err);
+    free(ca);
+    free(cert);
+    free(key);
+    if (rc)
+        return rc == KS_ETIMEDOUT ? rc : KS_EUNAVAIL;
+    if (natsConnection_GetConnectedServerId(c->nc, id, sizeof(id)) !=
+        NATS_OK) {
+        rc = KS_EUNAVAIL;
+        goto out;
+    }
+    snprintf(subject, sizeof(subject), "$SYS.REQ.SERVER.%s.%s", id, what);
+    /* JSzOptions and ConnzOptions (monitor.go 2.9: "consumer", not
+     * "consumers"; each ignores the other's fields). */
+    snprintf(body, sizeof(body), "{\"accounts\":%s,\"streams\":%s,"
+             "\"consumer\":%s,\"config\":%s,\"subscriptions\":%s,"
+             "\"limit\":%d}",
+             flags & STACK_MON_ACCOUNTS ? "true" : "false",
+             flags & STACK_MON_STREAMS ? "true" : "false",
+             flags & STACK_MON_CONSUMERS ? "true" : "false",
+             flags & STACK_MON_CONFIG ? "true" : "false",
+             flags & STACK_MON_SUBS ? "true" : "false", STACK_MON_LIMIT);
+    if (natsConnection_RequestString(&reply, c->nc, subject, body,
+                                     timeout_ms) != NATS_OK) {
+        rc = KS_ETIMEDOUT;
+        goto out;
+    }
+    /* As reals: an account's reserved_memory is 2^64-1, past jansson's
+     * integers. */
+    j = json_loadb(natsMsg_GetData(reply),
+                   (size_t)natsMsg_GetDataLength(reply),
+                   JSON_DECODE_INT_AS_REAL, NULL);
+    if (!json_is_object(json_object_get(j, "data"))) {
+        rc = KS_EDECODE;
+        goto out;
+    }
+    *out = json_incref(json_object_get(j, "data"));
+    rc = 0;
+out:
+    json_decref(j);
+    natsMsg_Destroy(reply);
+    evt_close(c);
+    return rc;
+}
+
+/* The same from a node's HTTP monitoring port (a node of the deploy
+ * files, deploy/cluster: nd->mon_port > 0). */
+static int
+monitor_http(const struct stack_node *nd, const char *what, unsigned flags,
+             int timeout_ms, json_t **out)
+{
+    char path[160], *body = NULL;
+    size_t n = (size_t)snprintf(path, sizeof(path), "/%s?", what);
+    for (char *p = path + 1; *p; p++)
+        *p = (char)(*p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
+    if (flags & STACK_MON_ACCOUNTS)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "accounts=true&");
+    if (flags & STACK_MON_STREAMS)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "streams=true&");
+    if (flags & STACK_MON_CONSUMERS)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "consumers=true&");
+    if (flags & STACK_MON_CONFIG)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "config=true&");
+    if (flags & STACK_MON_SUBS)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "subs=1&");
+    snprintf(path + n, sizeof(path) - n, "limit=%d", STACK_MON_LIMIT);
+    int rc = stack_http_get(nd->mon_port, path, timeout_ms, &body);
+    if (rc)
+        return rc;
+    *out = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
+    free(body);
+    if (!json_is_object(*out)) {
+        json_decref(*out);
+        *out = NULL;
+        return KS_EDECODE;
+    }
+    return 0;
+}
+
+int
+stack_single_node(const char *home, struct stack_node *out)
+{
+    char *url = stack_env_get(home, "KSCORE_NATS_URL");
+    memset(out, 0, sizeof(*out));
+    /* Its files are in home itself (stack_nats_start); dir only names
+     * home as its parent, as a node's does. */
+    snprintf(out->dir, sizeof(out->dir), "%s/nats", home);
+    snprintf(out->name, sizeof(out->name), "nats");
+    out->port = stack_nats_saved_port(home);
+    out->running = stack_pidfile_alive(home, "nats", &out->pid) == 1;
+    if (!url || strlen(url) >= sizeof(out->url)) {
+        free(url);
+        return KS_ENOTFOUND;
+    }
+    snprintf(out->url, sizeof(out->url), "%s", url);
+    free(url);
+    return 0;
+}
+
+int
+stack_nats_monitor(const struct stack_node *nd, const char *what,
+                   unsigned flags, int timeout_ms, json_t **out)
+{
+    *out = NULL;
+    return nd->mon_port > 0 ? monitor_http(nd, what, flags, timeout_ms, out)
+                            : monitor_nats(nd, what, flags, timeout_ms, out);
+}
+
+int
+stack_nats_js_info(const struct stack_node *nd, struct stack_js_info *out)
+{
     json_t *j = NULL;
     int rc;
 
     memset(out, 0, sizeof(*out));
-    if ((rc = stack_http_get(mon_port, "/varz", 2000, &body)))
+    if ((rc = stack_nats_monitor(nd, "VARZ", 0, 2000, &j)))
         return rc;
-    j = json_loads(body, 0, NULL);
-    free(body);
-    body = NULL;
-    if (!json_is_object(j)) {
-        json_decref(j);
-        return KS_EDECODE;
-    }
     snprintf(out->server_name, sizeof(out->server_name), "%s",
              json_string_value(json_object_get(j, "server_name"))
                  ? json_string_value(json_object_get(j, "server_name"))
                  : "");
-    out->mem_bytes = json_integer_value(json_object_get(j, "mem"));
+    out->mem_bytes = (long long)json_number_value(json_object_get(j, "mem"));
     json_decref(j);
-    if ((rc = stack_http_get(mon_port, "/jsz", 2000, &body)))
+    if ((rc = stack_nats_monitor(nd, "JSZ", 0, 2000, &j)))
         return rc;
-    j = json_loads(body, 0, NULL);
-    free(body);
-    if (!json_is_object(j)) {
-        json_decref(j);
-        return KS_EDECODE;
-    }
     json_t *meta = json_object_get(j, "meta_cluster");
     const char *leader = json_string_value(json_object_get(meta, "leader"));
     snprintf(out->meta_leader, sizeof(out->meta_leader), "%s",
              leader ? leader : "");
     out->cluster_size =
-        (int)json_integer_value(json_object_get(meta, "cluster_size"));
-    out->streams = (int)json_integer_value(json_object_get(j, "streams"));
-    out->consumers = (int)json_integer_value(json_object_get(j, "consumers"));
+        (int)json_number_value(json_object_get(meta, "cluster_size"));
+    out->streams = (int)json_number_value(json_object_get(j, "streams"));
+    out->consumers = (int)json_number_value(json_object_get(j, "consumers"));
     json_decref(j);
     return 0;
 }
@@ -305,7 +475,7 @@ stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
             struct stack_js_info ji;
             if (!nodes[i].running)
                 continue;
-            if (stack_nats_js_info(nodes[i].mon_port, &ji) != 0 ||
+            if (stack_nats_js_info(&nodes[i], &ji) != 0 ||
                 !ji.meta_leader[0] ||
                 (first[0] && strcmp(first, ji.meta_leader) != 0))
                 all = false;
@@ -325,37 +495,18 @@ stack_cluster_wait_leader(const struct stack_node *nodes, unsigned n,
 const char *const stack_stream_names[STACK_STREAMS] = {
     "KSCORE_CMDS", "KSCORE_EVENTS", "KV_KSCORE_AGENTS"};
 
-/* A monitoring endpoint's JSON object (*out, the caller's): 0, KS_EDECODE,
- * or as stack_http_get. */
-static int
-jsz_get(int mon_port, const char *path, json_t **out)
-{
-    char *body = NULL;
-    int rc = stack_http_get(mon_port, path, 2000, &body);
-    if (rc)
-        return rc;
-    /* As reals: an account's reserved_memory is 2^64-1, past jansson's
-     * integers. */
-    *out = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL);
-    free(body);
-    if (!json_is_object(*out)) {
-        json_decref(*out);
-        *out = NULL;
-        return KS_EDECODE;
-    }
-    return 0;
-}
-
 int
-stack_js_parts(int mon_port, unsigned *present)
+stack_js_parts(const struct stack_node *nd, unsigned *present)
 {
     json_t *j, *acc, *st, *co;
     size_t ai, si, ci;
     int rc;
 
     *present = 0;
-    if ((rc = jsz_get(mon_port,
-                      "/jsz?accounts=true&streams=true&consumers=true", &j)))
+    if ((rc = stack_nats_monitor(nd, "JSZ",
+                                 STACK_MON_ACCOUNTS | STACK_MON_STREAMS |
+                                     STACK_MON_CONSUMERS,
+                                 2000, &j)))
         return rc;
     json_array_foreach(json_object_get(j, "account_details"), ai, acc)
     {
@@ -389,7 +540,9 @@ node_streams(const struct stack_node *nd, struct stack_stream_state *out)
     size_t ai, si;
     int rc;
 
-    if ((rc = jsz_get(nd->mon_port, "/jsz?accounts=true&streams=true", &j)))
+    if ((rc = stack_nats_monitor(nd, "JSZ",
+                                 STACK_MON_ACCOUNTS | STACK_MON_STREAMS, 2000,
+                                 &j)))
         return rc;
     accs = json_object_get(j, "account_details");
     json_array_foreach(accs, ai, acc)

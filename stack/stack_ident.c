@@ -30,6 +30,7 @@ static const char *const kind_names[] = {
     [STACK_OPERATOR] = "operator",
     [STACK_AGENT] = "agent",
     [STACK_POOL] = "pool",
+    [STACK_SYSTEM] = "system",
 };
 
 const char *
@@ -56,7 +57,7 @@ stack_operator_name_check(const char *name)
 {
     if (!evt_identity_valid(name) || strcmp(name, "broker") == 0 ||
         strncmp(name, "agent-", 6) == 0 || strncmp(name, "pool-", 5) == 0 ||
-        strcmp(name, "anonymous") == 0)
+        strcmp(name, "anonymous") == 0 || strcmp(name, "system") == 0)
         return KS_EINVAL;
     return 0;
 }
@@ -76,6 +77,8 @@ name_fits(enum stack_kind kind, const char *name)
     case STACK_POOL:
         return strncmp(name, "pool-", 5) == 0 && name[5] &&
                evt_identity_valid(name);
+    case STACK_SYSTEM:
+        return strcmp(name, "system") == 0;
     }
     return 0;
 }

@@ -84,8 +84,8 @@ store__batch_id(const Ks__Event *ev)
 }
 
 /* Checks what the append needs before anything is sent. */
-static int
-validate(const Ks__Event *ev)
+int
+store__validate(const Ks__Event *ev)
 {
     Ks__CommandStatus st;
     enum store__proj_kind kind;
@@ -249,6 +249,11 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
     store__p_text_or_null(&p, kind == STORE__PROJ_REQUESTED ? ev->reason : NULL);
     if (kind == STORE__PROJ_STATUS) /* 12 */
         store__p_text(&p, kproto_status_name(st));
+    else if (kind == STORE__PROJ_BATCH && ev->batch_status &&
+             ev->batch_status != KS__BATCH_STATUS__BATCH_RUNNING &&
+             strcmp(ev->type, "BatchCompleted") == 0)
+        /* How it ended (migration 13). */
+        store__p_text(&p, kproto_batch_status_name(ev->batch_status));
     else if (kind == STORE__PROJ_RESULT)
         store__p_text(&p, kproto_status_name(store__result_status(r, st)));
     else
@@ -304,9 +309,9 @@ store__send_project(struct store *s, const Ks__Event *ev, bool replay)
 }
 
 int
-store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
+store__pipeline_read(struct store *s, store__result_fn on_result, void *ud,
+                     char **detail_out)
 {
-    bool seen_first = false;
     int rc = 0, nulls = 0;
 
     /* The pipeline is sent: until an error result says the transaction
@@ -337,16 +342,13 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
             return rc;
         case PGRES_TUPLES_OK:
         case PGRES_COMMAND_OK:
-            if (!seen_first && first_out && PQntuples(res) == 1 &&
-                !PQgetisnull(res, 0, 0))
-                *first_out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-            seen_first = true;
-            break;
         case PGRES_PIPELINE_ABORTED:
-            seen_first = true;
+            if (on_result)
+                on_result(res, ud);
             break;
         default:
-            seen_first = true;
+            if (on_result)
+                on_result(res, ud);
             if (rc == 0) {
                 const char *d =
                     PQresultErrorField(res, PG_DIAG_MESSAGE_DETAIL);
@@ -363,6 +365,32 @@ store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
     return rc;
 }
 
+/* store__pipeline_finish's reader: the first result's first value. */
+struct first_value {
+    int64_t *out;
+    bool seen;
+};
+
+static void
+take_first(const PGresult *res, void *ud)
+{
+    struct first_value *f = ud;
+    ExecStatusType st = PQresultStatus(res);
+
+    if (!f->seen && f->out &&
+        (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK) &&
+        PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
+        *f->out = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    f->seen = true;
+}
+
+int
+store__pipeline_finish(struct store *s, int64_t *first_out, char **detail_out)
+{
+    struct first_value f = {first_out, false};
+    return store__pipeline_read(s, take_first, &f, detail_out);
+}
+
 void
 store__send_commit(struct store *s)
 {
@@ -374,8 +402,8 @@ store__send_commit(struct store *s)
 
 /* Ends pipeline mode; a connection that cannot leave it (results left
  * unread) is started afresh by the next call (store__ready). */
-static void
-pipeline_end(struct store *s)
+void
+store__pipeline_end(struct store *s)
 {
     if (PQpipelineStatus(s->conn) != PQ_PIPELINE_OFF &&
         !PQexitPipelineMode(s->conn))
@@ -455,8 +483,8 @@ store__mark_recorded(const struct store__id_ref *refs, size_t n,
 }
 
 /* Appends the packed event as one element of the bytea[] in b. */
-static int
-put_packed_event(struct store__buf *b, const Ks__Event *ev)
+int
+store__put_packed_event(struct store__buf *b, const Ks__Event *ev)
 {
     size_t len = ks__event__get_packed_size(ev);
     int rc;
@@ -566,7 +594,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
     }
     for (size_t i = 0; i < n; i++) {
         evs[i] = events[i].event;
-        if ((rc = validate(evs[i])) < 0)
+        if ((rc = store__validate(evs[i])) < 0)
             goto out;
         if (strcmp(evs[i]->stream_id, stream_id) != 0) {
             rc = KS_EINVAL;
@@ -587,7 +615,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
         if ((rc = store__arr_put_uuid(&s->ids, evs[i]->event_id)) < 0 ||
             (rc = store__arr_put(&s->types, evs[i]->type,
                                  strlen(evs[i]->type))) < 0 ||
-            (rc = put_packed_event(&s->data, evs[i])) < 0)
+            (rc = store__put_packed_event(&s->data, evs[i])) < 0)
             goto out;
     store__p_text(&p, stream_id);
     store__p_i64(&p, expected_version);
@@ -613,7 +641,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
     store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
         int lost = store__pg_error(s, NULL, NULL);
-        pipeline_end(s);
+        store__pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
         s->in_doubt = true; /* the sync may have gone out in part */
         rc = store__keep_sick(lost);
@@ -629,7 +657,7 @@ append_impl(struct store *s, const char *stream_id, int64_t expected_version,
         if (rc == 0)
             rc = frc;
     }
-    pipeline_end(s);
+    store__pipeline_end(s);
     if (rc == KS_EDUPLICATE) {
         if (detail) {
             version = strtoll(detail, NULL, 10);
@@ -677,7 +705,7 @@ put_event_arrays(struct store *s, const Ks__Event *const *events, size_t n,
                                  strlen(ev->stream_id))) < 0 ||
             (rc = store__arr_put(&s->types, ev->type, strlen(ev->type))) <
                 0 ||
-            (rc = put_packed_event(&s->data, ev)) < 0)
+            (rc = store__put_packed_event(&s->data, ev)) < 0)
             return rc;
     }
     store__p_bin(p, s->ids.p, s->ids.len);
@@ -709,7 +737,7 @@ project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
     store__send_commit(s);
     if (!PQpipelineSync(s->conn)) {
         int lost = store__pg_error(s, NULL, NULL);
-        pipeline_end(s);
+        store__pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
         s->in_doubt = true; /* the sync may have gone out in part */
         return store__keep_sick(lost);
@@ -717,7 +745,7 @@ project_and_finish(struct store *s, const Ks__Event *const *events, size_t n,
     int frc = store__pipeline_finish(s, first_out, detail_out);
     if (rc == 0)
         rc = frc;
-    pipeline_end(s);
+    store__pipeline_end(s);
     return rc;
 }
 
@@ -805,7 +833,7 @@ store_append_many(struct store *s, const Ks__Event *const *events, size_t n,
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        if ((rc = validate(events[i])) < 0)
+        if ((rc = store__validate(events[i])) < 0)
             goto out;
     dups = store__mark_repeats(events, n, refs, skip);
     if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
@@ -854,16 +882,6 @@ out:
     return rc;
 }
 
-/* A bigint element of a binary array. */
-static int
-arr_put_i64(struct store__buf *b, int64_t v)
-{
-    uint8_t x[8];
-    for (int i = 0; i < 8; i++)
-        x[i] = (uint8_t)((uint64_t)v >> (56 - 8 * i));
-    return store__arr_put(b, x, sizeof(x));
-}
-
 int
 store__record_checked(struct store *s, const Ks__Event *const *events,
                       size_t n, const char *const *vstreams,
@@ -885,7 +903,7 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
     BUG_ON(!s || !events || n == 0);
     for (size_t i = 0; i < n; i++) {
         Ks__CommandStatus st;
-        if ((rc = validate(events[i])) < 0)
+        if ((rc = store__validate(events[i])) < 0)
             return rc;
         /* Batch events are projected one by one after the set-based part
          * (record_many): not this path's. */
@@ -905,7 +923,7 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
         goto out;
     for (size_t i = 0; i < nv; i++)
         if ((rc = store__arr_put(&vs, vstreams[i], strlen(vstreams[i]))) < 0 ||
-            (rc = arr_put_i64(&vv, vexpected[i])) < 0)
+            (rc = store__arr_put_i64(&vv, vexpected[i])) < 0)
             goto out;
     if ((rc = store__arr_begin(&ac, STORE__OID_UUID, na)) < 0 ||
         (rc = store__arr_begin(&as, STORE__OID_TEXT, na)) < 0 ||
@@ -913,14 +931,12 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
         (rc = store__arr_begin(&an, STORE__OID_INT4, na)) < 0)
         goto out;
     for (size_t i = 0; i < na; i++) {
-        uint8_t att[4] = {assumed[i].attempt >> 24, assumed[i].attempt >> 16,
-                          assumed[i].attempt >> 8, assumed[i].attempt};
         if ((rc = store__arr_put_uuid(&ac, assumed[i].command_id)) < 0 ||
             (rc = store__arr_put(&as, assumed[i].status,
                                  strlen(assumed[i].status))) < 0 ||
             (rc = store__arr_put(&aa, assumed[i].agent_id,
                                  strlen(assumed[i].agent_id))) < 0 ||
-            (rc = store__arr_put(&an, att, sizeof(att))) < 0)
+            (rc = store__arr_put_i32(&an, (int32_t)assumed[i].attempt)) < 0)
             goto out;
     }
     store__p_bin(&p, vs.p, vs.len);
@@ -942,7 +958,7 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
              : store__pg_error(s, NULL, NULL);
     if (!PQpipelineSync(s->conn)) {
         int lost = store__pg_error(s, NULL, NULL);
-        pipeline_end(s);
+        store__pipeline_end(s);
         s->broken = true; /* a pipeline without its sync */
         s->in_doubt = true; /* the sync may have gone out in part */
         rc = store__keep_sick(lost);
@@ -953,7 +969,7 @@ store__record_checked(struct store *s, const Ks__Event *const *events,
         if (rc == 0)
             rc = frc;
     }
-    pipeline_end(s);
+    store__pipeline_end(s);
 out:
     free(skip);
     store__buf_release(&vs);

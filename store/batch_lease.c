@@ -172,7 +172,7 @@ store_batch_append(struct store *s, const char *owner, int lease_ms,
      * back need not survive it. */
     if ((rc = store__prepare(s, NULL)) < 0)
         goto out;
-    if ((rc = exec_cmd(s, "BEGIN")) < 0)
+    if ((rc = exec_cmd(s, STORE__BEGIN_APPENDING)) < 0)
         goto out;
     in_tx = true;
     store__p_text(&p, owner);
@@ -355,7 +355,7 @@ store_batch_request_cancel(struct store *s, const Ks__Event *ev)
     params[0] = ev->stream_id;
     if ((rc = store__prepare(s, NULL)) < 0)
         return rc;
-    if ((rc = exec_cmd(s, "BEGIN")) < 0)
+    if ((rc = exec_cmd(s, STORE__BEGIN_APPENDING)) < 0)
         return rc;
     in_tx = true;
     /* Locks the row: the batch cannot end between this check and the

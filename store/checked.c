@@ -179,8 +179,15 @@ decide(const Ks__Event *const *events, size_t n, store_check_fn check,
         BUG_ON(!c);
         copies[i].stream_id = c->stream;
         v = STORE_STEP_APPLY;
-        if (check && check(&c->st, ev, &why, ud) != 0)
-            v = STORE_STEP_ILLEGAL;
+        if (check) {
+            int crc = check(&c->st, ev, &why, ud);
+            if (crc == STORE_CHECK_DROP) {
+                verdicts[i] = STORE_STEP_DROPPED; /* kept nowhere */
+                continue;
+            }
+            if (crc != 0)
+                v = STORE_STEP_ILLEGAL;
+        }
         if (v == STORE_STEP_APPLY)
             v = store_command_step(&c->st, ev, &next, &why);
         verdicts[i] = v;
@@ -419,16 +426,15 @@ out:
 }
 
 int
-store_append_checked_at(struct store *s, const Ks__Event *ev,
-                        const struct store_command_state *known,
-                        int64_t version, store_check_fn check, void *ud)
+store__checked_at_decide(const Ks__Event *ev,
+                         const struct store_command_state *known,
+                         int64_t version, store_check_fn check, void *ud,
+                         Ks__Event *copy, char stream[8 + 37])
 {
     const char *cid, *why = NULL;
     Ks__CommandStatus next;
-    Ks__Event copy;
-    char stream[8 + 37];
 
-    BUG_ON(!s || !ev || !known);
+    BUG_ON(!ev || !known);
     cid = store__command_id(ev);
     if (!ks_is_uuid(ev->event_id) || !cid || !ks_is_uuid(cid) ||
         !ev->type || !ev->type[0])
@@ -439,11 +445,27 @@ store_append_checked_at(struct store *s, const Ks__Event *ev,
         return KS_ECONFLICT; /* an annotation: the checked path words it */
     if (store_command_step(known, ev, &next, &why) != STORE_STEP_APPLY)
         return KS_ECONFLICT;
-    snprintf(stream, sizeof(stream), "command-%s", cid);
+    snprintf(stream, 8 + 37, "command-%s", cid);
     /* The stream is the command's, derived from its id: never taken from
      * the message. */
-    copy = *ev;
-    copy.stream_id = stream;
+    *copy = *ev;
+    copy->stream_id = stream;
+    return 0;
+}
+
+int
+store_append_checked_at(struct store *s, const Ks__Event *ev,
+                        const struct store_command_state *known,
+                        int64_t version, store_check_fn check, void *ud)
+{
+    Ks__Event copy;
+    char stream[8 + 37];
+    int rc;
+
+    BUG_ON(!s);
+    if ((rc = store__checked_at_decide(ev, known, version, check, ud, &copy,
+                                       stream)))
+        return rc;
     struct store_event se = {&copy};
     return store_append(s, stream, version, &se, 1, NULL);
 }
@@ -546,10 +568,12 @@ store_append_checked(struct store *s, const Ks__Event *const *events,
              * what a writer that held one committed. (Read in the same
              * statement, a row lock that waited re-reads the streams row
              * but not the joined commands row: a stale state.) */
+            /* Events first, before the row locks give the transaction
+             * its id (STORE__LOCKED). */
             !PQsendQueryParams(s->conn,
-                               "SELECT 1 FROM streams"
+                               "SELECT 1" STORE__LOCKED ", streams"
                                " WHERE stream_id = ANY ($1::text[])"
-                               " ORDER BY stream_id FOR UPDATE",
+                               " ORDER BY stream_id FOR UPDATE OF streams",
                                1, NULL, p1, NULL, NULL, 0) ||
             !PQsendQueryParams(
                 s->conn,

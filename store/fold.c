@@ -216,33 +216,11 @@ fold_event(struct fold *f, const Ks__Event *ev, int32_t ord)
 
 /* ---- binary array elements (array_recv's format, see store_int.h) ---- */
 
-static int
-put_null(struct store__buf *b)
-{
-    return store__buf_put_be32(b, UINT32_MAX); /* length -1 */
-}
-
-static int
-put_i32(struct store__buf *b, int32_t v)
-{
-    int rc = store__buf_put_be32(b, 4);
-    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
-}
-
-static int
-put_i64(struct store__buf *b, int64_t v)
-{
-    int rc = store__buf_put_be32(b, 8);
-    if (rc == 0)
-        rc = store__buf_put_be32(b, (uint32_t)((uint64_t)v >> 32));
-    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
-}
-
 /* 0 is "none": NULL. */
 static int
 put_i64_or_null(struct store__buf *b, int64_t v)
 {
-    return v ? put_i64(b, v) : put_null(b);
+    return v ? store__arr_put_i64(b, v) : store__arr_put_null(b);
 }
 
 static int
@@ -256,20 +234,20 @@ put_bool(struct store__buf *b, bool v)
 static int
 put_text(struct store__buf *b, const char *s)
 {
-    return s && *s ? store__arr_put(b, s, strlen(s)) : put_null(b);
+    return s && *s ? store__arr_put(b, s, strlen(s)) : store__arr_put_null(b);
 }
 
 static int
 put_status(struct store__buf *b, Ks__CommandStatus st)
 {
-    return st ? put_text(b, kproto_status_name(st)) : put_null(b);
+    return st ? put_text(b, kproto_status_name(st)) : store__arr_put_null(b);
 }
 
 static int
 put_output(struct store__buf *b, const Ks__Output *o)
 {
     if (!o)
-        return put_null(b);
+        return store__arr_put_null(b);
     return store__arr_put(b, o->data.data, o->data.len);
 }
 
@@ -287,7 +265,7 @@ put_requested(struct store *s, const struct fold_row *row, int32_t *argv_n)
 
     if (!ev) {
         for (int i = FC_AGENT0; i <= FC_REQ_DELIVER; i++)
-            if (i != FC_ARGV && (rc = put_null(&c[i])) < 0)
+            if (i != FC_ARGV && (rc = store__arr_put_null(&c[i])) < 0)
                 return rc;
         return 0;
     }
@@ -312,12 +290,12 @@ put_requested(struct store *s, const struct fold_row *row, int32_t *argv_n)
             ++*argv_n;
         }
     if ((rc = put_text(&c[FC_AGENT0], agent0)) < 0 ||
-        (rc = put_i32(&c[FC_ARGV_LO], lo)) < 0 ||
-        (rc = put_i32(&c[FC_ARGV_HI], *argv_n)) < 0 ||
+        (rc = store__arr_put_i32(&c[FC_ARGV_LO], lo)) < 0 ||
+        (rc = store__arr_put_i32(&c[FC_ARGV_HI], *argv_n)) < 0 ||
         (rc = put_text(&c[FC_BATCH], store__batch_id(ev))) < 0 ||
         (rc = put_text(&c[FC_IDEM], ev->reason)) < 0 ||
         (rc = put_text(&c[FC_OPER], oper)) < 0 ||
-        (rc = put_i64(&c[FC_REQ_AT], occurred_at(ev))) < 0 ||
+        (rc = store__arr_put_i64(&c[FC_REQ_AT], occurred_at(ev))) < 0 ||
         (rc = put_i64_or_null(&c[FC_REQ_DELIVER], deliver)) < 0)
         return rc;
     return 0;
@@ -332,31 +310,31 @@ put_result(struct store *s, const Ks__CommandResult *r)
 
     if (!r) {
         for (int i = FC_RES; i <= FC_ERRNO; i++)
-            if ((rc = put_null(&c[i])) < 0)
+            if ((rc = store__arr_put_null(&c[i])) < 0)
                 return rc;
         return 0;
     }
     if ((rc = store__pack_result(&s->result, r)) < 0 ||
         (rc = store__arr_put(&c[FC_RES], s->result.p, s->result.len)) < 0 ||
-        (rc = r->has_exit_code ? put_i32(&c[FC_EXIT], r->exit_code)
-                               : put_null(&c[FC_EXIT])) < 0 ||
-        (rc = put_i32(&c[FC_SIGNAL], r->signal)) < 0 ||
+        (rc = r->has_exit_code ? store__arr_put_i32(&c[FC_EXIT], r->exit_code)
+                               : store__arr_put_null(&c[FC_EXIT])) < 0 ||
+        (rc = store__arr_put_i32(&c[FC_SIGNAL], r->signal)) < 0 ||
         (rc = put_bool(&c[FC_TIMED_OUT], r->timed_out)) < 0 ||
         (rc = put_output(&c[FC_STDOUT], r->stdout)) < 0 ||
         (rc = put_output(&c[FC_STDERR], r->stderr)) < 0 ||
-        (rc = r->stdout ? put_i64(&c[FC_STDOUT_TOTAL],
+        (rc = r->stdout ? store__arr_put_i64(&c[FC_STDOUT_TOTAL],
                                   (int64_t)r->stdout->total_bytes)
-                        : put_null(&c[FC_STDOUT_TOTAL])) < 0 ||
-        (rc = r->stderr ? put_i64(&c[FC_STDERR_TOTAL],
+                        : store__arr_put_null(&c[FC_STDOUT_TOTAL])) < 0 ||
+        (rc = r->stderr ? store__arr_put_i64(&c[FC_STDERR_TOTAL],
                                   (int64_t)r->stderr->total_bytes)
-                        : put_null(&c[FC_STDERR_TOTAL])) < 0 ||
+                        : store__arr_put_null(&c[FC_STDERR_TOTAL])) < 0 ||
         (rc = r->stdout ? put_bool(&c[FC_STDOUT_TRUNC], r->stdout->truncated)
-                        : put_null(&c[FC_STDOUT_TRUNC])) < 0 ||
+                        : store__arr_put_null(&c[FC_STDOUT_TRUNC])) < 0 ||
         (rc = r->stderr ? put_bool(&c[FC_STDERR_TRUNC], r->stderr->truncated)
-                        : put_null(&c[FC_STDERR_TRUNC])) < 0 ||
-        (rc = put_i64(&c[FC_DURATION], r->duration_us)) < 0 ||
+                        : store__arr_put_null(&c[FC_STDERR_TRUNC])) < 0 ||
+        (rc = store__arr_put_i64(&c[FC_DURATION], r->duration_us)) < 0 ||
         (rc = put_text(&c[FC_STAGE], r->start_stage)) < 0 ||
-        (rc = put_i32(&c[FC_ERRNO], r->start_errno)) < 0)
+        (rc = store__arr_put_i32(&c[FC_ERRNO], r->start_errno)) < 0)
         return rc;
     return 0;
 }
@@ -368,24 +346,24 @@ put_row(struct store *s, const struct fold_row *row, int32_t *argv_n)
     int rc;
 
     if ((rc = store__arr_put_uuid(&c[FC_ID], row->cid)) < 0 ||
-        (rc = put_i32(&c[FC_LAST], row->last)) < 0 ||
+        (rc = store__arr_put_i32(&c[FC_LAST], row->last)) < 0 ||
         (rc = put_bool(&c[FC_REQ], row->req != NULL)) < 0 ||
         (rc = put_requested(s, row, argv_n)) < 0 ||
         (rc = put_status(&c[FC_ST], row->st)) < 0 ||
         (rc = put_status(&c[FC_ST_FIRST], row->st_first)) < 0 ||
         (rc = put_bool(&c[FC_ST_CHANGE], row->st_change)) < 0 ||
-        (rc = put_i32(&c[FC_ATT], (int32_t)row->att)) < 0 ||
+        (rc = store__arr_put_i32(&c[FC_ATT], (int32_t)row->att)) < 0 ||
         (rc = put_text(&c[FC_AGENT], row->agent)) < 0 ||
-        (rc = row->disp_set ? put_i64(&c[FC_DISP], row->disp)
-                            : put_null(&c[FC_DISP])) < 0 ||
+        (rc = row->disp_set ? store__arr_put_i64(&c[FC_DISP], row->disp)
+                            : store__arr_put_null(&c[FC_DISP])) < 0 ||
         (rc = put_i64_or_null(&c[FC_DELIVER], row->deliver)) < 0 ||
-        (rc = row->run_set ? put_i64(&c[FC_RUN], row->run)
-                           : put_null(&c[FC_RUN])) < 0 ||
+        (rc = row->run_set ? store__arr_put_i64(&c[FC_RUN], row->run)
+                           : store__arr_put_null(&c[FC_RUN])) < 0 ||
         (rc = put_i64_or_null(&c[FC_STARTED_AFTER], row->started_after)) <
             0 ||
         (rc = put_i64_or_null(&c[FC_STARTED_ANY], row->started_any)) < 0 ||
-        (rc = row->closed ? put_i64(&c[FC_FIN], row->fin)
-                          : put_null(&c[FC_FIN])) < 0 ||
+        (rc = row->closed ? store__arr_put_i64(&c[FC_FIN], row->fin)
+                          : store__arr_put_null(&c[FC_FIN])) < 0 ||
         (rc = put_result(s, row->res)) < 0)
         return rc;
     return 0;

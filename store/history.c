@@ -32,9 +32,10 @@ text_array(struct store__buf *b, const char *const *v, size_t n)
  * them. Ids compare bytewise (COLLATE "C"): the cursor's tie-break must be
  * the same order whatever the database's collation.
  */
-#define LIST_FILTERS(T, ID)                                                    \
+#define LIST_FILTERS(T, ID, STATUS_ALSO)                                       \
     " AND ($2 = '' OR " T ".operator = $2)"                                    \
-    " AND (cardinality($3::text[]) = 0 OR " T ".status = ANY ($3::text[]))"    \
+    " AND (cardinality($3::text[]) = 0 OR " T ".status = ANY ($3::text[])"     \
+    STATUS_ALSO ")"                                                            \
     " AND ($4::bigint = 0 OR " T ".requested_at >= kscore_ts($4::bigint))"     \
     " AND ($5::bigint = 0 OR " T ".requested_at < kscore_ts($5::bigint))"      \
     " AND ($7::bigint = 0 OR " T ".requested_at < kscore_ts($7::bigint)"       \
@@ -56,7 +57,7 @@ static const char list_sql[] =
     "          WHEN cardinality($1::text[]) > 0 THEN true"
     "          ELSE c.batch_id IS NULL END"
     " AND (cardinality($1::text[]) = 0 OR c.agent_id = ANY ($1::text[]))"
-    LIST_FILTERS("c", "c.command_id::text") ")"
+    LIST_FILTERS("c", "c.command_id::text", "") ")"
     " UNION ALL "
     "(SELECT true, b.batch_id, '', b.operator, b.status,"
     "  (SELECT t.argv[1:32] FROM commands t WHERE t.batch_id = b.batch_id"
@@ -67,7 +68,11 @@ static const char list_sql[] =
     "  NULL, 0, '', b.total, b.succeeded, b.failed, b.cancelled, false"
     " FROM batches b WHERE b.requested_at IS NOT NULL"
     " AND $6 = '' AND cardinality($1::text[]) = 0"
-    LIST_FILTERS("b", "b.batch_id") ")"
+    /* "Completed" (a batch's status before migration 13): any batch that
+     * ended but a cancelled one. */
+    LIST_FILTERS("b", "b.batch_id",
+                 " OR ('Completed' = ANY ($3::text[]) AND b.status IN"
+                 " ('Succeeded', 'PartialFailure', 'Failed'))") ")"
     ") x ORDER BY at DESC, id COLLATE \"C\" DESC LIMIT $9::int";
 
 /* Parses a text[] value ({a,"b c",...}) into at most cap strings in

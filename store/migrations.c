@@ -17,6 +17,11 @@
  * terminal status is final (a terminal P keeps its status, attempt,
  * agent, times), the first result is kept.
  */
+/* A batch's status at its end, as the SQL of a migration knows it
+ * (re-defined by migration 13, as FOLD_TERMINAL_LIST below is). */
+#define BATCH_END_STATUS                                                       \
+    "CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n"                     \
+    "               ELSE 'Cancelled' END"
 /* The terminal statuses as the SQL of a migration knows them: re-defined
  * before each migration that changes the set, so a shipped migration's
  * text never changes (macros expand where they are used). */
@@ -193,14 +198,9 @@
     "  c_stdout_trunc bool[], c_stderr_trunc bool[], c_duration bigint[],\n" \
     "  c_stage text[], c_errno int[])\n"
 
-/* Commands requested in a batch (c_req): one insert each, in the final
- * state the fold computed, with their batch targets and counters. Used by
- * kscore_record_many and kscore_record_checked. */
-#define FOLD_INSERT_REQUESTED \
-    "    WITH r AS (\n" \
-    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
-    "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
-    "      FROM " FOLD_SUMMARY "\n" \
+/* A requested command's row before its events: what FOLD_EXPRS(p)
+ * applies the fold to (p, in the FROM list of a summary s). */
+#define FOLD_PENDING_ROW \
     "      CROSS JOIN LATERAL (SELECT 'Pending'::text AS status,\n" \
     "        coalesce(s.agent0, '') AS agent_id, 0 AS attempt,\n" \
     "        NULL::timestamptz AS dispatched_at,\n" \
@@ -213,7 +213,31 @@
     "        NULL::bool AS stdout_truncated, NULL::bool AS stderr_truncated,\n" \
     "        NULL::bigint AS duration_us, NULL::text AS start_stage,\n" \
     "        NULL::int AS start_errno, NULL::bytea AS result) p\n" \
-    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n" \
+    "      CROSS JOIN LATERAL (SELECT " FOLD_EXPRS("p") ") f(" FOLD_COLS ")\n"
+/* The requested commands r (FOLD_PENDING_ROW's columns) counted into
+ * their batches' rows. */
+#define FOLD_BATCH_TOTALS \
+    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n" \
+    "      failed, cancelled)\n" \
+    "    SELECT r.batch, 'Running', count(*),\n" \
+    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n" \
+    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n" \
+    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n" \
+    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n" \
+    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n" \
+    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n" \
+    "      succeeded = b.succeeded + excluded.succeeded,\n" \
+    "      failed = b.failed + excluded.failed,\n" \
+    "      cancelled = b.cancelled + excluded.cancelled"
+/* Commands requested in a batch (c_req): one insert each, in the final
+ * state the fold computed, with their batch targets and counters. Used by
+ * kscore_record_many and kscore_record_checked. */
+#define FOLD_INSERT_REQUESTED \
+    "    WITH r AS (\n" \
+    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n" \
+    "             s.batch, s.idem, s.oper, s.req_at, f.*\n" \
+    "      FROM " FOLD_SUMMARY "\n" \
+    FOLD_PENDING_ROW \
     "      WHERE s.req\n" \
     "    ), ic AS (\n" \
     "      INSERT INTO commands (command_id, argv, requested_at, batch_id,\n" \
@@ -227,19 +251,28 @@
     "      SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n" \
     "      WHERE r.batch IS NOT NULL\n" \
     "    )\n" \
-    "    INSERT INTO batches AS b (batch_id, status, total, succeeded,\n" \
-    "      failed, cancelled)\n" \
-    "    SELECT r.batch, 'Running', count(*),\n" \
-    "      count(*) FILTER (WHERE r.status = 'Succeeded'),\n" \
-    "      count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n" \
-    "                       AND r.status NOT IN ('Succeeded', 'Cancelled')),\n" \
-    "      count(*) FILTER (WHERE r.status = 'Cancelled')\n" \
-    "    FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch ORDER BY r.batch\n" \
-    "    ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n" \
-    "      succeeded = b.succeeded + excluded.succeeded,\n" \
-    "      failed = b.failed + excluded.failed,\n" \
-    "      cancelled = b.cancelled + excluded.cancelled;\n"
+    FOLD_BATCH_TOTALS ";\n"
 
+/* The targets' ends among the updated commands u (command_id, status,
+ * prev, st_first, st_change): their batch_targets rows, RETURNING the
+ * batch and the status for FOLD_BATCH_COUNTS (as t). */
+#define FOLD_TARGETS_MOVE \
+    "      UPDATE batch_targets bt SET status = u.status FROM u\n" \
+    "      WHERE bt.command_id = u.command_id\n" \
+    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n" \
+    "        AND (u.st_change OR u.st_first <> u.prev)\n" \
+    "      RETURNING bt.batch_id, u.status\n"
+#define FOLD_BATCH_COUNTS \
+    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n" \
+    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n" \
+    "    FROM (SELECT t.batch_id,\n" \
+    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n" \
+    "            count(*) FILTER (WHERE t.status NOT IN\n" \
+    "                             ('Succeeded', 'Cancelled')) AS bad,\n" \
+    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n" \
+    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n" \
+    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n" \
+    "    WHERE b.batch_id = x.batch_id"
 /* Commands requested before the batch: one update each from the fold, with
  * their batch targets and counters; LOCK locks their rows first (when the
  * caller holds no lock that covers them). */
@@ -255,22 +288,9 @@
     "      RETURNING c.command_id, c.status, s.prev, s.st_first,\n" \
     "        s.st_change\n" \
     "    ), t AS (\n" \
-    "      UPDATE batch_targets bt SET status = u.status FROM u\n" \
-    "      WHERE bt.command_id = u.command_id\n" \
-    "        AND NOT (u.prev = ANY (" FOLD_TERM "))\n" \
-    "        AND (u.st_change OR u.st_first <> u.prev)\n" \
-    "      RETURNING bt.batch_id, u.status\n" \
+    FOLD_TARGETS_MOVE \
     "    )\n" \
-    "    UPDATE batches b SET succeeded = b.succeeded + x.ok,\n" \
-    "      failed = b.failed + x.bad, cancelled = b.cancelled + x.cn\n" \
-    "    FROM (SELECT t.batch_id,\n" \
-    "            count(*) FILTER (WHERE t.status = 'Succeeded') AS ok,\n" \
-    "            count(*) FILTER (WHERE t.status NOT IN\n" \
-    "                             ('Succeeded', 'Cancelled')) AS bad,\n" \
-    "            count(*) FILTER (WHERE t.status = 'Cancelled') AS cn\n" \
-    "          FROM t WHERE t.status = ANY (" FOLD_TERM ")\n" \
-    "          GROUP BY t.batch_id ORDER BY t.batch_id) x\n" \
-    "    WHERE b.batch_id = x.batch_id;\n"
+    FOLD_BATCH_COUNTS ";\n"
 
 #define SQL_RECORD_MANY(CREATE) \
     CREATE " FUNCTION kscore_record_many(p_ids uuid[], p_streams text[],\n" \
@@ -393,8 +413,7 @@
     "    RETURN;\n" \
     "  ELSIF p_type IN ('BatchCompleted', 'BatchCancelled') THEN\n" \
     "    UPDATE batches SET\n" \
-    "      status = CASE p_type WHEN 'BatchCompleted' THEN 'Completed'\n" \
-    "               ELSE 'Cancelled' END,\n" \
+    "      status = " BATCH_END_STATUS ",\n" \
     "      finished_at = kscore_ts(p_at), version = v\n" \
     "    WHERE batch_id = p_batch_id;\n" \
     "    RETURN;\n" \
@@ -885,6 +904,251 @@ static const char migration_10[] =
     "  completed_at timestamptz NOT NULL DEFAULT now()\n"
     ");\n";
 
+/*
+ * Migration 11: what kscore copy keeps is bounded and goes away (issue 21:
+ * any operator in the policy could store any number of files, and the
+ * parts of an upload never finished stayed for good).
+ *
+ * Each part is charged to the operator who wrote it (blob_parts.operator;
+ * parts from before this migration: their file's, else ''), as long as
+ * it is kept, whether its file is complete or not. blob_usage holds the
+ * sums: a row per operator and the row '*' for all of them (no operator
+ * is named '*': it is the NATS wildcard, and an operator's name is the
+ * last token of its API subject). Every writer of blob_parts locks the
+ * '*' row first, so parts are written, dropped and counted one
+ * transaction at a time, whichever broker writes: the bound is checked
+ * against sums no other transaction is changing (kscore_blob_put), and
+ * no two writers lock rows in different orders. Each such transaction is
+ * one part or a few: short.
+ *
+ * blob_parts.ver: a number no other write of a part had
+ * (blob_parts_ver), so a commit can tell that the parts it read back and
+ * checked are still the ones there (kscore_blob_commit): a part sent again
+ * meanwhile has another. NULL for parts from before this migration
+ * (nullable, so adding it rewrites nothing).
+ *
+ * blob_files.used_at: the last upload of the file or the last copy that
+ * named it; written_at: when a part was written. The broker's scanner
+ * deletes files unused for its copy_keep that no open batch names, and
+ * parts of files not complete written longer than copy_upload_keep ago
+ * (store_blob_expire).
+ */
+static const char migration_11[] =
+    "ALTER TABLE blob_parts\n"
+    "  ADD COLUMN operator   text NOT NULL DEFAULT '',\n"
+    "  ADD COLUMN written_at timestamptz NOT NULL DEFAULT now(),\n"
+    "  ADD COLUMN ver        bigint;\n"
+    "CREATE SEQUENCE blob_parts_ver;\n"
+    "ALTER TABLE blob_files\n"
+    "  ADD COLUMN used_at timestamptz NOT NULL DEFAULT now();\n"
+    "UPDATE blob_parts p SET operator = f.operator FROM blob_files f\n"
+    "  WHERE f.sha256 = p.sha256;\n"
+    "CREATE INDEX blob_parts_written ON blob_parts (written_at);\n"
+    "CREATE INDEX blob_files_used ON blob_files (used_at);\n"
+    "CREATE TABLE blob_usage (\n"
+    "  operator text PRIMARY KEY,\n"
+    "  bytes    bigint NOT NULL CHECK (bytes >= 0)\n"
+    ");\n"
+    "INSERT INTO blob_usage (operator, bytes)\n"
+    "  SELECT '*', coalesce(sum(octet_length(data)), 0) FROM blob_parts\n"
+    "  UNION ALL\n"
+    "  SELECT operator, sum(octet_length(data)) FROM blob_parts\n"
+    "  GROUP BY operator;\n"
+    /*
+     * One part from p_op, under the bounds: o_bound NULL when it is
+     * written (or its file is complete: nothing to write), else which
+     * bound it would pass ('operator', 'total') and what is held against
+     * it now (o_used, bytes). A part sent again replaces the one there,
+     * whose bytes go back to whoever wrote it.
+     */
+    "CREATE FUNCTION kscore_blob_put(p_sha bytea, p_part int, p_data bytea,\n"
+    "  p_op text, p_op_max bigint, p_total_max bigint,\n"
+    "  OUT o_bound text, OUT o_used bigint)\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "DECLARE\n"
+    "  n bigint := octet_length(p_data);\n"
+    "  total bigint; mine bigint; after bigint; old_op text;\n"
+    "  old_n bigint;\n"
+    "BEGIN\n"
+    "  SELECT bytes INTO total FROM blob_usage WHERE operator = '*'\n"
+    "    FOR UPDATE;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    RETURN;\n"
+    "  END IF;\n"
+    "  SELECT operator, octet_length(data) INTO old_op, old_n\n"
+    "    FROM blob_parts WHERE sha256 = p_sha AND part = p_part;\n"
+    "  old_n := coalesce(old_n, 0);\n"
+    "  SELECT coalesce(max(bytes), 0) INTO mine FROM blob_usage\n"
+    "    WHERE operator = p_op;\n"
+    /* (plpgsql reads an IF's condition up to the first THEN: no CASE
+     * in it) */
+    "  after := mine + n;\n"
+    "  IF old_op = p_op THEN\n"
+    "    after := after - old_n;\n"
+    "  END IF;\n"
+    "  IF after > p_op_max THEN\n"
+    "    o_bound := 'operator'; o_used := mine; RETURN;\n"
+    "  END IF;\n"
+    "  IF total + n - old_n > p_total_max THEN\n"
+    "    o_bound := 'total'; o_used := total; RETURN;\n"
+    "  END IF;\n"
+    "  UPDATE blob_usage SET bytes = bytes - old_n WHERE operator = old_op;\n"
+    "  INSERT INTO blob_parts (sha256, part, data, operator, written_at,\n"
+    "    ver)\n"
+    "  VALUES (p_sha, p_part, p_data, p_op, now(), nextval('blob_parts_ver'))\n"
+    "  ON CONFLICT (sha256, part) DO UPDATE SET data = EXCLUDED.data,\n"
+    "    operator = EXCLUDED.operator, written_at = EXCLUDED.written_at,\n"
+    "    ver = EXCLUDED.ver;\n"
+    "  INSERT INTO blob_usage AS u (operator, bytes) VALUES (p_op, n)\n"
+    "    ON CONFLICT (operator) DO UPDATE SET bytes = u.bytes + n;\n"
+    "  UPDATE blob_usage SET bytes = bytes + n - old_n WHERE operator = '*';\n"
+    "END $$;\n"
+    /*
+     * Deletes up to p_limit parts of files that are not complete: of file
+     * p_sha (NULL: any) from part p_from on, written by p_op (NULL:
+     * anyone), before p_before (NULL: any time). Their bytes go back to
+     * their operators. Returns how many.
+     */
+    "CREATE FUNCTION kscore_blob_forget(p_sha bytea, p_from int, p_op text,\n"
+    "  p_before timestamptz, p_limit int) RETURNS int\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "DECLARE k int;\n"
+    "BEGIN\n"
+    "  PERFORM 1 FROM blob_usage WHERE operator = '*' FOR UPDATE;\n"
+    "  WITH gone AS (\n"
+    "    DELETE FROM blob_parts p WHERE (p.sha256, p.part) IN (\n"
+    "      SELECT q.sha256, q.part FROM blob_parts q\n"
+    "      WHERE (p_sha IS NULL OR q.sha256 = p_sha) AND q.part >= p_from\n"
+    "        AND (p_op IS NULL OR q.operator = p_op)\n"
+    "        AND (p_before IS NULL OR q.written_at < p_before)\n"
+    "        AND NOT EXISTS (SELECT 1 FROM blob_files f\n"
+    "                        WHERE f.sha256 = q.sha256)\n"
+    "      LIMIT p_limit)\n"
+    "    RETURNING p.operator, octet_length(p.data)::bigint AS n\n"
+    "  ), per AS (\n"
+    "    SELECT operator, sum(n) AS n FROM gone GROUP BY operator\n"
+    "    UNION ALL SELECT '*', coalesce(sum(n), 0) FROM gone\n"
+    "  ), counted AS (\n"
+    "    UPDATE blob_usage u SET bytes = u.bytes - per.n FROM per\n"
+    "    WHERE u.operator = per.operator\n"
+    "  )\n"
+    "  SELECT count(*) INTO k FROM gone;\n"
+    "  RETURN k;\n"
+    "END $$;\n"
+    /*
+     * Marks file p_sha complete, of p_size bytes, uploaded by p_op, if
+     * its parts are still those the caller read back and checked: p_vers
+     * is their ver, in part order (a part sent again since has another).
+     * Parts past them (sent for a larger size) are dropped. true when the
+     * file is complete (now or before), false when its parts changed.
+     */
+    "CREATE FUNCTION kscore_blob_commit(p_sha bytea, p_size bigint,\n"
+    "  p_op text, p_vers bigint[]) RETURNS bool\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM 1 FROM blob_usage WHERE operator = '*' FOR UPDATE;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    UPDATE blob_files SET used_at = now() WHERE sha256 = p_sha;\n"
+    "    RETURN true;\n"
+    "  END IF;\n"
+    "  IF (SELECT coalesce(array_agg(coalesce(ver, 0) ORDER BY part),\n"
+    "                      '{}')\n"
+    "      FROM blob_parts WHERE sha256 = p_sha\n"
+    "      AND part < cardinality(p_vers)) <> p_vers THEN\n"
+    "    RETURN false;\n"
+    "  END IF;\n"
+    "  PERFORM kscore_blob_forget(p_sha, cardinality(p_vers), NULL, NULL,\n"
+    "                             2147483647);\n"
+    "  INSERT INTO blob_files (sha256, size, operator)\n"
+    "    VALUES (p_sha, p_size, p_op);\n"
+    "  RETURN true;\n"
+    "END $$;\n";
+
+/*
+ * Migration 12: the writer's side of the reading rule (store.h "Readers").
+ * A reader goes past every transaction that is still open unless it holds
+ * a lock on events (other than a reader's ACCESS SHARE), so an appender
+ * must hold that lock before it has a transaction id: from then on a
+ * reader that sees its id open sees its lock too. kscore_events_lock()
+ * takes it (ROW EXCLUSIVE, as any INSERT does) and refuses to once the
+ * transaction has an id; the store's appending statements call it first
+ * (store.c, "FROM kscore_events_lock()"). The statement trigger keeps every
+ * other writer honest: an INSERT into events is the transaction's first
+ * write (and takes the lock before its id), or comes after
+ * kscore_events_lock() (or CALL kscore_events_locked(), the same with no
+ * rows), or fails with KS006. The mark is a transaction's
+ * setting (set_config local): it ends with the transaction, and with a
+ * subtransaction that rolls back, as the lock does.
+ */
+#define SQL_EVENTS_LOCK_REFUSE(WHERE) \
+    "    RAISE EXCEPTION 'events locked after the transaction''s first " \
+    "write (" WHERE ")'\n" \
+    "      USING ERRCODE = '" STORE__SQLSTATE_UNLOCKED "', HINT =\n" \
+    "      'an appending transaction calls kscore_events_lock() first: a " \
+    "reader would not wait for it (store.h)';\n"
+static const char migration_12[] =
+    "CREATE FUNCTION kscore_events_lock() RETURNS void LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true) = 'on' THEN\n"
+    "    RETURN;\n"
+    "  END IF;\n"
+    "  IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("kscore_events_lock")
+    "  END IF;\n"
+    "  LOCK TABLE events IN ROW EXCLUSIVE MODE;\n"
+    "  PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "END $$;\n"
+    "CREATE FUNCTION kscore_events_guard() RETURNS trigger LANGUAGE plpgsql\n"
+    "AS $$\n"
+    "BEGIN\n"
+    "  IF current_setting('kscore.events_locked', true)\n"
+    "       IS DISTINCT FROM 'on' THEN\n"
+    "    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN\n"
+    SQL_EVENTS_LOCK_REFUSE("INSERT INTO events")
+    "    END IF;\n"
+    /* This INSERT holds the lock already, and the transaction no id. */
+    "    PERFORM set_config('kscore.events_locked', 'on', true);\n"
+    "  END IF;\n"
+    "  RETURN NULL;\n"
+    "END $$;\n"
+    "CREATE TRIGGER events_locked_first BEFORE INSERT ON events\n"
+    "  FOR EACH STATEMENT EXECUTE FUNCTION kscore_events_guard();\n"
+    /* The same as a statement that answers no rows (a pipeline's first,
+     * whose reader counts row sets: store/writer.c). */
+    "CREATE PROCEDURE kscore_events_locked() LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM kscore_events_lock();\n"
+    "END $$;\n";
+
+/*
+ * Migration 13: a batch's row says how it ended, as `kscore get` does:
+ * Succeeded, PartialFailure, Failed or Cancelled (BatchCompleted carries
+ * it, passed as p_status: store/append.c), where every ended batch was
+ * "Completed", a cancelled one included (issue 24: `kscore list` showed a
+ * cancelled batch Completed, and --status cancelled never found it). Rows
+ * written before are decided as the broker decided them (broker/batch.c
+ * final_status): cancelled when a cancel was requested, else by their
+ * counts. And the relabels (AgentLabelsChanged, broker/labels.c), which a
+ * broker reads at its start, newest of each stream first, through a
+ * partial index of their own.
+ */
+#undef BATCH_END_STATUS
+#define BATCH_END_STATUS                                                       \
+    "CASE WHEN p_type = 'BatchCancelled' THEN 'Cancelled'\n"                   \
+    "               ELSE coalesce(p_status, 'Completed') END"
+static const char migration_13[] =
+    SQL_PROJECT("CREATE OR REPLACE") ";\n"
+    "UPDATE batches b SET status = CASE\n"
+    "    WHEN EXISTS (SELECT 1 FROM events e WHERE e.stream_id = b.batch_id\n"
+    "                 AND e.type = 'BatchCancelRequested') THEN 'Cancelled'\n"
+    "    WHEN b.succeeded = b.total THEN 'Succeeded'\n"
+    "    WHEN b.succeeded = 0 THEN 'Failed'\n"
+    "    ELSE 'PartialFailure' END\n"
+    "  WHERE b.status = 'Completed';\n"
+    "CREATE INDEX events_relabels ON events (stream_id, version)\n"
+    "  WHERE type = 'AgentLabelsChanged';\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -897,6 +1161,213 @@ const struct store__migration store__migrations[] = {
      migration_8},
     {9, "idempotency keys are per operator", migration_9},
     {10, "files for kscore copy, in parts", migration_10},
+    {11, "kscore copy's files bounded per operator, and expired",
+     migration_11},
+    {12, "appenders lock events first: readers wait for them alone",
+     migration_12},
+    {13, "a batch's row says how it ended; relabels by stream",
+     migration_13},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);
+
+/*
+ * The group writer's statements (store/writer.c; prepared on every
+ * connection by store__prepare, not created by a migration: they are
+ * plain SQL over the tables, using the projection rules above as they
+ * stand after the migrations). Many appends, each to one stream at an
+ * expected version (0: no stream, n: exactly n; an append at any version
+ * goes the way of store_append), in one statement, each with its own
+ * verdict instead of an exception that would undo the others: one row per
+ * append, in input order (w_code, w_version):
+ *   0  written; w_version = the stream's version after it
+ *   1  every event of it recorded before (a redelivery); w_version = the
+ *      stream's version now
+ *   2  conflict: the stream is not at the expected version, some but not
+ *      all of its events are recorded, or its idempotency key is taken
+ *      (by a command, or by an earlier append of the call); nothing
+ *      written
+ *   3  a claim ($3 set) of a command addressed to another agent
+ *   4  a claim of a command that is not recorded
+ * Parameters: per append $1 stream, $2 expected version, $3 the claim's
+ * agent (NULL: not a claim), $4 its number of events; per event (an
+ * append's events follow each other, in order) $5 event_id, $6 type, $7
+ * the packed event, $8 its append (1-based), $9 its version if its append
+ * is written; $10.. the fold of the events (store/fold.c, FOLD_PARAMS'
+ * order), one row per command, of one append.
+ * The caller puts at most one append per stream and per command in one
+ * statement (a later one goes in a later statement of the same
+ * transaction, which sees this one's rows), so every row is touched once.
+ * A stream moves only at its expected version (the row lock is the fence:
+ * a concurrent writer is waited for and its version re-checked), and an
+ * append's events and projection rows are written only if its stream
+ * moved. The reads (recorded events, the claimed command's agent, taken
+ * keys) see the statement's snapshot: a writer whose commit they miss
+ * moved the stream, so the append is a conflict, never a wrong record. What
+ * the checks do not foresee (a unique violation: another writer raced an
+ * idempotency key or an event_id) raises, and the caller writes the
+ * appends one by one.
+ *
+ * store__sql_write_wait comes first in the transaction when claims are
+ * in it: migration 6's wait for a record being committed, set-based
+ * ($1: the claims' streams). A placeholder it inserts (version 0, no
+ * record) is deleted by store__sql_write, which gives that claim code 4.
+ */
+/* Each names itself (what pg_stat_activity shows an operator). */
+const char store__sql_write_wait[] =
+    "/* kscore_write_wait */ INSERT INTO streams\n"
+    "  SELECT x.s, 'command', 0 FROM unnest($1::text[]) AS x(s) ORDER BY x.s\n"
+    "ON CONFLICT (stream_id) DO NOTHING";
+const char store__sql_write[] =
+    "/* kscore_write */ WITH prm AS (\n"
+    "  SELECT $10::uuid[] AS c_id, $11::int[] AS c_last, $12::bool[] AS c_req,\n"
+    "    $13::text[] AS c_agent0, $14::text[] AS c_argv,\n"
+    "    $15::int[] AS c_argv_lo, $16::int[] AS c_argv_hi,\n"
+    "    $17::text[] AS c_batch, $18::text[] AS c_idem, $19::text[] AS c_oper,\n"
+    "    $20::bigint[] AS c_req_at, $21::bigint[] AS c_req_deliver,\n"
+    "    $22::text[] AS c_st, $23::text[] AS c_st_first,\n"
+    "    $24::bool[] AS c_st_change, $25::int[] AS c_att,\n"
+    "    $26::text[] AS c_agent, $27::bigint[] AS c_disp,\n"
+    "    $28::bigint[] AS c_deliver, $29::bigint[] AS c_run,\n"
+    "    $30::bigint[] AS c_started_after, $31::bigint[] AS c_started_any,\n"
+    "    $32::bigint[] AS c_fin, $33::bytea[] AS c_res, $34::int[] AS c_exit,\n"
+    "    $35::int[] AS c_signal, $36::bool[] AS c_timed_out,\n"
+    "    $37::bytea[] AS c_stdout, $38::bytea[] AS c_stderr,\n"
+    "    $39::bigint[] AS c_stdout_total, $40::bigint[] AS c_stderr_total,\n"
+    "    $41::bool[] AS c_stdout_trunc, $42::bool[] AS c_stderr_trunc,\n"
+    "    $43::bigint[] AS c_duration, $44::text[] AS c_stage,\n"
+    "    $45::int[] AS c_errno, $8::int[] AS evitem, $9::bigint[] AS vers\n"
+    "), it AS (\n"
+    "  SELECT x.s, x.e, x.a, x.cnt, x.i\n"
+    "  FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[])\n"
+    "    WITH ORDINALITY AS x(s, e, a, cnt, i)\n"
+    "), ev AS (\n"
+    "  SELECT u.id, u.t, u.d, u.it, u.v, u.j\n"
+    "  FROM unnest($5::uuid[], $6::text[], $7::bytea[], $8::int[],\n"
+    "              $9::bigint[]) WITH ORDINALITY AS u(id, t, d, it, v, j)\n"
+    /* = ANY probes the index per id (no join that could scan events). */
+    "), rec AS (\n"
+    "  SELECT ev.it, count(*) AS k FROM ev\n"
+    "  WHERE ev.id IN (SELECT e.event_id FROM events e\n"
+    "                  WHERE e.event_id = ANY ($5::uuid[]))\n"
+    "  GROUP BY ev.it\n"
+    "), own AS (\n"
+    "  SELECT c.command_id, c.agent_id FROM commands c\n"
+    "  WHERE c.command_id = ANY (ARRAY(SELECT substr(it.s, 9)::uuid FROM it\n"
+    "                                  WHERE it.a IS NOT NULL))\n"
+    "), ph AS (\n"
+    "  DELETE FROM streams st\n"
+    "  WHERE st.stream_id = ANY (ARRAY(SELECT it.s FROM it\n"
+    "                                  WHERE it.a IS NOT NULL))\n"
+    "    AND st.version = 0\n"
+    "  RETURNING st.stream_id\n"
+    /* Idempotency keys (per operator, migration 9): the first asker of
+     * the statement wins, a key a command has is taken. */
+    "), keyed AS (\n"
+    "  SELECT ($8::int[])[k.last_ord] AS i\n"
+    "  FROM (SELECT s.last_ord, s.idem, coalesce(s.oper, '') AS oper,\n"
+    "          row_number() OVER (PARTITION BY coalesce(s.oper, ''), s.idem\n"
+    "                             ORDER BY s.last_ord) AS rn\n"
+    "        FROM unnest($11::int[], $12::bool[], $18::text[], $19::text[])\n"
+    "          AS s(last_ord, req, idem, oper)\n"
+    "        WHERE s.req AND s.idem IS NOT NULL) k\n"
+    "  WHERE k.rn > 1 OR EXISTS (SELECT 1 FROM commands c\n"
+    "    WHERE c.operator = k.oper AND c.idempotency_key = k.idem)\n"
+    "), verdict AS (\n"
+    "  SELECT it.i, it.s, it.e, it.cnt, CASE\n"
+    "      WHEN it.a IS NOT NULL AND it.s IN (SELECT ph.stream_id FROM ph)\n"
+    "        THEN 4\n"
+    "      WHEN it.a IS NOT NULL AND o.agent_id IS DISTINCT FROM it.a THEN 3\n"
+    "      WHEN coalesce(r.k, 0) = it.cnt THEN 1\n"
+    "      WHEN r.k > 0 OR it.i IN (SELECT keyed.i FROM keyed) THEN 2\n"
+    "      ELSE 0 END AS code\n"
+    "  FROM it LEFT JOIN rec r ON r.it = it.i\n"
+    "  LEFT JOIN own o ON o.command_id =\n"
+    "    CASE WHEN it.a IS NOT NULL THEN substr(it.s, 9)::uuid END\n"
+    "), go AS (\n"
+    "  SELECT v.i, v.s, v.e, v.cnt FROM verdict v WHERE v.code = 0\n"
+    "), upd AS (\n"
+    "  UPDATE streams st SET version = st.version + go.cnt FROM go\n"
+    "  WHERE st.stream_id = ANY (ARRAY(SELECT g.s FROM go g WHERE g.e > 0))\n"
+    "    AND st.stream_id = go.s AND st.version = go.e\n"
+    "  RETURNING go.i\n"
+    "), ins AS (\n"
+    "  INSERT INTO streams AS st\n"
+    "    SELECT go.s, split_part(go.s, '-', 1), go.cnt FROM go\n"
+    "    WHERE go.e = 0 ORDER BY go.s\n"
+    "  ON CONFLICT (stream_id) DO NOTHING\n"
+    "  RETURNING st.stream_id\n"
+    "), moved AS (\n"
+    "  SELECT upd.i FROM upd\n"
+    "  UNION ALL SELECT go.i FROM go JOIN ins ON ins.stream_id = go.s\n"
+    "), ei AS (\n"
+    "  INSERT INTO events (stream_id, version, event_id, type, data)\n"
+    "  SELECT it.s, ev.v, ev.id, ev.t, ev.d\n"
+    "  FROM ev JOIN moved m ON m.i = ev.it JOIN it ON it.i = ev.it\n"
+    "  ORDER BY ev.j\n"
+    /* The fold rows of the appends written (one append each). */
+    "), fs AS (\n"
+    "  SELECT s.* FROM prm, " FOLD_SUMMARY "\n"
+    "  WHERE prm.evitem[s.last_ord] IN (SELECT moved.i FROM moved)\n"
+    "), r AS (\n"
+    "      SELECT s.cid, s.last_ord, s.agent0, s.argv_lo, s.argv_hi,\n"
+    "             s.batch, s.idem, s.oper, s.req_at, f.*\n"
+    "      FROM fs s\n"
+    FOLD_PENDING_ROW
+    "      WHERE s.req\n"
+    "), ic AS (\n"
+    "  INSERT INTO commands (command_id, argv, requested_at, batch_id,\n"
+    "    idempotency_key, operator, version, " FOLD_COLS ")\n"
+    "  SELECT r.cid, prm.c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n"
+    "    r.batch, r.idem, coalesce(r.oper, ''), prm.vers[r.last_ord],\n"
+    "    " FOLD_R_COLS "\n"
+    "  FROM r, prm\n"
+    "), itg AS (\n"
+    "  INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
+    "  SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n"
+    "  WHERE r.batch IS NOT NULL\n"
+    "), su AS (\n"
+    "  SELECT s.*, c.status AS prev FROM fs s\n"
+    "  JOIN commands c ON c.command_id = s.cid\n"
+    "  WHERE NOT s.req AND c.command_id = ANY ($10::uuid[])\n"
+    "), u AS (\n"
+    "  UPDATE commands c SET version = prm.vers[s.last_ord],\n"
+    "    (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
+    "  FROM su s, prm\n"
+    "  WHERE c.command_id = s.cid AND c.command_id = ANY ($10::uuid[])\n"
+    "  RETURNING c.command_id, c.status, s.prev, s.st_first, s.st_change\n"
+    "), t AS (\n"
+    FOLD_TARGETS_MOVE
+    /* A batch's new targets and its targets' ends in one write of its
+     * row (two writes of one row in one statement: one would be lost). */
+    "), bx AS (\n"
+    "  SELECT r.batch AS batch_id, count(*) AS total,\n"
+    "    count(*) FILTER (WHERE r.status = 'Succeeded') AS ok,\n"
+    "    count(*) FILTER (WHERE r.status = ANY (" FOLD_TERM ")\n"
+    "                     AND r.status NOT IN ('Succeeded', 'Cancelled'))\n"
+    "      AS bad,\n"
+    "    count(*) FILTER (WHERE r.status = 'Cancelled') AS cn\n"
+    "  FROM r WHERE r.batch IS NOT NULL GROUP BY r.batch\n"
+    "  UNION ALL\n"
+    "  SELECT t.batch_id, 0,\n"
+    "    count(*) FILTER (WHERE t.status = 'Succeeded'),\n"
+    "    count(*) FILTER (WHERE t.status NOT IN ('Succeeded', 'Cancelled')),\n"
+    "    count(*) FILTER (WHERE t.status = 'Cancelled')\n"
+    "  FROM t WHERE t.status = ANY (" FOLD_TERM ") GROUP BY t.batch_id\n"
+    "), bu AS (\n"
+    "  INSERT INTO batches AS b (batch_id, status, total, succeeded, failed,\n"
+    "    cancelled)\n"
+    "  SELECT bx.batch_id, 'Running', sum(bx.total), sum(bx.ok), sum(bx.bad),\n"
+    "    sum(bx.cn)\n"
+    "  FROM bx GROUP BY bx.batch_id ORDER BY bx.batch_id\n"
+    "  ON CONFLICT (batch_id) DO UPDATE SET total = b.total + excluded.total,\n"
+    "    succeeded = b.succeeded + excluded.succeeded,\n"
+    "    failed = b.failed + excluded.failed,\n"
+    "    cancelled = b.cancelled + excluded.cancelled\n"
+    ")\n"
+    "SELECT CASE WHEN v.code = 0 AND m.i IS NULL THEN 2 ELSE v.code END,\n"
+    "  CASE WHEN m.i IS NOT NULL THEN greatest(v.e, 0) + v.cnt\n"
+    "       WHEN v.code = 1 THEN (SELECT st.version FROM streams st\n"
+    "                             WHERE st.stream_id = v.s) END\n"
+    "FROM verdict v LEFT JOIN moved m ON m.i = v.i\n"
+    "ORDER BY v.i";

@@ -57,14 +57,16 @@ store_append_output(struct store *s, const struct store_output_chunk *chunks,
         char stream[64], off[24], sno[4];
         snprintf(stream, sizeof(stream), "command-%s", c->command_id);
         const char *p1[1] = {stream};
-        /* The stream's row lock (shared): a terminal event of the command
-         * (which takes it for update) is not written meanwhile, so the
-         * state read is the state the piece is decided against. */
+        /* The stream's row lock: a terminal event of the command (which
+         * takes it for update) is not written meanwhile, so the state read
+         * is the state the piece is decided against; and another
+         * broker's piece of the same command waits, so the overlap
+         * check below sees it (pieces of other commands do not wait). */
         res = PQexecParams(s->conn,
                            "SELECT c.status, c.agent_id, c.attempt"
                            " FROM streams st JOIN commands c"
                            "   ON c.command_id = substr(st.stream_id, 9)::uuid"
-                           " WHERE st.stream_id = $1 FOR SHARE OF st",
+                           " WHERE st.stream_id = $1 FOR NO KEY UPDATE OF st",
                            1, NULL, p1, NULL, NULL, 0);
         if (PQresultStatus(res) != PGRES_TUPLES_OK) {
             rc = store__pg_error(s, res, NULL);
@@ -93,6 +95,44 @@ store_append_output(struct store *s, const struct store_output_chunk *chunks,
         }
         snprintf(off, sizeof(off), "%llu", (unsigned long long)c->offset);
         snprintf(sno, sizeof(sno), "%u", c->stream);
+        /* Each byte of a stream is kept once: a piece that overlaps one
+         * kept at another offset is refused (an agent's own pieces never
+         * do; on cf06db5 one agent could store 1 MiB at every one of a
+         * running command's 2^30 offsets, issue 21). The pieces kept are
+         * disjoint, so only the last one that starts before this one's
+         * end can overlap it. */
+        {
+            char end[24];
+            snprintf(end, sizeof(end), "%llu",
+                     (unsigned long long)(c->offset + c->len));
+            const char *pq[3] = {c->command_id, sno, end};
+            res = PQexecParams(s->conn,
+                               "SELECT byte_offset, length(data)"
+                               " FROM command_output"
+                               " WHERE command_id = $1::uuid"
+                               "   AND stream = $2::smallint"
+                               "   AND byte_offset < $3::bigint"
+                               " ORDER BY byte_offset DESC LIMIT 1",
+                               3, NULL, pq, NULL, NULL, 0);
+            if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+                rc = store__pg_error(s, res, NULL);
+                PQclear(res);
+                break;
+            }
+            bool overlaps = false;
+            if (PQntuples(res) == 1) {
+                uint64_t o = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+                uint64_t l = strtoull(PQgetvalue(res, 0, 1), NULL, 10);
+                overlaps = o != c->offset && o + l > c->offset;
+            }
+            PQclear(res);
+            if (overlaps) {
+                verdicts[i] = STORE_STEP_ILLEGAL;
+                if (whys)
+                    whys[i] = "output that overlaps output kept before";
+                continue;
+            }
+        }
         const char *p2[4] = {c->command_id, sno, off, (const char *)c->data};
         int lens[4] = {0, 0, 0, (int)c->len};
         int fmts[4] = {0, 0, 0, 1};

@@ -94,6 +94,28 @@ store__arr_put(struct store__buf *b, const void *p, size_t len)
 }
 
 int
+store__arr_put_null(struct store__buf *b)
+{
+    return store__buf_put_be32(b, UINT32_MAX); /* length -1 */
+}
+
+int
+store__arr_put_i32(struct store__buf *b, int32_t v)
+{
+    int rc = store__buf_put_be32(b, 4);
+    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
+}
+
+int
+store__arr_put_i64(struct store__buf *b, int64_t v)
+{
+    int rc = store__buf_put_be32(b, 8);
+    if (rc == 0)
+        rc = store__buf_put_be32(b, (uint32_t)((uint64_t)v >> 32));
+    return rc ? rc : store__buf_put_be32(b, (uint32_t)v);
+}
+
+int
 store__arr_put_uuid(struct store__buf *b, const char *text)
 {
     uuid_t u;
@@ -311,6 +333,32 @@ store_last_sqlstate(struct store *s)
     return s ? s->sqlstate : "";
 }
 
+const char *
+store_sqlstate_name(const char *sqlstate)
+{
+    /* PostgreSQL 15 docs, Appendix A, the codes refused_state() takes. */
+    static const struct {
+        const char *code, *name;
+    } names[] = {
+        {"53000", "insufficient_resources"},
+        {"53100", "disk_full"},
+        {"53200", "out_of_memory"},
+        {"53300", "too_many_connections"},
+        {"53400", "configuration_limit_exceeded"},
+        {"25006", "read_only_sql_transaction"},
+        {"40001", "serialization_failure"},
+        {"40P01", "deadlock_detected"},
+        {"55P03", "lock_not_available"},
+        {"57014", "query_canceled"},
+        {"58000", "system_error"},
+        {"58030", "io_error"},
+    };
+    for (size_t i = 0; sqlstate && i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(sqlstate, names[i].code) == 0)
+            return names[i].name;
+    return "";
+}
+
 bool
 store_in_doubt(struct store *s)
 {
@@ -369,15 +417,30 @@ on_notice(void *arg, const PGresult *res)
            KS_S("sqlstate", state ? state : ""));
 }
 
+/* A group writer's connection (store__writer_session). */
+#define WRITER_SESSION                                                        \
+    "SET plan_cache_mode = force_generic_plan;"                               \
+    " SET application_name = 'kscore writer'"
+
 /* The session every connection gets, after each (re)connection. */
 static int
 session_setup(struct store *s, char **errmsg)
 {
     /* Projections hold timestamps; the session time zone only shows. */
-    return store__exec(s,
-                       "SET TIME ZONE 'UTC';"
-                       " SET client_min_messages = warning",
-                       errmsg);
+    int rc = store__exec(s,
+                         "SET TIME ZONE 'UTC';"
+                         " SET client_min_messages = warning",
+                         errmsg);
+    if (rc == 0 && s->writer_session)
+        rc = store__exec(s, WRITER_SESSION, errmsg);
+    return rc;
+}
+
+int
+store__writer_session(struct store *s)
+{
+    s->writer_session = true;
+    return store__exec(s, WRITER_SESSION, NULL);
 }
 
 /* A new session on s->conn, or KS_EPGDOWN and the next attempt's time. */
@@ -589,19 +652,26 @@ static const struct {
     const char *name;
     const char *sql;
 } statements[] = {
-    {"ks_append", "SELECT kscore_append($1, $2, $3, $4, $5)"},
-    {"ks_append_many", "SELECT kscore_append_many($1, $2, $3, $4)"},
-    {"ks_claim", "SELECT kscore_claim($1, $2, $3, $4, $5, $6)"},
+    {"ks_append", "SELECT kscore_append($1, $2, $3, $4, $5)" STORE__LOCKED},
+    {"ks_append_many",
+     "SELECT kscore_append_many($1, $2, $3, $4)" STORE__LOCKED},
+    {"ks_claim",
+     "SELECT kscore_claim($1, $2, $3, $4, $5, $6)" STORE__LOCKED},
     {"ks_record_many",
      "SELECT kscore_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
      " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
-     " $39, $40)"},
+     " $39, $40)" STORE__LOCKED},
     {"ks_record_checked",
      "SELECT kscore_record_checked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,"
      " $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
      " $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36, $37, $38,"
-     " $39, $40, $41, $42, $43, $44, $45, $46)"},
+     " $39, $40, $41, $42, $43, $44, $45, $46)" STORE__LOCKED},
+    {"ks_write_wait", store__sql_write_wait},
+    {"ks_write", store__sql_write},
+    /* The group writer's first statement (store/writer.c): a CALL
+     * answers no rows, which the writer does not take for a wave. */
+    {"ks_lock", "CALL kscore_events_locked()"},
     {"ks_project",
      "SELECT kscore_project($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11,"
      " $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24,"
@@ -732,11 +802,87 @@ store_read_stream(struct store *s, const char *stream_id,
                         &p, NULL, cb, ud);
 }
 
+/*
+ * The reading rule's bound (store.h "Readers"): the lowest id of a
+ * transaction that may still add events below it. Everything below the
+ * bound is final: no event with a lower tx_id can commit later.
+ *
+ * Only appenders can: a transaction that holds a lock on events other than
+ * ACCESS SHARE, which every appender takes before it has an id (migration
+ * 11). So the bound is the lowest open id of such a transaction, from this
+ * statement's snapshot, or the snapshot's xmax (the next id) when none is
+ * open; open transactions of other databases, or of this one that append
+ * nothing, are passed by. Why it holds: an appender X with id x below the
+ * xmax had x before this snapshot; if it is still open when the read
+ * (the next statement, a later snapshot) runs, it was open all along, and
+ * held its lock on events since before x: pg_locks, read after the
+ * snapshot, shows the lock, and its own ExclusiveLock on x (each
+ * transaction's on its id, PostgreSQL docs 28.1 and pg_locks). An
+ * appender that has the lock but whose id pg_locks does not show yet (the
+ * moment between the two, in AssignTransactionId) makes the bound the
+ * snapshot's xmin, the cluster-wide rule, for this read. Subtransaction
+ * ids show too: they come after their top-level id, which the events
+ * carry (pg_current_xact_id), so the lowest is the one. Prepared
+ * transactions keep their locks and ids under one virtualtransaction as
+ * well. Read as text: xid8 has no binary form libpq would hand over.
+ */
+static const char read_bound_sql[] =
+    "WITH s AS (SELECT pg_current_snapshot() AS snap),\n"
+    "w AS (\n"
+    "  SELECT t.transactionid FROM pg_locks l\n"
+    "  LEFT JOIN pg_locks t ON t.locktype = 'transactionid'\n"
+    "    AND t.mode = 'ExclusiveLock' AND t.granted\n"
+    "    AND t.virtualtransaction = l.virtualtransaction\n"
+    "  WHERE l.locktype = 'relation' AND l.granted\n"
+    "    AND l.database = (SELECT oid FROM pg_database\n"
+    "                      WHERE datname = current_database())\n"
+    "    AND l.relation = 'events'::regclass\n"
+    "    AND l.mode <> 'AccessShareLock')\n"
+    "SELECT (CASE WHEN EXISTS (SELECT 1 FROM w WHERE w.transactionid IS NULL)\n"
+    "  THEN pg_snapshot_xmin(s.snap)\n"
+    "  ELSE coalesce((SELECT min(x) FROM pg_snapshot_xip(s.snap) AS x\n"
+    "                 WHERE x::xid IN (SELECT w.transactionid FROM w)),\n"
+    "                pg_snapshot_xmax(s.snap)) END)::text\n"
+    "FROM s";
+
+int
+store_read_relabels(struct store *s, const char *stream_id, store_event_fn cb,
+                    void *ud)
+{
+    struct store__params p = {0};
+
+    store__p_text(&p, stream_id ? stream_id : "");
+    /* The partial index events_relabels (migration 13) holds only these. */
+    return query_events(s,
+                        "SELECT DISTINCT ON (stream_id) global_pos, version,"
+                        " kscore_us(recorded_at), data FROM events"
+                        " WHERE type = 'AgentLabelsChanged'"
+                        "   AND ($1 = '' OR stream_id = $1)"
+                        " ORDER BY stream_id, version DESC",
+                        &p, NULL, cb, ud);
+}
+
 int
 store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
                store_event_fn cb, void *ud)
 {
     struct store__params p = {0};
+    char bound[24];
+    PGresult *res;
+    int rc = store__ready(s);
+
+    if (rc)
+        return rc;
+    /* Its own statement, before the read: the read's snapshot must be
+     * taken after the locks were looked at. */
+    res = PQexecParams(s->conn, read_bound_sql, 0, NULL, NULL, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    snprintf(bound, sizeof(bound), "%s", PQgetvalue(res, 0, 0));
+    PQclear(res);
 
     store__p_i64(&p, (int64_t)cursor->tx_id);
     store__p_i64(&p, cursor->global_pos);
@@ -744,26 +890,68 @@ store_read_all(struct store *s, struct store_cursor *cursor, uint32_t limit,
         store__p_i64(&p, limit);
     else
         store__p_null(&p);
+    store__p_text(&p, bound);
     /*
-     * Everything below the snapshot's xmin has committed or aborted, so no
-     * event can later appear before the cursor (PostgreSQL docs 9.27,
-     * pg_snapshot_xmin). The row comparison walks events_tx_pos.
-     *
      * Order and compare as xid8 (a number), never as text: in ORDER BY a
      * bare name means an output column first (PostgreSQL docs 7.5), so
      * "tx_id::text" (whose output name is tx_id) once sorted "1000" before
      * "999", and a cursor compared as a number then skipped or repeated
      * events. The text copy for the cursor is named tx_text, and the sort
-     * keys are qualified.
+     * keys are qualified. The row comparison walks events_tx_pos.
      */
     return query_events(
         s,
         "SELECT e.global_pos, e.version, kscore_us(e.recorded_at), e.data,"
         " e.tx_id::text AS tx_text FROM events e"
-        " WHERE e.tx_id < pg_snapshot_xmin(pg_current_snapshot())"
+        " WHERE e.tx_id < $4::text::xid8"
         "   AND (e.tx_id, e.global_pos) > ($1::text::xid8, $2::bigint)"
         " ORDER BY e.tx_id, e.global_pos LIMIT $3",
         &p, cursor, cb, ud);
+}
+
+int
+store_cursor_at(struct store *s, int64_t since_us, struct store_cursor *out)
+{
+    struct store__params p = {0};
+    PGresult *res;
+    int rc = store__ready(s);
+
+    if (rc)
+        return rc;
+    store__p_i64(&p, since_us);
+    /*
+     * xid8 has no arithmetic: through bigint (an xid8 is epoch << 32 |
+     * xid, far below 2^63). Without since_us, xmin - 1 with the largest
+     * position: every event of xmin or later is after it. With since_us,
+     * the backward walk of events_tx_pos below xmin stops at the first
+     * row recorded before it (ORDER BY ... DESC LIMIT 1 on the index's
+     * columns; the qualified names, as in store_read_all).
+     */
+    res = PQexecParams(
+        s->conn,
+        "WITH x AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)"
+        " SELECT (x.xmin::text::bigint - 1)::text, NULL::bigint FROM x"
+        "  WHERE $1::bigint = 0"
+        " UNION ALL"
+        " (SELECT e.tx_id::text, e.global_pos FROM events e, x"
+        "   WHERE $1::bigint <> 0 AND e.tx_id < x.xmin"
+        "     AND e.recorded_at < kscore_ts($1::bigint)"
+        "   ORDER BY e.tx_id DESC, e.global_pos DESC LIMIT 1)",
+        p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    memset(out, 0, sizeof(*out));
+    if (PQntuples(res) == 1) {
+        out->tx_id = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+        out->global_pos = PQgetisnull(res, 0, 1)
+                              ? INT64_MAX
+                              : strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+    }
+    PQclear(res);
+    return 0;
 }
 
 /* Appends committed by this process (store__wake): what store_wait_notify

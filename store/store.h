@@ -16,10 +16,20 @@
  *    zero rows is a conflict, returned as KS_ECONFLICT, never swallowed.
  *  - Projections are updated in the same transaction as the append, so they
  *    never disagree with events; store_replay() rebuilds them from events.
- *  - Readers catch up by (tx_id, global_pos) below
- *    pg_snapshot_xmin(pg_current_snapshot()), never by global_pos alone (a
- *    sequence value is handed out before commit, so a later position can
- *    commit first; PostgreSQL docs 9.27 "Transaction ID and Snapshot").
+ *  - Readers catch up by (tx_id, global_pos) below a bound, never by
+ *    global_pos alone (a sequence value is handed out before commit, so a
+ *    later position can commit first; PostgreSQL docs 9.27 "Transaction ID
+ *    and Snapshot"). The bound is the lowest id of an open transaction
+ *    that may still append, else the next id: an appender locks events
+ *    (ROW EXCLUSIVE) before it has an id (migration 12; kscore_events_lock
+ *    and a statement trigger that fails any other order with KS006), so a
+ *    reader that looks at pg_locks after its snapshot knows which open ids
+ *    to wait for and passes every other one: a long transaction of another
+ *    database, or of this one that appends nothing, no longer holds the
+ *    readers back (before, the bound was pg_snapshot_xmin, the oldest open
+ *    id of the whole cluster: a 25 s transaction anywhere delayed every
+ *    follower by 25 s). Events are still read once each, in the same
+ *    order.
  *
  * Projections (the rules of kscore_project() in migrations.c, applied in
  * the append's transaction: per event by store_append() and
@@ -42,7 +52,9 @@
  *                     the result, if the event carries one)
  *   CommandCancelRequested / CommandRejected / DuplicateSuppressed   version
  *   BatchRequested    batches row (Running, operator, requested_at)
- *   BatchCompleted / BatchCancelled   batches.status, finished_at
+ *   BatchCompleted / BatchCancelled   batches.status (how it ended:
+ *                     Succeeded, PartialFailure, Failed, Cancelled;
+ *                     migration 13), finished_at
  *   any other type    recorded; no projection changes.
  * A terminal status is final: later status events only move the row's
  * version (the first result is still recorded). Batch counters (succeeded,
@@ -236,10 +248,22 @@ int store_read_stream(struct store *s, const char *stream_id,
                       void *ud);
 
 /*
+ * The newest AgentLabelsChanged event (a relabel: `kscore agent label`,
+ * broker/labels.c) of stream_id, or of every stream that has one
+ * (stream_id NULL or ""), passed to cb as store_read_stream does (in
+ * stream id order). Returns 0, cb's non-zero value or a store error.
+ */
+int store_read_relabels(struct store *s, const char *stream_id,
+                        store_event_fn cb, void *ud);
+
+/*
  * Catch-up read of all streams. The cursor is (tx_id, global_pos), compared
  * and ordered as numbers (xid8, bigint), never as text; reads only events
- * whose tx_id is below pg_snapshot_xmin(pg_current_snapshot()), so no late
- * commit is ever skipped and every event is read once. Start with a zeroed cursor; it is
+ * whose tx_id is below the reading rule's bound (the header: the lowest id
+ * of an open appender of this database, else the next id), so no late
+ * commit is ever skipped and every event is read once, and no open
+ * transaction that appends nothing delays it. Two statements (the bound,
+ * then the read). Start with a zeroed cursor; it is
  * advanced past each event passed to cb (also the one whose cb stopped
  * the read). Returns 0, cb's non-zero value, KS_EDECODE / KS_ETOOBIG (a row
  * that is not a Ks__Event of at most KS_MAX_MESSAGE_BYTES) or KS_EPG.
@@ -250,6 +274,31 @@ struct store_cursor {
 };
 int store_read_all(struct store *s, struct store_cursor *cursor,
                    uint32_t limit, store_event_fn cb, void *ud);
+
+/*
+ * A cursor for store_read_all that starts at a point in time instead of at
+ * the first event (kscore events --follow, --since), found without reading
+ * the history before it.
+ *
+ * since_us == 0: now. The cursor is just below the oldest transaction
+ * still open (pg_snapshot_xmin - 1): a read from it returns every event
+ * committed after this call, and none committed before it but the few of
+ * transactions that began after the oldest one still open.
+ *
+ * since_us > 0 (epoch us): just after the last event, in read order, that
+ * was recorded before since_us (recorded_at, the time its transaction
+ * began) and lies below xmin; zeroed (the first event) when there is none.
+ * The lookup walks events_tx_pos backwards from xmin: it costs what the
+ * read from the cursor costs, never the history before since_us. A
+ * transaction that began before since_us but wrote after one that began
+ * later may hide that one's events: within one transaction's length of
+ * since_us, the cut is that approximate.
+ *
+ * Either way, no transaction open at the call is skipped. Returns 0 with
+ * *out, KS_EPGDOWN or KS_EPG.
+ */
+int store_cursor_at(struct store *s, int64_t since_us,
+                    struct store_cursor *out);
 
 /*
  * Blocks until an append commits in this process (through any struct
@@ -344,7 +393,9 @@ int store_batch_operator(struct store *s, const char *batch_id, char *buf,
  * agents: the commands on any of them, batch targets included (no batch
  * rows); with batch_id: that batch's targets. Every filter given must
  * hold: operator, statuses (any of, as stored: "Succeeded", "Running",
- * ...; a batch's are "Running", "Completed", "Cancelled"), requested in
+ * ...; a batch's are "Running", "Succeeded", "PartialFailure", "Failed",
+ * "Cancelled", and "Completed" picks every ended one but Cancelled),
+ * requested in
  * [since_us, until_us). The page starts after the cursor (cursor_at_us 0:
  * at the newest) and holds at most limit items (0: STORE_LIST_DEFAULT).
  * cb gets each item, borrowed for the call (argv: at most 32 elements of
@@ -407,6 +458,9 @@ enum store_step {
     STORE_STEP_LATE,      /* a terminal event after the end: LateResult */
     STORE_STEP_ILLEGAL,   /* not allowed here: ReportRejected */
     STORE_STEP_DUPLICATE, /* recorded before (same event_id): skipped */
+    /* an annotation the caller's check chose not to keep (STORE_CHECK_DROP:
+     * its sender is past its share of annotation rows): nothing written */
+    STORE_STEP_DROPPED,
 };
 
 /*
@@ -426,8 +480,13 @@ int store_event_is_terminal(const char *type);
 /*
  * A caller's own rule for a reported event (the broker's: who may report
  * what), run under the lock before the state machine. Returns 0 to let the
- * machine decide, non-zero to refuse with *why (static) saying why.
+ * machine decide, STORE_CHECK_DROP to refuse it and keep nothing (verdict
+ * STORE_STEP_DROPPED: no annotation row; the broker's bound on annotation
+ * rows per identity), any other non-zero value to refuse with *why
+ * (static) saying why. It may run more than once for one event (a batch
+ * decided again after a conflict).
  */
+#define STORE_CHECK_DROP 1
 typedef int (*store_check_fn)(const struct store_command_state *st,
                               const Ks__Event *ev, const char **why,
                               void *ud);
@@ -473,6 +532,104 @@ int store_append_checked_at(struct store *s, const Ks__Event *ev,
                             const struct store_command_state *known,
                             int64_t version, store_check_fn check, void *ud);
 
+/* ---- the group writer (store/writer.c) ----------------------------------
+ *
+ * Appends of many threads written together. A writer has n connections,
+ * and one queue, and no thread of its own: a caller that finds a
+ * connection free writes, on its own thread, every append queued (its own
+ * alone when nobody else waits: an idle writer adds no latency, as
+ * EventStoreDB's single writer flushes when its queue is empty); callers
+ * that queue meanwhile wait, and the first of them writes, in one
+ * transaction, what queued during the last (at most
+ * STORE_WRITER_MAX_APPENDS appends and about 8 MiB of events), so commits
+ * per append fall far below one under load. Two or more appends are one
+ * statement (store__sql_write in migrations.c; a second one in the same
+ * transaction for an append of a stream or command already in the first),
+ * set-based, each append with its own verdict, so one append's conflict
+ * never fails the others; one append alone is store_append()'s (cheaper
+ * for one: test_store's test_writer_bench). More connections write side
+ * by side only when one is busy; each splits the groups, and a group's
+ * fixed cost is a large part of an append's, so one connection is the
+ * default to measure against.
+ *
+ * Every guarantee of store_append() and store_append_claim() holds for
+ * each append as if it were alone: the same return codes, the same
+ * expected-version fence (two appends of one stream in one group are
+ * decided in queue order), the same projection rows (kscore replay
+ * rebuilds them), one commit that holds all of it or none. An append
+ * returns only once its transaction's end is known.
+ *
+ * When the group's transaction fails as a whole, every append in it has
+ * the group's code: a sick database (KS_EPGDOWN, KS_EPGREFUSED: nothing
+ * written, unless in_doubt), after two more tries for a deadlock or a
+ * serialization failure. Any other failure (a unique violation no check
+ * foresaw) is the appends': they are then written one at a time, each
+ * getting its own code.
+ */
+struct store_writer;
+#define STORE_WRITER_MAX_APPENDS 512
+
+/*
+ * Opens n_conns (1..16) connections with conninfo and starts their
+ * threads. 0, or KS_EUNAVAIL / KS_EINVAL with *errmsg (malloc'd, may be
+ * NULL). Does not migrate (store_migrate() first).
+ */
+int store_writer_open(const char *conninfo, unsigned n_conns,
+                      struct store_writer **out, char **errmsg);
+/* Writes what is queued, stops the threads, closes. Appends asked for
+ * after it began return KS_ESTOPPED. Accepts NULL. */
+void store_writer_close(struct store_writer *w);
+
+/* One append (borrowed for the call). */
+struct store_write {
+    const char *stream_id;
+    int64_t expected_version; /* STORE_ANY, STORE_NO_STREAM or exactly n */
+    const struct store_event *events; /* n >= 1, on stream_id */
+    size_t n;
+    /* NULL, or the claim's agent: store_append_claim()'s rules (the
+     * stream must be "command-<uuid>"; KS_EDENIED, KS_ENOTFOUND). */
+    const char *claim_agent;
+    /* NULL, or called at most once, on the calling thread, once the
+     * transaction holding the append is sent, as store_append_overlap()'s:
+     * its work overlaps the commit. Not called when nothing was sent, when
+     * the append's end came before the caller saw it sent, or when the
+     * caller writes the group itself while others wait for the
+     * connection (it would hold them up): then the caller does that work
+     * after. */
+    void (*between)(void *ud);
+    void *ud;
+};
+
+/* What the writer says of one append besides its code. */
+struct store_write_result {
+    int64_t version;  /* 0: the stream's version after it (KS_EDUPLICATE:
+                         its version now) */
+    bool in_doubt;    /* store_in_doubt() of the append's transaction */
+    char sqlstate[6]; /* store_last_sqlstate() of its failure, or "" */
+    char error[256];  /* store_last_error() of its failure, or "" */
+};
+
+/*
+ * Queues wr on w and waits for its verdict: the codes of store_append()
+ * (and of store_append_claim() with claim_agent), KS_EINVAL / KS_ETOOBIG
+ * (checked on the calling thread, nothing queued), or KS_ESTOPPED (the
+ * writer is closing). *res (may be NULL) says more. Any thread; many at
+ * once (that is the point).
+ */
+int store_writer_append(struct store_writer *w, const struct store_write *wr,
+                        struct store_write_result *res);
+
+/*
+ * store_append_checked_at() through the writer: ev decided against known
+ * in C, appended at `version` of command-<ev->command_id> only if the
+ * verdict is APPLY. Same codes; *res (may be NULL) as above.
+ */
+int store_writer_checked_at(struct store_writer *w, const Ks__Event *ev,
+                            const struct store_command_state *known,
+                            int64_t version, store_check_fn check, void *ud,
+                            struct store_write_result *res);
+
+
 /* ---- output pieces (store/output.c, table command_output) -------------
  *
  * A running command's output, recorded in pieces as its agent sends them
@@ -500,37 +657,91 @@ typedef int (*store_output_check_fn)(const struct store_command_state *st,
  * against its command's state: verdicts[i] is STORE_STEP_APPLY (kept),
  * STORE_STEP_DUPLICATE (that offset was kept before) or STORE_STEP_ILLEGAL
  * (refused; whys[i], if whys is not NULL, says why; also for a command that
- * does not exist). 0, KS_EINVAL (a bad command id or stream; nothing
- * written) or a store error (nothing written: retry).
+ * does not exist, and for a piece that overlaps one kept at another offset
+ * of the same stream: each byte is kept once). Pieces of one command are
+ * decided one at a time across connections (its stream row, locked).
+ * 0, KS_EINVAL (a bad command id or stream; nothing written) or a store
+ * error (nothing written: retry).
  */
 int store_append_output(struct store *s, const struct store_output_chunk *chunks,
                         size_t n, store_output_check_fn check, void *ud,
                         enum store_step *verdicts, const char **whys);
 /*
- * Files for kscore copy (store/blob.c, migration 10), named by their
- * SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0.
- *  store_blob_put: writes one part (again, until the file is complete;
- *   never after). 0 or a store error.
+ * Files for kscore copy (store/blob.c, migrations 10 and 11), named by
+ * their SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0. Each
+ * part is charged to the operator who wrote it for as long as it is kept
+ * (complete file or not), and the bounds are checked in the same
+ * transaction as the write, against sums no other writer is changing, on
+ * any connection of any broker: parallel uploads cannot pass them. Each
+ * call is one short transaction (a part, or a few).
+ *  store_blob_put: writes one part from operator_ (again, replacing it,
+ *   until the file is complete; never after: then 0 and nothing written),
+ *   if the operator's parts stay within bounds->operator_bytes and
+ *   everyone's within bounds->total_bytes. 0, KS_ETOOBIG with
+ *   *refusal_out (nothing written), or a store error.
+ *  store_blob_room: whether a file of size bytes from operator_ would fit
+ *   now (its parts already there count once): 0 or KS_ETOOBIG with
+ *   *refusal_out. Advisory (a way to refuse before anything is sent):
+ *   store_blob_put decides.
  *  store_blob_complete: 1 with *size_out (may be NULL) when the file is
- *   complete (checked and marked), 0 when not, or a store error.
- *  store_blob_read: one part, *data_out (malloc'd) and *len_out. 0,
- *   KS_ENOTFOUND, KS_ETOOBIG or a store error.
- *  store_blob_mark_complete: records that the parts make the file of that
- *   SHA-256 and size (the caller checked), uploaded by operator_. 0 or a
+ *   complete (checked and marked), and marks it used now (kept
+ *   files_unused_us of store_blob_expire from now); 0 when not, or a
  *   store error.
+ *  store_blob_read: one part, *data_out (malloc'd) and *len_out, and its
+ *   version *ver_out (may be NULL; another each time the part is
+ *   written). 0, KS_ENOTFOUND, KS_ETOOBIG or a store error.
+ *  store_blob_mark_complete: records that the parts make the file of that
+ *   SHA-256 and size (the caller read them back and checked them),
+ *   uploaded by operator_, if they are still the parts read: vers[i] is
+ *   the version of part i (n = ks_blob_parts(size)). Parts past n are
+ *   dropped. 1 (complete, now or before), 0 (a part was written since:
+ *   nothing marked) or a store error.
  *  store_blob_drop: forgets the parts of a file that is not complete (its
- *   check failed). 0 or a store error.
+ *   check failed, or its upload was refused) that operator_ wrote (NULL:
+ *   anyone), a few per transaction. 0 or a store error.
+ *  store_blob_expire: one round of the broker's clean-up, at most limit
+ *   (> 0) of each: deletes complete files not used (uploaded, or named by
+ *   a copy accepted) for files_unused_us that no open batch names, and
+ *   the parts of files not complete that were written more than
+ *   parts_unwritten_us ago (a file deleted here: its parts, in later
+ *   rounds). *files_out and *parts_out: how many; fewer than limit of
+ *   both: nothing more is due. 0 or a store error.
  */
+struct store_blob_bounds {
+    uint64_t operator_bytes; /* one operator's parts, in bytes */
+    uint64_t total_bytes;    /* every operator's together */
+};
+enum store_blob_over {
+    STORE_BLOB_OVER_OPERATOR = 1, /* bounds->operator_bytes */
+    STORE_BLOB_OVER_TOTAL,        /* bounds->total_bytes */
+};
+struct store_blob_refusal {
+    enum store_blob_over bound;
+    uint64_t used_bytes; /* held against that bound now */
+};
 int store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                   uint32_t part, const void *data, size_t len);
+                   uint32_t part, const void *data, size_t len,
+                   const char *operator_,
+                   const struct store_blob_bounds *bounds,
+                   struct store_blob_refusal *refusal_out);
+int store_blob_room(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                    uint64_t size, const char *operator_,
+                    const struct store_blob_bounds *bounds,
+                    struct store_blob_refusal *refusal_out);
 int store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                         uint64_t *size_out);
 int store_blob_read(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                    uint32_t part, uint8_t **data_out, size_t *len_out);
+                    uint32_t part, uint8_t **data_out, size_t *len_out,
+                    uint64_t *ver_out);
 int store_blob_mark_complete(struct store *s,
                              const uint8_t sha256[KS_SHA256_BYTES],
-                             uint64_t size, const char *operator_);
-int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES]);
+                             uint64_t size, const char *operator_,
+                             const uint64_t *vers, uint32_t n);
+int store_blob_drop(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                    const char *operator_);
+int store_blob_expire(struct store *s, int64_t files_unused_us,
+                      int64_t parts_unwritten_us, unsigned limit,
+                      unsigned *files_out, unsigned *parts_out);
 
 /*
  * Up to max bytes of one stream of a command's recorded pieces from
@@ -550,6 +761,10 @@ const char *store_last_error(struct store *s);
 /* The SQLSTATE of the last error PostgreSQL sent ("" when the last error
  * had none: a lost connection). Valid until the next call on s. */
 const char *store_last_sqlstate(struct store *s);
+/* The condition name of a SQLSTATE of a sick database (store.h "Sick
+ * database"; PostgreSQL 15 docs Appendix A): "disk_full" for 53100,
+ * "read_only_sql_transaction" for 25006, ...; "" for any other. Pure. */
+const char *store_sqlstate_name(const char *sqlstate);
 
 /* ---- batch leases (store/batch_lease.c, table batch_leases) -----------
  *

@@ -20,6 +20,20 @@
 #define STORE__SQLSTATE_NOT_YOURS "KS004"
 /* A claim of a command stream that is not recorded (migration 6). */
 #define STORE__SQLSTATE_NOT_RECORDED "KS005"
+/* An events insert by a transaction that had an id before it locked
+ * events (migration 12). */
+#define STORE__SQLSTATE_UNLOCKED "KS006"
+/*
+ * The FROM clause of every statement that begins an appending transaction
+ * (or may): it locks events before the transaction has an id (migration
+ * 11, the reading rule in store.h). A function in FROM runs before the
+ * target list and before any row of a join is locked; it returns at once
+ * when an earlier statement of the transaction took the lock.
+ */
+#define STORE__LOCKED " FROM kscore_events_lock()"
+/* An explicit transaction that appends: BEGIN, then the lock (one round
+ * trip, for store__exec). */
+#define STORE__BEGIN_APPENDING "BEGIN; SELECT kscore_events_lock()"
 
 /* Type OIDs (src/include/catalog/pg_type.dat; fixed for built-in types). */
 #define STORE__OID_BOOL 16
@@ -36,6 +50,10 @@ struct store__migration {
 };
 extern const struct store__migration store__migrations[];
 extern const size_t store__n_migrations;
+/* The group writer's statements (migrations.c, where the projection rules
+ * are): the claims' wait for their records, then the appends. */
+extern const char store__sql_write_wait[];
+extern const char store__sql_write[];
 
 /*
  * A growable byte buffer with a hard cap: grows to at most cap bytes, then
@@ -59,6 +77,9 @@ void store__buf_release(struct store__buf *b);
 int store__arr_begin(struct store__buf *b, uint32_t elem_oid, size_t n);
 int store__arr_put(struct store__buf *b, const void *p, size_t len);
 int store__arr_put_uuid(struct store__buf *b, const char *uuid_text);
+int store__arr_put_null(struct store__buf *b);
+int store__arr_put_i32(struct store__buf *b, int32_t v);
+int store__arr_put_i64(struct store__buf *b, int64_t v);
 
 /* Parameters of one statement. Values are borrowed until it is sent. */
 #define STORE__MAX_PARAMS 48
@@ -90,6 +111,7 @@ struct store {
     uint64_t seen_gen; /* store__wake generation its last wait saw */
     bool broken;    /* lost: reconnect before the next statement */
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
+    bool writer_session; /* store__writer_session: kept across reconnects */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
@@ -139,6 +161,18 @@ int store__ready(struct store *s);
 /* Prepares the ks_* statements once per connection. 0, KS_EPG or
  * KS_EPGDOWN. */
 int store__prepare(struct store *s, char **errmsg);
+
+/*
+ * Makes s a group writer's connection, now and after each reconnection:
+ * application_name 'kscore writer' (pg_stat_activity tells it from the
+ * others), and every statement planned once, for any parameters
+ * (plan_cache_mode = force_generic_plan): the writer's statement is large,
+ * and re-planning it for each group's arrays (the plan cache keeps custom
+ * plans while it sees their sizes) cost more than running it. It reaches
+ * every table by an index on an array (= ANY), so a generic plan is the
+ * plan it needs. 0 or a code.
+ */
+int store__writer_session(struct store *s);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */
 int store__exec(struct store *s, const char *sql, char **errmsg);
@@ -218,6 +252,12 @@ int store__send_project(struct store *s, const Ks__Event *ev, bool replay);
  * NULL) receives the first query's first value as int64 when it is
  * non-NULL; *detail_out (may be NULL) the DETAIL of the first error.
  */
+/* store__pipeline_finish with each result but the sync (rows, command
+ * results, errors, aborted ones) passed to on_result(res, ud) (may be
+ * NULL), in order, borrowed for the call. */
+typedef void (*store__result_fn)(const PGresult *res, void *ud);
+int store__pipeline_read(struct store *s, store__result_fn on_result,
+                         void *ud, char **detail_out);
 int store__pipeline_finish(struct store *s, int64_t *first_out,
                            char **detail_out);
 
@@ -246,6 +286,28 @@ size_t store__mark_recorded(const struct store__id_ref *refs, size_t n,
  */
 size_t store__mark_repeats(const Ks__Event *const *events, size_t n,
                            struct store__id_ref *refs, bool *skip);
+
+/* Checks what an append of ev needs before anything is sent: a UUID
+ * event_id, a stream and a type, and the command or batch id its
+ * projection keys on. 0 or KS_EINVAL. */
+int store__validate(const Ks__Event *ev);
+/* Appends ev packed as one element of the bytea[] in b (KS_ETOOBIG past
+ * KS_MAX_MESSAGE_BYTES). */
+int store__put_packed_event(struct store__buf *b, const Ks__Event *ev);
+/* Leaves pipeline mode; a connection that cannot (results unread) is
+ * marked broken, started afresh by the next call. */
+void store__pipeline_end(struct store *s);
+
+/*
+ * store_append_checked_at()'s decision, before any append: 0 with *copy
+ * = ev on stream command-<its command id> (stream, caller storage), to be
+ * appended at `version`; KS_EINVAL (no UUID event or command id, no type)
+ * or KS_ECONFLICT (no known state, or its verdict is not APPLY).
+ */
+int store__checked_at_decide(const Ks__Event *ev,
+                             const struct store_command_state *known,
+                             int64_t version, store_check_fn check, void *ud,
+                             Ks__Event *copy, char stream[8 + 37]);
 
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);

@@ -21,6 +21,7 @@ struct fixture_pg {
     char dir[PATH_MAX]; /* the temporary stack directory */
     char *conninfo;     /* libpq conninfo of database "kscore" (malloc'd) */
     pid_t pid;          /* postmaster */
+    bool small_disk;    /* fixture_pg_small_disk mounted one */
 };
 
 /*
@@ -46,6 +47,34 @@ void fixture_pg_stop(struct fixture_pg *f);
 int fixture_pg_halt(struct fixture_pg *f);
 int fixture_pg_resume(struct fixture_pg *f);
 int fixture_pg_restart(struct fixture_pg *f);
+
+/*
+ * Runs sql on database kscore as the superuser postgres: a child becomes
+ * the server's OS user and connects by peer, as the stack's own
+ * administration does. For the faults a test injects (a tablespace, a
+ * full disk), never for what kscore does. 0, or -1 with the server's
+ * message on stderr (an error sql expects, e.g. 53100 of a filler, is
+ * allowed_sqlstate: then 0 too; NULL: none).
+ */
+int fixture_pg_admin(const struct fixture_pg *f, const char *sql,
+                     const char *allowed_sqlstate);
+
+/*
+ * A small disk under the events table (issue 25, fleet case F06, a full
+ * disk with PostgreSQL up): a tmpfs of size_mb mounted at <dir>/evdisk,
+ * the tablespace kscore_evdisk on it, the table events moved there (its
+ * indexes stay). fixture_pg_fill_disk fills it (a filler table in the
+ * tablespace, until PostgreSQL answers 53100 disk_full): events can grow
+ * no more, every append fails with 53100 (a few may still fit in the
+ * table's last page). fixture_pg_free_disk drops the filler: the space is
+ * back. fixture_pg_small_disk_undo moves events back and unmounts
+ * (fixture_pg_stop does it too). 0; KS_EUNAVAIL when no tmpfs can be
+ * mounted (not root, no CAP_SYS_ADMIN: the caller skips, saying so); -1.
+ */
+int fixture_pg_small_disk(struct fixture_pg *f, int size_mb);
+int fixture_pg_fill_disk(struct fixture_pg *f);
+int fixture_pg_free_disk(struct fixture_pg *f);
+void fixture_pg_small_disk_undo(struct fixture_pg *f);
 
 /* ------------------------------------------------------------------------ */
 /* NATS and the whole stack (tests/fixture_nats.c)                          */
@@ -88,6 +117,7 @@ struct fixture_stack {
     char broker_seed[PATH_MAX + 64], operator_seed[PATH_MAX + 64],
         agent_seed[PATH_MAX + 256];
     char policy[PATH_MAX + 16]; /* broker --policy, "" for none */
+    const char *policy_json;    /* fixture_stack_start_policy's text */
     char agent_labels[128];     /* "--label" value for the agent, or "" */
 };
 
@@ -102,6 +132,11 @@ int fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
                                const char *policy_file);
 int fixture_stack_start(struct fixture_stack *s, const char *agent_id,
                         unsigned local_agents);
+/* As fixture_stack_start_secure, with the policy given as its JSON text
+ * (written to <dir>/policy.json, removed with the stack). */
+int fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                               const char *label, const char *operator_name,
+                               const char *policy_json);
 /*
  * A secure stack after its registry (s->dir) changed (stack_ident_add or
  * _remove with home s->dir): renders nats-auth.conf again and makes
@@ -116,6 +151,13 @@ void fixture_stack_stop(struct fixture_stack *s);
  */
 int fixture_agent_spawn(struct fixture_stack *s, const char *name,
                         const char *id, const char *const extra[]);
+/* As fixture_agent_spawn, started through launcher (NULL-terminated: a
+ * program and its arguments, run with the agent's command line after
+ * them, which it must exec), e.g. one that leaves odd signal state. Its
+ * state dir is <dir>/state-<name>. */
+int fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                            const char *id, const char *const extra[],
+                            const char *const launcher[]);
 /* Restarts nats-server on the same port and store dir (SIGTERM first, so
  * JetStream flushes). */
 int fixture_stack_nats_restart(struct fixture_stack *s);
@@ -151,6 +193,15 @@ int fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
 int fixture_stack_agent_start(struct fixture_stack *s, const char *extra_env);
 void fixture_stack_agent_kill(struct fixture_stack *s, int sig);
 int fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents);
+/*
+ * One more `kscore broker` of the stack, in the same queue group and on
+ * the same database, with no local agents: the daemon name (pid file and
+ * log <dir>/<name>.{pid,log}). Waits until it logs that it serves (a
+ * readiness probe would be answered by the first broker). Stop it with
+ * stack_stop(s->dir, name, ...); signal it with fixture_stack_signal.
+ * 0 or a negative code.
+ */
+int fixture_stack_broker_spawn(struct fixture_stack *s, const char *name);
 void fixture_stack_broker_kill(struct fixture_stack *s, int sig);
 
 /* What a child process did. */
@@ -186,6 +237,40 @@ int fixture_kscore_as(struct fixture_stack *s, const char *name,
 int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
+/* The last line of out (a batch's --json summary), or out itself. */
+const char *fixture_last_line(const char *out);
+
+/*
+ * A kscore process running beside the test (an `events --follow`, a batch
+ * on a terminal), its output collected as the test waits for it.
+ * terminal: stdin, stdout and stderr are a pseudo-terminal of 120x40
+ * (forkpty), the process leads its session with it as its controlling
+ * terminal, out is everything the terminal received (both streams, in
+ * order, with the terminal's \r\n), err stays empty, and bytes written with
+ * fixture_proc_write are typed (^C, \x03, is a SIGINT); else stdin is
+ * /dev/null and stdout, stderr are pipes into out and err. The
+ * environment is fixture_kscore's for s (s NULL: none of a stack's).
+ */
+struct fixture_proc {
+    pid_t pid;
+    int fd_out, fd_err; /* pipes, or the terminal's master and -1 */
+    char *out, *err;    /* what came so far, NUL-terminated (or NULL) */
+    size_t out_len, err_len, out_cap, err_cap;
+    int status;         /* after fixture_proc_wait: as fixture_out's; -1 */
+};
+int fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                         bool terminal, struct fixture_proc *p);
+/* Collects output until needle is in out or err: 0, or KS_ETIMEDOUT after
+ * timeout_ms (or when the process closed its output without it). */
+int fixture_proc_expect(struct fixture_proc *p, const char *needle,
+                        int timeout_ms);
+/* Types bytes on its terminal. 0 or -errno (-EINVAL: no terminal). */
+int fixture_proc_write(struct fixture_proc *p, const char *bytes);
+/* Sends sig (0: none), then collects output until it exits, at most
+ * timeout_ms (then SIGKILL). Returns p->status. */
+int fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms);
+/* Kills it if it still runs (SIGKILL), frees. Accepts a zeroed p. */
+void fixture_proc_release(struct fixture_proc *p);
 
 /* ------------------------------------------------------------------------ */
 /* Clients (tests/fixture_nats.c)                                            */
@@ -206,9 +291,23 @@ int fixture_submit_key(struct evt_conn *c, const char *agent,
                        const char *script, uint64_t timeout_ms,
                        uint64_t deliver_within_ms, const char *key,
                        char id_out[37]);
-/* How many lines the file at path has (0 when it does not exist): a
- * command's side-effect file holds one line per run. */
-int fixture_file_lines(const char *path);
+/* n bytes (malloc'd) of a xorshift sequence seeded by seed: the same
+ * bytes for the same (n, seed), others for another seed. */
+uint8_t *fixture_bytes(size_t n, uint32_t seed);
+
+/*
+ * Uploads len bytes (a file for kscore copy) as identity, as kscore copy
+ * does, through kscore.api.v1.upload.<identity> on c: the question first
+ * (a commit without data: is it there?), then parts 0 .. parts_max - 1, a
+ * request each; with every part (parts_max >= its parts) the last one
+ * commits. 0 when no answer was an error (*complete_out, may be NULL: the
+ * last answer's complete), else the first error's code, its text in why
+ * (why_len bytes; may be NULL), and nothing more sent. A request that
+ * gets no answer fails the test.
+ */
+int fixture_upload(struct evt_conn *c, const char *identity, const void *data,
+                   size_t len, uint32_t parts_max, bool *complete_out,
+                   char *why, size_t why_len);
 
 /* ------------------------------------------------------------------------ */
 /* Queries for assertions (tests/fixture_pg.c)                               */
@@ -217,6 +316,9 @@ int fixture_file_lines(const char *path);
 /* The first column of the first row of sql as a long (-1 when there is no
  * row) on pgconn (a PGconn *); a failed query fails the test. */
 long fixture_pg_long(void *pgconn, const char *sql);
+/* Lines in the file at path, 0 when there is none: how often a command
+ * whose side effect appends a line to it ran. */
+long fixture_file_lines(const char *path);
 /* The same on a connection of its own to conninfo. */
 long fixture_sql_long(const char *conninfo, const char *sql);
 /* Polls sql until it returns want or timeout_ms passes: the last value. */

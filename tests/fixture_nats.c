@@ -6,13 +6,17 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <openssl/evp.h>
 
 #include "broker.h"
 #include "kproto.h"
@@ -124,18 +128,21 @@ wait_agent(const struct fixture_stack *st, const char *id, int timeout_ms)
                              timeout_ms);
 }
 
-int
-fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+/* Starts `kscore broker` as the daemon name of the stack (its pid file
+ * and log <dir>/<name>.{pid,log}, its local agents' state in state_dir),
+ * as the stack's broker is. 0 or a negative code; waits for nothing. */
+static int
+broker_daemon(struct fixture_stack *s, const char *name,
+              unsigned local_agents, const char *state)
 {
-    char n[16], state[PATH_MAX + 16];
+    char n[16];
     pid_t pid;
     int rc;
     snprintf(n, sizeof(n), "%u", local_agents);
-    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
     char *argv[] = {(char *)kscore_bin(), "broker",     "--nats",
                     s->nats.url,          "--db",       s->pg.conninfo,
                     "--local-agents",     n,            "--state-dir",
-                    state,                "--signing-key", s->signing_key,
+                    (char *)state,        "--signing-key", s->signing_key,
                     NULL,                 NULL,          NULL};
     if (s->policy[0]) {
         size_t n = 0;
@@ -158,13 +165,22 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", "false", 1);
     else if (!rsl[0])
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
-    rc = stack_daemon(s->dir, "broker", argv, &pid);
+    rc = stack_daemon(s->dir, name, argv, &pid);
     if (rsl_copy)
         setenv("KSCORE_REQUIRE_SIGNED_LABELS", rsl_copy, 1);
     else
         unsetenv("KSCORE_REQUIRE_SIGNED_LABELS");
     free(rsl_copy);
     unsetenv("KSCORE_NATS_NKEY");
+    return rc;
+}
+
+int
+fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
+{
+    char state[PATH_MAX + 16];
+    snprintf(state, sizeof(state), "%s/local-agents", s->dir);
+    int rc = broker_daemon(s, "broker", local_agents, state);
     if (rc == 0)
         rc = wait_broker(s, 30000);
     if (rc)
@@ -183,6 +199,36 @@ fixture_stack_broker_start(struct fixture_stack *s, unsigned local_agents)
                     id, ks_strerror(rc));
     }
     return rc;
+}
+
+int
+fixture_stack_broker_spawn(struct fixture_stack *s, const char *name)
+{
+    char state[PATH_MAX + 96], log[PATH_MAX + 96];
+    struct stat sb;
+    snprintf(state, sizeof(state), "%s/%s-local-agents", s->dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", s->dir, name);
+    /* The log is appended to at each start: only this start's lines. */
+    off_t from = stat(log, &sb) == 0 ? sb.st_size : 0;
+    int rc = broker_daemon(s, name, 0, state);
+    for (int i = 0; rc == 0 && i < 600; i++) {
+        char buf[8192] = "";
+        FILE *f = fopen(log, "r");
+        if (f && fseeko(f, from, SEEK_SET) == 0) {
+            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+            buf[n] = '\0';
+        }
+        if (f)
+            fclose(f);
+        if (strstr(buf, "msg=serving "))
+            return 0;
+        if (!stack_pidfile_alive(s->dir, name, NULL))
+            break;
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    fprintf(stderr, "fixture: broker %s did not start (%s), see %s\n", name,
+            ks_strerror(rc ? rc : KS_ETIMEDOUT), log);
+    return rc ? rc : KS_ETIMEDOUT;
 }
 
 void
@@ -249,13 +295,23 @@ int
 fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
                     const char *const extra[])
 {
+    return fixture_agent_spawn_via(s, name, id, extra, NULL);
+}
+
+int
+fixture_agent_spawn_via(struct fixture_stack *s, const char *name,
+                        const char *id, const char *const extra[],
+                        const char *const launcher[])
+{
     char state[PATH_MAX + 96];
-    const char *argv[32];
+    const char *argv[80];
     size_t n = 0;
     pid_t pid;
     int rc;
 
     snprintf(state, sizeof(state), "%s/state-%s", s->dir, name);
+    for (size_t i = 0; launcher && launcher[i] && n < 8; i++)
+        argv[n++] = launcher[i];
     argv[n++] = kscore_bin();
     argv[n++] = "agent";
     argv[n++] = "--id";
@@ -266,7 +322,7 @@ fixture_agent_spawn(struct fixture_stack *s, const char *name, const char *id,
     argv[n++] = state;
     argv[n++] = "--trust-key";
     argv[n++] = s->trust_key;
-    for (size_t i = 0; extra && extra[i] && n < 31; i++)
+    for (size_t i = 0; extra && extra[i] && n < 79; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
     rc = stack_daemon(s->dir, name, (char *const *)argv, &pid);
@@ -324,13 +380,16 @@ fixture_stack_start(struct fixture_stack *s, const char *agent_id,
     return stack_start(s, agent_id, local_agents);
 }
 
-int
-fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
-                           const char *label, const char *operator_name,
-                           const char *policy_file)
+/* A secure stack with a policy file, or its text (one of the two, or
+ * neither). */
+static int
+secure_start(struct fixture_stack *s, const char *agent_id,
+             const char *label, const char *operator_name,
+             const char *policy_file, const char *policy_json)
 {
     memset(s, 0, sizeof(*s));
     s->secure = true;
+    s->policy_json = policy_json;
     snprintf(s->operator_name, sizeof(s->operator_name), "%s",
              operator_name);
     if (policy_file)
@@ -339,6 +398,24 @@ fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
         snprintf(s->agent_labels, sizeof(s->agent_labels), "%s", label);
     snprintf(s->agent_id, sizeof(s->agent_id), "%s", agent_id);
     return stack_start(s, agent_id, 1);
+}
+
+int
+fixture_stack_start_secure(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_file)
+{
+    return secure_start(s, agent_id, label, operator_name, policy_file,
+                        NULL);
+}
+
+int
+fixture_stack_start_policy(struct fixture_stack *s, const char *agent_id,
+                           const char *label, const char *operator_name,
+                           const char *policy_json)
+{
+    return secure_start(s, agent_id, label, operator_name, NULL,
+                        policy_json);
 }
 
 /* The secure stack's identities, as `kscore up` makes them: broker,
@@ -379,6 +456,13 @@ stack_start(struct fixture_stack *s, const char *agent_id,
     int rc;
     if ((rc = make_tmp(s->dir, sizeof(s->dir), "stack")))
         return rc;
+    if (s->policy_json) {
+        FILE *f;
+        snprintf(s->policy, sizeof(s->policy), "%s/policy.json", s->dir);
+        if (!(f = fopen(s->policy, "w")) || fputs(s->policy_json, f) < 0 ||
+            fclose(f) != 0)
+            return -EIO;
+    }
     snprintf(s->signing_key, sizeof(s->signing_key), "%s/broker.key",
              s->dir);
     snprintf(s->trust_key, sizeof(s->trust_key), "%s/broker.pub", s->dir);
@@ -410,20 +494,26 @@ fixture_stack_stop(struct fixture_stack *s)
     if (!s || !s->dir[0])
         return;
     /* Every daemon a test started here, also those of a test that failed
-     * before it could stop them (agent-*.pid): agents first. */
-    d = opendir(s->dir);
-    while (d && (de = readdir(d))) {
-        size_t n = strlen(de->d_name);
-        if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
-            strncmp(de->d_name, "agent", 5) == 0) {
-            char name[256];
-            snprintf(name, sizeof(name), "%.*s", (int)(n - 4), de->d_name);
-            stack_stop(s->dir, name, 20000);
+     * before it could stop them (agent-*.pid, and brokers the test spawned
+     * besides the stack's: broker*.pid): agents first. A stopped one
+     * (SIGSTOP) is continued first, to hear the TERM. */
+    for (int pass = 0; pass < 2; pass++) {
+        const char *kind = pass == 0 ? "agent" : "broker";
+        d = opendir(s->dir);
+        while (d && (de = readdir(d))) {
+            size_t n = strlen(de->d_name);
+            if (n > 4 && strcmp(de->d_name + n - 4, ".pid") == 0 &&
+                strncmp(de->d_name, kind, strlen(kind)) == 0) {
+                char name[256];
+                snprintf(name, sizeof(name), "%.*s", (int)(n - 4),
+                         de->d_name);
+                fixture_stack_signal(s, name, SIGCONT);
+                stack_stop(s->dir, name, 20000);
+            }
         }
+        if (d)
+            closedir(d);
     }
-    if (d)
-        closedir(d);
-    stack_stop(s->dir, "broker", 20000);
     fixture_nats_stop(&s->nats);
     fixture_pg_stop(&s->pg);
     rm_tree(s->dir);
@@ -493,89 +583,231 @@ fixture_kscore_home(const char *home, const char *const args[],
     return run_kscore(NULL, home, NULL, args, out);
 }
 
+/* In a forked child: the environment of a kscore run against s (or the
+ * local stack of home), then execv of the binary with args. */
+static void __attribute__((noreturn))
+exec_kscore(const struct fixture_stack *s, const char *home,
+            const char *const args[])
+{
+    size_t n = 0;
+    while (args[n])
+        n++;
+    const char **argv = calloc(n + 2, sizeof(*argv));
+    if (!argv)
+        _exit(126);
+    argv[0] = kscore_bin();
+    for (size_t i = 0; i < n; i++)
+        argv[i + 1] = args[i];
+    if (s)
+        setenv("KSCORE_NATS_URL", s->nats.url, 1);
+    if (s && s->secure)
+        setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
+    /* never fall back to a developer's own local stack */
+    setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
+    if (home) {
+        /* the stack of home alone decides */
+        static const char *const vars[] = {
+            "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
+            "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
+            "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
+        for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+            unsetenv(vars[i]);
+    }
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+}
+
+/* Starts kscore with args against s (or the local stack of home), stdin
+ * stdin_path (NULL: /dev/null), or on a terminal (fixture_kscore_spawn). */
+static int
+proc_start(const struct fixture_stack *s, const char *home,
+           const char *stdin_path, const char *const args[], bool terminal,
+           struct fixture_proc *p)
+{
+    int po[2] = {-1, -1}, pe[2] = {-1, -1};
+
+    memset(p, 0, sizeof(*p));
+    p->fd_out = p->fd_err = -1;
+    p->status = -1;
+    if (terminal) {
+        /* A terminal of 120x40: stdin, stdout and stderr are its slave,
+         * the process leads its session with it as the controlling
+         * terminal, so a ^C written to the master is a SIGINT. */
+        struct winsize ws = {.ws_row = 40, .ws_col = 120};
+        int master = -1;
+        p->pid = forkpty(&master, NULL, NULL, &ws);
+        if (p->pid == -1)
+            return -errno;
+        if (p->pid == 0)
+            exec_kscore(s, home, args);
+        p->fd_out = master;
+        return 0;
+    }
+    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
+        return -errno;
+    p->pid = fork();
+    if (p->pid == -1)
+        return -errno;
+    if (p->pid == 0) {
+        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
+        if (nul == -1)
+            _exit(126);
+        dup2(nul, 0);
+        dup2(po[1], 1);
+        dup2(pe[1], 2);
+        exec_kscore(s, home, args);
+    }
+    close(po[1]);
+    close(pe[1]);
+    p->fd_out = po[0];
+    p->fd_err = pe[0];
+    return 0;
+}
+
+int
+fixture_kscore_spawn(const struct fixture_stack *s, const char *const args[],
+                     bool terminal, struct fixture_proc *p)
+{
+    return proc_start(s, NULL, NULL, args, terminal, p);
+}
+
+/* Reads what is there (waiting up to wait_ms for something); 0, or -1
+ * when every fd is closed. */
+static int
+proc_collect(struct fixture_proc *p, int wait_ms)
+{
+    struct pollfd fds[2] = {{p->fd_out, POLLIN, 0}, {p->fd_err, POLLIN, 0}};
+    if (p->fd_out < 0 && p->fd_err < 0)
+        return -1;
+    if (poll(fds, 2, wait_ms) <= 0)
+        return 0;
+    for (int i = 0; i < 2; i++) {
+        char buf[65536];
+        if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
+            continue;
+        ssize_t r = read(fds[i].fd, buf, sizeof(buf));
+        if (r == -1 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            /* EOF, or EIO: a terminal whose last slave is closed */
+            close(fds[i].fd);
+            *(i == 0 ? &p->fd_out : &p->fd_err) = -1;
+            continue;
+        }
+        if (i == 0)
+            append(&p->out, &p->out_len, &p->out_cap, buf, (size_t)r);
+        else
+            append(&p->err, &p->err_len, &p->err_cap, buf, (size_t)r);
+    }
+    return 0;
+}
+
+int
+fixture_proc_expect(struct fixture_proc *p, const char *needle,
+                    int timeout_ms)
+{
+    int64_t until = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    for (;;) {
+        if ((p->out && strstr(p->out, needle)) ||
+            (p->err && strstr(p->err, needle)))
+            return 0;
+        int64_t left = (until - ks_mono_us()) / 1000;
+        if (left <= 0 || proc_collect(p, left > 100 ? 100 : (int)left) < 0)
+            return (p->out && strstr(p->out, needle)) ||
+                           (p->err && strstr(p->err, needle))
+                       ? 0
+                       : KS_ETIMEDOUT;
+    }
+}
+
+int
+fixture_proc_write(struct fixture_proc *p, const char *bytes)
+{
+    size_t n = strlen(bytes);
+    if (p->fd_out < 0 || p->fd_err >= 0)
+        return -EINVAL; /* a terminal's only */
+    return write(p->fd_out, bytes, n) == (ssize_t)n ? 0 : -errno;
+}
+
+int
+fixture_proc_wait(struct fixture_proc *p, int sig, int timeout_ms)
+{
+    int64_t until = ks_mono_us() + (int64_t)timeout_ms * 1000;
+    int st = 0;
+    pid_t r = 0;
+
+    if (p->status >= 0)
+        return p->status;
+    if (sig)
+        kill(p->pid, sig);
+    while ((r = waitpid(p->pid, &st, WNOHANG)) == 0) {
+        if (ks_mono_us() >= until) {
+            kill(p->pid, SIGKILL);
+            waitpid(p->pid, &st, 0);
+            r = p->pid;
+            break;
+        }
+        if (proc_collect(p, 50) < 0)
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+    }
+    /* What it wrote before it exited (a pipe's EOF; a terminal's master
+     * gives EIO once the slave is closed). */
+    while (proc_collect(p, 100) == 0 && (p->fd_out >= 0 || p->fd_err >= 0))
+        ;
+    p->status = r == p->pid ? (WIFEXITED(st) ? WEXITSTATUS(st)
+                                             : 128 + WTERMSIG(st))
+                            : -1;
+    return p->status;
+}
+
+/* Runs kscore to its end: what fixture_kscore and its variants return. */
 static int
 run_kscore(const struct fixture_stack *s, const char *home,
            const char *stdin_path, const char *const args[],
            struct fixture_out *out)
 {
-    int po[2], pe[2];
-    size_t n = 0, cap_o = 0, cap_e = 0;
+    struct fixture_proc p;
     int64_t t0 = ks_mono_us();
-    pid_t pid;
-    int st = 0;
+    int rc = proc_start(s, home, stdin_path, args, false, &p);
 
     memset(out, 0, sizeof(*out));
-    while (args[n])
-        n++;
-    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC))
-        return -errno;
-    pid = fork();
-    if (pid == -1)
-        return -errno;
-    if (pid == 0) {
-        const char **argv = calloc(n + 2, sizeof(*argv));
-        int nul = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
-        if (nul == -1)
-            _exit(126);
-        argv[0] = kscore_bin();
-        for (size_t i = 0; i < n; i++)
-            argv[i + 1] = args[i];
-        dup2(nul, 0);
-        dup2(po[1], 1);
-        dup2(pe[1], 2);
-        if (s)
-            setenv("KSCORE_NATS_URL", s->nats.url, 1);
-        if (s && s->secure)
-            setenv("KSCORE_NATS_NKEY", s->operator_seed, 1);
-        /* never fall back to a developer's own local stack */
-        setenv("KSCORE_HOME", home ? home : "/nonexistent-kscore-home", 1);
-        if (home) {
-            /* the stack of home alone decides */
-            static const char *const vars[] = {
-                "KSCORE_NATS_URL",   "KSCORE_NATS_NKEY",  "KSCORE_NATS_USER",
-                "KSCORE_NATS_PASSWORD", "KSCORE_NATS_CREDS",
-                "KSCORE_NATS_TOKEN", "KSCORE_AGENT",      "KSCORE_DB"};
-            for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
-                unsetenv(vars[i]);
-        }
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    close(po[1]);
-    close(pe[1]);
-    struct pollfd fds[2] = {{po[0], POLLIN, 0}, {pe[0], POLLIN, 0}};
-    int open_fds = 2;
-    while (open_fds > 0) {
-        if (poll(fds, 2, -1) == -1) {
-            if (errno == EINTR)
-                continue;
-            break;
-        }
-        for (int i = 0; i < 2; i++) {
-            char buf[65536];
-            if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP)))
-                continue;
-            ssize_t r = read(fds[i].fd, buf, sizeof(buf));
-            if (r <= 0) {
-                close(fds[i].fd);
-                fds[i].fd = -1;
-                open_fds--;
-                continue;
-            }
-            if (i == 0)
-                append(&out->out, &out->out_len, &cap_o, buf, (size_t)r);
-            else
-                append(&out->err, &out->err_len, &cap_e, buf, (size_t)r);
-        }
-    }
-    waitpid(pid, &st, 0);
-    if (!out->out)
-        out->out = strdup("");
-    if (!out->err)
-        out->err = strdup("");
-    out->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    if (rc)
+        return rc;
+    out->status = fixture_proc_wait(&p, 0, INT_MAX);
     out->seconds = (double)(ks_mono_us() - t0) / 1e6;
+    out->out = p.out ? p.out : strdup("");
+    out->err = p.err ? p.err : strdup("");
+    out->out_len = p.out_len;
+    out->err_len = p.err_len;
+    p.out = p.err = NULL;
+    fixture_proc_release(&p);
     return 0;
+}
+
+const char *
+fixture_last_line(const char *out)
+{
+    const char *last = out;
+    for (const char *p = out; *p; p++)
+        if (*p == '\n' && p[1])
+            last = p + 1;
+    return last;
+}
+
+void
+fixture_proc_release(struct fixture_proc *p)
+{
+    if (!p || !p->pid)
+        return;
+    if (p->status < 0)
+        fixture_proc_wait(p, SIGKILL, 5000);
+    if (p->fd_out >= 0)
+        close(p->fd_out);
+    if (p->fd_err >= 0)
+        close(p->fd_err);
+    free(p->out);
+    free(p->err);
+    memset(p, 0, sizeof(*p));
 }
 
 void
@@ -750,16 +982,68 @@ fixture_submit_key(struct evt_conn *c, const char *agent, const char *script,
     return rc;
 }
 
-int
-fixture_file_lines(const char *path)
+uint8_t *
+fixture_bytes(size_t n, uint32_t seed)
 {
-    char line[256];
-    int n = 0;
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return 0;
-    while (fgets(line, sizeof(line), f))
-        n += strchr(line, '\n') != NULL;
-    fclose(f);
-    return n;
+    uint8_t *b = malloc(n ? n : 1);
+    uint32_t x = 2463534242u ^ seed;
+    ck_assert_ptr_nonnull(b);
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        b[i] = (uint8_t)x;
+    }
+    return b;
+}
+
+int
+fixture_upload(struct evt_conn *c, const char *identity, const void *data,
+               size_t len, uint32_t parts_max, bool *complete_out, char *why,
+               size_t why_len)
+{
+    Ks__UploadRequest req = KS__UPLOAD_REQUEST__INIT;
+    uint8_t sum[KS_SHA256_BYTES];
+    unsigned int md_len = 0;
+    uint32_t parts = ks_blob_parts(len);
+    bool all = parts_max >= parts;
+
+    ck_assert_int_eq(EVP_Digest(data, len, sum, &md_len, EVP_sha256(), NULL),
+                     1);
+    req.sha256.data = sum;
+    req.sha256.len = sizeof(sum);
+    req.size = len;
+    /* As kscore copy asks: first whether it is there (a commit without
+     * data), then each part, the last one with the commit. */
+    for (int step = -1; step < (int)(all ? parts : parts_max); step++) {
+        ProtobufCMessage *pm = NULL;
+        natsMsg *m = NULL;
+        req.commit = step == -1 || (all && (uint32_t)step + 1 == parts);
+        req.part = step < 0 ? 0 : (uint32_t)step;
+        req.data.data = step < 0 ? NULL
+                                 : (uint8_t *)data + (size_t)step *
+                                                         KS_BLOB_PART_BYTES;
+        req.data.len = step < 0 ? 0 : ks_blob_part_len(len, req.part);
+        ck_assert_int_eq(evt_request_as(c, identity, EVT_API_UPLOAD, &req.base,
+                                        30000, &m),
+                         0);
+        ck_assert_int_eq(evt_unpack(&ks__upload_reply__descriptor,
+                                    natsMsg_GetData(m),
+                                    (size_t)natsMsg_GetDataLength(m), &pm),
+                         0);
+        natsMsg_Destroy(m);
+        Ks__UploadReply *rep = (Ks__UploadReply *)pm;
+        int code = rep->error_code;
+        if (code && why)
+            snprintf(why, why_len, "%s", rep->error);
+        if (complete_out)
+            *complete_out = rep->complete;
+        bool done = rep->complete;
+        ks__upload_reply__free_unpacked(rep, NULL);
+        if (code)
+            return code;
+        if (done)
+            break; /* there already: nothing to send */
+    }
+    return 0;
 }

@@ -44,6 +44,18 @@ stack_down(void)
     fixture_stack_stop(&stack);
 }
 
+/* kscore ARGS --json ... : the one JSON object it printed last (the
+ * batch's summary), with o kept for the caller to release. */
+static json_t *
+ks_json(const char *const args[], struct fixture_out *o)
+{
+    ck_assert_int_eq(fixture_kscore(&stack, args, o), 0);
+    json_t *j = json_loads(fixture_last_line(o->out), JSON_DISABLE_EOF_CHECK,
+                           NULL);
+    ck_assert_msg(j != NULL, "no JSON: %s / %s", o->out, o->err);
+    return j;
+}
+
 /* Runs kscore batch --json ARGS; returns the summary (last line). */
 static json_t *
 batch_json(const char *const args[], struct fixture_out *o)
@@ -53,21 +65,7 @@ batch_json(const char *const args[], struct fixture_out *o)
     for (size_t i = 0; args[i] && n < 63; i++)
         full[n++] = args[i];
     full[n] = NULL;
-    ck_assert_int_eq(fixture_kscore(&stack, full, o), 0);
-    char *last = NULL;
-    for (char *p = o->out; *p;) {
-        char *nl = strchr(p, '\n');
-        if (!nl)
-            break;
-        if (nl[1])
-            last = nl + 1;
-        p = nl + 1;
-    }
-    if (!last)
-        last = o->out;
-    json_t *j = json_loads(last, JSON_DISABLE_EOF_CHECK, NULL);
-    ck_assert_msg(j != NULL, "no JSON summary: %s / %s", o->out, o->err);
-    return j;
+    return ks_json(full, o);
 }
 
 static int
@@ -382,6 +380,19 @@ bg_join(struct bg_run *r)
 
 /* A test that failed while its broker was down does not fail the next
  * ones: each starts with the stack's broker up, and broker2 down. */
+/* Joins a waiting client whose broker died under it: it ended with want,
+ * or, when no broker answered for long enough, 69 with how to follow the
+ * batch. */
+static void
+join_across_restart(struct bg_run *c, int want)
+{
+    bg_join(c);
+    ck_assert_msg(c->out.status == want ||
+                      (c->out.status == 69 &&
+                       strstr(c->out.err, "kscore get batch-")),
+                  "client exited %d: %s", c->out.status, c->out.err);
+}
+
 static void
 ensure_broker(void)
 {
@@ -516,9 +527,10 @@ target_status(json_t *j, const char *agent)
     return "(missing)";
 }
 
-/* The counts of the batch's BatchCompleted event, decoded. */
+/* The counts of the batch's BatchCompleted event, decoded (and its
+ * status, when st is not NULL). */
 static void
-completed_counts(const char *id, Ks__BatchCounts *out)
+completed_event(const char *id, Ks__BatchCounts *out, Ks__BatchStatus *st)
 {
     char sql[256];
     snprintf(sql, sizeof(sql),
@@ -535,13 +547,22 @@ completed_counts(const char *id, Ks__BatchCounts *out)
     ck_assert_ptr_nonnull(e->batch_counts);
     *out = *e->batch_counts;
     out->base.descriptor = NULL;
+    if (st)
+        *st = e->batch_status;
     ks__event__free_unpacked(e, NULL);
     PQclear(r);
     PQfinish(pg);
 }
 
+static void
+completed_counts(const char *id, Ks__BatchCounts *out)
+{
+    completed_event(id, out, NULL);
+}
+
 /*
- * What the record must say of an ended batch: every target terminal in
+ * What the record must say of an ended batch: its row says how it ended
+ * (as its BatchCompleted does: migration 13), every target terminal in
  * the commands projection; BatchCompleted once, with counts equal to the
  * targets' states; BatchTargetEnded once per target; and at most `conc`
  * targets in flight at any time, from the events' times
@@ -550,9 +571,12 @@ completed_counts(const char *id, Ks__BatchCounts *out)
 static void
 check_record(const char *id, int n, int conc)
 {
+    Ks__BatchCounts bc;
+    Ks__BatchStatus bs = 0;
+    completed_event(id, &bc, &bs);
     ck_assert_str_eq(sql1("SELECT status FROM batches WHERE batch_id = '%s'",
                           id),
-                     "Completed");
+                     kproto_batch_status_name(bs));
     const char *term = "('Succeeded','Failed','TimedOut','StartFailed',"
                        "'Cancelled','Undeliverable','Lost')";
     char fmt[512];
@@ -679,11 +703,7 @@ batch_across_restart(int sig, const char *prefix)
     broker_restart(sig);
     if (sig == SIGKILL)
         view_before_adoption(id, tg, old);
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 0);
     if (c.out.status == 0)
         ck_assert_ptr_nonnull(strstr(c.out.out, "\"Succeeded\""));
 
@@ -717,6 +737,52 @@ START_TEST(batch_survives_broker_kill)
 }
 END_TEST
 
+/*
+ * Issue 22: a broker stopped with TERM while its in-process agents run
+ * two targets drains them (--drain-timeout, 10 s by default): they finish
+ * and are recorded as they ended, and the batch ends Succeeded across the
+ * restart. Before, the stop cancelled them (signal 15, Cancelled, though
+ * nobody had), and the batch ended PartialFailure.
+ */
+START_TEST(local_targets_finish_across_broker_term)
+{
+    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[512], id[64], tg[2][32],
+         csv[80], host[64];
+    ck_assert_ptr_nonnull(mkdtemp(runs));
+    ensure_broker();
+    gethostname(host, sizeof(host));
+    host[strcspn(host, ".")] = '\0';
+    snprintf(tg[0], sizeof(tg[0]), "%.29s-3", host);
+    snprintf(tg[1], sizeof(tg[1]), "%.29s-4", host);
+    snprintf(csv, sizeof(csv), "%s,%s", tg[0], tg[1]);
+    snprintf(sh, sizeof(sh),
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 3",
+             runs);
+    const char *args[] = {"batch", "--detach", "--agents", csv, "--", "sh",
+                          "-c", sh, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s", o.err);
+    snprintf(id, sizeof(id), "%.*s", (int)strcspn(o.out, "\n"), o.out);
+    fixture_out_release(&o);
+    wait_runs(runs, tg[0], 1);
+    wait_runs(runs, tg[1], 1);
+    broker_restart(SIGTERM);
+    json_t *j = wait_batch_end(id);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Succeeded");
+    ck_assert_int_eq(jint(j, "succeeded"), 2);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_str_eq(target_status(j, tg[i]), "Succeeded");
+        ck_assert_int_eq(runs_of(runs, tg[i]), 1);
+    }
+    json_decref(j);
+    char rm[128];
+    snprintf(rm, sizeof(rm), "rm -rf %s", runs);
+    ck_assert_int_eq(system(rm), 0);
+}
+END_TEST
+
 /* A max-errors budget spent while no broker ran is still spent: the
  * adopter dispatches nothing more and cancels the rest. */
 START_TEST(error_budget_survives_broker_kill)
@@ -737,11 +803,7 @@ START_TEST(error_budget_survives_broker_kill)
     wait_runs(runs, ids[0], 1);
     batch_of(ids[0], id);
     broker_restart(SIGKILL);
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 1 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 1);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Failed");
@@ -902,37 +964,7 @@ END_TEST
 static void
 broker2_start(void)
 {
-    char key[PATH_MAX + 16], log[PATH_MAX + 16];
-    pid_t pid;
-    snprintf(key, sizeof(key), "%s", stack.signing_key);
-    char *argv[] = {getenv("KSCORE_BIN"), "broker", "--nats", stack.nats.url,
-                    "--db", stack.pg.conninfo, "--local-agents", "0",
-                    "--signing-key", key,
-                    /* as the fixture's broker: its agents are unenrolled */
-                    "--allow-unsigned-labels", NULL};
-    ck_assert_ptr_nonnull(argv[0]);
-    snprintf(log, sizeof(log), "%s/broker2.log", stack.dir);
-    /* The log is appended to at each start: only this start's lines. */
-    struct stat sb;
-    off_t from = stat(log, &sb) == 0 ? sb.st_size : 0;
-    ck_assert_int_eq(stack_daemon(stack.dir, "broker2", argv, &pid), 0);
-    for (int i = 0; i < 300; i++) {
-        char buf[4096] = "";
-        FILE *f = fopen(log, "r");
-        if (f && fseeko(f, from, SEEK_SET) != 0) {
-            fclose(f);
-            f = NULL;
-        }
-        if (f) {
-            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-            buf[n] = '\0';
-            fclose(f);
-        }
-        if (strstr(buf, "msg=serving "))
-            return;
-        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
-    }
-    ck_abort_msg("broker2 did not start, see %s", log);
+    ck_assert_int_eq(fixture_stack_broker_spawn(&stack, "broker2"), 0);
 }
 
 /*
@@ -972,11 +1004,7 @@ START_TEST(another_broker_takes_over)
         kill((pid_t)driver, SIGKILL);
         waitpid((pid_t)driver, NULL, 0);
     }
-    bg_join(&c);
-    ck_assert_msg(c.out.status == 0 ||
-                      (c.out.status == 69 &&
-                       strstr(c.out.err, "kscore get batch-")),
-                  "client exited %d: %s", c.out.status, c.out.err);
+    join_across_restart(&c, 0);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Succeeded");
@@ -1275,7 +1303,7 @@ START_TEST(live_output_through_either_broker)
         Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
         Ks__ExecuteReply *rep = NULL;
         struct live_seen seen = {0};
-        struct broker_exec_hooks h = {live_seen_cb, NULL, &seen};
+        struct broker_exec_hooks h = {live_seen_cb, NULL, &seen, NULL};
         local_agent(round, agent, sizeof(agent));
         sp.argv = argv;
         sp.n_argv = 3;
@@ -1795,6 +1823,408 @@ START_TEST(offline_targets_and_selection)
 }
 END_TEST
 
+/* ---- waves, reruns, and what get and list say (issue 24) ----------------- */
+
+static const char *
+jstr(json_t *j, const char *k)
+{
+    const char *v = json_string_value(json_object_get(j, k));
+    return v ? v : "";
+}
+
+/* Seconds from the last terminal event of the batch's targets on the
+ * agents in `before` (an SQL list) to the first CommandRequested of those
+ * in `after`: how long one wave waited for the one before. */
+static double
+wave_gap(const char *id, const char *before, const char *after)
+{
+    char sql[1024], *v;
+    snprintf(sql, sizeof(sql),
+             "SELECT extract(epoch FROM"
+             " (SELECT min(e.recorded_at) FROM events e JOIN commands c ON"
+             "  e.stream_id = 'command-' || c.command_id WHERE"
+             "  c.batch_id = '%%1$s' AND c.agent_id IN %s AND"
+             "  e.type = 'CommandRequested') -"
+             " (SELECT max(e.recorded_at) FROM events e JOIN commands c ON"
+             "  e.stream_id = 'command-' || c.command_id WHERE"
+             "  c.batch_id = '%%1$s' AND c.agent_id IN %s AND e.type IN"
+             "  ('CommandCompleted','CommandStartFailed')))",
+             after, before);
+    char full[2048];
+    snprintf(full, sizeof(full), sql, id);
+    v = sql1("%s", full);
+    ck_assert_ptr_nonnull(v);
+    double d = atof(v);
+    free(v);
+    return d;
+}
+
+/*
+ * --waves 1,3,100% on 10 targets: a canary, then three, then the rest,
+ * each wave started once the one before has ended; --max-errors 0 is
+ * checked at each wave's end: a failure in wave 2 halts the batch, wave 3
+ * never runs (its targets end Cancelled, never started), and the summary,
+ * `get` and the record say which wave halted and why.
+ */
+START_TEST(waves_halt_at_a_wave_end)
+{
+    char h[64], ids[10][80], w1[128], w2[512], sh[256];
+    struct fixture_out o;
+    gethostname(h, sizeof(h));
+    h[strcspn(h, ".")] = '\0';
+    for (int i = 0; i < 10; i++)
+        snprintf(ids[i], sizeof(ids[i]), "%.63s-%d", h, i);
+    snprintf(w1, sizeof(w1), "('%s')", ids[0]);
+    snprintf(w2, sizeof(w2), "('%s','%s','%s')", ids[1], ids[2], ids[3]);
+    snprintf(sh, sizeof(sh),
+             "case $KSCORE_AGENT_ID in %s) exit 4;; esac; sleep 0.3", ids[2]);
+    const char *args[] = {"batch", "--select", "local=true", "--waves",
+                          "1,3,100%", "--max-errors", "0", "--json", "--",
+                          "sh", "-c", sh, NULL};
+    json_t *j = ks_json(args, &o);
+    ck_assert_msg(o.status == 1, "exit %d: %s", o.status, o.err);
+    const char *id = jstr(j, "batch_id");
+    json_t *waves = json_object_get(j, "waves");
+    ck_assert_int_eq(json_array_size(waves), 3);
+    ck_assert_int_eq(json_integer_value(json_array_get(waves, 0)), 1);
+    ck_assert_int_eq(json_integer_value(json_array_get(waves, 1)), 3);
+    ck_assert_int_eq(json_integer_value(json_array_get(waves, 2)), 6);
+    ck_assert(json_is_true(json_object_get(j, "halted")));
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "halted_wave")), 2);
+    ck_assert_msg(strstr(jstr(j, "halt_reason"), "halted after wave 2 of 3"),
+                  "%s", jstr(j, "halt_reason"));
+    ck_assert_int_eq(jint(j, "succeeded"), 3);
+    ck_assert_int_eq(jint(j, "failed"), 1);
+    ck_assert_int_eq(jint(j, "cancelled"), 6);
+    for (int i = 4; i < 10; i++)
+        ck_assert_str_eq(target_status(j, ids[i]), "Cancelled");
+    char bid[64];
+    snprintf(bid, sizeof(bid), "%s", id);
+    json_decref(j);
+    fixture_out_release(&o);
+
+    /* Each wave after the one before ended; wave 3 never started. */
+    ck_assert_msg(wave_gap(bid, w1, w2) >= 0, "wave 2 before wave 1 ended");
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM commands WHERE batch_id"
+                              " = '%s' AND started_at IS NOT NULL",
+                              bid),
+                     4);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE stream_id"
+                              " = '%s' AND type = 'BatchWaveStarted'",
+                              bid),
+                     2);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE stream_id"
+                              " = '%s' AND type = 'BatchWaveEnded'",
+                              bid),
+                     2);
+    check_record(bid, 10, 10);
+
+    /* kscore get says it too, in text and JSON. */
+    const char *g[] = {"get", bid, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, g, &o), 0);
+    ck_assert_msg(strstr(o.out, "waves: 3 (1, 3, 6 targets); halted after "
+                                "wave 2 of 3"),
+                  "%s", o.out);
+    fixture_out_release(&o);
+    const char *gj[] = {"get", bid, "--json", NULL};
+    j = ks_json(gj, &o);
+    ck_assert(json_is_true(json_object_get(j, "halted")));
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "wave")), 2);
+    json_decref(j);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/*
+ * Waves survive their driver: the broker is killed (-9) during the pause
+ * between two waves; the broker that takes the batch over knows from its
+ * record which wave ran and when the pause ends, and starts each wave
+ * once, never before its pause is over.
+ */
+START_TEST(waves_survive_broker_kill)
+{
+    char ids[3][32], csv[128], id[64], w[3][40];
+    ensure_broker();
+    agents_up("wv", ids, csv, sizeof(csv));
+    for (int i = 0; i < 3; i++)
+        snprintf(w[i], sizeof(w[i]), "('%.31s')", ids[i]);
+    struct bg_run c = {.args = {"batch", "--json", "--agents", csv,
+                                "--waves", "1", "--wave-pause", "3s", "--",
+                                "true", NULL}};
+    bg_start(&c);
+    batch_of(ids[0], id);
+    /* Wave 1 has ended: its end is recorded, the pause runs. */
+    for (int i = 0; i < 200 && sql_long("SELECT count(*) FROM events WHERE"
+                                        " stream_id = '%s' AND type ="
+                                        " 'BatchWaveEnded'",
+                                        id) < 1;
+         i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    broker_restart(SIGKILL);
+    join_across_restart(&c, 0);
+    json_t *j = wait_batch_end(id);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
+                     "Succeeded");
+    ck_assert_int_eq(json_array_size(json_object_get(j, "waves")), 3);
+    json_decref(j);
+    /* Three waves, each started once, in order. */
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE stream_id"
+                              " = '%s' AND type = 'BatchWaveStarted'",
+                              id),
+                     3);
+    ck_assert_int_eq(sql_long("SELECT count(DISTINCT data) FROM events WHERE"
+                              " stream_id = '%s' AND type ="
+                              " 'BatchWaveStarted'",
+                              id),
+                     3);
+    double g1 = wave_gap(id, w[0], w[1]), g2 = wave_gap(id, w[1], w[2]);
+    ck_assert_msg(g1 >= 3.0 && g2 >= 3.0, "pauses %.2f s, %.2f s", g1, g2);
+    check_record(id, 3, 1);
+    fixture_out_release(&c.out);
+    agents_down(ids);
+}
+END_TEST
+
+/* The targets of a JSON summary (or get), as "a,b,c" in their order. */
+static void
+ids_of(json_t *j, char *buf, size_t len)
+{
+    json_t *ts = json_object_get(j, "targets");
+    buf[0] = '\0';
+    for (size_t i = 0; i < json_array_size(ts); i++)
+        snprintf(buf + strlen(buf), len - strlen(buf), "%s%s", i ? "," : "",
+                 jstr(json_array_get(ts, i), "agent_id"));
+}
+
+/* The targets of j whose status is (not: not) in set ("Failed,..."), as
+ * ids_of prints them. */
+static void
+ids_where(json_t *j, const char *set, bool in, char *buf, size_t len)
+{
+    json_t *ts = json_object_get(j, "targets");
+    buf[0] = '\0';
+    for (size_t i = 0; i < json_array_size(ts); i++) {
+        json_t *t = json_array_get(ts, i);
+        char pat[64];
+        snprintf(pat, sizeof(pat), ",%s,", jstr(t, "status"));
+        char wrapped[256];
+        snprintf(wrapped, sizeof(wrapped), ",%s,", set);
+        if ((strstr(wrapped, pat) != NULL) == in)
+            snprintf(buf + strlen(buf), len - strlen(buf), "%s%s",
+                     buf[0] ? "," : "", jstr(t, "agent_id"));
+    }
+}
+
+/*
+ * kscore batch --rerun batch-ID: the original's command and options on
+ * its targets that ended in error (--failed, the default) or did not
+ * succeed (--not-succeeded: the cancelled ones too), linked both ways in
+ * the record; the refusals are usage errors (exit 2) or, for a batch
+ * that runs or whose every target succeeded, 125.
+ */
+START_TEST(rerun_of_what_did_not_succeed)
+{
+    char orig[64], want[1024], got[1024];
+    struct fixture_out o;
+    const char *args[] = {"batch", "--select", "local=true",
+                          "--max-concurrency", "2", "--max-errors", "2",
+                          "--json", "--", "sh", "-c", FAIL_ODD, NULL};
+    json_t *j = ks_json(args, &o);
+    ck_assert_int_eq(o.status, 1);
+    snprintf(orig, sizeof(orig), "%s", jstr(j, "batch_id"));
+    ck_assert_int_gt(jint(j, "cancelled"), 0);
+    fixture_out_release(&o);
+
+    const char *r1[] = {"batch", "--rerun", orig, "--json", NULL};
+    json_t *r = ks_json(r1, &o);
+    ck_assert_msg(o.status == 1, "exit %d: %s", o.status, o.err);
+    ids_where(j, "Failed,TimedOut,StartFailed,Undeliverable,Lost,NotStarted",
+              true, want, sizeof(want));
+    ids_of(r, got, sizeof(got));
+    ck_assert_str_eq(got, want);
+    ck_assert_str_eq(jstr(r, "rerun_of"), orig);
+    ck_assert_str_eq(jstr(r, "rerun_filter"), "failed");
+    /* The same command (odd ones fail again), the same budget. */
+    ck_assert_int_eq(jint(r, "failed"), jint(r, "total") - jint(r, "cancelled"));
+    ck_assert(json_is_integer(json_object_get(r, "max_errors")));
+    ck_assert_int_eq(jint(r, "max_errors"), 2);
+    char rerun1[64];
+    snprintf(rerun1, sizeof(rerun1), "%s", jstr(r, "batch_id"));
+    json_decref(r);
+    fixture_out_release(&o);
+
+    const char *r2[] = {"batch", "--rerun", orig, "--not-succeeded",
+                        "--max-errors", "100%", "--json", NULL};
+    r = ks_json(r2, &o);
+    ck_assert_msg(o.status == 1, "exit %d: %s", o.status, o.err);
+    ids_where(j, "Succeeded", false, want, sizeof(want));
+    ids_of(r, got, sizeof(got));
+    ck_assert_str_eq(got, want);
+    ck_assert_str_eq(jstr(r, "rerun_filter"), "not-succeeded");
+    /* Rate given again replaces the original's. */
+    ck_assert_int_eq(jint(r, "max_errors"), jint(r, "total"));
+    char rerun2[64];
+    snprintf(rerun2, sizeof(rerun2), "%s", jstr(r, "batch_id"));
+    json_decref(r);
+    fixture_out_release(&o);
+    json_decref(j);
+
+    /* The original names its reruns; each rerun its original. */
+    const char *g[] = {"get", orig, "--json", NULL};
+    j = ks_json(g, &o);
+    json_t *rr = json_object_get(j, "reruns");
+    ck_assert_int_eq(json_array_size(rr), 2);
+    ck_assert_str_eq(json_string_value(json_array_get(rr, 0)), rerun1);
+    ck_assert_str_eq(json_string_value(json_array_get(rr, 1)), rerun2);
+    json_decref(j);
+    fixture_out_release(&o);
+    const char *gt[] = {"get", rerun1, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gt, &o), 0);
+    snprintf(want, sizeof(want), "rerun of %s (its failed targets)", orig);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM events WHERE stream_id"
+                              " = '%s' AND type = 'BatchRerunRequested'",
+                              orig),
+                     2);
+
+    /* Refused. */
+    const char *u1[] = {"batch", "--rerun", orig, "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, u1, &o), 0);
+    ck_assert_msg(o.status == 2, "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
+    const char *u2[] = {"batch", "--rerun", orig, "--all", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, u2, &o), 0);
+    ck_assert_msg(o.status == 2, "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
+    const char *u3[] = {"batch", "--failed", "--all", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, u3, &o), 0);
+    ck_assert_msg(o.status == 2, "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
+    const char *ok[] = {"batch", "--select", "local=true", "--json", "--",
+                        "true", NULL};
+    j = ks_json(ok, &o);
+    char good[64];
+    snprintf(good, sizeof(good), "%s", jstr(j, "batch_id"));
+    json_decref(j);
+    fixture_out_release(&o);
+    const char *u4[] = {"batch", "--rerun", good, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, u4, &o), 0);
+    ck_assert_msg(o.status == 125 && strstr(o.err, "no targets"),
+                  "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
+    const char *bg[] = {"batch", "--select", "local=true", "--detach", "--",
+                        "sleep", "3529", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, bg, &o), 0);
+    char running[64];
+    snprintf(running, sizeof(running), "%.*s", (int)strcspn(o.out, "\n"),
+             o.out);
+    fixture_out_release(&o);
+    const char *u5[] = {"batch", "--rerun", running, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, u5, &o), 0);
+    ck_assert_msg(o.status == 125 && strstr(o.err, "still running"),
+                  "exit %d: %s", o.status, o.err);
+    fixture_out_release(&o);
+    cancel_batch(running);
+    json_decref(wait_batch_end(running));
+}
+END_TEST
+
+/*
+ * The read paths agree with the record (issue 24): `kscore get` of a
+ * running batch showed its running targets Dispatched while its summary
+ * said they run; `kscore list` showed a cancelled batch, and a partly
+ * failed one, Completed, and --status cancelled never found one.
+ */
+START_TEST(get_and_list_say_what_the_record_says)
+{
+    struct fixture_out o;
+    const char *bg[] = {"batch", "--select", "local=true", "--detach", "--",
+                        "sleep", "3531", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, bg, &o), 0);
+    char id[64];
+    snprintf(id, sizeof(id), "%.*s", (int)strcspn(o.out, "\n"), o.out);
+    fixture_out_release(&o);
+    /* The pool of 10 local agents runs 8 at once (its --max-concurrent):
+     * 8 claimed (Running), 2 waiting for a slot (Dispatched), steady. */
+    long run = 0;
+    for (int i = 0; i < 200; i++) {
+        run = sql_long("SELECT count(*) FROM commands WHERE batch_id = '%s'"
+                       " AND status = 'Running'",
+                       id);
+        if (run >= 8)
+            break;
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    nanosleep(&(struct timespec){0, 300 * 1000000L}, NULL);
+    run = sql_long("SELECT count(*) FROM commands WHERE batch_id = '%s'"
+                   " AND status = 'Running'",
+                   id);
+    ck_assert_int_gt(run, 0);
+    const char *gj[] = {"get", id, "--json", NULL};
+    json_t *j = ks_json(gj, &o);
+    json_t *ts = json_object_get(j, "targets");
+    ck_assert_int_eq(json_array_size(ts), 10);
+    long shown_running = 0, shown_dispatched = 0;
+    for (size_t i = 0; i < 10; i++) {
+        json_t *t = json_array_get(ts, i);
+        char *db = sql1("SELECT status FROM commands WHERE command_id = '%s'",
+                        jstr(t, "command_id"));
+        ck_assert_str_eq(jstr(t, "status"), db);
+        free(db);
+        shown_running += strcmp(jstr(t, "status"), "Running") == 0;
+        shown_dispatched += strcmp(jstr(t, "status"), "Dispatched") == 0;
+    }
+    ck_assert_int_eq(shown_running, run);
+    ck_assert_int_eq(jint(j, "running"), 10); /* in flight */
+    json_decref(j);
+    fixture_out_release(&o);
+    /* The text says the same: "8 running, 2 dispatched". */
+    const char *gt[] = {"get", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, gt, &o), 0);
+    char want_run[64];
+    if (shown_dispatched)
+        snprintf(want_run, sizeof(want_run), "%ld running, %ld dispatched",
+                 shown_running, shown_dispatched);
+    else
+        snprintf(want_run, sizeof(want_run), "%ld running of", shown_running);
+    ck_assert_msg(strstr(o.out, want_run), "no '%s' in %s", want_run, o.out);
+    fixture_out_release(&o);
+    cancel_batch(id);
+    json_decref(wait_batch_end(id));
+
+    const char *pf[] = {"batch", "--select", "local=true", "--json", "--",
+                        "sh", "-c", FAIL_ODD, NULL};
+    j = ks_json(pf, &o);
+    char partial[64];
+    snprintf(partial, sizeof(partial), "%s", jstr(j, "batch_id"));
+    ck_assert_str_eq(jstr(j, "status"), "PartialFailure");
+    json_decref(j);
+    fixture_out_release(&o);
+
+    const char *lc[] = {"list", "--status", "cancelled", "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, lc, &o), 0);
+    char want[128];
+    snprintf(want, sizeof(want), "\"id\":\"%s\"", id);
+    ck_assert_msg(strstr(o.out, want) && strstr(o.out, "\"Cancelled\""),
+                  "%s", o.out);
+    snprintf(want, sizeof(want), "\"id\":\"%s\"", partial);
+    ck_assert_msg(!strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+    const char *lp[] = {"list", "--status", "partialfailure", "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, lp, &o), 0);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+    /* "completed": every batch that ended but the cancelled ones. */
+    const char *ld[] = {"list", "--status", "completed", "--json", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ld, &o), 0);
+    ck_assert_msg(strstr(o.out, want), "%s", o.out);
+    snprintf(want, sizeof(want), "\"id\":\"%s\"", id);
+    ck_assert_msg(!strstr(o.out, want), "%s", o.out);
+    fixture_out_release(&o);
+}
+END_TEST
+
 static Suite *
 batch_suite(void)
 {
@@ -1815,6 +2245,7 @@ batch_suite(void)
     tcase_add_test(tc, k27_dead_agent_costs_its_deadline);
     tcase_add_test(tc, batch_survives_broker_term);
     tcase_add_test(tc, batch_survives_broker_kill);
+    tcase_add_test(tc, local_targets_finish_across_broker_term);
     tcase_add_test(tc, error_budget_survives_broker_kill);
     tcase_add_test(tc, cancel_adopted_batch);
     tcase_add_test(tc, client_gives_up_with_a_hint);
@@ -1829,6 +2260,15 @@ batch_suite(void)
     tcase_add_test(tc, batch_counts_ends_recorded_by_other_broker);
     tcase_add_test(tc, cancel_through_either_broker);
     tcase_add_test(tc, live_output_through_either_broker);
+    suite_add_tcase(s, tc);
+    /* Waves, reruns, the read paths (CK_RUN_CASE=fleetops). */
+    tc = tcase_create("fleetops");
+    tcase_add_unchecked_fixture(tc, stack_up, stack_down);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, waves_halt_at_a_wave_end);
+    tcase_add_test(tc, rerun_of_what_did_not_succeed);
+    tcase_add_test(tc, get_and_list_say_what_the_record_says);
+    tcase_add_test(tc, waves_survive_broker_kill);
     suite_add_tcase(s, tc);
     return s;
 }

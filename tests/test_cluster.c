@@ -17,6 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -221,7 +226,7 @@ fleet_wait(void)
     stack_cluster_nodes(home, 3, nodes);
     while (now_s() - t0 < 90) {
         struct stack_js_info ji;
-        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+        if (stack_nats_js_info(&nodes[0], &ji) == 0 &&
             (consumers = ji.consumers) >= FLEET + 1)
             break;
         usleep(250 * 1000);
@@ -290,6 +295,11 @@ print_statuses(const char *db, const char *batch)
     fprintf(stderr, "\n");
 }
 
+/* A node's /jsz with every stream's consumers and their config. */
+#define JSZ_ALL                                                              \
+    (STACK_MON_ACCOUNTS | STACK_MON_STREAMS | STACK_MON_CONSUMERS |          \
+     STACK_MON_CONFIG)
+
 /* Every node's /jsz with consumer details into <tmpdir>/jsz-<when>-<i>.json,
  * for a post-mortem of a batch that did not all succeed. */
 static void
@@ -298,21 +308,15 @@ dump_jsz(const char *when)
     struct stack_node nodes[3];
     stack_cluster_nodes(home, 3, nodes);
     for (int i = 0; i < 3; i++) {
-        char path[PATH_MAX + 64], *body = NULL;
-        if (!nodes[i].running ||
-            stack_http_get(nodes[i].mon_port,
-                           "/jsz?accounts=true&streams=true&consumers=true"
-                           "&config=true",
-                           2000, &body) != 0)
+        char path[PATH_MAX + 64];
+        json_t *j = NULL;
+        if (!nodes[i].running || stack_nats_monitor(&nodes[i], "JSZ",
+                                                    JSZ_ALL, 2000, &j) != 0)
             continue;
         snprintf(path, sizeof(path), "%s/jsz-%s-%d.json", tmpdir, when,
                  i + 1);
-        FILE *f = fopen(path, "we");
-        if (f) {
-            fputs(body, f);
-            fclose(f);
-        }
-        free(body);
+        json_dump_file(j, path, JSON_INDENT(1));
+        json_decref(j);
     }
     fprintf(stderr, "test_cluster: /jsz of the nodes in %s/jsz-%s-*.json\n",
             tmpdir, when);
@@ -707,22 +711,12 @@ consumer_leader(struct evt_conn *c, const char *consumer, char *buf,
     jsConsumerInfo_Destroy(ci);
 }
 
-/* Asks the consumer's leader to step down ($JS.API.CONSUMER.LEADER.
- * STEPDOWN.<stream>.<consumer>, nats-server docs "JetStream wire API"):
- * true when it said success. */
+/* Asks the leader of consumer durable of stream to step down: true when
+ * it said success. */
 static bool
-consumer_stepdown(struct evt_conn *c, const char *consumer)
+consumer_stepdown(struct evt_conn *c, const char *stream, const char *durable)
 {
-    char subj[256];
-    natsMsg *m = NULL;
-    snprintf(subj, sizeof(subj), "$JS.API.CONSUMER.LEADER.STEPDOWN.%s.%s",
-             EVT_STREAM_CMDS, consumer);
-    if (natsConnection_Request(&m, c->nc, subj, "", 0, 3000) != NATS_OK)
-        return false;
-    bool ok = natsMsg_GetDataLength(m) > 0 &&
-              strstr(natsMsg_GetData(m), "\"success\":true") != NULL;
-    natsMsg_Destroy(m);
-    return ok;
+    return evt_consumer_stepdown(c, stream, durable, 3000, NULL, 0) == 0;
 }
 
 /* Publishes to consumer durable's deliver subject what is no delivery:
@@ -1011,18 +1005,25 @@ START_TEST(consumer_leader_changes)
         consumer_leader(bc, c_agent, la, sizeof(la));
         consumer_leader(bc, c_pool, lp, sizeof(lp));
         changes[nch++] = wall_s();
-        bool sa = consumer_stepdown(bc, c_agent);
-        bool sp = consumer_stepdown(bc, c_pool);
-        /* what a puller gets at a leader change (nats-server 2.9 sends it
-         * to pull requests only), and a stray reply, on each deliver
-         * subject: nobody stops, nothing is taken for a command */
-        const char *dur[] = {c_agent, c_pool, EVT_RECORDER_DURABLE};
-        for (int d = 0; d < 3; d++)
+        bool sa = consumer_stepdown(bc, EVT_STREAM_CMDS, c_agent);
+        bool sp = consumer_stepdown(bc, EVT_STREAM_CMDS, c_pool);
+        /* the recorder pulls: its pending pulls get nats-server 2.9's
+         * "409 Leadership Change", after which it must pull again (the
+         * commands' results are recorded through it) */
+        bool sr = consumer_stepdown(bc, EVT_STREAM_EVENTS,
+                                    EVT_RECORDER_DURABLE);
+        /* the same status message, and a stray reply, on each push
+         * consumer's deliver subject: nobody stops, nothing is taken for
+         * a command */
+        const char *dur[] = {c_agent, c_pool};
+        for (int d = 0; d < 2; d++)
             status_to_deliver(bc, dur[d]);
         fprintf(stderr,
-                "test_cluster: step-down %d: %s (%s) %s, %s (%s) %s\n",
+                "test_cluster: step-down %d: %s (%s) %s, %s (%s) %s, "
+                "recorder %s\n",
                 k + 1, c_agent, la, sa ? "stepped down" : "refused", c_pool,
-                lp, sp ? "stepped down" : "refused");
+                lp, sp ? "stepped down" : "refused",
+                sr ? "stepped down" : "refused");
     }
     sleep((unsigned)step_every_s);
     /* the node that leads the agent's consumer dies for kill_s */
@@ -1122,15 +1123,12 @@ connz_node(bool (*match)(json_t *conn, const void *ud), const void *ud)
     struct stack_node nodes[3];
     stack_cluster_nodes(home, 3, nodes);
     for (int i = 0; i < 3; i++) {
-        char *body = NULL;
-        if (!nodes[i].running ||
-            stack_http_get(nodes[i].mon_port, "/connz?limit=1000", 2000,
-                           &body) != 0)
-            continue;
-        json_t *j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL), *c;
+        json_t *j = NULL, *c;
         size_t k;
         bool here = false;
-        free(body);
+        if (!nodes[i].running ||
+            stack_nats_monitor(&nodes[i], "CONNZ", 0, 2000, &j) != 0)
+            continue;
         json_array_foreach(json_object_get(j, "connections"), k, c)
             here = here || match(c, ud);
         json_decref(j);
@@ -1339,7 +1337,7 @@ START_TEST(a_consumer_stalled_by_a_lost_ack_is_repaired)
         if (node_index(cl) >= 1 && node_index(cl) != keep)
             break;
         if (node_index(cl) == keep)
-            consumer_stepdown(bc, durable);
+            consumer_stepdown(bc, EVT_STREAM_CMDS, durable);
         usleep(500 * 1000);
     }
     ck_assert_msg(node_index(cl) >= 1 && node_index(cl) != keep,
@@ -1552,7 +1550,7 @@ START_TEST(a_broker_waits_for_the_leaders)
         stack_cluster_nodes(home, 3, nodes);
         do
             usleep(200 * 1000);
-        while ((stack_nats_js_info(nodes[0].mon_port, &ji) != 0 ||
+        while ((stack_nats_js_info(&nodes[0], &ji) != 0 ||
                 ji.meta_leader[0]) &&
                now_s() - t2 < 30);
         ck_assert_msg(!ji.meta_leader[0], "nats-1 still has a meta leader");
@@ -1646,17 +1644,11 @@ watch_nodes(int *watch_node, int *broker_node)
     *watch_node = *broker_node = 0;
     char deliver[128] = "";
     for (int i = 0; i < 3 && !*watch_node; i++) {
-        char *body = NULL;
-        if (!nodes[i].running ||
-            stack_http_get(nodes[i].mon_port,
-                           "/jsz?accounts=true&streams=true&consumers=true"
-                           "&config=true",
-                           2000, &body) != 0)
-            continue;
-        json_t *j = json_loads(body, JSON_DECODE_INT_AS_REAL, NULL), *a, *st,
-               *co;
+        json_t *j = NULL, *a, *st, *co;
         size_t ai, si, ci;
-        free(body);
+        if (!nodes[i].running || stack_nats_monitor(&nodes[i], "JSZ",
+                                                    JSZ_ALL, 2000, &j) != 0)
+            continue;
         json_array_foreach(json_object_get(j, "account_details"), ai, a)
         json_array_foreach(json_object_get(a, "stream_detail"), si, st)
         {
@@ -1678,16 +1670,20 @@ watch_nodes(int *watch_node, int *broker_node)
         json_decref(j);
     }
     for (int i = 0; i < 3 && deliver[0]; i++) {
-        char *body = NULL;
+        json_t *j = NULL, *c, *sub;
+        size_t ci, k;
         if (!nodes[i].running ||
-            stack_http_get(nodes[i].mon_port, "/connz?subs=1&limit=1000",
-                           2000, &body) != 0)
+            stack_nats_monitor(&nodes[i], "CONNZ", STACK_MON_SUBS, 2000,
+                               &j) != 0)
             continue;
-        char pat[160];
-        snprintf(pat, sizeof(pat), "\"%s\"", deliver);
-        if (strstr(body, pat))
-            *broker_node = i + 1;
-        free(body);
+        json_array_foreach(json_object_get(j, "connections"), ci, c)
+        json_array_foreach(json_object_get(c, "subscriptions_list"), k, sub)
+        {
+            const char *v = json_string_value(sub);
+            if (v && strcmp(v, deliver) == 0)
+                *broker_node = i + 1;
+        }
+        json_decref(j);
     }
 }
 
@@ -2367,6 +2363,76 @@ add_case(Suite *s, const char *name, const TTest *t, int timeout_s,
     suite_add_tcase(s, tc);
 }
 
+/*
+ * A route carries every message of every account, and a server trusts
+ * what its peers send (any account, any subject, JetStream's API
+ * included). On the code before, the local cluster's route ports (on
+ * loopback, so open to every user of the host) asked nothing: a process
+ * without any credential that spoke the route protocol there was sent
+ * the stack's messages (found by the issue 21 review: it read a
+ * message of account KSCORE). Now a node takes a route only with the
+ * routes' password, in the owner's keys/ (route.secret, 0600).
+ */
+START_TEST(a_local_user_cannot_join_the_routes)
+{
+    up_cluster();
+    struct stack_node nodes[3];
+    ck_assert_int_eq(stack_cluster_nodes(home, 3, nodes), 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)nodes[0].route_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct timeval tv = {0, 200 * 1000};
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    /* A route's CONNECT and INFO (nats-server's route protocol), then
+     * interest in everything of account KSCORE. */
+    static const char hello[] =
+        "CONNECT {\"verbose\":false,\"pedantic\":false,\"tls_required\":"
+        "false,\"name\":\"intruder\",\"cluster\":\"kscore\","
+        "\"headers\":true}\r\n"
+        "INFO {\"server_id\":\"NINTRUDERXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"
+        "XXXXXXXXXXX\",\"name\":\"intruder\",\"cluster\":\"kscore\"}\r\n"
+        "RS+ KSCORE >\r\nPING\r\n";
+    ck_assert_int_eq(write(fd, hello, sizeof(hello) - 1),
+                     (ssize_t)(sizeof(hello) - 1));
+    /* A message of the stack's account, published on node 1. */
+    struct evt_conn *c = broker_conn();
+    char got[65536];
+    size_t have = 0;
+    for (int i = 0; i < 15; i++) {
+        ck_assert_int_eq(natsConnection_PublishString(c->nc, "secret.probe",
+                                                      "for the stack only"),
+                         NATS_OK);
+        natsConnection_Flush(c->nc);
+        ssize_t r = read(fd, got + have, sizeof(got) - 1 - have);
+        if (r == 0)
+            break; /* the node hung up */
+        if (r > 0)
+            have += (size_t)r;
+        if (have >= sizeof(got) - 1)
+            break;
+    }
+    got[have] = '\0';
+    close(fd);
+    evt_close(c);
+    ck_assert_msg(!strstr(got, "secret.probe"),
+                  "a process without the routes' password read the "
+                  "stack's message: %.300s",
+                  got);
+    ck_assert_msg(!strstr(got, "RS+"), "the node took the intruder as a "
+                                       "route: %.200s", got);
+    /* The password is the owner's alone; the stack still works. */
+    char path[PATH_MAX + 64];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/keys/" STACK_ROUTE_SECRET, home);
+    ck_assert_int_eq(stat(path, &st), 0);
+    ck_assert_int_eq(st.st_mode & 077, 0);
+    check_status();
+}
+END_TEST
+
 static Suite *
 cluster_suite(void)
 {
@@ -2380,6 +2446,8 @@ cluster_suite(void)
              a_consumer_stalled_by_a_lost_ack_is_repaired, 180, "part1");
     add_case(s, "deploy_files_start_a_cluster", deploy_files_start_a_cluster,
              180, "part1");
+    add_case(s, "a_local_user_cannot_join_the_routes",
+             a_local_user_cannot_join_the_routes, 180, "part1");
     add_case(s, "publish_during_a_stream_leader_election",
              publish_during_a_stream_leader_election, lt, "part2");
     add_case(s, "registry_watch_node_dies", registry_watch_node_dies, 180,

@@ -103,6 +103,10 @@ START_TEST(bad_files_name_file_line_and_key)
     refused("agent", "id = a1\nack_wait = 10ms\n", 2,
             (const char *[]){"ack_wait", "10ms", NULL});
     refused("agent", "id = two words\n", 1, (const char *[]){"id", NULL});
+    refused("agent", "id = a1\ndrain_timeout = soon\n", 2,
+            (const char *[]){"drain_timeout", "soon", NULL});
+    refused("broker", "drain_timeout = -5s\n", 1,
+            (const char *[]){"drain_timeout", NULL});
     refused("agent", "label = novalue\n", 1,
             (const char *[]){"label", "KEY=VALUE", NULL});
     refused("agent", "log_level = loud\n", 1,

@@ -232,6 +232,33 @@ START_TEST(bash_completion_completes)
 }
 END_TEST
 
+/*
+ * kscore.conf(5) named a broker's in-process agents local-0, ...; the
+ * broker names them <host>-0, ... (broker/broker.c, what `kscore up`'s
+ * agent and test_history's local_names use). Every page that names them
+ * names them so, and none says local-N.
+ */
+START_TEST(pages_name_in_process_agents_as_the_broker_does)
+{
+    static const char *const pages[] = {"kscore.conf.5", "kscore-broker.1"};
+    char path[PATH_MAX];
+    for (size_t i = 0; i < sizeof(pages) / sizeof(pages[0]); i++) {
+        snprintf(path, sizeof(path), "%s/deploy/man/%s.scd", src_dir(),
+                 pages[i]);
+        char *t = slurp(path);
+        ck_assert_msg(t != NULL, "no %s", path);
+        ck_assert_msg(strstr(t, "_host_*-0*"), "%s: no _host_-0", path);
+        ck_assert_msg(!strstr(t, "local-0"), "%s says local-0", path);
+        free(t);
+    }
+    snprintf(path, sizeof(path), "%s/README.md", src_dir());
+    char *t = slurp(path);
+    ck_assert_ptr_nonnull(t);
+    ck_assert_msg(!strstr(t, "local-0"), "README.md says local-0");
+    free(t);
+}
+END_TEST
+
 int
 main(void)
 {
@@ -240,6 +267,7 @@ main(void)
     tcase_add_test(tc, every_subcommand_has_a_page_that_builds);
     tcase_add_test(tc, every_flag_in_help_is_documented);
     tcase_add_test(tc, bash_completion_completes);
+    tcase_add_test(tc, pages_name_in_process_agents_as_the_broker_does);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

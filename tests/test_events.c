@@ -4,6 +4,8 @@
  * (evt_consumer_ensure), pure and against a private nats-server.
  */
 #include <check.h>
+#include <jansson.h>
+#include <pthread.h>
 #include <stdalign.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -13,6 +15,7 @@
 
 #include "events.h"
 #include "fixture.h"
+#include "stack.h"
 
 /* ---- pure ------------------------------------------------------------------ */
 
@@ -78,12 +81,35 @@ END_TEST
 /* ---- against nats-server ------------------------------------------------------ */
 
 static struct fixture_nats nats;
+static int mon_port; /* nats-server's monitoring endpoint */
 
 static void
 nats_up(void)
 {
-    if (fixture_nats_start(&nats, NULL) != 0)
+    char extra[64];
+    mon_port = stack_free_port();
+    snprintf(extra, sizeof(extra), "http: \"127.0.0.1:%d\"\n", mon_port);
+    if (mon_port < 0 || fixture_nats_start(&nats, extra) != 0)
         exit(1);
+}
+
+/* A number from the server's /subsz (nats-server docs "Monitoring"):
+ * num_subscriptions (now) or num_inserts (ever made). */
+static long
+subsz(const char *key)
+{
+    char *body = NULL;
+    json_t *j;
+    long v;
+
+    ck_assert_int_eq(stack_http_get(mon_port, "/subsz", 2000, &body), 0);
+    j = json_loads(body, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    ck_assert(json_is_integer(json_object_get(j, key)));
+    v = (long)json_integer_value(json_object_get(j, key));
+    json_decref(j);
+    free(body);
+    return v;
 }
 
 static void
@@ -434,6 +460,377 @@ START_TEST(sort_like_qsort)
 }
 END_TEST
 
+/* ---- requests: reply inboxes (events/request.c) --------------------------- */
+
+/* A responder on its own connection: echoes "echo.>" at once, and answers
+ * "slow.>" after the number of ms its body names. Replies go out in
+ * parts past EVT_PART_BYTES ("big.>": a reply of the size its body
+ * names). */
+struct responder {
+    struct evt_conn *c;
+    natsSubscription *subs[3];
+};
+
+static void
+on_echo(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
+{
+    (void)sub;
+    (void)ud;
+    natsConnection_Publish(nc, natsMsg_GetReply(m), natsMsg_GetData(m),
+                           natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+}
+
+static void
+on_slow(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
+{
+    (void)sub;
+    (void)ud;
+    long ms = strtol(natsMsg_GetData(m), NULL, 10);
+    nanosleep(&(struct timespec){ms / 1000, (ms % 1000) * 1000000L}, NULL);
+    natsConnection_Publish(nc, natsMsg_GetReply(m), natsMsg_GetData(m),
+                           natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+}
+
+static void
+on_big(natsConnection *nc, natsSubscription *sub, natsMsg *m, void *ud)
+{
+    struct responder *r = ud;
+    Ks__SignedCommand sc = KS__SIGNED_COMMAND__INIT;
+    size_t n = (size_t)strtoul(natsMsg_GetData(m), NULL, 10);
+    uint8_t *blob = malloc(n);
+    (void)nc;
+    (void)sub;
+    for (size_t i = 0; i < n; i++)
+        blob[i] = (uint8_t)(i * 7);
+    sc.command.data = blob;
+    sc.command.len = n;
+    ck_assert_int_eq(evt_publish_reply(r->c, natsMsg_GetReply(m), &sc.base),
+                     0);
+    free(blob);
+    natsMsg_Destroy(m);
+}
+
+static void
+responder_start(struct responder *r)
+{
+    struct evt_connect_opts o = {.name = "test-responder", .send_asap = true};
+    memset(r, 0, sizeof(*r));
+    ck_assert_int_eq(evt_connect(nats.url, &o, &r->c, NULL), 0);
+    ck_assert_int_eq(natsConnection_Subscribe(&r->subs[0], r->c->nc, "echo.>",
+                                              on_echo, r),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Subscribe(&r->subs[1], r->c->nc, "slow.>",
+                                              on_slow, r),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Subscribe(&r->subs[2], r->c->nc, "big.>",
+                                              on_big, r),
+                     NATS_OK);
+    ck_assert_int_eq(natsConnection_Flush(r->c->nc), NATS_OK);
+}
+
+static void
+responder_stop(struct responder *r)
+{
+    for (int i = 0; i < 3; i++)
+        natsSubscription_Unsubscribe(r->subs[i]);
+    evt_close(r->c); /* closed first: then no delivery races a destroy */
+}
+
+/* One request and its answer, the reply's body checked against ours. */
+static int
+ask(struct evt_conn *c, const char *identity, const char *subject,
+    const char *body, int timeout_ms)
+{
+    natsMsg *m = NULL;
+    int rc = evt_request_bytes_as(c, identity, subject, NULL, body,
+                                  strlen(body), timeout_ms, &m);
+    if (rc == 0) {
+        ck_assert_int_eq(natsMsg_GetDataLength(m), (int)strlen(body));
+        ck_assert(memcmp(natsMsg_GetData(m), body, strlen(body)) == 0);
+        natsMsg_Destroy(m);
+    }
+    return rc;
+}
+
+struct asker {
+    struct evt_conn *c;
+    int id, n, failed;
+};
+
+static void *
+asker_main(void *arg)
+{
+    struct asker *k = arg;
+    char body[64];
+    for (int i = 0; i < k->n; i++) {
+        snprintf(body, sizeof(body), "%d-%d", k->id, i);
+        if (ask(k->c, NULL, "echo.x", body, 5000) != 0)
+            k->failed++;
+    }
+    return NULL;
+}
+
+/* Issue 22: one subscription per request let a late reply race the
+ * subscription's destruction in nats.c 3.4.1's read thread (nats.c issue
+ * 637). Requests now reuse inboxes made once: 100 requests in a row make
+ * no subscription, 8 threads asking at once make at most one each, and
+ * every reply reaches the request it answers. */
+START_TEST(requests_make_no_subscription)
+{
+    struct responder r;
+    struct evt_conn *c = conn();
+    pthread_t th[8];
+    struct asker k[8];
+
+    responder_start(&r);
+    ck_assert_int_eq(ask(c, NULL, "echo.x", "warm", 5000), 0);
+    long made = subsz("num_inserts"), now = subsz("num_subscriptions");
+    for (int i = 0; i < 100; i++) {
+        char body[32];
+        snprintf(body, sizeof(body), "n-%d", i);
+        ck_assert_int_eq(ask(c, NULL, "echo.x", body, 5000), 0);
+    }
+    ck_assert_int_eq(subsz("num_inserts"), made);
+    ck_assert_int_eq(subsz("num_subscriptions"), now);
+    /* A JetStream publish's PubAck comes the same way. */
+    ck_assert_int_eq(evt_js_publish_as(c, NULL, "kscore.evt.s.t", "s-1", "a",
+                                       1, 2000, NULL, NULL, 0),
+                     0);
+    ck_assert_int_eq(subsz("num_inserts"), made);
+
+    for (int i = 0; i < 8; i++) {
+        k[i] = (struct asker){c, i, 50, 0};
+        ck_assert_int_eq(pthread_create(&th[i], NULL, asker_main, &k[i]), 0);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(th[i], NULL);
+        ck_assert_int_eq(k[i].failed, 0);
+    }
+    ck_assert_int_le(subsz("num_inserts"), made + 7);
+    ck_assert_uint_eq(evt_late_replies(c), 0);
+    /* An agent id as long as one may be (EVT_AGENT_ID_MAX) gives an
+     * identity longer than a user name: its inbox still fits. */
+    char longid[8 + EVT_AGENT_ID_MAX + 1];
+    snprintf(longid, sizeof(longid), "agent-%0*d", EVT_AGENT_ID_MAX, 7);
+    ck_assert_int_eq(ask(c, longid, "echo.x", "long", 5000), 0);
+    ck_assert_int_eq(ask(c, "bad.identity", "echo.x", "x", 5000), KS_EINVAL);
+    evt_close(c);
+    responder_stop(&r);
+}
+END_TEST
+
+/* A reply that comes after its waiter gave up is dropped and counted, and
+ * never taken for the answer to the next request on the same inbox. */
+START_TEST(late_reply_is_dropped)
+{
+    struct responder r;
+    struct evt_conn *c = conn();
+
+    responder_start(&r);
+    ck_assert_int_eq(ask(c, "agent-late", "echo.x", "warm", 5000), 0);
+    /* Answered after 600 ms; we wait 100. */
+    ck_assert_int_eq(ask(c, "agent-late", "slow.x", "600", 100),
+                     KS_ETIMEDOUT);
+    ck_assert_int_eq(ask(c, "agent-late", "echo.x", "next", 5000), 0);
+    nanosleep(&(struct timespec){0, 900 * 1000000L}, NULL);
+    /* The late one is there now, on the inbox the first request had. */
+    ck_assert_int_eq(evt_link_probe(c, 2000), 0);
+    for (int i = 0; i < 4; i++) {
+        char body[16];
+        snprintf(body, sizeof(body), "after-%d", i);
+        ck_assert_int_eq(ask(c, "agent-late", "echo.x", body, 5000), 0);
+    }
+    ck_assert_uint_eq(evt_late_replies(c), 1);
+    evt_close(c);
+    responder_stop(&r);
+}
+END_TEST
+
+struct slow_ask {
+    struct evt_conn *c;
+    int rc;
+};
+
+static void *
+slow_main(void *arg)
+{
+    struct slow_ask *s = arg;
+    s->rc = ask(s->c, NULL, "slow.y", "800", 5000);
+    return NULL;
+}
+
+/* "No responders" reaches the request nobody serves, at once, and no
+ * other: a request waiting for its reply meanwhile still gets it. */
+START_TEST(no_responders_reach_their_waiter)
+{
+    struct responder r;
+    struct evt_conn *c = conn();
+    struct slow_ask s = {c, -1};
+    pthread_t th;
+
+    responder_start(&r);
+    ck_assert_int_eq(pthread_create(&th, NULL, slow_main, &s), 0);
+    nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    for (int i = 0; i < 5; i++) {
+        int64_t t0 = ks_mono_us();
+        ck_assert_int_eq(ask(c, NULL, "nobody.here", "x", 5000), KS_EUNAVAIL);
+        ck_assert_int_lt(ks_mono_us() - t0, 4000000);
+    }
+    pthread_join(th, NULL);
+    ck_assert_int_eq(s.rc, 0);
+    ck_assert_int_eq(ask(c, NULL, "echo.x", "after", 5000), 0);
+    evt_close(c);
+    responder_stop(&r);
+}
+END_TEST
+
+/* A reply larger than one NATS message comes in parts and is put back
+ * together on the lease's inbox. */
+START_TEST(reply_in_parts)
+{
+    struct responder r;
+    struct evt_conn *c = conn();
+    natsMsg *m = NULL;
+    ProtobufCMessage *pm = NULL;
+    char body[32];
+    size_t n = 2 * EVT_PART_BYTES + 12345;
+
+    responder_start(&r);
+    snprintf(body, sizeof(body), "%zu", n);
+    for (int round = 0; round < 2; round++) {
+        ck_assert_int_eq(evt_request_bytes(c, "big.x", NULL, body,
+                                           strlen(body), 10000, &m),
+                         0);
+        ck_assert_int_eq(evt_unpack_reply(&ks__signed_command__descriptor,
+                                          natsMsg_GetData(m),
+                                          (size_t)natsMsg_GetDataLength(m),
+                                          &pm),
+                         0);
+        Ks__SignedCommand *sc = (Ks__SignedCommand *)pm;
+        ck_assert_uint_eq(sc->command.len, n);
+        for (size_t i = 0; i < n; i += 4099)
+            ck_assert_uint_eq(sc->command.data[i], (uint8_t)(i * 7));
+        ks__signed_command__free_unpacked(sc, NULL);
+        natsMsg_Destroy(m);
+    }
+    evt_close(c);
+    responder_stop(&r);
+}
+END_TEST
+
+/* ---- publishes the stream does not take for now ---------------------------- */
+
+struct later {
+    struct evt_conn *c;
+    int delay_ms;
+};
+
+static void *
+setup_later(void *arg)
+{
+    struct later *l = arg;
+    nanosleep(&(struct timespec){l->delay_ms / 1000,
+                                 (l->delay_ms % 1000) * 1000000L},
+              NULL);
+    ck_assert_int_eq(evt_setup(l->c, NULL), 0);
+    return NULL;
+}
+
+static uint64_t
+stream_msgs(struct evt_conn *c, const char *stream)
+{
+    jsStreamInfo *si = NULL;
+    ck_assert_int_eq(js_GetStreamInfo(&si, c->js, stream, NULL, NULL),
+                     NATS_OK);
+    uint64_t n = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    return n;
+}
+
+/* Issue 22, F02: while no stream takes a subject (KSCORE_CMDS's leader
+ * being elected after its node died), nats-server answers a publish "no
+ * responders", and nats.c 3.4.1's js_Publish gave up at once. A command
+ * publish is tried again with the same Nats-Msg-Id until the stream takes
+ * it, and lands once. */
+START_TEST(command_publish_outlasts_no_stream)
+{
+    struct evt_conn *c = conn(), *admin = conn();
+    Ks__Command cmd = KS__COMMAND__INIT;
+    struct later l = {admin, 1500};
+    pthread_t th;
+
+    cmd.command_id = "7d3f0b5e-3f5b-4c1e-9d2a-0d7c8f1e2a3b";
+    cmd.agent_id = "retry-1";
+    cmd.attempt = 1;
+    ck_assert_int_eq(js_DeleteStream(admin->js, EVT_STREAM_CMDS, NULL, NULL),
+                     NATS_OK);
+    uint64_t retries = ks_metric_counter_value(KS_C_PUBLISH_RETRIES);
+    ck_assert_int_eq(pthread_create(&th, NULL, setup_later, &l), 0);
+    int64_t t0 = ks_mono_us();
+    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL,
+                                         EVT_PUBLISH_RETRY_MS),
+                     0);
+    int64_t took_us = ks_mono_us() - t0;
+    pthread_join(th, NULL);
+    ck_assert_int_ge(took_us, 1000000); /* it did wait for the stream */
+    ck_assert_uint_gt(ks_metric_counter_value(KS_C_PUBLISH_RETRIES), retries);
+    ck_assert_uint_eq(stream_msgs(admin, EVT_STREAM_CMDS), 1);
+    /* Again under the same id: the stream keeps one. */
+    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 5000), 0);
+    ck_assert_uint_eq(stream_msgs(admin, EVT_STREAM_CMDS), 1);
+    /* With a budget too short for the stream to come back: said so. */
+    ck_assert_int_eq(js_DeleteStream(admin->js, EVT_STREAM_CMDS, NULL, NULL),
+                     NATS_OK);
+    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 300),
+                     KS_EUNAVAIL);
+    ck_assert_int_eq(evt_setup(admin, NULL), 0);
+    evt_close(c);
+    evt_close(admin);
+}
+END_TEST
+
+/* Issue 22: a batch's commands went out with js_PublishAsync, whose error
+ * PubAcks nats.c 3.4.1 drops without an error handler: the batch took
+ * refused commands for published. Every PubAck is looked at now: a
+ * refusal is counted as not published. */
+START_TEST(batch_publish_sees_refusals)
+{
+    struct evt_conn *c = conn();
+    jsStreamInfo *si = NULL, *nsi = NULL;
+    Ks__Command cmds[5], *pc[5];
+    char ids[5][37];
+
+    /* The stream refuses anything over 64 bytes (JetStream error 10054,
+     * code 400: not a "not now"). */
+    ck_assert_int_eq(js_GetStreamInfo(&si, c->js, EVT_STREAM_CMDS, NULL,
+                                      NULL),
+                     NATS_OK);
+    si->Config->MaxMsgSize = 64;
+    ck_assert_int_eq(js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL),
+                     NATS_OK);
+    jsStreamInfo_Destroy(nsi);
+    jsStreamInfo_Destroy(si);
+    for (int i = 0; i < 5; i++) {
+        ks__command__init(&cmds[i]);
+        ks_uuid(ids[i]);
+        cmds[i].command_id = ids[i];
+        cmds[i].agent_id = "refused-1";
+        cmds[i].attempt = 1;
+        pc[i] = &cmds[i];
+    }
+    uint64_t before = stream_msgs(c, EVT_STREAM_CMDS);
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000), 5);
+    ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before);
+    /* Back as evt_setup makes it: all five go out. */
+    ck_assert_int_eq(evt_setup(c, NULL), 0);
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000), 0);
+    ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before + 5);
+    evt_close(c);
+}
+END_TEST
+
 static Suite *
 events_suite(void)
 {
@@ -451,6 +848,12 @@ events_suite(void)
     tcase_add_test(tc, js_publish_as_plain_nats);
     tcase_add_test(tc, consumer_ensure_corrects);
     tcase_add_test(tc, ack_delivered_live);
+    tcase_add_test(tc, requests_make_no_subscription);
+    tcase_add_test(tc, late_reply_is_dropped);
+    tcase_add_test(tc, no_responders_reach_their_waiter);
+    tcase_add_test(tc, reply_in_parts);
+    tcase_add_test(tc, command_publish_outlasts_no_stream);
+    tcase_add_test(tc, batch_publish_sees_refusals);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -525,11 +525,16 @@ START_TEST(k11_concurrent_dont_share_pipes)
         ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)(intptr_t)i,
                                      NULL),
                          0);
-    wait_done(50, 2 * SEC);
+    /* The case's "in under 0.5 s" is what a quiet machine shows
+     * (perf_exec measures it); what a test can hold on any machine is the
+     * order: all 50 end while the sleep (60 s timeout) still runs, so no
+     * echo waited for it or for its pipes. The 30 s bound only keeps a
+     * broken loop from hanging the suite. */
+    wait_done(50, 30 * SEC);
     for (int i = 0; i < 50; i++) {
         ck_assert_int_eq(g_results[i].exit_code, 0);
         ck_assert_str_eq(g_results[i].out.data, "hi\n");
-        ck_assert_int_lt(g_done_at[i] - t0, SEC / 2);
+        ck_assert_int_ge(g_done_at[i], t0);
         exec_result_release(&g_results[i]);
     }
     ck_assert_int_eq(exec_loop_running(loop), 1);
@@ -897,13 +902,18 @@ START_TEST(cancel_running_and_queued)
     spec_argv(&s, argv, 0, 1000);
     ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)0, &a), 0);
     ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)1, &b), 0);
-    usleep(100000);
+    for (int64_t end = ks_mono_us() + 30 * SEC;
+         exec_loop_running(loop) < 1 && ks_mono_us() < end;)
+        usleep(1000);
     ck_assert_int_eq(exec_loop_running(loop), 1);
     t0 = ks_mono_us();
     ck_assert_int_eq(exec_cancel(loop, b), 0); /* queued: never starts */
     ck_assert_int_eq(exec_cancel(loop, a), 0);
-    wait_done(2, 2 * SEC);
-    ck_assert_int_lt(g_done_at[0] - t0, SLACK_US);
+    wait_done(2, 30 * SEC);
+    /* TERM ended it: no KILL after the grace (not a time bound: the
+     * result says which signals were sent). */
+    ck_assert_int_ge(g_done_at[0], t0);
+    ck_assert_int_eq(g_results[0].kill_sent_us, -1);
     ck_assert(g_results[0].cancelled);
     ck_assert(!g_results[0].timed_out);
     ck_assert_int_eq(g_results[0].outcome, EXEC_SIGNALED);
@@ -924,7 +934,6 @@ START_TEST(loop_free_cancels_all)
     const char *argv[] = {"sleep", "3021", NULL};
     struct exec_loop *loop;
     struct exec_spec s;
-    int64_t t0;
 
     atomic_store(&g_done, 0);
     ck_assert_int_eq(exec_loop_new(2, &loop), 0);
@@ -933,12 +942,15 @@ START_TEST(loop_free_cancels_all)
         ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)(intptr_t)i,
                                      NULL),
                          0);
-    usleep(100000);
-    t0 = ks_mono_us();
+    for (int64_t end = ks_mono_us() + 30 * SEC;
+         exec_loop_running(loop) < 2 && ks_mono_us() < end;)
+        usleep(1000);
     exec_loop_free(loop);
-    ck_assert_int_lt(ks_mono_us() - t0, SLACK_US);
     ck_assert_int_eq(atomic_load(&g_done), 4);
+    /* The two running ones ended by TERM, without waiting out the grace
+     * for a KILL; the two queued ones never started. */
     for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(g_results[i].kill_sent_us, -1);
         ck_assert(g_results[i].cancelled);
         exec_result_release(&g_results[i]);
     }
@@ -948,31 +960,36 @@ END_TEST
 
 START_TEST(loop_concurrency_100)
 {
-    const char *argv[] = {"sleep", "0.1", NULL};
+    const char *argv[] = {"sleep", "3100", NULL};
     struct exec_loop *loop;
     struct exec_spec s;
-    int64_t t0, wall;
+    unsigned most = 0;
 
+    /* They run at once, not one after another: all 100 are running
+     * together at some point (how fast they start is perf_exec's
+     * question, not a test's). The 60 s bound only keeps a broken loop
+     * from hanging the suite. */
     atomic_store(&g_done, 0);
     ck_assert_int_eq(exec_loop_new(128, &loop), 0);
-    spec_argv(&s, argv, 5000, 0);
-    t0 = ks_mono_us();
+    spec_argv(&s, argv, 120000, 0);
     for (int i = 0; i < 100; i++)
         ck_assert_int_eq(exec_submit(loop, &s, collect, (void *)(intptr_t)i,
                                      NULL),
                          0);
-    wait_done(100, 10 * SEC);
-    wall = ks_mono_us() - t0;
-    /* They ran at once, not one after another (10 s). How close to the
-     * ideal 0.1 s is a benchmark's question (perf_exec), not a test's: a
-     * loaded CI machine must not fail it. */
-    ck_assert_msg(wall < 2500000, "100 x sleep 0.1 took %lld us",
-                  (long long)wall);
+    for (int64_t end = ks_mono_us() + 60 * SEC;
+         most < 100 && ks_mono_us() < end; usleep(1000)) {
+        unsigned n = exec_loop_running(loop);
+        most = n > most ? n : most;
+    }
+    ck_assert_msg(most == 100, "at most %u of 100 ran at once", most);
+    ck_assert_int_eq(atomic_load(&g_done), 0);
+    exec_loop_free(loop); /* cancels them all */
+    ck_assert_int_eq(atomic_load(&g_done), 100);
     for (int i = 0; i < 100; i++) {
-        ck_assert_int_eq(g_results[i].exit_code, 0);
+        ck_assert(g_results[i].cancelled);
         exec_result_release(&g_results[i]);
     }
-    exec_loop_free(loop);
+    ck_assert_int_eq(procs_matching("sleep 3100"), 0);
 }
 END_TEST
 

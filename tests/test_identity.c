@@ -285,7 +285,7 @@ START_TEST(registry_keeps_keys_and_renders_public_keys_only)
     ck_assert_ptr_nonnull(strstr(conf, op.nkey));
     ck_assert_ptr_nonnull(strstr(conf, ag.nkey));
     ck_assert_ptr_nonnull(strstr(conf, "\"_INBOX.alice.>\""));
-    ck_assert_ptr_nonnull(strstr(conf, "\"kscore.evt.h1.>\""));
+    ck_assert_ptr_nonnull(strstr(conf, "\"kscore.evt.h1.0\""));
     ck_assert_ptr_null(strstr(conf, "password"));
     /* No seed of anyone's. */
     const char *names[] = {"broker", "alice", "agent-h1"};

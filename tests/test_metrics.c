@@ -16,6 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <dirent.h>
+#include <jansson.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "broker.h"
@@ -31,12 +34,12 @@
 /* GET path from 127.0.0.1:port over a plain socket (HTTP/1.0): the status
  * code, *body (malloc'd) and the Content-Type header value in ctype. */
 static int
-http_get_from(in_addr_t src, unsigned port, const char *path, char **body,
-              char *ctype, size_t ctlen)
+http_get_from(in_addr_t src, unsigned port, const char *path,
+              const char *bearer, char **body, char *ctype, size_t ctlen)
 {
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)port)};
-    char req[256], *buf = NULL;
+    char req[512], *buf = NULL;
     size_t len = 0, cap = 0;
     int fd, code = -1;
 
@@ -55,8 +58,10 @@ http_get_from(in_addr_t src, unsigned port, const char *path, char **body,
         close(fd);
         return -errno;
     }
-    snprintf(req, sizeof(req), "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n",
-             path);
+    snprintf(req, sizeof(req),
+             "GET %s HTTP/1.0\r\nHost: localhost\r\n%s%s%s\r\n", path,
+             bearer ? "Authorization: Bearer " : "", bearer ? bearer : "",
+             bearer ? "\r\n" : "");
     ck_assert_int_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
     for (;;) {
         if (cap - len < 4096) {
@@ -94,7 +99,16 @@ static int
 http_get(unsigned port, const char *path, char **body, char *ctype,
          size_t ctlen)
 {
-    return http_get_from(0, port, path, body, ctype, ctlen);
+    return http_get_from(0, port, path, NULL, body, ctype, ctlen);
+}
+
+/* The same with "Authorization: Bearer <bearer>" (a kscore /metrics with a
+ * token file). */
+static int
+http_get_bearer(unsigned port, const char *path, const char *bearer,
+                char **body)
+{
+    return http_get_from(0, port, path, bearer, body, NULL, 0);
 }
 
 /* The value of one series ("name" or "name{labels}" exactly as rendered),
@@ -331,12 +345,62 @@ START_TEST(idle_connections_do_not_starve_the_scraper)
     }
     nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
     ck_assert_int_eq(http_get_from(inet_addr("127.0.0.2"), port, "/metrics",
-                                   &body, NULL, 0),
+                                   NULL, &body, NULL, 0),
                      200);
     free(body);
     for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
         close(held[i]);
     cli_metrics_stop(m);
+}
+END_TEST
+
+/*
+ * With a token file, /metrics answers only a request that carries the
+ * token (a port on loopback is open to every local user, issue 21): 401
+ * without it or with another, 200 with it. A token file others may read
+ * is refused, as ssh refuses such a key.
+ */
+START_TEST(metrics_need_their_token)
+{
+    char dir[] = "/tmp/kscore-token-XXXXXX", path[64], token[300];
+    struct cli_metrics_server *m = NULL;
+    char *errmsg = NULL, *body = NULL;
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/metrics.token", dir);
+    ck_assert_int_eq(evt_token_file_make(path), 0);
+    ck_assert_int_eq(evt_token_file_make(path), -EEXIST);
+    ck_assert_int_eq(evt_token_file_read(path, token, sizeof(token), NULL),
+                     0);
+    ck_assert_uint_eq(strlen(token), 64);
+    ck_assert_int_eq(cli_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
+                                            path, &m, &errmsg),
+                     0);
+    unsigned port = cli_metrics_port(m);
+    ck_assert_int_eq(http_get(port, "/metrics", &body, NULL, 0), 401);
+    ck_assert_ptr_null(strstr(body, "kscore_"));
+    free(body);
+    ck_assert_int_eq(http_get_bearer(port, "/metrics", "0123456789abcdef",
+                                     &body),
+                     401);
+    free(body);
+    token[10] ^= 1; /* one bit off */
+    ck_assert_int_eq(http_get_bearer(port, "/metrics", token, &body), 401);
+    free(body);
+    token[10] ^= 1;
+    ck_assert_int_eq(http_get_bearer(port, "/metrics", token, &body), 200);
+    check_exposition(body);
+    free(body);
+    cli_metrics_stop(m);
+    /* Readable by others: refused, nothing served. */
+    ck_assert_int_eq(chmod(path, 0640), 0);
+    errmsg = NULL;
+    ck_assert_int_eq(cli_metrics_serve_auth("127.0.0.1:0", KS_METRICS_BROKER,
+                                            path, &m, &errmsg),
+                     KS_EINVAL);
+    ck_assert_ptr_nonnull(strstr(errmsg, "chmod 600"));
+    free(errmsg);
+    unlink(path);
+    rmdir(dir);
 }
 END_TEST
 
@@ -390,11 +454,14 @@ END_TEST
 
 static struct fixture_stack stack;
 
+/* The token scrapes carry (a stack of `kscore up --metrics`), or NULL. */
+static const char *scrape_bearer;
+
 static double
 scrape(unsigned port, const char *name, char **keep)
 {
     char *body = NULL;
-    int code = http_get(port, "/metrics", &body, NULL, 0);
+    int code = http_get_bearer(port, "/metrics", scrape_bearer, &body);
     ck_assert_msg(code == 200, "scrape of port %u: %d", port, code);
     check_exposition(body);
     double v = series(body, name);
@@ -612,6 +679,39 @@ up_teardown(void)
         fprintf(stderr, "cannot remove %s\n", up_tmp);
 }
 
+/* `kscore up --metrics` of up_home (exit 0), and its env file into env. */
+static void
+up_metrics(char *env, size_t len)
+{
+    struct fixture_out o;
+    char path[PATH_MAX + 32];
+    setenv("KSCORE_PG_FAST", "1", 0);
+    ck_assert_int_eq(
+        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
+                            &o),
+        0);
+    ck_assert_msg(o.status == 0, "up: %s", o.err);
+    fixture_out_release(&o);
+    snprintf(path, sizeof(path), "%s/env", up_home);
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(env, 1, len - 1, f);
+    env[n] = '\0';
+    fclose(f);
+}
+
+/* The token of the stack's /metrics (keys/metrics.token; static). */
+static const char *
+up_token(void)
+{
+    static char token[EVT_TOKEN_MAX + 1];
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, up_home);
+    ck_assert_int_eq(evt_token_file_read(path, token, sizeof(token), NULL),
+                     0);
+    return token;
+}
+
 /* The port of KEY='http://127.0.0.1:PORT...' in env, or 0. */
 static unsigned
 env_port(const char *env, const char *key)
@@ -626,32 +726,28 @@ env_port(const char *env, const char *key)
 START_TEST(local_stack_serves_metrics)
 {
     struct fixture_out o;
-    char path[PATH_MAX + 32], env[4096], *body = NULL;
+    char path[PATH_MAX + 32], env[4096];
     FILE *f;
     size_t n;
 
-    setenv("KSCORE_PG_FAST", "1", 0);
-    ck_assert_int_eq(
-        fixture_kscore_home(up_home, (const char *[]){"up", "--metrics", NULL},
-                            &o),
-        0);
-    ck_assert_msg(o.status == 0, "up: %s", o.err);
-    fixture_out_release(&o);
+    up_metrics(env, sizeof(env));
     snprintf(path, sizeof(path), "%s/env", up_home);
-    f = fopen(path, "r");
-    ck_assert_ptr_nonnull(f);
-    n = fread(env, 1, sizeof(env) - 1, f);
-    env[n] = '\0';
-    fclose(f);
-    unsigned mon = env_port(env, "KSCORE_NATS_MONITOR_URL");
     unsigned bp = env_port(env, "KSCORE_BROKER_METRICS_URL");
     unsigned ap = env_port(env, "KSCORE_AGENT_METRICS_URL");
-    ck_assert_msg(mon && bp && ap, "env: %s", env);
+    ck_assert_msg(bp && ap, "env: %s", env);
+    ck_assert_msg(!strstr(env, "KSCORE_NATS_MONITOR_URL"), "env: %s", env);
+    scrape_bearer = up_token();
 
-    /* nats-server's own monitoring endpoint. */
-    ck_assert_int_eq(http_get(mon, "/varz", &body, NULL, 0), 200);
-    ck_assert_ptr_nonnull(strstr(body, "\"server_id\""));
-    free(body);
+    /* nats-server's own monitoring, asked as the stack's system user. */
+    {
+        struct stack_node nd;
+        json_t *j = NULL;
+        ck_assert_int_eq(stack_single_node(up_home, &nd), 0);
+        ck_assert_int_eq(stack_nats_monitor(&nd, "VARZ", 0, 5000, &j), 0);
+        ck_assert_ptr_nonnull(json_string_value(json_object_get(j,
+                                                                "server_id")));
+        json_decref(j);
+    }
 
     double ok0 =
         scrape(bp, "kscore_commands_total{status=\"Succeeded\"}", NULL);
@@ -686,7 +782,156 @@ START_TEST(local_stack_serves_metrics)
     env[n] = '\0';
     fclose(f);
     ck_assert_uint_eq(env_port(env, "KSCORE_BROKER_METRICS_URL"), 0);
-    ck_assert_uint_gt(env_port(env, "KSCORE_NATS_MONITOR_URL"), 0);
+    scrape_bearer = NULL;
+}
+END_TEST
+
+/* Listening TCP ports of pid (its sockets' inodes in /proc/<pid>/fd, found
+ * LISTEN in /proc/net/tcp and tcp6), into ports; how many. */
+static int
+listen_ports(pid_t pid, int *ports, int max)
+{
+    char dir[64], link[PATH_MAX], path[PATH_MAX + 64], line[512];
+    unsigned long inodes[256];
+    int ni = 0, n = 0;
+    DIR *d;
+    struct dirent *de;
+    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+    d = opendir(dir);
+    ck_assert_ptr_nonnull(d);
+    while ((de = readdir(d)) && ni < 256) {
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        ssize_t l = readlink(path, link, sizeof(link) - 1);
+        if (l <= 0)
+            continue;
+        link[l] = '\0';
+        if (sscanf(link, "socket:[%lu]", &inodes[ni]) == 1)
+            ni++;
+    }
+    closedir(d);
+    const char *tables[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    for (int t = 0; t < 2; t++) {
+        FILE *f = fopen(tables[t], "re");
+        while (f && fgets(line, sizeof(line), f)) {
+            char local[128];
+            unsigned st;
+            unsigned long inode;
+            if (sscanf(line, " %*d: %127s %*s %x %*s %*s %*s %*d %*d %lu",
+                       local, &st, &inode) != 3 ||
+                st != 0x0A /* TCP_LISTEN */)
+                continue;
+            for (int i = 0; i < ni; i++)
+                if (inodes[i] == inode && n < max)
+                    ports[n++] = (int)strtol(strrchr(local, ':') + 1, NULL,
+                                             16);
+        }
+        if (f)
+            fclose(f);
+    }
+    return n;
+}
+
+/*
+ * What a local user without the stack's credentials can read of it (issue
+ * 21): on the code before, nats-server's monitoring port (/connz: every
+ * user's NKey, address and subscriptions) and the broker's and the
+ * agent's /metrics answered anyone on the host. Now nats-server listens
+ * on its client port only (its monitoring is asked over NATS by the
+ * system user), and /metrics wants the token in the owner's keys/.
+ */
+START_TEST(a_local_user_reads_no_monitoring)
+{
+    struct fixture_out o;
+    char path[PATH_MAX + 64], env[4096], *body = NULL;
+    struct stat st;
+
+    /* --metrics applies when the stack starts. */
+    fixture_kscore_home(up_home, (const char *[]){"down", NULL}, &o);
+    fixture_out_release(&o);
+    up_metrics(env, sizeof(env));
+    unsigned ports[2] = {env_port(env, "KSCORE_BROKER_METRICS_URL"),
+                         env_port(env, "KSCORE_AGENT_METRICS_URL")};
+    ck_assert_msg(ports[0] && ports[1], "env: %s", env);
+    /* Without the token, or with another, no metrics. */
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(http_get(ports[i], "/metrics", &body, NULL, 0), 401);
+        ck_assert_ptr_null(strstr(body, "kscore_"));
+        free(body);
+        ck_assert_int_eq(http_get_bearer(ports[i], "/metrics",
+                                         "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                                         &body),
+                         401);
+        free(body);
+        ck_assert_int_eq(http_get_bearer(ports[i], "/metrics", up_token(),
+                                         &body),
+                         200);
+        free(body);
+    }
+    /* The token is the owner's alone. */
+    snprintf(path, sizeof(path), "%s/keys", up_home);
+    ck_assert_int_eq(stat(path, &st), 0);
+    ck_assert_int_eq(st.st_mode & 077, 0);
+    snprintf(path, sizeof(path), "%s/keys/" STACK_METRICS_TOKEN, up_home);
+    ck_assert_int_eq(stat(path, &st), 0);
+    ck_assert_int_eq(st.st_mode & 077, 0);
+
+    /* nats-server listens on its client port and nowhere else. */
+    pid_t npid = 0;
+    ck_assert_int_eq(stack_pidfile_alive(up_home, "nats", &npid), 1);
+    int lp[8];
+    int nl = listen_ports(npid, lp, 8);
+    ck_assert_msg(nl == 1, "nats-server listens on %d ports (%d, %d)", nl,
+                  nl > 0 ? lp[0] : 0, nl > 1 ? lp[1] : 0);
+    ck_assert_int_eq(lp[0], stack_nats_saved_port(up_home));
+
+    /* Its monitoring answers the system user, and not the login's
+     * operator credential. */
+    struct stack_node nd;
+    json_t *j = NULL;
+    ck_assert_int_eq(stack_single_node(up_home, &nd), 0);
+    ck_assert_int_eq(stack_nats_monitor(&nd, "CONNZ", 0, 5000, &j), 0);
+    ck_assert(json_is_array(json_object_get(j, "connections")));
+    json_decref(j);
+    /* The system user sees nothing of kscore's own traffic: its account
+     * imports none. */
+    {
+        char sys_seed[PATH_MAX + 64];
+        struct evt_connect_opts so = {.name = "sys", .nkey_file = sys_seed,
+                                      .timeout_ms = 5000};
+        struct evt_conn *sc = NULL;
+        natsSubscription *all = NULL;
+        natsMsg *m = NULL;
+        snprintf(sys_seed, sizeof(sys_seed), "%s/keys/system.nk", up_home);
+        ck_assert_int_eq(evt_connect(nd.url, &so, &sc, NULL), 0);
+        ck_assert_int_eq(natsConnection_SubscribeSync(&all, sc->nc,
+                                                      "kscore.>"),
+                         NATS_OK);
+        natsConnection_Flush(sc->nc);
+        ck_assert_int_eq(
+            fixture_kscore_home(up_home,
+                                (const char *[]){"exec", "--", "true", NULL},
+                                &o),
+            0);
+        ck_assert_int_eq(o.status, 0);
+        fixture_out_release(&o);
+        ck_assert_int_ne(natsSubscription_NextMsg(&m, all, 500), NATS_OK);
+        natsSubscription_Destroy(all);
+        evt_close(sc);
+    }
+    char *seed = stack_env_get(up_home, "KSCORE_NATS_NKEY");
+    ck_assert_ptr_nonnull(seed);
+    struct evt_connect_opts co = {.name = "op", .nkey_file = seed,
+                                  .timeout_ms = 5000};
+    struct evt_conn *c = NULL;
+    ck_assert_int_eq(evt_connect(nd.url, &co, &c, NULL), 0);
+    natsMsg *reply = NULL;
+    ck_assert_int_ne(natsConnection_RequestString(
+                         &reply, c->nc, "$SYS.REQ.SERVER.PING.CONNZ", "",
+                         1000),
+                     NATS_OK);
+    natsMsg_Destroy(reply);
+    evt_close(c);
+    free(seed);
 }
 END_TEST
 
@@ -698,6 +943,7 @@ suite(void)
     tcase_add_test(t, render_is_valid_text_format);
     tcase_add_test(t, collectors_run_at_each_scrape);
     tcase_add_test(t, server_answers_metrics_and_404);
+    tcase_add_test(t, metrics_need_their_token);
     tcase_add_test(t, idle_connections_do_not_starve_the_scraper);
     suite_add_tcase(s, t);
     t = tcase_create("stack");
@@ -709,6 +955,7 @@ suite(void)
     tcase_set_timeout(t, 300);
     tcase_add_unchecked_fixture(t, up_setup, up_teardown);
     tcase_add_test(t, local_stack_serves_metrics);
+    tcase_add_test(t, a_local_user_reads_no_monitoring);
     suite_add_tcase(s, t);
     return s;
 }

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "agent.h"
 #include "broker.h"
 #include "fixture.h"
 #include "store.h"
@@ -690,8 +691,20 @@ END_TEST
 /* Publishes an OutputChunk event as agent `as` (on kscore.evt.<as>.<cmd>:
  * the subject NATS permissions tie to an agent's credential). */
 static void
+publish_piece_at(struct evt_conn *c, const char *as, const char *command_id,
+                 uint32_t attempt, uint64_t offset, const char *text);
+
+static void
 publish_piece(struct evt_conn *c, const char *as, const char *command_id,
               uint32_t attempt, const char *text)
+{
+    publish_piece_at(c, as, command_id, attempt, 0, text);
+}
+
+/* The same at byte offset `offset` of stdout. */
+static void
+publish_piece_at(struct evt_conn *c, const char *as, const char *command_id,
+                 uint32_t attempt, uint64_t offset, const char *text)
 {
     Ks__Event ev = KS__EVENT__INIT;
     Ks__OutputChunk ch = KS__OUTPUT_CHUNK__INIT;
@@ -706,7 +719,7 @@ publish_piece(struct evt_conn *c, const char *as, const char *command_id,
     ev.agent_id = (char *)as;
     ev.attempt = attempt;
     ch.stream = 1;
-    ch.offset = 0;
+    ch.offset = offset;
     ch.data.data = (uint8_t *)text;
     ch.data.len = strlen(text);
     ev.chunk = &ch;
@@ -716,36 +729,44 @@ publish_piece(struct evt_conn *c, const char *as, const char *command_id,
 /* An agent adds output only to a command it claimed and runs: not to
  * another agent's, not to another attempt, not once it ended. Each
  * refusal is a ReportRejected; nothing reaches command_output. */
+/* Waits (<= 15 s) until command id has status. */
+static void
+wait_status(const char *id, const char *status)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = '%s'",
+             id, status);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+}
+
+/* Waits (<= 15 s) until n ReportRejected name command id. */
+static void
+wait_rejected(const char *id, long n)
+{
+    char sql[256];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, n, 15000), n);
+}
+
 START_TEST(agent_cannot_inject_output)
 {
     struct evt_conn *c = fixture_client(&stack);
     char id[37], sql[512];
     ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 3", 0, 0, id), 0);
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Running'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Running");
 
     publish_piece(c, "intruder", id, 1, "forged by another agent\n");
     publish_piece(c, AGENT, id, 7, "forged for another attempt\n");
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
-             "position(convert_to('%s', 'UTF8') in data) > 0",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 2, 15000), 2);
+    wait_rejected(id, 2);
 
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
-             "status = 'Succeeded'",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 15000), 1);
+    wait_status(id, "Succeeded");
     publish_piece(c, AGENT, id, 1, "forged after the end\n");
-    snprintf(sql, sizeof(sql),
-             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
-             "position(convert_to('%s', 'UTF8') in data) > 0",
-             id);
-    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 3, 15000), 3);
+    wait_rejected(id, 3);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM command_output WHERE command_id = '%s'",
              id);
@@ -775,6 +796,53 @@ START_TEST(agent_cannot_inject_output)
 }
 END_TEST
 
+/*
+ * Each byte of a command's output is kept once, and none past the largest
+ * cap (EXEC_OUTPUT_CAP_MAX): on cf06db5 the command's own agent could
+ * store a piece of up to 1 MiB at every offset of a running command, the
+ * same bytes again and again (issue 21). A piece that overlaps one kept
+ * before is refused (a ReportRejected), the same offset again is a
+ * duplicate, and a piece past the cap is refused.
+ */
+START_TEST(each_byte_of_output_is_kept_once)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], sql[512], a[1001], b[2001];
+    const uint64_t at = 1 << 20; /* past what `sleep` prints */
+    memset(a, 'a', 1000);
+    a[1000] = '\0';
+    memset(b, 'b', 2000);
+    b[2000] = '\0';
+    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    wait_status(id, "Running");
+
+    publish_piece_at(c, AGENT, id, 1, at, a);              /* kept */
+    publish_piece_at(c, AGENT, id, 1, at + 10, a);         /* overlaps */
+    publish_piece_at(c, AGENT, id, 1, at - 500, a);        /* overlaps */
+    publish_piece_at(c, AGENT, id, 1, at - 1000, b);       /* covers it */
+    publish_piece_at(c, AGENT, id, 1, at, b);              /* same offset */
+    publish_piece_at(c, AGENT, id, 1, at + 1000, a);       /* kept: next */
+    publish_piece_at(c, AGENT, id, 1,
+                     (uint64_t)EXEC_OUTPUT_CAP_MAX - 10, a); /* past cap */
+    wait_rejected(id, 4);
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(sum(length(data)), 0) FROM command_output "
+             "WHERE command_id = '%s'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 2000);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0 AND "
+             "position(convert_to('overlaps output kept before', 'UTF8') "
+             "in data) > 0",
+             id);
+    ck_assert_int_eq(sql_long(sql), 3);
+    /* The command itself ends as it would have. */
+    wait_status(id, "Succeeded");
+    evt_close(c);
+}
+END_TEST
+
 static Suite *
 output_suite(void)
 {
@@ -793,6 +861,7 @@ output_suite(void)
     tcase_add_test(tc, batch_ctrl_c_cancels_and_twice_detaches);
     tcase_add_test(tc, batch_stream_prints_agent_lines);
     tcase_add_test(tc, agent_cannot_inject_output);
+    tcase_add_test(tc, each_byte_of_output_is_kept_once);
     suite_add_tcase(s, tc);
     return s;
 }

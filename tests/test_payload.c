@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <libpq-fe.h>
 #include <openssl/evp.h>
 
 #include "broker.h"
@@ -691,18 +692,21 @@ END_TEST
 static const char *
 put_random(const char *name, size_t n, char hex[65])
 {
-    unsigned char *b = malloc(n);
-    uint32_t x = 2463534242u ^ (uint32_t)n;
-    for (size_t i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        b[i] = (unsigned char)x;
-    }
+    uint8_t *b = fixture_bytes(n, (uint32_t)n);
     sha256_hex(b, n, hex);
     const char *p = put_file(name, b, n);
     free(b);
     return p;
+}
+
+/* Runs kscore with args against st, which must exit 0. */
+static void
+run_ok(struct fixture_stack *st, const char *const args[])
+{
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(st, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
 }
 
 /* 1 if the files at a and b hold the same bytes. */
@@ -769,9 +773,7 @@ START_TEST(copy_writes_a_file_on_every_target_atomically)
     ino_t before = st.st_ino;
     snprintf(dest, sizeof(dest), "%s/", dest_dir);
     const char *b[] = {"copy", "--agents", AGENT, src, "--to", dest, NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, b, &o), 0);
-    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
-    fixture_out_release(&o);
+    run_ok(&stack, b);
     snprintf(dest, sizeof(dest), "%s/app.bin", dest_dir);
     ck_assert_int_eq(stat(dest, &st), 0);
     ck_assert(st.st_ino != before);
@@ -919,6 +921,345 @@ START_TEST(only_the_copys_agent_fetches_while_it_runs)
 }
 END_TEST
 
+/* The first column of sql's first row into out ("" when none). */
+static void
+sql_text_at(const char *conninfo, const char *sql, char *out, size_t len)
+{
+    PGconn *pg = PQconnectdb(conninfo);
+    ck_assert_msg(PQstatus(pg) == CONNECTION_OK, "%s", PQerrorMessage(pg));
+    PGresult *r = PQexec(pg, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s: %s", sql,
+                  PQerrorMessage(pg));
+    snprintf(out, len, "%s", PQntuples(r) ? PQgetvalue(r, 0, 0) : "");
+    PQclear(r);
+    PQfinish(pg);
+}
+
+/* A session that holds blob_parts locked (no part can be read) until
+ * parts_unlock: a fetch waits in the broker, the copy stays in it. */
+static PGconn *
+parts_lock(void)
+{
+    PGconn *pg = PQconnectdb(stack.pg.conninfo);
+    ck_assert_msg(PQstatus(pg) == CONNECTION_OK, "%s", PQerrorMessage(pg));
+    PGresult *r = PQexec(pg, "BEGIN; LOCK TABLE blob_parts IN ACCESS "
+                             "EXCLUSIVE MODE");
+    ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+    PQclear(r);
+    return pg;
+}
+
+static void
+parts_unlock(PGconn *pg)
+{
+    PQclear(PQexec(pg, "COMMIT"));
+    PQfinish(pg);
+}
+
+/* `kscore copy --detach` of src to dest on AGENT, once src is stored:
+ * its command's id, once it runs (claimed: the agent is fetching). */
+static void
+copy_detached_running(const char *src, const char *dest, char id[40])
+{
+    struct fixture_out o;
+    char sql[256], batch[64];
+    const char *a[] = {"copy", "--agents", AGENT, "--detach", src, "--to",
+                       dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, a, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
+    snprintf(batch, sizeof(batch), "%.42s", o.out);
+    fixture_out_release(&o);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE batch_id = '%s' AND "
+             "status = 'Running'",
+             batch);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 30000), 1);
+    snprintf(sql, sizeof(sql),
+             "SELECT command_id FROM commands WHERE batch_id = '%s'", batch);
+    sql_text_at(stack.pg.conninfo, sql, id, 40);
+}
+
+/* The agent's private directory of command id (its run dir, noted in its
+ * state dir, then the id). */
+static void
+spool_of(const char *id, char *out, size_t len)
+{
+    char note[PATH_MAX + 64], run_dir[PATH_MAX] = "";
+    snprintf(note, sizeof(note), "%s/agent-%s/run-dir", stack.dir, AGENT);
+    FILE *f = fopen(note, "r");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_ptr_nonnull(fgets(run_dir, sizeof(run_dir), f));
+    fclose(f);
+    run_dir[strcspn(run_dir, "\n")] = '\0';
+    snprintf(out, len, "%s/%s", run_dir, id);
+}
+
+/* A count of events of command id whose bytes hold text. */
+static long
+events_saying(const char *id, const char *type, const char *text)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' AND "
+             "type = '%s' AND position(convert_to($q$%s$q$, 'UTF8') in data) "
+             "> 0",
+             id, type, text);
+    return sql_long(sql);
+}
+
+/* A cancel while the agent fetches: the wait for a part ends at once, the
+ * command ends Cancelled (said why), and neither the destination nor the
+ * agent's spool keeps anything. The fetch is held in the broker by a lock
+ * on the parts, so the cancel comes during it, never after. */
+START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
+{
+    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
+        spool[PATH_MAX + 64], sql[160];
+    const char *src = put_random("cx.bin", 3 * 512 * 1024 + 7, hex);
+    snprintf(first, sizeof(first), "%s/cx-first.bin", tmpdir);
+    snprintf(dest, sizeof(dest), "%s/cx-dest.bin", tmpdir);
+    struct fixture_out o;
+    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
+    run_ok(&stack, up);
+
+    PGconn *lock = parts_lock();
+    copy_detached_running(src, dest, id);
+    spool_of(id, spool, sizeof(spool));
+    const char *c[] = {"cancel", id, NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, c, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+    /* Ended while the broker still cannot answer the part. */
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'Cancelled'",
+             id);
+    long ended = fixture_wait_sql(stack.pg.conninfo, sql, 1, 30000);
+    parts_unlock(lock);
+    ck_assert_int_eq(ended, 1);
+    ck_assert_int_eq(events_saying(id, "CommandCompleted",
+                                   "cancelled while fetching 'cx.bin'"),
+                     1);
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), -1);
+    ck_assert_msg(gone_within(spool, 5000), "%s stays", spool);
+    /* The file is whole in the store still: a copy now succeeds. */
+    const char *again[] = {"copy", "--agents", AGENT, src, "--to", dest,
+                           NULL};
+    run_ok(&stack, again);
+    ck_assert(same_bytes(src, dest));
+}
+END_TEST
+
+/* 1 if a line of the agent's log holds a and b within ms. */
+static int
+agent_log_says(const char *a, const char *b, int ms)
+{
+    char path[PATH_MAX + 32], line[4096];
+    snprintf(path, sizeof(path), "%s/agent.log", stack.dir);
+    for (int i = 0; i < ms / 50; i++) {
+        FILE *f = fopen(path, "re");
+        int found = 0;
+        while (f && !found && fgets(line, sizeof(line), f))
+            found = strstr(line, a) && strstr(line, b);
+        if (f)
+            fclose(f);
+        if (found)
+            return 1;
+        usleep(50 * 1000);
+    }
+    return 0;
+}
+
+/* PostgreSQL goes away during a fetch: the broker refuses each part
+ * (PostgreSQL unreachable), the agent tries it again for a few seconds,
+ * then ends the copy StartFailed, stage fetch, with the part, the tries
+ * and the last refusal; recorded once PostgreSQL is back. Last of the
+ * case: PostgreSQL restarts. */
+START_TEST(a_fetch_that_keeps_failing_ends_the_copy_with_its_reason)
+{
+    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
+        sql[200];
+    const char *src = put_random("fx.bin", 4 * 512 * 1024, hex);
+    snprintf(first, sizeof(first), "%s/fx-first.bin", tmpdir);
+    snprintf(dest, sizeof(dest), "%s/fx-dest.bin", tmpdir);
+    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
+    run_ok(&stack, up);
+
+    PGconn *lock = parts_lock();
+    copy_detached_running(src, dest, id);
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+    PQfinish(lock); /* its session ended with the server */
+    int said = agent_log_says("a copy's fetch failed", id, 60000);
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    ck_assert_msg(said, "the agent never gave up the fetch");
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status = 'StartFailed' AND start_stage = 'fetch'",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 60000), 1);
+    ck_assert_int_eq(events_saying(id, "CommandStartFailed",
+                                   "of 'fx.bin' after 5 tries"),
+                     1);
+    ck_assert_int_eq(events_saying(id, "CommandStartFailed",
+                                   "PostgreSQL"),
+                     1);
+    struct stat st;
+    ck_assert_int_eq(stat(dest, &st), -1);
+}
+END_TEST
+
+/* ---- what kscore copy keeps, and for how long ---------------------------- */
+
+#define XAGENT "px-agent"
+static struct fixture_stack xstack;
+
+/* A stack whose broker keeps files 5 s after their last use and the parts
+ * of an unfinished upload 1 s; the case's files in a tmpdir of its own. */
+static void
+expiry_up(void)
+{
+    snprintf(tmpdir, sizeof(tmpdir), "/tmp/kscore-plx-XXXXXX");
+    if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) != 0)
+        exit(1);
+    setenv("KSCORE_COPY_KEEP", "5s", 1);
+    setenv("KSCORE_COPY_UPLOAD_KEEP", "1s", 1);
+    int rc = fixture_stack_start(&xstack, XAGENT, 0);
+    unsetenv("KSCORE_COPY_KEEP");
+    unsetenv("KSCORE_COPY_UPLOAD_KEEP");
+    if (rc != 0) {
+        fprintf(stderr, "cannot start the stack\n");
+        fixture_stack_stop(&xstack);
+        exit(1);
+    }
+}
+
+static void
+expiry_down(void)
+{
+    char cmd[PATH_MAX + 16];
+    fixture_stack_stop(&xstack);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
+    run_sh(cmd);
+}
+
+static long
+xsql(const char *fmt, const char *arg)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql), fmt, arg);
+    return fixture_sql_long(xstack.pg.conninfo, sql);
+}
+
+static long
+xwait(const char *fmt, const char *arg, long want)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql), fmt, arg);
+    return fixture_wait_sql(xstack.pg.conninfo, sql, want, 60000);
+}
+
+#define FILE_ROWS "SELECT count(*) FROM blob_files WHERE sha256 = '\\x%s'"
+#define PART_ROWS "SELECT count(*) FROM blob_parts WHERE sha256 = '\\x%s'"
+#define HELD                                                                   \
+    "SELECT coalesce((SELECT bytes FROM blob_usage WHERE operator = '%s'), 0)"
+
+/* The parts of an upload never finished go once copy_upload_keep has
+ * passed (40 parts: more than one round of the clean-up), and the
+ * operator's bytes with them. */
+START_TEST(an_unfinished_upload_goes_away)
+{
+    const size_t n = 21 * 512 * 1024 - 3;
+    char hex[65];
+    const char *path = put_random("unfinished.bin", n, hex);
+    (void)path;
+    uint8_t *b = malloc(n);
+    FILE *f = fopen(path, "r");
+    ck_assert_uint_eq(fread(b, 1, n, f), n);
+    fclose(f);
+    struct evt_conn *c = fixture_client(&xstack);
+    ck_assert_int_eq(fixture_upload(c, "opx", b, n, 20, NULL, NULL, 0), 0);
+    evt_close(c);
+    free(b);
+    ck_assert_int_eq(xsql(PART_ROWS, hex), 20);
+    ck_assert_int_eq(xsql(HELD, "opx"), 20L * 512 * 1024);
+    ck_assert_int_eq(xwait(PART_ROWS, hex, 0), 0);
+    ck_assert_int_eq(xsql(HELD, "opx"), 0);
+    ck_assert_int_eq(xsql(HELD, "*"),
+                     fixture_sql_long(xstack.pg.conninfo,
+                                      "SELECT coalesce(sum(octet_length("
+                                      "data)), 0) FROM blob_parts"));
+}
+END_TEST
+
+/* A file is kept while it is used: a copy again soon after uploads
+ * nothing (no part is written again), and it goes copy_keep after its
+ * last use; a file an open batch names stays past that (an unused one
+ * uploaded with it goes meanwhile), and goes when the batch ends. */
+START_TEST(a_file_goes_after_its_last_use_and_not_while_a_copy_names_it)
+{
+    char hex[65], dest[PATH_MAX + 40], dir[PATH_MAX + 32];
+    const char *src = put_random("kept.bin", 700 * 1024, hex);
+    snprintf(dir, sizeof(dir), "%s/kept", tmpdir);
+    ck_assert_int_eq(mkdir(dir, 0755), 0);
+    snprintf(dest, sizeof(dest), "%s/", dir);
+    struct fixture_out o;
+    const char *a[] = {"copy", "--agents", XAGENT, src, "--to", dest, NULL};
+    run_ok(&xstack, a);
+    long ver = xsql("SELECT max(ver) FROM blob_parts WHERE sha256 = '\\x%s'",
+                    hex);
+    run_ok(&xstack, a);
+    ck_assert_int_eq(
+        xsql("SELECT max(ver) FROM blob_parts WHERE sha256 = '\\x%s'", hex),
+        ver);
+    ck_assert_int_eq(xsql(FILE_ROWS, hex), 1);
+    /* Unused from now: it goes, parts and bytes with it. */
+    ck_assert_int_eq(xwait(FILE_ROWS, hex, 0), 0);
+    ck_assert_int_eq(xwait(PART_ROWS, hex, 0), 0);
+    ck_assert_int_eq(xsql(HELD, "*"), 0);
+
+    /* An agent that will never claim: the batch stays open. */
+    ck_assert_int_eq(fixture_agent_spawn(&xstack, "px-dead", "px-dead", NULL),
+                     0);
+    ck_assert_int_eq(fixture_stack_signal(&xstack, "px-dead", SIGKILL), 0);
+    char hexg[65], hexh[65], batch[64];
+    const char *g = put_random("named.bin", 600 * 1024, hexg);
+    const char *b[] = {"copy", "--agents", "px-dead", "--detach",
+                       "--deliver-within", "5m", g, "--to", dest, NULL};
+    ck_assert_int_eq(fixture_kscore(&xstack, b, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
+    snprintf(batch, sizeof(batch), "%.42s", o.out);
+    fixture_out_release(&o);
+    /* Uploaded after the batch was accepted: due no sooner than g. */
+    const size_t hn = 300 * 1024;
+    const char *h = put_random("unnamed.bin", hn, hexh);
+    uint8_t *hb = malloc(hn);
+    FILE *f = fopen(h, "r");
+    ck_assert_uint_eq(fread(hb, 1, hn, f), hn);
+    fclose(f);
+    struct evt_conn *c = fixture_client(&xstack);
+    bool complete = false;
+    ck_assert_int_eq(fixture_upload(c, "opx", hb, hn, UINT32_MAX, &complete,
+                                    NULL, 0),
+                     0);
+    ck_assert(complete);
+    evt_close(c);
+    free(hb);
+    ck_assert_int_eq(xwait(FILE_ROWS, hexh, 0), 0);
+    /* The clean-up has passed g's keep too: the open batch holds it. */
+    ck_assert_int_eq(xsql("SELECT count(*) FROM batches WHERE batch_id = "
+                          "'%s' AND status = 'Running'",
+                          batch),
+                     1);
+    ck_assert_int_eq(xsql(FILE_ROWS, hexg), 1);
+    const char *cx[] = {"cancel", batch, NULL};
+    ck_assert_int_eq(fixture_kscore(&xstack, cx, &o), 0);
+    fixture_out_release(&o);
+    ck_assert_int_eq(xwait(FILE_ROWS, hexg, 0), 0);
+    ck_assert_int_eq(xwait(PART_ROWS, hexg, 0), 0);
+}
+END_TEST
+
 /* ---- the policy's run_as --------------------------------------------------- */
 
 static struct fixture_stack sstack;
@@ -1001,7 +1342,7 @@ END_TEST
 /* Under NATS permissions: the agent fetches as itself (its own
  * kscore.api.v1.fetch.agent-<id>, imported into the brokers' account);
  * a copy writes as root, so alice's rule (executables) does not grant
- * it, bob's ("*", no run_as: root) does. */
+ * it (nor its upload), bob's ("*", no run_as: root) does. */
 START_TEST(copy_under_permissions_and_policy)
 {
     char dir[PATH_MAX + 64], src[PATH_MAX + 96], dest[PATH_MAX + 96];
@@ -1016,7 +1357,9 @@ START_TEST(copy_under_permissions_and_policy)
     const char *a[] = {"copy", "--agents", "plp", src, "--to", dest, NULL};
     ck_assert_int_eq(fixture_kscore(&sstack, a, &o), 0);
     ck_assert_int_eq(o.status, 125);
-    ck_assert_msg(strstr(o.err, "may not copy files"), "%s", o.err);
+    /* Refused at the upload, before anything is stored. */
+    ck_assert_msg(strstr(o.err, "may not upload files for kscore copy"),
+                  "%s", o.err);
     fixture_out_release(&o);
     ck_assert_int_eq(fixture_kscore_as(&sstack, "bob", a, &o), 0);
     ck_assert_msg(o.status == 0, "exit %d: %s %s", o.status, o.out, o.err);
@@ -1171,7 +1514,19 @@ payload_suite(void)
     tcase_add_test(tc, copy_failures_are_clear_and_leave_nothing);
     tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
     tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
+    tcase_add_test(tc, a_copy_cancelled_while_it_fetches_leaves_nothing);
+    /* Last: it stops PostgreSQL for a while. */
+    tcase_add_test(tc,
+                   a_fetch_that_keeps_failing_ends_the_copy_with_its_reason);
     suite_add_tcase(s, tc);
+
+    TCase *tx = tcase_create("expiry");
+    tcase_add_unchecked_fixture(tx, expiry_up, expiry_down);
+    tcase_set_timeout(tx, 180);
+    tcase_add_test(tx, an_unfinished_upload_goes_away);
+    tcase_add_test(
+        tx, a_file_goes_after_its_last_use_and_not_while_a_copy_names_it);
+    suite_add_tcase(s, tx);
 
     TCase *tr = tcase_create("rules");
     tcase_add_test(tr, field_rules_of_scripts_stdin_users_and_copies);

@@ -627,7 +627,7 @@ set_read_only(PGconn *adm, bool on)
 /* One `kscore exec` run on its own thread. */
 struct exec_job {
     pthread_t th;
-    char word[32], script[64];
+    char word[32], script[PATH_MAX + 128];
     struct fixture_out o;
 };
 
@@ -770,6 +770,11 @@ START_TEST(results_wait_while_pg_refuses_writes)
                       waiting[i].word, o->status, o->err);
         ck_assert_msg(strstr(o->out, waiting[i].word) != NULL, "stdout: %s",
                       o->out);
+        /* Told at once why it waited (issue 25), and that it went on. */
+        ck_assert_msg(strstr(o->err, "cannot be recorded now") != NULL &&
+                          strstr(o->err, "25006") != NULL &&
+                          strstr(o->err, "takes writes again") != NULL,
+                      "stderr: %s", o->err);
     }
     for (int i = 0; i < RO_DURING; i++) {
         struct fixture_out *o = &during[i].o;
@@ -800,6 +805,245 @@ START_TEST(results_wait_while_pg_refuses_writes)
 }
 END_TEST
 
+/* ---- followers and long transactions elsewhere (issue 25) ---------------- */
+
+/* A connection of its own to database dbname of the stack's cluster. */
+static PGconn *
+db_named(const char *dbname)
+{
+    char ci[PATH_MAX + 64];
+    snprintf(ci, sizeof(ci), "%s dbname=%s", stack.pg.conninfo, dbname);
+    PGconn *pg = PQconnectdb(ci);
+    ck_assert_msg(PQstatus(pg) == CONNECTION_OK, "%s", PQerrorMessage(pg));
+    return pg;
+}
+
+/* One follow call of every stream from *cur (cur moves on); whether the
+ * end of command_id (empty: anything) was among its events. */
+static bool
+follow_once(struct evt_conn *c, uint64_t *tx, int64_t *pos,
+            const char *command_id, uint32_t wait_ms)
+{
+    Ks__EventsRequest er = KS__EVENTS_REQUEST__INIT;
+    Ks__EventsReply *rep = NULL;
+    bool found = false;
+    er.stream_id = "";
+    er.cursor_tx_id = *tx;
+    er.cursor_pos = *pos;
+    er.limit = 1000;
+    er.wait_ms = wait_ms;
+    ck_assert_int_eq(broker_call(c, EVT_API_FOLLOW, &er.base,
+                                 &ks__events_reply__descriptor, 10000,
+                                 (ProtobufCMessage **)&rep),
+                     0);
+    ck_assert_msg(rep->error_code == 0, "follow: %s", rep->error);
+    for (size_t i = 0; i < rep->n_events; i++) {
+        const Ks__Event *ev = rep->events[i]->event;
+        if (ev && strcmp(ev->type, "CommandCompleted") == 0 &&
+            (!command_id[0] || strcmp(ev->command_id, command_id) == 0))
+            found = true;
+    }
+    *tx = rep->cursor_tx_id;
+    *pos = rep->cursor_pos;
+    ks__events_reply__free_unpacked(rep, NULL);
+    return found;
+}
+
+/*
+ * A follower (kscore.api.v1.follow, what `kscore events --follow` reads)
+ * gets a command's end while a transaction of another database, and one of
+ * this database that writes no event, stay open. On 9d94e2b it waited
+ * until they ended (below pg_snapshot_xmin, the oldest open transaction of
+ * the whole cluster: a 25 s transaction delayed delivery by 24 s).
+ */
+START_TEST(a_long_transaction_elsewhere_delays_no_follower)
+{
+    struct evt_conn *c = client();
+    uint64_t tx = 0;
+    int64_t pos = 0;
+    char id[37];
+
+    pg_up();
+    /* To the end of what is there. */
+    for (int i = 0; i < 100; i++) {
+        uint64_t t0 = tx;
+        int64_t p0 = pos;
+        follow_once(c, &tx, &pos, "", 0);
+        if (tx == t0 && pos == p0)
+            break;
+    }
+    PGconn *other = db_named("postgres"), *same = db();
+    sql_exec(other, "BEGIN");
+    sql_exec(other, "SELECT pg_current_xact_id()");
+    sql_exec(same, "CREATE TABLE IF NOT EXISTS follow_bystander (x int)");
+    sql_exec(same, "BEGIN");
+    sql_exec(same, "INSERT INTO follow_bystander VALUES (1)");
+
+    ck_assert_int_eq(submit(c, "echo followed", id), 0);
+    bool found = false;
+    int64_t until = ks_mono_us() + 30 * 1000000LL;
+    while (!found && ks_mono_us() < until)
+        found = follow_once(c, &tx, &pos, id, 1000);
+    ck_assert_int_eq(PQtransactionStatus(other), PQTRANS_INTRANS);
+    ck_assert_int_eq(PQtransactionStatus(same), PQTRANS_INTRANS);
+    sql_exec(other, "COMMIT");
+    sql_exec(same, "ROLLBACK");
+    PQfinish(other);
+    PQfinish(same);
+    ck_assert_msg(found, "the follower did not get the command's end in 30 s "
+                         "while two transactions that append nothing were "
+                         "open");
+    evt_close(c);
+}
+END_TEST
+
+/* ---- a full disk under events (issue 25, fleet case F06) ---------------- */
+
+/* Together at most the agent's slots (8 here). */
+#define DF_DETACHED 5
+#define DF_WAITING 3
+#define DF_TAG "dftag"
+/* Asks for a new command while the disk is full until one is refused: a
+ * few still fit in the last page of events. */
+#define DF_ASKS 40
+
+/* Lines in the side-effect file of a command of this test. */
+static long
+df_runs(const char *id)
+{
+    char path[PATH_MAX + 300];
+    snprintf(path, sizeof(path), "%s/df.%s", side_dir, id);
+    return fixture_file_lines(path);
+}
+
+/*
+ * PostgreSQL up, its events table on a full disk (a 32 MiB tmpfs
+ * tablespace, filled: SQLSTATE 53100 disk_full), while commands run and
+ * end, and new ones are asked for: a new request is refused at once, the
+ * answer naming 53100 disk_full, exit 125 and "not recorded" (or 69 when
+ * it cannot know); a waiting exec is told at once why it waits; the
+ * results wait in JetStream and are recorded once the space is back, each
+ * command with exactly one terminal event, none run twice. Fleet case F06
+ * (Sentry 2015-07-23). Before issue 25's fixes the recorder acked the
+ * results it could not write (commands stayed Running for good); before
+ * this test's, a waiting exec said nothing and the refusal named no
+ * condition.
+ */
+START_TEST(a_full_disk_refuses_at_once_and_records_after)
+{
+    struct evt_conn *c = client();
+    char ids[DF_DETACHED][37], word[32], script[PATH_MAX + 96], sql[768];
+    struct exec_job waiting[DF_WAITING];
+    long log_at = 0;
+
+    pg_up();
+    int rc = fixture_pg_small_disk(&stack.pg, 32);
+    if (rc == KS_EUNAVAIL) {
+        fprintf(stderr, "a_full_disk_refuses_at_once_and_records_after: "
+                        "SKIPPED: no tmpfs can be mounted here\n");
+        evt_close(c);
+        return;
+    }
+    ck_assert_int_eq(rc, 0);
+    log_lines(0, "", &log_at);
+    memset(waiting, 0, sizeof(waiting));
+    snprintf(script, sizeof(script),
+             "sleep 4; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo done # "
+             DF_TAG, side_dir);
+    for (int i = 0; i < DF_DETACHED; i++)
+        ck_assert_int_eq(submit(c, script, ids[i]), 0);
+    snprintf(script, sizeof(script),
+             "sleep 4; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo \"$0\"",
+             side_dir);
+    for (int i = 0; i < DF_WAITING; i++) {
+        snprintf(word, sizeof(word), DF_TAG "-wait-%d", i);
+        exec_job_start(&waiting[i], word, script);
+    }
+    PGconn *adm = db();
+    ck_assert_int_eq(
+        wait_sql(adm,
+                 "SELECT count(*) FROM commands WHERE status = 'Running'"
+                 " AND array_to_string(argv, ' ') LIKE '%" DF_TAG "%'",
+                 DF_DETACHED + DF_WAITING, 60),
+        DF_DETACHED + DF_WAITING);
+    ck_assert_int_eq(fixture_pg_fill_disk(&stack.pg), 0);
+
+    /* A new request is refused at once, and says why. */
+    struct fixture_out o = {0};
+    double secs = 0;
+    int asked = 0;
+    for (; asked < DF_ASKS; asked++) {
+        snprintf(word, sizeof(word), DF_TAG "-new-%d", asked);
+        const char *args[] = {"exec", "--agent", AGENT, "--", "echo", word,
+                              NULL};
+        fixture_out_release(&o);
+        int64_t t0 = ks_mono_us();
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        secs = (double)(ks_mono_us() - t0) / 1e6;
+        if (o.status != 0)
+            break;
+    }
+    fprintf(stderr, "  full disk: ask %d refused after %.2f s: exit %d: %s",
+            asked, secs, o.status, o.err);
+    ck_assert_int_lt(asked, DF_ASKS);
+    ck_assert_msg(o.status == 125 || o.status == 69, "exit %d", o.status);
+    ck_assert_msg(strstr(o.err, "53100") && strstr(o.err, "disk_full"),
+                  "%s", o.err);
+    if (o.status == 125) {
+        ck_assert_msg(strstr(o.err, "not recorded") != NULL, "%s", o.err);
+        ck_assert_int_eq(recorded_with(adm, word), 0);
+    }
+    /* At once: not after a delivery deadline or a timeout (seconds, not
+     * a speed target: the refusal is one failed commit). */
+    ck_assert_msg(secs < 3.0, "refused after %.2f s", secs);
+    fixture_out_release(&o);
+
+    /* The commands end meanwhile; their results wait, unrecorded. */
+    sleep_ms(8000);
+    ck_assert_int_eq(
+        sql_long(adm, "SELECT count(*) FROM commands WHERE status = 'Running'"
+                      " AND array_to_string(argv, ' ') LIKE '%" DF_TAG "%'"),
+        DF_DETACHED + DF_WAITING);
+    ck_assert_int_eq(fixture_pg_free_disk(&stack.pg), 0);
+
+    /* Then every one ends, once, Succeeded; none ran twice. */
+    ck_assert_msg(
+        wait_sql(adm,
+                 "SELECT count(*) FROM commands WHERE status <> 'Succeeded'"
+                 " AND array_to_string(argv, ' ') LIKE '%" DF_TAG "-wait%'"
+                 " OR (status <> 'Succeeded' AND array_to_string(argv, ' ')"
+                 "     LIKE '%# " DF_TAG "')",
+                 0, 60) == 0,
+        "commands of the test not Succeeded 60 s after the space is back");
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands c WHERE"
+             " array_to_string(c.argv, ' ') LIKE '%%" DF_TAG "%%' AND"
+             " (SELECT count(*) FROM events e"
+             "  WHERE e.stream_id = 'command-' || c.command_id::text AND"
+             "  e.type IN ('CommandCompleted', 'CommandStartFailed',"
+             "   'CommandUndeliverable', 'CommandLost', 'CommandCancelled',"
+             "   'CommandNotStarted')) <> 1");
+    ck_assert_int_eq(sql_long(adm, sql), 0);
+    for (int i = 0; i < DF_DETACHED; i++)
+        ck_assert_int_eq(df_runs(ids[i]), 1);
+    for (int i = 0; i < DF_WAITING; i++) {
+        struct fixture_out *w = &waiting[i].o;
+        pthread_join(waiting[i].th, NULL);
+        fprintf(stderr, "  waiting exec %d: %d %s", i, w->status, w->err);
+        ck_assert_int_eq(w->status, 0);
+        ck_assert_msg(strstr(w->out, waiting[i].word) != NULL, "%s", w->out);
+        ck_assert_msg(strstr(w->err, "cannot be recorded now") &&
+                          strstr(w->err, "53100 disk_full"),
+                      "stderr: %s", w->err);
+        fixture_out_release(w);
+    }
+    PQfinish(adm);
+    ck_assert_int_ge(log_lines(log_at, "sqlstate=53100", NULL), 1);
+    fixture_pg_small_disk_undo(&stack.pg);
+    evt_close(c);
+}
+END_TEST
+
 static Suite *
 pg_restart_suite(void)
 {
@@ -812,7 +1056,15 @@ pg_restart_suite(void)
     tcase_add_test(tc, running_command_recorded_once);
     tcase_add_test(tc, everything_after_restart);
     tcase_add_test(tc, results_wait_while_pg_refuses_writes);
+    tcase_add_test(tc, a_long_transaction_elsewhere_delays_no_follower);
     suite_add_tcase(s, tc);
+    /* Its own stack (CK_RUN_CASE=full runs it alone): a tablespace on a
+     * tmpfs under events. */
+    TCase *full = tcase_create("full");
+    tcase_add_unchecked_fixture(full, stack_up, stack_down);
+    tcase_set_timeout(full, 240);
+    tcase_add_test(full, a_full_disk_refuses_at_once_and_records_after);
+    suite_add_tcase(s, full);
     return s;
 }
 

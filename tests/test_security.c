@@ -48,8 +48,18 @@ stack_up(void)
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}], \"mallory\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
-               "\"true\"]}]}}\n");
+               "\"true\"]}]");
+    /* Operators that may copy (kscore copy's bounds). */
+    const char *copiers[] = {"carol", "dave", "filler0", "filler1",
+                             "filler2"};
+    for (size_t i = 0; i < sizeof(copiers) / sizeof(copiers[0]); i++)
+        fprintf(f, ", \"%s\": [{\"agents\": \"*\"}]", copiers[i]);
+    fprintf(f, "}}\n");
     fclose(f);
+    /* Small bounds for kscore copy's uploads (the upload tests); set for
+     * every start of the broker (one test restarts it). */
+    setenv("KSCORE_COPY_OPERATOR_MIB", "4", 1);
+    setenv("KSCORE_COPY_TOTAL_MIB", "6", 1);
     if (fixture_stack_start_secure(&stack, AGENT, "env=dev", OPERATOR,
                                    policy_path) != 0) {
         fixture_stack_stop(&stack);
@@ -61,6 +71,8 @@ static void
 stack_down(void)
 {
     fixture_stack_stop(&stack);
+    unsetenv("KSCORE_COPY_OPERATOR_MIB");
+    unsetenv("KSCORE_COPY_TOTAL_MIB");
     char cmd[PATH_MAX + 16];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
     if (system(cmd) != 0)
@@ -1354,12 +1366,16 @@ START_TEST(pool_credential_serves_only_its_ids)
                           "$KV." EVT_KV_AGENTS ".pool.other",
                           "kscore.cmd." AGENT,
                           "$JS.API.STREAM.INFO." EVT_STREAM_CMDS};
+    /* What the server checks and logs: an events subject as the agents'
+     * account maps it (kscore.evt.<id>.<cmd> -> kscore.evt.<id>.0). */
+    const char *checked[] = {pubs[0], "kscore.evt." AGENT ".0", pubs[2],
+                             pubs[3], pubs[4], pubs[5]};
     for (size_t i = 0; i < sizeof(pubs) / sizeof(pubs[0]); i++) {
         ck_assert_int_eq(natsConnection_PublishString(t->nc, pubs[i], "x"),
                          NATS_OK);
         natsConnection_Flush(t->nc);
         ck_assert_msg(server_refused_as(seed_file, "pool-pq", "Publish",
-                                        pubs[i]),
+                                        checked[i]),
                       "the pool may publish to %s", pubs[i]);
     }
     char other_deliver[160];
@@ -1549,7 +1565,8 @@ static void
 labels_up(void)
 {
     /* lop: sh (with DBPASS) on env=prod agents only, id on env=dev ones
-     * only, true anywhere. */
+     * only, true anywhere; it may change the labels of env=dev agents
+     * while they stay env=dev. */
     const char *t = getenv("TMPDIR");
     snprintf(ls_policy, sizeof(ls_policy), "%s/kscore-lpol-XXXXXX",
              t && t[0] ? t : "/tmp");
@@ -1561,6 +1578,7 @@ labels_up(void)
                "\"prod\"}, \"executables\": [\"sh\"], \"env\": [\"DBPASS\"]}, "
                "{\"agents\": {\"env\": \"dev\"}, \"executables\": "
                "[\"id\"]}, "
+               "{\"agents\": {\"env\": \"dev\"}, \"can\": [\"label\"]}, "
                "{\"agents\": \"*\", "
                "\"executables\": [\"true\"]}]}}\n");
     fclose(f);
@@ -1576,6 +1594,7 @@ labels_down(void)
 {
     stack_stop(ls.dir, "aa", 10000);
     stack_stop(ls.dir, "bb", 10000);
+    stack_stop(ls.dir, "cc", 10000);
     fixture_stack_stop(&ls);
     unlink(ls_policy);
 }
@@ -1824,19 +1843,42 @@ file_size(const char *path)
     return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
 }
 
-/* Starts agent "bb" of the labels stack from bundle (its state in
- * bb-state) and waits for its heartbeat after since_us. */
+/* bundle without its label attestation (its signature, key id and time)
+ * and with label `from` said as `to`, into out (0600): what an enrolled
+ * agent's host could run to choose its labels. */
 static void
-start_bb(const char *bundle, int64_t since_us)
+strip_attestation(const char *bundle, const char *out_path, const char *from,
+                  const char *to)
 {
-    char state[PATH_MAX + 32];
+    FILE *in = fopen(bundle, "re"), *out = fopen(out_path, "we");
+    char l[16384], was[128], now[128];
+    snprintf(was, sizeof(was), "label = %s\n", from);
+    snprintf(now, sizeof(now), "label = %s\n", to);
+    ck_assert(in && out);
+    while (fgets(l, sizeof(l), in))
+        if (strncmp(l, "labels_signature", 16) != 0 &&
+            strncmp(l, "labels_key_id", 13) != 0 &&
+            strncmp(l, "enrolled_at_us", 14) != 0)
+            fputs(strcmp(l, was) == 0 ? now : l, out);
+    fclose(in);
+    fclose(out);
+    chmod(out_path, 0600);
+}
+
+/* Starts agent "enrolled-<name>" of the labels stack from bundle (daemon
+ * <name>, its state in <name>-state) and waits for its heartbeat after
+ * since_us. */
+static void
+start_enrolled(const char *name, const char *bundle, int64_t since_us)
+{
+    char state[PATH_MAX + 32], id[64];
     pid_t pid;
-    snprintf(state, sizeof(state), "%s/bb-state", ls.dir);
+    snprintf(state, sizeof(state), "%s/%s-state", ls.dir, name);
+    snprintf(id, sizeof(id), "enrolled-%.40s", name);
     char *argv[] = {(char *)getenv("KSCORE_BIN"), "agent", "--bundle",
                     (char *)bundle, "--state-dir", state, NULL};
-    ck_assert_int_eq(stack_daemon(ls.dir, "bb", argv, &pid), 0);
-    ck_assert(fixture_stack_wait_agent(&ls, "enrolled-bb", since_us,
-                                       30000) == 0);
+    ck_assert_int_eq(stack_daemon(ls.dir, name, argv, &pid), 0);
+    ck_assert(fixture_stack_wait_agent(&ls, id, since_us, 30000) == 0);
 }
 
 /*
@@ -1871,7 +1913,7 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     }
     ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
     since = ks_now_us();
-    start_bb(bundle, since);
+    start_enrolled("bb", bundle, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":true", 10000);
     ck_assert_msg(strstr(line, "\"env\":\"prod\"") &&
                       strstr(line, "\"labels_signed\":true"),
@@ -1882,25 +1924,10 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
 
     /* The same bundle without its attestation, saying env=dev. */
     snprintf(stripped, sizeof(stripped), "%s/bb-stripped.bundle", ls.dir);
-    {
-        FILE *in = fopen(bundle, "re"), *out = fopen(stripped, "we");
-        char l[16384];
-        ck_assert(in && out);
-        while (fgets(l, sizeof(l), in))
-            if (strncmp(l, "labels_signature", 16) != 0 &&
-                strncmp(l, "labels_key_id", 13) != 0 &&
-                strncmp(l, "enrolled_at_us", 14) != 0)
-                fputs(strcmp(l, "label = env=prod\n") == 0
-                          ? "label = env=dev\n"
-                          : l,
-                      out);
-        fclose(in);
-        fclose(out);
-        chmod(stripped, 0600);
-    }
+    strip_attestation(bundle, stripped, "env=prod", "env=dev");
     from = file_size(blog);
     since = ks_now_us();
-    start_bb(stripped, since);
+    start_enrolled("bb", stripped, since);
     line = agent_line("enrolled-bb", "\"labels_signed\":false", 10000);
     ck_assert_msg(strstr(line, "\"labels_signed\":false") &&
                       strstr(line, "\"labels\":{}"),
@@ -1937,6 +1964,137 @@ START_TEST(an_enrolled_agent_cannot_drop_its_signed_labels)
     ck_assert_msg(strstr(line, "\"labels\":{}"), "%s", line);
     free(line);
     stack_stop(ls.dir, "bb", 10000);
+}
+END_TEST
+
+static void
+enroll_cc(const char *label, const char *bundle)
+{
+    struct fixture_out o;
+    const char *args[] = {"agent", "enroll", "enrolled-cc", "--label", label,
+                          "--out", bundle, "--nats-url", ls.nats.url, NULL};
+    ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+    ck_assert_msg(o.status == 0, "enroll: %s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&ls), 0);
+}
+
+/*
+ * Issue 24: labels change without a new enrolment, and keep what makes
+ * them worth anything. `kscore agent label` is this broker's signature
+ * (as an enrolment's), recorded with the operator, allowed only by a
+ * "label" rule that matches the agent before and after (lop may retag a
+ * dev agent, not move it to prod: RequestDenied); a fact's key is no
+ * label. The relabelled id is never served with labels of its own
+ * choosing: run from a bundle without its attestation that says
+ * env=prod, it keeps the relabel's (not prod, not none), across a broker
+ * kill -9 (the broker reads them from the record at its start). A newer
+ * enrolment replaces them.
+ */
+START_TEST(a_relabel_is_signed_recorded_and_kept)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], bundle2[PATH_MAX + 32];
+    struct fixture_out o;
+    char *line;
+    int64_t since;
+
+    ls_keys();
+    snprintf(bundle, sizeof(bundle), "%s/cc.bundle", ls.dir);
+    enroll_cc("env=dev", bundle);
+    since = ks_now_us();
+    start_enrolled("cc", bundle, since);
+    line = agent_line("enrolled-cc", "\"env\":\"dev\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"dev\""), "%s", line);
+    free(line);
+
+    /* Allowed: still env=dev after. */
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "role=web",
+                              "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 0 && strstr(o.out, "\"applied\":true"),
+                      "exit %d: %s%s", o.status, o.out, o.err);
+        fixture_out_release(&o);
+    }
+    line = agent_line("enrolled-cc", "\"role\":\"web\"", 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      strstr(line, "\"labels_signed\":true") &&
+                      strstr(line, "\"labels_by\":\"lop\""),
+                  "%s", line);
+    free(line);
+    /* Refused: out of the rule's reach (and recorded so); a fact. */
+    long denied = fixture_sql_long(ls.pg.conninfo,
+                                   "SELECT count(*) FROM events WHERE"
+                                   " stream_id = 'operator-lop' AND type ="
+                                   " 'RequestDenied'");
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "env=prod",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_msg(o.status == 125 && strstr(o.err, "denied"),
+                      "exit %d: %s", o.status, o.err);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'operator-lop' AND type"
+                                      " = 'RequestDenied'"),
+                     denied + 1);
+    {
+        const char *args[] = {"agent", "label", "enrolled-cc", "fact.os=x",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&ls, args, &o), 0);
+        ck_assert_int_eq(o.status, 2);
+        fixture_out_release(&o);
+    }
+    ck_assert_int_eq(fixture_sql_long(ls.pg.conninfo,
+                                      "SELECT count(*) FROM events WHERE"
+                                      " stream_id = 'agent-enrolled-cc' AND"
+                                      " type = 'AgentLabelsChanged'"),
+                     1);
+
+    /* Its bundle without the attestation, saying env=prod: the relabel
+     * stands, signed. */
+    stack_stop(ls.dir, "cc", 10000);
+    snprintf(stripped, sizeof(stripped), "%s/cc-stripped.bundle", ls.dir);
+    strip_attestation(bundle, stripped, "env=dev", "env=prod");
+    fixture_stack_broker_kill(&ls, SIGKILL);
+    ck_assert_int_eq(fixture_stack_broker_start(&ls, 2), 0);
+    since = ks_now_us();
+    start_enrolled("cc", stripped, since);
+    line = agent_line("enrolled-cc", NULL, 10000);
+    ck_assert_msg(strstr(line, "\"role\":\"web\"") &&
+                      strstr(line, "\"env\":\"dev\"") &&
+                      !strstr(line, "prod") &&
+                      strstr(line, "\"labels_signed\":true"),
+                  "%s", line);
+    free(line);
+    /* Nor does a prod batch reach it. */
+    batch_prod(&o);
+    ck_assert_msg(!strstr(o.out, "enrolled-cc") && !strstr(o.err, "enrolled-cc"),
+                  "batch: %d %s%s", o.status, o.out, o.err);
+    fixture_out_release(&o);
+
+    /* A new enrolment (revoke, enroll) is newer than the relabel. */
+    stack_stop(ls.dir, "cc", 10000);
+    {
+        const char *args[] = {"agent", "revoke", "enrolled-cc", "--nats",
+                              ls.nats.url, NULL};
+        ck_assert_int_eq(fixture_kscore_home(ls.dir, args, &o), 0);
+        ck_assert_msg(o.status == 0, "revoke: %s", o.err);
+        fixture_out_release(&o);
+    }
+    snprintf(bundle2, sizeof(bundle2), "%s/cc2.bundle", ls.dir);
+    enroll_cc("env=qa", bundle2);
+    since = ks_now_us();
+    start_enrolled("cc", bundle2, since);
+    line = agent_line("enrolled-cc", "\"env\":\"qa\"", 10000);
+    ck_assert_msg(strstr(line, "\"env\":\"qa\"") && !strstr(line, "role") &&
+                      !strstr(line, "labels_by"),
+                  "%s", line);
+    free(line);
+    stack_stop(ls.dir, "cc", 10000);
 }
 END_TEST
 
@@ -2359,6 +2517,961 @@ START_TEST(one_operator_cannot_hold_the_followers)
 }
 END_TEST
 
+/* ---- annotation rows per identity ----------------------------------------
+ *
+ * A refused report or request is kept as a row (ReportRejected,
+ * RequestDenied) saying why. On cf06db5 every one was: 10,000 junk
+ * reports in 5 s from one agent were 10,000 rows, and 5,000 requests of
+ * an operator not in the policy 5,000 RequestDenied (issue 21). Now each
+ * identity has a share (broker/budget.c: 1000 at once, then 10 a second);
+ * past it the refusal stands but leaves no row: it is counted and summed
+ * up in the log.
+ */
+/* After a flood from agent id's credential: its own process still runs
+ * a command, and so does AGENT. Then stops id's process. */
+static void
+both_still_serve(const char *id)
+{
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", id, "--", "echo", "still", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on %s: %s", id, o.err);
+    ck_assert_str_eq(o.out, "still\n");
+    fixture_out_release(&o);
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec on " AGENT ": %s", o.err);
+    fixture_out_release(&o);
+    stack_stop(stack.dir, id, 5000);
+}
+
+#define BUDGET_BURST 1000
+#define BUDGET_PER_S 10
+
+/* Counts the PubAcks of a flood by the index in their reply subject. */
+struct flood {
+    pthread_mutex_t mu;
+    bool *ok;
+    int n, acked, refused;
+};
+
+static void
+on_flood_ack(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+             void *ud)
+{
+    struct flood *f = ud;
+    const char *subj = natsMsg_GetSubject(msg), *dot = strrchr(subj, '.');
+    int i = dot ? atoi(dot + 1) : -1;
+    bool good = natsMsg_GetDataLength(msg) > 0 &&
+                strstr(natsMsg_GetData(msg), "\"error\"") == NULL;
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&f->mu);
+    if (i >= 0 && i < f->n && good && !f->ok[i]) {
+        f->ok[i] = true;
+        f->acked++;
+    } else if (!good) {
+        f->refused++;
+    }
+    pthread_mutex_unlock(&f->mu);
+    natsMsg_Destroy(msg);
+}
+
+/*
+ * Publishes n reports of agent id (type CommandCompleted, each about a
+ * command that does not exist) with seed_file's credential, raw, as fast
+ * as the server takes them: a report the stream refuses (the sender past
+ * its share of the stream) is sent again, as an agent does. Returns once
+ * the stream holds all n (<= 120 s).
+ */
+static void
+flood_reports(const char *seed_file, const char *id, int n)
+{
+    struct thief *t = thief_connect(seed_file);
+    struct flood f = {.n = n};
+    natsSubscription *sub = NULL;
+    char inbox[96];
+    pthread_mutex_init(&f.mu, NULL);
+    f.ok = calloc((size_t)n, sizeof(*f.ok));
+    ck_assert_ptr_nonnull(f.ok);
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.flood.>", id);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox,
+                                              on_flood_ack, &f),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (int round = 0;; round++) {
+        int sent = 0;
+        for (int i = 0; i < n; i++) {
+            pthread_mutex_lock(&f.mu);
+            bool done = f.ok[i];
+            pthread_mutex_unlock(&f.mu);
+            if (done)
+                continue;
+            Ks__Event ev = KS__EVENT__INIT;
+            char eid[37], cid[37], subject[160], reply[96];
+            uint8_t *buf;
+            size_t len;
+            fresh_id(eid);
+            fresh_id(cid);
+            ev.event_id = eid;
+            ev.command_id = cid;
+            ev.agent_id = (char *)id;
+            ev.type = "CommandCompleted";
+            ev.attempt = 1;
+            ev.occurred_at_us = ks_now_us();
+            ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+            evt_event_subject(subject, sizeof(subject), id, cid);
+            snprintf(reply, sizeof(reply), "_INBOX.agent-%s.flood.%d", id,
+                     i);
+            ck_assert_int_eq(natsConnection_PublishRequest(
+                                 t->nc, subject, reply, buf, (int)len),
+                             NATS_OK);
+            free(buf);
+            sent++;
+        }
+        natsConnection_Flush(t->nc);
+        /* Until every PubAck of the round came, or a while. */
+        int64_t until = ks_mono_us() + 3 * INT64_C(1000000);
+        for (;;) {
+            pthread_mutex_lock(&f.mu);
+            int acked = f.acked;
+            pthread_mutex_unlock(&f.mu);
+            if (acked == n || ks_mono_us() > until)
+                break;
+            nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+        }
+        pthread_mutex_lock(&f.mu);
+        int acked = f.acked;
+        pthread_mutex_unlock(&f.mu);
+        if (acked == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline,
+                      "the stream took %d of %d reports (round %d, %d sent)",
+                      acked, n, round, sent);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(f.ok);
+}
+
+/* Waits (<= 120 s) until the recorder has taken everything the events
+ * stream holds. */
+static void
+recorder_drained(void)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        jsConsumerInfo *ci = NULL;
+        ck_assert_int_eq(js_GetConsumerInfo(&ci, admin->js, EVT_STREAM_EVENTS,
+                                            EVT_RECORDER_DURABLE, NULL, NULL),
+                         NATS_OK);
+        bool idle = ci->NumPending == 0 && ci->NumAckPending == 0;
+        jsConsumerInfo_Destroy(ci);
+        if (idle)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "the recorder did not drain");
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    evt_close(admin);
+}
+
+/* Lines of the broker's log that hold both a and b. */
+static long
+broker_log_count(const char *a, const char *b)
+{
+    char path[PATH_MAX + 32], line[4096];
+    long n = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, a) && (!b || strstr(line, b));
+    if (f)
+        fclose(f);
+    return n;
+}
+
+START_TEST(an_agents_junk_reports_are_bounded_rows)
+{
+    char seed[PATH_MAX + 64], sql[256];
+    const int n = 10000;
+    /* Named agent...: the fixture stops it should the test fail. */
+    spawn_own_agent("agentflood", seed, sizeof(seed));
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = "
+             "'agent-agentflood' AND type = 'ReportRejected'");
+    long before = sql_long(sql);
+    long lines_before = broker_log_count("kept as an annotation", NULL) +
+                        broker_log_count("dropping an undecodable", NULL);
+    int64_t t0 = ks_mono_us();
+    flood_reports(seed, "agentflood", n);
+    recorder_drained();
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    long rows = sql_long(sql) - before;
+    /* Its share, and no more: not a row per report. */
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld rows of %d junk reports in %.1f s", rows, n, took_s);
+    /* Within it, refusals are kept as before. */
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    /* The log says so in summary, not in a line per report. */
+    ck_assert_int_ge(
+        broker_log_count("past its share", "identity=agent-agentflood"), 1);
+    long lines = broker_log_count("kept as an annotation", NULL) +
+                 broker_log_count("dropping an undecodable", NULL) -
+                 lines_before;
+    ck_assert_msg(lines <= rows + 20, "%ld log lines for %ld rows", lines,
+                  rows);
+    /* The flooder's own honest process and the others keep working. */
+    both_still_serve("agentflood");
+}
+END_TEST
+
+/*
+ * Publishes n reports of agent id with seed_file's credential, raw, each
+ * of about body_bytes (a junk error text), each about a command that does
+ * not exist, without sending any again: *ok_out the stream took, and
+ * *refused_out it refused; *why_out (static) the text of one refusal.
+ */
+static void
+publish_reports_once(const char *seed_file, const char *id, int n,
+                     size_t body_bytes, int *ok_out, int *refused_out,
+                     const char **why_out)
+{
+    static char why[256];
+    struct thief *t = thief_connect(seed_file);
+    natsSubscription *sub = NULL;
+    char inbox[96], *pad = malloc(body_bytes + 1);
+    int ok = 0, refused = 0;
+    ck_assert_ptr_nonnull(pad);
+    memset(pad, 'x', body_bytes);
+    pad[body_bytes] = '\0';
+    why[0] = '\0';
+    snprintf(inbox, sizeof(inbox), "_INBOX.agent-%s.once.%d", id,
+             (int)getpid());
+    ck_assert_int_eq(natsConnection_SubscribeSync(&sub, t->nc, inbox),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    for (int i = 0; i < n; i++) {
+        Ks__Event ev = KS__EVENT__INIT;
+        char eid[37], cid[37], subject[160];
+        uint8_t *buf;
+        size_t len;
+        fresh_id(eid);
+        fresh_id(cid);
+        ev.event_id = eid;
+        ev.command_id = cid;
+        ev.agent_id = (char *)id;
+        ev.type = "CommandCompleted";
+        ev.reason = pad;
+        ev.attempt = 1;
+        ev.occurred_at_us = ks_now_us();
+        ck_assert_int_eq(kproto_pack(&ev.base, &buf, &len), 0);
+        evt_event_subject(subject, sizeof(subject), id, cid);
+        ck_assert_int_eq(natsConnection_PublishRequest(t->nc, subject, inbox,
+                                                       buf, (int)len),
+                         NATS_OK);
+        free(buf);
+        /* One at a time: each PubAck says what became of its report. */
+        natsMsg *m = NULL;
+        ck_assert_int_eq(natsSubscription_NextMsg(&m, sub, 5000), NATS_OK);
+        if (strstr(natsMsg_GetData(m), "\"error\"")) {
+            refused++;
+            snprintf(why, sizeof(why), "%.*s", natsMsg_GetDataLength(m),
+                     natsMsg_GetData(m));
+        } else {
+            ok++;
+        }
+        natsMsg_Destroy(m);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    free(pad);
+    *ok_out = ok;
+    *refused_out = refused;
+    *why_out = why;
+}
+
+/*
+ * KSCORE_EVENTS is bounded as a whole (1 GiB, discard new), so on the
+ * code before, one agent that published faster than the recorder recorded
+ * could fill it, and then every agent's results were refused, or waited
+ * behind its backlog (issue 21). Now nats-server puts all of an agent's
+ * events on one subject (the agents' account maps kscore.evt.<id>.<cmd>
+ * to kscore.evt.<id>.0) and the stream holds at most
+ * EVT_EVENTS_PER_SUBJECT of one subject: past that only that agent is
+ * refused, and the broker's log names it. PostgreSQL is stopped for the
+ * flood, so the recorder takes nothing meanwhile: the worst case.
+ */
+START_TEST(one_agent_cannot_fill_the_events_stream)
+{
+    char seed[PATH_MAX + 64];
+    const int extra = 100;
+    int ok = 0, refused = 0;
+    const char *why = NULL;
+    spawn_own_agent("agentshare", seed, sizeof(seed));
+    ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+
+    publish_reports_once(seed, "agentshare", EVT_EVENTS_PER_SUBJECT + extra,
+                         64 * 1024, &ok, &refused, &why);
+    ck_assert_msg(ok <= EVT_EVENTS_PER_SUBJECT && refused >= extra,
+                  "the stream took %d of one agent's %d reports (refused "
+                  "%d)",
+                  ok, EVT_EVENTS_PER_SUBJECT + extra, refused);
+    ck_assert_msg(strstr(why, "maximum messages per subject"), "%s", why);
+    /* What it holds of that agent is its share, on its one subject. */
+    {
+        struct evt_conn *admin = connect_as(stack.broker_seed);
+        jsOptions jo;
+        jsStreamInfo *si = NULL;
+        jsOptions_Init(&jo);
+        jo.Stream.Info.SubjectsFilter = "kscore.evt.agentshare.>";
+        ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, EVT_STREAM_EVENTS,
+                                          &jo, NULL),
+                         NATS_OK);
+        ck_assert_ptr_nonnull(si->State.Subjects);
+        ck_assert_int_eq(si->State.Subjects->Count, 1);
+        ck_assert_str_eq(si->State.Subjects->List[0].Subject,
+                         "kscore.evt.agentshare.0");
+        ck_assert_uint_le(si->State.Subjects->List[0].Msgs,
+                          EVT_EVENTS_PER_SUBJECT);
+        jsStreamInfo_Destroy(si);
+        evt_close(admin);
+    }
+    /* Another agent's report still gets in. */
+    int ok2 = 0, refused2 = 0;
+    publish_reports_once(stack.agent_seed, AGENT, 1, 100, &ok2, &refused2,
+                         &why);
+    ck_assert_msg(ok2 == 1, "another agent's report was refused: %s", why);
+    /* The broker says who is at its share. */
+    int said = 0;
+    for (int i = 0; i < 150 && !said; i++) {
+        said = broker_log_count("at their share of the events stream",
+                                "agentshare") > 0;
+        if (!said)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    ck_assert_msg(said, "the broker's log does not name agentshare");
+
+    ck_assert_int_eq(fixture_pg_resume(&stack.pg), 0);
+    recorder_drained();
+    /* Then both serve as before. */
+    both_still_serve("agentshare");
+}
+END_TEST
+
+/* The number after "key: " in the stack's rendered nats-auth.conf (the
+ * agents' account limits), or -1. */
+static long
+auth_conf_value(const char *key)
+{
+    char path[PATH_MAX + 32], line[512];
+    long v = -1;
+    snprintf(path, sizeof(path), "%s/nats-auth.conf", stack.nats.dir);
+    FILE *f = fopen(path, "re");
+    while (f && fgets(line, sizeof(line), f)) {
+        char *k = strstr(line, key);
+        if (k && k[strlen(key)] == ':')
+            v = strtol(k + strlen(key) + 1, NULL, 10);
+    }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/*
+ * An agent's credential opens connections and subscriptions until the
+ * agents' account limits (nats-server 2.9 has them per account, none per
+ * user): on cf06db5 there were none, so one stolen agent credential could
+ * open connections and subscriptions until the server ran out (issue 21).
+ * Past max_connections (4 per agent identity and 16 more) the server
+ * refuses the connection, past max_subscriptions the subscription; the
+ * brokers and operators, in another account, keep theirs and run
+ * commands meanwhile.
+ */
+START_TEST(an_agent_credential_has_bounded_connections)
+{
+    enum { TRY = 400 };
+    long max_conns = auth_conf_value("max_connections");
+    long max_subs = auth_conf_value("max_subscriptions");
+    /* No limits written (the code before): try TRY connections and 1000
+     * subscriptions. */
+    if (max_conns <= 0 || max_conns >= TRY)
+        max_conns = TRY - 1;
+    if (max_subs <= 0)
+        max_subs = 1000;
+    struct evt_conn *held[TRY];
+    int n = 0, refused = 0;
+    for (; n < TRY && n <= max_conns; n++) {
+        struct evt_connect_opts o = {.name = "hoarder",
+                                     .nkey_file = stack.agent_seed,
+                                     .timeout_ms = 2000};
+        char *err = NULL;
+        held[n] = NULL;
+        if (evt_connect(stack.nats.url, &o, &held[n], &err) != 0) {
+            refused = 1;
+            free(err);
+            break;
+        }
+    }
+    /* The agents' account holds the real agent's too: refused before
+     * max_conns of the hoarder's own. */
+    ck_assert_msg(refused, "%d connections of one agent credential, "
+                           "none refused (limit %ld)",
+                  n, max_conns);
+    ck_assert_int_le(n, max_conns);
+    ck_assert_int_ge(n, 1);
+    ck_assert(nats_log_says("maximum account active connections exceeded",
+                            NULL));
+    /* Meanwhile the others work: an operator runs a command on the
+     * agent, whose own connection was there before. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "held",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec while the agents' connections are "
+                                 "taken: %s",
+                  o.err);
+    fixture_out_release(&o);
+    /* Subscriptions: one connection past max_subscriptions. */
+    natsSubscription *subs[1024];
+    ck_assert_int_lt(max_subs, 1024);
+    int ns = 0;
+    for (; ns <= max_subs; ns++) {
+        char subj[96];
+        snprintf(subj, sizeof(subj), "_INBOX.agent-" AGENT ".hoard.%d", ns);
+        ck_assert_int_eq(
+            natsConnection_SubscribeSync(&subs[ns], held[0]->nc, subj),
+            NATS_OK);
+    }
+    natsConnection_FlushTimeout(held[0]->nc, 2000);
+    ck_assert(nats_log_says("maximum subscriptions exceeded", NULL));
+    for (int i = 0; i < ns; i++)
+        natsSubscription_Destroy(subs[i]);
+    for (int i = 0; i < n; i++)
+        evt_close(held[i]);
+}
+END_TEST
+
+/*
+ * An agent may publish its own registry key, and a publisher chooses its
+ * headers: on cf06db5 "Nats-Rollup: all" on its own key made the bucket's
+ * stream drop every other entry (found attacking with the agent's
+ * credential, issue 21: the brokers' and pools' entries gone until their
+ * next heartbeat, so a broker that starts then, or `kscore up` waiting
+ * for an agent, sees an empty registry). The bucket allows no roll-up
+ * and no purge now: the server refuses it and every entry stays.
+ */
+START_TEST(an_agent_cannot_empty_the_registry)
+{
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    jsStreamInfo *si = NULL;
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    uint64_t before = si->State.Msgs;
+    jsStreamInfo_Destroy(si);
+    ck_assert_uint_ge(before, 2); /* the agent's and the local pool's */
+
+    struct thief *t = thief_connect(stack.agent_seed);
+    natsSubscription *sub = NULL;
+    natsMsg *m = NULL, *r = NULL;
+    const char *rollups[] = {"all", "sub"};
+    ck_assert_int_eq(natsConnection_SubscribeSync(
+                         &sub, t->nc, "_INBOX.agent-" AGENT ".rollup"),
+                     NATS_OK);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(natsMsg_Create(&m, "$KV." EVT_KV_AGENTS "." AGENT,
+                                        "_INBOX.agent-" AGENT ".rollup", "x",
+                                        1),
+                         NATS_OK);
+        ck_assert_int_eq(natsMsgHeader_Set(m, "Nats-Rollup", rollups[i]),
+                         NATS_OK);
+        ck_assert_int_eq(natsConnection_PublishMsg(t->nc, m), NATS_OK);
+        natsMsg_Destroy(m);
+        ck_assert_int_eq(natsSubscription_NextMsg(&r, sub, 5000), NATS_OK);
+        ck_assert_msg(strstr(natsMsg_GetData(r), "\"error\""),
+                      "the bucket took a roll-up (%s): %.*s", rollups[i],
+                      natsMsg_GetDataLength(r), natsMsg_GetData(r));
+        natsMsg_Destroy(r);
+    }
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    ck_assert_int_eq(js_GetStreamInfo(&si, admin->js, "KV_" EVT_KV_AGENTS,
+                                      NULL, NULL),
+                     NATS_OK);
+    ck_assert_uint_ge(si->State.Msgs, before);
+    jsStreamInfo_Destroy(si);
+    evt_close(admin);
+}
+END_TEST
+
+/*
+ * A claim that loses (the command was claimed, re-dispatched or ended) is
+ * kept as a DuplicateSuppressed row on the command's stream. An agent
+ * chooses when it claims: on cf06db5, 3,000 claims of its own ended
+ * command were 3,000 rows (found attacking with the agent's credential,
+ * issue 21). Now they are within the agent's share of annotation rows.
+ */
+START_TEST(an_agents_lost_claims_are_bounded_rows)
+{
+    char seed[PATH_MAX + 64], sql[256], cid[37];
+    const int n = 3000;
+    spawn_own_agent("agentclaim", seed, sizeof(seed));
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--json", "--agent", "agentclaim", "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %s", o.err);
+    json_t *j = json_loads(o.out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    snprintf(cid, sizeof(cid), "%s",
+             json_string_value(json_object_get(j, "command_id")));
+    json_decref(j);
+    fixture_out_release(&o);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
+             "AND type = 'DuplicateSuppressed'",
+             cid);
+
+    struct thief *t = thief_connect(seed);
+    struct reply_count got = {.n = 0};
+    natsSubscription *sub = NULL;
+    pthread_mutex_init(&got.mu, NULL);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc,
+                                              "_INBOX.agent-agentclaim.c.>",
+                                              on_reply_count, &got),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t t0 = ks_mono_us();
+    for (int i = 0; i < n; i++) {
+        Ks__ClaimRequest req = KS__CLAIM_REQUEST__INIT;
+        char eid[37], reply[96];
+        uint8_t *buf;
+        size_t len;
+        fresh_id(eid);
+        req.command_id = cid;
+        req.attempt = 1;
+        req.agent_id = "agentclaim";
+        req.event_id = eid;
+        req.expected_version = 2;
+        ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+        snprintf(reply, sizeof(reply), "_INBOX.agent-agentclaim.c.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             t->nc, EVT_API_CLAIM ".agent-agentclaim", reply,
+                             buf, (int)len),
+                         NATS_OK);
+        free(buf);
+        if (i % 500 == 499)
+            natsConnection_Flush(t->nc);
+    }
+    natsConnection_Flush(t->nc);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&got.mu);
+        int k = got.n;
+        pthread_mutex_unlock(&got.mu);
+        if (k == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "%d of %d claims answered", k,
+                      n);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    long rows = sql_long(sql);
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld DuplicateSuppressed rows of %d lost claims in %.1f s",
+                  rows, n, took_s);
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    /* Its honest process serves on. */
+    both_still_serve("agentclaim");
+}
+END_TEST
+
+/* Answers to a raw client's requests, counted. */
+struct answers {
+    pthread_mutex_t mu;
+    int n, denied;
+};
+
+static void
+on_answer(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct answers *a = ud;
+    Ks__ExecuteReply *r = ks__execute_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&a->mu);
+    a->n++;
+    if (r && r->error && strncmp(r->error, "denied", 6) == 0)
+        a->denied++;
+    pthread_mutex_unlock(&a->mu);
+    if (r)
+        ks__execute_reply__free_unpacked(r, NULL);
+    natsMsg_Destroy(msg);
+}
+
+/* The seed of operator name in the stack's registry (made there, and the
+ * server's users reloaded, the first time) into seed. */
+static void
+operator_seed(const char *name, char *seed, size_t len)
+{
+    struct stack_identity id;
+    stack_ident_seed_path(stack.dir, STACK_OPERATOR, name, seed, len);
+    if (access(seed, F_OK) == 0)
+        return;
+    ck_assert_int_eq(stack_ident_add(stack.dir, STACK_OPERATOR, name, &id),
+                     0);
+    ck_assert_int_eq(fixture_stack_nats_reauth(&stack), 0);
+}
+
+/*
+ * n requests (req, packed) to API method as operator op, published at
+ * once from a raw client with op's credential; every answer must be a
+ * denial (each reply's error_code and error are its fields 1 and 2).
+ * Checks that op wrote no more RequestDenied rows than its share
+ * (budget.c) and at least half its burst, and that the broker said so.
+ */
+static void
+denials_stay_bounded(const char *op, const char *method,
+                     const ProtobufCMessage *req, int n)
+{
+    char seed[PATH_MAX + 64], rows_sql[256], inbox[96], identity[96];
+    operator_seed(op, seed, sizeof(seed));
+    snprintf(rows_sql, sizeof(rows_sql),
+             "SELECT count(*) FROM events WHERE stream_id = 'operator-%s' "
+             "AND type = 'RequestDenied'",
+             op);
+    long before = sql_long(rows_sql);
+
+    struct thief *t = thief_connect(seed);
+    struct answers a = {.n = 0};
+    natsSubscription *sub = NULL;
+    pthread_mutex_init(&a.mu, NULL);
+    snprintf(inbox, sizeof(inbox), "_INBOX.%s.>", op);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox, on_answer,
+                                              &a),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    uint8_t *buf;
+    size_t len;
+    char subject[128];
+    snprintf(subject, sizeof(subject), "%s.%s", method, op);
+    ck_assert_int_eq(kproto_pack(req, &buf, &len), 0);
+    int64_t t0 = ks_mono_us();
+    for (int i = 0; i < n; i++) {
+        char reply[128];
+        snprintf(reply, sizeof(reply), "_INBOX.%s.%d", op, i);
+        ck_assert_int_eq(natsConnection_PublishRequest(t->nc, subject, reply,
+                                                       buf, (int)len),
+                         NATS_OK);
+        if (i % 500 == 499)
+            natsConnection_Flush(t->nc);
+    }
+    natsConnection_Flush(t->nc);
+    free(buf);
+    int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
+    for (;;) {
+        pthread_mutex_lock(&a.mu);
+        int got = a.n;
+        pthread_mutex_unlock(&a.mu);
+        if (got == n)
+            break;
+        ck_assert_msg(ks_mono_us() < deadline, "%d of %d answered", got, n);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    double took_s = (double)(ks_mono_us() - t0) / 1e6;
+    natsSubscription_Destroy(sub);
+    thief_close(t);
+    /* Every request is denied, rows or not. */
+    ck_assert_int_eq(a.denied, n);
+    long rows = sql_long(rows_sql) - before;
+    ck_assert_msg(rows <= BUDGET_BURST + BUDGET_PER_S * took_s + 20,
+                  "%ld RequestDenied rows of %d requests in %.1f s", rows, n,
+                  took_s);
+    ck_assert_msg(rows >= BUDGET_BURST / 2, "only %ld rows", rows);
+    snprintf(identity, sizeof(identity), "identity=operator-%s", op);
+    ck_assert_int_ge(broker_log_count("past its share", identity), 1);
+}
+
+START_TEST(an_operators_denials_are_bounded_rows)
+{
+    char eve_seed[PATH_MAX + 64];
+    /* eve is in no policy: every request of hers is denied. */
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"true"};
+    spec.argv = argv;
+    spec.n_argv = 1;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    denials_stay_bounded("eve", EVT_API_EXECUTE, &req.base, 5000);
+    operator_seed("eve", eve_seed, sizeof(eve_seed));
+    /* Past her share she is still denied, through the CLI too. */
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--nkey", eve_seed, "--agent", AGENT, "--",
+                        "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_ptr_nonnull(strstr(o.err, "denied"));
+    fixture_out_release(&o);
+    /* And an operator the policy lets run keeps running. */
+    const char *ex2[] = {"exec", "--agent", AGENT, "--", "echo", "ok", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex2, &o), 0);
+    ck_assert_msg(o.status == 0, "exec as " OPERATOR ": %s", o.err);
+    fixture_out_release(&o);
+}
+END_TEST
+
+/* ---- kscore copy's uploads: who, how much --------------------------------
+ *
+ * The stack's broker runs with copy_operator_mib 4 and copy_total_mib 6
+ * (stack_up). carol, dave, frank and the fillers may copy ("agents": "*");
+ * alice and mallory may not (their rules list executables).
+ */
+
+/* What blob_usage holds for op ('*': everyone), and what its parts
+ * really sum to: the two agree. */
+static long
+held_bytes(const char *op)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce((SELECT bytes FROM blob_usage WHERE operator = "
+             "'%s'), 0)",
+             op);
+    long held = sql_long(sql);
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(sum(octet_length(data)), 0) FROM blob_parts "
+             "WHERE '%s' IN ('*', operator)",
+             op);
+    ck_assert_int_eq(sql_long(sql), held);
+    return held;
+}
+
+#define MiB (1024L * 1024)
+
+/* Uploads n bytes (tag) as op on a connection of op's credential: the
+ * answer's code, its text in why. */
+static int
+upload_as(const char *op, size_t n, uint32_t tag, char *why, size_t len)
+{
+    char seed[PATH_MAX + 64];
+    operator_seed(op, seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    uint8_t *b = fixture_bytes(n, tag);
+    bool complete = false;
+    int rc = fixture_upload(c, op, b, n, UINT32_MAX, &complete, why, len);
+    ck_assert(rc != 0 || complete);
+    free(b);
+    evt_close(c);
+    return rc;
+}
+
+START_TEST(only_an_operator_who_may_copy_uploads)
+{
+    char why[700];
+    const char *rows_sql =
+        "SELECT count(*) FROM events WHERE stream_id = 'operator-" OPERATOR
+        "' AND type = 'RequestDenied' AND position(convert_to('may not "
+        "upload', 'UTF8') in data) > 0";
+    long rows_before = sql_long(rows_sql);
+    /* alice may run sh and echo: no copy, so no upload either, and nothing
+     * of hers is stored. */
+    ck_assert_int_eq(upload_as(OPERATOR, 3 * MiB / 2, 1, why, sizeof(why)),
+                     KS_EDENIED);
+    ck_assert_msg(strstr(why, "may not upload files for kscore copy"), "%s",
+                  why);
+    ck_assert_int_eq(held_bytes(OPERATOR), 0);
+    ck_assert_int_gt(sql_long(rows_sql), rows_before);
+    /* Through the CLI: refused at the upload, exit 125. */
+    char src[PATH_MAX + 32];
+    snprintf(src, sizeof(src), "%s/up.conf", tmpdir);
+    FILE *f = fopen(src, "w");
+    fputs("not for alice\n", f);
+    fclose(f);
+    struct fixture_out o;
+    const char *cp[] = {"copy", "--agents", AGENT, src, "--to", "/tmp/x",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, cp, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "may not upload files"), "%s", o.err);
+    fixture_out_release(&o);
+    /* Refused uploads are annotations like any denial: bounded rows. */
+    Ks__UploadRequest up = KS__UPLOAD_REQUEST__INIT;
+    uint8_t sum[32] = {1};
+    up.sha256.data = sum;
+    up.sha256.len = sizeof(sum);
+    up.size = 10;
+    up.commit = 1;
+    denials_stay_bounded("mallory", EVT_API_UPLOAD, &up.base, 1500);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM blob_parts WHERE "
+                              "operator = 'mallory'"),
+                     0);
+}
+END_TEST
+
+struct parallel_upload {
+    int k, rc;
+    char why[700];
+};
+
+static void *
+parallel_upload_main(void *arg)
+{
+    struct parallel_upload *u = arg;
+    u->rc = upload_as("carol", 3 * MiB / 2, 100 + (uint32_t)u->k, u->why,
+                      sizeof(u->why));
+    return NULL;
+}
+
+/* Parallel uploads of one operator, each on its own connection: within
+ * its bound, the refused ones named by it and gone at once. */
+START_TEST(parallel_uploads_stay_within_the_operators_bound)
+{
+    char seed[PATH_MAX + 64];
+    operator_seed("carol", seed, sizeof(seed)); /* before the threads */
+    struct parallel_upload u[4];
+    pthread_t th[4];
+    int done = 0, refused = 0;
+    for (int k = 0; k < 4; k++) {
+        u[k] = (struct parallel_upload){.k = k};
+        ck_assert_int_eq(
+            pthread_create(&th[k], NULL, parallel_upload_main, &u[k]), 0);
+    }
+    for (int k = 0; k < 4; k++) {
+        pthread_join(th[k], NULL);
+        if (u[k].rc == 0) {
+            done++;
+            continue;
+        }
+        ck_assert_int_eq(u[k].rc, KS_ETOOBIG);
+        ck_assert_msg(strstr(u[k].why, "copy_operator_mib") &&
+                          strstr(u[k].why, "operator 'carol'"),
+                      "%s", u[k].why);
+        refused++;
+    }
+    /* 4 files of 1.5 MiB against 4 MiB: two at most. */
+    ck_assert_int_ge(refused, 2);
+    ck_assert_int_ge(done, 1);
+    long held = held_bytes("carol");
+    ck_assert_int_le(held, 4 * MiB);
+    /* Only the complete files' parts stay: a refused upload's are
+     * dropped. */
+    ck_assert_int_eq(held, (long)done * 3 * MiB / 2);
+    ck_assert_int_eq(sql_long("SELECT count(*) FROM blob_files WHERE "
+                              "operator = 'carol'"),
+                     done);
+
+    /* The CLI says which bound, and exits 125. */
+    char src[PATH_MAX + 32];
+    snprintf(src, sizeof(src), "%s/big.bin", tmpdir);
+    uint8_t *b = fixture_bytes(9 * MiB / 2, 7);
+    FILE *f = fopen(src, "w");
+    ck_assert_uint_eq(fwrite(b, 1, 9 * MiB / 2, f), 9 * MiB / 2);
+    fclose(f);
+    free(b);
+    struct fixture_out o;
+    const char *cp[] = {"copy", "--agents", AGENT, src, "--to", "/tmp/x",
+                        NULL};
+    ck_assert_int_eq(fixture_kscore_as(&stack, "carol", cp, &o), 0);
+    ck_assert_int_eq(o.status, 125);
+    ck_assert_msg(strstr(o.err, "copy_operator_mib"), "%s", o.err);
+    fixture_out_release(&o);
+    ck_assert_int_eq(held_bytes("carol"), held);
+}
+END_TEST
+
+struct store_putter {
+    const char *conninfo;
+    int k, stored, refused;
+};
+
+/* Puts 16 parts of 256 KiB of its own file as frank, through a store
+ * connection of its own (as a broker would), under frank's bound of
+ * 2 MiB. */
+static void *
+store_putter_main(void *arg)
+{
+    struct store_putter *p = arg;
+    struct store *st = NULL;
+    struct store_blob_bounds bd = {2 * MiB, 1L << 40};
+    uint8_t sha[32] = {0xf0, (uint8_t)p->k};
+    uint8_t *data = fixture_bytes(256 * 1024, (uint32_t)p->k);
+    if (store_open(p->conninfo, &st, NULL) != 0)
+        return NULL;
+    for (uint32_t i = 0; i < 16; i++) {
+        struct store_blob_refusal r = {0};
+        int rc = store_blob_put(st, sha, i, data, 256 * 1024, "frank", &bd,
+                                &r);
+        if (rc == 0)
+            p->stored++;
+        else if (rc == KS_ETOOBIG && r.bound == STORE_BLOB_OVER_OPERATOR)
+            p->refused++;
+    }
+    free(data);
+    store_close(st);
+    return NULL;
+}
+
+/* The bound holds across connections, as across brokers: the check and
+ * the write are one transaction, against sums no other is changing. */
+START_TEST(the_bound_is_checked_where_the_parts_are_written)
+{
+    struct store_putter p[4];
+    pthread_t th[4];
+    int stored = 0, refused = 0;
+    for (int k = 0; k < 4; k++) {
+        p[k] = (struct store_putter){.conninfo = stack.pg.conninfo, .k = k};
+        ck_assert_int_eq(pthread_create(&th[k], NULL, store_putter_main, &p[k]),
+                         0);
+    }
+    for (int k = 0; k < 4; k++) {
+        pthread_join(th[k], NULL);
+        stored += p[k].stored;
+        refused += p[k].refused;
+    }
+    ck_assert_int_eq(stored + refused, 64);
+    /* 2 MiB: exactly 8 parts of 256 KiB, whatever the interleaving. */
+    ck_assert_int_eq(stored, 8);
+    ck_assert_int_eq(held_bytes("frank"), 2 * MiB);
+    held_bytes("*");
+}
+END_TEST
+
+/* Everyone's bound: fill the store up to 2 MiB under it (fillers of
+ * 1 MiB, at most 4 per operator), then a 2 MiB file of an operator far
+ * from its own bound is refused by the total, named. */
+START_TEST(uploads_stay_within_everyones_bound)
+{
+    char why[700], op[32];
+    int i = 0;
+    while (held_bytes("*") <= 4 * MiB) {
+        snprintf(op, sizeof(op), "filler%d", i / 4);
+        ck_assert_int_eq(upload_as(op, MiB, 1000 + (uint32_t)i, why,
+                                   sizeof(why)),
+                         0);
+        i++;
+    }
+    long total = held_bytes("*");
+    ck_assert_int_le(total, 6 * MiB);
+    ck_assert_int_eq(upload_as("dave", 2 * MiB, 9, why, sizeof(why)),
+                     KS_ETOOBIG);
+    ck_assert_msg(strstr(why, "copy_total_mib") &&
+                      strstr(why, "all operators together"),
+                  "%s", why);
+    ck_assert_int_eq(held_bytes("dave"), 0);
+    ck_assert_int_eq(held_bytes("*"), total);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -2419,6 +3532,16 @@ security_suite(void)
     add_only(tc, idempotency_keys_are_per_operator);
     add_only(tc, a_replayed_old_heartbeat_does_not_evict_the_live_agent);
     add_only(tc, a_falsely_accused_agent_serves_again);
+    add_only(tc, an_operators_denials_are_bounded_rows);
+    add_only(tc, an_agents_junk_reports_are_bounded_rows);
+    add_only(tc, one_agent_cannot_fill_the_events_stream);
+    add_only(tc, an_agent_credential_has_bounded_connections);
+    add_only(tc, an_agent_cannot_empty_the_registry);
+    add_only(tc, an_agents_lost_claims_are_bounded_rows);
+    add_only(tc, only_an_operator_who_may_copy_uploads);
+    add_only(tc, parallel_uploads_stay_within_the_operators_bound);
+    add_only(tc, the_bound_is_checked_where_the_parts_are_written);
+    add_only(tc, uploads_stay_within_everyones_bound);
     suite_add_tcase(s, tc);
     /* Its own stack: it restarts the broker. */
     tc = tcase_create("signed-labels");
@@ -2426,6 +3549,7 @@ security_suite(void)
     tcase_set_timeout(tc, 180);
     add_only(tc, agents_get_only_the_labels_the_broker_signed);
     add_only(tc, an_enrolled_agent_cannot_drop_its_signed_labels);
+    add_only(tc, a_relabel_is_signed_recorded_and_kept);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -5,6 +5,7 @@
  * each other's data.
  */
 #include <check.h>
+#include <dirent.h>
 #include <libpq-fe.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -782,6 +783,159 @@ START_TEST(test_read_all_xid_order)
 }
 END_TEST
 
+/* ---- what a reader waits for (issue 25) ---- */
+
+/* Runs sql on c; a failure fails the test. */
+static void
+exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *res = PQexec(c, sql);
+    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
+                      PQresultStatus(res) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQresultErrorMessage(res));
+    PQclear(res);
+}
+
+/* A connection of its own to database db of the fixture's cluster. */
+static PGconn *
+pq_db(const char *db)
+{
+    char ci[PATH_MAX + 64];
+    snprintf(ci, sizeof(ci), "%s dbname=%s", pg.conninfo, db);
+    PGconn *c = PQconnectdb(ci);
+    ck_assert_msg(PQstatus(c) == CONNECTION_OK, "%s: %s", ci,
+                  PQerrorMessage(c));
+    return c;
+}
+
+/* Reads from *cur until a page is empty; whether id was among them. */
+static bool
+read_finds(struct store *r, struct store_cursor *cur, const char *id)
+{
+    bool found = false;
+    struct collect col;
+    do {
+        col = (struct collect){0};
+        ck_assert_int_eq(store_read_all(r, cur, 64, collect_cb, &col), 0);
+        for (int i = 0; i < col.n && i < 64; i++)
+            found = found || strcmp(col.ids[i], id) == 0;
+    } while (col.n > 0);
+    return found;
+}
+
+/*
+ * Issue 25: readers waited below pg_snapshot_xmin, the oldest open
+ * transaction of the whole cluster, so one open transaction of another
+ * database (25 s: a follower's delivery went from 1 s to 24 s) or of this
+ * one that writes no event held every follower back. Both stay open here
+ * while an event is appended: the reader gets it at once. An open
+ * appender of this database is still waited for, and its event comes
+ * first (the order is (tx_id, global_pos)).
+ */
+START_TEST(test_read_all_passes_other_transactions)
+{
+    struct store *r = open_store(), *a = open_store(), *w = open_store();
+    struct store_cursor cur = {0};
+    struct tev t1, held, t2;
+    char stream[64], hstream[64], u[37];
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "pass-%s", u);
+    ks_uuid(u);
+    snprintf(hstream, sizeof(hstream), "pass-%s", u);
+    read_finds(r, &cur, "");
+    /* A transaction with an id, in another database... */
+    PGconn *other = pq_db("postgres");
+    exec_ok(other, "BEGIN");
+    exec_ok(other, "SELECT pg_current_xact_id()");
+    /* ... and one of this database that writes, but no event. */
+    PGconn *same = pq_db("kscore");
+    exec_ok(same, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(same, "BEGIN");
+    exec_ok(same, "INSERT INTO reader_bystander VALUES (1)");
+    exec_ok(same, "SELECT count(*) FROM events"); /* reading is no append */
+
+    ck_assert_int_eq(append1(a, mk(&t1, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert_msg(read_finds(r, &cur, t1.id),
+                  "an event committed after two open transactions that "
+                  "append nothing was not read while they are open");
+
+    /* An appender that is open is waited for: nothing after it is read
+     * until it ends, then its event first. */
+    PQclear(PQexec(store_pgconn(w), "BEGIN"));
+    ck_assert_int_eq(
+        append1(w, mk(&held, hstream, "Thing"), STORE_ANY, NULL), 0);
+    ck_assert_int_eq(append1(a, mk(&t2, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    ck_assert(!read_finds(r, &cur, t2.id));
+    exec_ok(store_pgconn(w), "COMMIT");
+    struct collect col = {0};
+    ck_assert_int_eq(store_read_all(r, &cur, 64, collect_cb, &col), 0);
+    ck_assert_int_eq(col.n, 2);
+    ck_assert_str_eq(col.ids[0], held.id);
+    ck_assert_str_eq(col.ids[1], t2.id);
+
+    exec_ok(other, "COMMIT");
+    exec_ok(same, "ROLLBACK");
+    PQfinish(other);
+    PQfinish(same);
+    store_close(w);
+    store_close(a);
+    store_close(r);
+}
+END_TEST
+
+/*
+ * The writer's half of the rule (migration 12): a transaction that wrote
+ * something else first (so it has an id) and then appends would be passed
+ * by readers while open, and its events skipped for good once it commits.
+ * Such an append is refused (KS006), by the store's appends and by a
+ * plain INSERT; the same INSERT as the transaction's first write is
+ * fine (it locks events before it has an id).
+ */
+START_TEST(test_append_locks_events_first)
+{
+    struct store *s = open_store();
+    struct tev t;
+    char stream[64], u[37], sql[512];
+    PGconn *c = store_pgconn(s);
+
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "lock-%s", u);
+    exec_ok(c, "CREATE TABLE IF NOT EXISTS reader_bystander (x int)");
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (2)");
+    ck_assert_int_eq(append1(s, mk(&t, stream, "Thing"), STORE_ANY, NULL),
+                     KS_EPG);
+    ck_assert_str_eq(store_last_sqlstate(s), "KS006");
+    exec_ok(c, "ROLLBACK");
+
+    snprintf(sql, sizeof(sql),
+             "INSERT INTO events (stream_id, version, event_id, type, data)"
+             " VALUES ('%s', 1, '%s', 'Thing', '')",
+             stream, t.id);
+    exec_ok(c, "BEGIN");
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (3)");
+    PGresult *res = PQexec(c, sql);
+    ck_assert_int_eq(PQresultStatus(res), PGRES_FATAL_ERROR);
+    ck_assert_str_eq(PQresultErrorField(res, PG_DIAG_SQLSTATE), "KS006");
+    PQclear(res);
+    exec_ok(c, "ROLLBACK");
+
+    exec_ok(c, "BEGIN");
+    exec_ok(c, sql);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (4)");
+    exec_ok(c, "ROLLBACK");
+    /* And the store's own appends still work in a transaction. */
+    exec_ok(c, "BEGIN");
+    ck_assert_int_eq(append1(s, &t.ev, STORE_ANY, NULL), 0);
+    exec_ok(c, "INSERT INTO reader_bystander VALUES (5)");
+    exec_ok(c, "COMMIT");
+    store_close(s);
+}
+END_TEST
+
 START_TEST(test_wait_notify)
 {
     struct store *l = open_store(), *w = open_store();
@@ -810,6 +964,28 @@ static const char *digest_sql[] = {
     " FROM batch_targets t",
 };
 
+/* A replay from events alone rebuilds the projections as they are;
+ * returns the events replayed. */
+static int64_t
+assert_replay_equal(struct store *s)
+{
+    char *before[3], *err = NULL;
+    int64_t n = 0;
+
+    for (int i = 0; i < 3; i++)
+        before[i] = sql1(s, digest_sql[i]);
+    ck_assert_msg(store_replay(s, &n, &err) == 0, "replay: %s",
+                  err ? err : "");
+    for (int i = 0; i < 3; i++) {
+        char *after = sql1(s, digest_sql[i]);
+        ck_assert_str_eq(before[i], after);
+        free(after);
+        free(before[i]);
+    }
+    free(err);
+    return n;
+}
+
 START_TEST(test_replay_equality)
 {
     struct store *s = open_store(), *other = open_store();
@@ -827,6 +1003,9 @@ START_TEST(test_replay_equality)
     run_command(s, cid, bid, NULL, 2);
     run_command(s, cid, NULL, NULL, 0);
     mk(&t, bstream, "BatchCompleted")->batch_id = bid;
+    /* How it ended is the row's status (migration 13; "Completed" before,
+     * whatever the end), the same after a replay. */
+    t.ev.batch_status = KS__BATCH_STATUS__BATCH_PARTIAL_FAILURE;
     ck_assert_int_eq(append1(s, &t.ev, 1, &v), 0);
     {
         char sql[256], *row;
@@ -835,7 +1014,7 @@ START_TEST(test_replay_equality)
                  " FROM batches WHERE batch_id = '%s'",
                  bid);
         row = sql1(s, sql);
-        ck_assert_str_eq(row, "Completed21102");
+        ck_assert_str_eq(row, "PartialFailure21102");
         free(row);
     }
 
@@ -996,11 +1175,10 @@ START_TEST(test_append_many_fold)
 {
     struct store *s = open_store();
     enum { C = 10 };
-    char cid[C][37], bid[37], bstream[64], key[37], *before[3], *err = NULL;
+    char cid[C][37], bid[37], bstream[64], key[37];
     static struct fev e[64];
     Ks__Event *b[64];
     size_t n = 0, k = 0, dups = 99;
-    int64_t replayed;
 
     for (int i = 0; i < C; i++)
         ks_uuid(cid[i]);
@@ -1124,15 +1302,7 @@ START_TEST(test_append_many_fold)
     ck_assert_uint_eq(dups, n);
 
     /* The per-event rules (replay) give the same projections. */
-    for (int i = 0; i < 3; i++)
-        before[i] = sql1(s, digest_sql[i]);
-    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
-    for (int i = 0; i < 3; i++) {
-        char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
-        free(after);
-        free(before[i]);
-    }
+    assert_replay_equal(s);
     store_close(s);
 }
 END_TEST
@@ -1541,15 +1711,619 @@ checked_thread(void *arg)
     return NULL;
 }
 
-static void
-exec_ok(PGconn *c, const char *sql)
+/* ---- the group writer (store/writer.c) ---- */
+
+static struct store_writer *
+open_writer(void)
 {
-    PGresult *res = PQexec(c, sql);
-    ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK ||
-                      PQresultStatus(res) == PGRES_TUPLES_OK,
-                  "%s: %s", sql, PQresultErrorMessage(res));
-    PQclear(res);
+    struct store_writer *w = NULL;
+    char *err = NULL;
+    int rc = store_writer_open(pg.conninfo, 1, &w, &err);
+    ck_assert_msg(rc == 0, "store_writer_open: %s", err ? err : "");
+    free(err);
+    return w;
 }
+
+/* One append through the writer, on a thread of its own or not. */
+struct wcall {
+    struct store_writer *w;
+    struct fev e[2];
+    struct store_event se[2];
+    struct store_write wr;
+    /* checked_at instead of an append */
+    bool checked;
+    struct store_command_state known;
+    int64_t at;
+    int rc;
+    struct store_write_result res;
+    bool done;
+};
+
+static void *
+wcall_run(void *arg)
+{
+    struct wcall *c = arg;
+    if (c->checked)
+        c->rc = store_writer_checked_at(c->w, &c->e[0].ev, &c->known, c->at,
+                                        NULL, NULL, &c->res);
+    else
+        c->rc = store_writer_append(c->w, &c->wr, &c->res);
+    __atomic_store_n(&c->done, true, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A command's record as on_execute writes it: Requested + Dispatched to
+ * agent-1, at no stream. */
+static void
+w_dispatch(struct wcall *c, struct store_writer *w, const char *cid,
+           const char *key, const char *oper)
+{
+    memset(c, 0, sizeof(*c));
+    c->w = w;
+    freq(&c->e[0], cid, NULL, key);
+    if (oper) {
+        c->e[0].cmd.operator_ = (char *)oper;
+        c->e[0].ev.operator_ = (char *)oper;
+    }
+    fstatus(&c->e[1], cid, "CommandDispatched", 1, "agent-1");
+    c->se[0].event = &c->e[0].ev;
+    c->se[1].event = &c->e[1].ev;
+    c->wr.stream_id = c->e[0].stream;
+    c->wr.expected_version = STORE_NO_STREAM;
+    c->wr.events = c->se;
+    c->wr.n = 2;
+}
+
+/* A claim (CommandStarted by agent) at version `at`. */
+static void
+w_claim(struct wcall *c, struct store_writer *w, const char *cid,
+        const char *agent, int64_t at)
+{
+    memset(c, 0, sizeof(*c));
+    c->w = w;
+    fstatus(&c->e[0], cid, "CommandStarted", 1, agent);
+    c->se[0].event = &c->e[0].ev;
+    c->wr.stream_id = c->e[0].stream;
+    c->wr.expected_version = at;
+    c->wr.events = c->se;
+    c->wr.n = 1;
+    c->wr.claim_agent = agent;
+}
+
+/* An agent's result, decided against Running on agent-1 at `at`. */
+static void
+w_result(struct wcall *c, struct store_writer *w, const char *cid,
+         int64_t at, int exit_code)
+{
+    memset(c, 0, sizeof(*c));
+    c->w = w;
+    fresult(&c->e[0], cid, "CommandCompleted",
+            exit_code ? KS__COMMAND_STATUS__FAILED
+                      : KS__COMMAND_STATUS__SUCCEEDED,
+            exit_code, exit_code ? "bad\n" : "good\n");
+    c->e[0].ev.agent_id = "agent-1";
+    c->checked = true;
+    c->known.exists = true;
+    c->known.status = KS__COMMAND_STATUS__RUNNING;
+    snprintf(c->known.agent_id, sizeof(c->known.agent_id), "agent-1");
+    c->known.attempt = 1;
+    c->at = at;
+}
+
+/* Opaque event on a stream of its own kind at STORE_ANY. */
+static void
+w_opaque(struct wcall *c, struct store_writer *w, const char *stream)
+{
+    memset(c, 0, sizeof(*c));
+    c->w = w;
+    ks__event__init(&c->e[0].ev);
+    ks_uuid(c->e[0].id);
+    snprintf(c->e[0].stream, sizeof(c->e[0].stream), "%s", stream);
+    c->e[0].ev.event_id = c->e[0].id;
+    c->e[0].ev.stream_id = c->e[0].stream;
+    c->e[0].ev.type = "Opaque";
+    c->se[0].event = &c->e[0].ev;
+    c->wr.stream_id = c->e[0].stream;
+    c->wr.expected_version = STORE_ANY;
+    c->wr.events = c->se;
+    c->wr.n = 1;
+}
+
+/* Each append alone: the codes store_append / store_append_claim give,
+ * and the rows they make. */
+START_TEST(test_writer_verdicts_alone)
+{
+    struct store *s = open_store();
+    struct store_writer *w = open_writer();
+    struct wcall c, d;
+    char cid[37], other[37], stream[64];
+
+    ks_uuid(cid);
+    snprintf(stream, sizeof(stream), "command-%s", cid);
+    w_dispatch(&c, w, cid, NULL, NULL);
+    wcall_run(&c);
+    ck_assert_int_eq(c.rc, 0);
+    ck_assert_int_eq(c.res.version, 2);
+    assert_row(s, cid, "Dispatched/2/1/agent-1/-/false/false");
+    /* The same record again (a lost commit answer, asked again). */
+    wcall_run(&c);
+    ck_assert_int_eq(c.rc, KS_EDUPLICATE);
+    ck_assert_int_eq(c.res.version, 2);
+    /* Claims: another agent's, an unrecorded command, a wrong version. */
+    w_claim(&d, w, cid, "agent-2", 2);
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, KS_EDENIED);
+    ks_uuid(other);
+    w_claim(&d, w, other, "agent-1", 2);
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, KS_ENOTFOUND);
+    ck_assert_int_eq(
+        sql_ll(s, "SELECT count(*) FROM streams WHERE stream_id = 'command-%s'",
+               other),
+        0);
+    w_claim(&d, w, cid, "agent-1", 3);
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, KS_ECONFLICT);
+    w_claim(&d, w, cid, "agent-1", 2);
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, 0);
+    ck_assert_int_eq(d.res.version, 3);
+    assert_row(s, cid, "Running/3/1/agent-1/-/true/false");
+    wcall_run(&d); /* the claim retried: still its own */
+    ck_assert_int_eq(d.rc, KS_EDUPLICATE);
+    ck_assert_int_eq(d.res.version, 3);
+    w_claim(&d, w, cid, "agent-1", 2); /* a second claim: lost */
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, KS_ECONFLICT);
+    /* The result at the claim's version, then a late one. */
+    w_result(&c, w, cid, 3, 0);
+    wcall_run(&c);
+    ck_assert_int_eq(c.rc, 0);
+    ck_assert_int_eq(c.res.version, 4);
+    assert_row(s, cid, "Succeeded/4/1/agent-1/good\n/true/true");
+    w_result(&c, w, cid, 3, 1);
+    wcall_run(&c);
+    ck_assert_int_eq(c.rc, KS_ECONFLICT);
+    ck_assert_int_eq(count_type(s, stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, stream, "CommandStarted"), 1);
+    /* Checked on the caller's thread: nothing queued. */
+    w_claim(&d, w, cid, "agent-1", 2);
+    d.wr.stream_id = "operator-x";
+    wcall_run(&d);
+    ck_assert_int_eq(d.rc, KS_EINVAL);
+    store_writer_close(w);
+    store_close(s);
+}
+END_TEST
+
+/* The backend pid of the writer's connection waiting for a lock (0: none
+ * yet). */
+static long
+waiting_writer(struct store *s)
+{
+    return sql_ll(s,
+                  "SELECT coalesce(max(pid), 0) FROM pg_stat_activity"
+                  " WHERE wait_event_type = 'Lock'"
+                  " AND application_name = 'kscore writer'%s",
+                  "");
+}
+
+/*
+ * Holds the streams row of stream in an open transaction of its own
+ * connection, so that the writer's next transaction that moves it waits:
+ * the appends queued meanwhile all go into the transaction after it.
+ */
+static PGconn *
+hold_stream(const char *stream)
+{
+    PGconn *h = PQconnectdb(pg.conninfo);
+    char sql[256];
+    ck_assert_int_eq(PQstatus(h), CONNECTION_OK);
+    snprintf(sql, sizeof(sql),
+             "BEGIN; SELECT 1 FROM streams WHERE stream_id = '%s' FOR UPDATE",
+             stream);
+    exec_ok(h, sql);
+    return h;
+}
+
+/* Starts c on a thread once the writer waits behind the held stream. */
+static void
+start_queued(pthread_t *t, struct wcall *c)
+{
+    ck_assert_int_eq(pthread_create(t, NULL, wcall_run, c), 0);
+}
+
+static void
+wait_queued(uint64_t appends)
+{
+    for (int i = 0; i < 1000 &&
+                    ks_metric_counter_value(KS_C_WRITER_APPENDS) < appends;
+         i++)
+        usleep(5000);
+    /* Counted once in the queue (and the writer, held, takes the queue
+     * only after the test lets it go). */
+    ck_assert_uint_ge(ks_metric_counter_value(KS_C_WRITER_APPENDS), appends);
+}
+
+/* First: an append that waits behind the held stream. Returns its
+ * thread. */
+static void
+block_writer(struct store *s, struct store_writer *w, struct wcall *first,
+             const char *held_stream, pthread_t *t)
+{
+    w_opaque(first, w, held_stream);
+    first->wr.expected_version = 1;
+    start_queued(t, first);
+    for (int i = 0; i < 1000 && !waiting_writer(s); i++)
+        usleep(5000);
+    ck_assert_msg(waiting_writer(s), "the writer never waited");
+}
+
+/*
+ * Many appends queued while the writer waits, so they share one
+ * transaction: conflicts inside it (two claims of one command, two results
+ * of one command, two dispatches with one idempotency key, a claim of a
+ * command requested in the same transaction) each get their own verdict,
+ * and none fails the others.
+ */
+START_TEST(test_writer_group_verdicts)
+{
+    enum { NCMD = 12, NCALL = 64 };
+    struct store *s = open_store();
+    struct store_writer *w = open_writer();
+    static struct wcall pre[NCMD + 4], calls[NCALL], first;
+    pthread_t th[NCALL], t0;
+    char cids[NCMD][37], held[64], fresh[37], unrec[37], misc[64], key[40];
+    size_t nc = 0;
+
+    /* Set-up, one at a time: NCMD dispatched commands, one of them claimed
+     * and one running (for the results). */
+    for (int i = 0; i < NCMD; i++) {
+        ks_uuid(cids[i]);
+        w_dispatch(&pre[i], w, cids[i], NULL, NULL);
+        wcall_run(&pre[i]);
+        ck_assert_int_eq(pre[i].rc, 0);
+    }
+    w_claim(&pre[NCMD], w, cids[0], "agent-1", 2); /* claimed: retried below */
+    wcall_run(&pre[NCMD]);
+    ck_assert_int_eq(pre[NCMD].rc, 0);
+    w_claim(&pre[NCMD + 1], w, cids[1], "agent-1", 2); /* running */
+    wcall_run(&pre[NCMD + 1]);
+    ck_assert_int_eq(pre[NCMD + 1].rc, 0);
+    ks_uuid(held);
+    memmove(held + 5, held, 37);
+    memcpy(held, "held-", 5);
+    w_opaque(&pre[NCMD + 2], w, held);
+    wcall_run(&pre[NCMD + 2]);
+    ck_assert_int_eq(pre[NCMD + 2].rc, 0);
+
+    PGconn *h = hold_stream(held);
+    uint64_t tx0 = ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS);
+    uint64_t ap0 = ks_metric_counter_value(KS_C_WRITER_APPENDS);
+    block_writer(s, w, &first, held, &t0);
+
+    /* The retried claim of cids[0] (its event recorded): a duplicate. */
+    calls[nc] = pre[NCMD];
+    calls[nc++].done = false;
+    /* Two results of cids[1] at the claim's version: one wins. */
+    w_result(&calls[nc++], w, cids[1], 3, 0);
+    w_result(&calls[nc++], w, cids[1], 3, 1);
+    /* cids[2..NCMD): claims; on cids[2..5] two rival claims each. */
+    for (int i = 2; i < NCMD; i++) {
+        w_claim(&calls[nc++], w, cids[i], "agent-1", 2);
+        if (i < 6)
+            w_claim(&calls[nc++], w, cids[i], "agent-1", 2);
+    }
+    size_t rivals_end = nc;
+    /* Another agent's claim of a dispatched command (cids[2]'s). */
+    w_claim(&calls[nc++], w, cids[2], "agent-2", 2);
+    size_t denied = nc - 1;
+    /* A claim of a command never recorded. */
+    ks_uuid(unrec);
+    w_claim(&calls[nc++], w, unrec, "agent-1", 2);
+    size_t notfound = nc - 1;
+    /* A command dispatched and claimed in this same transaction. */
+    ks_uuid(fresh);
+    w_dispatch(&calls[nc++], w, fresh, NULL, NULL);
+    size_t fresh_disp = nc - 1;
+    w_claim(&calls[nc++], w, fresh, "agent-1", 2);
+    size_t fresh_claim = nc - 1;
+    /* Two dispatches with one idempotency key of one operator, and the
+     * same key of another operator. */
+    snprintf(key, sizeof(key), "key-%d", (int)getpid());
+    {
+        char c1[37], c2[37], c3[37];
+        ks_uuid(c1);
+        ks_uuid(c2);
+        ks_uuid(c3);
+        w_dispatch(&calls[nc++], w, c1, key, "carol");
+        w_dispatch(&calls[nc++], w, c2, key, "carol");
+        w_dispatch(&calls[nc++], w, c3, key, "dave");
+    }
+    size_t keys_end = nc;
+    /* A stale expected version. */
+    w_claim(&calls[nc++], w, cids[NCMD - 1], "agent-1", 7);
+    size_t stale = nc - 1;
+    ck_assert_uint_le(nc, NCALL);
+
+    /* Everything but the claim of the fresh command, then that claim: it
+     * is queued after its command's record (threads started one after
+     * the other may queue in any order). */
+    for (size_t i = 0; i < nc; i++)
+        if (i != fresh_claim)
+            start_queued(&th[i], &calls[i]);
+    wait_queued(ap0 + nc);
+    start_queued(&th[fresh_claim], &calls[fresh_claim]);
+    wait_queued(ap0 + 1 + nc);
+    for (size_t i = 0; i < nc; i++)
+        ck_assert_msg(!calls[i].done, "call %zu finished before the release",
+                      i);
+    exec_ok(h, "COMMIT");
+    PQfinish(h);
+    pthread_join(t0, NULL);
+    ck_assert_int_eq(first.rc, 0);
+    for (size_t i = 0; i < nc; i++)
+        pthread_join(th[i], NULL);
+    /* One transaction for the waiting append, one for all the rest: no
+     * append failed the group (that would have written them one by
+     * one). */
+    ck_assert_uint_eq(ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS),
+                      tx0 + 2);
+
+    ck_assert_int_eq(calls[0].rc, KS_EDUPLICATE);
+    ck_assert_int_eq(calls[0].res.version, 3);
+    ck_assert_msg((calls[1].rc == 0) != (calls[2].rc == 0),
+                  "two results: %d %d", calls[1].rc, calls[2].rc);
+    ck_assert_int_eq(calls[1].rc + calls[2].rc, KS_ECONFLICT);
+    {
+        char stream[64];
+        snprintf(stream, sizeof(stream), "command-%s", cids[1]);
+        ck_assert_int_eq(count_type(s, stream, "CommandCompleted"), 1);
+        assert_row(s, cids[1],
+                   calls[1].rc == 0 ? "Succeeded/4/1/agent-1/good\n/true/true"
+                                    : "Failed/4/1/agent-1/bad\n/true/true");
+    }
+    /* Claims: one per command, the rival lost. */
+    for (int i = 2; i < NCMD; i++) {
+        char stream[64];
+        int won = 0, lost = 0;
+        snprintf(stream, sizeof(stream), "command-%s", cids[i]);
+        for (size_t k = 3; k < rivals_end; k++)
+            if (strcmp(calls[k].e[0].cid, cids[i]) == 0) {
+                won += calls[k].rc == 0;
+                lost += calls[k].rc == KS_ECONFLICT;
+                if (calls[k].rc == 0)
+                    ck_assert_int_eq(calls[k].res.version, 3);
+            }
+        ck_assert_int_eq(won, 1);
+        ck_assert_int_eq(lost, i < 6 ? 1 : 0);
+        ck_assert_int_eq(count_type(s, stream, "CommandStarted"), 1);
+        assert_row(s, cids[i], "Running/3/1/agent-1/-/true/false");
+    }
+    ck_assert_int_eq(calls[denied].rc, KS_EDENIED);
+    ck_assert_int_eq(calls[notfound].rc, KS_ENOTFOUND);
+    ck_assert_int_eq(
+        sql_ll(s, "SELECT count(*) FROM streams WHERE stream_id = 'command-%s'",
+               unrec),
+        0);
+    ck_assert_int_eq(calls[fresh_disp].rc, 0);
+    ck_assert_int_eq(calls[fresh_claim].rc, 0);
+    ck_assert_int_eq(calls[fresh_claim].res.version, 3);
+    assert_row(s, fresh, "Running/3/1/agent-1/-/true/false");
+    {
+        int won = 0;
+        for (size_t k = keys_end - 3; k < keys_end - 1; k++) {
+            won += calls[k].rc == 0;
+            ck_assert(calls[k].rc == 0 || calls[k].rc == KS_ECONFLICT);
+        }
+        ck_assert_int_eq(won, 1);
+        ck_assert_int_eq(calls[keys_end - 1].rc, 0); /* another operator */
+        ck_assert_int_eq(
+            sql_ll(s,
+                   "SELECT count(*) FROM commands WHERE idempotency_key = '%s'",
+                   key),
+            2);
+    }
+    ck_assert_int_eq(calls[stale].rc, KS_ECONFLICT);
+    /* Appends at any version (numbered by the server: each written
+     * alone), several at once on one stream: each its own version. */
+    ks_uuid(misc + 5);
+    memcpy(misc, "misc-", 5);
+    for (int i = 0; i < 5; i++) {
+        w_opaque(&calls[i], w, misc);
+        start_queued(&th[i], &calls[i]);
+    }
+    {
+        bool seen[6] = {0};
+        for (int k = 0; k < 5; k++) {
+            pthread_join(th[k], NULL);
+            ck_assert_int_eq(calls[k].rc, 0);
+            ck_assert(calls[k].res.version >= 1 && calls[k].res.version <= 5);
+            ck_assert(!seen[calls[k].res.version]);
+            seen[calls[k].res.version] = true;
+        }
+        ck_assert_int_eq(
+            sql_ll(s, "SELECT version FROM streams WHERE stream_id = '%s'",
+                   misc),
+            5);
+    }
+    /* Every stream's version is its last event's; replay agrees. */
+    ck_assert_int_eq(
+        sql_ll(s,
+               "SELECT count(*) FROM streams st WHERE st.version > 0 AND"
+               " st.version <> (SELECT max(version) FROM events e"
+               " WHERE e.stream_id = st.stream_id)%s",
+               ""),
+        0);
+    assert_replay_equal(s);
+    store_writer_close(w);
+    store_close(s);
+}
+END_TEST
+
+/* The writer's idle connection ended (it reconnects at its next
+ * append). */
+static void
+end_writer_session(struct store *s)
+{
+    ck_assert_int_ge(
+        sql_ll(s,
+               "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+               " WHERE application_name = 'kscore writer'"
+               " AND state = 'idle'%s",
+               ""),
+        1);
+    usleep(100 * 1000);
+}
+
+static void
+set_read_only(struct store *s, bool on)
+{
+    char sql[256], *db = sql1(s, "SELECT current_database()");
+    snprintf(sql, sizeof(sql),
+             "ALTER DATABASE \"%s\" %s default_transaction_read_only%s", db,
+             on ? "SET" : "RESET", on ? " = on" : "");
+    free(db);
+    exec_ok(store_pgconn(s), sql);
+}
+
+/*
+ * The database refuses a group mid-way (its statement canceled while it
+ * waits, SQLSTATE 57014, as statement_timeout does): every append of the
+ * group is told so (KS_EPGREFUSED, not in doubt) and nothing of it is
+ * written, and the same appends asked again are. So is a database that
+ * refuses writes (read-only, 25006). A connection lost while a group's
+ * transaction is open leaves its appends in doubt instead (their commit's
+ * answer can never come), and the writer reconnects for the next.
+ */
+START_TEST(test_writer_sick_mid_group)
+{
+    enum { N = 8 };
+    struct store *s = open_store();
+    struct store_writer *w = open_writer();
+    static struct wcall calls[N + 1], first, pre[2];
+    pthread_t th[N + 1], t0;
+    char held[2][64], cid[N][37];
+
+    for (int i = 0; i < 2; i++) {
+        ks_uuid(held[i] + 5);
+        memcpy(held[i], "held-", 5);
+        w_opaque(&pre[i], w, held[i]);
+        wcall_run(&pre[i]);
+        ck_assert_int_eq(pre[i].rc, 0);
+    }
+    /* The first append waits for held[0]; the group queued behind it
+     * holds an append of held[1], where it waits in turn, mid-way. */
+    PGconn *h0 = hold_stream(held[0]), *h1 = hold_stream(held[1]);
+    uint64_t ap0 = ks_metric_counter_value(KS_C_WRITER_APPENDS);
+    block_writer(s, w, &first, held[0], &t0);
+    for (int i = 0; i < N; i++) {
+        ks_uuid(cid[i]);
+        w_dispatch(&calls[i], w, cid[i], NULL, NULL);
+        start_queued(&th[i], &calls[i]);
+    }
+    w_opaque(&calls[N], w, held[1]);
+    calls[N].wr.expected_version = 1;
+    start_queued(&th[N], &calls[N]);
+    wait_queued(ap0 + 2 + N);
+    exec_ok(h0, "COMMIT");
+    pthread_join(t0, NULL);
+    ck_assert_int_eq(first.rc, 0);
+    for (int i = 0; i < 1000 && !waiting_writer(s); i++)
+        usleep(5000);
+    {
+        char sql[128];
+        snprintf(sql, sizeof(sql), "SELECT pg_cancel_backend(%ld)",
+                 waiting_writer(s));
+        exec_ok(store_pgconn(s), sql);
+    }
+    for (int i = 0; i <= N; i++) {
+        pthread_join(th[i], NULL);
+        ck_assert_int_eq(calls[i].rc, KS_EPGREFUSED);
+        ck_assert(!calls[i].res.in_doubt);
+        ck_assert_str_eq(calls[i].res.sqlstate, "57014");
+        ck_assert(calls[i].res.error[0]);
+    }
+    exec_ok(h1, "COMMIT");
+    for (int i = 0; i < N; i++)
+        ck_assert_int_eq(
+            sql_ll(s,
+                   "SELECT count(*) FROM streams WHERE stream_id ="
+                   " 'command-%s'",
+                   cid[i]),
+            0);
+    for (int i = 0; i <= N; i++) {
+        wcall_run(&calls[i]);
+        ck_assert_int_eq(calls[i].rc, 0);
+        if (i < N)
+            assert_row(s, cid[i], "Dispatched/2/1/agent-1/-/false/false");
+    }
+
+    /* Read-only: the writer's new session refuses, then takes writes. */
+    set_read_only(s, true);
+    end_writer_session(s);
+    for (int i = 0; i < N; i++) {
+        ks_uuid(cid[i]);
+        w_dispatch(&calls[i], w, cid[i], NULL, NULL);
+        start_queued(&th[i], &calls[i]);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        ck_assert_int_eq(calls[i].rc, KS_EPGREFUSED);
+        ck_assert_str_eq(calls[i].res.sqlstate, "25006");
+        ck_assert(!calls[i].res.in_doubt);
+    }
+    set_read_only(s, false);
+    end_writer_session(s);
+    for (int i = 0; i < N; i++) {
+        ck_assert_int_eq(
+            sql_ll(s,
+                   "SELECT count(*) FROM events WHERE stream_id ="
+                   " 'command-%s'",
+                   cid[i]),
+            0);
+        wcall_run(&calls[i]);
+        ck_assert_int_eq(calls[i].rc, 0);
+    }
+
+    /* Killed mid-transaction: in doubt, nothing written, and on. */
+    h0 = PQconnectdb(pg.conninfo);
+    {
+        char sql[256];
+        snprintf(sql, sizeof(sql),
+                 "BEGIN; SELECT 1 FROM streams WHERE stream_id = '%s'"
+                 " FOR UPDATE",
+                 held[0]);
+        exec_ok(h0, sql);
+    }
+    w_opaque(&first, w, held[0]);
+    first.wr.expected_version = 2;
+    start_queued(&t0, &first);
+    for (int i = 0; i < 1000 && !waiting_writer(s); i++)
+        usleep(5000);
+    {
+        char sql[128];
+        snprintf(sql, sizeof(sql), "SELECT pg_terminate_backend(%ld)",
+                 waiting_writer(s));
+        exec_ok(store_pgconn(s), sql);
+    }
+    pthread_join(t0, NULL);
+    ck_assert_int_eq(first.rc, KS_EPGDOWN);
+    ck_assert(first.res.in_doubt);
+    exec_ok(h0, "COMMIT");
+    PQfinish(h0);
+    PQfinish(h1);
+    ck_assert_int_eq(
+        sql_ll(s, "SELECT version FROM streams WHERE stream_id = '%s'",
+               held[0]),
+        2);
+    wcall_run(&first); /* asked again: written now */
+    ck_assert_int_eq(first.rc, 0);
+    ck_assert_int_eq(first.res.version, 3);
+    store_writer_close(w);
+    store_close(s);
+}
+END_TEST
 
 /*
  * A batch of reports that meets a writer holding one of its commands: the
@@ -1663,9 +2437,8 @@ START_TEST(test_append_many_batch_order)
     struct store *s = open_store();
     static struct fev e[4];
     Ks__Event *b[4];
-    char c1[37], bid[37], *before[3], *err = NULL, sql[256], *row;
+    char c1[37], bid[37], sql[256], *row;
     size_t n = 0, dups;
-    int64_t replayed;
 
     /* A batch completed before its command is requested, in one call:
      * the completion finds no row, as event by event. */
@@ -1684,15 +2457,7 @@ START_TEST(test_append_many_batch_order)
     row = sql1(s, sql);
     ck_assert_str_eq(row, "Running1");
     free(row);
-    for (int i = 0; i < 3; i++)
-        before[i] = sql1(s, digest_sql[i]);
-    ck_assert_int_eq(store_replay(s, &replayed, &err), 0);
-    for (int i = 0; i < 3; i++) {
-        char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
-        free(after);
-        free(before[i]);
-    }
+    assert_replay_equal(s);
     store_close(s);
 }
 END_TEST
@@ -1703,6 +2468,144 @@ cmp_i64(const void *a, const void *b)
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return x < y ? -1 : x > y;
 }
+
+/* ---- the writer against one connection per thread (a measurement) ---- */
+
+struct wbench {
+    struct store_writer *w; /* NULL: store_append on a connection each */
+    int commands;
+    int64_t us;
+};
+
+static void *
+wbench_thread(void *arg)
+{
+    struct wbench *b = arg;
+    struct store *s = b->w ? NULL : open_store();
+    struct wcall c;
+    int64_t t0 = ks_mono_us();
+
+    for (int i = 0; i < b->commands; i++) {
+        char cid[37];
+        ks_uuid(cid);
+        w_dispatch(&c, b->w, cid, NULL, NULL);
+        if (s)
+            c.rc = store_append(s, c.wr.stream_id, STORE_NO_STREAM, c.se, 2,
+                                NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+        w_claim(&c, b->w, cid, "agent-1", 2);
+        if (s)
+            c.rc = store_append_claim(s, c.wr.stream_id, 2, "agent-1", c.se,
+                                      NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+        w_result(&c, b->w, cid, 3, 0);
+        if (s)
+            c.rc = store_append_checked_at(s, &c.e[0].ev, &c.known, 3, NULL,
+                                           NULL);
+        else
+            wcall_run(&c);
+        ck_assert_msg(c.rc == 0, "%s: %s", ks_err_name(c.rc), c.res.error);
+    }
+    b->us = ks_mono_us() - t0;
+    store_close(s);
+    return NULL;
+}
+
+/* CPU (us) of the suite's PostgreSQL: the postmaster with what it
+ * reaped, and its live backends. */
+static int64_t
+pg_cpu_us(void)
+{
+    unsigned long long t[4] = {0}, sum = 0;
+    char path[64], buf[1024], *p;
+    long tck = sysconf(_SC_CLK_TCK);
+    struct dirent *e;
+    DIR *d = opendir("/proc");
+
+    while (d && (e = readdir(d))) {
+        long pid = atol(e->d_name), ppid = 0;
+        FILE *f;
+        size_t n;
+        if (pid <= 0)
+            continue;
+        snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+        if (!(f = fopen(path, "re")))
+            continue;
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        if (!(p = strrchr(buf, ')')) ||
+            sscanf(p + 2, "%*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u"
+                          " %llu %llu %llu %llu",
+                   &ppid, &t[0], &t[1], &t[2], &t[3]) != 5)
+            continue;
+        if (pid == pg.pid)
+            sum += t[0] + t[1] + t[2] + t[3];
+        else if (ppid == pg.pid)
+            sum += t[0] + t[1];
+    }
+    if (d)
+        closedir(d);
+    return (int64_t)(sum * 1000000ULL / (unsigned long long)tck);
+}
+
+/* Not an assertion: prints what this machine does. */
+START_TEST(test_writer_bench)
+{
+    enum { MAXT = 64 };
+    int THREADS = getenv("WTW_THREADS") ? atoi(getenv("WTW_THREADS")) : 16;
+    int PER = 640 / THREADS;
+    static struct wbench b[MAXT];
+    pthread_t th[MAXT];
+
+    store_close(open_store()); /* migrated */
+    /* A connection each, then writers of 1, 2 and 4 connections. */
+    unsigned conns[16] = {0, 1, 2, 4, 0, 1, 2, 4};
+    size_t nmodes = 8;
+    if (getenv("WTW_MODES")) {
+        char *m = getenv("WTW_MODES");
+        for (nmodes = 0; *m && nmodes < 16; nmodes++) {
+            conns[nmodes] = (unsigned)strtoul(m, &m, 10);
+            if (*m == ',')
+                m++;
+        }
+    }
+    for (size_t mode = 0; mode < nmodes; mode++) {
+        struct store_writer *w = NULL;
+        if (conns[mode]) {
+            char *err = NULL;
+            ck_assert_int_eq(store_writer_open(pg.conninfo, conns[mode], &w,
+                                               &err), 0);
+        }
+        uint64_t tx0 = ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS);
+        int64_t t0 = ks_mono_us(), cpu0 = pg_cpu_us();
+        for (int i = 0; i < THREADS; i++) {
+            b[i] = (struct wbench){.w = w, .commands = PER};
+            ck_assert_int_eq(pthread_create(&th[i], NULL, wbench_thread,
+                                            &b[i]), 0);
+        }
+        for (int i = 0; i < THREADS; i++)
+            pthread_join(th[i], NULL);
+        int64_t us = ks_mono_us() - t0, cpu = pg_cpu_us() - cpu0;
+        uint64_t tx = ks_metric_counter_value(KS_C_WRITER_TRANSACTIONS) - tx0;
+        printf("bench %s (%u): %d threads x %d commands (dispatch, claim,"
+               " result) in %.0f ms = %.0f commands/s, PostgreSQL %.0f us of"
+               " CPU a command%s",
+               w ? "writer" : "a connection each", conns[mode], THREADS, PER,
+               us / 1000.0,
+               THREADS * PER * 1e6 / us, (double)cpu / (THREADS * PER),
+               w ? "" : "\n");
+        if (w)
+            printf(", %.1f appends per transaction\n",
+                   tx ? 3.0 * THREADS * PER / tx : 0);
+        store_writer_close(w);
+    }
+}
+END_TEST
 
 /* Not an assertion: prints what this machine does (see the report). */
 START_TEST(test_bench)
@@ -1795,6 +2698,136 @@ START_TEST(test_bench)
 }
 END_TEST
 
+/* Rows of events read so far by every session (pg_stat_user_tables), as
+ * (sequential, through an index): after s's own pending counts are in
+ * (pg_stat_force_next_flush: flushed when s's backend goes idle). */
+static void
+events_rows_read(struct store *s, long long *seq, long long *idx)
+{
+    PGconn *c = store_pgconn(s);
+    PQclear(PQexec(c, "SELECT pg_stat_force_next_flush()"));
+    PGresult *res = PQexec(
+        c, "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)"
+           " FROM pg_stat_user_tables WHERE relname = 'events'");
+    ck_assert_msg(PQresultStatus(res) == PGRES_TUPLES_OK, "%s",
+                  PQresultErrorMessage(res));
+    *seq = atoll(PQgetvalue(res, 0, 0));
+    *idx = atoll(PQgetvalue(res, 0, 1));
+    PQclear(res);
+}
+
+/*
+ * Where `events --follow` starts (store_cursor_at): at now, or after the
+ * last event recorded before a time, found without reading the history
+ * before it, and never past a transaction still open.
+ */
+START_TEST(test_cursor_at)
+{
+    struct store *r = open_store(), *a = open_store(), *b = open_store();
+    struct store_cursor cur, zero = {0};
+    struct ordered seen = {0};
+    struct tev old_one, recent[3], held, later, last;
+    char stream[64], u[37];
+    uint8_t *data;
+    size_t len;
+    long long seq0, idx0, seq1, idx1;
+    PGresult *res;
+
+    /* A history of 20,000 events recorded two hours ago. */
+    ck_assert_int_eq(kproto_pack(&mk(&old_one, "hist", "Thing")->base, &data,
+                                 &len),
+                     0);
+    {
+        const char *vals[1] = {(const char *)data};
+        int lens[1] = {(int)len}, fmts[1] = {1};
+        res = PQexecParams(
+            store_pgconn(b),
+            "INSERT INTO events (stream_id, version, event_id, type, data,"
+            " recorded_at) SELECT 'hist-' || g, 1, gen_random_uuid(),"
+            " 'Thing', $1, now() - interval '2 hours'"
+            " FROM generate_series(1, 20000) g",
+            1, NULL, vals, lens, fmts, 0);
+        ck_assert_msg(PQresultStatus(res) == PGRES_COMMAND_OK, "%s",
+                      PQresultErrorMessage(res));
+        PQclear(res);
+    }
+    free(data);
+    ks_uuid(u);
+    snprintf(stream, sizeof(stream), "at-%s", u);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(
+            append1(b, mk(&recent[i], stream, "Thing"), STORE_ANY, NULL), 0);
+    /* Held open across the start: its event must not be skipped. */
+    PQclear(PQexec(store_pgconn(a), "BEGIN"));
+    ck_assert_int_eq(append1(a, mk(&held, "at-held", "Thing"), STORE_ANY,
+                             NULL),
+                     0);
+    ck_assert_int_eq(append1(b, mk(&later, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+
+    /* The counters see what a query reads: a scan of the history. */
+    events_rows_read(r, &seq0, &idx0);
+    PQclear(PQexec(store_pgconn(r),
+                   "SELECT count(*) FROM events WHERE data = ''"));
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_ge(seq1 - seq0 + idx1 - idx0, 20000);
+
+    /* Now: nothing of the history is read to find it. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, 0, &cur), 0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_eq(idx1 - idx0, 0);
+    ck_assert(cur.tx_id != 0);
+    PQclear(PQexec(store_pgconn(a), "COMMIT"));
+    ck_assert_int_eq(append1(b, mk(&last, stream, "Thing"), STORE_ANY, NULL),
+                     0);
+    events_rows_read(r, &seq0, &idx0);
+    read_pages(r, &cur, &seen);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100); /* what it returned, not 20,000 */
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(ordered_find(&seen, recent[i].id), -1);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* An hour ago: after the history, found by walking back from the
+     * end, not through the history. */
+    events_rows_read(r, &seq0, &idx0);
+    ck_assert_int_eq(store_cursor_at(r, ks_now_us() - 3600 * INT64_C(1000000),
+                                     &cur),
+                     0);
+    events_rows_read(r, &seq1, &idx1);
+    ck_assert_int_eq(seq1 - seq0, 0);
+    ck_assert_int_lt(idx1 - idx0, 100);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    seen = (struct ordered){0};
+    read_pages(r, &cur, &seen);
+    ck_assert_int_eq(ordered_find(&seen, old_one.id), -1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_ge(ordered_find(&seen, recent[i].id), 0);
+    ck_assert_int_ge(ordered_find(&seen, held.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, later.id), 0);
+    ck_assert_int_ge(ordered_find(&seen, last.id), 0);
+    ck_assert_int_lt(seen.n, 20);
+
+    /* Before anything was recorded: the first event. */
+    ck_assert_int_eq(store_cursor_at(r, INT64_C(1000000), &cur), 0);
+    ck_assert(cur.tx_id == zero.tx_id && cur.global_pos == zero.global_pos);
+    free(seen.ids);
+    free(seen.tx);
+    free(seen.pos);
+    store_close(a);
+    store_close(b);
+    store_close(r);
+}
+END_TEST
+
 int
 main(void)
 {
@@ -1818,7 +2851,12 @@ main(void)
     tcase_add_test(tc, test_command_projection);
     tcase_add_test(tc, test_read_all_late_commit);
     tcase_add_test(tc, test_read_all_xid_order);
+    tcase_add_test(tc, test_read_all_passes_other_transactions);
+    tcase_add_test(tc, test_append_locks_events_first);
     tcase_add_test(tc, test_wait_notify);
+    tcase_add_test(tc, test_writer_verdicts_alone);
+    tcase_add_test(tc, test_writer_group_verdicts);
+    tcase_add_test(tc, test_writer_sick_mid_group);
     tcase_add_test(tc, test_replay_equality);
     tcase_add_test(tc, test_append_many_fold);
     tcase_add_test(tc, test_append_many_refused);
@@ -1830,6 +2868,12 @@ main(void)
     tcase_add_test(tc, test_claim_waits_for_record);
     tcase_add_test(tc, test_append_many_batch_order);
     tcase_add_test(tc, test_bench);
+    tcase_add_test(tc, test_cursor_at);
+    suite_add_tcase(su, tc);
+    /* Measurements alone: CK_RUN_CASE=bench. */
+    tc = tcase_create("bench");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_writer_bench);
     suite_add_tcase(su, tc);
     sr = srunner_create(su);
     srunner_run_all(sr, CK_NORMAL);

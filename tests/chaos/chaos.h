@@ -32,7 +32,7 @@
 
 #define CHAOS_MAX_BATCHES 16
 #define CHAOS_MAX_RECOVERIES 4
-#define CHAOS_MAX_AGENTS 16
+#define CHAOS_MAX_AGENTS 24
 #define CHAOS_SUBMITTERS 4
 
 /* One submission through the client API. */
@@ -119,6 +119,19 @@ struct chaos_run {
     /* Every agent stays alive and heard (a broker pause): a Lost end is a
      * false one, an I2 violation. */
     bool forbid_lost;
+    /* How long the record refused every write (pg-full): no end can be
+     * recorded meanwhile, so it is added to I3's deadlines. */
+    int64_t refused_us;
+    /* The scenario's own checks that failed (chaos_fail): printed as
+     * "VIOLATION S" and counted in violations[0]. */
+    char fails[4][320];
+    unsigned nfails;
+    /* The scenario cannot run here (chaos_skip): SKIPPED, not a failure. */
+    char skipped[160];
+    /* tmpfs the scenario mounted (chaos_mount_small): unmounted once the
+     * stack is down. */
+    char mounts[2][PATH_MAX];
+    unsigned nmounts;
     /* Progress: the wall clock of the fault (0: none marked), and the
      * longest time without a new terminal event of a batch target from
      * then to the last one (gap_s), and before it (gap_before_s); < 0
@@ -147,6 +160,10 @@ uint64_t chaos_rand(struct chaos_run *r, uint64_t lo, uint64_t hi);
 double chaos_randf(struct chaos_run *r, double lo, double hi);
 void chaos_sleep_ms(int64_t ms);
 double chaos_since_s(int64_t mono_us);
+/* A check of the scenario's own failed: said now, a violation "S" in the
+ * check, the scenario FAILs. */
+void chaos_fail(struct chaos_run *r, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* ---- chaos_load.c -------------------------------------------------------- */
 /* The stack: nats-server, PostgreSQL, a broker with local_agents, the side
@@ -176,10 +193,18 @@ void chaos_cluster_down(struct chaos_run *r);
 int chaos_agent_spawn(struct chaos_run *r, const char *name,
                       const char *const *ids, unsigned n,
                       unsigned max_concurrent);
+/* As chaos_agent_spawn, through launcher (fixture_agent_spawn_via). */
+int chaos_agent_spawn_via(struct chaos_run *r, const char *name,
+                          const char *const *ids, unsigned n,
+                          unsigned max_concurrent,
+                          const char *const launcher[]);
 /* Prepares n submissions round-robin over r->agents, sleeping a random
  * time in [sleep_lo, sleep_hi] s each. */
 void chaos_subs_prepare(struct chaos_run *r, size_t n, double sleep_lo,
                         double sleep_hi);
+/* A tmpfs of size_mb at path (made if missing), unmounted by
+ * chaos_stack_down. 0, or KS_EUNAVAIL when this host cannot mount one. */
+int chaos_mount_small(struct chaos_run *r, const char *path, int size_mb);
 /* Starts the submitter threads over r->subs at r->rate. */
 int chaos_submit_start(struct chaos_run *r);
 /* Joins them (each gives up on a submission after its retry budget). */

@@ -79,7 +79,10 @@ viol(struct chaos_run *r, int inv, const char *fmt, ...)
     va_list ap;
     if (++r->violations[inv] > SHOW_PER_INVARIANT)
         return;
-    printf("  VIOLATION I%d: ", inv);
+    if (inv == 0)
+        printf("  VIOLATION S: "); /* the scenario's own check */
+    else
+        printf("  VIOLATION I%d: ", inv);
     va_start(ap, fmt);
     vprintf(fmt, ap);
     va_end(ap);
@@ -655,8 +658,8 @@ chaos_check(struct chaos_run *r)
                 viol(r, 2, "command %s: projection says %s, no terminal "
                      "event recorded", c->id, c->proj);
         }
-        /* I3 */
-        int64_t due = c->req_us + c->budget_us;
+        /* I3 (no end can be recorded while the record refuses writes) */
+        int64_t due = c->req_us + c->budget_us + r->refused_us;
         if (!c->nterm) {
             t.lost++;
             viol(r, 3, "command %s%s%s not terminal %.0f s after acceptance "
@@ -686,6 +689,9 @@ chaos_check(struct chaos_run *r)
             viol(r, 6, "serving again took %.1f s after %s (limit %.0f s)",
                  r->rec[i].seconds, r->rec[i].what, CHAOS_RECOVER_LIMIT_S);
     }
+    /* The scenario's own checks. */
+    for (unsigned i = 0; i < r->nfails; i++)
+        viol(r, 0, "%s", r->fails[i]);
     viol_tail(r);
 
     /* The table. */
@@ -747,7 +753,7 @@ chaos_check(struct chaos_run *r)
     ks_map_clear(&cs.by_id);
     free(cs.v);
     PQfinish(pg);
-    for (int i = 1; i <= 6; i++)
+    for (int i = 0; i <= 6; i++)
         if (r->violations[i])
             return 1;
     return 0;

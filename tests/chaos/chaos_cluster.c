@@ -125,7 +125,7 @@ chaos_cluster_up(struct chaos_run *r, char (*ids)[16], unsigned n)
     int consumers = 0;
     while (!chaos_interrupted && chaos_since_s(t0) < 300) {
         struct stack_js_info ji;
-        if (stack_nats_js_info(nodes[0].mon_port, &ji) == 0 &&
+        if (stack_nats_js_info(&nodes[0], &ji) == 0 &&
             (consumers = ji.consumers) >= (int)n + 1)
             break;
         chaos_sleep_ms(250);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -205,20 +206,48 @@ chaos_stack_down(struct chaos_run *r)
                r->st.nats.dir, r->st.pg.dir);
     fixture_stack_stop(&r->st);
     r->stack_up = false;
+    for (unsigned i = 0; i < r->nmounts; i++)
+        umount2(r->mounts[i], MNT_DETACH);
+    r->nmounts = 0;
+}
+
+int
+chaos_mount_small(struct chaos_run *r, const char *path, int size_mb)
+{
+    char opts[32];
+    if (r->nmounts >= sizeof(r->mounts) / sizeof(r->mounts[0]))
+        return -ENOSPC;
+    if (mkdir(path, 0700) == -1 && errno != EEXIST)
+        return -errno;
+    snprintf(opts, sizeof(opts), "size=%dm", size_mb);
+    if (mount("tmpfs", path, "tmpfs", 0, opts) == -1) {
+        chaos_log(r, "cannot mount a tmpfs at %s: %s", path, strerror(errno));
+        return KS_EUNAVAIL;
+    }
+    snprintf(r->mounts[r->nmounts++], sizeof(r->mounts[0]), "%s", path);
+    return 0;
 }
 
 int
 chaos_agent_spawn(struct chaos_run *r, const char *name,
                   const char *const *ids, unsigned n, unsigned max_concurrent)
 {
-    const char *extra[32];
+    return chaos_agent_spawn_via(r, name, ids, n, max_concurrent, NULL);
+}
+
+int
+chaos_agent_spawn_via(struct chaos_run *r, const char *name,
+                      const char *const *ids, unsigned n,
+                      unsigned max_concurrent, const char *const launcher[])
+{
+    const char *extra[64];
     char mc[16];
     size_t k = 0;
     int64_t since = ks_now_us() - 1000000;
     int rc;
 
     snprintf(mc, sizeof(mc), "%u", max_concurrent);
-    for (unsigned i = 1; i < n && k < 28; i++) {
+    for (unsigned i = 1; i < n && k < 60; i++) {
         extra[k++] = "--id";
         extra[k++] = ids[i];
     }
@@ -227,7 +256,7 @@ chaos_agent_spawn(struct chaos_run *r, const char *name,
         extra[k++] = mc;
     }
     extra[k] = NULL;
-    rc = fixture_agent_spawn(&r->st, name, ids[0], extra);
+    rc = fixture_agent_spawn_via(&r->st, name, ids[0], extra, launcher);
     for (unsigned i = 1; rc == 0 && i < n; i++)
         rc = fixture_stack_wait_agent(&r->st, ids[i], since, 30000);
     if (rc)
@@ -530,11 +559,12 @@ settle_deadline_us(const struct chaos_run *r)
     for (size_t i = 0; i < r->nsubs; i++)
         if (r->subs[i].accept_us > last)
             last = r->subs[i].accept_us;
-    d = (last ? last : ks_now_us()) + item_budget_us(r);
+    d = (last ? last : ks_now_us()) + item_budget_us(r) + r->refused_us;
     for (unsigned i = 0; i < r->nbatches; i++) {
         const struct chaos_batch *b = &r->batches[i];
         unsigned rounds = (b->targets + b->conc - 1) / (b->conc ? b->conc : 1);
-        int64_t bd = b->accept_us + (int64_t)rounds * item_budget_us(r);
+        int64_t bd = b->accept_us + (int64_t)rounds * item_budget_us(r) +
+                     r->refused_us;
         if (bd > d)
             d = bd;
     }

@@ -1,0 +1,623 @@
+/*
+ * Admission: what this broker holds in flight, and whether a new command
+ * can start within its delivery deadline (issue 23: overload is refused,
+ * not queued for minutes). README "Overload" is the operator's account.
+ *
+ * Three queues stand between an ExecuteCommand and its start; each one's
+ * wait is its length times its measured service time over its servers
+ * (Little's law, W = L / throughput):
+ *
+ *   intake   requests received on kscore.api.v1.execute, not yet taken by
+ *            an exec worker: length x the workers' mean time per request
+ *            / BROKER_EXEC_WORKERS;
+ *   claims   agents' claims pending in the claim subscriptions: their
+ *            count x the claim handler's mean time / BROKER_CLAIM_WORKERS;
+ *   agent    commands this broker dispatched to the agent's process (its
+ *            pool, or its process's ids: one set of slots) and has not
+ *            seen end: beyond its slots (AgentInfo.max_concurrent), each
+ *            waits for a slot, which is held for the measured claim-to-end
+ *            time: (in flight + 1 - slots) x hold / slots.
+ *
+ * A request is refused at once, before anything is recorded, with
+ * KS_EBUSY and a line that names the limit and the figures, when
+ *   intake + claims > min(its wait, BROKER_QUEUE_MAX_MS): kscore's own
+ *     queues; a standing queue there helps nobody and delays everyone
+ *     (DESIGN "Capacity": overload is an input), so it stays short
+ *     whatever the deadline;
+ *   intake + claims + agent > its wait: the command could not start in
+ *     time.
+ * Its wait is its delivery deadline when the caller gave one
+ * (--deliver-within: waiting that long for a busy agent is the caller's
+ * choice; later it would end Undeliverable), else BROKER_QUEUE_MAX_MS: a
+ * queue kscore builds unasked is a queue that only grows under overload
+ * (at twice the capacity it held 30 s of work before this rule, perf
+ * overload; the default deadline is for an agent that is away, not busy).
+ * The refusal is cheap: the intake (the subscription's own thread) reads
+ * four fields of the request from its wire bytes (no unpack, no
+ * PostgreSQL) and answers. A request whose idempotency key may name a
+ * command already (key_may_exist: an ask again, or the caller's own key)
+ * is never refused there: the exec worker looks the key up first (the
+ * command it names is attached to), and refuses only a key that names
+ * nothing (broker.c on_execute).
+ *
+ * Nothing accepted is dropped: the intake queue is served to its end,
+ * also when the broker stops; every command dispatched is counted until
+ * its end is recorded (here or, through notice.c, by another broker), or
+ * until long after its deadline (its entry expires: the scanner ends it).
+ *
+ * Batches pace their targets with the same figures (batch.c): a target is
+ * dispatched only while its agent's queue holds less than two rounds of
+ * its slots and its wait is within half the delivery deadline, so the
+ * deadline runs from a dispatch the agent can take up soon.
+ *
+ * Threads: every function here may be called from any thread; one mutex
+ * guards the figures (never held while calling out, except the registry's
+ * b->mu is taken before it, never after).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "broker_int.h"
+
+/* Slots assumed for an agent whose heartbeat does not say (older). */
+#define ADMIT_SLOTS_UNKNOWN 8
+/* Entries kept at most (a bound on memory; past it new ones are not
+ * counted, which only makes admission more lenient). */
+#define ADMIT_MAX 1000000
+/* An entry nobody ended is forgotten this long after its last deadline
+ * (the scanner ends such a command; us). */
+#define ADMIT_EXPIRE_SLACK_US INT64_C(60000000)
+/* Without a command timeout, an entry is forgotten after this (us). */
+#define ADMIT_EXPIRE_MAX_US (INT64_C(24) * 3600 * 1000000)
+/* Requests the intake holds at most, whatever the rule says. */
+#define ADMIT_INTAKE_MAX 65536
+/* Queues kept before idle ones are forgotten, and how many at a time. */
+#define ADMIT_QUEUES_MAX 65536
+#define ADMIT_IDLE_SWEEP 1024
+/* Weight of a new sample in the running means. */
+#define ADMIT_EWMA 0.2
+
+/* One agent process's queue (its pool, or its process's ids). */
+struct admit_q {
+    unsigned inflight; /* dispatched here, not seen ended */
+    unsigned slots;    /* AgentInfo.max_concurrent, last seen */
+    double hold_us;    /* mean claim-to-end time of its commands, 0: none */
+    char key[EVT_AGENT_ID_MAX + 48];
+};
+
+/* One command this broker dispatched (exec or batch target). */
+struct admit_cmd {
+    struct admit_cmd *prev, *next; /* in dispatch order */
+    struct admit_q *q;
+    int64_t claimed_mono_us; /* 0: not seen claimed */
+    int64_t expires_mono_us;
+    char id[37];
+};
+
+/* One request in the intake queue. */
+struct intake_item {
+    struct intake_item *next;
+    natsMsg *msg;
+    int64_t in_mono_us;
+};
+
+struct broker__admit {
+    pthread_mutex_t mu;
+    struct ks_map cmds;   /* command id -> struct admit_cmd * */
+    struct ks_map queues; /* queue key -> struct admit_q * */
+    struct admit_cmd *head, *tail;
+    size_t n;
+    double exec_us, claim_us; /* mean handler times, 0: none yet */
+    int64_t claim_done_mono_us; /* the last claim answered */
+    /* The intake: requests in arrival order, served by the exec workers
+     * (b->executors) with `handler`. */
+    pthread_cond_t cond;
+    struct intake_item *ihead, **itail;
+    size_t ilen;
+    natsMsgHandler handler;
+    pthread_t workers[BROKER_EXEC_WORKERS];
+    int nworkers;
+    bool stopping;
+    int64_t busy_logged_us;
+};
+
+static double
+ewma(double mean, double x)
+{
+    return mean > 0 ? mean + ADMIT_EWMA * (x - mean) : x;
+}
+
+/* ---- entries ------------------------------------------------------------- */
+
+static void
+unlink_cmd(struct broker__admit *a, struct admit_cmd *c)
+{
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        a->head = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    else
+        a->tail = c->prev;
+    ks_map_del(&a->cmds, c->id);
+    a->n--;
+    if (c->q->inflight)
+        c->q->inflight--;
+    free(c);
+}
+
+/* Forgets entries past their expiry, oldest first (under mu). */
+static void
+expire(struct broker__admit *a, int64_t now)
+{
+    while (a->head && a->head->expires_mono_us <= now)
+        unlink_cmd(a, a->head);
+}
+
+static void
+collect_idle(const char *key, void *val, void *ud)
+{
+    struct admit_q *q = val, **idle = ud;
+    (void)key;
+    if (q->inflight == 0) {
+        for (size_t i = 0; i < ADMIT_IDLE_SWEEP; i++)
+            if (!idle[i]) {
+                idle[i] = q;
+                break;
+            }
+    }
+}
+
+/* Forgets queues with nothing in flight when there are too many (agent
+ * processes come and go: each start is a new process). Under mu. */
+static void
+sweep_queues(struct broker__admit *a)
+{
+    struct admit_q *idle[ADMIT_IDLE_SWEEP] = {0};
+    if (a->queues.count < ADMIT_QUEUES_MAX)
+        return;
+    ks_map_each(&a->queues, collect_idle, idle);
+    for (size_t i = 0; i < ADMIT_IDLE_SWEEP && idle[i]; i++) {
+        ks_map_del(&a->queues, idle[i]->key);
+        free(idle[i]);
+    }
+}
+
+/* The queue named key, made when new, its slots set; NULL on ENOMEM.
+ * Under mu. */
+static struct admit_q *
+queue_get(struct broker__admit *a, const char *key, unsigned slots)
+{
+    struct admit_q *q = ks_map_get(&a->queues, key);
+    if (!q) {
+        sweep_queues(a);
+        q = calloc(1, sizeof(*q));
+        if (!q || ks_map_put(&a->queues, key, q) != 0) {
+            free(q);
+            return NULL;
+        }
+        snprintf(q->key, sizeof(q->key), "%s", key);
+    }
+    q->slots = slots ? slots : ADMIT_SLOTS_UNKNOWN;
+    return q;
+}
+
+/* The queue of agent_id (registry: its pool, else its process). Takes
+ * b->mu, then a->mu: returns with a->mu held, NULL or not. */
+static struct admit_q *
+queue_of(struct broker *b, const char *agent_id)
+{
+    struct broker__admit *a = b->admit;
+    char key[EVT_AGENT_ID_MAX + 48];
+    unsigned slots = 0;
+
+    broker__agent_queue(b, agent_id, key, sizeof(key), &slots);
+    pthread_mutex_lock(&a->mu);
+    return queue_get(a, key, slots);
+}
+
+void
+broker__admit_dispatched(struct broker *b, const char *command_id,
+                         const char *agent_id, int64_t not_after_us,
+                         uint64_t timeout_ms)
+{
+    struct broker__admit *a = b->admit;
+    int64_t now = ks_mono_us(), wall = ks_now_us();
+    if (!a)
+        return;
+    struct admit_q *q = queue_of(b, agent_id);
+    if (!q || a->n >= ADMIT_MAX || ks_map_get(&a->cmds, command_id)) {
+        pthread_mutex_unlock(&a->mu);
+        return;
+    }
+    struct admit_cmd *c = calloc(1, sizeof(*c));
+    if (!c) {
+        pthread_mutex_unlock(&a->mu);
+        return;
+    }
+    snprintf(c->id, sizeof(c->id), "%s", command_id);
+    /* Its last attempt's deadline, then the longest it may run. */
+    int64_t left = not_after_us - wall;
+    int64_t window = left > 0 ? left : 0;
+    c->expires_mono_us =
+        now + window * BROKER_MAX_ATTEMPTS +
+        (timeout_ms ? (int64_t)timeout_ms * 1000 + ADMIT_EXPIRE_SLACK_US
+                    : ADMIT_EXPIRE_MAX_US);
+    if (ks_map_put(&a->cmds, c->id, c) != 0) {
+        free(c);
+        pthread_mutex_unlock(&a->mu);
+        return;
+    }
+    c->q = q;
+    c->prev = a->tail;
+    if (a->tail)
+        a->tail->next = c;
+    else
+        a->head = c;
+    a->tail = c;
+    a->n++;
+    q->inflight++;
+    pthread_mutex_unlock(&a->mu);
+}
+
+void
+broker__admit_claim_done(struct broker *b, const char *command_id,
+                         bool granted, int64_t handler_us)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    a->claim_us = ewma(a->claim_us, (double)handler_us);
+    a->claim_done_mono_us = ks_mono_us();
+    struct admit_cmd *c =
+        granted && command_id ? ks_map_get(&a->cmds, command_id) : NULL;
+    if (c && !c->claimed_mono_us)
+        c->claimed_mono_us = ks_mono_us();
+    pthread_mutex_unlock(&a->mu);
+}
+
+void
+broker__admit_ended(struct broker *b, const char *command_id)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
+    if (c) {
+        if (c->claimed_mono_us)
+            c->q->hold_us =
+                ewma(c->q->hold_us,
+                     (double)(ks_mono_us() - c->claimed_mono_us));
+        unlink_cmd(a, c);
+    }
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* ---- the waits ----------------------------------------------------------- */
+
+/* Claims pending in the claim subscriptions (nats.c's own count). */
+static int64_t
+claims_pending(struct broker *b)
+{
+    int64_t sum = 0;
+    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
+        int msgs = 0;
+        if (b->claimers[i].sub &&
+            natsSubscription_GetPending(b->claimers[i].sub, &msgs, NULL) ==
+                NATS_OK)
+            sum += msgs;
+    }
+    return sum;
+}
+
+/* kscore's own queues: the intake and the claims (us). Under mu. A
+ * stalled stage (PostgreSQL blocked, say) finishes nothing, so its mean
+ * time says nothing new: the intake's oldest request has waited at least
+ * its age, and claims pending beyond one per worker at least the time
+ * since one was last answered. */
+static int64_t
+own_wait_us(struct broker__admit *a, size_t ilen, int64_t claims,
+            int64_t now)
+{
+    double in = (double)ilen * a->exec_us / BROKER_EXEC_WORKERS;
+    double cl = (double)claims * a->claim_us / BROKER_CLAIM_WORKERS;
+    if (a->ihead && (double)(now - a->ihead->in_mono_us) > in)
+        in = (double)(now - a->ihead->in_mono_us);
+    if (claims > BROKER_CLAIM_WORKERS && a->claim_done_mono_us &&
+        (double)(now - a->claim_done_mono_us) > cl)
+        cl = (double)(now - a->claim_done_mono_us);
+    return (int64_t)(in + cl);
+}
+
+/* The wait for one of q's slots (us). Under mu. */
+static int64_t
+agent_wait_us(const struct admit_q *q)
+{
+    if (q->inflight + 1 <= q->slots || q->hold_us <= 0)
+        return 0;
+    return (int64_t)((double)(q->inflight + 1 - q->slots) * q->hold_us /
+                     q->slots);
+}
+
+int
+broker__admit_check(struct broker *b, const char *agent_id,
+                    uint64_t deliver_ms, char *why, size_t len)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return 0;
+    /* How long this command may wait to start: what its deadline says
+     * when the caller gave one, else what kscore queues unasked. */
+    int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
+    int64_t start_max_us = deliver_ms ? (int64_t)deliver_ms * 1000
+                                      : own_max_us;
+    int64_t claims = claims_pending(b), now = ks_mono_us();
+    int rc = 0;
+
+    if (own_max_us > start_max_us)
+        own_max_us = start_max_us;
+    struct admit_q *q = queue_of(b, agent_id);
+    expire(a, now);
+    size_t ilen = a->ilen;
+    int64_t own = own_wait_us(a, ilen, claims, now);
+    int64_t agent = q ? agent_wait_us(q) : 0;
+    if (own > own_max_us) {
+        rc = KS_EBUSY;
+        snprintf(why, len,
+                 "the broker is busy: %zu requests wait to be recorded and "
+                 "%lld claims to be answered, about %lld ms before this one "
+                 "could start, over its limit of %lld ms; nothing was "
+                 "recorded, try again later",
+                 ilen, (long long)claims, (long long)(own / 1000),
+                 (long long)(own_max_us / 1000));
+    } else if (q && own + agent > start_max_us) {
+        rc = KS_EBUSY;
+        snprintf(why, len,
+                 "agent %s is busy: %u commands in flight on its %u slots, "
+                 "each held about %.0f ms: this one could start in about "
+                 "%.2f s, %s %.2f s; nothing was recorded, try again later "
+                 "(or give a longer --deliver-within)",
+                 agent_id, q->inflight, q->slots, q->hold_us / 1000.0,
+                 (double)(own + agent) / 1e6,
+                 deliver_ms ? "after its delivery deadline of"
+                            : "over the wait a command is given without "
+                              "--deliver-within,",
+                 (double)start_max_us / 1e6);
+    }
+    bool log = rc && now - a->busy_logged_us > 10000000;
+    if (log)
+        a->busy_logged_us = now;
+    pthread_mutex_unlock(&a->mu);
+    if (rc)
+        ks_metric_inc(KS_C_REFUSED_BUSY);
+    if (log)
+        ks_log(KS_LOG_WARN, "refusing commands: busy (logged once per 10 s)",
+               KS_S("agent", agent_id), KS_S("why", why));
+    return rc;
+}
+
+bool
+broker__admit_room(struct broker *b, const char *key, unsigned slots,
+                   uint64_t deliver_ms, uint64_t timeout_ms)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return true;
+    int64_t deadline_us =
+        (int64_t)(deliver_ms ? deliver_ms : BROKER_DELIVER_WITHIN_DEFAULT_MS) *
+        1000;
+    int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
+    int64_t claims = claims_pending(b), now = ks_mono_us();
+    pthread_mutex_lock(&a->mu);
+    struct admit_q *q = queue_get(a, key, slots);
+    bool room = true;
+    if (q) {
+        int64_t own = own_wait_us(a, a->ilen, claims, now);
+        /* Two rounds of slots at most: the agent never waits for the
+         * next one, and no target waits long. Before any end was seen
+         * (the hold unknown) one round, unless the command's timeout
+         * bounds the hold within half the deadline. */
+        bool bounded = q->hold_us > 0 ||
+                       (timeout_ms &&
+                        (int64_t)timeout_ms * 1000 <= deadline_us / 2);
+        unsigned cap = bounded ? 2 * q->slots : q->slots;
+        room = q->inflight < cap && own <= own_max_us &&
+               own + agent_wait_us(q) <= deadline_us / 2;
+    }
+    pthread_mutex_unlock(&a->mu);
+    return room;
+}
+
+/* ---- the intake ---------------------------------------------------------- */
+
+/* The fields admission needs, read from an ExecuteRequest's wire bytes
+ * (proto/kscore.proto: agent_id 2, deliver_within_ms 4, key_may_exist 6)
+ * without unpacking it: the spec (field 1) may be a 512 KiB script. */
+struct peek {
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    uint64_t deliver_ms;
+    bool key_may_exist;
+};
+
+/* 0 with *pk, or KS_EDECODE (the worker then says what is wrong). */
+static int
+peek_execute(const uint8_t *p, size_t n, struct peek *pk)
+{
+    const uint8_t *end = n ? p + n : p;
+    struct evt_wire_field f;
+    int rc;
+
+    memset(pk, 0, sizeof(*pk));
+    if (n == 0)
+        return 0;
+    while ((rc = evt_wire_next(&p, end, &f)) == 0) {
+        if (f.number == 2 && f.type == 2)
+            snprintf(pk->agent_id, sizeof(pk->agent_id), "%.*s",
+                     (int)(f.len < sizeof(pk->agent_id)
+                               ? f.len
+                               : sizeof(pk->agent_id) - 1),
+                     (const char *)f.data);
+        else if (f.number == 4 && f.type == 0)
+            pk->deliver_ms = f.value;
+        else if (f.number == 6 && f.type == 0)
+            pk->key_may_exist = f.value != 0;
+    }
+    return rc == 1 ? 0 : KS_EDECODE;
+}
+
+void
+broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                    void *ud)
+{
+    struct broker *b = ud;
+    struct broker__admit *a = b->admit;
+    struct peek pk;
+    char why[512];
+    (void)nc;
+    (void)sub;
+
+    /* Refused at once, on this thread, before any work: the worker would
+     * only find the same (a malformed request goes on: the worker says
+     * what is wrong with it). */
+    if (peek_execute((const uint8_t *)natsMsg_GetData(msg),
+                     (size_t)natsMsg_GetDataLength(msg), &pk) == 0 &&
+        !pk.key_may_exist && pk.agent_id[0] &&
+        broker__admit_check(b, pk.agent_id, pk.deliver_ms, why,
+                            sizeof(why)) == KS_EBUSY) {
+        Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
+        r.error_code = KS_EBUSY;
+        r.error = why;
+        broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
+        natsMsg_Destroy(msg);
+        return;
+    }
+    /* A hard bound beside the rule: requests the rule lets through
+     * unseen (an idempotency key that may name a command) cannot pile up
+     * without end either. */
+    pthread_mutex_lock(&a->mu);
+    size_t ilen = a->ilen;
+    pthread_mutex_unlock(&a->mu);
+    if (ilen >= ADMIT_INTAKE_MAX) {
+        snprintf(why, sizeof(why),
+                 "the broker is busy: %zu requests wait to be recorded, its "
+                 "most; nothing was recorded, try again later",
+                 ilen);
+        broker__reply_error(b, msg, &ks__execute_reply__descriptor,
+                            KS_EBUSY, why);
+        ks_metric_inc(KS_C_REFUSED_BUSY);
+        natsMsg_Destroy(msg);
+        return;
+    }
+    struct intake_item *it = malloc(sizeof(*it));
+    if (!it) {
+        broker__reply_error(b, msg, &ks__execute_reply__descriptor, -ENOMEM,
+                            "out of memory");
+        natsMsg_Destroy(msg);
+        return;
+    }
+    it->msg = msg;
+    it->next = NULL;
+    it->in_mono_us = ks_mono_us();
+    pthread_mutex_lock(&a->mu);
+    *a->itail = it;
+    a->itail = &it->next;
+    a->ilen++;
+    pthread_cond_signal(&a->cond);
+    pthread_mutex_unlock(&a->mu);
+}
+
+static void *
+intake_worker(void *arg)
+{
+    struct broker__worker *wk = arg;
+    struct broker__admit *a = wk->b->admit;
+
+    pthread_mutex_lock(&a->mu);
+    for (;;) {
+        while (!a->ihead && !a->stopping)
+            pthread_cond_wait(&a->cond, &a->mu);
+        struct intake_item *it = a->ihead;
+        if (!it)
+            break; /* stopping, and nothing left */
+        a->ihead = it->next;
+        if (!a->ihead)
+            a->itail = &a->ihead;
+        a->ilen--;
+        pthread_mutex_unlock(&a->mu);
+        int64_t t0 = ks_mono_us();
+        a->handler(NULL, NULL, it->msg, wk); /* destroys the message */
+        int64_t t1 = ks_mono_us();
+        free(it);
+        pthread_mutex_lock(&a->mu);
+        a->exec_us = ewma(a->exec_us, (double)(t1 - t0));
+    }
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+int
+broker__admit_start(struct broker *b, natsMsgHandler handler)
+{
+    struct broker__admit *a = calloc(1, sizeof(*a));
+    if (!a)
+        return -ENOMEM;
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_cond_init(&a->cond, NULL);
+    a->itail = &a->ihead;
+    a->handler = handler;
+    b->admit = a;
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
+        if (pthread_create(&a->workers[i], NULL, intake_worker,
+                           &b->executors[i]) != 0)
+            return KS_EINTERNAL; /* broker__admit_stop joins those made */
+        a->nworkers++;
+    }
+    return 0;
+}
+
+static void
+free_q(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+void
+broker__admit_stop(struct broker *b)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    /* The workers serve what the intake holds, then end. */
+    pthread_mutex_lock(&a->mu);
+    a->stopping = true;
+    pthread_cond_broadcast(&a->cond);
+    pthread_mutex_unlock(&a->mu);
+    for (int i = 0; i < a->nworkers; i++)
+        pthread_join(a->workers[i], NULL);
+    a->nworkers = 0;
+}
+
+void
+broker__admit_free(struct broker *b)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    broker__admit_stop(b);
+    while (a->head)
+        unlink_cmd(a, a->head);
+    ks_map_clear(&a->cmds);
+    ks_map_each(&a->queues, free_q, NULL);
+    ks_map_clear(&a->queues);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cond);
+    free(a);
+    b->admit = NULL;
+}

@@ -1,0 +1,873 @@
+/*
+ * writer.c: the group writer (store.h "the group writer"). Group commit
+ * without a thread of its own: a caller that queues an append and finds a
+ * connection free writes, on its own thread, everything queued (its own
+ * append first of all when it is alone: no hand-over, no added latency);
+ * the callers that queue meanwhile wait, and when the writing one is done
+ * the first of them writes what queued during its transaction, and so on.
+ * So the appends of every command in flight (dispatch records, claims,
+ * results) share commits under load, and an idle system writes each at
+ * once.
+ *
+ * A group of two or more is sent as one libpq pipeline (one implicit
+ * transaction, committed at its Sync; libpq docs 34.5 "Pipeline Mode"):
+ * per wave, the claims' wait for their records (store__sql_write_wait)
+ * and store__sql_write, which gives each append its own verdict. A wave
+ * holds at most one append per stream and per command id (the statement
+ * touches each row once, and the fold has one row per command), so an
+ * append whose stream or command is already in a wave goes into the next
+ * one, which runs after it in the same transaction and sees what it wrote.
+ * Nearly every group is one wave.
+ *
+ * One append alone, one that holds a batch event (BatchRequested, ...,
+ * which the fold does not project) or one at any version is written by
+ * store_append() (store_append_claim()) on the writer's connection, in
+ * queue order.
+ */
+#include "store_int.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+/* The packed events of one group, about (one append may pass it). */
+#define WRITER_MAX_BYTES (8u << 20)
+#define WRITER_MAX_CONNS 16
+/* Tries of a whole group that a deadlock or a serialization failure
+ * aborted (nothing written), before its appends get the code. */
+#define WRITER_RETRIES 3
+
+enum witem_state { W_QUEUED, W_SENT, W_DONE };
+
+/* One queued append: lives on its caller's stack for the call. */
+struct witem {
+    const struct store_write *wr;
+    struct store_write_result res;
+    int rc;
+    enum witem_state state;
+    bool solo;         /* holds a batch event, or at any version: alone */
+    bool between_done; /* wr->between has run */
+    size_t bytes;      /* its packed events */
+    unsigned wave;     /* group building */
+    pthread_cond_t cond;
+    struct witem *next;
+};
+
+struct store_writer;
+
+/* One connection, used by one writing caller at a time. */
+struct wconn {
+    struct store_writer *w;
+    struct store *s;
+    bool busy;          /* (w->mu) a caller writes on it */
+    struct witem *self; /* the writing caller's own append, if in hand */
+    /* The arrays of store__sql_write, reused from group to group. */
+    struct store__buf stream, expected, agent, count, evitem, version;
+    struct witem **batch; /* STORE_WRITER_MAX_APPENDS */
+};
+
+/* One queue for every connection: a free connection takes everything
+ * queued, so one connection writes while the load is light (no group is
+ * split for nothing) and the others join in when it is busy. */
+struct store_writer {
+    pthread_mutex_t mu;
+    pthread_cond_t drained; /* a connection was freed (close waits) */
+    struct witem *head, *tail;
+    bool stopping;
+    unsigned n;
+    struct wconn c[WRITER_MAX_CONNS];
+};
+
+static const struct store_write_result no_result;
+
+/* ---- queue ---- */
+
+/* Marks items (under the queue's lock) and wakes their callers. */
+static void
+set_state(struct wconn *c, struct witem **it, size_t n,
+          enum witem_state st)
+{
+    pthread_mutex_lock(&c->w->mu);
+    for (size_t i = 0; i < n; i++) {
+        it[i]->state = st;
+        pthread_cond_signal(&it[i]->cond);
+    }
+    pthread_mutex_unlock(&c->w->mu);
+}
+
+/*
+ * The items are sent: their callers may run their between() now, beside
+ * the database's work. The writing caller's own runs here, on its thread
+ * (it is busy reading the results after this), but only when nobody waits
+ * for the connection: the connection is held until it returns, and a
+ * between() that is slow (a publish waiting for its PubAck) must not hold
+ * up the next group. Not run, its caller does that work after.
+ */
+static void
+set_sent(struct wconn *c, struct witem **it, size_t n)
+{
+    bool alone;
+
+    pthread_mutex_lock(&c->w->mu);
+    for (size_t i = 0; i < n; i++) {
+        it[i]->state = W_SENT;
+        pthread_cond_signal(&it[i]->cond);
+    }
+    alone = c->w->head == NULL;
+    pthread_mutex_unlock(&c->w->mu);
+    for (size_t i = 0; alone && i < n; i++)
+        if (it[i] == c->self && it[i]->wr->between &&
+            !it[i]->between_done) {
+            it[i]->between_done = true;
+            it[i]->wr->between(it[i]->wr->ud);
+        }
+}
+
+/* The group's code for one append, with what the connection says. */
+static void
+fail_item(struct store *s, struct witem *it, int rc)
+{
+    it->rc = rc;
+    it->res.version = 0;
+    it->res.in_doubt = store_in_doubt(s);
+    snprintf(it->res.sqlstate, sizeof(it->res.sqlstate), "%s",
+             store_last_sqlstate(s));
+    snprintf(it->res.error, sizeof(it->res.error), "%s",
+             store_last_error(s));
+}
+
+/* ---- one group ---- */
+
+/* Open addressing over the keys (streams, command ids) of a group: the
+ * last wave each is in. */
+struct wkey {
+    const char *key;
+    unsigned wave;
+};
+
+static uint64_t
+key_hash(const char *k)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (; *k; k++)
+        h = (h ^ (uint8_t)*k) * 1099511628211ull;
+    return h;
+}
+
+static struct wkey *
+key_slot(struct wkey *t, size_t mask, const char *k)
+{
+    size_t i = key_hash(k) & mask;
+    while (t[i].key && strcmp(t[i].key, k) != 0)
+        i = (i + 1) & mask;
+    return &t[i];
+}
+
+/*
+ * Puts each append in the first wave after every earlier append of its
+ * stream or of a command it names. Returns the number of waves (>= 1), or
+ * -ENOMEM.
+ */
+static int
+assign_waves(struct store *s, struct witem **it, size_t n)
+{
+    size_t nkeys = 0, slots = 16;
+    unsigned waves = 1;
+
+    for (size_t i = 0; i < n; i++)
+        nkeys += 1 + it[i]->wr->n;
+    while (slots < 2 * nkeys)
+        slots *= 2;
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
+    struct wkey *t = kproto_arena_calloc(&s->scratch, slots, sizeof(*t));
+    if (!t)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        const struct store_write *wr = it[i]->wr;
+        unsigned w = 1;
+        struct wkey *k = key_slot(t, slots - 1, wr->stream_id);
+        if (k->key && k->wave >= w)
+            w = k->wave + 1;
+        for (size_t e = 0; e < wr->n; e++) {
+            const char *cid = store__command_id(wr->events[e].event);
+            if (!cid)
+                continue;
+            k = key_slot(t, slots - 1, cid);
+            if (k->key && k->wave >= w)
+                w = k->wave + 1;
+        }
+        it[i]->wave = w;
+        if (w > waves)
+            waves = w;
+        k = key_slot(t, slots - 1, wr->stream_id);
+        k->key = wr->stream_id;
+        k->wave = w;
+        for (size_t e = 0; e < wr->n; e++) {
+            const char *cid = store__command_id(wr->events[e].event);
+            if (!cid)
+                continue;
+            k = key_slot(t, slots - 1, cid);
+            k->key = cid;
+            k->wave = w;
+        }
+    }
+    kproto_arena_release(&s->scratch, mark);
+    return (int)waves;
+}
+
+/*
+ * Sends the statements of wave w: the claims' wait for their records
+ * (when it has claims), then the appends (store__sql_write).
+ */
+static int
+send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
+{
+    struct store *s = c->s;
+    struct store__params p = {0};
+    size_t na = 0, ne = 0, nclaims = 0, sent = 0;
+    int rc;
+
+    for (size_t i = 0; i < n; i++)
+        if (it[i]->wave == w) {
+            na++;
+            ne += it[i]->wr->n;
+            nclaims += it[i]->wr->claim_agent != NULL;
+        }
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
+    const Ks__Event **evs = kproto_arena_alloc(&s->scratch, ne * sizeof(*evs));
+    bool *skip = kproto_arena_calloc(&s->scratch, ne, sizeof(*skip));
+    if (!evs || !skip) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    if (nclaims) {
+        if ((rc = store__arr_begin(&c->agent, STORE__OID_TEXT, nclaims)) < 0)
+            goto out;
+        for (size_t i = 0; i < n; i++) {
+            const struct store_write *wr = it[i]->wr;
+            if (it[i]->wave == w && wr->claim_agent &&
+                (rc = store__arr_put(&c->agent, wr->stream_id,
+                                     strlen(wr->stream_id))) < 0)
+                goto out;
+        }
+        store__p_bin(&p, c->agent.p, c->agent.len);
+        if (!PQsendQueryPrepared(s->conn, "ks_write_wait", p.n, p.val, p.len,
+                                 p.fmt, 0)) {
+            rc = store__pg_error(s, NULL, NULL);
+            goto out;
+        }
+        p.n = 0;
+    }
+    if ((rc = store__arr_begin(&c->stream, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&c->expected, STORE__OID_INT8, na)) < 0 ||
+        (rc = store__arr_begin(&c->agent, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&c->count, STORE__OID_INT4, na)) < 0 ||
+        (rc = store__arr_begin(&c->evitem, STORE__OID_INT4, ne)) < 0 ||
+        (rc = store__arr_begin(&c->version, STORE__OID_INT8, ne)) < 0 ||
+        (rc = store__arr_begin(&s->ids, STORE__OID_UUID, ne)) < 0 ||
+        (rc = store__arr_begin(&s->types, STORE__OID_TEXT, ne)) < 0 ||
+        (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, ne)) < 0)
+        goto out;
+    na = 0;
+    for (size_t i = 0; i < n; i++) {
+        const struct store_write *wr = it[i]->wr;
+        if (it[i]->wave != w)
+            continue;
+        na++;
+        if ((rc = store__arr_put(&c->stream, wr->stream_id,
+                                 strlen(wr->stream_id))) < 0 ||
+            (rc = store__arr_put_i64(&c->expected, wr->expected_version)) <
+                0 ||
+            (rc = wr->claim_agent
+                      ? store__arr_put(&c->agent, wr->claim_agent,
+                                       strlen(wr->claim_agent))
+                      : store__arr_put_null(&c->agent)) < 0 ||
+            (rc = store__arr_put_i32(&c->count, (int32_t)wr->n)) < 0)
+            goto out;
+        for (size_t e = 0; e < wr->n; e++) {
+            const Ks__Event *ev = wr->events[e].event;
+            evs[sent++] = ev;
+            /* The writer decides the versions: the expected one's next. */
+            if ((rc = store__arr_put_i32(&c->evitem, (int32_t)na)) < 0 ||
+                (rc = store__arr_put_i64(&c->version,
+                                         wr->expected_version + 1 +
+                                             (int64_t)e)) < 0 ||
+                (rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
+                (rc = store__arr_put(&s->types, ev->type,
+                                     strlen(ev->type))) < 0 ||
+                (rc = store__put_packed_event(&s->data, ev)) < 0)
+                goto out;
+        }
+    }
+    /* The projections: one summary row per command (store/fold.c). */
+    rc = store__fold_batch(s, evs, ne, skip, &sent);
+    if (rc != 0) {
+        /* 1 (order-dependent batch events) cannot happen: solo. */
+        rc = rc > 0 ? KS_EINVAL : rc;
+        goto out;
+    }
+    store__p_bin(&p, c->stream.p, c->stream.len);
+    store__p_bin(&p, c->expected.p, c->expected.len);
+    store__p_bin(&p, c->agent.p, c->agent.len);
+    store__p_bin(&p, c->count.p, c->count.len);
+    store__p_bin(&p, s->ids.p, s->ids.len);
+    store__p_bin(&p, s->types.p, s->types.len);
+    store__p_bin(&p, s->data.p, s->data.len);
+    store__p_bin(&p, c->evitem.p, c->evitem.len);
+    store__p_bin(&p, c->version.p, c->version.len);
+    for (int i = 0; i < STORE__FOLD_COLS; i++)
+        store__p_bin(&p, s->fold[i].p, s->fold[i].len);
+    if (!PQsendQueryPrepared(s->conn, "ks_write", p.n, p.val, p.len, p.fmt,
+                             0))
+        rc = store__pg_error(s, NULL, NULL);
+out:
+    kproto_arena_release(&s->scratch, mark);
+    return rc;
+}
+
+/* The verdict of store__sql_write for one append (row r of res). */
+static void
+take_verdict(struct witem *it, const PGresult *res, int r)
+{
+    static const int codes[] = {0, KS_EDUPLICATE, KS_ECONFLICT, KS_EDENIED,
+                                KS_ENOTFOUND};
+    long code = strtol(PQgetvalue(res, r, 0), NULL, 10);
+
+    it->res = no_result;
+    it->rc = code >= 0 && code < 5 ? codes[code] : KS_EPG;
+    if (!PQgetisnull(res, r, 1))
+        it->res.version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
+}
+
+/* read_group's reader: the rows of each wave in turn. */
+struct verdicts {
+    struct witem **it;
+    size_t n;
+    unsigned wave;
+    bool short_; /* a wave with fewer rows than appends: cannot be */
+};
+
+static void
+take_wave(const PGresult *res, void *ud)
+{
+    struct verdicts *v = ud;
+    int r = 0;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+        return; /* the claims' wait, or a failure: the reader's */
+    v->wave++;
+    for (size_t i = 0; i < v->n; i++)
+        if (v->it[i]->wave == v->wave && r < PQntuples(res))
+            take_verdict(v->it[i], res, r++);
+        else if (v->it[i]->wave == v->wave)
+            v->short_ = true;
+}
+
+/*
+ * Reads the group's results up to its sync: each wave's rows, in wave
+ * order, are the verdicts of its appends in queue order. Returns 0 (every
+ * append has its verdict) or the group's failure.
+ */
+static int
+read_group(struct wconn *c, struct witem **it, size_t n)
+{
+    struct verdicts v = {it, n, 0, false};
+    int rc = store__pipeline_read(c->s, take_wave, &v, NULL);
+    return rc == 0 && v.short_ ? KS_EPG : rc;
+}
+
+/* Metrics and wake-ups of what one group wrote. */
+static void
+note_written(struct store *s, struct witem **it, size_t n, int64_t t0)
+{
+    for (size_t i = 0; i < n; i++) {
+        const struct store_write *wr = it[i]->wr;
+        if (it[i]->rc != 0)
+            continue;
+        struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
+        const Ks__Event **evs =
+            kproto_arena_alloc(&s->scratch, wr->n * sizeof(*evs));
+        for (size_t e = 0; evs && e < wr->n; e++)
+            evs[e] = wr->events[e].event;
+        if (evs)
+            store__note_recorded(evs, wr->n, NULL, t0);
+        kproto_arena_release(&s->scratch, mark);
+    }
+}
+
+/*
+ * One try of a group: 0 when every append has its verdict (the
+ * transaction committed whatever was written), else the code the whole
+ * group failed with (nothing written, unless the connection's in_doubt).
+ */
+static int
+group_once(struct wconn *c, struct witem **it, size_t n)
+{
+    struct store *s = c->s;
+    int64_t t0 = ks_mono_us();
+    int rc, waves;
+
+    if ((rc = store__ready(s)) < 0 || (rc = store__prepare(s, NULL)) < 0)
+        return rc;
+    if ((waves = assign_waves(s, it, n)) < 0)
+        return waves;
+    if (!PQenterPipelineMode(s->conn))
+        return store__pg_error(s, NULL, NULL);
+    /* Events locked before the first write gives the transaction its id
+     * (migration 12, the readers' rule in store.h); it answers no rows, so
+     * it is no wave. */
+    if (!PQsendQueryPrepared(s->conn, "ks_lock", 0, NULL, NULL, NULL, 0)) {
+        int lost = store__pg_error(s, NULL, NULL);
+        store__pipeline_end(s);
+        s->broken = true;
+        return lost;
+    }
+    for (int w = 1; w <= waves; w++)
+        if ((rc = send_wave(c, it, n, (unsigned)w)) < 0) {
+            /* Part of the group is sent: never sync it. A connection
+             * without its sync is dropped (the server rolls back). */
+            store__pipeline_end(s);
+            s->broken = true;
+            return rc;
+        }
+    if (!PQpipelineSync(s->conn)) {
+        int lost = store__pg_error(s, NULL, NULL);
+        store__pipeline_end(s);
+        s->broken = true;
+        s->in_doubt = true; /* the sync may have gone out in part */
+        return store__keep_sick(lost);
+    }
+    PQflush(s->conn);
+    set_sent(c, it, n);
+    ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
+    rc = read_group(c, it, n);
+    store__pipeline_end(s);
+    if (rc == 0)
+        note_written(s, it, n, t0);
+    return rc;
+}
+
+static bool
+retryable(struct store *s, int rc)
+{
+    const char *st = store_last_sqlstate(s);
+    return rc == KS_EPGREFUSED &&
+           (strcmp(st, "40P01") == 0 || strcmp(st, "40001") == 0);
+}
+
+/*
+ * Appends that came back a conflict: was it a redelivery racing its first
+ * delivery (every event recorded, by the writer whose lock it waited
+ * for)? Then it is a duplicate, with its stream's version, as
+ * store_append says. One read, only when a group had conflicts; if it
+ * fails, the conflicts stand (true as well: nothing of theirs written).
+ */
+static void
+recheck_conflicts(struct wconn *c, struct witem **it, size_t n)
+{
+    struct store *s = c->s;
+    struct store__params p = {0};
+    size_t ne = 0;
+    PGresult *res;
+
+    for (size_t i = 0; i < n; i++)
+        if (it[i]->rc == KS_ECONFLICT)
+            ne += it[i]->wr->n;
+    if (ne == 0 || store__arr_begin(&c->evitem, STORE__OID_UUID, ne) < 0)
+        return;
+    for (size_t i = 0; i < n; i++)
+        for (size_t e = 0; it[i]->rc == KS_ECONFLICT && e < it[i]->wr->n; e++)
+            if (store__arr_put_uuid(&c->evitem,
+                                    it[i]->wr->events[e].event->event_id) < 0)
+                return;
+    store__p_bin(&p, c->evitem.p, c->evitem.len);
+    res = PQexecParams(s->conn,
+                       "SELECT e.event_id::text, coalesce((SELECT st.version"
+                       " FROM streams st WHERE st.stream_id = e.stream_id), 0)"
+                       " FROM events e WHERE e.event_id = ANY ($1::uuid[])",
+                       p.n, NULL, p.val, p.len, p.fmt, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        store__read_error(s, res);
+        PQclear(res);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t found = 0;
+        int64_t version = 0;
+        if (it[i]->rc != KS_ECONFLICT)
+            continue;
+        for (size_t e = 0; e < it[i]->wr->n; e++)
+            for (int r = 0; r < PQntuples(res); r++)
+                if (strcasecmp(PQgetvalue(res, r, 0),
+                               it[i]->wr->events[e].event->event_id) == 0) {
+                    found++;
+                    version = strtoll(PQgetvalue(res, r, 1), NULL, 10);
+                    break;
+                }
+        if (found == it[i]->wr->n) {
+            it[i]->rc = KS_EDUPLICATE;
+            it[i]->res.version = version;
+        }
+    }
+    PQclear(res);
+}
+
+/* A group, with its retries; every append has its code on return. */
+static void
+write_group(struct wconn *c, struct witem **it, size_t n)
+{
+    struct store *s = c->s;
+    int rc = group_once(c, it, n);
+
+    for (int t = 1; rc && retryable(s, rc) && t < WRITER_RETRIES; t++)
+        rc = group_once(c, it, n);
+    if (rc == 0) {
+        recheck_conflicts(c, it, n);
+        return;
+    }
+    if (store_db_sick(rc) || rc == -ENOMEM) {
+        for (size_t i = 0; i < n; i++)
+            fail_item(s, it[i], rc);
+        return;
+    }
+    /*
+     * Not the database's health: something about one of the appends that
+     * the statement's checks did not foresee (a unique violation: another
+     * writer raced one past its checks). Each alone, then, so only its
+     * own append fails; twice, since a race lost once is decided by the
+     * checks the second time.
+     */
+    for (size_t i = 0; i < n; i++) {
+        int r = group_once(c, &it[i], 1);
+        for (int t = 1; r && !store_db_sick(r) && r != -ENOMEM && t < 2; t++)
+            r = group_once(c, &it[i], 1);
+        for (int t = 1; r && retryable(s, r) && t < WRITER_RETRIES; t++)
+            r = group_once(c, &it[i], 1);
+        if (r)
+            fail_item(s, it[i], r);
+        else
+            recheck_conflicts(c, &it[i], 1);
+    }
+}
+
+/* store_append_overlap's between: the append is sent. */
+struct solo_sent {
+    struct wconn *c;
+    struct witem *it;
+};
+
+static void
+solo_sent(void *ud)
+{
+    struct solo_sent *ss = ud;
+    set_sent(ss->c, &ss->it, 1);
+}
+
+/*
+ * One append alone, by store_append() (or store_append_claim()): one that
+ * holds a batch event or is at any version, and any append that finds
+ * the writer idle. The set-based statement costs more than the per-event
+ * functions for one append (it sets up every part of the statement, the
+ * projections included, whatever the append needs: test_writer_bench
+ * with one thread), and a lone append has nobody to share its commit with.
+ */
+static void
+write_solo(struct wconn *c, struct witem *it)
+{
+    const struct store_write *wr = it->wr;
+    struct store *s = c->s;
+    struct solo_sent ss = {c, it};
+
+    it->res = no_result;
+    ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
+    if (wr->claim_agent) {
+        set_sent(c, &it, 1); /* before: a claim's has nothing to overlap */
+        it->rc = store_append_claim(s, wr->stream_id, wr->expected_version,
+                                    wr->claim_agent, wr->events,
+                                    &it->res.version);
+    } else {
+        it->rc = store_append_overlap(s, wr->stream_id, wr->expected_version,
+                                      wr->events, wr->n, &it->res.version,
+                                      solo_sent, &ss);
+    }
+    if (it->rc && it->rc != KS_EDUPLICATE) {
+        int64_t v = it->res.version;
+        fail_item(s, it, it->rc);
+        it->res.version = v;
+    }
+}
+
+static void
+flush(struct wconn *c, struct witem **it, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        while (j < n && !it[j]->solo)
+            j++;
+        if (j - i >= 2) {
+            write_group(c, it + i, j - i);
+        } else {
+            j = i + 1;
+            write_solo(c, it[i]);
+        }
+        set_state(c, it + i, j - i, W_DONE);
+        i = j;
+    }
+}
+
+/*
+ * With w->mu held and c taken: writes what is queued, as many groups as
+ * it takes to reach self if self is queued (at most one when self is
+ * NULL), then frees c and hands the queue to the next waiting caller.
+ * Returns with w->mu held.
+ */
+static void
+lead(struct store_writer *w, struct wconn *c, struct witem *self)
+{
+    do {
+        size_t n = 0, bytes = 0;
+        while (w->head && n < STORE_WRITER_MAX_APPENDS &&
+               (n == 0 || bytes + w->head->bytes <= WRITER_MAX_BYTES)) {
+            struct witem *it = w->head;
+            w->head = it->next;
+            if (!w->head)
+                w->tail = NULL;
+            bytes += it->bytes;
+            c->batch[n++] = it;
+        }
+        pthread_mutex_unlock(&w->mu);
+        c->self = self;
+        flush(c, c->batch, n);
+        c->self = NULL;
+        pthread_mutex_lock(&w->mu);
+    } while (self && self->state == W_QUEUED && w->head);
+    c->busy = false;
+    /* The first caller still queued writes next (it waits on its own
+     * condition); close() may be waiting for the connections. */
+    if (w->head)
+        pthread_cond_signal(&w->head->cond);
+    pthread_cond_broadcast(&w->drained);
+}
+
+static struct wconn *
+free_conn(struct store_writer *w)
+{
+    for (unsigned i = 0; i < w->n; i++)
+        if (!w->c[i].busy)
+            return &w->c[i];
+    return NULL;
+}
+
+/* ---- API ---- */
+
+static void
+wconn_release(struct wconn *c)
+{
+    store_close(c->s);
+    c->s = NULL;
+    store__buf_release(&c->stream);
+    store__buf_release(&c->expected);
+    store__buf_release(&c->agent);
+    store__buf_release(&c->count);
+    store__buf_release(&c->evitem);
+    store__buf_release(&c->version);
+    free(c->batch);
+    c->batch = NULL;
+}
+
+int
+store_writer_open(const char *conninfo, unsigned n_conns,
+                  struct store_writer **out, char **errmsg)
+{
+    struct store_writer *w;
+    int rc = 0;
+
+    if (n_conns < 1 || n_conns > WRITER_MAX_CONNS)
+        return KS_EINVAL;
+    if (!(w = calloc(1, sizeof(*w))))
+        return -ENOMEM;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->drained, NULL);
+    for (unsigned i = 0; i < n_conns; i++) {
+        struct wconn *c = &w->c[i];
+        c->w = w;
+        w->n = i + 1;
+        if ((rc = store_open(conninfo, &c->s, errmsg)) < 0)
+            break;
+        if ((rc = store__writer_session(c->s)) < 0)
+            break;
+        c->stream.cap = c->agent.cap = KS_MAX_MESSAGE_BYTES;
+        c->expected.cap = c->count.cap = KS_MAX_MESSAGE_BYTES;
+        c->evitem.cap = c->version.cap = KS_MAX_MESSAGE_BYTES;
+        if (!(c->batch = calloc(STORE_WRITER_MAX_APPENDS,
+                                sizeof(*c->batch)))) {
+            rc = -ENOMEM;
+            break;
+        }
+    }
+    if (rc < 0) {
+        store_writer_close(w);
+        return rc;
+    }
+    *out = w;
+    return 0;
+}
+
+void
+store_writer_close(struct store_writer *w)
+{
+    if (!w)
+        return;
+    /* New appends are refused; those queued are written by their callers,
+     * who are waiting for them. */
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true;
+    for (;;) {
+        bool busy = w->head != NULL;
+        for (unsigned i = 0; i < w->n; i++)
+            busy = busy || w->c[i].busy;
+        if (!busy)
+            break;
+        pthread_cond_wait(&w->drained, &w->mu);
+    }
+    pthread_mutex_unlock(&w->mu);
+    for (unsigned i = 0; i < w->n; i++)
+        wconn_release(&w->c[i]);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->drained);
+    free(w);
+}
+
+/* The caller's checks, before anything is queued (store_append's). */
+static int
+check_write(const struct store_write *wr, bool *solo, size_t *bytes)
+{
+    if (!wr->stream_id || !wr->stream_id[0] || !wr->events || wr->n == 0 ||
+        wr->expected_version < STORE_ANY)
+        return KS_EINVAL;
+    if (wr->claim_agent && (strncmp(wr->stream_id, "command-", 8) != 0 ||
+                            !ks_is_uuid(wr->stream_id + 8)))
+        return KS_EINVAL;
+    *solo = false;
+    *bytes = 0;
+    for (size_t i = 0; i < wr->n; i++) {
+        const Ks__Event *ev = wr->events[i].event;
+        Ks__CommandStatus st;
+        int rc = store__validate(ev);
+        size_t len;
+        if (rc < 0)
+            return rc;
+        if (strcmp(ev->stream_id, wr->stream_id) != 0)
+            return KS_EINVAL;
+        if (store__proj_kind(ev, &st) == STORE__PROJ_BATCH)
+            *solo = true;
+        /* At any version: the server numbers it (store_append). */
+        if (wr->expected_version == STORE_ANY)
+            *solo = true;
+        len = ks__event__get_packed_size(ev);
+        if (len > KS_MAX_MESSAGE_BYTES)
+            return KS_ETOOBIG;
+        *bytes += len;
+    }
+    /* An event_id twice in one append: refused, as by store_append. */
+    if (wr->n > 1) {
+        const Ks__Event **evs = malloc(wr->n * sizeof(*evs));
+        struct store__id_ref *refs = malloc(wr->n * sizeof(*refs));
+        bool *rep = calloc(wr->n, sizeof(*rep));
+        size_t k = 0;
+        if (evs && refs && rep) {
+            for (size_t i = 0; i < wr->n; i++)
+                evs[i] = wr->events[i].event;
+            k = store__mark_repeats(evs, wr->n, refs, rep);
+        }
+        free(evs);
+        free(refs);
+        free(rep);
+        if (!evs || !refs || !rep)
+            return -ENOMEM;
+        if (k)
+            return KS_EINVAL;
+    }
+    return 0;
+}
+
+int
+store_writer_append(struct store_writer *w, const struct store_write *wr,
+                    struct store_write_result *res)
+{
+    struct witem it = {.wr = wr, .state = W_QUEUED};
+    int rc;
+
+    BUG_ON(!w || !wr);
+    if ((rc = check_write(wr, &it.solo, &it.bytes)) < 0) {
+        if (res)
+            *res = no_result;
+        return rc;
+    }
+    pthread_cond_init(&it.cond, NULL);
+    pthread_mutex_lock(&w->mu);
+    if (w->stopping) {
+        pthread_mutex_unlock(&w->mu);
+        pthread_cond_destroy(&it.cond);
+        if (res)
+            *res = no_result;
+        return KS_ESTOPPED;
+    }
+    if (w->tail)
+        w->tail->next = &it;
+    else
+        w->head = &it;
+    w->tail = &it;
+    ks_metric_inc(KS_C_WRITER_APPENDS); /* counted once queued */
+    for (;;) {
+        struct wconn *c;
+        if (it.state == W_DONE)
+            break;
+        if (it.state == W_QUEUED && (c = free_conn(w))) {
+            /* Nobody writes on c: write what is queued, here. */
+            c->busy = true;
+            lead(w, c, &it);
+            continue;
+        }
+        if (it.state == W_SENT && wr->between && !it.between_done) {
+            it.between_done = true;
+            pthread_mutex_unlock(&w->mu);
+            wr->between(wr->ud);
+            pthread_mutex_lock(&w->mu);
+            continue;
+        }
+        pthread_cond_wait(&it.cond, &w->mu);
+    }
+    pthread_mutex_unlock(&w->mu);
+    pthread_cond_destroy(&it.cond);
+    if (res)
+        *res = it.res;
+    return it.rc;
+}
+
+int
+store_writer_checked_at(struct store_writer *w, const Ks__Event *ev,
+                        const struct store_command_state *known,
+                        int64_t version, store_check_fn check, void *ud,
+                        struct store_write_result *res)
+{
+    Ks__Event copy;
+    char stream[8 + 37];
+    int rc = store__checked_at_decide(ev, known, version, check, ud, &copy,
+                                      stream);
+
+    if (rc) {
+        if (res)
+            *res = no_result;
+        return rc;
+    }
+    struct store_event se = {&copy};
+    struct store_write wr = {.stream_id = stream,
+                             .expected_version = version,
+                             .events = &se,
+                             .n = 1};
+    return store_writer_append(w, &wr, res);
+}
