@@ -146,6 +146,10 @@ struct evt_conn {
     _Atomic unsigned zero_sigs;
     /* Its reply inboxes (events/request.c, events_int.h). */
     struct evt__mux *mux;
+    /* JetStream publishes a stream did not take for now (evt_js_stall). */
+    _Atomic int js_retrying;
+    _Atomic uint64_t js_retries;
+    _Atomic int64_t js_retry_end_us;
 };
 
 /* How many NKey signatures, over all connections of this process, began
@@ -785,6 +789,19 @@ struct evt_js_msg {
 #define EVT_JS_WINDOW_MAX 256
 int evt_js_publish_window(struct evt_conn *c, const char *identity,
                           struct evt_js_msg *msgs, size_t n, int timeout_ms);
+
+/*
+ * The publishes on c that a stream did not take for now and that are
+ * tried again (evt_js_publish_window, evt_js_publish_as: a stream leader's
+ * election, a stream without quorum). *retrying_out (may be NULL): how
+ * many are being tried again now; *retries_out (may be NULL): the tries
+ * again since connect. Returns when the last such publish ended, taken or
+ * given up (ks_mono_us; 0: none yet). For a caller that must tell a wait
+ * for JetStream from a queue of its own (the broker's admission). Any
+ * thread.
+ */
+int64_t evt_js_stall(struct evt_conn *c, int *retrying_out,
+                     uint64_t *retries_out);
 
 /*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
