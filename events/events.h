@@ -776,7 +776,8 @@ struct evt_js_msg {
  * taken for a success. What the stream did not take for now ("no
  * responders": no stream leader; no PubAck within EVT_PUBLISH_TRY_MS; an
  * error PubAck with code 503) is published again, with the same msg_id,
- * with a growing pause (50 ms to 1 s), until timeout_ms (ms, the whole
+ * with a growing pause (50 ms to EVT_PUBLISH_PAUSE_MAX_MS), until
+ * timeout_ms (ms, the whole
  * budget) has passed: the stream's de-duplication (within
  * EVT_DUPLICATE_WINDOW_MS) keeps one copy of a message that more than one
  * try reached, so a message without a msg_id may be stored twice. Each
@@ -787,6 +788,11 @@ struct evt_js_msg {
  * thread; waits in the calling thread.
  */
 #define EVT_JS_WINDOW_MAX 256
+/* The longest pause between two tries (ms). A try during an election
+ * costs the server one "no responders"; a pause is what a publish may
+ * still wait once the new leader takes it (a cap of 1 s added up to 1 s
+ * to every command of test_cluster's F02 past the election). */
+#define EVT_PUBLISH_PAUSE_MAX_MS 250
 int evt_js_publish_window(struct evt_conn *c, const char *identity,
                           struct evt_js_msg *msgs, size_t n, int timeout_ms);
 

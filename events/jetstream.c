@@ -280,7 +280,9 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
         nanosleep(&(struct timespec){pause_ms / 1000,
                                      (long)(pause_ms % 1000) * 1000000L},
                   NULL);
-        pause_ms = pause_ms * 2 > 1000 ? 1000 : pause_ms * 2;
+        pause_ms = pause_ms * 2 > EVT_PUBLISH_PAUSE_MAX_MS
+                       ? EVT_PUBLISH_PAUSE_MAX_MS
+                       : pause_ms * 2;
     }
     if (retrying) {
         /* The end first: who sees none retrying sees when it ended. */
