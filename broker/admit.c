@@ -123,6 +123,9 @@ struct broker__admit {
      * stall was last seen going on or over. */
     uint64_t pushed, stall_seq;
     int64_t stall_noted_us;
+    /* When a worker took the last of the stall's requests: the requests
+     * behind them waited for the stall until then. */
+    int64_t stall_drained_us;
     pthread_t workers[BROKER_EXEC_WORKERS];
     int nworkers;
     bool stopping;
@@ -355,10 +358,12 @@ own_wait_us(struct broker__admit *a, size_t ilen, int64_t claims,
     size_t own = stalled < ilen ? (size_t)stalled : ilen;
     double in = (double)own * a->exec_us / BROKER_EXEC_WORKERS;
     double cl = (double)claims * a->claim_us / BROKER_CLAIM_WORKERS;
-    if (own && a->ihead) {
-        int64_t since = a->ihead->seq > a->stall_seq
+    /* The age of the oldest own request, once none of the stall's is
+     * ahead of it (before that it waits for the stall). */
+    if (own && a->ihead && a->ihead->seq > a->stall_seq) {
+        int64_t since = a->ihead->in_mono_us > a->stall_drained_us
                             ? a->ihead->in_mono_us
-                            : a->stall_noted_us; /* its first own one */
+                            : a->stall_drained_us;
         if ((double)(now - since) > in)
             in = (double)(now - since);
     }
@@ -586,6 +591,8 @@ intake_worker(void *arg)
         if (!a->ihead)
             a->itail = &a->ihead;
         a->ilen--;
+        if (it->seq == a->stall_seq)
+            a->stall_drained_us = ks_mono_us();
         pthread_mutex_unlock(&a->mu);
         uint64_t r0 = 0, r1 = 0;
         int stalled = 0;
