@@ -76,6 +76,10 @@
 /* Queues kept before idle ones are forgotten, and how many at a time. */
 #define ADMIT_QUEUES_MAX 65536
 #define ADMIT_IDLE_SWEEP 1024
+/* A command's publish without its PubAck for this long waits for the
+ * stream (us): under BROKER_QUEUE_MAX_MS, so that the requests queued
+ * behind it are the stall's before their age refuses anyone. */
+#define ADMIT_PUBACK_SLOW_US INT64_C(150000)
 /* Weight of a new sample in the running means. */
 #define ADMIT_EWMA 0.2
 
@@ -338,6 +342,14 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
 {
     int retrying = 0;
     int64_t ended = evt_js_stall(b->nc, &retrying, NULL);
+    /* A PubAck takes milliseconds; one that has not come for longer is a
+     * stream that does not take the publish now (its leader dead: the
+     * first try waits EVT_PUBLISH_TRY_MS before it is tried again). */
+    for (int i = 0; i < BROKER_EXEC_WORKERS && retrying == 0; i++) {
+        int64_t since = atomic_load(&b->executors[i].publishing_us);
+        if (since && now - since > ADMIT_PUBACK_SLOW_US)
+            retrying = 1;
+    }
     if (retrying > 0 || ended > a->stall_noted_us) {
         a->stall_seq = a->pushed;
         a->stall_noted_us = now;

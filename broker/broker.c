@@ -70,6 +70,7 @@ remote_ended(struct broker *b, const char *command_id)
  * run, else evt_publish_command's. */
 struct dispatch_pub {
     struct broker *b;
+    struct broker__worker *wk;
     const Ks__Command *cmd;
     char pool[EVT_AGENT_ID_MAX + 1];
     int rc;
@@ -80,8 +81,10 @@ publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
     /* Tried again while KSCORE_CMDS elects a leader (events.h). */
+    atomic_store(&dp->wk->publishing_us, ks_mono_us());
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
                                  EVT_PUBLISH_RETRY_MS);
+    atomic_store(&dp->wk->publishing_us, 0);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -417,7 +420,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * seen) records first and publishes only a new command, so a used key
      * never sends a message that can never be claimed.
      */
-    struct dispatch_pub dp = {.b = b, .cmd = &cmd, .rc = 1};
+    struct dispatch_pub dp = {.b = b, .wk = wk, .cmd = &cmd, .rc = 1};
     broker__agent_pool(b, cmd.agent_id, dp.pool, sizeof(dp.pool));
     bool overlap = !req->idempotency_key[0] ||
                    (!req->key_may_exist &&
@@ -513,8 +516,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
+        atomic_store(&wk->publishing_us, ks_mono_us());
         rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
                                  EVT_PUBLISH_RETRY_MS);
+        atomic_store(&wk->publishing_us, 0);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;

@@ -132,6 +132,9 @@ struct broker__worker {
     struct broker *b;
     struct store *st;
     natsSubscription *sub;
+    /* An exec worker: when its command's publish began, 0 while it is
+     * not publishing (admission: broker/admit.c stall_note). */
+    _Atomic int64_t publishing_us;
 };
 
 /*
