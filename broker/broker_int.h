@@ -514,13 +514,15 @@ broker__heard_locked(const struct broker *b, const struct broker__agent *a)
 #define BROKER_BEACON_PREFIX "_broker."
 /* The consumer an agent id's commands come through, as the registry's
  * provisioner makes it from the id's entry (its own "agent-<id>", or its
- * pool's "pool-<pool>"), and the slots of what serves it: the running
- * count and max_concurrent of its process (a pool's: every id's running
- * summed). */
+ * pool's "pool-<pool>"), and the slots of what serves it: the commands
+ * its process runs or holds, whichever its heartbeat says more of (its
+ * running count; its holds list, AgentInfo.holds: claims sent, ends not
+ * in the stream yet; a pool's: every entry's summed), and its
+ * max_concurrent. */
 struct broker__consumer_of {
     struct evt_agent_consumer ac;
     int64_t heard_us; /* mono: when its last heartbeat came */
-    uint32_t running, max_concurrent;
+    uint32_t running, max_concurrent; /* running: runs or holds */
 };
 /* 0 with *out, or KS_ENOTFOUND (not in the registry). Takes b->mu. */
 int broker__consumer_of(struct broker *b, const char *agent_id,

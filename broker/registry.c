@@ -1556,7 +1556,7 @@ broker__agents_reply_free(Ks__AgentsReply *r)
 
 struct pool_slots {
     const char *pool;
-    uint32_t running;
+    uint32_t running, held;
 };
 
 static void
@@ -1565,8 +1565,10 @@ pool_running(const char *key, void *val, void *ud)
     struct pool_slots *ps = ud;
     const struct broker__agent *a = val;
     (void)key;
-    if (a->info && a->info->pool && strcmp(a->info->pool, ps->pool) == 0)
+    if (a->info && a->info->pool && strcmp(a->info->pool, ps->pool) == 0) {
         ps->running += a->info->running;
+        ps->held += a->holds ? (uint32_t)a->holds->n : 0;
+    }
 }
 
 int
@@ -1583,15 +1585,16 @@ broker__consumer_of(struct broker *b, const char *agent_id,
         const Ks__AgentInfo *in = a->info;
         /* As provision() makes it, from the same entry. */
         if (in->pool && in->pool[0]) {
-            struct pool_slots ps = {in->pool, 0};
+            struct pool_slots ps = {in->pool, 0, 0};
             evt_pool_consumer(&out->ac, in->pool, in->max_concurrent,
                               in->ack_wait_ms);
             ks_map_each(&b->agents, pool_running, &ps);
-            out->running = ps.running;
+            out->running = ps.running > ps.held ? ps.running : ps.held;
         } else {
+            uint32_t held = a->holds ? (uint32_t)a->holds->n : 0;
             evt_agent_consumer(&out->ac, agent_id, in->max_concurrent,
                                in->ack_wait_ms);
-            out->running = in->running;
+            out->running = in->running > held ? in->running : held;
         }
         out->max_concurrent = in->max_concurrent;
         out->heard_us = broker__heard_locked(b, a);

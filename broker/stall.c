@@ -10,8 +10,10 @@
  * Where to look comes from the record, not from JetStream: every
  * GUARD_TICK_US the agents with commands Dispatched (published, not
  * claimed) for over GUARD_WAITING_US (store_scan_waiting). An agent that
- * is offline, or whose slots are all taken (its heartbeat's running count),
- * has nothing to deliver to: not a stall. For the others the consumer
+ * is offline, or whose slots are all taken (what its heartbeat says it
+ * runs or holds: a claim held up in the broker holds its message unacked,
+ * test_agent cancel_before_the_spawn_is_cancelled), has nothing to
+ * deliver to: not a stall. For the others the consumer
  * itself is asked (evt_consumer_state), and judged over GUARD_STALL_US
  * without a new delivery:
  *  - unacked messages fill its max_ack_pending while the agent runs fewer
