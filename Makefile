@@ -34,12 +34,12 @@ test: build
 # The cluster stack's suite (kscore up --cluster 3) alone, its two halves
 # side by side (test_cluster, test_cluster_2; tests/CMakeLists.txt). It is
 # in `make test` again: the losses of deliveries behind its flake (issue
-# 22) are found and fixed (README "When a leader moves").
+# 22) are found and fixed (docs/cluster.md "When a leader moves").
 test-cluster: build
 	@cd $(BUILD) && ctest --output-on-failure -j2 -L cluster
 
 # The cluster suite's long variants (KSCORE_CLUSTER_LONG=1: each fleet case
-# of shared/cases/fleet-cases.md at the case's size; README "When a leader
+# of shared/cases/fleet-cases.md at the case's size; docs/cluster.md "When a leader
 # moves"), then F05 (deliveries after the KSCORE_CMDS leader dies) 20 times
 # in a row, with pass counts (tests/soak.sh). About 30 minutes.
 test-cluster-long: build

@@ -386,7 +386,7 @@ extern const char *const agent_features[];
  * ("app.kubernetes.io/name" -> KSCORE_LABEL_APP_KUBERNETES_IO_NAME),
  * into out (len bytes, cut to fit; AGENT_INVENTORY_NAME_MAX is enough for
  * any key the CLI takes). Two keys that map to one name: the one that
- * sorts first gives the value (README "Scripts, stdin and files").
+ * sorts first gives the value (docs/fleet-runs.md "Inventory").
  */
 #define AGENT_INVENTORY_NAME_MAX 160
 void agent_inventory_name(const char *prefix, const char *key, char *out,

@@ -1,5 +1,5 @@
 /*
- * copy.c: kscore copy on the agent (README "Pushing files").
+ * copy.c: kscore copy on the agent (docs/scripts-and-files.md "Pushing files").
  *
  * After the claim the agent fetches each file of the copy from the broker
  * in parts (kscore.api.v1.fetch, as the command's agent) into its private

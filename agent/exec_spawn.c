@@ -482,7 +482,7 @@ out:
  * prlimit(pid) after posix_spawn races the child's execve (it has run the
  * program by then). Where clone3 is missing (valgrind, an old kernel, a
  * seccomp filter, not x86_64) posix_spawn remains, and the child keeps the
- * agent's soft limit (README "Execution").
+ * agent's soft limit (docs/operating.md "Execution").
  *
  * The child runs on its own stack in our address space while this thread
  * is suspended; it uses raw syscalls only. A failure before or in execve

@@ -1,6 +1,6 @@
 /*
  * payload.c: what a command carries beyond argv, made ready for the
- * executor before the claim (README "Scripts, stdin and files"):
+ * executor before the claim (docs/scripts-and-files.md):
  *
  *  - CommandSpec.input: the child's stdin bytes (exec_spec.stdin_data);
  *  - CommandSpec.run_as: the user to run as, looked up here (NSS may

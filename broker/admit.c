@@ -1,7 +1,8 @@
 /*
  * Admission: what this broker holds in flight, and whether a new command
  * can start within its delivery deadline (issue 23: overload is refused,
- * not queued for minutes). README "Overload" is the operator's account.
+ * not queued for minutes). docs/operating.md "Overload" is the operator's
+ * account.
  *
  * Three queues stand between an ExecuteCommand and its start; each one's
  * wait is its length times its measured service time over its servers
@@ -523,6 +524,34 @@ peek_execute(const uint8_t *p, size_t n, struct peek *pk)
     return rc == 1 ? 0 : KS_EDECODE;
 }
 
+/*
+ * 1 when the policy denies the execute request in msg: such a request is
+ * not refused as busy, which would tell its operator to try again (exit
+ * 75) what will never be allowed; it goes on to a worker, which denies it
+ * (and records the denial within the operator's share, budget.c). Unpacks
+ * the request: only asked once the request would be refused.
+ */
+static bool
+policy_denies(struct broker *b, natsMsg *msg, const char *agent_id)
+{
+    Ks__ExecuteRequest *req = NULL;
+    char why[512];
+    if (!b->policy ||
+        broker__unpack_request(msg, &ks__execute_request__descriptor,
+                               (ProtobufCMessage **)&req, why,
+                               sizeof(why)) != 0)
+        return false;
+    Ks__AgentInfo *info = broker__agent_info(b, agent_id);
+    int rc = req->spec ? broker__policy_check(b->policy,
+                                              broker__operator_of(msg), info,
+                                              req->spec, why, sizeof(why))
+                       : 0;
+    if (info)
+        ks__agent_info__free_unpacked(info, NULL);
+    ks__execute_request__free_unpacked(req, NULL);
+    return rc != 0;
+}
+
 void
 broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                     void *ud)
@@ -536,12 +565,17 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 
     /* Refused at once, on this thread, before any work: the worker would
      * only find the same (a malformed request goes on: the worker says
-     * what is wrong with it). */
-    if (peek_execute((const uint8_t *)natsMsg_GetData(msg),
+     * what is wrong with it). Not while the recorder cannot record: the
+     * queues look full with ends not recorded, and the worker's append
+     * names the database's refusal, the cause an operator can act on
+     * (chaos pg-full: "busy" was said instead of disk_full). */
+    if (!atomic_load(&b->rec_stalled) &&
+        peek_execute((const uint8_t *)natsMsg_GetData(msg),
                      (size_t)natsMsg_GetDataLength(msg), &pk) == 0 &&
         !pk.key_may_exist && pk.agent_id[0] &&
         broker__admit_check(b, pk.agent_id, pk.deliver_ms, why,
-                            sizeof(why)) == KS_EBUSY) {
+                            sizeof(why)) == KS_EBUSY &&
+        !policy_denies(b, msg, pk.agent_id)) {
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
         r.error_code = KS_EBUSY;
         r.error = why;

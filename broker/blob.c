@@ -1,5 +1,5 @@
 /*
- * blob.c: the files of kscore copy (README "Pushing files").
+ * blob.c: the files of kscore copy (docs/scripts-and-files.md "Pushing files").
  *
  *  kscore.api.v1.upload.<operator>  UploadRequest: an operator sends a
  *      file in parts (KS_BLOB_PART_BYTES), then commits it: the broker

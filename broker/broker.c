@@ -1284,8 +1284,8 @@ handle_cancel(struct broker *b, natsMsg *msg)
         if (rc == 0)
             r.outcome = "requested";
         if (rc == KS_ENOTFOUND) {
-            /* Not open: ended (say how, as for a command: README "Exit
-             * codes", exit 1), or never was. */
+            /* Not open: ended (say how, as for a command: docs/operating.md
+             * "Exit codes", exit 1), or never was. */
             Ks__BatchReply *bv = NULL;
             if (broker__batch_view(b, b->st_misc, req->id, &bv) == 0 && bv &&
                 bv->status != KS__BATCH_STATUS__BATCH_RUNNING &&
@@ -1408,7 +1408,7 @@ on_misc(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
  * SIGTERM, and broker_run returns KS_EUNAVAIL: `kscore broker` exits
  * non-zero and its supervisor starts it again (systemd: Restart=
  * on-failure); meanwhile another broker adopts its batches and clients
- * ask again (README "When an agent fails").
+ * ask again (docs/guarantees.md "When an agent fails").
  */
 static void
 link_dead(void *ud, int64_t silent_us)

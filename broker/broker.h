@@ -50,7 +50,7 @@ struct broker_opts {
     bool require_signed_labels;
     unsigned replicas; /* copies of each stream and the KV bucket on a
                           JetStream cluster (evt_setup_replicas); 0: 1 */
-    /* kscore copy's files (broker/blob.c; README "Pushing files"); 0: the
+    /* kscore copy's files (broker/blob.c; docs/scripts-and-files.md); 0: the
      * BROKER_COPY_* default. The bytes of uploads one operator may hold
      * (its unfinished uploads and its files) and all operators together;
      * how long a file nobody uploaded or copied is kept, and the parts of
@@ -95,8 +95,9 @@ int broker_run(const struct broker_opts *opts, char **errmsg);
 /* ---- the boundary's decisions (pure: no I/O; fuzzed, tests/fuzz) ------ */
 
 /*
- * The field rules of every request (broker/validate.c, the README's
- * "Request fields" table): walks m and every message inside it; 0, or
+ * The field rules of every request (broker/validate.c, the table of
+ * docs/security.md "Untrusted input"): walks m and every message inside
+ * it; 0, or
  * KS_EINVAL with why (len bytes) naming the field and the rule. identity
  * is the caller's (the API subject's last token): a subject a request
  * names (BatchRequest.progress_subject) must be under its own inbox

@@ -247,6 +247,11 @@ struct broker {
      * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
     struct evt_link_watch *link_watch;
     atomic_bool link_dead;
+    /* recorder.c: results cannot be recorded now (PostgreSQL refuses
+     * writes or is unreachable). The agents' queues then look fuller than
+     * they are (what ended is not recorded yet), so admit.c refuses no
+     * request as busy meanwhile: the worker's append says the real cause. */
+    atomic_bool rec_stalled;
 
     struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */

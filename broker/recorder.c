@@ -252,6 +252,7 @@ stall_note(struct broker *b, struct rec_stall *sl, int rc, size_t nev,
                    now - sl->logged_us >= 1000000;
 
     ks_metric_inc(KS_C_RECORDER_DB_RETRIES);
+    atomic_store(&b->rec_stalled, true);
     if (sl->gauge != g) {
         if (sl->gauge != KS_G__N)
             ks_metric_gauge_add(sl->gauge, -1);
@@ -299,6 +300,7 @@ stall_end(struct broker *b, struct rec_stall *sl)
 {
     if (sl->gauge != KS_G__N)
         ks_metric_gauge_add(sl->gauge, -1);
+    atomic_store(&b->rec_stalled, false);
     if (sl->noticed_us)
         broker__waiters_notice(b, "goes on: PostgreSQL takes writes again, "
                                   "its result is recorded as it comes");

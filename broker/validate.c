@@ -1,7 +1,7 @@
 /*
  * validate.c: the rules every request field must meet before the broker
- * records or does anything (the README's "Request fields" table is this
- * table). The wire check (events/wire.c) has already refused a NUL or
+ * records or does anything (docs/security.md "Untrusted input": its table
+ * is this table). The wire check (events/wire.c) has already refused a NUL or
  * invalid UTF-8 in any string; these are the per-field rules: lengths,
  * counts, ranges, ids, and anything that becomes a subject.
  *
@@ -45,7 +45,7 @@ struct rule {
     const char *says;  /* the rule in words, for the error */
 };
 
-/* Keep in step with README.md "Request fields". */
+/* Keep in step with docs/security.md "Untrusted input". */
 static const struct rule rules[] = {
     {"ExecuteRequest", "agent_id", R_AGENT_ID, 0, 0,
      "1-128 letters, digits, _ and -"},

@@ -11,7 +11,8 @@
 #include "client.h"
 
 /*
- * kscore is two executables (README "Modules"): kscore, the operator's
+ * kscore is two executables (docs/development.md "Modules"): kscore, the
+ * operator's
  * commands (cli/main.c), and the daemon half, CLI_DAEMON_NAME
  * (cli/daemon.c): the services, the local stack and what needs PostgreSQL
  * or libmicrohttpd, the commands of CLI_DAEMON_COMMANDS. kscore runs the
@@ -50,7 +51,8 @@ int cli_main(int argc, char **argv, const struct cli_command *cmds, size_t n,
 int cli_other_half(const char *name, const char *rel, char *buf, size_t len);
 
 /*
- * Exit codes of kscore itself (README "Exit codes"). `kscore exec` otherwise
+ * Exit codes of kscore itself (docs/operating.md "Exit codes"). `kscore exec`
+ * otherwise
  * exits with the command's own code, 128+N when it was killed by signal N,
  * and 124 when it timed out, as coreutils timeout(1) does.
  */
@@ -161,7 +163,7 @@ int cli_spec_argv(struct cli_spec *cs, int argc, char **argv, int optind,
  * --dry-run, --yes, --confirm-over), rate (--max-concurrency,
  * --max-errors, --strict-errors) and output (--json, --detach,
  * --stream) options, and the run itself: confirmation, progress, the
- * grouped results, the exit code (README "Exit codes").
+ * grouped results, the exit code (docs/operating.md "Exit codes").
  */
 #define CLI_BATCH_LONGOPTS                                                     \
     {"agents", required_argument, 0, 'a'},                                     \
@@ -351,7 +353,7 @@ void cli_err_too_large(void);
 
 /* The command result as JSON (text when valid UTF-8, base64 always). */
 json_t *cli_result_json(const Ks__CommandResult *r);
-/* One recorded event as JSON (README "kscore events --json"). */
+/* One recorded event as JSON (docs/operating.md "Events"). */
 json_t *cli_event_json(const Ks__RecordedEvent *rec);
 /* Prints j compactly on one line to stdout; frees it. */
 void cli_print_json(json_t *j);
@@ -614,7 +616,7 @@ int cmd_agent_admin(int argc, char **argv);
 
 /*
  * An agent bundle (`kscore agent enroll` writes it; format in
- * cli/cmd_enroll.c and README "Deploying a fleet"), read back by
+ * cli/cmd_enroll.c and docs/security.md "The bundle"), read back by
  * `kscore agent --bundle FILE`: its files are written into a private
  * directory (<state_dir>/bundle, or a new one under $TMPDIR removed by
  * cli_bundle_release) where nats.c and the agent read them.

@@ -125,7 +125,7 @@ cmd_agents(int argc, char **argv)
                                     json_string(cli_time(st->labels_at_us)));
             }
             /* What the agent says of its host: its own word, never
-             * signed, never a label (README "Facts"). */
+             * signed, never a label (docs/fleet-runs.md "Inventory"). */
             json_t *facts = json_object();
             for (size_t k = 0; k < in->n_facts; k++)
                 json_object_set_new(facts, in->facts[k]->name,

@@ -542,8 +542,9 @@ cli_batch_release(struct cli_batch *bt)
     bt->wavep = NULL;
 }
 
-/* One target id of --agents: checked (a usage error, exit 2, as the
- * README says, where the broker would refuse it with 125) and added.
+/* One target id of --agents: checked (a usage error, exit 2, as
+ * docs/operating.md "Exit codes" says,
+ * where the broker would refuse it with 125) and added.
  * where: "" or "FILE:LINE: " for the message. 0 or -1 after printing. */
 static int
 add_agent(struct cli_batch *bt, char *id, const char *where)

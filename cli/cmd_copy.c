@@ -1,6 +1,7 @@
 /*
  * kscore copy SRC... --to PATH [--mode M] [--owner U[:G]]: files to one
- * agent or a fleet (README "Pushing files"). Each file is uploaded once,
+ * agent or a fleet (docs/scripts-and-files.md "Pushing files"). Each file
+ * is uploaded once,
  * in parts, named by its SHA-256 (kscore.api.v1.upload: a file the broker
  * has already is not sent again); then the copy runs as a batch
  * (cli_batch_run: the same targets, rate, error budget, progress and

@@ -11,7 +11,7 @@
  * and deletes its consumer (evt_agent_forget), so the broker refuses new
  * commands for it.
  *
- * The bundle (README "Deploying a fleet") is INI, one value a line:
+ * The bundle (docs/security.md "The bundle") is INI, one value a line:
  *
  *   # kscore agent bundle: secret (it holds the agent's NKey seed)
  *   [bundle]

@@ -18,7 +18,7 @@ static const char exec_usage[] =
     "and the command was not accepted, 75 when it was refused because it\n"
     "could not start within its delivery deadline (busy: nothing recorded,\n"
     "try again later), 69 when the outcome is unknown: it names the command\n"
-    "for kscore get; see README \"Exit codes\").\n"
+    "for kscore get; see docs/operating.md \"Exit codes\").\n"
     "  --agent ID          target agent (default: the local stack's agent)\n"
     "  --timeout D         SIGTERM to the process group after D (default: "
     "none)\n"
@@ -148,7 +148,7 @@ cmd_exec(int argc, char **argv)
         free(env_url);
         goto out;
     }
-    /* A usage error (README "Exit codes": 2), said before any
+    /* A usage error (docs/operating.md "Exit codes": 2), said before any
      * connection, as the broker would refuse it. */
     if (!evt_agent_id_valid(agent)) {
         cli_err("bad agent id '%s' (letters, digits, _ and -, up to %d)",

@@ -1,6 +1,6 @@
 /*
- * What `kscore exec` and `kscore batch` send besides argv (README
- * "Scripts, stdin and files"): --script FILE [ARG]..., the command's stdin
+ * What `kscore exec` and `kscore batch` send besides argv
+ * (docs/scripts-and-files.md): --script FILE [ARG]..., the command's stdin
  * (read when it is not a terminal, --stdin-file FILE, --no-stdin) and
  * --run-as USER[:GROUP]; and how get and events show them (sizes and
  * SHA-256, never the bytes).

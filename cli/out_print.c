@@ -1,6 +1,6 @@
 /*
- * Output every command shares: a result and an event as JSON (README
- * "kscore get --json", "kscore events --json"), one JSON line on stdout,
+ * Output every command shares: a result and an event as JSON (docs/operating.md
+ * "Output", "Events"), one JSON line on stdout,
  * text made safe for a terminal, argv as a shell reads it back. Calls
  * only down (cli.c, the libraries).
  */

@@ -4,7 +4,7 @@
 # The agent hosts are network namespaces joined to a bridge (10.213.0.1/24
 # on the host side, agents 10.213.0.11-13): each reaches the broker host
 # only over TCP, as a machine on the LAN would. The steps are the ones of
-# README "Deploying a fleet":
+# docs/deploying.md "Deploying a fleet":
 #   kscore up --listen 10.213.0.1 --mtls     (nats-server TLS-only on that address)
 #   kscore agent enroll ID --label ...       (one bundle file per agent)
 #   kscore agent --bundle FILE               (inside each namespace)

@@ -726,7 +726,7 @@ uint64_t evt_ack_delivered(const char *reply);
 /*
  * How long a JetStream publish is tried again while the stream does not
  * take it for now (ms): a stream leader's election after its node died,
- * measured at up to 15 s on `kscore up --cluster 3` (README "A cluster"),
+ * measured at up to 15 s on `kscore up --cluster 3` (docs/cluster.md),
  * with room to spare. What waits for a command's publish (the broker's
  * dispatch) gives it this much.
  */

@@ -161,8 +161,9 @@ void ks_sort(void *base, size_t n, size_t size,
 #define KS_MAX_MESSAGE_BYTES (1024 * 1024)
 
 /*
- * What travels inside one command besides argv (README "Scripts, stdin and
- * files"): a script (CommandSpec.script) and stdin (CommandSpec.input),
+ * What travels inside one command besides argv (docs/scripts-and-files.md
+ * "Scripts and stdin"): a script (CommandSpec.script) and stdin
+ * (CommandSpec.input),
  * each checked by the CLI before anything is sent and by the broker
  * before anything is recorded. Both together stay below one NATS message,
  * with room for argv and the rest; larger data goes by kscore copy.
@@ -233,7 +234,7 @@ void ks_map_clear(struct ks_map *m);
  * module counts without knowing who serves them (events/ has the HTTP
  * endpoint: evt_metrics_serve). Updates are relaxed atomic adds, no lock:
  * cheap enough for the hot paths. Names, help and buckets are in one table
- * (metrics.c); README "Metrics" lists them.
+ * (metrics.c); docs/metrics.md lists them.
  */
 enum ks_metric_role { KS_METRICS_BROKER = 1, KS_METRICS_AGENT = 2 };
 

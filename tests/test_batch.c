@@ -283,7 +283,8 @@ START_TEST(cancel_in_the_middle)
     json_decref(j);
     ck_assert_int_eq(sleeps_left("3517"), 0);
     /* Cancelled again, once it has ended: "already ended", exit 1, as for
-     * a command (README "Exit codes"); on cf06db5 exit 125 "no running
+     * a command (docs/operating.md "Exit codes"); on cf06db5 exit 125
+     * "no running
      * batch", as for an unknown id (issue 24). An unknown one is still
      * an error. */
     ck_assert_int_eq(fixture_kscore(&stack, cargs, &o), 0);

@@ -220,7 +220,8 @@ START_TEST(bad_inputs_are_refused_clearly)
     expect_failure((const char *const[]){"exec", "--agent", AGENT, "true",
                                          NULL},
                    2, "missing --");
-    /* A usage error, said before anything is sent (README "Exit codes":
+    /* A usage error, said before anything is sent (docs/operating.md
+     * "Exit codes":
      * 2; issue 24: it was the broker's refusal, 125). */
     expect_failure((const char *const[]){"exec", "--agent", "bad.id", "--",
                                          "true", NULL},

@@ -141,8 +141,8 @@ target_ids(json_t *j, char *buf, size_t len)
 }
 
 /*
- * Usage errors are said before anything is sent, exit 2 (README "Exit
- * codes"): `--select 'env==prod'` was read as the value "=prod" (a batch
+ * Usage errors are said before anything is sent, exit 2 (docs/operating.md
+ * "Exit codes"): `--select 'env==prod'` was read as the value "=prod" (a batch
  * that matched nothing, or, negated, everything), and an agent id that
  * cannot be one was sent and refused by the broker, exit 125.
  */

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -843,6 +844,232 @@ START_TEST(each_byte_of_output_is_kept_once)
 }
 END_TEST
 
+/* ---- Fleet case F01: NUL and broken UTF-8 everywhere -------------------
+ *
+ * shared/cases/fleet-cases.md F01 (mozilla/mig#180, kestra-io/kestra#10653:
+ * a NUL in a result broke every later read of it). Each command runs
+ * through exec, exec --json, logs, get --json, events --json and a batch
+ * of 3; its bytes must come back exactly as the same command run here
+ * writes them, with its exit code, one terminal event and no report
+ * rejected (a redelivered result would be one).
+ */
+struct f01_case {
+    const char *sh; /* sh -c text */
+    int exit_code;
+};
+static const struct f01_case f01_cases[] = {
+    {"printf 'a\\000b\\n'", 0},
+    {"printf 'bad \\377\\376 \\300\\200 end\\n'", 0},
+    /* one character split across two live pieces */
+    {"printf '\\342\\202'; sleep 1; printf '\\254\\n'", 0},
+    {"printf 'x\\000' >&2; exit 7", 7},
+    {"find /etc -maxdepth 1 -print0", 0},
+};
+
+/* What sh -c text writes here: stdout, stderr, exit code. */
+static void
+f01_local(const char *text, char **out, size_t *out_len, char **err,
+          size_t *err_len, int *code)
+{
+    char po[PATH_MAX], pe[PATH_MAX];
+    snprintf(po, sizeof(po), "%s/f01.out", tmpdir);
+    snprintf(pe, sizeof(pe), "%s/f01.err", tmpdir);
+    pid_t pid = fork();
+    ck_assert_int_ne(pid, -1);
+    if (pid == 0) {
+        int o = open(po, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int e = open(pe, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (o < 0 || e < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0)
+            _exit(126);
+        execl("/bin/sh", "sh", "-c", text, (char *)NULL);
+        _exit(127);
+    }
+    int st = 0;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    ck_assert(WIFEXITED(st));
+    *code = WEXITSTATUS(st);
+    *out = slurp(po, out_len);
+    *err = slurp(pe, err_len);
+}
+
+/* json's field name (base64 text) decodes to want (want_len bytes). */
+static void
+f01_b64_is(json_t *j, const char *name, const char *want, size_t want_len,
+           const char *where)
+{
+    const char *b = json_string_value(json_object_get(j, name));
+    ck_assert_msg(b, "%s: no %s", where, name);
+    size_t n;
+    uint8_t *got = unb64(b, &n);
+    ck_assert_msg(n == want_len && memcmp(got, want, n) == 0,
+                  "%s: %s differs (%zu bytes, want %zu)", where, name, n,
+                  want_len);
+    free(got);
+}
+
+/* The same for a result whose output may live in the record's pieces
+ * (only their count in the result: kscore logs reads them). */
+static void
+f01_result_is(json_t *r, const char *name, const char *want,
+              size_t want_len, const char *where)
+{
+    char key[64];
+    snprintf(key, sizeof(key), "%s_chunked_bytes", name);
+    json_t *chunked = json_object_get(r, key);
+    if (chunked) {
+        ck_assert_msg(json_integer_value(chunked) == (json_int_t)want_len,
+                      "%s: %s in pieces: %lld bytes, want %zu", where, name,
+                      (long long)json_integer_value(chunked), want_len);
+        return;
+    }
+    snprintf(key, sizeof(key), "%s_base64", name);
+    f01_b64_is(r, key, want, want_len, where);
+}
+
+static json_t *
+f01_json(const char *text)
+{
+    json_error_t e;
+    json_t *j = json_loads(text, 0, &e);
+    ck_assert_msg(j, "not JSON (%s): %s", e.text, text);
+    return j;
+}
+
+START_TEST(fleet_case_f01_bytes_come_back_exactly)
+{
+    char host[64], targets[256];
+    gethostname(host, sizeof(host));
+    char *dot = strchr(host, '.');
+    if (dot)
+        *dot = '\0';
+    snprintf(targets, sizeof(targets), "%s,%s-0,%s-1", AGENT, host, host);
+
+    for (size_t k = 0; k < sizeof(f01_cases) / sizeof(f01_cases[0]); k++) {
+        const struct f01_case *fc = &f01_cases[k];
+        char *lo, *le, where[64], id[40], sql[256];
+        size_t lo_len, le_len;
+        int code;
+        struct fixture_out o;
+        f01_local(fc->sh, &lo, &lo_len, &le, &le_len, &code);
+        ck_assert_int_eq(code, fc->exit_code);
+
+        /* exec: stdout byte for byte, the exit code its own */
+        snprintf(where, sizeof(where), "case %zu exec", k);
+        const char *a1[] = {"exec", "--agent", AGENT, "--", "sh", "-c",
+                            fc->sh, NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a1, &o), 0);
+        ck_assert_msg(o.status == fc->exit_code, "%s: exit %d: %s", where,
+                      o.status, o.err);
+        ck_assert_msg(o.out_len == lo_len && memcmp(o.out, lo, lo_len) == 0,
+                      "%s: stdout differs", where);
+        fixture_out_release(&o);
+
+        /* exec --json: both streams, losslessly */
+        snprintf(where, sizeof(where), "case %zu exec --json", k);
+        const char *a2[] = {"exec", "--agent", AGENT, "--json", "--", "sh",
+                            "-c", fc->sh, NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a2, &o), 0);
+        ck_assert_msg(o.status == fc->exit_code, "%s: exit %d: %s", where,
+                      o.status, o.err);
+        json_t *j = f01_json(o.out);
+        ck_assert_int_eq(json_integer_value(json_object_get(j, "exit_code")),
+                         fc->exit_code);
+        f01_b64_is(j, "stdout_base64", lo, lo_len, where);
+        f01_b64_is(j, "stderr_base64", le, le_len, where);
+        snprintf(id, sizeof(id), "%s",
+                 json_string_value(json_object_get(j, "command_id")));
+        json_decref(j);
+        fixture_out_release(&o);
+
+        /* logs: each stream to its own, byte for byte */
+        snprintf(where, sizeof(where), "case %zu logs", k);
+        const char *a3[] = {"logs", id, "--stdout", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        ck_assert_msg(o.out_len == lo_len && memcmp(o.out, lo, lo_len) == 0,
+                      "%s: stdout differs", where);
+        fixture_out_release(&o);
+        const char *a4[] = {"logs", id, "--stderr", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a4, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        ck_assert_msg(o.err_len == le_len && memcmp(o.err, le, le_len) == 0,
+                      "%s: stderr differs", where);
+        fixture_out_release(&o);
+
+        /* get --json */
+        snprintf(where, sizeof(where), "case %zu get --json", k);
+        const char *a5[] = {"get", id, "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a5, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        j = f01_json(o.out);
+        f01_b64_is(j, "stdout_base64", lo, lo_len, where);
+        f01_b64_is(j, "stderr_base64", le, le_len, where);
+        json_decref(j);
+        fixture_out_release(&o);
+
+        /* events --json: the result, once */
+        snprintf(where, sizeof(where), "case %zu events --json", k);
+        const char *a6[] = {"events", id, "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a6, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        int completed = 0;
+        for (char *save = NULL, *line = strtok_r(o.out, "\n", &save); line;
+             line = strtok_r(NULL, "\n", &save)) {
+            j = f01_json(line);
+            if (strcmp(json_string_value(json_object_get(j, "type")),
+                       "CommandCompleted") == 0) {
+                json_t *r = json_object_get(j, "result");
+                ck_assert_ptr_nonnull(r);
+                f01_result_is(r, "stdout", lo, lo_len, where);
+                f01_result_is(r, "stderr", le, le_len, where);
+                completed++;
+            }
+            json_decref(j);
+        }
+        ck_assert_int_eq(completed, 1);
+        fixture_out_release(&o);
+        /* No result came twice: a second report would be kept as
+         * rejected on the command's stream or the agent's. */
+        snprintf(sql, sizeof(sql),
+                 "SELECT count(*) FROM events WHERE type IN "
+                 "('ReportRejected', 'LateResult', 'DuplicateSuppressed') "
+                 "AND position(convert_to('%s', 'UTF8') in data) > 0",
+                 id);
+        ck_assert_int_eq(sql_long(sql), 0);
+
+        /* a batch of 3: each target's exit code and bytes */
+        snprintf(where, sizeof(where), "case %zu batch", k);
+        const char *a7[] = {"batch", "--agents", targets, "--yes",
+                            "--json", "--", "sh", "-c", fc->sh, NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a7, &o), 0);
+        j = f01_json(fixture_last_line(o.out));
+        char bid[64];
+        snprintf(bid, sizeof(bid), "%s",
+                 json_string_value(json_object_get(j, "batch_id")));
+        json_decref(j);
+        fixture_out_release(&o);
+        const char *a8[] = {"get", bid, "--json", NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, a8, &o), 0);
+        ck_assert_int_eq(o.status, 0);
+        j = f01_json(o.out);
+        json_t *tv = json_object_get(j, "targets");
+        ck_assert_int_eq(json_array_size(tv), 3);
+        for (size_t i = 0; i < 3; i++) {
+            json_t *t = json_array_get(tv, i);
+            ck_assert_int_eq(
+                json_integer_value(json_object_get(t, "exit_code")),
+                fc->exit_code);
+            f01_b64_is(t, "stdout_base64", lo, lo_len, where);
+            f01_b64_is(t, "stderr_base64", le, le_len, where);
+        }
+        json_decref(j);
+        fixture_out_release(&o);
+        free(lo);
+        free(le);
+    }
+}
+END_TEST
+
 static Suite *
 output_suite(void)
 {
@@ -862,6 +1089,7 @@ output_suite(void)
     tcase_add_test(tc, batch_stream_prints_agent_lines);
     tcase_add_test(tc, agent_cannot_inject_output);
     tcase_add_test(tc, each_byte_of_output_is_kept_once);
+    tcase_add_test(tc, fleet_case_f01_bytes_come_back_exactly);
     suite_add_tcase(s, tc);
     return s;
 }

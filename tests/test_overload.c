@@ -5,7 +5,7 @@
  * exactly one terminal event; capacity comes back when the load goes; a
  * batch paces its own targets, so one larger than its fleet can run at
  * once never ends Undeliverable because kscore dispatched too fast
- * (broker/admit.c, README "Overload").
+ * (broker/admit.c, docs/operating.md "Overload").
  *
  * Against a real broker, agents and PostgreSQL. No wall-clock speed is
  * asserted: the busy states are made by what the agents hold (a slot held

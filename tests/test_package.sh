@@ -121,7 +121,7 @@ check "the unpacked binary runs" "$ROOT/usr/bin/kscore" --version
 check "the unpacked binary finds every library" sh -c "! ldd '$ROOT/usr/bin/kscore' | grep -q 'not found'"
 check "the unpacked daemon half finds every library" sh -c "! ldd '$ROOT/usr/libexec/kscore/kscore-daemon' | grep -q 'not found'"
 # The operator's kscore starts like a small C program: what only the
-# daemons use is the daemon half's (README "Modules").
+# daemons use is the daemon half's (docs/development.md "Modules").
 check "the operator's binary loads no libpq, libmicrohttpd or inih" sh -c "! ldd '$ROOT/usr/bin/kscore' | grep -q 'libpq\|libmicrohttpd\|libinih'"
 # kscore finds its daemon half under the prefix it was unpacked to.
 check "the unpacked kscore runs its daemon half" "$ROOT/usr/bin/kscore" keygen --help

@@ -2,8 +2,8 @@
  * What an operator sends besides argv, end to end through the real stack
  * (the kscore binary as broker, agent and client, a private nats-server
  * and PostgreSQL, real child processes): --script FILE, stdin, --run-as
- * USER[:GROUP], and the policy's run_as rule (README "Scripts, stdin and
- * files").
+ * USER[:GROUP], and the policy's run_as rule (docs/scripts-and-files.md,
+ * docs/security.md "Running as a user").
  */
 #include <check.h>
 #include <errno.h>

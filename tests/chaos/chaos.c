@@ -544,6 +544,10 @@ pg_full_refusal(struct chaos_run *r)
     req.agent_id = r->agents[0];
     req.spec = &spec;
     req.detach = 1;
+    /* Its agent's slots are full of the scenario's sleeps: with no
+     * deadline of its own the request would be refused as busy before
+     * the record is asked (admit.c), and this asks the record. */
+    req.deliver_within_ms = 600000;
     if ((rc = evt_connect(r->st.nats.url, &o, &c, NULL))) {
         chaos_fail(r, "cannot connect: %s", ks_strerror(rc));
         return;
@@ -580,8 +584,9 @@ pg_full_refusal(struct chaos_run *r)
 
     /* Detached: one that finds room is not waited for (its end waits for
      * the space). */
-    const char *args[] = {"exec", "--detach", "--agent", r->agents[0], "--",
-                          "sh", "-c", script, NULL};
+    const char *args[] = {"exec", "--detach", "--deliver-within", "10m",
+                          "--agent", r->agents[0], "--", "sh", "-c", script,
+                          NULL};
     struct fixture_out out = {0};
     for (asked = 0; asked < PG_FULL_ASKS; asked++) {
         fixture_out_release(&out);

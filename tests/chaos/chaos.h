@@ -27,7 +27,8 @@
 #define CHAOS_RECOVER_LIMIT_S 10.0
 /* I3 slack for the scanner's period and the commit of the terminal event. */
 #define CHAOS_SLACK_MS 2000
-/* Default grace of a command (README: grace 5 s) when the spec says 0. */
+/* Default grace of a command (docs/operating.md "Limits and defaults":
+ * grace 5 s) when the spec says 0. */
 #define CHAOS_DEFAULT_GRACE_MS 5000
 
 #define CHAOS_MAX_BATCHES 16
