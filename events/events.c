@@ -209,6 +209,11 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         if (s == NATS_OK)
             s = natsOptions_SetReconnectBufSize(opts, 64 * 1024 * 1024);
     }
+    if (s == NATS_OK && o->one_server) {
+        s = natsOptions_SetIgnoreDiscoveredServers(opts, true);
+        if (s == NATS_OK)
+            s = natsOptions_SetAllowReconnect(opts, false);
+    }
     if (s == NATS_OK && o->global_delivery)
         s = natsOptions_UseGlobalMessageDelivery(opts, true);
     if (o->nkey_file) {

@@ -126,6 +126,10 @@ struct evt_connect_opts {
                            the first connect still fails fast */
     bool global_delivery; /* nats.c's shared delivery thread pool instead of
                              one thread per subscription (many agent ids) */
+    bool one_server; /* only url's servers, never one the cluster tells of,
+                        and no reconnect: a question to one node (a
+                        monitoring request answers for the server the
+                        connection is on) */
     const char *user, *password, *token, *creds_file;
     /* An NKey seed file (evt_nkey_write_seed): authenticates with the
      * key's signature of the server's nonce (natsOptions_SetNKeyFromSeed);

@@ -307,8 +307,12 @@ monitor_nats(const struct stack_node *nd, const char *what, unsigned flags,
     ca = stack_env_get(home, "KSCORE_NATS_TLS_CA");
     cert = stack_env_get(home, "KSCORE_NATS_TLS_CERT");
     key = stack_env_get(home, "KSCORE_NATS_TLS_KEY");
+    /* This node's answer only: a connection that went over to another
+     * node would ask that one (test_cluster check_status: node 3's row
+     * named nats-2). */
     struct evt_connect_opts o = {.name = "kscore-monitor",
                                  .send_asap = true,
+                                 .one_server = true,
                                  .timeout_ms = timeout_ms,
                                  .nkey_file = seed,
                                  .tls_ca = ca,
