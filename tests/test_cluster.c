@@ -119,18 +119,43 @@ up_cluster(void)
     return now_s() - t0;
 }
 
-/* A connection with the broker's credential (it may ask JetStream). */
-static struct evt_conn *
-broker_conn(void)
+/* Starts again every node of the stack that does not run (as `kscore up`
+ * would, with their kept ports). */
+static void
+nodes_start(void)
 {
-    char seed[PATH_MAX + 64], *url = env_get("KSCORE_NATS_URL"), *err = NULL;
+    struct stack_node nodes[3];
+    stack_cluster_nodes(home, 3, nodes);
+    ck_assert_int_eq(
+        stack_cluster_start(home, 3, nodes, STACK_NATS_AUTH_INCLUDE, NULL, 0),
+        0);
+}
+
+/* A connection to the stack with the NKey seed file seed, named name;
+ * an operator's (op) sends at once and reconnects for ever, as kscore's
+ * own do. */
+static struct evt_conn *
+stack_conn(const char *seed, const char *name, bool op)
+{
+    char *url = env_get("KSCORE_NATS_URL"), *err = NULL;
     struct evt_conn *c = NULL;
-    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
-    struct evt_connect_opts o = {.name = "test-cluster", .nkey_file = seed};
+    struct evt_connect_opts o = {.name = name,
+                                 .send_asap = op,
+                                 .retry_forever = op,
+                                 .nkey_file = seed};
     int rc = evt_connect(url, &o, &c, &err);
     ck_assert_msg(rc == 0, "connect %s: %s", url, err ? err : "");
     free(url);
     return c;
+}
+
+/* A connection with the broker's credential (it may ask JetStream). */
+static struct evt_conn *
+broker_conn(void)
+{
+    char seed[PATH_MAX + 64];
+    snprintf(seed, sizeof(seed), "%s/keys/broker.nk", home);
+    return stack_conn(seed, "test-cluster", false);
 }
 
 /* The stream's replica count; its leader into leader. */
@@ -633,11 +658,7 @@ START_TEST(agent_registers_once_the_registry_answers)
                   "%s/ragent.log)", home);
 
     /* the two nodes again (not `up`: it would start its own agent) */
-    struct stack_node nodes[3];
-    stack_cluster_nodes(home, 3, nodes);
-    ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
-                                         STACK_NATS_AUTH_INCLUDE, NULL, 0),
-                     0);
+    nodes_start();
     double t0 = now_s();
     const char *ex[] = {"exec", "--", "echo", "back", NULL};
     struct fixture_out o;
@@ -679,18 +700,29 @@ long_mode(void)
 static struct evt_conn *
 operator_conn(void)
 {
-    char *url = env_get("KSCORE_NATS_URL"), *seed = env_get("KSCORE_NATS_NKEY");
-    char *err = NULL;
-    struct evt_conn *c = NULL;
-    struct evt_connect_opts o = {.name = "test-cluster-op",
-                                 .send_asap = true,
-                                 .retry_forever = true,
-                                 .nkey_file = seed};
-    int rc = evt_connect(url, &o, &c, &err);
-    ck_assert_msg(rc == 0, "connect %s: %s", url, err ? err : "");
-    free(url);
+    char *seed = env_get("KSCORE_NATS_NKEY");
+    struct evt_conn *c = stack_conn(seed, "test-cluster-op", true);
     free(seed);
     return c;
+}
+
+/* `kscore exec --agent id -- true` again every 0.3 s until it exits 0
+ * (the agent serves), for up to 60 s. */
+static void
+exec_until_served(const char *id)
+{
+    const char *ex[] = {"exec", "--agent", id, "--", "true", NULL};
+    struct fixture_out o;
+    double t0 = now_s();
+    int st;
+    do {
+        ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
+        st = o.status;
+        fixture_out_release(&o);
+        if (st)
+            usleep(300 * 1000);
+    } while (st && now_s() - t0 < 60);
+    ck_assert_msg(st == 0, "no exec on %s (see %s)", id, home);
 }
 
 /* The consumer's leader node ("nats-<i>") into buf, "" when it has none
@@ -971,19 +1003,8 @@ START_TEST(consumer_leader_changes)
 
     /* each of the three ids answers once before the idle time */
     const char *who[] = {agent, pool0, pool1};
-    for (int i = 0; i < 3; i++) {
-        const char *ex[] = {"exec", "--agent", who[i], "--", "true", NULL};
-        double t0 = now_s();
-        int st;
-        do {
-            ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
-            st = o.status;
-            fixture_out_release(&o);
-            if (st)
-                usleep(300 * 1000);
-        } while (st && now_s() - t0 < 60);
-        ck_assert_msg(st == 0, "no exec on %s", who[i]);
-    }
+    for (int i = 0; i < 3; i++)
+        exec_until_served(who[i]);
     pid_t agent_pid = 0, b1_pid = 0;
     ck_assert_int_eq(stack_pidfile_alive(home, "agent", &agent_pid), 1);
     ck_assert_int_eq(stack_pidfile_alive(home, "broker-1", &b1_pid), 1);
@@ -1298,19 +1319,7 @@ START_TEST(a_consumer_stalled_by_a_lost_ack_is_repaired)
     struct evt_conn *oc = operator_conn();
     struct fixture_out o;
     /* the agent serves (its consumer made with one slot) */
-    {
-        const char *ex[] = {"exec", "--agent", agent, "--", "true", NULL};
-        double t0 = now_s();
-        int rc;
-        do {
-            ck_assert_int_eq(fixture_kscore_home(home, ex, &o), 0);
-            rc = o.status;
-            fixture_out_release(&o);
-            if (rc)
-                usleep(300 * 1000);
-        } while (rc && now_s() - t0 < 60);
-        ck_assert_msg(rc == 0, "the agent does not serve (see %s)", home);
-    }
+    exec_until_served(agent);
     /* its consumer has the one slot (the broker updates it from the new
      * process's first heartbeat) */
     struct evt_conn *bc = broker_conn();
@@ -1356,11 +1365,9 @@ START_TEST(a_consumer_stalled_by_a_lost_ack_is_repaired)
                     "killed while %s runs (%s led its consumer)\n", keep,
             id1, cl);
     sleep(8);
+    nodes_start();
     struct stack_node nodes[3];
     stack_cluster_nodes(home, 3, nodes);
-    ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
-                                         STACK_NATS_AUTH_INCLUDE, NULL, 0),
-                     0);
     double back = now_s();
     wait_command(db, id1, "Succeeded", 60, st, sizeof(st));
     ck_assert_msg(strcmp(st, "Succeeded") == 0, "first command %s: %s", id1,
@@ -1774,12 +1781,7 @@ START_TEST(registry_watch_node_dies)
                 batch_at = 10 + elected + 1.5;
         }
         if (!restarted && now_s() - killed >= 10) {
-            struct stack_node nodes[3];
-            stack_cluster_nodes(home, 3, nodes);
-            ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
-                                                 STACK_NATS_AUTH_INCLUDE,
-                                                 NULL, 0),
-                             0);
+            nodes_start();
             restarted = true;
         }
         ks_ok(ag, &o);
@@ -2032,12 +2034,7 @@ f02_run(enum f02_fault fault, int n, double rate)
                     elected = 0; /* the leader lived elsewhere */
             }
             if (!restarted && now_s() - t0 >= 5) {
-                struct stack_node nodes[3];
-                stack_cluster_nodes(home, 3, nodes);
-                ck_assert_int_eq(stack_cluster_start(home, 3, nodes,
-                                                     STACK_NATS_AUTH_INCLUDE,
-                                                     NULL, 0),
-                                 0);
+                nodes_start();
                 restarted = true;
             }
             usleep(100 * 1000);
