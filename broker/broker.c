@@ -1558,6 +1558,24 @@ subscribe_workers(struct broker *b, struct broker__worker *w, int n,
     return 0;
 }
 
+/* An "ask again" subject: every broker gets each message (a queue group
+ * of its own, b->again_queue), one of its BROKER_AGAIN_WORKERS serves it. */
+static int
+subscribe_again(struct broker *b, struct broker__worker *w,
+                const char *subject, natsMsgHandler cb, char **errmsg)
+{
+    if (!b->again_queue[0])
+        snprintf(b->again_queue, sizeof(b->again_queue), "kscore-again-%s",
+                 b->instance_id);
+    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
+        int rc = subscribe_q(b, &w[i].sub, subject, b->again_queue, cb,
+                             &w[i], errmsg);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
 static void
 free_live(const char *key, void *val, void *ud)
 {
@@ -1569,21 +1587,25 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + 19];
+    natsSubscription **subs[BROKER_CLAIM_WORKERS + 2 * BROKER_AGAIN_WORKERS +
+                            17];
     size_t nsubs = 0;
 
     /* Every worker's subscription: each handler uses the writer and the
      * store connections closed below. */
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         subs[nsubs++] = &b->claimers[i].sub;
+    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
+        subs[nsubs++] = &b->exec_again[i].sub;
+        subs[nsubs++] = &b->claim_again[i].sub;
+    }
     {
         natsSubscription **rest[] = {
             &b->sub_execute,    &b->sub_misc,       &b->sub_events,
             &b->sub_cancel,     &b->sub_agents,     &b->sub_follow,
             &b->sub_batch,      &b->sub_advisory,   &b->sub_list,
             &b->sub_logs,       &b->sub_notice,     &b->sub_upload,
-            &b->sub_fetch,      &b->exec_again.sub, &b->claim_again.sub,
-            &b->sub_label};
+            &b->sub_fetch,      &b->sub_label};
         for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
             subs[nsubs++] = rest[i];
     }
@@ -1619,8 +1641,10 @@ broker_teardown(struct broker *b)
     store_close(b->st_setup);
     for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
         store_close(b->executors[i].st);
-    store_close(b->exec_again.st);
-    store_close(b->claim_again.st);
+    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
+        store_close(b->exec_again[i].st);
+        store_close(b->claim_again[i].st);
+    }
     store_close(b->st_misc);
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
         store_close(b->claimers[i].st);
@@ -1725,11 +1749,13 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if ((rc = open_store(&b, &b.executors[i].st, errmsg)))
             goto out;
     }
-    b.exec_again.b = &b;
-    b.claim_again.b = &b;
-    if ((rc = open_store(&b, &b.exec_again.st, errmsg)) ||
-        (rc = open_store(&b, &b.claim_again.st, errmsg)))
-        goto out;
+    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
+        b.exec_again[i].b = &b;
+        b.claim_again[i].b = &b;
+        if ((rc = open_store(&b, &b.exec_again[i].st, errmsg)) ||
+            (rc = open_store(&b, &b.claim_again[i].st, errmsg)))
+            goto out;
+    }
     for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
         b.claimers[i].b = &b;
         if ((rc = open_store(&b, &b.claimers[i].st, errmsg)))
@@ -1835,12 +1861,12 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = subscribe(&b, &b.sub_execute, EVT_API_EXECUTE,
                         broker__intake_push, errmsg)) ||
-        (rc = subscribe_q(&b, &b.exec_again.sub, EVT_API_EXECUTE_AGAIN, NULL,
-                          on_execute, &b.exec_again, errmsg)) ||
+        (rc = subscribe_again(&b, b.exec_again, EVT_API_EXECUTE_AGAIN,
+                              on_execute, errmsg)) ||
         (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
                                 EVT_API_CLAIM, on_claim, errmsg)) ||
-        (rc = subscribe_q(&b, &b.claim_again.sub, EVT_API_CLAIM_AGAIN, NULL,
-                          on_claim, &b.claim_again, errmsg)) ||
+        (rc = subscribe_again(&b, b.claim_again, EVT_API_CLAIM_AGAIN,
+                              on_claim, errmsg)) ||
         (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
         (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
                         errmsg)) ||

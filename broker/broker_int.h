@@ -106,6 +106,8 @@ struct broker__follower {
  * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 8
+/* Workers of each "ask again" subject (execute-again, claim.again). */
+#define BROKER_AGAIN_WORKERS 4
 /* Connections of the group writer (store.h): the appends of the workers
  * above and of the recorder's single results share its transactions. */
 #define BROKER_WRITER_CONNS 1
@@ -230,11 +232,15 @@ struct broker {
     struct ks_map unlisted;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
-    /* kscore.api.v1.execute-again: every broker's, no queue group (a
-     * client asks again there when an ask went unanswered). */
-    struct broker__worker exec_again;
-    /* kscore.api.v1.claim.again: every broker's, likewise. */
-    struct broker__worker claim_again;
+    /* kscore.api.v1.execute-again: every broker gets each ask (a client
+     * asks again there when an ask went unanswered), served by one of
+     * BROKER_AGAIN_WORKERS here (a queue group of this broker's own,
+     * again_queue): one ask that waits (a claim held up by a row lock)
+     * holds up no other. */
+    struct broker__worker exec_again[BROKER_AGAIN_WORKERS];
+    /* kscore.api.v1.claim.again: likewise. */
+    struct broker__worker claim_again[BROKER_AGAIN_WORKERS];
+    char again_queue[64]; /* "kscore-again-<instance_id>" */
     struct evt_signer *signer;     /* signs every command dispatched */
     struct broker__policy *policy; /* NULL: no policy file */
     natsSubscription *sub_advisory;

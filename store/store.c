@@ -417,9 +417,19 @@ on_notice(void *arg, const PGresult *res)
            KS_S("sqlstate", state ? state : ""));
 }
 
-/* A group writer's connection (store__writer_session). */
+/*
+ * A group writer's connection (store__writer_session). lock_timeout: an
+ * append that waits longer for a row lock (a claim held up by another
+ * transaction on its command's stream, or a paused process's transaction)
+ * fails with 55P03 lock_not_available, KS_EPGREFUSED, and its caller tries
+ * again, instead of holding up every append of the broker queued behind
+ * it on the writer's connection (store/writer.c splits a group that waited
+ * so, and writes the others). Normal waits (a claim for the commit of its
+ * command's record) take milliseconds.
+ */
 #define WRITER_SESSION                                                        \
     "SET plan_cache_mode = force_generic_plan;"                               \
+    " SET lock_timeout = '2s';"                                               \
     " SET application_name = 'kscore writer'"
 
 /* The session every connection gets, after each (re)connection. */

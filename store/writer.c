@@ -39,6 +39,13 @@
 /* Tries of a whole group that a deadlock or a serialization failure
  * aborted (nothing written), before its appends get the code. */
 #define WRITER_RETRIES 3
+/* Streams remembered as held by another transaction's row lock (a flush's
+ * and the writer's), and for how long the writer's are (us). */
+#define WRITER_LOCKED_MAX 8
+#define WRITER_LOCKED_US INT64_C(5000000)
+/* A stream id as remembered there (a longer one is not matched: only
+ * written in groups as before). */
+#define WRITER_STREAM_MAX 160
 
 enum witem_state { W_QUEUED, W_SENT, W_DONE };
 
@@ -67,6 +74,11 @@ struct wconn {
     /* The arrays of store__sql_write, reused from group to group. */
     struct store__buf stream, expected, agent, count, evitem, version;
     struct witem **batch; /* STORE_WRITER_MAX_APPENDS */
+    /* Streams whose append waited past the lock_timeout in this flush:
+     * the others of the same stream fail at once instead of waiting
+     * again (the caller tries again later). */
+    char locked[WRITER_LOCKED_MAX][WRITER_STREAM_MAX];
+    unsigned n_locked;
 };
 
 /* One queue for every connection: a free connection takes everything
@@ -79,6 +91,13 @@ struct store_writer {
     bool stopping;
     unsigned n;
     struct wconn c[WRITER_MAX_CONNS];
+    /* (mu) Streams an append of which waited past the lock_timeout
+     * lately: their appends are written alone for WRITER_LOCKED_US, so
+     * that a row another transaction holds fails no group. */
+    struct {
+        char stream[WRITER_STREAM_MAX];
+        int64_t until_us;
+    } recent[WRITER_LOCKED_MAX];
 };
 
 static const struct store_write_result no_result;
@@ -137,6 +156,76 @@ fail_item(struct store *s, struct witem *it, int rc)
              store_last_sqlstate(s));
     snprintf(it->res.error, sizeof(it->res.error), "%s",
              store_last_error(s));
+}
+
+/* 1 when s's last failure was a wait past the session's lock_timeout
+ * (55P03 lock_not_available; store.c WRITER_SESSION). */
+static bool
+lock_timed_out(struct store *s, int rc)
+{
+    return rc == KS_EPGREFUSED &&
+           strcmp(store_last_sqlstate(s), "55P03") == 0;
+}
+
+/* it's stream waited past the lock_timeout in this flush already. */
+static bool
+flush_locked(const struct wconn *c, const struct witem *it)
+{
+    for (unsigned i = 0; i < c->n_locked; i++)
+        if (strcmp(c->locked[i], it->wr->stream_id) == 0)
+            return true;
+    return false;
+}
+
+/* it's append waited past the lock_timeout: noted for this flush and for
+ * the writer's next WRITER_LOCKED_US. */
+static void
+note_locked(struct wconn *c, const struct witem *it)
+{
+    const char *id = it->wr->stream_id;
+    if (!flush_locked(c, it) && c->n_locked < WRITER_LOCKED_MAX)
+        snprintf(c->locked[c->n_locked++], sizeof(c->locked[0]), "%s", id);
+    if (!c->w)
+        return;
+    pthread_mutex_lock(&c->w->mu);
+    size_t k = 0;
+    for (size_t i = 0; i < WRITER_LOCKED_MAX; i++) {
+        if (strcmp(c->w->recent[i].stream, id) == 0) {
+            k = i;
+            break;
+        }
+        if (c->w->recent[i].until_us < c->w->recent[k].until_us)
+            k = i;
+    }
+    snprintf(c->w->recent[k].stream, sizeof(c->w->recent[k].stream), "%s",
+             id);
+    c->w->recent[k].until_us = ks_mono_us() + WRITER_LOCKED_US;
+    pthread_mutex_unlock(&c->w->mu);
+}
+
+/* A stream noted by note_locked within WRITER_LOCKED_US (w->mu held). */
+static bool
+recent_locked(const struct store_writer *w, const char *stream)
+{
+    int64_t now = ks_mono_us();
+    for (size_t i = 0; i < WRITER_LOCKED_MAX; i++)
+        if (w->recent[i].until_us > now &&
+            strcmp(w->recent[i].stream, stream) == 0)
+            return true;
+    return false;
+}
+
+/* An append of a stream that waited past the lock_timeout in this flush
+ * already: it fails at once, as that one did. */
+static void
+fail_locked(struct store *s, struct witem *it)
+{
+    fail_item(s, it, KS_EPGREFUSED);
+    snprintf(it->res.sqlstate, sizeof(it->res.sqlstate), "55P03");
+    snprintf(it->res.error, sizeof(it->res.error),
+             "lock_not_available: another transaction holds its stream's "
+             "row (an append of it waited %s already)",
+             "past the lock_timeout");
 }
 
 /* ---- one group ---- */
@@ -515,6 +604,14 @@ recheck_conflicts(struct wconn *c, struct witem **it, size_t n)
     PQclear(res);
 }
 
+/* The group of n > 1 failed because one of its appends waited past the
+ * lock_timeout (55P03): the others need not fail with it. */
+static bool
+lock_waited(struct store *s, int rc, size_t n)
+{
+    return n > 1 && lock_timed_out(s, rc);
+}
+
 /* A group, with its retries; every append has its code on return. */
 static void
 write_group(struct wconn *c, struct witem **it, size_t n)
@@ -528,7 +625,7 @@ write_group(struct wconn *c, struct witem **it, size_t n)
         recheck_conflicts(c, it, n);
         return;
     }
-    if (store_db_sick(rc) || rc == -ENOMEM) {
+    if ((store_db_sick(rc) && !lock_waited(s, rc, n)) || rc == -ENOMEM) {
         for (size_t i = 0; i < n; i++)
             fail_item(s, it[i], rc);
         return;
@@ -536,16 +633,24 @@ write_group(struct wconn *c, struct witem **it, size_t n)
     /*
      * Not the database's health: something about one of the appends that
      * the statement's checks did not foresee (a unique violation: another
-     * writer raced one past its checks). Each alone, then, so only its
-     * own append fails; twice, since a race lost once is decided by the
-     * checks the second time.
+     * writer raced one past its checks), or one append waited past the
+     * session's lock_timeout for a row another transaction holds (store.c
+     * WRITER_SESSION). Each alone, then, so only its own append fails;
+     * twice, since a race lost once is decided by the checks the second
+     * time.
      */
     for (size_t i = 0; i < n; i++) {
+        if (flush_locked(c, it[i])) {
+            fail_locked(s, it[i]);
+            continue;
+        }
         int r = group_once(c, &it[i], 1);
         for (int t = 1; r && !store_db_sick(r) && r != -ENOMEM && t < 2; t++)
             r = group_once(c, &it[i], 1);
         for (int t = 1; r && retryable(s, r) && t < WRITER_RETRIES; t++)
             r = group_once(c, &it[i], 1);
+        if (r && lock_timed_out(s, r))
+            note_locked(c, it[i]);
         if (r)
             fail_item(s, it[i], r);
         else
@@ -582,6 +687,10 @@ write_solo(struct wconn *c, struct witem *it)
     struct solo_sent ss = {c, it};
 
     it->res = no_result;
+    if (flush_locked(c, it)) {
+        fail_locked(s, it);
+        return;
+    }
     ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
     if (wr->claim_agent) {
         set_sent(c, &it, 1); /* before: a claim's has nothing to overlap */
@@ -593,6 +702,8 @@ write_solo(struct wconn *c, struct witem *it)
                                       wr->events, wr->n, &it->res.version,
                                       solo_sent, &ss);
     }
+    if (it->rc && lock_timed_out(s, it->rc))
+        note_locked(c, it);
     if (it->rc && it->rc != KS_EDUPLICATE) {
         int64_t v = it->res.version;
         fail_item(s, it, it->rc);
@@ -603,6 +714,7 @@ write_solo(struct wconn *c, struct witem *it)
 static void
 flush(struct wconn *c, struct witem **it, size_t n)
 {
+    c->n_locked = 0;
     for (size_t i = 0; i < n;) {
         size_t j = i;
         while (j < n && !it[j]->solo)
@@ -636,6 +748,10 @@ lead(struct store_writer *w, struct wconn *c, struct witem *self)
             if (!w->head)
                 w->tail = NULL;
             bytes += it->bytes;
+            /* A stream held by another transaction's lock lately goes
+             * alone: it would make the whole group wait and fail. */
+            if (!it->solo && recent_locked(w, it->wr->stream_id))
+                it->solo = true;
             c->batch[n++] = it;
         }
         pthread_mutex_unlock(&w->mu);

@@ -767,8 +767,10 @@ START_TEST(children_die_with_their_agent)
              (int)apid, AGENT_WATCHDOG_MS);
     int watchdogs = procs_with_env(wd_entry, NULL);
     agent_kill9("agent-k9");
-    long ms = wait_dead(child, 5000);
-    ck_assert_msg(ms >= 0, "the command outlived its agent by 5 s");
+    /* The watchdog sees its agent die at once (its pipe's end); the time
+     * is printed, and the bound is only for a command left running. */
+    long ms = wait_dead(child, 30000);
+    ck_assert_msg(ms >= 0, "the command outlived its agent by 30 s");
     ck_assert_int_eq(command_procs(id, NULL), 0);
     /* The agent had its watchdog, and it is gone with its work done. */
     ck_assert_int_eq(watchdogs, 1);
@@ -800,7 +802,11 @@ START_TEST(stopped_agent_watchdog_kills_and_reports_lost)
     child = wait_running(pg, id);
     apid = agent_pid("agent-stp");
     kill(apid, SIGSTOP);
-    long ms = wait_dead(child, 5000);
+    /* Killed while the agent is still stopped, so by its watchdog (the
+     * stopped agent can do nothing). How soon (AGENT_WATCHDOG_MS) is
+     * printed, not asserted: a loaded machine schedules the watchdog late
+     * (issue 22: 1 soak run in 9 missed a 5 s bound at a load of 15). */
+    long ms = wait_dead(child, 60000);
     kill(apid, SIGCONT);
     ck_assert_msg(ms >= 0, "the command of a stopped agent still runs");
     ck_assert_int_eq(wait_status(pg, id, "Lost", 15000), 0);
@@ -1494,6 +1500,22 @@ START_TEST(claim_whose_reply_is_lost_runs_once)
     char id[37], st[32];
 
     PGconn *lock = claim_held_up(c, pg, "agent-lk", "lk", id);
+    /* Meanwhile the broker serves everything else: a claim waiting for a
+     * row lock must not hold up the appends queued behind it on the group
+     * writer's connection (store.c WRITER_SESSION's lock_timeout; before,
+     * this exec got no answer while the lock was held). */
+    const char *extra[] = {"--max-concurrent", "1", NULL};
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-lk2", "lk2", extra),
+                     0);
+    struct fixture_out o;
+    const char *ex[] = {"exec", "--agent", "lk2", "--", "true", NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+    ck_assert_msg(o.status == 0, "exec while a claim waits: exit %d: %s",
+                  o.status, o.err);
+    fixture_out_release(&o);
+    /* ... while the claim still waited */
+    ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Dispatched");
+    stack_stop(stack.dir, "agent-lk2", 20000);
     sleep_ms(25000);
     ck_assert_str_eq(status_of(pg, id, st, sizeof(st)), "Dispatched");
     unlock_stream(lock);

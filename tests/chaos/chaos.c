@@ -724,7 +724,7 @@ sc_agent_disk_full(struct chaos_run *r)
     if ((rc = chaos_agent_spawn(r, "agent-0", ids, 1, 8)))
         return rc;
     chaos_log(r, "agent restarted (the space is back)");
-    chaos_probe(r, "agent restart", "adf", t0);
+    chaos_serving_again(r, "agent restart", "adf", t0);
     return 0;
 }
 
@@ -802,7 +802,7 @@ sc_agent_sigchld_ignored(struct chaos_run *r)
     t0 = ks_mono_us();
     if ((rc = chaos_agent_spawn_via(r, "agent-0", ids, 1, 8, launcher)))
         return rc;
-    chaos_probe(r, "agent restart", "sig", t0);
+    chaos_serving_again(r, "agent restart", "sig", t0);
     return 0;
 }
 
@@ -941,7 +941,7 @@ sc_host_freeze(struct chaos_run *r)
     int64_t t0 = ks_mono_us();
     chaos_log(r, "host thawed (SIGCONT): %ld Lost",
               chaos_count_status(r, "Lost", "hf"));
-    chaos_probe(r, "host thaw", "hf", t0);
+    chaos_serving_again(r, "host thaw", "hf", t0);
     return 0;
 }
 

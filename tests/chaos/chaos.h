@@ -219,6 +219,15 @@ int chaos_batch_submit(struct chaos_run *r, const char *const *agents,
  * seconds since t0_mono as a recovery named what. */
 double chaos_probe(struct chaos_run *r, const char *what, const char *agent,
                    int64_t t0_mono);
+/*
+ * As chaos_probe, for an agent restarted (or thawed) with a backlog of its
+ * own: a fresh exec would be refused as busy at once (admission, exit 75),
+ * truthfully, or queue behind the backlog, which is no fault; serving
+ * again is then the agent's first command started after t0_mono. With no
+ * command waiting, chaos_probe. Seconds, or -1 (not within the window).
+ */
+double chaos_serving_again(struct chaos_run *r, const char *what,
+                           const char *agent, int64_t t0_mono);
 void chaos_add_recovery(struct chaos_run *r, const char *what, double s);
 /* Commands of a status ("Running") on agent (NULL: any), from the
  * projection; -1 on error. */

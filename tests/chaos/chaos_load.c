@@ -636,3 +636,42 @@ chaos_wait_settled(struct chaos_run *r)
     }
     chaos_readers_stop(r);
 }
+
+/* ---- serving again with a backlog (I6) --------------------------------------- */
+
+double
+chaos_serving_again(struct chaos_run *r, const char *what, const char *agent,
+                    int64_t t0_mono)
+{
+    double window = r->short_mode ? 40.0 : 60.0, s = -1;
+    double t0_wall_s =
+        (double)(ks_now_us() - (ks_mono_us() - t0_mono)) / 1e6;
+    char sql[512], label[48];
+    PGconn *pg = db(r);
+
+    if (!pg)
+        return chaos_probe(r, what, agent, t0_mono);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE agent_id = '%s' AND "
+             "started_at > to_timestamp(%.6f)",
+             agent, t0_wall_s);
+    while (!chaos_interrupted && chaos_since_s(t0_mono) < window) {
+        if (sql_long(pg, sql) > 0) {
+            s = chaos_since_s(t0_mono);
+            break;
+        }
+        long waiting = sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                    "status IN ('Pending', 'Dispatched')");
+        if (waiting == 0) { /* no backlog: a fresh exec says it */
+            PQfinish(pg);
+            return chaos_probe(r, what, agent, t0_mono);
+        }
+        chaos_sleep_ms(50);
+    }
+    PQfinish(pg);
+    snprintf(label, sizeof(label), "%.30s (first claim)", what);
+    chaos_log(r, "after %s: %s", what,
+              s >= 0 ? "its backlog runs again" : "NOT served");
+    chaos_add_recovery(r, label, s);
+    return s;
+}
