@@ -126,13 +126,14 @@ out:
 }
 
 /* A broker's refusal that another try may not meet: its store was away,
- * or it stops. */
+ * it stops, or this agent was past its share of failed fetches and
+ * claims (KS_EBUSY: broker/budget.c). */
 static bool
 passing(int error_code)
 {
     return error_code == KS_EPGDOWN || error_code == KS_EPGREFUSED ||
            error_code == KS_EUNAVAIL || error_code == KS_ESTOPPED ||
-           error_code == KS_ETIMEDOUT;
+           error_code == KS_ETIMEDOUT || error_code == KS_EBUSY;
 }
 
 /* One part, as the command's agent, tried again as the top says. 0 with

@@ -317,7 +317,9 @@ find_file(const Ks__RecordedEvent *rev, void *ud)
     return 0;
 }
 
-static void
+/* Answers a fetch: the code it was refused with, or 0 (served, or the
+ * store failed: not the agent's doing). */
+static int
 handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
 {
     Ks__FetchRequest *req = NULL;
@@ -328,7 +330,7 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
     struct named n = {0};
     uint8_t *data = NULL;
     size_t len = 0;
-    int rc;
+    int rc, store_rc = 0, refused = 0;
 
     rc = broker__unpack_request(msg, &ks__fetch_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
@@ -392,14 +394,19 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
     goto out;
 store_fail:
     broker__store_error(st, rc, why, sizeof(why));
+    /* The store's failure, not the agent's doing. */
+    store_rc = rc;
 fail:
     broker__reply_error(b, msg, &ks__fetch_reply__descriptor, rc, why);
+    if (store_rc == 0)
+        refused = rc;
 out:
     free(data);
     if (v)
         ks__command_view__free_unpacked(v, NULL);
     if (req)
         ks__fetch_request__free_unpacked(req, NULL);
+    return refused;
 }
 
 void
@@ -427,7 +434,19 @@ broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     } else if (broker__is_method(subj, EVT_API_UPLOAD)) {
         handle_upload(b, b->st_blob, msg);
     } else if (broker__is_method(subj, EVT_API_FETCH)) {
-        handle_fetch(b, b->st_blob, msg);
+        /* An agent's fetches that fail share its claims' share (budget.c):
+         * past it, answered busy without the store, so one agent cannot
+         * hold this thread (everyone's uploads and fetches) with fetches
+         * of made-up copies. */
+        const char *who = broker__operator_of(msg);
+        bool agent = strncmp(who, "agent-", 6) == 0;
+        if (agent && !broker__budget_ask_ok(b, who))
+            broker__reply_error(b, msg, &ks__fetch_reply__descriptor,
+                                KS_EBUSY,
+                                "busy: this agent's claims and fetches that "
+                                "failed are past its share: try again later");
+        else if (handle_fetch(b, b->st_blob, msg) != 0 && agent)
+            broker__budget_ask_failed(b, who);
     }
     pthread_mutex_unlock(&b->blob_mu);
     free(errmsg);

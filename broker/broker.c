@@ -438,6 +438,22 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                              .ud = &dp};
     struct store_write_result wres;
     rc = store_writer_append(b->writer, &wr, &wres);
+    /* A new stream's append waits for a lock only while a transaction
+     * holds the whole events table (a LOCK, a migration): the database
+     * stalls for every writer, and the request waits for it as for a slow
+     * commit (up to BROKER_LOCKED_WAIT_MS) instead of failing after the
+     * writer's lock_timeout (store.c WRITER_SESSION), which is there so
+     * that one stream's row held elsewhere holds up no other append. */
+    for (int64_t t0 = ks_mono_us();
+         rc == KS_EPGREFUSED && strcmp(wres.sqlstate, "55P03") == 0 &&
+         ks_mono_us() - t0 < (int64_t)BROKER_LOCKED_WAIT_MS * 1000 &&
+         !b->stopping;) {
+        if (dp.rc != 1)
+            wr.between = NULL; /* published already */
+        /* (the writer fails a stream found locked at once for a while) */
+        nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+        rc = store_writer_append(b->writer, &wr, &wres);
+    }
     ks_trace("broker.dispatch_recorded", command_id);
     if (rc)
         broker__admit_ended(b, command_id);
@@ -606,6 +622,24 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     (void)nc;
     (void)sub;
+    /* An agent's share of claims that do not win (budget.c): past it,
+     * answered busy before anything else is done (the agent asks again
+     * later). The broker's own in-process agents have none. */
+    char ident[16 + EVT_AGENT_ID_MAX] = "";
+    {
+        /* The claimer NATS vouches for, agent-<id> (each id of a pool
+         * its own: as its share of the events stream), without the
+         * registry's lock: this runs for every message of a flood. */
+        const char *who = broker__operator_of(msg);
+        if (strncmp(who, "agent-", 6) == 0)
+            snprintf(ident, sizeof(ident), "%s", who);
+    }
+    if (ident[0] && !broker__budget_ask_ok(b, ident)) {
+        r.error_code = KS_EBUSY;
+        r.error = "busy: this agent's claims that did not win are past its "
+                  "share (1000, then 100 a second): try again later";
+        goto reply;
+    }
     rc = broker__unpack_request(msg, &ks__claim_request__descriptor,
                                 (ProtobufCMessage **)&req, why, sizeof(why));
     if (rc) {
@@ -783,6 +817,14 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         r.error = (char *)broker__write_error(&wres, rc, why, sizeof(why));
     }
 reply:
+    /* What the agent made up or lost (not a store that failed, nor a
+     * refusal of the share itself) takes from its share. */
+    if (ident[0] && !r.granted && r.error_code != KS_EBUSY &&
+        (r.error_code == KS_ECLAIMED || r.error_code == KS_ENOTFOUND ||
+         r.error_code == KS_EDENIED || r.error_code == KS_EDUPINSTANCE ||
+         r.error_code == KS_EINVAL || r.error_code == KS_EDECODE ||
+         r.error_code == KS_ETOOBIG))
+        broker__budget_ask_failed(b, ident);
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     /* The claim stage's pace, and the start of the slot's hold. */
     broker__admit_claim_done(b, req ? req->command_id : NULL,

@@ -106,6 +106,10 @@ struct broker__follower {
  * them in flight share the group writer's commits. */
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 8
+/* How long an ExecuteCommand's record waits for a table lock held
+ * elsewhere, tried again after each lock_timeout (broker.c on_execute;
+ * ms). */
+#define BROKER_LOCKED_WAIT_MS 60000
 /* Workers of each "ask again" subject (execute-again, claim.again). */
 #define BROKER_AGAIN_WORKERS 4
 /* Connections of the group writer (store.h): the appends of the workers
@@ -796,6 +800,28 @@ void broker__budget_free(struct broker *b);
  * kscore_annotations_dropped_total, logged in summary). Any thread. */
 bool broker__budget_take(struct broker *b, const char *identity,
                          size_t bytes, enum broker__annotation kind);
+/*
+ * Claims that do not win, per claimer (agent-<id>, each id of a pool its
+ * own, as the claim's subject names it). A claim
+ * costs an append and a read of PostgreSQL, in the claim workers' queues
+ * that every agent's claims share, and an agent may send as many as it
+ * can publish: one agent's credential sending claims of made-up commands
+ * held every other agent's claims and, through the admission's estimate
+ * of the claims queue, every operator's commands (refused busy, exit 75)
+ * for minutes (issue 21, tried again); fetches of made-up copies held
+ * the one thread of everyone's uploads and fetches (blob.c) likewise.
+ * Each identity may fail 1000 claims and fetches at once, then 100 a
+ * second, per broker; past that they are answered KS_EBUSY at once,
+ * without PostgreSQL (an agent asks again, later: agent/runtime.c
+ * claim_answered), and the log says so at most every 10 s. A claim that
+ * wins or a fetch served never takes from the share.
+ */
+/* true: identity may claim or fetch now; false: past its share of
+ * failed ones (logged in summary). Any thread. */
+bool broker__budget_ask_ok(struct broker *b, const char *identity);
+/* A claim of identity did not win (refused, lost, not its command), or
+ * its fetch was refused: taken from its share. Any thread. */
+void broker__budget_ask_failed(struct broker *b, const char *identity);
 /* Scanner tick: the summary lines of identities still past their share,
  * and forgets the identities whose share is whole again. */
 void broker__budget_sweep(struct broker *b);

@@ -34,6 +34,10 @@
 #define BUDGET_ROWS_PER_S 10.0
 #define BUDGET_BYTES_BURST (64.0 * 1024 * 1024)
 #define BUDGET_BYTES_PER_S (64.0 * 1024)
+/* Claims that did not win (broker_int.h broker__budget_ask_ok): up to
+ * BUDGET_CLAIMS_BURST at once, then BUDGET_CLAIMS_PER_S. */
+#define BUDGET_CLAIMS_BURST 1000.0
+#define BUDGET_CLAIMS_PER_S 100.0
 /* While an identity is past its share, one log line at most this often. */
 #define BUDGET_LOG_US INT64_C(10000000)
 /* Identities tracked at once; a new one past this is past its share. */
@@ -46,6 +50,9 @@ struct broker__budget {
 
 struct budget_entry {
     double rows, bytes;
+    double claims;            /* lost claims it may still make */
+    int64_t claims_logged_us; /* the last line about its refused claims */
+    uint64_t claims_refused;  /* since that line */
     int64_t at_us;        /* the buckets' last refill (monotonic) */
     int64_t logged_us;    /* the last line about its drops; 0: none yet */
     uint64_t unlogged;    /* drops since that line */
@@ -100,6 +107,9 @@ refill(struct budget_entry *e, int64_t now)
     e->bytes += s * BUDGET_BYTES_PER_S;
     if (e->bytes > BUDGET_BYTES_BURST)
         e->bytes = BUDGET_BYTES_BURST;
+    e->claims += s * BUDGET_CLAIMS_PER_S;
+    if (e->claims > BUDGET_CLAIMS_BURST)
+        e->claims = BUDGET_CLAIMS_BURST;
     e->at_us = now;
 }
 
@@ -122,6 +132,89 @@ log_drops(const char *identity, struct budget_entry *e, int64_t now,
     e->logged_us = now;
 }
 
+/* identity's entry, made whole when new; NULL past BUDGET_MAX_IDS (or no
+ * memory). Under bu->mu. */
+static struct budget_entry *
+entry_get(struct broker__budget *bu, const char *identity, int64_t now)
+{
+    struct budget_entry *e = ks_map_get(&bu->ids, identity);
+    if (!e && bu->ids.count < BUDGET_MAX_IDS &&
+        (e = calloc(1, sizeof(*e))) != NULL) {
+        e->rows = BUDGET_ROWS_BURST;
+        e->bytes = BUDGET_BYTES_BURST;
+        e->claims = BUDGET_CLAIMS_BURST;
+        e->at_us = now;
+        if (ks_map_put(&bu->ids, identity, e) != 0) {
+            free(e);
+            e = NULL;
+        }
+    }
+    return e;
+}
+
+static void
+log_claims(const char *identity, struct budget_entry *e, int64_t now,
+           bool first)
+{
+    ks_log(KS_LOG_WARN,
+           first ? "an identity is past its share of claims that do not "
+                   "win and fetches refused: they are answered busy "
+                   "without the store (one line every 10 s while it lasts)"
+                 : "claims and fetches answered busy (past the identity's "
+                   "share of claims that do not win and fetches refused)",
+           KS_S("module", "budget"), KS_S("identity", identity),
+           KS_I("refused", e->claims_refused),
+           KS_D("lost_claims_per_s", BUDGET_CLAIMS_PER_S),
+           KS_I("burst", (long long)BUDGET_CLAIMS_BURST));
+    e->claims_refused = 0;
+    e->claims_logged_us = now;
+}
+
+bool
+broker__budget_ask_ok(struct broker *b, const char *identity)
+{
+    struct broker__budget *bu = b->budget;
+    int64_t now = ks_mono_us();
+    bool ok;
+
+    if (!bu)
+        return true;
+    pthread_mutex_lock(&bu->mu);
+    struct budget_entry *e = ks_map_get(&bu->ids, identity);
+    if (!e) {
+        /* Nothing lost yet (or forgotten, whole again). */
+        pthread_mutex_unlock(&bu->mu);
+        return true;
+    }
+    refill(e, now);
+    ok = e->claims >= 1.0;
+    if (!ok) {
+        bool first = e->claims_logged_us == 0;
+        e->claims_refused++;
+        if (first || now - e->claims_logged_us >= BUDGET_LOG_US)
+            log_claims(identity, e, now, first);
+    }
+    pthread_mutex_unlock(&bu->mu);
+    return ok;
+}
+
+void
+broker__budget_ask_failed(struct broker *b, const char *identity)
+{
+    struct broker__budget *bu = b->budget;
+    int64_t now = ks_mono_us();
+
+    if (!bu)
+        return;
+    pthread_mutex_lock(&bu->mu);
+    struct budget_entry *e = entry_get(bu, identity, now);
+    if (e) {
+        refill(e, now);
+        e->claims = e->claims >= 1.0 ? e->claims - 1.0 : 0.0;
+    }
+    pthread_mutex_unlock(&bu->mu);
+}
+
 bool
 broker__budget_take(struct broker *b, const char *identity, size_t bytes,
                     enum broker__annotation kind)
@@ -133,17 +226,7 @@ broker__budget_take(struct broker *b, const char *identity, size_t bytes,
     if (!bu)
         return true;
     pthread_mutex_lock(&bu->mu);
-    struct budget_entry *e = ks_map_get(&bu->ids, identity);
-    if (!e && bu->ids.count < BUDGET_MAX_IDS &&
-        (e = calloc(1, sizeof(*e))) != NULL) {
-        e->rows = BUDGET_ROWS_BURST;
-        e->bytes = BUDGET_BYTES_BURST;
-        e->at_us = now;
-        if (ks_map_put(&bu->ids, identity, e) != 0) {
-            free(e);
-            e = NULL;
-        }
-    }
+    struct budget_entry *e = entry_get(bu, identity, now);
     if (!e) {
         /* Too many identities at once (or no memory): no row. */
         pthread_mutex_unlock(&bu->mu);
@@ -185,10 +268,13 @@ sweep_one(const char *key, void *val, void *ud)
     refill(e, sw->now);
     if (e->unlogged && sw->now - e->logged_us >= BUDGET_LOG_US)
         log_drops(key, e, sw->now, false);
+    if (e->claims_refused && sw->now - e->claims_logged_us >= BUDGET_LOG_US)
+        log_claims(key, e, sw->now, false);
     /* Full again and nothing left to say: forget it (a later annotation
      * starts it full, the same thing). */
-    if (!e->unlogged && e->rows >= BUDGET_ROWS_BURST &&
-        e->bytes >= BUDGET_BYTES_BURST && sw->ngone < 64)
+    if (!e->unlogged && !e->claims_refused && e->rows >= BUDGET_ROWS_BURST &&
+        e->bytes >= BUDGET_BYTES_BURST && e->claims >= BUDGET_CLAIMS_BURST &&
+        sw->ngone < 64)
         snprintf(sw->gone[sw->ngone++], sizeof(sw->gone[0]), "%s", key);
 }
 

@@ -540,10 +540,30 @@ struct cli_listen {
     bool mtls, mtls_given;
     char host[64];  /* resolved: the address nats-server listens on */
     bool tls;       /* not a loopback address */
+    /* The stack has enrolled agents or pools (cli_stack_enrolled): its
+     * brokers take signed labels only, on loopback too. */
+    bool enrolled;
     char *tls_conf; /* nats-server's tls block (malloc'd), NULL without */
     char ca[4300], bcert[4300], bkey[4300], acert[4300], akey[4300],
         ocert[4300], okey[4300];
 };
+/*
+ * Whether the stack in home has enrolled an agent or a pool (`kscore agent
+ * enroll`: an entry in home/enrolled/, removed by revoke). A loopback
+ * stack's brokers allow self-declared labels only while it has none
+ * (cli_listen_args): an enrolled bundle's holder could else leave the
+ * signature out and declare another group's labels (issue 21).
+ */
+bool cli_stack_enrolled(const char *home);
+
+/*
+ * After an enrolment: a running broker of the stack in home that allows
+ * unsigned labels (started before the stack had enrolled agents) is
+ * restarted as `kscore up` starts it, with signed labels only; the
+ * status `up` prints goes to stderr. 0, or `up`'s exit code.
+ */
+int cli_stack_signed_labels_apply(const char *home);
+
 /* ---- the stack's operator policy (cmd_policy.c) -------------------------
  * `up --policy FILE` copies FILE into $KSCORE_HOME/policy.json and notes it
  * in $KSCORE_HOME/policy; every later `up` starts the brokers with it. */

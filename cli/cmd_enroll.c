@@ -779,11 +779,20 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
     }
     /* The bundle is the agent's one copy of its seed: none stays here. */
     unlink(seed_path);
-    if (meta_path(home, pool_size ? identity : id, meta, sizeof(meta)) == 0) {
+    /* The note is also what tells `kscore up` that the stack has
+     * enrolled agents (cli_stack_enrolled): no enrolment without it. */
+    if (meta_path(home, pool_size ? identity : id, meta, sizeof(meta)) != 0) {
+        cli_err("cannot note the enrolment of %s: its name is too long",
+                identity);
+        goto out;
+    } else {
         char mdir[4200];
         snprintf(mdir, sizeof(mdir), "%s/enrolled", home);
         FILE *m = stack_mkdirs(mdir, 0700) == 0 ? fopen(meta, "we") : NULL;
-        if (m) {
+        if (!m) {
+            cli_err("cannot write %s: %s", meta, strerror(errno));
+            goto out;
+        } else {
             /* Absolute: `agent list` is read from anywhere. */
             char abs[PATH_MAX];
             fprintf(m, "enrolled_at %s\nbundle %s\n", cli_time(enrolled_at_us),
@@ -796,6 +805,11 @@ fleet_enroll(const char *home, const char *id, unsigned pool_size,
         }
     }
     if ((ret = cli_nats_users_apply(home)) != 0)
+        goto out;
+    /* The stack's brokers take its agents' signed labels only from now
+     * on: one that allowed unsigned ones (no agent was enrolled when it
+     * started) is restarted. */
+    if ((ret = cli_stack_signed_labels_apply(home)) != 0)
         goto out;
     printf("%s\n", out_path);
     fprintf(stderr,

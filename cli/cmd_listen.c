@@ -247,13 +247,18 @@ cli_listen_args(char **argv, const struct cli_listen *l, int agent)
 
     while (argv[i])
         i++;
-    /* On loopback only processes of this host reach NATS, and its agents
-     * are seldom enrolled (kscore agent --label on one host, the tests):
-     * the broker's default (signed labels only) is turned off for them. An id whose signed labels the broker saw still
-     * gets none without them (broker/registry.c labels_settle). */
+    /* On loopback only processes of this host reach NATS: while none of
+     * its agents is enrolled (kscore agent --label on one host, the
+     * tests) the broker's default (signed labels only) is turned off for
+     * them. Once one is, its bundle may go to a user or a container of
+     * the host, and whoever holds it could leave the signature out and
+     * declare another group's labels, which a broker that never saw (or,
+     * after a restart, forgot) the signed ones would take: signed only,
+     * as beyond loopback. */
     if (!l->tls) {
         if (!agent)
-            argv[i++] = "--allow-unsigned-labels";
+            argv[i++] = l->enrolled ? "--require-signed-labels"
+                                    : "--allow-unsigned-labels";
         return;
     }
     argv[i++] = "--tls-ca";

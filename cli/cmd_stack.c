@@ -1,5 +1,6 @@
 /* kscore up, down, status (the local stack) and the broker and agent
  * services. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pwd.h>
@@ -922,6 +923,98 @@ restart_other_policy(const char *home, unsigned cluster,
     }
 }
 
+bool
+cli_stack_enrolled(const char *home)
+{
+    char dir[4200];
+    struct dirent *de;
+    bool any = false;
+    DIR *d;
+
+    snprintf(dir, sizeof(dir), "%s/enrolled", home);
+    if (!(d = opendir(dir)))
+        return false;
+    while (!any && (de = readdir(d)))
+        any = de->d_name[0] != '.';
+    closedir(d);
+    return any;
+}
+
+/* Whether process pid was started with --allow-unsigned-labels (its
+ * command line, /proc/<pid>/cmdline: NUL-separated words). */
+static bool
+runs_unsigned_labels(pid_t pid)
+{
+    char path[64], buf[8192];
+    ssize_t n;
+    int fd;
+
+    snprintf(path, sizeof(path), "/proc/%d/cmdline", (int)pid);
+    if ((fd = open(path, O_RDONLY | O_CLOEXEC)) == -1)
+        return false;
+    n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return false;
+    buf[n] = '\0';
+    for (ssize_t i = 0; i < n; i += (ssize_t)strlen(buf + i) + 1)
+        if (strcmp(buf + i, "--allow-unsigned-labels") == 0)
+            return true;
+    return false;
+}
+
+/* A stack with enrolled agents: each running broker that allows unsigned
+ * labels (started before the first enrolment, or by an older kscore) is
+ * stopped, so that this `up` starts it with signed labels only. How
+ * many were stopped. */
+static unsigned
+restart_unsigned_labels(const char *home, unsigned cluster)
+{
+    unsigned n = cluster ? CLUSTER_BROKERS : 1, stopped = 0;
+
+    if (!cli_stack_enrolled(home))
+        return 0;
+    for (unsigned k = 0; k < n; k++) {
+        char name[16], dir[4200];
+        pid_t pid = 0;
+        broker_part(home, cluster, k, name, sizeof(name), dir, sizeof(dir));
+        if (stack_pidfile_alive(home, name, &pid) != 1 ||
+            !runs_unsigned_labels(pid))
+            continue;
+        fprintf(stderr,
+                "kscore: the %s takes agents' unsigned labels, and the stack "
+                "has enrolled agents: restarting it with signed labels only\n",
+                name);
+        stack_stop(home, name, 20000);
+        stopped++;
+    }
+    return stopped;
+}
+
+int
+cli_stack_signed_labels_apply(const char *home)
+{
+    char *argv[] = {"up", NULL};
+    int saved, rc;
+
+    if (!restart_unsigned_labels(home, stack_cluster_size(home)))
+        return 0;
+    /* The stack's saved policy, not one in the caller's environment. */
+    unsetenv("KSCORE_POLICY");
+    /* `up` starts what is down; its status table goes to stderr, as the
+     * caller's stdout is its own (enroll prints the bundle's path). */
+    fflush(stdout);
+    if ((saved = dup(STDOUT_FILENO)) == -1)
+        return CLI_EXIT_KSCORE;
+    dup2(STDERR_FILENO, STDOUT_FILENO);
+    optind = 0; /* getopt_long again, from the start (glibc) */
+    rc = cmd_up(1, argv);
+    fflush(stdout);
+    dup2(saved, STDOUT_FILENO);
+    close(saved);
+    return rc;
+}
+
 /* The port of a kept "http://127.0.0.1:PORT[/...]" when it is free again,
  * else a new free port (0 when none). */
 static int
@@ -1125,6 +1218,7 @@ cmd_up(int argc, char **argv)
         fprintf(stderr, "kscore: no policy: every operator may run "
                         "anything\n");
     restart_other_policy(home, cluster, &pol);
+    restart_unsigned_labels(home, cluster);
     char names[2 * STACK_CLUSTER_MAX + 8][16];
     size_t nparts = part_names(cluster, names);
     int alive = 0;
@@ -1476,6 +1570,7 @@ cmd_up(int argc, char **argv)
             bargv[at] = "--policy";
             bargv[at + 1] = pol.file;
         }
+        ul.enrolled = cli_stack_enrolled(home);
         cli_listen_args(bargv, &ul, 0);
         rc = stack_daemon(home, bname, bargv, &pid);
         unsetenv("KSCORE_NATS_NKEY");

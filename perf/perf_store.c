@@ -19,9 +19,16 @@
  *              --spread puts one command's four events in four successive
  *              batches (batch k: Requested of group k, Dispatched of group
  *              k-1, ...), the default keeps them in one batch.
+ *  reports     (--reports, instead of throughput) what the recorder does
+ *              with agents' results: COMMANDS commands made Running first
+ *              (Requested, Dispatched, Started through append_many, not
+ *              timed), then their CommandCompleted reports through
+ *              store_append_checked() in batches of BATCH, as the
+ *              recorder's batch path: events/s, backend and client CPU
+ *              and WAL bytes per event, and the same round's floor.
  *
- * Usage: perf_store [--fast] [--json] [--spread] [--rounds N] [--runs N]
- *                   [--commands N] [--batch N]
+ * Usage: perf_store [--fast] [--json] [--spread] [--reports] [--rounds N]
+ *                   [--runs N] [--commands N] [--batch N]
  */
 #include <errno.h>
 #include <ftw.h>
@@ -37,7 +44,7 @@
 #include "store.h"
 
 struct opts {
-    int fast, json, spread;
+    int fast, json, spread, reports;
     int rounds, runs, commands, batch;
 };
 
@@ -192,7 +199,22 @@ struct round {
     double eps;         /* events per second, wall clock */
     double server_us;   /* backend CPU per event */
     double client_us;   /* this process's CPU per event */
+    double wal_bytes;   /* WAL written per event (--reports) */
 };
+
+/* The server's WAL insert position in bytes, or -1. */
+static int64_t
+wal_lsn(struct store *s)
+{
+    PGresult *res = PQexec(store_pgconn(s),
+                           "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(),"
+                           " '0/0')::bigint");
+    int64_t v = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1
+                    ? strtoll(PQgetvalue(res, 0, 0), NULL, 10)
+                    : -1;
+    PQclear(res);
+    return v;
+}
 
 /* Pipelined single-row inserts, a transaction per batch: rows/s. */
 static int
@@ -317,6 +339,68 @@ measure_round(struct store *s, const struct opts *o, struct cmd_evs *cmds,
     return 0;
 }
 
+/* One round of --reports: the CommandCompleted of fresh Running
+ * commands through store_append_checked, as the recorder writes them. */
+static int
+measure_reports(struct store *s, const struct opts *o, struct cmd_evs *cmds,
+                const Ks__Event **order, struct round *out)
+{
+    int backend = PQbackendPID(store_pgconn(s));
+    int ncmd = o->commands, n = 0, rc = 0;
+    int64_t srv0, cli0, t0, us;
+    enum store_step *verdicts = calloc((size_t)o->batch, sizeof(*verdicts));
+
+    if (!verdicts)
+        return -ENOMEM;
+    if ((rc = measure_floor(s, o, ncmd, &out->floor_eps)) < 0) {
+        fprintf(stderr, "perf_store: floor: %s\n", ks_strerror(rc));
+        goto out;
+    }
+    out->opaque_eps = 0;
+    for (int i = 0; i < ncmd; i++)
+        fill_command(&cmds[i]);
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < ncmd; i++)
+            order[n++] = &cmds[i].ev[k];
+    for (int off = 0; off < n && rc == 0; off += o->batch) {
+        size_t len = (size_t)(n - off < o->batch ? n - off : o->batch);
+        rc = store_append_many(s, order + off, len, NULL);
+    }
+    if (rc < 0) {
+        fprintf(stderr, "perf_store: making Running: %s\n", ks_strerror(rc));
+        goto out;
+    }
+    for (int i = 0; i < ncmd; i++)
+        order[i] = &cmds[i].ev[3];
+    int64_t wal0 = wal_lsn(s);
+    srv0 = proc_cpu_us(backend);
+    cli0 = self_cpu_us();
+    t0 = ks_mono_us();
+    for (int off = 0; off < ncmd; off += o->batch) {
+        size_t len = (size_t)(ncmd - off < o->batch ? ncmd - off : o->batch);
+        size_t dups = 0;
+        rc = store_append_checked(s, order + off, len, NULL, NULL, verdicts,
+                                  &dups);
+        for (size_t i = 0; rc == 0 && i < len; i++)
+            if (verdicts[i] != STORE_STEP_APPLY)
+                rc = KS_EINTERNAL;
+        if (rc < 0 || dups != 0) {
+            fprintf(stderr, "perf_store: store_append_checked: %s (dups %zu)\n",
+                    ks_strerror(rc), dups);
+            rc = rc < 0 ? rc : KS_EINTERNAL;
+            goto out;
+        }
+    }
+    us = ks_mono_us() - t0;
+    out->eps = (double)ncmd * 1e6 / (double)us;
+    out->server_us = (double)(proc_cpu_us(backend) - srv0) / ncmd;
+    out->client_us = (double)(self_cpu_us() - cli0) / ncmd;
+    out->wal_bytes = (double)(wal_lsn(s) - wal0) / ncmd;
+out:
+    free(verdicts);
+    return rc;
+}
+
 static int
 parse(int argc, char **argv, struct opts *o)
 {
@@ -331,6 +415,8 @@ parse(int argc, char **argv, struct opts *o)
             o->json = 1;
         else if (strcmp(a, "--spread") == 0)
             o->spread = 1;
+        else if (strcmp(a, "--reports") == 0)
+            o->reports = 1;
         else if (strcmp(a, "--rounds") == 0)
             num = &o->rounds;
         else if (strcmp(a, "--runs") == 0)
@@ -346,7 +432,8 @@ parse(int argc, char **argv, struct opts *o)
                 return -EINVAL;
         }
     }
-    return o->batch >= 4 ? 0 : -EINVAL;
+    /* A round of the 4 events of a command needs 4; reports one. */
+    return o->batch >= (o->reports ? 1 : 4) ? 0 : -EINVAL;
 }
 
 int
@@ -366,7 +453,8 @@ main(int argc, char **argv)
 
     if (parse(argc, argv, &o) < 0) {
         fprintf(stderr,
-                "usage: perf_store [--fast] [--json] [--spread] [--rounds N]"
+                "usage: perf_store [--fast] [--json] [--spread] [--reports]"
+                " [--rounds N]"
                 " [--runs N] [--commands N] [--batch N]\n");
         return 2;
     }
@@ -427,10 +515,20 @@ main(int argc, char **argv)
                o.fast ? "off" : "on", lat[0] / 1000.0, lat[1] / 1000.0,
                lat[2] / 1000.0, o.runs);
     for (int r = 0; r < o.rounds; r++) {
-        if ((rc = measure_round(s, &o, cmds, order, &rounds[r])) < 0)
+        if ((rc = o.reports
+                      ? measure_reports(s, &o, cmds, order, &rounds[r])
+                      : measure_round(s, &o, cmds, order, &rounds[r])) < 0)
             goto out;
         eps[r] = rounds[r].eps;
-        if (!o.json)
+        if (!o.json && o.reports)
+            printf("store_append_checked round %d: %d reports (batches of"
+                   " %d): %.0f events/s; CPU per event: server %.1f us,"
+                   " client %.1f us; WAL %.0f bytes an event; same round:"
+                   " floor %.0f inserts/s\n",
+                   r, o.commands, o.batch, eps[r], rounds[r].server_us,
+                   rounds[r].client_us, rounds[r].wal_bytes,
+                   rounds[r].floor_eps);
+        else if (!o.json)
             printf("store_append_many round %d: %d events (%d commands x 4,"
                    " batches of %d%s): %.0f events/s; CPU per event:"
                    " server %.1f us, client %.1f us; same round: floor"

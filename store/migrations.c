@@ -1175,38 +1175,44 @@ const size_t store__n_migrations =
  * The group writer's statements (store/writer.c; prepared on every
  * connection by store__prepare, not created by a migration: they are
  * plain SQL over the tables, using the projection rules above as they
- * stand after the migrations). Many appends, each to one stream at an
- * expected version (0: no stream, n: exactly n; an append at any version
- * goes the way of store_append), in one statement, each with its own
- * verdict instead of an exception that would undo the others: one row per
- * append, in input order (w_code, w_version):
+ * stand after the migrations). Many appends, each to one stream, in one
+ * statement, each with its own verdict instead of an exception that would
+ * undo the others: one row per append, in input order (w_code, w_version):
  *   0  written; w_version = the stream's version after it
  *   1  every event of it recorded before (a redelivery); w_version = the
  *      stream's version now
  *   2  conflict: the stream is not at the expected version, some but not
- *      all of its events are recorded, or its idempotency key is taken
- *      (by a command, or by an earlier append of the call); nothing
- *      written
+ *      all of its events are recorded, its idempotency key is taken (by a
+ *      command, or by an earlier append of the call), or the command is
+ *      not in the state the append assumed; nothing written
  *   3  a claim ($3 set) of a command addressed to another agent
  *   4  a claim of a command that is not recorded
- * Parameters: per append $1 stream, $2 expected version, $3 the claim's
- * agent (NULL: not a claim), $4 its number of events; per event (an
+ * Parameters: per append $1 stream, $2 expected version (0: no stream, n:
+ * exactly n; NULL: the version the statement reads, 0 if none), $3 the
+ * claim's agent (NULL: not a claim), $4 its number of events, and the
+ * command state it assumes (NULL $46: none; only with $2 NULL, on a
+ * command-<uuid> stream): $46 status, $47 agent, $48 attempt, checked
+ * against the commands row in the statement's snapshot; per event (an
  * append's events follow each other, in order) $5 event_id, $6 type, $7
- * the packed event, $8 its append (1-based), $9 its version if its append
- * is written; $10.. the fold of the events (store/fold.c, FOLD_PARAMS'
- * order), one row per command, of one append.
+ * the packed event, $8 its append (1-based), $9 its place in its append
+ * (1-based: its version is the append's expected one plus this); $10..$45
+ * the fold of the events (store/fold.c, FOLD_PARAMS' order), one row per
+ * command, of one append.
  * The caller puts at most one append per stream and per command in one
  * statement (a later one goes in a later statement of the same
  * transaction, which sees this one's rows), so every row is touched once.
  * A stream moves only at its expected version (the row lock is the fence:
  * a concurrent writer is waited for and its version re-checked), and an
  * append's events and projection rows are written only if its stream
- * moved. The reads (recorded events, the claimed command's agent, taken
- * keys) see the statement's snapshot: a writer whose commit they miss
- * moved the stream, so the append is a conflict, never a wrong record. What
- * the checks do not foresee (a unique violation: another writer raced an
- * idempotency key or an event_id) raises, and the caller writes the
- * appends one by one.
+ * moved. The reads (recorded events, the versions read, the assumed and
+ * the claimed commands' rows, taken keys) see the statement's snapshot: a
+ * writer whose commit they miss moved the stream, so the append is a
+ * conflict, never a wrong record. What the checks do not foresee (a unique
+ * violation: another writer raced an idempotency key or an event_id)
+ * raises, and the caller decides again (store/writer.c).
+ * Every table is reached through its key with an array (= ANY), so the
+ * generic plan (plan_cache_mode force_generic_plan on the writer's
+ * connections) never scans one whole.
  *
  * store__sql_write_wait comes first in the transaction when claims are
  * in it: migration 6's wait for a record being committed, set-based
@@ -1236,15 +1242,39 @@ const char store__sql_write[] =
     "    $39::bigint[] AS c_stdout_total, $40::bigint[] AS c_stderr_total,\n"
     "    $41::bool[] AS c_stdout_trunc, $42::bool[] AS c_stderr_trunc,\n"
     "    $43::bigint[] AS c_duration, $44::text[] AS c_stage,\n"
-    "    $45::int[] AS c_errno, $8::int[] AS evitem, $9::bigint[] AS vers\n"
+    "    $45::int[] AS c_errno, $8::int[] AS evitem\n"
+    "), ia AS (\n"
+    "  SELECT x.s, x.e, x.a, x.cnt, x.i, x.ast, x.aag, x.aat\n"
+    "  FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[],\n"
+    "              $46::text[], $47::text[], $48::int[])\n"
+    "    WITH ORDINALITY AS x(s, e, a, cnt, ast, aag, aat, i)\n"
+    /* The versions read and the states assumed, in this snapshot. */
+    "), sv AS (\n"
+    "  SELECT st.stream_id, st.version FROM streams st\n"
+    "  WHERE st.stream_id = ANY (ARRAY(SELECT ia.s FROM ia\n"
+    "                                  WHERE ia.e IS NULL))\n"
+    "), sa AS (\n"
+    "  SELECT c.command_id, c.status, c.agent_id, c.attempt FROM commands c\n"
+    "  WHERE c.command_id = ANY (ARRAY(SELECT substr(ia.s, 9)::uuid FROM ia\n"
+    "                                  WHERE ia.ast IS NOT NULL))\n"
     "), it AS (\n"
-    "  SELECT x.s, x.e, x.a, x.cnt, x.i\n"
-    "  FROM unnest($1::text[], $2::bigint[], $3::text[], $4::int[])\n"
-    "    WITH ORDINALITY AS x(s, e, a, cnt, i)\n"
+    "  SELECT ia.s, ia.a, ia.cnt, ia.i,\n"
+    "    CASE WHEN ia.e IS NOT NULL THEN ia.e\n"
+    "         ELSE coalesce(sv.version, 0) END AS e,\n"
+    "    ia.ast IS NULL OR coalesce(sa.status = ia.ast\n"
+    "      AND sa.agent_id = ia.aag AND sa.attempt = ia.aat\n"
+    "      AND sv.version > 0, false) AS as_ok\n"
+    "  FROM ia LEFT JOIN sv ON ia.e IS NULL AND sv.stream_id = ia.s\n"
+    "  LEFT JOIN sa ON sa.command_id =\n"
+    "    CASE WHEN ia.ast IS NOT NULL THEN substr(ia.s, 9)::uuid END\n"
     "), ev AS (\n"
-    "  SELECT u.id, u.t, u.d, u.it, u.v, u.j\n"
+    "  SELECT u.id, u.t, u.d, u.it, u.o, u.j\n"
     "  FROM unnest($5::uuid[], $6::text[], $7::bytea[], $8::int[],\n"
-    "              $9::bigint[]) WITH ORDINALITY AS u(id, t, d, it, v, j)\n"
+    "              $9::int[]) WITH ORDINALITY AS u(id, t, d, it, o, j)\n"
+    /* Each event's version if its append is written, in input order. */
+    "), evv AS (\n"
+    "  SELECT array_agg(it.e + ev.o ORDER BY ev.j) AS vers\n"
+    "  FROM ev JOIN it ON it.i = ev.it\n"
     /* = ANY probes the index per id (no join that could scan events). */
     "), rec AS (\n"
     "  SELECT ev.it, count(*) AS k FROM ev\n"
@@ -1279,7 +1309,8 @@ const char store__sql_write[] =
     "        THEN 4\n"
     "      WHEN it.a IS NOT NULL AND o.agent_id IS DISTINCT FROM it.a THEN 3\n"
     "      WHEN coalesce(r.k, 0) = it.cnt THEN 1\n"
-    "      WHEN r.k > 0 OR it.i IN (SELECT keyed.i FROM keyed) THEN 2\n"
+    "      WHEN r.k > 0 OR it.i IN (SELECT keyed.i FROM keyed)\n"
+    "        OR NOT it.as_ok THEN 2\n"
     "      ELSE 0 END AS code\n"
     "  FROM it LEFT JOIN rec r ON r.it = it.i\n"
     "  LEFT JOIN own o ON o.command_id =\n"
@@ -1302,7 +1333,7 @@ const char store__sql_write[] =
     "  UNION ALL SELECT go.i FROM go JOIN ins ON ins.stream_id = go.s\n"
     "), ei AS (\n"
     "  INSERT INTO events (stream_id, version, event_id, type, data)\n"
-    "  SELECT it.s, ev.v, ev.id, ev.t, ev.d\n"
+    "  SELECT it.s, it.e + ev.o, ev.id, ev.t, ev.d\n"
     "  FROM ev JOIN moved m ON m.i = ev.it JOIN it ON it.i = ev.it\n"
     "  ORDER BY ev.j\n"
     /* The fold rows of the appends written (one append each). */
@@ -1319,9 +1350,9 @@ const char store__sql_write[] =
     "  INSERT INTO commands (command_id, argv, requested_at, batch_id,\n"
     "    idempotency_key, operator, version, " FOLD_COLS ")\n"
     "  SELECT r.cid, prm.c_argv[r.argv_lo:r.argv_hi], kscore_ts(r.req_at),\n"
-    "    r.batch, r.idem, coalesce(r.oper, ''), prm.vers[r.last_ord],\n"
+    "    r.batch, r.idem, coalesce(r.oper, ''), evv.vers[r.last_ord],\n"
     "    " FOLD_R_COLS "\n"
-    "  FROM r, prm\n"
+    "  FROM r, prm, evv\n"
     "), itg AS (\n"
     "  INSERT INTO batch_targets (command_id, batch_id, agent_id, status)\n"
     "  SELECT r.cid, r.batch, coalesce(r.agent0, ''), r.status FROM r\n"
@@ -1331,9 +1362,9 @@ const char store__sql_write[] =
     "  JOIN commands c ON c.command_id = s.cid\n"
     "  WHERE NOT s.req AND c.command_id = ANY ($10::uuid[])\n"
     "), u AS (\n"
-    "  UPDATE commands c SET version = prm.vers[s.last_ord],\n"
+    "  UPDATE commands c SET version = evv.vers[s.last_ord],\n"
     "    (" FOLD_COLS ") = ROW(" FOLD_EXPRS("c") ")\n"
-    "  FROM su s, prm\n"
+    "  FROM su s, prm, evv\n"
     "  WHERE c.command_id = s.cid AND c.command_id = ANY ($10::uuid[])\n"
     "  RETURNING c.command_id, c.status, s.prev, s.st_first, s.st_change\n"
     "), t AS (\n"
@@ -1366,7 +1397,7 @@ const char store__sql_write[] =
     "    cancelled = b.cancelled + excluded.cancelled\n"
     ")\n"
     "SELECT CASE WHEN v.code = 0 AND m.i IS NULL THEN 2 ELSE v.code END,\n"
-    "  CASE WHEN m.i IS NOT NULL THEN greatest(v.e, 0) + v.cnt\n"
+    "  CASE WHEN m.i IS NOT NULL THEN v.e + v.cnt\n"
     "       WHEN v.code = 1 THEN (SELECT st.version FROM streams st\n"
     "                             WHERE st.stream_id = v.s) END\n"
     "FROM verdict v LEFT JOIN moved m ON m.i = v.i\n"

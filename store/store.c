@@ -432,6 +432,8 @@ on_notice(void *arg, const PGresult *res)
     " SET lock_timeout = '2s';"                                               \
     " SET application_name = 'kscore writer'"
 
+#define GENERIC_PLANS "SET plan_cache_mode = force_generic_plan"
+
 /* The session every connection gets, after each (re)connection. */
 static int
 session_setup(struct store *s, char **errmsg)
@@ -443,7 +445,16 @@ session_setup(struct store *s, char **errmsg)
                          errmsg);
     if (rc == 0 && s->writer_session)
         rc = store__exec(s, WRITER_SESSION, errmsg);
+    else if (rc == 0 && s->generic_plans)
+        rc = store__exec(s, GENERIC_PLANS, errmsg);
     return rc;
+}
+
+int
+store__generic_plans(struct store *s)
+{
+    s->generic_plans = true;
+    return store__exec(s, GENERIC_PLANS, NULL);
 }
 
 int
@@ -586,6 +597,7 @@ store_close(struct store *s)
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         store__buf_release(&s->fold[i]);
     kproto_arena_fini(&s->scratch);
+    store__direct_free(s->direct);
     free(s);
 }
 

@@ -493,20 +493,27 @@ typedef int (*store_check_fn)(const struct store_command_state *st,
 
 /*
  * Appends events that others report about existing commands (agents'
- * results), each decided against the record: in one transaction it locks
- * the streams of the commands (command-<id>, derived from each event's
- * command id; the event's own stream_id is ignored), reads their states,
- * runs check (may be NULL) and store_command_step() per event in input
- * order, and appends each event as it is (APPLY), as a LateResult (LATE)
- * or as a ReportRejected (ILLEGAL), with an event about a command that
- * does not exist kept on the stream agent-<agent_id> instead (so a forged
- * id never creates a command stream),
- * with the reason in Event.reason. Events recorded before are skipped
- * (DUPLICATE). verdicts[i] (n entries, caller storage) says what became of
- * events[i]. Two round trips.
+ * results), each decided against the record of its command (command-<id>,
+ * derived from each event's command id; the event's own stream_id is
+ * ignored): check (may be NULL) and store_command_step() per event in
+ * input order, and each event appended as it is (APPLY), as a LateResult
+ * (LATE) or as a ReportRejected (ILLEGAL), with an event about a command
+ * that does not exist kept on the stream agent-<agent_id> instead (so a
+ * forged id never creates a command stream), with the reason in
+ * Event.reason. Events recorded before are skipped (DUPLICATE).
+ * verdicts[i] (n entries, caller storage) says what became of events[i].
+ * One event: first in one round trip, its command taken to be Running,
+ * claimed by the report's agent at that attempt, and written only if its
+ * commands row is so; if not, decided in a transaction that locks its
+ * stream and reads its state (two round trips), as a call with batch
+ * events is. Several: decided against states read without locks (or
+ * assumed as for one) and appended only at the versions read, again
+ * when a stream moved (store/checked.c). check may so be called more than
+ * once for an event, with the state assumed and then with the one read.
  * Returns 0 (all decided and written), KS_EINVAL (an event lacks a UUID
  * event_id or command id, or a type; nothing written) or a store error
- * (KS_EPG ...; nothing written, verdicts undefined: retry the call).
+ * (KS_EPG ...; verdicts undefined, and an event written in the first
+ * round trip stays written: retry the call, which finds it DUPLICATE).
  */
 int store_append_checked(struct store *s, const Ks__Event *const *events,
                          size_t n, store_check_fn check, void *ud,

@@ -81,6 +81,8 @@ int store__arr_put_null(struct store__buf *b);
 int store__arr_put_i32(struct store__buf *b, int32_t v);
 int store__arr_put_i64(struct store__buf *b, int64_t v);
 
+struct store__wconn; /* store/writer.c */
+
 /* Parameters of one statement. Values are borrowed until it is sent. */
 #define STORE__MAX_PARAMS 48
 struct store__params {
@@ -112,6 +114,7 @@ struct store {
     bool broken;    /* lost: reconnect before the next statement */
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
     bool writer_session; /* store__writer_session: kept across reconnects */
+    bool generic_plans;  /* store__generic_plans: kept across reconnects */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */
@@ -130,6 +133,8 @@ struct store {
      * kproto_arena_mark, given back by its release; reused, so a warm
      * connection's appends allocate nothing for them. */
     struct kproto_arena scratch;
+    /* store__write_now's arrays (store/writer.c), made at its first use. */
+    struct store__wconn *direct;
 };
 
 /*
@@ -173,6 +178,12 @@ int store__prepare(struct store *s, char **errmsg);
  * plan it needs. 0 or a code.
  */
 int store__writer_session(struct store *s);
+/*
+ * Only the writer session's plan_cache_mode on s (store__write_now on a
+ * connection that is not a writer's): no lock_timeout, so what else s
+ * does waits for locks as before. 0 or a code.
+ */
+int store__generic_plans(struct store *s);
 
 /* Runs sql (no parameters, several statements allowed). 0 or a code. */
 int store__exec(struct store *s, const char *sql, char **errmsg);
@@ -308,6 +319,39 @@ int store__checked_at_decide(const Ks__Event *ev,
                              const struct store_command_state *known,
                              int64_t version, store_check_fn check, void *ud,
                              Ks__Event *copy, char stream[8 + 37]);
+
+/*
+ * One append of store__write_now: a store_write, and what only the store's
+ * own callers ask for.
+ */
+struct store__wreq {
+    struct store_write wr; /* between is not called */
+    /* At the version the statement reads (0 if the stream has none),
+     * instead of wr.expected_version, and with assumed (may be NULL, else
+     * on a command-<uuid> stream): only if the commands row is in that
+     * state (status, agent, attempt) in the same snapshot. */
+    bool at_read;
+    const struct store_command_state *assumed;
+    int rc;                        /* out: its code */
+    struct store_write_result res; /* out */
+};
+
+/*
+ * The group writer's statement (store__sql_write) on s itself, for the
+ * store's own callers: reqs[0..n) (n >= 1; validated by the caller, no batch events, at most one append per stream
+ * and per command, or later ones go in later statements of the same
+ * transaction) in one transaction, one round trip, each with its own code
+ * in reqs[i].rc: 0, KS_EDUPLICATE (all its events recorded before),
+ * KS_ECONFLICT (its stream moved, some of its events are recorded, or the
+ * command is not in the state assumed: nothing of it written). Returns 0
+ * when every append has its code, or the transaction's failure (nothing
+ * written: every rc is it): a sick database's code, or KS_EPG when it
+ * failed three times. The connection plans as a writer's
+ * (store__generic_plans) from the first call.
+ */
+int store__write_now(struct store *s, struct store__wreq *reqs, size_t n);
+/* Frees what store__write_now made for a store (store_close). */
+void store__direct_free(struct store__wconn *c);
 
 /* Big-endian readers for binary result columns. */
 int64_t store__rd_i64(const char *p);

@@ -56,6 +56,10 @@ struct witem {
     int rc;
     enum witem_state state;
     bool solo;         /* holds a batch event, or at any version: alone */
+    /* store__write_now's: at the version the statement reads, and the
+     * command state it assumes there (NULL: none). */
+    bool at_read;
+    const struct store_command_state *assumed;
     bool between_done; /* wr->between has run */
     size_t bytes;      /* its packed events */
     unsigned wave;     /* group building */
@@ -65,14 +69,16 @@ struct witem {
 
 struct store_writer;
 
-/* One connection, used by one writing caller at a time. */
-struct wconn {
+/* One connection, used by one writing caller at a time (or a store's own,
+ * for store__write_now: w NULL, nobody waits on it). */
+struct store__wconn {
     struct store_writer *w;
     struct store *s;
     bool busy;          /* (w->mu) a caller writes on it */
     struct witem *self; /* the writing caller's own append, if in hand */
     /* The arrays of store__sql_write, reused from group to group. */
-    struct store__buf stream, expected, agent, count, evitem, version;
+    struct store__buf stream, expected, agent, count, evitem, ord;
+    struct store__buf ast, aag, aat; /* the states assumed */
     struct witem **batch; /* STORE_WRITER_MAX_APPENDS */
     /* Streams whose append waited past the lock_timeout in this flush:
      * the others of the same stream fail at once instead of waiting
@@ -90,7 +96,7 @@ struct store_writer {
     struct witem *head, *tail;
     bool stopping;
     unsigned n;
-    struct wconn c[WRITER_MAX_CONNS];
+    struct store__wconn c[WRITER_MAX_CONNS];
     /* (mu) Streams an append of which waited past the lock_timeout
      * lately: their appends are written alone for WRITER_LOCKED_US, so
      * that a row another transaction holds fails no group. */
@@ -106,9 +112,14 @@ static const struct store_write_result no_result;
 
 /* Marks items (under the queue's lock) and wakes their callers. */
 static void
-set_state(struct wconn *c, struct witem **it, size_t n,
+set_state(struct store__wconn *c, struct witem **it, size_t n,
           enum witem_state st)
 {
+    if (!c->w) {
+        for (size_t i = 0; i < n; i++)
+            it[i]->state = st;
+        return;
+    }
     pthread_mutex_lock(&c->w->mu);
     for (size_t i = 0; i < n; i++) {
         it[i]->state = st;
@@ -126,10 +137,12 @@ set_state(struct wconn *c, struct witem **it, size_t n,
  * up the next group. Not run, its caller does that work after.
  */
 static void
-set_sent(struct wconn *c, struct witem **it, size_t n)
+set_sent(struct store__wconn *c, struct witem **it, size_t n)
 {
     bool alone;
 
+    if (!c->w)
+        return; /* store__write_now: no caller waits */
     pthread_mutex_lock(&c->w->mu);
     for (size_t i = 0; i < n; i++) {
         it[i]->state = W_SENT;
@@ -169,7 +182,7 @@ lock_timed_out(struct store *s, int rc)
 
 /* it's stream waited past the lock_timeout in this flush already. */
 static bool
-flush_locked(const struct wconn *c, const struct witem *it)
+flush_locked(const struct store__wconn *c, const struct witem *it)
 {
     for (unsigned i = 0; i < c->n_locked; i++)
         if (strcmp(c->locked[i], it->wr->stream_id) == 0)
@@ -180,7 +193,7 @@ flush_locked(const struct wconn *c, const struct witem *it)
 /* it's append waited past the lock_timeout: noted for this flush and for
  * the writer's next WRITER_LOCKED_US. */
 static void
-note_locked(struct wconn *c, const struct witem *it)
+note_locked(struct store__wconn *c, const struct witem *it)
 {
     const char *id = it->wr->stream_id;
     if (!flush_locked(c, it) && c->n_locked < WRITER_LOCKED_MAX)
@@ -215,17 +228,35 @@ recent_locked(const struct store_writer *w, const char *stream)
     return false;
 }
 
+/* The result of an append that fails at once because its stream was
+ * found locked lately (fail_locked's, without a connection). */
+static void
+locked_result(struct witem *it)
+{
+    it->rc = KS_EPGREFUSED;
+    it->res = no_result;
+    snprintf(it->res.sqlstate, sizeof(it->res.sqlstate), "55P03");
+    snprintf(it->res.error, sizeof(it->res.error),
+             "lock_not_available: another transaction holds its stream's "
+             "row (an append of it waited past the lock_timeout lately)");
+}
+
+/* Ends a queued append that way (w->mu held). */
+static void
+locked_now(struct witem *it)
+{
+    locked_result(it);
+    it->state = W_DONE;
+    pthread_cond_signal(&it->cond);
+}
+
 /* An append of a stream that waited past the lock_timeout in this flush
  * already: it fails at once, as that one did. */
 static void
 fail_locked(struct store *s, struct witem *it)
 {
-    fail_item(s, it, KS_EPGREFUSED);
-    snprintf(it->res.sqlstate, sizeof(it->res.sqlstate), "55P03");
-    snprintf(it->res.error, sizeof(it->res.error),
-             "lock_not_available: another transaction holds its stream's "
-             "row (an append of it waited %s already)",
-             "past the lock_timeout");
+    (void)s;
+    locked_result(it);
 }
 
 /* ---- one group ---- */
@@ -312,7 +343,7 @@ assign_waves(struct store *s, struct witem **it, size_t n)
  * (when it has claims), then the appends (store__sql_write).
  */
 static int
-send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
+send_wave(struct store__wconn *c, struct witem **it, size_t n, unsigned w)
 {
     struct store *s = c->s;
     struct store__params p = {0};
@@ -354,8 +385,11 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
         (rc = store__arr_begin(&c->expected, STORE__OID_INT8, na)) < 0 ||
         (rc = store__arr_begin(&c->agent, STORE__OID_TEXT, na)) < 0 ||
         (rc = store__arr_begin(&c->count, STORE__OID_INT4, na)) < 0 ||
+        (rc = store__arr_begin(&c->ast, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&c->aag, STORE__OID_TEXT, na)) < 0 ||
+        (rc = store__arr_begin(&c->aat, STORE__OID_INT4, na)) < 0 ||
         (rc = store__arr_begin(&c->evitem, STORE__OID_INT4, ne)) < 0 ||
-        (rc = store__arr_begin(&c->version, STORE__OID_INT8, ne)) < 0 ||
+        (rc = store__arr_begin(&c->ord, STORE__OID_INT4, ne)) < 0 ||
         (rc = store__arr_begin(&s->ids, STORE__OID_UUID, ne)) < 0 ||
         (rc = store__arr_begin(&s->types, STORE__OID_TEXT, ne)) < 0 ||
         (rc = store__arr_begin(&s->data, STORE__OID_BYTEA, ne)) < 0)
@@ -365,25 +399,39 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
         const struct store_write *wr = it[i]->wr;
         if (it[i]->wave != w)
             continue;
+        const struct store_command_state *as = it[i]->assumed;
         na++;
         if ((rc = store__arr_put(&c->stream, wr->stream_id,
                                  strlen(wr->stream_id))) < 0 ||
-            (rc = store__arr_put_i64(&c->expected, wr->expected_version)) <
-                0 ||
+            (rc = it[i]->at_read
+                      ? store__arr_put_null(&c->expected)
+                      : store__arr_put_i64(&c->expected,
+                                           wr->expected_version)) < 0 ||
             (rc = wr->claim_agent
                       ? store__arr_put(&c->agent, wr->claim_agent,
                                        strlen(wr->claim_agent))
                       : store__arr_put_null(&c->agent)) < 0 ||
             (rc = store__arr_put_i32(&c->count, (int32_t)wr->n)) < 0)
             goto out;
+        if (as) {
+            const char *st = kproto_status_name(as->status);
+            if ((rc = store__arr_put(&c->ast, st, strlen(st))) < 0 ||
+                (rc = store__arr_put(&c->aag, as->agent_id,
+                                     strlen(as->agent_id))) < 0 ||
+                (rc = store__arr_put_i32(&c->aat, (int32_t)as->attempt)) < 0)
+                goto out;
+        } else if ((rc = store__arr_put_null(&c->ast)) < 0 ||
+                   (rc = store__arr_put_null(&c->aag)) < 0 ||
+                   (rc = store__arr_put_null(&c->aat)) < 0) {
+            goto out;
+        }
         for (size_t e = 0; e < wr->n; e++) {
             const Ks__Event *ev = wr->events[e].event;
             evs[sent++] = ev;
-            /* The writer decides the versions: the expected one's next. */
+            /* The writer decides the versions: the expected one's next
+             * (the statement adds the expected or the version read). */
             if ((rc = store__arr_put_i32(&c->evitem, (int32_t)na)) < 0 ||
-                (rc = store__arr_put_i64(&c->version,
-                                         wr->expected_version + 1 +
-                                             (int64_t)e)) < 0 ||
+                (rc = store__arr_put_i32(&c->ord, (int32_t)e + 1)) < 0 ||
                 (rc = store__arr_put_uuid(&s->ids, ev->event_id)) < 0 ||
                 (rc = store__arr_put(&s->types, ev->type,
                                      strlen(ev->type))) < 0 ||
@@ -406,9 +454,12 @@ send_wave(struct wconn *c, struct witem **it, size_t n, unsigned w)
     store__p_bin(&p, s->types.p, s->types.len);
     store__p_bin(&p, s->data.p, s->data.len);
     store__p_bin(&p, c->evitem.p, c->evitem.len);
-    store__p_bin(&p, c->version.p, c->version.len);
+    store__p_bin(&p, c->ord.p, c->ord.len);
     for (int i = 0; i < STORE__FOLD_COLS; i++)
         store__p_bin(&p, s->fold[i].p, s->fold[i].len);
+    store__p_bin(&p, c->ast.p, c->ast.len);
+    store__p_bin(&p, c->aag.p, c->aag.len);
+    store__p_bin(&p, c->aat.p, c->aat.len);
     if (!PQsendQueryPrepared(s->conn, "ks_write", p.n, p.val, p.len, p.fmt,
                              0))
         rc = store__pg_error(s, NULL, NULL);
@@ -461,7 +512,7 @@ take_wave(const PGresult *res, void *ud)
  * append has its verdict) or the group's failure.
  */
 static int
-read_group(struct wconn *c, struct witem **it, size_t n)
+read_group(struct store__wconn *c, struct witem **it, size_t n)
 {
     struct verdicts v = {it, n, 0, false};
     int rc = store__pipeline_read(c->s, take_wave, &v, NULL);
@@ -493,7 +544,7 @@ note_written(struct store *s, struct witem **it, size_t n, int64_t t0)
  * group failed with (nothing written, unless the connection's in_doubt).
  */
 static int
-group_once(struct wconn *c, struct witem **it, size_t n)
+group_once(struct store__wconn *c, struct witem **it, size_t n)
 {
     struct store *s = c->s;
     int64_t t0 = ks_mono_us();
@@ -531,7 +582,8 @@ group_once(struct wconn *c, struct witem **it, size_t n)
     }
     PQflush(s->conn);
     set_sent(c, it, n);
-    ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
+    if (c->w)
+        ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
     rc = read_group(c, it, n);
     store__pipeline_end(s);
     if (rc == 0)
@@ -555,7 +607,7 @@ retryable(struct store *s, int rc)
  * fails, the conflicts stand (true as well: nothing of theirs written).
  */
 static void
-recheck_conflicts(struct wconn *c, struct witem **it, size_t n)
+recheck_conflicts(struct store__wconn *c, struct witem **it, size_t n)
 {
     struct store *s = c->s;
     struct store__params p = {0};
@@ -614,7 +666,7 @@ lock_waited(struct store *s, int rc, size_t n)
 
 /* A group, with its retries; every append has its code on return. */
 static void
-write_group(struct wconn *c, struct witem **it, size_t n)
+write_group(struct store__wconn *c, struct witem **it, size_t n)
 {
     struct store *s = c->s;
     int rc = group_once(c, it, n);
@@ -658,9 +710,29 @@ write_group(struct wconn *c, struct witem **it, size_t n)
     }
 }
 
+/*
+ * A group as one transaction, whatever it holds (store__write_now): tried
+ * again when it failed for a reason of its own (a deadlock, or a race that
+ * the statement's checks decide on the next try), never split.
+ */
+static int
+write_whole(struct store__wconn *c, struct witem **it, size_t n)
+{
+    struct store *s = c->s;
+    int rc = group_once(c, it, n);
+
+    for (int t = 1; rc && t < WRITER_RETRIES &&
+                    (retryable(s, rc) || (!store_db_sick(rc) && rc != -ENOMEM));
+         t++)
+        rc = group_once(c, it, n);
+    if (rc == 0)
+        recheck_conflicts(c, it, n);
+    return rc;
+}
+
 /* store_append_overlap's between: the append is sent. */
 struct solo_sent {
-    struct wconn *c;
+    struct store__wconn *c;
     struct witem *it;
 };
 
@@ -680,7 +752,7 @@ solo_sent(void *ud)
  * with one thread), and a lone append has nobody to share its commit with.
  */
 static void
-write_solo(struct wconn *c, struct witem *it)
+write_solo(struct store__wconn *c, struct witem *it)
 {
     const struct store_write *wr = it->wr;
     struct store *s = c->s;
@@ -712,7 +784,7 @@ write_solo(struct wconn *c, struct witem *it)
 }
 
 static void
-flush(struct wconn *c, struct witem **it, size_t n)
+flush(struct store__wconn *c, struct witem **it, size_t n)
 {
     c->n_locked = 0;
     for (size_t i = 0; i < n;) {
@@ -737,7 +809,7 @@ flush(struct wconn *c, struct witem **it, size_t n)
  * Returns with w->mu held.
  */
 static void
-lead(struct store_writer *w, struct wconn *c, struct witem *self)
+lead(struct store_writer *w, struct store__wconn *c, struct witem *self)
 {
     do {
         size_t n = 0, bytes = 0;
@@ -747,11 +819,19 @@ lead(struct store_writer *w, struct wconn *c, struct witem *self)
             w->head = it->next;
             if (!w->head)
                 w->tail = NULL;
+            /* A stream held by another transaction's lock lately: its
+             * append fails at once (its caller tries again later), so
+             * that it neither waits out the lock_timeout again nor makes
+             * a group wait and fail. After WRITER_LOCKED_US one goes to
+             * the database again. Before, a claim asked again every 2 s
+             * kept the one connection waiting all the time, and every
+             * other append came too late for its asker (test_agent
+             * claim_whose_reply_is_lost_runs_once, 3 soak runs in 6). */
+            if (recent_locked(w, it->wr->stream_id)) {
+                locked_now(it);
+                continue;
+            }
             bytes += it->bytes;
-            /* A stream held by another transaction's lock lately goes
-             * alone: it would make the whole group wait and fail. */
-            if (!it->solo && recent_locked(w, it->wr->stream_id))
-                it->solo = true;
             c->batch[n++] = it;
         }
         pthread_mutex_unlock(&w->mu);
@@ -768,7 +848,7 @@ lead(struct store_writer *w, struct wconn *c, struct witem *self)
     pthread_cond_broadcast(&w->drained);
 }
 
-static struct wconn *
+static struct store__wconn *
 free_conn(struct store_writer *w)
 {
     for (unsigned i = 0; i < w->n; i++)
@@ -779,19 +859,95 @@ free_conn(struct store_writer *w)
 
 /* ---- API ---- */
 
+/* The arrays of store__sql_write a connection keeps. */
+#define WCONN_BUFS 9
 static void
-wconn_release(struct wconn *c)
+wconn_bufs(struct store__wconn *c, struct store__buf *b[WCONN_BUFS])
+{
+    struct store__buf *all[WCONN_BUFS] = {
+        &c->stream, &c->expected, &c->agent, &c->count, &c->evitem,
+        &c->ord,    &c->ast,      &c->aag,   &c->aat};
+    memcpy(b, all, sizeof(all));
+}
+
+/* The arrays' caps (a store__buf grows up to its cap). */
+static void
+wconn_init(struct store__wconn *c)
+{
+    struct store__buf *b[WCONN_BUFS];
+    wconn_bufs(c, b);
+    for (size_t i = 0; i < WCONN_BUFS; i++)
+        b[i]->cap = KS_MAX_MESSAGE_BYTES;
+}
+
+static void
+wconn_bufs_release(struct store__wconn *c)
+{
+    struct store__buf *b[WCONN_BUFS];
+    wconn_bufs(c, b);
+    for (size_t i = 0; i < WCONN_BUFS; i++)
+        store__buf_release(b[i]);
+}
+
+static void
+wconn_release(struct store__wconn *c)
 {
     store_close(c->s);
     c->s = NULL;
-    store__buf_release(&c->stream);
-    store__buf_release(&c->expected);
-    store__buf_release(&c->agent);
-    store__buf_release(&c->count);
-    store__buf_release(&c->evitem);
-    store__buf_release(&c->version);
+    wconn_bufs_release(c);
     free(c->batch);
     c->batch = NULL;
+}
+
+/* ---- a store's own group (store__write_now) ---- */
+
+void
+store__direct_free(struct store__wconn *c)
+{
+    if (!c)
+        return;
+    wconn_bufs_release(c);
+    free(c);
+}
+
+int
+store__write_now(struct store *s, struct store__wreq *reqs, size_t n)
+{
+    struct store__wconn *c = s->direct;
+    int rc;
+
+    BUG_ON(n == 0);
+    if (!c) {
+        if (!(c = calloc(1, sizeof(*c))))
+            return -ENOMEM;
+        wconn_init(c);
+        c->s = s;
+        s->direct = c;
+    }
+    if (!s->generic_plans &&
+        ((rc = store__ready(s)) < 0 || (rc = store__generic_plans(s)) < 0))
+        return rc;
+    struct kproto_arena_mark mark = kproto_arena_mark(&s->scratch);
+    struct witem *its = kproto_arena_calloc(&s->scratch, n, sizeof(*its));
+    struct witem **items = kproto_arena_calloc(&s->scratch, n, sizeof(*items));
+    if (!its || !items) {
+        kproto_arena_release(&s->scratch, mark);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        its[i].wr = &reqs[i].wr;
+        its[i].at_read = reqs[i].at_read;
+        its[i].assumed = reqs[i].assumed;
+        its[i].state = W_QUEUED;
+        items[i] = &its[i];
+    }
+    rc = write_whole(c, items, n);
+    for (size_t i = 0; i < n; i++) {
+        reqs[i].rc = rc ? rc : its[i].rc;
+        reqs[i].res = rc ? no_result : its[i].res;
+    }
+    kproto_arena_release(&s->scratch, mark);
+    return rc;
 }
 
 int
@@ -808,16 +964,14 @@ store_writer_open(const char *conninfo, unsigned n_conns,
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->drained, NULL);
     for (unsigned i = 0; i < n_conns; i++) {
-        struct wconn *c = &w->c[i];
+        struct store__wconn *c = &w->c[i];
         c->w = w;
         w->n = i + 1;
         if ((rc = store_open(conninfo, &c->s, errmsg)) < 0)
             break;
         if ((rc = store__writer_session(c->s)) < 0)
             break;
-        c->stream.cap = c->agent.cap = KS_MAX_MESSAGE_BYTES;
-        c->expected.cap = c->count.cap = KS_MAX_MESSAGE_BYTES;
-        c->evitem.cap = c->version.cap = KS_MAX_MESSAGE_BYTES;
+        wconn_init(c);
         if (!(c->batch = calloc(STORE_WRITER_MAX_APPENDS,
                                 sizeof(*c->batch)))) {
             rc = -ENOMEM;
@@ -939,7 +1093,7 @@ store_writer_append(struct store_writer *w, const struct store_write *wr,
     w->tail = &it;
     ks_metric_inc(KS_C_WRITER_APPENDS); /* counted once queued */
     for (;;) {
-        struct wconn *c;
+        struct store__wconn *c;
         if (it.state == W_DONE)
             break;
         if (it.state == W_QUEUED && (c = free_conn(w))) {

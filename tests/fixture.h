@@ -237,6 +237,13 @@ int fixture_kscore_as(struct fixture_stack *s, const char *name,
 int fixture_kscore_home(const char *home, const char *const args[],
                         struct fixture_out *out);
 void fixture_out_release(struct fixture_out *o);
+/* The agent bundle at path (`kscore agent enroll`) without its label
+ * attestation (signature, key id and enrolment time), and with the line
+ * "label = <from>" said as "label = <to>", into out_path (0600): what the
+ * holder of an enrolled agent's bundle could run to choose its labels.
+ * 0 or -errno. */
+int fixture_bundle_strip_labels(const char *path, const char *out_path,
+                                const char *from, const char *to);
 /* The last line of out (a batch's --json summary), or out itself. */
 const char *fixture_last_line(const char *out);
 

@@ -810,6 +810,32 @@ fixture_proc_release(struct fixture_proc *p)
     memset(p, 0, sizeof(*p));
 }
 
+int
+fixture_bundle_strip_labels(const char *path, const char *out_path,
+                            const char *from, const char *to)
+{
+    FILE *in = fopen(path, "re"), *out = fopen(out_path, "we");
+    char l[16384], was[128], now[128];
+    int rc = 0;
+
+    snprintf(was, sizeof(was), "label = %s\n", from);
+    snprintf(now, sizeof(now), "label = %s\n", to);
+    if (!in || !out)
+        rc = -errno;
+    while (rc == 0 && fgets(l, sizeof(l), in))
+        if (strncmp(l, "labels_signature", 16) != 0 &&
+            strncmp(l, "labels_key_id", 13) != 0 &&
+            strncmp(l, "enrolled_at_us", 14) != 0)
+            fputs(strcmp(l, was) == 0 ? now : l, out);
+    if (in)
+        fclose(in);
+    if (out && fclose(out) != 0 && rc == 0)
+        rc = -errno;
+    if (rc == 0 && chmod(out_path, 0600) == -1)
+        rc = -errno;
+    return rc;
+}
+
 void
 fixture_out_release(struct fixture_out *o)
 {

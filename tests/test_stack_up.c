@@ -455,6 +455,81 @@ START_TEST(status_reports_remote_agents)
 }
 END_TEST
 
+/* agent id's labels in status --json once it is online (waits up to 30 s
+ * for that), as "k=v,..." into buf ("" for none). */
+static void
+online_labels(const char *id, char *buf, size_t cap)
+{
+    json_t *j = NULL, *a = NULL;
+    for (int i = 0; i < 300; i++) {
+        json_decref(j);
+        j = status_json();
+        a = agent_in(j, id);
+        if (a && json_is_true(json_object_get(a, "online")))
+            break;
+        nanosleep(&(struct timespec){0, 100000000}, NULL);
+    }
+    ck_assert_msg(a && json_is_true(json_object_get(a, "online")),
+                  "%s not online: %s", id, json_dumps(j, 0));
+    const char *k;
+    json_t *v;
+    size_t at = 0;
+    buf[0] = '\0';
+    json_object_foreach(json_object_get(a, "labels"), k, v)
+    {
+        at += (size_t)snprintf(buf + at, cap - at, "%s%s=%s", at ? "," : "",
+                               k, json_string_value(v));
+        if (at >= cap)
+            break;
+    }
+    json_decref(j);
+}
+
+/*
+ * Issue 21, tried again: a loopback stack started its broker with
+ * --allow-unsigned-labels, so whoever held an enrolled agent's bundle
+ * (env=dev) could take the signature lines out, declare env=prod and get
+ * prod's batches and secrets: at once when the broker had not seen the
+ * signed entry yet, or after any broker restart (it remembered signed
+ * ids in memory only). A stack with enrolled agents takes signed labels
+ * only: the running broker is restarted so by the enrolment, and every
+ * later `up` starts it so.
+ */
+START_TEST(an_enrolled_bundle_without_its_signature_gets_no_labels)
+{
+    char bundle[PATH_MAX + 32], stripped[PATH_MAX + 32], state[PATH_MAX + 32],
+        exe[PATH_MAX], labels[256];
+    pid_t pid;
+
+    ks_ok((const char *[]){"up", NULL});
+    snprintf(bundle, sizeof(bundle), "%s/ee.bundle", tmpdir);
+    snprintf(stripped, sizeof(stripped), "%s/ee-stripped.bundle", tmpdir);
+    snprintf(state, sizeof(state), "%s/ee-state", tmpdir);
+    ks_ok((const char *[]){"agent", "enroll", "ee", "--label", "env=dev",
+                           "--out", bundle, NULL});
+    ck_assert_int_eq(
+        fixture_bundle_strip_labels(bundle, stripped, "env=dev", "env=prod"),
+        0);
+    snprintf(exe, sizeof(exe), "%s",
+             getenv("KSCORE_BIN") ? getenv("KSCORE_BIN") : "kscore");
+    char *argv[] = {exe,           "agent", "--bundle", stripped,
+                    "--state-dir", state,   "--config", "/dev/null",
+                    NULL};
+    ck_assert_int_eq(stack_daemon(tmpdir, "ee", argv, &pid), 0);
+    online_labels("ee", labels, sizeof(labels));
+    ck_assert_msg(labels[0] == '\0', "the stripped bundle got labels %s",
+                  labels);
+    /* Nor after a broker restart, or a later `up`. */
+    kill_and_wait(pid_of("broker"));
+    ks_ok((const char *[]){"up", NULL});
+    online_labels("ee", labels, sizeof(labels));
+    ck_assert_msg(labels[0] == '\0',
+                  "the stripped bundle got labels %s after a restart",
+                  labels);
+    stack_stop(tmpdir, "ee", 5000);
+}
+END_TEST
+
 /* ---- kscore-stack.service -------------------------------------------------
  * The control host's unit runs `kscore up $KSCORE_UP_ARGS` (start and
  * reload) and `kscore down` (stop). Here: exactly those command lines,
@@ -941,6 +1016,12 @@ stack_up_suite(void)
     tcase_add_test(tc, status_reports_remote_agents);
     tcase_add_test(tc, stack_unit_commands_start_reload_and_stop_the_stack);
     tcase_add_test(tc, pid_files_of_another_boot_are_forgotten);
+    suite_add_tcase(s, tc);
+    /* A home of its own: its agents are enrolled. */
+    tc = tcase_create("enrolled");
+    tcase_add_unchecked_fixture(tc, up_setup, up_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, an_enrolled_bundle_without_its_signature_gets_no_labels);
     suite_add_tcase(s, tc);
     /* A home of its own each: these change the stack's policy. */
     tc = tcase_create("policy-env");

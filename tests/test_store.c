@@ -963,22 +963,23 @@ static const char *digest_sql[] = {
     "SELECT coalesce(md5(string_agg(t::text, ',' ORDER BY command_id)), '')"
     " FROM batch_targets t",
 };
+#define N_DIGESTS (sizeof(digest_sql) / sizeof(digest_sql[0]))
 
 /* A replay from events alone rebuilds the projections as they are;
  * returns the events replayed. */
 static int64_t
 assert_replay_equal(struct store *s)
 {
-    char *before[3], *err = NULL;
+    char *before[N_DIGESTS], *err = NULL;
     int64_t n = 0;
 
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (int)N_DIGESTS; i++)
         before[i] = sql1(s, digest_sql[i]);
     ck_assert_msg(store_replay(s, &n, &err) == 0, "replay: %s",
                   err ? err : "");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)N_DIGESTS; i++) {
         char *after = sql1(s, digest_sql[i]);
-        ck_assert_str_eq(before[i], after);
+        ck_assert_msg(strcmp(before[i], after) == 0, "%s differs", digest_sql[i]);
         free(after);
         free(before[i]);
     }
@@ -989,7 +990,7 @@ assert_replay_equal(struct store *s)
 START_TEST(test_replay_equality)
 {
     struct store *s = open_store(), *other = open_store();
-    char cid[37], bid[37], bstream[64], *before[3], *after[3], *err = NULL;
+    char cid[37], bid[37], bstream[64], *before[N_DIGESTS], *after[N_DIGESTS], *err = NULL;
     struct tev t;
     int64_t n = 0, v;
 
@@ -1018,11 +1019,11 @@ START_TEST(test_replay_equality)
         free(row);
     }
 
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (int)N_DIGESTS; i++)
         before[i] = sql1(s, digest_sql[i]);
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
     ck_assert_int_gt(n, 10);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)N_DIGESTS; i++) {
         after[i] = sql1(s, digest_sql[i]);
         ck_assert_str_eq(before[i], after[i]);
         free(after[i]);
@@ -1032,7 +1033,7 @@ START_TEST(test_replay_equality)
                                     "DELETE FROM batch_targets;"
                                     "UPDATE batches SET total = 0"));
     ck_assert_int_eq(store_replay(s, &n, &err), 0);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)N_DIGESTS; i++) {
         after[i] = sql1(s, digest_sql[i]);
         ck_assert_str_eq(before[i], after[i]);
         free(after[i]);
@@ -1049,7 +1050,7 @@ START_TEST(test_replay_equality)
     /* Connections that prepared before the swap still append. */
     run_command(other, cid, NULL, NULL, 0);
     run_command(s, cid, NULL, NULL, 0);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (int)N_DIGESTS; i++)
         free(before[i]);
     store_close(s);
     store_close(other);
@@ -1535,6 +1536,201 @@ START_TEST(test_append_checked)
     ck_assert_int_eq(v[0], STORE_STEP_APPLY);
     ck_assert_int_eq(v[1], STORE_STEP_LATE);
     assert_row(s, c2, "Lost/5/1/agent-1/-/true/true");
+    store_close(s);
+}
+END_TEST
+
+/* What a check judged an annotation (the broker charges those to the
+ * reporter's share of annotation rows, broker/budget.c): their event ids. */
+struct charged {
+    char ids[32][37];
+    int n;
+};
+
+static int
+charge_annotations(const struct store_command_state *st, const Ks__Event *ev,
+                   const char **why, void *ud)
+{
+    struct charged *c = ud;
+    Ks__CommandStatus next;
+    const char *w2 = NULL;
+    int rc = only_agent_1(st, ev, why, NULL);
+    if ((rc != 0 || store_command_step(st, ev, &next, &w2) !=
+                        STORE_STEP_APPLY) &&
+        c->n < 32)
+        snprintf(c->ids[c->n++], sizeof(c->ids[0]), "%s", ev->event_id);
+    return rc;
+}
+
+static bool
+was_charged(const struct charged *c, const char *id)
+{
+    for (int i = 0; i < c->n; i++)
+        if (strcmp(c->ids[i], id) == 0)
+            return true;
+    return false;
+}
+
+/* One batch of reports that holds every case at once: a redelivery, a
+ * repeat within the batch, a forged report before the real one, a late
+ * end, a report about no command, a command with one report recorded
+ * before and one new. Each gets its own verdict, one command's conflict
+ * writes nothing wrong for the others, and each annotation is judged so. */
+START_TEST(test_append_checked_mixed_batch)
+{
+    struct store *s = open_store();
+    static struct fev e[12];
+    const Ks__Event *b[12];
+    enum store_step v[12];
+    char a[37], bb[37], c[37], d[37], x[37], ghost[37];
+    struct charged ch = {.n = 0};
+    size_t dups = 99;
+
+    ks_uuid(a);
+    ks_uuid(bb);
+    ks_uuid(c);
+    ks_uuid(d);
+    ks_uuid(x);
+    ks_uuid(ghost);
+    running_command(s, a);
+    running_command(s, bb);
+    running_command(s, c);
+    running_command(s, d);
+    running_command(s, x);
+    /* Recorded before: a's end, d's end, x's end. */
+    b[0] = fresult(&e[0], a, "CommandCompleted", KS__COMMAND_STATUS__SUCCEEDED,
+                   0, "a");
+    e[0].ev.agent_id = "agent-1";
+    b[1] = fresult(&e[1], d, "CommandCompleted", KS__COMMAND_STATUS__SUCCEEDED,
+                   0, "d");
+    e[1].ev.agent_id = "agent-1";
+    b[2] = fresult(&e[2], x, "CommandCompleted", KS__COMMAND_STATUS__SUCCEEDED,
+                   0, "x");
+    e[2].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, b, 3, NULL, NULL, v, &dups), 0);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(v[i], STORE_STEP_APPLY);
+
+    size_t n = 0;
+    b[n++] = &e[0].ev; /* 0: a redelivered */
+    b[n++] = fresult(&e[3], bb, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "b"); /* 1 */
+    e[3].ev.agent_id = "agent-1";
+    b[n++] = &e[3].ev; /* 2: repeated in the batch */
+    b[n++] = fresult(&e[4], c, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "FORGED"); /* 3 */
+    e[4].ev.agent_id = "agent-2";
+    b[n++] = fresult(&e[5], c, "CommandCompleted", KS__COMMAND_STATUS__FAILED,
+                     2, "c"); /* 4: the real one */
+    e[5].ev.agent_id = "agent-1";
+    b[n++] = fstatus(&e[6], d, "CommandLost", 1, "agent-1"); /* 5: late */
+    b[n++] = fresult(&e[7], ghost, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "g"); /* 6 */
+    e[7].ev.agent_id = "agent-1";
+    b[n++] = &e[2].ev;                                       /* 7: x again */
+    b[n++] = fstatus(&e[8], x, "CommandLost", 1, "agent-1"); /* 8: late */
+    ck_assert_int_eq(
+        store_append_checked(s, b, n, charge_annotations, &ch, v, &dups), 0);
+    ck_assert_int_eq(v[0], STORE_STEP_DUPLICATE);
+    ck_assert_int_eq(v[1], STORE_STEP_APPLY);
+    ck_assert_int_eq(v[2], STORE_STEP_DUPLICATE);
+    ck_assert_int_eq(v[3], STORE_STEP_ILLEGAL);
+    ck_assert_int_eq(v[4], STORE_STEP_APPLY);
+    ck_assert_int_eq(v[5], STORE_STEP_LATE);
+    ck_assert_int_eq(v[6], STORE_STEP_ILLEGAL);
+    ck_assert_int_eq(v[7], STORE_STEP_DUPLICATE);
+    ck_assert_int_eq(v[8], STORE_STEP_LATE);
+    ck_assert_uint_eq(dups, 3);
+    /* The annotations were judged so (a redelivery may be too, against
+     * the state read before its KS003: the broker's budget remembers an
+     * event id it charged, broker/budget.c). */
+    ck_assert(was_charged(&ch, e[4].id));
+    ck_assert(was_charged(&ch, e[6].id));
+    ck_assert(was_charged(&ch, e[8].id));
+    assert_row(s, a, "Succeeded/4/1/agent-1/a/true/true");
+    assert_row(s, bb, "Succeeded/4/1/agent-1/b/true/true");
+    assert_row(s, c, "Failed/5/1/agent-1/c/true/true");
+    assert_row(s, d, "Succeeded/5/1/agent-1/d/true/true");
+    assert_row(s, x, "Succeeded/5/1/agent-1/x/true/true");
+    const char *cids[5] = {a, bb, c, d, x};
+    for (int i = 0; i < 5; i++) {
+        char stream[64];
+        snprintf(stream, sizeof(stream), "command-%s", cids[i]);
+        ck_assert_int_eq(count_type(s, stream, "CommandCompleted"), 1);
+    }
+    ck_assert_int_eq(count_type(s, e[4].stream, "ReportRejected"), 1);
+    ck_assert_int_eq(count_type(s, e[6].stream, "LateResult"), 1);
+    ck_assert_int_eq(count_type(s, e[8].stream, "LateResult"), 1);
+    assert_replay_equal(s);
+    store_close(s);
+}
+END_TEST
+
+/* One report a call (the recorder's single results: the state assumed,
+ * then read when it is not so), each case: applied, redelivered, forged,
+ * late, about no command; one terminal event each, nothing else moved. */
+START_TEST(test_append_checked_one_by_one)
+{
+    struct store *s = open_store();
+    static struct fev e[6];
+    enum store_step v;
+    char a[37], c[37], ghost[37];
+    size_t dups = 99;
+
+    ks_uuid(a);
+    ks_uuid(c);
+    ks_uuid(ghost);
+    running_command(s, a);
+    running_command(s, c);
+    const Ks__Event *one[1];
+    /* 0: a's end, as assumed. */
+    one[0] = fresult(&e[0], a, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "a");
+    e[0].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_APPLY);
+    ck_assert_uint_eq(dups, 0);
+    /* 0 again: a redelivery. */
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_DUPLICATE);
+    ck_assert_uint_eq(dups, 1);
+    /* 1: c's end from another agent (assumed its own: not so). */
+    one[0] = fresult(&e[1], c, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "FORGED");
+    e[1].ev.agent_id = "agent-2";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_ILLEGAL);
+    /* 2: a's loss after its end: late. */
+    one[0] = fstatus(&e[2], a, "CommandLost", 1, "agent-1");
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_LATE);
+    /* 3: about no command. */
+    one[0] = fresult(&e[3], ghost, "CommandCompleted",
+                     KS__COMMAND_STATUS__SUCCEEDED, 0, "g");
+    e[3].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_ILLEGAL);
+    ck_assert_int_eq(sql_ll(s, "SELECT count(*) FROM streams WHERE"
+                               " stream_id = 'command-%s'", ghost), 0);
+    /* 4: c's real end. */
+    one[0] = fresult(&e[4], c, "CommandCompleted", KS__COMMAND_STATUS__FAILED,
+                     2, "c");
+    e[4].ev.agent_id = "agent-1";
+    ck_assert_int_eq(store_append_checked(s, one, 1, only_agent_1, NULL, &v,
+                                          &dups), 0);
+    ck_assert_int_eq(v, STORE_STEP_APPLY);
+    assert_row(s, a, "Succeeded/5/1/agent-1/a/true/true");
+    assert_row(s, c, "Failed/5/1/agent-1/c/true/true");
+    ck_assert_int_eq(count_type(s, e[0].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[0].stream, "LateResult"), 1);
+    ck_assert_int_eq(count_type(s, e[1].stream, "CommandCompleted"), 1);
+    ck_assert_int_eq(count_type(s, e[1].stream, "ReportRejected"), 1);
+    assert_replay_equal(s);
     store_close(s);
 }
 END_TEST
@@ -2863,6 +3059,8 @@ main(void)
     tcase_add_test(tc, test_one_terminal_event);
     tcase_add_test(tc, test_command_machine);
     tcase_add_test(tc, test_append_checked);
+    tcase_add_test(tc, test_append_checked_mixed_batch);
+    tcase_add_test(tc, test_append_checked_one_by_one);
     tcase_add_test(tc, test_append_checked_meets_a_writer);
     tcase_add_test(tc, test_append_checked_at);
     tcase_add_test(tc, test_claim_waits_for_record);
