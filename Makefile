@@ -4,7 +4,7 @@ BUILD ?= build
 KSCORE := $(BUILD)/cli/kscore
 JOBS ?= $(shell nproc)
 
-.PHONY: all bootstrap build run test test-cluster soak chaos down clean asan profile fuzz deb install fleet-demo
+.PHONY: all bootstrap build run test test-cluster test-cluster-long soak chaos down clean asan profile fuzz deb install fleet-demo
 
 all: build
 
@@ -29,14 +29,23 @@ run: build
 # race to find (make soak), never to run again.
 TEST_JOBS ?= 3
 test: build
-	@cd $(BUILD) && ctest --output-on-failure -j$(TEST_JOBS) -LE cluster
+	@cd $(BUILD) && ctest --output-on-failure -j$(TEST_JOBS)
 
-# The cluster stack's suite (kscore up --cluster 3), not in `make test`:
-# its first heartbeat is fixed, but 1 run in 8 on 2026-12-01 lost the
-# fleet's deliveries after kill -9 of the KSCORE_CMDS leader node (the
-# batch after the node's restart all Undeliverable; tests/CMakeLists.txt).
+# The cluster stack's suite (kscore up --cluster 3) alone, its two halves
+# side by side (test_cluster, test_cluster_2; tests/CMakeLists.txt). It is
+# in `make test` again: the losses of deliveries behind its flake (issue
+# 22) are found and fixed (docs/cluster.md "When a leader moves").
 test-cluster: build
-	@cd $(BUILD) && ctest --output-on-failure -L cluster
+	@cd $(BUILD) && ctest --output-on-failure -j2 -L cluster
+
+# The cluster suite's long variants (KSCORE_CLUSTER_LONG=1: each fleet case
+# of shared/cases/fleet-cases.md at the case's size; docs/cluster.md "When a leader
+# moves"), then F05 (deliveries after the KSCORE_CMDS leader dies) 20 times
+# in a row, with pass counts (tests/soak.sh). About 30 minutes.
+test-cluster-long: build
+	@KSCORE_CLUSTER_LONG=1 ./tests/soak.sh $(BUILD) 1 test_cluster
+	@CK_RUN_CASE=deliveries_after_the_cmds_leader_dies \
+	    ./tests/soak.sh $(BUILD) 20 test_cluster
 
 # The timing-sensitive suites N times each (tests/soak.sh), with pass
 # counts: `make soak N=10`, or SUITES="test_batch test_agent" for others.

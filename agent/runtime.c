@@ -1730,13 +1730,17 @@ on_pool_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         return;
     }
     const char *reply = natsMsg_GetReply(msg);
+    /* Only JetStream's deliveries carry an ack subject: anything else on
+     * the deliver subject (a status message such as nats-server's "409
+     * Leadership Change", which 2.9 sends to pull requests only, or a
+     * stray publish) is not a command and changes nothing. */
+    bool delivery = reply && strncmp(reply, "$JS.ACK.", 8) == 0;
     pthread_mutex_lock(&a->mu);
     a->callbacks++;
     pthread_mutex_unlock(&a->mu);
-    if (reply && strncmp(reply, "$JS.ACK.", 8) == 0 &&
-        !atomic_load(&a->closing))
+    if (delivery && !atomic_load(&a->closing))
         agent__ack(a, reply, "-NAK");
-    if (agent__log_due(&a->foreign_logged_us)) {
+    if (delivery && agent__log_due(&a->foreign_logged_us)) {
         ks_log(KS_LOG_WARN,
                "the pool delivered a command for an id this process does not "
                "serve: given back (do two processes of one pool serve "

@@ -2076,7 +2076,8 @@ collect_matching(const char *key, void *val, void *ud)
     struct resolve *r = ud;
     struct broker__agent *a = val;
     if (r->req->online_only && !r->deaf &&
-        r->now_mono - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000)
+        r->now_mono - broker__heard_locked(r->b, a) >=
+            (int64_t)EVT_AGENT_TTL_MS * 1000)
         return;
     if (!broker_select_match(a->info, r->terms, r->n_terms))
         return;

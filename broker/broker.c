@@ -70,6 +70,7 @@ remote_ended(struct broker *b, const char *command_id)
  * run, else evt_publish_command's. */
 struct dispatch_pub {
     struct broker *b;
+    struct broker__worker *wk;
     const Ks__Command *cmd;
     char pool[EVT_AGENT_ID_MAX + 1];
     int rc;
@@ -80,8 +81,10 @@ publish_between(void *ud)
 {
     struct dispatch_pub *dp = ud;
     /* Tried again while KSCORE_CMDS elects a leader (events.h). */
+    atomic_store(&dp->wk->publishing_us, ks_mono_us());
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
                                  EVT_PUBLISH_RETRY_MS);
+    atomic_store(&dp->wk->publishing_us, 0);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
 
@@ -417,7 +420,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * seen) records first and publishes only a new command, so a used key
      * never sends a message that can never be claimed.
      */
-    struct dispatch_pub dp = {.b = b, .cmd = &cmd, .rc = 1};
+    struct dispatch_pub dp = {.b = b, .wk = wk, .cmd = &cmd, .rc = 1};
     broker__agent_pool(b, cmd.agent_id, dp.pool, sizeof(dp.pool));
     bool overlap = !req->idempotency_key[0] ||
                    (!req->key_may_exist &&
@@ -529,8 +532,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
     if (dp.rc == 1) {
+        atomic_store(&wk->publishing_us, ks_mono_us());
         rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
                                  EVT_PUBLISH_RETRY_MS);
+        atomic_store(&wk->publishing_us, 0);
         ks_trace("broker.command_published", command_id);
     } else {
         rc = dp.rc;
@@ -1665,6 +1670,7 @@ broker_teardown(struct broker *b)
     broker__admit_stop(b);
     broker__follow_stop(b);
     broker__scanner_stop(b);
+    broker__guard_stop(b);
     broker__batch_stop(b);
     broker__registry_stop(b);
     broker__recorder_stop(b);
@@ -1804,16 +1810,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_follow, errmsg)) ||
         (rc = open_store(&b, &b.st_batch, errmsg)))
         goto out;
-    if ((rc = evt_setup_replicas(b.nc, opts->replicas ? (int)opts->replicas
-                                                      : 1,
-                                 errmsg)))
+    if ((rc = broker__jetstream_ready(&b, errmsg)))
         goto out;
-    if ((rc = evt_agents_kv(b.nc, &b.kv))) {
-        if (errmsg && asprintf(errmsg, "open KV %s: %s", EVT_KV_AGENTS,
-                               ks_strerror(rc)) < 0)
-            *errmsg = NULL;
-        goto out;
-    }
     /* Before the batches: they pace their targets by its figures. */
     if ((rc = broker__admit_start(&b, on_execute))) {
         if (errmsg && asprintf(errmsg, "exec workers: %s",
@@ -1824,7 +1822,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     if ((rc = broker__registry_start(&b, errmsg)) ||
         (rc = broker__batch_start(&b, errmsg)) ||
         (rc = broker__notice_start(&b, errmsg)) ||
-        (rc = broker__recorder_start(&b, errmsg)))
+        (rc = broker__js_wait(&b, "the recorder's subscription",
+                              broker__recorder_start, errmsg)))
         goto out;
     /* In-process agents first: once the API answers, they are there. */
     if (opts->local_agents > 0) {
@@ -1931,7 +1930,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = broker__advisory_start(&b, errmsg)))
         goto out;
     natsConnection_Flush(b.nc->nc);
-    if ((rc = broker__scanner_start(&b)))
+    if ((rc = broker__scanner_start(&b)) ||
+        (rc = broker__guard_start(&b, errmsg)))
         goto out;
 
     if ((rc = evt_link_watch_start(b.nc, BROKER_LINK_TIMEOUT_MS, link_dead,

@@ -138,6 +138,9 @@ struct broker__worker {
     struct broker *b;
     struct store *st;
     natsSubscription *sub;
+    /* An exec worker: when its command's publish began, 0 while it is
+     * not publishing (admission: broker/admit.c stall_note). */
+    _Atomic int64_t publishing_us;
 };
 
 /*
@@ -182,9 +185,23 @@ struct broker {
     struct ks_map claimed;      /* command_id -> struct broker__claimed * */
     struct ks_map keys_seen;    /* idempotency keys executed here (set) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
+    /* (mu) The brokers heard in the registry: beacon id -> int64_t *
+     * (mono us, last heard), and this broker's own beacon id
+     * (registry.c; broker__guard_owner). */
+    struct ks_map brokers;
+    char beacon_id[37];
     int64_t reg_watch_mono_us;  /* (mu) when the registry last (re)started
-                                   its watch: no one is judged offline
-                                   for a TTL after (registry.c) */
+                                   its watch (registry.c) */
+    /* (mu) When that watch had delivered its initial values (the latest
+     * entry of every id, each dated by its put: registry_main), 0 before:
+     * no one is judged offline until then. */
+    int64_t reg_caught_up_mono_us;
+    /* (mu) Whether the bucket took this broker's last beacon (its PubAck
+     * came), and since when it has without a failure: no heartbeat lands
+     * while it takes none, so no agent's silence counts from before then
+     * (broker__heard_locked). */
+    bool reg_beacon_ok;
+    int64_t reg_up_mono_us;
     /* (mu) when the registry watch last delivered an entry: with agents
      * heartbeating every EVT_HEARTBEAT_MS, a longer silence is a dead
      * watch (a cluster node gone, the bucket without a leader), not dead
@@ -246,6 +263,7 @@ struct broker {
      * request as busy meanwhile: the worker's append says the real cause. */
     atomic_bool rec_stalled;
 
+    struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */
     struct broker__admit *admit;     /* admit.c: in flight, the intake */
     natsSubscription *sub_execute;   /* kscore.api.v1.execute: the intake */
@@ -478,14 +496,29 @@ int broker__agent_pool_known(struct broker *b, const char *agent_id,
                              char *buf, size_t len);
 /*
  * true when this broker cannot tell a silent agent from a deaf registry:
- * its registry watch (re)started less than EVT_AGENT_TTL_MS ago, or has
- * delivered nothing, not even this broker's own beacon, for more than
- * 2 x EVT_HEARTBEAT_MS (a cluster node died under it, the bucket has no
- * leader yet).
+ * its registry watch (re)started and has not delivered its initial values
+ * yet, or has delivered nothing, not even this broker's own beacon, for
+ * more than 2 x EVT_HEARTBEAT_MS (a cluster node died under it), or the
+ * bucket did not take this broker's last beacon (no leader, no quorum).
+ * Each agent's last heartbeat is dated by its put in the bucket (server
+ * time, on this broker's monotonic clock), so an agent that stopped while
+ * the watch was dead is silent since then once the new watch has its
+ * initial values (F04), and a silence counts only from when the bucket
+ * took puts again (broker__heard_locked).
  * Then nobody is judged offline or Lost by silence: the delivery deadline
  * decides. Any thread.
  */
 bool broker__registry_deaf(struct broker *b);
+/* When agent a was last heard, for judging its silence, under b->mu: its
+ * last heartbeat's put, or when the registry bucket last began taking
+ * puts again, whichever is later (a silence while no heartbeat could land
+ * says nothing of the agent). Mono us. */
+static inline int64_t
+broker__heard_locked(const struct broker *b, const struct broker__agent *a)
+{
+    return a->seen_mono_us > b->reg_up_mono_us ? a->seen_mono_us
+                                               : b->reg_up_mono_us;
+}
 /* A scanner tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)
 /* After a pause, nobody is judged by silence for this long: every agent
@@ -494,6 +527,57 @@ bool broker__registry_deaf(struct broker *b);
 /* Registry keys of the brokers' beacons (registry.c): no agent id has a
  * dot, and "_broker." is no pool key. */
 #define BROKER_BEACON_PREFIX "_broker."
+/* The consumer an agent id's commands come through, as the registry's
+ * provisioner makes it from the id's entry (its own "agent-<id>", or its
+ * pool's "pool-<pool>"), and the slots of what serves it: the commands
+ * its process runs or holds, whichever its heartbeat says more of (its
+ * running count; its holds list, AgentInfo.holds: claims sent, ends not
+ * in the stream yet; a pool's: every entry's summed), and its
+ * max_concurrent. */
+struct broker__consumer_of {
+    struct evt_agent_consumer ac;
+    int64_t heard_us; /* mono: when its last heartbeat came */
+    uint32_t running, max_concurrent; /* running: runs or holds */
+};
+/* 0 with *out, or KS_ENOTFOUND (not in the registry). Takes b->mu. */
+int broker__consumer_of(struct broker *b, const char *agent_id,
+                        struct broker__consumer_of *out);
+
+/* Makes the streams and the registry bucket (evt_setup_replicas), opens
+ * the bucket (b->kv) and makes the recorder's consumer, and on a cluster
+ * (replicas > 1) waits for each until JetStream answers through its
+ * leader, up to BROKER_JS_WAIT_MS, logging what it waits for every
+ * BROKER_JS_SAY_US (jsready.c). 0, or the last step's code with *errmsg. */
+#define BROKER_JS_SAY_US (5 * INT64_C(1000000))
+int broker__jetstream_ready(struct broker *b, char **errmsg);
+/* Runs fn until it succeeds; on a cluster, while it fails as JetStream
+ * does in an election (KS_ENATS, KS_EUNAVAIL, KS_ETIMEDOUT), again every
+ * 250 ms for up to BROKER_JS_WAIT_MS, logging what (a part's name) and
+ * fn's *why every BROKER_JS_SAY_US. 0, or fn's last code with *errmsg.
+ * A leader elected a moment ago can still change (the nodes that come
+ * back rejoin): what subscribes after the ready check waits the same. */
+int broker__js_wait(struct broker *b, const char *what,
+                    int (*fn)(struct broker *b, char **why), char **errmsg);
+
+/* Whether this broker is the one to repair consumer name: of the
+ * brokers heard in the registry within EVT_AGENT_TTL_MS (their beacons),
+ * this one has the highest rendezvous score for name (itself always
+ * counts). Every broker gets the same answer from the same beacons, so
+ * one repairs and the others stand by. Takes b->mu. */
+bool broker__guard_owner(struct broker *b, const char *name);
+
+/* The consumer guard (stall.c): notices a consumer of KSCORE_CMDS that
+ * has work for an agent with free slots and delivers nothing, and repairs
+ * it. Its own thread and PostgreSQL connection. */
+struct broker__guard;
+int broker__guard_start(struct broker *b, char **errmsg);
+void broker__guard_stop(struct broker *b);
+/* What the guard last saw of consumer durable, into st's consumer_*
+ * fields (nothing when it saw nothing wrong). Any thread; takes the
+ * guard's own lock only. */
+void broker__guard_view(struct broker *b, const char *durable,
+                        Ks__AgentStatus *st);
+
 /* Whether agent_id is online (heartbeat younger than EVT_AGENT_TTL_MS):
  * 1, 0 (offline; *heartbeat_at_us its last heartbeat, epoch us), or -1
  * (not in the registry). Takes b->mu. */
@@ -804,6 +888,9 @@ int broker__may_read(struct broker *b, struct store *st, natsMsg *msg,
  * through the sender; payload "<instance_id>\n<e|b>\n<agent_id>\n<subject>"
  * (e: an exec's inbox, b: a batch's progress subject). */
 #define BROKER_NOTICE_FOLLOW BROKER_NOTICE_PREFIX "follow."
+/* BROKER_NOTICE_GUARD<consumer>: the sender's consumer guard repaired it
+ * (stall.c); payload "<instance_id>\n<epoch us>\n<what it did>". */
+#define BROKER_NOTICE_GUARD BROKER_NOTICE_PREFIX "guard."
 /* Opens st_notice and subscribes (every broker, not a queue group). */
 int broker__notice_start(struct broker *b, char **errmsg);
 void broker__notice_ended(struct broker *b, const char *command_id);

@@ -470,7 +470,8 @@ broker__instance_silent(struct broker *b, const char *agent_id,
 }
 
 /* Takes info into the registry map (which owns it from here), with its
- * labels decided by labels_settle. watched: info is the watcher's, which
+ * labels decided by labels_settle; heard_mono_us: when the entry was put,
+ * on this broker's monotonic clock. watched: info is the watcher's, which
  * sees the entries in order; an entry read from the bucket meanwhile
  * (broker__agent_known) may be newer than what the watcher delivers next,
  * so it says nothing about which process heartbeats (instance_note) or
@@ -481,7 +482,7 @@ static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
              bool labels_signed, const struct broker__settled *settled,
              const char *why, char *verified, bool watched, bool live,
-             struct broker__holds *holds)
+             struct broker__holds *holds, int64_t heard_mono_us)
 {
     struct broker__agent *a;
     bool warn = false;
@@ -500,8 +501,11 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         }
         a->stored_mono_us = ks_mono_us();
     }
-    a->seen_mono_us = ks_mono_us();
-    bool dup = watched && live && instance_note(a, info, a->seen_mono_us);
+    /* When the entry was put, not when it came: a new watch replays the
+     * latest entry of every id, however old (registry_main). */
+    if (heard_mono_us > a->seen_mono_us)
+        a->seen_mono_us = heard_mono_us;
+    bool dup = watched && live && instance_note(a, info, ks_mono_us());
     if (watched && live) {
         /* The latest heartbeat's list, or none (an older agent, too many
          * to list): never an older list standing for a newer heartbeat. */
@@ -952,7 +956,7 @@ pool_problem(const char *key, const Ks__AgentInfo *info, size_t packed)
  */
 static void
 pool_seen(struct broker *b, struct provq *q, const char *key,
-          Ks__AgentInfo *info, size_t packed, bool live)
+          Ks__AgentInfo *info, size_t packed, bool live, int64_t heard_mono_us)
 {
     const char *bad = pool_problem(key, info, packed);
     uint8_t *tmpl = NULL;
@@ -1023,7 +1027,7 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
             pthread_mutex_unlock(&b->mu);
         }
         agent_update(b, ids[i], m, sig, &settled, NULL, NULL, true, live,
-                     holds);
+                     holds, heard_mono_us);
         if (unstored)
             agent_store_failed(b, ids[i]);
     }
@@ -1034,9 +1038,73 @@ pool_seen(struct broker *b, struct provq *q, const char *key,
     ks__agent_info__free_unpacked(info, NULL);
 }
 
+/* Notes a broker's beacon (its id). Registry thread. */
+static void
+beacon_heard(struct broker *b, const char *id, int64_t heard_mono_us)
+{
+    pthread_mutex_lock(&b->mu);
+    int64_t *at = ks_map_get(&b->brokers, id);
+    if (!at && (at = calloc(1, sizeof(*at))) &&
+        ks_map_put(&b->brokers, id, at) != 0) {
+        free(at);
+        at = NULL;
+    }
+    if (at && heard_mono_us > *at)
+        *at = heard_mono_us;
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* FNV-1a of a then b: the rendezvous score of broker a for name b. */
+static uint64_t
+rendezvous(const char *a, const char *name)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (const char *p = a; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    h = (h ^ '/') * 1099511628211ULL;
+    for (const char *p = name; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    return h;
+}
+
+struct owner_pick {
+    const char *name;
+    const char *self;
+    int64_t now;
+    bool other_wins;
+};
+
+static void
+owner_one(const char *key, void *val, void *ud)
+{
+    struct owner_pick *o = ud;
+    const int64_t *at = val;
+    if (strcmp(key, o->self) != 0 &&
+        o->now - *at < (int64_t)EVT_AGENT_TTL_MS * 1000 &&
+        rendezvous(key, o->name) > rendezvous(o->self, o->name))
+        o->other_wins = true;
+}
+
+bool
+broker__guard_owner(struct broker *b, const char *name)
+{
+    pthread_mutex_lock(&b->mu);
+    struct owner_pick o = {name, b->beacon_id, ks_mono_us(), false};
+    ks_map_each(&b->brokers, owner_one, &o);
+    pthread_mutex_unlock(&b->mu);
+    return !o.other_wins;
+}
+
 /* A watch that has delivered nothing for this long, not even this
  * broker's own beacon, is dead (see registry_main). */
 #define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+/* How long the beacon waits for the bucket's PubAck, and how soon it is
+ * tried again while the bucket takes none (ms). */
+#define BEACON_TIMEOUT_MS 1000
+#define BEACON_RETRY_MS 250
+/* A new watch that has not delivered its initial values this long after
+ * it was made delivers nothing (registry_main). */
+#define REGISTRY_CATCHUP_US (3000 * INT64_C(1000))
 
 static void *
 registry_main(void *arg)
@@ -1047,7 +1115,13 @@ registry_main(void *arg)
     struct provq *q = calloc(1, sizeof(*q));
 
     int64_t last_entry = ks_mono_us();
-    int64_t server_us = 0; /* the newest server time of an entry */
+    /* The newest server time of an entry, and when it came (mono): an
+     * entry put at put_us was put at server_mono - (server_us - put_us)
+     * on this broker's clock. A registry that was away meanwhile leaves
+     * the pair as it was, and the time since still counts. */
+    int64_t server_us = 0, server_mono = 0;
+    int64_t watch_at = 0;   /* mono: when the watch was made */
+    bool caught_up = false; /* it delivered its initial values */
     bool warned = false;
 
     if (!q) {
@@ -1078,11 +1152,18 @@ registry_main(void *arg)
     /* This broker's beacon in the registry ("_broker.<uuid>", expiring
      * with the bucket's TTL): its own entries keep coming through a live
      * watch whether or not any agent heartbeats, so a watch that delivers
-     * nothing is deaf (broker__registry_deaf), not a fleet that died. A
-     * plain publish: nothing waits for the bucket's PubAck. */
+     * nothing is deaf (broker__registry_deaf), not a fleet that died. Its
+     * PubAck says whether the bucket takes puts: while it does not (no
+     * leader, no quorum, this broker cut off), nobody's heartbeat lands,
+     * and from when it does again every agent gets a whole TTL before its
+     * silence counts (broker__heard_locked). */
     char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
     int64_t beacon_at = 0;
+    bool beacon_ok = false, beacon_seen = false;
     ks_uuid(bid);
+    pthread_mutex_lock(&b->mu);
+    memcpy(b->beacon_id, bid, sizeof(bid));
+    pthread_mutex_unlock(&b->mu);
     snprintf(beacon, sizeof(beacon), "$KV.%s." BROKER_BEACON_PREFIX "%s",
              EVT_KV_AGENTS, bid);
 
@@ -1090,9 +1171,30 @@ registry_main(void *arg)
     while (!b->stopping) {
         kvEntry *e = NULL;
         natsStatus s;
-        if (ks_mono_us() - beacon_at >= (int64_t)EVT_HEARTBEAT_MS * 1000) {
+        /* Every heartbeat period; every BEACON_RETRY_MS while the bucket
+         * takes none, so that when it takes puts again is known within
+         * that. */
+        if (ks_mono_us() - beacon_at >=
+            (beacon_ok ? EVT_HEARTBEAT_MS : BEACON_RETRY_MS) * INT64_C(1000)) {
             beacon_at = ks_mono_us();
-            natsConnection_PublishString(b->nc->nc, beacon, "1");
+            bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
+                                        BEACON_TIMEOUT_MS, NULL, NULL,
+                                        0) == 0;
+            pthread_mutex_lock(&b->mu);
+            if (ok && !beacon_ok)
+                b->reg_up_mono_us = ks_mono_us();
+            b->reg_beacon_ok = ok;
+            pthread_mutex_unlock(&b->mu);
+            if (ok != beacon_ok && (ok || beacon_seen))
+                ks_log(ok ? KS_LOG_INFO : KS_LOG_WARN,
+                       ok ? "the agent registry takes heartbeats again: "
+                            "silences count from now"
+                          : "the agent registry takes no heartbeat (its "
+                            "bucket has no leader?): nobody is judged by "
+                            "silence meanwhile",
+                       KS_S("module", "registry"));
+            beacon_seen = beacon_seen || ok;
+            beacon_ok = ok;
         }
         /* On a JetStream cluster the watcher's consumer lives on one
          * node; when that node dies or the bucket's leader moves, the
@@ -1102,6 +1204,18 @@ registry_main(void *arg)
          * provisioning is idempotent). */
         if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US) {
             ks_log(KS_LOG_WARN, "agent registry watch silent: watching again",
+                   KS_S("module", "registry"));
+            kvWatcher_Destroy(w);
+            w = NULL;
+        }
+        /* A new watch is an R1 ephemeral consumer that nats-server 2.9
+         * may place on a node that is down (it did, for the 10 s of F04):
+         * it then delivers not even its initial values, with no error. */
+        if (w && !caught_up &&
+            ks_mono_us() - watch_at > REGISTRY_CATCHUP_US) {
+            ks_log(KS_LOG_WARN,
+                   "agent registry watch delivers nothing (its consumer on "
+                   "a node that is down?): watching again",
                    KS_S("module", "registry"));
             kvWatcher_Destroy(w);
             w = NULL;
@@ -1119,9 +1233,11 @@ registry_main(void *arg)
                 continue;
             }
             warned = false;
-            last_entry = ks_mono_us();
+            last_entry = watch_at = ks_mono_us();
+            caught_up = false;
             pthread_mutex_lock(&b->mu);
             b->reg_watch_mono_us = last_entry;
+            b->reg_caught_up_mono_us = 0;
             pthread_mutex_unlock(&b->mu);
         }
         /* Relabels recorded by another broker (its notice), or every
@@ -1144,17 +1260,29 @@ registry_main(void *arg)
         last_entry = ks_mono_us();
         pthread_mutex_lock(&b->mu);
         b->reg_entry_mono_us = last_entry;
+        /* End of the initial values: the latest entry of every id is in
+         * (nats.c kvWatcher_Next returns a NULL entry once). */
+        if (!e) {
+            b->reg_caught_up_mono_us = last_entry;
+            caught_up = true;
+        }
         pthread_mutex_unlock(&b->mu);
-        if (!e) /* end of the initial values */
+        if (!e)
             continue;
         /* The server's clock, as the watch sees it (ns in nats.c 3.4.1:
          * the JetStream timestamp of the message). */
         int64_t put_us = kvEntry_Created(e) / 1000;
-        if (put_us > server_us)
+        if (put_us > server_us) {
             server_us = put_us;
+            server_mono = last_entry;
+        }
+        int64_t heard = server_mono - (server_us - put_us);
         if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
                     strlen(BROKER_BEACON_PREFIX)) == 0) {
-            kvEntry_Destroy(e); /* a broker's beacon: heard, that is all */
+            /* a broker's beacon: who serves (broker__guard_owner) */
+            beacon_heard(b, kvEntry_Key(e) + strlen(BROKER_BEACON_PREFIX),
+                         heard);
+            kvEntry_Destroy(e);
             continue;
         }
         if (kvEntry_Operation(e) == kvOp_Put &&
@@ -1166,7 +1294,8 @@ registry_main(void *arg)
                 pool_seen(b, q, kvEntry_Key(e), (Ks__AgentInfo *)m,
                           (size_t)kvEntry_ValueLen(e),
                           heartbeat_live((Ks__AgentInfo *)m, put_us,
-                                         server_us));
+                                         server_us),
+                          heard);
         } else if (kvEntry_Operation(e) == kvOp_Put) {
             ProtobufCMessage *m = NULL;
             if (evt_unpack(&ks__agent_info__descriptor, kvEntry_Value(e),
@@ -1192,7 +1321,7 @@ registry_main(void *arg)
                         heartbeat_stale(kvEntry_Key(e), info, put_us);
                     struct broker__holds *holds = holds_take(info);
                     agent_update(b, kvEntry_Key(e), info, sig, &settled,
-                                 why, verified, true, live, holds);
+                                 why, verified, true, live, holds, heard);
                     if (unstored)
                         agent_store_failed(b, kvEntry_Key(e));
                 } else {
@@ -1269,6 +1398,8 @@ broker__registry_stop(struct broker *b)
     b->reg_started = false;
     ks_map_each(&b->agents, free_agent, NULL);
     ks_map_clear(&b->agents);
+    ks_map_each(&b->brokers, free_provisioned, NULL); /* free() each */
+    ks_map_clear(&b->brokers);
     broker__relabels_free(b);
 }
 
@@ -1301,13 +1432,14 @@ broker__agent_known(struct broker *b, const char *agent_id)
         bool sig = labels_settle(b, info, &why, &verified, &settled);
         holds_unref_locked(holds_take(info)); /* not shared yet */
         agent_update(b, agent_id, info, sig, &settled, why, verified, false,
-                     false, NULL);
+                     false, NULL, ks_mono_us());
         return 1;
     }
     return 0;
 }
 
 struct list_acc {
+    struct broker *b;
     Ks__AgentStatus **v;
     size_t n;
     int64_t now_mono;
@@ -1321,7 +1453,6 @@ add_status(const char *key, void *val, void *ud)
     Ks__AgentStatus *st = calloc(1, sizeof(*st));
     uint8_t *buf = NULL;
     size_t len = 0;
-    (void)key;
     if (!st)
         return;
     ks__agent_status__init(st);
@@ -1340,12 +1471,20 @@ add_status(const char *key, void *val, void *ud)
         st->labels_by = strdup(a->relabel_by);
         st->labels_at_us = a->relabel_at_us;
     }
-    st->online =
-        acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000;
+    st->online = acc->now_mono - broker__heard_locked(acc->b, a) <
+                 (int64_t)EVT_AGENT_TTL_MS * 1000;
     if (agent_duplicate(a, acc->now_mono)) {
         st->duplicate = true;
         st->duplicate_host = strdup(a->other.host);
         st->duplicate_pid = a->other.pid;
+    }
+    {
+        char durable[8 + EVT_AGENT_ID_MAX];
+        if (a->info->pool && a->info->pool[0])
+            evt_pool_durable(durable, sizeof(durable), a->info->pool);
+        else
+            evt_agent_durable(durable, sizeof(durable), key);
+        broker__guard_view(acc->b, durable, st);
     }
     acc->v[acc->n++] = st;
 }
@@ -1356,14 +1495,15 @@ count_online(const char *key, void *val, void *ud)
     struct list_acc *acc = ud;
     struct broker__agent *a = val;
     (void)key;
-    if (acc->now_mono - a->seen_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000)
+    if (acc->now_mono - broker__heard_locked(acc->b, a) <
+        (int64_t)EVT_AGENT_TTL_MS * 1000)
         acc->n++;
 }
 
 int
 broker__agents_online(struct broker *b)
 {
-    struct list_acc acc = {.now_mono = ks_mono_us()};
+    struct list_acc acc = {.b = b, .now_mono = ks_mono_us()};
     pthread_mutex_lock(&b->mu);
     ks_map_each(&b->agents, count_online, &acc);
     pthread_mutex_unlock(&b->mu);
@@ -1381,7 +1521,7 @@ cmp_status(const void *x, const void *y)
 int
 broker__agents_list(struct broker *b, Ks__AgentsReply *out)
 {
-    struct list_acc acc = {0};
+    struct list_acc acc = {.b = b};
     pthread_mutex_lock(&b->mu);
     acc.v = calloc(b->agents.count + 1, sizeof(*acc.v));
     acc.now_mono = ks_mono_us();
@@ -1401,15 +1541,67 @@ broker__agents_reply_free(Ks__AgentsReply *r)
 {
     for (size_t i = 0; i < r->n_agents; i++) {
         ks__agent_info__free_unpacked(r->agents[i]->info, NULL);
-        if (r->agents[i]->duplicate_host != protobuf_c_empty_string)
-            free(r->agents[i]->duplicate_host);
-        if (r->agents[i]->labels_by != protobuf_c_empty_string)
-            free(r->agents[i]->labels_by);
+        Ks__AgentStatus *st = r->agents[i];
+        char *strs[] = {st->duplicate_host, st->consumer, st->consumer_stall,
+                        st->consumer_last_repair, st->labels_by};
+        for (size_t k = 0; k < sizeof(strs) / sizeof(strs[0]); k++)
+            if (strs[k] != protobuf_c_empty_string)
+                free(strs[k]);
         free(r->agents[i]);
     }
     free(r->agents);
     r->agents = NULL;
     r->n_agents = 0;
+}
+
+struct pool_slots {
+    const char *pool;
+    uint32_t running, held;
+};
+
+static void
+pool_running(const char *key, void *val, void *ud)
+{
+    struct pool_slots *ps = ud;
+    const struct broker__agent *a = val;
+    (void)key;
+    if (a->info && a->info->pool && strcmp(a->info->pool, ps->pool) == 0) {
+        ps->running += a->info->running;
+        ps->held += a->holds ? (uint32_t)a->holds->n : 0;
+    }
+}
+
+int
+broker__consumer_of(struct broker *b, const char *agent_id,
+                    struct broker__consumer_of *out)
+{
+    struct broker__agent *a;
+    int rc = KS_ENOTFOUND;
+
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&b->mu);
+    a = ks_map_get(&b->agents, agent_id);
+    if (a && a->info) {
+        const Ks__AgentInfo *in = a->info;
+        /* As provision() makes it, from the same entry. */
+        if (in->pool && in->pool[0]) {
+            struct pool_slots ps = {in->pool, 0, 0};
+            evt_pool_consumer(&out->ac, in->pool, in->max_concurrent,
+                              in->ack_wait_ms);
+            ks_map_each(&b->agents, pool_running, &ps);
+            out->running = ps.running > ps.held ? ps.running : ps.held;
+        } else {
+            uint32_t held = a->holds ? (uint32_t)a->holds->n : 0;
+            evt_agent_consumer(&out->ac, agent_id, in->max_concurrent,
+                               in->ack_wait_ms);
+            out->running = in->running > held ? in->running : held;
+        }
+        out->max_concurrent = in->max_concurrent;
+        out->heard_us = broker__heard_locked(b, a);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&b->mu);
+    return rc;
 }
 
 void
@@ -1485,7 +1677,7 @@ broker__agent_info(struct broker *b, const char *agent_id)
 static bool
 registry_deaf_locked(struct broker *b, int64_t now)
 {
-    return now - b->reg_watch_mono_us < (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+    return !b->reg_caught_up_mono_us || !b->reg_beacon_ok ||
            now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
            /* paused: whichever thread asks first after a SIGCONT, the
             * scanner's tick is old (broker_int.h scan_tick_mono_us) */
@@ -1511,15 +1703,16 @@ broker__agent_presence(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    /* A watch that is dead or (re)started less than a TTL ago may not
-     * have seen every heartbeat (a cluster node died under it): a stale
-     * entry then says nothing, the delivery deadline decides. */
+    /* A watch that is dead, or new and not caught up with the heartbeats
+     * (a cluster node died under it), may not have seen every heartbeat:
+     * a stale entry then says nothing, the delivery deadline decides. */
     if (a && registry_deaf_locked(b, ks_mono_us()) &&
-        ks_mono_us() - a->seen_mono_us >= (int64_t)EVT_AGENT_TTL_MS * 1000) {
+        ks_mono_us() - broker__heard_locked(b, a) >=
+            (int64_t)EVT_AGENT_TTL_MS * 1000) {
         if (heartbeat_at_us)
             *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;
     } else if (a) {
-        rc = ks_mono_us() - a->seen_mono_us <
+        rc = ks_mono_us() - broker__heard_locked(b, a) <
              (int64_t)EVT_AGENT_TTL_MS * 1000;
         if (heartbeat_at_us)
             *heartbeat_at_us = a->info ? a->info->heartbeat_at_us : 0;

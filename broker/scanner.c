@@ -364,7 +364,7 @@ on_running(const struct store_command_ref *ref, void *ud)
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, ref->agent_id);
     if (a)
-        seen_age_us = ks_mono_us() - a->seen_mono_us;
+        seen_age_us = ks_mono_us() - broker__heard_locked(b, a);
     pthread_mutex_unlock(&b->mu);
     if (a && seen_age_us < (int64_t)EVT_AGENT_TTL_MS * 1000) {
         /* It heartbeats: does the process that claimed this hold it? */

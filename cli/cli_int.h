@@ -359,6 +359,16 @@ json_t *cli_event_json(const Ks__RecordedEvent *rec);
 void cli_print_json(json_t *j);
 /* Microseconds since the epoch as RFC 3339 UTC text (static buffer). */
 const char *cli_time(int64_t us);
+/* What the broker's consumer guard saw of an agent's consumer
+ * (AgentStatus.consumer*): a JSON object {"name", "stalled" (why, or
+ * null), "stalled_since", "repairs", "last_repair", "repaired_at"}, or
+ * json_null() when it saw nothing wrong. */
+json_t *cli_consumer_json(const Ks__AgentStatus *st);
+/* The same as one line for a table ("" when nothing), into buf, e.g.
+ * "consumer agent-x STALLED 3.1 s: ...; repaired 2 times, last 4 s ago:
+ * made it again: ...". */
+void cli_consumer_line(const Ks__AgentStatus *st, int64_t now_us, char *buf,
+                       size_t len);
 /* How long ago us microseconds is, short, into buf: "0.4s ago", "3m ago",
  * "2h ago", "5d ago" (negative: 0). */
 void cli_ago(char *buf, size_t len, int64_t us);

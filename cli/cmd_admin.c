@@ -142,6 +142,9 @@ cmd_agents(int argc, char **argv)
                 json_object_set_new(o, "duplicate_pid",
                                     json_integer(st->duplicate_pid));
             }
+            /* its consumer, when the broker's guard found it stalled or
+             * repaired it (broker/stall.c) */
+            json_object_set_new(o, "consumer", cli_consumer_json(st));
             cli_print_json(o);
             continue;
         }
@@ -161,6 +164,10 @@ cmd_agents(int argc, char **argv)
                              : "offline",
                ago, in->running, in->max_concurrent,
                labels[0] ? labels : "-", facts[0] ? facts : "-");
+        char cons[640];
+        cli_consumer_line(st, now, cons, sizeof(cons));
+        if (cons[0])
+            printf("  %s\n", cons);
     }
     rc = 0;
 out:

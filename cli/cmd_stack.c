@@ -322,6 +322,7 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
         json_object_set_new(a, "labels", labels);
         json_object_set_new(a, "local", json_boolean(local));
         json_object_set_new(a, "duplicate", json_boolean(st->duplicate));
+        json_object_set_new(a, "consumer", cli_consumer_json(st));
         json_array_append_new(arr, a);
         if (!json) {
             char ago[32], run[32], lab[512] = "";
@@ -341,6 +342,11 @@ status_agents(struct cli_conn *cc, const char *local_agent, bool json,
                    ago, in->version[0] ? in->version : "-", run,
                    in->host[0] ? in->host : "-", lab,
                    local ? (lab[0] ? " (local)" : "(local)") : "");
+            /* a stalled or repaired consumer (the brokers' guard) */
+            char cons[640];
+            cli_consumer_line(st, now, cons, sizeof(cons));
+            if (cons[0])
+                printf("  %s\n", cons);
         }
     }
     json_object_set_new(o, "agents", arr);
@@ -1574,7 +1580,10 @@ cmd_up(int argc, char **argv)
             goto fail;
         }
     }
-    rc = wait_broker(url, operator_seed, 30000);
+    /* On a cluster a broker waits for JetStream's leaders before it
+     * serves (up to BROKER_JS_WAIT_MS, broker/jsready.c): longer here. */
+    rc = wait_broker(url, operator_seed,
+                     cluster ? BROKER_JS_WAIT_MS + 30000 : 30000);
     if (rc) {
         cli_err("the broker does not answer: %s (see %s/broker.log)",
                 ks_strerror(rc), home);

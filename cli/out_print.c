@@ -313,3 +313,55 @@ cli_shell_join(char *const *argv, size_t n, char *out, size_t cap)
 #undef PUT
     out[used] = '\0';
 }
+
+/* A time (epoch us) as cli_time's text, or null for 0. */
+static json_t *
+time_or_null(int64_t us)
+{
+    return us ? json_string(cli_time(us)) : json_null();
+}
+
+json_t *
+cli_consumer_json(const Ks__AgentStatus *st)
+{
+    if (!st->consumer || !st->consumer[0])
+        return json_null();
+    json_t *o = json_object();
+    json_object_set_new(o, "name", json_string(st->consumer));
+    json_object_set_new(o, "stalled", st->consumer_stall[0]
+                                          ? json_string(st->consumer_stall)
+                                          : json_null());
+    json_object_set_new(o, "stalled_since",
+                        time_or_null(st->consumer_stalled_since_us));
+    json_object_set_new(o, "repairs", json_integer(st->consumer_repairs));
+    json_object_set_new(o, "last_repair",
+                        st->consumer_last_repair[0]
+                            ? json_string(st->consumer_last_repair)
+                            : json_null());
+    json_object_set_new(o, "repaired_at",
+                        time_or_null(st->consumer_repaired_at_us));
+    return o;
+}
+
+void
+cli_consumer_line(const Ks__AgentStatus *st, int64_t now_us, char *buf,
+                  size_t len)
+{
+    size_t l = 0;
+    buf[0] = '\0';
+    if (!st->consumer || !st->consumer[0])
+        return;
+    l += (size_t)snprintf(buf, len, "consumer %s", st->consumer);
+    if (st->consumer_stall[0] && l < len)
+        l += (size_t)snprintf(buf + l, len - l, " STALLED %.1f s: %s",
+                              (double)(now_us -
+                                       st->consumer_stalled_since_us) / 1e6,
+                              st->consumer_stall);
+    if (st->consumer_repairs && l < len)
+        snprintf(buf + l, len - l, "%s repaired %u time%s, last %.1f s ago: %s",
+                 st->consumer_stall[0] ? ";" : "", st->consumer_repairs,
+                 st->consumer_repairs == 1 ? "" : "s",
+                 (double)(now_us - st->consumer_repaired_at_us) / 1e6,
+                 st->consumer_last_repair);
+    cli_printable(buf);
+}

@@ -32,6 +32,10 @@
 #define BROKER_DELIVER_WITHIN_DEFAULT_MS 30000
 /* Attempts before a command ends Undeliverable. */
 #define BROKER_MAX_ATTEMPTS 3
+/* How long a broker starting on a JetStream cluster waits for the leaders
+ * of the streams and the recorder's consumer before it gives up (ms):
+ * `kscore up --cluster` waits longer for the brokers to answer. */
+#define BROKER_JS_WAIT_MS 120000
 
 /*
  * Label selectors (kscore batch --select, kscore agents --select;
@@ -71,10 +75,15 @@ int broker_select_match(const Ks__AgentInfo *info, char *const *terms,
 /*
  * Sends req on subject and unpacks the reply as reply_desc, waiting up to
  * timeout_ms. On 0, *out (protobuf_c_message_free_unpacked) is the reply;
- * its error_code/error fields carry the broker's refusal, if any.
+ * its error_code/error fields carry the broker's refusal, if any. A
+ * request nobody served (no responders) is sent again every
+ * BROKER_CALL_PAUSE_MS for up to BROKER_CALL_UNAVAIL_MS (within
+ * timeout_ms): a cluster node that has just started has no routes yet.
  * Returns KS_ETIMEDOUT, KS_EUNAVAIL (no broker serves the subject),
  * KS_EDECODE, KS_ENATS.
  */
+#define BROKER_CALL_UNAVAIL_MS 3000
+#define BROKER_CALL_PAUSE_MS 100
 int broker_call(struct evt_conn *c, const char *subject,
                 const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *reply_desc, int timeout_ms,

@@ -209,6 +209,11 @@ evt_connect(const char *url, const struct evt_connect_opts *o,
         if (s == NATS_OK)
             s = natsOptions_SetReconnectBufSize(opts, 64 * 1024 * 1024);
     }
+    if (s == NATS_OK && o->one_server) {
+        s = natsOptions_SetIgnoreDiscoveredServers(opts, true);
+        if (s == NATS_OK)
+            s = natsOptions_SetAllowReconnect(opts, false);
+    }
     if (s == NATS_OK && o->global_delivery)
         s = natsOptions_UseGlobalMessageDelivery(opts, true);
     if (o->nkey_file) {
@@ -356,18 +361,21 @@ evt_close(struct evt_conn *c)
 }
 
 static int
-add_or_update_stream(jsCtx *js, jsStreamConfig *sc, char **errmsg)
+add_or_update_stream(jsCtx *js, jsStreamConfig *sc, jsOptions *jo,
+                     char **errmsg)
 {
     jsStreamInfo *si = NULL;
     jsErrCode jerr = 0;
-    natsStatus s = js_AddStream(&si, js, sc, NULL, &jerr);
+    natsStatus s = js_AddStream(&si, js, sc, jo, &jerr);
     if (s != NATS_OK && jerr == JSStreamNameExistErr)
-        s = js_UpdateStream(&si, js, sc, NULL, &jerr);
+        s = js_UpdateStream(&si, js, sc, jo, &jerr);
     jsStreamInfo_Destroy(si);
     if (s != NATS_OK) {
+        /* nats.c leaves no text for a request nobody answered */
+        const char *why = nats_GetLastError(NULL);
         if (errmsg)
             *errmsg = errmsg_dup("cannot create stream %s: %s", sc->Name,
-                                 nats_GetLastError(NULL));
+                                 why && why[0] ? why : natsStatus_GetText(s));
         return KS_ENATS;
     }
     return 0;
@@ -414,9 +422,10 @@ evt_setup(struct evt_conn *c, char **errmsg)
     return evt_setup_replicas(c, 1, errmsg);
 }
 
-/* One try of evt_setup_replicas. */
+/* One try of evt_setup_replicas; jo: each stream request's wait (NULL:
+ * the context's, 5 s). */
 static int
-setup_once(struct evt_conn *c, int replicas, char **errmsg)
+setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
 {
     jsStreamConfig sc;
     kvConfig kc;
@@ -442,7 +451,7 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     sc.DenyDelete = true;
     sc.DenyPurge = true;
     sc.Replicas = replicas;
-    rc = add_or_update_stream(c->js, &sc, errmsg);
+    rc = add_or_update_stream(c->js, &sc, jo, errmsg);
     if (rc)
         return rc;
 
@@ -470,7 +479,7 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
         /* A stream made by an older kscore keeps its retention (nats-server
          * cannot change it in place); it works as it did. */
         jsStreamInfo *old = NULL;
-        if (js_GetStreamInfo(&old, c->js, EVT_STREAM_EVENTS, NULL, NULL) ==
+        if (js_GetStreamInfo(&old, c->js, EVT_STREAM_EVENTS, jo, NULL) ==
                 NATS_OK &&
             old && old->Config->Retention != js_InterestPolicy)
             sc.Retention = old->Config->Retention;
@@ -483,7 +492,7 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
     sc.DenyDelete = true; /* as KSCORE_CMDS */
     sc.DenyPurge = true;
     sc.Replicas = replicas;
-    rc = add_or_update_stream(c->js, &sc, errmsg);
+    rc = add_or_update_stream(c->js, &sc, jo, errmsg);
     if (rc)
         return rc;
 
@@ -521,7 +530,7 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
         jsStreamInfo *si = NULL;
         char kvs[64];
         snprintf(kvs, sizeof(kvs), "KV_%s", EVT_KV_AGENTS);
-        s = js_GetStreamInfo(&si, c->js, kvs, NULL, NULL);
+        s = js_GetStreamInfo(&si, c->js, kvs, jo, NULL);
         /* A bucket made with fewer replicas (a stack that became a
          * cluster) is scaled here too: js_CreateKeyValue leaves an
          * existing bucket as it is. */
@@ -532,7 +541,7 @@ setup_once(struct evt_conn *c, int replicas, char **errmsg)
             si->Config->DenyDelete = true;
             si->Config->AllowRollup = false;
             si->Config->Replicas = replicas;
-            s = js_UpdateStream(&nsi, c->js, si->Config, NULL, NULL);
+            s = js_UpdateStream(&nsi, c->js, si->Config, jo, NULL);
             jsStreamInfo_Destroy(nsi);
         }
         jsStreamInfo_Destroy(si);
@@ -554,14 +563,25 @@ evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg)
      * ("JetStream system temporarily unavailable", or no reply): a
      * replicated setup is tried again for up to 30 s. One node answers
      * at once or not at all, as before. */
-    int64_t deadline = ks_mono_us() + INT64_C(30) * 1000 * 1000;
+    return evt_setup_wait(c, replicas, 30000, errmsg);
+}
+
+int
+evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms, char **errmsg)
+{
+    int64_t deadline = ks_mono_us() + (int64_t)wait_ms * 1000;
     int rc;
 
+    jsOptions jo;
+    jsOptions_Init(&jo);
+    /* A request of a short wait waits no longer than the wait. */
+    if (wait_ms > 0 && wait_ms < 5000)
+        jo.Wait = wait_ms;
     if (replicas < 1)
         replicas = 1;
     for (;;) {
         char *why = NULL;
-        rc = setup_once(c, replicas, &why);
+        rc = setup_once(c, replicas, &jo, &why);
         if (rc == 0 || replicas == 1 || ks_mono_us() >= deadline) {
             if (errmsg)
                 *errmsg = why;

@@ -126,6 +126,10 @@ struct evt_connect_opts {
                            the first connect still fails fast */
     bool global_delivery; /* nats.c's shared delivery thread pool instead of
                              one thread per subscription (many agent ids) */
+    bool one_server; /* only url's servers, never one the cluster tells of,
+                        and no reconnect: a question to one node (a
+                        monitoring request answers for the server the
+                        connection is on) */
     const char *user, *password, *token, *creds_file;
     /* An NKey seed file (evt_nkey_write_seed): authenticates with the
      * key's signature of the server's nonce (natsOptions_SetNKeyFromSeed);
@@ -146,6 +150,10 @@ struct evt_conn {
     _Atomic unsigned zero_sigs;
     /* Its reply inboxes (events/request.c, events_int.h). */
     struct evt__mux *mux;
+    /* JetStream publishes a stream did not take for now (evt_js_stall). */
+    _Atomic int js_retrying;
+    _Atomic uint64_t js_retries;
+    _Atomic int64_t js_retry_end_us;
 };
 
 /* How many NKey signatures, over all connections of this process, began
@@ -183,6 +191,12 @@ int evt_setup(struct evt_conn *c, char **errmsg);
  * 30 s (a new cluster's meta leader election).
  */
 int evt_setup_replicas(struct evt_conn *c, int replicas, char **errmsg);
+/* evt_setup_replicas trying again for up to wait_ms (ms, >= 0) instead of
+ * 30 s, each stream request waiting at most wait_ms too when that is under
+ * nats.c's 5 s, so that a caller waiting longer can say how it goes
+ * meanwhile. */
+int evt_setup_wait(struct evt_conn *c, int replicas, int wait_ms,
+                   char **errmsg);
 
 /*
  * Which of kscore's JetStream parts are gone: the streams KSCORE_CMDS,
@@ -766,7 +780,8 @@ struct evt_js_msg {
  * taken for a success. What the stream did not take for now ("no
  * responders": no stream leader; no PubAck within EVT_PUBLISH_TRY_MS; an
  * error PubAck with code 503) is published again, with the same msg_id,
- * with a growing pause (50 ms to 1 s), until timeout_ms (ms, the whole
+ * with a growing pause (50 ms to EVT_PUBLISH_PAUSE_MAX_MS), until
+ * timeout_ms (ms, the whole
  * budget) has passed: the stream's de-duplication (within
  * EVT_DUPLICATE_WINDOW_MS) keeps one copy of a message that more than one
  * try reached, so a message without a msg_id may be stored twice. Each
@@ -777,8 +792,26 @@ struct evt_js_msg {
  * thread; waits in the calling thread.
  */
 #define EVT_JS_WINDOW_MAX 256
+/* The longest pause between two tries (ms). A try during an election
+ * costs the server one "no responders"; a pause is what a publish may
+ * still wait once the new leader takes it (a cap of 1 s added up to 1 s
+ * to every command of test_cluster's F02 past the election). */
+#define EVT_PUBLISH_PAUSE_MAX_MS 250
 int evt_js_publish_window(struct evt_conn *c, const char *identity,
                           struct evt_js_msg *msgs, size_t n, int timeout_ms);
+
+/*
+ * The publishes on c that a stream did not take for now and that are
+ * tried again (evt_js_publish_window, evt_js_publish_as: a stream leader's
+ * election, a stream without quorum). *retrying_out (may be NULL): how
+ * many are being tried again now; *retries_out (may be NULL): the tries
+ * again since connect. Returns when the last such publish ended, taken or
+ * given up (ks_mono_us; 0: none yet). For a caller that must tell a wait
+ * for JetStream from a queue of its own (the broker's admission). Any
+ * thread.
+ */
+int64_t evt_js_stall(struct evt_conn *c, int *retrying_out,
+                     uint64_t *retries_out);
 
 /*
  * Unpacks data (len bytes) as desc. Refuses more than KS_MAX_MESSAGE_BYTES
@@ -893,6 +926,74 @@ int evt_consumer_ensure(struct evt_conn *c, const struct evt_durable *d,
 int evt_durable_subscribe(struct evt_conn *c, const struct evt_durable *d,
                           natsMsgHandler cb, void *ud,
                           natsSubscription **sub_out, char **errmsg);
+
+/* ---- a consumer's health, and its repairs (events/consumer.c) ------------
+ * The JetStream API on the broker's connection (never an agent's).
+ */
+
+/* What a consumer's leader says of it (consumer info). */
+struct evt_consumer_state {
+    int64_t created_ns;      /* when it was made (epoch ns): a new value is
+                                a new consumer (remade) */
+    uint64_t delivered;      /* deliveries so far, redeliveries included
+                                (its consumer sequence) */
+    int64_t delivered_at_ns; /* the last delivery (epoch ns), 0: none */
+    uint64_t ack_floor;      /* consumer sequence of the ack floor */
+    uint64_t pending;        /* stored on its filter, not yet delivered */
+    int64_t ack_pending;     /* delivered, not acked yet */
+    int64_t max_ack_pending; /* its limit (the agent's slots) */
+    bool push_bound;         /* someone subscribes to its deliver subject */
+    char leader[64];         /* its leader node, "" single server */
+};
+
+/*
+ * The state of consumer durable on stream, asked within timeout_ms (>= 1).
+ * 0 with *out; KS_ENOTFOUND (no such consumer or stream); KS_EUNAVAIL (its
+ * raft group has no leader: JetStream error 10008, or no responders);
+ * KS_ETIMEDOUT (nobody answered: a leader gone unnoticed yet); KS_ENATS.
+ * Any thread.
+ */
+int evt_consumer_state(struct evt_conn *c, const char *stream,
+                       const char *durable, int timeout_ms,
+                       struct evt_consumer_state *out);
+
+/*
+ * How many messages stream holds on the subjects filter (a subject, with
+ * wildcards) matches, asked within timeout_ms (stream info with
+ * subjects_filter, nats-server 2.8+). On a work-queue stream, what is
+ * stored is what no consumer has acked: a consumer whose pending +
+ * ack_pending is below it has skipped messages it will never deliver.
+ * 0 with *count_out; KS_ENOTFOUND, KS_EUNAVAIL, KS_ETIMEDOUT, KS_ENATS.
+ */
+int evt_stream_stored(struct evt_conn *c, const char *stream,
+                      const char *filter, int timeout_ms,
+                      uint64_t *count_out);
+
+/*
+ * Asks the leader of consumer durable to step down
+ * ($JS.API.CONSUMER.LEADER.STEPDOWN.<stream>.<durable>, nats-server docs
+ * "JetStream wire API"): another member becomes leader with the same
+ * replicated state (deliveries, acks, unacked messages). 0 when the leader
+ * said success; KS_ENATS with why (why_len bytes, may be NULL: the API's
+ * error, e.g. 10008 no leader, or "clustering support required" on a
+ * single server); KS_ETIMEDOUT / KS_EUNAVAIL (no leader answered);
+ * KS_EDECODE. Any thread; waits in the calling thread.
+ */
+int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
+                          const char *durable, int timeout_ms, char *why,
+                          size_t why_len);
+
+/*
+ * Deletes consumer d and makes it again as asked (evt_consumer_ensure): its
+ * delivery state is gone, unacked messages nobody holds with it. On a
+ * work-queue stream (KSCORE_CMDS) the messages stay until acked, and the
+ * new consumer delivers every one again (the claim fence keeps one run; an
+ * agent holding a message takes the new delivery's ack subject). A
+ * consumer already gone is just made. 0, or KS_ENATS / as evt_err with
+ * *errmsg (malloc'd, may be NULL). Any thread.
+ */
+int evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
+                        char **errmsg);
 
 /*
  * Deletes the consumer durable of stream (nats.c JetStream API on c: the

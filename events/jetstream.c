@@ -24,6 +24,7 @@
  * de-duplication stores the message once however many tries reached it.
  */
 #include <jansson.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -237,6 +238,7 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     int pause_ms = 50, rc = 0;
     size_t left = 0;
+    bool retrying = false;
 
     if (n == 0 || n > EVT_JS_WINDOW_MAX)
         return KS_EINVAL;
@@ -251,8 +253,13 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
             wait_ms = EVT_PUBLISH_TRY_MS;
         if (wait_ms < 1)
             wait_ms = 1;
-        if (tries > 1)
+        if (tries > 1) {
             ks_metric_inc(KS_C_PUBLISH_RETRIES);
+            atomic_fetch_add(&c->js_retries, 1);
+            if (!retrying)
+                atomic_fetch_add(&c->js_retrying, 1);
+            retrying = true;
+        }
         if ((rc = window_try(c, identity, msgs, todo, busy, n, (int)wait_ms))) {
             for (size_t i = 0; i < n; i++)
                 if (todo[i])
@@ -273,7 +280,14 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
         nanosleep(&(struct timespec){pause_ms / 1000,
                                      (long)(pause_ms % 1000) * 1000000L},
                   NULL);
-        pause_ms = pause_ms * 2 > 1000 ? 1000 : pause_ms * 2;
+        pause_ms = pause_ms * 2 > EVT_PUBLISH_PAUSE_MAX_MS
+                       ? EVT_PUBLISH_PAUSE_MAX_MS
+                       : pause_ms * 2;
+    }
+    if (retrying) {
+        /* The end first: who sees none retrying sees when it ended. */
+        atomic_store(&c->js_retry_end_us, ks_mono_us());
+        atomic_fetch_sub(&c->js_retrying, 1);
     }
     for (size_t i = 0; i < n; i++) {
         if (msgs[i].rc && msgs[i].why && msgs[i].why_len && !msgs[i].why[0])
@@ -284,6 +298,16 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
         if (msgs[i].rc)
             return msgs[i].rc;
     return 0;
+}
+
+int64_t
+evt_js_stall(struct evt_conn *c, int *retrying_out, uint64_t *retries_out)
+{
+    if (retrying_out)
+        *retrying_out = atomic_load(&c->js_retrying);
+    if (retries_out)
+        *retries_out = atomic_load(&c->js_retries);
+    return atomic_load(&c->js_retry_end_us);
 }
 
 /* ---- scrape-time gauges (events.h) ---------------------------------------- */

@@ -249,6 +249,11 @@ enum ks_counter {
     /* kscore_agent_state_write_errors_total: journal, outbox */
     KS_C_AGENT_STATE_WRITE_ERRORS,
     KS_C_RECORDER_DB_RETRIES, /* kscore_recorder_db_retries_total */
+    /* The consumer guard (broker/stall.c): stalls noticed, and its two
+     * repairs. */
+    KS_C_CONSUMER_STALLS,    /* kscore_consumer_stalls_total */
+    KS_C_CONSUMER_STEPDOWNS, /* kscore_consumer_stepdowns_total */
+    KS_C_CONSUMER_REMAKES,   /* kscore_consumer_remakes_total */
     /* The group writer (store/writer.c): appends written through it, and
      * the transactions they took (their ratio: appends per commit). */
     KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */

@@ -70,6 +70,23 @@ static const struct {
                                   "was away; the events wait, unacked, and "
                                   "are retried.",
                                   B},
+    [KS_C_CONSUMER_STALLS] = {"kscore_consumer_stalls_total",
+                              "Agent consumers found stalled: commands "
+                              "waiting for an agent with free slots and "
+                              "nothing delivered for seconds (unacked "
+                              "messages nobody holds, a leader that does "
+                              "not deliver, no leader).",
+                              B},
+    [KS_C_CONSUMER_STEPDOWNS] = {"kscore_consumer_stepdowns_total",
+                                 "Stalled agent consumers whose leader "
+                                 "this broker asked to step down.",
+                                 B},
+    [KS_C_CONSUMER_REMAKES] = {"kscore_consumer_remakes_total",
+                               "Stalled agent consumers this broker "
+                               "deleted and made again (their messages "
+                               "are delivered again; the claim fence keeps "
+                               "one run).",
+                               B},
     [KS_C_WRITER_APPENDS] = {"kscore_writer_appends_total",
                              "Appends (dispatch records, claims, results) "
                              "written through the group writer, whatever "

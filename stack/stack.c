@@ -8,6 +8,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,14 +37,16 @@ nats_server_bin(void)
     return cands[0];
 }
 
-int
-stack_free_port(void)
+/* Binds a TCP socket to 127.0.0.1:port (0: any the kernel gives) and
+ * closes it: the port bound, or -errno. */
+static int
+try_port(int port)
 {
     struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t alen = sizeof(a);
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int port;
 
     if (fd == -1)
         return -errno;
@@ -52,9 +56,47 @@ stack_free_port(void)
         close(fd);
         return e;
     }
-    port = ntohs(a.sin_port);
     close(fd);
-    return port;
+    return ntohs(a.sin_port);
+}
+
+/* The first port of the kernel's ephemeral range (what connect(2) and
+ * bind(0) give out), from /proc/sys/net/ipv4/ip_local_port_range. */
+static int
+ephemeral_low(void)
+{
+    int lo = 32768, hi = 0;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "re");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2)
+            lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
+int
+stack_free_port(void)
+{
+    /* Below the ephemeral range: a port bind(0) gives out is one a
+     * connect(2) of any process may take as its own before the caller's
+     * server binds it, and a node of `kscore up --cluster 3` exited on
+     * "bind: address already in use" while suites ran side by side
+     * (issue 22). Random picks in the 16384 ports below it, each checked
+     * by a bind; bind(0) only when none is free. */
+    static _Atomic uint64_t seq;
+    int lo = ephemeral_low(), base = lo - 16384 > 1024 ? lo - 16384 : 1024;
+    uint64_t x = ((uint64_t)getpid() << 32) ^ (uint64_t)ks_mono_us() ^
+                 (++seq * 0x9E3779B97F4A7C15ULL);
+    for (int tries = 0; base < lo && tries < 64; tries++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        int p = try_port(base + (int)(x % (uint64_t)(lo - base)));
+        if (p > 0)
+            return p;
+    }
+    return try_port(0);
 }
 
 int

@@ -19,7 +19,8 @@
 
 #include "events.h"
 
-/* A free TCP port on 127.0.0.1 (bind to port 0), or -errno. */
+/* A free TCP port on 127.0.0.1, picked below the kernel's ephemeral range
+ * (so no connect(2) takes it before the caller binds it), or -errno. */
 int stack_free_port(void);
 
 /* 1 if 127.0.0.1:port has no listener (it binds with SO_REUSEADDR, as
@@ -328,9 +329,11 @@ int stack_cluster_start(const char *home, unsigned n, struct stack_node *nodes,
 int stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out);
 
 /*
- * What a stack nats-server's monitoring says: `what` "VARZ" or "JSZ" (the
- * server's /varz, /jsz; flags add the accounts', streams' and consumers'
- * details to JSZ), asked over NATS as the stack's system user
+ * What a stack nats-server's monitoring says: `what` "VARZ", "JSZ" or
+ * "CONNZ" (the server's /varz, /jsz, /connz; flags add the accounts',
+ * streams' and consumers' details and the consumers' config to JSZ, each
+ * connection's subscriptions to CONNZ; at most STACK_MON_LIMIT
+ * connections or accounts), asked over NATS as the stack's system user
  * ($SYS.REQ.SERVER.<server id>.<what> of the server at nd->url, seed
  * <home>/keys/system.nk, TLS files from <home>/env; home is the parent of
  * nd->dir), or at nd->mon_port when that is set. *out (the caller's) is
@@ -341,6 +344,9 @@ int stack_cluster_urls(const struct stack_node *nodes, unsigned n, char **out);
 #define STACK_MON_ACCOUNTS 1u
 #define STACK_MON_STREAMS 2u
 #define STACK_MON_CONSUMERS 4u
+#define STACK_MON_CONFIG 8u
+#define STACK_MON_SUBS 16u
+#define STACK_MON_LIMIT 1024
 struct json_t; /* jansson's json_t */
 int stack_nats_monitor(const struct stack_node *nd, const char *what,
                        unsigned flags, int timeout_ms, struct json_t **out);

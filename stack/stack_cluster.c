@@ -291,7 +291,7 @@ static int
 monitor_nats(const struct stack_node *nd, const char *what, unsigned flags,
              int timeout_ms, json_t **out)
 {
-    char home[4200], seed[4400], id[128], subject[200], body[128];
+    char home[4200], seed[4400], id[128], subject[200], body[256];
     char *ca, *cert, *key, *err = NULL;
     struct evt_conn *c = NULL;
     natsMsg *reply = NULL;
@@ -307,8 +307,12 @@ monitor_nats(const struct stack_node *nd, const char *what, unsigned flags,
     ca = stack_env_get(home, "KSCORE_NATS_TLS_CA");
     cert = stack_env_get(home, "KSCORE_NATS_TLS_CERT");
     key = stack_env_get(home, "KSCORE_NATS_TLS_KEY");
+    /* This node's answer only: a connection that went over to another
+     * node would ask that one (test_cluster check_status: node 3's row
+     * named nats-2). */
     struct evt_connect_opts o = {.name = "kscore-monitor",
                                  .send_asap = true,
+                                 .one_server = true,
                                  .timeout_ms = timeout_ms,
                                  .nkey_file = seed,
                                  .tls_ca = ca,
@@ -327,12 +331,16 @@ monitor_nats(const struct stack_node *nd, const char *what, unsigned flags,
         goto out;
     }
     snprintf(subject, sizeof(subject), "$SYS.REQ.SERVER.%s.%s", id, what);
-    /* JSzOptions (monitor.go 2.9): "consumer", not "consumers". */
+    /* JSzOptions and ConnzOptions (monitor.go 2.9: "consumer", not
+     * "consumers"; each ignores the other's fields). */
     snprintf(body, sizeof(body), "{\"accounts\":%s,\"streams\":%s,"
-             "\"consumer\":%s}",
+             "\"consumer\":%s,\"config\":%s,\"subscriptions\":%s,"
+             "\"limit\":%d}",
              flags & STACK_MON_ACCOUNTS ? "true" : "false",
              flags & STACK_MON_STREAMS ? "true" : "false",
-             flags & STACK_MON_CONSUMERS ? "true" : "false");
+             flags & STACK_MON_CONSUMERS ? "true" : "false",
+             flags & STACK_MON_CONFIG ? "true" : "false",
+             flags & STACK_MON_SUBS ? "true" : "false", STACK_MON_LIMIT);
     if (natsConnection_RequestString(&reply, c->nc, subject, body,
                                      timeout_ms) != NATS_OK) {
         rc = KS_ETIMEDOUT;
@@ -371,7 +379,12 @@ monitor_http(const struct stack_node *nd, const char *what, unsigned flags,
     if (flags & STACK_MON_STREAMS)
         n += (size_t)snprintf(path + n, sizeof(path) - n, "streams=true&");
     if (flags & STACK_MON_CONSUMERS)
-        snprintf(path + n, sizeof(path) - n, "consumers=true");
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "consumers=true&");
+    if (flags & STACK_MON_CONFIG)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "config=true&");
+    if (flags & STACK_MON_SUBS)
+        n += (size_t)snprintf(path + n, sizeof(path) - n, "subs=1&");
+    snprintf(path + n, sizeof(path) - n, "limit=%d", STACK_MON_LIMIT);
     int rc = stack_http_get(nd->mon_port, path, timeout_ms, &body);
     if (rc)
         return rc;

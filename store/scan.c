@@ -50,3 +50,40 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
     PQclear(res);
     return rc;
 }
+
+int
+store_scan_waiting(struct store *s, int64_t dispatched_before_us,
+                   uint32_t limit, store_waiting_fn cb, void *ud)
+{
+    char before[24], lim[16];
+    const char *params[2] = {before, lim};
+    PGresult *res;
+    int rc = 0;
+
+    if ((rc = store__ready(s)) < 0)
+        return rc;
+    snprintf(before, sizeof(before), "%lld", (long long)dispatched_before_us);
+    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
+    /* commands_open (status, deliver_by) narrows it to the open ones. */
+    res = PQexecParams(
+        s->conn,
+        "SELECT agent_id, count(*), kscore_us(min(dispatched_at))"
+        " FROM commands WHERE status = 'Dispatched'"
+        " AND dispatched_at < kscore_ts($1::bigint)"
+        " GROUP BY agent_id ORDER BY 3 LIMIT $2::int",
+        2, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
+        struct store_waiting w = {0};
+        snprintf(w.agent_id, sizeof(w.agent_id), "%s", PQgetvalue(res, i, 0));
+        w.commands = (uint32_t)strtoul(PQgetvalue(res, i, 1), NULL, 10);
+        w.oldest_dispatched_us = strtoll(PQgetvalue(res, i, 2), NULL, 10);
+        rc = cb(&w, ud);
+    }
+    PQclear(res);
+    return rc;
+}

@@ -344,6 +344,25 @@ int store_scan_open(struct store *s, const char *status,
                     int64_t due_before_us, uint32_t limit,
                     store_command_ref_fn cb, void *ud);
 
+/* Agents with commands published to them and not claimed since before
+ * some time (store_scan_waiting). */
+struct store_waiting {
+    char agent_id[129];
+    uint32_t commands;            /* how many wait so */
+    int64_t oldest_dispatched_us; /* the earliest dispatch among them */
+};
+typedef int (*store_waiting_fn)(const struct store_waiting *w, void *ud);
+
+/*
+ * One call of cb per agent that has commands Dispatched (published, not
+ * claimed) since before dispatched_before_us (epoch us), the longest
+ * waiting first, at most limit agents (0: 1000). The broker's consumer
+ * guard looks at those agents' consumers. cb runs on the calling thread;
+ * non-zero stops and is returned. Returns 0 or KS_EPG.
+ */
+int store_scan_waiting(struct store *s, int64_t dispatched_before_us,
+                       uint32_t limit, store_waiting_fn cb, void *ud);
+
 /*
  * Agent registry projection (fed by the broker from KSCORE_AGENTS): insert
  * or replace the row, online = true, last_seen = heartbeat_at_us, labels

@@ -292,7 +292,12 @@ struct evt_conn *fixture_client(const struct fixture_stack *s);
 int fixture_submit(struct evt_conn *c, const char *agent, const char *script,
                    uint64_t timeout_ms, uint64_t deliver_within_ms,
                    char id_out[37]);
-
+/* fixture_submit with an idempotency key (NULL: none), so that asking
+ * again after a failure cannot make a second command. */
+int fixture_submit_key(struct evt_conn *c, const char *agent,
+                       const char *script, uint64_t timeout_ms,
+                       uint64_t deliver_within_ms, const char *key,
+                       char id_out[37]);
 /* n bytes (malloc'd) of a xorshift sequence seeded by seed: the same
  * bytes for the same (n, seed), others for another seed. */
 uint8_t *fixture_bytes(size_t n, uint32_t seed);

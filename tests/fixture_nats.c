@@ -975,6 +975,15 @@ fixture_submit(struct evt_conn *c, const char *agent, const char *script,
                uint64_t timeout_ms, uint64_t deliver_within_ms,
                char id_out[37])
 {
+    return fixture_submit_key(c, agent, script, timeout_ms,
+                              deliver_within_ms, NULL, id_out);
+}
+
+int
+fixture_submit_key(struct evt_conn *c, const char *agent, const char *script,
+                   uint64_t timeout_ms, uint64_t deliver_within_ms,
+                   const char *key, char id_out[37])
+{
     Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
     Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
     Ks__ExecuteReply *rep = NULL;
@@ -988,6 +997,7 @@ fixture_submit(struct evt_conn *c, const char *agent, const char *script,
     req.agent_id = (char *)agent;
     req.detach = 1;
     req.deliver_within_ms = deliver_within_ms;
+    req.idempotency_key = (char *)key;
     rc = broker_execute(c, &req, 5000, &rep);
     if (rc == 0 && rep->error_code)
         rc = rep->error_code;

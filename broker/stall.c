@@ -1,0 +1,562 @@
+/*
+ * The consumer guard: a consumer of KSCORE_CMDS that has work for an agent
+ * with free slots and delivers nothing is noticed within seconds and
+ * repaired, loudly (issue 22: on `kscore up --cluster 3` a consumer whose
+ * leader moved kept its agent's slots filled with unacked messages until
+ * the ack wait ran out, and the online agent's commands ended
+ * Undeliverable while nothing noticed; events/consumer.c says why a
+ * consumer stops).
+ *
+ * Where to look comes from the record, not from JetStream: every
+ * GUARD_TICK_US the agents with commands Dispatched (published, not
+ * claimed) for over GUARD_WAITING_US (store_scan_waiting). An agent that
+ * is offline, or whose slots are all taken (what its heartbeat says it
+ * runs or holds: a claim held up in the broker holds its message unacked,
+ * test_agent cancel_before_the_spawn_is_cancelled), has nothing to
+ * deliver to: not a stall. For the others the consumer
+ * itself is asked (evt_consumer_state), and judged over GUARD_STALL_US
+ * without a new delivery:
+ *  - unacked messages fill its max_ack_pending while the agent runs fewer
+ *    than its slots: nobody holds them (acks lost while the consumer had
+ *    no leader). Made again: a step-down keeps the replicated state.
+ *  - undelivered messages and room to deliver them: its leader does not
+ *    deliver. Its leader steps down; still so GUARD_STALL_US later: made
+ *    again.
+ *  - fewer messages pending and unacked than the stream holds on its
+ *    subjects: it skipped some and will never deliver them (also those it
+ *    gave up at MaxDeliver, which the work queue keeps). Made again.
+ *  - no leader (no answer, or its group says so) for GUARD_NO_LEADER_US:
+ *    made again (a new raft group; the meta leader does it).
+ *  - gone (for GUARD_STALL_US: a node that has just come back may not know
+ *    it yet): made again.
+ * Every repair is logged with what was seen, counted
+ * (kscore_consumer_stalls_total, _stepdowns_total, _remakes_total), and
+ * shown by `kscore agents --json` / `kscore status` for the agents of that
+ * consumer (broker__guard_view). Each broker runs a guard, and one of them
+ * repairs a given consumer (broker__guard_owner: a rendezvous over the
+ * brokers' registry beacons); another does only when the trouble lasts
+ * GUARD_BACKUP_US longer (the owner died or does not see it). A repair is
+ * told to the other brokers (BROKER_NOTICE_GUARD), which count and show
+ * it too; after it each sees a new consumer or a new delivery and starts
+ * its count again.
+ *
+ * A repair delivers what the consumer held again: the agent takes the new
+ * delivery of a command it runs (same attempt: its ack subject), a command
+ * it ran is refused by the claim fence; nothing runs twice.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "broker_int.h"
+
+/* The guard's period. */
+#define GUARD_TICK_US (500 * INT64_C(1000))
+/* A command unclaimed this long makes its agent's consumer a suspect: a
+ * claim is milliseconds after the publish. */
+#define GUARD_WAITING_US (2000 * INT64_C(1000))
+/* A suspect with no new delivery for this long is stalled. */
+#define GUARD_STALL_US (1500 * INT64_C(1000))
+/* A consumer without a leader this long is made again: elections take
+ * seconds, and a group without quorum has none for good. */
+#define GUARD_NO_LEADER_US (10 * INT64_C(1000000))
+/* Each JetStream question waits this long (ms). */
+#define GUARD_ASK_MS 1000
+/* Suspects looked at per tick at most, and each consumer at most this
+ * often (two looks judge a stall): a busy fleet's agents have commands
+ * waiting all the time, and each look is a request to the consumer's
+ * leader. */
+#define GUARD_SUSPECTS_MAX 64
+#define GUARD_LOOK_EVERY_US (750 * INT64_C(1000))
+/* An agent counts as there when its consumer has a subscriber
+ * (push_bound) or its last heartbeat came this recently: two heartbeats
+ * and a second. Positive evidence only, so a registry watch restarted a
+ * moment ago (deaf to silence, broker__registry_deaf) still tells who is
+ * there. */
+#define GUARD_HEARD_US ((2 * EVT_HEARTBEAT_MS + 1000) * INT64_C(1000))
+/* A broker that is not a consumer's owner (broker__guard_owner) repairs
+ * it only when it has been stalled this much longer: the owner died, or
+ * does not see it. */
+#define GUARD_BACKUP_US (3000 * INT64_C(1000))
+
+/* What the guard knows of one consumer. */
+struct guarded {
+    char durable[8 + EVT_AGENT_ID_MAX];
+    bool seen;              /* a first state is in hand */
+    int64_t created_ns;     /* of the consumer last seen */
+    uint64_t delivered;     /* its deliveries then */
+    int64_t quiet_since_us; /* mono: no new delivery since */
+    int kind;               /* enum stall_kind of the last look */
+    int64_t looked_us;      /* mono of the last look */
+    int64_t stepped_down_us;    /* mono of the last step-down, 0: none */
+    bool suspect;           /* a suspect at this tick */
+    /* what `kscore agents` shows (under g->mu) */
+    char stall[200];        /* "" unless stalled now */
+    int64_t stalled_since_us; /* epoch */
+    uint32_t repairs;
+    char last_repair[200];
+    int64_t repaired_at_us; /* epoch */
+};
+
+struct broker__guard {
+    struct broker *b;
+    struct store *st;
+    pthread_t thread;
+    bool started;
+    natsSubscription *sub; /* the other brokers' repairs */
+    pthread_mutex_t mu; /* consumers */
+    struct ks_map consumers; /* durable -> struct guarded * */
+};
+
+/* One suspect of this tick: the consumer as the provisioner makes it. */
+struct suspect {
+    struct broker__consumer_of co;
+    char agent_id[EVT_AGENT_ID_MAX + 1];
+    uint32_t waiting;
+    int64_t oldest_us;
+};
+
+struct suspects {
+    struct broker *b;
+    struct suspect v[GUARD_SUSPECTS_MAX];
+    size_t n;
+};
+
+static int
+on_waiting(const struct store_waiting *w, void *ud)
+{
+    struct suspects *s = ud;
+    struct suspect *x = &s->v[s->n];
+
+    if (broker__consumer_of(s->b, w->agent_id, &x->co) != 0 ||
+        ks_mono_us() - x->co.heard_us >= (int64_t)EVT_AGENT_TTL_MS * 1000 ||
+        x->co.running >= x->co.max_concurrent)
+        return 0; /* nobody to deliver to, or no slot to deliver into */
+    for (size_t i = 0; i < s->n; i++)
+        if (strcmp(s->v[i].co.ac.durable, x->co.ac.durable) == 0) {
+            s->v[i].waiting += w->commands; /* another id of its pool */
+            return 0;
+        }
+    snprintf(x->agent_id, sizeof(x->agent_id), "%s", w->agent_id);
+    x->waiting = w->commands;
+    x->oldest_us = w->oldest_dispatched_us;
+    return ++s->n == GUARD_SUSPECTS_MAX;
+}
+
+static struct guarded *
+guarded_get(struct broker__guard *g, const char *durable)
+{
+    pthread_mutex_lock(&g->mu);
+    struct guarded *c = ks_map_get(&g->consumers, durable);
+    if (!c && (c = calloc(1, sizeof(*c)))) {
+        snprintf(c->durable, sizeof(c->durable), "%s", durable);
+        if (ks_map_put(&g->consumers, c->durable, c) != 0) {
+            free(c);
+            c = NULL;
+        }
+    }
+    pthread_mutex_unlock(&g->mu);
+    return c;
+}
+
+/* The stall shown for c (what, since when), or cleared (what NULL). */
+static void
+show_stall(struct broker__guard *g, struct guarded *c, const char *what)
+{
+    pthread_mutex_lock(&g->mu);
+    if (!what) {
+        c->stall[0] = '\0';
+        c->stalled_since_us = 0;
+    } else {
+        if (!c->stall[0])
+            c->stalled_since_us = ks_now_us();
+        snprintf(c->stall, sizeof(c->stall), "%s", what);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* A repair of c, by this broker (tell: the others hear of it) or
+ * another: counted and shown. */
+static void
+note_repair(struct broker__guard *g, struct guarded *c, const char *done,
+            int64_t at_us, bool tell)
+{
+    pthread_mutex_lock(&g->mu);
+    c->repairs++;
+    snprintf(c->last_repair, sizeof(c->last_repair), "%s", done);
+    c->repaired_at_us = at_us;
+    pthread_mutex_unlock(&g->mu);
+    if (tell) {
+        char subject[sizeof(BROKER_NOTICE_GUARD) + sizeof(c->durable)],
+            data[sizeof(g->b->instance_id) + 24 + sizeof(c->last_repair)];
+        int n = snprintf(data, sizeof(data), "%s\n%lld\n%s",
+                         g->b->instance_id, (long long)at_us, done);
+        snprintf(subject, sizeof(subject), "%s%s", BROKER_NOTICE_GUARD,
+                 c->durable);
+        /* Core NATS, fire and forget: a lost one costs the others' view. */
+        natsConnection_Publish(g->b->nc->nc, subject, data,
+                               n < (int)sizeof(data) ? n
+                                                     : (int)sizeof(data) - 1);
+    }
+}
+
+/* Another broker's repair (BROKER_NOTICE_GUARD): its delivery thread. */
+static void
+on_repair_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                 void *ud)
+{
+    struct broker__guard *g = ud;
+    const char *subj = natsMsg_GetSubject(msg);
+    size_t ni = strlen(g->b->instance_id);
+    char data[512];
+    int len = natsMsg_GetDataLength(msg);
+
+    (void)nc;
+    (void)sub;
+    if (len > 0 && len < (int)sizeof(data)) {
+        memcpy(data, natsMsg_GetData(msg), (size_t)len);
+        data[len] = '\0';
+        char *at = strchr(data, '\n'), *what = at ? strchr(at + 1, '\n') : NULL;
+        const char *durable = subj + strlen(BROKER_NOTICE_GUARD);
+        if (what && (size_t)(at - data) == ni &&
+            memcmp(data, g->b->instance_id, ni) != 0 &&
+            strlen(durable) < sizeof(((struct guarded *)0)->durable)) {
+            struct guarded *c = guarded_get(g, durable);
+            if (c) {
+                note_repair(g, c, what + 1, strtoll(at + 1, NULL, 10),
+                            false);
+                show_stall(g, c, NULL); /* repaired: our next look says */
+            }
+        }
+    }
+    natsMsg_Destroy(msg);
+}
+
+/* Makes c's consumer again (x->co.ac, as the provisioner would). */
+static void
+remake(struct broker__guard *g, struct guarded *c, const struct suspect *x,
+       const char *why)
+{
+    char *err = NULL, done[200];
+    int rc = evt_consumer_remake(g->b->nc, &x->co.ac.d, &err);
+
+    ks_metric_inc(KS_C_CONSUMER_STALLS);
+    if (rc == 0)
+        ks_metric_inc(KS_C_CONSUMER_REMAKES);
+    ks_log(rc ? KS_LOG_ERROR : KS_LOG_WARN,
+           rc ? "agent consumer stalled: cannot make it again (tried again)"
+              : "agent consumer stalled: made it again (what it held is "
+                "delivered again; the claim fence keeps one run)",
+           KS_S("module", "guard"), KS_S("consumer", c->durable),
+           KS_S("agent", x->agent_id), KS_S("why", why),
+           KS_I("commands_waiting", x->waiting),
+           KS_I("waiting_ms", (ks_now_us() - x->oldest_us) / 1000),
+           KS_S("error", rc ? (err ? err : ks_strerror(rc)) : ""));
+    free(err);
+    if (rc)
+        return;
+    snprintf(done, sizeof(done), "made it again: %s", why);
+    note_repair(g, c, done, ks_now_us(), true);
+    c->seen = false; /* a new consumer: its own count from now */
+    c->stepped_down_us = 0;
+    c->kind = 0;
+}
+
+/* Asks c's leader to step down; on a single server (no clustering) or
+ * when it refuses, makes it again instead. */
+static void
+step_down(struct broker__guard *g, struct guarded *c, const struct suspect *x,
+          const char *why)
+{
+    char err[256], done[200];
+    int rc = evt_consumer_stepdown(g->b->nc, EVT_STREAM_CMDS, c->durable,
+                                   GUARD_ASK_MS, err, sizeof(err));
+    if (rc) {
+        ks_log(KS_LOG_WARN,
+               "agent consumer stalled: its leader did not step down",
+               KS_S("module", "guard"), KS_S("consumer", c->durable),
+               KS_S("error", err));
+        remake(g, c, x, why);
+        return;
+    }
+    ks_metric_inc(KS_C_CONSUMER_STALLS);
+    ks_metric_inc(KS_C_CONSUMER_STEPDOWNS);
+    ks_log(KS_LOG_WARN,
+           "agent consumer stalled: its leader stepped down (made again if "
+           "the next one does not deliver either)",
+           KS_S("module", "guard"), KS_S("consumer", c->durable),
+           KS_S("agent", x->agent_id), KS_S("why", why),
+           KS_I("commands_waiting", x->waiting),
+           KS_I("waiting_ms", (ks_now_us() - x->oldest_us) / 1000));
+    snprintf(done, sizeof(done), "stepped its leader down: %s", why);
+    note_repair(g, c, done, ks_now_us(), true);
+    c->stepped_down_us = ks_mono_us();
+    c->quiet_since_us = c->stepped_down_us; /* the new leader's turn */
+}
+
+/* What is wrong with a consumer (look). */
+enum stall_kind {
+    STALL_NONE,
+    STALL_GONE,        /* no such consumer */
+    STALL_NO_LEADER,   /* nobody answers for it, or its group says so */
+    STALL_UNACKED,     /* unacked messages nobody holds fill its slots */
+    STALL_UNDELIVERED, /* work, room, and no delivery */
+    STALL_SKIPPED      /* fewer pending + unacked than stored */
+};
+
+/* Classifies a consumer that answered and delivered nothing since the
+ * last look; why (len bytes) says what was seen. */
+static enum stall_kind
+classify(struct broker__guard *g, const struct suspect *x,
+         const struct evt_consumer_state *cs, char *why, size_t len)
+{
+    uint64_t stored = 0;
+
+    if (cs->max_ack_pending > 0 && cs->ack_pending >= cs->max_ack_pending) {
+        snprintf(why, len,
+                 "%lld unacked messages fill its %lld slots while the agent "
+                 "runs %u of %u",
+                 (long long)cs->ack_pending, (long long)cs->max_ack_pending,
+                 x->co.running, x->co.max_concurrent);
+        return STALL_UNACKED;
+    }
+    if (cs->pending > 0) {
+        snprintf(why, len,
+                 "%llu messages undelivered with room for %lld more (leader "
+                 "%s%s)",
+                 (unsigned long long)cs->pending,
+                 (long long)(cs->max_ack_pending - cs->ack_pending),
+                 cs->leader[0] ? cs->leader : "-",
+                 cs->push_bound ? "" : ", no subscriber seen");
+        return STALL_UNDELIVERED;
+    }
+    if (evt_stream_stored(g->b->nc, EVT_STREAM_CMDS,
+                          x->co.ac.d.filter_subject, GUARD_ASK_MS,
+                          &stored) == 0 &&
+        stored > cs->pending + (uint64_t)cs->ack_pending) {
+        snprintf(why, len,
+                 "the stream holds %llu messages for it, it has %llu "
+                 "undelivered and %lld unacked",
+                 (unsigned long long)stored, (unsigned long long)cs->pending,
+                 (long long)cs->ack_pending);
+        return STALL_SKIPPED;
+    }
+    return STALL_NONE;
+}
+
+/* Looks at one suspect, and repairs it when it is stalled. */
+static void
+look(struct broker__guard *g, const struct suspect *x)
+{
+    struct guarded *c = guarded_get(g, x->co.ac.durable);
+    struct evt_consumer_state cs;
+    enum stall_kind kind;
+    char why[200];
+    int64_t now = ks_mono_us();
+    int rc;
+
+    if (!c)
+        return;
+    c->suspect = true;
+    if (now - c->looked_us < GUARD_LOOK_EVERY_US)
+        return;
+    c->looked_us = now;
+    rc = evt_consumer_state(g->b->nc, EVT_STREAM_CMDS, c->durable,
+                            GUARD_ASK_MS, &cs);
+    if (rc == 0 && c->seen && cs.created_ns == c->created_ns &&
+        cs.delivered == c->delivered) {
+        kind = classify(g, x, &cs, why, sizeof(why));
+        /* nobody there to deliver to: no stall of the consumer's */
+        if (!cs.push_bound && now - x->co.heard_us > GUARD_HEARD_US)
+            kind = STALL_NONE;
+    } else if (rc == 0) {
+        /* Delivering (or new): the count starts again. */
+        c->seen = true;
+        c->created_ns = cs.created_ns;
+        c->delivered = cs.delivered;
+        kind = STALL_NONE;
+    } else if (rc == KS_ENOTFOUND) {
+        kind = STALL_GONE;
+        snprintf(why, sizeof(why), "it is gone");
+    } else {
+        kind = STALL_NO_LEADER;
+        snprintf(why, sizeof(why), "no leader answers for it (%s)",
+                 ks_strerror(rc));
+    }
+    if (kind == STALL_NONE) {
+        c->quiet_since_us = now;
+        show_stall(g, c, NULL);
+        return;
+    }
+    if ((int)kind != c->kind) {
+        /* Judged over a whole window of the same trouble (a consumer
+         * looks gone or leaderless for a moment after a node restarts). */
+        c->kind = kind;
+        if (kind == STALL_GONE || kind == STALL_NO_LEADER)
+            c->quiet_since_us = now;
+    }
+    size_t l = strlen(why);
+    snprintf(why + l, sizeof(why) - l, "; nothing delivered for %.1f s",
+             (double)(now - c->quiet_since_us) / 1e6);
+    show_stall(g, c, why);
+    /* One broker repairs (broker__guard_owner); another only when the
+     * trouble outlasts the owner's turn by GUARD_BACKUP_US. */
+    int64_t wait = (kind == STALL_NO_LEADER ? GUARD_NO_LEADER_US
+                                            : GUARD_STALL_US) +
+                   (broker__guard_owner(g->b, c->durable) ? 0
+                                                          : GUARD_BACKUP_US);
+    if (now - c->quiet_since_us < wait)
+        return;
+    if (kind == STALL_UNDELIVERED && !c->stepped_down_us)
+        step_down(g, c, x, why);
+    else
+        remake(g, c, x, why);
+}
+
+static void
+forget_one(const char *key, void *val, void *ud)
+{
+    struct guarded *c = val;
+    (void)key;
+    (void)ud;
+    if (!c->suspect) {
+        /* Nothing waits for it now: what it went through stays shown
+         * (repairs); its count starts again when it is a suspect again. */
+        c->seen = false;
+        c->stepped_down_us = 0;
+        c->kind = 0;
+        c->stall[0] = '\0';
+        c->stalled_since_us = 0;
+    }
+    c->suspect = false;
+}
+
+static void *
+guard_main(void *arg)
+{
+    struct broker__guard *g = arg;
+    struct broker *b = g->b;
+    struct suspects *s = calloc(1, sizeof(*s));
+
+    if (!s)
+        return NULL;
+    s->b = b;
+    while (!b->stopping) {
+        for (int64_t t = 0; t < GUARD_TICK_US && !b->stopping;
+             t += 100 * 1000)
+            nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        if (b->stopping)
+            break;
+        if (natsConnection_Status(b->nc->nc) != NATS_CONN_STATUS_CONNECTED)
+            continue;
+        s->n = 0;
+        if (store_scan_waiting(g->st, ks_now_us() - GUARD_WAITING_US,
+                               4 * GUARD_SUSPECTS_MAX, on_waiting, s) < 0)
+            continue;
+        for (size_t i = 0; i < s->n && !b->stopping; i++)
+            look(g, &s->v[i]);
+        pthread_mutex_lock(&g->mu);
+        ks_map_each(&g->consumers, forget_one, NULL);
+        pthread_mutex_unlock(&g->mu);
+    }
+    free(s);
+    return NULL;
+}
+
+int
+broker__guard_start(struct broker *b, char **errmsg)
+{
+    struct broker__guard *g = calloc(1, sizeof(*g));
+    char *why = NULL;
+    int rc;
+
+    if (!g)
+        return -ENOMEM;
+    g->b = b;
+    pthread_mutex_init(&g->mu, NULL);
+    if ((rc = store_open(b->opts->db_conninfo, &g->st, &why))) {
+        if (errmsg && asprintf(errmsg, "cannot connect to PostgreSQL: %s",
+                               why ? why : ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        free(why);
+        pthread_mutex_destroy(&g->mu);
+        free(g);
+        return rc;
+    }
+    b->guard = g;
+    char subject[64];
+    snprintf(subject, sizeof(subject), "%s*", BROKER_NOTICE_GUARD);
+    natsStatus s = natsConnection_Subscribe(&g->sub, b->nc->nc, subject,
+                                            on_repair_notice, g);
+    if (s != NATS_OK) {
+        if (errmsg && asprintf(errmsg, "subscribe %s: %s", subject,
+                               natsStatus_GetText(s)) < 0)
+            *errmsg = NULL;
+        return KS_ENATS;
+    }
+    if (pthread_create(&g->thread, NULL, guard_main, g) != 0)
+        return KS_EINTERNAL;
+    g->started = true;
+    return 0;
+}
+
+static void
+free_guarded(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+void
+broker__guard_stop(struct broker *b)
+{
+    struct broker__guard *g = b->guard;
+    if (!g)
+        return;
+    b->stopping = 1;
+    if (g->sub) {
+        /* no notice handler runs once the map is freed */
+        natsSubscription_Drain(g->sub);
+        natsSubscription_WaitForDrainCompletion(g->sub, 5000);
+        natsSubscription_Destroy(g->sub);
+    }
+    if (g->started)
+        pthread_join(g->thread, NULL);
+    store_close(g->st);
+    ks_map_each(&g->consumers, free_guarded, NULL);
+    ks_map_clear(&g->consumers);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+    b->guard = NULL;
+}
+
+void
+broker__guard_view(struct broker *b, const char *durable, Ks__AgentStatus *st)
+{
+    struct broker__guard *g = b->guard;
+    if (!g)
+        return;
+    pthread_mutex_lock(&g->mu);
+    const struct guarded *c = ks_map_get(&g->consumers, durable);
+    if (c && (c->stall[0] || c->repairs)) {
+        char *name = strdup(durable), *stall = strdup(c->stall),
+             *last = strdup(c->last_repair);
+        if (name && stall && last) {
+            /* broker__agents_reply_free frees them */
+            st->consumer = name;
+            st->consumer_stall = stall;
+            st->consumer_stalled_since_us = c->stalled_since_us;
+            st->consumer_repairs = c->repairs;
+            st->consumer_last_repair = last;
+            st->consumer_repaired_at_us = c->repaired_at_us;
+        } else {
+            free(name);
+            free(stall);
+            free(last);
+        }
+    }
+    pthread_mutex_unlock(&g->mu);
+}

@@ -1,0 +1,169 @@
+/*
+ * consumer.c: what a JetStream consumer is doing, and the two repairs of
+ * one that stopped delivering (the broker's consumer guard,
+ * broker/stall.c). The broker's connection only: every call here is the
+ * JetStream API.
+ *
+ * Why a consumer stops (nats-server 2.9, seen on `kscore up --cluster 3`):
+ * an ack sent while the consumer's raft group has no leader reaches
+ * nobody (only the leader subscribes to the ack subject,
+ * consumer.go setLeader), so the message stays unacked for its whole ack
+ * wait, and with max_ack_pending = the agent's slots the consumer
+ * delivers nothing more meanwhile; a leader whose own stream replica lags
+ * delivers nothing it has not stored (nats-server#3299); a group without
+ * quorum has no leader at all. A step-down moves the leader and keeps the
+ * consumer's replicated state (it helps the second, not the first); only
+ * making the consumer again clears unacked messages nobody holds.
+ */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "events.h"
+#include "events_int.h"
+
+int
+evt_consumer_state(struct evt_conn *c, const char *stream, const char *durable,
+                   int timeout_ms, struct evt_consumer_state *out)
+{
+    jsConsumerInfo *ci = NULL;
+    jsErrCode jerr = 0;
+    jsOptions jo;
+    natsStatus s;
+
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    s = js_GetConsumerInfo(&ci, c->js, stream, durable, &jo, &jerr);
+    if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr ||
+        jerr == JSStreamNotFoundErr) {
+        jsConsumerInfo_Destroy(ci);
+        return KS_ENOTFOUND;
+    }
+    if (s != NATS_OK || !ci) {
+        jsConsumerInfo_Destroy(ci);
+        /* 10008: a member of the consumer's group answers that the group
+         * has no leader (an election, or no quorum). */
+        return jerr == JSClusterNotAvailErr ? KS_EUNAVAIL
+               : s == NATS_OK             ? KS_ENATS
+                                          : evt_err(s);
+    }
+    memset(out, 0, sizeof(*out));
+    out->created_ns = ci->Created;
+    out->delivered = ci->Delivered.Consumer;
+    out->delivered_at_ns = ci->Delivered.Last;
+    out->ack_floor = ci->AckFloor.Consumer;
+    out->pending = ci->NumPending;
+    out->ack_pending = ci->NumAckPending;
+    out->max_ack_pending = ci->Config ? ci->Config->MaxAckPending : 0;
+    out->push_bound = ci->PushBound;
+    if (ci->Cluster && ci->Cluster->Leader)
+        snprintf(out->leader, sizeof(out->leader), "%s", ci->Cluster->Leader);
+    jsConsumerInfo_Destroy(ci);
+    return 0;
+}
+
+int
+evt_stream_stored(struct evt_conn *c, const char *stream, const char *filter,
+                  int timeout_ms, uint64_t *count_out)
+{
+    jsStreamInfo *si = NULL;
+    jsErrCode jerr = 0;
+    jsOptions jo;
+    natsStatus s;
+    uint64_t n = 0;
+
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    jo.Stream.Info.SubjectsFilter = filter;
+    s = js_GetStreamInfo(&si, c->js, stream, &jo, &jerr);
+    if (s != NATS_OK || !si) {
+        jsStreamInfo_Destroy(si);
+        return s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr
+                   ? KS_ENOTFOUND
+               : jerr == JSClusterNotAvailErr ? KS_EUNAVAIL
+               : s == NATS_OK                 ? KS_ENATS
+                                              : evt_err(s);
+    }
+    if (si->State.Subjects)
+        for (int i = 0; i < si->State.Subjects->Count; i++)
+            n += si->State.Subjects->List[i].Msgs;
+    jsStreamInfo_Destroy(si);
+    *count_out = n;
+    return 0;
+}
+
+/* The JetStream API's error in a reply, as "<description> (<code>/
+ * <err_code>)" into why; true when there is one. */
+static bool
+api_error(const json_t *j, char *why, size_t len)
+{
+    json_t *err = json_object_get(j, "error");
+    if (!err)
+        return false;
+    const char *d = json_string_value(json_object_get(err, "description"));
+    snprintf(why, len, "%s (%lld/%lld)", d ? d : "JetStream error",
+             (long long)json_integer_value(json_object_get(err, "code")),
+             (long long)json_integer_value(json_object_get(err, "err_code")));
+    return true;
+}
+
+int
+evt_consumer_stepdown(struct evt_conn *c, const char *stream,
+                      const char *durable, int timeout_ms, char *why,
+                      size_t why_len)
+{
+    char subj[64 + 2 * EVT_AGENT_ID_MAX];
+    natsMsg *m = NULL;
+    char dummy[8];
+    int rc;
+
+    if (!why) {
+        why = dummy;
+        why_len = sizeof(dummy);
+    }
+    why[0] = '\0';
+    /* nats-server 2.9 jetstream_api.go jsConsumerLeaderStepDownRequest:
+     * only the leader acts and answers {"success": true}; a member of a
+     * leaderless group answers 10008; nobody answers when the leader is
+     * gone unnoticed. */
+    if (snprintf(subj, sizeof(subj), "$JS.API.CONSUMER.LEADER.STEPDOWN.%s.%s",
+                 stream, durable) >= (int)sizeof(subj))
+        return KS_ETOOBIG;
+    rc = evt_request_bytes(c, subj, NULL, "", 0, timeout_ms, &m);
+    if (rc) {
+        snprintf(why, why_len, "%s", ks_strerror(rc));
+        return rc;
+    }
+    json_t *j = json_loadb(natsMsg_GetData(m),
+                           (size_t)natsMsg_GetDataLength(m), 0, NULL);
+    natsMsg_Destroy(m);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        snprintf(why, why_len, "not a JetStream API reply");
+        return KS_EDECODE;
+    }
+    rc = api_error(j, why, why_len)                      ? KS_ENATS
+         : json_is_true(json_object_get(j, "success"))   ? 0
+                                                         : KS_EDECODE;
+    if (rc == KS_EDECODE)
+        snprintf(why, why_len, "no success in the reply");
+    json_decref(j);
+    return rc;
+}
+
+int
+evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
+                    char **errmsg)
+{
+    int rc = evt_consumer_delete(c, d->stream, d->durable);
+    /* Gone already (another broker's repair, or its deletion was what went
+     * wrong): made below all the same. */
+    if (rc && rc != KS_ENOTFOUND) {
+        if (errmsg && asprintf(errmsg, "consumer %s (delete): %s",
+                               d->durable, nats_GetLastError(NULL)) < 0)
+            *errmsg = NULL;
+        return rc;
+    }
+    return evt_consumer_ensure(c, d, NULL, errmsg);
+}
