@@ -202,6 +202,11 @@ struct broker {
      * (broker__heard_locked). */
     bool reg_beacon_ok;
     int64_t reg_up_mono_us;
+    /* (mu) How long the bucket took no beacon before reg_up_mono_us (from
+     * the first beacon it failed); INT64_MAX / 4 until it came back after
+     * a failure seen by this broker (at the start nobody knows how long
+     * heartbeats were lost). */
+    int64_t reg_outage_us;
     /* (mu) when the registry watch last delivered an entry: with agents
      * heartbeating every EVT_HEARTBEAT_MS, a longer silence is a dead
      * watch (a cluster node gone, the bucket without a leader), not dead
@@ -516,8 +521,14 @@ bool broker__registry_deaf(struct broker *b);
 static inline int64_t
 broker__heard_locked(const struct broker *b, const struct broker__agent *a)
 {
-    return a->seen_mono_us > b->reg_up_mono_us ? a->seen_mono_us
-                                               : b->reg_up_mono_us;
+    if (a->seen_mono_us >= b->reg_up_mono_us)
+        return a->seen_mono_us;
+    /* Heard before the bucket came back: its silence counts without the
+     * outage (an agent that stopped before it is not forgiven the whole
+     * silence again by a one-beacon hiccup: F04 showed a stopped agent
+     * online 20 s on), never from later than the bucket's return. */
+    int64_t shifted = a->seen_mono_us + b->reg_outage_us;
+    return shifted < b->reg_up_mono_us ? shifted : b->reg_up_mono_us;
 }
 /* A scanner tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)

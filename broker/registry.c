@@ -1160,6 +1160,7 @@ registry_main(void *arg)
     char beacon[64 + sizeof(EVT_KV_AGENTS)], bid[37];
     int64_t beacon_at = 0;
     bool beacon_ok = false, beacon_seen = false;
+    int64_t first_fail_us = 0; /* the first beacon failed since the last ok */
     ks_uuid(bid);
     pthread_mutex_lock(&b->mu);
     memcpy(b->beacon_id, bid, sizeof(bid));
@@ -1180,9 +1181,15 @@ registry_main(void *arg)
             bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
                                         BEACON_TIMEOUT_MS, NULL, NULL,
                                         0) == 0;
+            if (!ok && beacon_ok)
+                first_fail_us = beacon_at;
             pthread_mutex_lock(&b->mu);
-            if (ok && !beacon_ok)
+            if (ok && !beacon_ok) {
                 b->reg_up_mono_us = ks_mono_us();
+                b->reg_outage_us = first_fail_us
+                                       ? b->reg_up_mono_us - first_fail_us
+                                       : INT64_MAX / 4;
+            }
             b->reg_beacon_ok = ok;
             pthread_mutex_unlock(&b->mu);
             if (ok != beacon_ok && (ok || beacon_seen))

@@ -202,35 +202,35 @@ unb64(const char *s, size_t *len)
 
 /* ------------------------------------------------------------------------ */
 
-/* Each line reaches `kscore exec`'s stdout within 100 ms (the target) of
- * being written: the command prints the time it writes each line, and the
- * test notes when it arrives. Before live output, all three arrived at
- * the end (+2 s for the first). */
+/* Each line reaches `kscore exec`'s stdout while the command still runs,
+ * before it writes the next (2 s later): live, not at the end. The command
+ * prints the time it writes each line; the lags are printed (the target
+ * is 100 ms: perf's figures, not a bound asserted here, which a loaded
+ * machine would break). Before live output, all three arrived at the end
+ * (+6 s for the first). */
 START_TEST(live_output_arrives_as_written)
 {
     struct child c;
     const char *args[] = {
         "exec", "--agent", AGENT, "--", "sh", "-c",
-        "for i in 1 2 3; do date +%s%6N; sleep 1; done", NULL};
+        "for i in 1 2 3 4; do date +%s%6N; sleep 2; done", NULL};
     char buf[4096] = "";
     size_t len = 0, seen = 0;
-    int64_t lag[3];
+    int64_t written[4], arrived[4];
     spawn(&c, args);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         /* One more line. */
-        int64_t t;
         for (;;) {
             char *nl = memchr(buf + seen, '\n', len - seen);
             if (nl) {
-                t = now_us();
+                arrived[i] = now_us();
                 *nl = '\0';
-                int64_t written = strtoll(buf + seen, NULL, 10);
-                lag[i] = t - written;
+                written[i] = strtoll(buf + seen, NULL, 10);
                 seen = (size_t)(nl - buf) + 1;
                 break;
             }
             struct pollfd p = {c.out, POLLIN, 0};
-            ck_assert_int_gt(poll(&p, 1, 10000), 0);
+            ck_assert_int_gt(poll(&p, 1, 20000), 0);
             ssize_t r = read(c.out, buf + len, sizeof(buf) - 1 - len);
             ck_assert_int_gt(r, 0);
             len += (size_t)r;
@@ -239,14 +239,15 @@ START_TEST(live_output_arrives_as_written)
     }
     ck_assert_int_eq(reap(&c, 10000), 0);
     fprintf(stderr, "live output lag: %.1f ms, %.1f ms, %.1f ms\n",
-            lag[0] / 1e3, lag[1] / 1e3, lag[2] / 1e3);
-    /* The target is 100 ms; the bound leaves room for a loaded 2-core
-     * machine. Printing at the end would be >= 1 s late for the second
-     * line and >= 2 s for the first. */
+            (arrived[0] - written[0]) / 1e3, (arrived[1] - written[1]) / 1e3,
+            (arrived[2] - written[2]) / 1e3);
+    /* Line i came before line i + 1 was written: while the command ran,
+     * not with its result (the last line is only the end's mark). */
     for (int i = 0; i < 3; i++)
-        ck_assert_msg(lag[i] >= 0 && lag[i] < 600000,
-                      "line %d arrived %.1f ms after it was written", i + 1,
-                      lag[i] / 1e3);
+        ck_assert_msg(arrived[i] >= written[i] && arrived[i] < written[i + 1],
+                      "line %d arrived %.1f ms after it was written, after "
+                      "the next one was",
+                      i + 1, (arrived[i] - written[i]) / 1e3);
     close(c.out);
     close(c.err);
 }
