@@ -776,6 +776,11 @@ job_done(uint64_t job_id, struct exec_result *x, void *ud)
                                                            : "start_failed"),
            KS_I("exit_code", x->exit_code), KS_I("signal", x->signal));
     agent__out_finish(j, x, &o, &e);
+    /* Its private files (a script, stdin, a copy's parts) go before its
+     * end is reported: whoever reads the end may count on them gone
+     * (test_payload saw the script still there after exec returned). */
+    agent__payload_free(j->payload);
+    j->payload = NULL;
     type = x->outcome == EXEC_START_FAILED ? "CommandStartFailed"
                                            : "CommandCompleted";
     /* Killed because nobody could vouch for it any more: the record is
