@@ -39,8 +39,8 @@
 /* Tries of a whole group that a deadlock or a serialization failure
  * aborted (nothing written), before its appends get the code. */
 #define WRITER_RETRIES 3
-/* Streams remembered as held by another transaction's row lock (a flush's
- * and the writer's), and for how long the writer's are (us). */
+/* Streams remembered as held by another transaction's row lock, and for
+ * how long (us). */
 #define WRITER_LOCKED_MAX 8
 #define WRITER_LOCKED_US INT64_C(5000000)
 /* A stream id as remembered there (a longer one is not matched: only
@@ -80,11 +80,6 @@ struct store__wconn {
     struct store__buf stream, expected, agent, count, evitem, ord;
     struct store__buf ast, aag, aat; /* the states assumed */
     struct witem **batch; /* STORE_WRITER_MAX_APPENDS */
-    /* Streams whose append waited past the lock_timeout in this flush:
-     * the others of the same stream fail at once instead of waiting
-     * again (the caller tries again later). */
-    char locked[WRITER_LOCKED_MAX][WRITER_STREAM_MAX];
-    unsigned n_locked;
 };
 
 /* One queue for every connection: a free connection takes everything
@@ -180,24 +175,12 @@ lock_timed_out(struct store *s, int rc)
            strcmp(store_last_sqlstate(s), "55P03") == 0;
 }
 
-/* it's stream waited past the lock_timeout in this flush already. */
-static bool
-flush_locked(const struct store__wconn *c, const struct witem *it)
-{
-    for (unsigned i = 0; i < c->n_locked; i++)
-        if (strcmp(c->locked[i], it->wr->stream_id) == 0)
-            return true;
-    return false;
-}
-
-/* it's append waited past the lock_timeout: noted for this flush and for
- * the writer's next WRITER_LOCKED_US. */
+/* it's append waited past the lock_timeout: noted for the writer's next
+ * WRITER_LOCKED_US (stream_locked). */
 static void
 note_locked(struct store__wconn *c, const struct witem *it)
 {
     const char *id = it->wr->stream_id;
-    if (!flush_locked(c, it) && c->n_locked < WRITER_LOCKED_MAX)
-        snprintf(c->locked[c->n_locked++], sizeof(c->locked[0]), "%s", id);
     if (!c->w)
         return;
     pthread_mutex_lock(&c->w->mu);
@@ -229,7 +212,7 @@ recent_locked(const struct store_writer *w, const char *stream)
 }
 
 /* The result of an append that fails at once because its stream was
- * found locked lately (fail_locked's, without a connection). */
+ * found locked lately. */
 static void
 locked_result(struct witem *it)
 {
@@ -250,13 +233,18 @@ locked_now(struct witem *it)
     pthread_cond_signal(&it->cond);
 }
 
-/* An append of a stream that waited past the lock_timeout in this flush
- * already: it fails at once, as that one did. */
-static void
-fail_locked(struct store *s, struct witem *it)
+/* it's stream was found locked lately: it fails at once (locked_result)
+ * instead of waiting out the lock_timeout again, also later in the same
+ * flush. */
+static bool
+stream_locked(struct store__wconn *c, const struct witem *it)
 {
-    (void)s;
-    locked_result(it);
+    if (!c->w)
+        return false; /* store__write_now: no lock_timeout there */
+    pthread_mutex_lock(&c->w->mu);
+    bool locked = recent_locked(c->w, it->wr->stream_id);
+    pthread_mutex_unlock(&c->w->mu);
+    return locked;
 }
 
 /* ---- one group ---- */
@@ -692,8 +680,8 @@ write_group(struct store__wconn *c, struct witem **it, size_t n)
      * time.
      */
     for (size_t i = 0; i < n; i++) {
-        if (flush_locked(c, it[i])) {
-            fail_locked(s, it[i]);
+        if (stream_locked(c, it[i])) {
+            locked_result(it[i]);
             continue;
         }
         int r = group_once(c, &it[i], 1);
@@ -759,8 +747,8 @@ write_solo(struct store__wconn *c, struct witem *it)
     struct solo_sent ss = {c, it};
 
     it->res = no_result;
-    if (flush_locked(c, it)) {
-        fail_locked(s, it);
+    if (stream_locked(c, it)) {
+        locked_result(it);
         return;
     }
     ks_metric_inc(KS_C_WRITER_TRANSACTIONS);
@@ -786,7 +774,6 @@ write_solo(struct store__wconn *c, struct witem *it)
 static void
 flush(struct store__wconn *c, struct witem **it, size_t n)
 {
-    c->n_locked = 0;
     for (size_t i = 0; i < n;) {
         size_t j = i;
         while (j < n && !it[j]->solo)
