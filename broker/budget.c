@@ -347,10 +347,8 @@ static _Thread_local struct {
 static uint64_t
 id_hash(const char *s)
 {
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h | 1; /* never 0, the empty slot */
+    /* never 0, the empty slot */
+    return ks_fnv1a(KS_FNV1A_INIT, s, strlen(s)) | 1;
 }
 
 int
