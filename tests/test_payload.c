@@ -1051,6 +1051,82 @@ START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
 }
 END_TEST
 
+/*
+ * Issue 21: an agent may fetch the parts of a copy it runs, each a read of
+ * PostgreSQL by the thread of everyone's uploads and fetches; only fetches
+ * that failed were charged to its share, so one that asked for its own
+ * copy's parts again and again was served without end. A part asked for
+ * again is charged now (broker/blob.c fetched_again): past the share it
+ * is answered busy without the store. The agent is stopped meanwhile, so
+ * the copy stays Running and only the test's fetches (as the agent) are
+ * made.
+ */
+START_TEST(a_copys_agent_fetching_parts_again_is_charged)
+{
+    char hex[65], first[PATH_MAX + 32], dest[PATH_MAX + 32], id[40];
+    const char *src = put_random("rf.bin", 2 * 512 * 1024 + 5, hex);
+    snprintf(first, sizeof(first), "%s/rf-first.bin", tmpdir);
+    snprintf(dest, sizeof(dest), "%s/rf-dest.bin", tmpdir);
+    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
+    run_ok(&stack, up);
+
+    PGconn *lock = parts_lock();
+    copy_detached_running(src, dest, id);
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent", SIGSTOP), 0);
+    parts_unlock(lock);
+
+    uint8_t sum[32];
+    for (int i = 0; i < 32; i++)
+        sscanf(hex + 2 * i, "%2hhx", &sum[i]);
+    struct evt_conn *c = fixture_client(&stack);
+    int served = 0, busy = 0, other = 0, last = 0;
+    /* The share: 1000 at once, then 100 a second (budget.c); 6000 asks
+     * are past it however slow they go (at most 50 s of refill). */
+    for (int i = 0; i < 6000 && !busy && !other; i++) {
+        Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
+        req.command_id = id;
+        req.attempt = 1;
+        req.agent_id = AGENT;
+        req.sha256.data = sum;
+        req.sha256.len = 32;
+        req.part = (uint32_t)(i % 2);
+        natsMsg *m = NULL;
+        ck_assert_int_eq(evt_request_as(c, "agent-" AGENT, EVT_API_FETCH,
+                                        &req.base, 5000, &m),
+                         0);
+        ProtobufCMessage *pm = NULL;
+        ck_assert_int_eq(evt_unpack(&ks__fetch_reply__descriptor,
+                                    natsMsg_GetData(m),
+                                    (size_t)natsMsg_GetDataLength(m), &pm),
+                         0);
+        Ks__FetchReply *rep = (Ks__FetchReply *)pm;
+        last = rep->error_code;
+        if (rep->error_code == 0 && rep->data.len == 512 * 1024)
+            served++;
+        else if (rep->error_code == KS_EBUSY)
+            busy++;
+        else
+            other++;
+        ks__fetch_reply__free_unpacked(rep, NULL);
+        natsMsg_Destroy(m);
+    }
+    evt_close(c);
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent", SIGCONT), 0);
+    ck_assert_msg(busy, "%d fetches of the same parts served, none "
+                  "answered busy (the last answered %d)", served, last);
+    ck_assert_msg(!other, "a fetch of the running copy failed (%d) after "
+                  "%d served", last, served);
+    ck_assert_msg(served >= 900, "busy after only %d", served);
+    /* The agent's own copy goes on and ends. */
+    char sql[160];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status NOT IN ('Dispatched', 'Running')",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 60000), 1);
+}
+END_TEST
+
 /* 1 if a line of the agent's log holds a and b within ms. */
 static int
 agent_log_says(const char *a, const char *b, int ms)
@@ -1515,6 +1591,7 @@ payload_suite(void)
     tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
     tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
     tcase_add_test(tc, a_copy_cancelled_while_it_fetches_leaves_nothing);
+    tcase_add_test(tc, a_copys_agent_fetching_parts_again_is_charged);
     /* Last: it stops PostgreSQL for a while. */
     tcase_add_test(tc,
                    a_fetch_that_keeps_failing_ends_the_copy_with_its_reason);
