@@ -323,22 +323,26 @@ find_file(const Ks__RecordedEvent *rev, void *ud)
  * so a part asked for again is charged to the agent's share of claims and
  * fetches that fail (budget.c): an agent re-fetching its own copy's parts
  * again and again (each a read of PostgreSQL) is answered busy past its
- * share, as one fetching made-up copies. 65536 slots (512 KiB, under
- * blob_mu): a part pushed out by 65,535 others is charged no more.
+ * share, as one fetching made-up copies. 65536 slots (512 KiB,
+ * b->blob_fetched, under blob_mu): a part pushed out by others is charged
+ * no more.
  */
 #define FETCHED_SLOTS 65536
-static uint64_t fetched[FETCHED_SLOTS];
 
-/* true if this part was fetched lately (and notes it). Under blob_mu. */
+/* true if this part was fetched lately (and notes it); false too when
+ * there is no memory for the slots. Under blob_mu. */
 static bool
-fetched_again(const Ks__FetchRequest *req)
+fetched_again(struct broker *b, const Ks__FetchRequest *req)
 {
+    if (!b->blob_fetched &&
+        !(b->blob_fetched = calloc(FETCHED_SLOTS, sizeof(uint64_t))))
+        return false;
     uint64_t h = KS_FNV1A_INIT;
     h = ks_fnv1a(h, req->command_id, strlen(req->command_id) + 1);
     h = ks_fnv1a(h, &req->attempt, sizeof(req->attempt));
     h = ks_fnv1a(h, req->sha256.data, req->sha256.len);
     h = ks_fnv1a(h, &req->part, sizeof(req->part)) | 1;
-    uint64_t *slot = &fetched[h & (FETCHED_SLOTS - 1)];
+    uint64_t *slot = &b->blob_fetched[h & (FETCHED_SLOTS - 1)];
     bool again = *slot == h;
     *slot = h;
     return again;
@@ -419,7 +423,7 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
     r.data.data = data;
     r.data.len = len;
     evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
-    refused = fetched_again(req) ? 1 : 0;
+    refused = fetched_again(b, req) ? 1 : 0;
     goto out;
 store_fail:
     broker__store_error(st, rc, why, sizeof(why));

@@ -295,6 +295,7 @@ struct broker {
      * their own (opened at the first), one at a time under blob_mu. */
     struct store *st_blob;
     pthread_mutex_t blob_mu;
+    uint64_t *blob_fetched; /* (blob_mu) the parts fetched lately */
     char instance_id[37];    /* this process in its notices */
     bool notice_on;          /* subscribed: publish notices too */
     /* (mu) command_id -> struct broker__follower *: clients following a
@@ -827,25 +828,30 @@ struct broker__fairq_opts {
     unsigned workers;     /* threads, >= 1 */
     void *const *worker_ud; /* `workers` entries, or NULL (each NULL) */
     size_t per_identity;  /* items queued per identity, >= 1 */
+    size_t per_identity_bytes; /* and their bytes (one always fits) */
     broker__fairq_serve_fn serve;
     /* Answers and releases an item that is not served (its identity's
      * queue full), on the pushing thread. */
     void (*refuse)(void *ctx, void *item);
 };
-/* Items queued per identity in the broker's API queues: far more than
- * an honest client has in flight (an agent claims at most its slots at
- * once; a CLI one request at a time), little memory per flooder. */
-#define BROKER_FAIRQ_PER_IDENTITY 1024
+/* Requests queued per identity in the broker's API queues, and their
+ * bytes: far more than an honest client has in flight (an agent claims at
+ * most its slots at once, a CLI sends one request at a time; scripts that
+ * send thousands at once and wait for every answer, as test_security's
+ * bounded-rows cases do, are served), little memory per flooder (a
+ * request is a few hundred bytes, an upload's part 512 KiB). */
+#define BROKER_FAIRQ_PER_IDENTITY 16384
+#define BROKER_FAIRQ_PER_IDENTITY_BYTES (64 * 1024 * 1024)
 /* Starts the workers. 0, -ENOMEM or -EAGAIN (no thread); *out is freed
  * by broker__fairq_stop. */
 int broker__fairq_start(const struct broker__fairq_opts *o,
                         struct broker__fairq **out);
-/* Queues item (and ctx) for identity (a string, copied). 0, or KS_EBUSY:
- * identity's queue is full (or too many identities): item was given to
- * refuse, counted and summed up in the log. Any thread; never blocks for
- * longer than a mutex (and refuse). */
+/* Queues item (and ctx; bytes: its size) for identity (a string,
+ * copied). 0, or KS_EBUSY: identity's queue is full (or too many
+ * identities): item was given to refuse, counted and summed up in the
+ * log. Any thread; never blocks for longer than a mutex (and refuse). */
 int broker__fairq_push(struct broker__fairq *q, const char *identity,
-                       void *ctx, void *item);
+                       void *ctx, void *item, size_t bytes);
 /* How many requests the workers serve before a new one of identity
  * would be (its own queued ones, and of each other identity as many as
  * round robin puts ahead of it). NULL q: 0. Any thread. */

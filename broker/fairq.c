@@ -13,21 +13,22 @@
  * admission then refused operators' commands busy (issue 21).
  *
  * Here each identity has a queue of its own, bounded (per_identity
- * items); a request whose identity's queue is full is refused at once
- * (given to refuse: the broker drops it unanswered, broker.c
- * route_refuse), counted (kscore_requests_refused_total) and logged at
- * most every FAIRQ_LOG_US per queue with how many: its sender asks again
- * later (an agent's claim and fetch after their timeout; a CLI request
- * times out). The workers serve the identities with something queued in
- * turn (round robin: one request of each, then the next round), and at
- * most busy_max requests of one identity at once, so one identity's
- * slow requests never take every worker. A request of an identity that
- * sends rarely is served after at most one request of each other
- * identity with something queued, whatever one of them sends.
+ * items and per_identity_bytes bytes); a request whose identity's queue
+ * is full is refused at once (given to refuse: the broker drops it
+ * unanswered, broker.c route_refuse), counted
+ * (kscore_requests_refused_total) and logged at most every FAIRQ_LOG_US
+ * per queue with how many: its sender asks again later (an agent's claim
+ * and fetch after their timeout; a CLI request times out). The workers
+ * serve the identities with something queued in turn (round robin: one
+ * request of each, then the next round), and at most busy_max requests
+ * of one identity at once, so one identity's slow requests never take
+ * every worker. A request of an identity that sends rarely is served
+ * after at most one request of each other identity with something
+ * queued, whatever one of them sends.
  *
  * What the push costs (the subscription's own thread, for every message
- * of a flood): one mutex, a hash lookup, a copy of two pointers; no
- * decoding; a reply only past the bound. An identity with nothing queued or in service is
+ * of a flood): one mutex, a hash lookup, a copy of three words; no
+ * decoding, no reply. An identity with nothing queued or in service is
  * forgotten.
  *
  * Threads: push and ahead from any thread; serve runs on the queue's
@@ -48,13 +49,15 @@
 
 struct fq_item {
     void *ctx, *item;
+    size_t bytes;
 };
 
 struct fq_ident {
     struct fq_ident *next_ready;
-    bool ready;         /* in the ready list */
-    unsigned busy;      /* its requests being served now */
+    bool ready;    /* in the ready list */
+    unsigned busy; /* its requests being served now */
     size_t head, len, cap;
+    size_t bytes; /* of the queued items */
     struct fq_item *ring;
     char id[];
 };
@@ -142,6 +145,7 @@ worker_main(void *arg)
         struct fq_item it = e->ring[e->head];
         e->head = (e->head + 1) % e->cap;
         e->len--;
+        e->bytes -= it.bytes;
         e->busy++;
         q->queued--;
         /* Its next request waits for the next round. */
@@ -162,7 +166,8 @@ int
 broker__fairq_start(const struct broker__fairq_opts *o,
                     struct broker__fairq **out)
 {
-    BUG_ON(!o->workers || !o->per_identity || !o->serve || !o->refuse);
+    BUG_ON(!o->workers || !o->per_identity || !o->per_identity_bytes ||
+           !o->serve || !o->refuse);
     struct broker__fairq *q =
         calloc(1, sizeof(*q) + o->workers * sizeof(q->w[0]));
     int rc = 0;
@@ -235,7 +240,7 @@ ident_room(struct broker__fairq *q, struct fq_ident *e)
 
 int
 broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
-                   void *item)
+                   void *item, size_t bytes)
 {
     uint64_t say = 0;
     char who[sizeof(q->last_dropped)];
@@ -243,9 +248,13 @@ broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
 
     pthread_mutex_lock(&q->mu);
     struct fq_ident *e = ident_get(q, identity);
-    if (e && ident_room(q, e)) {
-        e->ring[(e->head + e->len) % e->cap] = (struct fq_item){ctx, item};
+    /* One item always fits an empty queue, whatever its size. */
+    if (e && (!e->len || e->bytes + bytes <= q->o.per_identity_bytes) &&
+        ident_room(q, e)) {
+        e->ring[(e->head + e->len) % e->cap] =
+            (struct fq_item){ctx, item, bytes};
         e->len++;
+        e->bytes += bytes;
         q->queued++;
         ident_settle(q, e);
         pthread_mutex_unlock(&q->mu);
@@ -272,7 +281,8 @@ broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
                "one line every 10 s while it lasts)",
                KS_S("module", "fairq"), KS_S("queue", q->o.name),
                KS_S("identity", who), KS_I("refused", say),
-               KS_I("per_identity", q->o.per_identity));
+               KS_I("per_identity", q->o.per_identity),
+               KS_I("per_identity_bytes", q->o.per_identity_bytes));
     return KS_EBUSY;
 }
 

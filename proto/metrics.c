@@ -126,9 +126,9 @@ static const struct {
     [KS_C_REQUESTS_REFUSED] = {"kscore_requests_refused_total",
                                "API requests (claims, fetches, operators' "
                                "requests) dropped unanswered because "
-                               "their sender had 1024 waiting to be served "
-                               "in its turn: one identity flooding. The log "
-                               "names it.",
+                               "their sender had 16384 (or 64 MiB) waiting "
+                               "to be served in its turn: one identity "
+                               "flooding. The log names it.",
                                B},
 };
 

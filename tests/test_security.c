@@ -3002,8 +3002,8 @@ END_TEST
  * command were 3,000 rows (found attacking with the agent's credential,
  * issue 21). Now they are within the agent's share of annotation rows.
  */
-/* The flood of claim_flood_main: made-up claims from one agent's
- * credential until stop, CLAIM_FLOOD_PER_S a second. */
+/* The flood of claim_flood_main: made-up claims from the credential of
+ * agent f->id until stop, CLAIM_FLOOD_PER_S a second (or unpaced). */
 #define CLAIM_FLOOD_PER_S 30000
 struct claim_flood {
     const char *seed, *id;
@@ -3116,6 +3116,30 @@ START_TEST(an_agents_made_up_claims_do_not_hold_others)
 }
 END_TEST
 
+/* Stops the n floods f (their threads th): how many they sent in all. */
+static long
+floods_stop(struct claim_flood *f, pthread_t *th, int n)
+{
+    long sent = 0;
+    for (int i = 0; i < n; i++)
+        atomic_store(&f[i].stop, true);
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        sent += f[i].sent;
+    }
+    return sent;
+}
+
+/* The largest of n values. */
+static int64_t
+max_us(const int64_t *v, int n)
+{
+    int64_t m = 0;
+    for (int i = 0; i < n; i++)
+        m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 /* A sorted copy's median of n values (us). */
 static int64_t
 median_us(const int64_t *v, int n)
@@ -3200,17 +3224,9 @@ START_TEST(an_agents_claim_flood_waits_its_turn)
         }
         fixture_out_release(&o);
     }
-    long sent = 0;
-    for (int i = 0; i < STORM_CONNS; i++)
-        atomic_store(&f[i].stop, true);
-    for (int i = 0; i < STORM_CONNS; i++) {
-        pthread_join(th[i], NULL);
-        sent += f[i].sent;
-    }
+    long sent = floods_stop(f, th, STORM_CONNS);
     double secs = (double)(ks_mono_us() - t0) / 1e6;
-    int64_t max = 0;
-    for (int i = 0; i < tries; i++)
-        max = took[i] > max ? took[i] : max;
+    int64_t max = max_us(took, tries);
     long dropped = broker_log_dropped("agent-agentstorm");
     /* What the flood cost, for the report (never asserted: a speed). */
     fprintf(stderr,
@@ -3236,21 +3252,15 @@ END_TEST
 
 static void operator_seed(const char *name, char *seed, size_t len);
 
-/* The flood of get_flood_main: made-up GetRequests from one operator's
- * credential, as fast as it can publish, until stop. */
-struct get_flood {
-    const char *seed, *op;
-    atomic_bool stop;
-    long sent;
-};
-
+/* The flood of get_flood_main: made-up GetRequests from the credential
+ * of operator f->id, as fast as it can publish, until stop. */
 static void *
 get_flood_main(void *arg)
 {
-    struct get_flood *f = arg;
+    struct claim_flood *f = arg;
     struct thief *t = thief_connect(f->seed);
     char subject[128], reply[128], id[37];
-    snprintf(subject, sizeof(subject), EVT_API_GET ".%s", f->op);
+    snprintf(subject, sizeof(subject), EVT_API_GET ".%s", f->id);
     while (!atomic_load(&f->stop)) {
         Ks__GetRequest req = KS__GET_REQUEST__INIT;
         uint8_t *buf;
@@ -3259,7 +3269,7 @@ get_flood_main(void *arg)
         req.id = id;
         if (kproto_pack(&req.base, &buf, &len) != 0)
             break;
-        snprintf(reply, sizeof(reply), "_INBOX.%s.g.%ld", f->op, f->sent);
+        snprintf(reply, sizeof(reply), "_INBOX.%s.g.%ld", f->id, f->sent);
         natsConnection_PublishRequest(t->nc, subject, reply, buf, (int)len);
         free(buf);
         if (++f->sent % 1000 == 0)
@@ -3282,7 +3292,7 @@ get_flood_main(void *arg)
 START_TEST(an_operators_flood_waits_its_turn)
 {
     char seed[PATH_MAX + 64], cid[40];
-    struct get_flood f[2];
+    struct claim_flood f[2];
     pthread_t th[2];
     int64_t took[6];
     int n = 0;
@@ -3299,7 +3309,7 @@ START_TEST(an_operators_flood_waits_its_turn)
     ck_assert_int_eq(wait_status(cid, "Succeeded", 20000), 0);
 
     for (int i = 0; i < 2; i++) {
-        f[i] = (struct get_flood){.op = "mallory", .seed = seed};
+        f[i] = (struct claim_flood){.id = "mallory", .seed = seed};
         atomic_init(&f[i].stop, false);
         ck_assert_int_eq(pthread_create(&th[i], NULL, get_flood_main, &f[i]),
                          0);
@@ -3322,17 +3332,9 @@ START_TEST(an_operators_flood_waits_its_turn)
                 err = NULL;
             fixture_out_release(&o);
         }
-    long sent = 0;
-    for (int i = 0; i < 2; i++)
-        atomic_store(&f[i].stop, true);
-    for (int i = 0; i < 2; i++) {
-        pthread_join(th[i], NULL);
-        sent += f[i].sent;
-    }
+    long sent = floods_stop(f, th, 2);
     double secs = (double)(ks_mono_us() - t0) / 1e6;
-    int64_t max = 0;
-    for (int i = 0; i < n; i++)
-        max = took[i] > max ? took[i] : max;
+    int64_t max = max_us(took, n);
     fprintf(stderr,
             "get flood: %ld requests in %.1f s (%.0f/s), %ld refused "
             "unserved; alice's requests during it: median %.0f ms, max "
