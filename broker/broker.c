@@ -1847,7 +1847,9 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         (rc = open_store(&b, &b.st_reg, errmsg)) ||
         (rc = open_store(&b, &b.st_scan, errmsg)) ||
         (rc = open_store(&b, &b.st_follow, errmsg)) ||
-        (rc = open_store(&b, &b.st_batch, errmsg)))
+        (rc = open_store(&b, &b.st_batch, errmsg)) ||
+        (rc = store_set_lock_timeout(b.st_scan, BROKER_BG_LOCK_TIMEOUT_MS)) ||
+        (rc = store_set_lock_timeout(b.st_reg, BROKER_BG_LOCK_TIMEOUT_MS)))
         goto out;
     if ((rc = broker__jetstream_ready(&b, errmsg)))
         goto out;

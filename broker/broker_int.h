@@ -111,6 +111,12 @@ struct broker__follower {
  * elsewhere, tried again after each lock_timeout (broker.c on_execute;
  * ms). */
 #define BROKER_LOCKED_WAIT_MS 60000
+/* How long the scanner's and the registry's statements wait for a lock
+ * (store_set_lock_timeout; ms): each serves every command or agent in
+ * turn, so one stream or agents row held by a stalled transaction (a
+ * paused broker's) fails alone and is tried again next pass, instead of
+ * stopping every deadline or every agent's row behind it. */
+#define BROKER_BG_LOCK_TIMEOUT_MS 1000
 /* Workers of each "ask again" subject (execute-again, claim.again). */
 #define BROKER_AGAIN_WORKERS 4
 /* Connections of the group writer (store.h): the appends of the workers

@@ -434,6 +434,15 @@ on_notice(void *arg, const PGresult *res)
 
 #define GENERIC_PLANS "SET plan_cache_mode = force_generic_plan"
 
+/* SET lock_timeout to s->lock_timeout_ms (store_set_lock_timeout). */
+static int
+set_lock_timeout(struct store *s, char **errmsg)
+{
+    char sql[64];
+    snprintf(sql, sizeof(sql), "SET lock_timeout = %d", s->lock_timeout_ms);
+    return store__exec(s, sql, errmsg);
+}
+
 /* The session every connection gets, after each (re)connection. */
 static int
 session_setup(struct store *s, char **errmsg)
@@ -447,7 +456,18 @@ session_setup(struct store *s, char **errmsg)
         rc = store__exec(s, WRITER_SESSION, errmsg);
     else if (rc == 0 && s->generic_plans)
         rc = store__exec(s, GENERIC_PLANS, errmsg);
+    if (rc == 0 && s->lock_timeout_ms > 0)
+        rc = set_lock_timeout(s, errmsg);
     return rc;
+}
+
+int
+store_set_lock_timeout(struct store *s, int ms)
+{
+    if (!s || ms < 0 || ms > 600000)
+        return KS_EINVAL;
+    s->lock_timeout_ms = ms;
+    return set_lock_timeout(s, NULL);
 }
 
 int

@@ -129,6 +129,18 @@ int store_open(const char *conninfo, struct store **out, char **errmsg);
 void store_close(struct store *s);
 
 /*
+ * Bounds how long a statement on s waits for a row or table lock held by
+ * another transaction (PostgreSQL's lock_timeout, in ms, 1..600000; 0:
+ * wait for good, the default). A statement that waited so fails with
+ * KS_EPGREFUSED (SQLSTATE 55P03 lock_not_available) and wrote nothing.
+ * Kept across reconnects. For a connection that serves many streams in
+ * turn (the broker's scanner), so that one stream held by a stalled
+ * transaction (a paused process) does not stop the others. Returns 0,
+ * KS_EINVAL for ms out of range, or what the SET returned.
+ */
+int store_set_lock_timeout(struct store *s, int ms);
+
+/*
  * Whether the last call that failed with KS_EPGDOWN may have committed:
  * its transaction's end (the pipeline's Sync, or COMMIT) was sent and the
  * answer was lost. False after any other failure (the server said the

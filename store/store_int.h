@@ -115,6 +115,7 @@ struct store {
     bool counted;     /* in KS_G_PG_CONNECTIONS (store_open succeeded) */
     bool writer_session; /* store__writer_session: kept across reconnects */
     bool generic_plans;  /* store__generic_plans: kept across reconnects */
+    int lock_timeout_ms; /* store_set_lock_timeout (0: none); kept so */
     bool metric_down; /* counted in KS_G_PG_BROKEN */
     bool notify_pending; /* reconnected while listening: wake the waiter */
     int64_t retry_at_us; /* ks_mono_us: no reconnect attempt before */

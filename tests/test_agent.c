@@ -1528,6 +1528,44 @@ START_TEST(claim_whose_reply_is_lost_runs_once)
 END_TEST
 
 /*
+ * Issue 22 (grey failures): the scanner serves every command's deadline
+ * in turn on one connection, so a stream held by a stalled transaction (a
+ * paused broker's) must fail alone (BROKER_BG_LOCK_TIMEOUT_MS) and not stop
+ * the deadlines behind it. Command a's stream is locked while its deadline
+ * passes; b's deadline passes later and b must still end Undeliverable.
+ * Before, the scanner waited on a's row for as long as the lock was held
+ * and b stayed Dispatched.
+ */
+START_TEST(a_locked_stream_does_not_stop_the_scanner)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char a[37], b[37], st[32];
+
+    /* Known to the broker, then offline: its commands wait for it. */
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-scl", "scl", NULL),
+                     0);
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-scl", 20000), 0);
+    ck_assert_int_eq(fixture_submit(c, "scl", "true", 10000, 1500, a), 0);
+    ck_assert_int_eq(wait_status(pg, a, "Dispatched", 5000), 0);
+    PGconn *lock = lock_stream(a);
+    ck_assert_int_eq(fixture_submit(c, "scl", "true", 10000, 3000, b), 0);
+    if (wait_status(pg, b, "Undeliverable", 30000) != 0)
+        print_events(b);
+    ck_assert_str_eq(status_of(pg, b, st, sizeof(st)), "Undeliverable");
+    /* a's end could not be written while its row was held ... */
+    ck_assert_str_eq(status_of(pg, a, st, sizeof(st)), "Dispatched");
+    unlock_stream(lock);
+    /* ... and is, once it is let go. */
+    if (wait_status(pg, a, "Undeliverable", 30000) != 0)
+        print_events(a);
+    ck_assert_str_eq(status_of(pg, a, st, sizeof(st)), "Undeliverable");
+    PQfinish(pg);
+    evt_close(c);
+}
+END_TEST
+
+/*
  * Issue 22: the agent stops (TERM) while its claim is unanswered, and a
  * restart (same state dir) finds the claim id in its journal: it claims
  * with that id again, and the claim that won (committed after the stop)
@@ -1962,6 +2000,7 @@ agent_suite(void)
     add_stack_test(tc, state_dir_full_refuses_claims);
     add_stack_test(tc, claim_whose_reply_is_lost_runs_once);
     add_stack_test(tc, claim_taken_up_after_a_restart);
+    add_stack_test(tc, a_locked_stream_does_not_stop_the_scanner);
     add_stack_test(tc, cancel_before_the_spawn_is_cancelled);
     add_stack_test(tc, running_command_no_heartbeat_lists_ends_lost);
     add_stack_test(tc, restart_without_state_dir_ends_lost);

@@ -63,7 +63,15 @@ stack_down(const char *h)
 {
     struct fixture_out o;
     const char *args[] = {"down", NULL};
-    stack_stop(h, "fleet", 10000);
+    /* The agents a case started itself (stack_daemon in h), which `kscore
+     * down` does not know of: left running, they outlived the suite (also
+     * after a failed case, whose teardown Check skips: main calls this
+     * for every home). */
+    static const char *const own[] = {"fleet",  "ragent", "oagent",
+                                      "keepdb", "olddb",  "newdb"};
+    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+        if (stack_pidfile_alive(h, own[i], NULL) == 1)
+            stack_stop(h, own[i], 20000);
     /* deploy_files_start_a_cluster's parts */
     stack_stop(h, "dagent", 10000);
     stack_stop(h, "ragent", 10000);
@@ -76,19 +84,29 @@ stack_down(const char *h)
     }
     if (fixture_kscore_home(h, args, &o) == 0)
         fixture_out_release(&o);
+    /* Anything else a case started under a name of its own. */
+    DIR *d = opendir(h);
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        size_t len = strlen(de->d_name);
+        char name[256];
+        if (len <= 4 || len >= sizeof(name) ||
+            strcmp(de->d_name + len - 4, ".pid") != 0)
+            continue;
+        memcpy(name, de->d_name, len - 4);
+        name[len - 4] = '\0';
+        if (stack_pidfile_alive(h, name, NULL) == 1) {
+            fprintf(stderr, "test_cluster: %s still ran after down\n", name);
+            stack_stop(h, name, 10000);
+        }
+    }
+    if (d)
+        closedir(d);
 }
 
 static void
 cl_teardown(void)
 {
-    /* The agents a case started itself (stack_daemon in home), which
-     * `kscore down` does not know of: left running, they outlived the
-     * suite. */
-    static const char *const own[] = {"fleet", "ragent", "oagent",
-                                      "keepdb", "olddb",  "newdb"};
-    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
-        if (stack_pidfile_alive(home, own[i], NULL) == 1)
-            stack_stop(home, own[i], 20000);
     stack_down(home);
 }
 
@@ -2565,7 +2583,9 @@ main(void)
     }
     if (d)
         closedir(d);
-    if (keep && strcmp(keep, "1") == 0) {
+    /* A failed case's logs and record stay for its cause to be found
+     * (issue 22: no flake is noise). */
+    if ((keep && strcmp(keep, "1") == 0) || failed) {
         fprintf(stderr, "test_cluster: kept %s\n", root);
     } else {
         snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
