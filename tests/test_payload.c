@@ -990,6 +990,27 @@ copy_detached_running(const char *src, const char *dest, char id[40])
     sql_text_at(stack.pg.conninfo, sql, id, 40);
 }
 
+/* A file "<stem>.bin" of n random bytes, stored (copied once to
+ * <tmpdir>/<stem>-first.bin), then copied again to dest
+ * (<tmpdir>/<stem>-dest.bin) with the parts locked: the copy runs, its
+ * first fetch held in the broker. Its sha256 in hex, the command's id in
+ * id; the source's path returned. The lock in *lock (parts_unlock). */
+static const char *
+copy_held_running(const char *stem, size_t n, char hex[65], char *dest,
+                  size_t dest_len, char id[40], PGconn **lock)
+{
+    char name[64], first[PATH_MAX + 32];
+    snprintf(name, sizeof(name), "%s.bin", stem);
+    const char *src = put_random(name, n, hex);
+    snprintf(first, sizeof(first), "%s/%s-first.bin", tmpdir, stem);
+    snprintf(dest, dest_len, "%s/%s-dest.bin", tmpdir, stem);
+    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
+    run_ok(&stack, up);
+    *lock = parts_lock();
+    copy_detached_running(src, dest, id);
+    return src;
+}
+
 /* The agent's private directory of command id (its run dir, noted in its
  * state dir, then the id). */
 static void
@@ -1024,17 +1045,12 @@ events_saying(const char *id, const char *type, const char *text)
  * on the parts, so the cancel comes during it, never after. */
 START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
 {
-    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
-        spool[PATH_MAX + 64], sql[160];
-    const char *src = put_random("cx.bin", 3 * 512 * 1024 + 7, hex);
-    snprintf(first, sizeof(first), "%s/cx-first.bin", tmpdir);
-    snprintf(dest, sizeof(dest), "%s/cx-dest.bin", tmpdir);
+    char hex[65], dest[PATH_MAX + 32], id[40], spool[PATH_MAX + 64],
+        sql[160];
     struct fixture_out o;
-    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    run_ok(&stack, up);
-
-    PGconn *lock = parts_lock();
-    copy_detached_running(src, dest, id);
+    PGconn *lock;
+    const char *src = copy_held_running("cx", 3 * 512 * 1024 + 7, hex, dest,
+                                        sizeof(dest), id, &lock);
     spool_of(id, spool, sizeof(spool));
     const char *c[] = {"cancel", id, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, c, &o), 0);
@@ -1109,16 +1125,10 @@ on_refetch(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
  */
 START_TEST(a_copys_agent_fetching_parts_again_is_charged)
 {
-    char hex[65], first[PATH_MAX + 32], dest[PATH_MAX + 32], id[40];
+    char hex[65], dest[PATH_MAX + 32], id[40];
     const size_t size = 100;
-    const char *src = put_random("rf.bin", size, hex);
-    snprintf(first, sizeof(first), "%s/rf-first.bin", tmpdir);
-    snprintf(dest, sizeof(dest), "%s/rf-dest.bin", tmpdir);
-    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    run_ok(&stack, up);
-
-    PGconn *lock = parts_lock();
-    copy_detached_running(src, dest, id);
+    PGconn *lock;
+    copy_held_running("rf", size, hex, dest, sizeof(dest), id, &lock);
     ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent", SIGSTOP), 0);
     parts_unlock(lock);
 
@@ -1218,16 +1228,10 @@ agent_log_says(const char *a, const char *b, int ms)
  * case: PostgreSQL restarts. */
 START_TEST(a_fetch_that_keeps_failing_ends_the_copy_with_its_reason)
 {
-    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
-        sql[200];
-    const char *src = put_random("fx.bin", 4 * 512 * 1024, hex);
-    snprintf(first, sizeof(first), "%s/fx-first.bin", tmpdir);
-    snprintf(dest, sizeof(dest), "%s/fx-dest.bin", tmpdir);
-    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    run_ok(&stack, up);
-
-    PGconn *lock = parts_lock();
-    copy_detached_running(src, dest, id);
+    char hex[65], dest[PATH_MAX + 32], id[40], sql[200];
+    PGconn *lock;
+    copy_held_running("fx", 4 * 512 * 1024, hex, dest, sizeof(dest), id,
+                      &lock);
     ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
     PQfinish(lock); /* its session ended with the server */
     int said = agent_log_says("a copy's fetch failed", id, 60000);
