@@ -469,20 +469,22 @@ broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     } else if (broker__is_method(subj, EVT_API_FETCH)) {
         /* An agent's fetches that fail or ask again for a part it had
          * (fetched_again) share its claims' share (budget.c): past it,
-         * answered busy without the store, so one agent cannot take this
+         * answered busy (or dropped) without the store, so one agent cannot take this
          * thread's time (everyone's uploads and fetches, each identity in
          * its turn: fairq.c) with fetches of made-up copies or the same
          * parts again and again. */
         const char *who = broker__operator_of(msg);
         bool agent = strncmp(who, "agent-", 6) == 0;
-        if (agent && !broker__budget_ask_ok(b, who))
-            broker__reply_error(b, msg, &ks__fetch_reply__descriptor,
-                                KS_EBUSY,
-                                "busy: this agent's claims and fetches that "
-                                "failed or were repeated are past its "
-                                "share: try again later");
-        else if (handle_fetch(b, b->st_blob, msg) != 0 && agent)
+        bool answer = true;
+        if (agent && !broker__budget_ask_ok(b, who, &answer)) {
+            if (answer)
+                broker__reply_error(
+                    b, msg, &ks__fetch_reply__descriptor, KS_EBUSY,
+                    "busy: this agent's claims and fetches that failed or "
+                    "were repeated are past its share: try again later");
+        } else if (handle_fetch(b, b->st_blob, msg) != 0 && agent) {
             broker__budget_ask_failed(b, who);
+        }
     }
     pthread_mutex_unlock(&b->blob_mu);
     free(errmsg);

@@ -634,7 +634,12 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (strncmp(who, "agent-", 6) == 0)
             snprintf(ident, sizeof(ident), "%s", who);
     }
-    if (ident[0] && !broker__budget_ask_ok(b, ident)) {
+    bool answer = true;
+    if (ident[0] && !broker__budget_ask_ok(b, ident, &answer)) {
+        if (!answer) {
+            natsMsg_Destroy(msg);
+            return;
+        }
         r.error_code = KS_EBUSY;
         r.error = "busy: this agent's claims that did not win are past its "
                   "share (1000, then 100 a second): try again later";

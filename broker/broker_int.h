@@ -896,13 +896,18 @@ bool broker__budget_take(struct broker *b, const char *identity,
  * the one thread of everyone's uploads and fetches (blob.c) likewise.
  * Each identity may fail 1000 claims and fetches at once, then 100 a
  * second, per broker; past that they are answered KS_EBUSY at once,
- * without PostgreSQL (an agent asks again, later: agent/runtime.c
+ * without PostgreSQL, at most 100 a second, the others dropped
+ * unanswered (an agent asks again, later: agent/runtime.c
  * claim_answered), and the log says so at most every 10 s. A claim that
  * wins or a fetch served never takes from the share.
  */
 /* true: identity may claim or fetch now; false: past its share of
- * failed ones (logged in summary). Any thread. */
-bool broker__budget_ask_ok(struct broker *b, const char *identity);
+ * failed ones (logged in summary), and *answer says whether to answer
+ * this refusal (busy) or drop it unanswered: at most 100 a second are
+ * answered, so a flood past its share costs no reply per message (the
+ * flood's replies held the others' claims behind them). Any thread. */
+bool broker__budget_ask_ok(struct broker *b, const char *identity,
+                           bool *answer);
 /* A claim of identity did not win (refused, lost, not its command), or
  * its fetch was refused or asked again for a part it had fetched lately
  * (blob.c fetched_again): taken from its share. Any thread. */

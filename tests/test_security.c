@@ -49,7 +49,8 @@ stack_up(void)
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}], \"mallory\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
-               "\"true\"]}]");
+               "\"true\"]}], \"floodop\": [{\"agents\": "
+               "{\"env\": \"dev\"}, \"executables\": [\"true\"]}]");
     /* Operators that may copy (kscore copy's bounds). */
     const char *copiers[] = {"carol", "dave", "filler0", "filler1",
                              "filler2"};
@@ -2404,6 +2405,8 @@ END_TEST
 struct reply_count {
     pthread_mutex_t mu;
     int n;
+    int busy;              /* of them answered KS_EBUSY (error_code 1) */
+    int64_t last_mono_us;  /* when the last came */
 };
 
 static void
@@ -2411,11 +2414,19 @@ on_reply_count(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                void *ud)
 {
     struct reply_count *rc = ud;
+    /* Every reply has error_code as its field 1. */
+    Ks__GetReply *r = ks__get_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
     (void)nc;
     (void)sub;
     pthread_mutex_lock(&rc->mu);
     rc->n++;
+    rc->busy += r && r->error_code == KS_EBUSY;
+    rc->last_mono_us = ks_mono_us();
     pthread_mutex_unlock(&rc->mu);
+    if (r)
+        ks__get_reply__free_unpacked(r, NULL);
     natsMsg_Destroy(msg);
 }
 
@@ -3284,10 +3295,10 @@ get_flood_main(void *arg)
  * with everyone's (only follow's long polls were parked per identity):
  * requests of each kind waited in one queue, so a credential sending
  * faster than the broker answers held every other operator's requests of
- * that kind. Here mallory (whom the policy lets read) sends GetRequests
- * as fast as two connections publish; alice's get, exec and agents are
- * still served, each in her turn (broker/fairq.c), and the broker names
- * mallory for what it dropped.
+ * that kind. Here floodop (whom the policy lets run true) sends
+ * GetRequests as fast as two connections publish; alice's get, exec and
+ * agents are still served, each in her turn (broker/fairq.c), and the
+ * broker names floodop for what it dropped.
  */
 START_TEST(an_operators_flood_waits_its_turn)
 {
@@ -3297,7 +3308,7 @@ START_TEST(an_operators_flood_waits_its_turn)
     int64_t took[6];
     int n = 0;
 
-    operator_seed("mallory", seed, sizeof(seed));
+    operator_seed("floodop", seed, sizeof(seed));
     /* A command of alice's to read during the flood. */
     struct fixture_out o;
     const char *ex[] = {"exec", "--agent", AGENT, "--detach", "--", "echo",
@@ -3309,7 +3320,7 @@ START_TEST(an_operators_flood_waits_its_turn)
     ck_assert_int_eq(wait_status(cid, "Succeeded", 20000), 0);
 
     for (int i = 0; i < 2; i++) {
-        f[i] = (struct claim_flood){.id = "mallory", .seed = seed};
+        f[i] = (struct claim_flood){.id = "floodop", .seed = seed};
         atomic_init(&f[i].stop, false);
         ck_assert_int_eq(pthread_create(&th[i], NULL, get_flood_main, &f[i]),
                          0);
@@ -3340,20 +3351,14 @@ START_TEST(an_operators_flood_waits_its_turn)
             "unserved; alice's requests during it: median %.0f ms, max "
             "%.0f ms\n",
             sent, secs, (double)sent / secs,
-            broker_log_dropped("mallory"),
+            broker_log_dropped("floodop"),
             (double)median_us(took, n) / 1000.0, (double)max / 1000.0);
-    ck_assert_msg(!err, "during mallory's flood of %ld gets: %s", sent,
+    ck_assert_msg(!err, "during floodop's flood of %ld gets: %s", sent,
                   err ? err : "");
-    ck_assert_msg(broker_log_count("requests refused", "mallory") > 0,
+    ck_assert_msg(broker_log_count("requests refused", "floodop") > 0,
                   "the broker did not name the flooder");
-    /* And mallory is served again after it. */
-    char *own = strdup(stack.operator_seed);
-    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", seed);
-    ck_assert_int_eq(fixture_kscore(&stack, agents, &o), 0);
-    snprintf(stack.operator_seed, sizeof(stack.operator_seed), "%s", own);
-    free(own);
-    ck_assert_msg(o.status == 0, "mallory after the flood: %s", o.err);
-    fixture_out_release(&o);
+    /* floodop's own requests wait behind what it queued (up to 16,384
+     * gets, served in its turns): it is not asked here. */
 }
 END_TEST
 
@@ -3414,9 +3419,14 @@ START_TEST(an_agents_lost_claims_are_bounded_rows)
     int64_t deadline = ks_mono_us() + 120 * INT64_C(1000000);
     for (;;) {
         pthread_mutex_lock(&got.mu);
-        int k = got.n;
+        int k = got.n, busy = got.busy;
+        int64_t last = got.last_mono_us;
         pthread_mutex_unlock(&got.mu);
-        if (k == n)
+        /* Past its share the agent's claims are answered busy at most
+         * 100 a second, the others dropped (budget.c): all answered, or
+         * busy ones came and then nothing for 2 s (a claim is answered
+         * in about a millisecond). */
+        if (k == n || (busy && ks_mono_us() - last > 2000000))
             break;
         ck_assert_msg(ks_mono_us() < deadline, "%d of %d claims answered", k,
                       n);
