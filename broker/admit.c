@@ -11,8 +11,9 @@
  *   intake   requests received on kscore.api.v1.execute, not yet taken by
  *            an exec worker: length x the workers' mean time per request
  *            / BROKER_EXEC_WORKERS;
- *   claims   agents' claims pending in the claim subscriptions: their
- *            count x the claim handler's mean time / BROKER_CLAIM_WORKERS;
+ *   claims   agents' claims the claim workers answer before the target
+ *            agent's (each claimer in its turn: fairq.c): their count x
+ *            the claim handler's mean time / BROKER_CLAIM_WORKERS;
  *   agent    commands this broker dispatched to the agent's process (its
  *            pool, or its process's ids: one set of slots) and has not
  *            seen end: beyond its slots (AgentInfo.max_concurrent), each
@@ -314,19 +315,18 @@ broker__admit_ended(struct broker *b, const char *command_id)
 
 /* ---- the waits ----------------------------------------------------------- */
 
-/* Claims pending in the claim subscriptions (nats.c's own count). */
+/* Claims the claim workers answer before one of agent_id's (NULL: of an
+ * agent with none waiting): they serve each claimer in turn (fairq.c),
+ * so a claimer's own backlog counts whole and another's only as far as
+ * round robin puts it ahead. A flood of one agent's claims is no wait
+ * for another's. */
 static int64_t
-claims_pending(struct broker *b)
+claims_pending(struct broker *b, const char *agent_id)
 {
-    int64_t sum = 0;
-    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++) {
-        int msgs = 0;
-        if (b->claimers[i].sub &&
-            natsSubscription_GetPending(b->claimers[i].sub, &msgs, NULL) ==
-                NATS_OK)
-            sum += msgs;
-    }
-    return sum;
+    char who[16 + EVT_AGENT_ID_MAX] = "";
+    if (agent_id)
+        snprintf(who, sizeof(who), "agent-%s", agent_id);
+    return (int64_t)broker__fairq_ahead(b->fq[BROKER_FQ_CLAIM], who);
 }
 
 /*
@@ -408,7 +408,7 @@ broker__admit_check(struct broker *b, const char *agent_id,
     int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
     int64_t start_max_us = deliver_ms ? (int64_t)deliver_ms * 1000
                                       : own_max_us;
-    int64_t claims = claims_pending(b), now = ks_mono_us();
+    int64_t claims = claims_pending(b, agent_id), now = ks_mono_us();
     int rc = 0;
 
     if (own_max_us > start_max_us)
@@ -465,7 +465,7 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
         (int64_t)(deliver_ms ? deliver_ms : BROKER_DELIVER_WITHIN_DEFAULT_MS) *
         1000;
     int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
-    int64_t claims = claims_pending(b), now = ks_mono_us();
+    int64_t claims = claims_pending(b, NULL), now = ks_mono_us();
     pthread_mutex_lock(&a->mu);
     struct admit_q *q = queue_get(a, key, slots);
     bool room = true;

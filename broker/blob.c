@@ -317,8 +317,40 @@ find_file(const Ks__RecordedEvent *rev, void *ud)
     return 0;
 }
 
-/* Answers a fetch: the code it was refused with, or 0 (served, or the
- * store failed: not the agent's doing). */
+/*
+ * The parts fetched lately, by a hash of (command, attempt, file, part):
+ * an agent fetches each part of its copy once (again after a lost reply),
+ * so a part asked for again is charged to the agent's share of claims and
+ * fetches that fail (budget.c): an agent re-fetching its own copy's parts
+ * again and again (each a read of PostgreSQL) is answered busy past its
+ * share, as one fetching made-up copies. 65536 slots (512 KiB,
+ * b->blob_fetched, under blob_mu): a part pushed out by others is charged
+ * no more.
+ */
+#define FETCHED_SLOTS 65536
+
+/* true if this part was fetched lately (and notes it); false too when
+ * there is no memory for the slots. Under blob_mu. */
+static bool
+fetched_again(struct broker *b, const Ks__FetchRequest *req)
+{
+    if (!b->blob_fetched &&
+        !(b->blob_fetched = calloc(FETCHED_SLOTS, sizeof(uint64_t))))
+        return false;
+    uint64_t h = KS_FNV1A_INIT;
+    h = ks_fnv1a(h, req->command_id, strlen(req->command_id) + 1);
+    h = ks_fnv1a(h, &req->attempt, sizeof(req->attempt));
+    h = ks_fnv1a(h, req->sha256.data, req->sha256.len);
+    h = ks_fnv1a(h, &req->part, sizeof(req->part)) | 1;
+    uint64_t *slot = &b->blob_fetched[h & (FETCHED_SLOTS - 1)];
+    bool again = *slot == h;
+    *slot = h;
+    return again;
+}
+
+/* Answers a fetch: the code it was refused with, 1 when it was served but
+ * fetched lately already (fetched_again), or 0 (served, or the store
+ * failed: not the agent's doing). */
 static int
 handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
 {
@@ -391,6 +423,7 @@ handle_fetch(struct broker *b, struct store *st, natsMsg *msg)
     r.data.data = data;
     r.data.len = len;
     evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
+    refused = fetched_again(b, req) ? 1 : 0;
     goto out;
 store_fail:
     broker__store_error(st, rc, why, sizeof(why));
@@ -434,19 +467,24 @@ broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     } else if (broker__is_method(subj, EVT_API_UPLOAD)) {
         handle_upload(b, b->st_blob, msg);
     } else if (broker__is_method(subj, EVT_API_FETCH)) {
-        /* An agent's fetches that fail share its claims' share (budget.c):
-         * past it, answered busy without the store, so one agent cannot
-         * hold this thread (everyone's uploads and fetches) with fetches
-         * of made-up copies. */
+        /* An agent's fetches that fail or ask again for a part it had
+         * (fetched_again) share its claims' share (budget.c): past it,
+         * answered busy (or dropped) without the store, so one agent cannot take this
+         * thread's time (everyone's uploads and fetches, each identity in
+         * its turn: fairq.c) with fetches of made-up copies or the same
+         * parts again and again. */
         const char *who = broker__operator_of(msg);
         bool agent = strncmp(who, "agent-", 6) == 0;
-        if (agent && !broker__budget_ask_ok(b, who))
-            broker__reply_error(b, msg, &ks__fetch_reply__descriptor,
-                                KS_EBUSY,
-                                "busy: this agent's claims and fetches that "
-                                "failed are past its share: try again later");
-        else if (handle_fetch(b, b->st_blob, msg) != 0 && agent)
+        bool answer = true;
+        if (agent && !broker__budget_ask_ok(b, who, &answer)) {
+            if (answer)
+                broker__reply_error(
+                    b, msg, &ks__fetch_reply__descriptor, KS_EBUSY,
+                    "busy: this agent's claims and fetches that failed or "
+                    "were repeated are past its share: try again later");
+        } else if (handle_fetch(b, b->st_blob, msg) != 0 && agent) {
             broker__budget_ask_failed(b, who);
+        }
     }
     pthread_mutex_unlock(&b->blob_mu);
     free(errmsg);

@@ -634,7 +634,12 @@ on_claim(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (strncmp(who, "agent-", 6) == 0)
             snprintf(ident, sizeof(ident), "%s", who);
     }
-    if (ident[0] && !broker__budget_ask_ok(b, ident)) {
+    bool answer = true;
+    if (ident[0] && !broker__budget_ask_ok(b, ident, &answer)) {
+        if (!answer) {
+            natsMsg_Destroy(msg);
+            return;
+        }
         r.error_code = KS_EBUSY;
         r.error = "busy: this agent's claims that did not win are past its "
                   "share (1000, then 100 a second): try again later";
@@ -1542,27 +1547,110 @@ api_guard(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         natsMsg_Destroy(msg);
         return;
     }
-    r->cb(nc, sub, msg, r->ud);
+    (void)nc;
+    (void)sub;
+    /* Served in its sender's turn (fairq.c): one identity's flood waits
+     * in its own queue, and past its bound is dropped here. */
+    broker__fairq_push(r->fq, id, r, msg,
+                       (size_t)natsMsg_GetDataLength(msg));
 }
 
-/* Subscribes cb (behind api_guard) to "<subject>.*", in the brokers'
- * queue group, or (queue NULL) as every broker does. */
+/* A fair queue's worker serves a request of route ctx. */
+static void
+route_serve(void *worker_ud, void *ctx, void *item)
+{
+    struct broker__route *r = ctx;
+    r->cb(r->b->nc->nc, NULL, item, worker_ud ? worker_ud : r->ud);
+}
+
+/*
+ * A request its sender's queue has no room for: dropped unanswered (its
+ * sender asks again after its timeout). Not answered busy: a reply to
+ * each message of a flood doubled what nats-server and this connection
+ * carry for it, and other agents' claims then waited behind the replies
+ * (test_security an_agents_claim_flood_waits_its_turn timed out that
+ * way on 2 cores; dropped, its execs ran).
+ */
+static void
+route_refuse(void *ctx, void *item)
+{
+    (void)ctx;
+    natsMsg_Destroy(item);
+}
+
+/* Starts fair queue which with n workers (uds: theirs, or NULL). */
 static int
-subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
-            const char *queue, natsMsgHandler cb, void *ud, char **errmsg)
+fq_start(struct broker *b, enum broker__fq which, const char *name,
+         unsigned n, struct broker__worker *uds, char **errmsg)
+{
+    void *ud[BROKER_CLAIM_WORKERS];
+    BUG_ON(n > BROKER_CLAIM_WORKERS);
+    for (unsigned i = 0; uds && i < n; i++)
+        ud[i] = &uds[i];
+    struct broker__fairq_opts o = {.name = name,
+                                   .workers = n,
+                                   .worker_ud = uds ? ud : NULL,
+                                   .per_identity = BROKER_FAIRQ_PER_IDENTITY,
+                                   .per_identity_bytes =
+                                       BROKER_FAIRQ_PER_IDENTITY_BYTES,
+                                   .serve = route_serve,
+                                   .refuse = route_refuse};
+    int rc = broker__fairq_start(&o, &b->fq[which]);
+    if (rc && errmsg &&
+        asprintf(errmsg, "%s workers: %s", name, ks_strerror(rc)) < 0)
+        *errmsg = NULL;
+    return rc;
+}
+
+/* The fair queues every API subscription feeds: claims and the asks
+ * again with a worker (and store connection) each as before, every other
+ * kind with one worker (they were one thread each, and the misc kinds
+ * share st_misc under misc_mu). */
+static int
+fq_start_all(struct broker *b, char **errmsg)
+{
+    int rc;
+    if ((rc = fq_start(b, BROKER_FQ_EXECUTE, "execute", 1, NULL, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_EXEC_AGAIN, "execute-again",
+                       BROKER_AGAIN_WORKERS, b->exec_again, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_CLAIM, "claim", BROKER_CLAIM_WORKERS,
+                       b->claimers, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_CLAIM_AGAIN, "claim-again",
+                       BROKER_AGAIN_WORKERS, b->claim_again, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_MISC, "api", 1, NULL, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_BLOB, "upload-fetch", 1, NULL,
+                       errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_FOLLOW, "follow", 1, NULL, errmsg)) ||
+        (rc = fq_start(b, BROKER_FQ_BATCH, "batch", 1, NULL, errmsg)))
+        return rc;
+    return 0;
+}
+
+/* Subscribes cb (behind api_guard, served by fair queue which) to
+ * "<subject>.*", in the brokers' queue group, or in this broker's own
+ * (again: every broker gets each ask again). ud: cb's when the queue's
+ * workers have none. */
+static int
+subscribe_fq(struct broker *b, const char *subject, enum broker__fq which,
+             bool again, natsMsgHandler cb, void *ud, char **errmsg)
 {
     char full[128];
     BUG_ON(b->n_routes >= BROKER_MAX_ROUTES);
+    natsSubscription **sub = &b->route_subs[b->n_routes];
     struct broker__route *route = &b->routes[b->n_routes++];
     route->b = b;
     route->cb = cb;
     route->ud = ud;
+    route->fq = b->fq[which];
+    if (again && !b->again_queue[0])
+        snprintf(b->again_queue, sizeof(b->again_queue), "kscore-again-%s",
+                 b->instance_id);
     snprintf(full, sizeof(full), "%s.*", subject);
-    natsStatus s =
-        queue ? natsConnection_QueueSubscribe(sub, b->nc->nc, full, queue,
-                                              api_guard, route)
-              : natsConnection_Subscribe(sub, b->nc->nc, full, api_guard,
-                                         route);
+    natsStatus s = natsConnection_QueueSubscribe(
+        sub, b->nc->nc, full, again ? b->again_queue : EVT_BROKER_QUEUE,
+        api_guard, route);
+    /* Unbounded here: its thread only sorts each request into its
+     * sender's bounded queue. */
     if (s == NATS_OK)
         s = natsSubscription_SetPendingLimits(*sub, -1, -1);
     if (s != NATS_OK) {
@@ -1575,47 +1663,10 @@ subscribe_q(struct broker *b, natsSubscription **sub, const char *subject,
 }
 
 static int
-subscribe_ud(struct broker *b, natsSubscription **sub, const char *subject,
-             natsMsgHandler cb, void *ud, char **errmsg)
-{
-    return subscribe_q(b, sub, subject, EVT_BROKER_QUEUE, cb, ud, errmsg);
-}
-
-static int
-subscribe(struct broker *b, natsSubscription **sub, const char *subject,
+subscribe(struct broker *b, const char *subject, enum broker__fq which,
           natsMsgHandler cb, char **errmsg)
 {
-    return subscribe_ud(b, sub, subject, cb, b, errmsg);
-}
-
-static int
-subscribe_workers(struct broker *b, struct broker__worker *w, int n,
-                  const char *subject, natsMsgHandler cb, char **errmsg)
-{
-    for (int i = 0; i < n; i++) {
-        int rc = subscribe_ud(b, &w[i].sub, subject, cb, &w[i], errmsg);
-        if (rc)
-            return rc;
-    }
-    return 0;
-}
-
-/* An "ask again" subject: every broker gets each message (a queue group
- * of its own, b->again_queue), one of its BROKER_AGAIN_WORKERS serves it. */
-static int
-subscribe_again(struct broker *b, struct broker__worker *w,
-                const char *subject, natsMsgHandler cb, char **errmsg)
-{
-    if (!b->again_queue[0])
-        snprintf(b->again_queue, sizeof(b->again_queue), "kscore-again-%s",
-                 b->instance_id);
-    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
-        int rc = subscribe_q(b, &w[i].sub, subject, b->again_queue, cb,
-                             &w[i], errmsg);
-        if (rc)
-            return rc;
-    }
-    return 0;
+    return subscribe_fq(b, subject, which, false, cb, b, errmsg);
 }
 
 static void
@@ -1629,28 +1680,15 @@ free_live(const char *key, void *val, void *ud)
 static void
 broker_teardown(struct broker *b)
 {
-    natsSubscription **subs[BROKER_CLAIM_WORKERS + 2 * BROKER_AGAIN_WORKERS +
-                            17];
+    natsSubscription **subs[BROKER_MAX_ROUTES + 2];
     size_t nsubs = 0;
 
-    /* Every worker's subscription: each handler uses the writer and the
-     * store connections closed below. */
-    for (int i = 0; i < BROKER_CLAIM_WORKERS; i++)
-        subs[nsubs++] = &b->claimers[i].sub;
-    for (int i = 0; i < BROKER_AGAIN_WORKERS; i++) {
-        subs[nsubs++] = &b->exec_again[i].sub;
-        subs[nsubs++] = &b->claim_again[i].sub;
-    }
-    {
-        natsSubscription **rest[] = {
-            &b->sub_execute,    &b->sub_misc,       &b->sub_events,
-            &b->sub_cancel,     &b->sub_agents,     &b->sub_follow,
-            &b->sub_batch,      &b->sub_advisory,   &b->sub_list,
-            &b->sub_logs,       &b->sub_notice,     &b->sub_upload,
-            &b->sub_fetch,      &b->sub_label};
-        for (size_t i = 0; i < sizeof(rest) / sizeof(rest[0]); i++)
-            subs[nsubs++] = rest[i];
-    }
+    /* Every API subscription: each feeds a fair queue whose handlers use
+     * the writer and the store connections closed below. */
+    for (int i = 0; i < b->n_routes; i++)
+        subs[nsubs++] = &b->route_subs[i];
+    subs[nsubs++] = &b->sub_advisory;
+    subs[nsubs++] = &b->sub_notice;
 
     b->stopping = 1;
     agent_stop(b->local);
@@ -1666,6 +1704,11 @@ broker_teardown(struct broker *b)
             natsSubscription_Destroy(*subs[i]);
             *subs[i] = NULL;
         }
+    /* What the subscriptions queued is served, then the queues end. */
+    for (int i = 0; i < BROKER_FQ__N; i++) {
+        broker__fairq_stop(b->fq[i]);
+        b->fq[i] = NULL;
+    }
     /* What the intake took in is served before anything below stops. */
     broker__admit_stop(b);
     broker__follow_stop(b);
@@ -1708,6 +1751,7 @@ broker_teardown(struct broker *b)
     broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
     pthread_mutex_destroy(&b->misc_mu);
+    free(b->blob_fetched);
     pthread_mutex_destroy(&b->blob_mu);
     pthread_mutex_destroy(&b->follow_mu);
     pthread_cond_destroy(&b->follow_cond);
@@ -1903,31 +1947,35 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     }
     if ((rc = broker__follow_start(&b)))
         goto out;
-    if ((rc = subscribe(&b, &b.sub_execute, EVT_API_EXECUTE,
+    if ((rc = fq_start_all(&b, errmsg)) ||
+        (rc = subscribe(&b, EVT_API_EXECUTE, BROKER_FQ_EXECUTE,
                         broker__intake_push, errmsg)) ||
-        (rc = subscribe_again(&b, b.exec_again, EVT_API_EXECUTE_AGAIN,
-                              on_execute, errmsg)) ||
-        (rc = subscribe_workers(&b, b.claimers, BROKER_CLAIM_WORKERS,
-                                EVT_API_CLAIM, on_claim, errmsg)) ||
-        (rc = subscribe_again(&b, b.claim_again, EVT_API_CLAIM_AGAIN,
-                              on_claim, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_misc, EVT_API_GET, on_misc, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_events, EVT_API_EVENTS, on_misc,
+        (rc = subscribe_fq(&b, EVT_API_EXECUTE_AGAIN, BROKER_FQ_EXEC_AGAIN,
+                           true, on_execute, NULL, errmsg)) ||
+        (rc = subscribe_fq(&b, EVT_API_CLAIM, BROKER_FQ_CLAIM, false,
+                           on_claim, NULL, errmsg)) ||
+        (rc = subscribe_fq(&b, EVT_API_CLAIM_AGAIN, BROKER_FQ_CLAIM_AGAIN,
+                           true, on_claim, NULL, errmsg)) ||
+        (rc = subscribe(&b, EVT_API_GET, BROKER_FQ_MISC, on_misc, errmsg)) ||
+        (rc = subscribe(&b, EVT_API_EVENTS, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_cancel, EVT_API_CANCEL, on_misc,
+        (rc = subscribe(&b, EVT_API_CANCEL, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_agents, EVT_API_AGENTS, on_misc,
+        (rc = subscribe(&b, EVT_API_AGENTS, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_list, EVT_API_LIST, on_misc, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_label, EVT_API_LABEL, on_misc, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_logs, EVT_API_LOGS, on_misc, errmsg)) ||
-        (rc = subscribe(&b, &b.sub_upload, EVT_API_UPLOAD, broker__on_blob,
+        (rc = subscribe(&b, EVT_API_LIST, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_fetch, EVT_API_FETCH, broker__on_blob,
+        (rc = subscribe(&b, EVT_API_LABEL, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_follow, EVT_API_FOLLOW, on_follow,
+        (rc = subscribe(&b, EVT_API_LOGS, BROKER_FQ_MISC, on_misc,
                         errmsg)) ||
-        (rc = subscribe(&b, &b.sub_batch, EVT_API_BATCH, broker__on_batch,
+        (rc = subscribe(&b, EVT_API_UPLOAD, BROKER_FQ_BLOB, broker__on_blob,
+                        errmsg)) ||
+        (rc = subscribe(&b, EVT_API_FETCH, BROKER_FQ_BLOB, broker__on_blob,
+                        errmsg)) ||
+        (rc = subscribe(&b, EVT_API_FOLLOW, BROKER_FQ_FOLLOW, on_follow,
+                        errmsg)) ||
+        (rc = subscribe(&b, EVT_API_BATCH, BROKER_FQ_BATCH, broker__on_batch,
                         errmsg)) ||
         (rc = broker__advisory_start(&b, errmsg)))
         goto out;

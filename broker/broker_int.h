@@ -100,10 +100,11 @@ struct broker__follower {
  * not reach the client live is read from the record by it). */
 #define BROKER_REMOTE_LIVE_MAX 65536
 
-/* Claims and ExecuteCommand are served by this many queue subscriptions
- * each, every one with its own thread (and a PostgreSQL connection for its
- * reads): each waits for its append's commit, and the appends of all of
- * them in flight share the group writer's commits. */
+/* Claims and ExecuteCommand are served by this many workers each, every
+ * one with its own thread (and a PostgreSQL connection for its reads):
+ * each waits for its append's commit, and the appends of all of them in
+ * flight share the group writer's commits. Claims reach theirs through
+ * a fair queue (fairq.c), ExecuteCommand through the intake (admit.c). */
 #define BROKER_CLAIM_WORKERS 16
 #define BROKER_EXEC_WORKERS 8
 /* How long an ExecuteCommand's record waits for a table lock held
@@ -140,18 +141,32 @@ struct broker__follower {
 
 /* One API subscription: the handler behind the boundary guard (broker.c
  * api_guard: a reply address under the caller's own inbox, else the
- * request is dropped). */
+ * request is dropped), served in turn per identity by fq's workers (with
+ * the worker's own ud, else this ud). */
 struct broker__route {
     struct broker *b;
     natsMsgHandler cb;
     void *ud;
+    struct broker__fairq *fq;
+};
+/* The broker's fair queues (broker.c): which requests share one, and so
+ * its workers and their turns. */
+enum broker__fq {
+    BROKER_FQ_EXECUTE,    /* kscore.api.v1.execute: the intake (1) */
+    BROKER_FQ_EXEC_AGAIN, /* execute-again: exec_again's workers */
+    BROKER_FQ_CLAIM,      /* claim: the claimers */
+    BROKER_FQ_CLAIM_AGAIN, /* claim.again: claim_again's workers */
+    BROKER_FQ_MISC,       /* get, events, cancel, agents, list, label, logs */
+    BROKER_FQ_BLOB,       /* upload and fetch (blob.c) */
+    BROKER_FQ_FOLLOW,     /* follow (parked long polls) */
+    BROKER_FQ_BATCH,      /* batch */
+    BROKER_FQ__N
 };
 #define BROKER_MAX_ROUTES 48
 
 struct broker__worker {
     struct broker *b;
     struct store *st;
-    natsSubscription *sub;
     /* An exec worker: when its command's publish began, 0 while it is
      * not publishing (admission: broker/admit.c stall_note). */
     _Atomic int64_t publishing_us;
@@ -187,10 +202,7 @@ struct broker {
     /* The dispatch records, claims and the recorder's single results are
      * written through it (store.h "the group writer"). */
     struct store_writer *writer;
-    natsSubscription *sub_misc, *sub_events,
-        *sub_cancel, *sub_agents, *sub_follow, *sub_rec, *sub_logs;
-    natsSubscription *sub_list; /* kscore.api.v1.list (history.c) */
-    natsSubscription *sub_label; /* kscore.api.v1.label (labels.c) */
+    natsSubscription *sub_rec;
     pthread_mutex_t misc_mu;    /* st_misc: get, events, cancel */
 
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
@@ -276,6 +288,9 @@ struct broker {
 
     struct broker__route routes[BROKER_MAX_ROUTES];
     int n_routes;
+    /* Every route's subscription; and the fair queues they feed. */
+    natsSubscription *route_subs[BROKER_MAX_ROUTES];
+    struct broker__fairq *fq[BROKER_FQ__N];
     int64_t bad_reply_logged_us; /* rate limit of that log line */
     /* The NATS link answered nothing for BROKER_LINK_TIMEOUT_MS while
      * nats.c said CONNECTED (broker.c link_dead): the broker stops. */
@@ -293,8 +308,6 @@ struct broker {
     struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */
     struct broker__admit *admit;     /* admit.c: in flight, the intake */
-    natsSubscription *sub_execute;   /* kscore.api.v1.execute: the intake */
-    natsSubscription *sub_batch;
     struct store *st_batch;
 
     /* notice.c: ends and batch cancels recorded by another broker. */
@@ -302,9 +315,9 @@ struct broker {
     struct store *st_notice; /* its delivery thread's reads */
     /* blob.c: kscore copy's uploads and fetches, on a store connection of
      * their own (opened at the first), one at a time under blob_mu. */
-    natsSubscription *sub_upload, *sub_fetch;
     struct store *st_blob;
     pthread_mutex_t blob_mu;
+    uint64_t *blob_fetched; /* (blob_mu) the parts fetched lately */
     char instance_id[37];    /* this process in its notices */
     bool notice_on;          /* subscribed: publish notices too */
     /* (mu) command_id -> struct broker__follower *: clients following a
@@ -815,6 +828,60 @@ int broker__batch_view(struct broker *b, struct store *st,
 int broker__admit_report(const struct store_command_state *st,
                          const Ks__Event *ev, const char **why, void *ud);
 
+/* ---- fair queues per identity (fairq.c) ----
+ * A queue of requests served in turn per identity: each identity (the
+ * API subject's last token: agent-<id>, an operator's name) has its own
+ * bounded FIFO; `workers` threads serve the identities with something
+ * queued round robin, one request of each in a round, at most
+ * max(1, workers / 2) of one identity at once. A push past an identity's
+ * bound is refused at once (refuse: the broker drops it unanswered;
+ * counted in kscore_requests_refused_total, one log line per 10 s per
+ * queue). Every API subscription of the broker feeds
+ * one (broker.c api_guard), so one identity's flood of any request never
+ * holds another identity's requests for more than one request per
+ * round of each identity with something queued. */
+struct broker__fairq;
+/* Serves item on a worker thread; worker_ud: that worker's
+ * (broker__fairq_opts.worker_ud), ctx: what push was given. Owns item. */
+typedef void (*broker__fairq_serve_fn)(void *worker_ud, void *ctx,
+                                       void *item);
+struct broker__fairq_opts {
+    const char *name;     /* in the log line: "claim", "api"... */
+    unsigned workers;     /* threads, >= 1 */
+    void *const *worker_ud; /* `workers` entries, or NULL (each NULL) */
+    size_t per_identity;  /* items queued per identity, >= 1 */
+    size_t per_identity_bytes; /* and their bytes (one always fits) */
+    broker__fairq_serve_fn serve;
+    /* Answers and releases an item that is not served (its identity's
+     * queue full), on the pushing thread. */
+    void (*refuse)(void *ctx, void *item);
+};
+/* Requests queued per identity in the broker's API queues, and their
+ * bytes: far more than an honest client has in flight (an agent claims at
+ * most its slots at once, a CLI sends one request at a time; scripts that
+ * send thousands at once and wait for every answer, as test_security's
+ * bounded-rows cases do, are served), little memory per flooder (a
+ * request is a few hundred bytes, an upload's part 512 KiB). */
+#define BROKER_FAIRQ_PER_IDENTITY 16384
+#define BROKER_FAIRQ_PER_IDENTITY_BYTES (64 * 1024 * 1024)
+/* Starts the workers. 0, -ENOMEM or -EAGAIN (no thread); *out is freed
+ * by broker__fairq_stop. */
+int broker__fairq_start(const struct broker__fairq_opts *o,
+                        struct broker__fairq **out);
+/* Queues item (and ctx; bytes: its size) for identity (a string,
+ * copied). 0, or KS_EBUSY: identity's queue is full (or too many
+ * identities): item was given to refuse, counted and summed up in the
+ * log. Any thread; never blocks for longer than a mutex (and refuse). */
+int broker__fairq_push(struct broker__fairq *q, const char *identity,
+                       void *ctx, void *item, size_t bytes);
+/* How many requests the workers serve before a new one of identity
+ * would be (its own queued ones, and of each other identity as many as
+ * round robin puts ahead of it). NULL q: 0. Any thread. */
+size_t broker__fairq_ahead(struct broker__fairq *q, const char *identity);
+/* Serves everything queued, joins the workers and frees q (NULL: none).
+ * After the last push. */
+void broker__fairq_stop(struct broker__fairq *q);
+
 /* ---- annotation rows per identity (budget.c) ----
  * Each identity (agent-<id>, pool-<pool>, operator-<name>, or
  * "unregistered": every agent id the registry has no entry for) may add
@@ -845,15 +912,21 @@ bool broker__budget_take(struct broker *b, const char *identity,
  * the one thread of everyone's uploads and fetches (blob.c) likewise.
  * Each identity may fail 1000 claims and fetches at once, then 100 a
  * second, per broker; past that they are answered KS_EBUSY at once,
- * without PostgreSQL (an agent asks again, later: agent/runtime.c
+ * without PostgreSQL, at most 100 a second, the others dropped
+ * unanswered (an agent asks again, later: agent/runtime.c
  * claim_answered), and the log says so at most every 10 s. A claim that
  * wins or a fetch served never takes from the share.
  */
 /* true: identity may claim or fetch now; false: past its share of
- * failed ones (logged in summary). Any thread. */
-bool broker__budget_ask_ok(struct broker *b, const char *identity);
+ * failed ones (logged in summary), and *answer says whether to answer
+ * this refusal (busy) or drop it unanswered: at most 100 a second are
+ * answered, so a flood past its share costs no reply per message (the
+ * flood's replies held the others' claims behind them). Any thread. */
+bool broker__budget_ask_ok(struct broker *b, const char *identity,
+                           bool *answer);
 /* A claim of identity did not win (refused, lost, not its command), or
- * its fetch was refused: taken from its share. Any thread. */
+ * its fetch was refused or asked again for a part it had fetched lately
+ * (blob.c fetched_again): taken from its share. Any thread. */
 void broker__budget_ask_failed(struct broker *b, const char *identity);
 /* Scanner tick: the summary lines of identities still past their share,
  * and forgets the identities whose share is whole again. */

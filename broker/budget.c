@@ -38,6 +38,9 @@
  * BUDGET_CLAIMS_BURST at once, then BUDGET_CLAIMS_PER_S. */
 #define BUDGET_CLAIMS_BURST 1000.0
 #define BUDGET_CLAIMS_PER_S 100.0
+/* Past its share of claims, an identity's refusals are answered (busy)
+ * at most this often; the others are dropped unanswered. */
+#define BUDGET_ANSWER_US INT64_C(10000)
 /* While an identity is past its share, one log line at most this often. */
 #define BUDGET_LOG_US INT64_C(10000000)
 /* Identities tracked at once; a new one past this is past its share. */
@@ -52,6 +55,7 @@ struct budget_entry {
     double rows, bytes;
     double claims;            /* lost claims it may still make */
     int64_t claims_logged_us; /* the last line about its refused claims */
+    int64_t claims_answered_us; /* the last refusal answered */
     uint64_t claims_refused;  /* since that line */
     int64_t at_us;        /* the buckets' last refill (monotonic) */
     int64_t logged_us;    /* the last line about its drops; 0: none yet */
@@ -171,7 +175,7 @@ log_claims(const char *identity, struct budget_entry *e, int64_t now,
 }
 
 bool
-broker__budget_ask_ok(struct broker *b, const char *identity)
+broker__budget_ask_ok(struct broker *b, const char *identity, bool *answer)
 {
     struct broker__budget *bu = b->budget;
     int64_t now = ks_mono_us();
@@ -190,6 +194,9 @@ broker__budget_ask_ok(struct broker *b, const char *identity)
     ok = e->claims >= 1.0;
     if (!ok) {
         bool first = e->claims_logged_us == 0;
+        *answer = now - e->claims_answered_us >= BUDGET_ANSWER_US;
+        if (*answer)
+            e->claims_answered_us = now;
         e->claims_refused++;
         if (first || now - e->claims_logged_us >= BUDGET_LOG_US)
             log_claims(identity, e, now, first);
@@ -347,10 +354,8 @@ static _Thread_local struct {
 static uint64_t
 id_hash(const char *s)
 {
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h | 1; /* never 0, the empty slot */
+    /* never 0, the empty slot */
+    return ks_fnv1a(KS_FNV1A_INIT, s, strlen(s)) | 1;
 }
 
 int

@@ -228,6 +228,10 @@ void ks_map_each(const struct ks_map *m,
                  void (*fn)(const char *key, void *val, void *ud), void *ud);
 /* Frees the entries (not the values). */
 void ks_map_clear(struct ks_map *m);
+/* FNV-1a of the n bytes at p, going on from h (KS_FNV1A_INIT to
+ * start): ks_map's hash, and the broker's memories of what it saw. */
+#define KS_FNV1A_INIT 1469598103934665603ULL
+uint64_t ks_fnv1a(uint64_t h, const void *p, size_t n);
 
 /* ---- metrics (proto/metrics.c) -------------------------------------------
  * The one registry of kscore's Prometheus metrics, process-wide, so every
@@ -265,6 +269,9 @@ enum ks_counter {
     KS_C_REPORTS_DROPPED,
     KS_C_DENIALS_DROPPED,
     KS_C_REFUSED_BUSY,       /* kscore_refused_busy_total: KS_EBUSY */
+    /* kscore_requests_refused_total: API requests refused busy unserved,
+     * their identity's queue full (broker/fairq.c) */
+    KS_C_REQUESTS_REFUSED,
     KS_C__N
 };
 /* Counters labelled {status="Succeeded"...}, indexed by Ks__CommandStatus. */

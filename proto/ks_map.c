@@ -11,13 +11,19 @@ struct ks_map_entry {
     char key[];
 };
 
+uint64_t
+ks_fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ULL;
+    return h;
+}
+
 static uint64_t
 fnv1a(const char *s)
 {
-    uint64_t h = 1469598103934665603ULL;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
-    return h;
+    return ks_fnv1a(KS_FNV1A_INIT, s, strlen(s));
 }
 
 static int

@@ -123,6 +123,13 @@ static const struct {
                            "kscore's own queues were over their limit): "
                            "nothing recorded, the client may retry.",
                            B},
+    [KS_C_REQUESTS_REFUSED] = {"kscore_requests_refused_total",
+                               "API requests (claims, fetches, operators' "
+                               "requests) dropped unanswered because "
+                               "their sender had 16384 (or 64 MiB) waiting "
+                               "to be served in its turn: one identity "
+                               "flooding. The log names it.",
+                               B},
 };
 
 static const struct {

@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <grp.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
@@ -872,6 +873,32 @@ START_TEST(copy_failures_are_clear_and_leave_nothing)
 }
 END_TEST
 
+/* Part `part` of the file sum of copy id, asked for as identity for agent
+ * (attempt 1) on c: the broker's answer (the caller frees it). */
+static Ks__FetchReply *
+fetch_as(struct evt_conn *c, const char *identity, const char *id,
+         const char *agent, uint8_t sum[32], uint32_t part)
+{
+    Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
+    req.command_id = (char *)id;
+    req.attempt = 1;
+    req.agent_id = (char *)agent;
+    req.sha256.data = sum;
+    req.sha256.len = 32;
+    req.part = part;
+    natsMsg *m = NULL;
+    ck_assert_int_eq(evt_request_as(c, identity, EVT_API_FETCH, &req.base,
+                                    5000, &m),
+                     0);
+    ProtobufCMessage *pm = NULL;
+    ck_assert_int_eq(evt_unpack(&ks__fetch_reply__descriptor,
+                                natsMsg_GetData(m),
+                                (size_t)natsMsg_GetDataLength(m), &pm),
+                     0);
+    natsMsg_Destroy(m);
+    return (Ks__FetchReply *)pm;
+}
+
 /* The fetch API serves a part only to the command's own agent, while the
  * copy runs: not to another id, not after its end. */
 START_TEST(only_the_copys_agent_fetches_while_it_runs)
@@ -896,26 +923,10 @@ START_TEST(only_the_copys_agent_fetches_while_it_runs)
     struct evt_conn *c = fixture_client(&stack);
     const char *who[][2] = {{"agent-other", "other"}, {"agent-" AGENT, AGENT}};
     for (int k = 0; k < 2; k++) {
-        Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
-        req.command_id = id;
-        req.attempt = 1;
-        req.agent_id = (char *)who[k][1];
-        req.sha256.data = sum;
-        req.sha256.len = 32;
-        natsMsg *m = NULL;
-        ck_assert_int_eq(evt_request_as(c, who[k][0], EVT_API_FETCH,
-                                        &req.base, 5000, &m),
-                         0);
-        ProtobufCMessage *pm = NULL;
-        ck_assert_int_eq(evt_unpack(&ks__fetch_reply__descriptor,
-                                    natsMsg_GetData(m),
-                                    (size_t)natsMsg_GetDataLength(m), &pm),
-                         0);
-        Ks__FetchReply *rep = (Ks__FetchReply *)pm;
+        Ks__FetchReply *rep = fetch_as(c, who[k][0], id, who[k][1], sum, 0);
         ck_assert_int_eq(rep->error_code, KS_EDENIED);
         ck_assert_uint_eq(rep->data.len, 0);
         ks__fetch_reply__free_unpacked(rep, NULL);
-        natsMsg_Destroy(m);
     }
     evt_close(c);
 }
@@ -979,6 +990,27 @@ copy_detached_running(const char *src, const char *dest, char id[40])
     sql_text_at(stack.pg.conninfo, sql, id, 40);
 }
 
+/* A file "<stem>.bin" of n random bytes, stored (copied once to
+ * <tmpdir>/<stem>-first.bin), then copied again to dest
+ * (<tmpdir>/<stem>-dest.bin) with the parts locked: the copy runs, its
+ * first fetch held in the broker. Its sha256 in hex, the command's id in
+ * id; the source's path returned. The lock in *lock (parts_unlock). */
+static const char *
+copy_held_running(const char *stem, size_t n, char hex[65], char *dest,
+                  size_t dest_len, char id[40], PGconn **lock)
+{
+    char name[64], first[PATH_MAX + 32];
+    snprintf(name, sizeof(name), "%s.bin", stem);
+    const char *src = put_random(name, n, hex);
+    snprintf(first, sizeof(first), "%s/%s-first.bin", tmpdir, stem);
+    snprintf(dest, dest_len, "%s/%s-dest.bin", tmpdir, stem);
+    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
+    run_ok(&stack, up);
+    *lock = parts_lock();
+    copy_detached_running(src, dest, id);
+    return src;
+}
+
 /* The agent's private directory of command id (its run dir, noted in its
  * state dir, then the id). */
 static void
@@ -1013,17 +1045,12 @@ events_saying(const char *id, const char *type, const char *text)
  * on the parts, so the cancel comes during it, never after. */
 START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
 {
-    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
-        spool[PATH_MAX + 64], sql[160];
-    const char *src = put_random("cx.bin", 3 * 512 * 1024 + 7, hex);
-    snprintf(first, sizeof(first), "%s/cx-first.bin", tmpdir);
-    snprintf(dest, sizeof(dest), "%s/cx-dest.bin", tmpdir);
+    char hex[65], dest[PATH_MAX + 32], id[40], spool[PATH_MAX + 64],
+        sql[160];
     struct fixture_out o;
-    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    run_ok(&stack, up);
-
-    PGconn *lock = parts_lock();
-    copy_detached_running(src, dest, id);
+    PGconn *lock;
+    const char *src = copy_held_running("cx", 3 * 512 * 1024 + 7, hex, dest,
+                                        sizeof(dest), id, &lock);
     spool_of(id, spool, sizeof(spool));
     const char *c[] = {"cancel", id, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, c, &o), 0);
@@ -1048,6 +1075,134 @@ START_TEST(a_copy_cancelled_while_it_fetches_leaves_nothing)
                            NULL};
     run_ok(&stack, again);
     ck_assert(same_bytes(src, dest));
+}
+END_TEST
+
+/* The answers to a burst of fetches, by their index in the reply
+ * subject: the error code, or 1 for a part served whole. */
+#define REFETCHES 3000
+struct refetch {
+    pthread_mutex_t mu;
+    int n;
+    int code[REFETCHES];
+    size_t want_len;
+};
+
+static void
+on_refetch(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
+{
+    struct refetch *r = ud;
+    const char *dot = strrchr(natsMsg_GetSubject(msg), '.');
+    int i = dot ? atoi(dot + 1) : -1;
+    Ks__FetchReply *rep = ks__fetch_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&r->mu);
+    if (rep && i >= 0 && i < REFETCHES) {
+        r->code[i] = rep->error_code ? rep->error_code
+                     : rep->data.len == r->want_len ? 1
+                                                    : KS_EINTERNAL;
+        r->n++;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (rep)
+        ks__fetch_reply__free_unpacked(rep, NULL);
+    natsMsg_Destroy(msg);
+}
+
+/*
+ * Issue 21: an agent may fetch the parts of a copy it runs, each a read of
+ * PostgreSQL by the thread of everyone's uploads and fetches; only fetches
+ * that failed were charged to its share, so one that asked for its own
+ * copy's part again and again was served without end. A part asked for
+ * again is charged now (broker/blob.c fetched_again): past the share it
+ * is answered busy without the store. The agent is stopped meanwhile, so
+ * the copy stays Running (until its heartbeats are missed) and only the
+ * test's fetches (as the agent, at once) are made; the answers are read
+ * in the order they were asked (one sender is served in order).
+ */
+START_TEST(a_copys_agent_fetching_parts_again_is_charged)
+{
+    char hex[65], dest[PATH_MAX + 32], id[40];
+    const size_t size = 100;
+    PGconn *lock;
+    copy_held_running("rf", size, hex, dest, sizeof(dest), id, &lock);
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent", SIGSTOP), 0);
+    parts_unlock(lock);
+
+    uint8_t sum[32];
+    for (int i = 0; i < 32; i++)
+        sscanf(hex + 2 * i, "%2hhx", &sum[i]);
+    static struct refetch r;
+    memset(&r, 0, sizeof(r));
+    pthread_mutex_init(&r.mu, NULL);
+    r.want_len = size;
+    struct evt_conn *c = fixture_client(&stack);
+    natsSubscription *sub = NULL;
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, c->nc,
+                                              "_INBOX.agent-" AGENT ".rf.>",
+                                              on_refetch, &r),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(c->nc);
+    Ks__FetchRequest req = KS__FETCH_REQUEST__INIT;
+    req.command_id = id;
+    req.attempt = 1;
+    req.agent_id = AGENT;
+    req.sha256.data = sum;
+    req.sha256.len = 32;
+    uint8_t *buf;
+    size_t len;
+    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    for (int i = 0; i < REFETCHES; i++) {
+        char reply[96];
+        snprintf(reply, sizeof(reply), "_INBOX.agent-" AGENT ".rf.%d", i);
+        ck_assert_int_eq(natsConnection_PublishRequest(
+                             c->nc, EVT_API_FETCH ".agent-" AGENT, reply, buf,
+                             (int)len),
+                         NATS_OK);
+    }
+    free(buf);
+    natsConnection_Flush(c->nc);
+    /* Past the share at most 100 refusals a second are answered, the
+     * others dropped (budget.c): until all are answered or one is busy
+     * (the answers come in the order asked: all served before it came). */
+    for (int t = 0;; t++) {
+        pthread_mutex_lock(&r.mu);
+        int got = r.n, busy = 0;
+        for (int i = 0; i < REFETCHES && !busy; i++)
+            busy = r.code[i] == KS_EBUSY;
+        pthread_mutex_unlock(&r.mu);
+        if (got == REFETCHES || busy || t == 600)
+            break;
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    }
+    natsSubscription_Destroy(sub);
+    evt_close(c);
+    /* Before any check: the next cases need the agent. */
+    ck_assert_int_eq(fixture_stack_signal_tree(&stack, "agent", SIGCONT), 0);
+    /* In the order asked: served, then (past the share) busy. Before,
+     * all were served while the copy ran, and refused once it ended. */
+    int served = 0;
+    while (served < REFETCHES && r.code[served] == 1)
+        served++;
+    ck_assert_msg(served < REFETCHES,
+                  "%d fetches of the same part served, none answered busy",
+                  served);
+    ck_assert_msg(r.code[served] == KS_EBUSY,
+                  "after %d fetches of the same part served, one answered "
+                  "%d, not busy",
+                  served, r.code[served]);
+    ck_assert_msg(served >= 900, "busy after only %d", served);
+    /* The agent's own copy goes on and ends. */
+    char sql[160];
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
+             "status NOT IN ('Dispatched', 'Running')",
+             id);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, sql, 1, 60000), 1);
 }
 END_TEST
 
@@ -1078,16 +1233,10 @@ agent_log_says(const char *a, const char *b, int ms)
  * case: PostgreSQL restarts. */
 START_TEST(a_fetch_that_keeps_failing_ends_the_copy_with_its_reason)
 {
-    char hex[65], dest[PATH_MAX + 32], first[PATH_MAX + 32], id[40],
-        sql[200];
-    const char *src = put_random("fx.bin", 4 * 512 * 1024, hex);
-    snprintf(first, sizeof(first), "%s/fx-first.bin", tmpdir);
-    snprintf(dest, sizeof(dest), "%s/fx-dest.bin", tmpdir);
-    const char *up[] = {"copy", "--agents", AGENT, src, "--to", first, NULL};
-    run_ok(&stack, up);
-
-    PGconn *lock = parts_lock();
-    copy_detached_running(src, dest, id);
+    char hex[65], dest[PATH_MAX + 32], id[40], sql[200];
+    PGconn *lock;
+    copy_held_running("fx", 4 * 512 * 1024, hex, dest, sizeof(dest), id,
+                      &lock);
     ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
     PQfinish(lock); /* its session ended with the server */
     int said = agent_log_says("a copy's fetch failed", id, 60000);
@@ -1515,6 +1664,7 @@ payload_suite(void)
     tcase_add_test(tc, only_the_copys_agent_fetches_while_it_runs);
     tcase_add_test(tc, a_restarted_agent_removes_what_the_last_run_left);
     tcase_add_test(tc, a_copy_cancelled_while_it_fetches_leaves_nothing);
+    tcase_add_test(tc, a_copys_agent_fetching_parts_again_is_charged);
     /* Last: it stops PostgreSQL for a while. */
     tcase_add_test(tc,
                    a_fetch_that_keeps_failing_ends_the_copy_with_its_reason);
