@@ -2532,7 +2532,9 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     }
     /* A copy's files are stored whole before anything is recorded. */
     if (!req->dry_run &&
-        (rc = broker__check_copy_files(b, req->spec, why, sizeof(why)))) {
+        (rc = broker__check_copy_files(b, req->spec,
+                                       broker__operator_of(msg), why,
+                                       sizeof(why)))) {
         reply_batch_error(b, msg, rc, why);
         goto out;
     }

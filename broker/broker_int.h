@@ -668,14 +668,15 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
 void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                      void *ud);
 /*
- * A copy (sp->copy) names only files uploaded whole (complete, of the size
- * it says): 0, or KS_EINVAL with why naming the file, or a store error.
+ * A copy (sp->copy) of operator op names only files op uploaded whole
+ * (complete, of the size it says; another operator's are as if not
+ * there): 0, or KS_EINVAL with why naming the file, or a store error.
  * Each file is marked used (kept copy_keep from now; while the batch is
  * open, the batch keeps it). Nothing to check without a copy. Takes
  * blob_mu.
  */
 int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
-                             char *why, size_t len);
+                             const char *op, char *why, size_t len);
 /*
  * The scanner's clean-up of kscore copy's files (store_blob_expire, a few
  * short transactions on st): files nobody uploaded or copied for

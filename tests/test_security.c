@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <libpq-fe.h>
+#include <openssl/evp.h>
 
 #include "broker.h"
 #include "events.h"
@@ -51,8 +52,8 @@ stack_up(void)
                "{\"env\": \"dev\"}, \"executables\": [\"sh\", \"echo\", "
                "\"true\"]}]");
     /* Operators that may copy (kscore copy's bounds). */
-    const char *copiers[] = {"carol", "dave", "filler0", "filler1",
-                             "filler2"};
+    const char *copiers[] = {"carol", "dave",    "filler0", "filler1",
+                             "filler2", "ivan", "judy"};
     for (size_t i = 0; i < sizeof(copiers) / sizeof(copiers[0]); i++)
         fprintf(f, ", \"%s\": [{\"agents\": \"*\"}]", copiers[i]);
     fprintf(f, "}}\n");
@@ -3417,6 +3418,154 @@ START_TEST(only_an_operator_who_may_copy_uploads)
 }
 END_TEST
 
+/* One UploadRequest of file sha (size bytes) as op on c: part, data
+ * (len bytes, may be 0) and commit as given; the answer's code, whether
+ * it says complete, its text in why. */
+static int
+upload_one(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
+           uint32_t part, const uint8_t *data, size_t len, bool commit,
+           bool *complete, char *why, size_t why_len)
+{
+    Ks__UploadRequest req = KS__UPLOAD_REQUEST__INIT;
+    ProtobufCMessage *pm = NULL;
+    natsMsg *m = NULL;
+    req.sha256.data = sha;
+    req.sha256.len = 32;
+    req.size = size;
+    req.part = part;
+    req.data.data = (uint8_t *)data;
+    req.data.len = len;
+    req.commit = commit;
+    ck_assert_int_eq(
+        evt_request_as(c, op, EVT_API_UPLOAD, &req.base, 30000, &m), 0);
+    ck_assert_int_eq(evt_unpack(&ks__upload_reply__descriptor,
+                                natsMsg_GetData(m),
+                                (size_t)natsMsg_GetDataLength(m), &pm),
+                     0);
+    natsMsg_Destroy(m);
+    Ks__UploadReply *r = (Ks__UploadReply *)pm;
+    int code = r->error_code;
+    *complete = r->complete;
+    snprintf(why, why_len, "%s", r->error ? r->error : "");
+    ks__upload_reply__free_unpacked(r, NULL);
+    return code;
+}
+
+/* A batch as op that copies file sha (size bytes) to AGENT; the answer's
+ * code, its text in why. */
+static int
+copy_as(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
+        char *why, size_t why_len)
+{
+    char to[PATH_MAX + 32];
+    snprintf(to, sizeof(to), "%s/%s.bin", tmpdir, op);
+    Ks__CopyFile f = KS__COPY_FILE__INIT, *fp = &f;
+    Ks__CopySpec cp = KS__COPY_SPEC__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__BatchRequest br = KS__BATCH_REQUEST__INIT;
+    char *argv[] = {"copy", "f.bin", to}, *agents[] = {AGENT};
+    f.name = "f.bin";
+    f.sha256.data = sha;
+    f.sha256.len = 32;
+    f.size = size;
+    cp.files = &fp;
+    cp.n_files = 1;
+    cp.path = to;
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.copy = &cp;
+    br.spec = &spec;
+    br.agents = agents;
+    br.n_agents = 1;
+    br.detach = 1;
+    natsMsg *m = NULL;
+    ProtobufCMessage *pm = NULL;
+    ck_assert_int_eq(
+        evt_request_as(c, op, EVT_API_BATCH, &br.base, 30000, &m), 0);
+    ck_assert_int_eq(evt_unpack(&ks__batch_reply__descriptor,
+                                natsMsg_GetData(m),
+                                (size_t)natsMsg_GetDataLength(m), &pm),
+                     0);
+    natsMsg_Destroy(m);
+    Ks__BatchReply *r = (Ks__BatchReply *)pm;
+    int code = r->error_code;
+    snprintf(why, why_len, "%s", r->error ? r->error : "");
+    ks__batch_reply__free_unpacked(r, NULL);
+    return code;
+}
+
+/*
+ * Files are stored once, but each operator names only what it uploaded
+ * itself (found attacking as an insider, issue 21): on the old code an
+ * operator who only knew a file's SHA-256 and size (kscore get shows them
+ * to anyone who may read the copy's command) heard that it was stored
+ * (the first question of an upload answered complete) and copied it to
+ * an agent of its own, where it read another operator's file.
+ */
+START_TEST(a_copy_names_only_files_its_operator_uploaded)
+{
+    char why[700], seed[PATH_MAX + 64];
+    const size_t n = 600 * 1024; /* 2 parts */
+    uint8_t *data = fixture_bytes(n, 4242), sha[32];
+    unsigned int md_len = 0;
+    bool complete = false;
+    ck_assert_int_eq(EVP_Digest(data, n, sha, &md_len, EVP_sha256(), NULL),
+                     1);
+    ck_assert_int_eq(upload_as("ivan", n, 4242, why, sizeof(why)), 0);
+    long ivan_held = held_bytes("ivan");
+    ck_assert_int_eq(ivan_held, (long)n);
+
+    operator_seed("judy", seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    /* Her first question: not there, for her. */
+    ck_assert_int_eq(upload_one(c, "judy", sha, n, 0, NULL, 0, true,
+                                &complete, why, sizeof(why)),
+                     0);
+    ck_assert_msg(!complete, "judy was told ivan's file is stored");
+    /* A copy of it is refused, nothing recorded. */
+    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)),
+                     KS_EINVAL);
+    ck_assert_msg(strstr(why, "was uploaded"), "%s", why);
+    /* Its last part alone, right, with the commit: not hers either. */
+    ck_assert_int_eq(upload_one(c, "judy", sha, n, 1,
+                                data + KS_BLOB_PART_BYTES,
+                                n - KS_BLOB_PART_BYTES, true, &complete, why,
+                                sizeof(why)),
+                     0);
+    ck_assert_msg(!complete, "one part made ivan's file judy's");
+    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)),
+                     KS_EINVAL);
+    /* Other bytes under its name: refused, and ivan's file unchanged. */
+    uint8_t *junk = fixture_bytes(KS_BLOB_PART_BYTES, 99);
+    ck_assert_int_eq(upload_one(c, "judy", sha, n, 0, junk,
+                                KS_BLOB_PART_BYTES, false, &complete, why,
+                                sizeof(why)),
+                     KS_EINVAL);
+    free(junk);
+    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
+    /* Sent whole, it is hers too: stored once (nothing charged to her). */
+    bool whole = false;
+    ck_assert_int_eq(fixture_upload(c, "judy", data, n, UINT32_MAX, &whole,
+                                    why, sizeof(why)),
+                     0);
+    ck_assert(whole);
+    ck_assert_int_eq(held_bytes("judy"), 0);
+    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
+    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)), 0);
+    /* And ivan's own copy needs nothing sent again. */
+    evt_close(c);
+    operator_seed("ivan", seed, sizeof(seed));
+    c = connect_as(seed);
+    ck_assert_int_eq(upload_one(c, "ivan", sha, n, 0, NULL, 0, true,
+                                &complete, why, sizeof(why)),
+                     0);
+    ck_assert(complete);
+    ck_assert_int_eq(copy_as(c, "ivan", sha, n, why, sizeof(why)), 0);
+    evt_close(c);
+    free(data);
+}
+END_TEST
+
 struct parallel_upload {
     int k, rc;
     char why[700];
@@ -3639,6 +3788,7 @@ security_suite(void)
     add_only(tc, an_agents_lost_claims_are_bounded_rows);
     add_only(tc, an_agents_made_up_claims_do_not_hold_others);
     add_only(tc, only_an_operator_who_may_copy_uploads);
+    add_only(tc, a_copy_names_only_files_its_operator_uploaded);
     add_only(tc, parallel_uploads_stay_within_the_operators_bound);
     add_only(tc, the_bound_is_checked_where_the_parts_are_written);
     add_only(tc, uploads_stay_within_everyones_bound);
