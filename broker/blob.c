@@ -171,6 +171,20 @@ reply_over(struct broker *b, natsMsg *msg, const char *op,
                         why);
 }
 
+/* Answers an upload whose parts do not make the file it names. */
+static void
+reply_not_the_file(struct broker *b, natsMsg *msg, const char *hex,
+                   uint64_t size)
+{
+    char why[300];
+    snprintf(why, sizeof(why),
+             "the parts sent are not the file of sha256 %s and %llu bytes: "
+             "they were dropped, send it again",
+             hex, (unsigned long long)size);
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_EINVAL,
+                        why);
+}
+
 /* Refuses (answers) a part that is not one of the file's: true then. */
 static bool
 bad_part(struct broker *b, natsMsg *msg, const Ks__UploadRequest *req)
@@ -198,9 +212,13 @@ bad_part(struct broker *b, natsMsg *msg, const Ks__UploadRequest *req)
  * and size, which kscore get shows every reader of a copy, was enough to
  * copy another operator's file to an agent of one's own, and the first
  * question of an upload told whether anyone had stored some content).
- * The first question is answered "not complete", so the client sends
- * every part; each is compared with the stored one (store_blob_prove),
- * and once all were, op owns the file. Answers msg.
+ * Answered as an upload of a file the broker does not have: the first
+ * question "not complete" (within the bounds: store_blob_room), so the
+ * client sends every part; each part "taken", compared with the stored
+ * one and noted (store_blob_prove); the commit complete when all were
+ * the stored bytes (op owns the file from now on, nothing is stored
+ * again), the same refusal as a file whose parts do not make its
+ * SHA-256 when one was not. Answers msg.
  */
 static void
 prove(struct broker *b, struct store *st, natsMsg *msg,
@@ -208,40 +226,35 @@ prove(struct broker *b, struct store *st, natsMsg *msg,
       const char *hex)
 {
     Ks__UploadReply r = KS__UPLOAD_REPLY__INIT;
-    uint32_t n = ks_blob_parts(stored_size);
+    struct store_blob_bounds bounds = bounds_of(b);
+    struct store_blob_refusal over = {0};
+    uint32_t n = ks_blob_parts(req->size);
     char why[600];
     int rc;
 
-    if (req->size != stored_size) {
-        snprintf(why, sizeof(why),
-                 "UploadRequest.size: the file of sha256 %s has %llu bytes, "
-                 "not %llu",
-                 hex, (unsigned long long)stored_size,
-                 (unsigned long long)req->size);
-        broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_EINVAL,
-                            why);
-        return;
+    if (n && req->commit && !req->data.len) {
+        /* The first question, as for a file not there. */
+        rc = store_blob_room(st, req->sha256.data, req->size, op, &bounds,
+                             &over);
+        if (rc == KS_ETOOBIG) {
+            reply_over(b, msg, op, &over, req->size, false);
+            return;
+        }
+        if (rc)
+            goto store_err;
+        goto reply;
     }
-    if (n && req->commit && !req->data.len)
-        goto reply; /* the first question: send it */
     if (n && bad_part(b, msg, req))
         return;
     rc = store_blob_prove(st, req->sha256.data, req->part, req->data.data,
-                          req->data.len, n, op);
+                          req->data.len, n, req->commit,
+                          req->size != stored_size, op);
     if (rc == -EBADMSG) {
-        snprintf(why, sizeof(why),
-                 "the part %u sent is not part %u of the file of sha256 %s "
-                 "and %llu bytes: send it again",
-                 req->part, req->part, hex, (unsigned long long)req->size);
-        broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_EINVAL,
-                            why);
+        reply_not_the_file(b, msg, hex, req->size);
         return;
     }
-    if (rc < 0) {
-        broker__store_error(st, rc, why, sizeof(why));
-        broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
-        return;
-    }
+    if (rc < 0)
+        goto store_err;
     r.complete = rc == 1;
     if (r.complete)
         ks_log(KS_LOG_INFO,
@@ -251,6 +264,10 @@ prove(struct broker *b, struct store *st, natsMsg *msg,
                KS_S("operator", op));
 reply:
     evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
+    return;
+store_err:
+    broker__store_error(st, rc, why, sizeof(why));
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
 }
 
 static void
@@ -346,12 +363,7 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
         }
         if (rc == -EBADMSG) {
             store_blob_drop(st, req->sha256.data, NULL);
-            snprintf(why, sizeof(why),
-                     "the parts sent are not the file of sha256 %s and %llu "
-                     "bytes: they were dropped, send it again",
-                     hex, (unsigned long long)req->size);
-            broker__reply_error(b, msg, &ks__upload_reply__descriptor,
-                                KS_EINVAL, why);
+            reply_not_the_file(b, msg, hex, req->size);
             goto out;
         }
         if (rc)

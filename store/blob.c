@@ -178,7 +178,7 @@ store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 int
 store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                  uint32_t part, const void *data, size_t len, uint32_t n,
-                 const char *operator_)
+                 bool commit, bool bad, const char *operator_)
 {
     struct store__params p = {0};
     int64_t v = 0;
@@ -191,9 +191,11 @@ store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
     store__p_bin(&p, len ? data : "", len);
     store__p_text(&p, operator_);
     store__p_i64(&p, n);
+    store__p_bool(&p, commit);
+    store__p_bool(&p, bad);
     rc = blob_number(s,
                      "SELECT kscore_blob_prove($1, $2::int, $3, $4,"
-                     " $5::int)",
+                     " $5::int, $6::bool, $7::bool)",
                      &p, &v);
     if (rc)
         return rc;

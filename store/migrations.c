@@ -1215,31 +1215,46 @@ static const char migration_14[] =
     "END $$;\n"
     /*
      * Part p_part of the complete file p_sha (p_n parts), sent by p_op
-     * who does not own it yet: -1 when p_data is not that part (or the
-     * file is not complete), else noted; 1 when p_op has now sent every
-     * part (it owns the file from now on), 0 when parts are missing.
-     * p_n = 0 (an empty file): owned at once.
+     * who does not own it yet, answered as a new upload's part would be,
+     * so that it tells nothing of what others stored: noted (a part that
+     * is not the stored one as part -1), and at the commit (p_commit) 1
+     * when p_op has sent every part, each the stored bytes (it owns the
+     * file from now on), -1 when one was not (its notes dropped: send it
+     * again), 0 when parts are missing; 0 before the commit. p_n = 0 (an
+     * empty file): owned at the commit. -1 also when the file is gone;
+     * p_bad: the part is not the file's whatever its bytes (the upload
+     * says another size).
      */
     "CREATE FUNCTION kscore_blob_prove(p_sha bytea, p_part int,\n"
-    "  p_data bytea, p_op text, p_n int) RETURNS int\n"
+    "  p_data bytea, p_op text, p_n int, p_commit bool, p_bad bool)\n"
+    "  RETURNS int\n"
     "LANGUAGE plpgsql AS $$\n"
+    "DECLARE k int := p_part;\n"
     "BEGIN\n"
     "  IF NOT EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
     "    RETURN -1;\n"
     "  END IF;\n"
-    "  IF p_n > 0 THEN\n"
-    "    IF NOT EXISTS (SELECT 1 FROM blob_parts WHERE sha256 = p_sha\n"
-    "                   AND part = p_part AND data = p_data) THEN\n"
-    "      RETURN -1;\n"
-    "    END IF;\n"
+    "  IF p_bad OR (p_n > 0 AND NOT EXISTS (SELECT 1 FROM blob_parts\n"
+    "      WHERE sha256 = p_sha AND part = p_part AND data = p_data)) THEN\n"
+    "    k := -1;\n"
+    "  END IF;\n"
+    "  IF p_n > 0 OR k = -1 THEN\n"
     "    INSERT INTO blob_proofs AS q (sha256, operator, part)\n"
-    "      VALUES (p_sha, p_op, p_part)\n"
+    "      VALUES (p_sha, p_op, k)\n"
     "      ON CONFLICT (sha256, operator, part) DO UPDATE\n"
     "      SET sent_at = now();\n"
-    "    IF (SELECT count(*) FROM blob_proofs WHERE sha256 = p_sha\n"
-    "        AND operator = p_op AND part < p_n) < p_n THEN\n"
-    "      RETURN 0;\n"
-    "    END IF;\n"
+    "  END IF;\n"
+    "  IF NOT p_commit THEN\n"
+    "    RETURN 0;\n"
+    "  END IF;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_proofs WHERE sha256 = p_sha\n"
+    "             AND operator = p_op AND part = -1) THEN\n"
+    "    DELETE FROM blob_proofs WHERE sha256 = p_sha AND operator = p_op;\n"
+    "    RETURN -1;\n"
+    "  END IF;\n"
+    "  IF (SELECT count(*) FROM blob_proofs WHERE sha256 = p_sha\n"
+    "      AND operator = p_op AND part BETWEEN 0 AND p_n - 1) < p_n THEN\n"
+    "    RETURN 0;\n"
     "  END IF;\n"
     "  INSERT INTO blob_owners (sha256, operator) VALUES (p_sha, p_op)\n"
     "    ON CONFLICT DO NOTHING;\n"

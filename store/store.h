@@ -710,12 +710,16 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
  *   named only by who showed it has it); 0 when not stored, or a store
  *   error.
  *  store_blob_prove: part (len bytes of data) of a complete file of n
- *   parts, sent by operator_, who does not own it: 1 when operator_ has
- *   now sent every part, each the same bytes as the stored one (it owns
- *   the file from now on; n = 0: at once), 0 when parts are still
- *   missing, -EBADMSG when data is not that part (or the file is not
- *   stored), or a store error. Nothing is written but the note of which
- *   parts operator_ sent (charged to nobody: kept copy_upload_keep at
+ *   parts, sent by operator_, who does not own it, answered as a new
+ *   upload's part would be (so that it tells nothing of what others
+ *   stored): before the commit 0; at the commit (commit true) 1 when
+ *   operator_ has sent every part, each the same bytes as the stored one
+ *   (it owns the file from now on; n = 0: at once), -EBADMSG when one
+ *   was not (or the file is gone: send it again), 0 when parts are
+ *   missing; or a store error. bad: the part is not the file's whatever
+ *   its bytes (the upload says another size than the stored file's).
+ *   Nothing is written but the note of which
+ *   parts operator_ sent (charged to nobody; kept copy_upload_keep at
  *   most, by store_blob_expire).
  *  store_blob_read: one part, *data_out (malloc'd) and *len_out, and its
  *   version *ver_out (may be NULL; another each time the part is
@@ -764,7 +768,7 @@ int store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                         const char *operator_, uint64_t *size_out);
 int store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                      uint32_t part, const void *data, size_t len, uint32_t n,
-                     const char *operator_);
+                     bool commit, bool bad, const char *operator_);
 int store_blob_read(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                     uint32_t part, uint8_t **data_out, size_t *len_out,
                     uint64_t *ver_out);

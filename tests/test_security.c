@@ -53,7 +53,7 @@ stack_up(void)
                "\"true\"]}]");
     /* Operators that may copy (kscore copy's bounds). */
     const char *copiers[] = {"carol", "dave",    "filler0", "filler1",
-                             "filler2", "ivan", "judy"};
+                             "filler2", "ivan", "judy",   "kim"};
     for (size_t i = 0; i < sizeof(copiers) / sizeof(copiers[0]); i++)
         fprintf(f, ", \"%s\": [{\"agents\": \"*\"}]", copiers[i]);
     fprintf(f, "}}\n");
@@ -3494,56 +3494,86 @@ copy_as(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
     return code;
 }
 
+/* What an operator hears when it uploads, step by step, a file of
+ * data (n bytes, 2 parts, SHA-256 sha) that it does not have whole:
+ * each answer's code and complete flag in out (8 entries). */
+static void
+upload_steps(const char *op, uint8_t *sha, const uint8_t *data, size_t n,
+             int *out)
+{
+    char why[700], seed[PATH_MAX + 64];
+    bool complete = false;
+    operator_seed(op, seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    uint8_t *junk = fixture_bytes(KS_BLOB_PART_BYTES, 99);
+    const uint8_t *last = data + KS_BLOB_PART_BYTES;
+    size_t last_len = n - KS_BLOB_PART_BYTES;
+    /* The first question. */
+    out[0] = upload_one(c, op, sha, n, 0, NULL, 0, true, &complete, why,
+                        sizeof(why));
+    out[1] = complete;
+    /* Its last part, right, with the commit: part 0 is missing. */
+    out[2] = upload_one(c, op, sha, n, 1, last, last_len, true, &complete,
+                        why, sizeof(why));
+    out[3] = complete;
+    /* Other bytes as part 0, then the right last part with the commit. */
+    out[4] = upload_one(c, op, sha, n, 0, junk, KS_BLOB_PART_BYTES, false,
+                        &complete, why, sizeof(why));
+    out[5] = upload_one(c, op, sha, n, 1, last, last_len, true, &complete,
+                        why, sizeof(why));
+    ck_assert_msg(out[5] != 0 || !complete, "%s completed junk", op);
+    if (out[5])
+        ck_assert_msg(strstr(why, "are not the file"), "%s", why);
+    /* A copy of it. */
+    out[6] = copy_as(c, op, sha, n, why, sizeof(why));
+    if (out[6])
+        ck_assert_msg(strstr(why, "was uploaded"), "%s", why);
+    out[7] = 0;
+    free(junk);
+    evt_close(c);
+}
+
 /*
  * Files are stored once, but each operator names only what it uploaded
  * itself (found attacking as an insider, issue 21): on the old code an
  * operator who only knew a file's SHA-256 and size (kscore get shows them
  * to anyone who may read the copy's command) heard that it was stored
  * (the first question of an upload answered complete) and copied it to
- * an agent of its own, where it read another operator's file.
+ * an agent of its own, where it read another operator's file. Now
+ * another operator's file is, to judy, what a file nobody stored is to
+ * kim, answer for answer, until judy sends it whole.
  */
 START_TEST(a_copy_names_only_files_its_operator_uploaded)
 {
     char why[700], seed[PATH_MAX + 64];
     const size_t n = 600 * 1024; /* 2 parts */
     uint8_t *data = fixture_bytes(n, 4242), sha[32];
+    uint8_t *other = fixture_bytes(n, 4343), other_sha[32];
     unsigned int md_len = 0;
     bool complete = false;
     ck_assert_int_eq(EVP_Digest(data, n, sha, &md_len, EVP_sha256(), NULL),
                      1);
+    ck_assert_int_eq(
+        EVP_Digest(other, n, other_sha, &md_len, EVP_sha256(), NULL), 1);
     ck_assert_int_eq(upload_as("ivan", n, 4242, why, sizeof(why)), 0);
     long ivan_held = held_bytes("ivan");
     ck_assert_int_eq(ivan_held, (long)n);
 
+    int stored[8], unknown[8];
+    upload_steps("judy", sha, data, n, stored);
+    upload_steps("kim", other_sha, other, n, unknown);
+    ck_assert_msg(!stored[1], "judy was told ivan's file is stored");
+    ck_assert_int_eq(stored[6], KS_EINVAL); /* no copy of ivan's file */
+    for (int i = 0; i < 8; i++)
+        ck_assert_msg(stored[i] == unknown[i],
+                      "answer %d: %d for ivan's file, %d for one nobody "
+                      "stored",
+                      i, stored[i], unknown[i]);
+    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
+
+    /* Sent whole, it is judy's too: stored once (nothing charged to her). */
     operator_seed("judy", seed, sizeof(seed));
     struct evt_conn *c = connect_as(seed);
-    /* Her first question: not there, for her. */
-    ck_assert_int_eq(upload_one(c, "judy", sha, n, 0, NULL, 0, true,
-                                &complete, why, sizeof(why)),
-                     0);
-    ck_assert_msg(!complete, "judy was told ivan's file is stored");
-    /* A copy of it is refused, nothing recorded. */
-    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)),
-                     KS_EINVAL);
-    ck_assert_msg(strstr(why, "was uploaded"), "%s", why);
-    /* Its last part alone, right, with the commit: not hers either. */
-    ck_assert_int_eq(upload_one(c, "judy", sha, n, 1,
-                                data + KS_BLOB_PART_BYTES,
-                                n - KS_BLOB_PART_BYTES, true, &complete, why,
-                                sizeof(why)),
-                     0);
-    ck_assert_msg(!complete, "one part made ivan's file judy's");
-    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)),
-                     KS_EINVAL);
-    /* Other bytes under its name: refused, and ivan's file unchanged. */
-    uint8_t *junk = fixture_bytes(KS_BLOB_PART_BYTES, 99);
-    ck_assert_int_eq(upload_one(c, "judy", sha, n, 0, junk,
-                                KS_BLOB_PART_BYTES, false, &complete, why,
-                                sizeof(why)),
-                     KS_EINVAL);
-    free(junk);
-    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
-    /* Sent whole, it is hers too: stored once (nothing charged to her). */
     bool whole = false;
     ck_assert_int_eq(fixture_upload(c, "judy", data, n, UINT32_MAX, &whole,
                                     why, sizeof(why)),
@@ -3552,8 +3582,8 @@ START_TEST(a_copy_names_only_files_its_operator_uploaded)
     ck_assert_int_eq(held_bytes("judy"), 0);
     ck_assert_int_eq(held_bytes("ivan"), ivan_held);
     ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)), 0);
-    /* And ivan's own copy needs nothing sent again. */
     evt_close(c);
+    /* And ivan's own copy needs nothing sent again. */
     operator_seed("ivan", seed, sizeof(seed));
     c = connect_as(seed);
     ck_assert_int_eq(upload_one(c, "ivan", sha, n, 0, NULL, 0, true,
@@ -3563,6 +3593,7 @@ START_TEST(a_copy_names_only_files_its_operator_uploaded)
     ck_assert_int_eq(copy_as(c, "ivan", sha, n, why, sizeof(why)), 0);
     evt_close(c);
     free(data);
+    free(other);
 }
 END_TEST
 
