@@ -50,6 +50,18 @@ blob_number(struct store *s, const char *sql, const struct store__params *p,
     return rc;
 }
 
+/* $1..$4 of a part's statements: the file, the part's number, its bytes
+ * and the operator who sent them. */
+static void
+part_params(struct store__params *p, const uint8_t *sha256, uint32_t part,
+            const void *data, size_t len, const char *operator_)
+{
+    store__p_bin(p, sha256, KS_SHA256_BYTES);
+    store__p_i64(p, part);
+    store__p_bin(p, len ? data : "", len);
+    store__p_text(p, operator_);
+}
+
 int
 store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                uint32_t part, const void *data, size_t len,
@@ -62,10 +74,7 @@ store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 
     if ((rc = store__ready(s)))
         return rc;
-    store__p_bin(&p, sha256, KS_SHA256_BYTES);
-    store__p_i64(&p, part);
-    store__p_bin(&p, len ? data : "", len);
-    store__p_text(&p, operator_);
+    part_params(&p, sha256, part, data, len, operator_);
     store__p_i64(&p, (int64_t)bounds->operator_bytes);
     store__p_i64(&p, (int64_t)bounds->total_bytes);
     res = PQexecParams(s->conn,
@@ -186,10 +195,7 @@ store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 
     if ((rc = store__ready(s)))
         return rc;
-    store__p_bin(&p, sha256, KS_SHA256_BYTES);
-    store__p_i64(&p, part);
-    store__p_bin(&p, len ? data : "", len);
-    store__p_text(&p, operator_);
+    part_params(&p, sha256, part, data, len, operator_);
     store__p_i64(&p, n);
     store__p_bool(&p, commit);
     store__p_bool(&p, bad);

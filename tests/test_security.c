@@ -3418,17 +3418,16 @@ START_TEST(only_an_operator_who_may_copy_uploads)
 }
 END_TEST
 
-/* One UploadRequest of file sha (size bytes) as op on c: part, data
+/* One UploadRequest of file sha (size bytes) on c: part, data
  * (len bytes, may be 0) and commit as given; the answer's code, whether
  * it says complete, its text in why. */
 static int
-upload_one(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
+upload_one(struct evt_conn *c, uint8_t *sha, size_t size,
            uint32_t part, const uint8_t *data, size_t len, bool commit,
            bool *complete, char *why, size_t why_len)
 {
     Ks__UploadRequest req = KS__UPLOAD_REQUEST__INIT;
-    ProtobufCMessage *pm = NULL;
-    natsMsg *m = NULL;
+    Ks__UploadReply *r = NULL;
     req.sha256.data = sha;
     req.sha256.len = 32;
     req.size = size;
@@ -3436,14 +3435,10 @@ upload_one(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
     req.data.data = (uint8_t *)data;
     req.data.len = len;
     req.commit = commit;
-    ck_assert_int_eq(
-        evt_request_as(c, op, EVT_API_UPLOAD, &req.base, 30000, &m), 0);
-    ck_assert_int_eq(evt_unpack(&ks__upload_reply__descriptor,
-                                natsMsg_GetData(m),
-                                (size_t)natsMsg_GetDataLength(m), &pm),
+    ck_assert_int_eq(broker_call(c, EVT_API_UPLOAD, &req.base,
+                                 &ks__upload_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
                      0);
-    natsMsg_Destroy(m);
-    Ks__UploadReply *r = (Ks__UploadReply *)pm;
     int code = r->error_code;
     *complete = r->complete;
     snprintf(why, why_len, "%s", r->error ? r->error : "");
@@ -3478,16 +3473,11 @@ copy_as(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
     br.agents = agents;
     br.n_agents = 1;
     br.detach = 1;
-    natsMsg *m = NULL;
-    ProtobufCMessage *pm = NULL;
-    ck_assert_int_eq(
-        evt_request_as(c, op, EVT_API_BATCH, &br.base, 30000, &m), 0);
-    ck_assert_int_eq(evt_unpack(&ks__batch_reply__descriptor,
-                                natsMsg_GetData(m),
-                                (size_t)natsMsg_GetDataLength(m), &pm),
+    Ks__BatchReply *r = NULL;
+    ck_assert_int_eq(broker_call(c, EVT_API_BATCH, &br.base,
+                                 &ks__batch_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
                      0);
-    natsMsg_Destroy(m);
-    Ks__BatchReply *r = (Ks__BatchReply *)pm;
     int code = r->error_code;
     snprintf(why, why_len, "%s", r->error ? r->error : "");
     ks__batch_reply__free_unpacked(r, NULL);
@@ -3509,17 +3499,17 @@ upload_steps(const char *op, uint8_t *sha, const uint8_t *data, size_t n,
     const uint8_t *last = data + KS_BLOB_PART_BYTES;
     size_t last_len = n - KS_BLOB_PART_BYTES;
     /* The first question. */
-    out[0] = upload_one(c, op, sha, n, 0, NULL, 0, true, &complete, why,
+    out[0] = upload_one(c, sha, n, 0, NULL, 0, true, &complete, why,
                         sizeof(why));
     out[1] = complete;
     /* Its last part, right, with the commit: part 0 is missing. */
-    out[2] = upload_one(c, op, sha, n, 1, last, last_len, true, &complete,
+    out[2] = upload_one(c, sha, n, 1, last, last_len, true, &complete,
                         why, sizeof(why));
     out[3] = complete;
     /* Other bytes as part 0, then the right last part with the commit. */
-    out[4] = upload_one(c, op, sha, n, 0, junk, KS_BLOB_PART_BYTES, false,
+    out[4] = upload_one(c, sha, n, 0, junk, KS_BLOB_PART_BYTES, false,
                         &complete, why, sizeof(why));
-    out[5] = upload_one(c, op, sha, n, 1, last, last_len, true, &complete,
+    out[5] = upload_one(c, sha, n, 1, last, last_len, true, &complete,
                         why, sizeof(why));
     ck_assert_msg(out[5] != 0 || !complete, "%s completed junk", op);
     if (out[5])
@@ -3586,7 +3576,7 @@ START_TEST(a_copy_names_only_files_its_operator_uploaded)
     /* And ivan's own copy needs nothing sent again. */
     operator_seed("ivan", seed, sizeof(seed));
     c = connect_as(seed);
-    ck_assert_int_eq(upload_one(c, "ivan", sha, n, 0, NULL, 0, true,
+    ck_assert_int_eq(upload_one(c, sha, n, 0, NULL, 0, true,
                                 &complete, why, sizeof(why)),
                      0);
     ck_assert(complete);
@@ -3801,18 +3791,11 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
     req.deliver_within_ms = 24 * 3600 * 1000;
     int taken = 0, refused = 0;
     for (int i = 0; i < N; i++) {
-        natsMsg *m = NULL;
-        ProtobufCMessage *pm = NULL;
-        ck_assert_int_eq(
-            evt_request_as(c, "mallory", EVT_API_EXECUTE, &req.base, 30000,
-                           &m),
-            0);
-        ck_assert_int_eq(evt_unpack(&ks__execute_reply__descriptor,
-                                    natsMsg_GetData(m),
-                                    (size_t)natsMsg_GetDataLength(m), &pm),
+        Ks__ExecuteReply *r = NULL;
+        ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
+                                     &ks__execute_reply__descriptor, 30000,
+                                     (ProtobufCMessage **)&r),
                          0);
-        natsMsg_Destroy(m);
-        Ks__ExecuteReply *r = (Ks__ExecuteReply *)pm;
         if (r->error_code == 0)
             taken++;
         else
@@ -3842,18 +3825,13 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
     ok.spec = &okspec;
     ok.agent_id = AGENT;
     ok.detach = 1;
-    natsMsg *m = NULL;
-    ProtobufCMessage *pm = NULL;
-    ck_assert_int_eq(evt_request_as(alice, OPERATOR, EVT_API_EXECUTE,
-                                    &ok.base, 30000, &m),
+    Ks__ExecuteReply *r = NULL;
+    ck_assert_int_eq(broker_call(alice, EVT_API_EXECUTE, &ok.base,
+                                 &ks__execute_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
                      0);
-    ck_assert_int_eq(evt_unpack(&ks__execute_reply__descriptor,
-                                natsMsg_GetData(m),
-                                (size_t)natsMsg_GetDataLength(m), &pm),
-                     0);
-    natsMsg_Destroy(m);
-    ck_assert_int_eq(((Ks__ExecuteReply *)pm)->error_code, 0);
-    ks__execute_reply__free_unpacked((Ks__ExecuteReply *)pm, NULL);
+    ck_assert_int_eq(r->error_code, 0);
+    ks__execute_reply__free_unpacked(r, NULL);
     evt_close(alice);
     evt_close(admin);
     ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
