@@ -2583,7 +2583,9 @@ main(void)
     }
     if (d)
         closedir(d);
-    if (keep && strcmp(keep, "1") == 0) {
+    /* A failed case's logs and record stay for its cause to be found
+     * (issue 22: no flake is noise). */
+    if ((keep && strcmp(keep, "1") == 0) || failed) {
         fprintf(stderr, "test_cluster: kept %s\n", root);
     } else {
         snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
