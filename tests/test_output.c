@@ -845,6 +845,44 @@ START_TEST(each_byte_of_output_is_kept_once)
 }
 END_TEST
 
+/*
+ * FINDING (helper attack2, issue 21 tried again; medium; NOT FIXED, so
+ * left out of the build): a command's own agent may store output up to
+ * the largest cap (EXEC_OUTPUT_CAP_MAX, 1 GiB per stream), whatever cap
+ * the command has: `sleep` run with the default cap of 1 MiB took pieces
+ * at 2 MiB and 512 MiB (2000 bytes kept; and
+ * each_byte_of_output_is_kept_once keeps pieces at 1 MiB). So one agent credential puts 2 GiB into command_output for
+ * every command it runs, 1000 times what the operator allowed. Wanted:
+ * broker__admit_output checks a piece against the command's own caps
+ * (stdout_cap_bytes / stderr_cap_bytes of its CommandRequested, 0: the
+ * default), which store_command_state would carry (the commands
+ * projection keeps the spec).
+ */
+#if 0
+START_TEST(no_output_is_kept_past_the_commands_cap)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], sql[512], a[1001];
+    memset(a, 'a', 1000);
+    a[1000] = '\0';
+    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    wait_status(id, "Running");
+    /* Its cap is the default, 1 MiB: these are past it. Its agent's
+     * result comes after them on the same subject, so once the command
+     * has ended they have been decided. */
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)2 << 20, a);
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)512 << 20, a);
+    wait_status(id, "Succeeded");
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(sum(length(data)), 0) FROM command_output "
+             "WHERE command_id = '%s'",
+             id);
+    ck_assert_int_eq(sql_long(sql), 0);
+    evt_close(c);
+}
+END_TEST
+#endif
+
 /* ---- Fleet case F01: NUL and broken UTF-8 everywhere -------------------
  *
  * shared/cases/fleet-cases.md F01 (mozilla/mig#180, kestra-io/kestra#10653:
@@ -1090,6 +1128,9 @@ output_suite(void)
     tcase_add_test(tc, batch_stream_prints_agent_lines);
     tcase_add_test(tc, agent_cannot_inject_output);
     tcase_add_test(tc, each_byte_of_output_is_kept_once);
+#if 0 /* the finding above no_output_is_kept_past_the_commands_cap */
+    tcase_add_test(tc, no_output_is_kept_past_the_commands_cap);
+#endif
     tcase_add_test(tc, fleet_case_f01_bytes_come_back_exactly);
     suite_add_tcase(s, tc);
     return s;
