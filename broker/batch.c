@@ -529,9 +529,13 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     d->ev.event_id = d->id;
     t->status = KS__COMMAND_STATUS__DISPATCHED;
     bt->running++;
-    if (p->b)
-        broker__admit_dispatched(p->b, t->command_id, t->agent_id,
-                                 cmd->not_after_us, bt->req->spec->timeout_ms);
+    if (p->b) {
+        broker__output_caps_note(p->b, t->command_id, bt->req->spec);
+        broker__admit_dispatched(p->b, t->command_id, cmd->operator_,
+                                 t->agent_id, cmd->not_after_us,
+                                 bt->req->spec->timeout_ms,
+                                 broker__cmd_bytes(cmd));
+    }
     return plan_publish(p, cmd);
 }
 

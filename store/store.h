@@ -332,6 +332,25 @@ int store_wait_notify(struct store *s, int timeout_ms);
  */
 int store_replay(struct store *s, int64_t *events_out, char **errmsg);
 
+/* One command not ended yet, and the bytes its operator asked for. */
+struct store_open_request {
+    char command_id[37];
+    const char *operator_name; /* valid during the callback */
+    uint64_t request_bytes;    /* its CommandRequested event's data */
+    int64_t deliver_by_us;     /* 0: none */
+};
+typedef int (*store_open_request_fn)(const struct store_open_request *r,
+                                     void *ud);
+/*
+ * Every command not ended (Pending, Dispatched, Running: the partial index
+ * commands_open), each with its operator and the size of its request as
+ * recorded (the packed event of its CommandRequested, bytes): what the
+ * broker's share of each operator's commands counts at its start
+ * (broker/admit.c). cb runs on the calling thread; non-zero stops and is
+ * returned. Returns 0 or KS_EPG.
+ */
+int store_open_requests(struct store *s, store_open_request_fn cb, void *ud);
+
 /* One open command, as the deadline scanner sees it. */
 struct store_command_ref {
     char command_id[37];

@@ -3742,24 +3742,21 @@ START_TEST(uploads_stay_within_everyones_bound)
 END_TEST
 
 /*
- * FINDING (helper attack2, issue 21 tried again; high; NOT FIXED, so left
- * out of the build): an operator's commands have no share of
- * KSCORE_CMDS (or of the record). mallory, whom the policy lets run only
- * sh, echo and true on env=dev agents, sends ExecuteRequests of 900 KB
- * (echo and 7 arguments of 128,000 bytes, each within the field rules)
- * to a dev agent that is offline, with deliver_within 24 h: by hand 300
- * of them put 269 MB in KSCORE_CMDS in 8.5 s (32 MB/s from one Python
- * client). The stream has no max_bytes and no max_age, and a work queue
- * keeps a message until its consumer acks it: for good if the agent never
- * comes back (the command itself ends Undeliverable). A full JetStream
- * store refuses every publish (everyone's commands and results), and
- * PostgreSQL keeps each request as well. Wanted: each operator's
- * commands that wait unacked in the stream (bytes) within a share,
- * past it refused busy and named, while other operators' still get in;
- * and KSCORE_CMDS bounded in bytes and age (a command past its
- * not_after is refused by its agent anyway).
+ * Issue 21 tried again (helper attack2; high): an operator's commands had
+ * no share of KSCORE_CMDS (or of the record). mallory, whom the policy
+ * lets run only sh, echo and true on env=dev agents, sends
+ * ExecuteRequests of 900 KB (echo and 7 arguments of 128,000 bytes, each
+ * within the field rules) to a dev agent that is offline, with
+ * deliver_within 24 h: by hand 300 of them put 269 MB in KSCORE_CMDS in
+ * 8.5 s, kept until the agent acks them (the stream had no max_bytes and
+ * no max_age; a work queue keeps a message until it is acked), and a
+ * full JetStream store refuses every publish. Now each operator's
+ * commands not ended hold at most cmds_operator_mib (64 MiB) of the
+ * broker's share (broker__admit_take): past it refused busy, named,
+ * nothing recorded; another operator's command still gets in; a broker
+ * started again counts them from the record; and the stream itself is
+ * bounded (EVT_CMDS_MAX_BYTES, discard new; EVT_CMDS_MAX_AGE_MS).
  */
-#if 0
 START_TEST(an_operator_cannot_fill_the_commands_stream)
 {
     enum { N = 300, ARGS = 7, ARG = 128000 };
@@ -3790,20 +3787,22 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
     req.detach = 1;
     req.deliver_within_ms = 24 * 3600 * 1000;
     int taken = 0, refused = 0;
+    char first_why[1024] = "";
     for (int i = 0; i < N; i++) {
         Ks__ExecuteReply *r = NULL;
         ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
                                      &ks__execute_reply__descriptor, 30000,
                                      (ProtobufCMessage **)&r),
                          0);
-        if (r->error_code == 0)
+        if (r->error_code == 0) {
             taken++;
-        else
-            refused++;
+        } else {
+            ck_assert_int_eq(r->error_code, KS_EBUSY);
+            if (!refused++)
+                snprintf(first_why, sizeof(first_why), "%s", r->error);
+        }
         ks__execute_reply__free_unpacked(r, NULL);
     }
-    free(big);
-    evt_close(c);
     ck_assert_int_eq(
         js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
         NATS_OK);
@@ -3815,6 +3814,11 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
                   "refused)",
                   (unsigned long long)held, EVT_STREAM_CMDS, taken, refused);
     ck_assert_int_gt(refused, 0);
+    /* Refused by name, with the figures. */
+    ck_assert_msg(strstr(first_why, "cmds_operator_mib") &&
+                      strstr(first_why, "'mallory'") &&
+                      strstr(first_why, "nothing was recorded"),
+                  "%s", first_why);
     /* Another operator's command still gets in. */
     struct evt_conn *alice = connect_as(stack.operator_seed);
     Ks__ExecuteRequest ok = KS__EXECUTE_REQUEST__INIT;
@@ -3833,11 +3837,35 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
     ck_assert_int_eq(r->error_code, 0);
     ks__execute_reply__free_unpacked(r, NULL);
     evt_close(alice);
+    /* A broker started again counts mallory's open commands from the
+     * record: still refused. */
+    evt_close(c);
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 1), 0);
+    c = connect_as(seed);
+    r = NULL;
+    ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
+                                 &ks__execute_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
+                     0);
+    ck_assert_int_eq(r->error_code, KS_EBUSY);
+    ck_assert_msg(strstr(r->error, "cmds_operator_mib"), "%s", r->error);
+    ks__execute_reply__free_unpacked(r, NULL);
+    free(big);
+    evt_close(c);
+    /* The stream's own bounds. */
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    ck_assert_int_eq(si->Config->MaxBytes, EVT_CMDS_MAX_BYTES);
+    ck_assert_int_eq(si->Config->Discard, js_DiscardNew);
+    ck_assert_int_eq(si->Config->MaxAge,
+                     (int64_t)EVT_CMDS_MAX_AGE_MS * 1000000);
+    jsStreamInfo_Destroy(si);
     evt_close(admin);
     ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
 }
 END_TEST
-#endif
 
 START_TEST(only_brokers_publish_notices)
 {
@@ -3908,9 +3936,7 @@ security_suite(void)
     add_only(tc, an_agents_made_up_claims_do_not_hold_others);
     add_only(tc, only_an_operator_who_may_copy_uploads);
     add_only(tc, a_copy_names_only_files_its_operator_uploaded);
-#if 0 /* the finding above an_operator_cannot_fill_the_commands_stream */
     add_only(tc, an_operator_cannot_fill_the_commands_stream);
-#endif
     add_only(tc, parallel_uploads_stay_within_the_operators_bound);
     add_only(tc, the_bound_is_checked_where_the_parts_are_written);
     add_only(tc, uploads_stay_within_everyones_bound);
