@@ -252,6 +252,20 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     return 0;
 }
 
+/* A refused request whose idempotency key names a command of its
+ * operator's joins that command (attach_existing). 0 when it did (the
+ * request is answered), else non-zero. */
+static int
+join_by_key(struct broker *b, struct store *st, natsMsg *msg,
+            const Ks__ExecuteRequest *req)
+{
+    char winner[37];
+    if (store_command_by_key(st, broker__operator_of(msg),
+                             req->idempotency_key, winner) != 0)
+        return -1;
+    return attach_existing(b, st, msg, winner, req->detach, req->spec);
+}
+
 static void
 on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -345,12 +359,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (req->key_may_exist && req->idempotency_key[0] &&
         broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
                             sizeof(why)) == KS_EBUSY) {
-        char winner[37];
-        if (store_command_by_key(st, broker__operator_of(msg),
-                                 req->idempotency_key, winner) == 0 &&
-            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
-            goto out;
-        reply_execute_error(b, msg, KS_EBUSY, "%s", why);
+        if (join_by_key(b, st, msg, req) != 0)
+            reply_execute_error(b, msg, KS_EBUSY, "%s", why);
         goto out;
     }
 
@@ -391,7 +401,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if ((rc = broker__admit_take(b, command_id, cmd.operator_,
                                  broker__cmd_bytes(&cmd), cmd.not_after_us,
                                  why, sizeof(why)))) {
-        reply_execute_error(b, msg, rc, "%s", why);
+        /* An ask again of a command accepted before joins it. */
+        if (!req->idempotency_key[0] || join_by_key(b, st, msg, req) != 0)
+            reply_execute_error(b, msg, rc, "%s", why);
         goto out;
     }
 

@@ -100,8 +100,9 @@
 #define EVT_DELIVER_WITHIN_MAX_MS 86400000
 /*
  * The most KSCORE_CMDS holds (bytes), with discard new: past it a
- * publish is refused (the broker's publish of a command fails, and the
- * command is refused or tried again), nothing stored is dropped. Each
+ * publish is refused (the broker's publish of a command fails: its
+ * deadline scanner publishes it again, or ends it Undeliverable), nothing
+ * stored is dropped. Each
  * operator's share of it is the broker's (cmds_operator_mib,
  * broker__admit_take). And how long a command waits there at most (ms):
  * just over the longest delivery deadline, after which its agent would

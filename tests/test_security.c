@@ -3838,8 +3838,24 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
     ks__execute_reply__free_unpacked(r, NULL);
     evt_close(alice);
     /* A broker started again counts mallory's open commands from the
-     * record: still refused. */
+     * record: still refused. And it bounds a stream made before the
+     * bounds (as an older kscore made it), in place. */
     evt_close(c);
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    {
+        jsStreamInfo *old = NULL;
+        si->Config->MaxBytes = -1;
+        si->Config->Discard = js_DiscardOld;
+        si->Config->MaxAge = 0;
+        ck_assert_int_eq(js_UpdateStream(&old, admin->js, si->Config, NULL,
+                                         NULL),
+                         NATS_OK);
+        ck_assert_int_eq(old->Config->MaxBytes, -1);
+        jsStreamInfo_Destroy(old);
+    }
+    jsStreamInfo_Destroy(si);
     fixture_stack_broker_kill(&stack, SIGTERM);
     ck_assert_int_eq(fixture_stack_broker_start(&stack, 1), 0);
     c = connect_as(seed);
