@@ -925,6 +925,30 @@ START_TEST(no_output_is_kept_past_the_commands_cap)
 }
 END_TEST
 
+/* A broker started again while the command runs reads its caps from its
+ * request in the record: the pieces past them are refused all the same
+ * (the broker that recorded the command had them in memory). */
+START_TEST(the_caps_hold_after_a_broker_restart)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], a[1001];
+    memset(a, 'a', 1000);
+    a[1000] = '\0';
+    submit_capped(c, "sleep 8", 4096, id);
+    wait_status(id, "Running");
+    evt_close(c);
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 2), 0);
+    c = fixture_client(&stack);
+    publish_piece_at(c, AGENT, id, 1, 0, a);                 /* kept */
+    publish_piece_at(c, AGENT, id, 1, 4000, a);       /* crosses 4096 */
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a);  /* past */
+    wait_status(id, "Succeeded");
+    kept_and_past_cap(id, 1000, 2);
+    evt_close(c);
+}
+END_TEST
+
 /* ---- Fleet case F01: NUL and broken UTF-8 everywhere -------------------
  *
  * shared/cases/fleet-cases.md F01 (mozilla/mig#180, kestra-io/kestra#10653:
@@ -1171,6 +1195,7 @@ output_suite(void)
     tcase_add_test(tc, agent_cannot_inject_output);
     tcase_add_test(tc, each_byte_of_output_is_kept_once);
     tcase_add_test(tc, no_output_is_kept_past_the_commands_cap);
+    tcase_add_test(tc, the_caps_hold_after_a_broker_restart);
     tcase_add_test(tc, fleet_case_f01_bytes_come_back_exactly);
     suite_add_tcase(s, tc);
     return s;
