@@ -398,9 +398,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 
     /* Its operator's share of the commands stream (admit.c): counted
      * from here until its end, or refused before anything is recorded. */
-    if ((rc = broker__admit_take(b, command_id, cmd.operator_,
-                                 broker__cmd_bytes(&cmd), cmd.not_after_us,
-                                 why, sizeof(why)))) {
+    uint64_t cmd_bytes = broker__cmd_bytes(&cmd);
+    if ((rc = broker__admit_take(b, command_id, cmd.operator_, cmd_bytes,
+                                 cmd.not_after_us, why, sizeof(why)))) {
         /* An ask again of a command accepted before joins it. */
         if (!req->idempotency_key[0] || join_by_key(b, st, msg, req) != 0)
             reply_execute_error(b, msg, rc, "%s", why);
@@ -456,7 +456,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * come before the append returns. */
     broker__admit_dispatched(b, command_id, cmd.operator_, cmd.agent_id,
                              cmd.not_after_us, req->spec->timeout_ms,
-                             broker__cmd_bytes(&cmd));
+                             cmd_bytes);
     struct store_write wr = {.stream_id = stream,
                              .expected_version = STORE_NO_STREAM,
                              .events = evs,
