@@ -851,20 +851,12 @@ static void
 submit_capped(struct evt_conn *c, const char *script, uint32_t cap,
               char id[37])
 {
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
     Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-    Ks__ExecuteReply *rep = NULL;
     char *argv[] = {"sh", "-c", (char *)script};
     spec.argv = argv;
     spec.n_argv = 3;
     spec.stdout_cap_bytes = cap;
-    req.spec = &spec;
-    req.agent_id = AGENT;
-    req.detach = 1;
-    ck_assert_int_eq(broker_execute(c, &req, 5000, &rep), 0);
-    ck_assert_int_eq(rep->error_code, 0);
-    snprintf(id, 37, "%s", rep->command_id);
-    ks__execute_reply__free_unpacked(rep, NULL);
+    ck_assert_int_eq(fixture_submit_spec(c, AGENT, &spec, 0, NULL, id), 0);
 }
 
 /* Bytes of id's output kept, and its pieces refused as past its cap. */
