@@ -250,6 +250,11 @@ struct broker {
      * recorder to take what the event stream held when that was seen.
      * Scanner thread only. */
     struct ks_map unlisted;
+    /* scanner.c: the claim (claiming process, first heartbeat that must
+     * list it) of each Running command on a heartbeating agent, read once
+     * from its stream: a claim never changes (command id -> struct
+     * scan_claim *). Scanner thread only. */
+    struct ks_map scan_claims;
     struct broker__worker claimers[BROKER_CLAIM_WORKERS];
     struct broker__worker executors[BROKER_EXEC_WORKERS];
     /* kscore.api.v1.execute-again: every broker gets each ask (a client

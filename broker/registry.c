@@ -1284,6 +1284,28 @@ registry_main(void *arg)
             server_mono = last_entry;
         }
         int64_t heard = server_mono - (server_us - put_us);
+        /* A put the bucket took after this broker's first failed beacon
+         * (anyone's: an agent's heartbeat, another broker's beacon) says
+         * it takes puts again, from then: this broker's own next beacon
+         * comes up to a beacon timeout and a re-watch later, and each
+         * second of that was counted as outage, forgiven to every agent
+         * heard before it (broker__heard_locked: F04's stopped agent stayed
+         * online 18 s on after an election of 6 s). Initial values of a new
+         * watch are older than the failure and change nothing. */
+        if (!beacon_ok && first_fail_us && heard > first_fail_us) {
+            pthread_mutex_lock(&b->mu);
+            b->reg_up_mono_us = heard;
+            b->reg_outage_us = heard - first_fail_us;
+            b->reg_beacon_ok = true;
+            pthread_mutex_unlock(&b->mu);
+            beacon_ok = true;
+            beacon_at = ks_mono_us(); /* the next beacon in its period */
+            ks_log(KS_LOG_INFO,
+                   "the agent registry takes heartbeats again (a put it "
+                   "took): silences count from then",
+                   KS_S("module", "registry"), KS_S("key", kvEntry_Key(e)),
+                   KS_I("outage_ms", (heard - first_fail_us) / 1000));
+        }
         if (strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
                     strlen(BROKER_BEACON_PREFIX)) == 0) {
             /* a broker's beacon: who serves (broker__guard_owner) */
