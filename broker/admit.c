@@ -100,6 +100,7 @@ struct admit_cmd {
     int64_t claimed_mono_us; /* 0: not seen claimed */
     int64_t expires_mono_us;
     uint64_t bytes; /* counted in its operator's share (struct admit_op) */
+    bool loaded;    /* from the record at the start (broker__admit_load) */
     char id[37];
     char op[EVT_IDENTITY_MAX + 1];
 };
@@ -123,6 +124,7 @@ struct broker__admit {
     struct ks_map cmds;   /* command id -> struct admit_cmd * */
     struct ks_map queues; /* queue key -> struct admit_q * */
     struct ks_map ops;    /* operator -> struct admit_op * */
+    size_t nloaded;       /* entries with loaded set */
     struct admit_cmd *head, *tail;
     size_t n;
     double exec_us, claim_us; /* mean handler times, 0: none yet */
@@ -168,6 +170,8 @@ unlink_cmd(struct broker__admit *a, struct admit_cmd *c)
         a->tail = c->prev;
     ks_map_del(&a->cmds, c->id);
     a->n--;
+    if (c->loaded)
+        a->nloaded--;
     if (c->q && c->q->inflight)
         c->q->inflight--;
     if (c->bytes) {
@@ -410,12 +414,51 @@ load_one(const struct store_open_request *r, void *ud)
     struct broker__admit *a = ud;
     int64_t now = ks_mono_us();
     pthread_mutex_lock(&a->mu);
-    add_cmd(a, r->command_id, NULL, r->operator_name,
-            r->request_bytes + BROKER_CMD_MSG_OVERHEAD,
-            expiry(now, r->deliver_by_us ? r->deliver_by_us : ks_now_us(),
-                   0));
+    struct admit_cmd *c =
+        add_cmd(a, r->command_id, NULL, r->operator_name,
+                r->request_bytes + BROKER_CMD_MSG_OVERHEAD,
+                expiry(now, r->deliver_by_us ? r->deliver_by_us : ks_now_us(),
+                       0));
+    if (c) {
+        c->loaded = true;
+        a->nloaded++;
+    }
     pthread_mutex_unlock(&a->mu);
     return 0;
+}
+
+static int
+sweep_one(const struct store_command_row *row, void *ud)
+{
+    broker__admit_ended(ud, row->command_id);
+    return 0;
+}
+
+void
+broker__admit_sweep(struct broker *b, struct store *st)
+{
+    struct broker__admit *a = b->admit;
+    enum { CHUNK = 500 };
+    char(*ids)[37] = NULL;
+    size_t n = 0;
+
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    if (a->nloaded && (ids = malloc(a->nloaded * sizeof(*ids))))
+        for (struct admit_cmd *c = a->head; c && n < a->nloaded; c = c->next)
+            if (c->loaded)
+                memcpy(ids[n++], c->id, 37);
+    pthread_mutex_unlock(&a->mu);
+    for (size_t i = 0; i < n; i += CHUNK) {
+        const char *chunk[CHUNK];
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        for (size_t j = 0; j < k; j++)
+            chunk[j] = ids[i + j];
+        if (store_command_states(st, chunk, k, 1, sweep_one, b) != 0)
+            break;
+    }
+    free(ids);
 }
 
 int

@@ -767,7 +767,8 @@ void broker__admit_dispatched(struct broker *b, const char *command_id,
  * Each operator's share of the commands stream (issue 21: one operator
  * put 269 MB in KSCORE_CMDS for an offline agent). The commands of
  * operator_name not ended yet that this broker counts (those dispatched
- * here, and those the record had open at its start: broker__admit_load)
+ * here, and those the record had open at its start: broker__admit_load,
+ * broker__admit_sweep)
  * hold broker__cmd_bytes() each; 0 when this one's bytes still fit within
  * the share (b->opts->cmds_operator_bytes, 0: BROKER_CMDS_OPERATOR_BYTES),
  * and then command_id is counted from now until its end is noted
@@ -787,6 +788,11 @@ uint64_t broker__cmd_bytes(const Ks__Command *cmd);
  * their operators' shares: call once at start, before the API is served.
  * 0 or KS_EPG. */
 int broker__admit_load(struct broker *b, struct store *st);
+/* Of the commands counted by broker__admit_load, those the record has
+ * ended since are no longer counted (their end may have been recorded
+ * by another broker that told nobody). The scanner calls it now and
+ * then, with st. */
+void broker__admit_sweep(struct broker *b, struct store *st);
 /* A claim was answered (handler_us: the time its handler took); granted:
  * command_id started (its slot's hold is timed from now). */
 void broker__admit_claim_done(struct broker *b, const char *command_id,
