@@ -116,6 +116,14 @@ struct broker__follower {
  * paused broker's) fails alone and is tried again next pass, instead of
  * stopping every deadline or every agent's row behind it. */
 #define BROKER_BG_LOCK_TIMEOUT_MS 1000
+/* How long a JetStream API request about the registry bucket waits (ms;
+ * evt_agents_kv): the registry watch is made again when its node dies,
+ * and when that node led the JetStream meta group no request is answered
+ * until a new leader is elected; with nats.c's 5 s a request sent just
+ * before the election ended waited out its 5 s (F04: a broker deaf to
+ * the registry for 10 s and more), asked every 2 s it is answered within
+ * 2.5 s of the election. */
+#define BROKER_KV_WAIT_MS 2000
 /* Workers of each "ask again" subject (execute-again, claim.again). */
 #define BROKER_AGAIN_WORKERS 4
 /* Connections of the group writer (store.h): the appends of the workers
@@ -283,6 +291,9 @@ struct broker {
      * they are (what ended is not recorded yet), so admit.c refuses no
      * request as busy meanwhile: the worker's append says the real cause. */
     atomic_bool rec_stalled;
+    /* registry.c: dead registry watches being destroyed off the registry
+     * thread (watch_let_go); broker__registry_stop waits for them. */
+    atomic_int reg_reaping;
 
     struct broker__guard *guard;     /* stall.c */
     struct broker__batches *batches; /* batch.c */

@@ -37,7 +37,7 @@ step_kv(struct broker *b, char **why)
     int rc;
     if (b->kv)
         return 0;
-    if ((rc = evt_agents_kv(b->nc, &b->kv)) && why &&
+    if ((rc = evt_agents_kv(b->nc, BROKER_KV_WAIT_MS, &b->kv)) && why &&
         asprintf(why, "open KV %s: %s", EVT_KV_AGENTS, ks_strerror(rc)) < 0)
         *why = NULL;
     return rc;

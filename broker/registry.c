@@ -1096,8 +1096,9 @@ broker__guard_owner(struct broker *b, const char *name)
 }
 
 /* A watch that has delivered nothing for this long, not even this
- * broker's own beacon, is dead (see registry_main). */
-#define REGISTRY_SILENT_US (3 * EVT_HEARTBEAT_MS * INT64_C(1000))
+ * broker's own beacon, is dead (see registry_main): two beacons missed
+ * and half a second, a moment after broker__registry_deaf says so. */
+#define REGISTRY_SILENT_US ((2 * EVT_HEARTBEAT_MS + 500) * INT64_C(1000))
 /* How long the beacon waits for the bucket's PubAck, and how soon it is
  * tried again while the bucket takes none (ms). */
 #define BEACON_TIMEOUT_MS 1000
@@ -1105,6 +1106,49 @@ broker__guard_owner(struct broker *b, const char *name)
 /* A new watch that has not delivered its initial values this long after
  * it was made delivers nothing (registry_main). */
 #define REGISTRY_CATCHUP_US (3000 * INT64_C(1000))
+
+/*
+ * A dead watch is destroyed on a thread of its own: nats.c deletes the
+ * watch's consumer as it unsubscribes (natsSubscription_Unsubscribe ->
+ * jsSub_deleteConsumer in 3.4.1, a JetStream API request with the
+ * context's 5 s wait), and a watch is dead because its consumer's node
+ * is, so the delete waits out its timeout. On the registry thread that
+ * wait held up the new watch, the beacons and with them the end of
+ * deafness: a broker told nobody offline for 10 s and more after a node
+ * died (F04, test_cluster registry_watch_node_dies). The server removes
+ * the ephemeral consumer by itself once inactive.
+ */
+static void *
+reap_watch(void *arg)
+{
+    void **a = arg;
+    struct broker *b = a[0];
+    kvWatcher_Destroy(a[1]);
+    free(a);
+    atomic_fetch_sub(&b->reg_reaping, 1);
+    return NULL;
+}
+
+static void
+watch_let_go(struct broker *b, kvWatcher *w)
+{
+    pthread_attr_t attr;
+    pthread_t t;
+    void **a = malloc(2 * sizeof(*a));
+
+    if (!a) {
+        kvWatcher_Destroy(w);
+        return;
+    }
+    a[0] = b;
+    a[1] = w;
+    atomic_fetch_add(&b->reg_reaping, 1);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, reap_watch, a) != 0)
+        reap_watch(a); /* here, then */
+    pthread_attr_destroy(&attr);
+}
 
 static void *
 registry_main(void *arg)
@@ -1212,7 +1256,7 @@ registry_main(void *arg)
         if (w && ks_mono_us() - last_entry > REGISTRY_SILENT_US) {
             ks_log(KS_LOG_WARN, "agent registry watch silent: watching again",
                    KS_S("module", "registry"));
-            kvWatcher_Destroy(w);
+            watch_let_go(b, w);
             w = NULL;
         }
         /* A new watch is an R1 ephemeral consumer that nats-server 2.9
@@ -1224,7 +1268,7 @@ registry_main(void *arg)
                    "agent registry watch delivers nothing (its consumer on "
                    "a node that is down?): watching again",
                    KS_S("module", "registry"));
-            kvWatcher_Destroy(w);
+            watch_let_go(b, w);
             w = NULL;
         }
         if (!w) {
@@ -1259,7 +1303,7 @@ registry_main(void *arg)
             ks_log(KS_LOG_WARN, "agent registry watch ended: watching again",
                    KS_S("module", "registry"),
                    KS_S("error", natsStatus_GetText(s)));
-            kvWatcher_Destroy(w);
+            watch_let_go(b, w);
             w = NULL;
             nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
             continue;
@@ -1424,6 +1468,10 @@ broker__registry_stop(struct broker *b)
     b->stopping = 1;
     if (b->reg_started)
         pthread_join(b->reg_thread, NULL);
+    /* Dead watches still being destroyed use the connection: at most
+     * their consumer delete's wait (reap_watch). */
+    for (int i = 0; i < 100 && atomic_load(&b->reg_reaping) > 0; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
     b->reg_started = false;
     ks_map_each(&b->agents, free_agent, NULL);
     ks_map_clear(&b->agents);

@@ -52,7 +52,7 @@ broker_wait_agent(const char *url, const struct evt_connect_opts *opts,
         return KS_EUNAVAIL;
     while (ks_mono_us() < deadline) {
         Ks__AgentInfo *info = NULL;
-        if (!kv && evt_agents_kv(c, &kv) != 0)
+        if (!kv && evt_agents_kv(c, 0, &kv) != 0)
             kv = NULL;
         if (kv && evt_agent_get(kv, agent_id, &info) == 0) {
             int fresh = info->heartbeat_at_us >= since_us;

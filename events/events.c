@@ -1058,9 +1058,20 @@ evt_unpack_in(const ProtobufCMessageDescriptor *desc, const void *data,
 }
 
 int
-evt_agents_kv(struct evt_conn *c, kvStore **kv_out)
+evt_agents_kv(struct evt_conn *c, int wait_ms, kvStore **kv_out)
 {
-    natsStatus s = js_KeyValue(kv_out, c->js, EVT_KV_AGENTS);
+    jsOptions jo;
+    jsCtx *js = NULL;
+    natsStatus s;
+
+    if (wait_ms <= 0)
+        return evt_err(js_KeyValue(kv_out, c->js, EVT_KV_AGENTS));
+    jsOptions_Init(&jo);
+    jo.Wait = wait_ms;
+    s = natsConnection_JetStream(&js, c->nc, &jo);
+    if (s == NATS_OK)
+        s = js_KeyValue(kv_out, js, EVT_KV_AGENTS);
+    jsCtx_Destroy(js); /* the kvStore holds its own reference (kv.c) */
     return evt_err(s);
 }
 

@@ -1134,8 +1134,11 @@ void evt_pool_attest_id(char *buf, size_t len, const char *pool,
  * zero) with n < size, else -1. Pure. */
 long evt_pool_index(const char *pool, const char *id, uint32_t size);
 /* Opens the KSCORE_AGENTS bucket (created by evt_setup; nats.c
- * JetStream API: the broker and clients with its rights, never agents). */
-int evt_agents_kv(struct evt_conn *c, kvStore **kv_out);
+ * JetStream API: the broker and clients with its rights, never agents).
+ * wait_ms (> 0) bounds each JetStream API request made through *kv_out
+ * (a watch's consumer create, a get), through a JetStream context of its
+ * own; 0: the connection's (nats.c's default, 5 s). */
+int evt_agents_kv(struct evt_conn *c, int wait_ms, kvStore **kv_out);
 /*
  * Reads one agent's entry. 0 with *out (ks__agent_info__free_unpacked),
  * KS_ENOTFOUND, KS_ENATS.

@@ -174,7 +174,7 @@ START_TEST(js_publish_as_plain_nats)
     info.max_concurrent = 3;
     info.ack_wait_ms = 9000;
     ck_assert_int_eq(evt_agent_put(c, "agent-p", &info, 2000), 0);
-    ck_assert_int_eq(evt_agents_kv(c, &kv), 0);
+    ck_assert_int_eq(evt_agents_kv(c, 0, &kv), 0);
     ck_assert_int_eq(evt_agent_get(kv, "p", &got), 0);
     ck_assert_uint_eq(got->max_concurrent, 3);
     ck_assert_uint_eq(got->ack_wait_ms, 9000);
