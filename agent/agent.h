@@ -395,6 +395,13 @@ void agent_inventory_name(const char *prefix, const char *key, char *out,
 /* Default commands running at once per agent process: CPUs x 4. */
 unsigned agent_default_max_concurrent(void);
 
+/* The bytes of one output stream the agent keeps of a command whose spec
+ * asks for spec_cap (CommandSpec.stdout_cap_bytes / stderr_cap_bytes; 0:
+ * EXEC_OUTPUT_CAP_AGENT_DEFAULT; never more than EXEC_OUTPUT_CAP_MAX):
+ * no piece of its output lies past it (the broker refuses one that
+ * does). */
+uint32_t agent_output_cap(uint32_t spec_cap);
+
 struct agent_label {
     const char *key, *value;
 };

@@ -95,6 +95,14 @@ agent_default_max_concurrent(void)
     return (unsigned)(n > 0 ? n : 1) * 4;
 }
 
+uint32_t
+agent_output_cap(uint32_t spec_cap)
+{
+    if (spec_cap == 0)
+        return EXEC_OUTPUT_CAP_AGENT_DEFAULT;
+    return spec_cap < EXEC_OUTPUT_CAP_MAX ? spec_cap : EXEC_OUTPUT_CAP_MAX;
+}
+
 /* ---- seen commands (replay guard) ------------------------------------------ */
 
 /*
@@ -1357,12 +1365,8 @@ start_job(struct job_ctx *j)
     spec.timeout_ms = cmd->spec->timeout_ms;
     spec.grace_ms = cmd->spec->grace_ms;
     /* Output past one NATS message travels in pieces (output.c). */
-    spec.stdout_cap_bytes = cmd->spec->stdout_cap_bytes
-                                ? cmd->spec->stdout_cap_bytes
-                                : EXEC_OUTPUT_CAP_AGENT_DEFAULT;
-    spec.stderr_cap_bytes = cmd->spec->stderr_cap_bytes
-                                ? cmd->spec->stderr_cap_bytes
-                                : EXEC_OUTPUT_CAP_AGENT_DEFAULT;
+    spec.stdout_cap_bytes = agent_output_cap(cmd->spec->stdout_cap_bytes);
+    spec.stderr_cap_bytes = agent_output_cap(cmd->spec->stderr_cap_bytes);
 
     /* Secret variables (secret.c): a command whose values cannot be
      * opened never runs, and ends StartFailed through the claim. */

@@ -93,13 +93,23 @@ struct admit_q {
     char key[EVT_AGENT_ID_MAX + 48];
 };
 
-/* One command this broker dispatched (exec or batch target). */
+/* One command this broker dispatched (exec or batch target), or one
+ * the record had open at the broker's start (no queue: q NULL). */
 struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
     int64_t expires_mono_us;
+    uint64_t bytes; /* counted in its operator's share (struct admit_op) */
+    bool loaded;    /* from the record at the start (broker__admit_load) */
     char id[37];
+    char op[EVT_IDENTITY_MAX + 1];
+};
+
+/* An operator's commands not ended: the bytes they hold
+ * (broker__cmd_bytes each). */
+struct admit_op {
+    uint64_t bytes;
 };
 
 /* One request in the intake queue. */
@@ -114,6 +124,8 @@ struct broker__admit {
     pthread_mutex_t mu;
     struct ks_map cmds;   /* command id -> struct admit_cmd * */
     struct ks_map queues; /* queue key -> struct admit_q * */
+    struct ks_map ops;    /* operator -> struct admit_op * */
+    size_t nloaded;       /* entries with loaded set */
     struct admit_cmd *head, *tail;
     size_t n;
     double exec_us, claim_us; /* mean handler times, 0: none yet */
@@ -135,7 +147,7 @@ struct broker__admit {
     pthread_t workers[BROKER_EXEC_WORKERS];
     int nworkers;
     bool stopping;
-    int64_t busy_logged_us;
+    int64_t busy_logged_us, share_logged_us;
 };
 
 static double
@@ -159,9 +171,80 @@ unlink_cmd(struct broker__admit *a, struct admit_cmd *c)
         a->tail = c->prev;
     ks_map_del(&a->cmds, c->id);
     a->n--;
-    if (c->q->inflight)
+    if (c->loaded)
+        a->nloaded--;
+    if (c->q && c->q->inflight)
         c->q->inflight--;
+    if (c->bytes) {
+        struct admit_op *o = ks_map_get(&a->ops, c->op);
+        if (o && o->bytes > c->bytes) {
+            o->bytes -= c->bytes;
+        } else if (o) {
+            ks_map_del(&a->ops, c->op);
+            free(o);
+        }
+    }
     free(c);
+}
+
+/* Adds command_id's entry at the tail (under mu): queue q (NULL: none
+ * yet), counted in op's share with bytes; expires at expires_mono_us.
+ * NULL when it cannot be kept (ADMIT_MAX, memory), or is kept already. */
+static struct admit_cmd *
+add_cmd(struct broker__admit *a, const char *command_id, struct admit_q *q,
+        const char *op, uint64_t bytes, int64_t expires_mono_us)
+{
+    struct admit_op *o = NULL;
+    if (a->n >= ADMIT_MAX || ks_map_get(&a->cmds, command_id))
+        return NULL;
+    struct admit_cmd *c = calloc(1, sizeof(*c));
+    if (!c)
+        return NULL;
+    snprintf(c->id, sizeof(c->id), "%s", command_id);
+    snprintf(c->op, sizeof(c->op), "%s", op ? op : "");
+    c->expires_mono_us = expires_mono_us;
+    if (bytes && !(o = ks_map_get(&a->ops, c->op))) {
+        if (!(o = calloc(1, sizeof(*o))) || ks_map_put(&a->ops, c->op, o)) {
+            free(o);
+            o = NULL;
+        }
+    }
+    if (ks_map_put(&a->cmds, c->id, c) != 0) {
+        if (o && o->bytes == 0) {
+            ks_map_del(&a->ops, c->op);
+            free(o);
+        }
+        free(c);
+        return NULL;
+    }
+    if (o) {
+        c->bytes = bytes;
+        o->bytes += bytes;
+    }
+    c->q = q;
+    if (q)
+        q->inflight++;
+    c->prev = a->tail;
+    if (a->tail)
+        a->tail->next = c;
+    else
+        a->head = c;
+    a->tail = c;
+    a->n++;
+    return c;
+}
+
+/* When an entry of a command whose last deadline is deadline_us (epoch)
+ * and whose spec's timeout is timeout_ms (0: none) is forgotten: its last
+ * attempt's deadline, then the longest it may run. */
+static int64_t
+expiry(int64_t now_mono, int64_t deadline_us, uint64_t timeout_ms)
+{
+    int64_t left = deadline_us - ks_now_us();
+    int64_t window = left > 0 ? left : 0;
+    return now_mono + window * BROKER_MAX_ATTEMPTS +
+           (timeout_ms ? (int64_t)timeout_ms * 1000 + ADMIT_EXPIRE_SLACK_US
+                       : ADMIT_EXPIRE_MAX_US);
 }
 
 /* Forgets entries past their expiry, oldest first (under mu). */
@@ -236,46 +319,155 @@ queue_of(struct broker *b, const char *agent_id)
 
 void
 broker__admit_dispatched(struct broker *b, const char *command_id,
-                         const char *agent_id, int64_t not_after_us,
-                         uint64_t timeout_ms)
+                         const char *operator_name, const char *agent_id,
+                         int64_t not_after_us, uint64_t timeout_ms,
+                         uint64_t bytes)
 {
     struct broker__admit *a = b->admit;
-    int64_t now = ks_mono_us(), wall = ks_now_us();
+    int64_t now = ks_mono_us();
     if (!a)
         return;
     struct admit_q *q = queue_of(b, agent_id);
-    if (!q || a->n >= ADMIT_MAX || ks_map_get(&a->cmds, command_id)) {
-        pthread_mutex_unlock(&a->mu);
-        return;
+    struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
+    if (c && !c->q && q) {
+        /* Taken (broker__admit_take): now in its agent's queue. */
+        c->q = q;
+        q->inflight++;
+        c->expires_mono_us = expiry(now, not_after_us, timeout_ms);
+    } else if (q && !c) {
+        add_cmd(a, command_id, q, operator_name, bytes,
+                expiry(now, not_after_us, timeout_ms));
     }
-    struct admit_cmd *c = calloc(1, sizeof(*c));
-    if (!c) {
-        pthread_mutex_unlock(&a->mu);
-        return;
-    }
-    snprintf(c->id, sizeof(c->id), "%s", command_id);
-    /* Its last attempt's deadline, then the longest it may run. */
-    int64_t left = not_after_us - wall;
-    int64_t window = left > 0 ? left : 0;
-    c->expires_mono_us =
-        now + window * BROKER_MAX_ATTEMPTS +
-        (timeout_ms ? (int64_t)timeout_ms * 1000 + ADMIT_EXPIRE_SLACK_US
-                    : ADMIT_EXPIRE_MAX_US);
-    if (ks_map_put(&a->cmds, c->id, c) != 0) {
-        free(c);
-        pthread_mutex_unlock(&a->mu);
-        return;
-    }
-    c->q = q;
-    c->prev = a->tail;
-    if (a->tail)
-        a->tail->next = c;
-    else
-        a->head = c;
-    a->tail = c;
-    a->n++;
-    q->inflight++;
     pthread_mutex_unlock(&a->mu);
+}
+
+/* Each operator's share (BROKER_CMDS_OPERATOR_BYTES unless the broker's
+ * options say). */
+static uint64_t
+share_of(struct broker *b)
+{
+    return b->opts->cmds_operator_bytes ? b->opts->cmds_operator_bytes
+                                        : BROKER_CMDS_OPERATOR_BYTES;
+}
+
+#define MIB(n) ((double)(n) / (1024.0 * 1024.0))
+
+int
+broker__admit_take(struct broker *b, const char *command_id,
+                   const char *operator_name, uint64_t bytes,
+                   int64_t not_after_us, char *why, size_t len)
+{
+    struct broker__admit *a = b->admit;
+    uint64_t share = share_of(b), held = 0;
+    int64_t now = ks_mono_us();
+    int rc = 0;
+    bool log = false;
+
+    if (!a)
+        return 0;
+    pthread_mutex_lock(&a->mu);
+    expire(a, now);
+    struct admit_op *o = ks_map_get(&a->ops, operator_name);
+    held = o ? o->bytes : 0;
+    if (held + bytes > share) {
+        rc = KS_EBUSY;
+        log = now - a->share_logged_us > 10000000;
+        if (log)
+            a->share_logged_us = now;
+    } else {
+        /* Its deadline and timeout are set when it is dispatched; until
+         * then, its deadline and the longest any command may run. */
+        add_cmd(a, command_id, NULL, operator_name, bytes,
+                expiry(now, not_after_us, 0));
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (!rc)
+        return 0;
+    snprintf(why, len,
+             "operator '%s' has %.1f MiB of commands that have not ended "
+             "(their requests, as they wait in the commands stream), and "
+             "this one of %.2f MiB would pass its share of %.1f MiB "
+             "(cmds_operator_mib in the broker's config); nothing was "
+             "recorded, try again when some of them have ended",
+             operator_name, MIB(held), MIB(bytes), MIB(share));
+    ks_metric_inc(KS_C_REFUSED_BUSY);
+    if (log)
+        ks_log(KS_LOG_WARN,
+               "refusing an operator's commands: past its share of the "
+               "commands stream (logged once per 10 s)",
+               KS_S("operator", operator_name),
+               KS_I("held_bytes", (int64_t)held),
+               KS_I("request_bytes", (int64_t)bytes),
+               KS_I("share_bytes", (int64_t)share));
+    return rc;
+}
+
+uint64_t
+broker__cmd_bytes(const Ks__Command *cmd)
+{
+    return protobuf_c_message_get_packed_size(&cmd->base) +
+           BROKER_CMD_MSG_OVERHEAD;
+}
+
+static int
+load_one(const struct store_open_request *r, void *ud)
+{
+    struct broker__admit *a = ud;
+    int64_t now = ks_mono_us();
+    pthread_mutex_lock(&a->mu);
+    struct admit_cmd *c =
+        add_cmd(a, r->command_id, NULL, r->operator_name,
+                r->request_bytes + BROKER_CMD_MSG_OVERHEAD,
+                expiry(now, r->deliver_by_us ? r->deliver_by_us : ks_now_us(),
+                       0));
+    if (c) {
+        c->loaded = true;
+        a->nloaded++;
+    }
+    pthread_mutex_unlock(&a->mu);
+    return 0;
+}
+
+static int
+sweep_one(const struct store_command_row *row, void *ud)
+{
+    broker__admit_ended(ud, row->command_id);
+    return 0;
+}
+
+void
+broker__admit_sweep(struct broker *b, struct store *st)
+{
+    struct broker__admit *a = b->admit;
+    enum { CHUNK = 500 };
+    char(*ids)[37] = NULL;
+    size_t n = 0;
+
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    if (a->nloaded && (ids = malloc(a->nloaded * sizeof(*ids))))
+        for (struct admit_cmd *c = a->head; c && n < a->nloaded; c = c->next)
+            if (c->loaded)
+                memcpy(ids[n++], c->id, 37);
+    pthread_mutex_unlock(&a->mu);
+    for (size_t i = 0; i < n; i += CHUNK) {
+        const char *chunk[CHUNK];
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        for (size_t j = 0; j < k; j++)
+            chunk[j] = ids[i + j];
+        if (store_command_states(st, chunk, k, 1, sweep_one, b) != 0)
+            break;
+    }
+    free(ids);
+}
+
+int
+broker__admit_load(struct broker *b, struct store *st)
+{
+    if (!b->admit)
+        return 0;
+    return store_open_requests(st, load_one, b->admit);
 }
 
 void
@@ -304,7 +496,7 @@ broker__admit_ended(struct broker *b, const char *command_id)
     pthread_mutex_lock(&a->mu);
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c) {
-        if (c->claimed_mono_us)
+        if (c->claimed_mono_us && c->q)
             c->q->hold_us =
                 ewma(c->q->hold_us,
                      (double)(ks_mono_us() - c->claimed_mono_us));
@@ -714,6 +906,8 @@ broker__admit_free(struct broker *b)
     ks_map_clear(&a->cmds);
     ks_map_each(&a->queues, free_q, NULL);
     ks_map_clear(&a->queues);
+    ks_map_each(&a->ops, free_q, NULL);
+    ks_map_clear(&a->ops);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cond);
     free(a);

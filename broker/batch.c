@@ -529,9 +529,13 @@ dispatch_target(struct plan *p, struct batch *bt, struct btarget *t)
     d->ev.event_id = d->id;
     t->status = KS__COMMAND_STATUS__DISPATCHED;
     bt->running++;
-    if (p->b)
-        broker__admit_dispatched(p->b, t->command_id, t->agent_id,
-                                 cmd->not_after_us, bt->req->spec->timeout_ms);
+    if (p->b) {
+        broker__output_caps_note(p->b, t->command_id, bt->req->spec);
+        broker__admit_dispatched(p->b, t->command_id, cmd->operator_,
+                                 t->agent_id, cmd->not_after_us,
+                                 bt->req->spec->timeout_ms,
+                                 broker__cmd_bytes(cmd));
+    }
     return plan_publish(p, cmd);
 }
 
@@ -2532,7 +2536,9 @@ broker__on_batch(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     }
     /* A copy's files are stored whole before anything is recorded. */
     if (!req->dry_run &&
-        (rc = broker__check_copy_files(b, req->spec, why, sizeof(why)))) {
+        (rc = broker__check_copy_files(b, req->spec,
+                                       broker__operator_of(msg), why,
+                                       sizeof(why)))) {
         reply_batch_error(b, msg, rc, why);
         goto out;
     }

@@ -5,8 +5,12 @@
  *      file in parts (KS_BLOB_PART_BYTES), then commits it: the broker
  *      reads the parts back, checks their SHA-256 against the file's name
  *      and marks it complete (store/blob.c). A commit with no data of a
- *      file already complete answers at once: a file is stored once,
- *      however often and to however many agents it is copied.
+ *      file already complete that this operator uploaded answers at
+ *      once: a file is stored once, however often and to however many
+ *      agents it is copied. Another operator's is "not there": sent
+ *      whole, each part the same as the stored one, it is this
+ *      operator's too, and nothing is stored again (prove). A copy names
+ *      only its operator's files.
  *  kscore.api.v1.fetch.agent-<id>   FetchRequest: an agent reads a part of
  *      a file of a copy it runs: only the command's own agent (the
  *      subject NATS let it publish on), for the attempt it claimed, while
@@ -167,6 +171,105 @@ reply_over(struct broker *b, natsMsg *msg, const char *op,
                         why);
 }
 
+/* Answers an upload whose parts do not make the file it names. */
+static void
+reply_not_the_file(struct broker *b, natsMsg *msg, const char *hex,
+                   uint64_t size)
+{
+    char why[300];
+    snprintf(why, sizeof(why),
+             "the parts sent are not the file of sha256 %s and %llu bytes: "
+             "they were dropped, send it again",
+             hex, (unsigned long long)size);
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_EINVAL,
+                        why);
+}
+
+/* Refuses (answers) a part that is not one of the file's: true then. */
+static bool
+bad_part(struct broker *b, natsMsg *msg, const Ks__UploadRequest *req)
+{
+    char why[300];
+    uint32_t n = ks_blob_parts(req->size);
+    if (req->part < n &&
+        req->data.len == ks_blob_part_len(req->size, req->part))
+        return false;
+    snprintf(why, sizeof(why),
+             "UploadRequest.part: part %u of %zu bytes is not "
+             "allowed: a file of %llu bytes has %u part(s) of %d "
+             "bytes (the last one shorter)",
+             req->part, req->data.len, (unsigned long long)req->size, n,
+             KS_BLOB_PART_BYTES);
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, KS_EINVAL,
+                        why);
+    return true;
+}
+
+/*
+ * An upload by op of a file stored already (stored_size bytes) that op
+ * does not own: a file is stored once, but a copy may name it only for
+ * an operator who showed it has the bytes (issue 21: knowing the SHA-256
+ * and size, which kscore get shows every reader of a copy, was enough to
+ * copy another operator's file to an agent of one's own, and the first
+ * question of an upload told whether anyone had stored some content).
+ * Answered as an upload of a file the broker does not have: the first
+ * question "not complete" (within the bounds: store_blob_room), so the
+ * client sends every part; each part "taken", compared with the stored
+ * one and noted (store_blob_prove); the commit complete when all were
+ * the stored bytes (op owns the file from now on, nothing is stored
+ * again), the same refusal as a file whose parts do not make its
+ * SHA-256 when one was not. Answers msg.
+ */
+static void
+prove(struct broker *b, struct store *st, natsMsg *msg,
+      const Ks__UploadRequest *req, const char *op, uint64_t stored_size,
+      const char *hex)
+{
+    Ks__UploadReply r = KS__UPLOAD_REPLY__INIT;
+    struct store_blob_bounds bounds = bounds_of(b);
+    struct store_blob_refusal over = {0};
+    uint32_t n = ks_blob_parts(req->size);
+    char why[600];
+    int rc;
+
+    if (n && req->commit && !req->data.len) {
+        /* The first question, as for a file not there. */
+        rc = store_blob_room(st, req->sha256.data, req->size, op, &bounds,
+                             &over);
+        if (rc == KS_ETOOBIG) {
+            reply_over(b, msg, op, &over, req->size, false);
+            return;
+        }
+        if (rc)
+            goto store_err;
+        goto reply;
+    }
+    if (n && bad_part(b, msg, req))
+        return;
+    rc = store_blob_prove(st, req->sha256.data, req->part, req->data.data,
+                          req->data.len, n, req->commit,
+                          req->size != stored_size, op);
+    if (rc == -EBADMSG) {
+        reply_not_the_file(b, msg, hex, req->size);
+        return;
+    }
+    if (rc < 0)
+        goto store_err;
+    r.complete = rc == 1;
+    if (r.complete)
+        ks_log(KS_LOG_INFO,
+               "file for kscore copy sent whole by another operator (stored "
+               "once)",
+               KS_S("sha256", hex), KS_I("bytes", (int64_t)stored_size),
+               KS_S("operator", op));
+reply:
+    evt_publish_reply(b->nc, natsMsg_GetReply(msg), &r.base);
+    return;
+store_err:
+    broker__store_error(st, rc, why, sizeof(why));
+    broker__reply_error(b, msg, &ks__upload_reply__descriptor, rc, why);
+}
+
 static void
 handle_upload(struct broker *b, struct store *st, natsMsg *msg)
 {
@@ -191,26 +294,23 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
         goto out;
     }
     ks_hex(req->sha256.data, KS_SHA256_BYTES, hex);
-    rc = store_blob_complete(st, req->sha256.data, NULL);
+    uint64_t stored_size = 0;
+    rc = store_blob_complete(st, req->sha256.data, op, &stored_size);
     if (rc == 1) {
-        r.complete = 1; /* stored already: nothing to send */
+        r.complete = 1; /* stored already, its own: nothing to send */
         goto reply;
     }
     if (rc < 0)
         goto store_err;
+    if (rc == 2) {
+        /* Stored, but another operator's: op names it once it has sent
+         * it whole, each part the same bytes (nothing stored again). */
+        prove(b, st, msg, req, op, stored_size, hex);
+        goto out;
+    }
     if (!req->commit || req->data.len) {
-        uint32_t n = ks_blob_parts(req->size);
-        if (req->part >= n || req->data.len != ks_blob_part_len(req->size, req->part)) {
-            snprintf(why, sizeof(why),
-                     "UploadRequest.part: part %u of %zu bytes is not "
-                     "allowed: a file of %llu bytes has %u part(s) of %d "
-                     "bytes (the last one shorter)",
-                     req->part, req->data.len,
-                     (unsigned long long)req->size, n, KS_BLOB_PART_BYTES);
-            broker__reply_error(b, msg, &ks__upload_reply__descriptor,
-                                KS_EINVAL, why);
+        if (bad_part(b, msg, req))
             goto out;
-        }
         rc = store_blob_put(st, req->sha256.data, req->part, req->data.data,
                             req->data.len, op, &bounds, &over);
         if (rc == KS_ETOOBIG) {
@@ -263,12 +363,7 @@ handle_upload(struct broker *b, struct store *st, natsMsg *msg)
         }
         if (rc == -EBADMSG) {
             store_blob_drop(st, req->sha256.data, NULL);
-            snprintf(why, sizeof(why),
-                     "the parts sent are not the file of sha256 %s and %llu "
-                     "bytes: they were dropped, send it again",
-                     hex, (unsigned long long)req->size);
-            broker__reply_error(b, msg, &ks__upload_reply__descriptor,
-                                KS_EINVAL, why);
+            reply_not_the_file(b, msg, hex, req->size);
             goto out;
         }
         if (rc)
@@ -493,7 +588,7 @@ broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 
 int
 broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
-                         char *why, size_t len)
+                         const char *op, char *why, size_t len)
 {
     char hex[2 * KS_SHA256_BYTES + 1];
     int rc = 0;
@@ -513,17 +608,19 @@ broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
     for (size_t i = 0; rc == 0 && i < sp->copy->n_files; i++) {
         const Ks__CopyFile *f = sp->copy->files[i];
         uint64_t size = 0;
-        int c = store_blob_complete(b->st_blob, f->sha256.data, &size);
+        int c = store_blob_complete(b->st_blob, f->sha256.data, op, &size);
         ks_hex(f->sha256.data, KS_SHA256_BYTES, hex);
         if (c < 0) {
             broker__store_error(b->st_blob, c, why, len);
             rc = c;
-        } else if (c == 0 || size != f->size) {
+        } else if (c != 1 || size != f->size) {
+            /* Another operator's file is not there for op (prove): the
+             * same answer, so it tells nothing of what others stored. */
             snprintf(why, len,
                      "copy: no file of sha256 %s and %llu bytes ('%.128s') "
-                     "was uploaded (kscore copy uploads it first: "
-                     "kscore.api.v1.upload)",
-                     hex, (unsigned long long)f->size, f->name);
+                     "was uploaded by operator '%s' (kscore copy uploads it "
+                     "first: kscore.api.v1.upload)",
+                     hex, (unsigned long long)f->size, f->name, op);
             rc = KS_EINVAL;
         }
     }

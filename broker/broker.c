@@ -17,6 +17,7 @@ command_ended(struct broker *b, const char *command_id,
               const Ks__CommandResult *result)
 {
     broker__admit_ended(b, command_id);
+    broker__output_caps_forget(b, command_id);
     bool here = broker__reply_waiter(b, command_id, result, 0, NULL);
     here = broker__live_end(b, command_id) || here;
     broker__remote_live_end(b, command_id);
@@ -60,6 +61,7 @@ static void
 remote_ended(struct broker *b, const char *command_id)
 {
     broker__admit_ended(b, command_id);
+    broker__output_caps_forget(b, command_id);
     broker__live_end(b, command_id);
     broker__remote_live_end(b, command_id);
     broker__batch_remote_end(b, command_id);
@@ -250,6 +252,20 @@ attach_existing(struct broker *b, struct store *st, natsMsg *msg,
     return 0;
 }
 
+/* A refused request whose idempotency key names a command of its
+ * operator's joins that command (attach_existing). 0 when it did (the
+ * request is answered), else non-zero. */
+static int
+join_by_key(struct broker *b, struct store *st, natsMsg *msg,
+            const Ks__ExecuteRequest *req)
+{
+    char winner[37];
+    if (store_command_by_key(st, broker__operator_of(msg),
+                             req->idempotency_key, winner) != 0)
+        return -1;
+    return attach_existing(b, st, msg, winner, req->detach, req->spec);
+}
+
 static void
 on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
 {
@@ -343,12 +359,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (req->key_may_exist && req->idempotency_key[0] &&
         broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
                             sizeof(why)) == KS_EBUSY) {
-        char winner[37];
-        if (store_command_by_key(st, broker__operator_of(msg),
-                                 req->idempotency_key, winner) == 0 &&
-            attach_existing(b, st, msg, winner, req->detach, req->spec) == 0)
-            goto out;
-        reply_execute_error(b, msg, KS_EBUSY, "%s", why);
+        if (join_by_key(b, st, msg, req) != 0)
+            reply_execute_error(b, msg, KS_EBUSY, "%s", why);
         goto out;
     }
 
@@ -384,6 +396,19 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         goto out;
     }
 
+    /* Its operator's share of the commands stream (admit.c): counted
+     * from here until its end, or refused before anything is recorded. */
+    uint64_t cmd_bytes = broker__cmd_bytes(&cmd);
+    if ((rc = broker__admit_take(b, command_id, cmd.operator_, cmd_bytes,
+                                 cmd.not_after_us, why, sizeof(why)))) {
+        /* An ask again of a command accepted before joins it. */
+        if (!req->idempotency_key[0] || join_by_key(b, st, msg, req) != 0)
+            reply_execute_error(b, msg, rc, "%s", why);
+        goto out;
+    }
+
+    broker__output_caps_note(b, command_id, req->spec);
+
     Ks__Event req_ev, disp_ev;
     broker__start_events(&req_ev, &disp_ev, ev_ids, stream, &cmd,
                          req->idempotency_key);
@@ -395,6 +420,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (!w || !(w->reply_subject = strdup(natsMsg_GetReply(msg)))) {
             free(w);
             w = NULL;
+            broker__admit_ended(b, command_id);
             reply_execute_error(b, msg, -ENOMEM, "out of memory");
             goto out;
         }
@@ -428,8 +454,9 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                                       req->idempotency_key));
     /* In flight from before its publish: its claim, even its end, may
      * come before the append returns. */
-    broker__admit_dispatched(b, command_id, cmd.agent_id, cmd.not_after_us,
-                             req->spec->timeout_ms);
+    broker__admit_dispatched(b, command_id, cmd.operator_, cmd.agent_id,
+                             cmd.not_after_us, req->spec->timeout_ms,
+                             cmd_bytes);
     struct store_write wr = {.stream_id = stream,
                              .expected_version = STORE_NO_STREAM,
                              .events = evs,
@@ -455,8 +482,10 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         rc = store_writer_append(b->writer, &wr, &wres);
     }
     ks_trace("broker.dispatch_recorded", command_id);
-    if (rc)
+    if (rc) {
         broker__admit_ended(b, command_id);
+        broker__output_caps_forget(b, command_id);
+    }
     if (rc == KS_ECONFLICT && req->idempotency_key[0]) {
         /* Lost a race on the same idempotency key: join the winner. */
         char winner[37];
@@ -1747,6 +1776,7 @@ broker_teardown(struct broker *b)
     broker__waiters_release(b);
     ks_map_each(&b->live, free_live, NULL);
     ks_map_clear(&b->live);
+    broker__output_caps_free(b);
     broker__remote_live_free(b);
     broker__budget_free(b);
     pthread_mutex_destroy(&b->mu);
@@ -1861,6 +1891,14 @@ broker_run(const struct broker_opts *opts, char **errmsg)
     /* Before the batches: they pace their targets by its figures. */
     if ((rc = broker__admit_start(&b, on_execute))) {
         if (errmsg && asprintf(errmsg, "exec workers: %s",
+                               ks_strerror(rc)) < 0)
+            *errmsg = NULL;
+        goto out;
+    }
+    /* The commands the record has open count in their operators' shares
+     * of the commands stream (a restart forgets nothing of them). */
+    if ((rc = broker__admit_load(&b, b.st_misc))) {
+        if (errmsg && asprintf(errmsg, "open commands: %s",
                                ks_strerror(rc)) < 0)
             *errmsg = NULL;
         goto out;

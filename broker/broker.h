@@ -57,6 +57,11 @@ struct broker_opts {
      * an upload that was not finished. */
     uint64_t copy_operator_bytes, copy_total_bytes;
     uint64_t copy_keep_ms, copy_upload_keep_ms;
+    /* The bytes of one operator's commands not ended yet (their requests,
+     * as they wait in KSCORE_CMDS) past which its next command is refused
+     * busy (broker/admit.c broker__admit_take); 0:
+     * BROKER_CMDS_OPERATOR_BYTES. */
+    uint64_t cmds_operator_bytes;
     /* At SIGTERM/SIGINT the in-process agents drain first
      * (agent_stop_graceful): no new claims, the running commands may
      * finish for up to this long (ms) while the broker serves on; a
@@ -69,6 +74,13 @@ struct broker_opts {
 #define BROKER_COPY_TOTAL_BYTES (UINT64_C(8) << 30)    /* 8 GiB */
 #define BROKER_COPY_KEEP_MS (UINT64_C(24) * 3600 * 1000)
 #define BROKER_COPY_UPLOAD_KEEP_MS (UINT64_C(3600) * 1000)
+/* One operator's share of the commands stream by default (config
+ * cmds_operator_mib): 64 commands of the largest size, thousands of
+ * ordinary ones. KSCORE_CMDS itself holds at most EVT_CMDS_MAX_BYTES. */
+#define BROKER_CMDS_OPERATOR_BYTES (UINT64_C(64) << 20) /* 64 MiB */
+/* What one command holds of its operator's share: its packed Command and
+ * this much for the signature, subject and headers of its message. */
+#define BROKER_CMD_MSG_OVERHEAD 512
 
 /*
  * How long the broker's NATS link may answer nothing while nats.c says it

@@ -208,6 +208,11 @@ struct broker {
     pthread_mutex_t mu;         /* waiters, agents, recorder queue */
     struct ks_map waiters;      /* command_id -> struct broker__waiter * */
     struct ks_map live;         /* command_id -> subject (batch live output) */
+    /* command_id -> struct broker__out_caps * (output.c): the caps of the
+     * commands that may still send output; and when a piece past one was
+     * last logged (mono us). */
+    struct ks_map out_caps;
+    int64_t out_caps_logged_us;
     struct ks_map claimed;      /* command_id -> struct broker__claimed * */
     struct ks_map keys_seen;    /* idempotency keys executed here (set) */
     struct ks_map agents;       /* agent_id -> struct broker__agent * */
@@ -697,14 +702,15 @@ void broker__spec_for_agent(const Ks__CommandSpec *sp, const char *agent_id,
 void broker__on_blob(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
                      void *ud);
 /*
- * A copy (sp->copy) names only files uploaded whole (complete, of the size
- * it says): 0, or KS_EINVAL with why naming the file, or a store error.
+ * A copy (sp->copy) of operator op names only files op uploaded whole
+ * (complete, of the size it says; another operator's are as if not
+ * there): 0, or KS_EINVAL with why naming the file, or a store error.
  * Each file is marked used (kept copy_keep from now; while the batch is
  * open, the batch keeps it). Nothing to check without a copy. Takes
  * blob_mu.
  */
 int broker__check_copy_files(struct broker *b, const Ks__CommandSpec *sp,
-                             char *why, size_t len);
+                             const char *op, char *why, size_t len);
 /*
  * The scanner's clean-up of kscore copy's files (store_blob_expire, a few
  * short transactions on st): files nobody uploaded or copied for
@@ -774,10 +780,43 @@ bool broker__admit_room(struct broker *b, const char *key, unsigned slots,
                         uint64_t deliver_ms, uint64_t timeout_ms);
 /* command_id was dispatched here to agent_id (its first deadline
  * not_after_us, epoch; its spec's timeout, 0: none): in flight until its
- * end is noted (broker__admit_ended) or long past both. */
+ * end is noted (broker__admit_ended) or long past both. A command not
+ * taken before (a batch's target) is counted in operator_name's share
+ * with bytes (broker__cmd_bytes; never refused here). */
 void broker__admit_dispatched(struct broker *b, const char *command_id,
+                              const char *operator_name,
                               const char *agent_id, int64_t not_after_us,
-                              uint64_t timeout_ms);
+                              uint64_t timeout_ms, uint64_t bytes);
+/*
+ * Each operator's share of the commands stream (issue 21: one operator
+ * put 269 MB in KSCORE_CMDS for an offline agent). The commands of
+ * operator_name not ended yet that this broker counts (those dispatched
+ * here, and those the record had open at its start: broker__admit_load,
+ * broker__admit_sweep)
+ * hold broker__cmd_bytes() each; 0 when this one's bytes still fit within
+ * the share (b->opts->cmds_operator_bytes, 0: BROKER_CMDS_OPERATOR_BYTES),
+ * and then command_id is counted from now until its end is noted
+ * (broker__admit_ended; not_after_us: its deadline, epoch, bounds how
+ * long an entry nobody ends is kept); else KS_EBUSY with why (len bytes)
+ * naming the share and the figures, logged at most once per 10 s, and
+ * nothing counted. Any thread. Several brokers each count their own, so
+ * an operator holds at most a share per broker.
+ */
+int broker__admit_take(struct broker *b, const char *command_id,
+                       const char *operator_name, uint64_t bytes,
+                       int64_t not_after_us, char *why, size_t len);
+/* What cmd holds of its operator's share: its packed size and
+ * BROKER_CMD_MSG_OVERHEAD. */
+uint64_t broker__cmd_bytes(const Ks__Command *cmd);
+/* Counts the commands the record has open (store_open_requests on st) in
+ * their operators' shares: call once at start, before the API is served.
+ * 0 or KS_EPG. */
+int broker__admit_load(struct broker *b, struct store *st);
+/* Of the commands counted by broker__admit_load, those the record has
+ * ended since are no longer counted (their end may have been recorded
+ * by another broker that told nobody). The scanner calls it now and
+ * then, with st. */
+void broker__admit_sweep(struct broker *b, struct store *st);
 /* A claim was answered (handler_us: the time its handler took); granted:
  * command_id started (its slot's hold is timed from now). */
 void broker__admit_claim_done(struct broker *b, const char *command_id,
@@ -966,6 +1005,18 @@ void broker__live_add(struct broker *b, const char *command_id,
                       const char *subject);
 /* true if command_id had a batch live follower here. */
 bool broker__live_end(struct broker *b, const char *command_id);
+/*
+ * Each command's own output caps (issue 21: its agent could store output
+ * up to EXEC_OUTPUT_CAP_MAX whatever the command's cap): a piece past the
+ * cap its spec gives (agent_output_cap) is refused by
+ * broker__admit_output. Noted when this broker records the command
+ * (command_id, with its spec), else read from its CommandRequested when
+ * its first piece comes; forgotten at its end. Any thread (b->mu).
+ */
+void broker__output_caps_note(struct broker *b, const char *command_id,
+                              const Ks__CommandSpec *spec);
+void broker__output_caps_forget(struct broker *b, const char *command_id);
+void broker__output_caps_free(struct broker *b);
 /* Puts back the bytes of r's outputs that travelled in pieces (reads
  * them with st). 0 or a store error. */
 int broker__fill_output(struct store *st, const char *command_id,

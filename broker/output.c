@@ -22,12 +22,99 @@
  * past it they say chunked_bytes and `kscore logs` pages through. */
 #define BROKER_WHOLE_OUTPUT_MAX ((uint64_t)512 * 1024 * 1024)
 
+/* Commands whose caps are kept at most; past it all are forgotten (each
+ * is read again from the record when its next piece comes). */
+#define OUTPUT_CAPS_MAX 65536
+
+/* Why a piece past its command's cap is refused (compared by address). */
+static const char past_cap[] =
+    "output past the command's own cap (stdout_cap_bytes / "
+    "stderr_cap_bytes of its request)";
+
+/* A command's caps: bytes of stdout, of stderr. */
+struct broker__out_caps {
+    uint32_t cap[2];
+};
+
+static void
+free_caps(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+void
+broker__output_caps_note(struct broker *b, const char *command_id,
+                         const Ks__CommandSpec *spec)
+{
+    struct broker__out_caps *c = malloc(sizeof(*c)), *old;
+    if (!c)
+        return;
+    c->cap[0] = agent_output_cap(spec->stdout_cap_bytes);
+    c->cap[1] = agent_output_cap(spec->stderr_cap_bytes);
+    pthread_mutex_lock(&b->mu);
+    if (b->out_caps.count >= OUTPUT_CAPS_MAX) {
+        ks_map_each(&b->out_caps, free_caps, NULL);
+        ks_map_clear(&b->out_caps);
+    }
+    old = ks_map_del(&b->out_caps, command_id);
+    if (ks_map_put(&b->out_caps, command_id, c) != 0) {
+        free(c);
+    }
+    pthread_mutex_unlock(&b->mu);
+    free(old);
+}
+
+void
+broker__output_caps_forget(struct broker *b, const char *command_id)
+{
+    pthread_mutex_lock(&b->mu);
+    void *old = ks_map_del(&b->out_caps, command_id);
+    pthread_mutex_unlock(&b->mu);
+    free(old);
+}
+
+void
+broker__output_caps_free(struct broker *b)
+{
+    ks_map_each(&b->out_caps, free_caps, NULL);
+    ks_map_clear(&b->out_caps);
+}
+
+/* The cap of stream (1, 2) of command_id, 0 when not known here. */
+static uint32_t
+caps_get(struct broker *b, const char *command_id, uint32_t stream)
+{
+    uint32_t cap = 0;
+    pthread_mutex_lock(&b->mu);
+    const struct broker__out_caps *c = ks_map_get(&b->out_caps, command_id);
+    if (c && (stream == 1 || stream == 2))
+        cap = c->cap[stream - 1];
+    pthread_mutex_unlock(&b->mu);
+    return cap;
+}
+
+/* store_read_stream's callback: the command's first event, its
+ * request. */
+static int
+note_requested(const Ks__RecordedEvent *re, void *ud)
+{
+    struct broker *b = ud;
+    const Ks__Event *ev = re->event;
+    if (ev && ev->command && ev->command->spec &&
+        strcmp(ev->type, "CommandRequested") == 0)
+        broker__output_caps_note(b, ev->command->command_id,
+                                 ev->command->spec);
+    return 1; /* the first only */
+}
+
 int
 broker__admit_output(const struct store_command_state *st,
                      const struct store_output_chunk *c, const char **why,
                      void *ud)
 {
-    (void)ud;
+    struct broker *b = ud;
     if (strcmp(st->agent_id, c->agent_id) != 0) {
         *why = "output for a command addressed to another agent";
         return KS_EDENIED;
@@ -47,6 +134,12 @@ broker__admit_output(const struct store_command_state *st,
         c->len > KS_MAX_MESSAGE_BYTES ||
         c->offset + c->len > (uint64_t)EXEC_OUTPUT_CAP_MAX) {
         *why = "output offset out of range";
+        return KS_EDENIED;
+    }
+    /* And none past the command's own cap: its agent keeps no more. */
+    uint32_t cap = b ? caps_get(b, c->command_id, c->stream) : 0;
+    if (cap && (c->offset > cap || c->offset + c->len > cap)) {
+        *why = past_cap;
         return KS_EDENIED;
     }
     return 0;
@@ -70,6 +163,15 @@ broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
         cs[i].data = evs[i]->chunk->data.data;
         cs[i].len = evs[i]->chunk->data.len;
         whys[i] = NULL;
+        /* A command recorded by another broker, or before this one
+         * started: its caps from its request. */
+        if (ks_is_uuid(cs[i].command_id) &&
+            !caps_get(b, cs[i].command_id, 1)) {
+            char stream[64];
+            snprintf(stream, sizeof(stream), "command-%s",
+                     cs[i].command_id);
+            store_read_stream(b->st_rec, stream, 0, 1, note_requested, b);
+        }
     }
     rc = store_append_output(b->st_rec, cs, n, broker__admit_output, b,
                              verdicts, whys);
@@ -86,6 +188,28 @@ broker__record_pieces(struct broker *b, Ks__Event **evs, size_t n,
                                      broker__admit_output, b, &verdicts[i],
                                      &whys[i]);
         }
+    }
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        if (verdicts[i] != STORE_STEP_ILLEGAL || whys[i] != past_cap)
+            continue;
+        int64_t now = ks_mono_us();
+        pthread_mutex_lock(&b->mu);
+        bool log = now - b->out_caps_logged_us > 10000000;
+        if (log)
+            b->out_caps_logged_us = now;
+        pthread_mutex_unlock(&b->mu);
+        if (log)
+            ks_log(KS_LOG_WARN,
+                   "output past its command's cap refused (logged once per "
+                   "10 s)",
+                   KS_S("agent", cs[i].agent_id),
+                   KS_S("command_id", cs[i].command_id),
+                   KS_I("stream", cs[i].stream),
+                   KS_I("offset", (int64_t)cs[i].offset),
+                   KS_I("bytes", (int64_t)cs[i].len),
+                   KS_I("cap", caps_get(b, cs[i].command_id,
+                                        cs[i].stream)));
+        break;
     }
     free(cs);
     return rc;

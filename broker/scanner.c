@@ -589,6 +589,7 @@ scanner_main(void *arg)
         if (ks_mono_us() - last_sweep >= 10 * INT64_C(1000000)) {
             last_sweep = ks_mono_us();
             broker__remote_live_sweep(b, b->st_scan);
+            broker__admit_sweep(b, b->st_scan);
         }
         if (ks_mono_us() >= next_expire)
             next_expire = ks_mono_us() + broker__blob_expire(b, b->st_scan);

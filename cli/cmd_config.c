@@ -60,6 +60,8 @@ static const struct conf_key conf_keys[] = {
      1UL << 20},
     {"copy_total_mib", "KSCORE_COPY_TOTAL_MIB", B, CT_UINT, false, 1,
      1UL << 24},
+    {"cmds_operator_mib", "KSCORE_CMDS_OPERATOR_MIB", B, CT_UINT, false, 1,
+     1UL << 20},
     {"copy_keep", "KSCORE_COPY_KEEP", B, CT_DUR, false, 1000, 0},
     {"copy_upload_keep", "KSCORE_COPY_UPLOAD_KEEP", B, CT_DUR, false, 1000,
      0},

@@ -1850,6 +1850,7 @@ cmd_broker(int argc, char **argv)
     const char *require_signed = NULL;
     const char *replicas = NULL, *drain = NULL;
     const char *copy_mib[2] = {NULL, NULL}, *copy_keep[2] = {NULL, NULL};
+    const char *cmds_mib = NULL;
     struct cli_metrics_server *ms = NULL;
     struct svc_flags sf = {0};
     struct cli_conn cc = {0};
@@ -1947,6 +1948,7 @@ cmd_broker(int argc, char **argv)
         (rc = cli_conf_str(&cf, "drain_timeout", &drain)) ||
         (rc = cli_conf_str(&cf, "copy_operator_mib", &copy_mib[0])) ||
         (rc = cli_conf_str(&cf, "copy_total_mib", &copy_mib[1])) ||
+        (rc = cli_conf_str(&cf, "cmds_operator_mib", &cmds_mib)) ||
         (rc = cli_conf_str(&cf, "copy_keep", &copy_keep[0])) ||
         (rc = cli_conf_str(&cf, "copy_upload_keep", &copy_keep[1])) ||
         (rc = cli_conf_log(&cf, sf.log_format, sf.log_level, "broker")))
@@ -1958,6 +1960,8 @@ cmd_broker(int argc, char **argv)
         o.copy_operator_bytes = strtoull(copy_mib[0], NULL, 10) << 20;
     if (copy_mib[1])
         o.copy_total_bytes = strtoull(copy_mib[1], NULL, 10) << 20;
+    if (cmds_mib)
+        o.cmds_operator_bytes = strtoull(cmds_mib, NULL, 10) << 20;
     if (copy_keep[0])
         cli_parse_duration(copy_keep[0], &o.copy_keep_ms);
     if (copy_keep[1])

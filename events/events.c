@@ -441,6 +441,13 @@ setup_once(struct evt_conn *c, int replicas, jsOptions *jo, char **errmsg)
     sc.Storage = js_FileStorage;
     sc.Duplicates = EVT_DUPLICATE_WINDOW_MS * NS_PER_MS;
     sc.MaxMsgSize = KS_MAX_MESSAGE_BYTES;
+    /* Bounded (issue 21: one operator put 269 MB here for an offline
+     * agent, kept until it acks, for good if it never comes back). Only
+     * limits: a stream made before gets them in place (nats-server
+     * changes limits and discard, never retention or storage). */
+    sc.MaxBytes = EVT_CMDS_MAX_BYTES;
+    sc.Discard = js_DiscardNew;
+    sc.MaxAge = (int64_t)EVT_CMDS_MAX_AGE_MS * NS_PER_MS;
     /* No purge and no message delete through the API, for anyone: a
      * client may publish to a stream subject (an agent to its own) with a
      * reply address of its choosing, and the server sends the stream's

@@ -3,7 +3,9 @@
  * on the wire, publish with de-duplication ids, request/reply. Knows no SQL.
  *
  * NATS layout (DESIGN.md "NATS layout"):
- *   KSCORE_CMDS    stream, work-queue, file, subjects kscore.cmd.>
+ *   KSCORE_CMDS    stream, work-queue, file, subjects kscore.cmd.>,
+ *                  at most EVT_CMDS_MAX_BYTES (discard new) and
+ *                  EVT_CMDS_MAX_AGE_MS old;
  *                  one durable push consumer per agent ("agent-<id>"),
  *                  filter kscore.cmd.<id>, delivering to
  *                  "_KSCORE.deliver.agent-<id>" (queue group agent-<id>);
@@ -92,6 +94,23 @@
 #define EVT_AGENT_TTL_MS 10000
 /* Duplicate window of KSCORE_EVENTS and KSCORE_CMDS (ms). */
 #define EVT_DUPLICATE_WINDOW_MS (2 * 60 * 1000)
+/* The longest delivery deadline a command may have (ms):
+ * ExecuteRequest/BatchRequest.deliver_within_ms (the broker's field
+ * rules). */
+#define EVT_DELIVER_WITHIN_MAX_MS 86400000
+/*
+ * The most KSCORE_CMDS holds (bytes), with discard new: past it a
+ * publish is refused (the broker's publish of a command fails: its
+ * deadline scanner publishes it again, or ends it Undeliverable), nothing
+ * stored is dropped. Each
+ * operator's share of it is the broker's (cmds_operator_mib,
+ * broker__admit_take). And how long a command waits there at most (ms):
+ * just over the longest delivery deadline, after which its agent would
+ * refuse it as expired anyway (a work queue keeps a message until it is
+ * acked: for good, for an agent that never comes back).
+ */
+#define EVT_CMDS_MAX_BYTES (INT64_C(1) << 30)
+#define EVT_CMDS_MAX_AGE_MS (EVT_DELIVER_WITHIN_MAX_MS + 3600 * 1000)
 /* The most KSCORE_EVENTS holds unrecorded (bytes): the stream's max_bytes
  * with discard new (evt_setup). */
 #define EVT_EVENTS_MAX_BYTES (INT64_C(1) << 30)

@@ -1,6 +1,7 @@
 /*
- * blob.c: files for kscore copy (migrations 10 and 11: blob_parts,
- * blob_files, blob_usage), named by their SHA-256 and kept in parts of
+ * blob.c: files for kscore copy (migrations 10, 11 and 14: blob_parts,
+ * blob_files, blob_usage, blob_owners, blob_proofs), named by their
+ * SHA-256 and kept in parts of
  * KS_BLOB_PART_BYTES. The broker (broker/blob.c) writes the parts an
  * operator uploads, under that operator's bound and everyone's, checks
  * the whole against its name, marks it complete, and reads parts back for
@@ -49,6 +50,18 @@ blob_number(struct store *s, const char *sql, const struct store__params *p,
     return rc;
 }
 
+/* $1..$4 of a part's statements: the file, the part's number, its bytes
+ * and the operator who sent them. */
+static void
+part_params(struct store__params *p, const uint8_t *sha256, uint32_t part,
+            const void *data, size_t len, const char *operator_)
+{
+    store__p_bin(p, sha256, KS_SHA256_BYTES);
+    store__p_i64(p, part);
+    store__p_bin(p, len ? data : "", len);
+    store__p_text(p, operator_);
+}
+
 int
 store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                uint32_t part, const void *data, size_t len,
@@ -61,10 +74,7 @@ store_blob_put(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 
     if ((rc = store__ready(s)))
         return rc;
-    store__p_bin(&p, sha256, KS_SHA256_BYTES);
-    store__p_i64(&p, part);
-    store__p_bin(&p, len ? data : "", len);
-    store__p_text(&p, operator_);
+    part_params(&p, sha256, part, data, len, operator_);
     store__p_i64(&p, (int64_t)bounds->operator_bytes);
     store__p_i64(&p, (int64_t)bounds->total_bytes);
     res = PQexecParams(s->conn,
@@ -135,7 +145,7 @@ store_blob_room(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
 
 int
 store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                    uint64_t *size_out)
+                    const char *operator_, uint64_t *size_out)
 {
     struct store__params p = {0};
     int64_t size = 0;
@@ -144,19 +154,58 @@ store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
     if ((rc = store__ready(s)))
         return rc;
     store__p_bin(&p, sha256, KS_SHA256_BYTES);
+    store__p_text(&p, operator_);
     /* A use: the file is kept store_blob_expire's files_unused_us from
-     * now. */
+     * now. Only its owners' uses count. */
     rc = blob_number(s,
-                     "UPDATE blob_files SET used_at = now()"
-                     " WHERE sha256 = $1 RETURNING size",
+                     "UPDATE blob_files f SET used_at = now()"
+                     " WHERE f.sha256 = $1 AND EXISTS (SELECT 1 FROM"
+                     " blob_owners o WHERE o.sha256 = f.sha256 AND"
+                     " o.operator = $2) RETURNING size",
                      &p, &size);
-    if (rc == KS_ENOTFOUND)
-        return 0;
+    if (rc == KS_ENOTFOUND) {
+        /* Not operator_'s: stored at all? */
+        rc = blob_number(s,
+                         "SELECT size FROM blob_files WHERE sha256 = $1"
+                         " AND $2::text IS NOT NULL",
+                         &p, &size);
+        if (rc == KS_ENOTFOUND)
+            return 0;
+        if (rc)
+            return rc;
+        if (size_out)
+            *size_out = (uint64_t)size;
+        return 2;
+    }
     if (rc)
         return rc;
     if (size_out)
         *size_out = (uint64_t)size;
     return 1;
+}
+
+int
+store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                 uint32_t part, const void *data, size_t len, uint32_t n,
+                 bool commit, bool bad, const char *operator_)
+{
+    struct store__params p = {0};
+    int64_t v = 0;
+    int rc;
+
+    if ((rc = store__ready(s)))
+        return rc;
+    part_params(&p, sha256, part, data, len, operator_);
+    store__p_i64(&p, n);
+    store__p_bool(&p, commit);
+    store__p_bool(&p, bad);
+    rc = blob_number(s,
+                     "SELECT kscore_blob_prove($1, $2::int, $3, $4,"
+                     " $5::int, $6::bool, $7::bool)",
+                     &p, &v);
+    if (rc)
+        return rc;
+    return v < 0 ? -EBADMSG : (int)v;
 }
 
 int
@@ -317,6 +366,23 @@ store_blob_expire(struct store *s, int64_t files_unused_us,
     parts = forget(s, NULL, NULL, parts_unwritten_us, limit);
     if (parts < 0)
         return parts;
+    /* The parts of a stored file that an operator began to send again
+     * and never finished (kscore_blob_prove): as unfinished uploads. */
+    int64_t proofs = 0;
+    struct store__params q = {0};
+    store__p_i64(&q, parts_unwritten_us);
+    store__p_i64(&q, limit);
+    rc = blob_number(
+        s,
+        "WITH gone AS (DELETE FROM blob_proofs WHERE ctid IN ("
+        " SELECT ctid FROM blob_proofs WHERE sent_at < now() -"
+        " $1::bigint * interval '1 microsecond' LIMIT $2::int)"
+        " RETURNING 1) SELECT count(*) FROM gone",
+        &q, &proofs);
+    if (rc)
+        return rc;
+    if (proofs > parts)
+        parts = (int)proofs;
     *files_out = (unsigned)files;
     *parts_out = (unsigned)parts;
     return 0;

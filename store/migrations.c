@@ -1149,6 +1149,120 @@ static const char migration_13[] =
     "CREATE INDEX events_relabels ON events (stream_id, version)\n"
     "  WHERE type = 'AgentLabelsChanged';\n";
 
+/*
+ * Migration 14: a file of kscore copy is stored once but named only by
+ * the operators who uploaded it (issue 21, found attacking as an insider:
+ * any operator who could copy and knew a file's SHA-256 and size, which
+ * kscore get shows to every reader of the copy's command, heard that it
+ * was stored and copied it to an agent of its own). blob_owners: who may
+ * name the file in a copy; its first uploader (kscore_blob_commit) and
+ * every operator who sent it again whole, each part checked against the
+ * stored one (kscore_blob_prove). blob_proofs: the parts an operator has
+ * sent so far of a file stored already (dropped once they are all there,
+ * or by the scanner after copy_upload_keep, as unfinished parts).
+ */
+static const char migration_14[] =
+    "CREATE TABLE blob_owners (\n"
+    "  sha256   bytea NOT NULL REFERENCES blob_files (sha256)\n"
+    "           ON DELETE CASCADE,\n"
+    "  operator text NOT NULL,\n"
+    "  PRIMARY KEY (sha256, operator)\n"
+    ");\n"
+    "INSERT INTO blob_owners (sha256, operator)\n"
+    "  SELECT sha256, operator FROM blob_files;\n"
+    "CREATE TABLE blob_proofs (\n"
+    "  sha256   bytea NOT NULL REFERENCES blob_files (sha256)\n"
+    "           ON DELETE CASCADE,\n"
+    "  operator text NOT NULL,\n"
+    "  part     int NOT NULL,\n"
+    "  sent_at  timestamptz NOT NULL DEFAULT now(),\n"
+    "  PRIMARY KEY (sha256, operator, part)\n"
+    ");\n"
+    "CREATE INDEX blob_proofs_sent ON blob_proofs (sent_at);\n"
+    /*
+     * As migration 11's, and: a file completes for p_op only when p_op
+     * wrote every part (a part another operator wrote is not a proof
+     * that p_op has it), and p_op becomes its owner; a file complete
+     * already is p_op's only when it owns it (else false: the caller
+     * sends it again, kscore_blob_prove).
+     */
+    "CREATE OR REPLACE FUNCTION kscore_blob_commit(p_sha bytea,\n"
+    "  p_size bigint, p_op text, p_vers bigint[]) RETURNS bool\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM 1 FROM blob_usage WHERE operator = '*' FOR UPDATE;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    UPDATE blob_files SET used_at = now() WHERE sha256 = p_sha;\n"
+    "    RETURN EXISTS (SELECT 1 FROM blob_owners\n"
+    "                   WHERE sha256 = p_sha AND operator = p_op);\n"
+    "  END IF;\n"
+    "  IF (SELECT coalesce(array_agg(coalesce(ver, 0) ORDER BY part),\n"
+    "                      '{}')\n"
+    "      FROM blob_parts WHERE sha256 = p_sha\n"
+    "      AND part < cardinality(p_vers)) <> p_vers THEN\n"
+    "    RETURN false;\n"
+    "  END IF;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_parts WHERE sha256 = p_sha\n"
+    "             AND part < cardinality(p_vers) AND operator <> p_op) THEN\n"
+    "    RETURN false;\n"
+    "  END IF;\n"
+    "  PERFORM kscore_blob_forget(p_sha, cardinality(p_vers), NULL, NULL,\n"
+    "                             2147483647);\n"
+    "  INSERT INTO blob_files (sha256, size, operator)\n"
+    "    VALUES (p_sha, p_size, p_op);\n"
+    "  INSERT INTO blob_owners (sha256, operator) VALUES (p_sha, p_op);\n"
+    "  RETURN true;\n"
+    "END $$;\n"
+    /*
+     * Part p_part of the complete file p_sha (p_n parts), sent by p_op
+     * who does not own it yet, answered as a new upload's part would be,
+     * so that it tells nothing of what others stored: noted (a part that
+     * is not the stored one as part -1), and at the commit (p_commit) 1
+     * when p_op has sent every part, each the stored bytes (it owns the
+     * file from now on), -1 when one was not (its notes dropped: send it
+     * again), 0 when parts are missing; 0 before the commit. p_n = 0 (an
+     * empty file): owned at the commit. -1 also when the file is gone;
+     * p_bad: the part is not the file's whatever its bytes (the upload
+     * says another size).
+     */
+    "CREATE FUNCTION kscore_blob_prove(p_sha bytea, p_part int,\n"
+    "  p_data bytea, p_op text, p_n int, p_commit bool, p_bad bool)\n"
+    "  RETURNS int\n"
+    "LANGUAGE plpgsql AS $$\n"
+    "DECLARE k int := p_part;\n"
+    "BEGIN\n"
+    "  IF NOT EXISTS (SELECT 1 FROM blob_files WHERE sha256 = p_sha) THEN\n"
+    "    RETURN -1;\n"
+    "  END IF;\n"
+    "  IF p_bad OR (p_n > 0 AND NOT EXISTS (SELECT 1 FROM blob_parts\n"
+    "      WHERE sha256 = p_sha AND part = p_part AND data = p_data)) THEN\n"
+    "    k := -1;\n"
+    "  END IF;\n"
+    "  IF p_n > 0 OR k = -1 THEN\n"
+    "    INSERT INTO blob_proofs AS q (sha256, operator, part)\n"
+    "      VALUES (p_sha, p_op, k)\n"
+    "      ON CONFLICT (sha256, operator, part) DO UPDATE\n"
+    "      SET sent_at = now();\n"
+    "  END IF;\n"
+    "  IF NOT p_commit THEN\n"
+    "    RETURN 0;\n"
+    "  END IF;\n"
+    "  IF EXISTS (SELECT 1 FROM blob_proofs WHERE sha256 = p_sha\n"
+    "             AND operator = p_op AND part = -1) THEN\n"
+    "    DELETE FROM blob_proofs WHERE sha256 = p_sha AND operator = p_op;\n"
+    "    RETURN -1;\n"
+    "  END IF;\n"
+    "  IF (SELECT count(*) FROM blob_proofs WHERE sha256 = p_sha\n"
+    "      AND operator = p_op AND part BETWEEN 0 AND p_n - 1) < p_n THEN\n"
+    "    RETURN 0;\n"
+    "  END IF;\n"
+    "  INSERT INTO blob_owners (sha256, operator) VALUES (p_sha, p_op)\n"
+    "    ON CONFLICT DO NOTHING;\n"
+    "  DELETE FROM blob_proofs WHERE sha256 = p_sha AND operator = p_op;\n"
+    "  UPDATE blob_files SET used_at = now() WHERE sha256 = p_sha;\n"
+    "  RETURN 1;\n"
+    "END $$;\n";
+
 const struct store__migration store__migrations[] = {
     {1, "schema 1.0: events, streams, projections", migration_1},
     {2, "batch leases: one driving broker per open batch", migration_2},
@@ -1167,6 +1281,8 @@ const struct store__migration store__migrations[] = {
      migration_12},
     {13, "a batch's row says how it ended; relabels by stream",
      migration_13},
+    {14, "kscore copy's files are named only by who uploaded them",
+     migration_14},
 };
 const size_t store__n_migrations =
     sizeof(store__migrations) / sizeof(store__migrations[0]);

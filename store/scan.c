@@ -87,3 +87,39 @@ store_scan_waiting(struct store *s, int64_t dispatched_before_us,
     PQclear(res);
     return rc;
 }
+
+int
+store_open_requests(struct store *s, store_open_request_fn cb, void *ud)
+{
+    PGresult *res;
+    int rc;
+
+    if ((rc = store__ready(s)) < 0)
+        return rc;
+    /* length() of a bytea reads its size, not its (toasted) bytes. */
+    res = PQexec(
+        s->conn,
+        "SELECT c.command_id::text, c.operator,"
+        " coalesce((SELECT length(e.data) FROM events e"
+        "   WHERE e.stream_id = 'command-' || c.command_id::text"
+        "     AND e.type = 'CommandRequested' LIMIT 1), 0),"
+        " coalesce(kscore_us(c.deliver_by), 0)"
+        " FROM commands c"
+        " WHERE c.status IN ('Pending', 'Dispatched', 'Running')");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
+    for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
+        struct store_open_request r = {0};
+        snprintf(r.command_id, sizeof(r.command_id), "%s",
+                 PQgetvalue(res, i, 0));
+        r.operator_name = PQgetvalue(res, i, 1);
+        r.request_bytes = strtoull(PQgetvalue(res, i, 2), NULL, 10);
+        r.deliver_by_us = strtoll(PQgetvalue(res, i, 3), NULL, 10);
+        rc = cb(&r, ud);
+    }
+    PQclear(res);
+    return rc;
+}

@@ -332,6 +332,25 @@ int store_wait_notify(struct store *s, int timeout_ms);
  */
 int store_replay(struct store *s, int64_t *events_out, char **errmsg);
 
+/* One command not ended yet, and the bytes its operator asked for. */
+struct store_open_request {
+    char command_id[37];
+    const char *operator_name; /* valid during the callback */
+    uint64_t request_bytes;    /* its CommandRequested event's data */
+    int64_t deliver_by_us;     /* 0: none */
+};
+typedef int (*store_open_request_fn)(const struct store_open_request *r,
+                                     void *ud);
+/*
+ * Every command not ended (Pending, Dispatched, Running: the partial index
+ * commands_open), each with its operator and the size of its request as
+ * recorded (the packed event of its CommandRequested, bytes): what the
+ * broker's share of each operator's commands counts at its start
+ * (broker/admit.c). cb runs on the calling thread; non-zero stops and is
+ * returned. Returns 0 or KS_EPG.
+ */
+int store_open_requests(struct store *s, store_open_request_fn cb, void *ud);
+
 /* One open command, as the deadline scanner sees it. */
 struct store_command_ref {
     char command_id[37];
@@ -686,7 +705,7 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
                         size_t n, store_output_check_fn check, void *ud,
                         enum store_step *verdicts, const char **whys);
 /*
- * Files for kscore copy (store/blob.c, migrations 10 and 11), named by
+ * Files for kscore copy (store/blob.c, migrations 10, 11, 14), named by
  * their SHA-256, in parts of KS_BLOB_PART_BYTES numbered from 0. Each
  * part is charged to the operator who wrote it for as long as it is kept
  * (complete file or not), and the bounds are checked in the same
@@ -703,9 +722,24 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
  *   *refusal_out. Advisory (a way to refuse before anything is sent):
  *   store_blob_put decides.
  *  store_blob_complete: 1 with *size_out (may be NULL) when the file is
- *   complete (checked and marked), and marks it used now (kept
- *   files_unused_us of store_blob_expire from now); 0 when not, or a
- *   store error.
+ *   complete (checked and marked) and operator_ owns it (uploaded it, or
+ *   sent it whole again: store_blob_prove), and marks it used now (kept
+ *   files_unused_us of store_blob_expire from now); 2 with *size_out when
+ *   it is complete but not operator_'s (a file is stored once, but
+ *   named only by who showed it has it); 0 when not stored, or a store
+ *   error.
+ *  store_blob_prove: part (len bytes of data) of a complete file of n
+ *   parts, sent by operator_, who does not own it, answered as a new
+ *   upload's part would be (so that it tells nothing of what others
+ *   stored): before the commit 0; at the commit (commit true) 1 when
+ *   operator_ has sent every part, each the same bytes as the stored one
+ *   (it owns the file from now on; n = 0: at once), -EBADMSG when one
+ *   was not (or the file is gone: send it again), 0 when parts are
+ *   missing; or a store error. bad: the part is not the file's whatever
+ *   its bytes (the upload says another size than the stored file's).
+ *   Nothing is written but the note of which
+ *   parts operator_ sent (charged to nobody; kept copy_upload_keep at
+ *   most, by store_blob_expire).
  *  store_blob_read: one part, *data_out (malloc'd) and *len_out, and its
  *   version *ver_out (may be NULL; another each time the part is
  *   written). 0, KS_ENOTFOUND, KS_ETOOBIG or a store error.
@@ -713,8 +747,9 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
  *   SHA-256 and size (the caller read them back and checked them),
  *   uploaded by operator_, if they are still the parts read: vers[i] is
  *   the version of part i (n = ks_blob_parts(size)). Parts past n are
- *   dropped. 1 (complete, now or before), 0 (a part was written since:
- *   nothing marked) or a store error.
+ *   dropped. 1 (complete and operator_'s, now or before), 0 (a part was
+ *   written since or by another operator, or the file is complete and
+ *   not operator_'s: nothing marked) or a store error.
  *  store_blob_drop: forgets the parts of a file that is not complete (its
  *   check failed, or its upload was refused) that operator_ wrote (NULL:
  *   anyone), a few per transaction. 0 or a store error.
@@ -723,7 +758,8 @@ int store_append_output(struct store *s, const struct store_output_chunk *chunks
  *   a copy accepted) for files_unused_us that no open batch names, and
  *   the parts of files not complete that were written more than
  *   parts_unwritten_us ago (a file deleted here: its parts, in later
- *   rounds). *files_out and *parts_out: how many; fewer than limit of
+ *   rounds), and notes of store_blob_prove as old. *files_out and
+ *   *parts_out: how many (notes count as parts); fewer than limit of
  *   both: nothing more is due. 0 or a store error.
  */
 struct store_blob_bounds {
@@ -748,7 +784,10 @@ int store_blob_room(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                     const struct store_blob_bounds *bounds,
                     struct store_blob_refusal *refusal_out);
 int store_blob_complete(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
-                        uint64_t *size_out);
+                        const char *operator_, uint64_t *size_out);
+int store_blob_prove(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
+                     uint32_t part, const void *data, size_t len, uint32_t n,
+                     bool commit, bool bad, const char *operator_);
 int store_blob_read(struct store *s, const uint8_t sha256[KS_SHA256_BYTES],
                     uint32_t part, uint8_t **data_out, size_t *len_out,
                     uint64_t *ver_out);

@@ -298,6 +298,13 @@ int fixture_submit_key(struct evt_conn *c, const char *agent,
                        const char *script, uint64_t timeout_ms,
                        uint64_t deliver_within_ms, const char *key,
                        char id_out[37]);
+/* fixture_submit_key with a spec of the caller's (a Ks__CommandSpec: its
+ * argv, caps...). */
+struct Ks__CommandSpec;
+int fixture_submit_spec(struct evt_conn *c, const char *agent,
+                        struct Ks__CommandSpec *spec,
+                        uint64_t deliver_within_ms,
+                        const char *key, char id_out[37]);
 /* n bytes (malloc'd) of a xorshift sequence seeded by seed: the same
  * bytes for the same (n, seed), others for another seed. */
 uint8_t *fixture_bytes(size_t n, uint32_t seed);

@@ -984,16 +984,26 @@ fixture_submit_key(struct evt_conn *c, const char *agent, const char *script,
                    uint64_t timeout_ms, uint64_t deliver_within_ms,
                    const char *key, char id_out[37])
 {
-    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
     Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
-    Ks__ExecuteReply *rep = NULL;
     char *argv[] = {"sh", "-c", (char *)script};
-    int rc;
 
     spec.argv = argv;
     spec.n_argv = 3;
     spec.timeout_ms = timeout_ms;
-    req.spec = &spec;
+    return fixture_submit_spec(c, agent, &spec, deliver_within_ms, key,
+                               id_out);
+}
+
+int
+fixture_submit_spec(struct evt_conn *c, const char *agent,
+                    Ks__CommandSpec *spec, uint64_t deliver_within_ms,
+                    const char *key, char id_out[37])
+{
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    int rc;
+
+    req.spec = spec;
     req.agent_id = (char *)agent;
     req.detach = 1;
     req.deliver_within_ms = deliver_within_ms;

@@ -845,6 +845,102 @@ START_TEST(each_byte_of_output_is_kept_once)
 }
 END_TEST
 
+/* Submits `sh -c script` to AGENT, detached, with stdout cap `cap` (0:
+ * the default): the command's id in id. */
+static void
+submit_capped(struct evt_conn *c, const char *script, uint32_t cap,
+              char id[37])
+{
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"sh", "-c", (char *)script};
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.stdout_cap_bytes = cap;
+    ck_assert_int_eq(fixture_submit_spec(c, AGENT, &spec, 0, NULL, id), 0);
+}
+
+/* Bytes of id's output kept, and its pieces refused as past its cap. */
+static void
+kept_and_past_cap(const char *id, long kept, long past)
+{
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT coalesce(sum(length(data)), 0) FROM command_output "
+             "WHERE command_id = '%s'",
+             id);
+    ck_assert_int_eq(sql_long(sql), kept);
+    snprintf(sql, sizeof(sql),
+             "SELECT count(*) FROM events WHERE type = 'ReportRejected' AND "
+             "position(convert_to('%s', 'UTF8') in data) > 0 AND "
+             "position(convert_to('past the command''s own cap', 'UTF8') "
+             "in data) > 0",
+             id);
+    ck_assert_int_eq(sql_long(sql), past);
+}
+
+/*
+ * Issue 21 tried again (helper attack2; medium): a command's own agent
+ * could store output up to the largest cap (EXEC_OUTPUT_CAP_MAX, 1 GiB
+ * per stream), whatever cap the command had: pieces at 2 MiB and 512 MiB
+ * of a command with a 1 MiB cap were kept, so one agent credential put
+ * 2 GiB into command_output for every command it ran. Now
+ * broker__admit_output checks each piece against the command's own caps
+ * (agent_output_cap of its spec: the default 16 MiB, or what it asked
+ * for), and output up to the cap is kept as before.
+ */
+START_TEST(no_output_is_kept_past_the_commands_cap)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], small[37], a[1001];
+    memset(a, 'a', 1000);
+    a[1000] = '\0';
+    const uint64_t def = EXEC_OUTPUT_CAP_AGENT_DEFAULT;
+    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    /* A cap of 4096 bytes, asked for. */
+    submit_capped(c, "sleep 4", 4096, small);
+    wait_status(id, "Running");
+    wait_status(small, "Running");
+    /* Its agent's result comes after these on the same subject, so once
+     * the command has ended they have been decided. */
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a); /* kept */
+    publish_piece_at(c, AGENT, id, 1, def - 500, a);  /* crosses the cap */
+    publish_piece_at(c, AGENT, id, 1, def, a);                /* past it */
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)512 << 20, a); /* past */
+    publish_piece_at(c, AGENT, small, 1, 0, a);               /* kept */
+    publish_piece_at(c, AGENT, small, 1, 4000, a);     /* crosses 4096 */
+    publish_piece_at(c, AGENT, small, 1, (uint64_t)2 << 20, a); /* past */
+    wait_status(id, "Succeeded");
+    wait_status(small, "Succeeded");
+    kept_and_past_cap(id, 1000, 3);
+    kept_and_past_cap(small, 1000, 2);
+    evt_close(c);
+}
+END_TEST
+
+/* A broker started again while the command runs reads its caps from its
+ * request in the record: the pieces past them are refused all the same
+ * (the broker that recorded the command had them in memory). */
+START_TEST(the_caps_hold_after_a_broker_restart)
+{
+    struct evt_conn *c = fixture_client(&stack);
+    char id[37], a[1001];
+    memset(a, 'a', 1000);
+    a[1000] = '\0';
+    submit_capped(c, "sleep 8", 4096, id);
+    wait_status(id, "Running");
+    evt_close(c);
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 2), 0);
+    c = fixture_client(&stack);
+    publish_piece_at(c, AGENT, id, 1, 0, a);                 /* kept */
+    publish_piece_at(c, AGENT, id, 1, 4000, a);       /* crosses 4096 */
+    publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a);  /* past */
+    wait_status(id, "Succeeded");
+    kept_and_past_cap(id, 1000, 2);
+    evt_close(c);
+}
+END_TEST
+
 /* ---- Fleet case F01: NUL and broken UTF-8 everywhere -------------------
  *
  * shared/cases/fleet-cases.md F01 (mozilla/mig#180, kestra-io/kestra#10653:
@@ -1090,6 +1186,8 @@ output_suite(void)
     tcase_add_test(tc, batch_stream_prints_agent_lines);
     tcase_add_test(tc, agent_cannot_inject_output);
     tcase_add_test(tc, each_byte_of_output_is_kept_once);
+    tcase_add_test(tc, no_output_is_kept_past_the_commands_cap);
+    tcase_add_test(tc, the_caps_hold_after_a_broker_restart);
     tcase_add_test(tc, fleet_case_f01_bytes_come_back_exactly);
     suite_add_tcase(s, tc);
     return s;

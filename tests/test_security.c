@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <libpq-fe.h>
+#include <openssl/evp.h>
 
 #include "broker.h"
 #include "events.h"
@@ -52,8 +53,8 @@ stack_up(void)
                "\"true\"]}], \"floodop\": [{\"agents\": "
                "{\"env\": \"dev\"}, \"executables\": [\"true\"]}]");
     /* Operators that may copy (kscore copy's bounds). */
-    const char *copiers[] = {"carol", "dave", "filler0", "filler1",
-                             "filler2"};
+    const char *copiers[] = {"carol", "dave",    "filler0", "filler1",
+                             "filler2", "ivan", "judy",   "kim"};
     for (size_t i = 0; i < sizeof(copiers) / sizeof(copiers[0]); i++)
         fprintf(f, ", \"%s\": [{\"agents\": \"*\"}]", copiers[i]);
     fprintf(f, "}}\n");
@@ -3671,6 +3672,175 @@ START_TEST(only_an_operator_who_may_copy_uploads)
 }
 END_TEST
 
+/* One UploadRequest of file sha (size bytes) on c: part, data
+ * (len bytes, may be 0) and commit as given; the answer's code, whether
+ * it says complete, its text in why. */
+static int
+upload_one(struct evt_conn *c, uint8_t *sha, size_t size,
+           uint32_t part, const uint8_t *data, size_t len, bool commit,
+           bool *complete, char *why, size_t why_len)
+{
+    Ks__UploadRequest req = KS__UPLOAD_REQUEST__INIT;
+    Ks__UploadReply *r = NULL;
+    req.sha256.data = sha;
+    req.sha256.len = 32;
+    req.size = size;
+    req.part = part;
+    req.data.data = (uint8_t *)data;
+    req.data.len = len;
+    req.commit = commit;
+    ck_assert_int_eq(broker_call(c, EVT_API_UPLOAD, &req.base,
+                                 &ks__upload_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
+                     0);
+    int code = r->error_code;
+    *complete = r->complete;
+    snprintf(why, why_len, "%s", r->error ? r->error : "");
+    ks__upload_reply__free_unpacked(r, NULL);
+    return code;
+}
+
+/* A batch as op that copies file sha (size bytes) to AGENT; the answer's
+ * code, its text in why. */
+static int
+copy_as(struct evt_conn *c, const char *op, uint8_t *sha, size_t size,
+        char *why, size_t why_len)
+{
+    char to[PATH_MAX + 32];
+    snprintf(to, sizeof(to), "%s/%s.bin", tmpdir, op);
+    Ks__CopyFile f = KS__COPY_FILE__INIT, *fp = &f;
+    Ks__CopySpec cp = KS__COPY_SPEC__INIT;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__BatchRequest br = KS__BATCH_REQUEST__INIT;
+    char *argv[] = {"copy", "f.bin", to}, *agents[] = {AGENT};
+    f.name = "f.bin";
+    f.sha256.data = sha;
+    f.sha256.len = 32;
+    f.size = size;
+    cp.files = &fp;
+    cp.n_files = 1;
+    cp.path = to;
+    spec.argv = argv;
+    spec.n_argv = 3;
+    spec.copy = &cp;
+    br.spec = &spec;
+    br.agents = agents;
+    br.n_agents = 1;
+    br.detach = 1;
+    Ks__BatchReply *r = NULL;
+    ck_assert_int_eq(broker_call(c, EVT_API_BATCH, &br.base,
+                                 &ks__batch_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
+                     0);
+    int code = r->error_code;
+    snprintf(why, why_len, "%s", r->error ? r->error : "");
+    ks__batch_reply__free_unpacked(r, NULL);
+    return code;
+}
+
+/* What an operator hears when it uploads, step by step, a file of
+ * data (n bytes, 2 parts, SHA-256 sha) that it does not have whole:
+ * each answer's code and complete flag in out (8 entries). */
+static void
+upload_steps(const char *op, uint8_t *sha, const uint8_t *data, size_t n,
+             int *out)
+{
+    char why[700], seed[PATH_MAX + 64];
+    bool complete = false;
+    operator_seed(op, seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    uint8_t *junk = fixture_bytes(KS_BLOB_PART_BYTES, 99);
+    const uint8_t *last = data + KS_BLOB_PART_BYTES;
+    size_t last_len = n - KS_BLOB_PART_BYTES;
+    /* The first question. */
+    out[0] = upload_one(c, sha, n, 0, NULL, 0, true, &complete, why,
+                        sizeof(why));
+    out[1] = complete;
+    /* Its last part, right, with the commit: part 0 is missing. */
+    out[2] = upload_one(c, sha, n, 1, last, last_len, true, &complete,
+                        why, sizeof(why));
+    out[3] = complete;
+    /* Other bytes as part 0, then the right last part with the commit. */
+    out[4] = upload_one(c, sha, n, 0, junk, KS_BLOB_PART_BYTES, false,
+                        &complete, why, sizeof(why));
+    out[5] = upload_one(c, sha, n, 1, last, last_len, true, &complete,
+                        why, sizeof(why));
+    ck_assert_msg(out[5] != 0 || !complete, "%s completed junk", op);
+    if (out[5])
+        ck_assert_msg(strstr(why, "are not the file"), "%s", why);
+    /* A copy of it. */
+    out[6] = copy_as(c, op, sha, n, why, sizeof(why));
+    if (out[6])
+        ck_assert_msg(strstr(why, "was uploaded"), "%s", why);
+    out[7] = 0;
+    free(junk);
+    evt_close(c);
+}
+
+/*
+ * Files are stored once, but each operator names only what it uploaded
+ * itself (found attacking as an insider, issue 21): on the old code an
+ * operator who only knew a file's SHA-256 and size (kscore get shows them
+ * to anyone who may read the copy's command) heard that it was stored
+ * (the first question of an upload answered complete) and copied it to
+ * an agent of its own, where it read another operator's file. Now
+ * another operator's file is, to judy, what a file nobody stored is to
+ * kim, answer for answer, until judy sends it whole.
+ */
+START_TEST(a_copy_names_only_files_its_operator_uploaded)
+{
+    char why[700], seed[PATH_MAX + 64];
+    const size_t n = 600 * 1024; /* 2 parts */
+    uint8_t *data = fixture_bytes(n, 4242), sha[32];
+    uint8_t *other = fixture_bytes(n, 4343), other_sha[32];
+    unsigned int md_len = 0;
+    bool complete = false;
+    ck_assert_int_eq(EVP_Digest(data, n, sha, &md_len, EVP_sha256(), NULL),
+                     1);
+    ck_assert_int_eq(
+        EVP_Digest(other, n, other_sha, &md_len, EVP_sha256(), NULL), 1);
+    ck_assert_int_eq(upload_as("ivan", n, 4242, why, sizeof(why)), 0);
+    long ivan_held = held_bytes("ivan");
+    ck_assert_int_eq(ivan_held, (long)n);
+
+    int stored[8], unknown[8];
+    upload_steps("judy", sha, data, n, stored);
+    upload_steps("kim", other_sha, other, n, unknown);
+    ck_assert_msg(!stored[1], "judy was told ivan's file is stored");
+    ck_assert_int_eq(stored[6], KS_EINVAL); /* no copy of ivan's file */
+    for (int i = 0; i < 8; i++)
+        ck_assert_msg(stored[i] == unknown[i],
+                      "answer %d: %d for ivan's file, %d for one nobody "
+                      "stored",
+                      i, stored[i], unknown[i]);
+    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
+
+    /* Sent whole, it is judy's too: stored once (nothing charged to her). */
+    operator_seed("judy", seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    bool whole = false;
+    ck_assert_int_eq(fixture_upload(c, "judy", data, n, UINT32_MAX, &whole,
+                                    why, sizeof(why)),
+                     0);
+    ck_assert(whole);
+    ck_assert_int_eq(held_bytes("judy"), 0);
+    ck_assert_int_eq(held_bytes("ivan"), ivan_held);
+    ck_assert_int_eq(copy_as(c, "judy", sha, n, why, sizeof(why)), 0);
+    evt_close(c);
+    /* And ivan's own copy needs nothing sent again. */
+    operator_seed("ivan", seed, sizeof(seed));
+    c = connect_as(seed);
+    ck_assert_int_eq(upload_one(c, sha, n, 0, NULL, 0, true,
+                                &complete, why, sizeof(why)),
+                     0);
+    ck_assert(complete);
+    ck_assert_int_eq(copy_as(c, "ivan", sha, n, why, sizeof(why)), 0);
+    evt_close(c);
+    free(data);
+    free(other);
+}
+END_TEST
+
 struct parallel_upload {
     int k, rc;
     char why[700];
@@ -3825,6 +3995,168 @@ START_TEST(uploads_stay_within_everyones_bound)
 }
 END_TEST
 
+/*
+ * Issue 21 tried again (helper attack2; high): an operator's commands had
+ * no share of KSCORE_CMDS (or of the record). mallory, whom the policy
+ * lets run only sh, echo and true on env=dev agents, sends
+ * ExecuteRequests of 900 KB (echo and 7 arguments of 128,000 bytes, each
+ * within the field rules) to a dev agent that is offline, with
+ * deliver_within 24 h: by hand 300 of them put 269 MB in KSCORE_CMDS in
+ * 8.5 s, kept until the agent acks them (the stream had no max_bytes and
+ * no max_age; a work queue keeps a message until it is acked), and a
+ * full JetStream store refuses every publish. Now each operator's
+ * commands not ended hold at most cmds_operator_mib (64 MiB) of the
+ * broker's share (broker__admit_take): past it refused busy, named,
+ * nothing recorded; another operator's command still gets in; a broker
+ * started again counts them from the record; and the stream itself is
+ * bounded (EVT_CMDS_MAX_BYTES, discard new; EVT_CMDS_MAX_AGE_MS).
+ */
+START_TEST(an_operator_cannot_fill_the_commands_stream)
+{
+    enum { N = 300, ARGS = 7, ARG = 128000 };
+    char seed[PATH_MAX + 64], *argv[ARGS + 1];
+    struct evt_conn *admin = connect_as(stack.broker_seed);
+    jsStreamInfo *si = NULL;
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    uint64_t bytes_before = si->State.Bytes;
+    jsStreamInfo_Destroy(si);
+
+    fixture_stack_agent_kill(&stack, SIGTERM); /* offline, still known */
+    operator_seed("mallory", seed, sizeof(seed));
+    struct evt_conn *c = connect_as(seed);
+    char *big = malloc(ARG + 1);
+    memset(big, 'A', ARG);
+    big[ARG] = '\0';
+    argv[0] = "echo";
+    for (int i = 1; i <= ARGS; i++)
+        argv[i] = big;
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    spec.argv = argv;
+    spec.n_argv = ARGS + 1;
+    req.spec = &spec;
+    req.agent_id = AGENT;
+    req.detach = 1;
+    req.deliver_within_ms = 24 * 3600 * 1000;
+    int taken = 0, refused = 0;
+    char first_why[1024] = "";
+    for (int i = 0; i < N; i++) {
+        Ks__ExecuteReply *r = NULL;
+        ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
+                                     &ks__execute_reply__descriptor, 30000,
+                                     (ProtobufCMessage **)&r),
+                         0);
+        if (r->error_code == 0) {
+            taken++;
+        } else {
+            ck_assert_int_eq(r->error_code, KS_EBUSY);
+            if (!refused++)
+                snprintf(first_why, sizeof(first_why), "%s", r->error);
+        }
+        ks__execute_reply__free_unpacked(r, NULL);
+    }
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    uint64_t held = si->State.Bytes - bytes_before;
+    jsStreamInfo_Destroy(si);
+    /* A share of, say, 64 MiB per operator: not 269 MB. */
+    ck_assert_msg(held <= 64u * 1024 * 1024,
+                  "one operator left %llu bytes in %s (%d taken, %d "
+                  "refused)",
+                  (unsigned long long)held, EVT_STREAM_CMDS, taken, refused);
+    ck_assert_int_gt(refused, 0);
+    /* Refused by name, with the figures. */
+    ck_assert_msg(strstr(first_why, "cmds_operator_mib") &&
+                      strstr(first_why, "'mallory'") &&
+                      strstr(first_why, "nothing was recorded"),
+                  "%s", first_why);
+    /* Another operator's command still gets in. */
+    struct evt_conn *alice = connect_as(stack.operator_seed);
+    Ks__ExecuteRequest ok = KS__EXECUTE_REQUEST__INIT;
+    Ks__CommandSpec okspec = KS__COMMAND_SPEC__INIT;
+    char *okargv[] = {"true"};
+    okspec.argv = okargv;
+    okspec.n_argv = 1;
+    ok.spec = &okspec;
+    ok.agent_id = AGENT;
+    ok.detach = 1;
+    /* The agent's queue holds mallory's commands: a deadline that lets
+     * this one wait behind them (admit.c; without it, it would be refused
+     * as the agent's, not as mallory's share). */
+    ok.deliver_within_ms = 24 * 3600 * 1000;
+    Ks__ExecuteReply *r = NULL;
+    ck_assert_int_eq(broker_call(alice, EVT_API_EXECUTE, &ok.base,
+                                 &ks__execute_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
+                     0);
+    ck_assert_msg(r->error_code == 0, "%d %s", r->error_code, r->error);
+    ks__execute_reply__free_unpacked(r, NULL);
+    evt_close(alice);
+    /* A broker started again counts mallory's open commands from the
+     * record: still refused. And it bounds a stream made before the
+     * bounds (as an older kscore made it), in place. */
+    evt_close(c);
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    {
+        jsStreamInfo *old = NULL;
+        si->Config->MaxBytes = -1;
+        si->Config->Discard = js_DiscardOld;
+        si->Config->MaxAge = 0;
+        ck_assert_int_eq(js_UpdateStream(&old, admin->js, si->Config, NULL,
+                                         NULL),
+                         NATS_OK);
+        ck_assert_int_eq(old->Config->MaxBytes, -1);
+        jsStreamInfo_Destroy(old);
+    }
+    jsStreamInfo_Destroy(si);
+    fixture_stack_broker_kill(&stack, SIGTERM);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 1), 0);
+    c = connect_as(seed);
+    r = NULL;
+    ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
+                                 &ks__execute_reply__descriptor, 30000,
+                                 (ProtobufCMessage **)&r),
+                     0);
+    ck_assert_int_eq(r->error_code, KS_EBUSY);
+    ck_assert_msg(strstr(r->error, "cmds_operator_mib"), "%s", r->error);
+    ks__execute_reply__free_unpacked(r, NULL);
+    /* Once the agent is back and runs them, mallory's share is free
+     * again (the ends of the commands counted from the record). */
+    ck_assert_int_eq(fixture_stack_agent_start(&stack, NULL), 0);
+    int again = 0;
+    for (int i = 0; i < 240 && !again; i++) {
+        r = NULL;
+        ck_assert_int_eq(broker_call(c, EVT_API_EXECUTE, &req.base,
+                                     &ks__execute_reply__descriptor, 30000,
+                                     (ProtobufCMessage **)&r),
+                         0);
+        again = r->error_code == 0;
+        ks__execute_reply__free_unpacked(r, NULL);
+        if (!again)
+            nanosleep(&(struct timespec){0, 250 * 1000000L}, NULL);
+    }
+    ck_assert_msg(again, "mallory's share stayed full after its commands "
+                         "ran");
+    free(big);
+    evt_close(c);
+    /* The stream's own bounds. */
+    ck_assert_int_eq(
+        js_GetStreamInfo(&si, admin->js, EVT_STREAM_CMDS, NULL, NULL),
+        NATS_OK);
+    ck_assert_int_eq(si->Config->MaxBytes, EVT_CMDS_MAX_BYTES);
+    ck_assert_int_eq(si->Config->Discard, js_DiscardNew);
+    ck_assert_int_eq(si->Config->MaxAge,
+                     (int64_t)EVT_CMDS_MAX_AGE_MS * 1000000);
+    jsStreamInfo_Destroy(si);
+    evt_close(admin);
+}
+END_TEST
+
 START_TEST(only_brokers_publish_notices)
 {
     char u[37], subjects[3][128];
@@ -3895,6 +4227,8 @@ security_suite(void)
     add_only(tc, an_agents_claim_flood_waits_its_turn);
     add_only(tc, an_operators_flood_waits_its_turn);
     add_only(tc, only_an_operator_who_may_copy_uploads);
+    add_only(tc, a_copy_names_only_files_its_operator_uploaded);
+    add_only(tc, an_operator_cannot_fill_the_commands_stream);
     add_only(tc, parallel_uploads_stay_within_the_operators_bound);
     add_only(tc, the_bound_is_checked_where_the_parts_are_written);
     add_only(tc, uploads_stay_within_everyones_bound);
