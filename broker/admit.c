@@ -9,8 +9,14 @@
  * (Little's law, W = L / throughput):
  *
  *   intake   requests received on kscore.api.v1.execute, not yet taken by
- *            an exec worker: length x the workers' mean time per request
- *            / BROKER_EXEC_WORKERS;
+ *            an exec worker, that the workers take before this one: they
+ *            serve each operator in turn (fairq.c), so its operator's own
+ *            backlog counts whole and another's only as far as round
+ *            robin puts it ahead (one request more than its own); their
+ *            count x the workers' mean time per request
+ *            / BROKER_EXEC_WORKERS. One operator's flood of execs is then
+ *            refused busy on its own backlog while the others' execs get
+ *            in (issue 21: one FIFO let it take the whole intake);
  *   claims   agents' claims the claim workers answer before the target
  *            agent's (each claimer in its turn: fairq.c): their count x
  *            the claim handler's mean time / BROKER_CLAIM_WORKERS;
@@ -73,8 +79,6 @@
 #define ADMIT_EXPIRE_SLACK_US INT64_C(60000000)
 /* Without a command timeout, an entry is forgotten after this (us). */
 #define ADMIT_EXPIRE_MAX_US (INT64_C(24) * 3600 * 1000000)
-/* Requests the intake holds at most, whatever the rule says. */
-#define ADMIT_INTAKE_MAX 65536
 /* Queues kept before idle ones are forgotten, and how many at a time. */
 #define ADMIT_QUEUES_MAX 65536
 #define ADMIT_IDLE_SWEEP 1024
@@ -112,14 +116,6 @@ struct admit_op {
     uint64_t bytes;
 };
 
-/* One request in the intake queue. */
-struct intake_item {
-    struct intake_item *next;
-    natsMsg *msg;
-    int64_t in_mono_us;
-    uint64_t seq; /* 1, 2, ... in arrival order */
-};
-
 struct broker__admit {
     pthread_mutex_t mu;
     struct ks_map cmds;   /* command id -> struct admit_cmd * */
@@ -130,23 +126,15 @@ struct broker__admit {
     size_t n;
     double exec_us, claim_us; /* mean handler times, 0: none yet */
     int64_t claim_done_mono_us; /* the last claim answered */
-    /* The intake: requests in arrival order, served by the exec workers
-     * (b->executors) with `handler`. */
-    pthread_cond_t cond;
-    struct intake_item *ihead, **itail;
-    size_t ilen;
+    /* The intake: requests (natsMsg *) queued per operator, served in
+     * turn by the exec workers (b->executors) with `handler` (fairq.c);
+     * NULL once stopped. */
+    struct broker__fairq *intake;
     natsMsgHandler handler;
-    /* The intake's requests that a JetStream stall held (stall_note):
-     * those up to stall_seq of the pushed so far; stall_noted_us: when a
-     * stall was last seen going on or over. */
-    uint64_t pushed, stall_seq;
+    /* When a JetStream stall was last seen going on or over
+     * (stall_note): the requests queued then are marked in the intake as
+     * the stall's. */
     int64_t stall_noted_us;
-    /* When a worker took the last of the stall's requests: the requests
-     * behind them waited for the stall until then. */
-    int64_t stall_drained_us;
-    pthread_t workers[BROKER_EXEC_WORKERS];
-    int nworkers;
-    bool stopping;
     int64_t busy_logged_us, share_logged_us;
 };
 
@@ -518,7 +506,7 @@ claims_pending(struct broker *b, const char *agent_id)
     char who[16 + EVT_AGENT_ID_MAX] = "";
     if (agent_id)
         snprintf(who, sizeof(who), "agent-%s", agent_id);
-    return (int64_t)broker__fairq_ahead(b->fq[BROKER_FQ_CLAIM], who);
+    return (int64_t)broker__fairq_ahead(b->fq[BROKER_FQ_CLAIM], who, NULL);
 }
 
 /*
@@ -544,31 +532,51 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
             retrying = 1;
     }
     if (retrying > 0 || ended > a->stall_noted_us) {
-        a->stall_seq = a->pushed;
+        broker__fairq_mark(a->intake);
         a->stall_noted_us = now;
     }
 }
 
-/* kscore's own queues: the intake and the claims (us). Under mu. A
- * stalled stage (PostgreSQL blocked, say) finishes nothing, so its mean
- * time says nothing new: the intake's oldest request has waited at least
- * its age, and claims pending beyond one per worker at least the time
- * since one was last answered. Requests a JetStream stall held
- * (stall_note) are not counted, nor their wait. */
-static int64_t
-own_wait_us(struct broker__admit *a, size_t ilen, int64_t claims,
-            int64_t now)
+/* What the intake's workers take before a new request of operator
+ * (NULL: one with nothing queued) into *w. Under mu. */
+static void
+intake_ahead(struct broker__admit *a, const char *operator_name,
+             struct broker__fairq_wait *w)
 {
-    uint64_t stalled = a->pushed - a->stall_seq;
-    size_t own = stalled < ilen ? (size_t)stalled : ilen;
+    broker__fairq_ahead(a->intake, operator_name, w);
+}
+
+static int64_t
+max64(int64_t x, int64_t y)
+{
+    return x > y ? x : y;
+}
+
+/* kscore's own queues: the intake ahead of the request (w) and the
+ * claims (us). Under mu. A stalled stage (PostgreSQL blocked, say)
+ * finishes nothing, so its mean time says nothing new: the operator's
+ * own oldest waiting request has waited at least its age, and a request
+ * ahead that no worker took since it came at least the time since one
+ * was taken (a flood's oldest requests wait long while the workers take
+ * others: that is their operator's wait, not this one's); claims pending
+ * beyond one per worker at least the time since one was last answered.
+ * Requests a JetStream stall held (stall_note: marked) are not counted,
+ * nor their wait. */
+static int64_t
+own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
+            int64_t claims, int64_t now)
+{
+    size_t own = w->n - w->marked;
     double in = (double)own * a->exec_us / BROKER_EXEC_WORKERS;
     double cl = (double)claims * a->claim_us / BROKER_CLAIM_WORKERS;
-    /* The age of the oldest own request, once none of the stall's is
-     * ahead of it (before that it waits for the stall). */
-    if (own && a->ihead && a->ihead->seq > a->stall_seq) {
-        int64_t since = a->ihead->in_mono_us > a->stall_drained_us
-                            ? a->ihead->in_mono_us
-                            : a->stall_drained_us;
+    /* The ages, once none of the stall's is ahead (before that it waits
+     * for the stall); a wait since the last of the stall's was taken is
+     * the stall's. */
+    if (own && !w->marked) {
+        int64_t since = w->own_us ? max64(w->own_us, w->mark_taken_us) : 0;
+        if (since && (double)(now - since) > in)
+            in = (double)(now - since);
+        since = max64(w->oldest_us, max64(w->taken_us, w->mark_taken_us));
         if ((double)(now - since) > in)
             in = (double)(now - since);
     }
@@ -589,8 +597,9 @@ agent_wait_us(const struct admit_q *q)
 }
 
 int
-broker__admit_check(struct broker *b, const char *agent_id,
-                    uint64_t deliver_ms, char *why, size_t len)
+broker__admit_check(struct broker *b, const char *operator_name,
+                    const char *agent_id, uint64_t deliver_ms, char *why,
+                    size_t len)
 {
     struct broker__admit *a = b->admit;
     if (!a)
@@ -606,20 +615,22 @@ broker__admit_check(struct broker *b, const char *agent_id,
     if (own_max_us > start_max_us)
         own_max_us = start_max_us;
     struct admit_q *q = queue_of(b, agent_id);
+    struct broker__fairq_wait w;
     expire(a, now);
     stall_note(b, a, now);
-    size_t ilen = a->ilen;
-    int64_t own = own_wait_us(a, ilen, claims, now);
+    intake_ahead(a, operator_name, &w);
+    int64_t own = own_wait_us(a, &w, claims, now);
     int64_t agent = q ? agent_wait_us(q) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
         snprintf(why, len,
-                 "the broker is busy: %zu requests wait to be recorded and "
+                 "the broker is busy: %zu requests wait to be recorded "
+                 "before this one (%zu of them from operator '%s') and "
                  "%lld claims to be answered, about %lld ms before this one "
                  "could start, over its limit of %lld ms; nothing was "
                  "recorded, try again later",
-                 ilen, (long long)claims, (long long)(own / 1000),
-                 (long long)(own_max_us / 1000));
+                 w.n, w.own_n, operator_name, (long long)claims,
+                 (long long)(own / 1000), (long long)(own_max_us / 1000));
     } else if (q && own + agent > start_max_us) {
         rc = KS_EBUSY;
         snprintf(why, len,
@@ -663,7 +674,11 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
     bool room = true;
     stall_note(b, a, now);
     if (q) {
-        int64_t own = own_wait_us(a, a->ilen, claims, now);
+        /* A batch's targets do not pass the intake: its wait as an
+         * operator with nothing queued there sees (as the claims). */
+        struct broker__fairq_wait w;
+        intake_ahead(a, NULL, &w);
+        int64_t own = own_wait_us(a, &w, claims, now);
         /* Two rounds of slots at most: the agent never waits for the
          * next one, and no target waits long. Before any end was seen
          * (the hold unknown) one round, unless the command's timeout
@@ -750,6 +765,7 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
 {
     struct broker *b = ud;
     struct broker__admit *a = b->admit;
+    const char *op = broker__operator_of(msg);
     struct peek pk;
     char why[512];
     (void)nc;
@@ -765,7 +781,7 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         peek_execute((const uint8_t *)natsMsg_GetData(msg),
                      (size_t)natsMsg_GetDataLength(msg), &pk) == 0 &&
         !pk.key_may_exist && pk.agent_id[0] &&
-        broker__admit_check(b, pk.agent_id, pk.deliver_ms, why,
+        broker__admit_check(b, op, pk.agent_id, pk.deliver_ms, why,
                             sizeof(why)) == KS_EBUSY &&
         !policy_denies(b, msg, pk.agent_id)) {
         Ks__ExecuteReply r = KS__EXECUTE_REPLY__INIT;
@@ -775,99 +791,88 @@ broker__intake_push(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
         natsMsg_Destroy(msg);
         return;
     }
-    /* A hard bound beside the rule: requests the rule lets through
-     * unseen (an idempotency key that may name a command) cannot pile up
-     * without end either. */
-    pthread_mutex_lock(&a->mu);
-    size_t ilen = a->ilen;
-    pthread_mutex_unlock(&a->mu);
-    if (ilen >= ADMIT_INTAKE_MAX) {
-        snprintf(why, sizeof(why),
-                 "the broker is busy: %zu requests wait to be recorded, its "
-                 "most; nothing was recorded, try again later",
-                 ilen);
-        broker__reply_error(b, msg, &ks__execute_reply__descriptor,
-                            KS_EBUSY, why);
-        ks_metric_inc(KS_C_REFUSED_BUSY);
-        natsMsg_Destroy(msg);
+    /* In its operator's turn; past the operator's bound (requests the
+     * rule lets through unseen: an idempotency key that may name a
+     * command) refused at once (intake_refuse). */
+    if (broker__fairq_push(a->intake, op, b, msg,
+                           (size_t)natsMsg_GetDataLength(msg)) != 0)
         return;
-    }
-    struct intake_item *it = malloc(sizeof(*it));
-    if (!it) {
-        broker__reply_error(b, msg, &ks__execute_reply__descriptor, -ENOMEM,
-                            "out of memory");
-        natsMsg_Destroy(msg);
-        return;
-    }
-    it->msg = msg;
-    it->next = NULL;
-    it->in_mono_us = ks_mono_us();
+    /* A stall going on holds this one too. */
     pthread_mutex_lock(&a->mu);
-    it->seq = ++a->pushed;
-    stall_note(b, a, it->in_mono_us);
-    *a->itail = it;
-    a->itail = &it->next;
-    a->ilen++;
-    pthread_cond_signal(&a->cond);
+    stall_note(b, a, ks_mono_us());
     pthread_mutex_unlock(&a->mu);
 }
 
-static void *
-intake_worker(void *arg)
+/* An exec worker serves one request of the intake (fairq.c: ctx the
+ * broker, item the natsMsg). */
+static void
+intake_serve(void *worker_ud, void *ctx, void *item)
 {
-    struct broker__worker *wk = arg;
-    struct broker__admit *a = wk->b->admit;
+    struct broker__worker *wk = worker_ud;
+    struct broker__admit *a = ((struct broker *)ctx)->admit;
+    uint64_t r0 = 0, r1 = 0;
+    int stalled = 0;
 
-    pthread_mutex_lock(&a->mu);
-    for (;;) {
-        while (!a->ihead && !a->stopping)
-            pthread_cond_wait(&a->cond, &a->mu);
-        struct intake_item *it = a->ihead;
-        if (!it)
-            break; /* stopping, and nothing left */
-        a->ihead = it->next;
-        if (!a->ihead)
-            a->itail = &a->ihead;
-        a->ilen--;
-        if (it->seq == a->stall_seq)
-            a->stall_drained_us = ks_mono_us();
-        pthread_mutex_unlock(&a->mu);
-        uint64_t r0 = 0, r1 = 0;
-        int stalled = 0;
-        evt_js_stall(wk->b->nc, NULL, &r0);
-        int64_t t0 = ks_mono_us();
-        a->handler(NULL, NULL, it->msg, wk); /* destroys the message */
-        int64_t t1 = ks_mono_us();
-        evt_js_stall(wk->b->nc, &stalled, &r1);
-        free(it);
+    evt_js_stall(wk->b->nc, NULL, &r0);
+    int64_t t0 = ks_mono_us();
+    a->handler(NULL, NULL, item, wk); /* destroys the message */
+    int64_t t1 = ks_mono_us();
+    evt_js_stall(wk->b->nc, &stalled, &r1);
+    /* A request that waited for a stream (its publish tried again) says
+     * nothing of kscore's own time per request. */
+    if (r1 == r0 && !stalled) {
         pthread_mutex_lock(&a->mu);
-        /* A request that waited for a stream (its publish tried again)
-         * says nothing of kscore's own time per request. */
-        if (r1 == r0 && !stalled)
-            a->exec_us = ewma(a->exec_us, (double)(t1 - t0));
+        a->exec_us = ewma(a->exec_us, (double)(t1 - t0));
+        pthread_mutex_unlock(&a->mu);
     }
-    pthread_mutex_unlock(&a->mu);
-    return NULL;
+}
+
+/* A request past its operator's bound in the intake: answered busy at
+ * once, naming the bound. */
+static void
+intake_refuse(void *ctx, void *item)
+{
+    struct broker *b = ctx;
+    natsMsg *msg = item;
+    char why[512];
+    snprintf(why, sizeof(why),
+             "the broker is busy: operator '%s' has its most requests "
+             "waiting to be recorded (%d, or %d MiB); nothing was "
+             "recorded, try again later",
+             broker__operator_of(msg), BROKER_FAIRQ_PER_IDENTITY,
+             BROKER_FAIRQ_PER_IDENTITY_BYTES / (1024 * 1024));
+    broker__reply_error(b, msg, &ks__execute_reply__descriptor, KS_EBUSY,
+                        why);
+    ks_metric_inc(KS_C_REFUSED_BUSY);
+    natsMsg_Destroy(msg);
 }
 
 int
 broker__admit_start(struct broker *b, natsMsgHandler handler)
 {
     struct broker__admit *a = calloc(1, sizeof(*a));
+    void *ud[BROKER_EXEC_WORKERS];
     if (!a)
         return -ENOMEM;
     pthread_mutex_init(&a->mu, NULL);
-    pthread_cond_init(&a->cond, NULL);
-    a->itail = &a->ihead;
     a->handler = handler;
     b->admit = a;
-    for (int i = 0; i < BROKER_EXEC_WORKERS; i++) {
-        if (pthread_create(&a->workers[i], NULL, intake_worker,
-                           &b->executors[i]) != 0)
-            return KS_EINTERNAL; /* broker__admit_stop joins those made */
-        a->nworkers++;
-    }
-    return 0;
+    for (int i = 0; i < BROKER_EXEC_WORKERS; i++)
+        ud[i] = &b->executors[i];
+    /* Every worker may serve one operator's requests (one operator alone
+     * is served as fast as before): another operator's request is still
+     * next in turn when a worker comes free. */
+    struct broker__fairq_opts o = {
+        .name = "intake",
+        .workers = BROKER_EXEC_WORKERS,
+        .worker_ud = ud,
+        .per_identity = BROKER_FAIRQ_PER_IDENTITY,
+        .per_identity_bytes = BROKER_FAIRQ_PER_IDENTITY_BYTES,
+        .busy_max = BROKER_EXEC_WORKERS,
+        .serve = intake_serve,
+        .refuse = intake_refuse};
+    int rc = broker__fairq_start(&o, &a->intake);
+    return rc == -ENOMEM ? rc : rc ? KS_EINTERNAL : 0;
 }
 
 static void
@@ -884,14 +889,13 @@ broker__admit_stop(struct broker *b)
     struct broker__admit *a = b->admit;
     if (!a)
         return;
-    /* The workers serve what the intake holds, then end. */
+    /* The workers serve what the intake holds, then end; admission
+     * meanwhile (an ask again, a batch) sees no intake. */
     pthread_mutex_lock(&a->mu);
-    a->stopping = true;
-    pthread_cond_broadcast(&a->cond);
+    struct broker__fairq *q = a->intake;
+    a->intake = NULL;
     pthread_mutex_unlock(&a->mu);
-    for (int i = 0; i < a->nworkers; i++)
-        pthread_join(a->workers[i], NULL);
-    a->nworkers = 0;
+    broker__fairq_stop(q);
 }
 
 void
@@ -909,7 +913,6 @@ broker__admit_free(struct broker *b)
     ks_map_each(&a->ops, free_q, NULL);
     ks_map_clear(&a->ops);
     pthread_mutex_destroy(&a->mu);
-    pthread_cond_destroy(&a->cond);
     free(a);
     b->admit = NULL;
 }

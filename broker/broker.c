@@ -357,7 +357,8 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
      * already: that key is looked up first (its command is joined), and
      * only a key that names nothing is refused. */
     if (req->key_may_exist && req->idempotency_key[0] &&
-        broker__admit_check(b, req->agent_id, req->deliver_within_ms, why,
+        broker__admit_check(b, broker__operator_of(msg), req->agent_id,
+                            req->deliver_within_ms, why,
                             sizeof(why)) == KS_EBUSY) {
         if (join_by_key(b, st, msg, req) != 0)
             reply_execute_error(b, msg, KS_EBUSY, "%s", why);

@@ -750,9 +750,11 @@ int broker__cancel_command(struct broker *b, struct store *st,
 /* ---- admission and the exec intake (admit.c) ---- */
 /*
  * Starts the exec workers (one per b->executors[i], with its store
- * connection), which take requests from the intake in arrival order and
- * run handler(NULL, NULL, msg, &b->executors[i]) on each (it destroys the
- * message). 0, -ENOMEM or KS_EINTERNAL (then call broker__admit_stop).
+ * connection), which take requests from the intake, each operator's in
+ * turn and its own in arrival order (a fair queue, fairq.c, named
+ * "intake"), and run handler(NULL, NULL, msg, &b->executors[i]) on each
+ * (it destroys the message). 0, -ENOMEM or KS_EINTERNAL (then call
+ * broker__admit_stop).
  */
 int broker__admit_start(struct broker *b, natsMsgHandler handler);
 /* Serves what the intake still holds and joins the workers (call after
@@ -762,15 +764,19 @@ int broker__admit_start(struct broker *b, natsMsgHandler handler);
 void broker__admit_stop(struct broker *b);
 void broker__admit_free(struct broker *b);
 /* The execute subscription's callback (ud: the broker): refuses at once
- * (KS_EBUSY) a request that cannot start in time, else queues it for the
- * workers. */
+ * (KS_EBUSY) a request that cannot start in time, or one past its
+ * operator's bound in the intake (BROKER_FAIRQ_PER_IDENTITY requests and
+ * _BYTES), else queues it for the workers in its operator's turn. */
 void broker__intake_push(natsConnection *nc, natsSubscription *sub,
                          natsMsg *msg, void *ud);
-/* 0 when a command for agent_id with delivery deadline deliver_ms (0:
- * none given) can start in time, else KS_EBUSY with why (len bytes)
- * naming the limit and the figures (admit.c's rule). Any thread. */
-int broker__admit_check(struct broker *b, const char *agent_id,
-                        uint64_t deliver_ms, char *why, size_t len);
+/* 0 when a command of operator_name for agent_id with delivery deadline
+ * deliver_ms (0: none given) can start in time (the intake counted as
+ * far as its workers take others' requests before this operator's next),
+ * else KS_EBUSY with why (len bytes) naming the limit and the figures
+ * (admit.c's rule). Any thread. */
+int broker__admit_check(struct broker *b, const char *operator_name,
+                        const char *agent_id, uint64_t deliver_ms,
+                        char *why, size_t len);
 /* Batch pacing: true when the queue named key (broker__agent_queue, with
  * its slots) takes one more command now (less than two rounds of its
  * slots in flight, one while its hold is unknown and the command's
@@ -872,7 +878,7 @@ int broker__admit_report(const struct store_command_state *st,
  * API subject's last token: agent-<id>, an operator's name) has its own
  * bounded FIFO; `workers` threads serve the identities with something
  * queued round robin, one request of each in a round, at most
- * max(1, workers / 2) of one identity at once. A push past an identity's
+ * busy_max (default max(1, workers / 2)) of one identity at once. A push past an identity's
  * bound is refused at once (refuse: the broker drops it unanswered;
  * counted in kscore_requests_refused_total, one log line per 10 s per
  * queue). Every API subscription of the broker feeds
@@ -890,6 +896,10 @@ struct broker__fairq_opts {
     void *const *worker_ud; /* `workers` entries, or NULL (each NULL) */
     size_t per_identity;  /* items queued per identity, >= 1 */
     size_t per_identity_bytes; /* and their bytes (one always fits) */
+    /* Requests of one identity served at once, 1..workers; 0: the
+     * default, max(1, workers / 2) (a slow identity leaves workers to
+     * the others). */
+    unsigned busy_max;
     broker__fairq_serve_fn serve;
     /* Answers and releases an item that is not served (its identity's
      * queue full), on the pushing thread. */
@@ -913,10 +923,30 @@ int broker__fairq_start(const struct broker__fairq_opts *o,
  * log. Any thread; never blocks for longer than a mutex (and refuse). */
 int broker__fairq_push(struct broker__fairq *q, const char *identity,
                        void *ctx, void *item, size_t bytes);
+/* What is served before a request identity would push now. */
+struct broker__fairq_wait {
+    /* Requests queued ahead of it: identity's own, and of each other
+     * identity as many as round robin serves first (at most one more
+     * than identity's own). */
+    size_t n;
+    size_t marked; /* of those, pushed before the last broker__fairq_mark */
+    size_t own_n;  /* of those, identity's own */
+    /* When the oldest of the n was pushed, and identity's own oldest
+     * queued one (ks_mono_us; 0: none). */
+    int64_t oldest_us, own_us;
+    /* When a worker last took a request, and one pushed before a mark
+     * (ks_mono_us; 0: never). */
+    int64_t taken_us, mark_taken_us;
+};
 /* How many requests the workers serve before a new one of identity
- * would be (its own queued ones, and of each other identity as many as
- * round robin puts ahead of it). NULL q: 0. Any thread. */
-size_t broker__fairq_ahead(struct broker__fairq *q, const char *identity);
+ * would be (broker__fairq_wait.n; identity NULL: one with nothing
+ * queued), and when out is not NULL the rest of *out. NULL q: 0, *out
+ * zeroed. Any thread. */
+size_t broker__fairq_ahead(struct broker__fairq *q, const char *identity,
+                           struct broker__fairq_wait *out);
+/* Marks every request queued now: broker__fairq_ahead counts them apart
+ * (admit.c: those a JetStream stall held). NULL q: nothing. Any thread. */
+void broker__fairq_mark(struct broker__fairq *q);
 /* Serves everything queued, joins the workers and frees q (NULL: none).
  * After the last push. */
 void broker__fairq_stop(struct broker__fairq *q);

@@ -27,12 +27,19 @@
  * queued, whatever one of them sends.
  *
  * What the push costs (the subscription's own thread, for every message
- * of a flood): one mutex, a hash lookup, a copy of three words; no
- * decoding, no reply. An identity with nothing queued or in service is
- * forgotten.
+ * of a flood): one mutex, a hash lookup, a clock read and a copy of five
+ * words; no decoding, no reply. An identity with nothing queued or in
+ * service is forgotten.
  *
- * Threads: push and ahead from any thread; serve runs on the queue's
- * workers; stop from one thread, after the last push.
+ * The exec intake (admit.c) is one too: its admission judges a request
+ * by what round robin serves before it (broker__fairq_ahead), so one
+ * operator's flood of execs is refused busy on its own backlog, not on
+ * everyone's. Each item carries its push order and time for that, and
+ * a mark (broker__fairq_mark) sets apart what was queued before it
+ * (a JetStream stall's requests).
+ *
+ * Threads: push, ahead and mark from any thread; serve runs on the
+ * queue's workers; stop from one thread, after the last push.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -50,6 +57,8 @@
 struct fq_item {
     void *ctx, *item;
     size_t bytes;
+    uint64_t seq;  /* 1, 2, ... in the order pushed */
+    int64_t in_us; /* when pushed (ks_mono_us) */
 };
 
 struct fq_ident {
@@ -77,6 +86,11 @@ struct broker__fairq {
      * service, in the order they are served next. */
     struct fq_ident *ready_head, *ready_tail;
     size_t queued;
+    /* The last item's seq; the last one pushed before the last mark;
+     * when a worker last took an item, and a marked one (ks_mono_us, 0:
+     * never). */
+    uint64_t pushed, mark_seq;
+    int64_t taken_us, mark_taken_us;
     bool stopping;
     unsigned busy_max;
     struct broker__fairq_opts o;
@@ -148,6 +162,9 @@ worker_main(void *arg)
         e->bytes -= it.bytes;
         e->busy++;
         q->queued--;
+        q->taken_us = ks_mono_us();
+        if (it.seq <= q->mark_seq)
+            q->mark_taken_us = q->taken_us;
         /* Its next request waits for the next round. */
         ident_settle(q, e);
         pthread_mutex_unlock(&q->mu);
@@ -177,7 +194,11 @@ broker__fairq_start(const struct broker__fairq_opts *o,
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cond, NULL);
     q->o = *o;
-    q->busy_max = o->workers > 1 ? o->workers / 2 : 1;
+    q->busy_max = o->busy_max ? o->busy_max
+                  : o->workers > 1 ? o->workers / 2
+                                   : 1;
+    if (q->busy_max > o->workers)
+        q->busy_max = o->workers;
     q->nworkers = o->workers;
     for (unsigned i = 0; i < o->workers && rc == 0; i++) {
         q->w[i].q = q;
@@ -252,7 +273,7 @@ broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
     if (e && (!e->len || e->bytes + bytes <= q->o.per_identity_bytes) &&
         ident_room(q, e)) {
         e->ring[(e->head + e->len) % e->cap] =
-            (struct fq_item){ctx, item, bytes};
+            (struct fq_item){ctx, item, bytes, ++q->pushed, ks_mono_us()};
         e->len++;
         e->bytes += bytes;
         q->queued++;
@@ -276,7 +297,8 @@ broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
     ks_metric_inc(KS_C_REQUESTS_REFUSED);
     if (say)
         ks_log(KS_LOG_WARN,
-               "requests refused unserved (dropped): their sender's queue "
+               "requests refused unserved (dropped; the exec intake's "
+               "answered busy): their sender's queue "
                "is full (it sends faster than it is served in its turn; "
                "one line every 10 s while it lasts)",
                KS_S("module", "fairq"), KS_S("queue", q->o.name),
@@ -286,10 +308,38 @@ broker__fairq_push(struct broker__fairq *q, const char *identity, void *ctx,
     return KS_EBUSY;
 }
 
+/* e's i-th queued item (0: the next one served). Under mu. */
+static const struct fq_item *
+ident_at(const struct fq_ident *e, size_t i)
+{
+    return &e->ring[(e->head + i) % e->cap];
+}
+
+/* How many of e's queued items were pushed before the last mark: a
+ * prefix, as seq grows along the ring. Under mu. */
+static size_t
+ident_marked(const struct broker__fairq *q, const struct fq_ident *e)
+{
+    size_t lo = 0, hi = e->len;
+    if (!e->len || ident_at(e, 0)->seq > q->mark_seq)
+        return 0;
+    if (ident_at(e, e->len - 1)->seq <= q->mark_seq)
+        return e->len;
+    while (lo < hi) { /* the first one after the mark */
+        size_t mid = lo + (hi - lo) / 2;
+        if (ident_at(e, mid)->seq <= q->mark_seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 struct ahead {
+    const struct broker__fairq *q;
     const char *identity;
     size_t mine;
-    size_t sum;
+    struct broker__fairq_wait w;
 };
 
 static void
@@ -297,22 +347,52 @@ ahead_one(const char *key, void *val, void *ud)
 {
     struct ahead *a = ud;
     const struct fq_ident *e = val;
-    if (strcmp(key, a->identity) != 0)
-        a->sum += e->len < a->mine + 1 ? e->len : a->mine + 1;
+    bool own = a->identity && strcmp(key, a->identity) == 0;
+    /* Round robin serves each other identity's first mine + 1 before the
+     * new one's turn. */
+    size_t k = own || e->len < a->mine + 1 ? e->len : a->mine + 1;
+    if (!k)
+        return;
+    size_t marked = ident_marked(a->q, e);
+    a->w.n += k;
+    a->w.marked += marked < k ? marked : k;
+    int64_t in = ident_at(e, 0)->in_us;
+    if (!a->w.oldest_us || in < a->w.oldest_us)
+        a->w.oldest_us = in;
+    if (own) {
+        a->w.own_us = in;
+        a->w.own_n = k;
+    }
 }
 
 size_t
-broker__fairq_ahead(struct broker__fairq *q, const char *identity)
+broker__fairq_ahead(struct broker__fairq *q, const char *identity,
+                    struct broker__fairq_wait *out)
 {
-    struct ahead a = {identity, 0, 0};
+    struct ahead a = {.q = q, .identity = identity};
+    if (q) {
+        pthread_mutex_lock(&q->mu);
+        const struct fq_ident *e =
+            identity ? ks_map_get(&q->ids, identity) : NULL;
+        a.mine = e ? e->len : 0;
+        ks_map_each(&q->ids, ahead_one, &a);
+        a.w.taken_us = q->taken_us;
+        a.w.mark_taken_us = q->mark_taken_us;
+        pthread_mutex_unlock(&q->mu);
+    }
+    if (out)
+        *out = a.w;
+    return a.w.n;
+}
+
+void
+broker__fairq_mark(struct broker__fairq *q)
+{
     if (!q)
-        return 0;
+        return;
     pthread_mutex_lock(&q->mu);
-    const struct fq_ident *e = ks_map_get(&q->ids, identity);
-    a.mine = e ? e->len : 0;
-    ks_map_each(&q->ids, ahead_one, &a);
+    q->mark_seq = q->pushed;
     pthread_mutex_unlock(&q->mu);
-    return a.mine + a.sum;
 }
 
 void
