@@ -3363,6 +3363,191 @@ START_TEST(an_operators_flood_waits_its_turn)
 }
 END_TEST
 
+/* The flood of exec_flood_main: ExecuteRequests of `true` (detached, to
+ * agent f->agent, offline, with a day to be delivered) from the
+ * credential of operator f->id, EXEC_FLOOD_PER_S a second, until stop;
+ * its answers counted. */
+#define EXEC_FLOOD_CONNS 3
+#define EXEC_FLOOD_PER_S 3000
+struct exec_flood {
+    const char *seed, *id, *agent;
+    int n; /* which connection: its inbox _INBOX.<id>.x<n>. */
+    atomic_bool stop;
+    long sent;
+    pthread_mutex_t mu;
+    long accepted, busy, other;
+    char busy_why[512], other_why[512]; /* the first one's error */
+};
+
+/* Counts an answer to the flood of f (ud). */
+static void
+on_exec_flood_reply(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
+                    void *ud)
+{
+    struct exec_flood *f = ud;
+    Ks__ExecuteReply *r = ks__execute_reply__unpack(
+        NULL, (size_t)natsMsg_GetDataLength(msg),
+        (const uint8_t *)natsMsg_GetData(msg));
+    (void)nc;
+    (void)sub;
+    pthread_mutex_lock(&f->mu);
+    if (r && r->error_code == 0)
+        f->accepted++;
+    else if (r && r->error_code == KS_EBUSY && !f->busy++)
+        snprintf(f->busy_why, sizeof(f->busy_why), "%s", r->error);
+    else if ((!r || r->error_code != KS_EBUSY) && !f->other++)
+        snprintf(f->other_why, sizeof(f->other_why), "%d %s",
+                 r ? r->error_code : 0, r ? r->error : "undecodable");
+    pthread_mutex_unlock(&f->mu);
+    if (r)
+        ks__execute_reply__free_unpacked(r, NULL);
+    natsMsg_Destroy(msg);
+}
+
+static void *
+exec_flood_main(void *arg)
+{
+    struct exec_flood *f = arg;
+    struct thief *t = thief_connect(f->seed);
+    natsSubscription *sub = NULL;
+    char subject[128], inbox[128], reply[160];
+    char *argv[] = {"true"};
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+
+    spec.argv = argv;
+    spec.n_argv = 1;
+    req.spec = &spec;
+    req.agent_id = (char *)f->agent;
+    req.detach = 1;
+    req.deliver_within_ms = 24 * 3600 * 1000;
+    ck_assert_int_eq(kproto_pack(&req.base, &buf, &len), 0);
+    snprintf(subject, sizeof(subject), EVT_API_EXECUTE ".%s", f->id);
+    snprintf(inbox, sizeof(inbox), "_INBOX.%s.x%d.>", f->id, f->n);
+    ck_assert_int_eq(natsConnection_Subscribe(&sub, t->nc, inbox,
+                                              on_exec_flood_reply, f),
+                     NATS_OK);
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    natsConnection_Flush(t->nc);
+    int64_t t0 = ks_mono_us();
+    while (!atomic_load(&f->stop)) {
+        snprintf(reply, sizeof(reply), "_INBOX.%s.x%d.%ld", f->id, f->n,
+                 f->sent);
+        natsConnection_PublishRequest(t->nc, subject, reply, buf, (int)len);
+        if (++f->sent % 250 == 0) {
+            natsConnection_Flush(t->nc);
+            int64_t due = t0 + f->sent * INT64_C(1000000) / EXEC_FLOOD_PER_S,
+                    now = ks_mono_us();
+            if (due > now)
+                nanosleep(&(struct timespec){(due - now) / 1000000,
+                                             (long)((due - now) % 1000000) *
+                                                 1000},
+                          NULL);
+        }
+    }
+    /* The last answers. */
+    natsConnection_Flush(t->nc);
+    nanosleep(&(struct timespec){1, 0}, NULL);
+    natsSubscription_Unsubscribe(sub);
+    natsSubscription_Destroy(sub);
+    free(buf);
+    thief_close(t);
+    return NULL;
+}
+
+/*
+ * Issue 21: the exec intake behind the fair queue was one FIFO of what
+ * the admission accepted (250 ms of work at most), so an operator the
+ * policy lets run commands who sent ExecuteRequests faster than the
+ * broker recorded them took that room, and every other operator's exec
+ * was refused busy (exit 75: "N requests wait to be recorded") while it
+ * lasted. Here floodop (who may run true on dev agents) sends detached
+ * requests of `true` to an offline dev agent of its own from three
+ * connections, several times what the broker records; alice's execs
+ * meanwhile are all accepted and run, because the exec workers serve
+ * each operator in turn and the admission counts only what they take
+ * before her request, and floodop's own requests are refused busy on
+ * its own backlog, named.
+ */
+START_TEST(an_operators_exec_flood_waits_its_turn)
+{
+    char aseed[PATH_MAX + 64], oseed[PATH_MAX + 64];
+    struct exec_flood f[EXEC_FLOOD_CONNS];
+    pthread_t th[EXEC_FLOOD_CONNS];
+    int ok = 0, tries = 0, st = 0;
+    char *err = NULL;
+
+    /* Its commands wait for their agent (no end, so no hold time that
+     * would refuse them as the agent's): only the intake limits them. */
+    spawn_own_agent("execflood", aseed, sizeof(aseed));
+    stack_stop(stack.dir, "execflood", 10000);
+    operator_seed("floodop", oseed, sizeof(oseed));
+    for (int i = 0; i < EXEC_FLOOD_CONNS; i++) {
+        f[i] = (struct exec_flood){.seed = oseed, .id = "floodop",
+                                   .agent = "execflood", .n = i};
+        atomic_init(&f[i].stop, false);
+        pthread_mutex_init(&f[i].mu, NULL);
+        ck_assert_int_eq(pthread_create(&th[i], NULL, exec_flood_main, &f[i]),
+                         0);
+    }
+    /* Let the flood fill the intake. */
+    nanosleep(&(struct timespec){3, 0}, NULL);
+    for (; tries < 6; tries++) {
+        struct fixture_out o;
+        const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "ok",
+                            NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, ex, &o), 0);
+        if (o.status == 0 && strcmp(o.out, "ok\n") == 0)
+            ok++;
+        else if (!err) {
+            err = strdup(o.err);
+            st = o.status;
+        }
+        fixture_out_release(&o);
+    }
+    long sent = 0, accepted = 0, busy = 0, other = 0;
+    const char *busy_why = "", *other_why = "";
+    for (int i = 0; i < EXEC_FLOOD_CONNS; i++)
+        atomic_store(&f[i].stop, true);
+    for (int i = 0; i < EXEC_FLOOD_CONNS; i++) {
+        pthread_join(th[i], NULL);
+        sent += f[i].sent;
+        accepted += f[i].accepted;
+        busy += f[i].busy;
+        other += f[i].other;
+        if (f[i].busy_why[0])
+            busy_why = f[i].busy_why;
+        if (f[i].other_why[0])
+            other_why = f[i].other_why;
+    }
+    fprintf(stderr,
+            "exec flood: %ld requests from %d connections: %ld accepted, "
+            "%ld refused busy, %ld other (%s); alice's execs: %d of %d "
+            "ran\n",
+            sent, EXEC_FLOOD_CONNS, accepted, busy, other, other_why, ok,
+            tries);
+    ck_assert_msg(ok == tries,
+                  "%d of %d of alice's execs ran during floodop's flood of "
+                  "%ld execs (first exit %d: %s)",
+                  ok, tries, sent, st, err ? err : "");
+    free(err);
+    /* The flood was recorded as fast as the broker records, and past its
+     * own backlog's 250 ms refused busy, naming it. */
+    ck_assert_int_gt(accepted, 0);
+    ck_assert_msg(busy > 0, "floodop was never refused busy (%ld sent, %ld "
+                            "accepted)",
+                  sent, accepted);
+    ck_assert_msg(strstr(busy_why, "the broker is busy") &&
+                      strstr(busy_why, "'floodop'"),
+                  "%s", busy_why);
+    ck_assert_int_eq(other, 0);
+    for (int i = 0; i < EXEC_FLOOD_CONNS; i++)
+        pthread_mutex_destroy(&f[i].mu);
+}
+END_TEST
+
 START_TEST(an_agents_lost_claims_are_bounded_rows)
 {
     char seed[PATH_MAX + 64], sql[256], cid[37];
@@ -4226,6 +4411,7 @@ security_suite(void)
     add_only(tc, an_agents_made_up_claims_do_not_hold_others);
     add_only(tc, an_agents_claim_flood_waits_its_turn);
     add_only(tc, an_operators_flood_waits_its_turn);
+    add_only(tc, an_operators_exec_flood_waits_its_turn);
     add_only(tc, only_an_operator_who_may_copy_uploads);
     add_only(tc, a_copy_names_only_files_its_operator_uploaded);
     add_only(tc, an_operator_cannot_fill_the_commands_stream);
