@@ -1751,10 +1751,17 @@ maintain(struct broker *b)
         renew_leases(b, &snap, &tt);
         poll_ends(b, &snap, &tt);
         /* A wave whose pause is over starts (the scheduler alone writes
-         * these fields). */
+         * these fields); and a batch with targets waiting for room
+         * (paced: admit.c had none for them at its last turn) tries
+         * again. Only its own targets' ends brought it a turn, so one
+         * that had none running waited for good while other batches'
+         * ends freed the agents' queues (make chaos cluster_node_kill
+         * and cluster_broker_kill: 5 batches of 200 on one pool of 64
+         * slots, the fifth never dispatched, I4). */
         for (size_t i = 0; i < snap.n; i++)
-            if (snap.v[i] && !snap.v[i]->done && snap.v[i]->wave_ended &&
-                wave_due(snap.v[i]))
+            if (snap.v[i] && !snap.v[i]->done &&
+                ((snap.v[i]->wave_ended && wave_due(snap.v[i])) ||
+                 may_dispatch(snap.v[i])))
                 touch(&tt, snap.v[i]);
     }
     if (!b->stopping)

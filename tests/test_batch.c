@@ -477,6 +477,62 @@ sql_long(const char *fmt, const char *arg)
     return n;
 }
 
+/* A detached batch of one target `cmd` to agent id; its id. */
+static void
+detached_batch(const char *id, const char *const cmd[], char out[64])
+{
+    struct fixture_out o;
+    const char *args[16] = {"batch", "--agents", id, "--detach", "--"};
+    size_t n = 5;
+    for (size_t i = 0; cmd[i] && n < 15; i++)
+        args[n++] = cmd[i];
+    args[n] = NULL;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "batch: %s", o.err);
+    snprintf(out, 64, "%.*s", (int)strcspn(o.out, "\n"), o.out);
+    fixture_out_release(&o);
+    ck_assert_msg(strncmp(out, "batch-", 6) == 0, "id %s", out);
+}
+
+/*
+ * A batch whose targets found no room in their agent's queue at its turn
+ * (paced: admit.c) tries again when room comes, though none of its own
+ * targets runs to bring it a turn. Agent bq has one slot; two batches of
+ * `sleep 2` fill its queue, a third of `true` finds none, and must end
+ * Succeeded once the sleeps are done. Before, only a batch's own ends
+ * gave it another turn: the third waited for good (make chaos
+ * cluster_node_kill / cluster_broker_kill, I4: 200 targets never
+ * dispatched).
+ */
+START_TEST(a_batch_waiting_for_room_goes_on_when_room_comes)
+{
+    const char *extra[] = {"--max-concurrent", "1", NULL};
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bq", "bq", extra), 0);
+    const char *sleep2[] = {"sleep", "2", NULL}, *tru[] = {"true", NULL};
+    char a[64], b[64], c[64];
+    detached_batch("bq", sleep2, a);
+    detached_batch("bq", sleep2, b);
+    detached_batch("bq", tru, c);
+    /* Each ends Succeeded (within 30 s; each ran once, in any order). */
+    const char *ids[] = {a, b, c};
+    for (int k = 0; k < 3; k++) {
+        long ok = 0;
+        for (int i = 0; i < 300 && ok != 1; i++) {
+            ok = sql_long("SELECT count(*) FROM batch_targets WHERE "
+                          "batch_id = '%s' AND status = 'Succeeded'",
+                          ids[k]);
+            if (ok != 1)
+                nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+        }
+        ck_assert_msg(ok == 1, "batch %d's target: %s", k + 1,
+                      sql1("SELECT status FROM batch_targets WHERE "
+                           "batch_id = '%s'",
+                           ids[k]));
+    }
+    stack_stop(stack.dir, "agent-bq", 20000);
+}
+END_TEST
+
 /* The batch whose targets include agent. */
 static void
 batch_of(const char *agent, char id[64])
@@ -2242,6 +2298,7 @@ batch_suite(void)
     tcase_add_test(tc, max_errors_stops_dispatching);
     tcase_add_test(tc, strict_errors_never_exceed_budget);
     tcase_add_test(tc, max_concurrency_holds);
+    tcase_add_test(tc, a_batch_waiting_for_room_goes_on_when_room_comes);
     tcase_add_test(tc, cancel_in_the_middle);
     tcase_add_test(tc, k27_dead_agent_costs_its_deadline);
     tcase_add_test(tc, batch_survives_broker_term);
