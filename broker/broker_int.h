@@ -243,16 +243,18 @@ struct broker {
      * watch (a cluster node gone, the bucket without a leader), not dead
      * agents (broker__registry_deaf). */
     int64_t reg_entry_mono_us;
-    /* (mu) The scanner's last tick (every SCAN_PERIOD_MS), and when it
-     * last found it had not run for over BROKER_PAUSE_US: a broker that
-     * was paused (SIGSTOP, a frozen VM, starved) holds heartbeat times
-     * that are stale only because it did not read, and judges nobody by
-     * silence until its registry view is fresh again
+    /* (mu) The pause watch's last tick (scanner.c pause_main, every
+     * 100 ms), and when it last found it had not run for over
+     * BROKER_PAUSE_US: a broker that was paused (SIGSTOP, a frozen VM,
+     * starved) holds heartbeat times that are stale only because it did
+     * not read, and judges nobody by silence until its registry view is
+     * fresh again: the registry thread sets woke_mono_us back to 0 once
+     * its watch delivers this broker's own beacon put after the wake
      * (broker__registry_deaf). */
-    int64_t scan_tick_mono_us, woke_mono_us;
+    int64_t tick_mono_us, woke_mono_us;
 
-    pthread_t rec_thread, reg_thread, scan_thread;
-    bool rec_started, reg_started, scan_started;
+    pthread_t rec_thread, reg_thread, scan_thread, pause_thread;
+    bool rec_started, reg_started, scan_started, pause_started;
     /* Parked long polls of kscore.api.v1.follow, served by the follow
      * thread with st_follow (broker.c on_follow). */
     pthread_mutex_t follow_mu;
@@ -570,11 +572,8 @@ broker__heard_locked(const struct broker *b, const struct broker__agent *a)
     int64_t shifted = a->seen_mono_us + b->reg_outage_us;
     return shifted < b->reg_up_mono_us ? shifted : b->reg_up_mono_us;
 }
-/* A scanner tick later than this after the last one is a pause. */
+/* A pause-watch tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)
-/* After a pause, nobody is judged by silence for this long: every agent
- * heartbeats twice meanwhile, so what is silent then really is. */
-#define BROKER_WAKE_FRESH_US (3 * (int64_t)EVT_HEARTBEAT_MS * 1000)
 /* Registry keys of the brokers' beacons (registry.c): no agent id has a
  * dot, and "_broker." is no pool key. */
 #define BROKER_BEACON_PREFIX "_broker."

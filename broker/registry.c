@@ -1205,6 +1205,13 @@ registry_main(void *arg)
     int64_t beacon_at = 0;
     bool beacon_ok = false, beacon_seen = false;
     int64_t first_fail_us = 0; /* the first beacon failed since the last ok */
+    /* After a pause (scanner.c pause_main): the wake being answered, and
+     * the stream sequence of the first beacon put after it. The watch
+     * delivers the bucket's stream in order, so once it delivers that
+     * sequence every heartbeat put before it is in this broker's view,
+     * and silences say something again. */
+    int64_t woke_answered = 0;
+    uint64_t woke_seq = 0;
     ks_uuid(bid);
     pthread_mutex_lock(&b->mu);
     memcpy(b->beacon_id, bid, sizeof(bid));
@@ -1219,12 +1226,24 @@ registry_main(void *arg)
         /* Every heartbeat period; every BEACON_RETRY_MS while the bucket
          * takes none, so that when it takes puts again is known within
          * that. */
-        if (ks_mono_us() - beacon_at >=
-            (beacon_ok ? EVT_HEARTBEAT_MS : BEACON_RETRY_MS) * INT64_C(1000)) {
+        pthread_mutex_lock(&b->mu);
+        int64_t woke = b->woke_mono_us;
+        pthread_mutex_unlock(&b->mu);
+        if (woke != woke_answered)
+            woke_seq = 0; /* a new wake: at once, a beacon of its own */
+        if ((woke && !woke_seq &&
+             ks_mono_us() - beacon_at >= BEACON_RETRY_MS * INT64_C(1000)) ||
+            ks_mono_us() - beacon_at >=
+                (beacon_ok ? EVT_HEARTBEAT_MS : BEACON_RETRY_MS) *
+                    INT64_C(1000)) {
+            struct evt_puback ack = {0};
             beacon_at = ks_mono_us();
             bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
-                                        BEACON_TIMEOUT_MS, NULL, NULL,
+                                        BEACON_TIMEOUT_MS, &ack, NULL,
                                         0) == 0;
+            woke_answered = woke;
+            if (woke && !woke_seq && ok && ack.seq)
+                woke_seq = ack.seq;
             if (!ok && beacon_ok)
                 first_fail_us = beacon_at;
             pthread_mutex_lock(&b->mu);
@@ -1311,6 +1330,14 @@ registry_main(void *arg)
         last_entry = ks_mono_us();
         pthread_mutex_lock(&b->mu);
         b->reg_entry_mono_us = last_entry;
+        int64_t fresh_after = -1;
+        if (e && woke_seq && kvEntry_Revision(e) >= woke_seq &&
+            b->woke_mono_us == woke_answered) {
+            fresh_after = last_entry - woke_answered;
+            b->woke_mono_us = 0;
+            woke_answered = 0;
+            woke_seq = 0;
+        }
         /* End of the initial values: the latest entry of every id is in
          * (nats.c kvWatcher_Next returns a NULL entry once). */
         if (!e) {
@@ -1318,6 +1345,12 @@ registry_main(void *arg)
             caught_up = true;
         }
         pthread_mutex_unlock(&b->mu);
+        if (fresh_after >= 0)
+            ks_log(KS_LOG_INFO,
+                   "registry view fresh again after the pause (its own "
+                   "beacon put since seen): silences count again",
+                   KS_S("module", "registry"),
+                   KS_I("after_ms", fresh_after / 1000));
         if (!e)
             continue;
         /* The server's clock, as the watch sees it (ns in nats.c 3.4.1:
@@ -1757,9 +1790,10 @@ registry_deaf_locked(struct broker *b, int64_t now)
     return !b->reg_caught_up_mono_us || !b->reg_beacon_ok ||
            now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
            /* paused: whichever thread asks first after a SIGCONT, the
-            * scanner's tick is old (broker_int.h scan_tick_mono_us) */
-           (b->scan_tick_mono_us && now - b->scan_tick_mono_us > BROKER_PAUSE_US) ||
-           (b->woke_mono_us && now - b->woke_mono_us < BROKER_WAKE_FRESH_US);
+            * pause watch's tick is old (broker_int.h tick_mono_us) */
+           (b->tick_mono_us && now - b->tick_mono_us > BROKER_PAUSE_US) ||
+           /* woke, and its own beacon put since not seen yet */
+           b->woke_mono_us != 0;
 }
 
 bool

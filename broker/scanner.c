@@ -537,6 +537,44 @@ guard_jetstream(struct broker *b)
     note_agents_at_share(b);
 }
 
+/*
+ * The pause watch: a thread that does nothing but tick every
+ * PAUSE_TICK_MS, so that a late tick means this process did not run
+ * (SIGSTOP, a frozen VM, starved of CPU), never that a thread was busy.
+ * The scanner's own loop used to be the clock, and a slow query in it
+ * (a 1 s lock timeout, a loaded PostgreSQL) read as a pause: the broker
+ * then judged nobody by silence for 6 s (test_cluster
+ * registry_watch_node_dies, 1 run in 20). A wake lasts until the
+ * registry view is fresh again (registry.c: this broker's own beacon put
+ * after the wake, seen through its watch).
+ */
+#define PAUSE_TICK_MS 100
+
+static void *
+pause_main(void *arg)
+{
+    struct broker *b = arg;
+
+    while (!b->stopping) {
+        nanosleep(&(struct timespec){0, PAUSE_TICK_MS * 1000000L}, NULL);
+        int64_t now = ks_mono_us(), gap = 0;
+        pthread_mutex_lock(&b->mu);
+        if (b->tick_mono_us && now - b->tick_mono_us > BROKER_PAUSE_US) {
+            gap = now - b->tick_mono_us;
+            b->woke_mono_us = now;
+        }
+        b->tick_mono_us = now;
+        pthread_mutex_unlock(&b->mu);
+        if (gap)
+            ks_log(KS_LOG_WARN,
+                   "this broker did not run for a while (paused or "
+                   "starved): it judges no agent by silence until its "
+                   "registry view is fresh (its own next beacon seen)",
+                   KS_I("gap_ms", gap / 1000));
+    }
+    return NULL;
+}
+
 static void *
 scanner_main(void *arg)
 {
@@ -549,24 +587,6 @@ scanner_main(void *arg)
         nanosleep(&(struct timespec){0, SCAN_PERIOD_MS * 1000000L}, NULL);
         if (b->stopping)
             break;
-        {
-            int64_t now = ks_mono_us(), gap = 0;
-            pthread_mutex_lock(&b->mu);
-            if (b->scan_tick_mono_us &&
-                now - b->scan_tick_mono_us > BROKER_PAUSE_US) {
-                gap = now - b->scan_tick_mono_us;
-                b->woke_mono_us = now;
-            }
-            b->scan_tick_mono_us = now;
-            pthread_mutex_unlock(&b->mu);
-            if (gap)
-                ks_log(KS_LOG_WARN,
-                       "this broker did not run for a while (paused or "
-                       "starved): it judges no agent by silence until its "
-                       "registry view is fresh",
-                       KS_I("gap_ms", gap / 1000),
-                       KS_I("fresh_in_ms", BROKER_WAKE_FRESH_US / 1000));
-        }
         store_scan_open(b->st_scan, "Dispatched", ks_now_us(), 200,
                         on_overdue, b);
         if (natsConnection_Status(b->nc->nc) != NATS_CONN_STATUS_CONNECTED)
@@ -601,6 +621,9 @@ scanner_main(void *arg)
 int
 broker__scanner_start(struct broker *b)
 {
+    if (pthread_create(&b->pause_thread, NULL, pause_main, b) != 0)
+        return KS_EINTERNAL;
+    b->pause_started = true;
     if (pthread_create(&b->scan_thread, NULL, scanner_main, b) != 0)
         return KS_EINTERNAL;
     b->scan_started = true;
@@ -622,6 +645,9 @@ broker__scanner_stop(struct broker *b)
     if (b->scan_started)
         pthread_join(b->scan_thread, NULL);
     b->scan_started = false;
+    if (b->pause_started)
+        pthread_join(b->pause_thread, NULL);
+    b->pause_started = false;
     ks_map_each(&b->unlisted, free_unlisted, NULL);
     ks_map_clear(&b->unlisted);
 }

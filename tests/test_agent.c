@@ -1566,6 +1566,59 @@ START_TEST(a_locked_stream_does_not_stop_the_scanner)
 END_TEST
 
 /*
+ * Issue 22 (test_cluster registry_watch_node_dies, 1 run in 20): a busy
+ * scanner is no pause. The broker's pause detector was the scanner's own
+ * loop, so a pass held up a second (here: a locked stream, the scanner
+ * session's 1 s lock timeout, as under a loaded PostgreSQL) read as a
+ * SIGSTOP, and the broker judged no agent by silence for the next 6 s,
+ * again at every slow pass: an agent stopped past its TTL was not told
+ * offline. Now a thread of its own keeps the time, and a wake lasts until
+ * the broker sees its own next beacon.
+ */
+START_TEST(a_busy_scanner_is_no_pause)
+{
+    struct evt_conn *c = client();
+    PGconn *pg = db();
+    char a[37], b[37], st[32];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bsy", "bsy", NULL),
+                     0);
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-bsy", 20000), 0);
+    ck_assert_int_eq(fixture_submit(c, "bsy", "true", 10000, 500, a), 0);
+    ck_assert_int_eq(wait_status(pg, a, "Dispatched", 5000), 0);
+    /* a's deadline passes while its row is held: every scanner pass now
+     * waits a second on it */
+    PGconn *lock = lock_stream(a);
+    /* past EVT_AGENT_TTL_MS since the agent's last heartbeat */
+    sleep_ms(EVT_AGENT_TTL_MS + 2500);
+    Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
+    char *argv[] = {"true", NULL};
+    spec.argv = argv;
+    spec.n_argv = 1;
+    spec.timeout_ms = 10000;
+    Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
+    Ks__ExecuteReply *rep = NULL;
+    req.spec = &spec;
+    req.agent_id = "bsy";
+    req.detach = 1;
+    req.deliver_within_ms = 3000;
+    ck_assert_int_eq(broker_execute(c, &req, 5000, &rep), 0);
+    ck_assert_int_eq(rep->error_code, 0);
+    snprintf(b, sizeof(b), "%s", rep->command_id);
+    bool offline = rep->agent_offline;
+    ks__execute_reply__free_unpacked(rep, NULL);
+    unlock_stream(lock);
+    ck_assert_msg(offline, "an agent silent past its TTL was not told "
+                           "offline while the scanner was busy");
+    ck_assert_int_eq(wait_status(pg, a, "Undeliverable", 30000), 0);
+    ck_assert_int_eq(wait_status(pg, b, "Undeliverable", 30000), 0);
+    ck_assert_str_eq(status_of(pg, b, st, sizeof(st)), "Undeliverable");
+    PQfinish(pg);
+    evt_close(c);
+}
+END_TEST
+
+/*
  * Issue 22: the agent stops (TERM) while its claim is unanswered, and a
  * restart (same state dir) finds the claim id in its journal: it claims
  * with that id again, and the claim that won (committed after the stop)
@@ -2001,6 +2054,7 @@ agent_suite(void)
     add_stack_test(tc, claim_whose_reply_is_lost_runs_once);
     add_stack_test(tc, claim_taken_up_after_a_restart);
     add_stack_test(tc, a_locked_stream_does_not_stop_the_scanner);
+    add_stack_test(tc, a_busy_scanner_is_no_pause);
     add_stack_test(tc, cancel_before_the_spawn_is_cancelled);
     add_stack_test(tc, running_command_no_heartbeat_lists_ends_lost);
     add_stack_test(tc, restart_without_state_dir_ends_lost);
