@@ -49,6 +49,9 @@ test-cluster-long: build
 
 # The timing-sensitive suites N times each (tests/soak.sh), with pass
 # counts: `make soak N=10`, or SUITES="test_batch test_agent" for others.
+# The suites' loops run side by side, as ctest runs them (test_cluster as
+# its two halves); SOAK_SERIAL=1 runs one suite after another. About 60
+# minutes for N=10 on 2 cores.
 N ?= 10
 SUITES ?= test_agent test_batch test_security test_cluster
 soak: build

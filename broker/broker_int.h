@@ -613,7 +613,9 @@ int broker__js_wait(struct broker *b, const char *what,
  * brokers heard in the registry within EVT_AGENT_TTL_MS (their beacons),
  * this one has the highest rendezvous score for name (itself always
  * counts). Every broker gets the same answer from the same beacons, so
- * one repairs and the others stand by. Takes b->mu. */
+ * one repairs and the others stand by. A broker whose registry view is
+ * not fresh (broker__registry_deaf) may have missed the others' beacons,
+ * so it owns nothing: false. Takes b->mu. */
 bool broker__guard_owner(struct broker *b, const char *name);
 
 /* The consumer guard (stall.c): notices a consumer of KSCORE_CMDS that

@@ -1074,6 +1074,8 @@ struct owner_pick {
     bool other_wins;
 };
 
+static bool registry_deaf_locked(struct broker *b, int64_t now);
+
 static void
 owner_one(const char *key, void *val, void *ud)
 {
@@ -1090,9 +1092,17 @@ broker__guard_owner(struct broker *b, const char *name)
 {
     pthread_mutex_lock(&b->mu);
     struct owner_pick o = {name, b->beacon_id, ks_mono_us(), false};
-    ks_map_each(&b->brokers, owner_one, &o);
+    /* A registry view that is not fresh (a watch made again after a node
+     * died, a bucket without a leader, a pause) may have missed the other
+     * brokers' beacons: every broker would then take itself for the
+     * owner, and each repaired the same stall (test_cluster
+     * a_consumer_stalled_by_a_lost_ack_is_repaired: "repaired 2 times").
+     * Such a broker takes the backup's turn. */
+    bool deaf = registry_deaf_locked(b, o.now);
+    if (!deaf)
+        ks_map_each(&b->brokers, owner_one, &o);
     pthread_mutex_unlock(&b->mu);
-    return !o.other_wins;
+    return !deaf && !o.other_wins;
 }
 
 /* A watch that has delivered nothing for this long, not even this

@@ -1045,7 +1045,7 @@ START_TEST(consumer_leader_changes)
     l.period_ms = 500;
     load_start(&l, "f03");
     double changes[16];
-    int nch = 0;
+    int nch = 0, n_sa = 0, n_sp = 0, n_sr = 0;
     for (int k = 0; k < steps; k++) {
         sleep((unsigned)step_every_s);
         char la[64], lp[64];
@@ -1059,6 +1059,9 @@ START_TEST(consumer_leader_changes)
          * commands' results are recorded through it) */
         bool sr = consumer_stepdown(bc, EVT_STREAM_EVENTS,
                                     EVT_RECORDER_DURABLE);
+        n_sa += sa;
+        n_sp += sp;
+        n_sr += sr;
         /* the same status message, and a stray reply, on each push
          * consumer's deliver subject: nobody stops, nothing is taken for
          * a command */
@@ -1072,6 +1075,12 @@ START_TEST(consumer_leader_changes)
                 lp, sp ? "stepped down" : "refused",
                 sr ? "stepped down" : "refused");
     }
+    /* the leaders did change: a case whose step-downs were all refused
+     * tested nothing */
+    ck_assert_msg(n_sa >= 1 && n_sp >= 1 && n_sr >= 1,
+                  "of %d step-downs, %d of %s, %d of %s and %d of the "
+                  "recorder's were taken", steps, n_sa, c_agent, n_sp,
+                  c_pool, n_sr);
     sleep((unsigned)step_every_s);
     /* the node that leads the agent's consumer dies for kill_s */
     char victim[64] = "";
