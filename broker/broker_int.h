@@ -243,15 +243,16 @@ struct broker {
      * watch (a cluster node gone, the bucket without a leader), not dead
      * agents (broker__registry_deaf). */
     int64_t reg_entry_mono_us;
-    /* (mu) The pause watch's last tick (scanner.c pause_main, every
-     * 100 ms), and when it last found it had not run for over
+    /* The pause watch's last tick (scanner.c pause_main, every 100 ms;
+     * atomic), and (mu) when it last found it had not run for over
      * BROKER_PAUSE_US: a broker that was paused (SIGSTOP, a frozen VM,
      * starved) holds heartbeat times that are stale only because it did
      * not read, and judges nobody by silence until its registry view is
      * fresh again: the registry thread sets woke_mono_us back to 0 once
-     * its watch delivers this broker's own beacon put after the wake
-     * (broker__registry_deaf). */
-    int64_t tick_mono_us, woke_mono_us;
+     * its watch has delivered this broker's own beacon put after the wake
+     * and BROKER_WAKE_FRESH_US has passed (broker__registry_deaf). */
+    _Atomic int64_t tick_mono_us;
+    int64_t woke_mono_us;
 
     pthread_t rec_thread, reg_thread, scan_thread, pause_thread;
     bool rec_started, reg_started, scan_started, pause_started;
@@ -574,6 +575,11 @@ broker__heard_locked(const struct broker *b, const struct broker__agent *a)
 }
 /* A pause-watch tick later than this after the last one is a pause. */
 #define BROKER_PAUSE_US INT64_C(1000000)
+/* After a pause, nobody is judged by silence for at least this long, and
+ * until the registry view has caught up (registry.c): agents paused along
+ * with the broker (its --local-agents, a frozen host) heartbeat twice
+ * meanwhile, so what is silent then really is. */
+#define BROKER_WAKE_FRESH_US (3 * (int64_t)EVT_HEARTBEAT_MS * 1000)
 /* Registry keys of the brokers' beacons (registry.c): no agent id has a
  * dot, and "_broker." is no pool key. */
 #define BROKER_BEACON_PREFIX "_broker."
@@ -614,8 +620,9 @@ int broker__js_wait(struct broker *b, const char *what,
  * this one has the highest rendezvous score for name (itself always
  * counts). Every broker gets the same answer from the same beacons, so
  * one repairs and the others stand by. A broker whose registry view is
- * not fresh (broker__registry_deaf) may have missed the others' beacons,
- * so it owns nothing: false. Takes b->mu. */
+ * not fresh (broker__registry_deaf) judges the beacons' ages as of its
+ * view's last entry, not now, so it agrees with the others. Takes
+ * b->mu. */
 bool broker__guard_owner(struct broker *b, const char *name);
 
 /* The consumer guard (stall.c): notices a consumer of KSCORE_CMDS that

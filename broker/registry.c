@@ -1074,8 +1074,6 @@ struct owner_pick {
     bool other_wins;
 };
 
-static bool registry_deaf_locked(struct broker *b, int64_t now);
-
 static void
 owner_one(const char *key, void *val, void *ud)
 {
@@ -1093,16 +1091,18 @@ broker__guard_owner(struct broker *b, const char *name)
     pthread_mutex_lock(&b->mu);
     struct owner_pick o = {name, b->beacon_id, ks_mono_us(), false};
     /* A registry view that is not fresh (a watch made again after a node
-     * died, a bucket without a leader, a pause) may have missed the other
-     * brokers' beacons: every broker would then take itself for the
-     * owner, and each repaired the same stall (test_cluster
-     * a_consumer_stalled_by_a_lost_ack_is_repaired: "repaired 2 times").
-     * Such a broker takes the backup's turn. */
-    bool deaf = registry_deaf_locked(b, o.now);
-    if (!deaf)
-        ks_map_each(&b->brokers, owner_one, &o);
+     * died, a bucket without a leader, a pause) has missed the other
+     * brokers' recent beacons, not lost the brokers: judged against now,
+     * every broker took itself for the owner, and each repaired the same
+     * stall (test_cluster a_consumer_stalled_by_a_lost_ack_is_repaired:
+     * "repaired 2 times"). Such a view is judged as of its last entry,
+     * so deaf brokers agree on the owner as the others do; an owner that
+     * died meanwhile is covered by the backups (stall.c). */
+    if (registry_deaf_locked(b, o.now) && b->reg_entry_mono_us)
+        o.now = b->reg_entry_mono_us;
+    ks_map_each(&b->brokers, owner_one, &o);
     pthread_mutex_unlock(&b->mu);
-    return !deaf && !o.other_wins;
+    return !o.other_wins;
 }
 
 /* A watch that has delivered nothing for this long, not even this
@@ -1222,6 +1222,7 @@ registry_main(void *arg)
      * and silences say something again. */
     int64_t woke_answered = 0;
     uint64_t woke_seq = 0;
+    bool woke_seen = false; /* that beacon came through the watch */
     ks_uuid(bid);
     pthread_mutex_lock(&b->mu);
     memcpy(b->beacon_id, bid, sizeof(bid));
@@ -1239,9 +1240,11 @@ registry_main(void *arg)
         pthread_mutex_lock(&b->mu);
         int64_t woke = b->woke_mono_us;
         pthread_mutex_unlock(&b->mu);
-        if (woke != woke_answered)
+        if (woke != woke_answered) {
             woke_seq = 0; /* a new wake: at once, a beacon of its own */
-        if ((woke && !woke_seq &&
+            woke_seen = false;
+        }
+        if ((woke && !woke_seq && !woke_seen &&
              ks_mono_us() - beacon_at >= BEACON_RETRY_MS * INT64_C(1000)) ||
             ks_mono_us() - beacon_at >=
                 (beacon_ok ? EVT_HEARTBEAT_MS : BEACON_RETRY_MS) *
@@ -1251,9 +1254,11 @@ registry_main(void *arg)
             bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
                                         BEACON_TIMEOUT_MS, &ack, NULL,
                                         0) == 0;
-            woke_answered = woke;
-            if (woke && !woke_seq && ok && ack.seq)
-                woke_seq = ack.seq;
+            if (woke != woke_answered || (!woke_seq && !woke_seen)) {
+                woke_answered = woke;
+                if (woke && ok && ack.seq)
+                    woke_seq = ack.seq;
+            }
             if (!ok && beacon_ok)
                 first_fail_us = beacon_at;
             pthread_mutex_lock(&b->mu);
@@ -1341,12 +1346,19 @@ registry_main(void *arg)
         pthread_mutex_lock(&b->mu);
         b->reg_entry_mono_us = last_entry;
         int64_t fresh_after = -1;
-        if (e && woke_seq && kvEntry_Revision(e) >= woke_seq &&
-            b->woke_mono_us == woke_answered) {
+        if (e && woke_seq && kvEntry_Revision(e) >= woke_seq) {
+            woke_seq = 0;
+            woke_seen = true;
+        }
+        /* Fresh: the beacon put after the wake seen, and agents paused
+         * along with this broker (its --local-agents, a frozen host)
+         * given BROKER_WAKE_FRESH_US to heartbeat again. */
+        if (woke_seen && b->woke_mono_us == woke_answered &&
+            last_entry - woke_answered >= BROKER_WAKE_FRESH_US) {
             fresh_after = last_entry - woke_answered;
             b->woke_mono_us = 0;
             woke_answered = 0;
-            woke_seq = 0;
+            woke_seen = false;
         }
         /* End of the initial values: the latest entry of every id is in
          * (nats.c kvWatcher_Next returns a NULL entry once). */
@@ -1801,7 +1813,8 @@ registry_deaf_locked(struct broker *b, int64_t now)
            now - b->reg_entry_mono_us > 2 * (int64_t)EVT_HEARTBEAT_MS * 1000 ||
            /* paused: whichever thread asks first after a SIGCONT, the
             * pause watch's tick is old (broker_int.h tick_mono_us) */
-           (b->tick_mono_us && now - b->tick_mono_us > BROKER_PAUSE_US) ||
+           (atomic_load(&b->tick_mono_us) &&
+            now - atomic_load(&b->tick_mono_us) > BROKER_PAUSE_US) ||
            /* woke, and its own beacon put since not seen yet */
            b->woke_mono_us != 0;
 }

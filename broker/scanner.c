@@ -546,7 +546,8 @@ guard_jetstream(struct broker *b)
  * then judged nobody by silence for 6 s (test_cluster
  * registry_watch_node_dies, 1 run in 20). A wake lasts until the
  * registry view is fresh again (registry.c: this broker's own beacon put
- * after the wake, seen through its watch).
+ * after the wake seen through its watch, and BROKER_WAKE_FRESH_US for the
+ * agents paused with it).
  */
 #define PAUSE_TICK_MS 100
 
@@ -557,14 +558,15 @@ pause_main(void *arg)
 
     while (!b->stopping) {
         nanosleep(&(struct timespec){0, PAUSE_TICK_MS * 1000000L}, NULL);
-        int64_t now = ks_mono_us(), gap = 0;
-        pthread_mutex_lock(&b->mu);
-        if (b->tick_mono_us && now - b->tick_mono_us > BROKER_PAUSE_US) {
-            gap = now - b->tick_mono_us;
+        /* The tick is atomic: waiting for b->mu would read as a pause. */
+        int64_t now = ks_mono_us(),
+                last = atomic_exchange(&b->tick_mono_us, now), gap = 0;
+        if (last && now - last > BROKER_PAUSE_US) {
+            gap = now - last;
+            pthread_mutex_lock(&b->mu);
             b->woke_mono_us = now;
+            pthread_mutex_unlock(&b->mu);
         }
-        b->tick_mono_us = now;
-        pthread_mutex_unlock(&b->mu);
         if (gap)
             ks_log(KS_LOG_WARN,
                    "this broker did not run for a while (paused or "

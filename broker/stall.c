@@ -98,6 +98,7 @@ struct guarded {
     uint32_t repairs;
     char last_repair[200];
     int64_t repaired_at_us; /* epoch */
+    int64_t noticed_us;     /* mono: another broker's last repair notice */
 };
 
 struct broker__guard {
@@ -252,6 +253,9 @@ on_repair_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
             strlen(durable) < sizeof(((struct guarded *)0)->durable)) {
             struct guarded *c = guarded_get(g, durable);
             if (c) {
+                pthread_mutex_lock(&g->mu);
+                c->noticed_us = ks_mono_us();
+                pthread_mutex_unlock(&g->mu);
                 note_repair(g, c, what + 1, strtoll(at + 1, NULL, 10),
                             false);
                 show_stall(g, c, NULL); /* repaired: our next look says */
@@ -260,6 +264,16 @@ on_repair_notice(natsConnection *nc, natsSubscription *sub, natsMsg *msg,
     }
     natsMsg_Destroy(msg);
 }
+
+/* What is wrong with a consumer (look). */
+enum stall_kind {
+    STALL_NONE,
+    STALL_GONE,        /* no such consumer */
+    STALL_NO_LEADER,   /* nobody answers for it, or its group says so */
+    STALL_UNACKED,     /* unacked messages nobody holds fill its slots */
+    STALL_UNDELIVERED, /* work, room, and no delivery */
+    STALL_SKIPPED      /* fewer pending + unacked than stored */
+};
 
 /* Makes c's consumer again (x->co.ac, as the provisioner would). */
 static void
@@ -323,15 +337,6 @@ step_down(struct broker__guard *g, struct guarded *c, const struct suspect *x,
     c->quiet_since_us = c->stepped_down_us; /* the new leader's turn */
 }
 
-/* What is wrong with a consumer (look). */
-enum stall_kind {
-    STALL_NONE,
-    STALL_GONE,        /* no such consumer */
-    STALL_NO_LEADER,   /* nobody answers for it, or its group says so */
-    STALL_UNACKED,     /* unacked messages nobody holds fill its slots */
-    STALL_UNDELIVERED, /* work, room, and no delivery */
-    STALL_SKIPPED      /* fewer pending + unacked than stored */
-};
 
 /* Classifies a consumer that answered and delivered nothing since the
  * last look; why (len bytes) says what was seen. */
@@ -371,6 +376,53 @@ classify(struct broker__guard *g, const struct suspect *x,
         return STALL_SKIPPED;
     }
     return STALL_NONE;
+}
+
+/*
+ * Whether c's consumer is still as it was judged stalled, asked again just
+ * before a repair: another broker (the owner, or a backup whose turn came
+ * at the same time) may have repaired it a moment ago, and two repairs of
+ * one stall redeliver twice and are counted twice ("repaired 2 times",
+ * test_cluster a_consumer_stalled_by_a_lost_ack_is_repaired). Not as
+ * judged: another broker's repair notice came since the count began, or
+ * the consumer is a new one, delivered, or (for a stall of a consumer
+ * that answered) is gone or leaderless now (another broker's remake
+ * between its delete and its create, or its new group electing): it is
+ * then looked at afresh. A question that times out changes nothing.
+ */
+static bool
+still_as_judged(struct broker__guard *g, struct guarded *c)
+{
+    struct evt_consumer_state cs;
+    pthread_mutex_lock(&g->mu);
+    bool noticed = c->noticed_us && c->noticed_us >= c->quiet_since_us;
+    pthread_mutex_unlock(&g->mu);
+    int rc = noticed ? 0
+                     : evt_consumer_state(g->b->nc, EVT_STREAM_CMDS,
+                                          c->durable, GUARD_ASK_MS, &cs);
+    bool answered_before =
+        c->kind != STALL_GONE && c->kind != STALL_NO_LEADER;
+    bool changed =
+        noticed ||
+        (rc == 0 && (!answered_before || !c->seen ||
+                     cs.created_ns != c->created_ns ||
+                     cs.delivered != c->delivered)) ||
+        (answered_before && (rc == KS_ENOTFOUND || rc == KS_EUNAVAIL));
+    if (!changed)
+        return true;
+    ks_log(KS_LOG_INFO,
+           "agent consumer changed since it was judged stalled (repaired by "
+           "another broker, or delivering): looked at afresh",
+           KS_S("module", "guard"), KS_S("consumer", c->durable),
+           KS_S("seen", noticed ? "another broker's repair notice"
+                        : rc == 0 ? "a new consumer or a delivery"
+                                  : ks_strerror(rc)));
+    c->seen = false;
+    c->kind = 0;
+    c->stepped_down_us = 0;
+    c->quiet_since_us = ks_mono_us();
+    show_stall(g, c, NULL);
+    return false;
 }
 
 /* Looks at one suspect, and repairs it when it is stalled. */
@@ -434,7 +486,7 @@ look(struct broker__guard *g, const struct suspect *x)
                                             : GUARD_STALL_US) +
                    (broker__guard_owner(g->b, c->durable) ? 0
                                                           : GUARD_BACKUP_US);
-    if (now - c->quiet_since_us < wait)
+    if (now - c->quiet_since_us < wait || !still_as_judged(g, c))
         return;
     if (kind == STALL_UNDELIVERED && !c->stepped_down_us)
         step_down(g, c, x, why);
