@@ -123,7 +123,7 @@ check(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t len,
         if (rc == 1)
             break;
         if (rc)
-            return KS_EDECODE; /* protobuf-c says why: malformed */
+            return KS_EDECODE; /* malformed: the message is refused */
         if (fl.type != 2)
             continue;
         const ProtobufCFieldDescriptor *f =

@@ -421,6 +421,57 @@ cmp_bytes(const void *a, const void *b)
     return memcmp(a, b, sort_size);
 }
 
+/*
+ * A message the wire check cannot read is refused whole, never left to
+ * protobuf-c (events.c unpack_checked). make fuzz found this BatchRequest:
+ * its spec holds bytes the check stops at (it refuses a field numbered 0)
+ * while protobuf-c reads on, and after the spec comes a progress_subject
+ * of broken UTF-8 with NULs that the check never reached. It decoded, and
+ * re-packed it never decoded again (a row no reader could read). Before
+ * the fix evt_unpack returned 0 here.
+ */
+static const uint8_t wire_stop_hides_a_string[] = {
+    0x0a, 0x20, 0x0a, 0x09, 0x2f, 0x62, 0x69, 0x6e, 0x2f, 0x65, 0x63,
+    0x68, 0x6f, 0x20, 0x6b, 0x78, 0xd8, 0x78, 0xd8, 0x20, 0x6b, 0x78,
+    0xd8, 0x78, 0xd8, 0x52, 0x0d, 0x78, 0x38, 0x80, 0x00, 0x5b, 0x30,
+    0x00, 0x0a, 0x00, 0x1a, 0x00, 0x1a, 0x00, 0x52, 0x0d, 0x78, 0x38,
+    0x80, 0x00, 0x5b, 0x30, 0x00, 0x0a, 0x00, 0x1a, 0x00, 0x1a, 0x00};
+
+START_TEST(unreadable_wire_is_refused_whole)
+{
+    ProtobufCMessage *m = NULL;
+    char why[256] = "";
+
+    ck_assert_int_ne(evt_check_wire(&ks__batch_request__descriptor,
+                                    wire_stop_hides_a_string,
+                                    sizeof(wire_stop_hides_a_string), NULL,
+                                    0),
+                     0);
+    ck_assert_int_eq(evt_unpack(&ks__batch_request__descriptor,
+                                wire_stop_hides_a_string,
+                                sizeof(wire_stop_hides_a_string), &m),
+                     KS_EDECODE);
+    ck_assert_ptr_null(m);
+    ck_assert_int_ne(evt_unpack_why(&ks__batch_request__descriptor,
+                                    wire_stop_hides_a_string,
+                                    sizeof(wire_stop_hides_a_string), &m,
+                                    why, sizeof(why)),
+                     0);
+    ck_assert_ptr_null(m);
+    ck_assert_int_eq(evt_unpack_reply(&ks__batch_request__descriptor,
+                                      wire_stop_hides_a_string,
+                                      sizeof(wire_stop_hides_a_string), &m),
+                     KS_EDECODE);
+    ck_assert_ptr_null(m);
+    /* protobuf-c alone takes it: what the check is there for */
+    m = protobuf_c_message_unpack(&ks__batch_request__descriptor, NULL,
+                                  sizeof(wire_stop_hides_a_string),
+                                  wire_stop_hides_a_string);
+    ck_assert_ptr_nonnull(m);
+    protobuf_c_message_free_unpacked(m, NULL);
+}
+END_TEST
+
 /* ks_sort sorts as qsort does, for element sizes below and above its swap
  * buffer, sorted, reversed, all-equal and few-valued inputs (the shapes
  * that break a quicksort). */
@@ -841,6 +892,7 @@ events_suite(void)
     tcase_add_test(pure, ack_delivered);
     tcase_add_test(pure, arena);
     tcase_add_test(pure, sort_like_qsort);
+    tcase_add_test(pure, unreadable_wire_is_refused_whole);
     suite_add_tcase(s, pure);
     TCase *tc = tcase_create("nats");
     tcase_add_unchecked_fixture(tc, nats_up, nats_down);
