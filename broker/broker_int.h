@@ -557,6 +557,14 @@ int broker__agent_pool_known(struct broker *b, const char *agent_id,
  * decides. Any thread.
  */
 bool broker__registry_deaf(struct broker *b);
+/* Whether agent_id is silent for at least age_us (us, > 0), or unknown
+ * (never heard, or forgotten by `kscore agent revoke`), in a registry
+ * view that is not deaf (broker__registry_deaf): the age and
+ * the deafness judged together, under one hold of b->mu at one instant,
+ * so that a thread held up between two looks never judges an old age
+ * with a view that became fresh meanwhile. Any thread; takes b->mu. */
+bool broker__silent_past(struct broker *b, const char *agent_id,
+                         int64_t age_us);
 /* When agent a was last heard, for judging its silence, under b->mu: its
  * last heartbeat's put, or when the registry bucket last began taking
  * puts again, whichever is later (a silence while no heartbeat could land
@@ -653,9 +661,10 @@ int broker__agent_lists(struct broker *b, const char *agent_id,
                         const uint8_t command[16], char instance[37],
                         uint64_t *seq);
 /* true when this broker has heard no heartbeat of process instance of
- * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard).
- * The caller makes sure the broker could hear all along (its connection
- * and watch up for a TTL). Takes b->mu. */
+ * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard);
+ * false while its registry view is deaf (broker__registry_deaf). The
+ * caller makes sure the broker could hear all along (its connection and
+ * watch up for a TTL). Takes b->mu. */
 bool broker__instance_silent(struct broker *b, const char *agent_id,
                              const char *instance);
 

@@ -461,7 +461,9 @@ broker__instance_silent(struct broker *b, const char *agent_id,
 
     pthread_mutex_lock(&b->mu);
     a = ks_map_get(&b->agents, agent_id);
-    if (a && !strcmp(a->cur.id, instance))
+    if (registry_deaf_locked(b, now))
+        silent = false; /* a deaf view tells no silence (helper-24) */
+    else if (a && !strcmp(a->cur.id, instance))
         silent = now - a->cur.seen_mono_us >= ttl;
     else if (a && !strcmp(a->other.id, instance))
         silent = now - a->other.seen_mono_us >= ttl;
@@ -1098,11 +1100,16 @@ broker__guard_owner(struct broker *b, const char *name)
      * "repaired 2 times"). Such a view is judged as of its last entry,
      * so deaf brokers agree on the owner as the others do; an owner that
      * died meanwhile is covered by the backups (stall.c). */
-    if (registry_deaf_locked(b, o.now) && b->reg_entry_mono_us)
+    bool deaf = registry_deaf_locked(b, o.now);
+    if (deaf && b->reg_entry_mono_us)
         o.now = b->reg_entry_mono_us;
-    ks_map_each(&b->brokers, owner_one, &o);
+    /* Deaf since its start (its first watch on a node that is down): it
+     * has heard no broker at all, so it owns nothing (helper-24). */
+    bool unheard = deaf && !b->reg_entry_mono_us;
+    if (!unheard)
+        ks_map_each(&b->brokers, owner_one, &o);
     pthread_mutex_unlock(&b->mu);
-    return !o.other_wins;
+    return !unheard && !o.other_wins;
 }
 
 /* A watch that has delivered nothing for this long, not even this
@@ -1826,6 +1833,19 @@ broker__registry_deaf(struct broker *b)
     bool deaf = registry_deaf_locked(b, ks_mono_us());
     pthread_mutex_unlock(&b->mu);
     return deaf;
+}
+
+bool
+broker__silent_past(struct broker *b, const char *agent_id, int64_t age_us)
+{
+    pthread_mutex_lock(&b->mu);
+    int64_t now = ks_mono_us();
+    struct broker__agent *a = ks_map_get(&b->agents, agent_id);
+    /* unknown: never heard, or forgotten (`kscore agent revoke`) */
+    bool silent = !registry_deaf_locked(b, now) &&
+                  (!a || now - broker__heard_locked(b, a) >= age_us);
+    pthread_mutex_unlock(&b->mu);
+    return silent;
 }
 
 int

@@ -434,7 +434,8 @@ on_running(const struct store_command_ref *ref, void *ud)
     if (b->connected_since_mono_us == 0 ||
         ks_mono_us() - b->connected_since_mono_us <
             (int64_t)EVT_AGENT_TTL_MS * 1000 ||
-        broker__registry_deaf(b))
+        !broker__silent_past(b, ref->agent_id,
+                             (int64_t)EVT_AGENT_TTL_MS * 1000))
         return 0;
     /* A command claimed a moment ago by an agent that then died is Lost
      * too, but give the claim's first heartbeat a chance. */
@@ -558,15 +559,18 @@ pause_main(void *arg)
 
     while (!b->stopping) {
         nanosleep(&(struct timespec){0, PAUSE_TICK_MS * 1000000L}, NULL);
-        /* The tick is atomic: waiting for b->mu would read as a pause. */
-        int64_t now = ks_mono_us(),
-                last = atomic_exchange(&b->tick_mono_us, now), gap = 0;
+        /* The tick is atomic, so waiting for b->mu never reads as a
+         * pause; after a pause the wake is set before the tick is new, so
+         * no thread sees a fresh tick without the wake (helper-24). */
+        int64_t now = ks_mono_us(), last = atomic_load(&b->tick_mono_us),
+                gap = 0;
         if (last && now - last > BROKER_PAUSE_US) {
             gap = now - last;
             pthread_mutex_lock(&b->mu);
             b->woke_mono_us = now;
             pthread_mutex_unlock(&b->mu);
         }
+        atomic_store(&b->tick_mono_us, now);
         if (gap)
             ks_log(KS_LOG_WARN,
                    "this broker did not run for a while (paused or "
