@@ -1536,6 +1536,22 @@ END_TEST
  * Before, the scanner waited on a's row for as long as the lock was held
  * and b stayed Dispatched.
  */
+/* A command a for agent id (process name agent-<id>), known to the broker
+ * and then stopped, whose delivery deadline is deliver_ms: Dispatched,
+ * with its stream's row held (lock_stream) until unlock_stream. */
+static PGconn *
+dispatched_and_locked(struct evt_conn *c, PGconn *pg, const char *id,
+                      uint64_t deliver_ms, char a[37])
+{
+    char name[64];
+    snprintf(name, sizeof(name), "agent-%s", id);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, name, id, NULL), 0);
+    ck_assert_int_eq(stack_stop(stack.dir, name, 20000), 0);
+    ck_assert_int_eq(fixture_submit(c, id, "true", 10000, deliver_ms, a), 0);
+    ck_assert_int_eq(wait_status(pg, a, "Dispatched", 5000), 0);
+    return lock_stream(a);
+}
+
 START_TEST(a_locked_stream_does_not_stop_the_scanner)
 {
     struct evt_conn *c = client();
@@ -1543,12 +1559,7 @@ START_TEST(a_locked_stream_does_not_stop_the_scanner)
     char a[37], b[37], st[32];
 
     /* Known to the broker, then offline: its commands wait for it. */
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-scl", "scl", NULL),
-                     0);
-    ck_assert_int_eq(stack_stop(stack.dir, "agent-scl", 20000), 0);
-    ck_assert_int_eq(fixture_submit(c, "scl", "true", 10000, 1500, a), 0);
-    ck_assert_int_eq(wait_status(pg, a, "Dispatched", 5000), 0);
-    PGconn *lock = lock_stream(a);
+    PGconn *lock = dispatched_and_locked(c, pg, "scl", 1500, a);
     ck_assert_int_eq(fixture_submit(c, "scl", "true", 10000, 3000, b), 0);
     if (wait_status(pg, b, "Undeliverable", 30000) != 0)
         print_events(b);
@@ -1581,14 +1592,9 @@ START_TEST(a_busy_scanner_is_no_pause)
     PGconn *pg = db();
     char a[37], b[37], st[32];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bsy", "bsy", NULL),
-                     0);
-    ck_assert_int_eq(stack_stop(stack.dir, "agent-bsy", 20000), 0);
-    ck_assert_int_eq(fixture_submit(c, "bsy", "true", 10000, 500, a), 0);
-    ck_assert_int_eq(wait_status(pg, a, "Dispatched", 5000), 0);
     /* a's deadline passes while its row is held: every scanner pass now
      * waits a second on it */
-    PGconn *lock = lock_stream(a);
+    PGconn *lock = dispatched_and_locked(c, pg, "bsy", 500, a);
     /* past EVT_AGENT_TTL_MS since the agent's last heartbeat */
     sleep_ms(EVT_AGENT_TTL_MS + 2500);
     Ks__CommandSpec spec = KS__COMMAND_SPEC__INIT;
