@@ -243,6 +243,10 @@ struct broker {
      * watch (a cluster node gone, the bucket without a leader), not dead
      * agents (broker__registry_deaf). */
     int64_t reg_entry_mono_us;
+    /* (mu) when the view was last whole: an entry of a watch past its
+     * initial values, or the end of them. A new watch's replay leaves it
+     * where the dead watch left it (registry.c view_instant_locked). */
+    int64_t reg_fresh_mono_us;
     /* The pause watch's last tick (scanner.c pause_main, every 100 ms;
      * atomic), and (mu) when it last found it had not run for over
      * BROKER_PAUSE_US: a broker that was paused (SIGSTOP, a frozen VM,

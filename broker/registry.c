@@ -1087,6 +1087,28 @@ owner_one(const char *key, void *val, void *ud)
         o->other_wins = true;
 }
 
+static bool registry_deaf_locked(struct broker *b, int64_t now);
+
+/*
+ * The instant a registry view is judged at, under b->mu (mono us): now
+ * while it is fresh; while it is deaf (registry_deaf_locked), when it was
+ * last whole (reg_fresh_mono_us: not the middle of a new watch's replay),
+ * for a view that has missed what came since judges an age by now as if
+ * every agent had stopped when it stopped hearing. *stale_us: how long
+ * before now that is (0 when fresh); may be NULL.
+ */
+static int64_t
+view_instant_locked(struct broker *b, int64_t now, int64_t *stale_us)
+{
+    int64_t at = now;
+    if (registry_deaf_locked(b, now) && b->reg_fresh_mono_us &&
+        b->reg_fresh_mono_us < now)
+        at = b->reg_fresh_mono_us;
+    if (stale_us)
+        *stale_us = now - at;
+    return at;
+}
+
 bool
 broker__guard_owner(struct broker *b, const char *name)
 {
@@ -1167,6 +1189,74 @@ watch_let_go(struct broker *b, kvWatcher *w)
     pthread_attr_destroy(&attr);
 }
 
+/*
+ * How registry entries are dated on this broker's monotonic clock. An
+ * entry carries its put as the server's time (kvEntry_Created: the stream
+ * leader's wall clock); the broker needs it on its own clock, to judge
+ * silences.
+ * - The reference is this broker's own beacon: its PubAck says which
+ *   revision is its own and when it came back (mono), and the watch then
+ *   delivers that revision with its server time. Every other entry is
+ *   dated ref_mono + (put_us - ref_put_us), never later than it arrived.
+ *   The pair is renewed with each beacon (every EVT_HEARTBEAT_MS), so a
+ *   step of the server's clock or a leader on another node with another
+ *   clock is followed within a beacon.
+ * - Until the first beacon comes through, an entry newer than any seen is
+ *   taken as put when it came. That rule alone dated the last heartbeat of
+ *   an agent that stopped while the watch was dead at the new watch's
+ *   initial values, a whole outage late (F04: olddb online 14.7 s after it
+ *   stopped, issue 22); a reference taken before the outage dates it when
+ *   it was put.
+ * The registry thread's alone.
+ */
+#define CLOCK_ACKS 8
+struct server_clock {
+    int64_t newest_us, newest_mono; /* newest server time seen, and when */
+    int64_t ref_put_us, ref_mono;   /* own beacon: put (server), mono */
+    struct {
+        uint64_t seq;
+        int64_t mono;
+    } acked[CLOCK_ACKS]; /* own beacons acknowledged, not seen yet */
+    unsigned next;
+};
+
+/* This broker's beacon got revision seq, put between sent and acked
+ * (mono us): the midpoint is its time, within half a round trip. */
+static void
+clock_acked(struct server_clock *c, uint64_t seq, int64_t sent,
+            int64_t acked)
+{
+    c->acked[c->next % CLOCK_ACKS].seq = seq;
+    c->acked[c->next % CLOCK_ACKS].mono = sent + (acked - sent) / 2;
+    c->next++;
+}
+
+/* An entry put at put_us (server us) came at arrived (mono us); own: it
+ * is this broker's beacon, at revision rev. When it was put, mono us. */
+static int64_t
+clock_heard(struct server_clock *c, bool own, uint64_t rev, int64_t put_us,
+            int64_t arrived)
+{
+    if (own) {
+        for (unsigned k = 0; k < CLOCK_ACKS; k++) {
+            if (c->acked[k].seq == rev && rev) {
+                c->ref_put_us = put_us;
+                c->ref_mono = c->acked[k].mono;
+                c->acked[k].seq = 0;
+                break;
+            }
+        }
+    }
+    if (put_us > c->newest_us) {
+        c->newest_us = put_us;
+        c->newest_mono = arrived;
+    }
+    int64_t heard = c->ref_mono
+                        ? c->ref_mono + (put_us - c->ref_put_us)
+                        : c->newest_mono - (c->newest_us - put_us);
+    return heard < arrived ? heard : arrived;
+}
+
 static void *
 registry_main(void *arg)
 {
@@ -1176,11 +1266,9 @@ registry_main(void *arg)
     struct provq *q = calloc(1, sizeof(*q));
 
     int64_t last_entry = ks_mono_us();
-    /* The newest server time of an entry, and when it came (mono): an
-     * entry put at put_us was put at server_mono - (server_us - put_us)
-     * on this broker's clock. A registry that was away meanwhile leaves
-     * the pair as it was, and the time since still counts. */
-    int64_t server_us = 0, server_mono = 0;
+    /* Entries dated on this broker's clock; a registry that was away
+     * meanwhile leaves the reference as it was. */
+    struct server_clock clock = {0};
     int64_t watch_at = 0;   /* mono: when the watch was made */
     bool caught_up = false; /* it delivered its initial values */
     bool warned = false;
@@ -1261,6 +1349,8 @@ registry_main(void *arg)
             bool ok = evt_js_publish_as(b->nc, NULL, beacon, NULL, "1", 1,
                                         BEACON_TIMEOUT_MS, &ack, NULL,
                                         0) == 0;
+            if (ok && ack.seq)
+                clock_acked(&clock, ack.seq, beacon_at, ks_mono_us());
             if (woke != woke_answered || (!woke_seq && !woke_seen)) {
                 woke_answered = woke;
                 if (woke && ok && ack.seq)
@@ -1352,6 +1442,8 @@ registry_main(void *arg)
         last_entry = ks_mono_us();
         pthread_mutex_lock(&b->mu);
         b->reg_entry_mono_us = last_entry;
+        if (caught_up || !e)
+            b->reg_fresh_mono_us = last_entry;
         int64_t fresh_after = -1;
         if (e && woke_seq && kvEntry_Revision(e) >= woke_seq) {
             woke_seq = 0;
@@ -1385,11 +1477,13 @@ registry_main(void *arg)
         /* The server's clock, as the watch sees it (ns in nats.c 3.4.1:
          * the JetStream timestamp of the message). */
         int64_t put_us = kvEntry_Created(e) / 1000;
-        if (put_us > server_us) {
-            server_us = put_us;
-            server_mono = last_entry;
-        }
-        int64_t heard = server_mono - (server_us - put_us);
+        bool own = strncmp(kvEntry_Key(e), BROKER_BEACON_PREFIX,
+                           strlen(BROKER_BEACON_PREFIX)) == 0 &&
+                   strcmp(kvEntry_Key(e) + strlen(BROKER_BEACON_PREFIX),
+                          bid) == 0;
+        int64_t heard = clock_heard(&clock, own, kvEntry_Revision(e), put_us,
+                                    last_entry);
+        int64_t server_us = clock.newest_us;
         /* A put the bucket took after this broker's first failed beacon
          * (anyone's: an agent's heartbeat, another broker's beacon) says
          * it takes puts again, from then: this broker's own next beacon
@@ -1642,8 +1736,9 @@ count_online(const char *key, void *val, void *ud)
 int
 broker__agents_online(struct broker *b)
 {
-    struct list_acc acc = {.b = b, .now_mono = ks_mono_us()};
+    struct list_acc acc = {.b = b};
     pthread_mutex_lock(&b->mu);
+    acc.now_mono = view_instant_locked(b, ks_mono_us(), NULL);
     ks_map_each(&b->agents, count_online, &acc);
     pthread_mutex_unlock(&b->mu);
     return (int)acc.n;
@@ -1663,7 +1758,14 @@ broker__agents_list(struct broker *b, Ks__AgentsReply *out)
     struct list_acc acc = {.b = b};
     pthread_mutex_lock(&b->mu);
     acc.v = calloc(b->agents.count + 1, sizeof(*acc.v));
-    acc.now_mono = ks_mono_us();
+    /* A deaf view's online is as of its last entry, and says so: an
+     * agent whose heartbeats this broker cannot hear meanwhile is not
+     * shown offline for it (nor one that stopped meanwhile online for
+     * long: its last heartbeat is dated when it was put once the watch
+     * is back). */
+    int64_t stale_us = 0;
+    acc.now_mono = view_instant_locked(b, ks_mono_us(), &stale_us);
+    out->view_stale_ms = stale_us / 1000;
     if (acc.v)
         ks_map_each(&b->agents, add_status, &acc);
     pthread_mutex_unlock(&b->mu);

@@ -90,6 +90,13 @@ cmd_agents(int argc, char **argv)
         rc = CLI_EXIT_KSCORE;
         goto out;
     }
+    /* A deaf registry view: online as of its last entry (broker
+     * registry.c view_instant_locked). */
+    if (!json && rep->view_stale_ms > 0)
+        cli_err("agents: the broker has heard no registry entry for %.1f s "
+                "(its registry watch or bucket is down): online is as of "
+                "then",
+                (double)rep->view_stale_ms / 1000);
     if (!json)
         printf("%-24s %-8s %-10s %7s %5s  %-30s %s\n", "ID", "STATE",
                "LAST SEEN", "RUNNING", "MAX", "LABELS (signed)",
@@ -107,6 +114,10 @@ cmd_agents(int argc, char **argv)
                                     json_string(in->labels[k]->value));
             json_object_set_new(o, "agent_id", json_string(in->agent_id));
             json_object_set_new(o, "online", json_boolean(st->online));
+            /* > 0: online is as of the broker's registry view that long
+             * ago (its watch or bucket down) */
+            json_object_set_new(o, "view_stale_ms",
+                                json_integer(rep->view_stale_ms));
             json_object_set_new(o, "last_seen",
                                 json_string(cli_time(st->last_seen_us)));
             json_object_set_new(o, "running", json_integer(in->running));

@@ -1744,6 +1744,22 @@ watch_nodes(int *watch_node, int *broker_node)
  * when that takes longer than 3.5 s the batch runs that much later (10 s,
  * the election and 1.5 s).
  */
+/* When agent id's latest registry entry was put (server wall clock, s),
+ * or -1. */
+static double
+last_put(struct evt_conn *c, const char *id)
+{
+    char subj[64 + EVT_AGENT_ID_MAX];
+    natsMsg *m = NULL;
+    double t = -1;
+    snprintf(subj, sizeof(subj), "$KV." EVT_KV_AGENTS ".%s", id);
+    if (js_GetLastMsg(&m, c->js, "KV_" EVT_KV_AGENTS, subj, NULL, NULL) ==
+        NATS_OK)
+        t = (double)natsMsg_GetTime(m) / 1e9;
+    natsMsg_Destroy(m);
+    return t;
+}
+
 START_TEST(registry_watch_node_dies)
 {
     up_cluster();
@@ -1783,22 +1799,96 @@ START_TEST(registry_watch_node_dies)
     ck_assert_msg(wn && bn && wn != bn,
                   "the broker's watch (nats-%d) is on its own node (nats-%d)",
                   wn, bn);
-    struct evt_conn *bc = broker_conn();
+    /* The test's own connection on a node that stays up, so that it reads
+     * olddb's heartbeats across the kill without a reconnect. */
+    struct stack_node nodes[3];
+    stack_cluster_nodes(home, 3, nodes);
+    struct evt_conn *bc = NULL;
+    char wurl[64];
+    snprintf(wurl, sizeof(wurl), "127.0.0.1:%d", nodes[wn - 1].port);
+    for (int k = 0; k < 20; k++) {
+        char url[256] = "";
+        bc = broker_conn();
+        natsConnection_GetConnectedUrl(bc->nc, url, sizeof(url));
+        if (!strstr(url, wurl))
+            break;
+        evt_close(bc);
+        bc = NULL;
+    }
+    ck_assert_msg(bc != NULL, "no connection off the watch's node nats-%d",
+                  wn);
     char kvl[64] = "";
     ck_assert_int_eq(stream_replicas(bc, "KV_" EVT_KV_AGENTS, kvl,
                                      sizeof(kvl)), 3);
     int kv_leader = node_index(kvl);
+    /* The registry bucket led elsewhere than the watch's node, so that
+     * puts go on landing while the watch is dead, olddb's last heartbeat
+     * among them (below). */
+    for (int k = 0; k < 8 && kv_leader == wn; k++) {
+        natsMsg *m = NULL;
+        natsConnection_RequestString(&m, bc->nc,
+                                     "$JS.API.STREAM.LEADER.STEPDOWN.KV_"
+                                     EVT_KV_AGENTS, "", 3000);
+        natsMsg_Destroy(m);
+        /* elected again: a leader named (none while it is elected) */
+        t0 = now_s();
+        kvl[0] = '\0';
+        do {
+            jsStreamInfo *si = NULL;
+            if (js_GetStreamInfo(&si, bc->js, "KV_" EVT_KV_AGENTS, NULL,
+                                 NULL) == NATS_OK &&
+                si->Cluster && si->Cluster->Leader)
+                snprintf(kvl, sizeof(kvl), "%s", si->Cluster->Leader);
+            jsStreamInfo_Destroy(si);
+            if (!kvl[0])
+                usleep(200 * 1000);
+        } while (!kvl[0] && now_s() - t0 < 10);
+        kv_leader = node_index(kvl);
+    }
+    ck_assert_msg(kv_leader && kv_leader != wn,
+                  "the registry bucket's leader (%s) stays on the watch's "
+                  "node nats-%d", kvl, wn);
     pid_t victim = node_pid(wn);
+    /* olddb stops after one heartbeat that lands while the broker's watch
+     * is dead: the new watch delivers it late, and it must be dated when
+     * it was put, not when it came (a stopped agent shown online a whole
+     * watch outage too long: the soak's failure of 047b47f). So the kill
+     * comes just before olddb's next heartbeat, and olddb stops as soon as
+     * that one is in the bucket: the watch is made again seconds after. */
+    double prev = last_put(bc, "olddb"), p = prev;
+    t0 = now_s();
+    while (p == prev && now_s() - t0 < 10) {
+        usleep(20 * 1000);
+        p = last_put(bc, "olddb");
+    }
+    ck_assert_msg(p > prev, "olddb heartbeats no more");
+    double kill_at = p + EVT_HEARTBEAT_MS / 1000.0 - 0.15;
+    if (kill_at > wall_s())
+        usleep((useconds_t)((kill_at - wall_s()) * 1e6));
     ck_assert_int_eq(kill(victim, SIGKILL), 0);
-    double killed = now_s();
+    double killed = now_s(), killed_wall = wall_s();
     fprintf(stderr, "test_cluster: kill -9 nats-%d (the registry watch's; "
-                    "the broker is on nats-%d)\n", wn, bn);
-    label_agent_start("newdb", "newdb", "role=db");
+                    "the broker is on nats-%d, the registry's leader %s)\n",
+            wn, bn, kvl);
+    double put_rel = -1;
+    t0 = now_s();
+    while (now_s() - t0 < 10 &&
+           (put_rel = last_put(bc, "olddb") - killed_wall) <= 0)
+        usleep(20 * 1000);
+    ck_assert_msg(put_rel > 0, "olddb put no heartbeat after the kill");
     ck_assert_int_eq(stack_stop(home, "olddb", 20000), 0);
+    put_rel = last_put(bc, "olddb") - killed_wall;
+    label_agent_start("newdb", "newdb", "role=db");
+    /* olddb's silence counts from its last put: offline a TTL after it,
+     * give or take a poll of kscore agents */
+    double off_by = put_rel + EVT_AGENT_TTL_MS / 1000.0 + 1.5, off_at = -1;
+    double deaf_seen = -1; /* the broker's view said deaf, last */
     /* The case allows the election of what the node led: the registry
      * bucket's, when it led it (no heartbeat lands meanwhile, so no
      * silence can be told from a registry that takes none). */
     double elected = -1, batch_at = 15;
+    if (off_by + 0.5 > batch_at)
+        batch_at = off_by + 0.5;
     char last_view[128] = "";
     double conv = -1;
     bool restarted = false;
@@ -1827,6 +1917,18 @@ START_TEST(registry_watch_node_dies)
                  "keepdb %d, newdb %d, olddb %d at %.1f s",
                  agent_online(o.out, "keepdb"), agent_online(o.out, "newdb"),
                  agent_online(o.out, "olddb"), now_s() - killed);
+        /* keepdb heartbeats throughout: a view that cannot hear it
+         * meanwhile does not make it offline */
+        ck_assert_msg(agent_online(o.out, "keepdb") != 0,
+                      "keepdb, alive, shown offline %.1f s after the kill "
+                      "(see %s)", now_s() - killed, home);
+        const char *vs = strstr(o.out, "\"view_stale_ms\":");
+        if (vs && atol(vs + strlen("\"view_stale_ms\":")) > 0)
+            deaf_seen = now_s() - killed;
+        if (agent_online(o.out, "olddb") == 0 && off_at < 0)
+            off_at = now_s() - killed;
+        else if (agent_online(o.out, "olddb") != 0)
+            off_at = -1;
         fixture_out_release(&o);
         if (ok && conv < 0)
             conv = now_s() - killed;
@@ -1840,6 +1942,20 @@ START_TEST(registry_watch_node_dies)
     ck_assert_msg(conv >= 0, "kscore agents has not converged %.1f s after "
                              "the kill: online %s (see %s)", batch_at,
                   last_view, home);
+    fprintf(stderr, "test_cluster: olddb's last heartbeat %.1f s after the "
+                    "kill, shown offline %.1f s after the kill\n", put_rel,
+            off_at);
+    /* A view deaf until then judges as of its last whole moment: olddb is
+     * offline once it hears again (the watch dead longer than a TTL) */
+    if (deaf_seen + 1.5 > off_by)
+        off_by = deaf_seen + 1.5;
+    fprintf(stderr, "test_cluster: the broker's view deaf until %.1f s "
+                    "after the kill\n", deaf_seen);
+    ck_assert_msg(off_at >= 0 && off_at <= off_by,
+                  "olddb, whose last heartbeat landed %.1f s after the kill "
+                  "while the broker's watch was dead, was shown offline only "
+                  "%.1f s after the kill (by %.1f s expected; see %s)",
+                  put_rel, off_at, off_by, home);
     /* at 15 s (or 10 s plus the election and a heartbeat), the batch */
     const char *bargs[] = {"batch", "--select", "role=db", "--yes",
                            "--detach", "--", "hostname", NULL};
