@@ -298,6 +298,10 @@ START_TEST(history_pages_past_one_message)
         req.spec = &spec;
         req.agent_id = host1;
         req.detach = true;
+        /* 160 at once to one agent of 8 slots: they queue, and each may
+         * wait its turn (without a window of its own, admission refuses
+         * what could not start within the default: busy) */
+        req.deliver_within_ms = 120000;
         ck_assert_int_eq(broker_execute(c, &req, 10000, &rep), 0);
         ck_assert_msg(rep->error_code == 0, "%s", rep->error);
         ks__execute_reply__free_unpacked(rep, NULL);
