@@ -1272,11 +1272,22 @@ START_TEST(cancel_through_either_broker)
         ck_assert_int_eq(o.status, 0);
         snprintf(bid, sizeof(bid), "%.*s", (int)strcspn(o.out, "\n"), o.out);
         fixture_out_release(&o);
-        for (int i = 0; i < 200 && sql_long("SELECT count(*) FROM commands"
-                                            " WHERE batch_id = '%s' AND"
-                                            " status = 'Running'",
-                                            bid) < 10;
-             i++)
+        /* As many running as the local agents' process runs at once (its
+         * max_concurrent, 8 here: the other targets wait in the pool's
+         * consumer, within their deliver window), for at most 10 s by the
+         * clock. The wait was 200 looks for 10 running, which never come:
+         * on a loaded machine each look took 200 ms, the cancel came 42 s
+         * after the batch, and the two waiting targets had ended
+         * Undeliverable at their 30 s deadline (8 of 10 cancelled). */
+        long cap = sql_long("SELECT max_concurrent FROM agents WHERE"
+                            " agent_id = '%s'", "vm-0");
+        if (cap <= 0 || cap > 10)
+            cap = 10;
+        int64_t until = ks_mono_us() + 10 * INT64_C(1000000);
+        while (ks_mono_us() < until &&
+               sql_long("SELECT count(*) FROM commands WHERE batch_id = '%s'"
+                        " AND status = 'Running'",
+                        bid) < cap)
             nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
         const char *cargs[] = {"cancel", bid, NULL};
         ck_assert_int_eq(fixture_kscore(&stack, cargs, &o), 0);
