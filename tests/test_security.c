@@ -3020,7 +3020,7 @@ END_TEST
 struct claim_flood {
     const char *seed, *id;
     atomic_bool stop;
-    long sent;
+    atomic_long sent; /* read while it runs (floods_sent) */
     bool unpaced; /* as fast as it can publish, not CLAIM_FLOOD_PER_S */
 };
 
@@ -3142,6 +3142,16 @@ floods_stop(struct claim_flood *f, pthread_t *th, int n)
     return sent;
 }
 
+/* What n floods have sent so far. */
+static long
+floods_sent(struct claim_flood *f, int n)
+{
+    long sent = 0;
+    for (int i = 0; i < n; i++)
+        sent += atomic_load(&f[i].sent);
+    return sent;
+}
+
 /* The largest of n values. */
 static int64_t
 max_us(const int64_t *v, int n)
@@ -3219,8 +3229,14 @@ START_TEST(an_agents_claim_flood_waits_its_turn)
                          0);
     }
     int64_t t0 = ks_mono_us();
-    /* Let the flood build up what it can. */
+    /* Let the flood build up what it can: 3 s, and 3 s of the paced
+     * flood's rate at least, however long this machine takes to send it
+     * (a slower one sent 87,000 in the whole case, and the case failed on
+     * its count, not on what it tests). */
     nanosleep(&(struct timespec){3, 0}, NULL);
+    while (floods_sent(f, STORM_CONNS) <= 3 * CLAIM_FLOOD_PER_S &&
+           ks_mono_us() - t0 < 60 * INT64_C(1000000))
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
     for (; tries < 8; tries++) {
         struct fixture_out o;
         const char *ex[] = {"exec", "--agent", AGENT, "--", "echo", "ok",
