@@ -2714,6 +2714,11 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     }
     /* The subscriptions are the server's before agent_start returns. */
     natsConnection_Flush(a->nc->nc);
+    /* Its metrics whole before its first heartbeat: once the registry
+     * has it, a scrape may come (test_metrics read no kscore_agent_slots
+     * from a scrape between the registration and this, when it came
+     * last). */
+    ks_metrics_collector_add(agent_collect, a);
     if (pthread_create(&a->hb_thread, NULL, heartbeat_main, a) != 0) {
         rc = KS_EINTERNAL;
         goto fail;
@@ -2727,7 +2732,6 @@ agent_start(const struct agent_opts *opts, struct agent **out, char **errmsg)
     if ((rc = evt_link_watch_start(a->nc, (int)a->link_timeout_ms, link_dead,
                                    a, &a->link_watch)))
         goto fail;
-    ks_metrics_collector_add(agent_collect, a);
     *out = a;
     return 0;
 fail:
