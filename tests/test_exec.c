@@ -237,7 +237,10 @@ START_TEST(k02a_orphan_keeps_pipe)
 
     run_sh("tail -f /dev/null 3002 & wait", 1000, 2000, &r);
     ck_assert(r.timed_out);
-    ck_assert_near_us(r.duration_us, 1 * SEC);
+    /* At the timeout, before the grace's KILL (kill_sent_us below): how
+     * soon after is a speed (1.45 s under make test's load), not this. */
+    ck_assert_int_ge(r.duration_us, 1 * SEC - 300000);
+    ck_assert_int_lt(r.duration_us, 3 * SEC);
     ck_assert_int_eq(r.kill_sent_us, -1);
     ck_assert_int_eq(procs_matching("tail -f /dev/null 3002"), 0);
     children(&z);
