@@ -56,6 +56,7 @@ struct broker__agent {
     /* The latest live heartbeat's list (info has it stripped); NULL: none
      * complete, or an agent from before AgentInfo.holds. */
     struct broker__holds *holds;
+    int64_t holds_mono_us;  /* when the heartbeat that listed holds was put */
     int64_t seen_mono_us;
     int64_t stored_mono_us; /* last write of the agents projection */
     bool labels_signed;     /* info->labels are the attested ones */
@@ -657,13 +658,15 @@ int broker__agent_presence(struct broker *b, const char *agent_id,
 /*
  * Whether the latest live heartbeat of agent_id lists command (16 bytes,
  * AgentInfo.holds): 1 it does; 0 it is a complete list without it, with
- * its process (instance[37]) and number (*seq); -1 this broker cannot
+ * its process (instance[37]), number (*seq) and, when listed_at_us is not
+ * NULL, when that heartbeat was put (epoch us, on this broker's clock:
+ * registry.c dates entries through its beacon); -1 this broker cannot
  * tell (no complete list, the id silent for EVT_AGENT_TTL_MS, or a deaf
  * registry: broker__registry_deaf). Takes b->mu.
  */
 int broker__agent_lists(struct broker *b, const char *agent_id,
                         const uint8_t command[16], char instance[37],
-                        uint64_t *seq);
+                        uint64_t *seq, int64_t *listed_at_us);
 /* true when this broker has heard no heartbeat of process instance of
  * agent_id for EVT_AGENT_TTL_MS (or never, among the last two it heard);
  * false while its registry view is deaf (broker__registry_deaf). The
@@ -1140,6 +1143,22 @@ int broker__scanner_start(struct broker *b);
 void broker__scanner_stop(struct broker *b);
 /* Each attempt's share of a command's delivery window (us). */
 int64_t broker__attempt_window_us(const Ks__Command *cmd);
+/*
+ * Publishes command ref (Dispatched, as a scan of st read it) again, as
+ * attempt ref->attempt + 1 with its own Nats-Msg-Id: appends its
+ * CommandDispatched (reason: why, in the record) at ref->version, so a
+ * claim or an end that landed since wins, then publishes it. Any
+ * attempt's message may claim while the command is Dispatched, so the
+ * earlier one still runs it if it comes; nothing runs twice (the claim
+ * fence). st: the calling thread's connection. 0; KS_ECONFLICT (the
+ * record moved on, or the command is on its last attempt or past its
+ * delivery deadline: the scanner ends it); KS_ENOTFOUND; a store error.
+ * A failed publish is logged only: the attempt's deadline re-publishes.
+ * scanner.c.
+ */
+int broker__redispatch(struct broker *b, struct store *st,
+                       const struct store_command_ref *ref,
+                       const char *reason);
 
 int broker__registry_start(struct broker *b, char **errmsg);
 void broker__registry_stop(struct broker *b);

@@ -431,7 +431,7 @@ holds_unref_locked(struct broker__holds *h)
 int
 broker__agent_lists(struct broker *b, const char *agent_id,
                     const uint8_t command[16], char instance[37],
-                    uint64_t *seq)
+                    uint64_t *seq, int64_t *listed_at_us)
 {
     struct broker__agent *a;
     int64_t now = ks_mono_us();
@@ -445,6 +445,8 @@ broker__agent_lists(struct broker *b, const char *agent_id,
         if (rc == 0) {
             memcpy(instance, a->holds->instance, 37);
             *seq = a->holds->seq;
+            if (listed_at_us)
+                *listed_at_us = ks_now_us() - (now - a->holds_mono_us);
         }
     }
     pthread_mutex_unlock(&b->mu);
@@ -513,6 +515,7 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
          * to list): never an older list standing for a newer heartbeat. */
         holds_unref_locked(a->holds);
         a->holds = holds;
+        a->holds_mono_us = heard_mono_us;
         holds = NULL;
     }
     holds_unref_locked(holds);

@@ -83,11 +83,71 @@ end_command(struct broker *b, const struct store_command_ref *ref,
         broker__command_ended(b, ref->command_id, &res);
 }
 
+/* Appends attempt ref->attempt + 1 of cmd (its CommandRequested's
+ * command) at ref->version, and publishes it (see broker__redispatch). */
+static int
+redispatch(struct broker *b, struct store *st,
+           const struct store_command_ref *ref, Ks__Command *cmd,
+           const char *reason)
+{
+    char stream[64], evid[37];
+    int64_t now = ks_now_us();
+    Ks__Event disp;
+
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    broker__event_init(&disp, evid, stream, "CommandDispatched",
+                       ref->command_id);
+    disp.agent_id = cmd->agent_id;
+    disp.attempt = ref->attempt + 1;
+    disp.deliver_by_us = now + broker__attempt_window_us(cmd);
+    if (disp.deliver_by_us > cmd->not_after_us ||
+        disp.attempt == BROKER_MAX_ATTEMPTS)
+        disp.deliver_by_us = cmd->not_after_us;
+    disp.reason = (char *)reason;
+    disp.operator_ = cmd->operator_;
+    struct store_event se = {&disp};
+    int rc = store_append(st, stream, ref->version, &se, 1, NULL);
+    if (rc)
+        return rc;
+    cmd->attempt = disp.attempt;
+    cmd->dispatch_version = (uint64_t)ref->version + 1;
+    ks_metric_inc(KS_C_REDISPATCHES);
+    char pool[EVT_AGENT_ID_MAX + 1];
+    broker__agent_pool(b, cmd->agent_id, pool, sizeof(pool));
+    int prc = evt_publish_command(b->nc, b->signer, cmd, pool, 5000);
+    if (prc)
+        ks_log(KS_LOG_WARN, "re-publish failed", KS_S("module", "scanner"),
+               KS_S("command_id", ref->command_id),
+               KS_S("agent", cmd->agent_id), KS_I("attempt", cmd->attempt),
+               KS_ERR(prc));
+    return 0;
+}
+
+int
+broker__redispatch(struct broker *b, struct store *st,
+                   const struct store_command_ref *ref, const char *reason)
+{
+    char stream[64];
+    Ks__Event *req = NULL;
+
+    snprintf(stream, sizeof(stream), "command-%s", ref->command_id);
+    int rc = read_requested(st, stream, &req);
+    if (rc)
+        return rc;
+    if (ref->attempt >= BROKER_MAX_ATTEMPTS ||
+        ks_now_us() >= req->command->not_after_us)
+        rc = KS_ECONFLICT; /* the scanner's to end at its deadline */
+    else
+        rc = redispatch(b, st, ref, req->command, reason);
+    ks__event__free_unpacked(req, NULL);
+    return rc;
+}
+
 static int
 on_overdue(const struct store_command_ref *ref, void *ud)
 {
     struct broker *b = ud;
-    char stream[64], evid[37], reason[160];
+    char stream[64], reason[160];
     Ks__Event *req = NULL;
     int64_t now = ks_now_us();
 
@@ -103,37 +163,12 @@ on_overdue(const struct store_command_ref *ref, void *ud)
         end_command(b, ref, "CommandUndeliverable",
                     KS__COMMAND_STATUS__UNDELIVERABLE, reason,
                     cmd->operator_);
-        goto out;
+    } else {
+        /* A new attempt with a new Nats-Msg-Id, fenced by the version
+         * just read. */
+        (void)redispatch(b, b->st_scan, ref, cmd,
+                         "not claimed in time: re-published");
     }
-    /* Re-dispatch: a new attempt with a new Nats-Msg-Id, fenced by the
-     * version just read. */
-    Ks__Event disp;
-    broker__event_init(&disp, evid, stream, "CommandDispatched",
-                       ref->command_id);
-    disp.agent_id = cmd->agent_id;
-    disp.attempt = ref->attempt + 1;
-    disp.deliver_by_us = now + broker__attempt_window_us(cmd);
-    if (disp.deliver_by_us > cmd->not_after_us ||
-        disp.attempt == BROKER_MAX_ATTEMPTS)
-        disp.deliver_by_us = cmd->not_after_us;
-    disp.reason = "not claimed in time: re-published";
-    disp.operator_ = cmd->operator_;
-    struct store_event se = {&disp};
-    if (store_append(b->st_scan, stream, ref->version, &se, 1, NULL) == 0) {
-        cmd->attempt = disp.attempt;
-        cmd->dispatch_version = (uint64_t)ref->version + 1;
-        ks_metric_inc(KS_C_REDISPATCHES);
-        char pool[EVT_AGENT_ID_MAX + 1];
-        broker__agent_pool(b, cmd->agent_id, pool, sizeof(pool));
-        int rc = evt_publish_command(b->nc, b->signer, cmd, pool, 5000);
-        if (rc)
-            ks_log(KS_LOG_WARN, "re-publish failed",
-                   KS_S("module", "scanner"),
-                   KS_S("command_id", ref->command_id),
-                   KS_S("agent", cmd->agent_id), KS_I("attempt", cmd->attempt),
-                   KS_ERR(rc));
-    }
-out:
     ks__event__free_unpacked(req, NULL);
     return 0;
 }
@@ -285,7 +320,7 @@ claimer_let_go(struct broker *b, const struct store_command_ref *ref,
 
     *known = false;
     if (ks_uuid_bin(ref->command_id, id) != 0 ||
-        broker__agent_lists(b, ref->agent_id, id, inst, &seq) != 0)
+        broker__agent_lists(b, ref->agent_id, id, inst, &seq, NULL) != 0)
         return 0;
     if (ks_map_get(&b->unlisted, ref->command_id)) {
         *known = true;

@@ -29,6 +29,24 @@
  *    made again (a new raft group; the meta leader does it).
  *  - gone (for GUARD_STALL_US: a node that has just come back may not know
  *    it yet): made again.
+ * One more trouble is not the consumer's stall but a single message's:
+ * a delivery the consumer counts as made that its agent never took (lost
+ * when the consumer's leader stepped down as it delivered: test_cluster
+ * consumer_leader_changes waited 10.1 s for such a command; or taken by a
+ * process of the id's queue group that stopped). The consumer holds it
+ * unacked for the whole ack wait while it goes on delivering the rest, so
+ * none of the rules above sees it, and the scanner re-published it only at
+ * its attempt's deadline (a third of the delivery window). The guard
+ * re-publishes such a command at once (broker__redispatch, a new attempt;
+ * lost_deliveries below) once its delivery is shown and its taking is
+ * not: at one look the consumer had nothing undelivered (so the command,
+ * dispatched GUARD_LOST_US before it, was delivered), and a heartbeat of
+ * the agent put GUARD_LIST_US after that look, with free slots, has a
+ * complete list (AgentInfo.holds: from before its claim is sent) without
+ * it. A delivered command with a free slot is listed within
+ * milliseconds. The old message, if it
+ * ever comes, is refused by the agent (an attempt it has seen) or claims
+ * while the command is still Dispatched: one run either way.
  * Every repair is logged with what was seen, counted
  * (kscore_consumer_stalls_total, _stepdowns_total, _remakes_total), and
  * shown by `kscore agents --json` / `kscore status` for the agents of that
@@ -76,6 +94,22 @@
  * moment ago (deaf to silence, broker__registry_deaf) still tells who is
  * there. */
 #define GUARD_HEARD_US ((2 * EVT_HEARTBEAT_MS + 1000) * INT64_C(1000))
+/* Lost deliveries (lost_deliveries): a command dispatched this long
+ * before a look at which its consumer had nothing undelivered was
+ * delivered by then (its record is written, then it is published and
+ * stored: milliseconds) ... */
+#define GUARD_LOST_US (1000 * INT64_C(1000))
+/* ... and a heartbeat put this long after that look, with free slots,
+ * lists it if its agent took it. Suspects start GUARD_WAITING_US after
+ * the dispatch and heartbeats come every EVT_HEARTBEAT_MS: a lost
+ * delivery is published again 3 to 5 s after it went out, instead of at
+ * its attempt's deadline (10 s of the default 30 s window). */
+#define GUARD_LIST_US (500 * INT64_C(1000))
+/* Commands of one id re-published per look at most. */
+#define GUARD_LOST_MAX 32
+/* Ids of one pool whose commands wait, kept per suspect (a pool consumer
+ * serves many): the lost deliveries of the first ones are looked for. */
+#define GUARD_SUSPECT_IDS 4
 /* A broker that is not a consumer's owner (broker__guard_owner) repairs
  * it only when it has been stalled this much longer: the owner died, or
  * does not see it. */
@@ -91,6 +125,8 @@ struct guarded {
     int kind;               /* enum stall_kind of the last look */
     int64_t looked_us;      /* mono of the last look */
     int64_t stepped_down_us;    /* mono of the last step-down, 0: none */
+    int64_t drained_us;     /* mono of the last look, when it had nothing
+                               undelivered then; 0: it had some */
     bool suspect;           /* a suspect at this tick */
     /* what `kscore agents` shows (under g->mu) */
     char stall[200];        /* "" unless stalled now */
@@ -117,7 +153,19 @@ struct suspect {
     char agent_id[EVT_AGENT_ID_MAX + 1];
     uint32_t waiting;
     int64_t oldest_us;
+    /* the ids with commands waiting (agent_id first), up to
+     * GUARD_SUSPECT_IDS */
+    char ids[GUARD_SUSPECT_IDS][EVT_AGENT_ID_MAX + 1];
+    size_t n_ids;
 };
+
+/* One more id of x's with commands waiting. */
+static void
+suspect_id(struct suspect *x, const char *agent_id)
+{
+    if (x->n_ids < GUARD_SUSPECT_IDS)
+        snprintf(x->ids[x->n_ids++], sizeof(x->ids[0]), "%s", agent_id);
+}
 
 struct suspects {
     struct broker *b;
@@ -150,6 +198,7 @@ on_waiting(const struct store_waiting *w, void *ud)
             return 0;
         if (seen) {
             ((struct suspect *)seen)->waiting += w->commands;
+            suspect_id(seen, w->agent_id);
             return 0;
         }
     }
@@ -163,11 +212,14 @@ on_waiting(const struct store_waiting *w, void *ud)
     for (size_t i = 0; i < s->n; i++)
         if (strcmp(s->v[i].co.ac.durable, x->co.ac.durable) == 0) {
             s->v[i].waiting += w->commands; /* another id of its pool */
+            suspect_id(&s->v[i], w->agent_id);
             return 0;
         }
     if (pool[0])
         (void)ks_map_put(&s->pools, pool_durable, x);
     snprintf(x->agent_id, sizeof(x->agent_id), "%s", w->agent_id);
+    x->n_ids = 0;
+    suspect_id(x, w->agent_id);
     x->waiting = w->commands;
     x->oldest_us = w->oldest_dispatched_us;
     return ++s->n == GUARD_SUSPECTS_MAX;
@@ -425,6 +477,96 @@ still_as_judged(struct broker__guard *g, struct guarded *c)
     return false;
 }
 
+/* ---- lost deliveries ------------------------------------------------------ */
+
+struct lost_scan {
+    struct broker__guard *g;
+    struct guarded *c;
+    const struct suspect *x;
+    const struct evt_consumer_state *cs;
+    int64_t listed_after_us; /* epoch: a heartbeat put since can tell */
+    unsigned sent;
+};
+
+/* One command of the suspect's, delivered (dispatched GUARD_LOST_US
+ * before a look that found nothing undelivered): re-published when a
+ * heartbeat put since ls->listed_after_us does not list it
+ * (store_scan_dispatched callback, the guard's thread). */
+static int
+on_lost(const struct store_command_ref *ref, void *ud)
+{
+    struct lost_scan *ls = ud;
+    struct broker *b = ls->g->b;
+    uint8_t id[16];
+    char inst[37], done[200];
+    uint64_t seq = 0;
+    int64_t listed_at = 0;
+
+    if (ks_uuid_bin(ref->command_id, id) != 0 ||
+        broker__agent_lists(b, ref->agent_id, id, inst, &seq,
+                            &listed_at) != 0 ||
+        listed_at < ls->listed_after_us)
+        return 0; /* listed, or no heartbeat that can tell yet */
+    double waited = (double)(ks_now_us() - ref->dispatched_at_us) / 1e6;
+    int rc = broker__redispatch(
+        b, ls->g->st, ref,
+        "delivered by its consumer but never taken by its agent, which "
+        "had free slots (a delivery lost): re-published");
+    if (rc)
+        return 0; /* claimed or ended meanwhile, or the scanner's now */
+    ks_metric_inc(KS_C_LOST_DELIVERIES);
+    ls->sent++;
+    ks_log(KS_LOG_WARN,
+           "a command's delivery was lost: its consumer delivered it, its "
+           "agent with free slots never took it; published again as a new "
+           "attempt",
+           KS_S("module", "guard"), KS_S("consumer", ls->c->durable),
+           KS_S("agent", ref->agent_id), KS_S("command_id", ref->command_id),
+           KS_I("attempt", ref->attempt + 1), KS_D("waited_s", waited),
+           KS_I("unacked", ls->cs->ack_pending),
+           KS_I("agent_running", ls->x->co.running),
+           KS_I("agent_slots", ls->x->co.max_concurrent),
+           KS_I("heartbeat_seq", seq));
+    snprintf(done, sizeof(done),
+             "published command %s again: delivered, never taken (%.1f s)",
+             ref->command_id, waited);
+    note_repair(ls->g, ls->c, done, ks_now_us(), false);
+    return ls->sent >= GUARD_LOST_MAX;
+}
+
+/*
+ * The commands of suspect x whose delivery was lost (the header says
+ * when), published again. drained_us: the mono time of the previous look
+ * at c, when it had nothing undelivered then (0: it had some). Only while
+ * the consumer (its state cs, just asked) still has nothing undelivered,
+ * someone to deliver to and unacked messages, and the agent was heard
+ * recently with a free slot: otherwise a command waits for a slot, for
+ * the consumer, or for its agent, and the rules above or the scanner's
+ * deadline see to it. A broker that is not the consumer's owner does it
+ * GUARD_BACKUP_US later; two brokers' re-publishes of one attempt are
+ * fenced by its version (one lands).
+ */
+static void
+lost_deliveries(struct broker__guard *g, struct guarded *c,
+                const struct suspect *x, const struct evt_consumer_state *cs,
+                int64_t drained_us)
+{
+    int64_t now = ks_mono_us();
+    if (!drained_us || cs->pending > 0 || cs->ack_pending <= 0 ||
+        !cs->push_bound || x->co.running >= x->co.max_concurrent ||
+        now - x->co.heard_us > GUARD_HEARD_US)
+        return;
+    int64_t drained_at = ks_now_us() - (now - drained_us);
+    int64_t before = drained_at - GUARD_LOST_US;
+    if (!broker__guard_owner(g->b, c->durable))
+        before -= GUARD_BACKUP_US; /* the owner's turn first */
+    struct lost_scan ls = {g, c, x, cs, drained_at + GUARD_LIST_US, 0};
+    for (size_t i = 0; i < x->n_ids && ls.sent < GUARD_LOST_MAX; i++)
+        if (store_scan_dispatched(g->st, x->ids[i], before, GUARD_LOST_MAX,
+                                  on_lost, &ls) < 0)
+            return;
+}
+
 /* Looks at one suspect, and repairs it when it is stalled. */
 static void
 look(struct broker__guard *g, const struct suspect *x)
@@ -444,6 +586,12 @@ look(struct broker__guard *g, const struct suspect *x)
     c->looked_us = now;
     rc = evt_consumer_state(g->b->nc, EVT_STREAM_CMDS, c->durable,
                             GUARD_ASK_MS, &cs);
+    if (rc == 0) {
+        lost_deliveries(g, c, x, &cs, c->drained_us);
+        c->drained_us = cs.pending == 0 ? now : 0;
+    } else {
+        c->drained_us = 0;
+    }
     if (rc == 0 && c->seen && cs.created_ns == c->created_ns &&
         cs.delivered == c->delivered) {
         kind = classify(g, x, &cs, why, sizeof(why));
@@ -505,6 +653,7 @@ forget_one(const char *key, void *val, void *ud)
          * (repairs); its count starts again when it is a suspect again. */
         c->seen = false;
         c->stepped_down_us = 0;
+        c->drained_us = 0;
         c->kind = 0;
         c->stall[0] = '\0';
         c->stalled_since_us = 0;

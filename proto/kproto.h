@@ -258,6 +258,7 @@ enum ks_counter {
     KS_C_CONSUMER_STALLS,    /* kscore_consumer_stalls_total */
     KS_C_CONSUMER_STEPDOWNS, /* kscore_consumer_stepdowns_total */
     KS_C_CONSUMER_REMAKES,   /* kscore_consumer_remakes_total */
+    KS_C_LOST_DELIVERIES,    /* kscore_lost_deliveries_total */
     /* The group writer (store/writer.c): appends written through it, and
      * the transactions they took (their ratio: appends per commit). */
     KS_C_WRITER_APPENDS,      /* kscore_writer_appends_total */

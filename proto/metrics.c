@@ -87,6 +87,13 @@ static const struct {
                                "are delivered again; the claim fence keeps "
                                "one run).",
                                B},
+    [KS_C_LOST_DELIVERIES] = {"kscore_lost_deliveries_total",
+                              "Commands published again because their "
+                              "consumer delivered them and their agent, "
+                              "with free slots, never took them (a "
+                              "delivery lost at a leader change, or taken "
+                              "by a process that stopped).",
+                              B},
     [KS_C_WRITER_APPENDS] = {"kscore_writer_appends_total",
                              "Appends (dispatch records, claims, results) "
                              "written through the group writer, whatever "

@@ -5,6 +5,34 @@
 
 #include "store_int.h"
 
+/* The rows of a SELECT of command_id, agent_id, attempt, version,
+ * deliver_by, dispatched_at and started_at (us), each to cb. */
+static int
+command_refs(PGresult *res, store_command_ref_fn cb, void *ud)
+{
+    int rc = 0;
+    for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
+        struct store_command_ref ref = {0};
+        snprintf(ref.command_id, sizeof(ref.command_id), "%s",
+                 PQgetvalue(res, i, 0));
+        snprintf(ref.agent_id, sizeof(ref.agent_id), "%s",
+                 PQgetvalue(res, i, 1));
+        ref.attempt = (uint32_t)strtoul(PQgetvalue(res, i, 2), NULL, 10);
+        ref.version = strtoll(PQgetvalue(res, i, 3), NULL, 10);
+        ref.deliver_by_us = strtoll(PQgetvalue(res, i, 4), NULL, 10);
+        ref.dispatched_at_us = strtoll(PQgetvalue(res, i, 5), NULL, 10);
+        ref.started_at_us = strtoll(PQgetvalue(res, i, 6), NULL, 10);
+        rc = cb(&ref, ud);
+    }
+    return rc;
+}
+
+#define COMMAND_REF_COLUMNS                                                   \
+    "SELECT command_id::text, agent_id, attempt, version,"                    \
+    " coalesce(kscore_us(deliver_by), 0),"                                    \
+    " coalesce(kscore_us(dispatched_at), 0),"                                 \
+    " coalesce(kscore_us(started_at), 0)"
+
 int
 store_scan_open(struct store *s, const char *status, int64_t due_before_us,
                 uint32_t limit, store_command_ref_fn cb, void *ud)
@@ -21,10 +49,7 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
     /* due_before_us = 0: every command in that status. */
     res = PQexecParams(
         s->conn,
-        "SELECT command_id::text, agent_id, attempt, version,"
-        " coalesce(kscore_us(deliver_by), 0),"
-        " coalesce(kscore_us(dispatched_at), 0),"
-        " coalesce(kscore_us(started_at), 0)"
+        COMMAND_REF_COLUMNS
         " FROM commands WHERE status = $1"
         " AND ($2::bigint = 0 OR deliver_by < kscore_ts($2::bigint))"
         " ORDER BY deliver_by NULLS LAST LIMIT $3::int",
@@ -34,19 +59,39 @@ store_scan_open(struct store *s, const char *status, int64_t due_before_us,
         PQclear(res);
         return rc;
     }
-    for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
-        struct store_command_ref ref = {0};
-        snprintf(ref.command_id, sizeof(ref.command_id), "%s",
-                 PQgetvalue(res, i, 0));
-        snprintf(ref.agent_id, sizeof(ref.agent_id), "%s",
-                 PQgetvalue(res, i, 1));
-        ref.attempt = (uint32_t)strtoul(PQgetvalue(res, i, 2), NULL, 10);
-        ref.version = strtoll(PQgetvalue(res, i, 3), NULL, 10);
-        ref.deliver_by_us = strtoll(PQgetvalue(res, i, 4), NULL, 10);
-        ref.dispatched_at_us = strtoll(PQgetvalue(res, i, 5), NULL, 10);
-        ref.started_at_us = strtoll(PQgetvalue(res, i, 6), NULL, 10);
-        rc = cb(&ref, ud);
+    rc = command_refs(res, cb, ud);
+    PQclear(res);
+    return rc;
+}
+
+int
+store_scan_dispatched(struct store *s, const char *agent_id,
+                      int64_t dispatched_before_us, uint32_t limit,
+                      store_command_ref_fn cb, void *ud)
+{
+    char before[24], lim[16];
+    const char *params[3] = {agent_id, before, lim};
+    PGresult *res;
+    int rc = 0;
+
+    if ((rc = store__ready(s)) < 0)
+        return rc;
+    snprintf(before, sizeof(before), "%lld", (long long)dispatched_before_us);
+    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
+    /* commands_open (status, deliver_by) narrows it to the open ones. */
+    res = PQexecParams(
+        s->conn,
+        COMMAND_REF_COLUMNS
+        " FROM commands WHERE status = 'Dispatched' AND agent_id = $1"
+        " AND dispatched_at < kscore_ts($2::bigint)"
+        " ORDER BY dispatched_at LIMIT $3::int",
+        3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
     }
+    rc = command_refs(res, cb, ud);
     PQclear(res);
     return rc;
 }

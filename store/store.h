@@ -375,6 +375,17 @@ int store_scan_open(struct store *s, const char *status,
                     int64_t due_before_us, uint32_t limit,
                     store_command_ref_fn cb, void *ud);
 
+/*
+ * The commands of agent_id Dispatched (published, not claimed) whose last
+ * dispatch is before dispatched_before_us (epoch us), the longest waiting
+ * first, at most limit (0: 1000): what the broker's consumer guard
+ * re-publishes when their delivery was lost. cb runs on the calling
+ * thread; non-zero stops and is returned. Returns 0 or KS_EPG.
+ */
+int store_scan_dispatched(struct store *s, const char *agent_id,
+                          int64_t dispatched_before_us, uint32_t limit,
+                          store_command_ref_fn cb, void *ud);
+
 /* Agents with commands published to them and not claimed since before
  * some time (store_scan_waiting). */
 struct store_waiting {
