@@ -1149,6 +1149,9 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             for (size_t i = 0; i < p.npub; i++)
                 ks_trace("batch.command_published",
                          p.publish[i]->command_id);
+        /* Which failed is not told: none is counted stored then. */
+        for (size_t i = 0; !failed && i < p.npub; i++)
+            broker__admit_stored(b, p.publish[i]->command_id);
         if (failed)
             ks_log(KS_LOG_WARN,
                    "some commands were not published; the scanner retries "

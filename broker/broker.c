@@ -578,6 +578,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt), KS_ERR(rc));
     } else {
+        broker__admit_stored(b, command_id);
         ks_log(KS_LOG_DEBUG, "command dispatched",
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt),

@@ -39,9 +39,12 @@
  * its attempt's deadline (a third of the delivery window). The guard
  * re-publishes such a command at once (broker__redispatch, a new attempt;
  * lost_deliveries below) once its delivery is shown and its taking is
- * not: at one look the consumer had nothing undelivered (so the command,
- * dispatched GUARD_LOST_US before it, was delivered), and a heartbeat of
- * the agent put GUARD_LIST_US after that look, with free slots, has a
+ * not: at one look the consumer had nothing undelivered while the
+ * command's message had been stored GUARD_LOST_US before it (its PubAck,
+ * broker__admit_stored_at: so each broker judges the commands it
+ * published; a dispatch recorded is no message stored while KSCORE_CMDS
+ * elects a leader, F02), so it was delivered; and a heartbeat of the
+ * agent put GUARD_LIST_US after that look, with free slots, has a
  * complete list (AgentInfo.holds: from before its claim is sent) without
  * it. A delivered command with a free slot is listed within
  * milliseconds. The old message, if it
@@ -94,11 +97,11 @@
  * moment ago (deaf to silence, broker__registry_deaf) still tells who is
  * there. */
 #define GUARD_HEARD_US ((2 * EVT_HEARTBEAT_MS + 1000) * INT64_C(1000))
-/* Lost deliveries (lost_deliveries): a command dispatched this long
- * before a look at which its consumer had nothing undelivered was
- * delivered by then (its record is written, then it is published and
- * stored: milliseconds) ... */
-#define GUARD_LOST_US (1000 * INT64_C(1000))
+/* Lost deliveries (lost_deliveries): a command whose message was stored
+ * this long before a look at which its consumer had nothing undelivered
+ * was delivered by then (the consumer's leader may be another node, whose
+ * replica of the stream takes the message a moment later) ... */
+#define GUARD_LOST_US (500 * INT64_C(1000))
 /* ... and a heartbeat put this long after that look, with free slots,
  * lists it if its agent took it. Suspects start GUARD_WAITING_US after
  * the dispatch and heartbeats come every EVT_HEARTBEAT_MS: a lost
@@ -484,14 +487,15 @@ struct lost_scan {
     struct guarded *c;
     const struct suspect *x;
     const struct evt_consumer_state *cs;
+    int64_t stored_before_us; /* mono: its message stored before then */
     int64_t listed_after_us; /* epoch: a heartbeat put since can tell */
     unsigned sent;
 };
 
-/* One command of the suspect's, delivered (dispatched GUARD_LOST_US
- * before a look that found nothing undelivered): re-published when a
- * heartbeat put since ls->listed_after_us does not list it
- * (store_scan_dispatched callback, the guard's thread). */
+/* One command of the suspect's, delivered (its message stored
+ * GUARD_LOST_US before a look that found nothing undelivered):
+ * re-published when a heartbeat put since ls->listed_after_us does not
+ * list it (store_scan_dispatched callback, the guard's thread). */
 static int
 on_lost(const struct store_command_ref *ref, void *ud)
 {
@@ -502,6 +506,9 @@ on_lost(const struct store_command_ref *ref, void *ud)
     uint64_t seq = 0;
     int64_t listed_at = 0;
 
+    int64_t stored = broker__admit_stored_at(b, ref->command_id);
+    if (!stored || stored > ls->stored_before_us)
+        return 0; /* not this broker's, or not known stored in time */
     if (ks_uuid_bin(ref->command_id, id) != 0 ||
         broker__agent_lists(b, ref->agent_id, id, inst, &seq,
                             &listed_at) != 0 ||
@@ -542,9 +549,9 @@ on_lost(const struct store_command_ref *ref, void *ud)
  * someone to deliver to and unacked messages, and the agent was heard
  * recently with a free slot: otherwise a command waits for a slot, for
  * the consumer, or for its agent, and the rules above or the scanner's
- * deadline see to it. A broker that is not the consumer's owner does it
- * GUARD_BACKUP_US later; two brokers' re-publishes of one attempt are
- * fenced by its version (one lands).
+ * deadline see to it. Each broker judges the commands it published (it
+ * knows when their messages were stored), whoever owns the consumer; a
+ * re-publish is fenced by the version read (one lands).
  */
 static void
 lost_deliveries(struct broker__guard *g, struct guarded *c,
@@ -557,13 +564,11 @@ lost_deliveries(struct broker__guard *g, struct guarded *c,
         now - x->co.heard_us > GUARD_HEARD_US)
         return;
     int64_t drained_at = ks_now_us() - (now - drained_us);
-    int64_t before = drained_at - GUARD_LOST_US;
-    if (!broker__guard_owner(g->b, c->durable))
-        before -= GUARD_BACKUP_US; /* the owner's turn first */
-    struct lost_scan ls = {g, c, x, cs, drained_at + GUARD_LIST_US, 0};
+    struct lost_scan ls = {g, c, x, cs, drained_us - GUARD_LOST_US,
+                           drained_at + GUARD_LIST_US, 0};
     for (size_t i = 0; i < x->n_ids && ls.sent < GUARD_LOST_MAX; i++)
-        if (store_scan_dispatched(g->st, x->ids[i], before, GUARD_LOST_MAX,
-                                  on_lost, &ls) < 0)
+        if (store_scan_dispatched(g->st, x->ids[i], drained_at,
+                                  GUARD_LOST_MAX, on_lost, &ls) < 0)
             return;
 }
 
