@@ -756,6 +756,15 @@ uint64_t evt_ack_delivered(const char *reply);
 #define EVT_PUBLISH_RETRY_MS 20000
 /* One try's wait for its PubAcks (ms); a PubAck takes milliseconds. */
 #define EVT_PUBLISH_TRY_MS 2000
+/* The wait of each try after one that failed (ms). During an election a
+ * try may get no answer at all (no PubAck, no "no responders"), so it
+ * waits its whole wait, and the try under way when the new leader takes
+ * over ends only then. With 2 s tries that added up to 2 s to a
+ * publish past the election (test_cluster F02: an exec 1.1 s over the
+ * election and 2 s). A try again has the same Nats-Msg-Id: a PubAck that
+ * was merely slow makes the next one a duplicate, which the stream
+ * drops and acks. */
+#define EVT_PUBLISH_RETRY_TRY_MS 500
 
 /*
  * Publishes data (len bytes) to a stream's subject and waits for the

@@ -249,8 +249,10 @@ evt_js_publish_window(struct evt_conn *c, const char *identity,
     }
     for (unsigned tries = 1; left; tries++) {
         int64_t now = ks_mono_us(), wait_ms = (deadline - now) / 1000;
-        if (wait_ms > EVT_PUBLISH_TRY_MS)
-            wait_ms = EVT_PUBLISH_TRY_MS;
+        int64_t try_ms =
+            tries == 1 ? EVT_PUBLISH_TRY_MS : EVT_PUBLISH_RETRY_TRY_MS;
+        if (wait_ms > try_ms)
+            wait_ms = try_ms;
         if (wait_ms < 1)
             wait_ms = 1;
         if (tries > 1) {
