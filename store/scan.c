@@ -5,12 +5,37 @@
 
 #include "store_int.h"
 
-/* The rows of a SELECT of command_id, agent_id, attempt, version,
- * deliver_by, dispatched_at and started_at (us), each to cb. */
+/* The columns scan_refs reads, in its order. */
+#define COMMAND_REF_COLUMNS                                                   \
+    "SELECT command_id::text, agent_id, attempt, version,"                    \
+    " coalesce(kscore_us(deliver_by), 0),"                                    \
+    " coalesce(kscore_us(dispatched_at), 0),"                                 \
+    " coalesce(kscore_us(started_at), 0)"
+
+/*
+ * Runs sql (COMMAND_REF_COLUMNS and the rest) with $1 text, $2 an epoch us
+ * value and $3 the limit (0: 1000), and gives each row to cb as a
+ * store_command_ref. 0, cb's non-zero, or the store's error.
+ */
 static int
-command_refs(PGresult *res, store_command_ref_fn cb, void *ud)
+scan_refs(struct store *s, const char *sql, const char *text, int64_t us,
+          uint32_t limit, store_command_ref_fn cb, void *ud)
 {
-    int rc = 0;
+    char at[24], lim[16];
+    const char *params[3] = {text, at, lim};
+    PGresult *res;
+    int rc;
+
+    if ((rc = store__ready(s)) < 0)
+        return rc;
+    snprintf(at, sizeof(at), "%lld", (long long)us);
+    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
+    res = PQexecParams(s->conn, sql, 3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        rc = store__read_error(s, res);
+        PQclear(res);
+        return rc;
+    }
     for (int i = 0; i < PQntuples(res) && rc == 0; i++) {
         struct store_command_ref ref = {0};
         snprintf(ref.command_id, sizeof(ref.command_id), "%s",
@@ -24,44 +49,22 @@ command_refs(PGresult *res, store_command_ref_fn cb, void *ud)
         ref.started_at_us = strtoll(PQgetvalue(res, i, 6), NULL, 10);
         rc = cb(&ref, ud);
     }
+    PQclear(res);
     return rc;
 }
-
-#define COMMAND_REF_COLUMNS                                                   \
-    "SELECT command_id::text, agent_id, attempt, version,"                    \
-    " coalesce(kscore_us(deliver_by), 0),"                                    \
-    " coalesce(kscore_us(dispatched_at), 0),"                                 \
-    " coalesce(kscore_us(started_at), 0)"
 
 int
 store_scan_open(struct store *s, const char *status, int64_t due_before_us,
                 uint32_t limit, store_command_ref_fn cb, void *ud)
 {
-    char due[24], lim[16];
-    const char *params[3] = {status, due, lim};
-    PGresult *res;
-    int rc = 0;
-
-    if ((rc = store__ready(s)) < 0)
-        return rc;
-    snprintf(due, sizeof(due), "%lld", (long long)due_before_us);
-    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
     /* due_before_us = 0: every command in that status. */
-    res = PQexecParams(
-        s->conn,
+    return scan_refs(
+        s,
         COMMAND_REF_COLUMNS
         " FROM commands WHERE status = $1"
         " AND ($2::bigint = 0 OR deliver_by < kscore_ts($2::bigint))"
         " ORDER BY deliver_by NULLS LAST LIMIT $3::int",
-        3, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        rc = store__read_error(s, res);
-        PQclear(res);
-        return rc;
-    }
-    rc = command_refs(res, cb, ud);
-    PQclear(res);
-    return rc;
+        status, due_before_us, limit, cb, ud);
 }
 
 int
@@ -69,31 +72,14 @@ store_scan_dispatched(struct store *s, const char *agent_id,
                       int64_t dispatched_before_us, uint32_t limit,
                       store_command_ref_fn cb, void *ud)
 {
-    char before[24], lim[16];
-    const char *params[3] = {agent_id, before, lim};
-    PGresult *res;
-    int rc = 0;
-
-    if ((rc = store__ready(s)) < 0)
-        return rc;
-    snprintf(before, sizeof(before), "%lld", (long long)dispatched_before_us);
-    snprintf(lim, sizeof(lim), "%u", limit ? limit : 1000);
     /* commands_open (status, deliver_by) narrows it to the open ones. */
-    res = PQexecParams(
-        s->conn,
+    return scan_refs(
+        s,
         COMMAND_REF_COLUMNS
         " FROM commands WHERE status = 'Dispatched' AND agent_id = $1"
         " AND dispatched_at < kscore_ts($2::bigint)"
         " ORDER BY dispatched_at LIMIT $3::int",
-        3, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        rc = store__read_error(s, res);
-        PQclear(res);
-        return rc;
-    }
-    rc = command_refs(res, cb, ud);
-    PQclear(res);
-    return rc;
+        agent_id, dispatched_before_us, limit, cb, ud);
 }
 
 int
