@@ -284,8 +284,16 @@ void fixture_proc_release(struct fixture_proc *p);
 /* ------------------------------------------------------------------------ */
 
 struct evt_conn;
+struct __natsMsg; /* nats.c's natsMsg */
 /* A client of s's NATS (send_asap); a failure fails the test. */
 struct evt_conn *fixture_client(const struct fixture_stack *s);
+/* The latest entry of key (an agent id, "pool.<pool>", ...) in the
+ * registry bucket KSCORE_AGENTS, read from its stream through c (which
+ * may read it): 0 with *out (the caller destroys it; natsMsg_GetTime is
+ * when it was put, on the server's clock), or non-zero (none, or no
+ * answer). */
+int fixture_registry_last(struct evt_conn *c, const char *key,
+                          struct __natsMsg **out);
 /* Submits `sh -c script` to agent, detached, with timeout_ms (0: none) and
  * deliver_within_ms (0: the default): 0 with id_out, or the error (the
  * reply's error code, or the request's). */

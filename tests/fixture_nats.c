@@ -961,6 +961,18 @@ fixture_stack_wait_agent(const struct fixture_stack *s, const char *id,
 
 /* ---- clients for tests (tests/fixture.h "Clients") ---- */
 
+int
+fixture_registry_last(struct evt_conn *c, const char *key, natsMsg **out)
+{
+    char subj[64 + EVT_AGENT_ID_MAX];
+    snprintf(subj, sizeof(subj), "$KV." EVT_KV_AGENTS ".%s", key);
+    *out = NULL;
+    return js_GetLastMsg(out, c->js, "KV_" EVT_KV_AGENTS, subj, NULL, NULL) ==
+                   NATS_OK
+               ? 0
+               : -1;
+}
+
 struct evt_conn *
 fixture_client(const struct fixture_stack *s)
 {

@@ -1749,12 +1749,9 @@ watch_nodes(int *watch_node, int *broker_node)
 static double
 last_put(struct evt_conn *c, const char *id)
 {
-    char subj[64 + EVT_AGENT_ID_MAX];
     natsMsg *m = NULL;
     double t = -1;
-    snprintf(subj, sizeof(subj), "$KV." EVT_KV_AGENTS ".%s", id);
-    if (js_GetLastMsg(&m, c->js, "KV_" EVT_KV_AGENTS, subj, NULL, NULL) ==
-        NATS_OK)
+    if (fixture_registry_last(c, id, &m) == 0)
         t = (double)natsMsg_GetTime(m) / 1e9;
     natsMsg_Destroy(m);
     return t;

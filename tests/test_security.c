@@ -4230,10 +4230,7 @@ START_TEST(an_operator_cannot_fill_the_commands_stream)
      * does not know the agent (unknown agent, not busy: the restart below
      * failed so on a slower machine, where the loop outlasted the TTL). */
     natsMsg *last_hb = NULL;
-    ck_assert_int_eq(js_GetLastMsg(&last_hb, admin->js, "KV_" EVT_KV_AGENTS,
-                                   "$KV." EVT_KV_AGENTS "." AGENT, NULL,
-                                   NULL),
-                     NATS_OK);
+    ck_assert_int_eq(fixture_registry_last(admin, AGENT, &last_hb), 0);
     operator_seed("mallory", seed, sizeof(seed));
     struct evt_conn *c = connect_as(seed);
     char *big = malloc(ARG + 1);
