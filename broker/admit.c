@@ -145,6 +145,37 @@ ewma(double mean, double x)
     return mean > 0 ? mean + ADMIT_EWMA * (x - mean) : x;
 }
 
+/*
+ * Since when this process has run without a pause (SIGSTOP, a frozen VM,
+ * starved: the pause watch, scanner.c), ks_mono_us; now while a pause is
+ * going on or just ended unseen. A time measured across a pause is the
+ * pause's, not this broker's pace or queue: it stays out of the means and
+ * the ages. A broker stopped for 30 s while one exec and one claim
+ * handler ran put 30 s in each mean (6 s at ADMIT_EWMA), and the time
+ * since it last answered a claim was 30 s when it was continued: it then
+ * refused as busy the execs that found a request or a few claims queued
+ * ahead ("about 753 ms", "about 3006 ms", "about 30043 ms" for queues of
+ * milliseconds; test_record a_hung_broker_of_two_delays_nothing). The
+ * tick is read first: the watch stores the pause before its next tick,
+ * so a fresh tick comes with the pause seen, and an old one is a pause
+ * the watch has not seen yet.
+ */
+static int64_t
+running_since(struct broker *b, int64_t now)
+{
+    int64_t tick = atomic_load(&b->tick_mono_us);
+    if (tick && now - tick > BROKER_PAUSE_US)
+        return now;
+    return atomic_load(&b->paused_mono_us);
+}
+
+/* Whether a time measured from since_us to now spans a pause. */
+static bool
+paused_since(struct broker *b, int64_t since_us, int64_t now)
+{
+    return running_since(b, now) >= since_us;
+}
+
 /* ---- entries ------------------------------------------------------------- */
 
 static void
@@ -464,15 +495,18 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
                          bool granted, int64_t handler_us)
 {
     struct broker__admit *a = b->admit;
+    int64_t now = ks_mono_us();
     if (!a)
         return;
+    bool paused = paused_since(b, now - handler_us, now);
     pthread_mutex_lock(&a->mu);
-    a->claim_us = ewma(a->claim_us, (double)handler_us);
-    a->claim_done_mono_us = ks_mono_us();
+    if (!paused)
+        a->claim_us = ewma(a->claim_us, (double)handler_us);
+    a->claim_done_mono_us = now;
     struct admit_cmd *c =
         granted && command_id ? ks_map_get(&a->cmds, command_id) : NULL;
     if (c && !c->claimed_mono_us)
-        c->claimed_mono_us = ks_mono_us();
+        c->claimed_mono_us = now;
     pthread_mutex_unlock(&a->mu);
 }
 
@@ -508,15 +542,17 @@ void
 broker__admit_ended(struct broker *b, const char *command_id)
 {
     struct broker__admit *a = b->admit;
+    int64_t now = ks_mono_us();
     if (!a)
         return;
     pthread_mutex_lock(&a->mu);
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c) {
-        if (c->claimed_mono_us && c->q)
+        /* (paused_since reads atomics only: no lock taken under mu) */
+        if (c->claimed_mono_us && c->q &&
+            !paused_since(b, c->claimed_mono_us, now))
             c->q->hold_us =
-                ewma(c->q->hold_us,
-                     (double)(ks_mono_us() - c->claimed_mono_us));
+                ewma(c->q->hold_us, (double)(now - c->claimed_mono_us));
         unlink_cmd(a, c);
     }
     pthread_mutex_unlock(&a->mu);
@@ -545,7 +581,12 @@ claims_pending(struct broker *b, const char *agent_id)
  * on, or when one has ended since the last note, waits for the stream,
  * not for kscore: the stall's, never counted as kscore's own queue (else
  * each election refused every command for its length and its drain:
- * 91 of 200 execs of test_cluster's F02 exited 69 or 75). Under mu.
+ * 91 of 200 execs of test_cluster's F02 exited 69 or 75). So is every
+ * request in it when this process runs again after a pause
+ * (running_since): those that came while it did not run, read at once
+ * when it is continued, are the pause's (a broker stopped 30 s refused
+ * a new exec behind three of them, "about 260 ms", as they drained:
+ * test_record a_hung_broker_of_two_delays_nothing). Under mu.
  */
 static void
 stall_note(struct broker *b, struct broker__admit *a, int64_t now)
@@ -560,7 +601,8 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
         if (since && now - since > ADMIT_PUBACK_SLOW_US)
             retrying = 1;
     }
-    if (retrying > 0 || ended > a->stall_noted_us) {
+    if (retrying > 0 || ended > a->stall_noted_us ||
+        running_since(b, now) > a->stall_noted_us) {
         broker__fairq_mark(a->intake);
         a->stall_noted_us = now;
     }
@@ -590,10 +632,11 @@ max64(int64_t x, int64_t y)
  * others: that is their operator's wait, not this one's); claims pending
  * beyond one per worker at least the time since one was last answered.
  * Requests a JetStream stall held (stall_note: marked) are not counted,
- * nor their wait. */
+ * nor their wait; no age counts from before ran (running_since: the time
+ * this process did not run is no queue of its own). */
 static int64_t
 own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
-            int64_t claims, int64_t now)
+            int64_t claims, int64_t ran, int64_t now)
 {
     size_t own = w->n - w->marked;
     double in = (double)own * a->exec_us / BROKER_EXEC_WORKERS;
@@ -603,15 +646,19 @@ own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
      * the stall's. */
     if (own && !w->marked) {
         int64_t since = w->own_us ? max64(w->own_us, w->mark_taken_us) : 0;
+        since = since ? max64(since, ran) : 0;
         if (since && (double)(now - since) > in)
             in = (double)(now - since);
-        since = max64(w->oldest_us, max64(w->taken_us, w->mark_taken_us));
+        since = max64(max64(w->oldest_us, ran),
+                      max64(w->taken_us, w->mark_taken_us));
         if ((double)(now - since) > in)
             in = (double)(now - since);
     }
-    if (claims > BROKER_CLAIM_WORKERS && a->claim_done_mono_us &&
-        (double)(now - a->claim_done_mono_us) > cl)
-        cl = (double)(now - a->claim_done_mono_us);
+    if (claims > BROKER_CLAIM_WORKERS && a->claim_done_mono_us) {
+        int64_t since = max64(a->claim_done_mono_us, ran);
+        if ((double)(now - since) > cl)
+            cl = (double)(now - since);
+    }
     return (int64_t)(in + cl);
 }
 
@@ -638,7 +685,8 @@ broker__admit_check(struct broker *b, const char *operator_name,
     int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
     int64_t start_max_us = deliver_ms ? (int64_t)deliver_ms * 1000
                                       : own_max_us;
-    int64_t claims = claims_pending(b, agent_id), now = ks_mono_us();
+    int64_t claims = claims_pending(b, agent_id), now = ks_mono_us(),
+            ran = running_since(b, now);
     int rc = 0;
 
     if (own_max_us > start_max_us)
@@ -648,7 +696,7 @@ broker__admit_check(struct broker *b, const char *operator_name,
     expire(a, now);
     stall_note(b, a, now);
     intake_ahead(a, operator_name, &w);
-    int64_t own = own_wait_us(a, &w, claims, now);
+    int64_t own = own_wait_us(a, &w, claims, ran, now);
     int64_t agent = q ? agent_wait_us(q) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
@@ -697,7 +745,8 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
         (int64_t)(deliver_ms ? deliver_ms : BROKER_DELIVER_WITHIN_DEFAULT_MS) *
         1000;
     int64_t own_max_us = (int64_t)BROKER_QUEUE_MAX_MS * 1000;
-    int64_t claims = claims_pending(b, NULL), now = ks_mono_us();
+    int64_t claims = claims_pending(b, NULL), now = ks_mono_us(),
+            ran = running_since(b, now);
     pthread_mutex_lock(&a->mu);
     struct admit_q *q = queue_get(a, key, slots);
     bool room = true;
@@ -707,7 +756,7 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
          * operator with nothing queued there sees (as the claims). */
         struct broker__fairq_wait w;
         intake_ahead(a, NULL, &w);
-        int64_t own = own_wait_us(a, &w, claims, now);
+        int64_t own = own_wait_us(a, &w, claims, ran, now);
         /* Two rounds of slots at most: the agent never waits for the
          * next one, and no target waits long. Before any end was seen
          * (the hold unknown) one round, unless the command's timeout
@@ -847,9 +896,10 @@ intake_serve(void *worker_ud, void *ctx, void *item)
     a->handler(NULL, NULL, item, wk); /* destroys the message */
     int64_t t1 = ks_mono_us();
     evt_js_stall(wk->b->nc, &stalled, &r1);
-    /* A request that waited for a stream (its publish tried again) says
-     * nothing of kscore's own time per request. */
-    if (r1 == r0 && !stalled) {
+    /* A request that waited for a stream (its publish tried again), or
+     * for this process to run again, says nothing of kscore's own time
+     * per request. */
+    if (r1 == r0 && !stalled && !paused_since(wk->b, t0, t1)) {
         pthread_mutex_lock(&a->mu);
         a->exec_us = ewma(a->exec_us, (double)(t1 - t0));
         pthread_mutex_unlock(&a->mu);

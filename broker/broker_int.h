@@ -258,6 +258,9 @@ struct broker {
      * and BROKER_WAKE_FRESH_US has passed (broker__registry_deaf). */
     _Atomic int64_t tick_mono_us;
     int64_t woke_mono_us;
+    /* (atomic) when the pause watch last found a pause, never set back:
+     * a time measured across it is the pause's (admit.c paused_since). */
+    _Atomic int64_t paused_mono_us;
 
     pthread_t rec_thread, reg_thread, scan_thread, pause_thread;
     bool rec_started, reg_started, scan_started, pause_started;

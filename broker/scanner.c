@@ -606,6 +606,7 @@ pause_main(void *arg)
             pthread_mutex_lock(&b->mu);
             b->woke_mono_us = now;
             pthread_mutex_unlock(&b->mu);
+            atomic_store(&b->paused_mono_us, now);
         }
         atomic_store(&b->tick_mono_us, now);
         if (gap)

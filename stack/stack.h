@@ -251,9 +251,13 @@ int stack_nats_auth_write(const char *nats_dir, const char *home);
  * log says it did. The server keeps running and keeps every connection
  * whose user is still allowed; a connection of a user no longer in the
  * config is closed by the server (Authorization Violation) and its
- * reconnects are refused. 0; KS_ENOTFOUND (not running: nothing to do);
- * KS_EINVAL (the server refused the new config and runs on the old one;
- * see <nats_dir>/nats.log); KS_ETIMEDOUT; -errno.
+ * reconnects are refused. So is, once, a connection still in its
+ * handshake (its CONNECT not yet read: nats-server 2.9 checks it as a
+ * user with no key, "authentication error - Nkey \"\""): an agent
+ * starting then exits and its unit starts it again. 0; KS_ENOTFOUND
+ * (not running: nothing to do); KS_EINVAL (the server refused the new
+ * config and runs on the old one; see <nats_dir>/nats.log); KS_ETIMEDOUT;
+ * -errno.
  */
 int stack_nats_reload(const char *nats_dir, int timeout_ms);
 

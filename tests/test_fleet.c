@@ -47,6 +47,8 @@ static char home[PATH_MAX];   /* the broker host's KSCORE_HOME */
 static bool net_made;
 static struct fixture_pg pg;
 static bool pg_started;
+static SRunner *runner;
+static int failed_before; /* the runner's failures when setup ran */
 
 /* ---- the network ---------------------------------------------------------- */
 
@@ -127,6 +129,7 @@ setup(void)
 {
     const char *t = getenv("TMPDIR");
 
+    failed_before = runner ? srunner_ntests_failed(runner) : 0;
     snprintf(tag, sizeof(tag), "ks%d", (int)getpid());
     if (geteuid() != 0) {
         snprintf(skip_reason, sizeof(skip_reason),
@@ -167,10 +170,16 @@ setup(void)
     pg_started = true;
 }
 
+/* Unchecked too. It knows whether the case failed: then home (the logs
+ * its message names) and the broker's PostgreSQL stay for the cause to be
+ * found (issue 22: no flake is noise). */
 static void
 teardown(void)
 {
     char name[32];
+    const char *env_keep = getenv("KSCORE_KEEP_TMP");
+    bool keep = env_keep != NULL ||
+                (runner && srunner_ntests_failed(runner) > failed_before);
 
     if (home[0]) {
         for (int i = 1; i <= N_AGENTS; i++) {
@@ -185,11 +194,20 @@ teardown(void)
         if (access(pgdir, F_OK) == 0)
             stack_pg_stop(home);
     }
-    if (pg_started)
+    if (keep && home[0])
+        fprintf(stderr, "test_fleet: kept %s%s%s\n", home,
+                pg_started ? " and " : "", pg_started ? pg.dir : "");
+    if (pg_started) {
+        /* fixture_pg_stop keeps its directory only so told */
+        if (keep && !env_keep)
+            setenv("KSCORE_KEEP_TMP", "1", 1);
         fixture_pg_stop(&pg);
+        if (keep && !env_keep)
+            unsetenv("KSCORE_KEEP_TMP");
+    }
     if (net_made)
         net_down();
-    if (home[0] && !getenv("KSCORE_KEEP_TMP"))
+    if (home[0] && !keep)
         nftw(home, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     home[0] = '\0';
     skip_reason[0] = '\0';
@@ -445,7 +463,7 @@ START_TEST(fleet_over_tls_in_namespaces)
     char bundle[N_AGENTS][PATH_MAX + 32];
     int64_t since = ks_now_us();
     for (int i = 0; i < N_AGENTS; i++) {
-        char id[16], label[32], name[16], state[PATH_MAX + 64], ns[48];
+        char id[16], label[32];
         struct stat st;
         snprintf(id, sizeof(id), "fleet%d", i + 1);
         snprintf(label, sizeof(label), "zone=%s", zone[i]);
@@ -465,7 +483,17 @@ START_TEST(fleet_over_tls_in_namespaces)
         stack_ident_seed_path(home, STACK_AGENT, ident, seed_left,
                               sizeof(seed_left));
         ck_assert_int_ne(access(seed_left, F_OK), 0);
-
+    }
+    /* Started once all are enrolled: each enrolment reloads nats-server,
+     * and nats-server 2.9's reload checks every client against the new
+     * users, also one whose CONNECT has not come yet (its TLS handshake
+     * under load): that one has no nkey, and is closed as an
+     * "authentication error - Nkey \"\"". An agent started before the
+     * next enrolment was refused so once, and exited (no systemd here to
+     * start it again 2 s later, as its unit does). */
+    for (int i = 0; i < N_AGENTS; i++) {
+        char id[16], name[16], state[PATH_MAX + 64], ns[48];
+        snprintf(id, sizeof(id), "fleet%d", i + 1);
         snprintf(name, sizeof(name), "agent%d", i + 1);
         snprintf(state, sizeof(state), "%s/state-%s", home, id);
         snprintf(ns, sizeof(ns), "%sn%d", tag, i + 1);
@@ -996,6 +1024,7 @@ main(void)
     SRunner *sr = srunner_create(fleet_suite());
     int failed;
 
+    runner = sr;
     srunner_run_all(sr, CK_NORMAL);
     failed = srunner_ntests_failed(sr);
     srunner_free(sr);
