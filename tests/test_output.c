@@ -200,26 +200,65 @@ unb64(const char *s, size_t *len)
     return out;
 }
 
+/* A gate: a command's step that waits until the test makes a file (at
+ * most 20 s, so a failed test does not leave it running). A test that
+ * wants "this came while the command still ran" holds the command at a
+ * gate instead of a `sleep`: a sleep's margin is lost on a loaded
+ * machine, a gate's is not. */
+static void
+gate_sh(char *dst, size_t n, const char *gate)
+{
+    snprintf(dst, n,
+             "n=0; while [ ! -e %s ] && [ $n -lt 400 ]; do sleep 0.05; "
+             "n=$((n+1)); done",
+             gate);
+}
+
+static void
+gate_path(char *dst, size_t n, const char *name)
+{
+    snprintf(dst, n, "%s/gate-%s", tmpdir, name);
+    unlink(dst);
+}
+
+static void
+gate_open(const char *gate)
+{
+    int fd = open(gate, O_WRONLY | O_CREAT, 0644);
+    ck_assert_msg(fd >= 0, "cannot make %s", gate);
+    close(fd);
+}
+
 /* ------------------------------------------------------------------------ */
 
 /* Each line reaches `kscore exec`'s stdout while the command still runs,
- * before it writes the next (2 s later): live, not at the end. The command
- * prints the time it writes each line; the lags are printed (the target
- * is 100 ms: perf's figures, not a bound asserted here, which a loaded
- * machine would break). Before live output, all three arrived at the end
- * (+6 s for the first). */
+ * held at a gate the test opens only once it has the line: live, not at
+ * the end. The command prints the time it writes each line; the lags are
+ * printed (the target is 100 ms: perf's figures, not a bound asserted
+ * here, which a loaded machine would break). Before live output, all the
+ * lines arrived with the result. */
 START_TEST(live_output_arrives_as_written)
 {
     struct child c;
-    const char *args[] = {
-        "exec", "--agent", AGENT, "--", "sh", "-c",
-        "for i in 1 2 3 4; do date +%s%6N; sleep 2; done", NULL};
+    char gate[4][128], wait[4][256], script[2048];
+    size_t o = 0;
+    for (int i = 0; i < 4; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "live%d", i);
+        gate_path(gate[i], sizeof(gate[i]), name);
+        gate_sh(wait[i], sizeof(wait[i]), gate[i]);
+        o += (size_t)snprintf(script + o, sizeof(script) - o,
+                              "date +%%s%%6N; %s; ", wait[i]);
+    }
+    snprintf(script + o, sizeof(script) - o, "true");
+    const char *args[] = {"exec", "--agent", AGENT, "--", "sh", "-c", script,
+                          NULL};
     char buf[4096] = "";
     size_t len = 0, seen = 0;
     int64_t written[4], arrived[4];
     spawn(&c, args);
     for (int i = 0; i < 4; i++) {
-        /* One more line. */
+        /* One more line, which came while the command waits at gate i. */
         for (;;) {
             char *nl = memchr(buf + seen, '\n', len - seen);
             if (nl) {
@@ -230,24 +269,22 @@ START_TEST(live_output_arrives_as_written)
                 break;
             }
             struct pollfd p = {c.out, POLLIN, 0};
-            ck_assert_int_gt(poll(&p, 1, 20000), 0);
+            ck_assert_msg(poll(&p, 1, 15000) > 0,
+                          "line %d did not come while its command waited",
+                          i + 1);
             ssize_t r = read(c.out, buf + len, sizeof(buf) - 1 - len);
             ck_assert_int_gt(r, 0);
             len += (size_t)r;
             buf[len] = '\0';
         }
+        ck_assert_msg(arrived[i] >= written[i], "line %d: %s", i + 1,
+                      buf + seen);
+        gate_open(gate[i]);
     }
     ck_assert_int_eq(reap(&c, 10000), 0);
     fprintf(stderr, "live output lag: %.1f ms, %.1f ms, %.1f ms\n",
             (arrived[0] - written[0]) / 1e3, (arrived[1] - written[1]) / 1e3,
             (arrived[2] - written[2]) / 1e3);
-    /* Line i came before line i + 1 was written: while the command ran,
-     * not with its result (the last line is only the end's mark). */
-    for (int i = 0; i < 3; i++)
-        ck_assert_msg(arrived[i] >= written[i] && arrived[i] < written[i + 1],
-                      "line %d arrived %.1f ms after it was written, after "
-                      "the next one was",
-                      i + 1, (arrived[i] - written[i]) / 1e3);
     close(c.out);
     close(c.err);
 }
@@ -496,11 +533,16 @@ END_TEST
  * when the command ends; --stderr picks one stream. */
 START_TEST(logs_follow_ends_with_the_command)
 {
+    /* out1 and err1, then a gate the test opens once it has out1. */
+    char gate[128], wait[256], script[512];
+    gate_path(gate, sizeof(gate), "follow");
+    gate_sh(wait, sizeof(wait), gate);
+    snprintf(script, sizeof(script),
+             "echo out1; echo err1 >&2; %s; for i in 2 3; do echo out$i; "
+             "echo err$i >&2; sleep 0.2; done",
+             wait);
     const char *args[] = {"exec", "--agent", AGENT, "--detach", "--", "sh",
-                          "-c",
-                          "for i in 1 2 3; do echo out$i; echo err$i >&2; "
-                          "sleep 0.5; done",
-                          NULL};
+                          "-c", script, NULL};
     struct fixture_out o;
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     char id[40];
@@ -520,7 +562,8 @@ START_TEST(logs_follow_ends_with_the_command)
              "status = 'Running'",
              id);
     ck_assert_int_eq(sql_long(sql), 1);
-    ck_assert(read_until(c.out, buf, sizeof(buf), &len, "out3\n", 10000));
+    gate_open(gate);
+    ck_assert(read_until(c.out, buf, sizeof(buf), &len, "out3\n", 15000));
     ck_assert_int_eq(reap(&c, 10000), 0);
     ck_assert_str_eq(buf, "out1\nout2\nout3\n");
     close(c.out);
@@ -657,17 +700,24 @@ END_TEST
 START_TEST(batch_stream_prints_agent_lines)
 {
     struct child c;
+    /* The targets print "two" only once the test has seen a "one" and
+     * made the gate: a "one" printed while every target still waits is
+     * live output, whatever the machine's load (a fixed `sleep 1` lost
+     * that race under make test's load: CI stop 32). */
+    char gate[128], wait[256], script[512];
+    gate_path(gate, sizeof(gate), "stream");
+    gate_sh(wait, sizeof(wait), gate);
+    snprintf(script, sizeof(script), "echo one; %s; echo two; echo err >&2",
+             wait);
     const char *args[] = {"batch", "--select", "local=true", "--stream",
-                          "--", "sh", "-c",
-                          "echo one; sleep 1; echo two; echo err >&2",
-                          NULL};
+                          "--", "sh", "-c", script, NULL};
     char out[8192] = "";
     size_t len = 0;
     spawn(&c, args);
-    /* "one" of a target before any target ends (1 s later). */
-    ck_assert(read_until(c.out, out, sizeof(out), &len, ": one\n", 10000));
-    ck_assert(!strstr(out, "two"));
-    read_until(c.out, out, sizeof(out), &len, "\x01", 15000);
+    ck_assert(read_until(c.out, out, sizeof(out), &len, ": one\n", 15000));
+    ck_assert_msg(!strstr(out, "two"), "before the gate: %s", out);
+    gate_open(gate);
+    read_until(c.out, out, sizeof(out), &len, "\x01", 30000);
     ck_assert_int_eq(reap(&c, 10000), 0);
     char host[64];
     gethostname(host, sizeof(host));
