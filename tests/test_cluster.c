@@ -2013,6 +2013,7 @@ struct f02 {
         struct f02 *f;
         int i;
         double start, seconds; /* wall: started, took */
+        double own;            /* its child's run (duration_us), s */
         int status;
         char id[40];
         char err[200];
@@ -2200,10 +2201,27 @@ f02_run(enum f02_fault fault, int n, double rate)
     pthread_join(launcher, NULL);
     for (int i = 0; i < n; i++)
         pthread_join(f.th[i], NULL);
+    /* What kscore added to an exec is its time less its child's own run
+     * (the record's duration_us, spawn to exit): the backlog of an
+     * election (about 20 execs a second of it) starts at once when it
+     * ends, and on a loaded machine a child of that burst ran 1.3 s of
+     * a 10.5 s exec (a 0.3 s miss while two other suites built and ran
+     * beside it); its run is the command's, not the publish path's. */
+    char sql[512];
+    for (int i = 0; i < n; i++) {
+        struct f02_exec *e = &f.ex[i];
+        if (e->status != 0 || !ks_is_uuid(e->id))
+            continue;
+        snprintf(sql, sizeof(sql),
+                 "SELECT coalesce(max(duration_us), 0) FROM commands WHERE "
+                 "command_id = '%s'",
+                 e->id);
+        e->own = fixture_sql_long(db, sql) / 1e6;
+    }
     /* the first half, before the fault, is the baseline */
     double base[F02_MAX];
     for (int i = 0; i < n / 2; i++)
-        base[i] = f.ex[i].seconds;
+        base[i] = f.ex[i].seconds - f.ex[i].own;
     for (int i = 1; i < n / 2; i++)
         for (int j = i; j > 0 && base[j - 1] > base[j]; j--) {
             double t = base[j];
@@ -2220,8 +2238,8 @@ f02_run(enum f02_fault fault, int n, double rate)
                         i, e->status, e->err);
             continue;
         }
-        if (e->seconds - median > worst) {
-            worst = e->seconds - median;
+        if (e->seconds - e->own - median > worst) {
+            worst = e->seconds - e->own - median;
             slowest = i;
         }
         ck_assert_msg(ks_is_uuid(e->id), "exec #%d printed '%s'", i, e->id);
@@ -2231,7 +2249,6 @@ f02_run(enum f02_fault fault, int n, double rate)
                   failed, n, home);
     /* one stream message per command: one dispatch (its Nats-Msg-Id),
      * no second attempt */
-    char sql[512];
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM (SELECT stream_id FROM events WHERE type "
              "= 'CommandDispatched' AND recorded_at >= to_timestamp(%.3f) "
@@ -2239,7 +2256,7 @@ f02_run(enum f02_fault fault, int n, double rate)
              f.ex[0].start - 1);
     long redispatched = fixture_sql_long(db, sql);
     fprintf(stderr, "test_cluster: F02: %d execs exit 0, each ran once; "
-                    "median %.2f s, most added %.1f s; %ld published "
+                    "median %.2f s, most kscore added %.1f s; %ld published "
                     "again\n", n, median, worst, redispatched);
     ck_assert_msg(redispatched == 0, "%ld commands needed a second attempt "
                                      "(a new stream message)", redispatched);
@@ -2261,14 +2278,16 @@ f02_run(enum f02_fault fault, int n, double rate)
             fprintf(stderr, " %s +%ld ms", steps[k] + 7,
                     fixture_sql_long(db, sql));
         }
-        fprintf(stderr, ", exit +%.0f ms\n", f.ex[slowest].seconds * 1000);
+        fprintf(stderr, ", exit +%.0f ms, its child ran %.0f ms\n",
+                f.ex[slowest].seconds * 1000, f.ex[slowest].own * 1000);
     }
     double allowed = (elected > 0 ? elected : 0) + 2.0;
     if (fault == F02_STEPDOWNS)
         allowed = 2.0 + 5.0; /* a step-down's election, a few s at most */
     ck_assert_msg(worst <= allowed,
-                  "an exec took %.1f s more than the median: over the "
-                  "election and 2 s (%.1f s)", worst, allowed);
+                  "kscore added %.1f s to an exec (its time less its "
+                  "child's run, over the median): over the election and "
+                  "2 s (%.1f s)", worst, allowed);
     evt_close(c);
     free(db);
 }
