@@ -103,7 +103,8 @@ struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
-    int64_t stored_mono_us;  /* its message's PubAck; 0: none seen */
+    uint64_t stored_seq;     /* its message's stream sequence (PubAck);
+                                0: none seen */
     int64_t expires_mono_us;
     uint64_t bytes; /* counted in its operator's share (struct admit_op) */
     bool loaded;    /* from the record at the start (broker__admit_load) */
@@ -511,7 +512,7 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
 }
 
 void
-broker__admit_stored(struct broker *b, const char *command_id)
+broker__admit_stored(struct broker *b, const char *command_id, uint64_t seq)
 {
     struct broker__admit *a = b->admit;
     if (!a)
@@ -519,23 +520,23 @@ broker__admit_stored(struct broker *b, const char *command_id)
     pthread_mutex_lock(&a->mu);
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c)
-        c->stored_mono_us = ks_mono_us();
+        c->stored_seq = seq;
     pthread_mutex_unlock(&a->mu);
 }
 
-int64_t
-broker__admit_stored_at(struct broker *b, const char *command_id)
+uint64_t
+broker__admit_stored_seq(struct broker *b, const char *command_id)
 {
     struct broker__admit *a = b->admit;
-    int64_t at = 0;
+    uint64_t seq = 0;
     if (!a)
         return 0;
     pthread_mutex_lock(&a->mu);
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c)
-        at = c->stored_mono_us;
+        seq = c->stored_seq;
     pthread_mutex_unlock(&a->mu);
-    return at;
+    return seq;
 }
 
 void

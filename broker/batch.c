@@ -1140,18 +1140,22 @@ turn(struct broker *b, struct batch **touched, size_t nt)
                                sizeof(pools[i]));
             pool_of[i] = pools[i];
         }
+        uint64_t *seqs = calloc(p.npub, sizeof(*seqs));
         int failed = evt_publish_commands(b->nc, b->signer, p.publish,
                                           pools && pool_of ? pool_of : NULL,
-                                          p.npub, EVT_PUBLISH_RETRY_MS);
+                                          p.npub, EVT_PUBLISH_RETRY_MS, seqs);
         free(pool_of);
         free(pools);
         if (ks_trace_on())
             for (size_t i = 0; i < p.npub; i++)
                 ks_trace("batch.command_published",
                          p.publish[i]->command_id);
-        /* Which failed is not told: none is counted stored then. */
-        for (size_t i = 0; !failed && i < p.npub; i++)
-            broker__admit_stored(b, p.publish[i]->command_id);
+        /* Each stored one at its sequence (0: not stored, or no memory
+         * to be told: the scanner's deadline sees to a lost delivery). */
+        for (size_t i = 0; seqs && i < p.npub; i++)
+            if (seqs[i])
+                broker__admit_stored(b, p.publish[i]->command_id, seqs[i]);
+        free(seqs);
         if (failed)
             ks_log(KS_LOG_WARN,
                    "some commands were not published; the scanner retries "

@@ -76,6 +76,7 @@ struct dispatch_pub {
     const Ks__Command *cmd;
     char pool[EVT_AGENT_ID_MAX + 1];
     int rc;
+    uint64_t seq; /* KSCORE_CMDS stream sequence, on rc 0 */
 };
 
 static void
@@ -85,7 +86,7 @@ publish_between(void *ud)
     /* Tried again while KSCORE_CMDS elects a leader (events.h). */
     atomic_store(&dp->wk->publishing_us, ks_mono_us());
     dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
-                                 EVT_PUBLISH_RETRY_MS);
+                                 EVT_PUBLISH_RETRY_MS, &dp->seq);
     atomic_store(&dp->wk->publishing_us, 0);
     ks_trace("broker.command_published", dp->cmd->command_id);
 }
@@ -564,7 +565,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     if (dp.rc == 1) {
         atomic_store(&wk->publishing_us, ks_mono_us());
         rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
-                                 EVT_PUBLISH_RETRY_MS);
+                                 EVT_PUBLISH_RETRY_MS, &dp.seq);
         atomic_store(&wk->publishing_us, 0);
         ks_trace("broker.command_published", command_id);
     } else {
@@ -578,7 +579,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt), KS_ERR(rc));
     } else {
-        broker__admit_stored(b, command_id);
+        broker__admit_stored(b, command_id, dp.seq);
         ks_log(KS_LOG_DEBUG, "command dispatched",
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt),

@@ -857,15 +857,17 @@ void broker__admit_claim_done(struct broker *b, const char *command_id,
 /* command_id ended (here or noticed from another broker). */
 void broker__admit_ended(struct broker *b, const char *command_id);
 /* command_id's message, as dispatched by this broker (counted:
- * broker__admit_dispatched), is in KSCORE_CMDS now: its PubAck came
- * (its latest attempt's, when published again). */
-void broker__admit_stored(struct broker *b, const char *command_id);
-/* When command_id's latest message published by this broker was stored
- * (mono us, broker__admit_stored); 0: not known (not published by this
- * broker, not stored yet, or ended). The consumer guard judges a lost
- * delivery by it (stall.c): a dispatch recorded is not yet a message
- * stored while KSCORE_CMDS elects a leader. */
-int64_t broker__admit_stored_at(struct broker *b, const char *command_id);
+ * broker__admit_dispatched), is in KSCORE_CMDS now at stream sequence seq:
+ * its PubAck came (its latest attempt's, when published again). */
+void broker__admit_stored(struct broker *b, const char *command_id,
+                          uint64_t seq);
+/* The KSCORE_CMDS stream sequence of command_id's latest message
+ * published by this broker (broker__admit_stored); 0: not known (not
+ * published by this broker, not stored yet, or ended). The consumer guard
+ * judges a delivery lost by it (stall.c): a consumer whose last delivery
+ * is at or past it has passed the message. A dispatch recorded is not
+ * yet a message stored while KSCORE_CMDS elects a leader. */
+uint64_t broker__admit_stored_seq(struct broker *b, const char *command_id);
 /* The queue agent_id's commands wait in (registry.c): "pool:<pool>",
  * "proc:<instance>" (its process's ids share its slots) or "id:<id>",
  * into key (len bytes), and its slots (AgentInfo.max_concurrent; 0 when

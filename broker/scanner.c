@@ -114,9 +114,10 @@ redispatch(struct broker *b, struct store *st,
     ks_metric_inc(KS_C_REDISPATCHES);
     char pool[EVT_AGENT_ID_MAX + 1];
     broker__agent_pool(b, cmd->agent_id, pool, sizeof(pool));
-    int prc = evt_publish_command(b->nc, b->signer, cmd, pool, 5000);
+    uint64_t seq = 0;
+    int prc = evt_publish_command(b->nc, b->signer, cmd, pool, 5000, &seq);
     if (prc == 0)
-        broker__admit_stored(b, ref->command_id);
+        broker__admit_stored(b, ref->command_id, seq);
     if (prc)
         ks_log(KS_LOG_WARN, "re-publish failed", KS_S("module", "scanner"),
                KS_S("command_id", ref->command_id),

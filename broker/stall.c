@@ -39,15 +39,20 @@
  * its attempt's deadline (a third of the delivery window). The guard
  * re-publishes such a command at once (broker__redispatch, a new attempt;
  * lost_deliveries below) once its delivery is shown and its taking is
- * not: at one look the consumer had nothing undelivered while the
- * command's message had been stored GUARD_LOST_US before it (its PubAck,
- * broker__admit_stored_at: so each broker judges the commands it
+ * not: at one look the consumer's last delivery was at or past the
+ * stream sequence of the command's message (its PubAck,
+ * broker__admit_stored_seq: so each broker judges the commands it
  * published; a dispatch recorded is no message stored while KSCORE_CMDS
- * elects a leader, F02), so it was delivered; and a heartbeat of the
- * agent put GUARD_LIST_US after that look, with free slots, has a
- * complete list (AgentInfo.holds: from before its claim is sent) without
- * it. A delivered command with a free slot is listed within
- * milliseconds. The old message, if it
+ * elects a leader, F02), so the consumer has passed it (it delivers in
+ * stream order); and a heartbeat of the agent put GUARD_LIST_US after
+ * that look, with free slots, has a complete list (AgentInfo.holds: from
+ * before its claim is sent) without it. A delivered command with a free
+ * slot is listed within milliseconds. The same rule finds a message the
+ * consumer passed without holding it unacked either (F02, test_cluster:
+ * after KSCORE_CMDS's leader moved, a consumer's ack floor stood below a
+ * message the stream still held while it delivered everything after it,
+ * with nothing pending or unacked; the scanner re-published it at 10 s).
+ * The old message, if it
  * ever comes, is refused by the agent (an attempt it has seen) or claims
  * while the command is still Dispatched: one run either way.
  * Every repair is logged with what was seen, counted
@@ -97,17 +102,21 @@
  * moment ago (deaf to silence, broker__registry_deaf) still tells who is
  * there. */
 #define GUARD_HEARD_US ((2 * EVT_HEARTBEAT_MS + 1000) * INT64_C(1000))
-/* Lost deliveries (lost_deliveries): a command whose message was stored
- * this long before a look at which its consumer had nothing undelivered
- * was delivered by then (the consumer's leader may be another node, whose
- * replica of the stream takes the message a moment later) ... */
-#define GUARD_LOST_US (500 * INT64_C(1000))
-/* ... and a heartbeat put this long after that look, with free slots,
- * lists it if its agent took it. Suspects start GUARD_WAITING_US after
+/* Lost deliveries (lost_deliveries): a heartbeat put this long after a
+ * look at which the consumer had passed a command's message, with free
+ * slots, lists it if its agent took it. Suspects start GUARD_WAITING_US after
  * the dispatch and heartbeats come every EVT_HEARTBEAT_MS: a lost
  * delivery is published again 3 to 5 s after it went out, instead of at
  * its attempt's deadline (10 s of the default 30 s window). */
 #define GUARD_LIST_US (500 * INT64_C(1000))
+/* The look lost deliveries are judged from is kept this long (a new one
+ * taken then): long enough for a heartbeat put GUARD_LIST_US after it to
+ * come (heartbeats come every EVT_HEARTBEAT_MS). Taken at every look
+ * (750 ms apart), it wanted a heartbeat in the 0.25 s between 0.5 s after
+ * one look and the next: test_agent a_lost_delivery_is_published_again
+ * waited for the scanner (10.1 s) 1 run in 5. */
+#define GUARD_PASSED_KEEP_US                                                 \
+    ((EVT_HEARTBEAT_MS + 500) * INT64_C(1000) + GUARD_LIST_US)
 /* Commands of one id re-published per look at most. */
 #define GUARD_LOST_MAX 32
 /* Ids of one pool whose commands wait, kept per suspect (a pool consumer
@@ -128,8 +137,11 @@ struct guarded {
     int kind;               /* enum stall_kind of the last look */
     int64_t looked_us;      /* mono of the last look */
     int64_t stepped_down_us;    /* mono of the last step-down, 0: none */
-    int64_t drained_us;     /* mono of the last look, when it had nothing
-                               undelivered then; 0: it had some */
+    /* the last look that answered: the stream sequence its consumer
+     * had delivered up to, when (mono), and which consumer it was */
+    uint64_t passed_seq;
+    int64_t passed_us;
+    int64_t passed_created_ns;
     bool suspect;           /* a suspect at this tick */
     /* what `kscore agents` shows (under g->mu) */
     char stall[200];        /* "" unless stalled now */
@@ -487,13 +499,13 @@ struct lost_scan {
     struct guarded *c;
     const struct suspect *x;
     const struct evt_consumer_state *cs;
-    int64_t stored_before_us; /* mono: its message stored before then */
+    uint64_t passed_seq;     /* the consumer had passed messages up to it */
     int64_t listed_after_us; /* epoch: a heartbeat put since can tell */
     unsigned sent;
 };
 
-/* One command of the suspect's, delivered (its message stored
- * GUARD_LOST_US before a look that found nothing undelivered):
+/* One command of the suspect's, delivered (its message at or below the
+ * stream sequence its consumer had delivered up to at a look):
  * re-published when a heartbeat put since ls->listed_after_us does not
  * list it (store_scan_dispatched callback, the guard's thread). */
 static int
@@ -506,9 +518,9 @@ on_lost(const struct store_command_ref *ref, void *ud)
     uint64_t seq = 0;
     int64_t listed_at = 0;
 
-    int64_t stored = broker__admit_stored_at(b, ref->command_id);
-    if (!stored || stored > ls->stored_before_us)
-        return 0; /* not this broker's, or not known stored in time */
+    uint64_t stored = broker__admit_stored_seq(b, ref->command_id);
+    if (!stored || stored > ls->passed_seq)
+        return 0; /* not this broker's, not stored, or not passed yet */
     if (ks_uuid_bin(ref->command_id, id) != 0 ||
         broker__agent_lists(b, ref->agent_id, id, inst, &seq,
                             &listed_at) != 0 ||
@@ -543,31 +555,30 @@ on_lost(const struct store_command_ref *ref, void *ud)
 
 /*
  * The commands of suspect x whose delivery was lost (the header says
- * when), published again. drained_us: the mono time of the previous look
- * at c, when it had nothing undelivered then (0: it had some). Only while
- * the consumer (its state cs, just asked) still has nothing undelivered,
- * someone to deliver to and unacked messages, and the agent was heard
- * recently with a free slot: otherwise a command waits for a slot, for
- * the consumer, or for its agent, and the rules above or the scanner's
- * deadline see to it. Each broker judges the commands it published (it
- * knows when their messages were stored), whoever owns the consumer; a
- * re-publish is fenced by the version read (one lands).
+ * when), published again: c's previous look (passed_seq, passed_us) had
+ * its consumer past their messages. Only while the consumer (its state
+ * cs, just asked) is the one of that look (not made again since: a new
+ * consumer delivers everything again), has someone to deliver to, and the
+ * agent was heard recently with a free slot: otherwise a command waits
+ * for a slot, for the consumer, or for its agent, and the rules above or
+ * the scanner's deadline see to it. Each broker judges the commands it
+ * published (it knows their messages' sequences), whoever owns the
+ * consumer; a re-publish is fenced by the version read (one lands).
  */
 static void
 lost_deliveries(struct broker__guard *g, struct guarded *c,
-                const struct suspect *x, const struct evt_consumer_state *cs,
-                int64_t drained_us)
+                const struct suspect *x, const struct evt_consumer_state *cs)
 {
     int64_t now = ks_mono_us();
-    if (!drained_us || cs->pending > 0 || cs->ack_pending <= 0 ||
+    if (!c->passed_seq || c->passed_created_ns != cs->created_ns ||
         !cs->push_bound || x->co.running >= x->co.max_concurrent ||
         now - x->co.heard_us > GUARD_HEARD_US)
         return;
-    int64_t drained_at = ks_now_us() - (now - drained_us);
-    struct lost_scan ls = {g, c, x, cs, drained_us - GUARD_LOST_US,
-                           drained_at + GUARD_LIST_US, 0};
+    int64_t passed_at = ks_now_us() - (now - c->passed_us);
+    struct lost_scan ls = {g, c, x, cs, c->passed_seq,
+                           passed_at + GUARD_LIST_US, 0};
     for (size_t i = 0; i < x->n_ids && ls.sent < GUARD_LOST_MAX; i++)
-        if (store_scan_dispatched(g->st, x->ids[i], drained_at,
+        if (store_scan_dispatched(g->st, x->ids[i], passed_at,
                                   GUARD_LOST_MAX, on_lost, &ls) < 0)
             return;
 }
@@ -592,10 +603,15 @@ look(struct broker__guard *g, const struct suspect *x)
     rc = evt_consumer_state(g->b->nc, EVT_STREAM_CMDS, c->durable,
                             GUARD_ASK_MS, &cs);
     if (rc == 0) {
-        lost_deliveries(g, c, x, &cs, c->drained_us);
-        c->drained_us = cs.pending == 0 ? now : 0;
+        lost_deliveries(g, c, x, &cs);
+        if (!c->passed_seq || c->passed_created_ns != cs.created_ns ||
+            now - c->passed_us >= GUARD_PASSED_KEEP_US) {
+            c->passed_seq = cs.delivered_stream_seq;
+            c->passed_us = now;
+            c->passed_created_ns = cs.created_ns;
+        }
     } else {
-        c->drained_us = 0;
+        c->passed_seq = 0;
     }
     if (rc == 0 && c->seen && cs.created_ns == c->created_ns &&
         cs.delivered == c->delivered) {
@@ -658,7 +674,7 @@ forget_one(const char *key, void *val, void *ud)
          * (repairs); its count starts again when it is a suspect again. */
         c->seen = false;
         c->stepped_down_us = 0;
-        c->drained_us = 0;
+        c->passed_seq = 0;
         c->kind = 0;
         c->stall[0] = '\0';
         c->stalled_since_us = 0;

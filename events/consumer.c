@@ -51,6 +51,7 @@ evt_consumer_state(struct evt_conn *c, const char *stream, const char *durable,
     memset(out, 0, sizeof(*out));
     out->created_ns = ci->Created;
     out->delivered = ci->Delivered.Consumer;
+    out->delivered_stream_seq = ci->Delivered.Stream;
     out->delivered_at_ns = ci->Delivered.Last;
     out->ack_floor = ci->AckFloor.Consumer;
     out->pending = ci->NumPending;

@@ -805,26 +805,34 @@ cmd_msg_make(const struct evt_signer *signer, const Ks__Command *cmd,
 
 int
 evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
-                    const Ks__Command *cmd, const char *pool, int timeout_ms)
+                    const Ks__Command *cmd, const char *pool, int timeout_ms,
+                    uint64_t *seq_out)
 {
     struct cmd_msg m = {0};
+    struct evt_puback ack = {0};
     int rc;
 
+    if (seq_out)
+        *seq_out = 0;
     if ((rc = cmd_msg_make(signer, cmd, pool, &m)))
         return rc;
     rc = evt_js_publish_as(c, NULL, m.subject, m.msg_id, m.buf, m.len,
-                           timeout_ms, NULL, NULL, 0);
+                           timeout_ms, &ack, NULL, 0);
     free(m.buf);
+    if (rc == 0 && seq_out)
+        *seq_out = ack.seq;
     return rc;
 }
 
 int
 evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                      Ks__Command *const *cmds, const char *const *pools,
-                     size_t n, int timeout_ms)
+                     size_t n, int timeout_ms, uint64_t *seqs_out)
 {
     struct cmd_msg m[EVT_JS_WINDOW_MAX];
     struct evt_js_msg w[EVT_JS_WINDOW_MAX];
+    struct evt_puback ack[EVT_JS_WINDOW_MAX];
+    size_t at[EVT_JS_WINDOW_MAX]; /* w[j] is cmds[at[j]] */
     int64_t deadline = ks_mono_us() + (int64_t)timeout_ms * 1000;
     int failed = 0;
 
@@ -845,14 +853,22 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                 failed++; /* too large: never sent */
                 continue;
             }
-            w[nw++] = (struct evt_js_msg){cm->subject, cm->msg_id, cm->buf,
-                                          cm->len, 0, NULL, NULL, 0};
+            memset(&ack[nw], 0, sizeof(ack[nw]));
+            at[nw] = off + i;
+            w[nw] = (struct evt_js_msg){cm->subject, cm->msg_id, cm->buf,
+                                        cm->len, 0, &ack[nw], NULL, 0};
+            nw++;
         }
+        if (seqs_out)
+            for (size_t i = 0; i < k; i++)
+                seqs_out[off + i] = 0;
         if (nw)
             evt_js_publish_window(c, NULL, w, nw,
                                   left_ms > 0 ? (int)left_ms : 1);
         for (size_t i = 0; i < nw; i++) {
             failed += w[i].rc != 0;
+            if (seqs_out && w[i].rc == 0)
+                seqs_out[at[i]] = ack[i].seq;
             free(m[i].buf);
         }
     }

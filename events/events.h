@@ -527,25 +527,30 @@ int evt_unseal_env(const struct evt_seal_key *k, const char *agent_id,
  * evt_js_publish_window on c's own inbox, so tried again within
  * timeout_ms (the whole budget, ms: EVT_PUBLISH_RETRY_MS to outlast a
  * stream leader's election) while the stream does not take it for now.
+ * seq_out (may be NULL): on 0, the stream sequence the message is stored
+ * at (a duplicate's PubAck names the first copy's: nats-server 2.9
+ * answers a Nats-Msg-Id seen in the duplicate window with the sequence it
+ * stored it at), else 0.
  * Returns 0, KS_ETOOBIG (packed size over KS_MAX_MESSAGE_BYTES; nothing
  * published), KS_ETIMEDOUT, KS_EUNAVAIL, KS_ENATS.
  */
 int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
                         const Ks__Command *cmd, const char *pool,
-                        int timeout_ms);
+                        int timeout_ms, uint64_t *seq_out);
 /*
  * The same for n commands at once, EVT_JS_WINDOW_MAX to a window
  * (evt_js_publish_window: one round trip each, every PubAck looked at,
  * what the stream did not take tried again), all within timeout_ms.
  * pools: NULL, or n entries (each NULL, "" or the pool of cmds[i]'s agent,
- * as for evt_publish_command).
+ * as for evt_publish_command). seqs_out: NULL, or n entries, each set to
+ * the stream sequence cmds[i] is stored at, 0 for one not stored.
  * Returns how many were not stored: refused, unanswered within
  * timeout_ms, or never sent (a command too large). 0: all stored. Any
  * thread.
  */
 int evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                          Ks__Command *const *cmds, const char *const *pools,
-                         size_t n, int timeout_ms);
+                         size_t n, int timeout_ms, uint64_t *seqs_out);
 
 /*
  * Publishes an event to evt_event_subject(agent_id, command_id) on
@@ -965,6 +970,11 @@ struct evt_consumer_state {
                                 a new consumer (remade) */
     uint64_t delivered;      /* deliveries so far, redeliveries included
                                 (its consumer sequence) */
+    uint64_t delivered_stream_seq; /* stream sequence of the last message
+                                      it delivered: it delivers in stream
+                                      order, so every message on its
+                                      filter at or below it was delivered
+                                      (or skipped for good), 0: none */
     int64_t delivered_at_ns; /* the last delivery (epoch ns), 0: none */
     uint64_t ack_floor;      /* consumer sequence of the ack floor */
     uint64_t pending;        /* stored on its filter, not yet delivered */

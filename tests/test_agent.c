@@ -1482,29 +1482,35 @@ START_TEST(state_dir_full_refuses_claims)
 END_TEST
 
 /*
- * Issue 22 (F03, consumer_leader_changes: a command waited 10.1 s for its
- * claim across a consumer step-down): a delivery the consumer counts as
- * made that the agent never gets. The consumer holds it unacked for its
- * whole ack wait (30 s) and goes on delivering the rest, so it is no stall
- * of the consumer's; before, only the scanner published it again, at its
- * attempt's deadline (a third of the 30 s delivery window: 10 s). Here the
- * test takes one delivery itself, as a second member of the id's queue
- * group that never acks (as a process of the id that stops, or a delivery
- * lost as the consumer's leader steps down). Right: the broker's guard sees
- * the agent with free slots not listing it, publishes it again at once,
- * says so in the record and the metric, and it runs once.
+ * Issue 22: a delivery the consumer counts as made that the agent never
+ * gets. F03 (consumer_leader_changes: a command waited 10.1 s for its
+ * claim across a consumer step-down): the consumer holds it unacked for
+ * its whole ack wait (30 s) and goes on delivering the rest, so it is no
+ * stall of the consumer's. F02 (publish_during_a_stream_leader_election,
+ * after KSCORE_CMDS's leader moved): the consumer passed a message the
+ * stream still held, nothing pending, nothing unacked, and delivered
+ * everything after it. Before, only the scanner published either again,
+ * at its attempt's deadline (a third of the 30 s delivery window: 10 s).
+ * Here the test takes one delivery itself, as a second member of the id's
+ * queue group, and either never acks it (held unacked: as a process of
+ * the id that stops) or acks it (passed with nothing held: the consumer
+ * is past it, and the work queue drops it). Right: the broker's guard
+ * sees the agent with free slots not listing it, publishes it again at
+ * once, says so in the record and the metric, and it runs once.
  */
-START_TEST(a_lost_delivery_is_published_again)
+static void
+lost_delivery(const char *agent, bool ack)
 {
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char durable[128], deliver[192], stolen[37] = "", id[37];
+    char durable[128], deliver[192], stolen[37] = "", id[37], name[64];
     natsSubscription *thief = NULL;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ld", "ld", NULL), 0);
-    ck_assert_int_eq(submit(c, "ld", "true", id), 0);
+    snprintf(name, sizeof(name), "agent-%s", agent);
+    ck_assert_int_eq(fixture_agent_spawn(&stack, name, agent, NULL), 0);
+    ck_assert_int_eq(submit(c, agent, "true", id), 0);
     ck_assert_int_eq(wait_status(pg, id, "Succeeded", 30000), 0);
-    evt_agent_durable(durable, sizeof(durable), "ld");
+    evt_agent_durable(durable, sizeof(durable), agent);
     evt_deliver_subject(deliver, sizeof(deliver), durable);
     ck_assert_int_eq(natsConnection_QueueSubscribeSync(&thief, c->nc, deliver,
                                                        durable),
@@ -1513,15 +1519,21 @@ START_TEST(a_lost_delivery_is_published_again)
     /* JetStream gives each message to one member of the group, at random:
      * one in two is the test's (40 misses in a row: 1 in 10^12). */
     for (int i = 0; i < 40 && !stolen[0]; i++) {
-        ck_assert_int_eq(submit(c, "ld", "true", id), 0);
+        ck_assert_int_eq(submit(c, agent, "true", id), 0);
         natsMsg *m = NULL;
         while (!stolen[0] &&
                natsSubscription_NextMsg(&m, thief, 1000) == NATS_OK) {
             const char *mid = NULL;
             /* "<command id>.<attempt>"; a status message has none */
             if (natsMsgHeader_Get(m, "Nats-Msg-Id", &mid) == NATS_OK &&
-                mid && strlen(mid) > 36 && mid[36] == '.')
+                mid && strlen(mid) > 36 && mid[36] == '.') {
                 snprintf(stolen, sizeof(stolen), "%.36s", mid);
+                if (ack) /* JetStream's ack: "+ACK" to its reply subject */
+                    ck_assert_int_eq(
+                        natsConnection_PublishString(
+                            c->nc, natsMsg_GetReply(m), "+ACK"),
+                        NATS_OK);
+            }
             natsMsg_Destroy(m);
             m = NULL;
         }
@@ -1535,13 +1547,16 @@ START_TEST(a_lost_delivery_is_published_again)
                             "requested_at) * 1000)::bigint FROM commands "
                             "WHERE command_id = '%s'",
                             stolen);
-    fprintf(stderr, "test_agent: the lost delivery of %s was claimed %.1f s "
-                    "after its request\n", stolen, (double)wait_ms / 1000);
-    /* The scanner alone: 10 s. The guard: a heartbeat put GUARD_LOST_US
-     * (2 s) after the dispatch, within a heartbeat period (2 s), and its
-     * next look; 7 s is room for a loaded machine, 3 s short of the old
-     * way. */
-    ck_assert_msg(wait_ms < 7000,
+    fprintf(stderr, "test_agent: the lost delivery of %s (%s) was claimed "
+                    "%.1f s after its request\n", stolen,
+            ack ? "acked by the thief" : "held unacked", (double)wait_ms / 1000);
+    /* The scanner alone: 10 s. The guard: a suspect GUARD_WAITING_US (2 s)
+     * after the dispatch, a look within a tick (0.5 s), a heartbeat put
+     * GUARD_LIST_US after it (within a heartbeat period, 2 s), and the
+     * next look (0.75 s): 3.2-5.6 s measured. Who published it again is
+     * the record's reason below; this bound only says it came before the
+     * scanner's deadline, with room for a loaded machine. */
+    ck_assert_msg(wait_ms < 9000,
                   "the lost delivery of %s was claimed %.1f s after its "
                   "request (the guard did not publish it again)",
                   stolen, (double)wait_ms / 1000);
@@ -1556,7 +1571,18 @@ START_TEST(a_lost_delivery_is_published_again)
     ck_assert_int_eq(events_of_type(pg, stolen, "CommandStarted"), 1);
     PQfinish(pg);
     evt_close(c);
-    stack_stop(stack.dir, "agent-ld", 20000);
+    stack_stop(stack.dir, name, 20000);
+}
+
+START_TEST(a_lost_delivery_is_published_again)
+{
+    lost_delivery("ld", false);
+}
+END_TEST
+
+START_TEST(a_delivery_passed_unheld_is_published_again)
+{
+    lost_delivery("lda", true);
 }
 END_TEST
 
@@ -2138,6 +2164,7 @@ agent_suite(void)
     add_stack_test(tc, state_dir_full_refuses_claims);
     add_stack_test(tc, claim_whose_reply_is_lost_runs_once);
     add_stack_test(tc, a_lost_delivery_is_published_again);
+    add_stack_test(tc, a_delivery_passed_unheld_is_published_again);
     add_stack_test(tc, claim_taken_up_after_a_restart);
     add_stack_test(tc, a_locked_stream_does_not_stop_the_scanner);
     add_stack_test(tc, a_busy_scanner_is_no_pause);

@@ -820,22 +820,29 @@ START_TEST(command_publish_outlasts_no_stream)
     uint64_t retries = ks_metric_counter_value(KS_C_PUBLISH_RETRIES);
     ck_assert_int_eq(pthread_create(&th, NULL, setup_later, &l), 0);
     int64_t t0 = ks_mono_us();
+    uint64_t seq = 0, seq2 = 0;
     ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL,
-                                         EVT_PUBLISH_RETRY_MS),
+                                         EVT_PUBLISH_RETRY_MS, &seq),
                      0);
+    ck_assert_uint_gt(seq, 0); /* where the stream stored it */
     int64_t took_us = ks_mono_us() - t0;
     pthread_join(th, NULL);
     ck_assert_int_ge(took_us, 1000000); /* it did wait for the stream */
     ck_assert_uint_gt(ks_metric_counter_value(KS_C_PUBLISH_RETRIES), retries);
     ck_assert_uint_eq(stream_msgs(admin, EVT_STREAM_CMDS), 1);
-    /* Again under the same id: the stream keeps one. */
-    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 5000), 0);
+    /* Again under the same id: the stream keeps one, and its duplicate
+     * PubAck names the first copy's sequence (the guard's lost-delivery
+     * rule compares it with a consumer's). */
+    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 5000, &seq2),
+                     0);
+    ck_assert_uint_eq(seq2, seq);
     ck_assert_uint_eq(stream_msgs(admin, EVT_STREAM_CMDS), 1);
     /* With a budget too short for the stream to come back: said so. */
     ck_assert_int_eq(js_DeleteStream(admin->js, EVT_STREAM_CMDS, NULL, NULL),
                      NATS_OK);
-    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 300),
+    ck_assert_int_eq(evt_publish_command(c, NULL, &cmd, NULL, 300, &seq),
                      KS_EUNAVAIL);
+    ck_assert_uint_eq(seq, 0);
     ck_assert_int_eq(evt_setup(admin, NULL), 0);
     evt_close(c);
     evt_close(admin);
@@ -871,13 +878,21 @@ START_TEST(batch_publish_sees_refusals)
         cmds[i].attempt = 1;
         pc[i] = &cmds[i];
     }
-    uint64_t before = stream_msgs(c, EVT_STREAM_CMDS);
-    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000), 5);
+    uint64_t before = stream_msgs(c, EVT_STREAM_CMDS), seqs[5];
+    memset(seqs, 0xff, sizeof(seqs));
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs),
+                     5);
     ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before);
-    /* Back as evt_setup makes it: all five go out. */
+    for (int i = 0; i < 5; i++)
+        ck_assert_uint_eq(seqs[i], 0); /* none stored */
+    /* Back as evt_setup makes it: all five go out, each at its own
+     * sequence, in order (one window). */
     ck_assert_int_eq(evt_setup(c, NULL), 0);
-    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000), 0);
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs),
+                     0);
     ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before + 5);
+    for (int i = 0; i < 5; i++)
+        ck_assert_uint_gt(seqs[i], i ? seqs[i - 1] : 0);
     evt_close(c);
 }
 END_TEST
