@@ -37,9 +37,8 @@
  * unacked for the whole ack wait while it goes on delivering the rest, so
  * none of the rules above sees it, and the scanner re-published it only at
  * its attempt's deadline (a third of the delivery window). The guard
- * re-publishes such a command at once (broker__redispatch, a new attempt;
- * lost_deliveries below) once its delivery is shown and its taking is
- * not: at one look the consumer's last delivery was at or past the
+ * repairs it at once (lost_deliveries below) once its delivery is shown
+ * and its taking is not: at one look the consumer's last delivery was at or past the
  * stream sequence of the command's message (its PubAck,
  * broker__admit_stored_seq: so each broker judges the commands it
  * published; a dispatch recorded is no message stored while KSCORE_CMDS
@@ -52,9 +51,13 @@
  * after KSCORE_CMDS's leader moved, a consumer's ack floor stood below a
  * message the stream still held while it delivered everything after it,
  * with nothing pending or unacked; the scanner re-published it at 10 s).
- * The old message, if it
- * ever comes, is refused by the agent (an attempt it has seen) or claims
- * while the command is still Dispatched: one run either way.
+ * While the stream still holds the message, the repair is the consumer
+ * made again (it delivers that same message: one stream message per
+ * command); a message gone (acked by a process that is not its agent's)
+ * is published again as a new attempt (broker__redispatch). A delivery
+ * that comes twice is taken once: the agent takes the new delivery of a
+ * command it runs, refuses an attempt it has seen, and the claim fence
+ * keeps one run.
  * Every repair is logged with what was seen, counted
  * (kscore_consumer_stalls_total, _stepdowns_total, _remakes_total), and
  * shown by `kscore agents --json` / `kscore status` for the agents of that
@@ -113,7 +116,7 @@
  * taken then): long enough for a heartbeat put GUARD_LIST_US after it to
  * come (heartbeats come every EVT_HEARTBEAT_MS). Taken at every look
  * (750 ms apart), it wanted a heartbeat in the 0.25 s between 0.5 s after
- * one look and the next: test_agent a_lost_delivery_is_published_again
+ * one look and the next: test_agent a_lost_delivery_is_delivered_again
  * waited for the scanner (10.1 s) 1 run in 5. */
 #define GUARD_PASSED_KEEP_US                                                 \
     ((EVT_HEARTBEAT_MS + 500) * INT64_C(1000) + GUARD_LIST_US)
@@ -502,12 +505,17 @@ struct lost_scan {
     uint64_t passed_seq;     /* the consumer had passed messages up to it */
     int64_t listed_after_us; /* epoch: a heartbeat put since can tell */
     unsigned sent;
+    bool remade; /* the consumer was made again: it delivers them all */
 };
 
 /* One command of the suspect's, delivered (its message at or below the
- * stream sequence its consumer had delivered up to at a look):
- * re-published when a heartbeat put since ls->listed_after_us does not
- * list it (store_scan_dispatched callback, the guard's thread). */
+ * stream sequence its consumer had delivered up to at a look), that a
+ * heartbeat put since ls->listed_after_us does not list: while the
+ * stream still holds its message (held unacked by someone else, or
+ * skipped), the consumer is made again, which delivers that same message
+ * (one stream message per command, as F02 wants); once it is gone (acked
+ * by a process that is not its agent's), it is published again as a new
+ * attempt (store_scan_dispatched callback, the guard's thread). */
 static int
 on_lost(const struct store_command_ref *ref, void *ud)
 {
@@ -527,6 +535,22 @@ on_lost(const struct store_command_ref *ref, void *ud)
         listed_at < ls->listed_after_us)
         return 0; /* listed, or no heartbeat that can tell yet */
     double waited = (double)(ks_now_us() - ref->dispatched_at_us) / 1e6;
+    int held = evt_stream_holds(b->nc, EVT_STREAM_CMDS, stored, GUARD_ASK_MS);
+    if (held == 0) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "it passed command %s (stream sequence %llu, %.1f s ago) "
+                 "and its agent with %u of %u slots taken never took it "
+                 "(a delivery lost)",
+                 ref->command_id, (unsigned long long)stored, waited,
+                 ls->x->co.running, ls->x->co.max_concurrent);
+        ks_metric_inc(KS_C_LOST_DELIVERIES);
+        remake(ls->g, ls->c, ls->x, why);
+        ls->remade = true;
+        return 1;
+    }
+    if (held != KS_ENOTFOUND)
+        return 0; /* cannot tell now: the next look */
     int rc = broker__redispatch(
         b, ls->g->st, ref,
         "delivered by its consumer but never taken by its agent, which "
@@ -576,8 +600,9 @@ lost_deliveries(struct broker__guard *g, struct guarded *c,
         return;
     int64_t passed_at = ks_now_us() - (now - c->passed_us);
     struct lost_scan ls = {g, c, x, cs, c->passed_seq,
-                           passed_at + GUARD_LIST_US, 0};
-    for (size_t i = 0; i < x->n_ids && ls.sent < GUARD_LOST_MAX; i++)
+                           passed_at + GUARD_LIST_US, 0, false};
+    for (size_t i = 0; i < x->n_ids && ls.sent < GUARD_LOST_MAX && !ls.remade;
+         i++)
         if (store_scan_dispatched(g->st, x->ids[i], passed_at,
                                   GUARD_LOST_MAX, on_lost, &ls) < 0)
             return;

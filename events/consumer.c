@@ -94,6 +94,27 @@ evt_stream_stored(struct evt_conn *c, const char *stream, const char *filter,
     return 0;
 }
 
+int
+evt_stream_holds(struct evt_conn *c, const char *stream, uint64_t seq,
+                 int timeout_ms)
+{
+    natsMsg *m = NULL;
+    jsErrCode jerr = 0;
+    jsOptions jo;
+    natsStatus s;
+
+    jsOptions_Init(&jo);
+    jo.Wait = timeout_ms;
+    s = js_GetMsg(&m, c->js, stream, seq, &jo, &jerr);
+    natsMsg_Destroy(m);
+    if (s == NATS_OK)
+        return 0;
+    if (s == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr ||
+        jerr == JSStreamNotFoundErr)
+        return KS_ENOTFOUND;
+    return jerr == JSClusterNotAvailErr ? KS_EUNAVAIL : evt_err(s);
+}
+
 /* The JetStream API's error in a reply, as "<description> (<code>/
  * <err_code>)" into why; true when there is one. */
 static bool

@@ -1008,6 +1008,16 @@ int evt_stream_stored(struct evt_conn *c, const char *stream,
                       uint64_t *count_out);
 
 /*
+ * Whether stream still holds the message at sequence seq (>= 1), asked
+ * within timeout_ms ($JS.API.STREAM.MSG.GET, nats.c js_GetMsg). On a
+ * work-queue stream a message is held until a consumer acks it. 0: held;
+ * KS_ENOTFOUND: not held (acked, deleted, or no such stream);
+ * KS_EUNAVAIL (no leader), KS_ETIMEDOUT, KS_ENATS. Any thread.
+ */
+int evt_stream_holds(struct evt_conn *c, const char *stream, uint64_t seq,
+                     int timeout_ms);
+
+/*
  * Asks the leader of consumer durable to step down
  * ($JS.API.CONSUMER.LEADER.STEPDOWN.<stream>.<durable>, nats-server docs
  * "JetStream wire API"): another member becomes leader with the same

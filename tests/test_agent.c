@@ -1493,10 +1493,12 @@ END_TEST
  * at its attempt's deadline (a third of the 30 s delivery window: 10 s).
  * Here the test takes one delivery itself, as a second member of the id's
  * queue group, and either never acks it (held unacked: as a process of
- * the id that stops) or acks it (passed with nothing held: the consumer
- * is past it, and the work queue drops it). Right: the broker's guard
- * sees the agent with free slots not listing it, publishes it again at
- * once, says so in the record and the metric, and it runs once.
+ * the id that stops; the stream still holds it, as F02's) or acks it
+ * (the work queue drops it: gone). Right: the broker's guard sees the
+ * agent with free slots not listing it and at once makes the consumer
+ * again while the stream holds the message (it delivers that same
+ * message: one stream message, no second attempt), or publishes it again
+ * as a new attempt once it is gone (said in the record); it runs once.
  */
 static void
 lost_delivery(const char *agent, bool ack)
@@ -1512,6 +1514,10 @@ lost_delivery(const char *agent, bool ack)
     ck_assert_int_eq(wait_status(pg, id, "Succeeded", 30000), 0);
     evt_agent_durable(durable, sizeof(durable), agent);
     evt_deliver_subject(deliver, sizeof(deliver), durable);
+    struct evt_consumer_state before, after;
+    ck_assert_int_eq(evt_consumer_state(c, EVT_STREAM_CMDS, durable, 5000,
+                                        &before),
+                     0);
     ck_assert_int_eq(natsConnection_QueueSubscribeSync(&thief, c->nc, deliver,
                                                        durable),
                      NATS_OK);
@@ -1560,21 +1566,34 @@ lost_delivery(const char *agent, bool ack)
                   "the lost delivery of %s was claimed %.1f s after its "
                   "request (the guard did not publish it again)",
                   stolen, (double)wait_ms / 1000);
-    ck_assert_int_eq(
-        sql_long(pg,
-                 "SELECT count(*) FROM events WHERE stream_id = "
-                 "'command-%s' AND type = 'CommandDispatched' AND "
-                 "position('delivered by its consumer but never taken'"
-                 "::bytea IN data) > 0",
-                 stolen),
-        1);
+    ck_assert_int_eq(evt_consumer_state(c, EVT_STREAM_CMDS, durable, 5000,
+                                        &after),
+                     0);
+    if (ack) {
+        /* gone from the stream: a new attempt, and the record says why */
+        ck_assert_int_eq(
+            sql_long(pg,
+                     "SELECT count(*) FROM events WHERE stream_id = "
+                     "'command-%s' AND type = 'CommandDispatched' AND "
+                     "position('delivered by its consumer but never taken'"
+                     "::bytea IN data) > 0",
+                     stolen),
+            1);
+        ck_assert_int_eq(events_of_type(pg, stolen, "CommandDispatched"), 2);
+        ck_assert(after.created_ns == before.created_ns);
+    } else {
+        /* still held: the consumer made again delivered the same message */
+        ck_assert_int_eq(events_of_type(pg, stolen, "CommandDispatched"), 1);
+        ck_assert_msg(after.created_ns != before.created_ns,
+                      "the consumer was not made again");
+    }
     ck_assert_int_eq(events_of_type(pg, stolen, "CommandStarted"), 1);
     PQfinish(pg);
     evt_close(c);
     stack_stop(stack.dir, name, 20000);
 }
 
-START_TEST(a_lost_delivery_is_published_again)
+START_TEST(a_lost_delivery_is_delivered_again)
 {
     lost_delivery("ld", false);
 }
@@ -2163,7 +2182,7 @@ agent_suite(void)
     add_stack_test(tc, agent_started_with_sigchld_ignored);
     add_stack_test(tc, state_dir_full_refuses_claims);
     add_stack_test(tc, claim_whose_reply_is_lost_runs_once);
-    add_stack_test(tc, a_lost_delivery_is_published_again);
+    add_stack_test(tc, a_lost_delivery_is_delivered_again);
     add_stack_test(tc, a_delivery_passed_unheld_is_published_again);
     add_stack_test(tc, claim_taken_up_after_a_restart);
     add_stack_test(tc, a_locked_stream_does_not_stop_the_scanner);
