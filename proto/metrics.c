@@ -88,11 +88,14 @@ static const struct {
                                "one run).",
                                B},
     [KS_C_LOST_DELIVERIES] = {"kscore_lost_deliveries_total",
-                              "Commands published again because their "
-                              "consumer delivered them and their agent, "
-                              "with free slots, never took them (a "
-                              "delivery lost at a leader change, or taken "
-                              "by a process that stopped).",
+                              "Deliveries repaired because their "
+                              "consumer had passed a command's message "
+                              "and its agent, with free slots, never took "
+                              "it (a delivery lost at a leader change, or "
+                              "taken by a process that stopped): the "
+                              "consumer made again while the stream holds "
+                              "the message, else the command published "
+                              "again.",
                               B},
     [KS_C_WRITER_APPENDS] = {"kscore_writer_appends_total",
                              "Appends (dispatch records, claims, results) "
