@@ -2013,7 +2013,8 @@ struct f02 {
         struct f02 *f;
         int i;
         double start, seconds; /* wall: started, took */
-        double own;            /* its child's run (duration_us), s */
+        double own;            /* its run on the agent: Started to
+                                  Completed in the record, s */
         int status;
         char id[40];
         char err[200];
@@ -2201,19 +2202,22 @@ f02_run(enum f02_fault fault, int n, double rate)
     pthread_join(launcher, NULL);
     for (int i = 0; i < n; i++)
         pthread_join(f.th[i], NULL);
-    /* What kscore added to an exec is its time less its child's own run
-     * (the record's duration_us, spawn to exit): the backlog of an
-     * election (about 20 execs a second of it) starts at once when it
-     * ends, and on a loaded machine a child of that burst ran 1.3 s of
-     * a 10.5 s exec (a 0.3 s miss while two other suites built and ran
-     * beside it); its run is the command's, not the publish path's. */
+    /* What the election added to an exec is its time less its run on
+     * the agent (the record's Started to Completed: spawn, the child,
+     * its output): the backlog of an election (about 20 execs a second
+     * of it) starts at once when it ends, and on a loaded machine a child
+     * of that burst ran 1.3 s of a 10.5 s exec (0.3 s over, two other
+     * suites building and running beside it), another 2.0 s of 2.5 s
+     * from its claim to its result (0.6 s over, under make soak). F02's
+     * subject is the way to the agent and back, not the run. */
     char sql[512];
     for (int i = 0; i < n; i++) {
         struct f02_exec *e = &f.ex[i];
         if (e->status != 0 || !ks_is_uuid(e->id))
             continue;
         snprintf(sql, sizeof(sql),
-                 "SELECT coalesce(max(duration_us), 0) FROM commands WHERE "
+                 "SELECT coalesce(max((extract(epoch FROM finished_at - "
+                 "started_at) * 1e6)::bigint), 0) FROM commands WHERE "
                  "command_id = '%s'",
                  e->id);
         e->own = fixture_sql_long(db, sql) / 1e6;
@@ -2278,7 +2282,7 @@ f02_run(enum f02_fault fault, int n, double rate)
             fprintf(stderr, " %s +%ld ms", steps[k] + 7,
                     fixture_sql_long(db, sql));
         }
-        fprintf(stderr, ", exit +%.0f ms, its child ran %.0f ms\n",
+        fprintf(stderr, ", exit +%.0f ms, its run on the agent %.0f ms\n",
                 f.ex[slowest].seconds * 1000, f.ex[slowest].own * 1000);
     }
     double allowed = (elected > 0 ? elected : 0) + 2.0;
@@ -2286,7 +2290,7 @@ f02_run(enum f02_fault fault, int n, double rate)
         allowed = 2.0 + 5.0; /* a step-down's election, a few s at most */
     ck_assert_msg(worst <= allowed,
                   "kscore added %.1f s to an exec (its time less its "
-                  "child's run, over the median): over the election and "
+                  "run on the agent, over the median): over the election and "
                   "2 s (%.1f s)", worst, allowed);
     evt_close(c);
     free(db);
