@@ -780,13 +780,18 @@ START_TEST(agent_cannot_inject_output)
 {
     struct evt_conn *c = fixture_client(&stack);
     char id[37], sql[512];
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 3", 0, 0, id), 0);
+    /* Running until the test has its two forgeries refused (a `sleep 3`
+     * could end before wait_status saw it Running, on a loaded machine). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "inject");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     wait_status(id, "Running");
 
     publish_piece(c, "intruder", id, 1, "forged by another agent\n");
     publish_piece(c, AGENT, id, 7, "forged for another attempt\n");
     wait_rejected(id, 2);
 
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     publish_piece(c, AGENT, id, 1, "forged after the end\n");
     wait_rejected(id, 3);
@@ -836,7 +841,11 @@ START_TEST(each_byte_of_output_is_kept_once)
     a[1000] = '\0';
     memset(b, 'b', 2000);
     b[2000] = '\0';
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    /* Running until its pieces are decided: a `sleep 4` could end first
+     * on a loaded machine, and then every piece is refused as late. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "once");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     wait_status(id, "Running");
 
     publish_piece_at(c, AGENT, id, 1, at, a);              /* kept */
@@ -861,6 +870,7 @@ START_TEST(each_byte_of_output_is_kept_once)
              id);
     ck_assert_int_eq(sql_long(sql), 3);
     /* The command itself ends as it would have. */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     evt_close(c);
 }
@@ -916,13 +926,18 @@ START_TEST(no_output_is_kept_past_the_commands_cap)
     memset(a, 'a', 1000);
     a[1000] = '\0';
     const uint64_t def = EXEC_OUTPUT_CAP_AGENT_DEFAULT;
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    /* Both run until every piece is published (acked by the stream): a
+     * `sleep 4` could end before, on a loaded machine. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "caps");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     /* A cap of 4096 bytes, asked for. */
-    submit_capped(c, "sleep 4", 4096, small);
+    submit_capped(c, gate.sh, 4096, small);
     wait_status(id, "Running");
     wait_status(small, "Running");
-    /* Its agent's result comes after these on the same subject, so once
-     * the command has ended they have been decided. */
+    /* Its agent's result comes after these on the same subject (the gate
+     * opens once they are published), so once the command has ended they
+     * have been decided. */
     publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a); /* kept */
     publish_piece_at(c, AGENT, id, 1, def - 500, a);  /* crosses the cap */
     publish_piece_at(c, AGENT, id, 1, def, a);                /* past it */
@@ -930,6 +945,7 @@ START_TEST(no_output_is_kept_past_the_commands_cap)
     publish_piece_at(c, AGENT, small, 1, 0, a);               /* kept */
     publish_piece_at(c, AGENT, small, 1, 4000, a);     /* crosses 4096 */
     publish_piece_at(c, AGENT, small, 1, (uint64_t)2 << 20, a); /* past */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     wait_status(small, "Succeeded");
     kept_and_past_cap(id, 1000, 3);
@@ -947,7 +963,12 @@ START_TEST(the_caps_hold_after_a_broker_restart)
     char id[37], a[1001];
     memset(a, 'a', 1000);
     a[1000] = '\0';
-    submit_capped(c, "sleep 8", 4096, id);
+    /* Running across the restart until its pieces are published: a
+     * `sleep 8` could end first while a loaded machine restarts the
+     * broker. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "restart");
+    submit_capped(c, gate.sh, 4096, id);
     wait_status(id, "Running");
     evt_close(c);
     fixture_stack_broker_kill(&stack, SIGTERM);
@@ -956,6 +977,7 @@ START_TEST(the_caps_hold_after_a_broker_restart)
     publish_piece_at(c, AGENT, id, 1, 0, a);                 /* kept */
     publish_piece_at(c, AGENT, id, 1, 4000, a);       /* crosses 4096 */
     publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a);  /* past */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     kept_and_past_cap(id, 1000, 2);
     evt_close(c);
