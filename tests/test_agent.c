@@ -1947,16 +1947,38 @@ START_TEST(term_drains_the_agent)
     PGconn *pg = db();
     char a[37], b[37], script[PATH_MAX + 64], st[32];
 
+    /* a runs until the agent says it drains (the TERM came while it
+     * ran): with `sleep 2` a loaded machine saw a end before the TERM,
+     * or before wait_status saw it Running, and b ran. */
+    struct fixture_gate gate;
+    char a_sh[sizeof(gate.sh) + 32], log[PATH_MAX + 32];
+    fixture_gate_init(&gate, side_dir, "drain");
+    snprintf(a_sh, sizeof(a_sh), "%s; echo done", gate.sh);
+    snprintf(log, sizeof(log), "%s/agent-dr.log", stack.dir);
+    unlink(log);
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-dr", "dr", extra), 0);
-    ck_assert_int_eq(submit(c, "dr", "sleep 2; echo done", a), 0);
+    ck_assert_int_eq(submit(c, "dr", a_sh, a), 0);
     ck_assert_int_eq(wait_status(pg, a, "Running", 10000), 0);
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
     ck_assert_int_eq(submit(c, "dr", script, b), 0);
     ck_assert_int_eq(wait_status(pg, b, "Dispatched", 5000), 0);
     int64_t t0 = ks_mono_us();
-    ck_assert_int_eq(stack_stop(stack.dir, "agent-dr", 20000), 0);
+    /* One TERM (a second one would stop what runs), then a goes on. */
+    ck_assert_int_eq(fixture_stack_signal(&stack, "agent-dr", SIGTERM), 0);
+    const char *draining = "draining: no new work";
+    for (int i = 0; i < 400 && !file_has(log, draining); i++)
+        sleep_ms(50);
+    ck_assert_msg(file_has(log, draining), "no drain: see %s", log);
+    fixture_gate_open(&gate);
+    for (int i = 0; i < 400 && stack_pidfile_alive(stack.dir, "agent-dr",
+                                                   NULL);
+         i++)
+        sleep_ms(50);
+    ck_assert_msg(!stack_pidfile_alive(stack.dir, "agent-dr", NULL),
+                  "the agent did not stop once a ended");
     double took = (double)(ks_mono_us() - t0) / 1e6;
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-dr", 20000), 0);
     ck_assert_int_eq(wait_status(pg, a, "Succeeded", 10000), 0);
     ck_assert(!has_event(a, "CommandCompleted", NULL, "Cancelled"));
     ck_assert_str_eq(status_of(pg, b, st, sizeof(st)), "Dispatched");
