@@ -732,7 +732,7 @@ broker_restart(int sig)
 static void
 batch_across_restart(int sig, const char *prefix)
 {
-    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
+    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
@@ -747,9 +747,18 @@ batch_across_restart(int sig, const char *prefix)
     snprintf(tg[1], sizeof(tg[1]), "%.29s-0", host);
     snprintf(tg[2], sizeof(tg[2]), "%s", ids[2]);
     snprintf(csv, sizeof(csv), "%s,%s,%s", tg[0], tg[1], tg[2]);
+    /* The first target runs until the broker is down, then ends (end.<id>)
+     * before one runs again: with `sleep 2` a loaded machine could end it
+     * before the stop, and the old broker dispatched the second target
+     * (view_before_adoption then saw 1 pending, not 2). */
+    struct fixture_gate gate;
+    char ended[sizeof(runs) + 64];
+    fixture_gate_init(&gate, runs, "stopped");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 2",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s; "
+             ": >> %s/end.$KSCORE_AGENT_ID",
+             runs, gate.sh, runs);
+    snprintf(ended, sizeof(ended), "%s/end.%s", runs, tg[0]);
     struct bg_run c = {.args = {"batch", "--json", "--agents", csv,
                                 "--max-concurrency", "1", "--", "sh", "-c",
                                 sh, NULL}};
@@ -757,7 +766,12 @@ batch_across_restart(int sig, const char *prefix)
     wait_runs(runs, tg[0], 1);
     batch_of(tg[0], id);
     pid_t old = broker_pid();
-    broker_restart(sig);
+    fixture_stack_broker_kill(&stack, sig);
+    fixture_gate_open(&gate);
+    for (int i = 0; i < 400 && access(ended, F_OK) != 0; i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_msg(access(ended, F_OK) == 0, "%s never ended", tg[0]);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
     if (sig == SIGKILL)
         view_before_adoption(id, tg, old);
     join_across_restart(&c, 0);
@@ -979,14 +993,19 @@ END_TEST
  * batch and exits 125; the batch ends once a broker runs again. */
 START_TEST(client_gives_up_with_a_hint)
 {
-    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
+    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
     agents_up("rg", ids, csv, sizeof(csv));
+    /* The targets run until the broker is dead: with `sleep 1` each, a
+     * loaded machine could run all three before the kill, and the client
+     * exited 0. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, runs, "killed");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 1",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s", runs,
+             gate.sh);
     struct bg_run c = {.args = {"batch", "--agents", csv,
                                 "--max-concurrency", "1", "--", "sh", "-c",
                                 sh, NULL}};
@@ -994,6 +1013,7 @@ START_TEST(client_gives_up_with_a_hint)
     wait_runs(runs, ids[0], 1);
     batch_of(ids[0], id);
     fixture_stack_broker_kill(&stack, SIGKILL);
+    fixture_gate_open(&gate);
     bg_join(&c);
     char want[96];
     snprintf(want, sizeof(want), "kscore get %s", id);
@@ -1336,10 +1356,13 @@ START_TEST(cancel_through_either_broker)
 }
 END_TEST
 
-/* What reached an exec's client live, before its end. */
+/* What reached an exec's client live, before its end. The command
+ * waits at gate after "one": the first piece opens it. */
 struct live_seen {
     int64_t first_us; /* mono time of the first piece, 0: none */
     size_t bytes;
+    bool two_first;   /* "two" came in the first piece */
+    const struct fixture_gate *gate;
 };
 
 static void
@@ -1347,17 +1370,24 @@ live_seen_cb(const Ks__ExecuteReply *rep, void *ud)
 {
     struct live_seen *s = ud;
     for (size_t i = 0; i < rep->n_chunks; i++) {
-        if (!s->first_us)
+        const ProtobufCBinaryData *d = &rep->chunks[i]->data;
+        if (!s->first_us) {
             s->first_us = ks_mono_us();
-        s->bytes += rep->chunks[i]->data.len;
+            s->two_first = memmem(d->data, d->len, "two", 3) != NULL;
+            fixture_gate_open(s->gate);
+        }
+        s->bytes += d->len;
     }
 }
 
 /*
  * Two brokers: an exec's output reaches it live whichever broker records
- * each piece (the follower notice, broker/notice.c): "one" arrives about a
- * second before the end, in every round. Without it, a piece recorded by
+ * each piece (the follower notice, broker/notice.c): "one" arrives while
+ * the command still waits, in every round. Without it, a piece recorded by
  * the other broker reached the client only with the result.
+ * The command prints "two" and ends only once "one" has reached the
+ * client (a gate its arrival opens): with `sleep 1` and "a piece over
+ * 500 ms before the end", a loaded machine delivered both together.
  */
 START_TEST(live_output_through_either_broker)
 {
@@ -1366,11 +1396,16 @@ START_TEST(live_output_through_either_broker)
     broker2_start();
     struct evt_conn *c = fixture_client(&stack);
     for (int round = 0; round < 6; round++) {
-        char *argv[] = {"sh", "-c", "echo one; sleep 1; echo two"};
+        struct fixture_gate gate;
+        char name[32], script[sizeof(gate.sh) + 64];
+        snprintf(name, sizeof(name), "live-either-%d", round);
+        fixture_gate_init(&gate, stack.dir, name);
+        snprintf(script, sizeof(script), "echo one; %s; echo two", gate.sh);
+        char *argv[] = {"sh", "-c", script};
         Ks__CommandSpec sp = KS__COMMAND_SPEC__INIT;
         Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
         Ks__ExecuteReply *rep = NULL;
-        struct live_seen seen = {0};
+        struct live_seen seen = {.gate = &gate};
         struct broker_exec_hooks h = {live_seen_cb, NULL, &seen, NULL};
         local_agent(round, agent, sizeof(agent));
         sp.argv = argv;
@@ -1378,6 +1413,7 @@ START_TEST(live_output_through_either_broker)
         req.spec = &sp;
         req.agent_id = agent;
         req.live_output = 1;
+        int64_t start_us = ks_mono_us();
         ck_assert_int_eq(broker_execute_hooks(c, &req, 60000, &h, &rep), 0);
         int64_t end_us = ks_mono_us();
         ck_assert_msg(rep->error_code == 0, "%s", rep->error);
@@ -1386,9 +1422,15 @@ START_TEST(live_output_through_either_broker)
         ck_assert_msg(seen.first_us && seen.bytes >= 4,
                       "round %d: no output arrived live (%zu bytes)", round,
                       seen.bytes);
-        ck_assert_msg(end_us - seen.first_us > 500000,
-                      "round %d: the first piece came %.2f s before the end",
-                      round, (double)(end_us - seen.first_us) / 1e6);
+        /* "one" alone first, and the gate opened by it: a gate that gave
+         * up (FIXTURE_GATE_MAX_S, "one" never came while the command
+         * waited) would have held the exec at least that long. */
+        ck_assert_msg(!seen.two_first,
+                      "round %d: \"two\" came with the first piece", round);
+        ck_assert_msg(end_us - start_us < (int64_t)FIXTURE_GATE_MAX_S * 1000000,
+                      "round %d: %.1f s: \"one\" did not come while the "
+                      "command waited",
+                      round, (double)(end_us - start_us) / 1e6);
         ks__execute_reply__free_unpacked(rep, NULL);
     }
     evt_close(c);
