@@ -346,7 +346,7 @@ int fixture_upload(struct evt_conn *c, const char *identity, const void *data,
  * on after at least FIXTURE_GATE_MAX_S, saying so on its stderr, so that a
  * failed test does not leave it running for long.
  */
-#define FIXTURE_GATE_MAX_S 30
+#define FIXTURE_GATE_MAX_S 60
 struct fixture_gate {
     char path[PATH_MAX];     /* <dir>/gate-<name> */
     char sh[2 * PATH_MAX + 256]; /* sh text that waits at it */
