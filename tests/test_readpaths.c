@@ -400,9 +400,13 @@ START_TEST(running_batch_has_no_exit_code_yet)
 {
     char agent0[96];
     struct fixture_out o;
+    /* Its target runs until a get has seen it Running: with `sleep 2` a
+     * loaded machine could end it before the first get. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, stack.dir, "running-batch");
     snprintf(agent0, sizeof(agent0), "%s-0", host);
     const char *args[] = {"batch", "--agents", agent0, "--detach", "--json",
-                          "--",    "sleep",    "2",    NULL};
+                          "--",    "sh",       "-c",   gate.sh, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
     json_t *j = json_loads(o.out, 0, NULL);
@@ -428,6 +432,7 @@ START_TEST(running_batch_has_no_exit_code_yet)
         if (strcmp(st, "Running") == 0) {
             running_seen = true;
             ck_assert_msg(json_is_null(code), "running: %s", o.out);
+            fixture_gate_open(&gate);
         } else {
             ended = true;
             ck_assert_int_eq(json_integer_value(code), 0);
