@@ -808,6 +808,51 @@ START_TEST(batch_survives_broker_kill)
 }
 END_TEST
 
+/* Whether the broker's log, past byte from, holds needle. */
+static bool
+broker_log_has(off_t from, const char *needle)
+{
+    char path[PATH_MAX + 16], buf[65536];
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "r");
+    size_t n = 0;
+    if (f && fseeko(f, from, SEEK_SET) == 0)
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, needle) != NULL;
+}
+
+/* Stops the broker with one TERM (a second would cut its drain short),
+ * opens gate once its in-process agents say they drain, and waits until
+ * it is gone. */
+static void
+broker_term_draining(const struct fixture_gate *gate)
+{
+    char path[PATH_MAX + 16];
+    struct stat sb;
+    pid_t pid = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    off_t from = stat(path, &sb) == 0 ? sb.st_size : 0;
+    ck_assert(stack_pidfile_alive(stack.dir, "broker", &pid));
+    ck_assert_int_eq(fixture_stack_signal(&stack, "broker", SIGTERM), 0);
+    for (int i = 0; i < 400 && !broker_log_has(from, "draining: no new work");
+         i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_msg(broker_log_has(from, "draining: no new work"),
+                  "the broker's agents never drained: see %s", path);
+    fixture_gate_open(gate);
+    for (int i = 0; i < 600 && stack_pidfile_alive(stack.dir, "broker", NULL);
+         i++) {
+        waitpid(pid, NULL, WNOHANG);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    ck_assert_msg(!stack_pidfile_alive(stack.dir, "broker", NULL),
+                  "the broker did not stop once its targets ended");
+    waitpid(pid, NULL, WNOHANG);
+}
+
 /*
  * Issue 22: a broker stopped with TERM while its in-process agents run
  * two targets drains them (--drain-timeout, 10 s by default): they finish
@@ -817,7 +862,7 @@ END_TEST
  */
 START_TEST(local_targets_finish_across_broker_term)
 {
-    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[512], id[64], tg[2][32],
+    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX], id[64], tg[2][32],
          csv[80], host[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
@@ -826,9 +871,14 @@ START_TEST(local_targets_finish_across_broker_term)
     snprintf(tg[0], sizeof(tg[0]), "%.29s-3", host);
     snprintf(tg[1], sizeof(tg[1]), "%.29s-4", host);
     snprintf(csv, sizeof(csv), "%s,%s", tg[0], tg[1]);
+    /* They run until the broker drains (a gate): with `sleep 3` a loaded
+     * machine could end them before the TERM, and the case passed without
+     * a drain. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, runs, "drain");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 3",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s", runs,
+             gate.sh);
     const char *args[] = {"batch", "--detach", "--agents", csv, "--", "sh",
                           "-c", sh, NULL};
     struct fixture_out o;
@@ -838,7 +888,8 @@ START_TEST(local_targets_finish_across_broker_term)
     fixture_out_release(&o);
     wait_runs(runs, tg[0], 1);
     wait_runs(runs, tg[1], 1);
-    broker_restart(SIGTERM);
+    broker_term_draining(&gate);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Succeeded");
