@@ -508,11 +508,18 @@ START_TEST(a_batch_waiting_for_room_goes_on_when_room_comes)
 {
     const char *extra[] = {"--max-concurrent", "1", NULL};
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bq", "bq", extra), 0);
-    const char *sleep2[] = {"sleep", "2", NULL}, *tru[] = {"true", NULL};
+    /* The first two wait at a gate until the third is asked for: with
+     * `sleep 2` a loaded machine could end the first before, and the
+     * third found room (the case passed without testing it). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, stack.dir, "room");
+    const char *held[] = {"sh", "-c", gate.sh, NULL},
+               *tru[] = {"true", NULL};
     char a[64], b[64], c[64];
-    detached_batch("bq", sleep2, a);
-    detached_batch("bq", sleep2, b);
+    detached_batch("bq", held, a);
+    detached_batch("bq", held, b);
     detached_batch("bq", tru, c);
+    fixture_gate_open(&gate);
     /* Each ends Succeeded (within 30 s; each ran once, in any order). */
     const char *ids[] = {a, b, c};
     for (int k = 0; k < 3; k++) {
