@@ -391,17 +391,24 @@ START_TEST(nats_restart_mid_run)
 {
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char id[37], script[PATH_MAX + 128];
+    char id[37], script[4 * PATH_MAX];
     char sql[256];
 
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-nr", "nr", NULL), 0);
+    /* Running when NATS restarts, and ends after: it waits at a gate.
+     * It was `sleep 2` and a restart 700 ms after the submit, which a
+     * loaded machine could make before the claim or after the end (the
+     * case then passed without a restart mid-run). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, side_dir, "nats-restart");
     snprintf(script, sizeof(script),
-             "echo run >> %s/nr.$KSCORE_COMMAND_ID; sleep 2; echo done",
-             side_dir);
+             "echo run >> %s/nr.$KSCORE_COMMAND_ID; %s; echo done",
+             side_dir, gate.sh);
     ck_assert_int_eq(submit(c, "nr", script, 0, id), 0);
     evt_close(c);
-    nanosleep(&(struct timespec){0, 700 * 1000000L}, NULL);
+    ck_assert_int_eq(command_in(id, "= 'Running'", 30000), 1);
     ck_assert_int_eq(fixture_stack_nats_restart(&stack), 0);
+    fixture_gate_open(&gate);
     ck_assert_int_eq(wait_all_terminal(pg, 60), 0);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
