@@ -251,7 +251,12 @@ START_TEST(cancel_in_the_middle)
     snprintf(id, sizeof(id), "%.*s", (int)strcspn(o.out, "\n"), o.out);
     fixture_out_release(&o);
     ck_assert_msg(strncmp(id, "batch-", 6) == 0, "id %s", id);
-    nanosleep(&(struct timespec){1, 0}, NULL);
+    /* Two running (--max-concurrency 2), and no third a moment later. It
+     * was a fixed 1 s for both to start, which a loaded machine can
+     * overrun. */
+    for (int i = 0; i < 300 && sleeps_left("3517") < 2; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    nanosleep(&(struct timespec){0, 300 * 1000000L}, NULL);
     ck_assert_int_eq(sleeps_left("3517"), 2);
     const char *cargs[] = {"cancel", id, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, cargs, &o), 0);
