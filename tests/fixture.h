@@ -332,6 +332,33 @@ int fixture_upload(struct evt_conn *c, const char *identity, const void *data,
                    char *why, size_t why_len);
 
 /* ------------------------------------------------------------------------ */
+/* Gates (tests/fixture_gate.c)                                              */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A gate: a step of a command's sh text that waits until the test opens
+ * it (makes the file path). A test that asserts "this was seen while the
+ * command still ran" (live output, a Running status, a report or a fault
+ * that must come before the end) holds the command at a gate it opens
+ * once it has seen it, instead of giving the command a `sleep`: a sleep's
+ * margin is lost on a loaded machine (make test runs suites side by side
+ * on 2 cores), a gate's is not. A gate never opened lets the command go
+ * on after at least FIXTURE_GATE_MAX_S, saying so on its stderr, so that a
+ * failed test does not leave it running for long.
+ */
+#define FIXTURE_GATE_MAX_S 60
+struct fixture_gate {
+    char path[PATH_MAX];     /* <dir>/gate-<name> */
+    char sh[2 * PATH_MAX + 256]; /* sh text that waits at it */
+};
+/* A closed gate <dir>/gate-<name> (dir must be searchable by the agent
+ * that runs the command); a failure fails the test. */
+void fixture_gate_init(struct fixture_gate *g, const char *dir,
+                       const char *name);
+/* Opens it: the commands waiting there go on. */
+void fixture_gate_open(const struct fixture_gate *g);
+
+/* ------------------------------------------------------------------------ */
 /* Queries for assertions (tests/fixture_pg.c)                               */
 /* ------------------------------------------------------------------------ */
 

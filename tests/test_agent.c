@@ -182,6 +182,41 @@ procs_of_commands(char (*ids)[37], int n)
     return alive;
 }
 
+/* How many of these commands have a live process at one moment (one
+ * pass, as procs_of_commands): a command held at a gate is a shell and,
+ * now and then, its `sleep`. */
+static int
+commands_with_procs(char (*ids)[37], int n)
+{
+    pid_t found[256];
+    int of[256], nf = 0, count = 0;
+    bool live[64] = {false};
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+
+    ck_assert_int_le(n, 64);
+    while (d && (de = readdir(d)) && nf < 256) {
+        char id[37];
+        if (de->d_name[0] < '0' || de->d_name[0] > '9' ||
+            !environ_command_id(de->d_name, id))
+            continue;
+        for (int i = 0; i < n; i++)
+            if (!strcmp(ids[i], id)) {
+                of[nf] = i;
+                found[nf++] = atoi(de->d_name);
+                break;
+            }
+    }
+    if (d)
+        closedir(d);
+    for (int i = 0; i < nf; i++)
+        if (!pid_dead(found[i]) && !live[of[i]]) {
+            live[of[i]] = true;
+            count++;
+        }
+    return count;
+}
+
 /* ---- the executor's watchdog, alone
  * ------------------------------------------- */
 
@@ -699,7 +734,7 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
     const char *extra[] = {"--id", "mid-b", "--max-concurrent", "2", NULL};
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char ids[6][37], script[PATH_MAX + 128];
+    char ids[6][37];
     int max_procs = 0;
 
     int64_t since = ks_now_us() - 1000000;
@@ -710,27 +745,57 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
      * as for an unknown agent (seen under load: KS_ENOAGENT). */
     ck_assert_int_eq(fixture_stack_wait_agent(&stack, "mid-b", since, 30000),
                      0);
-    snprintf(script, sizeof(script),
-             "echo run >> %s/$KSCORE_COMMAND_ID; exec sleep 1", side_dir);
-    for (int i = 0; i < 6; i++)
-        ck_assert_int_eq(submit(c, i % 2 ? "mid-b" : "mid-a", script, ids[i]),
+    /* Each command waits at a gate of its own, which the test opens
+     * once both slots are seen full: a command the record says Running
+     * whose gate is closed surely runs. It was `exec sleep 1` and "a
+     * third Running for 200 ms is the record's lag": a loaded machine
+     * can lag more than that. */
+    struct fixture_gate gate[6];
+    bool released[6] = {false};
+    int n_released = 0;
+    for (int i = 0; i < 6; i++) {
+        char name[16], sh[sizeof(gate[0].sh) + PATH_MAX + 64];
+        snprintf(name, sizeof(name), "mid%d", i);
+        fixture_gate_init(&gate[i], side_dir, name);
+        snprintf(sh, sizeof(sh), "echo run >> %s/$KSCORE_COMMAND_ID; %s",
+                 side_dir, gate[i].sh);
+        ck_assert_int_eq(submit(c, i % 2 ? "mid-b" : "mid-a", sh, ids[i]),
                          0);
+    }
     long open = -1;
-    for (int t = 0; t < 400 && open != 0; t++) {
-        int n = procs_with_env("KSCORE_AGENT_ID=mid-a", NULL) +
-                procs_with_env("KSCORE_AGENT_ID=mid-b", NULL);
+    for (int t = 0; t < 1200 && open != 0; t++) {
+        int n = commands_with_procs(ids, 6);
         if (n > max_procs)
             max_procs = n;
-        /* The record lags the agent by a result's trip (publish, then
-         * the recorder's commit), while the freed slot's next claim may
-         * be recorded first: a third Running for a few ms is that lag. A
-         * third claim would stay Running for its whole `sleep 1`. */
-        const char *running = "SELECT count(*) FROM commands WHERE "
-                              "agent_id LIKE 'mid-%%' AND status = "
-                              "'Running'";
-        if (sql_long(pg, running) > 2) {
-            sleep_ms(200);
-            ck_assert_int_le(sql_long(pg, running), 2);
+        /* Held and recorded Running: they run now. */
+        int held = 0, oldest = -1;
+        for (int i = 0; i < 6; i++) {
+            char st[32];
+            if (!released[i] &&
+                !strcmp(status_of(pg, ids[i], st, sizeof(st)), "Running")) {
+                held++;
+                if (oldest < 0)
+                    oldest = i;
+            }
+        }
+        ck_assert_msg(held <= 2, "%d commands run at once on 2 slots",
+                      held);
+        if (held > 0 && held == (6 - n_released < 2 ? 6 - n_released : 2)) {
+            /* Both slots full (or the last one): would a third be
+             * claimed? Then the oldest goes on. */
+            sleep_ms(300);
+            held = 0;
+            for (int i = 0; i < 6; i++) {
+                char st[32];
+                held += !released[i] &&
+                        !strcmp(status_of(pg, ids[i], st, sizeof(st)),
+                                "Running");
+            }
+            ck_assert_msg(held <= 2, "%d commands run at once on 2 slots",
+                          held);
+            fixture_gate_open(&gate[oldest]);
+            released[oldest] = true;
+            n_released++;
         }
         open = sql_long(pg, "SELECT count(*) FROM commands WHERE agent_id "
                             "LIKE 'mid-%%' AND status IN ('Pending',"
@@ -738,6 +803,7 @@ START_TEST(slots_are_shared_by_the_ids_of_a_process)
         sleep_ms(50);
     }
     ck_assert_int_eq(open, 0);
+    ck_assert_int_eq(n_released, 6);
     ck_assert_int_le(max_procs, 2);
     for (int i = 0; i < 6; i++) {
         char st[32];
@@ -1049,10 +1115,17 @@ START_TEST(claimed_never_spawned_runs_once_after_restart)
     info.host = "test";
     info.heartbeat_at_us = ks_now_us();
     ck_assert_int_eq(evt_agent_put(c, NULL, &info, 5000), 0);
-    sleep_ms(300);
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
-    ck_assert_int_eq(submit(c, "ns", script, id), 0);
+    /* Refused as for an unknown agent (nothing recorded) until the
+     * broker has read that entry: asked again until then (it was a fixed
+     * 300 ms, which a loaded machine can overrun). */
+    int rc;
+    for (int i = 0; (rc = submit(c, "ns", script, id)) == KS_ENOAGENT &&
+                    i < 100;
+         i++)
+        sleep_ms(100);
+    ck_assert_int_eq(rc, 0);
     ck_assert_int_eq(submit(c, "ns", script, id2), 0);
     ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
     ck_assert_int_eq(wait_status(pg, id2, "Dispatched", 5000), 0);
@@ -1860,8 +1933,16 @@ START_TEST(running_command_no_heartbeat_lists_ends_lost)
 
     ks_uuid(inst);
     fake_heartbeat(c, "hb", inst, ++seq, NULL, 0);
-    sleep_ms(300);
-    ck_assert_int_eq(fixture_submit(c, "hb", "true", 120000, 120000, id), 0);
+    /* Refused as for an unknown agent (nothing recorded) until the
+     * broker has read that heartbeat: asked again until then. It was a
+     * fixed 300 ms, which a loaded machine can overrun. */
+    int rc;
+    for (int i = 0; (rc = fixture_submit(c, "hb", "true", 120000, 120000,
+                                         id)) == KS_ENOAGENT &&
+                    i < 100;
+         i++)
+        sleep_ms(100);
+    ck_assert_int_eq(rc, 0);
     ck_assert_int_eq(wait_status(pg, id, "Dispatched", 5000), 0);
     fake_heartbeat(c, "hb", inst, ++seq, NULL, 0);
     ks_uuid(claim_id);
@@ -1992,16 +2073,38 @@ START_TEST(term_drains_the_agent)
     PGconn *pg = db();
     char a[37], b[37], script[PATH_MAX + 64], st[32];
 
+    /* a runs until the agent says it drains (the TERM came while it
+     * ran): with `sleep 2` a loaded machine saw a end before the TERM,
+     * or before wait_status saw it Running, and b ran. */
+    struct fixture_gate gate;
+    char a_sh[sizeof(gate.sh) + 32], log[PATH_MAX + 32];
+    fixture_gate_init(&gate, side_dir, "drain");
+    snprintf(a_sh, sizeof(a_sh), "%s; echo done", gate.sh);
+    snprintf(log, sizeof(log), "%s/agent-dr.log", stack.dir);
+    unlink(log);
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-dr", "dr", extra), 0);
-    ck_assert_int_eq(submit(c, "dr", "sleep 2; echo done", a), 0);
+    ck_assert_int_eq(submit(c, "dr", a_sh, a), 0);
     ck_assert_int_eq(wait_status(pg, a, "Running", 10000), 0);
     snprintf(script, sizeof(script), "echo run >> %s/$KSCORE_COMMAND_ID",
              side_dir);
     ck_assert_int_eq(submit(c, "dr", script, b), 0);
     ck_assert_int_eq(wait_status(pg, b, "Dispatched", 5000), 0);
     int64_t t0 = ks_mono_us();
-    ck_assert_int_eq(stack_stop(stack.dir, "agent-dr", 20000), 0);
+    /* One TERM (a second one would stop what runs), then a goes on. */
+    ck_assert_int_eq(fixture_stack_signal(&stack, "agent-dr", SIGTERM), 0);
+    const char *draining = "draining: no new work";
+    for (int i = 0; i < 400 && !file_has(log, draining); i++)
+        sleep_ms(50);
+    ck_assert_msg(file_has(log, draining), "no drain: see %s", log);
+    fixture_gate_open(&gate);
+    for (int i = 0; i < 400 && stack_pidfile_alive(stack.dir, "agent-dr",
+                                                   NULL);
+         i++)
+        sleep_ms(50);
+    ck_assert_msg(!stack_pidfile_alive(stack.dir, "agent-dr", NULL),
+                  "the agent did not stop once a ended");
     double took = (double)(ks_mono_us() - t0) / 1e6;
+    ck_assert_int_eq(stack_stop(stack.dir, "agent-dr", 20000), 0);
     ck_assert_int_eq(wait_status(pg, a, "Succeeded", 10000), 0);
     ck_assert(!has_event(a, "CommandCompleted", NULL, "Cancelled"));
     ck_assert_str_eq(status_of(pg, b, st, sizeof(st)), "Dispatched");

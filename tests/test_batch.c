@@ -251,7 +251,12 @@ START_TEST(cancel_in_the_middle)
     snprintf(id, sizeof(id), "%.*s", (int)strcspn(o.out, "\n"), o.out);
     fixture_out_release(&o);
     ck_assert_msg(strncmp(id, "batch-", 6) == 0, "id %s", id);
-    nanosleep(&(struct timespec){1, 0}, NULL);
+    /* Two running (--max-concurrency 2), and no third a moment later. It
+     * was a fixed 1 s for both to start, which a loaded machine can
+     * overrun. */
+    for (int i = 0; i < 300 && sleeps_left("3517") < 2; i++)
+        nanosleep(&(struct timespec){0, 100 * 1000000L}, NULL);
+    nanosleep(&(struct timespec){0, 300 * 1000000L}, NULL);
     ck_assert_int_eq(sleeps_left("3517"), 2);
     const char *cargs[] = {"cancel", id, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, cargs, &o), 0);
@@ -508,11 +513,18 @@ START_TEST(a_batch_waiting_for_room_goes_on_when_room_comes)
 {
     const char *extra[] = {"--max-concurrent", "1", NULL};
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-bq", "bq", extra), 0);
-    const char *sleep2[] = {"sleep", "2", NULL}, *tru[] = {"true", NULL};
+    /* The first two wait at a gate until the third is asked for: with
+     * `sleep 2` a loaded machine could end the first before, and the
+     * third found room (the case passed without testing it). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, stack.dir, "room");
+    const char *held[] = {"sh", "-c", gate.sh, NULL},
+               *tru[] = {"true", NULL};
     char a[64], b[64], c[64];
-    detached_batch("bq", sleep2, a);
-    detached_batch("bq", sleep2, b);
+    detached_batch("bq", held, a);
+    detached_batch("bq", held, b);
     detached_batch("bq", tru, c);
+    fixture_gate_open(&gate);
     /* Each ends Succeeded (within 30 s; each ran once, in any order). */
     const char *ids[] = {a, b, c};
     for (int k = 0; k < 3; k++) {
@@ -732,7 +744,7 @@ broker_restart(int sig)
 static void
 batch_across_restart(int sig, const char *prefix)
 {
-    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
+    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
@@ -747,9 +759,18 @@ batch_across_restart(int sig, const char *prefix)
     snprintf(tg[1], sizeof(tg[1]), "%.29s-0", host);
     snprintf(tg[2], sizeof(tg[2]), "%s", ids[2]);
     snprintf(csv, sizeof(csv), "%s,%s,%s", tg[0], tg[1], tg[2]);
+    /* The first target runs until the broker is down, then ends (end.<id>)
+     * before one runs again: with `sleep 2` a loaded machine could end it
+     * before the stop, and the old broker dispatched the second target
+     * (view_before_adoption then saw 1 pending, not 2). */
+    struct fixture_gate gate;
+    char ended[sizeof(runs) + 64];
+    fixture_gate_init(&gate, runs, "stopped");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 2",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s; "
+             ": >> %s/end.$KSCORE_AGENT_ID",
+             runs, gate.sh, runs);
+    snprintf(ended, sizeof(ended), "%s/end.%s", runs, tg[0]);
     struct bg_run c = {.args = {"batch", "--json", "--agents", csv,
                                 "--max-concurrency", "1", "--", "sh", "-c",
                                 sh, NULL}};
@@ -757,7 +778,12 @@ batch_across_restart(int sig, const char *prefix)
     wait_runs(runs, tg[0], 1);
     batch_of(tg[0], id);
     pid_t old = broker_pid();
-    broker_restart(sig);
+    fixture_stack_broker_kill(&stack, sig);
+    fixture_gate_open(&gate);
+    for (int i = 0; i < 400 && access(ended, F_OK) != 0; i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_msg(access(ended, F_OK) == 0, "%s never ended", tg[0]);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
     if (sig == SIGKILL)
         view_before_adoption(id, tg, old);
     join_across_restart(&c, 0);
@@ -794,6 +820,51 @@ START_TEST(batch_survives_broker_kill)
 }
 END_TEST
 
+/* Whether the broker's log, past byte from, holds needle. */
+static bool
+broker_log_has(off_t from, const char *needle)
+{
+    char path[PATH_MAX + 16], buf[65536];
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    FILE *f = fopen(path, "r");
+    size_t n = 0;
+    if (f && fseeko(f, from, SEEK_SET) == 0)
+        n = fread(buf, 1, sizeof(buf) - 1, f);
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    return strstr(buf, needle) != NULL;
+}
+
+/* Stops the broker with one TERM (a second would cut its drain short),
+ * opens gate once its in-process agents say they drain, and waits until
+ * it is gone. */
+static void
+broker_term_draining(const struct fixture_gate *gate)
+{
+    char path[PATH_MAX + 16];
+    struct stat sb;
+    pid_t pid = 0;
+    snprintf(path, sizeof(path), "%s/broker.log", stack.dir);
+    off_t from = stat(path, &sb) == 0 ? sb.st_size : 0;
+    ck_assert(stack_pidfile_alive(stack.dir, "broker", &pid));
+    ck_assert_int_eq(fixture_stack_signal(&stack, "broker", SIGTERM), 0);
+    for (int i = 0; i < 400 && !broker_log_has(from, "draining: no new work");
+         i++)
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    ck_assert_msg(broker_log_has(from, "draining: no new work"),
+                  "the broker's agents never drained: see %s", path);
+    fixture_gate_open(gate);
+    for (int i = 0; i < 600 && stack_pidfile_alive(stack.dir, "broker", NULL);
+         i++) {
+        waitpid(pid, NULL, WNOHANG);
+        nanosleep(&(struct timespec){0, 50 * 1000000L}, NULL);
+    }
+    ck_assert_msg(!stack_pidfile_alive(stack.dir, "broker", NULL),
+                  "the broker did not stop once its targets ended");
+    waitpid(pid, NULL, WNOHANG);
+}
+
 /*
  * Issue 22: a broker stopped with TERM while its in-process agents run
  * two targets drains them (--drain-timeout, 10 s by default): they finish
@@ -803,7 +874,7 @@ END_TEST
  */
 START_TEST(local_targets_finish_across_broker_term)
 {
-    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[512], id[64], tg[2][32],
+    char runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX], id[64], tg[2][32],
          csv[80], host[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
@@ -812,9 +883,14 @@ START_TEST(local_targets_finish_across_broker_term)
     snprintf(tg[0], sizeof(tg[0]), "%.29s-3", host);
     snprintf(tg[1], sizeof(tg[1]), "%.29s-4", host);
     snprintf(csv, sizeof(csv), "%s,%s", tg[0], tg[1]);
+    /* They run until the broker drains (a gate): with `sleep 3` a loaded
+     * machine could end them before the TERM, and the case passed without
+     * a drain. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, runs, "drain");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 3",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s", runs,
+             gate.sh);
     const char *args[] = {"batch", "--detach", "--agents", csv, "--", "sh",
                           "-c", sh, NULL};
     struct fixture_out o;
@@ -824,7 +900,8 @@ START_TEST(local_targets_finish_across_broker_term)
     fixture_out_release(&o);
     wait_runs(runs, tg[0], 1);
     wait_runs(runs, tg[1], 1);
-    broker_restart(SIGTERM);
+    broker_term_draining(&gate);
+    ck_assert_int_eq(fixture_stack_broker_start(&stack, 10), 0);
     json_t *j = wait_batch_end(id);
     ck_assert_str_eq(json_string_value(json_object_get(j, "status")),
                      "Succeeded");
@@ -979,14 +1056,19 @@ END_TEST
  * batch and exits 125; the batch ends once a broker runs again. */
 START_TEST(client_gives_up_with_a_hint)
 {
-    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[512],
+    char ids[3][32], csv[128], runs[] = "/tmp/kscore-runs-XXXXXX", sh[3 * PATH_MAX],
                                 id[64];
     ck_assert_ptr_nonnull(mkdtemp(runs));
     ensure_broker();
     agents_up("rg", ids, csv, sizeof(csv));
+    /* The targets run until the broker is dead: with `sleep 1` each, a
+     * loaded machine could run all three before the kill, and the client
+     * exited 0. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, runs, "killed");
     snprintf(sh, sizeof(sh),
-             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; sleep 1",
-             runs);
+             "mktemp %s/run.$KSCORE_AGENT_ID.XXXXXX >/dev/null; %s", runs,
+             gate.sh);
     struct bg_run c = {.args = {"batch", "--agents", csv,
                                 "--max-concurrency", "1", "--", "sh", "-c",
                                 sh, NULL}};
@@ -994,6 +1076,7 @@ START_TEST(client_gives_up_with_a_hint)
     wait_runs(runs, ids[0], 1);
     batch_of(ids[0], id);
     fixture_stack_broker_kill(&stack, SIGKILL);
+    fixture_gate_open(&gate);
     bg_join(&c);
     char want[96];
     snprintf(want, sizeof(want), "kscore get %s", id);
@@ -1336,10 +1419,13 @@ START_TEST(cancel_through_either_broker)
 }
 END_TEST
 
-/* What reached an exec's client live, before its end. */
+/* What reached an exec's client live, before its end. The command
+ * waits at gate after "one": the first piece opens it. */
 struct live_seen {
     int64_t first_us; /* mono time of the first piece, 0: none */
     size_t bytes;
+    bool two_first;   /* "two" came in the first piece */
+    const struct fixture_gate *gate;
 };
 
 static void
@@ -1347,17 +1433,24 @@ live_seen_cb(const Ks__ExecuteReply *rep, void *ud)
 {
     struct live_seen *s = ud;
     for (size_t i = 0; i < rep->n_chunks; i++) {
-        if (!s->first_us)
+        const ProtobufCBinaryData *d = &rep->chunks[i]->data;
+        if (!s->first_us) {
             s->first_us = ks_mono_us();
-        s->bytes += rep->chunks[i]->data.len;
+            s->two_first = memmem(d->data, d->len, "two", 3) != NULL;
+            fixture_gate_open(s->gate);
+        }
+        s->bytes += d->len;
     }
 }
 
 /*
  * Two brokers: an exec's output reaches it live whichever broker records
- * each piece (the follower notice, broker/notice.c): "one" arrives about a
- * second before the end, in every round. Without it, a piece recorded by
+ * each piece (the follower notice, broker/notice.c): "one" arrives while
+ * the command still waits, in every round. Without it, a piece recorded by
  * the other broker reached the client only with the result.
+ * The command prints "two" and ends only once "one" has reached the
+ * client (a gate its arrival opens): with `sleep 1` and "a piece over
+ * 500 ms before the end", a loaded machine delivered both together.
  */
 START_TEST(live_output_through_either_broker)
 {
@@ -1366,11 +1459,16 @@ START_TEST(live_output_through_either_broker)
     broker2_start();
     struct evt_conn *c = fixture_client(&stack);
     for (int round = 0; round < 6; round++) {
-        char *argv[] = {"sh", "-c", "echo one; sleep 1; echo two"};
+        struct fixture_gate gate;
+        char name[32], script[sizeof(gate.sh) + 64];
+        snprintf(name, sizeof(name), "live-either-%d", round);
+        fixture_gate_init(&gate, stack.dir, name);
+        snprintf(script, sizeof(script), "echo one; %s; echo two", gate.sh);
+        char *argv[] = {"sh", "-c", script};
         Ks__CommandSpec sp = KS__COMMAND_SPEC__INIT;
         Ks__ExecuteRequest req = KS__EXECUTE_REQUEST__INIT;
         Ks__ExecuteReply *rep = NULL;
-        struct live_seen seen = {0};
+        struct live_seen seen = {.gate = &gate};
         struct broker_exec_hooks h = {live_seen_cb, NULL, &seen, NULL};
         local_agent(round, agent, sizeof(agent));
         sp.argv = argv;
@@ -1378,6 +1476,7 @@ START_TEST(live_output_through_either_broker)
         req.spec = &sp;
         req.agent_id = agent;
         req.live_output = 1;
+        int64_t start_us = ks_mono_us();
         ck_assert_int_eq(broker_execute_hooks(c, &req, 60000, &h, &rep), 0);
         int64_t end_us = ks_mono_us();
         ck_assert_msg(rep->error_code == 0, "%s", rep->error);
@@ -1386,9 +1485,15 @@ START_TEST(live_output_through_either_broker)
         ck_assert_msg(seen.first_us && seen.bytes >= 4,
                       "round %d: no output arrived live (%zu bytes)", round,
                       seen.bytes);
-        ck_assert_msg(end_us - seen.first_us > 500000,
-                      "round %d: the first piece came %.2f s before the end",
-                      round, (double)(end_us - seen.first_us) / 1e6);
+        /* "one" alone first, and the gate opened by it: a gate that gave
+         * up (FIXTURE_GATE_MAX_S, "one" never came while the command
+         * waited) would have held the exec at least that long. */
+        ck_assert_msg(!seen.two_first,
+                      "round %d: \"two\" came with the first piece", round);
+        ck_assert_msg(end_us - start_us < (int64_t)FIXTURE_GATE_MAX_S * 1000000,
+                      "round %d: %.1f s: \"one\" did not come while the "
+                      "command waited",
+                      round, (double)(end_us - start_us) / 1e6);
         ks__execute_reply__free_unpacked(rep, NULL);
     }
     evt_close(c);

@@ -180,7 +180,13 @@ START_TEST(another_agent_cannot_report_a_result)
     Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
     Ks__Output out = KS__OUTPUT__INIT;
 
-    run_detached(op, "sleep 1; echo real", id);
+    /* Running until the forgery is refused: a `sleep 1` could end
+     * before wait_long saw it Running, on a loaded machine. */
+    struct fixture_gate gate;
+    char script[sizeof(gate.sh) + 32];
+    fixture_gate_init(&gate, side, "report");
+    snprintf(script, sizeof(script), "%s; echo real", gate.sh);
+    run_detached(op, script, id);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Running'",
@@ -207,6 +213,7 @@ START_TEST(another_agent_cannot_report_a_result)
              "'ReportRejected'",
              eid);
     ck_assert_int_eq(wait_long(sql, 1, 10000), 1);
+    fixture_gate_open(&gate);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Succeeded' AND agent_id = '%s' AND "
@@ -499,7 +506,11 @@ START_TEST(a_poisoned_report_does_not_stop_the_recorder)
     Ks__Event ev = KS__EVENT__INIT;
     Ks__CommandResult r = KS__COMMAND_RESULT__INIT;
 
-    run_detached(op, "sleep 2", id);
+    /* Running until the poisoned report is refused: a `sleep 2` could
+     * end before wait_long saw it Running, on a loaded machine. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, side, "poison");
+    run_detached(op, gate.sh, id);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Running'",
@@ -525,6 +536,7 @@ START_TEST(a_poisoned_report_does_not_stop_the_recorder)
              eid);
     ck_assert_int_eq(wait_long(sql, 1, 10000), 1);
     /* The real end is recorded, and a new command runs. */
+    fixture_gate_open(&gate);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM commands WHERE command_id = '%s' AND "
              "status = 'Succeeded'",

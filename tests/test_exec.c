@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "fixture.h"
 
 #define SEC 1000000LL
 #define SLACK_US (300 * 1000LL)
@@ -1009,32 +1010,81 @@ fifo_done(uint64_t job_id, struct exec_result *r, void *ud)
     collect(job_id, r, ud);
 }
 
+/* Whether job i of loop_max_concurrent_fifo has started (its mark). */
+static bool
+fifo_started(const char *dir, int i)
+{
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof(path), "%s/started.%d", dir, i);
+    return access(path, F_OK) == 0;
+}
+
+/*
+ * Six jobs on a loop of 2: two run at once, in the order they came. Each
+ * marks its start and waits at a gate of its own, which the test opens
+ * two by two: both of a pair run together (exec_loop_running is 2 while
+ * they wait), no later job starts meanwhile, and the next pair starts
+ * only then. It was six `sleep 0.1` and a wall time of 300 ms +- 300 ms
+ * (two at once, not one): on a loaded machine the spawns alone can take
+ * longer than that.
+ */
 START_TEST(loop_max_concurrent_fifo)
 {
-    const char *argv[] = {"sleep", "0.1", NULL};
+    char dir[] = "/tmp/kscore-fifo-XXXXXX";
+    struct fixture_gate gate[6];
+    static char sh[6][sizeof(gate[0].sh) + PATH_MAX + 64];
+    const char *argv[6][4];
     struct exec_spec s;
-    int64_t t0, wall;
 
+    ck_assert_ptr_nonnull(mkdtemp(dir));
     atomic_store(&g_done, 0);
     atomic_store(&g_max_running, 0);
     ck_assert_int_eq(exec_loop_new(2, &g_fifo_loop), 0);
-    spec_argv(&s, argv, 5000, 0);
-    t0 = ks_mono_us();
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 6; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "fifo%d", i);
+        fixture_gate_init(&gate[i], dir, name);
+        snprintf(sh[i], sizeof(sh[i]), ": > %s/started.%d; %s", dir, i,
+                 gate[i].sh);
+        argv[i][0] = "sh";
+        argv[i][1] = "-c";
+        argv[i][2] = sh[i];
+        argv[i][3] = NULL;
+        spec_argv(&s, argv[i], 120000, 0);
         ck_assert_int_eq(exec_submit(g_fifo_loop, &s, fifo_done,
                                      (void *)(intptr_t)i, NULL),
                          0);
-    wait_done(6, 3 * SEC);
-    wall = ks_mono_us() - t0;
-    ck_assert_near_us(wall, 300000);
+    }
+    for (int pair = 0; pair < 6; pair += 2) {
+        for (int t = 0; t < 600 && !(fifo_started(dir, pair) &&
+                                     fifo_started(dir, pair + 1));
+             t++)
+            usleep(50000);
+        ck_assert_msg(fifo_started(dir, pair) && fifo_started(dir, pair + 1),
+                      "jobs %d and %d did not both start", pair, pair + 1);
+        usleep(200000); /* would a third start? */
+        ck_assert_uint_eq(exec_loop_running(g_fifo_loop), 2);
+        for (int k = pair + 2; k < 6; k++)
+            ck_assert_msg(!fifo_started(dir, k),
+                          "job %d started while %d and %d ran", k, pair,
+                          pair + 1);
+        fixture_gate_open(&gate[pair]);
+        fixture_gate_open(&gate[pair + 1]);
+    }
+    wait_done(6, 30 * SEC);
     ck_assert_uint_le(atomic_load(&g_max_running), 2);
     /* FIFO: jobs 0,1 end before 2,3, which end before 4,5. */
     for (int i = 0; i < 2; i++)
         for (int k = 2; k < 6; k++)
             ck_assert_int_lt(g_done_at[i], g_done_at[k]);
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 6; i++) {
+        ck_assert_int_eq(g_results[i].exit_code, 0);
         exec_result_release(&g_results[i]);
+    }
     exec_loop_free(g_fifo_loop);
+    char rm[64];
+    snprintf(rm, sizeof(rm), "rm -rf %s", dir);
+    ck_assert_int_eq(system(rm), 0);
 }
 END_TEST
 

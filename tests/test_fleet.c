@@ -639,9 +639,15 @@ START_TEST(fleet_over_tls_in_namespaces)
     }
 
     /* ---- revoke fleet3 while it runs a command ---------------------------- */
+    /* It runs until the test opens its gate, after it ended Lost: a
+     * `sleep 6` could end before the revocation took its connection (a
+     * loaded machine, the revoke reloads nats-server), and its result
+     * reached NATS: Succeeded, not Lost. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, home, "revoked");
     ck_assert_int_eq(ks(&o, (const char *[]){"exec", "--agent", "fleet3",
                                              "--detach", "--json", "--",
-                                             "sleep", "6", NULL}),
+                                             "sh", "-c", gate.sh, NULL}),
                      0);
     char *running = json_str(o.out, "command_id");
     ck_assert_ptr_nonnull(running);
@@ -705,12 +711,14 @@ START_TEST(fleet_over_tls_in_namespaces)
                                              NULL}),
                      125);
     fixture_out_release(&o);
-    /* What it was running never reports: the agent's end of `sleep 6`
-     * cannot reach NATS, so the broker ends it Lost, never Succeeded. */
+    /* What it was running never reports: the agent's end of it cannot
+     * reach NATS, so the broker ends it Lost, never Succeeded. */
     st = status_of(running, "Lost", 40000);
     ck_assert_msg(strcmp(st, "Lost") == 0, "%s ended %s", running, st);
     free(st);
-    /* Still nothing from it after the command's own end would have come. */
+    /* Still nothing from it after the command's own end would have come
+     * (the gate opens: were it not killed, it would end now). */
+    fixture_gate_open(&gate);
     sleep(2);
     st = status_of(running, NULL, 0);
     ck_assert_str_eq(st, "Lost");

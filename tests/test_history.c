@@ -573,12 +573,17 @@ START_TEST(local_stack_seen_by_another_user)
     host[strcspn(host, ".")] = '\0';
     snprintf(a0, sizeof(a0), "%s-0", host);
     snprintf(a1, sizeof(a1), "%s-1", host);
-    const char *run[] = {"exec", "--agent", a1, "--detach", "--", "sleep",
-                         "6", NULL};
+    /* It runs until the test has seen it counted: with `sleep 6` a
+     * loaded machine could end it before a heartbeat reported it and
+     * `kscore agents` read that. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, up_tmp, "counted");
+    const char *run[] = {"exec", "--agent", a1, "--detach", "--", "sh",
+                         "-c", gate.sh, NULL};
     ck_assert_msg(ks_home(&o, run) == 0, "%s", o.err);
     fixture_out_release(&o);
     bool seen = false;
-    for (int i = 0; i < 50 && !seen; i++) {
+    for (int i = 0; i < 150 && !seen; i++) {
         const char *ag[] = {"agents", "--json", NULL};
         ck_assert_int_eq(ks_home(&o, ag), 0);
         long r0 = -1, r1 = -1;
@@ -603,6 +608,7 @@ START_TEST(local_stack_seen_by_another_user)
             usleep(200000);
         }
     }
+    fixture_gate_open(&gate);
     ck_assert_msg(seen, "%s never reported its running command", a1);
 
     const char *down[] = {"down", NULL};

@@ -569,18 +569,23 @@ START_TEST(counters_move_during_a_batch)
         ck_assert_int_eq(o.status, i == 3 ? 3 : 0);
         fixture_out_release(&o);
     }
-    /* A running child shows in the agent's gauge while it runs. */
+    /* A running child shows in the agent's gauge while it runs: it
+     * waits at a gate until the gauge was read (a `sleep 3` could end
+     * before a loaded machine's scrapes saw it). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, stack.dir, "gauge");
     const char *slow[] = {"exec", "--agent", "m1", "--detach",
-                          "--",   "sleep",   "3",  NULL};
+                          "--",   "sh",      "-c", gate.sh, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, slow, &o), 0);
     ck_assert_int_eq(o.status, 0);
     fixture_out_release(&o);
     double running = 0;
-    for (int i = 0; i < 100 && running < 1; i++) {
+    for (int i = 0; i < 300 && running < 1; i++) {
         running = scrape(aport, "kscore_agent_running_children", NULL);
         if (running < 1)
             usleep(50000);
     }
+    fixture_gate_open(&gate);
     ck_assert(running == 1);
 
     /* The broker records asynchronously: poll until it has all five. */

@@ -200,35 +200,6 @@ unb64(const char *s, size_t *len)
     return out;
 }
 
-/* A gate: a command's step that waits until the test makes a file (at
- * most 20 s, so a failed test does not leave it running). A test that
- * wants "this came while the command still ran" holds the command at a
- * gate instead of a `sleep`: a sleep's margin is lost on a loaded
- * machine, a gate's is not. */
-static void
-gate_sh(char *dst, size_t n, const char *gate)
-{
-    snprintf(dst, n,
-             "n=0; while [ ! -e %s ] && [ $n -lt 400 ]; do sleep 0.05; "
-             "n=$((n+1)); done",
-             gate);
-}
-
-static void
-gate_path(char *dst, size_t n, const char *name)
-{
-    snprintf(dst, n, "%s/gate-%s", tmpdir, name);
-    unlink(dst);
-}
-
-static void
-gate_open(const char *gate)
-{
-    int fd = open(gate, O_WRONLY | O_CREAT, 0644);
-    ck_assert_msg(fd >= 0, "cannot make %s", gate);
-    close(fd);
-}
-
 /* ------------------------------------------------------------------------ */
 
 /* Each line reaches `kscore exec`'s stdout while the command still runs,
@@ -240,15 +211,15 @@ gate_open(const char *gate)
 START_TEST(live_output_arrives_as_written)
 {
     struct child c;
-    char gate[4][128], wait[4][256], script[2048];
+    struct fixture_gate gate[4];
+    char script[4 * sizeof(gate[0].sh) + 64];
     size_t o = 0;
     for (int i = 0; i < 4; i++) {
         char name[16];
         snprintf(name, sizeof(name), "live%d", i);
-        gate_path(gate[i], sizeof(gate[i]), name);
-        gate_sh(wait[i], sizeof(wait[i]), gate[i]);
+        fixture_gate_init(&gate[i], tmpdir, name);
         o += (size_t)snprintf(script + o, sizeof(script) - o,
-                              "date +%%s%%6N; %s; ", wait[i]);
+                              "date +%%s%%6N; %s; ", gate[i].sh);
     }
     snprintf(script + o, sizeof(script) - o, "true");
     const char *args[] = {"exec", "--agent", AGENT, "--", "sh", "-c", script,
@@ -279,7 +250,7 @@ START_TEST(live_output_arrives_as_written)
         }
         ck_assert_msg(arrived[i] >= written[i], "line %d: %s", i + 1,
                       buf + seen);
-        gate_open(gate[i]);
+        fixture_gate_open(&gate[i]);
     }
     ck_assert_int_eq(reap(&c, 10000), 0);
     fprintf(stderr, "live output lag: %.1f ms, %.1f ms, %.1f ms\n",
@@ -534,13 +505,13 @@ END_TEST
 START_TEST(logs_follow_ends_with_the_command)
 {
     /* out1 and err1, then a gate the test opens once it has out1. */
-    char gate[128], wait[256], script[512];
-    gate_path(gate, sizeof(gate), "follow");
-    gate_sh(wait, sizeof(wait), gate);
+    struct fixture_gate gate;
+    char script[sizeof(gate.sh) + 128];
+    fixture_gate_init(&gate, tmpdir, "follow");
     snprintf(script, sizeof(script),
              "echo out1; echo err1 >&2; %s; for i in 2 3; do echo out$i; "
              "echo err$i >&2; sleep 0.2; done",
-             wait);
+             gate.sh);
     const char *args[] = {"exec", "--agent", AGENT, "--detach", "--", "sh",
                           "-c", script, NULL};
     struct fixture_out o;
@@ -562,7 +533,7 @@ START_TEST(logs_follow_ends_with_the_command)
              "status = 'Running'",
              id);
     ck_assert_int_eq(sql_long(sql), 1);
-    gate_open(gate);
+    fixture_gate_open(&gate);
     ck_assert(read_until(c.out, buf, sizeof(buf), &len, "out3\n", 15000));
     ck_assert_int_eq(reap(&c, 10000), 0);
     ck_assert_str_eq(buf, "out1\nout2\nout3\n");
@@ -704,11 +675,11 @@ START_TEST(batch_stream_prints_agent_lines)
      * made the gate: a "one" printed while every target still waits is
      * live output, whatever the machine's load (a fixed `sleep 1` lost
      * that race under make test's load: CI stop 32). */
-    char gate[128], wait[256], script[512];
-    gate_path(gate, sizeof(gate), "stream");
-    gate_sh(wait, sizeof(wait), gate);
+    struct fixture_gate gate;
+    char script[sizeof(gate.sh) + 64];
+    fixture_gate_init(&gate, tmpdir, "stream");
     snprintf(script, sizeof(script), "echo one; %s; echo two; echo err >&2",
-             wait);
+             gate.sh);
     const char *args[] = {"batch", "--select", "local=true", "--stream",
                           "--", "sh", "-c", script, NULL};
     char out[8192] = "";
@@ -716,7 +687,7 @@ START_TEST(batch_stream_prints_agent_lines)
     spawn(&c, args);
     ck_assert(read_until(c.out, out, sizeof(out), &len, ": one\n", 15000));
     ck_assert_msg(!strstr(out, "two"), "before the gate: %s", out);
-    gate_open(gate);
+    fixture_gate_open(&gate);
     read_until(c.out, out, sizeof(out), &len, "\x01", 30000);
     ck_assert_int_eq(reap(&c, 10000), 0);
     char host[64];
@@ -809,13 +780,18 @@ START_TEST(agent_cannot_inject_output)
 {
     struct evt_conn *c = fixture_client(&stack);
     char id[37], sql[512];
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 3", 0, 0, id), 0);
+    /* Running until the test has its two forgeries refused (a `sleep 3`
+     * could end before wait_status saw it Running, on a loaded machine). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "inject");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     wait_status(id, "Running");
 
     publish_piece(c, "intruder", id, 1, "forged by another agent\n");
     publish_piece(c, AGENT, id, 7, "forged for another attempt\n");
     wait_rejected(id, 2);
 
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     publish_piece(c, AGENT, id, 1, "forged after the end\n");
     wait_rejected(id, 3);
@@ -865,7 +841,11 @@ START_TEST(each_byte_of_output_is_kept_once)
     a[1000] = '\0';
     memset(b, 'b', 2000);
     b[2000] = '\0';
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    /* Running until its pieces are decided: a `sleep 4` could end first
+     * on a loaded machine, and then every piece is refused as late. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "once");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     wait_status(id, "Running");
 
     publish_piece_at(c, AGENT, id, 1, at, a);              /* kept */
@@ -890,6 +870,7 @@ START_TEST(each_byte_of_output_is_kept_once)
              id);
     ck_assert_int_eq(sql_long(sql), 3);
     /* The command itself ends as it would have. */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     evt_close(c);
 }
@@ -945,13 +926,18 @@ START_TEST(no_output_is_kept_past_the_commands_cap)
     memset(a, 'a', 1000);
     a[1000] = '\0';
     const uint64_t def = EXEC_OUTPUT_CAP_AGENT_DEFAULT;
-    ck_assert_int_eq(fixture_submit(c, AGENT, "sleep 4", 0, 0, id), 0);
+    /* Both run until every piece is published (acked by the stream): a
+     * `sleep 4` could end before, on a loaded machine. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "caps");
+    ck_assert_int_eq(fixture_submit(c, AGENT, gate.sh, 0, 0, id), 0);
     /* A cap of 4096 bytes, asked for. */
-    submit_capped(c, "sleep 4", 4096, small);
+    submit_capped(c, gate.sh, 4096, small);
     wait_status(id, "Running");
     wait_status(small, "Running");
-    /* Its agent's result comes after these on the same subject, so once
-     * the command has ended they have been decided. */
+    /* Its agent's result comes after these on the same subject (the gate
+     * opens once they are published), so once the command has ended they
+     * have been decided. */
     publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a); /* kept */
     publish_piece_at(c, AGENT, id, 1, def - 500, a);  /* crosses the cap */
     publish_piece_at(c, AGENT, id, 1, def, a);                /* past it */
@@ -959,6 +945,7 @@ START_TEST(no_output_is_kept_past_the_commands_cap)
     publish_piece_at(c, AGENT, small, 1, 0, a);               /* kept */
     publish_piece_at(c, AGENT, small, 1, 4000, a);     /* crosses 4096 */
     publish_piece_at(c, AGENT, small, 1, (uint64_t)2 << 20, a); /* past */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     wait_status(small, "Succeeded");
     kept_and_past_cap(id, 1000, 3);
@@ -976,7 +963,12 @@ START_TEST(the_caps_hold_after_a_broker_restart)
     char id[37], a[1001];
     memset(a, 'a', 1000);
     a[1000] = '\0';
-    submit_capped(c, "sleep 8", 4096, id);
+    /* Running across the restart until its pieces are published: a
+     * `sleep 8` could end first while a loaded machine restarts the
+     * broker. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, tmpdir, "restart");
+    submit_capped(c, gate.sh, 4096, id);
     wait_status(id, "Running");
     evt_close(c);
     fixture_stack_broker_kill(&stack, SIGTERM);
@@ -985,6 +977,7 @@ START_TEST(the_caps_hold_after_a_broker_restart)
     publish_piece_at(c, AGENT, id, 1, 0, a);                 /* kept */
     publish_piece_at(c, AGENT, id, 1, 4000, a);       /* crosses 4096 */
     publish_piece_at(c, AGENT, id, 1, (uint64_t)1 << 20, a);  /* past */
+    fixture_gate_open(&gate);
     wait_status(id, "Succeeded");
     kept_and_past_cap(id, 1000, 2);
     evt_close(c);

@@ -448,15 +448,20 @@ log_lines(long from, const char *needle, long *end)
 START_TEST(running_command_recorded_once)
 {
     struct evt_conn *c = client();
-    char id[37], script[2 * PATH_MAX + 160], sql[256];
+    char id[37], script[5 * PATH_MAX], sql[256];
     long log_at = 0;
+    /* The command ends once PostgreSQL is down: with a `sleep 3` a loaded
+     * machine could end it before the halt, and its result was recorded
+     * at once. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, side_dir, "halted");
 
     pg_up();
     log_lines(0, "", &log_at);
     snprintf(script, sizeof(script),
-             "echo run >> %s/pgr.$KSCORE_COMMAND_ID; sleep 3; echo done;"
+             "echo run >> %s/pgr.$KSCORE_COMMAND_ID; %s; echo done;"
              " echo fin >> %s/pgr.$KSCORE_COMMAND_ID",
-             side_dir, side_dir);
+             side_dir, gate.sh, side_dir);
     ck_assert_int_eq(submit(c, script, id), 0);
     PGconn *pg = db();
     snprintf(sql, sizeof(sql),
@@ -467,6 +472,7 @@ START_TEST(running_command_recorded_once)
     PQfinish(pg);
 
     ck_assert_int_eq(fixture_pg_halt(&stack.pg), 0);
+    fixture_gate_open(&gate);
     for (int i = 0; i < 200 && runs_of(id, "fin") == 0; i++)
         sleep_ms(100);
     ck_assert_int_eq(runs_of(id, "fin"), 1);
@@ -627,7 +633,7 @@ set_read_only(PGconn *adm, bool on)
 /* One `kscore exec` run on its own thread. */
 struct exec_job {
     pthread_t th;
-    char word[32], script[PATH_MAX + 128];
+    char word[32], script[5 * PATH_MAX];
     struct fixture_out o;
 };
 
@@ -685,17 +691,30 @@ START_TEST(results_wait_while_pg_refuses_writes)
     char ids[RO_DETACHED][37], sql[512], word[32];
     struct exec_job waiting[RO_WAITING], during[RO_DURING];
     long log_at = 0;
+    /* The commands wait at a gate opened once writes are refused, and
+     * mark their end in ro-ends: with `sleep 4` a loaded machine could
+     * end the first ones before the last were Running, or before the
+     * fault. */
+    struct fixture_gate gate;
+    char ends[PATH_MAX + 16], sh_detached[5 * PATH_MAX],
+        sh_waiting[5 * PATH_MAX];
+    fixture_gate_init(&gate, side_dir, "read-only");
+    snprintf(ends, sizeof(ends), "%s/ro-ends", side_dir);
+    unlink(ends);
+    snprintf(sh_detached, sizeof(sh_detached),
+             "%s; echo x >> %s; echo done # " RO_TAG, gate.sh, ends);
+    snprintf(sh_waiting, sizeof(sh_waiting), "%s; echo x >> %s; echo \"$0\"",
+             gate.sh, ends);
 
     pg_up();
     log_lines(0, "", &log_at);
     memset(waiting, 0, sizeof(waiting));
     memset(during, 0, sizeof(during));
     for (int i = 0; i < RO_DETACHED; i++)
-        ck_assert_int_eq(submit(c, "sleep 4; echo done # " RO_TAG, ids[i]),
-                         0);
+        ck_assert_int_eq(submit(c, sh_detached, ids[i]), 0);
     for (int i = 0; i < RO_WAITING; i++) {
         snprintf(word, sizeof(word), RO_TAG "-wait-%d", i);
-        exec_job_start(&waiting[i], word, "sleep 4; echo \"$0\"");
+        exec_job_start(&waiting[i], word, sh_waiting);
     }
     PGconn *adm = db();
     /* Every command recorded and Running before the fault. */
@@ -711,10 +730,16 @@ START_TEST(results_wait_while_pg_refuses_writes)
         snprintf(word, sizeof(word), RO_TAG "-during-%d", i);
         exec_job_start(&during[i], word, "echo \"$0\"");
     }
-    /* The fault outlasts the commands (4 s) and an exec's re-ask (5 s
-     * of silence): their ends reach the recorder while writes are
-     * refused. */
-    sleep_ms(10000);
+    /* The commands end during the fault, and the fault outlasts an
+     * exec's re-ask (5 s of silence) after their ends: their ends reach
+     * the recorder while writes are refused. */
+    fixture_gate_open(&gate);
+    for (int i = 0; i < 600 && fixture_file_lines(ends) <
+                                   RO_DETACHED + RO_WAITING;
+         i++)
+        sleep_ms(100);
+    ck_assert_int_eq(fixture_file_lines(ends), RO_DETACHED + RO_WAITING);
+    sleep_ms(7000);
     PGconn *ro = db(); /* a session of the fault: reads work */
     ck_assert_int_eq(
         sql_long(ro, "SELECT count(*) FROM commands WHERE status = 'Running'"
@@ -932,7 +957,7 @@ df_runs(const char *id)
 START_TEST(a_full_disk_refuses_at_once_and_records_after)
 {
     struct evt_conn *c = client();
-    char ids[DF_DETACHED][37], word[32], script[PATH_MAX + 96], sql[768];
+    char ids[DF_DETACHED][37], word[32], script[5 * PATH_MAX], sql[768];
     struct exec_job waiting[DF_WAITING];
     long log_at = 0;
 
@@ -947,14 +972,25 @@ START_TEST(a_full_disk_refuses_at_once_and_records_after)
     ck_assert_int_eq(rc, 0);
     log_lines(0, "", &log_at);
     memset(waiting, 0, sizeof(waiting));
+    /* The commands end once the disk is full (a gate), and mark it in
+     * df.<id>: with `sleep 4` a loaded machine could end the first ones
+     * before the last were Running, or before the disk was filled, and
+     * their results were recorded at once. */
+    struct fixture_gate gate;
+    char ends[PATH_MAX + 16];
+    fixture_gate_init(&gate, side_dir, "disk-full");
+    snprintf(ends, sizeof(ends), "%s/df-ends", side_dir);
+    unlink(ends);
     snprintf(script, sizeof(script),
-             "sleep 4; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo done # "
-             DF_TAG, side_dir);
+             "%s; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo x >> %s; "
+             "echo done # " DF_TAG,
+             gate.sh, side_dir, ends);
     for (int i = 0; i < DF_DETACHED; i++)
         ck_assert_int_eq(submit(c, script, ids[i]), 0);
     snprintf(script, sizeof(script),
-             "sleep 4; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo \"$0\"",
-             side_dir);
+             "%s; echo $$ >> %s/df.$KSCORE_COMMAND_ID; echo x >> %s; "
+             "echo \"$0\"",
+             gate.sh, side_dir, ends);
     for (int i = 0; i < DF_WAITING; i++) {
         snprintf(word, sizeof(word), DF_TAG "-wait-%d", i);
         exec_job_start(&waiting[i], word, script);
@@ -967,6 +1003,7 @@ START_TEST(a_full_disk_refuses_at_once_and_records_after)
                  DF_DETACHED + DF_WAITING, 60),
         DF_DETACHED + DF_WAITING);
     ck_assert_int_eq(fixture_pg_fill_disk(&stack.pg), 0);
+    fixture_gate_open(&gate);
 
     /* A new request is refused at once, and says why. */
     struct fixture_out o = {0};
@@ -998,7 +1035,13 @@ START_TEST(a_full_disk_refuses_at_once_and_records_after)
     ck_assert_msg(secs < 3.0, "refused after %.2f s", secs);
     fixture_out_release(&o);
 
-    /* The commands end meanwhile; their results wait, unrecorded. */
+    /* The commands end meanwhile (past the gate); their results wait,
+     * unrecorded. */
+    for (int i = 0; i < 600 && fixture_file_lines(ends) <
+                                   DF_DETACHED + DF_WAITING;
+         i++)
+        sleep_ms(100);
+    ck_assert_int_eq(fixture_file_lines(ends), DF_DETACHED + DF_WAITING);
     sleep_ms(8000);
     ck_assert_int_eq(
         sql_long(adm, "SELECT count(*) FROM commands WHERE status = 'Running'"

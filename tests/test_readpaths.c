@@ -400,9 +400,13 @@ START_TEST(running_batch_has_no_exit_code_yet)
 {
     char agent0[96];
     struct fixture_out o;
+    /* Its target runs until a get has seen it Running: with `sleep 2` a
+     * loaded machine could end it before the first get. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, stack.dir, "running-batch");
     snprintf(agent0, sizeof(agent0), "%s-0", host);
     const char *args[] = {"batch", "--agents", agent0, "--detach", "--json",
-                          "--",    "sleep",    "2",    NULL};
+                          "--",    "sh",       "-c",   gate.sh, NULL};
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_msg(o.status == 0, "exit %d: %s", o.status, o.err);
     json_t *j = json_loads(o.out, 0, NULL);
@@ -428,6 +432,7 @@ START_TEST(running_batch_has_no_exit_code_yet)
         if (strcmp(st, "Running") == 0) {
             running_seen = true;
             ck_assert_msg(json_is_null(code), "running: %s", o.out);
+            fixture_gate_open(&gate);
         } else {
             ended = true;
             ck_assert_int_eq(json_integer_value(code), 0);
@@ -480,14 +485,26 @@ END_TEST
  */
 START_TEST(exec_says_when_no_broker_answers_about_its_command)
 {
-    /* Long enough to be running when the broker is back (it is killed
-     * at 1.5 s, the note comes at the next ask, 5 s, and the one after,
-     * at 10 s, reaches the new broker). */
-    const char *args[] = {"exec", "--agent", AGENT,    "--", "sh",
-                          "-c",   "sleep 16; echo done", NULL};
+    /* Running when the broker is back (the note comes at the next ask,
+     * 5 s after the kill, and the one after, at 10 s, reaches the new
+     * broker): it waits at a gate opened then. It was `sleep 16` and a
+     * kill 1.5 s after the spawn: a loaded machine could kill the broker
+     * before the command was recorded (no note about it), or end it
+     * before the broker was back. */
+    struct fixture_gate gate;
+    char script[sizeof(gate.sh) + 32], running[PATH_MAX + 256];
+    fixture_gate_init(&gate, stack.dir, "no-broker");
+    snprintf(script, sizeof(script), "%s; echo done", gate.sh);
+    snprintf(running, sizeof(running),
+             "SELECT count(*) FROM commands WHERE status = 'Running' AND "
+             "array_to_string(argv, ' ') LIKE '%%%s%%'",
+             gate.path);
+    const char *args[] = {"exec", "--agent", AGENT, "--", "sh", "-c",
+                          script, NULL};
     struct fixture_proc p;
     ck_assert_int_eq(fixture_kscore_spawn(&stack, args, false, &p), 0);
-    sleep_ms(1500);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo, running, 1, 30000),
+                     1);
     fixture_stack_broker_kill(&stack, SIGKILL);
     ck_assert_msg(fixture_proc_expect(&p, "no broker answers about command",
                                       15000) == 0,
@@ -497,6 +514,7 @@ START_TEST(exec_says_when_no_broker_answers_about_its_command)
     ck_assert_msg(fixture_proc_expect(&p, "a broker answers again", 20000) ==
                       0,
                   "%s", p.err);
+    fixture_gate_open(&gate);
     int st = fixture_proc_wait(&p, 0, 60000);
     ck_assert_msg(st == 0 && strcmp(p.out, "done\n") == 0,
                   "exit %d out '%s' err '%s'", st, p.out ? p.out : "",

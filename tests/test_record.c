@@ -391,17 +391,24 @@ START_TEST(nats_restart_mid_run)
 {
     struct evt_conn *c = client();
     PGconn *pg = db();
-    char id[37], script[PATH_MAX + 128];
+    char id[37], script[4 * PATH_MAX];
     char sql[256];
 
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-nr", "nr", NULL), 0);
+    /* Running when NATS restarts, and ends after: it waits at a gate.
+     * It was `sleep 2` and a restart 700 ms after the submit, which a
+     * loaded machine could make before the claim or after the end (the
+     * case then passed without a restart mid-run). */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, side_dir, "nats-restart");
     snprintf(script, sizeof(script),
-             "echo run >> %s/nr.$KSCORE_COMMAND_ID; sleep 2; echo done",
-             side_dir);
+             "echo run >> %s/nr.$KSCORE_COMMAND_ID; %s; echo done",
+             side_dir, gate.sh);
     ck_assert_int_eq(submit(c, "nr", script, 0, id), 0);
     evt_close(c);
-    nanosleep(&(struct timespec){0, 700 * 1000000L}, NULL);
+    ck_assert_int_eq(command_in(id, "= 'Running'", 30000), 1);
     ck_assert_int_eq(fixture_stack_nats_restart(&stack), 0);
+    fixture_gate_open(&gate);
     ck_assert_int_eq(wait_all_terminal(pg, 60), 0);
     snprintf(sql, sizeof(sql),
              "SELECT count(*) FROM events WHERE stream_id = 'command-%s' "
@@ -778,14 +785,28 @@ exec_bg_main(void *arg)
  */
 START_TEST(waiting_exec_survives_its_broker)
 {
+    /* The command runs until the broker is back: with `sleep 4` and a
+     * fixed 1.5 s before the kill, a loaded machine could kill the broker
+     * before the exec was recorded, or restart it after the command had
+     * ended, and the exec never waited across the death. */
+    struct fixture_gate gate;
+    char script[sizeof(gate.sh) + 32];
+    fixture_gate_init(&gate, side_dir, "wx");
+    snprintf(script, sizeof(script), "%s; echo done", gate.sh);
     struct exec_bg r = {.args = {"exec", "--agent", "wx", "--", "sh", "-c",
-                                 "sleep 4; echo done", NULL}};
+                                 script, NULL}};
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-wx", "wx", NULL), 0);
     ck_assert_int_eq(pthread_create(&r.th, NULL, exec_bg_main, &r), 0);
-    nanosleep(&(struct timespec){1, 500000000L}, NULL);
+    ck_assert_int_eq(fixture_wait_sql(stack.pg.conninfo,
+                                      "SELECT count(*) FROM commands WHERE "
+                                      "agent_id = 'wx' AND status = "
+                                      "'Running'",
+                                      1, 30000),
+                     1);
     fixture_stack_broker_kill(&stack, SIGKILL);
     nanosleep(&(struct timespec){1, 0}, NULL);
     ck_assert_int_eq(fixture_stack_broker_start(&stack, 0), 0);
+    fixture_gate_open(&gate);
     pthread_join(r.th, NULL);
     ck_assert_int_eq(r.rc, 0);
     ck_assert_msg(r.out.status == 0 && strcmp(r.out.out, "done\n") == 0,
@@ -986,14 +1007,23 @@ START_TEST(broker_dies_between_commit_and_ack)
     ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ca", "ca", NULL), 0);
     ck_assert_int_eq(submit(c, "ca", "true", 0, id), 0); /* warm */
     ck_assert_int_eq(command_in(id, "= 'Succeeded'", 30000), 1);
-    /* No output: the result alone, on the writer's path. */
-    ck_assert_int_eq(submit(c, "ca", "sleep 2", 0, id), 0);
+    /* No output: the result alone, on the writer's path. It comes once
+     * the row is held: with a `sleep 2` a loaded machine could record it
+     * before wait saw Running, or before the row was held. */
+    struct fixture_gate gate;
+    fixture_gate_init(&gate, side_dir, "commit-ack");
+    ck_assert_int_eq(submit(c, "ca", gate.sh, 0, id), 0);
     ck_assert_int_eq(command_in(id, "= 'Running'", 30000), 1);
     snprintf(sql, sizeof(sql),
              "BEGIN; SELECT 1 FROM streams WHERE stream_id = 'command-%s'"
              " FOR UPDATE",
              id);
-    PQclear(PQexec(hold, sql));
+    PGresult *held = PQexec(hold, sql);
+    ck_assert_msg(PQresultStatus(held) == PGRES_TUPLES_OK &&
+                      PQntuples(held) == 1,
+                  "cannot hold the row: %s", PQerrorMessage(hold));
+    PQclear(held);
+    fixture_gate_open(&gate);
     /* The result's append, in the writer, waits for the row. */
     ck_assert_int_eq(
         fixture_wait_sql(stack.pg.conninfo,
