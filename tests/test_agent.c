@@ -2234,7 +2234,7 @@ START_TEST(dead_link_stops_agent_and_broker)
     if (!agent_said || !broker_said) {
         /* Seen once in make soak (the agent exited 75 and its log had no
          * such line): the logs as they are, for the cause. */
-        char cmd[PATH_MAX + 128];
+        char cmd[2 * sizeof(ls.dir) + 128];
         snprintf(cmd, sizeof(cmd),
                  "tail -c 3000 %s/agent-lnk.log %s/broker.log >&2", ls.dir,
                  ls.dir);
