@@ -156,45 +156,15 @@ environ_command_id(const char *pid, char id[37])
  * different moments: at a wave's end (8 exit, 4 start) that counted 9 to
  * 12 processes for 8 slots.
  */
+/* One pass over /proc: the processes of these commands into found (up to
+ * 256), with the index in ids of each one's command into of. */
 static int
-procs_of_commands(char (*ids)[37], int n)
+scan_command_procs(char (*ids)[37], int n, pid_t *found, int *of)
 {
-    pid_t found[256];
-    int nf = 0, alive = 0;
+    int nf = 0;
     DIR *d = opendir("/proc");
     struct dirent *de;
 
-    while (d && (de = readdir(d)) && nf < 256) {
-        char id[37];
-        if (de->d_name[0] < '0' || de->d_name[0] > '9' ||
-            !environ_command_id(de->d_name, id))
-            continue;
-        for (int i = 0; i < n; i++)
-            if (!strcmp(ids[i], id)) {
-                found[nf++] = atoi(de->d_name);
-                break;
-            }
-    }
-    if (d)
-        closedir(d);
-    for (int i = 0; i < nf; i++)
-        alive += !pid_dead(found[i]);
-    return alive;
-}
-
-/* How many of these commands have a live process at one moment (one
- * pass, as procs_of_commands): a command held at a gate is a shell and,
- * now and then, its `sleep`. */
-static int
-commands_with_procs(char (*ids)[37], int n)
-{
-    pid_t found[256];
-    int of[256], nf = 0, count = 0;
-    bool live[64] = {false};
-    DIR *d = opendir("/proc");
-    struct dirent *de;
-
-    ck_assert_int_le(n, 64);
     while (d && (de = readdir(d)) && nf < 256) {
         char id[37];
         if (de->d_name[0] < '0' || de->d_name[0] > '9' ||
@@ -209,6 +179,32 @@ commands_with_procs(char (*ids)[37], int n)
     }
     if (d)
         closedir(d);
+    return nf;
+}
+
+static int
+procs_of_commands(char (*ids)[37], int n)
+{
+    pid_t found[256];
+    int of[256], alive = 0;
+    int nf = scan_command_procs(ids, n, found, of);
+    for (int i = 0; i < nf; i++)
+        alive += !pid_dead(found[i]);
+    return alive;
+}
+
+/* How many of these commands have a live process at one moment (one
+ * pass, as procs_of_commands): a command held at a gate is a shell and,
+ * now and then, its `sleep`. */
+static int
+commands_with_procs(char (*ids)[37], int n)
+{
+    pid_t found[256];
+    int of[256], count = 0;
+    bool live[64] = {false};
+
+    ck_assert_int_le(n, 64);
+    int nf = scan_command_procs(ids, n, found, of);
     for (int i = 0; i < nf; i++)
         if (!pid_dead(found[i]) && !live[of[i]]) {
             live[of[i]] = true;
