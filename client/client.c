@@ -132,17 +132,14 @@ broker_execute(struct evt_conn *c, const Ks__ExecuteRequest *req,
     return broker_execute_hooks(c, req, timeout_ms, NULL, out);
 }
 
-/* How many times c's connection has reconnected (nats.c's statistics);
- * 0 when it cannot tell. */
+/* How many times c's connection has reconnected (nats.c's statistics,
+ * into st, made once per wait); 0 when it cannot tell. */
 static uint64_t
-conn_reconnects(struct evt_conn *c)
+conn_reconnects(struct evt_conn *c, natsStatistics *st)
 {
-    natsStatistics *st = NULL;
     uint64_t n = 0;
-    if (natsStatistics_Create(&st) == NATS_OK &&
-        natsConnection_GetStats(c->nc, st) == NATS_OK)
+    if (st && natsConnection_GetStats(c->nc, st) == NATS_OK)
         natsStatistics_GetCounts(st, NULL, NULL, NULL, NULL, &n);
-    natsStatistics_Destroy(st);
     return n;
 }
 
@@ -154,6 +151,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
     Ks__ExecuteRequest r = *req;
     struct evt_inbox *ib = NULL;
     char subject[192], again[192], key[48], id[37] = "";
+    natsStatistics *stats = NULL;
     uint8_t *buf = NULL;
     size_t len = 0;
     int rc;
@@ -207,7 +205,9 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
              c->identity);
     int64_t start = ks_mono_us(), heard = start, asked = start;
     bool answered = false; /* the last ask was answered */
-    uint64_t reconnects = conn_reconnects(c);
+    if (natsStatistics_Create(&stats) != NATS_OK)
+        stats = NULL; /* no early ask at a reconnect: the silences' do */
+    uint64_t reconnects = conn_reconnects(c, stats);
     unsigned asks = 1;
     bool silent = false; /* said so through h->silence */
     if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len)))
@@ -330,7 +330,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         bool unanswered = !answered && (asks > 1 || r.live_output) &&
                           now - asked >= (int64_t)EXEC_UNANSWERED_MS * 1000;
         int64_t reask_us = (int64_t)BROKER_EXEC_REASK_MS * 1000;
-        uint64_t rn = conn_reconnects(c);
+        uint64_t rn = conn_reconnects(c, stats);
         bool back = rn != reconnects &&
                     natsConnection_Status(c->nc) == NATS_CONN_STATUS_CONNECTED;
         if (back)
@@ -364,6 +364,7 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
         }
     }
 out:
+    natsStatistics_Destroy(stats);
     evt_inbox_give(ib);
     free(buf);
     return rc;

@@ -23,6 +23,22 @@
 #include "events.h"
 #include "events_int.h"
 
+/* A JetStream API call's failure (s, and the error code of its reply) as
+ * kscore's: KS_ENOTFOUND when the stream is gone or the reply's code is
+ * missing (what the call asked for is not there), KS_EUNAVAIL for 10008
+ * (a member of the raft group answers that it has no leader: an
+ * election, or no quorum), else KS_ENATS or nats.c's status. */
+static int
+api_rc(natsStatus s, jsErrCode jerr, jsErrCode missing)
+{
+    if (s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr ||
+        (missing && jerr == missing))
+        return KS_ENOTFOUND;
+    return jerr == JSClusterNotAvailErr ? KS_EUNAVAIL
+           : s == NATS_OK             ? KS_ENATS
+                                      : evt_err(s);
+}
+
 int
 evt_consumer_state(struct evt_conn *c, const char *stream, const char *durable,
                    int timeout_ms, struct evt_consumer_state *out)
@@ -35,18 +51,9 @@ evt_consumer_state(struct evt_conn *c, const char *stream, const char *durable,
     jsOptions_Init(&jo);
     jo.Wait = timeout_ms;
     s = js_GetConsumerInfo(&ci, c->js, stream, durable, &jo, &jerr);
-    if (s == NATS_NOT_FOUND || jerr == JSConsumerNotFoundErr ||
-        jerr == JSStreamNotFoundErr) {
-        jsConsumerInfo_Destroy(ci);
-        return KS_ENOTFOUND;
-    }
     if (s != NATS_OK || !ci) {
         jsConsumerInfo_Destroy(ci);
-        /* 10008: a member of the consumer's group answers that the group
-         * has no leader (an election, or no quorum). */
-        return jerr == JSClusterNotAvailErr ? KS_EUNAVAIL
-               : s == NATS_OK             ? KS_ENATS
-                                          : evt_err(s);
+        return api_rc(s, jerr, JSConsumerNotFoundErr);
     }
     memset(out, 0, sizeof(*out));
     out->created_ns = ci->Created;
@@ -80,11 +87,7 @@ evt_stream_stored(struct evt_conn *c, const char *stream, const char *filter,
     s = js_GetStreamInfo(&si, c->js, stream, &jo, &jerr);
     if (s != NATS_OK || !si) {
         jsStreamInfo_Destroy(si);
-        return s == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr
-                   ? KS_ENOTFOUND
-               : jerr == JSClusterNotAvailErr ? KS_EUNAVAIL
-               : s == NATS_OK                 ? KS_ENATS
-                                              : evt_err(s);
+        return api_rc(s, jerr, 0);
     }
     if (si->State.Subjects)
         for (int i = 0; i < si->State.Subjects->Count; i++)
@@ -107,12 +110,7 @@ evt_stream_holds(struct evt_conn *c, const char *stream, uint64_t seq,
     jo.Wait = timeout_ms;
     s = js_GetMsg(&m, c->js, stream, seq, &jo, &jerr);
     natsMsg_Destroy(m);
-    if (s == NATS_OK)
-        return 0;
-    if (s == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr ||
-        jerr == JSStreamNotFoundErr)
-        return KS_ENOTFOUND;
-    return jerr == JSClusterNotAvailErr ? KS_EUNAVAIL : evt_err(s);
+    return s == NATS_OK ? 0 : api_rc(s, jerr, JSNoMessageFoundErr);
 }
 
 /* The JetStream API's error in a reply, as "<description> (<code>/
