@@ -69,26 +69,43 @@ remote_ended(struct broker *b, const char *command_id)
 }
 
 /* The command's publish, overlapping its record (on_execute). rc: 1 not
- * run, else evt_publish_command's. */
+ * run, else evt_publish_command's; later: not taken at once, so the
+ * publisher's (publisher.c) once recorded. */
 struct dispatch_pub {
     struct broker *b;
     struct broker__worker *wk;
     const Ks__Command *cmd;
     char pool[EVT_AGENT_ID_MAX + 1];
     int rc;
+    bool later;
     uint64_t seq; /* KSCORE_CMDS stream sequence, on rc 0 */
 };
+
+/* Publishes dp's command with one try of up to BROKER_PUBLISH_INLINE_MS,
+ * or none while the publisher has commands the stream did not take (it
+ * would not take this one either: an election). Either way the worker is
+ * not held for the election's length. */
+static void
+publish_now(struct dispatch_pub *dp)
+{
+    if (broker__publisher_busy(dp->b)) {
+        dp->rc = KS_EUNAVAIL;
+        dp->later = true;
+        return;
+    }
+    atomic_store(&dp->wk->publishing_us, ks_mono_us());
+    dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
+                                 BROKER_PUBLISH_INLINE_MS, &dp->seq);
+    atomic_store(&dp->wk->publishing_us, 0);
+    dp->later = dp->rc != 0 && dp->rc != KS_ETOOBIG;
+    if (dp->rc == 0)
+        ks_trace("broker.command_published", dp->cmd->command_id);
+}
 
 static void
 publish_between(void *ud)
 {
-    struct dispatch_pub *dp = ud;
-    /* Tried again while KSCORE_CMDS elects a leader (events.h). */
-    atomic_store(&dp->wk->publishing_us, ks_mono_us());
-    dp->rc = evt_publish_command(dp->b->nc, dp->b->signer, dp->cmd, dp->pool,
-                                 EVT_PUBLISH_RETRY_MS, &dp->seq);
-    atomic_store(&dp->wk->publishing_us, 0);
-    ks_trace("broker.command_published", dp->cmd->command_id);
+    publish_now(ud);
 }
 
 static void
@@ -562,28 +579,28 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         }
         goto out;
     }
-    if (dp.rc == 1) {
-        atomic_store(&wk->publishing_us, ks_mono_us());
-        rc = evt_publish_command(b->nc, b->signer, &cmd, dp.pool,
-                                 EVT_PUBLISH_RETRY_MS, &dp.seq);
-        atomic_store(&wk->publishing_us, 0);
-        ks_trace("broker.command_published", command_id);
+    if (dp.rc == 1)
+        publish_now(&dp);
+    rc = dp.rc;
+    if (rc == 0) {
+        broker__admit_stored(b, command_id, dp.seq);
+        ks_log(KS_LOG_DEBUG, "command dispatched",
+               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
+               KS_I("attempt", cmd.attempt),
+               KS_S("operator", cmd.operator_));
+    } else if (dp.later && broker__publish_later(b, &cmd, dp.pool,
+                                                 disp_ev.deliver_by_us) ==
+                               0) {
+        ks_log(KS_LOG_DEBUG, "publish handed to the publisher",
+               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
+               KS_ERR(rc));
     } else {
-        rc = dp.rc;
-    }
-    if (rc) {
         /* Recorded as Dispatched: the deadline scanner re-publishes it or
          * ends it Undeliverable, so the client still gets a terminal
          * state. */
         ks_log(KS_LOG_WARN, "publish failed; the scanner retries",
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_I("attempt", cmd.attempt), KS_ERR(rc));
-    } else {
-        broker__admit_stored(b, command_id, dp.seq);
-        ks_log(KS_LOG_DEBUG, "command dispatched",
-               KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
-               KS_I("attempt", cmd.attempt),
-               KS_S("operator", cmd.operator_));
     }
     if (req->detach || req->live_output) {
         /* Detached: the answer. Live: the command's id, first (the
@@ -1743,6 +1760,8 @@ broker_teardown(struct broker *b)
     }
     /* What the intake took in is served before anything below stops. */
     broker__admit_stop(b);
+    /* What the workers handed over is tried once more. */
+    broker__publisher_stop(b);
     broker__follow_stop(b);
     broker__scanner_stop(b);
     broker__guard_stop(b);
@@ -1986,7 +2005,8 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if (rc)
             goto out;
     }
-    if ((rc = broker__follow_start(&b)))
+    if ((rc = broker__follow_start(&b)) ||
+        (rc = broker__publisher_start(&b)))
         goto out;
     if ((rc = fq_start_all(&b, errmsg)) ||
         (rc = subscribe(&b, EVT_API_EXECUTE, BROKER_FQ_EXECUTE,

@@ -112,6 +112,10 @@ struct broker__follower {
  * elsewhere, tried again after each lock_timeout (broker.c on_execute;
  * ms). */
 #define BROKER_LOCKED_WAIT_MS 60000
+/* An exec worker's own publish of a command: one try of this long (ms);
+ * a stream that does not take it by then (a PubAck takes milliseconds;
+ * an election takes seconds) gets it from the publisher (publisher.c). */
+#define BROKER_PUBLISH_INLINE_MS 1000
 /* How long the scanner's and the registry's statements wait for a lock
  * (store_set_lock_timeout; ms): each serves every command or agent in
  * turn, so one stream or agents row held by a stalled transaction (a
@@ -322,6 +326,7 @@ struct broker {
     atomic_int reg_reaping;
 
     struct broker__guard *guard;     /* stall.c */
+    struct broker__publisher *publisher; /* publisher.c */
     struct broker__batches *batches; /* batch.c */
     struct broker__admit *admit;     /* admit.c: in flight, the intake */
     struct store *st_batch;
@@ -640,6 +645,22 @@ int broker__js_wait(struct broker *b, const char *what,
  * view's last entry, not now, so it agrees with the others. Takes
  * b->mu. */
 bool broker__guard_owner(struct broker *b, const char *name);
+
+/* The publisher (publisher.c): commands recorded whose publish the
+ * stream did not take at once (its leader elected), tried again on a
+ * thread of its own, a window at a time, oldest first, each until 0.5 s
+ * before its attempt's deadline (deliver_by_us, epoch us; then the
+ * scanner's). _start: 0, -ENOMEM or KS_EINTERNAL. _stop: what is queued
+ * is tried once more, then dropped (it stays Dispatched: the scanner's).
+ * _busy: anything queued or being published (the exec workers then queue
+ * theirs behind it). _later: queues a copy of cmd (the caller keeps cmd);
+ * 0, -ENOMEM, KS_EUNAVAIL (stopping). Any thread. */
+struct broker__publisher;
+int broker__publisher_start(struct broker *b);
+void broker__publisher_stop(struct broker *b);
+bool broker__publisher_busy(struct broker *b);
+int broker__publish_later(struct broker *b, const Ks__Command *cmd,
+                          const char *pool, int64_t deliver_by_us);
 
 /* The consumer guard (stall.c): notices a consumer of KSCORE_CMDS that
  * has work for an agent with free slots and delivers nothing, and repairs
