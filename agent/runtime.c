@@ -1650,6 +1650,11 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (seen == cmd->attempt + 1)
             reject(slot, cmd->command_id, cmd->attempt,
                    "replay: this agent has already claimed this command");
+        ks_log(KS_LOG_INFO,
+               "a delivery of a command this process claimed before: "
+               "refused (+TERM)",
+               KS_S("agent", slot->id), KS_S("command_id", cmd->command_id),
+               KS_I("attempt", cmd->attempt), KS_I("delivery", delivered));
         /* else a re-dispatch that lost the race against our own claim */
         agent__ack(a, reply, "+TERM");
         goto out;

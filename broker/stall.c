@@ -419,9 +419,13 @@ classify(struct broker__guard *g, const struct suspect *x,
     if (cs->max_ack_pending > 0 && cs->ack_pending >= cs->max_ack_pending) {
         snprintf(why, len,
                  "%lld unacked messages fill its %lld slots while the agent "
-                 "runs %u of %u",
+                 "runs %u of %u (its last delivery #%llu, stream sequence "
+                 "%llu; leader %s)",
                  (long long)cs->ack_pending, (long long)cs->max_ack_pending,
-                 x->co.running, x->co.max_concurrent);
+                 x->co.running, x->co.max_concurrent,
+                 (unsigned long long)cs->delivered,
+                 (unsigned long long)cs->delivered_stream_seq,
+                 cs->leader[0] ? cs->leader : "-");
         return STALL_UNACKED;
     }
     if (cs->pending > 0) {
