@@ -16,9 +16,11 @@
  * making the consumer again clears unacked messages nobody holds.
  */
 #include <jansson.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "events.h"
 #include "events_int.h"
@@ -172,18 +174,61 @@ evt_consumer_stepdown(struct evt_conn *c, const char *stream,
     return rc;
 }
 
+/* Tries of a remake whose delete has not taken yet, and the pause
+ * before each again (ms). */
+#define REMAKE_TRIES 8
+#define REMAKE_PAUSE_MS 250
+
 int
 evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                     char **errmsg)
 {
-    int rc = evt_consumer_delete(c, d->stream, d->durable);
-    /* Gone already (another broker's repair, or its deletion was what went
-     * wrong): made below all the same. */
-    if (rc && rc != KS_ENOTFOUND) {
-        if (errmsg && asprintf(errmsg, "consumer %s (delete): %s",
-                               d->durable, nats_GetLastError(NULL)) < 0)
-            *errmsg = NULL;
-        return rc;
+    /*
+     * On a cluster a consumer's delete is answered before every node has
+     * let go of it: its info, asked at once, can still come from the old
+     * consumer's group, and evt_consumer_ensure then keeps it ("as
+     * asked"). That remake did nothing while it said it had (test_cluster
+     * a_consumer_stalled_by_a_lost_ack_is_repaired under make soak: the
+     * consumer after it still showed "last delivery #2, stream sequence 2,
+     * 1 unacked", and the guard had to repair it a second time). So the
+     * consumer made is checked against the old one's creation time, and
+     * while it is the old one the delete and the create are tried again.
+     * A consumer made anew by someone else meanwhile (another broker's
+     * repair) has another creation time, and is kept.
+     */
+    struct evt_consumer_state old = {0};
+    bool known = evt_consumer_state(c, d->stream, d->durable, 1000, &old) ==
+                     0 &&
+                 old.created_ns != 0;
+    for (int tries = 1;; tries++) {
+        enum evt_consumer_change change = EVT_CONSUMER_KEPT;
+        int rc = evt_consumer_delete(c, d->stream, d->durable);
+        /* Gone already (another broker's repair, or its deletion was what
+         * went wrong): made below all the same. */
+        if (rc && rc != KS_ENOTFOUND) {
+            if (errmsg && asprintf(errmsg, "consumer %s (delete): %s",
+                                   d->durable, nats_GetLastError(NULL)) < 0)
+                *errmsg = NULL;
+            return rc;
+        }
+        if ((rc = evt_consumer_ensure(c, d, &change, errmsg)))
+            return rc;
+        if (change == EVT_CONSUMER_CREATED || change == EVT_CONSUMER_REPLACED)
+            return 0;
+        struct evt_consumer_state now = {0};
+        if (!known ||
+            evt_consumer_state(c, d->stream, d->durable, 1000, &now) != 0 ||
+            now.created_ns != old.created_ns)
+            return 0; /* (one made by someone else, or cannot tell) */
+        if (tries == REMAKE_TRIES) {
+            if (errmsg &&
+                asprintf(errmsg,
+                         "consumer %s: still the old one (made at %lld ns) "
+                         "after %d deletes",
+                         d->durable, (long long)old.created_ns, tries) < 0)
+                *errmsg = NULL;
+            return KS_EUNAVAIL;
+        }
+        nanosleep(&(struct timespec){0, REMAKE_PAUSE_MS * 1000000L}, NULL);
     }
-    return evt_consumer_ensure(c, d, NULL, errmsg);
 }

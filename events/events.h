@@ -1037,8 +1037,14 @@ int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
  * work-queue stream (KSCORE_CMDS) the messages stay until acked, and the
  * new consumer delivers every one again (the claim fence keeps one run; an
  * agent holding a message takes the new delivery's ack subject). A
- * consumer already gone is just made. 0, or KS_ENATS / as evt_err with
- * *errmsg (malloc'd, may be NULL). Any thread.
+ * consumer already gone is just made. On a cluster a delete is answered
+ * before every node lets go of the consumer, so the consumer made is
+ * checked against the old one's creation time (evt_consumer_state), and
+ * while it is still the old one the delete and the create are tried
+ * again, every 250 ms up to 8 times (then KS_EUNAVAIL); one made anew by
+ * someone else meanwhile is kept. Blocks up to about 2 s plus its API
+ * requests. 0, or KS_ENATS / KS_EUNAVAIL / as evt_err with *errmsg
+ * (malloc'd, may be NULL). Any thread.
  */
 int evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                         char **errmsg);
