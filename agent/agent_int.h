@@ -202,6 +202,7 @@ struct agent {
     /* Rate limits of log lines (mono us; their own threads). */
     int64_t pub_err_logged_us, hb_err_logged_us;
     _Atomic int64_t foreign_logged_us;
+    _Atomic int64_t replay_logged_us; /* a claimed command delivered again */
     /* A lost exit status, a state dir that takes no more writes. */
     _Atomic int64_t status_lost_logged_us, journal_err_logged_us,
         outbox_err_logged_us, claim_err_logged_us;

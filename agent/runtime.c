@@ -1650,12 +1650,15 @@ on_command(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
         if (seen == cmd->attempt + 1)
             reject(slot, cmd->command_id, cmd->attempt,
                    "replay: this agent has already claimed this command");
-        ks_log(KS_LOG_INFO,
-               "a delivery of a command this process claimed before: "
-               "refused (+TERM)",
-               KS_S("agent", slot->id), KS_S("command_id", cmd->command_id),
-               KS_I("attempt", cmd->attempt), KS_I("delivery", delivered));
         /* else a re-dispatch that lost the race against our own claim */
+        if (agent__log_due(&a->replay_logged_us))
+            ks_log(KS_LOG_INFO,
+                   "a delivery of a command this process claimed before: "
+                   "refused (+TERM)",
+                   KS_S("agent", slot->id),
+                   KS_S("command_id", cmd->command_id),
+                   KS_I("attempt", cmd->attempt),
+                   KS_I("delivery", delivered));
         agent__ack(a, reply, "+TERM");
         goto out;
     }

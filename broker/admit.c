@@ -582,8 +582,8 @@ claims_pending(struct broker *b, const char *agent_id)
 
 /*
  * Notes a JetStream stall on the broker's connection (evt_js_stall: the
- * commands' publishes tried again while KSCORE_CMDS elects a leader, up to
- * EVT_PUBLISH_RETRY_MS). Every request in the intake while a stall goes
+ * commands' publishes tried again while KSCORE_CMDS elects a leader, by
+ * the publisher, publisher.c, or a worker's one try). Every request in the intake while a stall goes
  * on, or when one has ended since the last note, waits for the stream,
  * not for kscore: the stall's, never counted as kscore's own queue (else
  * each election refused every command for its length and its drain:
@@ -910,6 +910,7 @@ intake_serve(void *worker_ud, void *ctx, void *item)
     int stalled = 0;
 
     evt_js_stall(wk->b->nc, NULL, &r0);
+    wk->publish_handed = false;
     int64_t t0 = ks_mono_us();
     a->handler(NULL, NULL, item, wk); /* destroys the message */
     int64_t t1 = ks_mono_us();
@@ -917,7 +918,8 @@ intake_serve(void *worker_ud, void *ctx, void *item)
     /* A request that waited for a stream (its publish tried again), or
      * for this process to run again, says nothing of kscore's own time
      * per request. */
-    if (r1 == r0 && !stalled && !paused_since(wk->b, t0, t1)) {
+    if (r1 == r0 && !stalled && !wk->publish_handed &&
+        !paused_since(wk->b, t0, t1)) {
         pthread_mutex_lock(&a->mu);
         a->exec_us = ewma(a->exec_us, (double)(t1 - t0));
         pthread_mutex_unlock(&a->mu);

@@ -1141,9 +1141,9 @@ turn(struct broker *b, struct batch **touched, size_t nt)
             pool_of[i] = pools[i];
         }
         uint64_t *seqs = calloc(p.npub, sizeof(*seqs));
-        int failed = evt_publish_commands(b->nc, b->signer, p.publish,
-                                          pools && pool_of ? pool_of : NULL,
-                                          p.npub, EVT_PUBLISH_RETRY_MS, seqs);
+        int failed = evt_publish_commands(
+            b->nc, b->signer, p.publish, pools && pool_of ? pool_of : NULL,
+            p.npub, EVT_PUBLISH_RETRY_MS, seqs, NULL);
         free(pool_of);
         free(pools);
         if (ks_trace_on())

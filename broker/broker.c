@@ -90,7 +90,7 @@ publish_now(struct dispatch_pub *dp)
 {
     if (broker__publisher_busy(dp->b)) {
         dp->rc = KS_EUNAVAIL;
-        dp->later = true;
+        dp->later = dp->wk->publish_handed = true;
         return;
     }
     atomic_store(&dp->wk->publishing_us, ks_mono_us());
@@ -98,6 +98,10 @@ publish_now(struct dispatch_pub *dp)
                                  BROKER_PUBLISH_INLINE_MS, &dp->seq);
     atomic_store(&dp->wk->publishing_us, 0);
     dp->later = dp->rc != 0 && dp->rc != KS_ETOOBIG;
+    /* Even a first try that timed out (no second one: not counted as a
+     * JetStream retry) waited for the stream, not for kscore. */
+    if (dp->later)
+        dp->wk->publish_handed = true;
     if (dp->rc == 0)
         ks_trace("broker.command_published", dp->cmd->command_id);
 }
@@ -1792,6 +1796,7 @@ broker_teardown(struct broker *b)
     store_close(b->st_notice);
     store_close(b->st_blob);
     broker__admit_free(b);
+    broker__publisher_free(b);
     evt_signer_free(b->signer);
     broker__policy_free(b->policy);
     evt_verifier_free(b->local_trust);
@@ -1910,6 +1915,9 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         goto out;
     if ((rc = broker__jetstream_ready(&b, errmsg)))
         goto out;
+    /* Before admission and the batches, which ask whether it is busy. */
+    if ((rc = broker__publisher_start(&b)))
+        goto out;
     /* Before the batches: they pace their targets by its figures. */
     if ((rc = broker__admit_start(&b, on_execute))) {
         if (errmsg && asprintf(errmsg, "exec workers: %s",
@@ -2005,8 +2013,7 @@ broker_run(const struct broker_opts *opts, char **errmsg)
         if (rc)
             goto out;
     }
-    if ((rc = broker__follow_start(&b)) ||
-        (rc = broker__publisher_start(&b)))
+    if ((rc = broker__follow_start(&b)))
         goto out;
     if ((rc = fq_start_all(&b, errmsg)) ||
         (rc = subscribe(&b, EVT_API_EXECUTE, BROKER_FQ_EXECUTE,

@@ -175,6 +175,10 @@ struct broker__worker {
     /* An exec worker: when its command's publish began, 0 while it is
      * not publishing (admission: broker/admit.c stall_note). */
     _Atomic int64_t publishing_us;
+    /* Its last request's publish was handed to the publisher (the
+     * stream did not take it at once): its time was the stream's, not a
+     * sample of kscore's own (admit.c intake_serve). Its own thread. */
+    bool publish_handed;
 };
 
 /*
@@ -650,14 +654,22 @@ bool broker__guard_owner(struct broker *b, const char *name);
  * stream did not take at once (its leader elected), tried again on a
  * thread of its own, a window at a time, oldest first, each until 0.5 s
  * before its attempt's deadline (deliver_by_us, epoch us; then the
- * scanner's). _start: 0, -ENOMEM or KS_EINTERNAL. _stop: what is queued
- * is tried once more, then dropped (it stays Dispatched: the scanner's).
+ * scanner's) or before the stream's duplicate window from now ends,
+ * whichever is first; one the stream refuses for good (an error PubAck
+ * other than 503, too large) at once. Whatever it gives up stays
+ * Dispatched: the scanner's. _start: 0, -ENOMEM or KS_EINTERNAL. _stop
+ * (after the exec workers stopped): what is queued is tried once more
+ * (the window being published is cut at PUBLISHER_WINDOW_MS), then
+ * dropped; its thread joined. _free (after every thread that may ask
+ * _busy: the batches, admission): stops it if need be and frees it.
  * _busy: anything queued or being published (the exec workers then queue
  * theirs behind it). _later: queues a copy of cmd (the caller keeps cmd);
- * 0, -ENOMEM, KS_EUNAVAIL (stopping). Any thread. */
+ * 0, -ENOMEM, kproto_pack's error, KS_EUNAVAIL (stopping, or no
+ * publisher). Any thread. */
 struct broker__publisher;
 int broker__publisher_start(struct broker *b);
 void broker__publisher_stop(struct broker *b);
+void broker__publisher_free(struct broker *b);
 bool broker__publisher_busy(struct broker *b);
 int broker__publish_later(struct broker *b, const Ks__Command *cmd,
                           const char *pool, int64_t deliver_by_us);

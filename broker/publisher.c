@@ -31,8 +31,13 @@
 #include "broker_int.h"
 
 /* A command stops being tried this long before its attempt's deadline,
- * when the scanner may publish the next attempt (us). */
+ * when the scanner may publish the next attempt, or before the stream's
+ * duplicate window since its first try ends (a copy stored with its
+ * PubAck lost would be stored again after it) (us). */
 #define PUBLISHER_MARGIN_US (500 * 1000)
+/* One window's budget at most (ms): the stop flag is looked at between
+ * windows. */
+#define PUBLISHER_WINDOW_MS (2 * EVT_PUBLISH_TRY_MS)
 
 struct pub_item {
     struct pub_item *next;
@@ -95,6 +100,7 @@ publish_window(struct broker__publisher *p)
     Ks__Command *cmds[EVT_JS_WINDOW_MAX];
     const char *pools[EVT_JS_WINDOW_MAX];
     uint64_t seqs[EVT_JS_WINDOW_MAX];
+    int rcs[EVT_JS_WINDOW_MAX];
     size_t n = 0;
     bool stop;
 
@@ -128,8 +134,8 @@ publish_window(struct broker__publisher *p)
     }
     if (k == 0)
         return true;
-    if (budget_us > (int64_t)EVT_PUBLISH_RETRY_MS * 1000)
-        budget_us = (int64_t)EVT_PUBLISH_RETRY_MS * 1000;
+    if (budget_us > (int64_t)PUBLISHER_WINDOW_MS * 1000)
+        budget_us = (int64_t)PUBLISHER_WINDOW_MS * 1000;
     /* Stopping: one try each; what the stream does not take then stays
      * Dispatched for the scanner (this broker's next start, or another). */
     if (stop && budget_us > (int64_t)EVT_PUBLISH_TRY_MS * 1000)
@@ -138,14 +144,23 @@ publish_window(struct broker__publisher *p)
         cmds[i] = win[i]->cmd;
         pools[i] = win[i]->pool;
     }
+    int64_t t0 = ks_mono_us();
     evt_publish_commands(b->nc, b->signer, cmds, pools, k,
                          budget_us / 1000 > 0 ? (int)(budget_us / 1000) : 1,
-                         seqs);
+                         seqs, rcs);
+    /* An error PubAck before the budget ran out is the stream's "never"
+     * (a 503 "not now" is tried again to the end of it). */
+    bool early = ks_mono_us() - t0 < budget_us - 100 * 1000;
 
+    pthread_mutex_lock(&p->mu);
+    stop = p->stop;
+    pthread_mutex_unlock(&p->mu);
     struct pub_item *again = NULL, *again_tail = NULL;
     now = ks_now_us();
     for (size_t i = 0; i < k; i++) {
         struct pub_item *it = win[i];
+        bool never = rcs[i] == KS_ETOOBIG || rcs[i] == KS_EINVAL ||
+                     (rcs[i] == KS_ENATS && early);
         if (seqs[i]) {
             broker__admit_stored(b, it->cmd->command_id, seqs[i]);
             ks_trace("broker.command_published", it->cmd->command_id);
@@ -154,7 +169,7 @@ publish_window(struct broker__publisher *p)
                    KS_S("agent", it->cmd->agent_id),
                    KS_I("waited_ms",
                         (ks_mono_us() - it->queued_mono_us) / 1000));
-        } else if (!stop && it->until_us > now) {
+        } else if (!stop && !never && it->until_us > now) {
             it->next = NULL;
             if (again_tail)
                 again_tail->next = it;
@@ -163,8 +178,9 @@ publish_window(struct broker__publisher *p)
             again_tail = it;
             continue;
         } else {
-            give_up(b, it, stop ? "the broker stops"
-                                : "the stream did not take it");
+            give_up(b, it, stop    ? "the broker stops"
+                           : never ? ks_strerror(rcs[i])
+                                   : "the stream did not take it");
         }
         atomic_fetch_sub(&p->waiting, 1);
         item_free(it);
@@ -221,10 +237,24 @@ broker__publisher_stop(struct broker *b)
     pthread_mutex_unlock(&p->mu);
     if (p->started)
         pthread_join(p->thread, NULL);
+    p->started = false;
+    pthread_mutex_lock(&p->mu);
     for (struct pub_item *it = p->head, *nx; it; it = nx) {
         nx = it->next;
         item_free(it);
     }
+    p->head = p->tail = NULL;
+    atomic_store(&p->waiting, 0);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void
+broker__publisher_free(struct broker *b)
+{
+    struct broker__publisher *p = b->publisher;
+    if (!p)
+        return;
+    broker__publisher_stop(b);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -264,6 +294,12 @@ broker__publish_later(struct broker *b, const Ks__Command *cmd,
     }
     snprintf(it->pool, sizeof(it->pool), "%s", pool ? pool : "");
     it->until_us = deliver_by_us - PUBLISHER_MARGIN_US;
+    /* (its first try was just now) */
+    int64_t dup_end = ks_now_us() +
+                      (int64_t)EVT_DUPLICATE_WINDOW_MS * 1000 -
+                      PUBLISHER_MARGIN_US;
+    if (it->until_us > dup_end)
+        it->until_us = dup_end;
     it->queued_mono_us = ks_mono_us();
     pthread_mutex_lock(&p->mu);
     if (p->stop) {

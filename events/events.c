@@ -827,7 +827,8 @@ evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
 int
 evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                      Ks__Command *const *cmds, const char *const *pools,
-                     size_t n, int timeout_ms, uint64_t *seqs_out)
+                     size_t n, int timeout_ms, uint64_t *seqs_out,
+                     int *rcs_out)
 {
     struct cmd_msg m[EVT_JS_WINDOW_MAX];
     struct evt_js_msg w[EVT_JS_WINDOW_MAX];
@@ -848,8 +849,11 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
             const Ks__Command *cmd = cmds[off + i];
             struct cmd_msg *cm = &m[nw];
             memset(cm, 0, sizeof(*cm));
-            if (cmd_msg_make(signer, cmd, pools ? pools[off + i] : NULL,
-                             cm) != 0) {
+            int mrc = cmd_msg_make(signer, cmd, pools ? pools[off + i] : NULL,
+                                   cm);
+            if (rcs_out)
+                rcs_out[off + i] = mrc;
+            if (mrc != 0) {
                 failed++; /* too large: never sent */
                 continue;
             }
@@ -867,6 +871,8 @@ evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                                   left_ms > 0 ? (int)left_ms : 1);
         for (size_t i = 0; i < nw; i++) {
             failed += w[i].rc != 0;
+            if (rcs_out)
+                rcs_out[at[i]] = w[i].rc;
             if (seqs_out && w[i].rc == 0)
                 seqs_out[at[i]] = ack[i].seq;
             free(m[i].buf);

@@ -544,13 +544,18 @@ int evt_publish_command(struct evt_conn *c, const struct evt_signer *signer,
  * pools: NULL, or n entries (each NULL, "" or the pool of cmds[i]'s agent,
  * as for evt_publish_command). seqs_out: NULL, or n entries, each set to
  * the stream sequence cmds[i] is stored at, 0 for one not stored.
+ * rcs_out: NULL, or n entries, each 0 (stored) or why cmds[i] was not:
+ * KS_ETOOBIG (never sent), KS_ETIMEDOUT or KS_EUNAVAIL (not taken for
+ * now), KS_ENATS (an error PubAck: not a 503 one, or a 503 one at the
+ * end of timeout_ms).
  * Returns how many were not stored: refused, unanswered within
  * timeout_ms, or never sent (a command too large). 0: all stored. Any
  * thread.
  */
 int evt_publish_commands(struct evt_conn *c, const struct evt_signer *signer,
                          Ks__Command *const *cmds, const char *const *pools,
-                         size_t n, int timeout_ms, uint64_t *seqs_out);
+                         size_t n, int timeout_ms, uint64_t *seqs_out,
+                         int *rcs_out);
 
 /*
  * Publishes an event to evt_event_subject(agent_id, command_id) on

@@ -879,17 +879,29 @@ START_TEST(batch_publish_sees_refusals)
         pc[i] = &cmds[i];
     }
     uint64_t before = stream_msgs(c, EVT_STREAM_CMDS), seqs[5];
+    int rcs[5];
+    uint64_t r0 = 0, r1 = 0;
     memset(seqs, 0xff, sizeof(seqs));
-    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs),
+    evt_js_stall(c, NULL, &r0);
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs,
+                                          rcs),
                      5);
     ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before);
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 5; i++) {
         ck_assert_uint_eq(seqs[i], 0); /* none stored */
+        /* an error PubAck, said once: not tried again to the end */
+        ck_assert_int_eq(rcs[i], KS_ENATS);
+    }
+    evt_js_stall(c, NULL, &r1);
+    ck_assert_uint_eq(r1, r0);
     /* Back as evt_setup makes it: all five go out, each at its own
      * sequence, in order (one window). */
     ck_assert_int_eq(evt_setup(c, NULL), 0);
-    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs),
+    ck_assert_int_eq(evt_publish_commands(c, NULL, pc, NULL, 5, 3000, seqs,
+                                          rcs),
                      0);
+    for (int i = 0; i < 5; i++)
+        ck_assert_int_eq(rcs[i], 0);
     ck_assert_uint_eq(stream_msgs(c, EVT_STREAM_CMDS), before + 5);
     for (int i = 0; i < 5; i++)
         ck_assert_uint_gt(seqs[i], i ? seqs[i - 1] : 0);
