@@ -2033,6 +2033,19 @@ struct f02 {
     atomic_int launched;
 };
 
+/* The median of n values (sorts v); 0 for none. */
+static double
+median_of(double *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n ? v[n / 2] : 0;
+}
+
 static void *
 f02_one(void *arg)
 {
@@ -2243,29 +2256,29 @@ f02_run(enum f02_fault fault, int n, double rate)
      * exec workers hand a publish the stream does not take to the
      * publisher (broker/publisher.c). Before, each of the 8 workers was
      * held in its publish for the election, and what came meanwhile was
-     * recorded only after it (11.8 s after its request under make soak).
-     * Bound: the slowest record before the fault, and 2 s. */
-    double rec_base = 0, rec_worst = 0;
-    int rec_slowest = -1;
+     * recorded only after it (4.6 s late on a quiet machine, 11.8 s under
+     * make soak). Compared by medians, half against half: under make
+     * soak's load a single `kscore exec` process took up to 19 s to be
+     * recorded before any fault (its start starved), so the slowest of
+     * either half says nothing of the election. */
+    double rec_before[F02_MAX], rec_after[F02_MAX];
+    int nb = 0, na = 0;
     for (int i = 0; i < n; i++) {
         struct f02_exec *e = &f.ex[i];
         if (e->status != 0 || !ks_is_uuid(e->id))
             continue;
-        if (i < n / 2 && e->recorded > rec_base)
-            rec_base = e->recorded;
-        if (i >= n / 2 && e->recorded > rec_worst) {
-            rec_worst = e->recorded;
-            rec_slowest = i;
-        }
+        if (i < n / 2)
+            rec_before[nb++] = e->recorded;
+        else
+            rec_after[na++] = e->recorded;
     }
-    fprintf(stderr, "test_cluster: F02: recorded at most %.2f s after its "
-                    "request before the fault, %.2f s after (exec #%d)\n",
-            rec_base, rec_worst, rec_slowest);
-    ck_assert_msg(fault == F02_STEPDOWNS || rec_worst <= rec_base + 2.0,
-                  "exec #%d was recorded %.1f s after its request, during "
-                  "the election (at most %.1f s before it): an election "
-                  "held the record",
-                  rec_slowest, rec_worst, rec_base);
+    double rb = median_of(rec_before, nb), ra = median_of(rec_after, na);
+    fprintf(stderr, "test_cluster: F02: recorded after its request: median "
+                    "%.2f s before the fault, %.2f s after\n", rb, ra);
+    ck_assert_msg(fault == F02_STEPDOWNS || ra <= rb + 1.0,
+                  "the execs after the fault were recorded %.2f s after "
+                  "their request (median; %.2f s before it): an election "
+                  "held the record", ra, rb);
     /* the first half, before the fault, is the baseline */
     double base[F02_MAX];
     for (int i = 0; i < n / 2; i++)
@@ -2306,8 +2319,17 @@ f02_run(enum f02_fault fault, int n, double rate)
     fprintf(stderr, "test_cluster: F02: %d execs exit 0, each ran once; "
                     "median %.2f s, most kscore added %.1f s; %ld published "
                     "again\n", n, median, worst, redispatched);
-    ck_assert_msg(redispatched == 0, "%ld commands needed a second attempt "
-                                     "(a new stream message)", redispatched);
+    /* A command not claimed within its attempt's window (a third of the
+     * delivery window) gets a new attempt, by design: an election that
+     * outlasts it (12.8 s once under make soak) leaves no other way. Each
+     * still ran once (asserted above). */
+    double window_s = BROKER_DELIVER_WITHIN_DEFAULT_MS / 1000.0 /
+                      BROKER_MAX_ATTEMPTS;
+    ck_assert_msg(redispatched == 0 || elected >= window_s - 1.0,
+                  "%ld commands needed a second attempt (a new stream "
+                  "message) though the election took %.1f s of an "
+                  "attempt's %.0f s",
+                  redispatched, elected, window_s);
     if (slowest >= 0) {
         /* where the slowest one's time went: each step's record, from its
          * start (ms) */
