@@ -319,7 +319,16 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
                             req->agent_id);
         goto out;
     }
-    if (!broker__agent_known(b, req->agent_id)) {
+    int known = broker__agent_lookup(b, req->agent_id);
+    if (known < 0) {
+        reply_execute_error(b, msg, KS_EUNAVAIL,
+                            "cannot tell whether agent '%s' has registered: "
+                            "the agent registry did not answer (%s); nothing "
+                            "was recorded, try again",
+                            req->agent_id, ks_strerror(known));
+        goto out;
+    }
+    if (!known) {
         reply_execute_error(b, msg, KS_ENOAGENT,
                             "unknown agent '%s': no agent with this id has "
                             "registered (see kscore agents)",

@@ -116,6 +116,9 @@ struct broker__follower {
  * a stream that does not take it by then (a PubAck takes milliseconds;
  * an election takes seconds) gets it from the publisher (publisher.c). */
 #define BROKER_PUBLISH_INLINE_MS 1000
+/* How long a lookup of an id the registry view lacks waits for a watch
+ * that has not delivered its initial values (ms; registry.c). */
+#define BROKER_REG_CATCHUP_WAIT_MS 10000
 /* How long the scanner's and the registry's statements wait for a lock
  * (store_set_lock_timeout; ms): each serves every command or agent in
  * turn, so one stream or agents row held by a stalled transaction (a
@@ -1217,7 +1220,13 @@ int broker__agents_list(struct broker *b, Ks__AgentsReply *out);
 int broker__agents_online(struct broker *b);
 void broker__agents_reply_free(Ks__AgentsReply *r);
 
-/* 1 if the agent id has registered (any time), else 0. Any thread. */
+/* Whether the agent id has registered (any time): 1, 0 (no entry), or
+ * the error of a bucket that did not answer (cannot tell: KS_ETIMEDOUT,
+ * KS_EUNAVAIL, ...). On a miss it waits up to BROKER_REG_CATCHUP_WAIT_MS
+ * for a registry watch that has not delivered its initial values, then
+ * asks the bucket. Any thread; may block that long plus a KV get. */
+int broker__agent_lookup(struct broker *b, const char *agent_id);
+/* broker__agent_lookup(...) > 0. */
 int broker__agent_known(struct broker *b, const char *agent_id);
 
 #endif
