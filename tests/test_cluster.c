@@ -2033,19 +2033,6 @@ struct f02 {
     atomic_int launched;
 };
 
-/* The median of n values (sorts v); 0 for none. */
-static double
-median_of(double *v, int n)
-{
-    for (int i = 1; i < n; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            double t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    return n ? v[n / 2] : 0;
-}
-
 static void *
 f02_one(void *arg)
 {
@@ -2254,31 +2241,34 @@ f02_run(enum f02_fault fault, int n, double rate)
     }
     /* An election holds a command's publish, never its record: the
      * exec workers hand a publish the stream does not take to the
-     * publisher (broker/publisher.c). Before, each of the 8 workers was
-     * held in its publish for the election, and what came meanwhile was
-     * recorded only after it (4.6 s late on a quiet machine, 11.8 s under
-     * make soak). Compared by medians, half against half: under make
-     * soak's load a single `kscore exec` process took up to 19 s to be
-     * recorded before any fault (its start starved), so the slowest of
-     * either half says nothing of the election. */
-    double rec_before[F02_MAX], rec_after[F02_MAX];
-    int nb = 0, na = 0;
+     * publisher (broker/publisher.c). Before, each of the 8 workers sat in
+     * its publish for the election, and nothing that came after the first
+     * 8 was recorded until it ended (4.6 s late on a quiet machine, 11.8 s
+     * under make soak). So of the execs sent from 2 s after the fault to
+     * 2 s before the election ended, a quarter at least must be recorded
+     * before it ended (by the test's look, which under load comes late:
+     * more lenient then). Not each one by a bound: under make soak one exec
+     * process took 19 s to be recorded before any fault (its start
+     * starved). */
+    int in_window = 0, recorded_in = 0;
     for (int i = 0; i < n; i++) {
         struct f02_exec *e = &f.ex[i];
-        if (e->status != 0 || !ks_is_uuid(e->id))
+        if (e->status != 0 || !ks_is_uuid(e->id) ||
+            e->start < fault_at + 2.0 || e->start > fault_at + elected - 2.0)
             continue;
-        if (i < n / 2)
-            rec_before[nb++] = e->recorded;
-        else
-            rec_after[na++] = e->recorded;
+        in_window++;
+        if (e->start + e->recorded < fault_at + elected)
+            recorded_in++;
     }
-    double rb = median_of(rec_before, nb), ra = median_of(rec_after, na);
-    fprintf(stderr, "test_cluster: F02: recorded after its request: median "
-                    "%.2f s before the fault, %.2f s after\n", rb, ra);
-    ck_assert_msg(fault == F02_STEPDOWNS || ra <= rb + 1.0,
-                  "the execs after the fault were recorded %.2f s after "
-                  "their request (median; %.2f s before it): an election "
-                  "held the record", ra, rb);
+    fprintf(stderr, "test_cluster: F02: of %d execs sent while the "
+                    "election went on, %d were recorded before it ended\n",
+            in_window, recorded_in);
+    ck_assert_msg(fault == F02_STEPDOWNS || in_window < 4 ||
+                      recorded_in * 4 >= in_window,
+                  "of %d execs sent during the election only %d were "
+                  "recorded before it ended (%.1f s after the fault): an "
+                  "election held the record",
+                  in_window, recorded_in, elected);
     /* the first half, before the fault, is the baseline */
     double base[F02_MAX];
     for (int i = 0; i < n / 2; i++)
@@ -2289,7 +2279,13 @@ f02_run(enum f02_fault fault, int n, double rate)
             base[j] = base[j - 1];
             base[j - 1] = t;
         }
-    double median = base[n / 4], worst = 0;
+    /* The machine's own noise: how far the slowest exec before the
+     * fault was over the median (under make soak, four suites side by
+     * side, one `kscore exec` 3.5 s before the fault was recorded 15.3 s
+     * after it started, its process starved: no election in it). The
+     * fault may add the election and 2 s beyond that. */
+    double median = base[n / 4], worst = 0,
+           noise = n / 2 > 1 ? base[n / 2 - 1] - median : 0;
     int failed = 0, slowest = -1;
     for (int i = 0; i < n; i++) {
         struct f02_exec *e = &f.ex[i];
@@ -2299,7 +2295,7 @@ f02_run(enum f02_fault fault, int n, double rate)
                         i, e->status, e->err);
             continue;
         }
-        if (e->seconds - e->own - median > worst) {
+        if (i >= n / 2 && e->seconds - e->own - median > worst) {
             worst = e->seconds - e->own - median;
             slowest = i;
         }
@@ -2317,8 +2313,9 @@ f02_run(enum f02_fault fault, int n, double rate)
              f.ex[0].start - 1);
     long redispatched = fixture_sql_long(db, sql);
     fprintf(stderr, "test_cluster: F02: %d execs exit 0, each ran once; "
-                    "median %.2f s, most kscore added %.1f s; %ld published "
-                    "again\n", n, median, worst, redispatched);
+                    "median %.2f s, most kscore added %.1f s after the "
+                    "fault (%.1f s before it); %ld published again\n",
+            n, median, worst, noise, redispatched);
     /* A command not claimed within its attempt's window (a third of the
      * delivery window) gets a new attempt, by design: an election that
      * outlasts it (12.8 s once under make soak) leaves no other way. Each
@@ -2351,13 +2348,14 @@ f02_run(enum f02_fault fault, int n, double rate)
         fprintf(stderr, ", exit +%.0f ms, its run on the agent %.0f ms\n",
                 f.ex[slowest].seconds * 1000, f.ex[slowest].own * 1000);
     }
-    double allowed = (elected > 0 ? elected : 0) + 2.0;
+    double allowed = (elected > 0 ? elected : 0) + 2.0 + noise;
     if (fault == F02_STEPDOWNS)
-        allowed = 2.0 + 5.0; /* a step-down's election, a few s at most */
+        allowed = 2.0 + 5.0 + noise; /* a step-down's election: seconds */
     ck_assert_msg(worst <= allowed,
                   "kscore added %.1f s to an exec (its time less its "
-                  "run on the agent, over the median): over the election and "
-                  "2 s (%.1f s)", worst, allowed);
+                  "run on the agent, over the median): over the election, "
+                  "2 s and the slowest before the fault's %.1f s over the "
+                  "median (%.1f s)", worst, noise, allowed);
     evt_close(c);
     free(db);
 }
