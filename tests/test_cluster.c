@@ -2095,9 +2095,13 @@ cmds_leader(struct evt_conn *c, char *buf, size_t len)
  * nats-<victim> for every stream and consumer it serves: what the killed
  * node led (KSCORE_CMDS, and maybe KSCORE_EVENTS, the recorder's and the
  * agents' consumers, each its own raft group and election) is led again.
- * An exec crosses them all: its command, its delivery, its result. */
+ * An exec crosses them all: its command, its delivery, its result. Once
+ * the victim runs again (victim_back), it may lead too: it wins some of
+ * the elections that are still going on when it comes back, which under
+ * make soak's load was enough for this never to hold ("no leader 30 s
+ * after the kill", while every group had one). */
 static bool
-all_led_again(int victim)
+all_led_again(int victim, bool victim_back)
 {
     struct stack_node nodes[3];
     stack_cluster_nodes(home, 3, nodes);
@@ -2113,13 +2117,14 @@ all_led_again(int victim)
         {
             const char *l = json_string_value(
                 json_object_get(json_object_get(st, "cluster"), "leader"));
-            led = led && l && node_index(l) >= 1 && node_index(l) != victim;
+            led = led && l && node_index(l) >= 1 &&
+                  (victim_back || node_index(l) != victim);
             json_array_foreach(json_object_get(st, "consumer_detail"), ci, co)
             {
                 l = json_string_value(json_object_get(
                     json_object_get(co, "cluster"), "leader"));
                 led = led && l && node_index(l) >= 1 &&
-                      node_index(l) != victim;
+                      (victim_back || node_index(l) != victim);
             }
         }
         json_decref(j);
@@ -2185,7 +2190,7 @@ f02_run(enum f02_fault fault, int n, double rate)
         while (now_s() - t0 < 30 &&
                (elected < 0 || all_led < 0 || !restarted)) {
             char l[64];
-            if (all_led < 0 && all_led_again(victim))
+            if (all_led < 0 && all_led_again(victim, restarted))
                 all_led = now_s() - t0;
             if (elected < 0) {
                 cmds_leader(c, l, sizeof(l));
@@ -2247,9 +2252,21 @@ f02_run(enum f02_fault fault, int n, double rate)
      * under make soak). So of the execs sent from 2 s after the fault to
      * 2 s before the election ended, a quarter at least must be recorded
      * before it ended (by the test's look, which under load comes late:
-     * more lenient then). Not each one by a bound: under make soak one exec
-     * process took 19 s to be recorded before any fault (its start
-     * starved). */
+     * more lenient then), give or take the median record delay before
+     * the fault (the machine's own: under make soak, four suites side by
+     * side, `kscore exec` processes took seconds to start). */
+    double rec[F02_MAX];
+    int nrec = 0;
+    for (int i = 0; i < n / 2; i++)
+        if (f.ex[i].status == 0 && ks_is_uuid(f.ex[i].id))
+            rec[nrec++] = f.ex[i].recorded;
+    for (int i = 1; i < nrec; i++)
+        for (int j = i; j > 0 && rec[j - 1] > rec[j]; j--) {
+            double t = rec[j];
+            rec[j] = rec[j - 1];
+            rec[j - 1] = t;
+        }
+    double rec_median = nrec ? rec[nrec / 2] : 0;
     int in_window = 0, recorded_in = 0;
     for (int i = 0; i < n; i++) {
         struct f02_exec *e = &f.ex[i];
@@ -2257,18 +2274,20 @@ f02_run(enum f02_fault fault, int n, double rate)
             e->start < fault_at + 2.0 || e->start > fault_at + elected - 2.0)
             continue;
         in_window++;
-        if (e->start + e->recorded < fault_at + elected)
+        if (e->start + e->recorded < fault_at + elected + rec_median)
             recorded_in++;
     }
     fprintf(stderr, "test_cluster: F02: of %d execs sent while the "
-                    "election went on, %d were recorded before it ended\n",
-            in_window, recorded_in);
+                    "election went on, %d were recorded before it ended "
+                    "(give or take the median record delay before the "
+                    "fault, %.2f s)\n",
+            in_window, recorded_in, rec_median);
     ck_assert_msg(fault == F02_STEPDOWNS || in_window < 4 ||
                       recorded_in * 4 >= in_window,
                   "of %d execs sent during the election only %d were "
-                  "recorded before it ended (%.1f s after the fault): an "
-                  "election held the record",
-                  in_window, recorded_in, elected);
+                  "recorded before it ended (%.1f s after the fault, and "
+                  "%.2f s): an election held the record",
+                  in_window, recorded_in, elected, rec_median);
     /* the first half, before the fault, is the baseline */
     double base[F02_MAX];
     for (int i = 0; i < n / 2; i++)
