@@ -1233,22 +1233,28 @@ START_TEST(exec_answered_whichever_broker_records)
 }
 END_TEST
 
-/* The longest gap (ms) between one target's end being recorded and the
- * next target's request, in a batch run one target at a time. */
+/* How many gaps between one target's end being recorded and the next
+ * target's request, in a batch run one target at a time, are at least
+ * min_ms; and the longest (ms) into *max_out. */
 static long
-batch_max_gap_ms(const char *id)
+batch_gaps_over(const char *id, long min_ms, long *max_out)
 {
-    return sql_long(
+    static const char gaps[] =
         "WITH c AS (SELECT"
         "  (SELECT min(e.recorded_at) FROM events e"
         "    WHERE e.stream_id = 'command-' || c.command_id) AS req,"
         "  (SELECT max(e.recorded_at) FROM events e"
         "    WHERE e.stream_id = 'command-' || c.command_id) AS fin"
         "  FROM commands c WHERE c.batch_id = '%s'),"
-        " g AS (SELECT fin, lead(req) OVER (ORDER BY req) AS nxt FROM c)"
-        " SELECT coalesce(max(extract(epoch FROM nxt - fin) * 1000), 0)"
-        "::bigint FROM g WHERE nxt IS NOT NULL",
-        id);
+        " g AS (SELECT extract(epoch FROM lead(req) OVER (ORDER BY req) -"
+        "  fin) * 1000 AS ms FROM c)";
+    char sql[1024];
+    snprintf(sql, sizeof(sql), "%s SELECT coalesce(max(ms), 0)::bigint FROM g",
+             gaps);
+    *max_out = sql_long(sql, id);
+    snprintf(sql, sizeof(sql), "%s SELECT count(*) FROM g WHERE ms >= %ld",
+             gaps, min_ms);
+    return sql_long(sql, id);
 }
 
 /*
@@ -1256,10 +1262,15 @@ batch_max_gap_ms(const char *id)
  * records reach the batch's driver at once (its end notice), so every
  * target is counted, reported (one progress line each) and followed by the
  * next one well within the driver's 1 s tick, which is how they used to
- * be found.
+ * be found. Judged over both rounds by how many gaps reach 300 ms: found
+ * at the tick, about half the ends (those the other broker records) would
+ * wait up to 1 s, 12 or so of the 18 gaps over 300 ms; with the notice,
+ * none but what the machine's own load adds (make soak, five suites side
+ * by side at its start: one gap of 1436 ms, so not the longest alone).
  */
 START_TEST(batch_counts_ends_recorded_by_other_broker)
 {
+    long slow = 0, gaps = 0;
     ensure_broker();
     broker2_start();
     for (int round = 0; round < 2; round++) {
@@ -1275,16 +1286,18 @@ START_TEST(batch_counts_ends_recorded_by_other_broker)
         ck_assert_msg(count_lines(o.out) == 11, "%s", o.out);
         const char *id = json_string_value(json_object_get(j, "batch_id"));
         ck_assert_ptr_nonnull(id);
-        long gap = batch_max_gap_ms(id);
-        fprintf(stderr, "batch %s: longest end-to-next gap %ld ms\n", id,
-                gap);
-        ck_assert_msg(gap >= 0 && gap < 500,
-                      "batch %s: a target's end reached its driver %ld ms "
-                      "after it was recorded (the tick, not the notice)",
-                      id, gap);
+        long longest = 0, n = batch_gaps_over(id, 300, &longest);
+        fprintf(stderr, "batch %s: %ld end-to-next gaps of 300 ms or more, "
+                        "the longest %ld ms\n", id, n, longest);
+        slow += n;
+        gaps += 9;
         json_decref(j);
         fixture_out_release(&o);
     }
+    ck_assert_msg(slow <= 3,
+                  "%ld of %ld targets' ends reached their driver 300 ms or "
+                  "more after they were recorded (the tick, not the notice)",
+                  slow, gaps);
     stack_stop(stack.dir, "broker2", 20000);
 }
 END_TEST
