@@ -1534,10 +1534,16 @@ on_renewed(const struct store_batch_held *h, void *ud)
             continue;
         c->snap->held[i] = true;
         if (h->cancel_requested && !bt->cancel_req) {
-            /* `kscore cancel` reached another broker. */
+            /* `kscore cancel` reached another broker, whose cancel notice
+             * has not come (yet, or at all): said, so that a notice that
+             * never comes shows (test_batch cancel_through_either_broker). */
             pthread_mutex_lock(&c->m->mu);
             bt->cancel_req = true;
             pthread_mutex_unlock(&c->m->mu);
+            ks_log(KS_LOG_INFO,
+                   "batch cancel found at the lease renewal (its notice has "
+                   "not come)",
+                   KS_S("module", "batch"), KS_S("batch", bt->id));
             touch(c->touched, bt);
         }
         break;
@@ -1973,12 +1979,18 @@ broker__batch_remote_cancel(struct broker *b, const char *batch_id)
     j->kind = JOB_CANCEL;
     snprintf(j->batch_id, sizeof(j->batch_id), "%s", batch_id);
     pthread_mutex_lock(&m->mu);
-    if (!m->stopping && ks_map_get(&m->live, batch_id)) {
+    bool here = !m->stopping && ks_map_get(&m->live, batch_id);
+    if (here) {
         push_job(m, j);
         j = NULL;
     }
     pthread_mutex_unlock(&m->mu);
     free(j);
+    /* Cancels are few: each notice is said (whether it came before the
+     * lease renewal found the cancel, or after; driving: the batch runs
+     * here still). */
+    ks_log(KS_LOG_INFO, "batch cancel notice", KS_S("module", "batch"),
+           KS_S("batch", batch_id), KS_I("driving", here));
 }
 
 int
