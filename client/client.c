@@ -213,9 +213,11 @@ broker_execute_hooks(struct evt_conn *c, const Ks__ExecuteRequest *req,
     /* The first ask can fail as the node this client is on dies (test_cluster
      * F02 under make soak: exit 125 "execute: NATS error", 0.2 s after
      * the kill): asked again once the connection is back, or at the first
-     * silence, with the same key. Only a closed connection ends it. */
+     * silence, with the same key. Only a closed connection ends it, or
+     * what no ask again can mend (a request too large: nothing sent). */
     if ((rc = evt_inbox_send(ib, subject, NULL, NULL, buf, len))) {
-        if (natsConnection_IsClosed(c->nc))
+        if (natsConnection_IsClosed(c->nc) ||
+            (rc != KS_EUNAVAIL && rc != KS_ENATS && rc != KS_ETIMEDOUT))
             goto out;
         rc = 0;
         asked = start - (int64_t)BROKER_EXEC_REASK_MS * 1000;
