@@ -599,12 +599,12 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
 {
     int retrying = 0;
     int64_t ended = evt_js_stall(b->nc, &retrying, NULL);
-    /* A PubAck takes milliseconds; one that has not come for longer is a
-     * stream that does not take the publish now (its leader dead: the
-     * first try waits EVT_PUBLISH_TRY_MS before it is tried again). */
     /* Commands the stream did not take wait in the publisher. */
     if (retrying == 0 && broker__publisher_busy(b))
         retrying = 1;
+    /* A PubAck takes milliseconds; one that has not come for longer is a
+     * stream that does not take the publish now (its leader dead: a
+     * worker's one try waits up to BROKER_PUBLISH_INLINE_MS). */
     for (int i = 0; i < BROKER_EXEC_WORKERS && retrying == 0; i++) {
         int64_t since = atomic_load(&b->executors[i].publishing_us);
         if (since && now - since > ADMIT_PUBACK_SLOW_US)

@@ -239,6 +239,11 @@ struct broker {
      * entry of every id, each dated by its put: registry_main), 0 before:
      * no one is judged offline until then. */
     int64_t reg_caught_up_mono_us;
+    /* A registry watch of this process has delivered its initial values
+     * once: the view holds every id registered before this start (a watch
+     * made again later keeps the ids it had: broker__agent_lookup waits
+     * only for the first). */
+    atomic_bool reg_loaded;
     /* (mu) Whether the bucket took this broker's last beacon (its PubAck
      * came), and since when it has without a failure: no heartbeat lands
      * while it takes none, so no agent's silence counts from before then
@@ -1223,8 +1228,8 @@ void broker__agents_reply_free(Ks__AgentsReply *r);
 /* Whether the agent id has registered (any time): 1, 0 (no entry), or
  * the error of a bucket that did not answer (cannot tell: KS_ETIMEDOUT,
  * KS_EUNAVAIL, ...). On a miss it waits up to BROKER_REG_CATCHUP_WAIT_MS
- * for a registry watch that has not delivered its initial values, then
- * asks the bucket. Any thread; may block that long plus a KV get. */
+ * for this process's first registry watch to deliver its initial values
+ * (reg_loaded), then asks the bucket. Any thread; may block that long plus a KV get. */
 int broker__agent_lookup(struct broker *b, const char *agent_id);
 /* broker__agent_lookup(...) > 0. */
 int broker__agent_known(struct broker *b, const char *agent_id);
