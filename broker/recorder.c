@@ -31,8 +31,17 @@
  * while it retries marks them in progress every third of it. */
 #define REC_ACK_WAIT_MS 3000
 /* How long one pull waits for the first message. Also how long a stopped
- * broker's last request can still be handed messages. */
-#define REC_FETCH_WAIT_MS 1000
+ * broker's last request can still be handed messages, and how long a
+ * request the consumer's leader held when it died (kill -9 of its node)
+ * goes unanswered: nobody tells the puller, the request just expires, so
+ * after the election of the recorder's consumer the results waited up to
+ * this long (1 s before; test_cluster F02 under load). The cost of a short
+ * one: an idle broker asks 4 times a second. */
+#define REC_FETCH_WAIT_MS 250
+/* After a pull that failed (no connection; nobody serves the consumer
+ * while its leader is elected): ask again this soon, so the results wait
+ * at most this long once the new leader serves. */
+#define REC_PULL_RETRY_MS 100
 /* A failed append is retried after 100 ms, doubling to 2 s. */
 #define REC_BACKOFF_MIN_MS 100
 #define REC_BACKOFF_MAX_MS 2000
@@ -558,7 +567,7 @@ recorder_main(void *arg)
             ks_log(KS_LOG_WARN, "recorder cannot pull; asking again",
                    KS_S("module", "recorder"), KS_ERR(rc));
         }
-        rec_sleep(b, 250);
+        rec_sleep(b, REC_PULL_RETRY_MS);
     }
     kproto_arena_fini(&rec_arena);
     return NULL;
