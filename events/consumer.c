@@ -179,6 +179,22 @@ evt_consumer_stepdown(struct evt_conn *c, const char *stream,
 #define REMAKE_TRIES 8
 #define REMAKE_PAUSE_MS 250
 
+/* Whether now is still the consumer old was: the same creation time, or
+ * the old one's delivery state to the nanosecond (its last delivery, its
+ * time, its unacked count). A consumer made anew starts from nothing, and
+ * its first redelivery has a time of its own. */
+static bool
+still_old(const struct evt_consumer_state *old,
+          const struct evt_consumer_state *now)
+{
+    if (now->created_ns == old->created_ns)
+        return true;
+    return old->delivered > 0 && now->delivered == old->delivered &&
+           now->delivered_stream_seq == old->delivered_stream_seq &&
+           now->delivered_at_ns == old->delivered_at_ns &&
+           now->ack_pending == old->ack_pending;
+}
+
 int
 evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                     char **errmsg)
@@ -195,13 +211,21 @@ evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
      * while it is the old one the delete and the create are tried again.
      * A consumer made anew by someone else meanwhile (another broker's
      * repair) has another creation time, and is kept.
+     *
+     * A create answered "created" is checked too: a node that has not
+     * applied the delete yet takes the new consumer's assignment as an
+     * update of the old one it still has, state and all, and may lead it
+     * (make soak, the same test: the remake's create said created, and the
+     * consumer's new leader, elected that moment, still held "last
+     * delivery #2, stream sequence 2, 1 unacked"; the guard repaired it a
+     * second time 3.6 s later). So the state is compared too, not only
+     * the creation time (still_old).
      */
     struct evt_consumer_state old = {0};
     bool known = evt_consumer_state(c, d->stream, d->durable, 1000, &old) ==
                      0 &&
                  old.created_ns != 0;
     for (int tries = 1;; tries++) {
-        enum evt_consumer_change change = EVT_CONSUMER_KEPT;
         int rc = evt_consumer_delete(c, d->stream, d->durable);
         /* Gone already (another broker's repair, or its deletion was what
          * went wrong): made below all the same. */
@@ -211,15 +235,14 @@ evt_consumer_remake(struct evt_conn *c, const struct evt_durable *d,
                 *errmsg = NULL;
             return rc;
         }
-        if ((rc = evt_consumer_ensure(c, d, &change, errmsg)))
+        /* created, replaced or kept: each is checked below */
+        if ((rc = evt_consumer_ensure(c, d, NULL, errmsg)))
             return rc;
-        if (change == EVT_CONSUMER_CREATED || change == EVT_CONSUMER_REPLACED)
-            return 0;
         struct evt_consumer_state now = {0};
         if (!known ||
             evt_consumer_state(c, d->stream, d->durable, 1000, &now) != 0 ||
-            now.created_ns != old.created_ns)
-            return 0; /* (one made by someone else, or cannot tell) */
+            !still_old(&old, &now))
+            return 0; /* (one made anew, by us or another, or cannot tell) */
         if (tries == REMAKE_TRIES) {
             if (errmsg &&
                 asprintf(errmsg,

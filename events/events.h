@@ -1043,8 +1043,10 @@ int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
  * new consumer delivers every one again (the claim fence keeps one run; an
  * agent holding a message takes the new delivery's ack subject). A
  * consumer already gone is just made. On a cluster a delete is answered
- * before every node lets go of the consumer, so the consumer made is
- * checked against the old one's creation time (evt_consumer_state), and
+ * before every node lets go of the consumer (and a node that still has
+ * it takes the create as an update, keeping its state), so the consumer
+ * made is checked against the old one (evt_consumer_state: its creation
+ * time, and its last delivery, to the ns, with its unacked count), and
  * while it is still the old one the delete and the create are tried
  * again, every 250 ms up to 8 times (then KS_EUNAVAIL); one made anew by
  * someone else meanwhile is kept. Blocks up to about 2 s plus its API
