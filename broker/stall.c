@@ -366,8 +366,12 @@ remake(struct broker__guard *g, struct guarded *c, const struct suspect *x,
            KS_I("waiting_ms", (ks_now_us() - x->oldest_us) / 1000),
            KS_S("error", rc ? (err ? err : ks_strerror(rc)) : ""));
     free(err);
-    if (rc)
+    if (rc) {
+        /* (a remake blocks this thread for seconds: the next try waits
+         * a whole stall window, not the next look) */
+        c->quiet_since_us = ks_mono_us();
         return;
+    }
     snprintf(done, sizeof(done), "made it again: %s", why);
     note_repair(g, c, done, ks_now_us(), true);
     c->seen = false; /* a new consumer: its own count from now */

@@ -180,9 +180,14 @@ evt_consumer_stepdown(struct evt_conn *c, const char *stream,
 #define REMAKE_PAUSE_MS 250
 
 /* Whether now is still the consumer old was: the same creation time, or
- * the old one's delivery state to the nanosecond (its last delivery, its
- * time, its unacked count). A consumer made anew starts from nothing, and
- * its first redelivery has a time of its own. */
+ * the old one's delivery state (its consumer and stream sequences and its
+ * unacked count) with no delivery since. The time of the last delivery
+ * is each node's own (the leader's delivery, a follower's apply, 0 in a
+ * consumer object built from the old one's files), so "no delivery
+ * since" is a last delivery under a second after the old one's: the guard
+ * remakes only a consumer that delivered nothing for longer than that,
+ * and a consumer made anew redelivers what it holds after the remake. */
+#define STILL_OLD_DELIVERY_NS INT64_C(1000000000)
 static bool
 still_old(const struct evt_consumer_state *old,
           const struct evt_consumer_state *now)
@@ -191,8 +196,8 @@ still_old(const struct evt_consumer_state *old,
         return true;
     return old->delivered > 0 && now->delivered == old->delivered &&
            now->delivered_stream_seq == old->delivered_stream_seq &&
-           now->delivered_at_ns == old->delivered_at_ns &&
-           now->ack_pending == old->ack_pending;
+           now->ack_pending == old->ack_pending &&
+           now->delivered_at_ns < old->delivered_at_ns + STILL_OLD_DELIVERY_NS;
 }
 
 int

@@ -1046,7 +1046,8 @@ int evt_consumer_stepdown(struct evt_conn *c, const char *stream,
  * before every node lets go of the consumer (and a node that still has
  * it takes the create as an update, keeping its state), so the consumer
  * made is checked against the old one (evt_consumer_state: its creation
- * time, and its last delivery, to the ns, with its unacked count), and
+ * time, or its sequences and unacked count with no delivery since: so
+ * call it for a consumer that delivered nothing for a second or more), and
  * while it is still the old one the delete and the create are tried
  * again, every 250 ms up to 8 times (then KS_EUNAVAIL); one made anew by
  * someone else meanwhile is kept. Blocks up to about 2 s plus its API
