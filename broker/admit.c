@@ -93,10 +93,19 @@
  * not busy; and after ADMIT_STALLED_MAX_US it is whatever the mean (us). */
 #define ADMIT_STALLED_MEANS 2.0
 #define ADMIT_STALLED_MAX_US 1000000.0
+/* A batch of results the recorder has been recording for this long is a
+ * stalled record (a row lock held elsewhere, a slow disk), not a busy one
+ * (us; a batch of 1000 events commits in tens of ms). */
+#define ADMIT_RECORDING_SLOW_US INT64_C(1000000)
 
 /* One agent process's queue (its pool, or its process's ids). */
 struct admit_q {
     unsigned inflight; /* dispatched here, not seen ended */
+    /* Of them, those dispatched after the last stall that hid ends from
+     * this broker (broker__admit.unseen_us; q_sync): the ones whose wait
+     * for a slot is the agent's. */
+    unsigned fresh;
+    int64_t epoch_us; /* the unseen_us fresh counts from */
     unsigned slots;    /* AgentInfo.max_concurrent, last seen */
     double hold_us;    /* mean claim-to-end time of its commands, 0: none */
     char key[EVT_AGENT_ID_MAX + 48];
@@ -108,6 +117,7 @@ struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
+    int64_t queued_mono_us;  /* when it joined q (0: no q yet) */
     uint64_t stored_seq;     /* its message's stream sequence (PubAck);
                                 0: none seen */
     int64_t expires_mono_us;
@@ -142,8 +152,19 @@ struct broker__admit {
      * (stall_note): the requests queued then are marked in the intake as
      * the stall's. */
     int64_t stall_noted_us;
+    /* When ends last could not reach this broker as they happened
+     * (stall_note: a JetStream stall, the recorder stalled or failing, a
+     * pause): what was in flight then is the stall's backlog (q->fresh),
+     * and a hold measured across it is the stall's. */
+    int64_t unseen_us;
     int64_t busy_logged_us, share_logged_us;
 };
+
+static int64_t
+max64(int64_t x, int64_t y)
+{
+    return x > y ? x : y;
+}
 
 static double
 ewma(double mean, double x)
@@ -175,6 +196,28 @@ running_since(struct broker *b, int64_t now)
     return atomic_load(&b->paused_mono_us);
 }
 
+/*
+ * The last time (ks_mono_us; 0: never) the results' way to this broker
+ * was seen stalled: the recorder's pull failed (no connection, its
+ * consumer electing a leader), its append failed (recorder.c), or it has
+ * been recording one batch for over ADMIT_RECORDING_SLOW_US (PostgreSQL
+ * waiting on a lock); now while one goes on. Ends that happened then
+ * reach this broker only after it: its in-flight counts and hold times
+ * are the stall's, not the agents' (test_cluster F02: a recorder consumer
+ * led by the killed node held the ends of 90 commands an agent had run,
+ * and its execs were refused as busy on 64 slots).
+ */
+static int64_t
+results_stall_us(struct broker *b, int64_t now)
+{
+    int64_t at = atomic_load(&b->rec_trouble_us);
+    int64_t since = atomic_load(&b->rec_batch_since_us);
+    if ((since && now - since > ADMIT_RECORDING_SLOW_US) ||
+        atomic_load(&b->rec_stalled))
+        return now;
+    return at;
+}
+
 /* Whether a time measured from since_us to now spans a pause. */
 static bool
 paused_since(struct broker *b, int64_t since_us, int64_t now)
@@ -183,6 +226,45 @@ paused_since(struct broker *b, int64_t since_us, int64_t now)
 }
 
 /* ---- entries ------------------------------------------------------------- */
+
+/* q's fresh count from the last stall on (under mu): a stall since it was
+ * last looked at makes everything in flight the stall's. */
+static void
+q_sync(struct broker__admit *a, struct admit_q *q)
+{
+    if (q->epoch_us < a->unseen_us) {
+        q->fresh = 0;
+        q->epoch_us = a->unseen_us;
+    }
+}
+
+/* c joins q now (under mu). */
+static void
+q_join(struct broker__admit *a, struct admit_cmd *c, struct admit_q *q,
+       int64_t now)
+{
+    c->q = q;
+    c->queued_mono_us = now;
+    q->inflight++;
+    q_sync(a, q);
+    if (now > q->epoch_us)
+        q->fresh++;
+}
+
+/* c leaves its q (under mu). */
+static void
+q_leave(struct broker__admit *a, struct admit_cmd *c)
+{
+    struct admit_q *q = c->q;
+    if (!q)
+        return;
+    if (q->inflight)
+        q->inflight--;
+    q_sync(a, q);
+    if (c->queued_mono_us > q->epoch_us && q->fresh)
+        q->fresh--;
+    c->q = NULL;
+}
 
 static void
 unlink_cmd(struct broker__admit *a, struct admit_cmd *c)
@@ -199,8 +281,7 @@ unlink_cmd(struct broker__admit *a, struct admit_cmd *c)
     a->n--;
     if (c->loaded)
         a->nloaded--;
-    if (c->q && c->q->inflight)
-        c->q->inflight--;
+    q_leave(a, c);
     if (c->bytes) {
         struct admit_op *o = ks_map_get(&a->ops, c->op);
         if (o && o->bytes > c->bytes) {
@@ -247,9 +328,8 @@ add_cmd(struct broker__admit *a, const char *command_id, struct admit_q *q,
         c->bytes = bytes;
         o->bytes += bytes;
     }
-    c->q = q;
     if (q)
-        q->inflight++;
+        q_join(a, c, q, ks_mono_us());
     c->prev = a->tail;
     if (a->tail)
         a->tail->next = c;
@@ -357,8 +437,7 @@ broker__admit_dispatched(struct broker *b, const char *command_id,
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c && !c->q && q) {
         /* Taken (broker__admit_take): now in its agent's queue. */
-        c->q = q;
-        q->inflight++;
+        q_join(a, c, q, now);
         c->expires_mono_us = expiry(now, not_after_us, timeout_ms);
     } else if (q && !c) {
         add_cmd(a, command_id, q, operator_name, bytes,
@@ -554,8 +633,15 @@ broker__admit_ended(struct broker *b, const char *command_id)
     pthread_mutex_lock(&a->mu);
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c) {
-        /* (paused_since reads atomics only: no lock taken under mu) */
-        if (c->claimed_mono_us && c->q &&
+        /* A hold measured across a stall is the stall's: the end came
+         * late, not the slot. (paused_since, evt_js_stall and
+         * results_stall_us read atomics only: no lock taken under mu.) */
+        int retrying = 0;
+        int64_t stall = evt_js_stall(b->nc, &retrying, NULL);
+        if (retrying > 0)
+            stall = now;
+        stall = max64(max64(stall, a->unseen_us), results_stall_us(b, now));
+        if (c->claimed_mono_us && c->q && c->claimed_mono_us > stall &&
             !paused_since(b, c->claimed_mono_us, now))
             c->q->hold_us =
                 ewma(c->q->hold_us, (double)(now - c->claimed_mono_us));
@@ -614,7 +700,15 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
         running_since(b, now) > a->stall_noted_us) {
         broker__fairq_mark(a->intake);
         a->stall_noted_us = now;
+        a->unseen_us = now;
     }
+    /* The commands in flight are the stall's too: those it held come
+     * at once when it ends, and those whose ends it held look as if they
+     * still ran. An agent's queue counts what was dispatched after it
+     * (q->fresh); so does the intake's stall. */
+    int64_t results = results_stall_us(b, now);
+    if (results > a->unseen_us)
+        a->unseen_us = results;
 }
 
 /* What the intake's workers take before a new request of operator
@@ -624,12 +718,6 @@ intake_ahead(struct broker__admit *a, const char *operator_name,
              struct broker__fairq_wait *w)
 {
     broker__fairq_ahead(a->intake, operator_name, w);
-}
-
-static int64_t
-max64(int64_t x, int64_t y)
-{
-    return x > y ? x : y;
 }
 
 /* kscore's own queues: the intake ahead of the request (w) and the
@@ -680,14 +768,13 @@ own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
     return (int64_t)(in + cl);
 }
 
-/* The wait for one of q's slots (us). Under mu. */
+/* The wait for one of q's slots with n commands ahead (us). Under mu. */
 static int64_t
-agent_wait_us(const struct admit_q *q)
+agent_wait_us(const struct admit_q *q, unsigned n)
 {
-    if (q->inflight + 1 <= q->slots || q->hold_us <= 0)
+    if (n + 1 <= q->slots || q->hold_us <= 0)
         return 0;
-    return (int64_t)((double)(q->inflight + 1 - q->slots) * q->hold_us /
-                     q->slots);
+    return (int64_t)((double)(n + 1 - q->slots) * q->hold_us / q->slots);
 }
 
 int
@@ -715,7 +802,11 @@ broker__admit_check(struct broker *b, const char *operator_name,
     stall_note(b, a, now);
     intake_ahead(a, operator_name, &w);
     int64_t own = own_wait_us(a, &w, claims, ran, now);
-    int64_t agent = q ? agent_wait_us(q) : 0;
+    /* Ahead of it at the agent: what was dispatched since the last stall
+     * (the stall's backlog drains by itself, as its intake's does) */
+    if (q)
+        q_sync(a, q);
+    int64_t agent = q ? agent_wait_us(q, q->fresh) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
         snprintf(why, len,
@@ -733,7 +824,7 @@ broker__admit_check(struct broker *b, const char *operator_name,
                  "each held about %.0f ms: this one could start in about "
                  "%.2f s, %s %.2f s; nothing was recorded, try again later "
                  "(or give a longer --deliver-within)",
-                 agent_id, q->inflight, q->slots, q->hold_us / 1000.0,
+                 agent_id, q->fresh, q->slots, q->hold_us / 1000.0,
                  (double)(own + agent) / 1e6,
                  deliver_ms ? "after its delivery deadline of"
                             : "over the wait a command is given without "
@@ -784,7 +875,7 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
                         (int64_t)timeout_ms * 1000 <= deadline_us / 2);
         unsigned cap = bounded ? 2 * q->slots : q->slots;
         room = q->inflight < cap && own <= own_max_us &&
-               own + agent_wait_us(q) <= deadline_us / 2;
+               own + agent_wait_us(q, q->inflight) <= deadline_us / 2;
     }
     pthread_mutex_unlock(&a->mu);
     return room;

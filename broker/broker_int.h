@@ -333,6 +333,11 @@ struct broker {
      * they are (what ended is not recorded yet), so admit.c refuses no
      * request as busy meanwhile: the worker's append says the real cause. */
     atomic_bool rec_stalled;
+    /* recorder.c (ks_mono_us, atomic): when its pull or its append last
+     * failed (0: never), and since when it records the batch it has (0:
+     * none now). Ends wait meanwhile: admit.c results_stall_us. */
+    _Atomic int64_t rec_trouble_us;
+    _Atomic int64_t rec_batch_since_us;
     /* registry.c: dead registry watches being destroyed off the registry
      * thread (watch_let_go); broker__registry_stop waits for them. */
     atomic_int reg_reaping;

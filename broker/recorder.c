@@ -460,6 +460,7 @@ record_batch(struct broker *b, natsMsg **msgs, size_t n)
             if (rc == 0)
                 break;
         }
+        atomic_store(&b->rec_trouble_us, ks_mono_us());
         if (failures++ == 0) {
             failing_since = touched = ks_mono_us();
             ks_log(store_db_sick(rc) ? KS_LOG_ERROR : KS_LOG_WARN,
@@ -547,7 +548,9 @@ recorder_main(void *arg)
                 if (evt_ack_delivered(natsMsg_GetReply(list.Msgs[i])) > 1)
                     ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
             /* record_batch acks and destroys each message. */
+            atomic_store(&b->rec_batch_since_us, ks_mono_us());
             record_batch(b, list.Msgs, (size_t)list.Count);
+            atomic_store(&b->rec_batch_since_us, 0);
             list.Count = 0;
             natsMsgList_Destroy(&list);
             logged = 0;
@@ -561,7 +564,9 @@ recorder_main(void *arg)
             continue;
         }
         /* No connection (nats.c reconnects) or no consumer (the scanner's
-         * guard makes it again): ask again soon. */
+         * guard makes it again): ask again soon. The ends wait meanwhile
+         * (admission: admit.c results_stall_us). */
+        atomic_store(&b->rec_trouble_us, ks_mono_us());
         if (!logged || ks_mono_us() - logged >= REC_PULL_LOG_US) {
             logged = ks_mono_us();
             ks_log(KS_LOG_WARN, "recorder cannot pull; asking again",

@@ -15,6 +15,7 @@
 #include <check.h>
 #include <jansson.h>
 #include <libpq-fe.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -320,6 +321,109 @@ START_TEST(broker_refuses_while_its_queue_stalls)
 }
 END_TEST
 
+/* `kscore exec --detach` (deliver within 10 min) on agent ov3 of a
+ * command that sleeps 1 s and then makes <stack>/ov3-<n>: its id. */
+static void
+detach_marked(int n, char id[37])
+{
+    char script[PATH_MAX + 64];
+    snprintf(script, sizeof(script), "sleep 1; touch %s/ov3-%d", stack.dir,
+             n);
+    const char *args[] = {"exec", "--agent", "ov3", "--detach",
+                          "--deliver-within", "10m", "--", "sh", "-c",
+                          script, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec --detach: %d %s", o.status, o.err);
+    snprintf(id, 37, "%.36s", o.out);
+    ck_assert_msg(ks_is_uuid(id), "not a command id: %s", o.out);
+    fixture_out_release(&o);
+}
+
+/* Waits (<= 60 s) for <stack>/ov3-<n>: command n's child has ended. */
+static void
+wait_marked(int n)
+{
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof(path), "%s/ov3-%d", stack.dir, n);
+    for (int i = 0; i < 600 && access(path, F_OK) != 0; i++)
+        sleep_ms(100);
+    ck_assert_msg(access(path, F_OK) == 0, "%s never made", path);
+}
+
+/*
+ * An agent is not busy because its ends wait for the record. Its two
+ * slots held about 1 s each (measured); four commands have run and ended
+ * on it, but the recorder cannot take their ends: the first two's stream
+ * rows are locked by another transaction (a stalled record: a lock, a
+ * slow disk; in a cluster, the recorder's consumer electing a leader,
+ * test_cluster F02). The agent's slots are free, so a command with no
+ * deadline of its own is accepted, not refused as "busy: 4 commands in
+ * flight on its 2 slots" (it was: exit 75). What the stall held is the
+ * stall's backlog, as the intake's is (broker/admit.c stall_note). When
+ * the lock goes, every command ends, each once.
+ */
+START_TEST(ends_the_record_waits_for_are_not_in_flight)
+{
+    const char *extra[] = {"--max-concurrent", "2", NULL};
+    PGconn *pg = db(), *lock = db();
+    struct fixture_out o;
+    char x[4][37], sql[512];
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov3", "ov3", extra),
+                     0);
+    /* What a slot is held for, as the broker measures it: about 1 s. */
+    {
+        const char *args[] = {"exec", "--agent", "ov3", "--", "sleep", "1",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
+        fixture_out_release(&o);
+    }
+    detach_marked(0, x[0]);
+    detach_marked(1, x[1]);
+    wait_status(pg, x[0], "Running", 60);
+    wait_status(pg, x[1], "Running", 60);
+    /* Their ends cannot be recorded: their streams' rows are held. */
+    snprintf(sql, sizeof(sql),
+             "BEGIN; SELECT 1 FROM streams WHERE stream_id IN "
+             "('command-%s', 'command-%s') FOR UPDATE",
+             x[0], x[1]);
+    PGresult *res = PQexec(lock, sql);
+    ck_assert_msg(PQresultStatus(res) == PGRES_TUPLES_OK, "%s",
+                  PQerrorMessage(lock));
+    PQclear(res);
+    /* Two more take the slots the first two leave, and end too. */
+    detach_marked(2, x[2]);
+    detach_marked(3, x[3]);
+    for (int i = 0; i < 4; i++)
+        wait_marked(i);
+    /* (each child's end, not its cleanup: the slots are free once the
+     * agent has queued the results) */
+    sleep_ms(500);
+
+    const char *args[] = {"exec", "--agent", "ov3", "--detach", "--", "true",
+                          NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0,
+                  "exit %d: an agent whose ends wait for the record was "
+                  "refused: %s",
+                  o.status, o.err);
+    fixture_out_release(&o);
+
+    res = PQexec(lock, "COMMIT");
+    PQclear(res);
+    all_ended_once(pg, "ov3", 60);
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                  "agent_id = 'ov3' AND status = "
+                                  "'Succeeded'"),
+                     6);
+    PQfinish(lock);
+    PQfinish(pg);
+    stack_stop(stack.dir, "agent-ov3", 20000);
+}
+END_TEST
+
 /* The fleet of batch_paces_a_fleet_smaller_than_it: 2,000 ids in the
  * broker's own pool (its local agents: one process, 8 slots). */
 #define PACE_IDS 2000
@@ -392,6 +496,7 @@ overload_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, exec_refused_when_it_cannot_start_in_time);
     tcase_add_test(tc, broker_refuses_while_its_queue_stalls);
+    tcase_add_test(tc, ends_the_record_waits_for_are_not_in_flight);
     suite_add_tcase(s, tc);
     /* A stack of its own: a broker with 2,000 local agents. */
     tc = tcase_create("pace");
