@@ -24,7 +24,12 @@
  *            pool, or its process's ids: one set of slots) and has not
  *            seen end: beyond its slots (AgentInfo.max_concurrent), each
  *            waits for a slot, which is held for the measured claim-to-end
- *            time: (in flight + 1 - slots) x hold / slots.
+ *            time: (in flight + 1 - slots) x hold / slots. In flight
+ *            counts what was dispatched since the last stall (stall_note:
+ *            a stall's backlog drains by itself), and never more than the
+ *            process says it runs (its heartbeats) with what it has not
+ *            claimed: an end that has not reached this broker is not a
+ *            slot taken.
  *
  * A request is refused at once, before anything is recorded, with
  * KS_EBUSY and a line that names the limit and the figures, when
@@ -97,6 +102,15 @@
  * stalled record (a row lock held elsewhere, a slow disk), not a busy one
  * (us; a batch of 1000 events commits in tens of ms). */
 #define ADMIT_RECORDING_SLOW_US INT64_C(1000000)
+/* An agent's word on what it runs (its heartbeat's running counts) is
+ * taken while this recent: two heartbeats and a second (us). */
+#define ADMIT_AGENT_WORD_US (2 * (int64_t)EVT_HEARTBEAT_MS * 1000 + 1000000)
+
+/* One id's last word in its queue (admit_q.ids): the commands its
+ * heartbeat said it ran, and the claims granted here to it since. */
+struct admit_id {
+    uint32_t running, since;
+};
 
 /* One agent process's queue (its pool, or its process's ids). */
 struct admit_q {
@@ -106,6 +120,15 @@ struct admit_q {
      * for a slot is the agent's. */
     unsigned fresh;
     int64_t epoch_us; /* the unseen_us fresh counts from */
+    unsigned claimed;  /* of inflight, those seen claimed here */
+    /* What the agent process says it runs (broker__admit_agent_running):
+     * each id's last heartbeat's count and the claims granted here to it
+     * since (agent id -> struct admit_id *), their sum, and when one was
+     * last heard (ks_mono_us; 0: never). The slots it has free, whatever
+     * this broker has not seen end. */
+    struct ks_map ids;
+    uint64_t word;
+    int64_t word_us;
     unsigned slots;    /* AgentInfo.max_concurrent, last seen */
     double hold_us;    /* mean claim-to-end time of its commands, 0: none */
     char key[EVT_AGENT_ID_MAX + 48];
@@ -118,6 +141,7 @@ struct admit_cmd {
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
     int64_t queued_mono_us;  /* when it joined q (0: no q yet) */
+    bool claim_counted;      /* in q->claimed */
     uint64_t stored_seq;     /* its message's stream sequence (PubAck);
                                 0: none seen */
     int64_t expires_mono_us;
@@ -260,6 +284,9 @@ q_leave(struct broker__admit *a, struct admit_cmd *c)
         return;
     if (q->inflight)
         q->inflight--;
+    if (c->claim_counted && q->claimed)
+        q->claimed--;
+    c->claim_counted = false;
     q_sync(a, q);
     if (c->queued_mono_us > q->epoch_us && q->fresh)
         q->fresh--;
@@ -375,6 +402,22 @@ collect_idle(const char *key, void *val, void *ud)
     }
 }
 
+static void
+free_id(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    free(val);
+}
+
+static void
+q_free(struct admit_q *q)
+{
+    ks_map_each(&q->ids, free_id, NULL);
+    ks_map_clear(&q->ids);
+    free(q);
+}
+
 /* Forgets queues with nothing in flight when there are too many (agent
  * processes come and go: each start is a new process). Under mu. */
 static void
@@ -386,7 +429,7 @@ sweep_queues(struct broker__admit *a)
     ks_map_each(&a->queues, collect_idle, idle);
     for (size_t i = 0; i < ADMIT_IDLE_SWEEP && idle[i]; i++) {
         ks_map_del(&a->queues, idle[i]->key);
-        free(idle[i]);
+        q_free(idle[i]);
     }
 }
 
@@ -575,9 +618,56 @@ broker__admit_load(struct broker *b, struct store *st)
     return store_open_requests(st, load_one, b->admit);
 }
 
+/* One more claim granted here to agent_id in q (under mu): it runs one
+ * more than its last heartbeat said (an id of q not heard yet: one more
+ * than nothing). */
+static void
+q_claimed(struct admit_q *q, const char *agent_id)
+{
+    struct admit_id *d = agent_id ? ks_map_get(&q->ids, agent_id) : NULL;
+    if (!d && agent_id && (d = calloc(1, sizeof(*d))) &&
+        ks_map_put(&q->ids, agent_id, d) != 0) {
+        free(d);
+        d = NULL;
+    }
+    if (d) {
+        d->since++;
+        q->word++;
+    }
+}
+
+void
+broker__admit_agent_running(struct broker *b, const char *key,
+                            const char *agent_id, unsigned slots,
+                            uint32_t running)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    struct admit_q *q = queue_get(a, key, slots);
+    if (q) {
+        struct admit_id *d = ks_map_get(&q->ids, agent_id);
+        if (!d && (d = calloc(1, sizeof(*d))) &&
+            ks_map_put(&q->ids, agent_id, d) != 0) {
+            free(d);
+            d = NULL;
+        }
+        if (d) {
+            q->word -= (uint64_t)d->running + d->since;
+            d->running = running;
+            d->since = 0;
+            q->word += running;
+            q->word_us = ks_mono_us();
+        }
+    }
+    pthread_mutex_unlock(&a->mu);
+}
+
 void
 broker__admit_claim_done(struct broker *b, const char *command_id,
-                         bool granted, int64_t handler_us)
+                         const char *agent_id, bool granted,
+                         int64_t handler_us)
 {
     struct broker__admit *a = b->admit;
     int64_t now = ks_mono_us();
@@ -590,8 +680,14 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
     a->claim_done_mono_us = now;
     struct admit_cmd *c =
         granted && command_id ? ks_map_get(&a->cmds, command_id) : NULL;
-    if (c && !c->claimed_mono_us)
+    if (c && !c->claimed_mono_us) {
         c->claimed_mono_us = now;
+        if (c->q) {
+            c->q->claimed++;
+            c->claim_counted = true;
+            q_claimed(c->q, agent_id);
+        }
+    }
     pthread_mutex_unlock(&a->mu);
 }
 
@@ -804,9 +900,21 @@ broker__admit_check(struct broker *b, const char *operator_name,
     int64_t own = own_wait_us(a, &w, claims, ran, now);
     /* Ahead of it at the agent: what was dispatched since the last stall
      * (the stall's backlog drains by itself, as its intake's does) */
-    if (q)
+    unsigned ahead = 0;
+    if (q) {
         q_sync(a, q);
-    int64_t agent = q ? agent_wait_us(q, q->fresh) : 0;
+        ahead = q->fresh;
+        /* No more than its process says it runs, with what it has not
+         * claimed yet: a command whose end this broker has not seen may
+         * have ended long ago (its end waits for the event stream or
+         * the recorder: an election, a stream that refuses it) */
+        if (q->word_us && now - q->word_us <= ADMIT_AGENT_WORD_US) {
+            uint64_t word = q->word + (q->inflight - q->claimed);
+            if (word < ahead)
+                ahead = (unsigned)word;
+        }
+    }
+    int64_t agent = q ? agent_wait_us(q, ahead) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
         snprintf(why, len,
@@ -824,7 +932,7 @@ broker__admit_check(struct broker *b, const char *operator_name,
                  "each held about %.0f ms: this one could start in about "
                  "%.2f s, %s %.2f s; nothing was recorded, try again later "
                  "(or give a longer --deliver-within)",
-                 agent_id, q->fresh, q->slots, q->hold_us / 1000.0,
+                 agent_id, ahead, q->slots, q->hold_us / 1000.0,
                  (double)(own + agent) / 1e6,
                  deliver_ms ? "after its delivery deadline of"
                             : "over the wait a command is given without "
@@ -1073,6 +1181,14 @@ free_q(const char *key, void *val, void *ud)
     free(val);
 }
 
+static void
+free_queue(const char *key, void *val, void *ud)
+{
+    (void)key;
+    (void)ud;
+    q_free(val);
+}
+
 void
 broker__admit_stop(struct broker *b)
 {
@@ -1098,7 +1214,7 @@ broker__admit_free(struct broker *b)
     while (a->head)
         unlink_cmd(a, a->head);
     ks_map_clear(&a->cmds);
-    ks_map_each(&a->queues, free_q, NULL);
+    ks_map_each(&a->queues, free_queue, NULL);
     ks_map_clear(&a->queues);
     ks_map_each(&a->ops, free_q, NULL);
     ks_map_clear(&a->ops);

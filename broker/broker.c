@@ -895,6 +895,7 @@ reply:
     broker__reply_msg(b, natsMsg_GetReply(msg), &r.base);
     /* The claim stage's pace, and the start of the slot's hold. */
     broker__admit_claim_done(b, req ? req->command_id : NULL,
+                             req ? req->agent_id : NULL,
                              r.granted && !(req && req->start_failure),
                              ks_mono_us() - t_in);
     if (req)

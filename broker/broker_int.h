@@ -899,7 +899,16 @@ void broker__admit_sweep(struct broker *b, struct store *st);
 /* A claim was answered (handler_us: the time its handler took); granted:
  * command_id started (its slot's hold is timed from now). */
 void broker__admit_claim_done(struct broker *b, const char *command_id,
-                              bool granted, int64_t handler_us);
+                              const char *agent_id, bool granted,
+                              int64_t handler_us);
+/* A live heartbeat of agent_id (registry.c, registry thread): its
+ * process's queue key (broker__agent_queue) and slots, and the commands
+ * it said it runs (AgentInfo.running, or its pool_running). The agent's
+ * word bounds what admission counts ahead in that queue: a command whose
+ * end has not reached this broker may be long over. */
+void broker__admit_agent_running(struct broker *b, const char *key,
+                                 const char *agent_id, unsigned slots,
+                                 uint32_t running);
 /* command_id ended (here or noticed from another broker). */
 void broker__admit_ended(struct broker *b, const char *command_id);
 /* command_id's message, as dispatched by this broker (counted:

@@ -482,6 +482,20 @@ broker__instance_silent(struct broker *b, const char *agent_id,
  * what it holds; nor does one that is no live heartbeat (live:
  * heartbeat_live). holds: info's list (holds_take; one reference, taken;
  * may be NULL). */
+/* broker__agent_queue of a (NULL: not known), under b->mu. */
+static void
+queue_key_locked(const struct broker__agent *a, const char *agent_id,
+                 char *key, size_t len, unsigned *slots)
+{
+    *slots = a && a->info ? a->info->max_concurrent : 0;
+    if (a && a->info && a->info->pool && a->info->pool[0])
+        snprintf(key, len, "pool:%s", a->info->pool);
+    else if (a && a->cur.id[0])
+        snprintf(key, len, "proc:%s", a->cur.id);
+    else
+        snprintf(key, len, "id:%s", agent_id);
+}
+
 static void
 agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
              bool labels_signed, const struct broker__settled *settled,
@@ -539,7 +553,16 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
      * heartbeat. */
     warn = why && !a->unsigned_warned;
     a->unsigned_warned = why != NULL;
+    /* What it runs now, for admission (admit.c): from a live heartbeat
+     * only, never a replayed old entry. */
+    char qkey[EVT_AGENT_ID_MAX + 48];
+    unsigned slots = 0;
+    uint32_t running = info->running;
+    if (watched && live)
+        queue_key_locked(a, key, qkey, sizeof(qkey), &slots);
     pthread_mutex_unlock(&b->mu);
+    if (watched && live)
+        broker__admit_agent_running(b, qkey, key, slots, running);
     if (dup) {
         const struct broker__instance *n =
             c.started_at_us > o.started_at_us ||
@@ -1895,17 +1918,9 @@ void
 broker__agent_queue(struct broker *b, const char *agent_id, char *key,
                      size_t len, unsigned *slots)
 {
-    struct broker__agent *a;
-
     pthread_mutex_lock(&b->mu);
-    a = ks_map_get(&b->agents, agent_id);
-    *slots = a && a->info ? a->info->max_concurrent : 0;
-    if (a && a->info && a->info->pool && a->info->pool[0])
-        snprintf(key, len, "pool:%s", a->info->pool);
-    else if (a && a->cur.id[0])
-        snprintf(key, len, "proc:%s", a->cur.id);
-    else
-        snprintf(key, len, "id:%s", agent_id);
+    queue_key_locked(ks_map_get(&b->agents, agent_id), agent_id, key, len,
+                     slots);
     pthread_mutex_unlock(&b->mu);
 }
 

@@ -321,15 +321,15 @@ START_TEST(broker_refuses_while_its_queue_stalls)
 }
 END_TEST
 
-/* `kscore exec --detach` (deliver within 10 min) on agent ov3 of a
- * command that sleeps 1 s and then makes <stack>/ov3-<n>: its id. */
+/* `kscore exec --detach` (deliver within 10 min) on agent of a command
+ * that sleeps 1 s and then makes <stack>/marked-<n>: its id. */
 static void
-detach_marked(int n, char id[37])
+detach_marked(const char *agent, int n, char id[37])
 {
     char script[PATH_MAX + 64];
-    snprintf(script, sizeof(script), "sleep 1; touch %s/ov3-%d", stack.dir,
-             n);
-    const char *args[] = {"exec", "--agent", "ov3", "--detach",
+    snprintf(script, sizeof(script), "sleep 1; touch %s/marked-%d",
+             stack.dir, n);
+    const char *args[] = {"exec", "--agent", agent, "--detach",
                           "--deliver-within", "10m", "--", "sh", "-c",
                           script, NULL};
     struct fixture_out o;
@@ -340,12 +340,12 @@ detach_marked(int n, char id[37])
     fixture_out_release(&o);
 }
 
-/* Waits (<= 60 s) for <stack>/ov3-<n>: command n's child has ended. */
+/* Waits (<= 60 s) for <stack>/marked-<n>: command n's child has ended. */
 static void
 wait_marked(int n)
 {
     char path[PATH_MAX + 32];
-    snprintf(path, sizeof(path), "%s/ov3-%d", stack.dir, n);
+    snprintf(path, sizeof(path), "%s/marked-%d", stack.dir, n);
     for (int i = 0; i < 600 && access(path, F_OK) != 0; i++)
         sleep_ms(100);
     ck_assert_msg(access(path, F_OK) == 0, "%s never made", path);
@@ -380,8 +380,8 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
         ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
         fixture_out_release(&o);
     }
-    detach_marked(0, x[0]);
-    detach_marked(1, x[1]);
+    detach_marked("ov3", 0, x[0]);
+    detach_marked("ov3", 1, x[1]);
     wait_status(pg, x[0], "Running", 60);
     wait_status(pg, x[1], "Running", 60);
     /* Their ends cannot be recorded: their streams' rows are held. */
@@ -394,8 +394,8 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
                   PQerrorMessage(lock));
     PQclear(res);
     /* Two more take the slots the first two leave, and end too. */
-    detach_marked(2, x[2]);
-    detach_marked(3, x[3]);
+    detach_marked("ov3", 2, x[2]);
+    detach_marked("ov3", 3, x[3]);
     for (int i = 0; i < 4; i++)
         wait_marked(i);
     /* (each child's end, not its cleanup: the slots are free once the
@@ -421,6 +421,115 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
     PQfinish(lock);
     PQfinish(pg);
     stack_stop(stack.dir, "agent-ov3", 20000);
+}
+END_TEST
+
+/* What `kscore agents --json` says agent_id runs (-1: not listed). */
+static long
+agent_running(const char *agent_id)
+{
+    const char *args[] = {"agents", "--json", NULL};
+    struct fixture_out o;
+    long running = -1;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    for (char *line = o.out; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl)
+            *nl = '\0';
+        json_t *j = json_loads(line, 0, NULL);
+        const char *id = json_string_value(json_object_get(j, "agent_id"));
+        if (id && strcmp(id, agent_id) == 0)
+            running = (long)json_integer_value(json_object_get(j, "running"));
+        json_decref(j);
+        line = nl ? nl + 1 : NULL;
+    }
+    fixture_out_release(&o);
+    return running;
+}
+
+/* Sets KSCORE_EVENTS's max_bytes (its discard policy is new: a publish
+ * past it is refused); *was (may be NULL): what it was. */
+static void
+events_max_bytes(struct evt_conn *c, int64_t bytes, int64_t *was)
+{
+    jsStreamInfo *si = NULL, *up = NULL;
+    jsErrCode jerr = 0;
+    ck_assert_int_eq(js_GetStreamInfo(&si, c->js, EVT_STREAM_EVENTS, NULL,
+                                      &jerr),
+                     NATS_OK);
+    if (was)
+        *was = si->Config->MaxBytes;
+    si->Config->MaxBytes = bytes;
+    natsStatus s = js_UpdateStream(&up, c->js, si->Config, NULL, &jerr);
+    ck_assert_msg(s == NATS_OK, "stream update: %s (%d)",
+                  natsStatus_GetText(s), (int)jerr);
+    jsStreamInfo_Destroy(up);
+    jsStreamInfo_Destroy(si);
+}
+
+/*
+ * An agent is not busy because the event stream refuses its ends: its
+ * word on what it runs bounds what the broker counts. KSCORE_EVENTS takes
+ * no more (its max_bytes: in a cluster, its leader's election does the
+ * same), so the ends of four commands that ran and ended on an agent of
+ * two slots wait in the agent's outbox, and the broker, which records
+ * them, sees none of them end; nothing fails on the broker's side to
+ * tell it (its recorder's pulls come back empty). The agent's heartbeat
+ * says it runs nothing, so a command with no deadline of its own is
+ * accepted (it was refused: "busy: 4 commands in flight on its 2
+ * slots", exit 75). When the stream takes them again, every command
+ * ends, each once.
+ */
+START_TEST(ends_the_stream_refuses_are_not_in_flight)
+{
+    const char *extra[] = {"--max-concurrent", "2", NULL};
+    PGconn *pg = db();
+    struct evt_conn *c = fixture_client(&stack);
+    struct fixture_out o;
+    char x[4][37];
+    int64_t was = 0;
+
+    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov4", "ov4", extra),
+                     0);
+    {
+        const char *args[] = {"exec", "--agent", "ov4", "--", "sleep", "1",
+                              NULL};
+        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+        ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
+        fixture_out_release(&o);
+    }
+    events_max_bytes(c, 1, &was);
+    for (int i = 0; i < 4; i++)
+        detach_marked("ov4", 10 + i, x[i]);
+    for (int i = 0; i < 4; i++)
+        wait_marked(10 + i);
+    /* Its heartbeat (every 2 s) says so. */
+    int i;
+    for (i = 0; i < 100 && agent_running("ov4") != 0; i++)
+        sleep_ms(100);
+    ck_assert_msg(i < 100, "ov4 never said it ran nothing");
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                  "agent_id = 'ov4' AND status = 'Running'"),
+                     4);
+
+    const char *args[] = {"exec", "--agent", "ov4", "--detach", "--", "true",
+                          NULL};
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0,
+                  "exit %d: an agent whose ends the stream refuses was "
+                  "refused: %s",
+                  o.status, o.err);
+    fixture_out_release(&o);
+
+    events_max_bytes(c, was, NULL);
+    all_ended_once(pg, "ov4", 60);
+    ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
+                                  "agent_id = 'ov4' AND status = "
+                                  "'Succeeded'"),
+                     6);
+    evt_close(c);
+    PQfinish(pg);
+    stack_stop(stack.dir, "agent-ov4", 20000);
 }
 END_TEST
 
@@ -497,6 +606,7 @@ overload_suite(void)
     tcase_add_test(tc, exec_refused_when_it_cannot_start_in_time);
     tcase_add_test(tc, broker_refuses_while_its_queue_stalls);
     tcase_add_test(tc, ends_the_record_waits_for_are_not_in_flight);
+    tcase_add_test(tc, ends_the_stream_refuses_are_not_in_flight);
     suite_add_tcase(s, tc);
     /* A stack of its own: a broker with 2,000 local agents. */
     tc = tcase_create("pace");
