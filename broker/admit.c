@@ -98,19 +98,35 @@
  * not busy; and after ADMIT_STALLED_MAX_US it is whatever the mean (us). */
 #define ADMIT_STALLED_MEANS 2.0
 #define ADMIT_STALLED_MAX_US 1000000.0
-/* A batch of results the recorder has been recording for this long is a
- * stalled record (a row lock held elsewhere, a slow disk), not a busy one
- * (us; a batch of 1000 events commits in tens of ms). */
-#define ADMIT_RECORDING_SLOW_US INT64_C(1000000)
 /* An agent's word on what it runs (its heartbeat's running counts) is
  * taken while this recent: two heartbeats and a second (us). */
 #define ADMIT_AGENT_WORD_US (2 * (int64_t)EVT_HEARTBEAT_MS * 1000 + 1000000)
 
-/* One id's last word in its queue (admit_q.ids): the commands its
- * heartbeat said it ran, and the claims granted here to it since. */
+/* One id's last word in its queue (admit_q.ids): the commands its last
+ * heartbeat said it ran, that heartbeat's heartbeat_seq (0: none, or an
+ * agent that does not number them), and the claims granted here to it
+ * that only a later heartbeat counts: later[i] those listed from seq + 1
+ * + i (ClaimRequest.listed_from_seq; the last one also all beyond). A
+ * claim is counted by the heartbeats from the one that lists it on,
+ * whenever the broker answered it: a claim answered late (its handler
+ * held up by a lock) is not counted twice, in the heartbeat that says it
+ * ended and again as one since. */
+#define ADMIT_LATER 4
 struct admit_id {
-    uint32_t running, since;
+    uint32_t running;
+    uint64_t seq;
+    uint32_t later[ADMIT_LATER];
 };
+
+/* What d says its id runs or will by the heartbeats to come. */
+static uint64_t
+id_word(const struct admit_id *d)
+{
+    uint64_t w = d->running;
+    for (int i = 0; i < ADMIT_LATER; i++)
+        w += d->later[i];
+    return w;
+}
 
 /* One agent process's queue (its pool, or its process's ids). */
 struct admit_q {
@@ -222,24 +238,23 @@ running_since(struct broker *b, int64_t now)
 
 /*
  * The last time (ks_mono_us; 0: never) the results' way to this broker
- * was seen stalled: the recorder's pull failed (no connection, its
- * consumer electing a leader), its append failed (recorder.c), or it has
- * been recording one batch for over ADMIT_RECORDING_SLOW_US (PostgreSQL
- * waiting on a lock); now while one goes on. Ends that happened then
- * reach this broker only after it: its in-flight counts and hold times
- * are the stall's, not the agents' (test_cluster F02: a recorder consumer
- * led by the killed node held the ends of 90 commands an agent had run,
- * and its execs were refused as busy on 64 slots).
+ * was seen failing: the recorder's pull failed (no connection, its
+ * consumer electing a leader) or its append did (recorder.c); now while
+ * PostgreSQL refuses it. Ends that happened then reach this broker only
+ * after it: its in-flight counts and hold times are the stall's, not the
+ * agents' (test_cluster F02: a recorder consumer led by the killed node
+ * held the ends of 90 commands an agent had run, and its execs were
+ * refused as busy on 64 slots). A recorder that is only slow (a lock, a
+ * saturated machine) fails nothing: what the agents say they run bounds
+ * the count then (broker__admit_agent_running), never a guess from the
+ * recorder's pace, which would excuse a real overload.
  */
 static int64_t
 results_stall_us(struct broker *b, int64_t now)
 {
-    int64_t at = atomic_load(&b->rec_trouble_us);
-    int64_t since = atomic_load(&b->rec_batch_since_us);
-    if ((since && now - since > ADMIT_RECORDING_SLOW_US) ||
-        atomic_load(&b->rec_stalled))
+    if (atomic_load(&b->rec_stalled))
         return now;
-    return at;
+    return atomic_load(&b->rec_trouble_us);
 }
 
 /* Whether a time measured from since_us to now spans a pause. */
@@ -618,11 +633,12 @@ broker__admit_load(struct broker *b, struct store *st)
     return store_open_requests(st, load_one, b->admit);
 }
 
-/* One more claim granted here to agent_id in q (under mu): it runs one
- * more than its last heartbeat said (an id of q not heard yet: one more
- * than nothing). */
+/* One more claim granted here to agent_id in q, listed by its
+ * heartbeats from listed_seq on (0: not said), under mu: it runs one more
+ * than its last heartbeat said, unless that heartbeat counted it (an id
+ * of q not heard yet: one more than nothing). */
 static void
-q_claimed(struct admit_q *q, const char *agent_id)
+q_claimed(struct admit_q *q, const char *agent_id, uint64_t listed_seq)
 {
     struct admit_id *d = agent_id ? ks_map_get(&q->ids, agent_id) : NULL;
     if (!d && agent_id && (d = calloc(1, sizeof(*d))) &&
@@ -630,16 +646,24 @@ q_claimed(struct admit_q *q, const char *agent_id)
         free(d);
         d = NULL;
     }
-    if (d) {
-        d->since++;
-        q->word++;
+    if (!d)
+        return;
+    uint64_t i = 0;
+    if (d->seq && listed_seq) {
+        if (listed_seq <= d->seq)
+            return; /* in the last heartbeat's count already */
+        i = listed_seq - d->seq - 1;
+        if (i >= ADMIT_LATER)
+            i = ADMIT_LATER - 1;
     }
+    d->later[i]++;
+    q->word++;
 }
 
 void
 broker__admit_agent_running(struct broker *b, const char *key,
                             const char *agent_id, unsigned slots,
-                            uint32_t running)
+                            uint32_t running, uint64_t heartbeat_seq)
 {
     struct broker__admit *a = b->admit;
     if (!a)
@@ -654,10 +678,20 @@ broker__admit_agent_running(struct broker *b, const char *key,
             d = NULL;
         }
         if (d) {
-            q->word -= (uint64_t)d->running + d->since;
+            q->word -= id_word(d);
+            /* The claims this heartbeat counts leave later[]; a process
+             * that numbers from 1 again (restarted), or none, starts
+             * afresh. */
+            uint64_t shift = heartbeat_seq > d->seq && d->seq
+                                 ? heartbeat_seq - d->seq
+                                 : ADMIT_LATER;
+            for (int i = 0; i < ADMIT_LATER; i++)
+                d->later[i] = (uint64_t)i + shift < ADMIT_LATER
+                                  ? d->later[i + shift]
+                                  : 0;
             d->running = running;
-            d->since = 0;
-            q->word += running;
+            d->seq = heartbeat_seq;
+            q->word += id_word(d);
             q->word_us = ks_mono_us();
         }
     }
@@ -666,8 +700,8 @@ broker__admit_agent_running(struct broker *b, const char *key,
 
 void
 broker__admit_claim_done(struct broker *b, const char *command_id,
-                         const char *agent_id, bool granted,
-                         int64_t handler_us)
+                         const char *agent_id, uint64_t listed_seq,
+                         bool granted, int64_t handler_us)
 {
     struct broker__admit *a = b->admit;
     int64_t now = ks_mono_us();
@@ -685,7 +719,7 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
         if (c->q) {
             c->q->claimed++;
             c->claim_counted = true;
-            q_claimed(c->q, agent_id);
+            q_claimed(c->q, agent_id, listed_seq);
         }
     }
     pthread_mutex_unlock(&a->mu);

@@ -896,6 +896,7 @@ reply:
     /* The claim stage's pace, and the start of the slot's hold. */
     broker__admit_claim_done(b, req ? req->command_id : NULL,
                              req ? req->agent_id : NULL,
+                             req ? req->listed_from_seq : 0,
                              r.granted && !(req && req->start_failure),
                              ks_mono_us() - t_in);
     if (req)

@@ -334,10 +334,8 @@ struct broker {
      * request as busy meanwhile: the worker's append says the real cause. */
     atomic_bool rec_stalled;
     /* recorder.c (ks_mono_us, atomic): when its pull or its append last
-     * failed (0: never), and since when it records the batch it has (0:
-     * none now). Ends wait meanwhile: admit.c results_stall_us. */
+     * failed (0: never). Ends wait meanwhile: admit.c results_stall_us. */
     _Atomic int64_t rec_trouble_us;
-    _Atomic int64_t rec_batch_since_us;
     /* registry.c: dead registry watches being destroyed off the registry
      * thread (watch_let_go); broker__registry_stop waits for them. */
     atomic_int reg_reaping;
@@ -897,18 +895,22 @@ int broker__admit_load(struct broker *b, struct store *st);
  * then, with st. */
 void broker__admit_sweep(struct broker *b, struct store *st);
 /* A claim was answered (handler_us: the time its handler took); granted:
- * command_id started (its slot's hold is timed from now). */
+ * command_id started (its slot's hold is timed from now) on agent_id,
+ * whose heartbeats list it from listed_seq on (0: not said). */
 void broker__admit_claim_done(struct broker *b, const char *command_id,
-                              const char *agent_id, bool granted,
-                              int64_t handler_us);
+                              const char *agent_id, uint64_t listed_seq,
+                              bool granted, int64_t handler_us);
 /* A live heartbeat of agent_id (registry.c, registry thread): its
- * process's queue key (broker__agent_queue) and slots, and the commands
- * it said it runs (AgentInfo.running, or its pool_running). The agent's
- * word bounds what admission counts ahead in that queue: a command whose
- * end has not reached this broker may be long over. */
+ * process's queue key (broker__agent_queue) and slots, the commands it
+ * said it runs (AgentInfo.running, or its pool_running) and its
+ * heartbeat_seq (0: not numbered). The agent's word bounds what admission
+ * counts ahead in that queue: a command whose end has not reached this
+ * broker may be long over. A claim (broker__admit_claim_done) is counted
+ * with it until the heartbeat that lists it (its listed_seq,
+ * ClaimRequest.listed_from_seq) comes. */
 void broker__admit_agent_running(struct broker *b, const char *key,
                                  const char *agent_id, unsigned slots,
-                                 uint32_t running);
+                                 uint32_t running, uint64_t heartbeat_seq);
 /* command_id ended (here or noticed from another broker). */
 void broker__admit_ended(struct broker *b, const char *command_id);
 /* command_id's message, as dispatched by this broker (counted:

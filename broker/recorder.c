@@ -548,9 +548,7 @@ recorder_main(void *arg)
                 if (evt_ack_delivered(natsMsg_GetReply(list.Msgs[i])) > 1)
                     ks_metric_inc(KS_C_RECORDER_REDELIVERIES);
             /* record_batch acks and destroys each message. */
-            atomic_store(&b->rec_batch_since_us, ks_mono_us());
             record_batch(b, list.Msgs, (size_t)list.Count);
-            atomic_store(&b->rec_batch_since_us, 0);
             list.Count = 0;
             natsMsgList_Destroy(&list);
             logged = 0;

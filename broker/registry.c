@@ -558,11 +558,12 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
     char qkey[EVT_AGENT_ID_MAX + 48];
     unsigned slots = 0;
     uint32_t running = info->running;
+    uint64_t seq = info->heartbeat_seq;
     if (watched && live)
         queue_key_locked(a, key, qkey, sizeof(qkey), &slots);
     pthread_mutex_unlock(&b->mu);
     if (watched && live)
-        broker__admit_agent_running(b, qkey, key, slots, running);
+        broker__admit_agent_running(b, qkey, key, slots, running, seq);
     if (dup) {
         const struct broker__instance *n =
             c.started_at_us > o.started_at_us ||

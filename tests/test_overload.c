@@ -321,6 +321,29 @@ START_TEST(broker_refuses_while_its_queue_stalls)
 }
 END_TEST
 
+/* What `kscore agents --json` says agent_id runs (-1: not listed). */
+static long
+agent_running(const char *agent_id)
+{
+    const char *args[] = {"agents", "--json", NULL};
+    struct fixture_out o;
+    long running = -1;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    for (char *line = o.out; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl)
+            *nl = '\0';
+        json_t *j = json_loads(line, 0, NULL);
+        const char *id = json_string_value(json_object_get(j, "agent_id"));
+        if (id && strcmp(id, agent_id) == 0)
+            running = (long)json_integer_value(json_object_get(j, "running"));
+        json_decref(j);
+        line = nl ? nl + 1 : NULL;
+    }
+    fixture_out_release(&o);
+    return running;
+}
+
 /* `kscore exec --detach` (deliver within 10 min) on agent of a command
  * that sleeps 1 s and then makes <stack>/marked-<n>: its id. */
 static void
@@ -357,11 +380,11 @@ wait_marked(int n)
  * on it, but the recorder cannot take their ends: the first two's stream
  * rows are locked by another transaction (a stalled record: a lock, a
  * slow disk; in a cluster, the recorder's consumer electing a leader,
- * test_cluster F02). The agent's slots are free, so a command with no
- * deadline of its own is accepted, not refused as "busy: 4 commands in
- * flight on its 2 slots" (it was: exit 75). What the stall held is the
- * stall's backlog, as the intake's is (broker/admit.c stall_note). When
- * the lock goes, every command ends, each once.
+ * test_cluster F02). The recorder fails nothing, it waits; the agent's
+ * heartbeat says its slots are free, so a command with no deadline of its
+ * own is accepted, not refused as "busy: 4 commands in flight on its 2
+ * slots" (it was: exit 75). When the lock goes, every command ends, each
+ * once.
  */
 START_TEST(ends_the_record_waits_for_are_not_in_flight)
 {
@@ -398,9 +421,11 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
     detach_marked("ov3", 3, x[3]);
     for (int i = 0; i < 4; i++)
         wait_marked(i);
-    /* (each child's end, not its cleanup: the slots are free once the
-     * agent has queued the results) */
-    sleep_ms(500);
+    /* Its heartbeat (every 2 s) says so. */
+    int i;
+    for (i = 0; i < 100 && agent_running("ov3") != 0; i++)
+        sleep_ms(100);
+    ck_assert_msg(i < 100, "ov3 never said it ran nothing");
 
     const char *args[] = {"exec", "--agent", "ov3", "--detach", "--", "true",
                           NULL};
@@ -423,29 +448,6 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
     stack_stop(stack.dir, "agent-ov3", 20000);
 }
 END_TEST
-
-/* What `kscore agents --json` says agent_id runs (-1: not listed). */
-static long
-agent_running(const char *agent_id)
-{
-    const char *args[] = {"agents", "--json", NULL};
-    struct fixture_out o;
-    long running = -1;
-    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-    for (char *line = o.out; line && *line;) {
-        char *nl = strchr(line, '\n');
-        if (nl)
-            *nl = '\0';
-        json_t *j = json_loads(line, 0, NULL);
-        const char *id = json_string_value(json_object_get(j, "agent_id"));
-        if (id && strcmp(id, agent_id) == 0)
-            running = (long)json_integer_value(json_object_get(j, "running"));
-        json_decref(j);
-        line = nl ? nl + 1 : NULL;
-    }
-    fixture_out_release(&o);
-    return running;
-}
 
 /* Sets KSCORE_EVENTS's max_bytes (its discard policy is new: a publish
  * past it is refused); *was (may be NULL): what it was. */
