@@ -1824,13 +1824,16 @@ count_slot_job(const char *key, void *val, void *ud)
     const struct job_ctx *j = val;
     struct slot_counts *sc = ud;
     (void)key;
-    if (j->state == JOB_RUNNING && j->slot >= sc->slots &&
+    if (j->state != JOB_WAITING && j->slot >= sc->slots &&
         j->slot < sc->slots + sc->n)
         sc->running[j->slot - sc->slots]++;
 }
 
-/* The commands each id has claimed and submitted, in one pass over the
- * held jobs (under a->mu): running[i] for a->slots[i]. */
+/* The slots each id's commands take (claiming, starting or running), in
+ * one pass over the held jobs (under a->mu): running[i] for a->slots[i].
+ * The broker's admission takes it as the agent's word on its free slots
+ * (broker/admit.c): a command being claimed or started (its copies
+ * fetched) holds its slot as much as one that runs. */
 static void
 slots_running(struct agent *a, uint32_t *running)
 {
@@ -2089,7 +2092,13 @@ heartbeat_once(struct agent *a)
     info.n_labels = a->opts.n_labels;
     info.version = AGENT_VERSION;
     info.host = a->host;
-    info.running = exec_loop_running(a->loop);
+    /* The slots taken (claiming, starting, running: slots_running),
+     * which is what the broker's admission reads it as. */
+    pthread_mutex_lock(&a->mu);
+    info.running = a->max_concurrent >= a->free_slots
+                       ? (uint32_t)(a->max_concurrent - a->free_slots)
+                       : 0;
+    pthread_mutex_unlock(&a->mu);
     info.max_concurrent = a->max_concurrent;
     info.heartbeat_at_us = ks_now_us();
     info.pid = (int32_t)getpid();

@@ -25,11 +25,11 @@
  *            seen end: beyond its slots (AgentInfo.max_concurrent), each
  *            waits for a slot, which is held for the measured claim-to-end
  *            time: (in flight + 1 - slots) x hold / slots. In flight
- *            counts what was dispatched since the last stall (stall_note:
- *            a stall's backlog drains by itself), and never more than the
- *            process says it runs (its heartbeats) with what it has not
- *            claimed: an end that has not reached this broker is not a
- *            slot taken.
+ *            is never more than what the process has not claimed and the
+ *            slots it says it has taken (q_ahead: its heartbeats), so an
+ *            end that has not reached this broker is not a slot taken;
+ *            without a recent heartbeat, claims from before the last
+ *            stall that may have hidden ends are not counted.
  *
  * A request is refused at once, before anything is recorded, with
  * KS_EBUSY and a line that names the limit and the figures, when
@@ -131,12 +131,12 @@ id_word(const struct admit_id *d)
 /* One agent process's queue (its pool, or its process's ids). */
 struct admit_q {
     unsigned inflight; /* dispatched here, not seen ended */
-    /* Of them, those dispatched after the last stall that hid ends from
-     * this broker (broker__admit.unseen_us; q_sync): the ones whose wait
-     * for a slot is the agent's. */
-    unsigned fresh;
-    int64_t epoch_us; /* the unseen_us fresh counts from */
     unsigned claimed;  /* of inflight, those seen claimed here */
+    /* Of them, those claimed since the last stall that may have hidden
+     * ends from this broker (broker__admit.gen; q_sync): a command
+     * claimed before it may have ended unseen. */
+    unsigned claimed_now;
+    uint64_t gen; /* the broker__admit.gen claimed_now counts in */
     /* What the agent process says it runs (broker__admit_agent_running):
      * each id's last heartbeat's count and the claims granted here to it
      * since (agent id -> struct admit_id *), their sum, and when one was
@@ -156,7 +156,7 @@ struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
-    int64_t queued_mono_us;  /* when it joined q (0: no q yet) */
+    uint64_t claim_gen;      /* broker__admit.gen when claimed */
     bool claim_counted;      /* in q->claimed */
     uint64_t stored_seq;     /* its message's stream sequence (PubAck);
                                 0: none seen */
@@ -192,11 +192,14 @@ struct broker__admit {
      * (stall_note): the requests queued then are marked in the intake as
      * the stall's. */
     int64_t stall_noted_us;
-    /* When ends last could not reach this broker as they happened
-     * (stall_note: a JetStream stall, the recorder stalled or failing, a
-     * pause): what was in flight then is the stall's backlog (q->fresh),
-     * and a hold measured across it is the stall's. */
-    int64_t unseen_us;
+    /* A generation of the agents' queues, one more each time stall_note
+     * sees ends that may not have reached this broker as they happened
+     * (a JetStream stall, the recorder's pull or append failing, a
+     * pause), and when (gen_us, ks_mono_us): a command claimed before
+     * may have ended unseen (q->claimed_now), and a hold measured
+     * across it is the stall's. */
+    uint64_t gen;
+    int64_t gen_us;
     int64_t busy_logged_us, share_logged_us;
 };
 
@@ -266,28 +269,37 @@ paused_since(struct broker *b, int64_t since_us, int64_t now)
 
 /* ---- entries ------------------------------------------------------------- */
 
-/* q's fresh count from the last stall on (under mu): a stall since it was
- * last looked at makes everything in flight the stall's. */
+/* q's claimed_now from the last stall on (under mu): a stall since it
+ * was last looked at makes every claim before it an old one. */
 static void
 q_sync(struct broker__admit *a, struct admit_q *q)
 {
-    if (q->epoch_us < a->unseen_us) {
-        q->fresh = 0;
-        q->epoch_us = a->unseen_us;
+    if (q->gen != a->gen) {
+        q->claimed_now = 0;
+        q->gen = a->gen;
     }
 }
 
-/* c joins q now (under mu). */
+/* c, claimed, counts as claimed in its q (under mu). */
 static void
-q_join(struct broker__admit *a, struct admit_cmd *c, struct admit_q *q,
-       int64_t now)
+q_count_claim(struct broker__admit *a, struct admit_cmd *c)
+{
+    struct admit_q *q = c->q;
+    q->claimed++;
+    q_sync(a, q);
+    q->claimed_now++;
+    c->claim_gen = a->gen;
+    c->claim_counted = true;
+}
+
+/* c joins q (under mu). */
+static void
+q_join(struct broker__admit *a, struct admit_cmd *c, struct admit_q *q)
 {
     c->q = q;
-    c->queued_mono_us = now;
     q->inflight++;
-    q_sync(a, q);
-    if (now > q->epoch_us)
-        q->fresh++;
+    if (c->claimed_mono_us) /* its claim came first */
+        q_count_claim(a, c);
 }
 
 /* c leaves its q (under mu). */
@@ -299,12 +311,14 @@ q_leave(struct broker__admit *a, struct admit_cmd *c)
         return;
     if (q->inflight)
         q->inflight--;
-    if (c->claim_counted && q->claimed)
-        q->claimed--;
+    if (c->claim_counted) {
+        if (q->claimed)
+            q->claimed--;
+        q_sync(a, q);
+        if (c->claim_gen == q->gen && q->claimed_now)
+            q->claimed_now--;
+    }
     c->claim_counted = false;
-    q_sync(a, q);
-    if (c->queued_mono_us > q->epoch_us && q->fresh)
-        q->fresh--;
     c->q = NULL;
 }
 
@@ -371,7 +385,7 @@ add_cmd(struct broker__admit *a, const char *command_id, struct admit_q *q,
         o->bytes += bytes;
     }
     if (q)
-        q_join(a, c, q, ks_mono_us());
+        q_join(a, c, q);
     c->prev = a->tail;
     if (a->tail)
         a->tail->next = c;
@@ -495,7 +509,7 @@ broker__admit_dispatched(struct broker *b, const char *command_id,
     struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
     if (c && !c->q && q) {
         /* Taken (broker__admit_take): now in its agent's queue. */
-        q_join(a, c, q, now);
+        q_join(a, c, q);
         c->expires_mono_us = expiry(now, not_after_us, timeout_ms);
     } else if (q && !c) {
         add_cmd(a, command_id, q, operator_name, bytes,
@@ -663,7 +677,8 @@ q_claimed(struct admit_q *q, const char *agent_id, uint64_t listed_seq)
 void
 broker__admit_agent_running(struct broker *b, const char *key,
                             const char *agent_id, unsigned slots,
-                            uint32_t running, uint64_t heartbeat_seq)
+                            uint32_t running, uint64_t heartbeat_seq,
+                            int64_t heard_mono_us)
 {
     struct broker__admit *a = b->admit;
     if (!a)
@@ -677,6 +692,11 @@ broker__admit_agent_running(struct broker *b, const char *key,
             free(d);
             d = NULL;
         }
+        /* The same heartbeat again (a new registry watch replays the
+         * latest entry of each id): nothing new, and the claims since
+         * still count. */
+        if (d && heartbeat_seq && heartbeat_seq == d->seq)
+            d = NULL;
         if (d) {
             q->word -= id_word(d);
             /* The claims this heartbeat counts leave later[]; a process
@@ -692,7 +712,9 @@ broker__admit_agent_running(struct broker *b, const char *key,
             d->running = running;
             d->seq = heartbeat_seq;
             q->word += id_word(d);
-            q->word_us = ks_mono_us();
+            /* as of when it was put, not when it came */
+            if (heard_mono_us > q->word_us)
+                q->word_us = heard_mono_us;
         }
     }
     pthread_mutex_unlock(&a->mu);
@@ -717,8 +739,7 @@ broker__admit_claim_done(struct broker *b, const char *command_id,
     if (c && !c->claimed_mono_us) {
         c->claimed_mono_us = now;
         if (c->q) {
-            c->q->claimed++;
-            c->claim_counted = true;
+            q_count_claim(a, c);
             q_claimed(c->q, agent_id, listed_seq);
         }
     }
@@ -770,7 +791,7 @@ broker__admit_ended(struct broker *b, const char *command_id)
         int64_t stall = evt_js_stall(b->nc, &retrying, NULL);
         if (retrying > 0)
             stall = now;
-        stall = max64(max64(stall, a->unseen_us), results_stall_us(b, now));
+        stall = max64(max64(stall, a->gen_us), results_stall_us(b, now));
         if (c->claimed_mono_us && c->q && c->claimed_mono_us > stall &&
             !paused_since(b, c->claimed_mono_us, now))
             c->q->hold_us =
@@ -818,6 +839,18 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
     /* Commands the stream did not take wait in the publisher. */
     if (retrying == 0 && broker__publisher_busy(b))
         retrying = 1;
+    int64_t ran = running_since(b, now);
+    /* Ends that may not have reached this broker as they happened: a
+     * JetStream stall (a node that led the commands stream often led the
+     * recorder's consumer too, whose pulls then just expire: test_cluster
+     * F02), the recorder failing, a pause. Failures only, never a guess
+     * from a pace: a slow PubAck is also what a real overload looks like,
+     * and this would excuse it. */
+    if (retrying > 0 || ended > a->gen_us || ran > a->gen_us ||
+        results_stall_us(b, now) > a->gen_us) {
+        a->gen++;
+        a->gen_us = now;
+    }
     /* A PubAck takes milliseconds; one that has not come for longer is a
      * stream that does not take the publish now (its leader dead: a
      * worker's one try waits up to BROKER_PUBLISH_INLINE_MS). */
@@ -827,18 +860,10 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
             retrying = 1;
     }
     if (retrying > 0 || ended > a->stall_noted_us ||
-        running_since(b, now) > a->stall_noted_us) {
+        ran > a->stall_noted_us) {
         broker__fairq_mark(a->intake);
         a->stall_noted_us = now;
-        a->unseen_us = now;
     }
-    /* The commands in flight are the stall's too: those it held come
-     * at once when it ends, and those whose ends it held look as if they
-     * still ran. An agent's queue counts what was dispatched after it
-     * (q->fresh); so does the intake's stall. */
-    int64_t results = results_stall_us(b, now);
-    if (results > a->unseen_us)
-        a->unseen_us = results;
 }
 
 /* What the intake's workers take before a new request of operator
@@ -898,6 +923,28 @@ own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
     return (int64_t)(in + cl);
 }
 
+/*
+ * The commands ahead of a new one in q (under mu): what its agent has not
+ * claimed yet, and the slots the agent's process says it has taken (its
+ * heartbeats, and the claims granted here they do not count yet), as far
+ * as this broker dispatched them. A command whose end this broker has not
+ * seen may have ended long ago (its end waits for the event stream or the
+ * recorder: an election, a stream that refuses it, a lock). Without a
+ * recent word (the registry away): the commands claimed here since the
+ * last stall that may have hidden ends.
+ */
+static unsigned
+q_ahead(struct broker__admit *a, struct admit_q *q, int64_t now)
+{
+    unsigned unclaimed = q->inflight - q->claimed;
+    q_sync(a, q);
+    if (q->word_us && now - q->word_us <= ADMIT_AGENT_WORD_US) {
+        uint64_t w = q->word + unclaimed;
+        return w < q->inflight ? (unsigned)w : q->inflight;
+    }
+    return unclaimed + q->claimed_now;
+}
+
 /* The wait for one of q's slots with n commands ahead (us). Under mu. */
 static int64_t
 agent_wait_us(const struct admit_q *q, unsigned n)
@@ -934,20 +981,7 @@ broker__admit_check(struct broker *b, const char *operator_name,
     int64_t own = own_wait_us(a, &w, claims, ran, now);
     /* Ahead of it at the agent: what was dispatched since the last stall
      * (the stall's backlog drains by itself, as its intake's does) */
-    unsigned ahead = 0;
-    if (q) {
-        q_sync(a, q);
-        ahead = q->fresh;
-        /* No more than its process says it runs, with what it has not
-         * claimed yet: a command whose end this broker has not seen may
-         * have ended long ago (its end waits for the event stream or
-         * the recorder: an election, a stream that refuses it) */
-        if (q->word_us && now - q->word_us <= ADMIT_AGENT_WORD_US) {
-            uint64_t word = q->word + (q->inflight - q->claimed);
-            if (word < ahead)
-                ahead = (unsigned)word;
-        }
-    }
+    unsigned ahead = q ? q_ahead(a, q, now) : 0;
     int64_t agent = q ? agent_wait_us(q, ahead) : 0;
     if (own > own_max_us) {
         rc = KS_EBUSY;
@@ -1016,8 +1050,9 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
                        (timeout_ms &&
                         (int64_t)timeout_ms * 1000 <= deadline_us / 2);
         unsigned cap = bounded ? 2 * q->slots : q->slots;
-        room = q->inflight < cap && own <= own_max_us &&
-               own + agent_wait_us(q, q->inflight) <= deadline_us / 2;
+        unsigned ahead = q_ahead(a, q, now);
+        room = ahead < cap && own <= own_max_us &&
+               own + agent_wait_us(q, ahead) <= deadline_us / 2;
     }
     pthread_mutex_unlock(&a->mu);
     return room;

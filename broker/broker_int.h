@@ -902,15 +902,17 @@ void broker__admit_claim_done(struct broker *b, const char *command_id,
                               bool granted, int64_t handler_us);
 /* A live heartbeat of agent_id (registry.c, registry thread): its
  * process's queue key (broker__agent_queue) and slots, the commands it
- * said it runs (AgentInfo.running, or its pool_running) and its
- * heartbeat_seq (0: not numbered). The agent's word bounds what admission
+ * said it runs (AgentInfo.running, or its pool_running: the slots its
+ * commands take, claiming, starting or running) and its heartbeat_seq
+ * (0: not numbered), put at heard_mono_us (ks_mono_us). The agent's word bounds what admission
  * counts ahead in that queue: a command whose end has not reached this
  * broker may be long over. A claim (broker__admit_claim_done) is counted
  * with it until the heartbeat that lists it (its listed_seq,
  * ClaimRequest.listed_from_seq) comes. */
 void broker__admit_agent_running(struct broker *b, const char *key,
                                  const char *agent_id, unsigned slots,
-                                 uint32_t running, uint64_t heartbeat_seq);
+                                 uint32_t running, uint64_t heartbeat_seq,
+                                 int64_t heard_mono_us);
 /* command_id ended (here or noticed from another broker). */
 void broker__admit_ended(struct broker *b, const char *command_id);
 /* command_id's message, as dispatched by this broker (counted:

@@ -563,7 +563,8 @@ agent_update(struct broker *b, const char *key, Ks__AgentInfo *info,
         queue_key_locked(a, key, qkey, sizeof(qkey), &slots);
     pthread_mutex_unlock(&b->mu);
     if (watched && live)
-        broker__admit_agent_running(b, qkey, key, slots, running, seq);
+        broker__admit_agent_running(b, qkey, key, slots, running, seq,
+                                    heard_mono_us);
     if (dup) {
         const struct broker__instance *n =
             c.started_at_us > o.started_at_us ||
