@@ -132,11 +132,14 @@ id_word(const struct admit_id *d)
 struct admit_q {
     unsigned inflight; /* dispatched here, not seen ended */
     unsigned claimed;  /* of inflight, those seen claimed here */
-    /* Of them, those claimed since the last stall that may have hidden
-     * ends from this broker (broker__admit.gen; q_sync): a command
-     * claimed before it may have ended unseen. */
-    unsigned claimed_now;
-    uint64_t gen; /* the broker__admit.gen claimed_now counts in */
+    /* Of inflight, in the generation since the last stall
+     * (broker__admit.gen; q_sync): those that came and are not claimed
+     * here, and those claimed here. A stall's backlog (what it held, sent
+     * at once when it ends) is not counted against the agent's slots
+     * until the agent takes it (then its word counts it), as the intake's
+     * is not; a command claimed before it may have ended unseen. */
+    unsigned unclaimed_now, claimed_now;
+    uint64_t gen; /* the broker__admit.gen they count in */
     /* What the agent process says it runs (broker__admit_agent_running):
      * each id's last heartbeat's count and the claims granted here to it
      * since (agent id -> struct admit_id *), their sum, and when one was
@@ -156,6 +159,7 @@ struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
+    uint64_t join_gen;       /* broker__admit.gen when it joined q */
     uint64_t claim_gen;      /* broker__admit.gen when claimed */
     bool claim_counted;      /* in q->claimed */
     uint64_t stored_seq;     /* its message's stream sequence (PubAck);
@@ -275,7 +279,7 @@ static void
 q_sync(struct broker__admit *a, struct admit_q *q)
 {
     if (q->gen != a->gen) {
-        q->claimed_now = 0;
+        q->unclaimed_now = q->claimed_now = 0;
         q->gen = a->gen;
     }
 }
@@ -287,6 +291,8 @@ q_count_claim(struct broker__admit *a, struct admit_cmd *c)
     struct admit_q *q = c->q;
     q->claimed++;
     q_sync(a, q);
+    if (c->join_gen == q->gen && q->unclaimed_now)
+        q->unclaimed_now--;
     q->claimed_now++;
     c->claim_gen = a->gen;
     c->claim_counted = true;
@@ -298,6 +304,9 @@ q_join(struct broker__admit *a, struct admit_cmd *c, struct admit_q *q)
 {
     c->q = q;
     q->inflight++;
+    q_sync(a, q);
+    c->join_gen = a->gen;
+    q->unclaimed_now++;
     if (c->claimed_mono_us) /* its claim came first */
         q_count_claim(a, c);
 }
@@ -311,12 +320,14 @@ q_leave(struct broker__admit *a, struct admit_cmd *c)
         return;
     if (q->inflight)
         q->inflight--;
+    q_sync(a, q);
     if (c->claim_counted) {
         if (q->claimed)
             q->claimed--;
-        q_sync(a, q);
         if (c->claim_gen == q->gen && q->claimed_now)
             q->claimed_now--;
+    } else if (c->join_gen == q->gen && q->unclaimed_now) {
+        q->unclaimed_now--;
     }
     c->claim_counted = false;
     c->q = NULL;
@@ -924,25 +935,25 @@ own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
 }
 
 /*
- * The commands ahead of a new one in q (under mu): what its agent has not
- * claimed yet, and the slots the agent's process says it has taken (its
- * heartbeats, and the claims granted here they do not count yet), as far
- * as this broker dispatched them. A command whose end this broker has not
- * seen may have ended long ago (its end waits for the event stream or the
- * recorder: an election, a stream that refuses it, a lock). Without a
- * recent word (the registry away): the commands claimed here since the
- * last stall that may have hidden ends.
+ * The commands ahead of a new one in q (under mu), as far as this broker
+ * dispatched them: the slots the agent's process says it has taken (its
+ * heartbeats, and the claims granted here they do not count yet), and
+ * what it has not claimed yet that came since the last stall. A command
+ * whose end this broker has not seen may have ended long ago (its end
+ * waits for the event stream or the recorder: an election, a stream that
+ * refuses it, a lock), and a stall's backlog is the stall's until the
+ * agent takes it up. Without a recent word (the registry away): what came
+ * and what was claimed here since the last stall.
  */
 static unsigned
 q_ahead(struct broker__admit *a, struct admit_q *q, int64_t now)
 {
-    unsigned unclaimed = q->inflight - q->claimed;
     q_sync(a, q);
     if (q->word_us && now - q->word_us <= ADMIT_AGENT_WORD_US) {
-        uint64_t w = q->word + unclaimed;
+        uint64_t w = q->word + q->unclaimed_now;
         return w < q->inflight ? (unsigned)w : q->inflight;
     }
-    return unclaimed + q->claimed_now;
+    return q->unclaimed_now + q->claimed_now;
 }
 
 /* The wait for one of q's slots with n commands ahead (us). Under mu. */
