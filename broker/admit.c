@@ -24,12 +24,14 @@
  *            pool, or its process's ids: one set of slots) and has not
  *            seen end: beyond its slots (AgentInfo.max_concurrent), each
  *            waits for a slot, which is held for the measured claim-to-end
- *            time: (in flight + 1 - slots) x hold / slots. In flight
- *            is never more than what the process has not claimed and the
- *            slots it says it has taken (q_ahead: its heartbeats), so an
- *            end that has not reached this broker is not a slot taken;
- *            without a recent heartbeat, claims from before the last
- *            stall that may have hidden ends are not counted.
+ *            time: (ahead + 1 - slots) x hold / slots. Ahead is never
+ *            more than what the process has not claimed and the slots it
+ *            says it has taken (q_ahead: its heartbeats), so an end that
+ *            has not reached this broker is not a slot taken; a stall's
+ *            backlog (publishes the publisher held) is not counted until
+ *            the agent takes it up; without a recent heartbeat, claims
+ *            from before the last stall that may have hidden ends are not
+ *            counted.
  *
  * A request is refused at once, before anything is recorded, with
  * KS_EBUSY and a line that names the limit and the figures, when
@@ -132,14 +134,18 @@ id_word(const struct admit_id *d)
 struct admit_q {
     unsigned inflight; /* dispatched here, not seen ended */
     unsigned claimed;  /* of inflight, those seen claimed here */
-    /* Of inflight, in the generation since the last stall
-     * (broker__admit.gen; q_sync): those that came and are not claimed
-     * here, and those claimed here. A stall's backlog (what it held, sent
-     * at once when it ends) is not counted against the agent's slots
-     * until the agent takes it (then its word counts it), as the intake's
-     * is not; a command claimed before it may have ended unseen. */
-    unsigned unclaimed_now, claimed_now;
-    uint64_t gen; /* the broker__admit.gen they count in */
+    /* Of inflight not claimed here, those a stall held: their publish
+     * went to the publisher (broker__admit_held), and the stall sends
+     * them at once when it ends. Like the intake's, that backlog is not
+     * counted against the agent's slots until the agent takes it up
+     * (then its word counts it). */
+    unsigned unclaimed_held;
+    /* Of claimed, those claimed in the generation since the last stall
+     * that may have hidden ends (broker__admit.gen; q_sync): counted when
+     * the agent's word is not at hand; one claimed before may have ended
+     * unseen. */
+    unsigned claimed_now;
+    uint64_t gen; /* the broker__admit.gen claimed_now counts in */
     /* What the agent process says it runs (broker__admit_agent_running):
      * each id's last heartbeat's count and the claims granted here to it
      * since (agent id -> struct admit_id *), their sum, and when one was
@@ -159,8 +165,9 @@ struct admit_cmd {
     struct admit_cmd *prev, *next; /* in dispatch order */
     struct admit_q *q;
     int64_t claimed_mono_us; /* 0: not seen claimed */
-    uint64_t join_gen;       /* broker__admit.gen when it joined q */
     uint64_t claim_gen;      /* broker__admit.gen when claimed */
+    bool held;               /* a stall held its publish (in unclaimed_held
+                                while not claimed) */
     bool claim_counted;      /* in q->claimed */
     uint64_t stored_seq;     /* its message's stream sequence (PubAck);
                                 0: none seen */
@@ -279,7 +286,7 @@ static void
 q_sync(struct broker__admit *a, struct admit_q *q)
 {
     if (q->gen != a->gen) {
-        q->unclaimed_now = q->claimed_now = 0;
+        q->claimed_now = 0;
         q->gen = a->gen;
     }
 }
@@ -290,9 +297,9 @@ q_count_claim(struct broker__admit *a, struct admit_cmd *c)
 {
     struct admit_q *q = c->q;
     q->claimed++;
+    if (c->held && q->unclaimed_held)
+        q->unclaimed_held--;
     q_sync(a, q);
-    if (c->join_gen == q->gen && q->unclaimed_now)
-        q->unclaimed_now--;
     q->claimed_now++;
     c->claim_gen = a->gen;
     c->claim_counted = true;
@@ -304,9 +311,8 @@ q_join(struct broker__admit *a, struct admit_cmd *c, struct admit_q *q)
 {
     c->q = q;
     q->inflight++;
-    q_sync(a, q);
-    c->join_gen = a->gen;
-    q->unclaimed_now++;
+    if (c->held)
+        q->unclaimed_held++;
     if (c->claimed_mono_us) /* its claim came first */
         q_count_claim(a, c);
 }
@@ -326,8 +332,8 @@ q_leave(struct broker__admit *a, struct admit_cmd *c)
             q->claimed--;
         if (c->claim_gen == q->gen && q->claimed_now)
             q->claimed_now--;
-    } else if (c->join_gen == q->gen && q->unclaimed_now) {
-        q->unclaimed_now--;
+    } else if (c->held && q->unclaimed_held) {
+        q->unclaimed_held--;
     }
     c->claim_counted = false;
     c->q = NULL;
@@ -854,9 +860,8 @@ stall_note(struct broker *b, struct broker__admit *a, int64_t now)
     /* Ends that may not have reached this broker as they happened: a
      * JetStream stall (a node that led the commands stream often led the
      * recorder's consumer too, whose pulls then just expire: test_cluster
-     * F02), the recorder failing, a pause. Failures only, never a guess
-     * from a pace: a slow PubAck is also what a real overload looks like,
-     * and this would excuse it. */
+     * F02), the recorder failing, a pause. Only claims are discounted by
+     * it, and only while the agent's word is not at hand (q_ahead). */
     if (retrying > 0 || ended > a->gen_us || ran > a->gen_us ||
         results_stall_us(b, now) > a->gen_us) {
         a->gen++;
@@ -938,22 +943,39 @@ own_wait_us(struct broker__admit *a, const struct broker__fairq_wait *w,
  * The commands ahead of a new one in q (under mu), as far as this broker
  * dispatched them: the slots the agent's process says it has taken (its
  * heartbeats, and the claims granted here they do not count yet), and
- * what it has not claimed yet that came since the last stall. A command
- * whose end this broker has not seen may have ended long ago (its end
- * waits for the event stream or the recorder: an election, a stream that
- * refuses it, a lock), and a stall's backlog is the stall's until the
- * agent takes it up. Without a recent word (the registry away): what came
- * and what was claimed here since the last stall.
+ * what it has not claimed yet, but for a stall's backlog (unclaimed_held).
+ * A command whose end this broker has not seen may have ended long ago
+ * (its end waits for the event stream or the recorder: an election, a
+ * stream that refuses it, a lock). Without a recent word (the registry
+ * away): what was claimed here since the last stall that may have hidden
+ * ends.
  */
 static unsigned
 q_ahead(struct broker__admit *a, struct admit_q *q, int64_t now)
 {
+    unsigned unclaimed = q->inflight - q->claimed - q->unclaimed_held;
     q_sync(a, q);
     if (q->word_us && now - q->word_us <= ADMIT_AGENT_WORD_US) {
-        uint64_t w = q->word + q->unclaimed_now;
+        uint64_t w = q->word + unclaimed;
         return w < q->inflight ? (unsigned)w : q->inflight;
     }
-    return q->unclaimed_now + q->claimed_now;
+    return unclaimed + q->claimed_now;
+}
+
+void
+broker__admit_held(struct broker *b, const char *command_id)
+{
+    struct broker__admit *a = b->admit;
+    if (!a)
+        return;
+    pthread_mutex_lock(&a->mu);
+    struct admit_cmd *c = ks_map_get(&a->cmds, command_id);
+    if (c && !c->held) {
+        c->held = true;
+        if (c->q && !c->claim_counted)
+            c->q->unclaimed_held++;
+    }
+    pthread_mutex_unlock(&a->mu);
 }
 
 /* The wait for one of q's slots with n commands ahead (us). Under mu. */
@@ -1061,9 +1083,10 @@ broker__admit_room(struct broker *b, const char *key, unsigned slots,
                        (timeout_ms &&
                         (int64_t)timeout_ms * 1000 <= deadline_us / 2);
         unsigned cap = bounded ? 2 * q->slots : q->slots;
-        unsigned ahead = q_ahead(a, q, now);
-        room = ahead < cap && own <= own_max_us &&
-               own + agent_wait_us(q, ahead) <= deadline_us / 2;
+        /* Every command not ended counts here, a stall's backlog too: a
+         * batch dispatches no faster than its agents take up. */
+        room = q->inflight < cap && own <= own_max_us &&
+               own + agent_wait_us(q, q->inflight) <= deadline_us / 2;
     }
     pthread_mutex_unlock(&a->mu);
     return room;

@@ -604,6 +604,7 @@ on_execute(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *ud)
     } else if (dp.later && broker__publish_later(b, &cmd, dp.pool,
                                                  disp_ev.deliver_by_us) ==
                                0) {
+        broker__admit_held(b, command_id);
         ks_log(KS_LOG_DEBUG, "publish handed to the publisher",
                KS_S("command_id", command_id), KS_S("agent", cmd.agent_id),
                KS_ERR(rc));

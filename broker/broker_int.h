@@ -900,6 +900,10 @@ void broker__admit_sweep(struct broker *b, struct store *st);
 void broker__admit_claim_done(struct broker *b, const char *command_id,
                               const char *agent_id, uint64_t listed_seq,
                               bool granted, int64_t handler_us);
+/* command_id's publish was handed to the publisher (a stall: the stream
+ * did not take it at once): until its agent claims it, it is the stall's
+ * backlog, not counted against the agent's slots (admit.c q_ahead). */
+void broker__admit_held(struct broker *b, const char *command_id);
 /* A live heartbeat of agent_id (registry.c, registry thread): its
  * process's queue key (broker__agent_queue) and slots, the commands it
  * said it runs (AgentInfo.running, or its pool_running: the slots its
