@@ -2,10 +2,12 @@
  * journal.c: the agent's journal of the command messages it holds (format
  * in agent_int.h), and what a restarted agent makes of it.
  *
- * The point is that a restart can tell apart a command that ran (Lost: it
- * may have done part of its work) from one that provably never started
- * (claimed, but "spawned" was never written, and it is written only after
- * the spawn succeeded). The latter's claim id is on its claim line, written
+ * The point is that a restart can tell apart a command that may have run
+ * (Lost: it may have done part of its work) from one that provably never
+ * started (claimed, but "spawned" was never written: it is written before
+ * the command goes to the executor, and again with its pid once spawned;
+ * written only after the spawn, a child that ran before the mark was run
+ * again by the restart). The latter's claim id is on its claim line, written
  * before the claim was sent: the restart claims with it again (the claim
  * may have won while its reply was lost) and runs the command once;
  * without a readable claim id it reports NotStarted.

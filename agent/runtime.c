@@ -756,7 +756,8 @@ job_started(uint64_t job_id, pid_t pid, void *ud)
 
     (void)job_id;
     ks_trace("agent.spawned", j->command_id);
-    /* Only now may a restart call it Lost rather than NotStarted. */
+    /* Its pid, over the mark written before the submit (the restart's
+     * Lost report names it). */
     (void)agent__journal_spawned(j->agent, j, pid); /* logged, counted */
 }
 
@@ -1194,6 +1195,16 @@ spawn_claimed(struct job_ctx *j, const Ks__Command *cmd,
         /* Its output as it is written (output.c); without, only the end. */
         agent__out_new(j);
     }
+    /* Journalled as spawned before the executor may spawn it: from here a
+     * restart calls it Lost, never "claimed, not spawned" (which it claims
+     * again and runs). Written after the spawn, the mark lost a race with
+     * the child: kill -9 of the agent once its child had run and before
+     * the loop thread wrote the mark ran the command twice (test_record
+     * k25_agent_dies_mid_run, a loaded make test: "run" twice). A crash
+     * before the spawn now reports Lost for a command that did not run:
+     * never twice is what matters. job_started writes the pid. */
+    if (rc == 0)
+        (void)agent__journal_spawned(a, j, 0); /* logged, counted */
     /* Held across the submit, so job_done (which takes mu) cannot free j
      * before it has its job id. */
     pthread_mutex_lock(&a->mu);

@@ -118,16 +118,41 @@ all_ended_once(PGconn *pg, const char *agent_id, int timeout_s)
 /* `kscore exec --detach` of `sleep N` on agent, willing to wait 10 min
  * for a slot: its command id. */
 static void
-detach_sleep(const char *agent, const char *secs, char id[37])
+detach_run(const char *agent, const char *const *cmd, char id[37])
 {
-    const char *args[] = {"exec",  "--agent", agent, "--detach",
-                          "--deliver-within", "10m", "--", "sleep", secs,
-                          NULL};
+    const char *args[16] = {"exec", "--agent", agent, "--detach",
+                            "--deliver-within", "10m", "--"};
+    size_t n = 7;
+    for (size_t i = 0; cmd[i] && n + 1 < sizeof(args) / sizeof(args[0]); i++)
+        args[n++] = cmd[i];
+    args[n] = NULL;
     struct fixture_out o;
     ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
     ck_assert_msg(o.status == 0, "exec --detach: %d %s", o.status, o.err);
     snprintf(id, 37, "%.36s", o.out);
     ck_assert_msg(ks_is_uuid(id), "not a command id: %s", o.out);
+    fixture_out_release(&o);
+}
+
+static void
+detach_sleep(const char *agent, const char *secs, char id[37])
+{
+    const char *cmd[] = {"sleep", secs, NULL};
+    detach_run(agent, cmd, id);
+}
+
+/* Starts agent id (daemon name) with slots slots, and runs one `sleep
+ * secs` on it: what a slot is held for, as the broker measures it. */
+static void
+agent_with_hold(const char *name, const char *id, const char *slots,
+                const char *secs)
+{
+    const char *extra[] = {"--max-concurrent", slots, NULL};
+    const char *args[] = {"exec", "--agent", id, "--", "sleep", secs, NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_agent_spawn(&stack, name, id, extra), 0);
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
     fixture_out_release(&o);
 }
 
@@ -144,21 +169,11 @@ detach_sleep(const char *agent, const char *secs, char id[37])
  */
 START_TEST(exec_refused_when_it_cannot_start_in_time)
 {
-    const char *extra[] = {"--max-concurrent", "1", NULL};
     PGconn *pg = db();
     struct fixture_out o;
     char held[37], q1[37], q2[37];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov1", "ov1", extra),
-                     0);
-    /* What a slot is held for, as the broker measures it. */
-    {
-        const char *args[] = {"exec", "--agent", "ov1", "--", "sleep", "2",
-                              NULL};
-        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-        ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
-        fixture_out_release(&o);
-    }
+    agent_with_hold("agent-ov1", "ov1", "1", "2");
     detach_sleep("ov1", "300", held);
     wait_status(pg, held, "Running", 60);
     detach_sleep("ov1", "300", q1);
@@ -344,6 +359,27 @@ agent_running(const char *agent_id)
     return running;
 }
 
+/* Once agent id's heartbeat says it runs nothing (it is sent every 2 s),
+ * a command with no deadline of its own is accepted by it: what the
+ * broker has not seen end is not a slot taken (why: the case, for the
+ * failure's message). */
+static void
+idle_agent_is_not_busy(const char *id, const char *why)
+{
+    int i;
+    for (i = 0; i < 100 && agent_running(id) != 0; i++)
+        sleep_ms(100);
+    ck_assert_msg(i < 100, "%s never said it ran nothing", id);
+    const char *args[] = {"exec", "--agent", id, "--detach", "--", "true",
+                          NULL};
+    struct fixture_out o;
+    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
+    ck_assert_msg(o.status == 0, "exit %d: an agent whose ends %s was "
+                                 "refused: %s",
+                  o.status, why, o.err);
+    fixture_out_release(&o);
+}
+
 /* `kscore exec --detach` (deliver within 10 min) on agent of a command
  * that sleeps 1 s and then makes <stack>/marked-<n>: its id. */
 static void
@@ -352,15 +388,8 @@ detach_marked(const char *agent, int n, char id[37])
     char script[PATH_MAX + 64];
     snprintf(script, sizeof(script), "sleep 1; touch %s/marked-%d",
              stack.dir, n);
-    const char *args[] = {"exec", "--agent", agent, "--detach",
-                          "--deliver-within", "10m", "--", "sh", "-c",
-                          script, NULL};
-    struct fixture_out o;
-    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-    ck_assert_msg(o.status == 0, "exec --detach: %d %s", o.status, o.err);
-    snprintf(id, 37, "%.36s", o.out);
-    ck_assert_msg(ks_is_uuid(id), "not a command id: %s", o.out);
-    fixture_out_release(&o);
+    const char *cmd[] = {"sh", "-c", script, NULL};
+    detach_run(agent, cmd, id);
 }
 
 /* Waits (<= 60 s) for <stack>/marked-<n>: command n's child has ended. */
@@ -388,21 +417,10 @@ wait_marked(int n)
  */
 START_TEST(ends_the_record_waits_for_are_not_in_flight)
 {
-    const char *extra[] = {"--max-concurrent", "2", NULL};
     PGconn *pg = db(), *lock = db();
-    struct fixture_out o;
     char x[4][37], sql[512];
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov3", "ov3", extra),
-                     0);
-    /* What a slot is held for, as the broker measures it: about 1 s. */
-    {
-        const char *args[] = {"exec", "--agent", "ov3", "--", "sleep", "1",
-                              NULL};
-        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-        ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
-        fixture_out_release(&o);
-    }
+    agent_with_hold("agent-ov3", "ov3", "2", "1");
     detach_marked("ov3", 0, x[0]);
     detach_marked("ov3", 1, x[1]);
     wait_status(pg, x[0], "Running", 60);
@@ -421,20 +439,7 @@ START_TEST(ends_the_record_waits_for_are_not_in_flight)
     detach_marked("ov3", 3, x[3]);
     for (int i = 0; i < 4; i++)
         wait_marked(i);
-    /* Its heartbeat (every 2 s) says so. */
-    int i;
-    for (i = 0; i < 100 && agent_running("ov3") != 0; i++)
-        sleep_ms(100);
-    ck_assert_msg(i < 100, "ov3 never said it ran nothing");
-
-    const char *args[] = {"exec", "--agent", "ov3", "--detach", "--", "true",
-                          NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-    ck_assert_msg(o.status == 0,
-                  "exit %d: an agent whose ends wait for the record was "
-                  "refused: %s",
-                  o.status, o.err);
-    fixture_out_release(&o);
+    idle_agent_is_not_busy("ov3", "wait for the record");
 
     res = PQexec(lock, "COMMIT");
     PQclear(res);
@@ -484,44 +489,21 @@ events_max_bytes(struct evt_conn *c, int64_t bytes, int64_t *was)
  */
 START_TEST(ends_the_stream_refuses_are_not_in_flight)
 {
-    const char *extra[] = {"--max-concurrent", "2", NULL};
     PGconn *pg = db();
     struct evt_conn *c = fixture_client(&stack);
-    struct fixture_out o;
     char x[4][37];
     int64_t was = 0;
 
-    ck_assert_int_eq(fixture_agent_spawn(&stack, "agent-ov4", "ov4", extra),
-                     0);
-    {
-        const char *args[] = {"exec", "--agent", "ov4", "--", "sleep", "1",
-                              NULL};
-        ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-        ck_assert_msg(o.status == 0, "exec: %d %s", o.status, o.err);
-        fixture_out_release(&o);
-    }
+    agent_with_hold("agent-ov4", "ov4", "2", "1");
     events_max_bytes(c, 1, &was);
     for (int i = 0; i < 4; i++)
         detach_marked("ov4", 10 + i, x[i]);
     for (int i = 0; i < 4; i++)
         wait_marked(10 + i);
-    /* Its heartbeat (every 2 s) says so. */
-    int i;
-    for (i = 0; i < 100 && agent_running("ov4") != 0; i++)
-        sleep_ms(100);
-    ck_assert_msg(i < 100, "ov4 never said it ran nothing");
     ck_assert_int_eq(sql_long(pg, "SELECT count(*) FROM commands WHERE "
                                   "agent_id = 'ov4' AND status = 'Running'"),
                      4);
-
-    const char *args[] = {"exec", "--agent", "ov4", "--detach", "--", "true",
-                          NULL};
-    ck_assert_int_eq(fixture_kscore(&stack, args, &o), 0);
-    ck_assert_msg(o.status == 0,
-                  "exit %d: an agent whose ends the stream refuses was "
-                  "refused: %s",
-                  o.status, o.err);
-    fixture_out_release(&o);
+    idle_agent_is_not_busy("ov4", "the stream refuses");
 
     events_max_bytes(c, was, NULL);
     all_ended_once(pg, "ov4", 60);
