@@ -668,15 +668,23 @@ broker__admit_load(struct broker *b, struct store *st)
  * heartbeats from listed_seq on (0: not said), under mu: it runs one more
  * than its last heartbeat said, unless that heartbeat counted it (an id
  * of q not heard yet: one more than nothing). */
-static void
-q_claimed(struct admit_q *q, const char *agent_id, uint64_t listed_seq)
+/* agent_id's word in q, made when new; NULL on ENOMEM (under mu). */
+static struct admit_id *
+q_id(struct admit_q *q, const char *agent_id)
 {
-    struct admit_id *d = agent_id ? ks_map_get(&q->ids, agent_id) : NULL;
-    if (!d && agent_id && (d = calloc(1, sizeof(*d))) &&
+    struct admit_id *d = ks_map_get(&q->ids, agent_id);
+    if (!d && (d = calloc(1, sizeof(*d))) &&
         ks_map_put(&q->ids, agent_id, d) != 0) {
         free(d);
         d = NULL;
     }
+    return d;
+}
+
+static void
+q_claimed(struct admit_q *q, const char *agent_id, uint64_t listed_seq)
+{
+    struct admit_id *d = agent_id ? q_id(q, agent_id) : NULL;
     if (!d)
         return;
     uint64_t i = 0;
@@ -703,12 +711,7 @@ broker__admit_agent_running(struct broker *b, const char *key,
     pthread_mutex_lock(&a->mu);
     struct admit_q *q = queue_get(a, key, slots);
     if (q) {
-        struct admit_id *d = ks_map_get(&q->ids, agent_id);
-        if (!d && (d = calloc(1, sizeof(*d))) &&
-            ks_map_put(&q->ids, agent_id, d) != 0) {
-            free(d);
-            d = NULL;
-        }
+        struct admit_id *d = q_id(q, agent_id);
         /* The same heartbeat again (a new registry watch replays the
          * latest entry of each id): nothing new, and the claims since
          * still count. */
