@@ -106,6 +106,7 @@ struct exec_loop {
     struct exec__wd wd;       /* loop thread */
     struct watch wdw;
     atomic_int wd_pid;        /* for exec_loop_watchdog_pid() */
+    struct exec__wd_child wdc; /* the spawning child's ADD (job_start) */
 };
 
 /*
@@ -697,15 +698,18 @@ job_start(struct exec_loop *loop, struct exec_job *job)
         job->start_ticks = exec__boot_ticks();
     ret = -ENOSYS;
     if (job->cg.in_use) {
-        ret = exec__spawn_cgroup(spec, path, envp, job->cg.dir_fd, &job->pid,
-                                 &job->pidfd, fds, &stage);
+        exec__wd_child_prepare(&loop->wdc, &loop->wd, job->id, job->cg.path);
+        ret = exec__spawn_cgroup(spec, path, envp, job->cg.dir_fd, &loop->wdc,
+                                 &job->pid, &job->pidfd, fds, &stage);
         if (ret == 0)
             job->cg.moved = true;
     }
     if (ret == -ENOSYS) {
         /* Our child without a cgroup (it sets the child's NOFILE limit),
-         * else posix_spawn (exec_spawn.c). */
-        ret = exec__spawn_cgroup(spec, path, envp, -1, &job->pid,
+         * else posix_spawn (exec_spawn.c), whose child cannot register
+         * itself: the loop does, after the spawn. */
+        exec__wd_child_prepare(&loop->wdc, &loop->wd, job->id, NULL);
+        ret = exec__spawn_cgroup(spec, path, envp, -1, &loop->wdc, &job->pid,
                                  &job->pidfd, fds, &stage);
         if (ret == -ENOSYS)
             ret = exec__spawn(spec, path, envp, &job->pid, fds, &stage);
@@ -715,6 +719,12 @@ job_start(struct exec_loop *loop, struct exec_job *job)
             job->scan_pgroup = true;
         if (ret == 0 && job->pidfd == -1)
             job->pidfd = exec__pidfd_open(job->pid);
+    }
+    if (loop->wdc.del_lost) {
+        /* A dead child's ADD may still be registered: a new watchdog gets
+         * only the jobs that run. */
+        loop->wdc.del_lost = false;
+        wd_replace(loop);
     }
     if (ret)
         goto fail;
@@ -741,10 +751,13 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     job->rnext = loop->running;
     loop->running = job;
     atomic_fetch_add(&loop->nrunning, 1);
-    if (loop->wd.fd != -1) {
+    if (loop->wdc.sent)
+        job->wd_added = true; /* by its child, before its execve */
+    else if (loop->wd.fd != -1) {
         job->wd_added = true;
         wd_send(loop, EXEC__WD_ADD, job);
     }
+    loop->wdc.sent = false;
     if (job->started_cb)
         job->started_cb(job->id, job->pid, job->ud);
     goto out;

@@ -12,6 +12,7 @@
 #define KSCORE_EXEC_INT_H
 
 #include <limits.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/resource.h>
@@ -83,9 +84,18 @@ void exec__child_nofile(struct rlimit *out);
  * takes the same child on clone(2) (CLONE_VM|CLONE_VFORK). -ENOSYS when
  * the kernel, arch or a filter cannot (valgrind has no clone3): the caller
  * uses exec__spawn().
+ *
+ * wdc (NULL: none): the watchdog ADD the child sends itself before it runs
+ * anything of the command (exec__wd_child_prepare; wdc->sent says whether
+ * it did). A child that dies before its execve has it taken back
+ * (exec__wd_child_undo) before it is reaped. exec__spawn()'s child cannot
+ * send it: the loop registers such a job after the spawn, which leaves the
+ * window exec_watchdog.c describes open there.
  */
+struct exec__wd_child;
 int exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
-                       char *const *envp, int cgroup_fd, pid_t *pid_out,
+                       char *const *envp, int cgroup_fd,
+                       struct exec__wd_child *wdc, pid_t *pid_out,
                        int *pidfd_out, int out_fds[3], const char **stage);
 
 /* exec_group.c */
@@ -147,6 +157,39 @@ struct exec__wd {
 #define EXEC__WD_PING 1
 #define EXEC__WD_ADD 2
 #define EXEC__WD_DEL 3
+/* One record of the protocol, either way (SOCK_SEQPACKET: one per send). */
+struct exec__wd_msg {
+    uint32_t type;
+    int32_t pgid;
+    uint64_t job_id;
+    int64_t value;       /* FIRED: the silence (ms) that made it fire */
+    char path[PATH_MAX]; /* ADD: the job's cgroup directory, or "" */
+};
+#define EXEC__WD_HDR_BYTES offsetof(struct exec__wd_msg, path)
+/*
+ * The ADD a job's child sends itself, after its setpgid and before it runs
+ * anything of the command (exec__spawn_cgroup's child): so no process of a
+ * job ever runs unregistered, even when the agent is stopped or killed
+ * between the clone and the loop's next step. Prepared by the loop thread
+ * (exec__wd_child_prepare); the child fills in its pgid and sets `sent`
+ * (CLONE_VM|CLONE_VFORK: the loop thread reads it once the child has
+ * exec'd or died). fd -1: no watchdog, the child sends nothing.
+ */
+struct exec__wd_child {
+    int fd;        /* the loop's end of the socketpair, or -1 */
+    size_t len;    /* bytes of msg to send */
+    bool sent;     /* written by the child */
+    bool del_lost; /* the undo (DEL) could not be sent: replace the watchdog */
+    struct exec__wd_msg msg;
+};
+/* Prepares the child's ADD of job_id (path: its cgroup directory, or NULL
+ * when the child is not cloned into one). wd->fd -1 leaves c->fd -1. */
+void exec__wd_child_prepare(struct exec__wd_child *c, const struct exec__wd *wd,
+                            uint64_t job_id, const char *path);
+/* The child died before its execve: takes its ADD back (DEL) before it is
+ * reaped, so its pgid is never killed once recycled. Sets del_lost when the
+ * DEL cannot be sent. */
+void exec__wd_child_undo(struct exec__wd_child *c);
 /* Spawns the watchdog: wd->fd and wd->pid on 0, else -errno. */
 int exec__wd_spawn(struct exec__wd *wd);
 /* Closes our end (the watchdog exits on EOF; SIGKILL first when force) and

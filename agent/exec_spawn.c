@@ -15,6 +15,7 @@
 #include <string.h>
 #include <linux/sched.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -499,6 +500,7 @@ struct child_ctx {
     int report_w; /* error pipe, CLOEXEC: EOF means execve succeeded */
     struct rlimit nofile; /* exec__child_nofile() */
     const struct exec_user *user; /* NULL: stay who we are */
+    struct exec__wd_child *wd;    /* its own ADD to the watchdog, or NULL */
 };
 
 /* What the child writes to the error pipe when it fails. */
@@ -532,6 +534,17 @@ child_main(void *arg)
 
     if (syscall(SYS_setpgid, 0, 0) == -1)
         goto fail;
+    /* Registered with the watchdog before anything of the command can run
+     * (exec_watchdog.c says why). The loop thread waits in the clone until
+     * our execve, so the record and the flag are ours to write. Not sent:
+     * the loop sends it after the spawn. */
+    if (c->wd && c->wd->fd != -1) {
+        c->wd->msg.pgid = (int32_t)syscall(SYS_getpid);
+        if (syscall(SYS_sendto, c->wd->fd, &c->wd->msg, c->wd->len,
+                    MSG_NOSIGNAL | MSG_DONTWAIT, NULL, 0) ==
+            (long)c->wd->len)
+            c->wd->sent = true;
+    }
     /* Default dispositions; handlers of ours must never run here. */
     for (int sig = 1; sig < 65; sig++)
         if (sig != SIGKILL && sig != SIGSTOP)
@@ -617,7 +630,8 @@ clone3_run(struct clone_args *ca, int (*fn)(void *), void *arg)
 
 int
 exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
-                   char *const *envp, int cgroup_fd, pid_t *pid_out,
+                   char *const *envp, int cgroup_fd,
+                   struct exec__wd_child *wdc, pid_t *pid_out,
                    int *pidfd_out, int out_fds[3], const char **stage)
 {
     static _Alignas(16) __thread char stack[CHILD_STACK_BYTES];
@@ -660,6 +674,7 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
     c.out_w = p[0][1];
     c.err_w = p[1][1];
     c.report_w = rp[1];
+    c.wd = wdc;
     exec__child_nofile(&c.nofile);
     memset(&ca, 0, sizeof(ca));
     ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD;
@@ -705,7 +720,10 @@ exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
         n = read(rp[0], &rep, sizeof(rep));
     } while (n == -1 && errno == EINTR);
     if (n == (ssize_t)sizeof(rep)) {
-        /* Died before or in execve: reap it; it never ran anything. */
+        /* Died before or in execve: reap it; it never ran anything. Its
+         * ADD is taken back first: once reaped, its pgid may be reused. */
+        if (wdc)
+            exec__wd_child_undo(wdc);
         while (waitpid((pid_t)pid, NULL, 0) == -1 && errno == EINTR)
             ;
         if (pidfd != -1)
@@ -728,7 +746,8 @@ out:
 #else
 int
 exec__spawn_cgroup(const struct exec_spec *spec, const char *path,
-                   char *const *envp, int cgroup_fd, pid_t *pid_out,
+                   char *const *envp, int cgroup_fd,
+                   struct exec__wd_child *wdc, pid_t *pid_out,
                    int *pidfd_out, int out_fds[3], const char **stage)
 {
     return -ENOSYS;

@@ -12,17 +12,32 @@
  * a SOCK_SEQPACKET socketpair (one record per send, MSG_NOSIGNAL so a dead
  * watchdog is an error, not a SIGPIPE):
  *
- *   loop -> watchdog  ADD job_id pgid cgroup  after each spawn
- *                     DEL job_id              before the leader is reaped,
+ *   child -> watchdog ADD job_id pgid cgroup  sent by the job's own child
+ *                                             after its setpgid, before it
+ *                                             runs anything of the command
+ *                                             (exec__spawn_cgroup); by the
+ *                                             loop after the spawn only when
+ *                                             the child could not (posix_spawn)
+ *   loop -> watchdog  DEL job_id              before the leader is reaped,
  *                                             so a pgid the watchdog kills is
  *                                             never a recycled one
  *                     PING                    every dead_ms / 3
  *   watchdog -> loop  FIRED job_id silence_ms before it kills that job
  *
- * On EOF (every copy of the loop's end closed: the agent died, or the loop
- * was freed) or when the loop thread that spawned it dies
- * (PR_SET_PDEATHSIG), the watchdog SIGKILLs every registered process group
- * and writes cgroup.kill of every registered cgroup, then exits. With no
+ * Why the child registers itself: the loop thread is suspended in the clone
+ * (CLONE_VFORK) until the child's execve, and a SIGSTOP or SIGKILL of the
+ * agent that arrives meanwhile takes effect the moment the clone returns.
+ * An ADD sent by the loop after the spawn then never came while the command
+ * ran (test_agent saw `sleep 30` outlive its stopped agent), so the one
+ * process the watchdog exists for was the one it did not know.
+ *
+ * Any record but an ADD is a sign of the loop's life (a child's ADD says
+ * nothing of the loop). On EOF (every copy of the loop's end closed: the
+ * agent died, or the loop was freed) or when the loop thread that spawned
+ * it dies (PR_SET_PDEATHSIG), the watchdog reads on until EOF, for up to
+ * WD_LAST_ADD_MS (a job's child before its execve holds a copy of the end
+ * and may yet send its ADD), SIGKILLs every registered process group and
+ * writes cgroup.kill of every registered cgroup, then exits. With no
  * PING for dead_ms (the agent is stopped or hung) it reports FIRED for each
  * job, kills them, and keeps watching: an agent that comes back reads the
  * reports and says why its jobs died. A report is written before its kill,
@@ -58,14 +73,10 @@
 
 enum wd_type { WD_PING = 1, WD_ADD = 2, WD_DEL = 3, WD_FIRED = 4 };
 
-struct wd_msg {
-    uint32_t type;
-    int32_t pgid;
-    uint64_t job_id;
-    int64_t value;       /* FIRED: the silence (ms) that made it fire */
-    char path[PATH_MAX]; /* ADD: the job's cgroup directory, or "" */
-};
-#define WD_HDR_BYTES offsetof(struct wd_msg, path)
+/* How long a watchdog whose agent died waits for the last copy of the
+ * agent's end to close (a job's child between its clone and its execve). */
+#define WD_LAST_ADD_MS 1000
+#define WD_HDR_BYTES EXEC__WD_HDR_BYTES
 
 static int64_t
 mono_ms(void)
@@ -175,7 +186,7 @@ int
 exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id, pid_t pgid,
               const char *path)
 {
-    struct wd_msg m;
+    struct exec__wd_msg m;
     size_t len = WD_HDR_BYTES;
     ssize_t n;
 
@@ -198,10 +209,50 @@ exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id, pid_t pgid,
     return n == (ssize_t)len ? 0 : (n == -1 ? -errno : -EIO);
 }
 
+void
+exec__wd_child_prepare(struct exec__wd_child *c, const struct exec__wd *wd,
+                       uint64_t job_id, const char *path)
+{
+    c->fd = wd->fd;
+    c->sent = false;
+    c->del_lost = false;
+    c->len = WD_HDR_BYTES;
+    memset(&c->msg, 0, WD_HDR_BYTES);
+    c->msg.type = WD_ADD;
+    c->msg.job_id = job_id;
+    if (path && path[0]) {
+        size_t pl = strlen(path);
+        if (pl >= sizeof(c->msg.path)) {
+            c->fd = -1; /* the loop's own ADD refuses it the same way */
+            return;
+        }
+        memcpy(c->msg.path, path, pl + 1);
+        c->len += pl + 1;
+    }
+}
+
+void
+exec__wd_child_undo(struct exec__wd_child *c)
+{
+    struct exec__wd_msg m;
+    ssize_t n;
+
+    if (c->fd == -1 || !c->sent)
+        return;
+    memset(&m, 0, WD_HDR_BYTES);
+    m.type = WD_DEL;
+    m.job_id = c->msg.job_id;
+    do {
+        n = send(c->fd, &m, WD_HDR_BYTES, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n == -1 && errno == EINTR);
+    c->sent = false;
+    c->del_lost = n != (ssize_t)WD_HDR_BYTES;
+}
+
 int
 exec__wd_read(struct exec__wd *wd, exec__wd_fired_fn fired, void *ud)
 {
-    struct wd_msg m;
+    struct exec__wd_msg m;
     ssize_t n;
 
     if (wd->fd == -1)
@@ -265,7 +316,7 @@ struct wd_table {
 static bool
 wd_read_all(int fd, struct wd_table *t)
 {
-    struct wd_msg m;
+    struct exec__wd_msg m;
     ssize_t r;
 
     for (;;) {
@@ -279,7 +330,10 @@ wd_read_all(int fd, struct wd_table *t)
         if ((size_t)r < WD_HDR_BYTES)
             continue;
         ((char *)&m)[r < (ssize_t)sizeof(m) ? r : r - 1] = '\0';
-        t->last_ping_ms = mono_ms(); /* any record is a sign of life */
+        /* A sign of the loop's life, but for an ADD: a job's child sends
+         * its own, whatever state the loop is in. */
+        if (m.type != WD_ADD)
+            t->last_ping_ms = mono_ms();
         if (m.type == WD_ADD) {
             if (t->n == t->cap) {
                 size_t nc = t->cap ? t->cap * 2 : 64;
@@ -351,7 +405,7 @@ wd_main(int fd, pid_t ppid, unsigned dead_ms)
             now - t.last_ping_ms >= (int64_t)dead_ms) {
             unsigned killed = 0;
             for (size_t i = 0; i < t.n; i++) {
-                struct wd_msg m;
+                struct exec__wd_msg m;
                 if (t.e[i].fired)
                     continue;
                 memset(&m, 0, WD_HDR_BYTES);
@@ -377,11 +431,20 @@ wd_main(int fd, pid_t ppid, unsigned dead_ms)
         }
     }
     /* What the agent registered before it died is still in the socket
-     * (it may have died before this process even started): read it all. */
-    wd_read_all(fd, &t);
+     * (it may have died before this process even started), and a job's
+     * child between its clone and its execve may still send its ADD: read
+     * until the last copy of the agent's end is closed (EOF). */
+    bool closed = eof;
+    for (int64_t until = mono_ms() + WD_LAST_ADD_MS; !eof;) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int64_t left = until - mono_ms();
+        if (left <= 0 || poll(&pfd, 1, (int)left) <= 0)
+            break;
+        eof = wd_read_all(fd, &t);
+    }
     if (t.n)
         ks_log(KS_LOG_WARN,
-               eof ? "the agent closed its end: killing its jobs"
+               closed ? "the agent closed its end: killing its jobs"
                    : "the agent died: killing its jobs",
                KS_I("agent_pid", ppid), KS_I("jobs", t.n));
     for (size_t i = 0; i < t.n; i++)
