@@ -707,8 +707,11 @@ job_start(struct exec_loop *loop, struct exec_job *job)
     if (ret == -ENOSYS) {
         /* Our child without a cgroup (it sets the child's NOFILE limit),
          * else posix_spawn (exec_spawn.c), whose child cannot register
-         * itself: the loop does, after the spawn. */
-        exec__wd_child_prepare(&loop->wdc, &loop->wd, job->id, NULL);
+         * itself: the loop does, after the spawn. The cgroup (the job's
+         * own) goes in the record all the same: the child is moved there
+         * next. */
+        exec__wd_child_prepare(&loop->wdc, &loop->wd, job->id,
+                               job->cg.in_use ? job->cg.path : NULL);
         ret = exec__spawn_cgroup(spec, path, envp, -1, &loop->wdc, &job->pid,
                                  &job->pidfd, fds, &stage);
         if (ret == -ENOSYS)

@@ -157,6 +157,7 @@ struct exec__wd {
 #define EXEC__WD_PING 1
 #define EXEC__WD_ADD 2
 #define EXEC__WD_DEL 3
+#define EXEC__WD_ADD_CHILD 5 /* a job's child's own ADD (not the loop's) */
 /* One record of the protocol, either way (SOCK_SEQPACKET: one per send). */
 struct exec__wd_msg {
     uint32_t type;
@@ -179,16 +180,17 @@ struct exec__wd_child {
     int fd;        /* the loop's end of the socketpair, or -1 */
     size_t len;    /* bytes of msg to send */
     bool sent;     /* written by the child */
-    bool del_lost; /* the undo (DEL) could not be sent: replace the watchdog */
+    bool del_lost; /* an undo (DEL) could not be sent: replace the watchdog */
     struct exec__wd_msg msg;
 };
 /* Prepares the child's ADD of job_id (path: its cgroup directory, or NULL
  * when the child is not cloned into one). wd->fd -1 leaves c->fd -1. */
 void exec__wd_child_prepare(struct exec__wd_child *c, const struct exec__wd *wd,
                             uint64_t job_id, const char *path);
-/* The child died before its execve: takes its ADD back (DEL) before it is
- * reaped, so its pgid is never killed once recycled. Sets del_lost when the
- * DEL cannot be sent. */
+/* The child died before its execve: takes its ADD back (DEL, whether or not
+ * `sent` says it was sent) before it is reaped, so its pgid is never killed
+ * once recycled. Sets del_lost when the DEL cannot be sent (job_start
+ * clears it once it has replaced the watchdog). */
 void exec__wd_child_undo(struct exec__wd_child *c);
 /* Spawns the watchdog: wd->fd and wd->pid on 0, else -errno. */
 int exec__wd_spawn(struct exec__wd *wd);

@@ -12,13 +12,15 @@
  * a SOCK_SEQPACKET socketpair (one record per send, MSG_NOSIGNAL so a dead
  * watchdog is an error, not a SIGPIPE):
  *
- *   child -> watchdog ADD job_id pgid cgroup  sent by the job's own child
+ *   child -> watchdog ADD_CHILD job_id pgid cgroup
+ *                                             sent by the job's own child
  *                                             after its setpgid, before it
  *                                             runs anything of the command
- *                                             (exec__spawn_cgroup); by the
- *                                             loop after the spawn only when
- *                                             the child could not (posix_spawn)
- *   loop -> watchdog  DEL job_id              before the leader is reaped,
+ *                                             (exec__spawn_cgroup)
+ *   loop -> watchdog  ADD job_id pgid cgroup  after the spawn, only when the
+ *                                             child could not (posix_spawn)
+ *                                             or did not say it did
+ *                     DEL job_id              before the leader is reaped,
  *                                             so a pgid the watchdog kills is
  *                                             never a recycled one
  *                     PING                    every dead_ms / 3
@@ -31,8 +33,9 @@
  * ran (test_agent saw `sleep 30` outlive its stopped agent), so the one
  * process the watchdog exists for was the one it did not know.
  *
- * Any record but an ADD is a sign of the loop's life (a child's ADD says
- * nothing of the loop). On EOF (every copy of the loop's end closed: the
+ * An ADD of a job already registered replaces its entry, and a DEL removes
+ * every entry of its job. Any record but ADD_CHILD is a sign of the loop's
+ * life (a child's ADD says nothing of the loop). On EOF (every copy of the loop's end closed: the
  * agent died, or the loop was freed) or when the loop thread that spawned
  * it dies (PR_SET_PDEATHSIG), the watchdog reads on until EOF, for up to
  * WD_LAST_ADD_MS (a job's child before its execve holds a copy of the end
@@ -71,7 +74,13 @@
 #define WD_ENV "KSCORE_EXEC_WATCHDOG"
 #define WD_FD 3
 
-enum wd_type { WD_PING = 1, WD_ADD = 2, WD_DEL = 3, WD_FIRED = 4 };
+enum wd_type {
+    WD_PING = 1,
+    WD_ADD = 2,
+    WD_DEL = 3,
+    WD_FIRED = 4,
+    WD_ADD_CHILD = 5
+};
 
 /* How long a watchdog whose agent died waits for the last copy of the
  * agent's end to close (a job's child between its clone and its execve). */
@@ -169,13 +178,15 @@ out:
 void
 exec__wd_stop(struct exec__wd *wd, bool force)
 {
+    /* SIGKILL before the EOF: a watchdog that saw the EOF first would kill
+     * every job still registered (a replacement keeps them running). */
+    if (force && wd->pid > 0)
+        kill(wd->pid, SIGKILL);
     if (wd->fd != -1)
         close(wd->fd); /* EOF: it kills what is registered (nothing, at a
                           clean stop) and exits */
     wd->fd = -1;
     if (wd->pid > 0) {
-        if (force)
-            kill(wd->pid, SIGKILL);
         while (waitpid(wd->pid, NULL, 0) == -1 && errno == EINTR)
             ;
     }
@@ -215,10 +226,9 @@ exec__wd_child_prepare(struct exec__wd_child *c, const struct exec__wd *wd,
 {
     c->fd = wd->fd;
     c->sent = false;
-    c->del_lost = false;
     c->len = WD_HDR_BYTES;
     memset(&c->msg, 0, WD_HDR_BYTES);
-    c->msg.type = WD_ADD;
+    c->msg.type = WD_ADD_CHILD;
     c->msg.job_id = job_id;
     if (path && path[0]) {
         size_t pl = strlen(path);
@@ -237,7 +247,9 @@ exec__wd_child_undo(struct exec__wd_child *c)
     struct exec__wd_msg m;
     ssize_t n;
 
-    if (c->fd == -1 || !c->sent)
+    /* Whatever `sent` says: a child killed between its send and its flag
+     * (or one valgrind ran as a plain fork) registered all the same. */
+    if (c->fd == -1)
         return;
     memset(&m, 0, WD_HDR_BYTES);
     m.type = WD_DEL;
@@ -330,11 +342,21 @@ wd_read_all(int fd, struct wd_table *t)
         if ((size_t)r < WD_HDR_BYTES)
             continue;
         ((char *)&m)[r < (ssize_t)sizeof(m) ? r : r - 1] = '\0';
-        /* A sign of the loop's life, but for an ADD: a job's child sends
-         * its own, whatever state the loop is in. */
-        if (m.type != WD_ADD)
+        /* A sign of the loop's life, but for a child's ADD: it sends its
+         * own, whatever state the loop is in. */
+        if (m.type != WD_ADD_CHILD)
             t->last_ping_ms = mono_ms();
-        if (m.type == WD_ADD) {
+        if (m.type == WD_ADD || m.type == WD_ADD_CHILD) {
+            size_t i = 0;
+            while (i < t->n && t->e[i].job_id != m.job_id)
+                i++;
+            if (i < t->n) { /* again (the loop after its child): replace */
+                free(t->e[i].path);
+                t->e[i].pgid = m.pgid;
+                t->e[i].path =
+                    (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
+                continue;
+            }
             if (t->n == t->cap) {
                 size_t nc = t->cap ? t->cap * 2 : 64;
                 struct wd_entry *e = realloc(t->e, nc * sizeof(*e));
@@ -349,11 +371,12 @@ wd_read_all(int fd, struct wd_table *t)
             t->e[t->n].path = (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
             t->n++;
         } else if (m.type == WD_DEL) {
-            for (size_t i = 0; i < t->n; i++)
+            for (size_t i = 0; i < t->n;)
                 if (t->e[i].job_id == m.job_id) {
                     free(t->e[i].path);
                     t->e[i] = t->e[--t->n];
-                    break;
+                } else {
+                    i++;
                 }
         }
     }

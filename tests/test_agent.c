@@ -32,6 +32,7 @@
 #include <sys/ptrace.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -439,6 +440,19 @@ wait_execed(pid_t pid, long timeout_ms)
  * execve. Before that fix the loop registered the job only after the clone
  * returned, and test_agent's stopped agent saw `sleep 30` outlive it.
  */
+/* waitpid(pid, __WALL) for up to timeout_ms: pid, or -1. */
+static pid_t
+wait_traced(pid_t pid, int *st, long timeout_ms)
+{
+    for (long t = 0; t <= timeout_ms; t += 5) {
+        pid_t r = waitpid(pid, st, __WALL | WNOHANG);
+        if (r != 0)
+            return r;
+        sleep_ms(5);
+    }
+    return -1;
+}
+
 static void
 job_held_in_the_clone(bool stop)
 {
@@ -446,6 +460,13 @@ job_held_in_the_clone(bool stop)
     int rfd, gofd, tid = 0, wd = 0, st, wk = -1, sig = 0, jpid = 0;
     long long silence = 0;
     unsigned long msg = 0;
+
+    /* Without clone3 (a seccomp filter), jobs start through posix_spawn,
+     * whose child cannot register itself: the guarantee is not made. */
+    if (syscall(SYS_clone3, NULL, 0) == -1 && errno == ENOSYS) {
+        fprintf(stderr, "watchdog: no clone3 here: clone window not tested\n");
+        return;
+    }
     pid_t child = wd_child_start_held(1500, stop ? "wd-clone-stop"
                                                  : "wd-clone-kill",
                                       &rfd, &gofd);
@@ -454,18 +475,23 @@ job_held_in_the_clone(bool stop)
     ck_assert_int_eq(sscanf(line, "R %d %d", &tid, &wd), 2);
     ck_assert_int_gt(tid, 0);
     ck_assert_int_gt(wd, 0);
-    ck_assert_int_eq(ptrace(PTRACE_SEIZE, tid, NULL,
-                            (void *)(long)PTRACE_O_TRACEVFORK),
-                     0);
+    if (ptrace(PTRACE_SEIZE, tid, NULL, (void *)(long)PTRACE_O_TRACEVFORK) ==
+            -1 &&
+        errno == EPERM) {
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+        fprintf(stderr, "watchdog: ptrace refused: clone window not tested\n");
+        return;
+    }
     ck_assert_int_eq(write(gofd, "g", 1), 1);
     /* The loop thread stops in its clone of the job. */
-    ck_assert_int_eq(waitpid(tid, &st, __WALL), tid);
+    ck_assert_int_eq(wait_traced(tid, &st, 10000), tid);
     ck_assert(WIFSTOPPED(st));
     ck_assert_int_eq(st >> 8, SIGTRAP | (PTRACE_EVENT_VFORK << 8));
     ck_assert_int_eq(ptrace(PTRACE_GETEVENTMSG, tid, NULL, &msg), 0);
     pid_t job = (pid_t)msg;
     /* The job's child (traced from its start) goes on to its execve. */
-    ck_assert_int_eq(waitpid(job, &st, __WALL), job);
+    ck_assert_int_eq(wait_traced(job, &st, 10000), job);
     ck_assert_int_eq(ptrace(PTRACE_DETACH, job, NULL, NULL), 0);
     ck_assert_msg(wait_execed(job, 5000), "the job's child did not exec");
     if (stop) {
@@ -479,8 +505,10 @@ job_held_in_the_clone(bool stop)
         waitpid(child, NULL, 0);
     }
     long ms = wait_dead(job, 10000);
-    if (ms < 0)
+    if (ms < 0) {
         kill(job, SIGKILL);
+        kill(child, SIGKILL);
+    }
     ck_assert_msg(ms >= 0, "the job outlived its %s loop by 10 s",
                   stop ? "stopped" : "killed");
     fprintf(stderr, "watchdog: job of a loop %s in its clone dead after %ld ms\n",
