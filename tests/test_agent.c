@@ -384,10 +384,29 @@ END_TEST
 
 /* SIGSTOP of the process that runs the loop: the watchdog kills the job
  * after watchdog_ms; after SIGCONT the loop reports it watchdog_killed. */
+/* Reads the child's "D" line: its job was killed (SIGKILL) by the
+ * watchdog after at least min_silence_ms; reaps the child; returns the
+ * silence. */
+static long long
+read_watchdog_killed(pid_t child, int rfd, long long min_silence_ms)
+{
+    char line[128];
+    int wk = -1, sig = 0;
+    long long silence = 0;
+
+    ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
+    ck_assert_int_eq(sscanf(line, "D %d %lld %d", &wk, &silence, &sig), 3);
+    ck_assert_int_eq(wk, 1);
+    ck_assert_int_ge(silence, min_silence_ms);
+    ck_assert_int_eq(sig, SIGKILL);
+    waitpid(child, NULL, 0);
+    return silence;
+}
+
 START_TEST(watchdog_kills_jobs_of_a_stopped_process)
 {
     char line[128];
-    int rfd, job = 0, wd = 0, wk = -1, sig = 0;
+    int rfd, job = 0, wd = 0;
     long long silence = 0;
     pid_t child = wd_child_start(1500, "wd-stop", &rfd);
 
@@ -397,12 +416,7 @@ START_TEST(watchdog_kills_jobs_of_a_stopped_process)
     long ms = wait_dead(job, 5000);
     ck_assert_msg(ms >= 0, "the job of a stopped loop still runs after 5 s");
     kill(child, SIGCONT);
-    ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
-    ck_assert_int_eq(sscanf(line, "D %d %lld %d", &wk, &silence, &sig), 3);
-    ck_assert_int_eq(wk, 1);
-    ck_assert_int_ge(silence, 1500);
-    ck_assert_int_eq(sig, SIGKILL);
-    waitpid(child, NULL, 0);
+    silence = read_watchdog_killed(child, rfd, 1500);
     ck_assert(wait_dead(wd, 5000) >= 0);
     fprintf(stderr,
             "watchdog: job of a stopped loop dead after %ld ms "
@@ -457,8 +471,7 @@ static void
 job_held_in_the_clone(bool stop)
 {
     char line[128];
-    int rfd, gofd, tid = 0, wd = 0, st, wk = -1, sig = 0, jpid = 0;
-    long long silence = 0;
+    int rfd, gofd, tid = 0, wd = 0, st, jpid = 0;
     unsigned long msg = 0;
 
     /* Without clone3 (a seccomp filter), jobs start through posix_spawn,
@@ -518,12 +531,7 @@ job_held_in_the_clone(bool stop)
         ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
         ck_assert_int_eq(sscanf(line, "S %d %d", &jpid, &wd), 2);
         ck_assert_int_eq(jpid, job);
-        ck_assert_int_eq(read_line(rfd, line, sizeof(line), 10000), 0);
-        ck_assert_int_eq(sscanf(line, "D %d %lld %d", &wk, &silence, &sig), 3);
-        ck_assert_int_eq(wk, 1);
-        ck_assert_int_ge(silence, 1500);
-        ck_assert_int_eq(sig, SIGKILL);
-        waitpid(child, NULL, 0);
+        read_watchdog_killed(child, rfd, 1500);
     }
     ck_assert(wait_dead(wd, 5000) >= 0);
     close(rfd);
