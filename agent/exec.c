@@ -442,6 +442,17 @@ wd_start(struct exec_loop *loop)
     }
 }
 
+/* A PING when one is due. Also between the spawns and ends of a burst
+ * (settle): a job's child's own ADD is no sign of the loop's life. */
+static void
+wd_ping_if_due(struct exec_loop *loop, int64_t now)
+{
+    if (loop->wd.fd != -1 && now >= loop->wd.next_ping_us) {
+        loop->wd.next_ping_us = now + (int64_t)loop->wd.dead_ms * 1000 / 3;
+        wd_send(loop, EXEC__WD_PING, NULL);
+    }
+}
+
 static void
 wd_replace(struct exec_loop *loop)
 {
@@ -879,6 +890,7 @@ settle(struct exec_loop *loop)
         pthread_mutex_unlock(&loop->mu);
         j->done(j->id, &j->res, j->ud);
         job_free(j);
+        wd_ping_if_due(loop, ks_mono_us());
     }
     loop->dhead = NULL;
     if (!loop->threaded)
@@ -897,6 +909,7 @@ settle(struct exec_loop *loop)
         if (!j)
             break;
         job_start(loop, j);
+        wd_ping_if_due(loop, ks_mono_us());
         if (loop->dhead)
             settle(loop); /* a start failure finished at once */
     }
@@ -997,10 +1010,8 @@ loop_step(struct exec_loop *loop)
     if (loop->wd.dead_ms) {
         if (loop->wd.fd == -1 && now >= loop->wd.retry_at_us)
             wd_start(loop);
-        else if (loop->wd.fd != -1 && now >= loop->wd.next_ping_us) {
-            loop->wd.next_ping_us = now + (int64_t)loop->wd.dead_ms * 1000 / 3;
-            wd_send(loop, EXEC__WD_PING, NULL);
-        }
+        else
+            wd_ping_if_due(loop, now);
     }
     settle(loop);
 }
