@@ -857,11 +857,17 @@ START_TEST(user_runs_the_child_as_that_user)
                                  "CapEff:\t0000000000000000\n");
     exec_result_release(&r);
 
+    /* A directory only root may enter (mkdtemp: 0700). Not /root, whose
+     * mode is the machine's (`kscore up` under it adds o+x for its
+     * PostgreSQL, stack_pg.c). */
+    char closed[] = "/tmp/kscore-exec-user-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(closed));
     const char *tru[] = {"true", NULL};
     spec_argv(&s, tru, 5000, 0);
     s.user = &u;
-    s.cwd = "/root"; /* 0700 root */
+    s.cwd = closed;
     ck_assert_int_eq(exec_run(&s, &r), 0);
+    rmdir(closed);
     ck_assert_int_eq(r.outcome, EXEC_START_FAILED);
     ck_assert_str_eq(r.start_stage, "chdir");
     ck_assert_int_eq(r.start_errno, EACCES);
