@@ -665,11 +665,15 @@ START_TEST(an_unknown_user_or_an_unreachable_cwd_is_a_start_failure)
                   "%s", o.err);
     fixture_out_release(&o);
 
-    /* /root is 0700: nobody cannot enter it. */
+    /* A 0700 directory of root's (not /root, whose mode is the machine's:
+     * `kscore up` under it adds o+x): nobody cannot enter it. */
+    char closed[] = "/tmp/kscore-payload-user-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(closed));
     const char *a3[] = {"exec",    "--agent", AGENT,  "--json", "--run-as",
-                        "nobody",  "--cwd",   "/root", "--",    "true",
+                        "nobody",  "--cwd",   closed, "--",    "true",
                         NULL};
     ck_assert_int_eq(fixture_kscore(&stack, a3, &o), 0);
+    rmdir(closed);
     ck_assert_int_eq(o.status, 126);
     j = parse_json(&o);
     ck_assert_str_eq(jstr(j, "start_stage"), "chdir");
