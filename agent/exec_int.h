@@ -153,10 +153,11 @@ struct exec__wd {
     pid_t pid;
     int64_t next_ping_us, retry_at_us; /* monotonic */
 };
-/* Message types the loop sends (values shared with the watchdog). */
+/* The protocol's record types (exec_watchdog.c describes each). */
 #define EXEC__WD_PING 1
 #define EXEC__WD_ADD 2
 #define EXEC__WD_DEL 3
+#define EXEC__WD_FIRED 4     /* the watchdog's, to the loop */
 #define EXEC__WD_ADD_CHILD 5 /* a job's child's own ADD (not the loop's) */
 /* One record of the protocol, either way (SOCK_SEQPACKET: one per send). */
 struct exec__wd_msg {

@@ -74,14 +74,6 @@
 #define WD_ENV "KSCORE_EXEC_WATCHDOG"
 #define WD_FD 3
 
-enum wd_type {
-    WD_PING = 1,
-    WD_ADD = 2,
-    WD_DEL = 3,
-    WD_FIRED = 4,
-    WD_ADD_CHILD = 5
-};
-
 /* How long a watchdog whose agent died waits for the last copy of the
  * agent's end to close (a job's child between its clone and its execve). */
 #define WD_LAST_ADD_MS 1000
@@ -193,72 +185,77 @@ exec__wd_stop(struct exec__wd *wd, bool force)
     wd->pid = 0;
 }
 
+/* Lays out one record in m; its length in *len. 0, or -ENAMETOOLONG. */
+static int
+wd_fill(struct exec__wd_msg *m, unsigned type, uint64_t job_id, pid_t pgid,
+        const char *path, size_t *len)
+{
+    *len = WD_HDR_BYTES;
+    memset(m, 0, WD_HDR_BYTES);
+    m->type = type;
+    m->job_id = job_id;
+    m->pgid = (int32_t)pgid;
+    if (path && path[0]) {
+        size_t pl = strlen(path);
+        if (pl >= sizeof(m->path))
+            return -ENAMETOOLONG;
+        memcpy(m->path, path, pl + 1);
+        *len += pl + 1;
+    }
+    return 0;
+}
+
+/* Sends one record without blocking: 0, or -errno (-EIO: cut short). */
+static int
+wd_put(int fd, const struct exec__wd_msg *m, size_t len)
+{
+    ssize_t n;
+
+    do {
+        n = send(fd, m, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n == -1 && errno == EINTR);
+    return n == (ssize_t)len ? 0 : (n == -1 ? -errno : -EIO);
+}
+
 int
 exec__wd_send(struct exec__wd *wd, unsigned type, uint64_t job_id, pid_t pgid,
               const char *path)
 {
     struct exec__wd_msg m;
-    size_t len = WD_HDR_BYTES;
-    ssize_t n;
+    size_t len;
+    int rc;
 
     if (wd->fd == -1)
         return -EPIPE;
-    memset(&m, 0, WD_HDR_BYTES);
-    m.type = type;
-    m.job_id = job_id;
-    m.pgid = (int32_t)pgid;
-    if (path && path[0]) {
-        size_t pl = strlen(path);
-        if (pl >= sizeof(m.path))
-            return -ENAMETOOLONG;
-        memcpy(m.path, path, pl + 1);
-        len += pl + 1;
-    }
-    do {
-        n = send(wd->fd, &m, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n == -1 && errno == EINTR);
-    return n == (ssize_t)len ? 0 : (n == -1 ? -errno : -EIO);
+    if ((rc = wd_fill(&m, type, job_id, pgid, path, &len)))
+        return rc;
+    return wd_put(wd->fd, &m, len);
 }
 
 void
 exec__wd_child_prepare(struct exec__wd_child *c, const struct exec__wd *wd,
                        uint64_t job_id, const char *path)
 {
-    c->fd = wd->fd;
     c->sent = false;
-    c->len = WD_HDR_BYTES;
-    memset(&c->msg, 0, WD_HDR_BYTES);
-    c->msg.type = WD_ADD_CHILD;
-    c->msg.job_id = job_id;
-    if (path && path[0]) {
-        size_t pl = strlen(path);
-        if (pl >= sizeof(c->msg.path)) {
-            c->fd = -1; /* the loop's own ADD refuses it the same way */
-            return;
-        }
-        memcpy(c->msg.path, path, pl + 1);
-        c->len += pl + 1;
-    }
+    /* A path too long: the loop's own ADD refuses it the same way. */
+    c->fd = wd_fill(&c->msg, EXEC__WD_ADD_CHILD, job_id, 0, path, &c->len) == 0
+                ? wd->fd
+                : -1;
 }
 
 void
 exec__wd_child_undo(struct exec__wd_child *c)
 {
     struct exec__wd_msg m;
-    ssize_t n;
+    size_t len;
 
     /* Whatever `sent` says: a child killed between its send and its flag
      * (or one valgrind ran as a plain fork) registered all the same. */
     if (c->fd == -1)
         return;
-    memset(&m, 0, WD_HDR_BYTES);
-    m.type = WD_DEL;
-    m.job_id = c->msg.job_id;
-    do {
-        n = send(c->fd, &m, WD_HDR_BYTES, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n == -1 && errno == EINTR);
+    (void)wd_fill(&m, EXEC__WD_DEL, c->msg.job_id, 0, NULL, &len);
     c->sent = false;
-    c->del_lost = n != (ssize_t)WD_HDR_BYTES;
+    c->del_lost = wd_put(c->fd, &m, len) != 0;
 }
 
 int
@@ -277,7 +274,7 @@ exec__wd_read(struct exec__wd *wd, exec__wd_fired_fn fired, void *ud)
             return errno == EAGAIN ? 0 : -errno;
         if (n == 0)
             return -EPIPE; /* the watchdog is gone */
-        if ((size_t)n >= WD_HDR_BYTES && m.type == WD_FIRED)
+        if ((size_t)n >= WD_HDR_BYTES && m.type == EXEC__WD_FIRED)
             fired(m.job_id, m.value, ud);
     }
 }
@@ -344,9 +341,9 @@ wd_read_all(int fd, struct wd_table *t)
         ((char *)&m)[r < (ssize_t)sizeof(m) ? r : r - 1] = '\0';
         /* A sign of the loop's life, but for a child's ADD: it sends its
          * own, whatever state the loop is in. */
-        if (m.type != WD_ADD_CHILD)
+        if (m.type != EXEC__WD_ADD_CHILD)
             t->last_ping_ms = mono_ms();
-        if (m.type == WD_ADD || m.type == WD_ADD_CHILD) {
+        if (m.type == EXEC__WD_ADD || m.type == EXEC__WD_ADD_CHILD) {
             size_t i = 0;
             while (i < t->n && t->e[i].job_id != m.job_id)
                 i++;
@@ -370,7 +367,7 @@ wd_read_all(int fd, struct wd_table *t)
             t->e[t->n].fired = false;
             t->e[t->n].path = (size_t)r > WD_HDR_BYTES ? strdup(m.path) : NULL;
             t->n++;
-        } else if (m.type == WD_DEL) {
+        } else if (m.type == EXEC__WD_DEL) {
             for (size_t i = 0; i < t->n;)
                 if (t->e[i].job_id == m.job_id) {
                     free(t->e[i].path);
@@ -432,7 +429,7 @@ wd_main(int fd, pid_t ppid, unsigned dead_ms)
                 if (t.e[i].fired)
                     continue;
                 memset(&m, 0, WD_HDR_BYTES);
-                m.type = WD_FIRED;
+                m.type = EXEC__WD_FIRED;
                 m.job_id = t.e[i].job_id;
                 m.pgid = t.e[i].pgid;
                 m.value = now - t.last_ping_ms;

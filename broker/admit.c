@@ -664,10 +664,6 @@ broker__admit_load(struct broker *b, struct store *st)
     return store_open_requests(st, load_one, b->admit);
 }
 
-/* One more claim granted here to agent_id in q, listed by its
- * heartbeats from listed_seq on (0: not said), under mu: it runs one more
- * than its last heartbeat said, unless that heartbeat counted it (an id
- * of q not heard yet: one more than nothing). */
 /* agent_id's word in q, made when new; NULL on ENOMEM (under mu). */
 static struct admit_id *
 q_id(struct admit_q *q, const char *agent_id)
@@ -681,6 +677,10 @@ q_id(struct admit_q *q, const char *agent_id)
     return d;
 }
 
+/* One more claim granted here to agent_id in q, listed by its
+ * heartbeats from listed_seq on (0: not said), under mu: it runs one more
+ * than its last heartbeat said, unless that heartbeat counted it (an id
+ * of q not heard yet: one more than nothing). */
 static void
 q_claimed(struct admit_q *q, const char *agent_id, uint64_t listed_seq)
 {
